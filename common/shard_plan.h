@@ -1,0 +1,99 @@
+// The shard plan: a deterministic function of (model config, precision plan, world size, alignment).
+//
+// Each FSDP unit ("embedding", "layers.<i>", "head" = final norm + LM head) holds its parameters in
+// flat buffers, one per wire dtype (FP8 weights travel as uint8, the rest as bf16 or fp32). A
+// buffer's tensors are laid out in a fixed order, then padded to a multiple of
+// world_size * alignment elements; rank r owns elements [r * shard_numel, (r + 1) * shard_numel).
+// Ranks whose slice is empty or all padding are legal (C05); unpadding round-trips exactly (C06).
+//
+// Thread-safety: pure functions and immutable values.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "fsdp8/v1/admin.pb.h"
+#include "fsdp8/v1/spec.pb.h"
+
+namespace fsdp8 {
+
+enum class WireDtype { kFp8 = 0, kBf16 = 1, kFp32 = 2 };
+const char* WireDtypeName(WireDtype d);  // "fp8", "bf16", "fp32"
+
+// How a tensor is initialised (a function of the global element index and the seed, so the model
+// is the same bits whatever the world size).
+enum class Init {
+  kOnes = 0,          // RMSNorm weights
+  kNormal = 1,        // N(0, 1): token embedding (torch.nn.Embedding default)
+  kKaimingUniform = 2 // U(-1/sqrt(fan_in), 1/sqrt(fan_in)): torch.nn.Linear default weight init
+};
+
+struct TensorSpec {
+  std::string name;            // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  std::vector<int64_t> shape;  // e.g. {out_features, in_features} for a linear weight
+  int64_t numel = 0;
+  Init init = Init::kOnes;
+  int64_t fan_in = 0;          // for kKaimingUniform
+  uint64_t init_id = 0;        // distinct per tensor: seeds its initialisation stream
+  bool is_fp8_linear = false;  // an FP8 GEMM weight (its buffer's wire dtype is kFp8)
+};
+
+struct BufferPlan {
+  WireDtype wire = WireDtype::kFp32;
+  std::vector<TensorSpec> tensors;
+  std::vector<int64_t> offsets;  // element offset of each tensor in the flat buffer
+  int64_t numel = 0;             // sum of tensor numels
+  int64_t padded_numel = 0;      // multiple of world_size * alignment, >= numel
+  int64_t shard_numel = 0;       // padded_numel / world_size
+
+  // [begin, end) of rank r's slice in flat-buffer elements.
+  int64_t ShardBegin(int rank) const { return rank * shard_numel; }
+  int64_t ShardEnd(int rank) const { return (rank + 1) * shard_numel; }
+};
+
+struct UnitPlan {
+  std::string name;                   // "embedding", "layers.0", ..., "head"
+  std::vector<BufferPlan> buffers;    // at most one per wire dtype, in WireDtype order
+};
+
+struct ShardPlan {
+  int world_size = 1;
+  int alignment = 1;
+  std::vector<UnitPlan> units;  // embedding, layers.0 .. layers.{L-1}, head
+
+  // Finds a tensor by name; returns false when absent.
+  bool Find(const std::string& name, int* unit, int* buffer, int* tensor) const;
+};
+
+// Builds the plan for a spec (defaults applied). INVALID_ARGUMENT for world_size < 1 or alignment < 1.
+absl::StatusOr<ShardPlan> MakeShardPlan(const v1::JobSpec& spec, int world_size);
+// Same, from an explicit tensor list per unit (used by tests for odd sizes such as 57 elements).
+absl::StatusOr<ShardPlan> MakeShardPlan(const std::vector<std::pair<std::string,
+                                        std::vector<std::vector<TensorSpec>>>>& units,
+                                        int world_size, int alignment);
+
+// The plan as the AdminService reports it.
+v1::ShardPlan ToProto(const ShardPlan& plan);
+
+// Copies rank r's slice of a full unpadded buffer `full` (numel) into `shard` (shard_numel),
+// padding with zeros; and gathers shards back. Unpad(Pad(x)) == x bit for bit. Element type T.
+template <typename T>
+void ExtractShard(const BufferPlan& b, int rank, const T* full, T* shard) {
+  for (int64_t i = 0; i < b.shard_numel; ++i) {
+    int64_t g = b.ShardBegin(rank) + i;
+    shard[i] = g < b.numel ? full[g] : T(0);
+  }
+}
+// full (numel) from the concatenation of all ranks' shards `gathered` (padded_numel).
+template <typename T>
+void Unpad(const BufferPlan& b, const T* gathered, T* full) {
+  for (int64_t i = 0; i < b.numel; ++i) full[i] = gathered[i];
+}
+
+// The initial value of element `index` of tensor `t` under `seed`: a pure function (counter-based
+// RNG), identical whatever the world size.
+float InitValue(const TensorSpec& t, int64_t index, uint64_t seed);
+
+}  // namespace fsdp8

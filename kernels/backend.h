@@ -1,0 +1,162 @@
+// Backend: the compute a worker's rank needs, behind one interface with a CPU reference
+// (kernels/cpu) and a CUDA implementation (kernels/cuda).
+//
+// All pointers are *device* pointers of this backend (host memory for the CPU backend), obtained
+// from Alloc(). Shapes are given as row-major dimensions in comments, e.g. x (M, K) means M rows of
+// K contiguous elements. FP8 buffers hold one OCP FP8 code per byte (kernels/fp8.h). "f32" is IEEE
+// float32; activations and gradients are f32 in memory on every backend.
+//
+// Ops are enqueued on the backend's compute stream in call order; host-visible results (CopyToHost,
+// the float returned by ReduceMax etc. are *not* returned: they land in device buffers) are ready
+// after Synchronize(). The CPU backend runs everything synchronously.
+//
+// Thread-safety: a Backend is used by one thread (the rank's trainer thread).
+//
+// Errors: programming errors (null pointers, shape mismatch, out of memory on the CPU) abort with
+// file:line; Alloc on a device out of memory returns nullptr and the caller reports
+// RESOURCE_EXHAUSTED.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace fsdp8 {
+
+enum class Fp8Format : uint8_t {
+  kE4M3 = 0,  // max 448, no infinities (OCP FP8 spec v1.0, table 1)
+  kE5M2 = 1,  // max 57344, IEEE-style inf/NaN
+};
+
+// How a non-FP8 GEMM rounds its inputs before multiplying (accumulation is always FP32).
+enum class GemmInputs : uint8_t {
+  kF32 = 0,
+  kBF16 = 1,  // inputs rounded to bfloat16 (round to nearest even) first
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string Name() const = 0;  // "cpu" or "cuda"
+
+  // ---- memory -------------------------------------------------------------------------------
+  // Bytes on this backend's device; returns nullptr when exhausted. Contents are undefined.
+  virtual void* Alloc(size_t bytes) = 0;
+  virtual void Free(void* p) = 0;
+  virtual void CopyToDevice(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void CopyToHost(void* host_dst, const void* src, size_t bytes) = 0;  // synchronizes
+  virtual void Copy(void* dst, const void* src, size_t bytes) = 0;            // device to device
+  virtual void Memset(void* dst, int value, size_t bytes) = 0;
+  virtual void Synchronize() = 0;
+  // Bytes currently allocated through Alloc and the high-water mark since the last reset.
+  virtual int64_t AllocatedBytes() const = 0;
+  virtual int64_t PeakAllocatedBytes() const = 0;
+  virtual void ResetPeak() = 0;
+
+  // ---- FP8 --------------------------------------------------------------------------------------
+  // out[i] = fp8(in[i] * (*scale)), round to nearest even, saturating to ±max of `fmt`.
+  // *amax_out = max(*amax_out, max_i |in[i]|) (NaN-propagating) when amax_out != nullptr: the
+  // caller zeroes it once per step so that microbatches accumulate (C03).
+  // in (n) f32, out (n) u8, scale (1) f32 device scalar, amax_out (1) f32 device scalar.
+  virtual void CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale, Fp8Format fmt,
+                         float* amax_out) = 0;
+  // Fused cast + transpose (+ amax): out_t (cols, rows) = fp8(in (rows, cols) * scale)^T, and
+  // optionally out (rows, cols) non-transposed in the same pass (nullptr to skip).
+  virtual void CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
+                                Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) = 0;
+  // out (cols, rows) = in (rows, cols)^T for one-byte elements (FP8 codes keep their scale).
+  virtual void TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) = 0;
+  // out[i] = decode(in[i]) * (*scale_inv).
+  virtual void DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
+                             Fp8Format fmt) = 0;
+  // *amax_out = max(*amax_out, max_i |in[i]|). in (n) f32; n may be 0.
+  virtual void AmaxAccumulate(const float* in, int64_t n, float* amax_out) = 0;
+
+  // C (M, N) = alpha_dev * A (M, K) · B (N, K)^T  [+ C if accumulate], where
+  // alpha_dev = (*a_scale_inv) * (*b_scale_inv): the "TN" layout Hopper FP8 GEMMs require.
+  // A and B hold FP8 codes of formats a_fmt / b_fmt; products and sums are exact-FP32 emulated on
+  // the CPU (cuBLASLt on CUDA). C is f32.
+  virtual void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+                       const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+                       const float* b_scale_inv, float* C, bool accumulate) = 0;
+  // C (M, N) = op(A) · op(B) [+ C if accumulate], op(X) = X or X^T; A is (M, K) or (K, M) when
+  // trans_a, B is (K, N) or (N, K) when trans_b. f32 storage; inputs rounded per `inputs`.
+  virtual void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
+                    const float* B, float* C, bool accumulate, GemmInputs inputs) = 0;
+  // Rounds every element to the nearest bfloat16 (ties to even), in place. x (n) f32.
+  virtual void RoundToBf16(float* x, int64_t n) = 0;
+
+  // ---- elementwise and layers (activations f32) --------------------------------------------
+  // out = a + b. (n)
+  virtual void Add(const float* a, const float* b, float* out, int64_t n) = 0;
+  // y += alpha * x. (n)
+  virtual void Axpy(float alpha, const float* x, float* y, int64_t n) = 0;
+
+  // Embedding: out (N, C) = table[tokens[i]], tokens (N) int32 < V, table (V, C).
+  virtual void EmbeddingForward(const int32_t* tokens, int64_t N, const float* table, int64_t C,
+                                float* out) = 0;
+  // dtable (V, C) += sum of dout rows per token. Deterministic (fixed summation order).
+  virtual void EmbeddingBackward(const int32_t* tokens, int64_t N, const float* dout, int64_t C,
+                                 float* dtable) = 0;
+
+  // RMSNorm (Zhang & Sennrich 2019; HF LlamaRMSNorm): y = x / sqrt(mean(x^2) + eps) * w.
+  // x, y (N, C); w (C); rstd (N) saved for the backward.
+  virtual void RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                              float* y, float* rstd) = 0;
+  // dx (N, C) = (overwrite); dw (C) += (accumulate, deterministic).
+  virtual void RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
+                               int64_t N, int64_t C, float* dx, float* dw) = 0;
+
+  // RoPE in HF rotate_half convention, in place on x (B, T, H, D), position = t:
+  // x1 = x[..., :D/2], x2 = x[..., D/2:], out = (x1*cos - x2*sin, x2*cos + x1*sin) with
+  // angle = t * theta^(-2i/D), i in [0, D/2). The backward applies the inverse rotation
+  // (angle -> -angle) to the gradient in place.
+  virtual void RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) = 0;
+  virtual void RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D,
+                            float theta) = 0;
+
+  // Causal scaled-dot-product attention, scale 1/sqrt(D), grouped-query when Hkv < H
+  // (query head h uses kv head h / (H / Hkv)).
+  // q, out (B, T, H, D); k, v (B, T, Hkv, D); lse (B, H, T) log-sum-exp of the scaled scores,
+  // saved for the backward (no T x T matrix is kept).
+  virtual void AttentionForward(const float* q, const float* k, const float* v, int64_t B,
+                                int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
+                                float* lse) = 0;
+  // dq (B, T, H, D), dk, dv (B, T, Hkv, D) overwritten.
+  virtual void AttentionBackward(const float* q, const float* k, const float* v, const float* out,
+                                 const float* dout, const float* lse, int64_t B, int64_t T,
+                                 int64_t H, int64_t Hkv, int64_t D, float* dq, float* dk,
+                                 float* dv) = 0;
+
+  // SwiGLU: h (N, F) = silu(gate) * up, silu(x) = x * sigmoid(x).
+  virtual void SwigluForward(const float* gate, const float* up, int64_t n, float* h) = 0;
+  // dgate, dup (n) overwritten from dh (n).
+  virtual void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
+                              float* dgate, float* dup) = 0;
+
+  // Softmax cross-entropy over V classes, fused with its gradient.
+  // logits (N, V) f32 is overwritten with dlogits = (softmax - onehot(target)) * grad_scale;
+  // losses (N) f32 receives -log softmax[target] in nats. targets (N) int32 in [0, V).
+  // With grad_scale = 0 only losses are produced (logits are still overwritten).
+  virtual void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
+                                           int64_t V, float grad_scale, float* losses) = 0;
+
+  // ---- optimizer ---------------------------------------------------------------------------
+  // out[0] += sum_i x[i]^2 accumulated in double on the host side contract: out (1) f32, the sum
+  // computed in a fixed order (deterministic). n may be 0.
+  virtual void SumSquares(const float* x, int64_t n, float* out) = 0;
+  // AdamW (Loshchilov & Hutter 2019; torch.optim.AdamW semantics) on one flat shard:
+  // p -= lr * wd * p; m = b1 m + (1-b1) g'; v = b2 v + (1-b2) g'^2;
+  // p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps), with g' = g * grad_scale.
+  // p, g, m, v (n) f32; step t >= 1.
+  virtual void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
+                     float beta2, float eps, float weight_decay, int64_t step,
+                     float grad_scale) = 0;
+};
+
+// Creates the named backend: "cpu" always; "cuda" when built with CUDA and a device is present.
+// device: GPU ordinal (ignored by "cpu"). Returns nullptr and sets *error when unavailable.
+std::unique_ptr<Backend> CreateBackend(const std::string& name, int device, std::string* error);
+
+}  // namespace fsdp8
