@@ -86,6 +86,10 @@ class Backend {
                     const float* B, float* C, bool accumulate, GemmInputs inputs) = 0;
   // Rounds every element to the nearest bfloat16 (ties to even), in place. x (n) f32.
   virtual void RoundToBf16(float* x, int64_t n) = 0;
+  // Packs f32 to bfloat16 bit patterns (round to nearest even; NaN stays NaN) and back (exact).
+  // Used for BF16 weights on the wire. in/out (n).
+  virtual void PackBf16(const float* in, uint16_t* out, int64_t n) = 0;
+  virtual void UnpackBf16(const uint16_t* in, float* out, int64_t n) = 0;
 
   // ---- elementwise and layers (activations f32) --------------------------------------------
   // out = a + b. (n)
