@@ -1,0 +1,114 @@
+#include "coordinator/job_store.h"
+
+#include <sqlite3.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace fsdp8::coord {
+
+absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path) {
+  sqlite3* db = nullptr;
+  int rc = sqlite3_open_v2(path.c_str(), &db,
+                           SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX,
+                           nullptr);
+  if (rc != SQLITE_OK) {
+    std::string msg = db ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
+    if (db) sqlite3_close(db);
+    return absl::InternalError(absl::StrCat("state db ", path, ": cannot open: ", msg));
+  }
+  std::unique_ptr<JobStore> store(new JobStore(db, path));
+  sqlite3_busy_timeout(db, 5000);
+  if (path != ":memory:") {
+    if (auto s = store->Exec("PRAGMA journal_mode=WAL"); !s.ok()) return s;
+  }
+  if (auto s = store->Exec("PRAGMA synchronous=NORMAL"); !s.ok()) return s;
+  if (auto s = store->Exec(
+          "CREATE TABLE IF NOT EXISTS jobs ("
+          " job_id TEXT PRIMARY KEY,"
+          " request_id TEXT NOT NULL,"
+          " state INTEGER NOT NULL,"
+          " reason TEXT NOT NULL,"
+          " step INTEGER NOT NULL,"
+          " total_steps INTEGER NOT NULL,"
+          " create_time REAL NOT NULL,"
+          " last_seq INTEGER NOT NULL,"
+          " spec BLOB NOT NULL,"
+          " job BLOB NOT NULL)");
+      !s.ok())
+    return s;
+  if (auto s = store->Exec("CREATE INDEX IF NOT EXISTS jobs_request_id ON jobs(request_id)");
+      !s.ok())
+    return s;
+  return store;
+}
+
+JobStore::~JobStore() {
+  if (db_) sqlite3_close(db_);
+}
+
+absl::Status JobStore::Error(const char* what) {
+  return absl::InternalError(
+      absl::StrCat("state db ", path_, ": ", what, ": ", sqlite3_errmsg(db_)));
+}
+
+absl::Status JobStore::Exec(const char* sql) {
+  char* err = nullptr;
+  if (sqlite3_exec(db_, sql, nullptr, nullptr, &err) != SQLITE_OK) {
+    std::string msg = err ? err : "unknown error";
+    sqlite3_free(err);
+    return absl::InternalError(absl::StrCat("state db ", path_, ": ", sql, ": ", msg));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status JobStore::Put(const v1::Job& job, int64_t last_seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  static const char* kSql =
+      "INSERT OR REPLACE INTO jobs (job_id, request_id, state, reason, step, total_steps,"
+      " create_time, last_seq, spec, job) VALUES (?,?,?,?,?,?,?,?,?,?)";
+  sqlite3_stmt* st = nullptr;
+  if (sqlite3_prepare_v2(db_, kSql, -1, &st, nullptr) != SQLITE_OK) return Error("prepare");
+  std::string spec = job.spec().SerializeAsString();
+  std::string blob = job.SerializeAsString();
+  sqlite3_bind_text(st, 1, job.job_id().c_str(), -1, SQLITE_TRANSIENT);
+  sqlite3_bind_text(st, 2, job.request_id().c_str(), -1, SQLITE_TRANSIENT);
+  sqlite3_bind_int(st, 3, job.state());
+  sqlite3_bind_text(st, 4, job.reason().c_str(), -1, SQLITE_TRANSIENT);
+  sqlite3_bind_int64(st, 5, job.step());
+  sqlite3_bind_int64(st, 6, job.total_steps());
+  sqlite3_bind_double(st, 7, job.create_time());
+  sqlite3_bind_int64(st, 8, last_seq);
+  sqlite3_bind_blob(st, 9, spec.data(), static_cast<int>(spec.size()), SQLITE_TRANSIENT);
+  sqlite3_bind_blob(st, 10, blob.data(), static_cast<int>(blob.size()), SQLITE_TRANSIENT);
+  int rc = sqlite3_step(st);
+  sqlite3_finalize(st);
+  if (rc != SQLITE_DONE) return Error("write job");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<JobStore::Row>> JobStore::LoadAll() {
+  std::lock_guard<std::mutex> lock(mu_);
+  sqlite3_stmt* st = nullptr;
+  if (sqlite3_prepare_v2(db_, "SELECT job_id, last_seq, job FROM jobs ORDER BY create_time, job_id",
+                         -1, &st, nullptr) != SQLITE_OK)
+    return Error("prepare");
+  std::vector<Row> rows;
+  int rc;
+  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
+    Row row;
+    row.last_seq = sqlite3_column_int64(st, 1);
+    const void* data = sqlite3_column_blob(st, 2);
+    int n = sqlite3_column_bytes(st, 2);
+    if (!row.job.ParseFromArray(data, n)) {
+      std::string id = reinterpret_cast<const char*>(sqlite3_column_text(st, 0));
+      sqlite3_finalize(st);
+      return absl::DataLossError(absl::StrCat("state db ", path_, ": job ", id, ": corrupt row"));
+    }
+    rows.push_back(std::move(row));
+  }
+  sqlite3_finalize(st);
+  if (rc != SQLITE_DONE) return Error("read jobs");
+  return rows;
+}
+
+}  // namespace fsdp8::coord

@@ -1,0 +1,118 @@
+// CpuBackend: the reference implementation of Backend (kernels/backend.h) on host memory.
+//
+// Plain loops with FP32 accumulation; the matrix products go through OpenBLAS cblas_sgemm so that
+// the tiny default model trains at interactive speed on one core:
+//   * GemmFp8 decodes both FP8 operands to f32 through the 256-entry tables (kernels/fp8.h). A
+//     product of two FP8 values is exact in f32 (at most 4 + 4 significant bits), so the only
+//     rounding is the f32 accumulation inside sgemm and the final multiply by
+//     (*a_scale_inv) * (*b_scale_inv).
+//   * Gemm with GemmInputs::kBF16 rounds copies of A and B to bfloat16 (RNE) and calls sgemm.
+//   * Attention works one (batch, head) at a time on two T x T f32 scratch matrices (scores and
+//     their gradient); nothing T x T outlives the call. The backward recomputes the probabilities
+//     from the saved log-sum-exp.
+//
+// Every op runs synchronously on the calling thread, in a fixed order, so results are
+// deterministic run to run (given a deterministic BLAS: the same OpenBLAS build and thread count).
+// The backend starts no threads of its own; OpenBLAS's thread count is the caller's business.
+//
+// Memory: Alloc returns 64-byte aligned host memory and tracks bytes in a size map
+// (AllocatedBytes / PeakAllocatedBytes). Host allocation failure aborts (see backend.h, Errors).
+//
+// Thread-safety: one thread per instance (as Backend). Distinct instances are independent.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kernels/backend.h"
+
+namespace fsdp8 {
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend();
+  ~CpuBackend() override;
+
+  std::string Name() const override { return "cpu"; }
+
+  void* Alloc(size_t bytes) override;
+  void Free(void* p) override;
+  void CopyToDevice(void* dst, const void* host_src, size_t bytes) override;
+  void CopyToHost(void* host_dst, const void* src, size_t bytes) override;
+  void Copy(void* dst, const void* src, size_t bytes) override;
+  void Memset(void* dst, int value, size_t bytes) override;
+  void Synchronize() override {}
+  int64_t AllocatedBytes() const override { return allocated_; }
+  int64_t PeakAllocatedBytes() const override { return peak_; }
+  void ResetPeak() override { peak_ = allocated_; }
+
+  void CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale, Fp8Format fmt,
+                 float* amax_out) override;
+  void CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
+                        Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) override;
+  void TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) override;
+  void DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
+                     Fp8Format fmt) override;
+  void AmaxAccumulate(const float* in, int64_t n, float* amax_out) override;
+
+  void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+               const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+               const float* b_scale_inv, float* C, bool accumulate) override;
+  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
+            const float* B, float* C, bool accumulate, GemmInputs inputs) override;
+  void RoundToBf16(float* x, int64_t n) override;
+
+  void Add(const float* a, const float* b, float* out, int64_t n) override;
+  void Axpy(float alpha, const float* x, float* y, int64_t n) override;
+
+  void EmbeddingForward(const int32_t* tokens, int64_t N, const float* table, int64_t C,
+                        float* out) override;
+  void EmbeddingBackward(const int32_t* tokens, int64_t N, const float* dout, int64_t C,
+                         float* dtable) override;
+
+  void RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
+                      float* rstd) override;
+  void RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
+                       int64_t N, int64_t C, float* dx, float* dw) override;
+
+  void RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) override;
+  void RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta) override;
+
+  void AttentionForward(const float* q, const float* k, const float* v, int64_t B, int64_t T,
+                        int64_t H, int64_t Hkv, int64_t D, float* out, float* lse) override;
+  void AttentionBackward(const float* q, const float* k, const float* v, const float* out,
+                         const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
+                         int64_t Hkv, int64_t D, float* dq, float* dk, float* dv) override;
+
+  void SwigluForward(const float* gate, const float* up, int64_t n, float* h) override;
+  void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
+                      float* dgate, float* dup) override;
+
+  void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                   float grad_scale, float* losses) override;
+
+  void SumSquares(const float* x, int64_t n, float* out) override;
+  void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
+             float beta2, float eps, float weight_decay, int64_t step, float grad_scale) override;
+
+ private:
+  // Growable f32 scratch slot `i` of at least n elements (reused across calls; not tracked by
+  // AllocatedBytes since it is the backend's own workspace).
+  float* Scratch(int i, int64_t n);
+  // cos/sin tables (T, D/2) for RoPE, rebuilt when (T, D, theta) changes.
+  void RopeTables(int64_t T, int64_t D, float theta);
+  void RopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta, float sign);
+
+  std::unordered_map<void*, size_t> sizes_;
+  int64_t allocated_ = 0;
+  int64_t peak_ = 0;
+  std::vector<float> scratch_[4];
+  int64_t rope_T_ = -1, rope_D_ = -1;
+  float rope_theta_ = 0.0f;
+  std::vector<float> rope_cos_, rope_sin_;
+};
+
+}  // namespace fsdp8

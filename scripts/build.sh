@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Configures and builds fsdp8 into ./build (CPU backend; CUDA too when nvcc is found, unless
+# FSDP8_CUDA=OFF is set in the environment).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cuda=${FSDP8_CUDA:-AUTO}
+cmake -S . -B build -G Ninja -DFSDP8_CUDA="$cuda" > build.configure.log 2>&1 || { cat build.configure.log; exit 1; }
+cmake --build build -j "$(nproc)"

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Sets up, builds, starts a local coordinator and 2 CPU workers, and trains the default model on the
+# fortunes corpus with a live progress display. Logs go to runs/<time>/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+t_setup=$(date +%s)
+scripts/install-deps.sh
+scripts/build.sh
+bin=$PWD/build/bin
+run=$PWD/runs/$(date +%Y%m%d-%H%M%S); mkdir -p "$run"
+scripts/prepare-fortunes.sh "$bin/fsdp8" "$PWD/data/fortunes"
+t_ready=$(date +%s)
+
+port=${FSDP8_PORT:-50051}
+addr=127.0.0.1:$port
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+"$bin/fsdp8-coordinator" --listen "$addr" --state_db "$run/coordinator.db" \
+  --data_roots "$PWD/data" > "$run/coordinator.log" 2>&1 &
+pids+=($!)
+for i in 0 1; do
+  "$bin/fsdp8-worker" --coordinator "$addr" --host 127.0.0.1 --threads 1 > "$run/worker-$i.log" 2>&1 &
+  pids+=($!)
+done
+sed "s|DATA_DIR|$PWD/data/fortunes|" data/default-job.yaml > "$run/job.yaml"
+
+t_submit=$(date +%s)
+set +e
+"$bin/fsdp8" --coordinator "$addr" submit "$run/job.yaml" 2>&1 | tee "$run/client.log"
+rc=${PIPESTATUS[0]}
+set -e
+t_end=$(date +%s)
+echo
+echo "setup + build + prepare: $((t_ready - t_setup)) s; submit to final loss: $((t_end - t_submit)) s"
+echo "logs: $run (coordinator.log, worker-0.log, worker-1.log, client.log, job.yaml)"
+exit "$rc"

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs fsdp8's build and run dependencies from Debian 12 packages (run as root).
+# Skips apt entirely when every package is already installed.
+set -euo pipefail
+PKGS=(
+  build-essential cmake ninja-build pkg-config git
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler   # RPC
+  libabsl-dev                                                              # Status, flags, strings
+  libgloo-dev                                                              # CPU collectives
+  libopenblas-dev                                                          # CPU GEMM
+  libsqlite3-dev                                                           # coordinator job table
+  libyaml-cpp-dev                                                          # YAML job specs
+  libgtest-dev libgmock-dev                                                # tests
+  fortunes                                                                 # the default corpus
+)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#PKGS[@]} packages present"
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
