@@ -5,6 +5,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -22,13 +23,24 @@ v1::JobSpec WithDefaults(const v1::JobSpec& spec, int world_size);
 //   "model.d_model: must be divisible by model.n_heads (130 % 4 != 0)".
 // world_size: the number of ranks the job would run on (checks global_batch divisible by
 // world_size * microbatch); 0 skips the world-size rules.
-// data_roots: colon-free list of directories paths must lie under; empty means no restriction.
-// Checks that data.train_path exists and is a readable token shard when check_files is true.
+// data_roots: directories that data.train_path / data.val_path must lie under (compared after
+// std::filesystem::lexically_normal, so ".." cannot escape; symlinks are not resolved; the paths
+// must then be absolute); empty means no restriction.
+// check_files: data.train_path (and data.val_path when set) must be readable token shards (header
+// and size checked, see token_shard.h) holding more than seq_len + 1 tokens.
+// Unset fields are first given their defaults (WithDefaults(spec, world_size)); rules stop at the
+// first violation.
 absl::Status ValidateSpec(const v1::JobSpec& spec, int world_size,
                           const std::vector<std::string>& data_roots, bool check_files);
 
-// Parses a job spec from YAML or JSON text (protobuf JSON mapping field names; YAML uses the same
-// names). Unknown fields are an error: INVALID_ARGUMENT "unknown field 'model.dmodel'".
+// Parses a job spec from YAML or JSON text (protobuf JSON mapping: original or lowerCamel field
+// names, enum value names; YAML uses the same names). Enums also accept case-insensitive value names
+// and the short spellings fp8/bf16/fp32, delayed/current, hybrid/e4m3, max/most_recent. A null value
+// leaves the field unset. Nothing is defaulted or validated here (see WithDefaults, ValidateSpec).
+// Errors are INVALID_ARGUMENT naming the field path and the source position, e.g.
+//   "model.dmodel: unknown field \"dmodel\" (line 2, column 3)",
+//   "model.d_model: expected an integer (got \"abc\") (line 2, column 12)",
+//   "spec: parse error at line 3, column 5: ..." (malformed YAML/JSON).
 absl::StatusOr<v1::JobSpec> ParseSpec(const std::string& text);
 
 // Number of sequences each rank processes per optimizer step: global_batch / world_size.

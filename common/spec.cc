@@ -1,0 +1,580 @@
+#include "common/spec.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <vector>
+
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/util/json_util.h>
+#include <yaml-cpp/yaml.h>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/token_shard.h"
+
+namespace fsdp8 {
+
+// ---------------------------------------------------------------------------------------------
+// Defaults
+// ---------------------------------------------------------------------------------------------
+
+v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
+  v1::JobSpec s = in;
+  v1::ModelConfig* m = s.mutable_model();
+  if (!m->has_d_model()) m->set_d_model(128);
+  if (!m->has_n_layers()) m->set_n_layers(4);
+  if (!m->has_n_heads()) m->set_n_heads(4);
+  if (!m->has_n_kv_heads()) m->set_n_kv_heads(m->n_heads());
+  if (!m->has_ffn_dim()) m->set_ffn_dim(384);
+  if (!m->has_vocab_size()) m->set_vocab_size(256);
+  if (!m->has_seq_len()) m->set_seq_len(256);
+  if (!m->has_rope_theta()) m->set_rope_theta(10000.0);
+  if (!m->has_norm_eps()) m->set_norm_eps(1e-5);
+
+  v1::TrainingSpec* t = s.mutable_training();
+  if (!t->has_steps()) t->set_steps(600);
+  if (!t->has_global_batch()) t->set_global_batch(16);
+  if (!t->has_microbatch() && world_size > 0) {
+    // At least 1, so a world larger than the batch is reported by the divisibility rule.
+    t->set_microbatch(std::max(1, t->global_batch() / world_size));
+  }
+  if (!t->has_seed()) t->set_seed(1234);
+  if (!t->has_eval_every()) t->set_eval_every(100);
+  if (!t->has_eval_batches()) t->set_eval_batches(4);
+
+  v1::OptimizerSpec* o = s.mutable_optimizer();
+  if (!o->has_peak_lr()) o->set_peak_lr(3e-3);
+  if (!o->has_min_lr_ratio()) o->set_min_lr_ratio(0.1);
+  if (!o->has_warmup_steps()) {
+    // 5% of the steps, rounded to nearest, at least 1 when there is at least one step.
+    int64_t w = 0;
+    if (t->steps() >= 1) w = std::max<int64_t>(1, std::llround(0.05 * static_cast<double>(t->steps())));
+    o->set_warmup_steps(w);
+  }
+  if (!o->has_beta1()) o->set_beta1(0.9);
+  if (!o->has_beta2()) o->set_beta2(0.95);
+  if (!o->has_eps()) o->set_eps(1e-8);
+  if (!o->has_weight_decay()) o->set_weight_decay(0.1);
+  if (!o->has_grad_clip()) o->set_grad_clip(1.0);
+
+  v1::ShardingSpec* sh = s.mutable_sharding();
+  if (!sh->has_min_workers()) sh->set_min_workers(1);
+  if (!sh->has_max_workers()) sh->set_max_workers(sh->min_workers());
+  if (!sh->has_alignment()) sh->set_alignment(16);
+
+  v1::PrecisionSpec* p = s.mutable_precision();
+  if (p->linears() == v1::PRECISION_UNSPECIFIED) p->set_linears(v1::PRECISION_FP8);
+  if (p->embedding() == v1::PRECISION_UNSPECIFIED) p->set_embedding(v1::PRECISION_BF16);
+  if (p->lm_head() == v1::PRECISION_UNSPECIFIED) p->set_lm_head(v1::PRECISION_BF16);
+  v1::Fp8Recipe* r = p->mutable_fp8();
+  if (r->recipe() == v1::SCALING_RECIPE_UNSPECIFIED) r->set_recipe(v1::SCALING_RECIPE_DELAYED);
+  if (r->format() == v1::FP8_FORMAT_UNSPECIFIED) r->set_format(v1::FP8_FORMAT_HYBRID);
+  if (!r->has_amax_history_len()) r->set_amax_history_len(16);
+  if (r->amax_algorithm() == v1::AMAX_ALGORITHM_UNSPECIFIED) r->set_amax_algorithm(v1::AMAX_ALGORITHM_MAX);
+  if (!r->has_margin()) r->set_margin(0);
+
+  if (s.backend().empty()) s.set_backend("cpu");
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+absl::Status Bad(const std::string& path, const std::string& rule, const std::string& detail) {
+  return absl::InvalidArgumentError(absl::StrCat(path, ": ", rule, " (", detail, ")"));
+}
+
+#define FSDP8_RETURN_IF_ERROR(expr)        \
+  do {                                     \
+    absl::Status _st = (expr);             \
+    if (!_st.ok()) return _st;             \
+  } while (0)
+
+absl::Status Positive(const std::string& path, int64_t v) {
+  if (v > 0) return absl::OkStatus();
+  return Bad(path, "must be > 0", absl::StrCat("got ", v));
+}
+
+absl::Status NonNegative(const std::string& path, double v) {
+  if (v >= 0 && std::isfinite(v)) return absl::OkStatus();
+  return Bad(path, "must be >= 0 and finite", absl::StrCat("got ", v));
+}
+
+const char* PrecisionName(v1::Precision p) {
+  switch (p) {
+    case v1::PRECISION_FP8: return "FP8";
+    case v1::PRECISION_BF16: return "BF16";
+    case v1::PRECISION_FP32: return "FP32";
+    default: return "UNSPECIFIED";
+  }
+}
+
+// True when normalised absolute `path` lies under (or is) normalised absolute `root`.
+bool Under(const std::filesystem::path& path, const std::filesystem::path& root) {
+  auto p = path.begin();
+  for (auto r = root.begin(); r != root.end(); ++r) {
+    if (r->empty()) continue;  // trailing separator of "/a/b/"
+    if (p == path.end() || *p != *r) return false;
+    ++p;
+  }
+  return true;
+}
+
+absl::Status CheckDataPath(const std::string& field, const std::string& value,
+                           const std::vector<std::string>& roots) {
+  if (roots.empty()) return absl::OkStatus();
+  const std::filesystem::path p = std::filesystem::path(value).lexically_normal();
+  if (!p.is_absolute()) {
+    return Bad(field, "must be an absolute path when data roots are configured",
+               absl::StrCat("got \"", value, "\""));
+  }
+  for (const std::string& r : roots) {
+    if (r.empty()) continue;
+    if (Under(p, std::filesystem::path(r).lexically_normal())) return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(field, ": must lie under one of the data roots (",
+                                                 absl::StrJoin(roots, ", "), ")"));
+}
+
+absl::Status CheckDataFile(const std::string& field, const std::string& value, int seq_len) {
+  absl::StatusOr<int64_t> n = ReadTokenShardHeader(value);
+  if (!n.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": must be a readable token shard (", n.status().message(), ")"));
+  }
+  if (*n <= static_cast<int64_t>(seq_len) + 1) {
+    return Bad(field, "too few tokens for one sequence",
+               absl::StrCat(*n, " tokens, need more than seq_len + 1 = ", seq_len + 1));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
+                          const std::vector<std::string>& data_roots, bool check_files) {
+  const v1::JobSpec spec = WithDefaults(spec_in, world_size);
+  const v1::ModelConfig& m = spec.model();
+  FSDP8_RETURN_IF_ERROR(Positive("model.d_model", m.d_model()));
+  FSDP8_RETURN_IF_ERROR(Positive("model.n_layers", m.n_layers()));
+  FSDP8_RETURN_IF_ERROR(Positive("model.n_heads", m.n_heads()));
+  FSDP8_RETURN_IF_ERROR(Positive("model.n_kv_heads", m.n_kv_heads()));
+  FSDP8_RETURN_IF_ERROR(Positive("model.ffn_dim", m.ffn_dim()));
+  FSDP8_RETURN_IF_ERROR(Positive("model.vocab_size", m.vocab_size()));
+  FSDP8_RETURN_IF_ERROR(Positive("model.seq_len", m.seq_len()));
+  if (m.d_model() % m.n_heads() != 0) {
+    return Bad("model.d_model", "must be divisible by model.n_heads",
+               absl::StrCat(m.d_model(), " % ", m.n_heads(), " != 0"));
+  }
+  if ((m.d_model() / m.n_heads()) % 2 != 0) {
+    return Bad("model.d_model", "head dimension d_model / n_heads must be even for RoPE",
+               absl::StrCat(m.d_model(), " / ", m.n_heads(), " = ", m.d_model() / m.n_heads()));
+  }
+  if (m.n_heads() % m.n_kv_heads() != 0) {
+    return Bad("model.n_heads", "must be divisible by model.n_kv_heads",
+               absl::StrCat(m.n_heads(), " % ", m.n_kv_heads(), " != 0"));
+  }
+  if (m.vocab_size() > 65536) {
+    return Bad("model.vocab_size", "must be <= 65536 (tokens are uint16)",
+               absl::StrCat("got ", m.vocab_size()));
+  }
+  if (!(m.rope_theta() > 0) || !std::isfinite(m.rope_theta())) {
+    return Bad("model.rope_theta", "must be > 0 and finite", absl::StrCat("got ", m.rope_theta()));
+  }
+  if (!(m.norm_eps() > 0) || !std::isfinite(m.norm_eps())) {
+    return Bad("model.norm_eps", "must be > 0 and finite", absl::StrCat("got ", m.norm_eps()));
+  }
+
+  const v1::TrainingSpec& t = spec.training();
+  FSDP8_RETURN_IF_ERROR(Positive("training.steps", t.steps()));
+  FSDP8_RETURN_IF_ERROR(Positive("training.global_batch", t.global_batch()));
+  if (t.has_microbatch()) FSDP8_RETURN_IF_ERROR(Positive("training.microbatch", t.microbatch()));
+  if (t.eval_every() < 0) {
+    return Bad("training.eval_every", "must be >= 0", absl::StrCat("got ", t.eval_every()));
+  }
+  FSDP8_RETURN_IF_ERROR(Positive("training.eval_batches", t.eval_batches()));
+  if (world_size > 0) {
+    const int64_t denom = static_cast<int64_t>(world_size) * t.microbatch();
+    if (t.global_batch() % denom != 0) {
+      return Bad("training.global_batch",
+                 "must be divisible by world_size * training.microbatch",
+                 absl::StrCat(t.global_batch(), " % (", world_size, " * ", t.microbatch(),
+                              ") != 0"));
+    }
+  }
+
+  const v1::OptimizerSpec& o = spec.optimizer();
+  if (!(o.peak_lr() > 0) || !std::isfinite(o.peak_lr())) {
+    return Bad("optimizer.peak_lr", "must be > 0 and finite", absl::StrCat("got ", o.peak_lr()));
+  }
+  if (!(o.min_lr_ratio() >= 0 && o.min_lr_ratio() <= 1)) {
+    return Bad("optimizer.min_lr_ratio", "must be in [0, 1]", absl::StrCat("got ", o.min_lr_ratio()));
+  }
+  if (o.warmup_steps() < 0 || o.warmup_steps() > t.steps()) {
+    return Bad("optimizer.warmup_steps", "must be in [0, training.steps]",
+               absl::StrCat("got ", o.warmup_steps(), ", steps ", t.steps()));
+  }
+  if (!(o.beta1() >= 0 && o.beta1() < 1)) {
+    return Bad("optimizer.beta1", "must be in [0, 1)", absl::StrCat("got ", o.beta1()));
+  }
+  if (!(o.beta2() >= 0 && o.beta2() < 1)) {
+    return Bad("optimizer.beta2", "must be in [0, 1)", absl::StrCat("got ", o.beta2()));
+  }
+  if (!(o.eps() > 0) || !std::isfinite(o.eps())) {
+    return Bad("optimizer.eps", "must be > 0 and finite", absl::StrCat("got ", o.eps()));
+  }
+  FSDP8_RETURN_IF_ERROR(NonNegative("optimizer.weight_decay", o.weight_decay()));
+  FSDP8_RETURN_IF_ERROR(NonNegative("optimizer.grad_clip", o.grad_clip()));
+
+  const v1::ShardingSpec& sh = spec.sharding();
+  if (sh.min_workers() < 1) {
+    return Bad("sharding.min_workers", "must be >= 1", absl::StrCat("got ", sh.min_workers()));
+  }
+  if (sh.max_workers() < sh.min_workers()) {
+    return Bad("sharding.max_workers", "must be >= sharding.min_workers",
+               absl::StrCat(sh.max_workers(), " < ", sh.min_workers()));
+  }
+  if (sh.alignment() < 1) {
+    return Bad("sharding.alignment", "must be >= 1", absl::StrCat("got ", sh.alignment()));
+  }
+
+  const v1::PrecisionSpec& p = spec.precision();
+  if (p.embedding() != v1::PRECISION_BF16 && p.embedding() != v1::PRECISION_FP32) {
+    return Bad("precision.embedding", "must be BF16 or FP32",
+               absl::StrCat("got ", PrecisionName(p.embedding())));
+  }
+  if (p.lm_head() != v1::PRECISION_BF16 && p.lm_head() != v1::PRECISION_FP32) {
+    return Bad("precision.lm_head", "must be BF16 or FP32",
+               absl::StrCat("got ", PrecisionName(p.lm_head())));
+  }
+  if (p.fp8().amax_history_len() < 1) {
+    return Bad("precision.fp8.amax_history_len", "must be >= 1",
+               absl::StrCat("got ", p.fp8().amax_history_len()));
+  }
+  if (p.fp8().margin() < 0) {
+    return Bad("precision.fp8.margin", "must be >= 0", absl::StrCat("got ", p.fp8().margin()));
+  }
+  std::map<int, int> seen;  // layer -> override index
+  for (int i = 0; i < p.overrides_size(); ++i) {
+    const v1::LayerPrecision& lp = p.overrides(i);
+    const std::string at = absl::StrCat("precision.overrides[", i, "]");
+    if (lp.layer() < 0 || lp.layer() >= m.n_layers()) {
+      return Bad(at + ".layer", "must be in [0, model.n_layers)",
+                 absl::StrCat(lp.layer(), " not in [0, ", m.n_layers(), ")"));
+    }
+    auto [it, inserted] = seen.emplace(lp.layer(), i);
+    if (!inserted) {
+      return Bad(at + ".layer", "duplicate override",
+                 absl::StrCat("layer ", lp.layer(), " also in precision.overrides[", it->second, "]"));
+    }
+    if (lp.linears() == v1::PRECISION_UNSPECIFIED) {
+      return Bad(at + ".linears", "must be set", "FP8, BF16 or FP32");
+    }
+  }
+
+  if (spec.backend() != "cpu" && spec.backend() != "cuda") {
+    return Bad("backend", "must be \"cpu\" or \"cuda\"", absl::StrCat("got \"", spec.backend(), "\""));
+  }
+
+  const v1::DataSpec& d = spec.data();
+  if (d.train_path().empty()) return absl::InvalidArgumentError("data.train_path: required");
+  FSDP8_RETURN_IF_ERROR(CheckDataPath("data.train_path", d.train_path(), data_roots));
+  if (!d.val_path().empty()) {
+    FSDP8_RETURN_IF_ERROR(CheckDataPath("data.val_path", d.val_path(), data_roots));
+  }
+  if (check_files) {
+    FSDP8_RETURN_IF_ERROR(CheckDataFile("data.train_path", d.train_path(), m.seq_len()));
+    if (!d.val_path().empty()) {
+      FSDP8_RETURN_IF_ERROR(CheckDataFile("data.val_path", d.val_path(), m.seq_len()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parsing: YAML (or JSON, which yaml-cpp reads as YAML flow style) -> JSON guided by the message
+// descriptors -> protobuf's JSON parser.
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+using google::protobuf::Descriptor;
+using google::protobuf::EnumDescriptor;
+using google::protobuf::FieldDescriptor;
+
+std::string Where(const YAML::Node& n) {
+  const YAML::Mark mk = n.Mark();
+  if (mk.is_null()) return "";
+  return absl::StrCat(" (line ", mk.line + 1, ", column ", mk.column + 1, ")");
+}
+
+std::string JsonQuote(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          out += buf;
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+bool IsQuoted(const YAML::Node& n) { return n.Tag() == "!"; }
+
+bool IsNullScalar(const YAML::Node& n) {
+  if (n.IsNull()) return true;
+  if (!n.IsScalar() || IsQuoted(n)) return false;
+  const std::string& v = n.Scalar();
+  return v == "~" || v == "null" || v == "Null" || v == "NULL";
+}
+
+// Parses a plain YAML scalar as a number; writes its JSON spelling.
+bool NumberToJson(const std::string& v, bool want_integer, std::string* json) {
+  if (v.empty()) return false;
+  errno = 0;
+  char* end = nullptr;
+  if (v[0] != '-') {
+    unsigned long long u = std::strtoull(v.c_str(), &end, 10);
+    if (errno == 0 && end == v.c_str() + v.size() && v[0] != '+' && v[0] != ' ') {
+      *json = std::to_string(u);
+      return true;
+    }
+  } else {
+    errno = 0;
+    long long i = std::strtoll(v.c_str(), &end, 10);
+    if (errno == 0 && end == v.c_str() + v.size()) {
+      *json = std::to_string(i);
+      return true;
+    }
+  }
+  if (want_integer) return false;
+  std::string low = absl::AsciiStrToLower(v);
+  if (low == ".inf" || low == "+.inf") { *json = "\"Infinity\""; return true; }
+  if (low == "-.inf") { *json = "\"-Infinity\""; return true; }
+  if (low == ".nan") { *json = "\"NaN\""; return true; }
+  errno = 0;
+  double d = std::strtod(v.c_str(), &end);
+  if (errno != 0 || end != v.c_str() + v.size() || !std::isfinite(d) || std::isspace(
+      static_cast<unsigned char>(v[0]))) {
+    return false;
+  }
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "%.17g", d);
+  *json = buf;
+  return true;
+}
+
+// Short enum spellings accepted besides the full value names (case-insensitive).
+const std::map<std::string, std::map<std::string, std::string>>& ShortEnumNames() {
+  static const auto* m = new std::map<std::string, std::map<std::string, std::string>>{
+      {"fsdp8.v1.Precision",
+       {{"fp8", "PRECISION_FP8"}, {"bf16", "PRECISION_BF16"}, {"fp32", "PRECISION_FP32"}}},
+      {"fsdp8.v1.ScalingRecipe",
+       {{"delayed", "SCALING_RECIPE_DELAYED"}, {"current", "SCALING_RECIPE_CURRENT"}}},
+      {"fsdp8.v1.Fp8Format", {{"hybrid", "FP8_FORMAT_HYBRID"}, {"e4m3", "FP8_FORMAT_E4M3"}}},
+      {"fsdp8.v1.AmaxAlgorithm",
+       {{"max", "AMAX_ALGORITHM_MAX"}, {"most_recent", "AMAX_ALGORITHM_MOST_RECENT"}}},
+  };
+  return *m;
+}
+
+absl::Status ValueToJson(const YAML::Node& n, const FieldDescriptor* f, const std::string& path,
+                         std::string* out);
+
+absl::Status MessageToJson(const YAML::Node& n, const Descriptor* d, const std::string& path,
+                           std::string* out) {
+  if (!n.IsMap()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path.empty() ? "spec" : path, ": expected a mapping", Where(n)));
+  }
+  std::set<const FieldDescriptor*> seen;
+  *out += "{";
+  bool first = true;
+  for (auto it = n.begin(); it != n.end(); ++it) {
+    const YAML::Node& key = it->first;
+    if (!key.IsScalar()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path.empty() ? "spec" : path, ": keys must be plain names", Where(key)));
+    }
+    const std::string& k = key.Scalar();
+    const FieldDescriptor* f = d->FindFieldByName(k);
+    if (f == nullptr) {
+      for (int i = 0; i < d->field_count(); ++i) {
+        if (d->field(i)->json_name() == k) f = d->field(i);
+      }
+    }
+    const std::string fpath = path.empty() ? k : absl::StrCat(path, ".", k);
+    if (f == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(fpath, ": unknown field \"", k, "\"", Where(key)));
+    }
+    if (!seen.insert(f).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(fpath, ": field given twice", Where(key)));
+    }
+    if (IsNullScalar(it->second)) continue;  // null = unset
+    if (!first) *out += ",";
+    first = false;
+    *out += JsonQuote(f->name());
+    *out += ":";
+    if (f->is_repeated()) {
+      if (!it->second.IsSequence()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(fpath, ": expected a list", Where(it->second)));
+      }
+      *out += "[";
+      for (size_t i = 0; i < it->second.size(); ++i) {
+        if (i > 0) *out += ",";
+        FSDP8_RETURN_IF_ERROR(
+            ValueToJson(it->second[i], f, absl::StrCat(fpath, "[", i, "]"), out));
+      }
+      *out += "]";
+    } else {
+      FSDP8_RETURN_IF_ERROR(ValueToJson(it->second, f, fpath, out));
+    }
+  }
+  *out += "}";
+  return absl::OkStatus();
+}
+
+absl::Status ValueToJson(const YAML::Node& n, const FieldDescriptor* f, const std::string& path,
+                         std::string* out) {
+  if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
+    return MessageToJson(n, f->message_type(), path, out);
+  }
+  if (!n.IsScalar()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": expected a scalar", Where(n)));
+  }
+  const std::string& v = n.Scalar();
+  switch (f->cpp_type()) {
+    case FieldDescriptor::CPPTYPE_STRING:
+      *out += JsonQuote(v);
+      return absl::OkStatus();
+    case FieldDescriptor::CPPTYPE_BOOL: {
+      const std::string low = absl::AsciiStrToLower(v);
+      if (low == "true" || low == "false") {
+        *out += low;
+        return absl::OkStatus();
+      }
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": expected true or false (got \"", v, "\")", Where(n)));
+    }
+    case FieldDescriptor::CPPTYPE_ENUM: {
+      const EnumDescriptor* e = f->enum_type();
+      const std::string upper = absl::AsciiStrToUpper(v);
+      if (e->FindValueByName(upper) != nullptr) {
+        *out += JsonQuote(upper);
+        return absl::OkStatus();
+      }
+      auto shorts = ShortEnumNames().find(e->full_name());
+      if (shorts != ShortEnumNames().end()) {
+        auto s = shorts->second.find(absl::AsciiStrToLower(v));
+        if (s != shorts->second.end()) {
+          *out += JsonQuote(s->second);
+          return absl::OkStatus();
+        }
+      }
+      std::string json;
+      if (!IsQuoted(n) && NumberToJson(v, true, &json) && e->FindValueByNumber(std::atoi(v.c_str()))) {
+        *out += json;
+        return absl::OkStatus();
+      }
+      std::vector<std::string> names;
+      for (int i = 0; i < e->value_count(); ++i) names.push_back(e->value(i)->name());
+      if (shorts != ShortEnumNames().end()) {
+        for (const auto& [k, unused] : shorts->second) names.push_back(k);
+      }
+      return absl::InvalidArgumentError(absl::StrCat(path, ": unknown value \"", v, "\" (one of ",
+                                                     absl::StrJoin(names, ", "), ")", Where(n)));
+    }
+    default: {  // numbers
+      const bool integer = f->cpp_type() != FieldDescriptor::CPPTYPE_DOUBLE &&
+                           f->cpp_type() != FieldDescriptor::CPPTYPE_FLOAT;
+      std::string json;
+      if (NumberToJson(v, integer, &json)) {
+        *out += json;
+        return absl::OkStatus();
+      }
+      return absl::InvalidArgumentError(absl::StrCat(path, ": expected ",
+                                                     integer ? "an integer" : "a number",
+                                                     " (got \"", v, "\")", Where(n)));
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<v1::JobSpec> ParseSpec(const std::string& text) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::ParserException& e) {
+    return absl::InvalidArgumentError(absl::StrCat("spec: parse error at line ", e.mark.line + 1,
+                                                   ", column ", e.mark.column + 1, ": ", e.msg));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("spec: parse error: ", e.what()));
+  }
+  if (!root.IsDefined() || root.IsNull()) {
+    return absl::InvalidArgumentError("spec: empty document");
+  }
+  std::string json;
+  try {
+    FSDP8_RETURN_IF_ERROR(MessageToJson(root, v1::JobSpec::descriptor(), "", &json));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("spec: ", e.what()));
+  }
+  v1::JobSpec spec;
+  google::protobuf::util::JsonParseOptions opts;
+  opts.ignore_unknown_fields = false;
+  auto st = google::protobuf::util::JsonStringToMessage(json, &spec, opts);
+  if (!st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("spec: ", std::string(st.message())));
+  }
+  return spec;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Derived quantities
+// ---------------------------------------------------------------------------------------------
+
+int LocalBatch(const v1::JobSpec& spec, int world_size) {
+  if (world_size <= 0) return 0;
+  const int gb = spec.training().has_global_batch() ? spec.training().global_batch() : 16;
+  return gb / world_size;
+}
+
+int Microbatches(const v1::JobSpec& spec, int world_size) {
+  if (world_size <= 0) return 0;
+  const v1::JobSpec s = WithDefaults(spec, world_size);
+  if (s.training().microbatch() <= 0) return 0;
+  return LocalBatch(s, world_size) / s.training().microbatch();
+}
+
+v1::Precision LayerLinearPrecision(const v1::JobSpec& spec, int layer) {
+  for (const v1::LayerPrecision& lp : spec.precision().overrides()) {
+    if (lp.layer() == layer && lp.linears() != v1::PRECISION_UNSPECIFIED) return lp.linears();
+  }
+  const v1::Precision p = spec.precision().linears();
+  return p == v1::PRECISION_UNSPECIFIED ? v1::PRECISION_FP8 : p;
+}
+
+}  // namespace fsdp8
