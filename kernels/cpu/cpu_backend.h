@@ -64,6 +64,8 @@ class CpuBackend final : public Backend {
   void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
             const float* B, float* C, bool accumulate, GemmInputs inputs) override;
   void RoundToBf16(float* x, int64_t n) override;
+  void PackBf16(const float* in, uint16_t* out, int64_t n) override;
+  void UnpackBf16(const uint16_t* in, float* out, int64_t n) override;
 
   void Add(const float* a, const float* b, float* out, int64_t n) override;
   void Axpy(float alpha, const float* x, float* y, int64_t n) override;

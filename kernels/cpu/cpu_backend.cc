@@ -1,0 +1,563 @@
+#include "kernels/cpu/cpu_backend.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "kernels/fp8.h"
+
+// A broken invariant inside a kernel is a programming error: report file:line and abort.
+#define FSDP8_CPU_CHECK(cond)                                                           \
+  do {                                                                                  \
+    if (!(cond)) {                                                                      \
+      std::fprintf(stderr, "%s:%d: CpuBackend check failed: %s\n", __FILE__, __LINE__, \
+                   #cond);                                                              \
+      std::abort();                                                                     \
+    }                                                                                   \
+  } while (0)
+
+namespace fsdp8 {
+namespace {
+
+constexpr size_t kAlignment = 64;
+// Rows per block in the attention kernels: the causal structure lets a row block [i0, i1) touch
+// only keys [0, i1), which skips about 3/8 of the T x T work at T = 256.
+constexpr int64_t kAttnBlock = 64;
+
+// max(a, b) that returns NaN when either is NaN (amax must surface NaN to the scaling logic).
+inline float NanMax(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<float>::quiet_NaN();
+  return a > b ? a : b;
+}
+
+// Max |x_i| over a range, NaN-propagating. Returns 0 for an empty range.
+inline float AbsMax(const float* x, int64_t n) {
+  float m = 0.0f;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    if (a > m) m = a;
+    nan |= (a != a);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : m;
+}
+
+// Encodes n values scaled by `scale` into `out`, also returning max |in| (NaN-propagating).
+template <uint8_t (*Enc)(float)>
+float ScaleEncode(const float* in, uint8_t* out, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; ++i) out[i] = Enc(in[i] * scale);
+  return AbsMax(in, n);
+}
+
+// Transposing cast: in (rows, cols) -> out_t (cols, rows) [and out (rows, cols)], in tiles so that
+// both the reads and the transposed writes stay in cache.
+template <uint8_t (*Enc)(float)>
+void ScaleEncodeTranspose(const float* in, int64_t rows, int64_t cols, float scale, uint8_t* out,
+                          uint8_t* out_t) {
+  constexpr int64_t kTile = 32;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int64_t r1 = std::min(rows, r0 + kTile);
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+      const int64_t c1 = std::min(cols, c0 + kTile);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) {
+          const uint8_t code = Enc(in[r * cols + c] * scale);
+          out_t[c * rows + r] = code;
+          if (out != nullptr) out[r * cols + c] = code;
+        }
+      }
+    }
+  }
+}
+
+inline uint8_t EncE4M3(float x) { return EncodeE4M3(x); }
+inline uint8_t EncE5M2(float x) { return EncodeE5M2(x); }
+
+inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+}  // namespace
+
+CpuBackend::CpuBackend() = default;
+
+CpuBackend::~CpuBackend() {
+  for (auto& kv : sizes_) std::free(kv.first);
+}
+
+// ---- memory ---------------------------------------------------------------------------------
+
+void* CpuBackend::Alloc(size_t bytes) {
+  const size_t rounded = std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  void* p = std::aligned_alloc(kAlignment, rounded);
+  FSDP8_CPU_CHECK(p != nullptr);  // host out of memory: abort (backend.h, Errors)
+  sizes_[p] = bytes;
+  allocated_ += static_cast<int64_t>(bytes);
+  peak_ = std::max(peak_, allocated_);
+  return p;
+}
+
+void CpuBackend::Free(void* p) {
+  if (p == nullptr) return;
+  auto it = sizes_.find(p);
+  FSDP8_CPU_CHECK(it != sizes_.end());  // not from this backend's Alloc, or freed twice
+  allocated_ -= static_cast<int64_t>(it->second);
+  sizes_.erase(it);
+  std::free(p);
+}
+
+void CpuBackend::CopyToDevice(void* dst, const void* host_src, size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, host_src, bytes);
+}
+void CpuBackend::CopyToHost(void* host_dst, const void* src, size_t bytes) {
+  if (bytes > 0) std::memcpy(host_dst, src, bytes);
+}
+void CpuBackend::Copy(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
+}
+void CpuBackend::Memset(void* dst, int value, size_t bytes) {
+  if (bytes > 0) std::memset(dst, value, bytes);
+}
+
+float* CpuBackend::Scratch(int i, int64_t n) {
+  std::vector<float>& s = scratch_[i];
+  if (static_cast<int64_t>(s.size()) < n) s.resize(static_cast<size_t>(n));
+  return s.data();
+}
+
+// ---- FP8 --------------------------------------------------------------------------------------
+
+void CpuBackend::CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale,
+                           Fp8Format fmt, float* amax_out) {
+  FSDP8_CPU_CHECK(n >= 0 && scale != nullptr);
+  if (n == 0) return;
+  FSDP8_CPU_CHECK(in != nullptr && out != nullptr);
+  const float s = *scale;
+  const float amax = fmt == Fp8Format::kE4M3 ? ScaleEncode<EncE4M3>(in, out, n, s)
+                                             : ScaleEncode<EncE5M2>(in, out, n, s);
+  if (amax_out != nullptr) *amax_out = NanMax(*amax_out, amax);
+}
+
+void CpuBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
+                                  Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) {
+  FSDP8_CPU_CHECK(rows >= 0 && cols >= 0 && scale != nullptr);
+  if (rows == 0 || cols == 0) return;
+  FSDP8_CPU_CHECK(in != nullptr && out_t != nullptr);
+  const float s = *scale;
+  if (fmt == Fp8Format::kE4M3) {
+    ScaleEncodeTranspose<EncE4M3>(in, rows, cols, s, out, out_t);
+  } else {
+    ScaleEncodeTranspose<EncE5M2>(in, rows, cols, s, out, out_t);
+  }
+  if (amax_out != nullptr) *amax_out = NanMax(*amax_out, AbsMax(in, rows * cols));
+}
+
+void CpuBackend::TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) {
+  // in (rows, cols) -> out (cols, rows), tiled.
+  constexpr int64_t kTile = 64;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int64_t r1 = std::min(rows, r0 + kTile);
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+      const int64_t c1 = std::min(cols, c0 + kTile);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) out[c * rows + r] = in[r * cols + c];
+    }
+  }
+}
+
+void CpuBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
+                               Fp8Format fmt) {
+  const float* table = Fp8DecodeTable(fmt);
+  const float si = *scale_inv;
+  for (int64_t i = 0; i < n; ++i) out[i] = table[in[i]] * si;
+}
+
+void CpuBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out) {
+  FSDP8_CPU_CHECK(amax_out != nullptr && n >= 0);
+  *amax_out = NanMax(*amax_out, AbsMax(in, n));
+}
+
+// ---- GEMMs ------------------------------------------------------------------------------------
+
+void CpuBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+                         const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+                         const float* b_scale_inv, float* C, bool accumulate) {
+  FSDP8_CPU_CHECK(M >= 0 && N >= 0 && K >= 0);
+  if (M == 0 || N == 0) return;
+  const float alpha = (*a_scale_inv) * (*b_scale_inv);
+  if (K == 0) {  // empty sum
+    if (!accumulate) std::memset(C, 0, sizeof(float) * M * N);
+    return;
+  }
+  // A (M, K) and B (N, K) decoded to f32: exact, the FP8 values are f32 values.
+  float* af = Scratch(0, M * K);
+  float* bf = Scratch(1, N * K);
+  const float* ta = Fp8DecodeTable(a_fmt);
+  const float* tb = Fp8DecodeTable(b_fmt);
+  for (int64_t i = 0; i < M * K; ++i) af[i] = ta[A[i]];
+  for (int64_t i = 0; i < N * K; ++i) bf[i] = tb[B[i]];
+  // C (M, N) = alpha * A · B^T + beta * C
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, alpha, af, K, bf, K,
+              accumulate ? 1.0f : 0.0f, C, N);
+}
+
+void CpuBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
+                      const float* B, float* C, bool accumulate, GemmInputs inputs) {
+  FSDP8_CPU_CHECK(M >= 0 && N >= 0 && K >= 0);
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    if (!accumulate) std::memset(C, 0, sizeof(float) * M * N);
+    return;
+  }
+  const float* a = A;
+  const float* b = B;
+  if (inputs == GemmInputs::kBF16) {
+    float* ar = Scratch(0, M * K);
+    float* br = Scratch(1, K * N);
+    for (int64_t i = 0; i < M * K; ++i) ar[i] = RoundBf16(A[i]);
+    for (int64_t i = 0; i < K * N; ++i) br[i] = RoundBf16(B[i]);
+    a = ar;
+    b = br;
+  }
+  // A is (M, K) or (K, M); B is (K, N) or (N, K); C (M, N).
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, M, N, K, 1.0f, a, trans_a ? M : K, b,
+              trans_b ? K : N, accumulate ? 1.0f : 0.0f, C, N);
+}
+
+void CpuBackend::RoundToBf16(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = RoundBf16(x[i]);
+}
+
+void CpuBackend::PackBf16(const float* in, uint16_t* out, int64_t n) {
+  // The upper 16 bits of the RNE-rounded f32 are the bfloat16 bit pattern.
+  for (int64_t i = 0; i < n; ++i) {
+    const float r = RoundBf16(in[i]);
+    uint32_t u;
+    std::memcpy(&u, &r, sizeof(u));
+    out[i] = static_cast<uint16_t>(u >> 16);
+  }
+}
+
+void CpuBackend::UnpackBf16(const uint16_t* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(in[i]) << 16;
+    std::memcpy(&out[i], &u, sizeof(float));
+  }
+}
+
+// ---- elementwise ------------------------------------------------------------------------------
+
+void CpuBackend::Add(const float* a, const float* b, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+void CpuBackend::Axpy(float alpha, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// ---- embedding --------------------------------------------------------------------------------
+
+void CpuBackend::EmbeddingForward(const int32_t* tokens, int64_t N, const float* table, int64_t C,
+                                  float* out) {
+  // out (N, C) = table (V, C) [tokens (N)]
+  for (int64_t i = 0; i < N; ++i) {
+    FSDP8_CPU_CHECK(tokens[i] >= 0);
+    std::memcpy(out + i * C, table + static_cast<int64_t>(tokens[i]) * C, sizeof(float) * C);
+  }
+}
+
+void CpuBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const float* dout, int64_t C,
+                                   float* dtable) {
+  // dtable (V, C) += dout (N, C) scattered by tokens, rows visited in order i = 0..N-1.
+  for (int64_t i = 0; i < N; ++i) {
+    FSDP8_CPU_CHECK(tokens[i] >= 0);
+    float* row = dtable + static_cast<int64_t>(tokens[i]) * C;
+    const float* d = dout + i * C;
+    for (int64_t c = 0; c < C; ++c) row[c] += d[c];
+  }
+}
+
+// ---- RMSNorm ----------------------------------------------------------------------------------
+
+void CpuBackend::RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                                float* y, float* rstd) {
+  // x, y (N, C); w (C); rstd (N) = 1 / sqrt(mean(x^2) + eps)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xr = x + n * C;
+    float ss = 0.0f;
+    for (int64_t c = 0; c < C; ++c) ss += xr[c] * xr[c];
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(C) + eps);
+    rstd[n] = r;
+    float* yr = y + n * C;
+    for (int64_t c = 0; c < C; ++c) yr[c] = (xr[c] * r) * w[c];
+  }
+}
+
+void CpuBackend::RmsNormBackward(const float* dy, const float* x, const float* w,
+                                 const float* rstd, int64_t N, int64_t C, float* dx, float* dw) {
+  // y_c = x_c r w_c with r = (mean(x^2) + eps)^(-1/2), dr/dx_c = -r^3 x_c / C, so
+  // dx_c = r w_c dy_c - (r^3 / C) x_c sum_k dy_k w_k x_k;   dw_c += sum_n dy_nc x_nc r_n.
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xr = x + n * C;
+    const float* dyr = dy + n * C;
+    float* dxr = dx + n * C;
+    const float r = rstd[n];
+    float dot = 0.0f;
+    for (int64_t c = 0; c < C; ++c) dot += dyr[c] * w[c] * xr[c];
+    const float k = r * r * r * dot / static_cast<float>(C);
+    for (int64_t c = 0; c < C; ++c) {
+      dxr[c] = r * w[c] * dyr[c] - k * xr[c];
+      dw[c] += dyr[c] * xr[c] * r;
+    }
+  }
+}
+
+// ---- RoPE -------------------------------------------------------------------------------------
+
+void CpuBackend::RopeTables(int64_t T, int64_t D, float theta) {
+  if (T == rope_T_ && D == rope_D_ && theta == rope_theta_) return;
+  // As Hugging Face computes them: inv_freq_i = theta^(-2i/D) and angle = t * inv_freq_i, both
+  // rounded to f32; cos/sin of that f32 angle, rounded to f32. (T, D/2)
+  const int64_t half = D / 2;
+  rope_cos_.assign(static_cast<size_t>(T * half), 0.0f);
+  rope_sin_.assign(static_cast<size_t>(T * half), 0.0f);
+  for (int64_t i = 0; i < half; ++i) {
+    const float inv_freq = static_cast<float>(
+        1.0 / std::pow(static_cast<double>(theta), static_cast<double>(2 * i) / D));
+    for (int64_t t = 0; t < T; ++t) {
+      const float angle = static_cast<float>(t) * inv_freq;
+      rope_cos_[t * half + i] = static_cast<float>(std::cos(static_cast<double>(angle)));
+      rope_sin_[t * half + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
+    }
+  }
+  rope_T_ = T;
+  rope_D_ = D;
+  rope_theta_ = theta;
+}
+
+void CpuBackend::RopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                           float sign) {
+  FSDP8_CPU_CHECK(D % 2 == 0);
+  RopeTables(T, D, theta);
+  const int64_t half = D / 2;
+  // x (B, T, H, D): rotate the pair (x[i], x[i + D/2]) by sign * angle(t, i).
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* cs = rope_cos_.data() + t * half;
+      const float* sn = rope_sin_.data() + t * half;
+      for (int64_t h = 0; h < H; ++h) {
+        float* xh = x + ((b * T + t) * H + h) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = xh[i];
+          const float x2 = xh[i + half];
+          const float s = sign * sn[i];
+          xh[i] = x1 * cs[i] - x2 * s;
+          xh[i + half] = x2 * cs[i] + x1 * s;
+        }
+      }
+    }
+  }
+}
+
+void CpuBackend::RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
+  RopeApply(x, B, T, H, D, theta, 1.0f);
+}
+
+void CpuBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D,
+                              float theta) {
+  // The rotation is orthogonal: its Jacobian transpose is the rotation by -angle.
+  RopeApply(dx, B, T, H, D, theta, -1.0f);
+}
+
+// ---- attention --------------------------------------------------------------------------------
+
+void CpuBackend::AttentionForward(const float* q, const float* k, const float* v, int64_t B,
+                                  int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
+                                  float* lse) {
+  FSDP8_CPU_CHECK(Hkv > 0 && H % Hkv == 0);
+  if (B == 0 || T == 0 || H == 0) return;
+  const int64_t group = H / Hkv;
+  const int64_t ldq = H * D;    // row stride of q/out for one head: (T, D) with stride H*D
+  const int64_t ldk = Hkv * D;  // row stride of k/v for one kv head
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  float* P = Scratch(2, T * T);  // (T, T) scores, then probabilities; row i valid on [0, i1)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / group;
+      const float* qh = q + b * T * ldq + h * D;
+      const float* kg = k + b * T * ldk + g * D;
+      const float* vg = v + b * T * ldk + g * D;
+      float* oh = out + b * T * ldq + h * D;
+      float* lh = lse + (b * H + h) * T;
+      for (int64_t i0 = 0; i0 < T; i0 += kAttnBlock) {
+        const int64_t i1 = std::min(T, i0 + kAttnBlock);
+        // S[i0:i1, 0:i1] = scale * Q[i0:i1] · K[0:i1]^T
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale,
+                    qh + i0 * ldq, ldq, kg, ldk, 0.0f, P + i0 * T, T);
+        for (int64_t i = i0; i < i1; ++i) {
+          float* row = P + i * T;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t j = 0; j <= i; ++j) mx = std::max(mx, row[j]);
+          float sum = 0.0f;
+          for (int64_t j = 0; j <= i; ++j) {
+            row[j] = std::exp(row[j] - mx);
+            sum += row[j];
+          }
+          const float inv = 1.0f / sum;
+          for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
+          for (int64_t j = i + 1; j < i1; ++j) row[j] = 0.0f;  // causal mask
+          lh[i] = mx + std::log(sum);
+        }
+        // O[i0:i1] = P[i0:i1, 0:i1] · V[0:i1]
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, P + i0 * T,
+                    T, vg, ldk, 0.0f, oh + i0 * ldq, ldq);
+      }
+    }
+  }
+}
+
+void CpuBackend::AttentionBackward(const float* q, const float* k, const float* v,
+                                   const float* out, const float* dout, const float* lse,
+                                   int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                   float* dq, float* dk, float* dv) {
+  FSDP8_CPU_CHECK(Hkv > 0 && H % Hkv == 0);
+  if (B == 0 || T == 0 || H == 0) return;
+  const int64_t group = H / Hkv;
+  const int64_t ldq = H * D;
+  const int64_t ldk = Hkv * D;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  std::memset(dk, 0, sizeof(float) * B * T * ldk);
+  std::memset(dv, 0, sizeof(float) * B * T * ldk);
+  float* P = Scratch(2, T * T);   // (T, T) probabilities recomputed from lse
+  float* dS = Scratch(3, T * T);  // (T, T) dP, then scale * dS
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / group;
+      const float* qh = q + b * T * ldq + h * D;
+      const float* kg = k + b * T * ldk + g * D;
+      const float* vg = v + b * T * ldk + g * D;
+      const float* oh = out + b * T * ldq + h * D;
+      const float* doh = dout + b * T * ldq + h * D;
+      const float* lh = lse + (b * H + h) * T;
+      float* dqh = dq + b * T * ldq + h * D;
+      float* dkg = dk + b * T * ldk + g * D;
+      float* dvg = dv + b * T * ldk + g * D;
+      for (int64_t i0 = 0; i0 < T; i0 += kAttnBlock) {
+        const int64_t i1 = std::min(T, i0 + kAttnBlock);
+        // P[i0:i1, 0:i1] = exp(scale * Q K^T - lse), zero above the diagonal.
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale,
+                    qh + i0 * ldq, ldq, kg, ldk, 0.0f, P + i0 * T, T);
+        // dP[i0:i1, 0:i1] = dO[i0:i1] · V[0:i1]^T
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, 1.0f,
+                    doh + i0 * ldq, ldq, vg, ldk, 0.0f, dS + i0 * T, T);
+        for (int64_t i = i0; i < i1; ++i) {
+          float* prow = P + i * T;
+          float* srow = dS + i * T;
+          // delta_i = sum_j P_ij dP_ij = dO_i · O_i
+          float delta = 0.0f;
+          for (int64_t d = 0; d < D; ++d) delta += doh[i * ldq + d] * oh[i * ldq + d];
+          for (int64_t j = 0; j <= i; ++j) {
+            prow[j] = std::exp(prow[j] - lh[i]);
+            srow[j] = scale * prow[j] * (srow[j] - delta);  // d(raw score) incl. the 1/sqrt(D)
+          }
+          for (int64_t j = i + 1; j < i1; ++j) {
+            prow[j] = 0.0f;
+            srow[j] = 0.0f;
+          }
+        }
+        // dQ[i0:i1] = dS[i0:i1, 0:i1] · K[0:i1]
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, dS + i0 * T,
+                    T, kg, ldk, 0.0f, dqh + i0 * ldq, ldq);
+      }
+      // Column blocks for dK/dV: keys [j0, j1) are used by queries [j0, T) only, and every row
+      // block at or below j0 has these columns filled (zeros above the diagonal).
+      for (int64_t j0 = 0; j0 < T; j0 += kAttnBlock) {
+        const int64_t j1 = std::min(T, j0 + kAttnBlock);
+        // dK[j0:j1] += dS[j0:T, j0:j1]^T · Q[j0:T]
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f,
+                    dS + j0 * T + j0, T, qh + j0 * ldq, ldq, 1.0f, dkg + j0 * ldk, ldk);
+        // dV[j0:j1] += P[j0:T, j0:j1]^T · dO[j0:T]
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f,
+                    P + j0 * T + j0, T, doh + j0 * ldq, ldq, 1.0f, dvg + j0 * ldk, ldk);
+      }
+    }
+  }
+}
+
+// ---- SwiGLU -----------------------------------------------------------------------------------
+
+void CpuBackend::SwigluForward(const float* gate, const float* up, int64_t n, float* h) {
+  for (int64_t i = 0; i < n; ++i) h[i] = gate[i] * Sigmoid(gate[i]) * up[i];
+}
+
+void CpuBackend::SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
+                                float* dgate, float* dup) {
+  // h = g s(g) u:  dh/dg = u (s + g s (1 - s)),  dh/du = g s.
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    const float s = Sigmoid(g);
+    const float d = dh[i];
+    const float u = up[i];
+    dgate[i] = d * u * (s + g * s * (1.0f - s));
+    dup[i] = d * g * s;
+  }
+}
+
+// ---- cross-entropy ----------------------------------------------------------------------------
+
+void CpuBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
+                                             int64_t V, float grad_scale, float* losses) {
+  // logits (N, V) -> dlogits; losses (N) = logsumexp(row) - row[target]
+  for (int64_t n = 0; n < N; ++n) {
+    float* row = logits + n * V;
+    const int32_t tgt = targets[n];
+    FSDP8_CPU_CHECK(tgt >= 0 && tgt < V);
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < V; ++j) mx = std::max(mx, row[j]);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < V; ++j) sum += std::exp(row[j] - mx);
+    const float log_sum = std::log(sum);
+    losses[n] = mx + log_sum - row[tgt];
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j < V; ++j) row[j] = std::exp(row[j] - mx) * inv * grad_scale;
+    row[tgt] -= grad_scale;
+  }
+}
+
+// ---- optimizer --------------------------------------------------------------------------------
+
+void CpuBackend::SumSquares(const float* x, int64_t n, float* out) {
+  double s = 0.0;
+  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
+  out[0] = static_cast<float>(static_cast<double>(out[0]) + s);
+}
+
+void CpuBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
+                       float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                       float grad_scale) {
+  FSDP8_CPU_CHECK(step >= 1);
+  // torch.optim.AdamW (single-tensor path): scalars in double, then the f32 tensor ops
+  //   p *= 1 - lr*wd;  m.lerp_(g, 1-b1);  v = b2 v + (1-b2) g^2;
+  //   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps),  bc_k = 1 - b_k^t.
+  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
+  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
+  const float w1 = static_cast<float>(1.0 - beta1);
+  const float w2 = static_cast<float>(1.0 - beta2);
+  const float step_size = static_cast<float>(lr / bc1);
+  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * grad_scale;
+    p[i] *= decay;
+    m[i] = w1 < 0.5f ? m[i] + w1 * (gi - m[i]) : gi - (gi - m[i]) * (1.0f - w1);
+    v[i] = v[i] * beta2 + w2 * gi * gi;
+    const float denom = std::sqrt(v[i]) / bc2_sqrt + eps;
+    p[i] -= step_size * (m[i] / denom);
+  }
+}
+
+}  // namespace fsdp8
