@@ -511,6 +511,31 @@ absl::Status ValueToJson(const YAML::Node& n, const FieldDescriptor* f, const st
                            f->cpp_type() != FieldDescriptor::CPPTYPE_FLOAT;
       std::string json;
       if (NumberToJson(v, integer, &json)) {
+        if (integer) {
+          // json is a plain decimal integer here; check it fits the field's type.
+          const bool neg = json[0] == '-';
+          errno = 0;
+          const long long sv = neg ? std::strtoll(json.c_str(), nullptr, 10) : 0;
+          const unsigned long long uv = neg ? 0 : std::strtoull(json.c_str(), nullptr, 10);
+          bool fits = errno == 0;
+          switch (f->cpp_type()) {
+            case FieldDescriptor::CPPTYPE_INT32:
+              fits = fits && (neg ? sv >= INT32_MIN : uv <= static_cast<unsigned long long>(INT32_MAX));
+              break;
+            case FieldDescriptor::CPPTYPE_INT64:
+              fits = fits && (neg || uv <= static_cast<unsigned long long>(INT64_MAX));
+              break;
+            case FieldDescriptor::CPPTYPE_UINT32:
+              fits = fits && !neg && uv <= UINT32_MAX;
+              break;
+            default:  // UINT64
+              fits = fits && !neg;
+          }
+          if (!fits) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                path, ": out of range for ", f->cpp_type_name(), " (got ", v, ")", Where(n)));
+          }
+        }
         *out += json;
         return absl::OkStatus();
       }

@@ -1,0 +1,455 @@
+// Job spec defaults, validation rules (code and message per rule) and YAML/JSON parsing.
+#include "common/spec.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <limits>
+
+#include <google/protobuf/util/message_differencer.h>
+#include <gtest/gtest.h>
+
+#include "common/token_shard.h"
+
+namespace fsdp8 {
+namespace {
+
+v1::JobSpec Valid() {
+  v1::JobSpec s;
+  s.mutable_data()->set_train_path("/data/train.bin");
+  return WithDefaults(s, 2);
+}
+
+TEST(Spec, Defaults) {
+  v1::JobSpec s;
+  const v1::JobSpec d = WithDefaults(s, 2);
+  EXPECT_EQ(d.model().d_model(), 128);
+  EXPECT_EQ(d.model().n_layers(), 4);
+  EXPECT_EQ(d.model().n_heads(), 4);
+  EXPECT_EQ(d.model().n_kv_heads(), 4);
+  EXPECT_EQ(d.model().ffn_dim(), 384);
+  EXPECT_EQ(d.model().vocab_size(), 256);
+  EXPECT_EQ(d.model().seq_len(), 256);
+  EXPECT_EQ(d.model().rope_theta(), 10000.0);
+  EXPECT_EQ(d.model().norm_eps(), 1e-5);
+  EXPECT_EQ(d.optimizer().peak_lr(), 3e-3);
+  EXPECT_EQ(d.optimizer().min_lr_ratio(), 0.1);
+  EXPECT_EQ(d.optimizer().warmup_steps(), 30);  // 5% of 600
+  EXPECT_EQ(d.optimizer().beta1(), 0.9);
+  EXPECT_EQ(d.optimizer().beta2(), 0.95);
+  EXPECT_EQ(d.optimizer().eps(), 1e-8);
+  EXPECT_EQ(d.optimizer().weight_decay(), 0.1);
+  EXPECT_EQ(d.optimizer().grad_clip(), 1.0);
+  EXPECT_EQ(d.training().steps(), 600);
+  EXPECT_EQ(d.training().global_batch(), 16);
+  EXPECT_EQ(d.training().microbatch(), 8);  // 16 / 2
+  EXPECT_EQ(d.training().seed(), 1234u);
+  EXPECT_EQ(d.training().eval_every(), 100);
+  EXPECT_EQ(d.training().eval_batches(), 4);
+  EXPECT_EQ(d.sharding().min_workers(), 1);
+  EXPECT_EQ(d.sharding().max_workers(), 1);
+  EXPECT_EQ(d.sharding().alignment(), 16);
+  EXPECT_EQ(d.precision().linears(), v1::PRECISION_FP8);
+  EXPECT_EQ(d.precision().embedding(), v1::PRECISION_BF16);
+  EXPECT_EQ(d.precision().lm_head(), v1::PRECISION_BF16);
+  EXPECT_EQ(d.precision().fp8().recipe(), v1::SCALING_RECIPE_DELAYED);
+  EXPECT_EQ(d.precision().fp8().format(), v1::FP8_FORMAT_HYBRID);
+  EXPECT_EQ(d.precision().fp8().amax_history_len(), 16);
+  EXPECT_EQ(d.precision().fp8().amax_algorithm(), v1::AMAX_ALGORITHM_MAX);
+  EXPECT_EQ(d.precision().fp8().margin(), 0);
+  EXPECT_EQ(d.backend(), "cpu");
+  // world_size 0: microbatch left unset.
+  EXPECT_FALSE(WithDefaults(s, 0).training().has_microbatch());
+}
+
+TEST(Spec, DefaultsKeepExplicitValues) {
+  v1::JobSpec s;
+  s.mutable_model()->set_d_model(0);  // explicit 0 stays 0 (and is refused by ValidateSpec)
+  s.mutable_model()->set_n_heads(8);
+  s.mutable_training()->set_steps(10);
+  s.mutable_training()->set_global_batch(12);
+  s.mutable_sharding()->set_min_workers(3);
+  const v1::JobSpec d = WithDefaults(s, 3);
+  EXPECT_TRUE(d.model().has_d_model());
+  EXPECT_EQ(d.model().d_model(), 0);
+  EXPECT_EQ(d.model().n_kv_heads(), 8);        // follows n_heads
+  EXPECT_EQ(d.optimizer().warmup_steps(), 1);  // round(0.5) = 1
+  EXPECT_EQ(d.training().microbatch(), 4);     // 12 / 3
+  EXPECT_EQ(d.sharding().max_workers(), 3);    // follows min_workers
+  EXPECT_EQ(WithDefaults(d, 3).SerializeAsString(), d.SerializeAsString());  // idempotent
+}
+
+TEST(Spec, DefaultSpecIsValid) {
+  EXPECT_TRUE(ValidateSpec(Valid(), 2, {}, false).ok()) << ValidateSpec(Valid(), 2, {}, false);
+  EXPECT_TRUE(ValidateSpec(Valid(), 0, {}, false).ok());
+  v1::JobSpec s;
+  s.mutable_data()->set_train_path("/data/train.bin");
+  for (int w : {1, 2, 4, 8, 16}) EXPECT_TRUE(ValidateSpec(s, w, {}, false).ok()) << w;
+}
+
+TEST(Spec, DerivedBatchSizes) {
+  v1::JobSpec s = Valid();
+  s.mutable_training()->set_microbatch(2);
+  EXPECT_EQ(LocalBatch(s, 2), 8);
+  EXPECT_EQ(Microbatches(s, 2), 4);
+  EXPECT_EQ(LocalBatch(s, 4), 4);
+  EXPECT_EQ(Microbatches(s, 4), 2);
+  v1::JobSpec d;  // microbatch defaulted: one microbatch per step
+  EXPECT_EQ(Microbatches(d, 2), 1);
+}
+
+TEST(Spec, LayerLinearPrecision) {
+  v1::JobSpec s = Valid();
+  auto* o = s.mutable_precision()->add_overrides();
+  o->set_layer(2);
+  o->set_linears(v1::PRECISION_BF16);
+  EXPECT_EQ(LayerLinearPrecision(s, 0), v1::PRECISION_FP8);
+  EXPECT_EQ(LayerLinearPrecision(s, 2), v1::PRECISION_BF16);
+  s.mutable_precision()->set_linears(v1::PRECISION_FP32);
+  EXPECT_EQ(LayerLinearPrecision(s, 1), v1::PRECISION_FP32);
+  EXPECT_EQ(LayerLinearPrecision(v1::JobSpec(), 0), v1::PRECISION_FP8);
+}
+
+// ---- one case per rule ------------------------------------------------------------------------
+
+struct RuleCase {
+  std::string name;
+  std::function<void(v1::JobSpec*)> mutate;
+  int world_size;
+  std::vector<std::string> want;  // substrings of the message: field path first, then rule words
+};
+
+class ValidateRule : public ::testing::TestWithParam<RuleCase> {};
+
+TEST_P(ValidateRule, RefusedWithFieldAndRule) {
+  const RuleCase& c = GetParam();
+  v1::JobSpec s = Valid();
+  c.mutate(&s);
+  const absl::Status st = ValidateSpec(s, c.world_size, {}, false);
+  ASSERT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  const std::string msg(st.message());
+  EXPECT_EQ(msg.rfind(c.want[0] + ":", 0), 0u) << msg;  // starts with "<field.path>:"
+  for (const std::string& w : c.want) EXPECT_NE(msg.find(w), std::string::npos) << msg << " / " << w;
+}
+
+const double kInf = std::numeric_limits<double>::infinity();
+const double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+std::vector<RuleCase> Rules() {
+  std::vector<RuleCase> r;
+  auto add = [&](std::string name, std::function<void(v1::JobSpec*)> f, int w,
+                 std::vector<std::string> want) { r.push_back({name, f, w, want}); };
+  add("DModelZero", [](v1::JobSpec* s) { s->mutable_model()->set_d_model(0); }, 2,
+      {"model.d_model", "must be > 0", "got 0"});
+  add("NLayersNegative", [](v1::JobSpec* s) { s->mutable_model()->set_n_layers(-1); }, 2,
+      {"model.n_layers", "must be > 0"});
+  add("NHeadsZero", [](v1::JobSpec* s) { s->mutable_model()->set_n_heads(0); }, 2,
+      {"model.n_heads", "must be > 0"});
+  add("NKvHeadsZero", [](v1::JobSpec* s) { s->mutable_model()->set_n_kv_heads(0); }, 2,
+      {"model.n_kv_heads", "must be > 0"});
+  add("FfnDimZero", [](v1::JobSpec* s) { s->mutable_model()->set_ffn_dim(0); }, 2,
+      {"model.ffn_dim", "must be > 0"});
+  add("VocabZero", [](v1::JobSpec* s) { s->mutable_model()->set_vocab_size(0); }, 2,
+      {"model.vocab_size", "must be > 0"});
+  add("SeqLenZero", [](v1::JobSpec* s) { s->mutable_model()->set_seq_len(0); }, 2,
+      {"model.seq_len", "must be > 0"});
+  add("DModelNotDivisibleByHeads", [](v1::JobSpec* s) { s->mutable_model()->set_d_model(130); }, 2,
+      {"model.d_model", "model.d_model: must be divisible by model.n_heads (130 % 4 != 0)"});
+  add("HeadDimOdd", [](v1::JobSpec* s) { s->mutable_model()->set_d_model(12); }, 2,
+      {"model.d_model", "must be even", "RoPE", "12 / 4 = 3"});
+  add("HeadsNotDivisibleByKvHeads",
+      [](v1::JobSpec* s) { s->mutable_model()->set_n_kv_heads(3); }, 2,
+      {"model.n_heads", "divisible by model.n_kv_heads", "4 % 3 != 0"});
+  add("VocabTooLarge", [](v1::JobSpec* s) { s->mutable_model()->set_vocab_size(65537); }, 2,
+      {"model.vocab_size", "<= 65536", "uint16"});
+  add("RopeThetaZero", [](v1::JobSpec* s) { s->mutable_model()->set_rope_theta(0); }, 2,
+      {"model.rope_theta", "must be > 0"});
+  add("NormEpsNegative", [](v1::JobSpec* s) { s->mutable_model()->set_norm_eps(-1); }, 2,
+      {"model.norm_eps", "must be > 0"});
+  add("StepsZero", [](v1::JobSpec* s) { s->mutable_training()->set_steps(0); }, 2,
+      {"training.steps", "must be > 0"});
+  add("GlobalBatchZero", [](v1::JobSpec* s) { s->mutable_training()->set_global_batch(0); }, 2,
+      {"training.global_batch", "must be > 0"});
+  add("MicrobatchZero", [](v1::JobSpec* s) { s->mutable_training()->set_microbatch(0); }, 2,
+      {"training.microbatch", "must be > 0"});
+  add("EvalEveryNegative", [](v1::JobSpec* s) { s->mutable_training()->set_eval_every(-1); }, 2,
+      {"training.eval_every", "must be >= 0"});
+  add("EvalBatchesZero", [](v1::JobSpec* s) { s->mutable_training()->set_eval_batches(0); }, 2,
+      {"training.eval_batches", "must be > 0"});
+  add("GlobalBatchNotDivisible",
+      [](v1::JobSpec* s) { s->mutable_training()->set_microbatch(4); }, 3,
+      {"training.global_batch", "divisible by world_size * training.microbatch",
+       "16 % (3 * 4) != 0"});
+  add("GlobalBatchSmallerThanWorld", [](v1::JobSpec* s) { s->mutable_training()->clear_microbatch(); },
+      32, {"training.global_batch", "divisible by world_size", "16 % (32 * 1) != 0"});
+  add("PeakLrZero", [](v1::JobSpec* s) { s->mutable_optimizer()->set_peak_lr(0); }, 2,
+      {"optimizer.peak_lr", "must be > 0 and finite"});
+  add("PeakLrInf", [](v1::JobSpec* s) { s->mutable_optimizer()->set_peak_lr(kInf); }, 2,
+      {"optimizer.peak_lr", "finite"});
+  add("PeakLrNaN", [](v1::JobSpec* s) { s->mutable_optimizer()->set_peak_lr(kNaN); }, 2,
+      {"optimizer.peak_lr", "finite"});
+  add("MinLrRatioAboveOne", [](v1::JobSpec* s) { s->mutable_optimizer()->set_min_lr_ratio(1.5); }, 2,
+      {"optimizer.min_lr_ratio", "in [0, 1]"});
+  add("WarmupBeyondSteps", [](v1::JobSpec* s) { s->mutable_optimizer()->set_warmup_steps(601); }, 2,
+      {"optimizer.warmup_steps", "in [0, training.steps]"});
+  add("WarmupNegative", [](v1::JobSpec* s) { s->mutable_optimizer()->set_warmup_steps(-1); }, 2,
+      {"optimizer.warmup_steps", "in [0, training.steps]"});
+  add("Beta1One", [](v1::JobSpec* s) { s->mutable_optimizer()->set_beta1(1.0); }, 2,
+      {"optimizer.beta1", "in [0, 1)"});
+  add("Beta2Negative", [](v1::JobSpec* s) { s->mutable_optimizer()->set_beta2(-0.1); }, 2,
+      {"optimizer.beta2", "in [0, 1)"});
+  add("EpsZero", [](v1::JobSpec* s) { s->mutable_optimizer()->set_eps(0); }, 2,
+      {"optimizer.eps", "must be > 0"});
+  add("WeightDecayNegative", [](v1::JobSpec* s) { s->mutable_optimizer()->set_weight_decay(-0.1); },
+      2, {"optimizer.weight_decay", "must be >= 0"});
+  add("GradClipNegative", [](v1::JobSpec* s) { s->mutable_optimizer()->set_grad_clip(-1); }, 2,
+      {"optimizer.grad_clip", "must be >= 0"});
+  add("MinWorkersZero", [](v1::JobSpec* s) { s->mutable_sharding()->set_min_workers(0); }, 2,
+      {"sharding.min_workers", "must be >= 1"});
+  add("MaxBelowMin", [](v1::JobSpec* s) {
+        s->mutable_sharding()->set_min_workers(3);
+        s->mutable_sharding()->set_max_workers(2);
+      }, 2, {"sharding.max_workers", "must be >= sharding.min_workers", "2 < 3"});
+  add("AlignmentZero", [](v1::JobSpec* s) { s->mutable_sharding()->set_alignment(0); }, 2,
+      {"sharding.alignment", "must be >= 1"});
+  add("EmbeddingFp8", [](v1::JobSpec* s) { s->mutable_precision()->set_embedding(v1::PRECISION_FP8); },
+      2, {"precision.embedding", "precision.embedding: must be BF16 or FP32"});
+  add("LmHeadFp8", [](v1::JobSpec* s) { s->mutable_precision()->set_lm_head(v1::PRECISION_FP8); }, 2,
+      {"precision.lm_head", "must be BF16 or FP32"});
+  add("HistoryLenZero",
+      [](v1::JobSpec* s) { s->mutable_precision()->mutable_fp8()->set_amax_history_len(0); }, 2,
+      {"precision.fp8.amax_history_len", "must be >= 1"});
+  add("MarginNegative", [](v1::JobSpec* s) { s->mutable_precision()->mutable_fp8()->set_margin(-1); },
+      2, {"precision.fp8.margin", "must be >= 0"});
+  add("OverrideLayerOutOfRange", [](v1::JobSpec* s) {
+        auto* o = s->mutable_precision()->add_overrides();
+        o->set_layer(4);
+        o->set_linears(v1::PRECISION_BF16);
+      }, 2, {"precision.overrides[0].layer", "must be in [0, model.n_layers)", "4 not in [0, 4)"});
+  add("OverrideLayerNegative", [](v1::JobSpec* s) {
+        auto* o = s->mutable_precision()->add_overrides();
+        o->set_layer(-1);
+        o->set_linears(v1::PRECISION_BF16);
+      }, 2, {"precision.overrides[0].layer", "must be in [0, model.n_layers)"});
+  add("OverrideDuplicate", [](v1::JobSpec* s) {
+        for (int i = 0; i < 2; ++i) {
+          auto* o = s->mutable_precision()->add_overrides();
+          o->set_layer(1);
+          o->set_linears(v1::PRECISION_BF16);
+        }
+      }, 2, {"precision.overrides[1].layer", "duplicate override", "precision.overrides[0]"});
+  add("OverrideUnspecified", [](v1::JobSpec* s) {
+        s->mutable_precision()->add_overrides()->set_layer(0);
+      }, 2, {"precision.overrides[0].linears", "must be set"});
+  add("BackendUnknown", [](v1::JobSpec* s) { s->set_backend("tpu"); }, 2,
+      {"backend", "must be \"cpu\" or \"cuda\"", "tpu"});
+  add("TrainPathMissing", [](v1::JobSpec* s) { s->mutable_data()->clear_train_path(); }, 2,
+      {"data.train_path", "data.train_path: required"});
+  return r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Spec, ValidateRule, ::testing::ValuesIn(Rules()),
+                         [](const ::testing::TestParamInfo<RuleCase>& i) { return i.param.name; });
+
+TEST(Spec, CudaBackendAccepted) {
+  v1::JobSpec s = Valid();
+  s.set_backend("cuda");
+  EXPECT_TRUE(ValidateSpec(s, 2, {}, false).ok());
+}
+
+TEST(Spec, DataRoots) {
+  const std::vector<std::string> roots = {"/data", "/srv/corpora/"};
+  v1::JobSpec s = Valid();
+  EXPECT_TRUE(ValidateSpec(s, 2, roots, false).ok());
+  s.mutable_data()->set_train_path("/srv/corpora/a/./b/train.bin");
+  EXPECT_TRUE(ValidateSpec(s, 2, roots, false).ok());
+  for (const char* bad : {"/etc/passwd", "/data/../etc/passwd", "/data2/train.bin", "/srv/corp"}) {
+    s.mutable_data()->set_train_path(bad);
+    const absl::Status st = ValidateSpec(s, 2, roots, false);
+    ASSERT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_EQ(std::string(st.message()),
+              "data.train_path: must lie under one of the data roots (/data, /srv/corpora/)")
+        << bad;
+  }
+  s.mutable_data()->set_train_path("data/train.bin");  // relative
+  EXPECT_NE(std::string(ValidateSpec(s, 2, roots, false).message()).find("data.train_path: must be "
+                                                                         "an absolute path"),
+            std::string::npos);
+  s.mutable_data()->set_train_path("/data/train.bin");
+  s.mutable_data()->set_val_path("/tmp/val.bin");
+  const absl::Status st = ValidateSpec(s, 2, roots, false);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(std::string(st.message()).rfind("data.val_path: must lie under", 0), 0u) << st;
+  // No roots: anything goes.
+  EXPECT_TRUE(ValidateSpec(s, 2, {}, false).ok());
+}
+
+TEST(Spec, CheckFiles) {
+  const std::string dir = ::testing::TempDir();
+  const std::string good = dir + "/fsdp8_spec_good_" + std::to_string(getpid()) + ".bin";
+  const std::string small = dir + "/fsdp8_spec_small_" + std::to_string(getpid()) + ".bin";
+  ASSERT_TRUE(WriteTokenShard(good, std::vector<uint16_t>(258, 1)).ok());  // > 256 + 1
+  ASSERT_TRUE(WriteTokenShard(small, std::vector<uint16_t>(257, 1)).ok()); // == seq_len + 1
+  v1::JobSpec s = Valid();
+  s.mutable_data()->set_train_path(good);
+  EXPECT_TRUE(ValidateSpec(s, 2, {}, true).ok()) << ValidateSpec(s, 2, {}, true);
+  s.mutable_data()->set_val_path(small);
+  absl::Status st = ValidateSpec(s, 2, {}, true);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(std::string(st.message()).rfind("data.val_path: too few tokens", 0), 0u) << st;
+  s.mutable_data()->set_val_path("");
+  s.mutable_data()->set_train_path(dir + "/does_not_exist.bin");
+  st = ValidateSpec(s, 2, {}, true);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(std::string(st.message()).rfind("data.train_path: must be a readable token shard", 0), 0u)
+      << st;
+  EXPECT_NE(std::string(st.message()).find("does_not_exist.bin"), std::string::npos);
+  // Not checked when check_files is false.
+  EXPECT_TRUE(ValidateSpec(s, 2, {}, false).ok());
+  std::remove(good.c_str());
+  std::remove(small.c_str());
+}
+
+// ---- parsing ----------------------------------------------------------------------------------
+
+const char* kYaml = R"(
+name: tiny
+model:
+  d_model: 64
+  n_layers: 2
+  rope_theta: 500000.0
+  norm_eps: 1e-6
+data:
+  train_path: /data/train.bin
+  val_path: "/data/val.bin"
+training:
+  seed: 18446744073709551615
+  microbatch: 4
+optimizer:
+  peak_lr: 0.001
+  warmup_steps: 0
+precision:
+  linears: fp8
+  embedding: FP32
+  lm_head: precision_bf16
+  fp8:
+    recipe: current
+    format: E4M3
+    amax_algorithm: most_recent
+    margin: 1
+  overrides:
+    - layer: 1
+      linears: bf16
+    - {layer: 0, linears: Fp32}
+backend: cpu
+)";
+
+const char* kJson = R"({
+  "name": "tiny",
+  "model": {"dModel": 64, "n_layers": 2, "ropeTheta": 500000, "normEps": 0.000001},
+  "data": {"trainPath": "/data/train.bin", "val_path": "/data/val.bin"},
+  "training": {"seed": "18446744073709551615", "microbatch": 4},
+  "optimizer": {"peakLr": 1e-3, "warmupSteps": "0"},
+  "precision": {
+    "linears": "PRECISION_FP8", "embedding": "PRECISION_FP32", "lmHead": "PRECISION_BF16",
+    "fp8": {"recipe": "SCALING_RECIPE_CURRENT", "format": "FP8_FORMAT_E4M3",
+            "amaxAlgorithm": "AMAX_ALGORITHM_MOST_RECENT", "margin": 1},
+    "overrides": [{"layer": 1, "linears": "PRECISION_BF16"}, {"layer": 0, "linears": 3}]
+  },
+  "backend": "cpu"
+})";
+
+TEST(Spec, ParseYamlAndJsonAgree) {
+  auto y = ParseSpec(kYaml);
+  ASSERT_TRUE(y.ok()) << y.status();
+  auto j = ParseSpec(kJson);
+  ASSERT_TRUE(j.ok()) << j.status();
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(*y, *j))
+      << y->DebugString() << "\n---\n" << j->DebugString();
+  EXPECT_EQ(y->name(), "tiny");
+  EXPECT_EQ(y->model().d_model(), 64);
+  EXPECT_EQ(y->model().rope_theta(), 500000.0);
+  EXPECT_EQ(y->model().norm_eps(), 1e-6);
+  EXPECT_FALSE(y->model().has_n_heads());  // unset stays unset
+  EXPECT_EQ(y->data().val_path(), "/data/val.bin");
+  EXPECT_EQ(y->training().seed(), 18446744073709551615ull);
+  EXPECT_TRUE(y->optimizer().has_warmup_steps());
+  EXPECT_EQ(y->optimizer().warmup_steps(), 0);
+  EXPECT_EQ(y->precision().linears(), v1::PRECISION_FP8);
+  EXPECT_EQ(y->precision().embedding(), v1::PRECISION_FP32);
+  EXPECT_EQ(y->precision().lm_head(), v1::PRECISION_BF16);
+  EXPECT_EQ(y->precision().fp8().recipe(), v1::SCALING_RECIPE_CURRENT);
+  EXPECT_EQ(y->precision().fp8().format(), v1::FP8_FORMAT_E4M3);
+  EXPECT_EQ(y->precision().fp8().amax_algorithm(), v1::AMAX_ALGORITHM_MOST_RECENT);
+  EXPECT_EQ(y->precision().fp8().margin(), 1);
+  ASSERT_EQ(y->precision().overrides_size(), 2);
+  EXPECT_EQ(y->precision().overrides(0).linears(), v1::PRECISION_BF16);
+  EXPECT_EQ(y->precision().overrides(1).linears(), v1::PRECISION_FP32);
+}
+
+TEST(Spec, ParseShortEnumSpellingsOnlyOnEnumFields) {
+  auto s = ParseSpec("name: fp8\nbackend: cpu\nprecision: {linears: BF16, fp8: {recipe: Delayed, "
+                     "format: hybrid, amax_algorithm: MAX}}\n");
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->name(), "fp8");  // a string field is never rewritten
+  EXPECT_EQ(s->precision().linears(), v1::PRECISION_BF16);
+  EXPECT_EQ(s->precision().fp8().recipe(), v1::SCALING_RECIPE_DELAYED);
+  EXPECT_EQ(s->precision().fp8().format(), v1::FP8_FORMAT_HYBRID);
+  EXPECT_EQ(s->precision().fp8().amax_algorithm(), v1::AMAX_ALGORITHM_MAX);
+}
+
+TEST(Spec, ParseNumberLikeStringsStayStrings) {
+  auto s = ParseSpec("name: 123\ndata: {train_path: '0001'}\n");
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->name(), "123");
+  EXPECT_EQ(s->data().train_path(), "0001");
+}
+
+TEST(Spec, ParseExplicitZeroIsKept) {
+  auto s = ParseSpec("model: {d_model: 0}\ndata: {train_path: /d/t.bin}\n");
+  ASSERT_TRUE(s.ok());
+  EXPECT_TRUE(s->model().has_d_model());
+  const absl::Status st = ValidateSpec(*s, 1, {}, false);
+  EXPECT_EQ(std::string(st.message()).rfind("model.d_model: must be > 0", 0), 0u) << st;
+}
+
+void ExpectParseError(const std::string& text, const std::vector<std::string>& want) {
+  auto s = ParseSpec(text);
+  ASSERT_FALSE(s.ok()) << text;
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string msg(s.status().message());
+  for (const std::string& w : want) EXPECT_NE(msg.find(w), std::string::npos) << msg << " / " << w;
+}
+
+TEST(Spec, ParseUnknownFieldNamed) {
+  ExpectParseError("model:\n  dmodel: 3\n", {"unknown field \"dmodel\"", "model.dmodel", "line 2"});
+  ExpectParseError("{\"model\": {\"dModle\": 3}}", {"unknown field \"dModle\"", "model.dModle"});
+  ExpectParseError("foo: 1\n", {"unknown field \"foo\"", "line 1"});
+  ExpectParseError("precision:\n  overrides:\n    - {layer: 1, lin: bf16}\n",
+                   {"precision.overrides[0].lin", "unknown field \"lin\"", "line 3"});
+}
+
+TEST(Spec, ParseWrongTypes) {
+  ExpectParseError("model:\n  d_model: abc\n", {"model.d_model", "expected an integer", "abc", "line 2"});
+  ExpectParseError("model:\n  d_model: 1.5\n", {"model.d_model", "expected an integer"});
+  ExpectParseError("model: 3\n", {"model", "expected a mapping"});
+  ExpectParseError("optimizer: {peak_lr: fast}\n", {"optimizer.peak_lr", "expected a number"});
+  ExpectParseError("precision: {linears: fp16}\n", {"precision.linears", "unknown value \"fp16\""});
+  ExpectParseError("precision: {overrides: {layer: 1}}\n", {"precision.overrides", "expected a list"});
+  ExpectParseError("model: {d_model: 99999999999}\n", {"model.d_model", "out of range", "int32"});
+  ExpectParseError("training: {seed: -1}\n", {"training.seed", "out of range", "uint64"});
+  ExpectParseError("training: {steps: 9223372036854775808}\n", {"training.steps", "out of range"});
+  ExpectParseError("model: {d_model: 1, d_model: 2}\n", {"model.d_model"});
+}
+
+TEST(Spec, ParseMalformedGivesLine) {
+  ExpectParseError("model:\n  d_model: 3\n  n_layers: [1, 2\n", {"parse error", "line"});
+  ExpectParseError("{\"model\": {\"d_model\": 3,}", {"parse error", "line"});
+  ExpectParseError("", {"empty"});
+  ExpectParseError("- 1\n- 2\n", {"expected a mapping"});
+}
+
+}  // namespace
+}  // namespace fsdp8
