@@ -67,9 +67,25 @@ struct ShardPlan {
   bool Find(const std::string& name, int* unit, int* buffer, int* tensor) const;
 };
 
-// Builds the plan for a spec (defaults applied). INVALID_ARGUMENT for world_size < 1 or alignment < 1.
+// Builds the plan for a spec (WithDefaults(spec, world_size) is applied first). Tensors (Hugging
+// Face names, in this order): unit "embedding" = model.embed_tokens.weight (V, C) kNormal;
+// unit "layers.i" = input_layernorm (C) kOnes, self_attn.{q (C, C), k (Hkv*hd, C), v (Hkv*hd, C),
+// o (C, C)}_proj, post_attention_layernorm (C) kOnes, mlp.{gate (F, C), up (F, C), down (C, F)}_proj,
+// linears kKaimingUniform with fan_in = in_features; unit "head" = model.norm.weight (C) kOnes,
+// lm_head.weight (V, C) kKaimingUniform.
+// Wire dtypes: a block's linears follow LayerLinearPrecision (FP8 -> kFp8, BF16 -> kBf16,
+// FP32 -> kFp32); its two norms travel in fp32 when the linears are FP32, else in bf16; embedding
+// and head (both tensors) follow precision.embedding / precision.lm_head (BF16 or FP32).
+// padded_numel = ceil(numel / (world_size * alignment)) * world_size * alignment.
+// init_id = FNV-1a 64 of the tensor name (stable across builds and world sizes).
+// INVALID_ARGUMENT for world_size < 1, alignment < 1, or non-positive model sizes.
 absl::StatusOr<ShardPlan> MakeShardPlan(const v1::JobSpec& spec, int world_size);
-// Same, from an explicit tensor list per unit (used by tests for odd sizes such as 57 elements).
+// Same, from an explicit tensor list per unit (used by tests for odd sizes such as 57 elements):
+// units[u] = {name, lists}, where lists[d] holds the tensors of wire dtype WireDtype(d) (at most 3
+// lists; empty lists and zero-element buffers produce no buffer). A tensor's numel is the product of
+// its shape when 0; an empty shape becomes {numel}; init_id 0 becomes the name hash.
+// INVALID_ARGUMENT for world_size < 1, alignment < 1, more than 3 lists, a negative dimension,
+// numel != product of shape, or a duplicate tensor name.
 absl::StatusOr<ShardPlan> MakeShardPlan(const std::vector<std::pair<std::string,
                                         std::vector<std::vector<TensorSpec>>>>& units,
                                         int world_size, int alignment);
@@ -92,8 +108,12 @@ void Unpad(const BufferPlan& b, const T* gathered, T* full) {
   for (int64_t i = 0; i < b.numel; ++i) full[i] = gathered[i];
 }
 
-// The initial value of element `index` of tensor `t` under `seed`: a pure function (counter-based
-// RNG), identical whatever the world size.
+// The initial value of element `index` (row-major, within the tensor) of tensor `t` under `seed`:
+// a pure function (counter-based RNG), identical whatever the world size. With
+// h = SplitMix64(SplitMix64(SplitMix64(seed) ^ init_id) ^ index) (token_shard.h):
+//   kOnes: 1;  kKaimingUniform: (2u - 1) / sqrt(fan_in), u = (h >> 11) * 2^-53 in [0, 1);
+//   kNormal: Box-Muller sqrt(-2 ln u1) cos(2 pi u2), u1 = ((h >> 11) + 0.5) * 2^-53,
+//            u2 = (SplitMix64(h) >> 11) * 2^-53; computed in double, rounded to float.
 float InitValue(const TensorSpec& t, int64_t index, uint64_t seed);
 
 }  // namespace fsdp8
