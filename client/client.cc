@@ -1,0 +1,154 @@
+#include "client/client.h"
+
+#include <chrono>
+#include <cmath>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace fsdp8 {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+void SetDeadline(grpc::ClientContext* ctx, double seconds = 30) {
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
+}
+
+}  // namespace
+
+std::string FormatDuration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  if (s < 60) return absl::StrFormat("%.0fs", s);
+  int64_t t = static_cast<int64_t>(s + 0.5);
+  if (t < 3600) return absl::StrFormat("%dm%02ds", t / 60, t % 60);
+  return absl::StrFormat("%dh%02dm", t / 3600, (t % 3600) / 60);
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address) {
+  if (address.empty()) return absl::InvalidArgumentError("coordinator address: empty");
+  std::unique_ptr<Client> c(new Client());
+  c->address_ = address;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetMaxSendMessageSize(64 << 20);
+  c->channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  if (!c->channel_) return absl::UnavailableError(absl::StrCat("cannot create a channel to ", address));
+  c->jobs_ = v1::JobService::NewStub(c->channel_);
+  c->admin_ = v1::AdminService::NewStub(c->channel_);
+  return c;
+}
+
+absl::StatusOr<v1::Job> Client::Submit(const v1::JobSpec& spec, const std::string& request_id) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::SubmitJobRequest req;
+  req.set_request_id(request_id);
+  *req.mutable_spec() = spec;
+  v1::Job job;
+  if (auto s = FromGrpc(jobs_->SubmitJob(&ctx, req, &job)); !s.ok()) return s;
+  return job;
+}
+
+absl::StatusOr<v1::Job> Client::GetJob(const std::string& job_id) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::GetJobRequest req;
+  req.set_job_id(job_id);
+  v1::Job job;
+  if (auto s = FromGrpc(jobs_->GetJob(&ctx, req, &job)); !s.ok()) return s;
+  return job;
+}
+
+absl::StatusOr<std::vector<v1::Job>> Client::ListJobs() {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::ListJobsResponse resp;
+  if (auto s = FromGrpc(jobs_->ListJobs(&ctx, v1::ListJobsRequest(), &resp)); !s.ok()) return s;
+  return std::vector<v1::Job>(resp.jobs().begin(), resp.jobs().end());
+}
+
+absl::StatusOr<v1::Job> Client::Cancel(const std::string& job_id) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::CancelJobRequest req;
+  req.set_job_id(job_id);
+  v1::Job job;
+  if (auto s = FromGrpc(jobs_->CancelJob(&ctx, req, &job)); !s.ok()) return s;
+  return job;
+}
+
+absl::StatusOr<v1::Job> Client::Watch(const std::string& job_id, int64_t after_seq,
+                                      const std::function<bool(const v1::JobEvent&)>& on_event,
+                                      double reconnect_for_s) {
+  int64_t last = after_seq;
+  auto failing_since = std::chrono::steady_clock::time_point::max();
+  int backoff_ms = 100;
+  for (;;) {
+    grpc::ClientContext ctx;
+    v1::WatchJobRequest req;
+    req.set_job_id(job_id);
+    req.set_after_seq(last);
+    auto reader = jobs_->WatchJob(&ctx, req);
+    v1::JobEvent ev;
+    bool stopped = false;
+    while (reader->Read(&ev)) {
+      failing_since = std::chrono::steady_clock::time_point::max();
+      backoff_ms = 100;
+      last = ev.seq();
+      if (!on_event(ev)) {
+        stopped = true;
+        ctx.TryCancel();
+        break;
+      }
+    }
+    grpc::Status st = reader->Finish();
+    if (stopped || st.ok()) return GetJob(job_id);
+    if (st.error_code() != grpc::StatusCode::UNAVAILABLE) return FromGrpc(st);
+    auto now = std::chrono::steady_clock::now();
+    if (failing_since == std::chrono::steady_clock::time_point::max()) failing_since = now;
+    if (now - failing_since > std::chrono::milliseconds(static_cast<int64_t>(reconnect_for_s * 1000)))
+      return FromGrpc(st);
+    std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
+    backoff_ms = std::min(backoff_ms * 2, 2000);
+  }
+}
+
+absl::StatusOr<std::vector<v1::WorkerInfo>> Client::ListWorkers() {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::ListWorkersResponse resp;
+  if (auto s = FromGrpc(admin_->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp)); !s.ok())
+    return s;
+  return std::vector<v1::WorkerInfo>(resp.workers().begin(), resp.workers().end());
+}
+
+absl::StatusOr<v1::ShardPlan> Client::GetShardPlan(const std::string& job_id,
+                                                   const v1::JobSpec& spec, int world_size) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::GetShardPlanRequest req;
+  req.set_job_id(job_id);
+  if (job_id.empty()) *req.mutable_spec() = spec;
+  req.set_world_size(world_size);
+  v1::ShardPlan plan;
+  if (auto s = FromGrpc(admin_->GetShardPlan(&ctx, req, &plan)); !s.ok()) return s;
+  return plan;
+}
+
+absl::StatusOr<v1::ScalingState> Client::GetScalingState(const std::string& job_id) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::GetScalingStateRequest req;
+  req.set_job_id(job_id);
+  v1::ScalingState st;
+  if (auto s = FromGrpc(admin_->GetScalingState(&ctx, req, &st)); !s.ok()) return s;
+  return st;
+}
+
+}  // namespace fsdp8

@@ -1,0 +1,62 @@
+// fsdp8::Client: the C++ SDK for an fsdp8 coordinator (JobService and AdminService over gRPC).
+//
+// Every call returns the coordinator's status as an absl::Status (same code and message), or
+// UNAVAILABLE when the coordinator cannot be reached. Calls have a 30 s deadline, except Watch.
+//
+// Thread-safety: a connected Client may be used from several threads at once.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "fsdp8/v1/admin.grpc.pb.h"
+#include "fsdp8/v1/jobs.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace fsdp8 {
+
+class Client {
+ public:
+  // Creates a channel to "host:port" (no round trip: an unreachable coordinator shows up as
+  // UNAVAILABLE on the first call).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address);
+
+  // Submits a job. The same non-empty request_id with the same spec returns the existing job;
+  // with another spec ALREADY_EXISTS. INVALID_ARGUMENT names the spec field and the rule.
+  absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec, const std::string& request_id = "");
+  absl::StatusOr<v1::Job> GetJob(const std::string& job_id);
+  absl::StatusOr<std::vector<v1::Job>> ListJobs();
+  absl::StatusOr<v1::Job> Cancel(const std::string& job_id);
+
+  // Streams the job's events with seq > after_seq to on_event until the job ends, then returns the
+  // job as GetJob reports it. When the stream breaks with UNAVAILABLE (coordinator restarting,
+  // network), reconnects and resumes after the last seq seen, for up to `reconnect_for_s` seconds
+  // of continuous failure. on_event returning false stops watching (the current job is returned).
+  absl::StatusOr<v1::Job> Watch(const std::string& job_id, int64_t after_seq,
+                                const std::function<bool(const v1::JobEvent&)>& on_event,
+                                double reconnect_for_s = 60);
+
+  absl::StatusOr<std::vector<v1::WorkerInfo>> ListWorkers();
+  // The plan of a job (at its world size), or of `spec` at `world_size` when job_id is empty.
+  absl::StatusOr<v1::ShardPlan> GetShardPlan(const std::string& job_id, const v1::JobSpec& spec = {},
+                                             int world_size = 0);
+  absl::StatusOr<v1::ScalingState> GetScalingState(const std::string& job_id);
+
+  const std::string& address() const { return address_; }
+
+ private:
+  Client() = default;
+  std::string address_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::JobService::Stub> jobs_;
+  std::unique_ptr<v1::AdminService::Stub> admin_;
+};
+
+// "1.2s", "3m12s", "1h05m".
+std::string FormatDuration(double seconds);
+
+}  // namespace fsdp8

@@ -1,0 +1,346 @@
+// fsdp8: the command-line client of an fsdp8 coordinator.
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "client/client.h"
+#include "client/prepare.h"
+#include "common/spec.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace {
+
+constexpr char kUsage[] =
+    "usage: fsdp8 [--coordinator host:port] COMMAND ...\n"
+    "\n"
+    "commands:\n"
+    "  submit SPEC_FILE [--request_id ID] [--no-watch]   submit a job (YAML or JSON), then watch it\n"
+    "  watch JOB                                         follow a job until it ends\n"
+    "  status JOB [--json]                               one job's state\n"
+    "  list                                              every job\n"
+    "  cancel JOB                                        cancel a job\n"
+    "  workers                                           registered workers\n"
+    "  prepare --out DIR [--val_fraction 0.05] FILES...  text files -> byte-level token shards\n"
+    "\n"
+    "--coordinator defaults to $FSDP8_COORDINATOR, else localhost:50051.\n"
+    "watch/submit exit 0 only when the job SUCCEEDED.\n";
+
+struct Args {
+  std::string command;
+  std::vector<std::string> positional;
+  std::map<std::string, std::string> flags;  // name -> value ("" for booleans)
+};
+
+int Usage(const std::string& error) {
+  if (!error.empty()) fprintf(stderr, "error: %s\n", error.c_str());
+  fputs(kUsage, stderr);
+  return 2;
+}
+
+// Parses "--name value", "--name=value" and boolean "--name" anywhere on the command line.
+bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
+  static const std::map<std::string, bool> kFlags = {  // name -> takes a value
+      {"coordinator", true}, {"request_id", true}, {"out", true},   {"val_fraction", true},
+      {"no-watch", false},   {"no_watch", false},  {"json", false}, {"help", false}};
+  for (int i = 1; i < argc; ++i) {
+    std::string s = argv[i];
+    if (s == "--") {
+      for (++i; i < argc; ++i) a->positional.push_back(argv[i]);
+      break;
+    }
+    if (s.size() > 2 && s.rfind("--", 0) == 0) {
+      std::string name = s.substr(2), value;
+      bool has_value = false;
+      size_t eq = name.find('=');
+      if (eq != std::string::npos) {
+        value = name.substr(eq + 1);
+        name = name.substr(0, eq);
+        has_value = true;
+      }
+      auto it = kFlags.find(name);
+      if (it == kFlags.end()) {
+        *error = absl::StrCat("unknown flag --", name);
+        return false;
+      }
+      if (it->second && !has_value) {
+        if (i + 1 >= argc) {
+          *error = absl::StrCat("--", name, " needs a value");
+          return false;
+        }
+        value = argv[++i];
+      }
+      if (name == "no_watch") name = "no-watch";
+      a->flags[name] = value;
+      continue;
+    }
+    if (a->command.empty()) a->command = s;
+    else a->positional.push_back(s);
+  }
+  return true;
+}
+
+std::string Num(double v, int decimals = 4) {
+  if (std::isnan(v)) return "-";
+  return absl::StrFormat("%.*f", decimals, v);
+}
+
+std::string Thousands(int64_t v) {
+  std::string s = absl::StrCat(v < 0 ? -v : v), out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i > 0 && (s.size() - i) % 3 == 0) out += ',';
+    out += s[i];
+  }
+  return v < 0 ? "-" + out : out;
+}
+
+std::string State(fsdp8::v1::JobState s) {
+  std::string n = fsdp8::v1::JobState_Name(s);
+  return n.rfind("JOB_STATE_", 0) == 0 ? n.substr(10) : n;
+}
+
+int ReportError(const absl::Status& s) {
+  fprintf(stderr, "error: %s: %s\n", absl::StatusCodeToString(s.code()).c_str(),
+          std::string(s.message()).c_str());
+  return 1;
+}
+
+// Follows a job; returns the exit code (0 only for SUCCEEDED).
+int WatchJob(fsdp8::Client& c, const std::string& job_id) {
+  const bool tty = isatty(fileno(stdout));
+  double last_val = NAN, ema_step = NAN;
+  fsdp8::v1::JobState state = fsdp8::v1::JOB_STATE_UNSPECIFIED;
+  bool bar_drawn = false;
+  auto clear_bar = [&] {
+    if (bar_drawn) {
+      printf("\r\033[K");
+      bar_drawn = false;
+    }
+  };
+  auto job = c.Watch(job_id, 0, [&](const fsdp8::v1::JobEvent& ev) {
+    const bool state_changed = ev.state() != state;
+    state = ev.state();
+    const bool is_step = ev.message().empty() && ev.step() > 0;
+    if (!std::isnan(ev.val_loss()) && is_step) last_val = ev.val_loss();
+    if (is_step && ev.step_seconds() > 0)
+      ema_step = std::isnan(ema_step) ? ev.step_seconds() : 0.9 * ema_step + 0.1 * ev.step_seconds();
+    if (!is_step) {  // a state change or a notice
+      clear_bar();
+      printf("%s: %s\n", State(ev.state()).c_str(), ev.message().c_str());
+      fflush(stdout);
+      return true;
+    }
+    if (tty) {
+      const int width = 20;
+      int filled = ev.total_steps() > 0
+                       ? static_cast<int>(width * ev.step() / ev.total_steps()) : 0;
+      std::string bar(filled, '#');
+      bar += std::string(width - filled, '.');
+      double eta = std::isnan(ema_step) ? NAN : ema_step * (ev.total_steps() - ev.step());
+      printf("\r\033[K[%s] step %lld/%lld  loss %s  val %s  %s tok/s  ETA %s", bar.c_str(),
+             static_cast<long long>(ev.step()), static_cast<long long>(ev.total_steps()),
+             Num(ev.loss()).c_str(), Num(last_val).c_str(),
+             Thousands(static_cast<int64_t>(ev.tokens_per_second())).c_str(),
+             fsdp8::FormatDuration(eta).c_str());
+      bar_drawn = true;
+      fflush(stdout);
+    } else if (!std::isnan(ev.val_loss()) || state_changed || ev.step() % 10 == 0 ||
+               ev.step() == ev.total_steps()) {
+      std::string line = absl::StrFormat("step %d/%d loss %s", ev.step(), ev.total_steps(),
+                                         Num(ev.loss()));
+      if (!std::isnan(ev.val_loss())) absl::StrAppend(&line, " val ", Num(ev.val_loss()));
+      absl::StrAppend(&line, " tok/s ", static_cast<int64_t>(ev.tokens_per_second()));
+      printf("%s\n", line.c_str());
+      fflush(stdout);
+    }
+    return true;
+  });
+  clear_bar();
+  if (!job.ok()) return ReportError(job.status());
+  printf("job %s %s after %lld/%lld steps: train loss %s, val loss %s\n", job->job_id().c_str(),
+         State(job->state()).c_str(), static_cast<long long>(job->step()),
+         static_cast<long long>(job->total_steps()), Num(job->loss()).c_str(),
+         Num(job->val_loss()).c_str());
+  if (job->state() == fsdp8::v1::JOB_STATE_SUCCEEDED) return 0;
+  if (!job->reason().empty()) printf("reason: %s\n", job->reason().c_str());
+  fflush(stdout);
+  return 1;
+}
+
+std::string Ago(double t) {
+  if (t <= 0) return "-";
+  double now = std::chrono::duration<double>(
+                   std::chrono::system_clock::now().time_since_epoch()).count();
+  return fsdp8::FormatDuration(now - t) + " ago";
+}
+
+void PrintJob(const fsdp8::v1::Job& j) {
+  printf("job %s  %s\n", j.job_id().c_str(), State(j.state()).c_str());
+  if (!j.spec().name().empty()) printf("  name:       %s\n", j.spec().name().c_str());
+  if (!j.reason().empty()) printf("  reason:     %s\n", j.reason().c_str());
+  printf("  step:       %lld/%lld\n", static_cast<long long>(j.step()),
+         static_cast<long long>(j.total_steps()));
+  printf("  loss:       %s (train)  %s (val)\n", Num(j.loss()).c_str(), Num(j.val_loss()).c_str());
+  printf("  tokens:     %s\n", Thousands(j.tokens()).c_str());
+  if (j.world_size() > 0) {
+    std::vector<std::string> ranks;
+    for (int r = 0; r < j.worker_ids_size(); ++r)
+      ranks.push_back(absl::StrCat(r, "=", j.worker_ids(r)));
+    printf("  world size: %d (generation %lld; rank=worker %s)\n", j.world_size(),
+           static_cast<long long>(j.generation()), absl::StrJoin(ranks, " ").c_str());
+  }
+  const auto& m = j.spec().model();
+  printf("  model:      d_model %d, %d layers, %d heads, ffn %d, vocab %d, seq %d\n", m.d_model(),
+         m.n_layers(), m.n_heads(), m.ffn_dim(), m.vocab_size(), m.seq_len());
+  printf("  data:       %s%s%s\n", j.spec().data().train_path().c_str(),
+         j.spec().data().val_path().empty() ? "" : ", val ",
+         j.spec().data().val_path().c_str());
+  printf("  created:    %s\n", Ago(j.create_time()).c_str());
+  if (j.start_time() > 0) printf("  started:    %s\n", Ago(j.start_time()).c_str());
+  if (j.end_time() > 0) printf("  ended:      %s\n", Ago(j.end_time()).c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  std::string err;
+  if (!ParseArgs(argc, argv, &a, &err)) return Usage(err);
+  if (a.flags.count("help") || a.command.empty() || a.command == "help") {
+    fputs(kUsage, a.command.empty() && !a.flags.count("help") ? stderr : stdout);
+    return a.command.empty() && !a.flags.count("help") ? 2 : 0;
+  }
+
+  if (a.command == "prepare") {
+    if (!a.flags.count("out")) return Usage("prepare: --out DIR is required");
+    if (a.positional.empty()) return Usage("prepare: no input files");
+    double frac = 0.05;
+    if (a.flags.count("val_fraction")) {
+      char* end = nullptr;
+      frac = std::strtod(a.flags["val_fraction"].c_str(), &end);
+      if (end == a.flags["val_fraction"].c_str() || *end != '\0')
+        return Usage("--val_fraction: not a number");
+    }
+    auto r = fsdp8::PrepareTokenShards(a.positional, a.flags["out"], frac);
+    if (!r.ok()) {
+      fprintf(stderr, "error: %s\n", std::string(r.status().message()).c_str());
+      return absl::IsInvalidArgument(r.status()) ? 2 : 1;
+    }
+    printf("read %zu files, %s bytes\n", a.positional.size(),
+           Thousands(r->train_tokens + r->val_tokens).c_str());
+    printf("%s: %s tokens\n", r->train_path.c_str(), Thousands(r->train_tokens).c_str());
+    printf("%s: %s tokens\n", r->val_path.c_str(), Thousands(r->val_tokens).c_str());
+    return 0;
+  }
+
+  std::string address;
+  if (a.flags.count("coordinator")) address = a.flags["coordinator"];
+  else if (const char* env = std::getenv("FSDP8_COORDINATOR"); env && *env) address = env;
+  else address = "localhost:50051";
+  auto client = fsdp8::Client::Connect(address);
+  if (!client.ok()) return ReportError(client.status());
+  fsdp8::Client& c = **client;
+
+  auto need_job = [&](const char* cmd) -> std::string {
+    if (a.positional.size() != 1) return "";
+    return a.positional[0];
+  };
+
+  if (a.command == "submit") {
+    if (a.positional.size() != 1) return Usage("submit: exactly one SPEC_FILE");
+    const std::string& file = a.positional[0];
+    std::ifstream in(file);
+    if (!in) {
+      fprintf(stderr, "error: %s: cannot read: %s\n", file.c_str(), std::strerror(errno));
+      return 2;
+    }
+    std::stringstream ss;
+    ss << in.rdbuf();
+    auto spec = fsdp8::ParseSpec(ss.str());
+    if (!spec.ok()) {
+      fprintf(stderr, "error: %s: %s\n", file.c_str(), std::string(spec.status().message()).c_str());
+      return 2;
+    }
+    auto job = c.Submit(*spec, a.flags.count("request_id") ? a.flags["request_id"] : "");
+    if (!job.ok()) {
+      if (absl::IsInvalidArgument(job.status())) {
+        fprintf(stderr, "error: invalid job spec: %s\n",
+                std::string(job.status().message()).c_str());
+        return 2;
+      }
+      return ReportError(job.status());
+    }
+    printf("%s\n", job->job_id().c_str());
+    fflush(stdout);
+    if (a.flags.count("no-watch")) return 0;
+    return WatchJob(c, job->job_id());
+  }
+  if (a.command == "watch") {
+    std::string id = need_job("watch");
+    if (id.empty()) return Usage("watch: exactly one JOB");
+    return WatchJob(c, id);
+  }
+  if (a.command == "status") {
+    std::string id = need_job("status");
+    if (id.empty()) return Usage("status: exactly one JOB");
+    auto job = c.GetJob(id);
+    if (!job.ok()) return ReportError(job.status());
+    if (a.flags.count("json")) {
+      std::string json;
+      google::protobuf::util::JsonPrintOptions o;
+      o.add_whitespace = true;
+      o.preserve_proto_field_names = true;
+      (void)google::protobuf::util::MessageToJsonString(*job, &json, o);
+      printf("%s", json.c_str());
+      if (json.empty() || json.back() != '\n') printf("\n");
+    } else {
+      PrintJob(*job);
+    }
+    return 0;
+  }
+  if (a.command == "list") {
+    auto jobs = c.ListJobs();
+    if (!jobs.ok()) return ReportError(jobs.status());
+    printf("%-14s %-10s %-11s %-8s %-8s %-16s %s\n", "JOB", "STATE", "STEP", "LOSS", "VAL", "NAME",
+           "REASON");
+    for (const auto& j : *jobs) {
+      printf("%-14s %-10s %-11s %-8s %-8s %-16s %s\n", j.job_id().c_str(),
+             State(j.state()).c_str(), absl::StrCat(j.step(), "/", j.total_steps()).c_str(),
+             Num(j.loss()).c_str(), Num(j.val_loss()).c_str(), j.spec().name().c_str(),
+             j.reason().c_str());
+    }
+    return 0;
+  }
+  if (a.command == "cancel") {
+    std::string id = need_job("cancel");
+    if (id.empty()) return Usage("cancel: exactly one JOB");
+    auto job = c.Cancel(id);
+    if (!job.ok()) return ReportError(job.status());
+    printf("job %s %s\n", job->job_id().c_str(), State(job->state()).c_str());
+    return 0;
+  }
+  if (a.command == "workers") {
+    auto ws = c.ListWorkers();
+    if (!ws.ok()) return ReportError(ws.status());
+    printf("%-8s %-20s %-8s %-6s %-8s %-14s %-5s %s\n", "WORKER", "HOST", "BACKEND", "DEVICE",
+           "HEALTHY", "JOB", "RANK", "HEARTBEAT");
+    for (const auto& w : *ws) {
+      printf("%-8s %-20s %-8s %-6d %-8s %-14s %-5s %s\n", w.worker_id().c_str(), w.host().c_str(),
+             w.backend().c_str(), w.device(), w.healthy() ? "yes" : "no",
+             w.job_id().empty() ? "-" : w.job_id().c_str(),
+             w.rank() < 0 ? "-" : absl::StrCat(w.rank()).c_str(), Ago(w.last_heartbeat()).c_str());
+    }
+    return 0;
+  }
+  return Usage(absl::StrCat("unknown command '", a.command, "'"));
+}

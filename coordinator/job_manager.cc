@@ -1,0 +1,423 @@
+#include "coordinator/job_manager.h"
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/spec.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+
+namespace fsdp8::coord {
+namespace {
+
+std::string DeterministicBytes(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::io::StringOutputStream sos(&out);
+  google::protobuf::io::CodedOutputStream cos(&sos);
+  cos.SetSerializationDeterministic(true);
+  m.SerializeToCodedStream(&cos);
+  cos.Trim();
+  return out;
+}
+
+}  // namespace
+
+double NowSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::string StateName(v1::JobState s) {
+  std::string n = v1::JobState_Name(s);
+  const std::string prefix = "JOB_STATE_";
+  if (n.rfind(prefix, 0) == 0) n = n.substr(prefix.size());
+  return n.empty() ? absl::StrCat(static_cast<int>(s)) : n;
+}
+
+bool IsTerminalState(v1::JobState s) {
+  return s == v1::JOB_STATE_SUCCEEDED || s == v1::JOB_STATE_FAILED ||
+         s == v1::JOB_STATE_CANCELLED;
+}
+
+absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOptions& options) {
+  auto store = JobStore::Open(options.state_db);
+  if (!store.ok()) return store.status();
+  auto rows = (*store)->LoadAll();
+  if (!rows.ok()) return rows.status();
+  std::unique_ptr<JobManager> jm(new JobManager(options, std::move(*store)));
+  std::lock_guard<std::mutex> lock(jm->mu_);
+  for (auto& row : *rows) {
+    const std::string id = row.job.job_id();
+    Record& r = jm->jobs_[id];
+    r.job = std::move(row.job);
+    r.last_seq = row.last_seq;
+    r.submitted_spec = DeterministicBytes(r.job.spec());
+    jm->order_.push_back(id);
+    if (!r.job.request_id().empty()) jm->by_request_[r.job.request_id()] = id;
+    v1::JobState s = r.job.state();
+    if (s == v1::JOB_STATE_STARTING || s == v1::JOB_STATE_RUNNING ||
+        s == v1::JOB_STATE_RECOVERING) {
+      r.job.set_state(v1::JOB_STATE_FAILED);
+      r.job.set_reason("coordinator restarted");
+      r.job.set_end_time(NowSeconds());
+      v1::JobEvent ev;
+      ev.set_message("coordinator restarted");
+      ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+      ev.set_step(r.job.step());
+      jm->PublishLocked(&r, ev);
+    } else if (IsTerminalState(s) && r.last_seq > 0) {
+      // The final event, rebuilt from the row so a late watcher still learns the outcome.
+      v1::JobEvent ev;
+      ev.set_seq(r.last_seq);
+      ev.set_job_id(id);
+      ev.set_state(s);
+      ev.set_step(r.job.step());
+      ev.set_total_steps(r.job.total_steps());
+      ev.set_loss(r.job.loss());
+      ev.set_val_loss(r.job.val_loss());
+      ev.set_tokens(r.job.tokens());
+      ev.set_message(r.job.reason());
+      ev.set_time(r.job.end_time());
+      r.events.push_back(ev);
+    }
+  }
+  return jm;
+}
+
+JobManager::JobManager(JobManagerOptions options, std::unique_ptr<JobStore> store)
+    : options_(std::move(options)), store_(std::move(store)) {}
+
+JobManager::~JobManager() { Shutdown(); }
+
+JobManager::Record* JobManager::FindLocked(const std::string& job_id) {
+  auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? nullptr : &it->second;
+}
+const JobManager::Record* JobManager::FindLocked(const std::string& job_id) const {
+  auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? nullptr : &it->second;
+}
+
+void JobManager::PersistLocked(const Record& r) {
+  absl::Status s = store_->Put(r.job, r.last_seq);
+  if (!s.ok()) fprintf(stderr, "fsdp8-coordinator: persisting job %s: %s\n",
+                       r.job.job_id().c_str(), s.ToString().c_str());
+}
+
+void JobManager::PublishLocked(Record* r, v1::JobEvent ev) {
+  ev.set_seq(++r->last_seq);
+  ev.set_job_id(r->job.job_id());
+  ev.set_state(r->job.state());
+  ev.set_total_steps(r->job.total_steps());
+  if (ev.time() == 0) ev.set_time(NowSeconds());
+  r->events.push_back(std::move(ev));
+  while (r->events.size() > options_.max_events_per_job) r->events.pop_front();
+  PersistLocked(*r);
+  cv_.notify_all();
+}
+
+std::string JobManager::NewJobIdLocked() {
+  static thread_local std::mt19937_64 rng(std::random_device{}());
+  for (;;) {
+    char buf[16];
+    snprintf(buf, sizeof(buf), "%08llx", static_cast<unsigned long long>(rng() & 0xffffffffULL));
+    std::string id = absl::StrCat("job-", buf);
+    if (!jobs_.count(id)) return id;
+  }
+}
+
+absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
+                                           const v1::JobSpec& spec) {
+  v1::JobSpec d = WithDefaults(spec, 0);
+  std::string bytes = DeterministicBytes(d);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!request_id.empty()) {
+      auto it = by_request_.find(request_id);
+      if (it != by_request_.end()) {
+        const Record& r = jobs_.at(it->second);
+        if (r.submitted_spec == bytes) return r.job;
+        return absl::AlreadyExistsError(absl::StrCat(
+            "request_id '", request_id, "' was already used for job ", r.job.job_id(),
+            " with a different spec"));
+      }
+    }
+  }
+  if (absl::Status s = ValidateSpec(d, 0, options_.data_roots, options_.check_files); !s.ok())
+    return s;
+  const int mn = d.sharding().min_workers();
+  const int mx = d.sharding().max_workers();
+  for (int n : {mn, mx}) {
+    if (n < 1) continue;  // ValidateSpec reported it above
+    if (absl::Status s = ValidateSpec(WithDefaults(spec, n), n, options_.data_roots, false);
+        !s.ok())
+      return s;
+  }
+  v1::Job out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
+    if (!request_id.empty()) {  // re-check: another submit may have raced us
+      auto it = by_request_.find(request_id);
+      if (it != by_request_.end()) {
+        const Record& r = jobs_.at(it->second);
+        if (r.submitted_spec == bytes) return r.job;
+        return absl::AlreadyExistsError(absl::StrCat(
+            "request_id '", request_id, "' was already used for job ", r.job.job_id(),
+            " with a different spec"));
+      }
+    }
+    std::string id = NewJobIdLocked();
+    Record& r = jobs_[id];
+    r.submitted_spec = bytes;
+    v1::Job& job = r.job;
+    job.set_job_id(id);
+    job.set_request_id(request_id);
+    *job.mutable_spec() = d;
+    job.set_state(v1::JOB_STATE_PENDING);
+    job.set_reason(absl::StrCat("waiting for ", mn, " workers"));
+    job.set_total_steps(d.training().steps());
+    job.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+    job.set_create_time(NowSeconds());
+    order_.push_back(id);
+    if (!request_id.empty()) by_request_[request_id] = id;
+    v1::JobEvent ev;
+    ev.set_message(absl::StrCat("submitted; ", job.reason()));
+    ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+    PublishLocked(&r, ev);
+    out = job;
+  }
+  std::function<void()> cb;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cb = on_submit_;
+  }
+  if (cb) cb();
+  return out;
+}
+
+absl::StatusOr<v1::Job> JobManager::Get(const std::string& job_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  return r->job;
+}
+
+std::vector<v1::Job> JobManager::List() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<v1::Job> out;
+  out.reserve(order_.size());
+  for (const auto& id : order_) out.push_back(jobs_.at(id).job);
+  return out;
+}
+
+std::vector<v1::Job> JobManager::PendingJobs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<v1::Job> out;
+  for (const auto& id : order_) {
+    const auto& j = jobs_.at(id).job;
+    if (j.state() == v1::JOB_STATE_PENDING) out.push_back(j);
+  }
+  return out;
+}
+
+absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id) {
+  v1::Job out;
+  bool was_active = false;
+  std::function<void(const std::string&)> cb;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Record* r = FindLocked(job_id);
+    if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+    if (IsTerminalState(r->job.state()))
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", job_id, " already ended (", StateName(r->job.state()), ")"));
+    was_active = r->job.state() != v1::JOB_STATE_PENDING;
+    r->job.set_state(v1::JOB_STATE_CANCELLED);
+    r->job.set_reason("cancelled by user");
+    r->job.set_end_time(NowSeconds());
+    v1::JobEvent ev;
+    ev.set_step(r->job.step());
+    ev.set_loss(r->job.loss());
+    ev.set_val_loss(r->job.val_loss());
+    ev.set_tokens(r->job.tokens());
+    ev.set_message("cancelled by user");
+    PublishLocked(r, ev);
+    out = r->job;
+    cb = on_cancel_;
+  }
+  if (was_active && cb) cb(job_id);
+  return out;
+}
+
+absl::Status JobManager::Watch(const std::string& job_id, int64_t after_seq,
+                               const std::function<bool(const v1::JobEvent&)>& on_event,
+                               const std::function<bool()>& stop) {
+  int64_t cursor = after_seq;
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
+    Record* r = FindLocked(job_id);
+    if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+    std::vector<v1::JobEvent> batch;
+    if (!r->events.empty()) {
+      int64_t first = r->events.front().seq();
+      size_t i = cursor + 1 <= first ? 0 : static_cast<size_t>(cursor + 1 - first);
+      for (; i < r->events.size(); ++i) batch.push_back(r->events[i]);
+    }
+    if (!batch.empty()) {
+      lock.unlock();
+      for (const auto& e : batch) {
+        cursor = e.seq();
+        if (!on_event(e)) return absl::OkStatus();
+      }
+      lock.lock();
+      continue;
+    }
+    if (IsTerminalState(r->job.state())) return absl::OkStatus();
+    if (stop && stop()) return absl::CancelledError("watch cancelled");
+    cv_.wait_for(lock, std::chrono::milliseconds(200));
+  }
+}
+
+void JobManager::Shutdown() {
+  std::lock_guard<std::mutex> lock(mu_);
+  shutdown_ = true;
+  cv_.notify_all();
+}
+
+absl::Status JobManager::SetPendingReason(const std::string& job_id, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  if (r->job.state() != v1::JOB_STATE_PENDING)
+    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is not pending"));
+  if (r->job.reason() == reason) return absl::OkStatus();
+  r->job.set_reason(reason);
+  v1::JobEvent ev;
+  ev.set_message(reason);
+  ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+  PublishLocked(r, ev);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
+                                                 const std::vector<std::string>& worker_ids) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  if (r->job.state() != v1::JOB_STATE_PENDING)
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " is ", StateName(r->job.state()), ", not PENDING"));
+  v1::Job& j = r->job;
+  j.set_state(v1::JOB_STATE_STARTING);
+  j.set_reason("");
+  j.set_world_size(static_cast<int>(worker_ids.size()));
+  j.clear_worker_ids();
+  for (const auto& w : worker_ids) j.add_worker_ids(w);
+  j.set_generation(j.generation() + 1);
+  j.set_start_time(NowSeconds());
+  std::vector<std::string> ranks;
+  for (size_t i = 0; i < worker_ids.size(); ++i)
+    ranks.push_back(absl::StrCat(i, "=", worker_ids[i]));
+  v1::JobEvent ev;
+  ev.set_message(absl::StrCat("starting generation ", j.generation(), " on ", worker_ids.size(),
+                              " workers (rank=worker: ", absl::StrJoin(ranks, ", "), ")"));
+  ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+  PublishLocked(r, ev);
+  return j;
+}
+
+absl::Status JobManager::MarkRunning(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  if (r->job.state() != v1::JOB_STATE_STARTING)
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " is ", StateName(r->job.state()), ", not STARTING"));
+  r->job.set_state(v1::JOB_STATE_RUNNING);
+  v1::JobEvent ev;
+  ev.set_step(r->job.step());
+  ev.set_message(absl::StrCat("running on ", r->job.world_size(), " ranks"));
+  ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+  PublishLocked(r, ev);
+  return absl::OkStatus();
+}
+
+absl::Status JobManager::RecordStep(const std::string& job_id, const v1::JobEvent& ev) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  if (r->job.state() != v1::JOB_STATE_RUNNING)
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " is ", StateName(r->job.state()), ", not RUNNING"));
+  v1::Job& j = r->job;
+  j.set_step(ev.step());
+  j.set_loss(ev.loss());
+  if (!std::isnan(ev.val_loss())) j.set_val_loss(ev.val_loss());
+  j.set_tokens(ev.tokens());
+  PublishLocked(r, ev);
+  return absl::OkStatus();
+}
+
+absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,
+                                const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  if (IsTerminalState(r->job.state()))
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " already ended (", StateName(r->job.state()), ")"));
+  if (!IsTerminalState(state))
+    return absl::InvalidArgumentError(absl::StrCat("not a final state: ", StateName(state)));
+  v1::Job& j = r->job;
+  j.set_state(state);
+  j.set_reason(reason);
+  j.set_end_time(NowSeconds());
+  v1::JobEvent ev;
+  ev.set_step(j.step());
+  ev.set_loss(j.loss());
+  ev.set_val_loss(j.val_loss());
+  ev.set_tokens(j.tokens());
+  ev.set_message(reason.empty() ? StateName(state) : reason);
+  PublishLocked(r, ev);
+  return absl::OkStatus();
+}
+
+bool JobManager::IsTerminal(const std::string& job_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Record* r = FindLocked(job_id);
+  return !r || IsTerminalState(r->job.state());
+}
+
+void JobManager::SetScalingState(const std::string& job_id, const v1::ScalingState& state) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Record* r = FindLocked(job_id);
+  if (!r) return;
+  r->scaling = state;
+  r->scaling->set_job_id(job_id);
+}
+
+absl::StatusOr<v1::ScalingState> JobManager::GetScalingState(const std::string& job_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  if (!r->scaling)
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " has not reported a scaling state yet"));
+  return *r->scaling;
+}
+
+void JobManager::SetSubmitListener(std::function<void()> fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_submit_ = std::move(fn);
+}
+void JobManager::SetCancelListener(std::function<void(const std::string&)> fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_cancel_ = std::move(fn);
+}
+
+}  // namespace fsdp8::coord

@@ -1,0 +1,141 @@
+// JobManager: the coordinator's job table — submission (validation, idempotency), job states, the
+// per-job event log that WatchJob streams, and persistence through JobStore (SQLite).
+//
+// States: PENDING -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED. A terminal job never
+// changes again; the transition methods refuse it with FAILED_PRECONDITION, which is how a step
+// driver notices that its job was cancelled underneath it.
+//
+// Events: every job has events with seq 1, 2, 3, ... (the seq counter is persisted, so it continues
+// after a restart). The last `max_events_per_job` events are kept in memory; Watch streams those
+// after a given seq and then blocks for new ones until the job ends. The final event of a job
+// carries its terminal state.
+//
+// Restart: Open() loads every job; those that were STARTING or RUNNING become FAILED with reason
+// "coordinator restarted"; PENDING jobs stay pending.
+//
+// Thread-safety: every method is safe to call from several threads. Listeners are called without
+// the internal lock held.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "coordinator/job_store.h"
+#include "fsdp8/v1/admin.pb.h"
+#include "fsdp8/v1/jobs.pb.h"
+
+namespace fsdp8::coord {
+
+struct JobManagerOptions {
+  std::string state_db = ":memory:";      // SQLite path; ":memory:" for tests
+  std::vector<std::string> data_roots;     // dataset paths must lie under one; empty = anywhere
+  bool check_files = true;                 // validate that data files exist and are token shards
+  size_t max_events_per_job = 10000;
+};
+
+class JobManager {
+ public:
+  // Opens the state database and loads the job table (see "Restart" above).
+  static absl::StatusOr<std::unique_ptr<JobManager>> Open(const JobManagerOptions& options);
+  ~JobManager();
+
+  // ---- client side ----
+
+  // Validates `spec` (defaults applied; checked at both min_workers and max_workers) and creates a
+  // PENDING job. INVALID_ARGUMENT names the field and the rule. A non-empty request_id that was
+  // seen before returns that job when the spec (defaults applied) is the same, and ALREADY_EXISTS
+  // otherwise; an empty request_id always creates a new job.
+  absl::StatusOr<v1::Job> Submit(const std::string& request_id, const v1::JobSpec& spec);
+  // NOT_FOUND for an unknown id.
+  absl::StatusOr<v1::Job> Get(const std::string& job_id) const;
+  // Every job, oldest first.
+  std::vector<v1::Job> List() const;
+  // A PENDING job becomes CANCELLED at once; a STARTING/RUNNING job becomes CANCELLED and the
+  // cancel listener is told (the step driver then aborts its ranks). FAILED_PRECONDITION for a
+  // finished job, NOT_FOUND for an unknown id.
+  absl::StatusOr<v1::Job> Cancel(const std::string& job_id);
+  // Calls on_event for every kept event with seq > after_seq, then for new ones as they come, and
+  // returns OK after the job's final event. Returns early with OK when on_event returns false,
+  // CANCELLED when `stop` returns true (polled about every 200 ms), UNAVAILABLE after Shutdown().
+  // NOT_FOUND for an unknown id. If the job has ended and nothing is newer than after_seq, returns
+  // OK at once.
+  absl::Status Watch(const std::string& job_id, int64_t after_seq,
+                     const std::function<bool(const v1::JobEvent&)>& on_event,
+                     const std::function<bool()>& stop = nullptr);
+  // Wakes every watcher; Watch returns UNAVAILABLE from then on.
+  void Shutdown();
+
+  // ---- scheduler / step driver side ----
+
+  std::vector<v1::Job> PendingJobs() const;  // oldest first
+  // Sets a PENDING job's reason (publishes an event when it changed).
+  absl::Status SetPendingReason(const std::string& job_id, const std::string& reason);
+  // PENDING -> STARTING with a new generation; returns the job (its generation field is the new one).
+  absl::StatusOr<v1::Job> MarkStarting(const std::string& job_id,
+                                       const std::vector<std::string>& worker_ids);
+  // STARTING -> RUNNING.
+  absl::Status MarkRunning(const std::string& job_id);
+  // Records a finished step: `ev` carries step (steps completed so far, 1-based), loss, val_loss
+  // (NaN when not evaluated), grad_norm, lr, tokens (cumulative), tokens_per_second, step_seconds.
+  // FAILED_PRECONDITION when the job is not RUNNING.
+  absl::Status RecordStep(const std::string& job_id, const v1::JobEvent& ev);
+  // Any non-terminal state -> `state` (SUCCEEDED, FAILED or CANCELLED) with `reason`.
+  // FAILED_PRECONDITION when the job already ended.
+  absl::Status Finish(const std::string& job_id, v1::JobState state, const std::string& reason);
+  bool IsTerminal(const std::string& job_id) const;
+
+  void SetScalingState(const std::string& job_id, const v1::ScalingState& state);
+  // NOT_FOUND for an unknown job; FAILED_PRECONDITION when no rank has reported one yet.
+  absl::StatusOr<v1::ScalingState> GetScalingState(const std::string& job_id) const;
+
+  // Called after a successful Submit (new job) and after Cancel of a STARTING/RUNNING job.
+  void SetSubmitListener(std::function<void()> fn);
+  void SetCancelListener(std::function<void(const std::string& job_id)> fn);
+
+  const JobManagerOptions& options() const { return options_; }
+
+ private:
+  struct Record {
+    v1::Job job;
+    std::string submitted_spec;  // deterministic serialization of the defaulted spec
+    int64_t last_seq = 0;
+    std::deque<v1::JobEvent> events;
+    std::optional<v1::ScalingState> scaling;
+  };
+
+  JobManager(JobManagerOptions options, std::unique_ptr<JobStore> store);
+  Record* FindLocked(const std::string& job_id);
+  const Record* FindLocked(const std::string& job_id) const;
+  // Appends an event (fills seq, job_id, state, total_steps, time), persists, notifies watchers.
+  void PublishLocked(Record* r, v1::JobEvent ev);
+  void PersistLocked(const Record& r);
+  std::string NewJobIdLocked();
+
+  const JobManagerOptions options_;
+  std::unique_ptr<JobStore> store_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, Record> jobs_;
+  std::vector<std::string> order_;                  // job ids, oldest first
+  std::map<std::string, std::string> by_request_;  // request_id -> job_id
+  bool shutdown_ = false;
+  std::function<void()> on_submit_;
+  std::function<void(const std::string&)> on_cancel_;
+};
+
+// Text of a state without the prefix: "PENDING", "RUNNING", ...
+std::string StateName(v1::JobState s);
+bool IsTerminalState(v1::JobState s);
+double NowSeconds();
+
+}  // namespace fsdp8::coord

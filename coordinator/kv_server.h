@@ -1,0 +1,40 @@
+// KvServer: the coordinator's side of the rendezvous key-value store (WorkerControl.KvSet/KvGet)
+// that a generation's communicators bootstrap through. Keys of a generation share the prefix
+// "job/<id>/gen/<g>/" and are deleted with DeletePrefix when the generation ends.
+//
+// Thread-safety: every method is safe to call from several threads; Get blocks on a condition
+// variable until the key is set, the timeout passes, or Shutdown() is called.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace fsdp8::coord {
+
+class KvServer {
+ public:
+  // Sets (overwrites) key. INVALID_ARGUMENT for an empty key or a value over 16 MiB.
+  absl::Status Set(const std::string& key, const std::string& value);
+  // Waits up to `timeout` (<= 0: no wait) for key. DEADLINE_EXCEEDED naming the key when it does
+  // not appear in time; UNAVAILABLE after Shutdown().
+  absl::StatusOr<std::string> Get(const std::string& key, std::chrono::milliseconds timeout);
+  // Deletes every key starting with `prefix`; returns how many.
+  int DeletePrefix(const std::string& prefix);
+  size_t size() const;
+  // Wakes every waiting Get (they return UNAVAILABLE).
+  void Shutdown();
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, std::string> kv_;
+  bool shutdown_ = false;
+};
+
+}  // namespace fsdp8::coord

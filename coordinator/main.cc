@@ -1,0 +1,74 @@
+// fsdp8-coordinator: the cluster's coordinator daemon (see coordinator/services.h).
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_split.h"
+#include "coordinator/services.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
+          "address to serve gRPC on; port 0 picks a free port (printed on stdout)");
+ABSL_FLAG(std::string, state_db, "./fsdp8-coordinator.db",
+          "SQLite job table; \":memory:\" keeps it in memory");
+ABSL_FLAG(std::string, data_roots, "",
+          "comma-separated directories that job data paths must lie under; empty: no restriction");
+ABSL_FLAG(double, heartbeat_timeout_s, 5, "a worker is dead after this long without a heartbeat");
+ABSL_FLAG(double, step_timeout_s, 300, "deadline for every rank's result of one step");
+ABSL_FLAG(double, start_timeout_s, 120, "deadline for every rank's Ready after an assignment");
+ABSL_FLAG(int32_t, collective_timeout_ms, 30000, "collective timeout told to the workers");
+
+namespace {
+std::chrono::milliseconds Ms(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("fsdp8 coordinator: fsdp8-coordinator [--listen host:port] ...");
+  absl::ParseCommandLine(argc, argv);
+
+  // Handle SIGINT/SIGTERM on this thread only (every thread started later inherits the mask).
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  fsdp8::coord::CoordinatorOptions o;
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.jobs.state_db = absl::GetFlag(FLAGS_state_db);
+  for (absl::string_view r :
+       absl::StrSplit(absl::GetFlag(FLAGS_data_roots), ',', absl::SkipWhitespace()))
+    o.jobs.data_roots.emplace_back(r);
+  o.workers.version = FSDP8_VERSION;
+  o.workers.heartbeat_timeout = Ms(absl::GetFlag(FLAGS_heartbeat_timeout_s));
+  o.scheduler.step_timeout = Ms(absl::GetFlag(FLAGS_step_timeout_s));
+  o.scheduler.start_timeout = Ms(absl::GetFlag(FLAGS_start_timeout_s));
+  o.scheduler.collective_timeout_ms = absl::GetFlag(FLAGS_collective_timeout_ms);
+
+  auto server = fsdp8::coord::CoordinatorServer::Start(o);
+  if (!server.ok()) {
+    fprintf(stderr, "fsdp8-coordinator: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  printf("fsdp8-coordinator listening on %s\n", (*server)->address().c_str());
+  fflush(stdout);
+  fprintf(stderr, "fsdp8-coordinator %s: state db %s, data roots %s\n", FSDP8_VERSION,
+          o.jobs.state_db.c_str(),
+          o.jobs.data_roots.empty() ? "(any)" : absl::GetFlag(FLAGS_data_roots).c_str());
+
+  int sig = 0;
+  sigwait(&sigs, &sig);
+  fprintf(stderr, "fsdp8-coordinator: signal %d, shutting down\n", sig);
+  (*server)->Shutdown();
+  server->reset();
+  fprintf(stderr, "fsdp8-coordinator: stopped\n");
+  return 0;
+}

@@ -1,0 +1,409 @@
+#include "coordinator/scheduler.h"
+
+#include <atomic>
+#include <cmath>
+#include <deque>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/spec.h"
+
+namespace fsdp8::coord {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A job run's mailbox: worker events plus "look again" pokes (cancel, shutdown).
+class Inbox {
+ public:
+  void Push(const WorkerEvent& ev) {
+    std::lock_guard<std::mutex> lock(mu_);
+    q_.push_back(ev);
+    cv_.notify_all();
+  }
+  void Poke() {
+    std::lock_guard<std::mutex> lock(mu_);
+    poked_ = true;
+    cv_.notify_all();
+  }
+  // True with an event; false on timeout or poke.
+  bool Pop(WorkerEvent* out, Clock::time_point until) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_until(lock, until, [&] { return !q_.empty() || poked_; });
+    poked_ = false;
+    if (q_.empty()) return false;
+    *out = std::move(q_.front());
+    q_.pop_front();
+    return true;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<WorkerEvent> q_;
+  bool poked_ = false;
+};
+
+}  // namespace
+
+// Drives one generation of one job on its own thread (see scheduler.h for the protocol).
+class JobRun {
+ public:
+  JobRun(JobManager* jobs, WorkerRegistry* workers, KvServer* kv, const SchedulerOptions& options,
+         v1::Job job, std::shared_ptr<Inbox> inbox, std::function<void()> on_done)
+      : jobs_(jobs), workers_(workers), kv_(kv), options_(options), job_(std::move(job)),
+        inbox_(std::move(inbox)), on_done_(std::move(on_done)) {
+    for (int r = 0; r < job_.worker_ids_size(); ++r) ranks_.push_back(job_.worker_ids(r));
+  }
+  ~JobRun() { Join(); }
+
+  void Start() { thread_ = std::thread([this] { Run(); }); }
+  void Poke() { inbox_->Poke(); }
+  void Shutdown() {
+    shutdown_ = true;
+    inbox_->Poke();
+  }
+  bool done() const { return done_; }
+  void Join() {
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::string RankName(int r) const { return absl::StrCat("rank ", r, " (worker ", ranks_[r], ")"); }
+  int RankOf(const std::string& worker_id) const {
+    for (size_t r = 0; r < ranks_.size(); ++r)
+      if (ranks_[r] == worker_id) return static_cast<int>(r);
+    return -1;
+  }
+
+  bool SendAll(const v1::CoordinatorMessage& msg, int skip = -1) {
+    bool ok = true;
+    for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+      if (r == skip) continue;
+      if (!workers_->Send(ranks_[r], msg)) {
+        if (failed_rank_ < 0) failed_rank_ = r;
+        ok = false;
+      }
+    }
+    return ok;
+  }
+
+  // Waits until accept() has returned true for every rank. Errors: CANCELLED when the job ended
+  // under us, ABORTED on shutdown, UNAVAILABLE/INTERNAL when a rank is lost or reports an error,
+  // DEADLINE_EXCEEDED naming the missing ranks.
+  absl::Status Await(Clock::time_point deadline, const std::string& what,
+                     const std::function<bool(int, const v1::WorkerMessage&)>& accept) {
+    std::vector<bool> got(ranks_.size(), false);
+    size_t missing = ranks_.size();
+    while (missing > 0) {
+      if (shutdown_) return absl::AbortedError("coordinator shutting down");
+      if (jobs_->IsTerminal(job_.job_id())) return absl::CancelledError("job ended");
+      WorkerEvent ev;
+      auto now = Clock::now();
+      if (now >= deadline) {
+        std::vector<std::string> names;
+        for (size_t r = 0; r < got.size(); ++r) {
+          if (!got[r]) {
+            names.push_back(RankName(static_cast<int>(r)));
+            if (failed_rank_ < 0) failed_rank_ = static_cast<int>(r);
+          }
+        }
+        return absl::DeadlineExceededError(absl::StrCat("timed out waiting for ", what, " from ",
+                                                        absl::StrJoin(names, ", ")));
+      }
+      if (!inbox_->Pop(&ev, std::min(deadline, now + std::chrono::seconds(1)))) continue;
+      int r = RankOf(ev.worker_id);
+      if (r < 0) continue;
+      if (ev.kind == WorkerEvent::kLost) {
+        failed_rank_ = r;
+        return absl::UnavailableError(absl::StrCat(RankName(r), " lost: ", ev.reason));
+      }
+      const v1::WorkerMessage& m = ev.message;
+      if (m.has_error() && (m.error().job_id().empty() || m.error().job_id() == job_.job_id())) {
+        failed_rank_ = r;
+        return absl::InternalError(
+            absl::StrCat(RankName(r), " reported an error: ", m.error().message()));
+      }
+      if (!got[r] && accept(r, m)) {
+        got[r] = true;
+        --missing;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Drive() {
+    const std::string& id = job_.job_id();
+    const int n = static_cast<int>(ranks_.size());
+    const v1::JobSpec spec = WithDefaults(job_.spec(), n);
+    const int64_t gen = job_.generation();
+    for (int r = 0; r < n; ++r) {
+      v1::CoordinatorMessage m;
+      v1::Assignment* a = m.mutable_assignment();
+      a->set_job_id(id);
+      a->set_generation(gen);
+      a->set_rank(r);
+      a->set_world_size(n);
+      *a->mutable_spec() = spec;
+      a->set_store_prefix(prefix_);
+      a->set_collective_timeout_ms(options_.collective_timeout_ms);
+      if (!workers_->Send(ranks_[r], m)) {
+        failed_rank_ = r;
+        return absl::UnavailableError(
+            absl::StrCat("could not send the assignment to ", RankName(r), ": session closed"));
+      }
+    }
+    absl::Status s = Await(Clock::now() + options_.start_timeout, "Ready",
+                           [&](int, const v1::WorkerMessage& m) {
+                             return m.has_ready() && m.ready().job_id() == id &&
+                                    m.ready().generation() == gen;
+                           });
+    if (!s.ok()) return s;
+    if (!jobs_->MarkRunning(id).ok()) return absl::CancelledError("job ended");
+
+    const int64_t steps = spec.training().steps();
+    const bool has_val = !spec.data().val_path().empty();
+    const int eval_every = spec.training().eval_every();
+    int64_t tokens_total = 0;
+    for (int64_t k = 0; k < steps; ++k) {
+      const bool last = k == steps - 1;
+      v1::CoordinatorMessage m;
+      v1::StepCommand* c = m.mutable_step();
+      c->set_step(k);
+      c->set_evaluate(has_val && eval_every > 0 && ((k + 1) % eval_every == 0 || last));
+      c->set_report_scaling(k % 10 == 0 || last);
+      auto t0 = Clock::now();
+      if (!SendAll(m))
+        return absl::UnavailableError(absl::StrCat(
+            "could not send step ", k, " to ", RankName(failed_rank_), ": session closed"));
+      std::vector<v1::StepResult> results(n);
+      s = Await(t0 + options_.step_timeout, absl::StrCat("the result of step ", k),
+                [&](int r, const v1::WorkerMessage& wm) {
+                  if (!wm.has_result() || wm.result().job_id() != id || wm.result().step() != k)
+                    return false;
+                  results[r] = wm.result();
+                  return true;
+                });
+      if (!s.ok()) return s;
+      double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+      double loss_sum = 0;
+      int64_t tokens = 0;
+      for (const auto& res : results) {
+        loss_sum += res.loss_sum();
+        tokens += res.tokens();
+      }
+      tokens_total += tokens;
+      v1::JobEvent ev;
+      ev.set_step(k + 1);
+      ev.set_loss(tokens > 0 ? loss_sum / tokens : std::numeric_limits<double>::quiet_NaN());
+      ev.set_val_loss(c->evaluate() ? results[0].val_loss()
+                                    : std::numeric_limits<double>::quiet_NaN());
+      ev.set_grad_norm(results[0].grad_norm());
+      ev.set_lr(results[0].lr());
+      ev.set_tokens(tokens_total);
+      ev.set_tokens_per_second(secs > 0 ? tokens / secs : 0);
+      ev.set_step_seconds(secs);
+      for (const auto& res : results) {
+        if (res.has_scaling()) {
+          v1::ScalingState st = res.scaling();
+          if (st.step() == 0) st.set_step(k + 1);
+          jobs_->SetScalingState(id, st);
+          break;
+        }
+      }
+      if (!jobs_->RecordStep(id, ev).ok()) return absl::CancelledError("job ended");
+    }
+    v1::CoordinatorMessage fin;
+    fin.mutable_finish();
+    SendAll(fin);
+    jobs_->Finish(id, v1::JOB_STATE_SUCCEEDED, absl::StrCat("completed ", steps, " steps"))
+        .IgnoreError();
+    return absl::OkStatus();
+  }
+
+  void Run() {
+    const std::string& id = job_.job_id();
+    prefix_ = absl::StrCat("job/", id, "/gen/", job_.generation(), "/");
+    absl::Status s = Drive();
+    if (!s.ok()) {
+      std::string reason;
+      if (absl::IsAborted(s)) {
+        reason = "coordinator shutting down";
+      } else if (absl::IsCancelled(s)) {
+        auto j = jobs_->Get(id);
+        reason = j.ok() && !j->reason().empty() ? j->reason() : "job ended";
+      } else {
+        reason = std::string(s.message());
+        if (!jobs_->Finish(id, v1::JOB_STATE_FAILED, reason).ok()) {
+          auto j = jobs_->Get(id);  // ended meanwhile (cancelled): abort with its reason
+          if (j.ok()) reason = j->reason();
+        }
+      }
+      v1::CoordinatorMessage m;
+      m.mutable_abort()->set_reason(reason);
+      SendAll(m, absl::IsCancelled(s) || absl::IsAborted(s) ? -1 : failed_rank_);
+    }
+    kv_->DeletePrefix(prefix_);
+    workers_->Release(id);
+    done_ = true;
+    if (on_done_) on_done_();
+  }
+
+  JobManager* jobs_;
+  WorkerRegistry* workers_;
+  KvServer* kv_;
+  const SchedulerOptions options_;
+  const v1::Job job_;
+  std::shared_ptr<Inbox> inbox_;
+  std::function<void()> on_done_;
+  std::vector<std::string> ranks_;
+  std::string prefix_;
+  int failed_rank_ = -1;
+  std::atomic<bool> shutdown_{false};
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
+
+Scheduler::Scheduler(JobManager* jobs, WorkerRegistry* workers, KvServer* kv,
+                     SchedulerOptions options)
+    : jobs_(jobs), workers_(workers), kv_(kv), options_(options) {}
+
+Scheduler::~Scheduler() { Stop(); }
+
+void Scheduler::Start() {
+  jobs_->SetSubmitListener([this] { Wake(); });
+  jobs_->SetCancelListener([this](const std::string& id) { OnCancel(id); });
+  workers_->SetChangeListener([this] { Wake(); });
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void Scheduler::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_ && !thread_.joinable() && runs_.empty()) return;
+    stop_ = true;
+    cv_.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+  jobs_->SetSubmitListener(nullptr);
+  jobs_->SetCancelListener(nullptr);
+  workers_->SetChangeListener(nullptr);
+  std::map<std::string, std::unique_ptr<JobRun>> runs;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    runs.swap(runs_);
+  }
+  for (auto& [id, run] : runs) run->Shutdown();
+  for (auto& [id, run] : runs) run->Join();
+}
+
+void Scheduler::Wake() {
+  std::lock_guard<std::mutex> lock(mu_);
+  wake_ = true;
+  cv_.notify_all();
+}
+
+void Scheduler::OnCancel(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = runs_.find(job_id);
+  if (it != runs_.end()) it->second->Poke();
+  wake_ = true;
+  cv_.notify_all();
+}
+
+void Scheduler::Loop() {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, options_.tick, [&] { return wake_ || stop_; });
+      if (stop_) return;
+      wake_ = false;
+    }
+    workers_->CheckHeartbeats();
+    ReapFinished();
+    SchedulePass();
+  }
+}
+
+void Scheduler::ReapFinished() {
+  std::vector<std::unique_ptr<JobRun>> done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = runs_.begin(); it != runs_.end();) {
+      if (it->second->done()) {
+        done.push_back(std::move(it->second));
+        it = runs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& r : done) r->Join();
+}
+
+int Scheduler::ChooseWorldSize(const v1::JobSpec& spec, int free) {
+  const int mn = std::max(1, spec.sharding().min_workers());
+  const int mx = std::max(mn, spec.sharding().max_workers());
+  const int64_t gb = spec.training().global_batch();
+  for (int n = std::min(mx, free); n >= mn; --n) {
+    int64_t mb = spec.training().has_microbatch() ? spec.training().microbatch() : gb / n;
+    if (mb >= 1 && gb % (n * mb) == 0) return n;
+  }
+  return 0;
+}
+
+int Scheduler::MinWorldSize(const v1::JobSpec& spec) {
+  const int mn = std::max(1, spec.sharding().min_workers());
+  const int mx = std::max(mn, spec.sharding().max_workers());
+  for (int n = mn; n <= mx; ++n)
+    if (ChooseWorldSize(spec, n) == n) return n;
+  return mn;
+}
+
+void Scheduler::SchedulePass() {
+  std::map<std::string, std::vector<std::string>> free;
+  for (const v1::Job& job : jobs_->PendingJobs()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+    }
+    std::string backend = job.spec().backend().empty() ? "cpu" : job.spec().backend();
+    auto it = free.find(backend);
+    if (it == free.end()) it = free.emplace(backend, workers_->FreeWorkers(backend)).first;
+    std::vector<std::string>& f = it->second;
+    int n = ChooseWorldSize(job.spec(), static_cast<int>(f.size()));
+    if (n == 0) {
+      int need = MinWorldSize(job.spec());
+      jobs_->SetPendingReason(job.job_id(), absl::StrCat("waiting for ", need, " workers (",
+                                                         f.size(), " free)"))
+          .IgnoreError();
+      continue;
+    }
+    std::vector<std::string> chosen(f.begin(), f.begin() + n);
+    auto inbox = std::make_shared<Inbox>();
+    if (!workers_->Assign(chosen, job.job_id(), [inbox](const WorkerEvent& ev) { inbox->Push(ev); })
+             .ok()) {
+      f = workers_->FreeWorkers(backend);  // the picture changed; look again next pass
+      Wake();
+      continue;
+    }
+    f.erase(f.begin(), f.begin() + n);
+    auto started = jobs_->MarkStarting(job.job_id(), chosen);
+    if (!started.ok()) {  // cancelled meanwhile
+      workers_->Release(job.job_id());
+      continue;
+    }
+    auto run = std::make_unique<JobRun>(jobs_, workers_, kv_, options_, *started, inbox,
+                                        [this] { Wake(); });
+    JobRun* raw = run.get();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      runs_[job.job_id()] = std::move(run);
+    }
+    raw->Start();
+  }
+}
+
+}  // namespace fsdp8::coord

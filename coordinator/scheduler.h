@@ -1,0 +1,80 @@
+// Scheduler: assigns ranks to free workers and drives each running job's steps.
+//
+// One scheduler thread (woken by submissions, cancellations and worker changes, and every 200 ms)
+// checks heartbeats and starts PENDING jobs, oldest first, on disjoint idle workers: a job takes the
+// largest n in [min_workers, max_workers] of free workers of its backend for which global_batch is
+// divisible by n * microbatch (microbatch unset: global_batch / n). Jobs that cannot start get the
+// reason "waiting for N workers (F free)".
+//
+// Each started job gets its own driver thread (JobRun) that speaks the Session protocol:
+//   Assignment to every rank -> wait for every Ready (start_timeout) -> RUNNING ->
+//   for k in 0..steps-1: StepCommand{k} to every rank, wait for every StepResult{k} (step_timeout),
+//   aggregate and publish -> Finish to every rank -> SUCCEEDED.
+// A WorkerError, a lost Session, a heartbeat timeout or a deadline fails the job (reason names the
+// worker and rank) and sends Abort to the ranks; Cancel sends Abort too. Workers are released
+// (idle) when the run ends, and the generation's rendezvous keys are deleted.
+//
+// Thread-safety: Start/Stop/Wake may be called from any thread; Stop joins every thread.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "coordinator/job_manager.h"
+#include "coordinator/kv_server.h"
+#include "coordinator/worker_registry.h"
+
+namespace fsdp8::coord {
+
+struct SchedulerOptions {
+  std::chrono::milliseconds start_timeout{120000};
+  std::chrono::milliseconds step_timeout{300000};
+  int collective_timeout_ms = 30000;
+  std::chrono::milliseconds tick{200};
+};
+
+class JobRun;
+
+class Scheduler {
+ public:
+  Scheduler(JobManager* jobs, WorkerRegistry* workers, KvServer* kv, SchedulerOptions options);
+  ~Scheduler();
+
+  // Installs the listeners on jobs/workers and starts the scheduler thread.
+  void Start();
+  // Stops scheduling; running jobs' ranks get Abort{"coordinator shutting down"} and their
+  // threads are joined. The jobs keep their persisted state (a restart marks them FAILED).
+  void Stop();
+  // Asks for a scheduling pass soon.
+  void Wake();
+
+  // Chooses a world size for `spec` given `free` workers; 0 when none fits. Exposed for tests.
+  static int ChooseWorldSize(const v1::JobSpec& spec, int free);
+  // The smallest world size the spec can run on (>= min_workers).
+  static int MinWorldSize(const v1::JobSpec& spec);
+
+ private:
+  void Loop();
+  void SchedulePass();
+  void ReapFinished();
+  void OnCancel(const std::string& job_id);
+
+  JobManager* jobs_;
+  WorkerRegistry* workers_;
+  KvServer* kv_;
+  const SchedulerOptions options_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool wake_ = false;
+  bool stop_ = false;
+  std::thread thread_;
+  std::map<std::string, std::unique_ptr<JobRun>> runs_;
+};
+
+}  // namespace fsdp8::coord

@@ -1,0 +1,244 @@
+#include "coordinator/worker_registry.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/job_manager.h"
+
+namespace fsdp8::coord {
+
+WorkerRegistry::WorkerRegistry(WorkerRegistryOptions options) : options_(std::move(options)) {}
+
+absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(const v1::RegisterRequest& req) {
+  if (req.version() != options_.version)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "worker version ", req.version(), " != coordinator version ", options_.version));
+  if (req.host().empty()) return absl::InvalidArgumentError("host: must not be empty");
+  std::string backend = req.backend().empty() ? "cpu" : req.backend();
+  v1::RegisterResponse resp;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t n = next_id_++;
+    std::string id = absl::StrCat("w-", n);
+    Worker& w = workers_[id];
+    w.order = n;
+    w.last_seen = std::chrono::steady_clock::now();
+    v1::WorkerInfo& i = w.info;
+    i.set_worker_id(id);
+    i.set_host(req.host());
+    i.set_backend(backend);
+    i.set_device(req.device());
+    i.set_memory_bytes(req.memory_bytes());
+    i.set_version(req.version());
+    i.set_healthy(true);
+    i.set_rank(-1);
+    i.set_last_heartbeat(NowSeconds());
+    resp.set_worker_id(id);
+    resp.set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
+  }
+  return resp;
+}
+
+absl::Status WorkerRegistry::Heartbeat(const std::string& worker_id) {
+  bool became_healthy = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = workers_.find(worker_id);
+    if (it == workers_.end())
+      return absl::NotFoundError(absl::StrCat("worker '", worker_id, "' is not registered"));
+    Worker& w = it->second;
+    w.last_seen = std::chrono::steady_clock::now();
+    w.info.set_last_heartbeat(NowSeconds());
+    if (!w.info.healthy() && w.session) {
+      w.info.set_healthy(true);
+      became_healthy = true;
+    }
+  }
+  if (became_healthy) NotifyChange();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> WorkerRegistry::AttachSession(const std::string& worker_id,
+                                                       std::shared_ptr<SessionSink> sink) {
+  std::shared_ptr<SessionSink> old;
+  WorkerEventHandler handler;
+  uint64_t token;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = workers_.find(worker_id);
+    if (it == workers_.end())
+      return absl::NotFoundError(absl::StrCat("worker '", worker_id, "' is not registered"));
+    Worker& w = it->second;
+    old = std::move(w.session);
+    if (old) handler = w.handler;
+    w.session = std::move(sink);
+    w.token = token = next_token_++;
+    w.last_seen = std::chrono::steady_clock::now();
+    w.info.set_healthy(true);
+  }
+  if (old) {
+    old->Close();
+    if (handler) {
+      WorkerEvent ev;
+      ev.kind = WorkerEvent::kLost;
+      ev.worker_id = worker_id;
+      ev.reason = "session replaced by a new one";
+      handler(ev);
+    }
+  }
+  NotifyChange();
+  return token;
+}
+
+void WorkerRegistry::OnMessage(const std::string& worker_id, uint64_t token,
+                               const v1::WorkerMessage& msg) {
+  WorkerEventHandler handler;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = workers_.find(worker_id);
+    if (it == workers_.end() || it->second.token != token) return;
+    it->second.last_seen = std::chrono::steady_clock::now();
+    handler = it->second.handler;
+  }
+  if (handler) {
+    WorkerEvent ev;
+    ev.kind = WorkerEvent::kMessage;
+    ev.worker_id = worker_id;
+    ev.message = msg;
+    handler(ev);
+  }
+}
+
+void WorkerRegistry::DetachSession(const std::string& worker_id, uint64_t token,
+                                   const std::string& reason) {
+  WorkerEventHandler handler;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = workers_.find(worker_id);
+    if (it == workers_.end() || it->second.token != token) return;
+    Worker& w = it->second;
+    w.session.reset();
+    w.token = 0;
+    w.info.set_healthy(false);
+    handler = w.handler;
+  }
+  if (handler) {
+    WorkerEvent ev;
+    ev.kind = WorkerEvent::kLost;
+    ev.worker_id = worker_id;
+    ev.reason = reason;
+    handler(ev);
+  }
+}
+
+std::vector<v1::WorkerInfo> WorkerRegistry::List() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<const Worker*> ws;
+  for (const auto& [id, w] : workers_) ws.push_back(&w);
+  std::sort(ws.begin(), ws.end(), [](const Worker* a, const Worker* b) { return a->order < b->order; });
+  std::vector<v1::WorkerInfo> out;
+  for (const Worker* w : ws) out.push_back(w->info);
+  return out;
+}
+
+std::vector<std::string> WorkerRegistry::FreeWorkers(const std::string& backend) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<const Worker*> ws;
+  for (const auto& [id, w] : workers_) {
+    if (w.info.healthy() && w.session && w.info.job_id().empty() && w.info.backend() == backend)
+      ws.push_back(&w);
+  }
+  std::sort(ws.begin(), ws.end(), [](const Worker* a, const Worker* b) { return a->order < b->order; });
+  std::vector<std::string> out;
+  for (const Worker* w : ws) out.push_back(w->info.worker_id());
+  return out;
+}
+
+absl::Status WorkerRegistry::Assign(const std::vector<std::string>& worker_ids,
+                                    const std::string& job_id, WorkerEventHandler handler) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& id : worker_ids) {
+    auto it = workers_.find(id);
+    if (it == workers_.end() || !it->second.info.healthy() || !it->second.session ||
+        !it->second.info.job_id().empty())
+      return absl::FailedPreconditionError(absl::StrCat("worker ", id, " is not assignable"));
+  }
+  for (size_t r = 0; r < worker_ids.size(); ++r) {
+    Worker& w = workers_.at(worker_ids[r]);
+    w.info.set_job_id(job_id);
+    w.info.set_rank(static_cast<int>(r));
+    w.handler = handler;
+  }
+  return absl::OkStatus();
+}
+
+void WorkerRegistry::Release(const std::string& job_id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, w] : workers_) {
+      if (w.info.job_id() == job_id) {
+        w.info.clear_job_id();
+        w.info.set_rank(-1);
+        w.handler = nullptr;
+      }
+    }
+  }
+  NotifyChange();
+}
+
+bool WorkerRegistry::Send(const std::string& worker_id, const v1::CoordinatorMessage& msg) {
+  std::shared_ptr<SessionSink> sink;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = workers_.find(worker_id);
+    if (it == workers_.end()) return false;
+    sink = it->second.session;
+  }
+  return sink && sink->Send(msg);
+}
+
+void WorkerRegistry::CheckHeartbeats() {
+  std::vector<std::pair<WorkerEventHandler, WorkerEvent>> lost;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto now = std::chrono::steady_clock::now();
+    for (auto it = workers_.begin(); it != workers_.end();) {
+      Worker& w = it->second;
+      auto silent = now - w.last_seen;
+      if (!w.session && w.info.job_id().empty() && silent > std::chrono::seconds(60)) {
+        it = workers_.erase(it);
+        continue;
+      }
+      if (w.info.healthy() && silent > options_.heartbeat_timeout) {
+        w.info.set_healthy(false);
+        if (w.handler) {
+          WorkerEvent ev;
+          ev.kind = WorkerEvent::kLost;
+          ev.worker_id = w.info.worker_id();
+          ev.reason = absl::StrCat(
+              "no heartbeat for ",
+              std::chrono::duration_cast<std::chrono::milliseconds>(silent).count() / 1000.0, " s");
+          lost.emplace_back(w.handler, ev);
+        }
+      }
+      ++it;
+    }
+  }
+  for (auto& [h, ev] : lost) h(ev);
+}
+
+void WorkerRegistry::SetChangeListener(std::function<void()> fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_change_ = std::move(fn);
+}
+
+void WorkerRegistry::NotifyChange() {
+  std::function<void()> fn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fn = on_change_;
+  }
+  if (fn) fn();
+}
+
+}  // namespace fsdp8::coord

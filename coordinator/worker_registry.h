@@ -1,0 +1,119 @@
+// WorkerRegistry: the coordinator's view of its worker daemons — registration (with the version
+// check), heartbeats, each worker's Session stream, and which job/rank each worker serves.
+//
+// A worker is *assignable* when it is healthy (a heartbeat within heartbeat_timeout), has an open
+// Session, and is idle. Messages a worker sends on its Session, and the loss of a worker (its
+// Session ended, or its heartbeats stopped), are delivered to the handler of the job the worker is
+// assigned to. A worker whose Session ends is marked unhealthy and stays listed (without a session)
+// until it has been silent for 60 s; a later heartbeat makes a worker that still has a Session
+// healthy again.
+//
+// Transport: the gRPC layer (or a test) attaches a SessionSink per Session stream; the registry
+// only ever calls Send/Close on it.
+//
+// Thread-safety: every method is safe to call from several threads. Handlers and the change
+// listener are called without the registry's lock held.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "fsdp8/v1/admin.pb.h"
+#include "fsdp8/v1/worker.pb.h"
+
+namespace fsdp8::coord {
+
+// One worker's Session stream, seen from the coordinator.
+class SessionSink {
+ public:
+  virtual ~SessionSink() = default;
+  // Queues a message for the worker; false when the stream is already closed.
+  virtual bool Send(const v1::CoordinatorMessage& msg) = 0;
+  // Asks the transport to end the stream (used when a newer Session replaces this one).
+  virtual void Close() = 0;
+};
+
+// Something that happened to an assigned worker.
+struct WorkerEvent {
+  enum Kind { kMessage, kLost };
+  Kind kind = kMessage;
+  std::string worker_id;
+  v1::WorkerMessage message;  // kMessage
+  std::string reason;         // kLost: why, e.g. "session stream ended"
+};
+using WorkerEventHandler = std::function<void(const WorkerEvent&)>;
+
+struct WorkerRegistryOptions {
+  std::string version;  // workers must report exactly this version
+  std::chrono::milliseconds heartbeat_timeout{5000};
+  int heartbeat_interval_ms = 1000;
+};
+
+class WorkerRegistry {
+ public:
+  explicit WorkerRegistry(WorkerRegistryOptions options);
+
+  // FAILED_PRECONDITION "worker version X != coordinator version Y" on a version mismatch;
+  // INVALID_ARGUMENT for an empty host. Otherwise a new worker id.
+  absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& req);
+  // NOT_FOUND for an unknown worker id (the worker should register again).
+  absl::Status Heartbeat(const std::string& worker_id);
+
+  // Attaches a Session stream (after its Hello). A previous Session of the same worker is closed
+  // and treated as ended. Returns a token identifying this Session. NOT_FOUND for an unknown id.
+  absl::StatusOr<uint64_t> AttachSession(const std::string& worker_id,
+                                         std::shared_ptr<SessionSink> sink);
+  // A message received on Session `token` (ignored when the token is stale).
+  void OnMessage(const std::string& worker_id, uint64_t token, const v1::WorkerMessage& msg);
+  // Session `token` ended: the worker becomes unhealthy and its job (if any) is told.
+  void DetachSession(const std::string& worker_id, uint64_t token, const std::string& reason);
+
+  std::vector<v1::WorkerInfo> List() const;
+
+  // ---- scheduler side ----
+  // Assignable workers with this backend, in registration order.
+  std::vector<std::string> FreeWorkers(const std::string& backend) const;
+  // Marks worker_ids[r] as rank r of job_id and routes their events to `handler`.
+  // FAILED_PRECONDITION (nothing changes) when any of them is not assignable any more.
+  absl::Status Assign(const std::vector<std::string>& worker_ids, const std::string& job_id,
+                      WorkerEventHandler handler);
+  // Makes the workers of job_id idle again (their sessions stay).
+  void Release(const std::string& job_id);
+  // Sends on the worker's current Session; false when it has none or the send failed.
+  bool Send(const std::string& worker_id, const v1::CoordinatorMessage& msg);
+  // Marks workers silent for longer than the heartbeat timeout unhealthy, tells their jobs, and
+  // forgets workers without a Session silent for over 60 s.
+  void CheckHeartbeats();
+  // Called (without locks) whenever the set of assignable workers may have grown.
+  void SetChangeListener(std::function<void()> fn);
+
+  const WorkerRegistryOptions& options() const { return options_; }
+
+ private:
+  struct Worker {
+    v1::WorkerInfo info;
+    std::chrono::steady_clock::time_point last_seen;
+    std::shared_ptr<SessionSink> session;
+    uint64_t token = 0;
+    WorkerEventHandler handler;
+    int64_t order = 0;
+  };
+  void NotifyChange();
+
+  const WorkerRegistryOptions options_;
+  mutable std::mutex mu_;
+  std::map<std::string, Worker> workers_;
+  int64_t next_id_ = 1;
+  uint64_t next_token_ = 1;
+  std::function<void()> on_change_;
+};
+
+}  // namespace fsdp8::coord
