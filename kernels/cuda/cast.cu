@@ -1,0 +1,300 @@
+// FP8 casts, transposes, amax and bfloat16 rounding (Backend: CastToFp8, CastTransposeFp8,
+// TransposeBytes, DequantizeFp8, AmaxAccumulate, RoundToBf16, PackBf16, UnpackBf16).
+//
+// Bit-exact with the CPU reference: the encoders in device_math.cuh are the algorithm of
+// kernels/fp8.h. amax uses atomicMax on |x| bits, which is order-independent (device_math.cuh).
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/launchers.h"
+
+namespace fsdp8::cuda {
+namespace {
+
+constexpr int kEltThreads = 256;
+constexpr int64_t kMaxEltBlocks = 8192;  // grid-stride beyond this
+
+int EltBlocks(int64_t n_items) {
+  int64_t b = CeilDiv(n_items, kEltThreads);
+  if (b < 1) b = 1;
+  return static_cast<int>(b < kMaxEltBlocks ? b : kMaxEltBlocks);
+}
+
+// in (n) -> out (n); 4 elements per iteration when in/out are 16/4-byte aligned (`vec`).
+template <bool kE5M2>
+__global__ void CastToFp8Kernel(const float* __restrict__ in, uint8_t* __restrict__ out, int64_t n,
+                                const float* __restrict__ scale, float* amax_out, bool vec) {
+  __shared__ int red[kEltThreads / 32];
+  const float s = *scale;
+  int m = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (vec) {
+    const int64_t n4 = n / 4;
+    const float4* in4 = reinterpret_cast<const float4*>(in);
+    uint32_t* out4 = reinterpret_cast<uint32_t*>(out);
+    for (int64_t i = tid; i < n4; i += stride) {
+      const float4 x = in4[i];
+      m = max(m, max(max(AbsBits(x.x), AbsBits(x.y)), max(AbsBits(x.z), AbsBits(x.w))));
+      out4[i] = EncodeDev<kE5M2>(x.x * s) | (EncodeDev<kE5M2>(x.y * s) << 8) |
+                (EncodeDev<kE5M2>(x.z * s) << 16) | (EncodeDev<kE5M2>(x.w * s) << 24);
+    }
+    for (int64_t i = n4 * 4 + tid; i < n; i += stride) {
+      const float x = in[i];
+      m = max(m, AbsBits(x));
+      out[i] = static_cast<uint8_t>(EncodeDev<kE5M2>(x * s));
+    }
+  } else {
+    for (int64_t i = tid; i < n; i += stride) {
+      const float x = in[i];
+      m = max(m, AbsBits(x));
+      out[i] = static_cast<uint8_t>(EncodeDev<kE5M2>(x * s));
+    }
+  }
+  if (amax_out != nullptr) {
+    m = BlockMaxInt<kEltThreads>(m, red);
+    if (threadIdx.x == 0) AtomicMaxAbsBits(amax_out, m);
+  }
+}
+
+// Fused cast + transpose. Tile: 64 rows x 64 cols of `in`, 256 threads.
+// Read phase: thread reads 4 consecutive cols (float4 when the tile is interior and cols % 4 == 0)
+// of 4 rows; writes `out` (rows, cols) as u32 words; stores codes into smem tile[r][c].
+// Write phase: thread gathers 4 consecutive rows of one col from smem and writes them as one u32
+// word of out_t (cols, rows) (when rows % 4 == 0 and interior), else bytes.
+constexpr int kTile = 64;
+constexpr int kTileThreads = 256;
+constexpr int kTilePad = 4;  // row pitch 68 bytes: spreads column gathers over banks
+
+template <bool kE5M2>
+__global__ void __launch_bounds__(kTileThreads)
+CastTransposeKernel(const float* __restrict__ in, int64_t rows, int64_t cols,
+                    const float* __restrict__ scale, uint8_t* __restrict__ out,
+                    uint8_t* __restrict__ out_t, float* amax_out) {
+  __shared__ __align__(16) uint8_t tile[kTile][kTile + kTilePad];
+  __shared__ int red[kTileThreads / 32];
+  const float s = *scale;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int tx = threadIdx.x & 15;  // which group of 4 cols
+  const int ty = threadIdx.x >> 4;  // 0..15: row within a pass of 16 rows
+  int m = 0;
+  const bool full = (r0 + kTile <= rows) && (c0 + kTile <= cols);
+  if (full && (cols % 4) == 0) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int r = ty + 16 * p;
+      const float4 x = *reinterpret_cast<const float4*>(in + (r0 + r) * cols + c0 + 4 * tx);
+      m = max(m, max(max(AbsBits(x.x), AbsBits(x.y)), max(AbsBits(x.z), AbsBits(x.w))));
+      const uint32_t w = EncodeDev<kE5M2>(x.x * s) | (EncodeDev<kE5M2>(x.y * s) << 8) |
+                         (EncodeDev<kE5M2>(x.z * s) << 16) | (EncodeDev<kE5M2>(x.w * s) << 24);
+      *reinterpret_cast<uint32_t*>(&tile[r][4 * tx]) = w;
+      if (out != nullptr) *reinterpret_cast<uint32_t*>(out + (r0 + r) * cols + c0 + 4 * tx) = w;
+    }
+  } else {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int r = ty + 16 * p;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int c = 4 * tx + j;
+        uint32_t code = 0;
+        if (r0 + r < rows && c0 + c < cols) {
+          const float x = in[(r0 + r) * cols + c0 + c];
+          m = max(m, AbsBits(x));
+          code = EncodeDev<kE5M2>(x * s);
+          if (out != nullptr) out[(r0 + r) * cols + c0 + c] = static_cast<uint8_t>(code);
+        }
+        tile[r][c] = static_cast<uint8_t>(code);
+      }
+    }
+  }
+  __syncthreads();
+  if (out_t != nullptr) {
+    // Thread covers out_t row (col c0 + c), rows r0 + 4*tx .. +3.
+    if (full && (rows % 4) == 0) {
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const int c = ty + 16 * p;
+        const int r = 4 * tx;
+        const uint32_t w = static_cast<uint32_t>(tile[r][c]) |
+                           (static_cast<uint32_t>(tile[r + 1][c]) << 8) |
+                           (static_cast<uint32_t>(tile[r + 2][c]) << 16) |
+                           (static_cast<uint32_t>(tile[r + 3][c]) << 24);
+        *reinterpret_cast<uint32_t*>(out_t + (c0 + c) * rows + r0 + r) = w;
+      }
+    } else {
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const int c = ty + 16 * p;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int r = 4 * tx + j;
+          if (r0 + r < rows && c0 + c < cols) out_t[(c0 + c) * rows + r0 + r] = tile[r][c];
+        }
+      }
+    }
+  }
+  if (amax_out != nullptr) {
+    m = BlockMaxInt<kTileThreads>(m, red);
+    if (threadIdx.x == 0) AtomicMaxAbsBits(amax_out, m);
+  }
+}
+
+// out (cols, rows) = in (rows, cols)^T, bytes; 64 x 64 tiles.
+__global__ void __launch_bounds__(kTileThreads)
+TransposeBytesKernel(const uint8_t* __restrict__ in, int64_t rows, int64_t cols,
+                     uint8_t* __restrict__ out) {
+  __shared__ uint8_t tile[kTile][kTile + kTilePad];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  for (int i = threadIdx.x; i < kTile * kTile; i += kTileThreads) {
+    const int r = i / kTile, c = i % kTile;
+    if (r0 + r < rows && c0 + c < cols) tile[r][c] = in[(r0 + r) * cols + c0 + c];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kTile * kTile; i += kTileThreads) {
+    const int c = i / kTile, r = i % kTile;
+    if (r0 + r < rows && c0 + c < cols) out[(c0 + c) * rows + r0 + r] = tile[r][c];
+  }
+}
+
+template <bool kE5M2>
+__global__ void DequantizeKernel(const uint8_t* __restrict__ in, float* __restrict__ out, int64_t n,
+                                 const float* __restrict__ scale_inv) {
+  const float s = scale_inv != nullptr ? *scale_inv : 1.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    out[i] = DecodeDev<kE5M2>(in[i]) * s;
+  }
+}
+
+__global__ void AmaxKernel(const float* __restrict__ in, int64_t n, float* amax_out) {
+  __shared__ int red[kEltThreads / 32];
+  int m = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    m = max(m, AbsBits(in[i]));
+  }
+  m = BlockMaxInt<kEltThreads>(m, red);
+  if (threadIdx.x == 0) AtomicMaxAbsBits(amax_out, m);
+}
+
+__global__ void RoundBf16Kernel(float* x, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    x[i] = __uint_as_float(RoundBf16BitsDev(x[i]));
+  }
+}
+
+__global__ void PackBf16Kernel(const float* __restrict__ in, uint16_t* __restrict__ out, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    out[i] = static_cast<uint16_t>(RoundBf16BitsDev(in[i]) >> 16);
+  }
+}
+
+__global__ void UnpackBf16Kernel(const uint16_t* __restrict__ in, float* __restrict__ out, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    out[i] = __uint_as_float(static_cast<uint32_t>(in[i]) << 16);
+  }
+}
+
+// C = (*a) * (*b) * tmp (+ C). The scalar product is formed first, as the CPU does.
+__global__ void ScaleAccumulateKernel(const float* __restrict__ tmp, const float* alpha_a,
+                                      const float* alpha_b, float* C, int64_t n, bool accumulate) {
+  const float alpha = (alpha_a != nullptr ? *alpha_a : 1.0f) * (alpha_b != nullptr ? *alpha_b : 1.0f);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float v = alpha * tmp[i];
+    C[i] = accumulate ? C[i] + v : v;
+  }
+}
+
+}  // namespace
+
+void LaunchCastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale, Fp8Format fmt,
+                     float* amax_out, cudaStream_t stream) {
+  if (n <= 0) return;
+  const bool vec = (reinterpret_cast<uintptr_t>(in) % 16 == 0) &&
+                   (reinterpret_cast<uintptr_t>(out) % 4 == 0);
+  const int blocks = EltBlocks(vec ? CeilDiv(n, 4) : n);
+  if (fmt == Fp8Format::kE5M2) {
+    CastToFp8Kernel<true><<<blocks, kEltThreads, 0, stream>>>(in, out, n, scale, amax_out, vec);
+  } else {
+    CastToFp8Kernel<false><<<blocks, kEltThreads, 0, stream>>>(in, out, n, scale, amax_out, vec);
+  }
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+void LaunchCastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
+                            Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
+                            cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
+  FSDP8_CUDA_REQUIRE(CeilDiv(rows, kTile) <= 65535, "CastTransposeFp8: rows too large");
+  FSDP8_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(in) % 16 == 0, "CastTransposeFp8: in not 16-byte aligned");
+  FSDP8_CUDA_REQUIRE(out == nullptr || reinterpret_cast<uintptr_t>(out) % 4 == 0, "CastTransposeFp8: out not 4-byte aligned");
+  FSDP8_CUDA_REQUIRE(out_t == nullptr || reinterpret_cast<uintptr_t>(out_t) % 4 == 0, "CastTransposeFp8: out_t not 4-byte aligned");
+  const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kTile)), static_cast<unsigned>(CeilDiv(rows, kTile)));
+  if (fmt == Fp8Format::kE5M2) {
+    CastTransposeKernel<true><<<grid, kTileThreads, 0, stream>>>(in, rows, cols, scale, out, out_t, amax_out);
+  } else {
+    CastTransposeKernel<false><<<grid, kTileThreads, 0, stream>>>(in, rows, cols, scale, out, out_t, amax_out);
+  }
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+void LaunchTransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
+                          cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
+  FSDP8_CUDA_REQUIRE(CeilDiv(rows, kTile) <= 65535, "TransposeBytes: rows too large");
+  const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kTile)), static_cast<unsigned>(CeilDiv(rows, kTile)));
+  TransposeBytesKernel<<<grid, kTileThreads, 0, stream>>>(in, rows, cols, out);
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+void LaunchDequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
+                         Fp8Format fmt, cudaStream_t stream) {
+  if (n <= 0) return;
+  if (fmt == Fp8Format::kE5M2) {
+    DequantizeKernel<true><<<EltBlocks(n), kEltThreads, 0, stream>>>(in, out, n, scale_inv);
+  } else {
+    DequantizeKernel<false><<<EltBlocks(n), kEltThreads, 0, stream>>>(in, out, n, scale_inv);
+  }
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+void LaunchAmaxAccumulate(const float* in, int64_t n, float* amax_out, cudaStream_t stream) {
+  if (n <= 0) return;
+  AmaxKernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(in, n, amax_out);
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+void LaunchRoundToBf16(float* x, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  RoundBf16Kernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(x, n);
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+void LaunchPackBf16(const float* in, uint16_t* out, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  PackBf16Kernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(in, out, n);
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+void LaunchUnpackBf16(const uint16_t* in, float* out, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  UnpackBf16Kernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(in, out, n);
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+void LaunchScaleAccumulate(const float* tmp, const float* alpha_a, const float* alpha_b, float* C,
+                           int64_t n, bool accumulate, cudaStream_t stream) {
+  if (n <= 0) return;
+  ScaleAccumulateKernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(tmp, alpha_a, alpha_b, C, n, accumulate);
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace fsdp8::cuda

@@ -1,0 +1,459 @@
+// CudaBackend: memory, streams and the op entry points; kernels live in the per-family .cu files.
+#include "kernels/cuda/cuda_backend.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/launchers.h"
+
+namespace fsdp8 {
+
+namespace {
+constexpr size_t kGemmWorkspaceBytes = 32u << 20;  // one workspace per stream (cuBLASLt advice)
+
+// Scratch slots.
+constexpr int kSlotA = 0;        // GEMM fallback / bf16 operand A
+constexpr int kSlotB = 1;        // GEMM fallback / bf16 operand B
+constexpr int kSlotTmp = 2;      // GEMM fallback product
+constexpr int kSlotPartials = 3; // reductions
+constexpr int kSlotDelta = 4;    // attention backward delta
+constexpr int kSlotMisc = 5;     // small host-visible values
+
+int64_t AlignUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+}  // namespace
+
+CudaBackend::CudaBackend(int device) : device_(device) {
+  FSDP8_CUDA_CHECK(cudaSetDevice(device_));
+  FSDP8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  FSDP8_CUDA_CHECK(cudaMalloc(&gemm_workspace_, kGemmWorkspaceBytes));
+  lt_ = std::make_unique<cuda::LtGemm>(stream_, gemm_workspace_, kGemmWorkspaceBytes);
+}
+
+CudaBackend::~CudaBackend() {
+  cudaSetDevice(device_);
+  cudaStreamSynchronize(stream_);
+  lt_.reset();
+  for (auto& kv : sizes_) cudaFree(reinterpret_cast<void*>(kv.first));
+  for (int i = 0; i < kScratchSlots; ++i) cudaFree(scratch_[i]);
+  cudaFree(rope_table_);
+  cudaFree(gemm_workspace_);
+  cudaStreamDestroy(stream_);
+}
+
+void CudaBackend::Bind() const { FSDP8_CUDA_CHECK(cudaSetDevice(device_)); }
+
+// ---- memory ------------------------------------------------------------------------------------
+
+void* CudaBackend::Alloc(size_t bytes) {
+  Bind();
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, bytes == 0 ? 1 : bytes);
+  if (e == cudaErrorMemoryAllocation) {
+    cudaGetLastError();  // clear the sticky-free allocation error
+    return nullptr;
+  }
+  FSDP8_CUDA_CHECK(e);
+  sizes_[reinterpret_cast<uintptr_t>(p)] = bytes;
+  allocated_ += static_cast<int64_t>(bytes);
+  if (allocated_ > peak_) peak_ = allocated_;
+  return p;
+}
+
+void CudaBackend::Free(void* p) {
+  if (p == nullptr) return;
+  Bind();
+  auto it = sizes_.find(reinterpret_cast<uintptr_t>(p));
+  FSDP8_CUDA_REQUIRE(it != sizes_.end(), "Free of a pointer not from Alloc");
+  // cudaFree synchronizes the device, so work still reading p completes first.
+  FSDP8_CUDA_CHECK(cudaFree(p));
+  allocated_ -= static_cast<int64_t>(it->second);
+  sizes_.erase(it);
+}
+
+size_t CudaBackend::BytesToEndOfAllocation(const void* p) const {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  auto it = sizes_.upper_bound(a);
+  if (it == sizes_.begin()) return 0;
+  --it;
+  if (a >= it->first + it->second) return 0;
+  return it->first + it->second - a;
+}
+
+void CudaBackend::CopyToDevice(void* dst, const void* host_src, size_t bytes) {
+  if (bytes == 0) return;
+  Bind();
+  // Synchronous with respect to the host buffer: the caller may reuse host_src on return.
+  FSDP8_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
+  FSDP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::CopyToHost(void* host_dst, const void* src, size_t bytes) {
+  Bind();
+  if (bytes > 0) FSDP8_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  FSDP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::Copy(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  Bind();
+  FSDP8_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+}
+
+void CudaBackend::Memset(void* dst, int value, size_t bytes) {
+  if (bytes == 0) return;
+  Bind();
+  FSDP8_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, stream_));
+}
+
+void CudaBackend::Synchronize() {
+  Bind();
+  FSDP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void* CudaBackend::Scratch(int i, size_t bytes) {
+  if (bytes == 0) bytes = 1;
+  if (scratch_bytes_[i] < bytes) {
+    FSDP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (scratch_[i] != nullptr) FSDP8_CUDA_CHECK(cudaFree(scratch_[i]));
+    scratch_[i] = nullptr;
+    size_t grow = bytes + bytes / 4;
+    FSDP8_CUDA_CHECK(cudaMalloc(&scratch_[i], grow));
+    scratch_bytes_[i] = grow;
+  }
+  return scratch_[i];
+}
+
+// ---- FP8 ---------------------------------------------------------------------------------------
+
+void CudaBackend::CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale,
+                            Fp8Format fmt, float* amax_out) {
+  Bind();
+  cuda::LaunchCastToFp8(in, out, n, scale, fmt, amax_out, stream_);
+}
+
+void CudaBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
+                                   Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) {
+  Bind();
+  cuda::LaunchCastTransposeFp8(in, rows, cols, scale, fmt, out, out_t, amax_out, stream_);
+}
+
+void CudaBackend::TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) {
+  Bind();
+  cuda::LaunchTransposeBytes(in, rows, cols, out, stream_);
+}
+
+void CudaBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
+                                Fp8Format fmt) {
+  Bind();
+  cuda::LaunchDequantizeFp8(in, out, n, scale_inv, fmt, stream_);
+}
+
+void CudaBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out) {
+  Bind();
+  cuda::LaunchAmaxAccumulate(in, n, amax_out, stream_);
+}
+
+namespace {
+cudaDataType_t Fp8Type(Fp8Format f) {
+  return f == Fp8Format::kE5M2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
+}
+}  // namespace
+
+void CudaBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+                          const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+                          const float* b_scale_inv, float* C, bool accumulate) {
+  Bind();
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    if (!accumulate) FSDP8_CUDA_CHECK(cudaMemsetAsync(C, 0, sizeof(float) * M * N, stream_));
+    return;
+  }
+  // See gemm.h: column-major D (N, M) = B_stored(K, N)^T · A_stored(K, M).
+  cuda::LtProblem p;
+  p.m = N;
+  p.n = M;
+  p.k = K;
+  p.trans_a = true;
+  p.trans_b = false;
+  p.a_type = Fp8Type(b_fmt);
+  p.b_type = Fp8Type(a_fmt);
+  p.lda = K;
+  p.ldb = K;
+  p.ldc = N;
+  p.scaled = true;
+  p.accumulate = accumulate;
+  p.align_a = cuda::PointerAlignment(B);
+  p.align_b = cuda::PointerAlignment(A);
+  p.align_c = cuda::PointerAlignment(C);
+  const bool both_e5m2 = a_fmt == Fp8Format::kE5M2 && b_fmt == Fp8Format::kE5M2;
+  if (!both_e5m2 && lt_->Run(p, B, A, C, b_scale_inv, a_scale_inv)) return;
+
+  // Fallback (shapes cuBLASLt FP8 refuses): exact decode, f32 GEMM, then the scales.
+  ++gemm_fp8_fallbacks_;
+  float* a32 = static_cast<float*>(Scratch(kSlotA, sizeof(float) * M * K));
+  float* b32 = static_cast<float*>(Scratch(kSlotB, sizeof(float) * N * K));
+  float* tmp = static_cast<float*>(Scratch(kSlotTmp, sizeof(float) * M * N));
+  cuda::LaunchDequantizeFp8(A, a32, M * K, nullptr, a_fmt, stream_);
+  cuda::LaunchDequantizeFp8(B, b32, N * K, nullptr, b_fmt, stream_);
+  Gemm(false, true, M, N, K, a32, b32, tmp, false, GemmInputs::kF32);
+  cuda::LaunchScaleAccumulate(tmp, a_scale_inv, b_scale_inv, C, M * N, accumulate, stream_);
+}
+
+void CudaBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
+                       const float* B, float* C, bool accumulate, GemmInputs inputs) {
+  Bind();
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    if (!accumulate) FSDP8_CUDA_CHECK(cudaMemsetAsync(C, 0, sizeof(float) * M * N, stream_));
+    return;
+  }
+  // See gemm.h: column-major D (N, M) = op(B)^T · op(A)^T.
+  cuda::LtProblem p;
+  p.m = N;
+  p.n = M;
+  p.k = K;
+  p.trans_a = trans_b;          // our B (K, N) -> stored col-major (N, K), no op; (N, K) -> op T
+  p.lda = trans_b ? K : N;
+  p.trans_b = trans_a;          // our A (M, K) -> stored col-major (K, M), no op; (K, M) -> op T
+  p.ldb = trans_a ? M : K;
+  p.ldc = N;
+  p.accumulate = accumulate;
+  p.align_c = cuda::PointerAlignment(C);
+  if (inputs == GemmInputs::kBF16) {
+    uint16_t* a16 = static_cast<uint16_t*>(Scratch(kSlotA, sizeof(uint16_t) * M * K));
+    uint16_t* b16 = static_cast<uint16_t*>(Scratch(kSlotB, sizeof(uint16_t) * N * K));
+    cuda::LaunchPackBf16(A, a16, M * K, stream_);
+    cuda::LaunchPackBf16(B, b16, N * K, stream_);
+    p.a_type = CUDA_R_16BF;
+    p.b_type = CUDA_R_16BF;
+    p.align_a = cuda::PointerAlignment(b16);
+    p.align_b = cuda::PointerAlignment(a16);
+    if (lt_->Run(p, b16, a16, C, nullptr, nullptr)) return;
+    // No bf16 algorithm for this shape: the same values as f32 (bf16 values are exact in f32).
+    float* a32 = static_cast<float*>(Scratch(kSlotTmp, sizeof(float) * (M * K + AlignUp(N * K, 64))));
+    float* b32 = a32 + AlignUp(M * K, 64);
+    cuda::LaunchUnpackBf16(a16, a32, M * K, stream_);
+    cuda::LaunchUnpackBf16(b16, b32, N * K, stream_);
+    p.a_type = CUDA_R_32F;
+    p.b_type = CUDA_R_32F;
+    p.align_a = cuda::PointerAlignment(b32);
+    p.align_b = cuda::PointerAlignment(a32);
+    const bool ok = lt_->Run(p, b32, a32, C, nullptr, nullptr);
+    FSDP8_CUDA_REQUIRE(ok, "cuBLASLt has no f32 algorithm for this GEMM");
+    return;
+  }
+  p.a_type = CUDA_R_32F;
+  p.b_type = CUDA_R_32F;
+  p.align_a = cuda::PointerAlignment(B);
+  p.align_b = cuda::PointerAlignment(A);
+  const bool ok = lt_->Run(p, B, A, C, nullptr, nullptr);
+  FSDP8_CUDA_REQUIRE(ok, "cuBLASLt has no f32 algorithm for this GEMM");
+}
+
+void CudaBackend::RoundToBf16(float* x, int64_t n) {
+  Bind();
+  cuda::LaunchRoundToBf16(x, n, stream_);
+}
+
+void CudaBackend::PackBf16(const float* in, uint16_t* out, int64_t n) {
+  Bind();
+  cuda::LaunchPackBf16(in, out, n, stream_);
+}
+
+void CudaBackend::UnpackBf16(const uint16_t* in, float* out, int64_t n) {
+  Bind();
+  cuda::LaunchUnpackBf16(in, out, n, stream_);
+}
+
+// ---- elementwise and layers ----------------------------------------------------------------------
+
+void CudaBackend::Add(const float* a, const float* b, float* out, int64_t n) {
+  Bind();
+  cuda::LaunchAdd(a, b, out, n, stream_);
+}
+
+void CudaBackend::Axpy(float alpha, const float* x, float* y, int64_t n) {
+  Bind();
+  cuda::LaunchAxpy(alpha, x, y, n, stream_);
+}
+
+void CudaBackend::EmbeddingForward(const int32_t* tokens, int64_t N, const float* table, int64_t C,
+                                   float* out) {
+  Bind();
+  cuda::LaunchEmbeddingForward(tokens, N, table, C, out, stream_);
+}
+
+void CudaBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const float* dout, int64_t C,
+                                    float* dtable) {
+  Bind();
+  if (N <= 0 || C <= 0) return;
+  int64_t V = static_cast<int64_t>(BytesToEndOfAllocation(dtable) / (sizeof(float) * C));
+  if (V <= 0) {
+    // dtable is not inside an Alloc'd buffer: take V = max token + 1 (one host round trip).
+    std::vector<int32_t> host(static_cast<size_t>(N));
+    CopyToHost(host.data(), tokens, sizeof(int32_t) * N);
+    int32_t mx = 0;
+    for (int32_t t : host) mx = t > mx ? t : mx;
+    V = static_cast<int64_t>(mx) + 1;
+  }
+  cuda::LaunchEmbeddingBackward(tokens, N, dout, C, dtable, V, stream_);
+}
+
+void CudaBackend::RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                                 float* y, float* rstd) {
+  Bind();
+  cuda::LaunchRmsNormForward(x, w, eps, N, C, y, rstd, stream_);
+}
+
+void CudaBackend::RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
+                                  int64_t N, int64_t C, float* dx, float* dw) {
+  Bind();
+  float* partials = static_cast<float*>(
+      Scratch(kSlotPartials, sizeof(float) * cuda::RmsNormBackwardScratchFloats(N, C)));
+  cuda::LaunchRmsNormBackward(dy, x, w, rstd, N, C, dx, dw, partials, stream_);
+}
+
+void CudaBackend::RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
+  Bind();
+  if (rope_T_ != T || rope_D_ != D || rope_theta_ != theta) {
+    const size_t bytes = sizeof(float) * 2 * T * (D / 2);
+    if (rope_table_bytes_ < bytes) {
+      FSDP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      if (rope_table_ != nullptr) FSDP8_CUDA_CHECK(cudaFree(rope_table_));
+      FSDP8_CUDA_CHECK(cudaMalloc(&rope_table_, bytes == 0 ? 1 : bytes));
+      rope_table_bytes_ = bytes;
+    }
+    cuda::LaunchRopeTable(T, D, theta, rope_table_, stream_);
+    rope_T_ = T;
+    rope_D_ = D;
+    rope_theta_ = theta;
+  }
+  cuda::LaunchRopeApply(x, B, T, H, D, rope_table_, 1.0f, stream_);
+}
+
+void CudaBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
+  Bind();
+  if (rope_T_ != T || rope_D_ != D || rope_theta_ != theta) {
+    // Build the table through the forward path's cache logic, without touching dx.
+    const size_t bytes = sizeof(float) * 2 * T * (D / 2);
+    if (rope_table_bytes_ < bytes) {
+      FSDP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      if (rope_table_ != nullptr) FSDP8_CUDA_CHECK(cudaFree(rope_table_));
+      FSDP8_CUDA_CHECK(cudaMalloc(&rope_table_, bytes == 0 ? 1 : bytes));
+      rope_table_bytes_ = bytes;
+    }
+    cuda::LaunchRopeTable(T, D, theta, rope_table_, stream_);
+    rope_T_ = T;
+    rope_D_ = D;
+    rope_theta_ = theta;
+  }
+  cuda::LaunchRopeApply(dx, B, T, H, D, rope_table_, -1.0f, stream_);
+}
+
+void CudaBackend::AttentionForward(const float* q, const float* k, const float* v, int64_t B,
+                                   int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
+                                   float* lse) {
+  Bind();
+  cuda::LaunchAttentionForward(q, k, v, B, T, H, Hkv, D, out, lse, stream_);
+}
+
+void CudaBackend::AttentionBackward(const float* q, const float* k, const float* v, const float* out,
+                                    const float* dout, const float* lse, int64_t B, int64_t T,
+                                    int64_t H, int64_t Hkv, int64_t D, float* dq, float* dk,
+                                    float* dv) {
+  Bind();
+  float* delta = static_cast<float*>(Scratch(kSlotDelta, sizeof(float) * B * H * T));
+  cuda::LaunchAttentionBackward(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv, delta, stream_);
+}
+
+void CudaBackend::SwigluForward(const float* gate, const float* up, int64_t n, float* h) {
+  Bind();
+  cuda::LaunchSwigluForward(gate, up, n, h, stream_);
+}
+
+void CudaBackend::SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
+                                 float* dgate, float* dup) {
+  Bind();
+  cuda::LaunchSwigluBackward(dh, gate, up, n, dgate, dup, stream_);
+}
+
+void CudaBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
+                                              int64_t V, float grad_scale, float* losses) {
+  Bind();
+  cuda::LaunchCrossEntropy(logits, targets, N, V, grad_scale, losses, stream_);
+}
+
+// ---- optimizer -----------------------------------------------------------------------------------
+
+void CudaBackend::SumSquares(const float* x, int64_t n, float* out) {
+  Bind();
+  double* partials = static_cast<double*>(
+      Scratch(kSlotMisc, sizeof(double) * cuda::SumSquaresScratchDoubles()));
+  cuda::LaunchSumSquares(x, n, out, partials, stream_);
+}
+
+void CudaBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
+                        float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                        float grad_scale) {
+  Bind();
+  FSDP8_CUDA_REQUIRE(step >= 1, "AdamW step must be >= 1");
+  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
+  cuda::LaunchAdamW(p, g, m, v, n, lr, beta1, beta2, eps, weight_decay, static_cast<float>(bc1),
+                    static_cast<float>(bc2), grad_scale, stream_);
+}
+
+// ---- factory -------------------------------------------------------------------------------------
+
+std::unique_ptr<Backend> CreateCudaBackend(int device, std::string* error) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    if (error) {
+      *error = std::string("cuda backend: no usable CUDA driver/device (cudaGetDeviceCount: ") +
+               cudaGetErrorName(e) + ": " + cudaGetErrorString(e) + ")";
+    }
+    cudaGetLastError();
+    return nullptr;
+  }
+  if (device < 0 || device >= count) {
+    if (error) {
+      *error = "cuda backend: device " + std::to_string(device) + " does not exist (" +
+               std::to_string(count) + " CUDA device(s) visible; check CUDA_VISIBLE_DEVICES)";
+    }
+    return nullptr;
+  }
+  cudaDeviceProp prop{};
+  e = cudaGetDeviceProperties(&prop, device);
+  if (e != cudaSuccess) {
+    if (error) *error = std::string("cuda backend: cudaGetDeviceProperties: ") + cudaGetErrorString(e);
+    return nullptr;
+  }
+  if (prop.major < 9) {
+    if (error) {
+      *error = "cuda backend: device " + std::to_string(device) + " (" + prop.name +
+               ") has compute capability " + std::to_string(prop.major) + "." +
+               std::to_string(prop.minor) + "; FP8 GEMMs need 9.0 (Hopper) or newer";
+    }
+    return nullptr;
+  }
+  e = cudaSetDevice(device);
+  if (e == cudaSuccess) e = cudaFree(nullptr);  // creates the context
+  if (e != cudaSuccess) {
+    if (error) {
+      *error = "cuda backend: cannot create a context on device " + std::to_string(device) + ": " +
+               cudaGetErrorString(e);
+    }
+    cudaGetLastError();
+    return nullptr;
+  }
+  return std::make_unique<CudaBackend>(device);
+}
+
+}  // namespace fsdp8

@@ -1,0 +1,153 @@
+// CudaBackend: the Backend interface (kernels/backend.h) on one NVIDIA GPU (Hopper, sm_90a).
+//
+// Memory: Alloc is cudaMalloc (256-byte aligned device memory) with byte accounting in a size map
+// (AllocatedBytes / PeakAllocatedBytes); out of memory returns nullptr. The backend's own scratch
+// (GEMM workspace 32 MiB, reduction partials, conversion buffers, RoPE tables) is allocated with
+// cudaMalloc too but is not counted in AllocatedBytes.
+//
+// Streams: every op is enqueued on one compute stream (a non-blocking stream created for this
+// backend), in call order. CopyToHost and Synchronize wait for it. Communicators order their own
+// stream against it with events, using stream() (worker/nccl).
+//
+// Numerics (the CPU backend is the reference; tests/conformance checks every op against it):
+//   * FP8 casts, transposes, dequantize, bf16 rounding / pack / unpack: bit-identical to the CPU.
+//   * GemmFp8: cuBLASLt FP8 (TN layout, FP32 accumulation, scale pointers to the two scale_inv
+//     device scalars, f32 output). Shapes cuBLASLt refuses (K or rows not multiples of 16, E5M2 x
+//     E5M2) take an exact fallback: dequantize to f32 (exact), f32 GEMM, multiply by the scales.
+//   * Gemm: cuBLASLt with CUBLAS_COMPUTE_32F (no TF32) for kF32; kBF16 packs A and B to bfloat16
+//     (RNE) and multiplies on tensor cores with FP32 accumulation into f32 C.
+//   * Attention: f32 flash-style kernels (kernels/cuda/attention.cu).
+//   * Every kernel is deterministic: same inputs, same bits (no order-dependent float atomics).
+//
+// Errors: a failing CUDA / cuBLASLt call aborts with the call, the error and file:line (backend.h).
+// Thread-safety: one thread per instance (as Backend); the backend binds its device
+// (cudaSetDevice) at construction and on every call, so several backends on several devices may
+// live in one process if each is used from its own thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <map>
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/backend.h"
+
+namespace fsdp8 {
+
+namespace cuda {
+class LtGemm;
+}
+
+class CudaBackend final : public Backend {
+ public:
+  // Binds `device`; aborts on CUDA errors (use CreateCudaBackend for a checked creation).
+  explicit CudaBackend(int device);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  std::string Name() const override { return "cuda"; }
+  // The compute stream every op is enqueued on.
+  cudaStream_t stream() const { return stream_; }
+  int device() const { return device_; }
+  // Number of GemmFp8 calls that took the dequantize + f32 fallback (cuBLASLt refused the shape).
+  int64_t gemm_fp8_fallbacks() const { return gemm_fp8_fallbacks_; }
+
+  void* Alloc(size_t bytes) override;
+  void Free(void* p) override;
+  void CopyToDevice(void* dst, const void* host_src, size_t bytes) override;
+  void CopyToHost(void* host_dst, const void* src, size_t bytes) override;
+  void Copy(void* dst, const void* src, size_t bytes) override;
+  void Memset(void* dst, int value, size_t bytes) override;
+  void Synchronize() override;
+  int64_t AllocatedBytes() const override { return allocated_; }
+  int64_t PeakAllocatedBytes() const override { return peak_; }
+  void ResetPeak() override { peak_ = allocated_; }
+
+  void CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale, Fp8Format fmt,
+                 float* amax_out) override;
+  void CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
+                        Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) override;
+  void TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) override;
+  void DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
+                     Fp8Format fmt) override;
+  void AmaxAccumulate(const float* in, int64_t n, float* amax_out) override;
+
+  void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+               const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+               const float* b_scale_inv, float* C, bool accumulate) override;
+  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
+            const float* B, float* C, bool accumulate, GemmInputs inputs) override;
+  void RoundToBf16(float* x, int64_t n) override;
+  void PackBf16(const float* in, uint16_t* out, int64_t n) override;
+  void UnpackBf16(const uint16_t* in, float* out, int64_t n) override;
+
+  void Add(const float* a, const float* b, float* out, int64_t n) override;
+  void Axpy(float alpha, const float* x, float* y, int64_t n) override;
+
+  void EmbeddingForward(const int32_t* tokens, int64_t N, const float* table, int64_t C,
+                        float* out) override;
+  // V (rows of dtable) is not passed by the interface: the backend takes it from the size of the
+  // allocation that holds dtable (AllocatedSizeOf), so dtable must start an Alloc'd buffer or lie
+  // inside one (then the rows up to the end of that buffer are considered).
+  void EmbeddingBackward(const int32_t* tokens, int64_t N, const float* dout, int64_t C,
+                         float* dtable) override;
+
+  void RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
+                      float* rstd) override;
+  void RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
+                       int64_t N, int64_t C, float* dx, float* dw) override;
+
+  void RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) override;
+  void RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta) override;
+
+  void AttentionForward(const float* q, const float* k, const float* v, int64_t B, int64_t T,
+                        int64_t H, int64_t Hkv, int64_t D, float* out, float* lse) override;
+  void AttentionBackward(const float* q, const float* k, const float* v, const float* out,
+                         const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
+                         int64_t Hkv, int64_t D, float* dq, float* dk, float* dv) override;
+
+  void SwigluForward(const float* gate, const float* up, int64_t n, float* h) override;
+  void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
+                      float* dgate, float* dup) override;
+
+  void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                   float grad_scale, float* losses) override;
+
+  void SumSquares(const float* x, int64_t n, float* out) override;
+  void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
+             float beta2, float eps, float weight_decay, int64_t step, float grad_scale) override;
+
+ private:
+  // Growable device scratch slot i of at least `bytes` (not counted in AllocatedBytes). Growing
+  // synchronizes the stream first, since enqueued work may still read the old buffer.
+  void* Scratch(int i, size_t bytes);
+  // Bytes from p to the end of the Alloc'd buffer containing it; 0 when unknown.
+  size_t BytesToEndOfAllocation(const void* p) const;
+  void Bind() const;
+
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  void* gemm_workspace_ = nullptr;
+  std::unique_ptr<cuda::LtGemm> lt_;
+  std::map<uintptr_t, size_t> sizes_;  // base address -> bytes
+  int64_t allocated_ = 0;
+  int64_t peak_ = 0;
+  static constexpr int kScratchSlots = 6;
+  void* scratch_[kScratchSlots] = {};
+  size_t scratch_bytes_[kScratchSlots] = {};
+  int64_t rope_T_ = -1, rope_D_ = -1;
+  float rope_theta_ = 0.0f;
+  float* rope_table_ = nullptr;
+  size_t rope_table_bytes_ = 0;
+  int64_t gemm_fp8_fallbacks_ = 0;
+};
+
+// Creates a CudaBackend on GPU `device`. Returns nullptr and sets *error (naming the device and
+// the CUDA error) when there is no such device or the context cannot be created.
+std::unique_ptr<Backend> CreateCudaBackend(int device, std::string* error);
+
+}  // namespace fsdp8

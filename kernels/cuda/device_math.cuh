@@ -1,0 +1,127 @@
+// Internal to kernels/cuda: device versions of the FP8 / bfloat16 codecs of kernels/fp8.h (same
+// conventions, same bit-level algorithm, so a CUDA cast gives the CPU reference's bits exactly),
+// and block-reduction helpers.
+//
+// FP8 conventions (OCP OFP8 v1.0, see kernels/fp8.h): round to nearest even on the exact f32
+// value; finite |x| > max and ±inf saturate to ±max; NaN -> sign | 0x7F; subnormals exact.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "kernels/backend.h"
+
+namespace fsdp8::cuda {
+
+// v >> s rounded to nearest, ties to even (1 <= s).
+__device__ __forceinline__ uint32_t ShiftRneDev(uint32_t v, int s) {
+  if (s >= 32) return 0u;
+  const uint32_t half_minus_one = (1u << (s - 1)) - 1u;
+  const uint32_t odd = (v >> s) & 1u;
+  return static_cast<uint32_t>((static_cast<uint64_t>(v) + half_minus_one + odd) >> s);
+}
+
+template <int kMant, int kBias, uint32_t kMaxBits, uint32_t kMaxCode>
+__device__ __forceinline__ uint32_t EncodeFp8Dev(float x) {
+  const uint32_t u = __float_as_uint(x);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7Fu;          // NaN
+  if (a >= kMaxBits) return sign | kMaxCode;          // saturate (includes inf)
+  const int e = static_cast<int>(a >> 23) - 127;
+  constexpr int kEmin = 1 - kBias;
+  if (e >= kEmin) {
+    const uint32_t r = ShiftRneDev(a, 23 - kMant);
+    return sign | (r - (static_cast<uint32_t>(127 - kBias) << kMant));
+  }
+  if (e < -126) return sign;  // f32 zero or subnormal
+  const uint32_t m24 = (a & 0x7FFFFFu) | 0x800000u;
+  const int s = 23 + kEmin - kMant - e;
+  return sign | ShiftRneDev(m24, s);
+}
+
+__device__ __forceinline__ uint32_t EncodeE4M3Dev(float x) {
+  return EncodeFp8Dev<3, 7, 0x43E00000u, 0x7Eu>(x);
+}
+__device__ __forceinline__ uint32_t EncodeE5M2Dev(float x) {
+  return EncodeFp8Dev<2, 15, 0x47600000u, 0x7Bu>(x);
+}
+template <bool kE5M2>
+__device__ __forceinline__ uint32_t EncodeDev(float x) {
+  return kE5M2 ? EncodeE5M2Dev(x) : EncodeE4M3Dev(x);
+}
+
+// Exact value of an FP8 code. NaN codes give a quiet NaN with the code's sign; E5M2 0x7C/0xFC ±inf.
+template <bool kE5M2>
+__device__ __forceinline__ float DecodeDev(uint32_t c) {
+  constexpr int kMant = kE5M2 ? 2 : 3;
+  constexpr int kBias = kE5M2 ? 15 : 7;
+  constexpr uint32_t kExpMask = kE5M2 ? 0x1Fu : 0x0Fu;
+  const uint32_t sign = (c & 0x80u) << 24;
+  const uint32_t e = (c >> kMant) & kExpMask;
+  const uint32_t m = c & ((1u << kMant) - 1u);
+  if (kE5M2) {
+    if (e == 31u) return __uint_as_float(sign | (m == 0u ? 0x7F800000u : 0x7FC00000u));
+  } else {
+    if (e == 15u && m == 7u) return __uint_as_float(sign | 0x7FC00000u);
+  }
+  if (e == 0u) {
+    // m * 2^(1 - bias - mant), exact in f32.
+    const float v = static_cast<float>(m) * __uint_as_float(static_cast<uint32_t>(127 + 1 - kBias - kMant) << 23);
+    return __uint_as_float(__float_as_uint(v) | sign);
+  }
+  return __uint_as_float(sign | ((e - kBias + 127u) << 23) | (m << (23 - kMant)));
+}
+
+// Nearest bfloat16 (ties to even) as f32 bits; NaN quieted, same as fsdp8::RoundBf16.
+__device__ __forceinline__ uint32_t RoundBf16BitsDev(float x) {
+  uint32_t u = __float_as_uint(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+    u |= 0x00400000u;
+  } else {
+    u += 0x7FFFu + ((u >> 16) & 1u);
+  }
+  return u & 0xFFFF0000u;
+}
+
+// |x| as int bits: for non-negative floats (and NaN with the sign cleared) integer order equals
+// float order, and any NaN compares above +inf, so an integer max is a NaN-propagating float max
+// whose result does not depend on the order of the operands (deterministic with atomicMax).
+__device__ __forceinline__ int AbsBits(float x) {
+  return static_cast<int>(__float_as_uint(x) & 0x7FFFFFFFu);
+}
+
+// Block-wide integer max; every thread must call it; result valid in all threads.
+template <int kThreads>
+__device__ __forceinline__ int BlockMaxInt(int v, int* smem /* kThreads/32 */) {
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  v = lane < kThreads / 32 ? smem[lane] : 0;
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+}
+
+// Block-wide float sum in a fixed tree order (deterministic); result valid in all threads.
+template <int kThreads, typename T>
+__device__ __forceinline__ T BlockSum(T v, T* smem /* kThreads/32 */) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  v = lane < kThreads / 32 ? smem[lane] : T(0);
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ void AtomicMaxAbsBits(float* amax_out, int bits) {
+  atomicMax(reinterpret_cast<int*>(amax_out), bits);
+}
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace fsdp8::cuda

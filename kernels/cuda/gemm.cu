@@ -1,0 +1,110 @@
+// cuBLASLt GEMMs: descriptor / layout / algorithm cache. The layout derivation is in gemm.h.
+#include "kernels/cuda/gemm.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "kernels/cuda/cuda_check.h"
+
+namespace fsdp8::cuda {
+
+void CheckCublas(cublasStatus_t s, const char* what, const char* file, int line) {
+  if (s == CUBLAS_STATUS_SUCCESS) return;
+  std::fprintf(stderr, "fsdp8 cuda: %s failed: cuBLAS status %d (%s) at %s:%d\n", what,
+               static_cast<int>(s), cublasLtGetStatusString(s), file, line);
+  std::fflush(stderr);
+  std::abort();
+}
+
+int PointerAlignment(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  int align = 256;
+  while (align > 1 && (a % static_cast<uintptr_t>(align)) != 0) align >>= 1;
+  return align;
+}
+
+LtGemm::LtGemm(cudaStream_t stream, void* workspace, size_t ws_bytes)
+    : stream_(stream), workspace_(workspace), ws_bytes_(ws_bytes) {
+  FSDP8_CUBLAS_CHECK(cublasLtCreate(&handle_));
+}
+
+LtGemm::~LtGemm() {
+  for (auto& kv : cache_) {
+    Entry& e = kv.second;
+    if (e.a) cublasLtMatrixLayoutDestroy(e.a);
+    if (e.b) cublasLtMatrixLayoutDestroy(e.b);
+    if (e.c) cublasLtMatrixLayoutDestroy(e.c);
+    if (e.desc) cublasLtMatmulDescDestroy(e.desc);
+  }
+  if (handle_) cublasLtDestroy(handle_);
+}
+
+LtGemm::Entry* LtGemm::Lookup(const LtProblem& p) {
+  auto key = p.Key();
+  auto it = cache_.find(key);
+  if (it != cache_.end()) return &it->second;
+  Entry e;
+  FSDP8_CUBLAS_CHECK(cublasLtMatmulDescCreate(&e.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t tb = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  FSDP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  FSDP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  // Stored shapes (before op): op = T means stored (k, m) for A, (n, k) for B.
+  const uint64_t a_rows = p.trans_a ? p.k : p.m, a_cols = p.trans_a ? p.m : p.k;
+  const uint64_t b_rows = p.trans_b ? p.n : p.k, b_cols = p.trans_b ? p.k : p.n;
+  FSDP8_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e.a, p.a_type, a_rows, a_cols, p.lda));
+  FSDP8_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e.b, p.b_type, b_rows, b_cols, p.ldb));
+  FSDP8_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e.c, CUDA_R_32F, p.m, p.n, p.ldc));
+  if (p.scaled) {
+    // Placeholder pointers so that the heuristic sees a scaled FP8 problem; real ones per call.
+    const void* none = nullptr;
+    FSDP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &none, sizeof(none)));
+    FSDP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &none, sizeof(none)));
+  }
+  cublasLtMatmulPreference_t pref = nullptr;
+  FSDP8_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = ws_bytes_;
+  FSDP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_MASK & ~static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_INPLACE);
+  FSDP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
+  const uint32_t al_a = p.align_a, al_b = p.align_b, al_c = p.align_c;
+  FSDP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)));
+  FSDP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)));
+  FSDP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
+  FSDP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle_, e.desc, e.a, e.b, e.c, e.c, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  e.ok = (hs == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS);
+  if (e.ok) e.algo = result.algo;
+  if (std::getenv("FSDP8_GEMM_VERBOSE") != nullptr) {
+    std::fprintf(stderr,
+                 "fsdp8 cuda gemm: m=%lld n=%lld k=%lld ta=%d tb=%d types=%d,%d scaled=%d acc=%d "
+                 "align=%d,%d,%d -> %s (status %d, found %d, ws %zu)\n",
+                 static_cast<long long>(p.m), static_cast<long long>(p.n), static_cast<long long>(p.k),
+                 p.trans_a, p.trans_b, static_cast<int>(p.a_type), static_cast<int>(p.b_type),
+                 p.scaled, p.accumulate, p.align_a, p.align_b, p.align_c,
+                 e.ok ? "cuBLASLt" : "fallback", static_cast<int>(hs), found,
+                 static_cast<size_t>(result.workspaceSize));
+  }
+  auto ins = cache_.emplace(key, e);
+  return &ins.first->second;
+}
+
+bool LtGemm::Run(const LtProblem& p, const void* A, const void* B, float* C, const float* scale_a,
+                 const float* scale_b) {
+  Entry* e = Lookup(p);
+  if (!e->ok) return false;
+  if (p.scaled) {
+    FSDP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a, sizeof(scale_a)));
+    FSDP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b, sizeof(scale_b)));
+  }
+  const float alpha = 1.0f;
+  const float beta = p.accumulate ? 1.0f : 0.0f;
+  FSDP8_CUBLAS_CHECK(cublasLtMatmul(handle_, e->desc, &alpha, A, e->a, B, e->b, &beta, C, e->c, C,
+                                    e->c, &e->algo, workspace_, ws_bytes_, stream_));
+  return true;
+}
+
+}  // namespace fsdp8::cuda

@@ -1,0 +1,86 @@
+// Internal to kernels/cuda: cuBLASLt matrix multiplies with a per-shape cache of descriptors,
+// layouts and the heuristic's chosen algorithm (Backend: GemmFp8, Gemm).
+//
+// Row-major to column-major: cuBLASLt is column-major, and a row-major X (r, c) is the
+// column-major X^T (c, r) with leading dimension c. The row-major product C (M, N) is therefore
+// computed as the column-major C^T (N, M) = op(B)^T · op(A)^T, i.e. cuBLASLt's "A" operand is our
+// B and its "B" operand is our A, with m = N, n = M, k = K. For the FP8 TN case (our A (M, K), B
+// (N, K), both contiguous along K): cuBLASLt A = our B stored (K, N) ld K with TRANSA = T, and
+// cuBLASLt B = our A stored (K, M) ld K with TRANSB = N; D = C stored (N, M) ld N, f32. The
+// scales: CUBLASLT_MATMUL_DESC_A_SCALE_POINTER <- our b_scale_inv, B_SCALE_POINTER <- our
+// a_scale_inv; D = (scaleA · scaleB) · A·B + beta · C with beta = 1 when accumulating.
+//
+// Accumulation is FP32 (CUBLAS_COMPUTE_32F: no TF32, no FP8 fast accumulation). Split-K schemes
+// that reduce in place with atomics are excluded (CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK), and
+// a cached algorithm is reused for a given key, so results are deterministic run to run.
+//
+// Thread-safety: one instance per stream, used by one thread.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+namespace fsdp8::cuda {
+
+// Checks a cuBLASLt status; aborts with the call and file:line on failure.
+void CheckCublas(cublasStatus_t s, const char* what, const char* file, int line);
+#define FSDP8_CUBLAS_CHECK(expr) ::fsdp8::cuda::CheckCublas((expr), #expr, __FILE__, __LINE__)
+
+struct LtProblem {
+  // cuBLASLt's view (column-major): D (m, n) = op(A) (m, k) · op(B) (k, n).
+  int64_t m = 0, n = 0, k = 0;
+  bool trans_a = false, trans_b = false;  // cuBLASLt ops on its A and B
+  cudaDataType_t a_type = CUDA_R_32F, b_type = CUDA_R_32F;  // C and D are always CUDA_R_32F
+  int64_t lda = 0, ldb = 0, ldc = 0;
+  bool scaled = false;     // FP8: A/B scale pointers are set
+  bool accumulate = false; // beta = 1 (else 0)
+  int align_a = 256, align_b = 256, align_c = 256;  // pointer alignments (bytes, power of 2)
+
+  auto Key() const {
+    return std::make_tuple(m, n, k, trans_a, trans_b, static_cast<int>(a_type),
+                           static_cast<int>(b_type), lda, ldb, ldc, scaled, accumulate, align_a,
+                           align_b, align_c);
+  }
+};
+
+// Largest power of two (<= 256) dividing the address.
+int PointerAlignment(const void* p);
+
+class LtGemm {
+ public:
+  // workspace: device memory of ws_bytes, used only on `stream`.
+  LtGemm(cudaStream_t stream, void* workspace, size_t ws_bytes);
+  ~LtGemm();
+  LtGemm(const LtGemm&) = delete;
+  LtGemm& operator=(const LtGemm&) = delete;
+
+  // Enqueues D = (scale_a · scale_b) op(A)·op(B) + beta C (C == D in place). scale_a / scale_b
+  // are device scalars (only when p.scaled). Returns false, enqueuing nothing, when cuBLASLt
+  // has no algorithm for the problem (e.g. FP8 with K or a leading dimension not a multiple of
+  // 16); the caller then takes a fallback path. The outcome is cached per problem key.
+  bool Run(const LtProblem& p, const void* A, const void* B, float* C, const float* scale_a,
+           const float* scale_b);
+
+  int64_t cache_size() const { return static_cast<int64_t>(cache_.size()); }
+
+ private:
+  struct Entry {
+    bool ok = false;
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  Entry* Lookup(const LtProblem& p);
+
+  cudaStream_t stream_;
+  void* workspace_;
+  size_t ws_bytes_;
+  cublasLtHandle_t handle_ = nullptr;
+  std::map<decltype(LtProblem().Key()), Entry> cache_;
+};
+
+}  // namespace fsdp8::cuda

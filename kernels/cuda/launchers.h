@@ -1,0 +1,101 @@
+// Internal to kernels/cuda: the kernel launchers, one group per .cu file. Each enqueues its kernels
+// on `stream` and returns immediately; shapes are row-major as in kernels/backend.h. Scratch
+// buffers (`partials`, `ws`) are device memory owned by the caller (CudaBackend) with the size
+// the matching *ScratchFloats() function returns; launchers never allocate.
+//
+// Determinism: every launcher chooses its grid from the problem shape and compile-time constants
+// only (never from the device's multiprocessor count), and no kernel adds floats with atomics, so
+// a launcher gives the same bits for the same inputs on any Hopper GPU.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/backend.h"
+
+namespace fsdp8::cuda {
+
+// ---- cast.cu ---------------------------------------------------------------------------------
+// out (n) u8 = fp8(in (n) * *scale); amax_out (1) = max(amax, |in|) when non-null.
+void LaunchCastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale, Fp8Format fmt,
+                     float* amax_out, cudaStream_t stream);
+// in (rows, cols) f32 -> out (rows, cols) u8 (optional), out_t (cols, rows) u8 (optional).
+void LaunchCastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
+                            Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
+                            cudaStream_t stream);
+// out (cols, rows) = in (rows, cols)^T, bytes.
+void LaunchTransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
+                          cudaStream_t stream);
+// out (n) f32 = decode(in) * *scale_inv; scale_inv may be null (then 1).
+void LaunchDequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
+                         Fp8Format fmt, cudaStream_t stream);
+void LaunchAmaxAccumulate(const float* in, int64_t n, float* amax_out, cudaStream_t stream);
+void LaunchRoundToBf16(float* x, int64_t n, cudaStream_t stream);
+void LaunchPackBf16(const float* in, uint16_t* out, int64_t n, cudaStream_t stream);
+void LaunchUnpackBf16(const uint16_t* in, float* out, int64_t n, cudaStream_t stream);
+// out (n) bf16 bits = round_bf16(in) (same as PackBf16; used to feed bf16 GEMMs).
+// C (n) = alpha_a * alpha_b * tmp (+ C when accumulate), alpha_* device scalars (nullable = 1).
+void LaunchScaleAccumulate(const float* tmp, const float* alpha_a, const float* alpha_b, float* C,
+                           int64_t n, bool accumulate, cudaStream_t stream);
+
+// ---- elementwise.cu --------------------------------------------------------------------------
+void LaunchAdd(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream);
+void LaunchAxpy(float alpha, const float* x, float* y, int64_t n, cudaStream_t stream);
+
+// ---- reduce.cu -------------------------------------------------------------------------------
+// out[0] += sum x^2, in double, fixed order. partials: SumSquaresScratchDoubles() doubles.
+int64_t SumSquaresScratchDoubles();
+void LaunchSumSquares(const float* x, int64_t n, float* out, double* partials,
+                      cudaStream_t stream);
+
+// ---- norm.cu ---------------------------------------------------------------------------------
+void LaunchRmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
+                          float* rstd, cudaStream_t stream);
+// partials: RmsNormBackwardScratchFloats(N, C) floats.
+int64_t RmsNormBackwardScratchFloats(int64_t N, int64_t C);
+void LaunchRmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
+                           int64_t N, int64_t C, float* dx, float* dw, float* partials,
+                           cudaStream_t stream);
+
+// ---- rope.cu ---------------------------------------------------------------------------------
+// table (T, D/2, 2) f32: cos and sin of t * theta^(-2i/D), computed in double.
+void LaunchRopeTable(int64_t T, int64_t D, float theta, float* table, cudaStream_t stream);
+// x (B, T, H, D) rotated in place by +angle (sign = +1) or -angle (sign = -1).
+void LaunchRopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, const float* table,
+                     float sign, cudaStream_t stream);
+
+// ---- swiglu.cu -------------------------------------------------------------------------------
+void LaunchSwigluForward(const float* gate, const float* up, int64_t n, float* h,
+                         cudaStream_t stream);
+void LaunchSwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
+                          float* dgate, float* dup, cudaStream_t stream);
+
+// ---- embedding.cu ----------------------------------------------------------------------------
+void LaunchEmbeddingForward(const int32_t* tokens, int64_t N, const float* table, int64_t C,
+                            float* out, cudaStream_t stream);
+// V: rows of dtable (the launcher needs it to split the vocabulary between blocks).
+void LaunchEmbeddingBackward(const int32_t* tokens, int64_t N, const float* dout, int64_t C,
+                             float* dtable, int64_t V, cudaStream_t stream);
+
+// ---- attention.cu (f32 storage) --------------------------------------------------------------
+void LaunchAttentionForward(const float* q, const float* k, const float* v, int64_t B, int64_t T,
+                            int64_t H, int64_t Hkv, int64_t D, float* out, float* lse,
+                            cudaStream_t stream);
+// delta: (B, H, T) f32 scratch (rowwise dout . out).
+void LaunchAttentionBackward(const float* q, const float* k, const float* v, const float* out,
+                             const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
+                             int64_t Hkv, int64_t D, float* dq, float* dk, float* dv,
+                             float* delta, cudaStream_t stream);
+
+// ---- cross_entropy.cu ------------------------------------------------------------------------
+void LaunchCrossEntropy(float* logits, const int32_t* targets, int64_t N, int64_t V,
+                        float grad_scale, float* losses, cudaStream_t stream);
+
+// ---- adamw.cu --------------------------------------------------------------------------------
+// bc1 = 1 - beta1^t, bc2 = 1 - beta2^t (computed by the caller in double).
+void LaunchAdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
+                 float beta2, float eps, float weight_decay, float bc1, float bc2,
+                 float grad_scale, cudaStream_t stream);
+
+}  // namespace fsdp8::cuda

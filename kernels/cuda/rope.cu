@@ -1,0 +1,68 @@
+// Rotary position embedding, HF rotate_half convention (Backend: RopeForward, RopeBackward).
+//   x (B, T, H, D), pairs (x[i], x[i + D/2]) for i in [0, D/2), position t:
+//   angle = t * theta^(-2i/D); forward rotates by +angle, backward by -angle (inverse rotation).
+// cos/sin are tabulated once per (T, D, theta) in double precision and rounded to f32.
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/launchers.h"
+
+namespace fsdp8::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// table (T, D/2) of float2 {cos, sin}.
+__global__ void RopeTableKernel(int64_t T, int64_t D, float theta, float2* __restrict__ table) {
+  const int64_t half = D / 2;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= T * half) return;
+  const int64_t t = idx / half, i = idx % half;
+  const double inv_freq = pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(D));
+  const double a = static_cast<double>(t) * inv_freq;
+  table[idx] = make_float2(static_cast<float>(cos(a)), static_cast<float>(sin(a)));
+}
+
+// One thread per pair.
+__global__ void RopeApplyKernel(float* __restrict__ x, int64_t B, int64_t T, int64_t H, int64_t D,
+                                const float2* __restrict__ table, float sign) {
+  const int64_t half = D / 2;
+  const int64_t total = B * T * H * half;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += stride) {
+    const int64_t i = idx % half;
+    const int64_t row = idx / half;       // (b, t, h) flattened
+    const int64_t t = (row / H) % T;
+    const float2 cs = table[t * half + i];
+    const float c = cs.x, s = sign * cs.y;
+    float* p = x + row * D;
+    const float x1 = p[i], x2 = p[i + half];
+    p[i] = x1 * c - x2 * s;
+    p[i + half] = x2 * c + x1 * s;
+  }
+}
+
+}  // namespace
+
+void LaunchRopeTable(int64_t T, int64_t D, float theta, float* table, cudaStream_t stream) {
+  const int64_t n = T * (D / 2);
+  if (n <= 0) return;
+  RopeTableKernel<<<static_cast<unsigned>(CeilDiv(n, kThreads)), kThreads, 0, stream>>>(
+      T, D, theta, reinterpret_cast<float2*>(table));
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+void LaunchRopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, const float* table,
+                     float sign, cudaStream_t stream) {
+  FSDP8_CUDA_REQUIRE(D % 2 == 0, "RoPE needs an even head dimension");
+  const int64_t total = B * T * H * (D / 2);
+  if (total <= 0) return;
+  int64_t blocks = CeilDiv(total, kThreads);
+  if (blocks > 65536) blocks = 65536;
+  RopeApplyKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      x, B, T, H, D, reinterpret_cast<const float2*>(table), sign);
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace fsdp8::cuda

@@ -1,0 +1,58 @@
+// SwiGLU activation (Backend: SwigluForward, SwigluBackward), elementwise over (N, F).
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/launchers.h"
+
+namespace fsdp8::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+int Blocks(int64_t n) {
+  const int64_t b = CeilDiv(n, kThreads);
+  return static_cast<int>(b < 16384 ? (b < 1 ? 1 : b) : 16384);
+}
+#define FSDP8_GRID_STRIDE(i, n)                                                             \
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+
+// h (n) = silu(gate) * up, silu(g) = g * sigmoid(g) = g / (1 + exp(-g)).
+__global__ void SwigluForwardKernel(const float* __restrict__ gate, const float* __restrict__ up,
+                                    int64_t n, float* __restrict__ h) {
+  FSDP8_GRID_STRIDE(i, n) {
+    const float g = gate[i];
+    const float sig = 1.0f / (1.0f + expf(-g));
+    h[i] = g * sig * up[i];
+  }
+}
+
+// dgate = dh * up * s * (1 + g * (1 - s)), dup = dh * g * s, s = sigmoid(g).
+__global__ void SwigluBackwardKernel(const float* __restrict__ dh, const float* __restrict__ gate,
+                                     const float* __restrict__ up, int64_t n,
+                                     float* __restrict__ dgate, float* __restrict__ dup) {
+  FSDP8_GRID_STRIDE(i, n) {
+    const float g = gate[i];
+    const float s = 1.0f / (1.0f + expf(-g));
+    const float d = dh[i];
+    dgate[i] = d * up[i] * s * (1.0f + g * (1.0f - s));
+    dup[i] = d * g * s;
+  }
+}
+
+}  // namespace
+
+void LaunchSwigluForward(const float* gate, const float* up, int64_t n, float* h, cudaStream_t stream) {
+  if (n <= 0) return;
+  SwigluForwardKernel<<<Blocks(n), kThreads, 0, stream>>>(gate, up, n, h);
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+void LaunchSwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
+                          float* dgate, float* dup, cudaStream_t stream) {
+  if (n <= 0) return;
+  SwigluBackwardKernel<<<Blocks(n), kThreads, 0, stream>>>(dh, gate, up, n, dgate, dup);
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace fsdp8::cuda
