@@ -1,0 +1,322 @@
+#include "worker/daemon.h"
+
+#include <unistd.h>
+
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/backend.h"
+#include "worker/gloo_communicator.h"
+#include "worker/grpc_kv_store.h"
+#include "worker/trainer.h"
+#ifdef FSDP8_WITH_CUDA
+#include "worker/nccl/nccl_communicator.h"
+#endif
+
+#ifndef FSDP8_VERSION
+#define FSDP8_VERSION "dev"
+#endif
+
+namespace fsdp8 {
+
+struct WorkerDaemon::Job {
+  std::string job_id;
+  int64_t generation = 0;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<KvStore> kv;
+  std::shared_ptr<Communicator> comm;
+  std::unique_ptr<Trainer> trainer;
+  ~Job() {
+    trainer.reset();  // uses backend and comm
+    comm.reset();
+    backend.reset();
+  }
+};
+
+WorkerDaemon::WorkerDaemon(DaemonOptions opts) : opts_(std::move(opts)) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  channel_ = grpc::CreateCustomChannel(opts_.coordinator, grpc::InsecureChannelCredentials(), args);
+  stub_ = v1::WorkerControl::NewStub(channel_);
+  job_thread_ = std::thread([this] { JobThread(); });
+}
+
+WorkerDaemon::~WorkerDaemon() {
+  {
+    std::lock_guard<std::mutex> l(comm_mu_);
+    if (live_comm_) live_comm_->Abort("worker shutting down");
+  }
+  {
+    std::lock_guard<std::mutex> l(q_mu_);
+    q_stop_ = true;
+  }
+  q_cv_.notify_all();
+  job_thread_.join();
+}
+
+void WorkerDaemon::Log(const std::string& msg) const {
+  std::cerr << "[worker " << (worker_id_.empty() ? "?" : worker_id_) << "] " << msg << std::endl;
+}
+
+void WorkerDaemon::Shutdown() {
+  shutdown_ = true;
+  std::lock_guard<std::mutex> l(ctx_mu_);
+  if (session_ctx_) session_ctx_->TryCancel();
+}
+
+bool WorkerDaemon::Register() {
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::seconds(opts_.connect_timeout_s);
+  int attempt = 0;
+  while (!shutdown_) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::RegisterRequest req;
+    req.set_version(FSDP8_VERSION);
+    req.set_host(opts_.host);
+    req.set_backend(opts_.backend);
+    req.set_device(opts_.device);
+    req.set_memory_bytes(static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE));
+    req.set_pid(getpid());
+    v1::RegisterResponse resp;
+    grpc::Status s = stub_->Register(&ctx, req, &resp);
+    if (s.ok()) {
+      worker_id_ = resp.worker_id();
+      heartbeat_ms_ = resp.heartbeat_interval_ms() > 0 ? resp.heartbeat_interval_ms() : 1000;
+      Log(absl::StrCat("registered with ", opts_.coordinator, " (version ", FSDP8_VERSION,
+                       ", heartbeat ", heartbeat_ms_, " ms)"));
+      return true;
+    }
+    const grpc::StatusCode c = s.error_code();
+    if (c == grpc::StatusCode::FAILED_PRECONDITION || c == grpc::StatusCode::INVALID_ARGUMENT ||
+        c == grpc::StatusCode::PERMISSION_DENIED || c == grpc::StatusCode::UNAUTHENTICATED) {
+      Log(absl::StrCat("registration refused: ", s.error_message()));
+      return false;
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      Log(absl::StrCat("coordinator ", opts_.coordinator, " did not answer within ",
+                       opts_.connect_timeout_s, " s: ", s.error_message()));
+      return false;
+    }
+    if (attempt++ % 10 == 0) {
+      Log(absl::StrCat("waiting for coordinator ", opts_.coordinator, ": ", s.error_message()));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  return false;
+}
+
+int WorkerDaemon::Run() {
+  while (!shutdown_) {
+    if (!Register()) return shutdown_ ? 0 : 1;
+    std::atomic<bool> stop_hb{false};
+    std::thread hb([this, id = worker_id_, ms = heartbeat_ms_, &stop_hb] {
+      HeartbeatLoop(id, ms, &stop_hb);
+    });
+    Serve();
+    stop_hb = true;
+    hb.join();
+    if (!shutdown_) {
+      Log("session with the coordinator ended; registering again");
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+  }
+  Log("shutting down");
+  return 0;
+}
+
+void WorkerDaemon::HeartbeatLoop(std::string worker_id, int interval_ms, std::atomic<bool>* stop) {
+  while (!stop->load() && !shutdown_) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(
+                                                            std::max(interval_ms * 3, 2000)));
+    v1::HeartbeatRequest req;
+    req.set_worker_id(worker_id);
+    v1::HeartbeatResponse resp;
+    grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+      // The coordinator no longer knows us (it restarted): end the session and register again.
+      Log("coordinator forgot this worker; re-registering");
+      std::lock_guard<std::mutex> l(ctx_mu_);
+      if (session_ctx_) session_ctx_->TryCancel();
+      return;
+    }
+    for (int waited = 0; waited < interval_ms && !stop->load() && !shutdown_; waited += 50) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(50, interval_ms)));
+    }
+  }
+}
+
+void WorkerDaemon::Send(const v1::WorkerMessage& m) {
+  std::lock_guard<std::mutex> l(write_mu_);
+  if (stream_ == nullptr || !stream_->Write(m)) Log("could not send a message: no session");
+}
+
+void WorkerDaemon::Serve() {
+  grpc::ClientContext ctx;
+  {
+    std::lock_guard<std::mutex> l(ctx_mu_);
+    session_ctx_ = &ctx;
+    if (shutdown_) ctx.TryCancel();
+  }
+  auto stream = stub_->Session(&ctx);
+  {
+    std::lock_guard<std::mutex> l(write_mu_);
+    stream_ = stream.get();
+  }
+  v1::WorkerMessage hello;
+  hello.mutable_hello()->set_worker_id(worker_id_);
+  Send(hello);
+  v1::CoordinatorMessage msg;
+  while (stream->Read(&msg)) {
+    switch (msg.kind_case()) {
+      case v1::CoordinatorMessage::kAssignment: {
+        const v1::Assignment a = msg.assignment();
+        Log(absl::StrCat("assigned job ", a.job_id(), " generation ", a.generation(), " rank ",
+                         a.rank(), "/", a.world_size()));
+        Post([this, a] { HandleAssignment(a); });
+        break;
+      }
+      case v1::CoordinatorMessage::kStep: {
+        const v1::StepCommand c = msg.step();
+        Post([this, c] { HandleStep(c); });
+        break;
+      }
+      case v1::CoordinatorMessage::kFinish:
+        Log("job finished");
+        Post([this] { DropJob(); });
+        break;
+      case v1::CoordinatorMessage::kAbort: {
+        Log(absl::StrCat("abort: ", msg.abort().reason()));
+        {
+          std::lock_guard<std::mutex> l(comm_mu_);
+          if (live_comm_) live_comm_->Abort(msg.abort().reason());
+        }
+        Post([this] { DropJob(); });
+        break;
+      }
+      default:
+        break;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> l(write_mu_);
+    stream_ = nullptr;
+  }
+  {
+    std::lock_guard<std::mutex> l(comm_mu_);
+    if (live_comm_) live_comm_->Abort("coordinator session ended");
+  }
+  Post([this] { DropJob(); });
+  grpc::Status s = stream->Finish();
+  if (!s.ok() && !shutdown_) Log(absl::StrCat("session ended: ", s.error_message()));
+  std::lock_guard<std::mutex> l(ctx_mu_);
+  session_ctx_ = nullptr;
+}
+
+void WorkerDaemon::Post(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> l(q_mu_);
+    queue_.push_back(std::move(task));
+  }
+  q_cv_.notify_one();
+}
+
+void WorkerDaemon::JobThread() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> l(q_mu_);
+      q_cv_.wait(l, [this] { return q_stop_ || !queue_.empty(); });
+      if (q_stop_ && queue_.empty()) break;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();
+  }
+  DropJob();
+}
+
+void WorkerDaemon::DropJob() {
+  {
+    std::lock_guard<std::mutex> l(comm_mu_);
+    live_comm_.reset();
+  }
+  job_.reset();
+}
+
+void WorkerDaemon::HandleAssignment(const v1::Assignment& a) {
+  DropJob();
+  auto fail = [&](const std::string& what) {
+    Log(absl::StrCat("job ", a.job_id(), ": ", what));
+    v1::WorkerMessage m;
+    m.mutable_error()->set_job_id(a.job_id());
+    m.mutable_error()->set_message(what);
+    Send(m);
+    DropJob();
+  };
+  auto job = std::make_unique<Job>();
+  job->job_id = a.job_id();
+  job->generation = a.generation();
+  const std::string backend = a.spec().backend().empty() ? "cpu" : a.spec().backend();
+  std::string err;
+  job->backend = CreateBackend(backend, opts_.device, &err);
+  if (!job->backend) return fail(absl::StrCat("backend ", backend, ": ", err));
+  job->kv = std::make_unique<GrpcKvStore>(stub_);
+  const std::chrono::milliseconds timeout(a.collective_timeout_ms() > 0 ? a.collective_timeout_ms()
+                                                                        : 60000);
+  if (backend == "cuda") {
+#ifdef FSDP8_WITH_CUDA
+    auto c = CreateNcclCommunicator(a.rank(), a.world_size(), job->kv.get(), a.store_prefix(),
+                                    job->backend.get(), timeout);
+    if (!c.ok()) return fail(std::string(c.status().message()));
+    job->comm = std::move(*c);
+#else
+    return fail("backend cuda: this worker was built without CUDA");
+#endif
+  } else {
+    auto c = GlooCommunicator::Create(a.rank(), a.world_size(), job->kv.get(), a.store_prefix(),
+                                      opts_.host, timeout);
+    if (!c.ok()) return fail(std::string(c.status().message()));
+    job->comm = std::move(*c);
+  }
+  {
+    std::lock_guard<std::mutex> l(comm_mu_);
+    live_comm_ = job->comm;
+  }
+  auto t = Trainer::Create(a.spec(), a.rank(), a.world_size(), job->backend.get(), job->comm.get());
+  if (!t.ok()) return fail(t.status().ToString());
+  job->trainer = std::move(*t);
+  job_ = std::move(job);
+  v1::WorkerMessage m;
+  m.mutable_ready()->set_job_id(a.job_id());
+  m.mutable_ready()->set_generation(a.generation());
+  Send(m);
+  Log(absl::StrCat("ready for job ", a.job_id()));
+}
+
+void WorkerDaemon::HandleStep(const v1::StepCommand& c) {
+  if (!job_) {
+    v1::WorkerMessage m;
+    m.mutable_error()->set_message(absl::StrCat("step ", c.step(), ": no job assigned"));
+    Send(m);
+    return;
+  }
+  absl::StatusOr<v1::StepResult> r =
+      job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
+  v1::WorkerMessage m;
+  if (!r.ok()) {
+    m.mutable_error()->set_job_id(job_->job_id);
+    m.mutable_error()->set_message(absl::StrCat("step ", c.step(), ": ", r.status().ToString()));
+    Log(m.error().message());
+    Send(m);
+    DropJob();
+    return;
+  }
+  r->set_job_id(job_->job_id);
+  if (r->has_scaling()) r->mutable_scaling()->set_job_id(job_->job_id);
+  *m.mutable_result() = std::move(*r);
+  Send(m);
+}
+
+}  // namespace fsdp8

@@ -1,0 +1,80 @@
+// WorkerDaemon: the fsdp8-worker process logic. Registers with the coordinator (retrying),
+// heartbeats, and serves the Session stream: Assignment → build backend, communicator and
+// Trainer (reply Ready or WorkerError); StepCommand → run the step on the job thread and reply
+// StepResult (or WorkerError, then drop the job); Finish → drop the job; Abort → abort the
+// communicator (pending collectives fail fast or at their timeout) and drop the job.
+// The daemon survives job failures and coordinator restarts (it registers again).
+//
+// Thread-safety: Run() on one thread; Shutdown() from any thread (e.g. a signal watcher).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "fsdp8/v1/worker.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "worker/communicator.h"
+
+namespace fsdp8 {
+
+struct DaemonOptions {
+  std::string coordinator;     // host:port
+  std::string host = "127.0.0.1";  // address peers use for collectives
+  std::string backend = "cpu";
+  int device = 0;
+  int connect_timeout_s = 60;  // give up when the coordinator does not answer this long
+};
+
+class WorkerDaemon {
+ public:
+  explicit WorkerDaemon(DaemonOptions opts);
+  ~WorkerDaemon();
+  // Serves until Shutdown() or until the coordinator stays unreachable for connect_timeout_s.
+  // Returns 0 on a clean shutdown, 1 when the coordinator could not be reached.
+  int Run();
+  void Shutdown();
+
+ private:
+  struct Job;
+  bool Register();
+  void Serve();  // one Session stream
+  void HeartbeatLoop(std::string worker_id, int interval_ms, std::atomic<bool>* stop);
+  void Send(const v1::WorkerMessage& m);
+  void Post(std::function<void()> task);
+  void JobThread();
+  void HandleAssignment(const v1::Assignment& a);
+  void HandleStep(const v1::StepCommand& c);
+  void DropJob();
+  void Log(const std::string& msg) const;
+
+  DaemonOptions opts_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::shared_ptr<v1::WorkerControl::Stub> stub_;
+  std::string worker_id_;
+  int heartbeat_ms_ = 1000;
+  std::atomic<bool> shutdown_{false};
+
+  std::mutex ctx_mu_;
+  grpc::ClientContext* session_ctx_ = nullptr;  // guarded by ctx_mu_
+  std::mutex write_mu_;
+  grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream_ = nullptr;
+
+  // Job thread: assignments and steps run there in order.
+  std::mutex q_mu_;
+  std::condition_variable q_cv_;
+  std::deque<std::function<void()>> queue_;
+  bool q_stop_ = false;
+  std::thread job_thread_;
+  std::unique_ptr<Job> job_;  // touched only on the job thread
+  std::mutex comm_mu_;
+  std::shared_ptr<Communicator> live_comm_;  // the current job's, for Abort from the reader
+};
+
+}  // namespace fsdp8

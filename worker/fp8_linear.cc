@@ -1,0 +1,125 @@
+#include "worker/fp8_linear.h"
+
+#include <chrono>
+
+#include "worker/check.h"
+#include "absl/strings/str_cat.h"
+
+namespace fsdp8 {
+
+ActScaling::ActScaling(Backend* be, const v1::Fp8Recipe& recipe) : be_(be), recipe_(recipe) {}
+
+int ActScaling::Add(const std::string& name, bool e5m2) {
+  WORKER_CHECK(scale_.empty()) << "ActScaling::Add after Finalize";
+  ScalingState s;
+  s.name = name;
+  s.e5m2 = e5m2;
+  states_.push_back(s);
+  return static_cast<int>(states_.size()) - 1;
+}
+
+void ActScaling::Finalize() {
+  const size_t n = std::max<size_t>(states_.size(), 1);
+  scale_ = DevBuf(be_, n * sizeof(float));
+  scale_inv_ = DevBuf(be_, n * sizeof(float));
+  amax_ = DevBuf::Zeros(be_, n * sizeof(float));
+  tmp_amax_ = DevBuf::Zeros(be_, sizeof(float));
+  std::vector<float> ones(n, 1.0f);
+  be_->CopyToDevice(scale_.get(), ones.data(), n * sizeof(float));
+  be_->CopyToDevice(scale_inv_.get(), ones.data(), n * sizeof(float));
+}
+
+void ActScaling::BeginStep() {
+  be_->Memset(amax_.get(), 0, std::max<size_t>(states_.size(), 1) * sizeof(float));
+}
+
+const float* ActScaling::ScaleFor(int i, const float* x, int64_t n) {
+  ScalingState& s = states_[i];
+  const bool current = recipe_.recipe() == v1::SCALING_RECIPE_CURRENT || !s.initialised;
+  if (current) {
+    be_->Memset(tmp_amax_.get(), 0, sizeof(float));
+    be_->AmaxAccumulate(x, n, tmp_amax_.f32());
+    float amax = 0;
+    be_->CopyToHost(&amax, tmp_amax_.get(), sizeof(float));
+    // Keeps the tensor's delayed scale untouched: only the device slot used by this cast changes.
+    const float sc = ComputeScale(amax, Fp8MaxValue(s.e5m2), recipe_.margin(), s.scale);
+    const float inv = 1.0f / sc;
+    be_->CopyToDevice(scale_.f32() + i, &sc, sizeof(float));
+    be_->CopyToDevice(scale_inv_.f32() + i, &inv, sizeof(float));
+  }
+  return scale_.f32() + i;
+}
+
+absl::Status ActScaling::EndStep(Communicator* comm, CommClock* clock) {
+  const size_t n = states_.size();
+  if (n == 0) return absl::OkStatus();
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status s = comm->AllReduce(amax_.f32(), n, ReduceOp::kMax);
+  clock->seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("activation amax all-reduce: ", s.message()));
+  }
+  std::vector<float> amax(n), scale(n), scale_inv(n);
+  be_->CopyToHost(amax.data(), amax_.get(), n * sizeof(float));
+  for (size_t i = 0; i < n; ++i) {
+    UpdateDelayed(&states_[i], amax[i], recipe_.amax_history_len(), recipe_.amax_algorithm(),
+                  recipe_.margin());
+    scale[i] = states_[i].scale;
+    scale_inv[i] = states_[i].scale_inv;
+  }
+  be_->CopyToDevice(scale_.get(), scale.data(), n * sizeof(float));
+  be_->CopyToDevice(scale_inv_.get(), scale_inv.data(), n * sizeof(float));
+  return absl::OkStatus();
+}
+
+void Linear::Forward(const float* x, int64_t M, int64_t K, int64_t N, const WeightView& w,
+                     float* y, LinearSaved* saved) {
+  if (prec_ != v1::PRECISION_FP8) {
+    be_->Gemm(false, true, M, N, K, x, w.f32, y, false,
+              prec_ == v1::PRECISION_BF16 ? GemmInputs::kBF16 : GemmInputs::kF32);
+    if (saved) saved->x = x;
+    return;
+  }
+  WORKER_CHECK(w.fp8 != nullptr && w.scale_inv != nullptr) << "FP8 linear without FP8 weight";
+  DevBuf x8(be_, M * K);
+  const float* scale = sc_->ScaleFor(x_idx_, x, M * K);
+  be_->CastToFp8(x, x8.u8(), M * K, scale, Fp8Format::kE4M3, sc_->AmaxOut(x_idx_));
+  be_->GemmFp8(M, N, K, x8.u8(), Fp8Format::kE4M3, sc_->ScaleInv(x_idx_), w.fp8,
+               Fp8Format::kE4M3, w.scale_inv, y, false);
+  if (saved) {
+    saved->x_scale_inv = DevBuf(be_, sizeof(float));
+    be_->Copy(saved->x_scale_inv.get(), sc_->ScaleInv(x_idx_), sizeof(float));
+    saved->x8 = std::move(x8);
+  }
+}
+
+void Linear::Backward(const float* dy, int64_t M, int64_t K, int64_t N, const WeightView& w,
+                      const LinearSaved& saved, float* dx, bool accumulate_dx, float* dw) {
+  if (prec_ != v1::PRECISION_FP8) {
+    const GemmInputs in = prec_ == v1::PRECISION_BF16 ? GemmInputs::kBF16 : GemmInputs::kF32;
+    WORKER_CHECK(saved.x != nullptr);
+    // dx (M, K) = dy (M, N) · W (N, K)
+    if (dx) be_->Gemm(false, false, M, K, N, dy, w.f32, dx, accumulate_dx, in);
+    // dw (N, K) += dyᵀ (N, M) · x (M, K)
+    be_->Gemm(true, false, N, K, M, dy, saved.x, dw, true, in);
+    return;
+  }
+  const Fp8Format dfmt = sc_->format(dy_idx_);
+  DevBuf dy8(be_, M * N), dyT8(be_, M * N);
+  const float* scale = sc_->ScaleFor(dy_idx_, dy, M * N);
+  be_->CastTransposeFp8(dy, M, N, scale, dfmt, dy8.u8(), dyT8.u8(), sc_->AmaxOut(dy_idx_));
+  if (dx) {
+    DevBuf wT(be_, N * K);
+    be_->TransposeBytes(w.fp8, N, K, wT.u8());  // (K, N)
+    be_->GemmFp8(M, K, N, dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_), wT.u8(), Fp8Format::kE4M3,
+                 w.scale_inv, dx, accumulate_dx);
+  }
+  dy8.Reset();
+  DevBuf xT(be_, M * K);
+  be_->TransposeBytes(saved.x8.u8(), M, K, xT.u8());  // (K, M)
+  be_->GemmFp8(N, K, M, dyT8.u8(), dfmt, sc_->ScaleInv(dy_idx_), xT.u8(), Fp8Format::kE4M3,
+               saved.x_scale_inv.f32(), dw, true);
+}
+
+}  // namespace fsdp8

@@ -1,0 +1,106 @@
+// The precision-dependent linear layer y = x · Wᵀ (no bias), and the delayed-scaling state of the
+// FP8 activations (X) and grad-outputs (dY) of every FP8 linear.
+//
+// FP8 (TransformerEngine "hybrid" by default):
+//   forward   x → E4M3 codes with the X scale (amax accumulated), Y = GemmFp8(X, W)     (TN)
+//   backward  dY → E5M2 (E4M3 for the all-E4M3 format) codes and their transpose in one fused
+//             cast (amax accumulated); dX = GemmFp8(dY, Wᵀ) with Wᵀ = TransposeBytes(W) and
+//             dW += GemmFp8(dYᵀ, Xᵀ) with Xᵀ = TransposeBytes(saved X codes). Transposes are
+//             transient; only X's FP8 codes are kept from the forward.
+// BF16 / FP32: Backend::Gemm with inputs rounded to bf16 / kept f32; the f32 input is kept (by
+// the caller) for dW.
+//
+// Scaling (common/scaling.h): delayed — cast with the current scale; amaxes accumulate into a
+// device buffer zeroed once per step (max over all microbatches, C03); EndStep does ONE fused
+// AllReduce(max) and every rank runs UpdateDelayed identically (C04). A tensor without history
+// (first step) and every tensor under the CURRENT recipe is scaled from its own amax, which costs a
+// host synchronisation per cast.
+//
+// Thread-safety: one thread (the trainer's).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/scaling.h"
+#include "fsdp8/v1/admin.pb.h"
+#include "fsdp8/v1/spec.pb.h"
+#include "kernels/backend.h"
+#include "worker/communicator.h"
+#include "worker/device_buffer.h"
+#include "worker/fsdp.h"
+
+namespace fsdp8 {
+
+class ActScaling {
+ public:
+  ActScaling(Backend* be, const v1::Fp8Recipe& recipe);
+  // Registers a scaled tensor; returns its index. Call before Finalize().
+  int Add(const std::string& name, bool e5m2);
+  void Finalize();
+  size_t size() const { return states_.size(); }
+
+  // Zeroes this step's amax accumulators.
+  void BeginStep();
+  // Device scale to cast `x` (n f32) of tensor i with. Uninitialised tensors and the CURRENT
+  // recipe compute x's amax first (synchronises) and upload the scale.
+  const float* ScaleFor(int i, const float* x, int64_t n);
+  const float* ScaleInv(int i) const { return scale_inv_.f32() + i; }
+  // Where a cast accumulates tensor i's amax: this step's accumulator, or nullptr when not
+  // recording (evaluation).
+  float* AmaxOut(int i) const { return recording_ ? amax_.f32() + i : nullptr; }
+  void set_recording(bool on) { recording_ = on; }
+  // The fused all-reduce(max) of this step's amaxes and the identical update on every rank.
+  absl::Status EndStep(Communicator* comm, CommClock* clock);
+  const std::vector<ScalingState>& states() const { return states_; }
+  Fp8Format format(int i) const { return states_[i].e5m2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3; }
+
+ private:
+  Backend* be_;
+  v1::Fp8Recipe recipe_;
+  std::vector<ScalingState> states_;
+  DevBuf scale_, scale_inv_, amax_, tmp_amax_;
+  bool recording_ = true;
+};
+
+// Gathered weight of one linear: W (N, K) as f32 values or as E4M3 codes with its scale_inv.
+struct WeightView {
+  const float* f32 = nullptr;
+  const uint8_t* fp8 = nullptr;
+  const float* scale_inv = nullptr;  // device scalar (fp8)
+};
+
+// What the forward keeps for the backward.
+struct LinearSaved {
+  DevBuf x8;            // (M, K) E4M3 codes (FP8)
+  DevBuf x_scale_inv;   // (1) f32: the scale_inv x8 was cast with
+  const float* x = nullptr;  // (M, K) f32 input (BF16/FP32), owned by the caller
+};
+
+class Linear {
+ public:
+  Linear() = default;
+  // x_idx / dy_idx: ActScaling indices (FP8 only).
+  Linear(Backend* be, ActScaling* scaling, v1::Precision precision, int x_idx, int dy_idx)
+      : be_(be), sc_(scaling), prec_(precision), x_idx_(x_idx), dy_idx_(dy_idx) {}
+  v1::Precision precision() const { return prec_; }
+
+  // y (M, N) = x (M, K) · W (N, K)ᵀ. saved may be null (no backward follows).
+  void Forward(const float* x, int64_t M, int64_t K, int64_t N, const WeightView& w, float* y,
+               LinearSaved* saved);
+  // dx (M, K) = dy (M, N) · W (overwritten, or added when accumulate_dx; skipped when null);
+  // dw (N, K) += dyᵀ · x.
+  void Backward(const float* dy, int64_t M, int64_t K, int64_t N, const WeightView& w,
+                const LinearSaved& saved, float* dx, bool accumulate_dx, float* dw);
+
+ private:
+  Backend* be_ = nullptr;
+  ActScaling* sc_ = nullptr;
+  v1::Precision prec_ = v1::PRECISION_FP32;
+  int x_idx_ = -1;
+  int dy_idx_ = -1;
+};
+
+}  // namespace fsdp8

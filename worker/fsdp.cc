@@ -1,0 +1,307 @@
+#include "worker/fsdp.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "worker/check.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/strip.h"
+#include "common/scaling.h"
+
+namespace fsdp8 {
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+std::string ScalingBaseName(const std::string& hf_name) {
+  absl::string_view s = hf_name;
+  absl::ConsumePrefix(&s, "model.");
+  absl::ConsumeSuffix(&s, ".weight");
+  return absl::StrReplaceAll(s, {{"self_attn.", "attn."}});
+}
+
+FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* be,
+                       Communicator* comm, CommClock* clock)
+    : plan_(plan), rank_(rank), be_(be), comm_(comm), clock_(clock) {
+  units_.resize(plan.units.size());
+  for (size_t u = 0; u < plan.units.size(); ++u) {
+    for (size_t b = 0; b < plan.units[u].buffers.size(); ++b) {
+      const BufferPlan& bp = plan.units[u].buffers[b];
+      Buf buf;
+      buf.plan = &bp;
+      const int64_t n = bp.shard_numel;
+      // Master init on the host from the global index: only this rank's slice is materialised.
+      std::vector<float> host(n, 0.0f);
+      const int64_t begin = bp.ShardBegin(rank);
+      for (size_t t = 0; t < bp.tensors.size(); ++t) {
+        const int64_t lo = std::max(bp.offsets[t], begin);
+        const int64_t hi = std::min(bp.offsets[t] + bp.tensors[t].numel, begin + n);
+        for (int64_t g = lo; g < hi; ++g) {
+          host[g - begin] = InitValue(bp.tensors[t], g - bp.offsets[t], seed);
+        }
+        if (bp.wire == WireDtype::kFp8) {
+          WORKER_CHECK(bp.tensors[t].is_fp8_linear) << bp.tensors[t].name << " in an fp8 buffer";
+          TensorRef r{static_cast<int>(u), static_cast<int>(b), static_cast<int>(t),
+                      bp.offsets[t], bp.tensors[t].numel, bp.wire,
+                      static_cast<int>(fp8_refs_.size())};
+          fp8_refs_.push_back(r);
+          WeightScaling ws;
+          ws.name = ScalingBaseName(bp.tensors[t].name) + ".w";
+          ws.tensor = bp.tensors[t].name;
+          wscale_.push_back(ws);
+        }
+      }
+      buf.master = DevBuf(be, n * sizeof(float));
+      if (n > 0) be->CopyToDevice(buf.master.get(), host.data(), n * sizeof(float));
+      buf.m = DevBuf::Zeros(be, n * sizeof(float));
+      buf.v = DevBuf::Zeros(be, n * sizeof(float));
+      buf.grad = DevBuf::Zeros(be, n * sizeof(float));
+      if (bp.wire == WireDtype::kFp8) buf.wire = DevBuf::Zeros(be, n);
+      if (bp.wire == WireDtype::kBf16) buf.wire = DevBuf::Zeros(be, n * sizeof(uint16_t));
+      units_[u].push_back(std::move(buf));
+    }
+  }
+  const size_t nf = std::max<size_t>(fp8_refs_.size(), 1);
+  w_scale_ = DevBuf(be, nf * sizeof(float));
+  w_scale_inv_ = DevBuf(be, nf * sizeof(float));
+  w_amax_ = DevBuf(be, nf * sizeof(float));
+  std::vector<float> ones(nf, 1.0f);
+  be->CopyToDevice(w_scale_.get(), ones.data(), nf * sizeof(float));
+  be->CopyToDevice(w_scale_inv_.get(), ones.data(), nf * sizeof(float));
+}
+
+TensorRef FsdpParams::Ref(const std::string& hf_name) const {
+  int u, b, t;
+  WORKER_CHECK(plan_.Find(hf_name, &u, &b, &t)) << "shard plan has no tensor " << hf_name;
+  const BufferPlan& bp = plan_.units[u].buffers[b];
+  TensorRef r{u, b, t, bp.offsets[t], bp.tensors[t].numel, bp.wire, -1};
+  for (const TensorRef& f : fp8_refs_) {
+    if (f.unit == u && f.buffer == b && f.index == t) r.fp8_id = f.fp8_id;
+  }
+  return r;
+}
+
+absl::Status FsdpParams::Timed(absl::Status s, double t0) {
+  clock_->seconds += Now() - t0;
+  return s;
+}
+
+absl::Status FsdpParams::Gather(int unit) {
+  for (Buf& b : units_[unit]) {
+    const BufferPlan& bp = *b.plan;
+    const int64_t n = bp.shard_numel;
+    const double t0 = Now();
+    absl::Status s;
+    switch (bp.wire) {
+      case WireDtype::kFp8:
+        b.full = DevBuf(be_, bp.padded_numel);
+        s = comm_->AllGather(b.wire.get(), b.full.get(), n);
+        break;
+      case WireDtype::kBf16:
+        b.full_u16 = DevBuf(be_, bp.padded_numel * sizeof(uint16_t));
+        s = comm_->AllGather(b.wire.get(), b.full_u16.get(), n * sizeof(uint16_t));
+        break;
+      case WireDtype::kFp32:
+        b.full = DevBuf(be_, bp.padded_numel * sizeof(float));
+        s = comm_->AllGather(b.master.get(), b.full.get(), n * sizeof(float));
+        break;
+    }
+    if (absl::Status r = Timed(s, t0); !r.ok()) {
+      return absl::Status(r.code(), absl::StrCat("all-gather of ", plan_.units[unit].name, "/",
+                                                 WireDtypeName(bp.wire), ": ", r.message()));
+    }
+    if (bp.wire == WireDtype::kBf16) {
+      b.full = DevBuf(be_, bp.padded_numel * sizeof(float));
+      be_->UnpackBf16(b.full_u16.u16(), b.full.f32(), bp.padded_numel);
+      b.full_u16.Reset();
+    }
+  }
+  return absl::OkStatus();
+}
+
+void FsdpParams::Release(int unit) {
+  for (Buf& b : units_[unit]) b.full.Reset();
+}
+
+void FsdpParams::BeginGrads(int unit) {
+  for (Buf& b : units_[unit]) {
+    b.full_grad = DevBuf::Zeros(be_, b.plan->padded_numel * sizeof(float));
+  }
+}
+
+absl::Status FsdpParams::ReduceGrads(int unit) {
+  for (Buf& b : units_[unit]) {
+    const int64_t n = b.plan->shard_numel;
+    DevBuf part(be_, n * sizeof(float));
+    const double t0 = Now();
+    absl::Status s = Timed(comm_->ReduceScatterSum(b.full_grad.f32(), part.f32(), n), t0);
+    b.full_grad.Reset();
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("reduce-scatter of ", plan_.units[unit].name, "/",
+                                                 WireDtypeName(b.plan->wire), " grads: ",
+                                                 s.message()));
+    }
+    if (n > 0) be_->Axpy(1.0f, part.f32(), b.grad.f32(), n);
+  }
+  return absl::OkStatus();
+}
+
+const float* FsdpParams::W(const TensorRef& t) const {
+  const Buf& b = units_[t.unit][t.buffer];
+  WORKER_CHECK(!b.full.empty() || t.numel == 0) << "unit " << t.unit << " not gathered";
+  WORKER_CHECK(b.plan->wire != WireDtype::kFp8) << "f32 view of an fp8 buffer";
+  return b.full.f32() + t.offset;
+}
+
+const uint8_t* FsdpParams::W8(const TensorRef& t) const {
+  const Buf& b = units_[t.unit][t.buffer];
+  WORKER_CHECK(!b.full.empty() || t.numel == 0) << "unit " << t.unit << " not gathered";
+  WORKER_CHECK(b.plan->wire == WireDtype::kFp8) << "fp8 view of a non-fp8 buffer";
+  return b.full.u8() + t.offset;
+}
+
+const float* FsdpParams::WScaleInv(const TensorRef& t) const {
+  WORKER_CHECK(t.fp8_id >= 0);
+  return w_scale_inv_.f32() + t.fp8_id;
+}
+
+float* FsdpParams::G(const TensorRef& t) const {
+  const Buf& b = units_[t.unit][t.buffer];
+  WORKER_CHECK(!b.full_grad.empty() || t.numel == 0) << "unit " << t.unit << " has no grad buffer";
+  return b.full_grad.f32() + t.offset;
+}
+
+void FsdpParams::ZeroGrads() {
+  for (auto& u : units_) {
+    for (Buf& b : u) {
+      if (b.plan->shard_numel > 0) be_->Memset(b.grad.get(), 0, b.plan->shard_numel * sizeof(float));
+    }
+  }
+}
+
+absl::StatusOr<double> FsdpParams::GlobalGradSquaredNorm() {
+  DevBuf acc = DevBuf::Zeros(be_, sizeof(float));
+  for (auto& u : units_) {
+    for (Buf& b : u) be_->SumSquares(b.grad.f32(), b.plan->shard_numel, acc.f32());
+  }
+  const double t0 = Now();
+  absl::Status s = Timed(comm_->AllReduce(acc.f32(), 1, ReduceOp::kSum), t0);
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat("grad-norm all-reduce: ", s.message()));
+  float host = 0;
+  be_->CopyToHost(&host, acc.get(), sizeof(float));
+  return static_cast<double>(host);
+}
+
+void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weight_decay,
+                       int64_t step, float grad_scale) {
+  for (auto& u : units_) {
+    for (Buf& b : u) {
+      const int64_t n = b.plan->shard_numel;
+      if (n == 0) continue;
+      be_->AdamW(b.master.f32(), b.grad.f32(), b.m.f32(), b.v.f32(), n, lr, beta1, beta2, eps,
+                 weight_decay, step, grad_scale);
+    }
+  }
+}
+
+absl::Status FsdpParams::CastWeights() {
+  // bf16 wire shards: a plain pack of the master slice.
+  for (auto& u : units_) {
+    for (Buf& b : u) {
+      if (b.plan->wire == WireDtype::kBf16 && b.plan->shard_numel > 0) {
+        be_->PackBf16(b.master.f32(), b.wire.u16(), b.plan->shard_numel);
+      }
+    }
+  }
+  if (fp8_refs_.empty()) return absl::OkStatus();
+  // FP8: per-tensor amax of this rank's slice, one fused all-reduce(max), identical scales.
+  const size_t nf = fp8_refs_.size();
+  be_->Memset(w_amax_.get(), 0, nf * sizeof(float));
+  struct Slice { int64_t lo, hi; };  // shard-local [lo, hi) of each FP8 tensor
+  std::vector<Slice> slices(nf);
+  for (size_t i = 0; i < nf; ++i) {
+    const TensorRef& r = fp8_refs_[i];
+    const Buf& b = units_[r.unit][r.buffer];
+    const int64_t begin = b.plan->ShardBegin(rank_);
+    const int64_t lo = std::max(r.offset, begin);
+    const int64_t hi = std::min(r.offset + r.numel, begin + b.plan->shard_numel);
+    slices[i] = hi > lo ? Slice{lo - begin, hi - begin} : Slice{0, 0};
+    be_->AmaxAccumulate(b.master.f32() + slices[i].lo, slices[i].hi - slices[i].lo,
+                        w_amax_.f32() + i);
+  }
+  const double t0 = Now();
+  absl::Status s = Timed(comm_->AllReduce(w_amax_.f32(), nf, ReduceOp::kMax), t0);
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("fp8 weight amax all-reduce: ", s.message()));
+  }
+  std::vector<float> amax(nf), scale(nf), scale_inv(nf);
+  be_->CopyToHost(amax.data(), w_amax_.get(), nf * sizeof(float));
+  const float fmax = Fp8MaxValue(/*e5m2=*/false);
+  for (size_t i = 0; i < nf; ++i) {
+    scale[i] = ComputeScale(amax[i], fmax, /*margin=*/0, wscale_[i].scale);
+    scale_inv[i] = 1.0f / scale[i];
+    wscale_[i].scale = scale[i];
+    wscale_[i].scale_inv = scale_inv[i];
+    wscale_[i].amax = amax[i];
+  }
+  be_->CopyToDevice(w_scale_.get(), scale.data(), nf * sizeof(float));
+  be_->CopyToDevice(w_scale_inv_.get(), scale_inv.data(), nf * sizeof(float));
+  for (auto& u : units_) {
+    for (Buf& b : u) {
+      if (b.plan->wire == WireDtype::kFp8 && b.plan->shard_numel > 0) {
+        be_->Memset(b.wire.get(), 0, b.plan->shard_numel);  // padding stays code 0
+      }
+    }
+  }
+  for (size_t i = 0; i < nf; ++i) {
+    const TensorRef& r = fp8_refs_[i];
+    Buf& b = units_[r.unit][r.buffer];
+    const int64_t n = slices[i].hi - slices[i].lo;
+    if (n == 0) continue;
+    be_->CastToFp8(b.master.f32() + slices[i].lo, b.wire.u8() + slices[i].lo, n,
+                   w_scale_.f32() + i, Fp8Format::kE4M3, nullptr);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::map<std::string, std::vector<float>>> FsdpParams::GatherAll(bool grads) {
+  std::map<std::string, std::vector<float>> out;
+  const int world = comm_->world_size();
+  for (auto& u : units_) {
+    for (Buf& b : u) {
+      const BufferPlan& bp = *b.plan;
+      DevBuf full(be_, bp.padded_numel * sizeof(float));
+      const DevBuf& src = grads ? b.grad : b.master;
+      const double t0 = Now();
+      absl::Status s =
+          Timed(comm_->AllGather(src.get(), full.get(), bp.shard_numel * sizeof(float)), t0);
+      if (!s.ok()) return s;
+      std::vector<float> host(bp.padded_numel);
+      if (bp.padded_numel > 0) be_->CopyToHost(host.data(), full.get(), host.size() * sizeof(float));
+      for (size_t t = 0; t < bp.tensors.size(); ++t) {
+        out[bp.tensors[t].name] = std::vector<float>(
+            host.begin() + bp.offsets[t], host.begin() + bp.offsets[t] + bp.tensors[t].numel);
+      }
+      (void)world;
+    }
+  }
+  return out;
+}
+
+bool FsdpParams::SetMasterElement(const std::string& hf_name, int64_t index, float value) {
+  const TensorRef r = Ref(hf_name);
+  WORKER_CHECK(index >= 0 && index < r.numel);
+  Buf& b = units_[r.unit][r.buffer];
+  const int64_t g = r.offset + index;
+  const int64_t begin = b.plan->ShardBegin(rank_);
+  if (g < begin || g >= begin + b.plan->shard_numel) return false;
+  be_->CopyToDevice(b.master.f32() + (g - begin), &value, sizeof(float));
+  return true;
+}
+
+}  // namespace fsdp8

@@ -1,0 +1,123 @@
+// FsdpParams: one rank's fully sharded parameters (ZeRO-3) laid out by the ShardPlan.
+//
+// Per FSDP unit and flat buffer this rank holds, each of shard_numel elements:
+//   master (f32)  — the FP32 master weights of its slice, initialised from InitValue of the global
+//                   element index (padding 0), so the model is the same bits at any world size;
+//   m, v (f32)    — AdamW moments;
+//   grad (f32)    — the reduced gradient of its slice, accumulated over microbatches;
+//   wire shard    — what travels on an all-gather: FP8 codes (u8) for FP8 GEMM weights, bf16 bit
+//                   patterns for bf16 buffers (fp32 buffers send the master slice itself).
+// The wire shards are refreshed by CastWeights() once per optimizer step (ARCHITECTURE step 6):
+// for FP8 tensors, the amax of this rank's master slice (empty slice: 0), one fused
+// AllReduce(max) over all FP8 tensors, scale = ComputeScale(amax, 448, 0, previous) — identical on
+// every rank — then this rank's slice is cast with its tensor's scale.
+//
+// Unit lifecycle in a microbatch: Gather(u) all-gathers every buffer of u into full (padded)
+// buffers (f32 for bf16/fp32 wire, u8 codes for fp8); Release(u) frees them. BeginGrads(u)
+// allocates zeroed full f32 gradient buffers; ReduceGrads(u) reduce-scatters them (f32 sums, C12)
+// and adds the result to the grad shards, then frees them.
+//
+// Thread-safety: one thread (the trainer's).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/shard_plan.h"
+#include "kernels/backend.h"
+#include "worker/communicator.h"
+#include "worker/device_buffer.h"
+
+namespace fsdp8 {
+
+// Accumulates the wall time spent in collectives.
+struct CommClock {
+  double seconds = 0;
+};
+
+// Where a tensor lives.
+struct TensorRef {
+  int unit = -1;
+  int buffer = -1;
+  int index = -1;        // tensor index within the buffer
+  int64_t offset = 0;    // element offset in the flat buffer
+  int64_t numel = 0;
+  WireDtype wire = WireDtype::kFp32;
+  int fp8_id = -1;       // index among FP8 weight tensors, -1 otherwise
+};
+
+// FP8 weight scaling summary for reports.
+struct WeightScaling {
+  std::string name;   // e.g. "layers.0.attn.q_proj.w"
+  std::string tensor; // Hugging Face name
+  float scale = 1.0f;
+  float scale_inv = 1.0f;
+  float amax = 0.0f;  // global amax of the master weight at the last cast
+};
+
+// Short scaling-state name of a weight: "model.layers.0.self_attn.q_proj.weight" ->
+// "layers.0.attn.q_proj" (suffixes ".x", ".dy", ".w" name the three scaled tensors of a linear).
+std::string ScalingBaseName(const std::string& hf_name);
+
+class FsdpParams {
+ public:
+  FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* be, Communicator* comm,
+             CommClock* clock);
+
+  const ShardPlan& plan() const { return plan_; }
+  // The tensor named `hf_name`; aborts when the plan has no such tensor (a broken invariant).
+  TensorRef Ref(const std::string& hf_name) const;
+
+  absl::Status Gather(int unit);
+  void Release(int unit);
+  void BeginGrads(int unit);
+  absl::Status ReduceGrads(int unit);
+
+  // Views into the gathered unit (valid between Gather and Release).
+  const float* W(const TensorRef& t) const;         // f32 values (bf16/fp32 buffers)
+  const uint8_t* W8(const TensorRef& t) const;      // E4M3 codes (fp8 buffers)
+  const float* WScaleInv(const TensorRef& t) const; // device scalar of an FP8 tensor
+  // Full gradient view (valid between BeginGrads and ReduceGrads).
+  float* G(const TensorRef& t) const;
+
+  void ZeroGrads();
+  // Squared L2 norm of the global gradient: sum of every shard's SumSquares, AllReduce(sum).
+  absl::StatusOr<double> GlobalGradSquaredNorm();
+  void AdamW(float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
+             float grad_scale);
+  // Refreshes the wire shards from the master weights (FP8 casts with a fused amax all-reduce).
+  absl::Status CastWeights();
+  const std::vector<WeightScaling>& weight_scaling() const { return wscale_; }
+
+  // Collective: every tensor's full values, gathered from all ranks (master weights or grads).
+  absl::StatusOr<std::map<std::string, std::vector<float>>> GatherAll(bool grads);
+  // Sets one element of a tensor's master weight if this rank owns it (testing, import); call
+  // CastWeights() afterwards. Returns whether this rank owns it.
+  bool SetMasterElement(const std::string& hf_name, int64_t index, float value);
+
+ private:
+  struct Buf {
+    const BufferPlan* plan = nullptr;
+    DevBuf master, m, v, grad, wire;  // shards
+    DevBuf full;       // gathered f32 (bf16/fp32) or u8 (fp8), padded_numel elements
+    DevBuf full_u16;   // transient bf16 gather target
+    DevBuf full_grad;  // padded_numel f32
+  };
+  absl::Status Timed(absl::Status s, double t0);
+
+  const ShardPlan& plan_;
+  const int rank_;
+  Backend* be_;
+  Communicator* comm_;
+  CommClock* clock_;
+  std::vector<std::vector<Buf>> units_;
+  std::vector<TensorRef> fp8_refs_;
+  std::vector<WeightScaling> wscale_;
+  DevBuf w_scale_, w_scale_inv_, w_amax_;  // (n_fp8) f32 each
+};
+
+}  // namespace fsdp8

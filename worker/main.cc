@@ -1,0 +1,47 @@
+// fsdp8-worker: one rank of fsdp8 training jobs (see worker/daemon.h).
+#include <csignal>
+#include <iostream>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "worker/daemon.h"
+
+extern "C" void openblas_set_num_threads(int);
+
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address host:port");
+ABSL_FLAG(std::string, host, "127.0.0.1", "address peers use to reach this worker (Gloo TCP)");
+ABSL_FLAG(std::string, backend, "cpu", "compute backend this worker offers: cpu or cuda");
+ABSL_FLAG(int, device, 0, "GPU ordinal (cuda backend)");
+ABSL_FLAG(int, threads, 1, "BLAS threads for the CPU backend");
+ABSL_FLAG(int, connect_timeout_s, 60, "give up when the coordinator does not answer this long");
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  openblas_set_num_threads(std::max(1, absl::GetFlag(FLAGS_threads)));
+
+  // SIGTERM / SIGINT are taken by a watcher thread (sigwait), never by an async handler.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  fsdp8::DaemonOptions opts;
+  opts.coordinator = absl::GetFlag(FLAGS_coordinator);
+  opts.host = absl::GetFlag(FLAGS_host);
+  opts.backend = absl::GetFlag(FLAGS_backend);
+  opts.device = absl::GetFlag(FLAGS_device);
+  opts.connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);
+  fsdp8::WorkerDaemon daemon(opts);
+  std::thread watcher([&] {
+    int sig = 0;
+    sigwait(&set, &sig);
+    std::cerr << "[worker] signal " << sig << ": shutting down" << std::endl;
+    daemon.Shutdown();
+  });
+  watcher.detach();
+  const int rc = daemon.Run();
+  std::_Exit(rc);  // the watcher thread may still wait in sigwait
+}

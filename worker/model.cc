@@ -1,0 +1,244 @@
+#include "worker/model.h"
+
+#include "worker/check.h"
+#include "absl/strings/str_cat.h"
+#include "common/spec.h"
+
+namespace fsdp8 {
+
+// Everything a block's backward needs from its forward.
+struct LlamaModel::BlockActs {
+  DevBuf x_in;          // (N, C) block input (residual stream)
+  DevBuf n1, rstd1;     // (N, C), (N); n1 kept only for non-FP8 blocks
+  DevBuf q, k, v;       // (B, T, H, D), (B, T, Hkv, D) x2; q, k after RoPE
+  DevBuf att, lse;      // (N, C), (B, H, T)
+  DevBuf h;             // (N, C) after the attention residual
+  DevBuf n2, rstd2;     // (N, C), (N)
+  DevBuf gate, up, act; // (N, F)
+  LinearSaved sq, sk, sv, so, sgate, sup, sdown;
+};
+
+LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* scaling,
+                       Backend* be)
+    : be_(be), p_(params) {
+  const v1::ModelConfig& m = spec.model();
+  C_ = m.d_model();
+  H_ = m.n_heads();
+  Hkv_ = m.n_kv_heads();
+  D_ = C_ / H_;
+  F_ = m.ffn_dim();
+  V_ = m.vocab_size();
+  T_ = m.seq_len();
+  eps_ = static_cast<float>(m.norm_eps());
+  theta_ = static_cast<float>(m.rope_theta());
+  const bool hybrid = spec.precision().fp8().format() != v1::FP8_FORMAT_E4M3;
+
+  embed_ = p_->Ref("model.embed_tokens.weight");
+  final_norm_ = p_->Ref("model.norm.weight");
+  head_ = p_->Ref("lm_head.weight");
+  embedding_unit_ = embed_.unit;
+  head_unit_ = head_.unit;
+
+  auto make_linear = [&](v1::Precision prec, const TensorRef& w, const std::string& hf) {
+    if (prec != v1::PRECISION_FP8) return Linear(be, scaling, prec, -1, -1);
+    WORKER_CHECK(w.fp8_id >= 0) << hf << ": FP8 precision but its buffer is not fp8";
+    const std::string base = ScalingBaseName(hf);
+    const int xi = scaling->Add(base + ".x", false);
+    const int di = scaling->Add(base + ".dy", hybrid);
+    return Linear(be, scaling, prec, xi, di);
+  };
+  for (int l = 0; l < m.n_layers(); ++l) {
+    Block b;
+    b.prec = LayerLinearPrecision(spec, l);
+    const std::string pre = absl::StrCat("model.layers.", l, ".");
+    b.in_norm = p_->Ref(pre + "input_layernorm.weight");
+    b.post_norm = p_->Ref(pre + "post_attention_layernorm.weight");
+    auto lin = [&](TensorRef* r, Linear* lin, const std::string& n) {
+      *r = p_->Ref(pre + n);
+      *lin = make_linear(b.prec, *r, pre + n);
+    };
+    lin(&b.q, &b.lq, "self_attn.q_proj.weight");
+    lin(&b.k, &b.lk, "self_attn.k_proj.weight");
+    lin(&b.v, &b.lv, "self_attn.v_proj.weight");
+    lin(&b.o, &b.lo, "self_attn.o_proj.weight");
+    lin(&b.gate, &b.lgate, "mlp.gate_proj.weight");
+    lin(&b.up, &b.lup, "mlp.up_proj.weight");
+    lin(&b.down, &b.ldown, "mlp.down_proj.weight");
+    blocks_.push_back(std::move(b));
+  }
+  v1::Precision hp = spec.precision().lm_head();
+  if (hp == v1::PRECISION_UNSPECIFIED) hp = v1::PRECISION_BF16;
+  lhead_ = make_linear(hp, head_, "lm_head.weight");
+}
+
+WeightView LlamaModel::View(const TensorRef& t) const {
+  WeightView w;
+  if (t.wire == WireDtype::kFp8) {
+    w.fp8 = p_->W8(t);
+    w.scale_inv = p_->WScaleInv(t);
+  } else {
+    w.f32 = p_->W(t);
+  }
+  return w;
+}
+
+absl::Status LlamaModel::BlockForward(int l, int64_t B, DevBuf* x, BlockActs* a) {
+  Block& b = blocks_[l];
+  const int64_t N = B * T_;
+  const bool keep_f32_inputs = b.prec != v1::PRECISION_FP8;
+  const bool train = a != nullptr;
+  BlockActs local;
+  if (!train) a = &local;
+  a->x_in = std::move(*x);
+  a->n1 = DevBuf(be_, N * C_ * 4);
+  a->rstd1 = DevBuf(be_, N * 4);
+  be_->RmsNormForward(a->x_in.f32(), p_->W(b.in_norm), eps_, N, C_, a->n1.f32(), a->rstd1.f32());
+  a->q = DevBuf(be_, N * H_ * D_ * 4);
+  a->k = DevBuf(be_, N * Hkv_ * D_ * 4);
+  a->v = DevBuf(be_, N * Hkv_ * D_ * 4);
+  b.lq.Forward(a->n1.f32(), N, C_, H_ * D_, View(b.q), a->q.f32(), train ? &a->sq : nullptr);
+  b.lk.Forward(a->n1.f32(), N, C_, Hkv_ * D_, View(b.k), a->k.f32(), train ? &a->sk : nullptr);
+  b.lv.Forward(a->n1.f32(), N, C_, Hkv_ * D_, View(b.v), a->v.f32(), train ? &a->sv : nullptr);
+  if (!keep_f32_inputs || !train) a->n1.Reset();
+  be_->RopeForward(a->q.f32(), B, T_, H_, D_, theta_);
+  be_->RopeForward(a->k.f32(), B, T_, Hkv_, D_, theta_);
+  a->att = DevBuf(be_, N * C_ * 4);
+  a->lse = DevBuf(be_, B * H_ * T_ * 4);
+  be_->AttentionForward(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_, a->att.f32(),
+                        a->lse.f32());
+  DevBuf o(be_, N * C_ * 4);
+  b.lo.Forward(a->att.f32(), N, C_, C_, View(b.o), o.f32(), train ? &a->so : nullptr);
+  a->h = DevBuf(be_, N * C_ * 4);
+  be_->Add(a->x_in.f32(), o.f32(), a->h.f32(), N * C_);
+  o.Reset();
+  a->n2 = DevBuf(be_, N * C_ * 4);
+  a->rstd2 = DevBuf(be_, N * 4);
+  be_->RmsNormForward(a->h.f32(), p_->W(b.post_norm), eps_, N, C_, a->n2.f32(), a->rstd2.f32());
+  a->gate = DevBuf(be_, N * F_ * 4);
+  a->up = DevBuf(be_, N * F_ * 4);
+  b.lgate.Forward(a->n2.f32(), N, C_, F_, View(b.gate), a->gate.f32(), train ? &a->sgate : nullptr);
+  b.lup.Forward(a->n2.f32(), N, C_, F_, View(b.up), a->up.f32(), train ? &a->sup : nullptr);
+  if (!keep_f32_inputs || !train) a->n2.Reset();
+  a->act = DevBuf(be_, N * F_ * 4);
+  be_->SwigluForward(a->gate.f32(), a->up.f32(), N * F_, a->act.f32());
+  DevBuf mlp(be_, N * C_ * 4);
+  b.ldown.Forward(a->act.f32(), N, F_, C_, View(b.down), mlp.f32(), train ? &a->sdown : nullptr);
+  if (!keep_f32_inputs || !train) a->act.Reset();
+  DevBuf out(be_, N * C_ * 4);
+  be_->Add(a->h.f32(), mlp.f32(), out.f32(), N * C_);
+  *x = std::move(out);
+  return absl::OkStatus();
+}
+
+void LlamaModel::BlockBackward(int l, int64_t B, BlockActs* a, DevBuf* dout) {
+  Block& b = blocks_[l];
+  const int64_t N = B * T_;
+  // MLP: out = h + down(silu(gate) * up)
+  DevBuf dact(be_, N * F_ * 4);
+  b.ldown.Backward(dout->f32(), N, F_, C_, View(b.down), a->sdown, dact.f32(), false,
+                   p_->G(b.down));
+  a->sdown = LinearSaved();
+  a->act.Reset();
+  DevBuf dgate(be_, N * F_ * 4), dup(be_, N * F_ * 4);
+  be_->SwigluBackward(dact.f32(), a->gate.f32(), a->up.f32(), N * F_, dgate.f32(), dup.f32());
+  dact.Reset();
+  a->gate.Reset();
+  a->up.Reset();
+  DevBuf dn2(be_, N * C_ * 4);
+  b.lgate.Backward(dgate.f32(), N, C_, F_, View(b.gate), a->sgate, dn2.f32(), false,
+                   p_->G(b.gate));
+  b.lup.Backward(dup.f32(), N, C_, F_, View(b.up), a->sup, dn2.f32(), true, p_->G(b.up));
+  dgate.Reset();
+  dup.Reset();
+  a->sgate = LinearSaved();
+  a->sup = LinearSaved();
+  a->n2.Reset();
+  DevBuf dh(be_, N * C_ * 4);
+  be_->RmsNormBackward(dn2.f32(), a->h.f32(), p_->W(b.post_norm), a->rstd2.f32(), N, C_,
+                       dh.f32(), p_->G(b.post_norm));
+  be_->Axpy(1.0f, dout->f32(), dh.f32(), N * C_);
+  dn2.Reset();
+  dout->Reset();
+  // Attention: h = x + o_proj(attn)
+  DevBuf datt(be_, N * C_ * 4);
+  b.lo.Backward(dh.f32(), N, C_, C_, View(b.o), a->so, datt.f32(), false, p_->G(b.o));
+  a->so = LinearSaved();
+  DevBuf dq(be_, N * H_ * D_ * 4), dk(be_, N * Hkv_ * D_ * 4), dv(be_, N * Hkv_ * D_ * 4);
+  be_->AttentionBackward(a->q.f32(), a->k.f32(), a->v.f32(), a->att.f32(), datt.f32(),
+                         a->lse.f32(), B, T_, H_, Hkv_, D_, dq.f32(), dk.f32(), dv.f32());
+  datt.Reset();
+  be_->RopeBackward(dq.f32(), B, T_, H_, D_, theta_);
+  be_->RopeBackward(dk.f32(), B, T_, Hkv_, D_, theta_);
+  DevBuf dn1(be_, N * C_ * 4);
+  b.lq.Backward(dq.f32(), N, C_, H_ * D_, View(b.q), a->sq, dn1.f32(), false, p_->G(b.q));
+  b.lk.Backward(dk.f32(), N, C_, Hkv_ * D_, View(b.k), a->sk, dn1.f32(), true, p_->G(b.k));
+  b.lv.Backward(dv.f32(), N, C_, Hkv_ * D_, View(b.v), a->sv, dn1.f32(), true, p_->G(b.v));
+  dq.Reset();
+  dk.Reset();
+  dv.Reset();
+  DevBuf dx(be_, N * C_ * 4);
+  be_->RmsNormBackward(dn1.f32(), a->x_in.f32(), p_->W(b.in_norm), a->rstd1.f32(), N, C_,
+                       dx.f32(), p_->G(b.in_norm));
+  be_->Axpy(1.0f, dh.f32(), dx.f32(), N * C_);
+  *a = BlockActs();
+  *dout = std::move(dx);
+}
+
+absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int64_t B,
+                             float grad_scale, float* losses, bool backward) {
+  const int64_t N = B * T_;
+  const int L = static_cast<int>(blocks_.size());
+  // Embedding.
+  if (absl::Status s = p_->Gather(embedding_unit_); !s.ok()) return s;
+  DevBuf x(be_, N * C_ * 4);
+  be_->EmbeddingForward(tokens, N, p_->W(embed_), C_, x.f32());
+  p_->Release(embedding_unit_);
+  // Blocks.
+  std::vector<BlockActs> acts(backward ? L : 0);
+  for (int l = 0; l < L; ++l) {
+    const int unit = blocks_[l].q.unit;
+    if (absl::Status s = p_->Gather(unit); !s.ok()) return s;
+    absl::Status s = BlockForward(l, B, &x, backward ? &acts[l] : nullptr);
+    p_->Release(unit);
+    if (!s.ok()) return s;
+  }
+  // Head: final norm, lm_head, fused cross-entropy (+ its backward).
+  if (absl::Status s = p_->Gather(head_unit_); !s.ok()) return s;
+  DevBuf nf(be_, N * C_ * 4), rstdf(be_, N * 4), logits(be_, N * V_ * 4);
+  be_->RmsNormForward(x.f32(), p_->W(final_norm_), eps_, N, C_, nf.f32(), rstdf.f32());
+  LinearSaved sh;
+  lhead_.Forward(nf.f32(), N, C_, V_, View(head_), logits.f32(), backward ? &sh : nullptr);
+  be_->CrossEntropyForwardBackward(logits.f32(), targets, N, V_, backward ? grad_scale : 0.0f,
+                                   losses);
+  if (!backward) {
+    p_->Release(head_unit_);
+    return absl::OkStatus();
+  }
+  p_->BeginGrads(head_unit_);
+  DevBuf dnf(be_, N * C_ * 4);
+  lhead_.Backward(logits.f32(), N, C_, V_, View(head_), sh, dnf.f32(), false, p_->G(head_));
+  logits.Reset();
+  DevBuf dx(be_, N * C_ * 4);
+  be_->RmsNormBackward(dnf.f32(), x.f32(), p_->W(final_norm_), rstdf.f32(), N, C_, dx.f32(),
+                       p_->G(final_norm_));
+  sh = LinearSaved();
+  nf.Reset();
+  x.Reset();
+  p_->Release(head_unit_);
+  if (absl::Status s = p_->ReduceGrads(head_unit_); !s.ok()) return s;
+  // Blocks in reverse: re-gather, gradients, reduce-scatter, free.
+  for (int l = L - 1; l >= 0; --l) {
+    const int unit = blocks_[l].q.unit;
+    if (absl::Status s = p_->Gather(unit); !s.ok()) return s;
+    p_->BeginGrads(unit);
+    BlockBackward(l, B, &acts[l], &dx);
+    p_->Release(unit);
+    if (absl::Status s = p_->ReduceGrads(unit); !s.ok()) return s;
+  }
+  // Embedding backward needs only the tokens.
+  p_->BeginGrads(embedding_unit_);
+  be_->EmbeddingBackward(tokens, N, dx.f32(), C_, p_->G(embed_));
+  return p_->ReduceGrads(embedding_unit_);
+}
+
+}  // namespace fsdp8

@@ -1,0 +1,61 @@
+// LlamaModel: the forward and backward of one microbatch of Hugging Face LlamaForCausalLM over
+// fully sharded parameters (FsdpParams), unit by unit:
+//   embedding → L × [x + o_proj(attn(rope(q(n1)), rope(k(n1)), v(n1))), n1 = RMSNorm(x);
+//                    h + down(silu(gate(n2)) * up(n2)), n2 = RMSNorm(h)]
+//   → final RMSNorm → lm_head → softmax cross-entropy against the next tokens.
+// Forward gathers each unit's weights, computes, frees them; backward re-gathers each block,
+// computes its gradients into full f32 buffers and reduce-scatters them (FsdpParams). The head's
+// forward and backward run back to back (fused cross-entropy), with one gather.
+//
+// Activations are f32 (B, T, C) row-major, N = B * T tokens. FP8 blocks keep their linear inputs
+// as FP8 codes only.
+//
+// Thread-safety: one thread (the trainer's).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "fsdp8/v1/spec.pb.h"
+#include "kernels/backend.h"
+#include "worker/fp8_linear.h"
+#include "worker/fsdp.h"
+
+namespace fsdp8 {
+
+class LlamaModel {
+ public:
+  // spec: defaults applied. Registers the FP8 tensors of every FP8 linear in `scaling` (which the
+  // caller finalises).
+  LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* scaling, Backend* be);
+
+  // One microbatch of B sequences. tokens, targets (B * T) int32 device buffers.
+  // losses (B * T) f32 device buffer receives the per-token losses (nats).
+  // backward: also compute gradients of sum(losses) * grad_scale, reduce-scattered into the
+  // parameters' grad shards (accumulating).
+  absl::Status Run(const int32_t* tokens, const int32_t* targets, int64_t B, float grad_scale,
+                   float* losses, bool backward);
+
+ private:
+  struct Block {
+    v1::Precision prec;
+    TensorRef in_norm, post_norm, q, k, v, o, gate, up, down;
+    Linear lq, lk, lv, lo, lgate, lup, ldown;
+  };
+  struct BlockActs;
+  WeightView View(const TensorRef& t) const;
+  absl::Status BlockForward(int l, int64_t B, DevBuf* x, BlockActs* acts);
+  void BlockBackward(int l, int64_t B, BlockActs* acts, DevBuf* dx);
+
+  Backend* be_;
+  FsdpParams* p_;
+  int64_t C_, H_, Hkv_, D_, F_, V_, T_;
+  float eps_, theta_;
+  TensorRef embed_, final_norm_, head_;
+  Linear lhead_;
+  std::vector<Block> blocks_;
+  int embedding_unit_ = 0, head_unit_ = 0;
+};
+
+}  // namespace fsdp8

@@ -1,0 +1,240 @@
+#include "worker/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "common/spec.h"
+#include "common/token_shard.h"
+
+namespace fsdp8 {
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+const char* FormatName(bool e5m2) { return e5m2 ? "E5M2" : "E4M3"; }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec_in, int rank,
+                                                         int world_size, Backend* backend,
+                                                         Communicator* comm) {
+  std::unique_ptr<Trainer> t(new Trainer());
+  t->spec_ = WithDefaults(spec_in, world_size);
+  const v1::JobSpec& spec = t->spec_;
+  t->rank_ = rank;
+  t->world_ = world_size;
+  t->be_ = backend;
+  t->comm_ = comm;
+  if (comm->world_size() != world_size || comm->rank() != rank) {
+    return absl::InvalidArgumentError(absl::StrCat("communicator is rank ", comm->rank(), " of ",
+                                                   comm->world_size(), ", trainer rank ", rank,
+                                                   " of ", world_size));
+  }
+  const v1::TrainingSpec& tr = spec.training();
+  if (tr.global_batch() <= 0 || tr.microbatch() <= 0 ||
+      tr.global_batch() % (world_size * tr.microbatch()) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "training.global_batch: must be divisible by world_size x training.microbatch (",
+        tr.global_batch(), " % (", world_size, " x ", tr.microbatch(), ") != 0)"));
+  }
+  if (spec.precision().embedding() == v1::PRECISION_FP8) {
+    return absl::InvalidArgumentError("precision.embedding: must be BF16 or FP32 (a lookup has no GEMM)");
+  }
+  t->local_batch_ = LocalBatch(spec, world_size);
+  t->micro_ = tr.microbatch();
+  t->microbatches_ = Microbatches(spec, world_size);
+  absl::StatusOr<ShardPlan> plan = MakeShardPlan(spec, world_size);
+  if (!plan.ok()) return plan.status();
+  t->plan_ = std::move(*plan);
+
+  const int T = spec.model().seq_len();
+  const int V = spec.model().vocab_size();
+  absl::StatusOr<TokenData> train = TokenData::Load(spec.data().train_path(), T, V);
+  if (!train.ok()) {
+    return absl::Status(train.status().code(),
+                        absl::StrCat("data.train_path: ", train.status().message()));
+  }
+  t->train_ = std::make_unique<TokenData>(std::move(*train));
+  if (!spec.data().val_path().empty()) {
+    absl::StatusOr<TokenData> val = TokenData::Load(spec.data().val_path(), T, V);
+    if (!val.ok()) {
+      return absl::Status(val.status().code(),
+                          absl::StrCat("data.val_path: ", val.status().message()));
+    }
+    t->val_ = std::make_unique<TokenData>(std::move(*val));
+  }
+
+  t->params_ = std::make_unique<FsdpParams>(t->plan_, rank, tr.seed(), backend, comm, &t->clock_);
+  t->scaling_ = std::make_unique<ActScaling>(backend, spec.precision().fp8());
+  t->model_ = std::make_unique<LlamaModel>(spec, t->params_.get(), t->scaling_.get(), backend);
+  t->scaling_->Finalize();
+  if (absl::Status s = t->params_->CastWeights(); !s.ok()) return s;
+  return t;
+}
+
+double Trainer::LearningRate(int64_t k) const {
+  const v1::OptimizerSpec& o = spec_.optimizer();
+  const double peak = o.peak_lr();
+  const int64_t warm = o.warmup_steps();
+  const int64_t total = spec_.training().steps();
+  if (k < warm) return peak * static_cast<double>(k + 1) / static_cast<double>(warm);
+  const double floor = o.min_lr_ratio() * peak;
+  const int64_t span = total - warm;
+  if (span <= 0) return floor;
+  const double progress = std::min(1.0, static_cast<double>(k - warm) / static_cast<double>(span));
+  return floor + (peak - floor) * 0.5 * (1.0 + std::cos(M_PI * progress));
+}
+
+absl::StatusOr<double> Trainer::RunBatch(const TokenData& data, int64_t step, uint64_t stream,
+                                         bool backward) {
+  const int T = spec_.model().seq_len();
+  const int64_t n = static_cast<int64_t>(micro_) * T;
+  const float grad_scale =
+      1.0f / static_cast<float>(static_cast<int64_t>(spec_.training().global_batch()) * T);
+  std::vector<int32_t> in(n), tg(n);
+  std::vector<float> host_losses(static_cast<size_t>(local_batch_) * T);
+  DevBuf d_in(be_, n * 4), d_tg(be_, n * 4);
+  DevBuf losses(be_, host_losses.size() * sizeof(float));
+  for (int mb = 0; mb < microbatches_; ++mb) {
+    const int64_t first = static_cast<int64_t>(rank_) * local_batch_ + mb * micro_;
+    data.Batch(spec_.training().seed(), step, first, micro_, stream, in.data(), tg.data());
+    be_->CopyToDevice(d_in.get(), in.data(), n * 4);
+    be_->CopyToDevice(d_tg.get(), tg.data(), n * 4);
+    absl::Status s = model_->Run(d_in.i32(), d_tg.i32(), micro_, grad_scale,
+                                 losses.f32() + mb * n, backward);
+    if (!s.ok()) return s;
+  }
+  be_->CopyToHost(host_losses.data(), losses.get(), host_losses.size() * sizeof(float));
+  double sum = 0;
+  for (float l : host_losses) sum += l;
+  return sum;
+}
+
+absl::StatusOr<double> Trainer::GlobalSum(double local) {
+  // Sent as f32 hi + lo parts so the all-reduce keeps ~48 bits of the double.
+  float parts[2];
+  parts[0] = static_cast<float>(local);
+  parts[1] = static_cast<float>(local - static_cast<double>(parts[0]));
+  DevBuf d(be_, sizeof(parts));
+  be_->CopyToDevice(d.get(), parts, sizeof(parts));
+  const double t0 = Now();
+  absl::Status s = comm_->AllReduce(d.f32(), 2, ReduceOp::kSum);
+  clock_.seconds += Now() - t0;
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat("loss all-reduce: ", s.message()));
+  be_->CopyToHost(parts, d.get(), sizeof(parts));
+  return static_cast<double>(parts[0]) + static_cast<double>(parts[1]);
+}
+
+absl::StatusOr<double> Trainer::ForwardBackward(int64_t step) {
+  params_->ZeroGrads();
+  scaling_->BeginStep();
+  scaling_->set_recording(true);
+  absl::StatusOr<double> local = RunBatch(*train_, step, kTrainStream, true);
+  if (!local.ok()) return local.status();
+  absl::StatusOr<double> total = GlobalSum(*local);
+  if (!total.ok()) return total.status();
+  return *total / (static_cast<double>(spec_.training().global_batch()) * spec_.model().seq_len());
+}
+
+absl::StatusOr<double> Trainer::ForwardLoss(int64_t step) {
+  scaling_->set_recording(false);
+  absl::StatusOr<double> local = RunBatch(*train_, step, kTrainStream, false);
+  scaling_->set_recording(true);
+  if (!local.ok()) return local.status();
+  absl::StatusOr<double> total = GlobalSum(*local);
+  if (!total.ok()) return total.status();
+  return *total / (static_cast<double>(spec_.training().global_batch()) * spec_.model().seq_len());
+}
+
+absl::StatusOr<double> Trainer::Evaluate() {
+  if (!val_) return std::numeric_limits<double>::quiet_NaN();
+  scaling_->set_recording(false);
+  double local = 0;
+  const int nb = spec_.training().eval_batches();
+  for (int j = 0; j < nb; ++j) {
+    absl::StatusOr<double> l = RunBatch(*val_, j, kValidationStream, false);
+    if (!l.ok()) {
+      scaling_->set_recording(true);
+      return l.status();
+    }
+    local += *l;
+  }
+  scaling_->set_recording(true);
+  absl::StatusOr<double> total = GlobalSum(local);
+  if (!total.ok()) return total.status();
+  return *total / (static_cast<double>(nb) * spec_.training().global_batch() *
+                   spec_.model().seq_len());
+}
+
+absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool report_scaling) {
+  const double t0 = Now();
+  clock_.seconds = 0;
+  be_->ResetPeak();
+  params_->ZeroGrads();
+  scaling_->BeginStep();
+  scaling_->set_recording(true);
+  absl::StatusOr<double> loss_sum = RunBatch(*train_, step, kTrainStream, true);
+  if (!loss_sum.ok()) return loss_sum.status();
+  // Step 5: one fused amax all-reduce; identical delayed-scaling updates on every rank.
+  if (absl::Status s = scaling_->EndStep(comm_, &clock_); !s.ok()) return s;
+  // Step 6: global grad norm, clipping, AdamW, next step's FP8 weight shards.
+  absl::StatusOr<double> sq = params_->GlobalGradSquaredNorm();
+  if (!sq.ok()) return sq.status();
+  const double norm = std::sqrt(*sq);
+  const v1::OptimizerSpec& o = spec_.optimizer();
+  double clip = 1.0;
+  if (o.grad_clip() > 0) clip = std::min(1.0, o.grad_clip() / (norm + 1e-6));
+  const double lr = LearningRate(step);
+  params_->AdamW(static_cast<float>(lr), static_cast<float>(o.beta1()),
+                 static_cast<float>(o.beta2()), static_cast<float>(o.eps()),
+                 static_cast<float>(o.weight_decay()), step + 1, static_cast<float>(clip));
+  if (absl::Status s = params_->CastWeights(); !s.ok()) return s;
+  last_step_ = step;
+
+  v1::StepResult r;
+  r.set_step(step);
+  r.set_loss_sum(*loss_sum);
+  r.set_tokens(static_cast<int64_t>(local_batch_) * spec_.model().seq_len());
+  r.set_grad_norm(norm);
+  r.set_lr(lr);
+  r.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+  if (evaluate) {
+    absl::StatusOr<double> v = Evaluate();
+    if (!v.ok()) return v.status();
+    r.set_val_loss(*v);
+  }
+  const double wall = Now() - t0;
+  r.set_comm_seconds(clock_.seconds);
+  r.set_compute_seconds(std::max(0.0, wall - clock_.seconds));
+  r.set_peak_memory_bytes(be_->PeakAllocatedBytes());
+  if (report_scaling) *r.mutable_scaling() = ScalingReport();
+  return r;
+}
+
+v1::ScalingState Trainer::ScalingReport() const {
+  v1::ScalingState out;
+  out.set_step(last_step_);
+  for (const WeightScaling& w : params_->weight_scaling()) {
+    v1::TensorScaling* t = out.add_tensors();
+    t->set_name(w.name);
+    t->set_format("E4M3");
+    t->set_scale(w.scale);
+    t->set_scale_inv(w.scale_inv);
+    t->add_amax_history(w.amax);
+  }
+  for (const ScalingState& s : scaling_->states()) {
+    v1::TensorScaling* t = out.add_tensors();
+    t->set_name(s.name);
+    t->set_format(FormatName(s.e5m2));
+    t->set_scale(s.scale);
+    t->set_scale_inv(s.scale_inv);
+    for (float a : s.history) t->add_amax_history(a);
+  }
+  return out;
+}
+
+}  // namespace fsdp8

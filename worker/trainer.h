@@ -1,0 +1,90 @@
+// Trainer: one rank's part of a training job — the optimizer step of ARCHITECTURE.md "One
+// training step" over fully sharded parameters, FP8 scaling, the data rule and evaluation.
+//
+// Step k: rank r trains on global indices [r * LocalBatch, (r + 1) * LocalBatch) of step k's
+// global batch, split into Microbatches() microbatches; gradients are those of the mean loss over
+// the whole global batch (so 1, 2 or 3 ranks do the same math up to the order of f32 sums); then
+// one fused amax all-reduce and the delayed-scaling update, the global grad norm and clipping,
+// AdamW on the master shards with the warmup + cosine LR, and the FP8 cast of the next step's
+// weight shards.
+//
+// The trainer touches tensors only through Backend (device pointers); per step it copies to the
+// host the amaxes, the per-token losses and the grad norm.
+//
+// Errors: collective failures and data errors are returned as Status (the trainer is unusable
+// after a failed step); broken invariants abort.
+// Thread-safety: one thread at a time.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/shard_plan.h"
+#include "fsdp8/v1/admin.pb.h"
+#include "fsdp8/v1/spec.pb.h"
+#include "fsdp8/v1/worker.pb.h"
+#include "kernels/backend.h"
+#include "worker/communicator.h"
+#include "worker/data.h"
+#include "worker/fp8_linear.h"
+#include "worker/fsdp.h"
+#include "worker/model.h"
+
+namespace fsdp8 {
+
+class Trainer {
+ public:
+  // spec: the job spec (defaults are applied here). backend and comm must outlive the trainer.
+  // INVALID_ARGUMENT for specs the worker cannot run, NOT_FOUND for missing data files; may run
+  // collectives (the initial FP8 weight cast), so every rank must call it.
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const v1::JobSpec& spec, int rank,
+                                                         int world_size, Backend* backend,
+                                                         Communicator* comm);
+
+  // Runs optimizer step `step` (0-based); evaluates afterwards when `evaluate`.
+  absl::StatusOr<v1::StepResult> Step(int64_t step, bool evaluate, bool report_scaling);
+  // Mean validation loss over eval_batches x global_batch sequences (identical on every rank);
+  // NaN without a validation file.
+  absl::StatusOr<double> Evaluate();
+
+  // The learning rate of step k: linear warmup, then cosine to min_lr_ratio * peak.
+  double LearningRate(int64_t step) const;
+  v1::ScalingState ScalingReport() const;
+
+  // ---- for tests and tools ----
+  // Zeroes the grad shards and accumulates the gradients of step k's global mean loss; returns
+  // that loss (global). No optimizer update, no scaling update.
+  absl::StatusOr<double> ForwardBackward(int64_t step);
+  // Global mean training loss of step k's batch under the current weights (forward only).
+  absl::StatusOr<double> ForwardLoss(int64_t step);
+  FsdpParams& params() { return *params_; }
+  const v1::JobSpec& spec() const { return spec_; }
+
+ private:
+  Trainer() = default;
+  // Runs every microbatch of this rank's slice of batch `step` of `stream`; returns this rank's
+  // loss sum (host, double).
+  absl::StatusOr<double> RunBatch(const TokenData& data, int64_t step, uint64_t stream,
+                                  bool backward);
+  absl::StatusOr<double> GlobalSum(double local);
+
+  v1::JobSpec spec_;
+  int rank_ = 0;
+  int world_ = 1;
+  Backend* be_ = nullptr;
+  Communicator* comm_ = nullptr;
+  ShardPlan plan_;
+  CommClock clock_;
+  std::unique_ptr<FsdpParams> params_;
+  std::unique_ptr<ActScaling> scaling_;
+  std::unique_ptr<LlamaModel> model_;
+  std::unique_ptr<TokenData> train_, val_;
+  int local_batch_ = 0, micro_ = 0, microbatches_ = 0;
+  int64_t last_step_ = -1;
+};
+
+}  // namespace fsdp8
