@@ -34,6 +34,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
                                                    comm->world_size(), ", trainer rank ", rank,
                                                    " of ", world_size));
   }
+  if (absl::Status s = ValidateSpec(spec, world_size, {}, /*check_files=*/false); !s.ok()) return s;
   const v1::TrainingSpec& tr = spec.training();
   if (tr.global_batch() <= 0 || tr.microbatch() <= 0 ||
       tr.global_batch() % (world_size * tr.microbatch()) != 0) {
