@@ -1,5 +1,4 @@
-// AdamW on one flat f32 shard (Backend: AdamW). The bias corrections 1 - beta^t are computed by
-// the caller in double and passed as f32.
+// AdamW on one flat f32 shard (Backend: AdamW).
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_check.h"
@@ -18,31 +17,36 @@ int Blocks(int64_t n) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
 
-// torch.optim.AdamW, one flat shard (see backend.h). bc1 = 1 - beta1^t, bc2 = 1 - beta2^t.
+// torch.optim.AdamW single-tensor path, with the scalars precomputed by the host in double:
+//   p *= decay (= 1 - lr*wd);  m.lerp_(g', w1 = 1-b1);  v = v*b2 + w2*g'^2 (w2 = 1-b2);
+//   p -= step_size * m / (sqrt(v) / bc2_sqrt + eps),  step_size = lr / (1-b1^t),
+//   bc2_sqrt = sqrt(1-b2^t), g' = g * grad_scale. The _rn intrinsics keep the compiler from
+//   contracting into FMAs, so each operation rounds as the CPU reference's does.
 __global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                            float* __restrict__ v, int64_t n, float lr, float beta1, float beta2,
-                            float eps, float weight_decay, float bc1, float bc2, float grad_scale) {
+                            float* __restrict__ v, int64_t n, float decay, float beta2, float w1,
+                            float w2, float step_size, float bc2_sqrt, float eps, float grad_scale) {
   FSDP8_GRID_STRIDE(i, n) {
-    float pi = p[i];
-    pi -= lr * weight_decay * pi;
-    const float gi = g[i] * grad_scale;
-    const float mi = beta1 * m[i] + (1.0f - beta1) * gi;
-    const float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
+    const float gi = __fmul_rn(g[i], grad_scale);
+    const float pi = __fmul_rn(p[i], decay);
+    float mi = m[i];
+    mi = w1 < 0.5f ? __fadd_rn(mi, __fmul_rn(w1, __fsub_rn(gi, mi)))
+                   : __fsub_rn(gi, __fmul_rn(__fsub_rn(gi, mi), __fsub_rn(1.0f, w1)));
+    const float vi = __fadd_rn(__fmul_rn(v[i], beta2), __fmul_rn(__fmul_rn(w2, gi), gi));
     m[i] = mi;
     v[i] = vi;
-    pi -= lr * (mi / bc1) / (sqrtf(vi / bc2) + eps);
-    p[i] = pi;
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
+    p[i] = __fsub_rn(pi, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
   }
 }
 
 }  // namespace
 
-void LaunchAdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
-                 float beta2, float eps, float weight_decay, float bc1, float bc2,
+void LaunchAdamW(float* p, const float* g, float* m, float* v, int64_t n, float decay,
+                 float beta2, float w1, float w2, float step_size, float bc2_sqrt, float eps,
                  float grad_scale, cudaStream_t stream) {
   if (n <= 0) return;
-  AdamWKernel<<<Blocks(n), kThreads, 0, stream>>>(p, g, m, v, n, lr, beta1, beta2, eps,
-                                                  weight_decay, bc1, bc2, grad_scale);
+  AdamWKernel<<<Blocks(n), kThreads, 0, stream>>>(p, g, m, v, n, decay, beta2, w1, w2, step_size,
+                                                  bc2_sqrt, eps, grad_scale);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 

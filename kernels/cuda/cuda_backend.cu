@@ -405,8 +405,13 @@ void CudaBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n,
   FSDP8_CUDA_REQUIRE(step >= 1, "AdamW step must be >= 1");
   const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
-  cuda::LaunchAdamW(p, g, m, v, n, lr, beta1, beta2, eps, weight_decay, static_cast<float>(bc1),
-                    static_cast<float>(bc2), grad_scale, stream_);
+  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
+  const float w1 = static_cast<float>(1.0 - beta1);
+  const float w2 = static_cast<float>(1.0 - beta2);
+  const float step_size = static_cast<float>(lr / bc1);
+  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  cuda::LaunchAdamW(p, g, m, v, n, decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale,
+                    stream_);
 }
 
 // ---- factory -------------------------------------------------------------------------------------

@@ -93,9 +93,10 @@ void LaunchCrossEntropy(float* logits, const int32_t* targets, int64_t N, int64_
                         float grad_scale, float* losses, cudaStream_t stream);
 
 // ---- adamw.cu --------------------------------------------------------------------------------
-// bc1 = 1 - beta1^t, bc2 = 1 - beta2^t (computed by the caller in double).
-void LaunchAdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
-                 float beta2, float eps, float weight_decay, float bc1, float bc2,
+// Scalars precomputed by the caller in double (see adamw.cu): decay = 1 - lr*wd, w1 = 1 - beta1,
+// w2 = 1 - beta2, step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t).
+void LaunchAdamW(float* p, const float* g, float* m, float* v, int64_t n, float decay,
+                 float beta2, float w1, float w2, float step_size, float bc2_sqrt, float eps,
                  float grad_scale, cudaStream_t stream);
 
 }  // namespace fsdp8::cuda

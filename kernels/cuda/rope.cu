@@ -1,7 +1,9 @@
 // Rotary position embedding, HF rotate_half convention (Backend: RopeForward, RopeBackward).
 //   x (B, T, H, D), pairs (x[i], x[i + D/2]) for i in [0, D/2), position t:
 //   angle = t * theta^(-2i/D); forward rotates by +angle, backward by -angle (inverse rotation).
-// cos/sin are tabulated once per (T, D, theta) in double precision and rounded to f32.
+// cos/sin are tabulated once per (T, D, theta) as Hugging Face (and the CPU reference) computes
+// them: inv_freq_i = f32(1 / theta^(2i/D)) (in double), angle = f32(t) * inv_freq_i in f32, and
+// cos/sin of that f32 angle evaluated in double, rounded to f32.
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_check.h"
@@ -19,8 +21,10 @@ __global__ void RopeTableKernel(int64_t T, int64_t D, float theta, float2* __res
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= T * half) return;
   const int64_t t = idx / half, i = idx % half;
-  const double inv_freq = pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(D));
-  const double a = static_cast<double>(t) * inv_freq;
+  const float inv_freq = static_cast<float>(
+      1.0 / pow(static_cast<double>(theta), static_cast<double>(2 * i) / static_cast<double>(D)));
+  const float angle = __fmul_rn(static_cast<float>(t), inv_freq);
+  const double a = static_cast<double>(angle);
   table[idx] = make_float2(static_cast<float>(cos(a)), static_cast<float>(sin(a)));
 }
 

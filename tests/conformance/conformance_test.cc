@@ -1,0 +1,697 @@
+// Conformance: every Backend op (kernels/backend.h) on every available backend against the CPU
+// reference backend.
+//
+// For each op and shape: fresh random inputs (the seed comes from the clock unless
+// FSDP8_CONFORMANCE_SEED is set, and is printed), outputs poisoned with 0xFF bytes (a NaN in f32)
+// before the op runs, the op run on the backend under test and on a separate CPU reference, the
+// results compared with the op's tolerance, and one line per op and backend printed:
+//   op <name> backend <b> max_rel_err <x>
+// max_rel_err is normwise: max_i |out_i - ref_i| / max_i |ref_i| (0 when both are all zero; NaNs
+// must sit at the same positions). Exact-bit ops (casts, transposes, pack/unpack, dequantize,
+// amax, embedding forward) must match bit for bit. Every op runs twice on the backend under test
+// and the two results must be the same bits (determinism).
+//
+// Tolerances (u = 2^-24, the f32 unit roundoff). For a sum of K terms computed in two different
+// orders, the classical bound is |error| <= K u sum|terms| per order (Higham, "Accuracy and
+// Stability of Numerical Algorithms", 2nd ed., eq. 3.5); normwise against max|result| and with
+// both orders counted this is <= 2 K u (sum|terms| / max|result|). With the zero-mean inputs
+// drawn here sum|terms| / |result| grows like sqrt(K) in the worst rows, and the observed error
+// grows like sqrt(K) u, so the bound we use is
+//   tol(K) = 2 K u * kSafety,   kSafety = 4   (sum order, transcendental ulps, one rounding of the
+//                                               scale product)
+// i.e. ~ K * 4.8e-7. The ops then take:
+//   GEMM (f32, bf16 inputs, FP8)     tol(K)      (bf16/FP8 products are exact in f32, so only the
+//                                                 summation order differs)
+//   RMSNorm fwd / dx                 tol(C); dw  tol(N)
+//   attention fwd / bwd              tol(T + D) * 4  (two chained reductions and exp/log)
+//   cross-entropy                    tol(V)
+//   SwiGLU, RoPE, AdamW, Axpy, Add   64 u        (a few roundings and one exp/sin of <= 2 ulp)
+//   SumSquares                       tol(1)      (both accumulate in double, one final rounding)
+//   embedding backward               tol(N)      (same order on both backends: usually exact)
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "kernels/backend.h"
+
+namespace fsdp8 {
+namespace {
+
+constexpr double kU = 1.0 / (1 << 24);
+double Tol(double K) { return 2.0 * K * kU * 4.0; }
+constexpr double kEltTol = 64 * kU;
+
+uint64_t Seed() {
+  static const uint64_t seed = [] {
+    const char* env = std::getenv("FSDP8_CONFORMANCE_SEED");
+    uint64_t s = env != nullptr ? std::strtoull(env, nullptr, 10)
+                                : static_cast<uint64_t>(
+                                      std::chrono::steady_clock::now().time_since_epoch().count());
+    std::printf("conformance seed %llu (set FSDP8_CONFORMANCE_SEED to repeat)\n",
+                static_cast<unsigned long long>(s));
+    return s;
+  }();
+  return seed;
+}
+
+std::mt19937_64& Rng() {
+  static std::mt19937_64 rng(Seed());
+  return rng;
+}
+
+std::vector<float> Randn(int64_t n, float scale = 1.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) x = d(Rng());
+  return v;
+}
+
+std::vector<float> Uniform(int64_t n, float lo, float hi) {
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) x = d(Rng());
+  return v;
+}
+
+std::vector<int32_t> Tokens(int64_t n, int32_t V) {
+  std::uniform_int_distribution<int32_t> d(0, V - 1);
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  for (auto& x : v) x = d(Rng());
+  return v;
+}
+
+// FP8 codes: every code except NaNs (and E5M2 infinities), so GEMM inputs stay finite.
+std::vector<uint8_t> Fp8Codes(int64_t n, Fp8Format fmt) {
+  std::uniform_int_distribution<int> d(0, 255);
+  std::vector<uint8_t> v(static_cast<size_t>(n));
+  for (auto& c : v) {
+    while (true) {
+      c = static_cast<uint8_t>(d(Rng()));
+      const uint8_t a = c & 0x7F;
+      if (fmt == Fp8Format::kE4M3 ? a != 0x7F : a < 0x7C) break;
+    }
+  }
+  return v;
+}
+
+// One output buffer brought back to the host.
+struct Output {
+  std::string name;
+  bool is_f32 = true;  // else compared as bytes
+  std::vector<uint8_t> bytes;
+};
+using Outputs = std::vector<Output>;
+
+// Device allocations of one run on one backend; frees on destruction.
+class DevRun {
+ public:
+  explicit DevRun(Backend* b) : b_(b) {}
+  ~DevRun() {
+    for (void* p : ptrs_) b_->Free(p);
+  }
+  template <typename T>
+  T* In(const std::vector<T>& host) {
+    T* p = static_cast<T*>(Alloc(sizeof(T) * host.size()));
+    if (!host.empty()) b_->CopyToDevice(p, host.data(), sizeof(T) * host.size());
+    return p;
+  }
+  // Output buffer poisoned with 0xFF bytes (NaN in f32).
+  template <typename T>
+  T* Out(int64_t n) {
+    T* p = static_cast<T*>(Alloc(sizeof(T) * n));
+    b_->Memset(p, 0xFF, sizeof(T) * n);
+    return p;
+  }
+  template <typename T>
+  void Get(Outputs* outs, const std::string& name, const T* p, int64_t n, bool is_f32) {
+    Output o;
+    o.name = name;
+    o.is_f32 = is_f32;
+    o.bytes.resize(sizeof(T) * n);
+    b_->CopyToHost(o.bytes.data(), p, o.bytes.size());
+    outs->push_back(std::move(o));
+  }
+  void F32(Outputs* outs, const std::string& name, const float* p, int64_t n) { Get(outs, name, p, n, true); }
+  template <typename T>
+  void Bytes(Outputs* outs, const std::string& name, const T* p, int64_t n) { Get(outs, name, p, n, false); }
+  Backend* b() { return b_; }
+
+ private:
+  void* Alloc(size_t bytes) {
+    void* p = b_->Alloc(bytes == 0 ? 4 : bytes);
+    EXPECT_NE(p, nullptr);
+    ptrs_.push_back(p);
+    return p;
+  }
+  Backend* b_;
+  std::vector<void*> ptrs_;
+};
+
+using OpFn = std::function<Outputs(DevRun&)>;
+
+// Normwise relative error of `got` against `ref` (f32), with NaN positions required to agree.
+double MaxRelErr(const Output& got, const Output& ref, std::string* why) {
+  const size_t n = ref.bytes.size() / 4;
+  const float* g = reinterpret_cast<const float*>(got.bytes.data());
+  const float* r = reinterpret_cast<const float*>(ref.bytes.data());
+  double maxref = 0.0, maxdiff = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    const bool gn = std::isnan(g[i]), rn = std::isnan(r[i]);
+    if (gn || rn) {
+      if (gn != rn) {
+        *why = got.name + "[" + std::to_string(i) + "] = " + std::to_string(g[i]) + ", reference " +
+               std::to_string(r[i]);
+        return INFINITY;
+      }
+      continue;
+    }
+    if (std::isinf(r[i]) || std::isinf(g[i])) {
+      if (g[i] != r[i]) {
+        *why = got.name + "[" + std::to_string(i) + "] infinity mismatch";
+        return INFINITY;
+      }
+      continue;
+    }
+    maxref = std::max(maxref, std::fabs(static_cast<double>(r[i])));
+    maxdiff = std::max(maxdiff, std::fabs(static_cast<double>(g[i]) - r[i]));
+  }
+  if (maxdiff == 0.0) return 0.0;
+  return maxref > 0.0 ? maxdiff / maxref : INFINITY;
+}
+
+// Bytes equal, with any NaN f32 equal to any NaN when is_f32.
+bool SameBits(const Output& a, const Output& b, size_t* first_diff) {
+  if (a.bytes.size() != b.bytes.size()) {
+    *first_diff = 0;
+    return false;
+  }
+  if (!a.is_f32) {
+    for (size_t i = 0; i < a.bytes.size(); ++i) {
+      if (a.bytes[i] != b.bytes[i]) {
+        *first_diff = i;
+        return false;
+      }
+    }
+    return true;
+  }
+  const uint32_t* x = reinterpret_cast<const uint32_t*>(a.bytes.data());
+  const uint32_t* y = reinterpret_cast<const uint32_t*>(b.bytes.data());
+  for (size_t i = 0; i < a.bytes.size() / 4; ++i) {
+    const bool xn = (x[i] & 0x7FFFFFFFu) > 0x7F800000u, yn = (y[i] & 0x7FFFFFFFu) > 0x7F800000u;
+    if (xn && yn) continue;
+    if (x[i] != y[i]) {
+      *first_diff = i;
+      return false;
+    }
+  }
+  return true;
+}
+
+class Conformance : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    std::string err;
+    ref_ = CreateBackend("cpu", 0, &err);
+    ASSERT_NE(ref_, nullptr) << err;
+    const char* dev = std::getenv("FSDP8_CONFORMANCE_DEVICE");
+    dut_ = CreateBackend(GetParam(), dev != nullptr ? std::atoi(dev) : 0, &err);
+    if (dut_ == nullptr) GTEST_SKIP() << "backend '" << GetParam() << "' unavailable: " << err;
+  }
+
+  // Runs `fn` on the reference and twice on the backend under test and compares.
+  // tol < 0: exact bits required.
+  void Check(const std::string& op, double tol, const OpFn& fn) {
+    Outputs ref, a, b;
+    {
+      DevRun r(ref_.get());
+      ref = fn(r);
+    }
+    {
+      DevRun r(dut_.get());
+      a = fn(r);
+    }
+    {
+      DevRun r(dut_.get());
+      b = fn(r);
+    }
+    ASSERT_EQ(ref.size(), a.size());
+    double worst = 0.0;
+    for (size_t k = 0; k < ref.size(); ++k) {
+      size_t diff = 0;
+      EXPECT_TRUE(SameBits(a[k], b[k], &diff))
+          << op << " " << a[k].name << " on " << GetParam() << " is not deterministic (first difference at "
+          << diff << ")";
+      if (tol < 0 || !ref[k].is_f32) {
+        const bool same = SameBits(a[k], ref[k], &diff);
+        EXPECT_TRUE(same) << op << " " << a[k].name << " on " << GetParam()
+                          << " differs from the CPU reference in bits (first at element/byte " << diff << ")";
+        if (!same) worst = INFINITY;
+        continue;
+      }
+      std::string why;
+      const double e = MaxRelErr(a[k], ref[k], &why);
+      EXPECT_LE(e, tol) << op << " " << a[k].name << " on " << GetParam() << ": max_rel_err " << e
+                        << " > tolerance " << tol << (why.empty() ? "" : " (" + why + ")");
+      worst = std::max(worst, e);
+    }
+    std::printf("op %s backend %s max_rel_err %.3g%s\n", op.c_str(), GetParam().c_str(), worst,
+                tol < 0 ? " (exact)" : "");
+  }
+
+  std::unique_ptr<Backend> ref_, dut_;
+};
+
+const Fp8Format kFormats[] = {Fp8Format::kE4M3, Fp8Format::kE5M2};
+const char* FmtName(Fp8Format f) { return f == Fp8Format::kE4M3 ? "e4m3" : "e5m2"; }
+
+// Inputs spanning the FP8 ranges: normals, subnormals, values that saturate, specials.
+std::vector<float> CastInputs(int64_t n) {
+  std::vector<float> v = Randn(n, 1.0f);
+  std::uniform_real_distribution<float> e(-24.0f, 18.0f);
+  for (size_t i = 0; i < v.size(); ++i) v[i] *= std::exp2(e(Rng()));
+  const float specials[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 448.0f, 464.0f, 57344.0f, 61440.0f,
+                            1e-9f, std::exp2(-10.0f), std::exp2(-17.0f), 3e38f};
+  for (size_t i = 0; i < sizeof(specials) / sizeof(specials[0]) && i < v.size(); ++i) v[i * 7 % v.size()] = specials[i];
+  return v;
+}
+
+TEST_P(Conformance, CastToFp8) {
+  for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{4099}, int64_t{1} << 20}) {
+    for (Fp8Format fmt : kFormats) {
+      const auto x = CastInputs(n);
+      const std::vector<float> scale = {std::exp2(static_cast<float>(Rng()() % 8) - 2.0f) * 1.37f};
+      Check(std::string("CastToFp8/") + FmtName(fmt) + "/" + std::to_string(n), -1, [&](DevRun& r) {
+        Outputs o;
+        const float* in = r.In(x);
+        uint8_t* out = r.Out<uint8_t>(n);
+        float* amax = r.In(std::vector<float>{0.5f});
+        r.b()->CastToFp8(in, out, n, r.In(scale), fmt, amax);
+        r.Bytes(&o, "out", out, n);
+        r.Bytes(&o, "amax", amax, 1);
+        return o;
+      });
+    }
+  }
+}
+
+TEST_P(Conformance, CastTransposeFp8) {
+  const int64_t shapes[][2] = {{1, 1}, {37, 129}, {64, 64}, {128, 2048}, {257, 96}, {1000, 37}};
+  for (auto& s : shapes) {
+    const int64_t rows = s[0], cols = s[1];
+    for (Fp8Format fmt : kFormats) {
+      auto x = Randn(rows * cols, 3.0f);
+      x[static_cast<size_t>(rows * cols / 2)] = 1e6f;  // saturates
+      const std::vector<float> scale = {20.0f};
+      Check(std::string("CastTransposeFp8/") + FmtName(fmt) + "/" + std::to_string(rows) + "x" + std::to_string(cols), -1,
+            [&](DevRun& r) {
+              Outputs o;
+              uint8_t* out = r.Out<uint8_t>(rows * cols);
+              uint8_t* out_t = r.Out<uint8_t>(rows * cols);
+              float* amax = r.In(std::vector<float>{0.0f});
+              r.b()->CastTransposeFp8(r.In(x), rows, cols, r.In(scale), fmt, out, out_t, amax);
+              r.Bytes(&o, "out", out, rows * cols);
+              r.Bytes(&o, "out_t", out_t, rows * cols);
+              r.Bytes(&o, "amax", amax, 1);
+              // Transposed only, no amax.
+              uint8_t* out_t2 = r.Out<uint8_t>(rows * cols);
+              r.b()->CastTransposeFp8(r.In(x), rows, cols, r.In(scale), fmt, nullptr, out_t2, nullptr);
+              r.Bytes(&o, "out_t_only", out_t2, rows * cols);
+              return o;
+            });
+    }
+  }
+}
+
+TEST_P(Conformance, TransposeBytes) {
+  const int64_t shapes[][2] = {{1, 7}, {37, 129}, {64, 128}, {2048, 5632 / 4}};
+  for (auto& s : shapes) {
+    const int64_t rows = s[0], cols = s[1];
+    const auto x = Fp8Codes(rows * cols, Fp8Format::kE5M2);
+    Check("TransposeBytes/" + std::to_string(rows) + "x" + std::to_string(cols), -1, [&](DevRun& r) {
+      Outputs o;
+      uint8_t* out = r.Out<uint8_t>(rows * cols);
+      r.b()->TransposeBytes(r.In(x), rows, cols, out);
+      r.Bytes(&o, "out", out, rows * cols);
+      return o;
+    });
+  }
+}
+
+TEST_P(Conformance, DequantizeFp8) {
+  for (Fp8Format fmt : kFormats) {
+    std::vector<uint8_t> codes(256 * 5);
+    for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>(i);
+    const std::vector<float> sinv = {0.0625f};
+    Check(std::string("DequantizeFp8/") + FmtName(fmt), -1, [&](DevRun& r) {
+      Outputs o;
+      const int64_t n = static_cast<int64_t>(codes.size());
+      float* out = r.Out<float>(n);
+      r.b()->DequantizeFp8(r.In(codes), out, n, r.In(sinv), fmt);
+      r.F32(&o, "out", out, n);
+      return o;
+    });
+  }
+}
+
+TEST_P(Conformance, AmaxAccumulate) {
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{129}, int64_t{1} << 20}) {
+    auto x = Randn(n, 2.0f);
+    Check("AmaxAccumulate/" + std::to_string(n), -1, [&](DevRun& r) {
+      Outputs o;
+      float* amax = r.In(std::vector<float>{0.25f});
+      r.b()->AmaxAccumulate(r.In(x), n, amax);
+      r.Bytes(&o, "amax", amax, 1);
+      return o;
+    });
+  }
+  std::vector<float> with_nan = Randn(1000);
+  with_nan[500] = NAN;
+  Check("AmaxAccumulate/nan", 0.0, [&](DevRun& r) {
+    Outputs o;
+    float* amax = r.In(std::vector<float>{0.0f});
+    r.b()->AmaxAccumulate(r.In(with_nan), 1000, amax);
+    r.F32(&o, "amax", amax, 1);
+    return o;
+  });
+}
+
+TEST_P(Conformance, Bf16) {
+  for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{100003}}) {
+    auto x = CastInputs(n);
+    Check("RoundToBf16/" + std::to_string(n), -1, [&](DevRun& r) {
+      Outputs o;
+      float* p = r.In(x);
+      r.b()->RoundToBf16(p, n);
+      r.F32(&o, "x", p, n);
+      return o;
+    });
+    Check("PackUnpackBf16/" + std::to_string(n), -1, [&](DevRun& r) {
+      Outputs o;
+      uint16_t* packed = r.Out<uint16_t>(n);
+      float* un = r.Out<float>(n);
+      r.b()->PackBf16(r.In(x), packed, n);
+      r.b()->UnpackBf16(packed, un, n);
+      r.Bytes(&o, "packed", packed, n);
+      r.F32(&o, "unpacked", un, n);
+      return o;
+    });
+  }
+}
+
+TEST_P(Conformance, GemmFp8) {
+  struct S { int64_t M, N, K; };
+  const S shapes[] = {{1, 1, 1}, {37, 129, 16}, {33, 17, 37}, {128, 256, 512}, {256, 2048, 2048},
+                      {512, 5632, 2048}, {512, 2048, 5632}};
+  const Fp8Format pairs[][2] = {{Fp8Format::kE4M3, Fp8Format::kE4M3},
+                                {Fp8Format::kE5M2, Fp8Format::kE4M3},
+                                {Fp8Format::kE4M3, Fp8Format::kE5M2}};
+  for (const S& s : shapes) {
+    for (auto& f : pairs) {
+      // Codes limited to |v| <= 2^4 so that sums of K products stay far from overflow.
+      auto codes = [&](int64_t n, Fp8Format fmt) {
+        auto c = Fp8Codes(n, fmt);
+        for (auto& x : c) x = static_cast<uint8_t>((x & 0x80) | ((x & 0x7F) % (fmt == Fp8Format::kE4M3 ? 0x58 : 0x4C)));
+        return c;
+      };
+      const auto A = codes(s.M * s.K, f[0]);
+      const auto B = codes(s.N * s.K, f[1]);
+      const std::vector<float> sa = {0.375f}, sb = {1.0f / 3.0f};
+      const auto C0 = Randn(s.M * s.N);
+      for (bool acc : {false, true}) {
+        Check("GemmFp8/" + std::string(FmtName(f[0])) + "x" + FmtName(f[1]) + "/" + std::to_string(s.M) + "x" +
+                  std::to_string(s.N) + "x" + std::to_string(s.K) + (acc ? "/acc" : ""),
+              Tol(static_cast<double>(s.K) + 1), [&](DevRun& r) {
+                Outputs o;
+                float* C = acc ? r.In(C0) : r.Out<float>(s.M * s.N);
+                r.b()->GemmFp8(s.M, s.N, s.K, r.In(A), f[0], r.In(sa), r.In(B), f[1], r.In(sb), C, acc);
+                r.F32(&o, "C", C, s.M * s.N);
+                return o;
+              });
+      }
+    }
+  }
+}
+
+TEST_P(Conformance, Gemm) {
+  struct S { int64_t M, N, K; };
+  const S shapes[] = {{1, 1, 1}, {37, 129, 65}, {128, 96, 256}, {512, 1024, 768}};
+  for (const S& s : shapes) {
+    for (GemmInputs in : {GemmInputs::kF32, GemmInputs::kBF16}) {
+      for (int t = 0; t < 4; ++t) {
+        const bool ta = t & 1, tb = t & 2;
+        const bool acc = t == 3;
+        const auto A = Randn(s.M * s.K), B = Randn(s.N * s.K), C0 = Randn(s.M * s.N);
+        Check("Gemm/" + std::string(in == GemmInputs::kF32 ? "f32" : "bf16") + (ta ? "/At" : "") + (tb ? "/Bt" : "") +
+                  "/" + std::to_string(s.M) + "x" + std::to_string(s.N) + "x" + std::to_string(s.K) + (acc ? "/acc" : ""),
+              Tol(static_cast<double>(s.K) + 1), [&](DevRun& r) {
+                Outputs o;
+                float* C = acc ? r.In(C0) : r.Out<float>(s.M * s.N);
+                r.b()->Gemm(ta, tb, s.M, s.N, s.K, r.In(A), r.In(B), C, acc, in);
+                r.F32(&o, "C", C, s.M * s.N);
+                return o;
+              });
+      }
+    }
+  }
+}
+
+TEST_P(Conformance, Elementwise) {
+  for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{1} << 20}) {
+    const auto a = Randn(n), b = Randn(n);
+    Check("Add/" + std::to_string(n), kEltTol, [&](DevRun& r) {
+      Outputs o;
+      float* out = r.Out<float>(n);
+      r.b()->Add(r.In(a), r.In(b), out, n);
+      r.F32(&o, "out", out, n);
+      return o;
+    });
+    Check("Axpy/" + std::to_string(n), kEltTol, [&](DevRun& r) {
+      Outputs o;
+      float* y = r.In(b);
+      r.b()->Axpy(-0.37f, r.In(a), y, n);
+      r.F32(&o, "y", y, n);
+      return o;
+    });
+    const auto g = Randn(n, 3.0f), u = Randn(n), dh = Randn(n);
+    Check("SwigluForward/" + std::to_string(n), kEltTol, [&](DevRun& r) {
+      Outputs o;
+      float* h = r.Out<float>(n);
+      r.b()->SwigluForward(r.In(g), r.In(u), n, h);
+      r.F32(&o, "h", h, n);
+      return o;
+    });
+    Check("SwigluBackward/" + std::to_string(n), kEltTol, [&](DevRun& r) {
+      Outputs o;
+      float* dg = r.Out<float>(n);
+      float* du = r.Out<float>(n);
+      r.b()->SwigluBackward(r.In(dh), r.In(g), r.In(u), n, dg, du);
+      r.F32(&o, "dgate", dg, n);
+      r.F32(&o, "dup", du, n);
+      return o;
+    });
+  }
+}
+
+TEST_P(Conformance, Embedding) {
+  struct S { int64_t N, V, C; };
+  for (const S& s : {S{1, 1, 1}, S{37, 129, 65}, S{4096, 1000, 256}, S{16384, 32768, 64}}) {
+    const auto tok = Tokens(s.N, static_cast<int32_t>(s.V));
+    const auto table = Randn(s.V * s.C), dout = Randn(s.N * s.C), dt0 = Randn(s.V * s.C);
+    const std::string shape = std::to_string(s.N) + "x" + std::to_string(s.V) + "x" + std::to_string(s.C);
+    Check("EmbeddingForward/" + shape, -1, [&](DevRun& r) {
+      Outputs o;
+      float* out = r.Out<float>(s.N * s.C);
+      r.b()->EmbeddingForward(r.In(tok), s.N, r.In(table), s.C, out);
+      r.F32(&o, "out", out, s.N * s.C);
+      return o;
+    });
+    Check("EmbeddingBackward/" + shape, Tol(static_cast<double>(s.N)), [&](DevRun& r) {
+      Outputs o;
+      float* dt = r.In(dt0);
+      r.b()->EmbeddingBackward(r.In(tok), s.N, r.In(dout), s.C, dt);
+      r.F32(&o, "dtable", dt, s.V * s.C);
+      return o;
+    });
+  }
+}
+
+TEST_P(Conformance, RmsNorm) {
+  struct S { int64_t N, C; };
+  for (const S& s : {S{1, 1}, S{37, 129}, S{333, 2048}, S{4096, 5632}}) {
+    const auto x = Randn(s.N * s.C, 2.0f), w = Uniform(s.C, 0.5f, 1.5f), dy = Randn(s.N * s.C);
+    const auto dw0 = Randn(s.C);
+    const std::string shape = std::to_string(s.N) + "x" + std::to_string(s.C);
+    Check("RmsNormForward/" + shape, Tol(static_cast<double>(s.C)), [&](DevRun& r) {
+      Outputs o;
+      float* y = r.Out<float>(s.N * s.C);
+      float* rstd = r.Out<float>(s.N);
+      r.b()->RmsNormForward(r.In(x), r.In(w), 1e-5f, s.N, s.C, y, rstd);
+      r.F32(&o, "y", y, s.N * s.C);
+      r.F32(&o, "rstd", rstd, s.N);
+      return o;
+    });
+    Check("RmsNormBackward/" + shape, Tol(static_cast<double>(s.C + s.N)), [&](DevRun& r) {
+      Outputs o;
+      float* y = r.Out<float>(s.N * s.C);
+      float* rstd = r.Out<float>(s.N);
+      const float* xd = r.In(x);
+      const float* wd = r.In(w);
+      r.b()->RmsNormForward(xd, wd, 1e-5f, s.N, s.C, y, rstd);
+      float* dx = r.Out<float>(s.N * s.C);
+      float* dw = r.In(dw0);
+      r.b()->RmsNormBackward(r.In(dy), xd, wd, rstd, s.N, s.C, dx, dw);
+      r.F32(&o, "dx", dx, s.N * s.C);
+      r.F32(&o, "dw", dw, s.C);
+      return o;
+    });
+  }
+}
+
+TEST_P(Conformance, Rope) {
+  struct S { int64_t B, T, H, D; };
+  for (const S& s : {S{1, 1, 1, 2}, S{2, 37, 3, 18}, S{2, 2048, 4, 128}}) {
+    const int64_t n = s.B * s.T * s.H * s.D;
+    const auto x = Randn(n);
+    const std::string shape = std::to_string(s.B) + "x" + std::to_string(s.T) + "x" + std::to_string(s.H) + "x" + std::to_string(s.D);
+    Check("RopeForward/" + shape, kEltTol, [&](DevRun& r) {
+      Outputs o;
+      float* p = r.In(x);
+      r.b()->RopeForward(p, s.B, s.T, s.H, s.D, 10000.0f);
+      r.F32(&o, "x", p, n);
+      return o;
+    });
+    Check("RopeBackward/" + shape, kEltTol, [&](DevRun& r) {
+      Outputs o;
+      float* p = r.In(x);
+      r.b()->RopeBackward(p, s.B, s.T, s.H, s.D, 500000.0f);
+      r.F32(&o, "dx", p, n);
+      return o;
+    });
+  }
+}
+
+TEST_P(Conformance, Attention) {
+  struct S { int64_t B, T, H, Hkv, D; };
+  for (const S& s : {S{1, 1, 1, 1, 4}, S{2, 37, 4, 2, 16}, S{1, 129, 3, 1, 64}, S{2, 256, 4, 4, 128},
+                     S{1, 100, 2, 2, 160}}) {
+    const int64_t nq = s.B * s.T * s.H * s.D, nk = s.B * s.T * s.Hkv * s.D;
+    const auto q = Randn(nq), k = Randn(nk), v = Randn(nk), dout = Randn(nq);
+    const std::string shape = std::to_string(s.B) + "x" + std::to_string(s.T) + "x" + std::to_string(s.H) + "/" +
+                              std::to_string(s.Hkv) + "x" + std::to_string(s.D);
+    const double tol = 4 * Tol(static_cast<double>(s.T + s.D));
+    Check("AttentionForward/" + shape, tol, [&](DevRun& r) {
+      Outputs o;
+      float* out = r.Out<float>(nq);
+      float* lse = r.Out<float>(s.B * s.H * s.T);
+      r.b()->AttentionForward(r.In(q), r.In(k), r.In(v), s.B, s.T, s.H, s.Hkv, s.D, out, lse);
+      r.F32(&o, "out", out, nq);
+      r.F32(&o, "lse", lse, s.B * s.H * s.T);
+      return o;
+    });
+    Check("AttentionBackward/" + shape, tol * (s.H / s.Hkv), [&](DevRun& r) {
+      Outputs o;
+      const float* qd = r.In(q);
+      const float* kd = r.In(k);
+      const float* vd = r.In(v);
+      float* out = r.Out<float>(nq);
+      float* lse = r.Out<float>(s.B * s.H * s.T);
+      r.b()->AttentionForward(qd, kd, vd, s.B, s.T, s.H, s.Hkv, s.D, out, lse);
+      float* dq = r.Out<float>(nq);
+      float* dk = r.Out<float>(nk);
+      float* dv = r.Out<float>(nk);
+      r.b()->AttentionBackward(qd, kd, vd, out, r.In(dout), lse, s.B, s.T, s.H, s.Hkv, s.D, dq, dk, dv);
+      r.F32(&o, "dq", dq, nq);
+      r.F32(&o, "dk", dk, nk);
+      r.F32(&o, "dv", dv, nk);
+      return o;
+    });
+  }
+}
+
+TEST_P(Conformance, CrossEntropy) {
+  struct S { int64_t N, V; };
+  for (const S& s : {S{1, 1}, S{37, 129}, S{64, 32768}, S{1024, 50257}}) {
+    const auto logits = Randn(s.N * s.V, 4.0f);
+    const auto tgt = Tokens(s.N, static_cast<int32_t>(s.V));
+    for (float gs : {1.0f / static_cast<float>(s.N), 0.0f}) {
+      Check("CrossEntropy/" + std::to_string(s.N) + "x" + std::to_string(s.V) + (gs == 0.0f ? "/loss_only" : ""),
+            Tol(static_cast<double>(s.V)), [&](DevRun& r) {
+              Outputs o;
+              float* lg = r.In(logits);
+              float* losses = r.Out<float>(s.N);
+              r.b()->CrossEntropyForwardBackward(lg, r.In(tgt), s.N, s.V, gs, losses);
+              r.F32(&o, "losses", losses, s.N);
+              if (gs != 0.0f) r.F32(&o, "dlogits", lg, s.N * s.V);
+              return o;
+            });
+    }
+  }
+}
+
+TEST_P(Conformance, SumSquares) {
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{37}, int64_t{1} << 22}) {
+    const auto x = Randn(n);
+    Check("SumSquares/" + std::to_string(n), Tol(1), [&](DevRun& r) {
+      Outputs o;
+      float* out = r.In(std::vector<float>{1.5f});
+      r.b()->SumSquares(r.In(x), n, out);
+      r.F32(&o, "out", out, 1);
+      return o;
+    });
+  }
+}
+
+TEST_P(Conformance, AdamW) {
+  for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{1} << 20}) {
+    const auto p = Randn(n), g = Randn(n, 0.1f), m = Randn(n, 0.01f);
+    auto v = Randn(n, 0.001f);
+    for (auto& x : v) x = std::fabs(x);
+    for (int64_t step : {int64_t{1}, int64_t{1000}}) {
+      Check("AdamW/" + std::to_string(n) + "/step" + std::to_string(step), kEltTol, [&](DevRun& r) {
+        Outputs o;
+        float* pd = r.In(p);
+        float* md = r.In(m);
+        float* vd = r.In(v);
+        r.b()->AdamW(pd, r.In(g), md, vd, n, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f);
+        r.F32(&o, "p", pd, n);
+        r.F32(&o, "m", md, n);
+        r.F32(&o, "v", vd, n);
+        return o;
+      });
+    }
+  }
+}
+
+TEST_P(Conformance, MemoryAccounting) {
+  const int64_t before = dut_->AllocatedBytes();
+  void* p = dut_->Alloc(1 << 20);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(dut_->AllocatedBytes(), before + (1 << 20));
+  EXPECT_GE(dut_->PeakAllocatedBytes(), before + (1 << 20));
+  std::vector<uint8_t> h(1 << 20), back(1 << 20);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<uint8_t>(i * 131);
+  void* q = dut_->Alloc(1 << 20);
+  dut_->CopyToDevice(p, h.data(), h.size());
+  dut_->Copy(q, p, h.size());
+  dut_->CopyToHost(back.data(), q, back.size());
+  EXPECT_EQ(h, back);
+  dut_->Free(p);
+  dut_->Free(q);
+  EXPECT_EQ(dut_->AllocatedBytes(), before);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, Conformance, ::testing::Values(std::string("cpu"), std::string("cuda")),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+}  // namespace
+}  // namespace fsdp8
