@@ -169,7 +169,7 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id) {
   if (!job.ok()) return ReportError(job.status());
   printf("job %s %s after %lld/%lld steps: train loss %s, val loss %s\n", job->job_id().c_str(),
          State(job->state()).c_str(), static_cast<long long>(job->step()),
-         static_cast<long long>(job->total_steps()), Num(job->loss()).c_str(),
+         static_cast<long long>(job->total_steps()), Num(job->step() > 0 ? job->loss() : NAN).c_str(),
          Num(job->val_loss()).c_str());
   if (job->state() == fsdp8::v1::JOB_STATE_SUCCEEDED) return 0;
   if (!job->reason().empty()) printf("reason: %s\n", job->reason().c_str());
@@ -190,7 +190,8 @@ void PrintJob(const fsdp8::v1::Job& j) {
   if (!j.reason().empty()) printf("  reason:     %s\n", j.reason().c_str());
   printf("  step:       %lld/%lld\n", static_cast<long long>(j.step()),
          static_cast<long long>(j.total_steps()));
-  printf("  loss:       %s (train)  %s (val)\n", Num(j.loss()).c_str(), Num(j.val_loss()).c_str());
+  printf("  loss:       %s (train)  %s (val)\n", Num(j.step() > 0 ? j.loss() : NAN).c_str(),
+         Num(j.val_loss()).c_str());
   printf("  tokens:     %s\n", Thousands(j.tokens()).c_str());
   if (j.world_size() > 0) {
     std::vector<std::string> ranks;
@@ -316,7 +317,8 @@ int main(int argc, char** argv) {
     for (const auto& j : *jobs) {
       printf("%-14s %-10s %-11s %-8s %-8s %-16s %s\n", j.job_id().c_str(),
              State(j.state()).c_str(), absl::StrCat(j.step(), "/", j.total_steps()).c_str(),
-             Num(j.loss()).c_str(), Num(j.val_loss()).c_str(), j.spec().name().c_str(),
+             Num(j.step() > 0 ? j.loss() : NAN).c_str(), Num(j.val_loss()).c_str(),
+             j.spec().name().c_str(),
              j.reason().c_str());
     }
     return 0;

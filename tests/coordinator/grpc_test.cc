@@ -1,0 +1,199 @@
+// The coordinator over real gRPC, in process on a free port: status codes through the stubs, the
+// health service, and one job driven end to end by a worker speaking the Session protocol.
+#include <cmath>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "client/client.h"
+#include "coordinator/services.h"
+#include "fsdp8/v1/worker.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/codegen/client_unary_call.h"
+#include "gtest/gtest.h"
+#include "tests/coordinator/test_util.h"
+
+namespace fsdp8::coord {
+namespace {
+
+using fsdp8::testing::SmallSpec;
+using fsdp8::testing::TempDir;
+using fsdp8::testing::WaitFor;
+using fsdp8::testing::WriteTokens;
+using namespace std::chrono_literals;
+
+class GrpcTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    train_ = WriteTokens(dir_, "train.bin");
+    CoordinatorOptions o;
+    o.listen = "127.0.0.1:0";
+    o.jobs.data_roots = {dir_.path()};
+    o.scheduler.tick = 20ms;
+    o.scheduler.start_timeout = 5s;
+    o.scheduler.step_timeout = 5s;
+    auto s = CoordinatorServer::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+    ASSERT_GT(server_->port(), 0);
+    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown();
+  }
+  TempDir dir_;
+  std::string train_;
+  std::unique_ptr<CoordinatorServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+TEST_F(GrpcTest, SubmitBadSpecIsInvalidArgument) {
+  auto stub = v1::JobService::NewStub(channel_);
+  grpc::ClientContext ctx;
+  v1::SubmitJobRequest req;
+  *req.mutable_spec() = SmallSpec(train_);
+  req.mutable_spec()->mutable_model()->set_d_model(33);
+  v1::Job job;
+  grpc::Status s = stub->SubmitJob(&ctx, req, &job);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "model.d_model")) << s.error_message();
+  grpc::ClientContext ctx2;
+  v1::GetJobRequest get;
+  get.set_job_id("job-missing");
+  EXPECT_EQ(stub->GetJob(&ctx2, get, &job).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(GrpcTest, HealthCheckIsServing) {
+  // grpc.health.v1.Health/Check with an empty HealthCheckRequest; the response's field 1 (status)
+  // is SERVING = 1, i.e. the bytes 08 01.
+  grpc::internal::RpcMethod method("/grpc.health.v1.Health/Check",
+                                   grpc::internal::RpcMethod::NORMAL_RPC);
+  grpc::Slice empty("");
+  grpc::ByteBuffer req(&empty, 1), resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 5s);
+  grpc::Status s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      channel_.get(), method, &ctx, req, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(resp.Dump(&slices).ok());
+  std::string bytes;
+  for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  EXPECT_EQ(bytes, std::string("\x08\x01", 2));
+}
+
+TEST_F(GrpcTest, RegisterVersionMismatchAndKvTimeout) {
+  auto stub = v1::WorkerControl::NewStub(channel_);
+  {
+    grpc::ClientContext ctx;
+    v1::RegisterRequest req;
+    req.set_version("0.0.0-other");
+    req.set_host("127.0.0.1");
+    v1::RegisterResponse resp;
+    grpc::Status s = stub->Register(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_EQ(s.error_message(),
+              std::string("worker version 0.0.0-other != coordinator version ") + FSDP8_VERSION);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::KvGetRequest req;
+    req.set_key("job/x/gen/1/rank0");
+    req.set_timeout_ms(100);
+    v1::KvGetResponse resp;
+    grpc::Status s = stub->KvGet(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+    EXPECT_TRUE(absl::StrContains(s.error_message(), "job/x/gen/1/rank0"));
+  }
+  {
+    grpc::ClientContext c1, c2;
+    v1::KvSetRequest set;
+    set.set_key("k");
+    set.set_value("v");
+    v1::KvSetResponse sr;
+    ASSERT_TRUE(stub->KvSet(&c1, set, &sr).ok());
+    v1::KvGetRequest get;
+    get.set_key("k");
+    v1::KvGetResponse gr;
+    ASSERT_TRUE(stub->KvGet(&c2, get, &gr).ok());
+    EXPECT_EQ(gr.value(), "v");
+  }
+}
+
+TEST_F(GrpcTest, OneWorkerSessionRunsAJobThroughTheSdk) {
+  auto stub = v1::WorkerControl::NewStub(channel_);
+  grpc::ClientContext rctx;
+  v1::RegisterRequest rreq;
+  rreq.set_version(FSDP8_VERSION);
+  rreq.set_host("127.0.0.1");
+  rreq.set_backend("cpu");
+  v1::RegisterResponse rresp;
+  ASSERT_TRUE(stub->Register(&rctx, rreq, &rresp).ok());
+  const std::string wid = rresp.worker_id();
+
+  std::thread worker([&] {
+    grpc::ClientContext ctx;
+    auto stream = stub->Session(&ctx);
+    v1::WorkerMessage hello;
+    hello.mutable_hello()->set_worker_id(wid);
+    ASSERT_TRUE(stream->Write(hello));
+    v1::CoordinatorMessage m;
+    std::string job;
+    while (stream->Read(&m)) {
+      v1::WorkerMessage r;
+      if (m.has_assignment()) {
+        job = m.assignment().job_id();
+        r.mutable_ready()->set_job_id(job);
+        r.mutable_ready()->set_generation(m.assignment().generation());
+      } else if (m.has_step()) {
+        r.mutable_result()->set_job_id(job);
+        r.mutable_result()->set_step(m.step().step());
+        r.mutable_result()->set_tokens(64);
+        r.mutable_result()->set_loss_sum(64 * (3.0 - 0.1 * m.step().step()));
+        r.mutable_result()->set_val_loss(NAN);
+      } else {
+        break;  // finish or abort
+      }
+      ASSERT_TRUE(stream->Write(r));
+    }
+    stream->WritesDone();
+    stream->Finish();
+  });
+
+  auto client = fsdp8::Client::Connect(server_->address());
+  ASSERT_TRUE(client.ok());
+  auto job = (*client)->Submit(SmallSpec(train_, 1, 4), "grpc-req");
+  ASSERT_TRUE(job.ok()) << job.status();
+  std::vector<int64_t> seqs;
+  std::vector<double> losses;
+  auto end = (*client)->Watch(job->job_id(), 0, [&](const v1::JobEvent& e) {
+    seqs.push_back(e.seq());
+    if (e.step() > 0 && e.message().empty()) losses.push_back(e.loss());
+    return true;
+  });
+  worker.join();
+  ASSERT_TRUE(end.ok()) << end.status();
+  EXPECT_EQ(end->state(), v1::JOB_STATE_SUCCEEDED) << end->reason();
+  EXPECT_EQ(end->step(), 4);
+  ASSERT_EQ(losses.size(), 4u);
+  EXPECT_NEAR(losses[3], 2.7, 1e-12);
+  for (size_t i = 0; i < seqs.size(); ++i) EXPECT_EQ(seqs[i], static_cast<int64_t>(i + 1));
+  // Idempotent over the wire too; the worker's session is gone, so it is unhealthy now.
+  auto again = (*client)->Submit(SmallSpec(train_, 1, 4), "grpc-req");
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->job_id(), job->job_id());
+  EXPECT_TRUE(WaitFor([&] {
+    auto ws = (*client)->ListWorkers();
+    return ws.ok() && ws->size() == 1 && !(*ws)[0].healthy();
+  }));
+  auto plan = (*client)->GetShardPlan(job->job_id());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->world_size(), 1);
+  EXPECT_GT(plan->total_numel(), 0);
+  auto bad_plan = (*client)->GetShardPlan("", SmallSpec(train_), 0);
+  EXPECT_EQ(bad_plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*client)->GetScalingState(job->job_id()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace fsdp8::coord

@@ -1,0 +1,299 @@
+// JobManager without workers: validation, idempotency, states, events, persistence.
+#include "coordinator/job_manager.h"
+
+#include <cmath>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+#include "tests/coordinator/test_util.h"
+
+namespace fsdp8::coord {
+namespace {
+
+using fsdp8::testing::SmallSpec;
+using fsdp8::testing::TempDir;
+using fsdp8::testing::WaitFor;
+using fsdp8::testing::WriteTokens;
+
+class JobManagerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    train_ = WriteTokens(dir_, "train.bin");
+    JobManagerOptions o;
+    o.data_roots = {dir_.path()};
+    auto jm = JobManager::Open(o);
+    ASSERT_TRUE(jm.ok()) << jm.status();
+    jm_ = std::move(*jm);
+  }
+  TempDir dir_;
+  std::string train_;
+  std::unique_ptr<JobManager> jm_;
+};
+
+struct BadSpecCase {
+  const char* name;
+  std::function<void(v1::JobSpec*)> mutate;
+  const char* field;  // must appear in the message
+};
+
+TEST_F(JobManagerTest, EveryValidationErrorIsInvalidArgumentNamingTheField) {
+  const std::vector<BadSpecCase> cases = {
+      {"zero d_model", [](v1::JobSpec* s) { s->mutable_model()->set_d_model(0); }, "model.d_model"},
+      {"negative steps", [](v1::JobSpec* s) { s->mutable_training()->set_steps(-5); },
+       "training.steps"},
+      {"d_model % heads", [](v1::JobSpec* s) { s->mutable_model()->set_d_model(34); },
+       "model.d_model"},
+      {"n_heads % n_kv_heads", [](v1::JobSpec* s) { s->mutable_model()->set_n_kv_heads(3); },
+       "model.n_heads"},
+      {"global batch vs world x microbatch",
+       [](v1::JobSpec* s) {
+         s->mutable_sharding()->set_min_workers(3);
+         s->mutable_training()->set_microbatch(1);
+       },
+       "training.global_batch"},
+      {"global batch at max_workers",
+       [](v1::JobSpec* s) { s->mutable_sharding()->set_max_workers(3); }, "training.global_batch"},
+      {"max < min",
+       [](v1::JobSpec* s) {
+         s->mutable_sharding()->set_min_workers(2);
+         s->mutable_sharding()->set_max_workers(1);
+       },
+       "sharding.max_workers"},
+      {"missing train_path", [](v1::JobSpec* s) { s->mutable_data()->clear_train_path(); },
+       "data.train_path"},
+      {"train_path outside data roots",
+       [](v1::JobSpec* s) { s->mutable_data()->set_train_path("/etc/passwd"); },
+       "data.train_path"},
+      {"train_path does not exist",
+       [this](v1::JobSpec* s) { s->mutable_data()->set_train_path(dir_.File("absent.bin")); },
+       "data.train_path"},
+      {"val_path outside data roots",
+       [](v1::JobSpec* s) { s->mutable_data()->set_val_path("/tmp/../etc/val.bin"); },
+       "data.val_path"},
+      {"FP8 embedding",
+       [](v1::JobSpec* s) { s->mutable_precision()->set_embedding(v1::PRECISION_FP8); },
+       "precision.embedding"},
+      {"FP8 lm_head",
+       [](v1::JobSpec* s) { s->mutable_precision()->set_lm_head(v1::PRECISION_FP8); },
+       "precision.lm_head"},
+      {"zero microbatch", [](v1::JobSpec* s) { s->mutable_training()->set_microbatch(0); },
+       "training.microbatch"},
+      {"bad backend", [](v1::JobSpec* s) { s->set_backend("tpu"); }, "backend"},
+  };
+  for (const auto& c : cases) {
+    v1::JobSpec spec = SmallSpec(train_);
+    c.mutate(&spec);
+    auto job = jm_->Submit("", spec);
+    ASSERT_FALSE(job.ok()) << c.name;
+    EXPECT_EQ(job.status().code(), absl::StatusCode::kInvalidArgument) << c.name << ": "
+                                                                       << job.status();
+    EXPECT_TRUE(absl::StrContains(job.status().message(), c.field))
+        << c.name << ": message '" << job.status().message() << "' does not name " << c.field;
+  }
+  EXPECT_TRUE(jm_->List().empty()) << "an invalid spec must not create a job";
+}
+
+TEST_F(JobManagerTest, ValidSpecIsPendingWithDefaults) {
+  auto job = jm_->Submit("", SmallSpec(train_, 2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(job->total_steps(), 3);
+  EXPECT_EQ(job->spec().sharding().max_workers(), 2);  // default = min_workers
+  EXPECT_EQ(job->spec().backend(), "cpu");
+  EXPECT_TRUE(std::isnan(job->val_loss()));
+  EXPECT_FALSE(job->reason().empty());
+}
+
+TEST_F(JobManagerTest, IdempotentSubmit) {
+  auto a = jm_->Submit("req-1", SmallSpec(train_));
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = jm_->Submit("req-1", SmallSpec(train_));
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(a->job_id(), b->job_id());
+  // Spelling out a default is the same spec.
+  v1::JobSpec same = SmallSpec(train_);
+  same.set_backend("cpu");
+  auto c = jm_->Submit("req-1", same);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->job_id(), a->job_id());
+  v1::JobSpec other = SmallSpec(train_, 1, 7);
+  auto d = jm_->Submit("req-1", other);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kAlreadyExists) << d.status();
+  // Empty request ids always create new jobs.
+  auto e = jm_->Submit("", SmallSpec(train_));
+  auto f = jm_->Submit("", SmallSpec(train_));
+  ASSERT_TRUE(e.ok() && f.ok());
+  EXPECT_NE(e->job_id(), f->job_id());
+  EXPECT_EQ(jm_->List().size(), 3u);
+}
+
+TEST_F(JobManagerTest, CancelPendingThenAgainAndNotFound) {
+  auto job = jm_->Submit("", SmallSpec(train_));
+  ASSERT_TRUE(job.ok());
+  auto c = jm_->Cancel(job->job_id());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(jm_->Get(job->job_id())->state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(jm_->Cancel(job->job_id()).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(jm_->Get("job-nope").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(jm_->Cancel("job-nope").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(jm_->Watch("job-nope", 0, [](const v1::JobEvent&) { return true; }).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(jm_->GetScalingState("job-nope").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(jm_->GetScalingState(job->job_id()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(JobManagerTest, WatchResumesAfterSeqAndEndsWithTerminalState) {
+  auto job = jm_->Submit("", SmallSpec(train_));
+  ASSERT_TRUE(job.ok());
+  const std::string id = job->job_id();
+  ASSERT_TRUE(jm_->SetPendingReason(id, "waiting for 1 workers (0 free)").ok());
+  ASSERT_TRUE(jm_->SetPendingReason(id, "waiting for 1 workers (0 free)").ok());  // no change
+  ASSERT_TRUE(jm_->SetPendingReason(id, "something else").ok());
+  ASSERT_TRUE(jm_->Cancel(id).ok());
+  std::vector<v1::JobEvent> all;
+  ASSERT_TRUE(jm_->Watch(id, 0, [&](const v1::JobEvent& e) {
+                   all.push_back(e);
+                   return true;
+                 }).ok());
+  ASSERT_EQ(all.size(), 4u);
+  for (size_t i = 0; i < all.size(); ++i) EXPECT_EQ(all[i].seq(), static_cast<int64_t>(i + 1));
+  EXPECT_EQ(all.back().state(), v1::JOB_STATE_CANCELLED);
+  std::vector<int64_t> after2;
+  ASSERT_TRUE(jm_->Watch(id, 2, [&](const v1::JobEvent& e) {
+                   after2.push_back(e.seq());
+                   return true;
+                 }).ok());
+  EXPECT_EQ(after2, (std::vector<int64_t>{3, 4}));
+  std::vector<int64_t> after_end;
+  ASSERT_TRUE(jm_->Watch(id, 4, [&](const v1::JobEvent& e) {
+                   after_end.push_back(e.seq());
+                   return true;
+                 }).ok());
+  EXPECT_TRUE(after_end.empty());
+}
+
+TEST_F(JobManagerTest, WatchBlocksForNewEventsUntilTheJobEnds) {
+  auto job = jm_->Submit("", SmallSpec(train_));
+  ASSERT_TRUE(job.ok());
+  const std::string id = job->job_id();
+  std::vector<v1::JobEvent> seen;
+  std::atomic<bool> returned{false};
+  absl::Status result;
+  std::thread watcher([&] {
+    result = jm_->Watch(id, 1, [&](const v1::JobEvent& e) {
+      seen.push_back(e);
+      return true;
+    });
+    returned = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(returned) << "Watch must block while the job is live";
+  ASSERT_TRUE(jm_->MarkStarting(id, {"w-1"}).ok());
+  ASSERT_TRUE(jm_->MarkRunning(id).ok());
+  v1::JobEvent step;
+  step.set_step(1);
+  step.set_loss(3.5);
+  step.set_val_loss(NAN);
+  step.set_tokens(64);
+  ASSERT_TRUE(jm_->RecordStep(id, step).ok());
+  ASSERT_TRUE(jm_->Finish(id, v1::JOB_STATE_SUCCEEDED, "done").ok());
+  ASSERT_TRUE(WaitFor([&] { return returned.load(); }, 5));
+  watcher.join();
+  EXPECT_TRUE(result.ok()) << result;
+  ASSERT_EQ(seen.size(), 4u);  // starting, running, step, succeeded
+  EXPECT_EQ(seen[0].seq(), 2);
+  EXPECT_EQ(seen[0].state(), v1::JOB_STATE_STARTING);
+  EXPECT_EQ(seen[2].step(), 1);
+  EXPECT_DOUBLE_EQ(seen[2].loss(), 3.5);
+  EXPECT_EQ(seen.back().state(), v1::JOB_STATE_SUCCEEDED);
+  auto j = jm_->Get(id);
+  EXPECT_EQ(j->step(), 1);
+  EXPECT_EQ(j->tokens(), 64);
+  EXPECT_EQ(j->generation(), 1);
+  EXPECT_EQ(jm_->Finish(id, v1::JOB_STATE_FAILED, "late").code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(jm_->Get(id)->state(), v1::JOB_STATE_SUCCEEDED);
+}
+
+TEST_F(JobManagerTest, WatchStopsWhenAsked) {
+  auto job = jm_->Submit("", SmallSpec(train_));
+  ASSERT_TRUE(job.ok());
+  auto s = jm_->Watch(job->job_id(), 0, [](const v1::JobEvent&) { return true; },
+                      [] { return true; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled);
+}
+
+TEST(JobManagerPersistence, SurvivesRestart) {
+  TempDir dir;
+  std::string train = WriteTokens(dir, "train.bin");
+  JobManagerOptions o;
+  o.state_db = dir.File("state.db");
+  std::string pending_id, running_id, done_id;
+  int64_t running_last_seq = 0;
+  {
+    auto jm = JobManager::Open(o);
+    ASSERT_TRUE(jm.ok()) << jm.status();
+    auto p = (*jm)->Submit("keep-me", SmallSpec(train));
+    auto r = (*jm)->Submit("", SmallSpec(train, 1, 9));
+    auto d = (*jm)->Submit("", SmallSpec(train));
+    ASSERT_TRUE(p.ok() && r.ok() && d.ok());
+    pending_id = p->job_id();
+    running_id = r->job_id();
+    done_id = d->job_id();
+    ASSERT_TRUE((*jm)->MarkStarting(running_id, {"w-1"}).ok());
+    ASSERT_TRUE((*jm)->MarkRunning(running_id).ok());
+    v1::JobEvent step;
+    step.set_step(4);
+    step.set_loss(2.25);
+    step.set_val_loss(2.5);
+    step.set_tokens(400);
+    ASSERT_TRUE((*jm)->RecordStep(running_id, step).ok());
+    ASSERT_TRUE((*jm)->Cancel(done_id).ok());
+    (*jm)->Watch(running_id, 0, [&](const v1::JobEvent& e) {
+      running_last_seq = e.seq();
+      return true;
+    }, [] { return true; }).IgnoreError();
+  }
+  auto jm = JobManager::Open(o);
+  ASSERT_TRUE(jm.ok()) << jm.status();
+  auto jobs = (*jm)->List();
+  ASSERT_EQ(jobs.size(), 3u);
+  EXPECT_EQ(jobs[0].job_id(), pending_id);
+  EXPECT_EQ((*jm)->Get(pending_id)->state(), v1::JOB_STATE_PENDING);
+  auto r = (*jm)->Get(running_id);
+  EXPECT_EQ(r->state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(r->reason(), "coordinator restarted");
+  EXPECT_EQ(r->step(), 4);
+  EXPECT_DOUBLE_EQ(r->loss(), 2.25);
+  EXPECT_DOUBLE_EQ(r->val_loss(), 2.5);
+  EXPECT_EQ(r->total_steps(), 9);
+  EXPECT_EQ((*jm)->Get(done_id)->state(), v1::JOB_STATE_CANCELLED);
+  // Event numbering continues; the final event carries the terminal state.
+  std::vector<v1::JobEvent> evs;
+  ASSERT_TRUE((*jm)->Watch(running_id, 0, [&](const v1::JobEvent& e) {
+                       evs.push_back(e);
+                       return true;
+                     }).ok());
+  ASSERT_FALSE(evs.empty());
+  EXPECT_EQ(evs.back().seq(), running_last_seq + 1);
+  EXPECT_EQ(evs.back().state(), v1::JOB_STATE_FAILED);
+  std::vector<v1::JobEvent> done_evs;
+  ASSERT_TRUE((*jm)->Watch(done_id, 0, [&](const v1::JobEvent& e) {
+                       done_evs.push_back(e);
+                       return true;
+                     }).ok());
+  ASSERT_EQ(done_evs.size(), 1u);
+  EXPECT_EQ(done_evs[0].state(), v1::JOB_STATE_CANCELLED);
+  // The request id is remembered.
+  auto again = (*jm)->Submit("keep-me", SmallSpec(train));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->job_id(), pending_id);
+  EXPECT_EQ((*jm)->Submit("keep-me", SmallSpec(train, 1, 5)).status().code(),
+            absl::StatusCode::kAlreadyExists);
+}
+
+}  // namespace
+}  // namespace fsdp8::coord

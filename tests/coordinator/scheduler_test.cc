@@ -1,0 +1,500 @@
+// KvServer, WorkerRegistry and the Scheduler's step driver, with in-process fake workers that speak
+// the Session protocol through SessionSink (no gRPC).
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "coordinator/job_manager.h"
+#include "coordinator/kv_server.h"
+#include "coordinator/scheduler.h"
+#include "coordinator/worker_registry.h"
+#include "gtest/gtest.h"
+#include "tests/coordinator/test_util.h"
+
+namespace fsdp8::coord {
+namespace {
+
+using fsdp8::testing::SmallSpec;
+using fsdp8::testing::TempDir;
+using fsdp8::testing::WaitFor;
+using fsdp8::testing::WriteTokens;
+using namespace std::chrono_literals;
+
+// ---------------- KvServer ----------------
+
+TEST(KvServer, GetBlocksUntilSet) {
+  KvServer kv;
+  std::thread setter([&] {
+    std::this_thread::sleep_for(100ms);
+    ASSERT_TRUE(kv.Set("job/a/gen/1/rank0", "addr").ok());
+  });
+  auto t0 = std::chrono::steady_clock::now();
+  auto v = kv.Get("job/a/gen/1/rank0", 5000ms);
+  setter.join();
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, "addr");
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 90ms);
+}
+
+TEST(KvServer, GetTimesOutNamingTheKey) {
+  KvServer kv;
+  auto t0 = std::chrono::steady_clock::now();
+  auto v = kv.Get("job/a/gen/1/missing", 150ms);
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(absl::StrContains(v.status().message(), "job/a/gen/1/missing")) << v.status();
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 140ms);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+}
+
+TEST(KvServer, DeletePrefixAndShutdown) {
+  KvServer kv;
+  ASSERT_TRUE(kv.Set("job/a/gen/1/x", "1").ok());
+  ASSERT_TRUE(kv.Set("job/a/gen/1/y", "2").ok());
+  ASSERT_TRUE(kv.Set("job/a/gen/2/x", "3").ok());
+  EXPECT_EQ(kv.DeletePrefix("job/a/gen/1/"), 2);
+  EXPECT_EQ(kv.size(), 1u);
+  EXPECT_EQ(kv.Get("job/a/gen/1/x", 0ms).status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(kv.Set("", "v").code(), absl::StatusCode::kInvalidArgument);
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(50ms);
+    kv.Shutdown();
+  });
+  EXPECT_EQ(kv.Get("never", 10000ms).status().code(), absl::StatusCode::kUnavailable);
+  stopper.join();
+}
+
+// ---------------- WorkerRegistry ----------------
+
+v1::RegisterRequest Req(const std::string& version = "1.2.3") {
+  v1::RegisterRequest r;
+  r.set_version(version);
+  r.set_host("127.0.0.1");
+  r.set_backend("cpu");
+  return r;
+}
+
+TEST(WorkerRegistry, VersionMismatchIsRefused) {
+  WorkerRegistry reg({"1.2.3"});
+  auto r = reg.Register(Req("0.0.9"));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(r.status().message(), "worker version 0.0.9 != coordinator version 1.2.3");
+  EXPECT_TRUE(reg.List().empty());
+  auto ok = reg.Register(Req());
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(ok->heartbeat_interval_ms(), 1000);
+  EXPECT_TRUE(reg.Heartbeat(ok->worker_id()).ok());
+  EXPECT_EQ(reg.Heartbeat("w-999").code(), absl::StatusCode::kNotFound);
+}
+
+class NullSink : public SessionSink {
+ public:
+  bool Send(const v1::CoordinatorMessage&) override { return true; }
+  void Close() override {}
+};
+
+TEST(WorkerRegistry, OnlyWorkersWithSessionAreAssignable) {
+  WorkerRegistry reg({"1.2.3"});
+  auto a = reg.Register(Req());
+  auto b = reg.Register(Req());
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_TRUE(reg.FreeWorkers("cpu").empty());
+  auto tok = reg.AttachSession(a->worker_id(), std::make_shared<NullSink>());
+  ASSERT_TRUE(tok.ok());
+  EXPECT_EQ(reg.FreeWorkers("cpu"), std::vector<std::string>{a->worker_id()});
+  EXPECT_TRUE(reg.FreeWorkers("cuda").empty());
+  EXPECT_EQ(reg.AttachSession("w-999", std::make_shared<NullSink>()).status().code(),
+            absl::StatusCode::kNotFound);
+  reg.DetachSession(a->worker_id(), *tok, "session stream ended");
+  EXPECT_TRUE(reg.FreeWorkers("cpu").empty());
+  auto list = reg.List();
+  ASSERT_EQ(list.size(), 2u);
+  EXPECT_FALSE(list[0].healthy());
+  EXPECT_EQ(list[0].rank(), -1);
+}
+
+// ---------------- fake workers + scheduler ----------------
+
+// A worker daemon in miniature: answers Assignment with Ready and StepCommand with StepResult,
+// unless told to misbehave at some step.
+class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeWorker> {
+ public:
+  enum class Mode { kNormal, kErrorAtStep, kLoseSessionAtStep, kStopHeartbeatAtStep, kHangAtStep };
+
+  FakeWorker(WorkerRegistry* reg, Mode mode = Mode::kNormal, int64_t at_step = -1,
+             double loss_per_token = 2.0)
+      : reg_(reg), mode_(mode), at_step_(at_step), loss_per_token_(loss_per_token) {}
+  ~FakeWorker() override { Stop(); }
+
+  void Start() {
+    auto r = reg_->Register(Req(FSDP8_VERSION));
+    ASSERT_TRUE(r.ok()) << r.status();
+    id_ = r->worker_id();
+    auto t = reg_->AttachSession(id_, shared_from_this());
+    ASSERT_TRUE(t.ok());
+    token_ = *t;
+    loop_ = std::thread([this] { Loop(); });
+    beat_ = std::thread([this] {
+      while (!stop_) {
+        if (heartbeat_) reg_->Heartbeat(id_).IgnoreError();
+        std::this_thread::sleep_for(50ms);
+      }
+    });
+  }
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      cv_.notify_all();
+    }
+    if (loop_.joinable()) loop_.join();
+    if (beat_.joinable()) beat_.join();
+  }
+
+  bool Send(const v1::CoordinatorMessage& m) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return false;
+    q_.push_back(m);
+    received_.push_back(m);
+    cv_.notify_all();
+    return true;
+  }
+  void Close() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+  }
+
+  const std::string& id() const { return id_; }
+  std::vector<v1::CoordinatorMessage> received() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return received_;
+  }
+  int Count(v1::CoordinatorMessage::KindCase k) {
+    int n = 0;
+    for (const auto& m : received()) n += m.kind_case() == k;
+    return n;
+  }
+
+ private:
+  void Reply(const v1::WorkerMessage& m) { reg_->OnMessage(id_, token_, m); }
+
+  void Loop() {
+    for (;;) {
+      v1::CoordinatorMessage m;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !q_.empty(); });
+        if (stop_) return;
+        m = q_.front();
+        q_.pop_front();
+      }
+      if (m.has_assignment()) {
+        a_ = m.assignment();
+        v1::WorkerMessage r;
+        r.mutable_ready()->set_job_id(a_.job_id());
+        r.mutable_ready()->set_generation(a_.generation());
+        Reply(r);
+      } else if (m.has_step()) {
+        const int64_t k = m.step().step();
+        if (k == at_step_ && mode_ != Mode::kNormal) {
+          if (mode_ == Mode::kErrorAtStep) {
+            v1::WorkerMessage r;
+            r.mutable_error()->set_job_id(a_.job_id());
+            r.mutable_error()->set_message("gloo allreduce failed");
+            Reply(r);
+          } else if (mode_ == Mode::kLoseSessionAtStep) {
+            Close();
+            reg_->DetachSession(id_, token_, "session stream ended");
+          } else if (mode_ == Mode::kStopHeartbeatAtStep) {
+            heartbeat_ = false;
+          }
+          continue;  // kHangAtStep: never answer
+        }
+        v1::WorkerMessage r;
+        v1::StepResult* s = r.mutable_result();
+        s->set_job_id(a_.job_id());
+        s->set_step(k);
+        const int64_t tokens = 100 * (a_.rank() + 1);
+        s->set_tokens(tokens);
+        s->set_loss_sum(loss_per_token_ * (a_.rank() + 1) * tokens);
+        s->set_grad_norm(1.5);
+        s->set_lr(0.001 * (k + 1));
+        s->set_val_loss(m.step().evaluate() ? 2.75 : NAN);
+        if (m.step().report_scaling()) {
+          s->mutable_scaling()->set_step(k + 1);
+          auto* t = s->mutable_scaling()->add_tensors();
+          t->set_name("layers.0.attn.q_proj.x");
+          t->set_format("E4M3");
+          t->set_scale(448.0f);
+          t->set_scale_inv(1 / 448.0f);
+        }
+        Reply(r);
+      }
+    }
+  }
+
+  WorkerRegistry* reg_;
+  Mode mode_;
+  int64_t at_step_;
+  double loss_per_token_;
+  std::string id_;
+  uint64_t token_ = 0;
+  v1::Assignment a_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<v1::CoordinatorMessage> q_;
+  std::vector<v1::CoordinatorMessage> received_;
+  bool closed_ = false;
+  bool stop_ = false;
+  std::atomic<bool> heartbeat_{true};
+  std::thread loop_, beat_;
+};
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    train_ = WriteTokens(dir_, "train.bin");
+    val_ = WriteTokens(dir_, "val.bin", 1000);
+    auto jm = JobManager::Open(JobManagerOptions());
+    ASSERT_TRUE(jm.ok());
+    jobs_ = std::move(*jm);
+    WorkerRegistryOptions wo;
+    wo.version = FSDP8_VERSION;
+    wo.heartbeat_timeout = 400ms;
+    workers_ = std::make_unique<WorkerRegistry>(wo);
+    SchedulerOptions so;
+    so.start_timeout = 3s;
+    so.step_timeout = 2s;
+    so.tick = 20ms;
+    sched_ = std::make_unique<Scheduler>(jobs_.get(), workers_.get(), &kv_, so);
+    sched_->Start();
+  }
+  void TearDown() override {
+    sched_->Stop();
+    for (auto& w : fakes_) w->Stop();
+  }
+  std::shared_ptr<FakeWorker> AddWorker(FakeWorker::Mode mode = FakeWorker::Mode::kNormal,
+                                        int64_t at = -1, double loss = 2.0) {
+    auto w = std::make_shared<FakeWorker>(workers_.get(), mode, at, loss);
+    w->Start();
+    fakes_.push_back(w);
+    return w;
+  }
+  v1::Job WaitEnd(const std::string& id, double seconds = 10) {
+    EXPECT_TRUE(WaitFor([&] { return jobs_->IsTerminal(id); }, seconds)) << "job did not end";
+    return *jobs_->Get(id);
+  }
+  bool AllIdle() {
+    for (const auto& w : workers_->List())
+      if (!w.job_id().empty()) return false;
+    return true;
+  }
+
+  TempDir dir_;
+  std::string train_, val_;
+  KvServer kv_;
+  std::unique_ptr<JobManager> jobs_;
+  std::unique_ptr<WorkerRegistry> workers_;
+  std::unique_ptr<Scheduler> sched_;
+  std::vector<std::shared_ptr<FakeWorker>> fakes_;
+};
+
+TEST_F(SchedulerTest, ChooseWorldSize) {
+  v1::JobSpec s = SmallSpec(train_);
+  s.mutable_sharding()->set_min_workers(1);
+  s.mutable_sharding()->set_max_workers(4);
+  s.mutable_training()->set_global_batch(12);
+  EXPECT_EQ(Scheduler::ChooseWorldSize(s, 0), 0);
+  EXPECT_EQ(Scheduler::ChooseWorldSize(s, 1), 1);
+  EXPECT_EQ(Scheduler::ChooseWorldSize(s, 4), 4);
+  s.mutable_training()->set_global_batch(8);
+  EXPECT_EQ(Scheduler::ChooseWorldSize(s, 3), 2);  // 8 % 3 != 0
+  s.mutable_training()->set_microbatch(4);
+  EXPECT_EQ(Scheduler::ChooseWorldSize(s, 4), 2);  // 8 % (4 * 4) != 0
+  s.mutable_sharding()->set_min_workers(3);
+  EXPECT_EQ(Scheduler::ChooseWorldSize(s, 4), 0);
+}
+
+TEST_F(SchedulerTest, PendingReasonNamesWorkersNeededAndFree) {
+  auto job = jobs_->Submit("", SmallSpec(train_, 2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_TRUE(WaitFor([&] { return jobs_->Get(job->job_id())->reason() ==
+                                   "waiting for 2 workers (0 free)"; }))
+      << jobs_->Get(job->job_id())->reason();
+  AddWorker();
+  EXPECT_TRUE(WaitFor([&] { return jobs_->Get(job->job_id())->reason() ==
+                                   "waiting for 2 workers (1 free)"; }))
+      << jobs_->Get(job->job_id())->reason();
+  EXPECT_EQ(jobs_->Get(job->job_id())->state(), v1::JOB_STATE_PENDING);
+}
+
+TEST_F(SchedulerTest, TwoRanksRunToSuccess) {
+  auto w0 = AddWorker(FakeWorker::Mode::kNormal, -1, 2.0);
+  auto w1 = AddWorker(FakeWorker::Mode::kNormal, -1, 2.0);
+  auto job = jobs_->Submit("", SmallSpec(train_, 2, 12, val_));
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string id = job->job_id();
+  v1::Job end = WaitEnd(id);
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  EXPECT_EQ(end.step(), 12);
+  EXPECT_EQ(end.world_size(), 2);
+  EXPECT_EQ(end.worker_ids(0), w0->id());
+  EXPECT_EQ(end.worker_ids(1), w1->id());
+  // rank 0: 100 tokens at loss 2, rank 1: 200 tokens at loss 4 -> (200 + 800) / 300.
+  EXPECT_NEAR(end.loss(), 1000.0 / 300.0, 1e-12);
+  EXPECT_DOUBLE_EQ(end.val_loss(), 2.75);
+  EXPECT_EQ(end.tokens(), 12 * 300);
+  // Assignment: ranks, world size, microbatch default, store prefix, collective timeout.
+  auto msgs = w1->received();
+  ASSERT_FALSE(msgs.empty());
+  ASSERT_TRUE(msgs[0].has_assignment());
+  const auto& a = msgs[0].assignment();
+  EXPECT_EQ(a.job_id(), id);
+  EXPECT_EQ(a.rank(), 1);
+  EXPECT_EQ(a.world_size(), 2);
+  EXPECT_EQ(a.generation(), 1);
+  EXPECT_EQ(a.spec().training().microbatch(), 2);  // global_batch 4 / 2 ranks
+  EXPECT_EQ(a.store_prefix(), "job/" + id + "/gen/1/");
+  EXPECT_EQ(a.collective_timeout_ms(), 30000);
+  // Steps 0..11 in order; evaluate at steps 2,4,...,12 (eval_every 2) and the last.
+  std::vector<int64_t> steps, evals, scaling;
+  for (const auto& m : msgs) {
+    if (!m.has_step()) continue;
+    steps.push_back(m.step().step());
+    if (m.step().evaluate()) evals.push_back(m.step().step());
+    if (m.step().report_scaling()) scaling.push_back(m.step().step());
+  }
+  EXPECT_EQ(steps.size(), 12u);
+  for (size_t k = 0; k < steps.size(); ++k) EXPECT_EQ(steps[k], static_cast<int64_t>(k));
+  EXPECT_EQ(evals, (std::vector<int64_t>{1, 3, 5, 7, 9, 11}));
+  EXPECT_EQ(scaling, (std::vector<int64_t>{0, 10, 11}));
+  EXPECT_TRUE(msgs.back().has_finish());
+  EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kAbort), 0);
+  // Events: one per step with aggregated numbers, val_loss NaN when not evaluated.
+  std::vector<v1::JobEvent> evs;
+  ASSERT_TRUE(jobs_->Watch(id, 0, [&](const v1::JobEvent& e) {
+                      evs.push_back(e);
+                      return true;
+                    }).ok());
+  int step_events = 0;
+  for (const auto& e : evs) {
+    if (e.state() != v1::JOB_STATE_RUNNING || !e.message().empty()) continue;
+    ++step_events;
+    EXPECT_EQ(e.total_steps(), 12);
+    EXPECT_NEAR(e.loss(), 1000.0 / 300.0, 1e-12);
+    EXPECT_EQ(std::isnan(e.val_loss()), e.step() % 2 != 0) << "step " << e.step();
+    EXPECT_DOUBLE_EQ(e.grad_norm(), 1.5);
+    EXPECT_DOUBLE_EQ(e.lr(), 0.001 * e.step());
+    EXPECT_EQ(e.tokens(), 300 * e.step());
+    EXPECT_GT(e.tokens_per_second(), 0);
+  }
+  EXPECT_EQ(step_events, 12);
+  EXPECT_EQ(evs.back().state(), v1::JOB_STATE_SUCCEEDED);
+  auto sc = jobs_->GetScalingState(id);
+  ASSERT_TRUE(sc.ok()) << sc.status();
+  EXPECT_EQ(sc->job_id(), id);
+  EXPECT_EQ(sc->step(), 12);
+  ASSERT_EQ(sc->tensors_size(), 1);
+  EXPECT_TRUE(WaitFor([&] { return AllIdle(); }));
+}
+
+TEST_F(SchedulerTest, WorkerErrorFailsJobAndAbortsOthers) {
+  auto w0 = AddWorker();
+  auto w1 = AddWorker(FakeWorker::Mode::kErrorAtStep, 1);
+  auto job = jobs_->Submit("", SmallSpec(train_, 2, 5));
+  ASSERT_TRUE(job.ok());
+  v1::Job end = WaitEnd(job->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(end.reason(), "rank 1")) << end.reason();
+  EXPECT_TRUE(absl::StrContains(end.reason(), w1->id())) << end.reason();
+  EXPECT_TRUE(absl::StrContains(end.reason(), "gloo allreduce failed")) << end.reason();
+  EXPECT_TRUE(WaitFor([&] { return w0->Count(v1::CoordinatorMessage::kAbort) == 1; }));
+  EXPECT_TRUE(WaitFor([&] { return AllIdle(); }));
+  EXPECT_EQ(workers_->FreeWorkers("cpu").size(), 2u) << "both sessions stay and are idle again";
+}
+
+TEST_F(SchedulerTest, LostSessionFailsJobWithinSeconds) {
+  auto w0 = AddWorker();
+  auto w1 = AddWorker(FakeWorker::Mode::kLoseSessionAtStep, 2);
+  auto job = jobs_->Submit("", SmallSpec(train_, 2, 5));
+  ASSERT_TRUE(job.ok());
+  v1::Job end = WaitEnd(job->job_id(), 5);
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(end.reason(), "rank 1 (worker " + w1->id() + ")")) << end.reason();
+  EXPECT_TRUE(absl::StrContains(end.reason(), "session stream ended")) << end.reason();
+  EXPECT_TRUE(WaitFor([&] { return w0->Count(v1::CoordinatorMessage::kAbort) == 1; }));
+  EXPECT_EQ(workers_->FreeWorkers("cpu"), std::vector<std::string>{w0->id()});
+}
+
+TEST_F(SchedulerTest, HeartbeatTimeoutFailsJob) {
+  auto w0 = AddWorker(FakeWorker::Mode::kStopHeartbeatAtStep, 1);
+  auto w1 = AddWorker();
+  auto job = jobs_->Submit("", SmallSpec(train_, 2, 5));
+  ASSERT_TRUE(job.ok());
+  auto t0 = std::chrono::steady_clock::now();
+  v1::Job end = WaitEnd(job->job_id(), 5);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1900ms) << "before the 2 s step timeout";
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(end.reason(), "rank 0 (worker " + w0->id() + ")")) << end.reason();
+  EXPECT_TRUE(absl::StrContains(end.reason(), "heartbeat")) << end.reason();
+  EXPECT_TRUE(WaitFor([&] { return w1->Count(v1::CoordinatorMessage::kAbort) == 1; }));
+}
+
+TEST_F(SchedulerTest, StepTimeoutFailsJob) {
+  AddWorker(FakeWorker::Mode::kHangAtStep, 0);
+  auto job = jobs_->Submit("", SmallSpec(train_, 1, 5));
+  ASSERT_TRUE(job.ok());
+  v1::Job end = WaitEnd(job->job_id(), 6);
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(end.reason(), "step 0")) << end.reason();
+  EXPECT_TRUE(absl::StrContains(end.reason(), "rank 0")) << end.reason();
+}
+
+TEST_F(SchedulerTest, CancelRunningJobAbortsEveryRank) {
+  auto w0 = AddWorker(FakeWorker::Mode::kHangAtStep, 1);  // keeps the job in step 1
+  auto w1 = AddWorker();
+  auto job = jobs_->Submit("", SmallSpec(train_, 2, 5));
+  ASSERT_TRUE(job.ok());
+  ASSERT_TRUE(WaitFor([&] { return jobs_->Get(job->job_id())->step() == 1; }));
+  auto c = jobs_->Cancel(job->job_id());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_TRUE(WaitFor([&] {
+    return w0->Count(v1::CoordinatorMessage::kAbort) == 1 &&
+           w1->Count(v1::CoordinatorMessage::kAbort) == 1;
+  }, 3));
+  EXPECT_TRUE(WaitFor([&] { return AllIdle(); }));
+  EXPECT_EQ(jobs_->Get(job->job_id())->state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(jobs_->Cancel(job->job_id()).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(SchedulerTest, JobsRunConcurrentlyOnDisjointWorkers) {
+  auto w0 = AddWorker(FakeWorker::Mode::kHangAtStep, 2);
+  auto w1 = AddWorker();
+  auto w2 = AddWorker();
+  auto a = jobs_->Submit("", SmallSpec(train_, 1, 5));
+  ASSERT_TRUE(WaitFor([&] { return jobs_->Get(a->job_id())->state() == v1::JOB_STATE_RUNNING; }));
+  auto b = jobs_->Submit("", SmallSpec(train_, 2, 3));
+  ASSERT_TRUE(a.ok() && b.ok());
+  v1::Job bend = WaitEnd(b->job_id());
+  EXPECT_EQ(bend.state(), v1::JOB_STATE_SUCCEEDED) << bend.reason();
+  EXPECT_EQ(jobs_->Get(a->job_id())->state(), v1::JOB_STATE_RUNNING);
+  for (const auto& w : bend.worker_ids()) EXPECT_NE(w, w0->id());
+  ASSERT_TRUE(jobs_->Cancel(a->job_id()).ok());
+}
+
+TEST_F(SchedulerTest, FlexibleWorldSizePicksLargestDivisor) {
+  for (int i = 0; i < 3; ++i) AddWorker();
+  v1::JobSpec s = SmallSpec(train_, 1, 2);
+  s.mutable_sharding()->set_max_workers(4);  // global_batch 4: 3 does not divide, 4 not free
+  auto job = jobs_->Submit("", s);
+  ASSERT_TRUE(job.ok()) << job.status();
+  v1::Job end = WaitEnd(job->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  EXPECT_EQ(end.world_size(), 2);
+}
+
+}  // namespace
+}  // namespace fsdp8::coord

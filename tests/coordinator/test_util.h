@@ -1,0 +1,78 @@
+// Helpers shared by the coordinator tests: a real token shard on disk, a small valid spec, waiting.
+#pragma once
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/token_shard.h"
+#include "fsdp8/v1/spec.pb.h"
+#include "gtest/gtest.h"
+
+namespace fsdp8::testing {
+
+// A fresh temporary directory, removed at destruction.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "fsdp8-coord-XXXXXX").string();
+    std::vector<char> buf(tmpl.begin(), tmpl.end());
+    buf.push_back('\0');
+    path_ = mkdtemp(buf.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+  std::string File(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// Writes a token shard of n byte-level tokens and returns its path.
+inline std::string WriteTokens(const TempDir& dir, const std::string& name, int n = 5000) {
+  std::vector<uint16_t> t(n);
+  for (int i = 0; i < n; ++i) t[i] = static_cast<uint16_t>((i * 7) % 256);
+  std::string path = dir.File(name);
+  EXPECT_TRUE(WriteTokenShard(path, t).ok());
+  return path;
+}
+
+// A small valid spec: `steps` steps on `workers` ranks.
+inline v1::JobSpec SmallSpec(const std::string& train, int workers = 1, int64_t steps = 3,
+                             const std::string& val = "") {
+  v1::JobSpec s;
+  s.set_name("test");
+  s.mutable_model()->set_d_model(32);
+  s.mutable_model()->set_n_layers(1);
+  s.mutable_model()->set_n_heads(2);
+  s.mutable_model()->set_ffn_dim(64);
+  s.mutable_model()->set_seq_len(16);
+  s.mutable_data()->set_train_path(train);
+  if (!val.empty()) s.mutable_data()->set_val_path(val);
+  s.mutable_training()->set_steps(steps);
+  s.mutable_training()->set_global_batch(4);
+  s.mutable_training()->set_eval_every(2);
+  s.mutable_sharding()->set_min_workers(workers);
+  return s;
+}
+
+inline bool WaitFor(const std::function<bool()>& pred, double seconds = 10) {
+  auto until = std::chrono::steady_clock::now() +
+               std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  while (std::chrono::steady_clock::now() < until) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return pred();
+}
+
+}  // namespace fsdp8::testing
