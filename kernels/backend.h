@@ -147,8 +147,9 @@ class Backend {
                                            int64_t V, float grad_scale, float* losses) = 0;
 
   // ---- optimizer ---------------------------------------------------------------------------
-  // out[0] += sum_i x[i]^2 accumulated in double on the host side contract: out (1) f32, the sum
-  // computed in a fixed order (deterministic). n may be 0.
+  // out[0] += sum_i x[i]^2. x (n) f32, n may be 0; out (1) f32 device scalar. The sum is taken in
+  // a fixed order (deterministic) with at least FP64 accumulation on the CPU backend, then added
+  // to out[0] and rounded to f32 once.
   virtual void SumSquares(const float* x, int64_t n, float* out) = 0;
   // AdamW (Loshchilov & Hutter 2019; torch.optim.AdamW semantics) on one flat shard:
   // p -= lr * wd * p; m = b1 m + (1-b1) g'; v = b2 v + (1-b2) g'^2;

@@ -1,25 +1,40 @@
 // Small timing helpers shared by the CPU benchmarks.
 #pragma once
 
+#include <time.h>
+
 #include <chrono>
 #include <functional>
 
 namespace fsdp8::bench {
 
-// Runs fn once to warm up, then repeatedly until at least min_seconds have passed (and at least
-// 3 times); returns the mean seconds per call.
-inline double TimeIt(const std::function<void()>& fn, double min_seconds = 0.3) {
+struct Timing {
+  double wall;  // mean wall-clock seconds per call
+  double cpu;   // mean process CPU seconds per call (all threads): on a shared machine this is
+                // the cost of the work itself, wall time also counts waiting for a core
+};
+
+inline double ProcessCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// Runs fn once to warm up, then repeatedly until at least min_seconds of wall time have passed
+// (and at least 3 times); returns the mean time per call.
+inline Timing TimeIt(const std::function<void()>& fn, double min_seconds = 0.3) {
   using Clock = std::chrono::steady_clock;
   fn();
   int reps = 0;
   const auto start = Clock::now();
+  const double cpu_start = ProcessCpuSeconds();
   double elapsed = 0.0;
   do {
     fn();
     ++reps;
     elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   } while (elapsed < min_seconds || reps < 3);
-  return elapsed / reps;
+  return {elapsed / reps, (ProcessCpuSeconds() - cpu_start) / reps};
 }
 
 }  // namespace fsdp8::bench

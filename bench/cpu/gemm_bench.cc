@@ -3,7 +3,8 @@
 // For each shape prints the FP8-emulated GEMM rate (Backend::GemmFp8: decode both operands through
 // the FP8 tables, then sgemm) and the plain f32 sgemm rate on the same shape, in GFLOP/s counted
 // as 2*M*N*K / seconds. Shapes: the default model's linears (M = 2048 tokens = 8 sequences x 256,
-// (N, K) in {(128,128), (384,128), (128,384)}) and a 1024^3 square.
+// (N, K) in {(128,128), (384,128), (128,384)}) and a 1024^3 square. Rates are given per wall-clock
+// second and per process-CPU second (the machine may be shared).
 //
 // Usage: fsdp8-bench-cpu-gemm [--threads N]   (OpenBLAS threads, default 1)
 #include <cblas.h>
@@ -40,8 +41,9 @@ int main(int argc, char** argv) {
   };
   const Shape shapes[] = {{2048, 128, 128}, {2048, 384, 128}, {2048, 128, 384}, {1024, 1024, 1024}};
   std::printf("OpenBLAS threads: %d\n", threads);
-  std::printf("%6s %6s %6s  %14s  %14s  %8s\n", "M", "N", "K", "fp8-emul GF/s", "f32 sgemm GF/s",
-              "ratio");
+  std::printf("GFLOP/s = 2*M*N*K / time; 'wall' uses wall-clock time, 'cpu' process CPU time\n");
+  std::printf("%6s %6s %6s  %14s %14s  %14s %14s\n", "M", "N", "K", "fp8-emul wall", "fp8-emul cpu",
+              "f32 sgemm wall", "f32 sgemm cpu");
   std::mt19937 rng(1);
   std::uniform_int_distribution<int> code(0, 0x7D);  // finite E4M3 magnitudes, both signs below
   std::uniform_real_distribution<float> val(-1.0f, 1.0f);
@@ -65,17 +67,17 @@ int main(int argc, char** argv) {
     be->CopyToDevice(BF, bf.data(), bf.size() * 4);
     be->CopyToDevice(S, &one, 4);
     const double flops = 2.0 * s.M * s.N * s.K;
-    const double t8 = fsdp8::bench::TimeIt([&] {
+    const fsdp8::bench::Timing t8 = fsdp8::bench::TimeIt([&] {
       be->GemmFp8(s.M, s.N, s.K, A8, fsdp8::Fp8Format::kE4M3, S, B8, fsdp8::Fp8Format::kE4M3, S,
                   C, false);
     });
-    const double t32 = fsdp8::bench::TimeIt([&] {
+    const fsdp8::bench::Timing t32 = fsdp8::bench::TimeIt([&] {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s.M, s.N, s.K, 1.0f, AF, s.K, BF, s.K,
                   0.0f, C, s.N);
     });
-    std::printf("%6lld %6lld %6lld  %14.1f  %14.1f  %8.2f\n", static_cast<long long>(s.M),
-                static_cast<long long>(s.N), static_cast<long long>(s.K), flops / t8 / 1e9,
-                flops / t32 / 1e9, t32 / t8);
+    std::printf("%6lld %6lld %6lld  %14.1f %14.1f  %14.1f %14.1f\n", static_cast<long long>(s.M),
+                static_cast<long long>(s.N), static_cast<long long>(s.K), flops / t8.wall / 1e9,
+                flops / t8.cpu / 1e9, flops / t32.wall / 1e9, flops / t32.cpu / 1e9);
     for (void* p : {static_cast<void*>(A8), static_cast<void*>(B8), static_cast<void*>(AF),
                     static_cast<void*>(BF), static_cast<void*>(C), static_cast<void*>(S)})
       be->Free(p);

@@ -47,36 +47,76 @@ inline float AbsMax(const float* x, int64_t n) {
   return nan ? std::numeric_limits<float>::quiet_NaN() : m;
 }
 
-// Encodes n values scaled by `scale` into `out`, also returning max |in| (NaN-propagating).
-template <uint8_t (*Enc)(float)>
-float ScaleEncode(const float* in, uint8_t* out, int64_t n, float scale) {
-  for (int64_t i = 0; i < n; ++i) out[i] = Enc(in[i] * scale);
-  return AbsMax(in, n);
-}
-
-// Transposing cast: in (rows, cols) -> out_t (cols, rows) [and out (rows, cols)], in tiles so that
-// both the reads and the transposed writes stay in cache.
-template <uint8_t (*Enc)(float)>
-void ScaleEncodeTranspose(const float* in, int64_t rows, int64_t cols, float scale, uint8_t* out,
-                          uint8_t* out_t) {
-  constexpr int64_t kTile = 32;
-  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-    const int64_t r1 = std::min(rows, r0 + kTile);
-    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
-      const int64_t c1 = std::min(cols, c0 + kTile);
-      for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t c = c0; c < c1; ++c) {
-          const uint8_t code = Enc(in[r * cols + c] * scale);
-          out_t[c * rows + r] = code;
-          if (out != nullptr) out[r * cols + c] = code;
-        }
+// Encoding through a table. The FP8 code of an f32 is a function of its top 16 bits (sign,
+// exponent and 7 mantissa bits: more than the kept bits + round bit that round-to-nearest-even to
+// E4M3/E5M2 inspects at any exponent, subnormals included) and of whether any of its low 16 bits
+// is set (the sticky bit). So code = table[sticky][bits >> 16], filled once by the exact encoder
+// of kernels/fp8.h on one representative per entry. 128 KiB per format.
+class Fp8EncodeTable {
+ public:
+  explicit Fp8EncodeTable(Fp8Format fmt) {
+    for (uint32_t sticky = 0; sticky < 2; ++sticky) {
+      for (uint32_t hi = 0; hi < 65536; ++hi) {
+        const uint32_t bits = (hi << 16) | sticky;
+        float x;
+        std::memcpy(&x, &bits, sizeof(x));
+        code_[sticky][hi] = EncodeFp8(x, fmt);
       }
     }
   }
+  uint8_t Encode(float x) const {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    return code_[(bits & 0xFFFFu) != 0][bits >> 16];
+  }
+
+ private:
+  uint8_t code_[2][65536];
+};
+
+const Fp8EncodeTable& EncodeTableFor(Fp8Format fmt) {
+  static const Fp8EncodeTable e4m3(Fp8Format::kE4M3);
+  static const Fp8EncodeTable e5m2(Fp8Format::kE5M2);
+  return fmt == Fp8Format::kE4M3 ? e4m3 : e5m2;
 }
 
-inline uint8_t EncE4M3(float x) { return EncodeE4M3(x); }
-inline uint8_t EncE5M2(float x) { return EncodeE5M2(x); }
+// out[i] = fp8(in[i] * scale). (n)
+void ScaleEncode(const float* in, uint8_t* out, int64_t n, float scale, Fp8Format fmt) {
+  const Fp8EncodeTable& table = EncodeTableFor(fmt);
+  for (int64_t i = 0; i < n; ++i) out[i] = table.Encode(in[i] * scale);
+}
+
+// Transposes one tile of at most kTile x kTile bytes: tile (nr, nc) with row stride kTile into
+// out (cols, rows) at (c0, r0). Each destination row is a contiguous run of nr bytes, so the
+// writes of a tile touch nc cache lines once each (strided single-byte writes to 64 lines per
+// tile would thrash the L1 sets when rows is a power of two).
+constexpr int64_t kTile = 64;
+void StoreTransposedTile(const uint8_t (&tile)[kTile][kTile], int64_t nr, int64_t nc, int64_t r0,
+                         int64_t c0, int64_t rows, uint8_t* out) {
+  for (int64_t c = 0; c < nc; ++c) {
+    uint8_t* dst = out + (c0 + c) * rows + r0;
+    for (int64_t r = 0; r < nr; ++r) dst[r] = tile[r][c];
+  }
+}
+
+// Transposing cast: in (rows, cols) -> out_t (cols, rows) [and out (rows, cols)], tile by tile.
+void ScaleEncodeTranspose(const float* in, int64_t rows, int64_t cols, float scale, Fp8Format fmt,
+                          uint8_t* out, uint8_t* out_t) {
+  const Fp8EncodeTable& table = EncodeTableFor(fmt);
+  uint8_t tile[kTile][kTile];
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int64_t nr = std::min(kTile, rows - r0);
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+      const int64_t nc = std::min(kTile, cols - c0);
+      for (int64_t r = 0; r < nr; ++r) {
+        const float* src = in + (r0 + r) * cols + c0;
+        for (int64_t c = 0; c < nc; ++c) tile[r][c] = table.Encode(src[c] * scale);
+        if (out != nullptr) std::memcpy(out + (r0 + r) * cols + c0, tile[r], nc);
+      }
+      StoreTransposedTile(tile, nr, nc, r0, c0, rows, out_t);
+    }
+  }
+}
 
 inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
@@ -135,10 +175,8 @@ void CpuBackend::CastToFp8(const float* in, uint8_t* out, int64_t n, const float
   FSDP8_CPU_CHECK(n >= 0 && scale != nullptr);
   if (n == 0) return;
   FSDP8_CPU_CHECK(in != nullptr && out != nullptr);
-  const float s = *scale;
-  const float amax = fmt == Fp8Format::kE4M3 ? ScaleEncode<EncE4M3>(in, out, n, s)
-                                             : ScaleEncode<EncE5M2>(in, out, n, s);
-  if (amax_out != nullptr) *amax_out = NanMax(*amax_out, amax);
+  ScaleEncode(in, out, n, *scale, fmt);
+  if (amax_out != nullptr) *amax_out = NanMax(*amax_out, AbsMax(in, n));
 }
 
 void CpuBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
@@ -146,24 +184,19 @@ void CpuBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t cols, c
   FSDP8_CPU_CHECK(rows >= 0 && cols >= 0 && scale != nullptr);
   if (rows == 0 || cols == 0) return;
   FSDP8_CPU_CHECK(in != nullptr && out_t != nullptr);
-  const float s = *scale;
-  if (fmt == Fp8Format::kE4M3) {
-    ScaleEncodeTranspose<EncE4M3>(in, rows, cols, s, out, out_t);
-  } else {
-    ScaleEncodeTranspose<EncE5M2>(in, rows, cols, s, out, out_t);
-  }
+  ScaleEncodeTranspose(in, rows, cols, *scale, fmt, out, out_t);
   if (amax_out != nullptr) *amax_out = NanMax(*amax_out, AbsMax(in, rows * cols));
 }
 
 void CpuBackend::TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) {
-  // in (rows, cols) -> out (cols, rows), tiled.
-  constexpr int64_t kTile = 64;
+  // in (rows, cols) -> out (cols, rows), tile by tile.
+  uint8_t tile[kTile][kTile];
   for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-    const int64_t r1 = std::min(rows, r0 + kTile);
+    const int64_t nr = std::min(kTile, rows - r0);
     for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
-      const int64_t c1 = std::min(cols, c0 + kTile);
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = c0; c < c1; ++c) out[c * rows + r] = in[r * cols + c];
+      const int64_t nc = std::min(kTile, cols - c0);
+      for (int64_t r = 0; r < nr; ++r) std::memcpy(tile[r], in + (r0 + r) * cols + c0, nc);
+      StoreTransposedTile(tile, nr, nc, r0, c0, rows, out);
     }
   }
 }
@@ -518,12 +551,15 @@ void CpuBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targe
     FSDP8_CPU_CHECK(tgt >= 0 && tgt < V);
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < V; ++j) mx = std::max(mx, row[j]);
+    const float target_logit = row[tgt];
     float sum = 0.0f;
-    for (int64_t j = 0; j < V; ++j) sum += std::exp(row[j] - mx);
-    const float log_sum = std::log(sum);
-    losses[n] = mx + log_sum - row[tgt];
-    const float inv = 1.0f / sum;
-    for (int64_t j = 0; j < V; ++j) row[j] = std::exp(row[j] - mx) * inv * grad_scale;
+    for (int64_t j = 0; j < V; ++j) {
+      row[j] = std::exp(row[j] - mx);  // unnormalised probabilities, in place
+      sum += row[j];
+    }
+    losses[n] = mx + std::log(sum) - target_logit;
+    const float k = grad_scale / sum;
+    for (int64_t j = 0; j < V; ++j) row[j] *= k;
     row[tgt] -= grad_scale;
   }
 }

@@ -265,6 +265,33 @@ TEST_F(CpuBackendTest, C02_CastToFp8RoundsAndSaturatesLikeTheReference) {
   }
 }
 
+// Every f32 exponent/top-mantissa pattern (the top 16 bits) with several low-half patterns, both
+// signs, through CastToFp8 with scale 1, against the nearest-value search.
+TEST_F(CpuBackendTest, C02_CastToFp8SweepOfAllTopBitPatterns) {
+  const uint32_t lows[] = {0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF};
+  std::vector<float> x;
+  for (uint32_t hi = 0; hi < 65536; ++hi)
+    for (uint32_t lo : lows) {
+      const uint32_t bits = (hi << 16) | lo;
+      float f;
+      std::memcpy(&f, &bits, sizeof(f));
+      x.push_back(f);
+    }
+  for (Fp8Format fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    Buf<float> in(be_.get(), x), s(be_.get(), {1.0f});
+    Buf<uint8_t> out(be_.get(), x.size());
+    be_->CastToFp8(in.get(), out.get(), x.size(), s.get(), fmt, nullptr);
+    auto got = out.Host();
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (std::isnan(x[i])) {
+        ASSERT_TRUE(std::isnan(RefDecode(got[i], fmt))) << i;
+      } else {
+        ASSERT_EQ(got[i], RefEncode(x[i], fmt)) << "x=" << x[i] << " i=" << i;
+      }
+    }
+  }
+}
+
 TEST_F(CpuBackendTest, C03_AmaxAccumulatesMaxAcrossCalls) {
   // Four microbatches; the largest magnitude is in the second (negative, to catch a signed max).
   std::vector<std::vector<float>> mb = {{0.5f, -1.0f}, {2.0f, -7.5f}, {3.0f, 1.0f}, {0.1f, 0.2f}};
@@ -314,10 +341,13 @@ TEST_F(CpuBackendTest, C01_AmaxSurfacesNonFiniteAndCastNeverProducesInf) {
 }
 
 TEST_F(CpuBackendTest, CastTransposeEqualsTransposeOfCast) {
-  const int rows = 37, cols = 70;
+  // Shapes with partial tiles in one or both dimensions, and a power-of-two one.
+  const std::pair<int, int> shapes[] = {{37, 70}, {130, 200}, {256, 128}, {1, 5}};
+  for (auto [rows, cols] : shapes)
   for (Fp8Format fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    SCOPED_TRACE(::testing::Message() << rows << "x" << cols);
     auto x = RandomVec(rows * cols, 70, -10, 10);
-    x[5 * cols + 9] = -12.25f;  // the amax
+    x[(rows / 2) * cols + cols - 1] = -12.25f;  // the amax
     Buf<float> in(be_.get(), x), s(be_.get(), {30.0f}), amax_a(be_.get(), {0.0f}),
         amax_b(be_.get(), {0.0f});
     Buf<uint8_t> plain(be_.get(), rows * cols), out(be_.get(), rows * cols),
@@ -560,6 +590,54 @@ std::vector<double> RefAttention(const std::vector<double>& q, const std::vector
   return out;
 }
 
+// Analytic gradients of L = <dout, attention(q, k, v)> in double, the textbook softmax backward:
+// dP = dO V^T, dS = P (dP - rowsum(P dP)) / sqrt(D), dQ = dS K, dK = dS^T Q, dV = P^T dO, summed
+// over the query heads of each kv group. Checked against finite differences on the small shapes.
+void RefAttentionBackward(const std::vector<double>& q, const std::vector<double>& k,
+                          const std::vector<double>& v, const std::vector<double>& dout, int B,
+                          int T, int H, int Hkv, int D, std::vector<double>* dq,
+                          std::vector<double>* dk, std::vector<double>* dv) {
+  dq->assign(q.size(), 0.0);
+  dk->assign(k.size(), 0.0);
+  dv->assign(v.size(), 0.0);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  std::vector<double> p(T), dp(T);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h) {
+      const int g = h / (H / Hkv);
+      auto Q = [&](int t, int d) { return q[((b * T + t) * H + h) * D + d]; };
+      auto K = [&](int t, int d) { return k[((b * T + t) * Hkv + g) * D + d]; };
+      auto V = [&](int t, int d) { return v[((b * T + t) * Hkv + g) * D + d]; };
+      auto dO = [&](int t, int d) { return dout[((b * T + t) * H + h) * D + d]; };
+      for (int i = 0; i < T; ++i) {
+        double mx = -1e300;
+        for (int j = 0; j <= i; ++j) {
+          double s = 0;
+          for (int d = 0; d < D; ++d) s += Q(i, d) * K(j, d);
+          p[j] = s * scale;
+          mx = std::max(mx, p[j]);
+        }
+        double sum = 0;
+        for (int j = 0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
+        double pdp = 0;
+        for (int j = 0; j <= i; ++j) {
+          p[j] /= sum;
+          dp[j] = 0;
+          for (int d = 0; d < D; ++d) dp[j] += dO(i, d) * V(j, d);
+          pdp += p[j] * dp[j];
+        }
+        for (int j = 0; j <= i; ++j) {
+          const double ds = p[j] * (dp[j] - pdp) * scale;
+          for (int d = 0; d < D; ++d) {
+            (*dq)[((b * T + i) * H + h) * D + d] += ds * K(j, d);
+            (*dk)[((b * T + j) * Hkv + g) * D + d] += ds * Q(i, d);
+            (*dv)[((b * T + j) * Hkv + g) * D + d] += p[j] * dO(i, d);
+          }
+        }
+      }
+    }
+}
+
 struct AttnShape {
   int B, T, H, Hkv, D;
 };
@@ -583,9 +661,8 @@ TEST_P(AttentionTest, ForwardMatchesNaiveSoftmax) {
   for (size_t i = 0; i < l.size(); ++i) ASSERT_NEAR(l[i], lse[i], 2e-5 * (1 + std::fabs(lse[i]))) << i;
 }
 
-TEST_P(AttentionTest, BackwardMatchesFiniteDifferences) {
+TEST_P(AttentionTest, BackwardMatchesAnalyticAndFiniteDifferences) {
   const AttnShape s = GetParam();
-  if (s.T > 80) GTEST_SKIP() << "finite differences only on the smaller shapes";
   auto q = RandomVec(s.B * s.T * s.H * s.D, 140, -2, 2);
   auto k = RandomVec(s.B * s.T * s.Hkv * s.D, 141, -2, 2);
   auto v = RandomVec(s.B * s.T * s.Hkv * s.D, 142);
@@ -597,6 +674,15 @@ TEST_P(AttentionTest, BackwardMatchesFiniteDifferences) {
   be_->AttentionBackward(bq.get(), bk.get(), bv.get(), bo.get(), bdo.get(), bl.get(), s.B, s.T,
                          s.H, s.Hkv, s.D, bdq.get(), bdk.get(), bdv.get());
   const auto qd = ToDouble(q), kd = ToDouble(k), vd = ToDouble(v), dod = ToDouble(dout);
+  auto dq = bdq.Host(), dk = bdk.Host(), dv = bdv.Host();
+  std::vector<double> rdq, rdk, rdv;
+  RefAttentionBackward(qd, kd, vd, dod, s.B, s.T, s.H, s.Hkv, s.D, &rdq, &rdk, &rdv);
+  // Gradients are f32 sums of up to T*H/Hkv terms of O(1) values (plus the recomputed softmax,
+  // a few ulps): (T*H/Hkv) * u * O(1) * small factor -> 1e-4 absolute covers T = 256.
+  for (size_t i = 0; i < q.size(); ++i) ASSERT_NEAR(dq[i], rdq[i], 1e-4) << "dq " << i;
+  for (size_t i = 0; i < k.size(); ++i) ASSERT_NEAR(dk[i], rdk[i], 1e-4) << "dk " << i;
+  for (size_t i = 0; i < v.size(); ++i) ASSERT_NEAR(dv[i], rdv[i], 1e-4) << "dv " << i;
+  if (s.T > 80) return;  // finite differences of the double forward only on the small shapes
   auto Lq = [&](const std::vector<double>& x) {
     return Dot(RefAttention(x, kd, vd, s.B, s.T, s.H, s.Hkv, s.D, nullptr), dod);
   };
@@ -606,8 +692,6 @@ TEST_P(AttentionTest, BackwardMatchesFiniteDifferences) {
   auto Lv = [&](const std::vector<double>& x) {
     return Dot(RefAttention(qd, kd, x, s.B, s.T, s.H, s.Hkv, s.D, nullptr), dod);
   };
-  auto dq = bdq.Host(), dk = bdk.Host(), dv = bdv.Host();
-  // Gradients are sums over up to T*H/Hkv terms of O(1) f32 values: 1e-4 absolute.
   // Every 3rd coordinate of q (cost), every coordinate of k and v (GQA accumulation).
   for (size_t i = 0; i < q.size(); i += 3) ASSERT_NEAR(dq[i], CentralDiff(Lq, qd, i), 1e-4) << "dq " << i;
   for (size_t i = 0; i < k.size(); ++i) ASSERT_NEAR(dk[i], CentralDiff(Lk, kd, i), 1e-4) << "dk " << i;
