@@ -121,9 +121,9 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id) {
   double last_val = NAN, ema_step = NAN;
   fsdp8::v1::JobState state = fsdp8::v1::JOB_STATE_UNSPECIFIED;
   bool bar_drawn = false;
-  auto clear_bar = [&] {
+  auto end_bar = [&] {  // keeps the last bar on its own line
     if (bar_drawn) {
-      printf("\r\033[K");
+      printf("\n");
       bar_drawn = false;
     }
   };
@@ -135,7 +135,7 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id) {
     if (is_step && ev.step_seconds() > 0)
       ema_step = std::isnan(ema_step) ? ev.step_seconds() : 0.9 * ema_step + 0.1 * ev.step_seconds();
     if (!is_step) {  // a state change or a notice
-      clear_bar();
+      end_bar();
       printf("%s: %s\n", State(ev.state()).c_str(), ev.message().c_str());
       fflush(stdout);
       return true;
@@ -165,7 +165,7 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id) {
     }
     return true;
   });
-  clear_bar();
+  end_bar();
   if (!job.ok()) return ReportError(job.status());
   printf("job %s %s after %lld/%lld steps: train loss %s, val loss %s\n", job->job_id().c_str(),
          State(job->state()).c_str(), static_cast<long long>(job->step()),

@@ -221,7 +221,8 @@ grpc::Status WorkerControlImpl::Session(
   v1::WorkerMessage m;
   while (stream->Read(&m)) workers_->OnMessage(id, *token, m);
   workers_->DetachSession(id, *token,
-                          ctx->IsCancelled() ? "session cancelled" : "session stream ended");
+                          ctx->IsCancelled() ? "session stream broken (worker gone or unreachable)"
+                                             : "session stream closed by the worker");
   sink->Stop();
   writer.join();
   return grpc::Status::OK;
