@@ -110,6 +110,7 @@ class JobRun {
             if (failed_rank_ < 0) failed_rank_ = static_cast<int>(r);
           }
         }
+        abort_failed_rank_ = true;  // a slow rank is alive: it must stop as well
         return absl::DeadlineExceededError(absl::StrCat("timed out waiting for ", what, " from ",
                                                         absl::StrJoin(names, ", ")));
       }
@@ -118,6 +119,8 @@ class JobRun {
       if (r < 0) continue;
       if (ev.kind == WorkerEvent::kLost) {
         failed_rank_ = r;
+        // Silent but maybe alive (its Session may still be open): tell it to abort too.
+        abort_failed_rank_ = ev.reason.rfind("no heartbeat", 0) == 0;
         return absl::UnavailableError(absl::StrCat(RankName(r), " lost: ", ev.reason));
       }
       const v1::WorkerMessage& m = ev.message;
@@ -243,7 +246,9 @@ class JobRun {
       }
       v1::CoordinatorMessage m;
       m.mutable_abort()->set_reason(reason);
-      SendAll(m, absl::IsCancelled(s) || absl::IsAborted(s) ? -1 : failed_rank_);
+      // Every rank gets Abort, except one whose failure it reported itself or whose session is gone.
+      const bool skip_failed = !(absl::IsCancelled(s) || absl::IsAborted(s) || abort_failed_rank_);
+      SendAll(m, skip_failed ? failed_rank_ : -1);
     }
     kv_->DeletePrefix(prefix_);
     workers_->Release(id);
@@ -261,6 +266,7 @@ class JobRun {
   std::vector<std::string> ranks_;
   std::string prefix_;
   int failed_rank_ = -1;
+  bool abort_failed_rank_ = false;
   std::atomic<bool> shutdown_{false};
   std::atomic<bool> done_{false};
   std::thread thread_;

@@ -413,6 +413,7 @@ TEST_F(SchedulerTest, WorkerErrorFailsJobAndAbortsOthers) {
   EXPECT_TRUE(WaitFor([&] { return w0->Count(v1::CoordinatorMessage::kAbort) == 1; }));
   EXPECT_TRUE(WaitFor([&] { return AllIdle(); }));
   EXPECT_EQ(workers_->FreeWorkers("cpu").size(), 2u) << "both sessions stay and are idle again";
+  EXPECT_EQ(w1->Count(v1::CoordinatorMessage::kAbort), 0) << "the failing rank already stopped";
 }
 
 TEST_F(SchedulerTest, LostSessionFailsJobWithinSeconds) {
@@ -440,6 +441,8 @@ TEST_F(SchedulerTest, HeartbeatTimeoutFailsJob) {
   EXPECT_TRUE(absl::StrContains(end.reason(), "rank 0 (worker " + w0->id() + ")")) << end.reason();
   EXPECT_TRUE(absl::StrContains(end.reason(), "heartbeat")) << end.reason();
   EXPECT_TRUE(WaitFor([&] { return w1->Count(v1::CoordinatorMessage::kAbort) == 1; }));
+  // The silent worker's session is still open: it is told to abort as well.
+  EXPECT_TRUE(WaitFor([&] { return w0->Count(v1::CoordinatorMessage::kAbort) == 1; }));
 }
 
 TEST_F(SchedulerTest, StepTimeoutFailsJob) {
