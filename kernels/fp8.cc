@@ -22,8 +22,8 @@ float DecodeFromFields(uint8_t code, int exp_bits, int mant_bits, bool ieee_spec
   } else if (exp_field == 0) {
     magnitude = std::ldexp(static_cast<float>(mant_field), 1 - bias - mant_bits);
   } else {
-    magnitude = std::ldexp(static_cast<float>((1 << mant_bits) | mant_field),
-                           exp_field - bias - mant_bits);
+    magnitude =
+        std::ldexp(static_cast<float>((1 << mant_bits) | mant_field), exp_field - bias - mant_bits);
   }
   return negative ? -magnitude : magnitude;
 }

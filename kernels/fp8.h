@@ -40,7 +40,8 @@ const float* Fp8DecodeTable(Fp8Format fmt);
 // Nearest FP8 code to x (ties to even), saturating, see the conventions above.
 uint8_t EncodeFp8(float x, Fp8Format fmt);
 
-// The same, with the format fixed at compile time (the inner loop of the CPU cast kernels).
+// The same, with the format fixed at compile time (the CPU backend builds its cast tables
+// with it).
 // Bit-level algorithm: kMant = mantissa bits, kBias = exponent bias, kMaxBits = f32 bits of max.
 namespace fp8_internal {
 
@@ -63,10 +64,10 @@ inline uint8_t Encode(float x) {
   const uint32_t u = FloatBits(x);
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return static_cast<uint8_t>(sign | 0x7Fu);  // NaN
+  if (a > 0x7F800000u) return static_cast<uint8_t>(sign | 0x7Fu);   // NaN
   if (a >= kMaxBits) return static_cast<uint8_t>(sign | kMaxCode);  // saturate (includes inf)
-  const int e = static_cast<int>(a >> 23) - 127;                      // unbiased f32 exponent
-  constexpr int kEmin = 1 - kBias;                                    // smallest normal exponent
+  const int e = static_cast<int>(a >> 23) - 127;                    // unbiased f32 exponent
+  constexpr int kEmin = 1 - kBias;                                  // smallest normal exponent
   if (e >= kEmin) {
     // Normal in FP8: drop 23 - kMant mantissa bits with RNE, then rebias the exponent. A carry out
     // of the mantissa correctly bumps the exponent; it cannot pass max (max is representable).
@@ -74,9 +75,10 @@ inline uint8_t Encode(float x) {
     return static_cast<uint8_t>(sign | (r - (static_cast<uint32_t>(127 - kBias) << kMant)));
   }
   if (e < -127 + 1) return sign;  // f32 zero or subnormal: far below the FP8 subnormal range
-  // FP8 subnormal range: code = round(|x| / 2^(kEmin - kMant)) = round(M24 * 2^(e - kEmin + kMant - 23)).
+  // FP8 subnormal range: code = round(|x| / 2^(kEmin - kMant)) = round(M24 * 2^(e - kEmin + kMant -
+  // 23)).
   const uint32_t m24 = (a & 0x7FFFFFu) | 0x800000u;
-  const int s = 23 + kEmin - kMant - e;  // > 23 - kMant
+  const int s = 23 + kEmin - kMant - e;                  // > 23 - kMant
   return static_cast<uint8_t>(sign | ShiftRne(m24, s));  // 1 << kMant (min normal) is also right
 }
 

@@ -2,7 +2,8 @@
 // (d 128, 4 layers, 4 heads of 32, ffn 384, seq 256, vocab 256, 8 sequences per rank = 2048
 // tokens), followed by the time of one synthetic training step that issues the ops of a full
 // forward + backward + AdamW of that model with FP8 (E4M3 activations/weights, E5M2 grad-outputs)
-// linears, in the order and number a trainer would. Inputs are random: this measures time, not math.
+// linears, in the order and number a trainer would. Inputs are random: this measures time, not
+// math.
 //
 // Usage: fsdp8-bench-cpu-ops [--threads N]   (OpenBLAS threads, default 1)
 #include <cblas.h>
@@ -97,11 +98,11 @@ int main(int argc, char** argv) {
   const Fp8Format e4 = Fp8Format::kE4M3, e5 = Fp8Format::kE5M2;
 
   // Activations and scratch of one layer, reused by every layer (timing only).
-  float* x = a.F(kN * kC);        // residual stream (N, C)
-  float* xn = a.F(kN * kC);       // normed (N, C)
+  float* x = a.F(kN * kC);   // residual stream (N, C)
+  float* xn = a.F(kN * kC);  // normed (N, C)
   float* rstd = a.F(kN);
   float* wn = a.F(kC, 0.5f, 1.5f);
-  float* q = a.F(kN * kC);        // (B, T, H, D)
+  float* q = a.F(kN * kC);  // (B, T, H, D)
   float* k = a.F(kN * kC);
   float* v = a.F(kN * kC);
   float* att = a.F(kN * kC);
@@ -130,7 +131,7 @@ int main(int argc, char** argv) {
   uint8_t* x8t = a.U8(kN * kF);  // its transpose (K, N)
   uint8_t* dy8 = a.U8(kN * kF);
   uint8_t* dy8t = a.U8(kN * kF);
-  uint8_t* w8 = a.U8(kF * kC);   // FP8 weight (N_out, K)
+  uint8_t* w8 = a.U8(kF * kC);  // FP8 weight (N_out, K)
   uint8_t* w8t = a.U8(kF * kC);
   float* scale = a.F(1, 1.0f, 1.0f);
   float* amax = a.F(1, 0.0f, 0.0f);
@@ -146,63 +147,54 @@ int main(int argc, char** argv) {
     be->GemmFp8(kN, nout, kin, x8, e4, scale, w8, e4, scale, y, false);
   };
   auto linear_bwd = [&](const float* dy, int64_t nout, int64_t kin, float* dx, bool acc) {
-    be->CastTransposeFp8(dy, kN, nout, scale, e5, dy8, dy8t, amax);  // dY (N,Nout), dY^T
-    be->TransposeBytes(w8, nout, kin, w8t);                          // W^T (Kin, Nout)
-    be->GemmFp8(kN, kin, nout, dy8, e5, scale, w8t, e4, scale, dx, acc);       // dX (N, Kin)
+    be->CastTransposeFp8(dy, kN, nout, scale, e5, dy8, dy8t, amax);             // dY (N,Nout), dY^T
+    be->TransposeBytes(w8, nout, kin, w8t);                                     // W^T (Kin, Nout)
+    be->GemmFp8(kN, kin, nout, dy8, e5, scale, w8t, e4, scale, dx, acc);        // dX (N, Kin)
     be->GemmFp8(nout, kin, kN, dy8t, e5, scale, x8t, e4, scale, dwbuf, false);  // dW (Nout, Kin)
   };
 
   std::printf("CPU backend, default model shapes (N = %lld tokens), OpenBLAS threads %d\n",
               static_cast<long long>(kN), threads);
   std::printf("  %-44s %9s %9s\n", "op", "wall ms", "cpu ms");
-  Report("RmsNormForward (2048x128)", fsdp8::bench::TimeIt([&] {
-           be->RmsNormForward(x, wn, 1e-5f, kN, kC, xn, rstd);
-         }));
-  Report("RmsNormBackward (2048x128)", fsdp8::bench::TimeIt([&] {
-           be->RmsNormBackward(dNC, x, wn, rstd, kN, kC, dNC2, dwn);
-         }));
-  Report("CastToFp8 E4M3 (2048x128)", fsdp8::bench::TimeIt([&] {
-           be->CastToFp8(x, x8, kN * kC, scale, e4, amax);
-         }));
-  Report("CastTransposeFp8 E4M3 (2048x128, both)", fsdp8::bench::TimeIt([&] {
-           be->CastTransposeFp8(x, kN, kC, scale, e4, x8, x8t, amax);
-         }));
+  Report("RmsNormForward (2048x128)",
+         fsdp8::bench::TimeIt([&] { be->RmsNormForward(x, wn, 1e-5f, kN, kC, xn, rstd); }));
+  Report("RmsNormBackward (2048x128)",
+         fsdp8::bench::TimeIt([&] { be->RmsNormBackward(dNC, x, wn, rstd, kN, kC, dNC2, dwn); }));
+  Report("CastToFp8 E4M3 (2048x128)",
+         fsdp8::bench::TimeIt([&] { be->CastToFp8(x, x8, kN * kC, scale, e4, amax); }));
+  Report("CastTransposeFp8 E4M3 (2048x128, both)",
+         fsdp8::bench::TimeIt([&] { be->CastTransposeFp8(x, kN, kC, scale, e4, x8, x8t, amax); }));
   Report("CastTransposeFp8 E5M2 (2048x384, both)", fsdp8::bench::TimeIt([&] {
            be->CastTransposeFp8(g, kN, kF, scale, e5, dy8, dy8t, amax);
          }));
   Report("GemmFp8 fwd 2048x128x128", fsdp8::bench::TimeIt([&] { linear_fwd(kC, kC, ybuf); }));
   Report("GemmFp8 fwd 2048x384x128", fsdp8::bench::TimeIt([&] { linear_fwd(kF, kC, ybuf); }));
   Report("GemmFp8 fwd 2048x128x384", fsdp8::bench::TimeIt([&] { linear_fwd(kC, kF, ybuf); }));
-  Report("FP8 linear bwd (dX + dW + casts), 384x128", fsdp8::bench::TimeIt([&] {
-           linear_bwd(g, kF, kC, ybuf, false);
-         }));
+  Report("FP8 linear bwd (dX + dW + casts), 384x128",
+         fsdp8::bench::TimeIt([&] { linear_bwd(g, kF, kC, ybuf, false); }));
   Report("Gemm f32 LM head fwd 2048x256x128", fsdp8::bench::TimeIt([&] {
            be->Gemm(false, true, kN, kV, kC, xn, wf32, logits, false, fsdp8::GemmInputs::kF32);
          }));
   Report("Gemm bf16 LM head fwd 2048x256x128", fsdp8::bench::TimeIt([&] {
            be->Gemm(false, true, kN, kV, kC, xn, wf32, logits, false, fsdp8::GemmInputs::kBF16);
          }));
-  Report("RopeForward q (8,256,4,32)", fsdp8::bench::TimeIt([&] {
-           be->RopeForward(q, kB, kT, kH, kD, kTheta);
-         }));
+  Report("RopeForward q (8,256,4,32)",
+         fsdp8::bench::TimeIt([&] { be->RopeForward(q, kB, kT, kH, kD, kTheta); }));
   Report("AttentionForward (8,256,4,32)", fsdp8::bench::TimeIt([&] {
            be->AttentionForward(q, k, v, kB, kT, kH, kH, kD, att, lse);
          }));
   Report("AttentionBackward (8,256,4,32)", fsdp8::bench::TimeIt([&] {
            be->AttentionBackward(q, k, v, att, dNC, lse, kB, kT, kH, kH, kD, dq, dk, dv);
          }));
-  Report("SwigluForward (2048x384)", fsdp8::bench::TimeIt([&] {
-           be->SwigluForward(g, u, kN * kF, h);
-         }));
-  Report("SwigluBackward (2048x384)", fsdp8::bench::TimeIt([&] {
-           be->SwigluBackward(h, g, u, kN * kF, dNF, dNF2);
-         }));
+  Report("SwigluForward (2048x384)",
+         fsdp8::bench::TimeIt([&] { be->SwigluForward(g, u, kN * kF, h); }));
+  Report("SwigluBackward (2048x384)",
+         fsdp8::bench::TimeIt([&] { be->SwigluBackward(h, g, u, kN * kF, dNF, dNF2); }));
   Report("CrossEntropyForwardBackward (2048x256)", fsdp8::bench::TimeIt([&] {
            be->CrossEntropyForwardBackward(logits, tokens, kN, kV, 1.0f / kN, losses);
          }));
-  Report("EmbeddingBackward (2048 tokens, 128)", fsdp8::bench::TimeIt([&] {
-           be->EmbeddingBackward(tokens, kN, dNC, kC, demb);
-         }));
+  Report("EmbeddingBackward (2048 tokens, 128)",
+         fsdp8::bench::TimeIt([&] { be->EmbeddingBackward(tokens, kN, dNC, kC, demb); }));
   Report("AdamW (460k params)", fsdp8::bench::TimeIt([&] {
            be->AdamW(p, pg, pm, pv, shard, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 10, 1.0f);
          }));
@@ -244,8 +236,8 @@ int main(int argc, char** argv) {
       // MLP block backward (activations recomputed or kept: the kept case is timed here)
       linear_bwd(dNC2, kC, kF, dNF, false);  // down
       be->SwigluBackward(dNF, g, u, kN * kF, h, dNF2);
-      linear_bwd(h, kF, kC, dNC, false);      // gate
-      linear_bwd(dNF2, kF, kC, dNC, true);    // up
+      linear_bwd(h, kF, kC, dNC, false);    // gate
+      linear_bwd(dNF2, kF, kC, dNC, true);  // up
       be->RmsNormBackward(dNC, x, wn, rstd, kN, kC, dNC, dwn);
       be->Axpy(1.0f, dNC, dNC2, kN * kC);
       // attention block backward
@@ -265,7 +257,9 @@ int main(int argc, char** argv) {
     be->Synchronize();
   };
   const fsdp8::bench::Timing t_step = fsdp8::bench::TimeIt(step, 2.0);
-  std::printf("synthetic training step (fwd+bwd+AdamW, FP8 linears, 2048 tokens): "
-              "%.1f ms wall, %.1f ms cpu\n", t_step.wall * 1e3, t_step.cpu * 1e3);
+  std::printf(
+      "synthetic training step (fwd+bwd+AdamW, FP8 linears, 2048 tokens): "
+      "%.1f ms wall, %.1f ms cpu\n",
+      t_step.wall * 1e3, t_step.cpu * 1e3);
   return 0;
 }

@@ -12,13 +12,12 @@
 #include "kernels/fp8.h"
 
 // A broken invariant inside a kernel is a programming error: report file:line and abort.
-#define FSDP8_CPU_CHECK(cond)                                                           \
-  do {                                                                                  \
-    if (!(cond)) {                                                                      \
-      std::fprintf(stderr, "%s:%d: CpuBackend check failed: %s\n", __FILE__, __LINE__, \
-                   #cond);                                                              \
-      std::abort();                                                                     \
-    }                                                                                   \
+#define FSDP8_CPU_CHECK(cond)                                                                  \
+  do {                                                                                         \
+    if (!(cond)) {                                                                             \
+      std::fprintf(stderr, "%s:%d: CpuBackend check failed: %s\n", __FILE__, __LINE__, #cond); \
+      std::abort();                                                                            \
+    }                                                                                          \
   } while (0)
 
 namespace fsdp8 {
@@ -131,7 +130,8 @@ CpuBackend::~CpuBackend() {
 // ---- memory ---------------------------------------------------------------------------------
 
 void* CpuBackend::Alloc(size_t bytes) {
-  const size_t rounded = std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  const size_t rounded =
+      std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
   void* p = std::aligned_alloc(kAlignment, rounded);
   FSDP8_CPU_CHECK(p != nullptr);  // host out of memory: abort (backend.h, Errors)
   sizes_[p] = bytes;
@@ -330,8 +330,8 @@ void CpuBackend::RmsNormForward(const float* x, const float* w, float eps, int64
   }
 }
 
-void CpuBackend::RmsNormBackward(const float* dy, const float* x, const float* w,
-                                 const float* rstd, int64_t N, int64_t C, float* dx, float* dw) {
+void CpuBackend::RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
+                                 int64_t N, int64_t C, float* dx, float* dw) {
   // y_c = x_c r w_c with r = (mean(x^2) + eps)^(-1/2), dr/dx_c = -r^3 x_c / C, so
   // dx_c = r w_c dy_c - (r^3 / C) x_c sum_k dy_k w_k x_k;   dw_c += sum_n dy_nc x_nc r_n.
   for (int64_t n = 0; n < N; ++n) {
@@ -400,8 +400,7 @@ void CpuBackend::RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t 
   RopeApply(x, B, T, H, D, theta, 1.0f);
 }
 
-void CpuBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D,
-                              float theta) {
+void CpuBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
   // The rotation is orthogonal: its Jacobian transpose is the rotation by -angle.
   RopeApply(dx, B, T, H, D, theta, -1.0f);
 }
@@ -429,8 +428,8 @@ void CpuBackend::AttentionForward(const float* q, const float* k, const float* v
       for (int64_t i0 = 0; i0 < T; i0 += kAttnBlock) {
         const int64_t i1 = std::min(T, i0 + kAttnBlock);
         // S[i0:i1, 0:i1] = scale * Q[i0:i1] · K[0:i1]^T
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale,
-                    qh + i0 * ldq, ldq, kg, ldk, 0.0f, P + i0 * T, T);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq,
+                    ldq, kg, ldk, 0.0f, P + i0 * T, T);
         for (int64_t i = i0; i < i1; ++i) {
           float* row = P + i * T;
           float mx = -std::numeric_limits<float>::infinity();
@@ -446,17 +445,17 @@ void CpuBackend::AttentionForward(const float* q, const float* k, const float* v
           lh[i] = mx + std::log(sum);
         }
         // O[i0:i1] = P[i0:i1, 0:i1] · V[0:i1]
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, P + i0 * T,
-                    T, vg, ldk, 0.0f, oh + i0 * ldq, ldq);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, P + i0 * T, T,
+                    vg, ldk, 0.0f, oh + i0 * ldq, ldq);
       }
     }
   }
 }
 
-void CpuBackend::AttentionBackward(const float* q, const float* k, const float* v,
-                                   const float* out, const float* dout, const float* lse,
-                                   int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                   float* dq, float* dk, float* dv) {
+void CpuBackend::AttentionBackward(const float* q, const float* k, const float* v, const float* out,
+                                   const float* dout, const float* lse, int64_t B, int64_t T,
+                                   int64_t H, int64_t Hkv, int64_t D, float* dq, float* dk,
+                                   float* dv) {
   FSDP8_CPU_CHECK(Hkv > 0 && H % Hkv == 0);
   if (B == 0 || T == 0 || H == 0) return;
   const int64_t group = H / Hkv;
@@ -482,11 +481,11 @@ void CpuBackend::AttentionBackward(const float* q, const float* k, const float* 
       for (int64_t i0 = 0; i0 < T; i0 += kAttnBlock) {
         const int64_t i1 = std::min(T, i0 + kAttnBlock);
         // P[i0:i1, 0:i1] = exp(scale * Q K^T - lse), zero above the diagonal.
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale,
-                    qh + i0 * ldq, ldq, kg, ldk, 0.0f, P + i0 * T, T);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq,
+                    ldq, kg, ldk, 0.0f, P + i0 * T, T);
         // dP[i0:i1, 0:i1] = dO[i0:i1] · V[0:i1]^T
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, 1.0f,
-                    doh + i0 * ldq, ldq, vg, ldk, 0.0f, dS + i0 * T, T);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, 1.0f, doh + i0 * ldq,
+                    ldq, vg, ldk, 0.0f, dS + i0 * T, T);
         for (int64_t i = i0; i < i1; ++i) {
           float* prow = P + i * T;
           float* srow = dS + i * T;
@@ -503,8 +502,8 @@ void CpuBackend::AttentionBackward(const float* q, const float* k, const float* 
           }
         }
         // dQ[i0:i1] = dS[i0:i1, 0:i1] · K[0:i1]
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, dS + i0 * T,
-                    T, kg, ldk, 0.0f, dqh + i0 * ldq, ldq);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, dS + i0 * T, T,
+                    kg, ldk, 0.0f, dqh + i0 * ldq, ldq);
       }
       // Column blocks for dK/dV: keys [j0, j1) are used by queries [j0, T) only, and every row
       // block at or below j0 has these columns filled (zeros above the diagonal).

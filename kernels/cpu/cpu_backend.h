@@ -7,6 +7,9 @@
 //     rounding is the f32 accumulation inside sgemm and the final multiply by
 //     (*a_scale_inv) * (*b_scale_inv).
 //   * Gemm with GemmInputs::kBF16 rounds copies of A and B to bfloat16 (RNE) and calls sgemm.
+//   * Casts to FP8 look codes up in a 2 x 65536-entry table per format indexed by the top 16 bits
+//     of the scaled f32 and a sticky bit for the low 16 (exact: built with kernels/fp8.h), and
+//     transposing casts go through 64 x 64 byte tiles.
 //   * Attention works one (batch, head) at a time on two T x T f32 scratch matrices (scores and
 //     their gradient); nothing T x T outlives the call. The backward recomputes the probabilities
 //     from the saved log-sum-exp.
@@ -90,8 +93,8 @@ class CpuBackend final : public Backend {
                          int64_t Hkv, int64_t D, float* dq, float* dk, float* dv) override;
 
   void SwigluForward(const float* gate, const float* up, int64_t n, float* h) override;
-  void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
-                      float* dgate, float* dup) override;
+  void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate,
+                      float* dup) override;
 
   void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N, int64_t V,
                                    float grad_scale, float* losses) override;

@@ -16,6 +16,7 @@
 #include <functional>
 #include <initializer_list>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -167,7 +168,8 @@ TEST_F(CpuBackendTest, GemmAllTransposeCombinationsF32) {
           const double w = want[i] + (acc ? C0[i] : 0.0);
           // K*u*sum|ab| (+ one rounding of the add to C) -- see the header comment.
           const double tol = 2 * K * kU * (abs_sum[i] + std::fabs(w)) + 1e-30;
-          ASSERT_NEAR(got[i], w, tol) << "ta=" << ta << " tb=" << tb << " acc=" << acc << " i=" << i;
+          ASSERT_NEAR(got[i], w, tol)
+              << "ta=" << ta << " tb=" << tb << " acc=" << acc << " i=" << i;
         }
       }
     }
@@ -322,7 +324,8 @@ TEST_F(CpuBackendTest, C01_AmaxSurfacesNonFiniteAndCastNeverProducesInf) {
     Buf<float> in(be_.get(), {1.0f, nan, 2.0f}), amax(be_.get(), {5.0f});
     Buf<uint8_t> out(be_.get(), 3);
     be_->CastToFp8(in.get(), out.get(), 3, s.get(), Fp8Format::kE5M2, amax.get());
-    EXPECT_TRUE(std::isnan(amax.Host()[0]));  // NaN reaches the scaling logic, which keeps the old scale
+    EXPECT_TRUE(
+        std::isnan(amax.Host()[0]));  // NaN reaches the scaling logic, which keeps the old scale
     EXPECT_TRUE(std::isnan(RefDecode(out.Host()[1], Fp8Format::kE5M2)));
     Buf<float> amax2(be_.get(), {nan});
     be_->AmaxAccumulate(in.get(), 1, amax2.get());
@@ -344,29 +347,30 @@ TEST_F(CpuBackendTest, CastTransposeEqualsTransposeOfCast) {
   // Shapes with partial tiles in one or both dimensions, and a power-of-two one.
   const std::pair<int, int> shapes[] = {{37, 70}, {130, 200}, {256, 128}, {1, 5}};
   for (auto [rows, cols] : shapes)
-  for (Fp8Format fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
-    SCOPED_TRACE(::testing::Message() << rows << "x" << cols);
-    auto x = RandomVec(rows * cols, 70, -10, 10);
-    x[(rows / 2) * cols + cols - 1] = -12.25f;  // the amax
-    Buf<float> in(be_.get(), x), s(be_.get(), {30.0f}), amax_a(be_.get(), {0.0f}),
-        amax_b(be_.get(), {0.0f});
-    Buf<uint8_t> plain(be_.get(), rows * cols), out(be_.get(), rows * cols),
-        out_t(be_.get(), rows * cols), out_t_only(be_.get(), rows * cols);
-    be_->CastToFp8(in.get(), plain.get(), rows * cols, s.get(), fmt, amax_a.get());
-    be_->CastTransposeFp8(in.get(), rows, cols, s.get(), fmt, out.get(), out_t.get(), amax_b.get());
-    be_->CastTransposeFp8(in.get(), rows, cols, s.get(), fmt, nullptr, out_t_only.get(), nullptr);
-    auto p = plain.Host(), o = out.Host(), t = out_t.Host(), t2 = out_t_only.Host();
-    EXPECT_EQ(o, p);
-    EXPECT_EQ(t2, t);
-    for (int r = 0; r < rows; ++r)
-      for (int c = 0; c < cols; ++c) ASSERT_EQ(t[c * rows + r], p[r * cols + c]) << r << "," << c;
-    EXPECT_EQ(amax_a.Host()[0], 12.25f);
-    EXPECT_EQ(amax_b.Host()[0], 12.25f);
-    // TransposeBytes of the transposed codes gives back the original layout.
-    Buf<uint8_t> back(be_.get(), rows * cols);
-    be_->TransposeBytes(out_t.get(), cols, rows, back.get());
-    EXPECT_EQ(back.Host(), p);
-  }
+    for (Fp8Format fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      SCOPED_TRACE(::testing::Message() << rows << "x" << cols);
+      auto x = RandomVec(rows * cols, 70, -10, 10);
+      x[(rows / 2) * cols + cols - 1] = -12.25f;  // the amax
+      Buf<float> in(be_.get(), x), s(be_.get(), {30.0f}), amax_a(be_.get(), {0.0f}),
+          amax_b(be_.get(), {0.0f});
+      Buf<uint8_t> plain(be_.get(), rows * cols), out(be_.get(), rows * cols),
+          out_t(be_.get(), rows * cols), out_t_only(be_.get(), rows * cols);
+      be_->CastToFp8(in.get(), plain.get(), rows * cols, s.get(), fmt, amax_a.get());
+      be_->CastTransposeFp8(in.get(), rows, cols, s.get(), fmt, out.get(), out_t.get(),
+                            amax_b.get());
+      be_->CastTransposeFp8(in.get(), rows, cols, s.get(), fmt, nullptr, out_t_only.get(), nullptr);
+      auto p = plain.Host(), o = out.Host(), t = out_t.Host(), t2 = out_t_only.Host();
+      EXPECT_EQ(o, p);
+      EXPECT_EQ(t2, t);
+      for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < cols; ++c) ASSERT_EQ(t[c * rows + r], p[r * cols + c]) << r << "," << c;
+      EXPECT_EQ(amax_a.Host()[0], 12.25f);
+      EXPECT_EQ(amax_b.Host()[0], 12.25f);
+      // TransposeBytes of the transposed codes gives back the original layout.
+      Buf<uint8_t> back(be_.get(), rows * cols);
+      be_->TransposeBytes(out_t.get(), cols, rows, back.get());
+      EXPECT_EQ(back.Host(), p);
+    }
 }
 
 TEST_F(CpuBackendTest, DequantizeFp8) {
@@ -504,8 +508,12 @@ TEST_F(CpuBackendTest, RmsNormForwardBackward) {
   }
   be_->RmsNormBackward(bdy.get(), bx.get(), bw.get(), rstd.get(), N, C, bdx.get(), bdw.get());
   auto dx = bdx.Host(), dw = bdw.Host();
-  auto loss_x = [&](const std::vector<double>& xv) { return Dot(RefRmsNorm(xv, wd, eps, N, C), dyd); };
-  auto loss_w = [&](const std::vector<double>& wv) { return Dot(RefRmsNorm(xd, wv, eps, N, C), dyd); };
+  auto loss_x = [&](const std::vector<double>& xv) {
+    return Dot(RefRmsNorm(xv, wd, eps, N, C), dyd);
+  };
+  auto loss_w = [&](const std::vector<double>& wv) {
+    return Dot(RefRmsNorm(xd, wv, eps, N, C), dyd);
+  };
   for (int i = 0; i < N * C; ++i) ASSERT_NEAR(dx[i], CentralDiff(loss_x, xd, i), 2e-5) << i;
   for (int c = 0; c < C; ++c)
     ASSERT_NEAR(dw[c], dw0[c] + CentralDiff(loss_w, wd, c), 2e-5) << c;  // accumulates
@@ -541,7 +549,8 @@ TEST_F(CpuBackendTest, RopeMatchesHfRotateHalfAndBackwardIsTranspose) {
   be_->RopeForward(bx.get(), B, T, H, D, theta);
   auto got = bx.Host();
   auto want = RefRope(ToDouble(x), B, T, H, D, theta);
-  // The f32 angle t*inv_freq (t < 50) is off by up to ~50*u rad from the exact one; values are O(1).
+  // The f32 angle t*inv_freq (t < 50) is off by up to ~50*u rad from the exact one; values are
+  // O(1).
   for (size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-5) << i;
   // Backward: dL/dx for L = <dy, rope(x)>, by finite differences of the double reference
   // (spot-check every 7th coordinate; the op is linear so the difference is exact to ~1e-10).
@@ -550,9 +559,12 @@ TEST_F(CpuBackendTest, RopeMatchesHfRotateHalfAndBackwardIsTranspose) {
   be_->RopeBackward(bdy.get(), B, T, H, D, theta);
   auto dx = bdy.Host();
   const auto dyd = ToDouble(dy);
-  auto loss = [&](const std::vector<double>& xv) { return Dot(RefRope(xv, B, T, H, D, theta), dyd); };
+  auto loss = [&](const std::vector<double>& xv) {
+    return Dot(RefRope(xv, B, T, H, D, theta), dyd);
+  };
   const auto xd = ToDouble(x);
-  for (size_t i = 0; i < x.size(); i += 7) ASSERT_NEAR(dx[i], CentralDiff(loss, xd, i, 1e-3), 1e-5) << i;
+  for (size_t i = 0; i < x.size(); i += 7)
+    ASSERT_NEAR(dx[i], CentralDiff(loss, xd, i, 1e-3), 1e-5) << i;
 }
 
 // ---- attention --------------------------------------------------------------------------------
@@ -641,6 +653,9 @@ void RefAttentionBackward(const std::vector<double>& q, const std::vector<double
 struct AttnShape {
   int B, T, H, Hkv, D;
 };
+void PrintTo(const AttnShape& s, std::ostream* os) {
+  *os << "B=" << s.B << " T=" << s.T << " H=" << s.H << " Hkv=" << s.Hkv << " D=" << s.D;
+}
 
 class AttentionTest : public CpuBackendTest, public ::testing::WithParamInterface<AttnShape> {};
 
@@ -651,14 +666,16 @@ TEST_P(AttentionTest, ForwardMatchesNaiveSoftmax) {
   auto v = RandomVec(s.B * s.T * s.Hkv * s.D, 132);
   Buf<float> bq(be_.get(), q), bk(be_.get(), k), bv(be_.get(), v), bo(be_.get(), q.size()),
       bl(be_.get(), s.B * s.H * s.T);
-  be_->AttentionForward(bq.get(), bk.get(), bv.get(), s.B, s.T, s.H, s.Hkv, s.D, bo.get(), bl.get());
+  be_->AttentionForward(bq.get(), bk.get(), bv.get(), s.B, s.T, s.H, s.Hkv, s.D, bo.get(),
+                        bl.get());
   std::vector<double> lse;
   auto want = RefAttention(ToDouble(q), ToDouble(k), ToDouble(v), s.B, s.T, s.H, s.Hkv, s.D, &lse);
   auto out = bo.Host(), l = bl.Host();
   // Scores are O(D) sums of products of O(1) values; softmax and P·V add a T-term f32 sum of
   // values bounded by max|v| = 1: ~T*u plus exp's few ulps -> 2e-5 absolute is ample.
   for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], want[i], 2e-5) << i;
-  for (size_t i = 0; i < l.size(); ++i) ASSERT_NEAR(l[i], lse[i], 2e-5 * (1 + std::fabs(lse[i]))) << i;
+  for (size_t i = 0; i < l.size(); ++i)
+    ASSERT_NEAR(l[i], lse[i], 2e-5 * (1 + std::fabs(lse[i]))) << i;
 }
 
 TEST_P(AttentionTest, BackwardMatchesAnalyticAndFiniteDifferences) {
@@ -670,9 +687,10 @@ TEST_P(AttentionTest, BackwardMatchesAnalyticAndFiniteDifferences) {
   Buf<float> bq(be_.get(), q), bk(be_.get(), k), bv(be_.get(), v), bo(be_.get(), q.size()),
       bl(be_.get(), s.B * s.H * s.T), bdo(be_.get(), dout), bdq(be_.get(), q.size(), 9.0f),
       bdk(be_.get(), k.size(), 9.0f), bdv(be_.get(), v.size(), 9.0f);  // 9: must be overwritten
-  be_->AttentionForward(bq.get(), bk.get(), bv.get(), s.B, s.T, s.H, s.Hkv, s.D, bo.get(), bl.get());
-  be_->AttentionBackward(bq.get(), bk.get(), bv.get(), bo.get(), bdo.get(), bl.get(), s.B, s.T,
-                         s.H, s.Hkv, s.D, bdq.get(), bdk.get(), bdv.get());
+  be_->AttentionForward(bq.get(), bk.get(), bv.get(), s.B, s.T, s.H, s.Hkv, s.D, bo.get(),
+                        bl.get());
+  be_->AttentionBackward(bq.get(), bk.get(), bv.get(), bo.get(), bdo.get(), bl.get(), s.B, s.T, s.H,
+                         s.Hkv, s.D, bdq.get(), bdk.get(), bdv.get());
   const auto qd = ToDouble(q), kd = ToDouble(k), vd = ToDouble(v), dod = ToDouble(dout);
   auto dq = bdq.Host(), dk = bdk.Host(), dv = bdv.Host();
   std::vector<double> rdq, rdk, rdv;
@@ -693,16 +711,25 @@ TEST_P(AttentionTest, BackwardMatchesAnalyticAndFiniteDifferences) {
     return Dot(RefAttention(qd, kd, x, s.B, s.T, s.H, s.Hkv, s.D, nullptr), dod);
   };
   // Every 3rd coordinate of q (cost), every coordinate of k and v (GQA accumulation).
-  for (size_t i = 0; i < q.size(); i += 3) ASSERT_NEAR(dq[i], CentralDiff(Lq, qd, i), 1e-4) << "dq " << i;
-  for (size_t i = 0; i < k.size(); ++i) ASSERT_NEAR(dk[i], CentralDiff(Lk, kd, i), 1e-4) << "dk " << i;
-  for (size_t i = 0; i < v.size(); ++i) ASSERT_NEAR(dv[i], CentralDiff(Lv, vd, i), 1e-4) << "dv " << i;
+  for (size_t i = 0; i < q.size(); i += 3)
+    ASSERT_NEAR(dq[i], CentralDiff(Lq, qd, i), 1e-4) << "dq " << i;
+  for (size_t i = 0; i < k.size(); ++i)
+    ASSERT_NEAR(dk[i], CentralDiff(Lk, kd, i), 1e-4) << "dk " << i;
+  for (size_t i = 0; i < v.size(); ++i)
+    ASSERT_NEAR(dv[i], CentralDiff(Lv, vd, i), 1e-4) << "dv " << i;
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest,
-                         ::testing::Values(AttnShape{2, 9, 2, 2, 4},     // MHA, tiny
-                                           AttnShape{1, 70, 4, 2, 4},    // GQA, crosses a 64-row block
-                                           AttnShape{2, 130, 4, 2, 8},   // GQA, 3 blocks (forward only)
-                                           AttnShape{1, 256, 4, 4, 32}));  // default model's head
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, AttentionTest,
+    ::testing::Values(AttnShape{2, 9, 2, 2, 4},      // MHA, tiny
+                      AttnShape{1, 70, 4, 2, 4},     // GQA, crosses a 64-row block
+                      AttnShape{2, 130, 4, 2, 8},    // GQA, 3 blocks (forward only)
+                      AttnShape{1, 256, 4, 4, 32}),  // default model's head
+    [](const ::testing::TestParamInfo<AttnShape>& info) {
+      const AttnShape& s = info.param;
+      return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_H" + std::to_string(s.H) +
+             "_Hkv" + std::to_string(s.Hkv) + "_D" + std::to_string(s.D);
+    });
 
 // ---- SwiGLU -----------------------------------------------------------------------------------
 

@@ -42,8 +42,8 @@ inline double RefDecode(uint8_t code, Fp8Format fmt) {
     return std::numeric_limits<double>::quiet_NaN();
   }
   const double frac = static_cast<double>(m) / static_cast<double>(1 << l.mant_bits);
-  if (e == 0) return sign * std::pow(2.0, 1 - l.bias) * frac;          // subnormal
-  return sign * std::pow(2.0, e - l.bias) * (1.0 + frac);              // normal
+  if (e == 0) return sign * std::pow(2.0, 1 - l.bias) * frac;  // subnormal
+  return sign * std::pow(2.0, e - l.bias) * (1.0 + frac);      // normal
 }
 
 inline bool RefIsFinite(uint8_t code, Fp8Format fmt) { return std::isfinite(RefDecode(code, fmt)); }
@@ -71,9 +71,12 @@ inline uint8_t RefEncode(double x, Fp8Format fmt) {
   auto lo = hi - 1;  // lo->first <= a < hi->first
   const double dlo = a - lo->first, dhi = hi->first - a;
   int code;
-  if (dlo < dhi) code = lo->second;
-  else if (dhi < dlo) code = hi->second;
-  else code = (lo->second % 2 == 0) ? lo->second : hi->second;
+  if (dlo < dhi)
+    code = lo->second;
+  else if (dhi < dlo)
+    code = hi->second;
+  else
+    code = (lo->second % 2 == 0) ? lo->second : hi->second;
   return sign | static_cast<uint8_t>(code);
 }
 

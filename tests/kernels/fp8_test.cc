@@ -49,9 +49,9 @@ TEST(Fp8Codec, C02_SpecTableValues) {
   const Fp8Format e4 = Fp8Format::kE4M3, e5 = Fp8Format::kE5M2;
   EXPECT_EQ(DecodeFp8(0x7E, e4), 448.0f);
   EXPECT_EQ(DecodeFp8(0xFE, e4), -448.0f);
-  EXPECT_EQ(DecodeFp8(0x08, e4), std::ldexp(1.0f, -6));   // min normal
+  EXPECT_EQ(DecodeFp8(0x08, e4), std::ldexp(1.0f, -6));           // min normal
   EXPECT_EQ(DecodeFp8(0x07, e4), 0.875f * std::ldexp(1.0f, -6));  // max subnormal
-  EXPECT_EQ(DecodeFp8(0x01, e4), std::ldexp(1.0f, -9));   // min subnormal
+  EXPECT_EQ(DecodeFp8(0x01, e4), std::ldexp(1.0f, -9));           // min subnormal
   EXPECT_EQ(DecodeFp8(0x38, e4), 1.0f);
   EXPECT_EQ(DecodeFp8(0x78, e4), 256.0f);  // S.1111.000 is a normal number in E4M3
   EXPECT_TRUE(std::isnan(DecodeFp8(0x7F, e4)));
@@ -123,8 +123,8 @@ TEST(Fp8Codec, C02_SaturatesNeverInf) {
     EXPECT_EQ(EncodeFp8(-x, e4), 0xFE) << -x;
     EXPECT_EQ(DecodeFp8(EncodeFp8(x, e4), e4), 448.0f) << x;
   }
-  for (float x : {57344.0f, 60000.0f, 61440.0f, 65536.0f, 1e9f, std::numeric_limits<float>::max(),
-                  kInf}) {
+  for (float x :
+       {57344.0f, 60000.0f, 61440.0f, 65536.0f, 1e9f, std::numeric_limits<float>::max(), kInf}) {
     EXPECT_EQ(EncodeFp8(x, e5), 0x7B) << x;
     EXPECT_EQ(EncodeFp8(-x, e5), 0xFB) << -x;
     EXPECT_EQ(DecodeFp8(EncodeFp8(x, e5), e5), 57344.0f) << x;
@@ -137,8 +137,9 @@ TEST(Fp8Codec, C02_SaturatesNeverInf) {
 
 TEST(Fp8Codec, C02_NaNStaysNaN) {
   for (Fp8Format fmt : kFormats) {
-    for (float x : {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
-                    std::numeric_limits<float>::signaling_NaN()}) {
+    for (float x :
+         {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
+          std::numeric_limits<float>::signaling_NaN()}) {
       EXPECT_TRUE(std::isnan(DecodeFp8(EncodeFp8(x, fmt), fmt))) << FmtName(fmt);
     }
   }
