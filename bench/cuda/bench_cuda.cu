@@ -1,0 +1,332 @@
+// fsdp8-bench-cuda: throughput of the CUDA backend on the 1b preset's shapes (d 2048, ffn 5632,
+// 16 heads, seq 2048, 8 sequences per GPU -> M = 16384 tokens), on one GPU.
+//
+//  (a) GemmFp8 exactly as the worker issues it (Backend::GemmFp8: the backend's descriptor cache,
+//      workspace and device scale pointers; f32 output; casts excluded) next to a bare cuBLASLt
+//      call on the same problem (fresh descriptors, the heuristic's best algorithm, same types and
+//      scale pointers), for Y = X W^T, dX = dY W and dW = dY^T X of the QKV/O, gate/up and down
+//      projections. TFLOP/s = 2 M N K / time.
+//  (b) CastTransposeFp8 bandwidth (bytes read + written / time) at 16384 x 2048 and 16384 x 5632,
+//      against cudaMemcpyDeviceToDevice of 1 GiB measured in the same run (2 bytes moved per byte).
+//  (c) causal attention forward + backward at B 8, H 16, D 128, T 2048 through the Backend (f32
+//      storage), FLOPs 2 B H T^2 D forward and 2.5 x that backward.
+//
+// Timing: cudaEvents around each call on the backend's stream, 5 warm-up calls, median of 21,
+// inputs rotated between two sets. Usage: fsdp8-bench-cuda [--device N] [--quick]
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace {
+
+#define CK(x)                                                                              \
+  do {                                                                                     \
+    cudaError_t e_ = (x);                                                                  \
+    if (e_ != cudaSuccess) {                                                               \
+      std::fprintf(stderr, "%s failed: %s at %s:%d\n", #x, cudaGetErrorString(e_), __FILE__, __LINE__); \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+#define CKB(x)                                                                             \
+  do {                                                                                     \
+    cublasStatus_t s_ = (x);                                                               \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                     \
+      std::fprintf(stderr, "%s failed: status %d at %s:%d\n", #x, static_cast<int>(s_), __FILE__, __LINE__); \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+int g_warm = 5, g_iters = 21;
+
+// Median milliseconds of fn(i) on `stream`.
+double MedianMs(cudaStream_t stream, const std::function<void(int)>& fn) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < g_warm; ++i) fn(i);
+  std::vector<double> ms;
+  for (int i = 0; i < g_iters; ++i) {
+    CK(cudaEventRecord(a, stream));
+    fn(i);
+    CK(cudaEventRecord(b, stream));
+    CK(cudaEventSynchronize(b));
+    float t = 0;
+    CK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+__global__ void FillCodes(uint8_t* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    h ^= h >> 15;
+    // |value| in [2^-3, 2^3] for either format, random sign: finite, no NaN.
+    p[i] = static_cast<uint8_t>((h & 0x80u) | (0x28u + (h >> 8) % 0x30u));
+  }
+}
+
+__global__ void FillFloats(float* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    h ^= h >> 15;
+    p[i] = (static_cast<float>(h & 0xFFFFFF) / 16777216.0f - 0.5f) * 4.0f;
+  }
+}
+
+struct Row {
+  std::string section, name, value, ref, ratio;
+};
+std::vector<Row> g_rows;
+
+struct GemmShape {
+  const char* name;
+  int64_t M, N, K;
+  fsdp8::Fp8Format a, b;
+};
+
+// Bare cuBLASLt: fresh descriptors and the heuristic's best algorithm; same problem as the
+// backend's (see kernels/cuda/gemm.h for the row-major -> column-major mapping).
+double BareLt(cudaStream_t stream, const GemmShape& s, uint8_t* const A[2], uint8_t* const B[2],
+              float* C, const float* sa, const float* sb, void* ws, size_t ws_bytes) {
+  cublasLtHandle_t h;
+  CKB(cublasLtCreate(&h));
+  cublasLtMatmulDesc_t desc;
+  CKB(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t T = CUBLAS_OP_T, N = CUBLAS_OP_N;
+  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &T, sizeof(T)));
+  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &N, sizeof(N)));
+  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)));
+  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof(sa)));
+  auto ty = [](fsdp8::Fp8Format f) { return f == fsdp8::Fp8Format::kE5M2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3; };
+  cublasLtMatrixLayout_t la, lb, lc;
+  CKB(cublasLtMatrixLayoutCreate(&la, ty(s.b), s.K, s.N, s.K));
+  CKB(cublasLtMatrixLayoutCreate(&lb, ty(s.a), s.K, s.M, s.K));
+  CKB(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, s.N, s.M, s.N));
+  cublasLtMatmulPreference_t pref;
+  CKB(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t wsb = ws_bytes;
+  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)));
+  cublasLtMatmulHeuristicResult_t res{};
+  int found = 0;
+  CKB(cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, 1, &res, &found));
+  if (found == 0) {
+    std::fprintf(stderr, "bare cuBLASLt: no algorithm for %s\n", s.name);
+    return -1;
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  const double ms = MedianMs(stream, [&](int i) {
+    CKB(cublasLtMatmul(h, desc, &alpha, B[i & 1], la, A[i & 1], lb, &beta, C, lc, C, lc, &res.algo, ws,
+                       ws_bytes, stream));
+  });
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(lc);
+  cublasLtMatmulDescDestroy(desc);
+  cublasLtDestroy(h);
+  return ms;
+}
+
+char* Fmt(double v, const char* unit) {
+  static char buf[8][64];
+  static int k = 0;
+  char* b = buf[k++ & 7];
+  std::snprintf(b, 64, "%.1f %s", v, unit);
+  return b;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int device = 0;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--device") && i + 1 < argc) device = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--quick")) quick = true;
+  }
+  if (quick) {
+    g_warm = 2;
+    g_iters = 5;
+  }
+  std::string err;
+  std::unique_ptr<fsdp8::Backend> be = fsdp8::CreateBackend("cuda", device, &err);
+  if (!be) {
+    std::fprintf(stderr, "fsdp8-bench-cuda: %s\n", err.c_str());
+    return 2;
+  }
+  auto* cb = dynamic_cast<fsdp8::CudaBackend*>(be.get());
+  cudaStream_t st = cb->stream();
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, device));
+  int cublas_ver = static_cast<int>(cublasLtGetVersion());
+  std::printf("device %d: %s, %d SMs, cuBLASLt %d, runtime cudart %d\n", device, prop.name,
+              prop.multiProcessorCount, cublas_ver, CUDART_VERSION);
+
+  // ---- (a) GEMMs ------------------------------------------------------------------------------
+  {
+    using fsdp8::Fp8Format;
+    const int64_t M = 16384;
+    const int64_t d = 2048, f = 5632;
+    const GemmShape shapes[] = {
+        {"qkv/o fwd  Y=XW^T", M, d, d, Fp8Format::kE4M3, Fp8Format::kE4M3},
+        {"qkv/o dX=dY W", M, d, d, Fp8Format::kE5M2, Fp8Format::kE4M3},
+        {"qkv/o dW=dY^T X", d, d, M, Fp8Format::kE5M2, Fp8Format::kE4M3},
+        {"gate/up fwd", M, f, d, Fp8Format::kE4M3, Fp8Format::kE4M3},
+        {"gate/up dX", M, d, f, Fp8Format::kE5M2, Fp8Format::kE4M3},
+        {"gate/up dW", f, d, M, Fp8Format::kE5M2, Fp8Format::kE4M3},
+        {"down fwd", M, d, f, Fp8Format::kE4M3, Fp8Format::kE4M3},
+        {"down dX", M, f, d, Fp8Format::kE5M2, Fp8Format::kE4M3},
+        {"down dW", d, f, M, Fp8Format::kE5M2, Fp8Format::kE4M3},
+    };
+    const size_t max_a = M * f, max_b = M * f, max_c = M * f;
+    uint8_t* A[2];
+    uint8_t* B[2];
+    for (int i = 0; i < 2; ++i) {
+      A[i] = static_cast<uint8_t*>(be->Alloc(max_a));
+      B[i] = static_cast<uint8_t*>(be->Alloc(max_b));
+      FillCodes<<<1024, 256, 0, st>>>(A[i], max_a, 17u + i);
+      FillCodes<<<1024, 256, 0, st>>>(B[i], max_b, 91u + i);
+    }
+    float* C = static_cast<float*>(be->Alloc(max_c * sizeof(float)));
+    float* scales = static_cast<float*>(be->Alloc(2 * sizeof(float)));
+    const float hs[2] = {0.5f, 0.25f};
+    be->CopyToDevice(scales, hs, sizeof(hs));
+    void* ws = nullptr;
+    const size_t ws_bytes = 32u << 20;
+    CK(cudaMalloc(&ws, ws_bytes));
+    std::printf("\n(a) FP8 GEMM, f32 output, TFLOP/s (backend GemmFp8 vs bare cuBLASLt)\n");
+    for (const GemmShape& s : shapes) {
+      const int64_t fb0 = cb->gemm_fp8_fallbacks();
+      const double ms_be = MedianMs(st, [&](int i) {
+        be->GemmFp8(s.M, s.N, s.K, A[i & 1], s.a, scales, B[i & 1], s.b, scales + 1, C, false);
+      });
+      const bool fell_back = cb->gemm_fp8_fallbacks() != fb0;
+      const double ms_lt = BareLt(st, s, A, B, C, scales, scales + 1, ws, ws_bytes);
+      const double flop = 2.0 * s.M * s.N * s.K;
+      const double t_be = flop / ms_be / 1e9, t_lt = ms_lt > 0 ? flop / ms_lt / 1e9 : 0;
+      std::printf("  %-18s M %6lld N %5lld K %6lld  backend %7.1f  bare %7.1f  ratio %5.1f%%%s\n", s.name,
+                  static_cast<long long>(s.M), static_cast<long long>(s.N), static_cast<long long>(s.K), t_be,
+                  t_lt, t_lt > 0 ? 100.0 * t_be / t_lt : 0.0, fell_back ? "  (FALLBACK path!)" : "");
+      char ratio[32];
+      std::snprintf(ratio, sizeof(ratio), "%.1f%%", t_lt > 0 ? 100.0 * t_be / t_lt : 0.0);
+      g_rows.push_back({"gemm", s.name, Fmt(t_be, "TF/s"), Fmt(t_lt, "TF/s"), ratio});
+    }
+    CK(cudaFree(ws));
+    for (int i = 0; i < 2; ++i) {
+      be->Free(A[i]);
+      be->Free(B[i]);
+    }
+    be->Free(C);
+    be->Free(scales);
+  }
+
+  // ---- (b) cast + transpose bandwidth -----------------------------------------------------------
+  {
+    const size_t copy_bytes = size_t{1} << 30;
+    void* src = be->Alloc(copy_bytes);
+    void* dst = be->Alloc(copy_bytes);
+    CK(cudaMemsetAsync(src, 1, copy_bytes, st));
+    const double ms_copy = MedianMs(st, [&](int) { CK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice, st)); });
+    const double copy_gbs = 2.0 * copy_bytes / ms_copy / 1e6;
+    be->Free(src);
+    be->Free(dst);
+    std::printf("\n(b) cudaMemcpy D2D 1 GiB: %.0f GB/s (read + write)\n", copy_gbs);
+    std::printf("    CastTransposeFp8 (f32 in, fp8 out_t [+ out], amax), GB/s and %% of copy\n");
+    const int64_t M = 16384;
+    for (int64_t cols : {int64_t{2048}, int64_t{5632}}) {
+      const int64_t n = M * cols;
+      float* in[2];
+      for (int i = 0; i < 2; ++i) {
+        in[i] = static_cast<float*>(be->Alloc(n * sizeof(float)));
+        FillFloats<<<1024, 256, 0, st>>>(in[i], n, 7u + i);
+      }
+      uint8_t* out = static_cast<uint8_t*>(be->Alloc(n));
+      uint8_t* out_t = static_cast<uint8_t*>(be->Alloc(n));
+      float* sc = static_cast<float*>(be->Alloc(2 * sizeof(float)));
+      const float hs[2] = {16.0f, 0.0f};
+      be->CopyToDevice(sc, hs, sizeof(hs));
+      for (int both = 0; both < 2; ++both) {
+        const double ms = MedianMs(st, [&](int i) {
+          be->CastTransposeFp8(in[i & 1], M, cols, sc, fsdp8::Fp8Format::kE4M3, both ? out : nullptr, out_t, sc + 1);
+        });
+        const double bytes = static_cast<double>(n) * (4 + 1 + both);
+        const double gbs = bytes / ms / 1e6;
+        char name[64], ratio[32];
+        std::snprintf(name, sizeof(name), "%lldx%lld %s", static_cast<long long>(M), static_cast<long long>(cols),
+                      both ? "out+out_t" : "out_t");
+        std::snprintf(ratio, sizeof(ratio), "%.1f%%", 100.0 * gbs / copy_gbs);
+        std::printf("  %-24s %8.0f GB/s  %6.1f%% of copy  (%.3f ms)\n", name, gbs, 100.0 * gbs / copy_gbs, ms);
+        g_rows.push_back({"cast+T", name, Fmt(gbs, "GB/s"), Fmt(copy_gbs, "GB/s"), ratio});
+      }
+      for (int i = 0; i < 2; ++i) be->Free(in[i]);
+      be->Free(out);
+      be->Free(out_t);
+      be->Free(sc);
+    }
+  }
+
+  // ---- (c) attention ---------------------------------------------------------------------------
+  {
+    const int64_t Bn = 8, H = 16, D = 128, T = 2048;
+    const int64_t n = Bn * T * H * D;
+    std::vector<float*> bufs;
+    auto alloc = [&](int64_t count, uint32_t seed) {
+      float* p = static_cast<float*>(be->Alloc(count * sizeof(float)));
+      FillFloats<<<1024, 256, 0, st>>>(p, count, seed);
+      bufs.push_back(p);
+      return p;
+    };
+    float *q = alloc(n, 1), *k = alloc(n, 2), *v = alloc(n, 3), *out = alloc(n, 4), *dout = alloc(n, 5);
+    float *dq = alloc(n, 6), *dk = alloc(n, 7), *dv = alloc(n, 8), *lse = alloc(Bn * H * T, 9);
+    const double fwd_flop = 2.0 * Bn * H * static_cast<double>(T) * T * D;
+    const double bwd_flop = 2.5 * fwd_flop;
+    const int saved_iters = g_iters;
+    g_iters = quick ? 3 : 7;  // the f32 kernels are slow; fewer repetitions
+    const double ms_f = MedianMs(st, [&](int) { be->AttentionForward(q, k, v, Bn, T, H, H, D, out, lse); });
+    const double ms_b = MedianMs(st, [&](int) {
+      be->AttentionBackward(q, k, v, out, dout, lse, Bn, T, H, H, D, dq, dk, dv);
+    });
+    g_iters = saved_iters;
+    const double tf_f = fwd_flop / ms_f / 1e9, tf_b = bwd_flop / ms_b / 1e9;
+    const double tf_fb = (fwd_flop + bwd_flop) / (ms_f + ms_b) / 1e9;
+    std::printf("\n(c) causal attention B %lld H %lld D %lld T %lld, f32 storage (Backend path)\n",
+                static_cast<long long>(Bn), static_cast<long long>(H), static_cast<long long>(D),
+                static_cast<long long>(T));
+    std::printf("  forward %.2f ms %.1f TFLOP/s, backward %.2f ms %.1f TFLOP/s, fwd+bwd %.1f TFLOP/s\n", ms_f, tf_f,
+                ms_b, tf_b, tf_fb);
+    std::printf("  (no BF16 tensor-core attention kernel in this build: target 350 TFLOP/s not addressed)\n");
+    g_rows.push_back({"attention", "f32 fwd", Fmt(tf_f, "TF/s"), "-", "-"});
+    g_rows.push_back({"attention", "f32 bwd", Fmt(tf_b, "TF/s"), "-", "-"});
+    g_rows.push_back({"attention", "f32 fwd+bwd", Fmt(tf_fb, "TF/s"), "350 TF/s target", "-"});
+    for (float* p : bufs) be->Free(p);
+  }
+
+  std::printf("\n%-10s %-26s %-14s %-18s %s\n", "section", "case", "fsdp8", "reference", "ratio");
+  for (const Row& r : g_rows) {
+    std::printf("%-10s %-26s %-14s %-18s %s\n", r.section.c_str(), r.name.c_str(), r.value.c_str(), r.ref.c_str(),
+                r.ratio.c_str());
+  }
+  return 0;
+}
