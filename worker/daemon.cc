@@ -314,6 +314,11 @@ void WorkerDaemon::HandleStep(const v1::StepCommand& c) {
     return;
   }
   r->set_job_id(job_->job_id);
+  if (c.step() % 50 == 0 || c.evaluate()) {
+    Log(absl::StrCat("step ", c.step(), ": loss ", r->loss_sum() / std::max<int64_t>(1, r->tokens()),
+                     " compute ", r->compute_seconds(), " s, comm ", r->comm_seconds(), " s",
+                     c.evaluate() ? absl::StrCat(", val ", r->val_loss()) : ""));
+  }
   if (r->has_scaling()) r->mutable_scaling()->set_job_id(job_->job_id);
   *m.mutable_result() = std::move(*r);
   Send(m);

@@ -1,6 +1,7 @@
 // fsdp8-worker: one rank of fsdp8 training jobs (see worker/daemon.h).
 #include <csignal>
 #include <iostream>
+#include <memory>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -34,14 +35,17 @@ int main(int argc, char** argv) {
   opts.backend = absl::GetFlag(FLAGS_backend);
   opts.device = absl::GetFlag(FLAGS_device);
   opts.connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);
-  fsdp8::WorkerDaemon daemon(opts);
-  std::thread watcher([&] {
+  auto daemon = std::make_unique<fsdp8::WorkerDaemon>(opts);
+  fsdp8::WorkerDaemon* d = daemon.get();
+  std::thread watcher([d, set] {
     int sig = 0;
     sigwait(&set, &sig);
     std::cerr << "[worker] signal " << sig << ": shutting down" << std::endl;
-    daemon.Shutdown();
+    d->Shutdown();
   });
   watcher.detach();
-  const int rc = daemon.Run();
+  const int rc = daemon->Run();
+  daemon.reset();  // aborts the current job's communicator and joins the job thread
+  std::cerr.flush();
   std::_Exit(rc);  // the watcher thread may still wait in sigwait
 }
