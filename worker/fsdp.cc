@@ -271,7 +271,6 @@ absl::Status FsdpParams::CastWeights() {
 
 absl::StatusOr<std::map<std::string, std::vector<float>>> FsdpParams::GatherAll(bool grads) {
   std::map<std::string, std::vector<float>> out;
-  const int world = comm_->world_size();
   for (auto& u : units_) {
     for (Buf& b : u) {
       const BufferPlan& bp = *b.plan;
@@ -287,7 +286,6 @@ absl::StatusOr<std::map<std::string, std::vector<float>>> FsdpParams::GatherAll(
         out[bp.tensors[t].name] = std::vector<float>(
             host.begin() + bp.offsets[t], host.begin() + bp.offsets[t] + bp.tensors[t].numel);
       }
-      (void)world;
     }
   }
   return out;
