@@ -72,12 +72,18 @@ LtGemm::Entry* LtGemm::Lookup(const LtProblem& p) {
   FSDP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)));
   FSDP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
   FSDP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
-  cublasLtMatmulHeuristicResult_t result{};
+  constexpr int kCandidates = 8;
+  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
   int found = 0;
-  const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle_, e.desc, e.a, e.b, e.c, e.c, pref, 1, &result, &found);
+  const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle_, e.desc, e.a, e.b, e.c, e.c, pref, kCandidates, results, &found);
   cublasLtMatmulPreferenceDestroy(pref);
-  e.ok = (hs == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS);
-  if (e.ok) e.algo = result.algo;
+  if (hs == CUBLAS_STATUS_SUCCESS) {
+    for (int i = 0; i < found; ++i) {
+      if (results[i].state == CUBLAS_STATUS_SUCCESS) e.algos.push_back(results[i].algo);
+    }
+  }
+  e.ok = !e.algos.empty();
+  const cublasLtMatmulHeuristicResult_t& result = results[0];
   if (std::getenv("FSDP8_GEMM_VERBOSE") != nullptr) {
     std::fprintf(stderr,
                  "fsdp8 cuda gemm: m=%lld n=%lld k=%lld ta=%d tb=%d types=%d,%d scaled=%d acc=%d "
@@ -102,9 +108,19 @@ bool LtGemm::Run(const LtProblem& p, const void* A, const void* B, float* C, con
   }
   const float alpha = 1.0f;
   const float beta = p.accumulate ? 1.0f : 0.0f;
-  FSDP8_CUBLAS_CHECK(cublasLtMatmul(handle_, e->desc, &alpha, A, e->a, B, e->b, &beta, C, e->c, C,
-                                    e->c, &e->algo, workspace_, ws_bytes_, stream_));
-  return true;
+  while (e->next < e->algos.size()) {
+    const cublasStatus_t s = cublasLtMatmul(handle_, e->desc, &alpha, A, e->a, B, e->b, &beta, C, e->c, C,
+                                            e->c, &e->algos[e->next], workspace_, ws_bytes_, stream_);
+    if (s == CUBLAS_STATUS_SUCCESS) return true;
+    if (s != CUBLAS_STATUS_NOT_SUPPORTED) FSDP8_CUBLAS_CHECK(s);
+    if (std::getenv("FSDP8_GEMM_VERBOSE") != nullptr) {
+      std::fprintf(stderr, "fsdp8 cuda gemm: m=%lld n=%lld k=%lld candidate %zu refused at run time, trying the next\n",
+                   static_cast<long long>(p.m), static_cast<long long>(p.n), static_cast<long long>(p.k), e->next);
+    }
+    ++e->next;
+  }
+  e->ok = false;  // every candidate refused: the caller's fallback from now on
+  return false;
 }
 
 }  // namespace fsdp8::cuda

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <map>
+#include <vector>
 #include <tuple>
 
 #include <cublasLt.h>
@@ -72,7 +73,12 @@ class LtGemm {
     bool ok = false;
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-    cublasLtMatmulAlgo_t algo{};
+    // Heuristic candidates, best first; `next` is the one in use. cuBLASLt's heuristic can
+    // propose an algorithm that cublasLtMatmul then refuses (CUBLAS_STATUS_NOT_SUPPORTED, seen
+    // on H200 with cuBLASLt 13.1 for FP8 -> f32): the next candidate is tried, and the outcome
+    // is cached.
+    std::vector<cublasLtMatmulAlgo_t> algos;
+    size_t next = 0;
   };
   Entry* Lookup(const LtProblem& p);
 
