@@ -16,6 +16,10 @@ trap cleanup EXIT
 port=$((20000 + RANDOM % 20000)); addr=127.0.0.1:$port
 "$bin/fsdp8-coordinator" --listen "$addr" --state_db "$tmp/db" > "$tmp/coord.log" 2>&1 & pids+=($!)
 for i in 0 1; do "$bin/fsdp8-worker" --coordinator "$addr" --threads 1 > "$tmp/w$i.log" 2>&1 & pids+=($!); done
+for _ in $(seq 100); do  # wait until both workers are registered
+  [ "$("$bin/fsdp8" --coordinator "$addr" workers 2>/dev/null | grep -c '^w-')" -ge 2 ] && break
+  sleep 0.2
+done
 printf '%-8s %-12s %-10s\n' workers tokens/s s/step
 for n in 1 2; do
   sed -e "s|DATA_DIR|$PWD/data/fortunes|" -e "s|steps: 600|steps: $steps|" \
@@ -27,7 +31,7 @@ for n in 1 2; do
   python3 - "$n" "$steps" <<PY "$("$bin/fsdp8" --coordinator "$addr" status --json "$id")"
 import json, sys
 n, steps, j = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-dt = float(j["endTime"]) - float(j["startTime"])
+dt = float(j["end_time"]) - float(j["start_time"])
 print(f"{n:<8} {float(j['tokens'])/dt:<12.0f} {dt/steps:<10.3f}")
 PY
 done
