@@ -5,6 +5,11 @@
 #       configures build-gpu/ with -DFSDP8_CUDA=ON, builds fsdp8-worker fsdp8-coordinator fsdp8
 #       fsdp8-conformance fsdp8-bench-cuda (whichever targets exist) and packs them with their
 #       shared libraries into .dev/gpu/ (../shared/gpu/bundle-deps.sh; kept under 64 MiB).
+#       First installs the header-only cuDNN frontend (pip package nvidia-cudnn-frontend, pinned
+#       below; a user builds the cuDNN attention path the same way: `pip install
+#       nvidia-cudnn-frontend==1.32.0`, or -DFSDP8_CUDNN_FRONTEND_INCLUDE=<dir of cudnn_frontend.h>).
+#       CMake finds it through python3; without it the cuDNN attention is simply not built.
+#       libcudnn.so.9 is linked dynamically and not bundled: the GPU machine has its own.
 #   scripts/gpu-dev.sh run     (on the GPU machine, in the repository root)
 #       runs nvidia-smi -L, the conformance suite on GPU 0, the benchmark, and — when SPEC names a
 #       job spec file — a coordinator + 2 CUDA workers (GPUs 0 and 1) training that spec. Logs go to
@@ -14,10 +19,18 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
+CUDNN_FRONTEND_VERSION=1.32.0
 
 build() {
   set -e
   local bdir=$root/build-gpu
+  # Header-only cuDNN frontend for kernels/cuda/attention_cudnn.cc (no dependencies needed for
+  # the headers). SKIP_CUDNN_FRONTEND=1 skips the install (offline builds).
+  if [ "${SKIP_CUDNN_FRONTEND:-0}" != 1 ] &&
+     ! python3 -c "import importlib.metadata as m, sys; sys.exit(m.version('nvidia-cudnn-frontend') != '$CUDNN_FRONTEND_VERSION')" 2>/dev/null; then
+    python3 -m pip install --quiet --no-deps "nvidia-cudnn-frontend==$CUDNN_FRONTEND_VERSION" ||
+      echo "gpu-dev: pip install nvidia-cudnn-frontend failed; the cuDNN attention path will not be built" >&2
+  fi
   cmake -S "$root" -B "$bdir" -G Ninja -DFSDP8_CUDA=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
   local want=(fsdp8-worker fsdp8-coordinator fsdp8 fsdp8-conformance fsdp8-bench-cuda)
   local have=()
