@@ -31,6 +31,7 @@ constexpr char kUsage[] =
     "  list                                              every job\n"
     "  cancel JOB                                        cancel a job\n"
     "  workers                                           registered workers\n"
+    "  scaling JOB                                       a running job's FP8 scales and amax histories\n"
     "  prepare --out DIR [--val_fraction 0.05] FILES...  text files -> byte-level token shards\n"
     "\n"
     "--coordinator defaults to $FSDP8_COORDINATOR, else localhost:50051.\n"
@@ -341,6 +342,26 @@ int main(int argc, char** argv) {
              w.backend().c_str(), w.device(), w.healthy() ? "yes" : "no",
              w.job_id().empty() ? "-" : w.job_id().c_str(),
              w.rank() < 0 ? "-" : absl::StrCat(w.rank()).c_str(), Ago(w.last_heartbeat()).c_str());
+    }
+    return 0;
+  }
+  if (a.command == "scaling") {
+    std::string id = need_job("scaling");
+    if (id.empty()) return Usage("scaling: exactly one JOB");
+    auto st = c.GetScalingState(id);
+    if (!st.ok()) return ReportError(st.status());
+    printf("job %s, scaling state after step %lld\n", st->job_id().c_str(),
+           static_cast<long long>(st->step()));
+    printf("%-36s %-5s %-12s %-12s %s\n", "TENSOR", "FMT", "SCALE", "SCALE_INV",
+           "AMAX HISTORY (newest first)");
+    for (const auto& t : st->tensors()) {
+      std::string hist;
+      for (int i = 0; i < t.amax_history_size() && i < 4; ++i) {
+        absl::StrAppend(&hist, i ? " " : "", absl::StrFormat("%.4g", t.amax_history(i)));
+      }
+      if (t.amax_history_size() > 4) absl::StrAppend(&hist, " ... (", t.amax_history_size(), ")");
+      printf("%-36s %-5s %-12.6g %-12.6g %s\n", t.name().c_str(), t.format().c_str(), t.scale(),
+             t.scale_inv(), hist.c_str());
     }
     return 0;
   }

@@ -76,7 +76,8 @@ class Backend {
   // C (M, N) = alpha_dev * A (M, K) · B (N, K)^T  [+ C if accumulate], where
   // alpha_dev = (*a_scale_inv) * (*b_scale_inv): the "TN" layout Hopper FP8 GEMMs require.
   // A and B hold FP8 codes of formats a_fmt / b_fmt; products and sums are exact-FP32 emulated on
-  // the CPU (cuBLASLt on CUDA). C is f32.
+  // the CPU (cuBLASLt on CUDA). C is f32. On CUDA, scale pointers that are not 16-byte aligned
+  // cost one extra device copy each (cuBLASLt only takes 16-byte-aligned FP8 scale pointers).
   virtual void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                        const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
                        const float* b_scale_inv, float* C, bool accumulate) = 0;

@@ -90,8 +90,17 @@ train_2gpu() {
   sleep 2
   local t0 rc
   t0=$(date +%s)
-  timeout "${TRAIN_TIMEOUT_S:-1800}" "$bin/fsdp8" --coordinator "$addr" submit "$SPEC" > "$logs/train.log" 2>&1
+  local id
+  id=$("$bin/fsdp8" --coordinator "$addr" submit --no-watch "$SPEC" 2> "$logs/train.log" | head -1)
+  # The scaling state twice while the job runs: scales and amax histories should move.
+  for k in 1 2; do
+    sleep "${SCALING_PROBE_S:-3}"
+    "$bin/fsdp8" --coordinator "$addr" scaling "$id" > "$logs/scaling-$k.txt" 2>&1
+  done
+  timeout "${TRAIN_TIMEOUT_S:-1800}" "$bin/fsdp8" --coordinator "$addr" watch "$id" >> "$logs/train.log" 2>&1
   rc=$?
+  echo "== scaling state, two reads during training (first 8 tensors)"
+  head -10 "$logs/scaling-1.txt"; head -10 "$logs/scaling-2.txt"
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
   wait "${pids[@]}" 2>/dev/null
   local last

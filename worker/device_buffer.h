@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 #include <utility>
 
 #include "worker/check.h"
@@ -63,5 +64,17 @@ class DevBuf {
   void* p_ = nullptr;
   size_t bytes_ = 0;
 };
+
+// Per-tensor FP8 scales live in device arrays with one 16-byte slot each: cuBLASLt refuses FP8
+// scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED at cublasLtMatmul,
+// measured on H200 with cuBLASLt 13.1), and the slots are handed to GemmFp8 as pointers.
+inline constexpr int64_t kScaleStride = 4;  // floats per slot
+
+// Uploads values[i] to slot i of a (n * kScaleStride) f32 device array.
+inline void UploadScaleSlots(Backend* be, float* dev, const std::vector<float>& values) {
+  std::vector<float> slots(values.size() * kScaleStride, 0.0f);
+  for (size_t i = 0; i < values.size(); ++i) slots[i * kScaleStride] = values[i];
+  if (!slots.empty()) be->CopyToDevice(dev, slots.data(), slots.size() * sizeof(float));
+}
 
 }  // namespace fsdp8

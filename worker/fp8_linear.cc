@@ -20,13 +20,13 @@ int ActScaling::Add(const std::string& name, bool e5m2) {
 
 void ActScaling::Finalize() {
   const size_t n = std::max<size_t>(states_.size(), 1);
-  scale_ = DevBuf(be_, n * sizeof(float));
-  scale_inv_ = DevBuf(be_, n * sizeof(float));
-  amax_ = DevBuf::Zeros(be_, n * sizeof(float));
+  scale_ = DevBuf(be_, n * kScaleStride * sizeof(float));
+  scale_inv_ = DevBuf(be_, n * kScaleStride * sizeof(float));
+  amax_ = DevBuf::Zeros(be_, n * sizeof(float));  // contiguous: one fused all-reduce
   tmp_amax_ = DevBuf::Zeros(be_, sizeof(float));
-  std::vector<float> ones(n, 1.0f);
-  be_->CopyToDevice(scale_.get(), ones.data(), n * sizeof(float));
-  be_->CopyToDevice(scale_inv_.get(), ones.data(), n * sizeof(float));
+  const std::vector<float> ones(n, 1.0f);
+  UploadScaleSlots(be_, scale_.f32(), ones);
+  UploadScaleSlots(be_, scale_inv_.f32(), ones);
 }
 
 void ActScaling::BeginStep() {
@@ -44,10 +44,10 @@ const float* ActScaling::ScaleFor(int i, const float* x, int64_t n) {
     // Keeps the tensor's delayed scale untouched: only the device slot used by this cast changes.
     const float sc = ComputeScale(amax, Fp8MaxValue(s.e5m2), recipe_.margin(), s.scale);
     const float inv = 1.0f / sc;
-    be_->CopyToDevice(scale_.f32() + i, &sc, sizeof(float));
-    be_->CopyToDevice(scale_inv_.f32() + i, &inv, sizeof(float));
+    be_->CopyToDevice(scale_.f32() + i * kScaleStride, &sc, sizeof(float));
+    be_->CopyToDevice(scale_inv_.f32() + i * kScaleStride, &inv, sizeof(float));
   }
-  return scale_.f32() + i;
+  return scale_.f32() + i * kScaleStride;
 }
 
 absl::Status ActScaling::EndStep(Communicator* comm, CommClock* clock) {
@@ -68,8 +68,8 @@ absl::Status ActScaling::EndStep(Communicator* comm, CommClock* clock) {
     scale[i] = states_[i].scale;
     scale_inv[i] = states_[i].scale_inv;
   }
-  be_->CopyToDevice(scale_.get(), scale.data(), n * sizeof(float));
-  be_->CopyToDevice(scale_inv_.get(), scale_inv.data(), n * sizeof(float));
+  UploadScaleSlots(be_, scale_.f32(), scale);
+  UploadScaleSlots(be_, scale_inv_.f32(), scale_inv);
   return absl::OkStatus();
 }
 

@@ -47,7 +47,7 @@ class ActScaling {
   // Device scale to cast `x` (n f32) of tensor i with. Uninitialised tensors and the CURRENT
   // recipe compute x's amax first (synchronises) and upload the scale.
   const float* ScaleFor(int i, const float* x, int64_t n);
-  const float* ScaleInv(int i) const { return scale_inv_.f32() + i; }
+  const float* ScaleInv(int i) const { return scale_inv_.f32() + i * kScaleStride; }
   // Where a cast accumulates tensor i's amax: this step's accumulator, or nullptr when not
   // recording (evaluation).
   float* AmaxOut(int i) const { return recording_ ? amax_.f32() + i : nullptr; }
@@ -61,7 +61,7 @@ class ActScaling {
   Backend* be_;
   v1::Fp8Recipe recipe_;
   std::vector<ScalingState> states_;
-  DevBuf scale_, scale_inv_, amax_, tmp_amax_;
+  DevBuf scale_, scale_inv_, amax_, tmp_amax_;  // scales in kScaleStride slots; amax (n) contiguous
   bool recording_ = true;
 };
 

@@ -67,12 +67,12 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
     }
   }
   const size_t nf = std::max<size_t>(fp8_refs_.size(), 1);
-  w_scale_ = DevBuf(be, nf * sizeof(float));
-  w_scale_inv_ = DevBuf(be, nf * sizeof(float));
+  w_scale_ = DevBuf(be, nf * kScaleStride * sizeof(float));
+  w_scale_inv_ = DevBuf(be, nf * kScaleStride * sizeof(float));
   w_amax_ = DevBuf(be, nf * sizeof(float));
-  std::vector<float> ones(nf, 1.0f);
-  be->CopyToDevice(w_scale_.get(), ones.data(), nf * sizeof(float));
-  be->CopyToDevice(w_scale_inv_.get(), ones.data(), nf * sizeof(float));
+  const std::vector<float> ones(nf, 1.0f);
+  UploadScaleSlots(be, w_scale_.f32(), ones);
+  UploadScaleSlots(be, w_scale_inv_.f32(), ones);
 }
 
 TensorRef FsdpParams::Ref(const std::string& hf_name) const {
@@ -167,7 +167,7 @@ const uint8_t* FsdpParams::W8(const TensorRef& t) const {
 
 const float* FsdpParams::WScaleInv(const TensorRef& t) const {
   WORKER_CHECK(t.fp8_id >= 0);
-  return w_scale_inv_.f32() + t.fp8_id;
+  return w_scale_inv_.f32() + t.fp8_id * kScaleStride;
 }
 
 float* FsdpParams::G(const TensorRef& t) const {
@@ -249,8 +249,8 @@ absl::Status FsdpParams::CastWeights() {
     wscale_[i].scale_inv = scale_inv[i];
     wscale_[i].amax = amax[i];
   }
-  be_->CopyToDevice(w_scale_.get(), scale.data(), nf * sizeof(float));
-  be_->CopyToDevice(w_scale_inv_.get(), scale_inv.data(), nf * sizeof(float));
+  UploadScaleSlots(be_, w_scale_.f32(), scale);
+  UploadScaleSlots(be_, w_scale_inv_.f32(), scale_inv);
   for (auto& u : units_) {
     for (Buf& b : u) {
       if (b.plan->wire == WireDtype::kFp8 && b.plan->shard_numel > 0) {
@@ -264,7 +264,7 @@ absl::Status FsdpParams::CastWeights() {
     const int64_t n = slices[i].hi - slices[i].lo;
     if (n == 0) continue;
     be_->CastToFp8(b.master.f32() + slices[i].lo, b.wire.u8() + slices[i].lo, n,
-                   w_scale_.f32() + i, Fp8Format::kE4M3, nullptr);
+                   w_scale_.f32() + i * kScaleStride, Fp8Format::kE4M3, nullptr);
   }
   return absl::OkStatus();
 }

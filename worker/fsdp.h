@@ -117,7 +117,7 @@ class FsdpParams {
   std::vector<std::vector<Buf>> units_;
   std::vector<TensorRef> fp8_refs_;
   std::vector<WeightScaling> wscale_;
-  DevBuf w_scale_, w_scale_inv_, w_amax_;  // (n_fp8) f32 each
+  DevBuf w_scale_, w_scale_inv_, w_amax_;  // scales (n_fp8 * kScaleStride), amax (n_fp8) f32
 };
 
 }  // namespace fsdp8

@@ -229,8 +229,9 @@ int main(int argc, char** argv) {
       FillCodes<<<1024, 256, 0, st>>>(B[i], max_b, 91u + i);
     }
     float* C = static_cast<float*>(be->Alloc(max_c * sizeof(float)));
-    float* scales = static_cast<float*>(be->Alloc(2 * sizeof(float)));
-    const float hs[2] = {0.5f, 0.25f};
+    // The two scale_invs in 16-byte slots, as the worker keeps them (worker/device_buffer.h).
+    float* scales = static_cast<float*>(be->Alloc(8 * sizeof(float)));
+    const float hs[8] = {0.5f, 0, 0, 0, 0.25f, 0, 0, 0};
     be->CopyToDevice(scales, hs, sizeof(hs));
     void* ws = nullptr;
     const size_t ws_bytes = 32u << 20;
@@ -239,10 +240,10 @@ int main(int argc, char** argv) {
     for (const GemmShape& s : shapes) {
       const int64_t fb0 = cb->gemm_fp8_fallbacks();
       const double ms_be = MedianMs(st, [&](int i) {
-        be->GemmFp8(s.M, s.N, s.K, A[i & 1], s.a, scales, B[i & 1], s.b, scales + 1, C, false);
+        be->GemmFp8(s.M, s.N, s.K, A[i & 1], s.a, scales, B[i & 1], s.b, scales + 4, C, false);
       });
       const bool fell_back = cb->gemm_fp8_fallbacks() != fb0;
-      const double ms_lt = BareLt(st, s, A, B, C, scales, scales + 1, ws, ws_bytes);
+      const double ms_lt = BareLt(st, s, A, B, C, scales, scales + 4, ws, ws_bytes);
       const double flop = 2.0 * s.M * s.N * s.K;
       const double t_be = flop / ms_be / 1e9, t_lt = ms_lt > 0 ? flop / ms_lt / 1e9 : 0;
       std::printf("  %-18s M %6lld N %5lld K %6lld  backend %7.1f  bare %7.1f  ratio %5.1f%%%s\n", s.name,

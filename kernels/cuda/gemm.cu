@@ -26,6 +26,7 @@ int PointerAlignment(const void* p) {
 LtGemm::LtGemm(cudaStream_t stream, void* workspace, size_t ws_bytes)
     : stream_(stream), workspace_(workspace), ws_bytes_(ws_bytes) {
   FSDP8_CUBLAS_CHECK(cublasLtCreate(&handle_));
+  FSDP8_CUDA_CHECK(cudaMalloc(&scale_slots_, 2 * kScaleSlotBytes));
 }
 
 LtGemm::~LtGemm() {
@@ -37,6 +38,7 @@ LtGemm::~LtGemm() {
     if (e.desc) cublasLtMatmulDescDestroy(e.desc);
   }
   if (handle_) cublasLtDestroy(handle_);
+  if (scale_slots_) cudaFree(scale_slots_);
 }
 
 LtGemm::Entry* LtGemm::Lookup(const LtProblem& p) {
@@ -103,6 +105,16 @@ bool LtGemm::Run(const LtProblem& p, const void* A, const void* B, float* C, con
   Entry* e = Lookup(p);
   if (!e->ok) return false;
   if (p.scaled) {
+    // cuBLASLt refuses FP8 scale pointers that are not 16-byte aligned (NOT_SUPPORTED at run
+    // time; measured on H200, cuBLASLt 13.1): stage such scalars into aligned slots.
+    auto aligned = [&](const float* s, int slot) -> const float* {
+      if (reinterpret_cast<uintptr_t>(s) % 16 == 0) return s;
+      float* dst = reinterpret_cast<float*>(static_cast<char*>(scale_slots_) + slot * kScaleSlotBytes);
+      FSDP8_CUDA_CHECK(cudaMemcpyAsync(dst, s, sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+      return dst;
+    };
+    scale_a = aligned(scale_a, 0);
+    scale_b = aligned(scale_b, 1);
     FSDP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a, sizeof(scale_a)));
     FSDP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b, sizeof(scale_b)));
   }

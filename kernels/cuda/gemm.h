@@ -86,6 +86,8 @@ class LtGemm {
   void* workspace_;
   size_t ws_bytes_;
   cublasLtHandle_t handle_ = nullptr;
+  static constexpr size_t kScaleSlotBytes = 256;
+  void* scale_slots_ = nullptr;  // two aligned device scalars for misaligned scale pointers
   std::map<decltype(LtProblem().Key()), Entry> cache_;
 };
 
