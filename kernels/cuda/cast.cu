@@ -1,8 +1,8 @@
 // FP8 casts, transposes, amax and bfloat16 rounding (Backend: CastToFp8, CastTransposeFp8,
 // TransposeBytes, DequantizeFp8, AmaxAccumulate, RoundToBf16, PackBf16, UnpackBf16).
 //
-// Bit-exact with the CPU reference: the encoders in device_math.cuh are the algorithm of
-// kernels/fp8.h. amax uses atomicMax on |x| bits, which is order-independent (device_math.cuh).
+// Bit-exact with the CPU reference: the encoders in device_math.cuh (hardware cvt plus a NaN/sign
+// fix-up, see CvtFp8x2Dev) give the codes of kernels/fp8.h. amax uses atomicMax on |x| bits, which is order-independent (device_math.cuh).
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_check.h"
@@ -37,19 +37,18 @@ __global__ void CastToFp8Kernel(const float* __restrict__ in, uint8_t* __restric
     for (int64_t i = tid; i < n4; i += stride) {
       const float4 x = in4[i];
       m = max(m, max(max(AbsBits(x.x), AbsBits(x.y)), max(AbsBits(x.z), AbsBits(x.w))));
-      out4[i] = EncodeDev<kE5M2>(x.x * s) | (EncodeDev<kE5M2>(x.y * s) << 8) |
-                (EncodeDev<kE5M2>(x.z * s) << 16) | (EncodeDev<kE5M2>(x.w * s) << 24);
+      out4[i] = Encode4Dev<kE5M2>(x.x * s, x.y * s, x.z * s, x.w * s);
     }
     for (int64_t i = n4 * 4 + tid; i < n; i += stride) {
       const float x = in[i];
       m = max(m, AbsBits(x));
-      out[i] = static_cast<uint8_t>(EncodeDev<kE5M2>(x * s));
+      out[i] = static_cast<uint8_t>(Encode1Dev<kE5M2>(x * s));
     }
   } else {
     for (int64_t i = tid; i < n; i += stride) {
       const float x = in[i];
       m = max(m, AbsBits(x));
-      out[i] = static_cast<uint8_t>(EncodeDev<kE5M2>(x * s));
+      out[i] = static_cast<uint8_t>(Encode1Dev<kE5M2>(x * s));
     }
   }
   if (amax_out != nullptr) {
@@ -58,81 +57,114 @@ __global__ void CastToFp8Kernel(const float* __restrict__ in, uint8_t* __restric
   }
 }
 
-// Fused cast + transpose. Tile: 64 rows x 64 cols of `in`, 256 threads.
-// Read phase: thread reads 4 consecutive cols (float4 when the tile is interior and cols % 4 == 0)
-// of 4 rows; writes `out` (rows, cols) as u32 words; stores codes into smem tile[r][c].
-// Write phase: thread gathers 4 consecutive rows of one col from smem and writes them as one u32
-// word of out_t (cols, rows) (when rows % 4 == 0 and interior), else bytes.
-constexpr int kTile = 64;
+// Fused cast + transpose. Tile: 128 rows x 64 cols of `in`, 256 threads (8 warps).
+// Thread (tx, ty), tx = 0..15 a group of 4 cols, ty = 0..15: owns rows 4ty..4ty+3 and
+// 64+4ty..64+4ty+3 of those cols. Lanes 0-7 of a warp take 8 consecutive col groups (one full 128-byte
+// line of a row), lanes 8-31 the next 3 row groups; this makes the smem stores below conflict-free.
+// Fast path (interior tile, cols % 4 == 0): all 8 float4 loads are issued before any encode (128 bytes
+// in flight per thread); 4 codes per row go to `out` as one u32; a 4x4 byte transpose in registers
+// gives, per col, 4 consecutive rows' codes as one u32 that is stored into the transposed smem tile
+// tileT[col][row]. Then each thread copies 16-byte chunks of tileT to out_t, a warp writing 4 full
+// 128-byte lines of out_t per instruction (when rows % 16 == 0 and out_t is 16-byte aligned).
+// tileT is XOR-swizzled in 16-byte units: word w of col c lives at word w ^ (4 * ((c >> 2) & 7)).
+constexpr int kTileRows = 128;
+constexpr int kTileCols = 64;
 constexpr int kTileThreads = 256;
-constexpr int kTilePad = 4;  // row pitch 68 bytes: spreads column gathers over banks
+
+__device__ __forceinline__ int TileTByte(int c, int r) {
+  return c * kTileRows + ((((r >> 2) ^ (4 * ((c >> 2) & 7)))) << 2) + (r & 3);
+}
+
+// Column j of the 4x4 byte matrix whose row i is a_i (byte j = column j): byte i of t_j = byte j of a_i.
+__device__ __forceinline__ void Transpose4x4Bytes(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                  uint32_t t[4]) {
+  const uint32_t p01l = __byte_perm(a0, a1, 0x5140), p01h = __byte_perm(a0, a1, 0x7362);
+  const uint32_t p23l = __byte_perm(a2, a3, 0x5140), p23h = __byte_perm(a2, a3, 0x7362);
+  t[0] = __byte_perm(p01l, p23l, 0x5410);
+  t[1] = __byte_perm(p01l, p23l, 0x7632);
+  t[2] = __byte_perm(p01h, p23h, 0x5410);
+  t[3] = __byte_perm(p01h, p23h, 0x7632);
+}
 
 template <bool kE5M2>
 __global__ void __launch_bounds__(kTileThreads)
 CastTransposeKernel(const float* __restrict__ in, int64_t rows, int64_t cols,
                     const float* __restrict__ scale, uint8_t* __restrict__ out,
-                    uint8_t* __restrict__ out_t, float* amax_out) {
-  __shared__ __align__(16) uint8_t tile[kTile][kTile + kTilePad];
+                    uint8_t* __restrict__ out_t, float* amax_out, bool out_t_vec) {
+  __shared__ __align__(16) uint8_t tileT[kTileCols * kTileRows];
   __shared__ int red[kTileThreads / 32];
   const float s = *scale;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  const int tx = threadIdx.x & 15;  // which group of 4 cols
-  const int ty = threadIdx.x >> 4;  // 0..15: row within a pass of 16 rows
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tx = (lane & 7) + 8 * (warp & 1);
+  const int ty = (lane >> 3) + 4 * (warp >> 1);
   int m = 0;
-  const bool full = (r0 + kTile <= rows) && (c0 + kTile <= cols);
+  const bool full = (r0 + kTileRows <= rows) && (c0 + kTileCols <= cols);
   if (full && (cols % 4) == 0) {
+    float4 x[2][4];
+    const float* src = in + (r0 + 4 * ty) * cols + c0 + 4 * tx;
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const int r = ty + 16 * p;
-      const float4 x = *reinterpret_cast<const float4*>(in + (r0 + r) * cols + c0 + 4 * tx);
-      m = max(m, max(max(AbsBits(x.x), AbsBits(x.y)), max(AbsBits(x.z), AbsBits(x.w))));
-      const uint32_t w = EncodeDev<kE5M2>(x.x * s) | (EncodeDev<kE5M2>(x.y * s) << 8) |
-                         (EncodeDev<kE5M2>(x.z * s) << 16) | (EncodeDev<kE5M2>(x.w * s) << 24);
-      *reinterpret_cast<uint32_t*>(&tile[r][4 * tx]) = w;
-      if (out != nullptr) *reinterpret_cast<uint32_t*>(out + (r0 + r) * cols + c0 + 4 * tx) = w;
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        x[h][i] = *reinterpret_cast<const float4*>(src + (64 * h + i) * cols);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float4 v = x[h][i];
+        m = max(m, max(max(AbsBits(v.x), AbsBits(v.y)), max(AbsBits(v.z), AbsBits(v.w))));
+        w[i] = Encode4Dev<kE5M2>(v.x * s, v.y * s, v.z * s, v.w * s);
+        if (out != nullptr) {
+          *reinterpret_cast<uint32_t*>(out + (r0 + 64 * h + 4 * ty + i) * cols + c0 + 4 * tx) = w[i];
+        }
+      }
+      uint32_t t[4];
+      Transpose4x4Bytes(w[0], w[1], w[2], w[3], t);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        *reinterpret_cast<uint32_t*>(&tileT[TileTByte(4 * tx + j, 64 * h + 4 * ty)]) = t[j];
+      }
     }
   } else {
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const int r = ty + 16 * p;
+    for (int h = 0; h < 2; ++h) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int c = 4 * tx + j;
-        uint32_t code = 0;
-        if (r0 + r < rows && c0 + c < cols) {
-          const float x = in[(r0 + r) * cols + c0 + c];
-          m = max(m, AbsBits(x));
-          code = EncodeDev<kE5M2>(x * s);
-          if (out != nullptr) out[(r0 + r) * cols + c0 + c] = static_cast<uint8_t>(code);
+      for (int i = 0; i < 4; ++i) {
+        const int r = 64 * h + 4 * ty + i;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int c = 4 * tx + j;
+          if (r0 + r < rows && c0 + c < cols) {
+            const float v = in[(r0 + r) * cols + c0 + c];
+            m = max(m, AbsBits(v));
+            const uint32_t code = Encode1Dev<kE5M2>(v * s);
+            if (out != nullptr) out[(r0 + r) * cols + c0 + c] = static_cast<uint8_t>(code);
+            tileT[TileTByte(c, r)] = static_cast<uint8_t>(code);
+          }
         }
-        tile[r][c] = static_cast<uint8_t>(code);
       }
     }
   }
   __syncthreads();
   if (out_t != nullptr) {
-    // Thread covers out_t row (col c0 + c), rows r0 + 4*tx .. +3.
-    if (full && (rows % 4) == 0) {
+    if (full && out_t_vec) {
+      // Chunk k (16 rows) of col c; lanes 0-7 one col, so each 8-lane phase reads all 32 banks.
 #pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        const int c = ty + 16 * p;
-        const int r = 4 * tx;
-        const uint32_t w = static_cast<uint32_t>(tile[r][c]) |
-                           (static_cast<uint32_t>(tile[r + 1][c]) << 8) |
-                           (static_cast<uint32_t>(tile[r + 2][c]) << 16) |
-                           (static_cast<uint32_t>(tile[r + 3][c]) << 24);
-        *reinterpret_cast<uint32_t*>(out_t + (c0 + c) * rows + r0 + r) = w;
+      for (int p = 0; p < 2; ++p) {
+        const int c = 4 * (warp + 8 * p) + (lane >> 3);
+        const int k = lane & 7;
+        const uint4 v = *reinterpret_cast<const uint4*>(&tileT[TileTByte(c, 16 * k)]);
+        *reinterpret_cast<uint4*>(out_t + (c0 + c) * rows + r0 + 16 * k) = v;
       }
     } else {
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        const int c = ty + 16 * p;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int r = 4 * tx + j;
-          if (r0 + r < rows && c0 + c < cols) out_t[(c0 + c) * rows + r0 + r] = tile[r][c];
-        }
+      for (int idx = threadIdx.x; idx < kTileCols * kTileRows; idx += kTileThreads) {
+        const int c = idx / kTileRows, r = idx % kTileRows;
+        if (r0 + r < rows && c0 + c < cols) out_t[(c0 + c) * rows + r0 + r] = tileT[TileTByte(c, r)];
       }
     }
   }
@@ -143,6 +175,8 @@ CastTransposeKernel(const float* __restrict__ in, int64_t rows, int64_t cols,
 }
 
 // out (cols, rows) = in (rows, cols)^T, bytes; 64 x 64 tiles.
+constexpr int kTile = 64;
+constexpr int kTilePad = 4;  // row pitch 68 bytes: spreads column gathers over banks
 __global__ void __launch_bounds__(kTileThreads)
 TransposeBytesKernel(const uint8_t* __restrict__ in, int64_t rows, int64_t cols,
                      uint8_t* __restrict__ out) {
@@ -233,15 +267,17 @@ void LaunchCastTransposeFp8(const float* in, int64_t rows, int64_t cols, const f
                             Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
                             cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
-  FSDP8_CUDA_REQUIRE(CeilDiv(rows, kTile) <= 65535, "CastTransposeFp8: rows too large");
+  FSDP8_CUDA_REQUIRE(CeilDiv(rows, kTileRows) <= 65535, "CastTransposeFp8: rows too large");
   FSDP8_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(in) % 16 == 0, "CastTransposeFp8: in not 16-byte aligned");
   FSDP8_CUDA_REQUIRE(out == nullptr || reinterpret_cast<uintptr_t>(out) % 4 == 0, "CastTransposeFp8: out not 4-byte aligned");
   FSDP8_CUDA_REQUIRE(out_t == nullptr || reinterpret_cast<uintptr_t>(out_t) % 4 == 0, "CastTransposeFp8: out_t not 4-byte aligned");
-  const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kTile)), static_cast<unsigned>(CeilDiv(rows, kTile)));
+  // 16-byte out_t stores need every out_t row start (col * rows) and chunk 16-byte aligned.
+  const bool out_t_vec = (rows % 16 == 0) && (reinterpret_cast<uintptr_t>(out_t) % 16 == 0);
+  const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kTileCols)), static_cast<unsigned>(CeilDiv(rows, kTileRows)));
   if (fmt == Fp8Format::kE5M2) {
-    CastTransposeKernel<true><<<grid, kTileThreads, 0, stream>>>(in, rows, cols, scale, out, out_t, amax_out);
+    CastTransposeKernel<true><<<grid, kTileThreads, 0, stream>>>(in, rows, cols, scale, out, out_t, amax_out, out_t_vec);
   } else {
-    CastTransposeKernel<false><<<grid, kTileThreads, 0, stream>>>(in, rows, cols, scale, out, out_t, amax_out);
+    CastTransposeKernel<false><<<grid, kTileThreads, 0, stream>>>(in, rows, cols, scale, out, out_t, amax_out, out_t_vec);
   }
   FSDP8_CUDA_LAUNCH_CHECK();
 }

@@ -52,6 +52,51 @@ __device__ __forceinline__ uint32_t EncodeDev(float x) {
   return kE5M2 ? EncodeE5M2Dev(x) : EncodeE4M3Dev(x);
 }
 
+// Hardware conversion of two floats to FP8 codes, `lo` in bits 0-7 and `hi` in bits 8-15, plus the
+// fix-up that makes it equal to EncodeDev. cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (PTX ISA, "cvt";
+// sm_89+; operand a goes to the upper byte, b to the lower) rounds to nearest even on the exact
+// value, keeps FP8 subnormals, and maps finite overflow and ±inf to ±max (0x7E / 0x7B), i.e. the
+// same as EncodeDev on every non-NaN input (the reference model of the instruction, the non-sm_89
+// branch of __nv_cvt_float_to_fp8 in cuda_fp8.hpp, has the same thresholds, ties and sign
+// handling). NaN is where they may differ: the hardware gives a canonical NaN code whose sign is
+// not specified, the reference keeps the input's sign. Fp8FixDev ORs back the input's sign and,
+// for NaN, all seven magnitude bits, so any NaN code becomes sign | 0x7F; for other inputs it only
+// restates the sign (the reference keeps it also for ±0 and for values that round to ±0).
+template <bool kE5M2>
+__device__ __forceinline__ uint32_t CvtFp8x2Dev(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned short r;
+  if (kE5M2) {
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  }
+  return static_cast<uint32_t>(r);
+#else
+  return EncodeDev<kE5M2>(lo) | (EncodeDev<kE5M2>(hi) << 8);
+#endif
+}
+
+// Bits to OR into the hardware code of y: y's sign, and 0x7F when y is NaN (see CvtFp8x2Dev).
+__device__ __forceinline__ uint32_t Fp8FixDev(float y) {
+  const uint32_t u = __float_as_uint(y);
+  return ((u >> 24) & 0x80u) | ((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7Fu : 0u);
+}
+
+// Four codes packed little-endian (a in bits 0-7); bit-exact with EncodeDev on each.
+template <bool kE5M2>
+__device__ __forceinline__ uint32_t Encode4Dev(float a, float b, float c, float d) {
+  const uint32_t w = CvtFp8x2Dev<kE5M2>(a, b) | (CvtFp8x2Dev<kE5M2>(c, d) << 16);
+  const uint32_t f = Fp8FixDev(a) | (Fp8FixDev(b) << 8) | (Fp8FixDev(c) << 16) | (Fp8FixDev(d) << 24);
+  return w | f;
+}
+
+// One code; bit-exact with EncodeDev.
+template <bool kE5M2>
+__device__ __forceinline__ uint32_t Encode1Dev(float a) {
+  return (CvtFp8x2Dev<kE5M2>(a, 0.0f) & 0xFFu) | Fp8FixDev(a);
+}
+
 // Exact value of an FP8 code. NaN codes give a quiet NaN with the code's sign; E5M2 0x7C/0xFC ±inf.
 template <bool kE5M2>
 __device__ __forceinline__ float DecodeDev(uint32_t c) {
