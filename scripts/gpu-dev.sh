@@ -3,7 +3,7 @@
 #
 #   scripts/gpu-dev.sh build   (here, on the development machine)
 #       configures build-gpu/ with -DFSDP8_CUDA=ON, builds fsdp8-worker fsdp8-coordinator fsdp8
-#       fsdp8-conformance fsdp8-bench-cuda (whichever targets exist) and packs them with their
+#       fsdp8-conformance fsdp8-bench-cuda fsdp8-cuda-step-test (whichever targets exist) and packs them with their
 #       shared libraries into .dev/gpu/ (../shared/gpu/bundle-deps.sh; kept under 64 MiB).
 #       First installs the header-only cuDNN frontend (pip package nvidia-cudnn-frontend, pinned
 #       below; a user builds the cuDNN attention path the same way: `pip install
@@ -11,11 +11,12 @@
 #       CMake finds it through python3; without it the cuDNN attention is simply not built.
 #       libcudnn.so.9 is linked dynamically and not bundled: the GPU machine has its own.
 #   scripts/gpu-dev.sh run     (on the GPU machine, in the repository root)
-#       runs nvidia-smi -L, the conformance suite on GPU 0, the benchmark, and — when SPEC names a
+#       runs nvidia-smi -L, the conformance suite on GPU 0, the CUDA-vs-CPU training-step test
+#       (fsdp8-cuda-step-test, GPU 0), the benchmark, and — when SPEC names a
 #       job spec file — a coordinator + 2 CUDA workers (GPUs 0 and 1) training that spec. Logs go to
 #       $OUT (or runs/gpu-<time>/); a short table is printed last.
 #       Optional: CONFORMANCE_FILTER (gtest filter, default '*cuda*'), BENCH_ARGS (e.g. --quick),
-#       SKIP_CONFORMANCE=1, SKIP_BENCH=1.
+#       SKIP_CONFORMANCE=1, SKIP_CUDA_STEP=1, SKIP_BENCH=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -32,7 +33,7 @@ build() {
       echo "gpu-dev: pip install nvidia-cudnn-frontend failed; the cuDNN attention path will not be built" >&2
   fi
   cmake -S "$root" -B "$bdir" -G Ninja -DFSDP8_CUDA=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
-  local want=(fsdp8-worker fsdp8-coordinator fsdp8 fsdp8-conformance fsdp8-bench-cuda)
+  local want=(fsdp8-worker fsdp8-coordinator fsdp8 fsdp8-conformance fsdp8-bench-cuda fsdp8-cuda-step-test)
   local have=()
   local targets
   targets=$(ninja -C "$bdir" -t targets all 2>/dev/null | awk -F: '{print $1}')
@@ -123,7 +124,7 @@ run() {
   local ngpu
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
   row "GPUs" "$ngpu" "$(head -1 "$logs/nvidia-smi.txt" | cut -c1-60)"
-  for b in fsdp8-conformance fsdp8-bench-cuda fsdp8-worker; do
+  for b in fsdp8-conformance fsdp8-cuda-step-test fsdp8-bench-cuda fsdp8-worker; do
     if [ -x "$bin/$b" ] && ldd "$bin/$b" | grep -q "not found"; then
       echo "gpu-dev: $b has unresolved libraries:"; ldd "$bin/$b" | grep "not found"
     fi
@@ -143,6 +144,18 @@ run() {
       awk '{split($2,a,"/"); k=a[1]; v=$6+0; if (!(k in m) || v>m[k]) m[k]=v} END {for (k in m) printf "  %-22s %.3g\n", k, m[k]}' |
       sort > "$logs/conformance-max-err.txt"
     echo "== max_rel_err per op (cuda)"; cat "$logs/conformance-max-err.txt"
+  fi
+
+  if [ "${SKIP_CUDA_STEP:-0}" != 1 ] && [ -x "$bin/fsdp8-cuda-step-test" ]; then
+    echo "== cuda step vs cpu"
+    local t0=$(date +%s) rc
+    FSDP8_CUDA_STEP_DEVICE=0 "$bin/fsdp8-cuda-step-test" > "$logs/cuda-step.log" 2>&1
+    rc=$?
+    grep -E "^cuda-step|Failure|FAILED|PASSED|SKIPPED|Skipped" "$logs/cuda-step.log" | tail -100
+    local nfail nskip
+    nfail=$(grep -c '^\[  FAILED  \]' "$logs/cuda-step.log")
+    nskip=$(grep -c '^\[  SKIPPED \]' "$logs/cuda-step.log")
+    row "cuda step vs cpu" "$([ $rc -eq 0 ] && echo pass || echo FAIL)" "rc=$rc failed-lines=$nfail skipped-lines=$nskip $(( $(date +%s) - t0 ))s"
   fi
 
   if [ "${SKIP_BENCH:-0}" != 1 ] && [ -x "$bin/fsdp8-bench-cuda" ]; then
