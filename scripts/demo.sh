@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 t_setup=$(date +%s)
 scripts/install-deps.sh
-scripts/build.sh
+FSDP8_CUDA=${FSDP8_CUDA:-OFF} scripts/build.sh  # the demo trains on CPU workers
 bin=$PWD/build/bin
 run=$PWD/runs/$(date +%Y%m%d-%H%M%S); mkdir -p "$run"
 scripts/prepare-fortunes.sh "$bin/fsdp8" "$PWD/data/fortunes"
@@ -24,6 +24,10 @@ for i in 0 1; do
   pids+=($!)
 done
 sed "s|DATA_DIR|$PWD/data/fortunes|" data/default-job.yaml > "$run/job.yaml"
+for _ in $(seq 150); do  # until the coordinator answers and both workers have registered
+  [ "$("$bin/fsdp8" --coordinator "$addr" workers 2>/dev/null | grep -c ' cpu ')" -ge 2 ] && break
+  sleep 0.2
+done
 
 t_submit=$(date +%s)
 set +e
