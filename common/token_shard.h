@@ -4,7 +4,7 @@
 // little-endian int32 (header[0] = magic 20240520, header[1] = version 1, header[2] = token count N,
 // the rest 0), then N little-endian uint16 tokens. The file size is exactly 1024 + 2 * N bytes.
 //
-// Data rule (ARCHITECTURE.md "One training step"): the sequence at global index i of step k is a
+// Data rule (the design's "one training step"): the sequence at global index i of step k is a
 // window of seq_len + 1 consecutive tokens starting at WindowStart(seed, k, i, N, seq_len, stream);
 // tokens [start, start + seq_len) are the input and [start + 1, start + seq_len + 1) the target.
 // The start depends on (seed, step, index, stream, N, seq_len) only: no sampler state and nothing

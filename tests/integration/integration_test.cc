@@ -83,7 +83,7 @@ std::string ReadFile(const fs::path& p) {
   return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
-// The corpus as convergence.md describes it: every file of /usr/share/games/fortunes except *.dat
+// The default corpus: every file of /usr/share/games/fortunes except *.dat
 // and *.u8, in name order, last 5% held out.
 void PrepareCorpus(const fs::path& dir) {
   const fs::path src = "/usr/share/games/fortunes";
