@@ -23,7 +23,8 @@ struct WorkerDaemon::Job {
   std::string job_id;
   int64_t generation = 0;
   std::unique_ptr<Backend> backend;
-  std::unique_ptr<KvStore> kv;
+  std::unique_ptr<KvStore> grpc_kv;
+  std::unique_ptr<KvStore> kv;  // grpc_kv, cancellable by the job's abort flag
   std::shared_ptr<Communicator> comm;
   std::unique_ptr<Trainer> trainer;
   ~Job() {
@@ -42,10 +43,7 @@ WorkerDaemon::WorkerDaemon(DaemonOptions opts) : opts_(std::move(opts)) {
 }
 
 WorkerDaemon::~WorkerDaemon() {
-  {
-    std::lock_guard<std::mutex> l(comm_mu_);
-    if (live_comm_) live_comm_->Abort("worker shutting down");
-  }
+  CancelJob("worker shutting down");
   {
     std::lock_guard<std::mutex> l(q_mu_);
     q_stop_ = true;
@@ -174,7 +172,15 @@ void WorkerDaemon::Serve() {
         const v1::Assignment a = msg.assignment();
         Log(absl::StrCat("assigned job ", a.job_id(), " generation ", a.generation(), " rank ",
                          a.rank(), "/", a.world_size()));
-        Post([this, a] { HandleAssignment(a); });
+        auto cancelled = std::make_shared<std::atomic<bool>>(false);
+        {
+          // A still-bootstrapping older job would otherwise hold the job thread until its
+          // rendezvous timeout and make this one miss its own rendezvous.
+          std::lock_guard<std::mutex> l(comm_mu_);
+          if (job_cancelled_) job_cancelled_->store(true);
+          job_cancelled_ = cancelled;
+        }
+        Post([this, a, cancelled] { HandleAssignment(a, cancelled); });
         break;
       }
       case v1::CoordinatorMessage::kStep: {
@@ -188,10 +194,7 @@ void WorkerDaemon::Serve() {
         break;
       case v1::CoordinatorMessage::kAbort: {
         Log(absl::StrCat("abort: ", msg.abort().reason()));
-        {
-          std::lock_guard<std::mutex> l(comm_mu_);
-          if (live_comm_) live_comm_->Abort(msg.abort().reason());
-        }
+        CancelJob(msg.abort().reason());
         Post([this] { DropJob(); });
         break;
       }
@@ -203,15 +206,18 @@ void WorkerDaemon::Serve() {
     std::lock_guard<std::mutex> l(write_mu_);
     stream_ = nullptr;
   }
-  {
-    std::lock_guard<std::mutex> l(comm_mu_);
-    if (live_comm_) live_comm_->Abort("coordinator session ended");
-  }
+  CancelJob("coordinator session ended");
   Post([this] { DropJob(); });
   grpc::Status s = stream->Finish();
   if (!s.ok() && !shutdown_) Log(absl::StrCat("session ended: ", s.error_message()));
   std::lock_guard<std::mutex> l(ctx_mu_);
   session_ctx_ = nullptr;
+}
+
+void WorkerDaemon::CancelJob(const std::string& reason) {
+  std::lock_guard<std::mutex> l(comm_mu_);
+  if (job_cancelled_) job_cancelled_->store(true);
+  if (live_comm_) live_comm_->Abort(reason);
 }
 
 void WorkerDaemon::Post(std::function<void()> task) {
@@ -245,10 +251,19 @@ void WorkerDaemon::DropJob() {
   job_.reset();
 }
 
-void WorkerDaemon::HandleAssignment(const v1::Assignment& a) {
+void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
+                                    std::shared_ptr<std::atomic<bool>> cancelled) {
   DropJob();
+  if (cancelled->load()) {
+    Log(absl::StrCat("job ", a.job_id(), " generation ", a.generation(),
+                     ": aborted before it started"));
+    return;
+  }
   auto fail = [&](const std::string& what) {
     Log(absl::StrCat("job ", a.job_id(), ": ", what));
+    // The coordinator has already moved on from an aborted job; an error for it could be taken
+    // as a failure of the job's next generation.
+    if (cancelled->load()) return DropJob();
     v1::WorkerMessage m;
     m.mutable_error()->set_job_id(a.job_id());
     m.mutable_error()->set_message(what);
@@ -262,7 +277,8 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a) {
   std::string err;
   job->backend = CreateBackend(backend, opts_.device, &err);
   if (!job->backend) return fail(absl::StrCat("backend ", backend, ": ", err));
-  job->kv = std::make_unique<GrpcKvStore>(stub_);
+  job->grpc_kv = std::make_unique<GrpcKvStore>(stub_);
+  job->kv = std::make_unique<CancellableKvStore>(job->grpc_kv.get(), cancelled);
   const std::chrono::milliseconds timeout(a.collective_timeout_ms() > 0 ? a.collective_timeout_ms()
                                                                         : 60000);
   if (backend == "cuda") {
@@ -281,9 +297,15 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a) {
     job->comm = std::move(*c);
   }
   {
+    // Checked under comm_mu_ so an Abort either sees live_comm_ or is seen here.
     std::lock_guard<std::mutex> l(comm_mu_);
-    live_comm_ = job->comm;
+    if (cancelled->load()) {
+      job->comm->Abort("job aborted during bootstrap");
+    } else {
+      live_comm_ = job->comm;
+    }
   }
+  if (cancelled->load()) return fail("aborted during bootstrap");
   auto t = Trainer::Create(a.spec(), a.rank(), a.world_size(), job->backend.get(), job->comm.get());
   if (!t.ok()) return fail(t.status().ToString());
   job->trainer = std::move(*t);

@@ -1,8 +1,9 @@
 // WorkerDaemon: the fsdp8-worker process logic. Registers with the coordinator (retrying),
 // heartbeats, and serves the Session stream: Assignment → build backend, communicator and
 // Trainer (reply Ready or WorkerError); StepCommand → run the step on the job thread and reply
-// StepResult (or WorkerError, then drop the job); Finish → drop the job; Abort → abort the
-// communicator (pending collectives fail fast or at their timeout) and drop the job.
+// StepResult (or WorkerError, then drop the job); Finish → drop the job; Abort → cancel the job's
+// rendezvous if it is still bootstrapping, abort the communicator (pending collectives fail fast
+// or at their timeout) and drop the job. A newer Assignment cancels an older job's bootstrap too.
 // The daemon survives job failures and coordinator restarts (it registers again).
 //
 // Thread-safety: Run() on one thread; Shutdown() from any thread (e.g. a signal watcher).
@@ -49,7 +50,9 @@ class WorkerDaemon {
   void Send(const v1::WorkerMessage& m);
   void Post(std::function<void()> task);
   void JobThread();
-  void HandleAssignment(const v1::Assignment& a);
+  void HandleAssignment(const v1::Assignment& a, std::shared_ptr<std::atomic<bool>> cancelled);
+  // Marks the newest job's bootstrap cancelled and aborts its communicator (reader thread).
+  void CancelJob(const std::string& reason);
   void HandleStep(const v1::StepCommand& c);
   void DropJob();
   void Log(const std::string& msg) const;
@@ -75,6 +78,10 @@ class WorkerDaemon {
   std::unique_ptr<Job> job_;  // touched only on the job thread
   std::mutex comm_mu_;
   std::shared_ptr<Communicator> live_comm_;  // the current job's, for Abort from the reader
+  // The newest assigned job's abort flag (guarded by comm_mu_). Set by Abort, by session end and
+  // by a newer Assignment; the job's rendezvous waits poll it, so a job aborted while still
+  // bootstrapping stops within a fraction of a second instead of at the rendezvous timeout.
+  std::shared_ptr<std::atomic<bool>> job_cancelled_;
 };
 
 }  // namespace fsdp8

@@ -2,8 +2,11 @@
 // fail fast on every rank with a message naming the collective and both sizes).
 #include "worker/gloo_communicator.h"
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -73,7 +76,7 @@ TEST(GlooCommunicator, C09_MismatchedAllGatherCountsFailFastOnEveryRank) {
     SCOPED_TRACE(r);
     EXPECT_EQ(results[r].code(), absl::StatusCode::kInvalidArgument) << results[r];
     EXPECT_NE(results[r].message().find("all_gather #4"), std::string::npos) << results[r];
-    EXPECT_NE(results[r].message().find("rank 0 has 409600 elements, rank 1 has 409598"),
+    EXPECT_NE(results[r].message().find("rank 0 has 409600 bytes, rank 1 has 409598 bytes"),
               std::string::npos)
         << results[r];
     EXPECT_LT(seconds[r], 5.0);  // well within the 10 s timeout: no hang
@@ -113,6 +116,52 @@ TEST(GlooCommunicator, MissingPeerTimesOutInsteadOfHanging) {
   ASSERT_FALSE(c.ok());
   EXPECT_LT(s, 10.0);
   EXPECT_NE(c.status().message().find("rank 0 of 2"), std::string::npos) << c.status();
+}
+
+// An aborted job's bootstrap (2-rank job, only rank 0 present, 30 s rendezvous timeout) ends
+// within ~1 s of the abort flag being set, instead of at the rendezvous timeout.
+TEST(GlooCommunicator, CancelledRendezvousEndsPromptly) {
+  testing::MemKvStore mem;
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
+  CancellableKvStore kv(&mem, cancelled);
+  absl::Status result;
+  std::atomic<bool> done{false};
+  std::thread boot([&] {
+    auto c = GlooCommunicator::Create(0, 2, &kv, "aborted/", "127.0.0.1", std::chrono::seconds(30));
+    result = c.status();
+    done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(done.load()) << "rendezvous ended before the abort: " << result;
+  const auto t0 = std::chrono::steady_clock::now();
+  cancelled->store(true);
+  boot.join();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(s, 2.0);
+  EXPECT_FALSE(result.ok());
+  EXPECT_NE(result.message().find("cancelled"), std::string::npos) << result;
+}
+
+TEST(CancellableKvStore, PassesValuesThroughAndKeepsTheTimeout) {
+  testing::MemKvStore mem;
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
+  CancellableKvStore kv(&mem, cancelled, std::chrono::milliseconds(50));
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    ASSERT_TRUE(mem.Set("k", "v").ok());
+  });
+  auto v = kv.Get("k", std::chrono::seconds(5));  // appears after several slices
+  late.join();
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, "v");
+  const auto t0 = std::chrono::steady_clock::now();
+  auto missing = kv.Get("absent", std::chrono::milliseconds(300));
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kDeadlineExceeded) << missing.status();
+  EXPECT_GT(s, 0.25);
+  EXPECT_LT(s, 1.0);
+  cancelled->store(true);
+  EXPECT_EQ(kv.Get("k", std::chrono::seconds(5)).status().code(), absl::StatusCode::kCancelled);
 }
 
 }  // namespace
