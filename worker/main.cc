@@ -1,4 +1,7 @@
 // fsdp8-worker: one rank of fsdp8 training jobs (see worker/daemon.h).
+#include <pthread.h>
+
+#include <atomic>
 #include <csignal>
 #include <iostream>
 #include <memory>
@@ -19,15 +22,16 @@ ABSL_FLAG(int, connect_timeout_s, 60, "give up when the coordinator does not ans
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  openblas_set_num_threads(std::max(1, absl::GetFlag(FLAGS_threads)));
 
-  // SIGTERM / SIGINT are taken by a watcher thread (sigwait), never by an async handler.
+  // SIGTERM / SIGINT are taken by a watcher thread (sigwait), never by an async handler; they are
+  // blocked before any thread starts so every thread inherits the mask.
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  openblas_set_num_threads(std::max(1, absl::GetFlag(FLAGS_threads)));
 
   fsdp8::DaemonOptions opts;
   opts.coordinator = absl::GetFlag(FLAGS_coordinator);
@@ -36,16 +40,23 @@ int main(int argc, char** argv) {
   opts.device = absl::GetFlag(FLAGS_device);
   opts.connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);
   auto daemon = std::make_unique<fsdp8::WorkerDaemon>(opts);
-  fsdp8::WorkerDaemon* d = daemon.get();
-  std::thread watcher([d, set] {
-    int sig = 0;
-    sigwait(&set, &sig);
-    std::cerr << "[worker] signal " << sig << ": shutting down" << std::endl;
-    d->Shutdown();
+  // The watcher is joined before the daemon is destroyed, so it never touches a freed daemon.
+  // Once Run returns, main sets `done` and wakes it with a thread-directed SIGTERM.
+  std::atomic<bool> done{false};
+  std::thread watcher([d = daemon.get(), set, &done] {
+    for (;;) {
+      int sig = 0;
+      sigwait(&set, &sig);
+      if (done.load()) return;
+      std::cerr << "[worker] signal " << sig << ": shutting down" << std::endl;
+      d->Shutdown();
+    }
   });
-  watcher.detach();
   const int rc = daemon->Run();
+  done = true;
+  pthread_kill(watcher.native_handle(), SIGTERM);  // blocked everywhere: only sigwait takes it
+  watcher.join();
   daemon.reset();  // aborts the current job's communicator and joins the job thread
   std::cerr.flush();
-  std::_Exit(rc);  // the watcher thread may still wait in sigwait
+  std::_Exit(rc);
 }
