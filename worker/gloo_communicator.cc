@@ -84,7 +84,7 @@ absl::Status GlooCall(const std::string& what, F&& f) {
 }
 
 struct Header {  // one per rank per collective, all-gathered before the collective
-  int64_t seq;
+  int64_t seq;  // equal on all ranks by construction (the exchange's tag is derived from it)
   int64_t op;
   int64_t count;
   int64_t dtype_and_extra;  // dtype in the low 32 bits, op-specific (root) in the high bits
@@ -137,7 +137,7 @@ absl::Status GlooCommunicator::Fail(absl::Status s) {
 }
 
 void GlooCommunicator::Abort(const std::string& reason) {
-  Fail(absl::AbortedError(absl::StrCat("aborted: ", reason)));
+  Fail(absl::AbortedError(absl::StrCat("aborted: ", reason))).IgnoreError();
 }
 
 absl::Status GlooCommunicator::Check(int op, int64_t count, int dtype, int64_t extra,
@@ -158,10 +158,6 @@ absl::Status GlooCommunicator::Check(int op, int64_t count, int dtype, int64_t e
   if (!s.ok()) return Fail(s);
   for (int r = 0; r < world_size_; ++r) {
     const Header& h = all[r];
-    if (h.seq != mine.seq) {
-      return Fail(absl::InternalError(absl::StrCat(OpName(op), " #", *seq, ": rank ", r,
-                                                   " is at collective #", h.seq)));
-    }
     if (h.op != mine.op) {
       return Fail(absl::InvalidArgumentError(absl::StrCat(
           "collective #", *seq, ": rank ", rank_, " called ", OpName(op), ", rank ", r,
@@ -172,9 +168,11 @@ absl::Status GlooCommunicator::Check(int op, int64_t count, int dtype, int64_t e
     const Header& a = all[0];
     const Header& b = all[r];
     if (a.count != b.count) {
+      // u8 collectives count bytes, f32 ones elements.
+      const char* unit = dtype == kU8 ? " bytes" : " elements";
       return Fail(absl::InvalidArgumentError(absl::StrCat(OpName(op), " #", *seq, ": rank 0 has ",
-                                                          a.count, " elements, rank ", r, " has ",
-                                                          b.count)));
+                                                          a.count, unit, ", rank ", r, " has ",
+                                                          b.count, unit)));
     }
     if ((a.dtype_and_extra & 0xffffffff) != (b.dtype_and_extra & 0xffffffff)) {
       return Fail(absl::InvalidArgumentError(absl::StrCat(

@@ -7,10 +7,13 @@
 // Buffers are host memory (the CPU backend's "device" memory is host memory).
 //
 // Mismatch detection (C09): before every collective each rank all-gathers a fixed 32-byte header
-// (collective sequence number, op, element count, dtype). If any rank disagrees, every rank returns
-// INVALID_ARGUMENT naming the collective and the sizes, e.g.
-//   "all_gather #17: rank 0 has 409600 elements, rank 1 has 409598"
-// instead of hanging or returning wrong data.
+// (op, count, dtype, root). If any rank disagrees, every rank returns INVALID_ARGUMENT naming the
+// collective and the sizes (bytes for AllGather and Broadcast, elements for f32 collectives), e.g.
+//   "all_gather #17: rank 0 has 409600 bytes, rank 1 has 409598 bytes"
+// instead of hanging or returning wrong data. The header exchange of collective #k is tagged with
+// k, so it only ever meets the other ranks' #k: a rank that skips a collective shows up as an op or
+// count mismatch at the next one, and a rank that stops calling collectives makes the others'
+// next one fail at the timeout (DEADLINE_EXCEEDED), not as a sequence mismatch.
 //
 // ReduceScatterSum is an f32 all-reduce (sum, f32 accumulation) of the whole send buffer followed by
 // keeping this rank's slice: simple and exact-order deterministic for a given world size; it moves
