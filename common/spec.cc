@@ -151,9 +151,10 @@ absl::Status CheckDataFile(const std::string& field, const std::string& value, i
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": must be a readable token shard (", n.status().message(), ")"));
   }
-  if (*n <= static_cast<int64_t>(seq_len) + 1) {
+  // Same rule as WindowStart and the worker's loader: one window needs seq_len + 1 tokens.
+  if (*n < static_cast<int64_t>(seq_len) + 1) {
     return Bad(field, "too few tokens for one sequence",
-               absl::StrCat(*n, " tokens, need more than seq_len + 1 = ", seq_len + 1));
+               absl::StrCat(*n, " tokens, need at least seq_len + 1 = ", seq_len + 1));
   }
   return absl::OkStatus();
 }

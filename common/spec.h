@@ -27,7 +27,7 @@ v1::JobSpec WithDefaults(const v1::JobSpec& spec, int world_size);
 // std::filesystem::lexically_normal, so ".." cannot escape; symlinks are not resolved; the paths
 // must then be absolute); empty means no restriction.
 // check_files: data.train_path (and data.val_path when set) must be readable token shards (header
-// and size checked, see token_shard.h) holding more than seq_len + 1 tokens.
+// and size checked, see token_shard.h) holding at least seq_len + 1 tokens.
 // Unset fields are first given their defaults (WithDefaults(spec, world_size)); rules stop at the
 // first violation.
 absl::Status ValidateSpec(const v1::JobSpec& spec, int world_size,

@@ -290,15 +290,24 @@ TEST(Spec, CheckFiles) {
   const std::string dir = ::testing::TempDir();
   const std::string good = dir + "/fsdp8_spec_good_" + std::to_string(getpid()) + ".bin";
   const std::string small = dir + "/fsdp8_spec_small_" + std::to_string(getpid()) + ".bin";
-  ASSERT_TRUE(WriteTokenShard(good, std::vector<uint16_t>(258, 1)).ok());  // > 256 + 1
-  ASSERT_TRUE(WriteTokenShard(small, std::vector<uint16_t>(257, 1)).ok()); // == seq_len + 1
+  // seq_len = 256: exactly seq_len + 1 tokens is one window (WindowStart accepts it); one less is
+  // not.
+  ASSERT_TRUE(WriteTokenShard(good, std::vector<uint16_t>(257, 1)).ok());   // == seq_len + 1
+  ASSERT_TRUE(WriteTokenShard(small, std::vector<uint16_t>(256, 1)).ok());  // == seq_len
+  ASSERT_EQ(WindowStart(1, 0, 0, 257, 256, kTrainStream), 0);
+  ASSERT_EQ(WindowStart(1, 0, 0, 256, 256, kTrainStream), -1);
   v1::JobSpec s = Valid();
   s.mutable_data()->set_train_path(good);
+  EXPECT_TRUE(ValidateSpec(s, 2, {}, true).ok()) << ValidateSpec(s, 2, {}, true);
+  s.mutable_data()->set_val_path(good);
   EXPECT_TRUE(ValidateSpec(s, 2, {}, true).ok()) << ValidateSpec(s, 2, {}, true);
   s.mutable_data()->set_val_path(small);
   absl::Status st = ValidateSpec(s, 2, {}, true);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(std::string(st.message()).rfind("data.val_path: too few tokens", 0), 0u) << st;
+  EXPECT_NE(std::string(st.message()).find("256 tokens, need at least seq_len + 1 = 257"),
+            std::string::npos)
+      << st;
   s.mutable_data()->set_val_path("");
   s.mutable_data()->set_train_path(dir + "/does_not_exist.bin");
   st = ValidateSpec(s, 2, {}, true);
