@@ -4,6 +4,7 @@
 #include <cfloat>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -100,6 +101,14 @@ TEST(Scaling, C01_UpdateDelayedWithDegenerateAmaxes) {
   EXPECT_EQ(s.scale, 224.0f);
   // An inf must not poison the window: the next finite amax (1) gives max(history)=2 -> 224, and
   // with most-recent 448 / 1 = 448.
+  // MAX on a copy: history (newest first) is [1, 2, 0] with the inf and NaN dropped, so the max is
+  // 2 and the scale 448 / 2 = 224 (an inf in the window would have given a non-finite amax).
+  ScalingState m = s;
+  UpdateDelayed(&m, 1.0f, 4, v1::AMAX_ALGORITHM_MAX, 0);
+  EXPECT_EQ(std::vector<float>(m.history.begin(), m.history.end()),
+            (std::vector<float>{1.0f, 2.0f, 0.0f}));
+  EXPECT_EQ(m.scale, 224.0f);
+  EXPECT_EQ(m.scale_inv, 1.0f / 224.0f);
   UpdateDelayed(&s, 1.0f, 4, v1::AMAX_ALGORITHM_MOST_RECENT, 0);
   EXPECT_EQ(s.scale, 448.0f);
   // Most recent 0 keeps the previous scale.
