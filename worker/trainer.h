@@ -1,5 +1,5 @@
-// Trainer: one rank's part of a training job — the optimizer step of ARCHITECTURE.md "One
-// training step" over fully sharded parameters, FP8 scaling, the data rule and evaluation.
+// Trainer: one rank's part of a training job: the optimizer step over fully sharded parameters,
+// FP8 scaling, the data rule and evaluation.
 //
 // Step k: rank r trains on global indices [r * LocalBatch, (r + 1) * LocalBatch) of step k's
 // global batch, split into Microbatches() microbatches; gradients are those of the mean loss over
