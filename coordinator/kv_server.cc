@@ -1,5 +1,7 @@
 #include "coordinator/kv_server.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace fsdp8::coord {
@@ -15,15 +17,25 @@ absl::Status KvServer::Set(const std::string& key, const std::string& value) {
 }
 
 absl::StatusOr<std::string> KvServer::Get(const std::string& key,
-                                          std::chrono::milliseconds timeout) {
+                                          std::chrono::milliseconds timeout,
+                                          const std::function<bool()>& cancelled) {
   auto deadline = std::chrono::steady_clock::now() + timeout;
   std::unique_lock<std::mutex> lock(mu_);
+  ++waiting_;
+  struct Leave {
+    int* n;
+    ~Leave() { --*n; }
+  } leave{&waiting_};
   for (;;) {
     if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
     auto it = kv_.find(key);
     if (it != kv_.end()) return it->second;
-    if (std::chrono::steady_clock::now() >= deadline) break;
-    cv_.wait_until(lock, deadline);
+    if (cancelled && cancelled()) {
+      return absl::CancelledError(absl::StrCat("wait for key '", key, "' cancelled by the caller"));
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) break;
+    cv_.wait_until(lock, cancelled ? std::min(deadline, now + kCancelPoll) : deadline);
   }
   return absl::DeadlineExceededError(absl::StrCat("key '", key, "' did not appear within ",
                                                   timeout.count(), " ms"));
@@ -42,6 +54,11 @@ int KvServer::DeletePrefix(const std::string& prefix) {
 size_t KvServer::size() const {
   std::lock_guard<std::mutex> lock(mu_);
   return kv_.size();
+}
+
+int KvServer::waiting() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return waiting_;
 }
 
 void KvServer::Shutdown() {

@@ -3,11 +3,13 @@
 // "job/<id>/gen/<g>/" and are deleted with DeletePrefix when the generation ends.
 //
 // Thread-safety: every method is safe to call from several threads; Get blocks on a condition
-// variable until the key is set, the timeout passes, or Shutdown() is called.
+// variable until the key is set, the timeout passes, the caller's cancellation check fires, or
+// Shutdown() is called.
 #pragma once
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -22,11 +24,17 @@ class KvServer {
   // Sets (overwrites) key. INVALID_ARGUMENT for an empty key or a value over 16 MiB.
   absl::Status Set(const std::string& key, const std::string& value);
   // Waits up to `timeout` (<= 0: no wait) for key. DEADLINE_EXCEEDED naming the key when it does
-  // not appear in time; UNAVAILABLE after Shutdown().
-  absl::StatusOr<std::string> Get(const std::string& key, std::chrono::milliseconds timeout);
+  // not appear in time; UNAVAILABLE after Shutdown(). When `cancelled` is set it is polled every
+  // kCancelPoll (nothing signals the condition variable when an RPC's client goes away) and a true
+  // result ends the wait with CANCELLED.
+  absl::StatusOr<std::string> Get(const std::string& key, std::chrono::milliseconds timeout,
+                                  const std::function<bool()>& cancelled = nullptr);
+  static constexpr std::chrono::milliseconds kCancelPoll{50};
   // Deletes every key starting with `prefix`; returns how many.
   int DeletePrefix(const std::string& prefix);
   size_t size() const;
+  // Gets now blocked waiting for a key (for tests).
+  int waiting() const;
   // Wakes every waiting Get (they return UNAVAILABLE).
   void Shutdown();
 
@@ -35,6 +43,7 @@ class KvServer {
   std::condition_variable cv_;
   std::map<std::string, std::string> kv_;
   bool shutdown_ = false;
+  int waiting_ = 0;
 };
 
 }  // namespace fsdp8::coord

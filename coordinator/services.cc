@@ -142,7 +142,10 @@ grpc::Status WorkerControlImpl::KvGet(grpc::ServerContext* ctx, const v1::KvGetR
   auto now = std::chrono::system_clock::now();
   if (dl > now && dl - now < std::chrono::milliseconds(ms))
     ms = std::chrono::duration_cast<std::chrono::milliseconds>(dl - now).count();
-  auto v = kv_->Get(req->key(), std::chrono::milliseconds(std::max<int64_t>(ms, 0)));
+  // A sync handler holds a server thread for the whole wait, so stop as soon as the client gives
+  // up (cancel, disconnect) instead of sitting out a timeout of up to minutes.
+  auto v = kv_->Get(req->key(), std::chrono::milliseconds(std::max<int64_t>(ms, 0)),
+                    [ctx] { return ctx->IsCancelled(); });
   if (!v.ok()) return ToGrpc(v.status());
   resp->set_value(*v);
   return grpc::Status::OK;

@@ -119,6 +119,25 @@ TEST_F(GrpcTest, RegisterVersionMismatchAndKvTimeout) {
   }
 }
 
+TEST_F(GrpcTest, KvGetEndsWhenTheClientCancels) {
+  auto stub = v1::WorkerControl::NewStub(channel_);
+  grpc::ClientContext ctx;
+  grpc::Status s;
+  std::thread t([&] {
+    v1::KvGetRequest req;
+    req.set_key("job/x/gen/1/never");
+    req.set_timeout_ms(600000);
+    v1::KvGetResponse resp;
+    s = stub->KvGet(&ctx, req, &resp);
+  });
+  ASSERT_TRUE(WaitFor([&] { return server_->kv()->waiting() == 1; }, 5));
+  ctx.TryCancel();
+  t.join();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED);
+  // The server side must let go too rather than hold its thread for the 10-minute timeout.
+  EXPECT_TRUE(WaitFor([&] { return server_->kv()->waiting() == 0; }, 5));
+}
+
 TEST_F(GrpcTest, OneWorkerSessionRunsAJobThroughTheSdk) {
   auto stub = v1::WorkerControl::NewStub(channel_);
   grpc::ClientContext rctx;
