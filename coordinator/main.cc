@@ -22,6 +22,8 @@ ABSL_FLAG(double, heartbeat_timeout_s, 5, "a worker is dead after this long with
 ABSL_FLAG(double, step_timeout_s, 300, "deadline for every rank's result of one step");
 ABSL_FLAG(double, start_timeout_s, 120, "deadline for every rank's Ready after an assignment");
 ABSL_FLAG(int32_t, collective_timeout_ms, 30000, "collective timeout told to the workers");
+ABSL_FLAG(double, abort_grace_s, 2,
+          "after an Abort, its workers stay unassignable this long while they unwind the job");
 
 namespace {
 std::chrono::milliseconds Ms(double seconds) {
@@ -52,6 +54,7 @@ int main(int argc, char** argv) {
   o.scheduler.step_timeout = Ms(absl::GetFlag(FLAGS_step_timeout_s));
   o.scheduler.start_timeout = Ms(absl::GetFlag(FLAGS_start_timeout_s));
   o.scheduler.collective_timeout_ms = absl::GetFlag(FLAGS_collective_timeout_ms);
+  o.scheduler.abort_grace = Ms(absl::GetFlag(FLAGS_abort_grace_s));
 
   auto server = fsdp8::coord::CoordinatorServer::Start(o);
   if (!server.ok()) {

@@ -230,6 +230,7 @@ class JobRun {
     const std::string& id = job_.job_id();
     prefix_ = absl::StrCat("job/", id, "/gen/", job_.generation(), "/");
     absl::Status s = Drive();
+    std::vector<std::string> aborted;
     if (!s.ok()) {
       std::string reason;
       if (absl::IsAborted(s)) {
@@ -248,10 +249,13 @@ class JobRun {
       m.mutable_abort()->set_reason(reason);
       // Every rank gets Abort, except one whose failure it reported itself or whose session is gone.
       const bool skip_failed = !(absl::IsCancelled(s) || absl::IsAborted(s) || abort_failed_rank_);
-      SendAll(m, skip_failed ? failed_rank_ : -1);
+      const int skip = skip_failed ? failed_rank_ : -1;
+      SendAll(m, skip);
+      for (int r = 0; r < static_cast<int>(ranks_.size()); ++r)
+        if (r != skip) aborted.push_back(ranks_[r]);
     }
     kv_->DeletePrefix(prefix_);
-    workers_->Release(id);
+    workers_->Release(id, aborted, options_.abort_grace);
     done_ = true;
     if (on_done_) on_done_();
   }

@@ -12,7 +12,9 @@
 //   aggregate and publish -> Finish to every rank -> SUCCEEDED.
 // A WorkerError, a lost Session, a heartbeat timeout or a deadline fails the job (reason names the
 // worker and rank) and sends Abort to the ranks; Cancel sends Abort too. Workers are released
-// (idle) when the run ends, and the generation's rendezvous keys are deleted.
+// (idle) when the run ends, and the generation's rendezvous keys are deleted; ranks that were sent
+// Abort become assignable again only after abort_grace (the protocol has no message by which a
+// worker reports that it has finished unwinding), and are picked up by the next pass after that.
 //
 // Thread-safety: Start/Stop/Wake may be called from any thread; Stop joins every thread.
 #pragma once
@@ -36,6 +38,10 @@ struct SchedulerOptions {
   std::chrono::milliseconds step_timeout{300000};
   int collective_timeout_ms = 30000;
   std::chrono::milliseconds tick{200};
+  // After a run ends with Abort, the ranks that were sent it stay unassignable this long so that a
+  // worker still unwinding the aborted job (finishing a step, tearing down its communicator) is not
+  // handed the next Assignment meanwhile. 0 releases them at once.
+  std::chrono::milliseconds abort_grace{2000};
 };
 
 class JobRun;

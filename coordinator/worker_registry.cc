@@ -141,12 +141,16 @@ std::vector<v1::WorkerInfo> WorkerRegistry::List() const {
   return out;
 }
 
+bool WorkerRegistry::Assignable(const Worker& w, std::chrono::steady_clock::time_point now) const {
+  return w.info.healthy() && w.session && w.info.job_id().empty() && now >= w.hold_until;
+}
+
 std::vector<std::string> WorkerRegistry::FreeWorkers(const std::string& backend) const {
   std::lock_guard<std::mutex> lock(mu_);
+  const auto now = std::chrono::steady_clock::now();
   std::vector<const Worker*> ws;
   for (const auto& [id, w] : workers_) {
-    if (w.info.healthy() && w.session && w.info.job_id().empty() && w.info.backend() == backend)
-      ws.push_back(&w);
+    if (Assignable(w, now) && w.info.backend() == backend) ws.push_back(&w);
   }
   std::sort(ws.begin(), ws.end(), [](const Worker* a, const Worker* b) { return a->order < b->order; });
   std::vector<std::string> out;
@@ -157,10 +161,10 @@ std::vector<std::string> WorkerRegistry::FreeWorkers(const std::string& backend)
 absl::Status WorkerRegistry::Assign(const std::vector<std::string>& worker_ids,
                                     const std::string& job_id, WorkerEventHandler handler) {
   std::lock_guard<std::mutex> lock(mu_);
+  const auto now = std::chrono::steady_clock::now();
   for (const auto& id : worker_ids) {
     auto it = workers_.find(id);
-    if (it == workers_.end() || !it->second.info.healthy() || !it->second.session ||
-        !it->second.info.job_id().empty())
+    if (it == workers_.end() || !Assignable(it->second, now))
       return absl::FailedPreconditionError(absl::StrCat("worker ", id, " is not assignable"));
   }
   for (size_t r = 0; r < worker_ids.size(); ++r) {
@@ -172,14 +176,18 @@ absl::Status WorkerRegistry::Assign(const std::vector<std::string>& worker_ids,
   return absl::OkStatus();
 }
 
-void WorkerRegistry::Release(const std::string& job_id) {
+void WorkerRegistry::Release(const std::string& job_id, const std::vector<std::string>& aborted,
+                             std::chrono::milliseconds grace) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    const auto hold_until = std::chrono::steady_clock::now() + grace;
     for (auto& [id, w] : workers_) {
       if (w.info.job_id() == job_id) {
         w.info.clear_job_id();
         w.info.set_rank(-1);
         w.handler = nullptr;
+        if (grace.count() > 0 && std::find(aborted.begin(), aborted.end(), id) != aborted.end())
+          w.hold_until = hold_until;
       }
     }
   }

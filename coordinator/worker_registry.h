@@ -2,7 +2,7 @@
 // check), heartbeats, each worker's Session stream, and which job/rank each worker serves.
 //
 // A worker is *assignable* when it is healthy (a heartbeat within heartbeat_timeout), has an open
-// Session, and is idle. Messages a worker sends on its Session, and the loss of a worker (its
+// Session, is idle, and is not in the grace period after an Abort (see Release). Messages a worker sends on its Session, and the loss of a worker (its
 // Session ended, or its heartbeats stopped), are delivered to the handler of the job the worker is
 // assigned to. A worker whose Session ends is marked unhealthy and stays listed (without a session)
 // until it has been silent for 60 s; a later heartbeat makes a worker that still has a Session
@@ -85,8 +85,12 @@ class WorkerRegistry {
   // FAILED_PRECONDITION (nothing changes) when any of them is not assignable any more.
   absl::Status Assign(const std::vector<std::string>& worker_ids, const std::string& job_id,
                       WorkerEventHandler handler);
-  // Makes the workers of job_id idle again (their sessions stay).
-  void Release(const std::string& job_id);
+  // Makes the workers of job_id idle again (their sessions stay). Those in `aborted` were just sent
+  // Abort and may still be unwinding the job (a step in flight, its communicator); they stay
+  // unassignable (FreeWorkers/Assign skip them) for `grace`, so a next Assignment does not queue
+  // up behind that work. The protocol has no "I am idle again" message to wait for instead.
+  void Release(const std::string& job_id, const std::vector<std::string>& aborted = {},
+               std::chrono::milliseconds grace = std::chrono::milliseconds(0));
   // Sends on the worker's current Session; false when it has none or the send failed.
   bool Send(const std::string& worker_id, const v1::CoordinatorMessage& msg);
   // Marks workers silent for longer than the heartbeat timeout unhealthy, tells their jobs, and
@@ -105,7 +109,9 @@ class WorkerRegistry {
     uint64_t token = 0;
     WorkerEventHandler handler;
     int64_t order = 0;
+    std::chrono::steady_clock::time_point hold_until{};  // unassignable before this (see Release)
   };
+  bool Assignable(const Worker& w, std::chrono::steady_clock::time_point now) const;
   void NotifyChange();
 
   const WorkerRegistryOptions options_;

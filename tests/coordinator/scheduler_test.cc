@@ -268,6 +268,7 @@ class SchedulerTest : public ::testing::Test {
     so.start_timeout = 3s;
     so.step_timeout = 2s;
     so.tick = 20ms;
+    so.abort_grace = 0ms;  // tests check reassignment right after an Abort; the grace has its own
     sched_ = std::make_unique<Scheduler>(jobs_.get(), workers_.get(), &kv_, so);
     sched_->Start();
   }
@@ -414,6 +415,32 @@ TEST_F(SchedulerTest, WorkerErrorFailsJobAndAbortsOthers) {
   EXPECT_TRUE(WaitFor([&] { return AllIdle(); }));
   EXPECT_EQ(workers_->FreeWorkers("cpu").size(), 2u) << "both sessions stay and are idle again";
   EXPECT_EQ(w1->Count(v1::CoordinatorMessage::kAbort), 0) << "the failing rank already stopped";
+}
+
+TEST_F(SchedulerTest, AbortedRanksWaitOutTheGraceBeforeTheNextJob) {
+  sched_->Stop();
+  SchedulerOptions so;
+  so.start_timeout = 3s;
+  so.step_timeout = 2s;
+  so.tick = 20ms;
+  so.abort_grace = 600ms;
+  sched_ = std::make_unique<Scheduler>(jobs_.get(), workers_.get(), &kv_, so);
+  sched_->Start();
+  auto w0 = AddWorker();
+  auto w1 = AddWorker(FakeWorker::Mode::kErrorAtStep, 1);
+  auto a = jobs_->Submit("", SmallSpec(train_, 2, 5));
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(WaitEnd(a->job_id()).state(), v1::JOB_STATE_FAILED);
+  ASSERT_TRUE(WaitFor([&] { return AllIdle(); }));
+  const auto idle = std::chrono::steady_clock::now();
+  // w0 was sent Abort and is held; w1 reported the failure itself, so it is free at once.
+  EXPECT_EQ(workers_->FreeWorkers("cpu"), std::vector<std::string>{w1->id()});
+  auto b = jobs_->Submit("", SmallSpec(train_, 2, 2));
+  ASSERT_TRUE(b.ok());
+  ASSERT_TRUE(WaitFor([&] { return jobs_->Get(b->job_id())->state() != v1::JOB_STATE_PENDING; }));
+  // The hold began (at Release) no later than `idle`; allow for the polling around it.
+  EXPECT_GE(std::chrono::steady_clock::now() - idle, 500ms);
+  EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kAssignment), 2);
 }
 
 TEST_F(SchedulerTest, LostSessionFailsJobWithinSeconds) {
