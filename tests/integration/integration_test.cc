@@ -83,6 +83,25 @@ std::string ReadFile(const fs::path& p) {
   return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
+// Polls the coordinator's log for "fsdp8-coordinator listening on <host:port>" until `timeout`;
+// returns the address, or "" if it never appears.
+std::string ListenAddress(const fs::path& log, std::chrono::seconds timeout) {
+  const std::string prefix = "fsdp8-coordinator listening on ";
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const std::string text = ReadFile(log);
+    const size_t at = text.find(prefix);
+    if (at != std::string::npos) {
+      const size_t begin = at + prefix.size();
+      const size_t end = text.find('\n', begin);
+      // Only a complete line: the write may still be in flight.
+      if (end != std::string::npos) return text.substr(begin, end - begin);
+    }
+    if (std::chrono::steady_clock::now() >= until) return "";
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
 // The default corpus: every file of /usr/share/games/fortunes except *.dat
 // and *.u8, in name order, last 5% held out.
 void PrepareCorpus(const fs::path& dir) {
@@ -113,14 +132,19 @@ class Cluster : public ::testing::Test {
                         ("fsdp8-integration-" + std::to_string(getpid())));
     fs::create_directories(*dir_);
     PrepareCorpus(*dir_);
-    int port = 21000 + getpid() % 20000;
-    addr_ = new std::string("127.0.0.1:" + std::to_string(port));
+    // Port 0: the kernel picks a free port (a fixed or pid-derived one can collide with another
+    // run); the coordinator prints the bound address, which the workers then dial.
     procs_ = new std::vector<std::unique_ptr<Process>>();
+    const fs::path coord_log = *dir_ / "coordinator.log";
     procs_->push_back(std::make_unique<Process>(
-        std::vector<std::string>{FSDP8_COORDINATOR_BIN, "--listen=" + *addr_,
+        std::vector<std::string>{FSDP8_COORDINATOR_BIN, "--listen=127.0.0.1:0",
                                  "--state_db=" + (*dir_ / "jobs.db").string(),
                                  "--data_roots=" + dir_->string()},
-        (*dir_ / "coordinator.log").string()));
+        coord_log.string()));
+    ASSERT_TRUE(procs_->back()->ok()) << "could not start " << FSDP8_COORDINATOR_BIN;
+    addr_ = new std::string(ListenAddress(coord_log, std::chrono::seconds(30)));
+    ASSERT_FALSE(addr_->empty()) << "no \"listening on\" line in " << coord_log << ":\n"
+                                 << ReadFile(coord_log);
     for (int i = 0; i < 3; ++i) {
       procs_->push_back(std::make_unique<Process>(
           std::vector<std::string>{FSDP8_WORKER_BIN, "--coordinator=" + *addr_, "--threads=1"},
@@ -170,6 +194,10 @@ class Cluster : public ::testing::Test {
 
   // Submits, waits for the job to end, returns the loss of every step (index = step).
   static std::vector<double> Run(const v1::JobSpec& spec) {
+    if (stub_ == nullptr) {  // SetUpTestSuite failed (its message says why)
+      ADD_FAILURE() << "the cluster did not start";
+      return {};
+    }
     v1::SubmitJobRequest req;
     *req.mutable_spec() = spec;
     v1::Job job;
