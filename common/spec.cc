@@ -80,6 +80,10 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   if (r->amax_algorithm() == v1::AMAX_ALGORITHM_UNSPECIFIED) r->set_amax_algorithm(v1::AMAX_ALGORITHM_MAX);
   if (!r->has_margin()) r->set_margin(0);
 
+  v1::CheckpointSpec* c = s.mutable_checkpoint();
+  if (!c->has_every_steps()) c->set_every_steps(0);
+  if (!c->has_keep_last()) c->set_keep_last(3);
+
   if (s.backend().empty()) s.set_backend("cpu");
   return s;
 }
@@ -155,6 +159,43 @@ absl::Status CheckDataFile(const std::string& field, const std::string& value, i
   if (*n < static_cast<int64_t>(seq_len) + 1) {
     return Bad(field, "too few tokens for one sequence",
                absl::StrCat(*n, " tokens, need at least seq_len + 1 = ", seq_len + 1));
+  }
+  return absl::OkStatus();
+}
+
+// checkpoint.*: see ValidateSpec in spec.h.
+absl::Status CheckCheckpointSpec(const v1::CheckpointSpec& c,
+                                 const std::vector<std::string>& roots) {
+  if (c.every_steps() < 0) {
+    return Bad("checkpoint.every_steps", "must be >= 0", absl::StrCat("got ", c.every_steps()));
+  }
+  if (c.keep_last() < 1) {
+    return Bad("checkpoint.keep_last", "must be >= 1", absl::StrCat("got ", c.keep_last()));
+  }
+  if (c.dir().empty()) {
+    if (c.every_steps() > 0) {
+      return Bad("checkpoint.every_steps", "needs checkpoint.dir",
+                 absl::StrCat("every_steps ", c.every_steps(), " but no checkpoint.dir"));
+    }
+    if (!c.resume_from().empty()) {
+      return Bad("checkpoint.resume_from", "needs checkpoint.dir",
+                 absl::StrCat("resume_from \"", c.resume_from(), "\" but no checkpoint.dir"));
+    }
+    return absl::OkStatus();
+  }
+  FSDP8_RETURN_IF_ERROR(CheckDataPath("checkpoint.dir", c.dir(), roots));
+  if (c.resume_from().empty() || c.resume_from() == "latest") return absl::OkStatus();
+  // Without a trailing separator, so that "dir/" and "dir" compare equal.
+  auto clean = [](const std::string& v) {
+    std::filesystem::path p = std::filesystem::path(v).lexically_normal();
+    return p.has_filename() ? p : p.parent_path();
+  };
+  const std::filesystem::path dir = clean(c.dir());
+  const std::filesystem::path from = clean(c.resume_from());
+  if (from == dir || !Under(from, dir)) {
+    return Bad("checkpoint.resume_from",
+               "must be empty, \"latest\" or a step directory under checkpoint.dir",
+               absl::StrCat("got \"", c.resume_from(), "\", checkpoint.dir \"", c.dir(), "\""));
   }
   return absl::OkStatus();
 }
@@ -292,6 +333,7 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
   if (!d.val_path().empty()) {
     FSDP8_RETURN_IF_ERROR(CheckDataPath("data.val_path", d.val_path(), data_roots));
   }
+  FSDP8_RETURN_IF_ERROR(CheckCheckpointSpec(spec.checkpoint(), data_roots));
   if (check_files) {
     FSDP8_RETURN_IF_ERROR(CheckDataFile("data.train_path", d.train_path(), m.seq_len()));
     if (!d.val_path().empty()) {

@@ -26,6 +26,10 @@ v1::JobSpec WithDefaults(const v1::JobSpec& spec, int world_size);
 // data_roots: directories that data.train_path / data.val_path must lie under (compared after
 // std::filesystem::lexically_normal, so ".." cannot escape; symlinks are not resolved; the paths
 // must then be absolute); empty means no restriction.
+// checkpoint: every_steps >= 0, keep_last >= 1; checkpoint.dir follows the data-root rule of
+// data.train_path; every_steps > 0 and a non-empty resume_from need checkpoint.dir; resume_from is
+// empty, "latest" or a path strictly under checkpoint.dir (lexically normalised; whether it holds
+// a committed checkpoint is checked by the coordinator, not here).
 // check_files: data.train_path (and data.val_path when set) must be readable token shards (header
 // and size checked, see token_shard.h) holding at least seq_len + 1 tokens.
 // Unset fields are first given their defaults (WithDefaults(spec, world_size)); rules stop at the

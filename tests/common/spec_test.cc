@@ -286,6 +286,71 @@ TEST(Spec, DataRoots) {
   EXPECT_TRUE(ValidateSpec(s, 2, {}, false).ok());
 }
 
+TEST(Spec, CheckpointDefaults) {
+  const v1::JobSpec d = WithDefaults(v1::JobSpec(), 2);
+  EXPECT_EQ(d.checkpoint().dir(), "");
+  EXPECT_EQ(d.checkpoint().every_steps(), 0);
+  EXPECT_EQ(d.checkpoint().keep_last(), 3);
+  EXPECT_EQ(d.checkpoint().resume_from(), "");
+  v1::JobSpec s;
+  s.mutable_checkpoint()->set_every_steps(7);
+  s.mutable_checkpoint()->set_keep_last(1);
+  const v1::JobSpec e = WithDefaults(s, 2);
+  EXPECT_EQ(e.checkpoint().every_steps(), 7);
+  EXPECT_EQ(e.checkpoint().keep_last(), 1);
+}
+
+TEST(Spec, CheckpointRules) {
+  const std::vector<std::string> roots = {"/data"};
+  auto msg = [&](const v1::JobSpec& s) {
+    const absl::Status st = ValidateSpec(s, 2, roots, false);
+    EXPECT_TRUE(st.ok() || st.code() == absl::StatusCode::kInvalidArgument) << st;
+    return std::string(st.message());
+  };
+  v1::JobSpec s = Valid();
+  s.mutable_checkpoint()->set_dir("/data/ckpt");
+  s.mutable_checkpoint()->set_every_steps(10);
+  EXPECT_EQ(msg(s), "");
+  s.mutable_checkpoint()->set_keep_last(0);
+  EXPECT_EQ(msg(s), "checkpoint.keep_last: must be >= 1 (got 0)");
+  s.mutable_checkpoint()->set_keep_last(2);
+  s.mutable_checkpoint()->set_every_steps(-1);
+  EXPECT_EQ(msg(s), "checkpoint.every_steps: must be >= 0 (got -1)");
+  s.mutable_checkpoint()->set_every_steps(0);
+  // Same root rule as the data paths.
+  s.mutable_checkpoint()->set_dir("/tmp/ckpt");
+  EXPECT_EQ(msg(s), "checkpoint.dir: must lie under one of the data roots (/data)");
+  s.mutable_checkpoint()->set_dir("/data/../etc");
+  EXPECT_EQ(msg(s), "checkpoint.dir: must lie under one of the data roots (/data)");
+  s.mutable_checkpoint()->set_dir("ckpt");
+  EXPECT_EQ(msg(s).rfind("checkpoint.dir: must be an absolute path", 0), 0u) << msg(s);
+  s.mutable_checkpoint()->set_dir("/data/ckpt/");
+  // resume_from: empty, "latest" or a path under checkpoint.dir.
+  for (const char* ok : {"", "latest", "/data/ckpt/step-10", "/data/ckpt/./step-10/"}) {
+    s.mutable_checkpoint()->set_resume_from(ok);
+    EXPECT_EQ(msg(s), "") << ok;
+  }
+  for (const char* bad : {"/data/ckpt", "/data/ckpt/", "/data/other/step-10",
+                          "/data/ckpt/../other/step-1", "Latest"}) {
+    s.mutable_checkpoint()->set_resume_from(bad);
+    EXPECT_EQ(msg(s).rfind("checkpoint.resume_from: must be empty, \"latest\" or a step directory "
+                           "under checkpoint.dir", 0), 0u)
+        << bad << ": " << msg(s);
+  }
+  // Without a dir, nothing that needs one.
+  s.mutable_checkpoint()->set_dir("");
+  s.mutable_checkpoint()->set_resume_from("latest");
+  EXPECT_EQ(msg(s).rfind("checkpoint.resume_from: needs checkpoint.dir", 0), 0u) << msg(s);
+  s.mutable_checkpoint()->set_resume_from("");
+  s.mutable_checkpoint()->set_every_steps(5);
+  EXPECT_EQ(msg(s).rfind("checkpoint.every_steps: needs checkpoint.dir", 0), 0u) << msg(s);
+  s.mutable_checkpoint()->set_every_steps(0);
+  EXPECT_EQ(msg(s), "");
+  // No roots: any dir.
+  s.mutable_checkpoint()->set_dir("/tmp/ckpt");
+  EXPECT_TRUE(ValidateSpec(s, 2, {}, false).ok());
+}
+
 TEST(Spec, CheckFiles) {
   const std::string dir = ::testing::TempDir();
   const std::string good = dir + "/fsdp8_spec_good_" + std::to_string(getpid()) + ".bin";
