@@ -151,4 +151,46 @@ absl::StatusOr<v1::ScalingState> Client::GetScalingState(const std::string& job_
   return st;
 }
 
+absl::StatusOr<int64_t> Client::TriggerCheckpoint(const std::string& job_id) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::TriggerCheckpointRequest req;
+  req.set_job_id(job_id);
+  v1::TriggerCheckpointResponse resp;
+  if (auto s = FromGrpc(admin_->TriggerCheckpoint(&ctx, req, &resp)); !s.ok()) return s;
+  return resp.step();
+}
+
+absl::StatusOr<std::vector<v1::CheckpointInfo>> Client::ListCheckpoints(const std::string& job_id) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::ListCheckpointsRequest req;
+  req.set_job_id(job_id);
+  v1::ListCheckpointsResponse resp;
+  if (auto s = FromGrpc(admin_->ListCheckpoints(&ctx, req, &resp)); !s.ok()) return s;
+  return std::vector<v1::CheckpointInfo>(resp.checkpoints().begin(), resp.checkpoints().end());
+}
+
+std::string FormatBytes(int64_t b) {
+  if (b < 1024) return absl::StrFormat("%dB", b);
+  const char* units[] = {"KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(b);
+  int u = -1;
+  while (v >= 1024 && u < 3) {
+    v /= 1024;
+    ++u;
+  }
+  return absl::StrFormat(v < 10 ? "%.2f%s" : "%.1f%s", v, units[u]);
+}
+
+std::string FormatCheckpointTable(const std::vector<v1::CheckpointInfo>& cks) {
+  if (cks.empty()) return "no committed checkpoints\n";
+  std::string out = absl::StrFormat("%-10s %-6s %-10s %s\n", "STEP", "WORLD", "BYTES", "DIR");
+  for (const auto& c : cks) {
+    absl::StrAppend(&out, absl::StrFormat("%-10d %-6d %-10s %s\n", c.step(), c.world_size(),
+                                          FormatBytes(c.bytes()), c.dir()));
+  }
+  return out;
+}
+
 }  // namespace fsdp8

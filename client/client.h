@@ -45,6 +45,11 @@ class Client {
   absl::StatusOr<v1::ShardPlan> GetShardPlan(const std::string& job_id, const v1::JobSpec& spec = {},
                                              int world_size = 0);
   absl::StatusOr<v1::ScalingState> GetScalingState(const std::string& job_id);
+  // Asks a RUNNING job with a checkpoint.dir for a checkpoint after its next step; returns that
+  // step. FAILED_PRECONDITION when the job is not running or has no checkpoint.dir.
+  absl::StatusOr<int64_t> TriggerCheckpoint(const std::string& job_id);
+  // The committed checkpoints in the job's checkpoint.dir, oldest first.
+  absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpoints(const std::string& job_id);
 
   const std::string& address() const { return address_; }
 
@@ -58,5 +63,12 @@ class Client {
 
 // "1.2s", "3m12s", "1h05m".
 std::string FormatDuration(double seconds);
+
+// "512B", "1.5KiB", "12.0MiB", "3.25GiB".
+std::string FormatBytes(int64_t bytes);
+
+// The table `fsdp8 checkpoints JOB` prints: a header line, then one line per checkpoint
+// (STEP, WORLD, BYTES, DIR), in the given order; "no committed checkpoints\n" when empty.
+std::string FormatCheckpointTable(const std::vector<v1::CheckpointInfo>& checkpoints);
 
 }  // namespace fsdp8

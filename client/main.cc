@@ -32,6 +32,8 @@ constexpr char kUsage[] =
     "  cancel JOB                                        cancel a job\n"
     "  workers                                           registered workers\n"
     "  scaling JOB                                       a running job's FP8 scales and amax histories\n"
+    "  checkpoint JOB                                    save a checkpoint of a running job after its next step\n"
+    "  checkpoints JOB                                   committed checkpoints of a job (step, world size, bytes, dir)\n"
     "  prepare --out DIR [--val_fraction 0.05] FILES...  text files -> byte-level token shards\n"
     "\n"
     "--coordinator defaults to $FSDP8_COORDINATOR, else localhost:50051.\n"
@@ -363,6 +365,23 @@ int main(int argc, char** argv) {
       printf("%-36s %-5s %-12.6g %-12.6g %s\n", t.name().c_str(), t.format().c_str(), t.scale(),
              t.scale_inv(), hist.c_str());
     }
+    return 0;
+  }
+  if (a.command == "checkpoint") {
+    std::string id = need_job("checkpoint");
+    if (id.empty()) return Usage("checkpoint: exactly one JOB");
+    auto step = c.TriggerCheckpoint(id);
+    if (!step.ok()) return ReportError(step.status());
+    printf("job %s: checkpoint will be saved after step %lld\n", id.c_str(),
+           static_cast<long long>(*step));
+    return 0;
+  }
+  if (a.command == "checkpoints") {
+    std::string id = need_job("checkpoints");
+    if (id.empty()) return Usage("checkpoints: exactly one JOB");
+    auto cks = c.ListCheckpoints(id);
+    if (!cks.ok()) return ReportError(cks.status());
+    fputs(fsdp8::FormatCheckpointTable(*cks).c_str(), stdout);
     return 0;
   }
   return Usage(absl::StrCat("unknown command '", a.command, "'"));

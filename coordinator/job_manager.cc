@@ -1,5 +1,6 @@
 #include "coordinator/job_manager.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -8,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/spec.h"
+#include "coordinator/checkpoint_store.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
@@ -153,6 +155,16 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
   for (int n : {mn, mx}) {
     if (n < 1) continue;  // ValidateSpec reported it above
     if (absl::Status s = ValidateSpec(WithDefaults(spec, n), n, options_.data_roots, false);
+        !s.ok())
+      return s;
+  }
+  const std::string& resume = d.checkpoint().resume_from();
+  if (options_.check_files && !resume.empty() && resume != "latest") {
+    auto ck = CheckpointStore::Open(resume);
+    if (!ck.ok())
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint.resume_from: ", ck.status().message()));
+    if (absl::Status s = CheckpointStore::CheckResumeCompatible(d, ck->manifest.spec(), resume);
         !s.ok())
       return s;
   }
@@ -347,7 +359,8 @@ absl::Status JobManager::MarkRunning(const std::string& job_id) {
   return absl::OkStatus();
 }
 
-absl::Status JobManager::RecordStep(const std::string& job_id, const v1::JobEvent& ev) {
+absl::Status JobManager::RecordStep(const std::string& job_id, const v1::JobEvent& ev,
+                                    bool* checkpoint_requested) {
   std::lock_guard<std::mutex> lock(mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
@@ -360,7 +373,58 @@ absl::Status JobManager::RecordStep(const std::string& job_id, const v1::JobEven
   if (!std::isnan(ev.val_loss())) j.set_val_loss(ev.val_loss());
   j.set_tokens(ev.tokens());
   PublishLocked(r, ev);
+  if (checkpoint_requested) *checkpoint_requested = r->checkpoint_requested;
+  r->checkpoint_requested = false;
   return absl::OkStatus();
+}
+
+absl::Status JobManager::PublishMessage(const std::string& job_id, const std::string& message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  if (IsTerminalState(r->job.state()))
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " already ended (", StateName(r->job.state()), ")"));
+  v1::JobEvent ev;
+  ev.set_step(r->job.step());
+  ev.set_tokens(r->job.tokens());
+  ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+  ev.set_message(message);
+  PublishLocked(r, ev);
+  return absl::OkStatus();
+}
+
+absl::Status JobManager::MarkResumed(const std::string& job_id, int64_t step, int64_t tokens,
+                                     const std::string& message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  if (r->job.state() != v1::JOB_STATE_STARTING)
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " is ", StateName(r->job.state()), ", not STARTING"));
+  r->job.set_step(step);
+  r->job.set_tokens(tokens);
+  v1::JobEvent ev;
+  ev.set_step(step);
+  ev.set_tokens(tokens);
+  ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+  ev.set_message(message);
+  PublishLocked(r, ev);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> JobManager::RequestCheckpoint(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  if (r->job.spec().checkpoint().dir().empty())
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " has no checkpoint.dir; set one in the spec to checkpoint"));
+  if (r->job.state() != v1::JOB_STATE_RUNNING)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", job_id, " is ", StateName(r->job.state()), "; only a RUNNING job can checkpoint"));
+  r->checkpoint_requested = true;
+  return std::min(r->job.step() + 1, r->job.total_steps());
 }
 
 absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,

@@ -52,7 +52,9 @@ class JobManager {
   // ---- client side ----
 
   // Validates `spec` (defaults applied; checked at both min_workers and max_workers) and creates a
-  // PENDING job. INVALID_ARGUMENT names the field and the rule. A non-empty request_id that was
+  // PENDING job. With check_files and a checkpoint.resume_from naming a step directory, that
+  // checkpoint must be committed and intact and have the job's model and precision
+  // (FAILED_PRECONDITION otherwise; "latest" is resolved when the job starts). INVALID_ARGUMENT names the field and the rule. A non-empty request_id that was
   // seen before returns that job when the spec (defaults applied) is the same, and ALREADY_EXISTS
   // otherwise; an empty request_id always creates a new job.
   absl::StatusOr<v1::Job> Submit(const std::string& request_id, const v1::JobSpec& spec);
@@ -88,7 +90,21 @@ class JobManager {
   // Records a finished step: `ev` carries step (steps completed so far, 1-based), loss, val_loss
   // (NaN when not evaluated), grad_norm, lr, tokens (cumulative), tokens_per_second, step_seconds.
   // FAILED_PRECONDITION when the job is not RUNNING.
-  absl::Status RecordStep(const std::string& job_id, const v1::JobEvent& ev);
+  // checkpoint_requested (optional): set to whether a RequestCheckpoint was pending, which is
+  // consumed in the same step (so a request is honoured after exactly one step).
+  absl::Status RecordStep(const std::string& job_id, const v1::JobEvent& ev,
+                          bool* checkpoint_requested = nullptr);
+  // Publishes an informational event ("checkpoint step-20 committed") at the job's current step.
+  // FAILED_PRECONDITION when the job already ended.
+  absl::Status PublishMessage(const std::string& job_id, const std::string& message);
+  // A STARTING job resumes from a checkpoint taken after `step` steps and `tokens` tokens: sets
+  // Job.step/tokens (step events continue from there) and publishes `message`.
+  absl::Status MarkResumed(const std::string& job_id, int64_t step, int64_t tokens,
+                           const std::string& message);
+  // Asks for a checkpoint after the job's next completed step; returns that step (1-based count of
+  // completed steps). NOT_FOUND for an unknown id; FAILED_PRECONDITION when the job is not RUNNING
+  // or has no checkpoint.dir. Repeated requests before that step coalesce.
+  absl::StatusOr<int64_t> RequestCheckpoint(const std::string& job_id);
   // Any non-terminal state -> `state` (SUCCEEDED, FAILED or CANCELLED) with `reason`.
   // FAILED_PRECONDITION when the job already ended.
   absl::Status Finish(const std::string& job_id, v1::JobState state, const std::string& reason);
@@ -111,6 +127,7 @@ class JobManager {
     int64_t last_seq = 0;
     std::deque<v1::JobEvent> events;
     std::optional<v1::ScalingState> scaling;
+    bool checkpoint_requested = false;
   };
 
   JobManager(JobManagerOptions options, std::unique_ptr<JobStore> store);

@@ -4,11 +4,13 @@
 #include <cmath>
 #include <deque>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/spec.h"
+#include "coordinator/checkpoint_store.h"
 
 namespace fsdp8::coord {
 namespace {
@@ -137,11 +139,122 @@ class JobRun {
     return absl::OkStatus();
   }
 
+  // Resolves spec.checkpoint.resume_from into the committed checkpoint every rank loads (C11: the
+  // coordinator decides, no rank looks on its own). Leaves *out empty for a fresh start ("latest"
+  // with nothing committed yet). FAILED_PRECONDITION for a missing, damaged or incompatible one.
+  absl::Status ResolveResume(const v1::JobSpec& spec, std::optional<CommittedCheckpoint>* out) {
+    const v1::CheckpointSpec& cs = spec.checkpoint();
+    if (cs.dir().empty() || cs.resume_from().empty()) return absl::OkStatus();
+    std::string step_dir = cs.resume_from();
+    if (step_dir == "latest") {
+      auto latest = CheckpointStore(cs.dir()).Latest();
+      if (!latest.ok())
+        return absl::FailedPreconditionError(
+            absl::StrCat("checkpoint.resume_from: ", latest.status().message()));
+      if (!latest->has_value()) return absl::OkStatus();
+      step_dir = (*latest)->dir;
+    }
+    auto ck = CheckpointStore::Open(step_dir);
+    if (!ck.ok())
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint.resume_from: ", ck.status().message()));
+    if (absl::Status s = CheckpointStore::CheckResumeCompatible(spec, ck->manifest.spec(), step_dir);
+        !s.ok())
+      return s;
+    *out = std::move(*ck);
+    return absl::OkStatus();
+  }
+
+  // Saves a checkpoint after `step` completed steps: SaveCheckpoint{step, dir} to every rank, every
+  // rank's CheckpointSaved (deadline: step_timeout), then the MANIFEST (only now is it committed),
+  // retention, and the event "checkpoint step-<k> committed".
+  // A failed save fails the job for now (the error names the checkpoint and the rank). Keeping the
+  // job running and retrying at the next interval, on top of the last committed checkpoint, is a
+  // later improvement.
+  absl::Status SaveCheckpoint(const v1::JobSpec& spec, int64_t step, int64_t tokens) {
+    const std::string& id = job_.job_id();
+    const std::string what = absl::StrCat("checkpoint step-", step);
+    auto with_context = [&](const absl::Status& s) {
+      return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+    };
+    const CheckpointStore store(spec.checkpoint().dir());
+    auto dir = store.Prepare(step);
+    if (!dir.ok()) return with_context(dir.status());
+    v1::CoordinatorMessage m;
+    m.mutable_save()->set_step(step);
+    m.mutable_save()->set_dir(*dir);
+    const auto t0 = Clock::now();
+    if (!SendAll(m))
+      return absl::UnavailableError(absl::StrCat("could not send ", what, " to ",
+                                                 RankName(failed_rank_), ": session closed"));
+    const int n = static_cast<int>(ranks_.size());
+    std::vector<v1::CheckpointSaved> saved(n);
+    absl::Status s = Await(t0 + options_.step_timeout, absl::StrCat("CheckpointSaved of ", what),
+                           [&](int r, const v1::WorkerMessage& wm) {
+                             if (!wm.has_saved() || wm.saved().job_id() != id ||
+                                 wm.saved().step() != step)
+                               return false;
+                             saved[r] = wm.saved();
+                             return true;
+                           });
+    if (!s.ok()) return with_context(s);
+    v1::CheckpointManifest manifest;
+    manifest.set_format_version(CheckpointStore::kFormatVersion);
+    manifest.set_job_id(id);
+    manifest.set_step(step);
+    manifest.set_world_size(n);
+    *manifest.mutable_spec() = spec;
+    manifest.set_time(NowSeconds());
+    manifest.set_tokens(tokens);
+    for (int r = 0; r < n; ++r) {
+      if (saved[r].rank() != r) {
+        failed_rank_ = r;
+        abort_failed_rank_ = true;
+        return absl::InternalError(absl::StrCat(what, ": ", RankName(r), " reported rank ",
+                                                saved[r].rank()));
+      }
+      v1::CheckpointFile* f = manifest.add_files();
+      f->set_rank(r);
+      f->set_file(saved[r].file());
+      f->set_bytes(saved[r].bytes());
+      f->set_crc32c(saved[r].crc32c());
+    }
+    // Never commit what a later load would refuse.
+    if (absl::Status v = CheckpointStore::VerifyFiles(*dir, manifest); !v.ok()) {
+      abort_failed_rank_ = true;
+      return with_context(absl::InternalError(v.message()));
+    }
+    if (absl::Status c = store.Commit(manifest); !c.ok()) {
+      abort_failed_rank_ = true;
+      return with_context(c);
+    }
+    auto removed = store.Retain(spec.checkpoint().keep_last());
+    std::string note;
+    if (!removed.ok()) note = absl::StrCat(" (retention failed: ", removed.status().message(), ")");
+    if (!jobs_->PublishMessage(id, absl::StrCat(what, " committed", note)).ok())
+      return absl::CancelledError("job ended");
+    return absl::OkStatus();
+  }
+
   absl::Status Drive() {
     const std::string& id = job_.job_id();
     const int n = static_cast<int>(ranks_.size());
     const v1::JobSpec spec = WithDefaults(job_.spec(), n);
     const int64_t gen = job_.generation();
+    std::optional<CommittedCheckpoint> resume;
+    if (absl::Status rs = ResolveResume(spec, &resume); !rs.ok()) return rs;
+    int64_t start_step = 0;
+    int64_t tokens_total = 0;
+    if (resume) {
+      start_step = resume->step;
+      tokens_total = resume->manifest.tokens();
+      if (!jobs_->MarkResumed(id, start_step, tokens_total,
+                              absl::StrCat("resuming from ", resume->dir, " (step ", start_step,
+                                           ", saved by ", resume->manifest.world_size(),
+                                           " ranks)"))
+               .ok())
+        return absl::CancelledError("job ended");
+    }
     for (int r = 0; r < n; ++r) {
       v1::CoordinatorMessage m;
       v1::Assignment* a = m.mutable_assignment();
@@ -152,6 +265,11 @@ class JobRun {
       *a->mutable_spec() = spec;
       a->set_store_prefix(prefix_);
       a->set_collective_timeout_ms(options_.collective_timeout_ms);
+      if (resume) {  // the same checkpoint for every rank
+        a->set_load_dir(resume->dir);
+        a->set_load_world_size(resume->manifest.world_size());
+        a->set_start_step(start_step);
+      }
       if (!workers_->Send(ranks_[r], m)) {
         failed_rank_ = r;
         return absl::UnavailableError(
@@ -169,8 +287,8 @@ class JobRun {
     const int64_t steps = spec.training().steps();
     const bool has_val = !spec.data().val_path().empty();
     const int eval_every = spec.training().eval_every();
-    int64_t tokens_total = 0;
-    for (int64_t k = 0; k < steps; ++k) {
+    const v1::CheckpointSpec& ckpt = spec.checkpoint();
+    for (int64_t k = start_step; k < steps; ++k) {
       const bool last = k == steps - 1;
       v1::CoordinatorMessage m;
       v1::StepCommand* c = m.mutable_step();
@@ -216,7 +334,15 @@ class JobRun {
           break;
         }
       }
-      if (!jobs_->RecordStep(id, ev).ok()) return absl::CancelledError("job ended");
+      bool requested = false;
+      if (!jobs_->RecordStep(id, ev, &requested).ok()) return absl::CancelledError("job ended");
+      const int64_t completed = k + 1;
+      if (!ckpt.dir().empty() &&
+          (requested || completed == steps ||
+           (ckpt.every_steps() > 0 && completed % ckpt.every_steps() == 0))) {
+        s = SaveCheckpoint(spec, completed, tokens_total);
+        if (!s.ok()) return s;
+      }
     }
     v1::CoordinatorMessage fin;
     fin.mutable_finish();

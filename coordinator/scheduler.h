@@ -10,6 +10,15 @@
 //   Assignment to every rank -> wait for every Ready (start_timeout) -> RUNNING ->
 //   for k in 0..steps-1: StepCommand{k} to every rank, wait for every StepResult{k} (step_timeout),
 //   aggregate and publish -> Finish to every rank -> SUCCEEDED.
+// Checkpoints (spec.checkpoint.dir set): after step k completes (k = completed steps) when
+// every_steps > 0 and k % every_steps == 0, when a TriggerCheckpoint is pending, or when k == steps:
+// SaveCheckpoint{k, dir/step-<k>} to every rank, every rank's CheckpointSaved (step_timeout), then
+// the MANIFEST (coordinator/checkpoint_store.h), retention (keep_last) and the event
+// "checkpoint step-<k> committed". A failed save fails the job.
+// Resume (checkpoint.resume_from): the coordinator picks the checkpoint ("latest" committed one, or
+// the named step directory; verified, model and precision must match) and sends the same
+// load_dir / load_world_size / start_step in every rank's Assignment; steps start_step..steps-1
+// run and Job.step / tokens continue from the checkpoint.
 // A WorkerError, a lost Session, a heartbeat timeout or a deadline fails the job (reason names the
 // worker and rank) and sends Abort to the ranks; Cancel sends Abort too. Workers are released
 // (idle) when the run ends, and the generation's rendezvous keys are deleted; ranks that were sent

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/shard_plan.h"
 #include "common/spec.h"
+#include "coordinator/checkpoint_store.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 
@@ -111,6 +112,35 @@ grpc::Status AdminServiceImpl::GetScalingState(grpc::ServerContext*,
   auto st = jobs_->GetScalingState(req->job_id());
   if (!st.ok()) return ToGrpc(st.status());
   *resp = *st;
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminServiceImpl::TriggerCheckpoint(grpc::ServerContext*,
+                                                 const v1::TriggerCheckpointRequest* req,
+                                                 v1::TriggerCheckpointResponse* resp) {
+  auto step = jobs_->RequestCheckpoint(req->job_id());
+  if (!step.ok()) return ToGrpc(step.status());
+  resp->set_step(*step);
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminServiceImpl::ListCheckpoints(grpc::ServerContext*,
+                                               const v1::ListCheckpointsRequest* req,
+                                               v1::ListCheckpointsResponse* resp) {
+  auto job = jobs_->Get(req->job_id());
+  if (!job.ok()) return ToGrpc(job.status());
+  const std::string& dir = job->spec().checkpoint().dir();
+  if (dir.empty()) return grpc::Status::OK;
+  auto list = CheckpointStore(dir).List();
+  if (!list.ok()) return ToGrpc(list.status());
+  for (const CommittedCheckpoint& c : *list) {
+    v1::CheckpointInfo* info = resp->add_checkpoints();
+    info->set_step(c.step);
+    info->set_dir(c.dir);
+    info->set_world_size(c.manifest.world_size());
+    info->set_bytes(c.bytes());
+    info->set_time(c.manifest.time());
+  }
   return grpc::Status::OK;
 }
 

@@ -47,6 +47,15 @@ class AdminServiceImpl final : public v1::AdminService::Service {
                             v1::ShardPlan*) override;
   grpc::Status GetScalingState(grpc::ServerContext*, const v1::GetScalingStateRequest*,
                                v1::ScalingState*) override;
+  // NOT_FOUND for an unknown job; FAILED_PRECONDITION when it is not RUNNING or has no
+  // checkpoint.dir. Returns the step after which the checkpoint is saved.
+  grpc::Status TriggerCheckpoint(grpc::ServerContext*, const v1::TriggerCheckpointRequest*,
+                                 v1::TriggerCheckpointResponse*) override;
+  // The committed checkpoints in the job's checkpoint.dir, oldest first (also those written by
+  // earlier jobs sharing the directory); empty when the job has no checkpoint.dir. NOT_FOUND for an
+  // unknown job.
+  grpc::Status ListCheckpoints(grpc::ServerContext*, const v1::ListCheckpointsRequest*,
+                               v1::ListCheckpointsResponse*) override;
 
  private:
   JobManager* jobs_;

@@ -1,10 +1,12 @@
 // The coordinator over real gRPC, in process on a free port: status codes through the stubs, the
 // health service, and one job driven end to end by a worker speaking the Session protocol.
 #include <cmath>
+#include <fstream>
 #include <thread>
 
 #include "absl/strings/match.h"
 #include "client/client.h"
+#include "coordinator/checkpoint_store.h"
 #include "coordinator/services.h"
 #include "fsdp8/v1/worker.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -212,6 +214,59 @@ TEST_F(GrpcTest, OneWorkerSessionRunsAJobThroughTheSdk) {
   EXPECT_EQ(bad_plan.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*client)->GetScalingState(job->job_id()).status().code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(GrpcTest, TriggerAndListCheckpointCodes) {
+  auto client = fsdp8::Client::Connect(server_->address());
+  ASSERT_TRUE(client.ok());
+  Client& c = **client;
+  EXPECT_EQ(c.TriggerCheckpoint("job-missing").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(c.ListCheckpoints("job-missing").status().code(), absl::StatusCode::kNotFound);
+  // No workers: the jobs stay PENDING.
+  auto plain = c.Submit(SmallSpec(train_, 1, 4));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  auto st = c.TriggerCheckpoint(plain->job_id()).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(st.message(), "no checkpoint.dir")) << st;
+  auto none = c.ListCheckpoints(plain->job_id());
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_TRUE(none->empty());
+
+  v1::JobSpec spec = SmallSpec(train_, 1, 4);
+  spec.mutable_checkpoint()->set_dir(dir_.File("ck"));
+  auto pending = c.Submit(spec);
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  st = c.TriggerCheckpoint(pending->job_id()).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(st.message(), "PENDING")) << st;
+  // checkpoint.dir outside the data roots is refused at submit.
+  spec.mutable_checkpoint()->set_dir("/elsewhere/ck");
+  EXPECT_EQ(c.Submit(spec).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // Committed checkpoints in the job's directory, oldest first.
+  CheckpointStore store(dir_.File("ck"));
+  for (int64_t k : {6, 3}) {
+    auto d = store.Prepare(k);
+    ASSERT_TRUE(d.ok());
+    { std::ofstream(*d + "/rank-0.ckpt") << std::string(100, 'x'); }
+    v1::CheckpointManifest m;
+    m.set_step(k);
+    m.set_world_size(1);
+    m.set_time(1.5);
+    auto* f = m.add_files();
+    f->set_file("rank-0.ckpt");
+    f->set_bytes(100);
+    ASSERT_TRUE(store.Commit(m).ok());
+  }
+  auto list = c.ListCheckpoints(pending->job_id());
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->size(), 2u);
+  EXPECT_EQ((*list)[0].step(), 3);
+  EXPECT_EQ((*list)[1].step(), 6);
+  EXPECT_EQ((*list)[1].dir(), dir_.File("ck") + "/step-6");
+  EXPECT_EQ((*list)[1].world_size(), 1);
+  EXPECT_EQ((*list)[1].bytes(), 100);
+  EXPECT_DOUBLE_EQ((*list)[1].time(), 1.5);
 }
 
 }  // namespace

@@ -4,9 +4,12 @@
 #include <cmath>
 #include <condition_variable>
 #include <deque>
+#include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "coordinator/checkpoint_store.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/kv_server.h"
 #include "coordinator/scheduler.h"
@@ -117,11 +120,14 @@ TEST(WorkerRegistry, OnlyWorkersWithSessionAreAssignable) {
 
 // ---------------- fake workers + scheduler ----------------
 
-// A worker daemon in miniature: answers Assignment with Ready and StepCommand with StepResult,
-// unless told to misbehave at some step.
+// A worker daemon in miniature: answers Assignment with Ready, StepCommand with StepResult and
+// SaveCheckpoint with a file dir/rank-<r>.ckpt of 1000 + r bytes and CheckpointSaved, unless told to
+// misbehave at some step (kErrorAtSave: WorkerError instead of CheckpointSaved at that step).
 class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeWorker> {
  public:
-  enum class Mode { kNormal, kErrorAtStep, kLoseSessionAtStep, kStopHeartbeatAtStep, kHangAtStep };
+  enum class Mode {
+    kNormal, kErrorAtStep, kLoseSessionAtStep, kStopHeartbeatAtStep, kHangAtStep, kErrorAtSave
+  };
 
   FakeWorker(WorkerRegistry* reg, Mode mode = Mode::kNormal, int64_t at_step = -1,
              double loss_per_token = 2.0)
@@ -167,6 +173,13 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
   }
 
   const std::string& id() const { return id_; }
+  // Delays before answering: every StepCommand, every SaveCheckpoint.
+  void set_delays(std::chrono::milliseconds step, std::chrono::milliseconds save) {
+    step_delay_ = step;
+    save_delay_ = save;
+  }
+  // SaveCheckpoints answered while a MANIFEST already existed in the step directory.
+  int manifest_seen_early() const { return manifest_seen_early_; }
   std::vector<v1::CoordinatorMessage> received() {
     std::lock_guard<std::mutex> lock(mu_);
     return received_;
@@ -196,9 +209,34 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
         r.mutable_ready()->set_job_id(a_.job_id());
         r.mutable_ready()->set_generation(a_.generation());
         Reply(r);
+      } else if (m.has_save()) {
+        const v1::SaveCheckpoint& sc = m.save();
+        std::this_thread::sleep_for(save_delay_);
+        v1::WorkerMessage r;
+        if (mode_ == Mode::kErrorAtSave && sc.step() == at_step_) {
+          r.mutable_error()->set_job_id(a_.job_id());
+          r.mutable_error()->set_message("disk full");
+          Reply(r);
+          continue;
+        }
+        const std::string file = "rank-" + std::to_string(a_.rank()) + ".ckpt";
+        {
+          std::ofstream out(sc.dir() + "/" + file, std::ios::binary);
+          out << std::string(1000 + a_.rank(), 'c');
+        }
+        if (std::filesystem::exists(sc.dir() + "/MANIFEST")) ++manifest_seen_early_;
+        v1::CheckpointSaved* cs = r.mutable_saved();
+        cs->set_job_id(a_.job_id());
+        cs->set_step(sc.step());
+        cs->set_rank(a_.rank());
+        cs->set_file(file);
+        cs->set_bytes(1000 + a_.rank());
+        cs->set_crc32c(12345);
+        Reply(r);
       } else if (m.has_step()) {
         const int64_t k = m.step().step();
-        if (k == at_step_ && mode_ != Mode::kNormal) {
+        std::this_thread::sleep_for(step_delay_);
+        if (k == at_step_ && mode_ != Mode::kNormal && mode_ != Mode::kErrorAtSave) {
           if (mode_ == Mode::kErrorAtStep) {
             v1::WorkerMessage r;
             r.mutable_error()->set_job_id(a_.job_id());
@@ -249,6 +287,8 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
   bool closed_ = false;
   bool stop_ = false;
   std::atomic<bool> heartbeat_{true};
+  std::chrono::milliseconds step_delay_{0}, save_delay_{0};
+  std::atomic<int> manifest_seen_early_{0};
   std::thread loop_, beat_;
 };
 
@@ -524,6 +564,278 @@ TEST_F(SchedulerTest, FlexibleWorldSizePicksLargestDivisor) {
   v1::Job end = WaitEnd(job->job_id());
   EXPECT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
   EXPECT_EQ(end.world_size(), 2);
+}
+
+// ---------------- checkpoints ----------------
+
+// Steps of the SaveCheckpoints a worker received, and the position of each in its message stream
+// relative to the step commands.
+std::vector<int64_t> SaveSteps(FakeWorker& w) {
+  std::vector<int64_t> out;
+  for (const auto& m : w.received())
+    if (m.has_save()) out.push_back(m.save().step());
+  return out;
+}
+
+std::vector<std::string> Messages(JobManager* jobs, const std::string& id) {
+  std::vector<std::string> out;
+  EXPECT_TRUE(jobs->Watch(id, 0, [&](const v1::JobEvent& e) {
+                    if (!e.message().empty()) out.push_back(e.message());
+                    return true;
+                  }).ok());
+  return out;
+}
+
+std::vector<int64_t> Committed(const std::string& dir) {
+  std::vector<int64_t> out;
+  auto l = CheckpointStore(dir).List();
+  EXPECT_TRUE(l.ok()) << l.status();
+  for (const auto& c : *l) out.push_back(c.step);
+  return out;
+}
+
+TEST_F(SchedulerTest, CheckpointsAtIntervalAndEndOnEveryRankManifestLast) {
+  auto w0 = AddWorker();
+  auto w1 = AddWorker();
+  w1->set_delays(0ms, 150ms);  // rank 1 acks late: the MANIFEST must wait for it
+  const std::string ck = dir_.File("ck");
+  v1::JobSpec spec = SmallSpec(train_, 2, 10);
+  spec.mutable_checkpoint()->set_dir(ck);
+  spec.mutable_checkpoint()->set_every_steps(4);
+  spec.mutable_checkpoint()->set_keep_last(2);
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  v1::Job end = WaitEnd(job->job_id());
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  for (auto* w : {w0.get(), w1.get()}) {
+    EXPECT_EQ(SaveSteps(*w), (std::vector<int64_t>{4, 8, 10}));
+    // Each save comes right after its step's result, before the next step command.
+    std::vector<std::string> order;
+    for (const auto& m : w->received()) {
+      if (m.has_step()) order.push_back("s" + std::to_string(m.step().step()));
+      if (m.has_save()) {
+        order.push_back("c" + std::to_string(m.save().step()));
+        EXPECT_EQ(m.save().dir(), ck + "/step-" + std::to_string(m.save().step()));
+      }
+    }
+    EXPECT_EQ(order, (std::vector<std::string>{"s0", "s1", "s2", "s3", "c4", "s4", "s5", "s6",
+                                               "s7", "c8", "s8", "s9", "c10"}));
+    EXPECT_EQ(w->manifest_seen_early(), 0) << "MANIFEST written before every rank acked";
+    EXPECT_TRUE(w->received().back().has_finish());
+  }
+  EXPECT_EQ(Committed(ck), (std::vector<int64_t>{8, 10}));  // keep_last 2
+  auto c = CheckpointStore::Open(ck + "/step-10");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->manifest.job_id(), job->job_id());
+  EXPECT_EQ(c->manifest.world_size(), 2);
+  EXPECT_EQ(c->manifest.tokens(), 10 * 300);
+  ASSERT_EQ(c->manifest.files_size(), 2);
+  EXPECT_EQ(c->manifest.files(1).file(), "rank-1.ckpt");
+  EXPECT_EQ(c->manifest.files(1).bytes(), 1001);
+  EXPECT_EQ(c->manifest.files(1).crc32c(), 12345u);
+  EXPECT_EQ(c->manifest.spec().model().d_model(), 32);
+  const auto msgs = Messages(jobs_.get(), job->job_id());
+  for (int k : {4, 8, 10}) {
+    EXPECT_NE(std::find(msgs.begin(), msgs.end(),
+                        "checkpoint step-" + std::to_string(k) + " committed"),
+              msgs.end())
+        << k;
+  }
+}
+
+TEST_F(SchedulerTest, NoCheckpointDirNoSaves) {
+  auto w0 = AddWorker();
+  auto job = jobs_->Submit("", SmallSpec(train_, 1, 3));
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(WaitEnd(job->job_id()).state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kSave), 0);
+}
+
+TEST_F(SchedulerTest, TriggerCheckpointSavesAfterTheNextStep) {
+  auto w0 = AddWorker();
+  w0->set_delays(30ms, 0ms);
+  const std::string ck = dir_.File("ck");
+  v1::JobSpec spec = SmallSpec(train_, 1, 30);
+  spec.mutable_checkpoint()->set_dir(ck);
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string id = job->job_id();
+  EXPECT_EQ(jobs_->RequestCheckpoint("job-nope").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(WaitFor([&] { return jobs_->Get(id)->step() >= 3; }));
+  auto at = jobs_->RequestCheckpoint(id);
+  ASSERT_TRUE(at.ok()) << at.status();
+  EXPECT_GE(*at, 4);
+  EXPECT_LT(*at, 30);
+  auto again = jobs_->RequestCheckpoint(id);  // coalesces with the first
+  v1::Job end = WaitEnd(id);
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  std::vector<int64_t> want = {*at};
+  if (again.ok() && *again != *at) want.push_back(*again);
+  want.push_back(30);
+  EXPECT_EQ(SaveSteps(*w0), want);
+  EXPECT_EQ(jobs_->RequestCheckpoint(id).status().code(), absl::StatusCode::kFailedPrecondition);
+  // Without a checkpoint.dir.
+  auto plain = jobs_->Submit("", SmallSpec(train_, 1, 3));
+  auto st = jobs_->RequestCheckpoint(plain->job_id()).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(st.message(), "no checkpoint.dir")) << st;
+}
+
+TEST_F(SchedulerTest, FailedSaveFailsTheJobWithoutCommitting) {
+  auto w0 = AddWorker();
+  auto w1 = AddWorker(FakeWorker::Mode::kErrorAtSave, 2);
+  const std::string ck = dir_.File("ck");
+  v1::JobSpec spec = SmallSpec(train_, 2, 6);
+  spec.mutable_checkpoint()->set_dir(ck);
+  spec.mutable_checkpoint()->set_every_steps(2);
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok());
+  v1::Job end = WaitEnd(job->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(end.reason(), "checkpoint step-2")) << end.reason();
+  EXPECT_TRUE(absl::StrContains(end.reason(), "rank 1")) << end.reason();
+  EXPECT_TRUE(absl::StrContains(end.reason(), "disk full")) << end.reason();
+  EXPECT_TRUE(Committed(ck).empty());
+  EXPECT_FALSE(std::filesystem::exists(ck + "/step-2/MANIFEST"));
+  EXPECT_TRUE(WaitFor([&] { return w0->Count(v1::CoordinatorMessage::kAbort) == 1; }));
+}
+
+TEST_F(SchedulerTest, SaveDeadlineFailsTheJob) {
+  sched_->Stop();
+  SchedulerOptions so;
+  so.start_timeout = 3s;
+  so.step_timeout = 300ms;
+  so.tick = 20ms;
+  so.abort_grace = 0ms;
+  sched_ = std::make_unique<Scheduler>(jobs_.get(), workers_.get(), &kv_, so);
+  sched_->Start();
+  auto w0 = AddWorker();
+  w0->set_delays(0ms, 1000ms);
+  v1::JobSpec spec = SmallSpec(train_, 1, 2);
+  spec.mutable_checkpoint()->set_dir(dir_.File("ck"));
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok());
+  v1::Job end = WaitEnd(job->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(end.reason(), "checkpoint step-2: timed out waiting for "
+                                              "CheckpointSaved"))
+      << end.reason();
+}
+
+// C11: the coordinator picks the checkpoint and sends the same one to every rank.
+TEST_F(SchedulerTest, ResumeSendsTheSameCheckpointToEveryRank) {
+  auto w0 = AddWorker();
+  auto w1 = AddWorker();
+  const std::string ck = dir_.File("ck");
+  v1::JobSpec first = SmallSpec(train_, 2, 4);
+  first.mutable_checkpoint()->set_dir(ck);
+  auto a = jobs_->Submit("", first);
+  ASSERT_TRUE(a.ok());
+  ASSERT_EQ(WaitEnd(a->job_id()).state(), v1::JOB_STATE_SUCCEEDED);
+  ASSERT_EQ(Committed(ck), (std::vector<int64_t>{4}));
+  ASSERT_TRUE(WaitFor([&] { return AllIdle(); }));
+
+  for (const std::string from : {std::string("latest"), ck + "/step-4"}) {
+    v1::JobSpec second = SmallSpec(train_, 2, 8);
+    second.mutable_checkpoint()->set_dir(ck);
+    second.mutable_checkpoint()->set_resume_from(from);
+    second.mutable_checkpoint()->set_keep_last(5);
+    const int before0 = static_cast<int>(w0->received().size());
+    const int before1 = static_cast<int>(w1->received().size());
+    auto b = jobs_->Submit("", second);
+    ASSERT_TRUE(b.ok()) << b.status();
+    v1::Job end = WaitEnd(b->job_id());
+    ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+    EXPECT_EQ(end.step(), 8);
+    EXPECT_EQ(end.tokens(), 8 * 300) << "tokens continue from the checkpoint";
+    for (auto [w, before] : {std::pair{w0.get(), before0}, std::pair{w1.get(), before1}}) {
+      auto msgs = w->received();
+      msgs.erase(msgs.begin(), msgs.begin() + before);
+      ASSERT_FALSE(msgs.empty());
+      ASSERT_TRUE(msgs[0].has_assignment());
+      EXPECT_EQ(msgs[0].assignment().load_dir(), ck + "/step-4") << from;
+      EXPECT_EQ(msgs[0].assignment().load_world_size(), 2);
+      EXPECT_EQ(msgs[0].assignment().start_step(), 4);
+      std::vector<int64_t> steps;
+      for (const auto& m : msgs)
+        if (m.has_step()) steps.push_back(m.step().step());
+      EXPECT_EQ(steps, (std::vector<int64_t>{4, 5, 6, 7}));
+    }
+    std::vector<int64_t> step_events;
+    ASSERT_TRUE(jobs_->Watch(b->job_id(), 0, [&](const v1::JobEvent& e) {
+                        if (e.state() == v1::JOB_STATE_RUNNING && e.message().empty())
+                          step_events.push_back(e.step());
+                        return true;
+                      }).ok());
+    EXPECT_EQ(step_events, (std::vector<int64_t>{5, 6, 7, 8}));
+    const auto msgs = Messages(jobs_.get(), b->job_id());
+    EXPECT_NE(std::find(msgs.begin(), msgs.end(),
+                        "resuming from " + ck + "/step-4 (step 4, saved by 2 ranks)"),
+              msgs.end());
+    ASSERT_TRUE(WaitFor([&] { return AllIdle(); }));
+  }
+  EXPECT_EQ(Committed(ck), (std::vector<int64_t>{4, 8}));
+}
+
+TEST_F(SchedulerTest, ResumeLatestWithNothingCommittedStartsFresh) {
+  auto w0 = AddWorker();
+  v1::JobSpec spec = SmallSpec(train_, 1, 2);
+  spec.mutable_checkpoint()->set_dir(dir_.File("empty"));
+  spec.mutable_checkpoint()->set_resume_from("latest");
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_EQ(WaitEnd(job->job_id()).state(), v1::JOB_STATE_SUCCEEDED);
+  auto msgs = w0->received();
+  ASSERT_TRUE(msgs[0].has_assignment());
+  EXPECT_EQ(msgs[0].assignment().load_dir(), "");
+  EXPECT_EQ(msgs[0].assignment().start_step(), 0);
+}
+
+TEST_F(SchedulerTest, ResumeRefusesIncompatibleOrDamagedCheckpoints) {
+  auto w0 = AddWorker();
+  const std::string ck = dir_.File("ck");
+  v1::JobSpec first = SmallSpec(train_, 1, 2);
+  first.mutable_checkpoint()->set_dir(ck);
+  auto a = jobs_->Submit("", first);
+  ASSERT_TRUE(a.ok());
+  ASSERT_EQ(WaitEnd(a->job_id()).state(), v1::JOB_STATE_SUCCEEDED);
+  ASSERT_TRUE(WaitFor([&] { return AllIdle(); }));
+
+  // A named step directory is checked at submit.
+  v1::JobSpec other = SmallSpec(train_, 1, 4);
+  other.mutable_model()->set_d_model(64);
+  other.mutable_checkpoint()->set_dir(ck);
+  other.mutable_checkpoint()->set_resume_from(ck + "/step-2");
+  auto s = jobs_->Submit("", other).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(s.message(), "different model")) << s;
+  other.mutable_model()->set_d_model(32);
+  other.mutable_checkpoint()->set_resume_from(ck + "/step-3");
+  s = jobs_->Submit("", other).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(s.message(), "checkpoint.resume_from: checkpoint " + ck +
+                                                 "/step-3: no such directory")) << s;
+
+  // "latest" is resolved at start: the job fails with the reason.
+  other.mutable_model()->set_d_model(64);
+  other.mutable_checkpoint()->set_resume_from("latest");
+  auto b = jobs_->Submit("", other);
+  ASSERT_TRUE(b.ok()) << b.status();
+  v1::Job end = WaitEnd(b->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(end.reason(), "different model")) << end.reason();
+  ASSERT_TRUE(WaitFor([&] { return AllIdle(); }));
+
+  // A damaged checkpoint is refused, never loaded.
+  { std::ofstream(ck + "/step-2/rank-0.ckpt") << "short"; }
+  other.mutable_model()->set_d_model(32);
+  auto c = jobs_->Submit("", other);
+  ASSERT_TRUE(c.ok()) << c.status();
+  end = WaitEnd(c->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(end.reason(), "is damaged: rank 0 file rank-0.ckpt")) << end.reason();
+  for (const auto& m : w0->received())
+    if (m.has_assignment()) EXPECT_EQ(m.assignment().load_dir(), "");
 }
 
 }  // namespace

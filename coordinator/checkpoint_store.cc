@@ -1,0 +1,296 @@
+#include "coordinator/checkpoint_store.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <google/protobuf/util/json_util.h>
+#include <google/protobuf/util/message_differencer.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/spec.h"
+
+namespace fsdp8::coord {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr char kStepPrefix[] = "step-";
+
+// step-<digits> -> k; -1 otherwise.
+int64_t StepOfName(const std::string& name) {
+  if (name.rfind(kStepPrefix, 0) != 0) return -1;
+  const std::string digits = name.substr(sizeof(kStepPrefix) - 1);
+  if (digits.empty() || digits.size() > 18) return -1;
+  for (char c : digits)
+    if (c < '0' || c > '9') return -1;
+  int64_t k = 0;
+  if (!absl::SimpleAtoi(digits, &k)) return -1;
+  return k;
+}
+
+absl::Status ErrnoError(const std::string& what, const std::string& path) {
+  return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
+}
+
+absl::Status FsyncPath(const std::string& path, bool directory) {
+  int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0) return ErrnoError("open", path);
+  int rc = ::fsync(fd);
+  int saved = errno;
+  ::close(fd);
+  errno = saved;
+  if (rc != 0) return ErrnoError("fsync", path);
+  return absl::OkStatus();
+}
+
+absl::Status WriteFileDurably(const std::string& path, const std::string& data) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoError("create", path);
+  size_t off = 0;
+  while (off < data.size()) {
+    ssize_t n = ::write(fd, data.data() + off, data.size() - off);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int saved = errno;
+      ::close(fd);
+      errno = saved;
+      return ErrnoError("write", path);
+    }
+    off += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    int saved = errno;
+    ::close(fd);
+    errno = saved;
+    return ErrnoError("fsync", path);
+  }
+  if (::close(fd) != 0) return ErrnoError("close", path);
+  return absl::OkStatus();
+}
+
+bool PlainFileName(const std::string& f) {
+  return !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos &&
+         f != CheckpointStore::kManifestName;
+}
+
+// The structural rules of a manifest (see the header); `where` prefixes the message.
+absl::Status CheckManifest(const v1::CheckpointManifest& m, const std::string& where) {
+  auto bad = [&](const std::string& why) {
+    return absl::DataLossError(absl::StrCat(where, ": invalid MANIFEST: ", why));
+  };
+  if (m.format_version() != CheckpointStore::kFormatVersion)
+    return bad(absl::StrCat("format_version ", m.format_version(), " (this coordinator reads ",
+                            CheckpointStore::kFormatVersion, ")"));
+  if (m.step() < 0) return bad(absl::StrCat("step ", m.step()));
+  if (m.world_size() < 1) return bad(absl::StrCat("world_size ", m.world_size()));
+  if (m.files_size() != m.world_size())
+    return bad(absl::StrCat(m.files_size(), " files for world_size ", m.world_size()));
+  for (int r = 0; r < m.files_size(); ++r) {
+    const v1::CheckpointFile& f = m.files(r);
+    if (f.rank() != r) return bad(absl::StrCat("files[", r, "].rank is ", f.rank()));
+    if (!PlainFileName(f.file()))
+      return bad(absl::StrCat("files[", r, "].file \"", f.file(), "\" is not a plain file name"));
+    if (f.bytes() < 0) return bad(absl::StrCat("files[", r, "].bytes ", f.bytes()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int64_t CommittedCheckpoint::bytes() const {
+  int64_t n = 0;
+  for (const auto& f : manifest.files()) n += f.bytes();
+  return n;
+}
+
+std::string CheckpointStore::StepDir(int64_t step) const {
+  return (fs::path(root_) / absl::StrCat(kStepPrefix, step)).string();
+}
+
+absl::StatusOr<std::string> CheckpointStore::Prepare(int64_t step) const {
+  if (step < 0) return absl::InvalidArgumentError(absl::StrCat("checkpoint step ", step, " < 0"));
+  const std::string dir = StepDir(step);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("create ", dir, ": ", ec.message()));
+  const fs::path manifest = fs::path(dir) / kManifestName;
+  if (fs::exists(manifest, ec)) {
+    fs::remove(manifest, ec);
+    if (ec) return absl::InternalError(absl::StrCat("remove ", manifest.string(), ": ", ec.message()));
+    if (absl::Status s = FsyncPath(dir, true); !s.ok()) return s;
+  }
+  fs::remove(fs::path(dir) / absl::StrCat(kManifestName, ".tmp"), ec);
+  return dir;
+}
+
+absl::Status CheckpointStore::Commit(v1::CheckpointManifest m) const {
+  if (m.format_version() == 0) m.set_format_version(kFormatVersion);
+  const std::string dir = StepDir(m.step());
+  if (absl::Status s = CheckManifest(m, dir); !s.ok())
+    return absl::InvalidArgumentError(s.message());
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.add_whitespace = true;
+  opts.preserve_proto_field_names = true;
+  std::string json;
+  auto st = google::protobuf::util::MessageToJsonString(m, &json, opts);
+  if (!st.ok())
+    return absl::InternalError(absl::StrCat("encoding the MANIFEST: ", std::string(st.message())));
+  const std::string tmp = (fs::path(dir) / absl::StrCat(kManifestName, ".tmp")).string();
+  const std::string final_path = (fs::path(dir) / kManifestName).string();
+  if (absl::Status s = WriteFileDurably(tmp, json); !s.ok()) return s;
+  if (::rename(tmp.c_str(), final_path.c_str()) != 0) return ErrnoError("rename to", final_path);
+  return FsyncPath(dir, true);
+}
+
+absl::StatusOr<v1::CheckpointManifest> CheckpointStore::ReadManifest(const std::string& step_dir) {
+  const std::string path = (fs::path(step_dir) / kManifestName).string();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    std::error_code ec;
+    if (!fs::is_directory(step_dir, ec))
+      return absl::NotFoundError(absl::StrCat("checkpoint ", step_dir, ": no such directory"));
+    return absl::NotFoundError(
+        absl::StrCat("checkpoint ", step_dir, ": no MANIFEST (not a committed checkpoint)"));
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  v1::CheckpointManifest m;
+  google::protobuf::util::JsonParseOptions opts;
+  opts.ignore_unknown_fields = true;  // newer coordinators may add fields
+  auto st = google::protobuf::util::JsonStringToMessage(ss.str(), &m, opts);
+  if (!st.ok())
+    return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": invalid MANIFEST: ",
+                                            std::string(st.message())));
+  if (absl::Status s = CheckManifest(m, absl::StrCat("checkpoint ", step_dir)); !s.ok()) return s;
+  fs::path norm = fs::path(step_dir).lexically_normal();
+  if (!norm.has_filename()) norm = norm.parent_path();  // "step-3/"
+  const int64_t k = StepOfName(norm.filename().string());
+  if (k >= 0 && k != m.step())
+    return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": invalid MANIFEST: step ",
+                                            m.step(), " in a directory named step-", k));
+  return m;
+}
+
+absl::Status CheckpointStore::VerifyFiles(const std::string& step_dir,
+                                          const v1::CheckpointManifest& m) {
+  for (const v1::CheckpointFile& f : m.files()) {
+    const fs::path p = fs::path(step_dir) / f.file();
+    std::error_code ec;
+    const auto size = fs::file_size(p, ec);
+    if (ec)
+      return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, " is damaged: rank ",
+                                              f.rank(), " file ", f.file(), ": ", ec.message()));
+    if (static_cast<int64_t>(size) != f.bytes())
+      return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, " is damaged: rank ",
+                                              f.rank(), " file ", f.file(), " has ", size,
+                                              " bytes, the MANIFEST records ", f.bytes()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CommittedCheckpoint> CheckpointStore::Open(const std::string& step_dir) {
+  auto m = ReadManifest(step_dir);
+  if (!m.ok()) return m.status();
+  if (absl::Status s = VerifyFiles(step_dir, *m); !s.ok()) return s;
+  CommittedCheckpoint c;
+  c.step = m->step();
+  c.dir = step_dir;
+  c.manifest = std::move(*m);
+  return c;
+}
+
+absl::StatusOr<std::vector<CommittedCheckpoint>> CheckpointStore::List() const {
+  std::vector<CommittedCheckpoint> out;
+  std::error_code ec;
+  if (!fs::exists(root_, ec)) return out;
+  fs::directory_iterator it(root_, ec);
+  if (ec) return absl::InternalError(absl::StrCat("list ", root_, ": ", ec.message()));
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    if (ec) return absl::InternalError(absl::StrCat("list ", root_, ": ", ec.message()));
+    const int64_t k = StepOfName(it->path().filename().string());
+    if (k < 0 || !it->is_directory(ec)) continue;
+    auto m = ReadManifest(it->path().string());
+    if (!m.ok() || m->step() != k) continue;  // uncommitted
+    CommittedCheckpoint c;
+    c.step = k;
+    c.dir = it->path().string();
+    c.manifest = std::move(*m);
+    out.push_back(std::move(c));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const CommittedCheckpoint& a, const CommittedCheckpoint& b) { return a.step < b.step; });
+  return out;
+}
+
+absl::StatusOr<std::optional<CommittedCheckpoint>> CheckpointStore::Latest() const {
+  auto all = List();
+  if (!all.ok()) return all.status();
+  if (all->empty()) return std::optional<CommittedCheckpoint>();
+  return std::optional<CommittedCheckpoint>(std::move(all->back()));
+}
+
+absl::StatusOr<std::vector<std::string>> CheckpointStore::Retain(int keep_last) const {
+  if (keep_last < 1)
+    return absl::InvalidArgumentError(absl::StrCat("keep_last must be >= 1 (got ", keep_last, ")"));
+  auto all = List();
+  if (!all.ok()) return all.status();
+  std::vector<std::string> removed;
+  if (all->empty()) return removed;
+  const int64_t newest = all->back().step;
+  std::set<int64_t> committed;
+  for (const auto& c : *all) committed.insert(c.step);
+  std::set<int64_t> doomed;
+  const size_t n = all->size();
+  for (size_t i = 0; i + static_cast<size_t>(keep_last) < n; ++i) doomed.insert((*all)[i].step);
+  std::error_code ec;
+  for (fs::directory_iterator it(root_, ec); !ec && it != fs::directory_iterator();
+       it.increment(ec)) {
+    const int64_t k = StepOfName(it->path().filename().string());
+    if (k < 0 || !it->is_directory()) continue;
+    const bool stale = !committed.count(k) && k < newest;
+    if (doomed.count(k) || stale) removed.push_back(it->path().string());
+  }
+  if (ec) return absl::InternalError(absl::StrCat("list ", root_, ": ", ec.message()));
+  std::sort(removed.begin(), removed.end());
+  for (const std::string& d : removed) {
+    // The MANIFEST goes first (and durably), so a crash midway leaves an uncommitted directory,
+    // never a committed one with missing files.
+    const std::string manifest = (fs::path(d) / kManifestName).string();
+    if (fs::exists(manifest, ec)) {
+      fs::remove(manifest, ec);
+      if (ec) return absl::InternalError(absl::StrCat("remove ", manifest, ": ", ec.message()));
+      if (absl::Status s = FsyncPath(d, true); !s.ok()) return s;
+    }
+    fs::remove_all(d, ec);
+    if (ec) return absl::InternalError(absl::StrCat("remove ", d, ": ", ec.message()));
+  }
+  return removed;
+}
+
+absl::Status CheckpointStore::CheckResumeCompatible(const v1::JobSpec& job_in,
+                                                    const v1::JobSpec& saved_in,
+                                                    const std::string& step_dir) {
+  const v1::JobSpec job = WithDefaults(job_in, 0);
+  const v1::JobSpec saved = WithDefaults(saved_in, 0);
+  using google::protobuf::util::MessageDifferencer;
+  auto differ = [&](const google::protobuf::Message& a, const google::protobuf::Message& b,
+                    const std::string& section) -> absl::Status {
+    if (MessageDifferencer::Equals(a, b)) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint.resume_from: checkpoint ", step_dir, " was written with a different ",
+        section, " (checkpoint: {", b.ShortDebugString(), "}, job: {",
+        a.ShortDebugString(), "})"));
+  };
+  if (absl::Status s = differ(job.model(), saved.model(), "model"); !s.ok()) return s;
+  return differ(job.precision(), saved.precision(), "precision");
+}
+
+}  // namespace fsdp8::coord

@@ -1,0 +1,89 @@
+// CheckpointStore: the coordinator's view of one checkpoint directory (spec.checkpoint.dir).
+//
+// Layout: <root>/step-<k>/rank-<r>.ckpt (written by the ranks) and <root>/step-<k>/MANIFEST (written
+// by the coordinator, last). The MANIFEST is the protobuf JSON of v1::CheckpointManifest
+// (proto/fsdp8/v1/checkpoint.proto). It is written to MANIFEST.tmp, fsynced, renamed to MANIFEST,
+// and the step directory is fsynced, so a crash leaves either no MANIFEST or a complete one.
+//
+// Committed: a step-<k> directory whose MANIFEST parses, has format_version kFormatVersion, step k,
+// world_size >= 1 and exactly one file per rank 0..world_size-1 (plain file names). Anything else
+// (no MANIFEST, a torn or foreign one) is uncommitted: List/Latest skip it and Open refuses it.
+// List does not touch the shard files; Open additionally checks that every listed file exists
+// with the recorded size (a damaged checkpoint is refused with DATA_LOSS naming the file).
+//
+// Errors: NOT_FOUND (no such step directory / no MANIFEST), DATA_LOSS (invalid MANIFEST, missing or
+// truncated shard file), INTERNAL (I/O failures, with the path and errno text),
+// FAILED_PRECONDITION (CheckResumeCompatible).
+//
+// Thread-safety: the object is immutable; concurrent calls on the same root are safe as far as the
+// filesystem is, but Prepare/Commit/Retain for one root are expected from one thread (the job's
+// step driver).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "fsdp8/v1/checkpoint.pb.h"
+#include "fsdp8/v1/spec.pb.h"
+
+namespace fsdp8::coord {
+
+struct CommittedCheckpoint {
+  int64_t step = 0;
+  std::string dir;  // <root>/step-<k>
+  v1::CheckpointManifest manifest;
+  int64_t bytes() const;  // sum of the files' sizes
+};
+
+class CheckpointStore {
+ public:
+  static constexpr int kFormatVersion = 1;
+  static constexpr char kManifestName[] = "MANIFEST";
+
+  explicit CheckpointStore(std::string root) : root_(std::move(root)) {}
+  const std::string& root() const { return root_; }
+
+  // "<root>/step-<k>".
+  std::string StepDir(int64_t step) const;
+
+  // Creates <root>/step-<k> (and root) for a new save. An existing MANIFEST there (an older
+  // checkpoint of the same step) is removed first, and the removal made durable, so the directory
+  // is uncommitted while ranks overwrite their files. Returns the directory.
+  absl::StatusOr<std::string> Prepare(int64_t step) const;
+
+  // Writes manifest.step()'s MANIFEST (see the header comment). The manifest must be valid
+  // (INVALID_ARGUMENT otherwise); format_version is set to kFormatVersion when 0.
+  absl::Status Commit(v1::CheckpointManifest manifest) const;
+
+  // Committed checkpoints, ascending by step. A missing root is an empty list.
+  absl::StatusOr<std::vector<CommittedCheckpoint>> List() const;
+  // The newest committed checkpoint; nullopt when there is none.
+  absl::StatusOr<std::optional<CommittedCheckpoint>> Latest() const;
+
+  // Deletes every committed step directory except the newest keep_last, and every uncommitted
+  // step-<k> directory with k below the newest committed step (abandoned saves). Directories not
+  // named step-<digits> are never touched. Returns the removed directories.
+  absl::StatusOr<std::vector<std::string>> Retain(int keep_last) const;
+
+  // Reads and checks <step_dir>/MANIFEST and the files it lists (existence and size). For loading.
+  static absl::StatusOr<CommittedCheckpoint> Open(const std::string& step_dir);
+  // Reads <step_dir>/MANIFEST and checks it (not the shard files).
+  static absl::StatusOr<v1::CheckpointManifest> ReadManifest(const std::string& step_dir);
+  // Checks that every file of `m` exists in step_dir with the recorded size.
+  static absl::Status VerifyFiles(const std::string& step_dir, const v1::CheckpointManifest& m);
+
+  // OK when a job with spec `job` may load a checkpoint written with spec `saved`: the model
+  // config and the precision plan (defaults applied) must be equal. FAILED_PRECONDITION naming the
+  // differing section otherwise. Sharding, batch sizes and the optimizer may differ.
+  static absl::Status CheckResumeCompatible(const v1::JobSpec& job, const v1::JobSpec& saved,
+                                            const std::string& step_dir);
+
+ private:
+  std::string root_;
+};
+
+}  // namespace fsdp8::coord
