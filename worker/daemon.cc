@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "worker/checkpoint.h"
 #include "worker/gloo_communicator.h"
 #include "worker/grpc_kv_store.h"
 #include "worker/trainer.h"
@@ -188,6 +189,11 @@ void WorkerDaemon::Serve() {
         Post([this, c] { HandleStep(c); });
         break;
       }
+      case v1::CoordinatorMessage::kSave: {
+        const v1::SaveCheckpoint c = msg.save();
+        Post([this, c] { HandleSave(c); });
+        break;
+      }
       case v1::CoordinatorMessage::kFinish:
         Log("job finished");
         Post([this] { DropJob(); });
@@ -309,6 +315,14 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   auto t = Trainer::Create(a.spec(), a.rank(), a.world_size(), job->backend.get(), job->comm.get());
   if (!t.ok()) return fail(t.status().ToString());
   job->trainer = std::move(*t);
+  if (!a.load_dir().empty()) {
+    // Collective (the FP8 re-cast): every rank of the generation loads the same checkpoint.
+    absl::Status s =
+        LoadShards(job->trainer.get(), a.load_dir(), a.load_world_size(), a.start_step());
+    if (!s.ok()) return fail(absl::StrCat("loading checkpoint: ", s.ToString()));
+    Log(absl::StrCat("loaded checkpoint ", a.load_dir(), " (", a.load_world_size(),
+                     " ranks), starting at step ", a.start_step()));
+  }
   job_ = std::move(job);
   v1::WorkerMessage m;
   m.mutable_ready()->set_job_id(a.job_id());
@@ -343,6 +357,30 @@ void WorkerDaemon::HandleStep(const v1::StepCommand& c) {
   }
   if (r->has_scaling()) r->mutable_scaling()->set_job_id(job_->job_id);
   *m.mutable_result() = std::move(*r);
+  Send(m);
+}
+
+void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
+  v1::WorkerMessage m;
+  if (!job_) {
+    m.mutable_error()->set_message(absl::StrCat("save at step ", c.step(), ": no job assigned"));
+    Send(m);
+    return;
+  }
+  v1::CheckpointSaved saved;
+  absl::Status s = SaveShard(*job_->trainer, c.step(), c.dir(), &saved);
+  if (!s.ok()) {
+    // The job stays usable: a failed save leaves the training state untouched.
+    m.mutable_error()->set_job_id(job_->job_id);
+    m.mutable_error()->set_message(
+        absl::StrCat("checkpoint at step ", c.step(), ": ", s.ToString()));
+    Log(m.error().message());
+    Send(m);
+    return;
+  }
+  saved.set_job_id(job_->job_id);
+  Log(absl::StrCat("saved ", c.dir(), "/", saved.file(), " (", saved.bytes(), " bytes)"));
+  *m.mutable_saved() = std::move(saved);
   Send(m);
 }
 

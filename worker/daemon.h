@@ -1,9 +1,12 @@
 // WorkerDaemon: the fsdp8-worker process logic. Registers with the coordinator (retrying),
 // heartbeats, and serves the Session stream: Assignment → build backend, communicator and
-// Trainer (reply Ready or WorkerError); StepCommand → run the step on the job thread and reply
-// StepResult (or WorkerError, then drop the job); Finish → drop the job; Abort → cancel the job's
-// rendezvous if it is still bootstrapping, abort the communicator (pending collectives fail fast
-// or at their timeout) and drop the job. A newer Assignment cancels an older job's bootstrap too.
+// Trainer, then load Assignment.load_dir when set (worker/checkpoint.h; every rank, collective)
+// (reply Ready or WorkerError); StepCommand → run the step on the job thread and reply StepResult
+// (or WorkerError, then drop the job); SaveCheckpoint → write this rank's rank-<r>.ckpt on the job
+// thread between steps and reply CheckpointSaved (or WorkerError; the job stays usable);
+// Finish → drop the job; Abort → cancel the job's rendezvous if it is still bootstrapping, abort
+// the communicator (pending collectives fail fast or at their timeout) and drop the job. A newer
+// Assignment cancels an older job's bootstrap too.
 // The daemon survives job failures and coordinator restarts (it registers again).
 //
 // Thread-safety: Run() on one thread; Shutdown() from any thread (e.g. a signal watcher).
@@ -54,6 +57,8 @@ class WorkerDaemon {
   // Marks the newest job's bootstrap cancelled and aborts its communicator (reader thread).
   void CancelJob(const std::string& reason);
   void HandleStep(const v1::StepCommand& c);
+  // Writes this rank's checkpoint shard (between steps) and replies CheckpointSaved or WorkerError.
+  void HandleSave(const v1::SaveCheckpoint& c);
   void DropJob();
   void Log(const std::string& msg) const;
 

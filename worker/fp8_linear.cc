@@ -29,6 +29,33 @@ void ActScaling::Finalize() {
   UploadScaleSlots(be_, scale_inv_.f32(), ones);
 }
 
+absl::Status ActScaling::Restore(const std::vector<ScalingState>& states) {
+  WORKER_CHECK(!scale_.empty()) << "ActScaling::Restore before Finalize";
+  if (states.size() != states_.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "activation scaling: ", states.size(), " tensors in the checkpoint, ", states_.size(),
+        " in this model"));
+  }
+  for (size_t i = 0; i < states.size(); ++i) {
+    if (states[i].name != states_[i].name || states[i].e5m2 != states_[i].e5m2) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "activation scaling tensor ", i, ": checkpoint has ", states[i].name,
+          states[i].e5m2 ? " (E5M2)" : " (E4M3)", ", this model ", states_[i].name,
+          states_[i].e5m2 ? " (E5M2)" : " (E4M3)"));
+    }
+  }
+  states_ = states;
+  if (states_.empty()) return absl::OkStatus();
+  std::vector<float> scale(states_.size()), scale_inv(states_.size());
+  for (size_t i = 0; i < states_.size(); ++i) {
+    scale[i] = states_[i].scale;
+    scale_inv[i] = states_[i].scale_inv;
+  }
+  UploadScaleSlots(be_, scale_.f32(), scale);
+  UploadScaleSlots(be_, scale_inv_.f32(), scale_inv);
+  return absl::OkStatus();
+}
+
 void ActScaling::BeginStep() {
   be_->Memset(amax_.get(), 0, std::max<size_t>(states_.size(), 1) * sizeof(float));
 }

@@ -55,6 +55,9 @@ class ActScaling {
   // The fused all-reduce(max) of this step's amaxes and the identical update on every rank.
   absl::Status EndStep(Communicator* comm, CommClock* clock);
   const std::vector<ScalingState>& states() const { return states_; }
+  // Replaces every tensor's delayed-scaling state (a checkpoint load) and uploads the scales.
+  // FAILED_PRECONDITION naming the first tensor whose name or format differs (nothing changed).
+  absl::Status Restore(const std::vector<ScalingState>& states);
   Fp8Format format(int i) const { return states_[i].e5m2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3; }
 
  private:

@@ -302,4 +302,52 @@ bool FsdpParams::SetMasterElement(const std::string& hf_name, int64_t index, flo
   return true;
 }
 
+const DevBuf& FsdpParams::Array(int unit, int buffer, ShardArray which) const {
+  WORKER_CHECK(unit >= 0 && unit < static_cast<int>(units_.size()));
+  WORKER_CHECK(buffer >= 0 && buffer < static_cast<int>(units_[unit].size()));
+  const Buf& b = units_[unit][buffer];
+  switch (which) {
+    case ShardArray::kMaster: return b.master;
+    case ShardArray::kAdamM: return b.m;
+    case ShardArray::kAdamV: return b.v;
+  }
+  WORKER_CHECK(false) << "bad ShardArray";
+  return b.master;
+}
+
+void FsdpParams::DownloadShard(int unit, int buffer, ShardArray which, float* host) const {
+  const int64_t n = units_[unit][buffer].plan->shard_numel;
+  if (n > 0) be_->CopyToHost(host, Array(unit, buffer, which).get(), n * sizeof(float));
+}
+
+void FsdpParams::ZeroShard(int unit, int buffer, ShardArray which) {
+  const int64_t n = units_[unit][buffer].plan->shard_numel;
+  if (n > 0) be_->Memset(Array(unit, buffer, which).get(), 0, n * sizeof(float));
+}
+
+void FsdpParams::UploadShardRange(int unit, int buffer, ShardArray which, int64_t offset,
+                                  const float* host, int64_t n) {
+  const int64_t shard = units_[unit][buffer].plan->shard_numel;
+  WORKER_CHECK(offset >= 0 && n >= 0 && offset + n <= shard)
+      << "shard range [" << offset << ", " << offset + n << ") of " << shard;
+  if (n > 0) be_->CopyToDevice(Array(unit, buffer, which).f32() + offset, host, n * sizeof(float));
+}
+
+void FsdpParams::RestoreWeightScaling(const std::vector<WeightScaling>& ws) {
+  WORKER_CHECK(ws.size() == wscale_.size()) << ws.size() << " weight scales for " << wscale_.size();
+  std::vector<float> scale(ws.size()), scale_inv(ws.size());
+  for (size_t i = 0; i < ws.size(); ++i) {
+    WORKER_CHECK(ws[i].name == wscale_[i].name) << ws[i].name << " vs " << wscale_[i].name;
+    wscale_[i].scale = ws[i].scale;
+    wscale_[i].scale_inv = ws[i].scale_inv;
+    wscale_[i].amax = ws[i].amax;
+    scale[i] = ws[i].scale;
+    scale_inv[i] = ws[i].scale_inv;
+  }
+  if (!ws.empty()) {
+    UploadScaleSlots(be_, w_scale_.f32(), scale);
+    UploadScaleSlots(be_, w_scale_inv_.f32(), scale_inv);
+  }
+}
+
 }  // namespace fsdp8

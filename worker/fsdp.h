@@ -63,12 +63,16 @@ struct WeightScaling {
 // "layers.0.attn.q_proj" (suffixes ".x", ".dy", ".w" name the three scaled tensors of a linear).
 std::string ScalingBaseName(const std::string& hf_name);
 
+// The per-element f32 arrays of a rank's shard that a checkpoint carries.
+enum class ShardArray { kMaster = 0, kAdamM = 1, kAdamV = 2 };
+
 class FsdpParams {
  public:
   FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* be, Communicator* comm,
              CommClock* clock);
 
   const ShardPlan& plan() const { return plan_; }
+  int rank() const { return rank_; }
   // The tensor named `hf_name`; aborts when the plan has no such tensor (a broken invariant).
   TensorRef Ref(const std::string& hf_name) const;
 
@@ -99,6 +103,18 @@ class FsdpParams {
   // CastWeights() afterwards. Returns whether this rank owns it.
   bool SetMasterElement(const std::string& hf_name, int64_t index, float value);
 
+  // ---- checkpoints (worker/checkpoint.h) ----
+  // Copies this rank's whole shard array of (unit, buffer) (shard_numel f32) to the host.
+  void DownloadShard(int unit, int buffer, ShardArray which, float* host) const;
+  // Zeroes this rank's shard array of (unit, buffer) (padding included).
+  void ZeroShard(int unit, int buffer, ShardArray which);
+  // Writes n f32 values to elements [offset, offset + n) of this rank's shard array.
+  void UploadShardRange(int unit, int buffer, ShardArray which, int64_t offset,
+                        const float* host, int64_t n);
+  // Replaces the FP8 weight scaling state (same tensors, same order; aborts otherwise). Only the
+  // scales matter to the next CastWeights(): they are the fallback for an all-zero weight.
+  void RestoreWeightScaling(const std::vector<WeightScaling>& ws);
+
  private:
   struct Buf {
     const BufferPlan* plan = nullptr;
@@ -108,6 +124,7 @@ class FsdpParams {
     DevBuf full_grad;  // padded_numel f32
   };
   absl::Status Timed(absl::Status s, double t0);
+  const DevBuf& Array(int unit, int buffer, ShardArray which) const;
 
   const ShardPlan& plan_;
   const int rank_;

@@ -62,7 +62,16 @@ class Trainer {
   // Global mean training loss of step k's batch under the current weights (forward only).
   absl::StatusOr<double> ForwardLoss(int64_t step);
   FsdpParams& params() { return *params_; }
+  const FsdpParams& params() const { return *params_; }
+  ActScaling& scaling() { return *scaling_; }
+  const ActScaling& scaling() const { return *scaling_; }
   const v1::JobSpec& spec() const { return spec_; }
+  int rank() const { return rank_; }
+  int world_size() const { return world_; }
+  // Records that the state now is the one after `start_step` completed steps (checkpoint load);
+  // the next Step() should be start_step. Only the reported scaling step depends on it: AdamW's
+  // step counter (k + 1) and the LR schedule are functions of the step index passed to Step().
+  void MarkResumed(int64_t start_step) { last_step_ = start_step - 1; }
 
  private:
   Trainer() = default;
