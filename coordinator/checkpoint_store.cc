@@ -181,6 +181,8 @@ absl::StatusOr<v1::CheckpointManifest> CheckpointStore::ReadManifest(const std::
 
 absl::Status CheckpointStore::VerifyFiles(const std::string& step_dir,
                                           const v1::CheckpointManifest& m) {
+  // The structure first: never stat a path that escapes step_dir.
+  if (absl::Status s = CheckManifest(m, absl::StrCat("checkpoint ", step_dir)); !s.ok()) return s;
   for (const v1::CheckpointFile& f : m.files()) {
     const fs::path p = fs::path(step_dir) / f.file();
     std::error_code ec;

@@ -73,7 +73,8 @@ class CheckpointStore {
   static absl::StatusOr<CommittedCheckpoint> Open(const std::string& step_dir);
   // Reads <step_dir>/MANIFEST and checks it (not the shard files).
   static absl::StatusOr<v1::CheckpointManifest> ReadManifest(const std::string& step_dir);
-  // Checks that every file of `m` exists in step_dir with the recorded size.
+  // Checks the manifest's structure (DATA_LOSS), then that every file of `m` exists in step_dir
+  // with the recorded size.
   static absl::Status VerifyFiles(const std::string& step_dir, const v1::CheckpointManifest& m);
 
   // OK when a job with spec `job` may load a checkpoint written with spec `saved`: the model

@@ -255,6 +255,7 @@ class JobRun {
                .ok())
         return absl::CancelledError("job ended");
     }
+    assigning_ = true;  // from here on a failure must Abort the ranks
     for (int r = 0; r < n; ++r) {
       v1::CoordinatorMessage m;
       v1::Assignment* a = m.mutable_assignment();
@@ -376,9 +377,13 @@ class JobRun {
       // Every rank gets Abort, except one whose failure it reported itself or whose session is gone.
       const bool skip_failed = !(absl::IsCancelled(s) || absl::IsAborted(s) || abort_failed_rank_);
       const int skip = skip_failed ? failed_rank_ : -1;
-      SendAll(m, skip);
-      for (int r = 0; r < static_cast<int>(ranks_.size()); ++r)
-        if (r != skip) aborted.push_back(ranks_[r]);
+      // Ranks never sent an Assignment (e.g. the checkpoint to resume from was refused) have
+      // nothing to abort and are free at once.
+      if (assigning_) {
+        SendAll(m, skip);
+        for (int r = 0; r < static_cast<int>(ranks_.size()); ++r)
+          if (r != skip) aborted.push_back(ranks_[r]);
+      }
     }
     kv_->DeletePrefix(prefix_);
     workers_->Release(id, aborted, options_.abort_grace);
@@ -397,6 +402,7 @@ class JobRun {
   std::string prefix_;
   int failed_rank_ = -1;
   bool abort_failed_rank_ = false;
+  bool assigning_ = false;
   std::atomic<bool> shutdown_{false};
   std::atomic<bool> done_{false};
   std::thread thread_;

@@ -126,7 +126,8 @@ TEST(WorkerRegistry, OnlyWorkersWithSessionAreAssignable) {
 class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeWorker> {
  public:
   enum class Mode {
-    kNormal, kErrorAtStep, kLoseSessionAtStep, kStopHeartbeatAtStep, kHangAtStep, kErrorAtSave
+    kNormal, kErrorAtStep, kLoseSessionAtStep, kStopHeartbeatAtStep, kHangAtStep, kErrorAtSave,
+    kWrongSizeAtSave, kEscapingNameAtSave
   };
 
   FakeWorker(WorkerRegistry* reg, Mode mode = Mode::kNormal, int64_t at_step = -1,
@@ -231,12 +232,15 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
         cs->set_rank(a_.rank());
         cs->set_file(file);
         cs->set_bytes(1000 + a_.rank());
+        if (sc.step() == at_step_ && mode_ == Mode::kWrongSizeAtSave) cs->set_bytes(4096);
+        if (sc.step() == at_step_ && mode_ == Mode::kEscapingNameAtSave) cs->set_file("../../x");
         cs->set_crc32c(12345);
         Reply(r);
       } else if (m.has_step()) {
         const int64_t k = m.step().step();
         std::this_thread::sleep_for(step_delay_);
-        if (k == at_step_ && mode_ != Mode::kNormal && mode_ != Mode::kErrorAtSave) {
+        if (k == at_step_ && (mode_ == Mode::kErrorAtStep || mode_ == Mode::kLoseSessionAtStep ||
+                              mode_ == Mode::kStopHeartbeatAtStep || mode_ == Mode::kHangAtStep)) {
           if (mode_ == Mode::kErrorAtStep) {
             v1::WorkerMessage r;
             r.mutable_error()->set_job_id(a_.job_id());
@@ -700,6 +704,26 @@ TEST_F(SchedulerTest, FailedSaveFailsTheJobWithoutCommitting) {
   EXPECT_TRUE(WaitFor([&] { return w0->Count(v1::CoordinatorMessage::kAbort) == 1; }));
 }
 
+TEST_F(SchedulerTest, ReportedFileThatDoesNotMatchIsNeverCommitted) {
+  for (auto mode : {FakeWorker::Mode::kWrongSizeAtSave, FakeWorker::Mode::kEscapingNameAtSave}) {
+    auto w = AddWorker(mode, 2);
+    const std::string ck = dir_.File(mode == FakeWorker::Mode::kWrongSizeAtSave ? "ck1" : "ck2");
+    v1::JobSpec spec = SmallSpec(train_, 1, 4);
+    spec.mutable_checkpoint()->set_dir(ck);
+    spec.mutable_checkpoint()->set_every_steps(2);
+    auto job = jobs_->Submit("", spec);
+    ASSERT_TRUE(job.ok());
+    v1::Job end = WaitEnd(job->job_id());
+    EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+    EXPECT_TRUE(absl::StrContains(end.reason(), "checkpoint step-2: checkpoint " + ck + "/step-2"))
+        << end.reason();
+    EXPECT_TRUE(Committed(ck).empty());
+    EXPECT_TRUE(WaitFor([&] { return w->Count(v1::CoordinatorMessage::kAbort) == 1; }));
+    w->Stop();  // no more heartbeats: unassignable once the registry notices
+    ASSERT_TRUE(WaitFor([&] { return workers_->FreeWorkers("cpu").empty(); }));
+  }
+}
+
 TEST_F(SchedulerTest, SaveDeadlineFailsTheJob) {
   sched_->Stop();
   SchedulerOptions so;
@@ -836,6 +860,8 @@ TEST_F(SchedulerTest, ResumeRefusesIncompatibleOrDamagedCheckpoints) {
   EXPECT_TRUE(absl::StrContains(end.reason(), "is damaged: rank 0 file rank-0.ckpt")) << end.reason();
   for (const auto& m : w0->received())
     if (m.has_assignment()) EXPECT_EQ(m.assignment().load_dir(), "");
+  EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kAbort), 0) << "never assigned, nothing to abort";
+  EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kAssignment), 1);
 }
 
 }  // namespace
