@@ -520,6 +520,11 @@ absl::Status ReadShardFiles(const std::string& dir, int saved_world_size,
 
 absl::Status SaveShard(const Trainer& trainer, int64_t step, const std::string& dir,
                        v1::CheckpointSaved* out) {
+  if (step != trainer.CompletedSteps()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint ", dir, "/", CheckpointFileName(trainer.rank()), ": asked to save the state "
+        "after step ", step, ", but this rank has completed ", trainer.CompletedSteps(), " steps"));
+  }
   ReplicatedState st;
   st.step = step;
   st.adamw_step = step;

@@ -84,7 +84,8 @@ absl::Status ReadShardFiles(const std::string& dir, int saved_world_size,
                             const std::string& description, FsdpParams* params,
                             ReplicatedState* state);
 
-// Trainer level. SaveShard: the state after `step` completed optimizer steps (call between steps).
+// Trainer level. SaveShard: the state after `step` completed optimizer steps (call between steps);
+// FAILED_PRECONDITION when the trainer's state is not that (trainer.CompletedSteps() != step).
 absl::Status SaveShard(const Trainer& trainer, int64_t step, const std::string& dir,
                        v1::CheckpointSaved* out);
 // Collective (every rank calls it): loads the checkpoint written by saved_world_size ranks,

@@ -72,6 +72,8 @@ class Trainer {
   // the next Step() should be start_step. Only the reported scaling step depends on it: AdamW's
   // step counter (k + 1) and the LR schedule are functions of the step index passed to Step().
   void MarkResumed(int64_t start_step) { last_step_ = start_step - 1; }
+  // Optimizer steps the current state has completed (the last step run + 1, or the loaded step).
+  int64_t CompletedSteps() const { return last_step_ + 1; }
 
  private:
   Trainer() = default;

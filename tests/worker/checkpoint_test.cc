@@ -378,6 +378,16 @@ TEST(Checkpoint, CorruptMissingOrMismatchedFilesAreRefused) {
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_NE(s.message().find("after step 1"), std::string::npos) << s;
 
+  // A save whose step is not the trainer's state.
+  RunRanks(1, [&](int r, Communicator* c) {
+    auto be = CpuBackend();
+    auto t = Trainer::Create(spec, r, 1, be.get(), c);
+    ASSERT_TRUE(t.ok()) << t.status();
+    v1::CheckpointSaved out;
+    absl::Status e = SaveShard(**t, 3, FreshDir("bad_step"), &out);
+    EXPECT_EQ(e.code(), absl::StatusCode::kFailedPrecondition) << e;
+  });
+
   // Saving where the directory cannot be created names the path and leaves nothing behind.
   const std::string blocker = ::testing::TempDir() + "/ckpt_blocker_file";
   std::ofstream(blocker) << "x";
