@@ -56,7 +56,8 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
     Record& r = jm->jobs_[id];
     r.job = std::move(row.job);
     r.last_seq = row.last_seq;
-    r.submitted_spec = DeterministicBytes(r.job.spec());
+    // Re-defaulted, so a row stored before a default was added still matches a resubmission.
+    r.submitted_spec = DeterministicBytes(WithDefaults(r.job.spec(), 0));
     jm->order_.push_back(id);
     if (!r.job.request_id().empty()) jm->by_request_[r.job.request_id()] = id;
     v1::JobState s = r.job.state();
