@@ -10,6 +10,7 @@ PKGS=(
   libopenblas-dev                                                          # CPU GEMM
   libsqlite3-dev                                                           # coordinator job table
   libyaml-cpp-dev                                                          # YAML job specs
+  zlib1g-dev                                                               # checkpoint checksums (CRC-32)
   libgtest-dev libgmock-dev                                                # tests
   fortunes                                                                 # the default corpus
 )
