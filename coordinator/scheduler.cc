@@ -217,7 +217,7 @@ class JobRun {
       f->set_rank(r);
       f->set_file(saved[r].file());
       f->set_bytes(saved[r].bytes());
-      f->set_crc32c(saved[r].crc32c());
+      f->set_crc32(saved[r].crc32());
     }
     // Never commit what a later load would refuse.
     if (absl::Status v = CheckpointStore::VerifyFiles(*dir, manifest); !v.ok()) {

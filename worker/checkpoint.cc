@@ -350,7 +350,7 @@ absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
   out->set_rank(rank);
   out->set_file(name);
   out->set_bytes(w.bytes());
-  out->set_crc32c(w.crc());
+  out->set_crc32(w.crc());
   return absl::OkStatus();
 }
 

@@ -21,7 +21,7 @@
 //            i64      AdamW step counter (= step: step k runs AdamW with counter k + 1)
 //   trailer  char[8]  "FSDP8END", u32 CRC-32 of every byte before the trailer
 // str = u32 length + bytes. CRC-32 is zlib's crc32 (IEEE 802.3 polynomial, the same as
-// Python's zlib.crc32), NOT CRC-32C: CheckpointSaved.crc32c carries the CRC-32 of the whole file,
+// Python's zlib.crc32); CheckpointSaved.crc32 carries the CRC-32 of the whole file,
 // trailer included.
 // The layout fingerprint depends on the units, buffers, wire dtypes and tensors (names, shapes) of
 // the plan but not on the world size or alignment, so a file loads into any world size of the
@@ -72,7 +72,7 @@ struct ReplicatedState {
 
 // Writes dir/rank-<rank>.ckpt (dir is created when missing) from `params` (this rank's shards
 // under params.plan() with `world_size` ranks) and `state`. On success fills out->{step, rank,
-// file, bytes, crc32c} (job_id is the caller's).
+// file, bytes, crc32} (job_id is the caller's).
 absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
                             const std::string& description, const ReplicatedState& state,
                             const std::string& dir, v1::CheckpointSaved* out);

@@ -40,7 +40,7 @@ v1::CheckpointManifest Save(const CheckpointStore& store, int64_t step, int worl
     cf->set_rank(r);
     cf->set_file(f);
     cf->set_bytes(static_cast<int64_t>(bytes + r));
-    cf->set_crc32c(0xdeadbeef + r);
+    cf->set_crc32(0xdeadbeef + r);
   }
   return m;
 }

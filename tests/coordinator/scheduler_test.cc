@@ -234,7 +234,7 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
         cs->set_bytes(1000 + a_.rank());
         if (sc.step() == at_step_ && mode_ == Mode::kWrongSizeAtSave) cs->set_bytes(4096);
         if (sc.step() == at_step_ && mode_ == Mode::kEscapingNameAtSave) cs->set_file("../../x");
-        cs->set_crc32c(12345);
+        cs->set_crc32(12345);
         Reply(r);
       } else if (m.has_step()) {
         const int64_t k = m.step().step();
@@ -637,7 +637,7 @@ TEST_F(SchedulerTest, CheckpointsAtIntervalAndEndOnEveryRankManifestLast) {
   ASSERT_EQ(c->manifest.files_size(), 2);
   EXPECT_EQ(c->manifest.files(1).file(), "rank-1.ckpt");
   EXPECT_EQ(c->manifest.files(1).bytes(), 1001);
-  EXPECT_EQ(c->manifest.files(1).crc32c(), 12345u);
+  EXPECT_EQ(c->manifest.files(1).crc32(), 12345u);
   EXPECT_EQ(c->manifest.spec().model().d_model(), 32);
   const auto msgs = Messages(jobs_.get(), job->job_id());
   for (int k : {4, 8, 10}) {
