@@ -203,6 +203,8 @@ void PrintJob(const fsdp8::v1::Job& j) {
     printf("  world size: %d (generation %lld; rank=worker %s)\n", j.world_size(),
            static_cast<long long>(j.generation()), absl::StrJoin(ranks, " ").c_str());
   }
+  if (j.restarts() > 0 || j.spec().max_restarts() > 0)
+    printf("  restarts:   %d of %d\n", j.restarts(), j.spec().max_restarts());
   const auto& m = j.spec().model();
   printf("  model:      d_model %d, %d layers, %d heads, ffn %d, vocab %d, seq %d\n", m.d_model(),
          m.n_layers(), m.n_heads(), m.ffn_dim(), m.vocab_size(), m.seq_len());

@@ -83,6 +83,7 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   v1::CheckpointSpec* c = s.mutable_checkpoint();
   if (!c->has_every_steps()) c->set_every_steps(0);
   if (!c->has_keep_last()) c->set_keep_last(3);
+  if (!s.has_max_restarts()) s.set_max_restarts(c->dir().empty() ? 0 : 3);
 
   if (s.backend().empty()) s.set_backend("cpu");
   return s;
@@ -334,6 +335,9 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
     FSDP8_RETURN_IF_ERROR(CheckDataPath("data.val_path", d.val_path(), data_roots));
   }
   FSDP8_RETURN_IF_ERROR(CheckCheckpointSpec(spec.checkpoint(), data_roots));
+  if (spec.max_restarts() < 0) {
+    return Bad("max_restarts", "must be >= 0", absl::StrCat("got ", spec.max_restarts()));
+  }
   if (check_files) {
     FSDP8_RETURN_IF_ERROR(CheckDataFile("data.train_path", d.train_path(), m.seq_len()));
     if (!d.val_path().empty()) {

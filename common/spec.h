@@ -30,6 +30,7 @@ v1::JobSpec WithDefaults(const v1::JobSpec& spec, int world_size);
 // data.train_path; every_steps > 0 and a non-empty resume_from need checkpoint.dir; resume_from is
 // empty, "latest" or a path strictly under checkpoint.dir (lexically normalised; whether it holds
 // a committed checkpoint is checked by the coordinator, not here).
+// max_restarts >= 0 (default 3 with a checkpoint.dir, else 0).
 // check_files: data.train_path (and data.val_path when set) must be readable token shards (header
 // and size checked, see token_shard.h) holding at least seq_len + 1 tokens.
 // Unset fields are first given their defaults (WithDefaults(spec, world_size)); rules stop at the

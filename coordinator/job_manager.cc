@@ -232,7 +232,8 @@ std::vector<v1::Job> JobManager::PendingJobs() const {
   std::vector<v1::Job> out;
   for (const auto& id : order_) {
     const auto& j = jobs_.at(id).job;
-    if (j.state() == v1::JOB_STATE_PENDING) out.push_back(j);
+    if (j.state() == v1::JOB_STATE_PENDING || j.state() == v1::JOB_STATE_RECOVERING)
+      out.push_back(j);
   }
   return out;
 }
@@ -306,8 +307,8 @@ absl::Status JobManager::SetPendingReason(const std::string& job_id, const std::
   std::lock_guard<std::mutex> lock(mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
-  if (r->job.state() != v1::JOB_STATE_PENDING)
-    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is not pending"));
+  if (r->job.state() != v1::JOB_STATE_PENDING && r->job.state() != v1::JOB_STATE_RECOVERING)
+    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is not waiting"));
   if (r->job.reason() == reason) return absl::OkStatus();
   r->job.set_reason(reason);
   v1::JobEvent ev;
@@ -322,7 +323,8 @@ absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
   std::lock_guard<std::mutex> lock(mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
-  if (r->job.state() != v1::JOB_STATE_PENDING)
+  const bool recovering = r->job.state() == v1::JOB_STATE_RECOVERING;
+  if (r->job.state() != v1::JOB_STATE_PENDING && !recovering)
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " is ", StateName(r->job.state()), ", not PENDING"));
   v1::Job& j = r->job;
@@ -332,7 +334,7 @@ absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
   j.clear_worker_ids();
   for (const auto& w : worker_ids) j.add_worker_ids(w);
   j.set_generation(j.generation() + 1);
-  j.set_start_time(NowSeconds());
+  if (!recovering) j.set_start_time(NowSeconds());
   std::vector<std::string> ranks;
   for (size_t i = 0; i < worker_ids.size(); ++i)
     ranks.push_back(absl::StrCat(i, "=", worker_ids[i]));
@@ -358,6 +360,30 @@ absl::Status JobManager::MarkRunning(const std::string& job_id) {
   ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
   PublishLocked(r, ev);
   return absl::OkStatus();
+}
+
+absl::StatusOr<int> JobManager::MarkRecovering(const std::string& job_id,
+                                              const std::string& cause, int max_restarts) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  if (IsTerminalState(r->job.state()))
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " already ended (", StateName(r->job.state()), ")"));
+  v1::Job& j = r->job;
+  j.set_restarts(j.restarts() + 1);
+  j.set_state(v1::JOB_STATE_RECOVERING);
+  const std::string msg =
+      absl::StrCat("recovering from ", cause, " (restart ", j.restarts(), " of ", max_restarts, ")");
+  j.set_reason(msg);
+  r->checkpoint_requested = false;
+  v1::JobEvent ev;
+  ev.set_step(j.step());
+  ev.set_tokens(j.tokens());
+  ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+  ev.set_message(msg);
+  PublishLocked(r, ev);
+  return j.restarts();
 }
 
 absl::Status JobManager::RecordStep(const std::string& job_id, const v1::JobEvent& ev,

@@ -1,7 +1,8 @@
 // JobManager: the coordinator's job table — submission (validation, idempotency), job states, the
 // per-job event log that WatchJob streams, and persistence through JobStore (SQLite).
 //
-// States: PENDING -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED. A terminal job never
+// States: PENDING -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED, and
+// STARTING/RUNNING -> RECOVERING -> STARTING (a failed generation restarted). A terminal job never
 // changes again; the transition methods refuse it with FAILED_PRECONDITION, which is how a step
 // driver notices that its job was cancelled underneath it.
 //
@@ -79,14 +80,21 @@ class JobManager {
 
   // ---- scheduler / step driver side ----
 
-  std::vector<v1::Job> PendingJobs() const;  // oldest first
-  // Sets a PENDING job's reason (publishes an event when it changed).
+  // PENDING and RECOVERING jobs (both wait for workers), oldest first.
+  std::vector<v1::Job> PendingJobs() const;
+  // Sets a PENDING or RECOVERING job's reason (publishes an event when it changed).
   absl::Status SetPendingReason(const std::string& job_id, const std::string& reason);
-  // PENDING -> STARTING with a new generation; returns the job (its generation field is the new one).
+  // PENDING or RECOVERING -> STARTING with a new generation; returns the job (its generation field
+  // is the new one).
   absl::StatusOr<v1::Job> MarkStarting(const std::string& job_id,
                                        const std::vector<std::string>& worker_ids);
   // STARTING -> RUNNING.
   absl::Status MarkRunning(const std::string& job_id);
+  // STARTING/RUNNING -> RECOVERING after a failed generation: counts the restart (Job.restarts),
+  // sets the reason and publishes "recovering from <cause> (restart n of max)". Returns the new
+  // restart count. FAILED_PRECONDITION when the job already ended.
+  absl::StatusOr<int> MarkRecovering(const std::string& job_id, const std::string& cause,
+                                     int max_restarts);
   // Records a finished step: `ev` carries step (steps completed so far, 1-based), loss, val_loss
   // (NaN when not evaluated), grad_norm, lr, tokens (cumulative), tokens_per_second, step_seconds.
   // FAILED_PRECONDITION when the job is not RUNNING.

@@ -144,8 +144,18 @@ class JobRun {
   // with nothing committed yet). FAILED_PRECONDITION for a missing, damaged or incompatible one.
   absl::Status ResolveResume(const v1::JobSpec& spec, std::optional<CommittedCheckpoint>* out) {
     const v1::CheckpointSpec& cs = spec.checkpoint();
-    if (cs.dir().empty() || cs.resume_from().empty()) return absl::OkStatus();
+    if (cs.dir().empty()) return absl::OkStatus();
     std::string step_dir = cs.resume_from();
+    if (job_.restarts() > 0) {
+      // A restarted generation continues from the newest committed checkpoint under dir; before
+      // the first one, from where the job itself started.
+      auto latest = CheckpointStore(cs.dir()).Latest();
+      if (!latest.ok())
+        return absl::FailedPreconditionError(
+            absl::StrCat("checkpoint.dir: ", latest.status().message()));
+      if (latest->has_value()) step_dir = (*latest)->dir;
+    }
+    if (step_dir.empty()) return absl::OkStatus();
     if (step_dir == "latest") {
       auto latest = CheckpointStore(cs.dir()).Latest();
       if (!latest.ok())
@@ -254,6 +264,9 @@ class JobRun {
                                            " ranks)"))
                .ok())
         return absl::CancelledError("job ended");
+    } else if (job_.restarts() > 0) {
+      if (!jobs_->MarkResumed(id, 0, 0, "restarting from step 0 (no committed checkpoint)").ok())
+        return absl::CancelledError("job ended");
     }
     assigning_ = true;  // from here on a failure must Abort the ranks
     for (int r = 0; r < n; ++r) {
@@ -342,7 +355,12 @@ class JobRun {
           (requested || completed == steps ||
            (ckpt.every_steps() > 0 && completed % ckpt.every_steps() == 0))) {
         s = SaveCheckpoint(spec, completed, tokens_total);
-        if (!s.ok()) return s;
+        if (!s.ok()) {
+          // A rank lost during the save is a failed generation; a save that a rank refuses, that
+          // times out or that cannot be committed is a storage problem a restart would repeat.
+          if (!absl::IsUnavailable(s)) recoverable_ = false;
+          return s;
+        }
       }
     }
     v1::CoordinatorMessage fin;
@@ -367,7 +385,16 @@ class JobRun {
         reason = j.ok() && !j->reason().empty() ? j->reason() : "job ended";
       } else {
         reason = std::string(s.message());
-        if (!jobs_->Finish(id, v1::JOB_STATE_FAILED, reason).ok()) {
+        const int max_restarts = WithDefaults(job_.spec(), 0).max_restarts();
+        bool recovering = false;
+        if (assigning_ && recoverable_ && !job_.spec().checkpoint().dir().empty() &&
+            job_.restarts() < max_restarts) {
+          recovering = jobs_->MarkRecovering(id, reason, max_restarts).ok();
+          if (!recovering) {
+            auto j = jobs_->Get(id);  // ended meanwhile (cancelled): abort with its reason
+            if (j.ok()) reason = j->reason();
+          }
+        } else if (!jobs_->Finish(id, v1::JOB_STATE_FAILED, reason).ok()) {
           auto j = jobs_->Get(id);  // ended meanwhile (cancelled): abort with its reason
           if (j.ok()) reason = j->reason();
         }
@@ -403,6 +430,7 @@ class JobRun {
   int failed_rank_ = -1;
   bool abort_failed_rank_ = false;
   bool assigning_ = false;
+  bool recoverable_ = true;
   std::atomic<bool> shutdown_{false};
   std::atomic<bool> done_{false};
   std::thread thread_;
@@ -506,10 +534,21 @@ int Scheduler::MinWorldSize(const v1::JobSpec& spec) {
 
 void Scheduler::SchedulePass() {
   std::map<std::string, std::vector<std::string>> free;
-  for (const v1::Job& job : jobs_->PendingJobs()) {
+  const std::vector<v1::Job> pending = jobs_->PendingJobs();
+  for (auto it = recovering_since_.begin(); it != recovering_since_.end();) {
+    bool waiting = false;
+    for (const v1::Job& j : pending) waiting |= j.job_id() == it->first;
+    it = waiting ? std::next(it) : recovering_since_.erase(it);
+  }
+  for (const v1::Job& job : pending) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stop_) return;
+    }
+    const bool recovering = job.state() == v1::JOB_STATE_RECOVERING;
+    if (recovering) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (runs_.count(job.job_id())) continue;  // the failed generation is still unwinding
     }
     std::string backend = job.spec().backend().empty() ? "cpu" : job.spec().backend();
     auto it = free.find(backend);
@@ -518,11 +557,24 @@ void Scheduler::SchedulePass() {
     int n = ChooseWorldSize(job.spec(), static_cast<int>(f.size()));
     if (n == 0) {
       int need = MinWorldSize(job.spec());
-      jobs_->SetPendingReason(job.job_id(), absl::StrCat("waiting for ", need, " workers (",
-                                                         f.size(), " free)"))
-          .IgnoreError();
+      std::string why = absl::StrCat("waiting for ", need, " workers (", f.size(), " free)");
+      if (recovering) {
+        const auto now = Clock::now();
+        const auto since = recovering_since_.emplace(job.job_id(), now).first->second;
+        if (now - since >= options_.start_timeout) {
+          recovering_since_.erase(job.job_id());
+          jobs_->Finish(job.job_id(), v1::JOB_STATE_FAILED,
+                        absl::StrCat("could not recover: ", why, " for ",
+                                     options_.start_timeout.count(), " ms"))
+              .IgnoreError();
+          continue;
+        }
+        why = absl::StrCat("recovering: ", why);
+      }
+      jobs_->SetPendingReason(job.job_id(), why).IgnoreError();
       continue;
     }
+    recovering_since_.erase(job.job_id());
     std::vector<std::string> chosen(f.begin(), f.begin() + n);
     auto inbox = std::make_shared<Inbox>();
     if (!workers_->Assign(chosen, job.job_id(), [inbox](const WorkerEvent& ev) { inbox->Push(ev); })

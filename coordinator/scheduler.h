@@ -19,8 +19,16 @@
 // the named step directory; verified, model and precision must match) and sends the same
 // load_dir / load_world_size / start_step in every rank's Assignment; steps start_step..steps-1
 // run and Job.step / tokens continue from the checkpoint.
-// A WorkerError, a lost Session, a heartbeat timeout or a deadline fails the job (reason names the
-// worker and rank) and sends Abort to the ranks; Cancel sends Abort too. Workers are released
+// A WorkerError, a lost Session, a heartbeat timeout or a deadline fails the generation (reason
+// names the worker and rank) and sends Abort to the other ranks; Cancel sends Abort too.
+// Recovery: a failed generation of a job with checkpoint.dir and restarts < max_restarts makes the
+// job RECOVERING ("recovering from <cause> (restart n of max)", Job.restarts counted) instead of
+// FAILED; the scheduler then starts generation + 1 on free workers (same world-size rule as a fresh
+// start) resuming from the latest committed checkpoint under checkpoint.dir (none yet: from where
+// the job started). Waiting longer than start_timeout for enough workers fails the job; Cancel
+// while RECOVERING cancels it. A checkpoint save that a rank refuses, that times out or that cannot
+// be committed is not restarted (storage problem; only a rank lost during a save is). Otherwise,
+// and when restarts are exhausted, the job becomes FAILED. Workers are released
 // (idle) when the run ends, and the generation's rendezvous keys are deleted; ranks that were sent
 // Abort become assignable again only after abort_grace (the protocol has no message by which a
 // worker reports that it has finished unwinding), and are picked up by the next pass after that.
@@ -90,6 +98,8 @@ class Scheduler {
   bool stop_ = false;
   std::thread thread_;
   std::map<std::string, std::unique_ptr<JobRun>> runs_;
+  // RECOVERING jobs waiting for workers, since when (scheduler thread only).
+  std::map<std::string, std::chrono::steady_clock::time_point> recovering_since_;
 };
 
 }  // namespace fsdp8::coord

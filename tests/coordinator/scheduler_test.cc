@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/kv_server.h"
@@ -127,7 +128,7 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
  public:
   enum class Mode {
     kNormal, kErrorAtStep, kLoseSessionAtStep, kStopHeartbeatAtStep, kHangAtStep, kErrorAtSave,
-    kWrongSizeAtSave, kEscapingNameAtSave
+    kWrongSizeAtSave, kEscapingNameAtSave, kErrorOnceAtStep
   };
 
   FakeWorker(WorkerRegistry* reg, Mode mode = Mode::kNormal, int64_t at_step = -1,
@@ -239,6 +240,14 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
       } else if (m.has_step()) {
         const int64_t k = m.step().step();
         std::this_thread::sleep_for(step_delay_);
+        if (k == at_step_ && mode_ == Mode::kErrorOnceAtStep && !fired_) {
+          fired_ = true;
+          v1::WorkerMessage r;
+          r.mutable_error()->set_job_id(a_.job_id());
+          r.mutable_error()->set_message("gloo allreduce failed");
+          Reply(r);
+          continue;
+        }
         if (k == at_step_ && (mode_ == Mode::kErrorAtStep || mode_ == Mode::kLoseSessionAtStep ||
                               mode_ == Mode::kStopHeartbeatAtStep || mode_ == Mode::kHangAtStep)) {
           if (mode_ == Mode::kErrorAtStep) {
@@ -290,6 +299,7 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
   std::vector<v1::CoordinatorMessage> received_;
   bool closed_ = false;
   bool stop_ = false;
+  bool fired_ = false;
   std::atomic<bool> heartbeat_{true};
   std::chrono::milliseconds step_delay_{0}, save_delay_{0};
   std::atomic<int> manifest_seen_early_{0};
@@ -863,6 +873,132 @@ TEST_F(SchedulerTest, ResumeRefusesIncompatibleOrDamagedCheckpoints) {
     if (m.has_assignment()) EXPECT_EQ(m.assignment().load_dir(), "");
   EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kAbort), 0) << "never assigned, nothing to abort";
   EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kAssignment), 1);
+}
+
+}  // namespace
+}  // namespace fsdp8::coord
+
+namespace fsdp8::coord {
+namespace {
+
+// Recovery: a failed generation restarts from the latest committed checkpoint.
+TEST_F(SchedulerTest, FailedGenerationRecoversFromLatestCheckpoint) {
+  auto w0 = AddWorker();
+  auto w1 = AddWorker(FakeWorker::Mode::kErrorOnceAtStep, 3);
+  const std::string ck = dir_.File("ck");
+  v1::JobSpec spec = SmallSpec(train_, 2, 6);
+  spec.mutable_checkpoint()->set_dir(ck);
+  spec.mutable_checkpoint()->set_every_steps(2);
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->spec().max_restarts(), 3);
+  v1::Job end = WaitEnd(job->job_id());
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  EXPECT_EQ(end.restarts(), 1);
+  EXPECT_EQ(end.generation(), 2);
+  EXPECT_EQ(end.step(), 6);
+  EXPECT_EQ(end.tokens(), 6 * 300);
+  for (auto* w : {w0.get(), w1.get()}) {
+    std::vector<v1::Assignment> as;
+    for (const auto& m : w->received())
+      if (m.has_assignment()) as.push_back(m.assignment());
+    ASSERT_EQ(as.size(), 2u);
+    EXPECT_EQ(as[0].generation(), 1);
+    EXPECT_TRUE(as[0].load_dir().empty());
+    EXPECT_EQ(as[1].generation(), 2);
+    EXPECT_EQ(as[1].load_dir(), ck + "/step-2");
+    EXPECT_EQ(as[1].load_world_size(), 2);
+    EXPECT_EQ(as[1].start_step(), 2);
+    EXPECT_NE(as[1].store_prefix(), as[0].store_prefix());
+    // Steps 2.. are run again by generation 2.
+    std::vector<int64_t> steps;
+    for (const auto& m : w->received())
+      if (m.has_step()) steps.push_back(m.step().step());
+    EXPECT_EQ(steps, (std::vector<int64_t>{0, 1, 2, 3, 2, 3, 4, 5}));
+  }
+  EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kAbort), 1);
+  EXPECT_EQ(w1->Count(v1::CoordinatorMessage::kAbort), 0) << "the failing rank already stopped";
+  bool saw_recovering = false;
+  std::vector<std::string> msgs;
+  jobs_->Watch(job->job_id(), 0, [&](const v1::JobEvent& e) {
+    saw_recovering |= e.state() == v1::JOB_STATE_RECOVERING;
+    msgs.push_back(e.message());
+    return true;
+  }).IgnoreError();
+  EXPECT_TRUE(saw_recovering);
+  bool recovering_msg = false, resumed_msg = false;
+  for (const auto& m : msgs) {
+    recovering_msg |= absl::StrContains(m, "recovering from rank 1") &&
+                      absl::StrContains(m, "gloo allreduce failed") &&
+                      absl::StrContains(m, "(restart 1 of 3)");
+    resumed_msg |= absl::StrContains(m, "resuming from " + ck + "/step-2");
+  }
+  EXPECT_TRUE(recovering_msg) << absl::StrJoin(msgs, "\n");
+  EXPECT_TRUE(resumed_msg) << absl::StrJoin(msgs, "\n");
+}
+
+TEST_F(SchedulerTest, ExhaustedRestartsFailTheJob) {
+  auto w0 = AddWorker();
+  auto w1 = AddWorker(FakeWorker::Mode::kErrorAtStep, 3);
+  v1::JobSpec spec = SmallSpec(train_, 2, 6);
+  spec.mutable_checkpoint()->set_dir(dir_.File("ck"));
+  spec.mutable_checkpoint()->set_every_steps(2);
+  spec.set_max_restarts(2);
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  v1::Job end = WaitEnd(job->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(end.restarts(), 2);
+  EXPECT_EQ(end.generation(), 3);
+  EXPECT_TRUE(absl::StrContains(end.reason(), "gloo allreduce failed")) << end.reason();
+  EXPECT_EQ(w1->Count(v1::CoordinatorMessage::kAssignment), 3);
+}
+
+TEST_F(SchedulerTest, NoCheckpointDirMeansNoRestart) {
+  auto w0 = AddWorker();
+  auto w1 = AddWorker(FakeWorker::Mode::kErrorOnceAtStep, 1);
+  auto job = jobs_->Submit("", SmallSpec(train_, 2, 4));
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(job->spec().max_restarts(), 0);
+  v1::Job end = WaitEnd(job->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(end.restarts(), 0);
+}
+
+TEST_F(SchedulerTest, RecoveringWithTooFewWorkersFailsAfterStartTimeout) {
+  auto w0 = AddWorker();
+  auto w1 = AddWorker(FakeWorker::Mode::kLoseSessionAtStep, 1);
+  v1::JobSpec spec = SmallSpec(train_, 2, 4);
+  spec.mutable_checkpoint()->set_dir(dir_.File("ck"));
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok());
+  const std::string id = job->job_id();
+  // The job shows why it waits.
+  ASSERT_TRUE(WaitFor([&] {
+    return absl::StrContains(jobs_->Get(id)->reason(), "recovering: waiting for 2 workers (1 free)");
+  })) << jobs_->Get(id)->reason();
+  EXPECT_EQ(jobs_->Get(id)->state(), v1::JOB_STATE_RECOVERING);
+  EXPECT_EQ(jobs_->Get(id)->restarts(), 1);
+  v1::Job end = WaitEnd(id, 8);  // start_timeout 3 s
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(end.reason(), "could not recover")) << end.reason();
+}
+
+TEST_F(SchedulerTest, CancelWhileRecoveringCancels) {
+  auto w0 = AddWorker();
+  auto w1 = AddWorker(FakeWorker::Mode::kLoseSessionAtStep, 1);
+  v1::JobSpec spec = SmallSpec(train_, 2, 4);
+  spec.mutable_checkpoint()->set_dir(dir_.File("ck"));
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok());
+  const std::string id = job->job_id();
+  ASSERT_TRUE(WaitFor([&] { return jobs_->Get(id)->state() == v1::JOB_STATE_RECOVERING; }));
+  ASSERT_TRUE(jobs_->Cancel(id).ok());
+  EXPECT_EQ(WaitEnd(id).state(), v1::JOB_STATE_CANCELLED);
+  AddWorker();  // enough workers now: the cancelled job must not start again
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(jobs_->Get(id)->state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(jobs_->Get(id)->generation(), 1);
 }
 
 }  // namespace

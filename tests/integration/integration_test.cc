@@ -25,6 +25,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -39,6 +40,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "common/token_shard.h"
+#include "fsdp8/v1/admin.grpc.pb.h"
 #include "fsdp8/v1/jobs.grpc.pb.h"
 #include "gtest/gtest.h"
 
@@ -131,9 +133,15 @@ void PrepareCorpus(const fs::path& dir) {
 
 class Cluster : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
+  static void SetUpTestSuite() { StartCluster(false); }
+
+  // A coordinator and 3 workers. one_at_a_time: each worker is started only after the previous one
+  // registered, so that worker_ids_[i] is the id of (*procs_)[i + 1].
+  static void StartCluster(bool one_at_a_time) {
     dir_ = new fs::path(fs::temp_directory_path() /
-                        ("fsdp8-integration-" + std::to_string(getpid())));
+                        (std::string(one_at_a_time ? "fsdp8-integration-recovery-"
+                                                   : "fsdp8-integration-") +
+                         std::to_string(getpid())));
     fs::create_directories(*dir_);
     PrepareCorpus(*dir_);
     // Port 0: the kernel picks a free port (a fixed or pid-derived one can collide with another
@@ -149,16 +157,41 @@ class Cluster : public ::testing::Test {
     addr_ = new std::string(ListenAddress(coord_log, std::chrono::seconds(30)));
     ASSERT_FALSE(addr_->empty()) << "no \"listening on\" line in " << coord_log << ":\n"
                                  << ReadFile(coord_log);
+    auto channel = grpc::CreateChannel(*addr_, grpc::InsecureChannelCredentials());
+    admin_ = v1::AdminService::NewStub(channel).release();
+    worker_ids_ = new std::vector<std::string>();
     for (int i = 0; i < 3; ++i) {
       procs_->push_back(std::make_unique<Process>(
           std::vector<std::string>{FSDP8_WORKER_BIN, "--coordinator=" + *addr_, "--threads=1"},
           (*dir_ / ("worker-" + std::to_string(i) + ".log")).string()));
+      if (!one_at_a_time) continue;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      for (;;) {
+        v1::ListWorkersResponse resp;
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+        if (admin_->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok() &&
+            resp.workers_size() == i + 1) {
+          for (const auto& w : resp.workers())
+            if (std::find(worker_ids_->begin(), worker_ids_->end(), w.worker_id()) ==
+                worker_ids_->end())
+              worker_ids_->push_back(w.worker_id());
+          break;
+        }
+        ASSERT_LT(std::chrono::steady_clock::now(), until) << "worker " << i << " did not register";
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      ASSERT_EQ(worker_ids_->size(), static_cast<size_t>(i + 1));
     }
-    auto channel = grpc::CreateChannel(*addr_, grpc::InsecureChannelCredentials());
     stub_ = v1::JobService::NewStub(channel).release();
   }
   static void TearDownTestSuite() {
     delete stub_;
+    stub_ = nullptr;
+    delete admin_;
+    admin_ = nullptr;
+    delete worker_ids_;
+    worker_ids_ = nullptr;
     delete procs_;  // stops the processes
     std::error_code ec;
     if (!::testing::Test::HasFailure()) fs::remove_all(*dir_, ec);
@@ -249,11 +282,15 @@ class Cluster : public ::testing::Test {
   static std::string* addr_;
   static std::vector<std::unique_ptr<Process>>* procs_;
   static v1::JobService::Stub* stub_;
+  static v1::AdminService::Stub* admin_;
+  static std::vector<std::string>* worker_ids_;
 };
 fs::path* Cluster::dir_ = nullptr;
 std::string* Cluster::addr_ = nullptr;
 std::vector<std::unique_ptr<Process>>* Cluster::procs_ = nullptr;
 v1::JobService::Stub* Cluster::stub_ = nullptr;
+v1::AdminService::Stub* Cluster::admin_ = nullptr;
+std::vector<std::string>* Cluster::worker_ids_ = nullptr;
 
 // max_k |a[k] - b[k]| / b[k], printed so the margin to each tolerance shows in the test log.
 double MaxRelDiff(const std::vector<double>& a, const std::vector<double>& b) {
@@ -302,9 +339,86 @@ TEST_F(Cluster, C12_Fp8DefaultPlanOnOneTwoThreeRanks) {
   EXPECT_LT(MeanLast(three, 5), three[0] - 1.0) << "the loss does not fall";
 }
 
+// C10 (recovery): its own coordinator and 3 workers, started one at a time so that a rank's worker
+// id names its process. A worker holding a rank of a 2-rank job with checkpoints every 5 steps is
+// killed after step 8; the job goes RECOVERING, restarts on the 2 healthy workers from the latest
+// committed checkpoint and succeeds after one restart, with the losses of an uninterrupted run
+// bit for bit (same world size; the steps after the checkpoint are recomputed identically).
+class RecoveryCluster : public Cluster {
+ protected:
+  static void SetUpTestSuite() { StartCluster(true); }
+};
+
+TEST_F(RecoveryCluster, C10_KilledRankRecoversFromTheLatestCheckpoint) {
+  const int steps = 30;
+  auto spec = [&](const std::string& ck) {
+    v1::JobSpec s = SmallSpec(2, v1::PRECISION_FP32, steps);
+    s.mutable_checkpoint()->set_dir((*dir_ / ck).string());
+    s.mutable_checkpoint()->set_every_steps(5);
+    return s;
+  };
+  auto reference = Run(spec("ck-reference"));
+  ASSERT_EQ(reference.size(), static_cast<size_t>(steps));
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point killed, recovering, running, first_step;
+  bool done = false;
+  std::string job_id, victim;
+  std::vector<std::string> messages;
+  auto recovered = Run(spec("ck"), [&](const v1::JobEvent& ev) {
+    if (!ev.message().empty()) messages.push_back(ev.message());
+    if (!done && ev.step() >= 8 && ev.state() == v1::JOB_STATE_RUNNING) {
+      v1::GetJobRequest req;
+      req.set_job_id(ev.job_id());
+      v1::Job job;
+      grpc::ClientContext ctx;
+      ASSERT_TRUE(stub_->GetJob(&ctx, req, &job).ok());
+      ASSERT_EQ(job.worker_ids_size(), 2);
+      victim = job.worker_ids(0);
+      auto it = std::find(worker_ids_->begin(), worker_ids_->end(), victim);
+      ASSERT_NE(it, worker_ids_->end()) << victim;
+      (*procs_)[1 + (it - worker_ids_->begin())]->Signal(SIGKILL);
+      killed = Clock::now();
+      job_id = ev.job_id();
+      done = true;
+      return;
+    }
+    if (!done) return;
+    if (ev.state() == v1::JOB_STATE_RECOVERING && recovering == Clock::time_point())
+      recovering = Clock::now();
+    if (recovering != Clock::time_point() && ev.state() == v1::JOB_STATE_RUNNING &&
+        running == Clock::time_point())
+      running = Clock::now();
+    if (running != Clock::time_point() && ev.loss() > 0 && first_step == Clock::time_point())
+      first_step = Clock::now();
+  });
+  ASSERT_TRUE(done) << "the job never reached step 8";
+  ASSERT_NE(recovering, Clock::time_point()) << "no RECOVERING event";
+  ASSERT_NE(running, Clock::time_point()) << "never RUNNING again";
+  auto secs = [&](Clock::time_point t) { return std::chrono::duration<double>(t - killed).count(); };
+  std::printf("killed rank 0 (%s) after step 8: RECOVERING after %.3f s, RUNNING again after "
+              "%.3f s, first recomputed step after %.3f s\n",
+              victim.c_str(), secs(recovering), secs(running), secs(first_step));
+  for (const auto& m : messages)
+    if (m.find("recovering") != std::string::npos || m.find("resuming") != std::string::npos ||
+        m.find("generation") != std::string::npos)
+      std::printf("  event: %s\n", m.c_str());
+  v1::GetJobRequest req;
+  req.set_job_id(job_id);
+  v1::Job job;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(stub_->GetJob(&ctx, req, &job).ok());
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_EQ(job.generation(), 2);
+  EXPECT_EQ(job.step(), steps);
+  ASSERT_EQ(recovered.size(), reference.size());
+  for (int k = 9; k < steps; ++k)  // step 10 on (index = step - 1)
+    EXPECT_EQ(recovered[k], reference[k]) << "step " << k + 1;
+  EXPECT_LT(secs(recovering), 10.0);
+}
+
 // C10 (detection part): a rank killed mid-step makes the job FAILED within seconds with the rank
 // named, and the surviving workers are not left blocked in a collective: they train the next job.
-// (Recovery from the last committed checkpoint is not implemented yet.) Runs last: it kills a worker.
+// (The job has no checkpoint.dir, so it is not restarted.) Runs last: it kills a worker.
 TEST_F(Cluster, C10_KilledRankFailsTheJobFastAndSurvivorsServeTheNextJob) {
   std::chrono::steady_clock::time_point killed;
   bool done = false;
