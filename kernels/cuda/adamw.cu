@@ -8,15 +8,6 @@
 namespace fsdp8::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-int Blocks(int64_t n) {
-  const int64_t b = CeilDiv(n, kThreads);
-  return static_cast<int>(b < 16384 ? (b < 1 ? 1 : b) : 16384);
-}
-#define FSDP8_GRID_STRIDE(i, n)                                                             \
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-
 // torch.optim.AdamW single-tensor path, with the scalars precomputed by the host in double:
 //   p *= decay (= 1 - lr*wd);  m.lerp_(g', w1 = 1-b1);  v = v*b2 + w2*g'^2 (w2 = 1-b2);
 //   p -= step_size * m / (sqrt(v) / bc2_sqrt + eps),  step_size = lr / (1-b1^t),
@@ -45,7 +36,7 @@ void LaunchAdamW(float* p, const float* g, float* m, float* v, int64_t n, float 
                  float beta2, float w1, float w2, float step_size, float bc2_sqrt, float eps,
                  float grad_scale, cudaStream_t stream) {
   if (n <= 0) return;
-  AdamWKernel<<<Blocks(n), kThreads, 0, stream>>>(p, g, m, v, n, decay, beta2, w1, w2, step_size,
+  AdamWKernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(p, g, m, v, n, decay, beta2, w1, w2, step_size,
                                                   bc2_sqrt, eps, grad_scale);
   FSDP8_CUDA_LAUNCH_CHECK();
 }

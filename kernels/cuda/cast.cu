@@ -12,14 +12,8 @@
 namespace fsdp8::cuda {
 namespace {
 
-constexpr int kEltThreads = 256;
-constexpr int64_t kMaxEltBlocks = 8192;  // grid-stride beyond this
-
-int EltBlocks(int64_t n_items) {
-  int64_t b = CeilDiv(n_items, kEltThreads);
-  if (b < 1) b = 1;
-  return static_cast<int>(b < kMaxEltBlocks ? b : kMaxEltBlocks);
-}
+constexpr int64_t kMaxCastBlocks = 8192;  // grid-stride beyond this
+int CastBlocks(int64_t n_items) { return EltBlocks(n_items, kMaxCastBlocks); }
 
 // in (n) -> out (n); 4 elements per iteration when in/out are 16/4-byte aligned (`vec`).
 template <bool kE5M2>
@@ -254,7 +248,7 @@ void LaunchCastToFp8(const float* in, uint8_t* out, int64_t n, const float* scal
   if (n <= 0) return;
   const bool vec = (reinterpret_cast<uintptr_t>(in) % 16 == 0) &&
                    (reinterpret_cast<uintptr_t>(out) % 4 == 0);
-  const int blocks = EltBlocks(vec ? CeilDiv(n, 4) : n);
+  const int blocks = CastBlocks(vec ? CeilDiv(n, 4) : n);
   if (fmt == Fp8Format::kE5M2) {
     CastToFp8Kernel<true><<<blocks, kEltThreads, 0, stream>>>(in, out, n, scale, amax_out, vec);
   } else {
@@ -295,41 +289,41 @@ void LaunchDequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* 
                          Fp8Format fmt, cudaStream_t stream) {
   if (n <= 0) return;
   if (fmt == Fp8Format::kE5M2) {
-    DequantizeKernel<true><<<EltBlocks(n), kEltThreads, 0, stream>>>(in, out, n, scale_inv);
+    DequantizeKernel<true><<<CastBlocks(n), kEltThreads, 0, stream>>>(in, out, n, scale_inv);
   } else {
-    DequantizeKernel<false><<<EltBlocks(n), kEltThreads, 0, stream>>>(in, out, n, scale_inv);
+    DequantizeKernel<false><<<CastBlocks(n), kEltThreads, 0, stream>>>(in, out, n, scale_inv);
   }
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
 void LaunchAmaxAccumulate(const float* in, int64_t n, float* amax_out, cudaStream_t stream) {
   if (n <= 0) return;
-  AmaxKernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(in, n, amax_out);
+  AmaxKernel<<<CastBlocks(n), kEltThreads, 0, stream>>>(in, n, amax_out);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
 void LaunchRoundToBf16(float* x, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  RoundBf16Kernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(x, n);
+  RoundBf16Kernel<<<CastBlocks(n), kEltThreads, 0, stream>>>(x, n);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
 void LaunchPackBf16(const float* in, uint16_t* out, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  PackBf16Kernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(in, out, n);
+  PackBf16Kernel<<<CastBlocks(n), kEltThreads, 0, stream>>>(in, out, n);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
 void LaunchUnpackBf16(const uint16_t* in, float* out, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  UnpackBf16Kernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(in, out, n);
+  UnpackBf16Kernel<<<CastBlocks(n), kEltThreads, 0, stream>>>(in, out, n);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
 void LaunchScaleAccumulate(const float* tmp, const float* alpha_a, const float* alpha_b, float* C,
                            int64_t n, bool accumulate, cudaStream_t stream) {
   if (n <= 0) return;
-  ScaleAccumulateKernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(tmp, alpha_a, alpha_b, C, n, accumulate);
+  ScaleAccumulateKernel<<<CastBlocks(n), kEltThreads, 0, stream>>>(tmp, alpha_a, alpha_b, C, n, accumulate);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 

@@ -169,4 +169,15 @@ __device__ __forceinline__ void AtomicMaxAbsBits(float* amax_out, int bits) {
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Launch shape of the elementwise (grid-stride) kernels: kEltThreads per block, enough blocks for
+// n_items, at most max_blocks (the loop strides over the rest).
+constexpr int kEltThreads = 256;
+inline int EltBlocks(int64_t n_items, int64_t max_blocks = 16384) {
+  const int64_t b = CeilDiv(n_items, kEltThreads);
+  return static_cast<int>(b < 1 ? 1 : (b < max_blocks ? b : max_blocks));
+}
+#define FSDP8_GRID_STRIDE(i, n)                                                             \
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+
 }  // namespace fsdp8::cuda

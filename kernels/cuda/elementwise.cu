@@ -8,15 +8,6 @@
 namespace fsdp8::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-int Blocks(int64_t n) {
-  const int64_t b = CeilDiv(n, kThreads);
-  return static_cast<int>(b < 16384 ? (b < 1 ? 1 : b) : 16384);
-}
-#define FSDP8_GRID_STRIDE(i, n)                                                             \
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-
 // out (n) = a + b
 __global__ void AddKernel(const float* __restrict__ a, const float* __restrict__ b,
                           float* __restrict__ out, int64_t n) {
@@ -33,13 +24,13 @@ __global__ void AxpyKernel(float alpha, const float* __restrict__ x, float* __re
 
 void LaunchAdd(const float* a, const float* b, float* out, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  AddKernel<<<Blocks(n), kThreads, 0, stream>>>(a, b, out, n);
+  AddKernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(a, b, out, n);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
 void LaunchAxpy(float alpha, const float* x, float* y, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  AxpyKernel<<<Blocks(n), kThreads, 0, stream>>>(alpha, x, y, n);
+  AxpyKernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(alpha, x, y, n);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 

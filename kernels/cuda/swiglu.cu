@@ -8,15 +8,6 @@
 namespace fsdp8::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-int Blocks(int64_t n) {
-  const int64_t b = CeilDiv(n, kThreads);
-  return static_cast<int>(b < 16384 ? (b < 1 ? 1 : b) : 16384);
-}
-#define FSDP8_GRID_STRIDE(i, n)                                                             \
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-
 // h (n) = silu(gate) * up, silu(g) = g * sigmoid(g) = g / (1 + exp(-g)).
 __global__ void SwigluForwardKernel(const float* __restrict__ gate, const float* __restrict__ up,
                                     int64_t n, float* __restrict__ h) {
@@ -44,14 +35,14 @@ __global__ void SwigluBackwardKernel(const float* __restrict__ dh, const float* 
 
 void LaunchSwigluForward(const float* gate, const float* up, int64_t n, float* h, cudaStream_t stream) {
   if (n <= 0) return;
-  SwigluForwardKernel<<<Blocks(n), kThreads, 0, stream>>>(gate, up, n, h);
+  SwigluForwardKernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(gate, up, n, h);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
 void LaunchSwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                           float* dgate, float* dup, cudaStream_t stream) {
   if (n <= 0) return;
-  SwigluBackwardKernel<<<Blocks(n), kThreads, 0, stream>>>(dh, gate, up, n, dgate, dup);
+  SwigluBackwardKernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(dh, gate, up, n, dgate, dup);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
