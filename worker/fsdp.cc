@@ -10,13 +10,6 @@
 #include "common/scaling.h"
 
 namespace fsdp8 {
-namespace {
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-}  // namespace
 
 std::string ScalingBaseName(const std::string& hf_name) {
   absl::string_view s = hf_name;
@@ -87,7 +80,7 @@ TensorRef FsdpParams::Ref(const std::string& hf_name) const {
 }
 
 absl::Status FsdpParams::Timed(absl::Status s, double t0) {
-  clock_->seconds += Now() - t0;
+  clock_->seconds += CommClock::Now() - t0;
   return s;
 }
 
@@ -95,7 +88,7 @@ absl::Status FsdpParams::Gather(int unit) {
   for (Buf& b : units_[unit]) {
     const BufferPlan& bp = *b.plan;
     const int64_t n = bp.shard_numel;
-    const double t0 = Now();
+    const double t0 = CommClock::Now();
     absl::Status s;
     switch (bp.wire) {
       case WireDtype::kFp8:
@@ -138,7 +131,7 @@ absl::Status FsdpParams::ReduceGrads(int unit) {
   for (Buf& b : units_[unit]) {
     const int64_t n = b.plan->shard_numel;
     DevBuf part(be_, n * sizeof(float));
-    const double t0 = Now();
+    const double t0 = CommClock::Now();
     absl::Status s = Timed(comm_->ReduceScatterSum(b.full_grad.f32(), part.f32(), n), t0);
     b.full_grad.Reset();
     if (!s.ok()) {
@@ -189,7 +182,7 @@ absl::StatusOr<double> FsdpParams::GlobalGradSquaredNorm() {
   for (auto& u : units_) {
     for (Buf& b : u) be_->SumSquares(b.grad.f32(), b.plan->shard_numel, acc.f32());
   }
-  const double t0 = Now();
+  const double t0 = CommClock::Now();
   absl::Status s = Timed(comm_->AllReduce(acc.f32(), 1, ReduceOp::kSum), t0);
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat("grad-norm all-reduce: ", s.message()));
   float host = 0;
@@ -234,7 +227,7 @@ absl::Status FsdpParams::CastWeights() {
     be_->AmaxAccumulate(b.master.f32() + slices[i].lo, slices[i].hi - slices[i].lo,
                         w_amax_.f32() + i);
   }
-  const double t0 = Now();
+  const double t0 = CommClock::Now();
   absl::Status s = Timed(comm_->AllReduce(w_amax_.f32(), nf, ReduceOp::kMax), t0);
   if (!s.ok()) {
     return absl::Status(s.code(), absl::StrCat("fp8 weight amax all-reduce: ", s.message()));
@@ -276,7 +269,7 @@ absl::StatusOr<std::map<std::string, std::vector<float>>> FsdpParams::GatherAll(
       const BufferPlan& bp = *b.plan;
       DevBuf full(be_, bp.padded_numel * sizeof(float));
       const DevBuf& src = grads ? b.grad : b.master;
-      const double t0 = Now();
+      const double t0 = CommClock::Now();
       absl::Status s =
           Timed(comm_->AllGather(src.get(), full.get(), bp.shard_numel * sizeof(float)), t0);
       if (!s.ok()) return s;

@@ -20,6 +20,7 @@
 // Thread-safety: one thread (the trainer's).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -37,6 +38,11 @@ namespace fsdp8 {
 // Accumulates the wall time spent in collectives.
 struct CommClock {
   double seconds = 0;
+  // Monotonic wall time in seconds, for timing collectives into `seconds`.
+  static double Now() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
 };
 
 // Where a tensor lives.

@@ -11,9 +11,6 @@
 namespace fsdp8 {
 namespace {
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 const char* FormatName(bool e5m2) { return e5m2 ? "E5M2" : "E4M3"; }
 
@@ -125,9 +122,9 @@ absl::StatusOr<double> Trainer::GlobalSum(double local) {
   parts[1] = static_cast<float>(local - static_cast<double>(parts[0]));
   DevBuf d(be_, sizeof(parts));
   be_->CopyToDevice(d.get(), parts, sizeof(parts));
-  const double t0 = Now();
+  const double t0 = CommClock::Now();
   absl::Status s = comm_->AllReduce(d.f32(), 2, ReduceOp::kSum);
-  clock_.seconds += Now() - t0;
+  clock_.seconds += CommClock::Now() - t0;
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat("loss all-reduce: ", s.message()));
   be_->CopyToHost(parts, d.get(), sizeof(parts));
   return static_cast<double>(parts[0]) + static_cast<double>(parts[1]);
@@ -175,7 +172,7 @@ absl::StatusOr<double> Trainer::Evaluate() {
 }
 
 absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool report_scaling) {
-  const double t0 = Now();
+  const double t0 = CommClock::Now();
   clock_.seconds = 0;
   be_->ResetPeak();
   params_->ZeroGrads();
@@ -211,7 +208,7 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
     if (!v.ok()) return v.status();
     r.set_val_loss(*v);
   }
-  const double wall = Now() - t0;
+  const double wall = CommClock::Now() - t0;
   r.set_comm_seconds(clock_.seconds);
   r.set_compute_seconds(std::max(0.0, wall - clock_.seconds));
   r.set_peak_memory_bytes(be_->PeakAllocatedBytes());

@@ -186,14 +186,7 @@ TEST(Checkpoint, C06_SavedOnTwoRanksReloadsOnOneAndThree) {
 // to 64 on 2 ranks, 60 on 1 and 3), saved on 2 ranks with
 // distinct master, m and v values, load on 1 and 3 ranks: exactly those elements, padding zero.
 TEST(Checkpoint, C06_FiftySevenElementsReshardExactly) {
-  auto tensor = [](const std::string& name, std::vector<int64_t> shape) {
-    TensorSpec t;
-    t.name = name;
-    t.shape = std::move(shape);
-    t.init = Init::kKaimingUniform;
-    t.fan_in = t.shape.back();
-    return t;
-  };
+  const auto tensor = testing::PlanTensor;
   auto make = [&](int world) {
     auto plan = MakeShardPlan({{"u", {{},
                                       {tensor("w1x17", {1, 17}), tensor("w3", {3})},

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/shard_plan.h"
 #include "common/token_shard.h"
 #include "fsdp8/v1/spec.pb.h"
 #include "gtest/gtest.h"
@@ -108,6 +109,17 @@ inline v1::JobSpec TinySpec(const std::string& train, const std::string& val = "
   s.mutable_sharding()->set_alignment(4);
   s.set_backend("cpu");
   return s;
+}
+
+// A parameter for explicit shard plans (odd sizes such as 57 or 1x17): Kaiming-uniform init with
+// fan_in = the last dimension.
+inline TensorSpec PlanTensor(const std::string& name, std::vector<int64_t> shape) {
+  TensorSpec t;
+  t.name = name;
+  t.shape = std::move(shape);
+  t.init = Init::kKaimingUniform;
+  t.fan_in = t.shape.back();
+  return t;
 }
 
 inline std::unique_ptr<Backend> CpuBackend() {

@@ -326,14 +326,7 @@ TEST(FsdpParams, C06_TinyModelInitIsIndependentOfWorldSize) {
 // (alignment 1 and 16) GatherAll returns exactly the unpadded elements, each equal to the
 // initialisation rule, and bit-identical to the 1- and 3-rank results.
 TEST(FsdpParams, C06_FiftySevenAndOneBySeventeenOnTwoRanks) {
-  auto tensor = [](const std::string& name, std::vector<int64_t> shape) {
-    TensorSpec t;
-    t.name = name;
-    t.shape = std::move(shape);
-    t.init = Init::kKaimingUniform;
-    t.fan_in = t.shape.back();
-    return t;
-  };
+  const auto tensor = testing::PlanTensor;
   for (int align : {1, 16}) {
     SCOPED_TRACE(align);
     auto make = [&](int world) {
