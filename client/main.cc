@@ -26,7 +26,7 @@ constexpr char kUsage[] =
     "\n"
     "commands:\n"
     "  submit SPEC_FILE [--request_id ID] [--no-watch]   submit a job (YAML or JSON), then watch it\n"
-    "  watch JOB                                         follow a job until it ends\n"
+    "  watch JOB [--json]                                follow a job until it ends (--json: one event per line)\n"
     "  status JOB [--json]                               one job's state\n"
     "  list                                              every job\n"
     "  cancel JOB                                        cancel a job\n"
@@ -119,7 +119,7 @@ int ReportError(const absl::Status& s) {
 }
 
 // Follows a job; returns the exit code (0 only for SUCCEEDED).
-int WatchJob(fsdp8::Client& c, const std::string& job_id) {
+int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false) {
   const bool tty = isatty(fileno(stdout));
   double last_val = NAN, ema_step = NAN;
   fsdp8::v1::JobState state = fsdp8::v1::JOB_STATE_UNSPECIFIED;
@@ -131,6 +131,17 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id) {
     }
   };
   auto job = c.Watch(job_id, 0, [&](const fsdp8::v1::JobEvent& ev) {
+    if (json) {  // JSON lines (proto3 JSON mapping, NaN as "NaN") for scripts
+      std::string line;
+      google::protobuf::util::JsonPrintOptions o;
+      o.always_print_primitive_fields = true;
+      o.preserve_proto_field_names = true;
+      (void)google::protobuf::util::MessageToJsonString(ev, &line, o);
+      printf("%s\n", line.c_str());
+      fflush(stdout);
+      state = ev.state();
+      return true;
+    }
     const bool state_changed = ev.state() != state;
     state = ev.state();
     const bool is_step = ev.message().empty() && ev.step() > 0;
@@ -170,6 +181,7 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id) {
   });
   end_bar();
   if (!job.ok()) return ReportError(job.status());
+  if (json) return job->state() == fsdp8::v1::JOB_STATE_SUCCEEDED ? 0 : 1;
   printf("job %s %s after %lld/%lld steps: train loss %s, val loss %s\n", job->job_id().c_str(),
          State(job->state()).c_str(), static_cast<long long>(job->step()),
          static_cast<long long>(job->total_steps()), Num(job->step() > 0 ? job->loss() : NAN).c_str(),
@@ -294,7 +306,7 @@ int main(int argc, char** argv) {
   if (a.command == "watch") {
     std::string id = need_job("watch");
     if (id.empty()) return Usage("watch: exactly one JOB");
-    return WatchJob(c, id);
+    return WatchJob(c, id, a.flags.count("json") > 0);
   }
   if (a.command == "status") {
     std::string id = need_job("status");

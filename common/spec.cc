@@ -73,6 +73,7 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   if (p->linears() == v1::PRECISION_UNSPECIFIED) p->set_linears(v1::PRECISION_FP8);
   if (p->embedding() == v1::PRECISION_UNSPECIFIED) p->set_embedding(v1::PRECISION_BF16);
   if (p->lm_head() == v1::PRECISION_UNSPECIFIED) p->set_lm_head(v1::PRECISION_BF16);
+  if (p->attention() == v1::PRECISION_UNSPECIFIED) p->set_attention(v1::PRECISION_FP32);
   v1::Fp8Recipe* r = p->mutable_fp8();
   if (r->recipe() == v1::SCALING_RECIPE_UNSPECIFIED) r->set_recipe(v1::SCALING_RECIPE_DELAYED);
   if (r->format() == v1::FP8_FORMAT_UNSPECIFIED) r->set_format(v1::FP8_FORMAT_HYBRID);
@@ -244,6 +245,10 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
   if (t.eval_every() < 0) {
     return Bad("training.eval_every", "must be >= 0", absl::StrCat("got ", t.eval_every()));
   }
+  if (t.free_running() && t.eval_every() != 0) {
+    return Bad("training.free_running", "needs training.eval_every: 0 (no validation in free-running steps)",
+               absl::StrCat("got eval_every ", t.eval_every()));
+  }
   FSDP8_RETURN_IF_ERROR(Positive("training.eval_batches", t.eval_batches()));
   if (world_size > 0) {
     const int64_t denom = static_cast<int64_t>(world_size) * t.microbatch();
@@ -298,6 +303,10 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
   if (p.lm_head() != v1::PRECISION_BF16 && p.lm_head() != v1::PRECISION_FP32) {
     return Bad("precision.lm_head", "must be BF16 or FP32",
                absl::StrCat("got ", PrecisionName(p.lm_head())));
+  }
+  if (p.attention() != v1::PRECISION_BF16 && p.attention() != v1::PRECISION_FP32) {
+    return Bad("precision.attention", "must be BF16 or FP32",
+               absl::StrCat("got ", PrecisionName(p.attention())));
   }
   if (p.fp8().amax_history_len() < 1) {
     return Bad("precision.fp8.amax_history_len", "must be >= 1",

@@ -302,6 +302,7 @@ class JobRun {
     const bool has_val = !spec.data().val_path().empty();
     const int eval_every = spec.training().eval_every();
     const v1::CheckpointSpec& ckpt = spec.checkpoint();
+    Clock::time_point last_result = Clock::now();
     for (int64_t k = start_step; k < steps; ++k) {
       const bool last = k == steps - 1;
       v1::CoordinatorMessage m;
@@ -309,8 +310,14 @@ class JobRun {
       c->set_step(k);
       c->set_evaluate(has_val && eval_every > 0 && ((k + 1) % eval_every == 0 || last));
       c->set_report_scaling(k % 10 == 0 || last);
-      auto t0 = Clock::now();
-      if (!SendAll(m))
+      const bool free_running = spec.training().free_running();
+      if (free_running) {
+        c->set_evaluate(false);
+        c->set_report_scaling(false);
+        c->set_count(steps - k);
+      }
+      auto t0 = free_running && k > start_step ? last_result : Clock::now();
+      if ((!free_running || k == start_step) && !SendAll(m))
         return absl::UnavailableError(absl::StrCat(
             "could not send step ", k, " to ", RankName(failed_rank_), ": session closed"));
       std::vector<v1::StepResult> results(n);
@@ -322,7 +329,8 @@ class JobRun {
                   return true;
                 });
       if (!s.ok()) return s;
-      double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+      last_result = Clock::now();
+      double secs = std::chrono::duration<double>(last_result - t0).count();
       double loss_sum = 0;
       int64_t tokens = 0;
       for (const auto& res : results) {
@@ -340,6 +348,14 @@ class JobRun {
       ev.set_tokens(tokens_total);
       ev.set_tokens_per_second(secs > 0 ? tokens / secs : 0);
       ev.set_step_seconds(secs);
+      for (const auto& res : results) {  // the slowest rank's breakdown
+        ev.set_compute_seconds(std::max(ev.compute_seconds(), res.compute_seconds()));
+        ev.set_comm_seconds(std::max(ev.comm_seconds(), res.comm_seconds()));
+        ev.set_optimizer_seconds(std::max(ev.optimizer_seconds(), res.optimizer_seconds()));
+        ev.set_peak_memory_bytes(std::max(ev.peak_memory_bytes(), res.peak_memory_bytes()));
+        ev.set_all_gather_bytes(std::max(ev.all_gather_bytes(), res.all_gather_bytes()));
+        ev.set_reduce_scatter_bytes(std::max(ev.reduce_scatter_bytes(), res.reduce_scatter_bytes()));
+      }
       for (const auto& res : results) {
         if (res.has_scaling()) {
           v1::ScalingState st = res.scaling();
@@ -351,7 +367,8 @@ class JobRun {
       bool requested = false;
       if (!jobs_->RecordStep(id, ev, &requested).ok()) return absl::CancelledError("job ended");
       const int64_t completed = k + 1;
-      if (!ckpt.dir().empty() &&
+      // Free-running workers are busy stepping until the end: only the final save.
+      if (!ckpt.dir().empty() && (!spec.training().free_running() || completed == steps) &&
           (requested || completed == steps ||
            (ckpt.every_steps() > 0 && completed % ckpt.every_steps() == 0))) {
         s = SaveCheckpoint(spec, completed, tokens_total);

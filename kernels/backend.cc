@@ -1,5 +1,7 @@
 #include "kernels/backend.h"
 
+#include <cstdlib>
+
 #include "kernels/cpu/cpu_backend.h"
 
 #ifdef FSDP8_WITH_CUDA
@@ -7,6 +9,47 @@
 #endif
 
 namespace fsdp8 {
+namespace {
+
+// A rounded-to-bf16 device copy of n f32 values.
+float* Bf16Copy(Backend* be, const float* x, int64_t n) {
+  float* c = static_cast<float*>(be->Alloc(static_cast<size_t>(n) * sizeof(float)));
+  if (c == nullptr) abort();  // device out of memory: the trainer sizes buffers from the spec
+  be->Copy(c, x, static_cast<size_t>(n) * sizeof(float));
+  be->RoundToBf16(c, n);
+  return c;
+}
+
+}  // namespace
+
+void Backend::AttentionForwardBf16(const float* q, const float* k, const float* v, int64_t B,
+                                   int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
+                                   float* lse) {
+  float* q16 = Bf16Copy(this, q, B * T * H * D);
+  float* k16 = Bf16Copy(this, k, B * T * Hkv * D);
+  float* v16 = Bf16Copy(this, v, B * T * Hkv * D);
+  AttentionForward(q16, k16, v16, B, T, H, Hkv, D, out, lse);
+  RoundToBf16(out, B * T * H * D);
+  Free(q16);
+  Free(k16);
+  Free(v16);
+}
+
+void Backend::AttentionBackwardBf16(const float* q, const float* k, const float* v,
+                                    const float* out, const float* dout, const float* lse,
+                                    int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                    float* dq, float* dk, float* dv) {
+  float* q16 = Bf16Copy(this, q, B * T * H * D);
+  float* k16 = Bf16Copy(this, k, B * T * Hkv * D);
+  float* v16 = Bf16Copy(this, v, B * T * Hkv * D);
+  float* o16 = Bf16Copy(this, out, B * T * H * D);
+  float* do16 = Bf16Copy(this, dout, B * T * H * D);
+  AttentionBackward(q16, k16, v16, o16, do16, lse, B, T, H, Hkv, D, dq, dk, dv);
+  RoundToBf16(dq, B * T * H * D);
+  RoundToBf16(dk, B * T * Hkv * D);
+  RoundToBf16(dv, B * T * Hkv * D);
+  for (float* p : {q16, k16, v16, o16, do16}) Free(p);
+}
 
 std::unique_ptr<Backend> CreateBackend(const std::string& name, int device, std::string* error) {
   if (name == "cpu") return std::make_unique<CpuBackend>();

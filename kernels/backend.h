@@ -134,6 +134,22 @@ class Backend {
                                  int64_t H, int64_t Hkv, int64_t D, float* dq, float* dk,
                                  float* dv) = 0;
 
+  // BF16 attention (precision.attention = bf16), the flash-attention recipe of fused kernels such
+  // as cuDNN's SDPA: q, k, v are rounded to bfloat16 (round to nearest even) first, scores and
+  // softmax statistics (lse) are f32, and out is rounded to bfloat16; backward likewise rounds
+  // q, k, v, out and dout to bfloat16 and returns dq, dk, dv rounded to bfloat16. Shapes, layout
+  // and causal/GQA semantics as AttentionForward/Backward; storage stays f32.
+  // The base implementation is the reference: it rounds copies of the inputs, calls the f32
+  // kernels above and rounds the outputs. A fused kernel may differ from it by the rounding of the
+  // probabilities to bfloat16 before P·V (relative error about 2^-8 per element).
+  virtual void AttentionForwardBf16(const float* q, const float* k, const float* v, int64_t B,
+                                    int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
+                                    float* lse);
+  virtual void AttentionBackwardBf16(const float* q, const float* k, const float* v,
+                                     const float* out, const float* dout, const float* lse,
+                                     int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                     float* dq, float* dk, float* dv);
+
   // SwiGLU: h (N, F) = silu(gate) * up, silu(x) = x * sigmoid(x).
   virtual void SwigluForward(const float* gate, const float* up, int64_t n, float* h) = 0;
   // dgate, dup (n) overwritten from dh (n).

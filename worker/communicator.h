@@ -15,10 +15,21 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace fsdp8 {
 
 enum class ReduceOp : uint8_t { kSum = 0, kMax = 1 };
+
+// Bytes of this rank's enqueued collectives since the communicator was built, by kind: for an
+// all-gather the gathered output (world_size * bytes_per_rank), for a reduce-scatter its f32
+// input (world_size * count * 4), for an all-reduce its buffer (count * 4) — the sizes FSDP
+// accounting uses (a unit's full buffer per gather), independent of the algorithm's wire traffic.
+struct CommBytes {
+  int64_t all_gather = 0;
+  int64_t reduce_scatter = 0;
+  int64_t all_reduce = 0;
+};
 
 class Communicator {
  public:
@@ -37,6 +48,38 @@ class Communicator {
   virtual absl::Status Broadcast(void* buf, int64_t bytes, int root) = 0;
   virtual absl::Status Barrier() = 0;
   virtual void Abort(const std::string& reason) = 0;
+
+  // Deferred-wait variants for compute/communication overlap (FSDP prefetch): the collective is
+  // ordered after every compute op enqueued before the call, as above, but ops enqueued later do
+  // *not* wait for it until Wait(ticket) is called; recv must not be read (and send/recv not
+  // freed or rewritten) before that. Each ticket is waited for exactly once. Collectives complete
+  // in call order, so waiting for a ticket also covers every collective called before it.
+  // The default implementations run the blocking collective and return ticket 0 (Wait no-op).
+  virtual absl::StatusOr<int64_t> AllGatherAsync(const void* send, void* recv,
+                                                 int64_t bytes_per_rank) {
+    absl::Status s = AllGather(send, recv, bytes_per_rank);
+    if (!s.ok()) return s;
+    return 0;
+  }
+  virtual absl::StatusOr<int64_t> ReduceScatterSumAsync(const float* send, float* recv,
+                                                        int64_t count) {
+    absl::Status s = ReduceScatterSum(send, recv, count);
+    if (!s.ok()) return s;
+    return 0;
+  }
+  virtual void Wait(int64_t ticket) { (void)ticket; }
+
+  // Seconds the backend's compute stream stood waiting for collectives since the last call: the
+  // exposed (not overlapped) communication, measured with device events (CUDA). 0 for
+  // communicators whose collectives block the calling thread (Gloo): time them on the host.
+  // Call after the compute stream was synchronized; blocks until the recorded waits are over.
+  virtual double ConsumeExposedSeconds() { return 0.0; }
+
+  // Counters of AllGather / ReduceScatterSum / AllReduce calls that were accepted (CommBytes).
+  const CommBytes& bytes() const { return bytes_; }
+
+ protected:
+  CommBytes bytes_;
 };
 
 }  // namespace fsdp8

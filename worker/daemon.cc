@@ -331,12 +331,22 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   Log(absl::StrCat("ready for job ", a.job_id()));
 }
 
-void WorkerDaemon::HandleStep(const v1::StepCommand& c) {
+void WorkerDaemon::HandleStep(const v1::StepCommand& cmd) {
+  // count > 1 (free-running benchmark mode): the following steps run back to back.
+  const int64_t count = std::max<int64_t>(1, cmd.count());
+  for (int64_t i = 0; i < count; ++i) {
+    v1::StepCommand c = cmd;
+    c.set_step(cmd.step() + i);
+    if (!RunStep(c)) return;
+  }
+}
+
+bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   if (!job_) {
     v1::WorkerMessage m;
     m.mutable_error()->set_message(absl::StrCat("step ", c.step(), ": no job assigned"));
     Send(m);
-    return;
+    return false;
   }
   absl::StatusOr<v1::StepResult> r =
       job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
@@ -347,17 +357,19 @@ void WorkerDaemon::HandleStep(const v1::StepCommand& c) {
     Log(m.error().message());
     Send(m);
     DropJob();
-    return;
+    return false;
   }
   r->set_job_id(job_->job_id);
   if (c.step() % 50 == 0 || c.evaluate()) {
     Log(absl::StrCat("step ", c.step(), ": loss ", r->loss_sum() / std::max<int64_t>(1, r->tokens()),
-                     " compute ", r->compute_seconds(), " s, comm ", r->comm_seconds(), " s",
+                     " compute ", r->compute_seconds(), " s, comm ", r->comm_seconds(),
+                     " s, optimizer ", r->optimizer_seconds(), " s",
                      c.evaluate() ? absl::StrCat(", val ", r->val_loss()) : ""));
   }
   if (r->has_scaling()) r->mutable_scaling()->set_job_id(job_->job_id);
   *m.mutable_result() = std::move(*r);
   Send(m);
+  return true;
 }
 
 void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {

@@ -57,6 +57,8 @@ class WorkerDaemon {
   // Marks the newest job's bootstrap cancelled and aborts its communicator (reader thread).
   void CancelJob(const std::string& reason);
   void HandleStep(const v1::StepCommand& c);
+  // One step; false when it failed (the job was dropped and the error sent).
+  bool RunStep(const v1::StepCommand& c);
   // Writes this rank's checkpoint shard (between steps) and replies CheckpointSaved or WorkerError.
   void HandleSave(const v1::SaveCheckpoint& c);
   void DropJob();

@@ -84,36 +84,51 @@ absl::Status FsdpParams::Timed(absl::Status s, double t0) {
   return s;
 }
 
-absl::Status FsdpParams::Gather(int unit) {
+absl::Status FsdpParams::Prefetch(int unit) {
+  if (in_flight_.size() != units_.size()) in_flight_.assign(units_.size(), false);
+  if (in_flight_[unit]) return absl::OkStatus();
   for (Buf& b : units_[unit]) {
     const BufferPlan& bp = *b.plan;
     const int64_t n = bp.shard_numel;
     const double t0 = CommClock::Now();
-    absl::Status s;
+    absl::StatusOr<int64_t> t;
     switch (bp.wire) {
       case WireDtype::kFp8:
         b.full = DevBuf(be_, bp.padded_numel);
-        s = comm_->AllGather(b.wire.get(), b.full.get(), n);
+        t = comm_->AllGatherAsync(b.wire.get(), b.full.get(), n);
         break;
       case WireDtype::kBf16:
         b.full_u16 = DevBuf(be_, bp.padded_numel * sizeof(uint16_t));
-        s = comm_->AllGather(b.wire.get(), b.full_u16.get(), n * sizeof(uint16_t));
+        t = comm_->AllGatherAsync(b.wire.get(), b.full_u16.get(), n * sizeof(uint16_t));
         break;
       case WireDtype::kFp32:
         b.full = DevBuf(be_, bp.padded_numel * sizeof(float));
-        s = comm_->AllGather(b.master.get(), b.full.get(), n * sizeof(float));
+        t = comm_->AllGatherAsync(b.master.get(), b.full.get(), n * sizeof(float));
         break;
     }
-    if (absl::Status r = Timed(s, t0); !r.ok()) {
+    if (absl::Status r = Timed(t.status(), t0); !r.ok()) {
       return absl::Status(r.code(), absl::StrCat("all-gather of ", plan_.units[unit].name, "/",
                                                  WireDtypeName(bp.wire), ": ", r.message()));
     }
+    b.ticket = *t;
+  }
+  in_flight_[unit] = true;
+  return absl::OkStatus();
+}
+
+absl::Status FsdpParams::Gather(int unit) {
+  if (absl::Status s = Prefetch(unit); !s.ok()) return s;
+  for (Buf& b : units_[unit]) {
+    comm_->Wait(b.ticket);
+    b.ticket = 0;
+    const BufferPlan& bp = *b.plan;
     if (bp.wire == WireDtype::kBf16) {
       b.full = DevBuf(be_, bp.padded_numel * sizeof(float));
       be_->UnpackBf16(b.full_u16.u16(), b.full.f32(), bp.padded_numel);
       b.full_u16.Reset();
     }
   }
+  in_flight_[unit] = false;
   return absl::OkStatus();
 }
 
@@ -127,19 +142,29 @@ void FsdpParams::BeginGrads(int unit) {
   }
 }
 
+void FsdpParams::FlushGrads() {
+  for (PendingReduce& p : reducing_) {
+    comm_->Wait(p.ticket);
+    const int64_t n = p.buf->plan->shard_numel;
+    if (n > 0) be_->Axpy(1.0f, p.part.f32(), p.buf->grad.f32(), n);
+  }
+  reducing_.clear();  // frees the full gradients and the parts (stream-ordered)
+}
+
 absl::Status FsdpParams::ReduceGrads(int unit) {
+  FlushGrads();
   for (Buf& b : units_[unit]) {
     const int64_t n = b.plan->shard_numel;
     DevBuf part(be_, n * sizeof(float));
     const double t0 = CommClock::Now();
-    absl::Status s = Timed(comm_->ReduceScatterSum(b.full_grad.f32(), part.f32(), n), t0);
-    b.full_grad.Reset();
-    if (!s.ok()) {
+    absl::StatusOr<int64_t> t = comm_->ReduceScatterSumAsync(b.full_grad.f32(), part.f32(), n);
+    if (absl::Status s = Timed(t.status(), t0); !s.ok()) {
+      b.full_grad.Reset();
       return absl::Status(s.code(), absl::StrCat("reduce-scatter of ", plan_.units[unit].name, "/",
                                                  WireDtypeName(b.plan->wire), " grads: ",
                                                  s.message()));
     }
-    if (n > 0) be_->Axpy(1.0f, part.f32(), b.grad.f32(), n);
+    reducing_.push_back(PendingReduce{&b, std::move(b.full_grad), std::move(part), *t});
   }
   return absl::OkStatus();
 }
@@ -170,6 +195,7 @@ float* FsdpParams::G(const TensorRef& t) const {
 }
 
 void FsdpParams::ZeroGrads() {
+  FlushGrads();
   for (auto& u : units_) {
     for (Buf& b : u) {
       if (b.plan->shard_numel > 0) be_->Memset(b.grad.get(), 0, b.plan->shard_numel * sizeof(float));
@@ -178,6 +204,7 @@ void FsdpParams::ZeroGrads() {
 }
 
 absl::StatusOr<double> FsdpParams::GlobalGradSquaredNorm() {
+  FlushGrads();
   DevBuf acc = DevBuf::Zeros(be_, sizeof(float));
   for (auto& u : units_) {
     for (Buf& b : u) be_->SumSquares(b.grad.f32(), b.plan->shard_numel, acc.f32());
@@ -263,6 +290,7 @@ absl::Status FsdpParams::CastWeights() {
 }
 
 absl::StatusOr<std::map<std::string, std::vector<float>>> FsdpParams::GatherAll(bool grads) {
+  FlushGrads();
   std::map<std::string, std::vector<float>> out;
   for (auto& u : units_) {
     for (Buf& b : u) {

@@ -82,10 +82,18 @@ class FsdpParams {
   // The tensor named `hf_name`; aborts when the plan has no such tensor (a broken invariant).
   TensorRef Ref(const std::string& hf_name) const;
 
+  // Prefetch(u) starts u's all-gathers without making compute wait (overlap with the current
+  // unit's compute); Gather(u) starts them unless prefetched, then makes compute wait for them
+  // (and unpacks bf16). At most a few units should be in flight: each holds its full buffers.
+  absl::Status Prefetch(int unit);
   absl::Status Gather(int unit);
   void Release(int unit);
   void BeginGrads(int unit);
+  // Starts the reduce-scatter of u's full gradients. The previous unit's reduce-scatter is
+  // finished first (its shard accumulated, its buffers freed), so at most one is in flight;
+  // FlushGrads() finishes the last one (call it before reading grad shards).
   absl::Status ReduceGrads(int unit);
+  void FlushGrads();
 
   // Views into the gathered unit (valid between Gather and Release).
   const float* W(const TensorRef& t) const;         // f32 values (bf16/fp32 buffers)
@@ -128,6 +136,12 @@ class FsdpParams {
     DevBuf full;       // gathered f32 (bf16/fp32) or u8 (fp8), padded_numel elements
     DevBuf full_u16;   // transient bf16 gather target
     DevBuf full_grad;  // padded_numel f32
+    int64_t ticket = 0;  // in-flight all-gather (Communicator::Wait)
+  };
+  struct PendingReduce {
+    Buf* buf;
+    DevBuf full_grad, part;  // kept alive until the reduce-scatter is waited for
+    int64_t ticket;
   };
   absl::Status Timed(absl::Status s, double t0);
   const DevBuf& Array(int unit, int buffer, ShardArray which) const;
@@ -138,6 +152,8 @@ class FsdpParams {
   Communicator* comm_;
   CommClock* clock_;
   std::vector<std::vector<Buf>> units_;
+  std::vector<bool> in_flight_;          // per unit: prefetched, not yet waited for
+  std::vector<PendingReduce> reducing_;  // the reduce-scatters of one unit
   std::vector<TensorRef> fp8_refs_;
   std::vector<WeightScaling> wscale_;
   DevBuf w_scale_, w_scale_inv_, w_amax_;  // scales (n_fp8 * kScaleStride), amax (n_fp8) f32

@@ -192,6 +192,7 @@ absl::Status GlooCommunicator::Check(int op, int64_t count, int dtype, int64_t e
 absl::Status GlooCommunicator::AllGather(const void* send, void* recv, int64_t bytes_per_rank) {
   uint64_t seq;
   if (absl::Status s = Check(kAllGather, bytes_per_rank, kU8, 0, &seq); !s.ok()) return s;
+  bytes_.all_gather += bytes_per_rank * world_size_;
   if (bytes_per_rank == 0) return absl::OkStatus();
   if (world_size_ == 1) {
     if (recv != send) std::memmove(recv, send, bytes_per_rank);
@@ -211,6 +212,7 @@ absl::Status GlooCommunicator::AllGather(const void* send, void* recv, int64_t b
 absl::Status GlooCommunicator::ReduceScatterSum(const float* send, float* recv, int64_t count) {
   uint64_t seq;
   if (absl::Status s = Check(kReduceScatter, count, kF32, 0, &seq); !s.ok()) return s;
+  bytes_.reduce_scatter += count * world_size_ * static_cast<int64_t>(sizeof(float));
   if (count == 0) return absl::OkStatus();
   if (world_size_ == 1) {
     if (recv != send) std::memmove(recv, send, count * sizeof(float));
@@ -235,6 +237,7 @@ absl::Status GlooCommunicator::AllReduce(float* buf, int64_t count, ReduceOp op)
   uint64_t seq;
   const int code = op == ReduceOp::kSum ? kAllReduceSum : kAllReduceMax;
   if (absl::Status s = Check(code, count, kF32, 0, &seq); !s.ok()) return s;
+  bytes_.all_reduce += count * static_cast<int64_t>(sizeof(float));
   if (count == 0 || world_size_ == 1) return absl::OkStatus();
   absl::Status s = GlooCall(absl::StrCat(OpName(code), " #", seq), [&] {
     gloo::AllreduceOptions o(ctx_);

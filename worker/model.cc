@@ -32,6 +32,8 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
   eps_ = static_cast<float>(m.norm_eps());
   theta_ = static_cast<float>(m.rope_theta());
   const bool hybrid = spec.precision().fp8().format() != v1::FP8_FORMAT_E4M3;
+  attention_bf16_ = spec.precision().attention() == v1::PRECISION_BF16;
+  recompute_ = spec.training().activation_recompute();
 
   embed_ = p_->Ref("model.embed_tokens.weight");
   final_norm_ = p_->Ref("model.norm.weight");
@@ -104,8 +106,13 @@ absl::Status LlamaModel::BlockForward(int l, int64_t B, DevBuf* x, BlockActs* a)
   be_->RopeForward(a->k.f32(), B, T_, Hkv_, D_, theta_);
   a->att = DevBuf(be_, N * C_ * 4);
   a->lse = DevBuf(be_, B * H_ * T_ * 4);
-  be_->AttentionForward(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_, a->att.f32(),
-                        a->lse.f32());
+  if (attention_bf16_) {
+    be_->AttentionForwardBf16(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_,
+                              a->att.f32(), a->lse.f32());
+  } else {
+    be_->AttentionForward(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_, a->att.f32(),
+                          a->lse.f32());
+  }
   DevBuf o(be_, N * C_ * 4);
   b.lo.Forward(a->att.f32(), N, C_, C_, View(b.o), o.f32(), train ? &a->so : nullptr);
   a->h = DevBuf(be_, N * C_ * 4);
@@ -164,8 +171,13 @@ void LlamaModel::BlockBackward(int l, int64_t B, BlockActs* a, DevBuf* dout) {
   b.lo.Backward(dh.f32(), N, C_, C_, View(b.o), a->so, datt.f32(), false, p_->G(b.o));
   a->so = LinearSaved();
   DevBuf dq(be_, N * H_ * D_ * 4), dk(be_, N * Hkv_ * D_ * 4), dv(be_, N * Hkv_ * D_ * 4);
-  be_->AttentionBackward(a->q.f32(), a->k.f32(), a->v.f32(), a->att.f32(), datt.f32(),
-                         a->lse.f32(), B, T_, H_, Hkv_, D_, dq.f32(), dk.f32(), dv.f32());
+  if (attention_bf16_) {
+    be_->AttentionBackwardBf16(a->q.f32(), a->k.f32(), a->v.f32(), a->att.f32(), datt.f32(),
+                               a->lse.f32(), B, T_, H_, Hkv_, D_, dq.f32(), dk.f32(), dv.f32());
+  } else {
+    be_->AttentionBackward(a->q.f32(), a->k.f32(), a->v.f32(), a->att.f32(), datt.f32(),
+                           a->lse.f32(), B, T_, H_, Hkv_, D_, dq.f32(), dk.f32(), dv.f32());
+  }
   datt.Reset();
   be_->RopeBackward(dq.f32(), B, T_, H_, D_, theta_);
   be_->RopeBackward(dk.f32(), B, T_, Hkv_, D_, theta_);
@@ -188,22 +200,34 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
                              float grad_scale, float* losses, bool backward) {
   const int64_t N = B * T_;
   const int L = static_cast<int>(blocks_.size());
+  auto unit_of = [&](int l) { return l < L ? blocks_[l].q.unit : head_unit_; };
   // Embedding.
   if (absl::Status s = p_->Gather(embedding_unit_); !s.ok()) return s;
+  // The next unit's all-gather runs while this one computes (prefetch one unit ahead).
+  if (absl::Status s = p_->Prefetch(unit_of(0)); !s.ok()) return s;
   DevBuf x(be_, N * C_ * 4);
   be_->EmbeddingForward(tokens, N, p_->W(embed_), C_, x.f32());
   p_->Release(embedding_unit_);
   // Blocks.
   std::vector<BlockActs> acts(backward ? L : 0);
+  const bool recompute = backward && recompute_;
   for (int l = 0; l < L; ++l) {
-    const int unit = blocks_[l].q.unit;
+    const int unit = unit_of(l);
     if (absl::Status s = p_->Gather(unit); !s.ok()) return s;
-    absl::Status s = BlockForward(l, B, &x, backward ? &acts[l] : nullptr);
+    if (absl::Status s = p_->Prefetch(unit_of(l + 1)); !s.ok()) return s;
+    if (recompute) {  // keep only the block input
+      acts[l].x_in = DevBuf(be_, N * C_ * 4);
+      be_->Copy(acts[l].x_in.get(), x.get(), N * C_ * 4);
+    }
+    absl::Status s = BlockForward(l, B, &x, backward && !recompute ? &acts[l] : nullptr);
     p_->Release(unit);
     if (!s.ok()) return s;
   }
   // Head: final norm, lm_head, fused cross-entropy (+ its backward).
   if (absl::Status s = p_->Gather(head_unit_); !s.ok()) return s;
+  if (backward && L > 0) {
+    if (absl::Status s = p_->Prefetch(unit_of(L - 1)); !s.ok()) return s;
+  }
   DevBuf nf(be_, N * C_ * 4), rstdf(be_, N * 4), logits(be_, N * V_ * 4);
   be_->RmsNormForward(x.f32(), p_->W(final_norm_), eps_, N, C_, nf.f32(), rstdf.f32());
   LinearSaved sh;
@@ -226,10 +250,20 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
   x.Reset();
   p_->Release(head_unit_);
   if (absl::Status s = p_->ReduceGrads(head_unit_); !s.ok()) return s;
-  // Blocks in reverse: re-gather, gradients, reduce-scatter, free.
+  // Blocks in reverse: re-gather (prefetched one block ahead), gradients, reduce-scatter (in
+  // flight while the next block computes), free.
   for (int l = L - 1; l >= 0; --l) {
-    const int unit = blocks_[l].q.unit;
+    const int unit = unit_of(l);
     if (absl::Status s = p_->Gather(unit); !s.ok()) return s;
+    if (l > 0) {
+      if (absl::Status s = p_->Prefetch(unit_of(l - 1)); !s.ok()) return s;
+    }
+    if (recompute) {
+      // The same weights and FP8 scales as the forward: the activations come out bit-identical
+      // (re-recording their amax changes no maximum).
+      DevBuf xin = std::move(acts[l].x_in);
+      if (absl::Status s = BlockForward(l, B, &xin, &acts[l]); !s.ok()) return s;
+    }
     p_->BeginGrads(unit);
     BlockBackward(l, B, &acts[l], &dx);
     p_->Release(unit);
@@ -238,7 +272,9 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
   // Embedding backward needs only the tokens.
   p_->BeginGrads(embedding_unit_);
   be_->EmbeddingBackward(tokens, N, dx.f32(), C_, p_->G(embed_));
-  return p_->ReduceGrads(embedding_unit_);
+  if (absl::Status s = p_->ReduceGrads(embedding_unit_); !s.ok()) return s;
+  p_->FlushGrads();
+  return absl::OkStatus();
 }
 
 }  // namespace fsdp8

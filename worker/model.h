@@ -52,6 +52,8 @@ class LlamaModel {
   FsdpParams* p_;
   int64_t C_, H_, Hkv_, D_, F_, V_, T_;
   float eps_, theta_;
+  bool attention_bf16_ = false;  // precision.attention == BF16
+  bool recompute_ = false;       // training.activation_recompute
   TensorRef embed_, final_norm_, head_;
   Linear lhead_;
   std::vector<Block> blocks_;

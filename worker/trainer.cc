@@ -174,12 +174,18 @@ absl::StatusOr<double> Trainer::Evaluate() {
 absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool report_scaling) {
   const double t0 = CommClock::Now();
   clock_.seconds = 0;
+  comm_->ConsumeExposedSeconds();  // drop waits recorded outside steps
+  const CommBytes bytes0 = comm_->bytes();
   be_->ResetPeak();
   params_->ZeroGrads();
   scaling_->BeginStep();
   scaling_->set_recording(true);
   absl::StatusOr<double> loss_sum = RunBatch(*train_, step, kTrainStream, true);
   if (!loss_sum.ok()) return loss_sum.status();
+  // RunBatch ended with a device synchronisation (the losses' copy to the host).
+  const double t_fb = CommClock::Now();
+  const double fb_comm = clock_.seconds + comm_->ConsumeExposedSeconds();
+  const CommBytes bytes1 = comm_->bytes();
   // Step 5: one fused amax all-reduce; identical delayed-scaling updates on every rank.
   if (absl::Status s = scaling_->EndStep(comm_, &clock_); !s.ok()) return s;
   // Step 6: global grad norm, clipping, AdamW, next step's FP8 weight shards.
@@ -194,6 +200,9 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
                  static_cast<float>(o.beta2()), static_cast<float>(o.eps()),
                  static_cast<float>(o.weight_decay()), step + 1, static_cast<float>(clip));
   if (absl::Status s = params_->CastWeights(); !s.ok()) return s;
+  be_->Synchronize();
+  const double t_opt = CommClock::Now();
+  comm_->ConsumeExposedSeconds();
   last_step_ = step;
 
   v1::StepResult r;
@@ -208,9 +217,13 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
     if (!v.ok()) return v.status();
     r.set_val_loss(*v);
   }
-  const double wall = CommClock::Now() - t0;
-  r.set_comm_seconds(clock_.seconds);
-  r.set_compute_seconds(std::max(0.0, wall - clock_.seconds));
+  // Forward/backward split into compute and exposed communication; the optimizer phase (its
+  // all-reduces included) separately; evaluation is in neither.
+  r.set_comm_seconds(fb_comm);
+  r.set_compute_seconds(std::max(0.0, (t_fb - t0) - fb_comm));
+  r.set_optimizer_seconds(t_opt - t_fb);
+  r.set_all_gather_bytes(bytes1.all_gather - bytes0.all_gather);
+  r.set_reduce_scatter_bytes(bytes1.reduce_scatter - bytes0.reduce_scatter);
   r.set_peak_memory_bytes(be_->PeakAllocatedBytes());
   if (report_scaling) *r.mutable_scaling() = ScalingReport();
   return r;

@@ -33,13 +33,25 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   FSDP8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   FSDP8_CUDA_CHECK(cudaMalloc(&gemm_workspace_, kGemmWorkspaceBytes));
   lt_ = std::make_unique<cuda::LtGemm>(stream_, gemm_workspace_, kGemmWorkspaceBytes);
+  // Keep freed blocks in the pool: a step frees and re-allocates the same activation sizes.
+  cudaMemPool_t pool;
+  FSDP8_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
+  uint64_t threshold = UINT64_MAX;
+  FSDP8_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+#ifdef FSDP8_WITH_CUDNN
+  cudnn_ = std::make_unique<cuda::CudnnAttention>(device_);
+#endif
 }
 
 CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   cudaStreamSynchronize(stream_);
   lt_.reset();
-  for (auto& kv : sizes_) cudaFree(reinterpret_cast<void*>(kv.first));
+#ifdef FSDP8_WITH_CUDNN
+  cudnn_.reset();
+#endif
+  for (auto& kv : sizes_) cudaFreeAsync(reinterpret_cast<void*>(kv.first), stream_);
+  cudaStreamSynchronize(stream_);
   for (int i = 0; i < kScratchSlots; ++i) cudaFree(scratch_[i]);
   cudaFree(rope_table_);
   cudaFree(gemm_workspace_);
@@ -53,7 +65,7 @@ void CudaBackend::Bind() const { FSDP8_CUDA_CHECK(cudaSetDevice(device_)); }
 void* CudaBackend::Alloc(size_t bytes) {
   Bind();
   void* p = nullptr;
-  const cudaError_t e = cudaMalloc(&p, bytes == 0 ? 1 : bytes);
+  const cudaError_t e = cudaMallocAsync(&p, bytes == 0 ? 1 : bytes, stream_);
   if (e == cudaErrorMemoryAllocation) {
     cudaGetLastError();  // clear the sticky-free allocation error
     return nullptr;
@@ -70,8 +82,9 @@ void CudaBackend::Free(void* p) {
   Bind();
   auto it = sizes_.find(reinterpret_cast<uintptr_t>(p));
   FSDP8_CUDA_REQUIRE(it != sizes_.end(), "Free of a pointer not from Alloc");
-  // cudaFree synchronizes the device, so work still reading p completes first.
-  FSDP8_CUDA_CHECK(cudaFree(p));
+  // Stream-ordered: work already enqueued on the compute stream (and collectives ordered before
+  // it) still reads p; later allocations reuse it only after that work.
+  FSDP8_CUDA_CHECK(cudaFreeAsync(p, stream_));
   allocated_ -= static_cast<int64_t>(it->second);
   sizes_.erase(it);
 }
@@ -370,6 +383,73 @@ void CudaBackend::AttentionBackward(const float* q, const float* k, const float*
   Bind();
   float* delta = static_cast<float*>(Scratch(kSlotDelta, sizeof(float) * B * H * T));
   cuda::LaunchAttentionBackward(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv, delta, stream_);
+}
+
+void CudaBackend::AttentionForwardBf16(const float* q, const float* k, const float* v, int64_t B,
+                                       int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
+                                       float* lse) {
+#ifdef FSDP8_WITH_CUDNN
+  if (!cudnn_failed_ && D % 8 == 0 && D <= 128) {
+    Bind();
+    const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
+    auto* q16 = static_cast<uint16_t*>(Alloc(nq * 2));
+    auto* k16 = static_cast<uint16_t*>(Alloc(nk * 2));
+    auto* v16 = static_cast<uint16_t*>(Alloc(nk * 2));
+    auto* o16 = static_cast<uint16_t*>(Alloc(nq * 2));
+    FSDP8_CUDA_REQUIRE(q16 && k16 && v16 && o16, "device out of memory in AttentionForwardBf16");
+    PackBf16(q, q16, nq);
+    PackBf16(k, k16, nk);
+    PackBf16(v, v16, nk);
+    std::string err;
+    const bool ok = cudnn_->Forward(q16, k16, v16, o16, lse, B, T, H, Hkv, D, stream_, &err);
+    if (ok) UnpackBf16(o16, out, nq);
+    for (void* p : {static_cast<void*>(q16), static_cast<void*>(k16), static_cast<void*>(v16),
+                    static_cast<void*>(o16)}) {
+      Free(p);
+    }
+    if (ok) return;
+    fprintf(stderr, "fsdp8: cuDNN attention refused (%s); using the reference BF16 attention\n",
+            err.c_str());
+    cudnn_failed_ = true;
+  }
+#endif
+  Backend::AttentionForwardBf16(q, k, v, B, T, H, Hkv, D, out, lse);
+}
+
+void CudaBackend::AttentionBackwardBf16(const float* q, const float* k, const float* v,
+                                        const float* out, const float* dout, const float* lse,
+                                        int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                        float* dq, float* dk, float* dv) {
+#ifdef FSDP8_WITH_CUDNN
+  if (!cudnn_failed_ && D % 8 == 0 && D <= 128) {
+    Bind();
+    const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
+    // 8 bf16 arrays: q, o, do, dq (nq) and k, v, dk, dv (nk).
+    auto* buf = static_cast<uint16_t*>(Alloc((4 * nq + 4 * nk) * 2));
+    FSDP8_CUDA_REQUIRE(buf != nullptr, "device out of memory in AttentionBackwardBf16");
+    uint16_t *q16 = buf, *o16 = q16 + nq, *do16 = o16 + nq, *dq16 = do16 + nq;
+    uint16_t *k16 = dq16 + nq, *v16 = k16 + nk, *dk16 = v16 + nk, *dv16 = dk16 + nk;
+    PackBf16(q, q16, nq);
+    PackBf16(k, k16, nk);
+    PackBf16(v, v16, nk);
+    PackBf16(out, o16, nq);  // exact: out holds the forward's bf16 output
+    PackBf16(dout, do16, nq);
+    std::string err;
+    const bool ok = cudnn_->Backward(q16, k16, v16, o16, do16, lse, dq16, dk16, dv16, B, T, H,
+                                     Hkv, D, stream_, &err);
+    if (ok) {
+      UnpackBf16(dq16, dq, nq);
+      UnpackBf16(dk16, dk, nk);
+      UnpackBf16(dv16, dv, nk);
+    }
+    Free(buf);
+    if (ok) return;
+    fprintf(stderr, "fsdp8: cuDNN attention refused (%s); using the reference BF16 attention\n",
+            err.c_str());
+    cudnn_failed_ = true;
+  }
+#endif
+  Backend::AttentionBackwardBf16(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
 }
 
 void CudaBackend::SwigluForward(const float* gate, const float* up, int64_t n, float* h) {

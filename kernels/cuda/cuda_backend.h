@@ -1,7 +1,12 @@
 // CudaBackend: the Backend interface (kernels/backend.h) on one NVIDIA GPU (Hopper, sm_90a).
 //
-// Memory: Alloc is cudaMalloc (256-byte aligned device memory) with byte accounting in a size map
-// (AllocatedBytes / PeakAllocatedBytes); out of memory returns nullptr. The backend's own scratch
+// Memory: Alloc/Free are stream-ordered on the compute stream (cudaMallocAsync / cudaFreeAsync
+// from the device's default memory pool, release threshold unlimited, so freed blocks are reused
+// without returning to the driver and without synchronizing the device), 256-byte aligned, with
+// byte accounting in a size map (AllocatedBytes / PeakAllocatedBytes, the counterpart of
+// torch.cuda.max_memory_allocated); out of memory returns nullptr. A buffer freed while enqueued
+// compute-stream work still reads it stays valid for that work (stream order); communicators order
+// their stream against the compute stream (worker/nccl), so the same holds for collectives. The backend's own scratch
 // (GEMM workspace 32 MiB, reduction partials, conversion buffers, RoPE tables) is allocated with
 // cudaMalloc too but is not counted in AllocatedBytes.
 //
@@ -16,7 +21,10 @@
 //     E5M2) take an exact fallback: dequantize to f32 (exact), f32 GEMM, multiply by the scales.
 //   * Gemm: cuBLASLt with CUBLAS_COMPUTE_32F (no TF32) for kF32; kBF16 packs A and B to bfloat16
 //     (RNE) and multiplies on tensor cores with FP32 accumulation into f32 C.
-//   * Attention: f32 flash-style kernels (kernels/cuda/attention.cu).
+//   * Attention: f32 flash-style kernels (kernels/cuda/attention.cu). The BF16 variants
+//     (AttentionForwardBf16 / AttentionBackwardBf16) run cuDNN's fused SDPA (attention_cudnn.h,
+//     deterministic backward) when built with it and D is a multiple of 8 up to 128; otherwise,
+//     or if cuDNN refuses the shape, the Backend reference (a one-time message says so).
 //   * Every kernel is deterministic: same inputs, same bits (no order-dependent float atomics).
 //
 // Errors: a failing CUDA / cuBLASLt call aborts with the call, the error and file:line (backend.h).
@@ -34,6 +42,9 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/backend.h"
+#ifdef FSDP8_WITH_CUDNN
+#include "kernels/cuda/attention_cudnn.h"
+#endif
 
 namespace fsdp8 {
 
@@ -110,6 +121,12 @@ class CudaBackend final : public Backend {
                          const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
                          int64_t Hkv, int64_t D, float* dq, float* dk, float* dv) override;
 
+  void AttentionForwardBf16(const float* q, const float* k, const float* v, int64_t B, int64_t T,
+                            int64_t H, int64_t Hkv, int64_t D, float* out, float* lse) override;
+  void AttentionBackwardBf16(const float* q, const float* k, const float* v, const float* out,
+                             const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
+                             int64_t Hkv, int64_t D, float* dq, float* dk, float* dv) override;
+
   void SwigluForward(const float* gate, const float* up, int64_t n, float* h) override;
   void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                       float* dgate, float* dup) override;
@@ -144,6 +161,10 @@ class CudaBackend final : public Backend {
   float* rope_table_ = nullptr;
   size_t rope_table_bytes_ = 0;
   int64_t gemm_fp8_fallbacks_ = 0;
+#ifdef FSDP8_WITH_CUDNN
+  std::unique_ptr<cuda::CudnnAttention> cudnn_;
+  bool cudnn_failed_ = false;
+#endif
 };
 
 // Creates a CudaBackend on GPU `device`. Returns nullptr and sets *error (naming the device and

@@ -218,6 +218,12 @@ std::vector<RuleCase> Rules() {
       2, {"precision.embedding", "precision.embedding: must be BF16 or FP32"});
   add("LmHeadFp8", [](v1::JobSpec* s) { s->mutable_precision()->set_lm_head(v1::PRECISION_FP8); }, 2,
       {"precision.lm_head", "must be BF16 or FP32"});
+  add("AttentionFp8", [](v1::JobSpec* s) { s->mutable_precision()->set_attention(v1::PRECISION_FP8); },
+      2, {"precision.attention", "must be BF16 or FP32"});
+  add("FreeRunningWithEval", [](v1::JobSpec* s) {
+        s->mutable_training()->set_free_running(true);
+        s->mutable_training()->set_eval_every(10);
+      }, 2, {"training.free_running", "needs training.eval_every: 0", "got eval_every 10"});
   add("HistoryLenZero",
       [](v1::JobSpec* s) { s->mutable_precision()->mutable_fp8()->set_amax_history_len(0); }, 2,
       {"precision.fp8.amax_history_len", "must be >= 1"});

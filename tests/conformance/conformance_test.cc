@@ -643,6 +643,50 @@ TEST_P(Conformance, Attention) {
   }
 }
 
+// BF16 attention through the Backend (precision.attention = bf16): on CUDA, cuDNN's fused SDPA
+// where D is a multiple of 8 up to 128, the reference otherwise (D 4, D 160). Against the CPU
+// reference (bf16-rounded inputs, f32 math, bf16-rounded outputs) the fused kernel differs by its
+// bf16 probabilities before P·V: tolerances as the CudnnAttention test (unit roundoff 2^-8:
+// forward 4 ub, backward 8 ub).
+TEST_P(Conformance, AttentionBf16) {
+  struct S { int64_t B, T, H, Hkv, D; };
+  const double ub = 1.0 / 256;
+  for (const S& s : {S{1, 1, 1, 1, 4}, S{2, 37, 4, 2, 16}, S{1, 129, 3, 1, 64}, S{2, 256, 4, 4, 128},
+                     S{1, 100, 2, 2, 160}}) {
+    const int64_t nq = s.B * s.T * s.H * s.D, nk = s.B * s.T * s.Hkv * s.D;
+    const auto q = Randn(nq), k = Randn(nk), v = Randn(nk), dout = Randn(nq);
+    const std::string shape = std::to_string(s.B) + "x" + std::to_string(s.T) + "x" + std::to_string(s.H) + "/" +
+                              std::to_string(s.Hkv) + "x" + std::to_string(s.D);
+    Check("AttentionForwardBf16/" + shape, 4 * ub, [&](DevRun& r) {
+      Outputs o;
+      float* out = r.Out<float>(nq);
+      float* lse = r.Out<float>(s.B * s.H * s.T);
+      r.b()->AttentionForwardBf16(r.In(q), r.In(k), r.In(v), s.B, s.T, s.H, s.Hkv, s.D, out, lse);
+      r.F32(&o, "out", out, nq);
+      r.F32(&o, "lse", lse, s.B * s.H * s.T);
+      return o;
+    });
+    Check("AttentionBackwardBf16/" + shape, 8 * ub, [&](DevRun& r) {
+      Outputs o;
+      const float* qd = r.In(q);
+      const float* kd = r.In(k);
+      const float* vd = r.In(v);
+      float* out = r.Out<float>(nq);
+      float* lse = r.Out<float>(s.B * s.H * s.T);
+      r.b()->AttentionForwardBf16(qd, kd, vd, s.B, s.T, s.H, s.Hkv, s.D, out, lse);
+      float* dq = r.Out<float>(nq);
+      float* dk = r.Out<float>(nk);
+      float* dv = r.Out<float>(nk);
+      r.b()->AttentionBackwardBf16(qd, kd, vd, out, r.In(dout), lse, s.B, s.T, s.H, s.Hkv, s.D, dq, dk,
+                                   dv);
+      r.F32(&o, "dq", dq, nq);
+      r.F32(&o, "dk", dk, nk);
+      r.F32(&o, "dv", dv, nk);
+      return o;
+    });
+  }
+}
+
 TEST_P(Conformance, CrossEntropy) {
   struct S { int64_t N, V; };
   for (const S& s : {S{1, 1}, S{37, 129}, S{64, 32768}, S{1024, 50257}}) {

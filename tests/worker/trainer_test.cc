@@ -462,6 +462,11 @@ TEST(Trainer, EveryPrecisionPlanTrainsOnOneAndTwoRanks) {
       {"fp8", [](v1::JobSpec* s) { s->mutable_precision()->set_linears(v1::PRECISION_FP8); }},
       {"bf16", [](v1::JobSpec* s) { s->mutable_precision()->set_linears(v1::PRECISION_BF16); }},
       {"fp32", [](v1::JobSpec* s) { AllPrecision(s, v1::PRECISION_FP32); }},
+      {"fp8+bf16 attention",
+       [](v1::JobSpec* s) {
+         s->mutable_precision()->set_linears(v1::PRECISION_FP8);
+         s->mutable_precision()->set_attention(v1::PRECISION_BF16);
+       }},
       {"fp8+layer1 bf16+head fp32",
        [](v1::JobSpec* s) {
          s->mutable_precision()->set_linears(v1::PRECISION_FP8);
@@ -504,6 +509,61 @@ TEST(Trainer, EveryPrecisionPlanTrainsOnOneAndTwoRanks) {
       EXPECT_LT(val[0], 5.3);
       for (int r = 1; r < world; ++r) EXPECT_EQ(val[r], val[0]);
     }
+  }
+}
+
+// Activation recompute re-runs each block's forward before its backward from the saved input,
+// the re-gathered weights and unchanged FP8 scales: losses and weights must be bit-identical to
+// keeping the activations (a stale input, a missing amax or a scale update in between would not).
+TEST(Trainer, ActivationRecomputeIsBitIdentical) {
+  v1::JobSpec spec = TinySpec(TrainFile());
+  spec.mutable_precision()->set_linears(v1::PRECISION_FP8);
+  v1::JobSpec rec = spec;
+  rec.mutable_training()->set_activation_recompute(true);
+  const auto a = Train(spec, 2, 3, true);
+  const auto b = Train(rec, 2, 3, true);
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ(a[0].results[k].loss_sum(), b[0].results[k].loss_sum()) << "step " << k;
+    EXPECT_EQ(a[1].results[k].loss_sum(), b[1].results[k].loss_sum()) << "step " << k;
+    EXPECT_EQ(a[0].results[k].grad_norm(), b[0].results[k].grad_norm()) << "step " << k;
+  }
+  ASSERT_FALSE(a[0].master.empty());
+  EXPECT_TRUE(a[0].master == b[0].master);
+  // And the peak memory is lower.
+  EXPECT_LT(b[0].results[2].peak_memory_bytes(), a[0].results[2].peak_memory_bytes());
+}
+
+// FP8 weights travel as one byte per element: the all-gather and reduce-scatter bytes a step
+// reports, counted at the communicator, against a hand count for TinySpec (d 32, 2 layers, ffn 64,
+// vocab 256) on 2 ranks, alignment 4 (buffers padded to multiples of 8 elements, which every size
+// below already is), 3 microbatches per rank:
+//   embedding (bf16, 256 x 32 = 8192 el.): 16384 B per gather, gathered once per microbatch;
+//   each block: fp8 linears 4*32*32 + 3*32*64 = 10240 B, bf16 norms 2*32 el. = 128 B, gathered
+//     twice per microbatch (forward, backward re-gather);
+//   head (bf16, final norm 32 + lm_head 8192 el.): 16448 B, once (its backward reuses the gather).
+// Reduce-scatters take f32 full gradients: (8192 + 2 * (10240 + 64) + 8224) * 4 B per microbatch.
+TEST(Trainer, Fp8AllGatherMovesOneBytePerWeight) {
+  v1::JobSpec spec = TinySpec(TrainFile());
+  spec.mutable_precision()->set_linears(v1::PRECISION_FP8);
+  constexpr int64_t kMicro = 3;
+  const int64_t ag = kMicro * (16384 + 2 * 2 * (10240 + 128) + 16448);
+  const int64_t rs = kMicro * (8192 + 2 * (10240 + 64) + 8224) * 4;
+  std::vector<v1::StepResult> res(2);
+  RunRanks(2, [&](int r, Communicator* c) {
+    auto be = CpuBackend();
+    auto t = Trainer::Create(spec, r, 2, be.get(), c);
+    ASSERT_TRUE(t.ok()) << t.status();
+    for (int k = 0; k < 2; ++k) {
+      auto step = (*t)->Step(k, false, false);
+      ASSERT_TRUE(step.ok()) << step.status();
+      res[r] = *step;
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(res[r].all_gather_bytes(), ag) << "rank " << r;
+    EXPECT_EQ(res[r].reduce_scatter_bytes(), rs) << "rank " << r;
+    EXPECT_GT(res[r].optimizer_seconds(), 0.0);
+    EXPECT_GT(res[r].compute_seconds(), 0.0);
   }
 }
 

@@ -8,8 +8,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -104,7 +106,9 @@ class NcclCommunicator final : public Communicator {
   NcclCommunicator(int rank, int world, CudaBackend* backend, std::chrono::milliseconds timeout)
       : rank_(rank), world_(world), backend_(backend), timeout_(timeout) {
     const char* env = std::getenv("FSDP8_NCCL_CHECK_COLLECTIVES");
-    check_headers_ = !(env != nullptr && std::string(env) == "0");
+    const std::string mode = env != nullptr ? env : "";
+    check_headers_ = mode != "0";
+    sync_headers_ = mode == "sync";
   }
 
   ~NcclCommunicator() override {
@@ -141,8 +145,12 @@ class NcclCommunicator final : public Communicator {
     }
     for (auto& p : pending_) cudaEventDestroy(p.done);
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+    for (auto& w : waits_) timing_pool_.insert(timing_pool_.end(), {w.first, w.second});
+    for (cudaEvent_t e : timing_pool_) cudaEventDestroy(e);
+    for (auto& t : tickets_) cudaEventDestroy(t.second);
+    for (cudaEvent_t e : ticket_pool_) cudaEventDestroy(e);
     if (compute_ready_) cudaEventDestroy(compute_ready_);
-    if (hdr_done_) cudaEventDestroy(hdr_done_);
+    for (cudaEvent_t e : hdr_events_) if (e) cudaEventDestroy(e);
     if (hdr_dev_) cudaFree(hdr_dev_);
     if (hdr_host_) cudaFreeHost(hdr_host_);
     if (scratch_dev_) cudaFree(scratch_dev_);
@@ -156,11 +164,17 @@ class NcclCommunicator final : public Communicator {
     cudaDeviceGetStreamPriorityRange(&prio_lo, &prio_hi);
     if ((e = cudaStreamCreateWithPriority(&comm_stream_, cudaStreamNonBlocking, prio_hi)) != cudaSuccess ||
         (e = cudaEventCreateWithFlags(&compute_ready_, cudaEventDisableTiming)) != cudaSuccess ||
-        (e = cudaEventCreateWithFlags(&hdr_done_, cudaEventDisableTiming)) != cudaSuccess ||
-        (e = cudaMalloc(&hdr_dev_, sizeof(Header) * (world_ + 1))) != cudaSuccess ||
-        (e = cudaMallocHost(&hdr_host_, sizeof(Header) * (world_ + 1))) != cudaSuccess ||
+        (e = cudaMalloc(&hdr_dev_, sizeof(Header) * (world_ + 1) * kHeaderSlots)) != cudaSuccess ||
+        (e = cudaMallocHost(&hdr_host_, sizeof(Header) * (world_ + 1) * kHeaderSlots)) != cudaSuccess ||
         (e = cudaMalloc(&scratch_dev_, 256)) != cudaSuccess) {
       return absl::InternalError(absl::StrCat("nccl: CUDA setup on device ", backend_->device(), ": ", CudaErr(e)));
+    }
+    hdr_events_.assign(kHeaderSlots, nullptr);
+    hdr_slot_seq_.assign(kHeaderSlots, 0);
+    for (cudaEvent_t& ev : hdr_events_) {
+      if ((e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)) != cudaSuccess) {
+        return absl::InternalError(absl::StrCat("nccl: cudaEventCreate: ", CudaErr(e)));
+      }
     }
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
@@ -193,20 +207,40 @@ class NcclCommunicator final : public Communicator {
   int world_size() const override { return world_; }
 
   absl::Status AllGather(const void* send, void* recv, int64_t bytes_per_rank) override {
-    return Collective(Op::kAllGather, bytes_per_rank, 0, [&] {
-      return ncclAllGather(send, recv, static_cast<size_t>(bytes_per_rank), ncclUint8, comm_, comm_stream_);
-    }, bytes_per_rank > 0);
+    return AllGatherImpl(send, recv, bytes_per_rank, nullptr);
+  }
+  absl::StatusOr<int64_t> AllGatherAsync(const void* send, void* recv,
+                                         int64_t bytes_per_rank) override {
+    int64_t ticket = 0;
+    absl::Status s = AllGatherImpl(send, recv, bytes_per_rank, &ticket);
+    if (!s.ok()) return s;
+    return ticket;
   }
 
   absl::Status ReduceScatterSum(const float* send, float* recv, int64_t count) override {
-    return Collective(Op::kReduceScatterSum, count, 0, [&] {
-      return ncclReduceScatter(send, recv, static_cast<size_t>(count), ncclFloat32, ncclSum, comm_, comm_stream_);
-    }, count > 0);
+    return ReduceScatterImpl(send, recv, count, nullptr);
+  }
+  absl::StatusOr<int64_t> ReduceScatterSumAsync(const float* send, float* recv,
+                                                int64_t count) override {
+    int64_t ticket = 0;
+    absl::Status s = ReduceScatterImpl(send, recv, count, &ticket);
+    if (!s.ok()) return s;
+    return ticket;
+  }
+
+  void Wait(int64_t ticket) override {
+    auto it = tickets_.find(ticket);
+    if (it == tickets_.end()) return;
+    cudaSetDevice(backend_->device());
+    WaitOnCompute(it->second);
+    ticket_pool_.push_back(it->second);
+    tickets_.erase(it);
   }
 
   absl::Status AllReduce(float* buf, int64_t count, ReduceOp op) override {
     const Op o = op == ReduceOp::kMax ? Op::kAllReduceMax : Op::kAllReduceSum;
     const ncclRedOp_t nop = op == ReduceOp::kMax ? ncclMax : ncclSum;
+    bytes_.all_reduce += count * static_cast<int64_t>(sizeof(float));
     return Collective(o, count, 0, [&] {
       return ncclAllReduce(buf, buf, static_cast<size_t>(count), ncclFloat32, nop, comm_, comm_stream_);
     }, count > 0);
@@ -339,12 +373,70 @@ class NcclCommunicator final : public Communicator {
     return absl::InternalError(msg);
   }
 
-  // C09: all ranks exchange (seq, op, count, root) and compare.
+  // C09: all ranks exchange (seq, op, count, root) in a 32-byte all-gather enqueued just before
+  // the collective, and compare. By default the comparison is deferred: the exchanged headers land
+  // in a ring of pinned host slots and the watchdog compares each as soon as its event completes
+  // (within its 50 ms poll), aborting the communicator with the message below; the data
+  // collective of a mismatch cannot complete meanwhile (its peers disagree on its size), so it
+  // fails instead of hanging, and the host never waits here. FSDP8_NCCL_CHECK_COLLECTIVES=sync
+  // compares before enqueueing the collective (a host wait per collective: FAILED_PRECONDITION
+  // from the call itself); =0 skips the check.
+  static constexpr int kHeaderSlots = 64;
+  Header* HostSlot(int slot) {
+    return reinterpret_cast<Header*>(hdr_host_) + static_cast<size_t>(slot) * (world_ + 1);
+  }
+
+  // The mismatch message of a completed header slot, or "" when every rank agrees.
+  std::string CompareHeaders(int slot) {
+    const Header* mine = HostSlot(slot);
+    const Header* all = mine + 1;
+    const int64_t seq = mine->seq;
+    for (int r = 0; r < world_; ++r) {
+      const Header& h = all[r];
+      if (h.seq == mine->seq && h.op == mine->op && h.count == mine->count && h.root == mine->root) continue;
+      if (h.op != mine->op || h.seq != mine->seq) {
+        return absl::StrCat("collective mismatch at #", seq, ": rank ", rank_, " called ", OpName(mine->op),
+                            " (", mine->count, " ", CountUnit(mine->op), ") but rank ", r, " called ",
+                            OpName(h.op), " #", h.seq, " (", h.count, " ", CountUnit(h.op), ")");
+      }
+      if (h.count != mine->count) {
+        return absl::StrCat(OpName(mine->op), " #", seq, " size mismatch: rank ", rank_, " has ", mine->count,
+                            " ", CountUnit(mine->op), ", rank ", r, " has ", h.count);
+      }
+      return absl::StrCat(OpName(mine->op), " #", seq, " root mismatch: rank ", rank_, " uses root ",
+                          mine->root, ", rank ", r, " uses root ", h.root);
+    }
+    return "";
+  }
+
   absl::Status CheckHeader(int64_t seq, Op op, int64_t count, int64_t root) {
-    Header* mine = reinterpret_cast<Header*>(hdr_host_);
-    Header* all = mine + 1;
+    const int slot = static_cast<int>(seq % kHeaderSlots);
+    // The slot's previous header must be compared before it is overwritten (64 collectives in
+    // flight: rare; then this waits for it).
+    int64_t prev = 0;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      prev = hdr_slot_seq_[slot];
+    }
+    if (prev != 0) {
+      absl::Status s = WaitEvent(hdr_events_[slot], Clock::now() + timeout_, "header", prev);
+      if (!s.ok()) return s;
+      std::string msg;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        if (hdr_slot_seq_[slot] != 0) {
+          msg = CompareHeaders(slot);
+          hdr_slot_seq_[slot] = 0;
+        }
+      }
+      if (!msg.empty()) {
+        Abort(msg);
+        return absl::FailedPreconditionError(msg);
+      }
+    }
+    Header* mine = HostSlot(slot);
     *mine = Header{seq, static_cast<int64_t>(op), count, root};
-    Header* dev_mine = reinterpret_cast<Header*>(hdr_dev_);
+    Header* dev_mine = reinterpret_cast<Header*>(hdr_dev_) + static_cast<size_t>(slot) * (world_ + 1);
     Header* dev_all = dev_mine + 1;
     absl::Status s = CheckCuda(cudaMemcpyAsync(dev_mine, mine, sizeof(Header), cudaMemcpyHostToDevice, comm_stream_),
                                "header copy to device");
@@ -356,34 +448,80 @@ class NcclCommunicator final : public Communicator {
                        "header all-gather", seq);
     }
     if (!s.ok()) return s;
-    s = CheckCuda(cudaMemcpyAsync(all, dev_all, sizeof(Header) * world_, cudaMemcpyDeviceToHost, comm_stream_),
+    s = CheckCuda(cudaMemcpyAsync(mine + 1, dev_all, sizeof(Header) * world_, cudaMemcpyDeviceToHost, comm_stream_),
                   "header copy to host");
     if (!s.ok()) return s;
-    s = CheckCuda(cudaEventRecord(hdr_done_, comm_stream_), "cudaEventRecord");
+    s = CheckCuda(cudaEventRecord(hdr_events_[slot], comm_stream_), "cudaEventRecord(header)");
     if (!s.ok()) return s;
-    s = WaitEvent(hdr_done_, Clock::now() + timeout_, OpName(static_cast<int64_t>(op)), seq);
+    if (!sync_headers_) {
+      std::lock_guard<std::mutex> l(mu_);
+      hdr_slot_seq_[slot] = seq;
+      hdr_pending_.push_back(slot);
+      return absl::OkStatus();
+    }
+    s = WaitEvent(hdr_events_[slot], Clock::now() + timeout_, OpName(static_cast<int64_t>(op)), seq);
     if (!s.ok()) return s;
-    for (int r = 0; r < world_; ++r) {
-      const Header& h = all[r];
-      if (h.seq == mine->seq && h.op == mine->op && h.count == mine->count && h.root == mine->root) continue;
-      std::string msg;
-      if (h.op != mine->op || h.seq != mine->seq) {
-        msg = absl::StrCat("collective mismatch at #", seq, ": rank ", rank_, " called ", OpName(mine->op),
-                           " (", mine->count, " ", CountUnit(mine->op), ") but rank ", r, " called ",
-                           OpName(h.op), " #", h.seq, " (", h.count, " ", CountUnit(h.op), ")");
-      } else if (h.count != mine->count) {
-        msg = absl::StrCat(OpName(mine->op), " #", seq, " size mismatch: rank ", rank_, " has ", mine->count,
-                           " ", CountUnit(mine->op), ", rank ", r, " has ", h.count);
-      } else {
-        msg = absl::StrCat(OpName(mine->op), " #", seq, " root mismatch: rank ", rank_, " uses root ",
-                           mine->root, ", rank ", r, " uses root ", h.root);
-      }
+    const std::string msg = CompareHeaders(slot);
+    if (!msg.empty()) {
       Abort(msg);
       return absl::FailedPreconditionError(msg);
     }
     return absl::OkStatus();
   }
 
+  absl::Status AllGatherImpl(const void* send, void* recv, int64_t bytes_per_rank, int64_t* ticket) {
+    bytes_.all_gather += bytes_per_rank * world_;
+    return Collective(Op::kAllGather, bytes_per_rank, 0, [&] {
+      return ncclAllGather(send, recv, static_cast<size_t>(bytes_per_rank), ncclUint8, comm_, comm_stream_);
+    }, bytes_per_rank > 0, ticket);
+  }
+  absl::Status ReduceScatterImpl(const float* send, float* recv, int64_t count, int64_t* ticket) {
+    bytes_.reduce_scatter += count * world_ * static_cast<int64_t>(sizeof(float));
+    return Collective(Op::kReduceScatterSum, count, 0, [&] {
+      return ncclReduceScatter(send, recv, static_cast<size_t>(count), ncclFloat32, ncclSum, comm_, comm_stream_);
+    }, count > 0, ticket);
+  }
+
+  // Makes the compute stream wait for `ev` (recorded on the comm stream), with timing events on
+  // both sides of the wait: how long the compute stream stalls on it (exposed time).
+  void WaitOnCompute(cudaEvent_t ev) {
+    cudaEvent_t before = TakeTimingEvent(), after = TakeTimingEvent();
+    if (before != nullptr) cudaEventRecord(before, backend_->stream());
+    cudaStreamWaitEvent(backend_->stream(), ev, 0);
+    if (before != nullptr && after != nullptr) {
+      cudaEventRecord(after, backend_->stream());
+      waits_.emplace_back(before, after);
+    }
+  }
+
+  // Timing events for the exposed-communication measurement (trainer thread only).
+  cudaEvent_t TakeTimingEvent() {
+    if (!timing_pool_.empty()) {
+      cudaEvent_t e = timing_pool_.back();
+      timing_pool_.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    if (cudaEventCreate(&e) != cudaSuccess) return nullptr;
+    return e;
+  }
+
+ public:
+  double ConsumeExposedSeconds() override {
+    double total = 0;
+    for (auto& [a, b] : waits_) {
+      float ms = 0;
+      if (cudaEventSynchronize(b) == cudaSuccess && cudaEventElapsedTime(&ms, a, b) == cudaSuccess) {
+        total += ms * 1e-3;
+      }
+      timing_pool_.push_back(a);
+      timing_pool_.push_back(b);
+    }
+    waits_.clear();
+    return total;
+  }
+
+ private:
   cudaEvent_t TakeEvent() {
     std::lock_guard<std::mutex> l(mu_);
     if (!free_events_.empty()) {
@@ -396,8 +534,11 @@ class NcclCommunicator final : public Communicator {
     return e;
   }
 
+  // ticket == nullptr: later compute-stream ops wait for the collective. Otherwise an event
+  // recorded after it is kept under *ticket = seq, for Wait().
   template <typename Enqueue>
-  absl::Status Collective(Op op, int64_t count, int64_t root, Enqueue enqueue, bool nonempty) {
+  absl::Status Collective(Op op, int64_t count, int64_t root, Enqueue enqueue, bool nonempty,
+                          int64_t* ticket = nullptr) {
     if (aborted_.load()) return AbortedStatus();
     if (count < 0) return absl::InvalidArgumentError(absl::StrCat(OpName(static_cast<int64_t>(op)), ": negative count"));
     absl::Status s = CheckCuda(cudaSetDevice(backend_->device()), "cudaSetDevice");
@@ -422,9 +563,23 @@ class NcclCommunicator final : public Communicator {
     }
     s = CheckCuda(cudaEventRecord(done, comm_stream_), "cudaEventRecord(done)");
     if (!s.ok()) return s;
-    // And every compute op enqueued after this call sees the collective's result.
-    s = CheckCuda(cudaStreamWaitEvent(backend_->stream(), done, 0), "cudaStreamWaitEvent(compute)");
-    if (!s.ok()) return s;
+    if (ticket == nullptr) {
+      // Every compute op enqueued after this call sees the collective's result.
+      WaitOnCompute(done);
+    } else {
+      cudaEvent_t t = nullptr;
+      if (!ticket_pool_.empty()) {
+        t = ticket_pool_.back();
+        ticket_pool_.pop_back();
+      } else {
+        s = CheckCuda(cudaEventCreateWithFlags(&t, cudaEventDisableTiming), "cudaEventCreate");
+        if (!s.ok()) return s;
+      }
+      s = CheckCuda(cudaEventRecord(t, comm_stream_), "cudaEventRecord(ticket)");
+      if (!s.ok()) return s;
+      tickets_[seq] = t;
+      *ticket = seq;
+    }
     last_done_ = done;
     enqueued_seq_.store(seq);
     {
@@ -442,8 +597,21 @@ class NcclCommunicator final : public Communicator {
       cv_.wait_for(l, std::chrono::milliseconds(50));
       if (stop_ || aborted_.load()) continue;
       std::string failure;
+      // Compare the C09 headers that arrived, in order.
+      while (!hdr_pending_.empty()) {
+        const int slot = hdr_pending_.front();
+        if (hdr_slot_seq_[slot] == 0) {  // already compared by the trainer thread
+          hdr_pending_.pop_front();
+          continue;
+        }
+        if (cudaEventQuery(hdr_events_[slot]) != cudaSuccess) break;
+        failure = CompareHeaders(slot);
+        hdr_slot_seq_[slot] = 0;
+        hdr_pending_.pop_front();
+        if (!failure.empty()) break;
+      }
       // Retire completed collectives in order.
-      while (!pending_.empty()) {
+      while (failure.empty() && !pending_.empty()) {
         Pending& p = pending_.front();
         const cudaError_t q = cudaEventQuery(p.done);
         if (q == cudaSuccess) {
@@ -486,11 +654,18 @@ class NcclCommunicator final : public Communicator {
   CudaBackend* const backend_;
   const std::chrono::milliseconds timeout_;
   bool check_headers_ = true;
+  bool sync_headers_ = false;
+  std::vector<cudaEvent_t> hdr_events_;  // per header slot
+  std::vector<int64_t> hdr_slot_seq_;    // seq whose header is in the slot, not yet compared (0: none); mu_
+  std::deque<int> hdr_pending_;          // slots in enqueue order, for the watchdog; mu_
 
   ncclComm_t comm_ = nullptr;
   cudaStream_t comm_stream_ = nullptr;
   cudaEvent_t compute_ready_ = nullptr;
-  cudaEvent_t hdr_done_ = nullptr;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> waits_;  // (before, after) a compute-stream wait
+  std::vector<cudaEvent_t> timing_pool_;
+  std::map<int64_t, cudaEvent_t> tickets_;  // deferred waits by sequence number
+  std::vector<cudaEvent_t> ticket_pool_;
   cudaEvent_t last_done_ = nullptr;
   void* hdr_dev_ = nullptr;
   void* hdr_host_ = nullptr;

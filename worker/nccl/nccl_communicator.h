@@ -12,10 +12,12 @@
 // does not block on the data collectives.
 //
 // C09 (mismatched collectives): before each collective every rank all-gathers a 32-byte header
-// (sequence number, op, count, root) and compares it on the host; a mismatch fails the call with
-// FAILED_PRECONDITION naming the collective and both ranks' sizes, and aborts the communicator.
-// Set FSDP8_NCCL_CHECK_COLLECTIVES=0 to skip the check (one small all-gather and a host wait per
-// collective).
+// (sequence number, op, count, root). By default the headers are compared without stalling the
+// host: the watchdog compares each as it arrives and, on a mismatch, aborts the communicator with
+// a message naming the collective and both ranks' sizes; the mismatched collective then fails
+// (ABORTED, with that message) instead of hanging. FSDP8_NCCL_CHECK_COLLECTIVES=sync compares
+// before enqueueing each collective (a host wait per collective; the call itself returns
+// FAILED_PRECONDITION); =0 skips the check.
 //
 // C10 (dead or stuck peer): a watchdog thread polls every pending collective's completion event
 // and ncclCommGetAsyncError; a collective not complete `timeout` after it was enqueued, or an

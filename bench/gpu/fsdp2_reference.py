@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""PyTorch FSDP2 reference for the fsdp8 benchmark presets, written the way users write it.
+
+Llama-style decoder (RMSNorm, RoPE, SwiGLU, untied head, no biases), `fully_shard` per block and on
+the root with BF16 parameters and FP32 gradient reduction, `torch.compile` of the whole model,
+SDPA attention, fused AdamW (lr 3e-4), random tokens.
+
+  --precision bf16   nn.Linear in BF16.
+  --precision fp8    block linears through torch._scaled_mm with tensorwise dynamic scaling
+                     (x, w in E4M3 forward; dY in E5M2 backward; BF16 all-gather, as FSDP2 gathers
+                     the BF16 parameters and the cast happens inside the compiled step).
+
+Timing: median of --steps timed steps after --warmup steps, each step timed between device
+synchronisations. Model FLOPs per token = 6 x (all parameters except the token embedding) +
+12 x layers x d x seq. Peak memory = torch.cuda.max_memory_allocated() (bytes allocated).
+All-gather / reduce-scatter bytes per step are those FSDP2 moves per rank: each sharded parameter
+is gathered once in the forward and once in the backward (the root's parameters, kept unsharded
+after the forward, once), gradients reduce-scattered once, in the dtypes named above.
+
+Run with: torchrun --standalone --nproc_per_node 2 bench/gpu/fsdp2_reference.py --preset 1b
+Prints one JSON line (rank 0) with the figures.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+PRESETS = {
+    # d, layers, heads, ffn, seq, sequences per GPU
+    "125m": dict(d=768, layers=12, heads=12, ffn=2048, seq=1024, batch=16),
+    "1b": dict(d=2048, layers=24, heads=16, ffn=5632, seq=2048, batch=8),
+}
+VOCAB = 32768
+
+
+def model_flops_per_token(p, n_params_no_embed):
+    return 6 * n_params_no_embed + 12 * p["layers"] * p["d"] * p["seq"]
+
+
+# ---- FP8 tensorwise linear through torch._scaled_mm --------------------------------------------
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+E5M2_MAX = torch.finfo(torch.float8_e5m2).max
+
+
+def _to_fp8(t, dtype, fmax):
+    amax = t.abs().max().float().clamp(min=1e-12)
+    scale = fmax / amax
+    q = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return q, scale.reciprocal()
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w):
+        xq, xs = _to_fp8(x2, torch.float8_e4m3fn, E4M3_MAX)
+        wq, ws = _to_fp8(w, torch.float8_e4m3fn, E4M3_MAX)
+        ctx.save_for_backward(xq, xs, wq, ws)
+        # y (M, N) = x (M, K) @ w^T; _scaled_mm wants A row-major, B column-major.
+        return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, xs, wq, ws = ctx.saved_tensors
+        dyq, dys = _to_fp8(dy, torch.float8_e5m2, E5M2_MAX)
+        # dx (M, K) = dy (M, N) @ w (N, K)
+        dx = torch._scaled_mm(dyq, wq.t().contiguous().t(), scale_a=dys, scale_b=ws,
+                              out_dtype=torch.bfloat16)
+        # dw (N, K) = dy^T (N, M) @ x (M, K)
+        dw = torch._scaled_mm(dyq.t().contiguous(), xq.t().contiguous().t(), scale_a=dys,
+                              scale_b=xs, out_dtype=torch.bfloat16)
+        return dx, dw
+
+
+class Fp8Linear(nn.Linear):
+    def forward(self, x):
+        shape = x.shape
+        y = _Fp8Matmul.apply(x.reshape(-1, shape[-1]), self.weight)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+# ---- model ----------------------------------------------------------------------------------------
+def rope_tables(seq, hd, theta=10000.0, device=None):
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=device).float() / hd))
+    ang = torch.outer(torch.arange(seq, device=device).float(), inv)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos(), ang.sin()
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads, ffn, linear):
+        super().__init__()
+        self.heads = heads
+        self.n1 = nn.RMSNorm(d, eps=1e-5)
+        self.n2 = nn.RMSNorm(d, eps=1e-5)
+        self.q = linear(d, d, bias=False)
+        self.k = linear(d, d, bias=False)
+        self.v = linear(d, d, bias=False)
+        self.o = linear(d, d, bias=False)
+        self.gate = linear(d, ffn, bias=False)
+        self.up = linear(d, ffn, bias=False)
+        self.down = linear(ffn, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, d = x.shape
+        h = self.n1(x)
+        q = self.q(h).view(b, t, self.heads, -1).transpose(1, 2)
+        k = self.k(h).view(b, t, self.heads, -1).transpose(1, 2)
+        v = self.v(h).view(b, t, self.heads, -1).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        h = self.n2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, p, linear):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, p["d"])
+        self.blocks = nn.ModuleList(
+            [Block(p["d"], p["heads"], p["ffn"], linear) for _ in range(p["layers"])])
+        self.norm = nn.RMSNorm(p["d"], eps=1e-5)
+        self.head = nn.Linear(p["d"], VOCAB, bias=False)
+        cos, sin = rope_tables(p["seq"], p["d"] // p["heads"])
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            x = blk(x, self.cos, self.sin)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    ap.add_argument("--precision", choices=["bf16", "fp8"], default="bf16")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dev = torch.device("cuda")
+    torch.manual_seed(1234)
+    p = PRESETS[args.preset]
+    linear = Fp8Linear if args.precision == "fp8" else nn.Linear
+    with torch.device("meta"):
+        model = Llama(p, linear)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for blk in model.blocks:
+        fully_shard(blk, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    model.to_empty(device=dev)
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if "n1" in name or "n2" in name or name.startswith("norm"):
+                prm.fill_(1.0)
+            else:
+                prm.normal_(0.0, 0.02)
+        cos, sin = rope_tables(p["seq"], p["d"] // p["heads"], device=dev)
+        model.cos.copy_(cos)
+        model.sin.copy_(sin)
+    n_params = sum(prm.numel() for prm in model.parameters())
+    n_embed = model.embed.weight.numel()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    step_fn = model if args.no_compile else torch.compile(model)
+
+    g = torch.Generator(device=dev)
+    g.manual_seed(1234 + rank)
+    B, T = p["batch"], p["seq"]
+
+    def one_step():
+        tok = torch.randint(0, VOCAB, (B, T + 1), device=dev, generator=g)
+        loss = step_fn(tok[:, :-1], tok[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    t_compile = time.time()
+    for _ in range(args.warmup):
+        loss = one_step()
+    torch.cuda.synchronize()
+    t_compile = time.time() - t_compile
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = one_step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    tok_s = B * T / med
+    flops = model_flops_per_token(p, n_params - n_embed)
+    peak = torch.cuda.max_memory_allocated()
+    peaks = torch.tensor([peak], device=dev)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    # Bytes per rank per step: block parameters gathered twice (forward, backward re-gather), the
+    # root's (embedding, norm, head) once; bf16 on the wire; gradients reduce-scattered in f32.
+    root_params = n_params - sum(prm.numel() for prm in model.blocks.parameters())
+    ag = 2 * (2 * (n_params - root_params) + root_params)
+    rs = 4 * n_params
+    if rank == 0:
+        print(json.dumps(dict(
+            system="pytorch-fsdp2", preset=args.preset, precision=args.precision, world=world,
+            tokens_per_s_per_gpu=tok_s, model_tflops_per_gpu=tok_s * flops / 1e12,
+            peak_mem_bytes=int(peaks.item()), step_s_median=med, step_s_min=min(times),
+            step_s_max=max(times), allgather_bytes_per_step=ag, reduce_scatter_bytes_per_step=rs,
+            params=n_params, warmup_s=t_compile, final_loss=float(loss.item()),
+            torch=torch.__version__)), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
