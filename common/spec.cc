@@ -17,6 +17,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/hf_model.h"
 #include "common/token_shard.h"
 
 namespace fsdp8 {
@@ -344,6 +345,9 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
     FSDP8_RETURN_IF_ERROR(CheckDataPath("data.val_path", d.val_path(), data_roots));
   }
   FSDP8_RETURN_IF_ERROR(CheckCheckpointSpec(spec.checkpoint(), data_roots));
+  if (!spec.init().from_hf().empty()) {
+    FSDP8_RETURN_IF_ERROR(CheckDataPath("init.from_hf", spec.init().from_hf(), data_roots));
+  }
   if (spec.max_restarts() < 0) {
     return Bad("max_restarts", "must be >= 0", absl::StrCat("got ", spec.max_restarts()));
   }
@@ -351,6 +355,9 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
     FSDP8_RETURN_IF_ERROR(CheckDataFile("data.train_path", d.train_path(), m.seq_len()));
     if (!d.val_path().empty()) {
       FSDP8_RETURN_IF_ERROR(CheckDataFile("data.val_path", d.val_path(), m.seq_len()));
+    }
+    if (!spec.init().from_hf().empty()) {
+      FSDP8_RETURN_IF_ERROR(CheckHfDir(spec.init().from_hf(), m, "init.from_hf"));
     }
   }
   return absl::OkStatus();

@@ -31,8 +31,10 @@ v1::JobSpec WithDefaults(const v1::JobSpec& spec, int world_size);
 // empty, "latest" or a path strictly under checkpoint.dir (lexically normalised; whether it holds
 // a committed checkpoint is checked by the coordinator, not here).
 // max_restarts >= 0 (default 3 with a checkpoint.dir, else 0).
+// init.from_hf follows the data-root rule of data.train_path.
 // check_files: data.train_path (and data.val_path when set) must be readable token shards (header
-// and size checked, see token_shard.h) holding at least seq_len + 1 tokens.
+// and size checked, see token_shard.h) holding at least seq_len + 1 tokens; init.from_hf must hold
+// a config.json matching the model section (CheckHfDir in hf_model.h) and a model.safetensors.
 // Unset fields are first given their defaults (WithDefaults(spec, world_size)); rules stop at the
 // first violation.
 absl::Status ValidateSpec(const v1::JobSpec& spec, int world_size,

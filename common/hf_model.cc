@@ -1,0 +1,501 @@
+#include "common/hf_model.h"
+
+#include <errno.h>
+#include <sys/stat.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/shard_plan.h"
+#include "common/spec.h"
+
+namespace fsdp8 {
+namespace {
+
+using google::protobuf::Struct;
+using google::protobuf::Value;
+namespace fs = std::filesystem;
+
+// The rank-file format (worker/checkpoint.h, version 1).
+constexpr char kRankMagic[8] = {'F', 'S', 'D', 'P', '8', 'C', 'K', 'P'};
+constexpr char kRankEndMagic[8] = {'F', 'S', 'D', 'P', '8', 'E', 'N', 'D'};
+constexpr uint32_t kRankFormatVersion = 1;
+constexpr int kManifestFormatVersion = 1;
+constexpr char kManifestName[] = "MANIFEST";
+
+struct FileCloser {
+  void operator()(FILE* f) const { if (f) std::fclose(f); }
+};
+
+absl::StatusOr<std::string> ReadText(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) {
+    const int err = errno;
+    const std::string msg = absl::StrCat("cannot read ", path, ": ", std::strerror(err));
+    return err == ENOENT ? absl::NotFoundError(msg) : absl::InternalError(msg);
+  }
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+absl::Status WriteTextAtomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f << text;
+    f.flush();
+    if (!f) return absl::InternalError(absl::StrCat("writing ", tmp, ": ", std::strerror(errno)));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("renaming ", tmp, ": ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Struct> ParseJsonObject(const std::string& text, const std::string& what) {
+  Struct s;
+  if (auto st = google::protobuf::util::JsonStringToMessage(text, &s); !st.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": not a JSON object (", std::string(st.message()), ")"));
+  }
+  return s;
+}
+
+std::string Num(double v) {
+  std::ostringstream o;
+  o.precision(17);
+  o << v;
+  return o.str();
+}
+
+absl::StatusOr<v1::CheckpointManifest> ReadManifest(const std::string& step_dir) {
+  const std::string path = absl::StrCat(step_dir, "/", kManifestName);
+  absl::StatusOr<std::string> text = ReadText(path);
+  if (!text.ok()) {
+    if (absl::IsNotFound(text.status())) {
+      return absl::NotFoundError(absl::StrCat(step_dir, ": no MANIFEST (not a committed checkpoint)"));
+    }
+    return text.status();
+  }
+  v1::CheckpointManifest m;
+  if (auto st = google::protobuf::util::JsonStringToMessage(*text, &m); !st.ok()) {
+    return absl::DataLossError(absl::StrCat(path, ": invalid MANIFEST (", std::string(st.message()), ")"));
+  }
+  if (m.format_version() != kManifestFormatVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(path, ": format version ", m.format_version(),
+                                                      ", this build reads ", kManifestFormatVersion));
+  }
+  if (m.world_size() < 1 || m.files_size() != m.world_size()) {
+    return absl::DataLossError(absl::StrCat(path, ": world_size ", m.world_size(), " with ",
+                                            m.files_size(), " files"));
+  }
+  for (int r = 0; r < m.files_size(); ++r) {
+    const std::string& f = m.files(r).file();
+    if (m.files(r).rank() != r || f.empty() || f.find('/') != std::string::npos || f == "." ||
+        f == "..") {
+      return absl::DataLossError(absl::StrCat(path, ": files[", r, "] is not rank ", r,
+                                              "'s plain file name"));
+    }
+  }
+  return m;
+}
+
+// Reads the FP32 master slices of one rank file into `full` (per buffer, padded_numel each),
+// after checking its size and CRC-32 against the manifest and its own trailer.
+absl::Status ReadRankMasters(const std::string& path, const v1::CheckpointFile& entry, int rank,
+                             int world, int64_t step, const ShardPlan& plan,
+                             std::vector<std::vector<float>>* full) {
+  std::unique_ptr<FILE, FileCloser> f(std::fopen(path.c_str(), "rb"));
+  if (!f) {
+    return errno == ENOENT
+               ? absl::NotFoundError(absl::StrCat(path, ": missing"))
+               : absl::InternalError(absl::StrCat("opening ", path, ": ", std::strerror(errno)));
+  }
+  fseeko(f.get(), 0, SEEK_END);
+  const int64_t size = ftello(f.get());
+  if (size != entry.bytes()) {
+    return absl::DataLossError(absl::StrCat(path, ": ", size, " bytes, the MANIFEST says ",
+                                            entry.bytes(), " (truncated or replaced)"));
+  }
+  if (size < 8 + 12) return absl::DataLossError(absl::StrCat(path, ": truncated"));
+  // Whole-file CRC (the MANIFEST's) and the body CRC (the trailer's).
+  fseeko(f.get(), 0, SEEK_SET);
+  std::vector<char> buf(1 << 20);
+  uLong crc_all = crc32(0, nullptr, 0), crc_body = crc32(0, nullptr, 0);
+  const int64_t body = size - 12;
+  for (int64_t pos = 0; pos < size;) {
+    const size_t k = static_cast<size_t>(std::min<int64_t>(buf.size(), size - pos));
+    if (std::fread(buf.data(), 1, k, f.get()) != k) {
+      return absl::DataLossError(absl::StrCat(path, ": short read"));
+    }
+    crc_all = crc32(crc_all, reinterpret_cast<const Bytef*>(buf.data()), static_cast<uInt>(k));
+    if (pos < body) {
+      const size_t kb = static_cast<size_t>(std::min<int64_t>(k, body - pos));
+      crc_body = crc32(crc_body, reinterpret_cast<const Bytef*>(buf.data()), static_cast<uInt>(kb));
+    }
+    pos += static_cast<int64_t>(k);
+  }
+  if (static_cast<uint32_t>(crc_all) != entry.crc32()) {
+    return absl::DataLossError(absl::StrCat(path, ": CRC-32 ", static_cast<uint32_t>(crc_all),
+                                            ", the MANIFEST says ", entry.crc32(),
+                                            ": the file is corrupt"));
+  }
+  char end[8];
+  uint32_t stored = 0;
+  fseeko(f.get(), body, SEEK_SET);
+  if (std::fread(end, 1, 8, f.get()) != 8 || std::fread(&stored, 4, 1, f.get()) != 1 ||
+      std::memcmp(end, kRankEndMagic, 8) != 0 || stored != static_cast<uint32_t>(crc_body)) {
+    return absl::DataLossError(absl::StrCat(path, ": bad trailer or body checksum"));
+  }
+  fseeko(f.get(), 0, SEEK_SET);
+  int64_t pos = 0;
+  auto rd = [&](void* p, size_t n) {
+    if (pos + static_cast<int64_t>(n) > body || std::fread(p, 1, n, f.get()) != n) return false;
+    pos += static_cast<int64_t>(n);
+    return true;
+  };
+  auto skip = [&](int64_t n) {
+    if (n < 0 || pos + n > body || fseeko(f.get(), n, SEEK_CUR) != 0) return false;
+    pos += n;
+    return true;
+  };
+  auto malformed = [&](const std::string& what) {
+    return absl::DataLossError(absl::StrCat(path, ": malformed at byte ", pos, " (", what, ")"));
+  };
+  char magic[8];
+  uint32_t version = 0, desc_len = 0, nbuf = 0;
+  int32_t file_rank = -1, file_world = -1;
+  int64_t file_step = -1;
+  uint64_t fingerprint = 0;
+  if (!rd(magic, 8) || std::memcmp(magic, kRankMagic, 8) != 0) {
+    return absl::DataLossError(absl::StrCat(path, ": not an fsdp8 rank file (bad magic)"));
+  }
+  if (!rd(&version, 4)) return malformed("version");
+  if (version != kRankFormatVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(path, ": rank file format version ", version,
+                                                      ", this build reads ", kRankFormatVersion));
+  }
+  if (!rd(&file_rank, 4) || !rd(&file_world, 4) || !rd(&file_step, 8) || !rd(&fingerprint, 8) ||
+      !rd(&desc_len, 4) || desc_len > (1u << 20) || !skip(desc_len) || !rd(&nbuf, 4)) {
+    return malformed("header");
+  }
+  if (file_rank != rank || file_world != world || file_step != step) {
+    return absl::DataLossError(absl::StrCat(path, ": written by rank ", file_rank, " of ",
+                                            file_world, " at step ", file_step, ", the MANIFEST says rank ",
+                                            rank, " of ", world, " at step ", step));
+  }
+  size_t expect_nbuf = 0;
+  for (const UnitPlan& u : plan.units) expect_nbuf += u.buffers.size();
+  if (nbuf != expect_nbuf) {
+    return absl::DataLossError(absl::StrCat(path, ": ", nbuf, " flat buffers, the MANIFEST's spec has ",
+                                            expect_nbuf));
+  }
+  size_t flat = 0;
+  for (size_t u = 0; u < plan.units.size(); ++u) {
+    for (size_t b = 0; b < plan.units[u].buffers.size(); ++b, ++flat) {
+      const BufferPlan& bp = plan.units[u].buffers[b];
+      uint32_t fu = 0, fb = 0, wire = 0, zero = 0;
+      int64_t numel = 0, padded = 0, shard = 0;
+      if (!rd(&fu, 4) || !rd(&fb, 4) || !rd(&wire, 4) || !rd(&zero, 4) || !rd(&numel, 8) ||
+          !rd(&padded, 8) || !rd(&shard, 8)) {
+        return malformed("buffer header");
+      }
+      if (fu != u || fb != b || wire != static_cast<uint32_t>(bp.wire) || numel != bp.numel ||
+          shard != bp.shard_numel || padded != bp.padded_numel) {
+        return absl::DataLossError(absl::StrCat(
+            path, ": buffer ", plan.units[u].name, "/", WireDtypeName(bp.wire),
+            " does not match the MANIFEST's spec (numel ", numel, ", shard ", shard,
+            "; expected ", bp.numel, ", ", bp.shard_numel, ")"));
+      }
+      std::vector<float>& dst = (*full)[flat];
+      dst.resize(static_cast<size_t>(bp.padded_numel));
+      if (!rd(dst.data() + static_cast<int64_t>(rank) * shard, static_cast<size_t>(shard) * 4) ||
+          !skip(2 * shard * 4)) {  // AdamW m and v
+        return malformed("shard data");
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+const Value* Field(const Struct& s, const std::string& k) {
+  auto it = s.fields().find(k);
+  if (it == s.fields().end() || it->second.kind_case() == Value::kNullValue) return nullptr;
+  return &it->second;
+}
+
+}  // namespace
+
+std::string HfConfigJson(const v1::ModelConfig& m_in, SafetensorsDtype dtype) {
+  v1::JobSpec tmp;
+  *tmp.mutable_model() = m_in;
+  const v1::ModelConfig m = WithDefaults(tmp, 0).model();
+  Struct s;
+  auto& f = *s.mutable_fields();
+  f["architectures"].mutable_list_value()->add_values()->set_string_value("LlamaForCausalLM");
+  f["model_type"].set_string_value("llama");
+  f["hidden_size"].set_number_value(m.d_model());
+  f["intermediate_size"].set_number_value(m.ffn_dim());
+  f["num_attention_heads"].set_number_value(m.n_heads());
+  f["num_key_value_heads"].set_number_value(m.n_kv_heads());
+  f["head_dim"].set_number_value(m.d_model() / m.n_heads());
+  f["num_hidden_layers"].set_number_value(m.n_layers());
+  f["vocab_size"].set_number_value(m.vocab_size());
+  f["rms_norm_eps"].set_number_value(m.norm_eps());
+  f["rope_theta"].set_number_value(m.rope_theta());
+  f["max_position_embeddings"].set_number_value(m.seq_len());
+  f["hidden_act"].set_string_value("silu");
+  f["tie_word_embeddings"].set_bool_value(false);
+  f["attention_bias"].set_bool_value(false);
+  f["mlp_bias"].set_bool_value(false);
+  f["rope_scaling"].set_null_value(google::protobuf::NULL_VALUE);
+  f["torch_dtype"].set_string_value(dtype == SafetensorsDtype::kBF16 ? "bfloat16" : "float32");
+  std::string out;
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.add_whitespace = true;
+  (void)google::protobuf::util::MessageToJsonString(s, &out, opts);
+  return out;
+}
+
+absl::StatusOr<v1::ModelConfig> ModelConfigFromHf(const std::string& config_json) {
+  absl::StatusOr<Struct> s = ParseJsonObject(config_json, "config.json");
+  if (!s.ok()) return s.status();
+  v1::ModelConfig m;
+  auto get_int = [&](const char* k, int* out) -> absl::Status {
+    const Value* v = Field(*s, k);
+    if (!v) return absl::InvalidArgumentError(absl::StrCat("config.json: ", k, " missing"));
+    if (v->kind_case() != Value::kNumberValue || std::floor(v->number_value()) != v->number_value() ||
+        !(v->number_value() >= 1) || v->number_value() > 2147483647.0) {
+      return absl::InvalidArgumentError(absl::StrCat("config.json: ", k, " must be a positive integer"));
+    }
+    *out = static_cast<int>(v->number_value());
+    return absl::OkStatus();
+  };
+  int hidden = 0, inter = 0, heads = 0, layers = 0, vocab = 0, pos = 0, kv = 0;
+  for (auto [k, p] : {std::pair<const char*, int*>{"hidden_size", &hidden},
+                      {"intermediate_size", &inter}, {"num_attention_heads", &heads},
+                      {"num_hidden_layers", &layers}, {"vocab_size", &vocab},
+                      {"max_position_embeddings", &pos}}) {
+    if (absl::Status st = get_int(k, p); !st.ok()) return st;
+  }
+  kv = heads;
+  if (Field(*s, "num_key_value_heads")) {
+    if (absl::Status st = get_int("num_key_value_heads", &kv); !st.ok()) return st;
+  }
+  m.set_d_model(hidden);
+  m.set_ffn_dim(inter);
+  m.set_n_heads(heads);
+  m.set_n_kv_heads(kv);
+  m.set_n_layers(layers);
+  m.set_vocab_size(vocab);
+  m.set_seq_len(pos);
+  const Value* eps = Field(*s, "rms_norm_eps");
+  m.set_norm_eps(eps && eps->kind_case() == Value::kNumberValue ? eps->number_value() : 1e-6);
+  const Value* theta = Field(*s, "rope_theta");
+  m.set_rope_theta(theta && theta->kind_case() == Value::kNumberValue ? theta->number_value() : 10000.0);
+  return m;
+}
+
+absl::Status CheckHfConfig(const std::string& config_json, const v1::ModelConfig& m_in,
+                           const std::string& field) {
+  v1::JobSpec tmp;
+  *tmp.mutable_model() = m_in;
+  const v1::ModelConfig m = WithDefaults(tmp, 0).model();
+  absl::StatusOr<Struct> parsed = ParseJsonObject(config_json, absl::StrCat(field, ": config.json"));
+  if (!parsed.ok()) return parsed.status();
+  const Struct& s = *parsed;
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": config.json ", what));
+  };
+  const Value* mt = Field(s, "model_type");
+  if (!mt || mt->kind_case() != Value::kStringValue || mt->string_value() != "llama") {
+    return bad("model_type must be \"llama\" (LlamaForCausalLM)");
+  }
+  auto number = [&](const char* k, double* out, std::optional<double> dflt) -> absl::Status {
+    const Value* v = Field(s, k);
+    if (!v) {
+      if (dflt) {
+        *out = *dflt;
+        return absl::OkStatus();
+      }
+      return bad(absl::StrCat(k, " is missing"));
+    }
+    if (v->kind_case() != Value::kNumberValue) return bad(absl::StrCat(k, " is not a number"));
+    *out = v->number_value();
+    return absl::OkStatus();
+  };
+  struct IntRule { const char* key; const char* model_field; int want; };
+  double heads = 0;
+  if (absl::Status st = number("num_attention_heads", &heads, std::nullopt); !st.ok()) return st;
+  const IntRule rules[] = {
+      {"hidden_size", "model.d_model", m.d_model()},
+      {"intermediate_size", "model.ffn_dim", m.ffn_dim()},
+      {"num_attention_heads", "model.n_heads", m.n_heads()},
+      {"num_key_value_heads", "model.n_kv_heads", m.n_kv_heads()},
+      {"num_hidden_layers", "model.n_layers", m.n_layers()},
+      {"vocab_size", "model.vocab_size", m.vocab_size()},
+  };
+  for (const IntRule& r : rules) {
+    double v = 0;
+    const std::optional<double> dflt =
+        std::string(r.key) == "num_key_value_heads" ? std::optional<double>(heads) : std::nullopt;
+    if (absl::Status st = number(r.key, &v, dflt); !st.ok()) return st;
+    if (v != r.want) {
+      return bad(absl::StrCat(r.key, " is ", Num(v), ", ", r.model_field, " is ", r.want));
+    }
+  }
+  double head_dim = 0;
+  if (absl::Status st = number("head_dim", &head_dim, m.d_model() / m.n_heads()); !st.ok()) return st;
+  if (head_dim != m.d_model() / m.n_heads()) {
+    return bad(absl::StrCat("head_dim is ", Num(head_dim), ", model.d_model / model.n_heads is ",
+                            m.d_model() / m.n_heads()));
+  }
+  struct RealRule { const char* key; const char* model_field; double want; double dflt; };
+  const RealRule reals[] = {{"rms_norm_eps", "model.norm_eps", m.norm_eps(), 1e-6},
+                            {"rope_theta", "model.rope_theta", m.rope_theta(), 10000.0}};
+  for (const RealRule& r : reals) {
+    double v = 0;
+    if (absl::Status st = number(r.key, &v, r.dflt); !st.ok()) return st;
+    if (!(std::fabs(v - r.want) <= 1e-9 * std::fabs(r.want))) {
+      return bad(absl::StrCat(r.key, " is ", Num(v), ", ", r.model_field, " is ", Num(r.want)));
+    }
+  }
+  double max_pos = 0;
+  if (absl::Status st = number("max_position_embeddings", &max_pos, 2048.0); !st.ok()) return st;
+  if (max_pos < m.seq_len()) {
+    return bad(absl::StrCat("max_position_embeddings is ", Num(max_pos), ", below model.seq_len ",
+                            m.seq_len()));
+  }
+  if (const Value* act = Field(s, "hidden_act");
+      act && (act->kind_case() != Value::kStringValue || act->string_value() != "silu")) {
+    return bad("hidden_act must be \"silu\" (fsdp8's MLP is SwiGLU)");
+  }
+  for (const char* k : {"tie_word_embeddings", "attention_bias", "mlp_bias"}) {
+    const Value* v = Field(s, k);
+    // HF's default for tie_word_embeddings is false for Llama; attention_bias / mlp_bias false.
+    if (v && (v->kind_case() != Value::kBoolValue || v->bool_value())) {
+      return bad(absl::StrCat(k, " must be false (fsdp8 models have an untied LM head and no biases)"));
+    }
+  }
+  if (Field(s, "rope_scaling")) return bad("rope_scaling must be null (plain RoPE)");
+  return absl::OkStatus();
+}
+
+absl::Status CheckHfDir(const std::string& dir, const v1::ModelConfig& m, const std::string& field) {
+  const std::string cfg = absl::StrCat(dir, "/", kHfConfigFile);
+  absl::StatusOr<std::string> text = ReadText(cfg);
+  if (!text.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": must be a Hugging Face model directory (",
+                                                   text.status().message(), ")"));
+  }
+  if (absl::Status s = CheckHfConfig(*text, m, field); !s.ok()) return s;
+  struct stat st;
+  const std::string weights = absl::StrCat(dir, "/", kHfWeightsFile);
+  if (::stat(weights.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", weights, " is missing"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CheckpointWeights> ReadCheckpointWeights(const std::string& step_dir) {
+  absl::StatusOr<v1::CheckpointManifest> manifest = ReadManifest(step_dir);
+  if (!manifest.ok()) return manifest.status();
+  CheckpointWeights out;
+  out.manifest = std::move(*manifest);
+  const v1::CheckpointManifest& m = out.manifest;
+  absl::StatusOr<ShardPlan> plan = MakeShardPlan(m.spec(), m.world_size());
+  if (!plan.ok()) {
+    return absl::DataLossError(absl::StrCat(step_dir, "/MANIFEST: its spec has no shard plan (",
+                                            plan.status().message(), ")"));
+  }
+  std::vector<std::vector<float>> full;
+  for (const UnitPlan& u : plan->units) full.resize(full.size() + u.buffers.size());
+  for (int r = 0; r < m.world_size(); ++r) {
+    absl::Status s = ReadRankMasters(absl::StrCat(step_dir, "/", m.files(r).file()), m.files(r), r,
+                                     m.world_size(), m.step(), *plan, &full);
+    if (!s.ok()) return s;
+  }
+  size_t flat = 0;
+  for (const UnitPlan& u : plan->units) {
+    for (const BufferPlan& b : u.buffers) {
+      for (size_t t = 0; t < b.tensors.size(); ++t) {
+        const float* src = full[flat].data() + b.offsets[t];
+        out.tensors.push_back({b.tensors[t].name, b.tensors[t].shape,
+                               std::vector<float>(src, src + b.tensors[t].numel)});
+      }
+      std::vector<float>().swap(full[flat]);
+      ++flat;
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> ResolveCheckpointStepDir(const std::string& path,
+                                                     std::optional<int64_t> step) {
+  std::error_code ec;
+  if (fs::exists(fs::path(path) / kManifestName, ec)) {
+    absl::StatusOr<v1::CheckpointManifest> m = ReadManifest(path);
+    if (!m.ok()) return m.status();
+    if (step && m->step() != *step) {
+      return absl::InvalidArgumentError(absl::StrCat(path, " is the checkpoint of step ", m->step(),
+                                                     ", not --step ", *step));
+    }
+    return path;
+  }
+  if (!fs::is_directory(path, ec)) {
+    return absl::NotFoundError(absl::StrCat(path, ": no such checkpoint directory"));
+  }
+  if (step) {
+    const std::string d = absl::StrCat(path, "/step-", *step);
+    absl::StatusOr<v1::CheckpointManifest> m = ReadManifest(d);
+    if (!m.ok()) return m.status();
+    return d;
+  }
+  int64_t best = -1;
+  for (const fs::directory_entry& e : fs::directory_iterator(path, ec)) {
+    const std::string name = e.path().filename().string();
+    int64_t k = 0;
+    if (name.rfind("step-", 0) != 0 || !absl::SimpleAtoi(name.substr(5), &k) || k <= best) continue;
+    if (ReadManifest(e.path().string()).ok()) best = k;
+  }
+  if (best < 0) {
+    return absl::NotFoundError(absl::StrCat(path, ": no committed checkpoint (no step-<k> with a MANIFEST)"));
+  }
+  return absl::StrCat(path, "/step-", best);
+}
+
+absl::Status ExportHf(const std::string& step_dir, const std::string& out_dir,
+                      SafetensorsDtype dtype) {
+  absl::StatusOr<CheckpointWeights> w = ReadCheckpointWeights(step_dir);
+  if (!w.ok()) return w.status();
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("creating ", out_dir, ": ", ec.message()));
+  std::vector<SafetensorsWriteTensor> tensors;
+  for (const CheckpointWeights::Tensor& t : w->tensors) {
+    tensors.push_back({t.name, t.shape, t.values.data()});
+  }
+  const std::map<std::string, std::string> meta = {
+      {"fsdp8_job", w->manifest.job_id()}, {"fsdp8_step", absl::StrCat(w->manifest.step())}};
+  if (absl::Status s = WriteSafetensors(absl::StrCat(out_dir, "/", kHfWeightsFile), tensors, dtype, meta);
+      !s.ok()) {
+    return s;
+  }
+  return WriteTextAtomically(absl::StrCat(out_dir, "/", kHfConfigFile),
+                          HfConfigJson(w->manifest.spec().model(), dtype) + "\n");
+}
+
+}  // namespace fsdp8
