@@ -13,13 +13,23 @@ PKGS=(
   zlib1g-dev                                                               # checkpoint checksums (CRC-32)
   libgtest-dev libgmock-dev                                                # tests
   fortunes                                                                 # the default corpus
+  python3-pip                                                              # test tools (below)
 )
+# Test tools from PyPI: the `safetensors` reader (and numpy) that checks `fsdp8 export` output.
+pip_tools() {
+  command -v python3 >/dev/null || return 0
+  python3 -c 'import safetensors, numpy' 2>/dev/null && return 0
+  echo "install-deps: pip install safetensors numpy"
+  python3 -m pip install --quiet --disable-pip-version-check safetensors numpy 2>/dev/null ||
+    python3 -m pip install --quiet --disable-pip-version-check --break-system-packages safetensors numpy
+}
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#PKGS[@]} packages present"
+  pip_tools
   exit 0
 fi
 echo "install-deps: installing ${missing[*]}"
@@ -27,3 +37,4 @@ export DEBIAN_FRONTEND=noninteractive
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+pip_tools

@@ -9,6 +9,7 @@
 #include "worker/checkpoint.h"
 #include "worker/gloo_communicator.h"
 #include "worker/grpc_kv_store.h"
+#include "worker/hf_import.h"
 #include "worker/trainer.h"
 #ifdef FSDP8_WITH_CUDA
 #include "worker/nccl/nccl_communicator.h"
@@ -322,6 +323,11 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
     if (!s.ok()) return fail(absl::StrCat("loading checkpoint: ", s.ToString()));
     Log(absl::StrCat("loaded checkpoint ", a.load_dir(), " (", a.load_world_size(),
                      " ranks), starting at step ", a.start_step()));
+  } else if (!a.spec().init().from_hf().empty()) {
+    // Collective too; a job resumed from a checkpoint never re-reads its initial weights.
+    absl::Status s = LoadHfWeights(job->trainer.get(), a.spec().init().from_hf());
+    if (!s.ok()) return fail(absl::StrCat("loading initial weights: ", s.ToString()));
+    Log(absl::StrCat("loaded initial weights from ", a.spec().init().from_hf()));
   }
   job_ = std::move(job);
   v1::WorkerMessage m;
