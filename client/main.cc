@@ -4,18 +4,22 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/client.h"
 #include "client/prepare.h"
+#include "common/hf_model.h"
 #include "common/spec.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -35,6 +39,9 @@ constexpr char kUsage[] =
     "  checkpoint JOB                                    save a checkpoint of a running job after its next step\n"
     "  checkpoints JOB                                   committed checkpoints of a job (step, world size, bytes, dir)\n"
     "  prepare --out DIR [--val_fraction 0.05] FILES...  text files -> byte-level token shards\n"
+    "  export JOB|CHECKPOINT_DIR --out DIR [--step N] [--dtype f32|bf16]\n"
+    "                                                    a committed checkpoint (default: the newest) as a\n"
+    "                                                    Hugging Face directory (config.json + model.safetensors)\n"
     "\n"
     "--coordinator defaults to $FSDP8_COORDINATOR, else localhost:50051.\n"
     "watch/submit exit 0 only when the job SUCCEEDED.\n";
@@ -55,7 +62,8 @@ int Usage(const std::string& error) {
 bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
   static const std::map<std::string, bool> kFlags = {  // name -> takes a value
       {"coordinator", true}, {"request_id", true}, {"out", true},   {"val_fraction", true},
-      {"no-watch", false},   {"no_watch", false},  {"json", false}, {"help", false}};
+      {"no-watch", false},   {"no_watch", false},  {"json", false}, {"help", false},
+      {"step", true},        {"dtype", true}};
   for (int i = 1; i < argc; ++i) {
     std::string s = argv[i];
     if (s == "--") {
@@ -116,6 +124,54 @@ int ReportError(const absl::Status& s) {
   fprintf(stderr, "error: %s: %s\n", absl::StatusCodeToString(s.code()).c_str(),
           std::string(s.message()).c_str());
   return 1;
+}
+
+// fsdp8 export JOB|CHECKPOINT_DIR --out DIR [--step N] [--dtype f32|bf16]. A local directory is
+// read directly; anything else is a job id whose checkpoints the coordinator lists (their
+// directories must be reachable from here).
+int Export(Args& a, const std::string& address) {
+  if (a.positional.size() != 1) return Usage("export: exactly one JOB or CHECKPOINT_DIR");
+  if (!a.flags.count("out") || a.flags["out"].empty()) return Usage("export: --out DIR is required");
+  std::optional<int64_t> step;
+  if (a.flags.count("step")) {
+    int64_t k = 0;
+    if (!absl::SimpleAtoi(a.flags["step"], &k) || k < 0) {
+      return Usage(absl::StrCat("--step: must be a step number >= 0 (got \"", a.flags["step"], "\")"));
+    }
+    step = k;
+  }
+  fsdp8::SafetensorsDtype dtype = fsdp8::SafetensorsDtype::kF32;
+  if (a.flags.count("dtype")) {
+    const std::string d = a.flags["dtype"];
+    if (d == "bf16" || d == "bfloat16") dtype = fsdp8::SafetensorsDtype::kBF16;
+    else if (d != "f32" && d != "fp32" && d != "float32")
+      return Usage(absl::StrCat("--dtype: must be f32 or bf16 (got \"", d, "\")"));
+  }
+  std::string src = a.positional[0];
+  std::error_code ec;
+  if (!std::filesystem::is_directory(src, ec)) {
+    auto client = fsdp8::Client::Connect(address);
+    if (!client.ok()) return ReportError(client.status());
+    auto cks = (*client)->ListCheckpoints(src);
+    if (!cks.ok()) return ReportError(cks.status());
+    const fsdp8::v1::CheckpointInfo* pick = nullptr;
+    for (const auto& ck : *cks) {
+      if (step ? ck.step() == *step : (!pick || ck.step() > pick->step())) pick = &ck;
+    }
+    if (!pick) {
+      return ReportError(absl::NotFoundError(
+          step ? absl::StrCat("job ", src, " has no committed checkpoint of step ", *step)
+               : absl::StrCat("job ", src, " has no committed checkpoint")));
+    }
+    src = pick->dir();
+  }
+  auto dir = fsdp8::ResolveCheckpointStepDir(src, step);
+  if (!dir.ok()) return ReportError(dir.status());
+  const std::string& out = a.flags["out"];
+  if (absl::Status s = fsdp8::ExportHf(*dir, out, dtype); !s.ok()) return ReportError(s);
+  printf("exported %s as %s: %s/%s, %s/%s\n", dir->c_str(), fsdp8::SafetensorsDtypeName(dtype),
+         out.c_str(), fsdp8::kHfConfigFile, out.c_str(), fsdp8::kHfWeightsFile);
+  return 0;
 }
 
 // Follows a job; returns the exit code (0 only for SUCCEEDED).
@@ -265,6 +321,9 @@ int main(int argc, char** argv) {
   if (a.flags.count("coordinator")) address = a.flags["coordinator"];
   else if (const char* env = std::getenv("FSDP8_COORDINATOR"); env && *env) address = env;
   else address = "localhost:50051";
+
+  if (a.command == "export") return Export(a, address);
+
   auto client = fsdp8::Client::Connect(address);
   if (!client.ok()) return ReportError(client.status());
   fsdp8::Client& c = **client;
