@@ -355,6 +355,9 @@ class JobRun {
         ev.set_peak_memory_bytes(std::max(ev.peak_memory_bytes(), res.peak_memory_bytes()));
         ev.set_all_gather_bytes(std::max(ev.all_gather_bytes(), res.all_gather_bytes()));
         ev.set_reduce_scatter_bytes(std::max(ev.reduce_scatter_bytes(), res.reduce_scatter_bytes()));
+        ev.set_forward_peak_bytes(std::max(ev.forward_peak_bytes(), res.forward_peak_bytes()));
+        ev.set_backward_peak_bytes(std::max(ev.backward_peak_bytes(), res.backward_peak_bytes()));
+        ev.set_optimizer_peak_bytes(std::max(ev.optimizer_peak_bytes(), res.optimizer_peak_bytes()));
       }
       for (const auto& res : results) {
         if (res.has_scaling()) {

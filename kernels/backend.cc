@@ -35,6 +35,33 @@ void Backend::AttentionForwardBf16(const float* q, const float* k, const float* 
   Free(v16);
 }
 
+void Backend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t* k16,
+                                         const uint16_t* v16, const uint16_t* out16,
+                                         const float* dout, const float* lse, int64_t B,
+                                         int64_t T, int64_t H, int64_t Hkv, int64_t D, float* dq,
+                                         float* dk, float* dv) {
+  const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
+  float* buf = static_cast<float*>(Alloc(static_cast<size_t>(2 * nq + 2 * nk) * sizeof(float)));
+  if (buf == nullptr) abort();
+  float *q = buf, *o = q + nq, *k = o + nq, *v = k + nk;
+  UnpackBf16(q16, q, nq);
+  UnpackBf16(out16, o, nq);
+  UnpackBf16(k16, k, nk);
+  UnpackBf16(v16, v, nk);
+  AttentionBackwardBf16(q, k, v, o, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
+  Free(buf);
+}
+
+void Backend::SwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
+                                 int64_t n, float* dgate, float* dup) {
+  float* buf = static_cast<float*>(Alloc(static_cast<size_t>(2 * n) * sizeof(float)));
+  if (buf == nullptr) abort();
+  UnpackBf16(gate16, buf, n);
+  UnpackBf16(up16, buf + n, n);
+  SwigluBackward(dh, buf, buf + n, n, dgate, dup);
+  Free(buf);
+}
+
 void Backend::AttentionBackwardBf16(const float* q, const float* k, const float* v,
                                     const float* out, const float* dout, const float* lse,
                                     int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,

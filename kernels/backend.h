@@ -150,11 +150,25 @@ class Backend {
                                      int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
                                      float* dq, float* dk, float* dv);
 
+  // The backward of AttentionForwardBf16 from activations saved as bfloat16 bit patterns:
+  // q16 (B, T, H, D), k16, v16 (B, T, Hkv, D) and out16 (B, T, H, D) hold exactly the bf16 values
+  // AttentionBackwardBf16 would round q, k, v and out to, so the result is the same; dout, lse,
+  // dq, dk, dv as there. The base implementation unpacks and calls AttentionBackwardBf16.
+  virtual void AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t* k16,
+                                          const uint16_t* v16, const uint16_t* out16,
+                                          const float* dout, const float* lse, int64_t B,
+                                          int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                          float* dq, float* dk, float* dv);
+
   // SwiGLU: h (N, F) = silu(gate) * up, silu(x) = x * sigmoid(x).
   virtual void SwigluForward(const float* gate, const float* up, int64_t n, float* h) = 0;
   // dgate, dup (n) overwritten from dh (n).
   virtual void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                               float* dgate, float* dup) = 0;
+  // As SwigluBackward with gate and up given as bfloat16 bit patterns (activations saved in bf16);
+  // the math is f32 on their exact values. The base implementation unpacks and calls it.
+  virtual void SwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
+                                  int64_t n, float* dgate, float* dup);
 
   // Softmax cross-entropy over V classes, fused with its gradient.
   // logits (N, V) f32 is overwritten with dlogits = (softmax - onehot(target)) * grad_scale;

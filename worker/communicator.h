@@ -75,6 +75,12 @@ class Communicator {
   // Call after the compute stream was synchronized; blocks until the recorded waits are over.
   virtual double ConsumeExposedSeconds() { return 0.0; }
 
+  // Returns once every collective called so far is known to have matched across ranks (C09):
+  // communicators that check asynchronously finish their outstanding checks here (the trainer
+  // calls it at the end of each step, so no step reports success over a mismatched collective).
+  // The error names the collective and the sizes; the communicator is then aborted.
+  virtual absl::Status Verify() { return absl::OkStatus(); }
+
   // Counters of AllGather / ReduceScatterSum / AllReduce calls that were accepted (CommBytes).
   const CommBytes& bytes() const { return bytes_; }
 

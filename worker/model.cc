@@ -1,5 +1,7 @@
 #include "worker/model.h"
 
+#include <algorithm>
+
 #include "worker/check.h"
 #include "absl/strings/str_cat.h"
 #include "common/spec.h"
@@ -15,6 +17,9 @@ struct LlamaModel::BlockActs {
   DevBuf h;             // (N, C) after the attention residual
   DevBuf n2, rstd2;     // (N, C), (N)
   DevBuf gate, up, act; // (N, F)
+  // bf16 copies kept instead of the f32 ones above: q, k, v (after RoPE) and att when attention
+  // is BF16 (exactly the values its backward uses); gate and up in FP8 blocks.
+  DevBuf q16, k16, v16, att16, gate16, up16;
   LinearSaved sq, sk, sv, so, sgate, sup, sdown;
 };
 
@@ -115,6 +120,18 @@ absl::Status LlamaModel::BlockForward(int l, int64_t B, DevBuf* x, BlockActs* a)
   }
   DevBuf o(be_, N * C_ * 4);
   b.lo.Forward(a->att.f32(), N, C_, C_, View(b.o), o.f32(), train ? &a->so : nullptr);
+  if (train && attention_bf16_) {  // keep the attention's bf16 operands only
+    auto pack = [&](DevBuf* f32, DevBuf* b16, int64_t n, bool keep_f32) {
+      *b16 = DevBuf(be_, n * 2);
+      be_->PackBf16(f32->f32(), b16->u16(), n);
+      if (!keep_f32) f32->Reset();
+    };
+    pack(&a->q, &a->q16, N * H_ * D_, false);
+    pack(&a->k, &a->k16, N * Hkv_ * D_, false);
+    pack(&a->v, &a->v16, N * Hkv_ * D_, false);
+    // A non-FP8 o_proj keeps a pointer to its f32 input for its weight gradient.
+    pack(&a->att, &a->att16, N * C_, keep_f32_inputs);
+  }
   a->h = DevBuf(be_, N * C_ * 4);
   be_->Add(a->x_in.f32(), o.f32(), a->h.f32(), N * C_);
   o.Reset();
@@ -128,6 +145,16 @@ absl::Status LlamaModel::BlockForward(int l, int64_t B, DevBuf* x, BlockActs* a)
   if (!keep_f32_inputs || !train) a->n2.Reset();
   a->act = DevBuf(be_, N * F_ * 4);
   be_->SwigluForward(a->gate.f32(), a->up.f32(), N * F_, a->act.f32());
+  if (train && !keep_f32_inputs) {
+    // FP8 blocks keep the SwiGLU inputs in bf16 for the backward: 8 significant bits where the
+    // GEMM that made them multiplied 4-bit E4M3 operands; half the memory of f32.
+    a->gate16 = DevBuf(be_, N * F_ * 2);
+    a->up16 = DevBuf(be_, N * F_ * 2);
+    be_->PackBf16(a->gate.f32(), a->gate16.u16(), N * F_);
+    be_->PackBf16(a->up.f32(), a->up16.u16(), N * F_);
+    a->gate.Reset();
+    a->up.Reset();
+  }
   DevBuf mlp(be_, N * C_ * 4);
   b.ldown.Forward(a->act.f32(), N, F_, C_, View(b.down), mlp.f32(), train ? &a->sdown : nullptr);
   if (!keep_f32_inputs || !train) a->act.Reset();
@@ -147,10 +174,17 @@ void LlamaModel::BlockBackward(int l, int64_t B, BlockActs* a, DevBuf* dout) {
   a->sdown = LinearSaved();
   a->act.Reset();
   DevBuf dgate(be_, N * F_ * 4), dup(be_, N * F_ * 4);
-  be_->SwigluBackward(dact.f32(), a->gate.f32(), a->up.f32(), N * F_, dgate.f32(), dup.f32());
+  if (!a->gate16.empty()) {
+    be_->SwigluBackwardBf16(dact.f32(), a->gate16.u16(), a->up16.u16(), N * F_, dgate.f32(),
+                            dup.f32());
+  } else {
+    be_->SwigluBackward(dact.f32(), a->gate.f32(), a->up.f32(), N * F_, dgate.f32(), dup.f32());
+  }
   dact.Reset();
   a->gate.Reset();
   a->up.Reset();
+  a->gate16.Reset();
+  a->up16.Reset();
   DevBuf dn2(be_, N * C_ * 4);
   b.lgate.Backward(dgate.f32(), N, C_, F_, View(b.gate), a->sgate, dn2.f32(), false,
                    p_->G(b.gate));
@@ -172,8 +206,9 @@ void LlamaModel::BlockBackward(int l, int64_t B, BlockActs* a, DevBuf* dout) {
   a->so = LinearSaved();
   DevBuf dq(be_, N * H_ * D_ * 4), dk(be_, N * Hkv_ * D_ * 4), dv(be_, N * Hkv_ * D_ * 4);
   if (attention_bf16_) {
-    be_->AttentionBackwardBf16(a->q.f32(), a->k.f32(), a->v.f32(), a->att.f32(), datt.f32(),
-                               a->lse.f32(), B, T_, H_, Hkv_, D_, dq.f32(), dk.f32(), dv.f32());
+    be_->AttentionBackwardBf16Saved(a->q16.u16(), a->k16.u16(), a->v16.u16(), a->att16.u16(),
+                                    datt.f32(), a->lse.f32(), B, T_, H_, Hkv_, D_, dq.f32(),
+                                    dk.f32(), dv.f32());
   } else {
     be_->AttentionBackward(a->q.f32(), a->k.f32(), a->v.f32(), a->att.f32(), datt.f32(),
                            a->lse.f32(), B, T_, H_, Hkv_, D_, dq.f32(), dk.f32(), dv.f32());
@@ -238,6 +273,8 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
     p_->Release(head_unit_);
     return absl::OkStatus();
   }
+  forward_peak_ = std::max(forward_peak_, be_->PeakAllocatedBytes());
+  be_->ResetPeak();
   p_->BeginGrads(head_unit_);
   DevBuf dnf(be_, N * C_ * 4);
   lhead_.Backward(logits.f32(), N, C_, V_, View(head_), sh, dnf.f32(), false, p_->G(head_));
@@ -274,6 +311,8 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
   be_->EmbeddingBackward(tokens, N, dx.f32(), C_, p_->G(embed_));
   if (absl::Status s = p_->ReduceGrads(embedding_unit_); !s.ok()) return s;
   p_->FlushGrads();
+  backward_peak_ = std::max(backward_peak_, be_->PeakAllocatedBytes());
+  be_->ResetPeak();
   return absl::OkStatus();
 }
 

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -37,6 +38,15 @@ class LlamaModel {
   absl::Status Run(const int32_t* tokens, const int32_t* targets, int64_t B, float grad_scale,
                    float* losses, bool backward);
 
+  // Peak device bytes of the forward (embedding through the loss) and of the backward, the
+  // maximum over the Run calls since the last call (which resets them). Run resets the backend's
+  // peak counter at the phase boundary.
+  std::pair<int64_t, int64_t> TakePhasePeaks() {
+    auto r = std::make_pair(forward_peak_, backward_peak_);
+    forward_peak_ = backward_peak_ = 0;
+    return r;
+  }
+
  private:
   struct Block {
     v1::Precision prec;
@@ -54,6 +64,7 @@ class LlamaModel {
   float eps_, theta_;
   bool attention_bf16_ = false;  // precision.attention == BF16
   bool recompute_ = false;       // training.activation_recompute
+  int64_t forward_peak_ = 0, backward_peak_ = 0;
   TensorRef embed_, final_norm_, head_;
   Linear lhead_;
   std::vector<Block> blocks_;

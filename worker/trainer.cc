@@ -184,6 +184,9 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
   if (!loss_sum.ok()) return loss_sum.status();
   // RunBatch ended with a device synchronisation (the losses' copy to the host).
   const double t_fb = CommClock::Now();
+  const auto [fwd_peak, bwd_peak] = model_->TakePhasePeaks();
+  const int64_t fb_tail_peak = be_->PeakAllocatedBytes();  // after the last phase boundary
+  be_->ResetPeak();
   const double fb_comm = clock_.seconds + comm_->ConsumeExposedSeconds();
   const CommBytes bytes1 = comm_->bytes();
   // Step 5: one fused amax all-reduce; identical delayed-scaling updates on every rank.
@@ -201,7 +204,9 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
                  static_cast<float>(o.weight_decay()), step + 1, static_cast<float>(clip));
   if (absl::Status s = params_->CastWeights(); !s.ok()) return s;
   be_->Synchronize();
+  if (absl::Status s = comm_->Verify(); !s.ok()) return s;
   const double t_opt = CommClock::Now();
+  const int64_t opt_peak = be_->PeakAllocatedBytes();
   comm_->ConsumeExposedSeconds();
   last_step_ = step;
 
@@ -224,7 +229,10 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
   r.set_optimizer_seconds(t_opt - t_fb);
   r.set_all_gather_bytes(bytes1.all_gather - bytes0.all_gather);
   r.set_reduce_scatter_bytes(bytes1.reduce_scatter - bytes0.reduce_scatter);
-  r.set_peak_memory_bytes(be_->PeakAllocatedBytes());
+  r.set_forward_peak_bytes(fwd_peak);
+  r.set_backward_peak_bytes(std::max(bwd_peak, fb_tail_peak));
+  r.set_optimizer_peak_bytes(opt_peak);
+  r.set_peak_memory_bytes(std::max({fwd_peak, bwd_peak, fb_tail_peak, opt_peak}));
   if (report_scaling) *r.mutable_scaling() = ScalingReport();
   return r;
 }

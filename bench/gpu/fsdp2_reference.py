@@ -52,7 +52,7 @@ E5M2_MAX = torch.finfo(torch.float8_e5m2).max
 def _to_fp8(t, dtype, fmax):
     amax = t.abs().max().float().clamp(min=1e-12)
     scale = fmax / amax
-    q = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
+    q = (t.float() * scale).clamp(-fmax, fmax).to(dtype).contiguous()
     return q, scale.reciprocal()
 
 
@@ -143,7 +143,7 @@ class Llama(nn.Module):
         for blk in self.blocks:
             x = blk(x, self.cos, self.sin)
         logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def main():

@@ -96,6 +96,8 @@ print(json.dumps(dict(
     system="fsdp8", preset=preset, mode=mode, step_s_median=med("step_seconds"),
     compute_s=med("compute_seconds"), comm_s=med("comm_seconds"), optimizer_s=med("optimizer_seconds"),
     peak_mem_bytes=max(int(e.get("peak_memory_bytes", 0)) for e in steps),
+    phase_peaks={k: max(int(e.get(k + "_peak_bytes", 0)) for e in steps)
+                 for k in ("forward", "backward", "optimizer")},
     allgather_bytes_per_step=int(med("all_gather_bytes")),
     reduce_scatter_bytes_per_step=int(med("reduce_scatter_bytes")),
     final_loss=float(steps[-1]["loss"]), steps=len(steps))))

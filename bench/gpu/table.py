@@ -69,6 +69,11 @@ def main():
             print(f"| {key} | {t:,.0f} | {t * fpt / 1e12:.0f} | {vb:.3f} | {vf:.3f} | "
                   f"{r['peak_mem_bytes'] / GiB:.1f} | {r['allgather_bytes_per_step'] / 1e9:.2f} | "
                   f"{r['reduce_scatter_bytes_per_step'] / 1e9:.2f} | {1e3 * r['step_s_median']:.1f} {split}|")
+        for r in rs:
+            if r.get("system") == "fsdp8" and "error" not in r and r.get("phase_peaks"):
+                pk = r["phase_peaks"]
+                print(f"\nfsdp8 {r['mode']}: peak memory per phase (GiB): forward {pk['forward'] / GiB:.1f}, "
+                      f"backward {pk['backward'] / GiB:.1f}, optimizer {pk['optimizer'] / GiB:.1f}")
         # FP8 on the wire: all-gather bytes per block-linear parameter per gather. Blocks are
         # gathered twice a step (forward, backward); embedding and head (bf16) once.
         bl, _ = shapes(p)

@@ -452,6 +452,45 @@ void CudaBackend::AttentionBackwardBf16(const float* q, const float* k, const fl
   Backend::AttentionBackwardBf16(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
 }
 
+void CudaBackend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t* k16,
+                                             const uint16_t* v16, const uint16_t* out16,
+                                             const float* dout, const float* lse, int64_t B,
+                                             int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                             float* dq, float* dk, float* dv) {
+#ifdef FSDP8_WITH_CUDNN
+  if (!cudnn_failed_ && D % 8 == 0 && D <= 128) {
+    Bind();
+    const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
+    // do, dq (nq) and dk, dv (nk) in bf16.
+    auto* buf = static_cast<uint16_t*>(Alloc((2 * nq + 2 * nk) * 2));
+    FSDP8_CUDA_REQUIRE(buf != nullptr, "device out of memory in AttentionBackwardBf16Saved");
+    uint16_t *do16 = buf, *dq16 = do16 + nq, *dk16 = dq16 + nq, *dv16 = dk16 + nk;
+    PackBf16(dout, do16, nq);
+    std::string err;
+    const bool ok = cudnn_->Backward(q16, k16, v16, out16, do16, lse, dq16, dk16, dv16, B, T, H,
+                                     Hkv, D, stream_, &err);
+    if (ok) {
+      UnpackBf16(dq16, dq, nq);
+      UnpackBf16(dk16, dk, nk);
+      UnpackBf16(dv16, dv, nk);
+    }
+    Free(buf);
+    if (ok) return;
+    fprintf(stderr, "fsdp8: cuDNN attention refused (%s); using the reference BF16 attention\n",
+            err.c_str());
+    cudnn_failed_ = true;
+  }
+#endif
+  Backend::AttentionBackwardBf16Saved(q16, k16, v16, out16, dout, lse, B, T, H, Hkv, D, dq, dk,
+                                      dv);
+}
+
+void CudaBackend::SwigluBackwardBf16(const float* dh, const uint16_t* gate16,
+                                     const uint16_t* up16, int64_t n, float* dgate, float* dup) {
+  Bind();
+  cuda::LaunchSwigluBackwardBf16(dh, gate16, up16, n, dgate, dup, stream_);
+}
+
 void CudaBackend::SwigluForward(const float* gate, const float* up, int64_t n, float* h) {
   Bind();
   cuda::LaunchSwigluForward(gate, up, n, h, stream_);

@@ -127,6 +127,13 @@ class CudaBackend final : public Backend {
                              const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
                              int64_t Hkv, int64_t D, float* dq, float* dk, float* dv) override;
 
+  void AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t* k16, const uint16_t* v16,
+                                  const uint16_t* out16, const float* dout, const float* lse,
+                                  int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                  float* dq, float* dk, float* dv) override;
+  void SwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uint16_t* up16, int64_t n,
+                          float* dgate, float* dup) override;
+
   void SwigluForward(const float* gate, const float* up, int64_t n, float* h) override;
   void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                       float* dgate, float* dup) override;

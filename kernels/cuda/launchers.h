@@ -68,6 +68,8 @@ void LaunchRopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, const
 // ---- swiglu.cu -------------------------------------------------------------------------------
 void LaunchSwigluForward(const float* gate, const float* up, int64_t n, float* h,
                          cudaStream_t stream);
+void LaunchSwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
+                              int64_t n, float* dgate, float* dup, cudaStream_t stream);
 void LaunchSwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                           float* dgate, float* dup, cudaStream_t stream);
 

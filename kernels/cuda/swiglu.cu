@@ -18,15 +18,22 @@ __global__ void SwigluForwardKernel(const float* __restrict__ gate, const float*
   }
 }
 
+// f32 values of f32 or bfloat16 (bit pattern) storage.
+__device__ __forceinline__ float Load(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float Load(const uint16_t* p, int64_t i) {
+  return __uint_as_float(static_cast<uint32_t>(p[i]) << 16);
+}
+
 // dgate = dh * up * s * (1 + g * (1 - s)), dup = dh * g * s, s = sigmoid(g).
-__global__ void SwigluBackwardKernel(const float* __restrict__ dh, const float* __restrict__ gate,
-                                     const float* __restrict__ up, int64_t n,
+template <typename In>
+__global__ void SwigluBackwardKernel(const float* __restrict__ dh, const In* __restrict__ gate,
+                                     const In* __restrict__ up, int64_t n,
                                      float* __restrict__ dgate, float* __restrict__ dup) {
   FSDP8_GRID_STRIDE(i, n) {
-    const float g = gate[i];
+    const float g = Load(gate, i);
     const float s = 1.0f / (1.0f + expf(-g));
     const float d = dh[i];
-    dgate[i] = d * up[i] * s * (1.0f + g * (1.0f - s));
+    dgate[i] = d * Load(up, i) * s * (1.0f + g * (1.0f - s));
     dup[i] = d * g * s;
   }
 }
@@ -42,7 +49,15 @@ void LaunchSwigluForward(const float* gate, const float* up, int64_t n, float* h
 void LaunchSwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                           float* dgate, float* dup, cudaStream_t stream) {
   if (n <= 0) return;
-  SwigluBackwardKernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(dh, gate, up, n, dgate, dup);
+  SwigluBackwardKernel<float><<<EltBlocks(n), kEltThreads, 0, stream>>>(dh, gate, up, n, dgate, dup);
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+void LaunchSwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
+                              int64_t n, float* dgate, float* dup, cudaStream_t stream) {
+  if (n <= 0) return;
+  SwigluBackwardKernel<uint16_t>
+      <<<EltBlocks(n), kEltThreads, 0, stream>>>(dh, gate16, up16, n, dgate, dup);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 

@@ -522,6 +522,19 @@ TEST_P(Conformance, Elementwise) {
       r.F32(&o, "dup", du, n);
       return o;
     });
+    Check("SwigluBackwardBf16/" + std::to_string(n), kEltTol, [&](DevRun& r) {
+      Outputs o;
+      uint16_t* g16 = r.Out<uint16_t>(n);
+      uint16_t* u16 = r.Out<uint16_t>(n);
+      r.b()->PackBf16(r.In(g), g16, n);
+      r.b()->PackBf16(r.In(u), u16, n);
+      float* dg = r.Out<float>(n);
+      float* du = r.Out<float>(n);
+      r.b()->SwigluBackwardBf16(r.In(dh), g16, u16, n, dg, du);
+      r.F32(&o, "dgate", dg, n);
+      r.F32(&o, "dup", du, n);
+      return o;
+    });
   }
 }
 
@@ -679,6 +692,33 @@ TEST_P(Conformance, AttentionBf16) {
       float* dv = r.Out<float>(nk);
       r.b()->AttentionBackwardBf16(qd, kd, vd, out, r.In(dout), lse, s.B, s.T, s.H, s.Hkv, s.D, dq, dk,
                                    dv);
+      r.F32(&o, "dq", dq, nq);
+      r.F32(&o, "dk", dk, nk);
+      r.F32(&o, "dv", dv, nk);
+      return o;
+    });
+    // From the bf16 activations the model saves (exactly the values the backward rounds to).
+    Check("AttentionBackwardBf16Saved/" + shape, 8 * ub, [&](DevRun& r) {
+      Outputs o;
+      const float* qd = r.In(q);
+      const float* kd = r.In(k);
+      const float* vd = r.In(v);
+      float* out = r.Out<float>(nq);
+      float* lse = r.Out<float>(s.B * s.H * s.T);
+      r.b()->AttentionForwardBf16(qd, kd, vd, s.B, s.T, s.H, s.Hkv, s.D, out, lse);
+      uint16_t* q16 = r.Out<uint16_t>(nq);
+      uint16_t* o16 = r.Out<uint16_t>(nq);
+      uint16_t* k16 = r.Out<uint16_t>(nk);
+      uint16_t* v16 = r.Out<uint16_t>(nk);
+      r.b()->PackBf16(qd, q16, nq);
+      r.b()->PackBf16(out, o16, nq);
+      r.b()->PackBf16(kd, k16, nk);
+      r.b()->PackBf16(vd, v16, nk);
+      float* dq = r.Out<float>(nq);
+      float* dk = r.Out<float>(nk);
+      float* dv = r.Out<float>(nk);
+      r.b()->AttentionBackwardBf16Saved(q16, k16, v16, o16, r.In(dout), lse, s.B, s.T, s.H, s.Hkv, s.D,
+                                        dq, dk, dv);
       r.F32(&o, "dq", dq, nq);
       r.F32(&o, "dk", dk, nk);
       r.F32(&o, "dv", dv, nk);

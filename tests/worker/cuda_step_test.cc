@@ -358,4 +358,61 @@ TEST(CudaStep, ComparisonCatchesAWrongUpdate) {
 }
 
 }  // namespace
+// C09 on NCCL with the deferred header check (the default): two ranks on GPUs 0 and 1 as threads;
+// after a correct all-gather (values checked), rank 0 gathers 64 bytes per rank and rank 1 128.
+// Neither may hang: both must fail within the timeout with a message naming the size mismatch and
+// both sizes.
+TEST(NcclCommunicator, C09_MismatchedAllGatherFailsOnEveryRankWithBothSizes) {
+#if defined(FSDP8_WITH_CUDA)
+  std::string err;
+  {
+    std::unique_ptr<Backend> probe = CreateBackend("cuda", 1, &err);
+    if (probe == nullptr) GTEST_SKIP() << "needs 2 GPUs: " << err;
+  }
+  testing::MemKvStore kv;
+  std::vector<std::string> errors(2);
+  std::vector<std::vector<uint8_t>> first(2);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      std::string e;
+      std::unique_ptr<Backend> be = CreateBackend("cuda", r, &e);
+      ASSERT_NE(be, nullptr) << e;
+      auto comm = CreateNcclCommunicator(r, 2, &kv, "c09/", be.get(), std::chrono::seconds(10));
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      void* send = be->Alloc(128);
+      void* recv = be->Alloc(256);
+      be->Memset(send, r + 1, 128);
+      absl::Status s = (*comm)->AllGather(send, recv, 16);
+      ASSERT_TRUE(s.ok()) << s;
+      first[r].resize(32);
+      be->CopyToHost(first[r].data(), recv, 32);
+      s = (*comm)->AllGather(send, recv, r == 0 ? 64 : 128);
+      // The mismatch is found by this call (sync mode), the watchdog, or Verify() at the latest
+      // (what the trainer calls at the end of every step); later collectives fail too.
+      if (s.ok()) s = (*comm)->Verify();
+      errors[r] = s.ToString();
+      absl::Status after = (*comm)->AllGather(send, recv, 16);
+      EXPECT_FALSE(after.ok()) << "rank " << r << ": a collective after a detected mismatch succeeded";
+      be->Free(send);
+      be->Free(recv);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("nccl C09: rank 0: %s\nnccl C09: rank 1: %s\n(%.2f s)\n", errors[0].c_str(),
+              errors[1].c_str(), secs);
+  for (int r = 0; r < 2; ++r) {
+    for (int i = 0; i < 32; ++i) EXPECT_EQ(first[r][i], i < 16 ? 1 : 2) << "rank " << r << " byte " << i;
+    EXPECT_NE(errors[r].find("size mismatch"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("64"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("128"), std::string::npos) << errors[r];
+  }
+  EXPECT_LT(secs, 10.0);
+#else
+  GTEST_SKIP() << "built without CUDA (configure with -DFSDP8_CUDA=ON)";
+#endif
+}
+
 }  // namespace fsdp8
