@@ -85,6 +85,7 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   v1::CheckpointSpec* c = s.mutable_checkpoint();
   if (!c->has_every_steps()) c->set_every_steps(0);
   if (!c->has_keep_last()) c->set_keep_last(3);
+  if (!c->has_max_failed_saves()) c->set_max_failed_saves(3);
   if (!s.has_max_restarts()) s.set_max_restarts(c->dir().empty() ? 0 : 3);
 
   if (s.backend().empty()) s.set_backend("cpu");
@@ -171,6 +172,10 @@ absl::Status CheckCheckpointSpec(const v1::CheckpointSpec& c,
                                  const std::vector<std::string>& roots) {
   if (c.every_steps() < 0) {
     return Bad("checkpoint.every_steps", "must be >= 0", absl::StrCat("got ", c.every_steps()));
+  }
+  if (c.max_failed_saves() < 1) {
+    return Bad("checkpoint.max_failed_saves", "must be >= 1",
+               absl::StrCat("got ", c.max_failed_saves()));
   }
   if (c.keep_last() < 1) {
     return Bad("checkpoint.keep_last", "must be >= 1", absl::StrCat("got ", c.keep_last()));

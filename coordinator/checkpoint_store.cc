@@ -295,4 +295,13 @@ absl::Status CheckpointStore::CheckResumeCompatible(const v1::JobSpec& job_in,
   return differ(job.precision(), saved.precision(), "precision");
 }
 
+absl::Status CheckpointStore::Abandon(int64_t step) const {
+  const std::string dir = StepDir(step);
+  std::error_code ec;
+  if (fs::exists(fs::path(dir) / kManifestName, ec)) return absl::OkStatus();
+  fs::remove_all(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("remove ", dir, ": ", ec.message()));
+  return absl::OkStatus();
+}
+
 }  // namespace fsdp8::coord

@@ -59,6 +59,10 @@ class CheckpointStore {
   // (INVALID_ARGUMENT otherwise); format_version is set to kFormatVersion when 0.
   absl::Status Commit(v1::CheckpointManifest manifest) const;
 
+  // Removes <root>/step-<k> after a failed save, unless it is committed (then nothing is touched:
+  // a committed checkpoint is never deleted by a failed save). OK when it does not exist.
+  absl::Status Abandon(int64_t step) const;
+
   // Committed checkpoints, ascending by step. A missing root is an empty list.
   absl::StatusOr<std::vector<CommittedCheckpoint>> List() const;
   // The newest committed checkpoint; nullopt when there is none.

@@ -63,13 +63,32 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
     v1::JobState s = r.job.state();
     if (s == v1::JOB_STATE_STARTING || s == v1::JOB_STATE_RUNNING ||
         s == v1::JOB_STATE_RECOVERING) {
-      r.job.set_state(v1::JOB_STATE_FAILED);
-      r.job.set_reason("coordinator restarted");
-      r.job.set_end_time(NowSeconds());
+      // The generation that was running died with the old coordinator (its workers abort when
+      // their session ends). Like any failed generation, a job with checkpoints and restarts left
+      // continues from its latest committed checkpoint; a RECOVERING one was already counted.
+      const v1::JobSpec d = WithDefaults(r.job.spec(), 0);
+      const bool counted = s == v1::JOB_STATE_RECOVERING;
+      const bool recover = !d.checkpoint().dir().empty() &&
+                           (counted || r.job.restarts() < d.max_restarts());
       v1::JobEvent ev;
-      ev.set_message("coordinator restarted");
       ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
       ev.set_step(r.job.step());
+      ev.set_tokens(r.job.tokens());
+      if (recover) {
+        if (!counted) r.job.set_restarts(r.job.restarts() + 1);
+        r.job.set_state(v1::JOB_STATE_RECOVERING);
+        r.job.set_reason(absl::StrCat("recovering from a coordinator restart (restart ",
+                                      r.job.restarts(), " of ", d.max_restarts(), ")"));
+        r.job.clear_worker_ids();
+      } else {
+        r.job.set_state(v1::JOB_STATE_FAILED);
+        r.job.set_reason(d.checkpoint().dir().empty()
+                             ? "coordinator restarted (no checkpoint.dir to resume from)"
+                             : absl::StrCat("coordinator restarted (max_restarts ",
+                                            d.max_restarts(), " reached)"));
+        r.job.set_end_time(NowSeconds());
+      }
+      ev.set_message(r.job.reason());
       jm->PublishLocked(&r, ev);
     } else if (IsTerminalState(s) && r.last_seq > 0) {
       // The final event, rebuilt from the row so a late watcher still learns the outcome.
@@ -156,8 +175,14 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
   for (int n : {mn, mx}) {
     if (n < 1) continue;  // ValidateSpec reported it above
     if (absl::Status s = ValidateSpec(WithDefaults(spec, n), n, options_.data_roots, false);
-        !s.ok())
-      return s;
+        !s.ok()) {
+      if (mn == mx) return s;
+      // The job may run (and, after a failure, shrink) to any world size in [min, max].
+      return absl::Status(s.code(),
+                          absl::StrCat(s.message(), " at world size ", n, " (sharding.",
+                                       n == mn ? "min_workers" : "max_workers",
+                                       "; the global batch is the same at every world size)"));
+    }
   }
   const std::string& resume = d.checkpoint().resume_from();
   if (options_.check_files && !resume.empty() && resume != "latest") {

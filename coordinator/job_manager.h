@@ -11,8 +11,11 @@
 // after a given seq and then blocks for new ones until the job ends. The final event of a job
 // carries its terminal state.
 //
-// Restart: Open() loads every job; those that were STARTING or RUNNING become FAILED with reason
-// "coordinator restarted"; PENDING jobs stay pending.
+// Restart: Open() loads every job. Those that were STARTING, RUNNING or RECOVERING become
+// RECOVERING ("recovering from a coordinator restart (restart n of max)", counted in Job.restarts
+// unless already RECOVERING) when they have a checkpoint.dir and restarts left, so the scheduler
+// resumes them from their latest committed checkpoint; otherwise FAILED ("coordinator restarted
+// (...)"). PENDING jobs stay pending; request ids are remembered.
 //
 // Thread-safety: every method is safe to call from several threads. Listeners are called without
 // the internal lock held.

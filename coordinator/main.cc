@@ -19,6 +19,7 @@ ABSL_FLAG(std::string, state_db, "./fsdp8-coordinator.db",
 ABSL_FLAG(std::string, data_roots, "",
           "comma-separated directories that job data paths must lie under; empty: no restriction");
 ABSL_FLAG(double, heartbeat_timeout_s, 5, "a worker is dead after this long without a heartbeat");
+ABSL_FLAG(int32_t, heartbeat_interval_ms, 1000, "how often workers are told to heartbeat");
 ABSL_FLAG(double, step_timeout_s, 300, "deadline for every rank's result of one step");
 ABSL_FLAG(double, start_timeout_s, 120, "deadline for every rank's Ready after an assignment");
 ABSL_FLAG(int32_t, collective_timeout_ms, 30000, "collective timeout told to the workers");
@@ -51,11 +52,18 @@ int main(int argc, char** argv) {
     o.jobs.data_roots.emplace_back(r);
   o.workers.version = FSDP8_VERSION;
   o.workers.heartbeat_timeout = Ms(absl::GetFlag(FLAGS_heartbeat_timeout_s));
+  o.workers.heartbeat_interval_ms = absl::GetFlag(FLAGS_heartbeat_interval_ms);
   o.scheduler.step_timeout = Ms(absl::GetFlag(FLAGS_step_timeout_s));
   o.scheduler.start_timeout = Ms(absl::GetFlag(FLAGS_start_timeout_s));
   o.scheduler.collective_timeout_ms = absl::GetFlag(FLAGS_collective_timeout_ms);
   o.scheduler.abort_grace = Ms(absl::GetFlag(FLAGS_abort_grace_s));
 
+  if (o.workers.heartbeat_interval_ms < 1 ||
+      std::chrono::milliseconds(o.workers.heartbeat_interval_ms) >= o.workers.heartbeat_timeout) {
+    fprintf(stderr, "fsdp8-coordinator: --heartbeat_interval_ms must be >= 1 and below "
+                    "--heartbeat_timeout_s\n");
+    return 1;
+  }
   auto server = fsdp8::coord::CoordinatorServer::Start(o);
   if (!server.ok()) {
     fprintf(stderr, "fsdp8-coordinator: %s\n", server.status().ToString().c_str());

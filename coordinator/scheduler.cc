@@ -178,18 +178,27 @@ class JobRun {
   // Saves a checkpoint after `step` completed steps: SaveCheckpoint{step, dir} to every rank, every
   // rank's CheckpointSaved (deadline: step_timeout), then the MANIFEST (only now is it committed),
   // retention, and the event "checkpoint step-<k> committed".
-  // A failed save fails the job for now (the error names the checkpoint and the rank). Keeping the
-  // job running and retrying at the next interval, on top of the last committed checkpoint, is a
-  // later improvement.
-  absl::Status SaveCheckpoint(const v1::JobSpec& spec, int64_t step, int64_t tokens) {
+  // *storage_failure is set when the save failed for lack of storage: a rank reported that it
+  // could not write its shard, or the files or the MANIFEST could not be committed. Every rank has
+  // answered by then and its training state is intact, the partial step directory is removed, and
+  // nothing committed was touched, so the job can go on. Other errors (a rank lost, a timeout, a
+  // protocol violation) end the generation.
+  absl::Status SaveCheckpoint(const v1::JobSpec& spec, int64_t step, int64_t tokens,
+                              bool* storage_failure) {
+    *storage_failure = false;
     const std::string& id = job_.job_id();
     const std::string what = absl::StrCat("checkpoint step-", step);
     auto with_context = [&](const absl::Status& s) {
       return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
     };
     const CheckpointStore store(spec.checkpoint().dir());
+    auto storage = [&](const absl::Status& s) {
+      *storage_failure = true;
+      store.Abandon(step).IgnoreError();  // best effort; Retain removes leftovers later
+      return with_context(s);
+    };
     auto dir = store.Prepare(step);
-    if (!dir.ok()) return with_context(dir.status());
+    if (!dir.ok()) return storage(dir.status());
     v1::CoordinatorMessage m;
     m.mutable_save()->set_step(step);
     m.mutable_save()->set_dir(*dir);
@@ -208,6 +217,10 @@ class JobRun {
                              return true;
                            });
     if (!s.ok()) return with_context(s);
+    std::vector<std::string> errors;
+    for (int r = 0; r < n; ++r)
+      if (!saved[r].error().empty()) errors.push_back(absl::StrCat(RankName(r), ": ", saved[r].error()));
+    if (!errors.empty()) return storage(absl::ResourceExhaustedError(absl::StrJoin(errors, "; ")));
     v1::CheckpointManifest manifest;
     manifest.set_format_version(CheckpointStore::kFormatVersion);
     manifest.set_job_id(id);
@@ -230,14 +243,9 @@ class JobRun {
       f->set_crc32(saved[r].crc32());
     }
     // Never commit what a later load would refuse.
-    if (absl::Status v = CheckpointStore::VerifyFiles(*dir, manifest); !v.ok()) {
-      abort_failed_rank_ = true;
-      return with_context(absl::InternalError(v.message()));
-    }
-    if (absl::Status c = store.Commit(manifest); !c.ok()) {
-      abort_failed_rank_ = true;
-      return with_context(c);
-    }
+    if (absl::Status v = CheckpointStore::VerifyFiles(*dir, manifest); !v.ok())
+      return storage(absl::DataLossError(v.message()));
+    if (absl::Status c = store.Commit(manifest); !c.ok()) return storage(c);
     auto removed = store.Retain(spec.checkpoint().keep_last());
     std::string note;
     if (!removed.ok()) note = absl::StrCat(" (retention failed: ", removed.status().message(), ")");
@@ -258,10 +266,13 @@ class JobRun {
     if (resume) {
       start_step = resume->step;
       tokens_total = resume->manifest.tokens();
+      const int saved_by = resume->manifest.world_size();
       if (!jobs_->MarkResumed(id, start_step, tokens_total,
                               absl::StrCat("resuming from ", resume->dir, " (step ", start_step,
-                                           ", saved by ", resume->manifest.world_size(),
-                                           " ranks)"))
+                                           ", saved by ", saved_by, " ranks)",
+                                           saved_by == n ? ""
+                                                         : absl::StrCat(", resharded to ", n,
+                                                                        " ranks")))
                .ok())
         return absl::CancelledError("job ended");
     } else if (job_.restarts() > 0) {
@@ -303,6 +314,7 @@ class JobRun {
     const int eval_every = spec.training().eval_every();
     const v1::CheckpointSpec& ckpt = spec.checkpoint();
     Clock::time_point last_result = Clock::now();
+    int failed_saves = 0;  // consecutive
     for (int64_t k = start_step; k < steps; ++k) {
       const bool last = k == steps - 1;
       v1::CoordinatorMessage m;
@@ -374,12 +386,33 @@ class JobRun {
       if (!ckpt.dir().empty() && (!spec.training().free_running() || completed == steps) &&
           (requested || completed == steps ||
            (ckpt.every_steps() > 0 && completed % ckpt.every_steps() == 0))) {
-        s = SaveCheckpoint(spec, completed, tokens_total);
-        if (!s.ok()) {
-          // A rank lost during the save is a failed generation; a save that a rank refuses, that
-          // times out or that cannot be committed is a storage problem a restart would repeat.
-          if (!absl::IsUnavailable(s)) recoverable_ = false;
-          return s;
+        // The last step has no next interval: its save is retried at once.
+        for (;;) {
+          bool storage_failure = false;
+          s = SaveCheckpoint(spec, completed, tokens_total, &storage_failure);
+          if (s.ok()) {
+            failed_saves = 0;
+            break;
+          }
+          if (!storage_failure) {
+            // A rank lost during the save is a failed generation; a save that times out or that
+            // a rank answers wrongly is not restarted (a restart would repeat it).
+            if (!absl::IsUnavailable(s)) recoverable_ = false;
+            return s;
+          }
+          ++failed_saves;
+          if (failed_saves >= ckpt.max_failed_saves()) {
+            recoverable_ = false;
+            return absl::ResourceExhaustedError(absl::StrCat(
+                failed_saves, " consecutive checkpoint saves failed (checkpoint.max_failed_saves ",
+                ckpt.max_failed_saves(), "); last: ", s.message()));
+          }
+          if (!jobs_->PublishMessage(id, absl::StrCat(s.message(), " (failed save ", failed_saves,
+                                                      " of at most ", ckpt.max_failed_saves(),
+                                                      " in a row; training goes on)"))
+                   .ok())
+            return absl::CancelledError("job ended");
+          if (completed != steps) break;
         }
       }
     }

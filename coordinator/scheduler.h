@@ -14,7 +14,11 @@
 // every_steps > 0 and k % every_steps == 0, when a TriggerCheckpoint is pending, or when k == steps:
 // SaveCheckpoint{k, dir/step-<k>} to every rank, every rank's CheckpointSaved (step_timeout), then
 // the MANIFEST (coordinator/checkpoint_store.h), retention (keep_last) and the event
-// "checkpoint step-<k> committed". A failed save fails the job.
+// "checkpoint step-<k> committed". A save that fails for lack of storage (a rank's CheckpointSaved
+// carries an error, or the MANIFEST cannot be committed) is dropped (its step directory removed;
+// committed checkpoints untouched), published as an event, and training goes on; the next
+// interval tries again (the last step's save is retried at once). After
+// checkpoint.max_failed_saves consecutive failed saves the job is FAILED, not restarted.
 // Resume (checkpoint.resume_from): the coordinator picks the checkpoint ("latest" committed one, or
 // the named step directory; verified, model and precision must match) and sends the same
 // load_dir / load_world_size / start_step in every rank's Assignment; steps start_step..steps-1
@@ -26,8 +30,8 @@
 // FAILED; the scheduler then starts generation + 1 on free workers (same world-size rule as a fresh
 // start) resuming from the latest committed checkpoint under checkpoint.dir (none yet: from where
 // the job started). Waiting longer than start_timeout for enough workers fails the job; Cancel
-// while RECOVERING cancels it. A checkpoint save that a rank refuses, that times out or that cannot
-// be committed is not restarted (storage problem; only a rank lost during a save is). Otherwise,
+// while RECOVERING cancels it. A checkpoint save that times out or that a rank answers wrongly is
+// not restarted (only a rank lost during a save is). Otherwise,
 // and when restarts are exhausted, the job becomes FAILED. Workers are released
 // (idle) when the run ends, and the generation's rendezvous keys are deleted; ranks that were sent
 // Abort become assignable again only after abort_grace (the protocol has no message by which a
@@ -71,7 +75,8 @@ class Scheduler {
   // Installs the listeners on jobs/workers and starts the scheduler thread.
   void Start();
   // Stops scheduling; running jobs' ranks get Abort{"coordinator shutting down"} and their
-  // threads are joined. The jobs keep their persisted state (a restart marks them FAILED).
+  // threads are joined. The jobs keep their persisted state (a restarted coordinator resumes
+  // them from their latest committed checkpoint, see JobManager).
   void Stop();
   // Asks for a scheduling pass soon.
   void Wake();

@@ -2,9 +2,14 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
+#include <fstream>
 #include <iostream>
+#include <random>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "kernels/backend.h"
 #include "worker/checkpoint.h"
 #include "worker/gloo_communicator.h"
@@ -29,6 +34,10 @@ struct WorkerDaemon::Job {
   std::unique_ptr<KvStore> kv;  // grpc_kv, cancellable by the job's abort flag
   std::shared_ptr<Communicator> comm;
   std::unique_ptr<Trainer> trainer;
+  // Set by Abort, by the end of the session and by a newer Assignment: the coordinator has moved
+  // on, so nothing more is reported for this job (a late error or result could otherwise be taken
+  // for one of the job's next generation).
+  std::shared_ptr<std::atomic<bool>> cancelled;
   ~Job() {
     trainer.reset();  // uses backend and comm
     comm.reset();
@@ -68,6 +77,10 @@ bool WorkerDaemon::Register() {
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::seconds(opts_.connect_timeout_s);
   int attempt = 0;
+  // Exponential backoff (0.2 s doubling to 5 s, with jitter) so that a fleet of workers does not
+  // hammer a coordinator that is restarting.
+  std::chrono::milliseconds backoff(200);
+  std::minstd_rand jitter(static_cast<uint32_t>(getpid()));
   while (!shutdown_) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
@@ -101,7 +114,11 @@ bool WorkerDaemon::Register() {
     if (attempt++ % 10 == 0) {
       Log(absl::StrCat("waiting for coordinator ", opts_.coordinator, ": ", s.error_message()));
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    const auto wait = backoff + std::chrono::milliseconds(jitter() % (backoff.count() / 4 + 1));
+    for (auto until = std::chrono::steady_clock::now() + wait;
+         !shutdown_ && std::chrono::steady_clock::now() < until;)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    backoff = std::min<std::chrono::milliseconds>(2 * backoff, std::chrono::seconds(5));
   }
   return false;
 }
@@ -118,7 +135,7 @@ int WorkerDaemon::Run() {
     hb.join();
     if (!shutdown_) {
       Log("session with the coordinator ended; registering again");
-      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
   }
   Log("shutting down");
@@ -280,6 +297,7 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   auto job = std::make_unique<Job>();
   job->job_id = a.job_id();
   job->generation = a.generation();
+  job->cancelled = cancelled;
   const std::string backend = a.spec().backend().empty() ? "cpu" : a.spec().backend();
   std::string err;
   job->backend = CreateBackend(backend, opts_.device, &err);
@@ -318,11 +336,14 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   job->trainer = std::move(*t);
   if (!a.load_dir().empty()) {
     // Collective (the FP8 re-cast): every rank of the generation loads the same checkpoint.
+    const auto t0 = std::chrono::steady_clock::now();
     absl::Status s =
         LoadShards(job->trainer.get(), a.load_dir(), a.load_world_size(), a.start_step());
     if (!s.ok()) return fail(absl::StrCat("loading checkpoint: ", s.ToString()));
     Log(absl::StrCat("loaded checkpoint ", a.load_dir(), " (", a.load_world_size(),
-                     " ranks), starting at step ", a.start_step()));
+                     " ranks) in ",
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                     " s, starting at step ", a.start_step()));
   } else if (!a.spec().init().from_hf().empty()) {
     // Collective too; a job resumed from a checkpoint never re-reads its initial weights.
     absl::Status s = LoadHfWeights(job->trainer.get(), a.spec().init().from_hf());
@@ -356,6 +377,12 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   }
   absl::StatusOr<v1::StepResult> r =
       job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
+  if (job_->cancelled->load()) {
+    Log(absl::StrCat("step ", c.step(), " of aborted job ", job_->job_id, " not reported",
+                     r.ok() ? "" : absl::StrCat(": ", r.status().message())));
+    DropJob();
+    return false;
+  }
   v1::WorkerMessage m;
   if (!r.ok()) {
     m.mutable_error()->set_job_id(job_->job_id);
@@ -378,6 +405,26 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   return true;
 }
 
+namespace {
+
+// Fault injection for tests and drills: FSDP8_FAULT_CHECKPOINT_ENOSPC is a comma-separated list of
+// substrings; a shard write whose path (<dir>/rank-<r>.ckpt) contains one of them fails as a full
+// disk would, after leaving a partial .tmp file behind.
+absl::Status InjectedSaveFault(const std::string& path) {
+  const char* spec = std::getenv("FSDP8_FAULT_CHECKPOINT_ENOSPC");
+  if (spec == nullptr) return absl::OkStatus();
+  for (absl::string_view item : absl::StrSplit(spec, ',', absl::SkipEmpty())) {
+    if (!absl::StrContains(path, item)) continue;
+    std::ofstream(path + ".tmp", std::ios::binary) << std::string(4096, '\0');
+    return absl::ResourceExhaustedError(
+        absl::StrCat("writing ", path, ".tmp: No space left on device (injected by "
+                     "FSDP8_FAULT_CHECKPOINT_ENOSPC)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
   v1::WorkerMessage m;
   if (!job_) {
@@ -386,18 +433,28 @@ void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
     return;
   }
   v1::CheckpointSaved saved;
-  absl::Status s = SaveShard(*job_->trainer, c.step(), c.dir(), &saved);
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status s = InjectedSaveFault(
+      absl::StrCat(c.dir(), "/rank-", job_->trainer->rank(), ".ckpt"));
+  if (s.ok()) s = SaveShard(*job_->trainer, c.step(), c.dir(), &saved);
   if (!s.ok()) {
-    // The job stays usable: a failed save leaves the training state untouched.
-    m.mutable_error()->set_job_id(job_->job_id);
-    m.mutable_error()->set_message(
-        absl::StrCat("checkpoint at step ", c.step(), ": ", s.ToString()));
-    Log(m.error().message());
+    // The job stays usable: a failed save leaves the training state untouched. The coordinator
+    // drops this save and tries again at the next interval.
+    saved.Clear();
+    saved.set_job_id(job_->job_id);
+    saved.set_step(c.step());
+    saved.set_rank(job_->trainer->rank());
+    saved.set_error(std::string(s.message()));
+    Log(absl::StrCat("checkpoint at step ", c.step(), " failed: ", s.ToString()));
+    *m.mutable_saved() = std::move(saved);
     Send(m);
     return;
   }
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   saved.set_job_id(job_->job_id);
-  Log(absl::StrCat("saved ", c.dir(), "/", saved.file(), " (", saved.bytes(), " bytes)"));
+  Log(absl::StrCat("saved ", c.dir(), "/", saved.file(), " (", saved.bytes(), " bytes in ", secs,
+                   " s)"));
   *m.mutable_saved() = std::move(saved);
   Send(m);
 }

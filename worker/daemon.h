@@ -3,11 +3,15 @@
 // Trainer, then load Assignment.load_dir when set (worker/checkpoint.h; every rank, collective)
 // (reply Ready or WorkerError); StepCommand → run the step on the job thread and reply StepResult
 // (or WorkerError, then drop the job); SaveCheckpoint → write this rank's rank-<r>.ckpt on the job
-// thread between steps and reply CheckpointSaved (or WorkerError; the job stays usable);
+// thread between steps and reply CheckpointSaved (carrying the error when the shard could not be
+// written; the job stays usable; FSDP8_FAULT_CHECKPOINT_ENOSPC injects such failures, see
+// daemon.cc);
 // Finish → drop the job; Abort → cancel the job's rendezvous if it is still bootstrapping, abort
 // the communicator (pending collectives fail fast or at their timeout) and drop the job. A newer
 // Assignment cancels an older job's bootstrap too.
-// The daemon survives job failures and coordinator restarts (it registers again).
+// The daemon survives job failures and coordinator restarts (it registers again, with exponential
+// backoff from 0.2 s to 5 s). Nothing is reported for a job after its Abort (a late error or step
+// result could be taken for the job's next generation).
 //
 // Thread-safety: Run() on one thread; Shutdown() from any thread (e.g. a signal watcher).
 #pragma once

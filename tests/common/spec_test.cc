@@ -298,6 +298,7 @@ TEST(Spec, CheckpointDefaults) {
   EXPECT_EQ(d.checkpoint().every_steps(), 0);
   EXPECT_EQ(d.checkpoint().keep_last(), 3);
   EXPECT_EQ(d.checkpoint().resume_from(), "");
+  EXPECT_EQ(d.checkpoint().max_failed_saves(), 3);
   v1::JobSpec s;
   s.mutable_checkpoint()->set_every_steps(7);
   s.mutable_checkpoint()->set_keep_last(1);
@@ -320,6 +321,10 @@ TEST(Spec, CheckpointRules) {
   s.mutable_checkpoint()->set_keep_last(0);
   EXPECT_EQ(msg(s), "checkpoint.keep_last: must be >= 1 (got 0)");
   s.mutable_checkpoint()->set_keep_last(2);
+  s.mutable_checkpoint()->set_max_failed_saves(0);
+  EXPECT_EQ(msg(s), "checkpoint.max_failed_saves: must be >= 1 (got 0)");
+  s.mutable_checkpoint()->set_max_failed_saves(1);
+  EXPECT_EQ(msg(s), "");
   s.mutable_checkpoint()->set_every_steps(-1);
   EXPECT_EQ(msg(s), "checkpoint.every_steps: must be >= 0 (got -1)");
   s.mutable_checkpoint()->set_every_steps(0);

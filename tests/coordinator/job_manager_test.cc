@@ -265,7 +265,7 @@ TEST(JobManagerPersistence, SurvivesRestart) {
   EXPECT_EQ((*jm)->Get(pending_id)->state(), v1::JOB_STATE_PENDING);
   auto r = (*jm)->Get(running_id);
   EXPECT_EQ(r->state(), v1::JOB_STATE_FAILED);
-  EXPECT_EQ(r->reason(), "coordinator restarted");
+  EXPECT_EQ(r->reason(), "coordinator restarted (no checkpoint.dir to resume from)");
   EXPECT_EQ(r->step(), 4);
   EXPECT_DOUBLE_EQ(r->loss(), 2.25);
   EXPECT_DOUBLE_EQ(r->val_loss(), 2.5);
@@ -293,6 +293,58 @@ TEST(JobManagerPersistence, SurvivesRestart) {
   EXPECT_EQ(again->job_id(), pending_id);
   EXPECT_EQ((*jm)->Submit("keep-me", SmallSpec(train, 1, 5)).status().code(),
             absl::StatusCode::kAlreadyExists);
+}
+
+// A coordinator restart is a failed generation: a job with a checkpoint.dir and restarts left comes
+// back RECOVERING (counted once), ready to resume from its latest checkpoint; one without restarts
+// left fails, naming max_restarts.
+TEST(JobManagerPersistence, RunningJobWithCheckpointsRecoversAfterRestart) {
+  TempDir dir;
+  std::string train = WriteTokens(dir, "train.bin");
+  JobManagerOptions o;
+  o.state_db = dir.File("state.db");
+  auto with_ckpt = [&](int max_restarts) {
+    v1::JobSpec s = SmallSpec(train, 1, 9);
+    s.mutable_checkpoint()->set_dir(dir.File("ck"));
+    s.set_max_restarts(max_restarts);
+    return s;
+  };
+  std::string again_id, spent_id, waiting_id;
+  {
+    auto jm = JobManager::Open(o);
+    ASSERT_TRUE(jm.ok()) << jm.status();
+    auto a = (*jm)->Submit("req-a", with_ckpt(2));
+    auto b = (*jm)->Submit("", with_ckpt(0));
+    auto c = (*jm)->Submit("", with_ckpt(2));
+    ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+    again_id = a->job_id();
+    spent_id = b->job_id();
+    waiting_id = c->job_id();
+    for (const auto& id : {again_id, spent_id, waiting_id}) {
+      ASSERT_TRUE((*jm)->MarkStarting(id, {"w-1"}).ok());
+      ASSERT_TRUE((*jm)->MarkRunning(id).ok());
+    }
+    ASSERT_TRUE((*jm)->MarkRecovering(waiting_id, "rank 0 lost", 2).ok());  // restarts 1
+  }
+  auto jm = JobManager::Open(o);
+  ASSERT_TRUE(jm.ok()) << jm.status();
+  auto a = (*jm)->Get(again_id);
+  EXPECT_EQ(a->state(), v1::JOB_STATE_RECOVERING);
+  EXPECT_EQ(a->restarts(), 1);
+  EXPECT_EQ(a->reason(), "recovering from a coordinator restart (restart 1 of 2)");
+  EXPECT_EQ(a->worker_ids_size(), 0);
+  auto b = (*jm)->Get(spent_id);
+  EXPECT_EQ(b->state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(b->reason(), "coordinator restarted (max_restarts 0 reached)");
+  auto c = (*jm)->Get(waiting_id);
+  EXPECT_EQ(c->state(), v1::JOB_STATE_RECOVERING);
+  EXPECT_EQ(c->restarts(), 1);  // not counted twice
+  std::vector<std::string> pending;
+  for (const auto& j : (*jm)->PendingJobs()) pending.push_back(j.job_id());
+  EXPECT_EQ(pending, (std::vector<std::string>{again_id, waiting_id}));
+  auto same = (*jm)->Submit("req-a", with_ckpt(2));
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_EQ(same->job_id(), again_id);
 }
 
 }  // namespace

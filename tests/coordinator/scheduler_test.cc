@@ -128,7 +128,8 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
  public:
   enum class Mode {
     kNormal, kErrorAtStep, kLoseSessionAtStep, kStopHeartbeatAtStep, kHangAtStep, kErrorAtSave,
-    kWrongSizeAtSave, kEscapingNameAtSave, kErrorOnceAtStep
+    kWrongSizeAtSave, kEscapingNameAtSave, kErrorOnceAtStep,
+    kErrorFromSave  // every save from at_step on fails (as kErrorAtSave)
   };
 
   FakeWorker(WorkerRegistry* reg, Mode mode = Mode::kNormal, int64_t at_step = -1,
@@ -215,9 +216,15 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
         const v1::SaveCheckpoint& sc = m.save();
         std::this_thread::sleep_for(save_delay_);
         v1::WorkerMessage r;
-        if (mode_ == Mode::kErrorAtSave && sc.step() == at_step_) {
-          r.mutable_error()->set_job_id(a_.job_id());
-          r.mutable_error()->set_message("disk full");
+        if ((mode_ == Mode::kErrorAtSave && sc.step() == at_step_) ||
+            (mode_ == Mode::kErrorFromSave && sc.step() >= at_step_)) {
+          // As the worker daemon reports a shard it could not write: its state stays usable.
+          std::ofstream(sc.dir() + "/rank-" + std::to_string(a_.rank()) + ".ckpt.tmp") << "partial";
+          v1::CheckpointSaved* cs = r.mutable_saved();
+          cs->set_job_id(a_.job_id());
+          cs->set_step(sc.step());
+          cs->set_rank(a_.rank());
+          cs->set_error("disk full");
           Reply(r);
           continue;
         }
@@ -696,7 +703,9 @@ TEST_F(SchedulerTest, TriggerCheckpointSavesAfterTheNextStep) {
   EXPECT_TRUE(absl::StrContains(st.message(), "no checkpoint.dir")) << st;
 }
 
-TEST_F(SchedulerTest, FailedSaveFailsTheJobWithoutCommitting) {
+// A save one rank cannot write is dropped (nothing committed, its directory removed) and training
+// goes on; the next interval saves normally.
+TEST_F(SchedulerTest, FailedSaveIsDroppedAndTheNextIntervalSaves) {
   auto w0 = AddWorker();
   auto w1 = AddWorker(FakeWorker::Mode::kErrorAtSave, 2);
   const std::string ck = dir_.File("ck");
@@ -706,13 +715,40 @@ TEST_F(SchedulerTest, FailedSaveFailsTheJobWithoutCommitting) {
   auto job = jobs_->Submit("", spec);
   ASSERT_TRUE(job.ok());
   v1::Job end = WaitEnd(job->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  EXPECT_EQ(Committed(ck), (std::vector<int64_t>{4, 6}));
+  EXPECT_FALSE(std::filesystem::exists(ck + "/step-2"));
+  bool reported = false;
+  for (const auto& m : Messages(jobs_.get(), job->job_id()))
+    reported |= absl::StrContains(m, "checkpoint step-2: rank 1") &&
+                absl::StrContains(m, "disk full") && absl::StrContains(m, "failed save 1 of at most 3");
+  EXPECT_TRUE(reported);
+  EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kAbort), 0);
+}
+
+// checkpoint.max_failed_saves consecutive failed saves fail the job, naming the rule and the last
+// cause; the checkpoint committed before them is untouched.
+TEST_F(SchedulerTest, ConsecutiveFailedSavesFailTheJob) {
+  auto w0 = AddWorker();
+  auto w1 = AddWorker(FakeWorker::Mode::kErrorFromSave, 4);
+  const std::string ck = dir_.File("ck");
+  v1::JobSpec spec = SmallSpec(train_, 2, 20);
+  spec.mutable_checkpoint()->set_dir(ck);
+  spec.mutable_checkpoint()->set_every_steps(2);
+  spec.mutable_checkpoint()->set_max_failed_saves(3);
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok());
+  v1::Job end = WaitEnd(job->job_id());
   EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
-  EXPECT_TRUE(absl::StrContains(end.reason(), "checkpoint step-2")) << end.reason();
-  EXPECT_TRUE(absl::StrContains(end.reason(), "rank 1")) << end.reason();
-  EXPECT_TRUE(absl::StrContains(end.reason(), "disk full")) << end.reason();
-  EXPECT_TRUE(Committed(ck).empty());
-  EXPECT_FALSE(std::filesystem::exists(ck + "/step-2/MANIFEST"));
-  EXPECT_TRUE(WaitFor([&] { return w0->Count(v1::CoordinatorMessage::kAbort) == 1; }));
+  EXPECT_EQ(end.step(), 8);  // saves at 4, 6 and 8 failed
+  EXPECT_TRUE(absl::StrContains(end.reason(), "3 consecutive checkpoint saves failed "
+                                              "(checkpoint.max_failed_saves 3); last: checkpoint "
+                                              "step-8: rank 1"))
+      << end.reason();
+  EXPECT_EQ(end.restarts(), 0);  // a storage problem is not restarted
+  EXPECT_EQ(Committed(ck), (std::vector<int64_t>{2}));
+  EXPECT_TRUE(CheckpointStore::Open(ck + "/step-2").ok());
+  EXPECT_FALSE(std::filesystem::exists(ck + "/step-4"));
 }
 
 TEST_F(SchedulerTest, ReportedFileThatDoesNotMatchIsNeverCommitted) {
@@ -722,6 +758,7 @@ TEST_F(SchedulerTest, ReportedFileThatDoesNotMatchIsNeverCommitted) {
     v1::JobSpec spec = SmallSpec(train_, 1, 4);
     spec.mutable_checkpoint()->set_dir(ck);
     spec.mutable_checkpoint()->set_every_steps(2);
+    spec.mutable_checkpoint()->set_max_failed_saves(1);
     auto job = jobs_->Submit("", spec);
     ASSERT_TRUE(job.ok());
     v1::Job end = WaitEnd(job->job_id());

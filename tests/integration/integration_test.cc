@@ -20,15 +20,19 @@
 //   trajectories separate more (measured: 3.5e-4 at worst over 50 steps). We allow 5e-3 relative;
 //   a wrong scale or a lost gradient shard changes the loss by more than 5e-2 within a few steps.
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -76,6 +80,14 @@ class Process {
     waitpid(pid_, nullptr, 0);
   }
   bool ok() const { return pid_ > 0; }
+  // SIGKILL (works on a stopped process too) and reap; true once the process is gone.
+  bool Kill() {
+    if (pid_ <= 0) return true;
+    kill(pid_, SIGKILL);
+    const bool reaped = waitpid(pid_, nullptr, 0) == pid_;
+    pid_ = -1;
+    return reaped;
+  }
   void Signal(int sig) const {
     if (pid_ > 0) kill(pid_, sig);
   }
@@ -137,7 +149,7 @@ class Cluster : public ::testing::Test {
 
   // A coordinator and 3 workers. one_at_a_time: each worker is started only after the previous one
   // registered, so that worker_ids_[i] is the id of (*procs_)[i + 1].
-  static void StartCluster(bool one_at_a_time) {
+  static void StartCluster(bool one_at_a_time, const std::vector<std::string>& coordinator_flags = {}) {
     dir_ = new fs::path(fs::temp_directory_path() /
                         (std::string(one_at_a_time ? "fsdp8-integration-recovery-"
                                                    : "fsdp8-integration-") +
@@ -147,16 +159,10 @@ class Cluster : public ::testing::Test {
     // Port 0: the kernel picks a free port (a fixed or pid-derived one can collide with another
     // run); the coordinator prints the bound address, which the workers then dial.
     procs_ = new std::vector<std::unique_ptr<Process>>();
-    const fs::path coord_log = *dir_ / "coordinator.log";
-    procs_->push_back(std::make_unique<Process>(
-        std::vector<std::string>{FSDP8_COORDINATOR_BIN, "--listen=127.0.0.1:0",
-                                 "--state_db=" + (*dir_ / "jobs.db").string(),
-                                 "--data_roots=" + dir_->string()},
-        coord_log.string()));
-    ASSERT_TRUE(procs_->back()->ok()) << "could not start " << FSDP8_COORDINATOR_BIN;
-    addr_ = new std::string(ListenAddress(coord_log, std::chrono::seconds(30)));
-    ASSERT_FALSE(addr_->empty()) << "no \"listening on\" line in " << coord_log << ":\n"
-                                 << ReadFile(coord_log);
+    coordinator_flags_ = new std::vector<std::string>(coordinator_flags);
+    procs_->push_back(nullptr);
+    addr_ = new std::string(StartCoordinator("127.0.0.1:0", "coordinator.log"));
+    ASSERT_FALSE(addr_->empty());
     auto channel = grpc::CreateChannel(*addr_, grpc::InsecureChannelCredentials());
     admin_ = v1::AdminService::NewStub(channel).release();
     worker_ids_ = new std::vector<std::string>();
@@ -185,6 +191,21 @@ class Cluster : public ::testing::Test {
     }
     stub_ = v1::JobService::NewStub(channel).release();
   }
+  // (Re)starts the coordinator as (*procs_)[0] on `listen` with the cluster's state database;
+  // returns the address it listens on ("" after a test failure).
+  static std::string StartCoordinator(const std::string& listen, const std::string& log_name) {
+    const fs::path log = *dir_ / log_name;
+    std::vector<std::string> argv{FSDP8_COORDINATOR_BIN, "--listen=" + listen,
+                                  "--state_db=" + (*dir_ / "jobs.db").string(),
+                                  "--data_roots=" + dir_->string()};
+    argv.insert(argv.end(), coordinator_flags_->begin(), coordinator_flags_->end());
+    (*procs_)[0] = std::make_unique<Process>(argv, log.string());
+    EXPECT_TRUE((*procs_)[0]->ok()) << "could not start " << FSDP8_COORDINATOR_BIN;
+    std::string addr = ListenAddress(log, std::chrono::seconds(30));
+    EXPECT_FALSE(addr.empty()) << "no \"listening on\" line in " << log << ":\n" << ReadFile(log);
+    return addr;
+  }
+
   static void TearDownTestSuite() {
     delete stub_;
     stub_ = nullptr;
@@ -193,6 +214,8 @@ class Cluster : public ::testing::Test {
     delete worker_ids_;
     worker_ids_ = nullptr;
     delete procs_;  // stops the processes
+    delete coordinator_flags_;
+    coordinator_flags_ = nullptr;
     std::error_code ec;
     if (!::testing::Test::HasFailure()) fs::remove_all(*dir_, ec);
     delete dir_;
@@ -229,22 +252,18 @@ class Cluster : public ::testing::Test {
     return s;
   }
 
-  // Submits, waits for the job to end, returns the loss of every step (index = step).
-  // on_event, when given, sees every event (e.g. to inject a fault mid-job); `final_state`
-  // receives the last state and `reason` the last message.
-  static std::vector<double> Run(const v1::JobSpec& spec,
-                                 const std::function<void(const v1::JobEvent&)>& on_event = {},
-                                 v1::JobState expect = v1::JOB_STATE_SUCCEEDED,
-                                 std::string* reason = nullptr) {
+  // Submits (retrying while the coordinator starts, e.g. after a restart); the job, or an empty
+  // job_id after a reported failure.
+  static v1::Job Submit(const v1::JobSpec& spec, const std::string& request_id = "") {
+    v1::Job job;
     if (stub_ == nullptr) {  // SetUpTestSuite failed (its message says why)
       ADD_FAILURE() << "the cluster did not start";
-      return {};
+      return job;
     }
     v1::SubmitJobRequest req;
+    req.set_request_id(request_id);
     *req.mutable_spec() = spec;
-    v1::Job job;
     grpc::Status st;
-    // The coordinator may still be starting: retry submit for a few seconds.
     for (int i = 0; i < 100; ++i) {
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
@@ -253,33 +272,77 @@ class Cluster : public ::testing::Test {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
     EXPECT_TRUE(st.ok()) << st.error_message();
-    if (!st.ok()) return {};
-    std::vector<double> losses(spec.training().steps(), NAN);
+    if (!st.ok()) job.clear_job_id();
+    return job;
+  }
+
+  // Watches job_id from after_seq until the stream ends (the job ended, or the coordinator went
+  // away). Fills losses[step - 1] from step events; returns the last state seen, and in *message
+  // the last message and in *last_seq the last seq.
+  static v1::JobState Follow(const std::string& job_id, int64_t after_seq,
+                             std::vector<double>* losses,
+                             const std::function<void(const v1::JobEvent&)>& on_event = {},
+                             std::string* message = nullptr, int64_t* last_seq = nullptr) {
     v1::WatchJobRequest wr;
-    wr.set_job_id(job.job_id());
+    wr.set_job_id(job_id);
+    wr.set_after_seq(after_seq);
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(10));
     auto reader = stub_->WatchJob(&ctx, wr);
     v1::JobEvent ev;
     v1::JobState last = v1::JOB_STATE_UNSPECIFIED;
-    std::string message;
     while (reader->Read(&ev)) {
       if (on_event) on_event(ev);
       if (ev.state() != v1::JOB_STATE_UNSPECIFIED) last = ev.state();
-      if (!ev.message().empty()) message = ev.message();
+      if (message != nullptr && !ev.message().empty()) *message = ev.message();
+      if (last_seq != nullptr) *last_seq = ev.seq();
       // A step event carries step = completed steps (1-based) and that step's loss.
-      if (ev.step() >= 1 && ev.step() <= spec.training().steps() && ev.loss() > 0) {
-        losses[ev.step() - 1] = ev.loss();
+      if (ev.step() >= 1 && ev.step() <= static_cast<int64_t>(losses->size()) && ev.loss() > 0) {
+        (*losses)[ev.step() - 1] = ev.loss();
       }
     }
     reader->Finish();
+    return last;
+  }
+
+  // Submits, waits for the job to end, returns the loss of every step (index = step).
+  // on_event, when given, sees every event (e.g. to inject a fault mid-job); `reason` receives
+  // the last message.
+  static std::vector<double> Run(const v1::JobSpec& spec,
+                                 const std::function<void(const v1::JobEvent&)>& on_event = {},
+                                 v1::JobState expect = v1::JOB_STATE_SUCCEEDED,
+                                 std::string* reason = nullptr) {
+    const v1::Job job = Submit(spec);
+    if (job.job_id().empty()) return {};
+    std::vector<double> losses(spec.training().steps(), NAN);
+    std::string message;
+    const v1::JobState last = Follow(job.job_id(), 0, &losses, on_event, &message);
     EXPECT_EQ(last, expect) << message;
     if (reason != nullptr) *reason = message;
     return losses;
   }
 
+  static v1::Job GetJob(const std::string& job_id) {
+    v1::GetJobRequest req;
+    req.set_job_id(job_id);
+    v1::Job job;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::Status st = stub_->GetJob(&ctx, req, &job);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    return job;
+  }
+
+  // The Process of a worker id (worker_ids_ order, one_at_a_time clusters only).
+  static Process* WorkerProcess(const std::string& worker_id) {
+    auto it = std::find(worker_ids_->begin(), worker_ids_->end(), worker_id);
+    if (it == worker_ids_->end()) return nullptr;
+    return (*procs_)[1 + (it - worker_ids_->begin())].get();
+  }
+
   static fs::path* dir_;
   static std::string* addr_;
+  static std::vector<std::string>* coordinator_flags_;
   static std::vector<std::unique_ptr<Process>>* procs_;
   static v1::JobService::Stub* stub_;
   static v1::AdminService::Stub* admin_;
@@ -287,6 +350,7 @@ class Cluster : public ::testing::Test {
 };
 fs::path* Cluster::dir_ = nullptr;
 std::string* Cluster::addr_ = nullptr;
+std::vector<std::string>* Cluster::coordinator_flags_ = nullptr;
 std::vector<std::unique_ptr<Process>>* Cluster::procs_ = nullptr;
 v1::JobService::Stub* Cluster::stub_ = nullptr;
 v1::AdminService::Stub* Cluster::admin_ = nullptr;
@@ -414,6 +478,345 @@ TEST_F(RecoveryCluster, C10_KilledRankRecoversFromTheLatestCheckpoint) {
   for (int k = 9; k < steps; ++k)  // step 10 on (index = step - 1)
     EXPECT_EQ(recovered[k], reference[k]) << "step " << k + 1;
   EXPECT_LT(secs(recovering), 10.0);
+}
+
+// Failure handling with the short timeouts a test can afford: heartbeats every 250 ms, a worker is
+// dead after 2 s of silence, a collective gives up after 5 s (so a rank blocked on a hung peer
+// stops within 5 s of its last progress), aborted workers are reassignable after 1 s.
+class ChaosCluster : public Cluster {
+ protected:
+  static constexpr double kHeartbeatTimeoutS = 2;
+  static constexpr double kCollectiveTimeoutS = 5;
+  static void SetUpTestSuite() {
+    StartCluster(true, {"--heartbeat_interval_ms=250", "--heartbeat_timeout_s=2",
+                        "--collective_timeout_ms=5000", "--abort_grace_s=1"});
+  }
+  // 2 ranks, FP32, a checkpoint every 5 steps under dir_/ck.
+  static v1::JobSpec CkptSpec(const std::string& ck, int steps) {
+    v1::JobSpec s = SmallSpec(2, v1::PRECISION_FP32, steps);
+    s.mutable_checkpoint()->set_dir((*dir_ / ck).string());
+    s.mutable_checkpoint()->set_every_steps(5);
+    return s;
+  }
+};
+
+using Clock = std::chrono::steady_clock;
+double Since(Clock::time_point t0, Clock::time_point t) {
+  return std::chrono::duration<double>(t - t0).count();
+}
+
+// C10 (hang): a rank's process is stopped (SIGSTOP) after step 8 of a 2-rank job; its heartbeats
+// stop, the coordinator declares it dead after the heartbeat timeout, aborts the other rank (which
+// gives up its blocked collective within the collective timeout), and restarts the job on the
+// surviving worker plus the idle one from step-5. Every loss equals the uninterrupted run's bit
+// for bit. The stopped process is then killed and reaped.
+TEST_F(ChaosCluster, C10_HungRankIsDetectedAndTheJobRecoversBitIdentically) {
+  const int steps = 30;
+  auto reference = Run(CkptSpec("hang-reference", steps));
+  ASSERT_EQ(reference.size(), static_cast<size_t>(steps));
+  Clock::time_point stopped, recovering, running, first_step;
+  Process* victim_proc = nullptr;
+  std::string victim, job_id, cause;
+  auto recovered = Run(CkptSpec("hang", steps), [&](const v1::JobEvent& ev) {
+    if (victim_proc == nullptr && ev.step() >= 8 && ev.state() == v1::JOB_STATE_RUNNING) {
+      const v1::Job job = GetJob(ev.job_id());
+      ASSERT_EQ(job.worker_ids_size(), 2);
+      victim = job.worker_ids(0);
+      victim_proc = WorkerProcess(victim);
+      ASSERT_NE(victim_proc, nullptr) << victim;
+      victim_proc->Signal(SIGSTOP);
+      stopped = Clock::now();
+      job_id = ev.job_id();
+      return;
+    }
+    if (victim_proc == nullptr) return;
+    const auto now = Clock::now();
+    if (ev.state() == v1::JOB_STATE_RECOVERING && recovering == Clock::time_point()) {
+      recovering = now;
+      cause = ev.message();
+    }
+    if (recovering != Clock::time_point() && ev.state() == v1::JOB_STATE_RUNNING &&
+        running == Clock::time_point())
+      running = now;
+    if (running != Clock::time_point() && ev.loss() > 0 && first_step == Clock::time_point())
+      first_step = now;
+  });
+  ASSERT_NE(victim_proc, nullptr) << "the job never reached step 8";
+  // The test cleans up the stopped process: SIGKILL and reap, nothing left behind.
+  EXPECT_TRUE(victim_proc->Kill());
+  ASSERT_NE(recovering, Clock::time_point()) << "no RECOVERING event";
+  ASSERT_NE(running, Clock::time_point()) << "never RUNNING again";
+  std::printf("stopped rank 0 (%s) after step 8: RECOVERING after %.3f s (%s), RUNNING again "
+              "after %.3f s, first recomputed step after %.3f s\n",
+              victim.c_str(), Since(stopped, recovering), cause.c_str(), Since(stopped, running),
+              Since(stopped, first_step));
+  EXPECT_NE(cause.find("no heartbeat"), std::string::npos) << cause;
+  EXPECT_NE(cause.find(victim), std::string::npos) << cause;
+  // Detected once the heartbeat timeout passed (plus the 200 ms scheduler tick and load), and not
+  // before: the rank was stopped, not dead.
+  EXPECT_GE(Since(stopped, recovering), kHeartbeatTimeoutS - 0.5);
+  EXPECT_LT(Since(stopped, recovering), kHeartbeatTimeoutS + 3);
+  // The survivor unwinds within the collective timeout; the new generation then starts.
+  EXPECT_LT(Since(stopped, running), kHeartbeatTimeoutS + kCollectiveTimeoutS + 10);
+  const v1::Job job = GetJob(job_id);
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_EQ(job.generation(), 2);
+  EXPECT_EQ(job.step(), steps);
+  for (const auto& w : job.worker_ids()) EXPECT_NE(w, victim) << "the hung worker was reused";
+  ASSERT_EQ(recovered.size(), reference.size());
+  for (int k = 0; k < steps; ++k) EXPECT_EQ(recovered[k], reference[k]) << "step " << k + 1;
+}
+
+// The coordinator is SIGKILLed after step 12 of a 2-rank job and started again on the same address
+// and state database. The workers re-register on their own; the job, RUNNING when the coordinator
+// died, comes back RECOVERING, resumes from step-10 and succeeds with every loss equal to the
+// uninterrupted run's; resubmitting its request id returns the same job.
+TEST_F(ChaosCluster, CoordinatorRestartResumesTheRunningJobFromItsCheckpoint) {
+  const int steps = 30;
+  auto reference = Run(CkptSpec("restart-reference", steps));
+  ASSERT_EQ(reference.size(), static_cast<size_t>(steps));
+  const v1::Job job = Submit(CkptSpec("restart", steps), "restart-request");
+  ASSERT_FALSE(job.job_id().empty());
+  std::vector<double> losses(steps, NAN);
+  Clock::time_point killed;
+  int64_t seq = 0;
+  Follow(job.job_id(), 0, &losses, [&](const v1::JobEvent& ev) {
+    if (killed == Clock::time_point() && ev.step() >= 12 && ev.state() == v1::JOB_STATE_RUNNING) {
+      EXPECT_TRUE((*procs_)[0]->Kill());
+      killed = Clock::now();
+    }
+  }, nullptr, &seq);
+  ASSERT_NE(killed, Clock::time_point()) << "the job never reached step 12";
+  ASSERT_EQ(StartCoordinator(*addr_, "coordinator-2.log"), *addr_);
+  const Clock::time_point restarted = Clock::now();
+  // Idempotent across the restart: the same request id and spec give the same job.
+  const v1::Job again = Submit(CkptSpec("restart", steps), "restart-request");
+  EXPECT_EQ(again.job_id(), job.job_id());
+  EXPECT_NE(again.state(), v1::JOB_STATE_FAILED) << again.reason();
+  std::vector<std::string> messages;
+  Clock::time_point running, first_step;
+  std::string last_message;
+  const v1::JobState end = Follow(job.job_id(), seq, &losses, [&](const v1::JobEvent& ev) {
+    if (!ev.message().empty()) messages.push_back(ev.message());
+    if (ev.state() == v1::JOB_STATE_RUNNING && running == Clock::time_point())
+      running = Clock::now();
+    if (running != Clock::time_point() && ev.loss() > 0 && first_step == Clock::time_point())
+      first_step = Clock::now();
+  }, &last_message);
+  EXPECT_EQ(end, v1::JOB_STATE_SUCCEEDED) << last_message;
+  std::printf("coordinator killed after step 12, restarted %.3f s later; job RUNNING again %.3f s "
+              "after the restart, first step after %.3f s\n",
+              Since(killed, restarted), Since(restarted, running), Since(restarted, first_step));
+  bool saw_recovering = false, saw_resume = false;
+  for (const auto& m : messages) {
+    std::printf("  event: %s\n", m.c_str());
+    saw_recovering |= m.find("recovering from a coordinator restart") != std::string::npos;
+    saw_resume |= m.find("resuming from") != std::string::npos && m.find("step-10") != std::string::npos;
+  }
+  EXPECT_TRUE(saw_recovering);
+  EXPECT_TRUE(saw_resume);
+  const v1::Job done = GetJob(job.job_id());
+  EXPECT_EQ(done.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(done.restarts(), 1);
+  EXPECT_EQ(done.step(), steps);
+  for (int k = 0; k < steps; ++k) EXPECT_EQ(losses[k], reference[k]) << "step " << k + 1;
+}
+
+// World shrink: a job with sharding.min_workers 2 and max_workers 3 runs on the 3 workers; one is
+// killed after step 8, so only 2 are left and the job goes on with 2 ranks from step-5 (saved by
+// 3 ranks, resharded). The global batch stays 12 sequences: 3 ranks x 2 microbatches of 2 before,
+// 2 ranks x 3 microbatches of 2 after. Losses up to step 5 are the uninterrupted 3-rank run's bit
+// for bit; after it they differ only by the order of FP32 sums, so they stay within the C12
+// tolerance of 1e-5 relative (see the top of this file; a lost or doubled microbatch moves the
+// loss by ~1e-2).
+TEST_F(ChaosCluster, WorldShrinksToTheHealthyWorkersWithTheSameGlobalBatch) {
+  const int steps = 30;
+  {
+    v1::ListWorkersResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    ASSERT_TRUE(admin_->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok());
+    int healthy = 0;
+    for (const auto& w : resp.workers()) healthy += w.healthy();
+    // Each test gets a fresh cluster when run on its own (as ctest does); an earlier test of this
+    // process may have killed a worker.
+    if (healthy < 3) GTEST_SKIP() << "needs 3 healthy workers, " << healthy << " left";
+  }
+  auto spec = [&](const std::string& ck) {
+    v1::JobSpec s = CkptSpec(ck, steps);
+    s.mutable_sharding()->set_min_workers(2);
+    s.mutable_sharding()->set_max_workers(3);
+    s.mutable_training()->set_microbatch(2);
+    return s;
+  };
+  auto reference = Run(spec("shrink-reference"));
+  ASSERT_EQ(reference.size(), static_cast<size_t>(steps));
+  std::string job_id;
+  std::vector<std::string> messages;
+  auto shrunk = Run(spec("shrink"), [&](const v1::JobEvent& ev) {
+    if (!ev.message().empty()) messages.push_back(ev.message());
+    if (job_id.empty() && ev.step() >= 8 && ev.state() == v1::JOB_STATE_RUNNING) {
+      const v1::Job job = GetJob(ev.job_id());
+      ASSERT_EQ(job.worker_ids_size(), 3);
+      Process* p = WorkerProcess(job.worker_ids(2));
+      ASSERT_NE(p, nullptr);
+      EXPECT_TRUE(p->Kill());
+      job_id = ev.job_id();
+    }
+  });
+  ASSERT_FALSE(job_id.empty()) << "the job never reached step 8";
+  const v1::Job job = GetJob(job_id);
+  EXPECT_EQ(job.world_size(), 2);
+  EXPECT_EQ(job.restarts(), 1);
+  bool resharded = false;
+  for (const auto& m : messages) {
+    if (m.find("resuming") != std::string::npos) std::printf("  event: %s\n", m.c_str());
+    resharded |= m.find("step-5 (step 5, saved by 3 ranks), resharded to 2 ranks") != std::string::npos;
+  }
+  EXPECT_TRUE(resharded);
+  ASSERT_EQ(shrunk.size(), reference.size());
+  for (int k = 0; k < 5; ++k) EXPECT_EQ(shrunk[k], reference[k]) << "step " << k + 1;
+  for (int k = 5; k < steps; ++k) {
+    ASSERT_TRUE(std::isfinite(shrunk[k])) << "step " << k + 1;
+    EXPECT_NEAR(shrunk[k], reference[k], 1e-5 * reference[k]) << "step " << k + 1;
+  }
+  std::printf("after shrinking from 3 to 2 ranks: max relative loss difference %.3g (tolerance "
+              "1e-5)\n", MaxRelDiff(shrunk, reference));
+}
+
+// Failed checkpoint saves, injected in the workers (FSDP8_FAULT_CHECKPOINT_ENOSPC: a shard write
+// whose path contains one of the listed strings fails with "No space left on device" after
+// leaving a partial file).
+class SaveFaultCluster : public ChaosCluster {
+ protected:
+  static void SetUpTestSuite() {
+    setenv("FSDP8_FAULT_CHECKPOINT_ENOSPC",
+           "ck-flaky/step-10/rank-1,ck-flaky/step-15/rank-0,ck-full/step-1", 1);
+    ChaosCluster::SetUpTestSuite();
+  }
+};
+
+// Two saves in a row fail (step-10 on rank 1, step-15 on rank 0): each is dropped (its directory
+// removed, nothing committed), shows as an event, and training goes on untouched (every loss
+// equals a run without faults); step-20 commits again.
+TEST_F(SaveFaultCluster, FailedSavesAreDroppedAndTrainingGoesOn) {
+  const int steps = 20;
+  auto reference = Run(CkptSpec("faults-reference", steps));
+  std::vector<std::string> messages;
+  std::string job_id;
+  auto losses = Run(CkptSpec("ck-flaky", steps), [&](const v1::JobEvent& ev) {
+    job_id = ev.job_id();
+    if (!ev.message().empty()) messages.push_back(ev.message());
+  });
+  int failed = 0;
+  for (const auto& m : messages) {
+    if (m.find("No space left on device") == std::string::npos) continue;
+    std::printf("  event: %s\n", m.c_str());
+    if (m.find("checkpoint step-10: rank 1") != std::string::npos &&
+        m.find("failed save 1 of at most 3") != std::string::npos)
+      ++failed;
+    if (m.find("checkpoint step-15: rank 0") != std::string::npos &&
+        m.find("failed save 2 of at most 3") != std::string::npos)
+      ++failed;
+  }
+  EXPECT_EQ(failed, 2);
+  const fs::path ck = *dir_ / "ck-flaky";
+  EXPECT_TRUE(fs::exists(ck / "step-5" / "MANIFEST"));
+  EXPECT_TRUE(fs::exists(ck / "step-20" / "MANIFEST"));
+  EXPECT_FALSE(fs::exists(ck / "step-10"));
+  EXPECT_FALSE(fs::exists(ck / "step-15"));
+  EXPECT_EQ(GetJob(job_id).restarts(), 0);
+  ASSERT_EQ(losses.size(), reference.size());
+  for (int k = 0; k < steps; ++k) EXPECT_EQ(losses[k], reference[k]) << "step " << k + 1;
+}
+
+// checkpoint.max_failed_saves 2: the saves of step-10 and step-15 fail, so the job fails after step
+// 15 with a reason naming the rule and the disk error, without a restart. step-5, committed
+// before, still loads: the same job resumed from it repeats the failed job's steps 6 to 15 bit for
+// bit (and fails the same way).
+TEST_F(SaveFaultCluster, ConsecutiveFailedSavesFailTheJobAndKeepTheLastCheckpoint) {
+  v1::JobSpec spec = CkptSpec("ck-full", 30);
+  spec.mutable_checkpoint()->set_max_failed_saves(2);
+  std::string reason, job_id;
+  auto failed = Run(spec, [&](const v1::JobEvent& ev) { job_id = ev.job_id(); },
+                    v1::JOB_STATE_FAILED, &reason);
+  std::printf("job FAILED: %s\n", reason.c_str());
+  EXPECT_NE(reason.find("2 consecutive checkpoint saves failed (checkpoint.max_failed_saves 2); "
+                        "last: checkpoint step-15: rank"),
+            std::string::npos) << reason;
+  EXPECT_NE(reason.find("No space left on device"), std::string::npos) << reason;
+  const v1::Job job = GetJob(job_id);
+  EXPECT_EQ(job.step(), 15);
+  EXPECT_EQ(job.restarts(), 0);
+  const fs::path ck = *dir_ / "ck-full";
+  EXPECT_TRUE(fs::exists(ck / "step-5" / "MANIFEST"));
+  EXPECT_FALSE(fs::exists(ck / "step-10"));
+  spec.mutable_checkpoint()->set_resume_from((ck / "step-5").string());
+  auto resumed = Run(spec, {}, v1::JOB_STATE_FAILED);
+  ASSERT_EQ(resumed.size(), failed.size());
+  for (int k = 5; k < 15; ++k) EXPECT_EQ(resumed[k], failed[k]) << "step " << k + 1;
+}
+
+// A really full filesystem: the checkpoint directory is a 4 MiB tmpfs, room for two checkpoints of
+// the test model (2 x 0.84 MB per step), mounted in a private mount namespace of this test process,
+// which the cluster it starts shares (so nothing outside sees it and it goes away with them).
+// Needs root; skipped otherwise.
+class FullDiskCluster : public ChaosCluster {
+ protected:
+  static void SetUpTestSuite() {
+    why_not_ = new std::string();
+    if (unshare(CLONE_NEWNS) != 0) {
+      *why_not_ = std::string("unshare(CLONE_NEWNS): ") + std::strerror(errno);
+    } else if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
+      *why_not_ = std::string("making / private: ") + std::strerror(errno);
+    }
+    ChaosCluster::SetUpTestSuite();
+    if (!why_not_->empty() || dir_ == nullptr) return;
+    const fs::path small = *dir_ / "full" / "small";
+    fs::create_directories(small);
+    if (mount("tmpfs", small.c_str(), "tmpfs", 0, "size=4m") != 0)
+      *why_not_ = std::string("mount -t tmpfs: ") + std::strerror(errno);
+  }
+  static void TearDownTestSuite() {
+    if (dir_ != nullptr) umount2((*dir_ / "full" / "small").c_str(), MNT_DETACH);
+    ChaosCluster::TearDownTestSuite();
+    delete why_not_;
+  }
+  static std::string* why_not_;
+};
+std::string* FullDiskCluster::why_not_ = nullptr;
+
+// Saves at steps 5 and 10 fit; step-15 and step-20 run out of space part-way through a shard file
+// (a real ENOSPC). Each failed save is removed again, so the two committed checkpoints stay intact;
+// with max_failed_saves 2 the job fails after step 20. step-10 still loads: the job resumed from
+// it (saving elsewhere) repeats steps 11 to 20 bit for bit and succeeds.
+TEST_F(FullDiskCluster, RealFullDiskKeepsCommittedCheckpoints) {
+  if (!why_not_->empty()) GTEST_SKIP() << "no private tmpfs: " << *why_not_;
+  v1::JobSpec spec = CkptSpec("full/small", 30);
+  spec.mutable_checkpoint()->set_max_failed_saves(2);
+  std::string reason;
+  std::vector<std::string> messages;
+  auto failed = Run(spec, [&](const v1::JobEvent& ev) {
+    if (!ev.message().empty()) messages.push_back(ev.message());
+  }, v1::JOB_STATE_FAILED, &reason);
+  for (const auto& m : messages)
+    if (m.find("checkpoint") != std::string::npos) std::printf("  event: %s\n", m.c_str());
+  EXPECT_NE(reason.find("2 consecutive checkpoint saves failed (checkpoint.max_failed_saves 2); "
+                        "last: checkpoint step-20: rank"),
+            std::string::npos) << reason;
+  EXPECT_NE(reason.find("No space left on device"), std::string::npos) << reason;
+  const fs::path ck = *dir_ / "full" / "small";
+  EXPECT_TRUE(fs::exists(ck / "step-5" / "MANIFEST"));
+  EXPECT_TRUE(fs::exists(ck / "step-10" / "MANIFEST"));
+  EXPECT_FALSE(fs::exists(ck / "step-15"));
+  EXPECT_FALSE(fs::exists(ck / "step-20"));
+  v1::JobSpec resume = spec;
+  resume.mutable_checkpoint()->set_resume_from((ck / "step-10").string());
+  // resume_from must lie under dir: the directory that holds the tmpfs (on the normal disk).
+  resume.mutable_checkpoint()->set_dir((*dir_ / "full").string());
+  auto resumed = Run(resume);
+  ASSERT_EQ(resumed.size(), failed.size());
+  for (int k = 10; k < 20; ++k) EXPECT_EQ(resumed[k], failed[k]) << "step " << k + 1;
 }
 
 // C10 (detection part): a rank killed mid-step makes the job FAILED within seconds with the rank
