@@ -145,9 +145,27 @@ absl::Status CheckDataPath(const std::string& field, const std::string& value,
     return Bad(field, "must be an absolute path when data roots are configured",
                absl::StrCat("got \"", value, "\""));
   }
+  // Lexically first (".." cannot climb out), then with every symlink of the existing part of the
+  // path resolved, so that a link inside a root pointing outside it does not pass either.
+  std::error_code ec;
+  const std::filesystem::path real = std::filesystem::weakly_canonical(p, ec);
+  if (ec) {
+    return Bad(field, "must be resolvable under the data roots",
+               absl::StrCat("\"", value, "\": ", ec.message()));
+  }
+  bool lexical = false;
   for (const std::string& r : roots) {
     if (r.empty()) continue;
-    if (Under(p, std::filesystem::path(r).lexically_normal())) return absl::OkStatus();
+    if (!Under(p, std::filesystem::path(r).lexically_normal())) continue;
+    lexical = true;
+    std::error_code rec;
+    const std::filesystem::path root_real = std::filesystem::weakly_canonical(r, rec);
+    if (!rec && Under(real, root_real)) return absl::OkStatus();
+  }
+  if (lexical) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": must lie under one of the data roots (", absl::StrJoin(roots, ", "),
+        ") after resolving symlinks (\"", value, "\" resolves to \"", real.string(), "\")"));
   }
   return absl::InvalidArgumentError(absl::StrCat(field, ": must lie under one of the data roots (",
                                                  absl::StrJoin(roots, ", "), ")"));

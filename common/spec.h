@@ -23,9 +23,11 @@ v1::JobSpec WithDefaults(const v1::JobSpec& spec, int world_size);
 //   "model.d_model: must be divisible by model.n_heads (130 % 4 != 0)".
 // world_size: the number of ranks the job would run on (checks global_batch divisible by
 // world_size * microbatch); 0 skips the world-size rules.
-// data_roots: directories that data.train_path / data.val_path must lie under (compared after
-// std::filesystem::lexically_normal, so ".." cannot escape; symlinks are not resolved; the paths
-// must then be absolute); empty means no restriction.
+// data_roots: directories that data.train_path / data.val_path must lie under, both lexically
+// (after std::filesystem::lexically_normal, so ".." cannot escape; the paths must then be absolute)
+// and after resolving symlinks (std::filesystem::weakly_canonical of path and root, so a link inside
+// a root that points outside is refused); empty means no restriction. The check is made when the
+// job is submitted.
 // checkpoint: every_steps >= 0, keep_last >= 1; checkpoint.dir follows the data-root rule of
 // data.train_path; every_steps > 0 and a non-empty resume_from need checkpoint.dir; resume_from is
 // empty, "latest" or a path strictly under checkpoint.dir (lexically normalised; whether it holds

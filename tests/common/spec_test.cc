@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <limits>
 
@@ -290,6 +291,54 @@ TEST(Spec, DataRoots) {
   EXPECT_EQ(std::string(st.message()).rfind("data.val_path: must lie under", 0), 0u) << st;
   // No roots: anything goes.
   EXPECT_TRUE(ValidateSpec(s, 2, {}, false).ok());
+}
+
+// Symlinks are resolved before the data-root check: a link inside a root that leads outside it is
+// refused, for data paths and checkpoint.dir alike; links that stay inside, and a root that is
+// itself reached through a link, are fine.
+TEST(Spec, DataRootsResolveSymlinks) {
+  namespace fs = std::filesystem;
+  char tmpl[] = "/tmp/fsdp8-roots-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const fs::path base = tmpl;
+  const fs::path root = base / "root", outside = base / "outside";
+  fs::create_directories(root / "corpus");
+  fs::create_directories(outside);
+  fs::create_directory_symlink(outside, root / "escape");          // root/escape -> outside
+  fs::create_directory_symlink(root / "corpus", root / "alias");   // stays inside
+  fs::create_directory_symlink(root, base / "root-link");          // the root via a link
+  const std::vector<std::string> roots = {root.string()};
+  v1::JobSpec s = Valid();
+  auto check = [&](const std::string& train) {
+    s.mutable_data()->set_train_path(train);
+    return ValidateSpec(s, 2, roots, false);
+  };
+  EXPECT_TRUE(check((root / "corpus/train.bin").string()).ok());
+  EXPECT_TRUE(check((root / "alias/train.bin").string()).ok());
+  const absl::Status esc = check((root / "escape/train.bin").string());
+  EXPECT_EQ(esc.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(std::string(esc.message()),
+            "data.train_path: must lie under one of the data roots (" + root.string() +
+                ") after resolving symlinks (\"" + (root / "escape/train.bin").string() +
+                "\" resolves to \"" + (outside / "train.bin").string() + "\")");
+  // ".." tricks are refused before any resolution.
+  const absl::Status dots = check((root / "corpus/../../outside/train.bin").string());
+  EXPECT_EQ(std::string(dots.message()),
+            "data.train_path: must lie under one of the data roots (" + root.string() + ")");
+  // A root configured through a link accepts paths written through that link.
+  s.mutable_data()->set_train_path((base / "root-link/corpus/train.bin").string());
+  EXPECT_TRUE(ValidateSpec(s, 2, {(base / "root-link").string()}, false).ok());
+  // checkpoint.dir follows the same rule, also for a directory that does not exist yet.
+  s.mutable_data()->set_train_path((root / "corpus/train.bin").string());
+  s.mutable_checkpoint()->set_dir((root / "escape/ck/run1").string());
+  const absl::Status ck = ValidateSpec(s, 2, roots, false);
+  EXPECT_EQ(ck.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(std::string(ck.message()).rfind("checkpoint.dir: must lie under one of the data roots", 0),
+            0u)
+      << ck;
+  s.mutable_checkpoint()->set_dir((root / "ck/run1").string());
+  EXPECT_TRUE(ValidateSpec(s, 2, roots, false).ok());
+  fs::remove_all(base);
 }
 
 TEST(Spec, CheckpointDefaults) {
