@@ -30,15 +30,13 @@ std::string FormatDuration(double s) {
   return absl::StrFormat("%dh%02dm", t / 3600, (t % 3600) / 60);
 }
 
-absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address) {
-  if (address.empty()) return absl::InvalidArgumentError("coordinator address: empty");
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address,
+                                                        const ChannelSecurity& security) {
+  auto ch = MakeChannel(address, security);
+  if (!ch.ok()) return ch.status();
   std::unique_ptr<Client> c(new Client());
   c->address_ = address;
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(64 << 20);
-  args.SetMaxSendMessageSize(64 << 20);
-  c->channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-  if (!c->channel_) return absl::UnavailableError(absl::StrCat("cannot create a channel to ", address));
+  c->channel_ = std::move(*ch);
   c->jobs_ = v1::JobService::NewStub(c->channel_);
   c->admin_ = v1::AdminService::NewStub(c->channel_);
   return c;
@@ -55,11 +53,12 @@ absl::StatusOr<v1::Job> Client::Submit(const v1::JobSpec& spec, const std::strin
   return job;
 }
 
-absl::StatusOr<v1::Job> Client::GetJob(const std::string& job_id) {
+absl::StatusOr<v1::Job> Client::GetJob(const std::string& job_id, int events) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx);
   v1::GetJobRequest req;
   req.set_job_id(job_id);
+  req.set_events(events);
   v1::Job job;
   if (auto s = FromGrpc(jobs_->GetJob(&ctx, req, &job)); !s.ok()) return s;
   return job;
@@ -169,6 +168,27 @@ absl::StatusOr<std::vector<v1::CheckpointInfo>> Client::ListCheckpoints(const st
   v1::ListCheckpointsResponse resp;
   if (auto s = FromGrpc(admin_->ListCheckpoints(&ctx, req, &resp)); !s.ok()) return s;
   return std::vector<v1::CheckpointInfo>(resp.checkpoints().begin(), resp.checkpoints().end());
+}
+
+absl::StatusOr<v1::WorkerInfo> Client::DrainWorker(const std::string& worker_id, bool undo) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::DrainWorkerRequest req;
+  req.set_worker_id(worker_id);
+  req.set_undo(undo);
+  v1::WorkerInfo w;
+  if (auto s = FromGrpc(admin_->DrainWorker(&ctx, req, &w)); !s.ok()) return s;
+  return w;
+}
+
+absl::StatusOr<std::string> Client::SetLogLevel(const std::string& level) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::SetLogLevelRequest req;
+  req.set_level(level);
+  v1::SetLogLevelResponse resp;
+  if (auto s = FromGrpc(admin_->SetLogLevel(&ctx, req, &resp)); !s.ok()) return s;
+  return resp.previous();
 }
 
 std::string FormatBytes(int64_t b) {

@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/rpc_channel.h"
 #include "fsdp8/v1/admin.grpc.pb.h"
 #include "fsdp8/v1/jobs.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -22,13 +23,17 @@ namespace fsdp8 {
 class Client {
  public:
   // Creates a channel to "host:port" (no round trip: an unreachable coordinator shows up as
-  // UNAVAILABLE on the first call).
-  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address);
+  // UNAVAILABLE on the first call). `security`: TLS / mutual TLS files and the bearer token (see
+  // common/rpc_channel.h); errors as MakeChannel. With authentication on, calls without a valid
+  // token fail UNAUTHENTICATED and calls the token's role may not make PERMISSION_DENIED.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address,
+                                                         const ChannelSecurity& security = {});
 
   // Submits a job. The same non-empty request_id with the same spec returns the existing job;
   // with another spec ALREADY_EXISTS. INVALID_ARGUMENT names the spec field and the rule.
   absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec, const std::string& request_id = "");
-  absl::StatusOr<v1::Job> GetJob(const std::string& job_id);
+  // events > 0: Job.events holds up to that many of the job's newest events.
+  absl::StatusOr<v1::Job> GetJob(const std::string& job_id, int events = 0);
   absl::StatusOr<std::vector<v1::Job>> ListJobs();
   absl::StatusOr<v1::Job> Cancel(const std::string& job_id);
 
@@ -50,6 +55,10 @@ class Client {
   absl::StatusOr<int64_t> TriggerCheckpoint(const std::string& job_id);
   // The committed checkpoints in the job's checkpoint.dir, oldest first.
   absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpoints(const std::string& job_id);
+  // Drains a worker (no new work; undo = accept work again). NOT_FOUND for an unknown worker.
+  absl::StatusOr<v1::WorkerInfo> DrainWorker(const std::string& worker_id, bool undo = false);
+  // Sets the coordinator's log level; returns the previous one. INVALID_ARGUMENT for a bad name.
+  absl::StatusOr<std::string> SetLogLevel(const std::string& level);
 
   const std::string& address() const { return address_; }
 

@@ -38,12 +38,17 @@ constexpr char kUsage[] =
     "  scaling JOB                                       a running job's FP8 scales and amax histories\n"
     "  checkpoint JOB                                    save a checkpoint of a running job after its next step\n"
     "  checkpoints JOB                                   committed checkpoints of a job (step, world size, bytes, dir)\n"
+    "  drain WORKER [--undo]                             give a worker no more work (admin)\n"
+    "  log-level LEVEL                                   coordinator log level: error|warning|info|debug (admin)\n"
     "  prepare --out DIR [--val_fraction 0.05] FILES...  text files -> byte-level token shards\n"
     "  export JOB|CHECKPOINT_DIR --out DIR [--step N] [--dtype f32|bf16]\n"
     "                                                    a committed checkpoint (default: the newest) as a\n"
     "                                                    Hugging Face directory (config.json + model.safetensors)\n"
     "\n"
     "--coordinator defaults to $FSDP8_COORDINATOR, else localhost:50051.\n"
+    "security: --tls-ca FILE (verify the coordinator; TLS), --tls-cert FILE --tls-key FILE (mutual\n"
+    "TLS), --token TOKEN or --token-file FILE (bearer token); defaults from $FSDP8_TLS_CA,\n"
+    "$FSDP8_TLS_CERT, $FSDP8_TLS_KEY, $FSDP8_TOKEN, $FSDP8_TOKEN_FILE.\n"
     "watch/submit exit 0 only when the job SUCCEEDED.\n";
 
 struct Args {
@@ -63,7 +68,8 @@ bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
   static const std::map<std::string, bool> kFlags = {  // name -> takes a value
       {"coordinator", true}, {"request_id", true}, {"out", true},   {"val_fraction", true},
       {"no-watch", false},   {"no_watch", false},  {"json", false}, {"help", false},
-      {"step", true},        {"dtype", true}};
+      {"step", true},        {"dtype", true},      {"undo", false},  {"token", true},
+      {"token-file", true},  {"tls-ca", true},     {"tls-cert", true}, {"tls-key", true}};
   for (int i = 1; i < argc; ++i) {
     std::string s = argv[i];
     if (s == "--") {
@@ -129,7 +135,7 @@ int ReportError(const absl::Status& s) {
 // fsdp8 export JOB|CHECKPOINT_DIR --out DIR [--step N] [--dtype f32|bf16]. A local directory is
 // read directly; anything else is a job id whose checkpoints the coordinator lists (their
 // directories must be reachable from here).
-int Export(Args& a, const std::string& address) {
+int Export(Args& a, const std::string& address, const fsdp8::ChannelSecurity& sec) {
   if (a.positional.size() != 1) return Usage("export: exactly one JOB or CHECKPOINT_DIR");
   if (!a.flags.count("out") || a.flags["out"].empty()) return Usage("export: --out DIR is required");
   std::optional<int64_t> step;
@@ -150,7 +156,7 @@ int Export(Args& a, const std::string& address) {
   std::string src = a.positional[0];
   std::error_code ec;
   if (!std::filesystem::is_directory(src, ec)) {
-    auto client = fsdp8::Client::Connect(address);
+    auto client = fsdp8::Client::Connect(address, sec);
     if (!client.ok()) return ReportError(client.status());
     auto cks = (*client)->ListCheckpoints(src);
     if (!cks.ok()) return ReportError(cks.status());
@@ -321,10 +327,26 @@ int main(int argc, char** argv) {
   if (a.flags.count("coordinator")) address = a.flags["coordinator"];
   else if (const char* env = std::getenv("FSDP8_COORDINATOR"); env && *env) address = env;
   else address = "localhost:50051";
+  // Flag, else environment variable.
+  auto setting = [&](const char* flag, const char* env) -> std::string {
+    if (a.flags.count(flag)) return a.flags[flag];
+    const char* v = std::getenv(env);
+    return v ? v : "";
+  };
+  fsdp8::ChannelSecurity sec;
+  sec.tls_ca = setting("tls-ca", "FSDP8_TLS_CA");
+  sec.tls_cert = setting("tls-cert", "FSDP8_TLS_CERT");
+  sec.tls_key = setting("tls-key", "FSDP8_TLS_KEY");
+  sec.token = setting("token", "FSDP8_TOKEN");
+  if (const std::string f = setting("token-file", "FSDP8_TOKEN_FILE"); !f.empty() && sec.token.empty()) {
+    auto t = fsdp8::ReadTokenFile(f);
+    if (!t.ok()) return Usage(std::string(t.status().message()));
+    sec.token = *t;
+  }
 
-  if (a.command == "export") return Export(a, address);
+  if (a.command == "export") return Export(a, address, sec);
 
-  auto client = fsdp8::Client::Connect(address);
+  auto client = fsdp8::Client::Connect(address, sec);
   if (!client.ok()) return ReportError(client.status());
   fsdp8::Client& c = **client;
 
@@ -410,11 +432,14 @@ int main(int argc, char** argv) {
   if (a.command == "workers") {
     auto ws = c.ListWorkers();
     if (!ws.ok()) return ReportError(ws.status());
-    printf("%-8s %-20s %-8s %-6s %-8s %-14s %-5s %s\n", "WORKER", "HOST", "BACKEND", "DEVICE",
-           "HEALTHY", "JOB", "RANK", "HEARTBEAT");
+    printf("%-8s %-20s %-8s %-6s %-10s %-10s %-14s %-5s %s\n", "WORKER", "HOST", "BACKEND",
+           "DEVICE", "MEMORY", "STATE", "JOB", "RANK", "HEARTBEAT");
     for (const auto& w : *ws) {
-      printf("%-8s %-20s %-8s %-6d %-8s %-14s %-5s %s\n", w.worker_id().c_str(), w.host().c_str(),
-             w.backend().c_str(), w.device(), w.healthy() ? "yes" : "no",
+      std::string st = fsdp8::v1::WorkerState_Name(w.state());
+      if (st.rfind("WORKER_STATE_", 0) == 0) st = st.substr(13);
+      printf("%-8s %-20s %-8s %-6d %-10s %-10s %-14s %-5s %s\n", w.worker_id().c_str(),
+             w.host().c_str(), w.backend().c_str(), w.device(),
+             fsdp8::FormatBytes(w.memory_bytes()).c_str(), st.c_str(),
              w.job_id().empty() ? "-" : w.job_id().c_str(),
              w.rank() < 0 ? "-" : absl::StrCat(w.rank()).c_str(), Ago(w.last_heartbeat()).c_str());
     }
@@ -455,6 +480,23 @@ int main(int argc, char** argv) {
     auto cks = c.ListCheckpoints(id);
     if (!cks.ok()) return ReportError(cks.status());
     fputs(fsdp8::FormatCheckpointTable(*cks).c_str(), stdout);
+    return 0;
+  }
+  if (a.command == "drain") {
+    std::string id = need_job("drain");
+    if (id.empty()) return Usage("drain: exactly one WORKER");
+    auto w = c.DrainWorker(id, a.flags.count("undo") > 0);
+    if (!w.ok()) return ReportError(w.status());
+    std::string st = fsdp8::v1::WorkerState_Name(w->state());
+    if (st.rfind("WORKER_STATE_", 0) == 0) st = st.substr(13);
+    printf("worker %s %s\n", w->worker_id().c_str(), st.c_str());
+    return 0;
+  }
+  if (a.command == "log-level") {
+    if (a.positional.size() != 1) return Usage("log-level: exactly one LEVEL");
+    auto prev = c.SetLogLevel(a.positional[0]);
+    if (!prev.ok()) return ReportError(prev.status());
+    printf("log level %s (was %s)\n", a.positional[0].c_str(), prev->c_str());
     return 0;
   }
   return Usage(absl::StrCat("unknown command '", a.command, "'"));

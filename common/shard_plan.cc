@@ -1,5 +1,6 @@
 #include "common/shard_plan.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -200,6 +201,20 @@ v1::ShardPlan ToProto(const ShardPlan& plan) {
       pb->set_numel(b.numel);
       pb->set_padded_numel(b.padded_numel);
       pb->set_shard_numel(b.shard_numel);
+      const int64_t eb = b.wire == WireDtype::kFp8 ? 1 : b.wire == WireDtype::kBf16 ? 2 : 4;
+      pb->set_element_bytes(static_cast<int32_t>(eb));
+      for (int r = 0; r < plan.world_size; ++r) {
+        v1::RankShard* rs = pb->add_ranks();
+        const int64_t begin = b.ShardBegin(r), end = b.ShardEnd(r);
+        const int64_t padding = end - std::max(begin, std::min(end, b.numel));
+        rs->set_rank(r);
+        rs->set_offset(begin);
+        rs->set_numel(b.shard_numel);
+        rs->set_padding(padding);
+        rs->set_offset_bytes(begin * eb);
+        rs->set_bytes(b.shard_numel * eb);
+        rs->set_padding_bytes(padding * eb);
+      }
       for (size_t i = 0; i < b.tensors.size(); ++i) {
         v1::TensorSlot* s = pb->add_tensors();
         s->set_name(b.tensors[i].name);

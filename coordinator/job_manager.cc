@@ -152,7 +152,7 @@ std::string JobManager::NewJobIdLocked() {
 }
 
 absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
-                                           const v1::JobSpec& spec) {
+                                           const v1::JobSpec& spec, const std::string& owner) {
   v1::JobSpec d = WithDefaults(spec, 0);
   std::string bytes = DeterministicBytes(d);
   {
@@ -161,6 +161,9 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
       auto it = by_request_.find(request_id);
       if (it != by_request_.end()) {
         const Record& r = jobs_.at(it->second);
+        if (r.job.owner() != owner)
+          return absl::AlreadyExistsError(
+              absl::StrCat("request_id '", request_id, "' was already used by another user"));
         if (r.submitted_spec == bytes) return r.job;
         return absl::AlreadyExistsError(absl::StrCat(
             "request_id '", request_id, "' was already used for job ", r.job.job_id(),
@@ -202,6 +205,9 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
       auto it = by_request_.find(request_id);
       if (it != by_request_.end()) {
         const Record& r = jobs_.at(it->second);
+        if (r.job.owner() != owner)
+          return absl::AlreadyExistsError(
+              absl::StrCat("request_id '", request_id, "' was already used by another user"));
         if (r.submitted_spec == bytes) return r.job;
         return absl::AlreadyExistsError(absl::StrCat(
             "request_id '", request_id, "' was already used for job ", r.job.job_id(),
@@ -214,6 +220,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
     v1::Job& job = r.job;
     job.set_job_id(id);
     job.set_request_id(request_id);
+    job.set_owner(owner);
     *job.mutable_spec() = d;
     job.set_state(v1::JOB_STATE_PENDING);
     job.set_reason(absl::StrCat("waiting for ", mn, " workers"));
@@ -320,6 +327,15 @@ absl::Status JobManager::Watch(const std::string& job_id, int64_t after_seq,
     if (stop && stop()) return absl::CancelledError("watch cancelled");
     cv_.wait_for(lock, std::chrono::milliseconds(200));
   }
+}
+
+absl::StatusOr<std::vector<v1::JobEvent>> JobManager::RecentEvents(const std::string& job_id,
+                                                                   size_t max) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  const size_t n = std::min(max, r->events.size());
+  return std::vector<v1::JobEvent>(r->events.end() - n, r->events.end());
 }
 
 void JobManager::Shutdown() {

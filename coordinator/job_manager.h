@@ -60,8 +60,10 @@ class JobManager {
   // checkpoint must be committed and intact and have the job's model and precision
   // (FAILED_PRECONDITION otherwise; "latest" is resolved when the job starts). INVALID_ARGUMENT names the field and the rule. A non-empty request_id that was
   // seen before returns that job when the spec (defaults applied) is the same, and ALREADY_EXISTS
-  // otherwise; an empty request_id always creates a new job.
-  absl::StatusOr<v1::Job> Submit(const std::string& request_id, const v1::JobSpec& spec);
+  // otherwise; an empty request_id always creates a new job. owner: the submitting user's name
+  // (Job.owner); a request_id already used by another owner is ALREADY_EXISTS.
+  absl::StatusOr<v1::Job> Submit(const std::string& request_id, const v1::JobSpec& spec,
+                                 const std::string& owner = "");
   // NOT_FOUND for an unknown id.
   absl::StatusOr<v1::Job> Get(const std::string& job_id) const;
   // Every job, oldest first.
@@ -78,6 +80,9 @@ class JobManager {
   absl::Status Watch(const std::string& job_id, int64_t after_seq,
                      const std::function<bool(const v1::JobEvent&)>& on_event,
                      const std::function<bool()>& stop = nullptr);
+  // Up to `max` of the job's newest kept events, oldest first. NOT_FOUND for an unknown id.
+  absl::StatusOr<std::vector<v1::JobEvent>> RecentEvents(const std::string& job_id,
+                                                         size_t max) const;
   // Wakes every watcher; Watch returns UNAVAILABLE from then on.
   void Shutdown();
 

@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <cstdio>
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -10,6 +11,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_split.h"
+#include "coordinator/log.h"
 #include "coordinator/services.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
@@ -25,6 +27,17 @@ ABSL_FLAG(double, start_timeout_s, 120, "deadline for every rank's Ready after a
 ABSL_FLAG(int32_t, collective_timeout_ms, 30000, "collective timeout told to the workers");
 ABSL_FLAG(double, abort_grace_s, 2,
           "after an Abort, its workers stay unassignable this long while they unwind the job");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of the server; with --tls_key: TLS");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: require client certificates signed by it (mutual TLS)");
+ABSL_FLAG(std::string, tokens, "",
+          "bearer tokens file (\"TOKEN ROLE USER\" lines) or mounted Kubernetes secret directory; "
+          "empty: no authentication");
+ABSL_FLAG(int32_t, max_message_mb, 64, "largest gRPC message received or sent, MiB");
+ABSL_FLAG(double, drain_timeout_s, 60,
+          "on SIGTERM/SIGINT, wait this long for running jobs' checkpoints before exiting");
+ABSL_FLAG(std::string, log_level, "info", "error, warning, info or debug (AdminService.SetLogLevel)");
 
 namespace {
 std::chrono::milliseconds Ms(double seconds) {
@@ -45,7 +58,18 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
 
   fsdp8::coord::CoordinatorOptions o;
+  auto level = fsdp8::coord::ParseLogLevel(absl::GetFlag(FLAGS_log_level));
+  if (!level.ok()) {
+    fprintf(stderr, "fsdp8-coordinator: --log_%s\n", std::string(level.status().message()).c_str());
+    return 2;
+  }
+  fsdp8::coord::SetLogLevel(*level);
   o.listen = absl::GetFlag(FLAGS_listen);
+  o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  o.tls_key = absl::GetFlag(FLAGS_tls_key);
+  o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  o.tokens = absl::GetFlag(FLAGS_tokens);
+  o.max_message_bytes = std::max(1, absl::GetFlag(FLAGS_max_message_mb)) << 20;
   o.jobs.state_db = absl::GetFlag(FLAGS_state_db);
   for (absl::string_view r :
        absl::StrSplit(absl::GetFlag(FLAGS_data_roots), ',', absl::SkipWhitespace()))
@@ -71,13 +95,22 @@ int main(int argc, char** argv) {
   }
   printf("fsdp8-coordinator listening on %s\n", (*server)->address().c_str());
   fflush(stdout);
-  fprintf(stderr, "fsdp8-coordinator %s: state db %s, data roots %s\n", FSDP8_VERSION,
+  fprintf(stderr, "fsdp8-coordinator %s: state db %s, data roots %s, %s, %s\n", FSDP8_VERSION,
           o.jobs.state_db.c_str(),
-          o.jobs.data_roots.empty() ? "(any)" : absl::GetFlag(FLAGS_data_roots).c_str());
+          o.jobs.data_roots.empty() ? "(any)" : absl::GetFlag(FLAGS_data_roots).c_str(),
+          o.tls_cert.empty() ? "plaintext" : o.tls_client_ca.empty() ? "TLS" : "mutual TLS",
+          o.tokens.empty() ? "no authentication" : "bearer tokens");
+  if (!o.tokens.empty() && o.tls_cert.empty())
+    fsdp8::coord::Log(fsdp8::coord::LogLevel::kWarning,
+                      "bearer tokens travel in clear text without --tls_cert/--tls_key");
 
   int sig = 0;
   sigwait(&sigs, &sig);
-  fprintf(stderr, "fsdp8-coordinator: signal %d, shutting down\n", sig);
+  fprintf(stderr, "fsdp8-coordinator: signal %d, draining (health NOT_SERVING, checkpoints)\n", sig);
+  for (const std::string& line :
+       (*server)->Drain(Ms(absl::GetFlag(FLAGS_drain_timeout_s))))
+    fprintf(stderr, "fsdp8-coordinator: drain: %s\n", line.c_str());
+  fprintf(stderr, "fsdp8-coordinator: shutting down\n");
   (*server)->Shutdown();
   server->reset();
   fprintf(stderr, "fsdp8-coordinator: stopped\n");

@@ -1,13 +1,19 @@
 #include "coordinator/services.h"
 
+#include <cerrno>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
+#include <fstream>
+#include <optional>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/shard_plan.h"
 #include "common/spec.h"
 #include "coordinator/checkpoint_store.h"
+#include "coordinator/log.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 
@@ -18,32 +24,87 @@ grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
+namespace {
+
+// Authenticates and authorizes one call; logs refusals (warning) and calls (debug).
+absl::StatusOr<Principal> Authorize(const Authorizer* auth, grpc::ServerContext* ctx,
+                                    std::initializer_list<Role> allowed, const char* what) {
+  auto p = auth->Check(ctx->client_metadata(), allowed, what);
+  if (!p.ok()) {
+    Log(LogLevel::kWarning, absl::StrCat("refused ", what, " from ", ctx->peer(), ": ",
+                                         p.status().ToString()));
+    return p.status();
+  }
+  if (LogEnabled(LogLevel::kDebug))
+    Log(LogLevel::kDebug, absl::StrCat(what, " by ", p->user.empty() ? "(anonymous)" : p->user,
+                                       " (", RoleName(p->role), ") from ", ctx->peer()));
+  return p;
+}
+
+}  // namespace
+
 // ---------------- JobService ----------------
 
-grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* req,
+absl::StatusOr<v1::Job> JobServiceImpl::Visible(const Principal& p,
+                                                const std::string& job_id) const {
+  auto job = jobs_->Get(job_id);
+  if (!job.ok()) return job.status();
+  if (!MayAccessJob(p, job->owner()))
+    return absl::PermissionDeniedError(
+        absl::StrCat("job '", job_id, "' belongs to another user (", p.user, " is a submitter)"));
+  return job;
+}
+
+grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* ctx, const v1::SubmitJobRequest* req,
                                        v1::Job* resp) {
-  auto job = jobs_->Submit(req->request_id(), req->spec());
+  auto p = Authorize(auth_, ctx, {Role::kSubmitter, Role::kAdmin}, "JobService/SubmitJob");
+  if (!p.ok()) return ToGrpc(p.status());
+  if (draining_ && draining_->load())
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator is draining (shutting down)");
+  auto job = jobs_->Submit(req->request_id(), req->spec(), p->user);
   if (!job.ok()) return ToGrpc(job.status());
   *resp = *job;
   return grpc::Status::OK;
 }
 
-grpc::Status JobServiceImpl::GetJob(grpc::ServerContext*, const v1::GetJobRequest* req,
+namespace {
+void AddEvents(JobManager* jobs, int32_t n, v1::Job* job) {
+  if (n <= 0) return;
+  auto evs = jobs->RecentEvents(job->job_id(), static_cast<size_t>(n));
+  if (!evs.ok()) return;
+  for (auto& e : *evs) *job->add_events() = std::move(e);
+}
+}  // namespace
+
+grpc::Status JobServiceImpl::GetJob(grpc::ServerContext* ctx, const v1::GetJobRequest* req,
                                     v1::Job* resp) {
-  auto job = jobs_->Get(req->job_id());
+  auto p = Authorize(auth_, ctx, {Role::kSubmitter, Role::kAdmin}, "JobService/GetJob");
+  if (!p.ok()) return ToGrpc(p.status());
+  auto job = Visible(*p, req->job_id());
   if (!job.ok()) return ToGrpc(job.status());
   *resp = *job;
+  AddEvents(jobs_, req->events(), resp);
   return grpc::Status::OK;
 }
 
-grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
+grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* ctx, const v1::ListJobsRequest* req,
                                       v1::ListJobsResponse* resp) {
-  for (auto& j : jobs_->List()) *resp->add_jobs() = std::move(j);
+  auto p = Authorize(auth_, ctx, {Role::kSubmitter, Role::kAdmin}, "JobService/ListJobs");
+  if (!p.ok()) return ToGrpc(p.status());
+  for (auto& j : jobs_->List()) {
+    if (!MayAccessJob(*p, j.owner())) continue;
+    v1::Job* out = resp->add_jobs();
+    *out = std::move(j);
+    AddEvents(jobs_, req->events(), out);
+  }
   return grpc::Status::OK;
 }
 
 grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* ctx, const v1::WatchJobRequest* req,
                                       grpc::ServerWriter<v1::JobEvent>* writer) {
+  auto p = Authorize(auth_, ctx, {Role::kSubmitter, Role::kAdmin}, "JobService/WatchJob");
+  if (!p.ok()) return ToGrpc(p.status());
+  if (auto job = Visible(*p, req->job_id()); !job.ok()) return ToGrpc(job.status());
   bool write_failed = false;
   absl::Status s = jobs_->Watch(
       req->job_id(), req->after_seq(),
@@ -59,8 +120,11 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* ctx, const v1::WatchJ
   return ToGrpc(s);
 }
 
-grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* req,
+grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* ctx, const v1::CancelJobRequest* req,
                                        v1::Job* resp) {
+  auto p = Authorize(auth_, ctx, {Role::kSubmitter, Role::kAdmin}, "JobService/CancelJob");
+  if (!p.ok()) return ToGrpc(p.status());
+  if (auto seen = Visible(*p, req->job_id()); !seen.ok()) return ToGrpc(seen.status());
   auto job = jobs_->Cancel(req->job_id());
   if (!job.ok()) return ToGrpc(job.status());
   *resp = *job;
@@ -69,15 +133,45 @@ grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJob
 
 // ---------------- AdminService ----------------
 
-grpc::Status AdminServiceImpl::ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,
+grpc::Status AdminServiceImpl::Admin(grpc::ServerContext* ctx, const char* what) const {
+  return ToGrpc(Authorize(auth_, ctx, {Role::kAdmin}, what).status());
+}
+
+grpc::Status AdminServiceImpl::ListWorkers(grpc::ServerContext* ctx, const v1::ListWorkersRequest*,
                                            v1::ListWorkersResponse* resp) {
+  if (grpc::Status a = Admin(ctx, "AdminService/ListWorkers"); !a.ok()) return a;
   for (auto& w : workers_->List()) *resp->add_workers() = std::move(w);
   return grpc::Status::OK;
 }
 
-grpc::Status AdminServiceImpl::GetShardPlan(grpc::ServerContext*,
+grpc::Status AdminServiceImpl::DrainWorker(grpc::ServerContext* ctx,
+                                           const v1::DrainWorkerRequest* req,
+                                           v1::WorkerInfo* resp) {
+  if (grpc::Status a = Admin(ctx, "AdminService/DrainWorker"); !a.ok()) return a;
+  auto w = workers_->Drain(req->worker_id(), req->undo());
+  if (!w.ok()) return ToGrpc(w.status());
+  Log(LogLevel::kInfo, absl::StrCat("worker ", req->worker_id(), req->undo() ? " undrained" : " drained"));
+  *resp = *w;
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminServiceImpl::SetLogLevel(grpc::ServerContext* ctx,
+                                           const v1::SetLogLevelRequest* req,
+                                           v1::SetLogLevelResponse* resp) {
+  if (grpc::Status a = Admin(ctx, "AdminService/SetLogLevel"); !a.ok()) return a;
+  auto level = ParseLogLevel(req->level());
+  if (!level.ok()) return ToGrpc(level.status());
+  resp->set_previous(LogLevelName(GetLogLevel()));
+  coord::SetLogLevel(*level);
+  resp->set_level(LogLevelName(*level));
+  Log(LogLevel::kInfo, absl::StrCat("log level ", resp->previous(), " -> ", resp->level()));
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminServiceImpl::GetShardPlan(grpc::ServerContext* ctx,
                                             const v1::GetShardPlanRequest* req,
                                             v1::ShardPlan* resp) {
+  if (grpc::Status a = Admin(ctx, "AdminService/GetShardPlan"); !a.ok()) return a;
   v1::JobSpec spec;
   int world_size = req->world_size();
   if (!req->job_id().empty()) {
@@ -106,27 +200,38 @@ grpc::Status AdminServiceImpl::GetShardPlan(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status AdminServiceImpl::GetScalingState(grpc::ServerContext*,
+grpc::Status AdminServiceImpl::GetScalingState(grpc::ServerContext* ctx,
                                                const v1::GetScalingStateRequest* req,
                                                v1::ScalingState* resp) {
+  if (grpc::Status a = Admin(ctx, "AdminService/GetScalingState"); !a.ok()) return a;
   auto st = jobs_->GetScalingState(req->job_id());
   if (!st.ok()) return ToGrpc(st.status());
   *resp = *st;
+  for (v1::TensorScaling& t : *resp->mutable_tensors()) {
+    t.set_amax_history_len(t.amax_history_size());
+    t.set_amax_latest(t.amax_history_size() > 0 ? t.amax_history(0) : 0.0f);
+    float mx = 0;
+    for (float a : t.amax_history()) mx = std::max(mx, a);  // NaN never wins std::max
+    t.set_amax_max(mx);
+    if (req->summary_only()) t.clear_amax_history();
+  }
   return grpc::Status::OK;
 }
 
-grpc::Status AdminServiceImpl::TriggerCheckpoint(grpc::ServerContext*,
+grpc::Status AdminServiceImpl::TriggerCheckpoint(grpc::ServerContext* ctx,
                                                  const v1::TriggerCheckpointRequest* req,
                                                  v1::TriggerCheckpointResponse* resp) {
+  if (grpc::Status a = Admin(ctx, "AdminService/TriggerCheckpoint"); !a.ok()) return a;
   auto step = jobs_->RequestCheckpoint(req->job_id());
   if (!step.ok()) return ToGrpc(step.status());
   resp->set_step(*step);
   return grpc::Status::OK;
 }
 
-grpc::Status AdminServiceImpl::ListCheckpoints(grpc::ServerContext*,
+grpc::Status AdminServiceImpl::ListCheckpoints(grpc::ServerContext* ctx,
                                                const v1::ListCheckpointsRequest* req,
                                                v1::ListCheckpointsResponse* resp) {
+  if (grpc::Status a = Admin(ctx, "AdminService/ListCheckpoints"); !a.ok()) return a;
   auto job = jobs_->Get(req->job_id());
   if (!job.ok()) return ToGrpc(job.status());
   const std::string& dir = job->spec().checkpoint().dir();
@@ -146,26 +251,34 @@ grpc::Status AdminServiceImpl::ListCheckpoints(grpc::ServerContext*,
 
 // ---------------- WorkerControl ----------------
 
-grpc::Status WorkerControlImpl::Register(grpc::ServerContext*, const v1::RegisterRequest* req,
+grpc::Status WorkerControlImpl::Worker(grpc::ServerContext* ctx, const char* what) const {
+  return ToGrpc(Authorize(auth_, ctx, {Role::kWorker, Role::kAdmin}, what).status());
+}
+
+grpc::Status WorkerControlImpl::Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                                          v1::RegisterResponse* resp) {
+  if (grpc::Status a = Worker(ctx, "WorkerControl/Register"); !a.ok()) return a;
   auto r = workers_->Register(*req);
   if (!r.ok()) return ToGrpc(r.status());
   *resp = *r;
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerControlImpl::Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+grpc::Status WorkerControlImpl::Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
                                           v1::HeartbeatResponse*) {
+  if (grpc::Status a = Worker(ctx, "WorkerControl/Heartbeat"); !a.ok()) return a;
   return ToGrpc(workers_->Heartbeat(req->worker_id()));
 }
 
-grpc::Status WorkerControlImpl::KvSet(grpc::ServerContext*, const v1::KvSetRequest* req,
+grpc::Status WorkerControlImpl::KvSet(grpc::ServerContext* ctx, const v1::KvSetRequest* req,
                                       v1::KvSetResponse*) {
+  if (grpc::Status a = Worker(ctx, "WorkerControl/KvSet"); !a.ok()) return a;
   return ToGrpc(kv_->Set(req->key(), req->value()));
 }
 
 grpc::Status WorkerControlImpl::KvGet(grpc::ServerContext* ctx, const v1::KvGetRequest* req,
                                       v1::KvGetResponse* resp) {
+  if (grpc::Status a = Worker(ctx, "WorkerControl/KvGet"); !a.ok()) return a;
   // Never wait past the caller's own deadline, nor over 10 minutes.
   int64_t ms = std::min<int64_t>(req->timeout_ms(), 600000);
   auto dl = ctx->deadline();
@@ -240,6 +353,7 @@ class GrpcSessionSink : public SessionSink {
 grpc::Status WorkerControlImpl::Session(
     grpc::ServerContext* ctx,
     grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) {
+  if (grpc::Status a = Worker(ctx, "WorkerControl/Session"); !a.ok()) return a;
   v1::WorkerMessage first;
   if (!stream->Read(&first))
     return grpc::Status(grpc::StatusCode::CANCELLED, "session ended before Hello");
@@ -263,10 +377,64 @@ grpc::Status WorkerControlImpl::Session(
 
 // ---------------- CoordinatorServer ----------------
 
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& flag, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in)
+    return absl::NotFoundError(absl::StrCat(flag, ": cannot read ", path, ": ", std::strerror(errno)));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  if (ss.str().find("-----BEGIN ") == std::string::npos)
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": ", path, " is not a PEM file"));
+  return ss.str();
+}
+
+constexpr const char* kServiceNames[] = {"fsdp8.v1.JobService", "fsdp8.v1.AdminService",
+                                         "fsdp8.v1.WorkerControl"};
+
+}  // namespace
+
+static absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
+    const CoordinatorOptions& o) {
+  if (o.tls_cert.empty() != o.tls_key.empty())
+    return absl::InvalidArgumentError("tls_cert and tls_key: give both or neither");
+  if (o.tls_cert.empty()) {
+    if (!o.tls_client_ca.empty())
+      return absl::InvalidArgumentError("tls_client_ca: mutual TLS needs tls_cert and tls_key");
+    return grpc::InsecureServerCredentials();
+  }
+  grpc::SslServerCredentialsOptions ssl;
+  auto cert = ReadPem("tls_cert", o.tls_cert);
+  if (!cert.ok()) return cert.status();
+  auto key = ReadPem("tls_key", o.tls_key);
+  if (!key.ok()) return key.status();
+  ssl.pem_key_cert_pairs.push_back({*key, *cert});
+  if (!o.tls_client_ca.empty()) {
+    auto ca = ReadPem("tls_client_ca", o.tls_client_ca);
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     CoordinatorOptions options) {
   if (options.workers.version.empty()) options.workers.version = FSDP8_VERSION;
+  if (options.max_message_bytes < 1)
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_message_bytes: must be >= 1 (got ", options.max_message_bytes, ")"));
+  auto creds = ServerCredentialsFor(options);
+  if (!creds.ok()) return creds.status();
+  std::optional<TokenTable> tokens;
+  if (!options.tokens.empty()) {
+    auto t = TokenTable::Load(options.tokens);
+    if (!t.ok()) return t.status();
+    tokens = std::move(*t);
+  }
   std::unique_ptr<CoordinatorServer> s(new CoordinatorServer());
+  s->auth_ = std::make_unique<Authorizer>(std::move(tokens));
   auto jobs = JobManager::Open(options.jobs);
   if (!jobs.ok()) return jobs.status();
   s->jobs_ = std::move(*jobs);
@@ -274,23 +442,35 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->kv_ = std::make_unique<KvServer>();
   s->scheduler_ = std::make_unique<Scheduler>(s->jobs_.get(), s->workers_.get(), s->kv_.get(),
                                               options.scheduler);
-  s->job_service_ = std::make_unique<JobServiceImpl>(s->jobs_.get());
-  s->admin_service_ = std::make_unique<AdminServiceImpl>(s->jobs_.get(), s->workers_.get());
-  s->worker_service_ = std::make_unique<WorkerControlImpl>(s->workers_.get(), s->kv_.get());
+  s->job_service_ =
+      std::make_unique<JobServiceImpl>(s->jobs_.get(), s->auth_.get(), &s->draining_);
+  s->admin_service_ =
+      std::make_unique<AdminServiceImpl>(s->jobs_.get(), s->workers_.get(), s->auth_.get());
+  s->worker_service_ =
+      std::make_unique<WorkerControlImpl>(s->workers_.get(), s->kv_.get(), s->auth_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder b;
   int port = 0;
-  b.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
-  b.SetMaxReceiveMessageSize(64 << 20);
-  b.SetMaxSendMessageSize(64 << 20);
+  b.AddListeningPort(options.listen, *creds, &port);
+  b.SetMaxReceiveMessageSize(options.max_message_bytes);
+  b.SetMaxSendMessageSize(options.max_message_bytes);
+  // Dead peers on long-lived streams (Session, WatchJob) are found by keepalive pings; clients
+  // may ping every 10 s even without calls in flight.
+  b.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
+  b.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
+  b.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
+  b.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   b.RegisterService(s->job_service_.get());
   b.RegisterService(s->admin_service_.get());
   b.RegisterService(s->worker_service_.get());
   s->server_ = b.BuildAndStart();
   if (!s->server_ || port == 0)
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
+  if (grpc::HealthCheckServiceInterface* h = s->server_->GetHealthCheckService()) {
+    for (const char* name : kServiceNames) h->SetServingStatus(name, true);
+  }
   s->port_ = port;
   std::string host = options.listen;
   size_t colon = host.rfind(':');
@@ -298,6 +478,55 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->address_ = absl::StrCat(host, ":", port);
   s->scheduler_->Start();
   return s;
+}
+
+std::vector<std::string> CoordinatorServer::Drain(std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  draining_ = true;
+  if (server_) {
+    if (grpc::HealthCheckServiceInterface* h = server_->GetHealthCheckService())
+      h->SetServingStatus(false);  // "" and every named service
+  }
+  workers_->SetAssigning(false);
+  struct Pending {
+    std::string job_id, dir;
+    int64_t step;
+  };
+  std::vector<Pending> waiting;
+  std::vector<std::string> report;
+  for (const v1::Job& j : jobs_->List()) {
+    if (j.state() != v1::JOB_STATE_RUNNING) continue;
+    if (j.spec().checkpoint().dir().empty()) {
+      report.push_back(absl::StrCat(j.job_id(), ": no checkpoint.dir, nothing saved"));
+      continue;
+    }
+    auto step = jobs_->RequestCheckpoint(j.job_id());
+    if (!step.ok()) {
+      report.push_back(absl::StrCat(j.job_id(), ": ", step.status().message()));
+      continue;
+    }
+    waiting.push_back({j.job_id(), j.spec().checkpoint().dir(), *step});
+  }
+  for (const Pending& p : waiting) {
+    std::string line = absl::StrCat(p.job_id, ": checkpoint step-", p.step, " not committed within the drain timeout");
+    for (;;) {
+      auto latest = CheckpointStore(p.dir).Latest();
+      if (latest.ok() && latest->has_value() && (*latest)->step >= p.step) {
+        line = absl::StrCat(p.job_id, ": checkpoint step-", (*latest)->step, " committed");
+        break;
+      }
+      if (jobs_->IsTerminal(p.job_id)) {
+        auto j = jobs_->Get(p.job_id);
+        line = absl::StrCat(p.job_id, ": ended before its checkpoint (",
+                            j.ok() ? StateName(j->state()) : "?", ")");
+        break;
+      }
+      if (std::chrono::steady_clock::now() >= until) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    report.push_back(line);
+  }
+  return report;
 }
 
 CoordinatorServer::~CoordinatorServer() { Shutdown(); }
@@ -312,6 +541,7 @@ void CoordinatorServer::Shutdown() {
   if (jobs_) jobs_->Shutdown();
   if (kv_) kv_->Shutdown();
   if (server_) {
+    if (grpc::HealthCheckServiceInterface* h = server_->GetHealthCheckService()) h->Shutdown();
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     server_->Wait();
   }

@@ -1,15 +1,25 @@
 // The coordinator's gRPC services: thin adapters over JobManager, WorkerRegistry, KvServer and
 // Scheduler (tests use those classes directly), and CoordinatorServer, which owns them all plus the
-// grpc::Server (health checking and server reflection on, 64 MiB message limits).
+// grpc::Server (grpc.health.v1 per service and server reflection on, message size limits, TLS or
+// mutual TLS, bearer tokens with roles: see coordinator/auth.h).
+//
+// Access: every JobService, AdminService and WorkerControl call is authenticated first
+// (UNAUTHENTICATED) and then checked (PERMISSION_DENIED): JobService takes submitters and admins,
+// a submitter seeing and cancelling only its own jobs (ListJobs lists only those); AdminService
+// takes admins; WorkerControl takes workers and admins. Health and reflection need no token.
 //
 // Thread-safety: CoordinatorServer::Shutdown may be called from any thread, once or more.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "coordinator/auth.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/kv_server.h"
 #include "coordinator/scheduler.h"
@@ -25,7 +35,8 @@ grpc::Status ToGrpc(const absl::Status& s);
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:
-  explicit JobServiceImpl(JobManager* jobs) : jobs_(jobs) {}
+  JobServiceImpl(JobManager* jobs, const Authorizer* auth, const std::atomic<bool>* draining)
+      : jobs_(jobs), auth_(auth), draining_(draining) {}
   grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest*, v1::Job*) override;
   grpc::Status GetJob(grpc::ServerContext*, const v1::GetJobRequest*, v1::Job*) override;
   grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
@@ -35,14 +46,22 @@ class JobServiceImpl final : public v1::JobService::Service {
   grpc::Status CancelJob(grpc::ServerContext*, const v1::CancelJobRequest*, v1::Job*) override;
 
  private:
+  // The job when the caller may see it: NOT_FOUND, or PERMISSION_DENIED for another user's job.
+  absl::StatusOr<v1::Job> Visible(const Principal& p, const std::string& job_id) const;
   JobManager* jobs_;
+  const Authorizer* auth_;
+  const std::atomic<bool>* draining_;
 };
 
 class AdminServiceImpl final : public v1::AdminService::Service {
  public:
-  AdminServiceImpl(JobManager* jobs, WorkerRegistry* workers) : jobs_(jobs), workers_(workers) {}
+  AdminServiceImpl(JobManager* jobs, WorkerRegistry* workers, const Authorizer* auth)
+      : jobs_(jobs), workers_(workers), auth_(auth) {}
   grpc::Status ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,
                            v1::ListWorkersResponse*) override;
+  // See WorkerRegistry::Drain. NOT_FOUND for an unknown worker.
+  grpc::Status DrainWorker(grpc::ServerContext*, const v1::DrainWorkerRequest*,
+                           v1::WorkerInfo*) override;
   grpc::Status GetShardPlan(grpc::ServerContext*, const v1::GetShardPlanRequest*,
                             v1::ShardPlan*) override;
   grpc::Status GetScalingState(grpc::ServerContext*, const v1::GetScalingStateRequest*,
@@ -56,15 +75,21 @@ class AdminServiceImpl final : public v1::AdminService::Service {
   // unknown job.
   grpc::Status ListCheckpoints(grpc::ServerContext*, const v1::ListCheckpointsRequest*,
                                v1::ListCheckpointsResponse*) override;
+  // INVALID_ARGUMENT for an unknown level name (see coordinator/log.h).
+  grpc::Status SetLogLevel(grpc::ServerContext*, const v1::SetLogLevelRequest*,
+                           v1::SetLogLevelResponse*) override;
 
  private:
+  grpc::Status Admin(grpc::ServerContext* ctx, const char* what) const;
   JobManager* jobs_;
   WorkerRegistry* workers_;
+  const Authorizer* auth_;
 };
 
 class WorkerControlImpl final : public v1::WorkerControl::Service {
  public:
-  WorkerControlImpl(WorkerRegistry* workers, KvServer* kv) : workers_(workers), kv_(kv) {}
+  WorkerControlImpl(WorkerRegistry* workers, KvServer* kv, const Authorizer* auth)
+      : workers_(workers), kv_(kv), auth_(auth) {}
   grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest*,
                         v1::RegisterResponse*) override;
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*,
@@ -76,12 +101,23 @@ class WorkerControlImpl final : public v1::WorkerControl::Service {
       grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override;
 
  private:
+  grpc::Status Worker(grpc::ServerContext* ctx, const char* what) const;
   WorkerRegistry* workers_;
   KvServer* kv_;
+  const Authorizer* auth_;
 };
 
 struct CoordinatorOptions {
   std::string listen = "0.0.0.0:50051";  // port 0 picks a free port
+  // TLS: PEM files of the server's certificate chain and private key; both empty = plaintext.
+  std::string tls_cert;
+  std::string tls_key;
+  // Mutual TLS: PEM CA bundle that client certificates must chain to (needs tls_cert); clients
+  // without a valid certificate are refused during the handshake.
+  std::string tls_client_ca;
+  // Tokens file or secret directory (coordinator/auth.h); empty = no authentication.
+  std::string tokens;
+  int max_message_bytes = 64 << 20;       // largest message received or sent, either direction
   JobManagerOptions jobs;
   WorkerRegistryOptions workers;          // version defaults to FSDP8_VERSION when empty
   SchedulerOptions scheduler;
@@ -91,13 +127,20 @@ struct CoordinatorOptions {
 class CoordinatorServer {
  public:
   // Opens the state database, starts the scheduler and listens. INTERNAL/UNAVAILABLE when the
-  // database cannot be opened or the address cannot be bound.
+  // database cannot be opened or the address cannot be bound; INVALID_ARGUMENT / NOT_FOUND for
+  // unreadable or malformed TLS files or tokens.
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(CoordinatorOptions options);
   ~CoordinatorServer();
 
   // "host:port" with the port actually bound.
   const std::string& address() const { return address_; }
   int port() const { return port_; }
+  // Graceful drain (SIGTERM): every service's health becomes NOT_SERVING, SubmitJob is refused
+  // with UNAVAILABLE, no job is started any more (running ones continue), and every RUNNING job
+  // with a checkpoint.dir is asked for a checkpoint (TriggerCheckpoint). Waits until each of those
+  // has committed it (or ended), at most `timeout`. Returns a line per job ("job-x: checkpoint
+  // step-12 committed" or why not). Call Shutdown afterwards.
+  std::vector<std::string> Drain(std::chrono::milliseconds timeout);
   // Stops the scheduler (running jobs' ranks get Abort), wakes watchers and blocked KvGets, and
   // shuts the server down (in-flight calls are cancelled after 2 s).
   void Shutdown();
@@ -112,6 +155,8 @@ class CoordinatorServer {
   std::unique_ptr<WorkerRegistry> workers_;
   std::unique_ptr<KvServer> kv_;
   std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<Authorizer> auth_;
+  std::atomic<bool> draining_{false};
   std::unique_ptr<JobServiceImpl> job_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;
   std::unique_ptr<WorkerControlImpl> worker_service_;

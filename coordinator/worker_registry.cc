@@ -137,12 +137,44 @@ std::vector<v1::WorkerInfo> WorkerRegistry::List() const {
   for (const auto& [id, w] : workers_) ws.push_back(&w);
   std::sort(ws.begin(), ws.end(), [](const Worker* a, const Worker* b) { return a->order < b->order; });
   std::vector<v1::WorkerInfo> out;
-  for (const Worker* w : ws) out.push_back(w->info);
+  for (const Worker* w : ws) out.push_back(InfoOf(*w));
   return out;
 }
 
+v1::WorkerInfo WorkerRegistry::InfoOf(const Worker& w) {
+  v1::WorkerInfo info = w.info;
+  const bool busy = !info.job_id().empty();
+  if (!info.healthy() || !w.session) info.set_state(v1::WORKER_STATE_UNHEALTHY);
+  else if (info.draining()) info.set_state(busy ? v1::WORKER_STATE_DRAINING : v1::WORKER_STATE_DRAINED);
+  else info.set_state(busy ? v1::WORKER_STATE_BUSY : v1::WORKER_STATE_IDLE);
+  return info;
+}
+
+absl::StatusOr<v1::WorkerInfo> WorkerRegistry::Drain(const std::string& worker_id, bool undo) {
+  v1::WorkerInfo out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = workers_.find(worker_id);
+    if (it == workers_.end())
+      return absl::NotFoundError(absl::StrCat("worker '", worker_id, "' not found"));
+    it->second.info.set_draining(!undo);
+    out = InfoOf(it->second);
+  }
+  if (undo) NotifyChange();
+  return out;
+}
+
+void WorkerRegistry::SetAssigning(bool assigning) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    assigning_ = assigning;
+  }
+  if (assigning) NotifyChange();
+}
+
 bool WorkerRegistry::Assignable(const Worker& w, std::chrono::steady_clock::time_point now) const {
-  return w.info.healthy() && w.session && w.info.job_id().empty() && now >= w.hold_until;
+  return assigning_ && w.info.healthy() && w.session && w.info.job_id().empty() && !w.info.draining() &&
+         now >= w.hold_until;
 }
 
 std::vector<std::string> WorkerRegistry::FreeWorkers(const std::string& backend) const {

@@ -76,7 +76,15 @@ class WorkerRegistry {
   // Session `token` ended: the worker becomes unhealthy and its job (if any) is told.
   void DetachSession(const std::string& worker_id, uint64_t token, const std::string& reason);
 
+  // Every worker in registration order, with WorkerInfo.state computed now.
   std::vector<v1::WorkerInfo> List() const;
+  // Drains a worker (undo = false): it is never assigned again (FreeWorkers/Assign skip it), while
+  // a job it already serves keeps it until that job's run releases it. undo = true makes it
+  // assignable again. Returns its WorkerInfo; NOT_FOUND for an unknown id. A drained worker that
+  // registers again (new worker id) is not drained.
+  absl::StatusOr<v1::WorkerInfo> Drain(const std::string& worker_id, bool undo);
+  // Whole-coordinator drain: while false, no worker is assignable (running jobs keep theirs).
+  void SetAssigning(bool assigning);
 
   // ---- scheduler side ----
   // Assignable workers with this backend, in registration order.
@@ -112,12 +120,14 @@ class WorkerRegistry {
     std::chrono::steady_clock::time_point hold_until{};  // unassignable before this (see Release)
   };
   bool Assignable(const Worker& w, std::chrono::steady_clock::time_point now) const;
+  static v1::WorkerInfo InfoOf(const Worker& w);
   void NotifyChange();
 
   const WorkerRegistryOptions options_;
   mutable std::mutex mu_;
   std::map<std::string, Worker> workers_;
   int64_t next_id_ = 1;
+  bool assigning_ = true;
   uint64_t next_token_ = 1;
   std::function<void()> on_change_;
 };

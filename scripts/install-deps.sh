@@ -12,6 +12,8 @@ PKGS=(
   libyaml-cpp-dev                                                          # YAML job specs
   zlib1g-dev                                                               # checkpoint checksums (CRC-32)
   libgtest-dev libgmock-dev                                                # tests
+  openssl                                                                  # test certificates (TLS tests)
+  clang libclang-rt-14-dev                                                 # libFuzzer (spec parser fuzz test)
   fortunes                                                                 # the default corpus
   python3-pip                                                              # test tools (below)
 )

@@ -46,9 +46,12 @@ struct WorkerDaemon::Job {
 };
 
 WorkerDaemon::WorkerDaemon(DaemonOptions opts) : opts_(std::move(opts)) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(64 << 20);
-  channel_ = grpc::CreateCustomChannel(opts_.coordinator, grpc::InsecureChannelCredentials(), args);
+  channel_ = opts_.channel;
+  if (!channel_) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    channel_ = grpc::CreateCustomChannel(opts_.coordinator, grpc::InsecureChannelCredentials(), args);
+  }
   stub_ = v1::WorkerControl::NewStub(channel_);
   job_thread_ = std::thread([this] { JobThread(); });
 }

@@ -38,6 +38,8 @@ struct DaemonOptions {
   std::string backend = "cpu";
   int device = 0;
   int connect_timeout_s = 60;  // give up when the coordinator does not answer this long
+  // The channel to the coordinator (TLS, token: common/rpc_channel.h); null = plaintext.
+  std::shared_ptr<grpc::Channel> channel;
 };
 
 class WorkerDaemon {

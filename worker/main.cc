@@ -3,12 +3,14 @@
 
 #include <atomic>
 #include <csignal>
+#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "common/rpc_channel.h"
 #include "worker/daemon.h"
 
 extern "C" void openblas_set_num_threads(int);
@@ -19,6 +21,13 @@ ABSL_FLAG(std::string, backend, "cpu", "compute backend this worker offers: cpu 
 ABSL_FLAG(int, device, 0, "GPU ordinal (cuda backend)");
 ABSL_FLAG(int, threads, 1, "BLAS threads for the CPU backend");
 ABSL_FLAG(int, connect_timeout_s, 60, "give up when the coordinator does not answer this long");
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle to verify the coordinator with (TLS); "
+          "default $FSDP8_TLS_CA");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mutual TLS); default $FSDP8_TLS_CERT");
+ABSL_FLAG(std::string, tls_key, "", "PEM key of --tls_cert; default $FSDP8_TLS_KEY");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding this worker's bearer token (role worker); default $FSDP8_TOKEN_FILE, "
+          "or the token itself in $FSDP8_TOKEN");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
@@ -39,6 +48,33 @@ int main(int argc, char** argv) {
   opts.backend = absl::GetFlag(FLAGS_backend);
   opts.device = absl::GetFlag(FLAGS_device);
   opts.connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);
+  auto setting = [](std::string v, const char* env) {
+    if (v.empty()) {
+      const char* e = std::getenv(env);
+      if (e) v = e;
+    }
+    return v;
+  };
+  fsdp8::ChannelSecurity sec;
+  sec.tls_ca = setting(absl::GetFlag(FLAGS_tls_ca), "FSDP8_TLS_CA");
+  sec.tls_cert = setting(absl::GetFlag(FLAGS_tls_cert), "FSDP8_TLS_CERT");
+  sec.tls_key = setting(absl::GetFlag(FLAGS_tls_key), "FSDP8_TLS_KEY");
+  if (const std::string f = setting(absl::GetFlag(FLAGS_token_file), "FSDP8_TOKEN_FILE"); !f.empty()) {
+    auto t = fsdp8::ReadTokenFile(f);
+    if (!t.ok()) {
+      std::cerr << "fsdp8-worker: " << t.status().message() << std::endl;
+      return 2;
+    }
+    sec.token = *t;
+  } else {
+    sec.token = setting("", "FSDP8_TOKEN");
+  }
+  auto channel = fsdp8::MakeChannel(opts.coordinator, sec);
+  if (!channel.ok()) {
+    std::cerr << "fsdp8-worker: " << channel.status().message() << std::endl;
+    return 2;
+  }
+  opts.channel = *channel;
   auto daemon = std::make_unique<fsdp8::WorkerDaemon>(opts);
   // The watcher is joined before the daemon is destroyed, so it never touches a freed daemon.
   // Once Run returns, main sets `done` and wakes it with a thread-directed SIGTERM.
