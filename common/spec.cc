@@ -496,7 +496,8 @@ absl::Status MessageToJson(const YAML::Node& n, const Descriptor* d, const std::
   *out += "{";
   bool first = true;
   for (auto it = n.begin(); it != n.end(); ++it) {
-    const YAML::Node& key = it->first;
+    // A copy: it-> returns a proxy that dies with the expression (a reference would dangle).
+    const YAML::Node key = it->first;
     if (!key.IsScalar()) {
       return absl::InvalidArgumentError(
           absl::StrCat(path.empty() ? "spec" : path, ": keys must be plain names", Where(key)));
