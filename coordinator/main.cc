@@ -13,6 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "coordinator/log.h"
 #include "coordinator/services.h"
+#include "coordinator/status_page.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
           "address to serve gRPC on; port 0 picks a free port (printed on stdout)");
@@ -38,6 +39,9 @@ ABSL_FLAG(int32_t, max_message_mb, 64, "largest gRPC message received or sent, M
 ABSL_FLAG(double, drain_timeout_s, 60,
           "on SIGTERM/SIGINT, wait this long for running jobs' checkpoints before exiting");
 ABSL_FLAG(std::string, log_level, "info", "error, warning, info or debug (AdminService.SetLogLevel)");
+ABSL_FLAG(int, metrics_port, 0,
+          "HTTP port for /metrics (Prometheus) and the status page at /; 0: off");
+ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "address the metrics port binds (an IP literal)");
 
 namespace {
 std::chrono::milliseconds Ms(double seconds) {
@@ -81,6 +85,8 @@ int main(int argc, char** argv) {
   o.scheduler.start_timeout = Ms(absl::GetFlag(FLAGS_start_timeout_s));
   o.scheduler.collective_timeout_ms = absl::GetFlag(FLAGS_collective_timeout_ms);
   o.scheduler.abort_grace = Ms(absl::GetFlag(FLAGS_abort_grace_s));
+  o.metrics_host = absl::GetFlag(FLAGS_metrics_host);
+  o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
 
   if (o.workers.heartbeat_interval_ms < 1 ||
       std::chrono::milliseconds(o.workers.heartbeat_interval_ms) >= o.workers.heartbeat_timeout) {
@@ -94,6 +100,14 @@ int main(int argc, char** argv) {
     return 1;
   }
   printf("fsdp8-coordinator listening on %s\n", (*server)->address().c_str());
+  if ((*server)->metrics_port() != 0) {
+    printf("fsdp8-coordinator status page on http://%s:%d/ (metrics at /metrics)\n",
+           o.metrics_host.c_str(), (*server)->metrics_port());
+    auto chart = fsdp8::coord::ChartJsPath();
+    if (!chart.ok())
+      fprintf(stderr, "fsdp8-coordinator: status page charts off: %s\n",
+              std::string(chart.status().message()).c_str());
+  }
   fflush(stdout);
   fprintf(stderr, "fsdp8-coordinator %s: state db %s, data roots %s, %s, %s\n", FSDP8_VERSION,
           o.jobs.state_db.c_str(),

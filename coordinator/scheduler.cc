@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "common/spec.h"
 #include "coordinator/checkpoint_store.h"
+#include "coordinator/metrics.h"
 
 namespace fsdp8::coord {
 namespace {
@@ -381,6 +382,7 @@ class JobRun {
       }
       bool requested = false;
       if (!jobs_->RecordStep(id, ev, &requested).ok()) return absl::CancelledError("job ended");
+      if (options_.metrics) options_.metrics->OnStep(id, ev, results);
       const int64_t completed = k + 1;
       // Free-running workers are busy stepping until the end: only the final save.
       if (!ckpt.dir().empty() && (!spec.training().free_running() || completed == steps) &&

@@ -54,6 +54,8 @@
 
 namespace fsdp8::coord {
 
+class CoordinatorMetrics;
+
 struct SchedulerOptions {
   std::chrono::milliseconds start_timeout{120000};
   std::chrono::milliseconds step_timeout{300000};
@@ -63,6 +65,8 @@ struct SchedulerOptions {
   // worker still unwinding the aborted job (finishing a step, tearing down its communicator) is not
   // handed the next Assignment meanwhile. 0 releases them at once.
   std::chrono::milliseconds abort_grace{2000};
+  // Told every completed step (optional; must outlive the scheduler).
+  CoordinatorMetrics* metrics = nullptr;
 };
 
 class JobRun;

@@ -12,8 +12,10 @@
 #include "absl/strings/str_cat.h"
 #include "common/shard_plan.h"
 #include "common/spec.h"
+#include "common/http_server.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/log.h"
+#include "coordinator/status_page.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 
@@ -440,6 +442,17 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->jobs_ = std::move(*jobs);
   s->workers_ = std::make_unique<WorkerRegistry>(options.workers);
   s->kv_ = std::make_unique<KvServer>();
+  s->metrics_ = std::make_unique<CoordinatorMetrics>();
+  options.scheduler.metrics = s->metrics_.get();
+  if (options.metrics_port != 0) {
+    auto http = HttpServer::Start(options.metrics_host, options.metrics_port,
+                                  [srv = s.get()](const std::string& path, const std::string& query) {
+                                    return ServeStatusHttp(path, query, *srv->jobs_, *srv->workers_,
+                                                           *srv->metrics_);
+                                  });
+    if (!http.ok()) return http.status();
+    s->http_ = std::move(*http);
+  }
   s->scheduler_ = std::make_unique<Scheduler>(s->jobs_.get(), s->workers_.get(), s->kv_.get(),
                                               options.scheduler);
   s->job_service_ =
@@ -531,12 +544,15 @@ std::vector<std::string> CoordinatorServer::Drain(std::chrono::milliseconds time
 
 CoordinatorServer::~CoordinatorServer() { Shutdown(); }
 
+int CoordinatorServer::metrics_port() const { return http_ ? http_->port() : 0; }
+
 void CoordinatorServer::Shutdown() {
   {
     std::lock_guard<std::mutex> lock(shutdown_mu_);
     if (shut_down_) return;
     shut_down_ = true;
   }
+  http_.reset();  // its handlers read the job table and the registry
   if (scheduler_) scheduler_->Stop();
   if (jobs_) jobs_->Shutdown();
   if (kv_) kv_->Shutdown();

@@ -22,12 +22,17 @@
 #include "coordinator/auth.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/kv_server.h"
+#include "coordinator/metrics.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/worker_registry.h"
 #include "fsdp8/v1/admin.grpc.pb.h"
 #include "fsdp8/v1/jobs.grpc.pb.h"
 #include "fsdp8/v1/worker.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+
+namespace fsdp8 {
+class HttpServer;
+}
 
 namespace fsdp8::coord {
 
@@ -121,6 +126,9 @@ struct CoordinatorOptions {
   JobManagerOptions jobs;
   WorkerRegistryOptions workers;          // version defaults to FSDP8_VERSION when empty
   SchedulerOptions scheduler;
+  // HTTP: /metrics (Prometheus) and the status page; port 0: no HTTP server.
+  std::string metrics_host = "0.0.0.0";
+  int metrics_port = 0;
 };
 
 // The whole coordinator in one object (used by main.cc and in-process tests).
@@ -141,6 +149,8 @@ class CoordinatorServer {
   // has committed it (or ended), at most `timeout`. Returns a line per job ("job-x: checkpoint
   // step-12 committed" or why not). Call Shutdown afterwards.
   std::vector<std::string> Drain(std::chrono::milliseconds timeout);
+  // The bound HTTP port (metrics, status page); 0 when off.
+  int metrics_port() const;
   // Stops the scheduler (running jobs' ranks get Abort), wakes watchers and blocked KvGets, and
   // shuts the server down (in-flight calls are cancelled after 2 s).
   void Shutdown();
@@ -148,12 +158,15 @@ class CoordinatorServer {
   JobManager* jobs() { return jobs_.get(); }
   WorkerRegistry* workers() { return workers_.get(); }
   KvServer* kv() { return kv_.get(); }
+  CoordinatorMetrics* metrics() { return metrics_.get(); }
 
  private:
   CoordinatorServer() = default;
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<WorkerRegistry> workers_;
   std::unique_ptr<KvServer> kv_;
+  std::unique_ptr<CoordinatorMetrics> metrics_;
+  std::unique_ptr<HttpServer> http_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<Authorizer> auth_;
   std::atomic<bool> draining_{false};

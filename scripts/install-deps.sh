@@ -11,6 +11,9 @@ PKGS=(
   libsqlite3-dev                                                           # coordinator job table
   libyaml-cpp-dev                                                          # YAML job specs
   zlib1g-dev                                                               # checkpoint checksums (CRC-32)
+  libmicrohttpd-dev libjs-chart.js                                         # /metrics, status page + charts
+  gnuplot-nox                                                              # fsdp8 watch --plot
+  chromium python3-prometheus-client                                       # tests: status page, exposition parser
   libgtest-dev libgmock-dev                                                # tests
   openssl                                                                  # test certificates (TLS tests)
   clang libclang-rt-14-dev                                                 # libFuzzer (spec parser fuzz test)

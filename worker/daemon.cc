@@ -33,6 +33,8 @@ struct WorkerDaemon::Job {
   std::unique_ptr<KvStore> grpc_kv;
   std::unique_ptr<KvStore> kv;  // grpc_kv, cancellable by the job's abort flag
   std::shared_ptr<Communicator> comm;
+  CommBytes reported;  // comm's byte counters as already added to the metrics
+  int rank = 0;
   std::unique_ptr<Trainer> trainer;
   // Set by Abort, by the end of the session and by a newer Assignment: the coordinator has moved
   // on, so nothing more is reported for this job (a late error or result could otherwise be taken
@@ -98,6 +100,7 @@ bool WorkerDaemon::Register() {
     grpc::Status s = stub_->Register(&ctx, req, &resp);
     if (s.ok()) {
       worker_id_ = resp.worker_id();
+      if (opts_.metrics) opts_.metrics->SetWorkerId(worker_id_);
       heartbeat_ms_ = resp.heartbeat_interval_ms() > 0 ? resp.heartbeat_interval_ms() : 1000;
       Log(absl::StrCat("registered with ", opts_.coordinator, " (version ", FSDP8_VERSION,
                        ", heartbeat ", heartbeat_ms_, " ms)"));
@@ -221,6 +224,7 @@ void WorkerDaemon::Serve() {
         break;
       case v1::CoordinatorMessage::kAbort: {
         Log(absl::StrCat("abort: ", msg.abort().reason()));
+        if (opts_.metrics) opts_.metrics->OnAbort();
         CancelJob(msg.abort().reason());
         Post([this] { DropJob(); });
         break;
@@ -286,11 +290,13 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
                      ": aborted before it started"));
     return;
   }
+  if (opts_.metrics) opts_.metrics->OnAssignment();
   auto fail = [&](const std::string& what) {
     Log(absl::StrCat("job ", a.job_id(), ": ", what));
     // The coordinator has already moved on from an aborted job; an error for it could be taken
     // as a failure of the job's next generation.
     if (cancelled->load()) return DropJob();
+    if (opts_.metrics) opts_.metrics->OnFailure();
     v1::WorkerMessage m;
     m.mutable_error()->set_job_id(a.job_id());
     m.mutable_error()->set_message(what);
@@ -334,6 +340,7 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
     }
   }
   if (cancelled->load()) return fail("aborted during bootstrap");
+  job->rank = a.rank();
   auto t = Trainer::Create(a.spec(), a.rank(), a.world_size(), job->backend.get(), job->comm.get());
   if (!t.ok()) return fail(t.status().ToString());
   job->trainer = std::move(*t);
@@ -378,8 +385,10 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
     Send(m);
     return false;
   }
+  const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<v1::StepResult> r =
       job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (job_->cancelled->load()) {
     Log(absl::StrCat("step ", c.step(), " of aborted job ", job_->job_id, " not reported",
                      r.ok() ? "" : absl::StrCat(": ", r.status().message())));
@@ -388,6 +397,7 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   }
   v1::WorkerMessage m;
   if (!r.ok()) {
+    if (opts_.metrics) opts_.metrics->OnFailure();
     m.mutable_error()->set_job_id(job_->job_id);
     m.mutable_error()->set_message(absl::StrCat("step ", c.step(), ": ", r.status().ToString()));
     Log(m.error().message());
@@ -403,6 +413,16 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
                      c.evaluate() ? absl::StrCat(", val ", r->val_loss()) : ""));
   }
   if (r->has_scaling()) r->mutable_scaling()->set_job_id(job_->job_id);
+  if (opts_.metrics) {
+    const CommBytes now = job_->comm->bytes();
+    CommBytes delta;
+    delta.all_gather = now.all_gather - job_->reported.all_gather;
+    delta.reduce_scatter = now.reduce_scatter - job_->reported.reduce_scatter;
+    delta.all_reduce = now.all_reduce - job_->reported.all_reduce;
+    opts_.metrics->OnStep(job_->job_id, job_->rank, *r, wall, delta,
+                          r->has_scaling() ? r->scaling() : job_->trainer->ScalingReport());
+    job_->reported = now;
+  }
   *m.mutable_result() = std::move(*r);
   Send(m);
   return true;

@@ -29,6 +29,7 @@
 #include "fsdp8/v1/worker.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "worker/communicator.h"
+#include "worker/metrics.h"
 
 namespace fsdp8 {
 
@@ -40,6 +41,7 @@ struct DaemonOptions {
   int connect_timeout_s = 60;  // give up when the coordinator does not answer this long
   // The channel to the coordinator (TLS, token: common/rpc_channel.h); null = plaintext.
   std::shared_ptr<grpc::Channel> channel;
+  WorkerMetrics* metrics = nullptr;  // optional; must outlive the daemon
 };
 
 class WorkerDaemon {

@@ -11,7 +11,9 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "common/rpc_channel.h"
+#include "common/http_server.h"
 #include "worker/daemon.h"
+#include "worker/metrics.h"
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -28,6 +30,8 @@ ABSL_FLAG(std::string, tls_key, "", "PEM key of --tls_cert; default $FSDP8_TLS_K
 ABSL_FLAG(std::string, token_file, "",
           "file holding this worker's bearer token (role worker); default $FSDP8_TOKEN_FILE, "
           "or the token itself in $FSDP8_TOKEN");
+ABSL_FLAG(int, metrics_port, 0, "serve Prometheus metrics on http://metrics_host:PORT/metrics; 0: off");
+ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "address the metrics port binds (an IP literal)");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
@@ -75,6 +79,26 @@ int main(int argc, char** argv) {
     return 2;
   }
   opts.channel = *channel;
+  fsdp8::WorkerMetrics metrics(opts.backend, opts.device);
+  std::unique_ptr<fsdp8::HttpServer> http;
+  if (absl::GetFlag(FLAGS_metrics_port) != 0) {
+    auto s = fsdp8::HttpServer::Start(
+        absl::GetFlag(FLAGS_metrics_host), absl::GetFlag(FLAGS_metrics_port),
+        [&metrics](const std::string& path, const std::string&) {
+          if (path == "/metrics")
+            return fsdp8::HttpResponse{200, "text/plain; version=0.0.4; charset=utf-8",
+                                       metrics.Render()};
+          return fsdp8::HttpResponse{404, "text/plain; charset=utf-8", "not found; try /metrics\n"};
+        });
+    if (!s.ok()) {
+      std::cerr << "fsdp8-worker: --metrics_port: " << s.status().message() << std::endl;
+      return 2;
+    }
+    http = std::move(*s);
+    std::cerr << "[worker] metrics on http://" << absl::GetFlag(FLAGS_metrics_host) << ":"
+              << http->port() << "/metrics" << std::endl;
+    opts.metrics = &metrics;
+  }
   auto daemon = std::make_unique<fsdp8::WorkerDaemon>(opts);
   // The watcher is joined before the daemon is destroyed, so it never touches a freed daemon.
   // Once Run returns, main sets `done` and wakes it with a thread-directed SIGTERM.
@@ -93,6 +117,7 @@ int main(int argc, char** argv) {
   pthread_kill(watcher.native_handle(), SIGTERM);  // blocked everywhere: only sigwait takes it
   watcher.join();
   daemon.reset();  // aborts the current job's communicator and joins the job thread
+  http.reset();
   std::cerr.flush();
   std::_Exit(rc);
 }
