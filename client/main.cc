@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/client.h"
+#include "client/plot.h"
 #include "client/prepare.h"
 #include "common/hf_model.h"
 #include "common/spec.h"
@@ -30,7 +31,9 @@ constexpr char kUsage[] =
     "\n"
     "commands:\n"
     "  submit SPEC_FILE [--request_id ID] [--no-watch]   submit a job (YAML or JSON), then watch it\n"
-    "  watch JOB [--json]                                follow a job until it ends (--json: one event per line)\n"
+    "  watch JOB [--json] [--plot FILE]                  follow a job until it ends (--json: one event per\n"
+    "                                                    line; --plot, also on submit: the loss curve\n"
+    "                                                    as an image, .png, .svg or .pdf, by gnuplot)\n"
     "  status JOB [--json]                               one job's state\n"
     "  list                                              every job\n"
     "  cancel JOB                                        cancel a job\n"
@@ -69,7 +72,8 @@ bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
       {"coordinator", true}, {"request_id", true}, {"out", true},   {"val_fraction", true},
       {"no-watch", false},   {"no_watch", false},  {"json", false}, {"help", false},
       {"step", true},        {"dtype", true},      {"undo", false},  {"token", true},
-      {"token-file", true},  {"tls-ca", true},     {"tls-cert", true}, {"tls-key", true}};
+      {"token-file", true},  {"tls-ca", true},     {"tls-cert", true}, {"tls-key", true},
+      {"plot", true}};
   for (int i = 1; i < argc; ++i) {
     std::string s = argv[i];
     if (s == "--") {
@@ -180,8 +184,17 @@ int Export(Args& a, const std::string& address, const fsdp8::ChannelSecurity& se
   return 0;
 }
 
-// Follows a job; returns the exit code (0 only for SUCCEEDED).
-int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false) {
+// Follows a job; returns the exit code (0 only for SUCCEEDED). With `plot`, writes the loss curve
+// there when the watch ends, and every 30 s meanwhile.
+int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
+             const std::string& plot = "") {
+  std::vector<fsdp8::LossPoint> curve;
+  auto last_plot = std::chrono::steady_clock::now();
+  auto write_plot = [&]() {
+    absl::Status s = fsdp8::WriteLossPlot(plot, absl::StrCat("fsdp8 job ", job_id), curve);
+    last_plot = std::chrono::steady_clock::now();
+    return s;
+  };
   const bool tty = isatty(fileno(stdout));
   double last_val = NAN, ema_step = NAN;
   fsdp8::v1::JobState state = fsdp8::v1::JOB_STATE_UNSPECIFIED;
@@ -193,6 +206,13 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false) {
     }
   };
   auto job = c.Watch(job_id, 0, [&](const fsdp8::v1::JobEvent& ev) {
+    if (ev.message().empty() && ev.step() > 0) {
+      // A restarted generation replays the steps after its checkpoint: keep the newest ones.
+      while (!curve.empty() && curve.back().step >= ev.step()) curve.pop_back();
+      curve.push_back({ev.step(), ev.loss(), ev.val_loss()});
+      if (!plot.empty() && std::chrono::steady_clock::now() - last_plot > std::chrono::seconds(30))
+        write_plot().IgnoreError();  // a failure is reported at the end
+    }
     if (json) {  // JSON lines (proto3 JSON mapping, NaN as "NaN") for scripts
       std::string line;
       google::protobuf::util::JsonPrintOptions o;
@@ -242,6 +262,13 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false) {
     return true;
   });
   end_bar();
+  if (!plot.empty()) {
+    absl::Status ps = write_plot();
+    if (ps.ok())
+      fprintf(json ? stderr : stdout, "loss curve (%zu steps) written to %s\n", curve.size(),
+              plot.c_str());
+    else fprintf(stderr, "error: %s\n", std::string(ps.message()).c_str());
+  }
   if (!job.ok()) return ReportError(job.status());
   if (json) return job->state() == fsdp8::v1::JOB_STATE_SUCCEEDED ? 0 : 1;
   printf("job %s %s after %lld/%lld steps: train loss %s, val loss %s\n", job->job_id().c_str(),
@@ -296,6 +323,10 @@ int main(int argc, char** argv) {
   Args a;
   std::string err;
   if (!ParseArgs(argc, argv, &a, &err)) return Usage(err);
+  if (a.flags.count("plot")) {
+    absl::Status s = fsdp8::CheckPlotPath(a.flags["plot"]);
+    if (!s.ok()) return Usage(std::string(s.message()));
+  }
   if (a.flags.count("help") || a.command.empty() || a.command == "help") {
     fputs(kUsage, a.command.empty() && !a.flags.count("help") ? stderr : stdout);
     return a.command.empty() && !a.flags.count("help") ? 2 : 0;
@@ -382,12 +413,12 @@ int main(int argc, char** argv) {
     printf("%s\n", job->job_id().c_str());
     fflush(stdout);
     if (a.flags.count("no-watch")) return 0;
-    return WatchJob(c, job->job_id());
+    return WatchJob(c, job->job_id(), false, a.flags["plot"]);
   }
   if (a.command == "watch") {
     std::string id = need_job("watch");
     if (id.empty()) return Usage("watch: exactly one JOB");
-    return WatchJob(c, id, a.flags.count("json") > 0);
+    return WatchJob(c, id, a.flags.count("json") > 0, a.flags["plot"]);
   }
   if (a.command == "status") {
     std::string id = need_job("status");

@@ -75,6 +75,7 @@ class Observability : public ::testing::Test {
       else std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     ASSERT_FALSE(addr.empty()) << ReadFile(coord_log);
+    addr_ = new std::string(addr);
     for (int i = 0; i < kWorkers; ++i)
       procs_->push_back(std::make_unique<Process>(
           std::vector<std::string>{FSDP8_WORKER_BIN, "--coordinator=" + addr, "--threads=1",
@@ -96,6 +97,7 @@ class Observability : public ::testing::Test {
     delete dir_;
     delete ports_;
     delete during_;
+    delete addr_;
   }
 
   static v1::JobSpec Spec() {
@@ -194,6 +196,7 @@ class Observability : public ::testing::Test {
   }
 
   static fs::path* dir_;
+  static std::string* addr_;  // the coordinator's gRPC address
   static std::vector<int>* ports_;  // coordinator, worker 0, worker 1
   static std::vector<std::unique_ptr<Process>>* procs_;
   static v1::JobService::Stub* jobs_;
@@ -204,6 +207,7 @@ class Observability : public ::testing::Test {
   static v1::JobState final_state_;
 };
 fs::path* Observability::dir_ = nullptr;
+std::string* Observability::addr_ = nullptr;
 std::vector<int>* Observability::ports_ = nullptr;
 std::vector<std::unique_ptr<Process>>* Observability::procs_ = nullptr;
 v1::JobService::Stub* Observability::jobs_ = nullptr;
@@ -434,6 +438,28 @@ TEST_F(Observability, StatusPageInHeadlessChromiumShowsJobWorkersAndLossChart) {
   EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
   EXPECT_GT(png.size(), 20000u) << "a blank page compresses to almost nothing";
   std::printf("status page screenshot: %s (%zu bytes)\n", shot.c_str(), png.size());
+}
+
+TEST_F(Observability, WatchPlotWritesTheLossCurve) {
+  fs::create_directories(FSDP8_SCREENSHOT_DIR);
+  const fs::path png = fs::path(FSDP8_SCREENSHOT_DIR) / "watch-plot.png";
+  fs::remove(png);
+  const fs::path out = *dir_ / "watch.out";
+  Process cli({FSDP8_CLI_BIN, "--coordinator=" + *addr_, "watch", job_->job_id(),
+               "--plot=" + png.string()},
+              out.string());
+  EXPECT_EQ(cli.Wait(std::chrono::seconds(60)), 0) << ReadFile(out);
+  EXPECT_NE(ReadFile(out).find("loss curve (" + std::to_string(kSteps) + " steps) written to"),
+            std::string::npos)
+      << ReadFile(out);
+  const std::string img = ReadFile(png);
+  ASSERT_GT(img.size(), 10000u);
+  EXPECT_EQ(img.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
+  // A name gnuplot cannot write is refused before anything is watched.
+  Process bad({FSDP8_CLI_BIN, "--coordinator=" + *addr_, "watch", job_->job_id(), "--plot=x.gif"},
+              (*dir_ / "bad.out").string());
+  EXPECT_EQ(bad.Wait(std::chrono::seconds(30)), 2);
+  EXPECT_NE(ReadFile(*dir_ / "bad.out").find("must end in .png, .svg or .pdf"), std::string::npos);
 }
 
 }  // namespace
