@@ -502,7 +502,8 @@ TEST_F(SchedulerTest, AbortedRanksWaitOutTheGraceBeforeTheNextJob) {
   ASSERT_TRUE(WaitFor([&] { return jobs_->Get(b->job_id())->state() != v1::JOB_STATE_PENDING; }));
   // The hold began (at Release) no later than `idle`; allow for the polling around it.
   EXPECT_GE(std::chrono::steady_clock::now() - idle, 2500ms);
-  EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kAssignment), 2);
+  // STARTING is set before the job's driver thread sends the assignments.
+  EXPECT_TRUE(WaitFor([&] { return w0->Count(v1::CoordinatorMessage::kAssignment) == 2; }));
 }
 
 TEST_F(SchedulerTest, LostSessionFailsJobWithinSeconds) {
