@@ -136,7 +136,9 @@ int WorkerDaemon::Run() {
     std::thread hb([this, id = worker_id_, ms = heartbeat_ms_, &stop_hb] {
       HeartbeatLoop(id, ms, &stop_hb);
     });
+    registered_ = true;
     Serve();
+    registered_ = false;
     stop_hb = true;
     hb.join();
     if (!shutdown_) {

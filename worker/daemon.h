@@ -52,6 +52,8 @@ class WorkerDaemon {
   // Returns 0 on a clean shutdown, 1 when the coordinator could not be reached.
   int Run();
   void Shutdown();
+  // True while registered with the coordinator and its session is being served (any thread).
+  bool registered() const { return registered_.load(); }
 
  private:
   struct Job;
@@ -78,6 +80,7 @@ class WorkerDaemon {
   std::string worker_id_;
   int heartbeat_ms_ = 1000;
   std::atomic<bool> shutdown_{false};
+  std::atomic<bool> registered_{false};
 
   std::mutex ctx_mu_;
   grpc::ClientContext* session_ctx_ = nullptr;  // guarded by ctx_mu_

@@ -2,6 +2,7 @@
 #include <pthread.h>
 
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
@@ -10,8 +11,11 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "common/rpc_channel.h"
+#include "absl/strings/str_cat.h"
 #include "common/http_server.h"
+#include "common/rpc_channel.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
 #include "worker/daemon.h"
 #include "worker/metrics.h"
 
@@ -32,12 +36,26 @@ ABSL_FLAG(std::string, token_file, "",
           "or the token itself in $FSDP8_TOKEN");
 ABSL_FLAG(int, metrics_port, 0, "serve Prometheus metrics on http://metrics_host:PORT/metrics; 0: off");
 ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "address the metrics port binds (an IP literal)");
+ABSL_FLAG(int, health_port, 0,
+          "serve grpc.health.v1 on 0.0.0.0:PORT (Kubernetes gRPC probes): service \"\" is SERVING "
+          "while the process runs, service \"ready\" while registered with the coordinator; 0: off");
+
+namespace {
+// Threads started before main (OpenBLAS's pool, created by its library constructor) do not block
+// SIGTERM / SIGINT, so the kernel may deliver them there; this handler hands such a signal on to
+// the watcher thread, whose sigwait then takes it (pthread_kill is async-signal-safe).
+pthread_t g_watcher;
+std::atomic<bool> g_watcher_started{false};
+void ForwardToWatcher(int sig) {
+  if (g_watcher_started.load()) pthread_kill(g_watcher, sig);
+}
+}  // namespace
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
 
-  // SIGTERM / SIGINT are taken by a watcher thread (sigwait), never by an async handler; they are
-  // blocked before any thread starts so every thread inherits the mask.
+  // SIGTERM / SIGINT are taken by a watcher thread (sigwait); they are blocked before any thread of
+  // ours starts so every such thread inherits the mask (see ForwardToWatcher for the others).
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGTERM);
@@ -100,6 +118,36 @@ int main(int argc, char** argv) {
     opts.metrics = &metrics;
   }
   auto daemon = std::make_unique<fsdp8::WorkerDaemon>(opts);
+
+  // Health server for probes: plaintext, nothing but grpc.health.v1.
+  std::unique_ptr<grpc::Server> health;
+  // The builder wants at least one service of its own before it starts (the health service is
+  // added at start); this one answers UNIMPLEMENTED to everything.
+  grpc::CallbackGenericService unimplemented;
+  std::thread health_updater;
+  std::atomic<bool> stop_health{false};
+  if (const int port = absl::GetFlag(FLAGS_health_port); port > 0) {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder b;
+    int bound = 0;
+    b.AddListeningPort(absl::StrCat("0.0.0.0:", port), grpc::InsecureServerCredentials(), &bound);
+    b.RegisterCallbackGenericService(&unimplemented);
+    health = b.BuildAndStart();
+    if (!health || bound == 0) {
+      std::cerr << "[worker] --health_port: cannot listen on 0.0.0.0:" << port << std::endl;
+      return 2;
+    }
+    health->GetHealthCheckService()->SetServingStatus("ready", false);
+    health_updater = std::thread([&] {
+      bool last = false;
+      while (!stop_health.load()) {
+        const bool now = daemon->registered();
+        if (now != last) health->GetHealthCheckService()->SetServingStatus("ready", now);
+        last = now;
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      }
+    });
+  }
   // The watcher is joined before the daemon is destroyed, so it never touches a freed daemon.
   // Once Run returns, main sets `done` and wakes it with a thread-directed SIGTERM.
   std::atomic<bool> done{false};
@@ -112,7 +160,19 @@ int main(int argc, char** argv) {
       d->Shutdown();
     }
   });
+  g_watcher = watcher.native_handle();
+  g_watcher_started = true;
+  struct sigaction sa {};
+  sa.sa_handler = ForwardToWatcher;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
   const int rc = daemon->Run();
+  if (health) {
+    stop_health = true;
+    health_updater.join();
+    health->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  }
   done = true;
   pthread_kill(watcher.native_handle(), SIGTERM);  // blocked everywhere: only sigwait takes it
   watcher.join();
