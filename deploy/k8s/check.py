@@ -150,6 +150,9 @@ def check(overlay, objs):
     if db_pvc["spec"]["accessModes"] != ["ReadWriteOnce"] or dep["spec"]["replicas"] != 1 or \
             dep["spec"]["strategy"]["type"] != "Recreate":
         fail(overlay, "coordinator: one replica, Recreate, its db ReadWriteOnce")
+    drain = float(flag(c["args"], "drain_timeout_s") or 60)
+    if spec.get("terminationGracePeriodSeconds", 30) <= drain:
+        fail(overlay, f"coordinator: grace period <= --drain_timeout_s {drain}")
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     if ports.get("grpc") != listen_port:
         fail(overlay, f"coordinator: port grpc {ports.get('grpc')} != --listen {listen_port}")

@@ -80,7 +80,8 @@ def grpcurl_binary():
 
 def readme_grpcurl_commands():
     with open(README) as f:
-        return [shlex.split(line) for line in f.read().splitlines() if line.startswith("grpcurl ")]
+        return [shlex.split(line, comments=True) for line in f.read().splitlines()
+                if line.startswith("grpcurl ")]
 
 
 class ReflectionTest(unittest.TestCase):
@@ -162,8 +163,8 @@ class ReflectionTest(unittest.TestCase):
         services = self.r.services()
         for s in (JOBS, ADMIN, "grpc.health.v1.Health"):
             self.assertIn(s, services)
-        for m in ("ListWorkers", "GetShardPlan", "GetScalingState", "TriggerCheckpoint",
-                  "ListCheckpoints"):
+        for m in ("ListWorkers", "DrainWorker", "GetShardPlan", "GetScalingState",
+                  "TriggerCheckpoint", "ListCheckpoints", "SetLogLevel"):
             self.assertIn(m, self.r.methods(ADMIN))
         for m in ("SubmitJob", "GetJob", "ListJobs", "WatchJob", "CancelJob"):
             self.assertIn(m, self.r.methods(JOBS))
@@ -178,6 +179,8 @@ class ReflectionTest(unittest.TestCase):
             self.assertTrue(w.healthy)
             self.assertEqual(w.job_id, "")
             self.assertEqual(w.rank, -1)
+            self.assertEqual(self.r.enum_name("fsdp8.v1.WorkerState", w.state), "WORKER_STATE_IDLE")
+            self.assertFalse(w.draining)
             self.assertGreater(w.last_heartbeat, time.time() - 60)
         self.assertEqual(len({w.worker_id for w in workers}), 2)
 
@@ -261,30 +264,72 @@ class ReflectionTest(unittest.TestCase):
         ckpt = os.path.join(self.cluster.data, "ckpt-grpcurl")
         job_id = self.r.call(JOBS, "SubmitJob", {"spec": self.spec(100000, checkpoint={"dir": ckpt})}).job_id
         self.wait_running(job_id, 2)
-        known = {"list", "ListWorkers", "GetScalingState", "GetShardPlan", "ListJobs", "GetJob",
-                 "TriggerCheckpoint", "ListCheckpoints", "CancelJob"}
-        # Lines for other methods (with their own placeholders) are not run here.
-        cmds = [a for a in readme_grpcurl_commands() if a[-1].rsplit("/", 1)[-1] in known]
+        workers = [w.worker_id for w in self.r.call(ADMIN, "ListWorkers").workers]
         out = {}
-        for argv in cmds:
-            argv = [grpcurl_binary()] + [self.cluster.address if a == "localhost:50051"
-                                         else a.replace('"JOB"', json.dumps(job_id))
-                                         for a in argv[1:]]
+        for argv in readme_grpcurl_commands():
+            # Placeholders of the README: JOB, and worker w-3.
+            argv = [grpcurl_binary()] + [
+                self.cluster.address if a == "localhost:50051" else
+                a.replace('"JOB"', json.dumps(job_id)).replace('"w-3"', json.dumps(workers[0]))
+                for a in argv[1:]]
             r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
             self.assertEqual(r.returncode, 0, f"{argv}: {r.stderr}")
             key = argv[-1].rsplit("/", 1)[-1]
-            out[key] = r.stdout if key == "list" else json.loads(r.stdout or "{}")
-        self.assertEqual(set(out), known)
+            out.setdefault(key, []).append(r.stdout if key == "list" else json.loads(r.stdout or "{}"))
+        for m in ("list", "ListWorkers", "DrainWorker", "GetShardPlan", "GetScalingState",
+                  "ListJobs", "GetJob", "TriggerCheckpoint", "ListCheckpoints", "CancelJob",
+                  "SetLogLevel", "Check"):
+            self.assertIn(m, out)
         for svc in (JOBS, ADMIN, "grpc.health.v1.Health"):
-            self.assertIn(svc, out["list"].split())
-        self.assertEqual(len(out["ListWorkers"]["workers"]), 2)
-        self.assertEqual(len(out["GetScalingState"]["tensors"]), L * 7 * 3)
+            self.assertIn(svc, out["list"][0].split())
+        self.assertEqual(len(out["ListWorkers"][0]["workers"]), 2)
+        drained = out["DrainWorker"][0]
+        self.assertEqual((drained["worker_id"], drained["draining"], drained["state"]),
+                         (workers[0], True, "WORKER_STATE_DRAINING"))  # it serves the job
         # grpcurl prints proto field names; int64 values are JSON strings.
-        self.assertEqual(int(out["GetShardPlan"]["total_numel"]), TOTAL_NUMEL)
-        self.assertIn(job_id, [j["job_id"] for j in out["ListJobs"]["jobs"]])
-        self.assertEqual(out["GetJob"]["state"], "JOB_STATE_RUNNING")
-        self.assertGreaterEqual(int(out["TriggerCheckpoint"]["step"]), 2)
-        self.assertEqual(out["CancelJob"]["state"], "JOB_STATE_CANCELLED")
+        totals = sorted(int(p["total_numel"]) for p in out["GetShardPlan"])
+        d = 128  # the README's spec-only plan: d_model 128, the other fields their defaults
+        self.assertEqual(totals, sorted([TOTAL_NUMEL, 256 * d + 4 * (4 * d * d + 3 * d * 384 + 2 * d)
+                                         + d + 256 * d]))
+        self.assertIn(job_id, [j["job_id"] for j in out["ListJobs"][0]["jobs"]])
+        self.assertEqual(out["GetJob"][0]["state"], "JOB_STATE_RUNNING")
+        self.assertGreaterEqual(int(out["TriggerCheckpoint"][0]["step"]), 2)
+        self.assertEqual(out["CancelJob"][0]["state"], "JOB_STATE_CANCELLED")
+        self.assertEqual(out["SetLogLevel"][0]["level"], "debug")
+        self.assertEqual(out["Check"][0]["status"], "SERVING")
+        # Leave the cluster as it was.
+        self.r.call(ADMIN, "DrainWorker", {"worker_id": workers[0], "undo": True})
+        self.r.call(ADMIN, "SetLogLevel", {"level": "info"})
+
+    def test_7_drain_and_log_level(self):
+        w = self.r.call(ADMIN, "ListWorkers").workers[1].worker_id
+        t0 = time.monotonic()
+        while True:  # idle again after the previous test's job (abort grace)
+            info = [x for x in self.r.call(ADMIN, "ListWorkers").workers if x.worker_id == w][0]
+            if not info.job_id:
+                break
+            self.assertLess(time.monotonic() - t0, 30)
+            time.sleep(0.1)
+        state = lambda i: self.r.enum_name("fsdp8.v1.WorkerState", i.state)  # noqa: E731
+        d = self.r.call(ADMIN, "DrainWorker", {"worker_id": w})
+        self.assertTrue(d.draining)
+        self.assertEqual(state(d), "WORKER_STATE_DRAINED")  # idle: drained at once
+        listed = [x for x in self.r.call(ADMIN, "ListWorkers").workers if x.worker_id == w][0]
+        self.assertEqual(state(listed), "WORKER_STATE_DRAINED")
+        u = self.r.call(ADMIN, "DrainWorker", {"worker_id": w, "undo": True})
+        self.assertFalse(u.draining)
+        self.assertEqual(state(u), "WORKER_STATE_IDLE")
+        with self.assertRaises(grpc.RpcError) as e:
+            self.r.call(ADMIN, "DrainWorker", {"worker_id": "no-such-worker"})
+        self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+
+        r = self.r.call(ADMIN, "SetLogLevel", {"level": "debug"})
+        self.assertEqual((r.previous, r.level), ("info", "debug"))
+        r = self.r.call(ADMIN, "SetLogLevel", {"level": "info"})
+        self.assertEqual((r.previous, r.level), ("debug", "info"))
+        with self.assertRaises(grpc.RpcError) as e:
+            self.r.call(ADMIN, "SetLogLevel", {"level": "loud"})
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
 
     def test_5_errors(self):
         with self.assertRaises(grpc.RpcError) as e:
