@@ -159,10 +159,15 @@ def check(overlay, objs):
     for probe in ("readinessProbe", "livenessProbe"):
         if c.get(probe, {}).get("grpc", {}).get("port") != listen_port:
             fail(overlay, f"coordinator: {probe} is not a gRPC probe on {listen_port}")
+    metrics = int(flag(c["args"], "metrics_port") or 0)
+    if not metrics or ports.get("metrics") != metrics:
+        fail(overlay, f"coordinator: port metrics {ports.get('metrics')} != --metrics_port {metrics}")
     if not selects(svc["spec"]["selector"], dep["spec"]["template"]["metadata"]["labels"]) or \
-            {(p["name"], p["targetPort"]) for p in svc["spec"]["ports"]} != {("grpc", "grpc")}:
-        fail(overlay, "Service fsdp8-coordinator does not reach the coordinator's grpc port")
-    svc_port = svc["spec"]["ports"][0]["port"]
+            {(p["name"], p["targetPort"]) for p in svc["spec"]["ports"]} != {
+                ("grpc", "grpc"), ("metrics", "metrics")}:
+        fail(overlay, "Service fsdp8-coordinator does not reach the coordinator's grpc and "
+             "metrics ports")
+    svc_port = [p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc"][0]
 
     # Workers.
     spec, c, env, mounts, vols = pod_checks(sts, "fsdp8-worker")
@@ -179,8 +184,11 @@ def check(overlay, objs):
             env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] != "status.podIP":
         fail(overlay, "workers: --host must be the pod IP (peers dial it)")
     health = int(flag(c["args"], "health_port") or 0)
-    if not health:
-        fail(overlay, "workers: no --health_port")
+    wmetrics = int(flag(c["args"], "metrics_port") or 0)
+    wports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    if not health or not wmetrics or wports != {"health": health, "metrics": wmetrics}:
+        fail(overlay, f"workers: container ports {wports} != --health_port {health}, "
+             f"--metrics_port {wmetrics}")
     if c["readinessProbe"].get("grpc") != {"port": health, "service": "ready"} or \
             c["livenessProbe"].get("grpc") != {"port": health}:
         fail(overlay, f"workers: probes must be gRPC on {health} (readiness service \"ready\")")
@@ -209,8 +217,8 @@ def check(overlay, objs):
     if len(pdb) != 1:
         fail(overlay, "workers: want exactly one PodDisruptionBudget")
 
-    # NetworkPolicy: workers talk to workers; besides, only the health port in, coordinator and
-    # DNS out.
+    # NetworkPolicy: workers talk to workers; besides, only the health and metrics ports in,
+    # coordinator and DNS out.
     pols = [o for o in objs if o["kind"] == "NetworkPolicy"
             and selects(o["spec"]["podSelector"].get("matchLabels", {}), labels)]
     if len(pols) != 1 or sorted(pols[0]["spec"]["policyTypes"]) != ["Egress", "Ingress"]:
@@ -220,7 +228,7 @@ def check(overlay, objs):
     for rule in pols[0]["spec"]["ingress"]:
         if rule.get("from") != worker_peer and \
                 not (rule.get("from") is None and rule.get("ports") == [
-                    {"port": health, "protocol": "TCP"}]):
+                    {"port": health, "protocol": "TCP"}, {"port": wmetrics, "protocol": "TCP"}]):
             fail(overlay, f"workers: ingress rule admits more than workers: {rule}")
     coord_labels = dep["spec"]["template"]["metadata"]["labels"]
     for rule in pols[0]["spec"]["egress"]:
