@@ -19,6 +19,7 @@ PKGS=(
   clang libclang-rt-14-dev                                                 # libFuzzer (spec parser fuzz test)
   fortunes                                                                 # the default corpus
   python3 python3-pip                                                      # test tools, Python SDK (below)
+  grpc-proto                                                               # health.proto for grpcurl (README)
 )
 # deploy/k8s is rendered with `kubectl kustomize`: Debian's kubernetes-client (kubectl 1.20,
 # kustomize v2) unless a kubectl is installed already (the manifests render the same with v2 to v5).

@@ -260,17 +260,18 @@ class ReflectionTest(unittest.TestCase):
             time.sleep(0.1)
 
     def test_6_readme_grpcurl_commands(self):
-        """README.md's grpcurl lines, as written (address and JOB substituted)."""
+        """README.md's grpcurl lines, as written (address, JOB, worker and data root substituted)."""
         ckpt = os.path.join(self.cluster.data, "ckpt-grpcurl")
         job_id = self.r.call(JOBS, "SubmitJob", {"spec": self.spec(100000, checkpoint={"dir": ckpt})}).job_id
         self.wait_running(job_id, 2)
         workers = [w.worker_id for w in self.r.call(ADMIN, "ListWorkers").workers]
         out = {}
         for argv in readme_grpcurl_commands():
-            # Placeholders of the README: JOB, and worker w-3.
+            # Placeholders of the README: JOB, worker w-3, the data root /data.
             argv = [grpcurl_binary()] + [
                 self.cluster.address if a == "localhost:50051" else
                 a.replace('"JOB"', json.dumps(job_id)).replace('"w-3"', json.dumps(workers[0]))
+                .replace('"/data/', json.dumps(self.cluster.data + "/")[:-1])
                 for a in argv[1:]]
             r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
             self.assertEqual(r.returncode, 0, f"{argv}: {r.stderr}")
