@@ -80,8 +80,13 @@ def grpcurl_binary():
 
 def readme_grpcurl_commands():
     with open(README) as f:
-        return [shlex.split(line, comments=True) for line in f.read().splitlines()
-                if line.startswith("grpcurl ")]
+        lines, in_code = [], False
+        for line in f.read().splitlines():
+            if line.startswith("```"):
+                in_code = not in_code
+            elif in_code and line.startswith("grpcurl "):
+                lines.append(shlex.split(line, comments=True))
+        return lines
 
 
 class ReflectionTest(unittest.TestCase):
