@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -115,26 +116,33 @@ std::string CheckpointStore::StepDir(int64_t step) const {
   return (fs::path(root_) / absl::StrCat(kStepPrefix, step)).string();
 }
 
+std::string CheckpointStore::StagingDir(int64_t step) const {
+  return (fs::path(root_) / absl::StrCat(".replace-", kStepPrefix, step)).string();
+}
+
 absl::StatusOr<std::string> CheckpointStore::Prepare(int64_t step) const {
   if (step < 0) return absl::InvalidArgumentError(absl::StrCat("checkpoint step ", step, " < 0"));
-  const std::string dir = StepDir(step);
+  std::string dir = StepDir(step);
   std::error_code ec;
+  if (fs::exists(fs::path(dir) / kManifestName, ec)) {
+    // Committed already: stage the new save beside it.
+    dir = StagingDir(step);
+    fs::remove_all(dir, ec);
+    if (ec) return absl::InternalError(absl::StrCat("remove ", dir, ": ", ec.message()));
+  }
   fs::create_directories(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("create ", dir, ": ", ec.message()));
-  const fs::path manifest = fs::path(dir) / kManifestName;
-  if (fs::exists(manifest, ec)) {
-    fs::remove(manifest, ec);
-    if (ec) return absl::InternalError(absl::StrCat("remove ", manifest.string(), ": ", ec.message()));
-    if (absl::Status s = FsyncPath(dir, true); !s.ok()) return s;
-  }
   fs::remove(fs::path(dir) / absl::StrCat(kManifestName, ".tmp"), ec);
   return dir;
 }
 
 absl::Status CheckpointStore::Commit(v1::CheckpointManifest m) const {
   if (m.format_version() == 0) m.set_format_version(kFormatVersion);
-  const std::string dir = StepDir(m.step());
-  if (absl::Status s = CheckManifest(m, dir); !s.ok())
+  const std::string step_dir = StepDir(m.step());
+  std::error_code ec;
+  const bool staged = fs::is_directory(StagingDir(m.step()), ec);
+  const std::string dir = staged ? StagingDir(m.step()) : step_dir;
+  if (absl::Status s = CheckManifest(m, step_dir); !s.ok())
     return absl::InvalidArgumentError(s.message());
   google::protobuf::util::JsonPrintOptions opts;
   opts.add_whitespace = true;
@@ -147,7 +155,25 @@ absl::Status CheckpointStore::Commit(v1::CheckpointManifest m) const {
   const std::string final_path = (fs::path(dir) / kManifestName).string();
   if (absl::Status s = WriteFileDurably(tmp, json); !s.ok()) return s;
   if (::rename(tmp.c_str(), final_path.c_str()) != 0) return ErrnoError("rename to", final_path);
-  return FsyncPath(dir, true);
+  if (absl::Status s = FsyncPath(dir, true); !s.ok()) return s;
+  if (!staged) return absl::OkStatus();
+  // The staged save is complete and committed in its own directory: swap it in.
+  if (::renameat2(AT_FDCWD, dir.c_str(), AT_FDCWD, step_dir.c_str(), RENAME_EXCHANGE) != 0) {
+    if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) return ErrnoError("exchange with", step_dir);
+    // No atomic exchange here: retire the old MANIFEST durably, then move directories.
+    const std::string old = step_dir + ".old";
+    fs::remove(fs::path(step_dir) / kManifestName, ec);
+    if (absl::Status s = FsyncPath(step_dir, true); !s.ok()) return s;
+    fs::remove_all(old, ec);
+    if (::rename(step_dir.c_str(), old.c_str()) != 0) return ErrnoError("rename to", old);
+    if (::rename(dir.c_str(), step_dir.c_str()) != 0) return ErrnoError("rename to", step_dir);
+    if (absl::Status s = FsyncPath(root_, true); !s.ok()) return s;
+    fs::remove_all(old, ec);
+    return absl::OkStatus();
+  }
+  if (absl::Status s = FsyncPath(root_, true); !s.ok()) return s;
+  fs::remove_all(dir, ec);  // now the old checkpoint's files
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::CheckpointManifest> CheckpointStore::ReadManifest(const std::string& step_dir) {
@@ -255,7 +281,17 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Retain(int keep_last) 
   std::error_code ec;
   for (fs::directory_iterator it(root_, ec); !ec && it != fs::directory_iterator();
        it.increment(ec)) {
-    const int64_t k = StepOfName(it->path().filename().string());
+    const std::string name = it->path().filename().string();
+    // Leftovers of an interrupted replacement (Prepare/Commit of a committed step).
+    const std::string staging_prefix = absl::StrCat(".replace-", kStepPrefix);
+    if (it->is_directory() &&
+        ((name.rfind(staging_prefix, 0) == 0 && StepOfName(name.substr(9)) >= 0) ||
+         (name.size() > 4 && name.compare(name.size() - 4, 4, ".old") == 0 &&
+          StepOfName(name.substr(0, name.size() - 4)) >= 0))) {
+      removed.push_back(it->path().string());
+      continue;
+    }
+    const int64_t k = StepOfName(name);
     if (k < 0 || !it->is_directory()) continue;
     const bool stale = !committed.count(k) && k < newest;
     if (doomed.count(k) || stale) removed.push_back(it->path().string());
@@ -296,8 +332,13 @@ absl::Status CheckpointStore::CheckResumeCompatible(const v1::JobSpec& job_in,
 }
 
 absl::Status CheckpointStore::Abandon(int64_t step) const {
-  const std::string dir = StepDir(step);
   std::error_code ec;
+  if (fs::is_directory(StagingDir(step), ec)) {
+    fs::remove_all(StagingDir(step), ec);
+    if (ec) return absl::InternalError(absl::StrCat("remove ", StagingDir(step), ": ", ec.message()));
+    return absl::OkStatus();
+  }
+  const std::string dir = StepDir(step);
   if (fs::exists(fs::path(dir) / kManifestName, ec)) return absl::OkStatus();
   fs::remove_all(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("remove ", dir, ": ", ec.message()));

@@ -50,17 +50,25 @@ class CheckpointStore {
   // "<root>/step-<k>".
   std::string StepDir(int64_t step) const;
 
-  // Creates <root>/step-<k> (and root) for a new save. An existing MANIFEST there (an older
-  // checkpoint of the same step) is removed first, and the removal made durable, so the directory
-  // is uncommitted while ranks overwrite their files. Returns the directory.
+  // "<root>/.replace-step-<k>": where a save of a step that already has a committed checkpoint
+  // is written (that checkpoint stays untouched until the new one is complete).
+  std::string StagingDir(int64_t step) const;
+
+  // Returns the directory the ranks write step k's files into: <root>/step-<k> (created, with
+  // root), or StagingDir(k) when step-<k> is already committed (a job resumed from an older
+  // checkpoint saves the same step again). Either way the previously committed checkpoint of step
+  // k stays intact and loadable until Commit replaces it.
   absl::StatusOr<std::string> Prepare(int64_t step) const;
 
   // Writes manifest.step()'s MANIFEST (see the header comment). The manifest must be valid
-  // (INVALID_ARGUMENT otherwise); format_version is set to kFormatVersion when 0.
+  // (INVALID_ARGUMENT otherwise); format_version is set to kFormatVersion when 0. For a staged
+  // save the MANIFEST is written into the staging directory, which then atomically trades places
+  // with step-<k> (renameat2 RENAME_EXCHANGE; where the filesystem lacks it, two renames with the
+  // old MANIFEST removed durably first), and the old files are removed.
   absl::Status Commit(v1::CheckpointManifest manifest) const;
 
-  // Removes <root>/step-<k> after a failed save, unless it is committed (then nothing is touched:
-  // a committed checkpoint is never deleted by a failed save). OK when it does not exist.
+  // Removes a failed save's directory: StagingDir(k) if present, else <root>/step-<k> unless it is
+  // committed (a committed checkpoint is never deleted by a failed save). OK when absent.
   absl::Status Abandon(int64_t step) const;
 
   // Committed checkpoints, ascending by step. A missing root is an empty list.

@@ -80,6 +80,45 @@ TEST(CheckpointStore, ManifestRoundTrip) {
   EXPECT_TRUE(CheckpointStore::Open(store.StepDir(20) + "/").ok());
 }
 
+// Saving a step that is already committed (a job resumed from an older checkpoint) must leave
+// the committed one intact and loadable until the new save commits: through a save that never
+// commits (a crash), one that is abandoned (a failed save), and then one that commits.
+TEST(CheckpointStore, ResavingACommittedStepKeepsItUntilTheNewCommit) {
+  TempDir tmp;
+  CheckpointStore store(tmp.File("ckpt"));
+  ASSERT_TRUE(store.Commit(Save(store, 10, 2, 64)).ok());
+  auto bytes_of_step10 = [&] {
+    auto c = CheckpointStore::Open(store.StepDir(10));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? c->bytes() : -1;
+  };
+  ASSERT_EQ(bytes_of_step10(), 64 + 65);
+  // A new save of step 10 goes elsewhere; the committed files are not touched meanwhile.
+  v1::CheckpointManifest m = Save(store, 10, 2, 200);
+  EXPECT_EQ(bytes_of_step10(), 64 + 65);
+  EXPECT_EQ(fs::file_size(store.StepDir(10) + "/rank-0.ckpt"), 64u);
+  auto latest = store.Latest();
+  ASSERT_TRUE(latest.ok() && latest->has_value());
+  EXPECT_EQ((*latest)->step, 10);
+  // Abandoned (a failed save): the committed checkpoint survives.
+  ASSERT_TRUE(store.Abandon(10).ok());
+  EXPECT_EQ(bytes_of_step10(), 64 + 65);
+  EXPECT_FALSE(fs::exists(store.StagingDir(10)));
+  // Saved again and committed: step 10 now holds the new files, and nothing is left over.
+  m = Save(store, 10, 2, 300);
+  ASSERT_TRUE(store.Commit(m).ok());
+  EXPECT_EQ(bytes_of_step10(), 300 + 301);
+  EXPECT_FALSE(fs::exists(store.StagingDir(10)));
+  EXPECT_EQ(Steps(store), std::vector<int64_t>{10});
+  // A leftover staging directory (a crash before the commit) is cleaned by retention.
+  Save(store, 10, 2, 50);
+  ASSERT_TRUE(fs::exists(store.StagingDir(10)));
+  auto removed = store.Retain(3);
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_FALSE(fs::exists(store.StagingDir(10)));
+  EXPECT_EQ(bytes_of_step10(), 300 + 301);
+}
+
 TEST(CheckpointStore, InvalidManifestRefusedOnCommit) {
   TempDir tmp;
   CheckpointStore store(tmp.path());
@@ -119,9 +158,11 @@ TEST(CheckpointStore, UncommittedDirectoriesAreIgnored) {
   fs::create_directories(tmp.File("step-7"));
   fs::copy_file(tmp.File("step-5/MANIFEST"), tmp.File("step-7/MANIFEST"));
   EXPECT_EQ(Steps(store), (std::vector<int64_t>{5}));
-  // Re-preparing a committed step uncommits it until the next Commit.
-  ASSERT_TRUE(store.Prepare(5).ok());
-  EXPECT_TRUE(Steps(store).empty());
+  // Re-preparing a committed step stages the new save elsewhere: step 5 stays committed.
+  auto staged = store.Prepare(5);
+  ASSERT_TRUE(staged.ok());
+  EXPECT_EQ(*staged, store.StagingDir(5));
+  EXPECT_EQ(Steps(store), (std::vector<int64_t>{5}));
 }
 
 TEST(CheckpointStore, RetentionKeepsNewestAndDropsStaleSaves) {
