@@ -140,7 +140,8 @@ absl::Status CheckpointStore::Commit(v1::CheckpointManifest m) const {
   if (m.format_version() == 0) m.set_format_version(kFormatVersion);
   const std::string step_dir = StepDir(m.step());
   std::error_code ec;
-  const bool staged = fs::is_directory(StagingDir(m.step()), ec);
+  // Prepare staged the save exactly when step-<k> was committed (and nothing else writes here).
+  const bool staged = fs::exists(fs::path(step_dir) / kManifestName, ec);
   const std::string dir = staged ? StagingDir(m.step()) : step_dir;
   if (absl::Status s = CheckManifest(m, step_dir); !s.ok())
     return absl::InvalidArgumentError(s.message());
@@ -160,13 +161,17 @@ absl::Status CheckpointStore::Commit(v1::CheckpointManifest m) const {
   // The staged save is complete and committed in its own directory: swap it in.
   if (::renameat2(AT_FDCWD, dir.c_str(), AT_FDCWD, step_dir.c_str(), RENAME_EXCHANGE) != 0) {
     if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) return ErrnoError("exchange with", step_dir);
-    // No atomic exchange here: retire the old MANIFEST durably, then move directories.
+    // No atomic exchange on this filesystem: move the old checkpoint aside (still committed, as
+    // step-<k>.old, which retention keeps while step-<k> is not committed), move the new one in,
+    // then drop the old. A failed second rename moves the old one back.
     const std::string old = step_dir + ".old";
-    fs::remove(fs::path(step_dir) / kManifestName, ec);
-    if (absl::Status s = FsyncPath(step_dir, true); !s.ok()) return s;
     fs::remove_all(old, ec);
     if (::rename(step_dir.c_str(), old.c_str()) != 0) return ErrnoError("rename to", old);
-    if (::rename(dir.c_str(), step_dir.c_str()) != 0) return ErrnoError("rename to", step_dir);
+    if (::rename(dir.c_str(), step_dir.c_str()) != 0) {
+      absl::Status err = ErrnoError("rename to", step_dir);
+      (void)::rename(old.c_str(), step_dir.c_str());
+      return err;
+    }
     if (absl::Status s = FsyncPath(root_, true); !s.ok()) return s;
     fs::remove_all(old, ec);
     return absl::OkStatus();
@@ -284,11 +289,13 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Retain(int keep_last) 
     const std::string name = it->path().filename().string();
     // Leftovers of an interrupted replacement (Prepare/Commit of a committed step).
     const std::string staging_prefix = absl::StrCat(".replace-", kStepPrefix);
-    if (it->is_directory() &&
-        ((name.rfind(staging_prefix, 0) == 0 && StepOfName(name.substr(9)) >= 0) ||
-         (name.size() > 4 && name.compare(name.size() - 4, 4, ".old") == 0 &&
-          StepOfName(name.substr(0, name.size() - 4)) >= 0))) {
-      removed.push_back(it->path().string());
+    // Only once step-<k> is committed again: until then either may hold the committed copy.
+    int64_t leftover = -1;
+    if (name.rfind(staging_prefix, 0) == 0) leftover = StepOfName(name.substr(9));
+    if (name.size() > 4 && name.compare(name.size() - 4, 4, ".old") == 0)
+      leftover = StepOfName(name.substr(0, name.size() - 4));
+    if (leftover >= 0) {
+      if (it->is_directory() && committed.count(leftover)) removed.push_back(it->path().string());
       continue;
     }
     const int64_t k = StepOfName(name);
@@ -333,7 +340,8 @@ absl::Status CheckpointStore::CheckResumeCompatible(const v1::JobSpec& job_in,
 
 absl::Status CheckpointStore::Abandon(int64_t step) const {
   std::error_code ec;
-  if (fs::is_directory(StagingDir(step), ec)) {
+  if (fs::exists(fs::path(StepDir(step)) / kManifestName, ec)) {
+    // The failed save was staged (step-<k> is committed): drop only the staging directory.
     fs::remove_all(StagingDir(step), ec);
     if (ec) return absl::InternalError(absl::StrCat("remove ", StagingDir(step), ": ", ec.message()));
     return absl::OkStatus();

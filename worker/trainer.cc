@@ -220,6 +220,7 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
   if (evaluate) {
     absl::StatusOr<double> v = Evaluate();
     if (!v.ok()) return v.status();
+    if (absl::Status s = comm_->Verify(); !s.ok()) return s;  // the evaluation's collectives (C09)
     r.set_val_loss(*v);
   }
   // Forward/backward split into compute and exposed communication; the optimizer phase (its

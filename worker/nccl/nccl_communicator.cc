@@ -387,21 +387,21 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
-  // Checks an NCCL enqueue result (non-blocking communicators may return ncclInProgress).
+  // Checks an NCCL enqueue result (non-blocking communicators may return ncclInProgress). Called
+  // with comm_mu_ held, so it does not abort itself (Abort takes comm_mu_): the caller aborts
+  // with the returned message after unlocking.
   absl::Status CheckEnqueue(ncclResult_t r, const char* what, int64_t seq) {
     if (r == ncclInProgress) {
       r = WaitNotInProgress(Clock::now() + timeout_);
       if (r == ncclInProgress) {
-        const std::string msg = absl::StrCat("nccl ", what, " #", seq, ": enqueue did not finish within ",
-                                             Seconds(timeout_), "; ", Progress());
-        Abort(msg);
-        return absl::DeadlineExceededError(msg);
+        return absl::DeadlineExceededError(absl::StrCat("nccl ", what, " #", seq,
+                                                        ": enqueue did not finish within ",
+                                                        Seconds(timeout_), "; ", Progress()));
       }
     }
     if (r != ncclSuccess) {
-      const std::string msg = absl::StrCat("nccl ", what, " #", seq, " on rank ", rank_, ": ", NcclErr(r), "; ", Progress());
-      Abort(msg);
-      return absl::InternalError(msg);
+      return absl::InternalError(absl::StrCat("nccl ", what, " #", seq, " on rank ", rank_, ": ",
+                                              NcclErr(r), "; ", Progress()));
     }
     return absl::OkStatus();
   }
@@ -487,7 +487,10 @@ class NcclCommunicator final : public Communicator {
       s = CheckEnqueue(ncclAllGather(dev_mine, dev_all, sizeof(Header), ncclUint8, comm_, comm_stream_),
                        "header all-gather", seq);
     }
-    if (!s.ok()) return s;
+    if (!s.ok()) {
+      Abort(std::string(s.message()));
+      return s;
+    }
     s = CheckCuda(cudaMemcpyAsync(mine + 1, dev_all, sizeof(Header) * world_, cudaMemcpyDeviceToHost, comm_stream_),
                   "header copy to host");
     if (!s.ok()) return s;
@@ -599,7 +602,10 @@ class NcclCommunicator final : public Communicator {
       std::lock_guard<std::mutex> l(comm_mu_);
       if (comm_aborted_) return AbortedStatus();
       s = CheckEnqueue(enqueue(), OpName(static_cast<int64_t>(op)), seq);
-      if (!s.ok()) return s;
+    }
+    if (!s.ok()) {
+      Abort(std::string(s.message()));
+      return s;
     }
     s = CheckCuda(cudaEventRecord(done, comm_stream_), "cudaEventRecord(done)");
     if (!s.ok()) return s;
