@@ -87,6 +87,11 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ad
   args.SetMaxSendMessageSize(sec.max_message_bytes);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 30000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
+  // Reconnect within a few seconds of the peer coming (back) up: gRPC's default backoff grows to
+  // 120 s, too slow for workers waiting on a restarted coordinator.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> factories;
   if (!sec.token.empty()) factories.push_back(std::make_unique<TokenInterceptorFactory>(sec.token));
   auto ch = grpc::experimental::CreateCustomChannelWithInterceptors(address, creds, args,

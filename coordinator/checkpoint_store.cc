@@ -140,8 +140,10 @@ absl::Status CheckpointStore::Commit(v1::CheckpointManifest m) const {
   if (m.format_version() == 0) m.set_format_version(kFormatVersion);
   const std::string step_dir = StepDir(m.step());
   std::error_code ec;
-  // Prepare staged the save exactly when step-<k> was committed (and nothing else writes here).
-  const bool staged = fs::exists(fs::path(step_dir) / kManifestName, ec);
+  // Staged when Prepare put the save beside a committed step-<k>. A staging directory left over
+  // while step-<k> is uncommitted is stale: the save went into step-<k> itself.
+  const bool staged = fs::exists(fs::path(step_dir) / kManifestName, ec) &&
+                      fs::is_directory(StagingDir(m.step()), ec);
   const std::string dir = staged ? StagingDir(m.step()) : step_dir;
   if (absl::Status s = CheckManifest(m, step_dir); !s.ok())
     return absl::InvalidArgumentError(s.message());
