@@ -422,31 +422,19 @@ void CudaBackend::AttentionBackwardBf16(const float* q, const float* k, const fl
                                         float* dq, float* dk, float* dv) {
 #ifdef FSDP8_WITH_CUDNN
   if (!cudnn_failed_ && D % 8 == 0 && D <= 128) {
+    // Round the operands to bf16 once and take the saved-activation path (same cuDNN call).
     Bind();
     const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
-    // 8 bf16 arrays: q, o, do, dq (nq) and k, v, dk, dv (nk).
-    auto* buf = static_cast<uint16_t*>(Alloc((4 * nq + 4 * nk) * 2));
+    auto* buf = static_cast<uint16_t*>(Alloc((2 * nq + 2 * nk) * 2));  // q, o (nq); k, v (nk)
     FSDP8_CUDA_REQUIRE(buf != nullptr, "device out of memory in AttentionBackwardBf16");
-    uint16_t *q16 = buf, *o16 = q16 + nq, *do16 = o16 + nq, *dq16 = do16 + nq;
-    uint16_t *k16 = dq16 + nq, *v16 = k16 + nk, *dk16 = v16 + nk, *dv16 = dk16 + nk;
+    uint16_t *q16 = buf, *o16 = q16 + nq, *k16 = o16 + nq, *v16 = k16 + nk;
     PackBf16(q, q16, nq);
     PackBf16(k, k16, nk);
     PackBf16(v, v16, nk);
     PackBf16(out, o16, nq);  // exact: out holds the forward's bf16 output
-    PackBf16(dout, do16, nq);
-    std::string err;
-    const bool ok = cudnn_->Backward(q16, k16, v16, o16, do16, lse, dq16, dk16, dv16, B, T, H,
-                                     Hkv, D, stream_, &err);
-    if (ok) {
-      UnpackBf16(dq16, dq, nq);
-      UnpackBf16(dk16, dk, nk);
-      UnpackBf16(dv16, dv, nk);
-    }
+    AttentionBackwardBf16Saved(q16, k16, v16, o16, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
     Free(buf);
-    if (ok) return;
-    fprintf(stderr, "fsdp8: cuDNN attention refused (%s); using the reference BF16 attention\n",
-            err.c_str());
-    cudnn_failed_ = true;
+    return;
   }
 #endif
   Backend::AttentionBackwardBf16(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
