@@ -62,6 +62,113 @@ void Backend::SwigluBackwardBf16(const float* dh, const uint16_t* gate16, const 
   Free(buf);
 }
 
+// ---- bfloat16 activations: the reference compositions ---------------------------------------
+
+namespace {
+// Scratch f32 buffer of n elements on `be` (the trainer sizes buffers from the spec: running out
+// of memory here is a programming error).
+float* F32Scratch(Backend* be, int64_t n) {
+  float* p = static_cast<float*>(be->Alloc(static_cast<size_t>(n > 0 ? n : 1) * sizeof(float)));
+  if (p == nullptr) abort();
+  return p;
+}
+}  // namespace
+
+void Backend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+                          const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+                          const float* b_scale_inv, uint16_t* C16) {
+  float* c = F32Scratch(this, M * N);
+  GemmFp8(M, N, K, A, a_fmt, a_scale_inv, B, b_fmt, b_scale_inv, c, false);
+  PackBf16(c, C16, M * N);
+  Free(c);
+}
+
+void Backend::CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, const float* scale,
+                            Fp8Format fmt, float* amax_out) {
+  float* x = F32Scratch(this, n);
+  UnpackBf16(in16, x, n);
+  CastToFp8(x, out, n, scale, fmt, amax_out);
+  Free(x);
+}
+
+void Backend::CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t cols,
+                                   const float* scale, Fp8Format fmt, uint8_t* out,
+                                   uint8_t* out_t, float* amax_out) {
+  float* x = F32Scratch(this, rows * cols);
+  UnpackBf16(in16, x, rows * cols);
+  CastTransposeFp8(x, rows, cols, scale, fmt, out, out_t, amax_out);
+  Free(x);
+}
+
+void Backend::RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
+                              float theta) {
+  const int64_t n = B * T * H * D;
+  float* x = F32Scratch(this, n);
+  UnpackBf16(x16, x, n);
+  RopeForward(x, B, T, H, D, theta);
+  PackBf16(x, x16, n);
+  Free(x);
+}
+
+void Backend::RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D,
+                               float theta) {
+  const int64_t n = B * T * H * D;
+  float* x = F32Scratch(this, n);
+  UnpackBf16(dx16, x, n);
+  RopeBackward(x, B, T, H, D, theta);
+  PackBf16(x, dx16, n);
+  Free(x);
+}
+
+void Backend::AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16,
+                                         const uint16_t* v16, int64_t B, int64_t T, int64_t H,
+                                         int64_t Hkv, int64_t D, uint16_t* out16, float* lse) {
+  const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
+  float* buf = F32Scratch(this, 2 * nq + 2 * nk);
+  float *q = buf, *o = q + nq, *k = o + nq, *v = k + nk;
+  UnpackBf16(q16, q, nq);
+  UnpackBf16(k16, k, nk);
+  UnpackBf16(v16, v, nk);
+  AttentionForwardBf16(q, k, v, B, T, H, Hkv, D, o, lse);
+  PackBf16(o, out16, nq);
+  Free(buf);
+}
+
+void Backend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
+                                             const uint16_t* v16, const uint16_t* out16,
+                                             const float* dout, const float* lse, int64_t B,
+                                             int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                             uint16_t* dq16, uint16_t* dk16, uint16_t* dv16) {
+  const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
+  float* buf = F32Scratch(this, nq + 2 * nk);
+  float *dq = buf, *dk = dq + nq, *dv = dk + nk;
+  AttentionBackwardBf16Saved(q16, k16, v16, out16, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
+  PackBf16(dq, dq16, nq);
+  PackBf16(dk, dk16, nk);
+  PackBf16(dv, dv16, nk);
+  Free(buf);
+}
+
+void Backend::SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t n,
+                            const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out) {
+  float* buf = F32Scratch(this, 3 * n);
+  UnpackBf16(gate16, buf, n);
+  UnpackBf16(up16, buf + n, n);
+  SwigluForward(buf, buf + n, n, buf + 2 * n);
+  CastToFp8(buf + 2 * n, out, n, scale, fmt, amax_out);
+  Free(buf);
+}
+
+void Backend::SwigluBackwardBf16To16(const float* dh, const uint16_t* gate16,
+                                     const uint16_t* up16, int64_t n, uint16_t* dgate16,
+                                     uint16_t* dup16) {
+  float* buf = F32Scratch(this, 2 * n);
+  SwigluBackwardBf16(dh, gate16, up16, n, buf, buf + n);
+  PackBf16(buf, dgate16, n);
+  PackBf16(buf + n, dup16, n);
+  Free(buf);
+}
+
 void Backend::AttentionBackwardBf16(const float* q, const float* k, const float* v,
                                     const float* out, const float* dout, const float* lse,
                                     int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,

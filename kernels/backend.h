@@ -170,6 +170,51 @@ class Backend {
   virtual void SwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
                                   int64_t n, float* dgate, float* dup);
 
+  // ---- bfloat16 activations ------------------------------------------------------------------
+  // Variants that take or give activations as bfloat16 bit patterns (uint16_t; f32 -> bf16 is
+  // round to nearest even, NaN stays NaN), so that the memory-bound passes between FP8 GEMMs move
+  // half the bytes. Each base implementation is the reference: unpack the bf16 inputs (exact),
+  // run the f32 op above, pack the outputs. A backend may fuse these steps; its result then
+  // differs from the reference only as much as its f32 op does (the conformance tolerances).
+  // Shapes as for the f32 ops.
+
+  // C16 (M, N) = bf16(A · Bᵀ · a_scale_inv · b_scale_inv): GemmFp8 without accumulation, its f32
+  // result rounded once to bf16 (cuBLASLt's BF16 output on CUDA).
+  virtual void GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+                           const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+                           const float* b_scale_inv, uint16_t* C16);
+  // CastToFp8 / CastTransposeFp8 of bf16 values (the amax is of those values). in16 (n) or
+  // (rows, cols).
+  virtual void CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, const float* scale,
+                             Fp8Format fmt, float* amax_out);
+  virtual void CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t cols,
+                                    const float* scale, Fp8Format fmt, uint8_t* out,
+                                    uint8_t* out_t, float* amax_out);
+  // RopeForward / RopeBackward in place on bf16 x16 (B, T, H, D): each result rounded to bf16.
+  virtual void RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
+                               float theta);
+  virtual void RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D,
+                                float theta);
+  // AttentionForwardBf16 on bf16 operands, its (bf16-rounded) output returned as bf16:
+  // q16, out16 (B, T, H, D); k16, v16 (B, T, Hkv, D); lse (B, H, T) f32.
+  virtual void AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16,
+                                          const uint16_t* v16, int64_t B, int64_t T, int64_t H,
+                                          int64_t Hkv, int64_t D, uint16_t* out16, float* lse);
+  // AttentionBackwardBf16Saved returning dq, dk, dv (bf16-rounded there) as bf16.
+  virtual void AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
+                                              const uint16_t* v16, const uint16_t* out16,
+                                              const float* dout, const float* lse, int64_t B,
+                                              int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                              uint16_t* dq16, uint16_t* dk16, uint16_t* dv16);
+  // out (n) = fp8(silu(gate) * up * (*scale)): SwigluForward of the unpacked gate16, up16, then
+  // CastToFp8 (amax of the f32 products into *amax_out as there).
+  virtual void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t n,
+                             const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out);
+  // SwigluBackwardBf16 with dgate, dup rounded to bf16. dh (n) f32; dgate16, dup16 (n).
+  virtual void SwigluBackwardBf16To16(const float* dh, const uint16_t* gate16,
+                                      const uint16_t* up16, int64_t n, uint16_t* dgate16,
+                                      uint16_t* dup16);
+
   // Softmax cross-entropy over V classes, fused with its gradient.
   // logits (N, V) f32 is overwritten with dlogits = (softmax - onehot(target)) * grad_scale;
   // losses (N) f32 receives -log softmax[target] in nats. targets (N) int32 in [0, V).

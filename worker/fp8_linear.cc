@@ -100,6 +100,11 @@ absl::Status ActScaling::EndStep(Communicator* comm, CommClock* clock) {
   return absl::OkStatus();
 }
 
+void ActScaling::CopyAmax(int from, int to) {
+  if (!recording_ || from == to) return;
+  be_->Copy(amax_.f32() + to, amax_.f32() + from, sizeof(float));
+}
+
 void Linear::Forward(const float* x, int64_t M, int64_t K, int64_t N, const WeightView& w,
                      float* y, LinearSaved* saved) {
   if (prec_ != v1::PRECISION_FP8) {
@@ -108,22 +113,78 @@ void Linear::Forward(const float* x, int64_t M, int64_t K, int64_t N, const Weig
     if (saved) saved->x = x;
     return;
   }
-  WORKER_CHECK(w.fp8 != nullptr && w.scale_inv != nullptr) << "FP8 linear without FP8 weight";
-  DevBuf x8(be_, M * K);
-  const float* scale = sc_->ScaleFor(x_idx_, x, M * K);
-  be_->CastToFp8(x, x8.u8(), M * K, scale, Fp8Format::kE4M3, sc_->AmaxOut(x_idx_));
-  be_->GemmFp8(M, N, K, x8.u8(), Fp8Format::kE4M3, sc_->ScaleInv(x_idx_), w.fp8,
-               Fp8Format::kE4M3, w.scale_inv, y, false);
-  if (saved) {
-    saved->x_scale_inv = DevBuf(be_, sizeof(float));
-    be_->Copy(saved->x_scale_inv.get(), sc_->ScaleInv(x_idx_), sizeof(float));
-    saved->x8 = std::move(x8);
-  }
+  ForwardFp8(CastInput(x, nullptr, M, K), M, K, N, w, y, nullptr, saved);
 }
 
-void Linear::Backward(const float* dy, int64_t M, int64_t K, int64_t N, const WeightView& w,
-                      const LinearSaved& saved, float* dx, bool accumulate_dx, float* dw) {
+std::shared_ptr<Fp8Input> Linear::CastInput(const float* x, const uint16_t* x16, int64_t M,
+                                            int64_t K,
+                                            std::initializer_list<const Linear*> same_input) {
+  WORKER_CHECK(prec_ == v1::PRECISION_FP8) << "CastInput of a non-FP8 linear";
+  WORKER_CHECK((x == nullptr) != (x16 == nullptr)) << "CastInput takes exactly one input";
+  auto in = std::make_shared<Fp8Input>();
+  in->x8 = DevBuf(be_, M * K);
+  if (x16 != nullptr && sc_->NeedsAmaxFirst(x_idx_)) {
+    // Measuring the amax first (first step, CURRENT recipe) goes through f32.
+    DevBuf x32(be_, M * K * sizeof(float));
+    be_->UnpackBf16(x16, x32.f32(), M * K);
+    const float* scale = sc_->ScaleFor(x_idx_, x32.f32(), M * K);
+    be_->CastToFp8(x32.f32(), in->x8.u8(), M * K, scale, Fp8Format::kE4M3, sc_->AmaxOut(x_idx_));
+  } else if (x16 != nullptr) {
+    be_->CastToFp8Bf16(x16, in->x8.u8(), M * K, sc_->Scale(x_idx_), Fp8Format::kE4M3,
+                       sc_->AmaxOut(x_idx_));
+  } else {
+    const float* scale = sc_->ScaleFor(x_idx_, x, M * K);
+    be_->CastToFp8(x, in->x8.u8(), M * K, scale, Fp8Format::kE4M3, sc_->AmaxOut(x_idx_));
+  }
+  in->scale_inv = DevBuf(be_, sizeof(float));
+  be_->Copy(in->scale_inv.get(), sc_->ScaleInv(x_idx_), sizeof(float));
+  for (const Linear* o : same_input) {
+    WORKER_CHECK(o->prec_ == v1::PRECISION_FP8 && o->sc_ == sc_);
+    sc_->CopyAmax(x_idx_, o->x_idx_);
+  }
+  return in;
+}
+
+std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint16_t* up16,
+                                             int64_t M, int64_t K) {
+  WORKER_CHECK(prec_ == v1::PRECISION_FP8) << "CastSwiglu of a non-FP8 linear";
+  const int64_t n = M * K;
+  if (sc_->NeedsAmaxFirst(x_idx_)) {
+    DevBuf g(be_, n * sizeof(float)), u(be_, n * sizeof(float)), h(be_, n * sizeof(float));
+    be_->UnpackBf16(gate16, g.f32(), n);
+    be_->UnpackBf16(up16, u.f32(), n);
+    be_->SwigluForward(g.f32(), u.f32(), n, h.f32());
+    return CastInput(h.f32(), nullptr, M, K);
+  }
+  auto in = std::make_shared<Fp8Input>();
+  in->x8 = DevBuf(be_, n);
+  be_->SwigluCastFp8(gate16, up16, n, sc_->Scale(x_idx_), Fp8Format::kE4M3, in->x8.u8(),
+                     sc_->AmaxOut(x_idx_));
+  in->scale_inv = DevBuf(be_, sizeof(float));
+  be_->Copy(in->scale_inv.get(), sc_->ScaleInv(x_idx_), sizeof(float));
+  return in;
+}
+
+void Linear::ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t K, int64_t N,
+                        const WeightView& w, float* y, uint16_t* y16, LinearSaved* saved) {
+  WORKER_CHECK(prec_ == v1::PRECISION_FP8 && in != nullptr) << "ForwardFp8 of a non-FP8 linear";
+  WORKER_CHECK(w.fp8 != nullptr && w.scale_inv != nullptr) << "FP8 linear without FP8 weight";
+  WORKER_CHECK((y == nullptr) != (y16 == nullptr)) << "ForwardFp8 takes exactly one output";
+  if (y16 != nullptr) {
+    be_->GemmFp8Bf16(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv.f32(), w.fp8,
+                     Fp8Format::kE4M3, w.scale_inv, y16);
+  } else {
+    be_->GemmFp8(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv.f32(), w.fp8,
+                 Fp8Format::kE4M3, w.scale_inv, y, false);
+  }
+  if (saved) saved->in = in;
+}
+
+void Linear::Backward(const float* dy, const uint16_t* dy16, int64_t M, int64_t K, int64_t N,
+                      const WeightView& w, const LinearSaved& saved, float* dx,
+                      bool accumulate_dx, float* dw) {
   if (prec_ != v1::PRECISION_FP8) {
+    WORKER_CHECK(dy != nullptr && dy16 == nullptr) << "bf16 grad-output of a non-FP8 linear";
     const GemmInputs in = prec_ == v1::PRECISION_BF16 ? GemmInputs::kBF16 : GemmInputs::kF32;
     WORKER_CHECK(saved.x != nullptr);
     // dx (M, K) = dy (M, N) · W (N, K)
@@ -132,10 +193,23 @@ void Linear::Backward(const float* dy, int64_t M, int64_t K, int64_t N, const We
     be_->Gemm(true, false, N, K, M, dy, saved.x, dw, true, in);
     return;
   }
+  WORKER_CHECK((dy == nullptr) != (dy16 == nullptr)) << "Backward takes exactly one grad-output";
+  WORKER_CHECK(saved.in != nullptr) << "FP8 backward without its saved input";
   const Fp8Format dfmt = sc_->format(dy_idx_);
   DevBuf dy8(be_, M * N), dyT8(be_, M * N);
-  const float* scale = sc_->ScaleFor(dy_idx_, dy, M * N);
-  be_->CastTransposeFp8(dy, M, N, scale, dfmt, dy8.u8(), dyT8.u8(), sc_->AmaxOut(dy_idx_));
+  if (dy16 != nullptr && !sc_->NeedsAmaxFirst(dy_idx_)) {
+    be_->CastTransposeFp8Bf16(dy16, M, N, sc_->Scale(dy_idx_), dfmt, dy8.u8(), dyT8.u8(),
+                              sc_->AmaxOut(dy_idx_));
+  } else {
+    DevBuf dy32;
+    if (dy16 != nullptr) {
+      dy32 = DevBuf(be_, M * N * sizeof(float));
+      be_->UnpackBf16(dy16, dy32.f32(), M * N);
+      dy = dy32.f32();
+    }
+    const float* scale = sc_->ScaleFor(dy_idx_, dy, M * N);
+    be_->CastTransposeFp8(dy, M, N, scale, dfmt, dy8.u8(), dyT8.u8(), sc_->AmaxOut(dy_idx_));
+  }
   if (dx) {
     DevBuf wT(be_, N * K);
     be_->TransposeBytes(w.fp8, N, K, wT.u8());  // (K, N)
@@ -143,10 +217,13 @@ void Linear::Backward(const float* dy, int64_t M, int64_t K, int64_t N, const We
                  w.scale_inv, dx, accumulate_dx);
   }
   dy8.Reset();
-  DevBuf xT(be_, M * K);
-  be_->TransposeBytes(saved.x8.u8(), M, K, xT.u8());  // (K, M)
-  be_->GemmFp8(N, K, M, dyT8.u8(), dfmt, sc_->ScaleInv(dy_idx_), xT.u8(), Fp8Format::kE4M3,
-               saved.x_scale_inv.f32(), dw, true);
+  Fp8Input& in = *saved.in;
+  if (in.xT.empty()) {  // the first of the linears sharing this input
+    in.xT = DevBuf(be_, M * K);
+    be_->TransposeBytes(in.x8.u8(), M, K, in.xT.u8());  // (K, M)
+  }
+  be_->GemmFp8(N, K, M, dyT8.u8(), dfmt, sc_->ScaleInv(dy_idx_), in.xT.u8(), Fp8Format::kE4M3,
+               in.scale_inv.f32(), dw, true);
 }
 
 }  // namespace fsdp8

@@ -7,6 +7,10 @@
 //             cast (amax accumulated); dX = GemmFp8(dY, Wᵀ) with Wᵀ = TransposeBytes(W) and
 //             dW += GemmFp8(dYᵀ, Xᵀ) with Xᵀ = TransposeBytes(saved X codes). Transposes are
 //             transient; only X's FP8 codes are kept from the forward.
+//   Linears that read the same activation (q/k/v of n1, gate/up of n2) share one cast and one
+//   transpose (Fp8Input): their X tensors see the same values every step, so their delayed
+//   scales are equal by construction and the shared cast records the same amax into each.
+//   Inputs, outputs and grad-outputs may be bfloat16 (bit patterns, Backend's *Bf16 ops).
 // BF16 / FP32: Backend::Gemm with inputs rounded to bf16 / kept f32; the f32 input is kept (by
 // the caller) for dW.
 //
@@ -20,6 +24,8 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -55,6 +61,14 @@ class ActScaling {
   // The fused all-reduce(max) of this step's amaxes and the identical update on every rank.
   absl::Status EndStep(Communicator* comm, CommClock* clock);
   const std::vector<ScalingState>& states() const { return states_; }
+  // Whether tensor i's next cast must first measure its own amax (CURRENT recipe, or no history).
+  bool NeedsAmaxFirst(int i) const {
+    return recipe_.recipe() == v1::SCALING_RECIPE_CURRENT || !states_[i].initialised;
+  }
+  // The device scale slot of tensor i as it stands (delayed scaling: no measurement).
+  const float* Scale(int i) const { return scale_.f32() + i * kScaleStride; }
+  // Tensor `to` records the amax that tensor `from` recorded this step (same input values).
+  void CopyAmax(int from, int to);
   // Replaces every tensor's delayed-scaling state (a checkpoint load) and uploads the scales.
   // FAILED_PRECONDITION naming the first tensor whose name or format differs (nothing changed).
   absl::Status Restore(const std::vector<ScalingState>& states);
@@ -75,11 +89,17 @@ struct WeightView {
   const float* scale_inv = nullptr;  // device scalar (fp8)
 };
 
+// The E4M3 codes of one FP8 linear input, shared by the linears that read it.
+struct Fp8Input {
+  DevBuf x8;         // (M, K) E4M3 codes
+  DevBuf scale_inv;  // (1) f32: the scale_inv x8 was cast with
+  DevBuf xT;         // (K, M) transpose for dW, made by the first backward that needs it
+};
+
 // What the forward keeps for the backward.
 struct LinearSaved {
-  DevBuf x8;            // (M, K) E4M3 codes (FP8)
-  DevBuf x_scale_inv;   // (1) f32: the scale_inv x8 was cast with
-  const float* x = nullptr;  // (M, K) f32 input (BF16/FP32), owned by the caller
+  std::shared_ptr<Fp8Input> in;  // FP8
+  const float* x = nullptr;      // (M, K) f32 input (BF16/FP32), owned by the caller
 };
 
 class Linear {
@@ -96,7 +116,25 @@ class Linear {
   // dx (M, K) = dy (M, N) · W (overwritten, or added when accumulate_dx; skipped when null);
   // dw (N, K) += dyᵀ · x.
   void Backward(const float* dy, int64_t M, int64_t K, int64_t N, const WeightView& w,
-                const LinearSaved& saved, float* dx, bool accumulate_dx, float* dw);
+                const LinearSaved& saved, float* dx, bool accumulate_dx, float* dw) {
+    Backward(dy, nullptr, M, K, N, w, saved, dx, accumulate_dx, dw);
+  }
+
+  // FP8 only. Casts x (M, K) — f32 x, or bf16 x16 (exactly one non-null) — with this linear's X
+  // scale, recording its amax also for each linear of `same_input` (which read the same x).
+  std::shared_ptr<Fp8Input> CastInput(const float* x, const uint16_t* x16, int64_t M, int64_t K,
+                                      std::initializer_list<const Linear*> same_input = {});
+  // FP8 only. The input silu(gate) * up (M, K) of this linear from bf16 gate16, up16 (M, K),
+  // cast in one pass (Backend::SwigluCastFp8).
+  std::shared_ptr<Fp8Input> CastSwiglu(const uint16_t* gate16, const uint16_t* up16, int64_t M,
+                                       int64_t K);
+  // FP8 only. y (M, N) f32, or y16 bf16 (exactly one non-null) = in · Wᵀ.
+  void ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t K, int64_t N,
+                  const WeightView& w, float* y, uint16_t* y16, LinearSaved* saved);
+  // As Backward with dy given as f32 dy or (FP8 linears) bf16 dy16, exactly one non-null.
+  void Backward(const float* dy, const uint16_t* dy16, int64_t M, int64_t K, int64_t N,
+                const WeightView& w, const LinearSaved& saved, float* dx, bool accumulate_dx,
+                float* dw);
 
  private:
   Backend* be_ = nullptr;

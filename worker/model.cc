@@ -91,6 +91,7 @@ WeightView LlamaModel::View(const TensorRef& t) const {
 
 absl::Status LlamaModel::BlockForward(int l, int64_t B, DevBuf* x, BlockActs* a) {
   Block& b = blocks_[l];
+  if (b.prec == v1::PRECISION_FP8 && attention_bf16_) return BlockForwardFp8(l, B, x, a);
   const int64_t N = B * T_;
   const bool keep_f32_inputs = b.prec != v1::PRECISION_FP8;
   const bool train = a != nullptr;
@@ -166,6 +167,7 @@ absl::Status LlamaModel::BlockForward(int l, int64_t B, DevBuf* x, BlockActs* a)
 
 void LlamaModel::BlockBackward(int l, int64_t B, BlockActs* a, DevBuf* dout) {
   Block& b = blocks_[l];
+  if (b.prec == v1::PRECISION_FP8 && attention_bf16_) return BlockBackwardFp8(l, B, a, dout);
   const int64_t N = B * T_;
   // MLP: out = h + down(silu(gate) * up)
   DevBuf dact(be_, N * F_ * 4);
@@ -223,6 +225,144 @@ void LlamaModel::BlockBackward(int l, int64_t B, BlockActs* a, DevBuf* dout) {
   dq.Reset();
   dk.Reset();
   dv.Reset();
+  DevBuf dx(be_, N * C_ * 4);
+  be_->RmsNormBackward(dn1.f32(), a->x_in.f32(), p_->W(b.in_norm), a->rstd1.f32(), N, C_,
+                       dx.f32(), p_->G(b.in_norm));
+  be_->Axpy(1.0f, dh.f32(), dx.f32(), N * C_);
+  *a = BlockActs();
+  *dout = std::move(dx);
+}
+
+// FP8 linears with BF16 attention: activations between the GEMMs are bf16 wherever they only
+// feed an FP8 cast or the attention (q, k, v, att, gate, up and their gradients), so each
+// memory-bound pass moves half the bytes, and q/k/v (gate/up) share one cast of their input.
+// The residual stream, the norms' inputs and outputs and the GEMM outputs that join it stay f32.
+absl::Status LlamaModel::BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs* a) {
+  Block& b = blocks_[l];
+  const int64_t N = B * T_;
+  const bool train = a != nullptr;
+  BlockActs local;
+  if (!train) a = &local;
+  a->x_in = std::move(*x);
+  a->rstd1 = DevBuf(be_, N * 4);
+  std::shared_ptr<Fp8Input> in1;
+  {
+    DevBuf n1(be_, N * C_ * 4);
+    be_->RmsNormForward(a->x_in.f32(), p_->W(b.in_norm), eps_, N, C_, n1.f32(), a->rstd1.f32());
+    in1 = b.lq.CastInput(n1.f32(), nullptr, N, C_, {&b.lk, &b.lv});
+  }
+  a->q16 = DevBuf(be_, N * H_ * D_ * 2);
+  a->k16 = DevBuf(be_, N * Hkv_ * D_ * 2);
+  a->v16 = DevBuf(be_, N * Hkv_ * D_ * 2);
+  b.lq.ForwardFp8(in1, N, C_, H_ * D_, View(b.q), nullptr, a->q16.u16(), train ? &a->sq : nullptr);
+  b.lk.ForwardFp8(in1, N, C_, Hkv_ * D_, View(b.k), nullptr, a->k16.u16(),
+                  train ? &a->sk : nullptr);
+  b.lv.ForwardFp8(in1, N, C_, Hkv_ * D_, View(b.v), nullptr, a->v16.u16(),
+                  train ? &a->sv : nullptr);
+  in1.reset();
+  be_->RopeForwardBf16(a->q16.u16(), B, T_, H_, D_, theta_);
+  be_->RopeForwardBf16(a->k16.u16(), B, T_, Hkv_, D_, theta_);
+  a->att16 = DevBuf(be_, N * C_ * 2);
+  a->lse = DevBuf(be_, B * H_ * T_ * 4);
+  be_->AttentionForwardBf16Packed(a->q16.u16(), a->k16.u16(), a->v16.u16(), B, T_, H_, Hkv_, D_,
+                                  a->att16.u16(), a->lse.f32());
+  if (!train) {
+    a->q16.Reset();
+    a->k16.Reset();
+    a->v16.Reset();
+  }
+  DevBuf o(be_, N * C_ * 4);
+  b.lo.ForwardFp8(b.lo.CastInput(nullptr, a->att16.u16(), N, C_), N, C_, C_, View(b.o), o.f32(),
+                  nullptr, train ? &a->so : nullptr);
+  if (!train) a->att16.Reset();
+  a->h = DevBuf(be_, N * C_ * 4);
+  be_->Add(a->x_in.f32(), o.f32(), a->h.f32(), N * C_);
+  o.Reset();
+  a->rstd2 = DevBuf(be_, N * 4);
+  std::shared_ptr<Fp8Input> in2;
+  {
+    DevBuf n2(be_, N * C_ * 4);
+    be_->RmsNormForward(a->h.f32(), p_->W(b.post_norm), eps_, N, C_, n2.f32(), a->rstd2.f32());
+    in2 = b.lgate.CastInput(n2.f32(), nullptr, N, C_, {&b.lup});
+  }
+  a->gate16 = DevBuf(be_, N * F_ * 2);
+  a->up16 = DevBuf(be_, N * F_ * 2);
+  b.lgate.ForwardFp8(in2, N, C_, F_, View(b.gate), nullptr, a->gate16.u16(),
+                     train ? &a->sgate : nullptr);
+  b.lup.ForwardFp8(in2, N, C_, F_, View(b.up), nullptr, a->up16.u16(), train ? &a->sup : nullptr);
+  in2.reset();
+  std::shared_ptr<Fp8Input> in_act = b.ldown.CastSwiglu(a->gate16.u16(), a->up16.u16(), N, F_);
+  if (!train) {
+    a->gate16.Reset();
+    a->up16.Reset();
+  }
+  DevBuf mlp(be_, N * C_ * 4);
+  b.ldown.ForwardFp8(in_act, N, F_, C_, View(b.down), mlp.f32(), nullptr,
+                     train ? &a->sdown : nullptr);
+  in_act.reset();
+  DevBuf out(be_, N * C_ * 4);
+  be_->Add(a->h.f32(), mlp.f32(), out.f32(), N * C_);
+  *x = std::move(out);
+  return absl::OkStatus();
+}
+
+void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) {
+  Block& b = blocks_[l];
+  const int64_t N = B * T_;
+  // MLP: out = h + down(silu(gate) * up)
+  DevBuf dgate16(be_, N * F_ * 2), dup16(be_, N * F_ * 2);
+  {
+    DevBuf dact(be_, N * F_ * 4);
+    b.ldown.Backward(dout->f32(), N, F_, C_, View(b.down), a->sdown, dact.f32(), false,
+                     p_->G(b.down));
+    a->sdown = LinearSaved();
+    be_->SwigluBackwardBf16To16(dact.f32(), a->gate16.u16(), a->up16.u16(), N * F_,
+                                dgate16.u16(), dup16.u16());
+  }
+  a->gate16.Reset();
+  a->up16.Reset();
+  DevBuf dn2(be_, N * C_ * 4);
+  b.lgate.Backward(nullptr, dgate16.u16(), N, C_, F_, View(b.gate), a->sgate, dn2.f32(), false,
+                   p_->G(b.gate));
+  b.lup.Backward(nullptr, dup16.u16(), N, C_, F_, View(b.up), a->sup, dn2.f32(), true,
+                 p_->G(b.up));
+  dgate16.Reset();
+  dup16.Reset();
+  a->sgate = LinearSaved();
+  a->sup = LinearSaved();
+  DevBuf dh(be_, N * C_ * 4);
+  be_->RmsNormBackward(dn2.f32(), a->h.f32(), p_->W(b.post_norm), a->rstd2.f32(), N, C_,
+                       dh.f32(), p_->G(b.post_norm));
+  be_->Axpy(1.0f, dout->f32(), dh.f32(), N * C_);
+  dn2.Reset();
+  dout->Reset();
+  // Attention: h = x + o_proj(attn)
+  DevBuf dq16(be_, N * H_ * D_ * 2), dk16(be_, N * Hkv_ * D_ * 2), dv16(be_, N * Hkv_ * D_ * 2);
+  {
+    DevBuf datt(be_, N * C_ * 4);
+    b.lo.Backward(dh.f32(), N, C_, C_, View(b.o), a->so, datt.f32(), false, p_->G(b.o));
+    a->so = LinearSaved();
+    be_->AttentionBackwardBf16SavedTo16(a->q16.u16(), a->k16.u16(), a->v16.u16(), a->att16.u16(),
+                                        datt.f32(), a->lse.f32(), B, T_, H_, Hkv_, D_,
+                                        dq16.u16(), dk16.u16(), dv16.u16());
+  }
+  a->q16.Reset();
+  a->k16.Reset();
+  a->v16.Reset();
+  a->att16.Reset();
+  be_->RopeBackwardBf16(dq16.u16(), B, T_, H_, D_, theta_);
+  be_->RopeBackwardBf16(dk16.u16(), B, T_, Hkv_, D_, theta_);
+  DevBuf dn1(be_, N * C_ * 4);
+  b.lq.Backward(nullptr, dq16.u16(), N, C_, H_ * D_, View(b.q), a->sq, dn1.f32(), false,
+                p_->G(b.q));
+  b.lk.Backward(nullptr, dk16.u16(), N, C_, Hkv_ * D_, View(b.k), a->sk, dn1.f32(), true,
+                p_->G(b.k));
+  b.lv.Backward(nullptr, dv16.u16(), N, C_, Hkv_ * D_, View(b.v), a->sv, dn1.f32(), true,
+                p_->G(b.v));
+  dq16.Reset();
+  dk16.Reset();
+  dv16.Reset();
+  a->sq = a->sk = a->sv = LinearSaved();
   DevBuf dx(be_, N * C_ * 4);
   be_->RmsNormBackward(dn1.f32(), a->x_in.f32(), p_->W(b.in_norm), a->rstd1.f32(), N, C_,
                        dx.f32(), p_->G(b.in_norm));

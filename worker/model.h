@@ -8,7 +8,8 @@
 // forward and backward run back to back (fused cross-entropy), with one gather.
 //
 // Activations are f32 (B, T, C) row-major, N = B * T tokens. FP8 blocks keep their linear inputs
-// as FP8 codes only.
+// as FP8 codes only; with BF16 attention, the activations between their GEMMs that feed only an
+// FP8 cast or the attention (q, k, v, att, gate, up and their gradients) are bf16.
 //
 // Thread-safety: one thread (the trainer's).
 #pragma once
@@ -57,6 +58,9 @@ class LlamaModel {
   WeightView View(const TensorRef& t) const;
   absl::Status BlockForward(int l, int64_t B, DevBuf* x, BlockActs* acts);
   void BlockBackward(int l, int64_t B, BlockActs* acts, DevBuf* dx);
+  // The same for an FP8 block with BF16 attention (bf16 activations between its GEMMs).
+  absl::Status BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs* acts);
+  void BlockBackwardFp8(int l, int64_t B, BlockActs* acts, DevBuf* dx);
 
   Backend* be_;
   FsdpParams* p_;

@@ -51,6 +51,48 @@ __global__ void CastToFp8Kernel(const float* __restrict__ in, uint8_t* __restric
   }
 }
 
+// f32 values of f32 or bfloat16 (bit pattern) storage: 4 consecutive elements, and one.
+__device__ __forceinline__ float4 Load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 Load4(const uint16_t* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u),
+                     __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xFFFF0000u));
+}
+__device__ __forceinline__ float Load1(const float* p) { return *p; }
+__device__ __forceinline__ float Load1(const uint16_t* p) {
+  return __uint_as_float(static_cast<uint32_t>(*p) << 16);
+}
+
+// in (n) bf16 bits -> out (n); 8 elements per iteration when in/out are 16/8-byte aligned.
+template <bool kE5M2>
+__global__ void CastBf16ToFp8Kernel(const uint16_t* __restrict__ in, uint8_t* __restrict__ out,
+                                    int64_t n, const float* __restrict__ scale, float* amax_out,
+                                    bool vec) {
+  __shared__ int red[kEltThreads / 32];
+  const float s = *scale;
+  int m = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t n8 = vec ? n / 8 : 0;
+  for (int64_t i = tid; i < n8; i += stride) {
+    const float4 a = Load4(in + 8 * i), b = Load4(in + 8 * i + 4);
+    m = max(m, max(max(AbsBits(a.x), AbsBits(a.y)), max(AbsBits(a.z), AbsBits(a.w))));
+    m = max(m, max(max(AbsBits(b.x), AbsBits(b.y)), max(AbsBits(b.z), AbsBits(b.w))));
+    reinterpret_cast<uint2*>(out)[i] =
+        make_uint2(Encode4Dev<kE5M2>(a.x * s, a.y * s, a.z * s, a.w * s),
+                   Encode4Dev<kE5M2>(b.x * s, b.y * s, b.z * s, b.w * s));
+  }
+  for (int64_t i = n8 * 8 + tid; i < n; i += stride) {
+    const float x = Load1(in + i);
+    m = max(m, AbsBits(x));
+    out[i] = static_cast<uint8_t>(Encode1Dev<kE5M2>(x * s));
+  }
+  if (amax_out != nullptr) {
+    m = BlockMaxInt<kEltThreads>(m, red);
+    if (threadIdx.x == 0) AtomicMaxAbsBits(amax_out, m);
+  }
+}
+
 // Fused cast + transpose. Tile: 128 rows x 64 cols of `in`, 256 threads (8 warps).
 // Thread (tx, ty), tx = 0..15 a group of 4 cols, ty = 0..15: owns rows 4ty..4ty+3 and
 // 64+4ty..64+4ty+3 of those cols. Lanes 0-7 of a warp take 8 consecutive col groups (one full 128-byte
@@ -80,9 +122,9 @@ __device__ __forceinline__ void Transpose4x4Bytes(uint32_t a0, uint32_t a1, uint
   t[3] = __byte_perm(p01h, p23h, 0x7632);
 }
 
-template <bool kE5M2>
+template <bool kE5M2, typename In>
 __global__ void __launch_bounds__(kTileThreads)
-CastTransposeKernel(const float* __restrict__ in, int64_t rows, int64_t cols,
+CastTransposeKernel(const In* __restrict__ in, int64_t rows, int64_t cols,
                     const float* __restrict__ scale, uint8_t* __restrict__ out,
                     uint8_t* __restrict__ out_t, float* amax_out, bool out_t_vec) {
   __shared__ __align__(16) uint8_t tileT[kTileCols * kTileRows];
@@ -97,12 +139,12 @@ CastTransposeKernel(const float* __restrict__ in, int64_t rows, int64_t cols,
   const bool full = (r0 + kTileRows <= rows) && (c0 + kTileCols <= cols);
   if (full && (cols % 4) == 0) {
     float4 x[2][4];
-    const float* src = in + (r0 + 4 * ty) * cols + c0 + 4 * tx;
+    const In* src = in + (r0 + 4 * ty) * cols + c0 + 4 * tx;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        x[h][i] = *reinterpret_cast<const float4*>(src + (64 * h + i) * cols);
+        x[h][i] = Load4(src + (64 * h + i) * cols);
       }
     }
 #pragma unroll
@@ -134,7 +176,7 @@ CastTransposeKernel(const float* __restrict__ in, int64_t rows, int64_t cols,
         for (int j = 0; j < 4; ++j) {
           const int c = 4 * tx + j;
           if (r0 + r < rows && c0 + c < cols) {
-            const float v = in[(r0 + r) * cols + c0 + c];
+            const float v = Load1(in + (r0 + r) * cols + c0 + c);
             m = max(m, AbsBits(v));
             const uint32_t code = Encode1Dev<kE5M2>(v * s);
             if (out != nullptr) out[(r0 + r) * cols + c0 + c] = static_cast<uint8_t>(code);
@@ -168,23 +210,58 @@ CastTransposeKernel(const float* __restrict__ in, int64_t rows, int64_t cols,
   }
 }
 
-// out (cols, rows) = in (rows, cols)^T, bytes; 64 x 64 tiles.
-constexpr int kTile = 64;
-constexpr int kTilePad = 4;  // row pitch 68 bytes: spreads column gathers over banks
+// out (cols, rows) = in (rows, cols)^T, bytes, on the tiles of CastTransposeKernel: 4-byte row
+// loads (one 32-byte sector per 8 lanes), the 4x4 register transpose into the swizzled tileT, and
+// 16-byte column stores. Edge tiles and unaligned shapes go byte by byte.
 __global__ void __launch_bounds__(kTileThreads)
 TransposeBytesKernel(const uint8_t* __restrict__ in, int64_t rows, int64_t cols,
-                     uint8_t* __restrict__ out) {
-  __shared__ uint8_t tile[kTile][kTile + kTilePad];
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  for (int i = threadIdx.x; i < kTile * kTile; i += kTileThreads) {
-    const int r = i / kTile, c = i % kTile;
-    if (r0 + r < rows && c0 + c < cols) tile[r][c] = in[(r0 + r) * cols + c0 + c];
+                     uint8_t* __restrict__ out, bool in_vec, bool out_vec) {
+  __shared__ __align__(16) uint8_t tileT[kTileCols * kTileRows];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tx = (lane & 7) + 8 * (warp & 1);
+  const int ty = (lane >> 3) + 4 * (warp >> 1);
+  const bool full = (r0 + kTileRows <= rows) && (c0 + kTileCols <= cols);
+  if (full && in_vec) {
+    uint32_t x[2][4];
+    const uint8_t* src = in + (r0 + 4 * ty) * cols + c0 + 4 * tx;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        x[h][i] = *reinterpret_cast<const uint32_t*>(src + (64 * h + i) * cols);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t t[4];
+      Transpose4x4Bytes(x[h][0], x[h][1], x[h][2], x[h][3], t);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        *reinterpret_cast<uint32_t*>(&tileT[TileTByte(4 * tx + j, 64 * h + 4 * ty)]) = t[j];
+      }
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < kTileCols * kTileRows; idx += kTileThreads) {
+      const int r = idx / kTileCols, c = idx % kTileCols;
+      if (r0 + r < rows && c0 + c < cols) tileT[TileTByte(c, r)] = in[(r0 + r) * cols + c0 + c];
+    }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < kTile * kTile; i += kTileThreads) {
-    const int c = i / kTile, r = i % kTile;
-    if (r0 + r < rows && c0 + c < cols) out[(c0 + c) * rows + r0 + r] = tile[r][c];
+  if (full && out_vec) {
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int c = 4 * (warp + 8 * p) + (lane >> 3);
+      const int k = lane & 7;
+      const uint4 v = *reinterpret_cast<const uint4*>(&tileT[TileTByte(c, 16 * k)]);
+      *reinterpret_cast<uint4*>(out + (c0 + c) * rows + r0 + 16 * k) = v;
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < kTileCols * kTileRows; idx += kTileThreads) {
+      const int c = idx / kTileRows, r = idx % kTileRows;
+      if (r0 + r < rows && c0 + c < cols) out[(c0 + c) * rows + r0 + r] = tileT[TileTByte(c, r)];
+    }
   }
 }
 
@@ -257,21 +334,49 @@ void LaunchCastToFp8(const float* in, uint8_t* out, int64_t n, const float* scal
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
-void LaunchCastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
-                            Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
-                            cudaStream_t stream) {
+namespace {
+template <typename In>
+void CastTransposeImpl(const In* in, int64_t rows, int64_t cols, const float* scale, Fp8Format fmt,
+                       uint8_t* out, uint8_t* out_t, float* amax_out, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
   FSDP8_CUDA_REQUIRE(CeilDiv(rows, kTileRows) <= 65535, "CastTransposeFp8: rows too large");
-  FSDP8_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(in) % 16 == 0, "CastTransposeFp8: in not 16-byte aligned");
+  FSDP8_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(in) % (4 * sizeof(In)) == 0, "CastTransposeFp8: in not aligned to 4 elements");
   FSDP8_CUDA_REQUIRE(out == nullptr || reinterpret_cast<uintptr_t>(out) % 4 == 0, "CastTransposeFp8: out not 4-byte aligned");
   FSDP8_CUDA_REQUIRE(out_t == nullptr || reinterpret_cast<uintptr_t>(out_t) % 4 == 0, "CastTransposeFp8: out_t not 4-byte aligned");
   // 16-byte out_t stores need every out_t row start (col * rows) and chunk 16-byte aligned.
   const bool out_t_vec = (rows % 16 == 0) && (reinterpret_cast<uintptr_t>(out_t) % 16 == 0);
   const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kTileCols)), static_cast<unsigned>(CeilDiv(rows, kTileRows)));
   if (fmt == Fp8Format::kE5M2) {
-    CastTransposeKernel<true><<<grid, kTileThreads, 0, stream>>>(in, rows, cols, scale, out, out_t, amax_out, out_t_vec);
+    CastTransposeKernel<true, In><<<grid, kTileThreads, 0, stream>>>(in, rows, cols, scale, out, out_t, amax_out, out_t_vec);
   } else {
-    CastTransposeKernel<false><<<grid, kTileThreads, 0, stream>>>(in, rows, cols, scale, out, out_t, amax_out, out_t_vec);
+    CastTransposeKernel<false, In><<<grid, kTileThreads, 0, stream>>>(in, rows, cols, scale, out, out_t, amax_out, out_t_vec);
+  }
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+}  // namespace
+
+void LaunchCastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
+                            Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
+                            cudaStream_t stream) {
+  CastTransposeImpl(in, rows, cols, scale, fmt, out, out_t, amax_out, stream);
+}
+
+void LaunchCastTransposeFp8Bf16(const uint16_t* in, int64_t rows, int64_t cols, const float* scale,
+                                Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
+                                cudaStream_t stream) {
+  CastTransposeImpl(in, rows, cols, scale, fmt, out, out_t, amax_out, stream);
+}
+
+void LaunchCastToFp8Bf16(const uint16_t* in, uint8_t* out, int64_t n, const float* scale,
+                         Fp8Format fmt, float* amax_out, cudaStream_t stream) {
+  if (n <= 0) return;
+  const bool vec = (reinterpret_cast<uintptr_t>(in) % 16 == 0) &&
+                   (reinterpret_cast<uintptr_t>(out) % 8 == 0);
+  const int blocks = CastBlocks(vec ? CeilDiv(n, 8) : n);
+  if (fmt == Fp8Format::kE5M2) {
+    CastBf16ToFp8Kernel<true><<<blocks, kEltThreads, 0, stream>>>(in, out, n, scale, amax_out, vec);
+  } else {
+    CastBf16ToFp8Kernel<false><<<blocks, kEltThreads, 0, stream>>>(in, out, n, scale, amax_out, vec);
   }
   FSDP8_CUDA_LAUNCH_CHECK();
 }
@@ -279,9 +384,11 @@ void LaunchCastTransposeFp8(const float* in, int64_t rows, int64_t cols, const f
 void LaunchTransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
                           cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
-  FSDP8_CUDA_REQUIRE(CeilDiv(rows, kTile) <= 65535, "TransposeBytes: rows too large");
-  const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kTile)), static_cast<unsigned>(CeilDiv(rows, kTile)));
-  TransposeBytesKernel<<<grid, kTileThreads, 0, stream>>>(in, rows, cols, out);
+  FSDP8_CUDA_REQUIRE(CeilDiv(rows, kTileRows) <= 65535, "TransposeBytes: rows too large");
+  const bool in_vec = (cols % 4 == 0) && (reinterpret_cast<uintptr_t>(in) % 4 == 0);
+  const bool out_vec = (rows % 16 == 0) && (reinterpret_cast<uintptr_t>(out) % 16 == 0);
+  const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kTileCols)), static_cast<unsigned>(CeilDiv(rows, kTileRows)));
+  TransposeBytesKernel<<<grid, kTileThreads, 0, stream>>>(in, rows, cols, out, in_vec, out_vec);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/launchers.h"
+#include "kernels/cuda/op_profile.h"
 
 namespace fsdp8 {
 
@@ -41,11 +43,16 @@ CudaBackend::CudaBackend(int device) : device_(device) {
 #ifdef FSDP8_WITH_CUDNN
   cudnn_ = std::make_unique<cuda::CudnnAttention>(device_);
 #endif
+  if (const char* e = std::getenv("FSDP8_PROFILE_OPS"); e != nullptr && e[0] != '\0' && e[0] != '0') {
+    const double every_s = std::atof(e);  // FSDP8_PROFILE_OPS=<seconds between reports>; 1 -> 10 s
+    prof_ = std::make_unique<cuda::OpProfile>(stream_, every_s > 1.0 ? every_s : 10.0);
+  }
 }
 
 CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   cudaStreamSynchronize(stream_);
+  prof_.reset();
   lt_.reset();
 #ifdef FSDP8_WITH_CUDNN
   cudnn_.reset();
@@ -110,15 +117,18 @@ void CudaBackend::CopyToHost(void* host_dst, const void* src, size_t bytes) {
   Bind();
   if (bytes > 0) FSDP8_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
   FSDP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (prof_) prof_->Harvest(/*block=*/false);
 }
 
 void CudaBackend::Copy(void* dst, const void* src, size_t bytes) {
+  cuda::OpScope op_scope(prof_.get(), "Copy");
   if (bytes == 0) return;
   Bind();
   FSDP8_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
 }
 
 void CudaBackend::Memset(void* dst, int value, size_t bytes) {
+  cuda::OpScope op_scope(prof_.get(), "Memset");
   if (bytes == 0) return;
   Bind();
   FSDP8_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, stream_));
@@ -127,6 +137,7 @@ void CudaBackend::Memset(void* dst, int value, size_t bytes) {
 void CudaBackend::Synchronize() {
   Bind();
   FSDP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (prof_) prof_->Harvest(/*block=*/false);
 }
 
 void* CudaBackend::Scratch(int i, size_t bytes) {
@@ -146,28 +157,33 @@ void* CudaBackend::Scratch(int i, size_t bytes) {
 
 void CudaBackend::CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale,
                             Fp8Format fmt, float* amax_out) {
+  cuda::OpScope op_scope(prof_.get(), "CastToFp8");
   Bind();
   cuda::LaunchCastToFp8(in, out, n, scale, fmt, amax_out, stream_);
 }
 
 void CudaBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
                                    Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) {
+  cuda::OpScope op_scope(prof_.get(), "CastTransposeFp8");
   Bind();
   cuda::LaunchCastTransposeFp8(in, rows, cols, scale, fmt, out, out_t, amax_out, stream_);
 }
 
 void CudaBackend::TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) {
+  cuda::OpScope op_scope(prof_.get(), "TransposeBytes");
   Bind();
   cuda::LaunchTransposeBytes(in, rows, cols, out, stream_);
 }
 
 void CudaBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
                                 Fp8Format fmt) {
+  cuda::OpScope op_scope(prof_.get(), "DequantizeFp8");
   Bind();
   cuda::LaunchDequantizeFp8(in, out, n, scale_inv, fmt, stream_);
 }
 
 void CudaBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out) {
+  cuda::OpScope op_scope(prof_.get(), "AmaxAccumulate");
   Bind();
   cuda::LaunchAmaxAccumulate(in, n, amax_out, stream_);
 }
@@ -181,6 +197,7 @@ cudaDataType_t Fp8Type(Fp8Format f) {
 void CudaBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                           const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
                           const float* b_scale_inv, float* C, bool accumulate) {
+  cuda::OpScope op_scope(prof_.get(), "GemmFp8", M, N, K);
   Bind();
   if (M <= 0 || N <= 0) return;
   if (K <= 0) {
@@ -220,6 +237,7 @@ void CudaBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8
 
 void CudaBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
                        const float* B, float* C, bool accumulate, GemmInputs inputs) {
+  cuda::OpScope op_scope(prof_.get(), "Gemm", M, N, K);
   Bind();
   if (M <= 0 || N <= 0) return;
   if (K <= 0) {
@@ -270,16 +288,19 @@ void CudaBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t
 }
 
 void CudaBackend::RoundToBf16(float* x, int64_t n) {
+  cuda::OpScope op_scope(prof_.get(), "RoundToBf16");
   Bind();
   cuda::LaunchRoundToBf16(x, n, stream_);
 }
 
 void CudaBackend::PackBf16(const float* in, uint16_t* out, int64_t n) {
+  cuda::OpScope op_scope(prof_.get(), "PackBf16");
   Bind();
   cuda::LaunchPackBf16(in, out, n, stream_);
 }
 
 void CudaBackend::UnpackBf16(const uint16_t* in, float* out, int64_t n) {
+  cuda::OpScope op_scope(prof_.get(), "UnpackBf16");
   Bind();
   cuda::LaunchUnpackBf16(in, out, n, stream_);
 }
@@ -287,23 +308,27 @@ void CudaBackend::UnpackBf16(const uint16_t* in, float* out, int64_t n) {
 // ---- elementwise and layers ----------------------------------------------------------------------
 
 void CudaBackend::Add(const float* a, const float* b, float* out, int64_t n) {
+  cuda::OpScope op_scope(prof_.get(), "Add");
   Bind();
   cuda::LaunchAdd(a, b, out, n, stream_);
 }
 
 void CudaBackend::Axpy(float alpha, const float* x, float* y, int64_t n) {
+  cuda::OpScope op_scope(prof_.get(), "Axpy");
   Bind();
   cuda::LaunchAxpy(alpha, x, y, n, stream_);
 }
 
 void CudaBackend::EmbeddingForward(const int32_t* tokens, int64_t N, const float* table, int64_t C,
                                    float* out) {
+  cuda::OpScope op_scope(prof_.get(), "EmbeddingForward");
   Bind();
   cuda::LaunchEmbeddingForward(tokens, N, table, C, out, stream_);
 }
 
 void CudaBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const float* dout, int64_t C,
                                     float* dtable) {
+  cuda::OpScope op_scope(prof_.get(), "EmbeddingBackward");
   Bind();
   if (N <= 0 || C <= 0) return;
   int64_t V = static_cast<int64_t>(BytesToEndOfAllocation(dtable) / (sizeof(float) * C));
@@ -320,58 +345,53 @@ void CudaBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const floa
 
 void CudaBackend::RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
                                  float* y, float* rstd) {
+  cuda::OpScope op_scope(prof_.get(), "RmsNormForward");
   Bind();
   cuda::LaunchRmsNormForward(x, w, eps, N, C, y, rstd, stream_);
 }
 
 void CudaBackend::RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
                                   int64_t N, int64_t C, float* dx, float* dw) {
+  cuda::OpScope op_scope(prof_.get(), "RmsNormBackward");
   Bind();
   float* partials = static_cast<float*>(
       Scratch(kSlotPartials, sizeof(float) * cuda::RmsNormBackwardScratchFloats(N, C)));
   cuda::LaunchRmsNormBackward(dy, x, w, rstd, N, C, dx, dw, partials, stream_);
 }
 
-void CudaBackend::RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
-  Bind();
-  if (rope_T_ != T || rope_D_ != D || rope_theta_ != theta) {
-    const size_t bytes = sizeof(float) * 2 * T * (D / 2);
-    if (rope_table_bytes_ < bytes) {
-      FSDP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      if (rope_table_ != nullptr) FSDP8_CUDA_CHECK(cudaFree(rope_table_));
-      FSDP8_CUDA_CHECK(cudaMalloc(&rope_table_, bytes == 0 ? 1 : bytes));
-      rope_table_bytes_ = bytes;
-    }
-    cuda::LaunchRopeTable(T, D, theta, rope_table_, stream_);
-    rope_T_ = T;
-    rope_D_ = D;
-    rope_theta_ = theta;
+void CudaBackend::EnsureRopeTable(int64_t T, int64_t D, float theta) {
+  if (rope_T_ == T && rope_D_ == D && rope_theta_ == theta) return;
+  const size_t bytes = sizeof(float) * 2 * T * (D / 2);
+  if (rope_table_bytes_ < bytes) {
+    FSDP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (rope_table_ != nullptr) FSDP8_CUDA_CHECK(cudaFree(rope_table_));
+    FSDP8_CUDA_CHECK(cudaMalloc(&rope_table_, bytes == 0 ? 1 : bytes));
+    rope_table_bytes_ = bytes;
   }
+  cuda::LaunchRopeTable(T, D, theta, rope_table_, stream_);
+  rope_T_ = T;
+  rope_D_ = D;
+  rope_theta_ = theta;
+}
+
+void CudaBackend::RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
+  cuda::OpScope op_scope(prof_.get(), "RopeForward");
+  Bind();
+  EnsureRopeTable(T, D, theta);
   cuda::LaunchRopeApply(x, B, T, H, D, rope_table_, 1.0f, stream_);
 }
 
 void CudaBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
+  cuda::OpScope op_scope(prof_.get(), "RopeBackward");
   Bind();
-  if (rope_T_ != T || rope_D_ != D || rope_theta_ != theta) {
-    // Build the table through the forward path's cache logic, without touching dx.
-    const size_t bytes = sizeof(float) * 2 * T * (D / 2);
-    if (rope_table_bytes_ < bytes) {
-      FSDP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      if (rope_table_ != nullptr) FSDP8_CUDA_CHECK(cudaFree(rope_table_));
-      FSDP8_CUDA_CHECK(cudaMalloc(&rope_table_, bytes == 0 ? 1 : bytes));
-      rope_table_bytes_ = bytes;
-    }
-    cuda::LaunchRopeTable(T, D, theta, rope_table_, stream_);
-    rope_T_ = T;
-    rope_D_ = D;
-    rope_theta_ = theta;
-  }
+  EnsureRopeTable(T, D, theta);
   cuda::LaunchRopeApply(dx, B, T, H, D, rope_table_, -1.0f, stream_);
 }
 
 void CudaBackend::AttentionForward(const float* q, const float* k, const float* v, int64_t B,
                                    int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
                                    float* lse) {
+  cuda::OpScope op_scope(prof_.get(), "AttentionForward");
   Bind();
   cuda::LaunchAttentionForward(q, k, v, B, T, H, Hkv, D, out, lse, stream_);
 }
@@ -380,6 +400,7 @@ void CudaBackend::AttentionBackward(const float* q, const float* k, const float*
                                     const float* dout, const float* lse, int64_t B, int64_t T,
                                     int64_t H, int64_t Hkv, int64_t D, float* dq, float* dk,
                                     float* dv) {
+  cuda::OpScope op_scope(prof_.get(), "AttentionBackward");
   Bind();
   float* delta = static_cast<float*>(Scratch(kSlotDelta, sizeof(float) * B * H * T));
   cuda::LaunchAttentionBackward(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv, delta, stream_);
@@ -388,6 +409,7 @@ void CudaBackend::AttentionBackward(const float* q, const float* k, const float*
 void CudaBackend::AttentionForwardBf16(const float* q, const float* k, const float* v, int64_t B,
                                        int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
                                        float* lse) {
+  cuda::OpScope op_scope(prof_.get(), "AttentionForwardBf16");
 #ifdef FSDP8_WITH_CUDNN
   if (!cudnn_failed_ && D % 8 == 0 && D <= 128) {
     Bind();
@@ -420,6 +442,7 @@ void CudaBackend::AttentionBackwardBf16(const float* q, const float* k, const fl
                                         const float* out, const float* dout, const float* lse,
                                         int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
                                         float* dq, float* dk, float* dv) {
+  cuda::OpScope op_scope(prof_.get(), "AttentionBackwardBf16");
 #ifdef FSDP8_WITH_CUDNN
   if (!cudnn_failed_ && D % 8 == 0 && D <= 128) {
     // Round the operands to bf16 once and take the saved-activation path (same cuDNN call).
@@ -445,6 +468,7 @@ void CudaBackend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t
                                              const float* dout, const float* lse, int64_t B,
                                              int64_t T, int64_t H, int64_t Hkv, int64_t D,
                                              float* dq, float* dk, float* dv) {
+  cuda::OpScope op_scope(prof_.get(), "AttentionBackwardBf16Saved");
 #ifdef FSDP8_WITH_CUDNN
   if (!cudnn_failed_ && D % 8 == 0 && D <= 128) {
     Bind();
@@ -475,30 +499,166 @@ void CudaBackend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t
 
 void CudaBackend::SwigluBackwardBf16(const float* dh, const uint16_t* gate16,
                                      const uint16_t* up16, int64_t n, float* dgate, float* dup) {
+  cuda::OpScope op_scope(prof_.get(), "SwigluBackwardBf16");
   Bind();
   cuda::LaunchSwigluBackwardBf16(dh, gate16, up16, n, dgate, dup, stream_);
 }
 
 void CudaBackend::SwigluForward(const float* gate, const float* up, int64_t n, float* h) {
+  cuda::OpScope op_scope(prof_.get(), "SwigluForward");
   Bind();
   cuda::LaunchSwigluForward(gate, up, n, h, stream_);
 }
 
 void CudaBackend::SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                                  float* dgate, float* dup) {
+  cuda::OpScope op_scope(prof_.get(), "SwigluBackward");
   Bind();
   cuda::LaunchSwigluBackward(dh, gate, up, n, dgate, dup, stream_);
 }
 
 void CudaBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
                                               int64_t V, float grad_scale, float* losses) {
+  cuda::OpScope op_scope(prof_.get(), "CrossEntropyForwardBackward");
   Bind();
   cuda::LaunchCrossEntropy(logits, targets, N, V, grad_scale, losses, stream_);
+}
+
+// ---- bfloat16 activations -------------------------------------------------------------------------
+
+void CudaBackend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+                              const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+                              const float* b_scale_inv, uint16_t* C16) {
+  cuda::OpScope op_scope(prof_.get(), "GemmFp8Bf16", M, N, K);
+  Bind();
+  if (M <= 0 || N <= 0) return;
+  const bool both_e5m2 = a_fmt == Fp8Format::kE5M2 && b_fmt == Fp8Format::kE5M2;
+  if (K > 0 && !both_e5m2) {
+    cuda::LtProblem p;  // as GemmFp8, with a bf16 D
+    p.m = N;
+    p.n = M;
+    p.k = K;
+    p.trans_a = true;
+    p.trans_b = false;
+    p.a_type = Fp8Type(b_fmt);
+    p.b_type = Fp8Type(a_fmt);
+    p.c_type = CUDA_R_16BF;
+    p.lda = K;
+    p.ldb = K;
+    p.ldc = N;
+    p.scaled = true;
+    p.align_a = cuda::PointerAlignment(B);
+    p.align_b = cuda::PointerAlignment(A);
+    p.align_c = cuda::PointerAlignment(C16);
+    if (lt_->Run(p, B, A, C16, b_scale_inv, a_scale_inv)) return;
+  }
+  Backend::GemmFp8Bf16(M, N, K, A, a_fmt, a_scale_inv, B, b_fmt, b_scale_inv, C16);
+}
+
+void CudaBackend::CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, const float* scale,
+                                Fp8Format fmt, float* amax_out) {
+  cuda::OpScope op_scope(prof_.get(), "CastToFp8Bf16");
+  Bind();
+  cuda::LaunchCastToFp8Bf16(in16, out, n, scale, fmt, amax_out, stream_);
+}
+
+void CudaBackend::CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t cols,
+                                       const float* scale, Fp8Format fmt, uint8_t* out,
+                                       uint8_t* out_t, float* amax_out) {
+  cuda::OpScope op_scope(prof_.get(), "CastTransposeFp8Bf16");
+  Bind();
+  cuda::LaunchCastTransposeFp8Bf16(in16, rows, cols, scale, fmt, out, out_t, amax_out, stream_);
+}
+
+void CudaBackend::RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
+                                  float theta) {
+  cuda::OpScope op_scope(prof_.get(), "RopeForwardBf16");
+  Bind();
+  EnsureRopeTable(T, D, theta);
+  cuda::LaunchRopeApplyBf16(x16, B, T, H, D, rope_table_, 1.0f, stream_);
+}
+
+void CudaBackend::RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D,
+                                   float theta) {
+  cuda::OpScope op_scope(prof_.get(), "RopeBackwardBf16");
+  Bind();
+  EnsureRopeTable(T, D, theta);
+  cuda::LaunchRopeApplyBf16(dx16, B, T, H, D, rope_table_, -1.0f, stream_);
+}
+
+bool CudaBackend::CudnnAttentionUsable(int64_t D) const {
+#ifdef FSDP8_WITH_CUDNN
+  return !cudnn_failed_ && D % 8 == 0 && D <= 128;
+#else
+  (void)D;
+  return false;
+#endif
+}
+
+void CudaBackend::AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16,
+                                             const uint16_t* v16, int64_t B, int64_t T, int64_t H,
+                                             int64_t Hkv, int64_t D, uint16_t* out16, float* lse) {
+  cuda::OpScope op_scope(prof_.get(), "AttentionForwardBf16Packed");
+#ifdef FSDP8_WITH_CUDNN
+  if (CudnnAttentionUsable(D)) {
+    Bind();
+    std::string err;
+    if (cudnn_->Forward(q16, k16, v16, out16, lse, B, T, H, Hkv, D, stream_, &err)) return;
+    fprintf(stderr, "fsdp8: cuDNN attention refused (%s); using the reference BF16 attention\n",
+            err.c_str());
+    cudnn_failed_ = true;
+  }
+#endif
+  Backend::AttentionForwardBf16Packed(q16, k16, v16, B, T, H, Hkv, D, out16, lse);
+}
+
+void CudaBackend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
+                                                 const uint16_t* v16, const uint16_t* out16,
+                                                 const float* dout, const float* lse, int64_t B,
+                                                 int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                                 uint16_t* dq16, uint16_t* dk16, uint16_t* dv16) {
+  cuda::OpScope op_scope(prof_.get(), "AttentionBackwardBf16SavedTo16");
+#ifdef FSDP8_WITH_CUDNN
+  if (CudnnAttentionUsable(D)) {
+    Bind();
+    const int64_t nq = B * T * H * D;
+    auto* do16 = static_cast<uint16_t*>(Alloc(nq * 2));
+    FSDP8_CUDA_REQUIRE(do16 != nullptr, "device out of memory in AttentionBackwardBf16SavedTo16");
+    cuda::LaunchPackBf16(dout, do16, nq, stream_);
+    std::string err;
+    const bool ok = cudnn_->Backward(q16, k16, v16, out16, do16, lse, dq16, dk16, dv16, B, T, H,
+                                     Hkv, D, stream_, &err);
+    Free(do16);
+    if (ok) return;
+    fprintf(stderr, "fsdp8: cuDNN attention refused (%s); using the reference BF16 attention\n",
+            err.c_str());
+    cudnn_failed_ = true;
+  }
+#endif
+  Backend::AttentionBackwardBf16SavedTo16(q16, k16, v16, out16, dout, lse, B, T, H, Hkv, D, dq16,
+                                          dk16, dv16);
+}
+
+void CudaBackend::SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t n,
+                                const float* scale, Fp8Format fmt, uint8_t* out,
+                                float* amax_out) {
+  cuda::OpScope op_scope(prof_.get(), "SwigluCastFp8");
+  Bind();
+  cuda::LaunchSwigluCastFp8(gate16, up16, n, scale, fmt, out, amax_out, stream_);
+}
+
+void CudaBackend::SwigluBackwardBf16To16(const float* dh, const uint16_t* gate16,
+                                         const uint16_t* up16, int64_t n, uint16_t* dgate16,
+                                         uint16_t* dup16) {
+  cuda::OpScope op_scope(prof_.get(), "SwigluBackwardBf16To16");
+  Bind();
+  cuda::LaunchSwigluBackwardBf16To16(dh, gate16, up16, n, dgate16, dup16, stream_);
 }
 
 // ---- optimizer -----------------------------------------------------------------------------------
 
 void CudaBackend::SumSquares(const float* x, int64_t n, float* out) {
+  cuda::OpScope op_scope(prof_.get(), "SumSquares");
   Bind();
   double* partials = static_cast<double*>(
       Scratch(kSlotMisc, sizeof(double) * cuda::SumSquaresScratchDoubles()));
@@ -508,6 +668,7 @@ void CudaBackend::SumSquares(const float* x, int64_t n, float* out) {
 void CudaBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
                         float beta1, float beta2, float eps, float weight_decay, int64_t step,
                         float grad_scale) {
+  cuda::OpScope op_scope(prof_.get(), "AdamW");
   Bind();
   FSDP8_CUDA_REQUIRE(step >= 1, "AdamW step must be >= 1");
   const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));

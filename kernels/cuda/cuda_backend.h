@@ -27,6 +27,10 @@
 //     or if cuDNN refuses the shape, the Backend reference (a one-time message says so).
 //   * Every kernel is deterministic: same inputs, same bits (no order-dependent float atomics).
 //
+// Profiling: with FSDP8_PROFILE_OPS=1 in the environment, the GPU time of every op (CUDA events
+// around it on the compute stream) is summed per op name and GEMM shape and printed to stderr
+// every 10 s (FSDP8_PROFILE_OPS=<seconds> when above 1) with the share of wall time the stream spent in ops (kernels/cuda/op_profile.h).
+//
 // Errors: a failing CUDA / cuBLASLt call aborts with the call, the error and file:line (backend.h).
 // Thread-safety: one thread per instance (as Backend); the backend binds its device
 // (cudaSetDevice) at construction and on every call, so several backends on several devices may
@@ -50,6 +54,7 @@ namespace fsdp8 {
 
 namespace cuda {
 class LtGemm;
+class OpProfile;
 }
 
 class CudaBackend final : public Backend {
@@ -135,6 +140,31 @@ class CudaBackend final : public Backend {
                           float* dgate, float* dup) override;
 
   void SwigluForward(const float* gate, const float* up, int64_t n, float* h) override;
+
+  void GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+                   const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+                   const float* b_scale_inv, uint16_t* C16) override;
+  void CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, const float* scale,
+                     Fp8Format fmt, float* amax_out) override;
+  void CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t cols, const float* scale,
+                            Fp8Format fmt, uint8_t* out, uint8_t* out_t,
+                            float* amax_out) override;
+  void RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
+                       float theta) override;
+  void RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D,
+                        float theta) override;
+  void AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16, const uint16_t* v16,
+                                  int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                  uint16_t* out16, float* lse) override;
+  void AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
+                                      const uint16_t* v16, const uint16_t* out16,
+                                      const float* dout, const float* lse, int64_t B, int64_t T,
+                                      int64_t H, int64_t Hkv, int64_t D, uint16_t* dq16,
+                                      uint16_t* dk16, uint16_t* dv16) override;
+  void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t n, const float* scale,
+                     Fp8Format fmt, uint8_t* out, float* amax_out) override;
+  void SwigluBackwardBf16To16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
+                              int64_t n, uint16_t* dgate16, uint16_t* dup16) override;
   void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                       float* dgate, float* dup) override;
 
@@ -152,6 +182,10 @@ class CudaBackend final : public Backend {
   // Bytes from p to the end of the Alloc'd buffer containing it; 0 when unknown.
   size_t BytesToEndOfAllocation(const void* p) const;
   void Bind() const;
+  // Builds the RoPE cos/sin table for (T, D, theta) unless it is the cached one.
+  void EnsureRopeTable(int64_t T, int64_t D, float theta);
+  // cuDNN's fused attention applies to this head dimension (and has not refused before).
+  bool CudnnAttentionUsable(int64_t D) const;
 
   int device_;
   cudaStream_t stream_ = nullptr;
@@ -168,6 +202,7 @@ class CudaBackend final : public Backend {
   float* rope_table_ = nullptr;
   size_t rope_table_bytes_ = 0;
   int64_t gemm_fp8_fallbacks_ = 0;
+  std::unique_ptr<cuda::OpProfile> prof_;  // FSDP8_PROFILE_OPS=1 (kernels/cuda/op_profile.h)
 #ifdef FSDP8_WITH_CUDNN
   std::unique_ptr<cuda::CudnnAttention> cudnn_;
   bool cudnn_failed_ = false;

@@ -56,7 +56,7 @@ LtGemm::Entry* LtGemm::Lookup(const LtProblem& p) {
   const uint64_t b_rows = p.trans_b ? p.n : p.k, b_cols = p.trans_b ? p.k : p.n;
   FSDP8_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e.a, p.a_type, a_rows, a_cols, p.lda));
   FSDP8_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e.b, p.b_type, b_rows, b_cols, p.ldb));
-  FSDP8_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e.c, CUDA_R_32F, p.m, p.n, p.ldc));
+  FSDP8_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e.c, p.c_type, p.m, p.n, p.ldc));
   if (p.scaled) {
     // Placeholder pointers so that the heuristic sees a scaled FP8 problem; real ones per call.
     const void* none = nullptr;
@@ -100,7 +100,7 @@ LtGemm::Entry* LtGemm::Lookup(const LtProblem& p) {
   return &ins.first->second;
 }
 
-bool LtGemm::Run(const LtProblem& p, const void* A, const void* B, float* C, const float* scale_a,
+bool LtGemm::Run(const LtProblem& p, const void* A, const void* B, void* C, const float* scale_a,
                  const float* scale_b) {
   Entry* e = Lookup(p);
   if (!e->ok) return false;

@@ -35,7 +35,8 @@ struct LtProblem {
   // cuBLASLt's view (column-major): D (m, n) = op(A) (m, k) · op(B) (k, n).
   int64_t m = 0, n = 0, k = 0;
   bool trans_a = false, trans_b = false;  // cuBLASLt ops on its A and B
-  cudaDataType_t a_type = CUDA_R_32F, b_type = CUDA_R_32F;  // C and D are always CUDA_R_32F
+  cudaDataType_t a_type = CUDA_R_32F, b_type = CUDA_R_32F;
+  cudaDataType_t c_type = CUDA_R_32F;  // C and D: CUDA_R_32F, or CUDA_R_16BF (FP8 inputs only)
   int64_t lda = 0, ldb = 0, ldc = 0;
   bool scaled = false;     // FP8: A/B scale pointers are set
   bool accumulate = false; // beta = 1 (else 0)
@@ -43,8 +44,8 @@ struct LtProblem {
 
   auto Key() const {
     return std::make_tuple(m, n, k, trans_a, trans_b, static_cast<int>(a_type),
-                           static_cast<int>(b_type), lda, ldb, ldc, scaled, accumulate, align_a,
-                           align_b, align_c);
+                           static_cast<int>(b_type), static_cast<int>(c_type), lda, ldb, ldc,
+                           scaled, accumulate, align_a, align_b, align_c);
   }
 };
 
@@ -63,7 +64,7 @@ class LtGemm {
   // are device scalars (only when p.scaled). Returns false, enqueuing nothing, when cuBLASLt
   // has no algorithm for the problem (e.g. FP8 with K or a leading dimension not a multiple of
   // 16); the caller then takes a fallback path. The outcome is cached per problem key.
-  bool Run(const LtProblem& p, const void* A, const void* B, float* C, const float* scale_a,
+  bool Run(const LtProblem& p, const void* A, const void* B, void* C, const float* scale_a,
            const float* scale_b);
 
   int64_t cache_size() const { return static_cast<int64_t>(cache_.size()); }

@@ -24,6 +24,12 @@ void LaunchCastToFp8(const float* in, uint8_t* out, int64_t n, const float* scal
 void LaunchCastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
                             Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
                             cudaStream_t stream);
+// The same two casts from bfloat16 bit patterns (f32 values exact; same codes and amax).
+void LaunchCastToFp8Bf16(const uint16_t* in, uint8_t* out, int64_t n, const float* scale,
+                         Fp8Format fmt, float* amax_out, cudaStream_t stream);
+void LaunchCastTransposeFp8Bf16(const uint16_t* in, int64_t rows, int64_t cols, const float* scale,
+                                Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
+                                cudaStream_t stream);
 // out (cols, rows) = in (rows, cols)^T, bytes.
 void LaunchTransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
                           cudaStream_t stream);
@@ -64,6 +70,9 @@ void LaunchRopeTable(int64_t T, int64_t D, float theta, float* table, cudaStream
 // x (B, T, H, D) rotated in place by +angle (sign = +1) or -angle (sign = -1).
 void LaunchRopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, const float* table,
                      float sign, cudaStream_t stream);
+// The same on bfloat16 bit patterns: f32 math on the exact values, each result rounded (RNE).
+void LaunchRopeApplyBf16(uint16_t* x, int64_t B, int64_t T, int64_t H, int64_t D,
+                         const float* table, float sign, cudaStream_t stream);
 
 // ---- swiglu.cu -------------------------------------------------------------------------------
 void LaunchSwigluForward(const float* gate, const float* up, int64_t n, float* h,
@@ -72,6 +81,15 @@ void LaunchSwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uin
                               int64_t n, float* dgate, float* dup, cudaStream_t stream);
 void LaunchSwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                           float* dgate, float* dup, cudaStream_t stream);
+// SwigluBackwardBf16 with dgate, dup rounded to bfloat16 (RNE).
+void LaunchSwigluBackwardBf16To16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
+                                  int64_t n, uint16_t* dgate16, uint16_t* dup16,
+                                  cudaStream_t stream);
+// out (n) = fp8(silu(gate) * up * *scale) from bfloat16 gate, up: the f32 product exactly as
+// LaunchSwigluForward computes it; amax of the products into *amax_out when non-null.
+void LaunchSwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t n,
+                         const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out,
+                         cudaStream_t stream);
 
 // ---- embedding.cu ----------------------------------------------------------------------------
 void LaunchEmbeddingForward(const int32_t* tokens, int64_t N, const float* table, int64_t C,

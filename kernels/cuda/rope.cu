@@ -28,8 +28,19 @@ __global__ void RopeTableKernel(int64_t T, int64_t D, float theta, float2* __res
   table[idx] = make_float2(static_cast<float>(cos(a)), static_cast<float>(sin(a)));
 }
 
+// f32 or bfloat16 (bit pattern, round to nearest even) storage.
+__device__ __forceinline__ float Get(const float* p) { return *p; }
+__device__ __forceinline__ float Get(const uint16_t* p) {
+  return __uint_as_float(static_cast<uint32_t>(*p) << 16);
+}
+__device__ __forceinline__ void Put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void Put(uint16_t* p, float v) {
+  *p = static_cast<uint16_t>(RoundBf16BitsDev(v) >> 16);
+}
+
 // One thread per pair.
-__global__ void RopeApplyKernel(float* __restrict__ x, int64_t B, int64_t T, int64_t H, int64_t D,
+template <typename T_>
+__global__ void RopeApplyKernel(T_* __restrict__ x, int64_t B, int64_t T, int64_t H, int64_t D,
                                 const float2* __restrict__ table, float sign) {
   const int64_t half = D / 2;
   const int64_t total = B * T * H * half;
@@ -40,10 +51,10 @@ __global__ void RopeApplyKernel(float* __restrict__ x, int64_t B, int64_t T, int
     const int64_t t = (row / H) % T;
     const float2 cs = table[t * half + i];
     const float c = cs.x, s = sign * cs.y;
-    float* p = x + row * D;
-    const float x1 = p[i], x2 = p[i + half];
-    p[i] = x1 * c - x2 * s;
-    p[i + half] = x2 * c + x1 * s;
+    T_* p = x + row * D;
+    const float x1 = Get(p + i), x2 = Get(p + i + half);
+    Put(p + i, x1 * c - x2 * s);
+    Put(p + i + half, x2 * c + x1 * s);
   }
 }
 
@@ -57,16 +68,29 @@ void LaunchRopeTable(int64_t T, int64_t D, float theta, float* table, cudaStream
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
-void LaunchRopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, const float* table,
-                     float sign, cudaStream_t stream) {
+namespace {
+template <typename T_>
+void RopeApplyImpl(T_* x, int64_t B, int64_t T, int64_t H, int64_t D, const float* table,
+                   float sign, cudaStream_t stream) {
   FSDP8_CUDA_REQUIRE(D % 2 == 0, "RoPE needs an even head dimension");
   const int64_t total = B * T * H * (D / 2);
   if (total <= 0) return;
   int64_t blocks = CeilDiv(total, kThreads);
   if (blocks > 65536) blocks = 65536;
-  RopeApplyKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+  RopeApplyKernel<T_><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       x, B, T, H, D, reinterpret_cast<const float2*>(table), sign);
   FSDP8_CUDA_LAUNCH_CHECK();
+}
+}  // namespace
+
+void LaunchRopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, const float* table,
+                     float sign, cudaStream_t stream) {
+  RopeApplyImpl(x, B, T, H, D, table, sign, stream);
+}
+
+void LaunchRopeApplyBf16(uint16_t* x, int64_t B, int64_t T, int64_t H, int64_t D,
+                         const float* table, float sign, cudaStream_t stream) {
+  RopeApplyImpl(x, B, T, H, D, table, sign, stream);
 }
 
 }  // namespace fsdp8::cuda

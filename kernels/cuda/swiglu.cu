@@ -24,17 +24,58 @@ __device__ __forceinline__ float Load(const uint16_t* p, int64_t i) {
   return __uint_as_float(static_cast<uint32_t>(p[i]) << 16);
 }
 
+__device__ __forceinline__ void Store(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void Store(uint16_t* p, int64_t i, float v) {
+  p[i] = static_cast<uint16_t>(RoundBf16BitsDev(v) >> 16);
+}
+
 // dgate = dh * up * s * (1 + g * (1 - s)), dup = dh * g * s, s = sigmoid(g).
-template <typename In>
+template <typename In, typename Out>
 __global__ void SwigluBackwardKernel(const float* __restrict__ dh, const In* __restrict__ gate,
                                      const In* __restrict__ up, int64_t n,
-                                     float* __restrict__ dgate, float* __restrict__ dup) {
+                                     Out* __restrict__ dgate, Out* __restrict__ dup) {
   FSDP8_GRID_STRIDE(i, n) {
     const float g = Load(gate, i);
     const float s = 1.0f / (1.0f + expf(-g));
     const float d = dh[i];
-    dgate[i] = d * Load(up, i) * s * (1.0f + g * (1.0f - s));
-    dup[i] = d * g * s;
+    Store(dgate, i, d * Load(up, i) * s * (1.0f + g * (1.0f - s)));
+    Store(dup, i, d * g * s);
+  }
+}
+
+// out = fp8(h * scale), h = silu(g) * up exactly as SwigluForwardKernel (same expression).
+template <bool kE5M2>
+__global__ void SwigluCastKernel(const uint16_t* __restrict__ gate, const uint16_t* __restrict__ up,
+                                 int64_t n, const float* __restrict__ scale,
+                                 uint8_t* __restrict__ out, float* amax_out, bool vec) {
+  __shared__ int red[kEltThreads / 32];
+  const float sc = *scale;
+  int m = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  auto h_of = [](float g, float u) {
+    const float sig = 1.0f / (1.0f + expf(-g));
+    return g * sig * u;
+  };
+  const int64_t n4 = vec ? n / 4 : 0;
+  for (int64_t i = tid; i < n4; i += stride) {
+    const uint2 g2 = reinterpret_cast<const uint2*>(gate)[i];
+    const uint2 u2 = reinterpret_cast<const uint2*>(up)[i];
+    const float h0 = h_of(__uint_as_float(g2.x << 16), __uint_as_float(u2.x << 16));
+    const float h1 = h_of(__uint_as_float(g2.x & 0xFFFF0000u), __uint_as_float(u2.x & 0xFFFF0000u));
+    const float h2 = h_of(__uint_as_float(g2.y << 16), __uint_as_float(u2.y << 16));
+    const float h3 = h_of(__uint_as_float(g2.y & 0xFFFF0000u), __uint_as_float(u2.y & 0xFFFF0000u));
+    m = max(m, max(max(AbsBits(h0), AbsBits(h1)), max(AbsBits(h2), AbsBits(h3))));
+    reinterpret_cast<uint32_t*>(out)[i] = Encode4Dev<kE5M2>(h0 * sc, h1 * sc, h2 * sc, h3 * sc);
+  }
+  for (int64_t i = n4 * 4 + tid; i < n; i += stride) {
+    const float h = h_of(Load(gate, i), Load(up, i));
+    m = max(m, AbsBits(h));
+    out[i] = static_cast<uint8_t>(Encode1Dev<kE5M2>(h * sc));
+  }
+  if (amax_out != nullptr) {
+    m = BlockMaxInt<kEltThreads>(m, red);
+    if (threadIdx.x == 0) AtomicMaxAbsBits(amax_out, m);
   }
 }
 
@@ -49,15 +90,40 @@ void LaunchSwigluForward(const float* gate, const float* up, int64_t n, float* h
 void LaunchSwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                           float* dgate, float* dup, cudaStream_t stream) {
   if (n <= 0) return;
-  SwigluBackwardKernel<float><<<EltBlocks(n), kEltThreads, 0, stream>>>(dh, gate, up, n, dgate, dup);
+  SwigluBackwardKernel<float, float><<<EltBlocks(n), kEltThreads, 0, stream>>>(dh, gate, up, n, dgate, dup);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
 void LaunchSwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
                               int64_t n, float* dgate, float* dup, cudaStream_t stream) {
   if (n <= 0) return;
-  SwigluBackwardKernel<uint16_t>
+  SwigluBackwardKernel<uint16_t, float>
       <<<EltBlocks(n), kEltThreads, 0, stream>>>(dh, gate16, up16, n, dgate, dup);
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+void LaunchSwigluBackwardBf16To16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
+                                  int64_t n, uint16_t* dgate16, uint16_t* dup16,
+                                  cudaStream_t stream) {
+  if (n <= 0) return;
+  SwigluBackwardKernel<uint16_t, uint16_t>
+      <<<EltBlocks(n), kEltThreads, 0, stream>>>(dh, gate16, up16, n, dgate16, dup16);
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+void LaunchSwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t n,
+                         const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out,
+                         cudaStream_t stream) {
+  if (n <= 0) return;
+  const bool vec = reinterpret_cast<uintptr_t>(gate16) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(up16) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(out) % 4 == 0;
+  const int blocks = EltBlocks(vec ? CeilDiv(n, 4) : n, 8192);
+  if (fmt == Fp8Format::kE5M2) {
+    SwigluCastKernel<true><<<blocks, kEltThreads, 0, stream>>>(gate16, up16, n, scale, out, amax_out, vec);
+  } else {
+    SwigluCastKernel<false><<<blocks, kEltThreads, 0, stream>>>(gate16, up16, n, scale, out, amax_out, vec);
+  }
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 

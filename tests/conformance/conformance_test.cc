@@ -356,7 +356,7 @@ TEST_P(Conformance, CastTransposeFp8) {
 }
 
 TEST_P(Conformance, TransposeBytes) {
-  const int64_t shapes[][2] = {{1, 7}, {37, 129}, {64, 128}, {2048, 5632 / 4}};
+  const int64_t shapes[][2] = {{1, 7}, {37, 129}, {64, 128}, {256, 192}, {300, 260}, {2048, 5632 / 4}};
   for (auto& s : shapes) {
     const int64_t rows = s[0], cols = s[1];
     const auto x = Fp8Codes(rows * cols, Fp8Format::kE5M2);
@@ -778,6 +778,146 @@ TEST_P(Conformance, AdamW) {
         return o;
       });
     }
+  }
+}
+
+// The bfloat16-activation ops (backend.h): inputs packed to bf16 on the device (PackBf16 is
+// bit-exact on every backend), bf16 outputs unpacked to f32 for the comparison. Casts from bf16
+// must match bit for bit; an op whose f32 math may differ by a few ulps (kEltTol, the attention
+// tolerances above) can then round to the neighbouring bf16 value, so its bound gains one bf16
+// unit roundoff (2^-8); FP8 codes of such a value can likewise land one E4M3 step (2^-3
+// relative) apart, so the fused SwiGLU cast is compared dequantized against 2^-3.
+TEST_P(Conformance, Bf16Activations) {
+  const double ub = 1.0 / 256;
+  auto packed = [](DevRun& r, const std::vector<float>& x) {
+    uint16_t* p = r.Out<uint16_t>(static_cast<int64_t>(x.size()));
+    r.b()->PackBf16(r.In(x), p, static_cast<int64_t>(x.size()));
+    return p;
+  };
+  auto unpacked = [](DevRun& r, Outputs* o, const std::string& name, const uint16_t* p, int64_t n) {
+    float* f = r.Out<float>(n);
+    r.b()->UnpackBf16(p, f, n);
+    r.F32(o, name, f, n);
+  };
+  for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{4099}, int64_t{1} << 16}) {
+    for (Fp8Format fmt : kFormats) {
+      const auto x = CastInputs(n);
+      const std::vector<float> scale = {2.75f};
+      Check(std::string("CastToFp8Bf16/") + FmtName(fmt) + "/" + std::to_string(n), -1, [&](DevRun& r) {
+        Outputs o;
+        uint8_t* out = r.Out<uint8_t>(n);
+        float* amax = r.In(std::vector<float>{0.5f});
+        r.b()->CastToFp8Bf16(packed(r, x), out, n, r.In(scale), fmt, amax);
+        r.Bytes(&o, "out", out, n);
+        r.Bytes(&o, "amax", amax, 1);
+        return o;
+      });
+    }
+    const auto g = Randn(n, 2.0f), u = Randn(n), dh = Randn(n);
+    const std::vector<float> scale = {16.0f};
+    Check("SwigluCastFp8/" + std::to_string(n), 1.0 / 8, [&](DevRun& r) {
+      Outputs o;
+      uint8_t* out = r.Out<uint8_t>(n);
+      float* amax = r.In(std::vector<float>{0.0f});
+      r.b()->SwigluCastFp8(packed(r, g), packed(r, u), n, r.In(scale), Fp8Format::kE4M3, out, amax);
+      float* deq = r.Out<float>(n);
+      r.b()->DequantizeFp8(out, deq, n, r.In(std::vector<float>{1.0f / 16}), Fp8Format::kE4M3);
+      r.F32(&o, "out", deq, n);
+      r.F32(&o, "amax", amax, 1);
+      return o;
+    });
+    Check("SwigluBackwardBf16To16/" + std::to_string(n), kEltTol + ub, [&](DevRun& r) {
+      Outputs o;
+      uint16_t* dg = r.Out<uint16_t>(n);
+      uint16_t* du = r.Out<uint16_t>(n);
+      r.b()->SwigluBackwardBf16To16(r.In(dh), packed(r, g), packed(r, u), n, dg, du);
+      unpacked(r, &o, "dgate", dg, n);
+      unpacked(r, &o, "dup", du, n);
+      return o;
+    });
+  }
+  const int64_t shapes[][2] = {{1, 1}, {37, 129}, {256, 192}, {1000, 36}, {2048, 1408}};
+  for (auto& sh : shapes) {
+    const int64_t rows = sh[0], cols = sh[1];
+    auto x = Randn(rows * cols, 3.0f);
+    x[static_cast<size_t>(rows * cols / 2)] = 1e6f;  // saturates
+    const std::vector<float> scale = {20.0f};
+    Check("CastTransposeFp8Bf16/" + std::to_string(rows) + "x" + std::to_string(cols), -1, [&](DevRun& r) {
+      Outputs o;
+      uint8_t* out = r.Out<uint8_t>(rows * cols);
+      uint8_t* out_t = r.Out<uint8_t>(rows * cols);
+      float* amax = r.In(std::vector<float>{0.0f});
+      r.b()->CastTransposeFp8Bf16(packed(r, x), rows, cols, r.In(scale), Fp8Format::kE5M2, out, out_t,
+                                  amax);
+      r.Bytes(&o, "out", out, rows * cols);
+      r.Bytes(&o, "out_t", out_t, rows * cols);
+      r.Bytes(&o, "amax", amax, 1);
+      return o;
+    });
+  }
+  struct G { int64_t M, N, K; };
+  for (const G& s : {G{1, 1, 16}, G{37, 130, 32}, G{256, 512, 256}, G{512, 2048, 2048}}) {
+    auto codes = [&](int64_t n) {
+      auto c = Fp8Codes(n, Fp8Format::kE4M3);
+      for (auto& v : c) v = static_cast<uint8_t>((v & 0x80) | ((v & 0x7F) % 0x58));
+      return c;
+    };
+    const auto A = codes(s.M * s.K), B = codes(s.N * s.K);
+    const std::vector<float> sa = {0.375f}, sb = {1.0f / 3.0f};
+    Check("GemmFp8Bf16/" + std::to_string(s.M) + "x" + std::to_string(s.N) + "x" + std::to_string(s.K),
+          Fp8GemmTol(s.K) + ub, [&](DevRun& r) {
+            Outputs o;
+            uint16_t* C = r.Out<uint16_t>(s.M * s.N);
+            r.b()->GemmFp8Bf16(s.M, s.N, s.K, r.In(A), Fp8Format::kE4M3, r.In(sa), r.In(B),
+                               Fp8Format::kE4M3, r.In(sb), C);
+            unpacked(r, &o, "C", C, s.M * s.N);
+            return o;
+          });
+  }
+  struct R { int64_t B, T, H, D; };
+  for (const R& s : {R{1, 1, 1, 2}, R{2, 37, 3, 18}, R{2, 2048, 4, 128}}) {
+    const int64_t n = s.B * s.T * s.H * s.D;
+    const auto x = Randn(n);
+    const std::string shape = std::to_string(s.B) + "x" + std::to_string(s.T) + "x" + std::to_string(s.H) + "x" + std::to_string(s.D);
+    Check("RopeForwardBf16/" + shape, kEltTol + ub, [&](DevRun& r) {
+      Outputs o;
+      uint16_t* p = packed(r, x);
+      r.b()->RopeForwardBf16(p, s.B, s.T, s.H, s.D, 10000.0f);
+      unpacked(r, &o, "x", p, n);
+      return o;
+    });
+    Check("RopeBackwardBf16/" + shape, kEltTol + ub, [&](DevRun& r) {
+      Outputs o;
+      uint16_t* p = packed(r, x);
+      r.b()->RopeBackwardBf16(p, s.B, s.T, s.H, s.D, 500000.0f);
+      unpacked(r, &o, "dx", p, n);
+      return o;
+    });
+  }
+  struct A { int64_t B, T, H, Hkv, D; };
+  for (const A& s : {A{1, 1, 1, 1, 4}, A{2, 37, 4, 2, 16}, A{2, 256, 4, 4, 128}}) {
+    const int64_t nq = s.B * s.T * s.H * s.D, nk = s.B * s.T * s.Hkv * s.D;
+    const auto q = Randn(nq), k = Randn(nk), v = Randn(nk), dout = Randn(nq);
+    const std::string shape = std::to_string(s.B) + "x" + std::to_string(s.T) + "x" + std::to_string(s.H) + "/" +
+                              std::to_string(s.Hkv) + "x" + std::to_string(s.D);
+    Check("AttentionBf16Packed/" + shape, 8 * ub + ub, [&](DevRun& r) {
+      Outputs o;
+      uint16_t *q16 = packed(r, q), *k16 = packed(r, k), *v16 = packed(r, v);
+      uint16_t* out16 = r.Out<uint16_t>(nq);
+      float* lse = r.Out<float>(s.B * s.H * s.T);
+      r.b()->AttentionForwardBf16Packed(q16, k16, v16, s.B, s.T, s.H, s.Hkv, s.D, out16, lse);
+      unpacked(r, &o, "out", out16, nq);
+      r.F32(&o, "lse", lse, s.B * s.H * s.T);
+      uint16_t* dq = r.Out<uint16_t>(nq);
+      uint16_t* dk = r.Out<uint16_t>(nk);
+      uint16_t* dv = r.Out<uint16_t>(nk);
+      r.b()->AttentionBackwardBf16SavedTo16(q16, k16, v16, out16, r.In(dout), lse, s.B, s.T, s.H,
+                                            s.Hkv, s.D, dq, dk, dv);
+      unpacked(r, &o, "dq", dq, nq);
+      unpacked(r, &o, "dk", dk, nk);
+      unpacked(r, &o, "dv", dv, nk);
+      return o;
+    });
   }
 }
 
