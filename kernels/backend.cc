@@ -136,12 +136,13 @@ void Backend::AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k1
 
 void Backend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
                                              const uint16_t* v16, const uint16_t* out16,
-                                             const float* dout, const float* lse, int64_t B,
+                                             const uint16_t* dout16, const float* lse, int64_t B,
                                              int64_t T, int64_t H, int64_t Hkv, int64_t D,
                                              uint16_t* dq16, uint16_t* dk16, uint16_t* dv16) {
   const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
-  float* buf = F32Scratch(this, nq + 2 * nk);
-  float *dq = buf, *dk = dq + nq, *dv = dk + nk;
+  float* buf = F32Scratch(this, 2 * nq + 2 * nk);
+  float *dq = buf, *dk = dq + nq, *dv = dk + nk, *dout = dv + nk;
+  UnpackBf16(dout16, dout, nq);
   AttentionBackwardBf16Saved(q16, k16, v16, out16, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
   PackBf16(dq, dq16, nq);
   PackBf16(dk, dk16, nk);
@@ -159,11 +160,12 @@ void Backend::SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_
   Free(buf);
 }
 
-void Backend::SwigluBackwardBf16To16(const float* dh, const uint16_t* gate16,
+void Backend::SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16,
                                      const uint16_t* up16, int64_t n, uint16_t* dgate16,
                                      uint16_t* dup16) {
-  float* buf = F32Scratch(this, 2 * n);
-  SwigluBackwardBf16(dh, gate16, up16, n, buf, buf + n);
+  float* buf = F32Scratch(this, 3 * n);
+  UnpackBf16(dh16, buf + 2 * n, n);
+  SwigluBackwardBf16(buf + 2 * n, gate16, up16, n, buf, buf + n);
   PackBf16(buf, dgate16, n);
   PackBf16(buf + n, dup16, n);
   Free(buf);

@@ -200,18 +200,19 @@ class Backend {
   virtual void AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16,
                                           const uint16_t* v16, int64_t B, int64_t T, int64_t H,
                                           int64_t Hkv, int64_t D, uint16_t* out16, float* lse);
-  // AttentionBackwardBf16Saved returning dq, dk, dv (bf16-rounded there) as bf16.
+  // AttentionBackwardBf16Saved with dout given as bf16 (dout16 (B, T, H, D)) and dq, dk, dv
+  // (bf16-rounded there) returned as bf16.
   virtual void AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
                                               const uint16_t* v16, const uint16_t* out16,
-                                              const float* dout, const float* lse, int64_t B,
+                                              const uint16_t* dout16, const float* lse, int64_t B,
                                               int64_t T, int64_t H, int64_t Hkv, int64_t D,
                                               uint16_t* dq16, uint16_t* dk16, uint16_t* dv16);
   // out (n) = fp8(silu(gate) * up * (*scale)): SwigluForward of the unpacked gate16, up16, then
   // CastToFp8 (amax of the f32 products into *amax_out as there).
   virtual void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t n,
                              const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out);
-  // SwigluBackwardBf16 with dgate, dup rounded to bf16. dh (n) f32; dgate16, dup16 (n).
-  virtual void SwigluBackwardBf16To16(const float* dh, const uint16_t* gate16,
+  // SwigluBackwardBf16 with dh given as bf16 and dgate, dup rounded to bf16. All (n).
+  virtual void SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16,
                                       const uint16_t* up16, int64_t n, uint16_t* dgate16,
                                       uint16_t* dup16);
 

@@ -182,9 +182,10 @@ void Linear::ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t 
 
 void Linear::Backward(const float* dy, const uint16_t* dy16, int64_t M, int64_t K, int64_t N,
                       const WeightView& w, const LinearSaved& saved, float* dx,
-                      bool accumulate_dx, float* dw) {
+                      bool accumulate_dx, float* dw, uint16_t* dx16) {
   if (prec_ != v1::PRECISION_FP8) {
-    WORKER_CHECK(dy != nullptr && dy16 == nullptr) << "bf16 grad-output of a non-FP8 linear";
+    WORKER_CHECK(dy != nullptr && dy16 == nullptr && dx16 == nullptr)
+        << "bf16 grad-output or input-gradient of a non-FP8 linear";
     const GemmInputs in = prec_ == v1::PRECISION_BF16 ? GemmInputs::kBF16 : GemmInputs::kF32;
     WORKER_CHECK(saved.x != nullptr);
     // dx (M, K) = dy (M, N) · W (N, K)
@@ -210,11 +211,17 @@ void Linear::Backward(const float* dy, const uint16_t* dy16, int64_t M, int64_t 
     const float* scale = sc_->ScaleFor(dy_idx_, dy, M * N);
     be_->CastTransposeFp8(dy, M, N, scale, dfmt, dy8.u8(), dyT8.u8(), sc_->AmaxOut(dy_idx_));
   }
-  if (dx) {
+  WORKER_CHECK(dx16 == nullptr || (dx == nullptr && !accumulate_dx)) << "dx16 with dx or accumulate";
+  if (dx || dx16) {
     DevBuf wT(be_, N * K);
     be_->TransposeBytes(w.fp8, N, K, wT.u8());  // (K, N)
-    be_->GemmFp8(M, K, N, dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_), wT.u8(), Fp8Format::kE4M3,
-                 w.scale_inv, dx, accumulate_dx);
+    if (dx16) {
+      be_->GemmFp8Bf16(M, K, N, dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_), wT.u8(), Fp8Format::kE4M3,
+                       w.scale_inv, dx16);
+    } else {
+      be_->GemmFp8(M, K, N, dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_), wT.u8(), Fp8Format::kE4M3,
+                   w.scale_inv, dx, accumulate_dx);
+    }
   }
   dy8.Reset();
   Fp8Input& in = *saved.in;

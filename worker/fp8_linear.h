@@ -131,10 +131,11 @@ class Linear {
   // FP8 only. y (M, N) f32, or y16 bf16 (exactly one non-null) = in · Wᵀ.
   void ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t K, int64_t N,
                   const WeightView& w, float* y, uint16_t* y16, LinearSaved* saved);
-  // As Backward with dy given as f32 dy or (FP8 linears) bf16 dy16, exactly one non-null.
+  // As Backward with dy given as f32 dy or (FP8 linears) bf16 dy16, exactly one non-null; an
+  // FP8 linear may return dx as bf16 dx16 instead (dx null, no accumulation).
   void Backward(const float* dy, const uint16_t* dy16, int64_t M, int64_t K, int64_t N,
                 const WeightView& w, const LinearSaved& saved, float* dx, bool accumulate_dx,
-                float* dw);
+                float* dw, uint16_t* dx16 = nullptr);
 
  private:
   Backend* be_ = nullptr;

@@ -312,11 +312,11 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
   // MLP: out = h + down(silu(gate) * up)
   DevBuf dgate16(be_, N * F_ * 2), dup16(be_, N * F_ * 2);
   {
-    DevBuf dact(be_, N * F_ * 4);
-    b.ldown.Backward(dout->f32(), N, F_, C_, View(b.down), a->sdown, dact.f32(), false,
-                     p_->G(b.down));
+    DevBuf dact16(be_, N * F_ * 2);
+    b.ldown.Backward(dout->f32(), nullptr, N, F_, C_, View(b.down), a->sdown, nullptr, false,
+                     p_->G(b.down), dact16.u16());
     a->sdown = LinearSaved();
-    be_->SwigluBackwardBf16To16(dact.f32(), a->gate16.u16(), a->up16.u16(), N * F_,
+    be_->SwigluBackwardBf16To16(dact16.u16(), a->gate16.u16(), a->up16.u16(), N * F_,
                                 dgate16.u16(), dup16.u16());
   }
   a->gate16.Reset();
@@ -339,11 +339,12 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
   // Attention: h = x + o_proj(attn)
   DevBuf dq16(be_, N * H_ * D_ * 2), dk16(be_, N * Hkv_ * D_ * 2), dv16(be_, N * Hkv_ * D_ * 2);
   {
-    DevBuf datt(be_, N * C_ * 4);
-    b.lo.Backward(dh.f32(), N, C_, C_, View(b.o), a->so, datt.f32(), false, p_->G(b.o));
+    DevBuf datt16(be_, N * C_ * 2);
+    b.lo.Backward(dh.f32(), nullptr, N, C_, C_, View(b.o), a->so, nullptr, false, p_->G(b.o),
+                  datt16.u16());
     a->so = LinearSaved();
     be_->AttentionBackwardBf16SavedTo16(a->q16.u16(), a->k16.u16(), a->v16.u16(), a->att16.u16(),
-                                        datt.f32(), a->lse.f32(), B, T_, H_, Hkv_, D_,
+                                        datt16.u16(), a->lse.f32(), B, T_, H_, Hkv_, D_,
                                         dq16.u16(), dk16.u16(), dv16.u16());
   }
   a->q16.Reset();

@@ -614,28 +614,24 @@ void CudaBackend::AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t
 
 void CudaBackend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
                                                  const uint16_t* v16, const uint16_t* out16,
-                                                 const float* dout, const float* lse, int64_t B,
+                                                 const uint16_t* dout16, const float* lse, int64_t B,
                                                  int64_t T, int64_t H, int64_t Hkv, int64_t D,
                                                  uint16_t* dq16, uint16_t* dk16, uint16_t* dv16) {
   cuda::OpScope op_scope(prof_.get(), "AttentionBackwardBf16SavedTo16");
 #ifdef FSDP8_WITH_CUDNN
   if (CudnnAttentionUsable(D)) {
     Bind();
-    const int64_t nq = B * T * H * D;
-    auto* do16 = static_cast<uint16_t*>(Alloc(nq * 2));
-    FSDP8_CUDA_REQUIRE(do16 != nullptr, "device out of memory in AttentionBackwardBf16SavedTo16");
-    cuda::LaunchPackBf16(dout, do16, nq, stream_);
     std::string err;
-    const bool ok = cudnn_->Backward(q16, k16, v16, out16, do16, lse, dq16, dk16, dv16, B, T, H,
-                                     Hkv, D, stream_, &err);
-    Free(do16);
-    if (ok) return;
+    if (cudnn_->Backward(q16, k16, v16, out16, dout16, lse, dq16, dk16, dv16, B, T, H, Hkv, D,
+                         stream_, &err)) {
+      return;
+    }
     fprintf(stderr, "fsdp8: cuDNN attention refused (%s); using the reference BF16 attention\n",
             err.c_str());
     cudnn_failed_ = true;
   }
 #endif
-  Backend::AttentionBackwardBf16SavedTo16(q16, k16, v16, out16, dout, lse, B, T, H, Hkv, D, dq16,
+  Backend::AttentionBackwardBf16SavedTo16(q16, k16, v16, out16, dout16, lse, B, T, H, Hkv, D, dq16,
                                           dk16, dv16);
 }
 
@@ -647,12 +643,12 @@ void CudaBackend::SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, in
   cuda::LaunchSwigluCastFp8(gate16, up16, n, scale, fmt, out, amax_out, stream_);
 }
 
-void CudaBackend::SwigluBackwardBf16To16(const float* dh, const uint16_t* gate16,
+void CudaBackend::SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16,
                                          const uint16_t* up16, int64_t n, uint16_t* dgate16,
                                          uint16_t* dup16) {
   cuda::OpScope op_scope(prof_.get(), "SwigluBackwardBf16To16");
   Bind();
-  cuda::LaunchSwigluBackwardBf16To16(dh, gate16, up16, n, dgate16, dup16, stream_);
+  cuda::LaunchSwigluBackwardBf16To16(dh16, gate16, up16, n, dgate16, dup16, stream_);
 }
 
 // ---- optimizer -----------------------------------------------------------------------------------

@@ -158,12 +158,12 @@ class CudaBackend final : public Backend {
                                   uint16_t* out16, float* lse) override;
   void AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
                                       const uint16_t* v16, const uint16_t* out16,
-                                      const float* dout, const float* lse, int64_t B, int64_t T,
-                                      int64_t H, int64_t Hkv, int64_t D, uint16_t* dq16,
+                                      const uint16_t* dout16, const float* lse, int64_t B,
+                                      int64_t T, int64_t H, int64_t Hkv, int64_t D, uint16_t* dq16,
                                       uint16_t* dk16, uint16_t* dv16) override;
   void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t n, const float* scale,
                      Fp8Format fmt, uint8_t* out, float* amax_out) override;
-  void SwigluBackwardBf16To16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
+  void SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16, const uint16_t* up16,
                               int64_t n, uint16_t* dgate16, uint16_t* dup16) override;
   void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                       float* dgate, float* dup) override;

@@ -81,8 +81,8 @@ void LaunchSwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uin
                               int64_t n, float* dgate, float* dup, cudaStream_t stream);
 void LaunchSwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                           float* dgate, float* dup, cudaStream_t stream);
-// SwigluBackwardBf16 with dgate, dup rounded to bfloat16 (RNE).
-void LaunchSwigluBackwardBf16To16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
+// SwigluBackwardBf16 with dh given as bfloat16 and dgate, dup rounded to bfloat16 (RNE).
+void LaunchSwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16, const uint16_t* up16,
                                   int64_t n, uint16_t* dgate16, uint16_t* dup16,
                                   cudaStream_t stream);
 // out (n) = fp8(silu(gate) * up * *scale) from bfloat16 gate, up: the f32 product exactly as

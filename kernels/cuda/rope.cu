@@ -58,6 +58,35 @@ __global__ void RopeApplyKernel(T_* __restrict__ x, int64_t B, int64_t T, int64_
   }
 }
 
+// Four consecutive pairs per thread (half % 4 == 0, fewer than 2^31 chunks): 32-bit index math
+// (64-bit division dominated the one-pair kernel) and 4-element loads of each half.
+template <typename T_>
+__global__ void RopeApply4Kernel(T_* __restrict__ x, uint32_t rows, uint32_t T, uint32_t H,
+                                 uint32_t D, const float2* __restrict__ table, float sign) {
+  const uint32_t half = D / 2, chunks = half / 4;
+  const uint32_t total = rows * chunks;
+  const uint32_t stride = gridDim.x * blockDim.x;
+  for (uint32_t idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += stride) {
+    const uint32_t row = idx / chunks, i = 4 * (idx % chunks);
+    const uint32_t t = (row / H) % T;
+    const float2* cs = table + static_cast<size_t>(t) * half + i;
+    T_* p = x + static_cast<size_t>(row) * D;
+    float x1[4], x2[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      x1[j] = Get(p + i + j);
+      x2[j] = Get(p + i + half + j);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 c_s = cs[j];
+      const float c = c_s.x, s = sign * c_s.y;
+      Put(p + i + j, x1[j] * c - x2[j] * s);
+      Put(p + i + half + j, x2[j] * c + x1[j] * s);
+    }
+  }
+}
+
 }  // namespace
 
 void LaunchRopeTable(int64_t T, int64_t D, float theta, float* table, cudaStream_t stream) {
@@ -75,6 +104,15 @@ void RopeApplyImpl(T_* x, int64_t B, int64_t T, int64_t H, int64_t D, const floa
   FSDP8_CUDA_REQUIRE(D % 2 == 0, "RoPE needs an even head dimension");
   const int64_t total = B * T * H * (D / 2);
   if (total <= 0) return;
+  if ((D / 2) % 4 == 0 && total / 4 < (int64_t{1} << 31)) {
+    int64_t blocks = CeilDiv(total / 4, kThreads);
+    if (blocks > 65536) blocks = 65536;
+    RopeApply4Kernel<T_><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        x, static_cast<uint32_t>(B * T * H), static_cast<uint32_t>(T), static_cast<uint32_t>(H),
+        static_cast<uint32_t>(D), reinterpret_cast<const float2*>(table), sign);
+    FSDP8_CUDA_LAUNCH_CHECK();
+    return;
+  }
   int64_t blocks = CeilDiv(total, kThreads);
   if (blocks > 65536) blocks = 65536;
   RopeApplyKernel<T_><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(

@@ -830,7 +830,7 @@ TEST_P(Conformance, Bf16Activations) {
       Outputs o;
       uint16_t* dg = r.Out<uint16_t>(n);
       uint16_t* du = r.Out<uint16_t>(n);
-      r.b()->SwigluBackwardBf16To16(r.In(dh), packed(r, g), packed(r, u), n, dg, du);
+      r.b()->SwigluBackwardBf16To16(packed(r, dh), packed(r, g), packed(r, u), n, dg, du);
       unpacked(r, &o, "dgate", dg, n);
       unpacked(r, &o, "dup", du, n);
       return o;
@@ -911,7 +911,7 @@ TEST_P(Conformance, Bf16Activations) {
       uint16_t* dq = r.Out<uint16_t>(nq);
       uint16_t* dk = r.Out<uint16_t>(nk);
       uint16_t* dv = r.Out<uint16_t>(nk);
-      r.b()->AttentionBackwardBf16SavedTo16(q16, k16, v16, out16, r.In(dout), lse, s.B, s.T, s.H,
+      r.b()->AttentionBackwardBf16SavedTo16(q16, k16, v16, out16, packed(r, dout), lse, s.B, s.T, s.H,
                                             s.Hkv, s.D, dq, dk, dv);
       unpacked(r, &o, "dq", dq, nq);
       unpacked(r, &o, "dk", dk, nk);
