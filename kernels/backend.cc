@@ -74,6 +74,13 @@ float* F32Scratch(Backend* be, int64_t n) {
 }
 }  // namespace
 
+void Backend::RmsNormBackwardAdd(const float* dy, const float* x, const float* w,
+                                 const float* rstd, const float* dres, int64_t N, int64_t C,
+                                 float* dx, float* dw) {
+  RmsNormBackward(dy, x, w, rstd, N, C, dx, dw);
+  Axpy(1.0f, dres, dx, N * C);
+}
+
 void Backend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                           const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
                           const float* b_scale_inv, uint16_t* C16) {

@@ -170,6 +170,12 @@ class Backend {
   virtual void SwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
                                   int64_t n, float* dgate, float* dup);
 
+  // RmsNormBackward, then dx += dres (the residual branch's gradient, (N, C) f32): the reference
+  // is RmsNormBackward followed by Axpy(1, dres, dx); a backend may add it in the same pass.
+  virtual void RmsNormBackwardAdd(const float* dy, const float* x, const float* w,
+                                  const float* rstd, const float* dres, int64_t N, int64_t C,
+                                  float* dx, float* dw);
+
   // ---- bfloat16 activations ------------------------------------------------------------------
   // Variants that take or give activations as bfloat16 bit patterns (uint16_t; f32 -> bf16 is
   // round to nearest even, NaN stays NaN), so that the memory-bound passes between FP8 GEMMs move

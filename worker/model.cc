@@ -331,9 +331,8 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
   a->sgate = LinearSaved();
   a->sup = LinearSaved();
   DevBuf dh(be_, N * C_ * 4);
-  be_->RmsNormBackward(dn2.f32(), a->h.f32(), p_->W(b.post_norm), a->rstd2.f32(), N, C_,
-                       dh.f32(), p_->G(b.post_norm));
-  be_->Axpy(1.0f, dout->f32(), dh.f32(), N * C_);
+  be_->RmsNormBackwardAdd(dn2.f32(), a->h.f32(), p_->W(b.post_norm), a->rstd2.f32(), dout->f32(),
+                          N, C_, dh.f32(), p_->G(b.post_norm));
   dn2.Reset();
   dout->Reset();
   // Attention: h = x + o_proj(attn)
@@ -365,9 +364,8 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
   dv16.Reset();
   a->sq = a->sk = a->sv = LinearSaved();
   DevBuf dx(be_, N * C_ * 4);
-  be_->RmsNormBackward(dn1.f32(), a->x_in.f32(), p_->W(b.in_norm), a->rstd1.f32(), N, C_,
-                       dx.f32(), p_->G(b.in_norm));
-  be_->Axpy(1.0f, dh.f32(), dx.f32(), N * C_);
+  be_->RmsNormBackwardAdd(dn1.f32(), a->x_in.f32(), p_->W(b.in_norm), a->rstd1.f32(), dh.f32(), N,
+                          C_, dx.f32(), p_->G(b.in_norm));
   *a = BlockActs();
   *dout = std::move(dx);
 }

@@ -359,6 +359,16 @@ void CudaBackend::RmsNormBackward(const float* dy, const float* x, const float* 
   cuda::LaunchRmsNormBackward(dy, x, w, rstd, N, C, dx, dw, partials, stream_);
 }
 
+void CudaBackend::RmsNormBackwardAdd(const float* dy, const float* x, const float* w,
+                                     const float* rstd, const float* dres, int64_t N, int64_t C,
+                                     float* dx, float* dw) {
+  cuda::OpScope op_scope(prof_.get(), "RmsNormBackwardAdd");
+  Bind();
+  float* partials = static_cast<float*>(
+      Scratch(kSlotPartials, sizeof(float) * cuda::RmsNormBackwardScratchFloats(N, C)));
+  cuda::LaunchRmsNormBackward(dy, x, w, rstd, N, C, dx, dw, partials, stream_, dres);
+}
+
 void CudaBackend::EnsureRopeTable(int64_t T, int64_t D, float theta) {
   if (rope_T_ == T && rope_D_ == D && rope_theta_ == theta) return;
   const size_t bytes = sizeof(float) * 2 * T * (D / 2);

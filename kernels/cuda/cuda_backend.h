@@ -117,6 +117,10 @@ class CudaBackend final : public Backend {
   void RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
                        int64_t N, int64_t C, float* dx, float* dw) override;
 
+  void RmsNormBackwardAdd(const float* dy, const float* x, const float* w, const float* rstd,
+                          const float* dres, int64_t N, int64_t C, float* dx,
+                          float* dw) override;
+
   void RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) override;
   void RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta) override;
 

@@ -60,9 +60,10 @@ void LaunchRmsNormForward(const float* x, const float* w, float eps, int64_t N, 
                           float* rstd, cudaStream_t stream);
 // partials: RmsNormBackwardScratchFloats(N, C) floats.
 int64_t RmsNormBackwardScratchFloats(int64_t N, int64_t C);
+// dres (N, C), when non-null, is added to dx (after dx is rounded, as a separate Axpy would).
 void LaunchRmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
                            int64_t N, int64_t C, float* dx, float* dw, float* partials,
-                           cudaStream_t stream);
+                           cudaStream_t stream, const float* dres = nullptr);
 
 // ---- rope.cu ---------------------------------------------------------------------------------
 // table (T, D/2, 2) f32: cos and sin of t * theta^(-2i/D), computed in double.

@@ -36,7 +36,7 @@ RmsNormForwardKernel(const float* __restrict__ x, const float* __restrict__ w, f
 __global__ void __launch_bounds__(kThreads)
 RmsNormBackwardDxKernel(const float* __restrict__ dy, const float* __restrict__ x,
                         const float* __restrict__ w, const float* __restrict__ rstd, int64_t C,
-                        float* __restrict__ dx) {
+                        float* __restrict__ dx, const float* __restrict__ dres) {
   __shared__ float red[kThreads / 32];
   const int64_t row = blockIdx.x;
   const float* xr = x + row * C;
@@ -47,7 +47,15 @@ RmsNormBackwardDxKernel(const float* __restrict__ dy, const float* __restrict__ 
   const float r = rstd[row];
   const float k = r * r * r * s / static_cast<float>(C);
   float* dxr = dx + row * C;
-  for (int64_t c = threadIdx.x; c < C; c += kThreads) dxr[c] = r * w[c] * dyr[c] - k * xr[c];
+  if (dres == nullptr) {
+    for (int64_t c = threadIdx.x; c < C; c += kThreads) dxr[c] = r * w[c] * dyr[c] - k * xr[c];
+  } else {
+    const float* dresr = dres + row * C;
+    for (int64_t c = threadIdx.x; c < C; c += kThreads) {
+      const float v = r * w[c] * dyr[c] - k * xr[c];
+      dxr[c] = __fadd_rn(v, dresr[c]);
+    }
+  }
 }
 
 // grid (ceil(C / kThreads), chunks): partials (chunks, C) = sum over the chunk's rows.
@@ -87,9 +95,10 @@ int64_t RmsNormBackwardScratchFloats(int64_t N, int64_t C) { return CeilDiv(N, k
 
 void LaunchRmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
                            int64_t N, int64_t C, float* dx, float* dw, float* partials,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, const float* dres) {
   if (N <= 0 || C <= 0) return;
-  RmsNormBackwardDxKernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(dy, x, w, rstd, C, dx);
+  RmsNormBackwardDxKernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(dy, x, w, rstd, C, dx,
+                                                                           dres);
   FSDP8_CUDA_LAUNCH_CHECK();
   const int64_t chunks = CeilDiv(N, kRowsPerChunk);
   FSDP8_CUDA_REQUIRE(chunks <= 65535, "RmsNormBackward: too many rows for the dw partial grid");

@@ -592,6 +592,21 @@ TEST_P(Conformance, RmsNorm) {
       r.F32(&o, "dw", dw, s.C);
       return o;
     });
+    const auto dres = Randn(s.N * s.C);
+    Check("RmsNormBackwardAdd/" + shape, Tol(static_cast<double>(s.C + s.N)), [&](DevRun& r) {
+      Outputs o;
+      float* y = r.Out<float>(s.N * s.C);
+      float* rstd = r.Out<float>(s.N);
+      const float* xd = r.In(x);
+      const float* wd = r.In(w);
+      r.b()->RmsNormForward(xd, wd, 1e-5f, s.N, s.C, y, rstd);
+      float* dx = r.Out<float>(s.N * s.C);
+      float* dw = r.In(dw0);
+      r.b()->RmsNormBackwardAdd(r.In(dy), xd, wd, rstd, r.In(dres), s.N, s.C, dx, dw);
+      r.F32(&o, "dx", dx, s.N * s.C);
+      r.F32(&o, "dw", dw, s.C);
+      return o;
+    });
   }
 }
 
