@@ -96,6 +96,7 @@ class Trainer {
   std::unique_ptr<TokenData> train_, val_;
   int local_batch_ = 0, micro_ = 0, microbatches_ = 0;
   int64_t last_step_ = -1;
+  double host_enqueue_seconds_ = 0;  // host time inside LlamaModel::Run this step
 };
 
 }  // namespace fsdp8

@@ -35,7 +35,7 @@ class OpProfile {
   // Nested ops (an op calling another) count once, under the outermost name.
   bool Begin(std::string name) {
     if (depth_++ > 0) return false;
-    Pair p{std::move(name), Take(), Take()};
+    Pair p{std::move(name), Take(), Take(), Clock::now(), 0.0};
     cudaEventRecord(p.a, stream_);
     pending_.push_back(std::move(p));
     return true;
@@ -43,7 +43,9 @@ class OpProfile {
   void End(bool outer) {
     --depth_;
     if (!outer) return;
-    cudaEventRecord(pending_.back().b, stream_);
+    Pair& p = pending_.back();
+    cudaEventRecord(p.b, stream_);
+    p.host_ms = 1e3 * std::chrono::duration<double>(Clock::now() - p.t0).count();
     if (pending_.size() > 8192) Harvest(/*block=*/true);
   }
 
@@ -60,6 +62,7 @@ class OpProfile {
       Stat& s = stats_[p.name];
       s.calls += 1;
       s.ms += ms;
+      s.host_ms += p.host_ms;
       pool_.push_back(p.a);
       pool_.push_back(p.b);
     }
@@ -73,10 +76,13 @@ class OpProfile {
   struct Pair {
     std::string name;
     cudaEvent_t a, b;
+    Clock::time_point t0;  // host time at the op's start
+    double host_ms;        // host time inside the op call
   };
   struct Stat {
     int64_t calls = 0;
     double ms = 0;
+    double host_ms = 0;
   };
 
   cudaEvent_t Take() {
@@ -94,15 +100,22 @@ class OpProfile {
     std::vector<std::pair<std::string, Stat>> rows(stats_.begin(), stats_.end());
     std::sort(rows.begin(), rows.end(),
               [](const auto& x, const auto& y) { return x.second.ms > y.second.ms; });
-    double total = 0;
-    for (auto& r : rows) total += r.second.ms;
-    std::fprintf(stderr, "fsdp8 op profile: %.3f s wall, %.3f s in ops (%.1f%%)\n", wall_s,
-                 total * 1e-3, wall_s > 0 ? 100.0 * total * 1e-3 / wall_s : 0.0);
+    double total = 0, host = 0;
     for (auto& r : rows) {
-      std::fprintf(stderr, "  %-48s %8lld calls %10.2f ms %6.1f%% %9.1f us/call\n",
+      total += r.second.ms;
+      host += r.second.host_ms;
+    }
+    std::fprintf(stderr,
+                 "fsdp8 op profile: %.3f s wall, %.3f s in ops on the GPU (%.1f%%), %.3f s of host "
+                 "time inside op calls\n",
+                 wall_s, total * 1e-3, wall_s > 0 ? 100.0 * total * 1e-3 / wall_s : 0.0,
+                 host * 1e-3);
+    for (auto& r : rows) {
+      std::fprintf(stderr, "  %-48s %8lld calls %10.2f ms %6.1f%% %9.1f us/call  host %7.1f us/call\n",
                    r.first.c_str(), static_cast<long long>(r.second.calls), r.second.ms,
                    total > 0 ? 100.0 * r.second.ms / total : 0.0,
-                   r.second.calls ? 1e3 * r.second.ms / r.second.calls : 0.0);
+                   r.second.calls ? 1e3 * r.second.ms / r.second.calls : 0.0,
+                   r.second.calls ? 1e3 * r.second.host_ms / r.second.calls : 0.0);
     }
     std::fflush(stderr);
     stats_.clear();
