@@ -492,7 +492,20 @@ absl::StatusOr<int64_t> JobManager::RequestCheckpoint(const std::string& job_id)
     return absl::FailedPreconditionError(absl::StrCat(
         "job ", job_id, " is ", StateName(r->job.state()), "; only a RUNNING job can checkpoint"));
   r->checkpoint_requested = true;
-  return std::min(r->job.step() + 1, r->job.total_steps());
+  return std::min(std::max(r->job.step() + 1, r->dispatched), r->job.total_steps());
+}
+
+void JobManager::SetDispatched(const std::string& job_id, int64_t completed) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (Record* r = FindLocked(job_id)) r->dispatched = completed;
+}
+
+bool JobManager::TryDispatchAhead(const std::string& job_id, int64_t completed) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Record* r = FindLocked(job_id);
+  if (r == nullptr || r->checkpoint_requested) return false;
+  r->dispatched = completed;
+  return true;
 }
 
 absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,

@@ -117,10 +117,18 @@ class JobManager {
   // Job.step/tokens (step events continue from there) and publishes `message`.
   absl::Status MarkResumed(const std::string& job_id, int64_t step, int64_t tokens,
                            const std::string& message);
-  // Asks for a checkpoint after the job's next completed step; returns that step (1-based count of
-  // completed steps). NOT_FOUND for an unknown id; FAILED_PRECONDITION when the job is not RUNNING
-  // or has no checkpoint.dir. Repeated requests before that step coalesce.
+  // Asks for a checkpoint after the job's next completed step that has not been dispatched yet
+  // (the step after the job's current one, or after the one already sent ahead, see
+  // TryDispatchAhead); returns that step (1-based count of completed steps). NOT_FOUND for an
+  // unknown id; FAILED_PRECONDITION when the job is not RUNNING or has no checkpoint.dir.
+  // Repeated requests before that step coalesce.
   absl::StatusOr<int64_t> RequestCheckpoint(const std::string& job_id);
+  // The scheduler sent the command of the step that completes `completed` steps (no-op for an
+  // unknown job).
+  void SetDispatched(const std::string& job_id, int64_t completed);
+  // The scheduler may send that step's command ahead, while the current step runs, unless a
+  // checkpoint request is pending (then the save comes first): true records it as dispatched.
+  bool TryDispatchAhead(const std::string& job_id, int64_t completed);
   // Any non-terminal state -> `state` (SUCCEEDED, FAILED or CANCELLED) with `reason`.
   // FAILED_PRECONDITION when the job already ended.
   absl::Status Finish(const std::string& job_id, v1::JobState state, const std::string& reason);
@@ -144,6 +152,7 @@ class JobManager {
     std::deque<v1::JobEvent> events;
     std::optional<v1::ScalingState> scaling;
     bool checkpoint_requested = false;
+    int64_t dispatched = 0;  // completed-step count after the last step command sent
   };
 
   JobManager(JobManagerOptions options, std::unique_ptr<JobStore> store);

@@ -28,6 +28,9 @@ ABSL_FLAG(double, start_timeout_s, 120, "deadline for every rank's Ready after a
 ABSL_FLAG(int32_t, collective_timeout_ms, 30000, "collective timeout told to the workers");
 ABSL_FLAG(double, abort_grace_s, 2,
           "after an Abort, its workers stay unassignable this long while they unwind the job");
+ABSL_FLAG(bool, dispatch_ahead, true,
+          "send step k+1 to the workers while step k runs when no checkpoint save comes between "
+          "them (hides the coordinator's per-step round trip)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of the server; with --tls_key: TLS");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -85,6 +88,7 @@ int main(int argc, char** argv) {
   o.scheduler.start_timeout = Ms(absl::GetFlag(FLAGS_start_timeout_s));
   o.scheduler.collective_timeout_ms = absl::GetFlag(FLAGS_collective_timeout_ms);
   o.scheduler.abort_grace = Ms(absl::GetFlag(FLAGS_abort_grace_s));
+  o.scheduler.dispatch_ahead = absl::GetFlag(FLAGS_dispatch_ahead);
   o.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
 

@@ -100,6 +100,16 @@ class JobRun {
                      const std::function<bool(int, const v1::WorkerMessage&)>& accept) {
     std::vector<bool> got(ranks_.size(), false);
     size_t missing = ranks_.size();
+    // Step results that arrived while an earlier step was awaited (dispatch ahead) come first.
+    for (auto it = early_results_.begin(); it != early_results_.end() && missing > 0;) {
+      if (!got[it->first] && accept(it->first, it->second)) {
+        got[it->first] = true;
+        --missing;
+        it = early_results_.erase(it);
+      } else {
+        ++it;
+      }
+    }
     while (missing > 0) {
       if (shutdown_) return absl::AbortedError("coordinator shutting down");
       if (jobs_->IsTerminal(job_.job_id())) return absl::CancelledError("job ended");
@@ -135,6 +145,8 @@ class JobRun {
       if (!got[r] && accept(r, m)) {
         got[r] = true;
         --missing;
+      } else if (m.has_result() && m.result().job_id() == job_.job_id()) {
+        early_results_.emplace_back(r, m);  // a later step's result (it was sent ahead)
       }
     }
     return absl::OkStatus();
@@ -316,23 +328,51 @@ class JobRun {
     const v1::CheckpointSpec& ckpt = spec.checkpoint();
     Clock::time_point last_result = Clock::now();
     int failed_saves = 0;  // consecutive
-    for (int64_t k = start_step; k < steps; ++k) {
+    const bool free_running = spec.training().free_running();
+    auto command = [&](int64_t k) {
       const bool last = k == steps - 1;
       v1::CoordinatorMessage m;
       v1::StepCommand* c = m.mutable_step();
       c->set_step(k);
       c->set_evaluate(has_val && eval_every > 0 && ((k + 1) % eval_every == 0 || last));
       c->set_report_scaling(k % 10 == 0 || last);
-      const bool free_running = spec.training().free_running();
       if (free_running) {
         c->set_evaluate(false);
         c->set_report_scaling(false);
         c->set_count(steps - k);
       }
+      return m;
+    };
+    // A save is due once `completed` steps are done (periodic or final).
+    auto save_due = [&](int64_t completed) {
+      return !ckpt.dir().empty() &&
+             (completed == steps || (ckpt.every_steps() > 0 && completed % ckpt.every_steps() == 0));
+    };
+    int64_t next_to_send = start_step;  // the first step whose command has not been sent
+    bool save_pending = false;  // a requested save waits for the step already sent ahead
+    for (int64_t k = start_step; k < steps; ++k) {
+      const v1::CoordinatorMessage m = command(k);
+      const v1::StepCommand* c = &m.step();
       auto t0 = free_running && k > start_step ? last_result : Clock::now();
-      if ((!free_running || k == start_step) && !SendAll(m))
-        return absl::UnavailableError(absl::StrCat(
-            "could not send step ", k, " to ", RankName(failed_rank_), ": session closed"));
+      if (next_to_send == k) {
+        if ((!free_running || k == start_step) && !SendAll(m))
+          return absl::UnavailableError(absl::StrCat(
+              "could not send step ", k, " to ", RankName(failed_rank_), ": session closed"));
+        jobs_->SetDispatched(id, k + 1);
+        next_to_send = k + 1;
+      } else {
+        t0 = last_result;  // sent ahead: the ranks started it when step k-1 ended
+      }
+      // A failed send ahead is reported after step k's wait, which names a lost rank's cause.
+      std::optional<absl::Status> ahead_failed;
+      if (options_.dispatch_ahead && !free_running && k + 1 < steps && next_to_send == k + 1 &&
+          !save_due(k + 1) && !save_pending && jobs_->TryDispatchAhead(id, k + 2)) {
+        if (!SendAll(command(k + 1))) {
+          ahead_failed = absl::UnavailableError(absl::StrCat(
+              "could not send step ", k + 1, " to ", RankName(failed_rank_), ": session closed"));
+        }
+        next_to_send = k + 2;
+      }
       std::vector<v1::StepResult> results(n);
       s = Await(t0 + options_.step_timeout, absl::StrCat("the result of step ", k),
                 [&](int r, const v1::WorkerMessage& wm) {
@@ -342,6 +382,7 @@ class JobRun {
                   return true;
                 });
       if (!s.ok()) return s;
+      if (ahead_failed) return *ahead_failed;
       last_result = Clock::now();
       double secs = std::chrono::duration<double>(last_result - t0).count();
       double loss_sum = 0;
@@ -384,6 +425,14 @@ class JobRun {
       if (!jobs_->RecordStep(id, ev, &requested).ok()) return absl::CancelledError("job ended");
       if (options_.metrics) options_.metrics->OnStep(id, ev, results);
       const int64_t completed = k + 1;
+      // A request that arrived after step k+1 was sent ahead is honoured after step k+1.
+      if (requested && next_to_send > completed) {
+        save_pending = true;
+        requested = false;
+      } else if (save_pending && next_to_send == completed) {
+        save_pending = false;
+        requested = true;
+      }
       // Free-running workers are busy stepping until the end: only the final save.
       if (!ckpt.dir().empty() && (!spec.training().free_running() || completed == steps) &&
           (requested || completed == steps ||
@@ -483,6 +532,8 @@ class JobRun {
   std::vector<std::string> ranks_;
   std::string prefix_;
   int failed_rank_ = -1;
+  // Step results received ahead of the step being awaited (rank, message), oldest first.
+  std::deque<std::pair<int, v1::WorkerMessage>> early_results_;
   bool abort_failed_rank_ = false;
   bool assigning_ = false;
   bool recoverable_ = true;

@@ -9,7 +9,9 @@
 // Each started job gets its own driver thread (JobRun) that speaks the Session protocol:
 //   Assignment to every rank -> wait for every Ready (start_timeout) -> RUNNING ->
 //   for k in 0..steps-1: StepCommand{k} to every rank, wait for every StepResult{k} (step_timeout),
-//   aggregate and publish -> Finish to every rank -> SUCCEEDED.
+//   aggregate and publish -> Finish to every rank -> SUCCEEDED. With dispatch_ahead (default),
+//   StepCommand{k+1} is sent as soon as StepCommand{k} when no save is due after step k and no
+//   TriggerCheckpoint is pending; workers queue it and start it right after step k.
 // Checkpoints (spec.checkpoint.dir set): after step k completes (k = completed steps) when
 // every_steps > 0 and k % every_steps == 0, when a TriggerCheckpoint is pending, or when k == steps:
 // SaveCheckpoint{k, dir/step-<k>} to every rank, every rank's CheckpointSaved (step_timeout), then
@@ -67,6 +69,10 @@ struct SchedulerOptions {
   std::chrono::milliseconds abort_grace{2000};
   // Told every completed step (optional; must outlive the scheduler).
   CoordinatorMetrics* metrics = nullptr;
+  // Send step k+1's command while step k runs when no checkpoint save comes between them, so
+  // that the workers start it without waiting for the coordinator's round trip (result ->
+  // aggregation -> next command). A TriggerCheckpoint then lands after the step already sent.
+  bool dispatch_ahead = true;
 };
 
 class JobRun;

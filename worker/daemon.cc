@@ -248,6 +248,7 @@ void WorkerDaemon::Serve() {
 }
 
 void WorkerDaemon::CancelJob(const std::string& reason) {
+  stale_steps_.store(true);
   std::lock_guard<std::mutex> l(comm_mu_);
   if (job_cancelled_) job_cancelled_->store(true);
   if (live_comm_) live_comm_->Abort(reason);
@@ -287,6 +288,7 @@ void WorkerDaemon::DropJob() {
 void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
                                     std::shared_ptr<std::atomic<bool>> cancelled) {
   DropJob();
+  stale_steps_.store(false);
   if (cancelled->load()) {
     Log(absl::StrCat("job ", a.job_id(), " generation ", a.generation(),
                      ": aborted before it started"));
@@ -381,10 +383,20 @@ void WorkerDaemon::HandleStep(const v1::StepCommand& cmd) {
 }
 
 bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
+  if (!job_ && stale_steps_.load()) {
+    Log(absl::StrCat("step ", c.step(), " of an aborted job dropped"));
+    return false;
+  }
   if (!job_) {
     v1::WorkerMessage m;
     m.mutable_error()->set_message(absl::StrCat("step ", c.step(), ": no job assigned"));
     Send(m);
+    return false;
+  }
+  if (job_->cancelled->load()) {
+    // A step queued behind the one that was aborted (the coordinator sends a step ahead).
+    Log(absl::StrCat("step ", c.step(), " of aborted job ", job_->job_id, " not run"));
+    DropJob();
     return false;
   }
   const auto t0 = std::chrono::steady_clock::now();

@@ -165,6 +165,7 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
   bool Send(const v1::CoordinatorMessage& m) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return false;
+    if (m.has_step()) results_before_step_.push_back(results_sent_.load());
     q_.push_back(m);
     received_.push_back(m);
     cv_.notify_all();
@@ -186,6 +187,11 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
   std::vector<v1::CoordinatorMessage> received() {
     std::lock_guard<std::mutex> lock(mu_);
     return received_;
+  }
+  // For each StepCommand received, how many step results this worker had sent by then.
+  std::vector<int> results_before_step() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return results_before_step_;
   }
   int Count(v1::CoordinatorMessage::KindCase k) {
     int n = 0;
@@ -288,6 +294,7 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
           t->set_scale(448.0f);
           t->set_scale_inv(1 / 448.0f);
         }
+        ++results_sent_;
         Reply(r);
       }
     }
@@ -304,6 +311,8 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
   std::condition_variable cv_;
   std::deque<v1::CoordinatorMessage> q_;
   std::vector<v1::CoordinatorMessage> received_;
+  std::vector<int> results_before_step_;
+  std::atomic<int> results_sent_{0};
   bool closed_ = false;
   bool stop_ = false;
   bool fired_ = false;
@@ -672,6 +681,28 @@ TEST_F(SchedulerTest, NoCheckpointDirNoSaves) {
   ASSERT_TRUE(job.ok());
   EXPECT_EQ(WaitEnd(job->job_id()).state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kSave), 0);
+}
+
+// Dispatch ahead: step k+1's command reaches the workers while step k runs (before its result),
+// except where a save comes between the two steps; the saves land where they would otherwise.
+TEST_F(SchedulerTest, NextStepIsSentAheadUnlessASaveComesBetween) {
+  auto w0 = AddWorker();
+  auto w1 = AddWorker();
+  for (auto* w : {w0.get(), w1.get()}) w->set_delays(100ms, 0ms);
+  const std::string ck = dir_.File("ck");
+  v1::JobSpec spec = SmallSpec(train_, 2, 8);
+  spec.mutable_checkpoint()->set_dir(ck);
+  spec.mutable_checkpoint()->set_every_steps(4);
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  v1::Job end = WaitEnd(job->job_id());
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  for (auto* w : {w0.get(), w1.get()}) {
+    // Step k+1 arrives after k results (while step k runs); step 4 only after the save of step-4,
+    // i.e. after 4 results.
+    EXPECT_EQ(w->results_before_step(), (std::vector<int>{0, 0, 1, 2, 4, 4, 5, 6}));
+    EXPECT_EQ(SaveSteps(*w), (std::vector<int64_t>{4, 8}));
+  }
 }
 
 TEST_F(SchedulerTest, TriggerCheckpointSavesAfterTheNextStep) {
