@@ -74,11 +74,28 @@ float* F32Scratch(Backend* be, int64_t n) {
 }
 }  // namespace
 
+void Backend::RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                             float* rstd, const float* scale, Fp8Format fmt, uint8_t* out,
+                             float* amax_out) {
+  float* y = F32Scratch(this, N * C);
+  RmsNormForward(x, w, eps, N, C, y, rstd);
+  CastToFp8(y, out, N * C, scale, fmt, amax_out);
+  Free(y);
+}
+
 void Backend::RmsNormBackwardAdd(const float* dy, const float* x, const float* w,
                                  const float* rstd, const float* dres, int64_t N, int64_t C,
                                  float* dx, float* dw) {
   RmsNormBackward(dy, x, w, rstd, N, C, dx, dw);
   Axpy(1.0f, dres, dx, N * C);
+}
+
+void Backend::GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint8_t* A,
+                                 Fp8Format a_fmt, const float* a_scale_inv, const uint8_t* B,
+                                 Fp8Format b_fmt, const float* b_scale_inv, const float* R,
+                                 float* D) {
+  Copy(D, R, static_cast<size_t>(M * N) * sizeof(float));
+  GemmFp8(M, N, K, A, a_fmt, a_scale_inv, B, b_fmt, b_scale_inv, D, true);
 }
 
 void Backend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,

@@ -170,6 +170,13 @@ class Backend {
   virtual void SwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
                                   int64_t n, float* dgate, float* dup);
 
+  // RmsNormForward whose output goes straight to FP8: out (N, C) = fp8(y * (*scale)) with
+  // y = RMSNorm(x) * w as RmsNormForward computes it (y itself is not returned), rstd (N) as
+  // there, and max |y| into *amax_out (nullable) as CastToFp8. The reference: RmsNormForward into
+  // a scratch y, then CastToFp8.
+  virtual void RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                              float* rstd, const float* scale, Fp8Format fmt, uint8_t* out,
+                              float* amax_out);
   // RmsNormBackward, then dx += dres (the residual branch's gradient, (N, C) f32): the reference
   // is RmsNormBackward followed by Axpy(1, dres, dx); a backend may add it in the same pass.
   virtual void RmsNormBackwardAdd(const float* dy, const float* x, const float* w,
@@ -184,6 +191,13 @@ class Backend {
   // differs from the reference only as much as its f32 op does (the conformance tolerances).
   // Shapes as for the f32 ops.
 
+  // D (M, N) = A · Bᵀ · a_scale_inv · b_scale_inv + R (R (M, N) f32 unchanged; D may not alias
+  // A, B or R): the residual add folded into the GEMM. The reference: Copy(D, R), then GemmFp8
+  // accumulating into D.
+  virtual void GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint8_t* A,
+                                  Fp8Format a_fmt, const float* a_scale_inv, const uint8_t* B,
+                                  Fp8Format b_fmt, const float* b_scale_inv, const float* R,
+                                  float* D);
   // C16 (M, N) = bf16(A · Bᵀ · a_scale_inv · b_scale_inv): GemmFp8 without accumulation, its f32
   // result rounded once to bf16 (cuBLASLt's BF16 output on CUDA).
   virtual void GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,

@@ -145,6 +145,28 @@ std::shared_ptr<Fp8Input> Linear::CastInput(const float* x, const uint16_t* x16,
   return in;
 }
 
+std::shared_ptr<Fp8Input> Linear::NormCastInput(const float* x, const float* w_norm, float eps,
+                                                int64_t M, int64_t K, float* rstd,
+                                                std::initializer_list<const Linear*> same_input) {
+  WORKER_CHECK(prec_ == v1::PRECISION_FP8) << "NormCastInput of a non-FP8 linear";
+  if (sc_->NeedsAmaxFirst(x_idx_)) {
+    DevBuf n(be_, M * K * sizeof(float));
+    be_->RmsNormForward(x, w_norm, eps, M, K, n.f32(), rstd);
+    return CastInput(n.f32(), nullptr, M, K, same_input);
+  }
+  auto in = std::make_shared<Fp8Input>();
+  in->x8 = DevBuf(be_, M * K);
+  be_->RmsNormCastFp8(x, w_norm, eps, M, K, rstd, sc_->Scale(x_idx_), Fp8Format::kE4M3,
+                      in->x8.u8(), sc_->AmaxOut(x_idx_));
+  in->scale_inv = DevBuf(be_, sizeof(float));
+  be_->Copy(in->scale_inv.get(), sc_->ScaleInv(x_idx_), sizeof(float));
+  for (const Linear* o : same_input) {
+    WORKER_CHECK(o->prec_ == v1::PRECISION_FP8 && o->sc_ == sc_);
+    sc_->CopyAmax(x_idx_, o->x_idx_);
+  }
+  return in;
+}
+
 std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint16_t* up16,
                                              int64_t M, int64_t K) {
   WORKER_CHECK(prec_ == v1::PRECISION_FP8) << "CastSwiglu of a non-FP8 linear";
@@ -166,13 +188,18 @@ std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint1
 }
 
 void Linear::ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t K, int64_t N,
-                        const WeightView& w, float* y, uint16_t* y16, LinearSaved* saved) {
+                        const WeightView& w, float* y, uint16_t* y16, LinearSaved* saved,
+                        const float* residual) {
   WORKER_CHECK(prec_ == v1::PRECISION_FP8 && in != nullptr) << "ForwardFp8 of a non-FP8 linear";
   WORKER_CHECK(w.fp8 != nullptr && w.scale_inv != nullptr) << "FP8 linear without FP8 weight";
   WORKER_CHECK((y == nullptr) != (y16 == nullptr)) << "ForwardFp8 takes exactly one output";
+  WORKER_CHECK(residual == nullptr || y != nullptr) << "a residual needs the f32 output";
   if (y16 != nullptr) {
     be_->GemmFp8Bf16(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv.f32(), w.fp8,
                      Fp8Format::kE4M3, w.scale_inv, y16);
+  } else if (residual != nullptr) {
+    be_->GemmFp8AddResidual(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv.f32(), w.fp8,
+                            Fp8Format::kE4M3, w.scale_inv, residual, y);
   } else {
     be_->GemmFp8(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv.f32(), w.fp8,
                  Fp8Format::kE4M3, w.scale_inv, y, false);

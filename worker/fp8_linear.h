@@ -124,13 +124,20 @@ class Linear {
   // scale, recording its amax also for each linear of `same_input` (which read the same x).
   std::shared_ptr<Fp8Input> CastInput(const float* x, const uint16_t* x16, int64_t M, int64_t K,
                                       std::initializer_list<const Linear*> same_input = {});
+  // FP8 only. The input RMSNorm(x) * w_norm (M, K) of this linear (and of `same_input`), cast
+  // straight from the norm (Backend::RmsNormCastFp8); rstd (M) receives the norm's 1/rms.
+  std::shared_ptr<Fp8Input> NormCastInput(const float* x, const float* w_norm, float eps,
+                                          int64_t M, int64_t K, float* rstd,
+                                          std::initializer_list<const Linear*> same_input = {});
   // FP8 only. The input silu(gate) * up (M, K) of this linear from bf16 gate16, up16 (M, K),
   // cast in one pass (Backend::SwigluCastFp8).
   std::shared_ptr<Fp8Input> CastSwiglu(const uint16_t* gate16, const uint16_t* up16, int64_t M,
                                        int64_t K);
-  // FP8 only. y (M, N) f32, or y16 bf16 (exactly one non-null) = in · Wᵀ.
+  // FP8 only. y (M, N) f32, or y16 bf16 (exactly one non-null) = in · Wᵀ; with residual
+  // (M, N) f32 (y only), y = residual + in · Wᵀ in the GEMM.
   void ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t K, int64_t N,
-                  const WeightView& w, float* y, uint16_t* y16, LinearSaved* saved);
+                  const WeightView& w, float* y, uint16_t* y16, LinearSaved* saved,
+                  const float* residual = nullptr);
   // As Backward with dy given as f32 dy or (FP8 linears) bf16 dy16, exactly one non-null; an
   // FP8 linear may return dx as bf16 dx16 instead (dx null, no accumulation).
   void Backward(const float* dy, const uint16_t* dy16, int64_t M, int64_t K, int64_t N,

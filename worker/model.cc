@@ -245,12 +245,8 @@ absl::Status LlamaModel::BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs*
   if (!train) a = &local;
   a->x_in = std::move(*x);
   a->rstd1 = DevBuf(be_, N * 4);
-  std::shared_ptr<Fp8Input> in1;
-  {
-    DevBuf n1(be_, N * C_ * 4);
-    be_->RmsNormForward(a->x_in.f32(), p_->W(b.in_norm), eps_, N, C_, n1.f32(), a->rstd1.f32());
-    in1 = b.lq.CastInput(n1.f32(), nullptr, N, C_, {&b.lk, &b.lv});
-  }
+  std::shared_ptr<Fp8Input> in1 = b.lq.NormCastInput(a->x_in.f32(), p_->W(b.in_norm), eps_, N, C_,
+                                                     a->rstd1.f32(), {&b.lk, &b.lv});
   a->q16 = DevBuf(be_, N * H_ * D_ * 2);
   a->k16 = DevBuf(be_, N * Hkv_ * D_ * 2);
   a->v16 = DevBuf(be_, N * Hkv_ * D_ * 2);
@@ -271,20 +267,14 @@ absl::Status LlamaModel::BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs*
     a->k16.Reset();
     a->v16.Reset();
   }
-  DevBuf o(be_, N * C_ * 4);
-  b.lo.ForwardFp8(b.lo.CastInput(nullptr, a->att16.u16(), N, C_), N, C_, C_, View(b.o), o.f32(),
-                  nullptr, train ? &a->so : nullptr);
-  if (!train) a->att16.Reset();
+  // h = x + o_proj(att), the residual added in the GEMM.
   a->h = DevBuf(be_, N * C_ * 4);
-  be_->Add(a->x_in.f32(), o.f32(), a->h.f32(), N * C_);
-  o.Reset();
+  b.lo.ForwardFp8(b.lo.CastInput(nullptr, a->att16.u16(), N, C_), N, C_, C_, View(b.o), a->h.f32(),
+                  nullptr, train ? &a->so : nullptr, a->x_in.f32());
+  if (!train) a->att16.Reset();
   a->rstd2 = DevBuf(be_, N * 4);
-  std::shared_ptr<Fp8Input> in2;
-  {
-    DevBuf n2(be_, N * C_ * 4);
-    be_->RmsNormForward(a->h.f32(), p_->W(b.post_norm), eps_, N, C_, n2.f32(), a->rstd2.f32());
-    in2 = b.lgate.CastInput(n2.f32(), nullptr, N, C_, {&b.lup});
-  }
+  std::shared_ptr<Fp8Input> in2 = b.lgate.NormCastInput(a->h.f32(), p_->W(b.post_norm), eps_, N,
+                                                        C_, a->rstd2.f32(), {&b.lup});
   a->gate16 = DevBuf(be_, N * F_ * 2);
   a->up16 = DevBuf(be_, N * F_ * 2);
   b.lgate.ForwardFp8(in2, N, C_, F_, View(b.gate), nullptr, a->gate16.u16(),
@@ -296,12 +286,10 @@ absl::Status LlamaModel::BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs*
     a->gate16.Reset();
     a->up16.Reset();
   }
-  DevBuf mlp(be_, N * C_ * 4);
-  b.ldown.ForwardFp8(in_act, N, F_, C_, View(b.down), mlp.f32(), nullptr,
-                     train ? &a->sdown : nullptr);
+  DevBuf out(be_, N * C_ * 4);  // h + down(act), the residual added in the GEMM
+  b.ldown.ForwardFp8(in_act, N, F_, C_, View(b.down), out.f32(), nullptr,
+                     train ? &a->sdown : nullptr, a->h.f32());
   in_act.reset();
-  DevBuf out(be_, N * C_ * 4);
-  be_->Add(a->h.f32(), mlp.f32(), out.f32(), N * C_);
   *x = std::move(out);
   return absl::OkStatus();
 }

@@ -359,6 +359,14 @@ void CudaBackend::RmsNormBackward(const float* dy, const float* x, const float* 
   cuda::LaunchRmsNormBackward(dy, x, w, rstd, N, C, dx, dw, partials, stream_);
 }
 
+void CudaBackend::RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                                 float* rstd, const float* scale, Fp8Format fmt, uint8_t* out,
+                                 float* amax_out) {
+  cuda::OpScope op_scope(prof_.get(), "RmsNormCastFp8");
+  Bind();
+  cuda::LaunchRmsNormCastFp8(x, w, eps, N, C, rstd, scale, fmt, out, amax_out, stream_);
+}
+
 void CudaBackend::RmsNormBackwardAdd(const float* dy, const float* x, const float* w,
                                      const float* rstd, const float* dres, int64_t N, int64_t C,
                                      float* dx, float* dw) {
@@ -535,6 +543,36 @@ void CudaBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targ
 }
 
 // ---- bfloat16 activations -------------------------------------------------------------------------
+
+void CudaBackend::GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint8_t* A,
+                                     Fp8Format a_fmt, const float* a_scale_inv, const uint8_t* B,
+                                     Fp8Format b_fmt, const float* b_scale_inv, const float* R,
+                                     float* D) {
+  cuda::OpScope op_scope(prof_.get(), "GemmFp8AddResidual", M, N, K);
+  Bind();
+  if (M <= 0 || N <= 0) return;
+  const bool both_e5m2 = a_fmt == Fp8Format::kE5M2 && b_fmt == Fp8Format::kE5M2;
+  if (K > 0 && !both_e5m2 && cuda::PointerAlignment(R) >= cuda::PointerAlignment(D)) {
+    cuda::LtProblem p;  // as GemmFp8 with accumulate, C read from R
+    p.m = N;
+    p.n = M;
+    p.k = K;
+    p.trans_a = true;
+    p.trans_b = false;
+    p.a_type = Fp8Type(b_fmt);
+    p.b_type = Fp8Type(a_fmt);
+    p.lda = K;
+    p.ldb = K;
+    p.ldc = N;
+    p.scaled = true;
+    p.accumulate = true;
+    p.align_a = cuda::PointerAlignment(B);
+    p.align_b = cuda::PointerAlignment(A);
+    p.align_c = cuda::PointerAlignment(D);
+    if (lt_->Run(p, B, A, D, b_scale_inv, a_scale_inv, R)) return;
+  }
+  Backend::GemmFp8AddResidual(M, N, K, A, a_fmt, a_scale_inv, B, b_fmt, b_scale_inv, R, D);
+}
 
 void CudaBackend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                               const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,

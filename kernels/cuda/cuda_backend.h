@@ -117,6 +117,8 @@ class CudaBackend final : public Backend {
   void RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
                        int64_t N, int64_t C, float* dx, float* dw) override;
 
+  void RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C, float* rstd,
+                      const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out) override;
   void RmsNormBackwardAdd(const float* dy, const float* x, const float* w, const float* rstd,
                           const float* dres, int64_t N, int64_t C, float* dx,
                           float* dw) override;
@@ -145,6 +147,9 @@ class CudaBackend final : public Backend {
 
   void SwigluForward(const float* gate, const float* up, int64_t n, float* h) override;
 
+  void GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+                          const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+                          const float* b_scale_inv, const float* R, float* D) override;
   void GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                    const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
                    const float* b_scale_inv, uint16_t* C16) override;

@@ -101,7 +101,7 @@ LtGemm::Entry* LtGemm::Lookup(const LtProblem& p) {
 }
 
 bool LtGemm::Run(const LtProblem& p, const void* A, const void* B, void* C, const float* scale_a,
-                 const float* scale_b) {
+                 const float* scale_b, const void* c_in) {
   Entry* e = Lookup(p);
   if (!e->ok) return false;
   if (p.scaled) {
@@ -121,8 +121,9 @@ bool LtGemm::Run(const LtProblem& p, const void* A, const void* B, void* C, cons
   const float alpha = 1.0f;
   const float beta = p.accumulate ? 1.0f : 0.0f;
   while (e->next < e->algos.size()) {
-    const cublasStatus_t s = cublasLtMatmul(handle_, e->desc, &alpha, A, e->a, B, e->b, &beta, C, e->c, C,
-                                            e->c, &e->algos[e->next], workspace_, ws_bytes_, stream_);
+    const cublasStatus_t s = cublasLtMatmul(handle_, e->desc, &alpha, A, e->a, B, e->b, &beta,
+                                            c_in != nullptr ? c_in : C, e->c, C, e->c,
+                                            &e->algos[e->next], workspace_, ws_bytes_, stream_);
     if (s == CUBLAS_STATUS_SUCCESS) return true;
     if (s != CUBLAS_STATUS_NOT_SUPPORTED) FSDP8_CUBLAS_CHECK(s);
     if (std::getenv("FSDP8_GEMM_VERBOSE") != nullptr) {

@@ -64,8 +64,9 @@ class LtGemm {
   // are device scalars (only when p.scaled). Returns false, enqueuing nothing, when cuBLASLt
   // has no algorithm for the problem (e.g. FP8 with K or a leading dimension not a multiple of
   // 16); the caller then takes a fallback path. The outcome is cached per problem key.
+  // c_in (optional, with p.accumulate): read C from c_in instead of D (D = ... + c_in).
   bool Run(const LtProblem& p, const void* A, const void* B, void* C, const float* scale_a,
-           const float* scale_b);
+           const float* scale_b, const void* c_in = nullptr);
 
   int64_t cache_size() const { return static_cast<int64_t>(cache_.size()); }
 

@@ -58,6 +58,10 @@ void LaunchSumSquares(const float* x, int64_t n, float* out, double* partials,
 // ---- norm.cu ---------------------------------------------------------------------------------
 void LaunchRmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
                           float* rstd, cudaStream_t stream);
+// RMSNorm forward straight to FP8: out (N, C) = fp8(x * r * w * *scale), rstd (N), amax of y.
+void LaunchRmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                          float* rstd, const float* scale, Fp8Format fmt, uint8_t* out,
+                          float* amax_out, cudaStream_t stream);
 // partials: RmsNormBackwardScratchFloats(N, C) floats.
 int64_t RmsNormBackwardScratchFloats(int64_t N, int64_t C);
 // dres (N, C), when non-null, is added to dx (after dx is rounded, as a separate Axpy would).

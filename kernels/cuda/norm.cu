@@ -71,6 +71,99 @@ __global__ void RmsNormDwPartialKernel(const float* __restrict__ dy, const float
   partials[static_cast<int64_t>(blockIdx.y) * C + c] = acc;
 }
 
+// dx and the dw partials in one pass over dy and x: one block per chunk of kRowsPerChunk rows,
+// each thread holding kCols columns (c = tid + j * kThreads) in registers. Same expressions and
+// summation orders as RmsNormBackwardDxKernel + RmsNormDwPartialKernel, so the same bits.
+template <int kCols>
+__global__ void __launch_bounds__(kThreads)
+RmsNormBackwardFusedKernel(const float* __restrict__ dy, const float* __restrict__ x,
+                           const float* __restrict__ w, const float* __restrict__ rstd, int64_t N,
+                           int64_t C, float* __restrict__ dx, const float* __restrict__ dres,
+                           float* __restrict__ partials) {
+  __shared__ float red[kThreads / 32];
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kRowsPerChunk;
+  const int64_t n1 = min(N, n0 + kRowsPerChunk);
+  float acc[kCols], wv[kCols];
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) {
+    const int64_t c = threadIdx.x + j * kThreads;
+    acc[j] = 0.0f;
+    wv[j] = c < C ? w[c] : 0.0f;
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* dyr = dy + n * C;
+    const float* xr = x + n * C;
+    float dyv[kCols], xv[kCols];
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const int64_t c = threadIdx.x + j * kThreads;
+      dyv[j] = c < C ? dyr[c] : 0.0f;
+      xv[j] = c < C ? xr[c] : 0.0f;
+      if (c < C) s += dyv[j] * wv[j] * xv[j];
+    }
+    s = BlockSum<kThreads>(s, red);
+    const float r = rstd[n];
+    const float k = r * r * r * s / static_cast<float>(C);
+    float* dxr = dx + n * C;
+    const float* dresr = dres != nullptr ? dres + n * C : nullptr;
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const int64_t c = threadIdx.x + j * kThreads;
+      if (c >= C) continue;
+      const float v = r * wv[j] * dyv[j] - k * xv[j];
+      dxr[c] = dresr != nullptr ? __fadd_rn(v, dresr[c]) : v;
+      acc[j] += dyv[j] * xv[j] * r;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) {
+    const int64_t c = threadIdx.x + j * kThreads;
+    if (c < C) partials[static_cast<int64_t>(blockIdx.x) * C + c] = acc[j];
+  }
+}
+
+// RmsNormForwardKernel whose output y goes straight to FP8 codes: the same r (same sum order)
+// and y = x * r * w, out = fp8(y * scale), amax of y; y is never stored.
+template <bool kE5M2>
+__global__ void __launch_bounds__(kThreads)
+RmsNormCastKernel(const float* __restrict__ x, const float* __restrict__ w, float eps, int64_t C,
+                  float* __restrict__ rstd, const float* __restrict__ scale,
+                  uint8_t* __restrict__ out, float* amax_out, bool vec) {
+  __shared__ float red[kThreads / 32];
+  __shared__ int redi[kThreads / 32];
+  const int64_t row = blockIdx.x;
+  const float* xr = x + row * C;
+  float ss = 0.0f;
+  for (int64_t c = threadIdx.x; c < C; c += kThreads) ss += xr[c] * xr[c];
+  ss = BlockSum<kThreads>(ss, red);
+  const float r = 1.0f / sqrtf(ss / static_cast<float>(C) + eps);
+  const float s = *scale;
+  uint8_t* outr = out + row * C;
+  int m = 0;
+  if (vec) {
+    for (int64_t c4 = threadIdx.x; c4 < C / 4; c4 += kThreads) {
+      const float4 xv = reinterpret_cast<const float4*>(xr)[c4];
+      const float4 wv = reinterpret_cast<const float4*>(w)[c4];
+      const float y0 = xv.x * r * wv.x, y1 = xv.y * r * wv.y, y2 = xv.z * r * wv.z,
+                  y3 = xv.w * r * wv.w;
+      m = max(m, max(max(AbsBits(y0), AbsBits(y1)), max(AbsBits(y2), AbsBits(y3))));
+      reinterpret_cast<uint32_t*>(outr)[c4] = Encode4Dev<kE5M2>(y0 * s, y1 * s, y2 * s, y3 * s);
+    }
+  } else {
+    for (int64_t c = threadIdx.x; c < C; c += kThreads) {
+      const float y = xr[c] * r * w[c];
+      m = max(m, AbsBits(y));
+      outr[c] = static_cast<uint8_t>(Encode1Dev<kE5M2>(y * s));
+    }
+  }
+  if (threadIdx.x == 0) rstd[row] = r;
+  if (amax_out != nullptr) {
+    m = BlockMaxInt<kThreads>(m, redi);
+    if (threadIdx.x == 0) AtomicMaxAbsBits(amax_out, m);
+  }
+}
+
 // dw (C) += sum over chunks in order.
 __global__ void RmsNormDwFinalKernel(const float* __restrict__ partials, int64_t chunks, int64_t C,
                                      float* __restrict__ dw) {
@@ -91,20 +184,50 @@ void LaunchRmsNormForward(const float* x, const float* w, float eps, int64_t N, 
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
+void LaunchRmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                          float* rstd, const float* scale, Fp8Format fmt, uint8_t* out,
+                          float* amax_out, cudaStream_t stream) {
+  if (N <= 0 || C <= 0) return;
+  FSDP8_CUDA_REQUIRE(N <= 0x7FFFFFFF, "RmsNormCastFp8: too many rows");
+  const bool vec = C % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(out) % 4 == 0;
+  if (fmt == Fp8Format::kE5M2) {
+    RmsNormCastKernel<true><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(x, w, eps, C, rstd, scale, out, amax_out, vec);
+  } else {
+    RmsNormCastKernel<false><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(x, w, eps, C, rstd, scale, out, amax_out, vec);
+  }
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
 int64_t RmsNormBackwardScratchFloats(int64_t N, int64_t C) { return CeilDiv(N, kRowsPerChunk) * C; }
 
 void LaunchRmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
                            int64_t N, int64_t C, float* dx, float* dw, float* partials,
                            cudaStream_t stream, const float* dres) {
   if (N <= 0 || C <= 0) return;
-  RmsNormBackwardDxKernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(dy, x, w, rstd, C, dx,
-                                                                           dres);
-  FSDP8_CUDA_LAUNCH_CHECK();
   const int64_t chunks = CeilDiv(N, kRowsPerChunk);
-  FSDP8_CUDA_REQUIRE(chunks <= 65535, "RmsNormBackward: too many rows for the dw partial grid");
-  const dim3 grid(static_cast<unsigned>(CeilDiv(C, kThreads)), static_cast<unsigned>(chunks));
-  RmsNormDwPartialKernel<<<grid, kThreads, 0, stream>>>(dy, x, rstd, N, C, partials);
-  FSDP8_CUDA_LAUNCH_CHECK();
+  if (C <= 16 * kThreads) {
+    const unsigned blocks = static_cast<unsigned>(chunks);
+    if (C <= 2 * kThreads) {
+      RmsNormBackwardFusedKernel<2><<<blocks, kThreads, 0, stream>>>(dy, x, w, rstd, N, C, dx, dres, partials);
+    } else if (C <= 4 * kThreads) {
+      RmsNormBackwardFusedKernel<4><<<blocks, kThreads, 0, stream>>>(dy, x, w, rstd, N, C, dx, dres, partials);
+    } else if (C <= 8 * kThreads) {
+      RmsNormBackwardFusedKernel<8><<<blocks, kThreads, 0, stream>>>(dy, x, w, rstd, N, C, dx, dres, partials);
+    } else {
+      RmsNormBackwardFusedKernel<16><<<blocks, kThreads, 0, stream>>>(dy, x, w, rstd, N, C, dx, dres, partials);
+    }
+    FSDP8_CUDA_LAUNCH_CHECK();
+  } else {
+    RmsNormBackwardDxKernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(dy, x, w, rstd, C, dx,
+                                                                             dres);
+    FSDP8_CUDA_LAUNCH_CHECK();
+    FSDP8_CUDA_REQUIRE(chunks <= 65535, "RmsNormBackward: too many rows for the dw partial grid");
+    const dim3 grid(static_cast<unsigned>(CeilDiv(C, kThreads)), static_cast<unsigned>(chunks));
+    RmsNormDwPartialKernel<<<grid, kThreads, 0, stream>>>(dy, x, rstd, N, C, partials);
+    FSDP8_CUDA_LAUNCH_CHECK();
+  }
   RmsNormDwFinalKernel<<<static_cast<unsigned>(CeilDiv(C, kThreads)), kThreads, 0, stream>>>(
       partials, chunks, C, dw);
   FSDP8_CUDA_LAUNCH_CHECK();

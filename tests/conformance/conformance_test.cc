@@ -592,6 +592,21 @@ TEST_P(Conformance, RmsNorm) {
       r.F32(&o, "dw", dw, s.C);
       return o;
     });
+    const std::vector<float> nscale = {24.0f};
+    Check("RmsNormCastFp8/" + shape, 1.0 / 8, [&](DevRun& r) {
+      Outputs o;
+      float* rstd = r.Out<float>(s.N);
+      uint8_t* out = r.Out<uint8_t>(s.N * s.C);
+      float* amax = r.In(std::vector<float>{0.0f});
+      r.b()->RmsNormCastFp8(r.In(x), r.In(w), 1e-5f, s.N, s.C, rstd, r.In(nscale), Fp8Format::kE4M3,
+                            out, amax);
+      float* deq = r.Out<float>(s.N * s.C);
+      r.b()->DequantizeFp8(out, deq, s.N * s.C, r.In(std::vector<float>{1.0f / 24}), Fp8Format::kE4M3);
+      r.F32(&o, "out", deq, s.N * s.C);
+      r.F32(&o, "rstd", rstd, s.N);
+      r.F32(&o, "amax", amax, 1);
+      return o;
+    });
     const auto dres = Randn(s.N * s.C);
     Check("RmsNormBackwardAdd/" + shape, Tol(static_cast<double>(s.C + s.N)), [&](DevRun& r) {
       Outputs o;
@@ -886,6 +901,27 @@ TEST_P(Conformance, Bf16Activations) {
             r.b()->GemmFp8Bf16(s.M, s.N, s.K, r.In(A), Fp8Format::kE4M3, r.In(sa), r.In(B),
                                Fp8Format::kE4M3, r.In(sb), C);
             unpacked(r, &o, "C", C, s.M * s.N);
+            return o;
+          });
+  }
+  for (const G& s : {G{1, 1, 16}, G{37, 130, 32}, G{512, 2048, 2048}}) {
+    auto codes = [&](int64_t n) {
+      auto c = Fp8Codes(n, Fp8Format::kE4M3);
+      for (auto& v : c) v = static_cast<uint8_t>((v & 0x80) | ((v & 0x7F) % 0x58));
+      return c;
+    };
+    const auto A = codes(s.M * s.K), B = codes(s.N * s.K);
+    const auto R0 = Randn(s.M * s.N, 4.0f);
+    const std::vector<float> sa = {0.375f}, sb = {1.0f / 3.0f};
+    Check("GemmFp8AddResidual/" + std::to_string(s.M) + "x" + std::to_string(s.N) + "x" + std::to_string(s.K),
+          Fp8GemmTol(s.K), [&](DevRun& r) {
+            Outputs o;
+            const float* R = r.In(R0);
+            float* D = r.Out<float>(s.M * s.N);
+            r.b()->GemmFp8AddResidual(s.M, s.N, s.K, r.In(A), Fp8Format::kE4M3, r.In(sa), r.In(B),
+                                      Fp8Format::kE4M3, r.In(sb), R, D);
+            r.F32(&o, "D", D, s.M * s.N);
+            r.F32(&o, "R", R, s.M * s.N);  // unchanged
             return o;
           });
   }
