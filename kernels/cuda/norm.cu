@@ -90,30 +90,43 @@ RmsNormBackwardFusedKernel(const float* __restrict__ dy, const float* __restrict
     acc[j] = 0.0f;
     wv[j] = c < C ? w[c] : 0.0f;
   }
+  // Row n's dy and x are loaded while row n-1 is reduced (software pipelining: the block
+  // reduction's barriers would otherwise serialise one row's loads behind the previous row).
+  float dyv[kCols], xv[kCols], dyn[kCols] = {}, xn[kCols] = {}, rv[kCols];
+  auto load = [&](int64_t n, float* d, float* xx) {
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const int64_t c = threadIdx.x + j * kThreads;
+      d[j] = c < C ? dy[n * C + c] : 0.0f;
+      xx[j] = c < C ? x[n * C + c] : 0.0f;
+    }
+  };
+  if (n0 < n1) load(n0, dyv, xv);
   for (int64_t n = n0; n < n1; ++n) {
-    const float* dyr = dy + n * C;
-    const float* xr = x + n * C;
-    float dyv[kCols], xv[kCols];
     float s = 0.0f;
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
       const int64_t c = threadIdx.x + j * kThreads;
-      dyv[j] = c < C ? dyr[c] : 0.0f;
-      xv[j] = c < C ? xr[c] : 0.0f;
       if (c < C) s += dyv[j] * wv[j] * xv[j];
+      rv[j] = dres != nullptr && c < C ? dres[n * C + c] : 0.0f;
     }
+    if (n + 1 < n1) load(n + 1, dyn, xn);
     s = BlockSum<kThreads>(s, red);
     const float r = rstd[n];
     const float k = r * r * r * s / static_cast<float>(C);
     float* dxr = dx + n * C;
-    const float* dresr = dres != nullptr ? dres + n * C : nullptr;
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
       const int64_t c = threadIdx.x + j * kThreads;
       if (c >= C) continue;
       const float v = r * wv[j] * dyv[j] - k * xv[j];
-      dxr[c] = dresr != nullptr ? __fadd_rn(v, dresr[c]) : v;
+      dxr[c] = dres != nullptr ? __fadd_rn(v, rv[j]) : v;
       acc[j] += dyv[j] * xv[j] * r;
+    }
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      dyv[j] = dyn[j];
+      xv[j] = xn[j];
     }
   }
 #pragma unroll

@@ -58,6 +58,27 @@ __global__ void RopeApplyKernel(T_* __restrict__ x, int64_t B, int64_t T, int64_
   }
 }
 
+// Four consecutive elements at once (16-byte f32 / 8-byte bf16 accesses; 4-element aligned).
+__device__ __forceinline__ void Get4(const float* p, float v[4]) {
+  const float4 q = *reinterpret_cast<const float4*>(p);
+  v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+}
+__device__ __forceinline__ void Get4(const uint16_t* p, float v[4]) {
+  const uint2 q = *reinterpret_cast<const uint2*>(p);
+  v[0] = __uint_as_float(q.x << 16);
+  v[1] = __uint_as_float(q.x & 0xFFFF0000u);
+  v[2] = __uint_as_float(q.y << 16);
+  v[3] = __uint_as_float(q.y & 0xFFFF0000u);
+}
+__device__ __forceinline__ void Put4(float* p, const float v[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void Put4(uint16_t* p, const float v[4]) {
+  const uint32_t b0 = RoundBf16BitsDev(v[0]) >> 16, b1 = RoundBf16BitsDev(v[1]) & 0xFFFF0000u;
+  const uint32_t b2 = RoundBf16BitsDev(v[2]) >> 16, b3 = RoundBf16BitsDev(v[3]) & 0xFFFF0000u;
+  *reinterpret_cast<uint2*>(p) = make_uint2(b0 | b1, b2 | b3);
+}
+
 // Four consecutive pairs per thread (half % 4 == 0, fewer than 2^31 chunks): 32-bit index math
 // (64-bit division dominated the one-pair kernel) and 4-element loads of each half.
 template <typename T_>
@@ -71,19 +92,21 @@ __global__ void RopeApply4Kernel(T_* __restrict__ x, uint32_t rows, uint32_t T, 
     const uint32_t t = (row / H) % T;
     const float2* cs = table + static_cast<size_t>(t) * half + i;
     T_* p = x + static_cast<size_t>(row) * D;
-    float x1[4], x2[4];
+    float x1[4], x2[4], y1[4], y2[4];
+    Get4(p + i, x1);
+    Get4(p + i + half, x2);
+    const float4 cs01 = *reinterpret_cast<const float4*>(cs);
+    const float4 cs23 = *reinterpret_cast<const float4*>(cs + 2);
+    const float cc[4] = {cs01.x, cs01.z, cs23.x, cs23.z};
+    const float ss[4] = {cs01.y, cs01.w, cs23.y, cs23.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      x1[j] = Get(p + i + j);
-      x2[j] = Get(p + i + half + j);
+      const float c = cc[j], s = sign * ss[j];
+      y1[j] = x1[j] * c - x2[j] * s;
+      y2[j] = x2[j] * c + x1[j] * s;
     }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 c_s = cs[j];
-      const float c = c_s.x, s = sign * c_s.y;
-      Put(p + i + j, x1[j] * c - x2[j] * s);
-      Put(p + i + half + j, x2[j] * c + x1[j] * s);
-    }
+    Put4(p + i, y1);
+    Put4(p + i + half, y2);
   }
 }
 
@@ -104,7 +127,10 @@ void RopeApplyImpl(T_* x, int64_t B, int64_t T, int64_t H, int64_t D, const floa
   FSDP8_CUDA_REQUIRE(D % 2 == 0, "RoPE needs an even head dimension");
   const int64_t total = B * T * H * (D / 2);
   if (total <= 0) return;
-  if ((D / 2) % 4 == 0 && total / 4 < (int64_t{1} << 31)) {
+  // The 4-pair kernel's vector accesses need 4-element alignment of x (rows of D % 8 == 0
+  // elements, so both halves start aligned) and of the table (cudaMalloc'd, half % 4 == 0).
+  if ((D / 2) % 4 == 0 && total / 4 < (int64_t{1} << 31) &&
+      reinterpret_cast<uintptr_t>(x) % (4 * sizeof(T_)) == 0) {
     int64_t blocks = CeilDiv(total / 4, kThreads);
     if (blocks > 65536) blocks = 65536;
     RopeApply4Kernel<T_><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
