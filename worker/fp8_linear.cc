@@ -116,6 +116,17 @@ void Linear::Forward(const float* x, int64_t M, int64_t K, int64_t N, const Weig
   ForwardFp8(CastInput(x, nullptr, M, K), M, K, N, w, y, nullptr, saved);
 }
 
+std::shared_ptr<Fp8Input> Linear::Cast(std::shared_ptr<Fp8Input> in,
+                                       std::initializer_list<const Linear*> same_input) {
+  in->scale_inv = DevBuf(be_, sizeof(float));
+  be_->Copy(in->scale_inv.get(), sc_->ScaleInv(x_idx_), sizeof(float));
+  for (const Linear* o : same_input) {
+    WORKER_CHECK(o->prec_ == v1::PRECISION_FP8 && o->sc_ == sc_);
+    sc_->CopyAmax(x_idx_, o->x_idx_);
+  }
+  return in;
+}
+
 std::shared_ptr<Fp8Input> Linear::CastInput(const float* x, const uint16_t* x16, int64_t M,
                                             int64_t K,
                                             std::initializer_list<const Linear*> same_input) {
@@ -136,13 +147,7 @@ std::shared_ptr<Fp8Input> Linear::CastInput(const float* x, const uint16_t* x16,
     const float* scale = sc_->ScaleFor(x_idx_, x, M * K);
     be_->CastToFp8(x, in->x8.u8(), M * K, scale, Fp8Format::kE4M3, sc_->AmaxOut(x_idx_));
   }
-  in->scale_inv = DevBuf(be_, sizeof(float));
-  be_->Copy(in->scale_inv.get(), sc_->ScaleInv(x_idx_), sizeof(float));
-  for (const Linear* o : same_input) {
-    WORKER_CHECK(o->prec_ == v1::PRECISION_FP8 && o->sc_ == sc_);
-    sc_->CopyAmax(x_idx_, o->x_idx_);
-  }
-  return in;
+  return Cast(std::move(in), same_input);
 }
 
 std::shared_ptr<Fp8Input> Linear::NormCastInput(const float* x, const float* w_norm, float eps,
@@ -158,13 +163,7 @@ std::shared_ptr<Fp8Input> Linear::NormCastInput(const float* x, const float* w_n
   in->x8 = DevBuf(be_, M * K);
   be_->RmsNormCastFp8(x, w_norm, eps, M, K, rstd, sc_->Scale(x_idx_), Fp8Format::kE4M3,
                       in->x8.u8(), sc_->AmaxOut(x_idx_));
-  in->scale_inv = DevBuf(be_, sizeof(float));
-  be_->Copy(in->scale_inv.get(), sc_->ScaleInv(x_idx_), sizeof(float));
-  for (const Linear* o : same_input) {
-    WORKER_CHECK(o->prec_ == v1::PRECISION_FP8 && o->sc_ == sc_);
-    sc_->CopyAmax(x_idx_, o->x_idx_);
-  }
-  return in;
+  return Cast(std::move(in), same_input);
 }
 
 std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint16_t* up16,
@@ -182,9 +181,7 @@ std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint1
   in->x8 = DevBuf(be_, n);
   be_->SwigluCastFp8(gate16, up16, n, sc_->Scale(x_idx_), Fp8Format::kE4M3, in->x8.u8(),
                      sc_->AmaxOut(x_idx_));
-  in->scale_inv = DevBuf(be_, sizeof(float));
-  be_->Copy(in->scale_inv.get(), sc_->ScaleInv(x_idx_), sizeof(float));
-  return in;
+  return Cast(std::move(in), {});
 }
 
 void Linear::ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t K, int64_t N,

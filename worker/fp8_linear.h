@@ -145,6 +145,11 @@ class Linear {
                 float* dw, uint16_t* dx16 = nullptr);
 
  private:
+  // Finishes an input whose x8 was just cast with this linear's X scale: keeps that scale_inv and
+  // records the cast's amax for the linears of `same_input` too.
+  std::shared_ptr<Fp8Input> Cast(std::shared_ptr<Fp8Input> in,
+                                 std::initializer_list<const Linear*> same_input);
+
   Backend* be_ = nullptr;
   ActScaling* sc_ = nullptr;
   v1::Precision prec_ = v1::PRECISION_FP32;

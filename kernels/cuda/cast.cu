@@ -51,18 +51,6 @@ __global__ void CastToFp8Kernel(const float* __restrict__ in, uint8_t* __restric
   }
 }
 
-// f32 values of f32 or bfloat16 (bit pattern) storage: 4 consecutive elements, and one.
-__device__ __forceinline__ float4 Load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ float4 Load4(const uint16_t* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u),
-                     __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xFFFF0000u));
-}
-__device__ __forceinline__ float Load1(const float* p) { return *p; }
-__device__ __forceinline__ float Load1(const uint16_t* p) {
-  return __uint_as_float(static_cast<uint32_t>(*p) << 16);
-}
-
 // in (n) bf16 bits -> out (n); 8 elements per iteration when in/out are 16/8-byte aligned.
 template <bool kE5M2>
 __global__ void CastBf16ToFp8Kernel(const uint16_t* __restrict__ in, uint8_t* __restrict__ out,
@@ -75,7 +63,7 @@ __global__ void CastBf16ToFp8Kernel(const uint16_t* __restrict__ in, uint8_t* __
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t n8 = vec ? n / 8 : 0;
   for (int64_t i = tid; i < n8; i += stride) {
-    const float4 a = Load4(in + 8 * i), b = Load4(in + 8 * i + 4);
+    const float4 a = Load4F32(in + 8 * i), b = Load4F32(in + 8 * i + 4);
     m = max(m, max(max(AbsBits(a.x), AbsBits(a.y)), max(AbsBits(a.z), AbsBits(a.w))));
     m = max(m, max(max(AbsBits(b.x), AbsBits(b.y)), max(AbsBits(b.z), AbsBits(b.w))));
     reinterpret_cast<uint2*>(out)[i] =
@@ -83,7 +71,7 @@ __global__ void CastBf16ToFp8Kernel(const uint16_t* __restrict__ in, uint8_t* __
                    Encode4Dev<kE5M2>(b.x * s, b.y * s, b.z * s, b.w * s));
   }
   for (int64_t i = n8 * 8 + tid; i < n; i += stride) {
-    const float x = Load1(in + i);
+    const float x = LoadF32(in + i);
     m = max(m, AbsBits(x));
     out[i] = static_cast<uint8_t>(Encode1Dev<kE5M2>(x * s));
   }
@@ -144,7 +132,7 @@ CastTransposeKernel(const In* __restrict__ in, int64_t rows, int64_t cols,
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        x[h][i] = Load4(src + (64 * h + i) * cols);
+        x[h][i] = Load4F32(src + (64 * h + i) * cols);
       }
     }
 #pragma unroll
@@ -176,7 +164,7 @@ CastTransposeKernel(const In* __restrict__ in, int64_t rows, int64_t cols,
         for (int j = 0; j < 4; ++j) {
           const int c = 4 * tx + j;
           if (r0 + r < rows && c0 + c < cols) {
-            const float v = Load1(in + (r0 + r) * cols + c0 + c);
+            const float v = LoadF32(in + (r0 + r) * cols + c0 + c);
             m = max(m, AbsBits(v));
             const uint32_t code = Encode1Dev<kE5M2>(v * s);
             if (out != nullptr) out[(r0 + r) * cols + c0 + c] = static_cast<uint8_t>(code);

@@ -192,6 +192,28 @@ namespace {
 cudaDataType_t Fp8Type(Fp8Format f) {
   return f == Fp8Format::kE5M2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
 }
+
+// cuBLASLt's view of our TN FP8 product C (M, N) = A (M, K) · B (N, K)^T (see gemm.h): cuBLASLt A
+// is our B, its B our A; c_type and accumulate as the caller needs.
+cuda::LtProblem Fp8Problem(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+                           const uint8_t* B, Fp8Format b_fmt, const void* C) {
+  cuda::LtProblem p;
+  p.m = N;
+  p.n = M;
+  p.k = K;
+  p.trans_a = true;
+  p.trans_b = false;
+  p.a_type = Fp8Type(b_fmt);
+  p.b_type = Fp8Type(a_fmt);
+  p.lda = K;
+  p.ldb = K;
+  p.ldc = N;
+  p.scaled = true;
+  p.align_a = cuda::PointerAlignment(B);
+  p.align_b = cuda::PointerAlignment(A);
+  p.align_c = cuda::PointerAlignment(C);
+  return p;
+}
 }  // namespace
 
 void CudaBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
@@ -205,22 +227,8 @@ void CudaBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8
     return;
   }
   // See gemm.h: column-major D (N, M) = B_stored(K, N)^T · A_stored(K, M).
-  cuda::LtProblem p;
-  p.m = N;
-  p.n = M;
-  p.k = K;
-  p.trans_a = true;
-  p.trans_b = false;
-  p.a_type = Fp8Type(b_fmt);
-  p.b_type = Fp8Type(a_fmt);
-  p.lda = K;
-  p.ldb = K;
-  p.ldc = N;
-  p.scaled = true;
+  cuda::LtProblem p = Fp8Problem(M, N, K, A, a_fmt, B, b_fmt, C);
   p.accumulate = accumulate;
-  p.align_a = cuda::PointerAlignment(B);
-  p.align_b = cuda::PointerAlignment(A);
-  p.align_c = cuda::PointerAlignment(C);
   const bool both_e5m2 = a_fmt == Fp8Format::kE5M2 && b_fmt == Fp8Format::kE5M2;
   if (!both_e5m2 && lt_->Run(p, B, A, C, b_scale_inv, a_scale_inv)) return;
 
@@ -553,22 +561,8 @@ void CudaBackend::GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint
   if (M <= 0 || N <= 0) return;
   const bool both_e5m2 = a_fmt == Fp8Format::kE5M2 && b_fmt == Fp8Format::kE5M2;
   if (K > 0 && !both_e5m2 && cuda::PointerAlignment(R) >= cuda::PointerAlignment(D)) {
-    cuda::LtProblem p;  // as GemmFp8 with accumulate, C read from R
-    p.m = N;
-    p.n = M;
-    p.k = K;
-    p.trans_a = true;
-    p.trans_b = false;
-    p.a_type = Fp8Type(b_fmt);
-    p.b_type = Fp8Type(a_fmt);
-    p.lda = K;
-    p.ldb = K;
-    p.ldc = N;
-    p.scaled = true;
+    cuda::LtProblem p = Fp8Problem(M, N, K, A, a_fmt, B, b_fmt, D);  // accumulating, C = R
     p.accumulate = true;
-    p.align_a = cuda::PointerAlignment(B);
-    p.align_b = cuda::PointerAlignment(A);
-    p.align_c = cuda::PointerAlignment(D);
     if (lt_->Run(p, B, A, D, b_scale_inv, a_scale_inv, R)) return;
   }
   Backend::GemmFp8AddResidual(M, N, K, A, a_fmt, a_scale_inv, B, b_fmt, b_scale_inv, R, D);
@@ -582,22 +576,8 @@ void CudaBackend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A,
   if (M <= 0 || N <= 0) return;
   const bool both_e5m2 = a_fmt == Fp8Format::kE5M2 && b_fmt == Fp8Format::kE5M2;
   if (K > 0 && !both_e5m2) {
-    cuda::LtProblem p;  // as GemmFp8, with a bf16 D
-    p.m = N;
-    p.n = M;
-    p.k = K;
-    p.trans_a = true;
-    p.trans_b = false;
-    p.a_type = Fp8Type(b_fmt);
-    p.b_type = Fp8Type(a_fmt);
+    cuda::LtProblem p = Fp8Problem(M, N, K, A, a_fmt, B, b_fmt, C16);
     p.c_type = CUDA_R_16BF;
-    p.lda = K;
-    p.ldb = K;
-    p.ldc = N;
-    p.scaled = true;
-    p.align_a = cuda::PointerAlignment(B);
-    p.align_b = cuda::PointerAlignment(A);
-    p.align_c = cuda::PointerAlignment(C16);
     if (lt_->Run(p, B, A, C16, b_scale_inv, a_scale_inv)) return;
   }
   Backend::GemmFp8Bf16(M, N, K, A, a_fmt, a_scale_inv, B, b_fmt, b_scale_inv, C16);

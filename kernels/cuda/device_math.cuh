@@ -130,6 +130,34 @@ __device__ __forceinline__ uint32_t RoundBf16BitsDev(float x) {
   return u & 0xFFFF0000u;
 }
 
+// Element access for f32 or bfloat16 (bit pattern) storage, in f32: one element, or 4
+// consecutive ones (16-byte f32 / 8-byte bf16 accesses: p must be 4-element aligned). Stores to
+// bf16 round to nearest even. Little-endian: element 2k is the low half of 32-bit word k.
+__device__ __forceinline__ float LoadF32(const float* p) { return *p; }
+__device__ __forceinline__ float LoadF32(const uint16_t* p) {
+  return __uint_as_float(static_cast<uint32_t>(*p) << 16);
+}
+__device__ __forceinline__ float4 Load4F32(const float* p) {
+  return *reinterpret_cast<const float4*>(p);
+}
+__device__ __forceinline__ float4 Load4F32(const uint16_t* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u),
+                     __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xFFFF0000u));
+}
+__device__ __forceinline__ void StoreF32(float* p, float v) { *p = v; }
+__device__ __forceinline__ void StoreF32(uint16_t* p, float v) {
+  *p = static_cast<uint16_t>(RoundBf16BitsDev(v) >> 16);
+}
+__device__ __forceinline__ void Store4F32(float* p, float4 v) {
+  *reinterpret_cast<float4*>(p) = v;
+}
+__device__ __forceinline__ void Store4F32(uint16_t* p, float4 v) {
+  *reinterpret_cast<uint2*>(p) =
+      make_uint2((RoundBf16BitsDev(v.x) >> 16) | RoundBf16BitsDev(v.y),
+                 (RoundBf16BitsDev(v.z) >> 16) | RoundBf16BitsDev(v.w));
+}
+
 // |x| as int bits: for non-negative floats (and NaN with the sign cleared) integer order equals
 // float order, and any NaN compares above +inf, so an integer max is a NaN-propagating float max
 // whose result does not depend on the order of the operands (deterministic with atomicMax).

@@ -28,16 +28,6 @@ __global__ void RopeTableKernel(int64_t T, int64_t D, float theta, float2* __res
   table[idx] = make_float2(static_cast<float>(cos(a)), static_cast<float>(sin(a)));
 }
 
-// f32 or bfloat16 (bit pattern, round to nearest even) storage.
-__device__ __forceinline__ float Get(const float* p) { return *p; }
-__device__ __forceinline__ float Get(const uint16_t* p) {
-  return __uint_as_float(static_cast<uint32_t>(*p) << 16);
-}
-__device__ __forceinline__ void Put(float* p, float v) { *p = v; }
-__device__ __forceinline__ void Put(uint16_t* p, float v) {
-  *p = static_cast<uint16_t>(RoundBf16BitsDev(v) >> 16);
-}
-
 // One thread per pair.
 template <typename T_>
 __global__ void RopeApplyKernel(T_* __restrict__ x, int64_t B, int64_t T, int64_t H, int64_t D,
@@ -52,31 +42,10 @@ __global__ void RopeApplyKernel(T_* __restrict__ x, int64_t B, int64_t T, int64_
     const float2 cs = table[t * half + i];
     const float c = cs.x, s = sign * cs.y;
     T_* p = x + row * D;
-    const float x1 = Get(p + i), x2 = Get(p + i + half);
-    Put(p + i, x1 * c - x2 * s);
-    Put(p + i + half, x2 * c + x1 * s);
+    const float x1 = LoadF32(p + i), x2 = LoadF32(p + i + half);
+    StoreF32(p + i, x1 * c - x2 * s);
+    StoreF32(p + i + half, x2 * c + x1 * s);
   }
-}
-
-// Four consecutive elements at once (16-byte f32 / 8-byte bf16 accesses; 4-element aligned).
-__device__ __forceinline__ void Get4(const float* p, float v[4]) {
-  const float4 q = *reinterpret_cast<const float4*>(p);
-  v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
-}
-__device__ __forceinline__ void Get4(const uint16_t* p, float v[4]) {
-  const uint2 q = *reinterpret_cast<const uint2*>(p);
-  v[0] = __uint_as_float(q.x << 16);
-  v[1] = __uint_as_float(q.x & 0xFFFF0000u);
-  v[2] = __uint_as_float(q.y << 16);
-  v[3] = __uint_as_float(q.y & 0xFFFF0000u);
-}
-__device__ __forceinline__ void Put4(float* p, const float v[4]) {
-  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
-}
-__device__ __forceinline__ void Put4(uint16_t* p, const float v[4]) {
-  const uint32_t b0 = RoundBf16BitsDev(v[0]) >> 16, b1 = RoundBf16BitsDev(v[1]) & 0xFFFF0000u;
-  const uint32_t b2 = RoundBf16BitsDev(v[2]) >> 16, b3 = RoundBf16BitsDev(v[3]) & 0xFFFF0000u;
-  *reinterpret_cast<uint2*>(p) = make_uint2(b0 | b1, b2 | b3);
 }
 
 // Four consecutive pairs per thread (half % 4 == 0, fewer than 2^31 chunks): 32-bit index math
@@ -92,9 +61,9 @@ __global__ void RopeApply4Kernel(T_* __restrict__ x, uint32_t rows, uint32_t T, 
     const uint32_t t = (row / H) % T;
     const float2* cs = table + static_cast<size_t>(t) * half + i;
     T_* p = x + static_cast<size_t>(row) * D;
-    float x1[4], x2[4], y1[4], y2[4];
-    Get4(p + i, x1);
-    Get4(p + i + half, x2);
+    const float4 a = Load4F32(p + i), b = Load4F32(p + i + half);
+    const float x1[4] = {a.x, a.y, a.z, a.w}, x2[4] = {b.x, b.y, b.z, b.w};
+    float y1[4], y2[4];
     const float4 cs01 = *reinterpret_cast<const float4*>(cs);
     const float4 cs23 = *reinterpret_cast<const float4*>(cs + 2);
     const float cc[4] = {cs01.x, cs01.z, cs23.x, cs23.z};
@@ -105,8 +74,8 @@ __global__ void RopeApply4Kernel(T_* __restrict__ x, uint32_t rows, uint32_t T, 
       y1[j] = x1[j] * c - x2[j] * s;
       y2[j] = x2[j] * c + x1[j] * s;
     }
-    Put4(p + i, y1);
-    Put4(p + i + half, y2);
+    Store4F32(p + i, make_float4(y1[0], y1[1], y1[2], y1[3]));
+    Store4F32(p + i + half, make_float4(y2[0], y2[1], y2[2], y2[3]));
   }
 }
 

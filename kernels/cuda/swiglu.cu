@@ -18,28 +18,17 @@ __global__ void SwigluForwardKernel(const float* __restrict__ gate, const float*
   }
 }
 
-// f32 values of f32 or bfloat16 (bit pattern) storage.
-__device__ __forceinline__ float Load(const float* p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float Load(const uint16_t* p, int64_t i) {
-  return __uint_as_float(static_cast<uint32_t>(p[i]) << 16);
-}
-
-__device__ __forceinline__ void Store(float* p, int64_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void Store(uint16_t* p, int64_t i, float v) {
-  p[i] = static_cast<uint16_t>(RoundBf16BitsDev(v) >> 16);
-}
-
 // dgate = dh * up * s * (1 + g * (1 - s)), dup = dh * g * s, s = sigmoid(g).
 template <typename In, typename Out>
 __global__ void SwigluBackwardKernel(const float* __restrict__ dh, const In* __restrict__ gate,
                                      const In* __restrict__ up, int64_t n,
                                      Out* __restrict__ dgate, Out* __restrict__ dup) {
   FSDP8_GRID_STRIDE(i, n) {
-    const float g = Load(gate, i);
+    const float g = LoadF32(gate + i);
     const float s = 1.0f / (1.0f + expf(-g));
     const float d = dh[i];
-    Store(dgate, i, d * Load(up, i) * s * (1.0f + g * (1.0f - s)));
-    Store(dup, i, d * g * s);
+    StoreF32(dgate + i, d * LoadF32(up + i) * s * (1.0f + g * (1.0f - s)));
+    StoreF32(dup + i, d * g * s);
   }
 }
 
@@ -55,33 +44,22 @@ __global__ void SwigluBackward16Kernel(const uint16_t* __restrict__ dh, const ui
     *dg = d * u * s * (1.0f + g * (1.0f - s));
     *du = d * g * s;
   };
-  auto pack2 = [](float lo, float hi) {
-    return (RoundBf16BitsDev(lo) >> 16) | (RoundBf16BitsDev(hi) & 0xFFFF0000u);
-  };
   const int64_t n4 = vec ? n / 4 : 0;
   for (int64_t i = tid; i < n4; i += stride) {
-    const uint2 d2 = reinterpret_cast<const uint2*>(dh)[i];
-    const uint2 g2 = reinterpret_cast<const uint2*>(gate)[i];
-    const uint2 u2 = reinterpret_cast<const uint2*>(up)[i];
-    const uint32_t dw[2] = {d2.x, d2.y}, gw[2] = {g2.x, g2.y}, uw[2] = {u2.x, u2.y};
-    uint32_t og[2], ou[2];
-#pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      float dg0, du0, dg1, du1;
-      one(__uint_as_float(dw[w] << 16), __uint_as_float(gw[w] << 16), __uint_as_float(uw[w] << 16), &dg0, &du0);
-      one(__uint_as_float(dw[w] & 0xFFFF0000u), __uint_as_float(gw[w] & 0xFFFF0000u),
-          __uint_as_float(uw[w] & 0xFFFF0000u), &dg1, &du1);
-      og[w] = pack2(dg0, dg1);
-      ou[w] = pack2(du0, du1);
-    }
-    reinterpret_cast<uint2*>(dgate)[i] = make_uint2(og[0], og[1]);
-    reinterpret_cast<uint2*>(dup)[i] = make_uint2(ou[0], ou[1]);
+    const float4 d = Load4F32(dh + 4 * i), g = Load4F32(gate + 4 * i), u = Load4F32(up + 4 * i);
+    float4 dg, du;
+    one(d.x, g.x, u.x, &dg.x, &du.x);
+    one(d.y, g.y, u.y, &dg.y, &du.y);
+    one(d.z, g.z, u.z, &dg.z, &du.z);
+    one(d.w, g.w, u.w, &dg.w, &du.w);
+    Store4F32(dgate + 4 * i, dg);
+    Store4F32(dup + 4 * i, du);
   }
   for (int64_t i = n4 * 4 + tid; i < n; i += stride) {
     float dg, du;
-    one(Load(dh, i), Load(gate, i), Load(up, i), &dg, &du);
-    Store(dgate, i, dg);
-    Store(dup, i, du);
+    one(LoadF32(dh + i), LoadF32(gate + i), LoadF32(up + i), &dg, &du);
+    StoreF32(dgate + i, dg);
+    StoreF32(dup + i, du);
   }
 }
 
@@ -101,17 +79,13 @@ __global__ void SwigluCastKernel(const uint16_t* __restrict__ gate, const uint16
   };
   const int64_t n4 = vec ? n / 4 : 0;
   for (int64_t i = tid; i < n4; i += stride) {
-    const uint2 g2 = reinterpret_cast<const uint2*>(gate)[i];
-    const uint2 u2 = reinterpret_cast<const uint2*>(up)[i];
-    const float h0 = h_of(__uint_as_float(g2.x << 16), __uint_as_float(u2.x << 16));
-    const float h1 = h_of(__uint_as_float(g2.x & 0xFFFF0000u), __uint_as_float(u2.x & 0xFFFF0000u));
-    const float h2 = h_of(__uint_as_float(g2.y << 16), __uint_as_float(u2.y << 16));
-    const float h3 = h_of(__uint_as_float(g2.y & 0xFFFF0000u), __uint_as_float(u2.y & 0xFFFF0000u));
+    const float4 g = Load4F32(gate + 4 * i), u = Load4F32(up + 4 * i);
+    const float h0 = h_of(g.x, u.x), h1 = h_of(g.y, u.y), h2 = h_of(g.z, u.z), h3 = h_of(g.w, u.w);
     m = max(m, max(max(AbsBits(h0), AbsBits(h1)), max(AbsBits(h2), AbsBits(h3))));
     reinterpret_cast<uint32_t*>(out)[i] = Encode4Dev<kE5M2>(h0 * sc, h1 * sc, h2 * sc, h3 * sc);
   }
   for (int64_t i = n4 * 4 + tid; i < n; i += stride) {
-    const float h = h_of(Load(gate, i), Load(up, i));
+    const float h = h_of(LoadF32(gate + i), LoadF32(up + i));
     m = max(m, AbsBits(h));
     out[i] = static_cast<uint8_t>(Encode1Dev<kE5M2>(h * sc));
   }
