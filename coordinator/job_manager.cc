@@ -395,6 +395,7 @@ absl::Status JobManager::MarkRunning(const std::string& job_id) {
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " is ", StateName(r->job.state()), ", not STARTING"));
   r->job.set_state(v1::JOB_STATE_RUNNING);
+  r->dispatched = r->job.step();  // a new generation: nothing sent beyond its first step yet
   v1::JobEvent ev;
   ev.set_step(r->job.step());
   ev.set_message(absl::StrCat("running on ", r->job.world_size(), " ranks"));

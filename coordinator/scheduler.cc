@@ -383,6 +383,10 @@ class JobRun {
                 });
       if (!s.ok()) return s;
       if (ahead_failed) return *ahead_failed;
+      // Anything left for step k or earlier (a duplicate) will never be awaited.
+      for (auto it = early_results_.begin(); it != early_results_.end();) {
+        it = it->second.result().step() <= k ? early_results_.erase(it) : std::next(it);
+      }
       last_result = Clock::now();
       double secs = std::chrono::duration<double>(last_result - t0).count();
       double loss_sum = 0;

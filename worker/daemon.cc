@@ -415,6 +415,9 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
     m.mutable_error()->set_job_id(job_->job_id);
     m.mutable_error()->set_message(absl::StrCat("step ", c.step(), ": ", r.status().ToString()));
     Log(m.error().message());
+    // The coordinator fails this generation and sends this rank no Abort: a step it had already
+    // sent ahead must not answer "no job assigned" into the next job's run.
+    stale_steps_.store(true);
     Send(m);
     DropJob();
     return false;

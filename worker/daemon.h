@@ -100,8 +100,8 @@ class WorkerDaemon {
   // by a newer Assignment; the job's rendezvous waits poll it, so a job aborted while still
   // bootstrapping stops within a fraction of a second instead of at the rendezvous timeout.
   std::shared_ptr<std::atomic<bool>> job_cancelled_;
-  // Set when a job is aborted (or the session ends) until the next assignment: step commands
-  // the coordinator had already sent ahead are then dropped without an error.
+  // Set when a job is aborted, fails a step, or the session ends, until the next assignment: step
+  // commands the coordinator had already sent ahead are then dropped without an error.
   std::atomic<bool> stale_steps_{false};
 };
 

@@ -5,8 +5,9 @@
 //   forward   x → E4M3 codes with the X scale (amax accumulated), Y = GemmFp8(X, W)     (TN)
 //   backward  dY → E5M2 (E4M3 for the all-E4M3 format) codes and their transpose in one fused
 //             cast (amax accumulated); dX = GemmFp8(dY, Wᵀ) with Wᵀ = TransposeBytes(W) and
-//             dW += GemmFp8(dYᵀ, Xᵀ) with Xᵀ = TransposeBytes(saved X codes). Transposes are
-//             transient; only X's FP8 codes are kept from the forward.
+//             dW += GemmFp8(dYᵀ, Xᵀ) with Xᵀ = TransposeBytes(saved X codes). Only X's FP8 codes
+//             are kept from the forward; Xᵀ is made by the first backward that needs it and freed
+//             with the last LinearSaved that holds the input (the caller drops them after use).
 //   Linears that read the same activation (q/k/v of n1, gate/up of n2) share one cast and one
 //   transpose (Fp8Input): their X tensors see the same values every step, so their delayed
 //   scales are equal by construction and the shared cast records the same amax into each.

@@ -222,6 +222,7 @@ void LlamaModel::BlockBackward(int l, int64_t B, BlockActs* a, DevBuf* dout) {
   b.lq.Backward(dq.f32(), N, C_, H_ * D_, View(b.q), a->sq, dn1.f32(), false, p_->G(b.q));
   b.lk.Backward(dk.f32(), N, C_, Hkv_ * D_, View(b.k), a->sk, dn1.f32(), true, p_->G(b.k));
   b.lv.Backward(dv.f32(), N, C_, Hkv_ * D_, View(b.v), a->sv, dn1.f32(), true, p_->G(b.v));
+  a->sq = a->sk = a->sv = LinearSaved();  // frees their FP8 input and its transpose
   dq.Reset();
   dk.Reset();
   dv.Reset();

@@ -45,7 +45,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
 #endif
   if (const char* e = std::getenv("FSDP8_PROFILE_OPS"); e != nullptr && e[0] != '\0' && e[0] != '0') {
     const double every_s = std::atof(e);  // FSDP8_PROFILE_OPS=<seconds between reports>; 1 -> 10 s
-    prof_ = std::make_unique<cuda::OpProfile>(stream_, every_s > 1.0 ? every_s : 10.0);
+    prof_ = std::make_unique<cuda::OpProfile>(stream_, device_, every_s > 1.0 ? every_s : 10.0);
   }
 }
 

@@ -22,8 +22,8 @@ namespace fsdp8::cuda {
 
 class OpProfile {
  public:
-  OpProfile(cudaStream_t stream, double report_every_s)
-      : stream_(stream), every_s_(report_every_s), last_(Clock::now()) {}
+  OpProfile(cudaStream_t stream, int device, double report_every_s)
+      : stream_(stream), device_(device), every_s_(report_every_s), last_(Clock::now()) {}
   ~OpProfile() {
     for (auto& p : pending_) {
       cudaEventDestroy(p.a);
@@ -35,6 +35,7 @@ class OpProfile {
   // Nested ops (an op calling another) count once, under the outermost name.
   bool Begin(std::string name) {
     if (depth_++ > 0) return false;
+    cudaSetDevice(device_);  // events belong to the stream's device (several backends per thread)
     Pair p{std::move(name), Take(), Take(), Clock::now(), 0.0};
     cudaEventRecord(p.a, stream_);
     pending_.push_back(std::move(p));
@@ -123,6 +124,7 @@ class OpProfile {
   }
 
   cudaStream_t stream_;
+  int device_;
   double every_s_;
   Clock::time_point last_;
   int depth_ = 0;
