@@ -99,6 +99,29 @@ __device__ __forceinline__ int TileTByte(int c, int r) {
   return c * kTileRows + ((((r >> 2) ^ (4 * ((c >> 2) & 7)))) << 2) + (r & 3);
 }
 
+// Writes the transposed tile tileT (col-major: kTileCols cols of kTileRows bytes) to out (cols,
+// rows) at (c0, r0). vec (interior tile, rows % 16 == 0, out 16-byte aligned): chunk k (16 rows)
+// of col c per lane, lanes 0-7 one col, so each 8-lane phase reads all 32 banks; else byte by
+// byte within bounds. Call after the __syncthreads that completes tileT.
+__device__ __forceinline__ void StoreTileT(const uint8_t* tileT, int64_t rows, int64_t cols,
+                                           int64_t r0, int64_t c0, bool vec, uint8_t* out) {
+  if (vec) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int c = 4 * (warp + 8 * p) + (lane >> 3);
+      const int k = lane & 7;
+      const uint4 v = *reinterpret_cast<const uint4*>(&tileT[TileTByte(c, 16 * k)]);
+      *reinterpret_cast<uint4*>(out + (c0 + c) * rows + r0 + 16 * k) = v;
+    }
+    return;
+  }
+  for (int idx = threadIdx.x; idx < kTileCols * kTileRows; idx += kTileThreads) {
+    const int c = idx / kTileRows, r = idx % kTileRows;
+    if (r0 + r < rows && c0 + c < cols) out[(c0 + c) * rows + r0 + r] = tileT[TileTByte(c, r)];
+  }
+}
+
 // Column j of the 4x4 byte matrix whose row i is a_i (byte j = column j): byte i of t_j = byte j of a_i.
 __device__ __forceinline__ void Transpose4x4Bytes(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                                   uint32_t t[4]) {
@@ -175,23 +198,7 @@ CastTransposeKernel(const In* __restrict__ in, int64_t rows, int64_t cols,
     }
   }
   __syncthreads();
-  if (out_t != nullptr) {
-    if (full && out_t_vec) {
-      // Chunk k (16 rows) of col c; lanes 0-7 one col, so each 8-lane phase reads all 32 banks.
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        const int c = 4 * (warp + 8 * p) + (lane >> 3);
-        const int k = lane & 7;
-        const uint4 v = *reinterpret_cast<const uint4*>(&tileT[TileTByte(c, 16 * k)]);
-        *reinterpret_cast<uint4*>(out_t + (c0 + c) * rows + r0 + 16 * k) = v;
-      }
-    } else {
-      for (int idx = threadIdx.x; idx < kTileCols * kTileRows; idx += kTileThreads) {
-        const int c = idx / kTileRows, r = idx % kTileRows;
-        if (r0 + r < rows && c0 + c < cols) out_t[(c0 + c) * rows + r0 + r] = tileT[TileTByte(c, r)];
-      }
-    }
-  }
+  if (out_t != nullptr) StoreTileT(tileT, rows, cols, r0, c0, full && out_t_vec, out_t);
   if (amax_out != nullptr) {
     m = BlockMaxInt<kTileThreads>(m, red);
     if (threadIdx.x == 0) AtomicMaxAbsBits(amax_out, m);
@@ -237,20 +244,7 @@ TransposeBytesKernel(const uint8_t* __restrict__ in, int64_t rows, int64_t cols,
     }
   }
   __syncthreads();
-  if (full && out_vec) {
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const int c = 4 * (warp + 8 * p) + (lane >> 3);
-      const int k = lane & 7;
-      const uint4 v = *reinterpret_cast<const uint4*>(&tileT[TileTByte(c, 16 * k)]);
-      *reinterpret_cast<uint4*>(out + (c0 + c) * rows + r0 + 16 * k) = v;
-    }
-  } else {
-    for (int idx = threadIdx.x; idx < kTileCols * kTileRows; idx += kTileThreads) {
-      const int c = idx / kTileRows, r = idx % kTileRows;
-      if (r0 + r < rows && c0 + c < cols) out[(c0 + c) * rows + r0 + r] = tileT[TileTByte(c, r)];
-    }
-  }
+  StoreTileT(tileT, rows, cols, r0, c0, full && out_vec, out);
 }
 
 template <bool kE5M2>

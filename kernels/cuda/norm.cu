@@ -16,6 +16,15 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kRowsPerChunk = 32;
 
+// 1 / sqrt(mean(x^2) + eps) of one row, every thread of the block calling (fixed sum order:
+// thread t sums columns t, t + kThreads, ..., then the block tree).
+__device__ __forceinline__ float RowRstd(const float* xr, int64_t C, float eps, float* red) {
+  float ss = 0.0f;
+  for (int64_t c = threadIdx.x; c < C; c += kThreads) ss += xr[c] * xr[c];
+  ss = BlockSum<kThreads>(ss, red);
+  return 1.0f / sqrtf(ss / static_cast<float>(C) + eps);
+}
+
 // One block per row.
 __global__ void __launch_bounds__(kThreads)
 RmsNormForwardKernel(const float* __restrict__ x, const float* __restrict__ w, float eps,
@@ -23,10 +32,7 @@ RmsNormForwardKernel(const float* __restrict__ x, const float* __restrict__ w, f
   __shared__ float red[kThreads / 32];
   const int64_t row = blockIdx.x;
   const float* xr = x + row * C;
-  float ss = 0.0f;
-  for (int64_t c = threadIdx.x; c < C; c += kThreads) ss += xr[c] * xr[c];
-  ss = BlockSum<kThreads>(ss, red);
-  const float r = 1.0f / sqrtf(ss / static_cast<float>(C) + eps);
+  const float r = RowRstd(xr, C, eps, red);
   float* yr = y + row * C;
   for (int64_t c = threadIdx.x; c < C; c += kThreads) yr[c] = xr[c] * r * w[c];
   if (threadIdx.x == 0) rstd[row] = r;
@@ -147,10 +153,7 @@ RmsNormCastKernel(const float* __restrict__ x, const float* __restrict__ w, floa
   __shared__ int redi[kThreads / 32];
   const int64_t row = blockIdx.x;
   const float* xr = x + row * C;
-  float ss = 0.0f;
-  for (int64_t c = threadIdx.x; c < C; c += kThreads) ss += xr[c] * xr[c];
-  ss = BlockSum<kThreads>(ss, red);
-  const float r = 1.0f / sqrtf(ss / static_cast<float>(C) + eps);
+  const float r = RowRstd(xr, C, eps, red);
   const float s = *scale;
   uint8_t* outr = out + row * C;
   int m = 0;
