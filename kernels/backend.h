@@ -4,7 +4,8 @@
 // All pointers are *device* pointers of this backend (host memory for the CPU backend), obtained
 // from Alloc(). Shapes are given as row-major dimensions in comments, e.g. x (M, K) means M rows of
 // K contiguous elements. FP8 buffers hold one OCP FP8 code per byte (kernels/fp8.h). "f32" is IEEE
-// float32; activations and gradients are f32 in memory on every backend.
+// float32; activations and gradients are f32 in memory on every backend, except where an op takes
+// or gives bfloat16 bit patterns (uint16_t; the "bfloat16 activations" ops below).
 //
 // Ops are enqueued on the backend's compute stream in call order; host-visible results (CopyToHost,
 // the float returned by ReduceMax etc. are *not* returned: they land in device buffers) are ready
