@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "absl/strings/str_cat.h"
 #include "common/hf_model.h"
 #include "common/safetensors.h"
@@ -33,7 +35,9 @@ const std::string& TrainFile() {
 }
 
 std::string Fresh(const std::string& name) {
-  const std::string d = ::testing::TempDir() + "/hf_" + name;
+  // Per process: ctest runs these cases as parallel processes (each builds its own checkpoint).
+  const std::string d = ::testing::TempDir() + "/hf_" + std::to_string(static_cast<long>(::getpid())) +
+                        "_" + name;
   fs::remove_all(d);
   return d;
 }

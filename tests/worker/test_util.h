@@ -10,6 +10,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -78,7 +79,10 @@ inline std::string MakeTokenFile(const std::string& name, int64_t n_tokens, uint
       toks.push_back(static_cast<uint8_t>(*c));
     }
   }
-  const std::string path = ::testing::TempDir() + "/" + name;
+  // Per process: ctest runs the cases of one binary as parallel processes that would otherwise
+  // rewrite the same file while another reads it.
+  const std::string path =
+      ::testing::TempDir() + "/" + std::to_string(static_cast<long>(::getpid())) + "_" + name;
   absl::Status s = WriteTokenShard(path, toks);
   EXPECT_TRUE(s.ok()) << s;
   return path;
