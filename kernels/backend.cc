@@ -124,24 +124,31 @@ void Backend::CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t c
   Free(x);
 }
 
+namespace {
+// RopeForward (backward = false) or RopeBackward in place on bf16 x16 through an f32 copy.
+void RopeBf16(Backend* be, uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
+              float theta, bool backward) {
+  const int64_t n = B * T * H * D;
+  float* x = F32Scratch(be, n);
+  be->UnpackBf16(x16, x, n);
+  if (backward) {
+    be->RopeBackward(x, B, T, H, D, theta);
+  } else {
+    be->RopeForward(x, B, T, H, D, theta);
+  }
+  be->PackBf16(x, x16, n);
+  be->Free(x);
+}
+}  // namespace
+
 void Backend::RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
                               float theta) {
-  const int64_t n = B * T * H * D;
-  float* x = F32Scratch(this, n);
-  UnpackBf16(x16, x, n);
-  RopeForward(x, B, T, H, D, theta);
-  PackBf16(x, x16, n);
-  Free(x);
+  RopeBf16(this, x16, B, T, H, D, theta, /*backward=*/false);
 }
 
 void Backend::RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D,
                                float theta) {
-  const int64_t n = B * T * H * D;
-  float* x = F32Scratch(this, n);
-  UnpackBf16(dx16, x, n);
-  RopeBackward(x, B, T, H, D, theta);
-  PackBf16(x, dx16, n);
-  Free(x);
+  RopeBf16(this, dx16, B, T, H, D, theta, /*backward=*/true);
 }
 
 void Backend::AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16,

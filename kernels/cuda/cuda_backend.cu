@@ -437,7 +437,7 @@ void CudaBackend::AttentionForwardBf16(const float* q, const float* k, const flo
                                        float* lse) {
   cuda::OpScope op_scope(prof_.get(), "AttentionForwardBf16");
 #ifdef FSDP8_WITH_CUDNN
-  if (!cudnn_failed_ && D % 8 == 0 && D <= 128) {
+  if (CudnnAttentionUsable(D)) {
     Bind();
     const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
     auto* q16 = static_cast<uint16_t*>(Alloc(nq * 2));
@@ -456,9 +456,7 @@ void CudaBackend::AttentionForwardBf16(const float* q, const float* k, const flo
       Free(p);
     }
     if (ok) return;
-    fprintf(stderr, "fsdp8: cuDNN attention refused (%s); using the reference BF16 attention\n",
-            err.c_str());
-    cudnn_failed_ = true;
+    CudnnRefused(err);
   }
 #endif
   Backend::AttentionForwardBf16(q, k, v, B, T, H, Hkv, D, out, lse);
@@ -470,7 +468,7 @@ void CudaBackend::AttentionBackwardBf16(const float* q, const float* k, const fl
                                         float* dq, float* dk, float* dv) {
   cuda::OpScope op_scope(prof_.get(), "AttentionBackwardBf16");
 #ifdef FSDP8_WITH_CUDNN
-  if (!cudnn_failed_ && D % 8 == 0 && D <= 128) {
+  if (CudnnAttentionUsable(D)) {
     // Round the operands to bf16 once and take the saved-activation path (same cuDNN call).
     Bind();
     const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
@@ -496,7 +494,7 @@ void CudaBackend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t
                                              float* dq, float* dk, float* dv) {
   cuda::OpScope op_scope(prof_.get(), "AttentionBackwardBf16Saved");
 #ifdef FSDP8_WITH_CUDNN
-  if (!cudnn_failed_ && D % 8 == 0 && D <= 128) {
+  if (CudnnAttentionUsable(D)) {
     Bind();
     const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
     // do, dq (nq) and dk, dv (nk) in bf16.
@@ -514,9 +512,7 @@ void CudaBackend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t
     }
     Free(buf);
     if (ok) return;
-    fprintf(stderr, "fsdp8: cuDNN attention refused (%s); using the reference BF16 attention\n",
-            err.c_str());
-    cudnn_failed_ = true;
+    CudnnRefused(err);
   }
 #endif
   Backend::AttentionBackwardBf16Saved(q16, k16, v16, out16, dout, lse, B, T, H, Hkv, D, dq, dk,
@@ -614,6 +610,14 @@ void CudaBackend::RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t
   cuda::LaunchRopeApplyBf16(dx16, B, T, H, D, rope_table_, -1.0f, stream_);
 }
 
+#ifdef FSDP8_WITH_CUDNN
+void CudaBackend::CudnnRefused(const std::string& err) {
+  fprintf(stderr, "fsdp8: cuDNN attention refused (%s); using the reference BF16 attention\n",
+          err.c_str());
+  cudnn_failed_ = true;
+}
+#endif
+
 bool CudaBackend::CudnnAttentionUsable(int64_t D) const {
 #ifdef FSDP8_WITH_CUDNN
   return !cudnn_failed_ && D % 8 == 0 && D <= 128;
@@ -632,9 +636,7 @@ void CudaBackend::AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t
     Bind();
     std::string err;
     if (cudnn_->Forward(q16, k16, v16, out16, lse, B, T, H, Hkv, D, stream_, &err)) return;
-    fprintf(stderr, "fsdp8: cuDNN attention refused (%s); using the reference BF16 attention\n",
-            err.c_str());
-    cudnn_failed_ = true;
+    CudnnRefused(err);
   }
 #endif
   Backend::AttentionForwardBf16Packed(q16, k16, v16, B, T, H, Hkv, D, out16, lse);
@@ -654,9 +656,7 @@ void CudaBackend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint
                          stream_, &err)) {
       return;
     }
-    fprintf(stderr, "fsdp8: cuDNN attention refused (%s); using the reference BF16 attention\n",
-            err.c_str());
-    cudnn_failed_ = true;
+    CudnnRefused(err);
   }
 #endif
   Backend::AttentionBackwardBf16SavedTo16(q16, k16, v16, out16, dout16, lse, B, T, H, Hkv, D, dq16,

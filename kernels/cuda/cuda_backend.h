@@ -195,6 +195,10 @@ class CudaBackend final : public Backend {
   void EnsureRopeTable(int64_t T, int64_t D, float theta);
   // cuDNN's fused attention applies to this head dimension (and has not refused before).
   bool CudnnAttentionUsable(int64_t D) const;
+#ifdef FSDP8_WITH_CUDNN
+  // cuDNN refused a graph (`err` says why): one message, then the reference path from now on.
+  void CudnnRefused(const std::string& err);
+#endif
 
   int device_;
   cudaStream_t stream_ = nullptr;

@@ -19,16 +19,16 @@ __global__ void SwigluForwardKernel(const float* __restrict__ gate, const float*
 }
 
 // dgate = dh * up * s * (1 + g * (1 - s)), dup = dh * g * s, s = sigmoid(g).
-template <typename In, typename Out>
+template <typename In>
 __global__ void SwigluBackwardKernel(const float* __restrict__ dh, const In* __restrict__ gate,
                                      const In* __restrict__ up, int64_t n,
-                                     Out* __restrict__ dgate, Out* __restrict__ dup) {
+                                     float* __restrict__ dgate, float* __restrict__ dup) {
   FSDP8_GRID_STRIDE(i, n) {
     const float g = LoadF32(gate + i);
     const float s = 1.0f / (1.0f + expf(-g));
     const float d = dh[i];
-    StoreF32(dgate + i, d * LoadF32(up + i) * s * (1.0f + g * (1.0f - s)));
-    StoreF32(dup + i, d * g * s);
+    dgate[i] = d * LoadF32(up + i) * s * (1.0f + g * (1.0f - s));
+    dup[i] = d * g * s;
   }
 }
 
@@ -106,14 +106,14 @@ void LaunchSwigluForward(const float* gate, const float* up, int64_t n, float* h
 void LaunchSwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                           float* dgate, float* dup, cudaStream_t stream) {
   if (n <= 0) return;
-  SwigluBackwardKernel<float, float><<<EltBlocks(n), kEltThreads, 0, stream>>>(dh, gate, up, n, dgate, dup);
+  SwigluBackwardKernel<float><<<EltBlocks(n), kEltThreads, 0, stream>>>(dh, gate, up, n, dgate, dup);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
 void LaunchSwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
                               int64_t n, float* dgate, float* dup, cudaStream_t stream) {
   if (n <= 0) return;
-  SwigluBackwardKernel<uint16_t, float>
+  SwigluBackwardKernel<uint16_t>
       <<<EltBlocks(n), kEltThreads, 0, stream>>>(dh, gate16, up16, n, dgate, dup);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
