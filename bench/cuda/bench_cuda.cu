@@ -17,6 +17,7 @@
 // Timing: cudaEvents around each call on the backend's stream, 5 warm-up calls, median of 21,
 // inputs rotated between two sets. Usage: fsdp8-bench-cuda [--device N] [--quick]
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -114,6 +115,23 @@ __global__ void FillBf16(__nv_bfloat16* p, size_t n, uint32_t seed) {
   }
 }
 
+// Holds one SM per block (its shared memory) for `cycles` clocks; flags *started once running.
+// Keeps the stream busy for `cycles` clocks (one thread), so the host can enqueue ahead of it.
+__global__ void Spin(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+
+__global__ void HoldSms(long long cycles, volatile int* started) {
+  extern __shared__ char smem[];
+  const long long t0 = clock64();
+  if (threadIdx.x == 0 && blockIdx.x == 0) *started = 1;
+  while (clock64() - t0 < cycles) {
+  }
+  if (threadIdx.x == 0) smem[0] = 1;
+}
+
 struct Row {
   std::string section, name, value, ref, ratio;
 };
@@ -127,12 +145,17 @@ struct GemmShape {
 
 // Bare cuBLASLt: fresh descriptors and the heuristic's best algorithm; same problem as the
 // backend's (see kernels/cuda/gemm.h for the row-major -> column-major mapping).
+// out_type: CUDA_R_32F or CUDA_R_16BF; fast_accum: CUBLASLT_MATMUL_DESC_FAST_ACCUM (no
+// promotion of the tensor cores' partial sums into full FP32 every few K blocks).
 double BareLt(cudaStream_t stream, const GemmShape& s, uint8_t* const A[2], uint8_t* const B[2],
-              float* C, const float* sa, const float* sb, void* ws, size_t ws_bytes) {
+              void* C, const float* sa, const float* sb, void* ws, size_t ws_bytes,
+              cudaDataType_t out_type = CUDA_R_32F, bool fast_accum = false) {
   cublasLtHandle_t h;
   CKB(cublasLtCreate(&h));
   cublasLtMatmulDesc_t desc;
   CKB(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const int8_t fa = fast_accum ? 1 : 0;
+  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fa, sizeof(fa)));
   const cublasOperation_t T = CUBLAS_OP_T, N = CUBLAS_OP_N;
   CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &T, sizeof(T)));
   CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &N, sizeof(N)));
@@ -142,7 +165,7 @@ double BareLt(cudaStream_t stream, const GemmShape& s, uint8_t* const A[2], uint
   cublasLtMatrixLayout_t la, lb, lc;
   CKB(cublasLtMatrixLayoutCreate(&la, ty(s.b), s.K, s.N, s.K));
   CKB(cublasLtMatrixLayoutCreate(&lb, ty(s.a), s.K, s.M, s.K));
-  CKB(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, s.N, s.M, s.N));
+  CKB(cublasLtMatrixLayoutCreate(&lc, out_type, s.N, s.M, s.N));
   cublasLtMatmulPreference_t pref;
   CKB(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t wsb = ws_bytes;
@@ -253,6 +276,46 @@ int main(int argc, char** argv) {
       std::snprintf(ratio, sizeof(ratio), "%.1f%%", t_lt > 0 ? 100.0 * t_be / t_lt : 0.0);
       g_rows.push_back({"gemm", s.name, Fmt(t_be, "TF/s"), Fmt(t_lt, "TF/s"), ratio});
     }
+    // Bare cuBLASLt: bf16 / f32 output, with and without fast accumulation, and the shapes of
+    // q/k/v and gate/up fused into one GEMM (N or K = 3d, 2f).
+    std::printf("\n(a2) bare cuBLASLt FP8 GEMM TFLOP/s: f32 out | bf16 out | f32 out fast-accum | bf16 out fast-accum\n");
+    const GemmShape more[] = {
+        {"qkv fused fwd", M, 3 * d, d, Fp8Format::kE4M3, Fp8Format::kE4M3},
+        {"qkv fused dX", M, d, 3 * d, Fp8Format::kE5M2, Fp8Format::kE4M3},
+        {"qkv fused dW", 3 * d, d, M, Fp8Format::kE5M2, Fp8Format::kE4M3},
+        {"gate|up fused fwd", M, 2 * f, d, Fp8Format::kE4M3, Fp8Format::kE4M3},
+        {"gate|up fused dX", M, d, 2 * f, Fp8Format::kE5M2, Fp8Format::kE4M3},
+        {"gate|up fused dW", 2 * f, d, M, Fp8Format::kE5M2, Fp8Format::kE4M3},
+    };
+    std::vector<GemmShape> all(std::begin(shapes), std::end(shapes));
+    all.insert(all.end(), std::begin(more), std::end(more));
+    uint8_t* A2[2];
+    uint8_t* B2[2];
+    const size_t big = static_cast<size_t>(M) * 2 * f;
+    for (int i = 0; i < 2; ++i) {
+      A2[i] = static_cast<uint8_t*>(be->Alloc(big));
+      B2[i] = static_cast<uint8_t*>(be->Alloc(big));
+      FillCodes<<<1024, 256, 0, st>>>(A2[i], big, 7u + i);
+      FillCodes<<<1024, 256, 0, st>>>(B2[i], big, 71u + i);
+    }
+    void* C2 = be->Alloc(big * sizeof(float));
+    for (const GemmShape& s : all) {
+      const double flop = 2.0 * s.M * s.N * s.K;
+      double t[4];
+      for (int v = 0; v < 4; ++v) {
+        const double ms = BareLt(st, s, A2, B2, C2, scales, scales + 4, ws, ws_bytes,
+                                 (v & 1) ? CUDA_R_16BF : CUDA_R_32F, v >= 2);
+        t[v] = ms > 0 ? flop / ms / 1e9 : 0;
+      }
+      std::printf("  %-18s M %6lld N %5lld K %6lld  %7.1f %7.1f %7.1f %7.1f\n", s.name,
+                  static_cast<long long>(s.M), static_cast<long long>(s.N), static_cast<long long>(s.K),
+                  t[0], t[1], t[2], t[3]);
+    }
+    for (int i = 0; i < 2; ++i) {
+      be->Free(A2[i]);
+      be->Free(B2[i]);
+    }
+    be->Free(C2);
     CK(cudaFree(ws));
     for (int i = 0; i < 2; ++i) {
       be->Free(A[i]);
@@ -371,6 +434,118 @@ int main(int argc, char** argv) {
       g_rows.push_back({"attention", det ? "cudnn bf16 bwd (det)" : "cudnn bf16 bwd (nondet)", Fmt(tf_b, "TF/s"), "-", "-"});
       g_rows.push_back({"attention", det ? "cudnn bf16 fwd+bwd (det)" : "cudnn bf16 fwd+bwd (nondet)", Fmt(tf_fb, "TF/s"),
                         "350 TF/s target", ratio});
+    }
+
+    // (d) Next to a kernel that holds some SMs on another stream (as NCCL's collective kernels do
+    // while a prefetch or reduce-scatter is in flight): the op is launched once the holder runs.
+    {
+      cudaStream_t side;
+      CK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+      int* started = nullptr;
+      CK(cudaHostAlloc(&started, sizeof(int), cudaHostAllocMapped));
+      int* started_dev = nullptr;
+      CK(cudaHostGetDevicePointer(&started_dev, started, 0));
+      int clock_khz = 0;
+      CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
+      const int smem = 200 * 1024;
+      CK(cudaFuncSetAttribute(HoldSms, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      const double hold_us = 400;
+      auto timed = [&](int held, const std::function<void()>& op) {
+        std::vector<double> v;
+        cudaEvent_t a, b;
+        CK(cudaEventCreate(&a));
+        CK(cudaEventCreate(&b));
+        for (int r = 0; r < 7; ++r) {
+          CK(cudaDeviceSynchronize());
+          if (held > 0) {
+            *started = 0;
+            HoldSms<<<held, 128, smem, side>>>(static_cast<long long>(hold_us * clock_khz / 1e3), started_dev);
+            while (*reinterpret_cast<volatile int*>(started) == 0) {
+            }
+          }
+          CK(cudaEventRecord(a, st));
+          op();
+          CK(cudaEventRecord(b, st));
+          CK(cudaEventSynchronize(b));
+          float t = 0;
+          CK(cudaEventElapsedTime(&t, a, b));
+          v.push_back(t * 1e3);
+        }
+        CK(cudaDeviceSynchronize());
+        CK(cudaEventDestroy(a));
+        CK(cudaEventDestroy(b));
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+      };
+      std::printf("\n(d) op time (us) with N SMs held for %.0f us by a kernel on another stream\n", hold_us);
+      std::printf("  %-34s %8s %8s %8s\n", "op", "N=0", "N=16", "N=32");
+      auto row = [&](const char* name, const std::function<void()>& op) {
+        std::printf("  %-34s %8.1f %8.1f %8.1f\n", name, timed(0, op), timed(16, op), timed(32, op));
+      };
+      att.set_deterministic_backward(true);
+      row("cuDNN attention fwd", [&] { att.Forward(q, k, v, o, stats, Bn, T, H, H, D, st, &aerr); });
+      row("cuDNN attention bwd det", [&] { att.Backward(q, k, v, o, dout, stats, dq, dk, dv, Bn, T, H, H, D, st, &aerr); });
+      {
+        const int64_t M = 16384, N = 2048, K = 2048;
+        auto* xa = static_cast<uint8_t*>(be->Alloc(M * K));
+        auto* wb = static_cast<uint8_t*>(be->Alloc(N * K));
+        auto* y16 = static_cast<uint16_t*>(be->Alloc(M * N * 2));
+        auto* sc = static_cast<float*>(be->Alloc(2 * sizeof(float)));
+        FillCodes<<<1024, 256, 0, st>>>(xa, M * K, 5u);
+        FillCodes<<<1024, 256, 0, st>>>(wb, N * K, 6u);
+        const float one[2] = {1.0f, 1.0f};
+        be->CopyToDevice(sc, one, sizeof(one));
+        row("GemmFp8Bf16 16384x2048x2048", [&] {
+          be->GemmFp8Bf16(M, N, K, xa, fsdp8::Fp8Format::kE4M3, sc, wb, fsdp8::Fp8Format::kE4M3, sc + 1, y16);
+        });
+        be->Free(xa);
+        be->Free(wb);
+        be->Free(y16);
+        be->Free(sc);
+      }
+      CK(cudaFreeHost(started));
+      CK(cudaStreamDestroy(side));
+    }
+
+    // (e) Host time to enqueue one call against the GPU time of one call: n calls are enqueued
+    // behind a kernel that keeps the stream busy, so the GPU time excludes the host's.
+    {
+      int clock_khz = 0;
+      CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
+      auto split = [&](const char* name, const std::function<void()>& op) {
+        const int n = 20;
+        cudaEvent_t a, b;
+        CK(cudaEventCreate(&a));
+        CK(cudaEventCreate(&b));
+        op();
+        CK(cudaDeviceSynchronize());
+        Spin<<<1, 1, 0, st>>>(static_cast<long long>(200e3 * clock_khz / 1e3));  // 200 ms
+        CK(cudaEventRecord(a, st));
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < n; ++i) op();
+        const double host_us = 1e6 * std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / n;
+        CK(cudaEventRecord(b, st));
+        CK(cudaEventSynchronize(b));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        std::printf("  %-34s host %8.1f us/call   GPU %8.1f us/call\n", name, host_us, 1e3 * ms / n);
+        CK(cudaEventDestroy(a));
+        CK(cudaEventDestroy(b));
+      };
+      std::printf("\n(e) host enqueue time against GPU time per call\n");
+      att.set_deterministic_backward(true);
+      split("cuDNN attention fwd", [&] { att.Forward(q, k, v, o, stats, Bn, T, H, H, D, st, &aerr); });
+      split("cuDNN attention bwd det", [&] { att.Backward(q, k, v, o, dout, stats, dq, dk, dv, Bn, T, H, H, D, st, &aerr); });
+      split("AttentionForwardBf16Packed", [&] {
+        be->AttentionForwardBf16Packed(reinterpret_cast<uint16_t*>(q), reinterpret_cast<uint16_t*>(k),
+                                       reinterpret_cast<uint16_t*>(v), Bn, T, H, H, D, reinterpret_cast<uint16_t*>(o), stats);
+      });
+      split("AttentionBackwardBf16SavedTo16", [&] {
+        be->AttentionBackwardBf16SavedTo16(
+            reinterpret_cast<uint16_t*>(q), reinterpret_cast<uint16_t*>(k), reinterpret_cast<uint16_t*>(v),
+            reinterpret_cast<uint16_t*>(o), reinterpret_cast<uint16_t*>(dout), stats, Bn, T, H, H, D,
+            reinterpret_cast<uint16_t*>(dq), reinterpret_cast<uint16_t*>(dk), reinterpret_cast<uint16_t*>(dv));
+      });
     }
     for (void* p : bufs) be->Free(p);
 #else

@@ -45,6 +45,9 @@ class OpProfile {
     --depth_;
     if (!outer) return;
     Pair& p = pending_.back();
+    // The GPU reached the op's start while the host was still enqueueing the op: its GPU time
+    // then includes the stream idling on the host.
+    p.starved = cudaEventQuery(p.a) == cudaSuccess;
     cudaEventRecord(p.b, stream_);
     p.host_ms = 1e3 * std::chrono::duration<double>(Clock::now() - p.t0).count();
     if (pending_.size() > 8192) Harvest(/*block=*/true);
@@ -64,6 +67,7 @@ class OpProfile {
       s.calls += 1;
       s.ms += ms;
       s.host_ms += p.host_ms;
+      s.starved += p.starved ? 1 : 0;
       pool_.push_back(p.a);
       pool_.push_back(p.b);
     }
@@ -79,11 +83,13 @@ class OpProfile {
     cudaEvent_t a, b;
     Clock::time_point t0;  // host time at the op's start
     double host_ms;        // host time inside the op call
+    bool starved = false;
   };
   struct Stat {
     int64_t calls = 0;
     double ms = 0;
     double host_ms = 0;
+    int64_t starved = 0;
   };
 
   cudaEvent_t Take() {
@@ -112,11 +118,12 @@ class OpProfile {
                  wall_s, total * 1e-3, wall_s > 0 ? 100.0 * total * 1e-3 / wall_s : 0.0,
                  host * 1e-3);
     for (auto& r : rows) {
-      std::fprintf(stderr, "  %-48s %8lld calls %10.2f ms %6.1f%% %9.1f us/call  host %7.1f us/call\n",
+      std::fprintf(stderr, "  %-48s %8lld calls %10.2f ms %6.1f%% %9.1f us/call  host %7.1f us/call  stream idle at start %3.0f%%\n",
                    r.first.c_str(), static_cast<long long>(r.second.calls), r.second.ms,
                    total > 0 ? 100.0 * r.second.ms / total : 0.0,
                    r.second.calls ? 1e3 * r.second.ms / r.second.calls : 0.0,
-                   r.second.calls ? 1e3 * r.second.host_ms / r.second.calls : 0.0);
+                   r.second.calls ? 1e3 * r.second.host_ms / r.second.calls : 0.0,
+                   r.second.calls ? 100.0 * r.second.starved / r.second.calls : 0.0);
     }
     std::fflush(stderr);
     stats_.clear();
