@@ -42,7 +42,8 @@ class Backend {
   virtual std::string Name() const = 0;  // "cpu" or "cuda"
 
   // ---- memory -------------------------------------------------------------------------------
-  // Bytes on this backend's device; returns nullptr when exhausted. Contents are undefined.
+  // Bytes on this backend's device; returns nullptr when exhausted. Contents are undefined (the
+  // CPU backend fills them with NaN bytes, so that a read before the first write shows).
   virtual void* Alloc(size_t bytes) = 0;
   virtual void Free(void* p) = 0;
   virtual void CopyToDevice(void* dst, const void* host_src, size_t bytes) = 0;
@@ -252,10 +253,11 @@ class Backend {
   // AdamW (Loshchilov & Hutter 2019; torch.optim.AdamW semantics) on one flat shard:
   // p -= lr * wd * p; m = b1 m + (1-b1) g'; v = b2 v + (1-b2) g'^2;
   // p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps), with g' = g * grad_scale.
-  // p, g, m, v (n) f32; step t >= 1.
+  // p, g, m, v (n) f32; step t >= 1. amax_out (1) f32 device scalar or null: raised to at least
+  // max |p| over the updated p (the next FP8 cast's amax, without a second pass over p).
   virtual void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
-                     float beta2, float eps, float weight_decay, int64_t step,
-                     float grad_scale) = 0;
+                     float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
+                     float* amax_out) = 0;
 };
 
 // Creates the named backend: "cpu" always; "cuda" when built with CUDA and a device is present.

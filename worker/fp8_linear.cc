@@ -253,8 +253,9 @@ void Linear::Backward(const float* dy, const uint16_t* dy16, int64_t M, int64_t 
     in.xT = DevBuf(be_, M * K);
     be_->TransposeBytes(in.x8.u8(), M, K, in.xT.u8());  // (K, M)
   }
+  // dW is overwritten: FsdpParams leaves FP8 weights' gradient buffers unzeroed (BeginGrads).
   be_->GemmFp8(N, K, M, dyT8.u8(), dfmt, sc_->ScaleInv(dy_idx_), in.xT.u8(), Fp8Format::kE4M3,
-               in.scale_inv.f32(), dw, true);
+               in.scale_inv.f32(), dw, false);
 }
 
 }  // namespace fsdp8

@@ -5,7 +5,7 @@
 //   forward   x → E4M3 codes with the X scale (amax accumulated), Y = GemmFp8(X, W)     (TN)
 //   backward  dY → E5M2 (E4M3 for the all-E4M3 format) codes and their transpose in one fused
 //             cast (amax accumulated); dX = GemmFp8(dY, Wᵀ) with Wᵀ = TransposeBytes(W) and
-//             dW += GemmFp8(dYᵀ, Xᵀ) with Xᵀ = TransposeBytes(saved X codes). Only X's FP8 codes
+//             dW = GemmFp8(dYᵀ, Xᵀ) with Xᵀ = TransposeBytes(saved X codes). Only X's FP8 codes
 //             are kept from the forward; Xᵀ is made by the first backward that needs it and freed
 //             with the last LinearSaved that holds the input (the caller drops them after use).
 //   Linears that read the same activation (q/k/v of n1, gate/up of n2) share one cast and one
@@ -115,7 +115,8 @@ class Linear {
   void Forward(const float* x, int64_t M, int64_t K, int64_t N, const WeightView& w, float* y,
                LinearSaved* saved);
   // dx (M, K) = dy (M, N) · W (overwritten, or added when accumulate_dx; skipped when null);
-  // dw (N, K) += dyᵀ · x.
+  // dw (N, K) += dyᵀ · x for BF16/FP32 linears; FP8 linears overwrite dw = dyᵀ · x (each FP8
+  // weight's gradient is written once per microbatch into an unzeroed buffer, FsdpParams).
   void Backward(const float* dy, int64_t M, int64_t K, int64_t N, const WeightView& w,
                 const LinearSaved& saved, float* dx, bool accumulate_dx, float* dw) {
     Backward(dy, nullptr, M, K, N, w, saved, dx, accumulate_dx, dw);

@@ -42,6 +42,8 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
           TensorRef r{static_cast<int>(u), static_cast<int>(b), static_cast<int>(t),
                       bp.offsets[t], bp.tensors[t].numel, bp.wire,
                       static_cast<int>(fp8_refs_.size())};
+          buf.fp8_ids.push_back(r.fp8_id);
+          fp8_slices_.push_back(hi > lo ? Slice{lo - begin, hi - begin} : Slice{0, 0});
           fp8_refs_.push_back(r);
           WeightScaling ws;
           ws.name = ScalingBaseName(bp.tensors[t].name) + ".w";
@@ -54,7 +56,16 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
       buf.m = DevBuf::Zeros(be, n * sizeof(float));
       buf.v = DevBuf::Zeros(be, n * sizeof(float));
       buf.grad = DevBuf::Zeros(be, n * sizeof(float));
-      if (bp.wire == WireDtype::kFp8) buf.wire = DevBuf::Zeros(be, n);
+      if (bp.wire == WireDtype::kFp8) {
+        buf.wire = DevBuf::Zeros(be, n);  // padding stays code 0: casts write the tensors only
+        // The full-gradient elements no tensor covers (alignment gaps, padding).
+        int64_t at = 0;
+        for (size_t t = 0; t < bp.tensors.size(); ++t) {
+          if (bp.offsets[t] > at) buf.grad_gaps.push_back({at, bp.offsets[t]});
+          at = std::max(at, bp.offsets[t] + bp.tensors[t].numel);
+        }
+        if (bp.padded_numel > at) buf.grad_gaps.push_back({at, bp.padded_numel});
+      }
       if (bp.wire == WireDtype::kBf16) buf.wire = DevBuf::Zeros(be, n * sizeof(uint16_t));
       units_[u].push_back(std::move(buf));
     }
@@ -138,7 +149,16 @@ void FsdpParams::Release(int unit) {
 
 void FsdpParams::BeginGrads(int unit) {
   for (Buf& b : units_[unit]) {
-    b.full_grad = DevBuf::Zeros(be_, b.plan->padded_numel * sizeof(float));
+    if (b.plan->wire != WireDtype::kFp8) {
+      b.full_grad = DevBuf::Zeros(be_, b.plan->padded_numel * sizeof(float));
+      continue;
+    }
+    // FP8 weights' gradients are written whole by their dW GEMM (Linear::Backward): only the
+    // elements outside every tensor need zeros (they are reduce-scattered too).
+    b.full_grad = DevBuf(be_, b.plan->padded_numel * sizeof(float));
+    for (const Slice& g : b.grad_gaps) {
+      be_->Memset(b.full_grad.f32() + g.lo, 0, (g.hi - g.lo) * sizeof(float));
+    }
   }
 }
 
@@ -146,7 +166,7 @@ void FsdpParams::FlushGrads() {
   for (PendingReduce& p : reducing_) {
     comm_->Wait(p.ticket);
     const int64_t n = p.buf->plan->shard_numel;
-    if (n > 0) be_->Axpy(1.0f, p.part.f32(), p.buf->grad.f32(), n);
+    if (n > 0 && !p.part.empty()) be_->Axpy(1.0f, p.part.f32(), p.buf->grad.f32(), n);
   }
   reducing_.clear();  // frees the full gradients and the parts (stream-ordered)
 }
@@ -155,15 +175,20 @@ absl::Status FsdpParams::ReduceGrads(int unit) {
   FlushGrads();
   for (Buf& b : units_[unit]) {
     const int64_t n = b.plan->shard_numel;
-    DevBuf part(be_, n * sizeof(float));
+    // The first gradient of a step lands in the grad shard itself; later ones (microbatches)
+    // in a part that FlushGrads adds.
+    DevBuf part;
+    if (!b.grad_unset) part = DevBuf(be_, n * sizeof(float));
+    float* out = b.grad_unset ? b.grad.f32() : part.f32();
     const double t0 = CommClock::Now();
-    absl::StatusOr<int64_t> t = comm_->ReduceScatterSumAsync(b.full_grad.f32(), part.f32(), n);
+    absl::StatusOr<int64_t> t = comm_->ReduceScatterSumAsync(b.full_grad.f32(), out, n);
     if (absl::Status s = Timed(t.status(), t0); !s.ok()) {
       b.full_grad.Reset();
       return absl::Status(s.code(), absl::StrCat("reduce-scatter of ", plan_.units[unit].name, "/",
                                                  WireDtypeName(b.plan->wire), " grads: ",
                                                  s.message()));
     }
+    b.grad_unset = false;
     reducing_.push_back(PendingReduce{&b, std::move(b.full_grad), std::move(part), *t});
   }
   return absl::OkStatus();
@@ -196,15 +221,27 @@ float* FsdpParams::G(const TensorRef& t) const {
 
 void FsdpParams::ZeroGrads() {
   FlushGrads();
+  // Lazily: the step's first reduce-scatter writes each grad shard whole (ReduceGrads); shards
+  // no gradient reached are zeroed before anything reads them (MaterializeGrads).
+  for (auto& u : units_) {
+    for (Buf& b : u) b.grad_unset = true;
+  }
+}
+
+void FsdpParams::MaterializeGrads() {
+  FlushGrads();
   for (auto& u : units_) {
     for (Buf& b : u) {
-      if (b.plan->shard_numel > 0) be_->Memset(b.grad.get(), 0, b.plan->shard_numel * sizeof(float));
+      if (b.grad_unset && b.plan->shard_numel > 0) {
+        be_->Memset(b.grad.get(), 0, b.plan->shard_numel * sizeof(float));
+      }
+      b.grad_unset = false;
     }
   }
 }
 
 absl::StatusOr<double> FsdpParams::GlobalGradSquaredNorm() {
-  FlushGrads();
+  MaterializeGrads();
   DevBuf acc = DevBuf::Zeros(be_, sizeof(float));
   for (auto& u : units_) {
     for (Buf& b : u) be_->SumSquares(b.grad.f32(), b.plan->shard_numel, acc.f32());
@@ -219,14 +256,28 @@ absl::StatusOr<double> FsdpParams::GlobalGradSquaredNorm() {
 
 void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weight_decay,
                        int64_t step, float grad_scale) {
+  MaterializeGrads();
+  if (!fp8_refs_.empty()) be_->Memset(w_amax_.get(), 0, fp8_refs_.size() * sizeof(float));
+  auto update = [&](Buf& b, int64_t lo, int64_t hi, float* amax) {
+    if (hi <= lo) return;
+    be_->AdamW(b.master.f32() + lo, b.grad.f32() + lo, b.m.f32() + lo, b.v.f32() + lo, hi - lo,
+               lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax);
+  };
   for (auto& u : units_) {
     for (Buf& b : u) {
-      const int64_t n = b.plan->shard_numel;
-      if (n == 0) continue;
-      be_->AdamW(b.master.f32(), b.grad.f32(), b.m.f32(), b.v.f32(), n, lr, beta1, beta2, eps,
-                 weight_decay, step, grad_scale);
+      // FP8 tensors' slices record the amax of their updated weights for CastWeights.
+      int64_t at = 0;
+      for (int i : b.fp8_ids) {
+        const Slice& s = fp8_slices_[i];
+        if (s.hi <= s.lo) continue;
+        update(b, at, s.lo, nullptr);
+        update(b, s.lo, s.hi, w_amax_.f32() + i);
+        at = s.hi;
+      }
+      update(b, at, b.plan->shard_numel, nullptr);
     }
   }
+  weight_amax_ready_ = true;
 }
 
 absl::Status FsdpParams::CastWeights() {
@@ -238,21 +289,19 @@ absl::Status FsdpParams::CastWeights() {
       }
     }
   }
+  const bool amax_ready = weight_amax_ready_;
+  weight_amax_ready_ = false;
   if (fp8_refs_.empty()) return absl::OkStatus();
-  // FP8: per-tensor amax of this rank's slice, one fused all-reduce(max), identical scales.
+  // FP8: per-tensor amax of this rank's slice (taken by AdamW when it just ran), one fused
+  // all-reduce(max), identical scales.
   const size_t nf = fp8_refs_.size();
-  be_->Memset(w_amax_.get(), 0, nf * sizeof(float));
-  struct Slice { int64_t lo, hi; };  // shard-local [lo, hi) of each FP8 tensor
-  std::vector<Slice> slices(nf);
-  for (size_t i = 0; i < nf; ++i) {
-    const TensorRef& r = fp8_refs_[i];
-    const Buf& b = units_[r.unit][r.buffer];
-    const int64_t begin = b.plan->ShardBegin(rank_);
-    const int64_t lo = std::max(r.offset, begin);
-    const int64_t hi = std::min(r.offset + r.numel, begin + b.plan->shard_numel);
-    slices[i] = hi > lo ? Slice{lo - begin, hi - begin} : Slice{0, 0};
-    be_->AmaxAccumulate(b.master.f32() + slices[i].lo, slices[i].hi - slices[i].lo,
-                        w_amax_.f32() + i);
+  if (!amax_ready) {
+    be_->Memset(w_amax_.get(), 0, nf * sizeof(float));
+    for (size_t i = 0; i < nf; ++i) {
+      const Buf& b = units_[fp8_refs_[i].unit][fp8_refs_[i].buffer];
+      const Slice& sl = fp8_slices_[i];
+      be_->AmaxAccumulate(b.master.f32() + sl.lo, sl.hi - sl.lo, w_amax_.f32() + i);
+    }
   }
   const double t0 = CommClock::Now();
   absl::Status s = Timed(comm_->AllReduce(w_amax_.f32(), nf, ReduceOp::kMax), t0);
@@ -271,26 +320,18 @@ absl::Status FsdpParams::CastWeights() {
   }
   UploadScaleSlots(be_, w_scale_.f32(), scale);
   UploadScaleSlots(be_, w_scale_inv_.f32(), scale_inv);
-  for (auto& u : units_) {
-    for (Buf& b : u) {
-      if (b.plan->wire == WireDtype::kFp8 && b.plan->shard_numel > 0) {
-        be_->Memset(b.wire.get(), 0, b.plan->shard_numel);  // padding stays code 0
-      }
-    }
-  }
   for (size_t i = 0; i < nf; ++i) {
-    const TensorRef& r = fp8_refs_[i];
-    Buf& b = units_[r.unit][r.buffer];
-    const int64_t n = slices[i].hi - slices[i].lo;
-    if (n == 0) continue;
-    be_->CastToFp8(b.master.f32() + slices[i].lo, b.wire.u8() + slices[i].lo, n,
+    Buf& b = units_[fp8_refs_[i].unit][fp8_refs_[i].buffer];
+    const Slice& sl = fp8_slices_[i];
+    if (sl.hi <= sl.lo) continue;
+    be_->CastToFp8(b.master.f32() + sl.lo, b.wire.u8() + sl.lo, sl.hi - sl.lo,
                    w_scale_.f32() + i * kScaleStride, Fp8Format::kE4M3, nullptr);
   }
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::map<std::string, std::vector<float>>> FsdpParams::GatherAll(bool grads) {
-  FlushGrads();
+  MaterializeGrads();
   std::map<std::string, std::vector<float>> out;
   for (auto& u : units_) {
     for (Buf& b : u) {
@@ -319,6 +360,7 @@ bool FsdpParams::SetMasterElement(const std::string& hf_name, int64_t index, flo
   const int64_t g = r.offset + index;
   const int64_t begin = b.plan->ShardBegin(rank_);
   if (g < begin || g >= begin + b.plan->shard_numel) return false;
+  weight_amax_ready_ = false;
   be_->CopyToDevice(b.master.f32() + (g - begin), &value, sizeof(float));
   return true;
 }
@@ -343,6 +385,7 @@ void FsdpParams::DownloadShard(int unit, int buffer, ShardArray which, float* ho
 
 void FsdpParams::ZeroShard(int unit, int buffer, ShardArray which) {
   const int64_t n = units_[unit][buffer].plan->shard_numel;
+  weight_amax_ready_ = false;
   if (n > 0) be_->Memset(Array(unit, buffer, which).get(), 0, n * sizeof(float));
 }
 
@@ -351,6 +394,7 @@ void FsdpParams::UploadShardRange(int unit, int buffer, ShardArray which, int64_
   const int64_t shard = units_[unit][buffer].plan->shard_numel;
   WORKER_CHECK(offset >= 0 && n >= 0 && offset + n <= shard)
       << "shard range [" << offset << ", " << offset + n << ") of " << shard;
+  weight_amax_ready_ = false;
   if (n > 0) be_->CopyToDevice(Array(unit, buffer, which).f32() + offset, host, n * sizeof(float));
 }
 

@@ -12,10 +12,18 @@
 // AllReduce(max) over all FP8 tensors, scale = ComputeScale(amax, 448, 0, previous) — identical on
 // every rank — then this rank's slice is cast with its tensor's scale.
 //
+// The FP8 tensors' amaxes come from the AdamW pass that updated them (Backend::AdamW's amax_out)
+// when CastWeights() follows AdamW(); otherwise (initialisation, a checkpoint load) from a pass
+// over the master slices.
+//
 // Unit lifecycle in a microbatch: Gather(u) all-gathers every buffer of u into full (padded)
 // buffers (f32 for bf16/fp32 wire, u8 codes for fp8); Release(u) frees them. BeginGrads(u)
-// allocates zeroed full f32 gradient buffers; ReduceGrads(u) reduce-scatters them (f32 sums, C12)
-// and adds the result to the grad shards, then frees them.
+// allocates full f32 gradient buffers, zeroed except for FP8 buffers, whose tensors' gradients
+// must each be written whole (not accumulated) once per microbatch: the FP8 dW GEMM overwrites
+// (Linear::Backward), and only the elements outside every tensor are zeroed. ReduceGrads(u)
+// reduce-scatters them (f32 sums, C12) into the grad shards (the step's first gradient
+// directly, later microbatches' added), then frees them. ZeroGrads() marks the grad shards
+// empty without a pass over them.
 //
 // Thread-safety: one thread (the trainer's).
 #pragma once
@@ -130,6 +138,9 @@ class FsdpParams {
   void RestoreWeightScaling(const std::vector<WeightScaling>& ws);
 
  private:
+  struct Slice {
+    int64_t lo = 0, hi = 0;  // [lo, hi) elements
+  };
   struct Buf {
     const BufferPlan* plan = nullptr;
     DevBuf master, m, v, grad, wire;  // shards
@@ -137,6 +148,9 @@ class FsdpParams {
     DevBuf full_u16;   // transient bf16 gather target
     DevBuf full_grad;  // padded_numel f32
     int64_t ticket = 0;  // in-flight all-gather (Communicator::Wait)
+    std::vector<int> fp8_ids;        // FP8 tensors of this buffer, in offset order
+    std::vector<Slice> grad_gaps;    // FP8 buffers: full-buffer ranges outside every tensor
+    bool grad_unset = false;         // grad holds nothing of this step yet (ZeroGrads)
   };
   struct PendingReduce {
     Buf* buf;
@@ -144,6 +158,8 @@ class FsdpParams {
     int64_t ticket;
   };
   absl::Status Timed(absl::Status s, double t0);
+  // Finishes pending reduce-scatters and zeroes the grad shards no gradient reached.
+  void MaterializeGrads();
   const DevBuf& Array(int unit, int buffer, ShardArray which) const;
 
   const ShardPlan& plan_;
@@ -155,6 +171,8 @@ class FsdpParams {
   std::vector<bool> in_flight_;          // per unit: prefetched, not yet waited for
   std::vector<PendingReduce> reducing_;  // the reduce-scatters of one unit
   std::vector<TensorRef> fp8_refs_;
+  std::vector<Slice> fp8_slices_;  // per FP8 tensor: its shard-local [lo, hi) ({0, 0} if none)
+  bool weight_amax_ready_ = false;  // w_amax_ holds the master weights' amax (AdamW just ran)
   std::vector<WeightScaling> wscale_;
   DevBuf w_scale_, w_scale_inv_, w_amax_;  // scales (n_fp8 * kScaleStride), amax (n_fp8) f32
 };

@@ -134,6 +134,9 @@ void* CpuBackend::Alloc(size_t bytes) {
       std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
   void* p = std::aligned_alloc(kAlignment, rounded);
   FSDP8_CPU_CHECK(p != nullptr);  // host out of memory: abort (backend.h, Errors)
+  // Fresh memory reads as NaN (all-ones bytes) until written, as an uninitialised device
+  // allocation may hold anything: a read before the first write shows in every result.
+  std::memset(p, 0xFF, rounded);
   sizes_[p] = bytes;
   allocated_ += static_cast<int64_t>(bytes);
   peak_ = std::max(peak_, allocated_);
@@ -573,7 +576,7 @@ void CpuBackend::SumSquares(const float* x, int64_t n, float* out) {
 
 void CpuBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
                        float beta1, float beta2, float eps, float weight_decay, int64_t step,
-                       float grad_scale) {
+                       float grad_scale, float* amax_out) {
   FSDP8_CPU_CHECK(step >= 1);
   // torch.optim.AdamW (single-tensor path): scalars in double, then the f32 tensor ops
   //   p *= 1 - lr*wd;  m.lerp_(g, 1-b1);  v = b2 v + (1-b2) g^2;
@@ -593,6 +596,7 @@ void CpuBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, 
     const float denom = std::sqrt(v[i]) / bc2_sqrt + eps;
     p[i] -= step_size * (m[i] / denom);
   }
+  if (amax_out != nullptr) AmaxAccumulate(p, n, amax_out);
 }
 
 }  // namespace fsdp8

@@ -13,9 +13,13 @@ namespace {
 //   p -= step_size * m / (sqrt(v) / bc2_sqrt + eps),  step_size = lr / (1-b1^t),
 //   bc2_sqrt = sqrt(1-b2^t), g' = g * grad_scale. The _rn intrinsics keep the compiler from
 //   contracting into FMAs, so each operation rounds as the CPU reference's does.
+// kAmax: also raises *amax_out to max |p| of the updated weights (one atomic per block).
+template <bool kAmax>
 __global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
                             float* __restrict__ v, int64_t n, float decay, float beta2, float w1,
-                            float w2, float step_size, float bc2_sqrt, float eps, float grad_scale) {
+                            float w2, float step_size, float bc2_sqrt, float eps, float grad_scale,
+                            float* amax_out) {
+  int amax_bits = 0;
   FSDP8_GRID_STRIDE(i, n) {
     const float gi = __fmul_rn(g[i], grad_scale);
     const float pi = __fmul_rn(p[i], decay);
@@ -26,7 +30,14 @@ __global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, 
     m[i] = mi;
     v[i] = vi;
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
-    p[i] = __fsub_rn(pi, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
+    const float pn = __fsub_rn(pi, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
+    p[i] = pn;
+    if (kAmax) amax_bits = max(amax_bits, AbsBits(pn));
+  }
+  if (kAmax) {
+    __shared__ int red[kEltThreads / 32];
+    amax_bits = BlockMaxInt<kEltThreads>(amax_bits, red);
+    if (threadIdx.x == 0) AtomicMaxAbsBits(amax_out, amax_bits);
   }
 }
 
@@ -34,10 +45,15 @@ __global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, 
 
 void LaunchAdamW(float* p, const float* g, float* m, float* v, int64_t n, float decay,
                  float beta2, float w1, float w2, float step_size, float bc2_sqrt, float eps,
-                 float grad_scale, cudaStream_t stream) {
+                 float grad_scale, float* amax_out, cudaStream_t stream) {
   if (n <= 0) return;
-  AdamWKernel<<<EltBlocks(n), kEltThreads, 0, stream>>>(p, g, m, v, n, decay, beta2, w1, w2, step_size,
-                                                  bc2_sqrt, eps, grad_scale);
+  if (amax_out != nullptr) {
+    AdamWKernel<true><<<EltBlocks(n), kEltThreads, 0, stream>>>(
+        p, g, m, v, n, decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale, amax_out);
+  } else {
+    AdamWKernel<false><<<EltBlocks(n), kEltThreads, 0, stream>>>(
+        p, g, m, v, n, decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale, nullptr);
+  }
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 

@@ -691,7 +691,7 @@ void CudaBackend::SumSquares(const float* x, int64_t n, float* out) {
 
 void CudaBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
                         float beta1, float beta2, float eps, float weight_decay, int64_t step,
-                        float grad_scale) {
+                        float grad_scale, float* amax_out) {
   cuda::OpScope op_scope(prof_.get(), "AdamW");
   Bind();
   FSDP8_CUDA_REQUIRE(step >= 1, "AdamW step must be >= 1");
@@ -703,7 +703,7 @@ void CudaBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n,
   const float step_size = static_cast<float>(lr / bc1);
   const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   cuda::LaunchAdamW(p, g, m, v, n, decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale,
-                    stream_);
+                    amax_out, stream_);
 }
 
 // ---- factory -------------------------------------------------------------------------------------

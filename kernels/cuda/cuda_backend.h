@@ -182,7 +182,8 @@ class CudaBackend final : public Backend {
 
   void SumSquares(const float* x, int64_t n, float* out) override;
   void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
-             float beta2, float eps, float weight_decay, int64_t step, float grad_scale) override;
+             float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
+             float* amax_out) override;
 
  private:
   // Growable device scratch slot i of at least `bytes` (not counted in AllocatedBytes). Growing

@@ -122,6 +122,6 @@ void LaunchCrossEntropy(float* logits, const int32_t* targets, int64_t N, int64_
 // w2 = 1 - beta2, step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t).
 void LaunchAdamW(float* p, const float* g, float* m, float* v, int64_t n, float decay,
                  float beta2, float w1, float w2, float step_size, float bc2_sqrt, float eps,
-                 float grad_scale, cudaStream_t stream);
+                 float grad_scale, float* amax_out, cudaStream_t stream);
 
 }  // namespace fsdp8::cuda

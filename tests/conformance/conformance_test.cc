@@ -834,8 +834,11 @@ TEST_P(Conformance, AdamW) {
         float* pd = r.In(p);
         float* md = r.In(m);
         float* vd = r.In(v);
-        r.b()->AdamW(pd, r.In(g), md, vd, n, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f);
+        // The fused amax of the updated weights starts above some |p| and below others.
+        float* amax = r.In(std::vector<float>{0.5f});
+        r.b()->AdamW(pd, r.In(g), md, vd, n, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f, amax);
         r.F32(&o, "p", pd, n);
+        r.F32(&o, "amax", amax, 1);
         r.F32(&o, "m", md, n);
         r.F32(&o, "v", vd, n);
         return o;

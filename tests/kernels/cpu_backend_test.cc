@@ -817,10 +817,13 @@ TEST_F(CpuBackendTest, AdamWTwoStepsByHand) {
   std::vector<double> p = {1, -2, 0.5}, m(3, 0), v(3, 0);
   const std::vector<std::vector<double>> grads = {{0.2, -0.4, 0}, {0.1, 0.3, -1}};
   Buf<float> bp(be_.get(), {1.0f, -2.0f, 0.5f}), bm(be_.get(), 3), bv(be_.get(), 3);
+  // Step 2 also raises an amax slot (starting at 0.25) to max |p| of its updated weights.
+  Buf<float> amax(be_.get(), {0.25f});
   for (int t = 1; t <= 2; ++t) {
     std::vector<float> gf(grads[t - 1].begin(), grads[t - 1].end());
     Buf<float> bg(be_.get(), gf);
-    be_->AdamW(bp.get(), bg.get(), bm.get(), bv.get(), 3, lr, b1, b2, eps, wd, t, gs);
+    be_->AdamW(bp.get(), bg.get(), bm.get(), bv.get(), 3, lr, b1, b2, eps, wd, t, gs,
+               t == 2 ? amax.get() : nullptr);
     for (int i = 0; i < 3; ++i) {
       const double g = grads[t - 1][i] * gs;
       p[i] *= 1 - lr * wd;
@@ -844,6 +847,8 @@ TEST_F(CpuBackendTest, AdamWTwoStepsByHand) {
       EXPECT_NEAR(gv[i], v[i], 1e-6 * std::fabs(v[i]) + 1e-15) << "t=" << t << " i=" << i;
     }
   }
+  const double want = std::max({std::fabs(p[0]), std::fabs(p[1]), std::fabs(p[2])});
+  EXPECT_NEAR(amax.Host()[0], want, 1e-6 * want);
 }
 
 }  // namespace

@@ -408,6 +408,56 @@ TEST(Trainer, FiniteDifferenceGradientsFp32) {
   });
 }
 
+// ---- FP8 gradients over microbatches ------------------------------------------------------------
+// FP8 weights' gradients are written by one dW GEMM per microbatch into buffers that are not
+// zeroed first, and reach the grad shard directly (a step's first microbatch) or through a part
+// that is added (later microbatches). The FP8 model's gradients of one batch of 4 sequences —
+// as 1 microbatch of 4 on one rank, and as 2 microbatches of 1 on each of 2 ranks — are
+// compared with the FP32 model's. FP8 rounding (E4M3 X and W, E5M2 dY: 2^-4 and 2^-3 relative
+// per element, partly averaging out over each dot product) moves a gradient by a few percent
+// normwise; the bound is 0.15. A gradient that kept only a rank's last microbatch would miss a
+// quarter of the batch on top of that, one summed over a stale buffer would carry NaN (the CPU
+// backend's fresh memory).
+TEST(Trainer, Fp8GradientsAreTheSameOverMicrobatchesAndRanks) {
+  v1::JobSpec spec = TinySpec(TrainFile());
+  spec.mutable_training()->set_global_batch(4);
+  auto grads = [&](v1::Precision p, int world, int microbatch) {
+    v1::JobSpec s = spec;
+    AllPrecision(&s, p);
+    s.mutable_training()->set_microbatch(microbatch);
+    std::map<std::string, std::vector<float>> out;
+    RunRanks(world, [&](int r, Communicator* c) {
+      auto be = CpuBackend();
+      auto t = Trainer::Create(s, r, world, be.get(), c);
+      ASSERT_TRUE(t.ok()) << t.status();
+      ASSERT_TRUE((*t)->ForwardBackward(0).ok());
+      auto g = (*t)->params().GatherAll(true);
+      ASSERT_TRUE(g.ok()) << g.status();
+      if (r == 0) out = *g;
+    });
+    return out;
+  };
+  const auto ref = grads(v1::PRECISION_FP32, 1, 4);
+  for (auto [world, microbatch] : {std::pair{1, 4}, std::pair{2, 1}}) {
+    const auto g8 = grads(v1::PRECISION_FP8, world, microbatch);
+    ASSERT_EQ(g8.size(), ref.size());
+    int fp8_tensors = 0;
+    for (const auto& [name, g] : ref) {
+      const auto& h = g8.at(name);
+      ASSERT_EQ(h.size(), g.size()) << name;
+      double d2 = 0, n2 = 0;
+      for (size_t i = 0; i < g.size(); ++i) {
+        d2 += (static_cast<double>(h[i]) - g[i]) * (static_cast<double>(h[i]) - g[i]);
+        n2 += static_cast<double>(g[i]) * g[i];
+      }
+      const double rel = std::sqrt(d2 / n2);
+      EXPECT_LE(rel, 0.15) << name << " world " << world << " microbatch " << microbatch;
+      fp8_tensors += name.find("_proj") != std::string::npos;
+    }
+    EXPECT_EQ(fp8_tensors, 2 * 7);
+  }
+}
+
 // ---- C12: same math across world sizes -------------------------------------------------------
 // FP32 precision, world 1 vs 3, same global batch. Each gradient element is a sum of <= 6 x 32
 // token contributions, reduced in a different order: f32 reordering changes it by about
