@@ -81,6 +81,7 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   if (!r->has_amax_history_len()) r->set_amax_history_len(16);
   if (r->amax_algorithm() == v1::AMAX_ALGORITHM_UNSPECIFIED) r->set_amax_algorithm(v1::AMAX_ALGORITHM_MAX);
   if (!r->has_margin()) r->set_margin(0);
+  if (!r->has_forward_fast_accumulation()) r->set_forward_fast_accumulation(true);
 
   v1::CheckpointSpec* c = s.mutable_checkpoint();
   if (!c->has_every_steps()) c->set_every_steps(0);

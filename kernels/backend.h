@@ -83,6 +83,12 @@ class Backend {
   virtual void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                        const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
                        const float* b_scale_inv, float* C, bool accumulate) = 0;
+  // While on, the FP8 GEMMs (GemmFp8, GemmFp8AddResidual, GemmFp8Bf16) may accumulate in the
+  // tensor cores' native precision instead of promoting partial sums to FP32 every few K blocks
+  // (CUDA: CUBLASLT_MATMUL_DESC_FAST_ACCUM; NVIDIA's Hopper FP8 GEMMs keep about 14 mantissa
+  // bits in that mode, per the DeepSeek-V3 report, section 3.3.2). Off by default; backends that
+  // always accumulate in FP32 (CPU) ignore it.
+  virtual void SetFp8FastAccumulation(bool on) { (void)on; }
   // C (M, N) = op(A) · op(B) [+ C if accumulate], op(X) = X or X^T; A is (M, K) or (K, M) when
   // trans_a, B is (K, N) or (N, K) when trans_b. f32 storage; inputs rounded per `inputs`.
   virtual void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,

@@ -191,6 +191,8 @@ void Linear::ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t 
   WORKER_CHECK(w.fp8 != nullptr && w.scale_inv != nullptr) << "FP8 linear without FP8 weight";
   WORKER_CHECK((y == nullptr) != (y16 == nullptr)) << "ForwardFp8 takes exactly one output";
   WORKER_CHECK(residual == nullptr || y != nullptr) << "a residual needs the f32 output";
+  const bool fast = sc_->forward_fast_accumulation();
+  if (fast) be_->SetFp8FastAccumulation(true);
   if (y16 != nullptr) {
     be_->GemmFp8Bf16(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv.f32(), w.fp8,
                      Fp8Format::kE4M3, w.scale_inv, y16);
@@ -201,6 +203,7 @@ void Linear::ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t 
     be_->GemmFp8(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv.f32(), w.fp8,
                  Fp8Format::kE4M3, w.scale_inv, y, false);
   }
+  if (fast) be_->SetFp8FastAccumulation(false);
   if (saved) saved->in = in;
 }
 

@@ -68,6 +68,10 @@ class ActScaling {
   }
   // The device scale slot of tensor i as it stands (delayed scaling: no measurement).
   const float* Scale(int i) const { return scale_.f32() + i * kScaleStride; }
+  // Whether forward FP8 GEMMs use fast accumulation (Fp8Recipe.forward_fast_accumulation).
+  bool forward_fast_accumulation() const {
+    return !recipe_.has_forward_fast_accumulation() || recipe_.forward_fast_accumulation();
+  }
   // Tensor `to` records the amax that tensor `from` recorded this step (same input values).
   void CopyAmax(int from, int to);
   // Replaces every tensor's delayed-scaling state (a checkpoint load) and uploads the scales.

@@ -8,30 +8,63 @@
 namespace fsdp8::cuda {
 namespace {
 
+struct AdamWScalars {
+  float decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale;
+};
+
 // torch.optim.AdamW single-tensor path, with the scalars precomputed by the host in double:
 //   p *= decay (= 1 - lr*wd);  m.lerp_(g', w1 = 1-b1);  v = v*b2 + w2*g'^2 (w2 = 1-b2);
 //   p -= step_size * m / (sqrt(v) / bc2_sqrt + eps),  step_size = lr / (1-b1^t),
 //   bc2_sqrt = sqrt(1-b2^t), g' = g * grad_scale. The _rn intrinsics keep the compiler from
 //   contracting into FMAs, so each operation rounds as the CPU reference's does.
-// kAmax: also raises *amax_out to max |p| of the updated weights (one atomic per block).
-template <bool kAmax>
+__device__ __forceinline__ float AdamWElt(float p, float g, float& m, float& v,
+                                          const AdamWScalars& s) {
+  const float gi = __fmul_rn(g, s.grad_scale);
+  const float pi = __fmul_rn(p, s.decay);
+  m = s.w1 < 0.5f ? __fadd_rn(m, __fmul_rn(s.w1, __fsub_rn(gi, m)))
+                  : __fsub_rn(gi, __fmul_rn(__fsub_rn(gi, m), __fsub_rn(1.0f, s.w1)));
+  v = __fadd_rn(__fmul_rn(v, s.beta2), __fmul_rn(__fmul_rn(s.w2, gi), gi));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.bc2_sqrt), s.eps);
+  return __fsub_rn(pi, __fmul_rn(s.step_size, __fdiv_rn(m, denom)));
+}
+
+// kVec: four elements per iteration (all four arrays 16-byte aligned), the n % 4 tail scalar.
+// kAmax: also raises *amax_out to max |p| of the updated weights. The grid is capped (a few
+// blocks per SM) so that each thread covers many elements before the one block reduction and
+// atomic per block.
+template <bool kVec, bool kAmax>
 __global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                            float* __restrict__ v, int64_t n, float decay, float beta2, float w1,
-                            float w2, float step_size, float bc2_sqrt, float eps, float grad_scale,
-                            float* amax_out) {
+                            float* __restrict__ v, int64_t n, AdamWScalars s, float* amax_out) {
   int amax_bits = 0;
-  FSDP8_GRID_STRIDE(i, n) {
-    const float gi = __fmul_rn(g[i], grad_scale);
-    const float pi = __fmul_rn(p[i], decay);
-    float mi = m[i];
-    mi = w1 < 0.5f ? __fadd_rn(mi, __fmul_rn(w1, __fsub_rn(gi, mi)))
-                   : __fsub_rn(gi, __fmul_rn(__fsub_rn(gi, mi), __fsub_rn(1.0f, w1)));
-    const float vi = __fadd_rn(__fmul_rn(v[i], beta2), __fmul_rn(__fmul_rn(w2, gi), gi));
+  int64_t done = 0;
+  if (kVec) {
+    const int64_t n4 = n / 4;
+    FSDP8_GRID_STRIDE(i, n4) {
+      float4 pv = reinterpret_cast<const float4*>(p)[i];
+      const float4 gv = reinterpret_cast<const float4*>(g)[i];
+      float4 mv = reinterpret_cast<const float4*>(m)[i];
+      float4 vv = reinterpret_cast<const float4*>(v)[i];
+      pv.x = AdamWElt(pv.x, gv.x, mv.x, vv.x, s);
+      pv.y = AdamWElt(pv.y, gv.y, mv.y, vv.y, s);
+      pv.z = AdamWElt(pv.z, gv.z, mv.z, vv.z, s);
+      pv.w = AdamWElt(pv.w, gv.w, mv.w, vv.w, s);
+      reinterpret_cast<float4*>(p)[i] = pv;
+      reinterpret_cast<float4*>(m)[i] = mv;
+      reinterpret_cast<float4*>(v)[i] = vv;
+      if (kAmax) {
+        amax_bits = max(amax_bits, max(max(AbsBits(pv.x), AbsBits(pv.y)),
+                                       max(AbsBits(pv.z), AbsBits(pv.w))));
+      }
+    }
+    done = n4 * 4;
+  }
+  for (int64_t i = done + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float mi = m[i], vi = v[i];
+    const float pn = AdamWElt(p[i], g[i], mi, vi, s);
+    p[i] = pn;
     m[i] = mi;
     v[i] = vi;
-    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
-    const float pn = __fsub_rn(pi, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
-    p[i] = pn;
     if (kAmax) amax_bits = max(amax_bits, AbsBits(pn));
   }
   if (kAmax) {
@@ -41,18 +74,30 @@ __global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, 
   }
 }
 
+template <bool kVec>
+void Launch(float* p, const float* g, float* m, float* v, int64_t n, const AdamWScalars& s,
+            float* amax_out, cudaStream_t stream) {
+  const int blocks = EltBlocks(kVec ? CeilDiv(n, 4) : n, 1024);
+  if (amax_out != nullptr) {
+    AdamWKernel<kVec, true><<<blocks, kEltThreads, 0, stream>>>(p, g, m, v, n, s, amax_out);
+  } else {
+    AdamWKernel<kVec, false><<<blocks, kEltThreads, 0, stream>>>(p, g, m, v, n, s, nullptr);
+  }
+}
+
+bool Aligned16(const void* x) { return (reinterpret_cast<uintptr_t>(x) & 15) == 0; }
+
 }  // namespace
 
 void LaunchAdamW(float* p, const float* g, float* m, float* v, int64_t n, float decay,
                  float beta2, float w1, float w2, float step_size, float bc2_sqrt, float eps,
                  float grad_scale, float* amax_out, cudaStream_t stream) {
   if (n <= 0) return;
-  if (amax_out != nullptr) {
-    AdamWKernel<true><<<EltBlocks(n), kEltThreads, 0, stream>>>(
-        p, g, m, v, n, decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale, amax_out);
+  const AdamWScalars s{decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale};
+  if (Aligned16(p) && Aligned16(g) && Aligned16(m) && Aligned16(v)) {
+    Launch<true>(p, g, m, v, n, s, amax_out, stream);
   } else {
-    AdamWKernel<false><<<EltBlocks(n), kEltThreads, 0, stream>>>(
-        p, g, m, v, n, decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale, nullptr);
+    Launch<false>(p, g, m, v, n, s, amax_out, stream);
   }
   FSDP8_CUDA_LAUNCH_CHECK();
 }

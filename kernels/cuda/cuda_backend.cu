@@ -228,6 +228,7 @@ void CudaBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8
   }
   // See gemm.h: column-major D (N, M) = B_stored(K, N)^T · A_stored(K, M).
   cuda::LtProblem p = Fp8Problem(M, N, K, A, a_fmt, B, b_fmt, C);
+  p.fast_accum = fp8_fast_accum_;
   p.accumulate = accumulate;
   const bool both_e5m2 = a_fmt == Fp8Format::kE5M2 && b_fmt == Fp8Format::kE5M2;
   if (!both_e5m2 && lt_->Run(p, B, A, C, b_scale_inv, a_scale_inv)) return;
@@ -558,6 +559,7 @@ void CudaBackend::GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint
   const bool both_e5m2 = a_fmt == Fp8Format::kE5M2 && b_fmt == Fp8Format::kE5M2;
   if (K > 0 && !both_e5m2 && cuda::PointerAlignment(R) >= cuda::PointerAlignment(D)) {
     cuda::LtProblem p = Fp8Problem(M, N, K, A, a_fmt, B, b_fmt, D);  // accumulating, C = R
+    p.fast_accum = fp8_fast_accum_;
     p.accumulate = true;
     if (lt_->Run(p, B, A, D, b_scale_inv, a_scale_inv, R)) return;
   }
@@ -573,6 +575,7 @@ void CudaBackend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A,
   const bool both_e5m2 = a_fmt == Fp8Format::kE5M2 && b_fmt == Fp8Format::kE5M2;
   if (K > 0 && !both_e5m2) {
     cuda::LtProblem p = Fp8Problem(M, N, K, A, a_fmt, B, b_fmt, C16);
+    p.fast_accum = fp8_fast_accum_;
     p.c_type = CUDA_R_16BF;
     if (lt_->Run(p, B, A, C16, b_scale_inv, a_scale_inv)) return;
   }

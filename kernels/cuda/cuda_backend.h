@@ -16,8 +16,9 @@
 //
 // Numerics (the CPU backend is the reference; tests/conformance checks every op against it):
 //   * FP8 casts, transposes, dequantize, bf16 rounding / pack / unpack: bit-identical to the CPU.
-//   * GemmFp8: cuBLASLt FP8 (TN layout, FP32 accumulation, scale pointers to the two scale_inv
-//     device scalars, f32 output). Shapes cuBLASLt refuses (K or rows not multiples of 16, E5M2 x
+//   * GemmFp8: cuBLASLt FP8 (TN layout, FP32 accumulation — with CUBLASLT_MATMUL_DESC_FAST_ACCUM
+//     while SetFp8FastAccumulation is on —, scale pointers to the two scale_inv device scalars,
+//     f32 output). Shapes cuBLASLt refuses (K or rows not multiples of 16, E5M2 x
 //     E5M2) take an exact fallback: dequantize to f32 (exact), f32 GEMM, multiply by the scales.
 //   * Gemm: cuBLASLt with CUBLAS_COMPUTE_32F (no TF32) for kF32; kBF16 packs A and B to bfloat16
 //     (RNE) and multiplies on tensor cores with FP32 accumulation into f32 C.
@@ -92,6 +93,7 @@ class CudaBackend final : public Backend {
                      Fp8Format fmt) override;
   void AmaxAccumulate(const float* in, int64_t n, float* amax_out) override;
 
+  void SetFp8FastAccumulation(bool on) override { fp8_fast_accum_ = on; }
   void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
                const float* b_scale_inv, float* C, bool accumulate) override;
@@ -220,6 +222,7 @@ class CudaBackend final : public Backend {
 #ifdef FSDP8_WITH_CUDNN
   std::unique_ptr<cuda::CudnnAttention> cudnn_;
   bool cudnn_failed_ = false;
+  bool fp8_fast_accum_ = false;  // SetFp8FastAccumulation
 #endif
 };
 

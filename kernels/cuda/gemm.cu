@@ -57,6 +57,10 @@ LtGemm::Entry* LtGemm::Lookup(const LtProblem& p) {
   FSDP8_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e.a, p.a_type, a_rows, a_cols, p.lda));
   FSDP8_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e.b, p.b_type, b_rows, b_cols, p.ldb));
   FSDP8_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&e.c, p.c_type, p.m, p.n, p.ldc));
+  if (p.fast_accum) {
+    const int8_t on = 1;
+    FSDP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &on, sizeof(on)));
+  }
   if (p.scaled) {
     // Placeholder pointers so that the heuristic sees a scaled FP8 problem; real ones per call.
     const void* none = nullptr;

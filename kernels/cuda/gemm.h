@@ -10,7 +10,8 @@
 // scales: CUBLASLT_MATMUL_DESC_A_SCALE_POINTER <- our b_scale_inv, B_SCALE_POINTER <- our
 // a_scale_inv; D = (scaleA · scaleB) · A·B + beta · C with beta = 1 when accumulating.
 //
-// Accumulation is FP32 (CUBLAS_COMPUTE_32F: no TF32, no FP8 fast accumulation). Split-K schemes
+// Accumulation is FP32 (CUBLAS_COMPUTE_32F: no TF32), and FP8 products promote partial sums to
+// FP32 every few K blocks unless the problem asks for fast accumulation. Split-K schemes
 // that reduce in place with atomics are excluded (CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK), and
 // a cached algorithm is reused for a given key, so results are deterministic run to run.
 //
@@ -40,12 +41,13 @@ struct LtProblem {
   int64_t lda = 0, ldb = 0, ldc = 0;
   bool scaled = false;     // FP8: A/B scale pointers are set
   bool accumulate = false; // beta = 1 (else 0)
+  bool fast_accum = false; // FP8: CUBLASLT_MATMUL_DESC_FAST_ACCUM (no periodic FP32 promotion)
   int align_a = 256, align_b = 256, align_c = 256;  // pointer alignments (bytes, power of 2)
 
   auto Key() const {
     return std::make_tuple(m, n, k, trans_a, trans_b, static_cast<int>(a_type),
                            static_cast<int>(b_type), static_cast<int>(c_type), lda, ldb, ldc,
-                           scaled, accumulate, align_a, align_b, align_c);
+                           scaled, accumulate, fast_accum, align_a, align_b, align_c);
   }
 };
 
