@@ -89,6 +89,7 @@ absl::Status ActScaling::EndStep(Communicator* comm, CommClock* clock) {
   }
   std::vector<float> amax(n), scale(n), scale_inv(n);
   be_->CopyToHost(amax.data(), amax_.get(), n * sizeof(float));
+  for (const auto& [to, from] : amax_from_) amax[to] = amax[from];
   for (size_t i = 0; i < n; ++i) {
     UpdateDelayed(&states_[i], amax[i], recipe_.amax_history_len(), recipe_.amax_algorithm(),
                   recipe_.margin());
@@ -100,9 +101,8 @@ absl::Status ActScaling::EndStep(Communicator* comm, CommClock* clock) {
   return absl::OkStatus();
 }
 
-void ActScaling::CopyAmax(int from, int to) {
-  if (!recording_ || from == to) return;
-  be_->Copy(amax_.f32() + to, amax_.f32() + from, sizeof(float));
+void ActScaling::ShareAmax(int from, int to) {
+  if (from != to) amax_from_[to] = from;
 }
 
 void Linear::Forward(const float* x, int64_t M, int64_t K, int64_t N, const WeightView& w,
@@ -118,11 +118,19 @@ void Linear::Forward(const float* x, int64_t M, int64_t K, int64_t N, const Weig
 
 std::shared_ptr<Fp8Input> Linear::Cast(std::shared_ptr<Fp8Input> in,
                                        std::initializer_list<const Linear*> same_input) {
-  in->scale_inv = DevBuf(be_, sizeof(float));
-  be_->Copy(in->scale_inv.get(), sc_->ScaleInv(x_idx_), sizeof(float));
+  // Under delayed scaling the tensor's scale_inv slot holds still until EndStep, after every
+  // backward of the step; a cast that measured its own amax first (NeedsAmaxFirst) rewrites the
+  // slot at each cast, so its value is kept.
+  if (sc_->NeedsAmaxFirst(x_idx_)) {
+    in->scale_inv_copy = DevBuf(be_, sizeof(float));
+    be_->Copy(in->scale_inv_copy.get(), sc_->ScaleInv(x_idx_), sizeof(float));
+    in->scale_inv = in->scale_inv_copy.f32();
+  } else {
+    in->scale_inv = sc_->ScaleInv(x_idx_);
+  }
   for (const Linear* o : same_input) {
     WORKER_CHECK(o->prec_ == v1::PRECISION_FP8 && o->sc_ == sc_);
-    sc_->CopyAmax(x_idx_, o->x_idx_);
+    sc_->ShareAmax(x_idx_, o->x_idx_);
   }
   return in;
 }
@@ -194,13 +202,13 @@ void Linear::ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t 
   const bool fast = sc_->forward_fast_accumulation();
   if (fast) be_->SetFp8FastAccumulation(true);
   if (y16 != nullptr) {
-    be_->GemmFp8Bf16(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv.f32(), w.fp8,
+    be_->GemmFp8Bf16(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv, w.fp8,
                      Fp8Format::kE4M3, w.scale_inv, y16);
   } else if (residual != nullptr) {
-    be_->GemmFp8AddResidual(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv.f32(), w.fp8,
+    be_->GemmFp8AddResidual(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv, w.fp8,
                             Fp8Format::kE4M3, w.scale_inv, residual, y);
   } else {
-    be_->GemmFp8(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv.f32(), w.fp8,
+    be_->GemmFp8(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv, w.fp8,
                  Fp8Format::kE4M3, w.scale_inv, y, false);
   }
   if (fast) be_->SetFp8FastAccumulation(false);
@@ -258,7 +266,7 @@ void Linear::Backward(const float* dy, const uint16_t* dy16, int64_t M, int64_t 
   }
   // dW is overwritten: FsdpParams leaves FP8 weights' gradient buffers unzeroed (BeginGrads).
   be_->GemmFp8(N, K, M, dyT8.u8(), dfmt, sc_->ScaleInv(dy_idx_), in.xT.u8(), Fp8Format::kE4M3,
-               in.scale_inv.f32(), dw, false);
+               in.scale_inv, dw, false);
 }
 
 }  // namespace fsdp8

@@ -10,7 +10,8 @@
 //             with the last LinearSaved that holds the input (the caller drops them after use).
 //   Linears that read the same activation (q/k/v of n1, gate/up of n2) share one cast and one
 //   transpose (Fp8Input): their X tensors see the same values every step, so their delayed
-//   scales are equal by construction and the shared cast records the same amax into each.
+//   scales are equal by construction; the shared cast records one amax, which EndStep gives to
+//   each (ActScaling::ShareAmax).
 //   Inputs, outputs and grad-outputs may be bfloat16 (bit patterns, Backend's *Bf16 ops).
 // BF16 / FP32: Backend::Gemm with inputs rounded to bf16 / kept f32; the f32 input is kept (by
 // the caller) for dW.
@@ -26,6 +27,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -72,8 +74,9 @@ class ActScaling {
   bool forward_fast_accumulation() const {
     return !recipe_.has_forward_fast_accumulation() || recipe_.forward_fast_accumulation();
   }
-  // Tensor `to` records the amax that tensor `from` recorded this step (same input values).
-  void CopyAmax(int from, int to);
+  // Tensor `to` takes the amax that tensor `from` records (the same input values, one cast):
+  // EndStep copies it over before the update. Idempotent.
+  void ShareAmax(int from, int to);
   // Replaces every tensor's delayed-scaling state (a checkpoint load) and uploads the scales.
   // FAILED_PRECONDITION naming the first tensor whose name or format differs (nothing changed).
   absl::Status Restore(const std::vector<ScalingState>& states);
@@ -84,6 +87,7 @@ class ActScaling {
   v1::Fp8Recipe recipe_;
   std::vector<ScalingState> states_;
   DevBuf scale_, scale_inv_, amax_, tmp_amax_;  // scales in kScaleStride slots; amax (n) contiguous
+  std::map<int, int> amax_from_;                // ShareAmax: to -> from
   bool recording_ = true;
 };
 
@@ -96,9 +100,10 @@ struct WeightView {
 
 // The E4M3 codes of one FP8 linear input, shared by the linears that read it.
 struct Fp8Input {
-  DevBuf x8;         // (M, K) E4M3 codes
-  DevBuf scale_inv;  // (1) f32: the scale_inv x8 was cast with
-  DevBuf xT;         // (K, M) transpose for dW, made by the first backward that needs it
+  DevBuf x8;                        // (M, K) E4M3 codes
+  const float* scale_inv = nullptr; // (1) f32 device scalar: the scale_inv x8 was cast with
+  DevBuf scale_inv_copy;            // owns *scale_inv when the tensor's slot may change first
+  DevBuf xT;  // (K, M) transpose for dW, made by the first backward that needs it
 };
 
 // What the forward keeps for the backward.

@@ -95,6 +95,8 @@ TEST(Trainer, C03_StepAmaxIsMaxOverAllMicrobatches) {
   v1::JobSpec spec = TinySpec(TrainFile());
   spec.mutable_training()->set_global_batch(4);
   spec.mutable_training()->set_microbatch(1);  // 4 microbatches on 1 rank
+  // BF16 attention: the FP8 block path where q/k/v share one cast of their input.
+  spec.mutable_precision()->set_attention(v1::PRECISION_BF16);
   const int T = 32, C = 32;
   const TokenShard shard = *ReadTokenShard(TrainFile());
   const int64_t n = static_cast<int64_t>(shard.tokens.size());
@@ -132,9 +134,15 @@ TEST(Trainer, C03_StepAmaxIsMaxOverAllMicrobatches) {
   const std::vector<RankOut> out = Train(spec, 1, 1);
   ASSERT_EQ(out.size(), 1u);
   float recorded = -1;
+  std::map<std::string, float> shared;  // k and v read the same X as q: one cast, one amax
   for (const auto& t : out[0].scaling.tensors()) {
     if (t.name() == "layers.0.attn.q_proj.x") recorded = t.amax_history(0);
+    if (t.name() == "layers.0.attn.k_proj.x" || t.name() == "layers.0.attn.v_proj.x") {
+      shared[t.name()] = t.amax_history(0);
+    }
   }
+  ASSERT_EQ(shared.size(), 2u);
+  for (const auto& [name, amax] : shared) EXPECT_EQ(amax, recorded) << name;
   const double mean = (mb_amax[0] + mb_amax[1] + mb_amax[2] + mb_amax[3]) / 4;
   EXPECT_NEAR(recorded, mb_amax[1], 1e-5 * mb_amax[1]) << "seed " << seed;
   EXPECT_GT(std::abs(recorded - mb_amax[3]), 1e-3 * mb_amax[1]) << "looks like the last microbatch";
