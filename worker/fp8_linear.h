@@ -75,7 +75,8 @@ class ActScaling {
     return !recipe_.has_forward_fast_accumulation() || recipe_.forward_fast_accumulation();
   }
   // Tensor `to` takes the amax that tensor `from` records (the same input values, one cast):
-  // EndStep copies it over before the update. Idempotent.
+  // EndStep copies it over before the update. Idempotent; `from` must record its own amax (no
+  // chains: each `to` is resolved once).
   void ShareAmax(int from, int to);
   // Replaces every tensor's delayed-scaling state (a checkpoint load) and uploads the scales.
   // FAILED_PRECONDITION naming the first tensor whose name or format differs (nothing changed).
@@ -132,7 +133,8 @@ class Linear {
   }
 
   // FP8 only. Casts x (M, K) — f32 x, or bf16 x16 (exactly one non-null) — with this linear's X
-  // scale, recording its amax also for each linear of `same_input` (which read the same x).
+  // scale; each linear of `same_input` (which read the same x) takes the amax it records
+  // (ActScaling::ShareAmax).
   std::shared_ptr<Fp8Input> CastInput(const float* x, const uint16_t* x16, int64_t M, int64_t K,
                                       std::initializer_list<const Linear*> same_input = {});
   // FP8 only. The input RMSNorm(x) * w_norm (M, K) of this linear (and of `same_input`), cast
@@ -156,8 +158,9 @@ class Linear {
                 float* dw, uint16_t* dx16 = nullptr);
 
  private:
-  // Finishes an input whose x8 was just cast with this linear's X scale: keeps that scale_inv and
-  // records the cast's amax for the linears of `same_input` too.
+  // Finishes an input whose x8 was just cast with this linear's X scale: points at that
+  // scale_inv (or keeps a copy when the slot may change before the backward) and shares the
+  // cast's amax with the linears of `same_input`.
   std::shared_ptr<Fp8Input> Cast(std::shared_ptr<Fp8Input> in,
                                  std::initializer_list<const Linear*> same_input);
 

@@ -4,7 +4,8 @@
 //   master (f32)  — the FP32 master weights of its slice, initialised from InitValue of the global
 //                   element index (padding 0), so the model is the same bits at any world size;
 //   m, v (f32)    — AdamW moments;
-//   grad (f32)    — the reduced gradient of its slice, accumulated over microbatches;
+//   grad (f32)    — the reduced gradient of its slice, accumulated over microbatches (after
+//                   ZeroGrads, a slice no gradient reached is zeroed only when first read);
 //   wire shard    — what travels on an all-gather: FP8 codes (u8) for FP8 GEMM weights, bf16 bit
 //                   patterns for bf16 buffers (fp32 buffers send the master slice itself).
 // The wire shards are refreshed by CastWeights() once per optimizer step (ARCHITECTURE step 6):
@@ -99,7 +100,8 @@ class FsdpParams {
   void BeginGrads(int unit);
   // Starts the reduce-scatter of u's full gradients. The previous unit's reduce-scatter is
   // finished first (its shard accumulated, its buffers freed), so at most one is in flight;
-  // FlushGrads() finishes the last one (call it before reading grad shards).
+  // FlushGrads() finishes the last one. The grad shards are read through GlobalGradSquaredNorm,
+  // AdamW and GatherAll, which also zero the shards no gradient reached since ZeroGrads.
   absl::Status ReduceGrads(int unit);
   void FlushGrads();
 

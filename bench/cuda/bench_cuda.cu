@@ -115,7 +115,6 @@ __global__ void FillBf16(__nv_bfloat16* p, size_t n, uint32_t seed) {
   }
 }
 
-// Holds one SM per block (its shared memory) for `cycles` clocks; flags *started once running.
 // Keeps the stream busy for `cycles` clocks (one thread), so the host can enqueue ahead of it.
 __global__ void Spin(long long cycles) {
   const long long t0 = clock64();
@@ -123,6 +122,7 @@ __global__ void Spin(long long cycles) {
   }
 }
 
+// Holds one SM per block (its shared memory) for `cycles` clocks; flags *started once running.
 __global__ void HoldSms(long long cycles, volatile int* started) {
   extern __shared__ char smem[];
   const long long t0 = clock64();
@@ -460,6 +460,7 @@ int main(int argc, char** argv) {
           if (held > 0) {
             *started = 0;
             HoldSms<<<held, 128, smem, side>>>(static_cast<long long>(hold_us * clock_khz / 1e3), started_dev);
+            CK(cudaGetLastError());  // a failed launch would never set *started
             while (*reinterpret_cast<volatile int*>(started) == 0) {
             }
           }
@@ -508,7 +509,8 @@ int main(int argc, char** argv) {
     }
 
     // (e) Host time to enqueue one call against the GPU time of one call: n calls are enqueued
-    // behind a kernel that keeps the stream busy, so the GPU time excludes the host's.
+    // behind a kernel that keeps the stream busy, so the GPU time excludes the host's. An op that
+    // synchronised inside (a cudaFree, a blocking copy) would show the 200 ms spin as host time.
     {
       int clock_khz = 0;
       CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));

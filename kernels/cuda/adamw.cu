@@ -29,9 +29,9 @@ __device__ __forceinline__ float AdamWElt(float p, float g, float& m, float& v,
 }
 
 // kVec: four elements per iteration (all four arrays 16-byte aligned), the n % 4 tail scalar.
-// kAmax: also raises *amax_out to max |p| of the updated weights. The grid is capped (a few
-// blocks per SM) so that each thread covers many elements before the one block reduction and
-// atomic per block.
+// kAmax: also raises *amax_out to max |p| of the updated weights. The grid is capped at 1024
+// blocks (about 8 per SM on an H200) so that each thread covers many elements before the one
+// block reduction and atomic per block.
 template <bool kVec, bool kAmax>
 __global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
                             float* __restrict__ v, int64_t n, AdamWScalars s, float* amax_out) {

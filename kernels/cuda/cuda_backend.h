@@ -16,9 +16,10 @@
 //
 // Numerics (the CPU backend is the reference; tests/conformance checks every op against it):
 //   * FP8 casts, transposes, dequantize, bf16 rounding / pack / unpack: bit-identical to the CPU.
-//   * GemmFp8: cuBLASLt FP8 (TN layout, FP32 accumulation — with CUBLASLT_MATMUL_DESC_FAST_ACCUM
-//     while SetFp8FastAccumulation is on —, scale pointers to the two scale_inv device scalars,
-//     f32 output). Shapes cuBLASLt refuses (K or rows not multiples of 16, E5M2 x
+//   * GemmFp8: cuBLASLt FP8 (TN layout; partial sums promoted to FP32 every few K blocks, or kept
+//     in the tensor cores' accumulator over all of K (CUBLASLT_MATMUL_DESC_FAST_ACCUM) while
+//     SetFp8FastAccumulation is on; scale pointers to the two scale_inv device scalars; f32
+//     output). Shapes cuBLASLt refuses (K or rows not multiples of 16, E5M2 x
 //     E5M2) take an exact fallback: dequantize to f32 (exact), f32 GEMM, multiply by the scales.
 //   * Gemm: cuBLASLt with CUBLAS_COMPUTE_32F (no TF32) for kF32; kBF16 packs A and B to bfloat16
 //     (RNE) and multiplies on tensor cores with FP32 accumulation into f32 C.
@@ -219,10 +220,10 @@ class CudaBackend final : public Backend {
   size_t rope_table_bytes_ = 0;
   int64_t gemm_fp8_fallbacks_ = 0;
   std::unique_ptr<cuda::OpProfile> prof_;  // FSDP8_PROFILE_OPS=1 (kernels/cuda/op_profile.h)
+  bool fp8_fast_accum_ = false;  // SetFp8FastAccumulation
 #ifdef FSDP8_WITH_CUDNN
   std::unique_ptr<cuda::CudnnAttention> cudnn_;
   bool cudnn_failed_ = false;
-  bool fp8_fast_accum_ = false;  // SetFp8FastAccumulation
 #endif
 };
 
