@@ -25,7 +25,7 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
   for (size_t u = 0; u < plan.units.size(); ++u) {
     for (size_t b = 0; b < plan.units[u].buffers.size(); ++b) {
       const BufferPlan& bp = plan.units[u].buffers[b];
-      Buf buf;
+      Buf& buf = units_[u].emplace_back();
       buf.plan = &bp;
       const int64_t n = bp.shard_numel;
       // Master init on the host from the global index: only this rank's slice is materialised.
@@ -67,7 +67,6 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
         if (bp.padded_numel > at) buf.grad_gaps.push_back({at, bp.padded_numel});
       }
       if (bp.wire == WireDtype::kBf16) buf.wire = DevBuf::Zeros(be, n * sizeof(uint16_t));
-      units_[u].push_back(std::move(buf));
     }
   }
   const size_t nf = std::max<size_t>(fp8_refs_.size(), 1);
