@@ -43,7 +43,7 @@ class Backend {
 
   // ---- memory -------------------------------------------------------------------------------
   // Bytes on this backend's device; returns nullptr when exhausted. Contents are undefined (the
-  // CPU backend fills them with NaN bytes, so that a read before the first write shows).
+  // CPU backend fills them with NaN bytes under FSDP8_CPU_FILL_NAN=1, as the tests run it).
   virtual void* Alloc(size_t bytes) = 0;
   virtual void Free(void* p) = 0;
   virtual void CopyToDevice(void* dst, const void* host_src, size_t bytes) = 0;

@@ -121,7 +121,10 @@ inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 }  // namespace
 
-CpuBackend::CpuBackend() = default;
+CpuBackend::CpuBackend() {
+  const char* e = std::getenv("FSDP8_CPU_FILL_NAN");
+  fill_nan_ = e != nullptr && e[0] != '\0' && e[0] != '0';
+}
 
 CpuBackend::~CpuBackend() {
   for (auto& kv : sizes_) std::free(kv.first);
@@ -134,9 +137,7 @@ void* CpuBackend::Alloc(size_t bytes) {
       std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
   void* p = std::aligned_alloc(kAlignment, rounded);
   FSDP8_CPU_CHECK(p != nullptr);  // host out of memory: abort (backend.h, Errors)
-  // Fresh memory reads as NaN (all-ones bytes) until written, as an uninitialised device
-  // allocation may hold anything: a read before the first write shows in every result.
-  std::memset(p, 0xFF, rounded);
+  if (fill_nan_) std::memset(p, 0xFF, rounded);
   sizes_[p] = bytes;
   allocated_ += static_cast<int64_t>(bytes);
   peak_ = std::max(peak_, allocated_);
