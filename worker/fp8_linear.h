@@ -71,9 +71,7 @@ class ActScaling {
   // The device scale slot of tensor i as it stands (delayed scaling: no measurement).
   const float* Scale(int i) const { return scale_.f32() + i * kScaleStride; }
   // Whether forward FP8 GEMMs use fast accumulation (Fp8Recipe.forward_fast_accumulation).
-  bool forward_fast_accumulation() const {
-    return !recipe_.has_forward_fast_accumulation() || recipe_.forward_fast_accumulation();
-  }
+  bool forward_fast_accumulation() const { return recipe_.forward_fast_accumulation(); }
   // Tensor `to` takes the amax that tensor `from` records (the same input values, one cast):
   // EndStep copies it over before the update. Idempotent; `from` must record its own amax (no
   // chains: each `to` is resolved once).

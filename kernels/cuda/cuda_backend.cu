@@ -194,9 +194,10 @@ cudaDataType_t Fp8Type(Fp8Format f) {
 }
 
 // cuBLASLt's view of our TN FP8 product C (M, N) = A (M, K) · B (N, K)^T (see gemm.h): cuBLASLt A
-// is our B, its B our A; c_type and accumulate as the caller needs.
+// is our B, its B our A; fast_accum for the forward GEMMs (SetFp8FastAccumulation); c_type and
+// accumulate as the caller needs.
 cuda::LtProblem Fp8Problem(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-                           const uint8_t* B, Fp8Format b_fmt, const void* C) {
+                           const uint8_t* B, Fp8Format b_fmt, const void* C, bool fast_accum) {
   cuda::LtProblem p;
   p.m = N;
   p.n = M;
@@ -209,6 +210,7 @@ cuda::LtProblem Fp8Problem(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp
   p.ldb = K;
   p.ldc = N;
   p.scaled = true;
+  p.fast_accum = fast_accum;
   p.align_a = cuda::PointerAlignment(B);
   p.align_b = cuda::PointerAlignment(A);
   p.align_c = cuda::PointerAlignment(C);
@@ -227,8 +229,7 @@ void CudaBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8
     return;
   }
   // See gemm.h: column-major D (N, M) = B_stored(K, N)^T · A_stored(K, M).
-  cuda::LtProblem p = Fp8Problem(M, N, K, A, a_fmt, B, b_fmt, C);
-  p.fast_accum = fp8_fast_accum_;
+  cuda::LtProblem p = Fp8Problem(M, N, K, A, a_fmt, B, b_fmt, C, fp8_fast_accum_);
   p.accumulate = accumulate;
   const bool both_e5m2 = a_fmt == Fp8Format::kE5M2 && b_fmt == Fp8Format::kE5M2;
   if (!both_e5m2 && lt_->Run(p, B, A, C, b_scale_inv, a_scale_inv)) return;
@@ -558,8 +559,8 @@ void CudaBackend::GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint
   if (M <= 0 || N <= 0) return;
   const bool both_e5m2 = a_fmt == Fp8Format::kE5M2 && b_fmt == Fp8Format::kE5M2;
   if (K > 0 && !both_e5m2 && cuda::PointerAlignment(R) >= cuda::PointerAlignment(D)) {
-    cuda::LtProblem p = Fp8Problem(M, N, K, A, a_fmt, B, b_fmt, D);  // accumulating, C = R
-    p.fast_accum = fp8_fast_accum_;
+    // Accumulating, C = R.
+    cuda::LtProblem p = Fp8Problem(M, N, K, A, a_fmt, B, b_fmt, D, fp8_fast_accum_);
     p.accumulate = true;
     if (lt_->Run(p, B, A, D, b_scale_inv, a_scale_inv, R)) return;
   }
@@ -574,8 +575,7 @@ void CudaBackend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A,
   if (M <= 0 || N <= 0) return;
   const bool both_e5m2 = a_fmt == Fp8Format::kE5M2 && b_fmt == Fp8Format::kE5M2;
   if (K > 0 && !both_e5m2) {
-    cuda::LtProblem p = Fp8Problem(M, N, K, A, a_fmt, B, b_fmt, C16);
-    p.fast_accum = fp8_fast_accum_;
+    cuda::LtProblem p = Fp8Problem(M, N, K, A, a_fmt, B, b_fmt, C16, fp8_fast_accum_);
     p.c_type = CUDA_R_16BF;
     if (lt_->Run(p, B, A, C16, b_scale_inv, a_scale_inv)) return;
   }
