@@ -90,6 +90,25 @@ void Backend::RmsNormBackwardAdd(const float* dy, const float* x, const float* w
   Axpy(1.0f, dres, dx, N * C);
 }
 
+void Backend::RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b,
+                                          const uint16_t* dy_c, const float* x, const float* w,
+                                          const float* rstd, const float* dres, int64_t N,
+                                          int64_t C, float* dx, float* dw) {
+  const int64_t n = N * C;
+  float* dy = static_cast<float*>(Alloc(static_cast<size_t>(2 * (n > 0 ? n : 1)) * sizeof(float)));
+  if (dy == nullptr) abort();
+  float* part = dy + n;
+  UnpackBf16(dy_a, dy, n);
+  UnpackBf16(dy_b, part, n);
+  Axpy(1.0f, part, dy, n);
+  if (dy_c != nullptr) {
+    UnpackBf16(dy_c, part, n);
+    Axpy(1.0f, part, dy, n);
+  }
+  RmsNormBackwardAdd(dy, x, w, rstd, dres, N, C, dx, dw);
+  Free(dy);
+}
+
 void Backend::GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint8_t* A,
                                  Fp8Format a_fmt, const float* a_scale_inv, const uint8_t* B,
                                  Fp8Format b_fmt, const float* b_scale_inv, const float* R,
@@ -151,6 +170,18 @@ void Backend::RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, 
   RopeBf16(this, dx16, B, T, H, D, theta, /*backward=*/true);
 }
 
+void Backend::RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T,
+                                               int64_t H, int64_t D, float theta,
+                                               const float* scale, Fp8Format fmt, uint8_t* out,
+                                               uint8_t* out_t, float* amax_out) {
+  const int64_t n = B * T * H * D;
+  uint16_t* r16 = reinterpret_cast<uint16_t*>(F32Scratch(this, (n + 1) / 2));
+  Copy(r16, dx16, static_cast<size_t>(n) * sizeof(uint16_t));
+  RopeBackwardBf16(r16, B, T, H, D, theta);
+  CastTransposeFp8Bf16(r16, B * T, H * D, scale, fmt, out, out_t, amax_out);
+  Free(r16);
+}
+
 void Backend::AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16,
                                          const uint16_t* v16, int64_t B, int64_t T, int64_t H,
                                          int64_t Hkv, int64_t D, uint16_t* out16, float* lse) {
@@ -200,6 +231,22 @@ void Backend::SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate1
   PackBf16(buf, dgate16, n);
   PackBf16(buf + n, dup16, n);
   Free(buf);
+}
+
+void Backend::SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* gate16,
+                                             const uint16_t* up16, int64_t rows, int64_t cols,
+                                             const float* scale_gate, const float* scale_up,
+                                             Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
+                                             uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
+                                             float* amax_up) {
+  const int64_t n = rows * cols;
+  // Two bf16 gradients in one f32-sized scratch buffer (2n uint16 fit in n floats).
+  uint16_t* dgate16 = reinterpret_cast<uint16_t*>(F32Scratch(this, n));
+  uint16_t* dup16 = dgate16 + n;
+  SwigluBackwardBf16To16(dh16, gate16, up16, n, dgate16, dup16);
+  CastTransposeFp8Bf16(dgate16, rows, cols, scale_gate, fmt, dgate8, dgate8_t, amax_gate);
+  CastTransposeFp8Bf16(dup16, rows, cols, scale_up, fmt, dup8, dup8_t, amax_up);
+  Free(dgate16);
 }
 
 void Backend::AttentionBackwardBf16(const float* q, const float* k, const float* v,

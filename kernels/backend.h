@@ -190,6 +190,15 @@ class Backend {
   virtual void RmsNormBackwardAdd(const float* dy, const float* x, const float* w,
                                   const float* rstd, const float* dres, int64_t N, int64_t C,
                                   float* dx, float* dw);
+  // RmsNormBackwardAdd with dy given as bf16 parts whose f32 sum it is: dy = (dy_a + dy_b) + dy_c,
+  // added in that order and rounded once per addition (dy_c may be null: a + b). The parts are
+  // the dX of the FP8 linears that read the norm's output (q/k/v, gate/up), each from its own
+  // GEMM with bf16 output, so no GEMM reads and rewrites an f32 accumulator. The reference:
+  // UnpackBf16 of each part, Axpy the sum, RmsNormBackwardAdd. dy_a, dy_b, dy_c (N, C) bf16.
+  virtual void RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b,
+                                           const uint16_t* dy_c, const float* x, const float* w,
+                                           const float* rstd, const float* dres, int64_t N,
+                                           int64_t C, float* dx, float* dw);
 
   // ---- bfloat16 activations ------------------------------------------------------------------
   // Variants that take or give activations as bfloat16 bit patterns (uint16_t; f32 -> bf16 is
@@ -223,6 +232,15 @@ class Backend {
                                float theta);
   virtual void RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D,
                                 float theta);
+  // RopeBackwardBf16 fused with the FP8 cast-transpose of its result (a q or k grad-output),
+  // leaving dx16 as it was. The reference: a copy of dx16, RopeBackwardBf16 on it, then
+  // CastTransposeFp8Bf16 of the (B * T, H * D) result. dx16 (B, T, H, D) bf16; out (B * T, H * D)
+  // codes (may be null) and out_t (H * D, B * T) codes; scale (1), amax_out (1, or null) as
+  // CastTransposeFp8.
+  virtual void RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T,
+                                                int64_t H, int64_t D, float theta,
+                                                const float* scale, Fp8Format fmt, uint8_t* out,
+                                                uint8_t* out_t, float* amax_out);
   // AttentionForwardBf16 on bf16 operands, its (bf16-rounded) output returned as bf16:
   // q16, out16 (B, T, H, D); k16, v16 (B, T, Hkv, D); lse (B, H, T) f32.
   virtual void AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16,
@@ -243,6 +261,20 @@ class Backend {
   virtual void SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16,
                                       const uint16_t* up16, int64_t n, uint16_t* dgate16,
                                       uint16_t* dup16);
+  // The SwiGLU backward fused with the FP8 cast-transposes of its two gradients (the grad-outputs
+  // of the gate and up linears), without the bf16 round trip through memory. The reference:
+  // SwigluBackwardBf16To16(dh16, gate16, up16) into bf16 dgate16, dup16 (rows, cols), then
+  // CastTransposeFp8Bf16(dgate16, ..., scale_gate, fmt, dgate8, dgate8_t, amax_gate) and the same
+  // for dup16 with scale_up. dh16, gate16, up16 (rows, cols) bf16; dgate8, dup8 (rows, cols) FP8 codes
+  // (either may be null: not written) and dgate8_t, dup8_t (cols, rows) FP8 codes; scales (1) f32
+  // device scalars; amax_gate, amax_up (1) f32 device scalars or null, raised to the max |value|
+  // of the bf16 gradient they belong to.
+  virtual void SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* gate16,
+                                              const uint16_t* up16, int64_t rows, int64_t cols,
+                                              const float* scale_gate, const float* scale_up,
+                                              Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
+                                              uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
+                                              float* amax_up);
 
   // Softmax cross-entropy over V classes, fused with its gradient.
   // logits (N, V) f32 is overwritten with dlogits = (softmax - onehot(target)) * grad_scale;

@@ -246,6 +246,15 @@ void Linear::Backward(const float* dy, const uint16_t* dy16, int64_t M, int64_t 
     const float* scale = sc_->ScaleFor(dy_idx_, dy, M * N);
     be_->CastTransposeFp8(dy, M, N, scale, dfmt, dy8.u8(), dyT8.u8(), sc_->AmaxOut(dy_idx_));
   }
+  BackwardFp8(std::move(dy8), std::move(dyT8), M, K, N, w, saved, dx, accumulate_dx, dw, dx16);
+}
+
+void Linear::BackwardFp8(DevBuf dy8, DevBuf dyT8, int64_t M, int64_t K, int64_t N,
+                         const WeightView& w, const LinearSaved& saved, float* dx,
+                         bool accumulate_dx, float* dw, uint16_t* dx16) {
+  WORKER_CHECK(prec_ == v1::PRECISION_FP8 && saved.in != nullptr)
+      << "FP8 backward without its saved input";
+  const Fp8Format dfmt = sc_->format(dy_idx_);
   WORKER_CHECK(dx16 == nullptr || (dx == nullptr && !accumulate_dx)) << "dx16 with dx or accumulate";
   if (dx || dx16) {
     DevBuf wT(be_, N * K);
@@ -267,6 +276,7 @@ void Linear::Backward(const float* dy, const uint16_t* dy16, int64_t M, int64_t 
   // dW is overwritten: FsdpParams leaves FP8 weights' gradient buffers unzeroed (BeginGrads).
   be_->GemmFp8(N, K, M, dyT8.u8(), dfmt, sc_->ScaleInv(dy_idx_), in.xT.u8(), Fp8Format::kE4M3,
                in.scale_inv, dw, false);
+  dyT8.Reset();
 }
 
 }  // namespace fsdp8

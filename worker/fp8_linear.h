@@ -155,6 +155,19 @@ class Linear {
                 const WeightView& w, const LinearSaved& saved, float* dx, bool accumulate_dx,
                 float* dw, uint16_t* dx16 = nullptr);
 
+  // FP8 only: where this linear's grad-output dY is cast, for an op that computes dY and casts it
+  // in the same pass (Backend::SwigluBackwardCastTransposeFp8). Such an op may be used only when
+  // !DyNeedsAmaxFirst() (delayed scaling with history: no measurement before the cast).
+  bool DyNeedsAmaxFirst() const { return sc_->NeedsAmaxFirst(dy_idx_); }
+  const float* DyScale() const { return sc_->Scale(dy_idx_); }
+  float* DyAmaxOut() const { return sc_->AmaxOut(dy_idx_); }
+  Fp8Format dy_format() const { return sc_->format(dy_idx_); }
+  // FP8 only. Backward with dY already cast with DyScale(): dy8 (M, N) and its transpose dyT8
+  // (N, M), E5M2 / E4M3 codes of dy_format(); both are freed here as soon as they are used.
+  void BackwardFp8(DevBuf dy8, DevBuf dyT8, int64_t M, int64_t K, int64_t N, const WeightView& w,
+                   const LinearSaved& saved, float* dx, bool accumulate_dx, float* dw,
+                   uint16_t* dx16 = nullptr);
+
  private:
   // Finishes an input whose x8 was just cast with this linear's X scale: points at that
   // scale_inv (or keeps a copy when the slot may change before the backward) and shares the

@@ -299,30 +299,49 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
   Block& b = blocks_[l];
   const int64_t N = B * T_;
   // MLP: out = h + down(silu(gate) * up)
-  DevBuf dgate16(be_, N * F_ * 2), dup16(be_, N * F_ * 2);
-  {
-    DevBuf dact16(be_, N * F_ * 2);
-    b.ldown.Backward(dout->f32(), nullptr, N, F_, C_, View(b.down), a->sdown, nullptr, false,
-                     p_->G(b.down), dact16.u16());
-    a->sdown = LinearSaved();
+  DevBuf dact16(be_, N * F_ * 2);
+  b.ldown.Backward(dout->f32(), nullptr, N, F_, C_, View(b.down), a->sdown, nullptr, false,
+                   p_->G(b.down), dact16.u16());
+  a->sdown = LinearSaved();
+  // dn2 = dgate · Wgate + dup · Wup as two bf16 parts, summed in f32 by the norm's backward: no
+  // GEMM reads and rewrites an f32 accumulator.
+  DevBuf dn2g(be_, N * C_ * 2), dn2u(be_, N * C_ * 2);
+  if (!b.lgate.DyNeedsAmaxFirst() && !b.lup.DyNeedsAmaxFirst() &&
+      b.lgate.dy_format() == b.lup.dy_format()) {
+    // dgate and dup go straight from the SwiGLU gradient to their FP8 codes and transposes: no
+    // bf16 copy of either passes through memory.
+    DevBuf dg8(be_, N * F_), dgT8(be_, N * F_), du8(be_, N * F_), duT8(be_, N * F_);
+    be_->SwigluBackwardCastTransposeFp8(dact16.u16(), a->gate16.u16(), a->up16.u16(), N, F_,
+                                        b.lgate.DyScale(), b.lup.DyScale(), b.lgate.dy_format(),
+                                        dg8.u8(), dgT8.u8(), du8.u8(), duT8.u8(),
+                                        b.lgate.DyAmaxOut(), b.lup.DyAmaxOut());
+    dact16.Reset();
+    a->gate16.Reset();
+    a->up16.Reset();
+    b.lgate.BackwardFp8(std::move(dg8), std::move(dgT8), N, C_, F_, View(b.gate), a->sgate,
+                        nullptr, false, p_->G(b.gate), dn2g.u16());
+    b.lup.BackwardFp8(std::move(du8), std::move(duT8), N, C_, F_, View(b.up), a->sup, nullptr,
+                      false, p_->G(b.up), dn2u.u16());
+  } else {  // a grad-output scale measured first (first step, CURRENT recipe)
+    DevBuf dgate16(be_, N * F_ * 2), dup16(be_, N * F_ * 2);
     be_->SwigluBackwardBf16To16(dact16.u16(), a->gate16.u16(), a->up16.u16(), N * F_,
                                 dgate16.u16(), dup16.u16());
+    dact16.Reset();
+    a->gate16.Reset();
+    a->up16.Reset();
+    b.lgate.Backward(nullptr, dgate16.u16(), N, C_, F_, View(b.gate), a->sgate, nullptr, false,
+                     p_->G(b.gate), dn2g.u16());
+    b.lup.Backward(nullptr, dup16.u16(), N, C_, F_, View(b.up), a->sup, nullptr, false,
+                   p_->G(b.up), dn2u.u16());
   }
-  a->gate16.Reset();
-  a->up16.Reset();
-  DevBuf dn2(be_, N * C_ * 4);
-  b.lgate.Backward(nullptr, dgate16.u16(), N, C_, F_, View(b.gate), a->sgate, dn2.f32(), false,
-                   p_->G(b.gate));
-  b.lup.Backward(nullptr, dup16.u16(), N, C_, F_, View(b.up), a->sup, dn2.f32(), true,
-                 p_->G(b.up));
-  dgate16.Reset();
-  dup16.Reset();
   a->sgate = LinearSaved();
   a->sup = LinearSaved();
   DevBuf dh(be_, N * C_ * 4);
-  be_->RmsNormBackwardAdd(dn2.f32(), a->h.f32(), p_->W(b.post_norm), a->rstd2.f32(), dout->f32(),
-                          N, C_, dh.f32(), p_->G(b.post_norm));
-  dn2.Reset();
+  be_->RmsNormBackwardAddBf16Parts(dn2g.u16(), dn2u.u16(), nullptr, a->h.f32(),
+                                   p_->W(b.post_norm), a->rstd2.f32(), dout->f32(), N, C_,
+                                   dh.f32(), p_->G(b.post_norm));
+  dn2g.Reset();
+  dn2u.Reset();
   dout->Reset();
   // Attention: h = x + o_proj(attn)
   DevBuf dq16(be_, N * H_ * D_ * 2), dk16(be_, N * Hkv_ * D_ * 2), dv16(be_, N * Hkv_ * D_ * 2);
@@ -339,22 +358,37 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
   a->k16.Reset();
   a->v16.Reset();
   a->att16.Reset();
-  be_->RopeBackwardBf16(dq16.u16(), B, T_, H_, D_, theta_);
-  be_->RopeBackwardBf16(dk16.u16(), B, T_, Hkv_, D_, theta_);
-  DevBuf dn1(be_, N * C_ * 4);
-  b.lq.Backward(nullptr, dq16.u16(), N, C_, H_ * D_, View(b.q), a->sq, dn1.f32(), false,
-                p_->G(b.q));
-  b.lk.Backward(nullptr, dk16.u16(), N, C_, Hkv_ * D_, View(b.k), a->sk, dn1.f32(), true,
-                p_->G(b.k));
-  b.lv.Backward(nullptr, dv16.u16(), N, C_, Hkv_ * D_, View(b.v), a->sv, dn1.f32(), true,
-                p_->G(b.v));
+  // dn1 = dq · Wq + dk · Wk + dv · Wv as three bf16 parts (as dn2 above).
+  DevBuf dn1q(be_, N * C_ * 2), dn1k(be_, N * C_ * 2), dn1v(be_, N * C_ * 2);
+  // q and k: RoPE's backward and the grad-output cast in one pass where the scale is known.
+  auto rope_backward = [&](Linear& lin, DevBuf& d16, int64_t heads, const LinearSaved& saved,
+                           const TensorRef& w, DevBuf& dn) {
+    const int64_t n = N * heads * D_;
+    if (lin.DyNeedsAmaxFirst()) {
+      be_->RopeBackwardBf16(d16.u16(), B, T_, heads, D_, theta_);
+      lin.Backward(nullptr, d16.u16(), N, C_, heads * D_, View(w), saved, nullptr, false, p_->G(w),
+                   dn.u16());
+      return;
+    }
+    DevBuf d8(be_, n), dT8(be_, n);
+    be_->RopeBackwardCastTransposeFp8Bf16(d16.u16(), B, T_, heads, D_, theta_, lin.DyScale(),
+                                          lin.dy_format(), d8.u8(), dT8.u8(), lin.DyAmaxOut());
+    d16.Reset();
+    lin.BackwardFp8(std::move(d8), std::move(dT8), N, C_, heads * D_, View(w), saved, nullptr,
+                    false, p_->G(w), dn.u16());
+  };
+  rope_backward(b.lq, dq16, H_, a->sq, b.q, dn1q);
+  rope_backward(b.lk, dk16, Hkv_, a->sk, b.k, dn1k);
+  b.lv.Backward(nullptr, dv16.u16(), N, C_, Hkv_ * D_, View(b.v), a->sv, nullptr, false,
+                p_->G(b.v), dn1v.u16());
   dq16.Reset();
   dk16.Reset();
   dv16.Reset();
   a->sq = a->sk = a->sv = LinearSaved();
   DevBuf dx(be_, N * C_ * 4);
-  be_->RmsNormBackwardAdd(dn1.f32(), a->x_in.f32(), p_->W(b.in_norm), a->rstd1.f32(), dh.f32(), N,
-                          C_, dx.f32(), p_->G(b.in_norm));
+  be_->RmsNormBackwardAddBf16Parts(dn1q.u16(), dn1k.u16(), dn1v.u16(), a->x_in.f32(),
+                                   p_->W(b.in_norm), a->rstd1.f32(), dh.f32(), N, C_, dx.f32(),
+                                   p_->G(b.in_norm));
   *a = BlockActs();
   *dout = std::move(dx);
 }

@@ -1,4 +1,5 @@
 // FP8 casts, transposes, amax and bfloat16 rounding (Backend: CastToFp8, CastTransposeFp8,
+// SwigluBackwardCastTransposeFp8 (the SwiGLU gradient computed in the cast-transpose tile),
 // TransposeBytes, DequantizeFp8, AmaxAccumulate, RoundToBf16, PackBf16, UnpackBf16).
 //
 // Bit-exact with the CPU reference: the encoders in device_math.cuh (hardware cvt plus a NaN/sign
@@ -81,12 +82,15 @@ __global__ void CastBf16ToFp8Kernel(const uint16_t* __restrict__ in, uint8_t* __
   }
 }
 
-// Fused cast + transpose. Tile: 128 rows x 64 cols of `in`, 256 threads (8 warps).
+// Fused cast + transpose of a source's values (one or two per element: PlainSource,
+// SwigluBackwardSource below; each value has its own tileT). Tile: 128 rows x 64 cols, 256
+// threads (8 warps).
 // Thread (tx, ty), tx = 0..15 a group of 4 cols, ty = 0..15: owns rows 4ty..4ty+3 and
 // 64+4ty..64+4ty+3 of those cols. Lanes 0-7 of a warp take 8 consecutive col groups (one full 128-byte
 // line of a row), lanes 8-31 the next 3 row groups; this makes the smem stores below conflict-free.
-// Fast path (interior tile, cols % 4 == 0): all 8 float4 loads are issued before any encode (128 bytes
-// in flight per thread); 4 codes per row go to `out` as one u32; a 4x4 byte transpose in registers
+// Fast path (interior tile, cols % 4 == 0): the 8 four-element loads of the source's inputs are
+// issued before any encode (128 bytes in flight per thread and f32 input), or 4 at a time
+// (Src::kPreloadBothHalves false); 4 codes per row go to `out` as one u32; a 4x4 byte transpose in registers
 // gives, per col, 4 consecutive rows' codes as one u32 that is stored into the transposed smem tile
 // tileT[col][row]. Then each thread copies 16-byte chunks of tileT to out_t, a warp writing 4 full
 // 128-byte lines of out_t per instruction (when rows % 16 == 0 and out_t is 16-byte aligned).
@@ -133,48 +137,177 @@ __device__ __forceinline__ void Transpose4x4Bytes(uint32_t a0, uint32_t a1, uint
   t[3] = __byte_perm(p01h, p23h, 0x7632);
 }
 
-template <bool kE5M2, typename In>
+// What CastTransposeKernel casts: kOut values per element of the (rows, cols) grid, computed
+// from the source's inputs. Load4 reads the inputs of 4 consecutive elements of a row (c % 4 ==
+// 0, aligned); Values4 / Values1 turn them into the kOut values that are cast.
+template <typename In>
+struct PlainSource {  // the values of `in` (rows, cols) themselves
+  static constexpr int kOut = 1;
+  // Whether the fast path issues the loads of both 64-row halves before any compute (more bytes
+  // in flight) or half by half (fewer live registers: higher occupancy for a compute-heavy source).
+  static constexpr bool kPreloadBothHalves = true;
+  const In* in;
+  int64_t cols;
+  struct Raw {
+    float4 v;
+  };
+  __device__ __forceinline__ Raw Load4(int64_t r, int64_t c) const {
+    return {Load4F32(in + r * cols + c)};
+  }
+  __device__ __forceinline__ void Values4(const Raw& x, float4* v) const { v[0] = x.v; }
+  __device__ __forceinline__ void Values1(int64_t r, int64_t c, float* v) const {
+    v[0] = LoadF32(in + r * cols + c);
+  }
+};
+
+// dgate, dup of SwiGLU from bf16 dh, gate, up (rows, cols), each rounded to bf16 (SwigluGradDev,
+// the math of SwigluBackwardBf16To16): the casts see exactly the values that op stores.
+struct SwigluBackwardSource {
+  static constexpr int kOut = 2;
+  static constexpr bool kPreloadBothHalves = false;
+  const uint16_t* dh;
+  const uint16_t* gate;
+  const uint16_t* up;
+  int64_t cols;
+  struct Raw {
+    float4 d, g, u;
+  };
+  __device__ __forceinline__ Raw Load4(int64_t r, int64_t c) const {
+    const int64_t i = r * cols + c;
+    return {Load4F32(dh + i), Load4F32(gate + i), Load4F32(up + i)};
+  }
+  __device__ __forceinline__ static void One(float d, float g, float u, float* dg, float* du) {
+    SwigluGradDev(d, g, u, dg, du);
+    *dg = __uint_as_float(RoundBf16BitsDev(*dg));
+    *du = __uint_as_float(RoundBf16BitsDev(*du));
+  }
+  __device__ __forceinline__ void Values4(const Raw& x, float4* v) const {
+    One(x.d.x, x.g.x, x.u.x, &v[0].x, &v[1].x);
+    One(x.d.y, x.g.y, x.u.y, &v[0].y, &v[1].y);
+    One(x.d.z, x.g.z, x.u.z, &v[0].z, &v[1].z);
+    One(x.d.w, x.g.w, x.u.w, &v[0].w, &v[1].w);
+  }
+  __device__ __forceinline__ void Values1(int64_t r, int64_t c, float* v) const {
+    const int64_t i = r * cols + c;
+    One(LoadF32(dh + i), LoadF32(gate + i), LoadF32(up + i), &v[0], &v[1]);
+  }
+};
+
+// RopeBackward of bf16 dx (rows = B * T, cols = H * D), each result rounded to bf16: the values
+// LaunchRopeApplyBf16 (sign -1) stores in place, read here without being written. Element (r, c)
+// is half j of head dimension i = c % D; its pair partner is D/2 columns away in the same row.
+// Load4 needs D % 8 == 0 (4 elements never straddle a half).
+struct RopeBackwardSource {
+  static constexpr int kOut = 1;
+  static constexpr bool kPreloadBothHalves = false;
+  const uint16_t* dx;
+  int64_t cols;
+  uint32_t T, D;
+  const float2* table;  // (T, D/2) {cos, sin}
+  struct Raw {
+    float4 v;
+  };
+  __device__ __forceinline__ static float Rotated(float own, float other, float c, float s,
+                                                  bool low) {
+    float y1, y2;
+    if (low) {
+      RopeRotateDev(own, other, c, -s, &y1, &y2);
+      return __uint_as_float(RoundBf16BitsDev(y1));
+    }
+    RopeRotateDev(other, own, c, -s, &y1, &y2);
+    return __uint_as_float(RoundBf16BitsDev(y2));
+  }
+  // 32-bit index math: a 64-bit remainder costs tens of instructions per load.
+  __device__ __forceinline__ Raw Load4(int64_t r, int64_t c) const {
+    const uint32_t half = D / 2, i = static_cast<uint32_t>(c) % D;
+    const bool low = i < half;
+    const uint16_t* p = dx + r * cols + c;
+    const float4 own = Load4F32(p), other = Load4F32(low ? p + half : p - half);
+    const float2* cs = table + (static_cast<uint32_t>(r) % T) * half + (low ? i : i - half);
+    const float4 cs01 = *reinterpret_cast<const float4*>(cs);
+    const float4 cs23 = *reinterpret_cast<const float4*>(cs + 2);
+    return {make_float4(Rotated(own.x, other.x, cs01.x, cs01.y, low),
+                        Rotated(own.y, other.y, cs01.z, cs01.w, low),
+                        Rotated(own.z, other.z, cs23.x, cs23.y, low),
+                        Rotated(own.w, other.w, cs23.z, cs23.w, low))};
+  }
+  __device__ __forceinline__ void Values4(const Raw& x, float4* v) const { v[0] = x.v; }
+  __device__ __forceinline__ void Values1(int64_t r, int64_t c, float* v) const {
+    const uint32_t half = D / 2, i = static_cast<uint32_t>(c) % D;
+    const bool low = i < half;
+    const uint16_t* p = dx + r * cols + c;
+    const float2 cs = table[(static_cast<uint32_t>(r) % T) * half + (low ? i : i - half)];
+    v[0] = Rotated(LoadF32(p), LoadF32(low ? p + half : p - half), cs.x, cs.y, low);
+  }
+};
+
+// Per value k of the source: its scale, row-major codes (optional), transposed codes (optional)
+// and amax accumulator (optional).
+template <int kOut>
+struct CastOutputs {
+  const float* scale[kOut];
+  uint8_t* out[kOut];
+  uint8_t* out_t[kOut];
+  float* amax[kOut];
+};
+
+template <bool kE5M2, typename Src>
 __global__ void __launch_bounds__(kTileThreads)
-CastTransposeKernel(const In* __restrict__ in, int64_t rows, int64_t cols,
-                    const float* __restrict__ scale, uint8_t* __restrict__ out,
-                    uint8_t* __restrict__ out_t, float* amax_out, bool out_t_vec) {
-  __shared__ __align__(16) uint8_t tileT[kTileCols * kTileRows];
+CastTransposeKernel(Src src, int64_t rows, int64_t cols, CastOutputs<Src::kOut> o,
+                    bool out_t_vec) {
+  constexpr int kOut = Src::kOut;
+  __shared__ __align__(16) uint8_t tileT[kOut][kTileCols * kTileRows];
   __shared__ int red[kTileThreads / 32];
-  const float s = *scale;
+  float s[kOut];
+  int m[kOut];
+#pragma unroll
+  for (int k = 0; k < kOut; ++k) {
+    s[k] = *o.scale[k];
+    m[k] = 0;
+  }
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int tx = (lane & 7) + 8 * (warp & 1);
   const int ty = (lane >> 3) + 4 * (warp >> 1);
-  int m = 0;
   const bool full = (r0 + kTileRows <= rows) && (c0 + kTileCols <= cols);
   if (full && (cols % 4) == 0) {
-    float4 x[2][4];
-    const In* src = in + (r0 + 4 * ty) * cols + c0 + 4 * tx;
+    typename Src::Raw x[2][4];
+    auto load = [&](int h) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        x[h][i] = Load4F32(src + (64 * h + i) * cols);
-      }
+      for (int i = 0; i < 4; ++i) x[h][i] = src.Load4(r0 + 64 * h + 4 * ty + i, c0 + 4 * tx);
+    };
+    if (Src::kPreloadBothHalves) {
+      load(0);
+      load(1);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint32_t w[4];
+      if (!Src::kPreloadBothHalves) load(h);
+      uint32_t w[kOut][4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float4 v = x[h][i];
-        m = max(m, max(max(AbsBits(v.x), AbsBits(v.y)), max(AbsBits(v.z), AbsBits(v.w))));
-        w[i] = Encode4Dev<kE5M2>(v.x * s, v.y * s, v.z * s, v.w * s);
-        if (out != nullptr) {
-          *reinterpret_cast<uint32_t*>(out + (r0 + 64 * h + 4 * ty + i) * cols + c0 + 4 * tx) = w[i];
+        float4 v[kOut];
+        src.Values4(x[h][i], v);
+#pragma unroll
+        for (int k = 0; k < kOut; ++k) {
+          m[k] = max(m[k], max(max(AbsBits(v[k].x), AbsBits(v[k].y)),
+                               max(AbsBits(v[k].z), AbsBits(v[k].w))));
+          w[k][i] = Encode4Dev<kE5M2>(v[k].x * s[k], v[k].y * s[k], v[k].z * s[k], v[k].w * s[k]);
+          if (o.out[k] != nullptr) {
+            *reinterpret_cast<uint32_t*>(o.out[k] + (r0 + 64 * h + 4 * ty + i) * cols + c0 +
+                                         4 * tx) = w[k][i];
+          }
         }
       }
-      uint32_t t[4];
-      Transpose4x4Bytes(w[0], w[1], w[2], w[3], t);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        *reinterpret_cast<uint32_t*>(&tileT[TileTByte(4 * tx + j, 64 * h + 4 * ty)]) = t[j];
+      for (int k = 0; k < kOut; ++k) {
+        uint32_t t[4];
+        Transpose4x4Bytes(w[k][0], w[k][1], w[k][2], w[k][3], t);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          *reinterpret_cast<uint32_t*>(&tileT[k][TileTByte(4 * tx + j, 64 * h + 4 * ty)]) = t[j];
+        }
       }
     }
   } else {
@@ -187,21 +320,31 @@ CastTransposeKernel(const In* __restrict__ in, int64_t rows, int64_t cols,
         for (int j = 0; j < 4; ++j) {
           const int c = 4 * tx + j;
           if (r0 + r < rows && c0 + c < cols) {
-            const float v = LoadF32(in + (r0 + r) * cols + c0 + c);
-            m = max(m, AbsBits(v));
-            const uint32_t code = Encode1Dev<kE5M2>(v * s);
-            if (out != nullptr) out[(r0 + r) * cols + c0 + c] = static_cast<uint8_t>(code);
-            tileT[TileTByte(c, r)] = static_cast<uint8_t>(code);
+            float v[kOut];
+            src.Values1(r0 + r, c0 + c, v);
+#pragma unroll
+            for (int k = 0; k < kOut; ++k) {
+              m[k] = max(m[k], AbsBits(v[k]));
+              const uint32_t code = Encode1Dev<kE5M2>(v[k] * s[k]);
+              if (o.out[k] != nullptr) o.out[k][(r0 + r) * cols + c0 + c] = static_cast<uint8_t>(code);
+              tileT[k][TileTByte(c, r)] = static_cast<uint8_t>(code);
+            }
           }
         }
       }
     }
   }
   __syncthreads();
-  if (out_t != nullptr) StoreTileT(tileT, rows, cols, r0, c0, full && out_t_vec, out_t);
-  if (amax_out != nullptr) {
-    m = BlockMaxInt<kTileThreads>(m, red);
-    if (threadIdx.x == 0) AtomicMaxAbsBits(amax_out, m);
+#pragma unroll
+  for (int k = 0; k < kOut; ++k) {
+    if (o.out_t[k] != nullptr) StoreTileT(tileT[k], rows, cols, r0, c0, full && out_t_vec, o.out_t[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < kOut; ++k) {  // uniform over the block: BlockMaxInt's barriers are safe
+    if (o.amax[k] != nullptr) {
+      const int mk = BlockMaxInt<kTileThreads>(m[k], red);
+      if (threadIdx.x == 0) AtomicMaxAbsBits(o.amax[k], mk);
+    }
   }
 }
 
@@ -317,36 +460,76 @@ void LaunchCastToFp8(const float* in, uint8_t* out, int64_t n, const float* scal
 }
 
 namespace {
-template <typename In>
-void CastTransposeImpl(const In* in, int64_t rows, int64_t cols, const float* scale, Fp8Format fmt,
-                       uint8_t* out, uint8_t* out_t, float* amax_out, cudaStream_t stream) {
+template <typename Src>
+void CastTransposeImpl(const Src& src, int64_t rows, int64_t cols, Fp8Format fmt,
+                       const CastOutputs<Src::kOut>& o, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
   FSDP8_CUDA_REQUIRE(CeilDiv(rows, kTileRows) <= 65535, "CastTransposeFp8: rows too large");
-  FSDP8_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(in) % (4 * sizeof(In)) == 0, "CastTransposeFp8: in not aligned to 4 elements");
-  FSDP8_CUDA_REQUIRE(out == nullptr || reinterpret_cast<uintptr_t>(out) % 4 == 0, "CastTransposeFp8: out not 4-byte aligned");
-  FSDP8_CUDA_REQUIRE(out_t == nullptr || reinterpret_cast<uintptr_t>(out_t) % 4 == 0, "CastTransposeFp8: out_t not 4-byte aligned");
-  // 16-byte out_t stores need every out_t row start (col * rows) and chunk 16-byte aligned.
-  const bool out_t_vec = (rows % 16 == 0) && (reinterpret_cast<uintptr_t>(out_t) % 16 == 0);
+  bool out_t_vec = rows % 16 == 0;
+  for (int k = 0; k < Src::kOut; ++k) {
+    FSDP8_CUDA_REQUIRE(o.out[k] == nullptr || reinterpret_cast<uintptr_t>(o.out[k]) % 4 == 0, "CastTransposeFp8: out not 4-byte aligned");
+    FSDP8_CUDA_REQUIRE(o.out_t[k] == nullptr || reinterpret_cast<uintptr_t>(o.out_t[k]) % 4 == 0, "CastTransposeFp8: out_t not 4-byte aligned");
+    // 16-byte out_t stores need every out_t row start (col * rows) and chunk 16-byte aligned.
+    out_t_vec = out_t_vec && reinterpret_cast<uintptr_t>(o.out_t[k]) % 16 == 0;
+  }
   const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kTileCols)), static_cast<unsigned>(CeilDiv(rows, kTileRows)));
   if (fmt == Fp8Format::kE5M2) {
-    CastTransposeKernel<true, In><<<grid, kTileThreads, 0, stream>>>(in, rows, cols, scale, out, out_t, amax_out, out_t_vec);
+    CastTransposeKernel<true, Src><<<grid, kTileThreads, 0, stream>>>(src, rows, cols, o, out_t_vec);
   } else {
-    CastTransposeKernel<false, In><<<grid, kTileThreads, 0, stream>>>(in, rows, cols, scale, out, out_t, amax_out, out_t_vec);
+    CastTransposeKernel<false, Src><<<grid, kTileThreads, 0, stream>>>(src, rows, cols, o, out_t_vec);
   }
   FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+template <typename In>
+void PlainCastTranspose(const In* in, int64_t rows, int64_t cols, const float* scale,
+                        Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
+                        cudaStream_t stream) {
+  FSDP8_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(in) % (4 * sizeof(In)) == 0, "CastTransposeFp8: in not aligned to 4 elements");
+  CastTransposeImpl(PlainSource<In>{in, cols}, rows, cols, fmt,
+                    CastOutputs<1>{{scale}, {out}, {out_t}, {amax_out}}, stream);
 }
 }  // namespace
 
 void LaunchCastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
                             Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
                             cudaStream_t stream) {
-  CastTransposeImpl(in, rows, cols, scale, fmt, out, out_t, amax_out, stream);
+  PlainCastTranspose(in, rows, cols, scale, fmt, out, out_t, amax_out, stream);
 }
 
 void LaunchCastTransposeFp8Bf16(const uint16_t* in, int64_t rows, int64_t cols, const float* scale,
                                 Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
                                 cudaStream_t stream) {
-  CastTransposeImpl(in, rows, cols, scale, fmt, out, out_t, amax_out, stream);
+  PlainCastTranspose(in, rows, cols, scale, fmt, out, out_t, amax_out, stream);
+}
+
+void LaunchSwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* gate16,
+                                          const uint16_t* up16, int64_t rows, int64_t cols,
+                                          const float* scale_gate, const float* scale_up,
+                                          Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
+                                          uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
+                                          float* amax_up, cudaStream_t stream) {
+  for (const void* p : {static_cast<const void*>(dh16), static_cast<const void*>(gate16),
+                        static_cast<const void*>(up16)}) {
+    FSDP8_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(p) % 8 == 0, "SwigluBackwardCastTransposeFp8: input not aligned to 4 elements");
+  }
+  CastTransposeImpl(SwigluBackwardSource{dh16, gate16, up16, cols}, rows, cols, fmt,
+                    CastOutputs<2>{{scale_gate, scale_up}, {dgate8, dup8}, {dgate8_t, dup8_t},
+                                   {amax_gate, amax_up}},
+                    stream);
+}
+
+void LaunchRopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T,
+                                            int64_t H, int64_t D, const float* table,
+                                            const float* scale, Fp8Format fmt, uint8_t* out,
+                                            uint8_t* out_t, float* amax_out, cudaStream_t stream) {
+  FSDP8_CUDA_REQUIRE(D % 8 == 0 && reinterpret_cast<uintptr_t>(dx16) % 8 == 0 &&
+                         reinterpret_cast<uintptr_t>(table) % 16 == 0 && T < (int64_t{1} << 32),
+                     "RopeBackwardCastTransposeFp8Bf16: D % 8, dx16 8-byte or table 16-byte alignment");
+  CastTransposeImpl(RopeBackwardSource{dx16, H * D, static_cast<uint32_t>(T),
+                                       static_cast<uint32_t>(D),
+                                       reinterpret_cast<const float2*>(table)},
+                    B * T, H * D, fmt, CastOutputs<1>{{scale}, {out}, {out_t}, {amax_out}}, stream);
 }
 
 void LaunchCastToFp8Bf16(const uint16_t* in, uint8_t* out, int64_t n, const float* scale,

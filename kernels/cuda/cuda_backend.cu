@@ -387,6 +387,24 @@ void CudaBackend::RmsNormBackwardAdd(const float* dy, const float* x, const floa
   cuda::LaunchRmsNormBackward(dy, x, w, rstd, N, C, dx, dw, partials, stream_, dres);
 }
 
+void CudaBackend::RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b,
+                                              const uint16_t* dy_c, const float* x,
+                                              const float* w, const float* rstd,
+                                              const float* dres, int64_t N, int64_t C, float* dx,
+                                              float* dw) {
+  {
+    cuda::OpScope op_scope(prof_.get(), "RmsNormBackwardAddBf16Parts");
+    Bind();
+    float* partials = static_cast<float*>(
+        Scratch(kSlotPartials, sizeof(float) * cuda::RmsNormBackwardScratchFloats(N, C)));
+    if (cuda::LaunchRmsNormBackwardBf16Parts(dy_a, dy_b, dy_c, x, w, rstd, N, C, dx, dw, partials,
+                                             stream_, dres)) {
+      return;
+    }
+  }
+  Backend::RmsNormBackwardAddBf16Parts(dy_a, dy_b, dy_c, x, w, rstd, dres, N, C, dx, dw);
+}
+
 void CudaBackend::EnsureRopeTable(int64_t T, int64_t D, float theta) {
   if (rope_T_ == T && rope_D_ == D && rope_theta_ == theta) return;
   const size_t bytes = sizeof(float) * 2 * T * (D / 2);
@@ -613,6 +631,22 @@ void CudaBackend::RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t
   cuda::LaunchRopeApplyBf16(dx16, B, T, H, D, rope_table_, -1.0f, stream_);
 }
 
+void CudaBackend::RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T,
+                                                   int64_t H, int64_t D, float theta,
+                                                   const float* scale, Fp8Format fmt, uint8_t* out,
+                                                   uint8_t* out_t, float* amax_out) {
+  if (D % 8 != 0 || reinterpret_cast<uintptr_t>(dx16) % 8 != 0) {  // the unfused reference
+    Backend::RopeBackwardCastTransposeFp8Bf16(dx16, B, T, H, D, theta, scale, fmt, out, out_t,
+                                              amax_out);
+    return;
+  }
+  cuda::OpScope op_scope(prof_.get(), "RopeBackwardCastTransposeFp8Bf16");
+  Bind();
+  EnsureRopeTable(T, D, theta);
+  cuda::LaunchRopeBackwardCastTransposeFp8Bf16(dx16, B, T, H, D, rope_table_, scale, fmt, out,
+                                               out_t, amax_out, stream_);
+}
+
 #ifdef FSDP8_WITH_CUDNN
 void CudaBackend::CudnnRefused(const std::string& err) {
   fprintf(stderr, "fsdp8: cuDNN attention refused (%s); using the reference BF16 attention\n",
@@ -680,6 +714,19 @@ void CudaBackend::SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* g
   cuda::OpScope op_scope(prof_.get(), "SwigluBackwardBf16To16");
   Bind();
   cuda::LaunchSwigluBackwardBf16To16(dh16, gate16, up16, n, dgate16, dup16, stream_);
+}
+
+void CudaBackend::SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* gate16,
+                                                 const uint16_t* up16, int64_t rows, int64_t cols,
+                                                 const float* scale_gate, const float* scale_up,
+                                                 Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
+                                                 uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
+                                                 float* amax_up) {
+  cuda::OpScope op_scope(prof_.get(), "SwigluBackwardCastTransposeFp8");
+  Bind();
+  cuda::LaunchSwigluBackwardCastTransposeFp8(dh16, gate16, up16, rows, cols, scale_gate, scale_up,
+                                             fmt, dgate8, dgate8_t, dup8, dup8_t, amax_gate,
+                                             amax_up, stream_);
 }
 
 // ---- optimizer -----------------------------------------------------------------------------------

@@ -122,6 +122,10 @@ class CudaBackend final : public Backend {
 
   void RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C, float* rstd,
                       const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out) override;
+  void RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b,
+                                   const uint16_t* dy_c, const float* x, const float* w,
+                                   const float* rstd, const float* dres, int64_t N, int64_t C,
+                                   float* dx, float* dw) override;
   void RmsNormBackwardAdd(const float* dy, const float* x, const float* w, const float* rstd,
                           const float* dres, int64_t N, int64_t C, float* dx,
                           float* dw) override;
@@ -177,6 +181,14 @@ class CudaBackend final : public Backend {
                      Fp8Format fmt, uint8_t* out, float* amax_out) override;
   void SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16, const uint16_t* up16,
                               int64_t n, uint16_t* dgate16, uint16_t* dup16) override;
+  void RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T, int64_t H,
+                                        int64_t D, float theta, const float* scale, Fp8Format fmt,
+                                        uint8_t* out, uint8_t* out_t, float* amax_out) override;
+  void SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* gate16,
+                                      const uint16_t* up16, int64_t rows, int64_t cols,
+                                      const float* scale_gate, const float* scale_up, Fp8Format fmt,
+                                      uint8_t* dgate8, uint8_t* dgate8_t, uint8_t* dup8,
+                                      uint8_t* dup8_t, float* amax_gate, float* amax_up) override;
   void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                       float* dgate, float* dup) override;
 

@@ -158,6 +158,26 @@ __device__ __forceinline__ void Store4F32(uint16_t* p, float4 v) {
                  (RoundBf16BitsDev(v.z) >> 16) | RoundBf16BitsDev(v.w));
 }
 
+// SwiGLU gradient of one element, h = silu(g) * u: dgate = dh * u * s * (1 + g * (1 - s)),
+// dup = dh * g * s, s = sigmoid(g). One expression for every kernel that needs it, so a fused
+// kernel computes the same f32 values as SwigluBackward.
+__device__ __forceinline__ void SwigluGradDev(float dh, float g, float u, float* dgate, float* dup) {
+  // __frcp_rn is the correctly rounded 1 / x, the same value as the IEEE division, in fewer
+  // instructions (these kernels are close to instruction-bound).
+  const float s = __frcp_rn(1.0f + expf(-g));
+  *dgate = dh * u * s * (1.0f + g * (1.0f - s));
+  *dup = dh * g * s;
+}
+
+// One RoPE pair rotated by the angle whose cosine is c and sine s: y1 = x1 c - x2 s,
+// y2 = x2 c + x1 s, each product and sum rounded on its own (no FMA contraction), as the CPU
+// reference computes it; every RoPE kernel uses this expression.
+__device__ __forceinline__ void RopeRotateDev(float x1, float x2, float c, float s, float* y1,
+                                              float* y2) {
+  *y1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+  *y2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
 // |x| as int bits: for non-negative floats (and NaN with the sign cleared) integer order equals
 // float order, and any NaN compares above +inf, so an integer max is a NaN-propagating float max
 // whose result does not depend on the order of the operands (deterministic with atomicMax).

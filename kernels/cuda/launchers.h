@@ -30,6 +30,23 @@ void LaunchCastToFp8Bf16(const uint16_t* in, uint8_t* out, int64_t n, const floa
 void LaunchCastTransposeFp8Bf16(const uint16_t* in, int64_t rows, int64_t cols, const float* scale,
                                 Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
                                 cudaStream_t stream);
+// dgate, dup (rows, cols) of SwiGLU from bf16 dh16, gate16, up16 (the values, rounded to bf16,
+// of LaunchSwigluBackwardBf16To16), each cast with its own scale to row-major (optional) and
+// transposed (cols, rows) (optional) codes; amax of each into its accumulator when non-null.
+// Inputs 8-byte aligned.
+void LaunchSwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* gate16,
+                                          const uint16_t* up16, int64_t rows, int64_t cols,
+                                          const float* scale_gate, const float* scale_up,
+                                          Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
+                                          uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
+                                          float* amax_up, cudaStream_t stream);
+// dx16 (B, T, H, D) bf16 rotated back as LaunchRopeApplyBf16(sign -1) would (not in place: dx16
+// is only read), then cast as LaunchCastTransposeFp8Bf16 of the (B * T, H * D) result. table as
+// LaunchRopeTable wrote it (16-byte aligned); D % 8 == 0, dx16 8-byte aligned.
+void LaunchRopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T,
+                                            int64_t H, int64_t D, const float* table,
+                                            const float* scale, Fp8Format fmt, uint8_t* out,
+                                            uint8_t* out_t, float* amax_out, cudaStream_t stream);
 // out (cols, rows) = in (rows, cols)^T, bytes.
 void LaunchTransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
                           cudaStream_t stream);
@@ -68,6 +85,12 @@ int64_t RmsNormBackwardScratchFloats(int64_t N, int64_t C);
 void LaunchRmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
                            int64_t N, int64_t C, float* dx, float* dw, float* partials,
                            cudaStream_t stream, const float* dres = nullptr);
+// The same with dy = (dy_a + dy_b) + dy_c summed in f32 from bf16 (N, C) parts (dy_c may be
+// null). Returns false, launching nothing, for C above the fused kernel's limit (4096).
+bool LaunchRmsNormBackwardBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b,
+                                    const uint16_t* dy_c, const float* x, const float* w,
+                                    const float* rstd, int64_t N, int64_t C, float* dx, float* dw,
+                                    float* partials, cudaStream_t stream, const float* dres);
 
 // ---- rope.cu ---------------------------------------------------------------------------------
 // table (T, D/2, 2) f32: cos and sin of t * theta^(-2i/D), computed in double.

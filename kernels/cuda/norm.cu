@@ -15,6 +15,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kRowsPerChunk = 32;
+constexpr int64_t kMaxFusedNormCols = 16 * kThreads;  // RmsNormBackwardFusedKernel<16>
 
 // 1 / sqrt(mean(x^2) + eps) of one row, every thread of the block calling (fixed sum order:
 // thread t sums columns t, t + kThreads, ..., then the block tree).
@@ -80,9 +81,25 @@ __global__ void RmsNormDwPartialKernel(const float* __restrict__ dy, const float
 // dx and the dw partials in one pass over dy and x: one block per chunk of kRowsPerChunk rows,
 // each thread holding kCols columns (c = tid + j * kThreads) in registers. Same expressions and
 // summation orders as RmsNormBackwardDxKernel + RmsNormDwPartialKernel, so the same bits.
-template <int kCols>
+// dy element i: stored f32, or the f32 sum (a + b) + c of bf16 parts (c optional), added in that
+// order as the reference composition does.
+struct DyF32 {
+  const float* p;
+  __device__ __forceinline__ float operator[](int64_t i) const { return p[i]; }
+};
+struct DyBf16Parts {
+  const uint16_t* a;
+  const uint16_t* b;
+  const uint16_t* c;
+  __device__ __forceinline__ float operator[](int64_t i) const {
+    const float v = __fadd_rn(LoadF32(a + i), LoadF32(b + i));
+    return c != nullptr ? __fadd_rn(v, LoadF32(c + i)) : v;
+  }
+};
+
+template <int kCols, typename Dy>
 __global__ void __launch_bounds__(kThreads)
-RmsNormBackwardFusedKernel(const float* __restrict__ dy, const float* __restrict__ x,
+RmsNormBackwardFusedKernel(const Dy dy, const float* __restrict__ x,
                            const float* __restrict__ w, const float* __restrict__ rstd, int64_t N,
                            int64_t C, float* __restrict__ dx, const float* __restrict__ dres,
                            float* __restrict__ partials) {
@@ -139,6 +156,94 @@ RmsNormBackwardFusedKernel(const float* __restrict__ dy, const float* __restrict
   for (int j = 0; j < kCols; ++j) {
     const int64_t c = threadIdx.x + j * kThreads;
     if (c < C) partials[static_cast<int64_t>(blockIdx.x) * C + c] = acc[j];
+  }
+}
+
+// RmsNormBackwardFusedKernel for dy given as bf16 parts (DyBf16Parts) with 4 consecutive
+// columns per thread (c = 4 * (tid + j * kThreads)): 8-byte part loads and 16-byte f32 loads and
+// stores, where one column per thread made the bf16 loads 2 bytes each and the kernel latency-
+// bound. Same expressions per element; the block sum s adds each thread's 4 columns in order
+// first, so its rounding differs from the f32 kernel's (both are within the CPU tolerance).
+// Needs C % 4 == 0 and 16-byte aligned f32 rows (checked by the launcher).
+template <int kVec>
+__global__ void __launch_bounds__(kThreads)
+RmsNormBackwardParts4Kernel(const DyBf16Parts dy, const float* __restrict__ x,
+                            const float* __restrict__ w, const float* __restrict__ rstd, int64_t N,
+                            int64_t C, float* __restrict__ dx, const float* __restrict__ dres,
+                            float* __restrict__ partials) {
+  __shared__ float red[kThreads / 32];
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kRowsPerChunk;
+  const int64_t n1 = min(N, n0 + kRowsPerChunk);
+  const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  float4 acc[kVec], wv[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const int64_t c = 4 * (threadIdx.x + j * kThreads);
+    acc[j] = zero;
+    wv[j] = c < C ? *reinterpret_cast<const float4*>(w + c) : zero;
+  }
+  auto dy4 = [&](int64_t i) {
+    float4 v = Load4F32(dy.a + i);
+    const float4 b = Load4F32(dy.b + i);
+    v = make_float4(__fadd_rn(v.x, b.x), __fadd_rn(v.y, b.y), __fadd_rn(v.z, b.z), __fadd_rn(v.w, b.w));
+    if (dy.c != nullptr) {
+      const float4 c = Load4F32(dy.c + i);
+      v = make_float4(__fadd_rn(v.x, c.x), __fadd_rn(v.y, c.y), __fadd_rn(v.z, c.z), __fadd_rn(v.w, c.w));
+    }
+    return v;
+  };
+  float4 dyv[kVec], xv[kVec], dyn[kVec], xn[kVec], rv[kVec];
+  auto load = [&](int64_t n, float4* d, float4* xx) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int64_t c = 4 * (threadIdx.x + j * kThreads);
+      d[j] = c < C ? dy4(n * C + c) : zero;
+      xx[j] = c < C ? *reinterpret_cast<const float4*>(x + n * C + c) : zero;
+    }
+  };
+  if (n0 < n1) load(n0, dyv, xv);
+  for (int64_t n = n0; n < n1; ++n) {
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int64_t c = 4 * (threadIdx.x + j * kThreads);
+      s += dyv[j].x * wv[j].x * xv[j].x;
+      s += dyv[j].y * wv[j].y * xv[j].y;
+      s += dyv[j].z * wv[j].z * xv[j].z;
+      s += dyv[j].w * wv[j].w * xv[j].w;
+      rv[j] = dres != nullptr && c < C ? *reinterpret_cast<const float4*>(dres + n * C + c) : zero;
+    }
+    if (n + 1 < n1) load(n + 1, dyn, xn);
+    s = BlockSum<kThreads>(s, red);
+    const float r = rstd[n];
+    const float k = r * r * r * s / static_cast<float>(C);
+    float* dxr = dx + n * C;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int64_t c = 4 * (threadIdx.x + j * kThreads);
+      if (c >= C) continue;
+      auto one = [&](float d, float ww, float xx, float res, float* a) {
+        const float v = r * ww * d - k * xx;
+        *a += d * xx * r;
+        return dres != nullptr ? __fadd_rn(v, res) : v;
+      };
+      float4 o;
+      o.x = one(dyv[j].x, wv[j].x, xv[j].x, rv[j].x, &acc[j].x);
+      o.y = one(dyv[j].y, wv[j].y, xv[j].y, rv[j].y, &acc[j].y);
+      o.z = one(dyv[j].z, wv[j].z, xv[j].z, rv[j].z, &acc[j].z);
+      o.w = one(dyv[j].w, wv[j].w, xv[j].w, rv[j].w, &acc[j].w);
+      *reinterpret_cast<float4*>(dxr + c) = o;
+    }
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      dyv[j] = dyn[j];
+      xv[j] = xn[j];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const int64_t c = 4 * (threadIdx.x + j * kThreads);
+    if (c < C) *reinterpret_cast<float4*>(partials + static_cast<int64_t>(blockIdx.x) * C + c) = acc[j];
   }
 }
 
@@ -218,23 +323,68 @@ void LaunchRmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, 
 
 int64_t RmsNormBackwardScratchFloats(int64_t N, int64_t C) { return CeilDiv(N, kRowsPerChunk) * C; }
 
+namespace {
+template <typename Dy>
+void LaunchRmsNormBackwardFused(const Dy& dy, const float* x, const float* w, const float* rstd,
+                                int64_t N, int64_t C, float* dx, const float* dres,
+                                float* partials, cudaStream_t stream) {
+  const unsigned blocks = static_cast<unsigned>(CeilDiv(N, kRowsPerChunk));
+  if (C <= 2 * kThreads) {
+    RmsNormBackwardFusedKernel<2><<<blocks, kThreads, 0, stream>>>(dy, x, w, rstd, N, C, dx, dres, partials);
+  } else if (C <= 4 * kThreads) {
+    RmsNormBackwardFusedKernel<4><<<blocks, kThreads, 0, stream>>>(dy, x, w, rstd, N, C, dx, dres, partials);
+  } else if (C <= 8 * kThreads) {
+    RmsNormBackwardFusedKernel<8><<<blocks, kThreads, 0, stream>>>(dy, x, w, rstd, N, C, dx, dres, partials);
+  } else {
+    RmsNormBackwardFusedKernel<16><<<blocks, kThreads, 0, stream>>>(dy, x, w, rstd, N, C, dx, dres, partials);
+  }
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+}  // namespace
+
+bool LaunchRmsNormBackwardBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b,
+                                    const uint16_t* dy_c, const float* x, const float* w,
+                                    const float* rstd, int64_t N, int64_t C, float* dx, float* dw,
+                                    float* partials, cudaStream_t stream, const float* dres) {
+  if (C > kMaxFusedNormCols) return false;
+  if (N <= 0 || C <= 0) return true;
+  bool vec4 = C % 4 == 0;
+  for (const void* p : {static_cast<const void*>(x), static_cast<const void*>(w),
+                        static_cast<const void*>(dx), static_cast<const void*>(dres),
+                        static_cast<const void*>(partials)}) {
+    vec4 = vec4 && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  }
+  for (const void* p : {static_cast<const void*>(dy_a), static_cast<const void*>(dy_b),
+                        static_cast<const void*>(dy_c)}) {
+    vec4 = vec4 && reinterpret_cast<uintptr_t>(p) % 8 == 0;
+  }
+  const DyBf16Parts dy{dy_a, dy_b, dy_c};
+  const unsigned blocks = static_cast<unsigned>(CeilDiv(N, kRowsPerChunk));
+  if (vec4 && C <= 4 * kThreads) {
+    RmsNormBackwardParts4Kernel<1><<<blocks, kThreads, 0, stream>>>(dy, x, w, rstd, N, C, dx, dres, partials);
+    FSDP8_CUDA_LAUNCH_CHECK();
+  } else if (vec4 && C <= 8 * kThreads) {
+    RmsNormBackwardParts4Kernel<2><<<blocks, kThreads, 0, stream>>>(dy, x, w, rstd, N, C, dx, dres, partials);
+    FSDP8_CUDA_LAUNCH_CHECK();
+  } else if (vec4) {
+    RmsNormBackwardParts4Kernel<4><<<blocks, kThreads, 0, stream>>>(dy, x, w, rstd, N, C, dx, dres, partials);
+    FSDP8_CUDA_LAUNCH_CHECK();
+  } else {
+    LaunchRmsNormBackwardFused(dy, x, w, rstd, N, C, dx, dres, partials, stream);
+  }
+  RmsNormDwFinalKernel<<<static_cast<unsigned>(CeilDiv(C, kThreads)), kThreads, 0, stream>>>(
+      partials, CeilDiv(N, kRowsPerChunk), C, dw);
+  FSDP8_CUDA_LAUNCH_CHECK();
+  return true;
+}
+
 void LaunchRmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
                            int64_t N, int64_t C, float* dx, float* dw, float* partials,
                            cudaStream_t stream, const float* dres) {
   if (N <= 0 || C <= 0) return;
   const int64_t chunks = CeilDiv(N, kRowsPerChunk);
-  if (C <= 16 * kThreads) {
-    const unsigned blocks = static_cast<unsigned>(chunks);
-    if (C <= 2 * kThreads) {
-      RmsNormBackwardFusedKernel<2><<<blocks, kThreads, 0, stream>>>(dy, x, w, rstd, N, C, dx, dres, partials);
-    } else if (C <= 4 * kThreads) {
-      RmsNormBackwardFusedKernel<4><<<blocks, kThreads, 0, stream>>>(dy, x, w, rstd, N, C, dx, dres, partials);
-    } else if (C <= 8 * kThreads) {
-      RmsNormBackwardFusedKernel<8><<<blocks, kThreads, 0, stream>>>(dy, x, w, rstd, N, C, dx, dres, partials);
-    } else {
-      RmsNormBackwardFusedKernel<16><<<blocks, kThreads, 0, stream>>>(dy, x, w, rstd, N, C, dx, dres, partials);
-    }
-    FSDP8_CUDA_LAUNCH_CHECK();
+  if (C <= kMaxFusedNormCols) {
+    LaunchRmsNormBackwardFused(DyF32{dy}, x, w, rstd, N, C, dx, dres, partials, stream);
   } else {
     RmsNormBackwardDxKernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(dy, x, w, rstd, C, dx,
                                                                              dres);

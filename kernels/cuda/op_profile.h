@@ -25,6 +25,12 @@ class OpProfile {
   OpProfile(cudaStream_t stream, int device, double report_every_s)
       : stream_(stream), device_(device), every_s_(report_every_s), last_(Clock::now()) {}
   ~OpProfile() {
+    // A harvested op's end event lives on as its successor's prev_b, or as last_b_.
+    if (!pending_.empty() && pending_.front().prev_b != nullptr) {
+      cudaEventDestroy(pending_.front().prev_b);
+    } else if (pending_.empty() && last_b_ != nullptr) {
+      cudaEventDestroy(last_b_);
+    }
     for (auto& p : pending_) {
       cudaEventDestroy(p.a);
       cudaEventDestroy(p.b);
@@ -36,7 +42,7 @@ class OpProfile {
   bool Begin(std::string name) {
     if (depth_++ > 0) return false;
     cudaSetDevice(device_);  // events belong to the stream's device (several backends per thread)
-    Pair p{std::move(name), Take(), Take(), Clock::now(), 0.0};
+    Pair p{std::move(name), Take(), Take(), last_b_, Clock::now(), 0.0};
     cudaEventRecord(p.a, stream_);
     pending_.push_back(std::move(p));
     return true;
@@ -49,6 +55,7 @@ class OpProfile {
     // then includes the stream idling on the host.
     p.starved = cudaEventQuery(p.a) == cudaSuccess;
     cudaEventRecord(p.b, stream_);
+    last_b_ = p.b;
     p.host_ms = 1e3 * std::chrono::duration<double>(Clock::now() - p.t0).count();
     if (pending_.size() > 8192) Harvest(/*block=*/true);
   }
@@ -64,12 +71,16 @@ class OpProfile {
       cudaEventSynchronize(p.b);
       cudaEventElapsedTime(&ms, p.a, p.b);
       Stat& s = stats_[p.name];
+      if (p.prev_b != nullptr) {
+        float gap = 0;
+        if (cudaEventElapsedTime(&gap, p.prev_b, p.a) == cudaSuccess) s.gap_ms += gap;
+        pool_.push_back(p.prev_b);  // each end event is freed as its successor's prev_b
+      }
       s.calls += 1;
       s.ms += ms;
       s.host_ms += p.host_ms;
       s.starved += p.starved ? 1 : 0;
       pool_.push_back(p.a);
-      pool_.push_back(p.b);
     }
     pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(done));
     const double wall = std::chrono::duration<double>(Clock::now() - last_).count();
@@ -81,6 +92,7 @@ class OpProfile {
   struct Pair {
     std::string name;
     cudaEvent_t a, b;
+    cudaEvent_t prev_b;    // the previous op's end (null for the first): the stream gap before
     Clock::time_point t0;  // host time at the op's start
     double host_ms;        // host time inside the op call
     bool starved = false;
@@ -90,6 +102,7 @@ class OpProfile {
     double ms = 0;
     double host_ms = 0;
     int64_t starved = 0;
+    double gap_ms = 0;  // stream time between the previous op's end and this op's start
   };
 
   cudaEvent_t Take() {
@@ -107,23 +120,26 @@ class OpProfile {
     std::vector<std::pair<std::string, Stat>> rows(stats_.begin(), stats_.end());
     std::sort(rows.begin(), rows.end(),
               [](const auto& x, const auto& y) { return x.second.ms > y.second.ms; });
-    double total = 0, host = 0;
+    double total = 0, host = 0, gaps = 0;
     for (auto& r : rows) {
       total += r.second.ms;
       host += r.second.host_ms;
+      gaps += r.second.gap_ms;
     }
     std::fprintf(stderr,
                  "fsdp8 op profile: %.3f s wall, %.3f s in ops on the GPU (%.1f%%), %.3f s of host "
-                 "time inside op calls\n",
+                 "time inside op calls, %.3f s of stream gaps between ops (waits on collectives, host-bound "
+                 "gaps, step boundaries)\n",
                  wall_s, total * 1e-3, wall_s > 0 ? 100.0 * total * 1e-3 / wall_s : 0.0,
-                 host * 1e-3);
+                 host * 1e-3, gaps * 1e-3);
     for (auto& r : rows) {
-      std::fprintf(stderr, "  %-48s %8lld calls %10.2f ms %6.1f%% %9.1f us/call  host %7.1f us/call  stream idle at start %3.0f%%\n",
+      std::fprintf(stderr, "  %-48s %8lld calls %10.2f ms %6.1f%% %9.1f us/call  host %7.1f us/call  stream idle at start %3.0f%%  gap before %8.2f ms\n",
                    r.first.c_str(), static_cast<long long>(r.second.calls), r.second.ms,
                    total > 0 ? 100.0 * r.second.ms / total : 0.0,
                    r.second.calls ? 1e3 * r.second.ms / r.second.calls : 0.0,
                    r.second.calls ? 1e3 * r.second.host_ms / r.second.calls : 0.0,
-                   r.second.calls ? 100.0 * r.second.starved / r.second.calls : 0.0);
+                   r.second.calls ? 100.0 * r.second.starved / r.second.calls : 0.0,
+                   r.second.gap_ms);
     }
     std::fflush(stderr);
     stats_.clear();
@@ -135,6 +151,7 @@ class OpProfile {
   double every_s_;
   Clock::time_point last_;
   int depth_ = 0;
+  cudaEvent_t last_b_ = nullptr;  // the newest op's end event
   std::vector<Pair> pending_;
   std::vector<cudaEvent_t> pool_;
   std::map<std::string, Stat> stats_;

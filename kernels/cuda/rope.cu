@@ -42,9 +42,10 @@ __global__ void RopeApplyKernel(T_* __restrict__ x, int64_t B, int64_t T, int64_
     const float2 cs = table[t * half + i];
     const float c = cs.x, s = sign * cs.y;
     T_* p = x + row * D;
-    const float x1 = LoadF32(p + i), x2 = LoadF32(p + i + half);
-    StoreF32(p + i, x1 * c - x2 * s);
-    StoreF32(p + i + half, x2 * c + x1 * s);
+    float y1, y2;
+    RopeRotateDev(LoadF32(p + i), LoadF32(p + i + half), c, s, &y1, &y2);
+    StoreF32(p + i, y1);
+    StoreF32(p + i + half, y2);
   }
 }
 
@@ -70,9 +71,7 @@ __global__ void RopeApply4Kernel(T_* __restrict__ x, uint32_t rows, uint32_t T, 
     const float ss[4] = {cs01.y, cs01.w, cs23.y, cs23.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float c = cc[j], s = sign * ss[j];
-      y1[j] = x1[j] * c - x2[j] * s;
-      y2[j] = x2[j] * c + x1[j] * s;
+      RopeRotateDev(x1[j], x2[j], cc[j], sign * ss[j], &y1[j], &y2[j]);
     }
     Store4F32(p + i, make_float4(y1[0], y1[1], y1[2], y1[3]));
     Store4F32(p + i + half, make_float4(y2[0], y2[1], y2[2], y2[3]));

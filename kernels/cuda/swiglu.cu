@@ -18,18 +18,12 @@ __global__ void SwigluForwardKernel(const float* __restrict__ gate, const float*
   }
 }
 
-// dgate = dh * up * s * (1 + g * (1 - s)), dup = dh * g * s, s = sigmoid(g).
+// dgate, dup (n): SwigluGradDev per element.
 template <typename In>
 __global__ void SwigluBackwardKernel(const float* __restrict__ dh, const In* __restrict__ gate,
                                      const In* __restrict__ up, int64_t n,
                                      float* __restrict__ dgate, float* __restrict__ dup) {
-  FSDP8_GRID_STRIDE(i, n) {
-    const float g = LoadF32(gate + i);
-    const float s = 1.0f / (1.0f + expf(-g));
-    const float d = dh[i];
-    dgate[i] = d * LoadF32(up + i) * s * (1.0f + g * (1.0f - s));
-    dup[i] = d * g * s;
-  }
+  FSDP8_GRID_STRIDE(i, n) { SwigluGradDev(dh[i], LoadF32(gate + i), LoadF32(up + i), &dgate[i], &dup[i]); }
 }
 
 // All-bf16 backward, 4 elements per thread (8-byte loads and stores), the same math per element.
@@ -39,25 +33,20 @@ __global__ void SwigluBackward16Kernel(const uint16_t* __restrict__ dh, const ui
                                        bool vec) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  auto one = [](float d, float g, float u, float* dg, float* du) {
-    const float s = 1.0f / (1.0f + expf(-g));
-    *dg = d * u * s * (1.0f + g * (1.0f - s));
-    *du = d * g * s;
-  };
   const int64_t n4 = vec ? n / 4 : 0;
   for (int64_t i = tid; i < n4; i += stride) {
     const float4 d = Load4F32(dh + 4 * i), g = Load4F32(gate + 4 * i), u = Load4F32(up + 4 * i);
     float4 dg, du;
-    one(d.x, g.x, u.x, &dg.x, &du.x);
-    one(d.y, g.y, u.y, &dg.y, &du.y);
-    one(d.z, g.z, u.z, &dg.z, &du.z);
-    one(d.w, g.w, u.w, &dg.w, &du.w);
+    SwigluGradDev(d.x, g.x, u.x, &dg.x, &du.x);
+    SwigluGradDev(d.y, g.y, u.y, &dg.y, &du.y);
+    SwigluGradDev(d.z, g.z, u.z, &dg.z, &du.z);
+    SwigluGradDev(d.w, g.w, u.w, &dg.w, &du.w);
     Store4F32(dgate + 4 * i, dg);
     Store4F32(dup + 4 * i, du);
   }
   for (int64_t i = n4 * 4 + tid; i < n; i += stride) {
     float dg, du;
-    one(LoadF32(dh + i), LoadF32(gate + i), LoadF32(up + i), &dg, &du);
+    SwigluGradDev(LoadF32(dh + i), LoadF32(gate + i), LoadF32(up + i), &dg, &du);
     StoreF32(dgate + i, dg);
     StoreF32(dup + i, du);
   }

@@ -599,7 +599,7 @@ TEST_P(Conformance, RmsNorm) {
   struct S { int64_t N, C; };
   // C = 1 is left out: there dx = dy w rstd eps / (x^2 + eps) is a pure cancellation of two
   // equal terms, which no normwise tolerance can judge. C = 2 keeps the single-row edge case.
-  for (const S& s : {S{1, 2}, S{37, 129}, S{333, 2048}, S{4096, 5632}}) {
+  for (const S& s : {S{1, 2}, S{37, 129}, S{64, 1000}, S{333, 2048}, S{40, 4096}, S{4096, 5632}}) {
     const auto x = Randn(s.N * s.C, 2.0f), w = Uniform(s.C, 0.5f, 1.5f), dy = Randn(s.N * s.C);
     const auto dw0 = Randn(s.C);
     const std::string shape = std::to_string(s.N) + "x" + std::to_string(s.C);
@@ -661,6 +661,34 @@ TEST_P(Conformance, RmsNorm) {
       r.F32(&o, "dw", dw, s.C);
       return o;
     });
+    // dy as the f32 sum of bf16 parts (two: gate/up; three: q/k/v). C 5632 is above the CUDA
+    // fused kernel's limit and takes the composition there.
+    const auto dyb = Randn(s.N * s.C), dyc = Randn(s.N * s.C);
+    for (bool three : {false, true}) {
+      Check("RmsNormBackwardAddBf16Parts/" + shape + (three ? "/3" : "/2"),
+            Tol(static_cast<double>(s.C + s.N)), [&](DevRun& r) {
+              Outputs o;
+              const int64_t n = s.N * s.C;
+              auto packed = [&](const std::vector<float>& v) {
+                uint16_t* p = r.Out<uint16_t>(n);
+                r.b()->PackBf16(r.In(v), p, n);
+                return p;
+              };
+              float* y = r.Out<float>(n);
+              float* rstd = r.Out<float>(s.N);
+              const float* xd = r.In(x);
+              const float* wd = r.In(w);
+              r.b()->RmsNormForward(xd, wd, 1e-5f, s.N, s.C, y, rstd);
+              float* dx = r.Out<float>(n);
+              float* dw = r.In(dw0);
+              r.b()->RmsNormBackwardAddBf16Parts(packed(dy), packed(dyb),
+                                                 three ? packed(dyc) : nullptr, xd, wd, rstd,
+                                                 r.In(dres), s.N, s.C, dx, dw);
+              r.F32(&o, "dx", dx, n);
+              r.F32(&o, "dw", dw, s.C);
+              return o;
+            });
+    }
   }
 }
 
@@ -937,6 +965,66 @@ TEST_P(Conformance, Bf16Activations) {
             });
     }
   }
+  // The SwiGLU backward fused with the cast-transposes of its two gradients: codes one step apart
+  // at most (a bf16 gradient one ulp apart, as SwigluBackwardBf16To16 allows), amaxes within that
+  // ulp. The tile edges (37 x 129, 1000 x 36) take the kernel's element-by-element path.
+  for (auto& sh : shapes) {
+    const int64_t rows = sh[0], cols = sh[1], n = rows * cols;
+    const auto g = Randn(n, 2.0f), u = Randn(n);
+    auto dh = Randn(n, 4.0f);
+    dh[static_cast<size_t>(n / 3)] = 3e4f;  // saturates E4M3 at these scales
+    const std::vector<float> sg = {20.0f}, su = {8.0f};
+    for (Fp8Format fmt : kFormats) {
+      Check(std::string("SwigluBackwardCastTransposeFp8/") + FmtName(fmt) + "/" +
+                std::to_string(rows) + "x" + std::to_string(cols),
+            kEltTol + bf16_ulp, [&](DevRun& r) {
+              Outputs o;
+              uint8_t* dg8 = r.Out<uint8_t>(n);
+              uint8_t* dgT8 = r.Out<uint8_t>(n);
+              uint8_t* du8 = r.Out<uint8_t>(n);
+              uint8_t* duT8 = r.Out<uint8_t>(n);
+              float* amax = r.In(std::vector<float>{0.0f, 0.0f});
+              r.b()->SwigluBackwardCastTransposeFp8(packed(r, dh), packed(r, g), packed(r, u), rows,
+                                                    cols, r.In(sg), r.In(su), fmt, dg8, dgT8, du8,
+                                                    duT8, amax, amax + 1);
+              r.Fp8CodesNear(&o, "dgate8", dg8, n);
+              r.Fp8CodesNear(&o, "dgate8_t", dgT8, n);
+              r.Fp8CodesNear(&o, "dup8", du8, n);
+              r.Fp8CodesNear(&o, "dup8_t", duT8, n);
+              r.F32(&o, "amax", amax, 2);
+              return o;
+            });
+    }
+  }
+  // RoPE's backward fused with the cast-transpose of its result. (B, T, H, D): tile edges and a
+  // partial last tile (2, 37, 3, 16), full tiles (2, 128, 4, 64), D 8 (halves of 4), and D 6 (the
+  // CUDA backend falls back to the composition). dx16 must be left as it was.
+  struct RopeShape { int64_t B, T, H, D; };
+  for (const RopeShape& q : {RopeShape{2, 37, 3, 16}, RopeShape{2, 128, 4, 64},
+                             RopeShape{1, 64, 2, 8}, RopeShape{1, 20, 2, 6}}) {
+    const int64_t n = q.B * q.T * q.H * q.D;
+    const auto dx = Randn(n, 3.0f);
+    const std::vector<float> scale = {12.0f};
+    for (Fp8Format fmt : kFormats) {
+      Check(std::string("RopeBackwardCastTransposeFp8Bf16/") + FmtName(fmt) + "/" +
+                std::to_string(q.B) + "x" + std::to_string(q.T) + "x" + std::to_string(q.H) + "x" +
+                std::to_string(q.D),
+            kEltTol + bf16_ulp, [&](DevRun& r) {
+              Outputs o;
+              uint16_t* x16 = packed(r, dx);
+              uint8_t* out = r.Out<uint8_t>(n);
+              uint8_t* out_t = r.Out<uint8_t>(n);
+              float* amax = r.In(std::vector<float>{0.0f});
+              r.b()->RopeBackwardCastTransposeFp8Bf16(x16, q.B, q.T, q.H, q.D, 10000.0f,
+                                                      r.In(scale), fmt, out, out_t, amax);
+              r.Fp8CodesNear(&o, "out", out, n);
+              r.Fp8CodesNear(&o, "out_t", out_t, n);
+              r.F32(&o, "amax", amax, 1);
+              r.Bytes(&o, "dx16 unchanged", x16, n);
+              return o;
+            });
+    }
+  }
   struct G { int64_t M, N, K; };
   for (const G& s : {G{1, 1, 16}, G{37, 130, 32}, G{256, 512, 256}, G{512, 2048, 2048}}) {
     auto codes = [&](int64_t n) {
@@ -1021,6 +1109,94 @@ TEST_P(Conformance, Bf16Activations) {
       unpacked(r, &o, "dv", dv, nk);
       return o;
     });
+  }
+}
+
+// On each backend the fused SwiGLU backward + cast-transposes gives exactly the codes and amaxes
+// of its unfused composition (SwigluBackwardBf16To16, then CastTransposeFp8Bf16 of each
+// gradient): the model takes one path or the other depending on whether the grad-output scales
+// are known before the cast, and the two must train identically.
+TEST_P(Conformance, SwigluBackwardCastTransposeIsItsComposition) {
+  for (Fp8Format fmt : kFormats) {
+    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{300, 200}, {256, 1408}, {37, 129}}) {
+      const int64_t n = rows * cols;
+      const auto dh = Randn(n, 4.0f), g = Randn(n, 2.0f), u = Randn(n);
+      DevRun r(dut_.get());
+      Backend* b = r.b();
+      auto packed = [&](const std::vector<float>& x) {
+        uint16_t* p = r.Out<uint16_t>(n);
+        b->PackBf16(r.In(x), p, n);
+        return p;
+      };
+      const uint16_t *dh16 = packed(dh), *g16 = packed(g), *u16 = packed(u);
+      const float* sg = r.In(std::vector<float>{24.0f});
+      const float* su = r.In(std::vector<float>{6.0f});
+      Outputs fused, unfused;
+      {
+        uint8_t* c[4];
+        for (auto& p : c) p = r.Out<uint8_t>(n);
+        float* amax = r.In(std::vector<float>{0.0f, 0.0f});
+        b->SwigluBackwardCastTransposeFp8(dh16, g16, u16, rows, cols, sg, su, fmt, c[0], c[1], c[2],
+                                          c[3], amax, amax + 1);
+        for (uint8_t* p : c) r.Bytes(&fused, "codes", p, n);
+        r.Bytes(&fused, "amax", amax, 2);
+      }
+      {
+        uint16_t* dg16 = r.Out<uint16_t>(n);
+        uint16_t* du16 = r.Out<uint16_t>(n);
+        b->SwigluBackwardBf16To16(dh16, g16, u16, n, dg16, du16);
+        uint8_t* c[4];
+        for (auto& p : c) p = r.Out<uint8_t>(n);
+        float* amax = r.In(std::vector<float>{0.0f, 0.0f});
+        b->CastTransposeFp8Bf16(dg16, rows, cols, sg, fmt, c[0], c[1], amax);
+        b->CastTransposeFp8Bf16(du16, rows, cols, su, fmt, c[2], c[3], amax + 1);
+        for (uint8_t* p : c) r.Bytes(&unfused, "codes", p, n);
+        r.Bytes(&unfused, "amax", amax, 2);
+      }
+      const char* names[] = {"dgate8", "dgate8_t", "dup8", "dup8_t", "amax"};
+      for (size_t k = 0; k < fused.size(); ++k) {
+        size_t diff = 0;
+        EXPECT_TRUE(SameBits(fused[k], unfused[k], &diff))
+            << FmtName(fmt) << " " << rows << "x" << cols << " " << names[k] << " on " << GetParam()
+            << ": fused differs from unfused at byte " << diff;
+      }
+    }
+  }
+}
+
+// Likewise RoPE's backward fused with the cast-transpose of its result, against RopeBackwardBf16
+// followed by CastTransposeFp8Bf16 on the same backend.
+TEST_P(Conformance, RopeBackwardCastTransposeIsItsComposition) {
+  const int64_t B = 2, T = 160, H = 3, D = 64, n = B * T * H * D;
+  const auto dx = Randn(n, 3.0f);
+  for (Fp8Format fmt : kFormats) {
+    DevRun r(dut_.get());
+    Backend* b = r.b();
+    uint16_t* x16 = r.Out<uint16_t>(n);
+    b->PackBf16(r.In(dx), x16, n);
+    const float* scale = r.In(std::vector<float>{16.0f});
+    Outputs fused, unfused;
+    uint8_t* out = r.Out<uint8_t>(n);
+    uint8_t* out_t = r.Out<uint8_t>(n);
+    float* amax = r.In(std::vector<float>{0.0f});
+    b->RopeBackwardCastTransposeFp8Bf16(x16, B, T, H, D, 10000.0f, scale, fmt, out, out_t, amax);
+    r.Bytes(&fused, "out", out, n);
+    r.Bytes(&fused, "out_t", out_t, n);
+    r.Bytes(&fused, "amax", amax, 1);
+    b->RopeBackwardBf16(x16, B, T, H, D, 10000.0f);
+    uint8_t* out2 = r.Out<uint8_t>(n);
+    uint8_t* out2_t = r.Out<uint8_t>(n);
+    float* amax2 = r.In(std::vector<float>{0.0f});
+    b->CastTransposeFp8Bf16(x16, B * T, H * D, scale, fmt, out2, out2_t, amax2);
+    r.Bytes(&unfused, "out", out2, n);
+    r.Bytes(&unfused, "out_t", out2_t, n);
+    r.Bytes(&unfused, "amax", amax2, 1);
+    for (size_t k = 0; k < fused.size(); ++k) {
+      size_t diff = 0;
+      EXPECT_TRUE(SameBits(fused[k], unfused[k], &diff))
+          << FmtName(fmt) << " " << fused[k].name << " on " << GetParam()
+          << ": fused differs from unfused at byte " << diff;
+    }
   }
 }
 
