@@ -117,6 +117,27 @@ void Backend::GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint8_t*
   GemmFp8(M, N, K, A, a_fmt, a_scale_inv, B, b_fmt, b_scale_inv, D, true);
 }
 
+void Backend::GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                       const uint16_t* A16, const uint16_t* B16, float* C, bool accumulate) {
+  float* a = F32Scratch(this, M * K);
+  float* b = F32Scratch(this, N * K);
+  UnpackBf16(A16, a, M * K);
+  UnpackBf16(B16, b, N * K);
+  Gemm(trans_a, trans_b, M, N, K, a, b, C, accumulate, GemmInputs::kF32);
+  Free(a);
+  Free(b);
+}
+
+void Backend::CrossEntropyForwardBackwardBf16Grad(const float* logits, const int32_t* targets,
+                                                  int64_t N, int64_t V, float grad_scale,
+                                                  float* losses, uint16_t* dlogits16) {
+  float* g = F32Scratch(this, N * V);
+  Copy(g, logits, static_cast<size_t>(N * V) * sizeof(float));
+  CrossEntropyForwardBackward(g, targets, N, V, grad_scale, losses);
+  PackBf16(g, dlogits16, N * V);
+  Free(g);
+}
+
 void Backend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                           const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
                           const float* b_scale_inv, uint16_t* C16) {
@@ -240,9 +261,9 @@ void Backend::SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_
                                              uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
                                              float* amax_up) {
   const int64_t n = rows * cols;
-  // Two bf16 gradients in one f32-sized scratch buffer (2n uint16 fit in n floats).
-  uint16_t* dgate16 = reinterpret_cast<uint16_t*>(F32Scratch(this, n));
-  uint16_t* dup16 = dgate16 + n;
+  // Two bf16 gradients in one scratch buffer, the second starting 8-byte aligned.
+  uint16_t* dgate16 = reinterpret_cast<uint16_t*>(F32Scratch(this, n + 2));
+  uint16_t* dup16 = dgate16 + ((n + 3) & ~int64_t{3});
   SwigluBackwardBf16To16(dh16, gate16, up16, n, dgate16, dup16);
   CastTransposeFp8Bf16(dgate16, rows, cols, scale_gate, fmt, dgate8, dgate8_t, amax_gate);
   CastTransposeFp8Bf16(dup16, rows, cols, scale_up, fmt, dup8, dup8_t, amax_up);

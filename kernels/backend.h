@@ -215,6 +215,11 @@ class Backend {
                                   Fp8Format a_fmt, const float* a_scale_inv, const uint8_t* B,
                                   Fp8Format b_fmt, const float* b_scale_inv, const float* R,
                                   float* D);
+  // Gemm with inputs already bf16: A16, B16 hold bf16 bit patterns with the shapes of Gemm's A,
+  // B; C (M, N) f32. The same result as Gemm(..., GemmInputs::kBF16) on the unpacked values (which
+  // rounding to bf16 leaves unchanged). The reference: UnpackBf16 both, Gemm with kF32.
+  virtual void GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                        const uint16_t* A16, const uint16_t* B16, float* C, bool accumulate);
   // C16 (M, N) = bf16(A · Bᵀ · a_scale_inv · b_scale_inv): GemmFp8 without accumulation, its f32
   // result rounded once to bf16 (cuBLASLt's BF16 output on CUDA).
   virtual void GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
@@ -280,6 +285,13 @@ class Backend {
   // logits (N, V) f32 is overwritten with dlogits = (softmax - onehot(target)) * grad_scale;
   // losses (N) f32 receives -log softmax[target] in nats. targets (N) int32 in [0, V).
   // With grad_scale = 0 only losses are produced (logits are still overwritten).
+  // CrossEntropyForwardBackward with the gradient written as bf16 to dlogits16 (N, V) instead of
+  // over the logits, which are left as they were: the gradient of a BF16 head goes to its GEMMs
+  // once, in the precision they read it. The reference: a copy of the logits,
+  // CrossEntropyForwardBackward on it, PackBf16.
+  virtual void CrossEntropyForwardBackwardBf16Grad(const float* logits, const int32_t* targets,
+                                                   int64_t N, int64_t V, float grad_scale,
+                                                   float* losses, uint16_t* dlogits16);
   virtual void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
                                            int64_t V, float grad_scale, float* losses) = 0;
 

@@ -1,5 +1,7 @@
 #include "worker/model.h"
 
+#include <cstdlib>
+
 #include <algorithm>
 
 #include "worker/check.h"
@@ -26,6 +28,9 @@ struct LlamaModel::BlockActs {
 LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* scaling,
                        Backend* be)
     : be_(be), p_(params) {
+  if (const char* e = std::getenv("FSDP8_HEAD_CHUNK_LOGIT_BYTES"); e != nullptr && e[0] != '\0') {
+    head_chunk_bytes_ = std::max<int64_t>(1, std::atoll(e));
+  }
   const v1::ModelConfig& m = spec.model();
   C_ = m.d_model();
   H_ = m.n_heads();
@@ -393,6 +398,30 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
   *dout = std::move(dx);
 }
 
+void LlamaModel::HeadBf16(const float* nf, const int32_t* targets, int64_t N, float grad_scale,
+                          float* losses, float* dnf) {
+  // Rows per chunk: at most head_chunk_bytes_ of f32 logits (by default 8192 of 16384 rows at
+  // vocab 32768), so the logits and their bf16 gradient take 1.5 GiB at a time instead of 3.
+  const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(N, head_chunk_bytes_ / (V_ * 4)));
+  // W (V, C) and nf (N, C) in bf16 once: the GEMMs read the operands the BF16 head rounds to.
+  DevBuf w16(be_, V_ * C_ * 2), nf16(be_, N * C_ * 2);
+  be_->PackBf16(p_->W(head_), w16.u16(), V_ * C_);
+  be_->PackBf16(nf, nf16.u16(), N * C_);
+  float* dw = p_->G(head_);
+  for (int64_t r0 = 0; r0 < N; r0 += rows) {
+    const int64_t n = std::min(rows, N - r0);
+    const uint16_t* x16 = nf16.u16() + r0 * C_;
+    DevBuf logits(be_, n * V_ * 4);
+    be_->GemmBf16(false, true, n, V_, C_, x16, w16.u16(), logits.f32(), false);  // (n, V)
+    DevBuf g16(be_, n * V_ * 2);
+    be_->CrossEntropyForwardBackwardBf16Grad(logits.f32(), targets + r0, n, V_, grad_scale,
+                                             losses + r0, g16.u16());
+    logits.Reset();
+    be_->GemmBf16(false, false, n, C_, V_, g16.u16(), w16.u16(), dnf + r0 * C_, false);  // dnf
+    be_->GemmBf16(true, false, V_, C_, n, g16.u16(), x16, dw, true);  // dW (V, C) += gᵀ · nf
+  }
+}
+
 absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int64_t B,
                              float grad_scale, float* losses, bool backward) {
   const int64_t N = B * T_;
@@ -425,26 +454,36 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
   if (backward && L > 0) {
     if (absl::Status s = p_->Prefetch(unit_of(L - 1)); !s.ok()) return s;
   }
-  DevBuf nf(be_, N * C_ * 4), rstdf(be_, N * 4), logits(be_, N * V_ * 4);
+  DevBuf nf(be_, N * C_ * 4), rstdf(be_, N * 4);
   be_->RmsNormForward(x.f32(), p_->W(final_norm_), eps_, N, C_, nf.f32(), rstdf.f32());
-  LinearSaved sh;
-  lhead_.Forward(nf.f32(), N, C_, V_, View(head_), logits.f32(), backward ? &sh : nullptr);
-  be_->CrossEntropyForwardBackward(logits.f32(), targets, N, V_, backward ? grad_scale : 0.0f,
-                                   losses);
-  if (!backward) {
-    p_->Release(head_unit_);
-    return absl::OkStatus();
+  DevBuf dnf;
+  if (backward && lhead_.precision() == v1::PRECISION_BF16) {
+    // Forward and backward of the head interleave (row chunks): the forward phase's peak is
+    // taken after both.
+    p_->BeginGrads(head_unit_);
+    dnf = DevBuf(be_, N * C_ * 4);
+    HeadBf16(nf.f32(), targets, N, grad_scale, losses, dnf.f32());
+    forward_peak_ = std::max(forward_peak_, be_->PeakAllocatedBytes());
+    be_->ResetPeak();
+  } else {
+    DevBuf logits(be_, N * V_ * 4);
+    LinearSaved sh;
+    lhead_.Forward(nf.f32(), N, C_, V_, View(head_), logits.f32(), backward ? &sh : nullptr);
+    be_->CrossEntropyForwardBackward(logits.f32(), targets, N, V_, backward ? grad_scale : 0.0f,
+                                     losses);
+    if (!backward) {
+      p_->Release(head_unit_);
+      return absl::OkStatus();
+    }
+    forward_peak_ = std::max(forward_peak_, be_->PeakAllocatedBytes());
+    be_->ResetPeak();
+    p_->BeginGrads(head_unit_);
+    dnf = DevBuf(be_, N * C_ * 4);
+    lhead_.Backward(logits.f32(), N, C_, V_, View(head_), sh, dnf.f32(), false, p_->G(head_));
   }
-  forward_peak_ = std::max(forward_peak_, be_->PeakAllocatedBytes());
-  be_->ResetPeak();
-  p_->BeginGrads(head_unit_);
-  DevBuf dnf(be_, N * C_ * 4);
-  lhead_.Backward(logits.f32(), N, C_, V_, View(head_), sh, dnf.f32(), false, p_->G(head_));
-  logits.Reset();
   DevBuf dx(be_, N * C_ * 4);
   be_->RmsNormBackward(dnf.f32(), x.f32(), p_->W(final_norm_), rstdf.f32(), N, C_, dx.f32(),
                        p_->G(final_norm_));
-  sh = LinearSaved();
   nf.Reset();
   x.Reset();
   p_->Release(head_unit_);

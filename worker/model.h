@@ -60,6 +60,12 @@ class LlamaModel {
   void BlockBackward(int l, int64_t B, BlockActs* acts, DevBuf* dx);
   // The same for an FP8 block with BF16 attention (bf16 activations between its GEMMs).
   absl::Status BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs* acts);
+  // The BF16 head's forward and backward with its loss, in row chunks: logits (rows, V) f32 per
+  // chunk, the cross-entropy gradient straight to bf16 (Backend::CrossEntropyForwardBackwardBf16Grad),
+  // dnf (N, C) f32 written, the head's weight gradient accumulated. nf (N, C) f32, targets (N),
+  // losses (N) nats.
+  void HeadBf16(const float* nf, const int32_t* targets, int64_t N, float grad_scale,
+                float* losses, float* dnf);
   void BlockBackwardFp8(int l, int64_t B, BlockActs* acts, DevBuf* dx);
 
   Backend* be_;
@@ -68,6 +74,9 @@ class LlamaModel {
   float eps_, theta_;
   bool attention_bf16_ = false;  // precision.attention == BF16
   bool recompute_ = false;       // training.activation_recompute
+  // f32 logits per chunk of the BF16 head (HeadBf16): 1 GiB, or FSDP8_HEAD_CHUNK_LOGIT_BYTES
+  // (smaller saves memory at the head at some speed; the tests use it to run several chunks).
+  int64_t head_chunk_bytes_ = int64_t{1} << 30;
   int64_t forward_peak_ = 0, backward_peak_ = 0;
   TensorRef embed_, final_norm_, head_;
   Linear lhead_;

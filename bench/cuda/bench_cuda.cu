@@ -14,8 +14,12 @@
 //      non-deterministic), then the Backend's f32 kernels (f32 storage) for comparison. When cuDNN
 //      cannot build a graph the reason is printed and the f32 rows still run.
 //
+//  (f) the memory-bound backward passes of a 1b block (RMSNorm backward with bf16 dX parts, the
+//      fused SwiGLU / RoPE backward + cast-transposes and their unfused compositions), GB/s.
+//
 // Timing: cudaEvents around each call on the backend's stream, 5 warm-up calls, median of 21,
-// inputs rotated between two sets. Usage: fsdp8-bench-cuda [--device N] [--quick]
+// inputs rotated between two sets. Usage: fsdp8-bench-cuda [--device N] [--quick] [--only LETTERS]
+// (--only f: section (f) only; d and e run inside c).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -204,10 +208,19 @@ char* Fmt(double v, const char* unit) {
 int main(int argc, char** argv) {
   int device = 0;
   bool quick = false;
+  std::string only;  // section letters to run (all when empty)
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--device") && i + 1 < argc) device = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
   }
+  auto want = [&](const char* letters) {
+    if (only.empty()) return true;
+    for (const char* l = letters; *l; ++l) {
+      if (only.find(*l) != std::string::npos) return true;
+    }
+    return false;
+  };
   if (quick) {
     g_warm = 2;
     g_iters = 5;
@@ -227,7 +240,7 @@ int main(int argc, char** argv) {
               prop.multiProcessorCount, cublas_ver, CUDART_VERSION);
 
   // ---- (a) GEMMs ------------------------------------------------------------------------------
-  {
+  if (want("a")) {
     using fsdp8::Fp8Format;
     const int64_t M = 16384;
     const int64_t d = 2048, f = 5632;
@@ -326,7 +339,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- (b) cast + transpose bandwidth -----------------------------------------------------------
-  {
+  if (want("b")) {
     const size_t copy_bytes = size_t{1} << 30;
     void* src = be->Alloc(copy_bytes);
     void* dst = be->Alloc(copy_bytes);
@@ -371,7 +384,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- (c) attention ---------------------------------------------------------------------------
-  {
+  if (want("cde")) {
     const int64_t Bn = 8, H = 16, D = 128, T = 2048;
     const double fwd_flop = 2.0 * Bn * H * static_cast<double>(T) * T * D;
     const double bwd_flop = 2.5 * fwd_flop;
@@ -556,7 +569,7 @@ int main(int argc, char** argv) {
     g_rows.push_back({"attention", "cudnn bf16", "not built", "350 TF/s target", "-"});
 #endif
   }
-  {
+  if (want("c")) {
     const int64_t Bn = 8, H = 16, D = 128, T = 2048;
     const int64_t n = Bn * T * H * D;
     std::vector<float*> bufs;
@@ -589,6 +602,69 @@ int main(int argc, char** argv) {
     g_rows.push_back({"attention", "f32 bwd", Fmt(tf_b, "TF/s"), "-", "-"});
     g_rows.push_back({"attention", "f32 fwd+bwd", Fmt(tf_fb, "TF/s"), "350 TF/s target", "-"});
     for (float* p : bufs) be->Free(p);
+  }
+
+  // ---- (f) the memory-bound backward passes of a 1b block ---------------------------------------
+  // Backend ops at M 16384, C 2048, F 5632 (H 16, D 128): time and bytes moved (reads + writes,
+  // as each op's documentation counts them) per time, against the copy bandwidth of (b).
+  if (want("f")) {
+    const int64_t M = 16384, C = 2048, F = 5632, B = 8, T = 2048, H = 16, D = 128;
+    std::vector<void*> bufs;
+    auto alloc = [&](size_t bytes) {
+      void* p = be->Alloc(bytes);
+      be->Memset(p, 0x3C, bytes);  // f32 and bf16 values near 0.0115, FP8 codes: all finite
+      bufs.push_back(p);
+      return p;
+    };
+    auto f32 = [&](int64_t n) { return static_cast<float*>(alloc(n * 4)); };
+    auto b16 = [&](int64_t n) { return static_cast<uint16_t*>(alloc(n * 2)); };
+    auto u8 = [&](int64_t n) { return static_cast<uint8_t*>(alloc(n)); };
+    float *x = f32(M * C), *dres = f32(M * C), *dx = f32(M * C), *dy = f32(M * C);
+    float *w = f32(C), *rstd = f32(M), *dw = f32(C);
+    uint16_t *pa = b16(M * C), *pb = b16(M * C), *pc = b16(M * C);
+    uint16_t *dh = b16(M * F), *g = b16(M * F), *u = b16(M * F), *dg16 = b16(M * F), *du16 = b16(M * F);
+    uint8_t *o1 = u8(M * F), *o2 = u8(M * F), *o3 = u8(M * F), *o4 = u8(M * F);
+    float* sc = f32(8);
+    float* amax = f32(2);
+    const float one[8] = {1, 0, 0, 0, 1, 0, 0, 0};
+    be->CopyToDevice(sc, one, sizeof(one));
+    std::printf("\n(f) memory-bound backward passes of a 1b block (us, GB/s of bytes read + written)\n");
+    auto row = [&](const char* name, double bytes, const std::function<void(int)>& fn) {
+      const double ms = MedianMs(st, fn);
+      std::printf("  %-44s %8.1f us %8.1f GB/s\n", name, 1e3 * ms, bytes / ms / 1e6);
+      g_rows.push_back({"backward", name, Fmt(1e3 * ms, "us"), Fmt(bytes / ms / 1e6, "GB/s"), "-"});
+    };
+    const double mc = static_cast<double>(M * C), mf = static_cast<double>(M * F);
+    row("RmsNormBackwardAdd f32", 16 * mc, [&](int) {
+      be->RmsNormBackwardAdd(dy, x, w, rstd, dres, M, C, dx, dw);
+    });
+    row("RmsNormBackwardAddBf16Parts 2 parts", 4 * mc + 12 * mc, [&](int) {
+      be->RmsNormBackwardAddBf16Parts(pa, pb, nullptr, x, w, rstd, dres, M, C, dx, dw);
+    });
+    row("RmsNormBackwardAddBf16Parts 3 parts", 6 * mc + 12 * mc, [&](int) {
+      be->RmsNormBackwardAddBf16Parts(pa, pb, pc, x, w, rstd, dres, M, C, dx, dw);
+    });
+    row("SwigluBackwardCastTransposeFp8", 6 * mf + 4 * mf, [&](int) {
+      be->SwigluBackwardCastTransposeFp8(dh, g, u, M, F, sc, sc + 4, fsdp8::Fp8Format::kE5M2, o1,
+                                         o2, o3, o4, amax, amax + 1);
+    });
+    row("SwigluBackwardBf16To16 + 2 CastTransposeFp8Bf16", 10 * mf + 8 * mf, [&](int) {
+      be->SwigluBackwardBf16To16(dh, g, u, M * F, dg16, du16);
+      be->CastTransposeFp8Bf16(dg16, M, F, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax);
+      be->CastTransposeFp8Bf16(du16, M, F, sc + 4, fsdp8::Fp8Format::kE5M2, o3, o4, amax + 1);
+    });
+    row("CastTransposeFp8Bf16 16384x5632", 2 * mf + 2 * mf, [&](int) {
+      be->CastTransposeFp8Bf16(dg16, M, F, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax);
+    });
+    row("RopeBackwardCastTransposeFp8Bf16 (q)", 2 * mc + 2 * mc, [&](int) {
+      be->RopeBackwardCastTransposeFp8Bf16(pa, B, T, H, D, 10000.0f, sc, fsdp8::Fp8Format::kE5M2,
+                                           o1, o2, amax);
+    });
+    row("RopeBackwardBf16 + CastTransposeFp8Bf16 (q)", 4 * mc + 4 * mc, [&](int) {
+      be->RopeBackwardBf16(pb, B, T, H, D, 10000.0f);
+      be->CastTransposeFp8Bf16(pb, M, C, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax);
+    });
+    for (void* p : bufs) be->Free(p);
   }
 
   std::printf("\n%-10s %-26s %-14s %-18s %s\n", "section", "case", "fsdp8", "reference", "ratio");

@@ -206,11 +206,26 @@ CudnnAttention::Plan* CudnnAttention::GetPlan(int kind, int64_t B, int64_t T, in
   return p;
 }
 
+void* CudnnAttention::Workspace(size_t bytes, bool* taken, std::string* error) {
+  *taken = false;
+  if (!alloc_) return EnsureWorkspace(bytes, error) ? workspace_ : nullptr;
+  if (bytes == 0) return nullptr;
+  void* w = alloc_(bytes);
+  if (w == nullptr) {
+    SetError(error, "cuDNN attention workspace: allocating " + std::to_string(bytes) +
+                        " bytes failed (device out of memory)");
+    return nullptr;
+  }
+  *taken = true;
+  return w;
+}
+
 bool CudnnAttention::Prepare(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, std::string* error) {
   Plan* f = GetPlan(kForward, B, T, H, Hkv, D, error);
   if (f == nullptr) return false;
   Plan* b = GetPlan(deterministic_ ? kBackwardDet : kBackwardNonDet, B, T, H, Hkv, D, error);
   if (b == nullptr) return false;
+  if (alloc_) return true;  // per-call workspaces
   return EnsureWorkspace(static_cast<size_t>(std::max(f->workspace, b->workspace)), error);
 }
 
@@ -224,17 +239,28 @@ bool CudnnAttention::Forward(const void* q, const void* k, const void* v, void* 
   if (!EnsureHandle(error)) return false;
   Plan* p = GetPlan(kForward, B, T, H, Hkv, D, error);
   if (p == nullptr) return false;
-  if (!EnsureWorkspace(static_cast<size_t>(p->workspace), error)) return false;
   const cudnnStatus_t st = cudnnSetStream(static_cast<cudnnHandle_t>(handle_), stream);
   if (st != CUDNN_STATUS_SUCCESS) {
     SetError(error, std::string("cudnnSetStream: ") + cudnnGetErrorString(st));
     return false;
   }
+  bool taken = false;
+  void* workspace = Workspace(static_cast<size_t>(p->workspace), &taken, error);
+  if (workspace == nullptr && p->workspace > 0) return false;
+  // Given back once execute has enqueued its work (stream-ordered), on every path below.
+  struct Giveback {
+    CudnnAttention* self;
+    void* w;
+    bool taken;
+    ~Giveback() {
+      if (taken) self->release_(w);
+    }
+  } giveback{this, workspace, taken};
   std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<void*>(q)}, {kK, const_cast<void*>(k)},
                                              {kV, const_cast<void*>(v)}, {kO, o},
                                              {kStats, stats}};
   try {
-    fe::error_t e = p->graph->execute(static_cast<cudnnHandle_t>(handle_), pack, workspace_);
+    fe::error_t e = p->graph->execute(static_cast<cudnnHandle_t>(handle_), pack, workspace);
     if (e.is_bad()) {
       SetError(error, "cuDNN SDPA forward (" + ShapeText(B, T, H, Hkv, D) + "): execute: " + e.get_message());
       return false;
@@ -257,12 +283,23 @@ bool CudnnAttention::Backward(const void* q, const void* k, const void* v, const
   if (!EnsureHandle(error)) return false;
   Plan* p = GetPlan(deterministic_ ? kBackwardDet : kBackwardNonDet, B, T, H, Hkv, D, error);
   if (p == nullptr) return false;
-  if (!EnsureWorkspace(static_cast<size_t>(p->workspace), error)) return false;
   const cudnnStatus_t st = cudnnSetStream(static_cast<cudnnHandle_t>(handle_), stream);
   if (st != CUDNN_STATUS_SUCCESS) {
     SetError(error, std::string("cudnnSetStream: ") + cudnnGetErrorString(st));
     return false;
   }
+  bool taken = false;
+  void* workspace = Workspace(static_cast<size_t>(p->workspace), &taken, error);
+  if (workspace == nullptr && p->workspace > 0) return false;
+  // Given back once execute has enqueued its work (stream-ordered), on every path below.
+  struct Giveback {
+    CudnnAttention* self;
+    void* w;
+    bool taken;
+    ~Giveback() {
+      if (taken) self->release_(w);
+    }
+  } giveback{this, workspace, taken};
   std::unordered_map<int64_t, void*> pack = {
       {kQ, const_cast<void*>(q)},     {kK, const_cast<void*>(k)},
       {kV, const_cast<void*>(v)},     {kO, const_cast<void*>(o)},
@@ -270,7 +307,7 @@ bool CudnnAttention::Backward(const void* q, const void* k, const void* v, const
       {kDQ, dq},                      {kDK, dk},
       {kDV, dv}};
   try {
-    fe::error_t e = p->graph->execute(static_cast<cudnnHandle_t>(handle_), pack, workspace_);
+    fe::error_t e = p->graph->execute(static_cast<cudnnHandle_t>(handle_), pack, workspace);
     if (e.is_bad()) {
       SetError(error, "cuDNN SDPA backward (" + ShapeText(B, T, H, Hkv, D) + "): execute: " + e.get_message());
       return false;

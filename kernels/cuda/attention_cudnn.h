@@ -28,7 +28,9 @@
 // Graphs (one forward, one backward per shape and determinism setting) are built on first use
 // and cached; Prepare() builds them ahead of time. Building takes milliseconds to a second.
 // The workspace is one device buffer grown to the largest graph's need (cudaFree + cudaMalloc,
-// which synchronize the device, only while growing).
+// which synchronize the device, only while growing), or, with set_workspace_allocator, a buffer
+// taken from the caller's allocator for each call and given back right after it is enqueued
+// (stream-ordered allocators only), so that it is held only while attention runs.
 //
 // Errors: every entry point returns false and sets *error (when non-null) to a message naming the
 // stage and cuDNN's reason, e.g. "cuDNN 9.14.0 SDPA backward (B 8 T 2048 H 16 Hkv 16 D 128):
@@ -41,6 +43,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -80,8 +83,17 @@ class CudnnAttention {
                 const float* stats, void* dq, void* dk, void* dv, int64_t B, int64_t T, int64_t H,
                 int64_t Hkv, int64_t D, cudaStream_t stream, std::string* error);
 
-  // Bytes of the workspace buffer currently held (0 before the first call).
+  // Bytes of the workspace buffer currently held (0 before the first call, and always 0 with
+  // set_workspace_allocator).
   size_t workspace_bytes() const { return workspace_bytes_; }
+  // Per-call workspaces from `alloc` (nullptr: out of memory), returned through `release` once
+  // the call's work is enqueued on its stream; both must be ordered on that stream (e.g.
+  // cudaMallocAsync / cudaFreeAsync on it).
+  void set_workspace_allocator(std::function<void*(size_t)> alloc,
+                               std::function<void(void*)> release) {
+    alloc_ = std::move(alloc);
+    release_ = std::move(release);
+  }
 
  private:
   struct Plan;  // a built graph (or the error that prevented building it)
@@ -91,12 +103,16 @@ class CudnnAttention {
   Plan* GetPlan(int kind, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
                 std::string* error);
   bool EnsureWorkspace(size_t bytes, std::string* error);
+  // The workspace for one call of `bytes`: the held buffer, or one from alloc_ (set *taken).
+  void* Workspace(size_t bytes, bool* taken, std::string* error);
 
   int device_;
   bool deterministic_ = true;
   void* handle_ = nullptr;  // cudnnHandle_t
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  std::function<void*(size_t)> alloc_;
+  std::function<void(void*)> release_;
   std::map<Key, std::unique_ptr<Plan>> plans_;
 };
 

@@ -485,6 +485,7 @@ template <typename In>
 void PlainCastTranspose(const In* in, int64_t rows, int64_t cols, const float* scale,
                         Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
                         cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
   FSDP8_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(in) % (4 * sizeof(In)) == 0, "CastTransposeFp8: in not aligned to 4 elements");
   CastTransposeImpl(PlainSource<In>{in, cols}, rows, cols, fmt,
                     CastOutputs<1>{{scale}, {out}, {out_t}, {amax_out}}, stream);
@@ -509,6 +510,7 @@ void LaunchSwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* 
                                           Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
                                           uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
                                           float* amax_up, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
   for (const void* p : {static_cast<const void*>(dh16), static_cast<const void*>(gate16),
                         static_cast<const void*>(up16)}) {
     FSDP8_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(p) % 8 == 0, "SwigluBackwardCastTransposeFp8: input not aligned to 4 elements");
@@ -523,6 +525,7 @@ void LaunchRopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int
                                             int64_t H, int64_t D, const float* table,
                                             const float* scale, Fp8Format fmt, uint8_t* out,
                                             uint8_t* out_t, float* amax_out, cudaStream_t stream) {
+  if (B * T <= 0 || H * D <= 0) return;
   FSDP8_CUDA_REQUIRE(D % 8 == 0 && reinterpret_cast<uintptr_t>(dx16) % 8 == 0 &&
                          reinterpret_cast<uintptr_t>(table) % 16 == 0 && T < (int64_t{1} << 32),
                      "RopeBackwardCastTransposeFp8Bf16: D % 8, dx16 8-byte or table 16-byte alignment");

@@ -1,5 +1,6 @@
 // Softmax cross-entropy fused with its gradient (Backend: CrossEntropyForwardBackward).
-//   logits (N, V) f32 in -> dlogits (N, V) = (softmax - onehot(target)) * grad_scale (in place)
+//   logits (N, V) f32 in -> dlogits (N, V) = (softmax - onehot(target)) * grad_scale (in place,
+//   or as bf16 into a separate buffer)
 //   losses (N) = logsumexp(row) - row[target]   (nats)
 // One block per row. Pass 1 reads the row once with an online max/sum (Milakov & Gimelshein 2018,
 // "Online normalizer calculation for softmax"); the per-thread (max, sum) pairs merge in a fixed
@@ -22,12 +23,15 @@ __device__ __forceinline__ void Merge(float& m, float& s, float m2, float s2) {
   m = mn;
 }
 
+// G: float (the gradient over the logits, in place: grad == logits) or uint16_t (bf16 bits).
+template <typename G>
 __global__ void __launch_bounds__(kThreads)
-CrossEntropyKernel(float* __restrict__ logits, const int32_t* __restrict__ targets, int64_t V,
-                   float grad_scale, float* __restrict__ losses) {
+CrossEntropyKernel(const float* logits, const int32_t* __restrict__ targets, int64_t V,
+                   float grad_scale, float* __restrict__ losses, G* grad) {
   __shared__ float sm_m[kThreads / 32], sm_s[kThreads / 32];
   const int64_t row = blockIdx.x;
-  float* x = logits + row * V;
+  const float* x = logits + row * V;
+  G* g = grad + row * V;
   const int64_t target = targets[row];
   const float xt = x[target];
   float m = -INFINITY, s = 0.0f;
@@ -62,7 +66,7 @@ CrossEntropyKernel(float* __restrict__ logits, const int32_t* __restrict__ targe
   if (threadIdx.x == 0) losses[row] = lse - xt;
   for (int64_t j = threadIdx.x; j < V; j += kThreads) {
     const float p = expf(x[j] - lse);
-    x[j] = (p - (j == target ? 1.0f : 0.0f)) * grad_scale;
+    StoreF32(g + j, (p - (j == target ? 1.0f : 0.0f)) * grad_scale);
   }
 }
 
@@ -72,7 +76,16 @@ void LaunchCrossEntropy(float* logits, const int32_t* targets, int64_t N, int64_
                         float grad_scale, float* losses, cudaStream_t stream) {
   if (N <= 0 || V <= 0) return;
   FSDP8_CUDA_REQUIRE(N <= 0x7FFFFFFF, "CrossEntropy: too many rows");
-  CrossEntropyKernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(logits, targets, V, grad_scale, losses);
+  CrossEntropyKernel<float><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(logits, targets, V, grad_scale, losses, logits);
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+void LaunchCrossEntropyBf16Grad(const float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                float grad_scale, float* losses, uint16_t* dlogits16,
+                                cudaStream_t stream) {
+  if (N <= 0 || V <= 0) return;
+  FSDP8_CUDA_REQUIRE(N <= 0x7FFFFFFF, "CrossEntropy: too many rows");
+  CrossEntropyKernel<uint16_t><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(logits, targets, V, grad_scale, losses, dlogits16);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 

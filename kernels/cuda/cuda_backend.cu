@@ -35,6 +35,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   FSDP8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   FSDP8_CUDA_CHECK(cudaMalloc(&gemm_workspace_, kGemmWorkspaceBytes));
   lt_ = std::make_unique<cuda::LtGemm>(stream_, gemm_workspace_, kGemmWorkspaceBytes);
+  CountWorkspaces();
   // Keep freed blocks in the pool: a step frees and re-allocates the same activation sizes.
   cudaMemPool_t pool;
   FSDP8_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
@@ -42,6 +43,10 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   FSDP8_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
 #ifdef FSDP8_WITH_CUDNN
   cudnn_ = std::make_unique<cuda::CudnnAttention>(device_);
+  // cuDNN's workspace (1 GiB for the deterministic backward at the 1b shapes) from the stream-
+  // ordered pool per call: counted in AllocatedBytes while attention runs, free the rest of the step.
+  cudnn_->set_workspace_allocator([this](size_t bytes) { return Alloc(bytes); },
+                                  [this](void* p) { Free(p); });
 #endif
   if (const char* e = std::getenv("FSDP8_PROFILE_OPS"); e != nullptr && e[0] != '\0' && e[0] != '0') {
     const double every_s = std::atof(e);  // FSDP8_PROFILE_OPS=<seconds between reports>; 1 -> 10 s
@@ -80,7 +85,7 @@ void* CudaBackend::Alloc(size_t bytes) {
   FSDP8_CUDA_CHECK(e);
   sizes_[reinterpret_cast<uintptr_t>(p)] = bytes;
   allocated_ += static_cast<int64_t>(bytes);
-  if (allocated_ > peak_) peak_ = allocated_;
+  peak_ = std::max(peak_, allocated_ + workspace_);
   return p;
 }
 
@@ -140,6 +145,16 @@ void CudaBackend::Synchronize() {
   if (prof_) prof_->Harvest(/*block=*/false);
 }
 
+void CudaBackend::CountWorkspaces() {
+  int64_t w = kGemmWorkspaceBytes + static_cast<int64_t>(rope_table_bytes_);
+  for (size_t b : scratch_bytes_) w += static_cast<int64_t>(b);
+#ifdef FSDP8_WITH_CUDNN
+  if (cudnn_) w += static_cast<int64_t>(cudnn_->workspace_bytes());
+#endif
+  workspace_ = w;
+  peak_ = std::max(peak_, allocated_ + workspace_);
+}
+
 void* CudaBackend::Scratch(int i, size_t bytes) {
   if (bytes == 0) bytes = 1;
   if (scratch_bytes_[i] < bytes) {
@@ -149,6 +164,7 @@ void* CudaBackend::Scratch(int i, size_t bytes) {
     size_t grow = bytes + bytes / 4;
     FSDP8_CUDA_CHECK(cudaMalloc(&scratch_[i], grow));
     scratch_bytes_[i] = grow;
+    CountWorkspaces();
   }
   return scratch_[i];
 }
@@ -243,6 +259,35 @@ void CudaBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8
   cuda::LaunchDequantizeFp8(B, b32, N * K, nullptr, b_fmt, stream_);
   Gemm(false, true, M, N, K, a32, b32, tmp, false, GemmInputs::kF32);
   cuda::LaunchScaleAccumulate(tmp, a_scale_inv, b_scale_inv, C, M * N, accumulate, stream_);
+}
+
+void CudaBackend::GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                           const uint16_t* A16, const uint16_t* B16, float* C, bool accumulate) {
+  cuda::OpScope op_scope(prof_.get(), "GemmBf16", M, N, K);
+  Bind();
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    if (!accumulate) FSDP8_CUDA_CHECK(cudaMemsetAsync(C, 0, sizeof(float) * M * N, stream_));
+    return;
+  }
+  // As Gemm's bf16 path (see gemm.h: column-major D (N, M) = op(B)^T · op(A)^T), without the packs.
+  cuda::LtProblem p;
+  p.m = N;
+  p.n = M;
+  p.k = K;
+  p.trans_a = trans_b;
+  p.lda = trans_b ? K : N;
+  p.trans_b = trans_a;
+  p.ldb = trans_a ? M : K;
+  p.ldc = N;
+  p.accumulate = accumulate;
+  p.align_c = cuda::PointerAlignment(C);
+  p.a_type = CUDA_R_16BF;
+  p.b_type = CUDA_R_16BF;
+  p.align_a = cuda::PointerAlignment(B16);
+  p.align_b = cuda::PointerAlignment(A16);
+  if (lt_->Run(p, B16, A16, C, nullptr, nullptr)) return;
+  Backend::GemmBf16(trans_a, trans_b, M, N, K, A16, B16, C, accumulate);  // no bf16 algorithm
 }
 
 void CudaBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
@@ -413,6 +458,7 @@ void CudaBackend::EnsureRopeTable(int64_t T, int64_t D, float theta) {
     if (rope_table_ != nullptr) FSDP8_CUDA_CHECK(cudaFree(rope_table_));
     FSDP8_CUDA_CHECK(cudaMalloc(&rope_table_, bytes == 0 ? 1 : bytes));
     rope_table_bytes_ = bytes;
+    CountWorkspaces();
   }
   cuda::LaunchRopeTable(T, D, theta, rope_table_, stream_);
   rope_T_ = T;
@@ -470,6 +516,7 @@ void CudaBackend::AttentionForwardBf16(const float* q, const float* k, const flo
     PackBf16(v, v16, nk);
     std::string err;
     const bool ok = cudnn_->Forward(q16, k16, v16, o16, lse, B, T, H, Hkv, D, stream_, &err);
+    CountWorkspaces();  // the graph may have grown cuDNN's workspace
     if (ok) UnpackBf16(o16, out, nq);
     for (void* p : {static_cast<void*>(q16), static_cast<void*>(k16), static_cast<void*>(v16),
                     static_cast<void*>(o16)}) {
@@ -525,6 +572,7 @@ void CudaBackend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t
     std::string err;
     const bool ok = cudnn_->Backward(q16, k16, v16, out16, do16, lse, dq16, dk16, dv16, B, T, H,
                                      Hkv, D, stream_, &err);
+    CountWorkspaces();  // the graph may have grown cuDNN's workspace
     if (ok) {
       UnpackBf16(dq16, dq, nq);
       UnpackBf16(dk16, dk, nk);
@@ -557,6 +605,14 @@ void CudaBackend::SwigluBackward(const float* dh, const float* gate, const float
   cuda::OpScope op_scope(prof_.get(), "SwigluBackward");
   Bind();
   cuda::LaunchSwigluBackward(dh, gate, up, n, dgate, dup, stream_);
+}
+
+void CudaBackend::CrossEntropyForwardBackwardBf16Grad(const float* logits, const int32_t* targets,
+                                                      int64_t N, int64_t V, float grad_scale,
+                                                      float* losses, uint16_t* dlogits16) {
+  cuda::OpScope op_scope(prof_.get(), "CrossEntropyForwardBackwardBf16Grad");
+  Bind();
+  cuda::LaunchCrossEntropyBf16Grad(logits, targets, N, V, grad_scale, losses, dlogits16, stream_);
 }
 
 void CudaBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
@@ -672,7 +728,9 @@ void CudaBackend::AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t
   if (CudnnAttentionUsable(D)) {
     Bind();
     std::string err;
-    if (cudnn_->Forward(q16, k16, v16, out16, lse, B, T, H, Hkv, D, stream_, &err)) return;
+    const bool ok = cudnn_->Forward(q16, k16, v16, out16, lse, B, T, H, Hkv, D, stream_, &err);
+    CountWorkspaces();  // the graph may have grown cuDNN's workspace
+    if (ok) return;
     CudnnRefused(err);
   }
 #endif
@@ -689,10 +747,10 @@ void CudaBackend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint
   if (CudnnAttentionUsable(D)) {
     Bind();
     std::string err;
-    if (cudnn_->Backward(q16, k16, v16, out16, dout16, lse, dq16, dk16, dv16, B, T, H, Hkv, D,
-                         stream_, &err)) {
-      return;
-    }
+    const bool ok = cudnn_->Backward(q16, k16, v16, out16, dout16, lse, dq16, dk16, dv16, B, T,
+                                     H, Hkv, D, stream_, &err);
+    CountWorkspaces();  // the graph may have grown cuDNN's workspace
+    if (ok) return;
     CudnnRefused(err);
   }
 #endif

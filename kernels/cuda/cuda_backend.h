@@ -4,11 +4,14 @@
 // from the device's default memory pool, release threshold unlimited, so freed blocks are reused
 // without returning to the driver and without synchronizing the device), 256-byte aligned, with
 // byte accounting in a size map (AllocatedBytes / PeakAllocatedBytes, the counterpart of
-// torch.cuda.max_memory_allocated); out of memory returns nullptr. A buffer freed while enqueued
+// torch.cuda.max_memory_allocated, which counts cuBLAS's and cuDNN's workspaces too); out of memory
+// returns nullptr. A buffer freed while enqueued
 // compute-stream work still reads it stays valid for that work (stream order); communicators order
-// their stream against the compute stream (worker/nccl), so the same holds for collectives. The backend's own scratch
-// (GEMM workspace 32 MiB, reduction partials, conversion buffers, RoPE tables) is allocated with
-// cudaMalloc too but is not counted in AllocatedBytes.
+// their stream against the compute stream (worker/nccl), so the same holds for collectives. The
+// backend's own workspaces (GEMM workspace 32 MiB, reduction partials, conversion buffers, RoPE
+// tables, cuDNN attention's workspace: 1 GiB for the deterministic backward at the 1b shapes) are
+// allocated with cudaMalloc and held until the backend is destroyed; AllocatedBytes and
+// PeakAllocatedBytes include them, so a peak is comparable with PyTorch's.
 //
 // Streams: every op is enqueued on one compute stream (a non-blocking stream created for this
 // backend), in call order. CopyToHost and Synchronize wait for it. Communicators order their own
@@ -81,9 +84,9 @@ class CudaBackend final : public Backend {
   void Copy(void* dst, const void* src, size_t bytes) override;
   void Memset(void* dst, int value, size_t bytes) override;
   void Synchronize() override;
-  int64_t AllocatedBytes() const override { return allocated_; }
+  int64_t AllocatedBytes() const override { return allocated_ + workspace_; }
   int64_t PeakAllocatedBytes() const override { return peak_; }
-  void ResetPeak() override { peak_ = allocated_; }
+  void ResetPeak() override { peak_ = allocated_ + workspace_; }
 
   void CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale, Fp8Format fmt,
                  float* amax_out) override;
@@ -192,6 +195,11 @@ class CudaBackend final : public Backend {
   void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                       float* dgate, float* dup) override;
 
+  void CrossEntropyForwardBackwardBf16Grad(const float* logits, const int32_t* targets, int64_t N,
+                                           int64_t V, float grad_scale, float* losses,
+                                           uint16_t* dlogits16) override;
+  void GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A16,
+                const uint16_t* B16, float* C, bool accumulate) override;
   void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N, int64_t V,
                                    float grad_scale, float* losses) override;
 
@@ -201,9 +209,11 @@ class CudaBackend final : public Backend {
              float* amax_out) override;
 
  private:
-  // Growable device scratch slot i of at least `bytes` (not counted in AllocatedBytes). Growing
+  // Growable device scratch slot i of at least `bytes` (counted as a workspace). Growing
   // synchronizes the stream first, since enqueued work may still read the old buffer.
   void* Scratch(int i, size_t bytes);
+  // Recounts the workspaces' bytes (after one may have grown) and raises the peak.
+  void CountWorkspaces();
   // Bytes from p to the end of the Alloc'd buffer containing it; 0 when unknown.
   size_t BytesToEndOfAllocation(const void* p) const;
   void Bind() const;
@@ -221,8 +231,9 @@ class CudaBackend final : public Backend {
   void* gemm_workspace_ = nullptr;
   std::unique_ptr<cuda::LtGemm> lt_;
   std::map<uintptr_t, size_t> sizes_;  // base address -> bytes
-  int64_t allocated_ = 0;
-  int64_t peak_ = 0;
+  int64_t allocated_ = 0;  // Alloc'd bytes
+  int64_t workspace_ = 0;  // the backend's own workspaces (CountWorkspaces)
+  int64_t peak_ = 0;       // of allocated_ + workspace_
   static constexpr int kScratchSlots = 6;
   void* scratch_[kScratchSlots] = {};
   size_t scratch_bytes_[kScratchSlots] = {};

@@ -139,6 +139,10 @@ void LaunchAttentionBackward(const float* q, const float* k, const float* v, con
 // ---- cross_entropy.cu ------------------------------------------------------------------------
 void LaunchCrossEntropy(float* logits, const int32_t* targets, int64_t N, int64_t V,
                         float grad_scale, float* losses, cudaStream_t stream);
+// The same with the gradient written as bf16 to dlogits16 (N, V); logits are only read.
+void LaunchCrossEntropyBf16Grad(const float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                float grad_scale, float* losses, uint16_t* dlogits16,
+                                cudaStream_t stream);
 
 // ---- adamw.cu --------------------------------------------------------------------------------
 // Scalars precomputed by the caller in double (see adamw.cu): decay = 1 - lr*wd, w1 = 1 - beta1,

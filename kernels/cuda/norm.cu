@@ -14,7 +14,9 @@ namespace fsdp8::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kRowsPerChunk = 32;
+// Rows per block of the fused backward (and per dw partial): 16 gives 1024 blocks at N = 16384,
+// about two full waves at 3-4 resident blocks per multiprocessor (32 left a 30 % full second wave).
+constexpr int kRowsPerChunk = 16;
 constexpr int64_t kMaxFusedNormCols = 16 * kThreads;  // RmsNormBackwardFusedKernel<16>
 
 // 1 / sqrt(mean(x^2) + eps) of one row, every thread of the block calling (fixed sum order:
@@ -286,13 +288,29 @@ RmsNormCastKernel(const float* __restrict__ x, const float* __restrict__ w, floa
 }
 
 // dw (C) += sum over chunks in order.
-__global__ void RmsNormDwFinalKernel(const float* __restrict__ partials, int64_t chunks, int64_t C,
-                                     float* __restrict__ dw) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (c >= C) return;
+// dw (C) += sum over chunks of partials (chunks, C). Block: 32 columns x 8 lanes; lane j adds
+// chunks j, j + 8, ... in order, then lane 0 adds the 8 lane sums in lane order (a fixed order,
+// so deterministic). One thread per column had left a 2048-column sum on 8 multiprocessors, each
+// thread walking all chunks.
+constexpr int kDwLanes = kThreads / 32;
+__global__ void __launch_bounds__(kThreads)
+RmsNormDwFinalKernel(const float* __restrict__ partials, int64_t chunks, int64_t C,
+                     float* __restrict__ dw) {
+  __shared__ float part[kDwLanes][33];
+  const int col = threadIdx.x & 31, lane = threadIdx.x >> 5;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + col;
   float acc = 0.0f;
-  for (int64_t k = 0; k < chunks; ++k) acc += partials[k * C + c];
-  dw[c] += acc;
+  if (c < C) {
+    for (int64_t k = lane; k < chunks; k += kDwLanes) acc += partials[k * C + c];
+  }
+  part[lane][col] = acc;
+  __syncthreads();
+  if (lane == 0 && c < C) {
+    float sum = part[0][col];
+#pragma unroll
+    for (int j = 1; j < kDwLanes; ++j) sum += part[j][col];
+    dw[c] += sum;
+  }
 }
 
 }  // namespace
@@ -372,7 +390,7 @@ bool LaunchRmsNormBackwardBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b,
   } else {
     LaunchRmsNormBackwardFused(dy, x, w, rstd, N, C, dx, dres, partials, stream);
   }
-  RmsNormDwFinalKernel<<<static_cast<unsigned>(CeilDiv(C, kThreads)), kThreads, 0, stream>>>(
+  RmsNormDwFinalKernel<<<static_cast<unsigned>(CeilDiv(C, 32)), kThreads, 0, stream>>>(
       partials, CeilDiv(N, kRowsPerChunk), C, dw);
   FSDP8_CUDA_LAUNCH_CHECK();
   return true;
@@ -394,7 +412,7 @@ void LaunchRmsNormBackward(const float* dy, const float* x, const float* w, cons
     RmsNormDwPartialKernel<<<grid, kThreads, 0, stream>>>(dy, x, rstd, N, C, partials);
     FSDP8_CUDA_LAUNCH_CHECK();
   }
-  RmsNormDwFinalKernel<<<static_cast<unsigned>(CeilDiv(C, kThreads)), kThreads, 0, stream>>>(
+  RmsNormDwFinalKernel<<<static_cast<unsigned>(CeilDiv(C, 32)), kThreads, 0, stream>>>(
       partials, chunks, C, dw);
   FSDP8_CUDA_LAUNCH_CHECK();
 }

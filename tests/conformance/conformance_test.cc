@@ -519,6 +519,26 @@ TEST_P(Conformance, Gemm) {
               });
       }
     }
+    // Inputs given as bf16 bit patterns (GemmBf16): the bf16 Gemm's values, without its packs.
+    for (int t = 0; t < 4; ++t) {
+      const bool ta = t & 1, tb = t & 2;
+      const bool acc = t == 3;
+      const auto A = Randn(s.M * s.K), B = Randn(s.N * s.K), C0 = Randn(s.M * s.N);
+      Check("GemmBf16" + std::string(ta ? "/At" : "") + (tb ? "/Bt" : "") + "/" +
+                std::to_string(s.M) + "x" + std::to_string(s.N) + "x" + std::to_string(s.K) +
+                (acc ? "/acc" : ""),
+            Tol(static_cast<double>(s.K) + 1), [&](DevRun& r) {
+              Outputs o;
+              uint16_t* a16 = r.Out<uint16_t>(s.M * s.K);
+              uint16_t* b16 = r.Out<uint16_t>(s.N * s.K);
+              r.b()->PackBf16(r.In(A), a16, s.M * s.K);
+              r.b()->PackBf16(r.In(B), b16, s.N * s.K);
+              float* C = acc ? r.In(C0) : r.Out<float>(s.M * s.N);
+              r.b()->GemmBf16(ta, tb, s.M, s.N, s.K, a16, b16, C, acc);
+              r.F32(&o, "C", C, s.M * s.N);
+              return o;
+            });
+    }
   }
 }
 
@@ -841,6 +861,23 @@ TEST_P(Conformance, CrossEntropy) {
               return o;
             });
     }
+    // The gradient as bf16 into its own buffer; the logits must be left as they were. A bf16
+    // gradient may be one bf16 step from the reference's where the f32 values differ by ulps.
+    Check("CrossEntropyBf16Grad/" + std::to_string(s.N) + "x" + std::to_string(s.V),
+          Tol(static_cast<double>(s.V)) + 1.0 / 128, [&](DevRun& r) {
+            Outputs o;
+            float* lg = r.In(logits);
+            float* losses = r.Out<float>(s.N);
+            uint16_t* g16 = r.Out<uint16_t>(s.N * s.V);
+            r.b()->CrossEntropyForwardBackwardBf16Grad(lg, r.In(tgt), s.N, s.V,
+                                                       1.0f / static_cast<float>(s.N), losses, g16);
+            float* g = r.Out<float>(s.N * s.V);
+            r.b()->UnpackBf16(g16, g, s.N * s.V);
+            r.F32(&o, "losses", losses, s.N);
+            r.F32(&o, "dlogits", g, s.N * s.V);
+            r.Bytes(&o, "logits unchanged", lg, s.N * s.V);
+            return o;
+          });
   }
 }
 
@@ -997,11 +1034,13 @@ TEST_P(Conformance, Bf16Activations) {
     }
   }
   // RoPE's backward fused with the cast-transpose of its result. (B, T, H, D): tile edges and a
-  // partial last tile (2, 37, 3, 16), full tiles (2, 128, 4, 64), D 8 (halves of 4), and D 6 (the
-  // CUDA backend falls back to the composition). dx16 must be left as it was.
+  // partial last tile (2, 37, 3, 16), full tiles (2, 128, 4, 64), D 8 (halves of 4) in full
+  // tiles (2, 128, 8, 8) and at an edge (1, 64, 2, 8), and D 6 (the CUDA backend falls back to the
+  // composition). dx16 must be left as it was.
   struct RopeShape { int64_t B, T, H, D; };
   for (const RopeShape& q : {RopeShape{2, 37, 3, 16}, RopeShape{2, 128, 4, 64},
-                             RopeShape{1, 64, 2, 8}, RopeShape{1, 20, 2, 6}}) {
+                             RopeShape{2, 128, 8, 8}, RopeShape{1, 64, 2, 8},
+                             RopeShape{1, 20, 2, 6}}) {
     const int64_t n = q.B * q.T * q.H * q.D;
     const auto dx = Randn(n, 3.0f);
     const std::vector<float> scale = {12.0f};

@@ -375,6 +375,52 @@ TEST(FsdpParams, C06_FiftySevenAndOneBySeventeenOnTwoRanks) {
 // the difference quotient carries ~1e-6 / (2h) = 5e-5; the truncation error h^2/6 * f''' is of the
 // same order for these O(1) parameters. Tolerance: 2e-4 + 3% of |g|; the elements checked are each
 // tensor's largest-gradient element (|g| >> 2e-4), so a wrong factor or sign fails.
+// The BF16 head runs in row chunks (worker/model.cc, HeadBf16): five chunks of 3 rows and one of
+// 1 give the loss and the gradients of one chunk, up to the order of the head's weight-gradient
+// sums.
+TEST(Trainer, Bf16HeadChunksGiveTheUnchunkedGradients) {
+  v1::JobSpec spec = TinySpec(TrainFile());
+  AllPrecision(&spec, v1::PRECISION_BF16);
+  spec.mutable_model()->set_seq_len(8);
+  spec.mutable_training()->set_global_batch(2);
+  spec.mutable_training()->set_microbatch(2);
+  auto run = [&](const char* chunk_bytes) {
+    if (chunk_bytes != nullptr) {
+      setenv("FSDP8_HEAD_CHUNK_LOGIT_BYTES", chunk_bytes, 1);
+    } else {
+      unsetenv("FSDP8_HEAD_CHUNK_LOGIT_BYTES");
+    }
+    std::pair<double, std::map<std::string, std::vector<float>>> out;
+    RunRanks(1, [&](int, Communicator* c) {
+      auto be = CpuBackend();
+      auto tr = Trainer::Create(spec, 0, 1, be.get(), c);
+      ASSERT_TRUE(tr.ok()) << tr.status();
+      absl::StatusOr<double> loss = (*tr)->ForwardBackward(0);
+      ASSERT_TRUE(loss.ok()) << loss.status();
+      out.first = *loss;
+      out.second = *(*tr)->params().GatherAll(true);
+    });
+    unsetenv("FSDP8_HEAD_CHUNK_LOGIT_BYTES");
+    return out;
+  };
+  const auto whole = run(nullptr);
+  const int64_t rows_bytes = 3 * spec.model().vocab_size() * 4;  // 3 rows of f32 logits
+  const auto chunked = run(std::to_string(rows_bytes).c_str());
+  EXPECT_NEAR(chunked.first, whole.first, 1e-6 * std::abs(whole.first));
+  ASSERT_EQ(chunked.second.size(), whole.second.size());
+  for (const auto& [name, g] : whole.second) {
+    const std::vector<float>& h = chunked.second.at(name);
+    ASSERT_EQ(h.size(), g.size()) << name;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < g.size(); ++i) {
+      num += (static_cast<double>(h[i]) - g[i]) * (static_cast<double>(h[i]) - g[i]);
+      den += static_cast<double>(g[i]) * g[i];
+    }
+    EXPECT_LE(std::sqrt(num), 1e-5 * std::sqrt(den) + 1e-12) << name;
+    EXPECT_GT(den, 0.0) << name;
+  }
+}
+
 TEST(Trainer, FiniteDifferenceGradientsFp32) {
   v1::JobSpec spec = TinySpec(TrainFile());
   AllPrecision(&spec, v1::PRECISION_FP32);
