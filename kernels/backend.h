@@ -51,7 +51,8 @@ class Backend {
   virtual void Copy(void* dst, const void* src, size_t bytes) = 0;            // device to device
   virtual void Memset(void* dst, int value, size_t bytes) = 0;
   virtual void Synchronize() = 0;
-  // Bytes currently allocated through Alloc and the high-water mark since the last reset.
+  // Bytes currently allocated through Alloc (on CUDA plus the backend's own workspaces) and the
+  // high-water mark since the last reset.
   virtual int64_t AllocatedBytes() const = 0;
   virtual int64_t PeakAllocatedBytes() const = 0;
   virtual void ResetPeak() = 0;
@@ -281,10 +282,6 @@ class Backend {
                                               uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
                                               float* amax_up);
 
-  // Softmax cross-entropy over V classes, fused with its gradient.
-  // logits (N, V) f32 is overwritten with dlogits = (softmax - onehot(target)) * grad_scale;
-  // losses (N) f32 receives -log softmax[target] in nats. targets (N) int32 in [0, V).
-  // With grad_scale = 0 only losses are produced (logits are still overwritten).
   // CrossEntropyForwardBackward with the gradient written as bf16 to dlogits16 (N, V) instead of
   // over the logits, which are left as they were: the gradient of a BF16 head goes to its GEMMs
   // once, in the precision they read it. The reference: a copy of the logits,
@@ -292,6 +289,11 @@ class Backend {
   virtual void CrossEntropyForwardBackwardBf16Grad(const float* logits, const int32_t* targets,
                                                    int64_t N, int64_t V, float grad_scale,
                                                    float* losses, uint16_t* dlogits16);
+
+  // Softmax cross-entropy over V classes, fused with its gradient.
+  // logits (N, V) f32 is overwritten with dlogits = (softmax - onehot(target)) * grad_scale;
+  // losses (N) f32 receives -log softmax[target] in nats. targets (N) int32 in [0, V).
+  // With grad_scale = 0 only losses are produced (logits are still overwritten).
   virtual void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
                                            int64_t V, float grad_scale, float* losses) = 0;
 

@@ -407,12 +407,16 @@ void LlamaModel::HeadBf16(const float* nf, const int32_t* targets, int64_t N, fl
   DevBuf w16(be_, V_ * C_ * 2), nf16(be_, N * C_ * 2);
   be_->PackBf16(p_->W(head_), w16.u16(), V_ * C_);
   be_->PackBf16(nf, nf16.u16(), N * C_);
-  float* dw = p_->G(head_);
+  float* dw = dnf != nullptr ? p_->G(head_) : nullptr;
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t n = std::min(rows, N - r0);
     const uint16_t* x16 = nf16.u16() + r0 * C_;
     DevBuf logits(be_, n * V_ * 4);
     be_->GemmBf16(false, true, n, V_, C_, x16, w16.u16(), logits.f32(), false);  // (n, V)
+    if (dnf == nullptr) {  // evaluation: the losses only
+      be_->CrossEntropyForwardBackward(logits.f32(), targets + r0, n, V_, 0.0f, losses + r0);
+      continue;
+    }
     DevBuf g16(be_, n * V_ * 2);
     be_->CrossEntropyForwardBackwardBf16Grad(logits.f32(), targets + r0, n, V_, grad_scale,
                                              losses + r0, g16.u16());
@@ -457,7 +461,12 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
   DevBuf nf(be_, N * C_ * 4), rstdf(be_, N * 4);
   be_->RmsNormForward(x.f32(), p_->W(final_norm_), eps_, N, C_, nf.f32(), rstdf.f32());
   DevBuf dnf;
-  if (backward && lhead_.precision() == v1::PRECISION_BF16) {
+  if (lhead_.precision() == v1::PRECISION_BF16) {
+    if (!backward) {
+      HeadBf16(nf.f32(), targets, N, 0.0f, losses, nullptr);
+      p_->Release(head_unit_);
+      return absl::OkStatus();
+    }
     // Forward and backward of the head interleave (row chunks): the forward phase's peak is
     // taken after both.
     p_->BeginGrads(head_unit_);

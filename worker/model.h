@@ -62,8 +62,8 @@ class LlamaModel {
   absl::Status BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs* acts);
   // The BF16 head's forward and backward with its loss, in row chunks: logits (rows, V) f32 per
   // chunk, the cross-entropy gradient straight to bf16 (Backend::CrossEntropyForwardBackwardBf16Grad),
-  // dnf (N, C) f32 written, the head's weight gradient accumulated. nf (N, C) f32, targets (N),
-  // losses (N) nats.
+  // dnf (N, C) f32 written, the head's weight gradient accumulated (BeginGrads first). dnf null:
+  // evaluation, the losses only. nf (N, C) f32, targets (N), losses (N) nats.
   void HeadBf16(const float* nf, const int32_t* targets, int64_t N, float grad_scale,
                 float* losses, float* dnf);
   void BlockBackwardFp8(int l, int64_t B, BlockActs* acts, DevBuf* dx);

@@ -45,8 +45,15 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   cudnn_ = std::make_unique<cuda::CudnnAttention>(device_);
   // cuDNN's workspace (1 GiB for the deterministic backward at the 1b shapes) from the stream-
   // ordered pool per call: counted in AllocatedBytes while attention runs, free the rest of the step.
-  cudnn_->set_workspace_allocator([this](size_t bytes) { return Alloc(bytes); },
-                                  [this](void* p) { Free(p); });
+  // Out of memory there is fatal, as for the backend's other transient buffers (a refusal would
+  // switch cuDNN off for the rest of the job).
+  cudnn_->set_workspace_allocator(
+      [this](size_t bytes) {
+        void* p = Alloc(bytes);
+        FSDP8_CUDA_REQUIRE(p != nullptr, "device out of memory for cuDNN attention's workspace");
+        return p;
+      },
+      [this](void* p) { Free(p); });
 #endif
   if (const char* e = std::getenv("FSDP8_PROFILE_OPS"); e != nullptr && e[0] != '\0' && e[0] != '0') {
     const double every_s = std::atof(e);  // FSDP8_PROFILE_OPS=<seconds between reports>; 1 -> 10 s

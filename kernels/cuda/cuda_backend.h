@@ -9,9 +9,10 @@
 // compute-stream work still reads it stays valid for that work (stream order); communicators order
 // their stream against the compute stream (worker/nccl), so the same holds for collectives. The
 // backend's own workspaces (GEMM workspace 32 MiB, reduction partials, conversion buffers, RoPE
-// tables, cuDNN attention's workspace: 1 GiB for the deterministic backward at the 1b shapes) are
-// allocated with cudaMalloc and held until the backend is destroyed; AllocatedBytes and
-// PeakAllocatedBytes include them, so a peak is comparable with PyTorch's.
+// tables) are allocated with cudaMalloc and held until the backend is destroyed; cuDNN attention's
+// workspace (1 GiB for the deterministic backward at the 1b shapes) is taken with Alloc for each
+// call and freed after it. AllocatedBytes and PeakAllocatedBytes include all of them, so a peak is
+// comparable with PyTorch's.
 //
 // Streams: every op is enqueued on one compute stream (a non-blocking stream created for this
 // backend), in call order. CopyToHost and Synchronize wait for it. Communicators order their own

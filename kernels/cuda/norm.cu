@@ -3,7 +3,7 @@
 //   dx_i = r * w_i * dy_i - (r^3 / C) * x_i * sum_j (dy_j * w_j * x_j)   (overwrite)
 //   dw_i += sum_n dy_ni * x_ni * r_n                                    (accumulate)
 // dw is reduced deterministically: per chunk of kRowsPerChunk rows a partial per column, then one
-// pass that sums the chunks in order. Row sums use a fixed block tree.
+// pass that sums the chunks in a fixed order (RmsNormDwFinalKernel). Row sums use a fixed block tree.
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_check.h"
@@ -287,7 +287,7 @@ RmsNormCastKernel(const float* __restrict__ x, const float* __restrict__ w, floa
   }
 }
 
-// dw (C) += sum over chunks in order.
+// dw (C) += sum over chunks in a fixed order.
 // dw (C) += sum over chunks of partials (chunks, C). Block: 32 columns x 8 lanes; lane j adds
 // chunks j, j + 8, ... in order, then lane 0 adds the 8 lane sums in lane order (a fixed order,
 // so deterministic). One thread per column had left a 2048-column sum on 8 multiprocessors, each
