@@ -206,18 +206,29 @@ CudnnAttention::Plan* CudnnAttention::GetPlan(int kind, int64_t B, int64_t T, in
   return p;
 }
 
-void* CudnnAttention::Workspace(size_t bytes, bool* taken, std::string* error) {
-  *taken = false;
-  if (!alloc_) return EnsureWorkspace(bytes, error) ? workspace_ : nullptr;
-  if (bytes == 0) return nullptr;
-  void* w = alloc_(bytes);
-  if (w == nullptr) {
-    SetError(error, "cuDNN attention workspace: allocating " + std::to_string(bytes) +
-                        " bytes failed (device out of memory)");
-    return nullptr;
+bool CudnnAttention::BeginCall(cudaStream_t stream, int64_t bytes, Lease* lease,
+                               std::string* error) {
+  const cudnnStatus_t st = cudnnSetStream(static_cast<cudnnHandle_t>(handle_), stream);
+  if (st != CUDNN_STATUS_SUCCESS) {
+    SetError(error, std::string("cudnnSetStream: ") + cudnnGetErrorString(st));
+    return false;
   }
-  *taken = true;
-  return w;
+  const size_t n = static_cast<size_t>(bytes);
+  if (!alloc_) {
+    if (!EnsureWorkspace(n, error)) return false;
+    lease->ptr = workspace_;
+    return true;
+  }
+  if (n == 0) return true;
+  lease->ptr = alloc_(n);
+  if (lease->ptr == nullptr) {
+    SetError(error, "cuDNN attention workspace: allocating " + std::to_string(n) +
+                        " bytes failed (device out of memory)");
+    return false;
+  }
+  lease->owner = this;
+  lease->taken = true;
+  return true;
 }
 
 bool CudnnAttention::Prepare(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, std::string* error) {
@@ -239,28 +250,13 @@ bool CudnnAttention::Forward(const void* q, const void* k, const void* v, void* 
   if (!EnsureHandle(error)) return false;
   Plan* p = GetPlan(kForward, B, T, H, Hkv, D, error);
   if (p == nullptr) return false;
-  const cudnnStatus_t st = cudnnSetStream(static_cast<cudnnHandle_t>(handle_), stream);
-  if (st != CUDNN_STATUS_SUCCESS) {
-    SetError(error, std::string("cudnnSetStream: ") + cudnnGetErrorString(st));
-    return false;
-  }
-  bool taken = false;
-  void* workspace = Workspace(static_cast<size_t>(p->workspace), &taken, error);
-  if (workspace == nullptr && p->workspace > 0) return false;
-  // Given back once execute has enqueued its work (stream-ordered), on every path below.
-  struct Giveback {
-    CudnnAttention* self;
-    void* w;
-    bool taken;
-    ~Giveback() {
-      if (taken) self->release_(w);
-    }
-  } giveback{this, workspace, taken};
+  Lease lease;
+  if (!BeginCall(stream, p->workspace, &lease, error)) return false;
   std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<void*>(q)}, {kK, const_cast<void*>(k)},
                                              {kV, const_cast<void*>(v)}, {kO, o},
                                              {kStats, stats}};
   try {
-    fe::error_t e = p->graph->execute(static_cast<cudnnHandle_t>(handle_), pack, workspace);
+    fe::error_t e = p->graph->execute(static_cast<cudnnHandle_t>(handle_), pack, lease.ptr);
     if (e.is_bad()) {
       SetError(error, "cuDNN SDPA forward (" + ShapeText(B, T, H, Hkv, D) + "): execute: " + e.get_message());
       return false;
@@ -283,23 +279,8 @@ bool CudnnAttention::Backward(const void* q, const void* k, const void* v, const
   if (!EnsureHandle(error)) return false;
   Plan* p = GetPlan(deterministic_ ? kBackwardDet : kBackwardNonDet, B, T, H, Hkv, D, error);
   if (p == nullptr) return false;
-  const cudnnStatus_t st = cudnnSetStream(static_cast<cudnnHandle_t>(handle_), stream);
-  if (st != CUDNN_STATUS_SUCCESS) {
-    SetError(error, std::string("cudnnSetStream: ") + cudnnGetErrorString(st));
-    return false;
-  }
-  bool taken = false;
-  void* workspace = Workspace(static_cast<size_t>(p->workspace), &taken, error);
-  if (workspace == nullptr && p->workspace > 0) return false;
-  // Given back once execute has enqueued its work (stream-ordered), on every path below.
-  struct Giveback {
-    CudnnAttention* self;
-    void* w;
-    bool taken;
-    ~Giveback() {
-      if (taken) self->release_(w);
-    }
-  } giveback{this, workspace, taken};
+  Lease lease;
+  if (!BeginCall(stream, p->workspace, &lease, error)) return false;
   std::unordered_map<int64_t, void*> pack = {
       {kQ, const_cast<void*>(q)},     {kK, const_cast<void*>(k)},
       {kV, const_cast<void*>(v)},     {kO, const_cast<void*>(o)},
@@ -307,7 +288,7 @@ bool CudnnAttention::Backward(const void* q, const void* k, const void* v, const
       {kDQ, dq},                      {kDK, dk},
       {kDV, dv}};
   try {
-    fe::error_t e = p->graph->execute(static_cast<cudnnHandle_t>(handle_), pack, workspace);
+    fe::error_t e = p->graph->execute(static_cast<cudnnHandle_t>(handle_), pack, lease.ptr);
     if (e.is_bad()) {
       SetError(error, "cuDNN SDPA backward (" + ShapeText(B, T, H, Hkv, D) + "): execute: " + e.get_message());
       return false;

@@ -103,8 +103,21 @@ class CudnnAttention {
   Plan* GetPlan(int kind, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
                 std::string* error);
   bool EnsureWorkspace(size_t bytes, std::string* error);
-  // The workspace for one call of `bytes`: the held buffer, or one from alloc_ (set *taken).
-  void* Workspace(size_t bytes, bool* taken, std::string* error);
+  // One call's workspace: the held buffer, or one from alloc_, given back when the lease goes out
+  // of scope (after the call has enqueued its work: stream order keeps it valid for that work).
+  struct Lease {
+    CudnnAttention* owner = nullptr;
+    void* ptr = nullptr;
+    bool taken = false;
+    Lease() = default;
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    ~Lease() {
+      if (taken) owner->release_(ptr);
+    }
+  };
+  // Sets the handle's stream and takes the workspace of `bytes` into *lease.
+  bool BeginCall(cudaStream_t stream, int64_t bytes, Lease* lease, std::string* error);
 
   int device_;
   bool deterministic_ = true;

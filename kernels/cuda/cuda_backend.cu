@@ -268,16 +268,12 @@ void CudaBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8
   cuda::LaunchScaleAccumulate(tmp, a_scale_inv, b_scale_inv, C, M * N, accumulate, stream_);
 }
 
-void CudaBackend::GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                           const uint16_t* A16, const uint16_t* B16, float* C, bool accumulate) {
-  cuda::OpScope op_scope(prof_.get(), "GemmBf16", M, N, K);
-  Bind();
-  if (M <= 0 || N <= 0) return;
-  if (K <= 0) {
-    if (!accumulate) FSDP8_CUDA_CHECK(cudaMemsetAsync(C, 0, sizeof(float) * M * N, stream_));
-    return;
-  }
-  // As Gemm's bf16 path (see gemm.h: column-major D (N, M) = op(B)^T · op(A)^T), without the packs.
+namespace {
+// Backend::Gemm's row-major C (M, N) = op(A) op(B) as cuBLASLt's column-major problem
+// D (N, M) = op(B)^T · op(A)^T (gemm.h): our B (K, N) is stored col-major (N, K), no op, and
+// (N, K) takes op T; likewise A. Types and operand alignments are the caller's.
+cuda::LtProblem RowMajorProblem(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                                const float* C, bool accumulate) {
   cuda::LtProblem p;
   p.m = N;
   p.n = M;
@@ -289,6 +285,21 @@ void CudaBackend::GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int
   p.ldc = N;
   p.accumulate = accumulate;
   p.align_c = cuda::PointerAlignment(C);
+  return p;
+}
+}  // namespace
+
+void CudaBackend::GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                           const uint16_t* A16, const uint16_t* B16, float* C, bool accumulate) {
+  cuda::OpScope op_scope(prof_.get(), "GemmBf16", M, N, K);
+  Bind();
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    if (!accumulate) FSDP8_CUDA_CHECK(cudaMemsetAsync(C, 0, sizeof(float) * M * N, stream_));
+    return;
+  }
+  // As Gemm's bf16 path, without the packs.
+  cuda::LtProblem p = RowMajorProblem(trans_a, trans_b, M, N, K, C, accumulate);
   p.a_type = CUDA_R_16BF;
   p.b_type = CUDA_R_16BF;
   p.align_a = cuda::PointerAlignment(B16);
@@ -306,18 +317,7 @@ void CudaBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t
     if (!accumulate) FSDP8_CUDA_CHECK(cudaMemsetAsync(C, 0, sizeof(float) * M * N, stream_));
     return;
   }
-  // See gemm.h: column-major D (N, M) = op(B)^T · op(A)^T.
-  cuda::LtProblem p;
-  p.m = N;
-  p.n = M;
-  p.k = K;
-  p.trans_a = trans_b;          // our B (K, N) -> stored col-major (N, K), no op; (N, K) -> op T
-  p.lda = trans_b ? K : N;
-  p.trans_b = trans_a;          // our A (M, K) -> stored col-major (K, M), no op; (K, M) -> op T
-  p.ldb = trans_a ? M : K;
-  p.ldc = N;
-  p.accumulate = accumulate;
-  p.align_c = cuda::PointerAlignment(C);
+  cuda::LtProblem p = RowMajorProblem(trans_a, trans_b, M, N, K, C, accumulate);
   if (inputs == GemmInputs::kBF16) {
     uint16_t* a16 = static_cast<uint16_t*>(Scratch(kSlotA, sizeof(uint16_t) * M * K));
     uint16_t* b16 = static_cast<uint16_t*>(Scratch(kSlotB, sizeof(uint16_t) * N * K));
