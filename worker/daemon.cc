@@ -6,6 +6,7 @@
 #include <fstream>
 #include <iostream>
 #include <random>
+#include <set>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -382,6 +383,26 @@ void WorkerDaemon::HandleStep(const v1::StepCommand& cmd) {
   }
 }
 
+namespace {
+
+// Fault injection for tests and drills: FSDP8_FAULT_STEP_ERROR is a comma-separated list of
+// RANK@STEP; the step STEP (0-based) of the rank RANK fails without running, once per process and
+// entry, as a failed kernel or collective would fail it.
+absl::Status InjectedStepFault(int rank, int64_t step) {
+  const char* spec = std::getenv("FSDP8_FAULT_STEP_ERROR");
+  if (spec == nullptr) return absl::OkStatus();
+  static std::set<std::string> fired;  // the job thread's only
+  const std::string me = absl::StrCat(rank, "@", step);
+  for (absl::string_view item : absl::StrSplit(spec, ',', absl::SkipEmpty())) {
+    if (item != me || !fired.insert(me).second) continue;
+    return absl::InternalError(
+        absl::StrCat("rank ", rank, " step ", step, " failed (injected by FSDP8_FAULT_STEP_ERROR)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   if (!job_ && stale_steps_.load()) {
     Log(absl::StrCat("step ", c.step(), " of an aborted job dropped"));
@@ -400,8 +421,12 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
     return false;
   }
   const auto t0 = std::chrono::steady_clock::now();
-  absl::StatusOr<v1::StepResult> r =
-      job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
+  absl::StatusOr<v1::StepResult> r = absl::UnknownError("step not run");
+  if (absl::Status fault = InjectedStepFault(job_->rank, c.step()); !fault.ok()) {
+    r = fault;
+  } else {
+    r = job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
+  }
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (job_->cancelled->load()) {
     Log(absl::StrCat("step ", c.step(), " of aborted job ", job_->job_id, " not reported",

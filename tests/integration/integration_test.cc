@@ -822,6 +822,42 @@ TEST_F(FullDiskCluster, RealFullDiskKeepsCommittedCheckpoints) {
 // C10 (detection part): a rank killed mid-step makes the job FAILED within seconds with the rank
 // named, and the surviving workers are not left blocked in a collective: they train the next job.
 // (The job has no checkpoint.dir, so it is not restarted.) Runs last: it kills a worker.
+// A step that fails on one rank (FSDP8_FAULT_STEP_ERROR=1@3, injected in the workers, which
+// inherit it; the test process unsets it once they started).
+class StepFaultCluster : public Cluster {
+ protected:
+  static void SetUpTestSuite() {
+    setenv("FSDP8_FAULT_STEP_ERROR", "1@3", 1);
+    StartCluster(false);
+    unsetenv("FSDP8_FAULT_STEP_ERROR");
+  }
+};
+
+// Rank 1's step 3 fails: the job fails with that rank's error (no checkpoint, so no restart). The
+// coordinator had already sent that worker step 4 (it sends a step ahead, and the failure arrives
+// after step 2's result): the worker drops it instead of answering it, which would reach the next
+// job as a "no job assigned" error. The same workers then train the next job to the end, all 3 of
+// them, so the failed one too.
+TEST_F(StepFaultCluster, FailedStepFailsTheJobAndTheStepQueuedBehindItIsDropped) {
+  std::string reason;
+  Run(SmallSpec(2, v1::PRECISION_FP32, 10), {}, v1::JOB_STATE_FAILED, &reason);
+  std::printf("job FAILED: %s\n", reason.c_str());
+  EXPECT_NE(reason.find("injected by FSDP8_FAULT_STEP_ERROR"), std::string::npos) << reason;
+  // The drop is logged when the worker's job thread reaches the queued step: wait for it.
+  bool dropped = false;
+  for (int i = 0; i < 100 && !dropped; ++i) {
+    for (int w = 0; w < 3; ++w) {
+      const std::string log = ReadFile(*dir_ / ("worker-" + std::to_string(w) + ".log"));
+      if (log.find("step 4 of an aborted job dropped") != std::string::npos) dropped = true;
+    }
+    if (!dropped) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(dropped) << "no worker log says \"step 4 of an aborted job dropped\"";
+  auto after = Run(SmallSpec(3, v1::PRECISION_FP32, 4));
+  ASSERT_EQ(after.size(), 4u);
+  for (double l : after) EXPECT_TRUE(std::isfinite(l));
+}
+
 TEST_F(Cluster, C10_KilledRankFailsTheJobFastAndSurvivorsServeTheNextJob) {
   std::chrono::steady_clock::time_point killed;
   bool done = false;
