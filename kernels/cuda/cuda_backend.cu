@@ -27,7 +27,6 @@ constexpr int kSlotPartials = 3; // reductions
 constexpr int kSlotDelta = 4;    // attention backward delta
 constexpr int kSlotMisc = 5;     // small host-visible values
 
-int64_t AlignUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 }  // namespace
 
 CudaBackend::CudaBackend(int device) : device_(device) {
@@ -155,9 +154,6 @@ void CudaBackend::Synchronize() {
 void CudaBackend::CountWorkspaces() {
   int64_t w = kGemmWorkspaceBytes + static_cast<int64_t>(rope_table_bytes_);
   for (size_t b : scratch_bytes_) w += static_cast<int64_t>(b);
-#ifdef FSDP8_WITH_CUDNN
-  if (cudnn_) w += static_cast<int64_t>(cudnn_->workspace_bytes());
-#endif
   workspace_ = w;
   peak_ = std::max(peak_, allocated_ + workspace_);
 }
@@ -305,7 +301,8 @@ void CudaBackend::GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int
   p.align_a = cuda::PointerAlignment(B16);
   p.align_b = cuda::PointerAlignment(A16);
   if (lt_->Run(p, B16, A16, C, nullptr, nullptr)) return;
-  Backend::GemmBf16(trans_a, trans_b, M, N, K, A16, B16, C, accumulate);  // no bf16 algorithm
+  // No bf16 algorithm for this shape: the same values in f32 (bf16 values are exact in f32).
+  Backend::GemmBf16(trans_a, trans_b, M, N, K, A16, B16, C, accumulate);
 }
 
 void CudaBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
@@ -317,30 +314,16 @@ void CudaBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t
     if (!accumulate) FSDP8_CUDA_CHECK(cudaMemsetAsync(C, 0, sizeof(float) * M * N, stream_));
     return;
   }
-  cuda::LtProblem p = RowMajorProblem(trans_a, trans_b, M, N, K, C, accumulate);
   if (inputs == GemmInputs::kBF16) {
+    // The inputs rounded to bf16 once, then the bf16-operand GEMM (and its f32 fallback).
     uint16_t* a16 = static_cast<uint16_t*>(Scratch(kSlotA, sizeof(uint16_t) * M * K));
     uint16_t* b16 = static_cast<uint16_t*>(Scratch(kSlotB, sizeof(uint16_t) * N * K));
     cuda::LaunchPackBf16(A, a16, M * K, stream_);
     cuda::LaunchPackBf16(B, b16, N * K, stream_);
-    p.a_type = CUDA_R_16BF;
-    p.b_type = CUDA_R_16BF;
-    p.align_a = cuda::PointerAlignment(b16);
-    p.align_b = cuda::PointerAlignment(a16);
-    if (lt_->Run(p, b16, a16, C, nullptr, nullptr)) return;
-    // No bf16 algorithm for this shape: the same values as f32 (bf16 values are exact in f32).
-    float* a32 = static_cast<float*>(Scratch(kSlotTmp, sizeof(float) * (M * K + AlignUp(N * K, 64))));
-    float* b32 = a32 + AlignUp(M * K, 64);
-    cuda::LaunchUnpackBf16(a16, a32, M * K, stream_);
-    cuda::LaunchUnpackBf16(b16, b32, N * K, stream_);
-    p.a_type = CUDA_R_32F;
-    p.b_type = CUDA_R_32F;
-    p.align_a = cuda::PointerAlignment(b32);
-    p.align_b = cuda::PointerAlignment(a32);
-    const bool ok = lt_->Run(p, b32, a32, C, nullptr, nullptr);
-    FSDP8_CUDA_REQUIRE(ok, "cuBLASLt has no f32 algorithm for this GEMM");
+    GemmBf16(trans_a, trans_b, M, N, K, a16, b16, C, accumulate);
     return;
   }
+  cuda::LtProblem p = RowMajorProblem(trans_a, trans_b, M, N, K, C, accumulate);
   p.a_type = CUDA_R_32F;
   p.b_type = CUDA_R_32F;
   p.align_a = cuda::PointerAlignment(B);
@@ -523,7 +506,6 @@ void CudaBackend::AttentionForwardBf16(const float* q, const float* k, const flo
     PackBf16(v, v16, nk);
     std::string err;
     const bool ok = cudnn_->Forward(q16, k16, v16, o16, lse, B, T, H, Hkv, D, stream_, &err);
-    CountWorkspaces();  // the graph may have grown cuDNN's workspace
     if (ok) UnpackBf16(o16, out, nq);
     for (void* p : {static_cast<void*>(q16), static_cast<void*>(k16), static_cast<void*>(v16),
                     static_cast<void*>(o16)}) {
@@ -579,7 +561,6 @@ void CudaBackend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t
     std::string err;
     const bool ok = cudnn_->Backward(q16, k16, v16, out16, do16, lse, dq16, dk16, dv16, B, T, H,
                                      Hkv, D, stream_, &err);
-    CountWorkspaces();  // the graph may have grown cuDNN's workspace
     if (ok) {
       UnpackBf16(dq16, dq, nq);
       UnpackBf16(dk16, dk, nk);
@@ -735,9 +716,7 @@ void CudaBackend::AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t
   if (CudnnAttentionUsable(D)) {
     Bind();
     std::string err;
-    const bool ok = cudnn_->Forward(q16, k16, v16, out16, lse, B, T, H, Hkv, D, stream_, &err);
-    CountWorkspaces();  // the graph may have grown cuDNN's workspace
-    if (ok) return;
+    if (cudnn_->Forward(q16, k16, v16, out16, lse, B, T, H, Hkv, D, stream_, &err)) return;
     CudnnRefused(err);
   }
 #endif
@@ -754,10 +733,10 @@ void CudaBackend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint
   if (CudnnAttentionUsable(D)) {
     Bind();
     std::string err;
-    const bool ok = cudnn_->Backward(q16, k16, v16, out16, dout16, lse, dq16, dk16, dv16, B, T,
-                                     H, Hkv, D, stream_, &err);
-    CountWorkspaces();  // the graph may have grown cuDNN's workspace
-    if (ok) return;
+    if (cudnn_->Backward(q16, k16, v16, out16, dout16, lse, dq16, dk16, dv16, B, T, H, Hkv, D,
+                         stream_, &err)) {
+      return;
+    }
     CudnnRefused(err);
   }
 #endif
