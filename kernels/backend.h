@@ -90,6 +90,11 @@ class Backend {
   // bits in that mode, per the DeepSeek-V3 report, section 3.3.2). Off by default; backends that
   // always accumulate in FP32 (CPU) ignore it.
   virtual void SetFp8FastAccumulation(bool on) { (void)on; }
+  // GEMM autotuning (TrainingSpec.gemm_autotune): a backend with several algorithms per GEMM
+  // shape times them on the shape's first call and keeps the fastest. Results stay within each
+  // algorithm's rounding; only which algorithm runs changes. Default off; the CPU backend has one
+  // algorithm and ignores it. Not thread-safe (set between steps).
+  virtual void SetGemmAutotune(bool on) { (void)on; }
   // C (M, N) = op(A) · op(B) [+ C if accumulate], op(X) = X or X^T; A is (M, K) or (K, M) when
   // trans_a, B is (K, N) or (N, K) when trans_b. f32 storage; inputs rounded per `inputs`.
   virtual void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,

@@ -68,6 +68,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
     t->val_ = std::make_unique<TokenData>(std::move(*val));
   }
 
+  backend->SetGemmAutotune(tr.gemm_autotune());
   t->params_ = std::make_unique<FsdpParams>(t->plan_, rank, tr.seed(), backend, comm, &t->clock_);
   t->scaling_ = std::make_unique<ActScaling>(backend, spec.precision().fp8());
   t->model_ = std::make_unique<LlamaModel>(spec, t->params_.get(), t->scaling_.get(), backend);

@@ -16,6 +16,9 @@
 //
 //  (f) the memory-bound backward passes of a 1b block (RMSNorm backward with bf16 dX parts, the
 //      fused SwiGLU / RoPE backward + cast-transposes and their unfused compositions), GB/s.
+//  (g) every candidate algorithm cuBLASLt's heuristic returns for each FP8 GEMM of the 1b step
+//      (output type, fast accumulation and residual accumulation as the worker runs them): the
+//      first candidate, which the backend takes, against the fastest.
 //
 // Timing: cudaEvents around each call on the backend's stream, 5 warm-up calls, median of 21,
 // inputs rotated between two sets. Usage: fsdp8-bench-cuda [--device N] [--quick] [--only LETTERS]
@@ -193,6 +196,66 @@ double BareLt(cudaStream_t stream, const GemmShape& s, uint8_t* const A[2], uint
   cublasLtMatmulDescDestroy(desc);
   cublasLtDestroy(h);
   return ms;
+}
+
+// Every candidate the heuristic returns (up to 16) for one problem, timed: returns the index and
+// time of the fastest, and the time of candidate 0 (the one LtGemm takes) in *first_ms.
+// accumulate: beta = 1 with C = D (f32), as the residual and accumulating GEMMs run.
+int SweepLt(cudaStream_t stream, const GemmShape& s, uint8_t* const A[2], uint8_t* const B[2],
+            void* C, const float* sa, const float* sb, void* ws, size_t ws_bytes,
+            cudaDataType_t out_type, bool fast_accum, bool accumulate, double* first_ms,
+            double* best_ms, int* found_out) {
+  cublasLtHandle_t h;
+  CKB(cublasLtCreate(&h));
+  cublasLtMatmulDesc_t desc;
+  CKB(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const int8_t fa = fast_accum ? 1 : 0;
+  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fa, sizeof(fa)));
+  const cublasOperation_t T = CUBLAS_OP_T, N = CUBLAS_OP_N;
+  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &T, sizeof(T)));
+  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &N, sizeof(N)));
+  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)));
+  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof(sa)));
+  auto ty = [](fsdp8::Fp8Format f) { return f == fsdp8::Fp8Format::kE5M2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3; };
+  cublasLtMatrixLayout_t la, lb, lc;
+  CKB(cublasLtMatrixLayoutCreate(&la, ty(s.b), s.K, s.N, s.K));
+  CKB(cublasLtMatrixLayoutCreate(&lb, ty(s.a), s.K, s.M, s.K));
+  CKB(cublasLtMatrixLayoutCreate(&lc, out_type, s.N, s.M, s.N));
+  cublasLtMatmulPreference_t pref;
+  CKB(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t wsb = ws_bytes;
+  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)));
+  cublasLtMatmulHeuristicResult_t res[16] = {};
+  int found = 0;
+  CKB(cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, 16, res, &found));
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  int best = -1;
+  *best_ms = 1e30;
+  *first_ms = -1;
+  for (int a = 0; a < found; ++a) {
+    if (res[a].state != CUBLAS_STATUS_SUCCESS) continue;
+    if (cublasLtMatmul(h, desc, &alpha, B[0], la, A[0], lb, &beta, C, lc, C, lc, &res[a].algo, ws,
+                       ws_bytes, stream) != CUBLAS_STATUS_SUCCESS) {
+      continue;
+    }
+    const double ms = MedianMs(stream, [&](int i) {
+      CKB(cublasLtMatmul(h, desc, &alpha, B[i & 1], la, A[i & 1], lb, &beta, C, lc, C, lc,
+                         &res[a].algo, ws, ws_bytes, stream));
+    });
+    if (a == 0) *first_ms = ms;
+    if (ms < *best_ms) {
+      *best_ms = ms;
+      best = a;
+    }
+  }
+  *found_out = found;
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(lc);
+  cublasLtMatmulDescDestroy(desc);
+  cublasLtDestroy(h);
+  return best;
 }
 
 char* Fmt(double v, const char* unit) {
@@ -602,6 +665,65 @@ int main(int argc, char** argv) {
     g_rows.push_back({"attention", "f32 bwd", Fmt(tf_b, "TF/s"), "-", "-"});
     g_rows.push_back({"attention", "f32 fwd+bwd", Fmt(tf_fb, "TF/s"), "350 TF/s target", "-"});
     for (float* p : bufs) be->Free(p);
+  }
+
+  // ---- (g) the heuristic's candidates for each GEMM of the 1b step, as the worker runs them ----
+  // Candidate 0 is what the backend takes; the fastest candidate shows what tuning could gain.
+  if (want("g")) {
+    using fsdp8::Fp8Format;
+    const int64_t M = 16384, d = 2048, f = 5632;
+    struct Case {
+      GemmShape s;
+      cudaDataType_t out;
+      bool fast, accumulate;
+    };
+    const Case cases[] = {
+        {{"q/k/v fwd bf16", M, d, d, Fp8Format::kE4M3, Fp8Format::kE4M3}, CUDA_R_16BF, true, false},
+        {{"o fwd +residual", M, d, d, Fp8Format::kE4M3, Fp8Format::kE4M3}, CUDA_R_32F, true, true},
+        {{"gate/up fwd bf16", M, f, d, Fp8Format::kE4M3, Fp8Format::kE4M3}, CUDA_R_16BF, true, false},
+        {{"down fwd +residual", M, d, f, Fp8Format::kE4M3, Fp8Format::kE4M3}, CUDA_R_32F, true, true},
+        {{"q/k/v/o dX bf16", M, d, d, Fp8Format::kE5M2, Fp8Format::kE4M3}, CUDA_R_16BF, true, false},
+        {{"gate/up dX bf16", M, d, f, Fp8Format::kE5M2, Fp8Format::kE4M3}, CUDA_R_16BF, true, false},
+        {{"down dX bf16", M, f, d, Fp8Format::kE5M2, Fp8Format::kE4M3}, CUDA_R_16BF, true, false},
+        {{"q/k/v/o dW", d, d, M, Fp8Format::kE5M2, Fp8Format::kE4M3}, CUDA_R_32F, true, false},
+        {{"gate/up dW", f, d, M, Fp8Format::kE5M2, Fp8Format::kE4M3}, CUDA_R_32F, true, false},
+        {{"down dW", d, f, M, Fp8Format::kE5M2, Fp8Format::kE4M3}, CUDA_R_32F, true, false},
+    };
+    const size_t big = static_cast<size_t>(M) * f;
+    uint8_t* A[2];
+    uint8_t* B[2];
+    for (int i = 0; i < 2; ++i) {
+      A[i] = static_cast<uint8_t*>(be->Alloc(big));
+      B[i] = static_cast<uint8_t*>(be->Alloc(big));
+      FillCodes<<<1024, 256, 0, st>>>(A[i], big, 5u + i);
+      FillCodes<<<1024, 256, 0, st>>>(B[i], big, 55u + i);
+    }
+    float* C = static_cast<float*>(be->Alloc(big * sizeof(float)));
+    CK(cudaMemsetAsync(C, 0, big * sizeof(float), st));
+    float* scales = static_cast<float*>(be->Alloc(8 * sizeof(float)));
+    const float hs[8] = {0.5f, 0, 0, 0, 0.25f, 0, 0, 0};
+    be->CopyToDevice(scales, hs, sizeof(hs));
+    void* ws = nullptr;
+    const size_t ws_bytes = 32u << 20;
+    CK(cudaMalloc(&ws, ws_bytes));
+    std::printf("\n(g) cuBLASLt candidates per GEMM of the 1b step (us): candidate 0 | fastest (index of found)\n");
+    for (const Case& c : cases) {
+      double first = 0, best = 0;
+      int found = 0;
+      const int bi = SweepLt(st, c.s, A, B, C, scales, scales + 4, ws, ws_bytes, c.out, c.fast,
+                             c.accumulate, &first, &best, &found);
+      std::printf("  %-20s M %6lld N %5lld K %6lld  %8.1f | %8.1f (%d of %d)  gain %5.1f%%\n", c.s.name,
+                  static_cast<long long>(c.s.M), static_cast<long long>(c.s.N),
+                  static_cast<long long>(c.s.K), 1e3 * first, 1e3 * best, bi, found,
+                  first > 0 ? 100.0 * (first - best) / first : 0.0);
+    }
+    CK(cudaFree(ws));
+    for (int i = 0; i < 2; ++i) {
+      be->Free(A[i]);
+      be->Free(B[i]);
+    }
+    be->Free(C);
+    be->Free(scales);
   }
 
   // ---- (f) the memory-bound backward passes of a 1b block ---------------------------------------

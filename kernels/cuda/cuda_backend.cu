@@ -34,6 +34,8 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   FSDP8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   FSDP8_CUDA_CHECK(cudaMalloc(&gemm_workspace_, kGemmWorkspaceBytes));
   lt_ = std::make_unique<cuda::LtGemm>(stream_, gemm_workspace_, kGemmWorkspaceBytes);
+  lt_->set_scratch_allocator([this](size_t bytes) { return Alloc(bytes); },
+                             [this](void* p) { Free(p); });
   CountWorkspaces();
   // Keep freed blocks in the pool: a step frees and re-allocates the same activation sizes.
   cudaMemPool_t pool;
@@ -94,6 +96,8 @@ void* CudaBackend::Alloc(size_t bytes) {
   peak_ = std::max(peak_, allocated_ + workspace_);
   return p;
 }
+
+void CudaBackend::SetGemmAutotune(bool on) { lt_->set_autotune(on); }
 
 void CudaBackend::Free(void* p) {
   if (p == nullptr) return;

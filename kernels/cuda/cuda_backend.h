@@ -99,6 +99,9 @@ class CudaBackend final : public Backend {
   void AmaxAccumulate(const float* in, int64_t n, float* amax_out) override;
 
   void SetFp8FastAccumulation(bool on) override { fp8_fast_accum_ = on; }
+  // Times cuBLASLt's candidates on each GEMM shape's first call (cuda::LtGemm::set_autotune); the
+  // scratch output comes from Alloc, so it counts in the peak while tuning.
+  void SetGemmAutotune(bool on) override;
   void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
                const float* b_scale_inv, float* C, bool accumulate) override;

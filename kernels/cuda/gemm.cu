@@ -1,6 +1,7 @@
 // cuBLASLt GEMMs: descriptor / layout / algorithm cache. The layout derivation is in gemm.h.
 #include "kernels/cuda/gemm.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -36,6 +37,9 @@ LtGemm::~LtGemm() {
     if (e.b) cublasLtMatrixLayoutDestroy(e.b);
     if (e.c) cublasLtMatrixLayoutDestroy(e.c);
     if (e.desc) cublasLtMatmulDescDestroy(e.desc);
+  }
+  for (cudaEvent_t ev : ev_) {
+    if (ev) cudaEventDestroy(ev);
   }
   if (handle_) cublasLtDestroy(handle_);
   if (scale_slots_) cudaFree(scale_slots_);
@@ -78,7 +82,7 @@ LtGemm::Entry* LtGemm::Lookup(const LtProblem& p) {
   FSDP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)));
   FSDP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
   FSDP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
-  constexpr int kCandidates = 8;
+  constexpr int kCandidates = 16;
   cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
   int found = 0;
   const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle_, e.desc, e.a, e.b, e.c, e.c, pref, kCandidates, results, &found);
@@ -124,6 +128,15 @@ bool LtGemm::Run(const LtProblem& p, const void* A, const void* B, void* C, cons
   }
   const float alpha = 1.0f;
   const float beta = p.accumulate ? 1.0f : 0.0f;
+  if (autotune_ && !e->tuned) Tune(*e, p, A, B);
+  if (autotune_ && e->best >= 0) {
+    const cublasStatus_t s = cublasLtMatmul(handle_, e->desc, &alpha, A, e->a, B, e->b, &beta,
+                                            c_in != nullptr ? c_in : C, e->c, C, e->c,
+                                            &e->algos[e->best], workspace_, ws_bytes_, stream_);
+    if (s == CUBLAS_STATUS_SUCCESS) return true;
+    if (s != CUBLAS_STATUS_NOT_SUPPORTED) FSDP8_CUBLAS_CHECK(s);
+    e->best = -1;  // refused after all: the heuristic's order below
+  }
   while (e->next < e->algos.size()) {
     const cublasStatus_t s = cublasLtMatmul(handle_, e->desc, &alpha, A, e->a, B, e->b, &beta,
                                             c_in != nullptr ? c_in : C, e->c, C, e->c,
@@ -138,6 +151,69 @@ bool LtGemm::Run(const LtProblem& p, const void* A, const void* B, void* C, cons
   }
   e->ok = false;  // every candidate refused: the caller's fallback from now on
   return false;
+}
+
+void LtGemm::Tune(Entry& e, const LtProblem& p, const void* A, const void* B) {
+  e.tuned = true;
+  e.best = -1;
+  if (e.algos.size() < 2 || !alloc_) return;
+  const size_t elt = p.c_type == CUDA_R_16BF ? 2 : 4;
+  const size_t bytes = static_cast<size_t>(p.ldc) * static_cast<size_t>(p.n) * elt;
+  void* D = alloc_(bytes);
+  if (D == nullptr) return;  // no room for the scratch output: keep the heuristic's order
+  for (cudaEvent_t& ev : ev_) {
+    if (ev == nullptr) FSDP8_CUDA_CHECK(cudaEventCreate(&ev));
+  }
+  // Finite values for beta = 1 (the scratch starts uninitialised).
+  FSDP8_CUDA_CHECK(cudaMemsetAsync(D, 0, bytes, stream_));
+  // Timed with the device to itself: collectives running next to the candidates (a step's
+  // prefetches and reduce-scatters) made the timings of successive candidates incomparable, and
+  // the choices then lost as much as they won (measured on the 1b step).
+  FSDP8_CUDA_CHECK(cudaDeviceSynchronize());
+  const float alpha = 1.0f;
+  const float beta = p.accumulate ? 1.0f : 0.0f;
+  auto run = [&](size_t i) {
+    return cublasLtMatmul(handle_, e.desc, &alpha, A, e.a, B, e.b, &beta, D, e.c, D, e.c,
+                          &e.algos[i], workspace_, ws_bytes_, stream_);
+  };
+  std::vector<double> ms(e.algos.size(), -1.0);
+  for (size_t i = 0; i < e.algos.size(); ++i) {
+    const cublasStatus_t s0 = run(i);  // warm-up; refused candidates are skipped
+    if (s0 == CUBLAS_STATUS_NOT_SUPPORTED) continue;
+    FSDP8_CUBLAS_CHECK(s0);
+    std::vector<double> rounds;
+    for (int r = 0; r < kTuneRounds; ++r) {
+      FSDP8_CUDA_CHECK(cudaEventRecord(ev_[0], stream_));
+      for (int k = 0; k < kTuneReps; ++k) FSDP8_CUBLAS_CHECK(run(i));
+      FSDP8_CUDA_CHECK(cudaEventRecord(ev_[1], stream_));
+      FSDP8_CUDA_CHECK(cudaEventSynchronize(ev_[1]));
+      float t = 0;
+      FSDP8_CUDA_CHECK(cudaEventElapsedTime(&t, ev_[0], ev_[1]));
+      rounds.push_back(t / kTuneReps);
+    }
+    std::sort(rounds.begin(), rounds.end());
+    ms[i] = rounds[rounds.size() / 2];
+  }
+  free_(D);
+  int best = -1;
+  for (size_t i = 0; i < ms.size(); ++i) {
+    if (ms[i] >= 0 && (best < 0 || ms[i] < ms[best])) best = static_cast<int>(i);
+  }
+  // The heuristic's first working candidate unless another is clearly faster: fewer changes of
+  // algorithm between runs from timing noise.
+  int first = -1;
+  for (size_t i = 0; i < ms.size() && first < 0; ++i) {
+    if (ms[i] >= 0) first = static_cast<int>(i);
+  }
+  if (first >= 0 && best >= 0 && ms[first] <= ms[best] * (1.0 + kTuneMinGain)) best = first;
+  e.best = best;
+  if (std::getenv("FSDP8_GEMM_VERBOSE") != nullptr) {
+    std::fprintf(stderr, "fsdp8 cuda gemm: tuned m=%lld n=%lld k=%lld acc=%d:",
+                 static_cast<long long>(p.m), static_cast<long long>(p.n),
+                 static_cast<long long>(p.k), p.accumulate);
+    for (double t : ms) std::fprintf(stderr, " %.1f", 1e3 * t);
+    std::fprintf(stderr, " us -> candidate %d\n", best);
+  }
 }
 
 }  // namespace fsdp8::cuda

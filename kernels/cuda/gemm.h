@@ -13,12 +13,15 @@
 // Accumulation is FP32 (CUBLAS_COMPUTE_32F: no TF32), and FP8 products promote partial sums to
 // FP32 every few K blocks unless the problem asks for fast accumulation. Split-K schemes
 // that reduce in place with atomics are excluded (CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK), and
-// a cached algorithm is reused for a given key, so results are deterministic run to run.
+// a cached algorithm is reused for a given key, so results are deterministic run to run. With
+// autotuning on (set_autotune), the algorithm of a key is the fastest candidate timed on its first
+// call instead; that choice can differ between runs.
 //
 // Thread-safety: one instance per stream, used by one thread.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <vector>
 #include <tuple>
@@ -72,6 +75,22 @@ class LtGemm {
 
   int64_t cache_size() const { return static_cast<int64_t>(cache_.size()); }
 
+  // Autotuning: while on, a problem's first Run times each heuristic candidate (kTuneReps calls
+  // after one warm-up, on the real A and B with a scratch D taken from `alloc`, beta as the
+  // problem's; the median of kTuneRounds rounds) and uses the fastest from then on; candidate 0
+  // is kept unless another is more than kTuneMinGain faster. The tuning call first waits for the
+  // whole device (cudaDeviceSynchronize: collectives on other streams included), so that the
+  // candidates are timed alone. When `alloc` returns nullptr the heuristic's order is kept for
+  // that problem. Tuned choices persist across set_autotune(false)/(true).
+  void set_autotune(bool on) { autotune_ = on; }
+  void set_scratch_allocator(std::function<void*(size_t)> alloc, std::function<void(void*)> free) {
+    alloc_ = std::move(alloc);
+    free_ = std::move(free);
+  }
+  static constexpr int kTuneReps = 5;
+  static constexpr int kTuneRounds = 3;
+  static constexpr double kTuneMinGain = 0.03;
+
  private:
   struct Entry {
     bool ok = false;
@@ -83,8 +102,12 @@ class LtGemm {
     // is cached.
     std::vector<cublasLtMatmulAlgo_t> algos;
     size_t next = 0;
+    bool tuned = false;  // autotuning ran for this key
+    int best = -1;       // index in algos of the tuned choice (-1: none)
   };
   Entry* Lookup(const LtProblem& p);
+  // Times e's candidates for p (see set_autotune) and sets e.tuned / e.best.
+  void Tune(Entry& e, const LtProblem& p, const void* A, const void* B);
 
   cudaStream_t stream_;
   void* workspace_;
@@ -93,6 +116,10 @@ class LtGemm {
   static constexpr size_t kScaleSlotBytes = 256;
   void* scale_slots_ = nullptr;  // two aligned device scalars for misaligned scale pointers
   std::map<decltype(LtProblem().Key()), Entry> cache_;
+  bool autotune_ = false;
+  std::function<void*(size_t)> alloc_;
+  std::function<void(void*)> free_;
+  cudaEvent_t ev_[2] = {nullptr, nullptr};  // tuning timers
 };
 
 }  // namespace fsdp8::cuda

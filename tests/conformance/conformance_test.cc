@@ -499,6 +499,77 @@ TEST_P(Conformance, GemmFp8) {
   }
 }
 
+// GEMM autotuning (Backend::SetGemmAutotune): the first call of each shape times the candidate
+// algorithms before computing its result. The result must still be the reference's: tuning may
+// not run the product into the caller's output (an accumulating or in-place residual GEMM would
+// then add it several times), and the tuned algorithm must be a correct one. Shapes not run
+// elsewhere in this suite, so each Check's first call is the one that tunes.
+TEST_P(Conformance, GemmAutotune) {
+  const double bf16_ulp = 2.0 / 256;
+  struct S { int64_t M, N, K; };
+  auto codes = [&](int64_t n) {
+    auto c = Fp8Codes(n, Fp8Format::kE4M3);
+    for (auto& v : c) v = static_cast<uint8_t>((v & 0x80) | ((v & 0x7F) % 0x58));
+    return c;
+  };
+  const std::vector<float> sa = {0.375f}, sb = {1.0f / 3.0f};
+  for (const S& s : {S{48, 160, 64}, S{384, 2048, 2048}, S{768, 5632, 2048}, S{768, 2048, 5632}}) {
+    const std::string shape = std::to_string(s.M) + "x" + std::to_string(s.N) + "x" + std::to_string(s.K);
+    const auto A = codes(s.M * s.K), B = codes(s.N * s.K);
+    const auto C0 = Randn(s.M * s.N, 4.0f);
+    Check("GemmAutotune/GemmFp8/acc/" + shape, Fp8GemmTol(s.K), [&](DevRun& r) {
+      Outputs o;
+      float* C = r.In(C0);
+      r.b()->SetGemmAutotune(true);
+      r.b()->GemmFp8(s.M, s.N, s.K, r.In(A), Fp8Format::kE4M3, r.In(sa), r.In(B), Fp8Format::kE4M3,
+                     r.In(sb), C, true);
+      r.b()->SetGemmAutotune(false);
+      r.F32(&o, "C", C, s.M * s.N);
+      return o;
+    });
+    Check("GemmAutotune/GemmFp8AddResidual/fast/" + shape, Fp8GemmTol(s.K), [&](DevRun& r) {
+      Outputs o;
+      const float* R = r.In(C0);
+      float* D = r.Out<float>(s.M * s.N);
+      r.b()->SetGemmAutotune(true);
+      r.b()->SetFp8FastAccumulation(true);
+      r.b()->GemmFp8AddResidual(s.M, s.N, s.K, r.In(A), Fp8Format::kE4M3, r.In(sa), r.In(B),
+                                Fp8Format::kE4M3, r.In(sb), R, D);
+      r.b()->SetFp8FastAccumulation(false);
+      r.b()->SetGemmAutotune(false);
+      r.F32(&o, "D", D, s.M * s.N);
+      r.F32(&o, "R", R, s.M * s.N);  // unchanged
+      return o;
+    });
+    Check("GemmAutotune/GemmFp8Bf16/" + shape, Fp8GemmTol(s.K) + bf16_ulp, [&](DevRun& r) {
+      Outputs o;
+      uint16_t* C = r.Out<uint16_t>(s.M * s.N);
+      r.b()->SetGemmAutotune(true);
+      r.b()->GemmFp8Bf16(s.M, s.N, s.K, r.In(A), Fp8Format::kE4M3, r.In(sa), r.In(B),
+                         Fp8Format::kE4M3, r.In(sb), C);
+      r.b()->SetGemmAutotune(false);
+      float* f = r.Out<float>(s.M * s.N);
+      r.b()->UnpackBf16(C, f, s.M * s.N);
+      r.F32(&o, "C", f, s.M * s.N);
+      return o;
+    });
+  }
+  const auto A = Randn(1000 * 96), B = Randn(160 * 96), C0 = Randn(1000 * 160);
+  Check("GemmAutotune/GemmBf16/acc/1000x160x96", Tol(97), [&](DevRun& r) {
+    Outputs o;
+    uint16_t* a16 = r.Out<uint16_t>(1000 * 96);
+    uint16_t* b16 = r.Out<uint16_t>(160 * 96);
+    r.b()->PackBf16(r.In(A), a16, 1000 * 96);
+    r.b()->PackBf16(r.In(B), b16, 160 * 96);
+    float* C = r.In(C0);
+    r.b()->SetGemmAutotune(true);
+    r.b()->GemmBf16(false, true, 1000, 160, 96, a16, b16, C, true);
+    r.b()->SetGemmAutotune(false);
+    r.F32(&o, "C", C, 1000 * 160);
+    return o;
+  });
+}
+
 TEST_P(Conformance, Gemm) {
   struct S { int64_t M, N, K; };
   const S shapes[] = {{1, 1, 1}, {37, 129, 65}, {128, 96, 256}, {512, 1024, 768}};
