@@ -49,6 +49,7 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   if (!t->has_seed()) t->set_seed(1234);
   if (!t->has_eval_every()) t->set_eval_every(100);
   if (!t->has_eval_batches()) t->set_eval_batches(4);
+  if (!t->has_deterministic()) t->set_deterministic(true);
 
   v1::OptimizerSpec* o = s.mutable_optimizer();
   if (!o->has_peak_lr()) o->set_peak_lr(3e-3);

@@ -95,6 +95,11 @@ class Backend {
   // algorithm's rounding; only which algorithm runs changes. Default off; the CPU backend has one
   // algorithm and ignores it. Not thread-safe (set between steps).
   virtual void SetGemmAutotune(bool on) { (void)on; }
+  // Deterministic kernels (TrainingSpec.deterministic; default on): off lets a backend use
+  // order-dependent float atomics where that is faster (CUDA: the cuDNN attention backward's dQ).
+  // Results then vary in the last bits between runs, within each op's tolerance. The CPU backend
+  // is always deterministic and ignores it. Not thread-safe (set between steps).
+  virtual void SetDeterministic(bool on) { (void)on; }
   // C (M, N) = op(A) · op(B) [+ C if accumulate], op(X) = X or X^T; A is (M, K) or (K, M) when
   // trans_a, B is (K, N) or (N, K) when trans_b. f32 storage; inputs rounded per `inputs`.
   virtual void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,

@@ -569,7 +569,7 @@ absl::Status LoadShards(Trainer* trainer, const std::string& dir, int saved_worl
   }
   trainer->params().RestoreWeightScaling(st.weight_scaling);
   // C08: the next step's FP8 weights come from the loaded masters, amax recomputed from them.
-  if (absl::Status s = trainer->params().CastWeights(); !s.ok()) return s;
+  if (absl::Status s = trainer->RecastWeights(); !s.ok()) return s;
   trainer->MarkResumed(start_step);
   return absl::OkStatus();
 }

@@ -94,6 +94,21 @@ absl::Status FsdpParams::Timed(absl::Status s, double t0) {
   return s;
 }
 
+FsdpParams::~FsdpParams() { DropPrefetches(); }
+
+void FsdpParams::DropPrefetches() {
+  for (size_t u = 0; u < in_flight_.size(); ++u) {
+    if (!in_flight_[u]) continue;
+    for (Buf& b : units_[u]) {
+      comm_->Wait(b.ticket);  // the compute stream's frees below come after the all-gather
+      b.ticket = 0;
+      b.full.Reset();
+      b.full_u16.Reset();
+    }
+    in_flight_[u] = false;
+  }
+}
+
 absl::Status FsdpParams::Prefetch(int unit) {
   if (in_flight_.size() != units_.size()) in_flight_.assign(units_.size(), false);
   if (in_flight_[unit]) return absl::OkStatus();
@@ -280,6 +295,7 @@ void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weig
 }
 
 absl::Status FsdpParams::CastWeights() {
+  DropPrefetches();
   // bf16 wire shards: a plain pack of the master slice.
   for (auto& u : units_) {
     for (Buf& b : u) {

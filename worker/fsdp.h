@@ -86,6 +86,11 @@ class FsdpParams {
   FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* be, Communicator* comm,
              CommClock* clock);
 
+  // Waits (stream-ordered) for prefetched all-gathers still in flight before their buffers go.
+  ~FsdpParams();
+  FsdpParams(const FsdpParams&) = delete;
+  FsdpParams& operator=(const FsdpParams&) = delete;
+
   const ShardPlan& plan() const { return plan_; }
   int rank() const { return rank_; }
   // The tensor named `hf_name`; aborts when the plan has no such tensor (a broken invariant).
@@ -118,6 +123,7 @@ class FsdpParams {
   void AdamW(float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
              float grad_scale);
   // Refreshes the wire shards from the master weights (FP8 casts with a fused amax all-reduce).
+  // Prefetches still in flight read the old shards: they are dropped first.
   absl::Status CastWeights();
   const std::vector<WeightScaling>& weight_scaling() const { return wscale_; }
 
@@ -160,6 +166,8 @@ class FsdpParams {
     int64_t ticket;
   };
   absl::Status Timed(absl::Status s, double t0);
+  // Drops every prefetched, not yet gathered unit (its all-gather waited for, buffers freed).
+  void DropPrefetches();
   // Finishes pending reduce-scatters and zeroes the grad shards no gradient reached.
   void MaterializeGrads();
   const DevBuf& Array(int unit, int buffer, ShardArray which) const;

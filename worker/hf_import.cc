@@ -75,7 +75,7 @@ absl::Status LoadHfWeights(Trainer* trainer, const std::string& dir) {
     }
   }
   // C08: the FP8 weight scales of the first step come from the loaded weights.
-  return params.CastWeights();
+  return trainer->RecastWeights();
 }
 
 }  // namespace fsdp8

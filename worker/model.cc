@@ -426,6 +426,11 @@ void LlamaModel::HeadBf16(const float* nf, const int32_t* targets, int64_t N, fl
   }
 }
 
+absl::Status LlamaModel::PrefetchFirstUnits() {
+  if (absl::Status s = p_->Prefetch(embedding_unit_); !s.ok()) return s;
+  return blocks_.empty() ? p_->Prefetch(head_unit_) : p_->Prefetch(blocks_[0].q.unit);
+}
+
 absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int64_t B,
                              float grad_scale, float* losses, bool backward) {
   const int64_t N = B * T_;

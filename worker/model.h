@@ -38,6 +38,10 @@ class LlamaModel {
   // parameters' grad shards (accumulating).
   absl::Status Run(const int32_t* tokens, const int32_t* targets, int64_t B, float grad_scale,
                    float* losses, bool backward);
+  // Starts the all-gathers of the first units a Run gathers (the embedding and block 0), so that
+  // they run while the host finishes the step and starts the next one. Call after the weights'
+  // last CastWeights of the step; the next Run takes them over (FsdpParams::Prefetch).
+  absl::Status PrefetchFirstUnits();
 
   // Peak device bytes of the forward (embedding through the loss) and of the backward, the
   // maximum over the Run calls since the last call (which resets them). Run resets the backend's

@@ -69,12 +69,20 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
   }
 
   backend->SetGemmAutotune(tr.gemm_autotune());
+  backend->SetDeterministic(tr.deterministic());
   t->params_ = std::make_unique<FsdpParams>(t->plan_, rank, tr.seed(), backend, comm, &t->clock_);
   t->scaling_ = std::make_unique<ActScaling>(backend, spec.precision().fp8());
   t->model_ = std::make_unique<LlamaModel>(spec, t->params_.get(), t->scaling_.get(), backend);
   t->scaling_->Finalize();
-  if (absl::Status s = t->params_->CastWeights(); !s.ok()) return s;
+  if (absl::Status s = t->RecastWeights(); !s.ok()) return s;
   return t;
+}
+
+absl::Status Trainer::RecastWeights() {
+  if (absl::Status s = params_->CastWeights(); !s.ok()) return s;
+  // Every step starts with its first units' all-gathers in flight, issued (and counted) by
+  // whatever came before it: the previous step's end, this, or the end of an evaluation.
+  return model_->PrefetchFirstUnits();
 }
 
 double Trainer::LearningRate(int64_t k) const {
@@ -196,7 +204,6 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
   const double fb_host_comm = clock_.seconds;
   const double fb_waits = comm_->ConsumeExposedSeconds();
   const double fb_comm = fb_host_comm + fb_waits;
-  const CommBytes bytes1 = comm_->bytes();
   // Step 5: one fused amax all-reduce; identical delayed-scaling updates on every rank.
   if (absl::Status s = scaling_->EndStep(comm_, &clock_); !s.ok()) return s;
   // Step 6: global grad norm, clipping, AdamW, next step's FP8 weight shards.
@@ -211,22 +218,32 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
                  static_cast<float>(o.beta2()), static_cast<float>(o.eps()),
                  static_cast<float>(o.weight_decay()), step + 1, static_cast<float>(clip));
   if (absl::Status s = params_->CastWeights(); !s.ok()) return s;
+  // The next step's first all-gathers overlap this step's end and the host's turn-around; they
+  // count in this step's bytes, as this step's own first all-gathers counted in the previous one.
+  if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;
+  const CommBytes bytes1 = comm_->bytes();
   be_->Synchronize();
   if (absl::Status s = comm_->Verify(); !s.ok()) return s;
   const double t_opt = CommClock::Now();
   const int64_t opt_peak = be_->PeakAllocatedBytes();
   static const bool profile = [] {
-    const char* e = std::getenv("FSDP8_PROFILE_OPS");
-    return e != nullptr && e[0] != '\0' && e[0] != '0';
+    for (const char* v : {"FSDP8_PROFILE_OPS", "FSDP8_STEP_TIMING"}) {
+      const char* e = std::getenv(v);
+      if (e != nullptr && e[0] != '\0' && e[0] != '0') return true;
+    }
+    return false;
   }();
   if (profile) {  // the split of the exposed-communication figure (kernels/cuda/op_profile.h)
     std::fprintf(stderr,
                  "fsdp8 step %lld: forward+backward %.1f ms (host time enqueueing it %.1f ms, of "
                  "which inside collective calls %.1f ms; compute stream waiting on collectives "
-                 "%.1f ms), optimizer %.1f ms\n",
+                 "%.1f ms), optimizer %.1f ms, host between the previous step's end and this "
+                 "step's start %.2f ms\n",
                  static_cast<long long>(step), 1e3 * (t_fb - t0), 1e3 * host_enqueue_seconds_,
-                 1e3 * fb_host_comm, 1e3 * fb_waits, 1e3 * (t_opt - t_fb));
+                 1e3 * fb_host_comm, 1e3 * fb_waits, 1e3 * (t_opt - t_fb),
+                 last_step_end_ > 0 ? 1e3 * (t0 - last_step_end_) : 0.0);
   }
+  last_step_end_ = CommClock::Now();
   comm_->ConsumeExposedSeconds();
   last_step_ = step;
 
@@ -240,6 +257,7 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
   if (evaluate) {
     absl::StatusOr<double> v = Evaluate();
     if (!v.ok()) return v.status();
+    if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;  // taken by the evaluation
     if (absl::Status s = comm_->Verify(); !s.ok()) return s;  // the evaluation's collectives (C09)
     r.set_val_loss(*v);
   }

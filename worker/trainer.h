@@ -72,6 +72,9 @@ class Trainer {
   // the next Step() should be start_step. Only the reported scaling step depends on it: AdamW's
   // step counter (k + 1) and the LR schedule are functions of the step index passed to Step().
   void MarkResumed(int64_t start_step) { last_step_ = start_step - 1; }
+  // After the master weights changed outside a step (checkpoint load, weight import): recasts
+  // the wire shards (FsdpParams::CastWeights) and prefetches the first units of the next step.
+  absl::Status RecastWeights();
   // Optimizer steps the current state has completed (the last step run + 1, or the loaded step).
   int64_t CompletedSteps() const { return last_step_ + 1; }
 
@@ -96,6 +99,7 @@ class Trainer {
   std::unique_ptr<TokenData> train_, val_;
   int local_batch_ = 0, micro_ = 0, microbatches_ = 0;
   int64_t last_step_ = -1;
+  double last_step_end_ = 0;  // CommClock time at the end of the last Step (FSDP8_STEP_TIMING)
   double host_enqueue_seconds_ = 0;  // host time inside LlamaModel::Run this step
 };
 

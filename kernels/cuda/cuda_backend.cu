@@ -99,6 +99,14 @@ void* CudaBackend::Alloc(size_t bytes) {
 
 void CudaBackend::SetGemmAutotune(bool on) { lt_->set_autotune(on); }
 
+void CudaBackend::SetDeterministic(bool on) {
+#ifdef FSDP8_WITH_CUDNN
+  cudnn_->set_deterministic_backward(on);
+#else
+  (void)on;
+#endif
+}
+
 void CudaBackend::Free(void* p) {
   if (p == nullptr) return;
   Bind();

@@ -31,7 +31,8 @@
 //     (AttentionForwardBf16 / AttentionBackwardBf16) run cuDNN's fused SDPA (attention_cudnn.h,
 //     deterministic backward) when built with it and D is a multiple of 8 up to 128; otherwise,
 //     or if cuDNN refuses the shape, the Backend reference (a one-time message says so).
-//   * Every kernel is deterministic: same inputs, same bits (no order-dependent float atomics).
+//   * Every kernel is deterministic: same inputs, same bits (no order-dependent float atomics),
+//     unless SetDeterministic(false) (then the cuDNN attention backward is not).
 //
 // Profiling: with FSDP8_PROFILE_OPS=1 in the environment, the GPU time of every op (CUDA events
 // around it on the compute stream) is summed per op name and GEMM shape and printed to stderr
@@ -102,6 +103,8 @@ class CudaBackend final : public Backend {
   // Times cuBLASLt's candidates on each GEMM shape's first call (cuda::LtGemm::set_autotune); the
   // scratch output comes from Alloc, so it counts in the peak while tuning.
   void SetGemmAutotune(bool on) override;
+  // Off: cuDNN attention's non-deterministic backward (CudnnAttention::set_deterministic_backward).
+  void SetDeterministic(bool on) override;
   void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
                const float* b_scale_inv, float* C, bool accumulate) override;

@@ -49,6 +49,8 @@ TEST(Spec, Defaults) {
   EXPECT_EQ(d.training().seed(), 1234u);
   EXPECT_EQ(d.training().eval_every(), 100);
   EXPECT_EQ(d.training().eval_batches(), 4);
+  EXPECT_TRUE(d.training().deterministic());
+  EXPECT_FALSE(d.training().gemm_autotune());
   EXPECT_EQ(d.sharding().min_workers(), 1);
   EXPECT_EQ(d.sharding().max_workers(), 1);
   EXPECT_EQ(d.sharding().alignment(), 16);
