@@ -75,6 +75,14 @@ class Backend {
                              Fp8Format fmt) = 0;
   // *amax_out = max(*amax_out, max_i |in[i]|). in (n) f32; n may be 0.
   virtual void AmaxAccumulate(const float* in, int64_t n, float* amax_out) = 0;
+  // Current-scaling FP8 scales from amaxes, on the device (no host round trip), for i < n:
+  //   scale[i*stride] = fp8_max / amax[i] / 2^margin, computed in double, clamped to
+  //   [2^-126, FLT_MAX], rounded once to f32 (common/scaling.h ComputeScale: the same bits);
+  //   an amax[i] that is 0, negative, inf or NaN keeps the previous scale[i*stride] (1 when that
+  //   is not finite and positive); scale_inv[i*stride] = 1 / scale (f32 division, nearest).
+  // amax (n) f32; scale (in/out), scale_inv (out): n slots of `stride` floats; margin >= 0.
+  virtual void Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin,
+                                 float* scale, float* scale_inv, int64_t stride) = 0;
 
   // C (M, N) = alpha_dev * A (M, K) · B (N, K)^T  [+ C if accumulate], where
   // alpha_dev = (*a_scale_inv) * (*b_scale_inv): the "TN" layout Hopper FP8 GEMMs require.

@@ -73,6 +73,10 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
   w_scale_ = DevBuf(be, nf * kScaleStride * sizeof(float));
   w_scale_inv_ = DevBuf(be, nf * kScaleStride * sizeof(float));
   w_amax_ = DevBuf(be, nf * sizeof(float));
+  w_amax_cast_ = DevBuf::Zeros(be, nf * sizeof(float));
+  // The device slots hold the current scales (the previous scale is an all-zero weight's fallback).
+  UploadScaleSlots(be, w_scale_.f32(), std::vector<float>(nf, 1.0f));
+  UploadScaleSlots(be, w_scale_inv_.f32(), std::vector<float>(nf, 1.0f));
   const std::vector<float> ones(nf, 1.0f);
   UploadScaleSlots(be, w_scale_.f32(), ones);
   UploadScaleSlots(be, w_scale_inv_.f32(), ones);
@@ -323,18 +327,12 @@ absl::Status FsdpParams::CastWeights() {
   if (!s.ok()) {
     return absl::Status(s.code(), absl::StrCat("fp8 weight amax all-reduce: ", s.message()));
   }
-  std::vector<float> amax(nf), scale(nf), scale_inv(nf);
-  be_->CopyToHost(amax.data(), w_amax_.get(), nf * sizeof(float));
-  const float fmax = Fp8MaxValue(/*e5m2=*/false);
-  for (size_t i = 0; i < nf; ++i) {
-    scale[i] = ComputeScale(amax[i], fmax, /*margin=*/0, wscale_[i].scale);
-    scale_inv[i] = 1.0f / scale[i];
-    wscale_[i].scale = scale[i];
-    wscale_[i].scale_inv = scale_inv[i];
-    wscale_[i].amax = amax[i];
-  }
-  UploadScaleSlots(be_, w_scale_.f32(), scale);
-  UploadScaleSlots(be_, w_scale_inv_.f32(), scale_inv);
+  // The scales on the device (ComputeScale's rule, margin 0): no host round trip between AdamW
+  // and the casts. wscale_ follows when read (weight_scaling()).
+  be_->Fp8ScalesFromAmax(w_amax_.f32(), static_cast<int64_t>(nf), Fp8MaxValue(/*e5m2=*/false),
+                         /*margin=*/0, w_scale_.f32(), w_scale_inv_.f32(), kScaleStride);
+  be_->Copy(w_amax_cast_.get(), w_amax_.get(), nf * sizeof(float));
+  wscale_on_host_ = false;
   for (size_t i = 0; i < nf; ++i) {
     Buf& b = units_[fp8_refs_[i].unit][fp8_refs_[i].buffer];
     const Slice& sl = fp8_slices_[i];
@@ -413,7 +411,25 @@ void FsdpParams::UploadShardRange(int unit, int buffer, ShardArray which, int64_
   if (n > 0) be_->CopyToDevice(Array(unit, buffer, which).f32() + offset, host, n * sizeof(float));
 }
 
+const std::vector<WeightScaling>& FsdpParams::weight_scaling() const {
+  if (!wscale_on_host_ && !wscale_.empty()) {
+    const size_t nf = wscale_.size();
+    std::vector<float> amax(nf), scale(nf * kScaleStride), scale_inv(nf * kScaleStride);
+    be_->CopyToHost(amax.data(), w_amax_cast_.get(), nf * sizeof(float));
+    be_->CopyToHost(scale.data(), w_scale_.get(), scale.size() * sizeof(float));
+    be_->CopyToHost(scale_inv.data(), w_scale_inv_.get(), scale_inv.size() * sizeof(float));
+    for (size_t i = 0; i < nf; ++i) {
+      wscale_[i].amax = amax[i];
+      wscale_[i].scale = scale[i * kScaleStride];
+      wscale_[i].scale_inv = scale_inv[i * kScaleStride];
+    }
+  }
+  wscale_on_host_ = true;
+  return wscale_;
+}
+
 void FsdpParams::RestoreWeightScaling(const std::vector<WeightScaling>& ws) {
+  (void)weight_scaling();  // host copy current: the values restored below are the state from now on
   WORKER_CHECK(ws.size() == wscale_.size()) << ws.size() << " weight scales for " << wscale_.size();
   std::vector<float> scale(ws.size()), scale_inv(ws.size());
   for (size_t i = 0; i < ws.size(); ++i) {

@@ -125,7 +125,9 @@ class FsdpParams {
   // Refreshes the wire shards from the master weights (FP8 casts with a fused amax all-reduce).
   // Prefetches still in flight read the old shards: they are dropped first.
   absl::Status CastWeights();
-  const std::vector<WeightScaling>& weight_scaling() const { return wscale_; }
+  // Per FP8 weight: scale, scale_inv and amax of the last CastWeights (copied from the device
+  // when they changed since the last call: a device synchronisation; not during a step).
+  const std::vector<WeightScaling>& weight_scaling() const;
 
   // Collective: every tensor's full values, gathered from all ranks (master weights or grads).
   absl::StatusOr<std::map<std::string, std::vector<float>>> GatherAll(bool grads);
@@ -183,8 +185,10 @@ class FsdpParams {
   std::vector<TensorRef> fp8_refs_;
   std::vector<Slice> fp8_slices_;  // per FP8 tensor: its shard-local [lo, hi) ({0, 0} if none)
   bool weight_amax_ready_ = false;  // w_amax_ holds the master weights' amax (AdamW just ran)
-  std::vector<WeightScaling> wscale_;
+  mutable std::vector<WeightScaling> wscale_;  // host copy of the device state below
+  mutable bool wscale_on_host_ = true;         // wscale_ matches the device
   DevBuf w_scale_, w_scale_inv_, w_amax_;  // scales (n_fp8 * kScaleStride), amax (n_fp8) f32
+  DevBuf w_amax_cast_;                     // global amaxes of the last CastWeights (n_fp8) f32
 };
 
 }  // namespace fsdp8

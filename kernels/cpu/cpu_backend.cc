@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -215,6 +216,23 @@ void CpuBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n, const f
 void CpuBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out) {
   FSDP8_CPU_CHECK(amax_out != nullptr && n >= 0);
   *amax_out = NanMax(*amax_out, AbsMax(in, n));
+}
+
+void CpuBackend::Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin,
+                                   float* scale, float* scale_inv, int64_t stride) {
+  FSDP8_CPU_CHECK(n >= 0 && stride >= 1 && margin >= 0);
+  auto usable = [](float v) { return std::isfinite(v) && v > 0.0f; };
+  for (int64_t i = 0; i < n; ++i) {
+    float s = usable(scale[i * stride]) ? scale[i * stride] : 1.0f;
+    if (usable(amax[i]) && usable(fp8_max)) {
+      double d = static_cast<double>(fp8_max) / static_cast<double>(amax[i]);
+      d = std::ldexp(d, -margin);
+      d = std::min(std::max(d, static_cast<double>(FLT_MIN)), static_cast<double>(FLT_MAX));
+      s = static_cast<float>(d);
+    }
+    scale[i * stride] = s;
+    scale_inv[i * stride] = 1.0f / s;
+  }
 }
 
 // ---- GEMMs ------------------------------------------------------------------------------------

@@ -60,6 +60,8 @@ class CpuBackend final : public Backend {
   void DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
                      Fp8Format fmt) override;
   void AmaxAccumulate(const float* in, int64_t n, float* amax_out) override;
+  void Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin, float* scale,
+                         float* scale_inv, int64_t stride) override;
 
   void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,

@@ -1,10 +1,13 @@
 // FP8 casts, transposes, amax and bfloat16 rounding (Backend: CastToFp8, CastTransposeFp8,
 // SwigluBackwardCastTransposeFp8 (the SwiGLU gradient computed in the cast-transpose tile),
-// TransposeBytes, DequantizeFp8, AmaxAccumulate, RoundToBf16, PackBf16, UnpackBf16).
+// TransposeBytes, DequantizeFp8, AmaxAccumulate, Fp8ScalesFromAmax, RoundToBf16, PackBf16,
+// UnpackBf16).
 //
 // Bit-exact with the CPU reference: the encoders in device_math.cuh (hardware cvt plus a NaN/sign
 // fix-up, see CvtFp8x2Dev) give the codes of kernels/fp8.h. amax uses atomicMax on |x| bits, which is order-independent (device_math.cuh).
 #include <cuda_runtime.h>
+
+#include <cfloat>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_math.cuh"
@@ -546,6 +549,34 @@ void LaunchCastToFp8Bf16(const uint16_t* in, uint8_t* out, int64_t n, const floa
   } else {
     CastBf16ToFp8Kernel<false><<<blocks, kEltThreads, 0, stream>>>(in, out, n, scale, amax_out, vec);
   }
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+// One thread per tensor; the double arithmetic is IEEE (correctly rounded division, exact
+// scaling by 2^-margin), so the scales are the host's bits (CpuBackend::Fp8ScalesFromAmax).
+__global__ void Fp8ScalesKernel(const float* __restrict__ amax, int64_t n, float fp8_max, int margin,
+                                float* scale, float* scale_inv, int64_t stride) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  auto usable = [](float v) { return isfinite(v) && v > 0.0f; };
+  float s = scale[i * stride];
+  if (!usable(s)) s = 1.0f;
+  const float a = amax[i];
+  if (usable(a) && usable(fp8_max)) {
+    double d = __ddiv_rn(static_cast<double>(fp8_max), static_cast<double>(a));
+    d = ldexp(d, -margin);
+    d = fmin(fmax(d, static_cast<double>(FLT_MIN)), static_cast<double>(FLT_MAX));
+    s = __double2float_rn(d);
+  }
+  scale[i * stride] = s;
+  scale_inv[i * stride] = __fdiv_rn(1.0f, s);
+}
+
+void LaunchFp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin, float* scale,
+                             float* scale_inv, int64_t stride, cudaStream_t stream) {
+  if (n <= 0) return;
+  Fp8ScalesKernel<<<static_cast<unsigned>(CeilDiv(n, 128)), 128, 0, stream>>>(amax, n, fp8_max, margin,
+                                                                              scale, scale_inv, stride);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 

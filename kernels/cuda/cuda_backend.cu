@@ -213,6 +213,14 @@ void CudaBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n, const 
   cuda::LaunchDequantizeFp8(in, out, n, scale_inv, fmt, stream_);
 }
 
+void CudaBackend::Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin,
+                                    float* scale, float* scale_inv, int64_t stride) {
+  cuda::OpScope op_scope(prof_.get(), "Fp8ScalesFromAmax");
+  Bind();
+  FSDP8_CUDA_REQUIRE(n >= 0 && stride >= 1 && margin >= 0, "Fp8ScalesFromAmax: bad arguments");
+  cuda::LaunchFp8ScalesFromAmax(amax, n, fp8_max, margin, scale, scale_inv, stride, stream_);
+}
+
 void CudaBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out) {
   cuda::OpScope op_scope(prof_.get(), "AmaxAccumulate");
   Bind();

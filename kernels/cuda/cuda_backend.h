@@ -98,6 +98,8 @@ class CudaBackend final : public Backend {
   void DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
                      Fp8Format fmt) override;
   void AmaxAccumulate(const float* in, int64_t n, float* amax_out) override;
+  void Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin, float* scale,
+                         float* scale_inv, int64_t stride) override;
 
   void SetFp8FastAccumulation(bool on) override { fp8_fast_accum_ = on; }
   // Times cuBLASLt's candidates on each GEMM shape's first call (cuda::LtGemm::set_autotune); the

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <mutex>
 
 #include "kernels/cuda/cuda_check.h"
 
@@ -153,10 +155,40 @@ bool LtGemm::Run(const LtProblem& p, const void* A, const void* B, void* C, cons
   return false;
 }
 
+namespace {
+
+// Tuned choices of this process, per device and problem: each job creates its own backend, and
+// without this every job would time the candidates again and could choose differently.
+struct TunedChoices {
+  std::mutex mu;
+  std::map<std::pair<int, decltype(LtProblem().Key())>, cublasLtMatmulAlgo_t> chosen;
+};
+TunedChoices& Tuned() {
+  static TunedChoices* t = new TunedChoices();  // never destroyed: used until exit
+  return *t;
+}
+
+}  // namespace
+
 void LtGemm::Tune(Entry& e, const LtProblem& p, const void* A, const void* B) {
   e.tuned = true;
   e.best = -1;
   if (e.algos.size() < 2 || !alloc_) return;
+  int device = 0;
+  FSDP8_CUDA_CHECK(cudaGetDevice(&device));
+  const auto tuned_key = std::make_pair(device, p.Key());
+  {
+    std::lock_guard<std::mutex> l(Tuned().mu);
+    auto it = Tuned().chosen.find(tuned_key);
+    if (it != Tuned().chosen.end()) {  // chosen by an earlier job: the same candidate again
+      for (size_t i = 0; i < e.algos.size(); ++i) {
+        if (std::memcmp(&e.algos[i], &it->second, sizeof(cublasLtMatmulAlgo_t)) == 0) {
+          e.best = static_cast<int>(i);
+          return;
+        }
+      }
+    }
+  }
   const size_t elt = p.c_type == CUDA_R_16BF ? 2 : 4;
   const size_t bytes = static_cast<size_t>(p.ldc) * static_cast<size_t>(p.n) * elt;
   void* D = alloc_(bytes);
@@ -207,6 +239,10 @@ void LtGemm::Tune(Entry& e, const LtProblem& p, const void* A, const void* B) {
   }
   if (first >= 0 && best >= 0 && ms[first] <= ms[best] * (1.0 + kTuneMinGain)) best = first;
   e.best = best;
+  if (best >= 0) {
+    std::lock_guard<std::mutex> l(Tuned().mu);
+    Tuned().chosen[tuned_key] = e.algos[best];
+  }
   if (std::getenv("FSDP8_GEMM_VERBOSE") != nullptr) {
     std::fprintf(stderr, "fsdp8 cuda gemm: tuned m=%lld n=%lld k=%lld acc=%d:",
                  static_cast<long long>(p.m), static_cast<long long>(p.n),

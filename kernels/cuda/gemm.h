@@ -80,7 +80,8 @@ class LtGemm {
   // problem's; the median of kTuneRounds rounds) and uses the fastest from then on; candidate 0
   // is kept unless another is more than kTuneMinGain faster. The tuning call first waits for the
   // whole device (cudaDeviceSynchronize: collectives on other streams included), so that the
-  // candidates are timed alone. When `alloc` returns nullptr the heuristic's order is kept for
+  // candidates are timed alone. Choices are kept for the process, per device and problem key:
+  // later instances (the next job's backend) take the same candidate without timing again. When `alloc` returns nullptr the heuristic's order is kept for
   // that problem. Tuned choices persist across set_autotune(false)/(true).
   void set_autotune(bool on) { autotune_ = on; }
   void set_scratch_allocator(std::function<void*(size_t)> alloc, std::function<void(void*)> free) {

@@ -54,6 +54,8 @@ void LaunchTransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t
 void LaunchDequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
                          Fp8Format fmt, cudaStream_t stream);
 void LaunchAmaxAccumulate(const float* in, int64_t n, float* amax_out, cudaStream_t stream);
+void LaunchFp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin, float* scale,
+                             float* scale_inv, int64_t stride, cudaStream_t stream);
 void LaunchRoundToBf16(float* x, int64_t n, cudaStream_t stream);
 void LaunchPackBf16(const float* in, uint16_t* out, int64_t n, cudaStream_t stream);
 void LaunchUnpackBf16(const uint16_t* in, float* out, int64_t n, cudaStream_t stream);

@@ -34,6 +34,8 @@
 // to bf16), lse 64 u·T (f32 scores of exact bf16 products), dq/dk/dv 8 ub (dP and dS are rounded
 // to bf16 before their GEMMs, the outputs once more).
 #include <algorithm>
+#include <limits>
+#include <cfloat>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -456,6 +458,38 @@ TEST_P(Conformance, Bf16) {
       r.F32(&o, "unpacked", un, n);
       return o;
     });
+  }
+}
+
+TEST_P(Conformance, Fp8ScalesFromAmax) {
+  // Random amaxes over many binades plus the special cases, random previous scales (some not
+  // usable); exact: the device's double arithmetic must give the CPU's bits.
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> amax = Uniform(300, -40.0f, 40.0f), prev = Uniform(300, -5.0f, 5.0f);
+  for (size_t i = 0; i < amax.size(); ++i) amax[i] = std::ldexp(1.0f + std::fabs(amax[i]) / 40.0f, static_cast<int>(amax[i]) * 3);
+  for (size_t i = 0; i < prev.size(); ++i) prev[i] = std::exp(prev[i]);
+  const float specials[] = {0.0f, -0.0f, -1.0f, inf, std::nanf(""), 1e-45f, FLT_MAX};
+  for (size_t i = 0; i < 7; ++i) amax[i] = specials[i];
+  prev[0] = inf;
+  prev[1] = -2.0f;
+  prev[2] = std::nanf("");
+  const int64_t n = static_cast<int64_t>(amax.size()), stride = 4;
+  std::vector<float> slots(n * stride, 0.0f);
+  for (int64_t i = 0; i < n; ++i) slots[i * stride] = prev[i];
+  for (int margin : {0, 3}) {
+    for (float fmax : {448.0f, 57344.0f}) {
+      Check("Fp8ScalesFromAmax/margin" + std::to_string(margin) + "/max" + std::to_string(static_cast<int>(fmax)), -1,
+            [&](DevRun& r) {
+              Outputs o;
+              float* sc = r.In(slots);
+              float* inv = r.Out<float>(n * stride);
+              r.b()->Memset(inv, 0, n * stride * sizeof(float));
+              r.b()->Fp8ScalesFromAmax(r.In(amax), n, fmax, margin, sc, inv, stride);
+              r.F32(&o, "scale", sc, n * stride);
+              r.F32(&o, "scale_inv", inv, n * stride);
+              return o;
+            });
+    }
   }
 }
 

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -150,6 +151,32 @@ std::vector<double> NaiveGemm(bool ta, bool tb, int M, int N, int K, const std::
       (*abs_sum)[i * N + j] = sa;
     }
   return C;
+}
+
+// Current-scaling weight scales (scale = fp8_max / amax / 2^margin; unusable amax keeps the
+// previous scale, an unusable previous scale falls back to 1), hand-computed, in slots of 4.
+TEST_F(CpuBackendTest, Fp8ScalesFromAmaxHandValues) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::nanf("");
+  const std::vector<float> amax = {2.0f, 0.0f, nan, inf, -1.0f, 0.0f, 1e-38f, 448.0f};
+  const std::vector<float> prev = {5.0f, 3.5f, 3.5f, 3.5f, 3.5f, inf, 7.0f, 9.0f};
+  // margin 0, then 1 (halves every scale computed from an amax, not the kept ones).
+  const float want0[] = {224.0f, 3.5f, 3.5f, 3.5f, 3.5f, 1.0f, FLT_MAX, 1.0f};
+  const float want1[] = {112.0f, 3.5f, 3.5f, 3.5f, 3.5f, 1.0f, FLT_MAX, 0.5f};
+  for (int margin : {0, 1}) {
+    const int64_t n = static_cast<int64_t>(amax.size()), stride = 4;
+    std::vector<float> slots(n * stride, -9.0f), inv(n * stride, -9.0f);
+    for (int64_t i = 0; i < n; ++i) slots[i * stride] = prev[i];
+    be_->Fp8ScalesFromAmax(amax.data(), n, 448.0f, margin, slots.data(), inv.data(), stride);
+    for (int64_t i = 0; i < n; ++i) {
+      const float want = (margin == 0 ? want0 : want1)[i];
+      EXPECT_EQ(slots[i * stride], want) << "tensor " << i << " margin " << margin;
+      EXPECT_EQ(inv[i * stride], 1.0f / want) << "tensor " << i << " margin " << margin;
+      for (int64_t k = 1; k < stride; ++k) {
+        EXPECT_EQ(slots[i * stride + k], -9.0f);  // only the slot's first float is written
+        EXPECT_EQ(inv[i * stride + k], -9.0f);
+      }
+    }
+  }
 }
 
 TEST_F(CpuBackendTest, GemmAllTransposeCombinationsF32) {
