@@ -78,6 +78,12 @@ const float* ActScaling::ScaleFor(int i, const float* x, int64_t n) {
 }
 
 absl::Status ActScaling::EndStep(Communicator* comm, CommClock* clock) {
+  if (absl::Status s = ReduceAmax(comm, clock); !s.ok()) return s;
+  UpdateScales();
+  return absl::OkStatus();
+}
+
+absl::Status ActScaling::ReduceAmax(Communicator* comm, CommClock* clock) {
   const size_t n = states_.size();
   if (n == 0) return absl::OkStatus();
   const auto t0 = std::chrono::steady_clock::now();
@@ -87,6 +93,12 @@ absl::Status ActScaling::EndStep(Communicator* comm, CommClock* clock) {
   if (!s.ok()) {
     return absl::Status(s.code(), absl::StrCat("activation amax all-reduce: ", s.message()));
   }
+  return absl::OkStatus();
+}
+
+void ActScaling::UpdateScales() {
+  const size_t n = states_.size();
+  if (n == 0) return;
   std::vector<float> amax(n), scale(n), scale_inv(n);
   be_->CopyToHost(amax.data(), amax_.get(), n * sizeof(float));
   for (const auto& [to, from] : amax_from_) amax[to] = amax[from];
@@ -98,7 +110,6 @@ absl::Status ActScaling::EndStep(Communicator* comm, CommClock* clock) {
   }
   UploadScaleSlots(be_, scale_.f32(), scale);
   UploadScaleSlots(be_, scale_inv_.f32(), scale_inv);
-  return absl::OkStatus();
 }
 
 void ActScaling::ShareAmax(int from, int to) {

@@ -61,8 +61,12 @@ class ActScaling {
   // recording (evaluation).
   float* AmaxOut(int i) const { return recording_ ? amax_.f32() + i : nullptr; }
   void set_recording(bool on) { recording_ = on; }
-  // The fused all-reduce(max) of this step's amaxes and the identical update on every rank.
+  // The fused all-reduce(max) of this step's amaxes and the identical update on every rank:
+  // ReduceAmax enqueues the all-reduce, UpdateScales reads the result (a device synchronisation)
+  // and updates and uploads the scales; EndStep is both.
   absl::Status EndStep(Communicator* comm, CommClock* clock);
+  absl::Status ReduceAmax(Communicator* comm, CommClock* clock);
+  void UpdateScales();
   const std::vector<ScalingState>& states() const { return states_; }
   // Whether tensor i's next cast must first measure its own amax (CURRENT recipe, or no history).
   bool NeedsAmaxFirst(int i) const {

@@ -259,16 +259,27 @@ void FsdpParams::MaterializeGrads() {
 }
 
 absl::StatusOr<double> FsdpParams::GlobalGradSquaredNorm() {
+  if (absl::Status s = StartGradSquaredNorm(); !s.ok()) return s;
+  return FinishGradSquaredNorm();
+}
+
+absl::Status FsdpParams::StartGradSquaredNorm() {
   MaterializeGrads();
-  DevBuf acc = DevBuf::Zeros(be_, sizeof(float));
+  grad_sq_ = DevBuf::Zeros(be_, sizeof(float));
   for (auto& u : units_) {
-    for (Buf& b : u) be_->SumSquares(b.grad.f32(), b.plan->shard_numel, acc.f32());
+    for (Buf& b : u) be_->SumSquares(b.grad.f32(), b.plan->shard_numel, grad_sq_.f32());
   }
   const double t0 = CommClock::Now();
-  absl::Status s = Timed(comm_->AllReduce(acc.f32(), 1, ReduceOp::kSum), t0);
+  absl::Status s = Timed(comm_->AllReduce(grad_sq_.f32(), 1, ReduceOp::kSum), t0);
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat("grad-norm all-reduce: ", s.message()));
+  return absl::OkStatus();
+}
+
+double FsdpParams::FinishGradSquaredNorm() {
+  WORKER_CHECK(!grad_sq_.empty()) << "FinishGradSquaredNorm without StartGradSquaredNorm";
   float host = 0;
-  be_->CopyToHost(&host, acc.get(), sizeof(float));
+  be_->CopyToHost(&host, grad_sq_.get(), sizeof(float));
+  grad_sq_.Reset();
   return static_cast<double>(host);
 }
 

@@ -119,7 +119,11 @@ class FsdpParams {
 
   void ZeroGrads();
   // Squared L2 norm of the global gradient: sum of every shard's SumSquares, AllReduce(sum).
+  // StartGradSquaredNorm enqueues it, FinishGradSquaredNorm reads it (a device
+  // synchronisation); GlobalGradSquaredNorm is both.
   absl::StatusOr<double> GlobalGradSquaredNorm();
+  absl::Status StartGradSquaredNorm();
+  double FinishGradSquaredNorm();
   void AdamW(float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
              float grad_scale);
   // Refreshes the wire shards from the master weights (FP8 casts with a fused amax all-reduce).
@@ -189,6 +193,7 @@ class FsdpParams {
   mutable bool wscale_on_host_ = true;         // wscale_ matches the device
   DevBuf w_scale_, w_scale_inv_, w_amax_;  // scales (n_fp8 * kScaleStride), amax (n_fp8) f32
   DevBuf w_amax_cast_;                     // global amaxes of the last CastWeights (n_fp8) f32
+  DevBuf grad_sq_;                         // StartGradSquaredNorm's sum (1) f32
 };
 
 }  // namespace fsdp8

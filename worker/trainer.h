@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -81,9 +82,11 @@ class Trainer {
  private:
   Trainer() = default;
   // Runs every microbatch of this rank's slice of batch `step` of `stream`; returns this rank's
-  // loss sum (host, double).
+  // loss sum (host, double). before_readback (optional) enqueues more device work after the last
+  // microbatch, ahead of the losses' copy to the host (which waits for it too).
   absl::StatusOr<double> RunBatch(const TokenData& data, int64_t step, uint64_t stream,
-                                  bool backward);
+                                  bool backward,
+                                  const std::function<absl::Status()>& before_readback = nullptr);
   absl::StatusOr<double> GlobalSum(double local);
 
   v1::JobSpec spec_;
