@@ -232,14 +232,17 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
                  static_cast<float>(o.weight_decay()), step + 1, static_cast<float>(clip));
   const double t_adamw = CommClock::Now();
   if (absl::Status s = params_->CastWeights(); !s.ok()) return s;
+  // C09 for this step's collectives, before the prefetch below: its headers queue behind the
+  // embedding's all-gather, and waiting for them held the next step back (~0.7 ms at 1b); the
+  // watchdog or the next step's Verify compares them.
+  const double t_casts = CommClock::Now();
+  if (absl::Status s = comm_->Verify(); !s.ok()) return s;
+  const double t_verify = CommClock::Now();
   // The next step's first all-gathers overlap this step's end and the host's turn-around; they
   // count in this step's bytes, as this step's own first all-gathers counted in the previous one.
   if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;
   const CommBytes bytes1 = comm_->bytes();
-  const double t_casts = CommClock::Now();
   be_->Synchronize();
-  const double t_sync = CommClock::Now();
-  if (absl::Status s = comm_->Verify(); !s.ok()) return s;
   const double t_opt = CommClock::Now();
   const int64_t opt_peak = be_->PeakAllocatedBytes();
   static const bool profile = [] {
@@ -253,14 +256,14 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
     std::fprintf(stderr,
                  "fsdp8 step %lld: forward+backward %.1f ms (host time enqueueing it %.1f ms, of "
                  "which inside collective calls %.1f ms; compute stream waiting on collectives "
-                 "%.1f ms), optimizer %.1f ms (host: amax all-reduce and scale updates %.2f, grad "
-                 "norm %.2f, AdamW enqueued %.2f, casts and prefetch enqueued %.2f, waiting for "
-                 "the device %.2f, verify %.2f), host between the previous step's end and this "
-                 "step's start %.2f ms\n",
+                 "%.1f ms), optimizer %.1f ms (host: scale updates %.2f, grad norm %.2f, AdamW "
+                 "enqueued %.2f, casts enqueued %.2f, verify %.2f, prefetch enqueued and waiting "
+                 "for the device %.2f), host between the previous step's end and this step's "
+                 "start %.2f ms\n",
                  static_cast<long long>(step), 1e3 * (t_fb - t0), 1e3 * host_enqueue_seconds_,
                  1e3 * fb_host_comm, 1e3 * fb_waits, 1e3 * (t_opt - t_fb), 1e3 * (t_scales - t_fb),
                  1e3 * (t_norm - t_scales), 1e3 * (t_adamw - t_norm), 1e3 * (t_casts - t_adamw),
-                 1e3 * (t_sync - t_casts), 1e3 * (t_opt - t_sync),
+                 1e3 * (t_verify - t_casts), 1e3 * (t_opt - t_verify),
                  last_step_end_ > 0 ? 1e3 * (t0 - last_step_end_) : 0.0);
   }
   last_step_end_ = CommClock::Now();
@@ -277,8 +280,8 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
   if (evaluate) {
     absl::StatusOr<double> v = Evaluate();
     if (!v.ok()) return v.status();
-    if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;  // taken by the evaluation
     if (absl::Status s = comm_->Verify(); !s.ok()) return s;  // the evaluation's collectives (C09)
+    if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;  // taken by the evaluation
     r.set_val_loss(*v);
   }
   // Forward/backward split into compute and exposed communication; the optimizer phase (its
