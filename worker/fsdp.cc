@@ -74,9 +74,8 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
   w_scale_inv_ = DevBuf(be, nf * kScaleStride * sizeof(float));
   w_amax_ = DevBuf(be, nf * sizeof(float));
   w_amax_cast_ = DevBuf::Zeros(be, nf * sizeof(float));
-  // The device slots hold the current scales (the previous scale is an all-zero weight's fallback).
-  UploadScaleSlots(be, w_scale_.f32(), std::vector<float>(nf, 1.0f));
-  UploadScaleSlots(be, w_scale_inv_.f32(), std::vector<float>(nf, 1.0f));
+  // The device slots hold the current scales (the previous scale is an all-zero weight's
+  // fallback in Fp8ScalesFromAmax): 1 until the first cast.
   const std::vector<float> ones(nf, 1.0f);
   UploadScaleSlots(be, w_scale_.f32(), ones);
   UploadScaleSlots(be, w_scale_inv_.f32(), ones);
@@ -136,6 +135,13 @@ absl::Status FsdpParams::Prefetch(int unit) {
         break;
     }
     if (absl::Status r = Timed(t.status(), t0); !r.ok()) {
+      // The unit's all-gathers issued so far must finish before their buffers go.
+      for (Buf& issued : units_[unit]) {
+        if (issued.ticket != 0) comm_->Wait(issued.ticket);
+        issued.ticket = 0;
+        issued.full.Reset();
+        issued.full_u16.Reset();
+      }
       return absl::Status(r.code(), absl::StrCat("all-gather of ", plan_.units[unit].name, "/",
                                                  WireDtypeName(bp.wire), ": ", r.message()));
     }

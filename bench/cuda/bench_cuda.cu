@@ -225,6 +225,9 @@ int SweepLt(cudaStream_t stream, const GemmShape& s, uint8_t* const A[2], uint8_
   CKB(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t wsb = ws_bytes;
   CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)));
+  // As the backend asks (kernels/cuda/gemm.cu): no split-K reducing in place with atomics.
+  const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_MASK & ~static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_INPLACE);
+  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
   cublasLtMatmulHeuristicResult_t res[16] = {};
   int found = 0;
   CKB(cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, 16, res, &found));
