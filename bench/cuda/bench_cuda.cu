@@ -150,52 +150,75 @@ struct GemmShape {
   fsdp8::Fp8Format a, b;
 };
 
-// Bare cuBLASLt: fresh descriptors and the heuristic's best algorithm; same problem as the
-// backend's (see kernels/cuda/gemm.h for the row-major -> column-major mapping).
-// out_type: CUDA_R_32F or CUDA_R_16BF; fast_accum: CUBLASLT_MATMUL_DESC_FAST_ACCUM (no
-// promotion of the tensor cores' partial sums into full FP32 every few K blocks).
+// One FP8 problem set up from scratch in cuBLASLt (fresh handle, descriptors and layouts; see
+// kernels/cuda/gemm.h for the row-major -> column-major mapping): the backend's problem, timed
+// without the backend. out_type: CUDA_R_32F or CUDA_R_16BF; fast_accum:
+// CUBLASLT_MATMUL_DESC_FAST_ACCUM (no promotion of the tensor cores' partial sums into full FP32
+// every few K blocks); backend_prefs: exclude the split-K schemes that reduce in place with
+// atomics, as kernels/cuda/gemm.cu asks.
+struct BareProblem {
+  BareProblem(const GemmShape& s, const float* sa, const float* sb, size_t ws_bytes,
+              cudaDataType_t out_type, bool fast_accum, bool backend_prefs) {
+    CKB(cublasLtCreate(&h));
+    CKB(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const int8_t fa = fast_accum ? 1 : 0;
+    CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fa, sizeof(fa)));
+    const cublasOperation_t T = CUBLAS_OP_T, N = CUBLAS_OP_N;
+    CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &T, sizeof(T)));
+    CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &N, sizeof(N)));
+    CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)));
+    CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof(sa)));
+    auto ty = [](fsdp8::Fp8Format f) { return f == fsdp8::Fp8Format::kE5M2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3; };
+    CKB(cublasLtMatrixLayoutCreate(&la, ty(s.b), s.K, s.N, s.K));
+    CKB(cublasLtMatrixLayoutCreate(&lb, ty(s.a), s.K, s.M, s.K));
+    CKB(cublasLtMatrixLayoutCreate(&lc, out_type, s.N, s.M, s.N));
+    CKB(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t wsb = ws_bytes;
+    CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)));
+    if (backend_prefs) {
+      const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_MASK & ~static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_INPLACE);
+      CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
+    }
+  }
+  ~BareProblem() {
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(lc);
+    cublasLtMatmulDescDestroy(desc);
+    cublasLtDestroy(h);
+  }
+  // Up to n heuristic candidates, best first.
+  std::vector<cublasLtMatmulHeuristicResult_t> Candidates(int n) {
+    std::vector<cublasLtMatmulHeuristicResult_t> res(static_cast<size_t>(n));
+    int found = 0;
+    CKB(cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, n, res.data(), &found));
+    res.resize(static_cast<size_t>(found));
+    return res;
+  }
+  // D = C = ... (beta 0 or 1), our A and B swapped into cuBLASLt's B and A.
+  cublasStatus_t Run(const cublasLtMatmulAlgo_t& algo, const void* A, const void* B, void* C,
+                     float beta, void* ws, size_t ws_bytes, cudaStream_t stream) {
+    const float alpha = 1.0f;
+    return cublasLtMatmul(h, desc, &alpha, B, la, A, lb, &beta, C, lc, C, lc, &algo, ws, ws_bytes, stream);
+  }
+  cublasLtHandle_t h = nullptr;
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+};
+
+// Bare cuBLASLt: the heuristic's best algorithm with default preferences.
 double BareLt(cudaStream_t stream, const GemmShape& s, uint8_t* const A[2], uint8_t* const B[2],
               void* C, const float* sa, const float* sb, void* ws, size_t ws_bytes,
               cudaDataType_t out_type = CUDA_R_32F, bool fast_accum = false) {
-  cublasLtHandle_t h;
-  CKB(cublasLtCreate(&h));
-  cublasLtMatmulDesc_t desc;
-  CKB(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const int8_t fa = fast_accum ? 1 : 0;
-  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fa, sizeof(fa)));
-  const cublasOperation_t T = CUBLAS_OP_T, N = CUBLAS_OP_N;
-  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &T, sizeof(T)));
-  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &N, sizeof(N)));
-  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)));
-  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof(sa)));
-  auto ty = [](fsdp8::Fp8Format f) { return f == fsdp8::Fp8Format::kE5M2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3; };
-  cublasLtMatrixLayout_t la, lb, lc;
-  CKB(cublasLtMatrixLayoutCreate(&la, ty(s.b), s.K, s.N, s.K));
-  CKB(cublasLtMatrixLayoutCreate(&lb, ty(s.a), s.K, s.M, s.K));
-  CKB(cublasLtMatrixLayoutCreate(&lc, out_type, s.N, s.M, s.N));
-  cublasLtMatmulPreference_t pref;
-  CKB(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t wsb = ws_bytes;
-  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)));
-  cublasLtMatmulHeuristicResult_t res{};
-  int found = 0;
-  CKB(cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, 1, &res, &found));
-  if (found == 0) {
+  BareProblem p(s, sa, sb, ws_bytes, out_type, fast_accum, /*backend_prefs=*/false);
+  const auto res = p.Candidates(1);
+  if (res.empty()) {
     std::fprintf(stderr, "bare cuBLASLt: no algorithm for %s\n", s.name);
     return -1;
   }
-  const float alpha = 1.0f, beta = 0.0f;
-  const double ms = MedianMs(stream, [&](int i) {
-    CKB(cublasLtMatmul(h, desc, &alpha, B[i & 1], la, A[i & 1], lb, &beta, C, lc, C, lc, &res.algo, ws,
-                       ws_bytes, stream));
-  });
-  cublasLtMatmulPreferenceDestroy(pref);
-  cublasLtMatrixLayoutDestroy(la);
-  cublasLtMatrixLayoutDestroy(lb);
-  cublasLtMatrixLayoutDestroy(lc);
-  cublasLtMatmulDescDestroy(desc);
-  cublasLtDestroy(h);
-  return ms;
+  return MedianMs(stream, [&](int i) { CKB(p.Run(res[0].algo, A[i & 1], B[i & 1], C, 0.0f, ws, ws_bytes, stream)); });
 }
 
 // Every candidate the heuristic returns (up to 16) for one problem, timed: returns the index and
@@ -205,59 +228,25 @@ int SweepLt(cudaStream_t stream, const GemmShape& s, uint8_t* const A[2], uint8_
             void* C, const float* sa, const float* sb, void* ws, size_t ws_bytes,
             cudaDataType_t out_type, bool fast_accum, bool accumulate, double* first_ms,
             double* best_ms, int* found_out) {
-  cublasLtHandle_t h;
-  CKB(cublasLtCreate(&h));
-  cublasLtMatmulDesc_t desc;
-  CKB(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const int8_t fa = fast_accum ? 1 : 0;
-  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fa, sizeof(fa)));
-  const cublasOperation_t T = CUBLAS_OP_T, N = CUBLAS_OP_N;
-  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &T, sizeof(T)));
-  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &N, sizeof(N)));
-  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof(sb)));
-  CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof(sa)));
-  auto ty = [](fsdp8::Fp8Format f) { return f == fsdp8::Fp8Format::kE5M2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3; };
-  cublasLtMatrixLayout_t la, lb, lc;
-  CKB(cublasLtMatrixLayoutCreate(&la, ty(s.b), s.K, s.N, s.K));
-  CKB(cublasLtMatrixLayoutCreate(&lb, ty(s.a), s.K, s.M, s.K));
-  CKB(cublasLtMatrixLayoutCreate(&lc, out_type, s.N, s.M, s.N));
-  cublasLtMatmulPreference_t pref;
-  CKB(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t wsb = ws_bytes;
-  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb)));
-  // As the backend asks (kernels/cuda/gemm.cu): no split-K reducing in place with atomics.
-  const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_MASK & ~static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_INPLACE);
-  CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
-  cublasLtMatmulHeuristicResult_t res[16] = {};
-  int found = 0;
-  CKB(cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, 16, res, &found));
-  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  BareProblem p(s, sa, sb, ws_bytes, out_type, fast_accum, /*backend_prefs=*/true);
+  const auto res = p.Candidates(16);
+  const float beta = accumulate ? 1.0f : 0.0f;
   int best = -1;
   *best_ms = 1e30;
   *first_ms = -1;
-  for (int a = 0; a < found; ++a) {
+  for (size_t a = 0; a < res.size(); ++a) {
     if (res[a].state != CUBLAS_STATUS_SUCCESS) continue;
-    if (cublasLtMatmul(h, desc, &alpha, B[0], la, A[0], lb, &beta, C, lc, C, lc, &res[a].algo, ws,
-                       ws_bytes, stream) != CUBLAS_STATUS_SUCCESS) {
-      continue;
-    }
+    if (p.Run(res[a].algo, A[0], B[0], C, beta, ws, ws_bytes, stream) != CUBLAS_STATUS_SUCCESS) continue;
     const double ms = MedianMs(stream, [&](int i) {
-      CKB(cublasLtMatmul(h, desc, &alpha, B[i & 1], la, A[i & 1], lb, &beta, C, lc, C, lc,
-                         &res[a].algo, ws, ws_bytes, stream));
+      CKB(p.Run(res[a].algo, A[i & 1], B[i & 1], C, beta, ws, ws_bytes, stream));
     });
     if (a == 0) *first_ms = ms;
     if (ms < *best_ms) {
       *best_ms = ms;
-      best = a;
+      best = static_cast<int>(a);
     }
   }
-  *found_out = found;
-  cublasLtMatmulPreferenceDestroy(pref);
-  cublasLtMatrixLayoutDestroy(la);
-  cublasLtMatrixLayoutDestroy(lb);
-  cublasLtMatrixLayoutDestroy(lc);
-  cublasLtMatmulDescDestroy(desc);
-  cublasLtDestroy(h);
+  *found_out = static_cast<int>(res.size());
   return best;
 }
 
