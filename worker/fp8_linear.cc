@@ -77,12 +77,6 @@ const float* ActScaling::ScaleFor(int i, const float* x, int64_t n) {
   return scale_.f32() + i * kScaleStride;
 }
 
-absl::Status ActScaling::EndStep(Communicator* comm, CommClock* clock) {
-  if (absl::Status s = ReduceAmax(comm, clock); !s.ok()) return s;
-  UpdateScales();
-  return absl::OkStatus();
-}
-
 absl::Status ActScaling::ReduceAmax(Communicator* comm, CommClock* clock) {
   const size_t n = states_.size();
   if (n == 0) return absl::OkStatus();
@@ -129,7 +123,7 @@ void Linear::Forward(const float* x, int64_t M, int64_t K, int64_t N, const Weig
 
 std::shared_ptr<Fp8Input> Linear::Cast(std::shared_ptr<Fp8Input> in,
                                        std::initializer_list<const Linear*> same_input) {
-  // Under delayed scaling the tensor's scale_inv slot holds still until EndStep, after every
+  // Under delayed scaling the tensor's scale_inv slot holds still until UpdateScales, after every
   // backward of the step; a cast that measured its own amax first (NeedsAmaxFirst) rewrites the
   // slot at each cast, so its value is kept.
   if (sc_->NeedsAmaxFirst(x_idx_)) {

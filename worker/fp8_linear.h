@@ -10,14 +10,14 @@
 //             with the last LinearSaved that holds the input (the caller drops them after use).
 //   Linears that read the same activation (q/k/v of n1, gate/up of n2) share one cast and one
 //   transpose (Fp8Input): their X tensors see the same values every step, so their delayed
-//   scales are equal by construction; the shared cast records one amax, which EndStep gives to
+//   scales are equal by construction; the shared cast records one amax, which UpdateScales gives to
 //   each (ActScaling::ShareAmax).
 //   Inputs, outputs and grad-outputs may be bfloat16 (bit patterns, Backend's *Bf16 ops).
 // BF16 / FP32: Backend::Gemm with inputs rounded to bf16 / kept f32; the f32 input is kept (by
 // the caller) for dW.
 //
 // Scaling (common/scaling.h): delayed — cast with the current scale; amaxes accumulate into a
-// device buffer zeroed once per step (max over all microbatches, C03); EndStep does ONE fused
+// device buffer zeroed once per step (max over all microbatches, C03); ReduceAmax does ONE fused
 // AllReduce(max) and every rank runs UpdateDelayed identically (C04). A tensor without history
 // (first step) and every tensor under the CURRENT recipe is scaled from its own amax, which costs a
 // host synchronisation per cast.
@@ -63,8 +63,7 @@ class ActScaling {
   void set_recording(bool on) { recording_ = on; }
   // The fused all-reduce(max) of this step's amaxes and the identical update on every rank:
   // ReduceAmax enqueues the all-reduce, UpdateScales reads the result (a device synchronisation)
-  // and updates and uploads the scales; EndStep is both.
-  absl::Status EndStep(Communicator* comm, CommClock* clock);
+  // and updates and uploads the scales.
   absl::Status ReduceAmax(Communicator* comm, CommClock* clock);
   void UpdateScales();
   const std::vector<ScalingState>& states() const { return states_; }
@@ -77,7 +76,7 @@ class ActScaling {
   // Whether forward FP8 GEMMs use fast accumulation (Fp8Recipe.forward_fast_accumulation).
   bool forward_fast_accumulation() const { return recipe_.forward_fast_accumulation(); }
   // Tensor `to` takes the amax that tensor `from` records (the same input values, one cast):
-  // EndStep copies it over before the update. Idempotent; `from` must record its own amax (no
+  // UpdateScales copies it over before the update. Idempotent; `from` must record its own amax (no
   // chains: each `to` is resolved once).
   void ShareAmax(int from, int to);
   // Replaces every tensor's delayed-scaling state (a checkpoint load) and uploads the scales.

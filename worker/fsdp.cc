@@ -101,15 +101,18 @@ FsdpParams::~FsdpParams() { DropPrefetches(); }
 
 void FsdpParams::DropPrefetches() {
   for (size_t u = 0; u < in_flight_.size(); ++u) {
-    if (!in_flight_[u]) continue;
-    for (Buf& b : units_[u]) {
-      comm_->Wait(b.ticket);  // the compute stream's frees below come after the all-gather
-      b.ticket = 0;
-      b.full.Reset();
-      b.full_u16.Reset();
-    }
-    in_flight_[u] = false;
+    if (in_flight_[u]) DropUnit(static_cast<int>(u));
   }
+}
+
+void FsdpParams::DropUnit(int unit) {
+  for (Buf& b : units_[unit]) {
+    if (b.ticket != 0) comm_->Wait(b.ticket);  // the compute stream's frees below come after it
+    b.ticket = 0;
+    b.full.Reset();
+    b.full_u16.Reset();
+  }
+  if (static_cast<size_t>(unit) < in_flight_.size()) in_flight_[unit] = false;
 }
 
 absl::Status FsdpParams::Prefetch(int unit) {
@@ -135,13 +138,7 @@ absl::Status FsdpParams::Prefetch(int unit) {
         break;
     }
     if (absl::Status r = Timed(t.status(), t0); !r.ok()) {
-      // The unit's all-gathers issued so far must finish before their buffers go.
-      for (Buf& issued : units_[unit]) {
-        if (issued.ticket != 0) comm_->Wait(issued.ticket);
-        issued.ticket = 0;
-        issued.full.Reset();
-        issued.full_u16.Reset();
-      }
+      DropUnit(unit);  // the all-gathers issued so far finish before their buffers go
       return absl::Status(r.code(), absl::StrCat("all-gather of ", plan_.units[unit].name, "/",
                                                  WireDtypeName(bp.wire), ": ", r.message()));
     }
@@ -262,11 +259,6 @@ void FsdpParams::MaterializeGrads() {
       b.grad_unset = false;
     }
   }
-}
-
-absl::StatusOr<double> FsdpParams::GlobalGradSquaredNorm() {
-  if (absl::Status s = StartGradSquaredNorm(); !s.ok()) return s;
-  return FinishGradSquaredNorm();
 }
 
 absl::Status FsdpParams::StartGradSquaredNorm() {

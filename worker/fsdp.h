@@ -105,7 +105,7 @@ class FsdpParams {
   void BeginGrads(int unit);
   // Starts the reduce-scatter of u's full gradients. The previous unit's reduce-scatter is
   // finished first (its shard accumulated, its buffers freed), so at most one is in flight;
-  // FlushGrads() finishes the last one. The grad shards are read through GlobalGradSquaredNorm,
+  // FlushGrads() finishes the last one. The grad shards are read through StartGradSquaredNorm,
   // AdamW and GatherAll, which also zero the shards no gradient reached since ZeroGrads.
   absl::Status ReduceGrads(int unit);
   void FlushGrads();
@@ -120,8 +120,7 @@ class FsdpParams {
   void ZeroGrads();
   // Squared L2 norm of the global gradient: sum of every shard's SumSquares, AllReduce(sum).
   // StartGradSquaredNorm enqueues it, FinishGradSquaredNorm reads it (a device
-  // synchronisation); GlobalGradSquaredNorm is both.
-  absl::StatusOr<double> GlobalGradSquaredNorm();
+  // synchronisation).
   absl::Status StartGradSquaredNorm();
   double FinishGradSquaredNorm();
   void AdamW(float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
@@ -174,6 +173,8 @@ class FsdpParams {
   absl::Status Timed(absl::Status s, double t0);
   // Drops every prefetched, not yet gathered unit (its all-gather waited for, buffers freed).
   void DropPrefetches();
+  // Drops one unit's issued all-gathers (waited for on the compute stream) and full buffers.
+  void DropUnit(int unit);
   // Finishes pending reduce-scatters and zeroes the grad shards no gradient reached.
   void MaterializeGrads();
   const DevBuf& Array(int unit, int buffer, ShardArray which) const;

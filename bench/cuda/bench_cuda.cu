@@ -150,6 +150,45 @@ struct GemmShape {
   fsdp8::Fp8Format a, b;
 };
 
+// Operands of the GEMM sections: two rotating sets of random FP8 codes (A, B: `bytes` each), an
+// output C of `c_bytes` (zeroed: finite for beta = 1), the two scale_invs in 16-byte slots as the
+// worker keeps them (worker/device_buffer.h: a at scales, b at scales + 4) and a cuBLASLt
+// workspace of kWsBytes.
+struct GemmOperands {
+  static constexpr size_t kWsBytes = 32u << 20;
+  GemmOperands(fsdp8::Backend* be, cudaStream_t st, size_t bytes, size_t c_bytes, uint32_t seed)
+      : be_(be) {
+    for (int i = 0; i < 2; ++i) {
+      A[i] = static_cast<uint8_t*>(be->Alloc(bytes));
+      B[i] = static_cast<uint8_t*>(be->Alloc(bytes));
+      FillCodes<<<1024, 256, 0, st>>>(A[i], bytes, seed + i);
+      FillCodes<<<1024, 256, 0, st>>>(B[i], bytes, seed + 50u + i);
+    }
+    C = be->Alloc(c_bytes);
+    CK(cudaMemsetAsync(C, 0, c_bytes, st));
+    scales = static_cast<float*>(be->Alloc(8 * sizeof(float)));
+    const float hs[8] = {0.5f, 0, 0, 0, 0.25f, 0, 0, 0};
+    be->CopyToDevice(scales, hs, sizeof(hs));
+    CK(cudaMalloc(&ws, kWsBytes));
+  }
+  ~GemmOperands() {
+    cudaDeviceSynchronize();
+    cudaFree(ws);
+    for (int i = 0; i < 2; ++i) {
+      be_->Free(A[i]);
+      be_->Free(B[i]);
+    }
+    be_->Free(C);
+    be_->Free(scales);
+  }
+  fsdp8::Backend* be_;
+  uint8_t* A[2];
+  uint8_t* B[2];
+  void* C = nullptr;
+  float* scales = nullptr;
+  void* ws = nullptr;
+};
+
 // One FP8 problem set up from scratch in cuBLASLt (fresh handle, descriptors and layouts; see
 // kernels/cuda/gemm.h for the row-major -> column-major mapping): the backend's problem, timed
 // without the backend. out_type: CUDA_R_32F or CUDA_R_16BF; fast_accum:
@@ -310,31 +349,16 @@ int main(int argc, char** argv) {
         {"down dX", M, f, d, Fp8Format::kE5M2, Fp8Format::kE4M3},
         {"down dW", d, f, M, Fp8Format::kE5M2, Fp8Format::kE4M3},
     };
-    const size_t max_a = M * f, max_b = M * f, max_c = M * f;
-    uint8_t* A[2];
-    uint8_t* B[2];
-    for (int i = 0; i < 2; ++i) {
-      A[i] = static_cast<uint8_t*>(be->Alloc(max_a));
-      B[i] = static_cast<uint8_t*>(be->Alloc(max_b));
-      FillCodes<<<1024, 256, 0, st>>>(A[i], max_a, 17u + i);
-      FillCodes<<<1024, 256, 0, st>>>(B[i], max_b, 91u + i);
-    }
-    float* C = static_cast<float*>(be->Alloc(max_c * sizeof(float)));
-    // The two scale_invs in 16-byte slots, as the worker keeps them (worker/device_buffer.h).
-    float* scales = static_cast<float*>(be->Alloc(8 * sizeof(float)));
-    const float hs[8] = {0.5f, 0, 0, 0, 0.25f, 0, 0, 0};
-    be->CopyToDevice(scales, hs, sizeof(hs));
-    void* ws = nullptr;
-    const size_t ws_bytes = 32u << 20;
-    CK(cudaMalloc(&ws, ws_bytes));
+    GemmOperands op(be.get(), st, static_cast<size_t>(M) * f, static_cast<size_t>(M) * f * sizeof(float), 17u);
+    float* C = static_cast<float*>(op.C);
     std::printf("\n(a) FP8 GEMM, f32 output, TFLOP/s (backend GemmFp8 vs bare cuBLASLt)\n");
     for (const GemmShape& s : shapes) {
       const int64_t fb0 = cb->gemm_fp8_fallbacks();
       const double ms_be = MedianMs(st, [&](int i) {
-        be->GemmFp8(s.M, s.N, s.K, A[i & 1], s.a, scales, B[i & 1], s.b, scales + 4, C, false);
+        be->GemmFp8(s.M, s.N, s.K, op.A[i & 1], s.a, op.scales, op.B[i & 1], s.b, op.scales + 4, C, false);
       });
       const bool fell_back = cb->gemm_fp8_fallbacks() != fb0;
-      const double ms_lt = BareLt(st, s, A, B, C, scales, scales + 4, ws, ws_bytes);
+      const double ms_lt = BareLt(st, s, op.A, op.B, C, op.scales, op.scales + 4, op.ws, op.kWsBytes);
       const double flop = 2.0 * s.M * s.N * s.K;
       const double t_be = flop / ms_be / 1e9, t_lt = ms_lt > 0 ? flop / ms_lt / 1e9 : 0;
       std::printf("  %-18s M %6lld N %5lld K %6lld  backend %7.1f  bare %7.1f  ratio %5.1f%%%s\n", s.name,
@@ -357,40 +381,20 @@ int main(int argc, char** argv) {
     };
     std::vector<GemmShape> all(std::begin(shapes), std::end(shapes));
     all.insert(all.end(), std::begin(more), std::end(more));
-    uint8_t* A2[2];
-    uint8_t* B2[2];
     const size_t big = static_cast<size_t>(M) * 2 * f;
-    for (int i = 0; i < 2; ++i) {
-      A2[i] = static_cast<uint8_t*>(be->Alloc(big));
-      B2[i] = static_cast<uint8_t*>(be->Alloc(big));
-      FillCodes<<<1024, 256, 0, st>>>(A2[i], big, 7u + i);
-      FillCodes<<<1024, 256, 0, st>>>(B2[i], big, 71u + i);
-    }
-    void* C2 = be->Alloc(big * sizeof(float));
+    GemmOperands op2(be.get(), st, big, big * sizeof(float), 7u);
     for (const GemmShape& s : all) {
       const double flop = 2.0 * s.M * s.N * s.K;
       double t[4];
       for (int v = 0; v < 4; ++v) {
-        const double ms = BareLt(st, s, A2, B2, C2, scales, scales + 4, ws, ws_bytes,
-                                 (v & 1) ? CUDA_R_16BF : CUDA_R_32F, v >= 2);
+        const double ms = BareLt(st, s, op2.A, op2.B, op2.C, op2.scales, op2.scales + 4, op2.ws,
+                                 op2.kWsBytes, (v & 1) ? CUDA_R_16BF : CUDA_R_32F, v >= 2);
         t[v] = ms > 0 ? flop / ms / 1e9 : 0;
       }
       std::printf("  %-18s M %6lld N %5lld K %6lld  %7.1f %7.1f %7.1f %7.1f\n", s.name,
                   static_cast<long long>(s.M), static_cast<long long>(s.N), static_cast<long long>(s.K),
                   t[0], t[1], t[2], t[3]);
     }
-    for (int i = 0; i < 2; ++i) {
-      be->Free(A2[i]);
-      be->Free(B2[i]);
-    }
-    be->Free(C2);
-    CK(cudaFree(ws));
-    for (int i = 0; i < 2; ++i) {
-      be->Free(A[i]);
-      be->Free(B[i]);
-    }
-    be->Free(C);
-    be->Free(scales);
   }
 
   // ---- (b) cast + transpose bandwidth -----------------------------------------------------------
@@ -682,40 +686,18 @@ int main(int argc, char** argv) {
         {{"down dW", d, f, M, Fp8Format::kE5M2, Fp8Format::kE4M3}, CUDA_R_32F, true, false},
     };
     const size_t big = static_cast<size_t>(M) * f;
-    uint8_t* A[2];
-    uint8_t* B[2];
-    for (int i = 0; i < 2; ++i) {
-      A[i] = static_cast<uint8_t*>(be->Alloc(big));
-      B[i] = static_cast<uint8_t*>(be->Alloc(big));
-      FillCodes<<<1024, 256, 0, st>>>(A[i], big, 5u + i);
-      FillCodes<<<1024, 256, 0, st>>>(B[i], big, 55u + i);
-    }
-    float* C = static_cast<float*>(be->Alloc(big * sizeof(float)));
-    CK(cudaMemsetAsync(C, 0, big * sizeof(float), st));
-    float* scales = static_cast<float*>(be->Alloc(8 * sizeof(float)));
-    const float hs[8] = {0.5f, 0, 0, 0, 0.25f, 0, 0, 0};
-    be->CopyToDevice(scales, hs, sizeof(hs));
-    void* ws = nullptr;
-    const size_t ws_bytes = 32u << 20;
-    CK(cudaMalloc(&ws, ws_bytes));
+    GemmOperands op(be.get(), st, big, big * sizeof(float), 5u);
     std::printf("\n(g) cuBLASLt candidates per GEMM of the 1b step (us): candidate 0 | fastest (index of found)\n");
     for (const Case& c : cases) {
       double first = 0, best = 0;
       int found = 0;
-      const int bi = SweepLt(st, c.s, A, B, C, scales, scales + 4, ws, ws_bytes, c.out, c.fast,
-                             c.accumulate, &first, &best, &found);
+      const int bi = SweepLt(st, c.s, op.A, op.B, op.C, op.scales, op.scales + 4, op.ws, op.kWsBytes,
+                             c.out, c.fast, c.accumulate, &first, &best, &found);
       std::printf("  %-20s M %6lld N %5lld K %6lld  %8.1f | %8.1f (%d of %d)  gain %5.1f%%\n", c.s.name,
                   static_cast<long long>(c.s.M), static_cast<long long>(c.s.N),
                   static_cast<long long>(c.s.K), 1e3 * first, 1e3 * best, bi, found,
                   first > 0 ? 100.0 * (first - best) / first : 0.0);
     }
-    CK(cudaFree(ws));
-    for (int i = 0; i < 2; ++i) {
-      be->Free(A[i]);
-      be->Free(B[i]);
-    }
-    be->Free(C);
-    be->Free(scales);
   }
 
   // ---- (f) the memory-bound backward passes of a 1b block ---------------------------------------
