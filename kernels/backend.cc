@@ -1,6 +1,9 @@
 #include "kernels/backend.h"
 
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
 
@@ -98,9 +101,15 @@ void Backend::RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16_t* 
   float* dy = static_cast<float*>(Alloc(static_cast<size_t>(2 * (n > 0 ? n : 1)) * sizeof(float)));
   if (dy == nullptr) abort();
   float* part = dy + n;
+  if (dy_b == nullptr && dy_c != nullptr) {
+    fprintf(stderr, "RmsNormBackwardAddBf16Parts: dy_c without dy_b\n");
+    abort();
+  }
   UnpackBf16(dy_a, dy, n);
-  UnpackBf16(dy_b, part, n);
-  Axpy(1.0f, part, dy, n);
+  if (dy_b != nullptr) {
+    UnpackBf16(dy_b, part, n);
+    Axpy(1.0f, part, dy, n);
+  }
   if (dy_c != nullptr) {
     UnpackBf16(dy_c, part, n);
     Axpy(1.0f, part, dy, n);
@@ -157,11 +166,41 @@ void Backend::CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, const
 
 void Backend::CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t cols,
                                    const float* scale, Fp8Format fmt, uint8_t* out,
-                                   uint8_t* out_t, float* amax_out) {
+                                   uint8_t* out_t, float* amax_out, int64_t out_ld) {
+  if (out_ld < cols) {
+    fprintf(stderr, "CastTransposeFp8Bf16: out_ld %lld < cols %lld\n",
+            static_cast<long long>(out_ld), static_cast<long long>(cols));
+    abort();
+  }
   float* x = F32Scratch(this, rows * cols);
   UnpackBf16(in16, x, rows * cols);
-  CastTransposeFp8(x, rows, cols, scale, fmt, out, out_t, amax_out);
+  if (out == nullptr || out_ld == cols) {
+    CastTransposeFp8(x, rows, cols, scale, fmt, out, out_t, amax_out);
+  } else {  // dense codes first, then row by row into the strided matrix
+    uint8_t* dense = static_cast<uint8_t*>(Alloc(static_cast<size_t>(rows * cols > 0 ? rows * cols : 1)));
+    if (dense == nullptr) abort();
+    CastTransposeFp8(x, rows, cols, scale, fmt, dense, out_t, amax_out);
+    for (int64_t r = 0; r < rows; ++r) Copy(out + r * out_ld, dense + r * cols, cols);
+    Free(dense);
+  }
   Free(x);
+}
+
+void Backend::GroupMax(const float* in, const int32_t* group, int64_t n, float* out) {
+  if (n <= 0) return;
+  std::vector<float> v(n), r(n);
+  std::vector<int32_t> g(n);
+  CopyToHost(v.data(), in, n * sizeof(float));
+  CopyToHost(g.data(), group, n * sizeof(int32_t));
+  for (int64_t i = 0; i < n; ++i) {
+    float m = v[i];
+    for (int64_t j = 0; j < n; ++j) {
+      if (g[j] == g[i] && (std::isnan(v[j]) || v[j] > m)) m = v[j];
+      if (std::isnan(m)) break;
+    }
+    r[i] = m;
+  }
+  CopyToDevice(out, r.data(), n * sizeof(float));
 }
 
 namespace {
@@ -194,12 +233,12 @@ void Backend::RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, 
 void Backend::RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T,
                                                int64_t H, int64_t D, float theta,
                                                const float* scale, Fp8Format fmt, uint8_t* out,
-                                               uint8_t* out_t, float* amax_out) {
+                                               uint8_t* out_t, float* amax_out, int64_t out_ld) {
   const int64_t n = B * T * H * D;
   uint16_t* r16 = reinterpret_cast<uint16_t*>(F32Scratch(this, (n + 1) / 2));
   Copy(r16, dx16, static_cast<size_t>(n) * sizeof(uint16_t));
   RopeBackwardBf16(r16, B, T, H, D, theta);
-  CastTransposeFp8Bf16(r16, B * T, H * D, scale, fmt, out, out_t, amax_out);
+  CastTransposeFp8Bf16(r16, B * T, H * D, scale, fmt, out, out_t, amax_out, out_ld);
   Free(r16);
 }
 
@@ -259,14 +298,14 @@ void Backend::SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_
                                              const float* scale_gate, const float* scale_up,
                                              Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
                                              uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
-                                             float* amax_up) {
+                                             float* amax_up, int64_t out_ld) {
   const int64_t n = rows * cols;
   // Two bf16 gradients in one scratch buffer, the second starting 8-byte aligned.
   uint16_t* dgate16 = reinterpret_cast<uint16_t*>(F32Scratch(this, n + 2));
   uint16_t* dup16 = dgate16 + ((n + 3) & ~int64_t{3});
   SwigluBackwardBf16To16(dh16, gate16, up16, n, dgate16, dup16);
-  CastTransposeFp8Bf16(dgate16, rows, cols, scale_gate, fmt, dgate8, dgate8_t, amax_gate);
-  CastTransposeFp8Bf16(dup16, rows, cols, scale_up, fmt, dup8, dup8_t, amax_up);
+  CastTransposeFp8Bf16(dgate16, rows, cols, scale_gate, fmt, dgate8, dgate8_t, amax_gate, out_ld);
+  CastTransposeFp8Bf16(dup16, rows, cols, scale_up, fmt, dup8, dup8_t, amax_up, out_ld);
   Free(dgate16);
 }
 

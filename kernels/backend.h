@@ -83,6 +83,13 @@ class Backend {
   // amax (n) f32; scale (in/out), scale_inv (out): n slots of `stride` floats; margin >= 0.
   virtual void Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin,
                                  float* scale, float* scale_inv, int64_t stride) = 0;
+  // Scaling groups, on the device: out[i] = the maximum of in[j] over every j < n with
+  // group[j] == group[i], NaN when any of them is NaN (a NaN amax stays unusable for
+  // Fp8ScalesFromAmax). Tensors that must share one FP8 scale (the q/k/v or gate/up weights of a
+  // fused projection, as TransformerEngine's fused QKV weight has one) get their scale from this
+  // group amax. in, out (n) f32, distinct buffers; group (n) int32. The base implementation goes
+  // through the host; a backend may run it on the device.
+  virtual void GroupMax(const float* in, const int32_t* group, int64_t n, float* out);
 
   // C (M, N) = alpha_dev * A (M, K) · B (N, K)^T  [+ C if accumulate], where
   // alpha_dev = (*a_scale_inv) * (*b_scale_inv): the "TN" layout Hopper FP8 GEMMs require.
@@ -210,10 +217,11 @@ class Backend {
                                   const float* rstd, const float* dres, int64_t N, int64_t C,
                                   float* dx, float* dw);
   // RmsNormBackwardAdd with dy given as bf16 parts whose f32 sum it is: dy = (dy_a + dy_b) + dy_c,
-  // added in that order and rounded once per addition (dy_c may be null: a + b). The parts are
-  // the dX of the FP8 linears that read the norm's output (q/k/v, gate/up), each from its own
-  // GEMM with bf16 output, so no GEMM reads and rewrites an f32 accumulator. The reference:
-  // UnpackBf16 of each part, Axpy the sum, RmsNormBackwardAdd. dy_a, dy_b, dy_c (N, C) bf16.
+  // added in that order and rounded once per addition (dy_c may be null: a + b; dy_b and dy_c
+  // both null: dy_a alone). The parts are the dX of the FP8 linears that read the norm's output
+  // (q/k/v, gate/up), each from its own GEMM with bf16 output, or one part from their fused GEMM;
+  // no GEMM reads and rewrites an f32 accumulator. The reference: UnpackBf16 of each part, Axpy
+  // the sum, RmsNormBackwardAdd. dy_a, dy_b, dy_c (N, C) bf16.
   virtual void RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b,
                                            const uint16_t* dy_c, const float* x, const float* w,
                                            const float* rstd, const float* dres, int64_t N,
@@ -248,9 +256,12 @@ class Backend {
   // (rows, cols).
   virtual void CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, const float* scale,
                              Fp8Format fmt, float* amax_out);
+  // out_ld: the row stride of out in elements (>= cols; cols when dense), so that the codes of
+  // several grad-outputs can sit side by side in one (rows, out_ld) matrix, the A operand of one
+  // fused dX GEMM (LlamaModel's q/k/v and gate/up); out_t is always dense (cols, rows).
   virtual void CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t cols,
                                     const float* scale, Fp8Format fmt, uint8_t* out,
-                                    uint8_t* out_t, float* amax_out);
+                                    uint8_t* out_t, float* amax_out, int64_t out_ld);
   // RopeForward / RopeBackward in place on bf16 x16 (B, T, H, D): each result rounded to bf16.
   virtual void RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
                                float theta);
@@ -259,12 +270,12 @@ class Backend {
   // RopeBackwardBf16 fused with the FP8 cast-transpose of its result (a q or k grad-output),
   // leaving dx16 as it was. The reference: a copy of dx16, RopeBackwardBf16 on it, then
   // CastTransposeFp8Bf16 of the (B * T, H * D) result. dx16 (B, T, H, D) bf16; out (B * T, H * D)
-  // codes (may be null) and out_t (H * D, B * T) codes; scale (1), amax_out (1, or null) as
-  // CastTransposeFp8.
+  // codes (may be null; row stride out_ld >= H * D, as CastTransposeFp8Bf16) and out_t
+  // (H * D, B * T) codes; scale (1), amax_out (1, or null) as CastTransposeFp8.
   virtual void RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T,
                                                 int64_t H, int64_t D, float theta,
                                                 const float* scale, Fp8Format fmt, uint8_t* out,
-                                                uint8_t* out_t, float* amax_out);
+                                                uint8_t* out_t, float* amax_out, int64_t out_ld);
   // AttentionForwardBf16 on bf16 operands, its (bf16-rounded) output returned as bf16:
   // q16, out16 (B, T, H, D); k16, v16 (B, T, Hkv, D); lse (B, H, T) f32.
   virtual void AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16,
@@ -290,15 +301,16 @@ class Backend {
   // SwigluBackwardBf16To16(dh16, gate16, up16) into bf16 dgate16, dup16 (rows, cols), then
   // CastTransposeFp8Bf16(dgate16, ..., scale_gate, fmt, dgate8, dgate8_t, amax_gate) and the same
   // for dup16 with scale_up. dh16, gate16, up16 (rows, cols) bf16; dgate8, dup8 (rows, cols) FP8 codes
-  // (either may be null: not written) and dgate8_t, dup8_t (cols, rows) FP8 codes; scales (1) f32
-  // device scalars; amax_gate, amax_up (1) f32 device scalars or null, raised to the max |value|
-  // of the bf16 gradient they belong to.
+  // with row stride out_ld >= cols (either may be null: not written; out_ld = 2 * cols with
+  // dup8 = dgate8 + cols puts both in one (rows, 2 * cols) matrix) and dgate8_t, dup8_t (cols, rows)
+  // dense FP8 codes; scales (1) f32 device scalars; amax_gate, amax_up (1) f32 device scalars or
+  // null, raised to the max |value| of the bf16 gradient they belong to.
   virtual void SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* gate16,
                                               const uint16_t* up16, int64_t rows, int64_t cols,
                                               const float* scale_gate, const float* scale_up,
                                               Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
                                               uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
-                                              float* amax_up);
+                                              float* amax_up, int64_t out_ld);
 
   // CrossEntropyForwardBackward with the gradient written as bf16 to dlogits16 (N, V) instead of
   // over the logits, which are left as they were: the gradient of a BF16 head goes to its GEMMs

@@ -1,6 +1,8 @@
 #include "worker/fp8_linear.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 
 #include "worker/check.h"
 #include "absl/strings/str_cat.h"
@@ -96,6 +98,14 @@ void ActScaling::UpdateScales() {
   std::vector<float> amax(n), scale(n), scale_inv(n);
   be_->CopyToHost(amax.data(), amax_.get(), n * sizeof(float));
   for (const auto& [to, from] : amax_from_) amax[to] = amax[from];
+  for (const std::vector<int>& g : groups_) {
+    float m = amax[g.front()];
+    for (int i : g) {
+      if (std::isnan(amax[i]) || amax[i] > m) m = amax[i];
+      if (std::isnan(m)) break;
+    }
+    for (int i : g) amax[i] = m;
+  }
   for (size_t i = 0; i < n; ++i) {
     UpdateDelayed(&states_[i], amax[i], recipe_.amax_history_len(), recipe_.amax_algorithm(),
                   recipe_.margin());
@@ -108,6 +118,19 @@ void ActScaling::UpdateScales() {
 
 void ActScaling::ShareAmax(int from, int to) {
   if (from != to) amax_from_[to] = from;
+}
+
+void ActScaling::GroupAmax(const std::vector<int>& members) {
+  WORKER_CHECK(scale_.empty()) << "ActScaling::GroupAmax after Finalize";
+  WORKER_CHECK(members.size() >= 2) << "a scaling group needs two or more tensors";
+  for (int i : members) {
+    WORKER_CHECK(i >= 0 && static_cast<size_t>(i) < states_.size()) << "scaling group index " << i;
+    for (const auto& g : groups_) {
+      WORKER_CHECK(std::find(g.begin(), g.end(), i) == g.end())
+          << states_[i].name << " is already in a scaling group";
+    }
+  }
+  groups_.push_back(members);
 }
 
 void Linear::Forward(const float* x, int64_t M, int64_t K, int64_t N, const WeightView& w,
@@ -240,7 +263,7 @@ void Linear::Backward(const float* dy, const uint16_t* dy16, int64_t M, int64_t 
   DevBuf dy8(be_, M * N), dyT8(be_, M * N);
   if (dy16 != nullptr && !sc_->NeedsAmaxFirst(dy_idx_)) {
     be_->CastTransposeFp8Bf16(dy16, M, N, sc_->Scale(dy_idx_), dfmt, dy8.u8(), dyT8.u8(),
-                              sc_->AmaxOut(dy_idx_));
+                              sc_->AmaxOut(dy_idx_), N);
   } else {
     DevBuf dy32;
     if (dy16 != nullptr) {

@@ -12,6 +12,11 @@
 //   transpose (Fp8Input): their X tensors see the same values every step, so their delayed
 //   scales are equal by construction; the shared cast records one amax, which UpdateScales gives to
 //   each (ActScaling::ShareAmax).
+//   Fused projections (Fp8Recipe.fused_projections, LlamaModel): q/k/v and gate/up also share
+//   one grad-output scale (ActScaling::GroupAmax) and one weight scale
+//   (FsdpParams::SetWeightScaleGroup), so that their grad-outputs, cast side by side, and their
+//   adjacent gathered weights form one FP8 matrix each: one BackwardFp8 of N = the group's total
+//   runs the group's dX and dW GEMMs.
 //   Inputs, outputs and grad-outputs may be bfloat16 (bit patterns, Backend's *Bf16 ops).
 // BF16 / FP32: Backend::Gemm with inputs rounded to bf16 / kept f32; the f32 input is kept (by
 // the caller) for dW.
@@ -75,10 +80,22 @@ class ActScaling {
   const float* Scale(int i) const { return scale_.f32() + i * kScaleStride; }
   // Whether forward FP8 GEMMs use fast accumulation (Fp8Recipe.forward_fast_accumulation).
   bool forward_fast_accumulation() const { return recipe_.forward_fast_accumulation(); }
+  // Fp8Recipe.fused_projections.
+  bool fused_projections() const { return recipe_.fused_projections(); }
   // Tensor `to` takes the amax that tensor `from` records (the same input values, one cast):
   // UpdateScales copies it over before the update. Idempotent; `from` must record its own amax (no
   // chains: each `to` is resolved once).
   void ShareAmax(int from, int to);
+  // The tensors `members` (two or more, in no other group) scale as one: before each update every
+  // member's recorded amax becomes the group's maximum (NaN when any is NaN), so their histories
+  // and scales stay equal from then on (a fused projection's grad-outputs, whose codes one GEMM
+  // reads with one scale). Each cast still records its own amax. Call before Finalize().
+  void GroupAmax(const std::vector<int>& members);
+  // Whether tensors i and j have equal current scales (host state; no synchronisation). Grouped
+  // tensors may differ only after a Restore of states saved without the group.
+  bool SameScale(int i, int j) const {
+    return states_[i].scale == states_[j].scale && states_[i].scale_inv == states_[j].scale_inv;
+  }
   // Replaces every tensor's delayed-scaling state (a checkpoint load) and uploads the scales.
   // FAILED_PRECONDITION naming the first tensor whose name or format differs (nothing changed).
   absl::Status Restore(const std::vector<ScalingState>& states);
@@ -90,6 +107,7 @@ class ActScaling {
   std::vector<ScalingState> states_;
   DevBuf scale_, scale_inv_, amax_, tmp_amax_;  // scales in kScaleStride slots; amax (n) contiguous
   std::map<int, int> amax_from_;                // ShareAmax: to -> from
+  std::vector<std::vector<int>> groups_;        // GroupAmax
   bool recording_ = true;
 };
 
@@ -165,6 +183,9 @@ class Linear {
   const float* DyScale() const { return sc_->Scale(dy_idx_); }
   float* DyAmaxOut() const { return sc_->AmaxOut(dy_idx_); }
   Fp8Format dy_format() const { return sc_->format(dy_idx_); }
+  // ActScaling indices of this FP8 linear's input and grad-output (-1 for other precisions).
+  int x_index() const { return x_idx_; }
+  int dy_index() const { return dy_idx_; }
   // FP8 only. Backward with dY already cast with DyScale(): dy8 (M, N) and its transpose dyT8
   // (N, M), E5M2 / E4M3 codes of dy_format(); both are freed here as soon as they are used.
   void BackwardFp8(DevBuf dy8, DevBuf dyT8, int64_t M, int64_t K, int64_t N, const WeightView& w,

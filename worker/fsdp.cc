@@ -74,6 +74,7 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
   w_scale_inv_ = DevBuf(be, nf * kScaleStride * sizeof(float));
   w_amax_ = DevBuf(be, nf * sizeof(float));
   w_amax_cast_ = DevBuf::Zeros(be, nf * sizeof(float));
+  for (size_t i = 0; i < fp8_refs_.size(); ++i) w_group_.push_back(static_cast<int32_t>(i));
   // The device slots hold the current scales (the previous scale is an all-zero weight's
   // fallback in Fp8ScalesFromAmax): 1 until the first cast.
   const std::vector<float> ones(nf, 1.0f);
@@ -337,10 +338,14 @@ absl::Status FsdpParams::CastWeights() {
     return absl::Status(s.code(), absl::StrCat("fp8 weight amax all-reduce: ", s.message()));
   }
   // The scales on the device (ComputeScale's rule, margin 0): no host round trip between AdamW
-  // and the casts. wscale_ follows when read (weight_scaling()).
+  // and the casts. wscale_ follows when read (weight_scaling()), with each tensor's own amax.
+  be_->Copy(w_amax_cast_.get(), w_amax_.get(), nf * sizeof(float));
+  if (w_grouped_) {  // a scale group's members take its maximum amax, hence one scale
+    be_->GroupMax(w_amax_cast_.f32(), w_group_dev_.i32(), static_cast<int64_t>(nf),
+                  w_amax_.f32());
+  }
   be_->Fp8ScalesFromAmax(w_amax_.f32(), static_cast<int64_t>(nf), Fp8MaxValue(/*e5m2=*/false),
                          /*margin=*/0, w_scale_.f32(), w_scale_inv_.f32(), kScaleStride);
-  be_->Copy(w_amax_cast_.get(), w_amax_.get(), nf * sizeof(float));
   wscale_on_host_ = false;
   for (size_t i = 0; i < nf; ++i) {
     Buf& b = units_[fp8_refs_[i].unit][fp8_refs_[i].buffer];
@@ -349,6 +354,26 @@ absl::Status FsdpParams::CastWeights() {
     be_->CastToFp8(b.master.f32() + sl.lo, b.wire.u8() + sl.lo, sl.hi - sl.lo,
                    w_scale_.f32() + i * kScaleStride, Fp8Format::kE4M3, nullptr);
   }
+  return absl::OkStatus();
+}
+
+absl::Status FsdpParams::SetWeightScaleGroup(const std::vector<TensorRef>& members) {
+  if (members.size() < 2) return absl::InvalidArgumentError("a weight scale group needs two or more tensors");
+  for (const TensorRef& r : members) {
+    if (r.fp8_id < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "weight scale group: tensor at unit ", r.unit, " offset ", r.offset, " is not FP8"));
+    }
+    if (w_group_[r.fp8_id] != r.fp8_id) {
+      return absl::InvalidArgumentError(absl::StrCat("weight scale group: ",
+                                                     wscale_[r.fp8_id].tensor, " is already grouped"));
+    }
+  }
+  const int32_t g = members.front().fp8_id;
+  for (const TensorRef& r : members) w_group_[r.fp8_id] = g;
+  w_grouped_ = true;
+  w_group_dev_ = DevBuf(be_, w_group_.size() * sizeof(int32_t));
+  be_->CopyToDevice(w_group_dev_.get(), w_group_.data(), w_group_.size() * sizeof(int32_t));
   return absl::OkStatus();
 }
 

@@ -71,7 +71,8 @@ struct WeightScaling {
   std::string tensor; // Hugging Face name
   float scale = 1.0f;
   float scale_inv = 1.0f;
-  float amax = 0.0f;  // global amax of the master weight at the last cast
+  float amax = 0.0f;  // global amax of the master weight at the last cast (its own, also in a
+                      // scale group, whose scale comes from the group's maximum)
 };
 
 // Short scaling-state name of a weight: "model.layers.0.self_attn.q_proj.weight" ->
@@ -128,6 +129,12 @@ class FsdpParams {
   // Refreshes the wire shards from the master weights (FP8 casts with a fused amax all-reduce).
   // Prefetches still in flight read the old shards: they are dropped first.
   absl::Status CastWeights();
+  // From the next CastWeights on, the FP8 weights `members` (at least two, FP8 wire, in no other
+  // group) share one scale, computed from the maximum of their global amaxes (Backend::GroupMax):
+  // the weights of one fused projection (LlamaModel's q/k/v, gate/up) then form one FP8 matrix
+  // that a single GEMM can read. INVALID_ARGUMENT naming the tensor for a non-FP8 member or one
+  // already grouped (nothing changes then).
+  absl::Status SetWeightScaleGroup(const std::vector<TensorRef>& members);
   // Per FP8 weight: scale, scale_inv and amax of the last CastWeights (copied from the device
   // when they changed since the last call: a device synchronisation; not during a step).
   const std::vector<WeightScaling>& weight_scaling() const;
@@ -195,6 +202,9 @@ class FsdpParams {
   DevBuf w_scale_, w_scale_inv_, w_amax_;  // scales (n_fp8 * kScaleStride), amax (n_fp8) f32
   DevBuf w_amax_cast_;                     // global amaxes of the last CastWeights (n_fp8) f32
   DevBuf grad_sq_;                         // StartGradSquaredNorm's sum (1) f32
+  std::vector<int32_t> w_group_;           // per FP8 tensor: its scale group (its own index alone)
+  bool w_grouped_ = false;                 // some group has two or more members
+  DevBuf w_group_dev_;                     // w_group_ on the device (n_fp8) int32, when grouped
 };
 
 }  // namespace fsdp8

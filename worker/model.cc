@@ -3,6 +3,7 @@
 #include <cstdlib>
 
 #include <algorithm>
+#include <string>
 
 #include "worker/check.h"
 #include "absl/strings/str_cat.h"
@@ -27,7 +28,7 @@ struct LlamaModel::BlockActs {
 
 LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* scaling,
                        Backend* be)
-    : be_(be), p_(params) {
+    : be_(be), p_(params), scaling_(scaling) {
   if (const char* e = std::getenv("FSDP8_HEAD_CHUNK_LOGIT_BYTES"); e != nullptr && e[0] != '\0') {
     head_chunk_bytes_ = std::max<int64_t>(1, std::atoll(e));
   }
@@ -76,6 +77,32 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
     lin(&b.gate, &b.lgate, "mlp.gate_proj.weight");
     lin(&b.up, &b.lup, "mlp.up_proj.weight");
     lin(&b.down, &b.ldown, "mlp.down_proj.weight");
+    if (b.prec == v1::PRECISION_FP8 && spec.precision().fp8().fused_projections()) {
+      // One fused projection per norm output: shared weight scale, shared grad-output scale.
+      auto adjacent = [](std::initializer_list<const TensorRef*> ts) {
+        const TensorRef* prev = nullptr;
+        for (const TensorRef* t : ts) {
+          if (prev != nullptr && (t->unit != prev->unit || t->buffer != prev->buffer ||
+                                  t->offset != prev->offset + prev->numel)) {
+            return false;
+          }
+          prev = t;
+        }
+        return true;
+      };
+      for (const absl::Status& st : {p_->SetWeightScaleGroup({b.q, b.k, b.v}),
+                                     p_->SetWeightScaleGroup({b.gate, b.up})}) {
+        WORKER_CHECK(st.ok()) << st.message();
+      }
+      scaling->GroupAmax({b.lq.dy_index(), b.lk.dy_index(), b.lv.dy_index()});
+      scaling->GroupAmax({b.lgate.dy_index(), b.lup.dy_index()});
+      // FSDP8_UNFUSED_PROJECTIONS=1 keeps the shared scales but runs one GEMM per linear: the
+      // per-linear reference that tests hold the fused GEMMs to.
+      const char* unfused = std::getenv("FSDP8_UNFUSED_PROJECTIONS");
+      const bool fuse = unfused == nullptr || std::string(unfused) != "1";
+      b.fused_qkv = fuse && adjacent({&b.q, &b.k, &b.v});
+      b.fused_mlp = fuse && adjacent({&b.gate, &b.up});
+    }
     blocks_.push_back(std::move(b));
   }
   v1::Precision hp = spec.precision().lm_head();
@@ -308,18 +335,34 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
   b.ldown.Backward(dout->f32(), nullptr, N, F_, C_, View(b.down), a->sdown, nullptr, false,
                    p_->G(b.down), dact16.u16());
   a->sdown = LinearSaved();
-  // dn2 = dgate · Wgate + dup · Wup as two bf16 parts, summed in f32 by the norm's backward: no
-  // GEMM reads and rewrites an f32 accumulator.
-  DevBuf dn2g(be_, N * C_ * 2), dn2u(be_, N * C_ * 2);
-  if (!b.lgate.DyNeedsAmaxFirst() && !b.lup.DyNeedsAmaxFirst() &&
-      b.lgate.dy_format() == b.lup.dy_format()) {
+  // dn2 = dgate · Wgate + dup · Wup: one GEMM over K = 2F when gate/up are fused (one bf16
+  // part), else two bf16 parts summed in f32 by the norm's backward (no GEMM reads and rewrites
+  // an f32 accumulator).
+  DevBuf dn2g(be_, N * C_ * 2), dn2u;
+  const bool mlp_cast = !b.lgate.DyNeedsAmaxFirst() && !b.lup.DyNeedsAmaxFirst() &&
+                        b.lgate.dy_format() == b.lup.dy_format();
+  if (mlp_cast && b.fused_mlp && scaling_->SameScale(b.lgate.dy_index(), b.lup.dy_index())) {
+    // [dgate | dup] (N, 2F) codes side by side and [dgateᵀ ; dupᵀ] (2F, N) stacked: the A operands
+    // of the fused dX (N, C) = [dgate | dup] · [Wgate ; Wup] and dW (2F, C) = [dgateᵀ ; dupᵀ] · n2.
+    DevBuf d8(be_, N * 2 * F_), dT8(be_, N * 2 * F_);
+    be_->SwigluBackwardCastTransposeFp8(dact16.u16(), a->gate16.u16(), a->up16.u16(), N, F_,
+                                        b.lgate.DyScale(), b.lup.DyScale(), b.lgate.dy_format(),
+                                        d8.u8(), dT8.u8(), d8.u8() + F_, dT8.u8() + N * F_,
+                                        b.lgate.DyAmaxOut(), b.lup.DyAmaxOut(), 2 * F_);
+    dact16.Reset();
+    a->gate16.Reset();
+    a->up16.Reset();
+    b.lgate.BackwardFp8(std::move(d8), std::move(dT8), N, C_, 2 * F_, View(b.gate), a->sgate,
+                        nullptr, false, p_->G(b.gate), dn2g.u16());
+  } else if (mlp_cast) {
+    dn2u = DevBuf(be_, N * C_ * 2);
     // dgate and dup go straight from the SwiGLU gradient to their FP8 codes and transposes: no
     // bf16 copy of either passes through memory.
     DevBuf dg8(be_, N * F_), dgT8(be_, N * F_), du8(be_, N * F_), duT8(be_, N * F_);
     be_->SwigluBackwardCastTransposeFp8(dact16.u16(), a->gate16.u16(), a->up16.u16(), N, F_,
                                         b.lgate.DyScale(), b.lup.DyScale(), b.lgate.dy_format(),
                                         dg8.u8(), dgT8.u8(), du8.u8(), duT8.u8(),
-                                        b.lgate.DyAmaxOut(), b.lup.DyAmaxOut());
+                                        b.lgate.DyAmaxOut(), b.lup.DyAmaxOut(), F_);
     dact16.Reset();
     a->gate16.Reset();
     a->up16.Reset();
@@ -328,6 +371,7 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
     b.lup.BackwardFp8(std::move(du8), std::move(duT8), N, C_, F_, View(b.up), a->sup, nullptr,
                       false, p_->G(b.up), dn2u.u16());
   } else {  // a grad-output scale measured first (first step, CURRENT recipe)
+    dn2u = DevBuf(be_, N * C_ * 2);
     DevBuf dgate16(be_, N * F_ * 2), dup16(be_, N * F_ * 2);
     be_->SwigluBackwardBf16To16(dact16.u16(), a->gate16.u16(), a->up16.u16(), N * F_,
                                 dgate16.u16(), dup16.u16());
@@ -342,7 +386,8 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
   a->sgate = LinearSaved();
   a->sup = LinearSaved();
   DevBuf dh(be_, N * C_ * 4);
-  be_->RmsNormBackwardAddBf16Parts(dn2g.u16(), dn2u.u16(), nullptr, a->h.f32(),
+  be_->RmsNormBackwardAddBf16Parts(dn2g.u16(), dn2u.empty() ? nullptr : dn2u.u16(), nullptr,
+                                   a->h.f32(),
                                    p_->W(b.post_norm), a->rstd2.f32(), dout->f32(), N, C_,
                                    dh.f32(), p_->G(b.post_norm));
   dn2g.Reset();
@@ -363,8 +408,40 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
   a->k16.Reset();
   a->v16.Reset();
   a->att16.Reset();
-  // dn1 = dq · Wq + dk · Wk + dv · Wv as three bf16 parts (as dn2 above).
-  DevBuf dn1q(be_, N * C_ * 2), dn1k(be_, N * C_ * 2), dn1v(be_, N * C_ * 2);
+  // dn1 = dq · Wq + dk · Wk + dv · Wv: one fused GEMM, or three bf16 parts (as dn2 above).
+  DevBuf dn1q(be_, N * C_ * 2), dn1k, dn1v;
+  const Fp8Format qfmt = b.lq.dy_format();
+  if (b.fused_qkv && !b.lq.DyNeedsAmaxFirst() && !b.lk.DyNeedsAmaxFirst() &&
+      !b.lv.DyNeedsAmaxFirst() && b.lk.dy_format() == qfmt && b.lv.dy_format() == qfmt &&
+      scaling_->SameScale(b.lq.dy_index(), b.lk.dy_index()) &&
+      scaling_->SameScale(b.lq.dy_index(), b.lv.dy_index())) {
+    // [dq | dk | dv] (N, nt) codes side by side (RoPE's backward in the q and k casts) and their
+    // transposes stacked (nt, N): one dX GEMM over K = nt and one dW GEMM of (nt, C).
+    const int64_t nq = H_ * D_, nk = Hkv_ * D_, nt = nq + 2 * nk;
+    DevBuf d8(be_, N * nt), dT8(be_, N * nt);
+    be_->RopeBackwardCastTransposeFp8Bf16(dq16.u16(), B, T_, H_, D_, theta_, b.lq.DyScale(), qfmt,
+                                          d8.u8(), dT8.u8(), b.lq.DyAmaxOut(), nt);
+    be_->RopeBackwardCastTransposeFp8Bf16(dk16.u16(), B, T_, Hkv_, D_, theta_, b.lk.DyScale(),
+                                          qfmt, d8.u8() + nq, dT8.u8() + N * nq,
+                                          b.lk.DyAmaxOut(), nt);
+    be_->CastTransposeFp8Bf16(dv16.u16(), N, nk, b.lv.DyScale(), qfmt, d8.u8() + nq + nk,
+                              dT8.u8() + N * (nq + nk), b.lv.DyAmaxOut(), nt);
+    dq16.Reset();
+    dk16.Reset();
+    dv16.Reset();
+    b.lq.BackwardFp8(std::move(d8), std::move(dT8), N, C_, nt, View(b.q), a->sq, nullptr, false,
+                     p_->G(b.q), dn1q.u16());
+    a->sq = a->sk = a->sv = LinearSaved();
+    DevBuf dx(be_, N * C_ * 4);
+    be_->RmsNormBackwardAddBf16Parts(dn1q.u16(), nullptr, nullptr, a->x_in.f32(),
+                                     p_->W(b.in_norm), a->rstd1.f32(), dh.f32(), N, C_, dx.f32(),
+                                     p_->G(b.in_norm));
+    *a = BlockActs();
+    *dout = std::move(dx);
+    return;
+  }
+  dn1k = DevBuf(be_, N * C_ * 2);
+  dn1v = DevBuf(be_, N * C_ * 2);
   // q and k: RoPE's backward and the grad-output cast in one pass where the scale is known.
   auto rope_backward = [&](Linear& lin, DevBuf& d16, int64_t heads, const LinearSaved& saved,
                            const TensorRef& w, DevBuf& dn) {
@@ -377,7 +454,8 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
     }
     DevBuf d8(be_, n), dT8(be_, n);
     be_->RopeBackwardCastTransposeFp8Bf16(d16.u16(), B, T_, heads, D_, theta_, lin.DyScale(),
-                                          lin.dy_format(), d8.u8(), dT8.u8(), lin.DyAmaxOut());
+                                          lin.dy_format(), d8.u8(), dT8.u8(), lin.DyAmaxOut(),
+                                          heads * D_);
     d16.Reset();
     lin.BackwardFp8(std::move(d8), std::move(dT8), N, C_, heads * D_, View(w), saved, nullptr,
                     false, p_->G(w), dn.u16());

@@ -46,6 +46,14 @@ class LlamaModel {
   // Peak device bytes of the forward (embedding through the loss) and of the backward, the
   // maximum over the Run calls since the last call (which resets them). Run resets the backend's
   // peak counter at the phase boundary.
+  // How many fused projections (q/k/v or gate/up groups, Fp8Recipe.fused_projections) run one
+  // dX and one dW GEMM in the backward.
+  int fused_projections() const {
+    int n = 0;
+    for (const Block& b : blocks_) n += b.fused_qkv + b.fused_mlp;
+    return n;
+  }
+
   std::pair<int64_t, int64_t> TakePhasePeaks() {
     auto r = std::make_pair(forward_peak_, backward_peak_);
     forward_peak_ = backward_peak_ = 0;
@@ -57,6 +65,10 @@ class LlamaModel {
     v1::Precision prec;
     TensorRef in_norm, post_norm, q, k, v, o, gate, up, down;
     Linear lq, lk, lv, lo, lgate, lup, ldown;
+    // Fp8Recipe.fused_projections with the group's weights adjacent in one flat buffer (their
+    // gathered codes and full gradients are then one (sum of N, K) matrix): q/k/v (gate/up) run
+    // one dX and one dW GEMM in the backward.
+    bool fused_qkv = false, fused_mlp = false;
   };
   struct BlockActs;
   WeightView View(const TensorRef& t) const;
@@ -74,6 +86,7 @@ class LlamaModel {
 
   Backend* be_;
   FsdpParams* p_;
+  ActScaling* scaling_;
   int64_t C_, H_, Hkv_, D_, F_, V_, T_;
   float eps_, theta_;
   bool attention_bf16_ = false;  // precision.attention == BF16

@@ -64,6 +64,7 @@ class Trainer {
   absl::StatusOr<double> ForwardLoss(int64_t step);
   FsdpParams& params() { return *params_; }
   const FsdpParams& params() const { return *params_; }
+  const LlamaModel& model() const { return *model_; }
   ActScaling& scaling() { return *scaling_; }
   const ActScaling& scaling() const { return *scaling_; }
   const v1::JobSpec& spec() const { return spec_; }

@@ -734,6 +734,9 @@ int main(int argc, char** argv) {
     row("RmsNormBackwardAdd f32", 16 * mc, [&](int) {
       be->RmsNormBackwardAdd(dy, x, w, rstd, dres, M, C, dx, dw);
     });
+    row("RmsNormBackwardAddBf16Parts 1 part", 2 * mc + 12 * mc, [&](int) {
+      be->RmsNormBackwardAddBf16Parts(pa, nullptr, nullptr, x, w, rstd, dres, M, C, dx, dw);
+    });
     row("RmsNormBackwardAddBf16Parts 2 parts", 4 * mc + 12 * mc, [&](int) {
       be->RmsNormBackwardAddBf16Parts(pa, pb, nullptr, x, w, rstd, dres, M, C, dx, dw);
     });
@@ -742,23 +745,23 @@ int main(int argc, char** argv) {
     });
     row("SwigluBackwardCastTransposeFp8", 6 * mf + 4 * mf, [&](int) {
       be->SwigluBackwardCastTransposeFp8(dh, g, u, M, F, sc, sc + 4, fsdp8::Fp8Format::kE5M2, o1,
-                                         o2, o3, o4, amax, amax + 1);
+                                         o2, o3, o4, amax, amax + 1, F);
     });
     row("SwigluBackwardBf16To16 + 2 CastTransposeFp8Bf16", 10 * mf + 8 * mf, [&](int) {
       be->SwigluBackwardBf16To16(dh, g, u, M * F, dg16, du16);
-      be->CastTransposeFp8Bf16(dg16, M, F, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax);
-      be->CastTransposeFp8Bf16(du16, M, F, sc + 4, fsdp8::Fp8Format::kE5M2, o3, o4, amax + 1);
+      be->CastTransposeFp8Bf16(dg16, M, F, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, F);
+      be->CastTransposeFp8Bf16(du16, M, F, sc + 4, fsdp8::Fp8Format::kE5M2, o3, o4, amax + 1, F);
     });
     row("CastTransposeFp8Bf16 16384x5632", 2 * mf + 2 * mf, [&](int) {
-      be->CastTransposeFp8Bf16(dg16, M, F, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax);
+      be->CastTransposeFp8Bf16(dg16, M, F, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, F);
     });
     row("RopeBackwardCastTransposeFp8Bf16 (q)", 2 * mc + 2 * mc, [&](int) {
       be->RopeBackwardCastTransposeFp8Bf16(pa, B, T, H, D, 10000.0f, sc, fsdp8::Fp8Format::kE5M2,
-                                           o1, o2, amax);
+                                           o1, o2, amax, C);
     });
     row("RopeBackwardBf16 + CastTransposeFp8Bf16 (q)", 4 * mc + 4 * mc, [&](int) {
       be->RopeBackwardBf16(pb, B, T, H, D, 10000.0f);
-      be->CastTransposeFp8Bf16(pb, M, C, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax);
+      be->CastTransposeFp8Bf16(pb, M, C, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, C);
     });
     for (void* p : bufs) be->Free(p);
   }

@@ -252,12 +252,13 @@ struct CastOutputs {
   uint8_t* out[kOut];
   uint8_t* out_t[kOut];
   float* amax[kOut];
+  int64_t ld = 0;  // row stride of every out[k] in elements (>= cols)
 };
 
 template <bool kE5M2, typename Src>
 __global__ void __launch_bounds__(kTileThreads)
 CastTransposeKernel(Src src, int64_t rows, int64_t cols, CastOutputs<Src::kOut> o,
-                    bool out_t_vec) {
+                    bool row_vec, bool out_t_vec) {
   constexpr int kOut = Src::kOut;
   __shared__ __align__(16) uint8_t tileT[kOut][kTileCols * kTileRows];
   __shared__ int red[kTileThreads / 32];
@@ -274,7 +275,7 @@ CastTransposeKernel(Src src, int64_t rows, int64_t cols, CastOutputs<Src::kOut> 
   const int tx = (lane & 7) + 8 * (warp & 1);
   const int ty = (lane >> 3) + 4 * (warp >> 1);
   const bool full = (r0 + kTileRows <= rows) && (c0 + kTileCols <= cols);
-  if (full && (cols % 4) == 0) {
+  if (full && row_vec) {
     typename Src::Raw x[2][4];
     auto load = [&](int h) {
 #pragma unroll
@@ -298,7 +299,7 @@ CastTransposeKernel(Src src, int64_t rows, int64_t cols, CastOutputs<Src::kOut> 
                                max(AbsBits(v[k].z), AbsBits(v[k].w))));
           w[k][i] = Encode4Dev<kE5M2>(v[k].x * s[k], v[k].y * s[k], v[k].z * s[k], v[k].w * s[k]);
           if (o.out[k] != nullptr) {
-            *reinterpret_cast<uint32_t*>(o.out[k] + (r0 + 64 * h + 4 * ty + i) * cols + c0 +
+            *reinterpret_cast<uint32_t*>(o.out[k] + (r0 + 64 * h + 4 * ty + i) * o.ld + c0 +
                                          4 * tx) = w[k][i];
           }
         }
@@ -329,7 +330,7 @@ CastTransposeKernel(Src src, int64_t rows, int64_t cols, CastOutputs<Src::kOut> 
             for (int k = 0; k < kOut; ++k) {
               m[k] = max(m[k], AbsBits(v[k]));
               const uint32_t code = Encode1Dev<kE5M2>(v[k] * s[k]);
-              if (o.out[k] != nullptr) o.out[k][(r0 + r) * cols + c0 + c] = static_cast<uint8_t>(code);
+              if (o.out[k] != nullptr) o.out[k][(r0 + r) * o.ld + c0 + c] = static_cast<uint8_t>(code);
               tileT[k][TileTByte(c, r)] = static_cast<uint8_t>(code);
             }
           }
@@ -468,18 +469,22 @@ void CastTransposeImpl(const Src& src, int64_t rows, int64_t cols, Fp8Format fmt
                        const CastOutputs<Src::kOut>& o, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
   FSDP8_CUDA_REQUIRE(CeilDiv(rows, kTileRows) <= 65535, "CastTransposeFp8: rows too large");
+  FSDP8_CUDA_REQUIRE(o.ld >= cols, "CastTransposeFp8: out row stride below cols");
   bool out_t_vec = rows % 16 == 0;
+  // 4-byte row loads and stores: every row start of the source and of each out 4-aligned.
+  bool row_vec = cols % 4 == 0;
   for (int k = 0; k < Src::kOut; ++k) {
-    FSDP8_CUDA_REQUIRE(o.out[k] == nullptr || reinterpret_cast<uintptr_t>(o.out[k]) % 4 == 0, "CastTransposeFp8: out not 4-byte aligned");
+    row_vec = row_vec && (o.out[k] == nullptr ||
+                          (o.ld % 4 == 0 && reinterpret_cast<uintptr_t>(o.out[k]) % 4 == 0));
     FSDP8_CUDA_REQUIRE(o.out_t[k] == nullptr || reinterpret_cast<uintptr_t>(o.out_t[k]) % 4 == 0, "CastTransposeFp8: out_t not 4-byte aligned");
     // 16-byte out_t stores need every out_t row start (col * rows) and chunk 16-byte aligned.
     out_t_vec = out_t_vec && reinterpret_cast<uintptr_t>(o.out_t[k]) % 16 == 0;
   }
   const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kTileCols)), static_cast<unsigned>(CeilDiv(rows, kTileRows)));
   if (fmt == Fp8Format::kE5M2) {
-    CastTransposeKernel<true, Src><<<grid, kTileThreads, 0, stream>>>(src, rows, cols, o, out_t_vec);
+    CastTransposeKernel<true, Src><<<grid, kTileThreads, 0, stream>>>(src, rows, cols, o, row_vec, out_t_vec);
   } else {
-    CastTransposeKernel<false, Src><<<grid, kTileThreads, 0, stream>>>(src, rows, cols, o, out_t_vec);
+    CastTransposeKernel<false, Src><<<grid, kTileThreads, 0, stream>>>(src, rows, cols, o, row_vec, out_t_vec);
   }
   FSDP8_CUDA_LAUNCH_CHECK();
 }
@@ -487,24 +492,24 @@ void CastTransposeImpl(const Src& src, int64_t rows, int64_t cols, Fp8Format fmt
 template <typename In>
 void PlainCastTranspose(const In* in, int64_t rows, int64_t cols, const float* scale,
                         Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
-                        cudaStream_t stream) {
+                        int64_t out_ld, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
   FSDP8_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(in) % (4 * sizeof(In)) == 0, "CastTransposeFp8: in not aligned to 4 elements");
   CastTransposeImpl(PlainSource<In>{in, cols}, rows, cols, fmt,
-                    CastOutputs<1>{{scale}, {out}, {out_t}, {amax_out}}, stream);
+                    CastOutputs<1>{{scale}, {out}, {out_t}, {amax_out}, out_ld}, stream);
 }
 }  // namespace
 
 void LaunchCastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
                             Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
                             cudaStream_t stream) {
-  PlainCastTranspose(in, rows, cols, scale, fmt, out, out_t, amax_out, stream);
+  PlainCastTranspose(in, rows, cols, scale, fmt, out, out_t, amax_out, cols, stream);
 }
 
 void LaunchCastTransposeFp8Bf16(const uint16_t* in, int64_t rows, int64_t cols, const float* scale,
                                 Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
-                                cudaStream_t stream) {
-  PlainCastTranspose(in, rows, cols, scale, fmt, out, out_t, amax_out, stream);
+                                int64_t out_ld, cudaStream_t stream) {
+  PlainCastTranspose(in, rows, cols, scale, fmt, out, out_t, amax_out, out_ld, stream);
 }
 
 void LaunchSwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* gate16,
@@ -512,7 +517,7 @@ void LaunchSwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* 
                                           const float* scale_gate, const float* scale_up,
                                           Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
                                           uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
-                                          float* amax_up, cudaStream_t stream) {
+                                          float* amax_up, int64_t out_ld, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
   for (const void* p : {static_cast<const void*>(dh16), static_cast<const void*>(gate16),
                         static_cast<const void*>(up16)}) {
@@ -520,14 +525,15 @@ void LaunchSwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* 
   }
   CastTransposeImpl(SwigluBackwardSource{dh16, gate16, up16, cols}, rows, cols, fmt,
                     CastOutputs<2>{{scale_gate, scale_up}, {dgate8, dup8}, {dgate8_t, dup8_t},
-                                   {amax_gate, amax_up}},
+                                   {amax_gate, amax_up}, out_ld},
                     stream);
 }
 
 void LaunchRopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T,
                                             int64_t H, int64_t D, const float* table,
                                             const float* scale, Fp8Format fmt, uint8_t* out,
-                                            uint8_t* out_t, float* amax_out, cudaStream_t stream) {
+                                            uint8_t* out_t, float* amax_out, int64_t out_ld,
+                                            cudaStream_t stream) {
   if (B * T <= 0 || H * D <= 0) return;
   FSDP8_CUDA_REQUIRE(D % 8 == 0 && reinterpret_cast<uintptr_t>(dx16) % 8 == 0 &&
                          reinterpret_cast<uintptr_t>(table) % 16 == 0 && T < (int64_t{1} << 32),
@@ -535,7 +541,8 @@ void LaunchRopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int
   CastTransposeImpl(RopeBackwardSource{dx16, H * D, static_cast<uint32_t>(T),
                                        static_cast<uint32_t>(D),
                                        reinterpret_cast<const float2*>(table)},
-                    B * T, H * D, fmt, CastOutputs<1>{{scale}, {out}, {out_t}, {amax_out}}, stream);
+                    B * T, H * D, fmt, CastOutputs<1>{{scale}, {out}, {out_t}, {amax_out}, out_ld},
+                    stream);
 }
 
 void LaunchCastToFp8Bf16(const uint16_t* in, uint8_t* out, int64_t n, const float* scale,
@@ -577,6 +584,28 @@ void LaunchFp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int ma
   if (n <= 0) return;
   Fp8ScalesKernel<<<static_cast<unsigned>(CeilDiv(n, 128)), 128, 0, stream>>>(amax, n, fp8_max, margin,
                                                                               scale, scale_inv, stride);
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
+
+// One block; each thread takes its tensors' group maximum over all n (n is the number of FP8
+// tensors, a few hundred): no atomics, deterministic.
+__global__ void GroupMaxKernel(const float* __restrict__ in, const int32_t* __restrict__ group,
+                               int64_t n, float* __restrict__ out) {
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int32_t g = group[i];
+    float m = in[i];
+    for (int64_t j = 0; j < n && !isnan(m); ++j) {
+      const float v = in[j];
+      if (group[j] == g && (isnan(v) || v > m)) m = v;
+    }
+    out[i] = m;
+  }
+}
+
+void LaunchGroupMax(const float* in, const int32_t* group, int64_t n, float* out,
+                    cudaStream_t stream) {
+  if (n <= 0) return;
+  GroupMaxKernel<<<1, 256, 0, stream>>>(in, group, n, out);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 

@@ -221,6 +221,12 @@ void CudaBackend::Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max,
   cuda::LaunchFp8ScalesFromAmax(amax, n, fp8_max, margin, scale, scale_inv, stride, stream_);
 }
 
+void CudaBackend::GroupMax(const float* in, const int32_t* group, int64_t n, float* out) {
+  cuda::OpScope op_scope(prof_.get(), "GroupMax");
+  Bind();
+  cuda::LaunchGroupMax(in, group, n, out, stream_);
+}
+
 void CudaBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out) {
   cuda::OpScope op_scope(prof_.get(), "AmaxAccumulate");
   Bind();
@@ -673,10 +679,11 @@ void CudaBackend::CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, c
 
 void CudaBackend::CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t cols,
                                        const float* scale, Fp8Format fmt, uint8_t* out,
-                                       uint8_t* out_t, float* amax_out) {
+                                       uint8_t* out_t, float* amax_out, int64_t out_ld) {
   cuda::OpScope op_scope(prof_.get(), "CastTransposeFp8Bf16");
   Bind();
-  cuda::LaunchCastTransposeFp8Bf16(in16, rows, cols, scale, fmt, out, out_t, amax_out, stream_);
+  cuda::LaunchCastTransposeFp8Bf16(in16, rows, cols, scale, fmt, out, out_t, amax_out, out_ld,
+                                   stream_);
 }
 
 void CudaBackend::RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
@@ -698,17 +705,18 @@ void CudaBackend::RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t
 void CudaBackend::RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T,
                                                    int64_t H, int64_t D, float theta,
                                                    const float* scale, Fp8Format fmt, uint8_t* out,
-                                                   uint8_t* out_t, float* amax_out) {
+                                                   uint8_t* out_t, float* amax_out,
+                                                   int64_t out_ld) {
   if (D % 8 != 0 || reinterpret_cast<uintptr_t>(dx16) % 8 != 0) {  // the unfused reference
     Backend::RopeBackwardCastTransposeFp8Bf16(dx16, B, T, H, D, theta, scale, fmt, out, out_t,
-                                              amax_out);
+                                              amax_out, out_ld);
     return;
   }
   cuda::OpScope op_scope(prof_.get(), "RopeBackwardCastTransposeFp8Bf16");
   Bind();
   EnsureRopeTable(T, D, theta);
   cuda::LaunchRopeBackwardCastTransposeFp8Bf16(dx16, B, T, H, D, rope_table_, scale, fmt, out,
-                                               out_t, amax_out, stream_);
+                                               out_t, amax_out, out_ld, stream_);
 }
 
 #ifdef FSDP8_WITH_CUDNN
@@ -785,12 +793,12 @@ void CudaBackend::SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uin
                                                  const float* scale_gate, const float* scale_up,
                                                  Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
                                                  uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
-                                                 float* amax_up) {
+                                                 float* amax_up, int64_t out_ld) {
   cuda::OpScope op_scope(prof_.get(), "SwigluBackwardCastTransposeFp8");
   Bind();
   cuda::LaunchSwigluBackwardCastTransposeFp8(dh16, gate16, up16, rows, cols, scale_gate, scale_up,
                                              fmt, dgate8, dgate8_t, dup8, dup8_t, amax_gate,
-                                             amax_up, stream_);
+                                             amax_up, out_ld, stream_);
 }
 
 // ---- optimizer -----------------------------------------------------------------------------------

@@ -100,6 +100,7 @@ class CudaBackend final : public Backend {
   void AmaxAccumulate(const float* in, int64_t n, float* amax_out) override;
   void Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin, float* scale,
                          float* scale_inv, int64_t stride) override;
+  void GroupMax(const float* in, const int32_t* group, int64_t n, float* out) override;
 
   void SetFp8FastAccumulation(bool on) override { fp8_fast_accum_ = on; }
   // Times cuBLASLt's candidates on each GEMM shape's first call (cuda::LtGemm::set_autotune); the
@@ -175,8 +176,8 @@ class CudaBackend final : public Backend {
   void CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, const float* scale,
                      Fp8Format fmt, float* amax_out) override;
   void CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t cols, const float* scale,
-                            Fp8Format fmt, uint8_t* out, uint8_t* out_t,
-                            float* amax_out) override;
+                            Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
+                            int64_t out_ld) override;
   void RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
                        float theta) override;
   void RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D,
@@ -195,12 +196,14 @@ class CudaBackend final : public Backend {
                               int64_t n, uint16_t* dgate16, uint16_t* dup16) override;
   void RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T, int64_t H,
                                         int64_t D, float theta, const float* scale, Fp8Format fmt,
-                                        uint8_t* out, uint8_t* out_t, float* amax_out) override;
+                                        uint8_t* out, uint8_t* out_t, float* amax_out,
+                                        int64_t out_ld) override;
   void SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* gate16,
                                       const uint16_t* up16, int64_t rows, int64_t cols,
                                       const float* scale_gate, const float* scale_up, Fp8Format fmt,
                                       uint8_t* dgate8, uint8_t* dgate8_t, uint8_t* dup8,
-                                      uint8_t* dup8_t, float* amax_gate, float* amax_up) override;
+                                      uint8_t* dup8_t, float* amax_gate, float* amax_up,
+                                      int64_t out_ld) override;
   void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                       float* dgate, float* dup) override;
 

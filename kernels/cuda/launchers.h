@@ -27,9 +27,11 @@ void LaunchCastTransposeFp8(const float* in, int64_t rows, int64_t cols, const f
 // The same two casts from bfloat16 bit patterns (f32 values exact; same codes and amax).
 void LaunchCastToFp8Bf16(const uint16_t* in, uint8_t* out, int64_t n, const float* scale,
                          Fp8Format fmt, float* amax_out, cudaStream_t stream);
+// out_ld: out's row stride in elements (>= cols, a multiple of 4 when out is not null and
+// cols % 4 == 0 for the vector stores; otherwise byte stores).
 void LaunchCastTransposeFp8Bf16(const uint16_t* in, int64_t rows, int64_t cols, const float* scale,
                                 Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
-                                cudaStream_t stream);
+                                int64_t out_ld, cudaStream_t stream);
 // dgate, dup (rows, cols) of SwiGLU from bf16 dh16, gate16, up16 (the values, rounded to bf16,
 // of LaunchSwigluBackwardBf16To16), each cast with its own scale to row-major (optional) and
 // transposed (cols, rows) (optional) codes; amax of each into its accumulator when non-null.
@@ -39,14 +41,15 @@ void LaunchSwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* 
                                           const float* scale_gate, const float* scale_up,
                                           Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
                                           uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
-                                          float* amax_up, cudaStream_t stream);
+                                          float* amax_up, int64_t out_ld, cudaStream_t stream);
 // dx16 (B, T, H, D) bf16 rotated back as LaunchRopeApplyBf16(sign -1) would (not in place: dx16
 // is only read), then cast as LaunchCastTransposeFp8Bf16 of the (B * T, H * D) result. table as
 // LaunchRopeTable wrote it (16-byte aligned); D % 8 == 0, dx16 8-byte aligned.
 void LaunchRopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T,
                                             int64_t H, int64_t D, const float* table,
                                             const float* scale, Fp8Format fmt, uint8_t* out,
-                                            uint8_t* out_t, float* amax_out, cudaStream_t stream);
+                                            uint8_t* out_t, float* amax_out, int64_t out_ld,
+                                            cudaStream_t stream);
 // out (cols, rows) = in (rows, cols)^T, bytes.
 void LaunchTransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
                           cudaStream_t stream);
@@ -56,6 +59,9 @@ void LaunchDequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* 
 void LaunchAmaxAccumulate(const float* in, int64_t n, float* amax_out, cudaStream_t stream);
 void LaunchFp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin, float* scale,
                              float* scale_inv, int64_t stride, cudaStream_t stream);
+// out[i] = max of in[j] over j with group[j] == group[i] (NaN wins), Backend::GroupMax.
+void LaunchGroupMax(const float* in, const int32_t* group, int64_t n, float* out,
+                    cudaStream_t stream);
 void LaunchRoundToBf16(float* x, int64_t n, cudaStream_t stream);
 void LaunchPackBf16(const float* in, uint16_t* out, int64_t n, cudaStream_t stream);
 void LaunchUnpackBf16(const uint16_t* in, float* out, int64_t n, cudaStream_t stream);
@@ -88,7 +94,8 @@ void LaunchRmsNormBackward(const float* dy, const float* x, const float* w, cons
                            int64_t N, int64_t C, float* dx, float* dw, float* partials,
                            cudaStream_t stream, const float* dres = nullptr);
 // The same with dy = (dy_a + dy_b) + dy_c summed in f32 from bf16 (N, C) parts (dy_c may be
-// null). Returns false, launching nothing, for C above the fused kernel's limit (4096).
+// null; dy_b and dy_c null: dy_a alone). Returns false, launching nothing, for C above the fused
+// kernel's limit (4096) or dy_c without dy_b.
 bool LaunchRmsNormBackwardBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b,
                                     const uint16_t* dy_c, const float* x, const float* w,
                                     const float* rstd, int64_t N, int64_t C, float* dx, float* dw,

@@ -94,7 +94,8 @@ struct DyBf16Parts {
   const uint16_t* b;
   const uint16_t* c;
   __device__ __forceinline__ float operator[](int64_t i) const {
-    const float v = __fadd_rn(LoadF32(a + i), LoadF32(b + i));
+    float v = LoadF32(a + i);
+    if (b != nullptr) v = __fadd_rn(v, LoadF32(b + i));
     return c != nullptr ? __fadd_rn(v, LoadF32(c + i)) : v;
   }
 };
@@ -186,8 +187,10 @@ RmsNormBackwardParts4Kernel(const DyBf16Parts dy, const float* __restrict__ x,
   }
   auto dy4 = [&](int64_t i) {
     float4 v = Load4F32(dy.a + i);
-    const float4 b = Load4F32(dy.b + i);
-    v = make_float4(__fadd_rn(v.x, b.x), __fadd_rn(v.y, b.y), __fadd_rn(v.z, b.z), __fadd_rn(v.w, b.w));
+    if (dy.b != nullptr) {
+      const float4 b = Load4F32(dy.b + i);
+      v = make_float4(__fadd_rn(v.x, b.x), __fadd_rn(v.y, b.y), __fadd_rn(v.z, b.z), __fadd_rn(v.w, b.w));
+    }
     if (dy.c != nullptr) {
       const float4 c = Load4F32(dy.c + i);
       v = make_float4(__fadd_rn(v.x, c.x), __fadd_rn(v.y, c.y), __fadd_rn(v.z, c.z), __fadd_rn(v.w, c.w));
@@ -364,7 +367,7 @@ bool LaunchRmsNormBackwardBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b,
                                     const uint16_t* dy_c, const float* x, const float* w,
                                     const float* rstd, int64_t N, int64_t C, float* dx, float* dw,
                                     float* partials, cudaStream_t stream, const float* dres) {
-  if (C > kMaxFusedNormCols) return false;
+  if (C > kMaxFusedNormCols || (dy_b == nullptr && dy_c != nullptr)) return false;
   if (N <= 0 || C <= 0) return true;
   bool vec4 = C % 4 == 0;
   for (const void* p : {static_cast<const void*>(x), static_cast<const void*>(w),

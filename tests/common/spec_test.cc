@@ -62,6 +62,7 @@ TEST(Spec, Defaults) {
   EXPECT_EQ(d.precision().fp8().amax_history_len(), 16);
   EXPECT_EQ(d.precision().fp8().amax_algorithm(), v1::AMAX_ALGORITHM_MAX);
   EXPECT_EQ(d.precision().fp8().margin(), 0);
+  EXPECT_TRUE(d.precision().fp8().fused_projections());
   EXPECT_EQ(d.backend(), "cpu");
   // world_size 0: microbatch left unset.
   EXPECT_FALSE(WithDefaults(s, 0).training().has_microbatch());

@@ -493,6 +493,26 @@ TEST_P(Conformance, Fp8ScalesFromAmax) {
   }
 }
 
+TEST_P(Conformance, GroupMax) {
+  // 300 amaxes in groups of 1 to 4 members (contiguous and interleaved), with a NaN and an inf in
+  // two groups; exact.
+  std::vector<float> in = Uniform(300, 0.0f, 100.0f);
+  in[10] = std::nanf("");
+  in[20] = std::numeric_limits<float>::infinity();
+  std::vector<int32_t> group(in.size());
+  for (size_t i = 0; i < group.size(); ++i) {
+    group[i] = i < 200 ? static_cast<int32_t>(i / 3 * 3) : static_cast<int32_t>(200 + i % 7);
+  }
+  Check("GroupMax", -1, [&](DevRun& r) {
+    Outputs o;
+    const int64_t n = static_cast<int64_t>(in.size());
+    float* out = r.Out<float>(n);
+    r.b()->GroupMax(r.In(in), r.In(group), n, out);
+    r.F32(&o, "out", out, n);
+    return o;
+  });
+}
+
 TEST_P(Conformance, GemmFp8) {
   struct S { int64_t M, N, K; };
   const S shapes[] = {{1, 1, 1}, {37, 129, 16}, {33, 17, 37}, {128, 256, 512}, {256, 2048, 2048},
@@ -1099,12 +1119,33 @@ TEST_P(Conformance, Bf16Activations) {
               uint8_t* out = r.Out<uint8_t>(rows * cols);
               uint8_t* out_t = r.Out<uint8_t>(rows * cols);
               float* amax = r.In(std::vector<float>{0.0f});
-              r.b()->CastTransposeFp8Bf16(packed(r, x), rows, cols, r.In(scale), fmt, out, out_t, amax);
+              r.b()->CastTransposeFp8Bf16(packed(r, x), rows, cols, r.In(scale), fmt, out, out_t, amax,
+                                          cols);
               r.Bytes(&o, "out", out, rows * cols);
               r.Bytes(&o, "out_t", out_t, rows * cols);
               r.Bytes(&o, "amax", amax, 1);
               return o;
             });
+      // Row stride out_ld > cols (the codes of several grad-outputs side by side): the same codes
+      // per row, the bytes between rows untouched (pre-filled 0x5A on both backends). +4 keeps the
+      // 4-byte row stores where cols allows them; +3 forces the byte path.
+      for (int64_t pad : {4, 3}) {
+        const int64_t ld = cols + pad;
+        Check(std::string("CastTransposeFp8Bf16/strided+") + std::to_string(pad) + "/" +
+                  FmtName(fmt) + "/" + std::to_string(rows) + "x" + std::to_string(cols),
+              -1, [&](DevRun& r) {
+                Outputs o;
+                uint8_t* out = r.In(std::vector<uint8_t>(static_cast<size_t>(rows * ld), 0x5A));
+                uint8_t* out_t = r.Out<uint8_t>(rows * cols);
+                float* amax = r.In(std::vector<float>{0.0f});
+                r.b()->CastTransposeFp8Bf16(packed(r, x), rows, cols, r.In(scale), fmt, out, out_t,
+                                            amax, ld);
+                r.Bytes(&o, "out", out, rows * ld);
+                r.Bytes(&o, "out_t", out_t, rows * cols);
+                r.Bytes(&o, "amax", amax, 1);
+                return o;
+              });
+      }
     }
   }
   // The SwiGLU backward fused with the cast-transposes of its two gradients: codes one step apart
@@ -1128,11 +1169,30 @@ TEST_P(Conformance, Bf16Activations) {
               float* amax = r.In(std::vector<float>{0.0f, 0.0f});
               r.b()->SwigluBackwardCastTransposeFp8(packed(r, dh), packed(r, g), packed(r, u), rows,
                                                     cols, r.In(sg), r.In(su), fmt, dg8, dgT8, du8,
-                                                    duT8, amax, amax + 1);
+                                                    duT8, amax, amax + 1, cols);
               r.Fp8CodesNear(&o, "dgate8", dg8, n);
               r.Fp8CodesNear(&o, "dgate8_t", dgT8, n);
               r.Fp8CodesNear(&o, "dup8", du8, n);
               r.Fp8CodesNear(&o, "dup8_t", duT8, n);
+              r.F32(&o, "amax", amax, 2);
+              return o;
+            });
+      // dgate and dup side by side in one (rows, 2 * cols) matrix (LlamaModel's fused gate/up
+      // backward), their transposes one after the other in one buffer (dup8_t from the next
+      // 16-byte boundary: the kernel's transposed stores need 4-byte aligned rows).
+      const int64_t at = (n + 15) / 16 * 16;
+      Check(std::string("SwigluBackwardCastTransposeFp8/side-by-side/") + FmtName(fmt) + "/" +
+                std::to_string(rows) + "x" + std::to_string(cols),
+            kEltTol + bf16_ulp, [&](DevRun& r) {
+              Outputs o;
+              uint8_t* d8 = r.Out<uint8_t>(2 * n);
+              uint8_t* dT8 = r.In(std::vector<uint8_t>(static_cast<size_t>(at + n), 0x5A));
+              float* amax = r.In(std::vector<float>{0.0f, 0.0f});
+              r.b()->SwigluBackwardCastTransposeFp8(packed(r, dh), packed(r, g), packed(r, u), rows,
+                                                    cols, r.In(sg), r.In(su), fmt, d8, dT8,
+                                                    d8 + cols, dT8 + at, amax, amax + 1, 2 * cols);
+              r.Fp8CodesNear(&o, "[dgate8 | dup8]", d8, 2 * n);
+              r.Fp8CodesNear(&o, "[dgate8_t ; dup8_t]", dT8, at + n);
               r.F32(&o, "amax", amax, 2);
               return o;
             });
@@ -1160,11 +1220,31 @@ TEST_P(Conformance, Bf16Activations) {
               uint8_t* out_t = r.Out<uint8_t>(n);
               float* amax = r.In(std::vector<float>{0.0f});
               r.b()->RopeBackwardCastTransposeFp8Bf16(x16, q.B, q.T, q.H, q.D, 10000.0f,
-                                                      r.In(scale), fmt, out, out_t, amax);
+                                                      r.In(scale), fmt, out, out_t, amax,
+                                                      q.H * q.D);
               r.Fp8CodesNear(&o, "out", out, n);
               r.Fp8CodesNear(&o, "out_t", out_t, n);
               r.F32(&o, "amax", amax, 1);
               r.Bytes(&o, "dx16 unchanged", x16, n);
+              return o;
+            });
+      // Row stride H * D + 8 (q's codes beside k's and v's in the fused q/k/v backward); the
+      // bytes past each row stay as pre-filled.
+      const int64_t ld = q.H * q.D + 8, rows = q.B * q.T;
+      Check(std::string("RopeBackwardCastTransposeFp8Bf16/strided/") + FmtName(fmt) + "/" +
+                std::to_string(q.B) + "x" + std::to_string(q.T) + "x" + std::to_string(q.H) + "x" +
+                std::to_string(q.D),
+            kEltTol + bf16_ulp, [&](DevRun& r) {
+              Outputs o;
+              uint16_t* x16 = packed(r, dx);
+              uint8_t* out = r.In(std::vector<uint8_t>(static_cast<size_t>(rows * ld), 0x5A));
+              uint8_t* out_t = r.Out<uint8_t>(n);
+              float* amax = r.In(std::vector<float>{0.0f});
+              r.b()->RopeBackwardCastTransposeFp8Bf16(x16, q.B, q.T, q.H, q.D, 10000.0f,
+                                                      r.In(scale), fmt, out, out_t, amax, ld);
+              r.Fp8CodesNear(&o, "out", out, rows * ld);
+              r.Fp8CodesNear(&o, "out_t", out_t, n);
+              r.F32(&o, "amax", amax, 1);
               return o;
             });
     }
@@ -1281,7 +1361,7 @@ TEST_P(Conformance, SwigluBackwardCastTransposeIsItsComposition) {
         for (auto& p : c) p = r.Out<uint8_t>(n);
         float* amax = r.In(std::vector<float>{0.0f, 0.0f});
         b->SwigluBackwardCastTransposeFp8(dh16, g16, u16, rows, cols, sg, su, fmt, c[0], c[1], c[2],
-                                          c[3], amax, amax + 1);
+                                          c[3], amax, amax + 1, cols);
         for (uint8_t* p : c) r.Bytes(&fused, "codes", p, n);
         r.Bytes(&fused, "amax", amax, 2);
       }
@@ -1292,8 +1372,8 @@ TEST_P(Conformance, SwigluBackwardCastTransposeIsItsComposition) {
         uint8_t* c[4];
         for (auto& p : c) p = r.Out<uint8_t>(n);
         float* amax = r.In(std::vector<float>{0.0f, 0.0f});
-        b->CastTransposeFp8Bf16(dg16, rows, cols, sg, fmt, c[0], c[1], amax);
-        b->CastTransposeFp8Bf16(du16, rows, cols, su, fmt, c[2], c[3], amax + 1);
+        b->CastTransposeFp8Bf16(dg16, rows, cols, sg, fmt, c[0], c[1], amax, cols);
+        b->CastTransposeFp8Bf16(du16, rows, cols, su, fmt, c[2], c[3], amax + 1, cols);
         for (uint8_t* p : c) r.Bytes(&unfused, "codes", p, n);
         r.Bytes(&unfused, "amax", amax, 2);
       }
@@ -1323,7 +1403,8 @@ TEST_P(Conformance, RopeBackwardCastTransposeIsItsComposition) {
     uint8_t* out = r.Out<uint8_t>(n);
     uint8_t* out_t = r.Out<uint8_t>(n);
     float* amax = r.In(std::vector<float>{0.0f});
-    b->RopeBackwardCastTransposeFp8Bf16(x16, B, T, H, D, 10000.0f, scale, fmt, out, out_t, amax);
+    b->RopeBackwardCastTransposeFp8Bf16(x16, B, T, H, D, 10000.0f, scale, fmt, out, out_t, amax,
+                                        H * D);
     r.Bytes(&fused, "out", out, n);
     r.Bytes(&fused, "out_t", out_t, n);
     r.Bytes(&fused, "amax", amax, 1);
@@ -1331,7 +1412,7 @@ TEST_P(Conformance, RopeBackwardCastTransposeIsItsComposition) {
     uint8_t* out2 = r.Out<uint8_t>(n);
     uint8_t* out2_t = r.Out<uint8_t>(n);
     float* amax2 = r.In(std::vector<float>{0.0f});
-    b->CastTransposeFp8Bf16(x16, B * T, H * D, scale, fmt, out2, out2_t, amax2);
+    b->CastTransposeFp8Bf16(x16, B * T, H * D, scale, fmt, out2, out2_t, amax2, H * D);
     r.Bytes(&unfused, "out", out2, n);
     r.Bytes(&unfused, "out_t", out2_t, n);
     r.Bytes(&unfused, "amax", amax2, 1);

@@ -155,6 +155,24 @@ std::vector<double> NaiveGemm(bool ta, bool tb, int M, int N, int K, const std::
 
 // Current-scaling weight scales (scale = fp8_max / amax / 2^margin; unusable amax keeps the
 // previous scale, an unusable previous scale falls back to 1), hand-computed, in slots of 4.
+// Groups {0, 1}, {2, 3} (with a NaN), {4}, {5, 6} interleaved as group ids 0 0 2 2 4 5 5, and a
+// member listed apart from its group (index 7 in group 0).
+TEST_F(CpuBackendTest, GroupMaxHandValues) {
+  const float nan = std::nanf("");
+  const std::vector<float> in = {1.0f, 5.0f, 2.0f, nan, 3.0f, 0.5f, 0.25f, 7.0f};
+  const std::vector<int32_t> group = {0, 0, 2, 2, 4, 5, 5, 0};
+  std::vector<float> out(in.size(), -1.0f);
+  be_->GroupMax(in.data(), group.data(), static_cast<int64_t>(in.size()), out.data());
+  EXPECT_EQ(out[0], 7.0f);
+  EXPECT_EQ(out[1], 7.0f);
+  EXPECT_TRUE(std::isnan(out[2]));
+  EXPECT_TRUE(std::isnan(out[3]));
+  EXPECT_EQ(out[4], 3.0f);
+  EXPECT_EQ(out[5], 0.5f);
+  EXPECT_EQ(out[6], 0.5f);
+  EXPECT_EQ(out[7], 7.0f);
+}
+
 TEST_F(CpuBackendTest, Fp8ScalesFromAmaxHandValues) {
   const float inf = std::numeric_limits<float>::infinity(), nan = std::nanf("");
   const std::vector<float> amax = {2.0f, 0.0f, nan, inf, -1.0f, 0.0f, 1e-38f, 448.0f};
