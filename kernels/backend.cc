@@ -272,11 +272,30 @@ void Backend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t
   Free(buf);
 }
 
-void Backend::SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t n,
-                            const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out) {
+namespace {
+// Unpacks the (rows, cols) bf16 matrix x16 of row stride ld into dense f32 x.
+void UnpackRows(Backend* be, const uint16_t* x16, int64_t rows, int64_t cols, int64_t ld,
+                float* x) {
+  if (ld < cols) {
+    fprintf(stderr, "row stride %lld < cols %lld\n", static_cast<long long>(ld),
+            static_cast<long long>(cols));
+    abort();
+  }
+  if (ld == cols) {
+    be->UnpackBf16(x16, x, rows * cols);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) be->UnpackBf16(x16 + r * ld, x + r * cols, cols);
+}
+}  // namespace
+
+void Backend::SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
+                            int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
+                            uint8_t* out, float* amax_out) {
+  const int64_t n = rows * cols;
   float* buf = F32Scratch(this, 3 * n);
-  UnpackBf16(gate16, buf, n);
-  UnpackBf16(up16, buf + n, n);
+  UnpackRows(this, gate16, rows, cols, in_ld, buf);
+  UnpackRows(this, up16, rows, cols, in_ld, buf + n);
   SwigluForward(buf, buf + n, n, buf + 2 * n);
   CastToFp8(buf + 2 * n, out, n, scale, fmt, amax_out);
   Free(buf);
@@ -298,8 +317,22 @@ void Backend::SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_
                                              const float* scale_gate, const float* scale_up,
                                              Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
                                              uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
-                                             float* amax_up, int64_t out_ld) {
+                                             float* amax_up, int64_t out_ld, int64_t in_ld) {
   const int64_t n = rows * cols;
+  if (in_ld != cols) {  // dense copies of gate and up first
+    if (in_ld < cols) abort();
+    uint16_t* g16 = reinterpret_cast<uint16_t*>(F32Scratch(this, n + 4));
+    uint16_t* u16 = reinterpret_cast<uint16_t*>(F32Scratch(this, n + 4));
+    for (int64_t r = 0; r < rows; ++r) {
+      Copy(g16 + r * cols, gate16 + r * in_ld, cols * sizeof(uint16_t));
+      Copy(u16 + r * cols, up16 + r * in_ld, cols * sizeof(uint16_t));
+    }
+    SwigluBackwardCastTransposeFp8(dh16, g16, u16, rows, cols, scale_gate, scale_up, fmt, dgate8,
+                                   dgate8_t, dup8, dup8_t, amax_gate, amax_up, out_ld, cols);
+    Free(u16);
+    Free(g16);
+    return;
+  }
   // Two bf16 gradients in one scratch buffer, the second starting 8-byte aligned.
   uint16_t* dgate16 = reinterpret_cast<uint16_t*>(F32Scratch(this, n + 2));
   uint16_t* dup16 = dgate16 + ((n + 3) & ~int64_t{3});

@@ -288,10 +288,13 @@ class Backend {
                                               const uint16_t* dout16, const float* lse, int64_t B,
                                               int64_t T, int64_t H, int64_t Hkv, int64_t D,
                                               uint16_t* dq16, uint16_t* dk16, uint16_t* dv16);
-  // out (n) = fp8(silu(gate) * up * (*scale)): SwigluForward of the unpacked gate16, up16, then
-  // CastToFp8 (amax of the f32 products into *amax_out as there).
-  virtual void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t n,
-                             const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out);
+  // out (rows, cols) = fp8(silu(gate) * up * (*scale)): SwigluForward of the unpacked gate16, up16,
+  // then CastToFp8 (amax of the f32 products into *amax_out as there). gate16 and up16 are
+  // (rows, cols) with row stride in_ld >= cols (in_ld = 2 * cols, up16 = gate16 + cols: both
+  // halves of one fused gate/up GEMM output); out is dense.
+  virtual void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
+                             int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
+                             uint8_t* out, float* amax_out);
   // SwigluBackwardBf16 with dh given as bf16 and dgate, dup rounded to bf16. All (n).
   virtual void SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16,
                                       const uint16_t* up16, int64_t n, uint16_t* dgate16,
@@ -304,13 +307,14 @@ class Backend {
   // with row stride out_ld >= cols (either may be null: not written; out_ld = 2 * cols with
   // dup8 = dgate8 + cols puts both in one (rows, 2 * cols) matrix) and dgate8_t, dup8_t (cols, rows)
   // dense FP8 codes; scales (1) f32 device scalars; amax_gate, amax_up (1) f32 device scalars or
-  // null, raised to the max |value| of the bf16 gradient they belong to.
+  // null, raised to the max |value| of the bf16 gradient they belong to. gate16 and up16 have row
+  // stride in_ld >= cols (as SwigluCastFp8); dh16 is dense.
   virtual void SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* gate16,
                                               const uint16_t* up16, int64_t rows, int64_t cols,
                                               const float* scale_gate, const float* scale_up,
                                               Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
                                               uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
-                                              float* amax_up, int64_t out_ld);
+                                              float* amax_up, int64_t out_ld, int64_t in_ld);
 
   // CrossEntropyForwardBackward with the gradient written as bf16 to dlogits16 (N, V) instead of
   // over the logits, which are left as they were: the gradient of a BF16 head goes to its GEMMs

@@ -203,10 +203,11 @@ std::shared_ptr<Fp8Input> Linear::NormCastInput(const float* x, const float* w_n
 }
 
 std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint16_t* up16,
-                                             int64_t M, int64_t K) {
+                                             int64_t M, int64_t K, int64_t ld) {
   WORKER_CHECK(prec_ == v1::PRECISION_FP8) << "CastSwiglu of a non-FP8 linear";
   const int64_t n = M * K;
   if (sc_->NeedsAmaxFirst(x_idx_)) {
+    WORKER_CHECK(ld == K) << "CastSwiglu: a strided gate/up needs the scale known (delayed)";
     DevBuf g(be_, n * sizeof(float)), u(be_, n * sizeof(float)), h(be_, n * sizeof(float));
     be_->UnpackBf16(gate16, g.f32(), n);
     be_->UnpackBf16(up16, u.f32(), n);
@@ -215,7 +216,7 @@ std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint1
   }
   auto in = std::make_shared<Fp8Input>();
   in->x8 = DevBuf(be_, n);
-  be_->SwigluCastFp8(gate16, up16, n, sc_->Scale(x_idx_), Fp8Format::kE4M3, in->x8.u8(),
+  be_->SwigluCastFp8(gate16, up16, M, K, ld, sc_->Scale(x_idx_), Fp8Format::kE4M3, in->x8.u8(),
                      sc_->AmaxOut(x_idx_));
   return Cast(std::move(in), {});
 }

@@ -161,10 +161,13 @@ class Linear {
   std::shared_ptr<Fp8Input> NormCastInput(const float* x, const float* w_norm, float eps,
                                           int64_t M, int64_t K, float* rstd,
                                           std::initializer_list<const Linear*> same_input = {});
-  // FP8 only. The input silu(gate) * up (M, K) of this linear from bf16 gate16, up16 (M, K),
-  // cast in one pass (Backend::SwigluCastFp8).
+  // FP8 only. The input silu(gate) * up (M, K) of this linear from bf16 gate16, up16 (M, K) of
+  // row stride ld (K when dense; ld != K only when !NeedsAmaxFirst of this linear's input), cast
+  // in one pass (Backend::SwigluCastFp8).
   std::shared_ptr<Fp8Input> CastSwiglu(const uint16_t* gate16, const uint16_t* up16, int64_t M,
-                                       int64_t K);
+                                       int64_t K, int64_t ld);
+  // Whether this FP8 linear's input cast must first measure its own amax (ActScaling).
+  bool XNeedsAmaxFirst() const { return sc_->NeedsAmaxFirst(x_idx_); }
   // FP8 only. y (M, N) f32, or y16 bf16 (exactly one non-null) = in · Wᵀ; with residual
   // (M, N) f32 (y only), y = residual + in · Wᵀ in the GEMM.
   void ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t K, int64_t N,

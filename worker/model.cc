@@ -23,6 +23,7 @@ struct LlamaModel::BlockActs {
   // bf16 copies kept instead of the f32 ones above: q, k, v (after RoPE) and att when attention
   // is BF16 (exactly the values its backward uses); gate and up in FP8 blocks.
   DevBuf q16, k16, v16, att16, gate16, up16;
+  DevBuf gu16;  // (N, 2F) [gate | up] bf16: the fused gate/up GEMM's output (MlpFused)
   LinearSaved sq, sk, sv, so, sgate, sup, sdown;
 };
 
@@ -108,6 +109,12 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
   v1::Precision hp = spec.precision().lm_head();
   if (hp == v1::PRECISION_UNSPECIFIED) hp = v1::PRECISION_BF16;
   lhead_ = make_linear(hp, head_, "lm_head.weight");
+}
+
+bool LlamaModel::MlpFused(const Block& b) const {
+  return b.fused_mlp && !b.lgate.DyNeedsAmaxFirst() && !b.lup.DyNeedsAmaxFirst() &&
+         !b.ldown.XNeedsAmaxFirst() && b.lgate.dy_format() == b.lup.dy_format() &&
+         scaling_->SameScale(b.lgate.dy_index(), b.lup.dy_index());
 }
 
 WeightView LlamaModel::View(const TensorRef& t) const {
@@ -308,16 +315,33 @@ absl::Status LlamaModel::BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs*
   a->rstd2 = DevBuf(be_, N * 4);
   std::shared_ptr<Fp8Input> in2 = b.lgate.NormCastInput(a->h.f32(), p_->W(b.post_norm), eps_, N,
                                                         C_, a->rstd2.f32(), {&b.lup});
-  a->gate16 = DevBuf(be_, N * F_ * 2);
-  a->up16 = DevBuf(be_, N * F_ * 2);
-  b.lgate.ForwardFp8(in2, N, C_, F_, View(b.gate), nullptr, a->gate16.u16(),
-                     train ? &a->sgate : nullptr);
-  b.lup.ForwardFp8(in2, N, C_, F_, View(b.up), nullptr, a->up16.u16(), train ? &a->sup : nullptr);
+  const uint16_t *gate16, *up16;
+  int64_t gu_ld;
+  if (MlpFused(b)) {  // one GEMM: [gate | up] (N, 2F) = n2 · [Wgate ; Wup]ᵀ (adjacent weights)
+    a->gu16 = DevBuf(be_, N * 2 * F_ * 2);
+    b.lgate.ForwardFp8(in2, N, C_, 2 * F_, View(b.gate), nullptr, a->gu16.u16(),
+                       train ? &a->sgate : nullptr);
+    if (train) a->sup = a->sgate;
+    gate16 = a->gu16.u16();
+    up16 = gate16 + F_;
+    gu_ld = 2 * F_;
+  } else {
+    a->gate16 = DevBuf(be_, N * F_ * 2);
+    a->up16 = DevBuf(be_, N * F_ * 2);
+    b.lgate.ForwardFp8(in2, N, C_, F_, View(b.gate), nullptr, a->gate16.u16(),
+                       train ? &a->sgate : nullptr);
+    b.lup.ForwardFp8(in2, N, C_, F_, View(b.up), nullptr, a->up16.u16(),
+                     train ? &a->sup : nullptr);
+    gate16 = a->gate16.u16();
+    up16 = a->up16.u16();
+    gu_ld = F_;
+  }
   in2.reset();
-  std::shared_ptr<Fp8Input> in_act = b.ldown.CastSwiglu(a->gate16.u16(), a->up16.u16(), N, F_);
+  std::shared_ptr<Fp8Input> in_act = b.ldown.CastSwiglu(gate16, up16, N, F_, gu_ld);
   if (!train) {
     a->gate16.Reset();
     a->up16.Reset();
+    a->gu16.Reset();
   }
   DevBuf out(be_, N * C_ * 4);  // h + down(act), the residual added in the GEMM
   b.ldown.ForwardFp8(in_act, N, F_, C_, View(b.down), out.f32(), nullptr,
@@ -341,17 +365,23 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
   DevBuf dn2g(be_, N * C_ * 2), dn2u;
   const bool mlp_cast = !b.lgate.DyNeedsAmaxFirst() && !b.lup.DyNeedsAmaxFirst() &&
                         b.lgate.dy_format() == b.lup.dy_format();
-  if (mlp_cast && b.fused_mlp && scaling_->SameScale(b.lgate.dy_index(), b.lup.dy_index())) {
+  const bool mlp_fused = MlpFused(b);
+  WORKER_CHECK(mlp_fused || a->gu16.empty()) << "block " << l << ": fused gate/up forward, unfused backward";
+  if (mlp_fused) {
     // [dgate | dup] (N, 2F) codes side by side and [dgateᵀ ; dupᵀ] (2F, N) stacked: the A operands
     // of the fused dX (N, C) = [dgate | dup] · [Wgate ; Wup] and dW (2F, C) = [dgateᵀ ; dupᵀ] · n2.
     DevBuf d8(be_, N * 2 * F_), dT8(be_, N * 2 * F_);
-    be_->SwigluBackwardCastTransposeFp8(dact16.u16(), a->gate16.u16(), a->up16.u16(), N, F_,
-                                        b.lgate.DyScale(), b.lup.DyScale(), b.lgate.dy_format(),
-                                        d8.u8(), dT8.u8(), d8.u8() + F_, dT8.u8() + N * F_,
-                                        b.lgate.DyAmaxOut(), b.lup.DyAmaxOut(), 2 * F_);
+    const bool gu = !a->gu16.empty();  // [gate | up] from the fused forward GEMM
+    const uint16_t* gate16 = gu ? a->gu16.u16() : a->gate16.u16();
+    const uint16_t* up16 = gu ? a->gu16.u16() + F_ : a->up16.u16();
+    be_->SwigluBackwardCastTransposeFp8(dact16.u16(), gate16, up16, N, F_, b.lgate.DyScale(),
+                                        b.lup.DyScale(), b.lgate.dy_format(), d8.u8(), dT8.u8(),
+                                        d8.u8() + F_, dT8.u8() + N * F_, b.lgate.DyAmaxOut(),
+                                        b.lup.DyAmaxOut(), 2 * F_, gu ? 2 * F_ : F_);
     dact16.Reset();
     a->gate16.Reset();
     a->up16.Reset();
+    a->gu16.Reset();
     b.lgate.BackwardFp8(std::move(d8), std::move(dT8), N, C_, 2 * F_, View(b.gate), a->sgate,
                         nullptr, false, p_->G(b.gate), dn2g.u16());
   } else if (mlp_cast) {
@@ -362,7 +392,7 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
     be_->SwigluBackwardCastTransposeFp8(dact16.u16(), a->gate16.u16(), a->up16.u16(), N, F_,
                                         b.lgate.DyScale(), b.lup.DyScale(), b.lgate.dy_format(),
                                         dg8.u8(), dgT8.u8(), du8.u8(), duT8.u8(),
-                                        b.lgate.DyAmaxOut(), b.lup.DyAmaxOut(), F_);
+                                        b.lgate.DyAmaxOut(), b.lup.DyAmaxOut(), F_, F_);
     dact16.Reset();
     a->gate16.Reset();
     a->up16.Reset();
@@ -516,7 +546,8 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
   auto unit_of = [&](int l) { return l < L ? blocks_[l].q.unit : head_unit_; };
   // Embedding.
   if (absl::Status s = p_->Gather(embedding_unit_); !s.ok()) return s;
-  // The next unit's all-gather runs while this one computes (prefetch one unit ahead).
+  // The next unit's all-gather runs while this one computes (prefetch one unit ahead; two ahead
+  // measured slower at 1b).
   if (absl::Status s = p_->Prefetch(unit_of(0)); !s.ok()) return s;
   DevBuf x(be_, N * C_ * 4);
   be_->EmbeddingForward(tokens, N, p_->W(embed_), C_, x.f32());

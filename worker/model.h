@@ -72,6 +72,11 @@ class LlamaModel {
   };
   struct BlockActs;
   WeightView View(const TensorRef& t) const;
+  // Whether block b's gate/up run fused this step (b.fused_mlp, and every scale involved known
+  // without measuring: delayed scaling with history, gate's and up's grad-output scales equal):
+  // one forward GEMM into [gate | up] and one dX and one dW GEMM in the backward. Constant within
+  // a step (the scales change only in UpdateScales), so forward, recompute and backward agree.
+  bool MlpFused(const Block& b) const;
   absl::Status BlockForward(int l, int64_t B, DevBuf* x, BlockActs* acts);
   void BlockBackward(int l, int64_t B, BlockActs* acts, DevBuf* dx);
   // The same for an FP8 block with BF16 attention (bf16 activations between its GEMMs).

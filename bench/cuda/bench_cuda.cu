@@ -724,7 +724,7 @@ int main(int argc, char** argv) {
     float* amax = f32(2);
     const float one[8] = {1, 0, 0, 0, 1, 0, 0, 0};
     be->CopyToDevice(sc, one, sizeof(one));
-    std::printf("\n(f) memory-bound backward passes of a 1b block (us, GB/s of bytes read + written)\n");
+    std::printf("\n(f) memory-bound passes of a 1b block, backward then forward (us, GB/s of bytes read + written)\n");
     auto row = [&](const char* name, double bytes, const std::function<void(int)>& fn) {
       const double ms = MedianMs(st, fn);
       std::printf("  %-44s %8.1f us %8.1f GB/s\n", name, 1e3 * ms, bytes / ms / 1e6);
@@ -745,7 +745,7 @@ int main(int argc, char** argv) {
     });
     row("SwigluBackwardCastTransposeFp8", 6 * mf + 4 * mf, [&](int) {
       be->SwigluBackwardCastTransposeFp8(dh, g, u, M, F, sc, sc + 4, fsdp8::Fp8Format::kE5M2, o1,
-                                         o2, o3, o4, amax, amax + 1, F);
+                                         o2, o3, o4, amax, amax + 1, F, F);
     });
     row("SwigluBackwardBf16To16 + 2 CastTransposeFp8Bf16", 10 * mf + 8 * mf, [&](int) {
       be->SwigluBackwardBf16To16(dh, g, u, M * F, dg16, du16);
@@ -762,6 +762,16 @@ int main(int argc, char** argv) {
     row("RopeBackwardBf16 + CastTransposeFp8Bf16 (q)", 4 * mc + 4 * mc, [&](int) {
       be->RopeBackwardBf16(pb, B, T, H, D, 10000.0f);
       be->CastTransposeFp8Bf16(pb, M, C, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, C);
+    });
+    // The forward's memory-bound passes of the same block, for comparison.
+    row("RmsNormCastFp8 (forward)", 4 * mc + mc, [&](int) {
+      be->RmsNormCastFp8(x, w, 1e-5f, M, C, rstd, sc, fsdp8::Fp8Format::kE4M3, o1, amax);
+    });
+    row("SwigluCastFp8 (forward)", 4 * mf + mf, [&](int) {
+      be->SwigluCastFp8(g, u, M, F, F, sc, fsdp8::Fp8Format::kE4M3, o1, amax);
+    });
+    row("RopeForwardBf16 (q, forward)", 4 * mc, [&](int) {
+      be->RopeForwardBf16(pa, B, T, H, D, 10000.0f);
     });
     for (void* p : bufs) be->Free(p);
   }

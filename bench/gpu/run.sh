@@ -8,11 +8,7 @@
 # Options (environment): BIN (fsdp8 binaries; default .dev/gpu, else build/bin), OUT_DIR (logs;
 # default runs/bench-<time>), PRESETS, SKIP_TORCH=1, SKIP_FSDP8=1, STEPS (timed steps, 12),
 # WARMUP (4), MODES (fsdp8 modes, "driven free"), TORCH_PRECISIONS ("bf16 fp8"),
-# SKIP_WARMUP_JOB=1 (no discarded first fsdp8 job), SAME_CUDNN=0 (see below).
-#
-# Attention runs on cuDNN on both sides. When the host's PyTorch carries its own cuDNN wheel
-# (nvidia-cudnn), fsdp8 loads that same library (prepended to LD_LIBRARY_PATH), so both sides run
-# the same attention kernels; SAME_CUDNN=0 keeps the system's cuDNN, FSDP8_CUDNN_DIR names another.
+# SKIP_WARMUP_JOB=1 (no discarded first fsdp8 job).
 #
 # For each preset it runs:
 #   * PyTorch FSDP2 BF16 and FP8 (bench/gpu/fsdp2_reference.py, torchrun, 2 processes);
@@ -34,13 +30,6 @@ if [ -z "${BIN:-}" ]; then
   if [ -x "$root/.dev/gpu/fsdp8-worker" ]; then BIN=$root/.dev/gpu; else BIN=$root/build/bin; fi
 fi
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-if [ "${SAME_CUDNN:-1}" = 1 ]; then
-  cudnn_dir=${FSDP8_CUDNN_DIR:-$(python3 -c 'import os, nvidia.cudnn as c; print(os.path.join(list(c.__path__)[0], "lib"))' 2>/dev/null)}
-  if [ -n "$cudnn_dir" ] && [ -e "$cudnn_dir/libcudnn.so.9" ]; then
-    export LD_LIBRARY_PATH=$cudnn_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    echo "fsdp8 loads cuDNN from $cudnn_dir (PyTorch's)"
-  fi
-fi
 results=$OUT_DIR/results.jsonl
 : > "$results"
 data=$OUT_DIR/data

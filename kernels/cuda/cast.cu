@@ -172,12 +172,13 @@ struct SwigluBackwardSource {
   const uint16_t* gate;
   const uint16_t* up;
   int64_t cols;
+  int64_t in_ld;  // row stride of gate and up (dh is dense)
   struct Raw {
     float4 d, g, u;
   };
   __device__ __forceinline__ Raw Load4(int64_t r, int64_t c) const {
-    const int64_t i = r * cols + c;
-    return {Load4F32(dh + i), Load4F32(gate + i), Load4F32(up + i)};
+    const int64_t i = r * cols + c, j = r * in_ld + c;
+    return {Load4F32(dh + i), Load4F32(gate + j), Load4F32(up + j)};
   }
   __device__ __forceinline__ static void One(float d, float g, float u, float* dg, float* du) {
     SwigluGradDev(d, g, u, dg, du);
@@ -191,8 +192,8 @@ struct SwigluBackwardSource {
     One(x.d.w, x.g.w, x.u.w, &v[0].w, &v[1].w);
   }
   __device__ __forceinline__ void Values1(int64_t r, int64_t c, float* v) const {
-    const int64_t i = r * cols + c;
-    One(LoadF32(dh + i), LoadF32(gate + i), LoadF32(up + i), &v[0], &v[1]);
+    const int64_t i = r * cols + c, j = r * in_ld + c;
+    One(LoadF32(dh + i), LoadF32(gate + j), LoadF32(up + j), &v[0], &v[1]);
   }
 };
 
@@ -517,13 +518,16 @@ void LaunchSwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* 
                                           const float* scale_gate, const float* scale_up,
                                           Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
                                           uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
-                                          float* amax_up, int64_t out_ld, cudaStream_t stream) {
+                                          float* amax_up, int64_t out_ld, int64_t in_ld,
+                                          cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
   for (const void* p : {static_cast<const void*>(dh16), static_cast<const void*>(gate16),
                         static_cast<const void*>(up16)}) {
     FSDP8_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(p) % 8 == 0, "SwigluBackwardCastTransposeFp8: input not aligned to 4 elements");
   }
-  CastTransposeImpl(SwigluBackwardSource{dh16, gate16, up16, cols}, rows, cols, fmt,
+  FSDP8_CUDA_REQUIRE(in_ld >= cols && (in_ld % 4 == 0 || cols % 4 != 0),
+                     "SwigluBackwardCastTransposeFp8: gate/up row stride below cols or not a multiple of 4");
+  CastTransposeImpl(SwigluBackwardSource{dh16, gate16, up16, cols, in_ld}, rows, cols, fmt,
                     CastOutputs<2>{{scale_gate, scale_up}, {dgate8, dup8}, {dgate8_t, dup8_t},
                                    {amax_gate, amax_up}, out_ld},
                     stream);

@@ -772,12 +772,12 @@ void CudaBackend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint
                                           dk16, dv16);
 }
 
-void CudaBackend::SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t n,
-                                const float* scale, Fp8Format fmt, uint8_t* out,
-                                float* amax_out) {
+void CudaBackend::SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
+                                int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
+                                uint8_t* out, float* amax_out) {
   cuda::OpScope op_scope(prof_.get(), "SwigluCastFp8");
   Bind();
-  cuda::LaunchSwigluCastFp8(gate16, up16, n, scale, fmt, out, amax_out, stream_);
+  cuda::LaunchSwigluCastFp8(gate16, up16, rows, cols, in_ld, scale, fmt, out, amax_out, stream_);
 }
 
 void CudaBackend::SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16,
@@ -793,12 +793,12 @@ void CudaBackend::SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uin
                                                  const float* scale_gate, const float* scale_up,
                                                  Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
                                                  uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
-                                                 float* amax_up, int64_t out_ld) {
+                                                 float* amax_up, int64_t out_ld, int64_t in_ld) {
   cuda::OpScope op_scope(prof_.get(), "SwigluBackwardCastTransposeFp8");
   Bind();
   cuda::LaunchSwigluBackwardCastTransposeFp8(dh16, gate16, up16, rows, cols, scale_gate, scale_up,
                                              fmt, dgate8, dgate8_t, dup8, dup8_t, amax_gate,
-                                             amax_up, out_ld, stream_);
+                                             amax_up, out_ld, in_ld, stream_);
 }
 
 // ---- optimizer -----------------------------------------------------------------------------------

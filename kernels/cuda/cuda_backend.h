@@ -190,8 +190,9 @@ class CudaBackend final : public Backend {
                                       const uint16_t* dout16, const float* lse, int64_t B,
                                       int64_t T, int64_t H, int64_t Hkv, int64_t D, uint16_t* dq16,
                                       uint16_t* dk16, uint16_t* dv16) override;
-  void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t n, const float* scale,
-                     Fp8Format fmt, uint8_t* out, float* amax_out) override;
+  void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows, int64_t cols,
+                     int64_t in_ld, const float* scale, Fp8Format fmt, uint8_t* out,
+                     float* amax_out) override;
   void SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16, const uint16_t* up16,
                               int64_t n, uint16_t* dgate16, uint16_t* dup16) override;
   void RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T, int64_t H,
@@ -203,7 +204,7 @@ class CudaBackend final : public Backend {
                                       const float* scale_gate, const float* scale_up, Fp8Format fmt,
                                       uint8_t* dgate8, uint8_t* dgate8_t, uint8_t* dup8,
                                       uint8_t* dup8_t, float* amax_gate, float* amax_up,
-                                      int64_t out_ld) override;
+                                      int64_t out_ld, int64_t in_ld) override;
   void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                       float* dgate, float* dup) override;
 

@@ -41,7 +41,8 @@ void LaunchSwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* 
                                           const float* scale_gate, const float* scale_up,
                                           Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
                                           uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
-                                          float* amax_up, int64_t out_ld, cudaStream_t stream);
+                                          float* amax_up, int64_t out_ld, int64_t in_ld,
+                                          cudaStream_t stream);
 // dx16 (B, T, H, D) bf16 rotated back as LaunchRopeApplyBf16(sign -1) would (not in place: dx16
 // is only read), then cast as LaunchCastTransposeFp8Bf16 of the (B * T, H * D) result. table as
 // LaunchRopeTable wrote it (16-byte aligned); D % 8 == 0, dx16 8-byte aligned.
@@ -122,9 +123,11 @@ void LaunchSwigluBackward(const float* dh, const float* gate, const float* up, i
 void LaunchSwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16, const uint16_t* up16,
                                   int64_t n, uint16_t* dgate16, uint16_t* dup16,
                                   cudaStream_t stream);
-// out (n) = fp8(silu(gate) * up * *scale) from bfloat16 gate, up: the f32 product exactly as
-// LaunchSwigluForward computes it; amax of the products into *amax_out when non-null.
-void LaunchSwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t n,
+// out (rows, cols) = fp8(silu(gate) * up * *scale) from bfloat16 gate, up (rows, cols) of row
+// stride in_ld: the f32 product exactly as LaunchSwigluForward computes it; amax of the products
+// into *amax_out when non-null.
+void LaunchSwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
+                         int64_t cols, int64_t in_ld,
                          const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out,
                          cudaStream_t stream);
 

@@ -290,6 +290,83 @@ RmsNormCastKernel(const float* __restrict__ x, const float* __restrict__ w, floa
   }
 }
 
+// RmsNormCastKernel with the row held in registers: kVec float4 of x per thread (C <= 4 * kVec *
+// kThreads, C % 4 == 0), so x is read from memory once (RmsNormCastKernel reads each row twice,
+// the second time through the cache), and kCastRows rows per block, whose amax is one atomic.
+// Each thread sums its 4 * kVec squares in order, then the block tree: r's rounding differs
+// from RowRstd's by a few ulps (within the CPU tolerance, like the other fused norm kernels).
+constexpr int kCastRows = 4;
+template <int kVec, bool kE5M2>
+__global__ void __launch_bounds__(kThreads)
+RmsNormCastRegsKernel(const float* __restrict__ x, const float* __restrict__ w, float eps,
+                      int64_t N, int64_t C, float* __restrict__ rstd,
+                      const float* __restrict__ scale, uint8_t* __restrict__ out,
+                      float* amax_out) {
+  __shared__ float red[kThreads / 32];
+  __shared__ int redi[kThreads / 32];
+  const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  float4 wv[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const int64_t c = 4 * (threadIdx.x + j * kThreads);
+    wv[j] = c < C ? *reinterpret_cast<const float4*>(w + c) : zero;
+  }
+  const float s = *scale;
+  int m = 0;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kCastRows;
+  const int64_t row1 = min(N, row0 + kCastRows);
+  for (int64_t row = row0; row < row1; ++row) {
+    const float* xr = x + row * C;
+    float4 xv[kVec];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int64_t c = 4 * (threadIdx.x + j * kThreads);
+      xv[j] = c < C ? *reinterpret_cast<const float4*>(xr + c) : zero;
+      ss += xv[j].x * xv[j].x;
+      ss += xv[j].y * xv[j].y;
+      ss += xv[j].z * xv[j].z;
+      ss += xv[j].w * xv[j].w;
+    }
+    ss = BlockSum<kThreads>(ss, red);
+    const float r = 1.0f / sqrtf(ss / static_cast<float>(C) + eps);
+    uint8_t* outr = out + row * C;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int64_t c = 4 * (threadIdx.x + j * kThreads);
+      if (c < C) {
+        const float y0 = xv[j].x * r * wv[j].x, y1 = xv[j].y * r * wv[j].y,
+                    y2 = xv[j].z * r * wv[j].z, y3 = xv[j].w * r * wv[j].w;
+        m = max(m, max(max(AbsBits(y0), AbsBits(y1)), max(AbsBits(y2), AbsBits(y3))));
+        *reinterpret_cast<uint32_t*>(outr + c) = Encode4Dev<kE5M2>(y0 * s, y1 * s, y2 * s, y3 * s);
+      }
+    }
+    if (threadIdx.x == 0) rstd[row] = r;
+  }
+  if (amax_out != nullptr) {
+    m = BlockMaxInt<kThreads>(m, redi);
+    if (threadIdx.x == 0) AtomicMaxAbsBits(amax_out, m);
+  }
+}
+
+template <bool kE5M2>
+bool LaunchRmsNormCastRegs(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                           float* rstd, const float* scale, uint8_t* out, float* amax_out,
+                           cudaStream_t stream) {
+  const unsigned blocks = static_cast<unsigned>(CeilDiv(N, kCastRows));
+  if (C <= 4 * kThreads) {
+    RmsNormCastRegsKernel<1, kE5M2><<<blocks, kThreads, 0, stream>>>(x, w, eps, N, C, rstd, scale, out, amax_out);
+  } else if (C <= 8 * kThreads) {
+    RmsNormCastRegsKernel<2, kE5M2><<<blocks, kThreads, 0, stream>>>(x, w, eps, N, C, rstd, scale, out, amax_out);
+  } else if (C <= 16 * kThreads) {
+    RmsNormCastRegsKernel<4, kE5M2><<<blocks, kThreads, 0, stream>>>(x, w, eps, N, C, rstd, scale, out, amax_out);
+  } else {
+    return false;
+  }
+  FSDP8_CUDA_LAUNCH_CHECK();
+  return true;
+}
+
 // dw (C) += sum over chunks in a fixed order.
 // dw (C) += sum over chunks of partials (chunks, C). Block: 32 columns x 8 lanes; lane j adds
 // chunks j, j + 8, ... in order, then lane 0 adds the 8 lane sums in lane order (a fixed order,
@@ -334,6 +411,11 @@ void LaunchRmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, 
   const bool vec = C % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(out) % 4 == 0;
+  if (vec && (fmt == Fp8Format::kE5M2
+                  ? LaunchRmsNormCastRegs<true>(x, w, eps, N, C, rstd, scale, out, amax_out, stream)
+                  : LaunchRmsNormCastRegs<false>(x, w, eps, N, C, rstd, scale, out, amax_out, stream))) {
+    return;
+  }
   if (fmt == Fp8Format::kE5M2) {
     RmsNormCastKernel<true><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(x, w, eps, C, rstd, scale, out, amax_out, vec);
   } else {

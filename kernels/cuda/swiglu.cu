@@ -84,6 +84,36 @@ __global__ void SwigluCastKernel(const uint16_t* __restrict__ gate, const uint16
   }
 }
 
+// SwigluCastKernel over a (rows, cols) matrix whose gate and up rows are in_ld apart (the two
+// halves of one fused GEMM output): 4 columns per item, cols % 4 == 0, in_ld % 4 == 0.
+template <bool kE5M2>
+__global__ void SwigluCastRowsKernel(const uint16_t* __restrict__ gate,
+                                     const uint16_t* __restrict__ up, int64_t rows, int64_t cols,
+                                     int64_t in_ld, const float* __restrict__ scale,
+                                     uint8_t* __restrict__ out, float* amax_out) {
+  __shared__ int red[kEltThreads / 32];
+  const float sc = *scale;
+  int m = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t c4 = cols / 4, n4 = rows * c4;
+  for (int64_t i = tid; i < n4; i += stride) {
+    const int64_t r = i / c4, c = 4 * (i - r * c4);
+    const float4 g = Load4F32(gate + r * in_ld + c), u = Load4F32(up + r * in_ld + c);
+    auto h_of = [](float gv, float uv) {
+      const float sig = 1.0f / (1.0f + expf(-gv));
+      return gv * sig * uv;
+    };
+    const float y0 = h_of(g.x, u.x), y1 = h_of(g.y, u.y), y2 = h_of(g.z, u.z), y3 = h_of(g.w, u.w);
+    m = max(m, max(max(AbsBits(y0), AbsBits(y1)), max(AbsBits(y2), AbsBits(y3))));
+    *reinterpret_cast<uint32_t*>(out + r * cols + c) = Encode4Dev<kE5M2>(y0 * sc, y1 * sc, y2 * sc, y3 * sc);
+  }
+  if (amax_out != nullptr) {
+    m = BlockMaxInt<kEltThreads>(m, red);
+    if (threadIdx.x == 0) AtomicMaxAbsBits(amax_out, m);
+  }
+}
+
 }  // namespace
 
 void LaunchSwigluForward(const float* gate, const float* up, int64_t n, float* h, cudaStream_t stream) {
@@ -122,10 +152,27 @@ void LaunchSwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16, 
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
-void LaunchSwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t n,
-                         const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out,
-                         cudaStream_t stream) {
-  if (n <= 0) return;
+void LaunchSwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
+                         int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
+                         uint8_t* out, float* amax_out, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
+  FSDP8_CUDA_REQUIRE(in_ld >= cols, "SwigluCastFp8: row stride below cols");
+  if (in_ld != cols) {
+    FSDP8_CUDA_REQUIRE(cols % 4 == 0 && in_ld % 4 == 0 &&
+                           reinterpret_cast<uintptr_t>(gate16) % 8 == 0 &&
+                           reinterpret_cast<uintptr_t>(up16) % 8 == 0 &&
+                           reinterpret_cast<uintptr_t>(out) % 4 == 0,
+                       "SwigluCastFp8: strided rows need cols % 4, in_ld % 4 and aligned pointers");
+    const int blocks = EltBlocks(rows * (cols / 4), 8192);
+    if (fmt == Fp8Format::kE5M2) {
+      SwigluCastRowsKernel<true><<<blocks, kEltThreads, 0, stream>>>(gate16, up16, rows, cols, in_ld, scale, out, amax_out);
+    } else {
+      SwigluCastRowsKernel<false><<<blocks, kEltThreads, 0, stream>>>(gate16, up16, rows, cols, in_ld, scale, out, amax_out);
+    }
+    FSDP8_CUDA_LAUNCH_CHECK();
+    return;
+  }
+  const int64_t n = rows * cols;
   const bool vec = reinterpret_cast<uintptr_t>(gate16) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(up16) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(out) % 4 == 0;
