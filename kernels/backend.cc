@@ -156,6 +156,37 @@ void Backend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8
   Free(c);
 }
 
+namespace {
+// Unpacks the (rows, cols) bf16 matrix x16 of row stride ld into dense f32 x.
+void UnpackRows(Backend* be, const uint16_t* x16, int64_t rows, int64_t cols, int64_t ld,
+                float* x) {
+  if (ld < cols) {
+    fprintf(stderr, "row stride %lld < cols %lld\n", static_cast<long long>(ld),
+            static_cast<long long>(cols));
+    abort();
+  }
+  if (ld == cols) {
+    be->UnpackBf16(x16, x, rows * cols);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) be->UnpackBf16(x16 + r * ld, x + r * cols, cols);
+}
+
+// Dense bf16 copy (rows, cols) of x16 (row stride ld); nullptr when ld == cols (use x16).
+uint16_t* DenseRows16(Backend* be, const uint16_t* x16, int64_t rows, int64_t cols, int64_t ld) {
+  if (ld == cols) return nullptr;
+  if (ld < cols) {
+    fprintf(stderr, "row stride %lld < cols %lld\n", static_cast<long long>(ld),
+            static_cast<long long>(cols));
+    abort();
+  }
+  uint16_t* d = static_cast<uint16_t*>(be->Alloc(static_cast<size_t>(rows * cols + 1) * 2));
+  if (d == nullptr) abort();
+  for (int64_t r = 0; r < rows; ++r) be->Copy(d + r * cols, x16 + r * ld, cols * sizeof(uint16_t));
+  return d;
+}
+}  // namespace
+
 void Backend::CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, const float* scale,
                             Fp8Format fmt, float* amax_out) {
   float* x = F32Scratch(this, n);
@@ -221,8 +252,15 @@ void RopeBf16(Backend* be, uint16_t* x16, int64_t B, int64_t T, int64_t H, int64
 }  // namespace
 
 void Backend::RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
-                              float theta) {
-  RopeBf16(this, x16, B, T, H, D, theta, /*backward=*/false);
+                              float theta, int64_t ld) {
+  if (ld == H * D) {
+    RopeBf16(this, x16, B, T, H, D, theta, /*backward=*/false);
+    return;
+  }
+  uint16_t* d = DenseRows16(this, x16, B * T, H * D, ld);
+  RopeBf16(this, d, B, T, H, D, theta, /*backward=*/false);
+  for (int64_t r = 0; r < B * T; ++r) Copy(x16 + r * ld, d + r * H * D, H * D * sizeof(uint16_t));
+  Free(d);
 }
 
 void Backend::RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D,
@@ -244,13 +282,14 @@ void Backend::RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, 
 
 void Backend::AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16,
                                          const uint16_t* v16, int64_t B, int64_t T, int64_t H,
-                                         int64_t Hkv, int64_t D, uint16_t* out16, float* lse) {
+                                         int64_t Hkv, int64_t D, uint16_t* out16, float* lse,
+                                         int64_t q_ld, int64_t kv_ld) {
   const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
   float* buf = F32Scratch(this, 2 * nq + 2 * nk);
   float *q = buf, *o = q + nq, *k = o + nq, *v = k + nk;
-  UnpackBf16(q16, q, nq);
-  UnpackBf16(k16, k, nk);
-  UnpackBf16(v16, v, nk);
+  UnpackRows(this, q16, B * T, H * D, q_ld, q);
+  UnpackRows(this, k16, B * T, Hkv * D, kv_ld, k);
+  UnpackRows(this, v16, B * T, Hkv * D, kv_ld, v);
   AttentionForwardBf16(q, k, v, B, T, H, Hkv, D, o, lse);
   PackBf16(o, out16, nq);
   Free(buf);
@@ -260,7 +299,19 @@ void Backend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t
                                              const uint16_t* v16, const uint16_t* out16,
                                              const uint16_t* dout16, const float* lse, int64_t B,
                                              int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                             uint16_t* dq16, uint16_t* dk16, uint16_t* dv16) {
+                                             uint16_t* dq16, uint16_t* dk16, uint16_t* dv16,
+                                             int64_t q_ld, int64_t kv_ld) {
+  uint16_t* qd = DenseRows16(this, q16, B * T, H * D, q_ld);
+  uint16_t* kd = DenseRows16(this, k16, B * T, Hkv * D, kv_ld);
+  uint16_t* vd = DenseRows16(this, v16, B * T, Hkv * D, kv_ld);
+  if (qd != nullptr || kd != nullptr || vd != nullptr) {
+    AttentionBackwardBf16SavedTo16(qd ? qd : q16, kd ? kd : k16, vd ? vd : v16, out16, dout16, lse,
+                                   B, T, H, Hkv, D, dq16, dk16, dv16, H * D, Hkv * D);
+    for (uint16_t* p : {qd, kd, vd}) {
+      if (p != nullptr) Free(p);
+    }
+    return;
+  }
   const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
   float* buf = F32Scratch(this, 2 * nq + 2 * nk);
   float *dq = buf, *dk = dq + nq, *dv = dk + nk, *dout = dv + nk;
@@ -272,22 +323,6 @@ void Backend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t
   Free(buf);
 }
 
-namespace {
-// Unpacks the (rows, cols) bf16 matrix x16 of row stride ld into dense f32 x.
-void UnpackRows(Backend* be, const uint16_t* x16, int64_t rows, int64_t cols, int64_t ld,
-                float* x) {
-  if (ld < cols) {
-    fprintf(stderr, "row stride %lld < cols %lld\n", static_cast<long long>(ld),
-            static_cast<long long>(cols));
-    abort();
-  }
-  if (ld == cols) {
-    be->UnpackBf16(x16, x, rows * cols);
-    return;
-  }
-  for (int64_t r = 0; r < rows; ++r) be->UnpackBf16(x16 + r * ld, x + r * cols, cols);
-}
-}  // namespace
 
 void Backend::SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
                             int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,

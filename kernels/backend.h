@@ -263,8 +263,10 @@ class Backend {
                                     const float* scale, Fp8Format fmt, uint8_t* out,
                                     uint8_t* out_t, float* amax_out, int64_t out_ld);
   // RopeForward / RopeBackward in place on bf16 x16 (B, T, H, D): each result rounded to bf16.
+  // The forward's tokens are ld >= H * D elements apart (H * D when dense; the q or k part of the
+  // fused q/k/v GEMM's (B * T, (H + 2 Hkv) * D) output); elements between them are left alone.
   virtual void RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
-                               float theta);
+                               float theta, int64_t ld);
   virtual void RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D,
                                 float theta);
   // RopeBackwardBf16 fused with the FP8 cast-transpose of its result (a q or k grad-output),
@@ -277,21 +279,27 @@ class Backend {
                                                 const float* scale, Fp8Format fmt, uint8_t* out,
                                                 uint8_t* out_t, float* amax_out, int64_t out_ld);
   // AttentionForwardBf16 on bf16 operands, its (bf16-rounded) output returned as bf16:
-  // q16, out16 (B, T, H, D); k16, v16 (B, T, Hkv, D); lse (B, H, T) f32.
+  // q16, out16 (B, T, H, D); k16, v16 (B, T, Hkv, D); lse (B, H, T) f32. The tokens of q16 are
+  // q_ld >= H * D elements apart, those of k16 and v16 kv_ld >= Hkv * D (dense: H * D and
+  // Hkv * D; q, k and v as parts of one fused q/k/v GEMM output: (H + 2 Hkv) * D for all three).
   virtual void AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16,
                                           const uint16_t* v16, int64_t B, int64_t T, int64_t H,
-                                          int64_t Hkv, int64_t D, uint16_t* out16, float* lse);
+                                          int64_t Hkv, int64_t D, uint16_t* out16, float* lse,
+                                          int64_t q_ld, int64_t kv_ld);
   // AttentionBackwardBf16Saved with dout given as bf16 (dout16 (B, T, H, D)) and dq, dk, dv
-  // (bf16-rounded there) returned as bf16.
+  // (bf16-rounded there) returned as bf16, dense; q16, k16, v16 with token strides q_ld, kv_ld
+  // as in AttentionForwardBf16Packed.
   virtual void AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
                                               const uint16_t* v16, const uint16_t* out16,
                                               const uint16_t* dout16, const float* lse, int64_t B,
                                               int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                              uint16_t* dq16, uint16_t* dk16, uint16_t* dv16);
+                                              uint16_t* dq16, uint16_t* dk16, uint16_t* dv16,
+                                              int64_t q_ld, int64_t kv_ld);
   // out (rows, cols) = fp8(silu(gate) * up * (*scale)): SwigluForward of the unpacked gate16, up16,
   // then CastToFp8 (amax of the f32 products into *amax_out as there). gate16 and up16 are
   // (rows, cols) with row stride in_ld >= cols (in_ld = 2 * cols, up16 = gate16 + cols: both
-  // halves of one fused gate/up GEMM output); out is dense.
+  // halves of one fused gate/up GEMM output); out is dense. CUDA reads strided rows 4 elements at
+  // a time: cols % 4 == 0, in_ld % 4 == 0 and 8-byte aligned gate16, up16 (aborts otherwise).
   virtual void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
                              int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
                              uint8_t* out, float* amax_out);

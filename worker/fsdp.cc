@@ -340,7 +340,11 @@ absl::Status FsdpParams::CastWeights() {
   // The scales on the device (ComputeScale's rule, margin 0): no host round trip between AdamW
   // and the casts. wscale_ follows when read (weight_scaling()), with each tensor's own amax.
   be_->Copy(w_amax_cast_.get(), w_amax_.get(), nf * sizeof(float));
-  if (w_grouped_) {  // a scale group's members take its maximum amax, hence one scale
+  // A scale group's members take its maximum amax, hence one scale. Should that maximum be
+  // unusable, each member keeps its previous scale, which may then differ (scales restored from a
+  // run without the group): harmless, as amax 0 means all-zero codes and a non-finite weight has
+  // broken training already.
+  if (w_grouped_) {
     be_->GroupMax(w_amax_cast_.f32(), w_group_dev_.i32(), static_cast<int64_t>(nf),
                   w_amax_.f32());
   }

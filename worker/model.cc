@@ -24,6 +24,9 @@ struct LlamaModel::BlockActs {
   // is BF16 (exactly the values its backward uses); gate and up in FP8 blocks.
   DevBuf q16, k16, v16, att16, gate16, up16;
   DevBuf gu16;  // (N, 2F) [gate | up] bf16: the fused gate/up GEMM's output (MlpFused)
+  // (N, (H + 2 Hkv) D) [q | k | v] bf16, q and k after RoPE: the fused q/k/v GEMM's output
+  // (Block::fused_qkv), kept instead of q16, k16, v16.
+  DevBuf qkv16;
   LinearSaved sq, sk, sv, so, sgate, sup, sdown;
 };
 
@@ -78,7 +81,12 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
     lin(&b.gate, &b.lgate, "mlp.gate_proj.weight");
     lin(&b.up, &b.lup, "mlp.up_proj.weight");
     lin(&b.down, &b.ldown, "mlp.down_proj.weight");
-    if (b.prec == v1::PRECISION_FP8 && spec.precision().fp8().fused_projections()) {
+    // Fused projections where they run: FP8 blocks with BF16 attention (BlockForwardFp8 /
+    // BlockBackwardFp8) under delayed scaling (the CURRENT recipe measures every grad-output
+    // first, so its backward never fuses).
+    if (b.prec == v1::PRECISION_FP8 && attention_bf16_ &&
+        spec.precision().fp8().fused_projections() &&
+        spec.precision().fp8().recipe() != v1::SCALING_RECIPE_CURRENT) {
       // One fused projection per norm output: shared weight scale, shared grad-output scale.
       auto adjacent = [](std::initializer_list<const TensorRef*> ts) {
         const TensorRef* prev = nullptr;
@@ -91,18 +99,26 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
         }
         return true;
       };
-      for (const absl::Status& st : {p_->SetWeightScaleGroup({b.q, b.k, b.v}),
-                                     p_->SetWeightScaleGroup({b.gate, b.up})}) {
+      // Adjacent weights (one matrix), and the widths the CUDA kernels' 4-element accesses need
+      // at the parts' offsets (RoPE's fused cast wants D % 8 anyway).
+      const bool qkv = adjacent({&b.q, &b.k, &b.v}) && D_ % 8 == 0;
+      const bool mlp = adjacent({&b.gate, &b.up}) && F_ % 4 == 0;
+      if (qkv) {
+        const absl::Status st = p_->SetWeightScaleGroup({b.q, b.k, b.v});
         WORKER_CHECK(st.ok()) << st.message();
+        scaling->GroupAmax({b.lq.dy_index(), b.lk.dy_index(), b.lv.dy_index()});
       }
-      scaling->GroupAmax({b.lq.dy_index(), b.lk.dy_index(), b.lv.dy_index()});
-      scaling->GroupAmax({b.lgate.dy_index(), b.lup.dy_index()});
+      if (mlp) {
+        const absl::Status st = p_->SetWeightScaleGroup({b.gate, b.up});
+        WORKER_CHECK(st.ok()) << st.message();
+        scaling->GroupAmax({b.lgate.dy_index(), b.lup.dy_index()});
+      }
       // FSDP8_UNFUSED_PROJECTIONS=1 keeps the shared scales but runs one GEMM per linear: the
       // per-linear reference that tests hold the fused GEMMs to.
       const char* unfused = std::getenv("FSDP8_UNFUSED_PROJECTIONS");
       const bool fuse = unfused == nullptr || std::string(unfused) != "1";
-      b.fused_qkv = fuse && adjacent({&b.q, &b.k, &b.v});
-      b.fused_mlp = fuse && adjacent({&b.gate, &b.up});
+      b.fused_qkv = fuse && qkv;
+      b.fused_mlp = fuse && mlp;
     }
     blocks_.push_back(std::move(b));
   }
@@ -287,25 +303,45 @@ absl::Status LlamaModel::BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs*
   a->rstd1 = DevBuf(be_, N * 4);
   std::shared_ptr<Fp8Input> in1 = b.lq.NormCastInput(a->x_in.f32(), p_->W(b.in_norm), eps_, N, C_,
                                                      a->rstd1.f32(), {&b.lk, &b.lv});
-  a->q16 = DevBuf(be_, N * H_ * D_ * 2);
-  a->k16 = DevBuf(be_, N * Hkv_ * D_ * 2);
-  a->v16 = DevBuf(be_, N * Hkv_ * D_ * 2);
-  b.lq.ForwardFp8(in1, N, C_, H_ * D_, View(b.q), nullptr, a->q16.u16(), train ? &a->sq : nullptr);
-  b.lk.ForwardFp8(in1, N, C_, Hkv_ * D_, View(b.k), nullptr, a->k16.u16(),
-                  train ? &a->sk : nullptr);
-  b.lv.ForwardFp8(in1, N, C_, Hkv_ * D_, View(b.v), nullptr, a->v16.u16(),
-                  train ? &a->sv : nullptr);
+  const int64_t nq = H_ * D_, nk = Hkv_ * D_;
+  const uint16_t *q16, *k16, *v16;
+  int64_t q_ld, kv_ld;
+  if (b.fused_qkv) {  // one GEMM: [q | k | v] (N, nq + 2 nk) = n1 · [Wq ; Wk ; Wv]ᵀ
+    q_ld = kv_ld = nq + 2 * nk;
+    a->qkv16 = DevBuf(be_, N * q_ld * 2);
+    b.lq.ForwardFp8(in1, N, C_, q_ld, View(b.q), nullptr, a->qkv16.u16(),
+                    train ? &a->sq : nullptr);
+    if (train) a->sk = a->sv = a->sq;
+    be_->RopeForwardBf16(a->qkv16.u16(), B, T_, H_, D_, theta_, q_ld);
+    be_->RopeForwardBf16(a->qkv16.u16() + nq, B, T_, Hkv_, D_, theta_, kv_ld);
+    q16 = a->qkv16.u16();
+    k16 = q16 + nq;
+    v16 = q16 + nq + nk;
+  } else {
+    q_ld = nq;
+    kv_ld = nk;
+    a->q16 = DevBuf(be_, N * nq * 2);
+    a->k16 = DevBuf(be_, N * nk * 2);
+    a->v16 = DevBuf(be_, N * nk * 2);
+    b.lq.ForwardFp8(in1, N, C_, nq, View(b.q), nullptr, a->q16.u16(), train ? &a->sq : nullptr);
+    b.lk.ForwardFp8(in1, N, C_, nk, View(b.k), nullptr, a->k16.u16(), train ? &a->sk : nullptr);
+    b.lv.ForwardFp8(in1, N, C_, nk, View(b.v), nullptr, a->v16.u16(), train ? &a->sv : nullptr);
+    be_->RopeForwardBf16(a->q16.u16(), B, T_, H_, D_, theta_, nq);
+    be_->RopeForwardBf16(a->k16.u16(), B, T_, Hkv_, D_, theta_, nk);
+    q16 = a->q16.u16();
+    k16 = a->k16.u16();
+    v16 = a->v16.u16();
+  }
   in1.reset();
-  be_->RopeForwardBf16(a->q16.u16(), B, T_, H_, D_, theta_);
-  be_->RopeForwardBf16(a->k16.u16(), B, T_, Hkv_, D_, theta_);
   a->att16 = DevBuf(be_, N * C_ * 2);
   a->lse = DevBuf(be_, B * H_ * T_ * 4);
-  be_->AttentionForwardBf16Packed(a->q16.u16(), a->k16.u16(), a->v16.u16(), B, T_, H_, Hkv_, D_,
-                                  a->att16.u16(), a->lse.f32());
+  be_->AttentionForwardBf16Packed(q16, k16, v16, B, T_, H_, Hkv_, D_, a->att16.u16(),
+                                  a->lse.f32(), q_ld, kv_ld);
   if (!train) {
     a->q16.Reset();
     a->k16.Reset();
     a->v16.Reset();
+    a->qkv16.Reset();
   }
   // h = x + o_proj(att), the residual added in the GEMM.
   a->h = DevBuf(be_, N * C_ * 4);
@@ -384,6 +420,7 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
     a->gu16.Reset();
     b.lgate.BackwardFp8(std::move(d8), std::move(dT8), N, C_, 2 * F_, View(b.gate), a->sgate,
                         nullptr, false, p_->G(b.gate), dn2g.u16());
+    ++fused_backward_runs_;
   } else if (mlp_cast) {
     dn2u = DevBuf(be_, N * C_ * 2);
     // dgate and dup go straight from the SwiGLU gradient to their FP8 codes and transposes: no
@@ -430,13 +467,22 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
     b.lo.Backward(dh.f32(), nullptr, N, C_, C_, View(b.o), a->so, nullptr, false, p_->G(b.o),
                   datt16.u16());
     a->so = LinearSaved();
-    be_->AttentionBackwardBf16SavedTo16(a->q16.u16(), a->k16.u16(), a->v16.u16(), a->att16.u16(),
-                                        datt16.u16(), a->lse.f32(), B, T_, H_, Hkv_, D_,
-                                        dq16.u16(), dk16.u16(), dv16.u16());
+    const int64_t nq = H_ * D_, nk = Hkv_ * D_;
+    if (!a->qkv16.empty()) {  // [q | k | v] from the fused forward GEMM
+      const uint16_t* p = a->qkv16.u16();
+      be_->AttentionBackwardBf16SavedTo16(p, p + nq, p + nq + nk, a->att16.u16(), datt16.u16(),
+                                          a->lse.f32(), B, T_, H_, Hkv_, D_, dq16.u16(),
+                                          dk16.u16(), dv16.u16(), nq + 2 * nk, nq + 2 * nk);
+    } else {
+      be_->AttentionBackwardBf16SavedTo16(a->q16.u16(), a->k16.u16(), a->v16.u16(),
+                                          a->att16.u16(), datt16.u16(), a->lse.f32(), B, T_, H_,
+                                          Hkv_, D_, dq16.u16(), dk16.u16(), dv16.u16(), nq, nk);
+    }
   }
   a->q16.Reset();
   a->k16.Reset();
   a->v16.Reset();
+  a->qkv16.Reset();
   a->att16.Reset();
   // dn1 = dq · Wq + dk · Wk + dv · Wv: one fused GEMM, or three bf16 parts (as dn2 above).
   DevBuf dn1q(be_, N * C_ * 2), dn1k, dn1v;
@@ -461,6 +507,7 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
     dv16.Reset();
     b.lq.BackwardFp8(std::move(d8), std::move(dT8), N, C_, nt, View(b.q), a->sq, nullptr, false,
                      p_->G(b.q), dn1q.u16());
+    ++fused_backward_runs_;
     a->sq = a->sk = a->sv = LinearSaved();
     DevBuf dx(be_, N * C_ * 4);
     be_->RmsNormBackwardAddBf16Parts(dn1q.u16(), nullptr, nullptr, a->x_in.f32(),

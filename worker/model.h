@@ -43,17 +43,18 @@ class LlamaModel {
   // last CastWeights of the step; the next Run takes them over (FsdpParams::Prefetch).
   absl::Status PrefetchFirstUnits();
 
-  // Peak device bytes of the forward (embedding through the loss) and of the backward, the
-  // maximum over the Run calls since the last call (which resets them). Run resets the backend's
-  // peak counter at the phase boundary.
-  // How many fused projections (q/k/v or gate/up groups, Fp8Recipe.fused_projections) run one
-  // dX and one dW GEMM in the backward.
+  // How many projection groups (q/k/v or gate/up of a block, Fp8Recipe.fused_projections) run
+  // fused; and how many fused backward passes (one dX and one dW GEMM for a group) ran so far.
   int fused_projections() const {
     int n = 0;
     for (const Block& b : blocks_) n += b.fused_qkv + b.fused_mlp;
     return n;
   }
+  int64_t fused_backward_runs() const { return fused_backward_runs_; }
 
+  // Peak device bytes of the forward (embedding through the loss) and of the backward, the
+  // maximum over the Run calls since the last call (which resets them). Run resets the backend's
+  // peak counter at the phase boundary.
   std::pair<int64_t, int64_t> TakePhasePeaks() {
     auto r = std::make_pair(forward_peak_, backward_peak_);
     forward_peak_ = backward_peak_ = 0;
@@ -66,8 +67,9 @@ class LlamaModel {
     TensorRef in_norm, post_norm, q, k, v, o, gate, up, down;
     Linear lq, lk, lv, lo, lgate, lup, ldown;
     // Fp8Recipe.fused_projections with the group's weights adjacent in one flat buffer (their
-    // gathered codes and full gradients are then one (sum of N, K) matrix): q/k/v (gate/up) run
-    // one dX and one dW GEMM in the backward.
+    // gathered codes and full gradients are then one (sum of N, K) matrix): q/k/v run one forward
+    // GEMM (always: their weight scale is shared) and, once their grad-output scales are known,
+    // one dX and one dW GEMM; gate/up the same when MlpFused.
     bool fused_qkv = false, fused_mlp = false;
   };
   struct BlockActs;
@@ -93,6 +95,7 @@ class LlamaModel {
   FsdpParams* p_;
   ActScaling* scaling_;
   int64_t C_, H_, Hkv_, D_, F_, V_, T_;
+  int64_t fused_backward_runs_ = 0;
   float eps_, theta_;
   bool attention_bf16_ = false;  // precision.attention == BF16
   bool recompute_ = false;       // training.activation_recompute

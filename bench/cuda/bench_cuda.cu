@@ -612,13 +612,15 @@ int main(int argc, char** argv) {
       split("cuDNN attention bwd det", [&] { att.Backward(q, k, v, o, dout, stats, dq, dk, dv, Bn, T, H, H, D, st, &aerr); });
       split("AttentionForwardBf16Packed", [&] {
         be->AttentionForwardBf16Packed(reinterpret_cast<uint16_t*>(q), reinterpret_cast<uint16_t*>(k),
-                                       reinterpret_cast<uint16_t*>(v), Bn, T, H, H, D, reinterpret_cast<uint16_t*>(o), stats);
+                                       reinterpret_cast<uint16_t*>(v), Bn, T, H, H, D, reinterpret_cast<uint16_t*>(o), stats,
+                                       H * D, H * D);
       });
       split("AttentionBackwardBf16SavedTo16", [&] {
         be->AttentionBackwardBf16SavedTo16(
             reinterpret_cast<uint16_t*>(q), reinterpret_cast<uint16_t*>(k), reinterpret_cast<uint16_t*>(v),
             reinterpret_cast<uint16_t*>(o), reinterpret_cast<uint16_t*>(dout), stats, Bn, T, H, H, D,
-            reinterpret_cast<uint16_t*>(dq), reinterpret_cast<uint16_t*>(dk), reinterpret_cast<uint16_t*>(dv));
+            reinterpret_cast<uint16_t*>(dq), reinterpret_cast<uint16_t*>(dk), reinterpret_cast<uint16_t*>(dv),
+            H * D, H * D);
       });
     }
     for (void* p : bufs) be->Free(p);
@@ -771,7 +773,7 @@ int main(int argc, char** argv) {
       be->SwigluCastFp8(g, u, M, F, F, sc, fsdp8::Fp8Format::kE4M3, o1, amax);
     });
     row("RopeForwardBf16 (q, forward)", 4 * mc, [&](int) {
-      be->RopeForwardBf16(pa, B, T, H, D, 10000.0f);
+      be->RopeForwardBf16(pa, B, T, H, D, 10000.0f, H * D);
     });
     for (void* p : bufs) be->Free(p);
   }

@@ -44,14 +44,16 @@ std::string VersionText(int64_t v) {
   return std::to_string(v / 10000) + "." + std::to_string((v / 100) % 100) + "." + std::to_string(v % 100);
 }
 
-// (b, h, s, d) logical dims over a BSHD buffer.
+// (b, h, s, d) logical dims over a BSHD buffer whose tokens are ld elements apart (0: Hn * D).
 std::shared_ptr<fe::graph::Tensor_attributes> Bshd(fe::graph::Graph& g, const char* name, int64_t uid,
-                                                   int64_t B, int64_t T, int64_t Hn, int64_t D) {
+                                                   int64_t B, int64_t T, int64_t Hn, int64_t D,
+                                                   int64_t ld = 0) {
+  if (ld == 0) ld = Hn * D;
   return g.tensor(fe::graph::Tensor_attributes()
                       .set_name(name)
                       .set_uid(uid)
                       .set_dim({B, Hn, T, D})
-                      .set_stride({T * Hn * D, D, Hn * D, 1}));
+                      .set_stride({T * ld, D, ld, 1}));
 }
 
 }  // namespace
@@ -111,7 +113,8 @@ bool CudnnAttention::EnsureWorkspace(size_t bytes, std::string* error) {
 }
 
 CudnnAttention::Plan* CudnnAttention::GetPlan(int kind, int64_t B, int64_t T, int64_t H, int64_t Hkv,
-                                              int64_t D, std::string* error) {
+                                              int64_t D, std::string* error, int64_t q_ld,
+                                              int64_t kv_ld) {
   const std::string what = std::string("cuDNN ") + RuntimeVersionString() +
                            (kind == kForward ? " SDPA forward (" : " SDPA backward (") +
                            ShapeText(B, T, H, Hkv, D) +
@@ -121,7 +124,13 @@ CudnnAttention::Plan* CudnnAttention::GetPlan(int kind, int64_t B, int64_t T, in
     SetError(error, what + ": invalid shape (sizes must be positive and Hkv must divide H)");
     return nullptr;
   }
-  const Key key{B, T, H, Hkv, D, kind};
+  if (q_ld == H * D) q_ld = 0;
+  if (kv_ld == Hkv * D) kv_ld = 0;
+  if ((q_ld != 0 && q_ld < H * D) || (kv_ld != 0 && kv_ld < Hkv * D)) {
+    SetError(error, what + ": token stride below the heads' width");
+    return nullptr;
+  }
+  const Key key{B, T, H, Hkv, D, kind, q_ld, kv_ld};
   auto it = plans_.find(key);
   if (it != plans_.end()) {
     if (!it->second->error.empty()) {
@@ -150,9 +159,9 @@ CudnnAttention::Plan* CudnnAttention::GetPlan(int kind, int64_t B, int64_t T, in
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
         .set_compute_data_type(fe::DataType_t::FLOAT);
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    auto q = Bshd(*g, "Q", kQ, B, T, H, D);
-    auto k = Bshd(*g, "K", kK, B, T, Hkv, D);
-    auto v = Bshd(*g, "V", kV, B, T, Hkv, D);
+    auto q = Bshd(*g, "Q", kQ, B, T, H, D, q_ld);
+    auto k = Bshd(*g, "K", kK, B, T, Hkv, D, kv_ld);
+    auto v = Bshd(*g, "V", kV, B, T, Hkv, D, kv_ld);
     if (kind == kForward) {
       auto opts = fe::graph::SDPA_attributes()
                       .set_name("fsdp8_sdpa_fwd")
@@ -242,13 +251,13 @@ bool CudnnAttention::Prepare(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64
 
 bool CudnnAttention::Forward(const void* q, const void* k, const void* v, void* o, float* stats, int64_t B,
                              int64_t T, int64_t H, int64_t Hkv, int64_t D, cudaStream_t stream,
-                             std::string* error) {
+                             std::string* error, int64_t q_ld, int64_t kv_ld) {
   if (q == nullptr || k == nullptr || v == nullptr || o == nullptr || stats == nullptr) {
     SetError(error, "CudnnAttention::Forward: null pointer argument");
     return false;
   }
   if (!EnsureHandle(error)) return false;
-  Plan* p = GetPlan(kForward, B, T, H, Hkv, D, error);
+  Plan* p = GetPlan(kForward, B, T, H, Hkv, D, error, q_ld, kv_ld);
   if (p == nullptr) return false;
   Lease lease;
   if (!BeginCall(stream, p->workspace, &lease, error)) return false;
@@ -270,14 +279,16 @@ bool CudnnAttention::Forward(const void* q, const void* k, const void* v, void* 
 
 bool CudnnAttention::Backward(const void* q, const void* k, const void* v, const void* o, const void* dout,
                               const float* stats, void* dq, void* dk, void* dv, int64_t B, int64_t T,
-                              int64_t H, int64_t Hkv, int64_t D, cudaStream_t stream, std::string* error) {
+                              int64_t H, int64_t Hkv, int64_t D, cudaStream_t stream, std::string* error,
+                              int64_t q_ld, int64_t kv_ld) {
   if (q == nullptr || k == nullptr || v == nullptr || o == nullptr || dout == nullptr || stats == nullptr ||
       dq == nullptr || dk == nullptr || dv == nullptr) {
     SetError(error, "CudnnAttention::Backward: null pointer argument");
     return false;
   }
   if (!EnsureHandle(error)) return false;
-  Plan* p = GetPlan(deterministic_ ? kBackwardDet : kBackwardNonDet, B, T, H, Hkv, D, error);
+  Plan* p = GetPlan(deterministic_ ? kBackwardDet : kBackwardNonDet, B, T, H, Hkv, D, error, q_ld,
+                    kv_ld);
   if (p == nullptr) return false;
   Lease lease;
   if (!BeginCall(stream, p->workspace, &lease, error)) return false;

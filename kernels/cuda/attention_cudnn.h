@@ -74,14 +74,18 @@ class CudnnAttention {
   // Builds (or finds) the forward and backward graphs of this shape; optional.
   bool Prepare(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, std::string* error);
 
-  // o = softmax(scale q k^T + causal mask) v; stats as above (saved for Backward).
+  // o = softmax(scale q k^T + causal mask) v; stats as above (saved for Backward). q_ld, kv_ld:
+  // the elements between consecutive tokens of q and of k, v (0: dense, H * D and Hkv * D; the
+  // fused q/k/v GEMM's output has (H + 2 Hkv) * D for all three); o is dense.
   bool Forward(const void* q, const void* k, const void* v, void* o, float* stats, int64_t B,
                int64_t T, int64_t H, int64_t Hkv, int64_t D, cudaStream_t stream,
-               std::string* error);
-  // dq, dk, dv (overwritten) from the forward's q, k, v, o, stats and the output gradient dout.
+               std::string* error, int64_t q_ld = 0, int64_t kv_ld = 0);
+  // dq, dk, dv (overwritten, dense) from the forward's q, k, v (token strides q_ld, kv_ld as in
+  // Forward), o, stats and the output gradient dout.
   bool Backward(const void* q, const void* k, const void* v, const void* o, const void* dout,
                 const float* stats, void* dq, void* dk, void* dv, int64_t B, int64_t T, int64_t H,
-                int64_t Hkv, int64_t D, cudaStream_t stream, std::string* error);
+                int64_t Hkv, int64_t D, cudaStream_t stream, std::string* error,
+                int64_t q_ld = 0, int64_t kv_ld = 0);
 
   // Bytes of the workspace buffer currently held (0 before the first call, and always 0 with
   // set_workspace_allocator).
@@ -97,11 +101,12 @@ class CudnnAttention {
 
  private:
   struct Plan;  // a built graph (or the error that prevented building it)
-  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int /*kind*/>;
+  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int /*kind*/,
+                         int64_t /*q_ld*/, int64_t /*kv_ld*/>;
 
   bool EnsureHandle(std::string* error);
   Plan* GetPlan(int kind, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                std::string* error);
+                std::string* error, int64_t q_ld = 0, int64_t kv_ld = 0);
   bool EnsureWorkspace(size_t bytes, std::string* error);
   // One call's workspace: the held buffer, or one from alloc_, given back when the lease goes out
   // of scope (after the call has enqueued its work: stream order keeps it valid for that work).

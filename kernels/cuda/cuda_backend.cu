@@ -687,11 +687,11 @@ void CudaBackend::CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64
 }
 
 void CudaBackend::RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
-                                  float theta) {
+                                  float theta, int64_t ld) {
   cuda::OpScope op_scope(prof_.get(), "RopeForwardBf16");
   Bind();
   EnsureRopeTable(T, D, theta);
-  cuda::LaunchRopeApplyBf16(x16, B, T, H, D, rope_table_, 1.0f, stream_);
+  cuda::LaunchRopeApplyBf16(x16, B, T, H, D, ld, rope_table_, 1.0f, stream_);
 }
 
 void CudaBackend::RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D,
@@ -699,7 +699,7 @@ void CudaBackend::RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t
   cuda::OpScope op_scope(prof_.get(), "RopeBackwardBf16");
   Bind();
   EnsureRopeTable(T, D, theta);
-  cuda::LaunchRopeApplyBf16(dx16, B, T, H, D, rope_table_, -1.0f, stream_);
+  cuda::LaunchRopeApplyBf16(dx16, B, T, H, D, H * D, rope_table_, -1.0f, stream_);
 }
 
 void CudaBackend::RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T,
@@ -738,38 +738,42 @@ bool CudaBackend::CudnnAttentionUsable(int64_t D) const {
 
 void CudaBackend::AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16,
                                              const uint16_t* v16, int64_t B, int64_t T, int64_t H,
-                                             int64_t Hkv, int64_t D, uint16_t* out16, float* lse) {
+                                             int64_t Hkv, int64_t D, uint16_t* out16, float* lse,
+                                             int64_t q_ld, int64_t kv_ld) {
   cuda::OpScope op_scope(prof_.get(), "AttentionForwardBf16Packed");
 #ifdef FSDP8_WITH_CUDNN
   if (CudnnAttentionUsable(D)) {
     Bind();
     std::string err;
-    if (cudnn_->Forward(q16, k16, v16, out16, lse, B, T, H, Hkv, D, stream_, &err)) return;
+    if (cudnn_->Forward(q16, k16, v16, out16, lse, B, T, H, Hkv, D, stream_, &err, q_ld, kv_ld)) {
+      return;
+    }
     CudnnRefused(err);
   }
 #endif
-  Backend::AttentionForwardBf16Packed(q16, k16, v16, B, T, H, Hkv, D, out16, lse);
+  Backend::AttentionForwardBf16Packed(q16, k16, v16, B, T, H, Hkv, D, out16, lse, q_ld, kv_ld);
 }
 
 void CudaBackend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
                                                  const uint16_t* v16, const uint16_t* out16,
                                                  const uint16_t* dout16, const float* lse, int64_t B,
                                                  int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                                 uint16_t* dq16, uint16_t* dk16, uint16_t* dv16) {
+                                                 uint16_t* dq16, uint16_t* dk16, uint16_t* dv16,
+                                                 int64_t q_ld, int64_t kv_ld) {
   cuda::OpScope op_scope(prof_.get(), "AttentionBackwardBf16SavedTo16");
 #ifdef FSDP8_WITH_CUDNN
   if (CudnnAttentionUsable(D)) {
     Bind();
     std::string err;
     if (cudnn_->Backward(q16, k16, v16, out16, dout16, lse, dq16, dk16, dv16, B, T, H, Hkv, D,
-                         stream_, &err)) {
+                         stream_, &err, q_ld, kv_ld)) {
       return;
     }
     CudnnRefused(err);
   }
 #endif
   Backend::AttentionBackwardBf16SavedTo16(q16, k16, v16, out16, dout16, lse, B, T, H, Hkv, D, dq16,
-                                          dk16, dv16);
+                                          dk16, dv16, q_ld, kv_ld);
 }
 
 void CudaBackend::SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,

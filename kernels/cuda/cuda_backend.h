@@ -178,18 +178,20 @@ class CudaBackend final : public Backend {
   void CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t cols, const float* scale,
                             Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
                             int64_t out_ld) override;
-  void RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
-                       float theta) override;
+  void RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                       int64_t ld) override;
   void RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D,
                         float theta) override;
   void AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16, const uint16_t* v16,
                                   int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                  uint16_t* out16, float* lse) override;
+                                  uint16_t* out16, float* lse, int64_t q_ld,
+                                  int64_t kv_ld) override;
   void AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
                                       const uint16_t* v16, const uint16_t* out16,
                                       const uint16_t* dout16, const float* lse, int64_t B,
                                       int64_t T, int64_t H, int64_t Hkv, int64_t D, uint16_t* dq16,
-                                      uint16_t* dk16, uint16_t* dv16) override;
+                                      uint16_t* dk16, uint16_t* dv16, int64_t q_ld,
+                                      int64_t kv_ld) override;
   void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows, int64_t cols,
                      int64_t in_ld, const float* scale, Fp8Format fmt, uint8_t* out,
                      float* amax_out) override;

@@ -108,8 +108,9 @@ void LaunchRopeTable(int64_t T, int64_t D, float theta, float* table, cudaStream
 // x (B, T, H, D) rotated in place by +angle (sign = +1) or -angle (sign = -1).
 void LaunchRopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, const float* table,
                      float sign, cudaStream_t stream);
-// The same on bfloat16 bit patterns: f32 math on the exact values, each result rounded (RNE).
-void LaunchRopeApplyBf16(uint16_t* x, int64_t B, int64_t T, int64_t H, int64_t D,
+// The same on bfloat16 bit patterns: f32 math on the exact values, each result rounded (RNE);
+// tokens ld >= H * D elements apart (H * D: dense).
+void LaunchRopeApplyBf16(uint16_t* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t ld,
                          const float* table, float sign, cudaStream_t stream);
 
 // ---- swiglu.cu -------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ __global__ void RopeTableKernel(int64_t T, int64_t D, float theta, float2* __res
 // One thread per pair.
 template <typename T_>
 __global__ void RopeApplyKernel(T_* __restrict__ x, int64_t B, int64_t T, int64_t H, int64_t D,
-                                const float2* __restrict__ table, float sign) {
+                                int64_t ld, const float2* __restrict__ table, float sign) {
   const int64_t half = D / 2;
   const int64_t total = B * T * H * half;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -41,7 +41,7 @@ __global__ void RopeApplyKernel(T_* __restrict__ x, int64_t B, int64_t T, int64_
     const int64_t t = (row / H) % T;
     const float2 cs = table[t * half + i];
     const float c = cs.x, s = sign * cs.y;
-    T_* p = x + row * D;
+    T_* p = x + (row / H) * ld + (row % H) * D;
     float y1, y2;
     RopeRotateDev(LoadF32(p + i), LoadF32(p + i + half), c, s, &y1, &y2);
     StoreF32(p + i, y1);
@@ -53,15 +53,16 @@ __global__ void RopeApplyKernel(T_* __restrict__ x, int64_t B, int64_t T, int64_
 // (64-bit division dominated the one-pair kernel) and 4-element loads of each half.
 template <typename T_>
 __global__ void RopeApply4Kernel(T_* __restrict__ x, uint32_t rows, uint32_t T, uint32_t H,
-                                 uint32_t D, const float2* __restrict__ table, float sign) {
+                                 uint32_t D, int64_t ld, const float2* __restrict__ table,
+                                 float sign) {
   const uint32_t half = D / 2, chunks = half / 4;
   const uint32_t total = rows * chunks;
   const uint32_t stride = gridDim.x * blockDim.x;
   for (uint32_t idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += stride) {
     const uint32_t row = idx / chunks, i = 4 * (idx % chunks);
-    const uint32_t t = (row / H) % T;
+    const uint32_t token = row / H, t = token % T;
     const float2* cs = table + static_cast<size_t>(t) * half + i;
-    T_* p = x + static_cast<size_t>(row) * D;
+    T_* p = x + static_cast<size_t>(token) * ld + static_cast<size_t>(row - token * H) * D;
     const float4 a = Load4F32(p + i), b = Load4F32(p + i + half);
     const float x1[4] = {a.x, a.y, a.z, a.w}, x2[4] = {b.x, b.y, b.z, b.w};
     float y1[4], y2[4];
@@ -90,39 +91,40 @@ void LaunchRopeTable(int64_t T, int64_t D, float theta, float* table, cudaStream
 
 namespace {
 template <typename T_>
-void RopeApplyImpl(T_* x, int64_t B, int64_t T, int64_t H, int64_t D, const float* table,
-                   float sign, cudaStream_t stream) {
+void RopeApplyImpl(T_* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t ld,
+                   const float* table, float sign, cudaStream_t stream) {
   FSDP8_CUDA_REQUIRE(D % 2 == 0, "RoPE needs an even head dimension");
+  FSDP8_CUDA_REQUIRE(ld >= H * D, "RoPE: token stride below H * D");
   const int64_t total = B * T * H * (D / 2);
   if (total <= 0) return;
   // The 4-pair kernel's vector accesses need 4-element alignment of x (rows of D % 8 == 0
   // elements, so both halves start aligned) and of the table (cudaMalloc'd, half % 4 == 0).
-  if ((D / 2) % 4 == 0 && total / 4 < (int64_t{1} << 31) &&
+  if ((D / 2) % 4 == 0 && total / 4 < (int64_t{1} << 31) && ld % 4 == 0 &&
       reinterpret_cast<uintptr_t>(x) % (4 * sizeof(T_)) == 0) {
     int64_t blocks = CeilDiv(total / 4, kThreads);
     if (blocks > 65536) blocks = 65536;
     RopeApply4Kernel<T_><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
         x, static_cast<uint32_t>(B * T * H), static_cast<uint32_t>(T), static_cast<uint32_t>(H),
-        static_cast<uint32_t>(D), reinterpret_cast<const float2*>(table), sign);
+        static_cast<uint32_t>(D), ld, reinterpret_cast<const float2*>(table), sign);
     FSDP8_CUDA_LAUNCH_CHECK();
     return;
   }
   int64_t blocks = CeilDiv(total, kThreads);
   if (blocks > 65536) blocks = 65536;
   RopeApplyKernel<T_><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      x, B, T, H, D, reinterpret_cast<const float2*>(table), sign);
+      x, B, T, H, D, ld, reinterpret_cast<const float2*>(table), sign);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 }  // namespace
 
 void LaunchRopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, const float* table,
                      float sign, cudaStream_t stream) {
-  RopeApplyImpl(x, B, T, H, D, table, sign, stream);
+  RopeApplyImpl(x, B, T, H, D, H * D, table, sign, stream);
 }
 
-void LaunchRopeApplyBf16(uint16_t* x, int64_t B, int64_t T, int64_t H, int64_t D,
+void LaunchRopeApplyBf16(uint16_t* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t ld,
                          const float* table, float sign, cudaStream_t stream) {
-  RopeApplyImpl(x, B, T, H, D, table, sign, stream);
+  RopeApplyImpl(x, B, T, H, D, ld, table, sign, stream);
 }
 
 }  // namespace fsdp8::cuda

@@ -806,11 +806,12 @@ TEST_P(Conformance, RmsNorm) {
       r.F32(&o, "dw", dw, s.C);
       return o;
     });
-    // dy as the f32 sum of bf16 parts (two: gate/up; three: q/k/v). C 5632 is above the CUDA
-    // fused kernel's limit and takes the composition there.
+    // dy as the f32 sum of bf16 parts (one: a fused q/k/v or gate/up dX; two: gate/up; three:
+    // q/k/v). C 5632 is above the CUDA fused kernel's limit and takes the composition there.
     const auto dyb = Randn(s.N * s.C), dyc = Randn(s.N * s.C);
-    for (bool three : {false, true}) {
-      Check("RmsNormBackwardAddBf16Parts/" + shape + (three ? "/3" : "/2"),
+    for (int parts : {1, 2, 3}) {
+      const bool three = parts == 3;
+      Check("RmsNormBackwardAddBf16Parts/" + shape + "/" + std::to_string(parts),
             Tol(static_cast<double>(s.C + s.N)), [&](DevRun& r) {
               Outputs o;
               const int64_t n = s.N * s.C;
@@ -826,7 +827,7 @@ TEST_P(Conformance, RmsNorm) {
               r.b()->RmsNormForward(xd, wd, 1e-5f, s.N, s.C, y, rstd);
               float* dx = r.Out<float>(n);
               float* dw = r.In(dw0);
-              r.b()->RmsNormBackwardAddBf16Parts(packed(dy), packed(dyb),
+              r.b()->RmsNormBackwardAddBf16Parts(packed(dy), parts > 1 ? packed(dyb) : nullptr,
                                                  three ? packed(dyc) : nullptr, xd, wd, rstd,
                                                  r.In(dres), s.N, s.C, dx, dw);
               r.F32(&o, "dx", dx, n);
@@ -1331,8 +1332,19 @@ TEST_P(Conformance, Bf16Activations) {
     Check("RopeForwardBf16/" + shape, kEltTol + bf16_ulp, [&](DevRun& r) {
       Outputs o;
       uint16_t* p = packed(r, x);
-      r.b()->RopeForwardBf16(p, s.B, s.T, s.H, s.D, 10000.0f);
+      r.b()->RopeForwardBf16(p, s.B, s.T, s.H, s.D, 10000.0f, s.H * s.D);
       unpacked(r, &o, "x", p, n);
+      return o;
+    });
+    // Tokens ld = H * D + 2 * D apart (q's part of a fused q/k/v output); the columns between
+    // them must come back untouched.
+    const int64_t ld = s.H * s.D + 2 * s.D;
+    const auto xs = Randn(s.B * s.T * ld);
+    Check("RopeForwardBf16/strided/" + shape, kEltTol + bf16_ulp, [&](DevRun& r) {
+      Outputs o;
+      uint16_t* p = packed(r, xs);
+      r.b()->RopeForwardBf16(p, s.B, s.T, s.H, s.D, 10000.0f, ld);
+      unpacked(r, &o, "x", p, s.B * s.T * ld);
       return o;
     });
     Check("RopeBackwardBf16/" + shape, kEltTol + bf16_ulp, [&](DevRun& r) {
@@ -1354,14 +1366,45 @@ TEST_P(Conformance, Bf16Activations) {
       uint16_t *q16 = packed(r, q), *k16 = packed(r, k), *v16 = packed(r, v);
       uint16_t* out16 = r.Out<uint16_t>(nq);
       float* lse = r.Out<float>(s.B * s.H * s.T);
-      r.b()->AttentionForwardBf16Packed(q16, k16, v16, s.B, s.T, s.H, s.Hkv, s.D, out16, lse);
+      r.b()->AttentionForwardBf16Packed(q16, k16, v16, s.B, s.T, s.H, s.Hkv, s.D, out16, lse,
+                                        s.H * s.D, s.Hkv * s.D);
       unpacked(r, &o, "out", out16, nq);
       r.F32(&o, "lse", lse, s.B * s.H * s.T);
       uint16_t* dq = r.Out<uint16_t>(nq);
       uint16_t* dk = r.Out<uint16_t>(nk);
       uint16_t* dv = r.Out<uint16_t>(nk);
       r.b()->AttentionBackwardBf16SavedTo16(q16, k16, v16, out16, packed(r, dout), lse, s.B, s.T, s.H,
-                                            s.Hkv, s.D, dq, dk, dv);
+                                            s.Hkv, s.D, dq, dk, dv, s.H * s.D, s.Hkv * s.D);
+      unpacked(r, &o, "dq", dq, nq);
+      unpacked(r, &o, "dk", dk, nk);
+      unpacked(r, &o, "dv", dv, nk);
+      return o;
+    });
+    // q, k, v as the three parts of one (B * T, (H + 2 Hkv) * D) matrix (the fused q/k/v GEMM's
+    // output): the same values as the dense call above.
+    const int64_t hq = s.H * s.D, hk = s.Hkv * s.D, ld = hq + 2 * hk, rows = s.B * s.T;
+    std::vector<float> qkv(static_cast<size_t>(rows * ld));
+    for (int64_t t = 0; t < rows; ++t) {
+      for (int64_t c = 0; c < hq; ++c) qkv[t * ld + c] = q[t * hq + c];
+      for (int64_t c = 0; c < hk; ++c) {
+        qkv[t * ld + hq + c] = k[t * hk + c];
+        qkv[t * ld + hq + hk + c] = v[t * hk + c];
+      }
+    }
+    Check("AttentionBf16Packed/fused-qkv/" + shape, 8 * ub + bf16_ulp, [&](DevRun& r) {
+      Outputs o;
+      const uint16_t* p = packed(r, qkv);
+      uint16_t* out16 = r.Out<uint16_t>(nq);
+      float* lse = r.Out<float>(s.B * s.H * s.T);
+      r.b()->AttentionForwardBf16Packed(p, p + hq, p + hq + hk, s.B, s.T, s.H, s.Hkv, s.D, out16,
+                                        lse, ld, ld);
+      unpacked(r, &o, "out", out16, nq);
+      r.F32(&o, "lse", lse, s.B * s.H * s.T);
+      uint16_t* dq = r.Out<uint16_t>(nq);
+      uint16_t* dk = r.Out<uint16_t>(nk);
+      uint16_t* dv = r.Out<uint16_t>(nk);
+      r.b()->AttentionBackwardBf16SavedTo16(p, p + hq, p + hq + hk, out16, packed(r, dout), lse, s.B,
+                                            s.T, s.H, s.Hkv, s.D, dq, dk, dv, ld, ld);
       unpacked(r, &o, "dq", dq, nq);
       unpacked(r, &o, "dk", dk, nk);
       unpacked(r, &o, "dv", dv, nk);

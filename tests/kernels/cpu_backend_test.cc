@@ -153,8 +153,6 @@ std::vector<double> NaiveGemm(bool ta, bool tb, int M, int N, int K, const std::
   return C;
 }
 
-// Current-scaling weight scales (scale = fp8_max / amax / 2^margin; unusable amax keeps the
-// previous scale, an unusable previous scale falls back to 1), hand-computed, in slots of 4.
 // Groups {0, 1}, {2, 3} (with a NaN), {4}, {5, 6} interleaved as group ids 0 0 2 2 4 5 5, and a
 // member listed apart from its group (index 7 in group 0).
 TEST_F(CpuBackendTest, GroupMaxHandValues) {
@@ -173,6 +171,8 @@ TEST_F(CpuBackendTest, GroupMaxHandValues) {
   EXPECT_EQ(out[7], 7.0f);
 }
 
+// Current-scaling weight scales (scale = fp8_max / amax / 2^margin; unusable amax keeps the
+// previous scale, an unusable previous scale falls back to 1), hand-computed, in slots of 4.
 TEST_F(CpuBackendTest, Fp8ScalesFromAmaxHandValues) {
   const float inf = std::numeric_limits<float>::infinity(), nan = std::nanf("");
   const std::vector<float> amax = {2.0f, 0.0f, nan, inf, -1.0f, 0.0f, 1e-38f, 448.0f};
