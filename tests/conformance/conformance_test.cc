@@ -1245,43 +1245,28 @@ TEST_P(Conformance, Bf16Activations) {
     const auto dx = Randn(n, 3.0f);
     const std::vector<float> scale = {12.0f};
     for (Fp8Format fmt : kFormats) {
-      Check(std::string("RopeBackwardCastTransposeFp8Bf16/") + FmtName(fmt) + "/" +
-                std::to_string(q.B) + "x" + std::to_string(q.T) + "x" + std::to_string(q.H) + "x" +
-                std::to_string(q.D),
-            kEltTol + bf16_ulp, [&](DevRun& r) {
-              Outputs o;
-              uint16_t* x16 = packed(r, dx);
-              uint8_t* out = r.Out<uint8_t>(n);
-              uint8_t* out_t = r.Out<uint8_t>(n);
-              float* amax = r.In(std::vector<float>{0.0f});
-              r.b()->RopeBackwardCastTransposeFp8Bf16(x16, q.B, q.T, q.H, q.D, 10000.0f,
-                                                      r.In(scale), fmt, out, out_t, amax,
-                                                      q.H * q.D);
-              r.Fp8CodesNear(&o, "out", out, n);
-              r.Fp8CodesNear(&o, "out_t", out_t, n);
-              r.F32(&o, "amax", amax, 1);
-              r.Bytes(&o, "dx16 unchanged", x16, n);
-              return o;
-            });
-      // Row stride H * D + 8 (q's codes beside k's and v's in the fused q/k/v backward); the
-      // bytes past each row stay as pre-filled.
-      const int64_t ld = q.H * q.D + 8, rows = q.B * q.T;
-      Check(std::string("RopeBackwardCastTransposeFp8Bf16/strided/") + FmtName(fmt) + "/" +
-                std::to_string(q.B) + "x" + std::to_string(q.T) + "x" + std::to_string(q.H) + "x" +
-                std::to_string(q.D),
-            kEltTol + bf16_ulp, [&](DevRun& r) {
-              Outputs o;
-              uint16_t* x16 = packed(r, dx);
-              uint8_t* out = r.In(std::vector<uint8_t>(static_cast<size_t>(rows * ld), 0x5A));
-              uint8_t* out_t = r.Out<uint8_t>(n);
-              float* amax = r.In(std::vector<float>{0.0f});
-              r.b()->RopeBackwardCastTransposeFp8Bf16(x16, q.B, q.T, q.H, q.D, 10000.0f,
-                                                      r.In(scale), fmt, out, out_t, amax, ld);
-              r.Fp8CodesNear(&o, "out", out, rows * ld);
-              r.Fp8CodesNear(&o, "out_t", out_t, n);
-              r.F32(&o, "amax", amax, 1);
-              return o;
-            });
+      // Dense rows, and row stride H * D + 8 (q's codes beside k's and v's in the fused q/k/v
+      // backward), whose bytes past each row must stay as pre-filled.
+      for (int64_t pad : {0, 8}) {
+        const int64_t ld = q.H * q.D + pad, rows = q.B * q.T;
+        Check(std::string("RopeBackwardCastTransposeFp8Bf16/") + (pad ? "strided/" : "") +
+                  FmtName(fmt) + "/" + std::to_string(q.B) + "x" + std::to_string(q.T) + "x" +
+                  std::to_string(q.H) + "x" + std::to_string(q.D),
+              kEltTol + bf16_ulp, [&](DevRun& r) {
+                Outputs o;
+                uint16_t* x16 = packed(r, dx);
+                uint8_t* out = r.In(std::vector<uint8_t>(static_cast<size_t>(rows * ld), 0x5A));
+                uint8_t* out_t = r.Out<uint8_t>(n);
+                float* amax = r.In(std::vector<float>{0.0f});
+                r.b()->RopeBackwardCastTransposeFp8Bf16(x16, q.B, q.T, q.H, q.D, 10000.0f,
+                                                        r.In(scale), fmt, out, out_t, amax, ld);
+                r.Fp8CodesNear(&o, "out", out, rows * ld);
+                r.Fp8CodesNear(&o, "out_t", out_t, n);
+                r.F32(&o, "amax", amax, 1);
+                r.Bytes(&o, "dx16 unchanged", x16, n);
+                return o;
+              });
+      }
     }
   }
   struct G { int64_t M, N, K; };
