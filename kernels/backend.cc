@@ -157,14 +157,18 @@ void Backend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8
 }
 
 namespace {
-// Unpacks the (rows, cols) bf16 matrix x16 of row stride ld into dense f32 x.
-void UnpackRows(Backend* be, const uint16_t* x16, int64_t rows, int64_t cols, int64_t ld,
-                float* x) {
+void CheckRowStride(int64_t ld, int64_t cols) {
   if (ld < cols) {
     fprintf(stderr, "row stride %lld < cols %lld\n", static_cast<long long>(ld),
             static_cast<long long>(cols));
     abort();
   }
+}
+
+// Unpacks the (rows, cols) bf16 matrix x16 of row stride ld into dense f32 x.
+void UnpackRows(Backend* be, const uint16_t* x16, int64_t rows, int64_t cols, int64_t ld,
+                float* x) {
+  CheckRowStride(ld, cols);
   if (ld == cols) {
     be->UnpackBf16(x16, x, rows * cols);
     return;
@@ -175,11 +179,7 @@ void UnpackRows(Backend* be, const uint16_t* x16, int64_t rows, int64_t cols, in
 // Dense bf16 copy (rows, cols) of x16 (row stride ld); nullptr when ld == cols (use x16).
 uint16_t* DenseRows16(Backend* be, const uint16_t* x16, int64_t rows, int64_t cols, int64_t ld) {
   if (ld == cols) return nullptr;
-  if (ld < cols) {
-    fprintf(stderr, "row stride %lld < cols %lld\n", static_cast<long long>(ld),
-            static_cast<long long>(cols));
-    abort();
-  }
+  CheckRowStride(ld, cols);
   uint16_t* d = static_cast<uint16_t*>(be->Alloc(static_cast<size_t>(rows * cols + 1) * 2));
   if (d == nullptr) abort();
   for (int64_t r = 0; r < rows; ++r) be->Copy(d + r * cols, x16 + r * ld, cols * sizeof(uint16_t));
@@ -355,13 +355,8 @@ void Backend::SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_
                                              float* amax_up, int64_t out_ld, int64_t in_ld) {
   const int64_t n = rows * cols;
   if (in_ld != cols) {  // dense copies of gate and up first
-    if (in_ld < cols) abort();
-    uint16_t* g16 = reinterpret_cast<uint16_t*>(F32Scratch(this, n + 4));
-    uint16_t* u16 = reinterpret_cast<uint16_t*>(F32Scratch(this, n + 4));
-    for (int64_t r = 0; r < rows; ++r) {
-      Copy(g16 + r * cols, gate16 + r * in_ld, cols * sizeof(uint16_t));
-      Copy(u16 + r * cols, up16 + r * in_ld, cols * sizeof(uint16_t));
-    }
+    uint16_t* g16 = DenseRows16(this, gate16, rows, cols, in_ld);
+    uint16_t* u16 = DenseRows16(this, up16, rows, cols, in_ld);
     SwigluBackwardCastTransposeFp8(dh16, g16, u16, rows, cols, scale_gate, scale_up, fmt, dgate8,
                                    dgate8_t, dup8, dup8_t, amax_gate, amax_up, out_ld, cols);
     Free(u16);
