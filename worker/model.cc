@@ -127,6 +127,14 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
   lhead_ = make_linear(hp, head_, "lm_head.weight");
 }
 
+bool LlamaModel::QkvBackwardFused(const Block& b) const {
+  const Fp8Format f = b.lq.dy_format();
+  return b.fused_qkv && !b.lq.DyNeedsAmaxFirst() && !b.lk.DyNeedsAmaxFirst() &&
+         !b.lv.DyNeedsAmaxFirst() && b.lk.dy_format() == f && b.lv.dy_format() == f &&
+         scaling_->SameScale(b.lq.dy_index(), b.lk.dy_index()) &&
+         scaling_->SameScale(b.lq.dy_index(), b.lv.dy_index());
+}
+
 bool LlamaModel::MlpFused(const Block& b) const {
   return b.fused_mlp && !b.lgate.DyNeedsAmaxFirst() && !b.lup.DyNeedsAmaxFirst() &&
          !b.ldown.XNeedsAmaxFirst() && b.lgate.dy_format() == b.lup.dy_format() &&
@@ -402,18 +410,18 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
   const bool mlp_cast = !b.lgate.DyNeedsAmaxFirst() && !b.lup.DyNeedsAmaxFirst() &&
                         b.lgate.dy_format() == b.lup.dy_format();
   const bool mlp_fused = MlpFused(b);
-  WORKER_CHECK(mlp_fused || a->gu16.empty()) << "block " << l << ": fused gate/up forward, unfused backward";
+  // The forward (and a recompute) decided with the same scales: [gate | up] is there exactly
+  // when the backward fuses.
+  WORKER_CHECK(mlp_fused == !a->gu16.empty()) << "block " << l << ": gate/up fused in one pass only";
   if (mlp_fused) {
     // [dgate | dup] (N, 2F) codes side by side and [dgateᵀ ; dupᵀ] (2F, N) stacked: the A operands
     // of the fused dX (N, C) = [dgate | dup] · [Wgate ; Wup] and dW (2F, C) = [dgateᵀ ; dupᵀ] · n2.
     DevBuf d8(be_, N * 2 * F_), dT8(be_, N * 2 * F_);
-    const bool gu = !a->gu16.empty();  // [gate | up] from the fused forward GEMM
-    const uint16_t* gate16 = gu ? a->gu16.u16() : a->gate16.u16();
-    const uint16_t* up16 = gu ? a->gu16.u16() + F_ : a->up16.u16();
-    be_->SwigluBackwardCastTransposeFp8(dact16.u16(), gate16, up16, N, F_, b.lgate.DyScale(),
+    const uint16_t* gu16 = a->gu16.u16();
+    be_->SwigluBackwardCastTransposeFp8(dact16.u16(), gu16, gu16 + F_, N, F_, b.lgate.DyScale(),
                                         b.lup.DyScale(), b.lgate.dy_format(), d8.u8(), dT8.u8(),
                                         d8.u8() + F_, dT8.u8() + N * F_, b.lgate.DyAmaxOut(),
-                                        b.lup.DyAmaxOut(), 2 * F_, gu ? 2 * F_ : F_);
+                                        b.lup.DyAmaxOut(), 2 * F_, 2 * F_);
     dact16.Reset();
     a->gate16.Reset();
     a->up16.Reset();
@@ -487,10 +495,7 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
   // dn1 = dq · Wq + dk · Wk + dv · Wv: one fused GEMM, or three bf16 parts (as dn2 above).
   DevBuf dn1q(be_, N * C_ * 2), dn1k, dn1v;
   const Fp8Format qfmt = b.lq.dy_format();
-  if (b.fused_qkv && !b.lq.DyNeedsAmaxFirst() && !b.lk.DyNeedsAmaxFirst() &&
-      !b.lv.DyNeedsAmaxFirst() && b.lk.dy_format() == qfmt && b.lv.dy_format() == qfmt &&
-      scaling_->SameScale(b.lq.dy_index(), b.lk.dy_index()) &&
-      scaling_->SameScale(b.lq.dy_index(), b.lv.dy_index())) {
+  if (QkvBackwardFused(b)) {
     // [dq | dk | dv] (N, nt) codes side by side (RoPE's backward in the q and k casts) and their
     // transposes stacked (nt, N): one dX GEMM over K = nt and one dW GEMM of (nt, C).
     const int64_t nq = H_ * D_, nk = Hkv_ * D_, nt = nq + 2 * nk;
@@ -502,23 +507,34 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
                                           b.lk.DyAmaxOut(), nt);
     be_->CastTransposeFp8Bf16(dv16.u16(), N, nk, b.lv.DyScale(), qfmt, d8.u8() + nq + nk,
                               dT8.u8() + N * (nq + nk), b.lv.DyAmaxOut(), nt);
-    dq16.Reset();
+    dq16.Reset();  // before the GEMMs: off the backward's peak
     dk16.Reset();
     dv16.Reset();
     b.lq.BackwardFp8(std::move(d8), std::move(dT8), N, C_, nt, View(b.q), a->sq, nullptr, false,
                      p_->G(b.q), dn1q.u16());
     ++fused_backward_runs_;
-    a->sq = a->sk = a->sv = LinearSaved();
-    DevBuf dx(be_, N * C_ * 4);
-    be_->RmsNormBackwardAddBf16Parts(dn1q.u16(), nullptr, nullptr, a->x_in.f32(),
-                                     p_->W(b.in_norm), a->rstd1.f32(), dh.f32(), N, C_, dx.f32(),
-                                     p_->G(b.in_norm));
-    *a = BlockActs();
-    *dout = std::move(dx);
-    return;
+  } else {
+    dn1k = DevBuf(be_, N * C_ * 2);
+    dn1v = DevBuf(be_, N * C_ * 2);
+    BackwardQkvPerLinear(b, B, *a, dq16, dk16, dv16, dn1q, dn1k, dn1v);
   }
-  dn1k = DevBuf(be_, N * C_ * 2);
-  dn1v = DevBuf(be_, N * C_ * 2);
+  dq16.Reset();
+  dk16.Reset();
+  dv16.Reset();
+  a->sq = a->sk = a->sv = LinearSaved();
+  DevBuf dx(be_, N * C_ * 4);
+  be_->RmsNormBackwardAddBf16Parts(dn1q.u16(), dn1k.empty() ? nullptr : dn1k.u16(),
+                                   dn1v.empty() ? nullptr : dn1v.u16(), a->x_in.f32(),
+                                   p_->W(b.in_norm), a->rstd1.f32(), dh.f32(), N, C_, dx.f32(),
+                                   p_->G(b.in_norm));
+  *a = BlockActs();
+  *dout = std::move(dx);
+}
+
+void LlamaModel::BackwardQkvPerLinear(Block& b, int64_t B, BlockActs& a, DevBuf& dq16,
+                                      DevBuf& dk16, DevBuf& dv16, DevBuf& dn1q, DevBuf& dn1k,
+                                      DevBuf& dn1v) {
+  const int64_t N = B * T_;
   // q and k: RoPE's backward and the grad-output cast in one pass where the scale is known.
   auto rope_backward = [&](Linear& lin, DevBuf& d16, int64_t heads, const LinearSaved& saved,
                            const TensorRef& w, DevBuf& dn) {
@@ -537,20 +553,10 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
     lin.BackwardFp8(std::move(d8), std::move(dT8), N, C_, heads * D_, View(w), saved, nullptr,
                     false, p_->G(w), dn.u16());
   };
-  rope_backward(b.lq, dq16, H_, a->sq, b.q, dn1q);
-  rope_backward(b.lk, dk16, Hkv_, a->sk, b.k, dn1k);
-  b.lv.Backward(nullptr, dv16.u16(), N, C_, Hkv_ * D_, View(b.v), a->sv, nullptr, false,
+  rope_backward(b.lq, dq16, H_, a.sq, b.q, dn1q);
+  rope_backward(b.lk, dk16, Hkv_, a.sk, b.k, dn1k);
+  b.lv.Backward(nullptr, dv16.u16(), N, C_, Hkv_ * D_, View(b.v), a.sv, nullptr, false,
                 p_->G(b.v), dn1v.u16());
-  dq16.Reset();
-  dk16.Reset();
-  dv16.Reset();
-  a->sq = a->sk = a->sv = LinearSaved();
-  DevBuf dx(be_, N * C_ * 4);
-  be_->RmsNormBackwardAddBf16Parts(dn1q.u16(), dn1k.u16(), dn1v.u16(), a->x_in.f32(),
-                                   p_->W(b.in_norm), a->rstd1.f32(), dh.f32(), N, C_, dx.f32(),
-                                   p_->G(b.in_norm));
-  *a = BlockActs();
-  *dout = std::move(dx);
 }
 
 void LlamaModel::HeadBf16(const float* nf, const int32_t* targets, int64_t N, float grad_scale,

@@ -79,6 +79,13 @@ class LlamaModel {
   // one forward GEMM into [gate | up] and one dX and one dW GEMM in the backward. Constant within
   // a step (the scales change only in UpdateScales), so forward, recompute and backward agree.
   bool MlpFused(const Block& b) const;
+  // Whether block b's q/k/v backward runs one dX and one dW GEMM this step (b.fused_qkv, the
+  // grad-output scales known and equal). Its forward GEMM is fused whenever b.fused_qkv.
+  bool QkvBackwardFused(const Block& b) const;
+  // The per-linear q/k/v backward of BlockBackwardFp8: dn1q, dn1k, dn1v (N, C) bf16 parts from
+  // dq16, dk16, dv16 (RoPE's backward applied to q and k here).
+  void BackwardQkvPerLinear(Block& b, int64_t B, BlockActs& a, DevBuf& dq16, DevBuf& dk16,
+                            DevBuf& dv16, DevBuf& dn1q, DevBuf& dn1k, DevBuf& dn1v);
   absl::Status BlockForward(int l, int64_t B, DevBuf* x, BlockActs* acts);
   void BlockBackward(int l, int64_t B, BlockActs* acts, DevBuf* dx);
   // The same for an FP8 block with BF16 attention (bf16 activations between its GEMMs).
