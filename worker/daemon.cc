@@ -386,8 +386,11 @@ void WorkerDaemon::HandleStep(const v1::StepCommand& cmd) {
 namespace {
 
 // Fault injection for tests and drills: FSDP8_FAULT_STEP_ERROR is a comma-separated list of
-// RANK@STEP; the step STEP (0-based) of the rank RANK fails without running, once per process and
-// entry, as a failed kernel or collective would fail it.
+// RANK@STEP; the step STEP (0-based) of the rank RANK runs and then fails, once per process and
+// entry, as an error found at the step's end (a failed kernel at the final synchronisation) would
+// fail it. Running it first keeps the order the coordinator sees fixed: the other ranks' results
+// of the step before reach it before this error, as they must have been sent before the step's
+// collectives could end.
 absl::Status InjectedStepFault(int rank, int64_t step) {
   const char* spec = std::getenv("FSDP8_FAULT_STEP_ERROR");
   if (spec == nullptr) return absl::OkStatus();
@@ -422,10 +425,9 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<v1::StepResult> r = absl::UnknownError("step not run");
-  if (absl::Status fault = InjectedStepFault(job_->rank, c.step()); !fault.ok()) {
+  r = job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
+  if (absl::Status fault = InjectedStepFault(job_->rank, c.step()); r.ok() && !fault.ok()) {
     r = fault;
-  } else {
-    r = job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
   }
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (job_->cancelled->load()) {
