@@ -303,6 +303,7 @@ class JobRun {
       *a->mutable_spec() = spec;
       a->set_store_prefix(prefix_);
       a->set_collective_timeout_ms(options_.collective_timeout_ms);
+      a->set_bootstrap_timeout_ms(static_cast<int32_t>(options_.start_timeout.count()));
       if (resume) {  // the same checkpoint for every rank
         a->set_load_dir(resume->dir);
         a->set_load_world_size(resume->manifest.world_size());

@@ -331,7 +331,8 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
 #endif
   } else {
     auto c = GlooCommunicator::Create(a.rank(), a.world_size(), job->kv.get(), a.store_prefix(),
-                                      opts_.host, timeout);
+                                      opts_.host, timeout,
+                                      std::chrono::milliseconds(a.bootstrap_timeout_ms()));
     if (!c.ok()) return fail(std::string(c.status().message()));
     job->comm = std::move(*c);
   }

@@ -94,7 +94,8 @@ struct Header {  // one per rank per collective, all-gathered before the collect
 
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     int rank, int world_size, KvStore* store, const std::string& prefix, const std::string& host,
-    std::chrono::milliseconds timeout) {
+    std::chrono::milliseconds timeout, std::chrono::milliseconds bootstrap_timeout) {
+  if (bootstrap_timeout.count() <= 0) bootstrap_timeout = timeout;
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(absl::StrCat("gloo: bad rank ", rank, " of ", world_size));
   }
@@ -104,9 +105,10 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     attr.hostname = host;
     auto dev = gloo::transport::tcp::CreateDevice(attr);
     ctx = std::make_shared<gloo::rendezvous::Context>(rank, world_size);
-    ctx->setTimeout(timeout);
-    KvGlooStore kv(store, prefix + "gloo/", timeout);
+    ctx->setTimeout(bootstrap_timeout);
+    KvGlooStore kv(store, prefix + "gloo/", bootstrap_timeout);
     ctx->connectFullMesh(kv, dev);
+    ctx->setTimeout(timeout);  // every collective sets its own as well
   });
   if (!s.ok()) {
     return absl::Status(s.code(), absl::StrCat("rank ", rank, " of ", world_size,

@@ -46,11 +46,13 @@ namespace fsdp8 {
 
 class GlooCommunicator : public Communicator {
  public:
-  // Connects the full mesh (blocks until every rank has joined or `timeout` passes).
+  // Connects the full mesh (blocks until every rank has joined or `bootstrap_timeout` passes;
+  // 0: `timeout`). `timeout` bounds each collective afterwards.
   // host: the address peers use to reach this rank. prefix: this generation's key prefix.
   static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
       int rank, int world_size, KvStore* store, const std::string& prefix, const std::string& host,
-      std::chrono::milliseconds timeout);
+      std::chrono::milliseconds timeout,
+      std::chrono::milliseconds bootstrap_timeout = std::chrono::milliseconds(0));
   ~GlooCommunicator() override;
 
   int rank() const override { return rank_; }

@@ -4,6 +4,8 @@
 //   dw_i += sum_n dy_ni * x_ni * r_n                                    (accumulate)
 // dw is reduced deterministically: per chunk of kRowsPerChunk rows a partial per column, then one
 // pass that sums the chunks in a fixed order (RmsNormDwFinalKernel). Row sums use a fixed block tree.
+#include <algorithm>
+
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_check.h"
@@ -67,17 +69,21 @@ RmsNormBackwardDxKernel(const float* __restrict__ dy, const float* __restrict__ 
   }
 }
 
-// grid (ceil(C / kThreads), chunks): partials (chunks, C) = sum over the chunk's rows.
+// grid (ceil(C / kThreads), min(chunks, 65535)): partials (chunks, C) = sum over the chunk's
+// rows. grid.y is capped at 65535 (CUDA's limit), so a block strides over chunks when N is larger.
 __global__ void RmsNormDwPartialKernel(const float* __restrict__ dy, const float* __restrict__ x,
                                        const float* __restrict__ rstd, int64_t N, int64_t C,
                                        float* __restrict__ partials) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (c >= C) return;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * kRowsPerChunk;
-  const int64_t n1 = min(N, n0 + kRowsPerChunk);
-  float acc = 0.0f;
-  for (int64_t n = n0; n < n1; ++n) acc += dy[n * C + c] * x[n * C + c] * rstd[n];
-  partials[static_cast<int64_t>(blockIdx.y) * C + c] = acc;
+  const int64_t chunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
+  for (int64_t chunk = blockIdx.y; chunk < chunks; chunk += gridDim.y) {
+    const int64_t n0 = chunk * kRowsPerChunk;
+    const int64_t n1 = min(N, n0 + kRowsPerChunk);
+    float acc = 0.0f;
+    for (int64_t n = n0; n < n1; ++n) acc += dy[n * C + c] * x[n * C + c] * rstd[n];
+    partials[chunk * C + c] = acc;
+  }
 }
 
 // dx and the dw partials in one pass over dy and x: one block per chunk of kRowsPerChunk rows,
@@ -492,8 +498,8 @@ void LaunchRmsNormBackward(const float* dy, const float* x, const float* w, cons
     RmsNormBackwardDxKernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(dy, x, w, rstd, C, dx,
                                                                              dres);
     FSDP8_CUDA_LAUNCH_CHECK();
-    FSDP8_CUDA_REQUIRE(chunks <= 65535, "RmsNormBackward: too many rows for the dw partial grid");
-    const dim3 grid(static_cast<unsigned>(CeilDiv(C, kThreads)), static_cast<unsigned>(chunks));
+    const dim3 grid(static_cast<unsigned>(CeilDiv(C, kThreads)),
+                    static_cast<unsigned>(std::min<int64_t>(chunks, 65535)));
     RmsNormDwPartialKernel<<<grid, kThreads, 0, stream>>>(dy, x, rstd, N, C, partials);
     FSDP8_CUDA_LAUNCH_CHECK();
   }

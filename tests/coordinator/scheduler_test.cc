@@ -182,6 +182,10 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
     step_delay_ = step;
     save_delay_ = save;
   }
+  // Holds each step's result until a later step's command has arrived, or `at_most` passed (for a
+  // step that nothing is sent ahead of): what arrives ahead is then fixed by the protocol, not by
+  // how fast the coordinator's thread runs.
+  void set_hold_results(std::chrono::milliseconds at_most) { hold_at_most_ = at_most; }
   // SaveCheckpoints answered while a MANIFEST already existed in the step directory.
   int manifest_seen_early() const { return manifest_seen_early_; }
   std::vector<v1::CoordinatorMessage> received() {
@@ -253,6 +257,15 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
       } else if (m.has_step()) {
         const int64_t k = m.step().step();
         std::this_thread::sleep_for(step_delay_);
+        if (hold_at_most_ > 0ms) {
+          std::unique_lock<std::mutex> lock(mu_);
+          cv_.wait_for(lock, hold_at_most_, [&] {
+            if (stop_) return true;
+            for (const auto& q : q_)
+              if (q.has_step() && q.step().step() > k) return true;
+            return false;
+          });
+        }
         if (k == at_step_ && mode_ == Mode::kErrorOnceAtStep && !fired_) {
           fired_ = true;
           v1::WorkerMessage r;
@@ -317,7 +330,7 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
   bool stop_ = false;
   bool fired_ = false;
   std::atomic<bool> heartbeat_{true};
-  std::chrono::milliseconds step_delay_{0}, save_delay_{0};
+  std::chrono::milliseconds step_delay_{0}, save_delay_{0}, hold_at_most_{0};
   std::atomic<int> manifest_seen_early_{0};
   std::thread loop_, beat_;
 };
@@ -332,7 +345,9 @@ class SchedulerTest : public ::testing::Test {
     jobs_ = std::move(*jm);
     WorkerRegistryOptions wo;
     wo.version = FSDP8_VERSION;
-    wo.heartbeat_timeout = 400ms;
+    // Well above the fakes' 50 ms beat, so that a thread stalled on a loaded machine is not taken
+    // for a dead worker.
+    wo.heartbeat_timeout = 2s;
     workers_ = std::make_unique<WorkerRegistry>(wo);
     SchedulerOptions so;
     so.start_timeout = 3s;
@@ -429,6 +444,7 @@ TEST_F(SchedulerTest, TwoRanksRunToSuccess) {
   EXPECT_EQ(a.spec().training().microbatch(), 2);  // global_batch 4 / 2 ranks
   EXPECT_EQ(a.store_prefix(), "job/" + id + "/gen/1/");
   EXPECT_EQ(a.collective_timeout_ms(), 30000);
+  EXPECT_EQ(a.bootstrap_timeout_ms(), 3000);  // the start timeout (3 s here)
   // Steps 0..11 in order; evaluate at steps 2,4,...,12 (eval_every 2) and the last.
   std::vector<int64_t> steps, evals, scaling;
   for (const auto& m : msgs) {
@@ -525,17 +541,27 @@ TEST_F(SchedulerTest, LostSessionFailsJobWithinSeconds) {
   EXPECT_TRUE(absl::StrContains(end.reason(), "rank 1 (worker " + w1->id() + ")")) << end.reason();
   EXPECT_TRUE(absl::StrContains(end.reason(), "session stream ended")) << end.reason();
   EXPECT_TRUE(WaitFor([&] { return w0->Count(v1::CoordinatorMessage::kAbort) == 1; }));
+  // The Abort is sent before the job's workers are released.
+  ASSERT_TRUE(WaitFor([&] { return AllIdle(); }));
   EXPECT_EQ(workers_->FreeWorkers("cpu"), std::vector<std::string>{w0->id()});
 }
 
 TEST_F(SchedulerTest, HeartbeatTimeoutFailsJob) {
+  sched_->Stop();
+  SchedulerOptions so;
+  so.start_timeout = 3s;
+  so.step_timeout = 10s;  // the heartbeat timeout (2 s) must end the step's wait first
+  so.tick = 20ms;
+  so.abort_grace = 0ms;
+  sched_ = std::make_unique<Scheduler>(jobs_.get(), workers_.get(), &kv_, so);
+  sched_->Start();
   auto w0 = AddWorker(FakeWorker::Mode::kStopHeartbeatAtStep, 1);
   auto w1 = AddWorker();
   auto job = jobs_->Submit("", SmallSpec(train_, 2, 5));
   ASSERT_TRUE(job.ok());
   auto t0 = std::chrono::steady_clock::now();
-  v1::Job end = WaitEnd(job->job_id(), 5);
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1900ms) << "before the 2 s step timeout";
+  v1::Job end = WaitEnd(job->job_id(), 15);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 9s) << "before the 10 s step timeout";
   EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
   EXPECT_TRUE(absl::StrContains(end.reason(), "rank 0 (worker " + w0->id() + ")")) << end.reason();
   EXPECT_TRUE(absl::StrContains(end.reason(), "heartbeat")) << end.reason();
@@ -688,7 +714,9 @@ TEST_F(SchedulerTest, NoCheckpointDirNoSaves) {
 TEST_F(SchedulerTest, NextStepIsSentAheadUnlessASaveComesBetween) {
   auto w0 = AddWorker();
   auto w1 = AddWorker();
-  for (auto* w : {w0.get(), w1.get()}) w->set_delays(100ms, 0ms);
+  // A step sent ahead arrives while the result of the one before is held; 1 s covers a loaded
+  // machine, and only the two steps with nothing sent ahead (3: a save follows; 7: the last) wait it.
+  for (auto* w : {w0.get(), w1.get()}) w->set_hold_results(1000ms);
   const std::string ck = dir_.File("ck");
   v1::JobSpec spec = SmallSpec(train_, 2, 8);
   spec.mutable_checkpoint()->set_dir(ck);
@@ -799,6 +827,8 @@ TEST_F(SchedulerTest, ReportedFileThatDoesNotMatchIsNeverCommitted) {
         << end.reason();
     EXPECT_TRUE(Committed(ck).empty());
     EXPECT_TRUE(WaitFor([&] { return w->Count(v1::CoordinatorMessage::kAbort) == 1; }));
+    // Released first: a busy worker is not free either, and would be free again after the stop.
+    ASSERT_TRUE(WaitFor([&] { return AllIdle(); }));
     w->Stop();  // no more heartbeats: unassignable once the registry notices
     ASSERT_TRUE(WaitFor([&] { return workers_->FreeWorkers("cpu").empty(); }));
   }
@@ -808,13 +838,15 @@ TEST_F(SchedulerTest, SaveDeadlineFailsTheJob) {
   sched_->Stop();
   SchedulerOptions so;
   so.start_timeout = 3s;
-  so.step_timeout = 300ms;
+  // The step timeout is also the save's deadline. 2 s leaves the steps room on a loaded machine;
+  // the save takes 5 s.
+  so.step_timeout = 2s;
   so.tick = 20ms;
   so.abort_grace = 0ms;
   sched_ = std::make_unique<Scheduler>(jobs_.get(), workers_.get(), &kv_, so);
   sched_->Start();
   auto w0 = AddWorker();
-  w0->set_delays(0ms, 1000ms);
+  w0->set_delays(0ms, 5000ms);
   v1::JobSpec spec = SmallSpec(train_, 1, 2);
   spec.mutable_checkpoint()->set_dir(dir_.File("ck"));
   auto job = jobs_->Submit("", spec);

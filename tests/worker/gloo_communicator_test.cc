@@ -118,6 +118,41 @@ TEST(GlooCommunicator, MissingPeerTimesOutInsteadOfHanging) {
   EXPECT_NE(c.status().message().find("rank 0 of 2"), std::string::npos) << c.status();
 }
 
+// The rendezvous waits the bootstrap timeout (a rank of the previous generation may join late,
+// once its blocked collective timed out), the collectives afterwards only the collective timeout:
+// rank 1 joins 2.5 s late (collective timeout 1 s, bootstrap 20 s) and the mesh connects; then a
+// collective that rank 1 never enters fails on rank 0 after about 1 s, not 20 s.
+TEST(GlooCommunicator, RendezvousWaitsTheBootstrapTimeoutCollectivesTheirOwn) {
+  testing::MemKvStore kv;
+  const std::chrono::milliseconds collective(1000), bootstrap(20000);
+  absl::Status rank0, rank1;
+  double op_seconds = -1;
+  std::atomic<bool> rank0_done{false};
+  std::thread t0([&] {
+    auto c = GlooCommunicator::Create(0, 2, &kv, "late/", "127.0.0.1", collective, bootstrap);
+    rank0 = c.status();
+    if (c.ok()) {
+      const auto start = std::chrono::steady_clock::now();
+      float x = 1;
+      rank0 = (*c)->AllReduce(&x, 1, ReduceOp::kSum);
+      op_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+    rank0_done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  auto c1 = GlooCommunicator::Create(1, 2, &kv, "late/", "127.0.0.1", collective, bootstrap);
+  rank1 = c1.status();
+  // Rank 1 stays out of the all-reduce (its communicator stays open) until rank 0 gave up.
+  for (int i = 0; i < 400 && !rank0_done; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  t0.join();
+  ASSERT_TRUE(rank1.ok()) << rank1;
+  ASSERT_GE(op_seconds, 0) << "rank 0 did not connect: " << rank0;
+  EXPECT_FALSE(rank0.ok());
+  EXPECT_GE(op_seconds, 0.9);
+  EXPECT_LT(op_seconds, 10.0);
+}
+
 // An aborted job's bootstrap (2-rank job, only rank 0 present, 30 s rendezvous timeout) ends
 // within ~1 s of the abort flag being set, instead of at the rendezvous timeout.
 TEST(GlooCommunicator, CancelledRendezvousEndsPromptly) {
