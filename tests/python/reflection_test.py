@@ -98,7 +98,11 @@ class ReflectionTest(unittest.TestCase):
             cls.cluster.start()
             cls.r = Reflected(cls.cluster.address)
             t0 = time.monotonic()
-            while len(cls.r.call(ADMIN, "ListWorkers").workers) < 2:
+            # Registered first, assignable (IDLE) once the session stream is open.
+            def idle():
+                return sum(cls.r.enum_name("fsdp8.v1.WorkerState", w.state) == "WORKER_STATE_IDLE"
+                           for w in cls.r.call(ADMIN, "ListWorkers").workers)
+            while idle() < 2:
                 if time.monotonic() - t0 > 30:
                     raise RuntimeError("workers did not register\n" + cls.cluster.dump_logs())
                 time.sleep(0.1)

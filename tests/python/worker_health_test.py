@@ -47,7 +47,12 @@ class WorkerHealthTest(unittest.TestCase):
                               f"--coordinator=127.0.0.1:{coord_port}",
                               f"--health_port={health_port}", "--connect_timeout_s=60"],
                              "worker")
-        ch = grpc.insecure_channel(f"127.0.0.1:{health_port}")
+        # Short reconnect backoff: the first check waits for the worker's health port to open, and
+        # gRPC's default backoff (1 s, growing) could let its 5 s deadline pass on a loaded machine.
+        ch = grpc.insecure_channel(f"127.0.0.1:{health_port}",
+                                   options=[("grpc.initial_reconnect_backoff_ms", 100),
+                                            ("grpc.min_reconnect_backoff_ms", 100),
+                                            ("grpc.max_reconnect_backoff_ms", 500)])
         self.addCleanup(ch.close)
 
         def wait_for(service, want, limit=20):
