@@ -98,6 +98,11 @@ int main(int argc, char** argv) {
                     "--heartbeat_timeout_s\n");
     return 1;
   }
+  if (o.scheduler.start_timeout <= std::chrono::milliseconds(o.scheduler.collective_timeout_ms)) {
+    fprintf(stderr, "fsdp8-coordinator: warning: --start_timeout_s is not above "
+                    "--collective_timeout_ms; a rank still blocked in a collective of a failed "
+                    "generation may make the next generation's rendezvous time out\n");
+  }
   auto server = fsdp8::coord::CoordinatorServer::Start(o);
   if (!server.ok()) {
     fprintf(stderr, "fsdp8-coordinator: %s\n", server.status().ToString().c_str());

@@ -1,5 +1,6 @@
 #include "coordinator/scheduler.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <deque>
@@ -303,7 +304,8 @@ class JobRun {
       *a->mutable_spec() = spec;
       a->set_store_prefix(prefix_);
       a->set_collective_timeout_ms(options_.collective_timeout_ms);
-      a->set_bootstrap_timeout_ms(static_cast<int32_t>(options_.start_timeout.count()));
+      a->set_bootstrap_timeout_ms(static_cast<int32_t>(std::clamp<int64_t>(
+          options_.start_timeout.count(), 1, std::numeric_limits<int32_t>::max())));
       if (resume) {  // the same checkpoint for every rank
         a->set_load_dir(resume->dir);
         a->set_load_world_size(resume->manifest.world_size());

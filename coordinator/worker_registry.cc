@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "coordinator/job_manager.h"
 
@@ -9,21 +10,75 @@ namespace fsdp8::coord {
 
 WorkerRegistry::WorkerRegistry(WorkerRegistryOptions options) : options_(std::move(options)) {}
 
+namespace {
+
+// A worker name: 1 to 63 characters of [A-Za-z0-9._-] (a Kubernetes pod name fits), and not of
+// the form w-<digits>, which the registry gives to unnamed workers.
+absl::Status CheckName(const std::string& name) {
+  if (name.size() > 63)
+    return absl::InvalidArgumentError(
+        absl::StrCat("name: ", name.size(), " characters; at most 63 are allowed"));
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-')
+      return absl::InvalidArgumentError(absl::StrCat(
+          "name: '", name, "' has a character other than A-Z, a-z, 0-9, '.', '_' and '-'"));
+  }
+  if (name.size() > 2 && name.rfind("w-", 0) == 0 &&
+      std::all_of(name.begin() + 2, name.end(), [](char c) { return absl::ascii_isdigit(c); }))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "name: '", name, "' has the form w-<digits>, which is kept for unnamed workers"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(const v1::RegisterRequest& req) {
   if (req.version() != options_.version)
     return absl::FailedPreconditionError(absl::StrCat(
         "worker version ", req.version(), " != coordinator version ", options_.version));
   if (req.host().empty()) return absl::InvalidArgumentError("host: must not be empty");
+  if (!req.name().empty()) {
+    if (absl::Status s = CheckName(req.name()); !s.ok()) return s;
+  }
   std::string backend = req.backend().empty() ? "cpu" : req.backend();
   v1::RegisterResponse resp;
+  std::shared_ptr<SessionSink> replaced;  // a taken-over entry's old Session, ended below
+  WorkerEventHandler handler;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    int64_t n = next_id_++;
-    std::string id = absl::StrCat("w-", n);
-    Worker& w = workers_[id];
-    w.order = n;
-    w.last_seen = std::chrono::steady_clock::now();
-    v1::WorkerInfo& i = w.info;
+    std::string id;
+    Worker* w = nullptr;
+    if (!req.name().empty()) {
+      id = req.name();
+      auto it = workers_.find(id);
+      if (it != workers_.end()) {
+        Worker& old = it->second;
+        if (old.info.healthy() && old.session &&
+            (old.info.host() != req.host() || old.pid != req.pid())) {
+          return absl::AlreadyExistsError(absl::StrCat(
+              "name: '", id, "' is registered by a live worker (host ", old.info.host(), ", pid ",
+              old.pid, "); retry once it is gone"));
+        }
+        w = &old;  // taken over: order, drain, job and rank stay
+        if (old.session) {
+          // Its own earlier Session, or that of a process that stopped beating: it must not be
+          // assignable through the old stream in the moment before the new one attaches.
+          replaced = std::move(old.session);
+          old.token = 0;
+          handler = old.handler;
+        }
+      }
+    }
+    if (w == nullptr) {
+      const int64_t n = next_id_++;
+      if (id.empty()) id = absl::StrCat("w-", n);
+      w = &workers_[id];
+      w->order = n;
+      w->info.set_rank(-1);
+    }
+    w->pid = req.pid();
+    w->last_seen = std::chrono::steady_clock::now();
+    v1::WorkerInfo& i = w->info;
     i.set_worker_id(id);
     i.set_host(req.host());
     i.set_backend(backend);
@@ -31,10 +86,19 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(const v1::Register
     i.set_memory_bytes(req.memory_bytes());
     i.set_version(req.version());
     i.set_healthy(true);
-    i.set_rank(-1);
     i.set_last_heartbeat(NowSeconds());
     resp.set_worker_id(id);
     resp.set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
+  }
+  if (replaced) {
+    replaced->Close();
+    if (handler) {
+      WorkerEvent ev;
+      ev.kind = WorkerEvent::kLost;
+      ev.worker_id = resp.worker_id();
+      ev.reason = "session replaced: the worker registered again";
+      handler(ev);
+    }
   }
   return resp;
 }

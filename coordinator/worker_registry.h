@@ -62,7 +62,12 @@ class WorkerRegistry {
   explicit WorkerRegistry(WorkerRegistryOptions options);
 
   // FAILED_PRECONDITION "worker version X != coordinator version Y" on a version mismatch;
-  // INVALID_ARGUMENT for an empty host. Otherwise a new worker id.
+  // INVALID_ARGUMENT for an empty host or a malformed name. Otherwise the worker id: req.name, or
+  // a new w-<n> when it is empty.
+  // A name already listed is taken over (same id; its drain and any job it serves stay, and the
+  // job learns of the old session's end when the new one attaches) unless that entry is healthy
+  // with an open Session of another process (host, pid): ALREADY_EXISTS, naming it; the worker
+  // retries, and gets the name once that session ends or its heartbeats stop.
   absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& req);
   // NOT_FOUND for an unknown worker id (the worker should register again).
   absl::Status Heartbeat(const std::string& worker_id);
@@ -81,7 +86,7 @@ class WorkerRegistry {
   // Drains a worker (undo = false): it is never assigned again (FreeWorkers/Assign skip it), while
   // a job it already serves keeps it until that job's run releases it. undo = true makes it
   // assignable again. Returns its WorkerInfo; NOT_FOUND for an unknown id. A drained worker that
-  // registers again (new worker id) is not drained.
+  // registers again under a new id (no name) is not drained; one with a name stays drained.
   absl::StatusOr<v1::WorkerInfo> Drain(const std::string& worker_id, bool undo);
   // Whole-coordinator drain: while false, no worker is assignable (running jobs keep theirs).
   void SetAssigning(bool assigning);
@@ -117,6 +122,7 @@ class WorkerRegistry {
     uint64_t token = 0;
     WorkerEventHandler handler;
     int64_t order = 0;
+    int64_t pid = 0;  // the registering process's, to tell its own re-registration from another's
     std::chrono::steady_clock::time_point hold_until{};  // unassignable before this (see Release)
   };
   bool Assignable(const Worker& w, std::chrono::steady_clock::time_point now) const;

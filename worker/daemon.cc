@@ -97,6 +97,7 @@ bool WorkerDaemon::Register() {
     req.set_device(opts_.device);
     req.set_memory_bytes(static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE));
     req.set_pid(getpid());
+    req.set_name(opts_.name);
     v1::RegisterResponse resp;
     grpc::Status s = stub_->Register(&ctx, req, &resp);
     if (s.ok()) {
@@ -119,7 +120,10 @@ bool WorkerDaemon::Register() {
       return false;
     }
     if (attempt++ % 10 == 0) {
-      Log(absl::StrCat("waiting for coordinator ", opts_.coordinator, ": ", s.error_message()));
+      Log(c == grpc::StatusCode::ALREADY_EXISTS
+              ? absl::StrCat("registration refused for now: ", s.error_message())
+              : absl::StrCat("waiting for coordinator ", opts_.coordinator, ": ",
+                             s.error_message()));
     }
     const auto wait = backoff + std::chrono::milliseconds(jitter() % (backoff.count() / 4 + 1));
     for (auto until = std::chrono::steady_clock::now() + wait;
@@ -213,6 +217,7 @@ void WorkerDaemon::Serve() {
       }
       case v1::CoordinatorMessage::kStep: {
         const v1::StepCommand c = msg.step();
+        last_step_received_.store(std::max(last_step_received_.load(), c.step()));
         Post([this, c] { HandleStep(c); });
         break;
       }
@@ -323,7 +328,8 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   if (backend == "cuda") {
 #ifdef FSDP8_WITH_CUDA
     auto c = CreateNcclCommunicator(a.rank(), a.world_size(), job->kv.get(), a.store_prefix(),
-                                    job->backend.get(), timeout);
+                                    job->backend.get(), timeout,
+                                    std::chrono::milliseconds(a.bootstrap_timeout_ms()));
     if (!c.ok()) return fail(std::string(c.status().message()));
     job->comm = std::move(*c);
 #else
@@ -389,9 +395,8 @@ namespace {
 // Fault injection for tests and drills: FSDP8_FAULT_STEP_ERROR is a comma-separated list of
 // RANK@STEP; the step STEP (0-based) of the rank RANK runs and then fails, once per process and
 // entry, as an error found at the step's end (a failed kernel at the final synchronisation) would
-// fail it. Running it first keeps the order the coordinator sees fixed: the other ranks' results
-// of the step before reach it before this error, as they must have been sent before the step's
-// collectives could end.
+// fail it. The error is reported once the next step's command has arrived (the coordinator sends
+// one step ahead; at most 5 s), so that step is always queued behind the failure.
 absl::Status InjectedStepFault(int rank, int64_t step) {
   const char* spec = std::getenv("FSDP8_FAULT_STEP_ERROR");
   if (spec == nullptr) return absl::OkStatus();
@@ -427,8 +432,15 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<v1::StepResult> r = absl::UnknownError("step not run");
   r = job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
-  if (absl::Status fault = InjectedStepFault(job_->rank, c.step()); r.ok() && !fault.ok()) {
-    r = fault;
+  if (r.ok()) {
+    if (absl::Status fault = InjectedStepFault(job_->rank, c.step()); !fault.ok()) {
+      // The step sent ahead is received before the failure is reported (up to 5 s), so that the
+      // drop of a queued step is what a drill sees every time.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (last_step_received_.load() <= c.step() && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      r = fault;
+    }
   }
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (job_->cancelled->load()) {

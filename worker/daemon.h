@@ -39,6 +39,9 @@ struct DaemonOptions {
   std::string backend = "cpu";
   int device = 0;
   int connect_timeout_s = 60;  // give up when the coordinator does not answer this long
+  // Stable worker id to register under (RegisterRequest.name, e.g. the pod name); empty: the
+  // coordinator assigns one, new at each registration.
+  std::string name;
   // The channel to the coordinator (TLS, token: common/rpc_channel.h); null = plaintext.
   std::shared_ptr<grpc::Channel> channel;
   WorkerMetrics* metrics = nullptr;  // optional; must outlive the daemon
@@ -103,6 +106,8 @@ class WorkerDaemon {
   // Set when a job is aborted, fails a step, or the session ends, until the next assignment: step
   // commands the coordinator had already sent ahead are then dropped without an error.
   std::atomic<bool> stale_steps_{false};
+  // The highest step whose StepCommand the session has received (for FSDP8_FAULT_STEP_ERROR).
+  std::atomic<int64_t> last_step_received_{-1};
 };
 
 }  // namespace fsdp8

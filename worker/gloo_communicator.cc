@@ -1,5 +1,6 @@
 #include "worker/gloo_communicator.h"
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
 #include <vector>
@@ -50,10 +51,11 @@ class KvGlooStore : public gloo::rendezvous::Store {
     return std::vector<char>(v->begin(), v->end());
   }
   void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  // Gloo passes its context's timeout (the collective one); the rendezvous waits at least ours.
   void wait(const std::vector<std::string>& keys,
             const std::chrono::milliseconds& timeout) override {
     for (const std::string& k : keys) {
-      auto v = kv_->Get(prefix_ + k, timeout);
+      auto v = kv_->Get(prefix_ + k, std::max(timeout, timeout_));
       if (!v.ok()) throw std::runtime_error("rendezvous wait: " + v.status().ToString());
     }
   }
@@ -105,10 +107,12 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     attr.hostname = host;
     auto dev = gloo::transport::tcp::CreateDevice(attr);
     ctx = std::make_shared<gloo::rendezvous::Context>(rank, world_size);
-    ctx->setTimeout(bootstrap_timeout);
+    // The context's timeout also bounds each pair's TCP connect (Gloo waits a multiple of it), which
+    // starts only once the peer has published its address: the collective timeout is enough there.
+    // Only the waits for the peers' addresses take the bootstrap timeout.
+    ctx->setTimeout(timeout);
     KvGlooStore kv(store, prefix + "gloo/", bootstrap_timeout);
     ctx->connectFullMesh(kv, dev);
-    ctx->setTimeout(timeout);  // every collective sets its own as well
   });
   if (!s.ok()) {
     return absl::Status(s.code(), absl::StrCat("rank ", rank, " of ", world_size,

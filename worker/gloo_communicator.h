@@ -46,8 +46,9 @@ namespace fsdp8 {
 
 class GlooCommunicator : public Communicator {
  public:
-  // Connects the full mesh (blocks until every rank has joined or `bootstrap_timeout` passes;
-  // 0: `timeout`). `timeout` bounds each collective afterwards.
+  // Connects the full mesh (blocks until every rank has published its address or
+  // `bootstrap_timeout` passes; 0: `timeout`). `timeout` bounds each TCP connect (Gloo waits up to
+  // 5x it) and each collective afterwards.
   // host: the address peers use to reach this rank. prefix: this generation's key prefix.
   static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
       int rank, int world_size, KvStore* store, const std::string& prefix, const std::string& host,

@@ -27,6 +27,9 @@ ABSL_FLAG(std::string, backend, "cpu", "compute backend this worker offers: cpu 
 ABSL_FLAG(int, device, 0, "GPU ordinal (cuda backend)");
 ABSL_FLAG(int, threads, 1, "BLAS threads for the CPU backend");
 ABSL_FLAG(int, connect_timeout_s, 60, "give up when the coordinator does not answer this long");
+ABSL_FLAG(std::string, name, "",
+          "stable worker id (e.g. the pod name): kept across session losses and restarts of this "
+          "worker or the coordinator; 1-63 of [A-Za-z0-9._-]; empty: the coordinator assigns w-<n>");
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle to verify the coordinator with (TLS); "
           "default $FSDP8_TLS_CA");
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mutual TLS); default $FSDP8_TLS_CERT");
@@ -70,6 +73,7 @@ int main(int argc, char** argv) {
   opts.backend = absl::GetFlag(FLAGS_backend);
   opts.device = absl::GetFlag(FLAGS_device);
   opts.connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);
+  opts.name = absl::GetFlag(FLAGS_name);
   auto setting = [](std::string v, const char* env) {
     if (v.empty()) {
       const char* e = std::getenv(env);

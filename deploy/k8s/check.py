@@ -183,6 +183,10 @@ def check(overlay, objs):
     if flag(c["args"], "host") != "$(POD_IP)" or \
             env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] != "status.podIP":
         fail(overlay, "workers: --host must be the pod IP (peers dial it)")
+    if flag(c["args"], "name") != "$(POD_NAME)" or \
+            env.get("POD_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != \
+            "metadata.name":
+        fail(overlay, "workers: --name must be the pod name (the StatefulSet's stable worker id)")
     health = int(flag(c["args"], "health_port") or 0)
     wmetrics = int(flag(c["args"], "metrics_port") or 0)
     wports = {p["name"]: p["containerPort"] for p in c["ports"]}

@@ -119,6 +119,72 @@ TEST(WorkerRegistry, OnlyWorkersWithSessionAreAssignable) {
   EXPECT_EQ(list[0].rank(), -1);
 }
 
+// Named workers keep their id: a second live process under the name is refused naming the first,
+// the same process (its session dropped) or a successor after the first's session ended takes the
+// entry over, drain included; malformed names are refused naming the field and the rule.
+TEST(WorkerRegistry, NamedWorkerKeepsItsIdAndALiveDuplicateIsRefused) {
+  WorkerRegistry reg({"1.2.3"});
+  v1::RegisterRequest a = Req();
+  a.set_name("fsdp8-worker-0");
+  a.set_pid(100);
+  auto r1 = reg.Register(a);
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  EXPECT_EQ(r1->worker_id(), "fsdp8-worker-0");
+  auto sink = std::make_shared<NullSink>();
+  auto tok = reg.AttachSession("fsdp8-worker-0", sink);
+  ASSERT_TRUE(tok.ok());
+  ASSERT_TRUE(reg.Drain("fsdp8-worker-0", false).ok());
+
+  v1::RegisterRequest other = a;
+  other.set_pid(200);
+  auto dup = reg.Register(other);
+  EXPECT_EQ(dup.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(dup.status().message(),
+            "name: 'fsdp8-worker-0' is registered by a live worker (host 127.0.0.1, pid 100); "
+            "retry once it is gone");
+
+  // The same process again (its stream dropped before the coordinator noticed): taken over, and
+  // the old session is no longer the worker's.
+  auto again = reg.Register(a);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->worker_id(), "fsdp8-worker-0");
+  EXPECT_FALSE(reg.Send("fsdp8-worker-0", v1::CoordinatorMessage()));
+
+  // Another process once the first is gone: the same id, still drained, listed once.
+  auto succ = reg.Register(other);
+  ASSERT_TRUE(succ.ok()) << succ.status();
+  EXPECT_EQ(succ->worker_id(), "fsdp8-worker-0");
+  ASSERT_TRUE(reg.AttachSession("fsdp8-worker-0", std::make_shared<NullSink>()).ok());
+  auto list = reg.List();
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].state(), v1::WORKER_STATE_DRAINED);
+  EXPECT_TRUE(reg.FreeWorkers("cpu").empty());
+
+  // An unnamed worker next to it gets a generated id.
+  auto anon = reg.Register(Req());
+  ASSERT_TRUE(anon.ok());
+  EXPECT_EQ(anon->worker_id().rfind("w-", 0), 0u) << anon->worker_id();
+  EXPECT_NE(anon->worker_id(), "fsdp8-worker-0");
+
+  const std::pair<std::string, std::string> bad[] = {
+      {std::string(64, 'a'), "name: 64 characters; at most 63 are allowed"},
+      {"pod/0", "name: 'pod/0' has a character other than A-Z, a-z, 0-9, '.', '_' and '-'"},
+      {"w-12", "name: 'w-12' has the form w-<digits>, which is kept for unnamed workers"}};
+  for (const auto& [name, message] : bad) {
+    v1::RegisterRequest b = Req();
+    b.set_name(name);
+    auto r = reg.Register(b);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_EQ(r.status().message(), message);
+  }
+  v1::RegisterRequest ok = Req();
+  ok.set_name(std::string(63, 'a'));
+  EXPECT_TRUE(reg.Register(ok).ok());
+  ok.set_name("w-x1");  // not w-<digits>
+  EXPECT_TRUE(reg.Register(ok).ok());
+  EXPECT_EQ(reg.List().size(), 4u);
+}
+
 // ---------------- fake workers + scheduler ----------------
 
 // A worker daemon in miniature: answers Assignment with Ready, StepCommand with StepResult and
@@ -712,18 +778,26 @@ TEST_F(SchedulerTest, NoCheckpointDirNoSaves) {
 // Dispatch ahead: step k+1's command reaches the workers while step k runs (before its result),
 // except where a save comes between the two steps; the saves land where they would otherwise.
 TEST_F(SchedulerTest, NextStepIsSentAheadUnlessASaveComesBetween) {
+  sched_->Stop();
+  SchedulerOptions so;
+  so.start_timeout = 3s;
+  so.step_timeout = 10s;  // above the results' hold below
+  so.tick = 20ms;
+  so.abort_grace = 0ms;
+  sched_ = std::make_unique<Scheduler>(jobs_.get(), workers_.get(), &kv_, so);
+  sched_->Start();
   auto w0 = AddWorker();
   auto w1 = AddWorker();
-  // A step sent ahead arrives while the result of the one before is held; 1 s covers a loaded
+  // A step sent ahead arrives while the result of the one before is held; 3 s covers a loaded
   // machine, and only the two steps with nothing sent ahead (3: a save follows; 7: the last) wait it.
-  for (auto* w : {w0.get(), w1.get()}) w->set_hold_results(1000ms);
+  for (auto* w : {w0.get(), w1.get()}) w->set_hold_results(3000ms);
   const std::string ck = dir_.File("ck");
   v1::JobSpec spec = SmallSpec(train_, 2, 8);
   spec.mutable_checkpoint()->set_dir(ck);
   spec.mutable_checkpoint()->set_every_steps(4);
   auto job = jobs_->Submit("", spec);
   ASSERT_TRUE(job.ok()) << job.status();
-  v1::Job end = WaitEnd(job->job_id());
+  v1::Job end = WaitEnd(job->job_id(), 30);
   ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
   for (auto* w : {w0.get(), w1.get()}) {
     // Step k+1 arrives after k results (while step k runs); step 4 only after the save of step-4,

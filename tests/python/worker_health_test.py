@@ -65,6 +65,8 @@ class WorkerHealthTest(unittest.TestCase):
                                 f"{service!r}: {got} != {want}\n{c.dump_logs()}")
                 time.sleep(0.1)
 
+        # The worker process may take a while to open its health port on a loaded machine.
+        grpc.channel_ready_future(ch).result(timeout=60)
         self.assertEqual(check(ch, ""), SERVING)
         self.assertEqual(check(ch, "ready"), NOT_SERVING)  # no coordinator yet
         with self.assertRaises(grpc.RpcError) as e:

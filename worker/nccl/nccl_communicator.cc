@@ -157,7 +157,8 @@ class NcclCommunicator final : public Communicator {
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
   }
 
-  absl::Status Init(const ncclUniqueId& id) {
+  // Waits up to `bootstrap` for every rank to join.
+  absl::Status Init(const ncclUniqueId& id, std::chrono::milliseconds bootstrap) {
     cudaError_t e = cudaSetDevice(backend_->device());
     if (e != cudaSuccess) return absl::InternalError(absl::StrCat("nccl: cudaSetDevice: ", CudaErr(e)));
     int prio_lo = 0, prio_hi = 0;
@@ -183,13 +184,13 @@ class NcclCommunicator final : public Communicator {
       return absl::InternalError(absl::StrCat("nccl: ncclCommInitRankConfig (rank ", rank_, " of ",
                                               world_, ", device ", backend_->device(), "): ", NcclErr(r)));
     }
-    const auto deadline = Clock::now() + timeout_;
+    const auto deadline = Clock::now() + bootstrap;
     r = WaitNotInProgress(deadline);
     if (r == ncclInProgress) {
       ncclCommAbort(comm_);
       comm_ = nullptr;
       return absl::DeadlineExceededError(absl::StrCat(
-          "nccl: rank ", rank_, " of ", world_, " timed out after ", Seconds(timeout_),
+          "nccl: rank ", rank_, " of ", world_, " timed out after ", Seconds(bootstrap),
           " initialising the NCCL communicator: is every rank of the generation running and "
           "reachable (same NCCL version, network interfaces; run with NCCL_DEBUG=WARN)?"));
     }
@@ -737,7 +738,8 @@ class NcclCommunicator final : public Communicator {
 
 absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
     int rank, int world_size, KvStore* store, const std::string& prefix, Backend* backend,
-    std::chrono::milliseconds timeout) {
+    std::chrono::milliseconds timeout, std::chrono::milliseconds bootstrap_timeout) {
+  if (bootstrap_timeout.count() <= 0) bootstrap_timeout = timeout;
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(absl::StrCat("nccl: rank ", rank, " not in [0, ", world_size, ")"));
   }
@@ -763,11 +765,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
                                                  key, "' in the rendezvous store: ", s.message()));
     }
   } else {
-    absl::StatusOr<std::string> v = store->Get(key, timeout);
+    absl::StatusOr<std::string> v = store->Get(key, bootstrap_timeout);
     if (!v.ok()) {
       if (v.status().code() == absl::StatusCode::kDeadlineExceeded) {
         return absl::DeadlineExceededError(absl::StrCat(
-            "nccl: rank ", rank, " timed out after ", Seconds(timeout), " waiting for rank 0's NCCL unique id (key '",
+            "nccl: rank ", rank, " timed out after ", Seconds(bootstrap_timeout), " waiting for rank 0's NCCL unique id (key '",
             key, "'): is rank 0 alive and in the same generation?"));
       }
       return absl::Status(v.status().code(),
@@ -781,7 +783,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
     }
   }
   auto comm = std::make_unique<NcclCommunicator>(rank, world_size, cuda_backend, timeout);
-  absl::Status s = comm->Init(id);
+  absl::Status s = comm->Init(id, bootstrap_timeout);
   if (!s.ok()) return s;
   return std::unique_ptr<Communicator>(std::move(comm));
 }

@@ -44,9 +44,11 @@
 namespace fsdp8 {
 
 // backend must be a CudaBackend (kernels/cuda/cuda_backend.h); it must outlive the communicator.
-// timeout bounds the unique-id wait, the NCCL initialisation and every collective.
+// bootstrap_timeout (0: timeout) bounds the unique-id wait and the NCCL initialisation, which
+// wait for every rank of the generation; timeout bounds every collective.
 absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
     int rank, int world_size, KvStore* store, const std::string& prefix, Backend* backend,
-    std::chrono::milliseconds timeout);
+    std::chrono::milliseconds timeout,
+    std::chrono::milliseconds bootstrap_timeout = std::chrono::milliseconds(0));
 
 }  // namespace fsdp8
