@@ -19,8 +19,18 @@ trap cleanup EXIT
 "$bin/fsdp8-coordinator" --listen "$addr" --state_db "$run/coordinator.db" \
   --data_roots "$PWD/data" > "$run/coordinator.log" 2>&1 &
 pids+=($!)
+for _ in $(seq 100); do  # until it listens; a coordinator that exits (port taken) is reported
+  grep -q "listening on" "$run/coordinator.log" && break
+  if ! kill -0 "${pids[0]}" 2>/dev/null; then
+    echo "the coordinator did not start (port $port taken? set FSDP8_PORT):" >&2
+    cat "$run/coordinator.log" >&2
+    exit 1
+  fi
+  sleep 0.1
+done
 for i in 0 1; do
-  "$bin/fsdp8-worker" --coordinator "$addr" --host 127.0.0.1 --threads 1 > "$run/worker-$i.log" 2>&1 &
+  "$bin/fsdp8-worker" --coordinator "$addr" --host 127.0.0.1 --threads 1 --name "demo-worker-$i" \
+    > "$run/worker-$i.log" 2>&1 &
   pids+=($!)
 done
 sed "s|DATA_DIR|$PWD/data/fortunes|" data/default-job.yaml > "$run/job.yaml"

@@ -11,6 +11,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/http_server.h"
 #include "common/rpc_channel.h"
@@ -55,6 +58,14 @@ void ForwardToWatcher(int sig) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("fsdp8 worker: fsdp8-worker --coordinator host:port [--host ip] ...");
+  // --help lists this file's flags (absl matches flag files by the program's name otherwise).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "worker/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
 
   // SIGTERM / SIGINT are taken by a watcher thread (sigwait); they are blocked before any thread of
