@@ -10,9 +10,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
+#include "common/flags_help.h"
 #include "coordinator/log.h"
 #include "coordinator/services.h"
 #include "coordinator/status_page.h"
@@ -55,14 +54,8 @@ std::chrono::milliseconds Ms(double seconds) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("fsdp8 coordinator: fsdp8-coordinator [--listen host:port] ...");
-  // --help lists this file's flags (absl matches flag files by the program's name otherwise).
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "coordinator/main.cc");
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
+  fsdp8::SetDaemonHelp("fsdp8 coordinator: fsdp8-coordinator [--listen host:port] ...",
+                       "coordinator/main.cc");
   absl::ParseCommandLine(argc, argv);
 
   // Handle SIGINT/SIGTERM on this thread only (every thread started later inherits the mask).

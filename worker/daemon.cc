@@ -84,7 +84,8 @@ bool WorkerDaemon::Register() {
       std::chrono::steady_clock::now() + std::chrono::seconds(opts_.connect_timeout_s);
   int attempt = 0;
   // Exponential backoff (0.2 s doubling to 5 s, with jitter) so that a fleet of workers does not
-  // hammer a coordinator that is restarting.
+  // hammer a coordinator that is restarting; cut short once the channel connects (it reconnects on
+  // its own backoff, common/rpc_channel.cc), so a coordinator that comes up is reached at once.
   std::chrono::milliseconds backoff(200);
   std::minstd_rand jitter(static_cast<uint32_t>(getpid()));
   while (!shutdown_) {
@@ -126,9 +127,21 @@ bool WorkerDaemon::Register() {
                              s.error_message()));
     }
     const auto wait = backoff + std::chrono::milliseconds(jitter() % (backoff.count() / 4 + 1));
+    // Not connected: until the channel is. A refusal for now (ALREADY_EXISTS), or UNAVAILABLE from
+    // a coordinator that is connected (shutting down), waits the backoff out.
+    const bool until_connected = c == grpc::StatusCode::UNAVAILABLE &&
+                                 channel_->GetState(false) != GRPC_CHANNEL_READY;
     for (auto until = std::chrono::steady_clock::now() + wait;
-         !shutdown_ && std::chrono::steady_clock::now() < until;)
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+         !shutdown_ && std::chrono::steady_clock::now() < until;) {
+      if (!until_connected) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        continue;
+      }
+      const grpc_connectivity_state state = channel_->GetState(/*try_to_connect=*/true);
+      if (state == GRPC_CHANNEL_READY) break;
+      channel_->WaitForStateChange(state, std::chrono::system_clock::now() +
+                                              std::chrono::milliseconds(50));
+    }
     backoff = std::min<std::chrono::milliseconds>(2 * backoff, std::chrono::seconds(5));
   }
   return false;

@@ -11,10 +11,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/flags_help.h"
 #include "common/http_server.h"
 #include "common/rpc_channel.h"
 #include "grpcpp/grpcpp.h"
@@ -58,14 +56,8 @@ void ForwardToWatcher(int sig) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("fsdp8 worker: fsdp8-worker --coordinator host:port [--host ip] ...");
-  // --help lists this file's flags (absl matches flag files by the program's name otherwise).
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "worker/main.cc");
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
+  fsdp8::SetDaemonHelp("fsdp8 worker: fsdp8-worker --coordinator host:port [--host ip] ...",
+                       "worker/main.cc");
   absl::ParseCommandLine(argc, argv);
 
   // SIGTERM / SIGINT are taken by a watcher thread (sigwait); they are blocked before any thread of
