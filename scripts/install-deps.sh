@@ -16,6 +16,7 @@ PKGS=(
   chromium python3-prometheus-client                                       # tests: status page, exposition parser
   libgtest-dev libgmock-dev                                                # tests
   openssl                                                                  # test certificates (TLS tests)
+  util-linux                                                               # tests: setpriv --pdeathsig
   clang libclang-rt-14-dev                                                 # libFuzzer (spec parser fuzz test)
   fortunes                                                                 # the default corpus
   python3 python3-pip                                                      # test tools, Python SDK (below)

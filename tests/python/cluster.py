@@ -1,10 +1,9 @@
 """Test helper: a real fsdp8-coordinator and fsdp8-worker daemons as child processes.
 
-Every child gets PR_SET_PDEATHSIG(SIGKILL), so none outlives the test even when the test itself is
+Every child gets PR_SET_PDEATHSIG(SIGKILL) (setpriv), so none outlives the test even when the test itself is
 killed (ctest timeout); stop() sends SIGTERM, waits, then SIGKILL. Nothing here talks gRPC: the
 tests reach the coordinator with the client they are testing.
 """
-import ctypes
 import glob
 import os
 import re
@@ -15,11 +14,12 @@ import tempfile
 import time
 
 BIN = os.environ.get("FSDP8_BIN_DIR", os.path.join(os.path.dirname(__file__), "../../build/bin"))
-PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent():
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+# Children get SIGKILL when the test process dies (PR_SET_PDEATHSIG, kept across exec), set by
+# util-linux's setpriv rather than a preexec_fn: the test process runs gRPC threads, and Python
+# code between fork and exec can deadlock on a lock one of them held (the child then never execs).
+DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL", "--"]
 
 
 def fortunes_files():
@@ -57,8 +57,8 @@ class Cluster:
     def _spawn(self, argv, name):
         log = os.path.join(self.root, name + ".log")
         with open(log, "wb") as f:
-            p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 preexec_fn=_die_with_parent)
+            p = subprocess.Popen(DIE_WITH_PARENT + list(argv), stdout=f, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL)
         self.procs.append(p)
         self.logs.append(log)
         return p, log

@@ -7,6 +7,7 @@ Expected: service "" is SERVING while the process runs; service "ready" is NOT_S
 worker has registered with a coordinator, SERVING while registered, NOT_SERVING again when the
 coordinator goes away."""
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -21,10 +22,22 @@ import cluster  # noqa: E402
 SERVING, NOT_SERVING = 1, 2
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(avoid=()):
+    """A free port below Linux's ephemeral range (32768-60999): the worker dials the coordinator's
+    port before anything listens there, and a port the kernel also hands out as a source port can
+    end up taken by that very connection attempt (a TCP self-connect)."""
+    rng = random.Random(os.getpid() ^ int(time.time() * 1000))
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        if port in avoid:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def check(channel, service):
@@ -40,7 +53,8 @@ def check(channel, service):
 
 class WorkerHealthTest(unittest.TestCase):
     def test_ready_follows_registration(self):
-        coord_port, health_port = free_port(), free_port()
+        coord_port = free_port()
+        health_port = free_port(avoid=(coord_port,))
         c = cluster.Cluster(workers=0)
         self.addCleanup(c.cleanup)
         worker, _ = c._spawn([os.path.join(cluster.BIN, "fsdp8-worker"),
