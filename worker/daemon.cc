@@ -443,8 +443,8 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
     return false;
   }
   const auto t0 = std::chrono::steady_clock::now();
-  absl::StatusOr<v1::StepResult> r = absl::UnknownError("step not run");
-  r = job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
+  absl::StatusOr<v1::StepResult> r =
+      job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
   if (r.ok()) {
     if (absl::Status fault = InjectedStepFault(job_->rank, c.step()); !fault.ok()) {
       // The step sent ahead is received before the failure is reported (up to 5 s), so that the

@@ -415,11 +415,17 @@ class SchedulerTest : public ::testing::Test {
     // for a dead worker.
     wo.heartbeat_timeout = 2s;
     workers_ = std::make_unique<WorkerRegistry>(wo);
+    // abort_grace 0: tests check reassignment right after an Abort; the grace has its own.
+    StartScheduler(2s, 0ms);
+  }
+  // (Re)starts the scheduler with a 3 s start timeout and these step timeout and abort grace.
+  void StartScheduler(std::chrono::milliseconds step_timeout, std::chrono::milliseconds abort_grace) {
+    if (sched_) sched_->Stop();
     SchedulerOptions so;
     so.start_timeout = 3s;
-    so.step_timeout = 2s;
+    so.step_timeout = step_timeout;
     so.tick = 20ms;
-    so.abort_grace = 0ms;  // tests check reassignment right after an Abort; the grace has its own
+    so.abort_grace = abort_grace;
     sched_ = std::make_unique<Scheduler>(jobs_.get(), workers_.get(), &kv_, so);
     sched_->Start();
   }
@@ -570,15 +576,8 @@ TEST_F(SchedulerTest, WorkerErrorFailsJobAndAbortsOthers) {
 }
 
 TEST_F(SchedulerTest, AbortedRanksWaitOutTheGraceBeforeTheNextJob) {
-  sched_->Stop();
-  SchedulerOptions so;
-  so.start_timeout = 3s;
-  so.step_timeout = 2s;
-  so.tick = 20ms;
-  // Long enough that a loaded machine still checks the held worker inside the grace.
-  so.abort_grace = 3s;
-  sched_ = std::make_unique<Scheduler>(jobs_.get(), workers_.get(), &kv_, so);
-  sched_->Start();
+  // A grace long enough that a loaded machine still checks the held worker inside it.
+  StartScheduler(2s, 3s);
   auto w0 = AddWorker();
   auto w1 = AddWorker(FakeWorker::Mode::kErrorAtStep, 1);
   auto a = jobs_->Submit("", SmallSpec(train_, 2, 5));
@@ -613,14 +612,7 @@ TEST_F(SchedulerTest, LostSessionFailsJobWithinSeconds) {
 }
 
 TEST_F(SchedulerTest, HeartbeatTimeoutFailsJob) {
-  sched_->Stop();
-  SchedulerOptions so;
-  so.start_timeout = 3s;
-  so.step_timeout = 10s;  // the heartbeat timeout (2 s) must end the step's wait first
-  so.tick = 20ms;
-  so.abort_grace = 0ms;
-  sched_ = std::make_unique<Scheduler>(jobs_.get(), workers_.get(), &kv_, so);
-  sched_->Start();
+  StartScheduler(10s, 0ms);  // the heartbeat timeout (2 s) must end the step's wait first
   auto w0 = AddWorker(FakeWorker::Mode::kStopHeartbeatAtStep, 1);
   auto w1 = AddWorker();
   auto job = jobs_->Submit("", SmallSpec(train_, 2, 5));
@@ -778,14 +770,7 @@ TEST_F(SchedulerTest, NoCheckpointDirNoSaves) {
 // Dispatch ahead: step k+1's command reaches the workers while step k runs (before its result),
 // except where a save comes between the two steps; the saves land where they would otherwise.
 TEST_F(SchedulerTest, NextStepIsSentAheadUnlessASaveComesBetween) {
-  sched_->Stop();
-  SchedulerOptions so;
-  so.start_timeout = 3s;
-  so.step_timeout = 10s;  // above the results' hold below
-  so.tick = 20ms;
-  so.abort_grace = 0ms;
-  sched_ = std::make_unique<Scheduler>(jobs_.get(), workers_.get(), &kv_, so);
-  sched_->Start();
+  StartScheduler(10s, 0ms);  // a step timeout above the results' hold below
   auto w0 = AddWorker();
   auto w1 = AddWorker();
   // A step sent ahead arrives while the result of the one before is held; 3 s covers a loaded
@@ -909,16 +894,8 @@ TEST_F(SchedulerTest, ReportedFileThatDoesNotMatchIsNeverCommitted) {
 }
 
 TEST_F(SchedulerTest, SaveDeadlineFailsTheJob) {
-  sched_->Stop();
-  SchedulerOptions so;
-  so.start_timeout = 3s;
-  // The step timeout is also the save's deadline. 2 s leaves the steps room on a loaded machine;
-  // the save takes 5 s.
-  so.step_timeout = 2s;
-  so.tick = 20ms;
-  so.abort_grace = 0ms;
-  sched_ = std::make_unique<Scheduler>(jobs_.get(), workers_.get(), &kv_, so);
-  sched_->Start();
+  // The fixture's 2 s step timeout is also the save's deadline: room for the steps on a loaded
+  // machine, well below the 5 s the save takes.
   auto w0 = AddWorker();
   w0->set_delays(0ms, 5000ms);
   v1::JobSpec spec = SmallSpec(train_, 1, 2);

@@ -37,6 +37,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -177,12 +178,9 @@ class Cluster : public ::testing::Test {
       if (!one_at_a_time) continue;
       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
       for (;;) {
-        v1::ListWorkersResponse resp;
-        grpc::ClientContext ctx;
-        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-        if (admin_->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok() &&
-            resp.workers_size() == i + 1) {
-          for (const auto& w : resp.workers())
+        const auto workers = ListWorkers();
+        if (workers && workers->size() == static_cast<size_t>(i + 1)) {
+          for (const auto& w : *workers)
             if (std::find(worker_ids_->begin(), worker_ids_->end(), w.worker_id()) ==
                 worker_ids_->end())
               worker_ids_->push_back(w.worker_id());
@@ -324,6 +322,15 @@ class Cluster : public ::testing::Test {
     EXPECT_EQ(last, expect) << message;
     if (reason != nullptr) *reason = message;
     return losses;
+  }
+
+  // The coordinator's workers (AdminService.ListWorkers); nullopt when the call fails.
+  static std::optional<std::vector<v1::WorkerInfo>> ListWorkers() {
+    v1::ListWorkersResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    if (!admin_->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) return std::nullopt;
+    return std::vector<v1::WorkerInfo>(resp.workers().begin(), resp.workers().end());
   }
 
   static v1::Job GetJob(const std::string& job_id) {
@@ -622,12 +629,9 @@ TEST_F(ChaosCluster, CoordinatorRestartResumesTheRunningJobFromItsCheckpoint) {
   // The workers come back under their names (--name), the ids the first coordinator listed.
   std::vector<std::string> ids;
   for (int i = 0; i < 400 && ids.size() < worker_ids_->size(); ++i) {
-    v1::ListWorkersResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    if (admin_->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok()) {
+    if (const auto workers = ListWorkers()) {
       ids.clear();
-      for (const auto& w : resp.workers()) ids.push_back(w.worker_id());
+      for (const auto& w : *workers) ids.push_back(w.worker_id());
     }
     if (ids.size() < worker_ids_->size()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
@@ -686,12 +690,10 @@ TEST_F(ChaosCluster, WorldShrinksToTheHealthyWorkersWithTheSameGlobalBatch) {
     // after): wait until every healthy worker is IDLE, or the reference run could start on 2.
     int healthy = 0, idle = 0;
     for (int i = 0; i < 200; ++i) {
-      v1::ListWorkersResponse resp;
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-      ASSERT_TRUE(admin_->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok());
+      const auto workers = ListWorkers();
+      ASSERT_TRUE(workers.has_value());
       healthy = idle = 0;
-      for (const auto& w : resp.workers()) {
+      for (const auto& w : *workers) {
         healthy += w.healthy();
         idle += w.state() == v1::WORKER_STATE_IDLE;
       }
