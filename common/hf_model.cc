@@ -28,7 +28,7 @@ using google::protobuf::Struct;
 using google::protobuf::Value;
 namespace fs = std::filesystem;
 
-// The rank-file format (worker/checkpoint.h, version 1).
+// The rank-file format (train/checkpoint.h, version 1).
 constexpr char kRankMagic[8] = {'F', 'S', 'D', 'P', '8', 'C', 'K', 'P'};
 constexpr char kRankEndMagic[8] = {'F', 'S', 'D', 'P', '8', 'E', 'N', 'D'};
 constexpr uint32_t kRankFormatVersion = 1;

@@ -12,13 +12,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "kernels/backend.h"
-#include "worker/checkpoint.h"
-#include "worker/gloo_communicator.h"
+#include "train/checkpoint.h"
+#include "comm/gloo_communicator.h"
 #include "worker/grpc_kv_store.h"
-#include "worker/hf_import.h"
-#include "worker/trainer.h"
+#include "train/hf_import.h"
+#include "train/trainer.h"
 #ifdef FSDP8_WITH_CUDA
-#include "worker/nccl/nccl_communicator.h"
+#include "comm/nccl_communicator.h"
 #endif
 
 #ifndef FSDP8_VERSION

@@ -1,6 +1,6 @@
 // WorkerDaemon: the fsdp8-worker process logic. Registers with the coordinator (retrying),
 // heartbeats, and serves the Session stream: Assignment → build backend, communicator and
-// Trainer, then load Assignment.load_dir when set (worker/checkpoint.h; every rank, collective)
+// Trainer, then load Assignment.load_dir when set (train/checkpoint.h; every rank, collective)
 // (reply Ready or WorkerError); StepCommand → run the step on the job thread and reply StepResult
 // (or WorkerError, then drop the job); SaveCheckpoint → write this rank's rank-<r>.ckpt on the job
 // thread between steps and reply CheckpointSaved (carrying the error when the shard could not be
@@ -28,7 +28,7 @@
 
 #include "fsdp8/v1/worker.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "worker/communicator.h"
+#include "comm/communicator.h"
 #include "worker/metrics.h"
 
 namespace fsdp8 {

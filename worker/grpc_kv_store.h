@@ -11,7 +11,7 @@
 #include <string>
 
 #include "fsdp8/v1/worker.grpc.pb.h"
-#include "worker/kv_store.h"
+#include "comm/kv_store.h"
 
 namespace fsdp8 {
 

@@ -1,6 +1,6 @@
 // What fsdp8-worker serves on --metrics_port (Prometheus text format, common/prometheus_text.h):
 // per (job, rank) the steps, tokens, step duration histogram, compute and communication seconds,
-// bytes per collective (the communicator's own counters, worker/communicator.h: all_gather the
+// bytes per collective (the communicator's own counters, comm/communicator.h: all_gather the
 // gathered output, reduce_scatter its f32 input, all_reduce its buffer), the rank's loss, grad
 // norm, learning rate, peak device memory and the FP8 scale and newest amax of every scaled
 // tensor; per process the resident memory and the assignments, failures and aborts it has seen.
@@ -16,7 +16,7 @@
 #include "common/prometheus_text.h"
 #include "fsdp8/v1/admin.pb.h"
 #include "fsdp8/v1/worker.pb.h"
-#include "worker/communicator.h"
+#include "comm/communicator.h"
 
 namespace fsdp8 {
 

@@ -152,7 +152,7 @@ struct GemmShape {
 
 // Operands of the GEMM sections: two rotating sets of random FP8 codes (A, B: `bytes` each), an
 // output C of `c_bytes` (zeroed: finite for beta = 1), the two scale_invs in 16-byte slots as the
-// worker keeps them (worker/device_buffer.h: a at scales, b at scales + 4) and a cuBLASLt
+// worker keeps them (train/device_buffer.h: a at scales, b at scales + 4) and a cuBLASLt
 // workspace of kWsBytes.
 struct GemmOperands {
   static constexpr size_t kWsBytes = 32u << 20;

@@ -7,7 +7,7 @@
 // torch.cuda.max_memory_allocated, which counts cuBLAS's and cuDNN's workspaces too); out of memory
 // returns nullptr. A buffer freed while enqueued
 // compute-stream work still reads it stays valid for that work (stream order); communicators order
-// their stream against the compute stream (worker/nccl), so the same holds for collectives. The
+// their stream against the compute stream (comm/nccl_communicator.h), so the same holds for collectives. The
 // backend's own workspaces (GEMM workspace 32 MiB, reduction partials, conversion buffers, RoPE
 // tables) are allocated with cudaMalloc and held until the backend is destroyed; cuDNN attention's
 // workspace (1 GiB for the deterministic backward at the 1b shapes) is taken with Alloc for each
@@ -16,7 +16,7 @@
 //
 // Streams: every op is enqueued on one compute stream (a non-blocking stream created for this
 // backend), in call order. CopyToHost and Synchronize wait for it. Communicators order their own
-// stream against it with events, using stream() (worker/nccl).
+// stream against it with events, using stream() (comm/nccl_communicator.h).
 //
 // Numerics (the CPU backend is the reference; tests/conformance checks every op against it):
 //   * FP8 casts, transposes, dequantize, bf16 rounding / pack / unpack: bit-identical to the CPU.

@@ -1,0 +1,54 @@
+// NcclCommunicator: the Communicator (comm/communicator.h) of the CUDA backend, over NCCL.
+//
+// Bootstrap: rank 0 creates the ncclUniqueId and Set()s it, hex-encoded, in the generation's
+// rendezvous store under `prefix + "nccl_id"`; the other ranks Get() it with the deadline. Every
+// rank then calls ncclCommInitRankConfig in non-blocking mode and polls it, so a rank that never
+// shows up turns into a DEADLINE_EXCEEDED error (and ncclCommAbort) instead of a hang.
+//
+// Streams: collectives run on a dedicated communication stream of the backend's device. Each
+// collective first waits (cudaStreamWaitEvent) for an event recorded on the backend's compute
+// stream at the call, so it sees every op enqueued before it; the compute stream then waits for
+// the collective's completion event, so ops enqueued after the call see its result. The host
+// does not block on the data collectives.
+//
+// C09 (mismatched collectives): before each collective every rank all-gathers a 32-byte header
+// (sequence number, op, count, root). By default the headers are compared without stalling the
+// host: the watchdog compares each as it arrives and, on a mismatch, aborts the communicator with
+// a message naming the collective and both ranks' sizes; the mismatched collective then fails
+// (ABORTED, with that message) instead of hanging. FSDP8_NCCL_CHECK_COLLECTIVES=sync compares
+// before enqueueing each collective (a host wait per collective; the call itself returns
+// FAILED_PRECONDITION); =0 skips the check.
+//
+// C10 (dead or stuck peer): a watchdog thread polls every pending collective's completion event
+// and ncclCommGetAsyncError; a collective not complete `timeout` after it was enqueued, or an
+// asynchronous NCCL error, calls ncclCommAbort and the next (or the current, if waiting on the
+// header) collective returns DEADLINE_EXCEEDED / INTERNAL with the last enqueued and completed
+// sequence numbers. The worker's step deadline covers the case where the trainer is blocked in a
+// device synchronisation when that happens (the abort completes the aborted kernels).
+//
+// Dtypes: AllGather and Broadcast move bytes (ncclUint8); ReduceScatterSum and AllReduce are
+// f32 (ncclFloat32) accumulated in f32.
+//
+// Thread-safety: collectives from one thread; Abort() from any thread.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "comm/communicator.h"
+#include "comm/kv_store.h"
+
+namespace fsdp8 {
+
+// backend must be a CudaBackend (kernels/cuda/cuda_backend.h); it must outlive the communicator.
+// bootstrap_timeout (0: timeout) bounds the unique-id wait and the NCCL initialisation, which
+// wait for every rank of the generation; timeout bounds every collective.
+absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
+    int rank, int world_size, KvStore* store, const std::string& prefix, Backend* backend,
+    std::chrono::milliseconds timeout,
+    std::chrono::milliseconds bootstrap_timeout = std::chrono::milliseconds(0));
+
+}  // namespace fsdp8

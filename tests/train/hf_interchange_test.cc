@@ -1,0 +1,337 @@
+// Hugging Face interchange (common/hf_model.h, train/hf_import.h): checkpoint -> export -> a job
+// initialised from the export holds the same weights (F32 bit for bit; BF16 as the nearest bf16),
+// on another world size; FP8 weight scales come from the loaded weights (C08); bad directories and
+// files are refused with messages naming the field or tensor.
+#include "train/hf_import.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/hf_model.h"
+#include "common/safetensors.h"
+#include "common/spec.h"
+#include "gtest/gtest.h"
+#include "tests/train/hf_test_util.h"
+
+namespace fsdp8 {
+namespace {
+
+using testing::CpuBackend;
+using testing::RunRanks;
+using testing::Weights;
+namespace fs = std::filesystem;
+
+const std::string& TrainFile() {
+  static const std::string p = testing::MakeTokenFile("hf_train.bin", 20000, 11);
+  return p;
+}
+
+std::string Fresh(const std::string& name) {
+  // Per process: ctest runs these cases as parallel processes (each builds its own checkpoint).
+  const std::string d = ::testing::TempDir() + "/hf_" + std::to_string(static_cast<long>(::getpid())) +
+                        "_" + name;
+  fs::remove_all(d);
+  return d;
+}
+
+// The committed checkpoint every test exports (trained 2 steps on 2 ranks), built once.
+struct Saved {
+  std::string root;
+  Weights master;
+};
+const Saved& Checkpoint() {
+  static const Saved s = [] {
+    Saved out;
+    out.root = Fresh("ckpt");
+    auto m = testing::WriteCommittedCheckpoint(testing::InterchangeSpec(TrainFile()), 2, 2, out.root);
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (m.ok()) out.master = *m;
+    return out;
+  }();
+  return s;
+}
+
+struct Loaded {
+  std::vector<absl::Status> status;
+  Weights master;
+  std::vector<WeightScaling> scaling;  // rank 0's, after the load
+  std::vector<WeightScaling> scaling_before;
+};
+
+// A job of `spec` with init.from_hf = dir on `world` ranks: Create, LoadHfWeights, GatherAll.
+Loaded LoadJob(v1::JobSpec spec, const std::string& dir, int world) {
+  spec.mutable_init()->set_from_hf(dir);
+  Loaded out;
+  out.status.resize(world);
+  RunRanks(world, [&](int r, Communicator* c) {
+    auto be = CpuBackend();
+    auto t = Trainer::Create(spec, r, world, be.get(), c);
+    ASSERT_TRUE(t.ok()) << t.status();
+    if (r == 0) out.scaling_before = (*t)->params().weight_scaling();
+    out.status[r] = LoadHfWeights(t->get(), dir);
+    if (!out.status[r].ok()) return;
+    auto m = (*t)->params().GatherAll(false);
+    ASSERT_TRUE(m.ok()) << m.status();
+    if (r == 0) {
+      out.master = *m;
+      out.scaling = (*t)->params().weight_scaling();
+    }
+  });
+  return out;
+}
+
+float MaxAbs(const std::vector<float>& v) {
+  float m = 0;
+  for (float x : v) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+TEST(HfInterchange, F32ExportLoadsBitIdenticalOnThreeRanksWithScalesFromTheLoadedWeights) {
+  const Saved& ck = Checkpoint();
+  ASSERT_FALSE(ck.master.empty());
+  const std::string out = Fresh("export_f32");
+  ASSERT_TRUE(ExportHf(ck.root + "/step-2", out, SafetensorsDtype::kF32).ok());
+  ASSERT_TRUE(fs::exists(out + "/config.json"));
+  // A job with a different seed: its random init differs, the loaded weights must not.
+  v1::JobSpec spec = testing::InterchangeSpec(TrainFile());
+  spec.mutable_training()->set_seed(99);
+  const Loaded l = LoadJob(spec, out, 3);
+  for (const absl::Status& s : l.status) ASSERT_TRUE(s.ok()) << s;
+  ASSERT_EQ(l.master.size(), ck.master.size());
+  for (const auto& [name, v] : ck.master) {
+    ASSERT_EQ(l.master.at(name).size(), v.size()) << name;
+    EXPECT_EQ(std::memcmp(l.master.at(name).data(), v.data(), v.size() * 4), 0) << name;
+  }
+  // C08: each FP8 weight's amax is max |w| of the loaded tensor and its scale 448 / amax
+  // (margin 0), not the values of the seed-99 initialisation.
+  ASSERT_FALSE(l.scaling.empty());
+  ASSERT_EQ(l.scaling.size(), l.scaling_before.size());
+  for (size_t i = 0; i < l.scaling.size(); ++i) {
+    const WeightScaling& w = l.scaling[i];
+    const float amax = MaxAbs(ck.master.at(w.tensor));
+    EXPECT_EQ(w.amax, amax) << w.tensor;
+    EXPECT_FLOAT_EQ(w.scale, 448.0f / amax) << w.tensor;
+    EXPECT_NE(l.scaling_before[i].amax, amax) << w.tensor;
+  }
+}
+
+TEST(HfInterchange, Bf16ExportLoadsTheNearestBf16OfEachWeight) {
+  const Saved& ck = Checkpoint();
+  const std::string out = Fresh("export_bf16");
+  ASSERT_TRUE(ExportHf(ck.root + "/step-2", out, SafetensorsDtype::kBF16).ok());
+  std::ifstream cfg(out + "/config.json");
+  std::string text((std::istreambuf_iterator<char>(cfg)), {});
+  EXPECT_NE(text.find("\"bfloat16\""), std::string::npos) << text;
+  const Loaded l = LoadJob(testing::InterchangeSpec(TrainFile()), out, 1);
+  ASSERT_TRUE(l.status[0].ok()) << l.status[0];
+  int64_t checked = 0;
+  for (const auto& [name, v] : ck.master) {
+    const std::vector<float>& got = l.master.at(name);
+    for (size_t i = 0; i < v.size(); ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &got[i], 4);
+      ASSERT_EQ(bits & 0xffffu, 0u) << name << "[" << i << "] is not a bf16 value";
+      // The two bf16 neighbours of v[i]: truncation and one bf16 ulp away from zero.
+      uint32_t vb;
+      std::memcpy(&vb, &v[i], 4);
+      const uint32_t lo_bits = vb & 0xffff0000u, hi_bits = lo_bits + 0x10000u;
+      float lo, hi;
+      std::memcpy(&lo, &lo_bits, 4);
+      std::memcpy(&hi, &hi_bits, 4);
+      const float best = std::fabs(v[i] - lo) <= std::fabs(hi - v[i]) ? lo : hi;
+      if (std::fabs(v[i] - lo) != std::fabs(hi - v[i])) {
+        ASSERT_EQ(got[i], best) << name << "[" << i << "] = " << v[i];
+      } else {
+        ASSERT_TRUE(got[i] == lo || got[i] == hi) << name << "[" << i << "]";
+      }
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 10000);
+}
+
+// A safetensors file written by hand (header JSON text + raw bytes), independent of the writer.
+void WriteRaw(const std::string& path, const std::string& header, const std::string& data) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  const uint64_t n = header.size();
+  f.write(reinterpret_cast<const char*>(&n), 8);
+  f << header << data;
+}
+
+// Copies the F32 export to `dir` with model.safetensors rebuilt from `entries` (name, dtype,
+// shape, element size): values are the exported ones where the name and size match, else zeros.
+struct Entry {
+  std::string name, dtype, shape;
+  int64_t bytes;
+};
+void WriteEdited(const std::string& src, const std::string& dir, const std::vector<Entry>& entries) {
+  fs::create_directories(dir);
+  fs::copy_file(src + "/config.json", dir + "/config.json", fs::copy_options::overwrite_existing);
+  std::string header = "{", data;
+  for (const Entry& e : entries) {
+    absl::StrAppend(&header, header.size() > 1 ? "," : "", "\"", e.name, "\":{\"dtype\":\"", e.dtype,
+                    "\",\"shape\":[", e.shape, "],\"data_offsets\":[", data.size(), ",",
+                    data.size() + e.bytes, "]}");
+    data.append(static_cast<size_t>(e.bytes), '\0');
+  }
+  header += "}";
+  WriteRaw(dir + "/model.safetensors", header, data);
+}
+
+// Every tensor of the model as entries (F32), from the checkpoint's plan order.
+std::vector<Entry> ModelEntries() {
+  std::vector<Entry> out;
+  auto plan = MakeShardPlan(testing::InterchangeSpec(TrainFile()), 1);
+  EXPECT_TRUE(plan.ok());
+  for (const UnitPlan& u : plan->units) {
+    for (const BufferPlan& b : u.buffers) {
+      for (const TensorSpec& t : b.tensors) {
+        std::string shape;
+        for (int64_t d : t.shape) absl::StrAppend(&shape, shape.empty() ? "" : ",", d);
+        out.push_back({t.name, "F32", shape, t.numel * 4});
+      }
+    }
+  }
+  return out;
+}
+
+absl::Status LoadOneRank(const std::string& dir, v1::JobSpec spec = testing::InterchangeSpec(TrainFile())) {
+  return LoadJob(std::move(spec), dir, 1).status[0];
+}
+
+TEST(HfInterchange, MismatchedOrDamagedDirectoriesAreRefusedNamingTheFieldOrTensor) {
+  const Saved& ck = Checkpoint();
+  const std::string good = Fresh("export_src");
+  ASSERT_TRUE(ExportHf(ck.root + "/step-2", good, SafetensorsDtype::kF32).ok());
+  ASSERT_TRUE(LoadOneRank(good).ok());
+  // The hand-built file with every tensor loads (zeros): the edits below are the only faults.
+  const std::string all = Fresh("edit_all");
+  WriteEdited(good, all, ModelEntries());
+  EXPECT_TRUE(LoadOneRank(all).ok()) << LoadOneRank(all);
+
+  auto expect = [](absl::Status s, absl::StatusCode code, const std::string& text) {
+    EXPECT_EQ(s.code(), code) << s;
+    EXPECT_NE(s.message().find(text), std::string::npos) << s;
+  };
+  {  // config.json of another model
+    v1::JobSpec spec = testing::InterchangeSpec(TrainFile());
+    spec.mutable_model()->set_ffn_dim(96);
+    expect(LoadOneRank(good, spec), absl::StatusCode::kInvalidArgument,
+           "init.from_hf: config.json intermediate_size is 64, model.ffn_dim is 96");
+    spec = testing::InterchangeSpec(TrainFile());
+    spec.mutable_model()->set_n_kv_heads(4);
+    expect(LoadOneRank(good, spec), absl::StatusCode::kInvalidArgument,
+           "num_key_value_heads is 2, model.n_kv_heads is 4");
+    spec = testing::InterchangeSpec(TrainFile());
+    spec.mutable_model()->set_seq_len(64);  // longer than max_position_embeddings 32
+    expect(LoadOneRank(good, spec), absl::StatusCode::kInvalidArgument, "max_position_embeddings");
+  }
+  {  // missing tensor
+    std::vector<Entry> e = ModelEntries();
+    e.erase(e.begin() + 3);
+    const std::string name = ModelEntries()[3].name;
+    const std::string d = Fresh("edit_missing");
+    WriteEdited(good, d, e);
+    expect(LoadOneRank(d), absl::StatusCode::kFailedPrecondition, "tensor " + name + " is missing");
+  }
+  {  // transposed shape
+    std::vector<Entry> e = ModelEntries();
+    for (Entry& x : e) {
+      if (x.name == "model.layers.0.mlp.down_proj.weight") x.shape = "64,32";
+    }
+    const std::string d = Fresh("edit_shape");
+    WriteEdited(good, d, e);
+    expect(LoadOneRank(d), absl::StatusCode::kFailedPrecondition,
+           "tensor model.layers.0.mlp.down_proj.weight has shape [64, 32], this model needs [32, 64]");
+  }
+  {  // integer dtype
+    std::vector<Entry> e = ModelEntries();
+    e[0].dtype = "I32";
+    const std::string d = Fresh("edit_dtype");
+    WriteEdited(good, d, e);
+    expect(LoadOneRank(d), absl::StatusCode::kFailedPrecondition, "has dtype I32");
+  }
+  {  // an extra tensor
+    std::vector<Entry> e = ModelEntries();
+    e.push_back({"model.layers.0.self_attn.q_proj.bias", "F32", "32", 128});
+    const std::string d = Fresh("edit_extra");
+    WriteEdited(good, d, e);
+    expect(LoadOneRank(d), absl::StatusCode::kFailedPrecondition,
+           "unexpected tensor model.layers.0.self_attn.q_proj.bias");
+  }
+  {  // offsets past the end of the file
+    const std::string d = Fresh("edit_offsets");
+    fs::create_directories(d);
+    fs::copy_file(good + "/config.json", d + "/config.json");
+    WriteRaw(d + "/model.safetensors",
+             "{\"lm_head.weight\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8000]}}",
+             std::string(8, '\0'));
+    expect(LoadOneRank(d), absl::StatusCode::kDataLoss, "out of range");
+  }
+  {  // no config.json
+    const std::string d = Fresh("edit_noconfig");
+    fs::create_directories(d);
+    fs::copy_file(good + "/model.safetensors", d + "/model.safetensors");
+    expect(LoadOneRank(d), absl::StatusCode::kInvalidArgument, "init.from_hf: must be a Hugging Face");
+  }
+}
+
+TEST(HfInterchange, SpecValidationChecksTheDirectoryAgainstTheModelSection) {
+  const Saved& ck = Checkpoint();
+  const std::string out = Fresh("export_spec");
+  ASSERT_TRUE(ExportHf(ck.root + "/step-2", out, SafetensorsDtype::kF32).ok());
+  v1::JobSpec spec = testing::InterchangeSpec(TrainFile());
+  spec.mutable_init()->set_from_hf(out);
+  EXPECT_TRUE(ValidateSpec(spec, 0, {}, true).ok()) << ValidateSpec(spec, 0, {}, true);
+  spec.mutable_model()->set_d_model(64);
+  const absl::Status s = ValidateSpec(spec, 0, {}, true);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("init.from_hf: config.json hidden_size is 32, model.d_model is 64"),
+            std::string::npos) << s;
+  spec = testing::InterchangeSpec(TrainFile());
+  spec.mutable_init()->set_from_hf("/elsewhere/model");
+  const std::string root = fs::path(TrainFile()).parent_path().string();
+  const absl::Status r = ValidateSpec(spec, 0, {root}, false);
+  EXPECT_NE(r.message().find("init.from_hf: must lie under one of the data roots"),
+            std::string::npos) << r;
+}
+
+TEST(HfInterchange, ExportRefusesDamagedOrUncommittedCheckpoints) {
+  const Saved& ck = Checkpoint();
+  const std::string copy = Fresh("damaged");
+  fs::copy(ck.root, copy, fs::copy_options::recursive);
+  // Flip one byte in the middle of rank 1's file: the MANIFEST's CRC-32 no longer matches.
+  const std::string rank1 = copy + "/step-2/rank-1.ckpt";
+  {
+    std::fstream f(rank1, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(fs::file_size(rank1) / 2));
+    char c = 0;
+    f.read(&c, 1);
+    c ^= 0x10;
+    f.seekp(static_cast<std::streamoff>(fs::file_size(rank1) / 2));
+    f.write(&c, 1);
+  }
+  absl::Status s = ExportHf(copy + "/step-2", Fresh("out_damaged"), SafetensorsDtype::kF32);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("rank-1.ckpt: CRC-32"), std::string::npos) << s;
+  fs::remove(copy + "/step-2/MANIFEST");
+  s = ExportHf(copy + "/step-2", Fresh("out_uncommitted"), SafetensorsDtype::kF32);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  // Resolving: a root picks its newest committed step; --step must exist.
+  auto d = ResolveCheckpointStepDir(ck.root, std::nullopt);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(*d, ck.root + "/step-2");
+  EXPECT_FALSE(ResolveCheckpointStepDir(ck.root, 5).ok());
+  EXPECT_FALSE(ResolveCheckpointStepDir(copy, std::nullopt).ok());  // its only step lost its MANIFEST
+}
+
+}  // namespace
+}  // namespace fsdp8

@@ -1,0 +1,311 @@
+#include "train/fp8_linear.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "common/check.h"
+#include "absl/strings/str_cat.h"
+
+namespace fsdp8 {
+
+ActScaling::ActScaling(Backend* be, const v1::Fp8Recipe& recipe) : be_(be), recipe_(recipe) {}
+
+int ActScaling::Add(const std::string& name, bool e5m2) {
+  WORKER_CHECK(scale_.empty()) << "ActScaling::Add after Finalize";
+  ScalingState s;
+  s.name = name;
+  s.e5m2 = e5m2;
+  states_.push_back(s);
+  return static_cast<int>(states_.size()) - 1;
+}
+
+void ActScaling::Finalize() {
+  const size_t n = std::max<size_t>(states_.size(), 1);
+  scale_ = DevBuf(be_, n * kScaleStride * sizeof(float));
+  scale_inv_ = DevBuf(be_, n * kScaleStride * sizeof(float));
+  amax_ = DevBuf::Zeros(be_, n * sizeof(float));  // contiguous: one fused all-reduce
+  tmp_amax_ = DevBuf::Zeros(be_, sizeof(float));
+  const std::vector<float> ones(n, 1.0f);
+  UploadScaleSlots(be_, scale_.f32(), ones);
+  UploadScaleSlots(be_, scale_inv_.f32(), ones);
+}
+
+absl::Status ActScaling::Restore(const std::vector<ScalingState>& states) {
+  WORKER_CHECK(!scale_.empty()) << "ActScaling::Restore before Finalize";
+  if (states.size() != states_.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "activation scaling: ", states.size(), " tensors in the checkpoint, ", states_.size(),
+        " in this model"));
+  }
+  for (size_t i = 0; i < states.size(); ++i) {
+    if (states[i].name != states_[i].name || states[i].e5m2 != states_[i].e5m2) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "activation scaling tensor ", i, ": checkpoint has ", states[i].name,
+          states[i].e5m2 ? " (E5M2)" : " (E4M3)", ", this model ", states_[i].name,
+          states_[i].e5m2 ? " (E5M2)" : " (E4M3)"));
+    }
+  }
+  states_ = states;
+  if (states_.empty()) return absl::OkStatus();
+  std::vector<float> scale(states_.size()), scale_inv(states_.size());
+  for (size_t i = 0; i < states_.size(); ++i) {
+    scale[i] = states_[i].scale;
+    scale_inv[i] = states_[i].scale_inv;
+  }
+  UploadScaleSlots(be_, scale_.f32(), scale);
+  UploadScaleSlots(be_, scale_inv_.f32(), scale_inv);
+  return absl::OkStatus();
+}
+
+void ActScaling::BeginStep() {
+  be_->Memset(amax_.get(), 0, std::max<size_t>(states_.size(), 1) * sizeof(float));
+}
+
+const float* ActScaling::ScaleFor(int i, const float* x, int64_t n) {
+  ScalingState& s = states_[i];
+  const bool current = recipe_.recipe() == v1::SCALING_RECIPE_CURRENT || !s.initialised;
+  if (current) {
+    be_->Memset(tmp_amax_.get(), 0, sizeof(float));
+    be_->AmaxAccumulate(x, n, tmp_amax_.f32());
+    float amax = 0;
+    be_->CopyToHost(&amax, tmp_amax_.get(), sizeof(float));
+    // Keeps the tensor's delayed scale untouched: only the device slot used by this cast changes.
+    const float sc = ComputeScale(amax, Fp8MaxValue(s.e5m2), recipe_.margin(), s.scale);
+    const float inv = 1.0f / sc;
+    be_->CopyToDevice(scale_.f32() + i * kScaleStride, &sc, sizeof(float));
+    be_->CopyToDevice(scale_inv_.f32() + i * kScaleStride, &inv, sizeof(float));
+  }
+  return scale_.f32() + i * kScaleStride;
+}
+
+absl::Status ActScaling::ReduceAmax(Communicator* comm, CommClock* clock) {
+  const size_t n = states_.size();
+  if (n == 0) return absl::OkStatus();
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status s = comm->AllReduce(amax_.f32(), n, ReduceOp::kMax);
+  clock->seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("activation amax all-reduce: ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+void ActScaling::UpdateScales() {
+  const size_t n = states_.size();
+  if (n == 0) return;
+  std::vector<float> amax(n), scale(n), scale_inv(n);
+  be_->CopyToHost(amax.data(), amax_.get(), n * sizeof(float));
+  for (const auto& [to, from] : amax_from_) amax[to] = amax[from];
+  for (const std::vector<int>& g : groups_) {
+    float m = amax[g.front()];
+    for (int i : g) {
+      if (std::isnan(amax[i]) || amax[i] > m) m = amax[i];
+      if (std::isnan(m)) break;
+    }
+    for (int i : g) amax[i] = m;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    UpdateDelayed(&states_[i], amax[i], recipe_.amax_history_len(), recipe_.amax_algorithm(),
+                  recipe_.margin());
+    scale[i] = states_[i].scale;
+    scale_inv[i] = states_[i].scale_inv;
+  }
+  UploadScaleSlots(be_, scale_.f32(), scale);
+  UploadScaleSlots(be_, scale_inv_.f32(), scale_inv);
+}
+
+void ActScaling::ShareAmax(int from, int to) {
+  if (from != to) amax_from_[to] = from;
+}
+
+void ActScaling::GroupAmax(const std::vector<int>& members) {
+  WORKER_CHECK(scale_.empty()) << "ActScaling::GroupAmax after Finalize";
+  WORKER_CHECK(members.size() >= 2) << "a scaling group needs two or more tensors";
+  for (int i : members) {
+    WORKER_CHECK(i >= 0 && static_cast<size_t>(i) < states_.size()) << "scaling group index " << i;
+    for (const auto& g : groups_) {
+      WORKER_CHECK(std::find(g.begin(), g.end(), i) == g.end())
+          << states_[i].name << " is already in a scaling group";
+    }
+  }
+  groups_.push_back(members);
+}
+
+void Linear::Forward(const float* x, int64_t M, int64_t K, int64_t N, const WeightView& w,
+                     float* y, LinearSaved* saved) {
+  if (prec_ != v1::PRECISION_FP8) {
+    be_->Gemm(false, true, M, N, K, x, w.f32, y, false,
+              prec_ == v1::PRECISION_BF16 ? GemmInputs::kBF16 : GemmInputs::kF32);
+    if (saved) saved->x = x;
+    return;
+  }
+  ForwardFp8(CastInput(x, nullptr, M, K), M, K, N, w, y, nullptr, saved);
+}
+
+std::shared_ptr<Fp8Input> Linear::Cast(std::shared_ptr<Fp8Input> in,
+                                       std::initializer_list<const Linear*> same_input) {
+  // Under delayed scaling the tensor's scale_inv slot holds still until UpdateScales, after every
+  // backward of the step; a cast that measured its own amax first (NeedsAmaxFirst) rewrites the
+  // slot at each cast, so its value is kept.
+  if (sc_->NeedsAmaxFirst(x_idx_)) {
+    in->scale_inv_copy = DevBuf(be_, sizeof(float));
+    be_->Copy(in->scale_inv_copy.get(), sc_->ScaleInv(x_idx_), sizeof(float));
+    in->scale_inv = in->scale_inv_copy.f32();
+  } else {
+    in->scale_inv = sc_->ScaleInv(x_idx_);
+  }
+  for (const Linear* o : same_input) {
+    WORKER_CHECK(o->prec_ == v1::PRECISION_FP8 && o->sc_ == sc_);
+    sc_->ShareAmax(x_idx_, o->x_idx_);
+  }
+  return in;
+}
+
+std::shared_ptr<Fp8Input> Linear::CastInput(const float* x, const uint16_t* x16, int64_t M,
+                                            int64_t K,
+                                            std::initializer_list<const Linear*> same_input) {
+  WORKER_CHECK(prec_ == v1::PRECISION_FP8) << "CastInput of a non-FP8 linear";
+  WORKER_CHECK((x == nullptr) != (x16 == nullptr)) << "CastInput takes exactly one input";
+  auto in = std::make_shared<Fp8Input>();
+  in->x8 = DevBuf(be_, M * K);
+  if (x16 != nullptr && sc_->NeedsAmaxFirst(x_idx_)) {
+    // Measuring the amax first (first step, CURRENT recipe) goes through f32.
+    DevBuf x32(be_, M * K * sizeof(float));
+    be_->UnpackBf16(x16, x32.f32(), M * K);
+    const float* scale = sc_->ScaleFor(x_idx_, x32.f32(), M * K);
+    be_->CastToFp8(x32.f32(), in->x8.u8(), M * K, scale, Fp8Format::kE4M3, sc_->AmaxOut(x_idx_));
+  } else if (x16 != nullptr) {
+    be_->CastToFp8Bf16(x16, in->x8.u8(), M * K, sc_->Scale(x_idx_), Fp8Format::kE4M3,
+                       sc_->AmaxOut(x_idx_));
+  } else {
+    const float* scale = sc_->ScaleFor(x_idx_, x, M * K);
+    be_->CastToFp8(x, in->x8.u8(), M * K, scale, Fp8Format::kE4M3, sc_->AmaxOut(x_idx_));
+  }
+  return Cast(std::move(in), same_input);
+}
+
+std::shared_ptr<Fp8Input> Linear::NormCastInput(const float* x, const float* w_norm, float eps,
+                                                int64_t M, int64_t K, float* rstd,
+                                                std::initializer_list<const Linear*> same_input) {
+  WORKER_CHECK(prec_ == v1::PRECISION_FP8) << "NormCastInput of a non-FP8 linear";
+  if (sc_->NeedsAmaxFirst(x_idx_)) {
+    DevBuf n(be_, M * K * sizeof(float));
+    be_->RmsNormForward(x, w_norm, eps, M, K, n.f32(), rstd);
+    return CastInput(n.f32(), nullptr, M, K, same_input);
+  }
+  auto in = std::make_shared<Fp8Input>();
+  in->x8 = DevBuf(be_, M * K);
+  be_->RmsNormCastFp8(x, w_norm, eps, M, K, rstd, sc_->Scale(x_idx_), Fp8Format::kE4M3,
+                      in->x8.u8(), sc_->AmaxOut(x_idx_));
+  return Cast(std::move(in), same_input);
+}
+
+std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint16_t* up16,
+                                             int64_t M, int64_t K, int64_t ld) {
+  WORKER_CHECK(prec_ == v1::PRECISION_FP8) << "CastSwiglu of a non-FP8 linear";
+  const int64_t n = M * K;
+  if (sc_->NeedsAmaxFirst(x_idx_)) {
+    WORKER_CHECK(ld == K) << "CastSwiglu: a strided gate/up needs the scale known (delayed)";
+    DevBuf g(be_, n * sizeof(float)), u(be_, n * sizeof(float)), h(be_, n * sizeof(float));
+    be_->UnpackBf16(gate16, g.f32(), n);
+    be_->UnpackBf16(up16, u.f32(), n);
+    be_->SwigluForward(g.f32(), u.f32(), n, h.f32());
+    return CastInput(h.f32(), nullptr, M, K);
+  }
+  auto in = std::make_shared<Fp8Input>();
+  in->x8 = DevBuf(be_, n);
+  be_->SwigluCastFp8(gate16, up16, M, K, ld, sc_->Scale(x_idx_), Fp8Format::kE4M3, in->x8.u8(),
+                     sc_->AmaxOut(x_idx_));
+  return Cast(std::move(in), {});
+}
+
+void Linear::ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t K, int64_t N,
+                        const WeightView& w, float* y, uint16_t* y16, LinearSaved* saved,
+                        const float* residual) {
+  WORKER_CHECK(prec_ == v1::PRECISION_FP8 && in != nullptr) << "ForwardFp8 of a non-FP8 linear";
+  WORKER_CHECK(w.fp8 != nullptr && w.scale_inv != nullptr) << "FP8 linear without FP8 weight";
+  WORKER_CHECK((y == nullptr) != (y16 == nullptr)) << "ForwardFp8 takes exactly one output";
+  WORKER_CHECK(residual == nullptr || y != nullptr) << "a residual needs the f32 output";
+  const bool fast = sc_->forward_fast_accumulation();
+  if (fast) be_->SetFp8FastAccumulation(true);
+  if (y16 != nullptr) {
+    be_->GemmFp8Bf16(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv, w.fp8,
+                     Fp8Format::kE4M3, w.scale_inv, y16);
+  } else if (residual != nullptr) {
+    be_->GemmFp8AddResidual(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv, w.fp8,
+                            Fp8Format::kE4M3, w.scale_inv, residual, y);
+  } else {
+    be_->GemmFp8(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv, w.fp8,
+                 Fp8Format::kE4M3, w.scale_inv, y, false);
+  }
+  if (fast) be_->SetFp8FastAccumulation(false);
+  if (saved) saved->in = in;
+}
+
+void Linear::Backward(const float* dy, const uint16_t* dy16, int64_t M, int64_t K, int64_t N,
+                      const WeightView& w, const LinearSaved& saved, float* dx,
+                      bool accumulate_dx, float* dw, uint16_t* dx16) {
+  if (prec_ != v1::PRECISION_FP8) {
+    WORKER_CHECK(dy != nullptr && dy16 == nullptr && dx16 == nullptr)
+        << "bf16 grad-output or input-gradient of a non-FP8 linear";
+    const GemmInputs in = prec_ == v1::PRECISION_BF16 ? GemmInputs::kBF16 : GemmInputs::kF32;
+    WORKER_CHECK(saved.x != nullptr);
+    // dx (M, K) = dy (M, N) · W (N, K)
+    if (dx) be_->Gemm(false, false, M, K, N, dy, w.f32, dx, accumulate_dx, in);
+    // dw (N, K) += dyᵀ (N, M) · x (M, K)
+    be_->Gemm(true, false, N, K, M, dy, saved.x, dw, true, in);
+    return;
+  }
+  WORKER_CHECK((dy == nullptr) != (dy16 == nullptr)) << "Backward takes exactly one grad-output";
+  WORKER_CHECK(saved.in != nullptr) << "FP8 backward without its saved input";
+  const Fp8Format dfmt = sc_->format(dy_idx_);
+  DevBuf dy8(be_, M * N), dyT8(be_, M * N);
+  if (dy16 != nullptr && !sc_->NeedsAmaxFirst(dy_idx_)) {
+    be_->CastTransposeFp8Bf16(dy16, M, N, sc_->Scale(dy_idx_), dfmt, dy8.u8(), dyT8.u8(),
+                              sc_->AmaxOut(dy_idx_), N);
+  } else {
+    DevBuf dy32;
+    if (dy16 != nullptr) {
+      dy32 = DevBuf(be_, M * N * sizeof(float));
+      be_->UnpackBf16(dy16, dy32.f32(), M * N);
+      dy = dy32.f32();
+    }
+    const float* scale = sc_->ScaleFor(dy_idx_, dy, M * N);
+    be_->CastTransposeFp8(dy, M, N, scale, dfmt, dy8.u8(), dyT8.u8(), sc_->AmaxOut(dy_idx_));
+  }
+  BackwardFp8(std::move(dy8), std::move(dyT8), M, K, N, w, saved, dx, accumulate_dx, dw, dx16);
+}
+
+void Linear::BackwardFp8(DevBuf dy8, DevBuf dyT8, int64_t M, int64_t K, int64_t N,
+                         const WeightView& w, const LinearSaved& saved, float* dx,
+                         bool accumulate_dx, float* dw, uint16_t* dx16) {
+  WORKER_CHECK(prec_ == v1::PRECISION_FP8 && saved.in != nullptr)
+      << "FP8 backward without its saved input";
+  const Fp8Format dfmt = sc_->format(dy_idx_);
+  WORKER_CHECK(dx16 == nullptr || (dx == nullptr && !accumulate_dx)) << "dx16 with dx or accumulate";
+  if (dx || dx16) {
+    DevBuf wT(be_, N * K);
+    be_->TransposeBytes(w.fp8, N, K, wT.u8());  // (K, N)
+    if (dx16) {
+      be_->GemmFp8Bf16(M, K, N, dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_), wT.u8(), Fp8Format::kE4M3,
+                       w.scale_inv, dx16);
+    } else {
+      be_->GemmFp8(M, K, N, dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_), wT.u8(), Fp8Format::kE4M3,
+                   w.scale_inv, dx, accumulate_dx);
+    }
+  }
+  dy8.Reset();
+  Fp8Input& in = *saved.in;
+  if (in.xT.empty()) {  // the first of the linears sharing this input
+    in.xT = DevBuf(be_, M * K);
+    be_->TransposeBytes(in.x8.u8(), M, K, in.xT.u8());  // (K, M)
+  }
+  // dW is overwritten: FsdpParams leaves FP8 weights' gradient buffers unzeroed (BeginGrads).
+  be_->GemmFp8(N, K, M, dyT8.u8(), dfmt, sc_->ScaleInv(dy_idx_), in.xT.u8(), Fp8Format::kE4M3,
+               in.scale_inv, dw, false);
+  dyT8.Reset();
+}
+
+}  // namespace fsdp8

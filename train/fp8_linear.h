@@ -1,0 +1,212 @@
+// The precision-dependent linear layer y = x · Wᵀ (no bias), and the delayed-scaling state of the
+// FP8 activations (X) and grad-outputs (dY) of every FP8 linear.
+//
+// FP8 (TransformerEngine "hybrid" by default):
+//   forward   x → E4M3 codes with the X scale (amax accumulated), Y = GemmFp8(X, W)     (TN)
+//   backward  dY → E5M2 (E4M3 for the all-E4M3 format) codes and their transpose in one fused
+//             cast (amax accumulated); dX = GemmFp8(dY, Wᵀ) with Wᵀ = TransposeBytes(W) and
+//             dW = GemmFp8(dYᵀ, Xᵀ) with Xᵀ = TransposeBytes(saved X codes). Only X's FP8 codes
+//             are kept from the forward; Xᵀ is made by the first backward that needs it and freed
+//             with the last LinearSaved that holds the input (the caller drops them after use).
+//   Linears that read the same activation (q/k/v of n1, gate/up of n2) share one cast and one
+//   transpose (Fp8Input): their X tensors see the same values every step, so their delayed
+//   scales are equal by construction; the shared cast records one amax, which UpdateScales gives to
+//   each (ActScaling::ShareAmax).
+//   Fused projections (Fp8Recipe.fused_projections, LlamaModel): q/k/v and gate/up also share
+//   one grad-output scale (ActScaling::GroupAmax) and one weight scale
+//   (FsdpParams::SetWeightScaleGroup), so that their grad-outputs, cast side by side, and their
+//   adjacent gathered weights form one FP8 matrix each: one BackwardFp8 of N = the group's total
+//   runs the group's dX and dW GEMMs.
+//   Inputs, outputs and grad-outputs may be bfloat16 (bit patterns, Backend's *Bf16 ops).
+// BF16 / FP32: Backend::Gemm with inputs rounded to bf16 / kept f32; the f32 input is kept (by
+// the caller) for dW.
+//
+// Scaling (common/scaling.h): delayed — cast with the current scale; amaxes accumulate into a
+// device buffer zeroed once per step (max over all microbatches, C03); ReduceAmax does ONE fused
+// AllReduce(max) and every rank runs UpdateDelayed identically (C04). A tensor without history
+// (first step) and every tensor under the CURRENT recipe is scaled from its own amax, which costs a
+// host synchronisation per cast.
+//
+// Thread-safety: one thread (the trainer's).
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/scaling.h"
+#include "fsdp8/v1/admin.pb.h"
+#include "fsdp8/v1/spec.pb.h"
+#include "kernels/backend.h"
+#include "comm/communicator.h"
+#include "train/device_buffer.h"
+#include "train/fsdp.h"
+
+namespace fsdp8 {
+
+class ActScaling {
+ public:
+  ActScaling(Backend* be, const v1::Fp8Recipe& recipe);
+  // Registers a scaled tensor; returns its index. Call before Finalize().
+  int Add(const std::string& name, bool e5m2);
+  void Finalize();
+  size_t size() const { return states_.size(); }
+
+  // Zeroes this step's amax accumulators.
+  void BeginStep();
+  // Device scale to cast `x` (n f32) of tensor i with. Uninitialised tensors and the CURRENT
+  // recipe compute x's amax first (synchronises) and upload the scale.
+  const float* ScaleFor(int i, const float* x, int64_t n);
+  const float* ScaleInv(int i) const { return scale_inv_.f32() + i * kScaleStride; }
+  // Where a cast accumulates tensor i's amax: this step's accumulator, or nullptr when not
+  // recording (evaluation).
+  float* AmaxOut(int i) const { return recording_ ? amax_.f32() + i : nullptr; }
+  void set_recording(bool on) { recording_ = on; }
+  // The fused all-reduce(max) of this step's amaxes and the identical update on every rank:
+  // ReduceAmax enqueues the all-reduce, UpdateScales reads the result (a device synchronisation)
+  // and updates and uploads the scales.
+  absl::Status ReduceAmax(Communicator* comm, CommClock* clock);
+  void UpdateScales();
+  const std::vector<ScalingState>& states() const { return states_; }
+  // Whether tensor i's next cast must first measure its own amax (CURRENT recipe, or no history).
+  bool NeedsAmaxFirst(int i) const {
+    return recipe_.recipe() == v1::SCALING_RECIPE_CURRENT || !states_[i].initialised;
+  }
+  // The device scale slot of tensor i as it stands (delayed scaling: no measurement).
+  const float* Scale(int i) const { return scale_.f32() + i * kScaleStride; }
+  // Whether forward FP8 GEMMs use fast accumulation (Fp8Recipe.forward_fast_accumulation).
+  bool forward_fast_accumulation() const { return recipe_.forward_fast_accumulation(); }
+  // Fp8Recipe.fused_projections.
+  bool fused_projections() const { return recipe_.fused_projections(); }
+  // Tensor `to` takes the amax that tensor `from` records (the same input values, one cast):
+  // UpdateScales copies it over before the update. Idempotent; `from` must record its own amax (no
+  // chains: each `to` is resolved once).
+  void ShareAmax(int from, int to);
+  // The tensors `members` (two or more, in no other group) scale as one: before each update every
+  // member's recorded amax becomes the group's maximum (NaN when any is NaN), so their histories
+  // and scales stay equal from then on (a fused projection's grad-outputs, whose codes one GEMM
+  // reads with one scale). Each cast still records its own amax. Call before Finalize().
+  void GroupAmax(const std::vector<int>& members);
+  // Whether tensors i and j have equal current scales (host state; no synchronisation). Grouped
+  // tensors may differ only after a Restore of states saved without the group.
+  bool SameScale(int i, int j) const {
+    return states_[i].scale == states_[j].scale && states_[i].scale_inv == states_[j].scale_inv;
+  }
+  // Replaces every tensor's delayed-scaling state (a checkpoint load) and uploads the scales.
+  // FAILED_PRECONDITION naming the first tensor whose name or format differs (nothing changed).
+  absl::Status Restore(const std::vector<ScalingState>& states);
+  Fp8Format format(int i) const { return states_[i].e5m2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3; }
+
+ private:
+  Backend* be_;
+  v1::Fp8Recipe recipe_;
+  std::vector<ScalingState> states_;
+  DevBuf scale_, scale_inv_, amax_, tmp_amax_;  // scales in kScaleStride slots; amax (n) contiguous
+  std::map<int, int> amax_from_;                // ShareAmax: to -> from
+  std::vector<std::vector<int>> groups_;        // GroupAmax
+  bool recording_ = true;
+};
+
+// Gathered weight of one linear: W (N, K) as f32 values or as E4M3 codes with its scale_inv.
+struct WeightView {
+  const float* f32 = nullptr;
+  const uint8_t* fp8 = nullptr;
+  const float* scale_inv = nullptr;  // device scalar (fp8)
+};
+
+// The E4M3 codes of one FP8 linear input, shared by the linears that read it.
+struct Fp8Input {
+  DevBuf x8;                        // (M, K) E4M3 codes
+  const float* scale_inv = nullptr; // (1) f32 device scalar: the scale_inv x8 was cast with
+  DevBuf scale_inv_copy;            // owns *scale_inv when the tensor's slot may change first
+  DevBuf xT;  // (K, M) transpose for dW, made by the first backward that needs it
+};
+
+// What the forward keeps for the backward.
+struct LinearSaved {
+  std::shared_ptr<Fp8Input> in;  // FP8
+  const float* x = nullptr;      // (M, K) f32 input (BF16/FP32), owned by the caller
+};
+
+class Linear {
+ public:
+  Linear() = default;
+  // x_idx / dy_idx: ActScaling indices (FP8 only).
+  Linear(Backend* be, ActScaling* scaling, v1::Precision precision, int x_idx, int dy_idx)
+      : be_(be), sc_(scaling), prec_(precision), x_idx_(x_idx), dy_idx_(dy_idx) {}
+  v1::Precision precision() const { return prec_; }
+
+  // y (M, N) = x (M, K) · W (N, K)ᵀ. saved may be null (no backward follows).
+  void Forward(const float* x, int64_t M, int64_t K, int64_t N, const WeightView& w, float* y,
+               LinearSaved* saved);
+  // dx (M, K) = dy (M, N) · W (overwritten, or added when accumulate_dx; skipped when null);
+  // dw (N, K) += dyᵀ · x for BF16/FP32 linears; FP8 linears overwrite dw = dyᵀ · x (each FP8
+  // weight's gradient is written once per microbatch into an unzeroed buffer, FsdpParams).
+  void Backward(const float* dy, int64_t M, int64_t K, int64_t N, const WeightView& w,
+                const LinearSaved& saved, float* dx, bool accumulate_dx, float* dw) {
+    Backward(dy, nullptr, M, K, N, w, saved, dx, accumulate_dx, dw);
+  }
+
+  // FP8 only. Casts x (M, K) — f32 x, or bf16 x16 (exactly one non-null) — with this linear's X
+  // scale; each linear of `same_input` (which read the same x) takes the amax it records
+  // (ActScaling::ShareAmax).
+  std::shared_ptr<Fp8Input> CastInput(const float* x, const uint16_t* x16, int64_t M, int64_t K,
+                                      std::initializer_list<const Linear*> same_input = {});
+  // FP8 only. The input RMSNorm(x) * w_norm (M, K) of this linear (and of `same_input`), cast
+  // straight from the norm (Backend::RmsNormCastFp8); rstd (M) receives the norm's 1/rms.
+  std::shared_ptr<Fp8Input> NormCastInput(const float* x, const float* w_norm, float eps,
+                                          int64_t M, int64_t K, float* rstd,
+                                          std::initializer_list<const Linear*> same_input = {});
+  // FP8 only. The input silu(gate) * up (M, K) of this linear from bf16 gate16, up16 (M, K) of
+  // row stride ld (K when dense; ld != K only when !NeedsAmaxFirst of this linear's input), cast
+  // in one pass (Backend::SwigluCastFp8).
+  std::shared_ptr<Fp8Input> CastSwiglu(const uint16_t* gate16, const uint16_t* up16, int64_t M,
+                                       int64_t K, int64_t ld);
+  // Whether this FP8 linear's input cast must first measure its own amax (ActScaling).
+  bool XNeedsAmaxFirst() const { return sc_->NeedsAmaxFirst(x_idx_); }
+  // FP8 only. y (M, N) f32, or y16 bf16 (exactly one non-null) = in · Wᵀ; with residual
+  // (M, N) f32 (y only), y = residual + in · Wᵀ in the GEMM.
+  void ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t K, int64_t N,
+                  const WeightView& w, float* y, uint16_t* y16, LinearSaved* saved,
+                  const float* residual = nullptr);
+  // As Backward with dy given as f32 dy or (FP8 linears) bf16 dy16, exactly one non-null; an
+  // FP8 linear may return dx as bf16 dx16 instead (dx null, no accumulation).
+  void Backward(const float* dy, const uint16_t* dy16, int64_t M, int64_t K, int64_t N,
+                const WeightView& w, const LinearSaved& saved, float* dx, bool accumulate_dx,
+                float* dw, uint16_t* dx16 = nullptr);
+
+  // FP8 only: where this linear's grad-output dY is cast, for an op that computes dY and casts it
+  // in the same pass (Backend::SwigluBackwardCastTransposeFp8). Such an op may be used only when
+  // !DyNeedsAmaxFirst() (delayed scaling with history: no measurement before the cast).
+  bool DyNeedsAmaxFirst() const { return sc_->NeedsAmaxFirst(dy_idx_); }
+  const float* DyScale() const { return sc_->Scale(dy_idx_); }
+  float* DyAmaxOut() const { return sc_->AmaxOut(dy_idx_); }
+  Fp8Format dy_format() const { return sc_->format(dy_idx_); }
+  // ActScaling indices of this FP8 linear's input and grad-output (-1 for other precisions).
+  int x_index() const { return x_idx_; }
+  int dy_index() const { return dy_idx_; }
+  // FP8 only. Backward with dY already cast with DyScale(): dy8 (M, N) and its transpose dyT8
+  // (N, M), E5M2 / E4M3 codes of dy_format(); both are freed here as soon as they are used.
+  void BackwardFp8(DevBuf dy8, DevBuf dyT8, int64_t M, int64_t K, int64_t N, const WeightView& w,
+                   const LinearSaved& saved, float* dx, bool accumulate_dx, float* dw,
+                   uint16_t* dx16 = nullptr);
+
+ private:
+  // Finishes an input whose x8 was just cast with this linear's X scale: points at that
+  // scale_inv (or keeps a copy when the slot may change before the backward) and shares the
+  // cast's amax with the linears of `same_input`.
+  std::shared_ptr<Fp8Input> Cast(std::shared_ptr<Fp8Input> in,
+                                 std::initializer_list<const Linear*> same_input);
+
+  Backend* be_ = nullptr;
+  ActScaling* sc_ = nullptr;
+  v1::Precision prec_ = v1::PRECISION_FP32;
+  int x_idx_ = -1;
+  int dy_idx_ = -1;
+};
+
+}  // namespace fsdp8

@@ -1,0 +1,487 @@
+#include "train/fsdp.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "common/check.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/strip.h"
+#include "common/scaling.h"
+
+namespace fsdp8 {
+
+std::string ScalingBaseName(const std::string& hf_name) {
+  absl::string_view s = hf_name;
+  absl::ConsumePrefix(&s, "model.");
+  absl::ConsumeSuffix(&s, ".weight");
+  return absl::StrReplaceAll(s, {{"self_attn.", "attn."}});
+}
+
+FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* be,
+                       Communicator* comm, CommClock* clock)
+    : plan_(plan), rank_(rank), be_(be), comm_(comm), clock_(clock) {
+  units_.resize(plan.units.size());
+  for (size_t u = 0; u < plan.units.size(); ++u) {
+    for (size_t b = 0; b < plan.units[u].buffers.size(); ++b) {
+      const BufferPlan& bp = plan.units[u].buffers[b];
+      Buf& buf = units_[u].emplace_back();
+      buf.plan = &bp;
+      const int64_t n = bp.shard_numel;
+      // Master init on the host from the global index: only this rank's slice is materialised.
+      std::vector<float> host(n, 0.0f);
+      const int64_t begin = bp.ShardBegin(rank);
+      for (size_t t = 0; t < bp.tensors.size(); ++t) {
+        const int64_t lo = std::max(bp.offsets[t], begin);
+        const int64_t hi = std::min(bp.offsets[t] + bp.tensors[t].numel, begin + n);
+        for (int64_t g = lo; g < hi; ++g) {
+          host[g - begin] = InitValue(bp.tensors[t], g - bp.offsets[t], seed);
+        }
+        if (bp.wire == WireDtype::kFp8) {
+          WORKER_CHECK(bp.tensors[t].is_fp8_linear) << bp.tensors[t].name << " in an fp8 buffer";
+          TensorRef r{static_cast<int>(u), static_cast<int>(b), static_cast<int>(t),
+                      bp.offsets[t], bp.tensors[t].numel, bp.wire,
+                      static_cast<int>(fp8_refs_.size())};
+          buf.fp8_ids.push_back(r.fp8_id);
+          fp8_slices_.push_back(hi > lo ? Slice{lo - begin, hi - begin} : Slice{0, 0});
+          fp8_refs_.push_back(r);
+          WeightScaling ws;
+          ws.name = ScalingBaseName(bp.tensors[t].name) + ".w";
+          ws.tensor = bp.tensors[t].name;
+          wscale_.push_back(ws);
+        }
+      }
+      buf.master = DevBuf(be, n * sizeof(float));
+      if (n > 0) be->CopyToDevice(buf.master.get(), host.data(), n * sizeof(float));
+      buf.m = DevBuf::Zeros(be, n * sizeof(float));
+      buf.v = DevBuf::Zeros(be, n * sizeof(float));
+      buf.grad = DevBuf::Zeros(be, n * sizeof(float));
+      if (bp.wire == WireDtype::kFp8) {
+        buf.wire = DevBuf::Zeros(be, n);  // padding stays code 0: casts write the tensors only
+        // The full-gradient elements no tensor covers (alignment gaps, padding).
+        int64_t at = 0;
+        for (size_t t = 0; t < bp.tensors.size(); ++t) {
+          if (bp.offsets[t] > at) buf.grad_gaps.push_back({at, bp.offsets[t]});
+          at = std::max(at, bp.offsets[t] + bp.tensors[t].numel);
+        }
+        if (bp.padded_numel > at) buf.grad_gaps.push_back({at, bp.padded_numel});
+      }
+      if (bp.wire == WireDtype::kBf16) buf.wire = DevBuf::Zeros(be, n * sizeof(uint16_t));
+    }
+  }
+  const size_t nf = std::max<size_t>(fp8_refs_.size(), 1);
+  w_scale_ = DevBuf(be, nf * kScaleStride * sizeof(float));
+  w_scale_inv_ = DevBuf(be, nf * kScaleStride * sizeof(float));
+  w_amax_ = DevBuf(be, nf * sizeof(float));
+  w_amax_cast_ = DevBuf::Zeros(be, nf * sizeof(float));
+  for (size_t i = 0; i < fp8_refs_.size(); ++i) w_group_.push_back(static_cast<int32_t>(i));
+  // The device slots hold the current scales (the previous scale is an all-zero weight's
+  // fallback in Fp8ScalesFromAmax): 1 until the first cast.
+  const std::vector<float> ones(nf, 1.0f);
+  UploadScaleSlots(be, w_scale_.f32(), ones);
+  UploadScaleSlots(be, w_scale_inv_.f32(), ones);
+}
+
+TensorRef FsdpParams::Ref(const std::string& hf_name) const {
+  int u, b, t;
+  WORKER_CHECK(plan_.Find(hf_name, &u, &b, &t)) << "shard plan has no tensor " << hf_name;
+  const BufferPlan& bp = plan_.units[u].buffers[b];
+  TensorRef r{u, b, t, bp.offsets[t], bp.tensors[t].numel, bp.wire, -1};
+  for (const TensorRef& f : fp8_refs_) {
+    if (f.unit == u && f.buffer == b && f.index == t) r.fp8_id = f.fp8_id;
+  }
+  return r;
+}
+
+absl::Status FsdpParams::Timed(absl::Status s, double t0) {
+  clock_->seconds += CommClock::Now() - t0;
+  return s;
+}
+
+FsdpParams::~FsdpParams() { DropPrefetches(); }
+
+void FsdpParams::DropPrefetches() {
+  for (size_t u = 0; u < in_flight_.size(); ++u) {
+    if (in_flight_[u]) DropUnit(static_cast<int>(u));
+  }
+}
+
+void FsdpParams::DropUnit(int unit) {
+  for (Buf& b : units_[unit]) {
+    if (b.ticket != 0) comm_->Wait(b.ticket);  // the compute stream's frees below come after it
+    b.ticket = 0;
+    b.full.Reset();
+    b.full_u16.Reset();
+  }
+  if (static_cast<size_t>(unit) < in_flight_.size()) in_flight_[unit] = false;
+}
+
+absl::Status FsdpParams::Prefetch(int unit) {
+  if (in_flight_.size() != units_.size()) in_flight_.assign(units_.size(), false);
+  if (in_flight_[unit]) return absl::OkStatus();
+  for (Buf& b : units_[unit]) {
+    const BufferPlan& bp = *b.plan;
+    const int64_t n = bp.shard_numel;
+    const double t0 = CommClock::Now();
+    absl::StatusOr<int64_t> t;
+    switch (bp.wire) {
+      case WireDtype::kFp8:
+        b.full = DevBuf(be_, bp.padded_numel);
+        t = comm_->AllGatherAsync(b.wire.get(), b.full.get(), n);
+        break;
+      case WireDtype::kBf16:
+        b.full_u16 = DevBuf(be_, bp.padded_numel * sizeof(uint16_t));
+        t = comm_->AllGatherAsync(b.wire.get(), b.full_u16.get(), n * sizeof(uint16_t));
+        break;
+      case WireDtype::kFp32:
+        b.full = DevBuf(be_, bp.padded_numel * sizeof(float));
+        t = comm_->AllGatherAsync(b.master.get(), b.full.get(), n * sizeof(float));
+        break;
+    }
+    if (absl::Status r = Timed(t.status(), t0); !r.ok()) {
+      DropUnit(unit);  // the all-gathers issued so far finish before their buffers go
+      return absl::Status(r.code(), absl::StrCat("all-gather of ", plan_.units[unit].name, "/",
+                                                 WireDtypeName(bp.wire), ": ", r.message()));
+    }
+    b.ticket = *t;
+  }
+  in_flight_[unit] = true;
+  return absl::OkStatus();
+}
+
+absl::Status FsdpParams::Gather(int unit) {
+  if (absl::Status s = Prefetch(unit); !s.ok()) return s;
+  for (Buf& b : units_[unit]) {
+    comm_->Wait(b.ticket);
+    b.ticket = 0;
+    const BufferPlan& bp = *b.plan;
+    if (bp.wire == WireDtype::kBf16) {
+      b.full = DevBuf(be_, bp.padded_numel * sizeof(float));
+      be_->UnpackBf16(b.full_u16.u16(), b.full.f32(), bp.padded_numel);
+      b.full_u16.Reset();
+    }
+  }
+  in_flight_[unit] = false;
+  return absl::OkStatus();
+}
+
+void FsdpParams::Release(int unit) {
+  for (Buf& b : units_[unit]) b.full.Reset();
+}
+
+void FsdpParams::BeginGrads(int unit) {
+  for (Buf& b : units_[unit]) {
+    if (b.plan->wire != WireDtype::kFp8) {
+      b.full_grad = DevBuf::Zeros(be_, b.plan->padded_numel * sizeof(float));
+      continue;
+    }
+    // FP8 weights' gradients are written whole by their dW GEMM (Linear::Backward): only the
+    // elements outside every tensor need zeros (they are reduce-scattered too).
+    b.full_grad = DevBuf(be_, b.plan->padded_numel * sizeof(float));
+    for (const Slice& g : b.grad_gaps) {
+      be_->Memset(b.full_grad.f32() + g.lo, 0, (g.hi - g.lo) * sizeof(float));
+    }
+  }
+}
+
+void FsdpParams::FlushGrads() {
+  for (PendingReduce& p : reducing_) {
+    comm_->Wait(p.ticket);
+    const int64_t n = p.buf->plan->shard_numel;
+    if (n > 0 && !p.part.empty()) be_->Axpy(1.0f, p.part.f32(), p.buf->grad.f32(), n);
+  }
+  reducing_.clear();  // frees the full gradients and the parts (stream-ordered)
+}
+
+absl::Status FsdpParams::ReduceGrads(int unit) {
+  FlushGrads();
+  for (Buf& b : units_[unit]) {
+    const int64_t n = b.plan->shard_numel;
+    // The first gradient of a step lands in the grad shard itself; later ones (microbatches)
+    // in a part that FlushGrads adds.
+    DevBuf part;
+    if (!b.grad_unset) part = DevBuf(be_, n * sizeof(float));
+    float* out = b.grad_unset ? b.grad.f32() : part.f32();
+    const double t0 = CommClock::Now();
+    absl::StatusOr<int64_t> t = comm_->ReduceScatterSumAsync(b.full_grad.f32(), out, n);
+    if (absl::Status s = Timed(t.status(), t0); !s.ok()) {
+      b.full_grad.Reset();
+      return absl::Status(s.code(), absl::StrCat("reduce-scatter of ", plan_.units[unit].name, "/",
+                                                 WireDtypeName(b.plan->wire), " grads: ",
+                                                 s.message()));
+    }
+    b.grad_unset = false;
+    reducing_.push_back(PendingReduce{&b, std::move(b.full_grad), std::move(part), *t});
+  }
+  return absl::OkStatus();
+}
+
+const float* FsdpParams::W(const TensorRef& t) const {
+  const Buf& b = units_[t.unit][t.buffer];
+  WORKER_CHECK(!b.full.empty() || t.numel == 0) << "unit " << t.unit << " not gathered";
+  WORKER_CHECK(b.plan->wire != WireDtype::kFp8) << "f32 view of an fp8 buffer";
+  return b.full.f32() + t.offset;
+}
+
+const uint8_t* FsdpParams::W8(const TensorRef& t) const {
+  const Buf& b = units_[t.unit][t.buffer];
+  WORKER_CHECK(!b.full.empty() || t.numel == 0) << "unit " << t.unit << " not gathered";
+  WORKER_CHECK(b.plan->wire == WireDtype::kFp8) << "fp8 view of a non-fp8 buffer";
+  return b.full.u8() + t.offset;
+}
+
+const float* FsdpParams::WScaleInv(const TensorRef& t) const {
+  WORKER_CHECK(t.fp8_id >= 0);
+  return w_scale_inv_.f32() + t.fp8_id * kScaleStride;
+}
+
+float* FsdpParams::G(const TensorRef& t) const {
+  const Buf& b = units_[t.unit][t.buffer];
+  WORKER_CHECK(!b.full_grad.empty() || t.numel == 0) << "unit " << t.unit << " has no grad buffer";
+  return b.full_grad.f32() + t.offset;
+}
+
+void FsdpParams::ZeroGrads() {
+  FlushGrads();
+  // Lazily: the step's first reduce-scatter writes each grad shard whole (ReduceGrads); shards
+  // no gradient reached are zeroed before anything reads them (MaterializeGrads).
+  for (auto& u : units_) {
+    for (Buf& b : u) b.grad_unset = true;
+  }
+}
+
+void FsdpParams::MaterializeGrads() {
+  FlushGrads();
+  for (auto& u : units_) {
+    for (Buf& b : u) {
+      if (b.grad_unset && b.plan->shard_numel > 0) {
+        be_->Memset(b.grad.get(), 0, b.plan->shard_numel * sizeof(float));
+      }
+      b.grad_unset = false;
+    }
+  }
+}
+
+absl::Status FsdpParams::StartGradSquaredNorm() {
+  MaterializeGrads();
+  grad_sq_ = DevBuf::Zeros(be_, sizeof(float));
+  for (auto& u : units_) {
+    for (Buf& b : u) be_->SumSquares(b.grad.f32(), b.plan->shard_numel, grad_sq_.f32());
+  }
+  const double t0 = CommClock::Now();
+  absl::Status s = Timed(comm_->AllReduce(grad_sq_.f32(), 1, ReduceOp::kSum), t0);
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat("grad-norm all-reduce: ", s.message()));
+  return absl::OkStatus();
+}
+
+double FsdpParams::FinishGradSquaredNorm() {
+  WORKER_CHECK(!grad_sq_.empty()) << "FinishGradSquaredNorm without StartGradSquaredNorm";
+  float host = 0;
+  be_->CopyToHost(&host, grad_sq_.get(), sizeof(float));
+  grad_sq_.Reset();
+  return static_cast<double>(host);
+}
+
+void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weight_decay,
+                       int64_t step, float grad_scale) {
+  MaterializeGrads();
+  if (!fp8_refs_.empty()) be_->Memset(w_amax_.get(), 0, fp8_refs_.size() * sizeof(float));
+  auto update = [&](Buf& b, int64_t lo, int64_t hi, float* amax) {
+    if (hi <= lo) return;
+    be_->AdamW(b.master.f32() + lo, b.grad.f32() + lo, b.m.f32() + lo, b.v.f32() + lo, hi - lo,
+               lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax);
+  };
+  for (auto& u : units_) {
+    for (Buf& b : u) {
+      // FP8 tensors' slices record the amax of their updated weights for CastWeights.
+      int64_t at = 0;
+      for (int i : b.fp8_ids) {
+        const Slice& s = fp8_slices_[i];
+        if (s.hi <= s.lo) continue;
+        update(b, at, s.lo, nullptr);
+        update(b, s.lo, s.hi, w_amax_.f32() + i);
+        at = s.hi;
+      }
+      update(b, at, b.plan->shard_numel, nullptr);
+    }
+  }
+  weight_amax_ready_ = true;
+}
+
+absl::Status FsdpParams::CastWeights() {
+  DropPrefetches();
+  // bf16 wire shards: a plain pack of the master slice.
+  for (auto& u : units_) {
+    for (Buf& b : u) {
+      if (b.plan->wire == WireDtype::kBf16 && b.plan->shard_numel > 0) {
+        be_->PackBf16(b.master.f32(), b.wire.u16(), b.plan->shard_numel);
+      }
+    }
+  }
+  const bool amax_ready = weight_amax_ready_;
+  weight_amax_ready_ = false;
+  if (fp8_refs_.empty()) return absl::OkStatus();
+  // FP8: per-tensor amax of this rank's slice (taken by AdamW when it just ran), one fused
+  // all-reduce(max), identical scales.
+  const size_t nf = fp8_refs_.size();
+  if (!amax_ready) {
+    be_->Memset(w_amax_.get(), 0, nf * sizeof(float));
+    for (size_t i = 0; i < nf; ++i) {
+      const Buf& b = units_[fp8_refs_[i].unit][fp8_refs_[i].buffer];
+      const Slice& sl = fp8_slices_[i];
+      be_->AmaxAccumulate(b.master.f32() + sl.lo, sl.hi - sl.lo, w_amax_.f32() + i);
+    }
+  }
+  const double t0 = CommClock::Now();
+  absl::Status s = Timed(comm_->AllReduce(w_amax_.f32(), nf, ReduceOp::kMax), t0);
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("fp8 weight amax all-reduce: ", s.message()));
+  }
+  // The scales on the device (ComputeScale's rule, margin 0): no host round trip between AdamW
+  // and the casts. wscale_ follows when read (weight_scaling()), with each tensor's own amax.
+  be_->Copy(w_amax_cast_.get(), w_amax_.get(), nf * sizeof(float));
+  // A scale group's members take its maximum amax, hence one scale. Should that maximum be
+  // unusable, each member keeps its previous scale, which may then differ (scales restored from a
+  // run without the group): harmless, as amax 0 means all-zero codes and a non-finite weight has
+  // broken training already.
+  if (w_grouped_) {
+    be_->GroupMax(w_amax_cast_.f32(), w_group_dev_.i32(), static_cast<int64_t>(nf),
+                  w_amax_.f32());
+  }
+  be_->Fp8ScalesFromAmax(w_amax_.f32(), static_cast<int64_t>(nf), Fp8MaxValue(/*e5m2=*/false),
+                         /*margin=*/0, w_scale_.f32(), w_scale_inv_.f32(), kScaleStride);
+  wscale_on_host_ = false;
+  for (size_t i = 0; i < nf; ++i) {
+    Buf& b = units_[fp8_refs_[i].unit][fp8_refs_[i].buffer];
+    const Slice& sl = fp8_slices_[i];
+    if (sl.hi <= sl.lo) continue;
+    be_->CastToFp8(b.master.f32() + sl.lo, b.wire.u8() + sl.lo, sl.hi - sl.lo,
+                   w_scale_.f32() + i * kScaleStride, Fp8Format::kE4M3, nullptr);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FsdpParams::SetWeightScaleGroup(const std::vector<TensorRef>& members) {
+  if (members.size() < 2) return absl::InvalidArgumentError("a weight scale group needs two or more tensors");
+  for (const TensorRef& r : members) {
+    if (r.fp8_id < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "weight scale group: tensor at unit ", r.unit, " offset ", r.offset, " is not FP8"));
+    }
+    if (w_group_[r.fp8_id] != r.fp8_id) {
+      return absl::InvalidArgumentError(absl::StrCat("weight scale group: ",
+                                                     wscale_[r.fp8_id].tensor, " is already grouped"));
+    }
+  }
+  const int32_t g = members.front().fp8_id;
+  for (const TensorRef& r : members) w_group_[r.fp8_id] = g;
+  w_grouped_ = true;
+  w_group_dev_ = DevBuf(be_, w_group_.size() * sizeof(int32_t));
+  be_->CopyToDevice(w_group_dev_.get(), w_group_.data(), w_group_.size() * sizeof(int32_t));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::map<std::string, std::vector<float>>> FsdpParams::GatherAll(bool grads) {
+  MaterializeGrads();
+  std::map<std::string, std::vector<float>> out;
+  for (auto& u : units_) {
+    for (Buf& b : u) {
+      const BufferPlan& bp = *b.plan;
+      DevBuf full(be_, bp.padded_numel * sizeof(float));
+      const DevBuf& src = grads ? b.grad : b.master;
+      const double t0 = CommClock::Now();
+      absl::Status s =
+          Timed(comm_->AllGather(src.get(), full.get(), bp.shard_numel * sizeof(float)), t0);
+      if (!s.ok()) return s;
+      std::vector<float> host(bp.padded_numel);
+      if (bp.padded_numel > 0) be_->CopyToHost(host.data(), full.get(), host.size() * sizeof(float));
+      for (size_t t = 0; t < bp.tensors.size(); ++t) {
+        out[bp.tensors[t].name] = std::vector<float>(
+            host.begin() + bp.offsets[t], host.begin() + bp.offsets[t] + bp.tensors[t].numel);
+      }
+    }
+  }
+  return out;
+}
+
+bool FsdpParams::SetMasterElement(const std::string& hf_name, int64_t index, float value) {
+  const TensorRef r = Ref(hf_name);
+  WORKER_CHECK(index >= 0 && index < r.numel);
+  Buf& b = units_[r.unit][r.buffer];
+  const int64_t g = r.offset + index;
+  const int64_t begin = b.plan->ShardBegin(rank_);
+  if (g < begin || g >= begin + b.plan->shard_numel) return false;
+  weight_amax_ready_ = false;
+  be_->CopyToDevice(b.master.f32() + (g - begin), &value, sizeof(float));
+  return true;
+}
+
+const DevBuf& FsdpParams::Array(int unit, int buffer, ShardArray which) const {
+  WORKER_CHECK(unit >= 0 && unit < static_cast<int>(units_.size()));
+  WORKER_CHECK(buffer >= 0 && buffer < static_cast<int>(units_[unit].size()));
+  const Buf& b = units_[unit][buffer];
+  switch (which) {
+    case ShardArray::kMaster: return b.master;
+    case ShardArray::kAdamM: return b.m;
+    case ShardArray::kAdamV: return b.v;
+  }
+  WORKER_CHECK(false) << "bad ShardArray";
+  return b.master;
+}
+
+void FsdpParams::DownloadShard(int unit, int buffer, ShardArray which, float* host) const {
+  const int64_t n = units_[unit][buffer].plan->shard_numel;
+  if (n > 0) be_->CopyToHost(host, Array(unit, buffer, which).get(), n * sizeof(float));
+}
+
+void FsdpParams::ZeroShard(int unit, int buffer, ShardArray which) {
+  const int64_t n = units_[unit][buffer].plan->shard_numel;
+  weight_amax_ready_ = false;
+  if (n > 0) be_->Memset(Array(unit, buffer, which).get(), 0, n * sizeof(float));
+}
+
+void FsdpParams::UploadShardRange(int unit, int buffer, ShardArray which, int64_t offset,
+                                  const float* host, int64_t n) {
+  const int64_t shard = units_[unit][buffer].plan->shard_numel;
+  WORKER_CHECK(offset >= 0 && n >= 0 && offset + n <= shard)
+      << "shard range [" << offset << ", " << offset + n << ") of " << shard;
+  weight_amax_ready_ = false;
+  if (n > 0) be_->CopyToDevice(Array(unit, buffer, which).f32() + offset, host, n * sizeof(float));
+}
+
+const std::vector<WeightScaling>& FsdpParams::weight_scaling() const {
+  if (!wscale_on_host_ && !wscale_.empty()) {
+    const size_t nf = wscale_.size();
+    std::vector<float> amax(nf), scale(nf * kScaleStride), scale_inv(nf * kScaleStride);
+    be_->CopyToHost(amax.data(), w_amax_cast_.get(), nf * sizeof(float));
+    be_->CopyToHost(scale.data(), w_scale_.get(), scale.size() * sizeof(float));
+    be_->CopyToHost(scale_inv.data(), w_scale_inv_.get(), scale_inv.size() * sizeof(float));
+    for (size_t i = 0; i < nf; ++i) {
+      wscale_[i].amax = amax[i];
+      wscale_[i].scale = scale[i * kScaleStride];
+      wscale_[i].scale_inv = scale_inv[i * kScaleStride];
+    }
+  }
+  wscale_on_host_ = true;
+  return wscale_;
+}
+
+void FsdpParams::RestoreWeightScaling(const std::vector<WeightScaling>& ws) {
+  (void)weight_scaling();  // host copy current: the values restored below are the state from now on
+  WORKER_CHECK(ws.size() == wscale_.size()) << ws.size() << " weight scales for " << wscale_.size();
+  std::vector<float> scale(ws.size()), scale_inv(ws.size());
+  for (size_t i = 0; i < ws.size(); ++i) {
+    WORKER_CHECK(ws[i].name == wscale_[i].name) << ws[i].name << " vs " << wscale_[i].name;
+    wscale_[i].scale = ws[i].scale;
+    wscale_[i].scale_inv = ws[i].scale_inv;
+    wscale_[i].amax = ws[i].amax;
+    scale[i] = ws[i].scale;
+    scale_inv[i] = ws[i].scale_inv;
+  }
+  if (!ws.empty()) {
+    UploadScaleSlots(be_, w_scale_.f32(), scale);
+    UploadScaleSlots(be_, w_scale_inv_.f32(), scale_inv);
+  }
+}
+
+}  // namespace fsdp8

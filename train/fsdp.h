@@ -1,0 +1,210 @@
+// FsdpParams: one rank's fully sharded parameters (ZeRO-3) laid out by the ShardPlan.
+//
+// Per FSDP unit and flat buffer this rank holds, each of shard_numel elements:
+//   master (f32)  — the FP32 master weights of its slice, initialised from InitValue of the global
+//                   element index (padding 0), so the model is the same bits at any world size;
+//   m, v (f32)    — AdamW moments;
+//   grad (f32)    — the reduced gradient of its slice, accumulated over microbatches (after
+//                   ZeroGrads, a slice no gradient reached is zeroed only when first read);
+//   wire shard    — what travels on an all-gather: FP8 codes (u8) for FP8 GEMM weights, bf16 bit
+//                   patterns for bf16 buffers (fp32 buffers send the master slice itself).
+// The wire shards are refreshed by CastWeights() once per optimizer step (ARCHITECTURE step 6):
+// for FP8 tensors, the amax of this rank's master slice (empty slice: 0), one fused
+// AllReduce(max) over all FP8 tensors, scale = ComputeScale(amax, 448, 0, previous) — identical on
+// every rank — then this rank's slice is cast with its tensor's scale.
+//
+// The FP8 tensors' amaxes come from the AdamW pass that updated them (Backend::AdamW's amax_out)
+// when CastWeights() follows AdamW(); otherwise (initialisation, a checkpoint load) from a pass
+// over the master slices.
+//
+// Unit lifecycle in a microbatch: Gather(u) all-gathers every buffer of u into full (padded)
+// buffers (f32 for bf16/fp32 wire, u8 codes for fp8); Release(u) frees them. BeginGrads(u)
+// allocates full f32 gradient buffers, zeroed except for FP8 buffers, whose tensors' gradients
+// must each be written whole (not accumulated) once per microbatch: the FP8 dW GEMM overwrites
+// (Linear::Backward), and only the elements outside every tensor are zeroed. ReduceGrads(u)
+// reduce-scatters them (f32 sums, C12) into the grad shards (the step's first gradient
+// directly, later microbatches' added), then frees them. ZeroGrads() marks the grad shards
+// empty without a pass over them.
+//
+// Thread-safety: one thread (the trainer's).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/shard_plan.h"
+#include "kernels/backend.h"
+#include "comm/communicator.h"
+#include "train/device_buffer.h"
+
+namespace fsdp8 {
+
+// Accumulates the wall time spent in collectives.
+struct CommClock {
+  double seconds = 0;
+  // Monotonic wall time in seconds, for timing collectives into `seconds`.
+  static double Now() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+};
+
+// Where a tensor lives.
+struct TensorRef {
+  int unit = -1;
+  int buffer = -1;
+  int index = -1;        // tensor index within the buffer
+  int64_t offset = 0;    // element offset in the flat buffer
+  int64_t numel = 0;
+  WireDtype wire = WireDtype::kFp32;
+  int fp8_id = -1;       // index among FP8 weight tensors, -1 otherwise
+};
+
+// FP8 weight scaling summary for reports.
+struct WeightScaling {
+  std::string name;   // e.g. "layers.0.attn.q_proj.w"
+  std::string tensor; // Hugging Face name
+  float scale = 1.0f;
+  float scale_inv = 1.0f;
+  float amax = 0.0f;  // global amax of the master weight at the last cast (its own, also in a
+                      // scale group, whose scale comes from the group's maximum)
+};
+
+// Short scaling-state name of a weight: "model.layers.0.self_attn.q_proj.weight" ->
+// "layers.0.attn.q_proj" (suffixes ".x", ".dy", ".w" name the three scaled tensors of a linear).
+std::string ScalingBaseName(const std::string& hf_name);
+
+// The per-element f32 arrays of a rank's shard that a checkpoint carries.
+enum class ShardArray { kMaster = 0, kAdamM = 1, kAdamV = 2 };
+
+class FsdpParams {
+ public:
+  FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* be, Communicator* comm,
+             CommClock* clock);
+
+  // Waits (stream-ordered) for prefetched all-gathers still in flight before their buffers go.
+  ~FsdpParams();
+  FsdpParams(const FsdpParams&) = delete;
+  FsdpParams& operator=(const FsdpParams&) = delete;
+
+  const ShardPlan& plan() const { return plan_; }
+  int rank() const { return rank_; }
+  // The tensor named `hf_name`; aborts when the plan has no such tensor (a broken invariant).
+  TensorRef Ref(const std::string& hf_name) const;
+
+  // Prefetch(u) starts u's all-gathers without making compute wait (overlap with the current
+  // unit's compute); Gather(u) starts them unless prefetched, then makes compute wait for them
+  // (and unpacks bf16). At most a few units should be in flight: each holds its full buffers.
+  absl::Status Prefetch(int unit);
+  absl::Status Gather(int unit);
+  void Release(int unit);
+  void BeginGrads(int unit);
+  // Starts the reduce-scatter of u's full gradients. The previous unit's reduce-scatter is
+  // finished first (its shard accumulated, its buffers freed), so at most one is in flight;
+  // FlushGrads() finishes the last one. The grad shards are read through StartGradSquaredNorm,
+  // AdamW and GatherAll, which also zero the shards no gradient reached since ZeroGrads.
+  absl::Status ReduceGrads(int unit);
+  void FlushGrads();
+
+  // Views into the gathered unit (valid between Gather and Release).
+  const float* W(const TensorRef& t) const;         // f32 values (bf16/fp32 buffers)
+  const uint8_t* W8(const TensorRef& t) const;      // E4M3 codes (fp8 buffers)
+  const float* WScaleInv(const TensorRef& t) const; // device scalar of an FP8 tensor
+  // Full gradient view (valid between BeginGrads and ReduceGrads).
+  float* G(const TensorRef& t) const;
+
+  void ZeroGrads();
+  // Squared L2 norm of the global gradient: sum of every shard's SumSquares, AllReduce(sum).
+  // StartGradSquaredNorm enqueues it, FinishGradSquaredNorm reads it (a device
+  // synchronisation).
+  absl::Status StartGradSquaredNorm();
+  double FinishGradSquaredNorm();
+  void AdamW(float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
+             float grad_scale);
+  // Refreshes the wire shards from the master weights (FP8 casts with a fused amax all-reduce).
+  // Prefetches still in flight read the old shards: they are dropped first.
+  absl::Status CastWeights();
+  // From the next CastWeights on, the FP8 weights `members` (at least two, FP8 wire, in no other
+  // group) share one scale, computed from the maximum of their global amaxes (Backend::GroupMax):
+  // the weights of one fused projection (LlamaModel's q/k/v, gate/up) then form one FP8 matrix
+  // that a single GEMM can read. INVALID_ARGUMENT naming the tensor for a non-FP8 member or one
+  // already grouped (nothing changes then).
+  absl::Status SetWeightScaleGroup(const std::vector<TensorRef>& members);
+  // Per FP8 weight: scale, scale_inv and amax of the last CastWeights (copied from the device
+  // when they changed since the last call: a device synchronisation; not during a step).
+  const std::vector<WeightScaling>& weight_scaling() const;
+
+  // Collective: every tensor's full values, gathered from all ranks (master weights or grads).
+  absl::StatusOr<std::map<std::string, std::vector<float>>> GatherAll(bool grads);
+  // Sets one element of a tensor's master weight if this rank owns it (testing, import); call
+  // CastWeights() afterwards. Returns whether this rank owns it.
+  bool SetMasterElement(const std::string& hf_name, int64_t index, float value);
+
+  // ---- checkpoints (train/checkpoint.h) ----
+  // Copies this rank's whole shard array of (unit, buffer) (shard_numel f32) to the host.
+  void DownloadShard(int unit, int buffer, ShardArray which, float* host) const;
+  // Zeroes this rank's shard array of (unit, buffer) (padding included).
+  void ZeroShard(int unit, int buffer, ShardArray which);
+  // Writes n f32 values to elements [offset, offset + n) of this rank's shard array.
+  void UploadShardRange(int unit, int buffer, ShardArray which, int64_t offset,
+                        const float* host, int64_t n);
+  // Replaces the FP8 weight scaling state (same tensors, same order; aborts otherwise). Only the
+  // scales matter to the next CastWeights(): they are the fallback for an all-zero weight.
+  void RestoreWeightScaling(const std::vector<WeightScaling>& ws);
+
+ private:
+  struct Slice {
+    int64_t lo = 0, hi = 0;  // [lo, hi) elements
+  };
+  struct Buf {
+    const BufferPlan* plan = nullptr;
+    DevBuf master, m, v, grad, wire;  // shards
+    DevBuf full;       // gathered f32 (bf16/fp32) or u8 (fp8), padded_numel elements
+    DevBuf full_u16;   // transient bf16 gather target
+    DevBuf full_grad;  // padded_numel f32
+    int64_t ticket = 0;  // in-flight all-gather (Communicator::Wait)
+    std::vector<int> fp8_ids;        // FP8 tensors of this buffer, in offset order
+    std::vector<Slice> grad_gaps;    // FP8 buffers: full-buffer ranges outside every tensor
+    bool grad_unset = false;         // grad holds nothing of this step yet (ZeroGrads)
+  };
+  struct PendingReduce {
+    Buf* buf;
+    DevBuf full_grad, part;  // kept alive until the reduce-scatter is waited for
+    int64_t ticket;
+  };
+  absl::Status Timed(absl::Status s, double t0);
+  // Drops every prefetched, not yet gathered unit (its all-gather waited for, buffers freed).
+  void DropPrefetches();
+  // Drops one unit's issued all-gathers (waited for on the compute stream) and full buffers.
+  void DropUnit(int unit);
+  // Finishes pending reduce-scatters and zeroes the grad shards no gradient reached.
+  void MaterializeGrads();
+  const DevBuf& Array(int unit, int buffer, ShardArray which) const;
+
+  const ShardPlan& plan_;
+  const int rank_;
+  Backend* be_;
+  Communicator* comm_;
+  CommClock* clock_;
+  std::vector<std::vector<Buf>> units_;
+  std::vector<bool> in_flight_;          // per unit: prefetched, not yet waited for
+  std::vector<PendingReduce> reducing_;  // the reduce-scatters of one unit
+  std::vector<TensorRef> fp8_refs_;
+  std::vector<Slice> fp8_slices_;  // per FP8 tensor: its shard-local [lo, hi) ({0, 0} if none)
+  bool weight_amax_ready_ = false;  // w_amax_ holds the master weights' amax (AdamW just ran)
+  mutable std::vector<WeightScaling> wscale_;  // host copy of the device state below
+  mutable bool wscale_on_host_ = true;         // wscale_ matches the device
+  DevBuf w_scale_, w_scale_inv_, w_amax_;  // scales (n_fp8 * kScaleStride), amax (n_fp8) f32
+  DevBuf w_amax_cast_;                     // global amaxes of the last CastWeights (n_fp8) f32
+  DevBuf grad_sq_;                         // StartGradSquaredNorm's sum (1) f32
+  std::vector<int32_t> w_group_;           // per FP8 tensor: its scale group (its own index alone)
+  bool w_grouped_ = false;                 // some group has two or more members
+  DevBuf w_group_dev_;                     // w_group_ on the device (n_fp8) int32, when grouped
+};
+
+}  // namespace fsdp8

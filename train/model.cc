@@ -1,0 +1,696 @@
+#include "train/model.h"
+
+#include <cstdlib>
+
+#include <algorithm>
+#include <string>
+
+#include "common/check.h"
+#include "absl/strings/str_cat.h"
+#include "common/spec.h"
+
+namespace fsdp8 {
+
+// Everything a block's backward needs from its forward.
+struct LlamaModel::BlockActs {
+  DevBuf x_in;          // (N, C) block input (residual stream)
+  DevBuf n1, rstd1;     // (N, C), (N); n1 kept only for non-FP8 blocks
+  DevBuf q, k, v;       // (B, T, H, D), (B, T, Hkv, D) x2; q, k after RoPE
+  DevBuf att, lse;      // (N, C), (B, H, T)
+  DevBuf h;             // (N, C) after the attention residual
+  DevBuf n2, rstd2;     // (N, C), (N)
+  DevBuf gate, up, act; // (N, F)
+  // bf16 copies kept instead of the f32 ones above: q, k, v (after RoPE) and att when attention
+  // is BF16 (exactly the values its backward uses); gate and up in FP8 blocks.
+  DevBuf q16, k16, v16, att16, gate16, up16;
+  DevBuf gu16;  // (N, 2F) [gate | up] bf16: the fused gate/up GEMM's output (MlpFused)
+  // (N, (H + 2 Hkv) D) [q | k | v] bf16, q and k after RoPE: the fused q/k/v GEMM's output
+  // (Block::fused_qkv), kept instead of q16, k16, v16.
+  DevBuf qkv16;
+  LinearSaved sq, sk, sv, so, sgate, sup, sdown;
+};
+
+LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* scaling,
+                       Backend* be)
+    : be_(be), p_(params), scaling_(scaling) {
+  if (const char* e = std::getenv("FSDP8_HEAD_CHUNK_LOGIT_BYTES"); e != nullptr && e[0] != '\0') {
+    head_chunk_bytes_ = std::max<int64_t>(1, std::atoll(e));
+  }
+  const v1::ModelConfig& m = spec.model();
+  C_ = m.d_model();
+  H_ = m.n_heads();
+  Hkv_ = m.n_kv_heads();
+  D_ = C_ / H_;
+  F_ = m.ffn_dim();
+  V_ = m.vocab_size();
+  T_ = m.seq_len();
+  eps_ = static_cast<float>(m.norm_eps());
+  theta_ = static_cast<float>(m.rope_theta());
+  const bool hybrid = spec.precision().fp8().format() != v1::FP8_FORMAT_E4M3;
+  attention_bf16_ = spec.precision().attention() == v1::PRECISION_BF16;
+  recompute_ = spec.training().activation_recompute();
+
+  embed_ = p_->Ref("model.embed_tokens.weight");
+  final_norm_ = p_->Ref("model.norm.weight");
+  head_ = p_->Ref("lm_head.weight");
+  embedding_unit_ = embed_.unit;
+  head_unit_ = head_.unit;
+
+  auto make_linear = [&](v1::Precision prec, const TensorRef& w, const std::string& hf) {
+    if (prec != v1::PRECISION_FP8) return Linear(be, scaling, prec, -1, -1);
+    WORKER_CHECK(w.fp8_id >= 0) << hf << ": FP8 precision but its buffer is not fp8";
+    const std::string base = ScalingBaseName(hf);
+    const int xi = scaling->Add(base + ".x", false);
+    const int di = scaling->Add(base + ".dy", hybrid);
+    return Linear(be, scaling, prec, xi, di);
+  };
+  for (int l = 0; l < m.n_layers(); ++l) {
+    Block b;
+    b.prec = LayerLinearPrecision(spec, l);
+    const std::string pre = absl::StrCat("model.layers.", l, ".");
+    b.in_norm = p_->Ref(pre + "input_layernorm.weight");
+    b.post_norm = p_->Ref(pre + "post_attention_layernorm.weight");
+    auto lin = [&](TensorRef* r, Linear* lin, const std::string& n) {
+      *r = p_->Ref(pre + n);
+      *lin = make_linear(b.prec, *r, pre + n);
+    };
+    lin(&b.q, &b.lq, "self_attn.q_proj.weight");
+    lin(&b.k, &b.lk, "self_attn.k_proj.weight");
+    lin(&b.v, &b.lv, "self_attn.v_proj.weight");
+    lin(&b.o, &b.lo, "self_attn.o_proj.weight");
+    lin(&b.gate, &b.lgate, "mlp.gate_proj.weight");
+    lin(&b.up, &b.lup, "mlp.up_proj.weight");
+    lin(&b.down, &b.ldown, "mlp.down_proj.weight");
+    // Fused projections where they run: FP8 blocks with BF16 attention (BlockForwardFp8 /
+    // BlockBackwardFp8) under delayed scaling (the CURRENT recipe measures every grad-output
+    // first, so its backward never fuses).
+    if (b.prec == v1::PRECISION_FP8 && attention_bf16_ &&
+        spec.precision().fp8().fused_projections() &&
+        spec.precision().fp8().recipe() != v1::SCALING_RECIPE_CURRENT) {
+      // One fused projection per norm output: shared weight scale, shared grad-output scale.
+      auto adjacent = [](std::initializer_list<const TensorRef*> ts) {
+        const TensorRef* prev = nullptr;
+        for (const TensorRef* t : ts) {
+          if (prev != nullptr && (t->unit != prev->unit || t->buffer != prev->buffer ||
+                                  t->offset != prev->offset + prev->numel)) {
+            return false;
+          }
+          prev = t;
+        }
+        return true;
+      };
+      // Adjacent weights (one matrix), and the widths the CUDA kernels' 4-element accesses need
+      // at the parts' offsets (RoPE's fused cast wants D % 8 anyway).
+      const bool qkv = adjacent({&b.q, &b.k, &b.v}) && D_ % 8 == 0;
+      const bool mlp = adjacent({&b.gate, &b.up}) && F_ % 4 == 0;
+      if (qkv) {
+        const absl::Status st = p_->SetWeightScaleGroup({b.q, b.k, b.v});
+        WORKER_CHECK(st.ok()) << st.message();
+        scaling->GroupAmax({b.lq.dy_index(), b.lk.dy_index(), b.lv.dy_index()});
+      }
+      if (mlp) {
+        const absl::Status st = p_->SetWeightScaleGroup({b.gate, b.up});
+        WORKER_CHECK(st.ok()) << st.message();
+        scaling->GroupAmax({b.lgate.dy_index(), b.lup.dy_index()});
+      }
+      // FSDP8_UNFUSED_PROJECTIONS=1 keeps the shared scales but runs one GEMM per linear: the
+      // per-linear reference that tests hold the fused GEMMs to.
+      const char* unfused = std::getenv("FSDP8_UNFUSED_PROJECTIONS");
+      const bool fuse = unfused == nullptr || std::string(unfused) != "1";
+      b.fused_qkv = fuse && qkv;
+      b.fused_mlp = fuse && mlp;
+    }
+    blocks_.push_back(std::move(b));
+  }
+  v1::Precision hp = spec.precision().lm_head();
+  if (hp == v1::PRECISION_UNSPECIFIED) hp = v1::PRECISION_BF16;
+  lhead_ = make_linear(hp, head_, "lm_head.weight");
+}
+
+bool LlamaModel::QkvBackwardFused(const Block& b) const {
+  const Fp8Format f = b.lq.dy_format();
+  return b.fused_qkv && !b.lq.DyNeedsAmaxFirst() && !b.lk.DyNeedsAmaxFirst() &&
+         !b.lv.DyNeedsAmaxFirst() && b.lk.dy_format() == f && b.lv.dy_format() == f &&
+         scaling_->SameScale(b.lq.dy_index(), b.lk.dy_index()) &&
+         scaling_->SameScale(b.lq.dy_index(), b.lv.dy_index());
+}
+
+bool LlamaModel::MlpFused(const Block& b) const {
+  return b.fused_mlp && !b.lgate.DyNeedsAmaxFirst() && !b.lup.DyNeedsAmaxFirst() &&
+         !b.ldown.XNeedsAmaxFirst() && b.lgate.dy_format() == b.lup.dy_format() &&
+         scaling_->SameScale(b.lgate.dy_index(), b.lup.dy_index());
+}
+
+WeightView LlamaModel::View(const TensorRef& t) const {
+  WeightView w;
+  if (t.wire == WireDtype::kFp8) {
+    w.fp8 = p_->W8(t);
+    w.scale_inv = p_->WScaleInv(t);
+  } else {
+    w.f32 = p_->W(t);
+  }
+  return w;
+}
+
+absl::Status LlamaModel::BlockForward(int l, int64_t B, DevBuf* x, BlockActs* a) {
+  Block& b = blocks_[l];
+  if (b.prec == v1::PRECISION_FP8 && attention_bf16_) return BlockForwardFp8(l, B, x, a);
+  const int64_t N = B * T_;
+  const bool keep_f32_inputs = b.prec != v1::PRECISION_FP8;
+  const bool train = a != nullptr;
+  BlockActs local;
+  if (!train) a = &local;
+  a->x_in = std::move(*x);
+  a->n1 = DevBuf(be_, N * C_ * 4);
+  a->rstd1 = DevBuf(be_, N * 4);
+  be_->RmsNormForward(a->x_in.f32(), p_->W(b.in_norm), eps_, N, C_, a->n1.f32(), a->rstd1.f32());
+  a->q = DevBuf(be_, N * H_ * D_ * 4);
+  a->k = DevBuf(be_, N * Hkv_ * D_ * 4);
+  a->v = DevBuf(be_, N * Hkv_ * D_ * 4);
+  b.lq.Forward(a->n1.f32(), N, C_, H_ * D_, View(b.q), a->q.f32(), train ? &a->sq : nullptr);
+  b.lk.Forward(a->n1.f32(), N, C_, Hkv_ * D_, View(b.k), a->k.f32(), train ? &a->sk : nullptr);
+  b.lv.Forward(a->n1.f32(), N, C_, Hkv_ * D_, View(b.v), a->v.f32(), train ? &a->sv : nullptr);
+  if (!keep_f32_inputs || !train) a->n1.Reset();
+  be_->RopeForward(a->q.f32(), B, T_, H_, D_, theta_);
+  be_->RopeForward(a->k.f32(), B, T_, Hkv_, D_, theta_);
+  a->att = DevBuf(be_, N * C_ * 4);
+  a->lse = DevBuf(be_, B * H_ * T_ * 4);
+  if (attention_bf16_) {
+    be_->AttentionForwardBf16(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_,
+                              a->att.f32(), a->lse.f32());
+  } else {
+    be_->AttentionForward(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_, a->att.f32(),
+                          a->lse.f32());
+  }
+  DevBuf o(be_, N * C_ * 4);
+  b.lo.Forward(a->att.f32(), N, C_, C_, View(b.o), o.f32(), train ? &a->so : nullptr);
+  if (train && attention_bf16_) {  // keep the attention's bf16 operands only
+    auto pack = [&](DevBuf* f32, DevBuf* b16, int64_t n, bool keep_f32) {
+      *b16 = DevBuf(be_, n * 2);
+      be_->PackBf16(f32->f32(), b16->u16(), n);
+      if (!keep_f32) f32->Reset();
+    };
+    pack(&a->q, &a->q16, N * H_ * D_, false);
+    pack(&a->k, &a->k16, N * Hkv_ * D_, false);
+    pack(&a->v, &a->v16, N * Hkv_ * D_, false);
+    // A non-FP8 o_proj keeps a pointer to its f32 input for its weight gradient.
+    pack(&a->att, &a->att16, N * C_, keep_f32_inputs);
+  }
+  a->h = DevBuf(be_, N * C_ * 4);
+  be_->Add(a->x_in.f32(), o.f32(), a->h.f32(), N * C_);
+  o.Reset();
+  a->n2 = DevBuf(be_, N * C_ * 4);
+  a->rstd2 = DevBuf(be_, N * 4);
+  be_->RmsNormForward(a->h.f32(), p_->W(b.post_norm), eps_, N, C_, a->n2.f32(), a->rstd2.f32());
+  a->gate = DevBuf(be_, N * F_ * 4);
+  a->up = DevBuf(be_, N * F_ * 4);
+  b.lgate.Forward(a->n2.f32(), N, C_, F_, View(b.gate), a->gate.f32(), train ? &a->sgate : nullptr);
+  b.lup.Forward(a->n2.f32(), N, C_, F_, View(b.up), a->up.f32(), train ? &a->sup : nullptr);
+  if (!keep_f32_inputs || !train) a->n2.Reset();
+  a->act = DevBuf(be_, N * F_ * 4);
+  be_->SwigluForward(a->gate.f32(), a->up.f32(), N * F_, a->act.f32());
+  if (train && !keep_f32_inputs) {
+    // FP8 blocks keep the SwiGLU inputs in bf16 for the backward: 8 significant bits where the
+    // GEMM that made them multiplied 4-bit E4M3 operands; half the memory of f32.
+    a->gate16 = DevBuf(be_, N * F_ * 2);
+    a->up16 = DevBuf(be_, N * F_ * 2);
+    be_->PackBf16(a->gate.f32(), a->gate16.u16(), N * F_);
+    be_->PackBf16(a->up.f32(), a->up16.u16(), N * F_);
+    a->gate.Reset();
+    a->up.Reset();
+  }
+  DevBuf mlp(be_, N * C_ * 4);
+  b.ldown.Forward(a->act.f32(), N, F_, C_, View(b.down), mlp.f32(), train ? &a->sdown : nullptr);
+  if (!keep_f32_inputs || !train) a->act.Reset();
+  DevBuf out(be_, N * C_ * 4);
+  be_->Add(a->h.f32(), mlp.f32(), out.f32(), N * C_);
+  *x = std::move(out);
+  return absl::OkStatus();
+}
+
+void LlamaModel::BlockBackward(int l, int64_t B, BlockActs* a, DevBuf* dout) {
+  Block& b = blocks_[l];
+  if (b.prec == v1::PRECISION_FP8 && attention_bf16_) return BlockBackwardFp8(l, B, a, dout);
+  const int64_t N = B * T_;
+  // MLP: out = h + down(silu(gate) * up)
+  DevBuf dact(be_, N * F_ * 4);
+  b.ldown.Backward(dout->f32(), N, F_, C_, View(b.down), a->sdown, dact.f32(), false,
+                   p_->G(b.down));
+  a->sdown = LinearSaved();
+  a->act.Reset();
+  DevBuf dgate(be_, N * F_ * 4), dup(be_, N * F_ * 4);
+  if (!a->gate16.empty()) {
+    be_->SwigluBackwardBf16(dact.f32(), a->gate16.u16(), a->up16.u16(), N * F_, dgate.f32(),
+                            dup.f32());
+  } else {
+    be_->SwigluBackward(dact.f32(), a->gate.f32(), a->up.f32(), N * F_, dgate.f32(), dup.f32());
+  }
+  dact.Reset();
+  a->gate.Reset();
+  a->up.Reset();
+  a->gate16.Reset();
+  a->up16.Reset();
+  DevBuf dn2(be_, N * C_ * 4);
+  b.lgate.Backward(dgate.f32(), N, C_, F_, View(b.gate), a->sgate, dn2.f32(), false,
+                   p_->G(b.gate));
+  b.lup.Backward(dup.f32(), N, C_, F_, View(b.up), a->sup, dn2.f32(), true, p_->G(b.up));
+  dgate.Reset();
+  dup.Reset();
+  a->sgate = LinearSaved();
+  a->sup = LinearSaved();
+  a->n2.Reset();
+  DevBuf dh(be_, N * C_ * 4);
+  be_->RmsNormBackward(dn2.f32(), a->h.f32(), p_->W(b.post_norm), a->rstd2.f32(), N, C_,
+                       dh.f32(), p_->G(b.post_norm));
+  be_->Axpy(1.0f, dout->f32(), dh.f32(), N * C_);
+  dn2.Reset();
+  dout->Reset();
+  // Attention: h = x + o_proj(attn)
+  DevBuf datt(be_, N * C_ * 4);
+  b.lo.Backward(dh.f32(), N, C_, C_, View(b.o), a->so, datt.f32(), false, p_->G(b.o));
+  a->so = LinearSaved();
+  DevBuf dq(be_, N * H_ * D_ * 4), dk(be_, N * Hkv_ * D_ * 4), dv(be_, N * Hkv_ * D_ * 4);
+  if (attention_bf16_) {
+    be_->AttentionBackwardBf16Saved(a->q16.u16(), a->k16.u16(), a->v16.u16(), a->att16.u16(),
+                                    datt.f32(), a->lse.f32(), B, T_, H_, Hkv_, D_, dq.f32(),
+                                    dk.f32(), dv.f32());
+  } else {
+    be_->AttentionBackward(a->q.f32(), a->k.f32(), a->v.f32(), a->att.f32(), datt.f32(),
+                           a->lse.f32(), B, T_, H_, Hkv_, D_, dq.f32(), dk.f32(), dv.f32());
+  }
+  datt.Reset();
+  be_->RopeBackward(dq.f32(), B, T_, H_, D_, theta_);
+  be_->RopeBackward(dk.f32(), B, T_, Hkv_, D_, theta_);
+  DevBuf dn1(be_, N * C_ * 4);
+  b.lq.Backward(dq.f32(), N, C_, H_ * D_, View(b.q), a->sq, dn1.f32(), false, p_->G(b.q));
+  b.lk.Backward(dk.f32(), N, C_, Hkv_ * D_, View(b.k), a->sk, dn1.f32(), true, p_->G(b.k));
+  b.lv.Backward(dv.f32(), N, C_, Hkv_ * D_, View(b.v), a->sv, dn1.f32(), true, p_->G(b.v));
+  a->sq = a->sk = a->sv = LinearSaved();  // frees their FP8 input and its transpose
+  dq.Reset();
+  dk.Reset();
+  dv.Reset();
+  DevBuf dx(be_, N * C_ * 4);
+  be_->RmsNormBackward(dn1.f32(), a->x_in.f32(), p_->W(b.in_norm), a->rstd1.f32(), N, C_,
+                       dx.f32(), p_->G(b.in_norm));
+  be_->Axpy(1.0f, dh.f32(), dx.f32(), N * C_);
+  *a = BlockActs();
+  *dout = std::move(dx);
+}
+
+// FP8 linears with BF16 attention: activations between the GEMMs are bf16 wherever they only
+// feed an FP8 cast or the attention (q, k, v, att, gate, up and their gradients), so each
+// memory-bound pass moves half the bytes, and q/k/v (gate/up) share one cast of their input.
+// The residual stream, the norms' inputs and outputs and the GEMM outputs that join it stay f32.
+absl::Status LlamaModel::BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs* a) {
+  Block& b = blocks_[l];
+  const int64_t N = B * T_;
+  const bool train = a != nullptr;
+  BlockActs local;
+  if (!train) a = &local;
+  a->x_in = std::move(*x);
+  a->rstd1 = DevBuf(be_, N * 4);
+  std::shared_ptr<Fp8Input> in1 = b.lq.NormCastInput(a->x_in.f32(), p_->W(b.in_norm), eps_, N, C_,
+                                                     a->rstd1.f32(), {&b.lk, &b.lv});
+  const int64_t nq = H_ * D_, nk = Hkv_ * D_;
+  const uint16_t *q16, *k16, *v16;
+  int64_t q_ld, kv_ld;
+  if (b.fused_qkv) {  // one GEMM: [q | k | v] (N, nq + 2 nk) = n1 · [Wq ; Wk ; Wv]ᵀ
+    q_ld = kv_ld = nq + 2 * nk;
+    a->qkv16 = DevBuf(be_, N * q_ld * 2);
+    b.lq.ForwardFp8(in1, N, C_, q_ld, View(b.q), nullptr, a->qkv16.u16(),
+                    train ? &a->sq : nullptr);
+    if (train) a->sk = a->sv = a->sq;
+    be_->RopeForwardBf16(a->qkv16.u16(), B, T_, H_, D_, theta_, q_ld);
+    be_->RopeForwardBf16(a->qkv16.u16() + nq, B, T_, Hkv_, D_, theta_, kv_ld);
+    q16 = a->qkv16.u16();
+    k16 = q16 + nq;
+    v16 = q16 + nq + nk;
+  } else {
+    q_ld = nq;
+    kv_ld = nk;
+    a->q16 = DevBuf(be_, N * nq * 2);
+    a->k16 = DevBuf(be_, N * nk * 2);
+    a->v16 = DevBuf(be_, N * nk * 2);
+    b.lq.ForwardFp8(in1, N, C_, nq, View(b.q), nullptr, a->q16.u16(), train ? &a->sq : nullptr);
+    b.lk.ForwardFp8(in1, N, C_, nk, View(b.k), nullptr, a->k16.u16(), train ? &a->sk : nullptr);
+    b.lv.ForwardFp8(in1, N, C_, nk, View(b.v), nullptr, a->v16.u16(), train ? &a->sv : nullptr);
+    be_->RopeForwardBf16(a->q16.u16(), B, T_, H_, D_, theta_, nq);
+    be_->RopeForwardBf16(a->k16.u16(), B, T_, Hkv_, D_, theta_, nk);
+    q16 = a->q16.u16();
+    k16 = a->k16.u16();
+    v16 = a->v16.u16();
+  }
+  in1.reset();
+  a->att16 = DevBuf(be_, N * C_ * 2);
+  a->lse = DevBuf(be_, B * H_ * T_ * 4);
+  be_->AttentionForwardBf16Packed(q16, k16, v16, B, T_, H_, Hkv_, D_, a->att16.u16(),
+                                  a->lse.f32(), q_ld, kv_ld);
+  if (!train) {
+    a->q16.Reset();
+    a->k16.Reset();
+    a->v16.Reset();
+    a->qkv16.Reset();
+  }
+  // h = x + o_proj(att), the residual added in the GEMM.
+  a->h = DevBuf(be_, N * C_ * 4);
+  b.lo.ForwardFp8(b.lo.CastInput(nullptr, a->att16.u16(), N, C_), N, C_, C_, View(b.o), a->h.f32(),
+                  nullptr, train ? &a->so : nullptr, a->x_in.f32());
+  if (!train) a->att16.Reset();
+  a->rstd2 = DevBuf(be_, N * 4);
+  std::shared_ptr<Fp8Input> in2 = b.lgate.NormCastInput(a->h.f32(), p_->W(b.post_norm), eps_, N,
+                                                        C_, a->rstd2.f32(), {&b.lup});
+  const uint16_t *gate16, *up16;
+  int64_t gu_ld;
+  if (MlpFused(b)) {  // one GEMM: [gate | up] (N, 2F) = n2 · [Wgate ; Wup]ᵀ (adjacent weights)
+    a->gu16 = DevBuf(be_, N * 2 * F_ * 2);
+    b.lgate.ForwardFp8(in2, N, C_, 2 * F_, View(b.gate), nullptr, a->gu16.u16(),
+                       train ? &a->sgate : nullptr);
+    if (train) a->sup = a->sgate;
+    gate16 = a->gu16.u16();
+    up16 = gate16 + F_;
+    gu_ld = 2 * F_;
+  } else {
+    a->gate16 = DevBuf(be_, N * F_ * 2);
+    a->up16 = DevBuf(be_, N * F_ * 2);
+    b.lgate.ForwardFp8(in2, N, C_, F_, View(b.gate), nullptr, a->gate16.u16(),
+                       train ? &a->sgate : nullptr);
+    b.lup.ForwardFp8(in2, N, C_, F_, View(b.up), nullptr, a->up16.u16(),
+                     train ? &a->sup : nullptr);
+    gate16 = a->gate16.u16();
+    up16 = a->up16.u16();
+    gu_ld = F_;
+  }
+  in2.reset();
+  std::shared_ptr<Fp8Input> in_act = b.ldown.CastSwiglu(gate16, up16, N, F_, gu_ld);
+  if (!train) {
+    a->gate16.Reset();
+    a->up16.Reset();
+    a->gu16.Reset();
+  }
+  DevBuf out(be_, N * C_ * 4);  // h + down(act), the residual added in the GEMM
+  b.ldown.ForwardFp8(in_act, N, F_, C_, View(b.down), out.f32(), nullptr,
+                     train ? &a->sdown : nullptr, a->h.f32());
+  in_act.reset();
+  *x = std::move(out);
+  return absl::OkStatus();
+}
+
+void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) {
+  Block& b = blocks_[l];
+  const int64_t N = B * T_;
+  // MLP: out = h + down(silu(gate) * up)
+  DevBuf dact16(be_, N * F_ * 2);
+  b.ldown.Backward(dout->f32(), nullptr, N, F_, C_, View(b.down), a->sdown, nullptr, false,
+                   p_->G(b.down), dact16.u16());
+  a->sdown = LinearSaved();
+  // dn2 = dgate · Wgate + dup · Wup: one GEMM over K = 2F when gate/up are fused (one bf16
+  // part), else two bf16 parts summed in f32 by the norm's backward (no GEMM reads and rewrites
+  // an f32 accumulator).
+  DevBuf dn2g(be_, N * C_ * 2), dn2u;
+  const bool mlp_cast = !b.lgate.DyNeedsAmaxFirst() && !b.lup.DyNeedsAmaxFirst() &&
+                        b.lgate.dy_format() == b.lup.dy_format();
+  const bool mlp_fused = MlpFused(b);
+  // The forward (and a recompute) decided with the same scales: [gate | up] is there exactly
+  // when the backward fuses.
+  WORKER_CHECK(mlp_fused == !a->gu16.empty()) << "block " << l << ": gate/up fused in one pass only";
+  if (mlp_fused) {
+    // [dgate | dup] (N, 2F) codes side by side and [dgateᵀ ; dupᵀ] (2F, N) stacked: the A operands
+    // of the fused dX (N, C) = [dgate | dup] · [Wgate ; Wup] and dW (2F, C) = [dgateᵀ ; dupᵀ] · n2.
+    DevBuf d8(be_, N * 2 * F_), dT8(be_, N * 2 * F_);
+    const uint16_t* gu16 = a->gu16.u16();
+    be_->SwigluBackwardCastTransposeFp8(dact16.u16(), gu16, gu16 + F_, N, F_, b.lgate.DyScale(),
+                                        b.lup.DyScale(), b.lgate.dy_format(), d8.u8(), dT8.u8(),
+                                        d8.u8() + F_, dT8.u8() + N * F_, b.lgate.DyAmaxOut(),
+                                        b.lup.DyAmaxOut(), 2 * F_, 2 * F_);
+    dact16.Reset();
+    a->gate16.Reset();
+    a->up16.Reset();
+    a->gu16.Reset();
+    b.lgate.BackwardFp8(std::move(d8), std::move(dT8), N, C_, 2 * F_, View(b.gate), a->sgate,
+                        nullptr, false, p_->G(b.gate), dn2g.u16());
+    ++fused_backward_runs_;
+  } else if (mlp_cast) {
+    dn2u = DevBuf(be_, N * C_ * 2);
+    // dgate and dup go straight from the SwiGLU gradient to their FP8 codes and transposes: no
+    // bf16 copy of either passes through memory.
+    DevBuf dg8(be_, N * F_), dgT8(be_, N * F_), du8(be_, N * F_), duT8(be_, N * F_);
+    be_->SwigluBackwardCastTransposeFp8(dact16.u16(), a->gate16.u16(), a->up16.u16(), N, F_,
+                                        b.lgate.DyScale(), b.lup.DyScale(), b.lgate.dy_format(),
+                                        dg8.u8(), dgT8.u8(), du8.u8(), duT8.u8(),
+                                        b.lgate.DyAmaxOut(), b.lup.DyAmaxOut(), F_, F_);
+    dact16.Reset();
+    a->gate16.Reset();
+    a->up16.Reset();
+    b.lgate.BackwardFp8(std::move(dg8), std::move(dgT8), N, C_, F_, View(b.gate), a->sgate,
+                        nullptr, false, p_->G(b.gate), dn2g.u16());
+    b.lup.BackwardFp8(std::move(du8), std::move(duT8), N, C_, F_, View(b.up), a->sup, nullptr,
+                      false, p_->G(b.up), dn2u.u16());
+  } else {  // a grad-output scale measured first (first step, CURRENT recipe)
+    dn2u = DevBuf(be_, N * C_ * 2);
+    DevBuf dgate16(be_, N * F_ * 2), dup16(be_, N * F_ * 2);
+    be_->SwigluBackwardBf16To16(dact16.u16(), a->gate16.u16(), a->up16.u16(), N * F_,
+                                dgate16.u16(), dup16.u16());
+    dact16.Reset();
+    a->gate16.Reset();
+    a->up16.Reset();
+    b.lgate.Backward(nullptr, dgate16.u16(), N, C_, F_, View(b.gate), a->sgate, nullptr, false,
+                     p_->G(b.gate), dn2g.u16());
+    b.lup.Backward(nullptr, dup16.u16(), N, C_, F_, View(b.up), a->sup, nullptr, false,
+                   p_->G(b.up), dn2u.u16());
+  }
+  a->sgate = LinearSaved();
+  a->sup = LinearSaved();
+  DevBuf dh(be_, N * C_ * 4);
+  be_->RmsNormBackwardAddBf16Parts(dn2g.u16(), dn2u.empty() ? nullptr : dn2u.u16(), nullptr,
+                                   a->h.f32(),
+                                   p_->W(b.post_norm), a->rstd2.f32(), dout->f32(), N, C_,
+                                   dh.f32(), p_->G(b.post_norm));
+  dn2g.Reset();
+  dn2u.Reset();
+  dout->Reset();
+  // Attention: h = x + o_proj(attn)
+  DevBuf dq16(be_, N * H_ * D_ * 2), dk16(be_, N * Hkv_ * D_ * 2), dv16(be_, N * Hkv_ * D_ * 2);
+  {
+    DevBuf datt16(be_, N * C_ * 2);
+    b.lo.Backward(dh.f32(), nullptr, N, C_, C_, View(b.o), a->so, nullptr, false, p_->G(b.o),
+                  datt16.u16());
+    a->so = LinearSaved();
+    const int64_t nq = H_ * D_, nk = Hkv_ * D_;
+    if (!a->qkv16.empty()) {  // [q | k | v] from the fused forward GEMM
+      const uint16_t* p = a->qkv16.u16();
+      be_->AttentionBackwardBf16SavedTo16(p, p + nq, p + nq + nk, a->att16.u16(), datt16.u16(),
+                                          a->lse.f32(), B, T_, H_, Hkv_, D_, dq16.u16(),
+                                          dk16.u16(), dv16.u16(), nq + 2 * nk, nq + 2 * nk);
+    } else {
+      be_->AttentionBackwardBf16SavedTo16(a->q16.u16(), a->k16.u16(), a->v16.u16(),
+                                          a->att16.u16(), datt16.u16(), a->lse.f32(), B, T_, H_,
+                                          Hkv_, D_, dq16.u16(), dk16.u16(), dv16.u16(), nq, nk);
+    }
+  }
+  a->q16.Reset();
+  a->k16.Reset();
+  a->v16.Reset();
+  a->qkv16.Reset();
+  a->att16.Reset();
+  // dn1 = dq · Wq + dk · Wk + dv · Wv: one fused GEMM, or three bf16 parts (as dn2 above).
+  DevBuf dn1q(be_, N * C_ * 2), dn1k, dn1v;
+  const Fp8Format qfmt = b.lq.dy_format();
+  if (QkvBackwardFused(b)) {
+    // [dq | dk | dv] (N, nt) codes side by side (RoPE's backward in the q and k casts) and their
+    // transposes stacked (nt, N): one dX GEMM over K = nt and one dW GEMM of (nt, C).
+    const int64_t nq = H_ * D_, nk = Hkv_ * D_, nt = nq + 2 * nk;
+    DevBuf d8(be_, N * nt), dT8(be_, N * nt);
+    be_->RopeBackwardCastTransposeFp8Bf16(dq16.u16(), B, T_, H_, D_, theta_, b.lq.DyScale(), qfmt,
+                                          d8.u8(), dT8.u8(), b.lq.DyAmaxOut(), nt);
+    be_->RopeBackwardCastTransposeFp8Bf16(dk16.u16(), B, T_, Hkv_, D_, theta_, b.lk.DyScale(),
+                                          qfmt, d8.u8() + nq, dT8.u8() + N * nq,
+                                          b.lk.DyAmaxOut(), nt);
+    be_->CastTransposeFp8Bf16(dv16.u16(), N, nk, b.lv.DyScale(), qfmt, d8.u8() + nq + nk,
+                              dT8.u8() + N * (nq + nk), b.lv.DyAmaxOut(), nt);
+    dq16.Reset();  // before the GEMMs: off the backward's peak
+    dk16.Reset();
+    dv16.Reset();
+    b.lq.BackwardFp8(std::move(d8), std::move(dT8), N, C_, nt, View(b.q), a->sq, nullptr, false,
+                     p_->G(b.q), dn1q.u16());
+    ++fused_backward_runs_;
+  } else {
+    dn1k = DevBuf(be_, N * C_ * 2);
+    dn1v = DevBuf(be_, N * C_ * 2);
+    BackwardQkvPerLinear(b, B, *a, dq16, dk16, dv16, dn1q, dn1k, dn1v);
+  }
+  dq16.Reset();
+  dk16.Reset();
+  dv16.Reset();
+  a->sq = a->sk = a->sv = LinearSaved();
+  DevBuf dx(be_, N * C_ * 4);
+  be_->RmsNormBackwardAddBf16Parts(dn1q.u16(), dn1k.empty() ? nullptr : dn1k.u16(),
+                                   dn1v.empty() ? nullptr : dn1v.u16(), a->x_in.f32(),
+                                   p_->W(b.in_norm), a->rstd1.f32(), dh.f32(), N, C_, dx.f32(),
+                                   p_->G(b.in_norm));
+  *a = BlockActs();
+  *dout = std::move(dx);
+}
+
+void LlamaModel::BackwardQkvPerLinear(Block& b, int64_t B, BlockActs& a, DevBuf& dq16,
+                                      DevBuf& dk16, DevBuf& dv16, DevBuf& dn1q, DevBuf& dn1k,
+                                      DevBuf& dn1v) {
+  const int64_t N = B * T_;
+  // q and k: RoPE's backward and the grad-output cast in one pass where the scale is known.
+  auto rope_backward = [&](Linear& lin, DevBuf& d16, int64_t heads, const LinearSaved& saved,
+                           const TensorRef& w, DevBuf& dn) {
+    const int64_t n = N * heads * D_;
+    if (lin.DyNeedsAmaxFirst()) {
+      be_->RopeBackwardBf16(d16.u16(), B, T_, heads, D_, theta_);
+      lin.Backward(nullptr, d16.u16(), N, C_, heads * D_, View(w), saved, nullptr, false, p_->G(w),
+                   dn.u16());
+      return;
+    }
+    DevBuf d8(be_, n), dT8(be_, n);
+    be_->RopeBackwardCastTransposeFp8Bf16(d16.u16(), B, T_, heads, D_, theta_, lin.DyScale(),
+                                          lin.dy_format(), d8.u8(), dT8.u8(), lin.DyAmaxOut(),
+                                          heads * D_);
+    d16.Reset();
+    lin.BackwardFp8(std::move(d8), std::move(dT8), N, C_, heads * D_, View(w), saved, nullptr,
+                    false, p_->G(w), dn.u16());
+  };
+  rope_backward(b.lq, dq16, H_, a.sq, b.q, dn1q);
+  rope_backward(b.lk, dk16, Hkv_, a.sk, b.k, dn1k);
+  b.lv.Backward(nullptr, dv16.u16(), N, C_, Hkv_ * D_, View(b.v), a.sv, nullptr, false,
+                p_->G(b.v), dn1v.u16());
+}
+
+void LlamaModel::HeadBf16(const float* nf, const int32_t* targets, int64_t N, float grad_scale,
+                          float* losses, float* dnf) {
+  // Rows per chunk: at most head_chunk_bytes_ of f32 logits (by default 8192 of 16384 rows at
+  // vocab 32768), so the logits and their bf16 gradient take 1.5 GiB at a time instead of 3.
+  const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(N, head_chunk_bytes_ / (V_ * 4)));
+  // W (V, C) and nf (N, C) in bf16 once: the GEMMs read the operands the BF16 head rounds to.
+  DevBuf w16(be_, V_ * C_ * 2), nf16(be_, N * C_ * 2);
+  be_->PackBf16(p_->W(head_), w16.u16(), V_ * C_);
+  be_->PackBf16(nf, nf16.u16(), N * C_);
+  float* dw = dnf != nullptr ? p_->G(head_) : nullptr;
+  for (int64_t r0 = 0; r0 < N; r0 += rows) {
+    const int64_t n = std::min(rows, N - r0);
+    const uint16_t* x16 = nf16.u16() + r0 * C_;
+    DevBuf logits(be_, n * V_ * 4);
+    be_->GemmBf16(false, true, n, V_, C_, x16, w16.u16(), logits.f32(), false);  // (n, V)
+    if (dnf == nullptr) {  // evaluation: the losses only
+      be_->CrossEntropyForwardBackward(logits.f32(), targets + r0, n, V_, 0.0f, losses + r0);
+      continue;
+    }
+    DevBuf g16(be_, n * V_ * 2);
+    be_->CrossEntropyForwardBackwardBf16Grad(logits.f32(), targets + r0, n, V_, grad_scale,
+                                             losses + r0, g16.u16());
+    logits.Reset();
+    be_->GemmBf16(false, false, n, C_, V_, g16.u16(), w16.u16(), dnf + r0 * C_, false);  // dnf
+    be_->GemmBf16(true, false, V_, C_, n, g16.u16(), x16, dw, true);  // dW (V, C) += gᵀ · nf
+  }
+}
+
+absl::Status LlamaModel::PrefetchFirstUnits() {
+  if (absl::Status s = p_->Prefetch(embedding_unit_); !s.ok()) return s;
+  return blocks_.empty() ? p_->Prefetch(head_unit_) : p_->Prefetch(blocks_[0].q.unit);
+}
+
+absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int64_t B,
+                             float grad_scale, float* losses, bool backward) {
+  const int64_t N = B * T_;
+  const int L = static_cast<int>(blocks_.size());
+  auto unit_of = [&](int l) { return l < L ? blocks_[l].q.unit : head_unit_; };
+  // Embedding.
+  if (absl::Status s = p_->Gather(embedding_unit_); !s.ok()) return s;
+  // The next unit's all-gather runs while this one computes (prefetch one unit ahead; two ahead
+  // measured slower at 1b).
+  if (absl::Status s = p_->Prefetch(unit_of(0)); !s.ok()) return s;
+  DevBuf x(be_, N * C_ * 4);
+  be_->EmbeddingForward(tokens, N, p_->W(embed_), C_, x.f32());
+  p_->Release(embedding_unit_);
+  // Blocks.
+  std::vector<BlockActs> acts(backward ? L : 0);
+  const bool recompute = backward && recompute_;
+  for (int l = 0; l < L; ++l) {
+    const int unit = unit_of(l);
+    if (absl::Status s = p_->Gather(unit); !s.ok()) return s;
+    if (absl::Status s = p_->Prefetch(unit_of(l + 1)); !s.ok()) return s;
+    if (recompute) {  // keep only the block input
+      acts[l].x_in = DevBuf(be_, N * C_ * 4);
+      be_->Copy(acts[l].x_in.get(), x.get(), N * C_ * 4);
+    }
+    absl::Status s = BlockForward(l, B, &x, backward && !recompute ? &acts[l] : nullptr);
+    p_->Release(unit);
+    if (!s.ok()) return s;
+  }
+  // Head: final norm, lm_head, fused cross-entropy (+ its backward).
+  if (absl::Status s = p_->Gather(head_unit_); !s.ok()) return s;
+  if (backward && L > 0) {
+    if (absl::Status s = p_->Prefetch(unit_of(L - 1)); !s.ok()) return s;
+  }
+  DevBuf nf(be_, N * C_ * 4), rstdf(be_, N * 4);
+  be_->RmsNormForward(x.f32(), p_->W(final_norm_), eps_, N, C_, nf.f32(), rstdf.f32());
+  DevBuf dnf;
+  if (lhead_.precision() == v1::PRECISION_BF16) {
+    if (!backward) {
+      HeadBf16(nf.f32(), targets, N, 0.0f, losses, nullptr);
+      p_->Release(head_unit_);
+      return absl::OkStatus();
+    }
+    // Forward and backward of the head interleave (row chunks): the forward phase's peak is
+    // taken after both.
+    p_->BeginGrads(head_unit_);
+    dnf = DevBuf(be_, N * C_ * 4);
+    HeadBf16(nf.f32(), targets, N, grad_scale, losses, dnf.f32());
+    forward_peak_ = std::max(forward_peak_, be_->PeakAllocatedBytes());
+    be_->ResetPeak();
+  } else {
+    DevBuf logits(be_, N * V_ * 4);
+    LinearSaved sh;
+    lhead_.Forward(nf.f32(), N, C_, V_, View(head_), logits.f32(), backward ? &sh : nullptr);
+    be_->CrossEntropyForwardBackward(logits.f32(), targets, N, V_, backward ? grad_scale : 0.0f,
+                                     losses);
+    if (!backward) {
+      p_->Release(head_unit_);
+      return absl::OkStatus();
+    }
+    forward_peak_ = std::max(forward_peak_, be_->PeakAllocatedBytes());
+    be_->ResetPeak();
+    p_->BeginGrads(head_unit_);
+    dnf = DevBuf(be_, N * C_ * 4);
+    lhead_.Backward(logits.f32(), N, C_, V_, View(head_), sh, dnf.f32(), false, p_->G(head_));
+  }
+  DevBuf dx(be_, N * C_ * 4);
+  be_->RmsNormBackward(dnf.f32(), x.f32(), p_->W(final_norm_), rstdf.f32(), N, C_, dx.f32(),
+                       p_->G(final_norm_));
+  nf.Reset();
+  x.Reset();
+  p_->Release(head_unit_);
+  if (absl::Status s = p_->ReduceGrads(head_unit_); !s.ok()) return s;
+  // Blocks in reverse: re-gather (prefetched one block ahead), gradients, reduce-scatter (in
+  // flight while the next block computes), free.
+  for (int l = L - 1; l >= 0; --l) {
+    const int unit = unit_of(l);
+    if (absl::Status s = p_->Gather(unit); !s.ok()) return s;
+    if (l > 0) {
+      if (absl::Status s = p_->Prefetch(unit_of(l - 1)); !s.ok()) return s;
+    }
+    if (recompute) {
+      // The same weights and FP8 scales as the forward: the activations come out bit-identical
+      // (re-recording their amax changes no maximum).
+      DevBuf xin = std::move(acts[l].x_in);
+      if (absl::Status s = BlockForward(l, B, &xin, &acts[l]); !s.ok()) return s;
+    }
+    p_->BeginGrads(unit);
+    BlockBackward(l, B, &acts[l], &dx);
+    p_->Release(unit);
+    if (absl::Status s = p_->ReduceGrads(unit); !s.ok()) return s;
+  }
+  // Embedding backward needs only the tokens.
+  p_->BeginGrads(embedding_unit_);
+  be_->EmbeddingBackward(tokens, N, dx.f32(), C_, p_->G(embed_));
+  if (absl::Status s = p_->ReduceGrads(embedding_unit_); !s.ok()) return s;
+  p_->FlushGrads();
+  backward_peak_ = std::max(backward_peak_, be_->PeakAllocatedBytes());
+  be_->ResetPeak();
+  return absl::OkStatus();
+}
+
+}  // namespace fsdp8

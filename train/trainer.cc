@@ -1,0 +1,329 @@
+#include "train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "common/spec.h"
+#include "common/token_shard.h"
+
+namespace fsdp8 {
+namespace {
+
+
+const char* FormatName(bool e5m2) { return e5m2 ? "E5M2" : "E4M3"; }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec_in, int rank,
+                                                         int world_size, Backend* backend,
+                                                         Communicator* comm) {
+  std::unique_ptr<Trainer> t(new Trainer());
+  t->spec_ = WithDefaults(spec_in, world_size);
+  const v1::JobSpec& spec = t->spec_;
+  t->rank_ = rank;
+  t->world_ = world_size;
+  t->be_ = backend;
+  t->comm_ = comm;
+  if (comm->world_size() != world_size || comm->rank() != rank) {
+    return absl::InvalidArgumentError(absl::StrCat("communicator is rank ", comm->rank(), " of ",
+                                                   comm->world_size(), ", trainer rank ", rank,
+                                                   " of ", world_size));
+  }
+  if (absl::Status s = ValidateSpec(spec, world_size, {}, /*check_files=*/false); !s.ok()) return s;
+  const v1::TrainingSpec& tr = spec.training();
+  if (tr.global_batch() <= 0 || tr.microbatch() <= 0 ||
+      tr.global_batch() % (world_size * tr.microbatch()) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "training.global_batch: must be divisible by world_size x training.microbatch (",
+        tr.global_batch(), " % (", world_size, " x ", tr.microbatch(), ") != 0)"));
+  }
+  if (spec.precision().embedding() == v1::PRECISION_FP8) {
+    return absl::InvalidArgumentError("precision.embedding: must be BF16 or FP32 (a lookup has no GEMM)");
+  }
+  t->local_batch_ = LocalBatch(spec, world_size);
+  t->micro_ = tr.microbatch();
+  t->microbatches_ = Microbatches(spec, world_size);
+  absl::StatusOr<ShardPlan> plan = MakeShardPlan(spec, world_size);
+  if (!plan.ok()) return plan.status();
+  t->plan_ = std::move(*plan);
+
+  const int T = spec.model().seq_len();
+  const int V = spec.model().vocab_size();
+  absl::StatusOr<TokenData> train = TokenData::Load(spec.data().train_path(), T, V);
+  if (!train.ok()) {
+    return absl::Status(train.status().code(),
+                        absl::StrCat("data.train_path: ", train.status().message()));
+  }
+  t->train_ = std::make_unique<TokenData>(std::move(*train));
+  if (!spec.data().val_path().empty()) {
+    absl::StatusOr<TokenData> val = TokenData::Load(spec.data().val_path(), T, V);
+    if (!val.ok()) {
+      return absl::Status(val.status().code(),
+                          absl::StrCat("data.val_path: ", val.status().message()));
+    }
+    t->val_ = std::make_unique<TokenData>(std::move(*val));
+  }
+
+  backend->SetGemmAutotune(tr.gemm_autotune());
+  backend->SetDeterministic(tr.deterministic());
+  t->params_ = std::make_unique<FsdpParams>(t->plan_, rank, tr.seed(), backend, comm, &t->clock_);
+  t->scaling_ = std::make_unique<ActScaling>(backend, spec.precision().fp8());
+  t->model_ = std::make_unique<LlamaModel>(spec, t->params_.get(), t->scaling_.get(), backend);
+  t->scaling_->Finalize();
+  if (absl::Status s = t->RecastWeights(); !s.ok()) return s;
+  return t;
+}
+
+absl::Status Trainer::RecastWeights() {
+  if (absl::Status s = params_->CastWeights(); !s.ok()) return s;
+  // Every step starts with its first units' all-gathers in flight, issued by whatever came before
+  // it: the previous step's end (and counted in that step's bytes), this, the end of an
+  // evaluation or of ForwardBackward / ForwardLoss (counted in no step).
+  return model_->PrefetchFirstUnits();
+}
+
+double Trainer::LearningRate(int64_t k) const {
+  const v1::OptimizerSpec& o = spec_.optimizer();
+  const double peak = o.peak_lr();
+  const int64_t warm = o.warmup_steps();
+  const int64_t total = spec_.training().steps();
+  if (k < warm) return peak * static_cast<double>(k + 1) / static_cast<double>(warm);
+  const double floor = o.min_lr_ratio() * peak;
+  const int64_t span = total - warm;
+  if (span <= 0) return floor;
+  const double progress = std::min(1.0, static_cast<double>(k - warm) / static_cast<double>(span));
+  return floor + (peak - floor) * 0.5 * (1.0 + std::cos(M_PI * progress));
+}
+
+absl::StatusOr<double> Trainer::RunBatch(const TokenData& data, int64_t step, uint64_t stream,
+                                         bool backward,
+                                         const std::function<absl::Status()>& before_readback) {
+  const int T = spec_.model().seq_len();
+  const int64_t n = static_cast<int64_t>(micro_) * T;
+  const float grad_scale =
+      1.0f / static_cast<float>(static_cast<int64_t>(spec_.training().global_batch()) * T);
+  std::vector<int32_t> in(n), tg(n);
+  std::vector<float> host_losses(static_cast<size_t>(local_batch_) * T);
+  DevBuf d_in(be_, n * 4), d_tg(be_, n * 4);
+  DevBuf losses(be_, host_losses.size() * sizeof(float));
+  for (int mb = 0; mb < microbatches_; ++mb) {
+    const int64_t first = static_cast<int64_t>(rank_) * local_batch_ + mb * micro_;
+    data.Batch(spec_.training().seed(), step, first, micro_, stream, in.data(), tg.data());
+    be_->CopyToDevice(d_in.get(), in.data(), n * 4);
+    be_->CopyToDevice(d_tg.get(), tg.data(), n * 4);
+    const double t_run = CommClock::Now();
+    absl::Status s = model_->Run(d_in.i32(), d_tg.i32(), micro_, grad_scale,
+                                 losses.f32() + mb * n, backward);
+    host_enqueue_seconds_ += CommClock::Now() - t_run;
+    if (!s.ok()) return s;
+  }
+  if (before_readback) {
+    if (absl::Status s = before_readback(); !s.ok()) return s;
+  }
+  be_->CopyToHost(host_losses.data(), losses.get(), host_losses.size() * sizeof(float));
+  double sum = 0;
+  for (float l : host_losses) sum += l;
+  return sum;
+}
+
+absl::StatusOr<double> Trainer::GlobalSum(double local) {
+  // Sent as f32 hi + lo parts: hi + lo holds this rank's double to ~48 bits, but the communicator
+  // sums each part across ranks in f32, so every cross-rank addition of the hi parts rounds to
+  // 24 bits. The result is accurate to about world_size * 2^-24 relative (the lo parts only keep
+  // the local f32 conversion from adding its own error), which is ample for a reported loss.
+  float parts[2];
+  parts[0] = static_cast<float>(local);
+  parts[1] = static_cast<float>(local - static_cast<double>(parts[0]));
+  DevBuf d(be_, sizeof(parts));
+  be_->CopyToDevice(d.get(), parts, sizeof(parts));
+  const double t0 = CommClock::Now();
+  absl::Status s = comm_->AllReduce(d.f32(), 2, ReduceOp::kSum);
+  clock_.seconds += CommClock::Now() - t0;
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat("loss all-reduce: ", s.message()));
+  be_->CopyToHost(parts, d.get(), sizeof(parts));
+  return static_cast<double>(parts[0]) + static_cast<double>(parts[1]);
+}
+
+absl::StatusOr<double> Trainer::ForwardBackward(int64_t step) {
+  params_->ZeroGrads();
+  scaling_->BeginStep();
+  scaling_->set_recording(true);
+  absl::StatusOr<double> local = RunBatch(*train_, step, kTrainStream, true);
+  if (!local.ok()) return local.status();
+  if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;  // for the next step
+  absl::StatusOr<double> total = GlobalSum(*local);
+  if (!total.ok()) return total.status();
+  return *total / (static_cast<double>(spec_.training().global_batch()) * spec_.model().seq_len());
+}
+
+absl::StatusOr<double> Trainer::ForwardLoss(int64_t step) {
+  scaling_->set_recording(false);
+  absl::StatusOr<double> local = RunBatch(*train_, step, kTrainStream, false);
+  scaling_->set_recording(true);
+  if (!local.ok()) return local.status();
+  if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;  // for the next step
+  absl::StatusOr<double> total = GlobalSum(*local);
+  if (!total.ok()) return total.status();
+  return *total / (static_cast<double>(spec_.training().global_batch()) * spec_.model().seq_len());
+}
+
+absl::StatusOr<double> Trainer::Evaluate() {
+  if (!val_) return std::numeric_limits<double>::quiet_NaN();
+  scaling_->set_recording(false);
+  double local = 0;
+  const int nb = spec_.training().eval_batches();
+  for (int j = 0; j < nb; ++j) {
+    absl::StatusOr<double> l = RunBatch(*val_, j, kValidationStream, false);
+    if (!l.ok()) {
+      scaling_->set_recording(true);
+      return l.status();
+    }
+    local += *l;
+  }
+  scaling_->set_recording(true);
+  absl::StatusOr<double> total = GlobalSum(local);
+  if (!total.ok()) return total.status();
+  return *total / (static_cast<double>(nb) * spec_.training().global_batch() *
+                   spec_.model().seq_len());
+}
+
+absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool report_scaling) {
+  const double t0 = CommClock::Now();
+  clock_.seconds = 0;
+  host_enqueue_seconds_ = 0;
+  comm_->ConsumeExposedSeconds();  // drop waits recorded outside steps
+  const CommBytes bytes0 = comm_->bytes();
+  be_->ResetPeak();
+  params_->ZeroGrads();
+  scaling_->BeginStep();
+  scaling_->set_recording(true);
+  // Steps 5 and 6's reductions are enqueued behind the backward, so that the device runs them
+  // while the host waits for the losses: one synchronisation instead of three host round trips.
+  double fb_host_comm = 0;
+  absl::StatusOr<double> loss_sum =
+      RunBatch(*train_, step, kTrainStream, true, [&]() -> absl::Status {
+        fb_host_comm = clock_.seconds;  // the forward/backward's own collective calls
+        if (absl::Status s = scaling_->ReduceAmax(comm_, &clock_); !s.ok()) return s;
+        return params_->StartGradSquaredNorm();
+      });
+  if (!loss_sum.ok()) return loss_sum.status();
+  // RunBatch ended with a device synchronisation (the losses' copy to the host).
+  const double t_fb = CommClock::Now();
+  const auto [fwd_peak, bwd_peak] = model_->TakePhasePeaks();
+  const int64_t fb_tail_peak = be_->PeakAllocatedBytes();  // after the last phase boundary
+  be_->ResetPeak();
+  const double fb_waits = comm_->ConsumeExposedSeconds();
+  const double fb_comm = fb_host_comm + fb_waits;
+  // Step 5: one fused amax all-reduce (enqueued above); identical delayed-scaling updates on
+  // every rank.
+  scaling_->UpdateScales();
+  const double t_scales = CommClock::Now();
+  // Step 6: global grad norm (enqueued above), clipping, AdamW, next step's FP8 weight shards.
+  const double sq = params_->FinishGradSquaredNorm();
+  const double t_norm = CommClock::Now();
+  const double norm = std::sqrt(sq);
+  const v1::OptimizerSpec& o = spec_.optimizer();
+  double clip = 1.0;
+  if (o.grad_clip() > 0) clip = std::min(1.0, o.grad_clip() / (norm + 1e-6));
+  const double lr = LearningRate(step);
+  params_->AdamW(static_cast<float>(lr), static_cast<float>(o.beta1()),
+                 static_cast<float>(o.beta2()), static_cast<float>(o.eps()),
+                 static_cast<float>(o.weight_decay()), step + 1, static_cast<float>(clip));
+  const double t_adamw = CommClock::Now();
+  if (absl::Status s = params_->CastWeights(); !s.ok()) return s;
+  // C09 for this step's collectives, before the prefetch below: its headers queue behind the
+  // embedding's all-gather, and waiting for them held the next step back (~0.7 ms at 1b); the
+  // watchdog or the next step's Verify compares them.
+  const double t_casts = CommClock::Now();
+  if (absl::Status s = comm_->Verify(); !s.ok()) return s;
+  const double t_verify = CommClock::Now();
+  // The next step's first all-gathers overlap this step's end and the host's turn-around; they
+  // count in this step's bytes, as this step's own first all-gathers counted in the previous one.
+  if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;
+  const CommBytes bytes1 = comm_->bytes();
+  be_->Synchronize();
+  const double t_opt = CommClock::Now();
+  const int64_t opt_peak = be_->PeakAllocatedBytes();
+  static const bool profile = [] {
+    for (const char* v : {"FSDP8_PROFILE_OPS", "FSDP8_STEP_TIMING"}) {
+      const char* e = std::getenv(v);
+      if (e != nullptr && e[0] != '\0' && e[0] != '0') return true;
+    }
+    return false;
+  }();
+  if (profile) {  // the split of the exposed-communication figure (kernels/cuda/op_profile.h)
+    std::fprintf(stderr,
+                 "fsdp8 step %lld: forward+backward %.1f ms (host time enqueueing it %.1f ms, of "
+                 "which inside collective calls %.1f ms; compute stream waiting on collectives "
+                 "%.1f ms), optimizer %.1f ms (host: scale updates %.2f, grad norm %.2f, AdamW "
+                 "enqueued %.2f, casts enqueued %.2f, verify %.2f, prefetch enqueued and waiting "
+                 "for the device %.2f), host between the previous step's end and this step's "
+                 "start %.2f ms\n",
+                 static_cast<long long>(step), 1e3 * (t_fb - t0), 1e3 * host_enqueue_seconds_,
+                 1e3 * fb_host_comm, 1e3 * fb_waits, 1e3 * (t_opt - t_fb), 1e3 * (t_scales - t_fb),
+                 1e3 * (t_norm - t_scales), 1e3 * (t_adamw - t_norm), 1e3 * (t_casts - t_adamw),
+                 1e3 * (t_verify - t_casts), 1e3 * (t_opt - t_verify),
+                 last_step_end_ > 0 ? 1e3 * (t0 - last_step_end_) : 0.0);
+  }
+  comm_->ConsumeExposedSeconds();
+  last_step_ = step;
+
+  v1::StepResult r;
+  r.set_step(step);
+  r.set_loss_sum(*loss_sum);
+  r.set_tokens(static_cast<int64_t>(local_batch_) * spec_.model().seq_len());
+  r.set_grad_norm(norm);
+  r.set_lr(lr);
+  r.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+  if (evaluate) {
+    absl::StatusOr<double> v = Evaluate();
+    if (!v.ok()) return v.status();
+    if (absl::Status s = comm_->Verify(); !s.ok()) return s;  // the evaluation's collectives (C09)
+    if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;  // taken by the evaluation
+    r.set_val_loss(*v);
+  }
+  // Forward/backward split into compute and exposed communication; the optimizer phase
+  // separately; evaluation is in neither. The forward/backward part ends with the reductions
+  // enqueued behind the backward (SumSquares and the amax and grad-norm all-reduces, ~1 ms at
+  // 1b); its "exposed communication" counts their compute-stream waits, not their host time.
+  r.set_comm_seconds(fb_comm);
+  r.set_compute_seconds(std::max(0.0, (t_fb - t0) - fb_comm));
+  r.set_optimizer_seconds(t_opt - t_fb);
+  r.set_all_gather_bytes(bytes1.all_gather - bytes0.all_gather);
+  r.set_reduce_scatter_bytes(bytes1.reduce_scatter - bytes0.reduce_scatter);
+  r.set_forward_peak_bytes(fwd_peak);
+  r.set_backward_peak_bytes(std::max(bwd_peak, fb_tail_peak));
+  r.set_optimizer_peak_bytes(opt_peak);
+  r.set_peak_memory_bytes(std::max({fwd_peak, bwd_peak, fb_tail_peak, opt_peak}));
+  if (report_scaling) *r.mutable_scaling() = ScalingReport();
+  last_step_end_ = CommClock::Now();
+  return r;
+}
+
+v1::ScalingState Trainer::ScalingReport() const {
+  v1::ScalingState out;
+  out.set_step(last_step_);
+  for (const WeightScaling& w : params_->weight_scaling()) {
+    v1::TensorScaling* t = out.add_tensors();
+    t->set_name(w.name);
+    t->set_format("E4M3");
+    t->set_scale(w.scale);
+    t->set_scale_inv(w.scale_inv);
+    t->add_amax_history(w.amax);
+  }
+  for (const ScalingState& s : scaling_->states()) {
+    v1::TensorScaling* t = out.add_tensors();
+    t->set_name(s.name);
+    t->set_format(FormatName(s.e5m2));
+    t->set_scale(s.scale);
+    t->set_scale_inv(s.scale_inv);
+    for (float a : s.history) t->add_amax_history(a);
+  }
+  return out;
+}
+
+}  // namespace fsdp8
