@@ -1,4 +1,4 @@
-// Hugging Face interchange of the full model (ARCHITECTURE "Model", "Checkpoints"): a directory
+// Hugging Face interchange of the full model (docs/architecture.md, Model, Checkpoints): a directory
 // holding config.json (a LlamaConfig) and model.safetensors with LlamaForCausalLM tensor names and
 // shapes (the shard plan's names: model.embed_tokens.weight (V, C), model.layers.{i}.input_layernorm
 // .weight (C), self_attn.{q,k,v,o}_proj.weight (out_features, in_features), post_attention_layernorm

@@ -1,4 +1,5 @@
-// Rank shard files of a sharded checkpoint: <step dir>/rank-<r>.ckpt (ARCHITECTURE "Checkpoints").
+// Rank shard files of a sharded checkpoint: <step dir>/rank-<r>.ckpt (docs/architecture.md,
+// Checkpoints).
 // The coordinator chooses the step directory and writes its MANIFEST after every rank reported
 // CheckpointSaved; this module only writes and reads the rank files.
 //

@@ -8,7 +8,8 @@
 //                   ZeroGrads, a slice no gradient reached is zeroed only when first read);
 //   wire shard    — what travels on an all-gather: FP8 codes (u8) for FP8 GEMM weights, bf16 bit
 //                   patterns for bf16 buffers (fp32 buffers send the master slice itself).
-// The wire shards are refreshed by CastWeights() once per optimizer step (ARCHITECTURE step 6):
+// The wire shards are refreshed by CastWeights() once per optimizer step (docs/architecture.md,
+// The step, item 6):
 // for FP8 tensors, the amax of this rank's master slice (empty slice: 0), one fused
 // AllReduce(max) over all FP8 tensors, scale = ComputeScale(amax, 448, 0, previous) — identical on
 // every rank — then this rank's slice is cast with its tensor's scale.
