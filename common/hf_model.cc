@@ -2,7 +2,6 @@
 
 #include <errno.h>
 #include <sys/stat.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <cmath>
@@ -18,6 +17,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/checkpoint_format.h"
 #include "common/shard_plan.h"
 #include "common/spec.h"
 
@@ -27,17 +27,6 @@ namespace {
 using google::protobuf::Struct;
 using google::protobuf::Value;
 namespace fs = std::filesystem;
-
-// The rank-file format (train/checkpoint.h, version 1).
-constexpr char kRankMagic[8] = {'F', 'S', 'D', 'P', '8', 'C', 'K', 'P'};
-constexpr char kRankEndMagic[8] = {'F', 'S', 'D', 'P', '8', 'E', 'N', 'D'};
-constexpr uint32_t kRankFormatVersion = 1;
-constexpr int kManifestFormatVersion = 1;
-constexpr char kManifestName[] = "MANIFEST";
-
-struct FileCloser {
-  void operator()(FILE* f) const { if (f) std::fclose(f); }
-};
 
 absl::StatusOr<std::string> ReadText(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -81,36 +70,48 @@ std::string Num(double v) {
   return o.str();
 }
 
-absl::StatusOr<v1::CheckpointManifest> ReadManifest(const std::string& step_dir) {
-  const std::string path = absl::StrCat(step_dir, "/", kManifestName);
-  absl::StatusOr<std::string> text = ReadText(path);
-  if (!text.ok()) {
-    if (absl::IsNotFound(text.status())) {
-      return absl::NotFoundError(absl::StrCat(step_dir, ": no MANIFEST (not a committed checkpoint)"));
-    }
-    return text.status();
+// Checks a rank file's header against what the MANIFEST says of it.
+absl::Status CheckRankHeader(const std::string& path, const RankFileHeader& h, int rank,
+                             int world, int64_t step, const ShardPlan& plan) {
+  if (h.rank != rank || h.world_size != world || h.step != step) {
+    return absl::DataLossError(absl::StrCat(path, ": written by rank ", h.rank, " of ",
+                                            h.world_size, " at step ", h.step,
+                                            ", the MANIFEST says rank ", rank, " of ", world,
+                                            " at step ", step));
   }
-  v1::CheckpointManifest m;
-  if (auto st = google::protobuf::util::JsonStringToMessage(*text, &m); !st.ok()) {
-    return absl::DataLossError(absl::StrCat(path, ": invalid MANIFEST (", std::string(st.message()), ")"));
+  size_t expect_nbuf = 0;
+  for (const UnitPlan& u : plan.units) expect_nbuf += u.buffers.size();
+  if (h.num_buffers != expect_nbuf) {
+    return absl::DataLossError(absl::StrCat(path, ": ", h.num_buffers,
+                                            " flat buffers, the MANIFEST's spec has ", expect_nbuf));
   }
-  if (m.format_version() != kManifestFormatVersion) {
-    return absl::FailedPreconditionError(absl::StrCat(path, ": format version ", m.format_version(),
-                                                      ", this build reads ", kManifestFormatVersion));
+  return absl::OkStatus();
+}
+
+// Reads buffer (u, b)'s FP32 master slice of `rank` into dst (padded_numel elements) and skips
+// its AdamW moments.
+absl::Status ReadBufferMasters(RankFileReader* r, const ShardPlan& plan, size_t u, size_t b,
+                               int rank, std::vector<float>* dst) {
+  const BufferPlan& bp = plan.units[u].buffers[b];
+  RankFileBufferHeader h;
+  if (absl::Status s = r->ReadBufferHeader(&h); !s.ok()) return s;
+  if (h.unit != u || h.buffer != b || h.wire != static_cast<uint32_t>(bp.wire) ||
+      h.numel != bp.numel || h.shard_numel != bp.shard_numel ||
+      h.padded_numel != bp.padded_numel) {
+    return absl::DataLossError(absl::StrCat(
+        r->path(), ": buffer ", plan.units[u].name, "/", WireDtypeName(bp.wire),
+        " does not match the MANIFEST's spec (numel ", h.numel, ", shard ", h.shard_numel,
+        "; expected ", bp.numel, ", ", bp.shard_numel, ")"));
   }
-  if (m.world_size() < 1 || m.files_size() != m.world_size()) {
-    return absl::DataLossError(absl::StrCat(path, ": world_size ", m.world_size(), " with ",
-                                            m.files_size(), " files"));
+  const int64_t shard = h.shard_numel;
+  dst->resize(static_cast<size_t>(bp.padded_numel));
+  if (absl::Status s = r->ReadShardArray(shard, 0, shard, dst->data() + rank * shard); !s.ok()) {
+    return s;
   }
-  for (int r = 0; r < m.files_size(); ++r) {
-    const std::string& f = m.files(r).file();
-    if (m.files(r).rank() != r || f.empty() || f.find('/') != std::string::npos || f == "." ||
-        f == "..") {
-      return absl::DataLossError(absl::StrCat(path, ": files[", r, "] is not rank ", r,
-                                              "'s plain file name"));
-    }
+  for (int moment = 0; moment < 2; ++moment) {  // AdamW m and v
+    if (absl::Status s = r->ReadShardArray(shard, 0, 0, nullptr); !s.ok()) return s;
   }
-  return m;
+  return absl::OkStatus();
 }
 
 // Reads the FP32 master slices of one rank file into `full` (per buffer, padded_numel each),
@@ -118,113 +119,17 @@ absl::StatusOr<v1::CheckpointManifest> ReadManifest(const std::string& step_dir)
 absl::Status ReadRankMasters(const std::string& path, const v1::CheckpointFile& entry, int rank,
                              int world, int64_t step, const ShardPlan& plan,
                              std::vector<std::vector<float>>* full) {
-  std::unique_ptr<FILE, FileCloser> f(std::fopen(path.c_str(), "rb"));
-  if (!f) {
-    return errno == ENOENT
-               ? absl::NotFoundError(absl::StrCat(path, ": missing"))
-               : absl::InternalError(absl::StrCat("opening ", path, ": ", std::strerror(errno)));
-  }
-  fseeko(f.get(), 0, SEEK_END);
-  const int64_t size = ftello(f.get());
-  if (size != entry.bytes()) {
-    return absl::DataLossError(absl::StrCat(path, ": ", size, " bytes, the MANIFEST says ",
-                                            entry.bytes(), " (truncated or replaced)"));
-  }
-  if (size < 8 + 12) return absl::DataLossError(absl::StrCat(path, ": truncated"));
-  // Whole-file CRC (the MANIFEST's) and the body CRC (the trailer's).
-  fseeko(f.get(), 0, SEEK_SET);
-  std::vector<char> buf(1 << 20);
-  uLong crc_all = crc32(0, nullptr, 0), crc_body = crc32(0, nullptr, 0);
-  const int64_t body = size - 12;
-  for (int64_t pos = 0; pos < size;) {
-    const size_t k = static_cast<size_t>(std::min<int64_t>(buf.size(), size - pos));
-    if (std::fread(buf.data(), 1, k, f.get()) != k) {
-      return absl::DataLossError(absl::StrCat(path, ": short read"));
-    }
-    crc_all = crc32(crc_all, reinterpret_cast<const Bytef*>(buf.data()), static_cast<uInt>(k));
-    if (pos < body) {
-      const size_t kb = static_cast<size_t>(std::min<int64_t>(k, body - pos));
-      crc_body = crc32(crc_body, reinterpret_cast<const Bytef*>(buf.data()), static_cast<uInt>(kb));
-    }
-    pos += static_cast<int64_t>(k);
-  }
-  if (static_cast<uint32_t>(crc_all) != entry.crc32()) {
-    return absl::DataLossError(absl::StrCat(path, ": CRC-32 ", static_cast<uint32_t>(crc_all),
-                                            ", the MANIFEST says ", entry.crc32(),
-                                            ": the file is corrupt"));
-  }
-  char end[8];
-  uint32_t stored = 0;
-  fseeko(f.get(), body, SEEK_SET);
-  if (std::fread(end, 1, 8, f.get()) != 8 || std::fread(&stored, 4, 1, f.get()) != 1 ||
-      std::memcmp(end, kRankEndMagic, 8) != 0 || stored != static_cast<uint32_t>(crc_body)) {
-    return absl::DataLossError(absl::StrCat(path, ": bad trailer or body checksum"));
-  }
-  fseeko(f.get(), 0, SEEK_SET);
-  int64_t pos = 0;
-  auto rd = [&](void* p, size_t n) {
-    if (pos + static_cast<int64_t>(n) > body || std::fread(p, 1, n, f.get()) != n) return false;
-    pos += static_cast<int64_t>(n);
-    return true;
-  };
-  auto skip = [&](int64_t n) {
-    if (n < 0 || pos + n > body || fseeko(f.get(), n, SEEK_CUR) != 0) return false;
-    pos += n;
-    return true;
-  };
-  auto malformed = [&](const std::string& what) {
-    return absl::DataLossError(absl::StrCat(path, ": malformed at byte ", pos, " (", what, ")"));
-  };
-  char magic[8];
-  uint32_t version = 0, desc_len = 0, nbuf = 0;
-  int32_t file_rank = -1, file_world = -1;
-  int64_t file_step = -1;
-  uint64_t fingerprint = 0;
-  if (!rd(magic, 8) || std::memcmp(magic, kRankMagic, 8) != 0) {
-    return absl::DataLossError(absl::StrCat(path, ": not an fsdp8 rank file (bad magic)"));
-  }
-  if (!rd(&version, 4)) return malformed("version");
-  if (version != kRankFormatVersion) {
-    return absl::FailedPreconditionError(absl::StrCat(path, ": rank file format version ", version,
-                                                      ", this build reads ", kRankFormatVersion));
-  }
-  if (!rd(&file_rank, 4) || !rd(&file_world, 4) || !rd(&file_step, 8) || !rd(&fingerprint, 8) ||
-      !rd(&desc_len, 4) || desc_len > (1u << 20) || !skip(desc_len) || !rd(&nbuf, 4)) {
-    return malformed("header");
-  }
-  if (file_rank != rank || file_world != world || file_step != step) {
-    return absl::DataLossError(absl::StrCat(path, ": written by rank ", file_rank, " of ",
-                                            file_world, " at step ", file_step, ", the MANIFEST says rank ",
-                                            rank, " of ", world, " at step ", step));
-  }
-  size_t expect_nbuf = 0;
-  for (const UnitPlan& u : plan.units) expect_nbuf += u.buffers.size();
-  if (nbuf != expect_nbuf) {
-    return absl::DataLossError(absl::StrCat(path, ": ", nbuf, " flat buffers, the MANIFEST's spec has ",
-                                            expect_nbuf));
-  }
+  absl::StatusOr<RankFileReader> r = RankFileReader::Open(path);
+  if (!r.ok()) return r.status();
+  if (absl::Status s = r->Verify(&entry); !s.ok()) return s;
+  RankFileHeader h;
+  if (absl::Status s = r->ReadHeader(&h); !s.ok()) return s;
+  if (absl::Status s = CheckRankHeader(path, h, rank, world, step, plan); !s.ok()) return s;
   size_t flat = 0;
   for (size_t u = 0; u < plan.units.size(); ++u) {
     for (size_t b = 0; b < plan.units[u].buffers.size(); ++b, ++flat) {
-      const BufferPlan& bp = plan.units[u].buffers[b];
-      uint32_t fu = 0, fb = 0, wire = 0, zero = 0;
-      int64_t numel = 0, padded = 0, shard = 0;
-      if (!rd(&fu, 4) || !rd(&fb, 4) || !rd(&wire, 4) || !rd(&zero, 4) || !rd(&numel, 8) ||
-          !rd(&padded, 8) || !rd(&shard, 8)) {
-        return malformed("buffer header");
-      }
-      if (fu != u || fb != b || wire != static_cast<uint32_t>(bp.wire) || numel != bp.numel ||
-          shard != bp.shard_numel || padded != bp.padded_numel) {
-        return absl::DataLossError(absl::StrCat(
-            path, ": buffer ", plan.units[u].name, "/", WireDtypeName(bp.wire),
-            " does not match the MANIFEST's spec (numel ", numel, ", shard ", shard,
-            "; expected ", bp.numel, ", ", bp.shard_numel, ")"));
-      }
-      std::vector<float>& dst = (*full)[flat];
-      dst.resize(static_cast<size_t>(bp.padded_numel));
-      if (!rd(dst.data() + static_cast<int64_t>(rank) * shard, static_cast<size_t>(shard) * 4) ||
-          !skip(2 * shard * 4)) {  // AdamW m and v
-        return malformed("shard data");
+      if (absl::Status s = ReadBufferMasters(&*r, plan, u, b, rank, &(*full)[flat]); !s.ok()) {
+        return s;
       }
     }
   }
@@ -235,6 +140,101 @@ const Value* Field(const Struct& s, const std::string& k) {
   auto it = s.fields().find(k);
   if (it == s.fields().end() || it->second.kind_case() == Value::kNullValue) return nullptr;
   return &it->second;
+}
+
+// config.json's fields and the error prefix ("<field>: config.json ") of CheckHfConfig.
+struct HfConfigFields {
+  const Struct& s;
+  const std::string& field;
+
+  absl::Status Bad(const std::string& what) const {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": config.json ", what));
+  }
+  // The number at key k; `dflt` when absent (INVALID_ARGUMENT without a default).
+  absl::Status Number(const char* k, double* out, std::optional<double> dflt) const {
+    const Value* v = Field(s, k);
+    if (!v) {
+      if (dflt) {
+        *out = *dflt;
+        return absl::OkStatus();
+      }
+      return Bad(absl::StrCat(k, " is missing"));
+    }
+    if (v->kind_case() != Value::kNumberValue) return Bad(absl::StrCat(k, " is not a number"));
+    *out = v->number_value();
+    return absl::OkStatus();
+  }
+};
+
+// The integer sizes and head_dim equal the model section's.
+absl::Status CheckHfSizes(const HfConfigFields& c, const v1::ModelConfig& m) {
+  struct IntRule { const char* key; const char* model_field; int want; };
+  double heads = 0;
+  if (absl::Status st = c.Number("num_attention_heads", &heads, std::nullopt); !st.ok()) return st;
+  const IntRule rules[] = {
+      {"hidden_size", "model.d_model", m.d_model()},
+      {"intermediate_size", "model.ffn_dim", m.ffn_dim()},
+      {"num_attention_heads", "model.n_heads", m.n_heads()},
+      {"num_key_value_heads", "model.n_kv_heads", m.n_kv_heads()},
+      {"num_hidden_layers", "model.n_layers", m.n_layers()},
+      {"vocab_size", "model.vocab_size", m.vocab_size()},
+  };
+  for (const IntRule& r : rules) {
+    double v = 0;
+    const std::optional<double> dflt =
+        std::string(r.key) == "num_key_value_heads" ? std::optional<double>(heads) : std::nullopt;
+    if (absl::Status st = c.Number(r.key, &v, dflt); !st.ok()) return st;
+    if (v != r.want) {
+      return c.Bad(absl::StrCat(r.key, " is ", Num(v), ", ", r.model_field, " is ", r.want));
+    }
+  }
+  double head_dim = 0;
+  if (absl::Status st = c.Number("head_dim", &head_dim, m.d_model() / m.n_heads()); !st.ok()) {
+    return st;
+  }
+  if (head_dim != m.d_model() / m.n_heads()) {
+    return c.Bad(absl::StrCat("head_dim is ", Num(head_dim),
+                              ", model.d_model / model.n_heads is ", m.d_model() / m.n_heads()));
+  }
+  return absl::OkStatus();
+}
+
+// rms_norm_eps and rope_theta equal to within 1e-9 relative; max_position_embeddings >= seq_len.
+absl::Status CheckHfReals(const HfConfigFields& c, const v1::ModelConfig& m) {
+  struct RealRule { const char* key; const char* model_field; double want; double dflt; };
+  const RealRule reals[] = {{"rms_norm_eps", "model.norm_eps", m.norm_eps(), 1e-6},
+                            {"rope_theta", "model.rope_theta", m.rope_theta(), 10000.0}};
+  for (const RealRule& r : reals) {
+    double v = 0;
+    if (absl::Status st = c.Number(r.key, &v, r.dflt); !st.ok()) return st;
+    if (!(std::fabs(v - r.want) <= 1e-9 * std::fabs(r.want))) {
+      return c.Bad(absl::StrCat(r.key, " is ", Num(v), ", ", r.model_field, " is ", Num(r.want)));
+    }
+  }
+  double max_pos = 0;
+  if (absl::Status st = c.Number("max_position_embeddings", &max_pos, 2048.0); !st.ok()) return st;
+  if (max_pos < m.seq_len()) {
+    return c.Bad(absl::StrCat("max_position_embeddings is ", Num(max_pos),
+                              ", below model.seq_len ", m.seq_len()));
+  }
+  return absl::OkStatus();
+}
+
+// SwiGLU, untied LM head, no biases, plain RoPE.
+absl::Status CheckHfArchitectureFlags(const HfConfigFields& c) {
+  if (const Value* act = Field(c.s, "hidden_act");
+      act && (act->kind_case() != Value::kStringValue || act->string_value() != "silu")) {
+    return c.Bad("hidden_act must be \"silu\" (fsdp8's MLP is SwiGLU)");
+  }
+  for (const char* k : {"tie_word_embeddings", "attention_bias", "mlp_bias"}) {
+    const Value* v = Field(c.s, k);
+    // HF's default for tie_word_embeddings is false for Llama; attention_bias / mlp_bias false.
+    if (v && (v->kind_case() != Value::kBoolValue || v->bool_value())) {
+      return c.Bad(absl::StrCat(k, " must be false (fsdp8 models have an untied LM head and no biases)"));
+    }
+  }
+  if (Field(c.s, "rope_scaling")) return c.Bad("rope_scaling must be null (plain RoPE)");
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -316,82 +316,14 @@ absl::Status CheckHfConfig(const std::string& config_json, const v1::ModelConfig
   const v1::ModelConfig m = WithDefaults(tmp, 0).model();
   absl::StatusOr<Struct> parsed = ParseJsonObject(config_json, absl::StrCat(field, ": config.json"));
   if (!parsed.ok()) return parsed.status();
-  const Struct& s = *parsed;
-  auto bad = [&](const std::string& what) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": config.json ", what));
-  };
-  const Value* mt = Field(s, "model_type");
+  const HfConfigFields c{*parsed, field};
+  const Value* mt = Field(c.s, "model_type");
   if (!mt || mt->kind_case() != Value::kStringValue || mt->string_value() != "llama") {
-    return bad("model_type must be \"llama\" (LlamaForCausalLM)");
+    return c.Bad("model_type must be \"llama\" (LlamaForCausalLM)");
   }
-  auto number = [&](const char* k, double* out, std::optional<double> dflt) -> absl::Status {
-    const Value* v = Field(s, k);
-    if (!v) {
-      if (dflt) {
-        *out = *dflt;
-        return absl::OkStatus();
-      }
-      return bad(absl::StrCat(k, " is missing"));
-    }
-    if (v->kind_case() != Value::kNumberValue) return bad(absl::StrCat(k, " is not a number"));
-    *out = v->number_value();
-    return absl::OkStatus();
-  };
-  struct IntRule { const char* key; const char* model_field; int want; };
-  double heads = 0;
-  if (absl::Status st = number("num_attention_heads", &heads, std::nullopt); !st.ok()) return st;
-  const IntRule rules[] = {
-      {"hidden_size", "model.d_model", m.d_model()},
-      {"intermediate_size", "model.ffn_dim", m.ffn_dim()},
-      {"num_attention_heads", "model.n_heads", m.n_heads()},
-      {"num_key_value_heads", "model.n_kv_heads", m.n_kv_heads()},
-      {"num_hidden_layers", "model.n_layers", m.n_layers()},
-      {"vocab_size", "model.vocab_size", m.vocab_size()},
-  };
-  for (const IntRule& r : rules) {
-    double v = 0;
-    const std::optional<double> dflt =
-        std::string(r.key) == "num_key_value_heads" ? std::optional<double>(heads) : std::nullopt;
-    if (absl::Status st = number(r.key, &v, dflt); !st.ok()) return st;
-    if (v != r.want) {
-      return bad(absl::StrCat(r.key, " is ", Num(v), ", ", r.model_field, " is ", r.want));
-    }
-  }
-  double head_dim = 0;
-  if (absl::Status st = number("head_dim", &head_dim, m.d_model() / m.n_heads()); !st.ok()) return st;
-  if (head_dim != m.d_model() / m.n_heads()) {
-    return bad(absl::StrCat("head_dim is ", Num(head_dim), ", model.d_model / model.n_heads is ",
-                            m.d_model() / m.n_heads()));
-  }
-  struct RealRule { const char* key; const char* model_field; double want; double dflt; };
-  const RealRule reals[] = {{"rms_norm_eps", "model.norm_eps", m.norm_eps(), 1e-6},
-                            {"rope_theta", "model.rope_theta", m.rope_theta(), 10000.0}};
-  for (const RealRule& r : reals) {
-    double v = 0;
-    if (absl::Status st = number(r.key, &v, r.dflt); !st.ok()) return st;
-    if (!(std::fabs(v - r.want) <= 1e-9 * std::fabs(r.want))) {
-      return bad(absl::StrCat(r.key, " is ", Num(v), ", ", r.model_field, " is ", Num(r.want)));
-    }
-  }
-  double max_pos = 0;
-  if (absl::Status st = number("max_position_embeddings", &max_pos, 2048.0); !st.ok()) return st;
-  if (max_pos < m.seq_len()) {
-    return bad(absl::StrCat("max_position_embeddings is ", Num(max_pos), ", below model.seq_len ",
-                            m.seq_len()));
-  }
-  if (const Value* act = Field(s, "hidden_act");
-      act && (act->kind_case() != Value::kStringValue || act->string_value() != "silu")) {
-    return bad("hidden_act must be \"silu\" (fsdp8's MLP is SwiGLU)");
-  }
-  for (const char* k : {"tie_word_embeddings", "attention_bias", "mlp_bias"}) {
-    const Value* v = Field(s, k);
-    // HF's default for tie_word_embeddings is false for Llama; attention_bias / mlp_bias false.
-    if (v && (v->kind_case() != Value::kBoolValue || v->bool_value())) {
-      return bad(absl::StrCat(k, " must be false (fsdp8 models have an untied LM head and no biases)"));
-    }
-  }
-  if (Field(s, "rope_scaling")) return bad("rope_scaling must be null (plain RoPE)");
-  return absl::OkStatus();
+  if (absl::Status st = CheckHfSizes(c, m); !st.ok()) return st;
+  if (absl::Status st = CheckHfReals(c, m); !st.ok()) return st;
+  return CheckHfArchitectureFlags(c);
 }
 
 absl::Status CheckHfDir(const std::string& dir, const v1::ModelConfig& m, const std::string& field) {
@@ -411,7 +343,7 @@ absl::Status CheckHfDir(const std::string& dir, const v1::ModelConfig& m, const 
 }
 
 absl::StatusOr<CheckpointWeights> ReadCheckpointWeights(const std::string& step_dir) {
-  absl::StatusOr<v1::CheckpointManifest> manifest = ReadManifest(step_dir);
+  absl::StatusOr<v1::CheckpointManifest> manifest = ReadManifestFile(step_dir);
   if (!manifest.ok()) return manifest.status();
   CheckpointWeights out;
   out.manifest = std::move(*manifest);
@@ -446,8 +378,8 @@ absl::StatusOr<CheckpointWeights> ReadCheckpointWeights(const std::string& step_
 absl::StatusOr<std::string> ResolveCheckpointStepDir(const std::string& path,
                                                      std::optional<int64_t> step) {
   std::error_code ec;
-  if (fs::exists(fs::path(path) / kManifestName, ec)) {
-    absl::StatusOr<v1::CheckpointManifest> m = ReadManifest(path);
+  if (fs::exists(fs::path(path) / kManifestFileName, ec)) {
+    absl::StatusOr<v1::CheckpointManifest> m = ReadManifestFile(path);
     if (!m.ok()) return m.status();
     if (step && m->step() != *step) {
       return absl::InvalidArgumentError(absl::StrCat(path, " is the checkpoint of step ", m->step(),
@@ -459,22 +391,21 @@ absl::StatusOr<std::string> ResolveCheckpointStepDir(const std::string& path,
     return absl::NotFoundError(absl::StrCat(path, ": no such checkpoint directory"));
   }
   if (step) {
-    const std::string d = absl::StrCat(path, "/step-", *step);
-    absl::StatusOr<v1::CheckpointManifest> m = ReadManifest(d);
+    const std::string d = absl::StrCat(path, "/", StepDirName(*step));
+    absl::StatusOr<v1::CheckpointManifest> m = ReadManifestFile(d);
     if (!m.ok()) return m.status();
     return d;
   }
   int64_t best = -1;
   for (const fs::directory_entry& e : fs::directory_iterator(path, ec)) {
-    const std::string name = e.path().filename().string();
-    int64_t k = 0;
-    if (name.rfind("step-", 0) != 0 || !absl::SimpleAtoi(name.substr(5), &k) || k <= best) continue;
-    if (ReadManifest(e.path().string()).ok()) best = k;
+    const int64_t k = StepOfDirName(e.path().filename().string());
+    if (k <= best) continue;
+    if (ReadManifestFile(e.path().string()).ok()) best = k;
   }
   if (best < 0) {
     return absl::NotFoundError(absl::StrCat(path, ": no committed checkpoint (no step-<k> with a MANIFEST)"));
   }
-  return absl::StrCat(path, "/step-", best);
+  return absl::StrCat(path, "/", StepDirName(best));
 }
 
 absl::Status ExportHf(const std::string& step_dir, const std::string& out_dir,

@@ -9,8 +9,9 @@
 // and k_proj are exported as they are, with no permutation.
 //
 // Export reads a committed checkpoint on local storage (its MANIFEST and every rank file, each
-// checked against the MANIFEST's size and CRC-32 and the rank file's own trailer) and writes the
-// FP32 master weights, unsharded, as F32 (default) or BF16.
+// checked against the MANIFEST's size and CRC-32 and the rank file's own trailer; both formats in
+// common/checkpoint_format.h) and writes the FP32 master weights, unsharded, as F32 (default) or
+// BF16.
 //
 // Thread-safety: functions touch only their arguments and the named files.
 #pragma once

@@ -8,34 +8,20 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <set>
-#include <sstream>
 
-#include <google/protobuf/util/json_util.h>
 #include <google/protobuf/util/message_differencer.h>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/checkpoint_format.h"
 #include "common/spec.h"
 
 namespace fsdp8::coord {
 namespace fs = std::filesystem;
 namespace {
 
-constexpr char kStepPrefix[] = "step-";
-
-// step-<digits> -> k; -1 otherwise.
-int64_t StepOfName(const std::string& name) {
-  if (name.rfind(kStepPrefix, 0) != 0) return -1;
-  const std::string digits = name.substr(sizeof(kStepPrefix) - 1);
-  if (digits.empty() || digits.size() > 18) return -1;
-  for (char c : digits)
-    if (c < '0' || c > '9') return -1;
-  int64_t k = 0;
-  if (!absl::SimpleAtoi(digits, &k)) return -1;
-  return k;
-}
+// StagingDir(k) is <root>/.replace-step-<k>.
+constexpr char kStagingPrefix[] = ".replace-";
 
 absl::Status ErrnoError(const std::string& what, const std::string& path) {
   return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
@@ -77,33 +63,6 @@ absl::Status WriteFileDurably(const std::string& path, const std::string& data) 
   return absl::OkStatus();
 }
 
-bool PlainFileName(const std::string& f) {
-  return !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos &&
-         f != CheckpointStore::kManifestName;
-}
-
-// The structural rules of a manifest (see the header); `where` prefixes the message.
-absl::Status CheckManifest(const v1::CheckpointManifest& m, const std::string& where) {
-  auto bad = [&](const std::string& why) {
-    return absl::DataLossError(absl::StrCat(where, ": invalid MANIFEST: ", why));
-  };
-  if (m.format_version() != CheckpointStore::kFormatVersion)
-    return bad(absl::StrCat("format_version ", m.format_version(), " (this coordinator reads ",
-                            CheckpointStore::kFormatVersion, ")"));
-  if (m.step() < 0) return bad(absl::StrCat("step ", m.step()));
-  if (m.world_size() < 1) return bad(absl::StrCat("world_size ", m.world_size()));
-  if (m.files_size() != m.world_size())
-    return bad(absl::StrCat(m.files_size(), " files for world_size ", m.world_size()));
-  for (int r = 0; r < m.files_size(); ++r) {
-    const v1::CheckpointFile& f = m.files(r);
-    if (f.rank() != r) return bad(absl::StrCat("files[", r, "].rank is ", f.rank()));
-    if (!PlainFileName(f.file()))
-      return bad(absl::StrCat("files[", r, "].file \"", f.file(), "\" is not a plain file name"));
-    if (f.bytes() < 0) return bad(absl::StrCat("files[", r, "].bytes ", f.bytes()));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 int64_t CommittedCheckpoint::bytes() const {
@@ -113,11 +72,11 @@ int64_t CommittedCheckpoint::bytes() const {
 }
 
 std::string CheckpointStore::StepDir(int64_t step) const {
-  return (fs::path(root_) / absl::StrCat(kStepPrefix, step)).string();
+  return (fs::path(root_) / StepDirName(step)).string();
 }
 
 std::string CheckpointStore::StagingDir(int64_t step) const {
-  return (fs::path(root_) / absl::StrCat(".replace-", kStepPrefix, step)).string();
+  return (fs::path(root_) / absl::StrCat(kStagingPrefix, StepDirName(step))).string();
 }
 
 absl::StatusOr<std::string> CheckpointStore::Prepare(int64_t step) const {
@@ -147,16 +106,11 @@ absl::Status CheckpointStore::Commit(v1::CheckpointManifest m) const {
   const std::string dir = staged ? StagingDir(m.step()) : step_dir;
   if (absl::Status s = CheckManifest(m, step_dir); !s.ok())
     return absl::InvalidArgumentError(s.message());
-  google::protobuf::util::JsonPrintOptions opts;
-  opts.add_whitespace = true;
-  opts.preserve_proto_field_names = true;
-  std::string json;
-  auto st = google::protobuf::util::MessageToJsonString(m, &json, opts);
-  if (!st.ok())
-    return absl::InternalError(absl::StrCat("encoding the MANIFEST: ", std::string(st.message())));
+  absl::StatusOr<std::string> json = EncodeManifest(m);
+  if (!json.ok()) return json.status();
   const std::string tmp = (fs::path(dir) / absl::StrCat(kManifestName, ".tmp")).string();
   const std::string final_path = (fs::path(dir) / kManifestName).string();
-  if (absl::Status s = WriteFileDurably(tmp, json); !s.ok()) return s;
+  if (absl::Status s = WriteFileDurably(tmp, *json); !s.ok()) return s;
   if (::rename(tmp.c_str(), final_path.c_str()) != 0) return ErrnoError("rename to", final_path);
   if (absl::Status s = FsyncPath(dir, true); !s.ok()) return s;
   if (!staged) return absl::OkStatus();
@@ -184,32 +138,7 @@ absl::Status CheckpointStore::Commit(v1::CheckpointManifest m) const {
 }
 
 absl::StatusOr<v1::CheckpointManifest> CheckpointStore::ReadManifest(const std::string& step_dir) {
-  const std::string path = (fs::path(step_dir) / kManifestName).string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    std::error_code ec;
-    if (!fs::is_directory(step_dir, ec))
-      return absl::NotFoundError(absl::StrCat("checkpoint ", step_dir, ": no such directory"));
-    return absl::NotFoundError(
-        absl::StrCat("checkpoint ", step_dir, ": no MANIFEST (not a committed checkpoint)"));
-  }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  v1::CheckpointManifest m;
-  google::protobuf::util::JsonParseOptions opts;
-  opts.ignore_unknown_fields = true;  // newer coordinators may add fields
-  auto st = google::protobuf::util::JsonStringToMessage(ss.str(), &m, opts);
-  if (!st.ok())
-    return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": invalid MANIFEST: ",
-                                            std::string(st.message())));
-  if (absl::Status s = CheckManifest(m, absl::StrCat("checkpoint ", step_dir)); !s.ok()) return s;
-  fs::path norm = fs::path(step_dir).lexically_normal();
-  if (!norm.has_filename()) norm = norm.parent_path();  // "step-3/"
-  const int64_t k = StepOfName(norm.filename().string());
-  if (k >= 0 && k != m.step())
-    return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": invalid MANIFEST: step ",
-                                            m.step(), " in a directory named step-", k));
-  return m;
+  return ReadManifestFile(step_dir);
 }
 
 absl::Status CheckpointStore::VerifyFiles(const std::string& step_dir,
@@ -250,7 +179,7 @@ absl::StatusOr<std::vector<CommittedCheckpoint>> CheckpointStore::List() const {
   if (ec) return absl::InternalError(absl::StrCat("list ", root_, ": ", ec.message()));
   for (; it != fs::directory_iterator(); it.increment(ec)) {
     if (ec) return absl::InternalError(absl::StrCat("list ", root_, ": ", ec.message()));
-    const int64_t k = StepOfName(it->path().filename().string());
+    const int64_t k = StepOfDirName(it->path().filename().string());
     if (k < 0 || !it->is_directory(ec)) continue;
     auto m = ReadManifest(it->path().string());
     if (!m.ok() || m->step() != k) continue;  // uncommitted
@@ -290,17 +219,18 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Retain(int keep_last) 
        it.increment(ec)) {
     const std::string name = it->path().filename().string();
     // Leftovers of an interrupted replacement (Prepare/Commit of a committed step).
-    const std::string staging_prefix = absl::StrCat(".replace-", kStepPrefix);
     // Only once step-<k> is committed again: until then either may hold the committed copy.
     int64_t leftover = -1;
-    if (name.rfind(staging_prefix, 0) == 0) leftover = StepOfName(name.substr(9));
+    if (name.rfind(kStagingPrefix, 0) == 0) {
+      leftover = StepOfDirName(name.substr(sizeof(kStagingPrefix) - 1));
+    }
     if (name.size() > 4 && name.compare(name.size() - 4, 4, ".old") == 0)
-      leftover = StepOfName(name.substr(0, name.size() - 4));
+      leftover = StepOfDirName(name.substr(0, name.size() - 4));
     if (leftover >= 0) {
       if (it->is_directory() && committed.count(leftover)) removed.push_back(it->path().string());
       continue;
     }
-    const int64_t k = StepOfName(name);
+    const int64_t k = StepOfDirName(name);
     if (k < 0 || !it->is_directory()) continue;
     const bool stale = !committed.count(k) && k < newest;
     if (doomed.count(k) || stale) removed.push_back(it->path().string());

@@ -1,19 +1,19 @@
 // CheckpointStore: the coordinator's view of one checkpoint directory (spec.checkpoint.dir).
 //
 // Layout: <root>/step-<k>/rank-<r>.ckpt (written by the ranks) and <root>/step-<k>/MANIFEST (written
-// by the coordinator, last). The MANIFEST is the protobuf JSON of v1::CheckpointManifest
-// (proto/fsdp8/v1/checkpoint.proto). It is written to MANIFEST.tmp, fsynced, renamed to MANIFEST,
-// and the step directory is fsynced, so a crash leaves either no MANIFEST or a complete one.
+// by the coordinator, last). Both formats, and the rules a valid MANIFEST follows, are defined in
+// common/checkpoint_format.h. The MANIFEST is written to MANIFEST.tmp, fsynced, renamed to
+// MANIFEST, and the step directory is fsynced, so a crash leaves either no MANIFEST or a complete
+// one.
 //
-// Committed: a step-<k> directory whose MANIFEST parses, has format_version kFormatVersion, step k,
-// world_size >= 1 and exactly one file per rank 0..world_size-1 (plain file names). Anything else
+// Committed: a step-<k> directory whose MANIFEST is valid (ReadManifestFile). Anything else
 // (no MANIFEST, a torn or foreign one) is uncommitted: List/Latest skip it and Open refuses it.
 // List does not touch the shard files; Open additionally checks that every listed file exists
 // with the recorded size (a damaged checkpoint is refused with DATA_LOSS naming the file).
 //
 // Errors: NOT_FOUND (no such step directory / no MANIFEST), DATA_LOSS (invalid MANIFEST, missing or
-// truncated shard file), INTERNAL (I/O failures, with the path and errno text),
-// FAILED_PRECONDITION (CheckResumeCompatible).
+// truncated shard file), FAILED_PRECONDITION (a MANIFEST format_version this build does not read;
+// CheckResumeCompatible), INTERNAL (I/O failures, with the path and errno text).
 //
 // Thread-safety: the object is immutable; concurrent calls on the same root are safe as far as the
 // filesystem is, but Prepare/Commit/Retain for one root are expected from one thread (the job's
@@ -27,6 +27,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/checkpoint_format.h"
 #include "fsdp8/v1/checkpoint.pb.h"
 #include "fsdp8/v1/spec.pb.h"
 
@@ -41,8 +42,8 @@ struct CommittedCheckpoint {
 
 class CheckpointStore {
  public:
-  static constexpr int kFormatVersion = 1;
-  static constexpr char kManifestName[] = "MANIFEST";
+  static constexpr int kFormatVersion = kManifestFormatVersion;
+  static constexpr const char* kManifestName = kManifestFileName;
 
   explicit CheckpointStore(std::string root) : root_(std::move(root)) {}
   const std::string& root() const { return root_; }
@@ -83,7 +84,7 @@ class CheckpointStore {
 
   // Reads and checks <step_dir>/MANIFEST and the files it lists (existence and size). For loading.
   static absl::StatusOr<CommittedCheckpoint> Open(const std::string& step_dir);
-  // Reads <step_dir>/MANIFEST and checks it (not the shard files).
+  // Reads <step_dir>/MANIFEST and checks it (not the shard files): ReadManifestFile.
   static absl::StatusOr<v1::CheckpointManifest> ReadManifest(const std::string& step_dir);
   // Checks the manifest's structure (DATA_LOSS), then that every file of `m` exists in step_dir
   // with the recorded size.

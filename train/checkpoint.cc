@@ -4,23 +4,16 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "common/spec.h"
 
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "checkpoint I/O assumes little-endian");
-
 namespace fsdp8 {
 namespace {
 
-constexpr char kMagic[8] = {'F', 'S', 'D', 'P', '8', 'C', 'K', 'P'};
-constexpr char kEndMagic[8] = {'F', 'S', 'D', 'P', '8', 'E', 'N', 'D'};
-constexpr size_t kTrailerBytes = 12;
 constexpr size_t kIoChunk = 1 << 20;
 constexpr ShardArray kArrays[3] = {ShardArray::kMaster, ShardArray::kAdamM, ShardArray::kAdamV};
 
@@ -36,33 +29,12 @@ absl::Status ErrnoStatus(int err, const std::string& what) {
   }
 }
 
-uint32_t Crc(uint32_t crc, const void* p, size_t n) {
-  const Bytef* b = static_cast<const Bytef*>(p);
-  while (n > 0) {
-    const uInt k = static_cast<uInt>(std::min<size_t>(n, 1u << 30));
-    crc = static_cast<uint32_t>(crc32(crc, b, k));
-    b += k;
-    n -= k;
-  }
-  return crc;
-}
-
-void Fnv(uint64_t* h, const void* p, size_t n) {
-  const unsigned char* b = static_cast<const unsigned char*>(p);
-  for (size_t i = 0; i < n; ++i) {
-    *h ^= b[i];
-    *h *= 1099511628211ull;
-  }
-}
-
-// Buffered writer to a file descriptor with a running CRC; the first error sticks.
+// Buffered writer to a file descriptor; the first error sticks and later bytes are dropped.
 class Writer {
  public:
   Writer(int fd, std::string path) : fd_(fd), path_(std::move(path)) { buf_.reserve(kIoChunk); }
   void Bytes(const void* p, size_t n) {
     const char* c = static_cast<const char*>(p);
-    crc_ = Crc(crc_, p, n);
-    bytes_ += n;
     while (n > 0 && status_.ok()) {
       const size_t k = std::min(n, kIoChunk - buf_.size());
       buf_.insert(buf_.end(), c, c + k);
@@ -70,12 +42,6 @@ class Writer {
       n -= k;
       if (buf_.size() == kIoChunk) Flush();
     }
-  }
-  template <typename T>
-  void Pod(T v) { Bytes(&v, sizeof(v)); }
-  void Str(const std::string& s) {
-    Pod<uint32_t>(static_cast<uint32_t>(s.size()));
-    Bytes(s.data(), s.size());
   }
   void Flush() {
     size_t off = 0;
@@ -90,61 +56,13 @@ class Writer {
     }
     buf_.clear();
   }
-  uint32_t crc() const { return crc_; }
-  int64_t bytes() const { return bytes_; }
   const absl::Status& status() const { return status_; }
 
  private:
   int fd_;
   std::string path_;
   std::vector<char> buf_;
-  uint32_t crc_ = 0;
-  int64_t bytes_ = 0;
   absl::Status status_;
-};
-
-// Sequential reader of a FILE* with bounds on the readable (pre-trailer) region.
-class Reader {
- public:
-  Reader(FILE* f, std::string name, int64_t limit) : f_(f), name_(std::move(name)), limit_(limit) {}
-  bool Bytes(void* p, size_t n) {
-    if (!ok_) return false;
-    if (pos_ + static_cast<int64_t>(n) > limit_ || std::fread(p, 1, n, f_) != n) {
-      ok_ = false;
-      return false;
-    }
-    pos_ += static_cast<int64_t>(n);
-    return true;
-  }
-  template <typename T>
-  bool Pod(T* v) { return Bytes(v, sizeof(T)); }
-  bool Str(std::string* s) {
-    uint32_t n = 0;
-    if (!Pod(&n) || n > (1u << 20)) return ok_ = false;
-    s->resize(n);
-    return Bytes(s->data(), n);
-  }
-  bool Skip(int64_t n) {
-    if (!ok_) return false;
-    if (n < 0 || pos_ + n > limit_ || fseeko(f_, static_cast<off_t>(n), SEEK_CUR) != 0) {
-      return ok_ = false;
-    }
-    pos_ += n;
-    return true;
-  }
-  bool ok() const { return ok_; }
-  bool AtEnd() const { return ok_ && pos_ == limit_; }
-  absl::Status Malformed(const std::string& what) const {
-    return absl::DataLossError(absl::StrCat(name_, ": malformed or truncated at byte ", pos_,
-                                            " (", what, ")"));
-  }
-
- private:
-  FILE* f_;
-  std::string name_;
-  int64_t limit_;
-  int64_t pos_ = 0;
-  bool ok_ = true;
 };
 
 absl::Status FsyncPath(const std::string& path, bool directory) {
@@ -181,24 +99,43 @@ absl::Status MakeDirs(const std::string& dir) {
   return FsyncPath(parent, true);
 }
 
-// CRC-32 over [0, n) of a file.
-absl::Status CrcOfPrefix(FILE* f, const std::string& name, int64_t n, uint32_t* crc) {
-  std::vector<char> buf(kIoChunk);
-  *crc = 0;
-  if (fseeko(f, 0, SEEK_SET) != 0) return ErrnoStatus(errno, absl::StrCat("seeking ", name));
-  int64_t left = n;
-  while (left > 0) {
-    const size_t k = static_cast<size_t>(std::min<int64_t>(left, kIoChunk));
-    if (std::fread(buf.data(), 1, k, f) != k) {
-      return absl::DataLossError(absl::StrCat(name, ": short read while checksumming"));
-    }
-    *crc = Crc(*crc, buf.data(), k);
-    left -= static_cast<int64_t>(k);
+// ---- ReplicatedState <-> the rank file's replicated section ----
+
+RankFileReplicated ToRankFile(const ReplicatedState& state) {
+  RankFileReplicated r;
+  for (const WeightScaling& w : state.weight_scaling) {
+    r.weight_scales.push_back({w.name, w.scale, w.scale_inv, w.amax});
   }
-  return absl::OkStatus();
+  r.act_scaling = state.act_scaling;
+  r.adamw_step = state.adamw_step;
+  return r;
+}
+
+ReplicatedState FromRankFile(int64_t step, RankFileReplicated r) {
+  ReplicatedState st;
+  st.step = step;
+  st.adamw_step = r.adamw_step;
+  for (RankFileWeightScale& w : r.weight_scales) {
+    WeightScaling ws;
+    ws.name = std::move(w.name);
+    ws.scale = w.scale;
+    ws.scale_inv = w.scale_inv;
+    ws.amax = w.amax;
+    st.weight_scaling.push_back(std::move(ws));
+  }
+  st.act_scaling = std::move(r.act_scaling);
+  return st;
 }
 
 bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
+
+bool SameScalingState(const ScalingState& x, const ScalingState& y) {
+  bool same = x.name == y.name && x.e5m2 == y.e5m2 && x.initialised == y.initialised &&
+              SameBits(x.scale, y.scale) && SameBits(x.scale_inv, y.scale_inv) &&
+              x.history.size() == y.history.size();
+  for (size_t h = 0; same && h < x.history.size(); ++h) same = SameBits(x.history[h], y.history[h]);
+  return same;
+}
 
 // Empty when a and b agree bit for bit, else what differs.
 std::string CompareReplicated(const ReplicatedState& a, const ReplicatedState& b) {
@@ -215,44 +152,172 @@ std::string CompareReplicated(const ReplicatedState& a, const ReplicatedState& b
   }
   if (a.act_scaling.size() != b.act_scaling.size()) return "number of activation scaling states";
   for (size_t i = 0; i < a.act_scaling.size(); ++i) {
-    const ScalingState& x = a.act_scaling[i];
-    const ScalingState& y = b.act_scaling[i];
-    bool same = x.name == y.name && x.e5m2 == y.e5m2 && x.initialised == y.initialised &&
-                SameBits(x.scale, y.scale) && SameBits(x.scale_inv, y.scale_inv) &&
-                x.history.size() == y.history.size();
-    for (size_t h = 0; same && h < x.history.size(); ++h) same = SameBits(x.history[h], y.history[h]);
-    if (!same) return absl::StrCat("scaling state of ", x.name);
+    if (!SameScalingState(a.act_scaling[i], b.act_scaling[i])) {
+      return absl::StrCat("scaling state of ", a.act_scaling[i].name);
+    }
   }
   return "";
 }
 
-struct FileCloser {
-  void operator()(FILE* f) const { if (f) std::fclose(f); }
-};
+// ---- Writing ----
 
-}  // namespace
-
-std::string CheckpointFileName(int rank) { return absl::StrCat("rank-", rank, ".ckpt"); }
-
-uint64_t LayoutFingerprint(const ShardPlan& plan) {
-  uint64_t h = 14695981039346656037ull;
-  for (const UnitPlan& u : plan.units) {
-    Fnv(&h, u.name.data(), u.name.size() + 1);  // with the NUL as a separator
-    for (const BufferPlan& b : u.buffers) {
-      const uint32_t wire = static_cast<uint32_t>(b.wire);
-      Fnv(&h, &wire, sizeof(wire));
-      Fnv(&h, &b.numel, sizeof(b.numel));
-      for (size_t t = 0; t < b.tensors.size(); ++t) {
-        const TensorSpec& ts = b.tensors[t];
-        Fnv(&h, ts.name.data(), ts.name.size() + 1);
-        for (int64_t d : ts.shape) Fnv(&h, &d, sizeof(d));
-        Fnv(&h, &ts.numel, sizeof(ts.numel));
-        Fnv(&h, &b.offsets[t], sizeof(int64_t));
+// Encodes the whole rank file into `enc`; stops early once `w` failed.
+void EncodeShardFile(const FsdpParams& params, const RankFileHeader& header,
+                     const ReplicatedState& state, const Writer& w, RankFileEncoder* enc) {
+  const ShardPlan& plan = params.plan();
+  enc->Header(header);
+  std::vector<float> host;
+  for (size_t u = 0; u < plan.units.size() && w.status().ok(); ++u) {
+    for (size_t b = 0; b < plan.units[u].buffers.size() && w.status().ok(); ++b) {
+      const BufferPlan& bp = plan.units[u].buffers[b];
+      enc->BufferHeader({static_cast<uint32_t>(u), static_cast<uint32_t>(b),
+                         static_cast<uint32_t>(bp.wire), bp.numel, bp.padded_numel,
+                         bp.shard_numel});
+      host.resize(bp.shard_numel);
+      for (ShardArray a : kArrays) {
+        params.DownloadShard(static_cast<int>(u), static_cast<int>(b), a, host.data());
+        enc->ShardArray(host.data(), bp.shard_numel);
       }
     }
   }
-  return h;
+  enc->Replicated(ToRankFile(state));
+  enc->Trailer();
 }
+
+// Flushes, fsyncs and closes fd (the file tmp), renames tmp to path and fsyncs dir. On error
+// tmp is removed.
+absl::Status CommitFile(Writer* w, int fd, const std::string& tmp, const std::string& path,
+                        const std::string& dir) {
+  w->Flush();
+  absl::Status s = w->status();
+  if (s.ok() && ::fsync(fd) != 0) s = ErrnoStatus(errno, absl::StrCat("fsync of ", tmp));
+  if (::close(fd) != 0 && s.ok()) s = ErrnoStatus(errno, absl::StrCat("closing ", tmp));
+  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
+    s = ErrnoStatus(errno, absl::StrCat("renaming ", tmp, " to ", path));
+  }
+  if (!s.ok()) {
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  return FsyncPath(dir, true);
+}
+
+// ---- Reading ----
+
+// A flat buffer of the loading job's plan.
+struct BufInfo {
+  int unit;
+  int buffer;
+  const BufferPlan* plan;
+};
+
+std::vector<BufInfo> PlanBuffers(const ShardPlan& plan) {
+  std::vector<BufInfo> bufs;
+  for (size_t u = 0; u < plan.units.size(); ++u) {
+    for (size_t b = 0; b < plan.units[u].buffers.size(); ++b) {
+      bufs.push_back({static_cast<int>(u), static_cast<int>(b), &plan.units[u].buffers[b]});
+    }
+  }
+  return bufs;
+}
+
+// What every rank file of one checkpoint is checked against while loading into this rank.
+struct LoadTarget {
+  std::string dir;
+  int saved_world_size;
+  std::string description;  // this job's, for errors
+  uint64_t fingerprint;     // of this job's plan
+  std::vector<BufInfo> bufs;
+  FsdpParams* params;
+};
+
+absl::StatusOr<RankFileReader> OpenRankFile(const LoadTarget& t, int rank) {
+  absl::StatusOr<RankFileReader> r =
+      RankFileReader::Open(absl::StrCat(t.dir, "/", CheckpointFileName(rank)));
+  if (absl::IsNotFound(r.status())) {
+    return absl::NotFoundError(absl::StrCat("checkpoint ", t.dir, ": ", CheckpointFileName(rank),
+                                            " is missing (the checkpoint was written by ",
+                                            t.saved_world_size, " ranks)"));
+  }
+  return r;
+}
+
+// Pass 1: every file exists and its checksum verifies.
+absl::Status VerifyRankFiles(const LoadTarget& t) {
+  for (int i = 0; i < t.saved_world_size; ++i) {
+    absl::StatusOr<RankFileReader> r = OpenRankFile(t, i);
+    if (!r.ok()) return r.status();
+    if (absl::Status s = r->Verify(); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRankHeader(const LoadTarget& t, const std::string& path, int rank,
+                             const RankFileHeader& h) {
+  if (h.rank != rank || h.world_size != t.saved_world_size) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, ": written by rank ", h.rank, " of ", h.world_size, ", expected rank ", rank,
+        " of ", t.saved_world_size));
+  }
+  if (h.layout_fingerprint != t.fingerprint || h.num_buffers != t.bufs.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, ": saved for a different model or precision plan (checkpoint: ", h.description,
+        "; this job: ", t.description, ")"));
+  }
+  return absl::OkStatus();
+}
+
+// Reads one buffer of saved rank `rank`'s file: of its shard, the elements this rank's shard
+// overlaps (and that are not padding) go into params; the rest is skipped.
+absl::Status ReadBufferSlice(const LoadTarget& t, int rank, const BufInfo& bi,
+                             RankFileReader* r, std::vector<float>* chunk) {
+  RankFileBufferHeader h;
+  if (absl::Status s = r->ReadBufferHeader(&h); !s.ok()) return s;
+  const BufferPlan& bp = *bi.plan;
+  const int64_t shard = h.shard_numel;
+  if (static_cast<int>(h.unit) != bi.unit || static_cast<int>(h.buffer) != bi.buffer ||
+      h.wire != static_cast<uint32_t>(bp.wire) || h.numel != bp.numel || shard < 0 ||
+      h.padded_numel != shard * t.saved_world_size || h.padded_numel < h.numel) {
+    return absl::DataLossError(absl::StrCat(
+        r->path(), ": buffer ", t.params->plan().units[bi.unit].name, "/", WireDtypeName(bp.wire),
+        " layout does not match (numel ", h.numel, ", padded ", h.padded_numel, ", shard ", shard,
+        "; expected numel ", bp.numel, ")"));
+  }
+  // Saved rank i holds flat elements [i * shard, (i + 1) * shard); this rank needs
+  // [my_rank * bp.shard_numel, ...) and only the unpadded ones (< numel).
+  const int64_t src_lo = static_cast<int64_t>(rank) * shard;
+  const int64_t dst_lo = static_cast<int64_t>(t.params->rank()) * bp.shard_numel;
+  const int64_t lo = std::max(src_lo, dst_lo);
+  const int64_t hi = std::min({src_lo + shard, dst_lo + bp.shard_numel, h.numel});
+  const int64_t n = std::max<int64_t>(0, hi - lo);
+  chunk->resize(n);
+  for (ShardArray a : kArrays) {
+    if (absl::Status s = r->ReadShardArray(shard, n ? lo - src_lo : 0, n, chunk->data()); !s.ok()) {
+      return s;
+    }
+    if (n) t.params->UploadShardRange(bi.unit, bi.buffer, a, lo - dst_lo, chunk->data(), n);
+  }
+  return absl::OkStatus();
+}
+
+// Pass 2 for saved rank `rank`: header, this rank's slices, the replicated state.
+absl::Status ReadRankFile(const LoadTarget& t, int rank, ReplicatedState* state) {
+  absl::StatusOr<RankFileReader> r = OpenRankFile(t, rank);
+  if (!r.ok()) return r.status();
+  RankFileHeader h;
+  if (absl::Status s = r->ReadHeader(&h); !s.ok()) return s;
+  if (absl::Status s = CheckRankHeader(t, r->path(), rank, h); !s.ok()) return s;
+  std::vector<float> chunk;
+  for (const BufInfo& bi : t.bufs) {
+    if (absl::Status s = ReadBufferSlice(t, rank, bi, &*r, &chunk); !s.ok()) return s;
+  }
+  RankFileReplicated rep;
+  if (absl::Status s = r->ReadReplicated(&rep); !s.ok()) return s;
+  *state = FromRankFile(h.step, std::move(rep));
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 std::string SpecDescription(const v1::JobSpec& spec) {
   const v1::ModelConfig& m = spec.model();
@@ -284,235 +349,47 @@ absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoStatus(errno, absl::StrCat("creating ", tmp));
   Writer w(fd, tmp);
-  w.Bytes(kMagic, sizeof(kMagic));
-  w.Pod<uint32_t>(kCheckpointFormatVersion);
-  w.Pod<int32_t>(rank);
-  w.Pod<int32_t>(world_size);
-  w.Pod<int64_t>(state.step);
-  w.Pod<uint64_t>(LayoutFingerprint(plan));
-  w.Str(description);
-  uint32_t nbuf = 0;
-  for (const UnitPlan& u : plan.units) nbuf += static_cast<uint32_t>(u.buffers.size());
-  w.Pod<uint32_t>(nbuf);
-  std::vector<float> host;
-  for (size_t u = 0; u < plan.units.size() && w.status().ok(); ++u) {
-    for (size_t b = 0; b < plan.units[u].buffers.size() && w.status().ok(); ++b) {
-      const BufferPlan& bp = plan.units[u].buffers[b];
-      w.Pod<uint32_t>(static_cast<uint32_t>(u));
-      w.Pod<uint32_t>(static_cast<uint32_t>(b));
-      w.Pod<uint32_t>(static_cast<uint32_t>(bp.wire));
-      w.Pod<uint32_t>(0);
-      w.Pod<int64_t>(bp.numel);
-      w.Pod<int64_t>(bp.padded_numel);
-      w.Pod<int64_t>(bp.shard_numel);
-      host.resize(bp.shard_numel);
-      for (ShardArray a : kArrays) {
-        params.DownloadShard(static_cast<int>(u), static_cast<int>(b), a, host.data());
-        w.Bytes(host.data(), host.size() * sizeof(float));
-      }
-    }
-  }
-  w.Pod<uint32_t>(static_cast<uint32_t>(state.weight_scaling.size()));
-  for (const WeightScaling& s : state.weight_scaling) {
-    w.Str(s.name);
-    w.Pod<float>(s.scale);
-    w.Pod<float>(s.scale_inv);
-    w.Pod<float>(s.amax);
-  }
-  w.Pod<uint32_t>(static_cast<uint32_t>(state.act_scaling.size()));
-  for (const ScalingState& s : state.act_scaling) {
-    w.Str(s.name);
-    w.Pod<uint8_t>(s.e5m2 ? 1 : 0);
-    w.Pod<uint8_t>(s.initialised ? 1 : 0);
-    w.Pod<uint16_t>(0);
-    w.Pod<float>(s.scale);
-    w.Pod<float>(s.scale_inv);
-    w.Pod<uint32_t>(static_cast<uint32_t>(s.history.size()));
-    for (float a : s.history) w.Pod<float>(a);
-  }
-  w.Pod<int64_t>(state.adamw_step);
-  const uint32_t body_crc = w.crc();
-  w.Bytes(kEndMagic, sizeof(kEndMagic));
-  w.Pod<uint32_t>(body_crc);
-  w.Flush();
-  absl::Status s = w.status();
-  if (s.ok() && ::fsync(fd) != 0) s = ErrnoStatus(errno, absl::StrCat("fsync of ", tmp));
-  if (::close(fd) != 0 && s.ok()) s = ErrnoStatus(errno, absl::StrCat("closing ", tmp));
-  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
-    s = ErrnoStatus(errno, absl::StrCat("renaming ", tmp, " to ", path));
-  }
-  if (!s.ok()) {
-    ::unlink(tmp.c_str());
-    return s;
-  }
-  if (absl::Status d = FsyncPath(dir, true); !d.ok()) return d;
+  RankFileEncoder enc([&w](const void* p, size_t n) { w.Bytes(p, n); });
+  RankFileHeader header;
+  header.rank = rank;
+  header.world_size = world_size;
+  header.step = state.step;
+  header.layout_fingerprint = LayoutFingerprint(plan);
+  header.description = description;
+  for (const UnitPlan& u : plan.units) header.num_buffers += static_cast<uint32_t>(u.buffers.size());
+  EncodeShardFile(params, header, state, w, &enc);
+  if (absl::Status s = CommitFile(&w, fd, tmp, path, dir); !s.ok()) return s;
   out->set_step(state.step);
   out->set_rank(rank);
   out->set_file(name);
-  out->set_bytes(w.bytes());
-  out->set_crc32(w.crc());
+  out->set_bytes(enc.bytes());
+  out->set_crc32(enc.crc32());
   return absl::OkStatus();
 }
 
 absl::Status ReadShardFiles(const std::string& dir, int saved_world_size,
                             const std::string& description, FsdpParams* params,
                             ReplicatedState* state) {
-  const ShardPlan& plan = params->plan();
   if (saved_world_size < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint ", dir, ": saved world size ", saved_world_size));
   }
-  const uint64_t fingerprint = LayoutFingerprint(plan);
-  struct BufInfo { int unit, buffer; const BufferPlan* plan; };
-  std::vector<BufInfo> bufs;
-  for (size_t u = 0; u < plan.units.size(); ++u) {
-    for (size_t b = 0; b < plan.units[u].buffers.size(); ++b) {
-      bufs.push_back({static_cast<int>(u), static_cast<int>(b), &plan.units[u].buffers[b]});
-    }
-  }
-  // Pass 1: every file exists and its checksum verifies (params untouched on failure).
-  for (int i = 0; i < saved_world_size; ++i) {
-    const std::string path = absl::StrCat(dir, "/", CheckpointFileName(i));
-    std::unique_ptr<FILE, FileCloser> f(std::fopen(path.c_str(), "rb"));
-    if (!f) {
-      if (errno == ENOENT) {
-        return absl::NotFoundError(absl::StrCat("checkpoint ", dir, ": ", CheckpointFileName(i),
-                                                " is missing (the checkpoint was written by ",
-                                                saved_world_size, " ranks)"));
-      }
-      return ErrnoStatus(errno, absl::StrCat("opening ", path));
-    }
-    if (fseeko(f.get(), 0, SEEK_END) != 0) return ErrnoStatus(errno, absl::StrCat("seeking ", path));
-    const int64_t size = ftello(f.get());
-    if (size < static_cast<int64_t>(sizeof(kMagic) + kTrailerBytes)) {
-      return absl::DataLossError(absl::StrCat(path, ": truncated (", size, " bytes)"));
-    }
-    uint32_t crc = 0;
-    if (absl::Status s = CrcOfPrefix(f.get(), path, size - kTrailerBytes, &crc); !s.ok()) return s;
-    char end[8];
-    uint32_t stored = 0;
-    if (std::fread(end, 1, 8, f.get()) != 8 || std::fread(&stored, 4, 1, f.get()) != 1 ||
-        std::memcmp(end, kEndMagic, 8) != 0) {
-      return absl::DataLossError(absl::StrCat(path, ": no checkpoint trailer (truncated file?)"));
-    }
-    if (crc != stored) {
-      return absl::DataLossError(absl::StrCat(path, ": checksum mismatch (CRC-32 ", crc,
-                                              ", trailer says ", stored, "): the file is corrupt"));
-    }
-  }
-  // Pass 2: headers, layouts, this rank's slices, the replicated state.
-  const int my_rank = params->rank();
-  for (const BufInfo& bi : bufs) {
+  const LoadTarget t{dir, saved_world_size, description, LayoutFingerprint(params->plan()),
+                     PlanBuffers(params->plan()), params};
+  // Pass 1 leaves params untouched on failure.
+  if (absl::Status s = VerifyRankFiles(t); !s.ok()) return s;
+  for (const BufInfo& bi : t.bufs) {
     for (ShardArray a : kArrays) params->ZeroShard(bi.unit, bi.buffer, a);
   }
-  std::vector<float> chunk;
   for (int i = 0; i < saved_world_size; ++i) {
-    const std::string path = absl::StrCat(dir, "/", CheckpointFileName(i));
-    std::unique_ptr<FILE, FileCloser> f(std::fopen(path.c_str(), "rb"));
-    if (!f) return ErrnoStatus(errno, absl::StrCat("opening ", path));
-    fseeko(f.get(), 0, SEEK_END);
-    Reader r(f.get(), path, ftello(f.get()) - static_cast<int64_t>(kTrailerBytes));
-    fseeko(f.get(), 0, SEEK_SET);
-    char magic[8];
-    uint32_t version = 0;
-    int32_t file_rank = -1, file_world = -1;
-    uint64_t file_fp = 0;
-    std::string file_desc;
-    uint32_t nbuf = 0;
     ReplicatedState st;
-    if (!r.Bytes(magic, 8) || std::memcmp(magic, kMagic, 8) != 0) {
-      return absl::DataLossError(absl::StrCat(path, ": not an fsdp8 checkpoint file (bad magic)"));
-    }
-    if (!r.Pod(&version)) return r.Malformed("version");
-    if (version != kCheckpointFormatVersion) {
-      return absl::FailedPreconditionError(absl::StrCat(path, ": format version ", version,
-                                                        ", this worker reads version ",
-                                                        kCheckpointFormatVersion));
-    }
-    if (!r.Pod(&file_rank) || !r.Pod(&file_world) || !r.Pod(&st.step) || !r.Pod(&file_fp) ||
-        !r.Str(&file_desc) || !r.Pod(&nbuf)) {
-      return r.Malformed("header");
-    }
-    if (file_rank != i || file_world != saved_world_size) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          path, ": written by rank ", file_rank, " of ", file_world, ", expected rank ", i, " of ",
-          saved_world_size));
-    }
-    if (file_fp != fingerprint || nbuf != bufs.size()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          path, ": saved for a different model or precision plan (checkpoint: ", file_desc,
-          "; this job: ", description, ")"));
-    }
-    for (const BufInfo& bi : bufs) {
-      uint32_t u = 0, b = 0, wire = 0, zero = 0;
-      int64_t numel = 0, padded = 0, shard = 0;
-      if (!r.Pod(&u) || !r.Pod(&b) || !r.Pod(&wire) || !r.Pod(&zero) || !r.Pod(&numel) ||
-          !r.Pod(&padded) || !r.Pod(&shard)) {
-        return r.Malformed("buffer header");
-      }
-      const BufferPlan& bp = *bi.plan;
-      if (static_cast<int>(u) != bi.unit || static_cast<int>(b) != bi.buffer ||
-          wire != static_cast<uint32_t>(bp.wire) || numel != bp.numel || shard < 0 ||
-          padded != shard * saved_world_size || padded < numel) {
-        return absl::DataLossError(absl::StrCat(
-            path, ": buffer ", plan.units[bi.unit].name, "/", WireDtypeName(bp.wire),
-            " layout does not match (numel ", numel, ", padded ", padded, ", shard ", shard,
-            "; expected numel ", bp.numel, ")"));
-      }
-      // Saved rank i holds flat elements [i * shard, (i + 1) * shard); this rank needs
-      // [my_rank * bp.shard_numel, ...) and only the unpadded ones (< numel).
-      const int64_t src_lo = static_cast<int64_t>(i) * shard;
-      const int64_t dst_lo = static_cast<int64_t>(my_rank) * bp.shard_numel;
-      const int64_t lo = std::max(src_lo, dst_lo);
-      const int64_t hi = std::min({src_lo + shard, dst_lo + bp.shard_numel, numel});
-      for (ShardArray a : kArrays) {
-        if (hi <= lo) {
-          if (!r.Skip(shard * 4)) return r.Malformed("shard data");
-          continue;
-        }
-        if (!r.Skip((lo - src_lo) * 4)) return r.Malformed("shard data");
-        chunk.resize(hi - lo);
-        if (!r.Bytes(chunk.data(), chunk.size() * 4)) return r.Malformed("shard data");
-        params->UploadShardRange(bi.unit, bi.buffer, a, lo - dst_lo, chunk.data(), hi - lo);
-        if (!r.Skip((src_lo + shard - hi) * 4)) return r.Malformed("shard data");
-      }
-    }
-    uint32_t nw = 0;
-    if (!r.Pod(&nw) || nw > (1u << 24)) return r.Malformed("weight scaling count");
-    st.weight_scaling.resize(nw);
-    for (WeightScaling& s : st.weight_scaling) {
-      if (!r.Str(&s.name) || !r.Pod(&s.scale) || !r.Pod(&s.scale_inv) || !r.Pod(&s.amax)) {
-        return r.Malformed("weight scaling");
-      }
-    }
-    uint32_t na = 0;
-    if (!r.Pod(&na) || na > (1u << 24)) return r.Malformed("activation scaling count");
-    st.act_scaling.resize(na);
-    for (ScalingState& s : st.act_scaling) {
-      uint8_t e5m2 = 0, init = 0;
-      uint16_t pad = 0;
-      uint32_t h = 0;
-      if (!r.Str(&s.name) || !r.Pod(&e5m2) || !r.Pod(&init) || !r.Pod(&pad) || !r.Pod(&s.scale) ||
-          !r.Pod(&s.scale_inv) || !r.Pod(&h) || h > (1u << 20)) {
-        return r.Malformed("activation scaling");
-      }
-      s.e5m2 = e5m2 != 0;
-      s.initialised = init != 0;
-      for (uint32_t k = 0; k < h; ++k) {
-        float a = 0;
-        if (!r.Pod(&a)) return r.Malformed("amax history");
-        s.history.push_back(a);
-      }
-    }
-    if (!r.Pod(&st.adamw_step)) return r.Malformed("AdamW step");
-    if (!r.AtEnd()) {
-      return r.Malformed("trailing bytes before the trailer");
-    }
+    if (absl::Status s = ReadRankFile(t, i, &st); !s.ok()) return s;
     if (i == 0) {
       *state = std::move(st);
     } else if (std::string d = CompareReplicated(*state, st); !d.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          path, ": replicated state differs from ", CheckpointFileName(0), " (", d, ")"));
+          dir, "/", CheckpointFileName(i), ": replicated state differs from ",
+          CheckpointFileName(0), " (", d, ")"));
     }
   }
   return absl::OkStatus();

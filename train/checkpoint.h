@@ -3,31 +3,11 @@
 // The coordinator chooses the step directory and writes its MANIFEST after every rank reported
 // CheckpointSaved; this module only writes and reads the rank files.
 //
-// File format, version 1. All integers and floats little-endian; f32 as IEEE-754 bits.
-//   header   char[8]  magic "FSDP8CKP"
-//            u32      format version (1)
-//            i32      rank, i32 world_size        (of the job that wrote the file)
-//            i64      step                        (completed optimizer steps = next step to run)
-//            u64      layout fingerprint          (LayoutFingerprint of the shard plan)
-//            str      description                 (model dims + precision plan, for errors)
-//            u32      number of flat buffers
-//   buffers  per FSDP unit and flat buffer, in plan order:
-//            u32 unit, u32 buffer, u32 wire dtype (WireDtype), u32 0
-//            i64 numel, i64 padded_numel, i64 shard_numel
-//            f32[shard_numel] FP32 master, f32[shard_numel] AdamW m, f32[shard_numel] AdamW v
-//            (rank r's slice [r * shard_numel, (r + 1) * shard_numel) of the flat buffer; padding 0)
-//   scaling  u32 n; n x {str name, f32 scale, f32 scale_inv, f32 amax}      FP8 weight scales
-//            u32 n; n x {str name, u8 e5m2, u8 initialised, u16 0, f32 scale, f32 scale_inv,
-//                        u32 h, f32[h] amax history (newest first)}          activation / grad-output
-//            i64      AdamW step counter (= step: step k runs AdamW with counter k + 1)
-//   trailer  char[8]  "FSDP8END", u32 CRC-32 of every byte before the trailer
-// str = u32 length + bytes. CRC-32 is zlib's crc32 (IEEE 802.3 polynomial, the same as
-// Python's zlib.crc32); CheckpointSaved.crc32 carries the CRC-32 of the whole file,
-// trailer included.
-// The layout fingerprint depends on the units, buffers, wire dtypes and tensors (names, shapes) of
-// the plan but not on the world size or alignment, so a file loads into any world size of the
-// same model and precision plan (reshard); the scaling state is replicated (identical on every
-// rank). There is no RNG state or data position: both are functions of (seed, step).
+// The file format (header, per-buffer shards of master weights and AdamW moments, replicated
+// scaling state, trailer with CRC-32) is defined and documented in common/checkpoint_format.h;
+// this module maps a rank's FsdpParams and trainer state onto it. A file loads into any world size
+// of the same model and precision plan (reshard); the scaling state is replicated (identical on
+// every rank).
 //
 // Errors name the file. Save: the file is written to rank-<r>.ckpt.tmp, fsynced, renamed and the
 // directory fsynced, so a failure (e.g. RESOURCE_EXHAUSTED for a full disk) leaves no
@@ -44,6 +24,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/checkpoint_format.h"
 #include "common/scaling.h"
 #include "common/shard_plan.h"
 #include "fsdp8/v1/spec.pb.h"
@@ -54,12 +35,8 @@
 
 namespace fsdp8 {
 
-inline constexpr uint32_t kCheckpointFormatVersion = 1;
+// CheckpointFileName and LayoutFingerprint: common/checkpoint_format.h.
 
-// "rank-<r>.ckpt".
-std::string CheckpointFileName(int rank);
-// FNV-1a 64 of the plan's units, buffers, wire dtypes and tensors (name, shape, numel).
-uint64_t LayoutFingerprint(const ShardPlan& plan);
 // Human-readable model dims and precision plan of a spec (defaults applied by the caller).
 std::string SpecDescription(const v1::JobSpec& spec);
 
