@@ -2,7 +2,7 @@
 // files (written by every rank, read by the ranks on resume and by the Hugging Face export) and
 // the MANIFEST (written by the coordinator last, read by the coordinator and the export).
 //
-// Directory layout (ARCHITECTURE "Checkpoints"):
+// Directory layout (docs/architecture.md, Checkpoints):
 //   <root>/step-<k>/rank-<r>.ckpt   rank r's shard of the state after k optimizer steps
 //   <root>/step-<k>/MANIFEST        protobuf JSON of v1::CheckpointManifest; its presence (and
 //                                   validity) is what makes step-<k> a committed checkpoint
