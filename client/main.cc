@@ -20,6 +20,7 @@
 #include "client/client.h"
 #include "client/plot.h"
 #include "client/prepare.h"
+#include "common/env_settings.h"
 #include "common/hf_model.h"
 #include "common/spec.h"
 #include "google/protobuf/util/json_util.h"
@@ -354,22 +355,21 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  std::string address;
+  std::string address = "localhost:50051";
   if (a.flags.count("coordinator")) address = a.flags["coordinator"];
-  else if (const char* env = std::getenv("FSDP8_COORDINATOR"); env && *env) address = env;
-  else address = "localhost:50051";
-  // Flag, else environment variable.
-  auto setting = [&](const char* flag, const char* env) -> std::string {
+  else if (std::string v = fsdp8::env::GetOrEmpty(fsdp8::env::kCoordinator); !v.empty()) address = v;
+  // Flag, else environment variable (common/env_settings.h).
+  auto setting = [&](const char* flag, const char* variable) -> std::string {
     if (a.flags.count(flag)) return a.flags[flag];
-    const char* v = std::getenv(env);
-    return v ? v : "";
+    return fsdp8::env::GetOrEmpty(variable);
   };
   fsdp8::ChannelSecurity sec;
-  sec.tls_ca = setting("tls-ca", "FSDP8_TLS_CA");
-  sec.tls_cert = setting("tls-cert", "FSDP8_TLS_CERT");
-  sec.tls_key = setting("tls-key", "FSDP8_TLS_KEY");
-  sec.token = setting("token", "FSDP8_TOKEN");
-  if (const std::string f = setting("token-file", "FSDP8_TOKEN_FILE"); !f.empty() && sec.token.empty()) {
+  sec.tls_ca = setting("tls-ca", fsdp8::env::kTlsCa);
+  sec.tls_cert = setting("tls-cert", fsdp8::env::kTlsCert);
+  sec.tls_key = setting("tls-key", fsdp8::env::kTlsKey);
+  sec.token = setting("token", fsdp8::env::kToken);
+  if (const std::string f = setting("token-file", fsdp8::env::kTokenFile);
+      !f.empty() && sec.token.empty()) {
     auto t = fsdp8::ReadTokenFile(f);
     if (!t.ok()) return Usage(std::string(t.status().message()));
     sec.token = *t;

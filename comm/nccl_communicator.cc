@@ -103,12 +103,11 @@ static_assert(sizeof(Header) == 32, "header layout");
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(int rank, int world, CudaBackend* backend, std::chrono::milliseconds timeout)
+  NcclCommunicator(int rank, int world, CudaBackend* backend, std::chrono::milliseconds timeout,
+                   const NcclOptions& options)
       : rank_(rank), world_(world), backend_(backend), timeout_(timeout) {
-    const char* env = std::getenv("FSDP8_NCCL_CHECK_COLLECTIVES");
-    const std::string mode = env != nullptr ? env : "";
-    check_headers_ = mode != "0";
-    sync_headers_ = mode == "sync";
+    check_headers_ = options.check_collectives != NcclOptions::CollectiveCheck::kOff;
+    sync_headers_ = options.check_collectives == NcclOptions::CollectiveCheck::kSync;
   }
 
   ~NcclCommunicator() override {
@@ -738,7 +737,8 @@ class NcclCommunicator final : public Communicator {
 
 absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
     int rank, int world_size, KvStore* store, const std::string& prefix, Backend* backend,
-    std::chrono::milliseconds timeout, std::chrono::milliseconds bootstrap_timeout) {
+    std::chrono::milliseconds timeout, std::chrono::milliseconds bootstrap_timeout,
+    const NcclOptions& options) {
   if (bootstrap_timeout.count() <= 0) bootstrap_timeout = timeout;
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(absl::StrCat("nccl: rank ", rank, " not in [0, ", world_size, ")"));
@@ -782,7 +782,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
                                               " characters, expected ", 2 * sizeof(id), ")"));
     }
   }
-  auto comm = std::make_unique<NcclCommunicator>(rank, world_size, cuda_backend, timeout);
+  auto comm = std::make_unique<NcclCommunicator>(rank, world_size, cuda_backend, timeout, options);
   absl::Status s = comm->Init(id, bootstrap_timeout);
   if (!s.ok()) return s;
   return std::unique_ptr<Communicator>(std::move(comm));

@@ -15,9 +15,9 @@
 // (sequence number, op, count, root). By default the headers are compared without stalling the
 // host: the watchdog compares each as it arrives and, on a mismatch, aborts the communicator with
 // a message naming the collective and both ranks' sizes; the mismatched collective then fails
-// (ABORTED, with that message) instead of hanging. FSDP8_NCCL_CHECK_COLLECTIVES=sync compares
-// before enqueueing each collective (a host wait per collective; the call itself returns
-// FAILED_PRECONDITION); =0 skips the check.
+// (ABORTED, with that message) instead of hanging. NcclOptions::check_collectives = kSync
+// (FSDP8_NCCL_CHECK_COLLECTIVES=sync) compares before enqueueing each collective (a host wait per
+// collective; the call itself returns FAILED_PRECONDITION); kOff (=0) skips the check.
 //
 // C10 (dead or stuck peer): a watchdog thread polls every pending collective's completion event
 // and ncclCommGetAsyncError; a collective not complete `timeout` after it was enqueued, or an
@@ -37,11 +37,28 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/env_settings.h"
 #include "kernels/backend.h"
 #include "comm/communicator.h"
 #include "comm/kv_store.h"
 
 namespace fsdp8 {
+
+// The NCCL communicator's settings from the environment (common/env_settings.h).
+struct NcclOptions {
+  // How the C09 headers are compared (FSDP8_NCCL_CHECK_COLLECTIVES): on the watchdog, without a
+  // host wait (unset or any other value), before each collective ("sync"), or not at all ("0").
+  enum class CollectiveCheck { kWatchdog, kSync, kOff };
+  CollectiveCheck check_collectives = CollectiveCheck::kWatchdog;
+
+  static NcclOptions FromEnvironment() {
+    const std::string mode = env::GetOrEmpty(env::kNcclCheckCollectives);
+    NcclOptions o;
+    if (mode == "sync") o.check_collectives = CollectiveCheck::kSync;
+    if (mode == "0") o.check_collectives = CollectiveCheck::kOff;
+    return o;
+  }
+};
 
 // backend must be a CudaBackend (kernels/cuda/cuda_backend.h); it must outlive the communicator.
 // bootstrap_timeout (0: timeout) bounds the unique-id wait and the NCCL initialisation, which
@@ -49,6 +66,7 @@ namespace fsdp8 {
 absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
     int rank, int world_size, KvStore* store, const std::string& prefix, Backend* backend,
     std::chrono::milliseconds timeout,
-    std::chrono::milliseconds bootstrap_timeout = std::chrono::milliseconds(0));
+    std::chrono::milliseconds bootstrap_timeout = std::chrono::milliseconds(0),
+    const NcclOptions& options = NcclOptions::FromEnvironment());
 
 }  // namespace fsdp8

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "common/env_settings.h"
 #include "kernels/cpu/cpu_backend.h"
 
 #ifdef FSDP8_WITH_CUDA
@@ -388,11 +389,23 @@ void Backend::AttentionBackwardBf16(const float* q, const float* k, const float*
   for (float* p : {q16, k16, v16, o16, do16}) Free(p);
 }
 
-std::unique_ptr<Backend> CreateBackend(const std::string& name, int device, std::string* error) {
-  if (name == "cpu") return std::make_unique<CpuBackend>();
+BackendOptions BackendOptions::FromEnvironment() {
+  BackendOptions o;
+  o.cpu_fill_nan = env::IsOn(env::kCpuFillNan);
+  if (env::IsOn(env::kProfileOps)) {
+    const double every_s = std::atof(env::GetOrEmpty(env::kProfileOps).c_str());
+    o.profile_ops_period_s = every_s > 1.0 ? every_s : 10.0;
+  }
+  o.gemm_verbose = env::Get(env::kGemmVerbose).has_value();
+  return o;
+}
+
+std::unique_ptr<Backend> CreateBackend(const std::string& name, int device, std::string* error,
+                                       const BackendOptions& options) {
+  if (name == "cpu") return std::make_unique<CpuBackend>(options);
   if (name == "cuda") {
 #ifdef FSDP8_WITH_CUDA
-    return CreateCudaBackend(device, error);
+    return CreateCudaBackend(device, error, options);
 #else
     (void)device;
     if (error != nullptr) {

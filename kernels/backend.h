@@ -43,7 +43,7 @@ class Backend {
 
   // ---- memory -------------------------------------------------------------------------------
   // Bytes on this backend's device; returns nullptr when exhausted. Contents are undefined (the
-  // CPU backend fills them with NaN bytes under FSDP8_CPU_FILL_NAN=1, as the tests run it).
+  // CPU backend fills them with NaN bytes under BackendOptions::cpu_fill_nan, as the tests run it).
   virtual void* Alloc(size_t bytes) = 0;
   virtual void Free(void* p) = 0;
   virtual void CopyToDevice(void* dst, const void* host_src, size_t bytes) = 0;
@@ -354,8 +354,23 @@ class Backend {
                      float* amax_out) = 0;
 };
 
+// A backend's settings from the environment (common/env_settings.h); all off by default.
+struct BackendOptions {
+  // CPU: fresh allocations read as NaN (all-ones bytes) until written (FSDP8_CPU_FILL_NAN=1).
+  bool cpu_fill_nan = false;
+  // CUDA: the GPU time of every op, reported every this many seconds (FSDP8_PROFILE_OPS=1: 10 s,
+  // =<seconds> when above 1); 0: off.
+  double profile_ops_period_s = 0;
+  // CUDA: each GEMM shape's cuBLASLt algorithm choice logged to stderr (FSDP8_GEMM_VERBOSE set).
+  bool gemm_verbose = false;
+
+  static BackendOptions FromEnvironment();
+};
+
 // Creates the named backend: "cpu" always; "cuda" when built with CUDA and a device is present.
 // device: GPU ordinal (ignored by "cpu"). Returns nullptr and sets *error when unavailable.
-std::unique_ptr<Backend> CreateBackend(const std::string& name, int device, std::string* error);
+std::unique_ptr<Backend> CreateBackend(const std::string& name, int device, std::string* error,
+                                       const BackendOptions& options =
+                                           BackendOptions::FromEnvironment());
 
 }  // namespace fsdp8

@@ -31,11 +31,9 @@ struct LlamaModel::BlockActs {
 };
 
 LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* scaling,
-                       Backend* be)
-    : be_(be), p_(params), scaling_(scaling) {
-  if (const char* e = std::getenv("FSDP8_HEAD_CHUNK_LOGIT_BYTES"); e != nullptr && e[0] != '\0') {
-    head_chunk_bytes_ = std::max<int64_t>(1, std::atoll(e));
-  }
+                       Backend* be, const ModelOptions& options)
+    : be_(be), p_(params), scaling_(scaling),
+      head_chunk_bytes_(std::max<int64_t>(1, options.head_chunk_logit_bytes)) {
   const v1::ModelConfig& m = spec.model();
   C_ = m.d_model();
   H_ = m.n_heads();
@@ -113,10 +111,9 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
         WORKER_CHECK(st.ok()) << st.message();
         scaling->GroupAmax({b.lgate.dy_index(), b.lup.dy_index()});
       }
-      // FSDP8_UNFUSED_PROJECTIONS=1 keeps the shared scales but runs one GEMM per linear: the
+      // options.unfused_projections keeps the shared scales but runs one GEMM per linear: the
       // per-linear reference that tests hold the fused GEMMs to.
-      const char* unfused = std::getenv("FSDP8_UNFUSED_PROJECTIONS");
-      const bool fuse = unfused == nullptr || std::string(unfused) != "1";
+      const bool fuse = !options.unfused_projections;
       b.fused_qkv = fuse && qkv;
       b.fused_mlp = fuse && mlp;
     }

@@ -23,6 +23,7 @@
 #include "kernels/backend.h"
 #include "train/fp8_linear.h"
 #include "train/fsdp.h"
+#include "train/options.h"
 
 namespace fsdp8 {
 
@@ -30,7 +31,8 @@ class LlamaModel {
  public:
   // spec: defaults applied. Registers the FP8 tensors of every FP8 linear in `scaling` (which the
   // caller finalises).
-  LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* scaling, Backend* be);
+  LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* scaling, Backend* be,
+             const ModelOptions& options);
 
   // One microbatch of B sequences. tokens, targets (B * T) int32 device buffers.
   // losses (B * T) f32 device buffer receives the per-token losses (nats).
@@ -106,8 +108,7 @@ class LlamaModel {
   float eps_, theta_;
   bool attention_bf16_ = false;  // precision.attention == BF16
   bool recompute_ = false;       // training.activation_recompute
-  // f32 logits per chunk of the BF16 head (HeadBf16): 1 GiB, or FSDP8_HEAD_CHUNK_LOGIT_BYTES
-  // (smaller saves memory at the head at some speed; the tests use it to run several chunks).
+  // f32 logits per chunk of the BF16 head (HeadBf16): ModelOptions::head_chunk_logit_bytes.
   int64_t head_chunk_bytes_ = int64_t{1} << 30;
   int64_t forward_peak_ = 0, backward_peak_ = 0;
   TensorRef embed_, final_norm_, head_;

@@ -20,8 +20,10 @@ const char* FormatName(bool e5m2) { return e5m2 ? "E5M2" : "E4M3"; }
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec_in, int rank,
                                                          int world_size, Backend* backend,
-                                                         Communicator* comm) {
+                                                         Communicator* comm,
+                                                         const TrainerOptions& options) {
   std::unique_ptr<Trainer> t(new Trainer());
+  t->log_step_timing_ = options.log_step_timing;
   t->spec_ = WithDefaults(spec_in, world_size);
   const v1::JobSpec& spec = t->spec_;
   t->rank_ = rank;
@@ -72,7 +74,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
   backend->SetDeterministic(tr.deterministic());
   t->params_ = std::make_unique<FsdpParams>(t->plan_, rank, tr.seed(), backend, comm, &t->clock_);
   t->scaling_ = std::make_unique<ActScaling>(backend, spec.precision().fp8());
-  t->model_ = std::make_unique<LlamaModel>(spec, t->params_.get(), t->scaling_.get(), backend);
+  t->model_ = std::make_unique<LlamaModel>(spec, t->params_.get(), t->scaling_.get(), backend,
+                                           options.model);
   t->scaling_->Finalize();
   if (absl::Status s = t->RecastWeights(); !s.ok()) return s;
   return t;
@@ -248,14 +251,7 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
   be_->Synchronize();
   const double t_opt = CommClock::Now();
   const int64_t opt_peak = be_->PeakAllocatedBytes();
-  static const bool profile = [] {
-    for (const char* v : {"FSDP8_PROFILE_OPS", "FSDP8_STEP_TIMING"}) {
-      const char* e = std::getenv(v);
-      if (e != nullptr && e[0] != '\0' && e[0] != '0') return true;
-    }
-    return false;
-  }();
-  if (profile) {  // the split of the exposed-communication figure (kernels/cuda/op_profile.h)
+  if (log_step_timing_) {  // the exposed-communication figure split (kernels/cuda/op_profile.h)
     std::fprintf(stderr,
                  "fsdp8 step %lld: forward+backward %.1f ms (host time enqueueing it %.1f ms, of "
                  "which inside collective calls %.1f ms; compute stream waiting on collectives "

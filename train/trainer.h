@@ -34,17 +34,19 @@
 #include "train/fp8_linear.h"
 #include "train/fsdp.h"
 #include "train/model.h"
+#include "train/options.h"
 
 namespace fsdp8 {
 
 class Trainer {
  public:
   // spec: the job spec (defaults are applied here). backend and comm must outlive the trainer.
-  // INVALID_ARGUMENT for specs the worker cannot run, NOT_FOUND for missing data files; may run
-  // collectives (the initial FP8 weight cast), so every rank must call it.
-  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const v1::JobSpec& spec, int rank,
-                                                         int world_size, Backend* backend,
-                                                         Communicator* comm);
+  // options: the settings the spec does not hold (train/options.h; the worker passes its
+  // WorkerSettings'). INVALID_ARGUMENT for specs the worker cannot run, NOT_FOUND for missing data
+  // files; may run collectives (the initial FP8 weight cast), so every rank must call it.
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(
+      const v1::JobSpec& spec, int rank, int world_size, Backend* backend, Communicator* comm,
+      const TrainerOptions& options = TrainerOptions::FromEnvironment());
 
   // Runs optimizer step `step` (0-based); evaluates afterwards when `evaluate`.
   absl::StatusOr<v1::StepResult> Step(int64_t step, bool evaluate, bool report_scaling);
@@ -103,7 +105,8 @@ class Trainer {
   std::unique_ptr<TokenData> train_, val_;
   int local_batch_ = 0, micro_ = 0, microbatches_ = 0;
   int64_t last_step_ = -1;
-  double last_step_end_ = 0;  // CommClock time at the end of the last Step (FSDP8_STEP_TIMING)
+  bool log_step_timing_ = false;  // TrainerOptions::log_step_timing
+  double last_step_end_ = 0;  // CommClock time at the end of the last Step (log_step_timing_)
   double host_enqueue_seconds_ = 0;  // host time inside LlamaModel::Run this step
 };
 

@@ -2,15 +2,10 @@
 
 #include <unistd.h>
 
-#include <cstdlib>
-#include <fstream>
 #include <iostream>
 #include <random>
-#include <set>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "kernels/backend.h"
 #include "train/checkpoint.h"
 #include "comm/gloo_communicator.h"
@@ -48,7 +43,8 @@ struct WorkerDaemon::Job {
   }
 };
 
-WorkerDaemon::WorkerDaemon(DaemonOptions opts) : opts_(std::move(opts)) {
+WorkerDaemon::WorkerDaemon(DaemonOptions opts)
+    : opts_(std::move(opts)), faults_(opts_.settings.faults) {
   channel_ = opts_.channel;
   if (!channel_) {
     grpc::ChannelArguments args;
@@ -332,7 +328,7 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   job->cancelled = cancelled;
   const std::string backend = a.spec().backend().empty() ? "cpu" : a.spec().backend();
   std::string err;
-  job->backend = CreateBackend(backend, opts_.device, &err);
+  job->backend = CreateBackend(backend, opts_.device, &err, opts_.settings.backend);
   if (!job->backend) return fail(absl::StrCat("backend ", backend, ": ", err));
   job->grpc_kv = std::make_unique<GrpcKvStore>(stub_);
   job->kv = std::make_unique<CancellableKvStore>(job->grpc_kv.get(), cancelled);
@@ -342,7 +338,8 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
 #ifdef FSDP8_WITH_CUDA
     auto c = CreateNcclCommunicator(a.rank(), a.world_size(), job->kv.get(), a.store_prefix(),
                                     job->backend.get(), timeout,
-                                    std::chrono::milliseconds(a.bootstrap_timeout_ms()));
+                                    std::chrono::milliseconds(a.bootstrap_timeout_ms()),
+                                    opts_.settings.nccl);
     if (!c.ok()) return fail(std::string(c.status().message()));
     job->comm = std::move(*c);
 #else
@@ -366,7 +363,8 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   }
   if (cancelled->load()) return fail("aborted during bootstrap");
   job->rank = a.rank();
-  auto t = Trainer::Create(a.spec(), a.rank(), a.world_size(), job->backend.get(), job->comm.get());
+  auto t = Trainer::Create(a.spec(), a.rank(), a.world_size(), job->backend.get(), job->comm.get(),
+                           opts_.settings.trainer);
   if (!t.ok()) return fail(t.status().ToString());
   job->trainer = std::move(*t);
   if (!a.load_dir().empty()) {
@@ -403,28 +401,6 @@ void WorkerDaemon::HandleStep(const v1::StepCommand& cmd) {
   }
 }
 
-namespace {
-
-// Fault injection for tests and drills: FSDP8_FAULT_STEP_ERROR is a comma-separated list of
-// RANK@STEP; the step STEP (0-based) of the rank RANK runs and then fails, once per process and
-// entry, as an error found at the step's end (a failed kernel at the final synchronisation) would
-// fail it. The error is reported once the next step's command has arrived (the coordinator sends
-// one step ahead; at most 5 s), so that step is always queued behind the failure.
-absl::Status InjectedStepFault(int rank, int64_t step) {
-  const char* spec = std::getenv("FSDP8_FAULT_STEP_ERROR");
-  if (spec == nullptr) return absl::OkStatus();
-  static std::set<std::string> fired;  // the job thread's only
-  const std::string me = absl::StrCat(rank, "@", step);
-  for (absl::string_view item : absl::StrSplit(spec, ',', absl::SkipEmpty())) {
-    if (item != me || !fired.insert(me).second) continue;
-    return absl::InternalError(
-        absl::StrCat("rank ", rank, " step ", step, " failed (injected by FSDP8_FAULT_STEP_ERROR)"));
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
 bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   if (!job_ && stale_steps_.load()) {
     Log(absl::StrCat("step ", c.step(), " of an aborted job dropped"));
@@ -446,9 +422,10 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   absl::StatusOr<v1::StepResult> r =
       job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
   if (r.ok()) {
-    if (absl::Status fault = InjectedStepFault(job_->rank, c.step()); !fault.ok()) {
-      // The step sent ahead is received before the failure is reported (up to 5 s), so that the
-      // drop of a queued step is what a drill sees every time.
+    if (absl::Status fault = faults_.StepError(job_->rank, c.step()); !fault.ok()) {
+      // An injected step error (worker/fault_injection.h) is reported once the next step's
+      // command has arrived (the coordinator sends one step ahead; at most 5 s), so that the drop
+      // of a queued step is what a drill sees every time.
       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
       while (last_step_received_.load() <= c.step() && std::chrono::steady_clock::now() < until)
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -498,26 +475,6 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   return true;
 }
 
-namespace {
-
-// Fault injection for tests and drills: FSDP8_FAULT_CHECKPOINT_ENOSPC is a comma-separated list of
-// substrings; a shard write whose path (<dir>/rank-<r>.ckpt) contains one of them fails as a full
-// disk would, after leaving a partial .tmp file behind.
-absl::Status InjectedSaveFault(const std::string& path) {
-  const char* spec = std::getenv("FSDP8_FAULT_CHECKPOINT_ENOSPC");
-  if (spec == nullptr) return absl::OkStatus();
-  for (absl::string_view item : absl::StrSplit(spec, ',', absl::SkipEmpty())) {
-    if (!absl::StrContains(path, item)) continue;
-    std::ofstream(path + ".tmp", std::ios::binary) << std::string(4096, '\0');
-    return absl::ResourceExhaustedError(
-        absl::StrCat("writing ", path, ".tmp: No space left on device (injected by "
-                     "FSDP8_FAULT_CHECKPOINT_ENOSPC)"));
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
 void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
   v1::WorkerMessage m;
   if (!job_) {
@@ -527,7 +484,7 @@ void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
   }
   v1::CheckpointSaved saved;
   const auto t0 = std::chrono::steady_clock::now();
-  absl::Status s = InjectedSaveFault(
+  absl::Status s = faults_.CheckpointWriteError(
       absl::StrCat(c.dir(), "/rank-", job_->trainer->rank(), ".ckpt"));
   if (s.ok()) s = SaveShard(*job_->trainer, c.step(), c.dir(), &saved);
   if (!s.ok()) {

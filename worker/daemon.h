@@ -4,8 +4,8 @@
 // (reply Ready or WorkerError); StepCommand → run the step on the job thread and reply StepResult
 // (or WorkerError, then drop the job); SaveCheckpoint → write this rank's rank-<r>.ckpt on the job
 // thread between steps and reply CheckpointSaved (carrying the error when the shard could not be
-// written; the job stays usable; FSDP8_FAULT_CHECKPOINT_ENOSPC injects such failures, see
-// daemon.cc);
+// written; the job stays usable; FSDP8_FAULT_CHECKPOINT_ENOSPC injects such failures,
+// worker/fault_injection.h);
 // Finish → drop the job; Abort → cancel the job's rendezvous if it is still bootstrapping, abort
 // the communicator (pending collectives fail fast or at their timeout) and drop the job. A newer
 // Assignment cancels an older job's bootstrap too.
@@ -29,7 +29,9 @@
 #include "fsdp8/v1/worker.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "comm/communicator.h"
+#include "worker/fault_injection.h"
 #include "worker/metrics.h"
+#include "worker/settings.h"
 
 namespace fsdp8 {
 
@@ -45,6 +47,9 @@ struct DaemonOptions {
   // The channel to the coordinator (TLS, token: common/rpc_channel.h); null = plaintext.
   std::shared_ptr<grpc::Channel> channel;
   WorkerMetrics* metrics = nullptr;  // optional; must outlive the daemon
+  // The process's environment settings (WorkerSettings::FromEnvironment in main): the options of
+  // each job's backend, NCCL communicator and trainer, and the faults to inject.
+  WorkerSettings settings;
 };
 
 class WorkerDaemon {
@@ -108,6 +113,7 @@ class WorkerDaemon {
   std::atomic<bool> stale_steps_{false};
   // The highest step whose StepCommand the session has received (for FSDP8_FAULT_STEP_ERROR).
   std::atomic<int64_t> last_step_received_{-1};
+  FaultInjection faults_;  // opts_.settings.faults; touched only on the job thread
 };
 
 }  // namespace fsdp8

@@ -1,6 +1,7 @@
 // fsdp8-worker: one rank of fsdp8 training jobs (see worker/daemon.h).
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -11,7 +12,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "common/flags_help.h"
 #include "common/http_server.h"
 #include "common/rpc_channel.h"
@@ -19,6 +22,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "worker/daemon.h"
 #include "worker/metrics.h"
+#include "worker/settings.h"
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -45,6 +49,9 @@ ABSL_FLAG(int, health_port, 0,
           "while the process runs, service \"ready\" while registered with the coordinator; 0: off");
 
 namespace {
+
+using fsdp8::WorkerDaemon;
+
 // Threads started before main (OpenBLAS's pool, created by its library constructor) do not block
 // SIGTERM / SIGINT, so the kernel may deliver them there; this handler hands such a signal on to
 // the watcher thread, whose sigwait then takes it (pthread_kill is async-signal-safe).
@@ -53,23 +60,141 @@ std::atomic<bool> g_watcher_started{false};
 void ForwardToWatcher(int sig) {
   if (g_watcher_started.load()) pthread_kill(g_watcher, sig);
 }
-}  // namespace
 
-int main(int argc, char** argv) {
-  fsdp8::SetDaemonHelp("fsdp8 worker: fsdp8-worker --coordinator host:port [--host ip] ...",
-                       "worker/main.cc");
-  absl::ParseCommandLine(argc, argv);
-
-  // SIGTERM / SIGINT are taken by a watcher thread (sigwait); they are blocked before any thread of
-  // ours starts so every such thread inherits the mask (see ForwardToWatcher for the others).
+// Blocks SIGTERM and SIGINT in the calling thread, before any thread of ours starts, so that every
+// such thread inherits the mask (see ForwardToWatcher for the others); returns the set.
+sigset_t BlockStopSignals() {
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  signal(SIGPIPE, SIG_IGN);
-  openblas_set_num_threads(std::max(1, absl::GetFlag(FLAGS_threads)));
+  return set;
+}
 
+// Takes the blocked stop signals on its own thread (sigwait) and shuts the daemon down. Stop()
+// joins the thread; call it before the daemon is destroyed, so that it never touches a freed one.
+class SignalWatcher {
+ public:
+  SignalWatcher(sigset_t set, WorkerDaemon* daemon) {
+    thread_ = std::thread([set, daemon, this] {
+      for (;;) {
+        int sig = 0;
+        sigwait(&set, &sig);
+        if (done_.load()) return;
+        std::cerr << "[worker] signal " << sig << ": shutting down" << std::endl;
+        daemon->Shutdown();
+      }
+    });
+    g_watcher = thread_.native_handle();
+    g_watcher_started = true;
+    struct sigaction sa {};
+    sa.sa_handler = ForwardToWatcher;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, nullptr);
+    sigaction(SIGINT, &sa, nullptr);
+  }
+  ~SignalWatcher() {
+    if (thread_.joinable()) Stop();
+  }
+  void Stop() {
+    done_ = true;
+    pthread_kill(thread_.native_handle(), SIGTERM);  // blocked everywhere: only sigwait takes it
+    thread_.join();
+  }
+
+ private:
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
+
+// grpc.health.v1 on 0.0.0.0:port for probes, plaintext and nothing else: service "" is SERVING
+// while the process runs, service "ready" while the daemon is registered (polled every 200 ms).
+class HealthServer {
+ public:
+  ~HealthServer() { Stop(); }
+  // False when the port cannot be bound.
+  bool Start(int port, const WorkerDaemon* daemon) {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder b;
+    int bound = 0;
+    b.AddListeningPort(absl::StrCat("0.0.0.0:", port), grpc::InsecureServerCredentials(), &bound);
+    b.RegisterCallbackGenericService(&unimplemented_);
+    server_ = b.BuildAndStart();
+    if (!server_ || bound == 0) return false;
+    server_->GetHealthCheckService()->SetServingStatus("ready", false);
+    updater_ = std::thread([this, daemon] {
+      bool last = false;
+      while (!stop_.load()) {
+        const bool now = daemon->registered();
+        if (now != last) server_->GetHealthCheckService()->SetServingStatus("ready", now);
+        last = now;
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      }
+    });
+    return true;
+  }
+  // Stops the updater and the server (within 1 s); a no-op when not started.
+  void Stop() {
+    if (!updater_.joinable()) return;
+    stop_ = true;
+    updater_.join();
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  }
+
+ private:
+  // The builder wants at least one service of its own before it starts (the health service is
+  // added at start); this one answers UNIMPLEMENTED to everything.
+  grpc::CallbackGenericService unimplemented_;
+  std::unique_ptr<grpc::Server> server_;
+  std::thread updater_;
+  std::atomic<bool> stop_{false};
+};
+
+// The flag's value, else its default from the environment.
+std::string FlagOr(const std::string& flag, const std::string& from_environment) {
+  return flag.empty() ? from_environment : flag;
+}
+
+// The channel to the coordinator: TLS from --tls_ca, --tls_cert, --tls_key and the bearer token
+// from --token_file, each defaulting to its environment variable, else the token in FSDP8_TOKEN.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> CoordinatorChannel(
+    const std::string& address, const fsdp8::WorkerSettings& settings) {
+  fsdp8::ChannelSecurity sec;
+  sec.tls_ca = FlagOr(absl::GetFlag(FLAGS_tls_ca), settings.tls_ca);
+  sec.tls_cert = FlagOr(absl::GetFlag(FLAGS_tls_cert), settings.tls_cert);
+  sec.tls_key = FlagOr(absl::GetFlag(FLAGS_tls_key), settings.tls_key);
+  if (const std::string f = FlagOr(absl::GetFlag(FLAGS_token_file), settings.token_file);
+      !f.empty()) {
+    absl::StatusOr<std::string> t = fsdp8::ReadTokenFile(f);
+    if (!t.ok()) return t.status();
+    sec.token = *t;
+  } else {
+    sec.token = settings.token;
+  }
+  return fsdp8::MakeChannel(address, sec);
+}
+
+// Serves `metrics` on http://--metrics_host:--metrics_port/metrics; null when the port is 0.
+absl::StatusOr<std::unique_ptr<fsdp8::HttpServer>> StartMetricsServer(
+    fsdp8::WorkerMetrics* metrics) {
+  if (absl::GetFlag(FLAGS_metrics_port) == 0) return nullptr;
+  auto s = fsdp8::HttpServer::Start(
+      absl::GetFlag(FLAGS_metrics_host), absl::GetFlag(FLAGS_metrics_port),
+      [metrics](const std::string& path, const std::string&) {
+        if (path == "/metrics")
+          return fsdp8::HttpResponse{200, "text/plain; version=0.0.4; charset=utf-8",
+                                     metrics->Render()};
+        return fsdp8::HttpResponse{404, "text/plain; charset=utf-8", "not found; try /metrics\n"};
+      });
+  if (!s.ok()) return s.status();
+  std::cerr << "[worker] metrics on http://" << absl::GetFlag(FLAGS_metrics_host) << ":"
+            << (*s)->port() << "/metrics" << std::endl;
+  return std::move(*s);
+}
+
+// The daemon's options from the flags and the environment's settings (no channel yet).
+fsdp8::DaemonOptions OptionsFromFlags(fsdp8::WorkerSettings settings) {
   fsdp8::DaemonOptions opts;
   opts.coordinator = absl::GetFlag(FLAGS_coordinator);
   opts.host = absl::GetFlag(FLAGS_host);
@@ -77,114 +202,47 @@ int main(int argc, char** argv) {
   opts.device = absl::GetFlag(FLAGS_device);
   opts.connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);
   opts.name = absl::GetFlag(FLAGS_name);
-  auto setting = [](std::string v, const char* env) {
-    if (v.empty()) {
-      const char* e = std::getenv(env);
-      if (e) v = e;
-    }
-    return v;
-  };
-  fsdp8::ChannelSecurity sec;
-  sec.tls_ca = setting(absl::GetFlag(FLAGS_tls_ca), "FSDP8_TLS_CA");
-  sec.tls_cert = setting(absl::GetFlag(FLAGS_tls_cert), "FSDP8_TLS_CERT");
-  sec.tls_key = setting(absl::GetFlag(FLAGS_tls_key), "FSDP8_TLS_KEY");
-  if (const std::string f = setting(absl::GetFlag(FLAGS_token_file), "FSDP8_TOKEN_FILE"); !f.empty()) {
-    auto t = fsdp8::ReadTokenFile(f);
-    if (!t.ok()) {
-      std::cerr << "fsdp8-worker: " << t.status().message() << std::endl;
-      return 2;
-    }
-    sec.token = *t;
-  } else {
-    sec.token = setting("", "FSDP8_TOKEN");
-  }
-  auto channel = fsdp8::MakeChannel(opts.coordinator, sec);
-  if (!channel.ok()) {
-    std::cerr << "fsdp8-worker: " << channel.status().message() << std::endl;
-    return 2;
-  }
+  opts.settings = std::move(settings);
+  return opts;
+}
+
+int Fail(absl::string_view what) {
+  std::cerr << "fsdp8-worker: " << what << std::endl;
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  fsdp8::SetDaemonHelp("fsdp8 worker: fsdp8-worker --coordinator host:port [--host ip] ...",
+                       "worker/main.cc");
+  absl::ParseCommandLine(argc, argv);
+  const sigset_t stop_signals = BlockStopSignals();
+  signal(SIGPIPE, SIG_IGN);
+  openblas_set_num_threads(std::max(1, absl::GetFlag(FLAGS_threads)));
+
+  fsdp8::DaemonOptions opts = OptionsFromFlags(fsdp8::WorkerSettings::FromEnvironment());
+  auto channel = CoordinatorChannel(opts.coordinator, opts.settings);
+  if (!channel.ok()) return Fail(channel.status().message());
   opts.channel = *channel;
   fsdp8::WorkerMetrics metrics(opts.backend, opts.device);
-  std::unique_ptr<fsdp8::HttpServer> http;
-  if (absl::GetFlag(FLAGS_metrics_port) != 0) {
-    auto s = fsdp8::HttpServer::Start(
-        absl::GetFlag(FLAGS_metrics_host), absl::GetFlag(FLAGS_metrics_port),
-        [&metrics](const std::string& path, const std::string&) {
-          if (path == "/metrics")
-            return fsdp8::HttpResponse{200, "text/plain; version=0.0.4; charset=utf-8",
-                                       metrics.Render()};
-          return fsdp8::HttpResponse{404, "text/plain; charset=utf-8", "not found; try /metrics\n"};
-        });
-    if (!s.ok()) {
-      std::cerr << "fsdp8-worker: --metrics_port: " << s.status().message() << std::endl;
-      return 2;
-    }
-    http = std::move(*s);
-    std::cerr << "[worker] metrics on http://" << absl::GetFlag(FLAGS_metrics_host) << ":"
-              << http->port() << "/metrics" << std::endl;
-    opts.metrics = &metrics;
-  }
-  auto daemon = std::make_unique<fsdp8::WorkerDaemon>(opts);
+  auto http = StartMetricsServer(&metrics);
+  if (!http.ok()) return Fail(absl::StrCat("--metrics_port: ", http.status().message()));
+  if (*http) opts.metrics = &metrics;
+  auto daemon = std::make_unique<WorkerDaemon>(opts);
 
-  // Health server for probes: plaintext, nothing but grpc.health.v1.
-  std::unique_ptr<grpc::Server> health;
-  // The builder wants at least one service of its own before it starts (the health service is
-  // added at start); this one answers UNIMPLEMENTED to everything.
-  grpc::CallbackGenericService unimplemented;
-  std::thread health_updater;
-  std::atomic<bool> stop_health{false};
-  if (const int port = absl::GetFlag(FLAGS_health_port); port > 0) {
-    grpc::EnableDefaultHealthCheckService(true);
-    grpc::ServerBuilder b;
-    int bound = 0;
-    b.AddListeningPort(absl::StrCat("0.0.0.0:", port), grpc::InsecureServerCredentials(), &bound);
-    b.RegisterCallbackGenericService(&unimplemented);
-    health = b.BuildAndStart();
-    if (!health || bound == 0) {
-      std::cerr << "[worker] --health_port: cannot listen on 0.0.0.0:" << port << std::endl;
-      return 2;
-    }
-    health->GetHealthCheckService()->SetServingStatus("ready", false);
-    health_updater = std::thread([&] {
-      bool last = false;
-      while (!stop_health.load()) {
-        const bool now = daemon->registered();
-        if (now != last) health->GetHealthCheckService()->SetServingStatus("ready", now);
-        last = now;
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
-      }
-    });
+  HealthServer health;
+  const int health_port = absl::GetFlag(FLAGS_health_port);
+  if (health_port > 0 && !health.Start(health_port, daemon.get())) {
+    std::cerr << "[worker] --health_port: cannot listen on 0.0.0.0:" << health_port << std::endl;
+    return 2;
   }
-  // The watcher is joined before the daemon is destroyed, so it never touches a freed daemon.
-  // Once Run returns, main sets `done` and wakes it with a thread-directed SIGTERM.
-  std::atomic<bool> done{false};
-  std::thread watcher([d = daemon.get(), set, &done] {
-    for (;;) {
-      int sig = 0;
-      sigwait(&set, &sig);
-      if (done.load()) return;
-      std::cerr << "[worker] signal " << sig << ": shutting down" << std::endl;
-      d->Shutdown();
-    }
-  });
-  g_watcher = watcher.native_handle();
-  g_watcher_started = true;
-  struct sigaction sa {};
-  sa.sa_handler = ForwardToWatcher;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGINT, &sa, nullptr);
+  SignalWatcher watcher(stop_signals, daemon.get());
   const int rc = daemon->Run();
-  if (health) {
-    stop_health = true;
-    health_updater.join();
-    health->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-  }
-  done = true;
-  pthread_kill(watcher.native_handle(), SIGTERM);  // blocked everywhere: only sigwait takes it
-  watcher.join();
+  health.Stop();
+  watcher.Stop();
   daemon.reset();  // aborts the current job's communicator and joins the job thread
-  http.reset();
+  http->reset();
   std::cerr.flush();
   std::_Exit(rc);
 }

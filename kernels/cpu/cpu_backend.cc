@@ -122,10 +122,7 @@ inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 }  // namespace
 
-CpuBackend::CpuBackend() {
-  const char* e = std::getenv("FSDP8_CPU_FILL_NAN");
-  fill_nan_ = e != nullptr && e[0] != '\0' && e[0] != '0';
-}
+CpuBackend::CpuBackend(const BackendOptions& options) : fill_nan_(options.cpu_fill_nan) {}
 
 CpuBackend::~CpuBackend() {
   for (auto& kv : sizes_) std::free(kv.first);

@@ -36,7 +36,8 @@ namespace fsdp8 {
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend();
+  // Of the options only cpu_fill_nan applies (fresh allocations read as NaN until written).
+  explicit CpuBackend(const BackendOptions& options);
   ~CpuBackend() override;
 
   std::string Name() const override { return "cpu"; }
@@ -107,9 +108,10 @@ class CpuBackend final : public Backend {
              float* amax_out) override;
 
  private:
-  // FSDP8_CPU_FILL_NAN=1 (set by the tests): fresh allocations read as NaN (all-ones bytes) until
-  // written, as an uninitialised device allocation may hold anything, so that a read before the
-  // first write shows in every result. Off by default: it costs CPU training about 15 %.
+  // BackendOptions::cpu_fill_nan (FSDP8_CPU_FILL_NAN=1, set by the tests): fresh allocations read
+  // as NaN (all-ones bytes) until written, as an uninitialised device allocation may hold
+  // anything, so that a read before the first write shows in every result. Off by default: it
+  // costs CPU training about 15 %.
   bool fill_nan_ = false;
   // Growable f32 scratch slot `i` of at least n elements (reused across calls; not tracked by
   // AllocatedBytes since it is the backend's own workspace).

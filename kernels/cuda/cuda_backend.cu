@@ -29,11 +29,12 @@ constexpr int kSlotMisc = 5;     // small host-visible values
 
 }  // namespace
 
-CudaBackend::CudaBackend(int device) : device_(device) {
+CudaBackend::CudaBackend(int device, const BackendOptions& options) : device_(device) {
   FSDP8_CUDA_CHECK(cudaSetDevice(device_));
   FSDP8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   FSDP8_CUDA_CHECK(cudaMalloc(&gemm_workspace_, kGemmWorkspaceBytes));
   lt_ = std::make_unique<cuda::LtGemm>(stream_, gemm_workspace_, kGemmWorkspaceBytes);
+  lt_->set_verbose(options.gemm_verbose);
   lt_->set_scratch_allocator([this](size_t bytes) { return Alloc(bytes); },
                              [this](void* p) { Free(p); });
   CountWorkspaces();
@@ -56,9 +57,8 @@ CudaBackend::CudaBackend(int device) : device_(device) {
       },
       [this](void* p) { Free(p); });
 #endif
-  if (const char* e = std::getenv("FSDP8_PROFILE_OPS"); e != nullptr && e[0] != '\0' && e[0] != '0') {
-    const double every_s = std::atof(e);  // FSDP8_PROFILE_OPS=<seconds between reports>; 1 -> 10 s
-    prof_ = std::make_unique<cuda::OpProfile>(stream_, device_, every_s > 1.0 ? every_s : 10.0);
+  if (options.profile_ops_period_s > 0) {
+    prof_ = std::make_unique<cuda::OpProfile>(stream_, device_, options.profile_ops_period_s);
   }
 }
 
@@ -834,7 +834,8 @@ void CudaBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n,
 
 // ---- factory -------------------------------------------------------------------------------------
 
-std::unique_ptr<Backend> CreateCudaBackend(int device, std::string* error) {
+std::unique_ptr<Backend> CreateCudaBackend(int device, std::string* error,
+                                           const BackendOptions& options) {
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
@@ -876,7 +877,7 @@ std::unique_ptr<Backend> CreateCudaBackend(int device, std::string* error) {
     cudaGetLastError();
     return nullptr;
   }
-  return std::make_unique<CudaBackend>(device);
+  return std::make_unique<CudaBackend>(device, options);
 }
 
 }  // namespace fsdp8

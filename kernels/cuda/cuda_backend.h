@@ -34,9 +34,10 @@
 //   * Every kernel is deterministic: same inputs, same bits (no order-dependent float atomics),
 //     unless SetDeterministic(false) (then the cuDNN attention backward is not).
 //
-// Profiling: with FSDP8_PROFILE_OPS=1 in the environment, the GPU time of every op (CUDA events
-// around it on the compute stream) is summed per op name and GEMM shape and printed to stderr
-// every 10 s (FSDP8_PROFILE_OPS=<seconds> when above 1) with the share of wall time the stream spent in ops (kernels/cuda/op_profile.h).
+// Profiling: with BackendOptions::profile_ops_period_s (FSDP8_PROFILE_OPS=1 in the environment),
+// the GPU time of every op (CUDA events around it on the compute stream) is summed per op name and
+// GEMM shape and printed to stderr every 10 s (FSDP8_PROFILE_OPS=<seconds> when above 1) with the
+// share of wall time the stream spent in ops (kernels/cuda/op_profile.h).
 //
 // Errors: a failing CUDA / cuBLASLt call aborts with the call, the error and file:line (backend.h).
 // Thread-safety: one thread per instance (as Backend); the backend binds its device
@@ -66,8 +67,9 @@ class OpProfile;
 
 class CudaBackend final : public Backend {
  public:
-  // Binds `device`; aborts on CUDA errors (use CreateCudaBackend for a checked creation).
-  explicit CudaBackend(int device);
+  // Binds `device`; aborts on CUDA errors (use CreateCudaBackend for a checked creation). Of the
+  // options, profile_ops_period_s and gemm_verbose apply.
+  CudaBackend(int device, const BackendOptions& options);
   ~CudaBackend() override;
   CudaBackend(const CudaBackend&) = delete;
   CudaBackend& operator=(const CudaBackend&) = delete;
@@ -257,7 +259,7 @@ class CudaBackend final : public Backend {
   float* rope_table_ = nullptr;
   size_t rope_table_bytes_ = 0;
   int64_t gemm_fp8_fallbacks_ = 0;
-  std::unique_ptr<cuda::OpProfile> prof_;  // FSDP8_PROFILE_OPS=1 (kernels/cuda/op_profile.h)
+  std::unique_ptr<cuda::OpProfile> prof_;  // profile_ops_period_s > 0 (kernels/cuda/op_profile.h)
   bool fp8_fast_accum_ = false;  // SetFp8FastAccumulation
 #ifdef FSDP8_WITH_CUDNN
   std::unique_ptr<cuda::CudnnAttention> cudnn_;
@@ -267,6 +269,7 @@ class CudaBackend final : public Backend {
 
 // Creates a CudaBackend on GPU `device`. Returns nullptr and sets *error (naming the device and
 // the CUDA error) when there is no such device or the context cannot be created.
-std::unique_ptr<Backend> CreateCudaBackend(int device, std::string* error);
+std::unique_ptr<Backend> CreateCudaBackend(int device, std::string* error,
+                                           const BackendOptions& options);
 
 }  // namespace fsdp8

@@ -96,7 +96,7 @@ LtGemm::Entry* LtGemm::Lookup(const LtProblem& p) {
   }
   e.ok = !e.algos.empty();
   const cublasLtMatmulHeuristicResult_t& result = results[0];
-  if (std::getenv("FSDP8_GEMM_VERBOSE") != nullptr) {
+  if (verbose_) {
     std::fprintf(stderr,
                  "fsdp8 cuda gemm: m=%lld n=%lld k=%lld ta=%d tb=%d types=%d,%d scaled=%d acc=%d "
                  "align=%d,%d,%d -> %s (status %d, found %d, ws %zu)\n",
@@ -145,7 +145,7 @@ bool LtGemm::Run(const LtProblem& p, const void* A, const void* B, void* C, cons
                                             &e->algos[e->next], workspace_, ws_bytes_, stream_);
     if (s == CUBLAS_STATUS_SUCCESS) return true;
     if (s != CUBLAS_STATUS_NOT_SUPPORTED) FSDP8_CUBLAS_CHECK(s);
-    if (std::getenv("FSDP8_GEMM_VERBOSE") != nullptr) {
+    if (verbose_) {
       std::fprintf(stderr, "fsdp8 cuda gemm: m=%lld n=%lld k=%lld candidate %zu refused at run time, trying the next\n",
                    static_cast<long long>(p.m), static_cast<long long>(p.n), static_cast<long long>(p.k), e->next);
     }
@@ -243,7 +243,7 @@ void LtGemm::Tune(Entry& e, const LtProblem& p, const void* A, const void* B) {
     std::lock_guard<std::mutex> l(Tuned().mu);
     Tuned().chosen[tuned_key] = e.algos[best];
   }
-  if (std::getenv("FSDP8_GEMM_VERBOSE") != nullptr) {
+  if (verbose_) {
     std::fprintf(stderr, "fsdp8 cuda gemm: tuned m=%lld n=%lld k=%lld acc=%d:",
                  static_cast<long long>(p.m), static_cast<long long>(p.n),
                  static_cast<long long>(p.k), p.accumulate);

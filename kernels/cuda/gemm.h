@@ -84,6 +84,8 @@ class LtGemm {
   // later instances (the next job's backend) take the same candidate without timing again. When `alloc` returns nullptr the heuristic's order is kept for
   // that problem. Tuned choices persist across set_autotune(false)/(true).
   void set_autotune(bool on) { autotune_ = on; }
+  // On: each problem's algorithm choice, refused candidates and tuning times go to stderr.
+  void set_verbose(bool on) { verbose_ = on; }
   void set_scratch_allocator(std::function<void*(size_t)> alloc, std::function<void(void*)> free) {
     alloc_ = std::move(alloc);
     free_ = std::move(free);
@@ -118,6 +120,7 @@ class LtGemm {
   void* scale_slots_ = nullptr;  // two aligned device scalars for misaligned scale pointers
   std::map<decltype(LtProblem().Key()), Entry> cache_;
   bool autotune_ = false;
+  bool verbose_ = false;
   std::function<void*(size_t)> alloc_;
   std::function<void(void*)> free_;
   cudaEvent_t ev_[2] = {nullptr, nullptr};  // tuning timers

@@ -1,0 +1,73 @@
+// FaultInjection (worker/fault_injection.h): the two injection points' parsing and their errors,
+// which the integration tests' drills (StepFaultCluster, SaveFaultCluster) rely on through the
+// environment of the worker processes.
+#include "worker/fault_injection.h"
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace fsdp8 {
+namespace {
+
+namespace fs = std::filesystem;
+
+TEST(FaultInjection, NothingByDefault) {
+  FaultInjection none;
+  EXPECT_TRUE(none.StepError(0, 0).ok());
+  EXPECT_TRUE(none.CheckpointWriteError("/nonexistent/ck/step-1/rank-0.ckpt").ok());
+  FaultInjection empty("", ",,");
+  EXPECT_TRUE(empty.StepError(0, 0).ok());
+  EXPECT_TRUE(empty.CheckpointWriteError("/nonexistent/ck/step-1/rank-0.ckpt").ok());
+}
+
+TEST(FaultInjection, StepErrorFiresOncePerEntry) {
+  FaultInjection f("1@3,,0@5", "");
+  EXPECT_TRUE(f.StepError(0, 3).ok());
+  EXPECT_TRUE(f.StepError(1, 2).ok());
+  const absl::Status s = f.StepError(1, 3);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(s.message(), "rank 1 step 3 failed (injected by FSDP8_FAULT_STEP_ERROR)");
+  EXPECT_TRUE(f.StepError(1, 3).ok()) << "fired twice";
+  EXPECT_FALSE(f.StepError(0, 5).ok());
+  EXPECT_TRUE(f.StepError(0, 5).ok());
+}
+
+TEST(FaultInjection, CheckpointWriteFailsOnMatchingPathsLeavingATmpFile) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("fault_injection_test_" + std::to_string(getpid()));
+  fs::create_directories(dir / "ck" / "step-10");
+  FaultInjection f("", "ck/step-10/rank-1,other");
+  const std::string hit = (dir / "ck" / "step-10" / "rank-1.ckpt").string();
+  const std::string miss = (dir / "ck" / "step-10" / "rank-0.ckpt").string();
+  EXPECT_TRUE(f.CheckpointWriteError(miss).ok());
+  EXPECT_FALSE(fs::exists(miss + ".tmp"));
+  for (int i = 0; i < 2; ++i) {  // every time, not once
+    const absl::Status s = f.CheckpointWriteError(hit);
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_EQ(s.message(), "writing " + hit +
+                               ".tmp: No space left on device (injected by "
+                               "FSDP8_FAULT_CHECKPOINT_ENOSPC)");
+    EXPECT_EQ(fs::file_size(hit + ".tmp"), 4096u);
+  }
+  fs::remove_all(dir);
+}
+
+TEST(FaultInjection, FromEnvironmentReadsBothVariables) {
+  setenv("FSDP8_FAULT_STEP_ERROR", "2@7", 1);
+  setenv("FSDP8_FAULT_CHECKPOINT_ENOSPC", "never-a-path-here", 1);
+  FaultInjection f = FaultInjection::FromEnvironment();
+  unsetenv("FSDP8_FAULT_STEP_ERROR");
+  unsetenv("FSDP8_FAULT_CHECKPOINT_ENOSPC");
+  EXPECT_FALSE(f.StepError(2, 7).ok());
+  EXPECT_FALSE(f.CheckpointWriteError("/nonexistent/never-a-path-here").ok());
+  EXPECT_TRUE(FaultInjection::FromEnvironment().StepError(2, 7).ok());
+}
+
+}  // namespace
+}  // namespace fsdp8

@@ -1,0 +1,27 @@
+#include "train/options.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+#include "common/env_settings.h"
+
+namespace fsdp8 {
+
+ModelOptions ModelOptions::FromEnvironment() {
+  ModelOptions o;
+  if (const std::optional<std::string> v = env::Get(env::kHeadChunkLogitBytes); v && !v->empty())
+    o.head_chunk_logit_bytes = std::max<int64_t>(1, std::atoll(v->c_str()));
+  o.unfused_projections = env::GetOrEmpty(env::kUnfusedProjections) == "1";
+  return o;
+}
+
+TrainerOptions TrainerOptions::FromEnvironment() {
+  TrainerOptions o;
+  o.model = ModelOptions::FromEnvironment();
+  o.log_step_timing = env::IsOn(env::kProfileOps) || env::IsOn(env::kStepTiming);
+  return o;
+}
+
+}  // namespace fsdp8

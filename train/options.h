@@ -1,0 +1,34 @@
+// Settings of the model and the trainer that come from the environment, not from the job spec
+// (common/env_settings.h; docs/environment.md). They change no result beyond the order of f32 sums
+// (the head's chunks) or the GEMM grouping that the tests compare (unfused projections), and
+// what is logged.
+#pragma once
+
+#include <cstdint>
+
+namespace fsdp8 {
+
+struct ModelOptions {
+  // f32 logits per row chunk of the BF16 head (LlamaModel::HeadBf16), >= 1; smaller saves memory
+  // at the head at some speed (FSDP8_HEAD_CHUNK_LOGIT_BYTES; the tests use it to run several
+  // chunks).
+  int64_t head_chunk_logit_bytes = int64_t{1} << 30;
+  // One GEMM per linear where a group of projections shares its scales (q/k/v, gate/up), instead
+  // of the fused GEMM: the per-linear reference the tests hold the fused GEMMs to
+  // (FSDP8_UNFUSED_PROJECTIONS=1).
+  bool unfused_projections = false;
+
+  static ModelOptions FromEnvironment();
+};
+
+struct TrainerOptions {
+  ModelOptions model;
+  // Each step's timing split (forward+backward, its host and collective parts, the optimizer's
+  // phases, the host time between steps) logged to stderr (FSDP8_STEP_TIMING or
+  // FSDP8_PROFILE_OPS on).
+  bool log_step_timing = false;
+
+  static TrainerOptions FromEnvironment();
+};
+
+}  // namespace fsdp8

@@ -1,0 +1,30 @@
+// WorkerSettings: everything a worker process takes from its environment (the FSDP8_* variables,
+// common/env_settings.h; docs/environment.md), read once by its main and handed to the daemon,
+// which passes each part to what it builds for a job: the backend, the NCCL communicator, the
+// trainer, and its own fault injection.
+#pragma once
+
+#include <string>
+
+#include "comm/nccl_communicator.h"
+#include "kernels/backend.h"
+#include "train/options.h"
+#include "worker/fault_injection.h"
+
+namespace fsdp8 {
+
+struct WorkerSettings {
+  BackendOptions backend;  // FSDP8_CPU_FILL_NAN, FSDP8_PROFILE_OPS, FSDP8_GEMM_VERBOSE
+  NcclOptions nccl;        // FSDP8_NCCL_CHECK_COLLECTIVES (cuda jobs)
+  // FSDP8_HEAD_CHUNK_LOGIT_BYTES, FSDP8_UNFUSED_PROJECTIONS, FSDP8_STEP_TIMING, FSDP8_PROFILE_OPS
+  TrainerOptions trainer;
+  FaultInjection faults;  // FSDP8_FAULT_STEP_ERROR, FSDP8_FAULT_CHECKPOINT_ENOSPC
+  // Defaults of the flags --tls_ca, --tls_cert, --tls_key and --token_file (FSDP8_TLS_CA,
+  // FSDP8_TLS_CERT, FSDP8_TLS_KEY, FSDP8_TOKEN_FILE), and the bearer token itself when no token
+  // file is given (FSDP8_TOKEN); "" when unset.
+  std::string tls_ca, tls_cert, tls_key, token_file, token;
+
+  static WorkerSettings FromEnvironment();
+};
+
+}  // namespace fsdp8
