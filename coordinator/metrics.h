@@ -65,6 +65,10 @@ class CoordinatorMetrics {
     uint64_t touched = 0;           // order of the last update, for eviction
   };
 
+  // Per-job step series and per-rank series of the jobs in jobs_ (mu_ held).
+  void RenderSteps(prom::ExpositionWriter* w) const;
+  void RenderRanks(prom::ExpositionWriter* w) const;
+
   mutable std::mutex mu_;
   std::map<std::string, JobSeries> jobs_;
   uint64_t clock_ = 0;

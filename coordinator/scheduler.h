@@ -6,36 +6,15 @@
 // divisible by n * microbatch (microbatch unset: global_batch / n). Jobs that cannot start get the
 // reason "waiting for N workers (F free)".
 //
-// Each started job gets its own driver thread (JobRun) that speaks the Session protocol:
-//   Assignment to every rank -> wait for every Ready (start_timeout) -> RUNNING ->
-//   for k in 0..steps-1: StepCommand{k} to every rank, wait for every StepResult{k} (step_timeout),
-//   aggregate and publish -> Finish to every rank -> SUCCEEDED. With dispatch_ahead (default),
-//   StepCommand{k+1} is sent as soon as StepCommand{k} when no save is due after step k and no
-//   TriggerCheckpoint is pending; workers queue it and start it right after step k.
-// Checkpoints (spec.checkpoint.dir set): after step k completes (k = completed steps) when
-// every_steps > 0 and k % every_steps == 0, when a TriggerCheckpoint is pending, or when k == steps:
-// SaveCheckpoint{k, dir/step-<k>} to every rank, every rank's CheckpointSaved (step_timeout), then
-// the MANIFEST (coordinator/checkpoint_store.h), retention (keep_last) and the event
-// "checkpoint step-<k> committed". A save that fails for lack of storage (a rank's CheckpointSaved
-// carries an error, or the MANIFEST cannot be committed) is dropped (its step directory removed;
-// committed checkpoints untouched), published as an event, and training goes on; the next
-// interval tries again (the last step's save is retried at once). After
-// checkpoint.max_failed_saves consecutive failed saves the job is FAILED, not restarted.
-// Resume (checkpoint.resume_from): the coordinator picks the checkpoint ("latest" committed one, or
-// the named step directory; verified, model and precision must match) and sends the same
-// load_dir / load_world_size / start_step in every rank's Assignment; steps start_step..steps-1
-// run and Job.step / tokens continue from the checkpoint.
-// A WorkerError, a lost Session, a heartbeat timeout or a deadline fails the generation (reason
-// names the worker and rank) and sends Abort to the other ranks; Cancel sends Abort too.
+// Each started job gets its own driver thread (JobRun, coordinator/job_run.h) that speaks the
+// Session protocol with the job's ranks for one generation: Assignment, Ready, StepCommand and
+// StepResult, checkpoint saves, Finish or Abort.
 // Recovery: a failed generation of a job with checkpoint.dir and restarts < max_restarts makes the
 // job RECOVERING ("recovering from <cause> (restart n of max)", Job.restarts counted) instead of
 // FAILED; the scheduler then starts generation + 1 on free workers (same world-size rule as a fresh
 // start) resuming from the latest committed checkpoint under checkpoint.dir (none yet: from where
 // the job started). Waiting longer than start_timeout for enough workers fails the job; Cancel
-// while RECOVERING cancels it. A checkpoint save that times out or that a rank answers wrongly is
-// not restarted (only a rank lost during a save is). Otherwise,
-// and when restarts are exhausted, the job becomes FAILED. Workers are released
-// (idle) when the run ends, and the generation's rendezvous keys are deleted; ranks that were sent
+// while RECOVERING cancels it. Workers are released (idle) when a run ends; ranks that were sent
 // Abort become assignable again only after abort_grace (the protocol has no message by which a
 // worker reports that it has finished unwinding), and are picked up by the next pass after that.
 //
@@ -101,6 +80,9 @@ class Scheduler {
   void SchedulePass();
   void ReapFinished();
   void OnCancel(const std::string& job_id);
+  // No world size fits `free` workers: records why the job waits, or fails a RECOVERING job that
+  // has waited start_timeout.
+  void NoteWaiting(const v1::Job& job, size_t free);
 
   JobManager* jobs_;
   WorkerRegistry* workers_;

@@ -1,0 +1,602 @@
+#include "coordinator/job_run.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/spec.h"
+#include "coordinator/metrics.h"
+
+namespace fsdp8::coord {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Step k's command (free-running: the one command for steps k..steps-1).
+v1::CoordinatorMessage StepCommandFor(const v1::JobSpec& spec, int64_t k) {
+  const int64_t steps = spec.training().steps();
+  const bool has_val = !spec.data().val_path().empty();
+  const int eval_every = spec.training().eval_every();
+  const bool last = k == steps - 1;
+  v1::CoordinatorMessage m;
+  v1::StepCommand* c = m.mutable_step();
+  c->set_step(k);
+  c->set_evaluate(has_val && eval_every > 0 && ((k + 1) % eval_every == 0 || last));
+  c->set_report_scaling(k % 10 == 0 || last);
+  if (spec.training().free_running()) {
+    c->set_evaluate(false);
+    c->set_report_scaling(false);
+    c->set_count(steps - k);
+  }
+  return m;
+}
+
+// Whether a checkpoint is saved once `completed` steps are done: the final save, a periodic one
+// (every_steps), or one `requested` by TriggerCheckpoint. Free-running workers are busy stepping
+// until the end: only the final save.
+bool SaveDue(const v1::JobSpec& spec, int64_t completed, bool requested) {
+  const v1::CheckpointSpec& ckpt = spec.checkpoint();
+  if (ckpt.dir().empty()) return false;
+  if (completed == spec.training().steps()) return true;
+  if (spec.training().free_running()) return false;
+  return requested || (ckpt.every_steps() > 0 && completed % ckpt.every_steps() == 0);
+}
+
+// The job event of step k from every rank's result: loss over the global batch, throughput over
+// `secs`, the slowest rank's time and memory breakdown. Adds the step's tokens to *tokens_total.
+v1::JobEvent StepEvent(int64_t k, bool evaluated, const std::vector<v1::StepResult>& results,
+                       double secs, int64_t* tokens_total) {
+  double loss_sum = 0;
+  int64_t tokens = 0;
+  for (const auto& res : results) {
+    loss_sum += res.loss_sum();
+    tokens += res.tokens();
+  }
+  *tokens_total += tokens;
+  v1::JobEvent ev;
+  ev.set_step(k + 1);
+  ev.set_loss(tokens > 0 ? loss_sum / tokens : std::numeric_limits<double>::quiet_NaN());
+  ev.set_val_loss(evaluated ? results[0].val_loss() : std::numeric_limits<double>::quiet_NaN());
+  ev.set_grad_norm(results[0].grad_norm());
+  ev.set_lr(results[0].lr());
+  ev.set_tokens(*tokens_total);
+  ev.set_tokens_per_second(secs > 0 ? tokens / secs : 0);
+  ev.set_step_seconds(secs);
+  for (const auto& res : results) {  // the slowest rank's breakdown
+    ev.set_compute_seconds(std::max(ev.compute_seconds(), res.compute_seconds()));
+    ev.set_comm_seconds(std::max(ev.comm_seconds(), res.comm_seconds()));
+    ev.set_optimizer_seconds(std::max(ev.optimizer_seconds(), res.optimizer_seconds()));
+    ev.set_peak_memory_bytes(std::max(ev.peak_memory_bytes(), res.peak_memory_bytes()));
+    ev.set_all_gather_bytes(std::max(ev.all_gather_bytes(), res.all_gather_bytes()));
+    ev.set_reduce_scatter_bytes(std::max(ev.reduce_scatter_bytes(), res.reduce_scatter_bytes()));
+    ev.set_forward_peak_bytes(std::max(ev.forward_peak_bytes(), res.forward_peak_bytes()));
+    ev.set_backward_peak_bytes(std::max(ev.backward_peak_bytes(), res.backward_peak_bytes()));
+    ev.set_optimizer_peak_bytes(std::max(ev.optimizer_peak_bytes(), res.optimizer_peak_bytes()));
+  }
+  return ev;
+}
+
+absl::Status WithContext(const std::string& what, const absl::Status& s) {
+  return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+}
+
+}  // namespace
+
+// ---- Inbox ----
+
+void Inbox::Push(const WorkerEvent& ev) {
+  std::lock_guard<std::mutex> lock(mu_);
+  q_.push_back(ev);
+  cv_.notify_all();
+}
+
+void Inbox::Poke() {
+  std::lock_guard<std::mutex> lock(mu_);
+  poked_ = true;
+  cv_.notify_all();
+}
+
+bool Inbox::Pop(WorkerEvent* out, Clock::time_point until) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_until(lock, until, [&] { return !q_.empty() || poked_; });
+  poked_ = false;
+  if (q_.empty()) return false;
+  *out = std::move(q_.front());
+  q_.pop_front();
+  return true;
+}
+
+// ---- Life of a run ----
+
+JobRun::JobRun(JobManager* jobs, WorkerRegistry* workers, KvServer* kv,
+               const SchedulerOptions& options, v1::Job job, std::shared_ptr<Inbox> inbox,
+               std::function<void()> on_done)
+    : jobs_(jobs), workers_(workers), kv_(kv), options_(options), job_(std::move(job)),
+      inbox_(std::move(inbox)), on_done_(std::move(on_done)) {
+  for (int r = 0; r < job_.worker_ids_size(); ++r) ranks_.push_back(job_.worker_ids(r));
+}
+
+JobRun::~JobRun() { Join(); }
+
+void JobRun::Start() { thread_ = std::thread([this] { Run(); }); }
+
+void JobRun::Poke() { inbox_->Poke(); }
+
+void JobRun::Shutdown() {
+  shutdown_ = true;
+  inbox_->Poke();
+}
+
+void JobRun::Join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void JobRun::Run() {
+  const std::string& id = job_.job_id();
+  prefix_ = absl::StrCat("job/", id, "/gen/", job_.generation(), "/");
+  absl::Status s = Drive();
+  std::vector<std::string> aborted;
+  if (!s.ok()) {
+    v1::CoordinatorMessage m;
+    m.mutable_abort()->set_reason(EndFailedGeneration(s));
+    // Every rank gets Abort, except one whose failure it reported itself or whose session is gone.
+    const bool skip_failed = !(absl::IsCancelled(s) || absl::IsAborted(s) || abort_failed_rank_);
+    const int skip = skip_failed ? failed_rank_ : -1;
+    // Ranks never sent an Assignment (e.g. the checkpoint to resume from was refused) have
+    // nothing to abort and are free at once.
+    if (assigning_) {
+      SendAll(m, skip);
+      for (int r = 0; r < static_cast<int>(ranks_.size()); ++r)
+        if (r != skip) aborted.push_back(ranks_[r]);
+    }
+  }
+  kv_->DeletePrefix(prefix_);
+  workers_->Release(id, aborted, options_.abort_grace);
+  done_ = true;
+  if (on_done_) on_done_();
+}
+
+std::string JobRun::EndFailedGeneration(const absl::Status& s) {
+  const std::string& id = job_.job_id();
+  if (absl::IsAborted(s)) return "coordinator shutting down";
+  if (absl::IsCancelled(s)) {
+    auto j = jobs_->Get(id);
+    return j.ok() && !j->reason().empty() ? j->reason() : "job ended";
+  }
+  std::string reason(s.message());
+  const int max_restarts = WithDefaults(job_.spec(), 0).max_restarts();
+  if (assigning_ && recoverable_ && !job_.spec().checkpoint().dir().empty() &&
+      job_.restarts() < max_restarts) {
+    if (!jobs_->MarkRecovering(id, reason, max_restarts).ok()) {
+      auto j = jobs_->Get(id);  // ended meanwhile (cancelled): abort with its reason
+      if (j.ok()) reason = j->reason();
+    }
+  } else if (!jobs_->Finish(id, v1::JOB_STATE_FAILED, reason).ok()) {
+    auto j = jobs_->Get(id);  // ended meanwhile (cancelled): abort with its reason
+    if (j.ok()) reason = j->reason();
+  }
+  return reason;
+}
+
+absl::Status JobRun::Drive() {
+  const v1::JobSpec spec = WithDefaults(job_.spec(), static_cast<int>(ranks_.size()));
+  Progress p;
+  if (absl::Status s = StartGeneration(spec, &p); !s.ok()) return s;
+  const int64_t steps = spec.training().steps();
+  for (int64_t k = p.start_step; k < steps; ++k)
+    if (absl::Status s = RunStep(spec, k, &p); !s.ok()) return s;
+  v1::CoordinatorMessage fin;
+  fin.mutable_finish();
+  SendAll(fin);
+  jobs_->Finish(job_.job_id(), v1::JOB_STATE_SUCCEEDED, absl::StrCat("completed ", steps, " steps"))
+      .IgnoreError();
+  return absl::OkStatus();
+}
+
+// ---- Talking to the ranks ----
+
+std::string JobRun::RankName(int r) const {
+  return absl::StrCat("rank ", r, " (worker ", ranks_[r], ")");
+}
+
+int JobRun::RankOf(const std::string& worker_id) const {
+  for (size_t r = 0; r < ranks_.size(); ++r)
+    if (ranks_[r] == worker_id) return static_cast<int>(r);
+  return -1;
+}
+
+bool JobRun::SendAll(const v1::CoordinatorMessage& msg, int skip) {
+  bool ok = true;
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+    if (r == skip) continue;
+    if (!workers_->Send(ranks_[r], msg)) {
+      if (failed_rank_ < 0) failed_rank_ = r;
+      ok = false;
+    }
+  }
+  return ok;
+}
+
+absl::Status JobRun::Await(Clock::time_point deadline, const std::string& what,
+                           const std::function<bool(int, const v1::WorkerMessage&)>& accept) {
+  std::vector<bool> got(ranks_.size(), false);
+  size_t missing = ranks_.size();
+  // Step results that arrived while an earlier step was awaited (dispatch ahead) come first.
+  for (auto it = early_results_.begin(); it != early_results_.end() && missing > 0;) {
+    if (!got[it->first] && accept(it->first, it->second)) {
+      got[it->first] = true;
+      --missing;
+      it = early_results_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  while (missing > 0) {
+    if (shutdown_) return absl::AbortedError("coordinator shutting down");
+    if (jobs_->IsTerminal(job_.job_id())) return absl::CancelledError("job ended");
+    WorkerEvent ev;
+    auto now = Clock::now();
+    if (now >= deadline) {
+      std::vector<std::string> names;
+      for (size_t r = 0; r < got.size(); ++r) {
+        if (!got[r]) {
+          names.push_back(RankName(static_cast<int>(r)));
+          if (failed_rank_ < 0) failed_rank_ = static_cast<int>(r);
+        }
+      }
+      abort_failed_rank_ = true;  // a slow rank is alive: it must stop as well
+      return absl::DeadlineExceededError(absl::StrCat("timed out waiting for ", what, " from ",
+                                                      absl::StrJoin(names, ", ")));
+    }
+    if (!inbox_->Pop(&ev, std::min(deadline, now + std::chrono::seconds(1)))) continue;
+    int r = RankOf(ev.worker_id);
+    if (r < 0) continue;
+    if (ev.kind == WorkerEvent::kLost) {
+      failed_rank_ = r;
+      // Silent but maybe alive (its Session may still be open): tell it to abort too.
+      abort_failed_rank_ = ev.reason.rfind("no heartbeat", 0) == 0;
+      return absl::UnavailableError(absl::StrCat(RankName(r), " lost: ", ev.reason));
+    }
+    const v1::WorkerMessage& m = ev.message;
+    if (m.has_error() && (m.error().job_id().empty() || m.error().job_id() == job_.job_id())) {
+      failed_rank_ = r;
+      return absl::InternalError(
+          absl::StrCat(RankName(r), " reported an error: ", m.error().message()));
+    }
+    if (!got[r] && accept(r, m)) {
+      got[r] = true;
+      --missing;
+    } else if (m.has_result() && m.result().job_id() == job_.job_id()) {
+      early_results_.emplace_back(r, m);  // a later step's result (it was sent ahead)
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---- Start of a generation ----
+
+absl::Status JobRun::StartGeneration(const v1::JobSpec& spec, Progress* p) {
+  std::optional<CommittedCheckpoint> resume;
+  if (absl::Status s = ResolveResume(spec, &resume); !s.ok()) return s;
+  if (resume) {
+    p->start_step = resume->step;
+    p->tokens_total = resume->manifest.tokens();
+  }
+  if (absl::Status s = AnnounceStart(resume); !s.ok()) return s;
+  assigning_ = true;  // from here on a failure must Abort the ranks
+  if (absl::Status s = SendAssignments(spec, resume); !s.ok()) return s;
+  if (absl::Status s = AwaitReady(); !s.ok()) return s;
+  p->last_result = Clock::now();
+  p->next_to_send = p->start_step;
+  return absl::OkStatus();
+}
+
+absl::Status JobRun::ResolveResume(const v1::JobSpec& spec,
+                                   std::optional<CommittedCheckpoint>* out) {
+  const v1::CheckpointSpec& cs = spec.checkpoint();
+  if (cs.dir().empty()) return absl::OkStatus();
+  std::string step_dir = cs.resume_from();
+  if (job_.restarts() > 0) {
+    // A restarted generation continues from the newest committed checkpoint under dir; before
+    // the first one, from where the job itself started.
+    auto latest = CheckpointStore(cs.dir()).Latest();
+    if (!latest.ok())
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint.dir: ", latest.status().message()));
+    if (latest->has_value()) step_dir = (*latest)->dir;
+  }
+  if (step_dir.empty()) return absl::OkStatus();
+  if (step_dir == "latest") {
+    auto latest = CheckpointStore(cs.dir()).Latest();
+    if (!latest.ok())
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint.resume_from: ", latest.status().message()));
+    if (!latest->has_value()) return absl::OkStatus();
+    step_dir = (*latest)->dir;
+  }
+  auto ck = CheckpointStore::Open(step_dir);
+  if (!ck.ok())
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint.resume_from: ", ck.status().message()));
+  if (absl::Status s = CheckpointStore::CheckResumeCompatible(spec, ck->manifest.spec(), step_dir);
+      !s.ok())
+    return s;
+  *out = std::move(*ck);
+  return absl::OkStatus();
+}
+
+absl::Status JobRun::AnnounceStart(const std::optional<CommittedCheckpoint>& resume) {
+  const std::string& id = job_.job_id();
+  const int n = static_cast<int>(ranks_.size());
+  if (resume) {
+    const int saved_by = resume->manifest.world_size();
+    if (!jobs_->MarkResumed(id, resume->step, resume->manifest.tokens(),
+                            absl::StrCat("resuming from ", resume->dir, " (step ", resume->step,
+                                         ", saved by ", saved_by, " ranks)",
+                                         saved_by == n
+                                             ? ""
+                                             : absl::StrCat(", resharded to ", n, " ranks")))
+             .ok())
+      return absl::CancelledError("job ended");
+  } else if (job_.restarts() > 0) {
+    if (!jobs_->MarkResumed(id, 0, 0, "restarting from step 0 (no committed checkpoint)").ok())
+      return absl::CancelledError("job ended");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status JobRun::SendAssignments(const v1::JobSpec& spec,
+                                     const std::optional<CommittedCheckpoint>& resume) {
+  const int n = static_cast<int>(ranks_.size());
+  for (int r = 0; r < n; ++r) {
+    v1::CoordinatorMessage m;
+    v1::Assignment* a = m.mutable_assignment();
+    a->set_job_id(job_.job_id());
+    a->set_generation(job_.generation());
+    a->set_rank(r);
+    a->set_world_size(n);
+    *a->mutable_spec() = spec;
+    a->set_store_prefix(prefix_);
+    a->set_collective_timeout_ms(options_.collective_timeout_ms);
+    a->set_bootstrap_timeout_ms(static_cast<int32_t>(std::clamp<int64_t>(
+        options_.start_timeout.count(), 1, std::numeric_limits<int32_t>::max())));
+    if (resume) {  // the same checkpoint for every rank
+      a->set_load_dir(resume->dir);
+      a->set_load_world_size(resume->manifest.world_size());
+      a->set_start_step(resume->step);
+    }
+    if (!workers_->Send(ranks_[r], m)) {
+      failed_rank_ = r;
+      return absl::UnavailableError(
+          absl::StrCat("could not send the assignment to ", RankName(r), ": session closed"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status JobRun::AwaitReady() {
+  const std::string& id = job_.job_id();
+  const int64_t gen = job_.generation();
+  absl::Status s = Await(Clock::now() + options_.start_timeout, "Ready",
+                         [&](int, const v1::WorkerMessage& m) {
+                           return m.has_ready() && m.ready().job_id() == id &&
+                                  m.ready().generation() == gen;
+                         });
+  if (!s.ok()) return s;
+  if (!jobs_->MarkRunning(id).ok()) return absl::CancelledError("job ended");
+  return absl::OkStatus();
+}
+
+// ---- Steps ----
+
+absl::Status JobRun::RunStep(const v1::JobSpec& spec, int64_t k, Progress* p) {
+  const v1::CoordinatorMessage command = StepCommandFor(spec, k);
+  Clock::time_point t0;
+  if (absl::Status s = SendStep(spec, command, k, p, &t0); !s.ok()) return s;
+  const std::optional<absl::Status> ahead_failed = SendAhead(spec, k, p);
+  std::vector<v1::StepResult> results;
+  if (absl::Status s = AwaitResults(k, t0, &results); !s.ok()) return s;
+  if (ahead_failed) return *ahead_failed;
+  // Anything left for step k or earlier (a duplicate) will never be awaited.
+  for (auto it = early_results_.begin(); it != early_results_.end();) {
+    it = it->second.result().step() <= k ? early_results_.erase(it) : std::next(it);
+  }
+  p->last_result = Clock::now();
+  const double secs = std::chrono::duration<double>(p->last_result - t0).count();
+  const v1::JobEvent ev =
+      StepEvent(k, command.step().evaluate(), results, secs, &p->tokens_total);
+  bool requested = false;
+  if (absl::Status s = PublishStep(k, ev, results, &requested); !s.ok()) return s;
+  const int64_t completed = k + 1;
+  // A request that arrived after step k+1 was sent ahead is honoured after step k+1.
+  if (requested && p->next_to_send > completed) {
+    p->save_pending = true;
+    requested = false;
+  } else if (p->save_pending && p->next_to_send == completed) {
+    p->save_pending = false;
+    requested = true;
+  }
+  if (!SaveDue(spec, completed, requested)) return absl::OkStatus();
+  return SaveWithRetry(spec, completed, p);
+}
+
+absl::Status JobRun::SendStep(const v1::JobSpec& spec, const v1::CoordinatorMessage& command,
+                              int64_t k, Progress* p, Clock::time_point* t0) {
+  const bool free_running = spec.training().free_running();
+  *t0 = free_running && k > p->start_step ? p->last_result : Clock::now();
+  if (p->next_to_send != k) {
+    *t0 = p->last_result;  // sent ahead: the ranks started it when step k-1 ended
+    return absl::OkStatus();
+  }
+  // Free-running ranks got one command for all their steps.
+  if ((!free_running || k == p->start_step) && !SendAll(command))
+    return absl::UnavailableError(absl::StrCat("could not send step ", k, " to ",
+                                               RankName(failed_rank_), ": session closed"));
+  jobs_->SetDispatched(job_.job_id(), k + 1);
+  p->next_to_send = k + 1;
+  return absl::OkStatus();
+}
+
+std::optional<absl::Status> JobRun::SendAhead(const v1::JobSpec& spec, int64_t k, Progress* p) {
+  const int64_t steps = spec.training().steps();
+  if (!options_.dispatch_ahead || spec.training().free_running() || k + 1 >= steps ||
+      p->next_to_send != k + 1 || SaveDue(spec, k + 1, false) || p->save_pending ||
+      !jobs_->TryDispatchAhead(job_.job_id(), k + 2))
+    return std::nullopt;
+  std::optional<absl::Status> failed;
+  if (!SendAll(StepCommandFor(spec, k + 1)))
+    failed = absl::UnavailableError(absl::StrCat("could not send step ", k + 1, " to ",
+                                                 RankName(failed_rank_), ": session closed"));
+  p->next_to_send = k + 2;
+  return failed;
+}
+
+absl::Status JobRun::AwaitResults(int64_t k, Clock::time_point t0,
+                                  std::vector<v1::StepResult>* results) {
+  const std::string& id = job_.job_id();
+  results->assign(ranks_.size(), v1::StepResult());
+  return Await(t0 + options_.step_timeout, absl::StrCat("the result of step ", k),
+               [&](int r, const v1::WorkerMessage& wm) {
+                 if (!wm.has_result() || wm.result().job_id() != id || wm.result().step() != k)
+                   return false;
+                 (*results)[r] = wm.result();
+                 return true;
+               });
+}
+
+absl::Status JobRun::PublishStep(int64_t k, const v1::JobEvent& ev,
+                                 const std::vector<v1::StepResult>& results, bool* requested) {
+  const std::string& id = job_.job_id();
+  for (const auto& res : results) {
+    if (res.has_scaling()) {
+      v1::ScalingState st = res.scaling();
+      if (st.step() == 0) st.set_step(k + 1);
+      jobs_->SetScalingState(id, st);
+      break;
+    }
+  }
+  if (!jobs_->RecordStep(id, ev, requested).ok()) return absl::CancelledError("job ended");
+  if (options_.metrics) options_.metrics->OnStep(id, ev, results);
+  return absl::OkStatus();
+}
+
+// ---- Checkpoints ----
+
+absl::Status JobRun::SaveWithRetry(const v1::JobSpec& spec, int64_t completed, Progress* p) {
+  const v1::CheckpointSpec& ckpt = spec.checkpoint();
+  for (;;) {
+    bool storage_failure = false;
+    absl::Status s = SaveCheckpoint(spec, completed, p->tokens_total, &storage_failure);
+    if (s.ok()) {
+      p->failed_saves = 0;
+      return s;
+    }
+    if (!storage_failure) {
+      // A rank lost during the save is a failed generation; a save that times out or that a rank
+      // answers wrongly is not restarted (a restart would repeat it).
+      if (!absl::IsUnavailable(s)) recoverable_ = false;
+      return s;
+    }
+    ++p->failed_saves;
+    if (p->failed_saves >= ckpt.max_failed_saves()) {
+      recoverable_ = false;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          p->failed_saves, " consecutive checkpoint saves failed (checkpoint.max_failed_saves ",
+          ckpt.max_failed_saves(), "); last: ", s.message()));
+    }
+    if (!jobs_->PublishMessage(job_.job_id(),
+                               absl::StrCat(s.message(), " (failed save ", p->failed_saves,
+                                            " of at most ", ckpt.max_failed_saves(),
+                                            " in a row; training goes on)"))
+             .ok())
+      return absl::CancelledError("job ended");
+    // The last step has no next interval: its save is retried at once.
+    if (completed != spec.training().steps()) return absl::OkStatus();
+  }
+}
+
+absl::Status JobRun::SaveCheckpoint(const v1::JobSpec& spec, int64_t step, int64_t tokens,
+                                    bool* storage_failure) {
+  *storage_failure = false;
+  const std::string what = absl::StrCat("checkpoint step-", step);
+  const CheckpointStore store(spec.checkpoint().dir());
+  auto storage = [&](const absl::Status& s) {
+    *storage_failure = true;
+    store.Abandon(step).IgnoreError();  // best effort; Retain removes leftovers later
+    return WithContext(what, s);
+  };
+  auto dir = store.Prepare(step);
+  if (!dir.ok()) return storage(dir.status());
+  std::vector<v1::CheckpointSaved> saved;
+  if (absl::Status s = CollectSaved(step, *dir, what, &saved); !s.ok()) return s;
+  std::vector<std::string> errors;
+  for (int r = 0; r < static_cast<int>(saved.size()); ++r)
+    if (!saved[r].error().empty()) errors.push_back(absl::StrCat(RankName(r), ": ", saved[r].error()));
+  if (!errors.empty()) return storage(absl::ResourceExhaustedError(absl::StrJoin(errors, "; ")));
+  auto manifest = ManifestOf(spec, step, tokens, saved, what);
+  if (!manifest.ok()) return manifest.status();
+  // Never commit what a later load would refuse.
+  if (absl::Status v = CheckpointStore::VerifyFiles(*dir, *manifest); !v.ok())
+    return storage(absl::DataLossError(v.message()));
+  if (absl::Status c = store.Commit(*manifest); !c.ok()) return storage(c);
+  auto removed = store.Retain(spec.checkpoint().keep_last());
+  std::string note;
+  if (!removed.ok()) note = absl::StrCat(" (retention failed: ", removed.status().message(), ")");
+  if (!jobs_->PublishMessage(job_.job_id(), absl::StrCat(what, " committed", note)).ok())
+    return absl::CancelledError("job ended");
+  return absl::OkStatus();
+}
+
+absl::Status JobRun::CollectSaved(int64_t step, const std::string& dir, const std::string& what,
+                                  std::vector<v1::CheckpointSaved>* saved) {
+  const std::string& id = job_.job_id();
+  v1::CoordinatorMessage m;
+  m.mutable_save()->set_step(step);
+  m.mutable_save()->set_dir(dir);
+  const auto t0 = Clock::now();
+  if (!SendAll(m))
+    return absl::UnavailableError(absl::StrCat("could not send ", what, " to ",
+                                               RankName(failed_rank_), ": session closed"));
+  saved->assign(ranks_.size(), v1::CheckpointSaved());
+  absl::Status s = Await(t0 + options_.step_timeout, absl::StrCat("CheckpointSaved of ", what),
+                         [&](int r, const v1::WorkerMessage& wm) {
+                           if (!wm.has_saved() || wm.saved().job_id() != id ||
+                               wm.saved().step() != step)
+                             return false;
+                           (*saved)[r] = wm.saved();
+                           return true;
+                         });
+  if (!s.ok()) return WithContext(what, s);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::CheckpointManifest> JobRun::ManifestOf(
+    const v1::JobSpec& spec, int64_t step, int64_t tokens,
+    const std::vector<v1::CheckpointSaved>& saved, const std::string& what) {
+  const int n = static_cast<int>(saved.size());
+  v1::CheckpointManifest manifest;
+  manifest.set_format_version(CheckpointStore::kFormatVersion);
+  manifest.set_job_id(job_.job_id());
+  manifest.set_step(step);
+  manifest.set_world_size(n);
+  *manifest.mutable_spec() = spec;
+  manifest.set_time(NowSeconds());
+  manifest.set_tokens(tokens);
+  for (int r = 0; r < n; ++r) {
+    if (saved[r].rank() != r) {
+      failed_rank_ = r;
+      abort_failed_rank_ = true;
+      return absl::InternalError(absl::StrCat(what, ": ", RankName(r), " reported rank ",
+                                              saved[r].rank()));
+    }
+    v1::CheckpointFile* f = manifest.add_files();
+    f->set_rank(r);
+    f->set_file(saved[r].file());
+    f->set_bytes(saved[r].bytes());
+    f->set_crc32(saved[r].crc32());
+  }
+  return manifest;
+}
+
+}  // namespace fsdp8::coord

@@ -1,0 +1,202 @@
+// JobRun: drives one generation of one job on the workers the scheduler assigned to it.
+//
+// The Session protocol, per generation:
+//   1. Start: resolve the checkpoint to resume from (ResolveResume), Assignment to every rank,
+//      wait for every Ready (start_timeout), job -> RUNNING.
+//   2. For k in start_step..steps-1: StepCommand{k} to every rank, wait for every StepResult{k}
+//      (step_timeout), aggregate into one JobEvent and publish it (JobManager::RecordStep,
+//      CoordinatorMetrics::OnStep), then save a checkpoint if one is due.
+//   3. Finish to every rank, job -> SUCCEEDED.
+// Dispatch ahead (SchedulerOptions::dispatch_ahead): StepCommand{k+1} is sent right after
+// StepCommand{k} when no save is due after step k and no TriggerCheckpoint is pending; workers
+// queue it and start it right after step k. Results of a step sent ahead that arrive while the
+// previous one is awaited are kept and counted when their step is awaited. Free-running jobs get
+// one StepCommand{start_step, count = steps - start_step} and report every step on their own.
+// Checkpoints (spec.checkpoint.dir set): a save is due after k completed steps when every_steps > 0
+// and k % every_steps == 0, when a TriggerCheckpoint is pending, or when k == steps (free-running
+// jobs: only k == steps). A save is SaveCheckpoint{k, dir/step-<k>} to every rank, every rank's
+// CheckpointSaved (step_timeout), then the MANIFEST (coordinator/checkpoint_store.h), retention
+// (keep_last) and the event "checkpoint step-<k> committed". A save that fails for lack of storage
+// (a rank's CheckpointSaved carries an error, or the MANIFEST cannot be committed) is dropped (its
+// step directory removed; committed checkpoints untouched), published as an event, and training
+// goes on; the next interval tries again (the last step's save is retried at once). After
+// checkpoint.max_failed_saves consecutive failed saves the job is FAILED, not restarted.
+// Resume (checkpoint.resume_from, or any restarted generation): the coordinator picks the
+// checkpoint ("latest" committed one, or the named step directory; verified, model and precision
+// must match) and sends the same load_dir / load_world_size / start_step in every rank's
+// Assignment; steps start_step..steps-1 run and Job.step / tokens continue from the checkpoint.
+// Failure: a WorkerError, a lost Session, a heartbeat timeout or a deadline fails the generation
+// (the reason names the worker and rank) and sends Abort to the other ranks (and to a failed rank
+// that may still be alive: timed out, silent); Cancel and Shutdown send Abort to every rank. A
+// failed generation of a job with checkpoint.dir and restarts < max_restarts makes the job
+// RECOVERING (the scheduler starts the next generation); otherwise the job becomes FAILED. A save
+// that times out or that a rank answers wrongly is not restarted (only a rank lost during a save
+// is). At the end the generation's rendezvous keys (job/<id>/gen/<g>/) are deleted and the workers
+// released, those sent Abort after SchedulerOptions::abort_grace.
+//
+// Owns: its driver thread and the inbox its workers' events arrive in. Borrows (must outlive it):
+// the JobManager, WorkerRegistry, KvServer and SchedulerOptions::metrics.
+// Threads and locking: everything from Start to the end of the run happens on the driver thread,
+// which alone touches the run's state (no lock). Poke, Shutdown, done and Join may be called from
+// any other thread; the Inbox is internally locked. on_done is called on the driver thread as its
+// last act, after done() turned true.
+// States of a run: constructed -> Start() -> running (driver thread) -> done() -> Join() returns.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "coordinator/checkpoint_store.h"
+#include "coordinator/job_manager.h"
+#include "coordinator/kv_server.h"
+#include "coordinator/scheduler.h"
+#include "coordinator/worker_registry.h"
+
+namespace fsdp8::coord {
+
+// A job run's mailbox: worker events plus "look again" pokes (cancel, shutdown).
+// Thread-safety: every method may be called from any thread.
+class Inbox {
+ public:
+  void Push(const WorkerEvent& ev);
+  void Poke();
+  // True with the oldest event; false on timeout (`until`) or poke (the poke is consumed).
+  bool Pop(WorkerEvent* out, std::chrono::steady_clock::time_point until);
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<WorkerEvent> q_;
+  bool poked_ = false;
+};
+
+class JobRun {
+ public:
+  // `job` is the STARTING job (JobManager::MarkStarting) whose worker_ids are its ranks, in rank
+  // order; `inbox` receives those workers' events (WorkerRegistry::Assign).
+  JobRun(JobManager* jobs, WorkerRegistry* workers, KvServer* kv, const SchedulerOptions& options,
+         v1::Job job, std::shared_ptr<Inbox> inbox, std::function<void()> on_done);
+  ~JobRun();  // joins
+
+  // Starts the driver thread. Called once.
+  void Start();
+  // Look again now (the job may have been cancelled).
+  void Poke();
+  // Ends the run soon: every rank gets Abort{"coordinator shutting down"}; the job keeps its state.
+  void Shutdown();
+  // True once the run has ended (workers released); Join then returns promptly.
+  bool done() const { return done_; }
+  void Join();
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  // Where the step loop stands (driver thread only).
+  struct Progress {
+    int64_t start_step = 0;     // first step of this generation (resumed checkpoint's step)
+    int64_t tokens_total = 0;   // tokens trained on, all ranks, since step 0
+    Clock::time_point last_result;  // when the previous step's last result arrived
+    int failed_saves = 0;       // consecutive saves that failed for lack of storage
+    int64_t next_to_send = 0;   // the first step whose command has not been sent
+    bool save_pending = false;  // a requested save waits for the step already sent ahead
+  };
+
+  void Run();
+  absl::Status Drive();
+  // Works out why the run failed and marks the job RECOVERING or FAILED accordingly; returns the
+  // reason the ranks' Abort carries.
+  std::string EndFailedGeneration(const absl::Status& s);
+
+  std::string RankName(int r) const;
+  int RankOf(const std::string& worker_id) const;
+  // Sends `msg` to every rank but `skip`; false (failed_rank_ set) when a send failed.
+  bool SendAll(const v1::CoordinatorMessage& msg, int skip = -1);
+  // Waits until accept() has returned true for every rank. Errors: CANCELLED when the job ended
+  // under us, ABORTED on shutdown, UNAVAILABLE/INTERNAL when a rank is lost or reports an error,
+  // DEADLINE_EXCEEDED naming the missing ranks.
+  absl::Status Await(Clock::time_point deadline, const std::string& what,
+                     const std::function<bool(int, const v1::WorkerMessage&)>& accept);
+
+  // Start of a generation: resume choice, Assignments, every Ready, RUNNING. Fills *p.
+  absl::Status StartGeneration(const v1::JobSpec& spec, Progress* p);
+  // Resolves spec.checkpoint.resume_from into the committed checkpoint every rank loads (C11: the
+  // coordinator decides, no rank looks on its own). Leaves *out empty for a fresh start ("latest"
+  // with nothing committed yet). FAILED_PRECONDITION for a missing, damaged or incompatible one.
+  absl::Status ResolveResume(const v1::JobSpec& spec, std::optional<CommittedCheckpoint>* out);
+  // Publishes where this generation starts from (nothing for a first generation from step 0).
+  absl::Status AnnounceStart(const std::optional<CommittedCheckpoint>& resume);
+  absl::Status SendAssignments(const v1::JobSpec& spec,
+                               const std::optional<CommittedCheckpoint>& resume);
+  absl::Status AwaitReady();
+
+  // One step k: its command (unless sent ahead), step k+1's ahead when allowed, every rank's
+  // result, the published event, then the save if one is due.
+  absl::Status RunStep(const v1::JobSpec& spec, int64_t k, Progress* p);
+  // Sends step k's command unless it was sent ahead; *t0 = when step k started.
+  absl::Status SendStep(const v1::JobSpec& spec, const v1::CoordinatorMessage& command, int64_t k,
+                        Progress* p, Clock::time_point* t0);
+  // Sends step k+1's command while step k runs when allowed; a failed send is returned, to be
+  // reported after step k's wait (which names a lost rank's cause).
+  std::optional<absl::Status> SendAhead(const v1::JobSpec& spec, int64_t k, Progress* p);
+  absl::Status AwaitResults(int64_t k, Clock::time_point t0, std::vector<v1::StepResult>* results);
+  // Records the step (scaling state, JobManager, metrics); *requested: a TriggerCheckpoint is due.
+  absl::Status PublishStep(int64_t k, const v1::JobEvent& ev,
+                           const std::vector<v1::StepResult>& results, bool* requested);
+
+  // Saves after `completed` steps; a save that failed for lack of storage is counted and
+  // published and training goes on (the last step's save is retried at once) until
+  // checkpoint.max_failed_saves in a row (RESOURCE_EXHAUSTED, not restarted).
+  absl::Status SaveWithRetry(const v1::JobSpec& spec, int64_t completed, Progress* p);
+  // Saves a checkpoint after `step` completed steps: SaveCheckpoint{step, dir} to every rank, every
+  // rank's CheckpointSaved (deadline: step_timeout), then the MANIFEST (only now is it committed),
+  // retention, and the event "checkpoint step-<k> committed".
+  // *storage_failure is set when the save failed for lack of storage: a rank reported that it
+  // could not write its shard, or the files or the MANIFEST could not be committed. Every rank has
+  // answered by then and its training state is intact, the partial step directory is removed, and
+  // nothing committed was touched, so the job can go on. Other errors (a rank lost, a timeout, a
+  // protocol violation) end the generation.
+  absl::Status SaveCheckpoint(const v1::JobSpec& spec, int64_t step, int64_t tokens,
+                              bool* storage_failure);
+  // SaveCheckpoint{step, dir} to every rank and every rank's CheckpointSaved, by rank.
+  absl::Status CollectSaved(int64_t step, const std::string& dir, const std::string& what,
+                            std::vector<v1::CheckpointSaved>* saved);
+  // The MANIFEST of the ranks' files; INTERNAL when a rank reported another rank than its own.
+  absl::StatusOr<v1::CheckpointManifest> ManifestOf(const v1::JobSpec& spec, int64_t step,
+                                                    int64_t tokens,
+                                                    const std::vector<v1::CheckpointSaved>& saved,
+                                                    const std::string& what);
+
+  JobManager* jobs_;
+  WorkerRegistry* workers_;
+  KvServer* kv_;
+  const SchedulerOptions options_;
+  const v1::Job job_;
+  std::shared_ptr<Inbox> inbox_;
+  std::function<void()> on_done_;
+  std::vector<std::string> ranks_;  // worker id by rank
+  std::string prefix_;              // the generation's rendezvous keys
+  int failed_rank_ = -1;
+  // Step results received ahead of the step being awaited (rank, message), oldest first.
+  std::deque<std::pair<int, v1::WorkerMessage>> early_results_;
+  bool abort_failed_rank_ = false;  // the failed rank may be alive: send it Abort too
+  bool assigning_ = false;          // Assignments went out: a failure must Abort the ranks
+  bool recoverable_ = true;         // a failure may restart the job (RECOVERING)
+  std::atomic<bool> shutdown_{false};
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
+
+}  // namespace fsdp8::coord
