@@ -1,4 +1,5 @@
-# fsdp8_comm_nccl: the NCCL Communicator of the CUDA backend.
+# fsdp8_comm_nccl: the NCCL Communicator of the CUDA backend, which it reaches only through the
+# CudaStreams interface (kernels/cuda/cuda_streams.h).
 find_path(NCCL_INCLUDE_DIR nccl.h
   HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include /usr/include /usr/local/include)
 find_library(NCCL_LIBRARY NAMES nccl
@@ -11,5 +12,5 @@ message(STATUS "fsdp8: NCCL ${NCCL_LIBRARY} (headers ${NCCL_INCLUDE_DIR})")
 
 add_library(fsdp8_comm_nccl STATIC nccl_communicator.cc)
 target_include_directories(fsdp8_comm_nccl PUBLIC ${CMAKE_SOURCE_DIR} PRIVATE ${NCCL_INCLUDE_DIR})
-target_link_libraries(fsdp8_comm_nccl PUBLIC fsdp8_kernels fsdp8_kernels_cuda absl::status
+target_link_libraries(fsdp8_comm_nccl PUBLIC fsdp8_kernels absl::status
                       absl::statusor absl::strings CUDA::cudart ${NCCL_LIBRARY} Threads::Threads)

@@ -19,7 +19,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/cuda_backend.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_streams.h"
 
 namespace fsdp8 {
 namespace {
@@ -103,7 +104,7 @@ static_assert(sizeof(Header) == 32, "header layout");
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(int rank, int world, CudaBackend* backend, std::chrono::milliseconds timeout,
+  NcclCommunicator(int rank, int world, CudaStreams* backend, std::chrono::milliseconds timeout,
                    const NcclOptions& options)
       : rank_(rank), world_(world), backend_(backend), timeout_(timeout) {
     check_headers_ = options.check_collectives != NcclOptions::CollectiveCheck::kOff;
@@ -697,7 +698,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   const int rank_, world_;
-  CudaBackend* const backend_;
+  CudaStreams* const backend_;
   const std::chrono::milliseconds timeout_;
   bool check_headers_ = true;
   bool sync_headers_ = false;
@@ -743,7 +744,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(absl::StrCat("nccl: rank ", rank, " not in [0, ", world_size, ")"));
   }
-  auto* cuda_backend = dynamic_cast<CudaBackend*>(backend);
+  // The CUDA backend's device and compute stream (CudaBackend implements CudaStreams).
+  auto* cuda_backend = dynamic_cast<CudaStreams*>(backend);
   if (cuda_backend == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
         "nccl: the NCCL communicator needs the cuda backend, got '",

@@ -60,7 +60,9 @@ struct NcclOptions {
   }
 };
 
-// backend must be a CudaBackend (kernels/cuda/cuda_backend.h); it must outlive the communicator.
+// backend must be the CUDA backend (kernels/cuda/cuda_backend.h): the communicator uses only its
+// CudaStreams interface (kernels/cuda/cuda_streams.h), the device and the compute stream;
+// INVALID_ARGUMENT for another backend. It must outlive the communicator.
 // bootstrap_timeout (0: timeout) bounds the unique-id wait and the NCCL initialisation, which
 // wait for every rank of the generation; timeout bounds every collective.
 absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(

@@ -141,7 +141,7 @@ void Linear::Forward(const float* x, int64_t M, int64_t K, int64_t N, const Weig
     if (saved) saved->x = x;
     return;
   }
-  ForwardFp8(CastInput(x, nullptr, M, K), M, K, N, w, y, nullptr, saved);
+  ForwardFp8(CastInput(ActivationView::F32(x), M, K), M, K, N, w, LinearOutput::F32(y), saved);
 }
 
 std::shared_ptr<Fp8Input> Linear::Cast(std::shared_ptr<Fp8Input> in,
@@ -163,25 +163,24 @@ std::shared_ptr<Fp8Input> Linear::Cast(std::shared_ptr<Fp8Input> in,
   return in;
 }
 
-std::shared_ptr<Fp8Input> Linear::CastInput(const float* x, const uint16_t* x16, int64_t M,
-                                            int64_t K,
+std::shared_ptr<Fp8Input> Linear::CastInput(ActivationView x, int64_t M, int64_t K,
                                             std::initializer_list<const Linear*> same_input) {
   WORKER_CHECK(prec_ == v1::PRECISION_FP8) << "CastInput of a non-FP8 linear";
-  WORKER_CHECK((x == nullptr) != (x16 == nullptr)) << "CastInput takes exactly one input";
+  WORKER_CHECK(x.valid()) << "CastInput takes exactly one input";
   auto in = std::make_shared<Fp8Input>();
   in->x8 = DevBuf(be_, M * K);
-  if (x16 != nullptr && sc_->NeedsAmaxFirst(x_idx_)) {
+  if (x.is_bf16() && sc_->NeedsAmaxFirst(x_idx_)) {
     // Measuring the amax first (first step, CURRENT recipe) goes through f32.
     DevBuf x32(be_, M * K * sizeof(float));
-    be_->UnpackBf16(x16, x32.f32(), M * K);
+    be_->UnpackBf16(x.bf16, x32.f32(), M * K);
     const float* scale = sc_->ScaleFor(x_idx_, x32.f32(), M * K);
     be_->CastToFp8(x32.f32(), in->x8.u8(), M * K, scale, Fp8Format::kE4M3, sc_->AmaxOut(x_idx_));
-  } else if (x16 != nullptr) {
-    be_->CastToFp8Bf16(x16, in->x8.u8(), M * K, sc_->Scale(x_idx_), Fp8Format::kE4M3,
+  } else if (x.is_bf16()) {
+    be_->CastToFp8Bf16(x.bf16, in->x8.u8(), M * K, sc_->Scale(x_idx_), Fp8Format::kE4M3,
                        sc_->AmaxOut(x_idx_));
   } else {
-    const float* scale = sc_->ScaleFor(x_idx_, x, M * K);
-    be_->CastToFp8(x, in->x8.u8(), M * K, scale, Fp8Format::kE4M3, sc_->AmaxOut(x_idx_));
+    const float* scale = sc_->ScaleFor(x_idx_, x.f32, M * K);
+    be_->CastToFp8(x.f32, in->x8.u8(), M * K, scale, Fp8Format::kE4M3, sc_->AmaxOut(x_idx_));
   }
   return Cast(std::move(in), same_input);
 }
@@ -193,7 +192,7 @@ std::shared_ptr<Fp8Input> Linear::NormCastInput(const float* x, const float* w_n
   if (sc_->NeedsAmaxFirst(x_idx_)) {
     DevBuf n(be_, M * K * sizeof(float));
     be_->RmsNormForward(x, w_norm, eps, M, K, n.f32(), rstd);
-    return CastInput(n.f32(), nullptr, M, K, same_input);
+    return CastInput(ActivationView::F32(n.f32()), M, K, same_input);
   }
   auto in = std::make_shared<Fp8Input>();
   in->x8 = DevBuf(be_, M * K);
@@ -212,7 +211,7 @@ std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint1
     be_->UnpackBf16(gate16, g.f32(), n);
     be_->UnpackBf16(up16, u.f32(), n);
     be_->SwigluForward(g.f32(), u.f32(), n, h.f32());
-    return CastInput(h.f32(), nullptr, M, K);
+    return CastInput(ActivationView::F32(h.f32()), M, K);
   }
   auto in = std::make_shared<Fp8Input>();
   in->x8 = DevBuf(be_, n);
@@ -222,78 +221,77 @@ std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint1
 }
 
 void Linear::ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t K, int64_t N,
-                        const WeightView& w, float* y, uint16_t* y16, LinearSaved* saved,
-                        const float* residual) {
+                        const WeightView& w, LinearOutput y, LinearSaved* saved) {
   WORKER_CHECK(prec_ == v1::PRECISION_FP8 && in != nullptr) << "ForwardFp8 of a non-FP8 linear";
   WORKER_CHECK(w.fp8 != nullptr && w.scale_inv != nullptr) << "FP8 linear without FP8 weight";
-  WORKER_CHECK((y == nullptr) != (y16 == nullptr)) << "ForwardFp8 takes exactly one output";
-  WORKER_CHECK(residual == nullptr || y != nullptr) << "a residual needs the f32 output";
+  WORKER_CHECK((y.f32 == nullptr) != (y.bf16 == nullptr)) << "ForwardFp8 takes exactly one output";
+  WORKER_CHECK(y.residual == nullptr || y.f32 != nullptr) << "a residual needs the f32 output";
   const bool fast = sc_->forward_fast_accumulation();
   if (fast) be_->SetFp8FastAccumulation(true);
-  if (y16 != nullptr) {
+  if (y.bf16 != nullptr) {
     be_->GemmFp8Bf16(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv, w.fp8,
-                     Fp8Format::kE4M3, w.scale_inv, y16);
-  } else if (residual != nullptr) {
+                     Fp8Format::kE4M3, w.scale_inv, y.bf16);
+  } else if (y.residual != nullptr) {
     be_->GemmFp8AddResidual(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv, w.fp8,
-                            Fp8Format::kE4M3, w.scale_inv, residual, y);
+                            Fp8Format::kE4M3, w.scale_inv, y.residual, y.f32);
   } else {
     be_->GemmFp8(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv, w.fp8,
-                 Fp8Format::kE4M3, w.scale_inv, y, false);
+                 Fp8Format::kE4M3, w.scale_inv, y.f32, false);
   }
   if (fast) be_->SetFp8FastAccumulation(false);
   if (saved) saved->in = in;
 }
 
-void Linear::Backward(const float* dy, const uint16_t* dy16, int64_t M, int64_t K, int64_t N,
-                      const WeightView& w, const LinearSaved& saved, float* dx,
-                      bool accumulate_dx, float* dw, uint16_t* dx16) {
+void Linear::Backward(ActivationView dy, int64_t M, int64_t K, int64_t N, const WeightView& w,
+                      const LinearSaved& saved, InputGrad dx, float* dw) {
   if (prec_ != v1::PRECISION_FP8) {
-    WORKER_CHECK(dy != nullptr && dy16 == nullptr && dx16 == nullptr)
+    WORKER_CHECK(dy.f32 != nullptr && dy.bf16 == nullptr && dx.bf16 == nullptr)
         << "bf16 grad-output or input-gradient of a non-FP8 linear";
     const GemmInputs in = prec_ == v1::PRECISION_BF16 ? GemmInputs::kBF16 : GemmInputs::kF32;
     WORKER_CHECK(saved.x != nullptr);
     // dx (M, K) = dy (M, N) · W (N, K)
-    if (dx) be_->Gemm(false, false, M, K, N, dy, w.f32, dx, accumulate_dx, in);
+    if (dx.f32) be_->Gemm(false, false, M, K, N, dy.f32, w.f32, dx.f32, dx.accumulate, in);
     // dw (N, K) += dyᵀ (N, M) · x (M, K)
-    be_->Gemm(true, false, N, K, M, dy, saved.x, dw, true, in);
+    be_->Gemm(true, false, N, K, M, dy.f32, saved.x, dw, true, in);
     return;
   }
-  WORKER_CHECK((dy == nullptr) != (dy16 == nullptr)) << "Backward takes exactly one grad-output";
+  WORKER_CHECK(dy.valid()) << "Backward takes exactly one grad-output";
   WORKER_CHECK(saved.in != nullptr) << "FP8 backward without its saved input";
   const Fp8Format dfmt = sc_->format(dy_idx_);
   DevBuf dy8(be_, M * N), dyT8(be_, M * N);
-  if (dy16 != nullptr && !sc_->NeedsAmaxFirst(dy_idx_)) {
-    be_->CastTransposeFp8Bf16(dy16, M, N, sc_->Scale(dy_idx_), dfmt, dy8.u8(), dyT8.u8(),
+  if (dy.is_bf16() && !sc_->NeedsAmaxFirst(dy_idx_)) {
+    be_->CastTransposeFp8Bf16(dy.bf16, M, N, sc_->Scale(dy_idx_), dfmt, dy8.u8(), dyT8.u8(),
                               sc_->AmaxOut(dy_idx_), N);
   } else {
-    DevBuf dy32;
-    if (dy16 != nullptr) {
-      dy32 = DevBuf(be_, M * N * sizeof(float));
-      be_->UnpackBf16(dy16, dy32.f32(), M * N);
-      dy = dy32.f32();
+    const float* dy32 = dy.f32;
+    DevBuf unpacked;
+    if (dy.is_bf16()) {  // measuring the amax first goes through f32
+      unpacked = DevBuf(be_, M * N * sizeof(float));
+      be_->UnpackBf16(dy.bf16, unpacked.f32(), M * N);
+      dy32 = unpacked.f32();
     }
-    const float* scale = sc_->ScaleFor(dy_idx_, dy, M * N);
-    be_->CastTransposeFp8(dy, M, N, scale, dfmt, dy8.u8(), dyT8.u8(), sc_->AmaxOut(dy_idx_));
+    const float* scale = sc_->ScaleFor(dy_idx_, dy32, M * N);
+    be_->CastTransposeFp8(dy32, M, N, scale, dfmt, dy8.u8(), dyT8.u8(), sc_->AmaxOut(dy_idx_));
   }
-  BackwardFp8(std::move(dy8), std::move(dyT8), M, K, N, w, saved, dx, accumulate_dx, dw, dx16);
+  BackwardFp8(std::move(dy8), std::move(dyT8), M, K, N, w, saved, dx, dw);
 }
 
 void Linear::BackwardFp8(DevBuf dy8, DevBuf dyT8, int64_t M, int64_t K, int64_t N,
-                         const WeightView& w, const LinearSaved& saved, float* dx,
-                         bool accumulate_dx, float* dw, uint16_t* dx16) {
+                         const WeightView& w, const LinearSaved& saved, InputGrad dx, float* dw) {
   WORKER_CHECK(prec_ == v1::PRECISION_FP8 && saved.in != nullptr)
       << "FP8 backward without its saved input";
   const Fp8Format dfmt = sc_->format(dy_idx_);
-  WORKER_CHECK(dx16 == nullptr || (dx == nullptr && !accumulate_dx)) << "dx16 with dx or accumulate";
-  if (dx || dx16) {
+  WORKER_CHECK(dx.bf16 == nullptr || (dx.f32 == nullptr && !dx.accumulate))
+      << "bf16 dx with f32 dx or accumulate";
+  if (!dx.none()) {
     DevBuf wT(be_, N * K);
     be_->TransposeBytes(w.fp8, N, K, wT.u8());  // (K, N)
-    if (dx16) {
+    if (dx.bf16) {
       be_->GemmFp8Bf16(M, K, N, dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_), wT.u8(), Fp8Format::kE4M3,
-                       w.scale_inv, dx16);
+                       w.scale_inv, dx.bf16);
     } else {
       be_->GemmFp8(M, K, N, dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_), wT.u8(), Fp8Format::kE4M3,
-                   w.scale_inv, dx, accumulate_dx);
+                   w.scale_inv, dx.f32, dx.accumulate);
     }
   }
   dy8.Reset();

@@ -17,7 +17,8 @@
 //   (FsdpParams::SetWeightScaleGroup), so that their grad-outputs, cast side by side, and their
 //   adjacent gathered weights form one FP8 matrix each: one BackwardFp8 of N = the group's total
 //   runs the group's dX and dW GEMMs.
-//   Inputs, outputs and grad-outputs may be bfloat16 (bit patterns, Backend's *Bf16 ops).
+//   Inputs, outputs and grad-outputs may be bfloat16 (bit patterns, Backend's *Bf16 ops): the
+//   views ActivationView, LinearOutput and InputGrad say which.
 // BF16 / FP32: Backend::Gemm with inputs rounded to bf16 / kept f32; the f32 input is kept (by
 // the caller) for dW.
 //
@@ -118,6 +119,56 @@ struct WeightView {
   const float* scale_inv = nullptr;  // device scalar (fp8)
 };
 
+// A device activation a linear reads (its input x, or its grad-output dy): f32 values or bf16
+// bit patterns (Backend's *Bf16 ops), exactly one. Made only through F32 / Bf16.
+struct ActivationView {
+  const float* f32 = nullptr;
+  const uint16_t* bf16 = nullptr;
+
+  static ActivationView F32(const float* p) { return ActivationView(p, nullptr); }
+  static ActivationView Bf16(const uint16_t* p) { return ActivationView(nullptr, p); }
+  bool is_bf16() const { return bf16 != nullptr; }
+  // Exactly one pointer is set.
+  bool valid() const { return (f32 == nullptr) != (bf16 == nullptr); }
+
+ private:
+  ActivationView(const float* f, const uint16_t* b) : f32(f), bf16(b) {}
+};
+
+// Where an FP8 linear's forward writes y (M, N) = x · Wᵀ: f32 values, f32 values with a residual
+// (M, N) f32 added in the GEMM (y = residual + x · Wᵀ), or bf16 bit patterns.
+struct LinearOutput {
+  float* f32 = nullptr;
+  uint16_t* bf16 = nullptr;
+  const float* residual = nullptr;
+
+  static LinearOutput F32(float* y) { return LinearOutput(y, nullptr, nullptr); }
+  static LinearOutput F32PlusResidual(float* y, const float* residual) {
+    return LinearOutput(y, nullptr, residual);
+  }
+  static LinearOutput Bf16(uint16_t* y) { return LinearOutput(nullptr, y, nullptr); }
+
+ private:
+  LinearOutput(float* f, uint16_t* b, const float* r) : f32(f), bf16(b), residual(r) {}
+};
+
+// Where a linear's backward writes the input gradient dx (M, K) = dy · W: nowhere, f32 values
+// (overwritten, or added to the values there), or bf16 bit patterns (FP8 linears; overwritten).
+struct InputGrad {
+  float* f32 = nullptr;
+  uint16_t* bf16 = nullptr;
+  bool accumulate = false;  // f32 only: dx += dy · W
+
+  static InputGrad None() { return InputGrad(nullptr, nullptr, false); }
+  static InputGrad F32(float* dx) { return InputGrad(dx, nullptr, false); }
+  static InputGrad AddF32(float* dx) { return InputGrad(dx, nullptr, true); }
+  static InputGrad Bf16(uint16_t* dx) { return InputGrad(nullptr, dx, false); }
+  bool none() const { return f32 == nullptr && bf16 == nullptr; }
+
+ private:
+  InputGrad(float* f, uint16_t* b, bool acc) : f32(f), bf16(b), accumulate(acc) {}
+};
+
 // The E4M3 codes of one FP8 linear input, shared by the linears that read it.
 struct Fp8Input {
   DevBuf x8;                        // (M, K) E4M3 codes
@@ -143,18 +194,15 @@ class Linear {
   // y (M, N) = x (M, K) · W (N, K)ᵀ. saved may be null (no backward follows).
   void Forward(const float* x, int64_t M, int64_t K, int64_t N, const WeightView& w, float* y,
                LinearSaved* saved);
-  // dx (M, K) = dy (M, N) · W (overwritten, or added when accumulate_dx; skipped when null);
-  // dw (N, K) += dyᵀ · x for BF16/FP32 linears; FP8 linears overwrite dw = dyᵀ · x (each FP8
-  // weight's gradient is written once per microbatch into an unzeroed buffer, FsdpParams).
-  void Backward(const float* dy, int64_t M, int64_t K, int64_t N, const WeightView& w,
-                const LinearSaved& saved, float* dx, bool accumulate_dx, float* dw) {
-    Backward(dy, nullptr, M, K, N, w, saved, dx, accumulate_dx, dw);
-  }
+  // dx (M, K) = dy (M, N) · W (see InputGrad); dw (N, K) += dyᵀ · x for BF16/FP32 linears; FP8
+  // linears overwrite dw = dyᵀ · x (each FP8 weight's gradient is written once per microbatch
+  // into an unzeroed buffer, FsdpParams). A bf16 dy, or a bf16 dx, only for FP8 linears.
+  void Backward(ActivationView dy, int64_t M, int64_t K, int64_t N, const WeightView& w,
+                const LinearSaved& saved, InputGrad dx, float* dw);
 
-  // FP8 only. Casts x (M, K) — f32 x, or bf16 x16 (exactly one non-null) — with this linear's X
-  // scale; each linear of `same_input` (which read the same x) takes the amax it records
-  // (ActScaling::ShareAmax).
-  std::shared_ptr<Fp8Input> CastInput(const float* x, const uint16_t* x16, int64_t M, int64_t K,
+  // FP8 only. Casts x (M, K), f32 or bf16, with this linear's X scale; each linear of
+  // `same_input` (which read the same x) takes the amax it records (ActScaling::ShareAmax).
+  std::shared_ptr<Fp8Input> CastInput(ActivationView x, int64_t M, int64_t K,
                                       std::initializer_list<const Linear*> same_input = {});
   // FP8 only. The input RMSNorm(x) * w_norm (M, K) of this linear (and of `same_input`), cast
   // straight from the norm (Backend::RmsNormCastFp8); rstd (M) receives the norm's 1/rms.
@@ -168,16 +216,9 @@ class Linear {
                                        int64_t K, int64_t ld);
   // Whether this FP8 linear's input cast must first measure its own amax (ActScaling).
   bool XNeedsAmaxFirst() const { return sc_->NeedsAmaxFirst(x_idx_); }
-  // FP8 only. y (M, N) f32, or y16 bf16 (exactly one non-null) = in · Wᵀ; with residual
-  // (M, N) f32 (y only), y = residual + in · Wᵀ in the GEMM.
+  // FP8 only. y (M, N) = in · Wᵀ, written where `y` says (LinearOutput).
   void ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t K, int64_t N,
-                  const WeightView& w, float* y, uint16_t* y16, LinearSaved* saved,
-                  const float* residual = nullptr);
-  // As Backward with dy given as f32 dy or (FP8 linears) bf16 dy16, exactly one non-null; an
-  // FP8 linear may return dx as bf16 dx16 instead (dx null, no accumulation).
-  void Backward(const float* dy, const uint16_t* dy16, int64_t M, int64_t K, int64_t N,
-                const WeightView& w, const LinearSaved& saved, float* dx, bool accumulate_dx,
-                float* dw, uint16_t* dx16 = nullptr);
+                  const WeightView& w, LinearOutput y, LinearSaved* saved);
 
   // FP8 only: where this linear's grad-output dY is cast, for an op that computes dY and casts it
   // in the same pass (Backend::SwigluBackwardCastTransposeFp8). Such an op may be used only when
@@ -192,8 +233,7 @@ class Linear {
   // FP8 only. Backward with dY already cast with DyScale(): dy8 (M, N) and its transpose dyT8
   // (N, M), E5M2 / E4M3 codes of dy_format(); both are freed here as soon as they are used.
   void BackwardFp8(DevBuf dy8, DevBuf dyT8, int64_t M, int64_t K, int64_t N, const WeightView& w,
-                   const LinearSaved& saved, float* dx, bool accumulate_dx, float* dw,
-                   uint16_t* dx16 = nullptr);
+                   const LinearSaved& saved, InputGrad dx, float* dw);
 
  private:
   // Finishes an input whose x8 was just cast with this linear's X scale: points at that

@@ -152,26 +152,33 @@ WeightView LlamaModel::View(const TensorRef& t) const {
 absl::Status LlamaModel::BlockForward(int l, int64_t B, DevBuf* x, BlockActs* a) {
   Block& b = blocks_[l];
   if (b.prec == v1::PRECISION_FP8 && attention_bf16_) return BlockForwardFp8(l, B, x, a);
-  const int64_t N = B * T_;
-  const bool keep_f32_inputs = b.prec != v1::PRECISION_FP8;
   const bool train = a != nullptr;
   BlockActs local;
   if (!train) a = &local;
   a->x_in = std::move(*x);
-  a->n1 = DevBuf(be_, N * C_ * 4);
-  a->rstd1 = DevBuf(be_, N * 4);
+  AttentionForward(b, B, train, a);
+  *x = MlpForward(b, B, train, a);
+  return absl::OkStatus();
+}
+
+// h (N, C) = x_in + o_proj(attn(rope(q(n1)), rope(k(n1)), v(n1))), n1 = RMSNorm(x_in).
+void LlamaModel::AttentionForward(Block& b, int64_t B, bool train, BlockActs* a) {
+  const int64_t N = B * T_;
+  const bool keep_f32_inputs = b.prec != v1::PRECISION_FP8;
+  a->n1 = DevBuf(be_, N * C_ * 4);  // (N, C)
+  a->rstd1 = DevBuf(be_, N * 4);    // (N)
   be_->RmsNormForward(a->x_in.f32(), p_->W(b.in_norm), eps_, N, C_, a->n1.f32(), a->rstd1.f32());
-  a->q = DevBuf(be_, N * H_ * D_ * 4);
-  a->k = DevBuf(be_, N * Hkv_ * D_ * 4);
-  a->v = DevBuf(be_, N * Hkv_ * D_ * 4);
+  a->q = DevBuf(be_, N * H_ * D_ * 4);    // (B, T, H, D)
+  a->k = DevBuf(be_, N * Hkv_ * D_ * 4);  // (B, T, Hkv, D)
+  a->v = DevBuf(be_, N * Hkv_ * D_ * 4);  // (B, T, Hkv, D)
   b.lq.Forward(a->n1.f32(), N, C_, H_ * D_, View(b.q), a->q.f32(), train ? &a->sq : nullptr);
   b.lk.Forward(a->n1.f32(), N, C_, Hkv_ * D_, View(b.k), a->k.f32(), train ? &a->sk : nullptr);
   b.lv.Forward(a->n1.f32(), N, C_, Hkv_ * D_, View(b.v), a->v.f32(), train ? &a->sv : nullptr);
   if (!keep_f32_inputs || !train) a->n1.Reset();
   be_->RopeForward(a->q.f32(), B, T_, H_, D_, theta_);
   be_->RopeForward(a->k.f32(), B, T_, Hkv_, D_, theta_);
-  a->att = DevBuf(be_, N * C_ * 4);
-  a->lse = DevBuf(be_, B * H_ * T_ * 4);
+  a->att = DevBuf(be_, N * C_ * 4);        // (N, C)
+  a->lse = DevBuf(be_, B * H_ * T_ * 4);   // (B, H, T)
   if (attention_bf16_) {
     be_->AttentionForwardBf16(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_,
                               a->att.f32(), a->lse.f32());
@@ -179,7 +186,7 @@ absl::Status LlamaModel::BlockForward(int l, int64_t B, DevBuf* x, BlockActs* a)
     be_->AttentionForward(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_, a->att.f32(),
                           a->lse.f32());
   }
-  DevBuf o(be_, N * C_ * 4);
+  DevBuf o(be_, N * C_ * 4);  // (N, C)
   b.lo.Forward(a->att.f32(), N, C_, C_, View(b.o), o.f32(), train ? &a->so : nullptr);
   if (train && attention_bf16_) {  // keep the attention's bf16 operands only
     auto pack = [&](DevBuf* f32, DevBuf* b16, int64_t n, bool keep_f32) {
@@ -193,18 +200,24 @@ absl::Status LlamaModel::BlockForward(int l, int64_t B, DevBuf* x, BlockActs* a)
     // A non-FP8 o_proj keeps a pointer to its f32 input for its weight gradient.
     pack(&a->att, &a->att16, N * C_, keep_f32_inputs);
   }
-  a->h = DevBuf(be_, N * C_ * 4);
+  a->h = DevBuf(be_, N * C_ * 4);  // (N, C)
   be_->Add(a->x_in.f32(), o.f32(), a->h.f32(), N * C_);
   o.Reset();
-  a->n2 = DevBuf(be_, N * C_ * 4);
-  a->rstd2 = DevBuf(be_, N * 4);
+}
+
+// Returns out (N, C) = h + down(silu(gate(n2)) * up(n2)), n2 = RMSNorm(h).
+DevBuf LlamaModel::MlpForward(Block& b, int64_t B, bool train, BlockActs* a) {
+  const int64_t N = B * T_;
+  const bool keep_f32_inputs = b.prec != v1::PRECISION_FP8;
+  a->n2 = DevBuf(be_, N * C_ * 4);  // (N, C)
+  a->rstd2 = DevBuf(be_, N * 4);    // (N)
   be_->RmsNormForward(a->h.f32(), p_->W(b.post_norm), eps_, N, C_, a->n2.f32(), a->rstd2.f32());
-  a->gate = DevBuf(be_, N * F_ * 4);
-  a->up = DevBuf(be_, N * F_ * 4);
+  a->gate = DevBuf(be_, N * F_ * 4);  // (N, F)
+  a->up = DevBuf(be_, N * F_ * 4);    // (N, F)
   b.lgate.Forward(a->n2.f32(), N, C_, F_, View(b.gate), a->gate.f32(), train ? &a->sgate : nullptr);
   b.lup.Forward(a->n2.f32(), N, C_, F_, View(b.up), a->up.f32(), train ? &a->sup : nullptr);
   if (!keep_f32_inputs || !train) a->n2.Reset();
-  a->act = DevBuf(be_, N * F_ * 4);
+  a->act = DevBuf(be_, N * F_ * 4);  // (N, F)
   be_->SwigluForward(a->gate.f32(), a->up.f32(), N * F_, a->act.f32());
   if (train && !keep_f32_inputs) {
     // FP8 blocks keep the SwiGLU inputs in bf16 for the backward: 8 significant bits where the
@@ -216,26 +229,31 @@ absl::Status LlamaModel::BlockForward(int l, int64_t B, DevBuf* x, BlockActs* a)
     a->gate.Reset();
     a->up.Reset();
   }
-  DevBuf mlp(be_, N * C_ * 4);
+  DevBuf mlp(be_, N * C_ * 4);  // (N, C)
   b.ldown.Forward(a->act.f32(), N, F_, C_, View(b.down), mlp.f32(), train ? &a->sdown : nullptr);
   if (!keep_f32_inputs || !train) a->act.Reset();
-  DevBuf out(be_, N * C_ * 4);
+  DevBuf out(be_, N * C_ * 4);  // (N, C)
   be_->Add(a->h.f32(), mlp.f32(), out.f32(), N * C_);
-  *x = std::move(out);
-  return absl::OkStatus();
+  return out;
 }
 
 void LlamaModel::BlockBackward(int l, int64_t B, BlockActs* a, DevBuf* dout) {
   Block& b = blocks_[l];
   if (b.prec == v1::PRECISION_FP8 && attention_bf16_) return BlockBackwardFp8(l, B, a, dout);
+  DevBuf dh = MlpBackward(b, B, a, dout);
+  AttentionBackward(b, B, a, dh, dout);
+}
+
+// The MLP half, out = h + down(silu(gate) * up): returns dh (N, C) f32 from dout (N, C) f32
+// (freed here).
+DevBuf LlamaModel::MlpBackward(Block& b, int64_t B, BlockActs* a, DevBuf* dout) {
   const int64_t N = B * T_;
-  // MLP: out = h + down(silu(gate) * up)
-  DevBuf dact(be_, N * F_ * 4);
-  b.ldown.Backward(dout->f32(), N, F_, C_, View(b.down), a->sdown, dact.f32(), false,
-                   p_->G(b.down));
+  DevBuf dact(be_, N * F_ * 4);  // (N, F)
+  b.ldown.Backward(ActivationView::F32(dout->f32()), N, F_, C_, View(b.down), a->sdown,
+                   InputGrad::F32(dact.f32()), p_->G(b.down));
   a->sdown = LinearSaved();
   a->act.Reset();
-  DevBuf dgate(be_, N * F_ * 4), dup(be_, N * F_ * 4);
+  DevBuf dgate(be_, N * F_ * 4), dup(be_, N * F_ * 4);  // (N, F) each
   if (!a->gate16.empty()) {
     be_->SwigluBackwardBf16(dact.f32(), a->gate16.u16(), a->up16.u16(), N * F_, dgate.f32(),
                             dup.f32());
@@ -247,25 +265,35 @@ void LlamaModel::BlockBackward(int l, int64_t B, BlockActs* a, DevBuf* dout) {
   a->up.Reset();
   a->gate16.Reset();
   a->up16.Reset();
-  DevBuf dn2(be_, N * C_ * 4);
-  b.lgate.Backward(dgate.f32(), N, C_, F_, View(b.gate), a->sgate, dn2.f32(), false,
-                   p_->G(b.gate));
-  b.lup.Backward(dup.f32(), N, C_, F_, View(b.up), a->sup, dn2.f32(), true, p_->G(b.up));
+  DevBuf dn2(be_, N * C_ * 4);  // (N, C) = dgate · Wgate + dup · Wup
+  b.lgate.Backward(ActivationView::F32(dgate.f32()), N, C_, F_, View(b.gate), a->sgate,
+                   InputGrad::F32(dn2.f32()), p_->G(b.gate));
+  b.lup.Backward(ActivationView::F32(dup.f32()), N, C_, F_, View(b.up), a->sup,
+                 InputGrad::AddF32(dn2.f32()), p_->G(b.up));
   dgate.Reset();
   dup.Reset();
   a->sgate = LinearSaved();
   a->sup = LinearSaved();
   a->n2.Reset();
-  DevBuf dh(be_, N * C_ * 4);
+  DevBuf dh(be_, N * C_ * 4);  // (N, C)
   be_->RmsNormBackward(dn2.f32(), a->h.f32(), p_->W(b.post_norm), a->rstd2.f32(), N, C_,
                        dh.f32(), p_->G(b.post_norm));
   be_->Axpy(1.0f, dout->f32(), dh.f32(), N * C_);
   dn2.Reset();
   dout->Reset();
-  // Attention: h = x + o_proj(attn)
-  DevBuf datt(be_, N * C_ * 4);
-  b.lo.Backward(dh.f32(), N, C_, C_, View(b.o), a->so, datt.f32(), false, p_->G(b.o));
+  return dh;
+}
+
+// The attention half, h = x + o_proj(attn): *dout becomes dx (N, C) f32 from dh (N, C) f32;
+// *a is cleared.
+void LlamaModel::AttentionBackward(Block& b, int64_t B, BlockActs* a, const DevBuf& dh,
+                                   DevBuf* dout) {
+  const int64_t N = B * T_;
+  DevBuf datt(be_, N * C_ * 4);  // (N, C)
+  b.lo.Backward(ActivationView::F32(dh.f32()), N, C_, C_, View(b.o), a->so,
+                InputGrad::F32(datt.f32()), p_->G(b.o));
   a->so = LinearSaved();
+  // (B, T, H, D), (B, T, Hkv, D) x2
   DevBuf dq(be_, N * H_ * D_ * 4), dk(be_, N * Hkv_ * D_ * 4), dv(be_, N * Hkv_ * D_ * 4);
   if (attention_bf16_) {
     be_->AttentionBackwardBf16Saved(a->q16.u16(), a->k16.u16(), a->v16.u16(), a->att16.u16(),
@@ -278,15 +306,18 @@ void LlamaModel::BlockBackward(int l, int64_t B, BlockActs* a, DevBuf* dout) {
   datt.Reset();
   be_->RopeBackward(dq.f32(), B, T_, H_, D_, theta_);
   be_->RopeBackward(dk.f32(), B, T_, Hkv_, D_, theta_);
-  DevBuf dn1(be_, N * C_ * 4);
-  b.lq.Backward(dq.f32(), N, C_, H_ * D_, View(b.q), a->sq, dn1.f32(), false, p_->G(b.q));
-  b.lk.Backward(dk.f32(), N, C_, Hkv_ * D_, View(b.k), a->sk, dn1.f32(), true, p_->G(b.k));
-  b.lv.Backward(dv.f32(), N, C_, Hkv_ * D_, View(b.v), a->sv, dn1.f32(), true, p_->G(b.v));
+  DevBuf dn1(be_, N * C_ * 4);  // (N, C) = dq · Wq + dk · Wk + dv · Wv
+  b.lq.Backward(ActivationView::F32(dq.f32()), N, C_, H_ * D_, View(b.q), a->sq,
+                InputGrad::F32(dn1.f32()), p_->G(b.q));
+  b.lk.Backward(ActivationView::F32(dk.f32()), N, C_, Hkv_ * D_, View(b.k), a->sk,
+                InputGrad::AddF32(dn1.f32()), p_->G(b.k));
+  b.lv.Backward(ActivationView::F32(dv.f32()), N, C_, Hkv_ * D_, View(b.v), a->sv,
+                InputGrad::AddF32(dn1.f32()), p_->G(b.v));
   a->sq = a->sk = a->sv = LinearSaved();  // frees their FP8 input and its transpose
   dq.Reset();
   dk.Reset();
   dv.Reset();
-  DevBuf dx(be_, N * C_ * 4);
+  DevBuf dx(be_, N * C_ * 4);  // (N, C)
   be_->RmsNormBackward(dn1.f32(), a->x_in.f32(), p_->W(b.in_norm), a->rstd1.f32(), N, C_,
                        dx.f32(), p_->G(b.in_norm));
   be_->Axpy(1.0f, dh.f32(), dx.f32(), N * C_);
@@ -300,48 +331,28 @@ void LlamaModel::BlockBackward(int l, int64_t B, BlockActs* a, DevBuf* dout) {
 // The residual stream, the norms' inputs and outputs and the GEMM outputs that join it stay f32.
 absl::Status LlamaModel::BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs* a) {
   Block& b = blocks_[l];
-  const int64_t N = B * T_;
   const bool train = a != nullptr;
   BlockActs local;
   if (!train) a = &local;
   a->x_in = std::move(*x);
-  a->rstd1 = DevBuf(be_, N * 4);
+  AttentionForwardFp8(b, B, train, a);
+  *x = MlpForwardFp8(b, B, train, a);
+  return absl::OkStatus();
+}
+
+// h (N, C) f32 = x_in + o_proj(att), att = attn(rope(q(n1)), rope(k(n1)), v(n1)) bf16,
+// n1 = RMSNorm(x_in) cast straight to FP8 (one cast for q, k and v).
+void LlamaModel::AttentionForwardFp8(Block& b, int64_t B, bool train, BlockActs* a) {
+  const int64_t N = B * T_;
+  a->rstd1 = DevBuf(be_, N * 4);  // (N)
   std::shared_ptr<Fp8Input> in1 = b.lq.NormCastInput(a->x_in.f32(), p_->W(b.in_norm), eps_, N, C_,
                                                      a->rstd1.f32(), {&b.lk, &b.lv});
-  const int64_t nq = H_ * D_, nk = Hkv_ * D_;
-  const uint16_t *q16, *k16, *v16;
-  int64_t q_ld, kv_ld;
-  if (b.fused_qkv) {  // one GEMM: [q | k | v] (N, nq + 2 nk) = n1 · [Wq ; Wk ; Wv]ᵀ
-    q_ld = kv_ld = nq + 2 * nk;
-    a->qkv16 = DevBuf(be_, N * q_ld * 2);
-    b.lq.ForwardFp8(in1, N, C_, q_ld, View(b.q), nullptr, a->qkv16.u16(),
-                    train ? &a->sq : nullptr);
-    if (train) a->sk = a->sv = a->sq;
-    be_->RopeForwardBf16(a->qkv16.u16(), B, T_, H_, D_, theta_, q_ld);
-    be_->RopeForwardBf16(a->qkv16.u16() + nq, B, T_, Hkv_, D_, theta_, kv_ld);
-    q16 = a->qkv16.u16();
-    k16 = q16 + nq;
-    v16 = q16 + nq + nk;
-  } else {
-    q_ld = nq;
-    kv_ld = nk;
-    a->q16 = DevBuf(be_, N * nq * 2);
-    a->k16 = DevBuf(be_, N * nk * 2);
-    a->v16 = DevBuf(be_, N * nk * 2);
-    b.lq.ForwardFp8(in1, N, C_, nq, View(b.q), nullptr, a->q16.u16(), train ? &a->sq : nullptr);
-    b.lk.ForwardFp8(in1, N, C_, nk, View(b.k), nullptr, a->k16.u16(), train ? &a->sk : nullptr);
-    b.lv.ForwardFp8(in1, N, C_, nk, View(b.v), nullptr, a->v16.u16(), train ? &a->sv : nullptr);
-    be_->RopeForwardBf16(a->q16.u16(), B, T_, H_, D_, theta_, nq);
-    be_->RopeForwardBf16(a->k16.u16(), B, T_, Hkv_, D_, theta_, nk);
-    q16 = a->q16.u16();
-    k16 = a->k16.u16();
-    v16 = a->v16.u16();
-  }
+  const QkvBf16 qkv = QkvForwardFp8(b, B, train, in1, a);
   in1.reset();
-  a->att16 = DevBuf(be_, N * C_ * 2);
-  a->lse = DevBuf(be_, B * H_ * T_ * 4);
-  be_->AttentionForwardBf16Packed(q16, k16, v16, B, T_, H_, Hkv_, D_, a->att16.u16(),
-                                  a->lse.f32(), q_ld, kv_ld);
+  a->att16 = DevBuf(be_, N * C_ * 2);     // (N, C) bf16
+  a->lse = DevBuf(be_, B * H_ * T_ * 4);  // (B, H, T)
+  be_->AttentionForwardBf16Packed(qkv.q, qkv.k, qkv.v, B, T_, H_, Hkv_, D_, a->att16.u16(),
+                                  a->lse.f32(), qkv.q_ld, qkv.kv_ld);
   if (!train) {
     a->q16.Reset();
     a->k16.Reset();
@@ -350,28 +361,73 @@ absl::Status LlamaModel::BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs*
   }
   // h = x + o_proj(att), the residual added in the GEMM.
   a->h = DevBuf(be_, N * C_ * 4);
-  b.lo.ForwardFp8(b.lo.CastInput(nullptr, a->att16.u16(), N, C_), N, C_, C_, View(b.o), a->h.f32(),
-                  nullptr, train ? &a->so : nullptr, a->x_in.f32());
+  b.lo.ForwardFp8(b.lo.CastInput(ActivationView::Bf16(a->att16.u16()), N, C_), N, C_, C_,
+                  View(b.o), LinearOutput::F32PlusResidual(a->h.f32(), a->x_in.f32()),
+                  train ? &a->so : nullptr);
   if (!train) a->att16.Reset();
-  a->rstd2 = DevBuf(be_, N * 4);
+}
+
+LlamaModel::QkvBf16 LlamaModel::QkvForwardFp8(Block& b, int64_t B, bool train,
+                                             const std::shared_ptr<Fp8Input>& in1, BlockActs* a) {
+  const int64_t N = B * T_;
+  const int64_t nq = H_ * D_, nk = Hkv_ * D_;
+  QkvBf16 r;
+  if (b.fused_qkv) {  // one GEMM: [q | k | v] (N, nq + 2 nk) = n1 · [Wq ; Wk ; Wv]ᵀ
+    r.q_ld = r.kv_ld = nq + 2 * nk;
+    a->qkv16 = DevBuf(be_, N * r.q_ld * 2);
+    b.lq.ForwardFp8(in1, N, C_, r.q_ld, View(b.q), LinearOutput::Bf16(a->qkv16.u16()),
+                    train ? &a->sq : nullptr);
+    if (train) a->sk = a->sv = a->sq;
+    be_->RopeForwardBf16(a->qkv16.u16(), B, T_, H_, D_, theta_, r.q_ld);
+    be_->RopeForwardBf16(a->qkv16.u16() + nq, B, T_, Hkv_, D_, theta_, r.kv_ld);
+    r.q = a->qkv16.u16();
+    r.k = r.q + nq;
+    r.v = r.q + nq + nk;
+    return r;
+  }
+  r.q_ld = nq;
+  r.kv_ld = nk;
+  a->q16 = DevBuf(be_, N * nq * 2);  // (B, T, H, D) bf16
+  a->k16 = DevBuf(be_, N * nk * 2);  // (B, T, Hkv, D) bf16
+  a->v16 = DevBuf(be_, N * nk * 2);  // (B, T, Hkv, D) bf16
+  b.lq.ForwardFp8(in1, N, C_, nq, View(b.q), LinearOutput::Bf16(a->q16.u16()),
+                  train ? &a->sq : nullptr);
+  b.lk.ForwardFp8(in1, N, C_, nk, View(b.k), LinearOutput::Bf16(a->k16.u16()),
+                  train ? &a->sk : nullptr);
+  b.lv.ForwardFp8(in1, N, C_, nk, View(b.v), LinearOutput::Bf16(a->v16.u16()),
+                  train ? &a->sv : nullptr);
+  be_->RopeForwardBf16(a->q16.u16(), B, T_, H_, D_, theta_, nq);
+  be_->RopeForwardBf16(a->k16.u16(), B, T_, Hkv_, D_, theta_, nk);
+  r.q = a->q16.u16();
+  r.k = a->k16.u16();
+  r.v = a->v16.u16();
+  return r;
+}
+
+// Returns out (N, C) f32 = h + down(silu(gate) * up), gate and up (N, F) bf16 from
+// n2 = RMSNorm(h) cast straight to FP8 (one cast for gate and up), silu(gate) * up cast to FP8
+// in one pass.
+DevBuf LlamaModel::MlpForwardFp8(Block& b, int64_t B, bool train, BlockActs* a) {
+  const int64_t N = B * T_;
+  a->rstd2 = DevBuf(be_, N * 4);  // (N)
   std::shared_ptr<Fp8Input> in2 = b.lgate.NormCastInput(a->h.f32(), p_->W(b.post_norm), eps_, N,
                                                         C_, a->rstd2.f32(), {&b.lup});
   const uint16_t *gate16, *up16;
-  int64_t gu_ld;
+  int64_t gu_ld;  // row stride of gate16 and up16
   if (MlpFused(b)) {  // one GEMM: [gate | up] (N, 2F) = n2 · [Wgate ; Wup]ᵀ (adjacent weights)
     a->gu16 = DevBuf(be_, N * 2 * F_ * 2);
-    b.lgate.ForwardFp8(in2, N, C_, 2 * F_, View(b.gate), nullptr, a->gu16.u16(),
+    b.lgate.ForwardFp8(in2, N, C_, 2 * F_, View(b.gate), LinearOutput::Bf16(a->gu16.u16()),
                        train ? &a->sgate : nullptr);
     if (train) a->sup = a->sgate;
     gate16 = a->gu16.u16();
     up16 = gate16 + F_;
     gu_ld = 2 * F_;
   } else {
-    a->gate16 = DevBuf(be_, N * F_ * 2);
-    a->up16 = DevBuf(be_, N * F_ * 2);
-    b.lgate.ForwardFp8(in2, N, C_, F_, View(b.gate), nullptr, a->gate16.u16(),
+    a->gate16 = DevBuf(be_, N * F_ * 2);  // (N, F) bf16
+    a->up16 = DevBuf(be_, N * F_ * 2);    // (N, F) bf16
+    b.lgate.ForwardFp8(in2, N, C_, F_, View(b.gate), LinearOutput::Bf16(a->gate16.u16()),
                        train ? &a->sgate : nullptr);
-    b.lup.ForwardFp8(in2, N, C_, F_, View(b.up), nullptr, a->up16.u16(),
+    b.lup.ForwardFp8(in2, N, C_, F_, View(b.up), LinearOutput::Bf16(a->up16.u16()),
                      train ? &a->sup : nullptr);
     gate16 = a->gate16.u16();
     up16 = a->up16.u16();
@@ -385,79 +441,42 @@ absl::Status LlamaModel::BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs*
     a->gu16.Reset();
   }
   DevBuf out(be_, N * C_ * 4);  // h + down(act), the residual added in the GEMM
-  b.ldown.ForwardFp8(in_act, N, F_, C_, View(b.down), out.f32(), nullptr,
-                     train ? &a->sdown : nullptr, a->h.f32());
+  b.ldown.ForwardFp8(in_act, N, F_, C_, View(b.down),
+                     LinearOutput::F32PlusResidual(out.f32(), a->h.f32()),
+                     train ? &a->sdown : nullptr);
   in_act.reset();
-  *x = std::move(out);
-  return absl::OkStatus();
+  return out;
 }
 
 void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) {
   Block& b = blocks_[l];
+  DevBuf dh = MlpBackwardFp8(l, b, B, a, dout);
+  AttentionBackwardFp8(b, B, a, dh, dout);
+}
+
+// The MLP half, out = h + down(silu(gate) * up): returns dh (N, C) f32 from dout (N, C) f32
+// (freed here). dn2 = dgate · Wgate + dup · Wup: one GEMM over K = 2F when gate/up are fused
+// (one bf16 part), else two bf16 parts summed in f32 by the norm's backward (no GEMM reads and
+// rewrites an f32 accumulator).
+DevBuf LlamaModel::MlpBackwardFp8(int l, Block& b, int64_t B, BlockActs* a, DevBuf* dout) {
   const int64_t N = B * T_;
-  // MLP: out = h + down(silu(gate) * up)
-  DevBuf dact16(be_, N * F_ * 2);
-  b.ldown.Backward(dout->f32(), nullptr, N, F_, C_, View(b.down), a->sdown, nullptr, false,
-                   p_->G(b.down), dact16.u16());
+  DevBuf dact16(be_, N * F_ * 2);  // (N, F) bf16
+  b.ldown.Backward(ActivationView::F32(dout->f32()), N, F_, C_, View(b.down), a->sdown,
+                   InputGrad::Bf16(dact16.u16()), p_->G(b.down));
   a->sdown = LinearSaved();
-  // dn2 = dgate · Wgate + dup · Wup: one GEMM over K = 2F when gate/up are fused (one bf16
-  // part), else two bf16 parts summed in f32 by the norm's backward (no GEMM reads and rewrites
-  // an f32 accumulator).
-  DevBuf dn2g(be_, N * C_ * 2), dn2u;
-  const bool mlp_cast = !b.lgate.DyNeedsAmaxFirst() && !b.lup.DyNeedsAmaxFirst() &&
-                        b.lgate.dy_format() == b.lup.dy_format();
-  const bool mlp_fused = MlpFused(b);
+  DevBuf dn2g(be_, N * C_ * 2), dn2u;  // (N, C) bf16 parts
   // The forward (and a recompute) decided with the same scales: [gate | up] is there exactly
   // when the backward fuses.
-  WORKER_CHECK(mlp_fused == !a->gu16.empty()) << "block " << l << ": gate/up fused in one pass only";
-  if (mlp_fused) {
-    // [dgate | dup] (N, 2F) codes side by side and [dgateᵀ ; dupᵀ] (2F, N) stacked: the A operands
-    // of the fused dX (N, C) = [dgate | dup] · [Wgate ; Wup] and dW (2F, C) = [dgateᵀ ; dupᵀ] · n2.
-    DevBuf d8(be_, N * 2 * F_), dT8(be_, N * 2 * F_);
-    const uint16_t* gu16 = a->gu16.u16();
-    be_->SwigluBackwardCastTransposeFp8(dact16.u16(), gu16, gu16 + F_, N, F_, b.lgate.DyScale(),
-                                        b.lup.DyScale(), b.lgate.dy_format(), d8.u8(), dT8.u8(),
-                                        d8.u8() + F_, dT8.u8() + N * F_, b.lgate.DyAmaxOut(),
-                                        b.lup.DyAmaxOut(), 2 * F_, 2 * F_);
-    dact16.Reset();
-    a->gate16.Reset();
-    a->up16.Reset();
-    a->gu16.Reset();
-    b.lgate.BackwardFp8(std::move(d8), std::move(dT8), N, C_, 2 * F_, View(b.gate), a->sgate,
-                        nullptr, false, p_->G(b.gate), dn2g.u16());
-    ++fused_backward_runs_;
-  } else if (mlp_cast) {
-    dn2u = DevBuf(be_, N * C_ * 2);
-    // dgate and dup go straight from the SwiGLU gradient to their FP8 codes and transposes: no
-    // bf16 copy of either passes through memory.
-    DevBuf dg8(be_, N * F_), dgT8(be_, N * F_), du8(be_, N * F_), duT8(be_, N * F_);
-    be_->SwigluBackwardCastTransposeFp8(dact16.u16(), a->gate16.u16(), a->up16.u16(), N, F_,
-                                        b.lgate.DyScale(), b.lup.DyScale(), b.lgate.dy_format(),
-                                        dg8.u8(), dgT8.u8(), du8.u8(), duT8.u8(),
-                                        b.lgate.DyAmaxOut(), b.lup.DyAmaxOut(), F_, F_);
-    dact16.Reset();
-    a->gate16.Reset();
-    a->up16.Reset();
-    b.lgate.BackwardFp8(std::move(dg8), std::move(dgT8), N, C_, F_, View(b.gate), a->sgate,
-                        nullptr, false, p_->G(b.gate), dn2g.u16());
-    b.lup.BackwardFp8(std::move(du8), std::move(duT8), N, C_, F_, View(b.up), a->sup, nullptr,
-                      false, p_->G(b.up), dn2u.u16());
-  } else {  // a grad-output scale measured first (first step, CURRENT recipe)
-    dn2u = DevBuf(be_, N * C_ * 2);
-    DevBuf dgate16(be_, N * F_ * 2), dup16(be_, N * F_ * 2);
-    be_->SwigluBackwardBf16To16(dact16.u16(), a->gate16.u16(), a->up16.u16(), N * F_,
-                                dgate16.u16(), dup16.u16());
-    dact16.Reset();
-    a->gate16.Reset();
-    a->up16.Reset();
-    b.lgate.Backward(nullptr, dgate16.u16(), N, C_, F_, View(b.gate), a->sgate, nullptr, false,
-                     p_->G(b.gate), dn2g.u16());
-    b.lup.Backward(nullptr, dup16.u16(), N, C_, F_, View(b.up), a->sup, nullptr, false,
-                   p_->G(b.up), dn2u.u16());
+  const bool fused = MlpFused(b);
+  WORKER_CHECK(fused == !a->gu16.empty()) << "block " << l << ": gate/up fused in one pass only";
+  if (fused) {
+    BackwardGateUpFused(b, N, a, &dact16, &dn2g);
+  } else {
+    BackwardGateUpPerLinear(b, N, a, &dact16, &dn2g, &dn2u);
   }
   a->sgate = LinearSaved();
   a->sup = LinearSaved();
-  DevBuf dh(be_, N * C_ * 4);
+  DevBuf dh(be_, N * C_ * 4);  // (N, C)
   be_->RmsNormBackwardAddBf16Parts(dn2g.u16(), dn2u.empty() ? nullptr : dn2u.u16(), nullptr,
                                    a->h.f32(),
                                    p_->W(b.post_norm), a->rstd2.f32(), dout->f32(), N, C_,
@@ -465,51 +484,79 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
   dn2g.Reset();
   dn2u.Reset();
   dout->Reset();
-  // Attention: h = x + o_proj(attn)
-  DevBuf dq16(be_, N * H_ * D_ * 2), dk16(be_, N * Hkv_ * D_ * 2), dv16(be_, N * Hkv_ * D_ * 2);
-  {
-    DevBuf datt16(be_, N * C_ * 2);
-    b.lo.Backward(dh.f32(), nullptr, N, C_, C_, View(b.o), a->so, nullptr, false, p_->G(b.o),
-                  datt16.u16());
-    a->so = LinearSaved();
-    const int64_t nq = H_ * D_, nk = Hkv_ * D_;
-    if (!a->qkv16.empty()) {  // [q | k | v] from the fused forward GEMM
-      const uint16_t* p = a->qkv16.u16();
-      be_->AttentionBackwardBf16SavedTo16(p, p + nq, p + nq + nk, a->att16.u16(), datt16.u16(),
-                                          a->lse.f32(), B, T_, H_, Hkv_, D_, dq16.u16(),
-                                          dk16.u16(), dv16.u16(), nq + 2 * nk, nq + 2 * nk);
-    } else {
-      be_->AttentionBackwardBf16SavedTo16(a->q16.u16(), a->k16.u16(), a->v16.u16(),
-                                          a->att16.u16(), datt16.u16(), a->lse.f32(), B, T_, H_,
-                                          Hkv_, D_, dq16.u16(), dk16.u16(), dv16.u16(), nq, nk);
-    }
+  return dh;
+}
+
+void LlamaModel::BackwardGateUpFused(Block& b, int64_t N, BlockActs* a, DevBuf* dact16,
+                                     DevBuf* dn2) {
+  // [dgate | dup] (N, 2F) codes side by side and [dgateᵀ ; dupᵀ] (2F, N) stacked: the A operands
+  // of the fused dX (N, C) = [dgate | dup] · [Wgate ; Wup] and dW (2F, C) = [dgateᵀ ; dupᵀ] · n2.
+  DevBuf d8(be_, N * 2 * F_), dT8(be_, N * 2 * F_);
+  const uint16_t* gu16 = a->gu16.u16();
+  be_->SwigluBackwardCastTransposeFp8(dact16->u16(), gu16, gu16 + F_, N, F_, b.lgate.DyScale(),
+                                      b.lup.DyScale(), b.lgate.dy_format(), d8.u8(), dT8.u8(),
+                                      d8.u8() + F_, dT8.u8() + N * F_, b.lgate.DyAmaxOut(),
+                                      b.lup.DyAmaxOut(), 2 * F_, 2 * F_);
+  dact16->Reset();
+  a->gate16.Reset();
+  a->up16.Reset();
+  a->gu16.Reset();
+  b.lgate.BackwardFp8(std::move(d8), std::move(dT8), N, C_, 2 * F_, View(b.gate), a->sgate,
+                      InputGrad::Bf16(dn2->u16()), p_->G(b.gate));
+  ++fused_backward_runs_;
+}
+
+void LlamaModel::BackwardGateUpPerLinear(Block& b, int64_t N, BlockActs* a, DevBuf* dact16,
+                                         DevBuf* dn2g, DevBuf* dn2u) {
+  *dn2u = DevBuf(be_, N * C_ * 2);
+  if (!b.lgate.DyNeedsAmaxFirst() && !b.lup.DyNeedsAmaxFirst() &&
+      b.lgate.dy_format() == b.lup.dy_format()) {
+    // dgate and dup go straight from the SwiGLU gradient to their FP8 codes and transposes: no
+    // bf16 copy of either passes through memory.
+    DevBuf dg8(be_, N * F_), dgT8(be_, N * F_), du8(be_, N * F_), duT8(be_, N * F_);
+    be_->SwigluBackwardCastTransposeFp8(dact16->u16(), a->gate16.u16(), a->up16.u16(), N, F_,
+                                        b.lgate.DyScale(), b.lup.DyScale(), b.lgate.dy_format(),
+                                        dg8.u8(), dgT8.u8(), du8.u8(), duT8.u8(),
+                                        b.lgate.DyAmaxOut(), b.lup.DyAmaxOut(), F_, F_);
+    dact16->Reset();
+    a->gate16.Reset();
+    a->up16.Reset();
+    b.lgate.BackwardFp8(std::move(dg8), std::move(dgT8), N, C_, F_, View(b.gate), a->sgate,
+                        InputGrad::Bf16(dn2g->u16()), p_->G(b.gate));
+    b.lup.BackwardFp8(std::move(du8), std::move(duT8), N, C_, F_, View(b.up), a->sup,
+                      InputGrad::Bf16(dn2u->u16()), p_->G(b.up));
+    return;
   }
+  // A grad-output scale measured first (first step, CURRENT recipe).
+  DevBuf dgate16(be_, N * F_ * 2), dup16(be_, N * F_ * 2);  // (N, F) bf16
+  be_->SwigluBackwardBf16To16(dact16->u16(), a->gate16.u16(), a->up16.u16(), N * F_,
+                              dgate16.u16(), dup16.u16());
+  dact16->Reset();
+  a->gate16.Reset();
+  a->up16.Reset();
+  b.lgate.Backward(ActivationView::Bf16(dgate16.u16()), N, C_, F_, View(b.gate), a->sgate,
+                   InputGrad::Bf16(dn2g->u16()), p_->G(b.gate));
+  b.lup.Backward(ActivationView::Bf16(dup16.u16()), N, C_, F_, View(b.up), a->sup,
+                 InputGrad::Bf16(dn2u->u16()), p_->G(b.up));
+}
+
+// The attention half, h = x + o_proj(attn): *dout becomes dx (N, C) f32 from dh (N, C) f32;
+// *a is cleared. dn1 = dq · Wq + dk · Wk + dv · Wv: one fused GEMM, or three bf16 parts (as dn2
+// in MlpBackwardFp8).
+void LlamaModel::AttentionBackwardFp8(Block& b, int64_t B, BlockActs* a, const DevBuf& dh,
+                                      DevBuf* dout) {
+  const int64_t N = B * T_;
+  // (B, T, H, D), (B, T, Hkv, D) x2, bf16
+  DevBuf dq16(be_, N * H_ * D_ * 2), dk16(be_, N * Hkv_ * D_ * 2), dv16(be_, N * Hkv_ * D_ * 2);
+  OutputAttentionBackwardFp8(b, B, a, dh, &dq16, &dk16, &dv16);
   a->q16.Reset();
   a->k16.Reset();
   a->v16.Reset();
   a->qkv16.Reset();
   a->att16.Reset();
-  // dn1 = dq · Wq + dk · Wk + dv · Wv: one fused GEMM, or three bf16 parts (as dn2 above).
-  DevBuf dn1q(be_, N * C_ * 2), dn1k, dn1v;
-  const Fp8Format qfmt = b.lq.dy_format();
+  DevBuf dn1q(be_, N * C_ * 2), dn1k, dn1v;  // (N, C) bf16 parts
   if (QkvBackwardFused(b)) {
-    // [dq | dk | dv] (N, nt) codes side by side (RoPE's backward in the q and k casts) and their
-    // transposes stacked (nt, N): one dX GEMM over K = nt and one dW GEMM of (nt, C).
-    const int64_t nq = H_ * D_, nk = Hkv_ * D_, nt = nq + 2 * nk;
-    DevBuf d8(be_, N * nt), dT8(be_, N * nt);
-    be_->RopeBackwardCastTransposeFp8Bf16(dq16.u16(), B, T_, H_, D_, theta_, b.lq.DyScale(), qfmt,
-                                          d8.u8(), dT8.u8(), b.lq.DyAmaxOut(), nt);
-    be_->RopeBackwardCastTransposeFp8Bf16(dk16.u16(), B, T_, Hkv_, D_, theta_, b.lk.DyScale(),
-                                          qfmt, d8.u8() + nq, dT8.u8() + N * nq,
-                                          b.lk.DyAmaxOut(), nt);
-    be_->CastTransposeFp8Bf16(dv16.u16(), N, nk, b.lv.DyScale(), qfmt, d8.u8() + nq + nk,
-                              dT8.u8() + N * (nq + nk), b.lv.DyAmaxOut(), nt);
-    dq16.Reset();  // before the GEMMs: off the backward's peak
-    dk16.Reset();
-    dv16.Reset();
-    b.lq.BackwardFp8(std::move(d8), std::move(dT8), N, C_, nt, View(b.q), a->sq, nullptr, false,
-                     p_->G(b.q), dn1q.u16());
-    ++fused_backward_runs_;
+    BackwardQkvFused(b, B, *a, dq16, dk16, dv16, dn1q);
   } else {
     dn1k = DevBuf(be_, N * C_ * 2);
     dn1v = DevBuf(be_, N * C_ * 2);
@@ -519,13 +566,56 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
   dk16.Reset();
   dv16.Reset();
   a->sq = a->sk = a->sv = LinearSaved();
-  DevBuf dx(be_, N * C_ * 4);
+  DevBuf dx(be_, N * C_ * 4);  // (N, C)
   be_->RmsNormBackwardAddBf16Parts(dn1q.u16(), dn1k.empty() ? nullptr : dn1k.u16(),
                                    dn1v.empty() ? nullptr : dn1v.u16(), a->x_in.f32(),
                                    p_->W(b.in_norm), a->rstd1.f32(), dh.f32(), N, C_, dx.f32(),
                                    p_->G(b.in_norm));
   *a = BlockActs();
   *dout = std::move(dx);
+}
+
+void LlamaModel::OutputAttentionBackwardFp8(Block& b, int64_t B, BlockActs* a, const DevBuf& dh,
+                                            DevBuf* dq16, DevBuf* dk16, DevBuf* dv16) {
+  const int64_t N = B * T_;
+  DevBuf datt16(be_, N * C_ * 2);  // (N, C) bf16
+  b.lo.Backward(ActivationView::F32(dh.f32()), N, C_, C_, View(b.o), a->so,
+                InputGrad::Bf16(datt16.u16()), p_->G(b.o));
+  a->so = LinearSaved();
+  const int64_t nq = H_ * D_, nk = Hkv_ * D_;
+  if (!a->qkv16.empty()) {  // [q | k | v] from the fused forward GEMM
+    const uint16_t* p = a->qkv16.u16();
+    be_->AttentionBackwardBf16SavedTo16(p, p + nq, p + nq + nk, a->att16.u16(), datt16.u16(),
+                                        a->lse.f32(), B, T_, H_, Hkv_, D_, dq16->u16(),
+                                        dk16->u16(), dv16->u16(), nq + 2 * nk, nq + 2 * nk);
+  } else {
+    be_->AttentionBackwardBf16SavedTo16(a->q16.u16(), a->k16.u16(), a->v16.u16(),
+                                        a->att16.u16(), datt16.u16(), a->lse.f32(), B, T_, H_,
+                                        Hkv_, D_, dq16->u16(), dk16->u16(), dv16->u16(), nq, nk);
+  }
+}
+
+void LlamaModel::BackwardQkvFused(Block& b, int64_t B, BlockActs& a, DevBuf& dq16, DevBuf& dk16,
+                                  DevBuf& dv16, DevBuf& dn1) {
+  // [dq | dk | dv] (N, nt) codes side by side (RoPE's backward in the q and k casts) and their
+  // transposes stacked (nt, N): one dX GEMM over K = nt and one dW GEMM of (nt, C).
+  const int64_t N = B * T_;
+  const int64_t nq = H_ * D_, nk = Hkv_ * D_, nt = nq + 2 * nk;
+  const Fp8Format qfmt = b.lq.dy_format();
+  DevBuf d8(be_, N * nt), dT8(be_, N * nt);
+  be_->RopeBackwardCastTransposeFp8Bf16(dq16.u16(), B, T_, H_, D_, theta_, b.lq.DyScale(), qfmt,
+                                        d8.u8(), dT8.u8(), b.lq.DyAmaxOut(), nt);
+  be_->RopeBackwardCastTransposeFp8Bf16(dk16.u16(), B, T_, Hkv_, D_, theta_, b.lk.DyScale(),
+                                        qfmt, d8.u8() + nq, dT8.u8() + N * nq,
+                                        b.lk.DyAmaxOut(), nt);
+  be_->CastTransposeFp8Bf16(dv16.u16(), N, nk, b.lv.DyScale(), qfmt, d8.u8() + nq + nk,
+                            dT8.u8() + N * (nq + nk), b.lv.DyAmaxOut(), nt);
+  dq16.Reset();  // before the GEMMs: off the backward's peak
+  dk16.Reset();
+  dv16.Reset();
+  b.lq.BackwardFp8(std::move(d8), std::move(dT8), N, C_, nt, View(b.q), a.sq,
+                   InputGrad::Bf16(dn1.u16()), p_->G(b.q));
+  ++fused_backward_runs_;
 }
 
 void LlamaModel::BackwardQkvPerLinear(Block& b, int64_t B, BlockActs& a, DevBuf& dq16,
@@ -538,8 +628,8 @@ void LlamaModel::BackwardQkvPerLinear(Block& b, int64_t B, BlockActs& a, DevBuf&
     const int64_t n = N * heads * D_;
     if (lin.DyNeedsAmaxFirst()) {
       be_->RopeBackwardBf16(d16.u16(), B, T_, heads, D_, theta_);
-      lin.Backward(nullptr, d16.u16(), N, C_, heads * D_, View(w), saved, nullptr, false, p_->G(w),
-                   dn.u16());
+      lin.Backward(ActivationView::Bf16(d16.u16()), N, C_, heads * D_, View(w), saved,
+                   InputGrad::Bf16(dn.u16()), p_->G(w));
       return;
     }
     DevBuf d8(be_, n), dT8(be_, n);
@@ -547,13 +637,13 @@ void LlamaModel::BackwardQkvPerLinear(Block& b, int64_t B, BlockActs& a, DevBuf&
                                           lin.dy_format(), d8.u8(), dT8.u8(), lin.DyAmaxOut(),
                                           heads * D_);
     d16.Reset();
-    lin.BackwardFp8(std::move(d8), std::move(dT8), N, C_, heads * D_, View(w), saved, nullptr,
-                    false, p_->G(w), dn.u16());
+    lin.BackwardFp8(std::move(d8), std::move(dT8), N, C_, heads * D_, View(w), saved,
+                    InputGrad::Bf16(dn.u16()), p_->G(w));
   };
   rope_backward(b.lq, dq16, H_, a.sq, b.q, dn1q);
   rope_backward(b.lk, dk16, Hkv_, a.sk, b.k, dn1k);
-  b.lv.Backward(nullptr, dv16.u16(), N, C_, Hkv_ * D_, View(b.v), a.sv, nullptr, false,
-                p_->G(b.v), dn1v.u16());
+  b.lv.Backward(ActivationView::Bf16(dv16.u16()), N, C_, Hkv_ * D_, View(b.v), a.sv,
+                InputGrad::Bf16(dn1v.u16()), p_->G(b.v));
 }
 
 void LlamaModel::HeadBf16(const float* nf, const int32_t* targets, int64_t N, float grad_scale,
@@ -589,42 +679,25 @@ absl::Status LlamaModel::PrefetchFirstUnits() {
   return blocks_.empty() ? p_->Prefetch(head_unit_) : p_->Prefetch(blocks_[0].q.unit);
 }
 
+int LlamaModel::BlockUnit(int l) const {
+  return l < static_cast<int>(blocks_.size()) ? blocks_[l].q.unit : head_unit_;
+}
+
 absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int64_t B,
                              float grad_scale, float* losses, bool backward) {
   const int64_t N = B * T_;
   const int L = static_cast<int>(blocks_.size());
-  auto unit_of = [&](int l) { return l < L ? blocks_[l].q.unit : head_unit_; };
-  // Embedding.
-  if (absl::Status s = p_->Gather(embedding_unit_); !s.ok()) return s;
-  // The next unit's all-gather runs while this one computes (prefetch one unit ahead; two ahead
-  // measured slower at 1b).
-  if (absl::Status s = p_->Prefetch(unit_of(0)); !s.ok()) return s;
-  DevBuf x(be_, N * C_ * 4);
-  be_->EmbeddingForward(tokens, N, p_->W(embed_), C_, x.f32());
-  p_->Release(embedding_unit_);
-  // Blocks.
+  DevBuf x;  // (N, C) f32: the residual stream
   std::vector<BlockActs> acts(backward ? L : 0);
-  const bool recompute = backward && recompute_;
-  for (int l = 0; l < L; ++l) {
-    const int unit = unit_of(l);
-    if (absl::Status s = p_->Gather(unit); !s.ok()) return s;
-    if (absl::Status s = p_->Prefetch(unit_of(l + 1)); !s.ok()) return s;
-    if (recompute) {  // keep only the block input
-      acts[l].x_in = DevBuf(be_, N * C_ * 4);
-      be_->Copy(acts[l].x_in.get(), x.get(), N * C_ * 4);
-    }
-    absl::Status s = BlockForward(l, B, &x, backward && !recompute ? &acts[l] : nullptr);
-    p_->Release(unit);
-    if (!s.ok()) return s;
-  }
+  if (absl::Status s = ForwardBlocks(tokens, B, backward, &x, &acts); !s.ok()) return s;
   // Head: final norm, lm_head, fused cross-entropy (+ its backward).
   if (absl::Status s = p_->Gather(head_unit_); !s.ok()) return s;
   if (backward && L > 0) {
-    if (absl::Status s = p_->Prefetch(unit_of(L - 1)); !s.ok()) return s;
+    if (absl::Status s = p_->Prefetch(BlockUnit(L - 1)); !s.ok()) return s;
   }
-  DevBuf nf(be_, N * C_ * 4), rstdf(be_, N * 4);
+  DevBuf nf(be_, N * C_ * 4), rstdf(be_, N * 4);  // (N, C), (N)
   be_->RmsNormForward(x.f32(), p_->W(final_norm_), eps_, N, C_, nf.f32(), rstdf.f32());
-  DevBuf dnf;
+  DevBuf dnf;  // (N, C) f32
   if (lhead_.precision() == v1::PRECISION_BF16) {
     if (!backward) {
       HeadBf16(nf.f32(), targets, N, 0.0f, losses, nullptr);
@@ -639,7 +712,7 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
     forward_peak_ = std::max(forward_peak_, be_->PeakAllocatedBytes());
     be_->ResetPeak();
   } else {
-    DevBuf logits(be_, N * V_ * 4);
+    DevBuf logits(be_, N * V_ * 4);  // (N, V)
     LinearSaved sh;
     lhead_.Forward(nf.f32(), N, C_, V_, View(head_), logits.f32(), backward ? &sh : nullptr);
     be_->CrossEntropyForwardBackward(logits.f32(), targets, N, V_, backward ? grad_scale : 0.0f,
@@ -652,37 +725,75 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
     be_->ResetPeak();
     p_->BeginGrads(head_unit_);
     dnf = DevBuf(be_, N * C_ * 4);
-    lhead_.Backward(logits.f32(), N, C_, V_, View(head_), sh, dnf.f32(), false, p_->G(head_));
+    lhead_.Backward(ActivationView::F32(logits.f32()), N, C_, V_, View(head_), sh,
+                    InputGrad::F32(dnf.f32()), p_->G(head_));
   }
-  DevBuf dx(be_, N * C_ * 4);
+  DevBuf dx(be_, N * C_ * 4);  // (N, C)
   be_->RmsNormBackward(dnf.f32(), x.f32(), p_->W(final_norm_), rstdf.f32(), N, C_, dx.f32(),
                        p_->G(final_norm_));
   nf.Reset();
   x.Reset();
   p_->Release(head_unit_);
   if (absl::Status s = p_->ReduceGrads(head_unit_); !s.ok()) return s;
+  return BackwardBlocks(tokens, B, &acts, &dx);
+}
+
+absl::Status LlamaModel::ForwardBlocks(const int32_t* tokens, int64_t B, bool backward, DevBuf* x,
+                                       std::vector<BlockActs>* acts) {
+  const int64_t N = B * T_;
+  const int L = static_cast<int>(blocks_.size());
+  // Embedding.
+  if (absl::Status s = p_->Gather(embedding_unit_); !s.ok()) return s;
+  // The next unit's all-gather runs while this one computes (prefetch one unit ahead; two ahead
+  // measured slower at 1b).
+  if (absl::Status s = p_->Prefetch(BlockUnit(0)); !s.ok()) return s;
+  *x = DevBuf(be_, N * C_ * 4);
+  be_->EmbeddingForward(tokens, N, p_->W(embed_), C_, x->f32());
+  p_->Release(embedding_unit_);
+  // Blocks.
+  const bool recompute = backward && recompute_;
+  for (int l = 0; l < L; ++l) {
+    const int unit = BlockUnit(l);
+    if (absl::Status s = p_->Gather(unit); !s.ok()) return s;
+    if (absl::Status s = p_->Prefetch(BlockUnit(l + 1)); !s.ok()) return s;
+    BlockActs* a = backward ? &(*acts)[l] : nullptr;
+    if (recompute) {  // keep only the block input
+      a->x_in = DevBuf(be_, N * C_ * 4);
+      be_->Copy(a->x_in.get(), x->get(), N * C_ * 4);
+    }
+    absl::Status s = BlockForward(l, B, x, recompute ? nullptr : a);
+    p_->Release(unit);
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LlamaModel::BackwardBlocks(const int32_t* tokens, int64_t B,
+                                        std::vector<BlockActs>* acts, DevBuf* dx) {
+  const int64_t N = B * T_;
   // Blocks in reverse: re-gather (prefetched one block ahead), gradients, reduce-scatter (in
   // flight while the next block computes), free.
-  for (int l = L - 1; l >= 0; --l) {
-    const int unit = unit_of(l);
+  for (int l = static_cast<int>(blocks_.size()) - 1; l >= 0; --l) {
+    BlockActs& a = (*acts)[l];
+    const int unit = BlockUnit(l);
     if (absl::Status s = p_->Gather(unit); !s.ok()) return s;
     if (l > 0) {
-      if (absl::Status s = p_->Prefetch(unit_of(l - 1)); !s.ok()) return s;
+      if (absl::Status s = p_->Prefetch(BlockUnit(l - 1)); !s.ok()) return s;
     }
-    if (recompute) {
+    if (recompute_) {
       // The same weights and FP8 scales as the forward: the activations come out bit-identical
       // (re-recording their amax changes no maximum).
-      DevBuf xin = std::move(acts[l].x_in);
-      if (absl::Status s = BlockForward(l, B, &xin, &acts[l]); !s.ok()) return s;
+      DevBuf xin = std::move(a.x_in);
+      if (absl::Status s = BlockForward(l, B, &xin, &a); !s.ok()) return s;
     }
     p_->BeginGrads(unit);
-    BlockBackward(l, B, &acts[l], &dx);
+    BlockBackward(l, B, &a, dx);
     p_->Release(unit);
     if (absl::Status s = p_->ReduceGrads(unit); !s.ok()) return s;
   }
   // Embedding backward needs only the tokens.
   p_->BeginGrads(embedding_unit_);
-  be_->EmbeddingBackward(tokens, N, dx.f32(), C_, p_->G(embed_));
+  be_->EmbeddingBackward(tokens, N, dx->f32(), C_, p_->G(embed_));
   if (absl::Status s = p_->ReduceGrads(embedding_unit_); !s.ok()) return s;
   p_->FlushGrads();
   backward_peak_ = std::max(backward_peak_, be_->PeakAllocatedBytes());

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -84,21 +85,73 @@ class LlamaModel {
   // Whether block b's q/k/v backward runs one dX and one dW GEMM this step (b.fused_qkv, the
   // grad-output scales known and equal). Its forward GEMM is fused whenever b.fused_qkv.
   bool QkvBackwardFused(const Block& b) const;
-  // The per-linear q/k/v backward of BlockBackwardFp8: dn1q, dn1k, dn1v (N, C) bf16 parts from
-  // dq16, dk16, dv16 (RoPE's backward applied to q and k here).
-  void BackwardQkvPerLinear(Block& b, int64_t B, BlockActs& a, DevBuf& dq16, DevBuf& dk16,
-                            DevBuf& dv16, DevBuf& dn1q, DevBuf& dn1k, DevBuf& dn1v);
+  // The FSDP unit of block l; the head's unit for l == the number of blocks.
+  int BlockUnit(int l) const;
+  // The embedding and the blocks' forward: x (N, C) f32 receives the last block's output. With
+  // backward, acts (one per block) receives what each block's backward needs (only the block
+  // input with activation recompute).
+  absl::Status ForwardBlocks(const int32_t* tokens, int64_t B, bool backward, DevBuf* x,
+                             std::vector<BlockActs>* acts);
+  // The blocks' backward in reverse, then the embedding's, from dx (N, C) f32, the gradient of
+  // the last block's output; flushes the reduce-scatters and records the backward's peak.
+  absl::Status BackwardBlocks(const int32_t* tokens, int64_t B, std::vector<BlockActs>* acts,
+                              DevBuf* dx);
+
+  // One block, forward: *x (N, C) f32 is the block input and becomes its output; acts null:
+  // evaluation (nothing kept). Backward: *dx (N, C) f32, the gradient of the block output,
+  // becomes the gradient of its input; the block's weight gradients are written, acts cleared.
   absl::Status BlockForward(int l, int64_t B, DevBuf* x, BlockActs* acts);
   void BlockBackward(int l, int64_t B, BlockActs* acts, DevBuf* dx);
+  // The two halves of a block (any precision, f32 activations): the attention half makes
+  // acts->h (N, C) from acts->x_in; the MLP half returns the block output (N, C) from acts->h.
+  // Their backwards in reverse order: the MLP half returns dh (N, C) from *dout (freed), the
+  // attention half turns *dout into dx (N, C) from dh and clears acts.
+  void AttentionForward(Block& b, int64_t B, bool train, BlockActs* a);
+  DevBuf MlpForward(Block& b, int64_t B, bool train, BlockActs* a);
+  DevBuf MlpBackward(Block& b, int64_t B, BlockActs* a, DevBuf* dout);
+  void AttentionBackward(Block& b, int64_t B, BlockActs* a, const DevBuf& dh, DevBuf* dout);
+
   // The same for an FP8 block with BF16 attention (bf16 activations between its GEMMs).
   absl::Status BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs* acts);
+  void BlockBackwardFp8(int l, int64_t B, BlockActs* acts, DevBuf* dx);
+  void AttentionForwardFp8(Block& b, int64_t B, bool train, BlockActs* a);
+  DevBuf MlpForwardFp8(Block& b, int64_t B, bool train, BlockActs* a);
+  DevBuf MlpBackwardFp8(int l, Block& b, int64_t B, BlockActs* a, DevBuf* dout);
+  void AttentionBackwardFp8(Block& b, int64_t B, BlockActs* a, const DevBuf& dh, DevBuf* dout);
+
+  // q, k, v (B, T, H, D), (B, T, Hkv, D) x2 bf16 after RoPE, in acts' buffers; consecutive
+  // tokens' rows q_ld (q) and kv_ld (k, v) elements apart.
+  struct QkvBf16 {
+    const uint16_t *q = nullptr, *k = nullptr, *v = nullptr;
+    int64_t q_ld = 0, kv_ld = 0;
+  };
+  // The q/k/v projections of the FP8 attention half from their shared input in1 (n1's FP8
+  // codes): one GEMM into acts->qkv16 when b.fused_qkv, else three into q16, k16, v16.
+  QkvBf16 QkvForwardFp8(Block& b, int64_t B, bool train, const std::shared_ptr<Fp8Input>& in1,
+                        BlockActs* a);
+  // The gate/up backward of the FP8 MLP half from dact16 (N, F) bf16, the gradient of
+  // silu(gate) * up (freed here): fused (MlpFused), dn2 (N, C) bf16 from one dX GEMM; or per
+  // linear, dn2g and dn2u (N, C) bf16 (allocated here) parts.
+  void BackwardGateUpFused(Block& b, int64_t N, BlockActs* a, DevBuf* dact16, DevBuf* dn2);
+  void BackwardGateUpPerLinear(Block& b, int64_t N, BlockActs* a, DevBuf* dact16, DevBuf* dn2g,
+                               DevBuf* dn2u);
+  // The o_proj and attention backward of the FP8 attention half: dq16, dk16, dv16 (B, T, H|Hkv,
+  // D) bf16 from dh (N, C) f32.
+  void OutputAttentionBackwardFp8(Block& b, int64_t B, BlockActs* a, const DevBuf& dh,
+                                  DevBuf* dq16, DevBuf* dk16, DevBuf* dv16);
+  // The q/k/v backward of the FP8 attention half from dq16, dk16, dv16 (RoPE's backward
+  // applied to q and k here): fused (QkvBackwardFused), dn1 (N, C) bf16 from one dX GEMM; or
+  // per linear, dn1q, dn1k, dn1v (N, C) bf16 parts.
+  void BackwardQkvFused(Block& b, int64_t B, BlockActs& a, DevBuf& dq16, DevBuf& dk16,
+                        DevBuf& dv16, DevBuf& dn1);
+  void BackwardQkvPerLinear(Block& b, int64_t B, BlockActs& a, DevBuf& dq16, DevBuf& dk16,
+                            DevBuf& dv16, DevBuf& dn1q, DevBuf& dn1k, DevBuf& dn1v);
   // The BF16 head's forward and backward with its loss, in row chunks: logits (rows, V) f32 per
   // chunk, the cross-entropy gradient straight to bf16 (Backend::CrossEntropyForwardBackwardBf16Grad),
   // dnf (N, C) f32 written, the head's weight gradient accumulated (BeginGrads first). dnf null:
   // evaluation, the losses only. nf (N, C) f32, targets (N), losses (N) nats.
   void HeadBf16(const float* nf, const int32_t* targets, int64_t N, float grad_scale,
                 float* losses, float* dnf);
-  void BlockBackwardFp8(int l, int64_t B, BlockActs* acts, DevBuf* dx);
 
   Backend* be_;
   FsdpParams* p_;

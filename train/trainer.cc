@@ -1,9 +1,7 @@
 #include "train/trainer.h"
 
-#include <chrono>
+#include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -23,7 +21,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
                                                          Communicator* comm,
                                                          const TrainerOptions& options) {
   std::unique_ptr<Trainer> t(new Trainer());
-  t->log_step_timing_ = options.log_step_timing;
+  t->timer_ = StepTimer(options.log_step_timing);
   t->spec_ = WithDefaults(spec_in, world_size);
   const v1::JobSpec& spec = t->spec_;
   t->rank_ = rank;
@@ -121,7 +119,7 @@ absl::StatusOr<double> Trainer::RunBatch(const TokenData& data, int64_t step, ui
     const double t_run = CommClock::Now();
     absl::Status s = model_->Run(d_in.i32(), d_tg.i32(), micro_, grad_scale,
                                  losses.f32() + mb * n, backward);
-    host_enqueue_seconds_ += CommClock::Now() - t_run;
+    timer_.AddHostEnqueue(CommClock::Now() - t_run);
     if (!s.ok()) return s;
   }
   if (before_readback) {
@@ -194,13 +192,47 @@ absl::StatusOr<double> Trainer::Evaluate() {
                    spec_.model().seq_len());
 }
 
-absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool report_scaling) {
-  const double t0 = CommClock::Now();
+absl::StatusOr<StepStats> Trainer::Step(int64_t step, bool evaluate, bool report_scaling) {
+  timer_.Begin();
   clock_.seconds = 0;
-  host_enqueue_seconds_ = 0;
   comm_->ConsumeExposedSeconds();  // drop waits recorded outside steps
   const CommBytes bytes0 = comm_->bytes();
   be_->ResetPeak();
+  StepStats r;
+  r.step = step;
+  r.tokens = static_cast<int64_t>(local_batch_) * spec_.model().seq_len();
+  if (absl::Status s = StepForwardBackward(step, &r); !s.ok()) return s;
+  if (absl::Status s = StepOptimizer(step, &r); !s.ok()) return s;
+  // The next step's first all-gathers overlap this step's end and the host's turn-around; they
+  // count in this step's bytes, as this step's own first all-gathers counted in the previous one.
+  if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;
+  const CommBytes bytes1 = comm_->bytes();
+  be_->Synchronize();
+  timer_.Mark(StepTimer::kOptimizer);
+  r.optimizer_peak_bytes = be_->PeakAllocatedBytes();
+  timer_.MaybePrint(step);
+  comm_->ConsumeExposedSeconds();
+  last_step_ = step;
+  if (evaluate) {
+    absl::StatusOr<double> v = Evaluate();
+    if (!v.ok()) return v.status();
+    if (absl::Status s = comm_->Verify(); !s.ok()) return s;  // the evaluation's collectives (C09)
+    if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;  // taken by the evaluation
+    r.val_loss = *v;
+  }
+  r.comm_seconds = timer_.comm_seconds();
+  r.compute_seconds = timer_.compute_seconds();
+  r.optimizer_seconds = timer_.optimizer_seconds();
+  r.all_gather_bytes = bytes1.all_gather - bytes0.all_gather;
+  r.reduce_scatter_bytes = bytes1.reduce_scatter - bytes0.reduce_scatter;
+  r.peak_memory_bytes =
+      std::max({r.forward_peak_bytes, r.backward_peak_bytes, r.optimizer_peak_bytes});
+  if (report_scaling) r.scaling = ScalingReport();
+  timer_.End();
+  return r;
+}
+
+absl::Status Trainer::StepForwardBackward(int64_t step, StepStats* r) {
   params_->ZeroGrads();
   scaling_->BeginStep();
   scaling_->set_recording(true);
@@ -215,19 +247,26 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
       });
   if (!loss_sum.ok()) return loss_sum.status();
   // RunBatch ended with a device synchronisation (the losses' copy to the host).
-  const double t_fb = CommClock::Now();
+  timer_.Mark(StepTimer::kForwardBackward);
   const auto [fwd_peak, bwd_peak] = model_->TakePhasePeaks();
   const int64_t fb_tail_peak = be_->PeakAllocatedBytes();  // after the last phase boundary
   be_->ResetPeak();
-  const double fb_waits = comm_->ConsumeExposedSeconds();
-  const double fb_comm = fb_host_comm + fb_waits;
-  // Step 5: one fused amax all-reduce (enqueued above); identical delayed-scaling updates on
-  // every rank.
+  timer_.SetForwardBackwardComm(fb_host_comm, comm_->ConsumeExposedSeconds());
+  r->loss_sum = *loss_sum;
+  r->forward_peak_bytes = fwd_peak;
+  r->backward_peak_bytes = std::max(bwd_peak, fb_tail_peak);
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::StepOptimizer(int64_t step, StepStats* r) {
+  // Step 5: one fused amax all-reduce (enqueued behind the backward); identical delayed-scaling
+  // updates on every rank.
   scaling_->UpdateScales();
-  const double t_scales = CommClock::Now();
-  // Step 6: global grad norm (enqueued above), clipping, AdamW, next step's FP8 weight shards.
+  timer_.Mark(StepTimer::kScaleUpdate);
+  // Step 6: global grad norm (enqueued behind the backward), clipping, AdamW, next step's FP8
+  // weight shards.
   const double sq = params_->FinishGradSquaredNorm();
-  const double t_norm = CommClock::Now();
+  timer_.Mark(StepTimer::kGradNorm);
   const double norm = std::sqrt(sq);
   const v1::OptimizerSpec& o = spec_.optimizer();
   double clip = 1.0;
@@ -236,68 +275,17 @@ absl::StatusOr<v1::StepResult> Trainer::Step(int64_t step, bool evaluate, bool r
   params_->AdamW(static_cast<float>(lr), static_cast<float>(o.beta1()),
                  static_cast<float>(o.beta2()), static_cast<float>(o.eps()),
                  static_cast<float>(o.weight_decay()), step + 1, static_cast<float>(clip));
-  const double t_adamw = CommClock::Now();
+  timer_.Mark(StepTimer::kAdamW);
   if (absl::Status s = params_->CastWeights(); !s.ok()) return s;
-  // C09 for this step's collectives, before the prefetch below: its headers queue behind the
-  // embedding's all-gather, and waiting for them held the next step back (~0.7 ms at 1b); the
-  // watchdog or the next step's Verify compares them.
-  const double t_casts = CommClock::Now();
+  // C09 for this step's collectives, before the next step's prefetch: its headers queue behind
+  // the embedding's all-gather, and waiting for them held the next step back (~0.7 ms at 1b);
+  // the watchdog or the next step's Verify compares them.
+  timer_.Mark(StepTimer::kWeightCasts);
   if (absl::Status s = comm_->Verify(); !s.ok()) return s;
-  const double t_verify = CommClock::Now();
-  // The next step's first all-gathers overlap this step's end and the host's turn-around; they
-  // count in this step's bytes, as this step's own first all-gathers counted in the previous one.
-  if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;
-  const CommBytes bytes1 = comm_->bytes();
-  be_->Synchronize();
-  const double t_opt = CommClock::Now();
-  const int64_t opt_peak = be_->PeakAllocatedBytes();
-  if (log_step_timing_) {  // the exposed-communication figure split (kernels/cuda/op_profile.h)
-    std::fprintf(stderr,
-                 "fsdp8 step %lld: forward+backward %.1f ms (host time enqueueing it %.1f ms, of "
-                 "which inside collective calls %.1f ms; compute stream waiting on collectives "
-                 "%.1f ms), optimizer %.1f ms (host: scale updates %.2f, grad norm %.2f, AdamW "
-                 "enqueued %.2f, casts enqueued %.2f, verify %.2f, prefetch enqueued and waiting "
-                 "for the device %.2f), host between the previous step's end and this step's "
-                 "start %.2f ms\n",
-                 static_cast<long long>(step), 1e3 * (t_fb - t0), 1e3 * host_enqueue_seconds_,
-                 1e3 * fb_host_comm, 1e3 * fb_waits, 1e3 * (t_opt - t_fb), 1e3 * (t_scales - t_fb),
-                 1e3 * (t_norm - t_scales), 1e3 * (t_adamw - t_norm), 1e3 * (t_casts - t_adamw),
-                 1e3 * (t_verify - t_casts), 1e3 * (t_opt - t_verify),
-                 last_step_end_ > 0 ? 1e3 * (t0 - last_step_end_) : 0.0);
-  }
-  comm_->ConsumeExposedSeconds();
-  last_step_ = step;
-
-  v1::StepResult r;
-  r.set_step(step);
-  r.set_loss_sum(*loss_sum);
-  r.set_tokens(static_cast<int64_t>(local_batch_) * spec_.model().seq_len());
-  r.set_grad_norm(norm);
-  r.set_lr(lr);
-  r.set_val_loss(std::numeric_limits<double>::quiet_NaN());
-  if (evaluate) {
-    absl::StatusOr<double> v = Evaluate();
-    if (!v.ok()) return v.status();
-    if (absl::Status s = comm_->Verify(); !s.ok()) return s;  // the evaluation's collectives (C09)
-    if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;  // taken by the evaluation
-    r.set_val_loss(*v);
-  }
-  // Forward/backward split into compute and exposed communication; the optimizer phase
-  // separately; evaluation is in neither. The forward/backward part ends with the reductions
-  // enqueued behind the backward (SumSquares and the amax and grad-norm all-reduces, ~1 ms at
-  // 1b); its "exposed communication" counts their compute-stream waits, not their host time.
-  r.set_comm_seconds(fb_comm);
-  r.set_compute_seconds(std::max(0.0, (t_fb - t0) - fb_comm));
-  r.set_optimizer_seconds(t_opt - t_fb);
-  r.set_all_gather_bytes(bytes1.all_gather - bytes0.all_gather);
-  r.set_reduce_scatter_bytes(bytes1.reduce_scatter - bytes0.reduce_scatter);
-  r.set_forward_peak_bytes(fwd_peak);
-  r.set_backward_peak_bytes(std::max(bwd_peak, fb_tail_peak));
-  r.set_optimizer_peak_bytes(opt_peak);
-  r.set_peak_memory_bytes(std::max({fwd_peak, bwd_peak, fb_tail_peak, opt_peak}));
-  if (report_scaling) *r.mutable_scaling() = ScalingReport();
-  last_step_end_ = CommClock::Now();
-  return r;
+  timer_.Mark(StepTimer::kVerify);
+  r->grad_norm = norm;
+  r->lr = lr;
+  return absl::OkStatus();
 }
 
 v1::ScalingState Trainer::ScalingReport() const {

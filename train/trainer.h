@@ -18,8 +18,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,7 +29,6 @@
 #include "common/shard_plan.h"
 #include "fsdp8/v1/admin.pb.h"
 #include "fsdp8/v1/spec.pb.h"
-#include "fsdp8/v1/worker.pb.h"
 #include "kernels/backend.h"
 #include "comm/communicator.h"
 #include "train/data.h"
@@ -35,8 +36,37 @@
 #include "train/fsdp.h"
 #include "train/model.h"
 #include "train/options.h"
+#include "train/step_timer.h"
 
 namespace fsdp8 {
+
+// What one optimizer step reports: this rank's figures unless marked global.
+struct StepStats {
+  int64_t step = 0;
+  double loss_sum = 0;   // sum of the per-token training losses over this rank's tokens (nats)
+  int64_t tokens = 0;    // tokens this rank trained on
+  double grad_norm = 0;  // global L2 norm of the gradients before clipping (equal on every rank)
+  double lr = 0;         // learning rate of the step
+  // Global mean validation loss (nats, equal on every rank) when the step evaluated, else NaN.
+  double val_loss = std::numeric_limits<double>::quiet_NaN();
+  // Host wall seconds (StepTimer): the forward/backward split into compute and exposed
+  // communication, and the optimizer phase (amax and grad-norm reductions, AdamW, FP8 weight
+  // casts); evaluation is in none of them.
+  double compute_seconds = 0;
+  double comm_seconds = 0;
+  double optimizer_seconds = 0;
+  // Bytes this rank's all-gathers and reduce-scatters moved in the step (as CommBytes counts).
+  int64_t all_gather_bytes = 0;
+  int64_t reduce_scatter_bytes = 0;
+  // Peak device bytes allocated per phase (each includes what stays allocated, e.g. the shards):
+  // forward (through the loss), backward, optimizer (and FP8 weight casts); and their maximum.
+  int64_t forward_peak_bytes = 0;
+  int64_t backward_peak_bytes = 0;
+  int64_t optimizer_peak_bytes = 0;
+  int64_t peak_memory_bytes = 0;
+  // Trainer::ScalingReport() after the step, when the step was asked for it.
+  std::optional<v1::ScalingState> scaling;
+};
 
 class Trainer {
  public:
@@ -48,8 +78,9 @@ class Trainer {
       const v1::JobSpec& spec, int rank, int world_size, Backend* backend, Communicator* comm,
       const TrainerOptions& options = TrainerOptions::FromEnvironment());
 
-  // Runs optimizer step `step` (0-based); evaluates afterwards when `evaluate`.
-  absl::StatusOr<v1::StepResult> Step(int64_t step, bool evaluate, bool report_scaling);
+  // Runs optimizer step `step` (0-based); evaluates afterwards when `evaluate`; reports the
+  // scaling state when `report_scaling`.
+  absl::StatusOr<StepStats> Step(int64_t step, bool evaluate, bool report_scaling);
   // Mean validation loss over eval_batches x global_batch sequences (identical on every rank);
   // NaN without a validation file.
   absl::StatusOr<double> Evaluate();
@@ -91,6 +122,11 @@ class Trainer {
                                   bool backward,
                                   const std::function<absl::Status()>& before_readback = nullptr);
   absl::StatusOr<double> GlobalSum(double local);
+  // The two phases of Step: every microbatch's forward and backward with the amax and grad-norm
+  // reductions enqueued behind them (fills loss_sum and the forward/backward peaks); then the
+  // scaling update, clipping, AdamW and the next step's FP8 weight casts (fills grad_norm, lr).
+  absl::Status StepForwardBackward(int64_t step, StepStats* stats);
+  absl::Status StepOptimizer(int64_t step, StepStats* stats);
 
   v1::JobSpec spec_;
   int rank_ = 0;
@@ -105,9 +141,7 @@ class Trainer {
   std::unique_ptr<TokenData> train_, val_;
   int local_batch_ = 0, micro_ = 0, microbatches_ = 0;
   int64_t last_step_ = -1;
-  bool log_step_timing_ = false;  // TrainerOptions::log_step_timing
-  double last_step_end_ = 0;  // CommClock time at the end of the last Step (log_step_timing_)
-  double host_enqueue_seconds_ = 0;  // host time inside LlamaModel::Run this step
+  StepTimer timer_;
 };
 
 }  // namespace fsdp8

@@ -43,6 +43,32 @@ struct WorkerDaemon::Job {
   }
 };
 
+namespace {
+
+// The wire form of a step's figures (job_id is left to the caller).
+v1::StepResult ToStepResult(const StepStats& s) {
+  v1::StepResult r;
+  r.set_step(s.step);
+  r.set_loss_sum(s.loss_sum);
+  r.set_tokens(s.tokens);
+  r.set_grad_norm(s.grad_norm);
+  r.set_lr(s.lr);
+  r.set_val_loss(s.val_loss);
+  r.set_compute_seconds(s.compute_seconds);
+  r.set_comm_seconds(s.comm_seconds);
+  r.set_optimizer_seconds(s.optimizer_seconds);
+  r.set_all_gather_bytes(s.all_gather_bytes);
+  r.set_reduce_scatter_bytes(s.reduce_scatter_bytes);
+  r.set_forward_peak_bytes(s.forward_peak_bytes);
+  r.set_backward_peak_bytes(s.backward_peak_bytes);
+  r.set_optimizer_peak_bytes(s.optimizer_peak_bytes);
+  r.set_peak_memory_bytes(s.peak_memory_bytes);
+  if (s.scaling.has_value()) *r.mutable_scaling() = *s.scaling;
+  return r;
+}
+
+}  // namespace
+
 WorkerDaemon::WorkerDaemon(DaemonOptions opts)
     : opts_(std::move(opts)), faults_(opts_.settings.faults) {
   channel_ = opts_.channel;
@@ -419,7 +445,7 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
     return false;
   }
   const auto t0 = std::chrono::steady_clock::now();
-  absl::StatusOr<v1::StepResult> r =
+  absl::StatusOr<StepStats> r =
       job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
   if (r.ok()) {
     if (absl::Status fault = faults_.StepError(job_->rank, c.step()); !fault.ok()) {
@@ -452,25 +478,28 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
     DropJob();
     return false;
   }
-  r->set_job_id(job_->job_id);
+  v1::StepResult result = ToStepResult(*r);
+  result.set_job_id(job_->job_id);
   if (c.step() % 50 == 0 || c.evaluate()) {
-    Log(absl::StrCat("step ", c.step(), ": loss ", r->loss_sum() / std::max<int64_t>(1, r->tokens()),
-                     " compute ", r->compute_seconds(), " s, comm ", r->comm_seconds(),
-                     " s, optimizer ", r->optimizer_seconds(), " s",
-                     c.evaluate() ? absl::StrCat(", val ", r->val_loss()) : ""));
+    Log(absl::StrCat("step ", c.step(), ": loss ",
+                     result.loss_sum() / std::max<int64_t>(1, result.tokens()), " compute ",
+                     result.compute_seconds(), " s, comm ", result.comm_seconds(),
+                     " s, optimizer ", result.optimizer_seconds(), " s",
+                     c.evaluate() ? absl::StrCat(", val ", result.val_loss()) : ""));
   }
-  if (r->has_scaling()) r->mutable_scaling()->set_job_id(job_->job_id);
+  if (result.has_scaling()) result.mutable_scaling()->set_job_id(job_->job_id);
   if (opts_.metrics) {
     const CommBytes now = job_->comm->bytes();
     CommBytes delta;
     delta.all_gather = now.all_gather - job_->reported.all_gather;
     delta.reduce_scatter = now.reduce_scatter - job_->reported.reduce_scatter;
     delta.all_reduce = now.all_reduce - job_->reported.all_reduce;
-    opts_.metrics->OnStep(job_->job_id, job_->rank, *r, wall, delta,
-                          r->has_scaling() ? r->scaling() : job_->trainer->ScalingReport());
+    opts_.metrics->OnStep(job_->job_id, job_->rank, result, wall, delta,
+                          result.has_scaling() ? result.scaling()
+                                               : job_->trainer->ScalingReport());
     job_->reported = now;
   }
-  *m.mutable_result() = std::move(*r);
+  *m.mutable_result() = std::move(result);
   Send(m);
   return true;
 }

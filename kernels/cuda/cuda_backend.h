@@ -16,7 +16,8 @@
 //
 // Streams: every op is enqueued on one compute stream (a non-blocking stream created for this
 // backend), in call order. CopyToHost and Synchronize wait for it. Communicators order their own
-// stream against it with events, using stream() (comm/nccl_communicator.h).
+// stream against it with events, through the CudaStreams interface (kernels/cuda/cuda_streams.h,
+// comm/nccl_communicator.h).
 //
 // Numerics (the CPU backend is the reference; tests/conformance checks every op against it):
 //   * FP8 casts, transposes, dequantize, bf16 rounding / pack / unpack: bit-identical to the CPU.
@@ -54,6 +55,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/backend.h"
+#include "kernels/cuda/cuda_streams.h"
 #ifdef FSDP8_WITH_CUDNN
 #include "kernels/cuda/attention_cudnn.h"
 #endif
@@ -65,7 +67,7 @@ class LtGemm;
 class OpProfile;
 }
 
-class CudaBackend final : public Backend {
+class CudaBackend final : public Backend, public CudaStreams {
  public:
   // Binds `device`; aborts on CUDA errors (use CreateCudaBackend for a checked creation). Of the
   // options, profile_ops_period_s and gemm_verbose apply.
@@ -75,9 +77,9 @@ class CudaBackend final : public Backend {
   CudaBackend& operator=(const CudaBackend&) = delete;
 
   std::string Name() const override { return "cuda"; }
-  // The compute stream every op is enqueued on.
-  cudaStream_t stream() const { return stream_; }
-  int device() const { return device_; }
+  // The compute stream every op is enqueued on (CudaStreams).
+  cudaStream_t stream() const override { return stream_; }
+  int device() const override { return device_; }
   // Number of GemmFp8 calls that took the dequantize + f32 fallback (cuBLASLt refused the shape).
   int64_t gemm_fp8_fallbacks() const { return gemm_fp8_fallbacks_; }
 

@@ -111,7 +111,7 @@ using Tensors = std::map<std::string, std::vector<float>>;
 
 struct RunOut {
   Tensors w0, grad, w1;  // master before, step-0 gradient, master after step 0
-  std::vector<v1::StepResult> results;
+  std::vector<StepStats> results;
   double lr0 = 0, eps = 0, grad_clip = 0;  // from the trainer's spec (defaults applied)
 };
 
@@ -178,11 +178,11 @@ void Compare(const char* plan, const RunOut& a /*cpu*/,
   // Losses and grad norms of every step.
   double max_loss = 0, max_gn = 0;
   for (int k = 0; k < kSteps; ++k) {
-    const double la = a.results[k].loss_sum() / a.results[k].tokens();
-    const double lb = b.results[k].loss_sum() / b.results[k].tokens();
+    const double la = a.results[k].loss_sum / a.results[k].tokens;
+    const double lb = b.results[k].loss_sum / b.results[k].tokens;
     ASSERT_TRUE(std::isfinite(lb)) << "step " << k;
     const double rl = std::abs(lb - la) / std::abs(la);
-    const double ga = a.results[k].grad_norm(), gb = b.results[k].grad_norm();
+    const double ga = a.results[k].grad_norm, gb = b.results[k].grad_norm;
     const double rg = std::abs(gb - ga) / ga;
     std::printf("cuda-step %s step %d: loss cpu %.7f cuda %.7f rel %.3g; grad_norm cpu %.7g "
                 "cuda %.7g rel %.3g\n", plan, k, la, lb, rl, ga, gb, rg);
@@ -195,8 +195,8 @@ void Compare(const char* plan, const RunOut& a /*cpu*/,
   EXPECT_EQ(a.lr0, b.lr0);
   const double lr = a.lr0, eps = a.eps;
   EXPECT_EQ(a.grad_clip, b.grad_clip);
-  const double ca = Clip(a.grad_clip, a.results[0].grad_norm());
-  const double cb = Clip(b.grad_clip, b.results[0].grad_norm());
+  const double ca = Clip(a.grad_clip, a.results[0].grad_norm);
+  const double cb = Clip(b.grad_clip, b.results[0].grad_norm);
 
   double max_w0 = 0, max_gl2 = 0, max_tight = 0, max_loose = 0;
   std::string worst_g = "-";

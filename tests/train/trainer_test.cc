@@ -47,7 +47,7 @@ void AllPrecision(v1::JobSpec* s, v1::Precision p) {
 }
 
 struct RankOut {
-  std::vector<v1::StepResult> results;
+  std::vector<StepStats> results;
   std::map<std::string, std::vector<float>> master;
   v1::ScalingState scaling;
 };
@@ -77,8 +77,8 @@ std::vector<RankOut> Train(const v1::JobSpec& spec, int world, int steps, bool g
 double MeanLoss(const std::vector<RankOut>& o, int k) {
   double loss = 0, tokens = 0;
   for (const RankOut& r : o) {
-    loss += r.results[k].loss_sum();
-    tokens += r.results[k].tokens();
+    loss += r.results[k].loss_sum;
+    tokens += r.results[k].tokens;
   }
   return loss / tokens;
 }
@@ -243,7 +243,7 @@ TEST(Trainer, C04_ThreeRanksHoldBitIdenticalScalesAndWeights) {
       EXPECT_EQ(std::memcmp(v.data(), w.data(), v.size() * 4), 0) << name;
     }
     for (int k = 0; k < 3; ++k) {
-      EXPECT_EQ(out[r].results[k].grad_norm(), out[0].results[k].grad_norm());
+      EXPECT_EQ(out[r].results[k].grad_norm, out[0].results[k].grad_norm);
     }
   }
   EXPECT_EQ(non_unit, s0.tensors_size()) << "every tensor should have a real scale";
@@ -735,7 +735,7 @@ TEST(Trainer, EveryPrecisionPlanTrainsOnOneAndTwoRanks) {
           ASSERT_TRUE(res.ok()) << res.status();
           out[r].results.push_back(*res);
         }
-        val[r] = out[r].results[4].val_loss();
+        val[r] = out[r].results[4].val_loss;
       });
       std::printf("%s world %d: validation loss %.4f -> %.4f\n", p.name, world, val0[0], val[0]);
       ASSERT_EQ(out[0].results.size(), 5u);
@@ -762,14 +762,14 @@ TEST(Trainer, ActivationRecomputeIsBitIdentical) {
   const auto a = Train(spec, 2, 3, true);
   const auto b = Train(rec, 2, 3, true);
   for (int k = 0; k < 3; ++k) {
-    EXPECT_EQ(a[0].results[k].loss_sum(), b[0].results[k].loss_sum()) << "step " << k;
-    EXPECT_EQ(a[1].results[k].loss_sum(), b[1].results[k].loss_sum()) << "step " << k;
-    EXPECT_EQ(a[0].results[k].grad_norm(), b[0].results[k].grad_norm()) << "step " << k;
+    EXPECT_EQ(a[0].results[k].loss_sum, b[0].results[k].loss_sum) << "step " << k;
+    EXPECT_EQ(a[1].results[k].loss_sum, b[1].results[k].loss_sum) << "step " << k;
+    EXPECT_EQ(a[0].results[k].grad_norm, b[0].results[k].grad_norm) << "step " << k;
   }
   ASSERT_FALSE(a[0].master.empty());
   EXPECT_TRUE(a[0].master == b[0].master);
   // And the peak memory is lower.
-  EXPECT_LT(b[0].results[2].peak_memory_bytes(), a[0].results[2].peak_memory_bytes());
+  EXPECT_LT(b[0].results[2].peak_memory_bytes, a[0].results[2].peak_memory_bytes);
 }
 
 // FP8 weights travel as one byte per element: the all-gather and reduce-scatter bytes a step
@@ -787,7 +787,7 @@ TEST(Trainer, Fp8AllGatherMovesOneBytePerWeight) {
   constexpr int64_t kMicro = 3;
   const int64_t ag = kMicro * (16384 + 2 * 2 * (10240 + 128) + 16448);
   const int64_t rs = kMicro * (8192 + 2 * (10240 + 64) + 8224) * 4;
-  std::vector<v1::StepResult> res(2);
+  std::vector<StepStats> res(2);
   RunRanks(2, [&](int r, Communicator* c) {
     auto be = CpuBackend();
     auto t = Trainer::Create(spec, r, 2, be.get(), c);
@@ -799,10 +799,10 @@ TEST(Trainer, Fp8AllGatherMovesOneBytePerWeight) {
     }
   });
   for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(res[r].all_gather_bytes(), ag) << "rank " << r;
-    EXPECT_EQ(res[r].reduce_scatter_bytes(), rs) << "rank " << r;
-    EXPECT_GT(res[r].optimizer_seconds(), 0.0);
-    EXPECT_GT(res[r].compute_seconds(), 0.0);
+    EXPECT_EQ(res[r].all_gather_bytes, ag) << "rank " << r;
+    EXPECT_EQ(res[r].reduce_scatter_bytes, rs) << "rank " << r;
+    EXPECT_GT(res[r].optimizer_seconds, 0.0);
+    EXPECT_GT(res[r].compute_seconds, 0.0);
   }
 }
 
@@ -822,7 +822,7 @@ TEST(Trainer, DISABLED_DefaultModelStepTime) {
       ASSERT_TRUE(res.ok()) << res.status();
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       std::printf("step %d: %.3f s loss %.4f peak %.1f MiB\n", k, s,
-                  res->loss_sum() / res->tokens(), res->peak_memory_bytes() / 1048576.0);
+                  res->loss_sum / res->tokens, res->peak_memory_bytes / 1048576.0);
     }
   });
 }
