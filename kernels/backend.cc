@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "common/check.h"
 #include "common/env_settings.h"
 #include "kernels/cpu/cpu_backend.h"
 
@@ -15,10 +16,10 @@
 namespace fsdp8 {
 namespace {
 
-// A rounded-to-bf16 device copy of n f32 values.
-float* Bf16Copy(Backend* be, const float* x, int64_t n) {
+// A device copy of n f32 values, each rounded to the nearest bfloat16 (f32 storage).
+float* RoundedToBf16Copy(Backend* be, const float* x, int64_t n) {
   float* c = static_cast<float*>(be->Alloc(static_cast<size_t>(n) * sizeof(float)));
-  if (c == nullptr) abort();  // device out of memory: the trainer sizes buffers from the spec
+  FSDP8_CHECK(c != nullptr) << "device out of memory";  // the trainer sizes buffers from the spec
   be->Copy(c, x, static_cast<size_t>(n) * sizeof(float));
   be->RoundToBf16(c, n);
   return c;
@@ -26,17 +27,17 @@ float* Bf16Copy(Backend* be, const float* x, int64_t n) {
 
 }  // namespace
 
-void Backend::AttentionForwardBf16(const float* q, const float* k, const float* v, int64_t B,
-                                   int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
-                                   float* lse) {
-  float* q16 = Bf16Copy(this, q, B * T * H * D);
-  float* k16 = Bf16Copy(this, k, B * T * Hkv * D);
-  float* v16 = Bf16Copy(this, v, B * T * Hkv * D);
-  AttentionForward(q16, k16, v16, B, T, H, Hkv, D, out, lse);
+void Backend::AttentionForwardBf16Compute(const float* q, const float* k, const float* v, int64_t B,
+                                          int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
+                                          float* lse) {
+  float* qr = RoundedToBf16Copy(this, q, B * T * H * D);
+  float* kr = RoundedToBf16Copy(this, k, B * T * Hkv * D);
+  float* vr = RoundedToBf16Copy(this, v, B * T * Hkv * D);
+  AttentionForward(qr, kr, vr, B, T, H, Hkv, D, out, lse);
   RoundToBf16(out, B * T * H * D);
-  Free(q16);
-  Free(k16);
-  Free(v16);
+  Free(qr);
+  Free(kr);
+  Free(vr);
 }
 
 void Backend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t* k16,
@@ -46,20 +47,20 @@ void Backend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t* k1
                                          float* dk, float* dv) {
   const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
   float* buf = static_cast<float*>(Alloc(static_cast<size_t>(2 * nq + 2 * nk) * sizeof(float)));
-  if (buf == nullptr) abort();
+  FSDP8_CHECK(buf != nullptr) << "device out of memory";
   float *q = buf, *o = q + nq, *k = o + nq, *v = k + nk;
   UnpackBf16(q16, q, nq);
   UnpackBf16(out16, o, nq);
   UnpackBf16(k16, k, nk);
   UnpackBf16(v16, v, nk);
-  AttentionBackwardBf16(q, k, v, o, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
+  AttentionBackwardBf16Compute(q, k, v, o, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
   Free(buf);
 }
 
-void Backend::SwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
-                                 int64_t n, float* dgate, float* dup) {
+void Backend::SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16, const uint16_t* up16,
+                                      int64_t n, float* dgate, float* dup) {
   float* buf = static_cast<float*>(Alloc(static_cast<size_t>(2 * n) * sizeof(float)));
-  if (buf == nullptr) abort();
+  FSDP8_CHECK(buf != nullptr) << "device out of memory";
   UnpackBf16(gate16, buf, n);
   UnpackBf16(up16, buf + n, n);
   SwigluBackward(dh, buf, buf + n, n, dgate, dup);
@@ -73,7 +74,7 @@ namespace {
 // of memory here is a programming error).
 float* F32Scratch(Backend* be, int64_t n) {
   float* p = static_cast<float*>(be->Alloc(static_cast<size_t>(n > 0 ? n : 1) * sizeof(float)));
-  if (p == nullptr) abort();
+  FSDP8_CHECK(p != nullptr) << "device out of memory";
   return p;
 }
 }  // namespace
@@ -100,12 +101,10 @@ void Backend::RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16_t* 
                                           int64_t C, float* dx, float* dw) {
   const int64_t n = N * C;
   float* dy = static_cast<float*>(Alloc(static_cast<size_t>(2 * (n > 0 ? n : 1)) * sizeof(float)));
-  if (dy == nullptr) abort();
+  FSDP8_CHECK(dy != nullptr) << "device out of memory";
   float* part = dy + n;
-  if (dy_b == nullptr && dy_c != nullptr) {
-    fprintf(stderr, "RmsNormBackwardAddBf16Parts: dy_c without dy_b\n");
-    abort();
-  }
+  FSDP8_CHECK(dy_b != nullptr || dy_c == nullptr)
+      << "RmsNormBackwardAddBf16Parts: dy_c without dy_b";
   UnpackBf16(dy_a, dy, n);
   if (dy_b != nullptr) {
     UnpackBf16(dy_b, part, n);
@@ -159,11 +158,7 @@ void Backend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8
 
 namespace {
 void CheckRowStride(int64_t ld, int64_t cols) {
-  if (ld < cols) {
-    fprintf(stderr, "row stride %lld < cols %lld\n", static_cast<long long>(ld),
-            static_cast<long long>(cols));
-    abort();
-  }
+  FSDP8_CHECK(ld >= cols) << "row stride " << ld << " < cols " << cols;
 }
 
 // Unpacks the (rows, cols) bf16 matrix x16 of row stride ld into dense f32 x.
@@ -182,7 +177,7 @@ uint16_t* DenseRows16(Backend* be, const uint16_t* x16, int64_t rows, int64_t co
   if (ld == cols) return nullptr;
   CheckRowStride(ld, cols);
   uint16_t* d = static_cast<uint16_t*>(be->Alloc(static_cast<size_t>(rows * cols + 1) * 2));
-  if (d == nullptr) abort();
+  FSDP8_CHECK(d != nullptr) << "device out of memory";
   for (int64_t r = 0; r < rows; ++r) be->Copy(d + r * cols, x16 + r * ld, cols * sizeof(uint16_t));
   return d;
 }
@@ -199,18 +194,14 @@ void Backend::CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, const
 void Backend::CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t cols,
                                    const float* scale, Fp8Format fmt, uint8_t* out,
                                    uint8_t* out_t, float* amax_out, int64_t out_ld) {
-  if (out_ld < cols) {
-    fprintf(stderr, "CastTransposeFp8Bf16: out_ld %lld < cols %lld\n",
-            static_cast<long long>(out_ld), static_cast<long long>(cols));
-    abort();
-  }
+  FSDP8_CHECK(out_ld >= cols) << "CastTransposeFp8Bf16: out_ld " << out_ld << " < cols " << cols;
   float* x = F32Scratch(this, rows * cols);
   UnpackBf16(in16, x, rows * cols);
   if (out == nullptr || out_ld == cols) {
     CastTransposeFp8(x, rows, cols, scale, fmt, out, out_t, amax_out);
   } else {  // dense codes first, then row by row into the strided matrix
     uint8_t* dense = static_cast<uint8_t*>(Alloc(static_cast<size_t>(rows * cols > 0 ? rows * cols : 1)));
-    if (dense == nullptr) abort();
+    FSDP8_CHECK(dense != nullptr) << "device out of memory";
     CastTransposeFp8(x, rows, cols, scale, fmt, dense, out_t, amax_out);
     for (int64_t r = 0; r < rows; ++r) Copy(out + r * out_ld, dense + r * cols, cols);
     Free(dense);
@@ -291,7 +282,7 @@ void Backend::AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k1
   UnpackRows(this, q16, B * T, H * D, q_ld, q);
   UnpackRows(this, k16, B * T, Hkv * D, kv_ld, k);
   UnpackRows(this, v16, B * T, Hkv * D, kv_ld, v);
-  AttentionForwardBf16(q, k, v, B, T, H, Hkv, D, o, lse);
+  AttentionForwardBf16Compute(q, k, v, B, T, H, Hkv, D, o, lse);
   PackBf16(o, out16, nq);
   Free(buf);
 }
@@ -342,7 +333,7 @@ void Backend::SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate1
                                      uint16_t* dup16) {
   float* buf = F32Scratch(this, 3 * n);
   UnpackBf16(dh16, buf + 2 * n, n);
-  SwigluBackwardBf16(buf + 2 * n, gate16, up16, n, buf, buf + n);
+  SwigluBackwardBf16Saved(buf + 2 * n, gate16, up16, n, buf, buf + n);
   PackBf16(buf, dgate16, n);
   PackBf16(buf + n, dup16, n);
   Free(buf);
@@ -373,20 +364,20 @@ void Backend::SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_
   Free(dgate16);
 }
 
-void Backend::AttentionBackwardBf16(const float* q, const float* k, const float* v,
-                                    const float* out, const float* dout, const float* lse,
-                                    int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                    float* dq, float* dk, float* dv) {
-  float* q16 = Bf16Copy(this, q, B * T * H * D);
-  float* k16 = Bf16Copy(this, k, B * T * Hkv * D);
-  float* v16 = Bf16Copy(this, v, B * T * Hkv * D);
-  float* o16 = Bf16Copy(this, out, B * T * H * D);
-  float* do16 = Bf16Copy(this, dout, B * T * H * D);
-  AttentionBackward(q16, k16, v16, o16, do16, lse, B, T, H, Hkv, D, dq, dk, dv);
+void Backend::AttentionBackwardBf16Compute(const float* q, const float* k, const float* v,
+                                           const float* out, const float* dout, const float* lse,
+                                           int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                           float* dq, float* dk, float* dv) {
+  float* qr = RoundedToBf16Copy(this, q, B * T * H * D);
+  float* kr = RoundedToBf16Copy(this, k, B * T * Hkv * D);
+  float* vr = RoundedToBf16Copy(this, v, B * T * Hkv * D);
+  float* outr = RoundedToBf16Copy(this, out, B * T * H * D);
+  float* doutr = RoundedToBf16Copy(this, dout, B * T * H * D);
+  AttentionBackward(qr, kr, vr, outr, doutr, lse, B, T, H, Hkv, D, dq, dk, dv);
   RoundToBf16(dq, B * T * H * D);
   RoundToBf16(dk, B * T * Hkv * D);
   RoundToBf16(dv, B * T * Hkv * D);
-  for (float* p : {q16, k16, v16, o16, do16}) Free(p);
+  for (float* p : {qr, kr, vr, outr, doutr}) Free(p);
 }
 
 BackendOptions BackendOptions::FromEnvironment() {

@@ -7,6 +7,17 @@
 // float32; activations and gradients are f32 in memory on every backend, except where an op takes
 // or gives bfloat16 bit patterns (uint16_t; the "bfloat16 activations" ops below).
 //
+// Names: "Bf16" in an op's name means bfloat16 storage (uint16_t bit patterns, parameters named
+// *16) of the operands it names; every other operand is f32.
+//   ...Bf16, ...Bf16Packed   the activations in and out (RopeForwardBf16, CastToFp8Bf16,
+//                            AttentionForwardBf16Packed; GemmBf16: A and B; GemmFp8Bf16: C).
+//   ...Bf16Saved             the saved forward activations it reads (dout and the results f32).
+//   ...To16                  the gradient in and the results bf16 as well (lse stays f32).
+//   ...Bf16Parts, ...Bf16Grad  the named operand (the dy parts; the gradient written).
+//   ...Bf16Compute           no bf16 storage: f32 in and out, rounded to bf16 values where the
+//                            bf16 recipe rounds (inputs, outputs), as a bf16 kernel computes.
+//   RoundToBf16              rounds f32 values in place; PackBf16 / UnpackBf16 convert storage.
+//
 // Ops are enqueued on the backend's compute stream in call order; host-visible results (CopyToHost,
 // the float returned by ReduceMax etc. are *not* returned: they land in device buffers) are ready
 // after Synchronize(). The CPU backend runs everything synchronously.
@@ -14,7 +25,7 @@
 // Thread-safety: a Backend is used by one thread (the rank's trainer thread).
 //
 // Errors: programming errors (null pointers, shape mismatch, out of memory on the CPU) abort with
-// file:line; Alloc on a device out of memory returns nullptr and the caller reports
+// file:line (FSDP8_CHECK, common/check.h); Alloc on a device out of memory returns nullptr and the caller reports
 // RESOURCE_EXHAUSTED.
 #pragma once
 
@@ -168,26 +179,27 @@ class Backend {
                                  int64_t H, int64_t Hkv, int64_t D, float* dq, float* dk,
                                  float* dv) = 0;
 
-  // BF16 attention (precision.attention = bf16), the flash-attention recipe of fused kernels such
-  // as cuDNN's SDPA: q, k, v are rounded to bfloat16 (round to nearest even) first, scores and
-  // softmax statistics (lse) are f32, and out is rounded to bfloat16; backward likewise rounds
-  // q, k, v, out and dout to bfloat16 and returns dq, dk, dv rounded to bfloat16. Shapes, layout
-  // and causal/GQA semantics as AttentionForward/Backward; storage stays f32.
+  // BF16 attention (precision.attention = bf16) on f32 storage, the flash-attention recipe of
+  // fused kernels such as cuDNN's SDPA: q, k, v are rounded to bfloat16 (round to nearest even)
+  // first, scores and softmax statistics (lse) are f32, and out is rounded to bfloat16; backward
+  // likewise rounds q, k, v, out and dout to bfloat16 and returns dq, dk, dv rounded to bfloat16.
+  // Shapes, layout and causal/GQA semantics as AttentionForward/Backward; storage stays f32.
   // The base implementation is the reference: it rounds copies of the inputs, calls the f32
   // kernels above and rounds the outputs. A fused kernel may differ from it by the rounding of the
   // probabilities to bfloat16 before P·V (relative error about 2^-8 per element).
-  virtual void AttentionForwardBf16(const float* q, const float* k, const float* v, int64_t B,
-                                    int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
-                                    float* lse);
-  virtual void AttentionBackwardBf16(const float* q, const float* k, const float* v,
-                                     const float* out, const float* dout, const float* lse,
-                                     int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                     float* dq, float* dk, float* dv);
+  virtual void AttentionForwardBf16Compute(const float* q, const float* k, const float* v,
+                                           int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                           float* out, float* lse);
+  virtual void AttentionBackwardBf16Compute(const float* q, const float* k, const float* v,
+                                            const float* out, const float* dout, const float* lse,
+                                            int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                            float* dq, float* dk, float* dv);
 
-  // The backward of AttentionForwardBf16 from activations saved as bfloat16 bit patterns:
+  // The backward of AttentionForwardBf16Compute from activations saved as bfloat16 bit patterns:
   // q16 (B, T, H, D), k16, v16 (B, T, Hkv, D) and out16 (B, T, H, D) hold exactly the bf16 values
-  // AttentionBackwardBf16 would round q, k, v and out to, so the result is the same; dout, lse,
-  // dq, dk, dv as there. The base implementation unpacks and calls AttentionBackwardBf16.
+  // AttentionBackwardBf16Compute would round q, k, v and out to, so the result is the same; dout,
+  // lse, dq, dk, dv (f32) as there. The base implementation unpacks and calls
+  // AttentionBackwardBf16Compute.
   virtual void AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t* k16,
                                           const uint16_t* v16, const uint16_t* out16,
                                           const float* dout, const float* lse, int64_t B,
@@ -200,9 +212,10 @@ class Backend {
   virtual void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                               float* dgate, float* dup) = 0;
   // As SwigluBackward with gate and up given as bfloat16 bit patterns (activations saved in bf16);
-  // the math is f32 on their exact values. The base implementation unpacks and calls it.
-  virtual void SwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
-                                  int64_t n, float* dgate, float* dup);
+  // dh, dgate, dup f32; the math is f32 on their exact values. The base implementation unpacks
+  // and calls SwigluBackward.
+  virtual void SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16,
+                                       const uint16_t* up16, int64_t n, float* dgate, float* dup);
 
   // RmsNormForward whose output goes straight to FP8: out (N, C) = fp8(y * (*scale)) with
   // y = RMSNorm(x) * w as RmsNormForward computes it (y itself is not returned), rstd (N) as
@@ -278,7 +291,7 @@ class Backend {
                                                 int64_t H, int64_t D, float theta,
                                                 const float* scale, Fp8Format fmt, uint8_t* out,
                                                 uint8_t* out_t, float* amax_out, int64_t out_ld);
-  // AttentionForwardBf16 on bf16 operands, its (bf16-rounded) output returned as bf16:
+  // AttentionForwardBf16Compute on bf16 operands, its (bf16-rounded) output returned as bf16:
   // q16, out16 (B, T, H, D); k16, v16 (B, T, Hkv, D); lse (B, H, T) f32. The tokens of q16 are
   // q_ld >= H * D elements apart, those of k16 and v16 kv_ld >= Hkv * D (dense: H * D and
   // Hkv * D; q, k and v as parts of one fused q/k/v GEMM output: (H + 2 Hkv) * D for all three).
@@ -303,7 +316,7 @@ class Backend {
   virtual void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
                              int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
                              uint8_t* out, float* amax_out);
-  // SwigluBackwardBf16 with dh given as bf16 and dgate, dup rounded to bf16. All (n).
+  // SwigluBackwardBf16Saved with dh given as bf16 and dgate, dup rounded to bf16. All (n).
   virtual void SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16,
                                       const uint16_t* up16, int64_t n, uint16_t* dgate16,
                                       uint16_t* dup16);

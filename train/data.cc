@@ -31,7 +31,7 @@ void TokenData::Batch(uint64_t seed, int64_t step, int64_t first, int64_t count,
   const int64_t n = num_tokens();
   for (int64_t s = 0; s < count; ++s) {
     const int64_t start = WindowStart(seed, step, first + s, n, seq_len_, stream);
-    WORKER_CHECK(start >= 0 && start + seq_len_ + 1 <= n) << "window start " << start;
+    FSDP8_CHECK(start >= 0 && start + seq_len_ + 1 <= n) << "window start " << start;
     for (int t = 0; t < seq_len_; ++t) {
       inputs[s * seq_len_ + t] = tokens_[start + t];
       targets[s * seq_len_ + t] = tokens_[start + t + 1];

@@ -22,7 +22,7 @@ class DevBuf {
   DevBuf(Backend* be, size_t bytes) : be_(be), bytes_(bytes) {
     if (bytes > 0) {
       p_ = be->Alloc(bytes);
-      WORKER_CHECK(p_ != nullptr) << "device out of memory allocating " << bytes << " bytes";
+      FSDP8_CHECK(p_ != nullptr) << "device out of memory allocating " << bytes << " bytes";
     }
   }
   // Allocates and zeroes.

@@ -12,7 +12,7 @@ namespace fsdp8 {
 ActScaling::ActScaling(Backend* be, const v1::Fp8Recipe& recipe) : be_(be), recipe_(recipe) {}
 
 int ActScaling::Add(const std::string& name, bool e5m2) {
-  WORKER_CHECK(scale_.empty()) << "ActScaling::Add after Finalize";
+  FSDP8_CHECK(scale_.empty()) << "ActScaling::Add after Finalize";
   ScalingState s;
   s.name = name;
   s.e5m2 = e5m2;
@@ -32,7 +32,7 @@ void ActScaling::Finalize() {
 }
 
 absl::Status ActScaling::Restore(const std::vector<ScalingState>& states) {
-  WORKER_CHECK(!scale_.empty()) << "ActScaling::Restore before Finalize";
+  FSDP8_CHECK(!scale_.empty()) << "ActScaling::Restore before Finalize";
   if (states.size() != states_.size()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "activation scaling: ", states.size(), " tensors in the checkpoint, ", states_.size(),
@@ -121,12 +121,12 @@ void ActScaling::ShareAmax(int from, int to) {
 }
 
 void ActScaling::GroupAmax(const std::vector<int>& members) {
-  WORKER_CHECK(scale_.empty()) << "ActScaling::GroupAmax after Finalize";
-  WORKER_CHECK(members.size() >= 2) << "a scaling group needs two or more tensors";
+  FSDP8_CHECK(scale_.empty()) << "ActScaling::GroupAmax after Finalize";
+  FSDP8_CHECK(members.size() >= 2) << "a scaling group needs two or more tensors";
   for (int i : members) {
-    WORKER_CHECK(i >= 0 && static_cast<size_t>(i) < states_.size()) << "scaling group index " << i;
+    FSDP8_CHECK(i >= 0 && static_cast<size_t>(i) < states_.size()) << "scaling group index " << i;
     for (const auto& g : groups_) {
-      WORKER_CHECK(std::find(g.begin(), g.end(), i) == g.end())
+      FSDP8_CHECK(std::find(g.begin(), g.end(), i) == g.end())
           << states_[i].name << " is already in a scaling group";
     }
   }
@@ -157,7 +157,7 @@ std::shared_ptr<Fp8Input> Linear::Cast(std::shared_ptr<Fp8Input> in,
     in->scale_inv = sc_->ScaleInv(x_idx_);
   }
   for (const Linear* o : same_input) {
-    WORKER_CHECK(o->prec_ == v1::PRECISION_FP8 && o->sc_ == sc_);
+    FSDP8_CHECK(o->prec_ == v1::PRECISION_FP8 && o->sc_ == sc_);
     sc_->ShareAmax(x_idx_, o->x_idx_);
   }
   return in;
@@ -165,8 +165,8 @@ std::shared_ptr<Fp8Input> Linear::Cast(std::shared_ptr<Fp8Input> in,
 
 std::shared_ptr<Fp8Input> Linear::CastInput(ActivationView x, int64_t M, int64_t K,
                                             std::initializer_list<const Linear*> same_input) {
-  WORKER_CHECK(prec_ == v1::PRECISION_FP8) << "CastInput of a non-FP8 linear";
-  WORKER_CHECK(x.valid()) << "CastInput takes exactly one input";
+  FSDP8_CHECK(prec_ == v1::PRECISION_FP8) << "CastInput of a non-FP8 linear";
+  FSDP8_CHECK(x.valid()) << "CastInput takes exactly one input";
   auto in = std::make_shared<Fp8Input>();
   in->x8 = DevBuf(be_, M * K);
   if (x.is_bf16() && sc_->NeedsAmaxFirst(x_idx_)) {
@@ -188,7 +188,7 @@ std::shared_ptr<Fp8Input> Linear::CastInput(ActivationView x, int64_t M, int64_t
 std::shared_ptr<Fp8Input> Linear::NormCastInput(const float* x, const float* w_norm, float eps,
                                                 int64_t M, int64_t K, float* rstd,
                                                 std::initializer_list<const Linear*> same_input) {
-  WORKER_CHECK(prec_ == v1::PRECISION_FP8) << "NormCastInput of a non-FP8 linear";
+  FSDP8_CHECK(prec_ == v1::PRECISION_FP8) << "NormCastInput of a non-FP8 linear";
   if (sc_->NeedsAmaxFirst(x_idx_)) {
     DevBuf n(be_, M * K * sizeof(float));
     be_->RmsNormForward(x, w_norm, eps, M, K, n.f32(), rstd);
@@ -203,10 +203,10 @@ std::shared_ptr<Fp8Input> Linear::NormCastInput(const float* x, const float* w_n
 
 std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint16_t* up16,
                                              int64_t M, int64_t K, int64_t ld) {
-  WORKER_CHECK(prec_ == v1::PRECISION_FP8) << "CastSwiglu of a non-FP8 linear";
+  FSDP8_CHECK(prec_ == v1::PRECISION_FP8) << "CastSwiglu of a non-FP8 linear";
   const int64_t n = M * K;
   if (sc_->NeedsAmaxFirst(x_idx_)) {
-    WORKER_CHECK(ld == K) << "CastSwiglu: a strided gate/up needs the scale known (delayed)";
+    FSDP8_CHECK(ld == K) << "CastSwiglu: a strided gate/up needs the scale known (delayed)";
     DevBuf g(be_, n * sizeof(float)), u(be_, n * sizeof(float)), h(be_, n * sizeof(float));
     be_->UnpackBf16(gate16, g.f32(), n);
     be_->UnpackBf16(up16, u.f32(), n);
@@ -222,10 +222,10 @@ std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint1
 
 void Linear::ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t K, int64_t N,
                         const WeightView& w, LinearOutput y, LinearSaved* saved) {
-  WORKER_CHECK(prec_ == v1::PRECISION_FP8 && in != nullptr) << "ForwardFp8 of a non-FP8 linear";
-  WORKER_CHECK(w.fp8 != nullptr && w.scale_inv != nullptr) << "FP8 linear without FP8 weight";
-  WORKER_CHECK((y.f32 == nullptr) != (y.bf16 == nullptr)) << "ForwardFp8 takes exactly one output";
-  WORKER_CHECK(y.residual == nullptr || y.f32 != nullptr) << "a residual needs the f32 output";
+  FSDP8_CHECK(prec_ == v1::PRECISION_FP8 && in != nullptr) << "ForwardFp8 of a non-FP8 linear";
+  FSDP8_CHECK(w.fp8 != nullptr && w.scale_inv != nullptr) << "FP8 linear without FP8 weight";
+  FSDP8_CHECK((y.f32 == nullptr) != (y.bf16 == nullptr)) << "ForwardFp8 takes exactly one output";
+  FSDP8_CHECK(y.residual == nullptr || y.f32 != nullptr) << "a residual needs the f32 output";
   const bool fast = sc_->forward_fast_accumulation();
   if (fast) be_->SetFp8FastAccumulation(true);
   if (y.bf16 != nullptr) {
@@ -245,18 +245,18 @@ void Linear::ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t 
 void Linear::Backward(ActivationView dy, int64_t M, int64_t K, int64_t N, const WeightView& w,
                       const LinearSaved& saved, InputGrad dx, float* dw) {
   if (prec_ != v1::PRECISION_FP8) {
-    WORKER_CHECK(dy.f32 != nullptr && dy.bf16 == nullptr && dx.bf16 == nullptr)
+    FSDP8_CHECK(dy.f32 != nullptr && dy.bf16 == nullptr && dx.bf16 == nullptr)
         << "bf16 grad-output or input-gradient of a non-FP8 linear";
     const GemmInputs in = prec_ == v1::PRECISION_BF16 ? GemmInputs::kBF16 : GemmInputs::kF32;
-    WORKER_CHECK(saved.x != nullptr);
+    FSDP8_CHECK(saved.x != nullptr);
     // dx (M, K) = dy (M, N) · W (N, K)
     if (dx.f32) be_->Gemm(false, false, M, K, N, dy.f32, w.f32, dx.f32, dx.accumulate, in);
     // dw (N, K) += dyᵀ (N, M) · x (M, K)
     be_->Gemm(true, false, N, K, M, dy.f32, saved.x, dw, true, in);
     return;
   }
-  WORKER_CHECK(dy.valid()) << "Backward takes exactly one grad-output";
-  WORKER_CHECK(saved.in != nullptr) << "FP8 backward without its saved input";
+  FSDP8_CHECK(dy.valid()) << "Backward takes exactly one grad-output";
+  FSDP8_CHECK(saved.in != nullptr) << "FP8 backward without its saved input";
   const Fp8Format dfmt = sc_->format(dy_idx_);
   DevBuf dy8(be_, M * N), dyT8(be_, M * N);
   if (dy.is_bf16() && !sc_->NeedsAmaxFirst(dy_idx_)) {
@@ -278,10 +278,10 @@ void Linear::Backward(ActivationView dy, int64_t M, int64_t K, int64_t N, const 
 
 void Linear::BackwardFp8(DevBuf dy8, DevBuf dyT8, int64_t M, int64_t K, int64_t N,
                          const WeightView& w, const LinearSaved& saved, InputGrad dx, float* dw) {
-  WORKER_CHECK(prec_ == v1::PRECISION_FP8 && saved.in != nullptr)
+  FSDP8_CHECK(prec_ == v1::PRECISION_FP8 && saved.in != nullptr)
       << "FP8 backward without its saved input";
   const Fp8Format dfmt = sc_->format(dy_idx_);
-  WORKER_CHECK(dx.bf16 == nullptr || (dx.f32 == nullptr && !dx.accumulate))
+  FSDP8_CHECK(dx.bf16 == nullptr || (dx.f32 == nullptr && !dx.accumulate))
       << "bf16 dx with f32 dx or accumulate";
   if (!dx.none()) {
     DevBuf wT(be_, N * K);

@@ -38,7 +38,7 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
           host[g - begin] = InitValue(bp.tensors[t], g - bp.offsets[t], seed);
         }
         if (bp.wire == WireDtype::kFp8) {
-          WORKER_CHECK(bp.tensors[t].is_fp8_linear) << bp.tensors[t].name << " in an fp8 buffer";
+          FSDP8_CHECK(bp.tensors[t].is_fp8_linear) << bp.tensors[t].name << " in an fp8 buffer";
           TensorRef r{static_cast<int>(u), static_cast<int>(b), static_cast<int>(t),
                       bp.offsets[t], bp.tensors[t].numel, bp.wire,
                       static_cast<int>(fp8_refs_.size())};
@@ -84,7 +84,7 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
 
 TensorRef FsdpParams::Ref(const std::string& hf_name) const {
   int u, b, t;
-  WORKER_CHECK(plan_.Find(hf_name, &u, &b, &t)) << "shard plan has no tensor " << hf_name;
+  FSDP8_CHECK(plan_.Find(hf_name, &u, &b, &t)) << "shard plan has no tensor " << hf_name;
   const BufferPlan& bp = plan_.units[u].buffers[b];
   TensorRef r{u, b, t, bp.offsets[t], bp.tensors[t].numel, bp.wire, -1};
   for (const TensorRef& f : fp8_refs_) {
@@ -218,26 +218,26 @@ absl::Status FsdpParams::ReduceGrads(int unit) {
 
 const float* FsdpParams::W(const TensorRef& t) const {
   const Buf& b = units_[t.unit][t.buffer];
-  WORKER_CHECK(!b.full.empty() || t.numel == 0) << "unit " << t.unit << " not gathered";
-  WORKER_CHECK(b.plan->wire != WireDtype::kFp8) << "f32 view of an fp8 buffer";
+  FSDP8_CHECK(!b.full.empty() || t.numel == 0) << "unit " << t.unit << " not gathered";
+  FSDP8_CHECK(b.plan->wire != WireDtype::kFp8) << "f32 view of an fp8 buffer";
   return b.full.f32() + t.offset;
 }
 
 const uint8_t* FsdpParams::W8(const TensorRef& t) const {
   const Buf& b = units_[t.unit][t.buffer];
-  WORKER_CHECK(!b.full.empty() || t.numel == 0) << "unit " << t.unit << " not gathered";
-  WORKER_CHECK(b.plan->wire == WireDtype::kFp8) << "fp8 view of a non-fp8 buffer";
+  FSDP8_CHECK(!b.full.empty() || t.numel == 0) << "unit " << t.unit << " not gathered";
+  FSDP8_CHECK(b.plan->wire == WireDtype::kFp8) << "fp8 view of a non-fp8 buffer";
   return b.full.u8() + t.offset;
 }
 
 const float* FsdpParams::WScaleInv(const TensorRef& t) const {
-  WORKER_CHECK(t.fp8_id >= 0);
+  FSDP8_CHECK(t.fp8_id >= 0);
   return w_scale_inv_.f32() + t.fp8_id * kScaleStride;
 }
 
 float* FsdpParams::G(const TensorRef& t) const {
   const Buf& b = units_[t.unit][t.buffer];
-  WORKER_CHECK(!b.full_grad.empty() || t.numel == 0) << "unit " << t.unit << " has no grad buffer";
+  FSDP8_CHECK(!b.full_grad.empty() || t.numel == 0) << "unit " << t.unit << " has no grad buffer";
   return b.full_grad.f32() + t.offset;
 }
 
@@ -275,7 +275,7 @@ absl::Status FsdpParams::StartGradSquaredNorm() {
 }
 
 double FsdpParams::FinishGradSquaredNorm() {
-  WORKER_CHECK(!grad_sq_.empty()) << "FinishGradSquaredNorm without StartGradSquaredNorm";
+  FSDP8_CHECK(!grad_sq_.empty()) << "FinishGradSquaredNorm without StartGradSquaredNorm";
   float host = 0;
   be_->CopyToHost(&host, grad_sq_.get(), sizeof(float));
   grad_sq_.Reset();
@@ -406,7 +406,7 @@ absl::StatusOr<std::map<std::string, std::vector<float>>> FsdpParams::GatherAll(
 
 bool FsdpParams::SetMasterElement(const std::string& hf_name, int64_t index, float value) {
   const TensorRef r = Ref(hf_name);
-  WORKER_CHECK(index >= 0 && index < r.numel);
+  FSDP8_CHECK(index >= 0 && index < r.numel);
   Buf& b = units_[r.unit][r.buffer];
   const int64_t g = r.offset + index;
   const int64_t begin = b.plan->ShardBegin(rank_);
@@ -417,15 +417,15 @@ bool FsdpParams::SetMasterElement(const std::string& hf_name, int64_t index, flo
 }
 
 const DevBuf& FsdpParams::Array(int unit, int buffer, ShardArray which) const {
-  WORKER_CHECK(unit >= 0 && unit < static_cast<int>(units_.size()));
-  WORKER_CHECK(buffer >= 0 && buffer < static_cast<int>(units_[unit].size()));
+  FSDP8_CHECK(unit >= 0 && unit < static_cast<int>(units_.size()));
+  FSDP8_CHECK(buffer >= 0 && buffer < static_cast<int>(units_[unit].size()));
   const Buf& b = units_[unit][buffer];
   switch (which) {
     case ShardArray::kMaster: return b.master;
     case ShardArray::kAdamM: return b.m;
     case ShardArray::kAdamV: return b.v;
   }
-  WORKER_CHECK(false) << "bad ShardArray";
+  FSDP8_CHECK(false) << "bad ShardArray";
   return b.master;
 }
 
@@ -443,7 +443,7 @@ void FsdpParams::ZeroShard(int unit, int buffer, ShardArray which) {
 void FsdpParams::UploadShardRange(int unit, int buffer, ShardArray which, int64_t offset,
                                   const float* host, int64_t n) {
   const int64_t shard = units_[unit][buffer].plan->shard_numel;
-  WORKER_CHECK(offset >= 0 && n >= 0 && offset + n <= shard)
+  FSDP8_CHECK(offset >= 0 && n >= 0 && offset + n <= shard)
       << "shard range [" << offset << ", " << offset + n << ") of " << shard;
   weight_amax_ready_ = false;
   if (n > 0) be_->CopyToDevice(Array(unit, buffer, which).f32() + offset, host, n * sizeof(float));
@@ -468,10 +468,10 @@ const std::vector<WeightScaling>& FsdpParams::weight_scaling() const {
 
 void FsdpParams::RestoreWeightScaling(const std::vector<WeightScaling>& ws) {
   (void)weight_scaling();  // host copy current: the values restored below are the state from now on
-  WORKER_CHECK(ws.size() == wscale_.size()) << ws.size() << " weight scales for " << wscale_.size();
+  FSDP8_CHECK(ws.size() == wscale_.size()) << ws.size() << " weight scales for " << wscale_.size();
   std::vector<float> scale(ws.size()), scale_inv(ws.size());
   for (size_t i = 0; i < ws.size(); ++i) {
-    WORKER_CHECK(ws[i].name == wscale_[i].name) << ws[i].name << " vs " << wscale_[i].name;
+    FSDP8_CHECK(ws[i].name == wscale_[i].name) << ws[i].name << " vs " << wscale_[i].name;
     wscale_[i].scale = ws[i].scale;
     wscale_[i].scale_inv = ws[i].scale_inv;
     wscale_[i].amax = ws[i].amax;

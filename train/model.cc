@@ -56,7 +56,7 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
 
   auto make_linear = [&](v1::Precision prec, const TensorRef& w, const std::string& hf) {
     if (prec != v1::PRECISION_FP8) return Linear(be, scaling, prec, -1, -1);
-    WORKER_CHECK(w.fp8_id >= 0) << hf << ": FP8 precision but its buffer is not fp8";
+    FSDP8_CHECK(w.fp8_id >= 0) << hf << ": FP8 precision but its buffer is not fp8";
     const std::string base = ScalingBaseName(hf);
     const int xi = scaling->Add(base + ".x", false);
     const int di = scaling->Add(base + ".dy", hybrid);
@@ -103,12 +103,12 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
       const bool mlp = adjacent({&b.gate, &b.up}) && F_ % 4 == 0;
       if (qkv) {
         const absl::Status st = p_->SetWeightScaleGroup({b.q, b.k, b.v});
-        WORKER_CHECK(st.ok()) << st.message();
+        FSDP8_CHECK(st.ok()) << st.message();
         scaling->GroupAmax({b.lq.dy_index(), b.lk.dy_index(), b.lv.dy_index()});
       }
       if (mlp) {
         const absl::Status st = p_->SetWeightScaleGroup({b.gate, b.up});
-        WORKER_CHECK(st.ok()) << st.message();
+        FSDP8_CHECK(st.ok()) << st.message();
         scaling->GroupAmax({b.lgate.dy_index(), b.lup.dy_index()});
       }
       // options.unfused_projections keeps the shared scales but runs one GEMM per linear: the
@@ -180,8 +180,8 @@ void LlamaModel::AttentionForward(Block& b, int64_t B, bool train, BlockActs* a)
   a->att = DevBuf(be_, N * C_ * 4);        // (N, C)
   a->lse = DevBuf(be_, B * H_ * T_ * 4);   // (B, H, T)
   if (attention_bf16_) {
-    be_->AttentionForwardBf16(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_,
-                              a->att.f32(), a->lse.f32());
+    be_->AttentionForwardBf16Compute(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_,
+                                     a->att.f32(), a->lse.f32());
   } else {
     be_->AttentionForward(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_, a->att.f32(),
                           a->lse.f32());
@@ -255,8 +255,8 @@ DevBuf LlamaModel::MlpBackward(Block& b, int64_t B, BlockActs* a, DevBuf* dout) 
   a->act.Reset();
   DevBuf dgate(be_, N * F_ * 4), dup(be_, N * F_ * 4);  // (N, F) each
   if (!a->gate16.empty()) {
-    be_->SwigluBackwardBf16(dact.f32(), a->gate16.u16(), a->up16.u16(), N * F_, dgate.f32(),
-                            dup.f32());
+    be_->SwigluBackwardBf16Saved(dact.f32(), a->gate16.u16(), a->up16.u16(), N * F_,
+                                 dgate.f32(), dup.f32());
   } else {
     be_->SwigluBackward(dact.f32(), a->gate.f32(), a->up.f32(), N * F_, dgate.f32(), dup.f32());
   }
@@ -468,7 +468,7 @@ DevBuf LlamaModel::MlpBackwardFp8(int l, Block& b, int64_t B, BlockActs* a, DevB
   // The forward (and a recompute) decided with the same scales: [gate | up] is there exactly
   // when the backward fuses.
   const bool fused = MlpFused(b);
-  WORKER_CHECK(fused == !a->gu16.empty()) << "block " << l << ": gate/up fused in one pass only";
+  FSDP8_CHECK(fused == !a->gu16.empty()) << "block " << l << ": gate/up fused in one pass only";
   if (fused) {
     BackwardGateUpFused(b, N, a, &dact16, &dn2g);
   } else {
@@ -646,8 +646,8 @@ void LlamaModel::BackwardQkvPerLinear(Block& b, int64_t B, BlockActs& a, DevBuf&
                 InputGrad::Bf16(dn1v.u16()), p_->G(b.v));
 }
 
-void LlamaModel::HeadBf16(const float* nf, const int32_t* targets, int64_t N, float grad_scale,
-                          float* losses, float* dnf) {
+void LlamaModel::HeadBf16Compute(const float* nf, const int32_t* targets, int64_t N,
+                                 float grad_scale, float* losses, float* dnf) {
   // Rows per chunk: at most head_chunk_bytes_ of f32 logits (by default 8192 of 16384 rows at
   // vocab 32768), so the logits and their bf16 gradient take 1.5 GiB at a time instead of 3.
   const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(N, head_chunk_bytes_ / (V_ * 4)));
@@ -700,7 +700,7 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
   DevBuf dnf;  // (N, C) f32
   if (lhead_.precision() == v1::PRECISION_BF16) {
     if (!backward) {
-      HeadBf16(nf.f32(), targets, N, 0.0f, losses, nullptr);
+      HeadBf16Compute(nf.f32(), targets, N, 0.0f, losses, nullptr);
       p_->Release(head_unit_);
       return absl::OkStatus();
     }
@@ -708,7 +708,7 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
     // taken after both.
     p_->BeginGrads(head_unit_);
     dnf = DevBuf(be_, N * C_ * 4);
-    HeadBf16(nf.f32(), targets, N, grad_scale, losses, dnf.f32());
+    HeadBf16Compute(nf.f32(), targets, N, grad_scale, losses, dnf.f32());
     forward_peak_ = std::max(forward_peak_, be_->PeakAllocatedBytes());
     be_->ResetPeak();
   } else {

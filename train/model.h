@@ -150,8 +150,8 @@ class LlamaModel {
   // chunk, the cross-entropy gradient straight to bf16 (Backend::CrossEntropyForwardBackwardBf16Grad),
   // dnf (N, C) f32 written, the head's weight gradient accumulated (BeginGrads first). dnf null:
   // evaluation, the losses only. nf (N, C) f32, targets (N), losses (N) nats.
-  void HeadBf16(const float* nf, const int32_t* targets, int64_t N, float grad_scale,
-                float* losses, float* dnf);
+  void HeadBf16Compute(const float* nf, const int32_t* targets, int64_t N, float grad_scale,
+                       float* losses, float* dnf);
 
   Backend* be_;
   FsdpParams* p_;
@@ -161,7 +161,8 @@ class LlamaModel {
   float eps_, theta_;
   bool attention_bf16_ = false;  // precision.attention == BF16
   bool recompute_ = false;       // training.activation_recompute
-  // f32 logits per chunk of the BF16 head (HeadBf16): ModelOptions::head_chunk_logit_bytes.
+  // f32 logits per chunk of the BF16 head (HeadBf16Compute):
+  // ModelOptions::head_chunk_logit_bytes.
   int64_t head_chunk_bytes_ = int64_t{1} << 30;
   int64_t forward_peak_ = 0, backward_peak_ = 0;
   TensorRef embed_, final_norm_, head_;

@@ -10,16 +10,8 @@
 #include <cstring>
 #include <limits>
 
+#include "common/check.h"
 #include "kernels/fp8.h"
-
-// A broken invariant inside a kernel is a programming error: report file:line and abort.
-#define FSDP8_CPU_CHECK(cond)                                                                  \
-  do {                                                                                         \
-    if (!(cond)) {                                                                             \
-      std::fprintf(stderr, "%s:%d: CpuBackend check failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                            \
-    }                                                                                          \
-  } while (0)
 
 namespace fsdp8 {
 namespace {
@@ -134,7 +126,7 @@ void* CpuBackend::Alloc(size_t bytes) {
   const size_t rounded =
       std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
   void* p = std::aligned_alloc(kAlignment, rounded);
-  FSDP8_CPU_CHECK(p != nullptr);  // host out of memory: abort (backend.h, Errors)
+  FSDP8_CHECK(p != nullptr);  // host out of memory: abort (backend.h, Errors)
   if (fill_nan_) std::memset(p, 0xFF, rounded);
   sizes_[p] = bytes;
   allocated_ += static_cast<int64_t>(bytes);
@@ -145,7 +137,7 @@ void* CpuBackend::Alloc(size_t bytes) {
 void CpuBackend::Free(void* p) {
   if (p == nullptr) return;
   auto it = sizes_.find(p);
-  FSDP8_CPU_CHECK(it != sizes_.end());  // not from this backend's Alloc, or freed twice
+  FSDP8_CHECK(it != sizes_.end());  // not from this backend's Alloc, or freed twice
   allocated_ -= static_cast<int64_t>(it->second);
   sizes_.erase(it);
   std::free(p);
@@ -174,18 +166,18 @@ float* CpuBackend::Scratch(int i, int64_t n) {
 
 void CpuBackend::CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale,
                            Fp8Format fmt, float* amax_out) {
-  FSDP8_CPU_CHECK(n >= 0 && scale != nullptr);
+  FSDP8_CHECK(n >= 0 && scale != nullptr);
   if (n == 0) return;
-  FSDP8_CPU_CHECK(in != nullptr && out != nullptr);
+  FSDP8_CHECK(in != nullptr && out != nullptr);
   ScaleEncode(in, out, n, *scale, fmt);
   if (amax_out != nullptr) *amax_out = NanMax(*amax_out, AbsMax(in, n));
 }
 
 void CpuBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
                                   Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) {
-  FSDP8_CPU_CHECK(rows >= 0 && cols >= 0 && scale != nullptr);
+  FSDP8_CHECK(rows >= 0 && cols >= 0 && scale != nullptr);
   if (rows == 0 || cols == 0) return;
-  FSDP8_CPU_CHECK(in != nullptr && out_t != nullptr);
+  FSDP8_CHECK(in != nullptr && out_t != nullptr);
   ScaleEncodeTranspose(in, rows, cols, *scale, fmt, out, out_t);
   if (amax_out != nullptr) *amax_out = NanMax(*amax_out, AbsMax(in, rows * cols));
 }
@@ -211,13 +203,13 @@ void CpuBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n, const f
 }
 
 void CpuBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out) {
-  FSDP8_CPU_CHECK(amax_out != nullptr && n >= 0);
+  FSDP8_CHECK(amax_out != nullptr && n >= 0);
   *amax_out = NanMax(*amax_out, AbsMax(in, n));
 }
 
 void CpuBackend::Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin,
                                    float* scale, float* scale_inv, int64_t stride) {
-  FSDP8_CPU_CHECK(n >= 0 && stride >= 1 && margin >= 0);
+  FSDP8_CHECK(n >= 0 && stride >= 1 && margin >= 0);
   auto usable = [](float v) { return std::isfinite(v) && v > 0.0f; };
   for (int64_t i = 0; i < n; ++i) {
     float s = usable(scale[i * stride]) ? scale[i * stride] : 1.0f;
@@ -237,7 +229,7 @@ void CpuBackend::Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, 
 void CpuBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                          const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
                          const float* b_scale_inv, float* C, bool accumulate) {
-  FSDP8_CPU_CHECK(M >= 0 && N >= 0 && K >= 0);
+  FSDP8_CHECK(M >= 0 && N >= 0 && K >= 0);
   if (M == 0 || N == 0) return;
   const float alpha = (*a_scale_inv) * (*b_scale_inv);
   if (K == 0) {  // empty sum
@@ -258,7 +250,7 @@ void CpuBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8F
 
 void CpuBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
                       const float* B, float* C, bool accumulate, GemmInputs inputs) {
-  FSDP8_CPU_CHECK(M >= 0 && N >= 0 && K >= 0);
+  FSDP8_CHECK(M >= 0 && N >= 0 && K >= 0);
   if (M == 0 || N == 0) return;
   if (K == 0) {
     if (!accumulate) std::memset(C, 0, sizeof(float) * M * N);
@@ -317,7 +309,7 @@ void CpuBackend::EmbeddingForward(const int32_t* tokens, int64_t N, const float*
                                   float* out) {
   // out (N, C) = table (V, C) [tokens (N)]
   for (int64_t i = 0; i < N; ++i) {
-    FSDP8_CPU_CHECK(tokens[i] >= 0);
+    FSDP8_CHECK(tokens[i] >= 0);
     std::memcpy(out + i * C, table + static_cast<int64_t>(tokens[i]) * C, sizeof(float) * C);
   }
 }
@@ -326,7 +318,7 @@ void CpuBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const float
                                    float* dtable) {
   // dtable (V, C) += dout (N, C) scattered by tokens, rows visited in order i = 0..N-1.
   for (int64_t i = 0; i < N; ++i) {
-    FSDP8_CPU_CHECK(tokens[i] >= 0);
+    FSDP8_CHECK(tokens[i] >= 0);
     float* row = dtable + static_cast<int64_t>(tokens[i]) * C;
     const float* d = dout + i * C;
     for (int64_t c = 0; c < C; ++c) row[c] += d[c];
@@ -393,7 +385,7 @@ void CpuBackend::RopeTables(int64_t T, int64_t D, float theta) {
 
 void CpuBackend::RopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
                            float sign) {
-  FSDP8_CPU_CHECK(D % 2 == 0);
+  FSDP8_CHECK(D % 2 == 0);
   RopeTables(T, D, theta);
   const int64_t half = D / 2;
   // x (B, T, H, D): rotate the pair (x[i], x[i + D/2]) by sign * angle(t, i).
@@ -429,7 +421,7 @@ void CpuBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_
 void CpuBackend::AttentionForward(const float* q, const float* k, const float* v, int64_t B,
                                   int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
                                   float* lse) {
-  FSDP8_CPU_CHECK(Hkv > 0 && H % Hkv == 0);
+  FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
   if (B == 0 || T == 0 || H == 0) return;
   const int64_t group = H / Hkv;
   const int64_t ldq = H * D;    // row stride of q/out for one head: (T, D) with stride H*D
@@ -475,7 +467,7 @@ void CpuBackend::AttentionBackward(const float* q, const float* k, const float* 
                                    const float* dout, const float* lse, int64_t B, int64_t T,
                                    int64_t H, int64_t Hkv, int64_t D, float* dq, float* dk,
                                    float* dv) {
-  FSDP8_CPU_CHECK(Hkv > 0 && H % Hkv == 0);
+  FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
   if (B == 0 || T == 0 || H == 0) return;
   const int64_t group = H / Hkv;
   const int64_t ldq = H * D;
@@ -566,7 +558,7 @@ void CpuBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targe
   for (int64_t n = 0; n < N; ++n) {
     float* row = logits + n * V;
     const int32_t tgt = targets[n];
-    FSDP8_CPU_CHECK(tgt >= 0 && tgt < V);
+    FSDP8_CHECK(tgt >= 0 && tgt < V);
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < V; ++j) mx = std::max(mx, row[j]);
     const float target_logit = row[tgt];
@@ -593,7 +585,7 @@ void CpuBackend::SumSquares(const float* x, int64_t n, float* out) {
 void CpuBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
                        float beta1, float beta2, float eps, float weight_decay, int64_t step,
                        float grad_scale, float* amax_out) {
-  FSDP8_CPU_CHECK(step >= 1);
+  FSDP8_CHECK(step >= 1);
   // torch.optim.AdamW (single-tensor path): scalars in double, then the f32 tensor ops
   //   p *= 1 - lr*wd;  m.lerp_(g, 1-b1);  v = b2 v + (1-b2) g^2;
   //   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps),  bc_k = 1 - b_k^t.

@@ -20,6 +20,7 @@
 
 #include <cuda_runtime.h>
 
+#include "common/check.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launchers.h"
@@ -361,9 +362,9 @@ void SetSmem(Kernel kernel, size_t bytes) {
 }
 
 void CheckShapes(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D) {
-  FSDP8_CUDA_REQUIRE(D >= 1 && D <= 256, "attention head dim must be in [1, 256]");
-  FSDP8_CUDA_REQUIRE(Hkv >= 1 && H % Hkv == 0, "attention: H must be a multiple of Hkv");
-  FSDP8_CUDA_REQUIRE(B <= 65535 && H <= 65535 && T < (1LL << 30), "attention: shape too large");
+  FSDP8_CHECK(D >= 1 && D <= 256) << "attention head dim must be in [1, 256]";
+  FSDP8_CHECK(Hkv >= 1 && H % Hkv == 0) << "attention: H must be a multiple of Hkv";
+  FSDP8_CHECK(B <= 65535 && H <= 65535 && T < (1LL << 30)) << "attention: shape too large";
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include <cfloat>
 
+#include "common/check.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launchers.h"
@@ -416,7 +417,7 @@ __global__ void AmaxKernel(const float* __restrict__ in, int64_t n, float* amax_
   if (threadIdx.x == 0) AtomicMaxAbsBits(amax_out, m);
 }
 
-__global__ void RoundBf16Kernel(float* x, int64_t n) {
+__global__ void RoundToBf16Kernel(float* x, int64_t n) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     x[i] = __uint_as_float(RoundBf16BitsDev(x[i]));
@@ -469,15 +470,16 @@ template <typename Src>
 void CastTransposeImpl(const Src& src, int64_t rows, int64_t cols, Fp8Format fmt,
                        const CastOutputs<Src::kOut>& o, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
-  FSDP8_CUDA_REQUIRE(CeilDiv(rows, kTileRows) <= 65535, "CastTransposeFp8: rows too large");
-  FSDP8_CUDA_REQUIRE(o.ld >= cols, "CastTransposeFp8: out row stride below cols");
+  FSDP8_CHECK(CeilDiv(rows, kTileRows) <= 65535) << "CastTransposeFp8: rows too large";
+  FSDP8_CHECK(o.ld >= cols) << "CastTransposeFp8: out row stride below cols";
   bool out_t_vec = rows % 16 == 0;
   // 4-byte row loads and stores: every row start of the source and of each out 4-aligned.
   bool row_vec = cols % 4 == 0;
   for (int k = 0; k < Src::kOut; ++k) {
     row_vec = row_vec && (o.out[k] == nullptr ||
                           (o.ld % 4 == 0 && reinterpret_cast<uintptr_t>(o.out[k]) % 4 == 0));
-    FSDP8_CUDA_REQUIRE(o.out_t[k] == nullptr || reinterpret_cast<uintptr_t>(o.out_t[k]) % 4 == 0, "CastTransposeFp8: out_t not 4-byte aligned");
+    FSDP8_CHECK(o.out_t[k] == nullptr || reinterpret_cast<uintptr_t>(o.out_t[k]) % 4 == 0)
+        << "CastTransposeFp8: out_t not 4-byte aligned";
     // 16-byte out_t stores need every out_t row start (col * rows) and chunk 16-byte aligned.
     out_t_vec = out_t_vec && reinterpret_cast<uintptr_t>(o.out_t[k]) % 16 == 0;
   }
@@ -495,7 +497,8 @@ void PlainCastTranspose(const In* in, int64_t rows, int64_t cols, const float* s
                         Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
                         int64_t out_ld, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
-  FSDP8_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(in) % (4 * sizeof(In)) == 0, "CastTransposeFp8: in not aligned to 4 elements");
+  FSDP8_CHECK(reinterpret_cast<uintptr_t>(in) % (4 * sizeof(In)) == 0)
+      << "CastTransposeFp8: in not aligned to 4 elements";
   CastTransposeImpl(PlainSource<In>{in, cols}, rows, cols, fmt,
                     CastOutputs<1>{{scale}, {out}, {out_t}, {amax_out}, out_ld}, stream);
 }
@@ -523,10 +526,11 @@ void LaunchSwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* 
   if (rows <= 0 || cols <= 0) return;
   for (const void* p : {static_cast<const void*>(dh16), static_cast<const void*>(gate16),
                         static_cast<const void*>(up16)}) {
-    FSDP8_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(p) % 8 == 0, "SwigluBackwardCastTransposeFp8: input not aligned to 4 elements");
+    FSDP8_CHECK(reinterpret_cast<uintptr_t>(p) % 8 == 0)
+        << "SwigluBackwardCastTransposeFp8: input not aligned to 4 elements";
   }
-  FSDP8_CUDA_REQUIRE(in_ld >= cols && (in_ld % 4 == 0 || cols % 4 != 0),
-                     "SwigluBackwardCastTransposeFp8: gate/up row stride below cols or not a multiple of 4");
+  FSDP8_CHECK(in_ld >= cols && (in_ld % 4 == 0 || cols % 4 != 0))
+      << "SwigluBackwardCastTransposeFp8: gate/up row stride below cols or not a multiple of 4";
   CastTransposeImpl(SwigluBackwardSource{dh16, gate16, up16, cols, in_ld}, rows, cols, fmt,
                     CastOutputs<2>{{scale_gate, scale_up}, {dgate8, dup8}, {dgate8_t, dup8_t},
                                    {amax_gate, amax_up}, out_ld},
@@ -539,9 +543,9 @@ void LaunchRopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int
                                             uint8_t* out_t, float* amax_out, int64_t out_ld,
                                             cudaStream_t stream) {
   if (B * T <= 0 || H * D <= 0) return;
-  FSDP8_CUDA_REQUIRE(D % 8 == 0 && reinterpret_cast<uintptr_t>(dx16) % 8 == 0 &&
-                         reinterpret_cast<uintptr_t>(table) % 16 == 0 && T < (int64_t{1} << 32),
-                     "RopeBackwardCastTransposeFp8Bf16: D % 8, dx16 8-byte or table 16-byte alignment");
+  FSDP8_CHECK(D % 8 == 0 && reinterpret_cast<uintptr_t>(dx16) % 8 == 0 &&
+              reinterpret_cast<uintptr_t>(table) % 16 == 0 && T < (int64_t{1} << 32))
+      << "RopeBackwardCastTransposeFp8Bf16: D % 8, dx16 8-byte or table 16-byte alignment";
   CastTransposeImpl(RopeBackwardSource{dx16, H * D, static_cast<uint32_t>(T),
                                        static_cast<uint32_t>(D),
                                        reinterpret_cast<const float2*>(table)},
@@ -616,7 +620,7 @@ void LaunchGroupMax(const float* in, const int32_t* group, int64_t n, float* out
 void LaunchTransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
                           cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
-  FSDP8_CUDA_REQUIRE(CeilDiv(rows, kTileRows) <= 65535, "TransposeBytes: rows too large");
+  FSDP8_CHECK(CeilDiv(rows, kTileRows) <= 65535) << "TransposeBytes: rows too large";
   const bool in_vec = (cols % 4 == 0) && (reinterpret_cast<uintptr_t>(in) % 4 == 0);
   const bool out_vec = (rows % 16 == 0) && (reinterpret_cast<uintptr_t>(out) % 16 == 0);
   const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kTileCols)), static_cast<unsigned>(CeilDiv(rows, kTileRows)));
@@ -643,7 +647,7 @@ void LaunchAmaxAccumulate(const float* in, int64_t n, float* amax_out, cudaStrea
 
 void LaunchRoundToBf16(float* x, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  RoundBf16Kernel<<<CastBlocks(n), kEltThreads, 0, stream>>>(x, n);
+  RoundToBf16Kernel<<<CastBlocks(n), kEltThreads, 0, stream>>>(x, n);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 

@@ -7,6 +7,7 @@
 // tree. Pass 2 reads the row again and writes the gradient; no probability buffer is kept.
 #include <cuda_runtime.h>
 
+#include "common/check.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launchers.h"
@@ -75,7 +76,7 @@ CrossEntropyKernel(const float* logits, const int32_t* __restrict__ targets, int
 void LaunchCrossEntropy(float* logits, const int32_t* targets, int64_t N, int64_t V,
                         float grad_scale, float* losses, cudaStream_t stream) {
   if (N <= 0 || V <= 0) return;
-  FSDP8_CUDA_REQUIRE(N <= 0x7FFFFFFF, "CrossEntropy: too many rows");
+  FSDP8_CHECK(N <= 0x7FFFFFFF) << "CrossEntropy: too many rows";
   CrossEntropyKernel<float><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(logits, targets, V, grad_scale, losses, logits);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
@@ -84,7 +85,7 @@ void LaunchCrossEntropyBf16Grad(const float* logits, const int32_t* targets, int
                                 float grad_scale, float* losses, uint16_t* dlogits16,
                                 cudaStream_t stream) {
   if (N <= 0 || V <= 0) return;
-  FSDP8_CUDA_REQUIRE(N <= 0x7FFFFFFF, "CrossEntropy: too many rows");
+  FSDP8_CHECK(N <= 0x7FFFFFFF) << "CrossEntropy: too many rows";
   CrossEntropyKernel<uint16_t><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(logits, targets, V, grad_scale, losses, dlogits16);
   FSDP8_CUDA_LAUNCH_CHECK();
 }

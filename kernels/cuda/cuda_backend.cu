@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include "common/check.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/launchers.h"
@@ -52,7 +53,7 @@ CudaBackend::CudaBackend(int device, const BackendOptions& options) : device_(de
   cudnn_->set_workspace_allocator(
       [this](size_t bytes) {
         void* p = Alloc(bytes);
-        FSDP8_CUDA_REQUIRE(p != nullptr, "device out of memory for cuDNN attention's workspace");
+        FSDP8_CHECK(p != nullptr) << "device out of memory for cuDNN attention's workspace";
         return p;
       },
       [this](void* p) { Free(p); });
@@ -111,7 +112,7 @@ void CudaBackend::Free(void* p) {
   if (p == nullptr) return;
   Bind();
   auto it = sizes_.find(reinterpret_cast<uintptr_t>(p));
-  FSDP8_CUDA_REQUIRE(it != sizes_.end(), "Free of a pointer not from Alloc");
+  FSDP8_CHECK(it != sizes_.end()) << "Free of a pointer not from Alloc";
   // Stream-ordered: work already enqueued on the compute stream (and collectives ordered before
   // it) still reads p; later allocations reuse it only after that work.
   FSDP8_CUDA_CHECK(cudaFreeAsync(p, stream_));
@@ -217,7 +218,7 @@ void CudaBackend::Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max,
                                     float* scale, float* scale_inv, int64_t stride) {
   cuda::OpScope op_scope(prof_.get(), "Fp8ScalesFromAmax");
   Bind();
-  FSDP8_CUDA_REQUIRE(n >= 0 && stride >= 1 && margin >= 0, "Fp8ScalesFromAmax: bad arguments");
+  FSDP8_CHECK(n >= 0 && stride >= 1 && margin >= 0) << "Fp8ScalesFromAmax: bad arguments";
   cuda::LaunchFp8ScalesFromAmax(amax, n, fp8_max, margin, scale, scale_inv, stride, stream_);
 }
 
@@ -355,7 +356,7 @@ void CudaBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t
   p.align_a = cuda::PointerAlignment(B);
   p.align_b = cuda::PointerAlignment(A);
   const bool ok = lt_->Run(p, B, A, C, nullptr, nullptr);
-  FSDP8_CUDA_REQUIRE(ok, "cuBLASLt has no f32 algorithm for this GEMM");
+  FSDP8_CHECK(ok) << "cuBLASLt has no f32 algorithm for this GEMM";
 }
 
 void CudaBackend::RoundToBf16(float* x, int64_t n) {
@@ -514,10 +515,10 @@ void CudaBackend::AttentionBackward(const float* q, const float* k, const float*
   cuda::LaunchAttentionBackward(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv, delta, stream_);
 }
 
-void CudaBackend::AttentionForwardBf16(const float* q, const float* k, const float* v, int64_t B,
-                                       int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
-                                       float* lse) {
-  cuda::OpScope op_scope(prof_.get(), "AttentionForwardBf16");
+void CudaBackend::AttentionForwardBf16Compute(const float* q, const float* k, const float* v,
+                                              int64_t B, int64_t T, int64_t H, int64_t Hkv,
+                                              int64_t D, float* out, float* lse) {
+  cuda::OpScope op_scope(prof_.get(), "AttentionForwardBf16Compute");
 #ifdef FSDP8_WITH_CUDNN
   if (CudnnAttentionUsable(D)) {
     Bind();
@@ -526,7 +527,7 @@ void CudaBackend::AttentionForwardBf16(const float* q, const float* k, const flo
     auto* k16 = static_cast<uint16_t*>(Alloc(nk * 2));
     auto* v16 = static_cast<uint16_t*>(Alloc(nk * 2));
     auto* o16 = static_cast<uint16_t*>(Alloc(nq * 2));
-    FSDP8_CUDA_REQUIRE(q16 && k16 && v16 && o16, "device out of memory in AttentionForwardBf16");
+    FSDP8_CHECK(q16 && k16 && v16 && o16) << "device out of memory in AttentionForwardBf16Compute";
     PackBf16(q, q16, nq);
     PackBf16(k, k16, nk);
     PackBf16(v, v16, nk);
@@ -541,21 +542,22 @@ void CudaBackend::AttentionForwardBf16(const float* q, const float* k, const flo
     CudnnRefused(err);
   }
 #endif
-  Backend::AttentionForwardBf16(q, k, v, B, T, H, Hkv, D, out, lse);
+  Backend::AttentionForwardBf16Compute(q, k, v, B, T, H, Hkv, D, out, lse);
 }
 
-void CudaBackend::AttentionBackwardBf16(const float* q, const float* k, const float* v,
-                                        const float* out, const float* dout, const float* lse,
-                                        int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                        float* dq, float* dk, float* dv) {
-  cuda::OpScope op_scope(prof_.get(), "AttentionBackwardBf16");
+void CudaBackend::AttentionBackwardBf16Compute(const float* q, const float* k, const float* v,
+                                               const float* out, const float* dout,
+                                               const float* lse, int64_t B, int64_t T, int64_t H,
+                                               int64_t Hkv, int64_t D, float* dq, float* dk,
+                                               float* dv) {
+  cuda::OpScope op_scope(prof_.get(), "AttentionBackwardBf16Compute");
 #ifdef FSDP8_WITH_CUDNN
   if (CudnnAttentionUsable(D)) {
     // Round the operands to bf16 once and take the saved-activation path (same cuDNN call).
     Bind();
     const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
     auto* buf = static_cast<uint16_t*>(Alloc((2 * nq + 2 * nk) * 2));  // q, o (nq); k, v (nk)
-    FSDP8_CUDA_REQUIRE(buf != nullptr, "device out of memory in AttentionBackwardBf16");
+    FSDP8_CHECK(buf != nullptr) << "device out of memory in AttentionBackwardBf16Compute";
     uint16_t *q16 = buf, *o16 = q16 + nq, *k16 = o16 + nq, *v16 = k16 + nk;
     PackBf16(q, q16, nq);
     PackBf16(k, k16, nk);
@@ -566,7 +568,7 @@ void CudaBackend::AttentionBackwardBf16(const float* q, const float* k, const fl
     return;
   }
 #endif
-  Backend::AttentionBackwardBf16(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
+  Backend::AttentionBackwardBf16Compute(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
 }
 
 void CudaBackend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t* k16,
@@ -581,7 +583,7 @@ void CudaBackend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t
     const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
     // do, dq (nq) and dk, dv (nk) in bf16.
     auto* buf = static_cast<uint16_t*>(Alloc((2 * nq + 2 * nk) * 2));
-    FSDP8_CUDA_REQUIRE(buf != nullptr, "device out of memory in AttentionBackwardBf16Saved");
+    FSDP8_CHECK(buf != nullptr) << "device out of memory in AttentionBackwardBf16Saved";
     uint16_t *do16 = buf, *dq16 = do16 + nq, *dk16 = dq16 + nq, *dv16 = dk16 + nk;
     PackBf16(dout, do16, nq);
     std::string err;
@@ -601,11 +603,12 @@ void CudaBackend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t
                                       dv);
 }
 
-void CudaBackend::SwigluBackwardBf16(const float* dh, const uint16_t* gate16,
-                                     const uint16_t* up16, int64_t n, float* dgate, float* dup) {
-  cuda::OpScope op_scope(prof_.get(), "SwigluBackwardBf16");
+void CudaBackend::SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16,
+                                          const uint16_t* up16, int64_t n, float* dgate,
+                                          float* dup) {
+  cuda::OpScope op_scope(prof_.get(), "SwigluBackwardBf16Saved");
   Bind();
-  cuda::LaunchSwigluBackwardBf16(dh, gate16, up16, n, dgate, dup, stream_);
+  cuda::LaunchSwigluBackwardBf16Saved(dh, gate16, up16, n, dgate, dup, stream_);
 }
 
 void CudaBackend::SwigluForward(const float* gate, const float* up, int64_t n, float* h) {
@@ -820,7 +823,7 @@ void CudaBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n,
                         float grad_scale, float* amax_out) {
   cuda::OpScope op_scope(prof_.get(), "AdamW");
   Bind();
-  FSDP8_CUDA_REQUIRE(step >= 1, "AdamW step must be >= 1");
+  FSDP8_CHECK(step >= 1) << "AdamW step must be >= 1";
   const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
   const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);

@@ -29,9 +29,10 @@
 //   * Gemm: cuBLASLt with CUBLAS_COMPUTE_32F (no TF32) for kF32; kBF16 packs A and B to bfloat16
 //     (RNE) and multiplies on tensor cores with FP32 accumulation into f32 C.
 //   * Attention: f32 flash-style kernels (kernels/cuda/attention.cu). The BF16 variants
-//     (AttentionForwardBf16 / AttentionBackwardBf16) run cuDNN's fused SDPA (attention_cudnn.h,
-//     deterministic backward) when built with it and D is a multiple of 8 up to 128; otherwise,
-//     or if cuDNN refuses the shape, the Backend reference (a one-time message says so).
+//     (AttentionForwardBf16Compute / AttentionBackwardBf16Compute) run cuDNN's fused SDPA
+//     (attention_cudnn.h, deterministic backward) when built with it and D is a multiple of 8 up
+//     to 128; otherwise, or if cuDNN refuses the shape, the Backend reference (a one-time message
+//     says so).
 //   * Every kernel is deterministic: same inputs, same bits (no order-dependent float atomics),
 //     unless SetDeterministic(false) (then the cuDNN attention backward is not).
 //
@@ -156,18 +157,20 @@ class CudaBackend final : public Backend, public CudaStreams {
                          const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
                          int64_t Hkv, int64_t D, float* dq, float* dk, float* dv) override;
 
-  void AttentionForwardBf16(const float* q, const float* k, const float* v, int64_t B, int64_t T,
-                            int64_t H, int64_t Hkv, int64_t D, float* out, float* lse) override;
-  void AttentionBackwardBf16(const float* q, const float* k, const float* v, const float* out,
-                             const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
-                             int64_t Hkv, int64_t D, float* dq, float* dk, float* dv) override;
+  void AttentionForwardBf16Compute(const float* q, const float* k, const float* v, int64_t B,
+                                   int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
+                                   float* lse) override;
+  void AttentionBackwardBf16Compute(const float* q, const float* k, const float* v,
+                                    const float* out, const float* dout, const float* lse,
+                                    int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                    float* dq, float* dk, float* dv) override;
 
   void AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t* k16, const uint16_t* v16,
                                   const uint16_t* out16, const float* dout, const float* lse,
                                   int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
                                   float* dq, float* dk, float* dv) override;
-  void SwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uint16_t* up16, int64_t n,
-                          float* dgate, float* dup) override;
+  void SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16, const uint16_t* up16,
+                               int64_t n, float* dgate, float* dup) override;
 
   void SwigluForward(const float* gate, const float* up, int64_t n, float* h) override;
 

@@ -1,7 +1,8 @@
 // Internal to kernels/cuda: error-checking macros and small device helpers shared by the .cu files.
 //
 // A failing CUDA / cuBLASLt call inside the backend is a broken invariant (backend.h, Errors): it
-// prints the call, the error name and string and file:line to stderr and aborts.
+// prints the call, the error name and string and file:line to stderr and aborts. Other host-side
+// invariants (shapes, alignment) use FSDP8_CHECK of common/check.h.
 #pragma once
 
 #include <cstdint>
@@ -19,12 +20,6 @@ namespace fsdp8::cuda {
   std::abort();
 }
 
-[[noreturn]] inline void DieMsg(const char* msg, const char* file, int line) {
-  std::fprintf(stderr, "fsdp8 cuda: %s at %s:%d\n", msg, file, line);
-  std::fflush(stderr);
-  std::abort();
-}
-
 }  // namespace fsdp8::cuda
 
 #define FSDP8_CUDA_CHECK(expr)                                              \
@@ -35,8 +30,3 @@ namespace fsdp8::cuda {
 
 // After a kernel launch: reports launch-configuration errors (not asynchronous faults).
 #define FSDP8_CUDA_LAUNCH_CHECK() FSDP8_CUDA_CHECK(cudaGetLastError())
-
-#define FSDP8_CUDA_REQUIRE(cond, msg)                                       \
-  do {                                                                      \
-    if (!(cond)) ::fsdp8::cuda::DieMsg("check failed: " #cond ": " msg, __FILE__, __LINE__); \
-  } while (0)

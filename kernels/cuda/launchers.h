@@ -116,11 +116,11 @@ void LaunchRopeApplyBf16(uint16_t* x, int64_t B, int64_t T, int64_t H, int64_t D
 // ---- swiglu.cu -------------------------------------------------------------------------------
 void LaunchSwigluForward(const float* gate, const float* up, int64_t n, float* h,
                          cudaStream_t stream);
-void LaunchSwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
-                              int64_t n, float* dgate, float* dup, cudaStream_t stream);
+void LaunchSwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16, const uint16_t* up16,
+                                   int64_t n, float* dgate, float* dup, cudaStream_t stream);
 void LaunchSwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                           float* dgate, float* dup, cudaStream_t stream);
-// SwigluBackwardBf16 with dh given as bfloat16 and dgate, dup rounded to bfloat16 (RNE).
+// SwigluBackwardBf16Saved with dh given as bfloat16 and dgate, dup rounded to bfloat16 (RNE).
 void LaunchSwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16, const uint16_t* up16,
                                   int64_t n, uint16_t* dgate16, uint16_t* dup16,
                                   cudaStream_t stream);

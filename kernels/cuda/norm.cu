@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include "common/check.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launchers.h"
@@ -404,7 +405,7 @@ RmsNormDwFinalKernel(const float* __restrict__ partials, int64_t chunks, int64_t
 void LaunchRmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
                           float* rstd, cudaStream_t stream) {
   if (N <= 0 || C <= 0) return;
-  FSDP8_CUDA_REQUIRE(N <= 0x7FFFFFFF, "RmsNormForward: too many rows");
+  FSDP8_CHECK(N <= 0x7FFFFFFF) << "RmsNormForward: too many rows";
   RmsNormForwardKernel<<<static_cast<unsigned>(N), kThreads, 0, stream>>>(x, w, eps, C, y, rstd);
   FSDP8_CUDA_LAUNCH_CHECK();
 }
@@ -413,7 +414,7 @@ void LaunchRmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, 
                           float* rstd, const float* scale, Fp8Format fmt, uint8_t* out,
                           float* amax_out, cudaStream_t stream) {
   if (N <= 0 || C <= 0) return;
-  FSDP8_CUDA_REQUIRE(N <= 0x7FFFFFFF, "RmsNormCastFp8: too many rows");
+  FSDP8_CHECK(N <= 0x7FFFFFFF) << "RmsNormCastFp8: too many rows";
   const bool vec = C % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(out) % 4 == 0;

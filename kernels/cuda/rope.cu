@@ -6,6 +6,7 @@
 // cos/sin of that f32 angle evaluated in double, rounded to f32.
 #include <cuda_runtime.h>
 
+#include "common/check.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launchers.h"
@@ -93,8 +94,8 @@ namespace {
 template <typename T_>
 void RopeApplyImpl(T_* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t ld,
                    const float* table, float sign, cudaStream_t stream) {
-  FSDP8_CUDA_REQUIRE(D % 2 == 0, "RoPE needs an even head dimension");
-  FSDP8_CUDA_REQUIRE(ld >= H * D, "RoPE: token stride below H * D");
+  FSDP8_CHECK(D % 2 == 0) << "RoPE needs an even head dimension";
+  FSDP8_CHECK(ld >= H * D) << "RoPE: token stride below H * D";
   const int64_t total = B * T * H * (D / 2);
   if (total <= 0) return;
   // The 4-pair kernel's vector accesses need 4-element alignment of x (rows of D % 8 == 0

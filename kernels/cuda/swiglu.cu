@@ -1,6 +1,7 @@
 // SwiGLU activation (Backend: SwigluForward, SwigluBackward), elementwise over (N, F).
 #include <cuda_runtime.h>
 
+#include "common/check.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/launchers.h"
@@ -125,8 +126,8 @@ void LaunchSwigluBackward(const float* dh, const float* gate, const float* up, i
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
-void LaunchSwigluBackwardBf16(const float* dh, const uint16_t* gate16, const uint16_t* up16,
-                              int64_t n, float* dgate, float* dup, cudaStream_t stream) {
+void LaunchSwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16, const uint16_t* up16,
+                                   int64_t n, float* dgate, float* dup, cudaStream_t stream) {
   if (n <= 0) return;
   SwigluBackwardKernel<uint16_t>
       <<<EltBlocks(n), kEltThreads, 0, stream>>>(dh, gate16, up16, n, dgate, dup);
@@ -152,13 +153,12 @@ void LaunchSwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t r
                          int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
                          uint8_t* out, float* amax_out, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
-  FSDP8_CUDA_REQUIRE(in_ld >= cols, "SwigluCastFp8: row stride below cols");
+  FSDP8_CHECK(in_ld >= cols) << "SwigluCastFp8: row stride below cols";
   if (in_ld != cols) {
-    FSDP8_CUDA_REQUIRE(cols % 4 == 0 && in_ld % 4 == 0 &&
-                           reinterpret_cast<uintptr_t>(gate16) % 8 == 0 &&
-                           reinterpret_cast<uintptr_t>(up16) % 8 == 0 &&
-                           reinterpret_cast<uintptr_t>(out) % 4 == 0,
-                       "SwigluCastFp8: strided rows need cols % 4, in_ld % 4 and aligned pointers");
+    FSDP8_CHECK(cols % 4 == 0 && in_ld % 4 == 0 && reinterpret_cast<uintptr_t>(gate16) % 8 == 0 &&
+                reinterpret_cast<uintptr_t>(up16) % 8 == 0 &&
+                reinterpret_cast<uintptr_t>(out) % 4 == 0)
+        << "SwigluCastFp8: strided rows need cols % 4, in_ld % 4 and aligned pointers";
     const int blocks = EltBlocks(rows * (cols / 4), 8192);
     if (fmt == Fp8Format::kE5M2) {
       SwigluCastRowsKernel<true><<<blocks, kEltThreads, 0, stream>>>(gate16, up16, rows, cols, in_ld, scale, out, amax_out);

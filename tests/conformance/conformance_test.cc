@@ -701,7 +701,7 @@ TEST_P(Conformance, Elementwise) {
       r.F32(&o, "dup", du, n);
       return o;
     });
-    Check("SwigluBackwardBf16/" + std::to_string(n), kEltTol, [&](DevRun& r) {
+    Check("SwigluBackwardBf16Saved/" + std::to_string(n), kEltTol, [&](DevRun& r) {
       Outputs o;
       uint16_t* g16 = r.Out<uint16_t>(n);
       uint16_t* u16 = r.Out<uint16_t>(n);
@@ -709,7 +709,7 @@ TEST_P(Conformance, Elementwise) {
       r.b()->PackBf16(r.In(u), u16, n);
       float* dg = r.Out<float>(n);
       float* du = r.Out<float>(n);
-      r.b()->SwigluBackwardBf16(r.In(dh), g16, u16, n, dg, du);
+      r.b()->SwigluBackwardBf16Saved(r.In(dh), g16, u16, n, dg, du);
       r.F32(&o, "dgate", dg, n);
       r.F32(&o, "dup", du, n);
       return o;
@@ -913,28 +913,29 @@ TEST_P(Conformance, AttentionBf16) {
     const auto q = Randn(nq), k = Randn(nk), v = Randn(nk), dout = Randn(nq);
     const std::string shape = std::to_string(s.B) + "x" + std::to_string(s.T) + "x" + std::to_string(s.H) + "/" +
                               std::to_string(s.Hkv) + "x" + std::to_string(s.D);
-    Check("AttentionForwardBf16/" + shape, 4 * ub, [&](DevRun& r) {
+    Check("AttentionForwardBf16Compute/" + shape, 4 * ub, [&](DevRun& r) {
       Outputs o;
       float* out = r.Out<float>(nq);
       float* lse = r.Out<float>(s.B * s.H * s.T);
-      r.b()->AttentionForwardBf16(r.In(q), r.In(k), r.In(v), s.B, s.T, s.H, s.Hkv, s.D, out, lse);
+      r.b()->AttentionForwardBf16Compute(r.In(q), r.In(k), r.In(v), s.B, s.T, s.H, s.Hkv, s.D, out,
+                                         lse);
       r.F32(&o, "out", out, nq);
       r.F32(&o, "lse", lse, s.B * s.H * s.T);
       return o;
     });
-    Check("AttentionBackwardBf16/" + shape, 8 * ub, [&](DevRun& r) {
+    Check("AttentionBackwardBf16Compute/" + shape, 8 * ub, [&](DevRun& r) {
       Outputs o;
       const float* qd = r.In(q);
       const float* kd = r.In(k);
       const float* vd = r.In(v);
       float* out = r.Out<float>(nq);
       float* lse = r.Out<float>(s.B * s.H * s.T);
-      r.b()->AttentionForwardBf16(qd, kd, vd, s.B, s.T, s.H, s.Hkv, s.D, out, lse);
+      r.b()->AttentionForwardBf16Compute(qd, kd, vd, s.B, s.T, s.H, s.Hkv, s.D, out, lse);
       float* dq = r.Out<float>(nq);
       float* dk = r.Out<float>(nk);
       float* dv = r.Out<float>(nk);
-      r.b()->AttentionBackwardBf16(qd, kd, vd, out, r.In(dout), lse, s.B, s.T, s.H, s.Hkv, s.D, dq, dk,
-                                   dv);
+      r.b()->AttentionBackwardBf16Compute(qd, kd, vd, out, r.In(dout), lse, s.B, s.T, s.H, s.Hkv,
+                                          s.D, dq, dk, dv);
       r.F32(&o, "dq", dq, nq);
       r.F32(&o, "dk", dk, nk);
       r.F32(&o, "dv", dv, nk);
@@ -948,7 +949,7 @@ TEST_P(Conformance, AttentionBf16) {
       const float* vd = r.In(v);
       float* out = r.Out<float>(nq);
       float* lse = r.Out<float>(s.B * s.H * s.T);
-      r.b()->AttentionForwardBf16(qd, kd, vd, s.B, s.T, s.H, s.Hkv, s.D, out, lse);
+      r.b()->AttentionForwardBf16Compute(qd, kd, vd, s.B, s.T, s.H, s.Hkv, s.D, out, lse);
       uint16_t* q16 = r.Out<uint16_t>(nq);
       uint16_t* o16 = r.Out<uint16_t>(nq);
       uint16_t* k16 = r.Out<uint16_t>(nk);

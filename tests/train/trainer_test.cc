@@ -371,9 +371,9 @@ TEST(FsdpParams, C06_FiftySevenAndOneBySeventeenOnTwoRanks) {
   }
 }
 
-// The BF16 head runs in row chunks (train/model.cc, HeadBf16), its gradient made in bf16. Five
-// chunks of 3 rows and one of 1 give the loss and the gradients of one chunk, up to the order of the
-// head's weight-gradient sums; both agree with an FP32 head up to the bf16 rounding of the head's
+// The BF16 head runs in row chunks (train/model.cc, HeadBf16Compute), its gradient made in bf16.
+// Five chunks of 3 rows and one of 1 give the loss and the gradients of one chunk, up to the order
+// of the head's weight-gradient sums; both agree with an FP32 head up to the bf16 rounding of the head's
 // operands, in training and in evaluation.
 TEST(Trainer, Bf16HeadChunksGiveTheUnchunkedGradients) {
   v1::JobSpec spec = TinySpec(TrainFile());
