@@ -229,12 +229,8 @@ absl::Status CheckCheckpointSpec(const v1::CheckpointSpec& c,
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
-                          const std::vector<std::string>& data_roots, bool check_files) {
-  const v1::JobSpec spec = WithDefaults(spec_in, world_size);
-  const v1::ModelConfig& m = spec.model();
+// model.*: sizes, head and vocabulary shape, RoPE and RMSNorm constants.
+absl::Status CheckModel(const v1::ModelConfig& m) {
   FSDP8_RETURN_IF_ERROR(Positive("model.d_model", m.d_model()));
   FSDP8_RETURN_IF_ERROR(Positive("model.n_layers", m.n_layers()));
   FSDP8_RETURN_IF_ERROR(Positive("model.n_heads", m.n_heads()));
@@ -264,8 +260,11 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
   if (!(m.norm_eps() > 0) || !std::isfinite(m.norm_eps())) {
     return Bad("model.norm_eps", "must be > 0 and finite", absl::StrCat("got ", m.norm_eps()));
   }
+  return absl::OkStatus();
+}
 
-  const v1::TrainingSpec& t = spec.training();
+// training.*: step counts, batch sizes (against world_size when > 0), evaluation.
+absl::Status CheckTraining(const v1::TrainingSpec& t, int world_size) {
   FSDP8_RETURN_IF_ERROR(Positive("training.steps", t.steps()));
   FSDP8_RETURN_IF_ERROR(Positive("training.global_batch", t.global_batch()));
   if (t.has_microbatch()) FSDP8_RETURN_IF_ERROR(Positive("training.microbatch", t.microbatch()));
@@ -286,17 +285,20 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
                               ") != 0"));
     }
   }
+  return absl::OkStatus();
+}
 
-  const v1::OptimizerSpec& o = spec.optimizer();
+// optimizer.*: AdamW hyperparameters and the schedule (warmup within training.steps).
+absl::Status CheckOptimizer(const v1::OptimizerSpec& o, int64_t steps) {
   if (!(o.peak_lr() > 0) || !std::isfinite(o.peak_lr())) {
     return Bad("optimizer.peak_lr", "must be > 0 and finite", absl::StrCat("got ", o.peak_lr()));
   }
   if (!(o.min_lr_ratio() >= 0 && o.min_lr_ratio() <= 1)) {
     return Bad("optimizer.min_lr_ratio", "must be in [0, 1]", absl::StrCat("got ", o.min_lr_ratio()));
   }
-  if (o.warmup_steps() < 0 || o.warmup_steps() > t.steps()) {
+  if (o.warmup_steps() < 0 || o.warmup_steps() > steps) {
     return Bad("optimizer.warmup_steps", "must be in [0, training.steps]",
-               absl::StrCat("got ", o.warmup_steps(), ", steps ", t.steps()));
+               absl::StrCat("got ", o.warmup_steps(), ", steps ", steps));
   }
   if (!(o.beta1() >= 0 && o.beta1() < 1)) {
     return Bad("optimizer.beta1", "must be in [0, 1)", absl::StrCat("got ", o.beta1()));
@@ -309,8 +311,11 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
   }
   FSDP8_RETURN_IF_ERROR(NonNegative("optimizer.weight_decay", o.weight_decay()));
   FSDP8_RETURN_IF_ERROR(NonNegative("optimizer.grad_clip", o.grad_clip()));
+  return absl::OkStatus();
+}
 
-  const v1::ShardingSpec& sh = spec.sharding();
+// sharding.*: the world-size range and the shard alignment.
+absl::Status CheckSharding(const v1::ShardingSpec& sh) {
   if (sh.min_workers() < 1) {
     return Bad("sharding.min_workers", "must be >= 1", absl::StrCat("got ", sh.min_workers()));
   }
@@ -321,8 +326,33 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
   if (sh.alignment() < 1) {
     return Bad("sharding.alignment", "must be >= 1", absl::StrCat("got ", sh.alignment()));
   }
+  return absl::OkStatus();
+}
 
-  const v1::PrecisionSpec& p = spec.precision();
+// precision.overrides[*]: one per layer, each in [0, n_layers) with its linears' precision set.
+absl::Status CheckPrecisionOverrides(const v1::PrecisionSpec& p, int n_layers) {
+  std::map<int, int> seen;  // layer -> override index
+  for (int i = 0; i < p.overrides_size(); ++i) {
+    const v1::LayerPrecision& lp = p.overrides(i);
+    const std::string at = absl::StrCat("precision.overrides[", i, "]");
+    if (lp.layer() < 0 || lp.layer() >= n_layers) {
+      return Bad(at + ".layer", "must be in [0, model.n_layers)",
+                 absl::StrCat(lp.layer(), " not in [0, ", n_layers, ")"));
+    }
+    auto [it, inserted] = seen.emplace(lp.layer(), i);
+    if (!inserted) {
+      return Bad(at + ".layer", "duplicate override",
+                 absl::StrCat("layer ", lp.layer(), " also in precision.overrides[", it->second, "]"));
+    }
+    if (lp.linears() == v1::PRECISION_UNSPECIFIED) {
+      return Bad(at + ".linears", "must be set", "FP8, BF16 or FP32");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// precision.*: the non-linear layers' precisions, the FP8 recipe, the per-layer overrides.
+absl::Status CheckPrecision(const v1::PrecisionSpec& p, int n_layers) {
   if (p.embedding() != v1::PRECISION_BF16 && p.embedding() != v1::PRECISION_FP32) {
     return Bad("precision.embedding", "must be BF16 or FP32",
                absl::StrCat("got ", PrecisionName(p.embedding())));
@@ -342,28 +372,11 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
   if (p.fp8().margin() < 0) {
     return Bad("precision.fp8.margin", "must be >= 0", absl::StrCat("got ", p.fp8().margin()));
   }
-  std::map<int, int> seen;  // layer -> override index
-  for (int i = 0; i < p.overrides_size(); ++i) {
-    const v1::LayerPrecision& lp = p.overrides(i);
-    const std::string at = absl::StrCat("precision.overrides[", i, "]");
-    if (lp.layer() < 0 || lp.layer() >= m.n_layers()) {
-      return Bad(at + ".layer", "must be in [0, model.n_layers)",
-                 absl::StrCat(lp.layer(), " not in [0, ", m.n_layers(), ")"));
-    }
-    auto [it, inserted] = seen.emplace(lp.layer(), i);
-    if (!inserted) {
-      return Bad(at + ".layer", "duplicate override",
-                 absl::StrCat("layer ", lp.layer(), " also in precision.overrides[", it->second, "]"));
-    }
-    if (lp.linears() == v1::PRECISION_UNSPECIFIED) {
-      return Bad(at + ".linears", "must be set", "FP8, BF16 or FP32");
-    }
-  }
+  return CheckPrecisionOverrides(p, n_layers);
+}
 
-  if (spec.backend() != "cpu" && spec.backend() != "cuda") {
-    return Bad("backend", "must be \"cpu\" or \"cuda\"", absl::StrCat("got \"", spec.backend(), "\""));
-  }
-
+// data.*, checkpoint.*, init.from_hf: the paths, under the data roots when there are any.
+absl::Status CheckPaths(const v1::JobSpec& spec, const std::vector<std::string>& data_roots) {
   const v1::DataSpec& d = spec.data();
   if (d.train_path().empty()) return absl::InvalidArgumentError("data.train_path: required");
   FSDP8_RETURN_IF_ERROR(CheckDataPath("data.train_path", d.train_path(), data_roots));
@@ -374,18 +387,41 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
   if (!spec.init().from_hf().empty()) {
     FSDP8_RETURN_IF_ERROR(CheckDataPath("init.from_hf", spec.init().from_hf(), data_roots));
   }
+  return absl::OkStatus();
+}
+
+// The files the paths name: token shards long enough for one sequence, a compatible HF model.
+absl::Status CheckFiles(const v1::JobSpec& spec) {
+  const v1::DataSpec& d = spec.data();
+  const int seq_len = spec.model().seq_len();
+  FSDP8_RETURN_IF_ERROR(CheckDataFile("data.train_path", d.train_path(), seq_len));
+  if (!d.val_path().empty()) {
+    FSDP8_RETURN_IF_ERROR(CheckDataFile("data.val_path", d.val_path(), seq_len));
+  }
+  if (!spec.init().from_hf().empty()) {
+    FSDP8_RETURN_IF_ERROR(CheckHfDir(spec.init().from_hf(), spec.model(), "init.from_hf"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
+                          const std::vector<std::string>& data_roots, bool check_files) {
+  const v1::JobSpec spec = WithDefaults(spec_in, world_size);
+  FSDP8_RETURN_IF_ERROR(CheckModel(spec.model()));
+  FSDP8_RETURN_IF_ERROR(CheckTraining(spec.training(), world_size));
+  FSDP8_RETURN_IF_ERROR(CheckOptimizer(spec.optimizer(), spec.training().steps()));
+  FSDP8_RETURN_IF_ERROR(CheckSharding(spec.sharding()));
+  FSDP8_RETURN_IF_ERROR(CheckPrecision(spec.precision(), spec.model().n_layers()));
+  if (spec.backend() != "cpu" && spec.backend() != "cuda") {
+    return Bad("backend", "must be \"cpu\" or \"cuda\"", absl::StrCat("got \"", spec.backend(), "\""));
+  }
+  FSDP8_RETURN_IF_ERROR(CheckPaths(spec, data_roots));
   if (spec.max_restarts() < 0) {
     return Bad("max_restarts", "must be >= 0", absl::StrCat("got ", spec.max_restarts()));
   }
-  if (check_files) {
-    FSDP8_RETURN_IF_ERROR(CheckDataFile("data.train_path", d.train_path(), m.seq_len()));
-    if (!d.val_path().empty()) {
-      FSDP8_RETURN_IF_ERROR(CheckDataFile("data.val_path", d.val_path(), m.seq_len()));
-    }
-    if (!spec.init().from_hf().empty()) {
-      FSDP8_RETURN_IF_ERROR(CheckHfDir(spec.init().from_hf(), m, "init.from_hf"));
-    }
-  }
+  if (check_files) FSDP8_RETURN_IF_ERROR(CheckFiles(spec));
   return absl::OkStatus();
 }
 
