@@ -1,13 +1,17 @@
 // fsdp8: the command-line client of an fsdp8 coordinator.
 #include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -17,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "client/cli_args.h"
 #include "client/client.h"
 #include "client/plot.h"
 #include "client/prepare.h"
@@ -31,7 +36,7 @@ constexpr char kUsage[] =
     "usage: fsdp8 [--coordinator host:port] COMMAND ...\n"
     "\n"
     "commands:\n"
-    "  submit SPEC_FILE [--request_id ID] [--no-watch]   submit a job (YAML or JSON), then watch it\n"
+    "  submit SPEC_FILE [--request-id ID] [--no-watch]   submit a job (YAML or JSON), then watch it\n"
     "  watch JOB [--json] [--plot FILE]                  follow a job until it ends (--json: one event per\n"
     "                                                    line; --plot, also on submit: the loss curve\n"
     "                                                    as an image, .png, .svg or .pdf, by gnuplot)\n"
@@ -44,7 +49,7 @@ constexpr char kUsage[] =
     "  checkpoints JOB                                   committed checkpoints of a job (step, world size, bytes, dir)\n"
     "  drain WORKER [--undo]                             give a worker no more work (admin)\n"
     "  log-level LEVEL                                   coordinator log level: error|warning|info|debug (admin)\n"
-    "  prepare --out DIR [--val_fraction 0.05] FILES...  text files -> byte-level token shards\n"
+    "  prepare --out DIR [--val-fraction 0.05] FILES...  text files -> byte-level token shards\n"
     "  export JOB|CHECKPOINT_DIR --out DIR [--step N] [--dtype f32|bf16]\n"
     "                                                    a committed checkpoint (default: the newest) as a\n"
     "                                                    Hugging Face directory (config.json + model.safetensors)\n"
@@ -53,63 +58,16 @@ constexpr char kUsage[] =
     "security: --tls-ca FILE (verify the coordinator; TLS), --tls-cert FILE --tls-key FILE (mutual\n"
     "TLS), --token TOKEN or --token-file FILE (bearer token); defaults from $FSDP8_TLS_CA,\n"
     "$FSDP8_TLS_CERT, $FSDP8_TLS_KEY, $FSDP8_TOKEN, $FSDP8_TOKEN_FILE.\n"
-    "watch/submit exit 0 only when the job SUCCEEDED.\n";
+    "watch/submit exit 0 only when the job SUCCEEDED.\n"
+    "Flags are spelled with dashes; the underscore spelling (--request_id, --val_fraction,\n"
+    "--no_watch) is deprecated and still accepted for one release.\n";
 
-struct Args {
-  std::string command;
-  std::vector<std::string> positional;
-  std::map<std::string, std::string> flags;  // name -> value ("" for booleans)
-};
+using Args = fsdp8::CliArgs;
 
 int Usage(const std::string& error) {
   if (!error.empty()) fprintf(stderr, "error: %s\n", error.c_str());
   fputs(kUsage, stderr);
   return 2;
-}
-
-// Parses "--name value", "--name=value" and boolean "--name" anywhere on the command line.
-bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
-  static const std::map<std::string, bool> kFlags = {  // name -> takes a value
-      {"coordinator", true}, {"request_id", true}, {"out", true},   {"val_fraction", true},
-      {"no-watch", false},   {"no_watch", false},  {"json", false}, {"help", false},
-      {"step", true},        {"dtype", true},      {"undo", false},  {"token", true},
-      {"token-file", true},  {"tls-ca", true},     {"tls-cert", true}, {"tls-key", true},
-      {"plot", true}};
-  for (int i = 1; i < argc; ++i) {
-    std::string s = argv[i];
-    if (s == "--") {
-      for (++i; i < argc; ++i) a->positional.push_back(argv[i]);
-      break;
-    }
-    if (s.size() > 2 && s.rfind("--", 0) == 0) {
-      std::string name = s.substr(2), value;
-      bool has_value = false;
-      size_t eq = name.find('=');
-      if (eq != std::string::npos) {
-        value = name.substr(eq + 1);
-        name = name.substr(0, eq);
-        has_value = true;
-      }
-      auto it = kFlags.find(name);
-      if (it == kFlags.end()) {
-        *error = absl::StrCat("unknown flag --", name);
-        return false;
-      }
-      if (it->second && !has_value) {
-        if (i + 1 >= argc) {
-          *error = absl::StrCat("--", name, " needs a value");
-          return false;
-        }
-        value = argv[++i];
-      }
-      if (name == "no_watch") name = "no-watch";
-      a->flags[name] = value;
-      continue;
-    }
-    if (a->command.empty()) a->command = s;
-    else a->positional.push_back(s);
-  }
-  return true;
 }
 
 std::string Num(double v, int decimals = 4) {
@@ -318,12 +276,267 @@ void PrintJob(const fsdp8::v1::Job& j) {
   if (j.end_time() > 0) printf("  ended:      %s\n", Ago(j.end_time()).c_str());
 }
 
+// What a command runs with: the command line and, for those that reach the coordinator, its
+// address, the channel's security settings and a client.
+struct Context {
+  Args& a;
+  std::string address;
+  fsdp8::ChannelSecurity sec;
+  fsdp8::Client* client = nullptr;  // set for commands with Needs::kClient
+};
+
+// The one positional argument of a command that takes exactly one (JOB, WORKER, ...), or "".
+std::string OnlyArg(const Args& a) { return a.positional.size() == 1 ? a.positional[0] : ""; }
+
+// fsdp8 prepare --out DIR [--val-fraction F] FILES...
+int RunPrepare(Context& ctx) {
+  Args& a = ctx.a;
+  if (!a.flags.count("out")) return Usage("prepare: --out DIR is required");
+  if (a.positional.empty()) return Usage("prepare: no input files");
+  double frac = 0.05;
+  if (a.flags.count("val-fraction")) {
+    const std::string& v = a.flags["val-fraction"];
+    char* end = nullptr;
+    frac = std::strtod(v.c_str(), &end);
+    if (end == v.c_str() || *end != '\0') return Usage("--val-fraction: not a number");
+  }
+  auto r = fsdp8::PrepareTokenShards(a.positional, a.flags["out"], frac);
+  if (!r.ok()) {
+    fprintf(stderr, "error: %s\n", std::string(r.status().message()).c_str());
+    return absl::IsInvalidArgument(r.status()) ? 2 : 1;
+  }
+  printf("read %zu files, %s bytes\n", a.positional.size(),
+         Thousands(r->train_tokens + r->val_tokens).c_str());
+  printf("%s: %s tokens\n", r->train_path.c_str(), Thousands(r->train_tokens).c_str());
+  printf("%s: %s tokens\n", r->val_path.c_str(), Thousands(r->val_tokens).c_str());
+  return 0;
+}
+
+int RunExport(Context& ctx) { return Export(ctx.a, ctx.address, ctx.sec); }
+
+// fsdp8 submit SPEC_FILE [--request-id ID] [--no-watch] [--plot FILE]
+int RunSubmit(Context& ctx) {
+  Args& a = ctx.a;
+  if (a.positional.size() != 1) return Usage("submit: exactly one SPEC_FILE");
+  const std::string& file = a.positional[0];
+  std::ifstream in(file);
+  if (!in) {
+    fprintf(stderr, "error: %s: cannot read: %s\n", file.c_str(), std::strerror(errno));
+    return 2;
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto spec = fsdp8::ParseSpec(ss.str());
+  if (!spec.ok()) {
+    fprintf(stderr, "error: %s: %s\n", file.c_str(), std::string(spec.status().message()).c_str());
+    return 2;
+  }
+  auto job = ctx.client->Submit(*spec, a.flags.count("request-id") ? a.flags["request-id"] : "");
+  if (!job.ok()) {
+    if (absl::IsInvalidArgument(job.status())) {
+      fprintf(stderr, "error: invalid job spec: %s\n", std::string(job.status().message()).c_str());
+      return 2;
+    }
+    return ReportError(job.status());
+  }
+  printf("%s\n", job->job_id().c_str());
+  fflush(stdout);
+  if (a.flags.count("no-watch")) return 0;
+  return WatchJob(*ctx.client, job->job_id(), false, a.flags["plot"]);
+}
+
+int RunWatch(Context& ctx) {
+  const std::string id = OnlyArg(ctx.a);
+  if (id.empty()) return Usage("watch: exactly one JOB");
+  return WatchJob(*ctx.client, id, ctx.a.flags.count("json") > 0, ctx.a.flags["plot"]);
+}
+
+int RunStatus(Context& ctx) {
+  const std::string id = OnlyArg(ctx.a);
+  if (id.empty()) return Usage("status: exactly one JOB");
+  auto job = ctx.client->GetJob(id);
+  if (!job.ok()) return ReportError(job.status());
+  if (!ctx.a.flags.count("json")) {
+    PrintJob(*job);
+    return 0;
+  }
+  std::string json;
+  google::protobuf::util::JsonPrintOptions o;
+  o.add_whitespace = true;
+  o.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(*job, &json, o);
+  printf("%s", json.c_str());
+  if (json.empty() || json.back() != '\n') printf("\n");
+  return 0;
+}
+
+int RunList(Context& ctx) {
+  auto jobs = ctx.client->ListJobs();
+  if (!jobs.ok()) return ReportError(jobs.status());
+  printf("%-14s %-10s %-11s %-8s %-8s %-16s %s\n", "JOB", "STATE", "STEP", "LOSS", "VAL", "NAME",
+         "REASON");
+  for (const auto& j : *jobs) {
+    printf("%-14s %-10s %-11s %-8s %-8s %-16s %s\n", j.job_id().c_str(), State(j.state()).c_str(),
+           absl::StrCat(j.step(), "/", j.total_steps()).c_str(),
+           Num(j.step() > 0 ? j.loss() : NAN).c_str(), Num(j.val_loss()).c_str(),
+           j.spec().name().c_str(), j.reason().c_str());
+  }
+  return 0;
+}
+
+int RunCancel(Context& ctx) {
+  const std::string id = OnlyArg(ctx.a);
+  if (id.empty()) return Usage("cancel: exactly one JOB");
+  auto job = ctx.client->Cancel(id);
+  if (!job.ok()) return ReportError(job.status());
+  printf("job %s %s\n", job->job_id().c_str(), State(job->state()).c_str());
+  return 0;
+}
+
+// "IDLE" for WORKER_STATE_IDLE.
+std::string WorkerStateName(fsdp8::v1::WorkerState s) {
+  std::string n = fsdp8::v1::WorkerState_Name(s);
+  return n.rfind("WORKER_STATE_", 0) == 0 ? n.substr(13) : n;
+}
+
+int RunWorkers(Context& ctx) {
+  auto ws = ctx.client->ListWorkers();
+  if (!ws.ok()) return ReportError(ws.status());
+  printf("%-8s %-20s %-8s %-6s %-10s %-10s %-14s %-5s %s\n", "WORKER", "HOST", "BACKEND",
+         "DEVICE", "MEMORY", "STATE", "JOB", "RANK", "HEARTBEAT");
+  for (const auto& w : *ws) {
+    printf("%-8s %-20s %-8s %-6d %-10s %-10s %-14s %-5s %s\n", w.worker_id().c_str(),
+           w.host().c_str(), w.backend().c_str(), w.device(),
+           fsdp8::FormatBytes(w.memory_bytes()).c_str(), WorkerStateName(w.state()).c_str(),
+           w.job_id().empty() ? "-" : w.job_id().c_str(),
+           w.rank() < 0 ? "-" : absl::StrCat(w.rank()).c_str(), Ago(w.last_heartbeat()).c_str());
+  }
+  return 0;
+}
+
+int RunScaling(Context& ctx) {
+  const std::string id = OnlyArg(ctx.a);
+  if (id.empty()) return Usage("scaling: exactly one JOB");
+  auto st = ctx.client->GetScalingState(id);
+  if (!st.ok()) return ReportError(st.status());
+  printf("job %s, scaling state after step %lld\n", st->job_id().c_str(),
+         static_cast<long long>(st->step()));
+  printf("%-36s %-5s %-12s %-12s %s\n", "TENSOR", "FMT", "SCALE", "SCALE_INV",
+         "AMAX HISTORY (newest first)");
+  for (const auto& t : st->tensors()) {
+    std::string hist;
+    for (int i = 0; i < t.amax_history_size() && i < 4; ++i) {
+      absl::StrAppend(&hist, i ? " " : "", absl::StrFormat("%.4g", t.amax_history(i)));
+    }
+    if (t.amax_history_size() > 4) absl::StrAppend(&hist, " ... (", t.amax_history_size(), ")");
+    printf("%-36s %-5s %-12.6g %-12.6g %s\n", t.name().c_str(), t.format().c_str(), t.scale(),
+           t.scale_inv(), hist.c_str());
+  }
+  return 0;
+}
+
+int RunCheckpoint(Context& ctx) {
+  const std::string id = OnlyArg(ctx.a);
+  if (id.empty()) return Usage("checkpoint: exactly one JOB");
+  auto step = ctx.client->TriggerCheckpoint(id);
+  if (!step.ok()) return ReportError(step.status());
+  printf("job %s: checkpoint will be saved after step %lld\n", id.c_str(),
+         static_cast<long long>(*step));
+  return 0;
+}
+
+int RunCheckpoints(Context& ctx) {
+  const std::string id = OnlyArg(ctx.a);
+  if (id.empty()) return Usage("checkpoints: exactly one JOB");
+  auto cks = ctx.client->ListCheckpoints(id);
+  if (!cks.ok()) return ReportError(cks.status());
+  fputs(fsdp8::FormatCheckpointTable(*cks).c_str(), stdout);
+  return 0;
+}
+
+int RunDrain(Context& ctx) {
+  const std::string id = OnlyArg(ctx.a);
+  if (id.empty()) return Usage("drain: exactly one WORKER");
+  auto w = ctx.client->DrainWorker(id, ctx.a.flags.count("undo") > 0);
+  if (!w.ok()) return ReportError(w.status());
+  printf("worker %s %s\n", w->worker_id().c_str(), WorkerStateName(w->state()).c_str());
+  return 0;
+}
+
+int RunLogLevel(Context& ctx) {
+  const Args& a = ctx.a;
+  if (a.positional.size() != 1) return Usage("log-level: exactly one LEVEL");
+  auto prev = ctx.client->SetLogLevel(a.positional[0]);
+  if (!prev.ok()) return ReportError(prev.status());
+  printf("log level %s (was %s)\n", a.positional[0].c_str(), prev->c_str());
+  return 0;
+}
+
+// What a command needs before it runs.
+enum class Needs {
+  kNothing,   // local work only
+  kSecurity,  // the coordinator's address and the channel's security settings
+  kClient,    // those and a client (a channel to the coordinator)
+};
+
+struct Command {
+  const char* name;
+  Needs needs;
+  int (*run)(Context&);  // returns the exit code
+};
+
+constexpr Command kCommands[] = {
+    {"prepare", Needs::kNothing, RunPrepare},
+    {"export", Needs::kSecurity, RunExport},
+    {"submit", Needs::kClient, RunSubmit},
+    {"watch", Needs::kClient, RunWatch},
+    {"status", Needs::kClient, RunStatus},
+    {"list", Needs::kClient, RunList},
+    {"cancel", Needs::kClient, RunCancel},
+    {"workers", Needs::kClient, RunWorkers},
+    {"scaling", Needs::kClient, RunScaling},
+    {"checkpoint", Needs::kClient, RunCheckpoint},
+    {"checkpoints", Needs::kClient, RunCheckpoints},
+    {"drain", Needs::kClient, RunDrain},
+    {"log-level", Needs::kClient, RunLogLevel},
+};
+
+// The coordinator's address (--coordinator, else $FSDP8_COORDINATOR, else localhost:50051) and
+// the channel's security settings (each flag, else its environment variable). Returns 0, or the
+// exit code of an unreadable token file.
+int ResolveConnection(Context* ctx) {
+  Args& a = ctx->a;
+  // Flag, else environment variable (common/env_settings.h).
+  auto setting = [&](const char* flag, const char* variable) -> std::string {
+    if (a.flags.count(flag)) return a.flags[flag];
+    return fsdp8::env::GetOrEmpty(variable);
+  };
+  ctx->address = setting("coordinator", fsdp8::env::kCoordinator);
+  if (ctx->address.empty() && !a.flags.count("coordinator")) ctx->address = "localhost:50051";
+  fsdp8::ChannelSecurity& sec = ctx->sec;
+  sec.tls_ca = setting("tls-ca", fsdp8::env::kTlsCa);
+  sec.tls_cert = setting("tls-cert", fsdp8::env::kTlsCert);
+  sec.tls_key = setting("tls-key", fsdp8::env::kTlsKey);
+  sec.token = setting("token", fsdp8::env::kToken);
+  const std::string token_file = setting("token-file", fsdp8::env::kTokenFile);
+  if (!token_file.empty() && sec.token.empty()) {
+    auto t = fsdp8::ReadTokenFile(token_file);
+    if (!t.ok()) return Usage(std::string(t.status().message()));
+    sec.token = *t;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  Args a;
-  std::string err;
-  if (!ParseArgs(argc, argv, &a, &err)) return Usage(err);
+  auto parsed = fsdp8::ParseCliArgs(argc, argv);
+  if (!parsed.ok()) return Usage(std::string(parsed.status().message()));
+  Args& a = *parsed;
+  for (const std::string& old : a.deprecated) {
+    fprintf(stderr, "warning: --%s is deprecated, use --%s\n", old.c_str(),
+            fsdp8::DashedFlagName(old).c_str());
+  }
   if (a.flags.count("plot")) {
     absl::Status s = fsdp8::CheckPlotPath(a.flags["plot"]);
     if (!s.ok()) return Usage(std::string(s.message()));
@@ -332,203 +545,21 @@ int main(int argc, char** argv) {
     fputs(kUsage, a.command.empty() && !a.flags.count("help") ? stderr : stdout);
     return a.command.empty() && !a.flags.count("help") ? 2 : 0;
   }
-
-  if (a.command == "prepare") {
-    if (!a.flags.count("out")) return Usage("prepare: --out DIR is required");
-    if (a.positional.empty()) return Usage("prepare: no input files");
-    double frac = 0.05;
-    if (a.flags.count("val_fraction")) {
-      char* end = nullptr;
-      frac = std::strtod(a.flags["val_fraction"].c_str(), &end);
-      if (end == a.flags["val_fraction"].c_str() || *end != '\0')
-        return Usage("--val_fraction: not a number");
-    }
-    auto r = fsdp8::PrepareTokenShards(a.positional, a.flags["out"], frac);
-    if (!r.ok()) {
-      fprintf(stderr, "error: %s\n", std::string(r.status().message()).c_str());
-      return absl::IsInvalidArgument(r.status()) ? 2 : 1;
-    }
-    printf("read %zu files, %s bytes\n", a.positional.size(),
-           Thousands(r->train_tokens + r->val_tokens).c_str());
-    printf("%s: %s tokens\n", r->train_path.c_str(), Thousands(r->train_tokens).c_str());
-    printf("%s: %s tokens\n", r->val_path.c_str(), Thousands(r->val_tokens).c_str());
-    return 0;
+  const Command* cmd = nullptr;
+  for (const Command& c : kCommands) {
+    if (a.command == c.name) cmd = &c;
   }
-
-  std::string address = "localhost:50051";
-  if (a.flags.count("coordinator")) address = a.flags["coordinator"];
-  else if (std::string v = fsdp8::env::GetOrEmpty(fsdp8::env::kCoordinator); !v.empty()) address = v;
-  // Flag, else environment variable (common/env_settings.h).
-  auto setting = [&](const char* flag, const char* variable) -> std::string {
-    if (a.flags.count(flag)) return a.flags[flag];
-    return fsdp8::env::GetOrEmpty(variable);
-  };
-  fsdp8::ChannelSecurity sec;
-  sec.tls_ca = setting("tls-ca", fsdp8::env::kTlsCa);
-  sec.tls_cert = setting("tls-cert", fsdp8::env::kTlsCert);
-  sec.tls_key = setting("tls-key", fsdp8::env::kTlsKey);
-  sec.token = setting("token", fsdp8::env::kToken);
-  if (const std::string f = setting("token-file", fsdp8::env::kTokenFile);
-      !f.empty() && sec.token.empty()) {
-    auto t = fsdp8::ReadTokenFile(f);
-    if (!t.ok()) return Usage(std::string(t.status().message()));
-    sec.token = *t;
+  if (cmd == nullptr) return Usage(absl::StrCat("unknown command '", a.command, "'"));
+  Context ctx{a};
+  if (cmd->needs != Needs::kNothing) {
+    if (int rc = ResolveConnection(&ctx); rc != 0) return rc;
   }
-
-  if (a.command == "export") return Export(a, address, sec);
-
-  auto client = fsdp8::Client::Connect(address, sec);
-  if (!client.ok()) return ReportError(client.status());
-  fsdp8::Client& c = **client;
-
-  auto need_job = [&](const char* cmd) -> std::string {
-    if (a.positional.size() != 1) return "";
-    return a.positional[0];
-  };
-
-  if (a.command == "submit") {
-    if (a.positional.size() != 1) return Usage("submit: exactly one SPEC_FILE");
-    const std::string& file = a.positional[0];
-    std::ifstream in(file);
-    if (!in) {
-      fprintf(stderr, "error: %s: cannot read: %s\n", file.c_str(), std::strerror(errno));
-      return 2;
-    }
-    std::stringstream ss;
-    ss << in.rdbuf();
-    auto spec = fsdp8::ParseSpec(ss.str());
-    if (!spec.ok()) {
-      fprintf(stderr, "error: %s: %s\n", file.c_str(), std::string(spec.status().message()).c_str());
-      return 2;
-    }
-    auto job = c.Submit(*spec, a.flags.count("request_id") ? a.flags["request_id"] : "");
-    if (!job.ok()) {
-      if (absl::IsInvalidArgument(job.status())) {
-        fprintf(stderr, "error: invalid job spec: %s\n",
-                std::string(job.status().message()).c_str());
-        return 2;
-      }
-      return ReportError(job.status());
-    }
-    printf("%s\n", job->job_id().c_str());
-    fflush(stdout);
-    if (a.flags.count("no-watch")) return 0;
-    return WatchJob(c, job->job_id(), false, a.flags["plot"]);
+  std::unique_ptr<fsdp8::Client> client;
+  if (cmd->needs == Needs::kClient) {
+    auto c = fsdp8::Client::Connect(ctx.address, ctx.sec);
+    if (!c.ok()) return ReportError(c.status());
+    client = std::move(*c);
+    ctx.client = client.get();
   }
-  if (a.command == "watch") {
-    std::string id = need_job("watch");
-    if (id.empty()) return Usage("watch: exactly one JOB");
-    return WatchJob(c, id, a.flags.count("json") > 0, a.flags["plot"]);
-  }
-  if (a.command == "status") {
-    std::string id = need_job("status");
-    if (id.empty()) return Usage("status: exactly one JOB");
-    auto job = c.GetJob(id);
-    if (!job.ok()) return ReportError(job.status());
-    if (a.flags.count("json")) {
-      std::string json;
-      google::protobuf::util::JsonPrintOptions o;
-      o.add_whitespace = true;
-      o.preserve_proto_field_names = true;
-      (void)google::protobuf::util::MessageToJsonString(*job, &json, o);
-      printf("%s", json.c_str());
-      if (json.empty() || json.back() != '\n') printf("\n");
-    } else {
-      PrintJob(*job);
-    }
-    return 0;
-  }
-  if (a.command == "list") {
-    auto jobs = c.ListJobs();
-    if (!jobs.ok()) return ReportError(jobs.status());
-    printf("%-14s %-10s %-11s %-8s %-8s %-16s %s\n", "JOB", "STATE", "STEP", "LOSS", "VAL", "NAME",
-           "REASON");
-    for (const auto& j : *jobs) {
-      printf("%-14s %-10s %-11s %-8s %-8s %-16s %s\n", j.job_id().c_str(),
-             State(j.state()).c_str(), absl::StrCat(j.step(), "/", j.total_steps()).c_str(),
-             Num(j.step() > 0 ? j.loss() : NAN).c_str(), Num(j.val_loss()).c_str(),
-             j.spec().name().c_str(),
-             j.reason().c_str());
-    }
-    return 0;
-  }
-  if (a.command == "cancel") {
-    std::string id = need_job("cancel");
-    if (id.empty()) return Usage("cancel: exactly one JOB");
-    auto job = c.Cancel(id);
-    if (!job.ok()) return ReportError(job.status());
-    printf("job %s %s\n", job->job_id().c_str(), State(job->state()).c_str());
-    return 0;
-  }
-  if (a.command == "workers") {
-    auto ws = c.ListWorkers();
-    if (!ws.ok()) return ReportError(ws.status());
-    printf("%-8s %-20s %-8s %-6s %-10s %-10s %-14s %-5s %s\n", "WORKER", "HOST", "BACKEND",
-           "DEVICE", "MEMORY", "STATE", "JOB", "RANK", "HEARTBEAT");
-    for (const auto& w : *ws) {
-      std::string st = fsdp8::v1::WorkerState_Name(w.state());
-      if (st.rfind("WORKER_STATE_", 0) == 0) st = st.substr(13);
-      printf("%-8s %-20s %-8s %-6d %-10s %-10s %-14s %-5s %s\n", w.worker_id().c_str(),
-             w.host().c_str(), w.backend().c_str(), w.device(),
-             fsdp8::FormatBytes(w.memory_bytes()).c_str(), st.c_str(),
-             w.job_id().empty() ? "-" : w.job_id().c_str(),
-             w.rank() < 0 ? "-" : absl::StrCat(w.rank()).c_str(), Ago(w.last_heartbeat()).c_str());
-    }
-    return 0;
-  }
-  if (a.command == "scaling") {
-    std::string id = need_job("scaling");
-    if (id.empty()) return Usage("scaling: exactly one JOB");
-    auto st = c.GetScalingState(id);
-    if (!st.ok()) return ReportError(st.status());
-    printf("job %s, scaling state after step %lld\n", st->job_id().c_str(),
-           static_cast<long long>(st->step()));
-    printf("%-36s %-5s %-12s %-12s %s\n", "TENSOR", "FMT", "SCALE", "SCALE_INV",
-           "AMAX HISTORY (newest first)");
-    for (const auto& t : st->tensors()) {
-      std::string hist;
-      for (int i = 0; i < t.amax_history_size() && i < 4; ++i) {
-        absl::StrAppend(&hist, i ? " " : "", absl::StrFormat("%.4g", t.amax_history(i)));
-      }
-      if (t.amax_history_size() > 4) absl::StrAppend(&hist, " ... (", t.amax_history_size(), ")");
-      printf("%-36s %-5s %-12.6g %-12.6g %s\n", t.name().c_str(), t.format().c_str(), t.scale(),
-             t.scale_inv(), hist.c_str());
-    }
-    return 0;
-  }
-  if (a.command == "checkpoint") {
-    std::string id = need_job("checkpoint");
-    if (id.empty()) return Usage("checkpoint: exactly one JOB");
-    auto step = c.TriggerCheckpoint(id);
-    if (!step.ok()) return ReportError(step.status());
-    printf("job %s: checkpoint will be saved after step %lld\n", id.c_str(),
-           static_cast<long long>(*step));
-    return 0;
-  }
-  if (a.command == "checkpoints") {
-    std::string id = need_job("checkpoints");
-    if (id.empty()) return Usage("checkpoints: exactly one JOB");
-    auto cks = c.ListCheckpoints(id);
-    if (!cks.ok()) return ReportError(cks.status());
-    fputs(fsdp8::FormatCheckpointTable(*cks).c_str(), stdout);
-    return 0;
-  }
-  if (a.command == "drain") {
-    std::string id = need_job("drain");
-    if (id.empty()) return Usage("drain: exactly one WORKER");
-    auto w = c.DrainWorker(id, a.flags.count("undo") > 0);
-    if (!w.ok()) return ReportError(w.status());
-    std::string st = fsdp8::v1::WorkerState_Name(w->state());
-    if (st.rfind("WORKER_STATE_", 0) == 0) st = st.substr(13);
-    printf("worker %s %s\n", w->worker_id().c_str(), st.c_str());
-    return 0;
-  }
-  if (a.command == "log-level") {
-    if (a.positional.size() != 1) return Usage("log-level: exactly one LEVEL");
-    auto prev = c.SetLogLevel(a.positional[0]);
-    if (!prev.ok()) return ReportError(prev.status());
-    printf("log level %s (was %s)\n", a.positional[0].c_str(), prev->c_str());
-    return 0;
-  }
-  return Usage(absl::StrCat("unknown command '", a.command, "'"));
+  return cmd->run(ctx);
 }

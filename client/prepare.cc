@@ -18,7 +18,7 @@ absl::StatusOr<PrepareResult> PrepareTokenShards(const std::vector<std::string>&
   if (files.empty()) return absl::InvalidArgumentError("prepare: no input files");
   if (!(val_fraction >= 0 && val_fraction < 1))
     return absl::InvalidArgumentError(
-        absl::StrCat("--val_fraction: must be in [0, 1) (got ", val_fraction, ")"));
+        absl::StrCat("--val-fraction: must be in [0, 1) (got ", val_fraction, ")"));
   std::vector<uint16_t> tokens;
   for (const auto& f : files) {
     std::ifstream in(f, std::ios::binary);

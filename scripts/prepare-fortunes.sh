@@ -7,4 +7,4 @@ cli=$1; out=$2
 src=/usr/share/games/fortunes
 [ -d "$src" ] || { echo "prepare-fortunes: $src missing (apt-get install fortunes)" >&2; exit 1; }
 mapfile -t files < <(cd "$src" && ls | grep -vE '\.(dat|u8)$' | LC_ALL=C sort | sed "s|^|$src/|")
-"$cli" prepare --out "$out" --val_fraction 0.05 "${files[@]}"
+"$cli" prepare --out "$out" --val-fraction 0.05 "${files[@]}"

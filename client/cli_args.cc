@@ -1,0 +1,61 @@
+#include "client/cli_args.h"
+
+#include <algorithm>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace fsdp8 {
+
+const std::map<std::string, bool>& CliFlags() {
+  static const auto* flags = new std::map<std::string, bool>{
+      {"coordinator", true}, {"request-id", true}, {"out", true},      {"val-fraction", true},
+      {"no-watch", false},   {"json", false},      {"help", false},    {"step", true},
+      {"dtype", true},       {"undo", false},      {"token", true},    {"token-file", true},
+      {"tls-ca", true},      {"tls-cert", true},   {"tls-key", true},  {"plot", true}};
+  return *flags;
+}
+
+std::string DashedFlagName(std::string name) {
+  std::replace(name.begin(), name.end(), '_', '-');
+  return name;
+}
+
+absl::StatusOr<CliArgs> ParseCliArgs(int argc, const char* const* argv) {
+  CliArgs a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string s = argv[i];
+    if (s == "--") {
+      for (++i; i < argc; ++i) a.positional.push_back(argv[i]);
+      break;
+    }
+    if (s.size() <= 2 || s.rfind("--", 0) != 0) {
+      if (a.command.empty()) a.command = s;
+      else a.positional.push_back(s);
+      continue;
+    }
+    std::string written = s.substr(2), value;
+    const size_t eq = written.find('=');
+    const bool has_value = eq != std::string::npos;
+    if (has_value) {
+      value = written.substr(eq + 1);
+      written = written.substr(0, eq);
+    }
+    const std::string name = DashedFlagName(written);
+    auto it = CliFlags().find(name);
+    if (it == CliFlags().end()) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", written));
+    }
+    if (it->second && !has_value) {
+      if (i + 1 >= argc) {
+        return absl::InvalidArgumentError(absl::StrCat("--", written, " needs a value"));
+      }
+      value = argv[++i];
+    }
+    if (name != written) a.deprecated.push_back(written);
+    a.flags[name] = value;
+  }
+  return a;
+}
+
+}  // namespace fsdp8
