@@ -1,4 +1,5 @@
 // Helpers shared by the coordinator tests: a real token shard on disk, a small valid spec, waiting.
+// TempDir comes from tests/support/temp_dir.h.
 #pragma once
 
 #include <unistd.h>
@@ -14,28 +15,9 @@
 #include "common/token_shard.h"
 #include "fsdp8/v1/spec.pb.h"
 #include "gtest/gtest.h"
+#include "tests/support/temp_dir.h"
 
 namespace fsdp8::testing {
-
-// A fresh temporary directory, removed at destruction.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "fsdp8-coord-XXXXXX").string();
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    path_ = mkdtemp(buf.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-  std::string File(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 // Writes a token shard of n byte-level tokens and returns its path.
 inline std::string WriteTokens(const TempDir& dir, const std::string& name, int n = 5000) {

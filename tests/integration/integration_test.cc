@@ -19,12 +19,9 @@
 //   1e-7 relative hits a boundary with probability ~1e-6 per element) but each is large, so the
 //   trajectories separate more (measured: 3.5e-4 at worst over 50 steps). We allow 5e-3 relative;
 //   a wrong scale or a lost gradient shard changes the loss by more than 5e-2 within a few steps.
-#include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/mount.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,7 +31,6 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -50,78 +46,18 @@
 #include "fsdp8/v1/checkpoint.pb.h"
 #include "fsdp8/v1/jobs.grpc.pb.h"
 #include "gtest/gtest.h"
-
-extern char** environ;
+#include "tests/support/cluster.h"
+#include "tests/support/process.h"
+#include "tests/support/temp_dir.h"
 
 namespace fsdp8 {
 namespace {
 
 namespace fs = std::filesystem;
-
-class Process {
- public:
-  Process(const std::vector<std::string>& argv, const std::string& log_path) {
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&fa, 1, 2);
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    int rc = posix_spawn(&pid_, args[0], &fa, nullptr, args.data(), environ);
-    posix_spawn_file_actions_destroy(&fa);
-    if (rc != 0) pid_ = -1;
-  }
-  ~Process() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGTERM);
-    for (int i = 0; i < 50; ++i) {
-      if (waitpid(pid_, nullptr, WNOHANG) == pid_) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    kill(pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
-  }
-  bool ok() const { return pid_ > 0; }
-  // SIGKILL (works on a stopped process too) and reap; true once the process is gone.
-  bool Kill() {
-    if (pid_ <= 0) return true;
-    kill(pid_, SIGKILL);
-    const bool reaped = waitpid(pid_, nullptr, 0) == pid_;
-    pid_ = -1;
-    return reaped;
-  }
-  void Signal(int sig) const {
-    if (pid_ > 0) kill(pid_, sig);
-  }
-
- private:
-  pid_t pid_ = -1;
-};
-
-std::string ReadFile(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
-
-// Polls the coordinator's log for "fsdp8-coordinator listening on <host:port>" until `timeout`;
-// returns the address, or "" if it never appears.
-std::string ListenAddress(const fs::path& log, std::chrono::seconds timeout) {
-  const std::string prefix = "fsdp8-coordinator listening on ";
-  const auto until = std::chrono::steady_clock::now() + timeout;
-  for (;;) {
-    const std::string text = ReadFile(log);
-    const size_t at = text.find(prefix);
-    if (at != std::string::npos) {
-      const size_t begin = at + prefix.size();
-      const size_t end = text.find('\n', begin);
-      // Only a complete line: the write may still be in flight.
-      if (end != std::string::npos) return text.substr(begin, end - begin);
-    }
-    if (std::chrono::steady_clock::now() >= until) return "";
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-}
+using testing::ChildProcess;
+using testing::LocalCluster;
+using testing::ReadFile;
+using testing::TempDir;
 
 // The default corpus: every file of /usr/share/games/fortunes except *.dat
 // and *.u8, in name order, last 5% held out.
@@ -151,30 +87,26 @@ class Cluster : public ::testing::Test {
   static void SetUpTestSuite() { StartCluster(false); }
 
   // A coordinator and 3 workers. one_at_a_time: each worker is started only after the previous one
-  // registered, so that worker_ids_[i] is the id of (*procs_)[i + 1].
+  // registered, so that worker_ids_[i] is the id of cluster_->worker(i).
   static void StartCluster(bool one_at_a_time, const std::vector<std::string>& coordinator_flags = {}) {
-    dir_ = new fs::path(fs::temp_directory_path() /
-                        (std::string(one_at_a_time ? "fsdp8-integration-recovery-"
-                                                   : "fsdp8-integration-") +
-                         std::to_string(getpid())));
-    fs::create_directories(*dir_);
+    tmp_ = new TempDir(one_at_a_time ? "fsdp8-integration-recovery" : "fsdp8-integration",
+                       TempDir::Cleanup::kUnlessFailed);
+    dir_ = new fs::path(tmp_->path());
     PrepareCorpus(*dir_);
     // Port 0: the kernel picks a free port (a fixed or pid-derived one can collide with another
     // run); the coordinator prints the bound address, which the workers then dial.
-    procs_ = new std::vector<std::unique_ptr<Process>>();
+    cluster_ = new LocalCluster({FSDP8_COORDINATOR_BIN, FSDP8_WORKER_BIN}, *dir_);
     coordinator_flags_ = new std::vector<std::string>(coordinator_flags);
-    procs_->push_back(nullptr);
     addr_ = new std::string(StartCoordinator("127.0.0.1:0", "coordinator.log"));
     ASSERT_FALSE(addr_->empty());
     auto channel = grpc::CreateChannel(*addr_, grpc::InsecureChannelCredentials());
     admin_ = v1::AdminService::NewStub(channel).release();
     worker_ids_ = new std::vector<std::string>();
     for (int i = 0; i < 3; ++i) {
-      procs_->push_back(std::make_unique<Process>(
-          // Named as Kubernetes names a StatefulSet's pods: the ids survive a coordinator restart.
-          std::vector<std::string>{FSDP8_WORKER_BIN, "--coordinator=" + *addr_, "--threads=1",
-                                   "--name=node-" + std::to_string(i)},
-          (*dir_ / ("worker-" + std::to_string(i) + ".log")).string()));
+      // Named as Kubernetes names a StatefulSet's pods: the ids survive a coordinator restart.
+      cluster_->AddWorker(
+          {"--coordinator=" + *addr_, "--threads=1", "--name=node-" + std::to_string(i)},
+          "worker-" + std::to_string(i) + ".log");
       if (!one_at_a_time) continue;
       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
       for (;;) {
@@ -193,17 +125,16 @@ class Cluster : public ::testing::Test {
     }
     stub_ = v1::JobService::NewStub(channel).release();
   }
-  // (Re)starts the coordinator as (*procs_)[0] on `listen` with the cluster's state database;
-  // returns the address it listens on ("" after a test failure).
+  // (Re)starts the coordinator on `listen` with the cluster's state database; returns the address
+  // it listens on ("" after a test failure).
   static std::string StartCoordinator(const std::string& listen, const std::string& log_name) {
-    const fs::path log = *dir_ / log_name;
-    std::vector<std::string> argv{FSDP8_COORDINATOR_BIN, "--listen=" + listen,
-                                  "--state_db=" + (*dir_ / "jobs.db").string(),
-                                  "--data_roots=" + dir_->string()};
-    argv.insert(argv.end(), coordinator_flags_->begin(), coordinator_flags_->end());
-    (*procs_)[0] = std::make_unique<Process>(argv, log.string());
-    EXPECT_TRUE((*procs_)[0]->ok()) << "could not start " << FSDP8_COORDINATOR_BIN;
-    std::string addr = ListenAddress(log, std::chrono::seconds(30));
+    std::vector<std::string> flags{"--listen=" + listen,
+                                   "--state_db=" + (*dir_ / "jobs.db").string(),
+                                   "--data_roots=" + dir_->string()};
+    flags.insert(flags.end(), coordinator_flags_->begin(), coordinator_flags_->end());
+    std::string addr = cluster_->StartCoordinator(flags, log_name);
+    EXPECT_TRUE(cluster_->coordinator()->ok()) << "could not start " << FSDP8_COORDINATOR_BIN;
+    const fs::path log = cluster_->LogPath(log_name);
     EXPECT_FALSE(addr.empty()) << "no \"listening on\" line in " << log << ":\n" << ReadFile(log);
     return addr;
   }
@@ -215,11 +146,12 @@ class Cluster : public ::testing::Test {
     admin_ = nullptr;
     delete worker_ids_;
     worker_ids_ = nullptr;
-    delete procs_;  // stops the processes
+    delete cluster_;  // stops the processes
+    cluster_ = nullptr;
     delete coordinator_flags_;
     coordinator_flags_ = nullptr;
-    std::error_code ec;
-    if (!::testing::Test::HasFailure()) fs::remove_all(*dir_, ec);
+    delete tmp_;  // removes the directory unless the suite failed
+    tmp_ = nullptr;
     delete dir_;
     delete addr_;
   }
@@ -344,25 +276,27 @@ class Cluster : public ::testing::Test {
     return job;
   }
 
-  // The Process of a worker id (worker_ids_ order, one_at_a_time clusters only).
-  static Process* WorkerProcess(const std::string& worker_id) {
+  // The process of a worker id (worker_ids_ order, one_at_a_time clusters only).
+  static ChildProcess* WorkerProcess(const std::string& worker_id) {
     auto it = std::find(worker_ids_->begin(), worker_ids_->end(), worker_id);
     if (it == worker_ids_->end()) return nullptr;
-    return (*procs_)[1 + (it - worker_ids_->begin())].get();
+    return cluster_->worker(it - worker_ids_->begin());
   }
 
-  static fs::path* dir_;
+  static TempDir* tmp_;
+  static fs::path* dir_;  // tmp_'s path
   static std::string* addr_;
   static std::vector<std::string>* coordinator_flags_;
-  static std::vector<std::unique_ptr<Process>>* procs_;
+  static LocalCluster* cluster_;
   static v1::JobService::Stub* stub_;
   static v1::AdminService::Stub* admin_;
   static std::vector<std::string>* worker_ids_;
 };
+TempDir* Cluster::tmp_ = nullptr;
 fs::path* Cluster::dir_ = nullptr;
 std::string* Cluster::addr_ = nullptr;
 std::vector<std::string>* Cluster::coordinator_flags_ = nullptr;
-std::vector<std::unique_ptr<Process>>* Cluster::procs_ = nullptr;
+LocalCluster* Cluster::cluster_ = nullptr;
 v1::JobService::Stub* Cluster::stub_ = nullptr;
 v1::AdminService::Stub* Cluster::admin_ = nullptr;
 std::vector<std::string>* Cluster::worker_ids_ = nullptr;
@@ -451,7 +385,7 @@ TEST_F(RecoveryCluster, C10_KilledRankRecoversFromTheLatestCheckpoint) {
       victim = job.worker_ids(0);
       auto it = std::find(worker_ids_->begin(), worker_ids_->end(), victim);
       ASSERT_NE(it, worker_ids_->end()) << victim;
-      (*procs_)[1 + (it - worker_ids_->begin())]->Signal(SIGKILL);
+      cluster_->worker(it - worker_ids_->begin())->Signal(SIGKILL);
       killed = Clock::now();
       job_id = ev.job_id();
       done = true;
@@ -547,7 +481,7 @@ TEST_F(ChaosCluster, C10_HungRankIsDetectedAndTheJobRecoversBitIdentically) {
   auto reference = Run(CkptSpec("hang-reference", steps));
   ASSERT_EQ(reference.size(), static_cast<size_t>(steps));
   Clock::time_point stopped, recovering, running, first_step;
-  Process* victim_proc = nullptr;
+  ChildProcess* victim_proc = nullptr;
   std::string victim, job_id, cause;
   auto recovered = Run(CkptSpec("hang", steps), [&](const v1::JobEvent& ev) {
     if (victim_proc == nullptr && ev.step() >= 8 && ev.state() == v1::JOB_STATE_RUNNING) {
@@ -615,7 +549,7 @@ TEST_F(ChaosCluster, CoordinatorRestartResumesTheRunningJobFromItsCheckpoint) {
   int64_t seq = 0;
   Follow(job.job_id(), 0, &losses, [&](const v1::JobEvent& ev) {
     if (killed == Clock::time_point() && ev.step() >= 12 && ev.state() == v1::JOB_STATE_RUNNING) {
-      EXPECT_TRUE((*procs_)[0]->Kill());
+      EXPECT_TRUE(cluster_->coordinator()->Kill());
       killed = Clock::now();
     }
   }, nullptr, &seq);
@@ -728,7 +662,7 @@ TEST_F(ChaosCluster, WorldShrinksToTheHealthyWorkersWithTheSameGlobalBatch) {
     if (job_id.empty() && ev.step() >= 8 && ev.state() == v1::JOB_STATE_RUNNING) {
       const v1::Job job = GetJob(ev.job_id());
       ASSERT_EQ(job.worker_ids_size(), 3);
-      Process* p = WorkerProcess(job.worker_ids(2));
+      ChildProcess* p = WorkerProcess(job.worker_ids(2));
       ASSERT_NE(p, nullptr);
       EXPECT_TRUE(p->Kill());
       job_id = ev.job_id();
@@ -941,7 +875,7 @@ TEST_F(Cluster, C10_KilledRankFailsTheJobFastAndSurvivorsServeTheNextJob) {
   std::string reason;
   Run(SmallSpec(3, v1::PRECISION_FP8, 100000), [&](const v1::JobEvent& ev) {
         if (!done && ev.step() >= 3) {
-          (*procs_)[3]->Signal(SIGKILL);  // one of the 3 workers: every one holds a rank
+          cluster_->worker(2)->Signal(SIGKILL);  // one of the 3 workers: every one holds a rank
           killed = std::chrono::steady_clock::now();
           done = true;
         }

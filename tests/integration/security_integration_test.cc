@@ -3,17 +3,12 @@
 // worker token), a job submitted through the SDK with a submitter token; then SIGTERM on the
 // coordinator drains it: the running job commits a checkpoint through the checkpoint mechanism and
 // the coordinator exits 0. A worker without a token is refused and exits 1.
-#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "client/client.h"
@@ -21,63 +16,15 @@
 #include "gtest/gtest.h"
 #include "tests/coordinator/certs.h"
 #include "tests/coordinator/test_util.h"
-
-extern char** environ;
+#include "tests/support/process.h"
 
 namespace fsdp8 {
 namespace {
 
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
-
-class Process {
- public:
-  Process(const std::vector<std::string>& argv, const std::string& log_path) {
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&fa, 1, 2);
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    if (posix_spawn(&pid_, args[0], &fa, nullptr, args.data(), environ) != 0) pid_ = -1;
-    posix_spawn_file_actions_destroy(&fa);
-  }
-  ~Process() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGTERM);
-    if (Wait(5s) == kStillRunning) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  static constexpr int kStillRunning = -1000;
-  // The exit status (128 + signal when killed), or kStillRunning after `timeout`.
-  int Wait(std::chrono::milliseconds timeout) {
-    const auto until = std::chrono::steady_clock::now() + timeout;
-    for (;;) {
-      int st = 0;
-      if (waitpid(pid_, &st, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-      }
-      if (std::chrono::steady_clock::now() >= until) return kStillRunning;
-      std::this_thread::sleep_for(20ms);
-    }
-  }
-  void Signal(int sig) const {
-    if (pid_ > 0) kill(pid_, sig);
-  }
-  bool ok() const { return pid_ > 0; }
-
- private:
-  pid_t pid_ = -1;
-};
-
-std::string ReadFile(const std::string& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
+using testing::ChildProcess;
+using testing::ReadFile;
 
 TEST(SecureCluster, MutualTlsTokensAndSigtermDrainWithACheckpoint) {
   testing::TempDir dir;
@@ -90,40 +37,30 @@ TEST(SecureCluster, MutualTlsTokensAndSigtermDrainWithACheckpoint) {
   std::ofstream(dir.File("worker-token")) << worker << "\n";
   const std::string train = testing::WriteTokens(dir, "train.bin", 20000);
 
-  Process coord({FSDP8_COORDINATOR_BIN, "--listen", "127.0.0.1:0", "--state_db", ":memory:",
-                 "--data_roots", dir.path(), "--tls_cert", certs.server_cert, "--tls_key",
-                 certs.server_key, "--tls_client_ca", certs.ca, "--tokens", dir.File("tokens"),
-                 "--drain_timeout_s", "60", "--heartbeat_timeout_s", "10"},
-                dir.File("coordinator.log"));
+  ChildProcess coord({FSDP8_COORDINATOR_BIN, "--listen", "127.0.0.1:0", "--state_db", ":memory:",
+                      "--data_roots", dir.path(), "--tls_cert", certs.server_cert, "--tls_key",
+                      certs.server_key, "--tls_client_ca", certs.ca, "--tokens", dir.File("tokens"),
+                      "--drain_timeout_s", "60", "--heartbeat_timeout_s", "10"},
+                     dir.File("coordinator.log"));
   ASSERT_TRUE(coord.ok());
-  std::string port;
-  ASSERT_TRUE(testing::WaitFor(
-      [&] {
-        const std::string log = ReadFile(dir.File("coordinator.log"));
-        const std::string key = "listening on 127.0.0.1:";
-        const size_t at = log.find(key);
-        if (at == std::string::npos) return false;
-        const size_t end = log.find('\n', at);
-        if (end == std::string::npos) return false;
-        port = log.substr(at + key.size(), end - at - key.size());
-        return true;
-      },
-      30))
-      << ReadFile(dir.File("coordinator.log"));
+  const std::string port =
+      testing::WaitForLogLine(dir.File("coordinator.log"), "listening on 127.0.0.1:", 30s);
+  ASSERT_FALSE(port.empty()) << ReadFile(dir.File("coordinator.log"));
   const std::string address = "localhost:" + port;
 
   // No token: the worker is refused (UNAUTHENTICATED) and gives up at once with exit status 1.
-  Process rogue({FSDP8_WORKER_BIN, "--coordinator", address, "--tls_ca", certs.ca, "--tls_cert",
-                 certs.client_cert, "--tls_key", certs.client_key, "--connect_timeout_s", "20"},
-                dir.File("rogue.log"));
+  ChildProcess rogue({FSDP8_WORKER_BIN, "--coordinator", address, "--tls_ca", certs.ca,
+                      "--tls_cert", certs.client_cert, "--tls_key", certs.client_key,
+                      "--connect_timeout_s", "20"},
+                     dir.File("rogue.log"));
   EXPECT_EQ(rogue.Wait(30s), 1) << ReadFile(dir.File("rogue.log"));
   EXPECT_NE(ReadFile(dir.File("rogue.log")).find("registration refused"), std::string::npos)
       << ReadFile(dir.File("rogue.log"));
 
-  Process w({FSDP8_WORKER_BIN, "--coordinator", address, "--tls_ca", certs.ca, "--tls_cert",
-             certs.client_cert, "--tls_key", certs.client_key, "--token_file",
-             dir.File("worker-token"), "--connect_timeout_s", "30"},
-            dir.File("worker.log"));
+  ChildProcess w({FSDP8_WORKER_BIN, "--coordinator", address, "--tls_ca", certs.ca, "--tls_cert",
+                  certs.client_cert, "--tls_key", certs.client_key, "--token_file",
+                  dir.File("worker-token"), "--connect_timeout_s", "30"},
+                 dir.File("worker.log"));
   ASSERT_TRUE(w.ok());
 
   ChannelSecurity sec;

@@ -9,12 +9,14 @@
 // the Chart.js chart holds).
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <memory>
 #include <regex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -24,6 +26,8 @@
 #include "fsdp8/v1/jobs.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "tests/observability/test_util.h"
+#include "tests/support/cluster.h"
+#include "tests/support/temp_dir.h"
 
 namespace fsdp8 {
 namespace {
@@ -52,36 +56,24 @@ std::vector<uint16_t> Corpus(size_t n, uint32_t seed) {
 class Observability : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new fs::path(fs::temp_directory_path() / ("fsdp8-observability-" + std::to_string(getpid())));
-    fs::create_directories(*dir_);
+    tmp_ = new testing::TempDir("fsdp8-observability", testing::TempDir::Cleanup::kUnlessFailed);
+    dir_ = new fs::path(tmp_->path());
     ASSERT_TRUE(WriteTokenShard((*dir_ / "train.bin").string(), Corpus(200000, 1)).ok());
     ASSERT_TRUE(WriteTokenShard((*dir_ / "val.bin").string(), Corpus(20000, 2)).ok());
-    procs_ = new std::vector<std::unique_ptr<Process>>();
+    cluster_ = new testing::LocalCluster({FSDP8_COORDINATOR_BIN, FSDP8_WORKER_BIN}, *dir_,
+                                         GroupOptions());
     ports_ = new std::vector<int>();
     for (int i = 0; i <= kWorkers; ++i) ports_->push_back(FreePort());
-    const fs::path coord_log = *dir_ / "coordinator.log";
-    procs_->push_back(std::make_unique<Process>(
-        std::vector<std::string>{FSDP8_COORDINATOR_BIN, "--listen=127.0.0.1:0", "--state_db=:memory:",
-                                 "--data_roots=" + dir_->string(), "--metrics_host=127.0.0.1",
-                                 "--metrics_port=" + std::to_string((*ports_)[0])},
-        coord_log.string()));
-    std::string addr;
-    const std::string prefix = "fsdp8-coordinator listening on ";
-    for (int i = 0; i < 600 && addr.empty(); ++i) {
-      const std::string log = ReadFile(coord_log);
-      const size_t at = log.find(prefix);
-      const size_t end = at == std::string::npos ? at : log.find('\n', at);
-      if (end != std::string::npos) addr = log.substr(at + prefix.size(), end - at - prefix.size());
-      else std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    ASSERT_FALSE(addr.empty()) << ReadFile(coord_log);
+    const std::string addr = cluster_->StartCoordinator(
+        {"--listen=127.0.0.1:0", "--state_db=:memory:", "--data_roots=" + dir_->string(),
+         "--metrics_host=127.0.0.1", "--metrics_port=" + std::to_string((*ports_)[0])},
+        "coordinator.log");
+    ASSERT_FALSE(addr.empty()) << ReadFile(cluster_->LogPath("coordinator.log"));
     addr_ = new std::string(addr);
     for (int i = 0; i < kWorkers; ++i)
-      procs_->push_back(std::make_unique<Process>(
-          std::vector<std::string>{FSDP8_WORKER_BIN, "--coordinator=" + addr, "--threads=1",
-                                   "--metrics_host=127.0.0.1",
-                                   "--metrics_port=" + std::to_string((*ports_)[i + 1])},
-          (*dir_ / ("worker-" + std::to_string(i) + ".log")).string()));
+      cluster_->AddWorker({"--coordinator=" + addr, "--threads=1", "--metrics_host=127.0.0.1",
+                           "--metrics_port=" + std::to_string((*ports_)[i + 1])},
+                          "worker-" + std::to_string(i) + ".log");
     auto channel = grpc::CreateChannel(addr, grpc::InsecureChannelCredentials());
     jobs_ = v1::JobService::NewStub(channel).release();
     admin_ = v1::AdminService::NewStub(channel).release();
@@ -91,9 +83,8 @@ class Observability : public ::testing::Test {
   static void TearDownTestSuite() {
     delete jobs_;
     delete admin_;
-    delete procs_;  // stops the processes
-    std::error_code ec;
-    if (!::testing::Test::HasFailure()) fs::remove_all(*dir_, ec);
+    delete cluster_;  // stops the processes
+    delete tmp_;  // removes the directory unless the suite failed
     delete dir_;
     delete ports_;
     delete during_;
@@ -195,10 +186,11 @@ class Observability : public ::testing::Test {
     return e;
   }
 
-  static fs::path* dir_;
+  static testing::TempDir* tmp_;
+  static fs::path* dir_;  // tmp_'s path
   static std::string* addr_;  // the coordinator's gRPC address
   static std::vector<int>* ports_;  // coordinator, worker 0, worker 1
-  static std::vector<std::unique_ptr<Process>>* procs_;
+  static testing::LocalCluster* cluster_;
   static v1::JobService::Stub* jobs_;
   static v1::AdminService::Stub* admin_;
   static v1::Job* job_;
@@ -206,10 +198,11 @@ class Observability : public ::testing::Test {
   static std::vector<std::string>* during_;  // mid-job scrapes, same order as ports_
   static v1::JobState final_state_;
 };
+testing::TempDir* Observability::tmp_ = nullptr;
 fs::path* Observability::dir_ = nullptr;
 std::string* Observability::addr_ = nullptr;
 std::vector<int>* Observability::ports_ = nullptr;
-std::vector<std::unique_ptr<Process>>* Observability::procs_ = nullptr;
+testing::LocalCluster* Observability::cluster_ = nullptr;
 v1::JobService::Stub* Observability::jobs_ = nullptr;
 v1::AdminService::Stub* Observability::admin_ = nullptr;
 v1::Job* Observability::job_ = nullptr;
@@ -380,7 +373,7 @@ std::string Chromium(const fs::path& dir, const std::vector<std::string>& extra,
   argv.insert(argv.end(), extra.begin(), extra.end());
   argv.push_back(url);
   const fs::path out = dir / ("chromium-" + tag + ".out");
-  Process p(argv, out.string());
+  ChildProcess p(argv, out.string(), GroupOptions());
   const int rc = p.Wait(std::chrono::seconds(120));
   EXPECT_EQ(rc, 0) << "chromium " << tag << " failed; output:\n" << ReadFile(out).substr(0, 4000);
   return ReadFile(out);
@@ -445,9 +438,9 @@ TEST_F(Observability, WatchPlotWritesTheLossCurve) {
   const fs::path png = fs::path(FSDP8_SCREENSHOT_DIR) / "watch-plot.png";
   fs::remove(png);
   const fs::path out = *dir_ / "watch.out";
-  Process cli({FSDP8_CLI_BIN, "--coordinator=" + *addr_, "watch", job_->job_id(),
-               "--plot=" + png.string()},
-              out.string());
+  ChildProcess cli({FSDP8_CLI_BIN, "--coordinator=" + *addr_, "watch", job_->job_id(),
+                    "--plot=" + png.string()},
+                   out.string(), GroupOptions());
   EXPECT_EQ(cli.Wait(std::chrono::seconds(60)), 0) << ReadFile(out);
   EXPECT_NE(ReadFile(out).find("loss curve (" + std::to_string(kSteps) + " steps) written to"),
             std::string::npos)
@@ -456,8 +449,9 @@ TEST_F(Observability, WatchPlotWritesTheLossCurve) {
   ASSERT_GT(img.size(), 10000u);
   EXPECT_EQ(img.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
   // A name gnuplot cannot write is refused before anything is watched.
-  Process bad({FSDP8_CLI_BIN, "--coordinator=" + *addr_, "watch", job_->job_id(), "--plot=x.gif"},
-              (*dir_ / "bad.out").string());
+  ChildProcess bad(
+      {FSDP8_CLI_BIN, "--coordinator=" + *addr_, "watch", job_->job_id(), "--plot=x.gif"},
+      (*dir_ / "bad.out").string(), GroupOptions());
   EXPECT_EQ(bad.Wait(std::chrono::seconds(30)), 2);
   EXPECT_NE(ReadFile(*dir_ / "bad.out").find("must end in .png, .svg or .pdf"), std::string::npos);
 }

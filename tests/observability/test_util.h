@@ -1,105 +1,40 @@
-// Helpers for the observability tests: child processes, plain HTTP GETs on loopback, and the
-// independent exposition reader (parse_prom.py, the Python prometheus_client parser).
+// Helpers for the observability tests: plain HTTP GETs on loopback and the independent exposition
+// reader (parse_prom.py, the Python prometheus_client parser). Child processes come from
+// tests/support/process.h.
 #pragma once
 
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netinet/in.h>
-#include <signal.h>
-#include <spawn.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
-
-extern char** environ;
+#include "tests/support/process.h"
 
 namespace fsdp8::obs_test {
 
 namespace fs = std::filesystem;
 
-inline std::string ReadFile(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
+using testing::ChildProcess;
+using testing::ProcessOptions;
+using testing::ReadFile;
+using testing::WriteFile;
+
+// Children of these tests lead process groups of their own: stopping one (a browser) stops its
+// helpers too.
+inline ProcessOptions GroupOptions() {
+  ProcessOptions o;
+  o.own_process_group = true;
+  return o;
 }
-
-inline void WriteFile(const fs::path& p, const std::string& s) {
-  std::ofstream f(p, std::ios::binary);
-  f << s;
-}
-
-// A child process in its own process group, stdout+stderr to a log. The destructor sends SIGTERM
-// to the group, then SIGKILL after 5 s, and reaps it, so no test leaves a process behind.
-class Process {
- public:
-  Process(const std::vector<std::string>& argv, const std::string& log_path) {
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&fa, 1, 2);
-    posix_spawnattr_t at;
-    posix_spawnattr_init(&at);
-    posix_spawnattr_setflags(&at, POSIX_SPAWN_SETPGROUP);
-    posix_spawnattr_setpgroup(&at, 0);
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    if (posix_spawn(&pid_, args[0], &fa, &at, args.data(), environ) != 0) pid_ = -1;
-    posix_spawn_file_actions_destroy(&fa);
-    posix_spawnattr_destroy(&at);
-  }
-  ~Process() { Stop(); }
-  bool ok() const { return pid_ > 0; }
-  // Waits up to `timeout` for the process to exit; returns its exit status (-1 on timeout, after
-  // which the group is killed).
-  int Wait(std::chrono::seconds timeout) {
-    if (pid_ <= 0) return -1;
-    const auto until = std::chrono::steady_clock::now() + timeout;
-    for (;;) {
-      int st = 0;
-      if (waitpid(pid_, &st, WNOHANG) == pid_) {
-        kill(-pid_, SIGKILL);  // helpers it left behind (a browser's renderers)
-        pid_ = -1;
-        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-      }
-      if (std::chrono::steady_clock::now() >= until) {
-        Stop();
-        return -1;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-  }
-  void Stop() {
-    if (pid_ <= 0) return;
-    kill(-pid_, SIGTERM);
-    for (int i = 0; i < 50; ++i) {
-      if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
-        kill(-pid_, SIGKILL);
-        pid_ = -1;
-        return;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    kill(-pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-  }
-
- private:
-  pid_t pid_ = -1;
-};
 
 // A port that was free a moment ago on 127.0.0.1 (the kernel's pick).
 inline int FreePort() {
