@@ -1,0 +1,85 @@
+// Helpers shared by the training tests (trainer_test, model_test, fsdp_test): the token files
+// of this process, precision plans, and training a TinySpec job on ranks as threads.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "fsdp8/v1/spec.pb.h"
+#include "gtest/gtest.h"
+#include "tests/support/ranks.h"
+#include "train/trainer.h"
+
+namespace fsdp8::testing {
+
+// The training and validation token files of this process (written once, on first use).
+inline const std::string& TrainFile() {
+  static const std::string p = MakeTokenFile("worker_train.bin", 20000, 7);
+  return p;
+}
+inline const std::string& ValFile() {
+  static const std::string p = MakeTokenFile("worker_val.bin", 4000, 8);
+  return p;
+}
+
+// Linears in precision p; the embedding and the head too unless p is FP8 (which keeps them bf16).
+inline void AllPrecision(v1::JobSpec* s, v1::Precision p) {
+  s->mutable_precision()->set_linears(p);
+  if (p != v1::PRECISION_FP8) {
+    s->mutable_precision()->set_embedding(p);
+    s->mutable_precision()->set_lm_head(p);
+  }
+}
+
+// One rank's view of a training run.
+struct RankOut {
+  std::vector<StepStats> results;
+  std::map<std::string, std::vector<float>> master;
+  v1::ScalingState scaling;
+};
+
+// `steps` steps of `spec` on `world` ranks as threads (CPU backend, Gloo); gather: also the master
+// weights at the end.
+inline std::vector<RankOut> Train(const v1::JobSpec& spec, int world, int steps,
+                                  bool gather = false) {
+  std::vector<RankOut> out(world);
+  RunRanks(world, [&](int r, Communicator* c) {
+    auto be = CpuBackend();
+    auto t = Trainer::Create(spec, r, world, be.get(), c);
+    ASSERT_TRUE(t.ok()) << t.status();
+    for (int k = 0; k < steps; ++k) {
+      auto res = (*t)->Step(k, false, true);
+      ASSERT_TRUE(res.ok()) << res.status();
+      out[r].results.push_back(*res);
+    }
+    out[r].scaling = (*t)->ScalingReport();
+    if (gather) {
+      auto m = (*t)->params().GatherAll(false);
+      ASSERT_TRUE(m.ok()) << m.status();
+      out[r].master = *m;
+    }
+  });
+  return out;
+}
+
+// Global mean training loss of step k (sum over ranks of loss_sum / tokens).
+inline double MeanLoss(const std::vector<RankOut>& o, int k) {
+  double loss = 0, tokens = 0;
+  for (const RankOut& r : o) {
+    loss += r.results[k].loss_sum;
+    tokens += r.results[k].tokens;
+  }
+  return loss / tokens;
+}
+
+// The bits of an f32.
+inline uint32_t Bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+}  // namespace fsdp8::testing
