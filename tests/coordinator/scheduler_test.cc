@@ -1,5 +1,5 @@
-// KvServer, WorkerRegistry and the Scheduler's step driver, with in-process fake workers that speak
-// the Session protocol through SessionSink (no gRPC).
+// KvServer and the Scheduler's step driver, with in-process fake workers that speak the Session
+// protocol through SessionSink (no gRPC). WorkerRegistry: worker_registry_test.cc.
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -21,6 +21,7 @@
 namespace fsdp8::coord {
 namespace {
 
+using fsdp8::testing::CpuWorkerRegistration;
 using fsdp8::testing::SmallSpec;
 using fsdp8::testing::TempDir;
 using fsdp8::testing::WaitFor;
@@ -70,121 +71,6 @@ TEST(KvServer, DeletePrefixAndShutdown) {
   stopper.join();
 }
 
-// ---------------- WorkerRegistry ----------------
-
-v1::RegisterRequest Req(const std::string& version = "1.2.3") {
-  v1::RegisterRequest r;
-  r.set_version(version);
-  r.set_host("127.0.0.1");
-  r.set_backend("cpu");
-  return r;
-}
-
-TEST(WorkerRegistry, VersionMismatchIsRefused) {
-  WorkerRegistry reg({"1.2.3"});
-  auto r = reg.Register(Req("0.0.9"));
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(r.status().message(), "worker version 0.0.9 != coordinator version 1.2.3");
-  EXPECT_TRUE(reg.List().empty());
-  auto ok = reg.Register(Req());
-  ASSERT_TRUE(ok.ok());
-  EXPECT_EQ(ok->heartbeat_interval_ms(), 1000);
-  EXPECT_TRUE(reg.Heartbeat(ok->worker_id()).ok());
-  EXPECT_EQ(reg.Heartbeat("w-999").code(), absl::StatusCode::kNotFound);
-}
-
-class NullSink : public SessionSink {
- public:
-  bool Send(const v1::CoordinatorMessage&) override { return true; }
-  void Close() override {}
-};
-
-TEST(WorkerRegistry, OnlyWorkersWithSessionAreAssignable) {
-  WorkerRegistry reg({"1.2.3"});
-  auto a = reg.Register(Req());
-  auto b = reg.Register(Req());
-  ASSERT_TRUE(a.ok() && b.ok());
-  EXPECT_TRUE(reg.FreeWorkers("cpu").empty());
-  auto tok = reg.AttachSession(a->worker_id(), std::make_shared<NullSink>());
-  ASSERT_TRUE(tok.ok());
-  EXPECT_EQ(reg.FreeWorkers("cpu"), std::vector<std::string>{a->worker_id()});
-  EXPECT_TRUE(reg.FreeWorkers("cuda").empty());
-  EXPECT_EQ(reg.AttachSession("w-999", std::make_shared<NullSink>()).status().code(),
-            absl::StatusCode::kNotFound);
-  reg.DetachSession(a->worker_id(), *tok, "session stream ended");
-  EXPECT_TRUE(reg.FreeWorkers("cpu").empty());
-  auto list = reg.List();
-  ASSERT_EQ(list.size(), 2u);
-  EXPECT_FALSE(list[0].healthy());
-  EXPECT_EQ(list[0].rank(), -1);
-}
-
-// Named workers keep their id: a second live process under the name is refused naming the first,
-// the same process (its session dropped) or a successor after the first's session ended takes the
-// entry over, drain included; malformed names are refused naming the field and the rule.
-TEST(WorkerRegistry, NamedWorkerKeepsItsIdAndALiveDuplicateIsRefused) {
-  WorkerRegistry reg({"1.2.3"});
-  v1::RegisterRequest a = Req();
-  a.set_name("fsdp8-worker-0");
-  a.set_pid(100);
-  auto r1 = reg.Register(a);
-  ASSERT_TRUE(r1.ok()) << r1.status();
-  EXPECT_EQ(r1->worker_id(), "fsdp8-worker-0");
-  auto sink = std::make_shared<NullSink>();
-  auto tok = reg.AttachSession("fsdp8-worker-0", sink);
-  ASSERT_TRUE(tok.ok());
-  ASSERT_TRUE(reg.Drain("fsdp8-worker-0", false).ok());
-
-  v1::RegisterRequest other = a;
-  other.set_pid(200);
-  auto dup = reg.Register(other);
-  EXPECT_EQ(dup.status().code(), absl::StatusCode::kAlreadyExists);
-  EXPECT_EQ(dup.status().message(),
-            "name: 'fsdp8-worker-0' is registered by a live worker (host 127.0.0.1, pid 100); "
-            "retry once it is gone");
-
-  // The same process again (its stream dropped before the coordinator noticed): taken over, and
-  // the old session is no longer the worker's.
-  auto again = reg.Register(a);
-  ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_EQ(again->worker_id(), "fsdp8-worker-0");
-  EXPECT_FALSE(reg.Send("fsdp8-worker-0", v1::CoordinatorMessage()));
-
-  // Another process once the first is gone: the same id, still drained, listed once.
-  auto succ = reg.Register(other);
-  ASSERT_TRUE(succ.ok()) << succ.status();
-  EXPECT_EQ(succ->worker_id(), "fsdp8-worker-0");
-  ASSERT_TRUE(reg.AttachSession("fsdp8-worker-0", std::make_shared<NullSink>()).ok());
-  auto list = reg.List();
-  ASSERT_EQ(list.size(), 1u);
-  EXPECT_EQ(list[0].state(), v1::WORKER_STATE_DRAINED);
-  EXPECT_TRUE(reg.FreeWorkers("cpu").empty());
-
-  // An unnamed worker next to it gets a generated id.
-  auto anon = reg.Register(Req());
-  ASSERT_TRUE(anon.ok());
-  EXPECT_EQ(anon->worker_id().rfind("w-", 0), 0u) << anon->worker_id();
-  EXPECT_NE(anon->worker_id(), "fsdp8-worker-0");
-
-  const std::pair<std::string, std::string> bad[] = {
-      {std::string(64, 'a'), "name: 64 characters; at most 63 are allowed"},
-      {"pod/0", "name: 'pod/0' has a character other than A-Z, a-z, 0-9, '.', '_' and '-'"},
-      {"w-12", "name: 'w-12' has the form w-<digits>, which is kept for unnamed workers"}};
-  for (const auto& [name, message] : bad) {
-    v1::RegisterRequest b = Req();
-    b.set_name(name);
-    auto r = reg.Register(b);
-    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << name;
-    EXPECT_EQ(r.status().message(), message);
-  }
-  v1::RegisterRequest ok = Req();
-  ok.set_name(std::string(63, 'a'));
-  EXPECT_TRUE(reg.Register(ok).ok());
-  ok.set_name("w-x1");  // not w-<digits>
-  EXPECT_TRUE(reg.Register(ok).ok());
-  EXPECT_EQ(reg.List().size(), 4u);
-}
-
 // ---------------- fake workers + scheduler ----------------
 
 // A worker daemon in miniature: answers Assignment with Ready, StepCommand with StepResult and
@@ -204,7 +90,7 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
   ~FakeWorker() override { Stop(); }
 
   void Start() {
-    auto r = reg_->Register(Req(FSDP8_VERSION));
+    auto r = reg_->Register(CpuWorkerRegistration(FSDP8_VERSION));
     ASSERT_TRUE(r.ok()) << r.status();
     id_ = r->worker_id();
     auto t = reg_->AttachSession(id_, shared_from_this());

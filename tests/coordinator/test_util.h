@@ -1,4 +1,5 @@
-// Helpers shared by the coordinator tests: a real token shard on disk, a small valid spec, waiting.
+// Helpers shared by the coordinator tests: a real token shard on disk, a small valid spec, a
+// worker's registration, waiting.
 // TempDir comes from tests/support/temp_dir.h.
 #pragma once
 
@@ -14,6 +15,7 @@
 
 #include "common/token_shard.h"
 #include "fsdp8/v1/spec.pb.h"
+#include "fsdp8/v1/worker.pb.h"
 #include "gtest/gtest.h"
 #include "tests/support/temp_dir.h"
 
@@ -45,6 +47,15 @@ inline v1::JobSpec SmallSpec(const std::string& train, int workers = 1, int64_t 
   s.mutable_training()->set_eval_every(2);
   s.mutable_sharding()->set_min_workers(workers);
   return s;
+}
+
+// A worker's registration from 127.0.0.1 with the cpu backend, at `version`.
+inline v1::RegisterRequest CpuWorkerRegistration(const std::string& version = "1.2.3") {
+  v1::RegisterRequest r;
+  r.set_version(version);
+  r.set_host("127.0.0.1");
+  r.set_backend("cpu");
+  return r;
 }
 
 inline bool WaitFor(const std::function<bool()>& pred, double seconds = 10) {
