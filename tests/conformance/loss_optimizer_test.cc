@@ -1,0 +1,100 @@
+// Conformance of the cross-entropy loss, the sum of squares (gradient norm) and AdamW.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "kernels/backend.h"
+#include "tests/conformance/conformance.h"
+
+namespace fsdp8::conformance {
+namespace {
+
+TEST_P(Conformance, CrossEntropy) {
+  struct S { int64_t N, V; };
+  for (const S& s : {S{1, 1}, S{37, 129}, S{64, 32768}, S{1024, 50257}}) {
+    const auto logits = Randn(s.N * s.V, 4.0f);
+    const auto tgt = Tokens(s.N, static_cast<int32_t>(s.V));
+    for (float gs : {1.0f / static_cast<float>(s.N), 0.0f}) {
+      Check("CrossEntropy/" + std::to_string(s.N) + "x" + std::to_string(s.V) + (gs == 0.0f ? "/loss_only" : ""),
+            Tol(static_cast<double>(s.V)), [&](DevRun& r) {
+              Outputs o;
+              float* lg = r.In(logits);
+              float* losses = r.Out<float>(s.N);
+              r.b()->CrossEntropyForwardBackward(lg, r.In(tgt), s.N, s.V, gs, losses);
+              r.F32(&o, "losses", losses, s.N);
+              if (gs != 0.0f) r.F32(&o, "dlogits", lg, s.N * s.V);
+              return o;
+            });
+    }
+    // The gradient as bf16 into its own buffer; the logits must be left as they were. A bf16
+    // gradient may be one bf16 step from the reference's where the f32 values differ by ulps.
+    Check("CrossEntropyBf16Grad/" + std::to_string(s.N) + "x" + std::to_string(s.V),
+          Tol(static_cast<double>(s.V)) + 1.0 / 128, [&](DevRun& r) {
+            Outputs o;
+            float* lg = r.In(logits);
+            float* losses = r.Out<float>(s.N);
+            uint16_t* g16 = r.Out<uint16_t>(s.N * s.V);
+            r.b()->CrossEntropyForwardBackwardBf16Grad(lg, r.In(tgt), s.N, s.V,
+                                                       1.0f / static_cast<float>(s.N), losses, g16);
+            float* g = r.Out<float>(s.N * s.V);
+            r.b()->UnpackBf16(g16, g, s.N * s.V);
+            r.F32(&o, "losses", losses, s.N);
+            r.F32(&o, "dlogits", g, s.N * s.V);
+            r.Bytes(&o, "logits unchanged", lg, s.N * s.V);
+            return o;
+          });
+  }
+}
+
+TEST_P(Conformance, SumSquares) {
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{37}, int64_t{1} << 22}) {
+    const auto x = Randn(n);
+    Check("SumSquares/" + std::to_string(n), Tol(1), [&](DevRun& r) {
+      Outputs o;
+      float* out = r.In(std::vector<float>{1.5f});
+      r.b()->SumSquares(r.In(x), n, out);
+      r.F32(&o, "out", out, 1);
+      return o;
+    });
+  }
+}
+
+TEST_P(Conformance, AdamW) {
+  for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{1} << 20}) {
+    const auto p = Randn(n), g = Randn(n, 0.1f), m = Randn(n, 0.01f);
+    auto v = Randn(n, 0.001f);
+    for (auto& x : v) x = std::fabs(x);
+    // skip: the update starts that many elements in (a shard slice, unaligned vectors).
+    for (int64_t step : {int64_t{1}, int64_t{1000}}) {
+      for (int64_t skip : {int64_t{0}, int64_t{3}}) {
+        if (skip >= n) continue;
+        Check("AdamW/" + std::to_string(n) + "/step" + std::to_string(step) + "/skip" +
+                  std::to_string(skip),
+              kEltTol, [&](DevRun& r) {
+                Outputs o;
+                float* pd = r.In(p);
+                float* md = r.In(m);
+                float* vd = r.In(v);
+                // The fused amax of the updated weights starts above some |p| and below others.
+                float* amax = r.In(std::vector<float>{0.5f});
+                r.b()->AdamW(pd + skip, r.In(g) + skip, md + skip, vd + skip, n - skip, 3e-4f, 0.9f,
+                             0.95f, 1e-8f, 0.1f, step, 0.5f, amax);
+                r.F32(&o, "p", pd, n);
+                r.F32(&o, "amax", amax, 1);
+                r.F32(&o, "m", md, n);
+                r.F32(&o, "v", vd, n);
+                return o;
+              });
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fsdp8::conformance
