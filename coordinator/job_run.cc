@@ -476,8 +476,9 @@ absl::Status JobRun::PublishStep(int64_t k, const v1::JobEvent& ev,
       break;
     }
   }
-  if (!jobs_->RecordStep(id, ev, requested).ok()) return absl::CancelledError("job ended");
+  // Metrics first: a watcher that has seen step k's event then scrapes at least k steps.
   if (options_.metrics) options_.metrics->OnStep(id, ev, results);
+  if (!jobs_->RecordStep(id, ev, requested).ok()) return absl::CancelledError("job ended");
   return absl::OkStatus();
 }
 
