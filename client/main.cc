@@ -550,7 +550,7 @@ int main(int argc, char** argv) {
     if (a.command == c.name) cmd = &c;
   }
   if (cmd == nullptr) return Usage(absl::StrCat("unknown command '", a.command, "'"));
-  Context ctx{a};
+  Context ctx{a, /*address=*/"", /*sec=*/{}};
   if (cmd->needs != Needs::kNothing) {
     if (int rc = ResolveConnection(&ctx); rc != 0) return rc;
   }

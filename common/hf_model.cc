@@ -151,7 +151,7 @@ struct HfConfigFields {
     return absl::InvalidArgumentError(absl::StrCat(field, ": config.json ", what));
   }
   // The number at key k; `dflt` when absent (INVALID_ARGUMENT without a default).
-  absl::Status Number(const char* k, double* out, std::optional<double> dflt) const {
+  absl::Status Number(const char* k, double* out, const std::optional<double>& dflt) const {
     const Value* v = Field(s, k);
     if (!v) {
       if (dflt) {

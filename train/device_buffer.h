@@ -70,11 +70,13 @@ class DevBuf {
 // measured on H200 with cuBLASLt 13.1), and the slots are handed to GemmFp8 as pointers.
 inline constexpr int64_t kScaleStride = 4;  // floats per slot
 
-// Uploads values[i] to slot i of a (n * kScaleStride) f32 device array.
+// Uploads values[i] to slot i of a (n * kScaleStride) f32 device array; no copy when values is
+// empty.
 inline void UploadScaleSlots(Backend* be, float* dev, const std::vector<float>& values) {
+  if (values.empty()) return;
   std::vector<float> slots(values.size() * kScaleStride, 0.0f);
   for (size_t i = 0; i < values.size(); ++i) slots[i * kScaleStride] = values[i];
-  if (!slots.empty()) be->CopyToDevice(dev, slots.data(), slots.size() * sizeof(float));
+  be->CopyToDevice(dev, slots.data(), slots.size() * sizeof(float));
 }
 
 }  // namespace fsdp8
