@@ -305,6 +305,7 @@ absl::Status RankFileReader::ReadShardArray(int64_t shard_numel, int64_t lo, int
                                             float* dst) {
   const int64_t f32 = static_cast<int64_t>(sizeof(float));
   if (lo < 0 || n < 0 || lo + n > shard_numel) {
+    ok_ = false;
     return absl::InvalidArgumentError(absl::StrCat(path_, ": elements [", lo, ", ", lo + n,
                                                    ") of a shard of ", shard_numel));
   }

@@ -4,8 +4,8 @@
 //   1. Start: resolve the checkpoint to resume from (ResolveResume), Assignment to every rank,
 //      wait for every Ready (start_timeout), job -> RUNNING.
 //   2. For k in start_step..steps-1: StepCommand{k} to every rank, wait for every StepResult{k}
-//      (step_timeout), aggregate into one JobEvent and publish it (JobManager::RecordStep,
-//      CoordinatorMetrics::OnStep), then save a checkpoint if one is due.
+//      (step_timeout), aggregate into one JobEvent and publish it (CoordinatorMetrics::OnStep,
+//      then JobManager::RecordStep), then save a checkpoint if one is due.
 //   3. Finish to every rank, job -> SUCCEEDED.
 // Dispatch ahead (SchedulerOptions::dispatch_ahead): StepCommand{k+1} is sent right after
 // StepCommand{k} when no save is due after step k and no TriggerCheckpoint is pending; workers

@@ -42,7 +42,9 @@ class CoordinatorMetrics {
     double time = 0;             // seconds since the Unix epoch
   };
 
-  // A completed step: `ev` as recorded by JobManager::RecordStep, `results` indexed by rank.
+  // A step the ranks completed: `ev` as JobRun hands it to JobManager::RecordStep right after
+  // (called first, so a watcher that saw the step's event scrapes it counted; a step completed just
+  // as its job was cancelled is counted here though the job table drops it), `results` by rank.
   void OnStep(const std::string& job_id, const v1::JobEvent& ev,
               const std::vector<v1::StepResult>& results);
   // The job's recent steps, oldest first (empty for a job this process saw no step of).

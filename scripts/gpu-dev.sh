@@ -135,7 +135,7 @@ run() {
     local t0=$(date +%s) rc
     "$bin/fsdp8-conformance" --gtest_filter="${CONFORMANCE_FILTER:-*cuda*}" > "$logs/conformance.log" 2>&1
     rc=$?
-    grep -E "seed|^op |FAILED|Failure|PASSED|SKIPPED|fsdp8 cuda" "$logs/conformance.log" | tail -400
+    grep -E "seed|^op |FAILED|Failure|PASSED|SKIPPED|fsdp8 cuda|check failed" "$logs/conformance.log" | tail -400
     local nfail
     nfail=$(grep -c '^\[  FAILED  \]' "$logs/conformance.log")
     row "conformance" "$([ $rc -eq 0 ] && echo pass || echo FAIL)" "rc=$rc failed-lines=$nfail $(( $(date +%s) - t0 ))s"

@@ -120,7 +120,8 @@ struct WeightView {
 };
 
 // A device activation a linear reads (its input x, or its grad-output dy): f32 values or bf16
-// bit patterns (Backend's *Bf16 ops), exactly one. Made only through F32 / Bf16.
+// bit patterns (Backend's *Bf16 ops), exactly one. Make it through F32 / Bf16 (the fields stay public for the
+// linear's checks; valid() says whether exactly one is set).
 struct ActivationView {
   const float* f32 = nullptr;
   const uint16_t* bf16 = nullptr;

@@ -1,7 +1,5 @@
 #include "train/model.h"
 
-#include <cstdlib>
-
 #include <algorithm>
 #include <string>
 

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "common/checkpoint_format.h"
 #include "train/checkpoint.h"
 #include "comm/gloo_communicator.h"
 #include "worker/grpc_kv_store.h"
@@ -514,7 +515,7 @@ void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
   v1::CheckpointSaved saved;
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status s = faults_.CheckpointWriteError(
-      absl::StrCat(c.dir(), "/rank-", job_->trainer->rank(), ".ckpt"));
+      absl::StrCat(c.dir(), "/", CheckpointFileName(job_->trainer->rank())));
   if (s.ok()) s = SaveShard(*job_->trainer, c.step(), c.dir(), &saved);
   if (!s.ok()) {
     // The job stays usable: a failed save leaves the training state untouched. The coordinator

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reads `fsdp8 export` output with the `safetensors` package and checks every tensor's name,
 shape, dtype and values against the checkpoint's rank files, parsed here from the format documented
-in train/checkpoint.h with the tensor order of common/shard_plan.h (not through the exporter).
+in common/checkpoint_format.h with the tensor order of common/shard_plan.h (not through the exporter).
 
 usage: check_export.py FIXTURE_BIN FSDP8_CLI WORK_DIR
 """
