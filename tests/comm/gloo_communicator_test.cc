@@ -97,7 +97,7 @@ TEST(GlooCommunicator, C09_MismatchedCollectiveKindIsNamed) {
 }
 
 TEST(GlooCommunicator, AbortMakesLaterCallsFailFast) {
-  RunRanks(2, [&](int r, Communicator* c) {
+  RunRanks(2, [&](int /*rank*/, Communicator* c) {
     ASSERT_TRUE(c->Barrier().ok());
     c->Abort("test");
     float x = 0;

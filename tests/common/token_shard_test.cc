@@ -123,9 +123,15 @@ TEST(WindowStart, RangeAndEdges) {
         seen.insert(s);
       }
     }
-    if (n == 257) EXPECT_EQ(seen, std::set<int64_t>{0});
-    if (n == 258) EXPECT_EQ(seen, (std::set<int64_t>{0, 1}));
-    if (n == 300) EXPECT_EQ(seen.size(), 44u);  // 800 draws over 44 starts hit all of them
+    if (n == 257) {
+      EXPECT_EQ(seen, std::set<int64_t>{0});
+    }
+    if (n == 258) {
+      EXPECT_EQ(seen, (std::set<int64_t>{0, 1}));
+    }
+    if (n == 300) {
+      EXPECT_EQ(seen.size(), 44u);  // 800 draws over 44 starts hit all of them
+    }
   }
   EXPECT_EQ(WindowStart(1, 0, 0, 256, 256, 0), -1);  // no full window (needs seq_len + 1)
   EXPECT_EQ(WindowStart(1, 0, 0, 10, 0, 0), -1);

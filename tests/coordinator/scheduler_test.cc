@@ -808,7 +808,7 @@ TEST_F(SchedulerTest, ResumeSendsTheSameCheckpointToEveryRank) {
   ASSERT_EQ(Committed(ck), (std::vector<int64_t>{4}));
   ASSERT_TRUE(WaitFor([&] { return AllIdle(); }));
 
-  for (const std::string from : {std::string("latest"), ck + "/step-4"}) {
+  for (const std::string& from : {std::string("latest"), ck + "/step-4"}) {
     v1::JobSpec second = SmallSpec(train_, 2, 8);
     second.mutable_checkpoint()->set_dir(ck);
     second.mutable_checkpoint()->set_resume_from(from);
@@ -907,8 +907,11 @@ TEST_F(SchedulerTest, ResumeRefusesIncompatibleOrDamagedCheckpoints) {
   end = WaitEnd(c->job_id());
   EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
   EXPECT_TRUE(absl::StrContains(end.reason(), "is damaged: rank 0 file rank-0.ckpt")) << end.reason();
-  for (const auto& m : w0->received())
-    if (m.has_assignment()) EXPECT_EQ(m.assignment().load_dir(), "");
+  for (const auto& m : w0->received()) {
+    if (m.has_assignment()) {
+      EXPECT_EQ(m.assignment().load_dir(), "");
+    }
+  }
   EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kAbort), 0) << "never assigned, nothing to abort";
   EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kAssignment), 1);
 }

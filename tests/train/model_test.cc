@@ -108,7 +108,7 @@ TEST(Trainer, FiniteDifferenceGradientsFp32) {
   spec.mutable_model()->set_ffn_dim(24);
   spec.mutable_model()->set_seq_len(8);
   spec.mutable_training()->set_global_batch(2);
-  RunRanks(1, [&](int r, Communicator* c) {
+  RunRanks(1, [&](int /*rank*/, Communicator* c) {
     auto be = CpuBackend();
     auto tr = Trainer::Create(spec, 0, 1, be.get(), c);
     ASSERT_TRUE(tr.ok()) << tr.status();

@@ -160,7 +160,9 @@ TEST(Trainer, C04_ThreeRankAmaxIsTheMaxOfTheRanksLocalAmax) {
                                          << local[1] << " " << local[2];
     EXPECT_GT(std::abs(recorded - sum), 0.5 * mx) << "looks like the sum";
     EXPECT_GT(std::abs(recorded - sum / world), 1e-3 * mx) << "looks like the mean";
-    if (local[r] < mx / 1.01) EXPECT_GT(std::abs(recorded - local[r]), 1e-3 * mx) << "local only";
+    if (local[r] < mx / 1.01) {
+      EXPECT_GT(std::abs(recorded - local[r]), 1e-3 * mx) << "local only";
+    }
   }
 }
 
@@ -310,7 +312,7 @@ TEST(Trainer, DISABLED_DefaultModelStepTime) {
   v1::JobSpec spec;
   spec.mutable_data()->set_train_path(train);
   spec.mutable_training()->set_global_batch(8);
-  RunRanks(1, [&](int r, Communicator* c) {
+  RunRanks(1, [&](int /*rank*/, Communicator* c) {
     auto be = CpuBackend();
     auto t = Trainer::Create(spec, 0, 1, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
