@@ -71,7 +71,7 @@ v1::StepResult ToStepResult(const StepStats& s) {
 }  // namespace
 
 WorkerDaemon::WorkerDaemon(DaemonOptions opts)
-    : opts_(std::move(opts)), faults_(opts_.settings.faults) {
+    : opts_(std::move(opts)) {
   channel_ = opts_.channel;
   if (!channel_) {
     grpc::ChannelArguments args;
@@ -449,7 +449,7 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   absl::StatusOr<StepStats> r =
       job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
   if (r.ok()) {
-    if (absl::Status fault = faults_.StepError(job_->rank, c.step()); !fault.ok()) {
+    if (absl::Status fault = opts_.settings.faults.StepError(job_->rank, c.step()); !fault.ok()) {
       // An injected step error (worker/fault_injection.h) is reported once the next step's
       // command has arrived (the coordinator sends one step ahead; at most 5 s), so that the drop
       // of a queued step is what a drill sees every time.
@@ -514,7 +514,7 @@ void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
   }
   v1::CheckpointSaved saved;
   const auto t0 = std::chrono::steady_clock::now();
-  absl::Status s = faults_.CheckpointWriteError(
+  absl::Status s = opts_.settings.faults.CheckpointWriteError(
       absl::StrCat(c.dir(), "/", CheckpointFileName(job_->trainer->rank())));
   if (s.ok()) s = SaveShard(*job_->trainer, c.step(), c.dir(), &saved);
   if (!s.ok()) {

@@ -82,7 +82,7 @@ class WorkerDaemon {
   void DropJob();
   void Log(const std::string& msg) const;
 
-  DaemonOptions opts_;
+  DaemonOptions opts_;  // opts_.settings.faults keeps its state: touched only on the job thread
   std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<v1::WorkerControl::Stub> stub_;
   std::string worker_id_;
@@ -113,7 +113,6 @@ class WorkerDaemon {
   std::atomic<bool> stale_steps_{false};
   // The highest step whose StepCommand the session has received (for FSDP8_FAULT_STEP_ERROR).
   std::atomic<int64_t> last_step_received_{-1};
-  FaultInjection faults_;  // opts_.settings.faults; touched only on the job thread
 };
 
 }  // namespace fsdp8
