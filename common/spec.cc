@@ -180,10 +180,12 @@ absl::Status CheckDataFile(const std::string& field, const std::string& value, i
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": must be a readable token shard (", n.status().message(), ")"));
   }
-  // Same rule as WindowStart and the worker's loader: one window needs seq_len + 1 tokens.
-  if (*n < static_cast<int64_t>(seq_len) + 1) {
+  // Same rule as WindowStart and the worker's loader: one window needs seq_len + 1 tokens
+  // (computed in 64 bits: seq_len may be INT32_MAX).
+  const int64_t needed = static_cast<int64_t>(seq_len) + 1;
+  if (*n < needed) {
     return Bad(field, "too few tokens for one sequence",
-               absl::StrCat(*n, " tokens, need at least seq_len + 1 = ", seq_len + 1));
+               absl::StrCat(*n, " tokens, need at least seq_len + 1 = ", needed));
   }
   return absl::OkStatus();
 }
@@ -438,7 +440,7 @@ using google::protobuf::FieldDescriptor;
 std::string Where(const YAML::Node& n) {
   const YAML::Mark mk = n.Mark();
   if (mk.is_null()) return "";
-  return absl::StrCat(" (line ", mk.line + 1, ", column ", mk.column + 1, ")");
+  return absl::StrCat(" (line ", int64_t{mk.line} + 1, ", column ", int64_t{mk.column} + 1, ")");
 }
 
 std::string JsonQuote(const std::string& s) {
@@ -679,8 +681,9 @@ absl::StatusOr<v1::JobSpec> ParseSpec(const std::string& text) {
   try {
     root = YAML::Load(text);
   } catch (const YAML::ParserException& e) {
-    return absl::InvalidArgumentError(absl::StrCat("spec: parse error at line ", e.mark.line + 1,
-                                                   ", column ", e.mark.column + 1, ": ", e.msg));
+    return absl::InvalidArgumentError(absl::StrCat("spec: parse error at line ",
+                                                   int64_t{e.mark.line} + 1, ", column ",
+                                                   int64_t{e.mark.column} + 1, ": ", e.msg));
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("spec: parse error: ", e.what()));
   }

@@ -12,10 +12,10 @@ absl::StatusOr<TokenData> TokenData::Load(const std::string& path, int seq_len, 
   TokenData d;
   d.tokens_ = std::move(shard->tokens);
   d.seq_len_ = seq_len;
-  if (static_cast<int64_t>(d.tokens_.size()) < seq_len + 1) {
+  const int64_t needed = static_cast<int64_t>(seq_len) + 1;  // 64 bits: seq_len may be INT32_MAX
+  if (static_cast<int64_t>(d.tokens_.size()) < needed) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", d.tokens_.size(),
-                                                   " tokens, fewer than seq_len + 1 = ",
-                                                   seq_len + 1));
+                                                   " tokens, fewer than seq_len + 1 = ", needed));
   }
   for (size_t i = 0; i < d.tokens_.size(); ++i) {
     if (d.tokens_[i] >= vocab_size) {

@@ -449,6 +449,24 @@ TEST(Spec, CheckFiles) {
   std::remove(small.c_str());
 }
 
+// A derived size in a message is computed in 64 bits: seq_len + 1 of the largest int32 seq_len is
+// 2^31 = 2147483648, not a wrapped negative number.
+TEST(Spec, TooFewTokensMessageForMaxSeqLen) {
+  const std::string path =
+      ::testing::TempDir() + "/fsdp8_spec_maxseq_" + std::to_string(getpid()) + ".bin";
+  ASSERT_TRUE(WriteTokenShard(path, std::vector<uint16_t>(300, 1)).ok());
+  v1::JobSpec s = Valid();
+  s.mutable_model()->set_seq_len(2147483647);
+  s.mutable_data()->set_train_path(path);
+  const absl::Status st = ValidateSpec(s, 2, {}, true);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("300 tokens, need at least seq_len + 1 = 2147483648"),
+            std::string::npos)
+      << st;
+  EXPECT_EQ(std::string(st.message()).find("-2147483648"), std::string::npos) << st;
+  std::remove(path.c_str());
+}
+
 // ---- parsing ----------------------------------------------------------------------------------
 
 const char* kYaml = R"(

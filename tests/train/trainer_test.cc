@@ -19,6 +19,7 @@
 #include "common/token_shard.h"
 #include "gtest/gtest.h"
 #include "kernels/fp8.h"
+#include "train/data.h"
 #include "train/fsdp.h"
 #include "tests/support/ranks.h"
 #include "tests/train/trainer_test_util.h"
@@ -37,6 +38,17 @@ using testing::TinySpec;
 using testing::Train;
 using testing::TrainFile;
 using testing::ValFile;
+
+// ---- data loader --------------------------------------------------------------------------------
+// The loader's "too few tokens" message computes seq_len + 1 in 64 bits (2^31 for INT32_MAX).
+TEST(Trainer, TokenDataTooFewTokensMessageForMaxSeqLen) {
+  absl::StatusOr<TokenData> d = TokenData::Load(TrainFile(), 2147483647, 256);
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(d.status().message()).find("20000 tokens, fewer than seq_len + 1 = 2147483648"),
+            std::string::npos)
+      << d.status();
+}
 
 // ---- C03 ------------------------------------------------------------------------------------
 // The X of layer 0's q_proj is RMSNorm(embedding(token)) with unit norm weights, so its amax over
