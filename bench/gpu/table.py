@@ -1,90 +1,118 @@
 #!/usr/bin/env python3
-"""Prints the benchmark table of bench/gpu/run.sh from its results.jsonl.
+"""Prints the benchmark table of bench/gpu/run.sh from its results.jsonl: one row per system run.
 
-Model FLOPs per token = 6 x (all parameters except the token embedding; the LM head counts)
-+ 12 x layers x d x seq (the attention score and value products), as in the reference numbers.
-tokens/s per GPU = sequences per GPU x seq / median step time.
+tokens/s per GPU = sequences per GPU x seq / median step time; model FLOPs per token as in
+bench/gpu/presets.py. "vs PyTorch BF16" compares with PyTorch FSDP2 BF16 on the same preset,
+vocabulary and world size in the same results. Peak (external) is bench/gpu/memmeter.py's figure:
+device memory used at the peak minus the idle baseline, per GPU (the largest GPU); peak (own count)
+is what each system counts itself: torch.cuda.max_memory_allocated() (reserved in brackets) and
+fsdp8's peak_memory_bytes. "vs shared" compares with the figures of ../shared/gpu/README.md for the
+same preset, vocabulary and world size (1 H200 2026-12-01, 2 H200 2026-11-29), where there is one.
+
+Usage: table.py results.jsonl
 """
 import json
+import os
 import sys
 
-PRESETS = {
-    "125m": dict(d=768, layers=12, heads=12, ffn=2048, seq=1024, batch=16),
-    "1b": dict(d=2048, layers=24, heads=16, ffn=5632, seq=2048, batch=8),
-}
-VOCAB = 32768
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import presets  # noqa: E402
+
 GiB = 1024 ** 3
+# (preset, vocab, world, system key) -> tokens/s per GPU, from ../shared/gpu/README.md.
+SHARED = {
+    ("125m", 32768, 2, "PyTorch bf16"): 209166, ("125m", 32768, 2, "PyTorch fp8"): 196454,
+    ("1b", 32768, 2, "PyTorch bf16"): 55827, ("1b", 32768, 2, "PyTorch fp8"): 60308,
+    ("1b", 32768, 1, "PyTorch bf16"): 56110, ("1b", 32768, 1, "PyTorch fp8"): 62028,
+    ("1b", 32768, 1, "PyTorch torchao-tensorwise"): 61118,
+    ("1b", 32768, 1, "PyTorch torchao-rowwise"): 55644, ("1b", 32768, 1, "fsdp8 driven"): 82316,
+    ("l3proxy", 65536, 1, "PyTorch bf16"): 34523,
+    ("l3proxy", 65536, 1, "PyTorch torchao-tensorwise"): 39682,
+    ("l3proxy", 65536, 1, "fsdp8 driven"): 49186,
+    ("l3proxy", 128256, 1, "PyTorch bf16"): 30755,
+    ("l3proxy", 128256, 1, "PyTorch torchao-tensorwise"): 33705,
+}
 
 
-def shapes(p):
-    d, L, f = p["d"], p["layers"], p["ffn"]
-    block_linear = 4 * d * d + 3 * d * f
-    non_embed = L * (block_linear + 2 * d) + d + VOCAB * d
-    return block_linear, non_embed
+def system_key(r):
+    if r.get("system") == "pytorch-fsdp2":
+        return f"PyTorch {r.get('precision')}"
+    return f"{r.get('system')} {r.get('mode')}"
 
 
-def flops_per_token(p):
-    return 6 * shapes(p)[1] + 12 * p["layers"] * p["d"] * p["seq"]
+def group_key(r):
+    p = presets.shape(r["preset"])
+    return (r["preset"], int(r.get("vocab") or p["vocab"]), int(r.get("world") or 0))
+
+
+def tokens_per_s(r):
+    return presets.shape(r["preset"])["batch"] * presets.shape(r["preset"])["seq"] / float(r["step_s_median"])
+
+
+def gib(x):
+    return "" if x is None else f"{int(x) / GiB:.1f}"
+
+
+def row_cells(r, base):
+    preset, vocab, world = group_key(r)
+    cells = [system_key(r), preset, str(vocab), str(world)]
+    if "error" in r or "step_s_median" not in r:
+        err = r.get("error", "no figures")
+        return cells + [f"failed: {err if isinstance(err, str) else '; '.join(map(str, err))}"] + [""] * 6
+    t = tokens_per_s(r)
+    fpt = presets.flops_per_token(presets.shape(preset, vocab))
+    own = gib(r.get("peak_mem_bytes"))
+    if r.get("peak_reserved_bytes"):
+        own += f" ({gib(r['peak_reserved_bytes'])} reserved)"
+    ext = gib(r.get("ext_peak_mem_bytes")) if "ext_peak_mem_bytes" in r else "n/a"
+    ref = SHARED.get((preset, vocab, world, system_key(r)))
+    return cells + [f"{t:,.0f}", f"{t / base:.3f}" if base else "", f"{t * fpt / 1e12:.0f}", ext, own,
+                    f"{1e3 * float(r['step_s_median']):.1f}", f"{t / ref:.3f}" if ref else ""]
+
+
+def fsdp8_notes(rows):
+    out = []
+    for r in rows:
+        if r.get("system") != "fsdp8" or "error" in r or "step_s_median" not in r:
+            continue
+        g = group_key(r)
+        ms = lambda x: f"{1e3 * float(x):.1f}"  # noqa: E731
+        line = (f"fsdp8 {r['mode']} {g[0]}/{g[1]}/{g[2]}: step {ms(r['step_s_median'])} ms = compute "
+                f"{ms(r['compute_s'])} + exposed comm {ms(r['comm_s'])} + optimizer {ms(r['optimizer_s'])}")
+        free = next((f for f in rows if f.get("system") == "fsdp8" and f.get("mode") == "free"
+                     and group_key(f) == g and "step_s_median" in f), None)
+        if r["mode"] == "driven" and free is not None:
+            over = float(r["step_s_median"]) - float(free["step_s_median"])
+            line += f"; coordinator overhead {ms(over)} ms ({100 * over / float(r['step_s_median']):.2f}%)"
+        pk = r.get("phase_peaks")
+        if pk:
+            line += (f"; peak GiB per phase: forward {gib(pk['forward'])}, backward {gib(pk['backward'])}, "
+                     f"optimizer {gib(pk['optimizer'])}")
+        out.append(line)
+    return out
 
 
 def main():
     rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
-    for name, p in PRESETS.items():
-        rs = [r for r in rows if r.get("preset") == name]
-        if not rs:
-            continue
-        tok_step = p["batch"] * p["seq"]
-        fpt = flops_per_token(p)
-        print(f"\n### preset {name}: d {p['d']}, {p['layers']} layers, ffn {p['ffn']}, seq {p['seq']}, "
-              f"{p['batch']} seq/GPU, 2 GPUs; {fpt / 1e9:.2f} GFLOP/token\n")
-        print("| system | tokens/s/GPU | model TFLOP/s/GPU | vs torch BF16 | vs torch FP8 | peak mem GiB "
-              "| all-gather GB/step | reduce-scatter GB/step | step ms | compute | exposed comm | optimizer | coordinator |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        tput = {}
-        for r in rs:
-            if "error" in r:
-                print(f"| {r.get('system')} {r.get('mode', r.get('precision'))} | failed: {r['error']} |")
-                continue
-            if r["system"] == "pytorch-fsdp2":
-                key = f"torch {r['precision']}"
-            else:
-                key = f"fsdp8 {r['mode']}"
-            tput[key] = tok_step / r["step_s_median"]
-        free = next((r for r in rs if r.get("mode") == "free" and "error" not in r), None)
-        for r in rs:
-            if "error" in r:
-                continue
-            key = f"torch {r['precision']}" if r["system"] == "pytorch-fsdp2" else f"fsdp8 {r['mode']}"
-            t = tput[key]
-            vb = t / tput["torch bf16"] if "torch bf16" in tput else float("nan")
-            vf = t / tput["torch fp8"] if "torch fp8" in tput else float("nan")
-            split = "| | | | "
-            if r["system"] == "fsdp8":
-                ms = lambda x: f"{1e3 * x:.1f}"
-                coord = ""
-                if r["mode"] == "driven" and free is not None:
-                    over = r["step_s_median"] - free["step_s_median"]
-                    coord = f"{ms(over)} ({100 * over / r['step_s_median']:.2f}%)"
-                split = f"| {ms(r['compute_s'])} | {ms(r['comm_s'])} | {ms(r['optimizer_s'])} | {coord} "
-            print(f"| {key} | {t:,.0f} | {t * fpt / 1e12:.0f} | {vb:.3f} | {vf:.3f} | "
-                  f"{r['peak_mem_bytes'] / GiB:.1f} | {r['allgather_bytes_per_step'] / 1e9:.2f} | "
-                  f"{r['reduce_scatter_bytes_per_step'] / 1e9:.2f} | {1e3 * r['step_s_median']:.1f} {split}|")
-        for r in rs:
-            if r.get("system") == "fsdp8" and "error" not in r and r.get("phase_peaks"):
-                pk = r["phase_peaks"]
-                print(f"\nfsdp8 {r['mode']}: peak memory per phase (GiB): forward {pk['forward'] / GiB:.1f}, "
-                      f"backward {pk['backward'] / GiB:.1f}, optimizer {pk['optimizer'] / GiB:.1f}")
-        # FP8 on the wire: all-gather bytes per block-linear parameter per gather. Blocks are
-        # gathered twice a step (forward, backward); embedding and head (bf16) once.
-        bl, _ = shapes(p)
-        for r in rs:
-            if r.get("system") == "fsdp8" and "error" not in r:
-                other = 2 * (2 * VOCAB * p["d"]) + 2 * p["d"]  # embedding + head + final norm, bf16
-                norms = 2 * p["layers"] * 2 * p["d"] * 2        # block norms, bf16, twice
-                per = (r["allgather_bytes_per_step"] - other - norms) / (2 * p["layers"] * bl)
-                print(f"\nfsdp8 {r['mode']}: all-gather bytes per FP8 block weight per gather = {per:.4f} "
-                      "(1 byte/param expected; padding adds a few parts per million)")
-                break
+    rows = [r for r in rows if r.get("preset") in presets.PRESETS]
+    base = {group_key(r): tokens_per_s(r) for r in rows
+            if system_key(r) == "PyTorch bf16" and "step_s_median" in r and "error" not in r}
+    print("| system | preset | vocab | world | tokens/s/GPU | vs PyTorch BF16 | model TFLOP/s/GPU "
+          "| peak GiB (external) | peak GiB (own count) | step ms | vs shared |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(row_cells(r, base.get(group_key(r)))) + " |")
+    print()
+    for g in sorted({group_key(r) for r in rows}):
+        print(f"- {presets.describe(g[0], presets.shape(g[0], g[1]))}; world size {g[2]}")
+    meters = sorted({r["ext_meter"] for r in rows if r.get("ext_meter")})
+    if meters:
+        print(f"- external meter: {', '.join(meters)} (peak used minus idle baseline, per GPU)")
+    for r in rows:
+        if r.get("ext_error"):
+            print(f"- {system_key(r)} {'/'.join(map(str, group_key(r)))}: no external figure: {r['ext_error']}")
+    for line in fsdp8_notes(rows):
+        print(f"- {line}")
 
 
 if __name__ == "__main__":
