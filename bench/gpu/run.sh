@@ -16,7 +16,8 @@
 #   VOCAB             vocabulary of every preset (default: each preset's; l3proxy 128256)
 #   STEPS, WARMUP     timed and warm-up steps (default: each preset's; 12 after 4, l3proxy 8 after 3)
 #   NGPUS             world size; BIN (fsdp8 binaries; default .dev/gpu, else build/bin);
-#   OUT_DIR           logs (default runs/bench-<time>); SKIP_TORCH=1, SKIP_FSDP8=1;
+#   OUT_DIR           logs (default runs/bench-<time>); APPEND=1 adds to OUT_DIR's results (a run
+#                     split over several commands prints one table); SKIP_TORCH=1, SKIP_FSDP8=1;
 #   SKIP_WARMUP_JOB=1 (no discarded first fsdp8 job per preset); METER_INTERVAL (s, 0.05).
 # torchao 0.18.0 comes from WHEELS (.dev/wheels; bench/gpu/fetch-wheels.sh, run where there is
 # network) and is installed into PYLIB (.dev/pylib, put on PYTHONPATH) on first use.
@@ -66,7 +67,7 @@ echo "== world size $N (devices: $meter_devices); logs in $OUT_DIR"
 
 for p in $PRESETS; do python3 "$tool" defaults "$p" > /dev/null || exit 2; done
 results=$OUT_DIR/results.jsonl
-: > "$results"
+[ "${APPEND:-0}" = 1 ] || : > "$results"
 data=$OUT_DIR/data
 mkdir -p "$data"
 defaults() { python3 "$tool" defaults "$1"; }   # "WARMUP STEPS VOCAB SEQ_PER_GPU"
