@@ -21,6 +21,24 @@ std::string DashedFlagName(std::string name) {
   return name;
 }
 
+std::optional<std::vector<std::string>> TokenizerPrepareArgs(int argc, const char* const* argv) {
+  int i = 1;
+  for (; i < argc; ++i) {  // to the command word
+    const std::string s = argv[i];
+    if (s == "--" || s.size() <= 2 || s.rfind("--", 0) != 0) break;
+    const std::string name = DashedFlagName(s.substr(2));
+    auto it = CliFlags().find(name);
+    if (it != CliFlags().end() && it->second) ++i;  // its value is the next word
+  }
+  if (i >= argc || std::string(argv[i]) != "prepare") return std::nullopt;
+  std::vector<std::string> args(argv + i + 1, argv + argc);
+  for (const std::string& s : args) {
+    if (s == "--") break;
+    if (s == "--tokenizer" || s.rfind("--tokenizer=", 0) == 0) return args;
+  }
+  return std::nullopt;
+}
+
 absl::StatusOr<CliArgs> ParseCliArgs(int argc, const char* const* argv) {
   CliArgs a;
   for (int i = 1; i < argc; ++i) {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,12 @@ const std::map<std::string, bool>& CliFlags();
 // Parses argv[1..argc). INVALID_ARGUMENT "unknown flag --NAME" or "--NAME needs a value" (NAME as
 // written).
 absl::StatusOr<CliArgs> ParseCliArgs(int argc, const char* const* argv);
+
+// `fsdp8 [FLAGS] prepare ARGS...` where ARGS holds --tokenizer (before any "--") is handed over to
+// the Python command fsdp8-prepare: returns ARGS as written, in order (the flags before the command
+// word are dropped); nullopt for any other command line. Flags before the command are skipped as
+// CliFlags() says (a flag that takes a value consumes the next word unless written --name=value).
+std::optional<std::vector<std::string>> TokenizerPrepareArgs(int argc, const char* const* argv);
 
 // The flag's dashed name: "request_id" -> "request-id".
 std::string DashedFlagName(std::string name);

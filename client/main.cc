@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "client/cli_args.h"
 #include "client/client.h"
 #include "client/plot.h"
@@ -50,6 +51,10 @@ constexpr char kUsage[] =
     "  drain WORKER [--undo]                             give a worker no more work (admin)\n"
     "  log-level LEVEL                                   coordinator log level: error|warning|info|debug (admin)\n"
     "  prepare --out DIR [--val-fraction 0.05] FILES...  text files -> byte-level token shards\n"
+    "  prepare --tokenizer FILE --out DIR ... INPUTS...  text/JSONL -> token shards through a Hugging\n"
+    "                                                    Face tokenizer.json or SentencePiece .model:\n"
+    "                                                    runs fsdp8-prepare (Python SDK) with these\n"
+    "                                                    arguments (fsdp8-prepare --help)\n"
     "  export JOB|CHECKPOINT_DIR --out DIR [--step N] [--dtype f32|bf16]\n"
     "                                                    a committed checkpoint (default: the newest) as a\n"
     "                                                    Hugging Face directory (config.json + model.safetensors)\n"
@@ -87,6 +92,39 @@ std::string Thousands(int64_t v) {
 std::string State(fsdp8::v1::JobState s) {
   std::string n = fsdp8::v1::JobState_Name(s);
   return n.rfind("JOB_STATE_", 0) == 0 ? n.substr(10) : n;
+}
+
+// `fsdp8 prepare --tokenizer ...`: replaces this process by fsdp8-prepare (found on PATH) with the
+// same arguments. Returns only when it cannot: 2 with the commands that install and run it when it
+// is not installed, 1 on any other exec failure.
+int HandOverPrepare(const std::vector<std::string>& args) {
+  const char* kProgram = "fsdp8-prepare";
+  std::vector<char*> argv;
+  argv.push_back(const_cast<char*>(kProgram));
+  for (const std::string& s : args) argv.push_back(const_cast<char*>(s.c_str()));
+  argv.push_back(nullptr);
+  fflush(nullptr);
+  execvp(kProgram, argv.data());
+  const int err = errno;
+  if (err != ENOENT) {
+    fprintf(stderr, "error: cannot run %s: %s\n", kProgram, std::strerror(err));
+    return 1;
+  }
+  constexpr char kShellSpecial[] = " \t\n'\"\\$`*?[]{}()<>|&;#~!";
+  std::string call = kProgram;  // the same arguments, quoted for a shell where needed
+  for (const std::string& s : args) {
+    const bool plain = !s.empty() && s.find_first_of(kShellSpecial) == std::string::npos;
+    call += " " + (plain ? s : "'" + absl::StrReplaceAll(s, {{"'", "'\\''"}}) + "'");
+  }
+  fprintf(stderr,
+          "error: prepare --tokenizer runs fsdp8-prepare from fsdp8's Python SDK, which is not on "
+          "PATH.\n"
+          "Install it (from the fsdp8 source tree; a virtual environment on Debian 12):\n"
+          "  python3 -m pip install './client/python[prepare]'\n"
+          "then run:\n"
+          "  %s\n",
+          call.c_str());
+  return 2;
 }
 
 int ReportError(const absl::Status& s) {
@@ -530,6 +568,7 @@ int ResolveConnection(Context* ctx) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (auto args = fsdp8::TokenizerPrepareArgs(argc, argv)) return HandOverPrepare(*args);
   auto parsed = fsdp8::ParseCliArgs(argc, argv);
   if (!parsed.ok()) return Usage(std::string(parsed.status().message()));
   Args& a = *parsed;

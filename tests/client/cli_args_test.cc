@@ -53,6 +53,27 @@ TEST(CliArgs, UnderscoreSpellingIsADeprecatedAlias) {
             (std::vector<std::string>{"request_id", "no_watch", "val_fraction", "tls_ca"}));
 }
 
+TEST(CliArgs, PrepareWithATokenizerIsHandedOverVerbatim) {
+  auto words = [](std::vector<const char*> w) {
+    w.insert(w.begin(), "fsdp8");
+    return TokenizerPrepareArgs(static_cast<int>(w.size()), w.data());
+  };
+  auto a = words({"--coordinator", "h:1", "--token=t", "prepare", "--tokenizer", "t.json", "--out",
+                  "d", "--workers", "3", "--val_fraction", "0.1", "a.jsonl"});
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(*a, (std::vector<std::string>{"--tokenizer", "t.json", "--out", "d", "--workers", "3",
+                                          "--val_fraction", "0.1", "a.jsonl"}));
+  auto b = words({"prepare", "--out", "d", "--tokenizer=t.model", "x.txt"});
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(*b, (std::vector<std::string>{"--out", "d", "--tokenizer=t.model", "x.txt"}));
+  // Byte-level prepare, --tokenizer after "--" (a file name) and other commands stay here.
+  EXPECT_FALSE(words({"prepare", "--out", "d", "x.txt"}).has_value());
+  EXPECT_FALSE(words({"prepare", "--out", "d", "--", "--tokenizer"}).has_value());
+  EXPECT_FALSE(words({"--coordinator", "prepare", "list", "--tokenizer", "t"}).has_value());
+  EXPECT_FALSE(words({"submit", "--tokenizer", "t.json"}).has_value());
+  EXPECT_FALSE(words({}).has_value());
+}
+
 TEST(CliArgs, ErrorsNameTheFlagAsWritten) {
   auto unknown = Parse({"list", "--bogus_flag"});
   ASSERT_FALSE(unknown.ok());
