@@ -3,7 +3,9 @@
 # shard headers read back with numpy, fsdp8 specs for 1 and 2 workers, the external memory meter
 # against a stand-in nvidia-smi and a stand-in NVML, and whole runs of run.sh with stand-ins for
 # nvidia-smi, torchrun and the fsdp8 binaries (2 GPUs found by nvidia-smi -L; then
-# CUDA_VISIBLE_DEVICES=1, world size 1, metered on NVML device 1). Prints "selftest: ok" at the end.
+# CUDA_VISIBLE_DEVICES=1, world size 1, metered on NVML device 1); where PYTHON (python3) imports
+# torch, bench/gpu/selftest_reference.py checks the PyTorch reference on the CPU (torchao from
+# PYTHONPATH). Prints "selftest: ok" at the end.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
@@ -159,4 +161,10 @@ table = open(f"{T}/out/table.md").read()
 assert "| fsdp8 driven | l3proxy | 65536 | %d | 40,960 | 1.250 |" % n in table, table
 PY
 done
+if "${PYTHON:-python3}" -c 'import torch' 2> /dev/null; then
+  echo "-- PyTorch reference on CPU"
+  PYTHONWARNINGS=ignore "${PYTHON:-python3}" bench/gpu/selftest_reference.py || fail "bench/gpu/selftest_reference.py"
+else
+  echo "-- PyTorch reference: torch not importable by ${PYTHON:-python3}, skipped"
+fi
 echo "selftest: ok"
