@@ -263,6 +263,15 @@ class LargeVocabTest(Case):
         self.assertIn(f"{big}:2: token id {tok.token_to_id('<w69999>')}", r.stderr)
         self.assertIn("uint16", r.stderr)
         self.assertNoShards()
+        # In a text file, the line of the token.
+        text = os.path.join(self.dir, "big.txt")
+        with open(text, "w") as f:
+            f.write("first line\n\nthird <w69000> line\n")
+        r = prepare_here("--tokenizer", path, "--out", self.out, "--dtype", "uint16",
+                         "--workers", "1", text)
+        self.assertEqual(r.returncode, 1)
+        self.assertIn(f"{text}:3: token id {tok.token_to_id('<w69000>')}", r.stderr)
+        self.assertNoShards()
 
 
 class ErrorTest(Case):

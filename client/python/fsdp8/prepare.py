@@ -25,7 +25,9 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -60,6 +62,7 @@ class ChunkTokens:
     text_bytes: int       # UTF-8 bytes of the documents' text
     empty_docs: int
     input_bytes: int
+    cpu_seconds: float    # the worker's CPU time on this chunk
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -70,18 +73,18 @@ def read_chunks(paths, chunk_bytes=CHUNK_BYTES):
             if not path.endswith(".jsonl"):
                 yield Chunk(path, 1, False, f.read())
                 continue
-            line, rest = 1, b""
+            line, rest = 1, bytearray()  # rest: the start of a line not yet complete
             while True:
                 block = f.read(chunk_bytes)
-                data = rest + block
-                cut = data.rfind(b"\n") + 1 if block else len(data)
-                if cut == 0 and block:  # a line longer than a block: read on
-                    rest = data
+                cut = block.rfind(b"\n") + 1
+                if block and cut == 0:  # a line longer than a block: read on
+                    rest += block
                     continue
-                if cut > 0:
-                    yield Chunk(path, line, True, data[:cut])
-                    line += data.count(b"\n", 0, cut)
-                rest = data[cut:]
+                data = bytes(rest) + block[:cut] if block else bytes(rest)
+                rest = bytearray(block[cut:])
+                if data:
+                    yield Chunk(path, line, True, data)
+                    line += data.count(b"\n")
                 if not block:
                     break
 
@@ -98,11 +101,11 @@ def _utf8(data, path, first_line):
 
 def _jsonl_text(raw, path, line, field):
     """The text of one JSONL line, or None for a blank line."""
-    stripped = raw.strip()
-    if not stripped:
+    text = _utf8(raw, path, line)
+    if not text.strip():
         return None
     try:
-        obj = json.loads(_utf8(stripped, path, line))
+        obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise PrepareError(f"{path}:{line}: not JSON: {e.msg} (column {e.colno})") from None
     if not isinstance(obj, dict):
@@ -156,6 +159,7 @@ def tokenize_chunk(chunk):
     """ChunkTokens of a chunk (in a worker after init_worker)."""
     if "error" in _worker:
         raise _worker["error"]
+    cpu_start = time.process_time()
     tok, field, dtype = _worker["tokenizer"], _worker["field"], _worker["dtype"]
     docs = documents(chunk, field)
     text_bytes = sum(_utf8_size(t, chunk.path, line, field) for line, t in docs)
@@ -173,7 +177,8 @@ def tokenize_chunk(chunk):
     if len(tokens) and tokens.max() > limit:
         _raise_out_of_range(tok, chunk, nonempty, ids_per_doc, dtype)
     return ChunkTokens(tokens.astype(dtype), np.array(lengths, dtype=np.int64), text_bytes,
-                       len(docs) - len(nonempty), len(chunk.data))
+                       len(docs) - len(nonempty), len(chunk.data),
+                       time.process_time() - cpu_start)
 
 
 def _raise_out_of_range(tok, chunk, docs, ids_per_doc, dtype):
@@ -238,6 +243,7 @@ class Totals:
     docs: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     empty_docs: int = 0
     text_bytes: int = 0
+    cpu_seconds: float = 0.0  # the workers' CPU time tokenizing
 
 
 class SplitRouter:
@@ -261,6 +267,7 @@ class SplitRouter:
         self.totals.docs["train"] += n - int(is_val.sum())
         self.totals.empty_docs += result.empty_docs
         self.totals.text_bytes += result.text_bytes
+        self.totals.cpu_seconds += result.cpu_seconds
 
 
 def tokenize_all(chunks, workers, init_args, on_result, tokenizer):
@@ -358,7 +365,8 @@ def print_summary(out, args, tok, dtype, t, writers, paths, seconds):
           f"(llm.c magic {magic}, version {version}) in {len(paths['train'])} train + "
           f"{len(paths['val'])} val shards under {args.out}; {mb:,.2f} MB of text in "
           f"{seconds:.1f} s = {mb / max(seconds, 1e-9):.2f} MB/s ({args.workers} workers, "
-          f"{tok.kind} tokenizer, vocabulary {tok.vocab_size:,})", file=out)
+          f"{t.cpu_seconds:.1f} CPU-s tokenizing = {mb / max(t.cpu_seconds, 1e-9):.2f} MB per "
+          f"CPU-s; {tok.kind} tokenizer, vocabulary {tok.vocab_size:,})", file=out)
     if args.val_fraction > 0 and t.docs["val"] == 0:
         print(f"fsdp8-prepare: warning: no document fell into the validation split "
               f"(--val-fraction {args.val_fraction} of {t.docs['train']:,} documents)",
@@ -397,8 +405,14 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through run(), which removes the partial shards
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         return run(args)
     except (PrepareError, TokenizerError, OSError) as e:
