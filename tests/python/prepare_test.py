@@ -361,5 +361,26 @@ class HandOverTest(Case):
         self.assertNoShards()
 
 
+class ByteLevelWriterTest(unittest.TestCase):
+    def test_same_bytes_as_fsdp8_prepare(self):
+        """fsdp8.token_shards writes a uint16 shard byte for byte as the C++ byte-level prepare."""
+        from fsdp8 import token_shards
+        with tempfile.TemporaryDirectory() as d:
+            data = bytes(range(256)) * 7 + "東京 ✓\n".encode()
+            with open(os.path.join(d, "in.txt"), "wb") as f:
+                f.write(data)
+            cli = os.path.join(os.environ["FSDP8_BIN_DIR"], "fsdp8")
+            r = subprocess.run([cli, "prepare", "--out", os.path.join(d, "cli"), "--val-fraction",
+                                "0.25", os.path.join(d, "in.txt")], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            n_train = len(data) - len(data) // 4
+            for split, tokens in (("train", data[:n_train]), ("val", data[n_train:])):
+                w = token_shards.ShardSetWriter(d, split, 10**6, "uint16")
+                w.add(np.frombuffer(tokens, dtype=np.uint8))
+                [path] = w.commit()
+                with open(path, "rb") as f, open(os.path.join(d, "cli", split + ".bin"), "rb") as g:
+                    self.assertEqual(f.read(), g.read(), split)
+
+
 if __name__ == "__main__":
     unittest.main()
