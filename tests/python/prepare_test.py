@@ -305,6 +305,14 @@ class ErrorTest(Case):
         self.check_refused("surrogate.jsonl", b'{"text": "ok \\ud800"}\n',
                            '1: field "text" is not valid Unicode')
 
+    def test_flag_out_of_range_is_a_usage_error(self):
+        for flag, value in (("--val-fraction", "1"), ("--shard-tokens", "0"), ("--workers", "0")):
+            r = prepare_here("--tokenizer", self.tok, "--out", self.out, flag, value,
+                             self.inputs[0])
+            self.assertEqual(r.returncode, 2, flag)
+            self.assertIn(f"{flag}: must be", r.stderr)
+        self.assertNoShards()
+
     def test_line_numbers_across_chunks(self):
         # About 2 MB: the bad line lies beyond the first chunk handed to a worker (1 MiB).
         line = json.dumps({"text": "y" * 90}).encode() + b"\n"

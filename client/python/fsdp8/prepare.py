@@ -41,7 +41,11 @@ PLAIN_PROGRESS_S = 10.0    # seconds between progress lines when stderr is not a
 
 
 class PrepareError(Exception):
-    """Bad input; the message starts with FILE:LINE."""
+    """Bad input; the message starts with FILE:LINE (or names the file)."""
+
+
+class UsageError(PrepareError):
+    """A flag's value outside its range (exit status 2)."""
 
 
 @dataclasses.dataclass
@@ -290,14 +294,14 @@ def tokenize_all(chunks, workers, init_args, on_result, tokenizer):
 
 
 def check_inputs(args):
-    """Raises PrepareError for flag values outside their range or unreadable inputs; returns the
-    inputs' total size in bytes."""
+    """Raises UsageError for flag values outside their range, PrepareError for inputs that are
+    not readable files; returns the inputs' total size in bytes."""
     if not 0 <= args.val_fraction < 1:
-        raise PrepareError(f"--val-fraction: must be in [0, 1) (got {args.val_fraction})")
+        raise UsageError(f"--val-fraction: must be in [0, 1) (got {args.val_fraction})")
     if not 0 < args.shard_tokens <= token_shards.MAX_SHARD_TOKENS:
-        raise PrepareError(f"--shard-tokens: must be in [1, 2^31) (got {args.shard_tokens})")
+        raise UsageError(f"--shard-tokens: must be in [1, 2^31) (got {args.shard_tokens})")
     if args.workers < 1:
-        raise PrepareError(f"--workers: must be at least 1 (got {args.workers})")
+        raise UsageError(f"--workers: must be at least 1 (got {args.workers})")
     total = 0
     for path in args.inputs:
         if not os.path.isfile(path):
@@ -373,6 +377,12 @@ def print_summary(out, args, tok, dtype, t, writers, paths, seconds):
               file=sys.stderr)
 
 
+def available_cores():
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="fsdp8-prepare",
@@ -389,7 +399,7 @@ def parse_args(argv):
                    help="tokens per shard (default 100000000)")
     p.add_argument("--text-field", default="text", metavar="NAME",
                    help="the JSONL field holding a document's text (default text)")
-    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), metavar="K",
+    p.add_argument("--workers", type=int, default=available_cores(), metavar="K",
                    help="tokenizing processes (default: the cores available)")
     p.add_argument("--eos-token", metavar="TOKEN", help="end-of-text token (default: the "
                    "tokenizer's)")
@@ -417,7 +427,7 @@ def main(argv=None):
         return run(args)
     except (PrepareError, TokenizerError, OSError) as e:
         print(f"fsdp8-prepare: error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, UsageError) else 1
     except KeyboardInterrupt:
         print("fsdp8-prepare: interrupted; no shard written", file=sys.stderr)
         return 130
