@@ -183,7 +183,7 @@ def main():
                 raise ValueError("line takes KEY VALUE pairs")
             print(json.dumps(dict(zip(args.pairs[::2], args.pairs[1::2]))))
     except (KeyError, ValueError, OSError) as e:
-        sys.exit(f"benchtool.py {args.cmd}: {e}")
+        sys.exit(f"benchtool.py {args.cmd}: {e.args[0] if isinstance(e, KeyError) else e}")
 
 
 if __name__ == "__main__":

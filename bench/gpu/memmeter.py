@@ -30,13 +30,16 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 
 class NvmlReader:
     name = "nvml"
 
     def __init__(self, devices):
-        import pynvml
+        with warnings.catch_warnings():  # the pynvml shim package warns that it is deprecated
+            warnings.simplefilter("ignore")
+            import pynvml
         pynvml.nvmlInit()
         self._nvml = pynvml
         self._handles = [pynvml.nvmlDeviceGetHandleByUUID(d) if d.startswith(("GPU-", "MIG-"))

@@ -59,7 +59,9 @@ else
 fi
 N=${NGPUS:-$(echo "$visible" | grep -c .)}
 if ! [[ "$N" =~ ^[1-9][0-9]*$ ]]; then echo "run.sh: no GPUs found (NGPUS or CUDA_VISIBLE_DEVICES or nvidia-smi -L); got '$N'" >&2; exit 2; fi
-if [ "$(echo "$visible" | grep -c .)" -lt "$N" ]; then
+if [ -z "$visible" ]; then
+  visible=$(seq 0 $((N - 1)))  # NGPUS without nvidia-smi: the meter says whether it can read them
+elif [ "$(echo "$visible" | grep -c .)" -lt "$N" ]; then
   echo "run.sh: NGPUS=$N but only $(echo "$visible" | grep -c .) GPUs are visible" >&2; exit 2
 fi
 meter_devices=$(echo "$visible" | head -n "$N" | paste -sd,)
