@@ -80,7 +80,7 @@ absl::Status ScanFile(FILE* f, const std::string& path, int64_t size, Scan* scan
 
 bool PlainFileName(const std::string& f) {
   return !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos &&
-         f != kManifestFileName;
+         f != kManifestFileName && f != kStepJobFileName;
 }
 
 }  // namespace
@@ -433,6 +433,61 @@ absl::StatusOr<v1::CheckpointManifest> ReadManifestFile(const std::string& step_
                                             " in a directory named ", StepDirName(k)));
   }
   return m;
+}
+
+// ---- OWNER ----
+
+absl::StatusOr<std::string> EncodeOwner(v1::CheckpointDirOwner o) {
+  if (o.format_version() == 0) o.set_format_version(kOwnerFormatVersion);
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.add_whitespace = true;
+  opts.preserve_proto_field_names = true;
+  std::string json;
+  if (auto st = google::protobuf::util::MessageToJsonString(o, &json, opts); !st.ok()) {
+    return absl::InternalError(absl::StrCat("encoding the OWNER record: ", std::string(st.message())));
+  }
+  return json;
+}
+
+absl::StatusOr<v1::CheckpointDirOwner> DecodeOwner(const std::string& text,
+                                                   const std::string& where) {
+  v1::CheckpointDirOwner o;
+  google::protobuf::util::JsonParseOptions opts;
+  opts.ignore_unknown_fields = true;
+  if (auto st = google::protobuf::util::JsonStringToMessage(text, &o, opts); !st.ok()) {
+    return absl::DataLossError(
+        absl::StrCat(where, ": invalid OWNER record: ", std::string(st.message())));
+  }
+  if (o.format_version() != kOwnerFormatVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(where, ": OWNER format_version ",
+                                                      o.format_version(), ", this build reads ",
+                                                      kOwnerFormatVersion));
+  }
+  if (o.owner().job_id().empty()) {
+    return absl::DataLossError(absl::StrCat(where, ": invalid OWNER record: no owner.job_id"));
+  }
+  return o;
+}
+
+absl::StatusOr<std::optional<v1::CheckpointDirOwner>> ReadOwnerFile(const std::string& dir) {
+  const fs::path path = fs::path(dir) / kOwnerFileName;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return std::optional<v1::CheckpointDirOwner>();
+  std::ifstream in(path.string(), std::ios::binary);
+  if (!in) return absl::InternalError(absl::StrCat("cannot read ", path.string()));
+  std::stringstream text;
+  text << in.rdbuf();
+  absl::StatusOr<v1::CheckpointDirOwner> o =
+      DecodeOwner(text.str(), absl::StrCat("checkpoint.dir ", dir));
+  if (!o.ok()) return o.status();
+  return std::optional<v1::CheckpointDirOwner>(std::move(*o));
+}
+
+std::string ReadStepJobFile(const std::string& step_dir) {
+  std::ifstream in((fs::path(step_dir) / kStepJobFileName).string(), std::ios::binary);
+  std::string id;
+  if (in) std::getline(in, id);
+  return id;
 }
 
 }  // namespace fsdp8

@@ -6,6 +6,11 @@
 //   <root>/step-<k>/rank-<r>.ckpt   rank r's shard of the state after k optimizer steps
 //   <root>/step-<k>/MANIFEST        protobuf JSON of v1::CheckpointManifest; its presence (and
 //                                   validity) is what makes step-<k> a committed checkpoint
+//   <root>/step-<k>/JOB             the id of the job that prepared step-<k> (one line of text)
+//   <root>/OWNER                    protobuf JSON of v1::CheckpointDirOwner: the job the directory
+//                                   belongs to, and its earlier owners
+//   <root>/OWNER.lock               empty; flock'ed while OWNER is read and written and while a
+//                                   MANIFEST is committed
 //
 // ---- Rank file, version 1 -------------------------------------------------------------------
 // All integers and floats little-endian; f32 as IEEE-754 bits; no alignment padding anywhere.
@@ -74,6 +79,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -243,5 +249,26 @@ absl::StatusOr<v1::CheckpointManifest> DecodeManifest(const std::string& text,
 // NOT_FOUND "checkpoint <step_dir>: no such directory" / "... no MANIFEST (not a committed
 // checkpoint)"; otherwise DecodeManifest's errors with where = "checkpoint <step_dir>".
 absl::StatusOr<v1::CheckpointManifest> ReadManifestFile(const std::string& step_dir);
+
+// ---- OWNER, format_version 1 ----------------------------------------------------------------
+// The protobuf JSON (field names as in checkpoint.proto, indented) of a v1::CheckpointDirOwner;
+// unknown fields are ignored on decode. Valid when format_version is 1 and owner.job_id is set.
+inline constexpr char kOwnerFileName[] = "OWNER";
+inline constexpr char kOwnerLockFileName[] = "OWNER.lock";
+inline constexpr char kStepJobFileName[] = "JOB";
+inline constexpr int kOwnerFormatVersion = 1;
+
+// The OWNER text of `o` (format_version set to 1 when 0). INTERNAL if the JSON printer fails.
+absl::StatusOr<std::string> EncodeOwner(v1::CheckpointDirOwner o);
+// Parses and checks OWNER text: DATA_LOSS "<where>: invalid OWNER record: ..." (not JSON of a
+// CheckpointDirOwner, no owner.job_id), FAILED_PRECONDITION for another format_version.
+absl::StatusOr<v1::CheckpointDirOwner> DecodeOwner(const std::string& text,
+                                                   const std::string& where);
+// Reads <dir>/OWNER: nullopt when there is none; DecodeOwner's errors (where = "checkpoint.dir
+// <dir>"); INTERNAL for an OWNER that exists but cannot be read.
+absl::StatusOr<std::optional<v1::CheckpointDirOwner>> ReadOwnerFile(const std::string& dir);
+// The job id in <step_dir>/JOB; empty when there is none (a directory prepared before JOB files
+// existed) or it cannot be read.
+std::string ReadStepJobFile(const std::string& step_dir);
 
 }  // namespace fsdp8

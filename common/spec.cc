@@ -212,6 +212,9 @@ absl::Status CheckCheckpointSpec(const v1::CheckpointSpec& c,
       return Bad("checkpoint.resume_from", "needs checkpoint.dir",
                  absl::StrCat("resume_from \"", c.resume_from(), "\" but no checkpoint.dir"));
     }
+    if (c.take_over()) {
+      return Bad("checkpoint.take_over", "needs checkpoint.dir", "take_over true but no checkpoint.dir");
+    }
     return absl::OkStatus();
   }
   FSDP8_RETURN_IF_ERROR(CheckDataPath("checkpoint.dir", c.dir(), roots));
@@ -406,10 +409,56 @@ absl::Status CheckFiles(const v1::JobSpec& spec) {
   return absl::OkStatus();
 }
 
+bool IsPathField(const google::protobuf::FieldDescriptor* f) {
+  static const std::set<std::string>* paths = new std::set<std::string>{
+      "fsdp8.v1.DataSpec.train_path",       "fsdp8.v1.DataSpec.val_path",
+      "fsdp8.v1.CheckpointSpec.dir",        "fsdp8.v1.CheckpointSpec.resume_from",
+      "fsdp8.v1.InitSpec.from_hf"};
+  return paths->count(f->full_name()) > 0;
+}
+
+// Every string field of `m` (set ones, recursively) within its limit.
+absl::Status CheckStringLimits(const google::protobuf::Message& m, const std::string& prefix) {
+  using google::protobuf::FieldDescriptor;
+  const google::protobuf::Reflection* r = m.GetReflection();
+  std::vector<const FieldDescriptor*> fields;
+  r->ListFields(m, &fields);
+  for (const FieldDescriptor* f : fields) {
+    const std::string path = prefix.empty() ? f->name() : absl::StrCat(prefix, ".", f->name());
+    const int n = f->is_repeated() ? r->FieldSize(m, f) : 1;
+    for (int i = 0; i < n; ++i) {
+      const std::string at = f->is_repeated() ? absl::StrCat(path, "[", i, "]") : path;
+      if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
+        const auto& sub = f->is_repeated() ? r->GetRepeatedMessage(m, f, i) : r->GetMessage(m, f);
+        FSDP8_RETURN_IF_ERROR(CheckStringLimits(sub, at));
+      } else if (f->cpp_type() == FieldDescriptor::CPPTYPE_STRING) {
+        const std::string v = f->is_repeated() ? r->GetRepeatedString(m, f, i) : r->GetString(m, f);
+        const int64_t limit = IsPathField(f) ? kMaxPathBytes : kMaxNameBytes;
+        if (static_cast<int64_t>(v.size()) > limit) {
+          return Bad(at, absl::StrCat("longer than the limit of ", limit, " bytes"),
+                     absl::StrCat("got ", v.size()));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::Status CheckSpecLimits(const v1::JobSpec& spec) {
+  const int64_t bytes = static_cast<int64_t>(spec.ByteSizeLong());
+  if (bytes > kMaxSpecBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("spec: serialized size ", bytes,
+                                                   " bytes exceeds the limit of ", kMaxSpecBytes,
+                                                   " bytes"));
+  }
+  return CheckStringLimits(spec, "");
+}
 
 absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
                           const std::vector<std::string>& data_roots, bool check_files) {
+  FSDP8_RETURN_IF_ERROR(CheckSpecLimits(spec_in));
   const v1::JobSpec spec = WithDefaults(spec_in, world_size);
   FSDP8_RETURN_IF_ERROR(CheckModel(spec.model()));
   FSDP8_RETURN_IF_ERROR(CheckTraining(spec.training(), world_size));

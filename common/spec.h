@@ -4,6 +4,7 @@
 // Thread-safety: pure functions.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,20 @@
 #include "fsdp8/v1/spec.pb.h"
 
 namespace fsdp8 {
+
+// Limits on what a spec may hold, so that one submission cannot grow the coordinator's job table
+// without bound: the serialized size of the spec, and the bytes of every string field — paths
+// (data.train_path, data.val_path, checkpoint.dir, checkpoint.resume_from, init.from_hf) up to
+// kMaxPathBytes, every other string (name, backend) up to
+// kMaxNameBytes. Also the limit on a request id.
+inline constexpr int64_t kMaxSpecBytes = 64 << 10;
+inline constexpr int64_t kMaxPathBytes = 1024;
+inline constexpr int64_t kMaxNameBytes = 256;
+
+// INVALID_ARGUMENT naming the field and the limit when `spec` (as given, before defaults) breaks
+// one of the limits above: "spec: serialized size 70000 bytes exceeds the limit of 65536 bytes",
+// "name: longer than the limit of 256 bytes (got 10485760)". ValidateSpec checks it first.
+absl::Status CheckSpecLimits(const v1::JobSpec& spec);
 
 // Returns `spec` with every unset field filled with its documented default (see spec.proto).
 // world_size is needed for the microbatch default (global_batch / world_size); pass 0 when unknown

@@ -1,6 +1,7 @@
 #include "coordinator/checkpoint_store.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,7 +9,10 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <chrono>
+#include <memory>
 #include <set>
+#include <thread>
 
 #include <google/protobuf/util/message_differencer.h>
 
@@ -63,6 +67,53 @@ absl::Status WriteFileDurably(const std::string& path, const std::string& data) 
   return absl::OkStatus();
 }
 
+// An exclusive flock of <root>/OWNER.lock (root created when missing); closing the descriptor
+// releases it.
+class DirLock {
+ public:
+  static absl::StatusOr<std::unique_ptr<DirLock>> Acquire(const std::string& root) {
+    std::error_code ec;
+    fs::create_directories(root, ec);
+    if (ec) return absl::InternalError(absl::StrCat("create ", root, ": ", ec.message()));
+    const std::string path = (fs::path(root) / kOwnerLockFileName).string();
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return ErrnoError("open", path);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      if (errno == EINTR) continue;
+      const int saved = errno;
+      if (saved != EWOULDBLOCK || std::chrono::steady_clock::now() > deadline) {
+        ::close(fd);
+        if (saved != EWOULDBLOCK) {
+          errno = saved;
+          return ErrnoError("flock", path);
+        }
+        return absl::UnavailableError(
+            absl::StrCat(path, " stayed locked by another process for 10 s"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return std::unique_ptr<DirLock>(new DirLock(fd));
+  }
+  ~DirLock() { ::close(fd_); }
+  DirLock(const DirLock&) = delete;
+  DirLock& operator=(const DirLock&) = delete;
+
+ private:
+  explicit DirLock(int fd) : fd_(fd) {}
+  int fd_;
+};
+
+// Held only by a store with a job id (tools and tests without one leave no lock file behind).
+absl::StatusOr<std::unique_ptr<DirLock>> LockIf(bool lock, const std::string& root) {
+  if (!lock) return std::unique_ptr<DirLock>();
+  return DirLock::Acquire(root);
+}
+
+std::string Describe(const v1::CheckpointOwnerEntry& e) {
+  return absl::StrCat("job ", e.job_id(), e.user().empty() ? "" : absl::StrCat(" (user ", e.user(), ")"));
+}
+
 }  // namespace
 
 int64_t CommittedCheckpoint::bytes() const {
@@ -81,6 +132,9 @@ std::string CheckpointStore::StagingDir(int64_t step) const {
 
 absl::StatusOr<std::string> CheckpointStore::Prepare(int64_t step) const {
   if (step < 0) return absl::InvalidArgumentError(absl::StrCat("checkpoint step ", step, " < 0"));
+  auto lock = LockIf(!job_id_.empty(), root_);
+  if (!lock.ok()) return lock.status();
+  if (absl::Status s = CheckOwnedLocked(); !s.ok()) return s;
   std::string dir = StepDir(step);
   std::error_code ec;
   if (fs::exists(fs::path(dir) / kManifestName, ec)) {
@@ -92,12 +146,23 @@ absl::StatusOr<std::string> CheckpointStore::Prepare(int64_t step) const {
   fs::create_directories(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("create ", dir, ": ", ec.message()));
   fs::remove(fs::path(dir) / absl::StrCat(kManifestName, ".tmp"), ec);
+  if (!job_id_.empty()) {
+    const std::string marker = (fs::path(dir) / kStepJobFileName).string();
+    if (absl::Status s = WriteFileDurably(marker, job_id_ + "\n"); !s.ok()) return s;
+  }
   return dir;
 }
 
 absl::Status CheckpointStore::Commit(v1::CheckpointManifest m) const {
   if (m.format_version() == 0) m.set_format_version(kFormatVersion);
   const std::string step_dir = StepDir(m.step());
+  auto lock = LockIf(!job_id_.empty(), root_);
+  if (!lock.ok()) return lock.status();
+  if (absl::Status s = CheckOwnedLocked(); !s.ok()) return s;
+  if (!job_id_.empty() && m.job_id() != job_id_) {
+    return absl::InvalidArgumentError(absl::StrCat("the MANIFEST of ", step_dir, " names job ",
+                                                   m.job_id(), ", this store writes for ", job_id_));
+  }
   std::error_code ec;
   // Staged when Prepare put the save beside a committed step-<k>. A staging directory left over
   // while step-<k> is uncommitted is stale: the save went into step-<k> itself.
@@ -171,7 +236,8 @@ absl::StatusOr<CommittedCheckpoint> CheckpointStore::Open(const std::string& ste
   return c;
 }
 
-absl::StatusOr<std::vector<CommittedCheckpoint>> CheckpointStore::List() const {
+absl::StatusOr<std::vector<CommittedCheckpoint>> CheckpointStore::List(
+    const std::string& job_id) const {
   std::vector<CommittedCheckpoint> out;
   std::error_code ec;
   if (!fs::exists(root_, ec)) return out;
@@ -183,6 +249,7 @@ absl::StatusOr<std::vector<CommittedCheckpoint>> CheckpointStore::List() const {
     if (k < 0 || !it->is_directory(ec)) continue;
     auto m = ReadManifest(it->path().string());
     if (!m.ok() || m->step() != k) continue;  // uncommitted
+    if (!job_id.empty() && m->job_id() != job_id) continue;
     CommittedCheckpoint c;
     c.step = k;
     c.dir = it->path().string();
@@ -194,8 +261,9 @@ absl::StatusOr<std::vector<CommittedCheckpoint>> CheckpointStore::List() const {
   return out;
 }
 
-absl::StatusOr<std::optional<CommittedCheckpoint>> CheckpointStore::Latest() const {
-  auto all = List();
+absl::StatusOr<std::optional<CommittedCheckpoint>> CheckpointStore::Latest(
+    const std::string& job_id) const {
+  auto all = List(job_id);
   if (!all.ok()) return all.status();
   if (all->empty()) return std::optional<CommittedCheckpoint>();
   return std::optional<CommittedCheckpoint>(std::move(all->back()));
@@ -204,7 +272,10 @@ absl::StatusOr<std::optional<CommittedCheckpoint>> CheckpointStore::Latest() con
 absl::StatusOr<std::vector<std::string>> CheckpointStore::Retain(int keep_last) const {
   if (keep_last < 1)
     return absl::InvalidArgumentError(absl::StrCat("keep_last must be >= 1 (got ", keep_last, ")"));
-  auto all = List();
+  auto lock = LockIf(!job_id_.empty(), root_);
+  if (!lock.ok()) return lock.status();
+  if (absl::Status s = CheckOwnedLocked(); !s.ok()) return s;
+  auto all = List(job_id_);
   if (!all.ok()) return all.status();
   std::vector<std::string> removed;
   if (all->empty()) return removed;
@@ -227,13 +298,15 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Retain(int keep_last) 
     if (name.size() > 4 && name.compare(name.size() - 4, 4, ".old") == 0)
       leftover = StepOfDirName(name.substr(0, name.size() - 4));
     if (leftover >= 0) {
-      if (it->is_directory() && committed.count(leftover)) removed.push_back(it->path().string());
+      if (it->is_directory() && committed.count(leftover) && Mine(it->path().string()))
+        removed.push_back(it->path().string());
       continue;
     }
     const int64_t k = StepOfDirName(name);
     if (k < 0 || !it->is_directory()) continue;
     const bool stale = !committed.count(k) && k < newest;
-    if (doomed.count(k) || stale) removed.push_back(it->path().string());
+    if ((doomed.count(k) || stale) && Mine(it->path().string()))
+      removed.push_back(it->path().string());
   }
   if (ec) return absl::InternalError(absl::StrCat("list ", root_, ": ", ec.message()));
   std::sort(removed.begin(), removed.end());
@@ -271,18 +344,124 @@ absl::Status CheckpointStore::CheckResumeCompatible(const v1::JobSpec& job_in,
 }
 
 absl::Status CheckpointStore::Abandon(int64_t step) const {
+  auto lock = LockIf(!job_id_.empty(), root_);
+  if (!lock.ok()) return lock.status();
+  if (absl::Status s = CheckOwnedLocked(); !s.ok()) return s;
   std::error_code ec;
   if (fs::exists(fs::path(StepDir(step)) / kManifestName, ec)) {
     // The failed save was staged (step-<k> is committed): drop only the staging directory.
+    if (!Mine(StagingDir(step))) return absl::OkStatus();
     fs::remove_all(StagingDir(step), ec);
     if (ec) return absl::InternalError(absl::StrCat("remove ", StagingDir(step), ": ", ec.message()));
     return absl::OkStatus();
   }
   const std::string dir = StepDir(step);
   if (fs::exists(fs::path(dir) / kManifestName, ec)) return absl::OkStatus();
+  if (!job_id_.empty() && fs::exists(dir, ec) && !Mine(dir)) return absl::OkStatus();
   fs::remove_all(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("remove ", dir, ": ", ec.message()));
   return absl::OkStatus();
+}
+
+// ---- Ownership ----
+
+absl::StatusOr<std::optional<v1::CheckpointDirOwner>> CheckpointStore::Owner() const {
+  return ReadOwnerFile(root_);
+}
+
+absl::StatusOr<std::optional<v1::CheckpointOwnerEntry>> CheckpointStore::LegacyOwner(
+    const std::string& except) const {
+  auto all = List();
+  if (!all.ok()) return all.status();
+  for (auto it = all->rbegin(); it != all->rend(); ++it) {
+    const std::string& job = it->manifest.job_id();
+    if (job.empty() || job == except) continue;
+    v1::CheckpointOwnerEntry e;
+    e.set_job_id(job);
+    e.set_since(it->manifest.time());
+    return std::optional<v1::CheckpointOwnerEntry>(e);
+  }
+  return std::optional<v1::CheckpointOwnerEntry>();
+}
+
+absl::Status CheckpointStore::WriteOwnerLocked(const v1::CheckpointDirOwner& o) const {
+  absl::StatusOr<std::string> text = EncodeOwner(o);
+  if (!text.ok()) return text.status();
+  const std::string path = (fs::path(root_) / kOwnerFileName).string();
+  const std::string tmp = path + ".tmp";
+  if (absl::Status s = WriteFileDurably(tmp, *text); !s.ok()) return s;
+  if (::rename(tmp.c_str(), path.c_str()) != 0) return ErrnoError("rename to", path);
+  return FsyncPath(root_, true);
+}
+
+absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant, bool take_over,
+                                    const TakeOverCheck& may_take_over) const {
+  auto lock = DirLock::Acquire(root_);
+  if (!lock.ok()) return lock.status();
+  auto record = ReadOwnerFile(root_);
+  if (!record.ok()) return record.status();
+  v1::CheckpointDirOwner next;
+  if (record->has_value()) {
+    next = **record;
+  } else {
+    auto legacy = LegacyOwner(claimant.job_id());
+    if (!legacy.ok()) return legacy.status();
+    if (legacy->has_value()) *next.mutable_owner() = **legacy;
+  }
+  const v1::CheckpointOwnerEntry old = next.owner();
+  if (old.job_id() == claimant.job_id()) return absl::OkStatus();
+  if (!old.job_id().empty()) {
+    if (!take_over) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint.dir: ", root_, " belongs to ", Describe(old),
+          "; a checkpoint directory holds one job's checkpoints: choose another checkpoint.dir, "
+          "or set checkpoint.take_over: true once ", old.job_id(), " has ended or was deleted"));
+    }
+    if (may_take_over) {
+      if (absl::Status s = may_take_over(old); !s.ok()) return s;
+    }
+    v1::CheckpointOwnerEntry* prev = next.add_previous();
+    *prev = old;
+    prev->set_until(claimant.since());
+  }
+  *next.mutable_owner() = claimant;
+  return WriteOwnerLocked(next);
+}
+
+absl::Status CheckpointStore::CheckOwnedLocked() const {
+  if (job_id_.empty()) return absl::OkStatus();
+  auto record = ReadOwnerFile(root_);
+  if (!record.ok()) return record.status();
+  if (record->has_value()) {
+    const v1::CheckpointOwnerEntry& owner = (*record)->owner();
+    if (owner.job_id() == job_id_) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint.dir ", root_, " belongs to ", Describe(owner), "; job ", job_id_,
+        " no longer writes there"));
+  }
+  // First use of a directory without OWNER (a job submitted before OWNER records existed).
+  auto legacy = LegacyOwner(job_id_);
+  if (!legacy.ok()) return legacy.status();
+  if (legacy->has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint.dir ", root_, " holds checkpoints of ", Describe(**legacy), "; job ", job_id_,
+        " does not write there"));
+  }
+  v1::CheckpointDirOwner o;
+  o.mutable_owner()->set_job_id(job_id_);
+  o.mutable_owner()->set_since(
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+  return WriteOwnerLocked(o);
+}
+
+bool CheckpointStore::Mine(const std::string& step_dir) const {
+  if (job_id_.empty()) return true;
+  std::error_code ec;
+  if (fs::exists(fs::path(step_dir) / kManifestName, ec)) {
+    auto m = ReadManifest(step_dir);
+    if (m.ok()) return m->job_id() == job_id_;
+  }
+  return ReadStepJobFile(step_dir) == job_id_;
 }
 
 }  // namespace fsdp8::coord

@@ -15,12 +15,24 @@
 // truncated shard file), FAILED_PRECONDITION (a MANIFEST format_version this build does not read;
 // CheckResumeCompatible), INTERNAL (I/O failures, with the path and errno text).
 //
+// Ownership (common/checkpoint_format.h, OWNER): a directory belongs to one job. Claim records the
+// owner at submit (under an exclusive flock of <root>/OWNER.lock, waited for at most 10 s, then
+// UNAVAILABLE). A store made with a job id (the job's step driver) writes only while OWNER names
+// that job (a directory without OWNER and without another job's committed checkpoint is claimed
+// by the first Prepare): Prepare, Commit, Abandon and Retain refuse with FAILED_PRECONDITION naming
+// the owner otherwise. Abandon and Retain delete only that job's step directories (the MANIFEST's
+// job_id, or the JOB file Prepare writes into every step directory it creates): never a
+// checkpoint or leftover of a previous owner. (A save of a step number a previous owner also
+// saved replaces that step as a re-save does: the old one stays loadable until the new commit.)
+// A store made without a job id (tools, tests) ignores ownership.
+//
 // Thread-safety: the object is immutable; concurrent calls on the same root are safe as far as the
-// filesystem is, but Prepare/Commit/Retain for one root are expected from one thread (the job's
-// step driver).
+// filesystem is (OWNER and the MANIFEST commit under the flock), but Prepare/Commit/Retain for one
+// root are expected from one thread (the job's step driver).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -45,8 +57,24 @@ class CheckpointStore {
   static constexpr int kFormatVersion = kManifestFormatVersion;
   static constexpr const char* kManifestName = kManifestFileName;
 
-  explicit CheckpointStore(std::string root) : root_(std::move(root)) {}
+  // job_id: the job this store writes for (see Ownership above); empty: no ownership checks.
+  explicit CheckpointStore(std::string root, std::string job_id = "")
+      : root_(std::move(root)), job_id_(std::move(job_id)) {}
   const std::string& root() const { return root_; }
+
+  // Decides whether the current owner may be replaced: OK allows, an error is returned by Claim
+  // as is. Called under the lock.
+  using TakeOverCheck = std::function<absl::Status(const v1::CheckpointOwnerEntry& owner)>;
+  // Makes `claimant` (job_id set) the owner of root (created when missing). Without OWNER, the
+  // owner is the job of the newest committed checkpoint written by another job, if any (a
+  // directory from before OWNER records). OK at once when claimant already owns it, or nobody
+  // does (OWNER written). Another job's directory: FAILED_PRECONDITION naming that job unless
+  // take_over; with take_over, may_take_over(owner) decides, and on OK the claimant becomes the
+  // owner, the old one moving to OWNER's `previous` with `until` set. INTERNAL for I/O errors.
+  absl::Status Claim(const v1::CheckpointOwnerEntry& claimant, bool take_over,
+                     const TakeOverCheck& may_take_over) const;
+  // The owner record; nullopt when root has none.
+  absl::StatusOr<std::optional<v1::CheckpointDirOwner>> Owner() const;
 
   // "<root>/step-<k>".
   std::string StepDir(int64_t step) const;
@@ -72,14 +100,16 @@ class CheckpointStore {
   // committed (a committed checkpoint is never deleted by a failed save). OK when absent.
   absl::Status Abandon(int64_t step) const;
 
-  // Committed checkpoints, ascending by step. A missing root is an empty list.
-  absl::StatusOr<std::vector<CommittedCheckpoint>> List() const;
-  // The newest committed checkpoint; nullopt when there is none.
-  absl::StatusOr<std::optional<CommittedCheckpoint>> Latest() const;
+  // Committed checkpoints, ascending by step. A missing root is an empty list. job_id non-empty:
+  // only those whose MANIFEST names that job.
+  absl::StatusOr<std::vector<CommittedCheckpoint>> List(const std::string& job_id = "") const;
+  // The newest committed checkpoint (of job_id when non-empty); nullopt when there is none.
+  absl::StatusOr<std::optional<CommittedCheckpoint>> Latest(const std::string& job_id = "") const;
 
   // Deletes every committed step directory except the newest keep_last, and every uncommitted
   // step-<k> directory with k below the newest committed step (abandoned saves). Directories not
-  // named step-<digits> are never touched. Returns the removed directories.
+  // named step-<digits> are never touched. With a job id, only that job's committed and
+  // uncommitted step directories count and are deleted. Returns the removed directories.
   absl::StatusOr<std::vector<std::string>> Retain(int keep_last) const;
 
   // Reads and checks <step_dir>/MANIFEST and the files it lists (existence and size). For loading.
@@ -97,7 +127,19 @@ class CheckpointStore {
                                             const std::string& step_dir);
 
  private:
+  // OK when job_id_ is empty or owns root; claims root for job_id_ when it has no owner. Call with
+  // the lock held.
+  absl::Status CheckOwnedLocked() const;
+  // The owner a directory without OWNER has: the job of its newest committed checkpoint written
+  // by a job other than `except`; nullopt when none.
+  absl::StatusOr<std::optional<v1::CheckpointOwnerEntry>> LegacyOwner(const std::string& except) const;
+  absl::Status WriteOwnerLocked(const v1::CheckpointDirOwner& o) const;
+  // Whether the step directory (committed or not) was written by job_id_ (always true without a
+  // job id).
+  bool Mine(const std::string& step_dir) const;
+
   std::string root_;
+  std::string job_id_;
 };
 
 }  // namespace fsdp8::coord

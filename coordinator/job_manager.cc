@@ -215,6 +215,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
       }
     }
     std::string id = NewJobIdLocked();
+    if (absl::Status s = ClaimCheckpointDirLocked(d, id, owner); !s.ok()) return s;
     Record& r = jobs_[id];
     r.submitted_spec = bytes;
     v1::Job& job = r.job;
@@ -242,6 +243,26 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
   }
   if (cb) cb();
   return out;
+}
+
+absl::Status JobManager::ClaimCheckpointDirLocked(const v1::JobSpec& spec, const std::string& id,
+                                                  const std::string& owner) {
+  const v1::CheckpointSpec& c = spec.checkpoint();
+  if (c.dir().empty()) return absl::OkStatus();
+  v1::CheckpointOwnerEntry claimant;
+  claimant.set_job_id(id);
+  claimant.set_user(owner);
+  claimant.set_since(NowSeconds());
+  // Under mu_: the owner's state cannot change between this check and the claim.
+  auto may_take_over = [&](const v1::CheckpointOwnerEntry& old) -> absl::Status {
+    const Record* r = FindLocked(old.job_id());
+    if (r == nullptr || IsTerminalState(r->job.state())) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint.take_over: checkpoint.dir ", c.dir(), " belongs to job ", old.job_id(),
+        ", which is ", StateName(r->job.state()),
+        "; a directory is taken over only once its owner has ended or was deleted"));
+  };
+  return CheckpointStore(c.dir()).Claim(claimant, c.take_over(), may_take_over);
 }
 
 absl::StatusOr<v1::Job> JobManager::Get(const std::string& job_id) const {

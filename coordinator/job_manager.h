@@ -62,6 +62,9 @@ class JobManager {
   // seen before returns that job when the spec (defaults applied) is the same, and ALREADY_EXISTS
   // otherwise; an empty request_id always creates a new job. owner: the submitting user's name
   // (Job.owner); a request_id already used by another owner is ALREADY_EXISTS.
+  // checkpoint.dir is claimed for the new job (CheckpointStore::Claim): FAILED_PRECONDITION naming
+  // the owner when another job owns it, unless checkpoint.take_over and that job has ended or is
+  // no longer in the table (deleted).
   absl::StatusOr<v1::Job> Submit(const std::string& request_id, const v1::JobSpec& spec,
                                  const std::string& owner = "");
   // NOT_FOUND for an unknown id.
@@ -162,6 +165,10 @@ class JobManager {
   void PublishLocked(Record* r, v1::JobEvent ev);
   void PersistLocked(const Record& r);
   std::string NewJobIdLocked();
+  // Claims spec.checkpoint.dir for job `id` (CheckpointStore::Claim; take-over only from a job
+  // that ended or is not in the table).
+  absl::Status ClaimCheckpointDirLocked(const v1::JobSpec& spec, const std::string& id,
+                                        const std::string& owner);
 
   const JobManagerOptions options_;
   std::unique_ptr<JobStore> store_;

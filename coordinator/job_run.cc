@@ -298,9 +298,9 @@ absl::Status JobRun::ResolveResume(const v1::JobSpec& spec,
   if (cs.dir().empty()) return absl::OkStatus();
   std::string step_dir = cs.resume_from();
   if (job_.restarts() > 0) {
-    // A restarted generation continues from the newest committed checkpoint under dir; before
+    // A restarted generation continues from the job's own newest committed checkpoint; before
     // the first one, from where the job itself started.
-    auto latest = CheckpointStore(cs.dir()).Latest();
+    auto latest = CheckpointStore(cs.dir()).Latest(job_.job_id());
     if (!latest.ok())
       return absl::FailedPreconditionError(
           absl::StrCat("checkpoint.dir: ", latest.status().message()));
@@ -521,7 +521,7 @@ absl::Status JobRun::SaveCheckpoint(const v1::JobSpec& spec, int64_t step, int64
                                     bool* storage_failure) {
   *storage_failure = false;
   const std::string what = absl::StrCat("checkpoint step-", step);
-  const CheckpointStore store(spec.checkpoint().dir());
+  const CheckpointStore store(spec.checkpoint().dir(), job_.job_id());
   auto storage = [&](const absl::Status& s) {
     *storage_failure = true;
     store.Abandon(step).IgnoreError();  // best effort; Retain removes leftovers later

@@ -238,7 +238,7 @@ grpc::Status AdminServiceImpl::ListCheckpoints(grpc::ServerContext* ctx,
   if (!job.ok()) return ToGrpc(job.status());
   const std::string& dir = job->spec().checkpoint().dir();
   if (dir.empty()) return grpc::Status::OK;
-  auto list = CheckpointStore(dir).List();
+  auto list = CheckpointStore(dir).List(job->job_id());
   if (!list.ok()) return ToGrpc(list.status());
   for (const CommittedCheckpoint& c : *list) {
     v1::CheckpointInfo* info = resp->add_checkpoints();
@@ -523,7 +523,7 @@ std::vector<std::string> CoordinatorServer::Drain(std::chrono::milliseconds time
   for (const Pending& p : waiting) {
     std::string line = absl::StrCat(p.job_id, ": checkpoint step-", p.step, " not committed within the drain timeout");
     for (;;) {
-      auto latest = CheckpointStore(p.dir).Latest();
+      auto latest = CheckpointStore(p.dir).Latest(p.job_id);
       if (latest.ok() && latest->has_value() && (*latest)->step >= p.step) {
         line = absl::StrCat(p.job_id, ": checkpoint step-", (*latest)->step, " committed");
         break;

@@ -75,9 +75,8 @@ class AdminServiceImpl final : public v1::AdminService::Service {
   // checkpoint.dir. Returns the step after which the checkpoint is saved.
   grpc::Status TriggerCheckpoint(grpc::ServerContext*, const v1::TriggerCheckpointRequest*,
                                  v1::TriggerCheckpointResponse*) override;
-  // The committed checkpoints in the job's checkpoint.dir, oldest first (also those written by
-  // earlier jobs sharing the directory); empty when the job has no checkpoint.dir. NOT_FOUND for an
-  // unknown job.
+  // The job's committed checkpoints (those in its checkpoint.dir whose MANIFEST names it), oldest
+  // first; empty when the job has no checkpoint.dir. NOT_FOUND for an unknown job.
   grpc::Status ListCheckpoints(grpc::ServerContext*, const v1::ListCheckpointsRequest*,
                                v1::ListCheckpointsResponse*) override;
   // INVALID_ARGUMENT for an unknown level name (see coordinator/log.h).

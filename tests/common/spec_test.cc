@@ -449,6 +449,61 @@ TEST(Spec, CheckFiles) {
   std::remove(small.c_str());
 }
 
+// Bounded inputs: every string field has a limit (paths 1024 bytes, other strings 256), and so
+// has the serialized spec (64 KiB); the message names the field and the limit.
+TEST(Spec, StringFieldsAndSizeAreBounded) {
+  auto msg = [](const v1::JobSpec& s) { return std::string(ValidateSpec(s, 2, {}, false).message()); };
+  v1::JobSpec s = Valid();
+  s.set_name(std::string(256, 'n'));
+  s.mutable_data()->set_train_path("/" + std::string(1023, 'p'));
+  s.mutable_data()->set_val_path("/" + std::string(1023, 'v'));
+  s.mutable_checkpoint()->set_dir("/" + std::string(1023, 'd'));
+  s.mutable_checkpoint()->set_resume_from("latest");
+  s.mutable_init()->set_from_hf("/" + std::string(1023, 'h'));
+  EXPECT_EQ(msg(s), "");  // every one at its limit
+  struct Case {
+    std::function<void(v1::JobSpec*)> grow;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](v1::JobSpec* x) { x->set_name(std::string(257, 'n')); },
+       "name: longer than the limit of 256 bytes (got 257)"},
+      {[](v1::JobSpec* x) { x->set_name(std::string(10 << 20, 'n')); },
+       "spec: serialized size "},  // the 10 MiB name and the rest: the whole spec is too large
+      {[](v1::JobSpec* x) { x->set_backend(std::string(300, 'b')); },
+       "backend: longer than the limit of 256 bytes (got 300)"},
+      {[](v1::JobSpec* x) { x->mutable_data()->set_train_path("/" + std::string(1024, 'p')); },
+       "data.train_path: longer than the limit of 1024 bytes (got 1025)"},
+      {[](v1::JobSpec* x) { x->mutable_data()->set_val_path(std::string(2000, 'p')); },
+       "data.val_path: longer than the limit of 1024 bytes (got 2000)"},
+      {[](v1::JobSpec* x) { x->mutable_checkpoint()->set_dir(std::string(1025, 'd')); },
+       "checkpoint.dir: longer than the limit of 1024 bytes (got 1025)"},
+      {[](v1::JobSpec* x) { x->mutable_checkpoint()->set_resume_from(std::string(1025, 'r')); },
+       "checkpoint.resume_from: longer than the limit of 1024 bytes (got 1025)"},
+      {[](v1::JobSpec* x) { x->mutable_init()->set_from_hf(std::string(1025, 'h')); },
+       "init.from_hf: longer than the limit of 1024 bytes (got 1025)"},
+  };
+  for (const Case& c : cases) {
+    v1::JobSpec t = s;
+    c.grow(&t);
+    const absl::Status st = ValidateSpec(t, 2, {}, false);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_EQ(std::string(st.message()).rfind(c.message, 0), 0u) << st;
+  }
+  // The size limit, with strings inside theirs: many precision overrides.
+  v1::JobSpec big = Valid();
+  big.mutable_model()->set_n_layers(100000);
+  for (int i = 0; i < 20000; ++i) {
+    v1::LayerPrecision* o = big.mutable_precision()->add_overrides();
+    o->set_layer(i);
+    o->set_linears(v1::PRECISION_BF16);
+  }
+  ASSERT_GT(big.ByteSizeLong(), 65536u);
+  const absl::Status st = ValidateSpec(big, 2, {}, false);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("exceeds the limit of 65536 bytes"), std::string::npos) << st;
+}
+
 // A derived size in a message is computed in 64 bits: seq_len + 1 of the largest int32 seq_len is
 // 2^31 = 2147483648, not a wrapped negative number.
 TEST(Spec, TooFewTokensMessageForMaxSeqLen) {

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -218,6 +219,147 @@ TEST(CheckpointStore, ResumeCompatibility) {
   b.mutable_precision()->set_linears(v1::PRECISION_BF16);
   s = CheckpointStore::CheckResumeCompatible(a, b, "/c/step-1");
   EXPECT_TRUE(absl::StrContains(s.message(), "different precision")) << s;
+}
+
+// ---- Ownership ----
+
+v1::CheckpointOwnerEntry Claimant(const std::string& job, const std::string& user = "") {
+  v1::CheckpointOwnerEntry e;
+  e.set_job_id(job);
+  e.set_user(user);
+  e.set_since(1700000000);
+  return e;
+}
+
+// Save() of job `job` through a store that writes for it, committed.
+void CommitAs(const std::string& root, const std::string& job, int64_t step) {
+  CheckpointStore store(root, job);
+  v1::CheckpointManifest m = Save(store, step, 1);
+  m.set_job_id(job);
+  ASSERT_TRUE(store.Commit(m).ok()) << job << " step " << step;
+}
+
+// Every file under root and its bytes.
+std::map<std::string, std::string> Snapshot(const std::string& root) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(root)) {
+    if (!e.is_regular_file()) continue;
+    std::ifstream in(e.path(), std::ios::binary);
+    out[e.path().string()] = std::string((std::istreambuf_iterator<char>(in)), {});
+  }
+  return out;
+}
+
+TEST(CheckpointStore, ClaimRecordsTheOwnerAndRefusesAnotherJob) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  CheckpointStore store(root);
+  ASSERT_TRUE(store.Claim(Claimant("job-a", "alice"), false, nullptr).ok());
+  auto owner = store.Owner();
+  ASSERT_TRUE(owner.ok() && owner->has_value()) << owner.status();
+  EXPECT_EQ((*owner)->owner().job_id(), "job-a");
+  EXPECT_EQ((*owner)->owner().user(), "alice");
+  EXPECT_TRUE(fs::exists(root + "/OWNER.lock"));
+  // The same job again (a restart): fine, nothing changes.
+  EXPECT_TRUE(store.Claim(Claimant("job-a", "alice"), false, nullptr).ok());
+  // Another job: refused, naming the owner and the way out.
+  absl::Status s = store.Claim(Claimant("job-b", "bob"), false, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(s.message(), "belongs to job job-a (user alice)")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "checkpoint.take_over")) << s;
+  // Take-over: the check decides.
+  s = store.Claim(Claimant("job-b", "bob"), true, [](const v1::CheckpointOwnerEntry& o) {
+    return absl::FailedPreconditionError("still running: " + o.job_id());
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.message(), "still running: job-a");
+  EXPECT_EQ((*store.Owner())->owner().job_id(), "job-a");
+  v1::CheckpointOwnerEntry b = Claimant("job-b", "bob");
+  b.set_since(1700000100);
+  ASSERT_TRUE(store.Claim(b, true, [](const v1::CheckpointOwnerEntry&) {
+                     return absl::OkStatus();
+                   }).ok());
+  owner = store.Owner();
+  ASSERT_TRUE(owner.ok() && owner->has_value());
+  EXPECT_EQ((*owner)->owner().job_id(), "job-b");
+  ASSERT_EQ((*owner)->previous_size(), 1);
+  EXPECT_EQ((*owner)->previous(0).job_id(), "job-a");
+  EXPECT_EQ((*owner)->previous(0).until(), 1700000100);
+}
+
+TEST(CheckpointStore, TheOldOwnerNeverWritesAgain) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-a"), false, nullptr).ok());
+  CommitAs(root, "job-a", 2);
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-b"), true, nullptr).ok());
+  CheckpointStore old(root, "job-a");
+  for (absl::Status s : {old.Prepare(4).status(), old.Retain(1).status(), old.Abandon(2)}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "belongs to job job-b")) << s;
+  }
+  EXPECT_FALSE(fs::exists(root + "/step-4"));
+  EXPECT_TRUE(fs::exists(root + "/step-2/MANIFEST"));
+}
+
+// Retention and abandoned saves of the new owner never delete the old owner's steps or leftovers.
+TEST(CheckpointStore, RetentionNeverDeletesAnotherJobsSteps) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-a"), false, nullptr).ok());
+  for (int64_t k : {1, 2, 3}) CommitAs(root, "job-a", k);
+  // job-a's abandoned save of step 4 (prepared, never committed).
+  ASSERT_TRUE(CheckpointStore(root, "job-a").Prepare(4).ok());
+  WriteBytes(root + "/step-4/rank-0.ckpt", 10);
+  const auto before = Snapshot(root);
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-b"), true, nullptr).ok());
+  CheckpointStore b(root, "job-b");
+  for (int64_t k : {5, 6, 7}) {
+    CommitAs(root, "job-b", k);
+    auto removed = b.Retain(1);
+    ASSERT_TRUE(removed.ok()) << removed.status();
+  }
+  // job-b's own save of step 8 abandoned, then 9 committed: its leftover goes, job-a's stay.
+  ASSERT_TRUE(b.Prepare(8).ok());
+  ASSERT_TRUE(b.Prepare(10).ok());
+  ASSERT_TRUE(b.Abandon(10).ok());
+  EXPECT_FALSE(fs::exists(root + "/step-10"));
+  ASSERT_TRUE(b.Abandon(4).ok());  // job-a's unfinished save: not b's to remove
+  CommitAs(root, "job-b", 9);
+  ASSERT_TRUE(b.Retain(1).ok());
+  EXPECT_EQ(Steps(CheckpointStore(root)), (std::vector<int64_t>{1, 2, 3, 9}));
+  EXPECT_FALSE(fs::exists(root + "/step-8"));
+  EXPECT_FALSE(fs::exists(root + "/step-5"));
+  const auto now = Snapshot(root);
+  for (const auto& [path, bytes] : before) {
+    if (absl::EndsWith(path, "/OWNER")) continue;  // the take-over rewrote the record
+    ASSERT_TRUE(now.count(path)) << path << " was deleted";
+    EXPECT_EQ(now.at(path), bytes) << path << " changed";
+  }
+  // The store without a job id lists every job's; with one, that job's only.
+  auto of_a = CheckpointStore(root).List("job-a");
+  ASSERT_TRUE(of_a.ok());
+  EXPECT_EQ(of_a->size(), 3u);
+  auto latest_b = CheckpointStore(root).Latest("job-b");
+  ASSERT_TRUE(latest_b.ok() && latest_b->has_value());
+  EXPECT_EQ((*latest_b)->step, 9);
+}
+
+// A directory from before OWNER records: its checkpoints' job owns it.
+TEST(CheckpointStore, ADirectoryWithoutOwnerBelongsToItsCheckpointsJob) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  CheckpointStore legacy(root);
+  v1::CheckpointManifest m = Save(legacy, 3, 1);  // job-1's
+  ASSERT_TRUE(legacy.Commit(m).ok());
+  absl::Status s = CheckpointStore(root).Claim(Claimant("job-2"), false, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(s.message(), "belongs to job job-1")) << s;
+  s = CheckpointStore(root, "job-2").Prepare(4).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  // Its own job claims it at its first save (a job submitted before OWNER records).
+  EXPECT_TRUE(CheckpointStore(root, "job-1").Prepare(4).ok());
+  EXPECT_EQ((*CheckpointStore(root).Owner())->owner().job_id(), "job-1");
 }
 
 }  // namespace

@@ -243,20 +243,22 @@ TEST_F(GrpcTest, TriggerAndListCheckpointCodes) {
   spec.mutable_checkpoint()->set_dir("/elsewhere/ck");
   EXPECT_EQ(c.Submit(spec).status().code(), absl::StatusCode::kInvalidArgument);
 
-  // Committed checkpoints in the job's directory, oldest first.
-  CheckpointStore store(dir_.File("ck"));
-  for (int64_t k : {6, 3}) {
+  // The job's committed checkpoints, oldest first (a MANIFEST names its job: another job's
+  // checkpoint in the directory is not listed).
+  CheckpointStore store(dir_.File("ck"), pending->job_id());
+  for (int64_t k : {6, 3, 4}) {
     auto d = store.Prepare(k);
     ASSERT_TRUE(d.ok());
     { std::ofstream(*d + "/rank-0.ckpt") << std::string(100, 'x'); }
     v1::CheckpointManifest m;
+    m.set_job_id(k == 4 ? "job-other" : pending->job_id());
     m.set_step(k);
     m.set_world_size(1);
     m.set_time(1.5);
     auto* f = m.add_files();
     f->set_file("rank-0.ckpt");
     f->set_bytes(100);
-    ASSERT_TRUE(store.Commit(m).ok());
+    ASSERT_TRUE((k == 4 ? CheckpointStore(dir_.File("ck")) : store).Commit(m).ok());
   }
   auto list = c.ListCheckpoints(pending->job_id());
   ASSERT_TRUE(list.ok()) << list.status();

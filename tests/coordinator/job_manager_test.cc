@@ -303,9 +303,10 @@ TEST(JobManagerPersistence, RunningJobWithCheckpointsRecoversAfterRestart) {
   std::string train = WriteTokens(dir, "train.bin");
   JobManagerOptions o;
   o.state_db = dir.File("state.db");
-  auto with_ckpt = [&](int max_restarts) {
+  // Each job its own directory (a directory belongs to one job).
+  auto with_ckpt = [&](int max_restarts, const std::string& ck) {
     v1::JobSpec s = SmallSpec(train, 1, 9);
-    s.mutable_checkpoint()->set_dir(dir.File("ck"));
+    s.mutable_checkpoint()->set_dir(dir.File(ck));
     s.set_max_restarts(max_restarts);
     return s;
   };
@@ -313,9 +314,9 @@ TEST(JobManagerPersistence, RunningJobWithCheckpointsRecoversAfterRestart) {
   {
     auto jm = JobManager::Open(o);
     ASSERT_TRUE(jm.ok()) << jm.status();
-    auto a = (*jm)->Submit("req-a", with_ckpt(2));
-    auto b = (*jm)->Submit("", with_ckpt(0));
-    auto c = (*jm)->Submit("", with_ckpt(2));
+    auto a = (*jm)->Submit("req-a", with_ckpt(2, "ck-a"));
+    auto b = (*jm)->Submit("", with_ckpt(0, "ck-b"));
+    auto c = (*jm)->Submit("", with_ckpt(2, "ck-c"));
     ASSERT_TRUE(a.ok() && b.ok() && c.ok());
     again_id = a->job_id();
     spent_id = b->job_id();
@@ -342,7 +343,7 @@ TEST(JobManagerPersistence, RunningJobWithCheckpointsRecoversAfterRestart) {
   std::vector<std::string> pending;
   for (const auto& j : (*jm)->PendingJobs()) pending.push_back(j.job_id());
   EXPECT_EQ(pending, (std::vector<std::string>{again_id, waiting_id}));
-  auto same = (*jm)->Submit("req-a", with_ckpt(2));
+  auto same = (*jm)->Submit("req-a", with_ckpt(2, "ck-a"));
   ASSERT_TRUE(same.ok()) << same.status();
   EXPECT_EQ(same->job_id(), again_id);
 }

@@ -6,6 +6,7 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -813,6 +814,7 @@ TEST_F(SchedulerTest, ResumeSendsTheSameCheckpointToEveryRank) {
     second.mutable_checkpoint()->set_dir(ck);
     second.mutable_checkpoint()->set_resume_from(from);
     second.mutable_checkpoint()->set_keep_last(5);
+    second.mutable_checkpoint()->set_take_over(true);  // the directory of an ended job
     const int before0 = static_cast<int>(w0->received().size());
     const int before1 = static_cast<int>(w1->received().size());
     auto b = jobs_->Submit("", second);
@@ -848,6 +850,98 @@ TEST_F(SchedulerTest, ResumeSendsTheSameCheckpointToEveryRank) {
     ASSERT_TRUE(WaitFor([&] { return AllIdle(); }));
   }
   EXPECT_EQ(Committed(ck), (std::vector<int64_t>{4, 8}));
+}
+
+// Every file under root and its bytes.
+std::map<std::string, std::string> FilesUnder(const std::string& root) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(root)) {
+    if (!e.is_regular_file()) continue;
+    std::ifstream in(e.path(), std::ios::binary);
+    out[e.path().string()] = std::string((std::istreambuf_iterator<char>(in)), {});
+  }
+  return out;
+}
+
+// A checkpoint directory belongs to the job that used it first: a second job naming it is refused
+// at submit while the first runs and after it ended; with checkpoint.take_over once the first has
+// ended, and then the first's checkpoints stay byte for byte (the second's retention keeps them).
+TEST_F(SchedulerTest, TwoJobsOnOneDirectoryTheFirstsCheckpointsStay) {
+  auto w0 = AddWorker();
+  w0->set_delays(30ms, 0ms);
+  const std::string ck = dir_.File("ck");
+  v1::JobSpec first = SmallSpec(train_, 1, 20);
+  first.mutable_checkpoint()->set_dir(ck);
+  first.mutable_checkpoint()->set_every_steps(2);
+  first.mutable_checkpoint()->set_keep_last(2);
+  auto a = jobs_->Submit("", first, "alice");
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(WaitFor([&] { return jobs_->Get(a->job_id())->step() >= 4; }));
+
+  v1::JobSpec second = SmallSpec(train_, 1, 4);
+  second.mutable_checkpoint()->set_dir(ck);
+  second.mutable_checkpoint()->set_every_steps(2);
+  second.mutable_checkpoint()->set_keep_last(1);
+  auto refused = [&](const v1::JobSpec& spec, const std::string& why) {
+    absl::Status st = jobs_->Submit("", spec, "bob").status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_TRUE(absl::StrContains(st.message(), why)) << st;
+  };
+  const std::string owner = "belongs to job " + a->job_id() + " (user alice)";
+  refused(second, owner);
+  second.mutable_checkpoint()->set_resume_from("latest");
+  refused(second, owner);
+  second.mutable_checkpoint()->set_take_over(true);
+  refused(second, a->job_id() + ", which is RUNNING");
+
+  ASSERT_EQ(WaitEnd(a->job_id()).state(), v1::JOB_STATE_SUCCEEDED);
+  ASSERT_EQ(Committed(ck), (std::vector<int64_t>{18, 20}));
+  const auto before = FilesUnder(ck);
+  second.mutable_checkpoint()->set_take_over(false);
+  refused(second, owner);  // ended, but no take-over asked for
+  second.mutable_checkpoint()->clear_resume_from();
+  refused(second, owner);
+  EXPECT_EQ(FilesUnder(ck), before);
+
+  // Take-over: a fresh start whose saves (steps 2 and 4, keep_last 1) never touch the first's.
+  second.mutable_checkpoint()->set_take_over(true);
+  auto b = jobs_->Submit("", second, "bob");
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ(WaitEnd(b->job_id()).state(), v1::JOB_STATE_SUCCEEDED) << jobs_->Get(b->job_id())->reason();
+  EXPECT_EQ(Committed(ck), (std::vector<int64_t>{4, 18, 20}));
+  const auto after = FilesUnder(ck);
+  for (const auto& [path, bytes] : before) {
+    if (absl::EndsWith(path, "/OWNER")) continue;  // rewritten by the take-over
+    ASSERT_TRUE(after.count(path)) << path << " deleted";
+    EXPECT_EQ(after.at(path), bytes) << path << " changed";
+  }
+  auto of_a = CheckpointStore(ck).List(a->job_id());
+  ASSERT_TRUE(of_a.ok());
+  ASSERT_EQ(of_a->size(), 2u);
+  auto owner_now = CheckpointStore(ck).Owner();
+  ASSERT_TRUE(owner_now.ok() && owner_now->has_value());
+  EXPECT_EQ((*owner_now)->owner().job_id(), b->job_id());
+  ASSERT_EQ((*owner_now)->previous_size(), 1);
+  EXPECT_EQ((*owner_now)->previous(0).job_id(), a->job_id());
+}
+
+// A generation restarted after a failure (same job id) keeps writing its own directory.
+TEST_F(SchedulerTest, ARestartedJobKeepsItsDirectory) {
+  auto w0 = AddWorker(FakeWorker::Mode::kErrorOnceAtStep, 5);
+  const std::string ck = dir_.File("ck");
+  v1::JobSpec spec = SmallSpec(train_, 1, 8);
+  spec.mutable_checkpoint()->set_dir(ck);
+  spec.mutable_checkpoint()->set_every_steps(2);
+  spec.mutable_checkpoint()->set_keep_last(10);
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  v1::Job end = WaitEnd(job->job_id());
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  EXPECT_EQ(end.restarts(), 1);
+  EXPECT_EQ(Committed(ck), (std::vector<int64_t>{2, 4, 6, 8}));
+  auto mine = CheckpointStore(ck).List(job->job_id());
+  ASSERT_TRUE(mine.ok());
+  EXPECT_EQ(mine->size(), 4u);
 }
 
 TEST_F(SchedulerTest, ResumeLatestWithNothingCommittedStartsFresh) {
@@ -892,6 +986,7 @@ TEST_F(SchedulerTest, ResumeRefusesIncompatibleOrDamagedCheckpoints) {
   // "latest" is resolved at start: the job fails with the reason.
   other.mutable_model()->set_d_model(64);
   other.mutable_checkpoint()->set_resume_from("latest");
+  other.mutable_checkpoint()->set_take_over(true);  // the directory of an ended job
   auto b = jobs_->Submit("", other);
   ASSERT_TRUE(b.ok()) << b.status();
   v1::Job end = WaitEnd(b->job_id());
