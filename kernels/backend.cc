@@ -7,7 +7,10 @@
 
 #include "common/check.h"
 #include "common/env_settings.h"
-#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/cpu_ref_backend.h"
+#ifdef FSDP8_WITH_FAST_CPU
+#include "kernels/cpu/cpu_fast_backend.h"
+#endif
 
 #ifdef FSDP8_WITH_CUDA
 #include "kernels/cuda/cuda_backend.h"
@@ -393,7 +396,13 @@ BackendOptions BackendOptions::FromEnvironment() {
 
 std::unique_ptr<Backend> CreateBackend(const std::string& name, int device, std::string* error,
                                        const BackendOptions& options) {
-  if (name == "cpu") return std::make_unique<CpuBackend>(options);
+  if (name == "cpu") {
+#ifdef FSDP8_WITH_FAST_CPU
+    if (CpuFastBackend::Supported()) return std::make_unique<CpuFastBackend>(options);
+#endif
+    return std::make_unique<CpuRefBackend>(options);  // named "cpu-ref": Name() says which runs
+  }
+  if (name == "cpu-ref") return std::make_unique<CpuRefBackend>(options);
   if (name == "cuda") {
 #ifdef FSDP8_WITH_CUDA
     return CreateCudaBackend(device, error, options);
@@ -405,7 +414,7 @@ std::unique_ptr<Backend> CreateBackend(const std::string& name, int device, std:
     return nullptr;
 #endif
   }
-  if (error != nullptr) *error = "unknown backend '" + name + "': expected 'cpu' or 'cuda'";
+  if (error != nullptr) *error = "unknown backend '" + name + "': expected 'cpu', 'cpu-ref' or 'cuda'";
   return nullptr;
 }
 

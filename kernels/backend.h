@@ -1,5 +1,6 @@
 // Backend: the compute a worker's rank needs, behind one interface with a CPU reference
-// (kernels/cpu) and a CUDA implementation (kernels/cuda).
+// (kernels/cpu/cpu_ref_backend.h, "cpu-ref"), a fast CPU implementation
+// (kernels/cpu/cpu_fast_backend.h, "cpu") and a CUDA implementation (kernels/cuda).
 //
 // All pointers are *device* pointers of this backend (host memory for the CPU backend), obtained
 // from Alloc(). Shapes are given as row-major dimensions in comments, e.g. x (M, K) means M rows of
@@ -50,7 +51,7 @@ enum class GemmInputs : uint8_t {
 class Backend {
  public:
   virtual ~Backend() = default;
-  virtual std::string Name() const = 0;  // "cpu" or "cuda"
+  virtual std::string Name() const = 0;  // "cpu", "cpu-ref" or "cuda"
 
   // ---- memory -------------------------------------------------------------------------------
   // Bytes on this backend's device; returns nullptr when exhausted. Contents are undefined (the
@@ -380,8 +381,10 @@ struct BackendOptions {
   static BackendOptions FromEnvironment();
 };
 
-// Creates the named backend: "cpu" always; "cuda" when built with CUDA and a device is present.
-// device: GPU ordinal (ignored by "cpu"). Returns nullptr and sets *error when unavailable.
+// Creates the named backend: "cpu" always (the fast CPU backend; the reference where the CPU
+// lacks what it needs, AVX2 and FMA on x86-64, or on other architectures: Name() then says
+// "cpu-ref"); "cpu-ref" always (the reference the conformance tests compare against); "cuda"
+// when built with CUDA and a device is present. device: GPU ordinal (ignored by the CPU ones). Returns nullptr and sets *error when unavailable.
 std::unique_ptr<Backend> CreateBackend(const std::string& name, int device, std::string* error,
                                        const BackendOptions& options =
                                            BackendOptions::FromEnvironment());

@@ -568,7 +568,7 @@ void LaunchCastToFp8Bf16(const uint16_t* in, uint8_t* out, int64_t n, const floa
 }
 
 // One thread per tensor; the double arithmetic is IEEE (correctly rounded division, exact
-// scaling by 2^-margin), so the scales are the host's bits (CpuBackend::Fp8ScalesFromAmax).
+// scaling by 2^-margin), so the scales are the host's bits (CpuRefBackend::Fp8ScalesFromAmax).
 __global__ void Fp8ScalesKernel(const float* __restrict__ amax, int64_t n, float fp8_max, int margin,
                                 float* scale, float* scale_inv, int64_t stride) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

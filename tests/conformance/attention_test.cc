@@ -175,7 +175,7 @@ TEST(CudnnAttention_cuda, Bf16ForwardBackwardMatchesCpu) {
   const int dev = devs != nullptr ? std::atoi(devs) : 0;
   std::unique_ptr<Backend> cuda_be = CreateBackend("cuda", dev, &err);
   if (cuda_be == nullptr) GTEST_SKIP() << "backend 'cuda' unavailable: " << err;
-  std::unique_ptr<Backend> cpu = CreateBackend("cpu", 0, &err);
+  std::unique_ptr<Backend> cpu = CreateBackend("cpu-ref", 0, &err);
   ASSERT_NE(cpu, nullptr) << err;
   auto* cb = dynamic_cast<CudaBackend*>(cuda_be.get());
   ASSERT_NE(cb, nullptr);

@@ -205,11 +205,16 @@ TEST_P(Conformance, MemoryAccounting) {
   EXPECT_EQ(dut_->AllocatedBytes(), before);
 }
 
-// The "cpu" instance compares the CPU backend with a second CPU backend: it checks determinism,
-// poisoned-output coverage and the harness itself, not accuracy (the CPU kernels are checked against
-// independent references in tests/kernels). The "cuda" instance is the conformance check proper.
-INSTANTIATE_TEST_SUITE_P(Backends, Conformance, ::testing::Values(std::string("cpu"), std::string("cuda")),
-                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+// The backends under test against the reference "cpu-ref": the fast CPU backend "cpu" and CUDA.
+// The "cpu_ref" instance compares the reference with a second instance of itself: it checks
+// determinism, poisoned-output coverage and the harness, not accuracy (the reference is checked
+// against independent references in tests/kernels).
+INSTANTIATE_TEST_SUITE_P(Backends, Conformance,
+                         ::testing::Values(std::string("cpu"), std::string("cuda"),
+                                           std::string("cpu-ref")),
+                         [](const ::testing::TestParamInfo<std::string>& i) {
+                           return i.param == "cpu-ref" ? std::string("cpu_ref") : i.param;
+                         });
 
 }  // namespace
 }  // namespace fsdp8::conformance

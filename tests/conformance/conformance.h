@@ -1,5 +1,5 @@
-// The conformance harness: every Backend op (kernels/backend.h) on every available backend against the CPU
-// reference backend.
+// The conformance harness: every Backend op (kernels/backend.h) on every available backend (the
+// fast CPU backend "cpu", CUDA) against the CPU reference backend "cpu-ref".
 //
 // For each op and shape: fresh random inputs (the seed comes from the clock unless
 // FSDP8_CONFORMANCE_SEED is set, and is printed), outputs poisoned with 0xFF bytes (a NaN in f32)
@@ -153,13 +153,14 @@ double MaxRelErr(const Output& got, const Output& ref, std::string* why);
 // or byte that differs.
 bool SameBits(const Output& a, const Output& b, size_t* first_diff);
 
-// The fixture of every op's test; its parameter names the backend under test ("cpu", "cuda"),
+// The fixture of every op's test; its parameter names the backend under test ("cpu", "cuda",
+// "cpu-ref"), compared with the reference "cpu-ref";
 // skipped when unavailable. FSDP8_CONFORMANCE_DEVICE picks the device (default 0).
 class Conformance : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     std::string err;
-    ref_ = CreateBackend("cpu", 0, &err);
+    ref_ = CreateBackend("cpu-ref", 0, &err);
     ASSERT_NE(ref_, nullptr) << err;
     const char* dev = std::getenv("FSDP8_CONFORMANCE_DEVICE");
     dut_ = CreateBackend(GetParam(), dev != nullptr ? std::atoi(dev) : 0, &err);

@@ -20,6 +20,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -72,15 +73,23 @@ class Buf {
   T* p_;
 };
 
-class CpuBackendTest : public ::testing::Test {
+// Every case runs on both CPU backends: the fast one ("cpu") and the reference ("cpu-ref").
+class CpuBackendBase : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void Make(const std::string& name) {
     std::string error;
-    be_ = CreateBackend("cpu", 0, &error);
+    be_ = CreateBackend(name, 0, &error);
     ASSERT_NE(be_, nullptr) << error;
   }
   std::unique_ptr<Backend> be_;
 };
+class CpuBackendTest : public CpuBackendBase, public ::testing::WithParamInterface<std::string> {
+ protected:
+  void SetUp() override { Make(GetParam()); }
+};
+std::string BackendCaseName(const std::string& name) {
+  return name == "cpu" ? std::string("fast") : std::string("ref");
+}
 
 // ---- factory and memory ----------------------------------------------------------------------
 
@@ -88,7 +97,10 @@ TEST(CreateBackend, CpuAndUnavailable) {
   std::string error;
   auto cpu = CreateBackend("cpu", 0, &error);
   ASSERT_NE(cpu, nullptr);
-  EXPECT_EQ(cpu->Name(), "cpu");
+  EXPECT_TRUE(cpu->Name() == "cpu" || cpu->Name() == "cpu-ref") << cpu->Name();
+  auto ref = CreateBackend("cpu-ref", 0, &error);
+  ASSERT_NE(ref, nullptr);
+  EXPECT_EQ(ref->Name(), "cpu-ref");
   error.clear();
   EXPECT_EQ(CreateBackend("tpu", 0, &error), nullptr);
   EXPECT_NE(error.find("tpu"), std::string::npos);
@@ -99,7 +111,7 @@ TEST(CreateBackend, CpuAndUnavailable) {
 #endif
 }
 
-TEST_F(CpuBackendTest, AllocationAccounting) {
+TEST_P(CpuBackendTest, AllocationAccounting) {
   EXPECT_EQ(be_->AllocatedBytes(), 0);
   void* a = be_->Alloc(1000);
   void* b = be_->Alloc(24);
@@ -121,7 +133,7 @@ TEST_F(CpuBackendTest, AllocationAccounting) {
   EXPECT_EQ(be_->AllocatedBytes(), 0);
 }
 
-TEST_F(CpuBackendTest, CopyAndMemset) {
+TEST_P(CpuBackendTest, CopyAndMemset) {
   std::vector<float> h = RandomVec(100, 1);
   Buf<float> a(be_.get(), h), b(be_.get(), 100);
   be_->Copy(b.get(), a.get(), sizeof(float) * 100);
@@ -155,7 +167,7 @@ std::vector<double> NaiveGemm(bool ta, bool tb, int M, int N, int K, const std::
 
 // Groups {0, 1}, {2, 3} (with a NaN), {4}, {5, 6} interleaved as group ids 0 0 2 2 4 5 5, and a
 // member listed apart from its group (index 7 in group 0).
-TEST_F(CpuBackendTest, GroupMaxHandValues) {
+TEST_P(CpuBackendTest, GroupMaxHandValues) {
   const float nan = std::nanf("");
   const std::vector<float> in = {1.0f, 5.0f, 2.0f, nan, 3.0f, 0.5f, 0.25f, 7.0f};
   const std::vector<int32_t> group = {0, 0, 2, 2, 4, 5, 5, 0};
@@ -173,7 +185,7 @@ TEST_F(CpuBackendTest, GroupMaxHandValues) {
 
 // Current-scaling weight scales (scale = fp8_max / amax / 2^margin; unusable amax keeps the
 // previous scale, an unusable previous scale falls back to 1), hand-computed, in slots of 4.
-TEST_F(CpuBackendTest, Fp8ScalesFromAmaxHandValues) {
+TEST_P(CpuBackendTest, Fp8ScalesFromAmaxHandValues) {
   const float inf = std::numeric_limits<float>::infinity(), nan = std::nanf("");
   const std::vector<float> amax = {2.0f, 0.0f, nan, inf, -1.0f, 0.0f, 1e-38f, 448.0f};
   const std::vector<float> prev = {5.0f, 3.5f, 3.5f, 3.5f, 3.5f, inf, 7.0f, 9.0f};
@@ -197,7 +209,7 @@ TEST_F(CpuBackendTest, Fp8ScalesFromAmaxHandValues) {
   }
 }
 
-TEST_F(CpuBackendTest, GemmAllTransposeCombinationsF32) {
+TEST_P(CpuBackendTest, GemmAllTransposeCombinationsF32) {
   const int M = 37, N = 29, K = 53;
   for (int ta = 0; ta < 2; ++ta) {
     for (int tb = 0; tb < 2; ++tb) {
@@ -221,7 +233,7 @@ TEST_F(CpuBackendTest, GemmAllTransposeCombinationsF32) {
   }
 }
 
-TEST_F(CpuBackendTest, GemmBf16RoundsInputs) {
+TEST_P(CpuBackendTest, GemmBf16RoundsInputs) {
   const int M = 16, N = 24, K = 64;
   for (int ta = 0; ta < 2; ++ta) {
     for (int tb = 0; tb < 2; ++tb) {
@@ -258,7 +270,7 @@ std::vector<uint8_t> RandomFiniteCodes(size_t n, Fp8Format fmt, uint32_t seed) {
   return v;
 }
 
-TEST_F(CpuBackendTest, GemmFp8MatchesDecodedDoubleReference) {
+TEST_P(CpuBackendTest, GemmFp8MatchesDecodedDoubleReference) {
   const int M = 33, N = 19, K = 70;
   const Fp8Format fmts[][2] = {{Fp8Format::kE4M3, Fp8Format::kE4M3},
                                {Fp8Format::kE4M3, Fp8Format::kE5M2},
@@ -288,7 +300,7 @@ TEST_F(CpuBackendTest, GemmFp8MatchesDecodedDoubleReference) {
 
 // ---- FP8 casts --------------------------------------------------------------------------------
 
-TEST_F(CpuBackendTest, C02_CastToFp8RoundsAndSaturatesLikeTheReference) {
+TEST_P(CpuBackendTest, C02_CastToFp8RoundsAndSaturatesLikeTheReference) {
   for (Fp8Format fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
     auto x = RandomVec(5000, 60, -3, 3);
     x[0] = 1e9f;
@@ -314,7 +326,7 @@ TEST_F(CpuBackendTest, C02_CastToFp8RoundsAndSaturatesLikeTheReference) {
 
 // Every f32 exponent/top-mantissa pattern (the top 16 bits) with several low-half patterns, both
 // signs, through CastToFp8 with scale 1, against the nearest-value search.
-TEST_F(CpuBackendTest, C02_CastToFp8SweepOfAllTopBitPatterns) {
+TEST_P(CpuBackendTest, C02_CastToFp8SweepOfAllTopBitPatterns) {
   const uint32_t lows[] = {0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF};
   std::vector<float> x;
   for (uint32_t hi = 0; hi < 65536; ++hi)
@@ -339,7 +351,7 @@ TEST_F(CpuBackendTest, C02_CastToFp8SweepOfAllTopBitPatterns) {
   }
 }
 
-TEST_F(CpuBackendTest, C03_AmaxAccumulatesMaxAcrossCalls) {
+TEST_P(CpuBackendTest, C03_AmaxAccumulatesMaxAcrossCalls) {
   // Four microbatches; the largest magnitude is in the second (negative, to catch a signed max).
   std::vector<std::vector<float>> mb = {{0.5f, -1.0f}, {2.0f, -7.5f}, {3.0f, 1.0f}, {0.1f, 0.2f}};
   Buf<float> s(be_.get(), {1.0f}), amax(be_.get(), {0.0f}), amax2(be_.get(), {0.0f});
@@ -361,7 +373,7 @@ TEST_F(CpuBackendTest, C03_AmaxAccumulatesMaxAcrossCalls) {
   EXPECT_EQ(amax3.Host()[0], 7.5f);
 }
 
-TEST_F(CpuBackendTest, C01_AmaxSurfacesNonFiniteAndCastNeverProducesInf) {
+TEST_P(CpuBackendTest, C01_AmaxSurfacesNonFiniteAndCastNeverProducesInf) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();
   Buf<float> s(be_.get(), {1.0f});
@@ -388,7 +400,7 @@ TEST_F(CpuBackendTest, C01_AmaxSurfacesNonFiniteAndCastNeverProducesInf) {
   }
 }
 
-TEST_F(CpuBackendTest, CastTransposeEqualsTransposeOfCast) {
+TEST_P(CpuBackendTest, CastTransposeEqualsTransposeOfCast) {
   // Shapes with partial tiles in one or both dimensions, and a power-of-two one.
   const std::pair<int, int> shapes[] = {{37, 70}, {130, 200}, {256, 128}, {1, 5}};
   for (auto [rows, cols] : shapes)
@@ -418,7 +430,7 @@ TEST_F(CpuBackendTest, CastTransposeEqualsTransposeOfCast) {
     }
 }
 
-TEST_F(CpuBackendTest, DequantizeFp8) {
+TEST_P(CpuBackendTest, DequantizeFp8) {
   for (Fp8Format fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
     auto codes = RandomFiniteCodes(1000, fmt, 80);
     Buf<uint8_t> in(be_.get(), codes);
@@ -430,7 +442,7 @@ TEST_F(CpuBackendTest, DequantizeFp8) {
   }
 }
 
-TEST_F(CpuBackendTest, RoundToBf16AddAxpy) {
+TEST_P(CpuBackendTest, RoundToBf16AddAxpy) {
   auto x = RandomVec(1000, 90, -100, 100), y = RandomVec(1000, 91);
   Buf<float> a(be_.get(), x), b(be_.get(), y), o(be_.get(), x.size());
   be_->Add(a.get(), b.get(), o.get(), x.size());
@@ -444,7 +456,7 @@ TEST_F(CpuBackendTest, RoundToBf16AddAxpy) {
   for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(r[i], RefBf16(x[i]));
 }
 
-TEST_F(CpuBackendTest, PackUnpackBf16) {
+TEST_P(CpuBackendTest, PackUnpackBf16) {
   auto x = RandomVec(1000, 92, -1e3, 1e3);
   x[0] = std::numeric_limits<float>::quiet_NaN();
   x[1] = -std::numeric_limits<float>::infinity();
@@ -471,7 +483,7 @@ TEST_F(CpuBackendTest, PackUnpackBf16) {
 
 // ---- embedding --------------------------------------------------------------------------------
 
-TEST_F(CpuBackendTest, EmbeddingForwardBackward) {
+TEST_P(CpuBackendTest, EmbeddingForwardBackward) {
   const int V = 11, C = 6, N = 40;
   std::vector<int32_t> tok(N);
   for (int i = 0; i < N; ++i) tok[i] = (i * 7) % 5;  // repeats; tokens 5..10 unused
@@ -532,7 +544,7 @@ double CentralDiff(const std::function<double(const std::vector<double>&)>& f,
   return (fp - fm) / (2 * h);
 }
 
-TEST_F(CpuBackendTest, RmsNormForwardBackward) {
+TEST_P(CpuBackendTest, RmsNormForwardBackward) {
   const int N = 5, C = 24;
   const float eps = 1e-5f;
   auto x = RandomVec(N * C, 110, -2, 2), w = RandomVec(C, 111, 0.5, 1.5);
@@ -586,7 +598,7 @@ std::vector<double> RefRope(const std::vector<double>& x, int B, int T, int H, i
   return out;
 }
 
-TEST_F(CpuBackendTest, RopeMatchesHfRotateHalfAndBackwardIsTranspose) {
+TEST_P(CpuBackendTest, RopeMatchesHfRotateHalfAndBackwardIsTranspose) {
   const int B = 2, T = 50, H = 3, D = 16;
   const float theta = 10000.0f;
   auto x = RandomVec(B * T * H * D, 120);
@@ -702,10 +714,15 @@ void PrintTo(const AttnShape& s, std::ostream* os) {
   *os << "B=" << s.B << " T=" << s.T << " H=" << s.H << " Hkv=" << s.Hkv << " D=" << s.D;
 }
 
-class AttentionTest : public CpuBackendTest, public ::testing::WithParamInterface<AttnShape> {};
+class AttentionTest
+    : public CpuBackendBase,
+      public ::testing::WithParamInterface<std::tuple<std::string, AttnShape>> {
+ protected:
+  void SetUp() override { Make(std::get<0>(GetParam())); }
+};
 
 TEST_P(AttentionTest, ForwardMatchesNaiveSoftmax) {
-  const AttnShape s = GetParam();
+  const AttnShape s = std::get<1>(GetParam());
   auto q = RandomVec(s.B * s.T * s.H * s.D, 130, -2, 2);
   auto k = RandomVec(s.B * s.T * s.Hkv * s.D, 131, -2, 2);
   auto v = RandomVec(s.B * s.T * s.Hkv * s.D, 132);
@@ -724,7 +741,7 @@ TEST_P(AttentionTest, ForwardMatchesNaiveSoftmax) {
 }
 
 TEST_P(AttentionTest, BackwardMatchesAnalyticAndFiniteDifferences) {
-  const AttnShape s = GetParam();
+  const AttnShape s = std::get<1>(GetParam());
   auto q = RandomVec(s.B * s.T * s.H * s.D, 140, -2, 2);
   auto k = RandomVec(s.B * s.T * s.Hkv * s.D, 141, -2, 2);
   auto v = RandomVec(s.B * s.T * s.Hkv * s.D, 142);
@@ -766,19 +783,20 @@ TEST_P(AttentionTest, BackwardMatchesAnalyticAndFiniteDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, AttentionTest,
-    ::testing::Values(AttnShape{2, 9, 2, 2, 4},      // MHA, tiny
-                      AttnShape{1, 70, 4, 2, 4},     // GQA, crosses a 64-row block
-                      AttnShape{2, 130, 4, 2, 8},    // GQA, 3 blocks (forward only)
-                      AttnShape{1, 256, 4, 4, 32}),  // default model's head
-    [](const ::testing::TestParamInfo<AttnShape>& info) {
-      const AttnShape& s = info.param;
-      return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_H" + std::to_string(s.H) +
+    ::testing::Combine(::testing::Values(std::string("cpu"), std::string("cpu-ref")),
+                       ::testing::Values(AttnShape{2, 9, 2, 2, 4},      // MHA, tiny
+                                         AttnShape{1, 70, 4, 2, 4},     // GQA, crosses a block
+                                         AttnShape{2, 130, 4, 2, 8},    // GQA, 3 blocks
+                                         AttnShape{1, 256, 4, 4, 32})),  // default model's head
+    [](const ::testing::TestParamInfo<std::tuple<std::string, AttnShape>>& info) {
+      const AttnShape& s = std::get<1>(info.param);
+      return BackendCaseName(std::get<0>(info.param)) + "_B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_H" + std::to_string(s.H) +
              "_Hkv" + std::to_string(s.Hkv) + "_D" + std::to_string(s.D);
     });
 
 // ---- SwiGLU -----------------------------------------------------------------------------------
 
-TEST_F(CpuBackendTest, SwigluForwardBackward) {
+TEST_P(CpuBackendTest, SwigluForwardBackward) {
   const int n = 500;
   auto g = RandomVec(n, 150, -6, 6), u = RandomVec(n, 151, -2, 2), dh = RandomVec(n, 152);
   Buf<float> bg(be_.get(), g), bu(be_.get(), u), bh(be_.get(), n), bdh(be_.get(), dh),
@@ -800,7 +818,7 @@ TEST_F(CpuBackendTest, SwigluForwardBackward) {
 
 // ---- cross-entropy ----------------------------------------------------------------------------
 
-TEST_F(CpuBackendTest, CrossEntropyLossAndGradient) {
+TEST_P(CpuBackendTest, CrossEntropyLossAndGradient) {
   const int N = 7, V = 33;
   auto logits = RandomVec(N * V, 160, -8, 8);
   logits[3] = 60.0f;  // a large logit: the max-subtraction must keep things finite
@@ -839,7 +857,7 @@ TEST_F(CpuBackendTest, CrossEntropyLossAndGradient) {
 
 // ---- optimizer --------------------------------------------------------------------------------
 
-TEST_F(CpuBackendTest, SumSquaresAccumulatesInDouble) {
+TEST_P(CpuBackendTest, SumSquaresAccumulatesInDouble) {
   // 1 + 2^20 * (2^-12)^2 = 1 + 2^-4 exactly; an f32 running sum of 2^-24 steps onto 1 loses them.
   std::vector<float> x(1 << 20, std::ldexp(1.0f, -12));
   x[0] = 1.0f;
@@ -850,7 +868,7 @@ TEST_F(CpuBackendTest, SumSquaresAccumulatesInDouble) {
   EXPECT_EQ(out.Host()[0], 2.0f + 1.0f + (std::ldexp(1.0f, -4) - std::ldexp(1.0f, -24)));
 }
 
-TEST_F(CpuBackendTest, AdamWTwoStepsByHand) {
+TEST_P(CpuBackendTest, AdamWTwoStepsByHand) {
   // Hand computation of torch.optim.AdamW for two steps with lr 0.01, betas (0.9, 0.999),
   // eps 1e-8, weight decay 0.1, grad_scale 0.5, on p = [1, -2, 0.5], g = [0.2, -0.4, 0] then
   // g = [0.1, 0.3, -1]. Step 1 (bias-corrected m/v give m_hat = g', v_hat = g'^2):
@@ -895,6 +913,12 @@ TEST_F(CpuBackendTest, AdamWTwoStepsByHand) {
   const double want = std::max({std::fabs(p[0]), std::fabs(p[1]), std::fabs(p[2])});
   EXPECT_NEAR(amax.Host()[0], want, 1e-6 * want);
 }
+
+INSTANTIATE_TEST_SUITE_P(Cpu, CpuBackendTest,
+                         ::testing::Values(std::string("cpu"), std::string("cpu-ref")),
+                         [](const ::testing::TestParamInfo<std::string>& i) {
+                           return BackendCaseName(i.param);
+                         });
 
 }  // namespace
 }  // namespace fsdp8

@@ -1,4 +1,6 @@
-// CpuBackend: the reference implementation of Backend (kernels/backend.h) on host memory.
+// CpuRefBackend ("cpu-ref"): the reference implementation of Backend (kernels/backend.h) on host
+// memory, the oracle the conformance tests hold every other backend to (the fast CPU backend
+// "cpu", kernels/cpu/cpu_fast_backend.h, and CUDA).
 //
 // Plain loops with FP32 accumulation; the matrix products go through OpenBLAS cblas_sgemm so that
 // the tiny default model trains at interactive speed on one core:
@@ -34,13 +36,13 @@
 
 namespace fsdp8 {
 
-class CpuBackend final : public Backend {
+class CpuRefBackend : public Backend {
  public:
   // Of the options only cpu_fill_nan applies (fresh allocations read as NaN until written).
-  explicit CpuBackend(const BackendOptions& options);
-  ~CpuBackend() override;
+  explicit CpuRefBackend(const BackendOptions& options);
+  ~CpuRefBackend() override;
 
-  std::string Name() const override { return "cpu"; }
+  std::string Name() const override { return "cpu-ref"; }
 
   void* Alloc(size_t bytes) override;
   void Free(void* p) override;
@@ -107,7 +109,7 @@ class CpuBackend final : public Backend {
              float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
              float* amax_out) override;
 
- private:
+ protected:
   // BackendOptions::cpu_fill_nan (FSDP8_CPU_FILL_NAN=1, set by the tests): fresh allocations read
   // as NaN (all-ones bytes) until written, as an uninitialised device allocation may hold
   // anything, so that a read before the first write shows in every result. Off by default: it

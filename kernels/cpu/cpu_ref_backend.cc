@@ -1,4 +1,4 @@
-#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/cpu_ref_backend.h"
 
 #include <cblas.h>
 
@@ -114,15 +114,15 @@ inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 }  // namespace
 
-CpuBackend::CpuBackend(const BackendOptions& options) : fill_nan_(options.cpu_fill_nan) {}
+CpuRefBackend::CpuRefBackend(const BackendOptions& options) : fill_nan_(options.cpu_fill_nan) {}
 
-CpuBackend::~CpuBackend() {
+CpuRefBackend::~CpuRefBackend() {
   for (auto& kv : sizes_) std::free(kv.first);
 }
 
 // ---- memory ---------------------------------------------------------------------------------
 
-void* CpuBackend::Alloc(size_t bytes) {
+void* CpuRefBackend::Alloc(size_t bytes) {
   const size_t rounded =
       std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
   void* p = std::aligned_alloc(kAlignment, rounded);
@@ -134,7 +134,7 @@ void* CpuBackend::Alloc(size_t bytes) {
   return p;
 }
 
-void CpuBackend::Free(void* p) {
+void CpuRefBackend::Free(void* p) {
   if (p == nullptr) return;
   auto it = sizes_.find(p);
   FSDP8_CHECK(it != sizes_.end());  // not from this backend's Alloc, or freed twice
@@ -143,20 +143,20 @@ void CpuBackend::Free(void* p) {
   std::free(p);
 }
 
-void CpuBackend::CopyToDevice(void* dst, const void* host_src, size_t bytes) {
+void CpuRefBackend::CopyToDevice(void* dst, const void* host_src, size_t bytes) {
   if (bytes > 0) std::memcpy(dst, host_src, bytes);
 }
-void CpuBackend::CopyToHost(void* host_dst, const void* src, size_t bytes) {
+void CpuRefBackend::CopyToHost(void* host_dst, const void* src, size_t bytes) {
   if (bytes > 0) std::memcpy(host_dst, src, bytes);
 }
-void CpuBackend::Copy(void* dst, const void* src, size_t bytes) {
+void CpuRefBackend::Copy(void* dst, const void* src, size_t bytes) {
   if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
 }
-void CpuBackend::Memset(void* dst, int value, size_t bytes) {
+void CpuRefBackend::Memset(void* dst, int value, size_t bytes) {
   if (bytes > 0) std::memset(dst, value, bytes);
 }
 
-float* CpuBackend::Scratch(int i, int64_t n) {
+float* CpuRefBackend::Scratch(int i, int64_t n) {
   std::vector<float>& s = scratch_[i];
   if (static_cast<int64_t>(s.size()) < n) s.resize(static_cast<size_t>(n));
   return s.data();
@@ -164,7 +164,7 @@ float* CpuBackend::Scratch(int i, int64_t n) {
 
 // ---- FP8 --------------------------------------------------------------------------------------
 
-void CpuBackend::CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale,
+void CpuRefBackend::CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale,
                            Fp8Format fmt, float* amax_out) {
   FSDP8_CHECK(n >= 0 && scale != nullptr);
   if (n == 0) return;
@@ -173,7 +173,7 @@ void CpuBackend::CastToFp8(const float* in, uint8_t* out, int64_t n, const float
   if (amax_out != nullptr) *amax_out = NanMax(*amax_out, AbsMax(in, n));
 }
 
-void CpuBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
+void CpuRefBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
                                   Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) {
   FSDP8_CHECK(rows >= 0 && cols >= 0 && scale != nullptr);
   if (rows == 0 || cols == 0) return;
@@ -182,7 +182,7 @@ void CpuBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t cols, c
   if (amax_out != nullptr) *amax_out = NanMax(*amax_out, AbsMax(in, rows * cols));
 }
 
-void CpuBackend::TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) {
+void CpuRefBackend::TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) {
   // in (rows, cols) -> out (cols, rows), tile by tile.
   uint8_t tile[kTile][kTile];
   for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
@@ -195,19 +195,19 @@ void CpuBackend::TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, u
   }
 }
 
-void CpuBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
+void CpuRefBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
                                Fp8Format fmt) {
   const float* table = Fp8DecodeTable(fmt);
   const float si = *scale_inv;
   for (int64_t i = 0; i < n; ++i) out[i] = table[in[i]] * si;
 }
 
-void CpuBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out) {
+void CpuRefBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out) {
   FSDP8_CHECK(amax_out != nullptr && n >= 0);
   *amax_out = NanMax(*amax_out, AbsMax(in, n));
 }
 
-void CpuBackend::Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin,
+void CpuRefBackend::Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin,
                                    float* scale, float* scale_inv, int64_t stride) {
   FSDP8_CHECK(n >= 0 && stride >= 1 && margin >= 0);
   auto usable = [](float v) { return std::isfinite(v) && v > 0.0f; };
@@ -226,7 +226,7 @@ void CpuBackend::Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, 
 
 // ---- GEMMs ------------------------------------------------------------------------------------
 
-void CpuBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+void CpuRefBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                          const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
                          const float* b_scale_inv, float* C, bool accumulate) {
   FSDP8_CHECK(M >= 0 && N >= 0 && K >= 0);
@@ -248,7 +248,7 @@ void CpuBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8F
               accumulate ? 1.0f : 0.0f, C, N);
 }
 
-void CpuBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
+void CpuRefBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
                       const float* B, float* C, bool accumulate, GemmInputs inputs) {
   FSDP8_CHECK(M >= 0 && N >= 0 && K >= 0);
   if (M == 0 || N == 0) return;
@@ -272,11 +272,11 @@ void CpuBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
               trans_b ? K : N, accumulate ? 1.0f : 0.0f, C, N);
 }
 
-void CpuBackend::RoundToBf16(float* x, int64_t n) {
+void CpuRefBackend::RoundToBf16(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = RoundBf16(x[i]);
 }
 
-void CpuBackend::PackBf16(const float* in, uint16_t* out, int64_t n) {
+void CpuRefBackend::PackBf16(const float* in, uint16_t* out, int64_t n) {
   // The upper 16 bits of the RNE-rounded f32 are the bfloat16 bit pattern.
   for (int64_t i = 0; i < n; ++i) {
     const float r = RoundBf16(in[i]);
@@ -286,7 +286,7 @@ void CpuBackend::PackBf16(const float* in, uint16_t* out, int64_t n) {
   }
 }
 
-void CpuBackend::UnpackBf16(const uint16_t* in, float* out, int64_t n) {
+void CpuRefBackend::UnpackBf16(const uint16_t* in, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t u = static_cast<uint32_t>(in[i]) << 16;
     std::memcpy(&out[i], &u, sizeof(float));
@@ -295,17 +295,17 @@ void CpuBackend::UnpackBf16(const uint16_t* in, float* out, int64_t n) {
 
 // ---- elementwise ------------------------------------------------------------------------------
 
-void CpuBackend::Add(const float* a, const float* b, float* out, int64_t n) {
+void CpuRefBackend::Add(const float* a, const float* b, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
 }
 
-void CpuBackend::Axpy(float alpha, const float* x, float* y, int64_t n) {
+void CpuRefBackend::Axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
 // ---- embedding --------------------------------------------------------------------------------
 
-void CpuBackend::EmbeddingForward(const int32_t* tokens, int64_t N, const float* table, int64_t C,
+void CpuRefBackend::EmbeddingForward(const int32_t* tokens, int64_t N, const float* table, int64_t C,
                                   float* out) {
   // out (N, C) = table (V, C) [tokens (N)]
   for (int64_t i = 0; i < N; ++i) {
@@ -314,7 +314,7 @@ void CpuBackend::EmbeddingForward(const int32_t* tokens, int64_t N, const float*
   }
 }
 
-void CpuBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const float* dout, int64_t C,
+void CpuRefBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const float* dout, int64_t C,
                                    float* dtable) {
   // dtable (V, C) += dout (N, C) scattered by tokens, rows visited in order i = 0..N-1.
   for (int64_t i = 0; i < N; ++i) {
@@ -327,7 +327,7 @@ void CpuBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const float
 
 // ---- RMSNorm ----------------------------------------------------------------------------------
 
-void CpuBackend::RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
+void CpuRefBackend::RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
                                 float* y, float* rstd) {
   // x, y (N, C); w (C); rstd (N) = 1 / sqrt(mean(x^2) + eps)
   for (int64_t n = 0; n < N; ++n) {
@@ -341,7 +341,7 @@ void CpuBackend::RmsNormForward(const float* x, const float* w, float eps, int64
   }
 }
 
-void CpuBackend::RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
+void CpuRefBackend::RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
                                  int64_t N, int64_t C, float* dx, float* dw) {
   // y_c = x_c r w_c with r = (mean(x^2) + eps)^(-1/2), dr/dx_c = -r^3 x_c / C, so
   // dx_c = r w_c dy_c - (r^3 / C) x_c sum_k dy_k w_k x_k;   dw_c += sum_n dy_nc x_nc r_n.
@@ -362,7 +362,7 @@ void CpuBackend::RmsNormBackward(const float* dy, const float* x, const float* w
 
 // ---- RoPE -------------------------------------------------------------------------------------
 
-void CpuBackend::RopeTables(int64_t T, int64_t D, float theta) {
+void CpuRefBackend::RopeTables(int64_t T, int64_t D, float theta) {
   if (T == rope_T_ && D == rope_D_ && theta == rope_theta_) return;
   // As Hugging Face computes them: inv_freq_i = theta^(-2i/D) and angle = t * inv_freq_i, both
   // rounded to f32; cos/sin of that f32 angle, rounded to f32. (T, D/2)
@@ -383,7 +383,7 @@ void CpuBackend::RopeTables(int64_t T, int64_t D, float theta) {
   rope_theta_ = theta;
 }
 
-void CpuBackend::RopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+void CpuRefBackend::RopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
                            float sign) {
   FSDP8_CHECK(D % 2 == 0);
   RopeTables(T, D, theta);
@@ -407,18 +407,18 @@ void CpuBackend::RopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D,
   }
 }
 
-void CpuBackend::RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
+void CpuRefBackend::RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
   RopeApply(x, B, T, H, D, theta, 1.0f);
 }
 
-void CpuBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
+void CpuRefBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
   // The rotation is orthogonal: its Jacobian transpose is the rotation by -angle.
   RopeApply(dx, B, T, H, D, theta, -1.0f);
 }
 
 // ---- attention --------------------------------------------------------------------------------
 
-void CpuBackend::AttentionForward(const float* q, const float* k, const float* v, int64_t B,
+void CpuRefBackend::AttentionForward(const float* q, const float* k, const float* v, int64_t B,
                                   int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
                                   float* lse) {
   FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
@@ -463,7 +463,7 @@ void CpuBackend::AttentionForward(const float* q, const float* k, const float* v
   }
 }
 
-void CpuBackend::AttentionBackward(const float* q, const float* k, const float* v, const float* out,
+void CpuRefBackend::AttentionBackward(const float* q, const float* k, const float* v, const float* out,
                                    const float* dout, const float* lse, int64_t B, int64_t T,
                                    int64_t H, int64_t Hkv, int64_t D, float* dq, float* dk,
                                    float* dv) {
@@ -533,11 +533,11 @@ void CpuBackend::AttentionBackward(const float* q, const float* k, const float* 
 
 // ---- SwiGLU -----------------------------------------------------------------------------------
 
-void CpuBackend::SwigluForward(const float* gate, const float* up, int64_t n, float* h) {
+void CpuRefBackend::SwigluForward(const float* gate, const float* up, int64_t n, float* h) {
   for (int64_t i = 0; i < n; ++i) h[i] = gate[i] * Sigmoid(gate[i]) * up[i];
 }
 
-void CpuBackend::SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
+void CpuRefBackend::SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
                                 float* dgate, float* dup) {
   // h = g s(g) u:  dh/dg = u (s + g s (1 - s)),  dh/du = g s.
   for (int64_t i = 0; i < n; ++i) {
@@ -552,7 +552,7 @@ void CpuBackend::SwigluBackward(const float* dh, const float* gate, const float*
 
 // ---- cross-entropy ----------------------------------------------------------------------------
 
-void CpuBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
+void CpuRefBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
                                              int64_t V, float grad_scale, float* losses) {
   // logits (N, V) -> dlogits; losses (N) = logsumexp(row) - row[target]
   for (int64_t n = 0; n < N; ++n) {
@@ -576,13 +576,13 @@ void CpuBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targe
 
 // ---- optimizer --------------------------------------------------------------------------------
 
-void CpuBackend::SumSquares(const float* x, int64_t n, float* out) {
+void CpuRefBackend::SumSquares(const float* x, int64_t n, float* out) {
   double s = 0.0;
   for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
   out[0] = static_cast<float>(static_cast<double>(out[0]) + s);
 }
 
-void CpuBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
+void CpuRefBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
                        float beta1, float beta2, float eps, float weight_decay, int64_t step,
                        float grad_scale, float* amax_out) {
   FSDP8_CHECK(step >= 1);

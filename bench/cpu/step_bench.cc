@@ -1,0 +1,191 @@
+// fsdp8-bench-cpu-step: training steps of a job spec in one process, without the coordinator and
+// worker daemons: `--world` ranks as threads over Gloo on 127.0.0.1, each with its own backend.
+// Prints tokens/s over the timed steps (after `--warmup` untimed ones), per wall-clock second and
+// per process-CPU second, and the trainer's compute / communication / optimizer split of rank 0.
+//
+// Usage: fsdp8-bench-cpu-step --spec JOB.yaml --data DIR [--steps N] [--warmup N] [--world N]
+//                             [--backend cpu|cpu-ref] [--threads N]
+//   JOB.yaml: a job spec (e.g. data/default-job.yaml; "DATA_DIR" in it is replaced by --data).
+//   --threads: OpenBLAS threads of the process (default 1).
+// On a shared machine, the tokens per rank-thread CPU second (the timed steps' tokens over the
+// busiest rank thread's CPU time; with --threads 1 the rank thread does all of its compute) are
+// what the ranks would reach on cores of their own.
+#include <cblas.h>
+
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_replace.h"
+#include "bench/cpu/bench_util.h"
+#include "comm/gloo_communicator.h"
+#include "comm/kv_store.h"
+#include "common/spec.h"
+#include "kernels/backend.h"
+#include "train/trainer.h"
+
+namespace {
+
+class MemKv : public fsdp8::KvStore {
+ public:
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    std::lock_guard<std::mutex> l(mu_);
+    kv_[key] = value;
+    cv_.notify_all();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::string> Get(const std::string& key,
+                                  std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> l(mu_);
+    if (!cv_.wait_for(l, timeout, [&] { return kv_.count(key) > 0; })) {
+      return absl::DeadlineExceededError("key " + key);
+    }
+    return kv_[key];
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, std::string> kv_;
+};
+
+struct Args {
+  std::string spec, data, backend = "cpu";
+  int steps = 10, warmup = 2, world = 1, threads = 1;
+};
+
+bool ParseArgs(int argc, char** argv, Args* a) {
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--spec") a->spec = v;
+    else if (k == "--data") a->data = v;
+    else if (k == "--backend") a->backend = v;
+    else if (k == "--steps") a->steps = std::atoi(v.c_str());
+    else if (k == "--warmup") a->warmup = std::atoi(v.c_str());
+    else if (k == "--world") a->world = std::atoi(v.c_str());
+    else if (k == "--threads") a->threads = std::atoi(v.c_str());
+    else return false;
+  }
+  return argc % 2 == 1 && !a->spec.empty() && a->steps > 0 && a->world > 0;
+}
+
+double ThreadCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+struct RankResult {
+  double seconds = 0, cpu_seconds = 0, compute = 0, comm = 0, optimizer = 0;
+  int64_t tokens = 0;
+  std::string error;
+};
+
+void RunRank(const fsdp8::v1::JobSpec& spec, const Args& a, int rank, fsdp8::KvStore* kv,
+             RankResult* out) {
+  auto comm = fsdp8::GlooCommunicator::Create(rank, a.world, kv, "bench/", "127.0.0.1",
+                                              std::chrono::seconds(60));
+  if (!comm.ok()) {
+    out->error = comm.status().ToString();
+    return;
+  }
+  std::string error;
+  auto be = fsdp8::CreateBackend(a.backend, 0, &error);
+  if (!be) {
+    out->error = error;
+    return;
+  }
+  auto t = fsdp8::Trainer::Create(spec, rank, a.world, be.get(), comm->get());
+  if (!t.ok()) {
+    out->error = t.status().ToString();
+    return;
+  }
+  std::chrono::steady_clock::time_point start;
+  double cpu_start = 0;
+  for (int k = 0; k < a.warmup + a.steps; ++k) {
+    if (k == a.warmup) {
+      start = std::chrono::steady_clock::now();
+      cpu_start = ThreadCpuSeconds();
+    }
+    auto s = (*t)->Step(k, false, false);
+    if (!s.ok()) {
+      out->error = s.status().ToString();
+      return;
+    }
+    if (k < a.warmup) continue;
+    out->tokens += s->tokens;
+    out->compute += s->compute_seconds;
+    out->comm += s->comm_seconds;
+    out->optimizer += s->optimizer_seconds;
+  }
+  out->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  out->cpu_seconds = ThreadCpuSeconds() - cpu_start;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  if (!ParseArgs(argc, argv, &a)) {
+    std::fprintf(stderr,
+                 "usage: %s --spec JOB.yaml --data DIR [--steps N] [--warmup N] [--world N] "
+                 "[--backend cpu|cpu-ref] [--threads N]\n",
+                 argv[0]);
+    return 2;
+  }
+  openblas_set_num_threads(a.threads);
+  std::ifstream in(a.spec);
+  std::stringstream text;
+  text << in.rdbuf();
+  auto spec = fsdp8::ParseSpec(absl::StrReplaceAll(text.str(), {{"DATA_DIR", a.data}}));
+  if (!spec.ok()) {
+    std::fprintf(stderr, "%s: %s\n", a.spec.c_str(), spec.status().ToString().c_str());
+    return 2;
+  }
+  spec->mutable_sharding()->set_min_workers(a.world);
+  spec->mutable_sharding()->set_max_workers(a.world);
+  MemKv kv;
+  std::vector<RankResult> results(a.world);
+  std::vector<std::thread> threads;
+  const double cpu0 = fsdp8::bench::ProcessCpuSeconds();
+  for (int r = 0; r < a.world; ++r) {
+    threads.emplace_back([&, r] { RunRank(*spec, a, r, &kv, &results[r]); });
+  }
+  for (auto& t : threads) t.join();
+  const double cpu = fsdp8::bench::ProcessCpuSeconds() - cpu0;
+  int64_t tokens = 0;
+  double seconds = 0, rank_cpu = 0;
+  for (const RankResult& r : results) {
+    if (!r.error.empty()) {
+      std::fprintf(stderr, "error: %s\n", r.error.c_str());
+      return 1;
+    }
+    tokens += r.tokens;
+    seconds = std::max(seconds, r.seconds);
+    rank_cpu = std::max(rank_cpu, r.cpu_seconds);
+  }
+  const RankResult& r0 = results[0];
+  std::printf("backend %s, %d rank(s), %d BLAS thread(s), %d timed steps\n", a.backend.c_str(),
+              a.world, a.threads, a.steps);
+  // On a shared machine the wall figure also counts waiting for a core; the per-CPU-second one
+  // divides by the busiest rank thread's CPU time (what the ranks would take on their own cores).
+  std::printf("tokens/s %.0f (wall), %.0f (per rank-thread CPU second); process CPU %.2f s incl. "
+              "setup and warmup\n",
+              static_cast<double>(tokens) / seconds, static_cast<double>(tokens) / rank_cpu, cpu);
+  std::printf("rank 0 per step: compute %.1f ms, comm %.1f ms, optimizer %.1f ms, wall %.1f ms\n",
+              1e3 * r0.compute / a.steps, 1e3 * r0.comm / a.steps, 1e3 * r0.optimizer / a.steps,
+              1e3 * r0.seconds / a.steps);
+  return 0;
+}

@@ -1,0 +1,750 @@
+#include "kernels/cpu/cpu_fast_backend.h"
+
+#include <cblas.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "common/check.h"
+#include "kernels/fp8.h"
+
+// Everything below is compiled for AVX2 + FMA (x86-64-v3); CpuFastBackend::Supported() checks the
+// CPU before CreateBackend("cpu") builds one. Only this file's own functions get the target, the
+// headers above keep the default one.
+#pragma GCC target("avx2,fma")
+
+namespace fsdp8 {
+namespace {
+
+constexpr size_t kAlignment = 64;
+constexpr int64_t kAttnBlock = 64;  // query rows per block, as the reference
+
+// ---- vector helpers ---------------------------------------------------------------------------
+
+// Lanes [0, r) on, the rest off (r in [0, 8]).
+inline __m256i TailMask(int64_t r) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(r)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float HorizontalMax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for 8 lanes: Cephes expf (x = n ln2 + r, |r| <= ln2 / 2, degree-7 polynomial), about
+// 1 ulp; 0 below ln(2^-126), +inf above 88.38, NaN stays NaN.
+inline __m256 Exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f);
+  const __m256 lo = _mm256_set1_ps(-87.3365447504019f);
+  const __m256 xc = _mm256_min_ps(hi, _mm256_max_ps(lo, x));  // NaN passes through
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), xc);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y =
+      _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i n = _mm256_cvtps_epi32(fx);
+  const __m256 pow2n =
+      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+  __m256 res = _mm256_mul_ps(y, pow2n);
+  res = _mm256_blendv_ps(res, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+  res = _mm256_blendv_ps(res, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                         _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+  return res;
+}
+
+inline __m256 Sigmoid8(__m256 g) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, Exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
+// Max over x[0, n) (n >= 1; NaNs ignored like std::max in the reference's loop).
+inline float RowMax(const float* x, int64_t n) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+  float r = HorizontalMax(m);
+  for (; i < n; ++i) r = std::max(r, x[i]);
+  return r;
+}
+
+// x[j] = exp(x[j] - m) over [0, n); returns their sum.
+inline float ExpShiftSum(float* x, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 s = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    _mm256_storeu_ps(x + i, e);
+    s = _mm256_add_ps(s, e);
+  }
+  if (i < n) {
+    const __m256i mask = TailMask(n - i);
+    const __m256 e = Exp8(_mm256_sub_ps(_mm256_maskload_ps(x + i, mask), mv));
+    _mm256_maskstore_ps(x + i, mask, e);
+    s = _mm256_add_ps(s, _mm256_and_ps(e, _mm256_castsi256_ps(mask)));
+  }
+  return HorizontalSum(s);
+}
+
+inline void ScaleRow(float* x, int64_t n, float k) {
+  const __m256 kv = _mm256_set1_ps(k);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), kv));
+  for (; i < n; ++i) x[i] *= k;
+}
+
+inline float Dot(const float* a, const float* b, int64_t n) {
+  __m256 s = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+  float r = HorizontalSum(s);
+  for (; i < n; ++i) r += a[i] * b[i];
+  return r;
+}
+
+// ---- FP8 encoding -----------------------------------------------------------------------------
+
+// The parameters of one format for the vector encoder (kernels/fp8.h, Encode).
+struct Fp8Params {
+  int shift;            // 23 - mantissa bits
+  uint32_t rebias;      // (127 - bias) << mantissa bits
+  uint32_t min_normal;  // f32 bits of the smallest normal FP8 value
+  uint32_t max_bits;    // f32 bits of the largest finite FP8 value (saturate at and above)
+  uint32_t max_code;
+  float magic;          // 2^23 * smallest subnormal: |x| + magic rounds |x| to a subnormal code
+};
+
+inline const Fp8Params& ParamsFor(Fp8Format fmt) {
+  static const Fp8Params e4m3{20, 120u << 3, 0x3C800000u /*2^-6*/, 0x43E00000u, 0x7E, 16384.0f};
+  static const Fp8Params e5m2{21, 112u << 2, 0x38800000u /*2^-14*/, 0x47600000u, 0x7B, 128.0f};
+  return fmt == Fp8Format::kE4M3 ? e4m3 : e5m2;
+}
+
+// 8 codes (one per 32-bit lane) of the f32 values x: round to nearest even, saturating, NaN to
+// 0x7F with the sign, subnormals exact.
+inline __m256i Encode8(__m256 x, const Fp8Params& p) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
+  const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m128i sh = _mm_cvtsi32_si128(p.shift);
+  const __m256i odd = _mm256_and_si256(_mm256_srl_epi32(a, sh), _mm256_set1_epi32(1));
+  const __m256i half = _mm256_set1_epi32(static_cast<int>((1u << (p.shift - 1)) - 1u));
+  __m256i normal = _mm256_srl_epi32(_mm256_add_epi32(_mm256_add_epi32(a, half), odd), sh);
+  normal = _mm256_sub_epi32(normal, _mm256_set1_epi32(static_cast<int>(p.rebias)));
+  const __m256 magic = _mm256_set1_ps(p.magic);
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), magic)),
+      _mm256_castps_si256(magic));
+  const __m256i is_normal =
+      _mm256_cmpgt_epi32(a, _mm256_set1_epi32(static_cast<int>(p.min_normal - 1)));
+  __m256i code = _mm256_blendv_epi8(sub, normal, is_normal);
+  const __m256i sat = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(static_cast<int>(p.max_bits - 1)));
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(static_cast<int>(p.max_code)), sat);
+  const __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), nan);
+  return _mm256_or_si256(code, sign);
+}
+
+// Running amax of |x| with NaN tracking.
+struct AmaxAcc {
+  AmaxAcc() : m(_mm256_setzero_ps()), nan(_mm256_setzero_ps()) {}
+  __m256 m;
+  __m256 nan;
+  void Add(__m256 x) {
+    const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+    m = _mm256_max_ps(m, a);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  // max(*out, amax) NaN-propagating (as the reference's NanMax), plus the scalar tail's values.
+  void Finish(float tail_max, bool tail_nan, float* out) const {
+    const bool any_nan = tail_nan || _mm256_movemask_ps(nan) != 0 || std::isnan(*out);
+    const float v = std::max(HorizontalMax(m), tail_max);
+    *out = any_nan ? std::numeric_limits<float>::quiet_NaN() : std::max(*out, v);
+  }
+};
+
+// out[i] = fp8(in[i] * scale) for i < n; the amax of |in| into *acc (and the scalar tail's).
+void EncodeRun(const float* in, uint8_t* out, int64_t n, float scale, Fp8Format fmt, AmaxAcc* acc,
+               float* tail_max, bool* tail_nan) {
+  const Fp8Params& p = ParamsFor(fmt);
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m256 x[4];
+    for (int j = 0; j < 4; ++j) {
+      x[j] = _mm256_loadu_ps(in + i + 8 * j);
+      acc->Add(x[j]);
+    }
+    const __m256i c01 = _mm256_packus_epi32(Encode8(_mm256_mul_ps(x[0], s), p),
+                                            Encode8(_mm256_mul_ps(x[1], s), p));
+    const __m256i c23 = _mm256_packus_epi32(Encode8(_mm256_mul_ps(x[2], s), p),
+                                            Encode8(_mm256_mul_ps(x[3], s), p));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(c01, c23), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), bytes);
+  }
+  for (; i < n; ++i) {
+    const float a = std::fabs(in[i]);
+    *tail_nan |= std::isnan(a);
+    *tail_max = std::max(*tail_max, a);
+    const float y = in[i] * scale;
+    out[i] = fmt == Fp8Format::kE4M3 ? EncodeE4M3(y) : EncodeE5M2(y);
+  }
+}
+
+// ---- byte transposes --------------------------------------------------------------------------
+
+// out (cols, rows) at (c0, r0) = transpose of the 16 x 16 bytes at in (row stride in_ld).
+inline void Transpose16(const uint8_t* in, int64_t in_ld, uint8_t* out, int64_t out_ld) {
+  __m128i r[16], a[16], b[16], c[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * in_ld));
+  for (int i = 0; i < 16; i += 2) {
+    a[i] = _mm_unpacklo_epi8(r[i], r[i + 1]);
+    a[i + 1] = _mm_unpackhi_epi8(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // rows g..g+3: b = columns in groups of 4
+    b[g] = _mm_unpacklo_epi16(a[g], a[g + 2]);
+    b[g + 1] = _mm_unpackhi_epi16(a[g], a[g + 2]);
+    b[g + 2] = _mm_unpacklo_epi16(a[g + 1], a[g + 3]);
+    b[g + 3] = _mm_unpackhi_epi16(a[g + 1], a[g + 3]);
+  }
+  for (int h = 0; h < 16; h += 8) {  // rows h..h+7: c = columns in pairs
+    for (int k = 0; k < 4; ++k) {
+      c[h + 2 * k] = _mm_unpacklo_epi32(b[h + k], b[h + 4 + k]);
+      c[h + 2 * k + 1] = _mm_unpackhi_epi32(b[h + k], b[h + 4 + k]);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (2 * k) * out_ld),
+                     _mm_unpacklo_epi64(c[k], c[k + 8]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (2 * k + 1) * out_ld),
+                     _mm_unpackhi_epi64(c[k], c[k + 8]));
+  }
+}
+
+// out[c * out_ld + r] = in[r * in_ld + c] for r < nr, c < nc: 16 x 16 blocks where they fit.
+void TransposeBlock(const uint8_t* in, int64_t in_ld, int64_t nr, int64_t nc, uint8_t* out,
+                    int64_t out_ld) {
+  const int64_t cfull = nc / 16 * 16;
+  int64_t r = 0;
+  for (; r + 16 <= nr; r += 16) {
+    for (int64_t c = 0; c < cfull; c += 16) {
+      Transpose16(in + r * in_ld + c, in_ld, out + c * out_ld + r, out_ld);
+    }
+    for (int64_t c = cfull; c < nc; ++c) {
+      for (int64_t i = 0; i < 16; ++i) out[c * out_ld + r + i] = in[(r + i) * in_ld + c];
+    }
+  }
+  for (; r < nr; ++r) {
+    for (int64_t c = 0; c < nc; ++c) out[c * out_ld + r] = in[r * in_ld + c];
+  }
+}
+
+// ---- misc -------------------------------------------------------------------------------------
+
+inline void RoundBf16Run(const float* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = RoundBf16(in[i]);
+}
+
+// RMSNorm of one row: y = (x * r) * w, returns r = 1 / sqrt(mean(x^2) + eps).
+inline float NormRow(const float* x, const float* w, float eps, int64_t C, float* y) {
+  const float r = 1.0f / std::sqrt(Dot(x, x, C) / static_cast<float>(C) + eps);
+  for (int64_t c = 0; c < C; ++c) y[c] = (x[c] * r) * w[c];
+  return r;
+}
+
+}  // namespace
+
+bool CpuFastBackend::Supported() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+CpuFastBackend::CpuFastBackend(const BackendOptions& options) : CpuRefBackend(options) {}
+
+CpuFastBackend::~CpuFastBackend() {
+  for (auto& kv : free_) {
+    for (void* p : kv.second) std::free(p);
+  }
+}
+
+// ---- memory -----------------------------------------------------------------------------------
+
+void* CpuFastBackend::Alloc(size_t bytes) {
+  const size_t rounded =
+      std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  void* p = nullptr;
+  auto it = free_.find(rounded);
+  if (it != free_.end() && !it->second.empty()) {
+    p = it->second.back();
+    it->second.pop_back();
+    cached_ -= rounded;
+  } else {
+    p = std::aligned_alloc(kAlignment, rounded);
+    FSDP8_CHECK(p != nullptr);  // host out of memory: abort (backend.h, Errors)
+    rounded_[p] = rounded;
+  }
+  if (fill_nan_) std::memset(p, 0xFF, rounded);
+  sizes_[p] = bytes;
+  allocated_ += static_cast<int64_t>(bytes);
+  peak_ = std::max(peak_, allocated_);
+  return p;
+}
+
+void CpuFastBackend::Free(void* p) {
+  if (p == nullptr) return;
+  auto it = sizes_.find(p);
+  FSDP8_CHECK(it != sizes_.end());  // not from this backend's Alloc, or freed twice
+  allocated_ -= static_cast<int64_t>(it->second);
+  sizes_.erase(it);
+  const size_t rounded = rounded_.at(p);
+  if (cached_ + rounded <= kMaxCachedBytes) {
+    free_[rounded].push_back(p);
+    cached_ += rounded;
+  } else {
+    rounded_.erase(p);
+    std::free(p);
+  }
+}
+
+// ---- FP8 --------------------------------------------------------------------------------------
+
+void CpuFastBackend::CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale,
+                               Fp8Format fmt, float* amax_out) {
+  FSDP8_CHECK(n >= 0 && scale != nullptr);
+  if (n == 0) return;
+  FSDP8_CHECK(in != nullptr && out != nullptr);
+  AmaxAcc acc;
+  float tail_max = 0.0f;
+  bool tail_nan = false;
+  EncodeRun(in, out, n, *scale, fmt, &acc, &tail_max, &tail_nan);
+  if (amax_out != nullptr) acc.Finish(tail_max, tail_nan, amax_out);
+}
+
+void CpuFastBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t cols,
+                                      const float* scale, Fp8Format fmt, uint8_t* out,
+                                      uint8_t* out_t, float* amax_out) {
+  FSDP8_CHECK(rows >= 0 && cols >= 0 && scale != nullptr);
+  if (rows == 0 || cols == 0) return;
+  FSDP8_CHECK(in != nullptr && out_t != nullptr);
+  // Strips of 16 rows: encoded into `out` (or a scratch strip), then transposed into out_t.
+  constexpr int64_t kStrip = 16;
+  std::vector<uint8_t> strip(out == nullptr ? static_cast<size_t>(kStrip * cols) : 0);
+  AmaxAcc acc;
+  float tail_max = 0.0f;
+  bool tail_nan = false;
+  for (int64_t r0 = 0; r0 < rows; r0 += kStrip) {
+    const int64_t nr = std::min(kStrip, rows - r0);
+    uint8_t* codes = out != nullptr ? out + r0 * cols : strip.data();
+    EncodeRun(in + r0 * cols, codes, nr * cols, *scale, fmt, &acc, &tail_max, &tail_nan);
+    TransposeBlock(codes, cols, nr, cols, out_t + r0, rows);
+  }
+  if (amax_out != nullptr) acc.Finish(tail_max, tail_nan, amax_out);
+}
+
+void CpuFastBackend::TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) {
+  // Strips of 64 rows, so that the 16-byte stores of a strip stay within a few cache lines of
+  // each output row.
+  for (int64_t r0 = 0; r0 < rows; r0 += 64) {
+    TransposeBlock(in + r0 * cols, cols, std::min<int64_t>(64, rows - r0), cols, out + r0, rows);
+  }
+}
+
+void CpuFastBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n,
+                                   const float* scale_inv, Fp8Format fmt) {
+  const float* table = Fp8DecodeTable(fmt);
+  const float si = *scale_inv;
+  for (int64_t i = 0; i < n; ++i) out[i] = table[in[i]] * si;
+}
+
+void CpuFastBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out) {
+  AmaxAcc acc;
+  float tail_max = 0.0f;
+  bool tail_nan = false;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc.Add(_mm256_loadu_ps(in + i));
+  for (; i < n; ++i) {
+    const float a = std::fabs(in[i]);
+    tail_nan |= std::isnan(a);
+    tail_max = std::max(tail_max, a);
+  }
+  acc.Finish(tail_max, tail_nan, amax_out);
+}
+
+// ---- GEMMs ------------------------------------------------------------------------------------
+
+namespace {
+// out[i] = table[in[i]] for i < n (the FP8 values, exact in f32), 8 at a time by gather.
+void Decode(const uint8_t* in, int64_t n, const float* table, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in + i)));
+    _mm256_storeu_ps(out + i, _mm256_i32gather_ps(table, idx, 4));
+  }
+  for (; i < n; ++i) out[i] = table[in[i]];
+}
+}  // namespace
+
+void CpuFastBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+                             const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+                             const float* b_scale_inv, float* C, bool accumulate) {
+  FSDP8_CHECK(M >= 0 && N >= 0 && K >= 0);
+  if (M == 0 || N == 0) return;
+  const float alpha = (*a_scale_inv) * (*b_scale_inv);
+  if (K == 0) {  // empty sum
+    if (!accumulate) std::memset(C, 0, sizeof(float) * M * N);
+    return;
+  }
+  float* af = Scratch(0, M * K);
+  float* bf = Scratch(1, N * K);
+  Decode(A, M * K, Fp8DecodeTable(a_fmt), af);
+  Decode(B, N * K, Fp8DecodeTable(b_fmt), bf);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, alpha, af, K, bf, K,
+              accumulate ? 1.0f : 0.0f, C, N);
+}
+
+void CpuFastBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                          const float* A, const float* B, float* C, bool accumulate,
+                          GemmInputs inputs) {
+  if (inputs != GemmInputs::kBF16 || M == 0 || N == 0 || K == 0) {
+    CpuRefBackend::Gemm(trans_a, trans_b, M, N, K, A, B, C, accumulate, inputs);
+    return;
+  }
+  float* ar = Scratch(0, M * K);
+  float* br = Scratch(1, K * N);
+  RoundBf16Run(A, ar, M * K);
+  RoundBf16Run(B, br, K * N);
+  CpuRefBackend::Gemm(trans_a, trans_b, M, N, K, ar, br, C, accumulate, GemmInputs::kF32);
+}
+
+void CpuFastBackend::RoundToBf16(float* x, int64_t n) { RoundBf16Run(x, x, n); }
+
+void CpuFastBackend::PackBf16(const float* in, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float r = RoundBf16(in[i]);
+    uint32_t u;
+    std::memcpy(&u, &r, sizeof(u));
+    out[i] = static_cast<uint16_t>(u >> 16);
+  }
+}
+
+void CpuFastBackend::UnpackBf16(const uint16_t* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(in[i]) << 16;
+    std::memcpy(&out[i], &u, sizeof(float));
+  }
+}
+
+// ---- elementwise ------------------------------------------------------------------------------
+
+void CpuFastBackend::Add(const float* a, const float* b, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+void CpuFastBackend::Axpy(float alpha, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// ---- RMSNorm ----------------------------------------------------------------------------------
+
+void CpuFastBackend::RmsNormForward(const float* x, const float* w, float eps, int64_t N,
+                                    int64_t C, float* y, float* rstd) {
+  for (int64_t n = 0; n < N; ++n) rstd[n] = NormRow(x + n * C, w, eps, C, y + n * C);
+}
+
+void CpuFastBackend::RmsNormBackward(const float* dy, const float* x, const float* w,
+                                     const float* rstd, int64_t N, int64_t C, float* dx,
+                                     float* dw) {
+  // As the reference: dx_c = r w_c dy_c - (r^3 / C) x_c sum_k dy_k w_k x_k; dw_c += dy_c x_c r.
+  std::vector<float> wx(static_cast<size_t>(C));
+  for (int64_t n = 0; n < N; ++n) {
+    const float* xr = x + n * C;
+    const float* dyr = dy + n * C;
+    float* dxr = dx + n * C;
+    const float r = rstd[n];
+    for (int64_t c = 0; c < C; ++c) wx[c] = w[c] * xr[c];
+    const float k = r * r * r * Dot(dyr, wx.data(), C) / static_cast<float>(C);
+    for (int64_t c = 0; c < C; ++c) {
+      dxr[c] = r * w[c] * dyr[c] - k * xr[c];
+      dw[c] += dyr[c] * xr[c] * r;
+    }
+  }
+}
+
+void CpuFastBackend::RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N,
+                                    int64_t C, float* rstd, const float* scale, Fp8Format fmt,
+                                    uint8_t* out, float* amax_out) {
+  std::vector<float> y(static_cast<size_t>(C));
+  AmaxAcc acc;
+  float tail_max = 0.0f;
+  bool tail_nan = false;
+  for (int64_t n = 0; n < N; ++n) {
+    rstd[n] = NormRow(x + n * C, w, eps, C, y.data());
+    EncodeRun(y.data(), out + n * C, C, *scale, fmt, &acc, &tail_max, &tail_nan);
+  }
+  if (amax_out != nullptr) acc.Finish(tail_max, tail_nan, amax_out);
+}
+
+// ---- RoPE -------------------------------------------------------------------------------------
+
+namespace {
+void RopeRotate(float* x, int64_t B, int64_t T, int64_t H, int64_t D, const float* cos_t,
+                const float* sin_t, float sign) {
+  const int64_t half = D / 2;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* cs = cos_t + t * half;
+      const float* sn = sin_t + t * half;
+      for (int64_t h = 0; h < H; ++h) {
+        float* x1 = x + ((b * T + t) * H + h) * D;
+        float* x2 = x1 + half;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x1[i], c = x2[i], s = sign * sn[i];
+          x1[i] = a * cs[i] - c * s;
+          x2[i] = c * cs[i] + a * s;
+        }
+      }
+    }
+  }
+}
+}  // namespace
+
+void CpuFastBackend::RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D,
+                                 float theta) {
+  FSDP8_CHECK(D % 2 == 0);
+  RopeTables(T, D, theta);
+  RopeRotate(x, B, T, H, D, rope_cos_.data(), rope_sin_.data(), 1.0f);
+}
+
+void CpuFastBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D,
+                                  float theta) {
+  FSDP8_CHECK(D % 2 == 0);
+  RopeTables(T, D, theta);
+  RopeRotate(dx, B, T, H, D, rope_cos_.data(), rope_sin_.data(), -1.0f);
+}
+
+// ---- attention --------------------------------------------------------------------------------
+
+void CpuFastBackend::AttentionForward(const float* q, const float* k, const float* v, int64_t B,
+                                      int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
+                                      float* lse) {
+  FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
+  if (B == 0 || T == 0 || H == 0) return;
+  const int64_t group = H / Hkv, ldq = H * D, ldk = Hkv * D;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  float* P = Scratch(2, T * T);  // (T, T) scores, then probabilities
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / group;
+      const float* qh = q + b * T * ldq + h * D;
+      const float* kg = k + b * T * ldk + g * D;
+      const float* vg = v + b * T * ldk + g * D;
+      float* oh = out + b * T * ldq + h * D;
+      float* lh = lse + (b * H + h) * T;
+      for (int64_t i0 = 0; i0 < T; i0 += kAttnBlock) {
+        const int64_t i1 = std::min(T, i0 + kAttnBlock);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq,
+                    ldq, kg, ldk, 0.0f, P + i0 * T, T);
+        for (int64_t i = i0; i < i1; ++i) {
+          float* row = P + i * T;
+          const float mx = RowMax(row, i + 1);
+          const float sum = ExpShiftSum(row, i + 1, mx);
+          ScaleRow(row, i + 1, 1.0f / sum);
+          std::fill(row + i + 1, row + i1, 0.0f);  // causal mask
+          lh[i] = mx + std::log(sum);
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, P + i0 * T, T,
+                    vg, ldk, 0.0f, oh + i0 * ldq, ldq);
+      }
+    }
+  }
+}
+
+namespace {
+// One row of the attention backward: p[j] = exp(p[j] - lse), s[j] = scale * p[j] * (s[j] - delta)
+// for j < n; both zero on [n, n_end).
+void SoftmaxGradRow(float* p, float* s, int64_t n, int64_t n_end, float lse, float delta,
+                    float scale) {
+  const __m256 l = _mm256_set1_ps(lse), d = _mm256_set1_ps(delta), sc = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 po = Exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), l));
+    _mm256_storeu_ps(p + j, po);
+    _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_mul_ps(sc, po),
+                                          _mm256_sub_ps(_mm256_loadu_ps(s + j), d)));
+  }
+  if (j < n) {
+    const __m256i m = TailMask(n - j);
+    const __m256 po = Exp8(_mm256_sub_ps(_mm256_maskload_ps(p + j, m), l));
+    _mm256_maskstore_ps(p + j, m, po);
+    _mm256_maskstore_ps(s + j, m, _mm256_mul_ps(_mm256_mul_ps(sc, po),
+                                                _mm256_sub_ps(_mm256_maskload_ps(s + j, m), d)));
+  }
+  std::fill(p + n, p + n_end, 0.0f);
+  std::fill(s + n, s + n_end, 0.0f);
+}
+}  // namespace
+
+void CpuFastBackend::AttentionBackward(const float* q, const float* k, const float* v,
+                                       const float* out, const float* dout, const float* lse,
+                                       int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                       float* dq, float* dk, float* dv) {
+  FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
+  if (B == 0 || T == 0 || H == 0) return;
+  const int64_t group = H / Hkv, ldq = H * D, ldk = Hkv * D;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  std::memset(dk, 0, sizeof(float) * B * T * ldk);
+  std::memset(dv, 0, sizeof(float) * B * T * ldk);
+  float* P = Scratch(2, T * T);
+  float* dS = Scratch(3, T * T);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / group;
+      const float* qh = q + b * T * ldq + h * D;
+      const float* kg = k + b * T * ldk + g * D;
+      const float* vg = v + b * T * ldk + g * D;
+      const float* oh = out + b * T * ldq + h * D;
+      const float* doh = dout + b * T * ldq + h * D;
+      const float* lh = lse + (b * H + h) * T;
+      float* dqh = dq + b * T * ldq + h * D;
+      float* dkg = dk + b * T * ldk + g * D;
+      float* dvg = dv + b * T * ldk + g * D;
+      for (int64_t i0 = 0; i0 < T; i0 += kAttnBlock) {
+        const int64_t i1 = std::min(T, i0 + kAttnBlock);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq,
+                    ldq, kg, ldk, 0.0f, P + i0 * T, T);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, 1.0f, doh + i0 * ldq,
+                    ldq, vg, ldk, 0.0f, dS + i0 * T, T);
+        for (int64_t i = i0; i < i1; ++i) {
+          const float delta = Dot(doh + i * ldq, oh + i * ldq, D);
+          SoftmaxGradRow(P + i * T, dS + i * T, i + 1, i1, lh[i], delta, scale);
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, dS + i0 * T, T,
+                    kg, ldk, 0.0f, dqh + i0 * ldq, ldq);
+      }
+      for (int64_t j0 = 0; j0 < T; j0 += kAttnBlock) {
+        const int64_t j1 = std::min(T, j0 + kAttnBlock);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f,
+                    dS + j0 * T + j0, T, qh + j0 * ldq, ldq, 1.0f, dkg + j0 * ldk, ldk);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f,
+                    P + j0 * T + j0, T, doh + j0 * ldq, ldq, 1.0f, dvg + j0 * ldk, ldk);
+      }
+    }
+  }
+}
+
+// ---- SwiGLU -----------------------------------------------------------------------------------
+
+namespace {
+// h = (g * sigmoid(g)) * u, as the reference orders it.
+inline __m256 Swiglu8(__m256 g, __m256 u) {
+  return _mm256_mul_ps(_mm256_mul_ps(g, Sigmoid8(g)), u);
+}
+
+// The SwiGLU backward of 8 lanes: h = g s(g) u, dh/dg = u (s + g s (1 - s)), dh/du = g s.
+inline void SwigluGrad8(__m256 d, __m256 g, __m256 u, __m256* dg, __m256* du) {
+  const __m256 s = Sigmoid8(g);
+  const __m256 gs = _mm256_mul_ps(g, s);
+  *dg = _mm256_mul_ps(_mm256_mul_ps(d, u),
+                      _mm256_add_ps(s, _mm256_mul_ps(gs, _mm256_sub_ps(_mm256_set1_ps(1.0f), s))));
+  *du = _mm256_mul_ps(_mm256_mul_ps(d, g), s);
+}
+}  // namespace
+
+void CpuFastBackend::SwigluForward(const float* gate, const float* up, int64_t n, float* h) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(h + i, Swiglu8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+  }
+  if (i < n) {
+    const __m256i m = TailMask(n - i);
+    _mm256_maskstore_ps(h + i, m,
+                        Swiglu8(_mm256_maskload_ps(gate + i, m), _mm256_maskload_ps(up + i, m)));
+  }
+}
+
+void CpuFastBackend::SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
+                                    float* dgate, float* dup) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 dg, du;
+    SwigluGrad8(_mm256_loadu_ps(dh + i), _mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i), &dg, &du);
+    _mm256_storeu_ps(dgate + i, dg);
+    _mm256_storeu_ps(dup + i, du);
+  }
+  if (i < n) {
+    const __m256i m = TailMask(n - i);
+    __m256 dg, du;
+    SwigluGrad8(_mm256_maskload_ps(dh + i, m), _mm256_maskload_ps(gate + i, m),
+         _mm256_maskload_ps(up + i, m), &dg, &du);
+    _mm256_maskstore_ps(dgate + i, m, dg);
+    _mm256_maskstore_ps(dup + i, m, du);
+  }
+}
+
+// ---- cross-entropy ----------------------------------------------------------------------------
+
+void CpuFastBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
+                                                 int64_t V, float grad_scale, float* losses) {
+  for (int64_t n = 0; n < N; ++n) {
+    float* row = logits + n * V;
+    const int32_t tgt = targets[n];
+    FSDP8_CHECK(tgt >= 0 && tgt < V);
+    const float mx = RowMax(row, V);
+    const float target_logit = row[tgt];
+    const float sum = ExpShiftSum(row, V, mx);
+    losses[n] = mx + std::log(sum) - target_logit;
+    ScaleRow(row, V, grad_scale / sum);
+    row[tgt] -= grad_scale;
+  }
+}
+
+// ---- optimizer --------------------------------------------------------------------------------
+
+void CpuFastBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
+                           float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                           float grad_scale, float* amax_out) {
+  FSDP8_CHECK(step >= 1);
+  // The reference's scalars and per-element operations (torch.optim.AdamW, single-tensor path).
+  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
+  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
+  const float w1 = static_cast<float>(1.0 - beta1);
+  const float w2 = static_cast<float>(1.0 - beta2);
+  const float step_size = static_cast<float>(lr / bc1);
+  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const bool lerp_from_m = w1 < 0.5f;
+  const float one_minus_w1 = 1.0f - w1;
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * grad_scale;
+    const float pi = p[i] * decay;
+    const float mi = lerp_from_m ? m[i] + w1 * (gi - m[i]) : gi - (gi - m[i]) * one_minus_w1;
+    const float vi = v[i] * beta2 + w2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pi - step_size * (mi / (std::sqrt(vi) / bc2_sqrt + eps));
+  }
+  if (amax_out != nullptr) AmaxAccumulate(p, n, amax_out);
+}
+
+}  // namespace fsdp8

@@ -1,0 +1,101 @@
+// CpuFastBackend ("cpu"): the CPU backend workers train with. Same contracts and results as the
+// reference CpuRefBackend (kernels/cpu/cpu_ref_backend.h) within the conformance tolerances
+// (tests/conformance: bit for bit where the reference is exact), faster:
+//   * Alloc/Free keep freed blocks by size for reuse (no page faults and zeroing of fresh pages
+//     per op); up to kMaxCachedBytes are kept.
+//   * The elementwise, norm, RoPE, SwiGLU, softmax and optimizer loops are written for the
+//     compiler's vectorizer (AVX2 + FMA on x86-64), with a polynomial exp (Cephes expf, about
+//     1 ulp on [-87, 88]) instead of libm's scalar expf.
+//   * FP8 casts encode 8 values at a time with integer arithmetic (round to nearest even on the
+//     bits, float addition of a magic constant for subnormals; bit-exact with kernels/fp8.h),
+//     with the amax taken in the same pass; RMSNorm + cast runs in one pass per row.
+//   * Attention works as the reference does (row blocks of the causal T x T scores through
+//     OpenBLAS sgemm) with the vectorized softmax.
+// On an x86-64 CPU without AVX2 and FMA, CreateBackend("cpu") returns the reference instead.
+//
+// Deterministic: a fixed order of operations for given shapes, one thread (the backend starts
+// none; OpenBLAS's thread count is the caller's business, as for the reference).
+//
+// Thread-safety: one thread per instance (as Backend). Distinct instances are independent.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+#include "kernels/cpu/cpu_ref_backend.h"
+
+namespace fsdp8 {
+
+class CpuFastBackend final : public CpuRefBackend {
+ public:
+  // Whether this CPU can run it (AVX2 and FMA on x86-64; always elsewhere).
+  static bool Supported();
+
+  explicit CpuFastBackend(const BackendOptions& options);
+  ~CpuFastBackend() override;
+
+  std::string Name() const override { return "cpu"; }
+
+  void* Alloc(size_t bytes) override;
+  void Free(void* p) override;
+
+  void CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale, Fp8Format fmt,
+                 float* amax_out) override;
+  void CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
+                        Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) override;
+  void TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) override;
+  void DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
+                     Fp8Format fmt) override;
+  void AmaxAccumulate(const float* in, int64_t n, float* amax_out) override;
+
+  void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+               const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+               const float* b_scale_inv, float* C, bool accumulate) override;
+  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
+            const float* B, float* C, bool accumulate, GemmInputs inputs) override;
+  void RoundToBf16(float* x, int64_t n) override;
+  void PackBf16(const float* in, uint16_t* out, int64_t n) override;
+  void UnpackBf16(const uint16_t* in, float* out, int64_t n) override;
+
+  void Add(const float* a, const float* b, float* out, int64_t n) override;
+  void Axpy(float alpha, const float* x, float* y, int64_t n) override;
+
+  void RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
+                      float* rstd) override;
+  void RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
+                       int64_t N, int64_t C, float* dx, float* dw) override;
+  void RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                      float* rstd, const float* scale, Fp8Format fmt, uint8_t* out,
+                      float* amax_out) override;
+
+  void RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) override;
+  void RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta) override;
+
+  void AttentionForward(const float* q, const float* k, const float* v, int64_t B, int64_t T,
+                        int64_t H, int64_t Hkv, int64_t D, float* out, float* lse) override;
+  void AttentionBackward(const float* q, const float* k, const float* v, const float* out,
+                         const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
+                         int64_t Hkv, int64_t D, float* dq, float* dk, float* dv) override;
+
+  void SwigluForward(const float* gate, const float* up, int64_t n, float* h) override;
+  void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate,
+                      float* dup) override;
+
+  void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                   float grad_scale, float* losses) override;
+
+  void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
+             float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
+             float* amax_out) override;
+
+ private:
+  static constexpr size_t kMaxCachedBytes = size_t{1} << 30;
+  // Freed blocks by rounded size, reused by Alloc; cached_ bytes in total.
+  std::unordered_map<size_t, std::vector<void*>> free_;
+  std::unordered_map<void*, size_t> rounded_;  // live and cached blocks: their rounded size
+  size_t cached_ = 0;
+};
+
+}  // namespace fsdp8
