@@ -213,6 +213,38 @@ void EncodeRun(const float* in, uint8_t* out, int64_t n, float scale, Fp8Format 
   }
 }
 
+// 8 FP8 codes (one per 32-bit lane) to their f32 values, exactly: the exponent and mantissa bits
+// moved to the f32 positions read as a float of the f32 bias, times 2^(127 - bias) (exact: a
+// power of two; FP8 subnormals land on f32 subnormals and come out normal), then the sign, and
+// the special codes (E4M3 S.1111.111 NaN; E5M2 exponent 31: inf or NaN) from the table.
+inline __m256 Decode8(__m256i c, Fp8Format fmt) {
+  const bool e4m3 = fmt == Fp8Format::kE4M3;
+  const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
+  const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, e4m3 ? 20 : 21)),
+                                 _mm256_set1_ps(e4m3 ? 0x1p120f : 0x1p112f));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+  __m256 r = _mm256_or_ps(v, _mm256_castsi256_ps(sign));
+  const __m256i special = e4m3 ? _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F))
+                               : _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7B));
+  if (_mm256_movemask_epi8(special) != 0) {
+    r = _mm256_blendv_ps(r, _mm256_i32gather_ps(Fp8DecodeTable(fmt), c, 4),
+                         _mm256_castsi256_ps(special));
+  }
+  return r;
+}
+
+// out[i] = the value of FP8 code in[i] for i < n (exact in f32).
+void Decode(const uint8_t* in, int64_t n, Fp8Format fmt, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i c =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in + i)));
+    _mm256_storeu_ps(out + i, Decode8(c, fmt));
+  }
+  const float* table = Fp8DecodeTable(fmt);
+  for (; i < n; ++i) out[i] = table[in[i]];
+}
+
 // ---- byte transposes --------------------------------------------------------------------------
 
 // out (cols, rows) at (c0, r0) = transpose of the 16 x 16 bytes at in (row stride in_ld).
@@ -372,9 +404,9 @@ void CpuFastBackend::TransposeBytes(const uint8_t* in, int64_t rows, int64_t col
 
 void CpuFastBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n,
                                    const float* scale_inv, Fp8Format fmt) {
-  const float* table = Fp8DecodeTable(fmt);
+  Decode(in, n, fmt, out);
   const float si = *scale_inv;
-  for (int64_t i = 0; i < n; ++i) out[i] = table[in[i]] * si;
+  for (int64_t i = 0; i < n; ++i) out[i] *= si;
 }
 
 void CpuFastBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out) {
@@ -393,17 +425,6 @@ void CpuFastBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out)
 
 // ---- GEMMs ------------------------------------------------------------------------------------
 
-namespace {
-// out[i] = table[in[i]] for i < n (the FP8 values, exact in f32), 8 at a time by gather.
-void Decode(const uint8_t* in, int64_t n, const float* table, float* out) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in + i)));
-    _mm256_storeu_ps(out + i, _mm256_i32gather_ps(table, idx, 4));
-  }
-  for (; i < n; ++i) out[i] = table[in[i]];
-}
-}  // namespace
 
 void CpuFastBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                              const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
@@ -417,8 +438,8 @@ void CpuFastBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, 
   }
   float* af = Scratch(0, M * K);
   float* bf = Scratch(1, N * K);
-  Decode(A, M * K, Fp8DecodeTable(a_fmt), af);
-  Decode(B, N * K, Fp8DecodeTable(b_fmt), bf);
+  Decode(A, M * K, a_fmt, af);
+  Decode(B, N * K, b_fmt, bf);
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, alpha, af, K, bf, K,
               accumulate ? 1.0f : 0.0f, C, N);
 }

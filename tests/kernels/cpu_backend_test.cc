@@ -442,6 +442,28 @@ TEST_P(CpuBackendTest, DequantizeFp8) {
   }
 }
 
+// Every code of both formats, specials included (NaN codes decode to NaN, E5M2 infinities to inf),
+// with scale 1: the decoded value itself, against the independent decoder.
+TEST_P(CpuBackendTest, DequantizeFp8EveryCode) {
+  for (Fp8Format fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    std::vector<uint8_t> codes(256 * 3);
+    for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>(i * 7 % 256);
+    Buf<uint8_t> in(be_.get(), codes);
+    Buf<float> out(be_.get(), codes.size()), si(be_.get(), {1.0f});
+    be_->DequantizeFp8(in.get(), out.get(), codes.size(), si.get(), fmt);
+    auto got = out.Host();
+    for (size_t i = 0; i < codes.size(); ++i) {
+      const double want = RefDecode(codes[i], fmt);
+      if (std::isnan(want)) {
+        ASSERT_TRUE(std::isnan(got[i])) << "code " << int(codes[i]);
+      } else {
+        ASSERT_EQ(got[i], static_cast<float>(want)) << "code " << int(codes[i]);
+        ASSERT_EQ(std::signbit(got[i]), std::signbit(want)) << "code " << int(codes[i]);
+      }
+    }
+  }
+}
+
 TEST_P(CpuBackendTest, RoundToBf16AddAxpy) {
   auto x = RandomVec(1000, 90, -100, 100), y = RandomVec(1000, 91);
   Buf<float> a(be_.get(), x), b(be_.get(), y), o(be_.get(), x.size());
