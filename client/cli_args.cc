@@ -12,7 +12,8 @@ const std::map<std::string, bool>& CliFlags() {
       {"coordinator", true}, {"request-id", true}, {"out", true},      {"val-fraction", true},
       {"no-watch", false},   {"json", false},      {"help", false},    {"step", true},
       {"dtype", true},       {"undo", false},      {"token", true},    {"token-file", true},
-      {"tls-ca", true},      {"tls-cert", true},   {"tls-key", true},  {"plot", true}};
+      {"tls-ca", true},      {"tls-cert", true},   {"tls-key", true},  {"plot", true},
+      {"log", true}};
   return *flags;
 }
 

@@ -38,9 +38,12 @@ constexpr char kUsage[] =
     "\n"
     "commands:\n"
     "  submit SPEC_FILE [--request-id ID] [--no-watch]   submit a job (YAML or JSON), then watch it\n"
-    "  watch JOB [--json] [--plot FILE]                  follow a job until it ends (--json: one event per\n"
+    "  watch JOB [--json] [--plot FILE] [--log FILE]     follow a job until it ends (--json: one event per\n"
     "                                                    line; --plot, also on submit: the loss curve\n"
-    "                                                    as an image, .png, .svg or .pdf, by gnuplot)\n"
+    "                                                    as an image, .png, .svg or .pdf, by gnuplot;\n"
+    "                                                    --log, also on submit: the progress lines and\n"
+    "                                                    the summary appended to FILE, while a terminal\n"
+    "                                                    shows the live bar)\n"
     "  status JOB [--json]                               one job's state\n"
     "  list                                              every job\n"
     "  cancel JOB                                        cancel a job\n"
@@ -181,16 +184,53 @@ int Export(Args& a, const std::string& address, const fsdp8::ChannelSecurity& se
   return 0;
 }
 
+// The plain progress line of a step event: "step N/T loss X [val V] tok/s R elapsed E".
+std::string StepLine(const fsdp8::v1::JobEvent& ev, double elapsed_s) {
+  std::string line =
+      absl::StrFormat("step %d/%d loss %s", ev.step(), ev.total_steps(), Num(ev.loss()));
+  if (!std::isnan(ev.val_loss())) absl::StrAppend(&line, " val ", Num(ev.val_loss()));
+  absl::StrAppend(&line, " tok/s ", static_cast<int64_t>(ev.tokens_per_second()), " elapsed ",
+                  fsdp8::FormatDuration(elapsed_s));
+  return line;
+}
+
+// The closing line of a watch: state, steps, wall time of the watch, mean tokens/s of the job
+// (tokens / (end_time - start_time)) and the last train and validation losses.
+std::string SummaryLine(const fsdp8::v1::Job& job, double elapsed_s) {
+  std::string line = absl::StrFormat("job %s %s after %d/%d steps in %s", job.job_id(),
+                                     State(job.state()), job.step(), job.total_steps(),
+                                     fsdp8::FormatDuration(elapsed_s));
+  const double run_s = job.end_time() - job.start_time();
+  if (job.start_time() > 0 && job.end_time() > 0 && run_s > 0 && job.tokens() > 0) {
+    absl::StrAppend(&line, " (mean ", Thousands(static_cast<int64_t>(job.tokens() / run_s)),
+                    " tok/s)");
+  }
+  absl::StrAppend(&line, ": train loss ", Num(job.step() > 0 ? job.loss() : NAN), ", val loss ",
+                  Num(job.val_loss()), " (nats per token)");
+  return line;
+}
+
 // Follows a job; returns the exit code (0 only for SUCCEEDED). With `plot`, writes the loss curve
-// there when the watch ends, and every 30 s meanwhile.
+// there when the watch ends, and every 30 s meanwhile. On a terminal, steps show as a live bar;
+// otherwise as a line every 10 steps, at evaluations and at the end. `log` (may be null) gets the
+// plain lines and the summary whether or not stdout is a terminal.
 int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
-             const std::string& plot = "") {
+             const std::string& plot = "", FILE* log = nullptr) {
   std::vector<fsdp8::LossPoint> curve;
-  auto last_plot = std::chrono::steady_clock::now();
+  const auto start = std::chrono::steady_clock::now();
+  auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  auto last_plot = start;
   auto write_plot = [&]() {
     absl::Status s = fsdp8::WriteLossPlot(plot, absl::StrCat("fsdp8 job ", job_id), curve);
     last_plot = std::chrono::steady_clock::now();
     return s;
+  };
+  auto to_log = [&](const std::string& line) {
+    if (log == nullptr) return;
+    fprintf(log, "%s\n", line.c_str());
+    fflush(log);
   };
   const bool tty = isatty(fileno(stdout));
   double last_val = NAN, ema_step = NAN;
@@ -218,6 +258,7 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
       (void)google::protobuf::util::MessageToJsonString(ev, &line, o);
       printf("%s\n", line.c_str());
       fflush(stdout);
+      to_log(line);
       state = ev.state();
       return true;
     }
@@ -229,10 +270,15 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
       ema_step = std::isnan(ema_step) ? ev.step_seconds() : 0.9 * ema_step + 0.1 * ev.step_seconds();
     if (!is_step) {  // a state change or a notice
       end_bar();
-      printf("%s: %s\n", State(ev.state()).c_str(), ev.message().c_str());
+      const std::string line = absl::StrCat(State(ev.state()), ": ", ev.message());
+      printf("%s\n", line.c_str());
       fflush(stdout);
+      to_log(line);
       return true;
     }
+    const bool plain_due = !std::isnan(ev.val_loss()) || state_changed || ev.step() % 10 == 0 ||
+                           ev.step() == ev.total_steps();
+    if (plain_due) to_log(StepLine(ev, elapsed()));
     if (tty) {
       const int width = 20;
       int filled = ev.total_steps() > 0
@@ -240,20 +286,15 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
       std::string bar(filled, '#');
       bar += std::string(width - filled, '.');
       double eta = std::isnan(ema_step) ? NAN : ema_step * (ev.total_steps() - ev.step());
-      printf("\r\033[K[%s] step %lld/%lld  loss %s  val %s  %s tok/s  ETA %s", bar.c_str(),
-             static_cast<long long>(ev.step()), static_cast<long long>(ev.total_steps()),
-             Num(ev.loss()).c_str(), Num(last_val).c_str(),
-             Thousands(static_cast<int64_t>(ev.tokens_per_second())).c_str(),
-             fsdp8::FormatDuration(eta).c_str());
+      printf("\r\033[K[%s] step %lld/%lld  loss %s  val %s  %s tok/s  elapsed %s  ETA %s",
+             bar.c_str(), static_cast<long long>(ev.step()),
+             static_cast<long long>(ev.total_steps()), Num(ev.loss()).c_str(),
+             Num(last_val).c_str(), Thousands(static_cast<int64_t>(ev.tokens_per_second())).c_str(),
+             fsdp8::FormatDuration(elapsed()).c_str(), fsdp8::FormatDuration(eta).c_str());
       bar_drawn = true;
       fflush(stdout);
-    } else if (!std::isnan(ev.val_loss()) || state_changed || ev.step() % 10 == 0 ||
-               ev.step() == ev.total_steps()) {
-      std::string line = absl::StrFormat("step %d/%d loss %s", ev.step(), ev.total_steps(),
-                                         Num(ev.loss()));
-      if (!std::isnan(ev.val_loss())) absl::StrAppend(&line, " val ", Num(ev.val_loss()));
-      absl::StrAppend(&line, " tok/s ", static_cast<int64_t>(ev.tokens_per_second()));
-      printf("%s\n", line.c_str());
+    } else if (plain_due) {
+      printf("%s\n", StepLine(ev, elapsed()).c_str());
       fflush(stdout);
     }
     return true;
@@ -261,19 +302,25 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
   end_bar();
   if (!plot.empty()) {
     absl::Status ps = write_plot();
-    if (ps.ok())
-      fprintf(json ? stderr : stdout, "loss curve (%zu steps) written to %s\n", curve.size(),
-              plot.c_str());
-    else fprintf(stderr, "error: %s\n", std::string(ps.message()).c_str());
+    if (ps.ok()) {
+      const std::string line =
+          absl::StrFormat("loss curve (%d steps) written to %s", curve.size(), plot);
+      fprintf(json ? stderr : stdout, "%s\n", line.c_str());
+      to_log(line);
+    } else {
+      fprintf(stderr, "error: %s\n", std::string(ps.message()).c_str());
+    }
   }
   if (!job.ok()) return ReportError(job.status());
   if (json) return job->state() == fsdp8::v1::JOB_STATE_SUCCEEDED ? 0 : 1;
-  printf("job %s %s after %lld/%lld steps: train loss %s, val loss %s\n", job->job_id().c_str(),
-         State(job->state()).c_str(), static_cast<long long>(job->step()),
-         static_cast<long long>(job->total_steps()), Num(job->step() > 0 ? job->loss() : NAN).c_str(),
-         Num(job->val_loss()).c_str());
+  const std::string summary = SummaryLine(*job, elapsed());
+  printf("%s\n", summary.c_str());
+  to_log(summary);
   if (job->state() == fsdp8::v1::JOB_STATE_SUCCEEDED) return 0;
-  if (!job->reason().empty()) printf("reason: %s\n", job->reason().c_str());
+  if (!job->reason().empty()) {
+    printf("reason: %s\n", job->reason().c_str());
+    to_log("reason: " + job->reason());
+  }
   fflush(stdout);
   return 1;
 }
@@ -352,7 +399,22 @@ int RunPrepare(Context& ctx) {
 
 int RunExport(Context& ctx) { return Export(ctx.a, ctx.address, ctx.sec); }
 
-// fsdp8 submit SPEC_FILE [--request-id ID] [--no-watch] [--plot FILE]
+// WatchJob with the --plot and --log flags of ctx (the log file is appended to).
+int WatchWithLog(Context& ctx, const std::string& job_id, bool json) {
+  FILE* log = nullptr;
+  if (ctx.a.flags.count("log")) {
+    log = fopen(ctx.a.flags["log"].c_str(), "a");
+    if (log == nullptr) {
+      fprintf(stderr, "error: --log %s: %s\n", ctx.a.flags["log"].c_str(), std::strerror(errno));
+      return 2;
+    }
+  }
+  const int rc = WatchJob(*ctx.client, job_id, json, ctx.a.flags["plot"], log);
+  if (log != nullptr) fclose(log);
+  return rc;
+}
+
+// fsdp8 submit SPEC_FILE [--request-id ID] [--no-watch] [--plot FILE] [--log FILE]
 int RunSubmit(Context& ctx) {
   Args& a = ctx.a;
   if (a.positional.size() != 1) return Usage("submit: exactly one SPEC_FILE");
@@ -378,15 +440,23 @@ int RunSubmit(Context& ctx) {
     return ReportError(job.status());
   }
   printf("%s\n", job->job_id().c_str());
+  const std::string& ck = job->spec().checkpoint().dir();
+  printf("checkpoints: %s\n",
+         ck.empty() ? "none (the spec has no checkpoint.dir)"
+                    : absl::StrCat(ck, "/step-<k>/ (fsdp8 checkpoints ", job->job_id(), ")").c_str());
+  printf("logs: the coordinator's and the workers' standard error; this job's events: fsdp8 watch "
+         "%s%s%s\n",
+         job->job_id().c_str(), a.flags.count("log") ? ", and " : "",
+         a.flags.count("log") ? a.flags["log"].c_str() : "");
   fflush(stdout);
   if (a.flags.count("no-watch")) return 0;
-  return WatchJob(*ctx.client, job->job_id(), false, a.flags["plot"]);
+  return WatchWithLog(ctx, job->job_id(), false);
 }
 
 int RunWatch(Context& ctx) {
   const std::string id = OnlyArg(ctx.a);
   if (id.empty()) return Usage("watch: exactly one JOB");
-  return WatchJob(*ctx.client, id, ctx.a.flags.count("json") > 0, ctx.a.flags["plot"]);
+  return WatchWithLog(ctx, id, ctx.a.flags.count("json") > 0);
 }
 
 int RunStatus(Context& ctx) {
