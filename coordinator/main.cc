@@ -54,8 +54,8 @@ std::chrono::milliseconds Ms(double seconds) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  fsdp8::SetDaemonHelp("fsdp8 coordinator: fsdp8-coordinator [--listen host:port] ...",
-                       "coordinator/main.cc");
+  fsdp8::SetDaemonHelp("fsdp8-coordinator [--listen host:port] [--data_roots DIRS] [--state_db FILE] ...",
+                       "coordinator/main.cc", argc, argv);
   absl::ParseCommandLine(argc, argv);
 
   // Handle SIGINT/SIGTERM on this thread only (every thread started later inherits the mask).

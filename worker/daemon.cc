@@ -6,6 +6,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "kernels/backend.h"
 #include "common/checkpoint_format.h"
 #include "train/checkpoint.h"
@@ -111,6 +112,7 @@ bool WorkerDaemon::Register() {
   // its own backoff, common/rpc_channel.cc), so a coordinator that comes up is reached at once.
   std::chrono::milliseconds backoff(200);
   std::minstd_rand jitter(static_cast<uint32_t>(getpid()));
+  auto last_log = std::chrono::steady_clock::now();
   while (!shutdown_) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
@@ -138,18 +140,26 @@ bool WorkerDaemon::Register() {
       Log(absl::StrCat("registration refused: ", s.error_message()));
       return false;
     }
-    if (std::chrono::steady_clock::now() > deadline) {
+    if (opts_.connect_timeout_s > 0 && std::chrono::steady_clock::now() > deadline) {
       Log(absl::StrCat("coordinator ", opts_.coordinator, " did not answer within ",
-                       opts_.connect_timeout_s, " s: ", s.error_message()));
+                       opts_.connect_timeout_s, " s (--connect_timeout_s): ", s.error_message()));
       return false;
     }
-    if (attempt++ % 10 == 0) {
-      Log(c == grpc::StatusCode::ALREADY_EXISTS
-              ? absl::StrCat("registration refused for now: ", s.error_message())
-              : absl::StrCat("waiting for coordinator ", opts_.coordinator, ": ",
-                             s.error_message()));
-    }
     const auto wait = backoff + std::chrono::milliseconds(jitter() % (backoff.count() / 4 + 1));
+    // Said at the first failure (within the first call's deadline, 5 s at most) and then every
+    // 5 s or so, with what happens next.
+    if (attempt++ == 0 || std::chrono::steady_clock::now() - last_log >= std::chrono::seconds(5)) {
+      last_log = std::chrono::steady_clock::now();
+      const std::string next = absl::StrCat(
+          "; retrying in ", absl::StrFormat("%.1f", wait.count() / 1000.0), " s (doubling up to about 5 s",
+          opts_.connect_timeout_s > 0
+              ? absl::StrCat(", giving up after ", opts_.connect_timeout_s, " s)")
+              : std::string(", until it answers)"));
+      Log(c == grpc::StatusCode::ALREADY_EXISTS
+              ? absl::StrCat("registration refused for now: ", s.error_message(), next)
+              : absl::StrCat("cannot reach coordinator ", opts_.coordinator, ": ",
+                             s.error_message(), next));
+    }
     // Not connected: until the channel is. A refusal for now (ALREADY_EXISTS), or UNAVAILABLE from
     // a coordinator that is connected (shutting down), waits the backoff out.
     const bool until_connected = c == grpc::StatusCode::UNAVAILABLE &&

@@ -40,7 +40,7 @@ struct DaemonOptions {
   std::string host = "127.0.0.1";  // address peers use for collectives
   std::string backend = "cpu";
   int device = 0;
-  int connect_timeout_s = 60;  // give up when the coordinator does not answer this long
+  int connect_timeout_s = 60;  // give up when the coordinator does not answer this long; 0: never
   // Stable worker id to register under (RegisterRequest.name, e.g. the pod name); empty: the
   // coordinator assigns one, new at each registration.
   std::string name;

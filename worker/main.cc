@@ -20,6 +20,7 @@
 #include "common/rpc_channel.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "kernels/backend.h"
 #include "worker/daemon.h"
 #include "worker/metrics.h"
 #include "worker/settings.h"
@@ -31,7 +32,8 @@ ABSL_FLAG(std::string, host, "127.0.0.1", "address peers use to reach this worke
 ABSL_FLAG(std::string, backend, "cpu", "compute backend this worker offers: cpu or cuda");
 ABSL_FLAG(int, device, 0, "GPU ordinal (cuda backend)");
 ABSL_FLAG(int, threads, 1, "BLAS threads for the CPU backend");
-ABSL_FLAG(int, connect_timeout_s, 60, "give up when the coordinator does not answer this long");
+ABSL_FLAG(int, connect_timeout_s, 60,
+          "give up when the coordinator does not answer this long (seconds; 0: keep retrying)");
 ABSL_FLAG(std::string, name, "",
           "stable worker id (e.g. the pod name): kept across session losses and restarts of this "
           "worker or the coordinator; 1-63 of [A-Za-z0-9._-]; empty: the coordinator assigns w-<n>");
@@ -206,6 +208,23 @@ fsdp8::DaemonOptions OptionsFromFlags(fsdp8::WorkerSettings settings) {
   return opts;
 }
 
+// The start line: version, coordinator address, this worker's address, backend and device.
+void PrintStartLine(const fsdp8::DaemonOptions& o) {
+  std::string device;
+  if (o.backend == "cpu") {
+    std::string err;
+    auto be = fsdp8::CreateBackend("cpu", 0, &err);  // which CPU kernels this CPU runs
+    const std::string kernels = !be ? "?" : be->Name() == "cpu" ? "AVX2+FMA" : "reference";
+    device = absl::StrCat("host CPU (", kernels, " kernels, ",
+                          std::max(1, absl::GetFlag(FLAGS_threads)), " BLAS thread(s))");
+  } else {
+    device = absl::StrCat("GPU ", o.device);
+  }
+  std::cerr << "fsdp8-worker " << FSDP8_VERSION << ": coordinator " << o.coordinator << ", host "
+            << o.host << ", name " << (o.name.empty() ? "(assigned)" : o.name) << ", backend "
+            << o.backend << ", device " << device << std::endl;
+}
+
 int Fail(absl::string_view what) {
   std::cerr << "fsdp8-worker: " << what << std::endl;
   return 2;
@@ -214,14 +233,15 @@ int Fail(absl::string_view what) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  fsdp8::SetDaemonHelp("fsdp8 worker: fsdp8-worker --coordinator host:port [--host ip] ...",
-                       "worker/main.cc");
+  fsdp8::SetDaemonHelp("fsdp8-worker --coordinator host:port [--host ip] [--name NAME] [--threads N] ...",
+                       "worker/main.cc", argc, argv);
   absl::ParseCommandLine(argc, argv);
   const sigset_t stop_signals = BlockStopSignals();
   signal(SIGPIPE, SIG_IGN);
   openblas_set_num_threads(std::max(1, absl::GetFlag(FLAGS_threads)));
 
   fsdp8::DaemonOptions opts = OptionsFromFlags(fsdp8::WorkerSettings::FromEnvironment());
+  PrintStartLine(opts);
   auto channel = CoordinatorChannel(opts.coordinator, opts.settings);
   if (!channel.ok()) return Fail(channel.status().message());
   opts.channel = *channel;
