@@ -98,7 +98,7 @@ int main(int argc, char** argv) {
       std::chrono::milliseconds(o.workers.heartbeat_interval_ms) >= o.workers.heartbeat_timeout) {
     fprintf(stderr, "fsdp8-coordinator: --heartbeat_interval_ms must be >= 1 and below "
                     "--heartbeat_timeout_s\n");
-    return 1;
+    return 2;  // a bad flag value, as for the other flags
   }
   if (o.scheduler.start_timeout <= std::chrono::milliseconds(o.scheduler.collective_timeout_ms)) {
     fprintf(stderr, "fsdp8-coordinator: warning: --start_timeout_s is not above "
