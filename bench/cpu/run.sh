@@ -78,9 +78,9 @@ fp8=$(fsdp8_run fp8)
 fp32=$(fsdp8_run fp32)
 torch_line=$("${pin[@]}" python3 bench/cpu/torch_reference.py --threads 2 2>&1) || torch_line="(no torch: $(echo "$torch_line" | tail -1))"
 torch_tps=$(echo "$torch_line" | grep -oE 'tokens/s [0-9]+' | cut -d' ' -f2 || true)
-printf '%-44s %10s %8s\n' system tokens/s vs-torch
+printf '%-58s %10s %8s\n' system tokens/s vs-torch
 ratio() { [ -n "$torch_tps" ] && python3 -c "print(f'{$1 / $torch_tps:.2f}')" || echo -; }
-printf '%-44s %10s %8s\n' "fsdp8 cpu, $workers worker(s) x $threads thread(s), FP8 linears" "$fp8" "$(ratio "$fp8")"
-printf '%-44s %10s %8s\n' "fsdp8 cpu, $workers worker(s) x $threads thread(s), FP32 linears" "$fp32" "$(ratio "$fp32")"
-printf '%-44s %10s %8s\n' "PyTorch CPU FP32, 1 process x 2 threads" "${torch_tps:--}" "${torch_tps:+1.00}"
+printf '%-58s %10s %8s\n' "fsdp8 cpu, $workers worker(s) x $threads thread(s), FP8 linears" "$fp8" "$(ratio "$fp8")"
+printf '%-58s %10s %8s\n' "fsdp8 cpu, $workers worker(s) x $threads thread(s), FP32 linears" "$fp32" "$(ratio "$fp32")"
+printf '%-58s %10s %8s\n' "PyTorch CPU FP32, 1 process x 2 threads" "${torch_tps:--}" "${torch_tps:+1.00}"
 echo "$torch_line"
