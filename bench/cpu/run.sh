@@ -13,7 +13,8 @@
 #
 # Usage: bench/cpu/run.sh [STEPS]   (default 60 steps per fsdp8 run, 30 timed torch steps)
 # Environment: CORES (default 0,1), LAYOUT (2x1 | 1x2), WARMUP (default 10).
-# Needs build/bin (scripts/build.sh) and the fortunes corpus in data/fortunes (prepared here from
+# Also prints OpenBLAS's kernel choice ("Core: ...") and its GEMM rates on the model's shapes.
+# Needs build/bin (scripts/build.sh; fsdp8-bench-cpu-gemm too) and the fortunes corpus in data/fortunes (prepared here from
 # /usr/share/games/fortunes when missing).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -74,6 +75,10 @@ PY
 }
 
 echo "cores $cores ($(taskset -c "$cores" nproc) CPUs): $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
+# OpenBLAS's kernel choice and its single-thread GEMM rates on the model's shapes (the CPU backend's
+# GEMMs are OpenBLAS sgemm; a generic kernel here explains a slow fsdp8 row).
+OPENBLAS_VERBOSE=2 taskset -c "${cores%%,*}" "$bin/fsdp8-bench-cpu-gemm" --threads 1 2>&1 | sed 's/^/  /'
+
 fp8=$(fsdp8_run fp8)
 fp32=$(fsdp8_run fp32)
 torch_line=$("${pin[@]}" python3 bench/cpu/torch_reference.py --threads 2 2>&1) || torch_line="(no torch: $(echo "$torch_line" | tail -1))"

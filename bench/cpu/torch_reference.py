@@ -6,8 +6,9 @@ in the rotate_half convention, causal SDPA, SwiGLU MLP, untied head, no biases; 
 4 heads, ffn 384, vocab 256, seq 256), 16 sequences per step of random byte tokens, AdamW
 (lr 3e-3, weight decay 0.1) with gradient clipping at 1.0, all FP32, eager mode.
 
-Prints one line: "torch <version> cpu fp32 threads N: tokens/s X (median step S s over K steps)".
-tokens/s = sequences * seq / median step time, after --warmup untimed steps.
+Prints one line: "torch <version> cpu fp32 threads N: tokens/s X (median step S s over K steps;
+Y tokens per process-CPU second)". tokens/s = sequences * seq / median step time, after --warmup
+untimed steps; Y divides by the process's CPU time instead (all threads), for shared hosts.
 
 Run pinned, as bench/cpu/run.sh does: taskset -c 0,1 python3 bench/cpu/torch_reference.py --threads 2
 """
@@ -93,7 +94,10 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)
     times = []
+    cpu0 = 0.0
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            cpu0 = time.process_time()
         tok = torch.randint(0, VOCAB, (args.batch, SEQ + 1), generator=gen)
         t0 = time.perf_counter()
         loss = model(tok[:, :-1], tok[:, 1:])
@@ -103,9 +107,12 @@ def main():
         opt.step()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+    cpu = time.process_time() - cpu0
     med = statistics.median(times)
+    tokens = args.batch * SEQ
     print(f"torch {torch.__version__} cpu fp32 threads {torch.get_num_threads()}: "
-          f"tokens/s {args.batch * SEQ / med:.0f} (median step {med:.4f} s over {len(times)} steps)")
+          f"tokens/s {tokens / med:.0f} (median step {med:.4f} s over {len(times)} steps; "
+          f"{tokens * len(times) / cpu:.0f} tokens per process-CPU second)")
 
 
 if __name__ == "__main__":
