@@ -13,7 +13,8 @@ const std::map<std::string, bool>& CliFlags() {
       {"no-watch", false},   {"json", false},      {"help", false},    {"step", true},
       {"dtype", true},       {"undo", false},      {"token", true},    {"token-file", true},
       {"tls-ca", true},      {"tls-cert", true},   {"tls-key", true},  {"plot", true},
-      {"log", true}};
+      {"log", true},
+      {"page-size", true},   {"page-token", true}};
   return *flags;
 }
 

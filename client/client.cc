@@ -64,12 +64,38 @@ absl::StatusOr<v1::Job> Client::GetJob(const std::string& job_id, int events) {
   return job;
 }
 
-absl::StatusOr<std::vector<v1::Job>> Client::ListJobs() {
+absl::StatusOr<v1::ListJobsResponse> Client::ListJobsPage(int page_size,
+                                                          const std::string& page_token) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx);
+  v1::ListJobsRequest req;
+  req.set_page_size(page_size);
+  req.set_page_token(page_token);
   v1::ListJobsResponse resp;
-  if (auto s = FromGrpc(jobs_->ListJobs(&ctx, v1::ListJobsRequest(), &resp)); !s.ok()) return s;
-  return std::vector<v1::Job>(resp.jobs().begin(), resp.jobs().end());
+  if (auto s = FromGrpc(jobs_->ListJobs(&ctx, req, &resp)); !s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<std::vector<v1::Job>> Client::ListJobs() {
+  std::vector<v1::Job> out;
+  std::string token;
+  do {
+    auto page = ListJobsPage(0, token);
+    if (!page.ok()) return page.status();
+    out.insert(out.end(), page->jobs().begin(), page->jobs().end());
+    token = page->next_page_token();
+  } while (!token.empty());
+  return out;
+}
+
+absl::StatusOr<v1::Job> Client::Delete(const std::string& job_id) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::DeleteJobRequest req;
+  req.set_job_id(job_id);
+  v1::Job job;
+  if (auto s = FromGrpc(jobs_->DeleteJob(&ctx, req, &job)); !s.ok()) return s;
+  return job;
 }
 
 absl::StatusOr<v1::Job> Client::Cancel(const std::string& job_id) {

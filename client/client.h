@@ -34,8 +34,15 @@ class Client {
   absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec, const std::string& request_id = "");
   // events > 0: Job.events holds up to that many of the job's newest events.
   absl::StatusOr<v1::Job> GetJob(const std::string& job_id, int events = 0);
+  // Every job the caller may see (a submitter: its own), oldest first, fetched page by page.
   absl::StatusOr<std::vector<v1::Job>> ListJobs();
+  // One page of ListJobs: page_size 0 is the coordinator's default (100); page_token is the
+  // previous page's next_page_token ("" for the first page).
+  absl::StatusOr<v1::ListJobsResponse> ListJobsPage(int page_size, const std::string& page_token);
   absl::StatusOr<v1::Job> Cancel(const std::string& job_id);
+  // Removes an ended job from the job table (its checkpoints stay); FAILED_PRECONDITION for a job
+  // that has not ended. Returns the job as it was.
+  absl::StatusOr<v1::Job> Delete(const std::string& job_id);
 
   // Streams the job's events with seq > after_seq to on_event until the job ends, then returns the
   // job as GetJob reports it. When the stream breaks with UNAVAILABLE (coordinator restarting,

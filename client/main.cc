@@ -45,8 +45,11 @@ constexpr char kUsage[] =
     "                                                    the summary appended to FILE, while a terminal\n"
     "                                                    shows the live bar)\n"
     "  status JOB [--json]                               one job's state\n"
-    "  list                                              every job\n"
+    "  list [--page-size N] [--page-token T]             every job you may see, oldest first (with a\n"
+    "                                                    flag: one page, then the next page's token)\n"
     "  cancel JOB                                        cancel a job\n"
+    "  delete JOB                                        remove an ended job from the job table (its\n"
+    "                                                    checkpoints stay)\n"
     "  workers                                           registered workers\n"
     "  scaling JOB                                       a running job's FP8 scales and amax histories\n"
     "  checkpoint JOB                                    save a checkpoint of a running job after its next step\n"
@@ -478,17 +481,46 @@ int RunStatus(Context& ctx) {
   return 0;
 }
 
+// Every job page by page, or with --page-size / --page-token the one page asked for, followed by
+// the token of the next one.
 int RunList(Context& ctx) {
-  auto jobs = ctx.client->ListJobs();
-  if (!jobs.ok()) return ReportError(jobs.status());
+  const bool one_page = ctx.a.flags.count("page-size") || ctx.a.flags.count("page-token");
+  int page_size = 0;
+  if (ctx.a.flags.count("page-size") &&
+      (!absl::SimpleAtoi(ctx.a.flags["page-size"], &page_size) || page_size < 1))
+    return Usage("list: --page-size must be a positive integer");
+  const std::string first = ctx.a.flags.count("page-token") ? ctx.a.flags["page-token"] : "";
+  std::vector<fsdp8::v1::Job> jobs;
+  std::string next;
+  if (one_page) {
+    auto page = ctx.client->ListJobsPage(page_size, first);
+    if (!page.ok()) return ReportError(page.status());
+    jobs.assign(page->jobs().begin(), page->jobs().end());
+    next = page->next_page_token();
+  } else {
+    auto all = ctx.client->ListJobs();
+    if (!all.ok()) return ReportError(all.status());
+    jobs = std::move(*all);
+  }
   printf("%-14s %-10s %-11s %-8s %-8s %-16s %s\n", "JOB", "STATE", "STEP", "LOSS", "VAL", "NAME",
          "REASON");
-  for (const auto& j : *jobs) {
+  for (const auto& j : jobs) {
     printf("%-14s %-10s %-11s %-8s %-8s %-16s %s\n", j.job_id().c_str(), State(j.state()).c_str(),
            absl::StrCat(j.step(), "/", j.total_steps()).c_str(),
            Num(j.step() > 0 ? j.loss() : NAN).c_str(), Num(j.val_loss()).c_str(),
            j.spec().name().c_str(), j.reason().c_str());
   }
+  if (!next.empty()) printf("next page: --page-token %s\n", next.c_str());
+  return 0;
+}
+
+int RunDelete(Context& ctx) {
+  const std::string id = OnlyArg(ctx.a);
+  if (id.empty()) return Usage("delete: exactly one JOB");
+  auto job = ctx.client->Delete(id);
+  if (!job.ok()) return ReportError(job.status());
+  printf("job %s deleted (%s; its checkpoints stay)\n", job->job_id().c_str(),
+         State(job->state()).c_str());
   return 0;
 }
 
@@ -601,6 +633,7 @@ constexpr Command kCommands[] = {
     {"status", Needs::kClient, RunStatus},
     {"list", Needs::kClient, RunList},
     {"cancel", Needs::kClient, RunCancel},
+    {"delete", Needs::kClient, RunDelete},
     {"workers", Needs::kClient, RunWorkers},
     {"scaling", Needs::kClient, RunScaling},
     {"checkpoint", Needs::kClient, RunCheckpoint},

@@ -50,11 +50,14 @@ inline constexpr char kUnfusedProjections[] = "FSDP8_UNFUSED_PROJECTIONS";
 // "1": the trainer logs each step's timing split to stderr (so does FSDP8_PROFILE_OPS).
 inline constexpr char kStepTiming[] = "FSDP8_STEP_TIMING";
 
-// ---- fault injection for tests and drills (worker/fault_injection.h) ----
+// ---- fault injection for tests and drills (common/fault_injection.h) ----
 // RANK@STEP,...: that rank's step runs, then fails (once per process and entry).
 inline constexpr char kFaultStepError[] = "FSDP8_FAULT_STEP_ERROR";
 // SUBSTRING,...: a checkpoint shard write whose path contains one fails as on a full disk.
 inline constexpr char kFaultCheckpointEnospc[] = "FSDP8_FAULT_CHECKPOINT_ENOSPC";
+// POINT@SUBSTRING,...: SIGKILL at that crash point of a checkpoint write (shard.* in a worker,
+// manifest.* in the coordinator) whose path contains SUBSTRING.
+inline constexpr char kFaultCrashAt[] = "FSDP8_FAULT_CRASH_AT";
 
 // The variable's value; nullopt when it is unset (an empty value is returned as "").
 std::optional<std::string> Get(const char* name);

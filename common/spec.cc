@@ -380,7 +380,24 @@ absl::Status CheckPrecision(const v1::PrecisionSpec& p, int n_layers) {
   return CheckPrecisionOverrides(p, n_layers);
 }
 
-// data.*, checkpoint.*, init.from_hf: the paths, under the data roots when there are any.
+// init.from_checkpoint and its flags: see ValidateSpec in spec.h.
+absl::Status CheckInitFromCheckpoint(const v1::InitSpec& init,
+                                     const std::vector<std::string>& roots) {
+  if (init.from_checkpoint().empty()) {
+    if (init.load_optimizer_state() || init.load_fp8_state()) {
+      return Bad(init.load_optimizer_state() ? "init.load_optimizer_state" : "init.load_fp8_state",
+                 "needs init.from_checkpoint", "true but no init.from_checkpoint");
+    }
+    return absl::OkStatus();
+  }
+  if (!init.from_hf().empty()) {
+    return Bad("init.from_checkpoint", "cannot be combined with init.from_hf",
+               "both are set: pick one source of the initial weights");
+  }
+  return CheckDataPath("init.from_checkpoint", init.from_checkpoint(), roots);
+}
+
+// data.*, checkpoint.*, init.*: the paths, under the data roots when there are any.
 absl::Status CheckPaths(const v1::JobSpec& spec, const std::vector<std::string>& data_roots) {
   const v1::DataSpec& d = spec.data();
   if (d.train_path().empty()) return absl::InvalidArgumentError("data.train_path: required");
@@ -392,7 +409,7 @@ absl::Status CheckPaths(const v1::JobSpec& spec, const std::vector<std::string>&
   if (!spec.init().from_hf().empty()) {
     FSDP8_RETURN_IF_ERROR(CheckDataPath("init.from_hf", spec.init().from_hf(), data_roots));
   }
-  return absl::OkStatus();
+  return CheckInitFromCheckpoint(spec.init(), data_roots);
 }
 
 // The files the paths name: token shards long enough for one sequence, a compatible HF model.
@@ -413,7 +430,7 @@ bool IsPathField(const google::protobuf::FieldDescriptor* f) {
   static const std::set<std::string>* paths = new std::set<std::string>{
       "fsdp8.v1.DataSpec.train_path",       "fsdp8.v1.DataSpec.val_path",
       "fsdp8.v1.CheckpointSpec.dir",        "fsdp8.v1.CheckpointSpec.resume_from",
-      "fsdp8.v1.InitSpec.from_hf"};
+      "fsdp8.v1.InitSpec.from_hf",          "fsdp8.v1.InitSpec.from_checkpoint"};
   return paths->count(f->full_name()) > 0;
 }
 

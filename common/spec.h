@@ -16,8 +16,8 @@ namespace fsdp8 {
 
 // Limits on what a spec may hold, so that one submission cannot grow the coordinator's job table
 // without bound: the serialized size of the spec, and the bytes of every string field — paths
-// (data.train_path, data.val_path, checkpoint.dir, checkpoint.resume_from, init.from_hf) up to
-// kMaxPathBytes, every other string (name, backend) up to
+// (data.train_path, data.val_path, checkpoint.dir, checkpoint.resume_from, init.from_hf,
+// init.from_checkpoint) up to kMaxPathBytes, every other string (name, backend) up to
 // kMaxNameBytes. Also the limit on a request id.
 inline constexpr int64_t kMaxSpecBytes = 64 << 10;
 inline constexpr int64_t kMaxPathBytes = 1024;
@@ -48,7 +48,9 @@ v1::JobSpec WithDefaults(const v1::JobSpec& spec, int world_size);
 // empty, "latest" or a path strictly under checkpoint.dir (lexically normalised; whether it holds
 // a committed checkpoint is checked by the coordinator, not here).
 // max_restarts >= 0 (default 3 with a checkpoint.dir, else 0).
-// init.from_hf follows the data-root rule of data.train_path.
+// init.from_hf and init.from_checkpoint follow the data-root rule of data.train_path; at most one
+// of them is set; init.load_optimizer_state and init.load_fp8_state need init.from_checkpoint
+// (whether it holds a committed checkpoint of the job's model is checked by the coordinator).
 // check_files: data.train_path (and data.val_path when set) must be readable token shards (header
 // and size checked, see token_shard.h) holding at least seq_len + 1 tokens; init.from_hf must hold
 // a config.json matching the model section (CheckHfDir in hf_model.h) and a model.safetensors.

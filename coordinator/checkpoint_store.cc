@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <chrono>
 #include <memory>
 #include <set>
@@ -42,12 +43,23 @@ absl::Status FsyncPath(const std::string& path, bool directory) {
   return absl::OkStatus();
 }
 
-absl::Status WriteFileDurably(const std::string& path, const std::string& data) {
+// Called at each crash point of a write with its name (common/fault_injection.h).
+using CrashHook = std::function<void(const char* point)>;
+
+// Writes and fsyncs `path`; `crash` (optional) is called at manifest.before_write (file created,
+// empty), manifest.mid_write (half of `data` written) and manifest.before_fsync.
+absl::Status WriteFileDurably(const std::string& path, const std::string& data,
+                              const CrashHook& crash = nullptr) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoError("create", path);
+  if (crash) crash("manifest.before_write");
   size_t off = 0;
+  bool halfway = crash != nullptr;
   while (off < data.size()) {
-    ssize_t n = ::write(fd, data.data() + off, data.size() - off);
+    // With crash points, the first write stops halfway (manifest.mid_write comes between).
+    const size_t left = data.size() - off;
+    const size_t want = halfway ? std::max<size_t>(1, left / 2) : left;
+    ssize_t n = ::write(fd, data.data() + off, want);
     if (n < 0) {
       if (errno == EINTR) continue;
       int saved = errno;
@@ -56,7 +68,12 @@ absl::Status WriteFileDurably(const std::string& path, const std::string& data) 
       return ErrnoError("write", path);
     }
     off += static_cast<size_t>(n);
+    if (halfway) {
+      halfway = false;
+      crash("manifest.mid_write");
+    }
   }
+  if (crash) crash("manifest.before_fsync");
   if (::fsync(fd) != 0) {
     int saved = errno;
     ::close(fd);
@@ -175,8 +192,15 @@ absl::Status CheckpointStore::Commit(v1::CheckpointManifest m) const {
   if (!json.ok()) return json.status();
   const std::string tmp = (fs::path(dir) / absl::StrCat(kManifestName, ".tmp")).string();
   const std::string final_path = (fs::path(dir) / kManifestName).string();
-  if (absl::Status s = WriteFileDurably(tmp, *json); !s.ok()) return s;
+  // The crash points name the MANIFEST's final path (<root>/step-<k>/MANIFEST, also when staged).
+  const std::string named = (fs::path(step_dir) / kManifestName).string();
+  const CrashHook crash = [this, &named](const char* point) {
+    if (faults_ != nullptr) faults_->CrashPoint(point, named);
+  };
+  if (absl::Status s = WriteFileDurably(tmp, *json, crash); !s.ok()) return s;
+  crash("manifest.before_rename");
   if (::rename(tmp.c_str(), final_path.c_str()) != 0) return ErrnoError("rename to", final_path);
+  crash("manifest.after_rename");
   if (absl::Status s = FsyncPath(dir, true); !s.ok()) return s;
   if (!staged) return absl::OkStatus();
   // The staged save is complete and committed in its own directory: swap it in.
@@ -327,7 +351,8 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Retain(int keep_last) 
 
 absl::Status CheckpointStore::CheckResumeCompatible(const v1::JobSpec& job_in,
                                                     const v1::JobSpec& saved_in,
-                                                    const std::string& step_dir) {
+                                                    const std::string& step_dir,
+                                                    const std::string& field) {
   const v1::JobSpec job = WithDefaults(job_in, 0);
   const v1::JobSpec saved = WithDefaults(saved_in, 0);
   using google::protobuf::util::MessageDifferencer;
@@ -335,7 +360,7 @@ absl::Status CheckpointStore::CheckResumeCompatible(const v1::JobSpec& job_in,
                     const std::string& section) -> absl::Status {
     if (MessageDifferencer::Equals(a, b)) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint.resume_from: checkpoint ", step_dir, " was written with a different ",
+        field, ": checkpoint ", step_dir, " was written with a different ",
         section, " (checkpoint: {", b.ShortDebugString(), "}, job: {",
         a.ShortDebugString(), "})"));
   };
@@ -414,8 +439,9 @@ absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant, bo
     if (!take_over) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint.dir: ", root_, " belongs to ", Describe(old),
-          "; a checkpoint directory holds one job's checkpoints: choose another checkpoint.dir, "
-          "or set checkpoint.take_over: true once ", old.job_id(), " has ended or was deleted"));
+          "; a checkpoint directory holds one job's checkpoints: choose another checkpoint.dir "
+          "(init.from_checkpoint starts from one of its checkpoints), or set "
+          "checkpoint.take_over: true once ", old.job_id(), " has ended or was deleted"));
     }
     if (may_take_over) {
       if (absl::Status s = may_take_over(old); !s.ok()) return s;

@@ -40,6 +40,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/checkpoint_format.h"
+#include "common/fault_injection.h"
 #include "fsdp8/v1/checkpoint.pb.h"
 #include "fsdp8/v1/spec.pb.h"
 
@@ -58,8 +59,10 @@ class CheckpointStore {
   static constexpr const char* kManifestName = kManifestFileName;
 
   // job_id: the job this store writes for (see Ownership above); empty: no ownership checks.
-  explicit CheckpointStore(std::string root, std::string job_id = "")
-      : root_(std::move(root)), job_id_(std::move(job_id)) {}
+  // faults (optional, must outlive the store): Commit reaches its manifest.* crash points.
+  explicit CheckpointStore(std::string root, std::string job_id = "",
+                           const FaultInjection* faults = nullptr)
+      : root_(std::move(root)), job_id_(std::move(job_id)), faults_(faults) {}
   const std::string& root() const { return root_; }
 
   // Decides whether the current owner may be replaced: OK allows, an error is returned by Claim
@@ -123,8 +126,10 @@ class CheckpointStore {
   // OK when a job with spec `job` may load a checkpoint written with spec `saved`: the model
   // config and the precision plan (defaults applied) must be equal. FAILED_PRECONDITION naming the
   // differing section otherwise. Sharding, batch sizes and the optimizer may differ.
+  // `field` names the spec field in the message.
   static absl::Status CheckResumeCompatible(const v1::JobSpec& job, const v1::JobSpec& saved,
-                                            const std::string& step_dir);
+                                            const std::string& step_dir,
+                                            const std::string& field = "checkpoint.resume_from");
 
  private:
   // OK when job_id_ is empty or owns root; claims root for job_id_ when it has no owner. Call with
@@ -140,6 +145,7 @@ class CheckpointStore {
 
   std::string root_;
   std::string job_id_;
+  const FaultInjection* faults_;
 };
 
 }  // namespace fsdp8::coord

@@ -4,8 +4,10 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <cstring>
 #include <random>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/spec.h"
@@ -58,7 +60,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
     r.last_seq = row.last_seq;
     // Re-defaulted, so a row stored before a default was added still matches a resubmission.
     r.submitted_spec = DeterministicBytes(WithDefaults(r.job.spec(), 0));
-    jm->order_.push_back(id);
+    jm->order_.insert({r.job.create_time(), id});
     if (!r.job.request_id().empty()) jm->by_request_[r.job.request_id()] = id;
     v1::JobState s = r.job.state();
     if (s == v1::JOB_STATE_STARTING || s == v1::JOB_STATE_RUNNING ||
@@ -90,6 +92,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
       }
       ev.set_message(r.job.reason());
       jm->PublishLocked(&r, ev);
+      if (!recover) jm->ended_.insert({r.job.end_time(), id});
     } else if (IsTerminalState(s) && r.last_seq > 0) {
       // The final event, rebuilt from the row so a late watcher still learns the outcome.
       v1::JobEvent ev;
@@ -105,7 +108,9 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
       ev.set_time(r.job.end_time());
       r.events.push_back(ev);
     }
+    if (IsTerminalState(s)) jm->ended_.insert({r.job.end_time(), id});
   }
+  jm->RetainLocked();
   return jm;
 }
 
@@ -153,6 +158,11 @@ std::string JobManager::NewJobIdLocked() {
 
 absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
                                            const v1::JobSpec& spec, const std::string& owner) {
+  if (static_cast<int64_t>(request_id.size()) > kMaxNameBytes)
+    return absl::InvalidArgumentError(absl::StrCat("request_id: longer than the limit of ",
+                                                   kMaxNameBytes, " bytes (got ",
+                                                   request_id.size(), ")"));
+  if (absl::Status s = CheckSpecLimits(spec); !s.ok()) return s;  // before copying it around
   v1::JobSpec d = WithDefaults(spec, 0);
   std::string bytes = DeterministicBytes(d);
   {
@@ -197,6 +207,17 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
         !s.ok())
       return s;
   }
+  const std::string& init = d.init().from_checkpoint();
+  if (options_.check_files && !init.empty()) {
+    auto ck = CheckpointStore::Open(init);
+    if (!ck.ok())
+      return absl::FailedPreconditionError(
+          absl::StrCat("init.from_checkpoint: ", ck.status().message()));
+    if (absl::Status s = CheckpointStore::CheckResumeCompatible(d, ck->manifest.spec(), init,
+                                                                "init.from_checkpoint");
+        !s.ok())
+      return s;
+  }
   v1::Job out;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -228,7 +249,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
     job.set_total_steps(d.training().steps());
     job.set_val_loss(std::numeric_limits<double>::quiet_NaN());
     job.set_create_time(NowSeconds());
-    order_.push_back(id);
+    order_.insert({job.create_time(), id});
     if (!request_id.empty()) by_request_[request_id] = id;
     v1::JobEvent ev;
     ev.set_message(absl::StrCat("submitted; ", job.reason()));
@@ -243,6 +264,122 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
   }
   if (cb) cb();
   return out;
+}
+
+// ---- Pages, deletion, retention ----
+namespace {
+
+std::string PageToken(double create_time, const std::string& id) {
+  uint64_t bits = 0;
+  static_assert(sizeof(bits) == sizeof(create_time));
+  std::memcpy(&bits, &create_time, sizeof(bits));
+  return absl::StrCat(absl::Hex(bits, absl::kZeroPad16), "/", id);
+}
+
+absl::StatusOr<std::pair<double, std::string>> ParsePageToken(const std::string& token) {
+  const size_t slash = token.find('/');
+  uint64_t bits = 0;
+  if (slash != 16 || !absl::SimpleHexAtoi(token.substr(0, slash), &bits) ||
+      slash + 1 >= token.size()) {
+    return absl::InvalidArgumentError(
+        "page_token: not a token from a previous ListJobs page (pass next_page_token as it came)");
+  }
+  double t = 0;
+  std::memcpy(&t, &bits, sizeof(t));
+  return std::make_pair(t, token.substr(slash + 1));
+}
+
+}  // namespace
+
+absl::StatusOr<JobPage> JobManager::ListPage(const std::optional<std::string>& owner,
+                                             int page_size, const std::string& page_token,
+                                             int events, int64_t max_bytes) const {
+  if (page_size < 0)
+    return absl::InvalidArgumentError(absl::StrCat("page_size: must be >= 0 (got ", page_size, ")"));
+  if (events < 0)
+    return absl::InvalidArgumentError(absl::StrCat("events: must be >= 0 (got ", events, ")"));
+  const size_t want = page_size == 0 ? kDefaultPageSize : std::min(page_size, kMaxPageSize);
+  const size_t n_events = static_cast<size_t>(std::min(events, kMaxListEvents));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = order_.begin();
+  if (!page_token.empty()) {
+    auto key = ParsePageToken(page_token);
+    if (!key.ok()) return key.status();
+    it = order_.upper_bound(*key);
+  }
+  JobPage page;
+  int64_t bytes = 0;
+  for (; it != order_.end(); ++it) {
+    const Record& r = jobs_.at(it->second);
+    if (owner && r.job.owner() != *owner) continue;
+    if (page.jobs.size() == want) break;  // a further job exists: not the last page
+    v1::Job j = r.job;
+    const size_t n = std::min(n_events, r.events.size());
+    for (auto e = r.events.end() - n; e != r.events.end(); ++e) *j.add_events() = *e;
+    const int64_t size = static_cast<int64_t>(j.ByteSizeLong());
+    if (!page.jobs.empty() && bytes + size > max_bytes) break;
+    bytes += size;
+    page.jobs.push_back(std::move(j));
+  }
+  if (it != order_.end() && !page.jobs.empty()) {
+    const v1::Job& last = page.jobs.back();
+    page.next_page_token = PageToken(last.create_time(), last.job_id());
+  }
+  return page;
+}
+
+absl::Status JobManager::Delete(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  if (!IsTerminalState(r->job.state()))
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", job_id, " is ", StateName(r->job.state()),
+        "; only an ended job can be deleted (cancel it first)"));
+  EraseLocked(job_id);
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+size_t JobManager::ApplyRetention() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return RetainLocked();
+}
+
+size_t JobManager::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return jobs_.size();
+}
+
+void JobManager::NoteEndedLocked(const v1::Job& job) {
+  ended_.insert({job.end_time(), job.job_id()});
+  RetainLocked();
+}
+
+size_t JobManager::RetainLocked() {
+  const double age = static_cast<double>(options_.retain_ended_age.count());
+  const double cutoff = NowSeconds() - age;
+  size_t removed = 0;
+  while (!ended_.empty() && (ended_.size() > options_.retain_ended_jobs ||
+                             (age > 0 && ended_.begin()->first < cutoff))) {
+    EraseLocked(ended_.begin()->second);
+    ++removed;
+  }
+  if (removed > 0) cv_.notify_all();
+  return removed;
+}
+
+void JobManager::EraseLocked(const std::string& job_id) {
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return;
+  const v1::Job& j = it->second.job;
+  order_.erase({j.create_time(), job_id});
+  ended_.erase({j.end_time(), job_id});
+  auto req = by_request_.find(j.request_id());
+  if (req != by_request_.end() && req->second == job_id) by_request_.erase(req);
+  jobs_.erase(it);
+  if (absl::Status s = store_->Delete(job_id); !s.ok())
+    fprintf(stderr, "fsdp8-coordinator: deleting job %s: %s\n", job_id.c_str(), s.ToString().c_str());
 }
 
 absl::Status JobManager::ClaimCheckpointDirLocked(const v1::JobSpec& spec, const std::string& id,
@@ -276,14 +413,14 @@ std::vector<v1::Job> JobManager::List() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<v1::Job> out;
   out.reserve(order_.size());
-  for (const auto& id : order_) out.push_back(jobs_.at(id).job);
+  for (const auto& [unused, id] : order_) out.push_back(jobs_.at(id).job);
   return out;
 }
 
 std::vector<v1::Job> JobManager::PendingJobs() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<v1::Job> out;
-  for (const auto& id : order_) {
+  for (const auto& [unused, id] : order_) {
     const auto& j = jobs_.at(id).job;
     if (j.state() == v1::JOB_STATE_PENDING || j.state() == v1::JOB_STATE_RECOVERING)
       out.push_back(j);
@@ -315,6 +452,7 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id) {
     PublishLocked(r, ev);
     out = r->job;
     cb = on_cancel_;
+    NoteEndedLocked(out);
   }
   if (was_active && cb) cb(job_id);
   return out;
@@ -551,6 +689,7 @@ absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,
   ev.set_tokens(j.tokens());
   ev.set_message(reason.empty() ? StateName(state) : reason);
   PublishLocked(r, ev);
+  NoteEndedLocked(v1::Job(j));
   return absl::OkStatus();
 }
 

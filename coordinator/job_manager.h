@@ -17,10 +17,15 @@
 // resumes them from their latest committed checkpoint; otherwise FAILED ("coordinator restarted
 // (...)"). PENDING jobs stay pending; request ids are remembered.
 //
+// Bounds: ListPage hands the table out a page at a time (page size and bytes bounded); Delete and
+// the retention of ended jobs (JobManagerOptions::retain_ended_*) remove ended jobs from the table
+// and the state db, never their checkpoints.
+//
 // Thread-safety: every method is safe to call from several threads. Listeners are called without
 // the internal lock held.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -29,7 +34,9 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -45,7 +52,22 @@ struct JobManagerOptions {
   std::vector<std::string> data_roots;     // dataset paths must lie under one; empty = anywhere
   bool check_files = true;                 // validate that data files exist and are token shards
   size_t max_events_per_job = 10000;
+  // Ended jobs (SUCCEEDED, FAILED, CANCELLED) kept in the table: the retain_ended_jobs most
+  // recently ended, none that ended more than retain_ended_age ago (0: no age limit). Older ones
+  // are removed from the table and the state db (never their checkpoints) whenever a job ends, at
+  // Open and on ApplyRetention.
+  size_t retain_ended_jobs = 1000;
+  std::chrono::seconds retain_ended_age{30 * 24 * 3600};
 };
+
+// One page of JobManager::ListPage.
+struct JobPage {
+  std::vector<v1::Job> jobs;
+  std::string next_page_token;  // empty on the last page
+};
+inline constexpr int kDefaultPageSize = 100;
+inline constexpr int kMaxPageSize = 1000;
+inline constexpr int kMaxListEvents = 100;  // events per job in a page
 
 class JobManager {
  public:
@@ -71,6 +93,23 @@ class JobManager {
   absl::StatusOr<v1::Job> Get(const std::string& job_id) const;
   // Every job, oldest first.
   std::vector<v1::Job> List() const;
+  // One page of the table, oldest first (by create time, then id): up to page_size jobs (0:
+  // kDefaultPageSize; at most kMaxPageSize) after the one page_token names ("": from the first),
+  // only `owner`'s when set, each with up to `events` of its newest events (at most
+  // kMaxListEvents), and at most max_bytes of serialized jobs (but at least one job). Tokens stay
+  // valid across deletions and coordinator restarts. INVALID_ARGUMENT for a negative page_size or
+  // events, or a page_token that ListPage did not make.
+  absl::StatusOr<JobPage> ListPage(const std::optional<std::string>& owner, int page_size,
+                                   const std::string& page_token, int events,
+                                   int64_t max_bytes) const;
+  // Removes an ended job from the table and the state db; its checkpoints stay. NOT_FOUND for an
+  // unknown id, FAILED_PRECONDITION for a job that has not ended (cancel it first).
+  absl::Status Delete(const std::string& job_id);
+  // Applies the retention rule of ended jobs now (the age part matters between job ends); returns
+  // how many were removed.
+  size_t ApplyRetention();
+  // Jobs in the table.
+  size_t size() const;
   // A PENDING job becomes CANCELLED at once; a STARTING/RUNNING job becomes CANCELLED and the
   // cancel listener is told (the step driver then aborts its ranks). FAILED_PRECONDITION for a
   // finished job, NOT_FOUND for an unknown id.
@@ -158,7 +197,14 @@ class JobManager {
     int64_t dispatched = 0;  // completed-step count after the last step command sent
   };
 
+  using OrderKey = std::pair<double, std::string>;  // (create_time, job_id)
+
   JobManager(JobManagerOptions options, std::unique_ptr<JobStore> store);
+  // Records that the job ended (for retention) and applies the retention rule; may remove jobs,
+  // so no Record pointer survives it.
+  void NoteEndedLocked(const v1::Job& job);
+  size_t RetainLocked();
+  void EraseLocked(const std::string& job_id);
   Record* FindLocked(const std::string& job_id);
   const Record* FindLocked(const std::string& job_id) const;
   // Appends an event (fills seq, job_id, state, total_steps, time), persists, notifies watchers.
@@ -175,7 +221,8 @@ class JobManager {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::string, Record> jobs_;
-  std::vector<std::string> order_;                  // job ids, oldest first
+  std::set<OrderKey> order_;                          // every job, oldest first
+  std::set<std::pair<double, std::string>> ended_;    // (end_time, job_id) of ended jobs
   std::map<std::string, std::string> by_request_;  // request_id -> job_id
   bool shutdown_ = false;
   std::function<void()> on_submit_;

@@ -283,9 +283,23 @@ absl::Status JobRun::StartGeneration(const v1::JobSpec& spec, Progress* p) {
     p->start_step = resume->step;
     p->tokens_total = resume->manifest.tokens();
   }
+  std::optional<CommittedCheckpoint> init;
+  if (!resume && !spec.init().from_checkpoint().empty()) {
+    // A job without a checkpoint of its own starts from another job's (read only).
+    const std::string& dir = spec.init().from_checkpoint();
+    auto ck = CheckpointStore::Open(dir);
+    if (!ck.ok())
+      return absl::FailedPreconditionError(
+          absl::StrCat("init.from_checkpoint: ", ck.status().message()));
+    if (absl::Status s = CheckpointStore::CheckResumeCompatible(spec, ck->manifest.spec(), dir,
+                                                                "init.from_checkpoint");
+        !s.ok())
+      return s;
+    init = std::move(*ck);
+  }
   if (absl::Status s = AnnounceStart(resume); !s.ok()) return s;
   assigning_ = true;  // from here on a failure must Abort the ranks
-  if (absl::Status s = SendAssignments(spec, resume); !s.ok()) return s;
+  if (absl::Status s = SendAssignments(spec, resume, init); !s.ok()) return s;
   if (absl::Status s = AwaitReady(); !s.ok()) return s;
   p->last_result = Clock::now();
   p->next_to_send = p->start_step;
@@ -347,7 +361,8 @@ absl::Status JobRun::AnnounceStart(const std::optional<CommittedCheckpoint>& res
 }
 
 absl::Status JobRun::SendAssignments(const v1::JobSpec& spec,
-                                     const std::optional<CommittedCheckpoint>& resume) {
+                                     const std::optional<CommittedCheckpoint>& resume,
+                                     const std::optional<CommittedCheckpoint>& init) {
   const int n = static_cast<int>(ranks_.size());
   for (int r = 0; r < n; ++r) {
     v1::CoordinatorMessage m;
@@ -365,6 +380,9 @@ absl::Status JobRun::SendAssignments(const v1::JobSpec& spec,
       a->set_load_dir(resume->dir);
       a->set_load_world_size(resume->manifest.world_size());
       a->set_start_step(resume->step);
+    } else if (init) {
+      a->set_init_dir(init->dir);
+      a->set_init_world_size(init->manifest.world_size());
     }
     if (!workers_->Send(ranks_[r], m)) {
       failed_rank_ = r;
@@ -521,7 +539,7 @@ absl::Status JobRun::SaveCheckpoint(const v1::JobSpec& spec, int64_t step, int64
                                     bool* storage_failure) {
   *storage_failure = false;
   const std::string what = absl::StrCat("checkpoint step-", step);
-  const CheckpointStore store(spec.checkpoint().dir(), job_.job_id());
+  const CheckpointStore store(spec.checkpoint().dir(), job_.job_id(), options_.faults);
   auto storage = [&](const absl::Status& s) {
     *storage_failure = true;
     store.Abandon(step).IgnoreError();  // best effort; Retain removes leftovers later

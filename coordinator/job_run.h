@@ -22,9 +22,12 @@
 // goes on; the next interval tries again (the last step's save is retried at once). After
 // checkpoint.max_failed_saves consecutive failed saves the job is FAILED, not restarted.
 // Resume (checkpoint.resume_from, or any restarted generation): the coordinator picks the
-// checkpoint ("latest" committed one, or the named step directory; verified, model and precision
-// must match) and sends the same load_dir / load_world_size / start_step in every rank's
-// Assignment; steps start_step..steps-1 run and Job.step / tokens continue from the checkpoint.
+// checkpoint ("latest" committed one, or the named step directory, or for a restarted generation
+// the job's own newest; verified, model and precision must match) and sends the same load_dir /
+// load_world_size / start_step in every rank's Assignment; steps start_step..steps-1 run and
+// Job.step / tokens continue from the checkpoint. Without one, init.from_checkpoint (another
+// job's checkpoint, read only) goes out as init_dir / init_world_size and the job starts at 0.
+// Saves go through CheckpointStore(dir, job id): only while the job owns the directory.
 // Failure: a WorkerError, a lost Session, a heartbeat timeout or a deadline fails the generation
 // (the reason names the worker and rank) and sends Abort to the other ranks (and to a failed rank
 // that may still be alive: timed out, silent); Cancel and Shutdown send Abort to every rank. A
@@ -138,8 +141,10 @@ class JobRun {
   absl::Status ResolveResume(const v1::JobSpec& spec, std::optional<CommittedCheckpoint>* out);
   // Publishes where this generation starts from (nothing for a first generation from step 0).
   absl::Status AnnounceStart(const std::optional<CommittedCheckpoint>& resume);
+  // init: spec.init.from_checkpoint, opened and checked, when the job starts without `resume`.
   absl::Status SendAssignments(const v1::JobSpec& spec,
-                               const std::optional<CommittedCheckpoint>& resume);
+                               const std::optional<CommittedCheckpoint>& resume,
+                               const std::optional<CommittedCheckpoint>& init);
   absl::Status AwaitReady();
 
   // One step k: its command (unless sent ahead), step k+1's ahead when allowed, every rank's

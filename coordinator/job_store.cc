@@ -86,6 +86,18 @@ absl::Status JobStore::Put(const v1::Job& job, int64_t last_seq) {
   return absl::OkStatus();
 }
 
+absl::Status JobStore::Delete(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  sqlite3_stmt* st = nullptr;
+  if (sqlite3_prepare_v2(db_, "DELETE FROM jobs WHERE job_id = ?", -1, &st, nullptr) != SQLITE_OK)
+    return Error("prepare");
+  sqlite3_bind_text(st, 1, job_id.c_str(), -1, SQLITE_TRANSIENT);
+  int rc = sqlite3_step(st);
+  sqlite3_finalize(st);
+  if (rc != SQLITE_DONE) return Error("delete job");
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<JobStore::Row>> JobStore::LoadAll() {
   std::lock_guard<std::mutex> lock(mu_);
   sqlite3_stmt* st = nullptr;

@@ -37,6 +37,8 @@ class JobStore {
 
   // Inserts or replaces the job's row.
   absl::Status Put(const v1::Job& job, int64_t last_seq);
+  // Removes the job's row (OK when there is none).
+  absl::Status Delete(const std::string& job_id);
   // Every job, oldest first (by create_time, then job_id).
   absl::StatusOr<std::vector<Row>> LoadAll();
 

@@ -10,6 +10,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "common/flags_help.h"
 #include "coordinator/log.h"
@@ -42,6 +43,10 @@ ABSL_FLAG(std::string, tokens, "",
 ABSL_FLAG(int32_t, max_message_mb, 64, "largest gRPC message received or sent, MiB");
 ABSL_FLAG(double, drain_timeout_s, 60,
           "on SIGTERM/SIGINT, wait this long for running jobs' checkpoints before exiting");
+ABSL_FLAG(std::string, retain_ended_jobs, "1000,30d",
+          "COUNT[,AGE]: keep at most COUNT ended jobs in the job table (the most recently ended) "
+          "and none that ended more than AGE ago (a number with s, m, h or d; 0: no age limit); "
+          "older ones are removed, never their checkpoints");
 ABSL_FLAG(std::string, log_level, "info", "error, warning, info or debug (AdminService.SetLogLevel)");
 ABSL_FLAG(int, metrics_port, 0,
           "HTTP port for /metrics (Prometheus) and the status page at /; 0: off");
@@ -50,6 +55,28 @@ ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "address the metrics port binds 
 namespace {
 std::chrono::milliseconds Ms(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+// "COUNT[,AGE]" of --retain_ended_jobs into the job manager's options; false when malformed.
+bool ParseRetention(const std::string& v, fsdp8::coord::JobManagerOptions* o) {
+  std::vector<std::string> parts = absl::StrSplit(v, ',');
+  int64_t count = 0;
+  if (parts.empty() || parts.size() > 2 || !absl::SimpleAtoi(parts[0], &count) || count < 0)
+    return false;
+  o->retain_ended_jobs = static_cast<size_t>(count);
+  if (parts.size() == 1) return true;
+  const std::string& age = parts[1];
+  int64_t n = 0;
+  if (age == "0") {
+    o->retain_ended_age = std::chrono::seconds(0);
+    return true;
+  }
+  if (age.size() < 2 || !absl::SimpleAtoi(age.substr(0, age.size() - 1), &n) || n < 0) return false;
+  const char unit = age.back();
+  const int64_t scale = unit == 's' ? 1 : unit == 'm' ? 60 : unit == 'h' ? 3600 : unit == 'd' ? 86400 : 0;
+  if (scale == 0) return false;
+  o->retain_ended_age = std::chrono::seconds(n * scale);
+  return true;
 }
 }  // namespace
 
@@ -80,6 +107,12 @@ int main(int argc, char** argv) {
   o.tokens = absl::GetFlag(FLAGS_tokens);
   o.max_message_bytes = std::max(1, absl::GetFlag(FLAGS_max_message_mb)) << 20;
   o.jobs.state_db = absl::GetFlag(FLAGS_state_db);
+  o.faults = fsdp8::FaultInjection::FromEnvironment();
+  if (!ParseRetention(absl::GetFlag(FLAGS_retain_ended_jobs), &o.jobs)) {
+    fprintf(stderr, "fsdp8-coordinator: --retain_ended_jobs must be COUNT[,AGE] (e.g. 1000,30d), "
+                    "got \"%s\"\n", absl::GetFlag(FLAGS_retain_ended_jobs).c_str());
+    return 2;
+  }
   for (absl::string_view r :
        absl::StrSplit(absl::GetFlag(FLAGS_data_roots), ',', absl::SkipWhitespace()))
     o.jobs.data_roots.emplace_back(r);

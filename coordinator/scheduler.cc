@@ -69,6 +69,7 @@ void Scheduler::Loop() {
       wake_ = false;
     }
     workers_->CheckHeartbeats();
+    jobs_->ApplyRetention();  // the age part of the ended jobs' retention
     ReapFinished();
     SchedulePass();
   }

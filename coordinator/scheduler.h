@@ -29,6 +29,7 @@
 #include <string>
 #include <thread>
 
+#include "common/fault_injection.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/kv_server.h"
 #include "coordinator/worker_registry.h"
@@ -48,6 +49,8 @@ struct SchedulerOptions {
   std::chrono::milliseconds abort_grace{2000};
   // Told every completed step (optional; must outlive the scheduler).
   CoordinatorMetrics* metrics = nullptr;
+  // The manifest.* crash points of checkpoint commits (optional; must outlive the scheduler).
+  const FaultInjection* faults = nullptr;
   // Send step k+1's command while step k runs when no checkpoint save comes between them, so
   // that the workers start it without waiting for the coordinator's round trip (result ->
   // aggregation -> next command). A TriggerCheckpoint then lands after the step already sent.

@@ -93,12 +93,24 @@ grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* ctx, const v1::ListJo
                                       v1::ListJobsResponse* resp) {
   auto p = Authorize(auth_, ctx, {Role::kSubmitter, Role::kAdmin}, "JobService/ListJobs");
   if (!p.ok()) return ToGrpc(p.status());
-  for (auto& j : jobs_->List()) {
-    if (!MayAccessJob(*p, j.owner())) continue;
-    v1::Job* out = resp->add_jobs();
-    *out = std::move(j);
-    AddEvents(jobs_, req->events(), out);
-  }
+  std::optional<std::string> owner;
+  if (p->role != Role::kAdmin) owner = p->user;
+  auto page = jobs_->ListPage(owner, req->page_size(), req->page_token(), req->events(),
+                              page_bytes_);
+  if (!page.ok()) return ToGrpc(page.status());
+  for (v1::Job& j : page->jobs) *resp->add_jobs() = std::move(j);
+  resp->set_next_page_token(page->next_page_token);
+  return grpc::Status::OK;
+}
+
+grpc::Status JobServiceImpl::DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJobRequest* req,
+                                       v1::Job* resp) {
+  auto p = Authorize(auth_, ctx, {Role::kSubmitter, Role::kAdmin}, "JobService/DeleteJob");
+  if (!p.ok()) return ToGrpc(p.status());
+  auto seen = Visible(*p, req->job_id());
+  if (!seen.ok()) return ToGrpc(seen.status());
+  if (absl::Status s = jobs_->Delete(req->job_id()); !s.ok()) return ToGrpc(s);
+  *resp = *seen;
   return grpc::Status::OK;
 }
 
@@ -444,6 +456,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->kv_ = std::make_unique<KvServer>();
   s->metrics_ = std::make_unique<CoordinatorMetrics>();
   options.scheduler.metrics = s->metrics_.get();
+  s->faults_ = options.faults;
+  options.scheduler.faults = &s->faults_;
   if (options.metrics_port != 0) {
     auto http = HttpServer::Start(options.metrics_host, options.metrics_port,
                                   [srv = s.get()](const std::string& path, const std::string& query) {
@@ -456,7 +470,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->scheduler_ = std::make_unique<Scheduler>(s->jobs_.get(), s->workers_.get(), s->kv_.get(),
                                               options.scheduler);
   s->job_service_ =
-      std::make_unique<JobServiceImpl>(s->jobs_.get(), s->auth_.get(), &s->draining_);
+      std::make_unique<JobServiceImpl>(s->jobs_.get(), s->auth_.get(), &s->draining_,
+                                       std::min<int64_t>(4 << 20, options.max_message_bytes / 2));
   s->admin_service_ =
       std::make_unique<AdminServiceImpl>(s->jobs_.get(), s->workers_.get(), s->auth_.get());
   s->worker_service_ =

@@ -40,8 +40,10 @@ grpc::Status ToGrpc(const absl::Status& s);
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:
-  JobServiceImpl(JobManager* jobs, const Authorizer* auth, const std::atomic<bool>* draining)
-      : jobs_(jobs), auth_(auth), draining_(draining) {}
+  // page_bytes: the most serialized job bytes one ListJobs page carries.
+  JobServiceImpl(JobManager* jobs, const Authorizer* auth, const std::atomic<bool>* draining,
+                 int64_t page_bytes = 4 << 20)
+      : jobs_(jobs), auth_(auth), draining_(draining), page_bytes_(page_bytes) {}
   grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest*, v1::Job*) override;
   grpc::Status GetJob(grpc::ServerContext*, const v1::GetJobRequest*, v1::Job*) override;
   grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
@@ -49,6 +51,7 @@ class JobServiceImpl final : public v1::JobService::Service {
   grpc::Status WatchJob(grpc::ServerContext*, const v1::WatchJobRequest*,
                         grpc::ServerWriter<v1::JobEvent>*) override;
   grpc::Status CancelJob(grpc::ServerContext*, const v1::CancelJobRequest*, v1::Job*) override;
+  grpc::Status DeleteJob(grpc::ServerContext*, const v1::DeleteJobRequest*, v1::Job*) override;
 
  private:
   // The job when the caller may see it: NOT_FOUND, or PERMISSION_DENIED for another user's job.
@@ -56,6 +59,7 @@ class JobServiceImpl final : public v1::JobService::Service {
   JobManager* jobs_;
   const Authorizer* auth_;
   const std::atomic<bool>* draining_;
+  const int64_t page_bytes_;
 };
 
 class AdminServiceImpl final : public v1::AdminService::Service {
@@ -123,6 +127,7 @@ struct CoordinatorOptions {
   std::string tokens;
   int max_message_bytes = 64 << 20;       // largest message received or sent, either direction
   JobManagerOptions jobs;
+  FaultInjection faults;                  // crash points for tests and drills (main: environment)
   WorkerRegistryOptions workers;          // version defaults to FSDP8_VERSION when empty
   SchedulerOptions scheduler;
   // HTTP: /metrics (Prometheus) and the status page; port 0: no HTTP server.
@@ -161,6 +166,7 @@ class CoordinatorServer {
 
  private:
   CoordinatorServer() = default;
+  FaultInjection faults_;
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<WorkerRegistry> workers_;
   std::unique_ptr<KvServer> kv_;

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/spec.h"
@@ -32,7 +34,11 @@ absl::Status ErrnoStatus(int err, const std::string& what) {
 // Buffered writer to a file descriptor; the first error sticks and later bytes are dropped.
 class Writer {
  public:
-  Writer(int fd, std::string path) : fd_(fd), path_(std::move(path)) { buf_.reserve(kIoChunk); }
+  // at_mid_write: called once, between the two halves of the first chunk written to the file.
+  Writer(int fd, std::string path, std::function<void()> at_mid_write = nullptr)
+      : fd_(fd), path_(std::move(path)), at_mid_write_(std::move(at_mid_write)) {
+    buf_.reserve(kIoChunk);
+  }
   void Bytes(const void* p, size_t n) {
     const char* c = static_cast<const char*>(p);
     while (n > 0 && status_.ok()) {
@@ -46,12 +52,15 @@ class Writer {
   void Flush() {
     size_t off = 0;
     while (off < buf_.size() && status_.ok()) {
-      const ssize_t w = ::write(fd_, buf_.data() + off, buf_.size() - off);
+      size_t n = buf_.size() - off;
+      if (at_mid_write_ && off == 0 && n > 1) n /= 2;
+      const ssize_t w = ::write(fd_, buf_.data() + off, n);
       if (w < 0) {
         if (errno == EINTR) continue;
         status_ = ErrnoStatus(errno, absl::StrCat("writing ", path_));
       } else {
         off += static_cast<size_t>(w);
+        if (at_mid_write_ && off > 0) std::exchange(at_mid_write_, nullptr)();
       }
     }
     buf_.clear();
@@ -61,6 +70,7 @@ class Writer {
  private:
   int fd_;
   std::string path_;
+  std::function<void()> at_mid_write_;
   std::vector<char> buf_;
   absl::Status status_;
 };
@@ -186,12 +196,15 @@ void EncodeShardFile(const FsdpParams& params, const RankFileHeader& header,
 
 // Flushes, fsyncs and closes fd (the file tmp), renames tmp to path and fsyncs dir. On error
 // tmp is removed.
+// `crash`: the crash points (common/fault_injection.h) of this write.
 absl::Status CommitFile(Writer* w, int fd, const std::string& tmp, const std::string& path,
-                        const std::string& dir) {
+                        const std::string& dir, const std::function<void(const char*)>& crash) {
   w->Flush();
   absl::Status s = w->status();
+  if (s.ok()) crash("shard.before_fsync");
   if (s.ok() && ::fsync(fd) != 0) s = ErrnoStatus(errno, absl::StrCat("fsync of ", tmp));
   if (::close(fd) != 0 && s.ok()) s = ErrnoStatus(errno, absl::StrCat("closing ", tmp));
+  if (s.ok()) crash("shard.before_rename");
   if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
     s = ErrnoStatus(errno, absl::StrCat("renaming ", tmp, " to ", path));
   }
@@ -199,6 +212,7 @@ absl::Status CommitFile(Writer* w, int fd, const std::string& tmp, const std::st
     ::unlink(tmp.c_str());
     return s;
   }
+  crash("shard.after_rename");
   return FsyncPath(dir, true);
 }
 
@@ -336,7 +350,8 @@ std::string SpecDescription(const v1::JobSpec& spec) {
 
 absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
                             const std::string& description, const ReplicatedState& state,
-                            const std::string& dir, v1::CheckpointSaved* out) {
+                            const std::string& dir, v1::CheckpointSaved* out,
+                            const FaultInjection* faults) {
   const ShardPlan& plan = params.plan();
   if (plan.world_size != world_size || rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(absl::StrCat("checkpoint: rank ", rank, " of ", world_size,
@@ -348,7 +363,11 @@ absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
   const std::string tmp = absl::StrCat(path, ".tmp");
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoStatus(errno, absl::StrCat("creating ", tmp));
-  Writer w(fd, tmp);
+  const std::function<void(const char*)> crash = [faults, &path](const char* point) {
+    if (faults != nullptr) faults->CrashPoint(point, path);
+  };
+  crash("shard.before_write");
+  Writer w(fd, tmp, [&crash] { crash("shard.mid_write"); });
   RankFileEncoder enc([&w](const void* p, size_t n) { w.Bytes(p, n); });
   RankFileHeader header;
   header.rank = rank;
@@ -358,7 +377,7 @@ absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
   header.description = description;
   for (const UnitPlan& u : plan.units) header.num_buffers += static_cast<uint32_t>(u.buffers.size());
   EncodeShardFile(params, header, state, w, &enc);
-  if (absl::Status s = CommitFile(&w, fd, tmp, path, dir); !s.ok()) return s;
+  if (absl::Status s = CommitFile(&w, fd, tmp, path, dir, crash); !s.ok()) return s;
   out->set_step(state.step);
   out->set_rank(rank);
   out->set_file(name);
@@ -396,7 +415,7 @@ absl::Status ReadShardFiles(const std::string& dir, int saved_world_size,
 }
 
 absl::Status SaveShard(const Trainer& trainer, int64_t step, const std::string& dir,
-                       v1::CheckpointSaved* out) {
+                       v1::CheckpointSaved* out, const FaultInjection* faults) {
   if (step != trainer.CompletedSteps()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "checkpoint ", dir, "/", CheckpointFileName(trainer.rank()), ": asked to save the state "
@@ -404,11 +423,11 @@ absl::Status SaveShard(const Trainer& trainer, int64_t step, const std::string& 
   }
   ReplicatedState st;
   st.step = step;
-  st.adamw_step = step;
+  st.adamw_step = step + trainer.adamw_offset();
   st.weight_scaling = trainer.params().weight_scaling();
   st.act_scaling = trainer.scaling().states();
   return WriteShardFile(trainer.params(), trainer.rank(), trainer.world_size(),
-                        SpecDescription(trainer.spec()), st, dir, out);
+                        SpecDescription(trainer.spec()), st, dir, out, faults);
 }
 
 absl::Status LoadShards(Trainer* trainer, const std::string& dir, int saved_world_size,
@@ -425,9 +444,9 @@ absl::Status LoadShards(Trainer* trainer, const std::string& dir, int saved_worl
                                                       st.step, ", the job starts at step ",
                                                       start_step));
   }
-  if (st.adamw_step != st.step) {
+  if (st.adamw_step < st.step) {
     return absl::DataLossError(absl::StrCat(file0, ": AdamW step counter ", st.adamw_step,
-                                            " != step ", st.step));
+                                            " < step ", st.step));
   }
   if (st.weight_scaling.size() != trainer->params().weight_scaling().size()) {
     return absl::FailedPreconditionError(absl::StrCat(file0, ": ", st.weight_scaling.size(),
@@ -448,7 +467,42 @@ absl::Status LoadShards(Trainer* trainer, const std::string& dir, int saved_worl
   // C08: the next step's FP8 weights come from the loaded masters, amax recomputed from them.
   if (absl::Status s = trainer->RecastWeights(); !s.ok()) return s;
   trainer->MarkResumed(start_step);
+  trainer->SetAdamWOffset(st.adamw_step - st.step);
   return absl::OkStatus();
+}
+
+absl::Status LoadInitialShards(Trainer* trainer, const std::string& dir, int saved_world_size,
+                               bool optimizer_state, bool fp8_state) {
+  ReplicatedState st;
+  if (absl::Status s = ReadShardFiles(dir, saved_world_size, SpecDescription(trainer->spec()),
+                                      &trainer->params(), &st);
+      !s.ok()) {
+    return s;
+  }
+  FsdpParams& params = trainer->params();
+  if (optimizer_state) {
+    trainer->SetAdamWOffset(st.adamw_step);
+  } else {
+    for (size_t u = 0; u < params.plan().units.size(); ++u) {
+      for (size_t b = 0; b < params.plan().units[u].buffers.size(); ++b) {
+        params.ZeroShard(static_cast<int>(u), static_cast<int>(b), ShardArray::kAdamM);
+        params.ZeroShard(static_cast<int>(u), static_cast<int>(b), ShardArray::kAdamV);
+      }
+    }
+  }
+  if (fp8_state) {
+    const std::string file0 = absl::StrCat(dir, "/", CheckpointFileName(0));
+    if (st.weight_scaling.size() != params.weight_scaling().size()) {
+      return absl::FailedPreconditionError(absl::StrCat(file0, ": ", st.weight_scaling.size(),
+                                                        " FP8 weight scales, this model has ",
+                                                        params.weight_scaling().size()));
+    }
+    if (absl::Status s = trainer->scaling().Restore(st.act_scaling); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(file0, ": ", s.message()));
+    }
+    params.RestoreWeightScaling(st.weight_scaling);
+  }
+  return trainer->RecastWeights();
 }
 
 }  // namespace fsdp8

@@ -25,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "common/checkpoint_format.h"
+#include "common/fault_injection.h"
 #include "common/scaling.h"
 #include "common/shard_plan.h"
 #include "fsdp8/v1/spec.pb.h"
@@ -50,10 +51,12 @@ struct ReplicatedState {
 
 // Writes dir/rank-<rank>.ckpt (dir is created when missing) from `params` (this rank's shards
 // under params.plan() with `world_size` ranks) and `state`. On success fills out->{step, rank,
-// file, bytes, crc32} (job_id is the caller's).
+// file, bytes, crc32} (job_id is the caller's). faults (optional): its shard.* crash points
+// (common/fault_injection.h) are reached on the way.
 absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
                             const std::string& description, const ReplicatedState& state,
-                            const std::string& dir, v1::CheckpointSaved* out);
+                            const std::string& dir, v1::CheckpointSaved* out,
+                            const FaultInjection* faults = nullptr);
 // Reads dir/rank-0..saved_world_size-1.ckpt, verifies them and sets this rank's master, m and v
 // shards of `params` (plan: params.plan(), any world size) from the concatenated saved buffers;
 // returns rank 0's replicated state in *state after checking that every file agrees with it.
@@ -65,12 +68,19 @@ absl::Status ReadShardFiles(const std::string& dir, int saved_world_size,
 // Trainer level. SaveShard: the state after `step` completed optimizer steps (call between steps);
 // FAILED_PRECONDITION when the trainer's state is not that (trainer.CompletedSteps() != step).
 absl::Status SaveShard(const Trainer& trainer, int64_t step, const std::string& dir,
-                       v1::CheckpointSaved* out);
+                       v1::CheckpointSaved* out, const FaultInjection* faults = nullptr);
 // Collective (every rank calls it): loads the checkpoint written by saved_world_size ranks,
 // requires its step to equal start_step, restores the scaling state, then re-casts the FP8 / bf16
 // weight shards from the loaded master weights with amax recomputed from them (C08). On error
 // the trainer must be discarded.
 absl::Status LoadShards(Trainer* trainer, const std::string& dir, int saved_world_size,
                         int64_t start_step);
+// Collective: a fresh job's initial state from another job's committed checkpoint
+// (spec.init.from_checkpoint, read only): its master weights; with optimizer_state its AdamW
+// moments and step counter (Trainer::SetAdamWOffset), else zero moments; with fp8_state its
+// scaling state, else the fresh one. The job then starts at step 0; the FP8 / bf16 wire shards
+// are re-cast from the loaded masters. Errors as LoadShards.
+absl::Status LoadInitialShards(Trainer* trainer, const std::string& dir, int saved_world_size,
+                               bool optimizer_state, bool fp8_state);
 
 }  // namespace fsdp8

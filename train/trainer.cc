@@ -274,7 +274,8 @@ absl::Status Trainer::StepOptimizer(int64_t step, StepStats* r) {
   const double lr = LearningRate(step);
   params_->AdamW(static_cast<float>(lr), static_cast<float>(o.beta1()),
                  static_cast<float>(o.beta2()), static_cast<float>(o.eps()),
-                 static_cast<float>(o.weight_decay()), step + 1, static_cast<float>(clip));
+                 static_cast<float>(o.weight_decay()), step + 1 + adamw_offset_,
+                 static_cast<float>(clip));
   timer_.Mark(StepTimer::kAdamW);
   if (absl::Status s = params_->CastWeights(); !s.ok()) return s;
   // C09 for this step's collectives, before the next step's prefetch: its headers queue behind

@@ -107,6 +107,10 @@ class Trainer {
   // the next Step() should be start_step. Only the reported scaling step depends on it: AdamW's
   // step counter (k + 1) and the LR schedule are functions of the step index passed to Step().
   void MarkResumed(int64_t start_step) { last_step_ = start_step - 1; }
+  // AdamW's step counter is step + 1 + adamw_offset(): nonzero for a job that took another job's
+  // optimizer state (init.load_optimizer_state), so that the bias correction continues from it.
+  void SetAdamWOffset(int64_t offset) { adamw_offset_ = offset; }
+  int64_t adamw_offset() const { return adamw_offset_; }
   // After the master weights changed outside a step (checkpoint load, weight import): recasts
   // the wire shards (FsdpParams::CastWeights) and prefetches the first units of the next step.
   absl::Status RecastWeights();
@@ -141,6 +145,7 @@ class Trainer {
   std::unique_ptr<TokenData> train_, val_;
   int local_batch_ = 0, micro_ = 0, microbatches_ = 0;
   int64_t last_step_ = -1;
+  int64_t adamw_offset_ = 0;
   StepTimer timer_;
 };
 

@@ -414,6 +414,14 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
                      " ranks) in ",
                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
                      " s, starting at step ", a.start_step()));
+  } else if (!a.init_dir().empty()) {
+    // Another job's checkpoint, read only; collective like the load above.
+    const v1::InitSpec& init = a.spec().init();
+    absl::Status s = LoadInitialShards(job->trainer.get(), a.init_dir(), a.init_world_size(),
+                                       init.load_optimizer_state(), init.load_fp8_state());
+    if (!s.ok()) return fail(absl::StrCat("loading init.from_checkpoint: ", s.ToString()));
+    Log(absl::StrCat("initialised from checkpoint ", a.init_dir(), " (", a.init_world_size(),
+                     " ranks)"));
   } else if (!a.spec().init().from_hf().empty()) {
     // Collective too; a job resumed from a checkpoint never re-reads its initial weights.
     absl::Status s = LoadHfWeights(job->trainer.get(), a.spec().init().from_hf());
@@ -460,7 +468,7 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
       job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
   if (r.ok()) {
     if (absl::Status fault = opts_.settings.faults.StepError(job_->rank, c.step()); !fault.ok()) {
-      // An injected step error (worker/fault_injection.h) is reported once the next step's
+      // An injected step error (common/fault_injection.h) is reported once the next step's
       // command has arrived (the coordinator sends one step ahead; at most 5 s), so that the drop
       // of a queued step is what a drill sees every time.
       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
@@ -526,7 +534,7 @@ void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status s = opts_.settings.faults.CheckpointWriteError(
       absl::StrCat(c.dir(), "/", CheckpointFileName(job_->trainer->rank())));
-  if (s.ok()) s = SaveShard(*job_->trainer, c.step(), c.dir(), &saved);
+  if (s.ok()) s = SaveShard(*job_->trainer, c.step(), c.dir(), &saved, &opts_.settings.faults);
   if (!s.ok()) {
     // The job stays usable: a failed save leaves the training state untouched. The coordinator
     // drops this save and tries again at the next interval.

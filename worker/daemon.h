@@ -5,7 +5,7 @@
 // (or WorkerError, then drop the job); SaveCheckpoint → write this rank's rank-<r>.ckpt on the job
 // thread between steps and reply CheckpointSaved (carrying the error when the shard could not be
 // written; the job stays usable; FSDP8_FAULT_CHECKPOINT_ENOSPC injects such failures,
-// worker/fault_injection.h);
+// common/fault_injection.h);
 // Finish → drop the job; Abort → cancel the job's rendezvous if it is still bootstrapping, abort
 // the communicator (pending collectives fail fast or at their timeout) and drop the job. A newer
 // Assignment cancels an older job's bootstrap too.
@@ -29,7 +29,7 @@
 #include "fsdp8/v1/worker.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "comm/communicator.h"
-#include "worker/fault_injection.h"
+#include "common/fault_injection.h"
 #include "worker/metrics.h"
 #include "worker/settings.h"
 

@@ -9,7 +9,7 @@
 #include "comm/nccl_communicator.h"
 #include "kernels/backend.h"
 #include "train/options.h"
-#include "worker/fault_injection.h"
+#include "common/fault_injection.h"
 
 namespace fsdp8 {
 

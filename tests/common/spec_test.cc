@@ -504,6 +504,27 @@ TEST(Spec, StringFieldsAndSizeAreBounded) {
   EXPECT_NE(std::string(st.message()).find("exceeds the limit of 65536 bytes"), std::string::npos) << st;
 }
 
+// init.from_checkpoint: a path under the data roots, not with init.from_hf; its load flags need it.
+TEST(Spec, InitFromCheckpointRules) {
+  auto msg = [](const v1::JobSpec& s) {
+    return std::string(ValidateSpec(s, 2, {"/data"}, false).message());
+  };
+  v1::JobSpec s = Valid();
+  s.mutable_init()->set_from_checkpoint("/data/ck/step-4");
+  s.mutable_init()->set_load_optimizer_state(true);
+  s.mutable_init()->set_load_fp8_state(true);
+  EXPECT_EQ(msg(s), "");
+  s.mutable_init()->set_from_hf("/data/hf");
+  EXPECT_EQ(msg(s).rfind("init.from_checkpoint: cannot be combined with init.from_hf", 0), 0u) << msg(s);
+  s.mutable_init()->clear_from_hf();
+  s.mutable_init()->set_from_checkpoint("/elsewhere/ck/step-4");
+  EXPECT_EQ(msg(s).rfind("init.from_checkpoint: must lie under one of the data roots", 0), 0u) << msg(s);
+  s.mutable_init()->clear_from_checkpoint();
+  EXPECT_EQ(msg(s).rfind("init.load_optimizer_state: needs init.from_checkpoint", 0), 0u) << msg(s);
+  s.mutable_init()->set_load_optimizer_state(false);
+  EXPECT_EQ(msg(s).rfind("init.load_fp8_state: needs init.from_checkpoint", 0), 0u) << msg(s);
+}
+
 // A derived size in a message is computed in 64 bits: seq_len + 1 of the largest int32 seq_len is
 // 2^31 = 2147483648, not a wrapped negative number.
 TEST(Spec, TooFewTokensMessageForMaxSeqLen) {

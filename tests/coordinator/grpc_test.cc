@@ -271,5 +271,39 @@ TEST_F(GrpcTest, TriggerAndListCheckpointCodes) {
   EXPECT_DOUBLE_EQ((*list)[1].time(), 1.5);
 }
 
+// DeleteJob removes only an ended job; ListJobs pages with tokens (the SDK's ListJobs follows
+// them to the end).
+TEST_F(GrpcTest, DeleteJobAndListJobsPages) {
+  auto client = fsdp8::Client::Connect(server_->address());
+  ASSERT_TRUE(client.ok());
+  Client& c = **client;
+  std::vector<std::string> ids;
+  for (int i = 0; i < 5; ++i) ids.push_back(c.Submit(SmallSpec(train_, 1, 4))->job_id());
+  auto st = c.Delete(ids[0]).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(st.message(), "only an ended job can be deleted")) << st;
+  EXPECT_EQ(c.Delete("job-missing").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(c.Cancel(ids[0]).ok());
+  auto gone = c.Delete(ids[0]);
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  EXPECT_EQ(gone->job_id(), ids[0]);
+  EXPECT_EQ(gone->state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(c.GetJob(ids[0]).status().code(), absl::StatusCode::kNotFound);
+  auto first = c.ListJobsPage(3, "");
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(first->jobs_size(), 3);
+  EXPECT_EQ(first->jobs(0).job_id(), ids[1]);
+  ASSERT_FALSE(first->next_page_token().empty());
+  auto second = c.ListJobsPage(3, first->next_page_token());
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_EQ(second->jobs_size(), 1);
+  EXPECT_EQ(second->jobs(0).job_id(), ids[4]);
+  EXPECT_TRUE(second->next_page_token().empty());
+  EXPECT_EQ(c.ListJobsPage(3, "not-a-token").status().code(), absl::StatusCode::kInvalidArgument);
+  auto all = c.ListJobs();
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->size(), 4u);
+}
+
 }  // namespace
 }  // namespace fsdp8::coord

@@ -2,6 +2,8 @@
 #include "coordinator/job_manager.h"
 
 #include <cmath>
+#include <filesystem>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -346,6 +348,155 @@ TEST(JobManagerPersistence, RunningJobWithCheckpointsRecoversAfterRestart) {
   auto same = (*jm)->Submit("req-a", with_ckpt(2, "ck-a"));
   ASSERT_TRUE(same.ok()) << same.status();
   EXPECT_EQ(same->job_id(), again_id);
+}
+
+// ---- bounded table: pages, deletion, retention -------------------------------------------------
+
+// Pages come oldest first, only the owner's when asked, within the page size and the byte budget,
+// and their tokens resume exactly after the previous page, also across a deletion.
+TEST_F(JobManagerTest, ListPagesByOwnerSizeAndBytes) {
+  std::vector<std::string> ids[2];
+  for (int i = 0; i < 25; ++i) {
+    const std::string user = i % 2 ? "bob" : "alice";
+    auto j = jm_->Submit("", SmallSpec(train_), user);
+    ASSERT_TRUE(j.ok()) << j.status();
+    ids[i % 2].push_back(j->job_id());
+  }
+  auto collect = [&](const std::optional<std::string>& owner, int size, int64_t bytes) {
+    std::vector<std::string> out;
+    std::string token;
+    int pages = 0;
+    do {
+      auto page = jm_->ListPage(owner, size, token, 0, bytes);
+      EXPECT_TRUE(page.ok()) << page.status();
+      if (!page.ok()) break;
+      EXPECT_LE(page->jobs.size(), static_cast<size_t>(size));
+      if (!token.empty()) {
+        EXPECT_FALSE(page->jobs.empty()) << "a page after a token is never empty";
+      }
+      for (const auto& j : page->jobs) {
+        if (owner) {
+          EXPECT_EQ(j.owner(), *owner);
+        }
+        out.push_back(j.job_id());
+      }
+      token = page->next_page_token;
+      ++pages;
+    } while (!token.empty() && pages < 100);
+    return std::make_pair(out, pages);
+  };
+  EXPECT_EQ(collect("alice", 5, 1 << 20), std::make_pair(ids[0], 3));  // 13 jobs: 5 + 5 + 3
+  EXPECT_EQ(collect("bob", 4, 1 << 20), std::make_pair(ids[1], 3));    // 12 jobs: 4 + 4 + 4
+  EXPECT_EQ(collect("carol", 5, 1 << 20).first.size(), 0u);
+  // A byte budget of one job's size: one job per page, never more.
+  const int64_t one = static_cast<int64_t>(jm_->Get(ids[0][0])->ByteSizeLong());
+  EXPECT_EQ(collect("alice", 100, one), std::make_pair(ids[0], 13));
+  // Every job for an admin (no owner filter).
+  EXPECT_EQ(collect(std::nullopt, 1000, 1 << 20).first.size(), 25u);
+  // A token stays valid when the job it names is deleted.
+  auto first = jm_->ListPage("alice", 2, "", 0, 1 << 20);
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(jm_->Cancel(ids[0][1]).ok());
+  ASSERT_TRUE(jm_->Delete(ids[0][1]).ok());
+  auto second = jm_->ListPage("alice", 2, first->next_page_token, 0, 1 << 20);
+  ASSERT_TRUE(second.ok());
+  ASSERT_EQ(second->jobs.size(), 2u);
+  EXPECT_EQ(second->jobs[0].job_id(), ids[0][2]);
+  // Malformed tokens and sizes.
+  for (const std::string& bad : {std::string("xyz"), std::string("0000000000000000/"),
+                                 std::string("zz00000000000000/job-1")}) {
+    EXPECT_EQ(jm_->ListPage("alice", 2, bad, 0, 1 << 20).status().code(),
+              absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_EQ(jm_->ListPage("alice", -1, "", 0, 1 << 20).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// Only an ended job is deleted; it leaves the table and the state db, never its checkpoints.
+TEST(JobManagerRetention, DeleteOnlyEndedJobsAndKeepTheirCheckpoints) {
+  TempDir dir;
+  const std::string train = WriteTokens(dir, "train.bin");
+  JobManagerOptions o;
+  o.state_db = dir.File("state.db");
+  v1::JobSpec spec = SmallSpec(train);
+  spec.mutable_checkpoint()->set_dir(dir.File("ck"));
+  std::string id;
+  {
+    auto jm = JobManager::Open(o);
+    ASSERT_TRUE(jm.ok());
+    auto a = (*jm)->Submit("req-a", spec, "alice");
+    ASSERT_TRUE(a.ok()) << a.status();
+    id = a->job_id();
+    absl::Status s = (*jm)->Delete(id);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(absl::StrContains(s.message(), "only an ended job can be deleted")) << s;
+    EXPECT_EQ((*jm)->Delete("job-none").code(), absl::StatusCode::kNotFound);
+    // The directory is owned: without take-over a second job is refused, also after the end.
+    v1::JobSpec other = spec;
+    other.set_name("other");
+    ASSERT_TRUE((*jm)->Cancel(id).ok());
+    s = (*jm)->Submit("", other, "bob").status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(absl::StrContains(s.message(), "belongs to job " + id)) << s;
+    ASSERT_TRUE((*jm)->Delete(id).ok());
+    EXPECT_EQ((*jm)->Get(id).status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ((*jm)->size(), 0u);
+    EXPECT_TRUE(std::filesystem::exists(dir.File("ck") + "/OWNER"));
+    // Deleted: the directory may be taken over, explicitly.
+    s = (*jm)->Submit("", other, "bob").status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    other.mutable_checkpoint()->set_take_over(true);
+    auto b = (*jm)->Submit("", other, "bob");
+    ASSERT_TRUE(b.ok()) << b.status();
+    // The request id is free again.
+    auto again = (*jm)->Submit("req-a", SmallSpec(train), "alice");
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_NE(again->job_id(), id);
+  }
+  auto jm = JobManager::Open(o);  // deleted from the state db too
+  ASSERT_TRUE(jm.ok());
+  EXPECT_EQ((*jm)->Get(id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*jm)->size(), 2u);
+}
+
+// Retention keeps the most recently ended jobs up to the count, drops those older than the age,
+// and never touches a job that has not ended.
+TEST(JobManagerRetention, CountAndAge) {
+  TempDir dir;
+  const std::string train = WriteTokens(dir, "train.bin");
+  JobManagerOptions o;
+  o.state_db = dir.File("state.db");
+  o.retain_ended_jobs = 3;
+  o.retain_ended_age = std::chrono::seconds(3600);
+  std::vector<std::string> ids;
+  {
+    auto jm = JobManager::Open(o);
+    ASSERT_TRUE(jm.ok());
+    for (int i = 0; i < 8; ++i) ids.push_back((*jm)->Submit("", SmallSpec(train))->job_id());
+    for (int i = 0; i < 6; ++i) ASSERT_TRUE((*jm)->Cancel(ids[i]).ok());
+    EXPECT_EQ((*jm)->size(), 5u);  // 3 ended + 2 pending
+    for (int i = 0; i < 3; ++i)
+      EXPECT_EQ((*jm)->Get(ids[i]).status().code(), absl::StatusCode::kNotFound) << i;
+    for (int i = 3; i < 8; ++i) EXPECT_TRUE((*jm)->Get(ids[i]).ok()) << i;
+  }
+  o.retain_ended_jobs = 1;  // applied at Open
+  {
+    auto jm = JobManager::Open(o);
+    ASSERT_TRUE(jm.ok());
+    EXPECT_EQ((*jm)->size(), 3u);
+    EXPECT_TRUE((*jm)->Get(ids[5]).ok());
+  }
+  o.retain_ended_age = std::chrono::seconds(1);
+  o.retain_ended_jobs = 100;
+  auto jm = JobManager::Open(o);
+  ASSERT_TRUE(jm.ok());
+  ASSERT_TRUE((*jm)->Cancel(ids[6]).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  (*jm)->ApplyRetention();  // ids[5] and ids[6] ended more than 1 s ago (ids[5] maybe gone at Open)
+  EXPECT_EQ((*jm)->Get(ids[5]).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*jm)->Get(ids[6]).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*jm)->size(), 1u);
+  EXPECT_TRUE((*jm)->Get(ids[7]).ok());  // pending: never removed
 }
 
 }  // namespace

@@ -925,6 +925,52 @@ TEST_F(SchedulerTest, TwoJobsOnOneDirectoryTheFirstsCheckpointsStay) {
   EXPECT_EQ((*owner_now)->previous(0).job_id(), a->job_id());
 }
 
+// init.from_checkpoint: a job starts at step 0 from another job's committed checkpoint, which
+// every rank gets in its Assignment and which is never written (its directory stays byte for
+// byte); a checkpoint of another model is refused at submit, naming the field.
+TEST_F(SchedulerTest, StartsFromAnotherJobsCheckpointReadOnly) {
+  auto w0 = AddWorker();
+  const std::string ck_a = dir_.File("ck-a");
+  v1::JobSpec first = SmallSpec(train_, 1, 4);
+  first.mutable_checkpoint()->set_dir(ck_a);
+  auto a = jobs_->Submit("", first);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(WaitEnd(a->job_id()).state(), v1::JOB_STATE_SUCCEEDED);
+  ASSERT_TRUE(WaitFor([&] { return AllIdle(); }));
+  const auto before = FilesUnder(ck_a);
+
+  v1::JobSpec second = SmallSpec(train_, 1, 3);
+  second.mutable_checkpoint()->set_dir(dir_.File("ck-b"));
+  second.mutable_init()->set_from_checkpoint(ck_a + "/step-4");
+  second.mutable_init()->set_load_optimizer_state(true);
+  v1::JobSpec other_model = second;
+  other_model.mutable_model()->set_d_model(64);
+  absl::Status st = jobs_->Submit("", other_model).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(st.message(), "init.from_checkpoint: checkpoint " + ck_a +
+                                                  "/step-4 was written with a different model"))
+      << st;
+  const size_t seen = w0->received().size();
+  auto b = jobs_->Submit("", second);
+  ASSERT_TRUE(b.ok()) << b.status();
+  v1::Job end = WaitEnd(b->job_id());
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  EXPECT_EQ(end.step(), 3);
+  auto msgs = w0->received();
+  msgs.erase(msgs.begin(), msgs.begin() + seen);
+  ASSERT_TRUE(!msgs.empty() && msgs[0].has_assignment());
+  EXPECT_EQ(msgs[0].assignment().init_dir(), ck_a + "/step-4");
+  EXPECT_EQ(msgs[0].assignment().init_world_size(), 1);
+  EXPECT_EQ(msgs[0].assignment().load_dir(), "");
+  EXPECT_EQ(msgs[0].assignment().start_step(), 0);
+  std::vector<int64_t> steps;
+  for (const auto& m : msgs)
+    if (m.has_step()) steps.push_back(m.step().step());
+  EXPECT_EQ(steps, (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(FilesUnder(ck_a), before) << "init.from_checkpoint is read only";
+  EXPECT_EQ(Committed(dir_.File("ck-b")), (std::vector<int64_t>{3}));
+}
+
 // A generation restarted after a failure (same job id) keeps writing its own directory.
 TEST_F(SchedulerTest, ARestartedJobKeepsItsDirectory) {
   auto w0 = AddWorker(FakeWorker::Mode::kErrorOnceAtStep, 5);

@@ -212,6 +212,12 @@ TEST_F(SecureTest, TokensAuthenticateAndRolesAuthorize) {
   EXPECT_EQ(cancelled->state(), v1::JOB_STATE_CANCELLED);
   auto own = bob->Cancel(b1->job_id());
   ASSERT_TRUE(own.ok()) << own.status();
+  // Deleting an ended job: its owner or an admin, nobody else.
+  EXPECT_EQ(bob->Delete(a1->job_id()).status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(worker->Delete(b1->job_id()).status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(alice->Delete(a1->job_id()).ok());
+  EXPECT_TRUE(root->Delete(b1->job_id()).ok());
+  EXPECT_EQ(root->ListJobs()->size(), 0u);
 
   // The worker control channel: no token UNAUTHENTICATED, a submitter PERMISSION_DENIED, the
   // worker token registers.

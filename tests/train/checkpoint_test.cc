@@ -308,6 +308,64 @@ TEST(Checkpoint, C08_LoadedWeightsGetFreshScales) {
 }
 
 // ---- corruption, missing files, mismatches -------------------------------------------------
+// init.from_checkpoint: a fresh job takes another job's master weights; its AdamW moments and
+// step counter and its FP8 scaling state only when asked. The reference is LoadShards (a resume
+// of the same checkpoint), whose loads C07 shows to be exact.
+TEST(Checkpoint, InitialShardsTakeWeightsAndOptionallyOptimizerAndFp8State) {
+  const v1::JobSpec spec = TinySpec(TrainFile());
+  const std::string dir = FreshDir("init");
+  RunJob(spec, 2, 0, 3, "", 0, dir);
+  RunRanks(2, [&](int r, Communicator* c) {
+    auto be = CpuBackend();
+    auto resumed = Trainer::Create(spec, r, 2, be.get(), c);
+    auto full = Trainer::Create(spec, r, 2, be.get(), c);
+    auto weights = Trainer::Create(spec, r, 2, be.get(), c);
+    auto fresh = Trainer::Create(spec, r, 2, be.get(), c);
+    ASSERT_TRUE(resumed.ok() && full.ok() && weights.ok() && fresh.ok());
+    ASSERT_TRUE(LoadShards(resumed->get(), dir, 2, 3).ok());
+    ASSERT_TRUE(LoadInitialShards(full->get(), dir, 2, true, true).ok());
+    ASSERT_TRUE(LoadInitialShards(weights->get(), dir, 2, false, false).ok());
+    EXPECT_EQ((*full)->adamw_offset(), 3);
+    EXPECT_EQ((*weights)->adamw_offset(), 0);
+    EXPECT_EQ((*full)->CompletedSteps(), 0);  // starts at step 0
+    const ShardPlan& plan = (*resumed)->params().plan();
+    for (size_t u = 0; u < plan.units.size(); ++u) {
+      for (size_t b = 0; b < plan.units[u].buffers.size(); ++b) {
+        const size_t n = static_cast<size_t>(plan.units[u].buffers[b].shard_numel);
+        for (ShardArray a : {ShardArray::kMaster, ShardArray::kAdamM, ShardArray::kAdamV}) {
+          std::vector<float> want(n), got_full(n), got_weights(n);
+          (*resumed)->params().DownloadShard(static_cast<int>(u), static_cast<int>(b), a, want.data());
+          (*full)->params().DownloadShard(static_cast<int>(u), static_cast<int>(b), a, got_full.data());
+          (*weights)->params().DownloadShard(static_cast<int>(u), static_cast<int>(b), a,
+                                             got_weights.data());
+          EXPECT_EQ(std::memcmp(want.data(), got_full.data(), n * 4), 0) << u << "/" << b;
+          if (a == ShardArray::kMaster) {
+            EXPECT_EQ(std::memcmp(want.data(), got_weights.data(), n * 4), 0) << u << "/" << b;
+          } else {
+            for (float x : got_weights) ASSERT_EQ(Bits(x), 0u) << "moments start at zero";
+          }
+        }
+      }
+    }
+    // FP8 state: the checkpoint's with load_fp8_state, a fresh trainer's without.
+    auto same = [](const std::vector<ScalingState>& x, const std::vector<ScalingState>& y) {
+      if (x.size() != y.size()) return false;
+      for (size_t i = 0; i < x.size(); ++i) {
+        if (x[i].name != y[i].name || Bits(x[i].scale) != Bits(y[i].scale) ||
+            x[i].history != y[i].history || x[i].initialised != y[i].initialised)
+          return false;
+      }
+      return true;
+    };
+    EXPECT_TRUE(same((*full)->scaling().states(), (*resumed)->scaling().states()));
+    EXPECT_TRUE(same((*weights)->scaling().states(), (*fresh)->scaling().states()));
+    EXPECT_FALSE(same((*fresh)->scaling().states(), (*resumed)->scaling().states()));
+    auto step = (*full)->Step(0, false, true);
+    ASSERT_TRUE(step.ok()) << step.status();
+    EXPECT_TRUE(std::isfinite(step->loss_sum));
+  });
+}
+
 TEST(Checkpoint, CorruptMissingOrMismatchedFilesAreRefused) {
   const v1::JobSpec spec = TinySpec(TrainFile());
   const std::string dir = FreshDir("bad");

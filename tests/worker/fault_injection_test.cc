@@ -1,13 +1,16 @@
-// FaultInjection (worker/fault_injection.h): the two injection points' parsing and their errors,
+// FaultInjection (common/fault_injection.h): the two injection points' parsing and their errors,
 // which the integration tests' drills (StepFaultCluster, SaveFaultCluster) rely on through the
 // environment of the worker processes.
-#include "worker/fault_injection.h"
+#include "common/fault_injection.h"
 
+#include <signal.h>
 #include <stdlib.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <set>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -67,6 +70,24 @@ TEST(FaultInjection, FromEnvironmentReadsBothVariables) {
   EXPECT_FALSE(f.StepError(2, 7).ok());
   EXPECT_FALSE(f.CheckpointWriteError("/nonexistent/never-a-path-here").ok());
   EXPECT_TRUE(FaultInjection::FromEnvironment().StepError(2, 7).ok());
+}
+
+// FSDP8_FAULT_CRASH_AT: an entry names a point and, after '@', a path substring; reaching a
+// matching point kills the process with SIGKILL, any other point returns.
+TEST(FaultInjection, CrashPointsMatchThePointAndThePath) {
+  FaultInjection f("", "", "shard.mid_write@step-4/rank-1,,manifest.after_rename");
+  EXPECT_TRUE(f.CrashesAt("shard.mid_write", "/ck/step-4/rank-1.ckpt"));
+  EXPECT_FALSE(f.CrashesAt("shard.mid_write", "/ck/step-4/rank-0.ckpt"));
+  EXPECT_FALSE(f.CrashesAt("shard.before_fsync", "/ck/step-4/rank-1.ckpt"));
+  EXPECT_TRUE(f.CrashesAt("manifest.after_rename", "/any/step-9/MANIFEST"));
+  EXPECT_FALSE(FaultInjection().CrashesAt("manifest.after_rename", "/any/step-9/MANIFEST"));
+  f.CrashPoint("shard.before_write", "/ck/step-4/rank-1.ckpt");  // not named: returns
+  ::testing::FLAGS_gtest_death_test_style = "threadsafe";
+  EXPECT_EXIT(f.CrashPoint("shard.mid_write", "/ck/step-4/rank-1.ckpt"),
+              ::testing::KilledBySignal(SIGKILL), "crashing at shard.mid_write");
+  std::set<std::string> names(std::begin(kCrashPoints), std::end(kCrashPoints));
+  EXPECT_EQ(names.size(), 10u);
+  EXPECT_TRUE(names.count("shard.before_write") && names.count("manifest.before_rename"));
 }
 
 }  // namespace

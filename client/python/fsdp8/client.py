@@ -136,7 +136,20 @@ class Client:
         return self._call(self.jobs.GetJob, jobs_pb2.GetJobRequest(job_id=job_id))
 
     def list(self) -> List[jobs_pb2.Job]:
-        return list(self._call(self.jobs.ListJobs, jobs_pb2.ListJobsRequest()).jobs)
+        """Every job the caller may see (a submitter: its own), oldest first, page by page."""
+        out: List[jobs_pb2.Job] = []
+        token = ""
+        while True:
+            page = self._call(self.jobs.ListJobs, jobs_pb2.ListJobsRequest(page_token=token))
+            out.extend(page.jobs)
+            token = page.next_page_token
+            if not token:
+                return out
+
+    def delete(self, job_id: str) -> jobs_pb2.Job:
+        """Removes an ended job from the job table (its checkpoints stay); returns it as it was.
+        grpc.RpcError FAILED_PRECONDITION for a job that has not ended."""
+        return self._call(self.jobs.DeleteJob, jobs_pb2.DeleteJobRequest(job_id=job_id))
 
     def cancel(self, job_id: str) -> jobs_pb2.Job:
         """Cancels a PENDING, STARTING or RUNNING job; returns it, CANCELLED. grpc.RpcError
