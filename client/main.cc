@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -61,9 +62,13 @@ constexpr char kUsage[] =
     "                                                    Face tokenizer.json or SentencePiece .model:\n"
     "                                                    runs fsdp8-prepare (Python SDK) with these\n"
     "                                                    arguments (fsdp8-prepare --help)\n"
-    "  export JOB|CHECKPOINT_DIR --out DIR [--step N] [--dtype f32|bf16]\n"
-    "                                                    a committed checkpoint (default: the newest) as a\n"
-    "                                                    Hugging Face directory (config.json + model.safetensors)\n"
+    "  export JOB|CHECKPOINT_DIR --out DIR [--step N] [--dtype f32|bf16] [--max-shard-size 5GB]\n"
+    "         [--tokenizer DIR]                          a committed checkpoint (default: the newest) as a\n"
+    "                                                    Hugging Face directory (config.json, model.safetensors\n"
+    "                                                    or shards + model.safetensors.index.json, the tokenizer\n"
+    "                                                    files of --tokenizer, else of the job's init.from_hf)\n"
+    "  model-section HF_DIR|CONFIG_JSON [--seq-len 2048] the spec's model section (YAML) for a Hugging Face\n"
+    "                                                    config.json\n"
     "\n"
     "--coordinator defaults to $FSDP8_COORDINATOR, else localhost:50051.\n"
     "security: --tls-ca FILE (verify the coordinator; TLS), --tls-cert FILE --tls-key FILE (mutual\n"
@@ -139,6 +144,29 @@ int ReportError(const absl::Status& s) {
   return 1;
 }
 
+// "5GB", "500MB", "64KiB", "1000" -> bytes (transformers' max_shard_size spellings: KB/MB/GB are
+// powers of 10, KiB/MiB/GiB of 2).
+absl::StatusOr<int64_t> ParseByteSize(const std::string& text) {
+  static const std::pair<const char*, int64_t> kUnits[] = {
+      {"KiB", int64_t{1} << 10}, {"MiB", int64_t{1} << 20}, {"GiB", int64_t{1} << 30},
+      {"KB", 1000}, {"MB", 1000000}, {"GB", 1000000000}, {"B", 1}};
+  std::string num = text;
+  int64_t unit = 1;
+  for (const auto& [suffix, bytes] : kUnits) {
+    if (absl::EndsWith(text, suffix)) {
+      num = text.substr(0, text.size() - std::strlen(suffix));
+      unit = bytes;
+      break;
+    }
+  }
+  double v = 0;
+  if (!absl::SimpleAtod(num, &v) || !(v * unit >= 1) || v * unit > 9e18) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-shard-size: must be a size such as 5GB, 500MB or 1000000 (got \"", text, "\")"));
+  }
+  return static_cast<int64_t>(v * static_cast<double>(unit));
+}
+
 // fsdp8 export JOB|CHECKPOINT_DIR --out DIR [--step N] [--dtype f32|bf16]. A local directory is
 // read directly; anything else is a job id whose checkpoints the coordinator lists (their
 // directories must be reachable from here).
@@ -160,6 +188,14 @@ int Export(Args& a, const std::string& address, const fsdp8::ChannelSecurity& se
     else if (d != "f32" && d != "fp32" && d != "float32")
       return Usage(absl::StrCat("--dtype: must be f32 or bf16 (got \"", d, "\")"));
   }
+  fsdp8::HfExportOptions options;
+  options.dtype = dtype;
+  if (a.flags.count("max-shard-size")) {
+    auto bytes = ParseByteSize(a.flags["max-shard-size"]);
+    if (!bytes.ok()) return Usage(std::string(bytes.status().message()));
+    options.max_shard_bytes = *bytes;
+  }
+  if (a.flags.count("tokenizer")) options.tokenizer_dir = a.flags["tokenizer"];
   std::string src = a.positional[0];
   std::error_code ec;
   if (!std::filesystem::is_directory(src, ec)) {
@@ -181,9 +217,31 @@ int Export(Args& a, const std::string& address, const fsdp8::ChannelSecurity& se
   auto dir = fsdp8::ResolveCheckpointStepDir(src, step);
   if (!dir.ok()) return ReportError(dir.status());
   const std::string& out = a.flags["out"];
-  if (absl::Status s = fsdp8::ExportHf(*dir, out, dtype); !s.ok()) return ReportError(s);
+  if (absl::Status s = fsdp8::ExportHf(*dir, out, options); !s.ok()) return ReportError(s);
+  const bool sharded = std::filesystem::exists(std::filesystem::path(out) / fsdp8::kHfIndexFile);
   printf("exported %s as %s: %s/%s, %s/%s\n", dir->c_str(), fsdp8::SafetensorsDtypeName(dtype),
-         out.c_str(), fsdp8::kHfConfigFile, out.c_str(), fsdp8::kHfWeightsFile);
+         out.c_str(), fsdp8::kHfConfigFile, out.c_str(),
+         sharded ? fsdp8::kHfIndexFile : fsdp8::kHfWeightsFile);
+  return 0;
+}
+
+// fsdp8 model-section HF_DIR|CONFIG_JSON [--seq-len N]: prints the model section.
+int ModelSection(Args& a) {
+  if (a.positional.size() != 1) return Usage("model-section: exactly one HF_DIR or CONFIG_JSON");
+  int seq_len = 2048;
+  if (a.flags.count("seq-len") && (!absl::SimpleAtoi(a.flags["seq-len"], &seq_len) || seq_len < 1)) {
+    return Usage(absl::StrCat("--seq-len: must be a positive integer (got \"", a.flags["seq-len"], "\")"));
+  }
+  std::string path = a.positional[0];
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) path += std::string("/") + fsdp8::kHfConfigFile;
+  std::ifstream in(path);
+  if (!in) return ReportError(absl::NotFoundError(absl::StrCat("cannot read ", path)));
+  std::stringstream text;
+  text << in.rdbuf();
+  auto yaml = fsdp8::HfModelSectionYaml(text.str(), seq_len);
+  if (!yaml.ok()) return ReportError(yaml.status());
+  fputs(yaml->c_str(), stdout);
   return 0;
 }
 
@@ -401,6 +459,7 @@ int RunPrepare(Context& ctx) {
 }
 
 int RunExport(Context& ctx) { return Export(ctx.a, ctx.address, ctx.sec); }
+int RunModelSection(Context& ctx) { return ModelSection(ctx.a); }
 
 // WatchJob with the --plot and --log flags of ctx (the log file is appended to).
 int WatchWithLog(Context& ctx, const std::string& job_id, bool json) {
@@ -628,6 +687,7 @@ struct Command {
 constexpr Command kCommands[] = {
     {"prepare", Needs::kNothing, RunPrepare},
     {"export", Needs::kSecurity, RunExport},
+    {"model-section", Needs::kNothing, RunModelSection},
     {"submit", Needs::kClient, RunSubmit},
     {"watch", Needs::kClient, RunWatch},
     {"status", Needs::kClient, RunStatus},

@@ -17,6 +17,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/checkpoint_format.h"
 #include "common/shard_plan.h"
 #include "common/spec.h"
@@ -148,7 +149,10 @@ struct HfConfigFields {
   const std::string& field;
 
   absl::Status Bad(const std::string& what) const {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": config.json ", what));
+    // "config.json" as the field (ModelConfigFromHf) is not repeated.
+    return absl::InvalidArgumentError(
+        field == kHfConfigFile ? absl::StrCat(field, ": ", what)
+                               : absl::StrCat(field, ": config.json ", what));
   }
   // The number at key k; `dflt` when absent (INVALID_ARGUMENT without a default).
   absl::Status Number(const char* k, double* out, const std::optional<double>& dflt) const {
@@ -165,6 +169,9 @@ struct HfConfigFields {
     return absl::OkStatus();
   }
 };
+
+absl::Status ReadHfRope(const HfConfigFields& c, double* theta, v1::RopeScaling* scaling,
+                        bool* scaled);
 
 // The integer sizes and head_dim equal the model section's.
 absl::Status CheckHfSizes(const HfConfigFields& c, const v1::ModelConfig& m) {
@@ -201,14 +208,16 @@ absl::Status CheckHfSizes(const HfConfigFields& c, const v1::ModelConfig& m) {
 
 // rms_norm_eps and rope_theta equal to within 1e-9 relative; max_position_embeddings >= seq_len.
 absl::Status CheckHfReals(const HfConfigFields& c, const v1::ModelConfig& m) {
-  struct RealRule { const char* key; const char* model_field; double want; double dflt; };
-  const RealRule reals[] = {{"rms_norm_eps", "model.norm_eps", m.norm_eps(), 1e-6},
-                            {"rope_theta", "model.rope_theta", m.rope_theta(), 10000.0}};
-  for (const RealRule& r : reals) {
-    double v = 0;
-    if (absl::Status st = c.Number(r.key, &v, r.dflt); !st.ok()) return st;
-    if (!(std::fabs(v - r.want) <= 1e-9 * std::fabs(r.want))) {
-      return c.Bad(absl::StrCat(r.key, " is ", Num(v), ", ", r.model_field, " is ", Num(r.want)));
+  double eps = 0, theta = 10000.0;
+  v1::RopeScaling unused;
+  bool scaled = false;
+  if (absl::Status st = c.Number("rms_norm_eps", &eps, 1e-6); !st.ok()) return st;
+  if (absl::Status st = ReadHfRope(c, &theta, &unused, &scaled); !st.ok()) return st;
+  struct RealRule { const char* key; const char* model_field; double got, want; };
+  for (const RealRule& r : {RealRule{"rms_norm_eps", "model.norm_eps", eps, m.norm_eps()},
+                            RealRule{"rope_theta", "model.rope_theta", theta, m.rope_theta()}}) {
+    if (!(std::fabs(r.got - r.want) <= 1e-9 * std::fabs(r.want))) {
+      return c.Bad(absl::StrCat(r.key, " is ", Num(r.got), ", ", r.model_field, " is ", Num(r.want)));
     }
   }
   double max_pos = 0;
@@ -220,20 +229,134 @@ absl::Status CheckHfReals(const HfConfigFields& c, const v1::ModelConfig& m) {
   return absl::OkStatus();
 }
 
-// SwiGLU, untied LM head, no biases, plain RoPE.
-absl::Status CheckHfArchitectureFlags(const HfConfigFields& c) {
+// The RoPE section of config.json: rope_theta and rope_scaling (transformers 4), or
+// rope_parameters (transformers 5: rope_type, rope_theta and the scaling keys in one object).
+// *theta is left alone when the config gives none; *scaling is cleared for plain RoPE.
+absl::Status ReadHfRope(const HfConfigFields& c, double* theta, v1::RopeScaling* scaling,
+                        bool* scaled) {
+  const char* key = Field(c.s, "rope_parameters") ? "rope_parameters" : "rope_scaling";
+  if (absl::Status st = c.Number("rope_theta", theta, *theta); !st.ok()) return st;
+  *scaled = false;
+  const Value* v = Field(c.s, key);
+  if (!v) return absl::OkStatus();
+  if (v->kind_case() != Value::kStructValue) return c.Bad(absl::StrCat(key, " is not an object"));
+  const HfConfigFields r{v->struct_value(), c.field};
+  if (Field(r.s, "rope_theta")) {
+    if (absl::Status st = r.Number("rope_theta", theta, std::nullopt); !st.ok()) return st;
+  }
+  const Value* type = Field(r.s, "rope_type") ? Field(r.s, "rope_type") : Field(r.s, "type");
+  const std::string t = type && type->kind_case() == Value::kStringValue ? type->string_value() : "";
+  if (t == "default") return absl::OkStatus();
+  if (t != "llama3") {
+    return c.Bad(absl::StrCat(key, ".rope_type is \"", t,
+                              "\" (implemented: \"default\" and \"llama3\")"));
+  }
+  double factor = 0, low = 0, high = 0, orig = 0;
+  for (auto [k, out] : {std::pair<const char*, double*>{"factor", &factor},
+                        {"low_freq_factor", &low}, {"high_freq_factor", &high},
+                        {"original_max_position_embeddings", &orig}}) {
+    if (!Field(r.s, k)) return c.Bad(absl::StrCat(key, ".", k, " is missing"));
+    if (absl::Status st = r.Number(k, out, std::nullopt); !st.ok()) return st;
+  }
+  scaling->Clear();
+  scaling->set_rope_type("llama3");
+  scaling->set_factor(factor);
+  scaling->set_low_freq_factor(low);
+  scaling->set_high_freq_factor(high);
+  scaling->set_original_max_position_embeddings(static_cast<int32_t>(orig));
+  *scaled = true;
+  return absl::OkStatus();
+}
+
+// SwiGLU, no biases, full-width RoPE, no sliding window: the keys of features fsdp8 does not
+// implement are refused by name.
+absl::Status CheckHfUnsupported(const HfConfigFields& c) {
   if (const Value* act = Field(c.s, "hidden_act");
       act && (act->kind_case() != Value::kStringValue || act->string_value() != "silu")) {
     return c.Bad("hidden_act must be \"silu\" (fsdp8's MLP is SwiGLU)");
   }
-  for (const char* k : {"tie_word_embeddings", "attention_bias", "mlp_bias"}) {
+  for (const char* k : {"attention_bias", "mlp_bias", "use_sliding_window"}) {
     const Value* v = Field(c.s, k);
-    // HF's default for tie_word_embeddings is false for Llama; attention_bias / mlp_bias false.
     if (v && (v->kind_case() != Value::kBoolValue || v->bool_value())) {
-      return c.Bad(absl::StrCat(k, " must be false (fsdp8 models have an untied LM head and no biases)"));
+      return c.Bad(absl::StrCat(k, " must be false (fsdp8 models have no biases and no sliding window)"));
     }
   }
-  if (Field(c.s, "rope_scaling")) return c.Bad("rope_scaling must be null (plain RoPE)");
+  if (const Value* v = Field(c.s, "sliding_window"); v) {
+    return c.Bad("sliding_window must be null (fsdp8's attention is full causal attention)");
+  }
+  if (const Value* v = Field(c.s, "partial_rotary_factor");
+      v && (v->kind_case() != Value::kNumberValue || v->number_value() != 1.0)) {
+    return c.Bad("partial_rotary_factor must be 1 (fsdp8 rotates the whole head)");
+  }
+  if (const Value* v = Field(c.s, "tie_word_embeddings");
+      v && v->kind_case() != Value::kBoolValue) {
+    return c.Bad("tie_word_embeddings is not a boolean");
+  }
+  return absl::OkStatus();
+}
+
+// tie_word_embeddings (default false) and the RoPE scaling equal to the model section's.
+absl::Status CheckHfTieAndRope(const HfConfigFields& c, const v1::ModelConfig& m) {
+  const Value* tie = Field(c.s, "tie_word_embeddings");
+  const bool tied = tie != nullptr && tie->bool_value();
+  if (tied != m.tie_word_embeddings()) {
+    return c.Bad(absl::StrCat("tie_word_embeddings is ", tied ? "true" : "false",
+                              ", model.tie_word_embeddings is ",
+                              m.tie_word_embeddings() ? "true" : "false"));
+  }
+  double theta = m.rope_theta();
+  v1::RopeScaling r;
+  bool scaled = false;
+  if (absl::Status st = ReadHfRope(c, &theta, &r, &scaled); !st.ok()) return st;
+  if (scaled != m.has_rope_scaling()) {
+    return c.Bad(absl::StrCat(scaled ? "has rope_scaling llama3" : "has no rope_scaling",
+                              ", model.rope_scaling is ", m.has_rope_scaling() ? "set" : "unset"));
+  }
+  if (!scaled) return absl::OkStatus();
+  const v1::RopeScaling& w = m.rope_scaling();
+  struct Rule { const char* key; double got, want; };
+  for (const Rule& x : {Rule{"factor", r.factor(), w.factor()},
+                        Rule{"low_freq_factor", r.low_freq_factor(), w.low_freq_factor()},
+                        Rule{"high_freq_factor", r.high_freq_factor(), w.high_freq_factor()},
+                        Rule{"original_max_position_embeddings",
+                             static_cast<double>(r.original_max_position_embeddings()),
+                             static_cast<double>(w.original_max_position_embeddings())}}) {
+    if (!(std::fabs(x.got - x.want) <= 1e-9 * std::fabs(x.want))) {
+      return c.Bad(absl::StrCat("rope_scaling.", x.key, " is ", Num(x.got), ", model.rope_scaling.",
+                                x.key, " is ", Num(x.want)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The model section's remaining fields from config.json (norm_eps, rope_theta, rope_scaling,
+// tie_word_embeddings), after refusing the features fsdp8 does not implement and a head_dim other
+// than hidden_size / num_attention_heads.
+absl::Status ModelFlagsFromHf(const Struct& s, v1::ModelConfig* m) {
+  const std::string field = "config.json";
+  const HfConfigFields c{s, field};
+  const Value* mt = Field(s, "model_type");
+  if (mt && (mt->kind_case() != Value::kStringValue || mt->string_value() != "llama")) {
+    return c.Bad("model_type must be \"llama\" (LlamaForCausalLM)");
+  }
+  if (absl::Status st = CheckHfUnsupported(c); !st.ok()) return st;
+  double head_dim = 0;
+  const double natural = static_cast<double>(m->d_model() / m->n_heads());
+  if (absl::Status st = c.Number("head_dim", &head_dim, natural); !st.ok()) return st;
+  if (head_dim != natural || m->d_model() % m->n_heads() != 0) {
+    return c.Bad(absl::StrCat("head_dim is ", Num(head_dim), ", fsdp8 needs hidden_size / ",
+                              "num_attention_heads (", m->d_model(), " / ", m->n_heads(), ")"));
+  }
+  double eps = 0, theta = 10000.0;
+  if (absl::Status st = c.Number("rms_norm_eps", &eps, 1e-6); !st.ok()) return st;
+  v1::RopeScaling r;
+  bool scaled = false;
+  if (absl::Status st = ReadHfRope(c, &theta, &r, &scaled); !st.ok()) return st;
+  m->set_norm_eps(eps);
+  m->set_rope_theta(theta);
+  if (scaled) *m->mutable_rope_scaling() = r;
+  const Value* tie = Field(s, "tie_word_embeddings");
+  if (tie != nullptr && tie->bool_value()) m->set_tie_word_embeddings(true);
   return absl::OkStatus();
 }
 
@@ -258,10 +381,20 @@ std::string HfConfigJson(const v1::ModelConfig& m_in, SafetensorsDtype dtype) {
   f["rope_theta"].set_number_value(m.rope_theta());
   f["max_position_embeddings"].set_number_value(m.seq_len());
   f["hidden_act"].set_string_value("silu");
-  f["tie_word_embeddings"].set_bool_value(false);
+  f["tie_word_embeddings"].set_bool_value(m.tie_word_embeddings());
   f["attention_bias"].set_bool_value(false);
   f["mlp_bias"].set_bool_value(false);
-  f["rope_scaling"].set_null_value(google::protobuf::NULL_VALUE);
+  if (m.has_rope_scaling()) {
+    auto& r = *f["rope_scaling"].mutable_struct_value()->mutable_fields();
+    r["rope_type"].set_string_value(m.rope_scaling().rope_type());
+    r["factor"].set_number_value(m.rope_scaling().factor());
+    r["low_freq_factor"].set_number_value(m.rope_scaling().low_freq_factor());
+    r["high_freq_factor"].set_number_value(m.rope_scaling().high_freq_factor());
+    r["original_max_position_embeddings"].set_number_value(
+        m.rope_scaling().original_max_position_embeddings());
+  } else {
+    f["rope_scaling"].set_null_value(google::protobuf::NULL_VALUE);
+  }
   f["torch_dtype"].set_string_value(dtype == SafetensorsDtype::kBF16 ? "bfloat16" : "float32");
   std::string out;
   google::protobuf::util::JsonPrintOptions opts;
@@ -302,11 +435,34 @@ absl::StatusOr<v1::ModelConfig> ModelConfigFromHf(const std::string& config_json
   m.set_n_layers(layers);
   m.set_vocab_size(vocab);
   m.set_seq_len(pos);
-  const Value* eps = Field(*s, "rms_norm_eps");
-  m.set_norm_eps(eps && eps->kind_case() == Value::kNumberValue ? eps->number_value() : 1e-6);
-  const Value* theta = Field(*s, "rope_theta");
-  m.set_rope_theta(theta && theta->kind_case() == Value::kNumberValue ? theta->number_value() : 10000.0);
+  if (absl::Status st = ModelFlagsFromHf(*s, &m); !st.ok()) return st;
   return m;
+}
+
+absl::StatusOr<std::string> HfModelSectionYaml(const std::string& config_json, int seq_len) {
+  absl::StatusOr<v1::ModelConfig> m = ModelConfigFromHf(config_json);
+  if (!m.ok()) return m.status();
+  std::string y = "model:\n";
+  auto line = [&](const char* k, const std::string& v) { absl::StrAppend(&y, "  ", k, ": ", v, "\n"); };
+  line("d_model", absl::StrCat(m->d_model()));
+  line("n_layers", absl::StrCat(m->n_layers()));
+  line("n_heads", absl::StrCat(m->n_heads()));
+  line("n_kv_heads", absl::StrCat(m->n_kv_heads()));
+  line("ffn_dim", absl::StrCat(m->ffn_dim()));
+  line("vocab_size", absl::StrCat(m->vocab_size()));
+  line("seq_len", absl::StrCat(std::min(seq_len, m->seq_len())));
+  line("rope_theta", Num(m->rope_theta()));
+  line("norm_eps", Num(m->norm_eps()));
+  line("tie_word_embeddings", m->tie_word_embeddings() ? "true" : "false");
+  if (m->has_rope_scaling()) {
+    const v1::RopeScaling& r = m->rope_scaling();
+    absl::StrAppend(&y, "  rope_scaling:\n    rope_type: ", r.rope_type(), "\n    factor: ",
+                    Num(r.factor()), "\n    low_freq_factor: ", Num(r.low_freq_factor()),
+                    "\n    high_freq_factor: ", Num(r.high_freq_factor()),
+                    "\n    original_max_position_embeddings: ",
+                    r.original_max_position_embeddings(), "\n");
+  }
+  return y;
 }
 
 absl::Status CheckHfConfig(const std::string& config_json, const v1::ModelConfig& m_in,
@@ -323,7 +479,8 @@ absl::Status CheckHfConfig(const std::string& config_json, const v1::ModelConfig
   }
   if (absl::Status st = CheckHfSizes(c, m); !st.ok()) return st;
   if (absl::Status st = CheckHfReals(c, m); !st.ok()) return st;
-  return CheckHfArchitectureFlags(c);
+  if (absl::Status st = CheckHfUnsupported(c); !st.ok()) return st;
+  return CheckHfTieAndRope(c, m);
 }
 
 absl::Status CheckHfDir(const std::string& dir, const v1::ModelConfig& m, const std::string& field) {
@@ -336,8 +493,11 @@ absl::Status CheckHfDir(const std::string& dir, const v1::ModelConfig& m, const 
   if (absl::Status s = CheckHfConfig(*text, m, field); !s.ok()) return s;
   struct stat st;
   const std::string weights = absl::StrCat(dir, "/", kHfWeightsFile);
-  if (::stat(weights.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": ", weights, " is missing"));
+  const std::string index = absl::StrCat(dir, "/", kHfIndexFile);
+  if ((::stat(weights.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) &&
+      (::stat(index.c_str(), &st) != 0 || !S_ISREG(st.st_mode))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", weights, " is missing (and there is no ", kHfIndexFile, ")"));
   }
   return absl::OkStatus();
 }
@@ -408,25 +568,156 @@ absl::StatusOr<std::string> ResolveCheckpointStepDir(const std::string& path,
   return absl::StrCat(path, "/", StepDirName(best));
 }
 
+absl::StatusOr<HfWeights> HfWeights::Open(const std::string& dir) {
+  HfWeights out;
+  const std::string single = absl::StrCat(dir, "/", kHfWeightsFile);
+  std::error_code ec;
+  if (fs::exists(single, ec)) {
+    absl::StatusOr<SafetensorsFile> f = SafetensorsFile::Open(single);
+    if (!f.ok()) return f.status();
+    for (const auto& [name, t] : f->tensors()) out.tensors_[name] = Entry{t, 0};
+    out.files_.push_back(std::move(*f));
+    return out;
+  }
+  const std::string index = absl::StrCat(dir, "/", kHfIndexFile);
+  absl::StatusOr<std::string> text = ReadText(index);
+  if (!text.ok()) return text.status();
+  auto bad = [&](const std::string& what) {
+    return absl::DataLossError(absl::StrCat(index, ": ", what));
+  };
+  absl::StatusOr<Struct> root = ParseJsonObject(*text, index);
+  if (!root.ok()) return bad("not a JSON object");
+  const Value* map = Field(*root, "weight_map");
+  if (!map || map->kind_case() != Value::kStructValue) return bad("weight_map missing or not an object");
+  std::map<std::string, int> file_ids;
+  for (const auto& [name, v] : map->struct_value().fields()) {
+    if (v.kind_case() != Value::kStringValue) return bad(absl::StrCat("weight_map[\"", name, "\"] is not a string"));
+    const std::string& file = v.string_value();
+    if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..") {
+      return bad(absl::StrCat("weight_map[\"", name, "\"] = \"", file, "\" is not a file name in the directory"));
+    }
+    auto [it, added] = file_ids.emplace(file, static_cast<int>(out.files_.size()));
+    if (added) {
+      absl::StatusOr<SafetensorsFile> f = SafetensorsFile::Open(absl::StrCat(dir, "/", file));
+      if (!f.ok()) return f.status();
+      out.files_.push_back(std::move(*f));
+    }
+    auto t = out.files_[it->second].tensors().find(name);
+    if (t == out.files_[it->second].tensors().end()) {
+      return bad(absl::StrCat("weight_map puts ", name, " in ", file, ", which does not hold it"));
+    }
+    out.tensors_[name] = Entry{t->second, it->second};
+  }
+  for (size_t i = 0; i < out.files_.size(); ++i) {
+    for (const auto& [name, unused] : out.files_[i].tensors()) {
+      auto it = out.tensors_.find(name);
+      if (it == out.tensors_.end() || it->second.file != static_cast<int>(i)) {
+        return bad(absl::StrCat(out.files_[i].path(), " holds ", name,
+                                ", which weight_map does not put there"));
+      }
+    }
+  }
+  return out;
+}
+
+absl::Status HfWeights::Read(const std::string& name, int64_t first, int64_t n, float* out) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) return absl::NotFoundError(absl::StrCat("no tensor \"", name, "\""));
+  return files_[it->second.file].Read(name, first, n, out);
+}
+
+namespace {
+
+// Shards of at most max_bytes of tensor data, in order (a larger tensor alone).
+std::vector<std::vector<const CheckpointWeights::Tensor*>> PlanShards(
+    const CheckpointWeights& w, int64_t esize, int64_t max_bytes) {
+  std::vector<std::vector<const CheckpointWeights::Tensor*>> shards(1);
+  int64_t bytes = 0;
+  for (const CheckpointWeights::Tensor& t : w.tensors) {
+    const int64_t b = static_cast<int64_t>(t.values.size()) * esize;
+    if (!shards.back().empty() && bytes + b > max_bytes) {
+      shards.emplace_back();
+      bytes = 0;
+    }
+    shards.back().push_back(&t);
+    bytes += b;
+  }
+  return shards;
+}
+
+// The weights as out_dir/model.safetensors (one shard) or model-<i>-of-<n>.safetensors shards and
+// their index; the other layout's files are removed.
+absl::Status WriteHfWeights(const CheckpointWeights& w, const std::string& out_dir,
+                            const HfExportOptions& o) {
+  const int64_t esize = o.dtype == SafetensorsDtype::kBF16 ? 2 : 4;
+  const auto shards = PlanShards(w, esize, o.max_shard_bytes);
+  const std::map<std::string, std::string> meta = {
+      {"fsdp8_job", w.manifest.job_id()}, {"fsdp8_step", absl::StrCat(w.manifest.step())}};
+  std::error_code ec;
+  Struct index;
+  auto& map = *(*index.mutable_fields())["weight_map"].mutable_struct_value()->mutable_fields();
+  int64_t total = 0;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const std::string name = shards.size() == 1 ? std::string(kHfWeightsFile)
+                                                : absl::StrFormat("model-%05d-of-%05d.safetensors",
+                                                                  i + 1, shards.size());
+    std::vector<SafetensorsWriteTensor> tensors;
+    for (const CheckpointWeights::Tensor* t : shards[i]) {
+      tensors.push_back({t->name, t->shape, t->values.data()});
+      map[t->name].set_string_value(name);
+      total += static_cast<int64_t>(t->values.size()) * esize;
+    }
+    if (absl::Status s = WriteSafetensors(absl::StrCat(out_dir, "/", name), tensors, o.dtype, meta);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (shards.size() == 1) {
+    fs::remove(fs::path(out_dir) / kHfIndexFile, ec);
+    return absl::OkStatus();
+  }
+  fs::remove(fs::path(out_dir) / kHfWeightsFile, ec);
+  (*(*index.mutable_fields())["metadata"].mutable_struct_value()->mutable_fields())["total_size"]
+      .set_number_value(static_cast<double>(total));
+  std::string text;
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.add_whitespace = true;
+  (void)google::protobuf::util::MessageToJsonString(index, &text, opts);
+  return WriteTextAtomically(absl::StrCat(out_dir, "/", kHfIndexFile), text);
+}
+
+// Copies the tokenizer files present in `from` (none when it is empty or unreadable).
+absl::Status CopyTokenizerFiles(const std::string& from, const std::string& out_dir) {
+  if (from.empty()) return absl::OkStatus();
+  for (const char* f : kHfTokenizerFiles) {
+    std::error_code ec;
+    const fs::path src = fs::path(from) / f;
+    if (!fs::is_regular_file(src, ec)) continue;
+    fs::copy_file(src, fs::path(out_dir) / f, fs::copy_options::overwrite_existing, ec);
+    if (ec) return absl::InternalError(absl::StrCat("copying ", src.string(), ": ", ec.message()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ExportHf(const std::string& step_dir, const std::string& out_dir,
-                      SafetensorsDtype dtype) {
+                      const HfExportOptions& options) {
+  if (options.max_shard_bytes < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max shard size: must be >= 1 byte (got ", options.max_shard_bytes, ")"));
+  }
   absl::StatusOr<CheckpointWeights> w = ReadCheckpointWeights(step_dir);
   if (!w.ok()) return w.status();
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("creating ", out_dir, ": ", ec.message()));
-  std::vector<SafetensorsWriteTensor> tensors;
-  for (const CheckpointWeights::Tensor& t : w->tensors) {
-    tensors.push_back({t.name, t.shape, t.values.data()});
-  }
-  const std::map<std::string, std::string> meta = {
-      {"fsdp8_job", w->manifest.job_id()}, {"fsdp8_step", absl::StrCat(w->manifest.step())}};
-  if (absl::Status s = WriteSafetensors(absl::StrCat(out_dir, "/", kHfWeightsFile), tensors, dtype, meta);
-      !s.ok()) {
-    return s;
-  }
+  if (absl::Status s = WriteHfWeights(*w, out_dir, options); !s.ok()) return s;
+  const std::string tok = options.tokenizer_dir.empty() ? w->manifest.spec().init().from_hf()
+                                                        : options.tokenizer_dir;
+  if (absl::Status s = CopyTokenizerFiles(tok, out_dir); !s.ok()) return s;
   return WriteTextAtomically(absl::StrCat(out_dir, "/", kHfConfigFile),
-                          HfConfigJson(w->manifest.spec().model(), dtype) + "\n");
+                             HfConfigJson(w->manifest.spec().model(), options.dtype) + "\n");
 }
 
 }  // namespace fsdp8

@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -217,28 +218,35 @@ absl::Status SafetensorsFile::Read(const std::string& name, int64_t first, int64
         path_, ": tensor \"", name, "\" has dtype ", t.dtype, " (readable: F32, BF16, F16)"));
   }
   if (n == 0) return absl::OkStatus();
-  std::unique_ptr<FILE, FileCloser> f(std::fopen(path_.c_str(), "rb"));
-  if (!f) return IoError(errno, absl::StrCat("opening ", path_));
-  if (fseeko(f.get(), static_cast<off_t>(data_start_ + t.begin + first * esize), SEEK_SET) != 0) {
-    return IoError(errno, absl::StrCat("seeking ", path_));
+  // Only the pages of [first, first + n) are mapped, and unmapped again before returning: a
+  // caller reading a large tensor in chunks never holds more than one chunk's pages.
+  const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return IoError(errno, absl::StrCat("opening ", path_));
+  const int64_t byte0 = data_start_ + t.begin + first * esize, nbytes = n * esize;
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || st.st_size < byte0 + nbytes) {
+    ::close(fd);  // a file truncated since Open: a mapping past its end would fault
+    return absl::DataLossError(absl::StrCat(path_, ": short read of tensor \"", name, "\""));
   }
-  constexpr int64_t kChunk = 1 << 18;
-  std::vector<uint16_t> half;
-  for (int64_t done = 0; done < n;) {
-    const int64_t k = std::min(kChunk, n - done);
-    bool ok;
-    if (esize == 4) {
-      ok = std::fread(out + done, 4, k, f.get()) == static_cast<size_t>(k);
-    } else {
-      half.resize(k);
-      ok = std::fread(half.data(), 2, k, f.get()) == static_cast<size_t>(k);
-      for (int64_t i = 0; ok && i < k; ++i) {
-        out[done + i] = t.dtype == "BF16" ? Bf16ToFloat(half[i]) : HalfToFloat(half[i]);
-      }
+  const int64_t page = ::sysconf(_SC_PAGESIZE);
+  const int64_t map0 = byte0 / page * page, len = byte0 + nbytes - map0;
+  void* m = ::mmap(nullptr, static_cast<size_t>(len), PROT_READ, MAP_PRIVATE, fd, map0);
+  const int map_errno = errno;
+  ::close(fd);
+  if (m == MAP_FAILED) return IoError(map_errno, absl::StrCat("mapping ", path_));
+  ::madvise(m, static_cast<size_t>(len), MADV_SEQUENTIAL);
+  const char* src = static_cast<const char*>(m) + (byte0 - map0);
+  if (esize == 4) {
+    std::memcpy(out, src, static_cast<size_t>(nbytes));
+  } else {
+    const bool bf16 = t.dtype == "BF16";
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t h;
+      std::memcpy(&h, src + 2 * i, 2);
+      out[i] = bf16 ? Bf16ToFloat(h) : HalfToFloat(h);
     }
-    if (!ok) return absl::DataLossError(absl::StrCat(path_, ": short read of tensor \"", name, "\""));
-    done += k;
   }
+  ::munmap(m, static_cast<size_t>(len));
   return absl::OkStatus();
 }
 

@@ -47,8 +47,10 @@ class SafetensorsFile {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
   // Elements [first, first + n) (row-major) of tensor `name` converted to f32 into out[0..n).
+  // Only those bytes' pages are memory-mapped, and unmapped before returning (read a large tensor
+  // in chunks to bound the resident memory).
   // NOT_FOUND for an unknown tensor, OUT_OF_RANGE for a range outside the tensor,
-  // FAILED_PRECONDITION for a dtype other than F32 / BF16 / F16, DATA_LOSS for a short read.
+  // FAILED_PRECONDITION for a dtype other than F32 / BF16 / F16, DATA_LOSS for a short file.
   absl::Status Read(const std::string& name, int64_t first, int64_t n, float* out) const;
 
  private:

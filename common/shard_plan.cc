@@ -181,7 +181,9 @@ absl::StatusOr<ShardPlan> MakeShardPlan(const v1::JobSpec& spec_in, int world_si
     UnitTensors u(3);
     const WireDtype hw = WireOf(spec.precision().lm_head());
     Add(&u, hw, MakeTensor("model.norm.weight", {C}, Init::kOnes, false));
-    Add(&u, hw, MakeTensor("lm_head.weight", {V, C}, Init::kKaimingUniform, false));
+    if (!m.tie_word_embeddings()) {  // tied: the head reads model.embed_tokens.weight
+      Add(&u, hw, MakeTensor("lm_head.weight", {V, C}, Init::kKaimingUniform, false));
+    }
     units.emplace_back("head", std::move(u));
   }
   return MakeShardPlan(units, world_size, spec.sharding().alignment());

@@ -72,7 +72,8 @@ struct ShardPlan {
 // unit "layers.i" = input_layernorm (C) kOnes, self_attn.{q (C, C), k (Hkv*hd, C), v (Hkv*hd, C),
 // o (C, C)}_proj, post_attention_layernorm (C) kOnes, mlp.{gate (F, C), up (F, C), down (C, F)}_proj,
 // linears kKaimingUniform with fan_in = in_features; unit "head" = model.norm.weight (C) kOnes,
-// lm_head.weight (V, C) kKaimingUniform.
+// lm_head.weight (V, C) kKaimingUniform. With model.tie_word_embeddings there is no lm_head.weight:
+// the head uses model.embed_tokens.weight, which is sharded once, in unit "embedding".
 // Wire dtypes: a block's linears follow LayerLinearPrecision (FP8 -> kFp8, BF16 -> kBf16,
 // FP32 -> kFp32); its two norms travel in fp32 when the linears are FP32, else in bf16; embedding
 // and head (both tensors) follow precision.embedding / precision.lm_head (BF16 or FP32).

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/hf_model.h"
+#include "common/rope.h"
 #include "common/token_shard.h"
 
 namespace fsdp8 {
@@ -265,7 +266,7 @@ absl::Status CheckModel(const v1::ModelConfig& m) {
   if (!(m.norm_eps() > 0) || !std::isfinite(m.norm_eps())) {
     return Bad("model.norm_eps", "must be > 0 and finite", absl::StrCat("got ", m.norm_eps()));
   }
-  return absl::OkStatus();
+  return CheckRopeScaling(m);
 }
 
 // training.*: step counts, batch sizes (against world_size when > 0), evaluation.

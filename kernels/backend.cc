@@ -30,6 +30,20 @@ float* RoundedToBf16Copy(Backend* be, const float* x, int64_t n) {
 
 }  // namespace
 
+void Backend::SetRopeInvFreq(float theta, std::vector<float> inv_freq) {
+  rope_freq_theta_ = theta;
+  rope_inv_freq_ = std::move(inv_freq);
+  ++rope_freq_version_;
+}
+
+const std::vector<float>* Backend::RopeInvFreqFor(int64_t D, float theta) const {
+  if (rope_inv_freq_.empty() || theta != rope_freq_theta_ ||
+      D != 2 * static_cast<int64_t>(rope_inv_freq_.size())) {
+    return nullptr;
+  }
+  return &rope_inv_freq_;
+}
+
 void Backend::AttentionForwardBf16Compute(const float* q, const float* k, const float* v, int64_t B,
                                           int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
                                           float* lse) {

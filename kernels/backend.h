@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace fsdp8 {
 
@@ -166,6 +167,11 @@ class Backend {
   virtual void RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) = 0;
   virtual void RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D,
                             float theta) = 0;
+  // Replaces the inverse frequencies of the RoPE calls (every Rope* op) whose theta equals `theta`
+  // and whose head dimension is D = 2 * inv_freq.size(): they rotate by angle = f32(t) *
+  // inv_freq[i] instead of t * theta^(-2i/D) (RoPE scaling such as Llama 3.1's, computed by the
+  // caller). An empty inv_freq restores the default for every call. Not concurrent with RoPE calls.
+  void SetRopeInvFreq(float theta, std::vector<float> inv_freq);
 
   // Causal scaled-dot-product attention, scale 1/sqrt(D), grouped-query when Hkv < H
   // (query head h uses kv head h / (H / Hkv)).
@@ -366,6 +372,17 @@ class Backend {
   virtual void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
                      float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
                      float* amax_out) = 0;
+
+ protected:
+  // The inverse frequencies SetRopeInvFreq set for (D, theta), or null when the default applies.
+  const std::vector<float>* RopeInvFreqFor(int64_t D, float theta) const;
+  // Changes with every SetRopeInvFreq (a key of the backends' RoPE table caches).
+  int64_t rope_freq_version() const { return rope_freq_version_; }
+
+ private:
+  float rope_freq_theta_ = 0.0f;
+  std::vector<float> rope_inv_freq_;
+  int64_t rope_freq_version_ = 0;
 };
 
 // A backend's settings from the environment (common/env_settings.h); all off by default.

@@ -1,6 +1,8 @@
 #include "train/hf_import.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <set>
 #include <vector>
 
@@ -11,26 +13,24 @@
 #include "common/safetensors.h"
 
 namespace fsdp8 {
+namespace {
 
-absl::Status LoadHfWeights(Trainer* trainer, const std::string& dir) {
-  const std::string field = "init.from_hf";
-  if (absl::Status s = CheckHfDir(dir, trainer->spec().model(), field); !s.ok()) return s;
-  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(absl::StrCat(dir, "/", kHfWeightsFile));
-  if (!file.ok()) return file.status();
-  const ShardPlan& plan = trainer->params().plan();
-  const std::string& path = file->path();
-  auto bad = [&](const std::string& what) {
-    return absl::FailedPreconditionError(absl::StrCat(field, ": ", path, ": ", what));
-  };
-  // Everything is checked before any shard changes.
+// Elements per read: a rank holds at most this many f32 values (and their mapped bytes) beyond its
+// shards while it loads.
+constexpr int64_t kReadChunk = int64_t{1} << 22;
+
+// Every tensor of the plan is in `w` with its shape and a loadable dtype, and `w` holds nothing
+// else (a rotary_emb.inv_freq buffer, and lm_head.weight of a tied model, are ignored).
+absl::Status CheckTensors(const HfWeights& w, const ShardPlan& plan, bool tied,
+                          const std::function<absl::Status(const std::string&)>& bad) {
   std::set<std::string> wanted;
   for (const UnitPlan& u : plan.units) {
     for (const BufferPlan& b : u.buffers) {
       for (const TensorSpec& t : b.tensors) {
         wanted.insert(t.name);
-        auto it = file->tensors().find(t.name);
-        if (it == file->tensors().end()) return bad(absl::StrCat("tensor ", t.name, " is missing"));
-        const SafetensorsTensor& st = it->second;
+        auto it = w.tensors().find(t.name);
+        if (it == w.tensors().end()) return bad(absl::StrCat("tensor ", t.name, " is missing"));
+        const SafetensorsTensor& st = it->second.tensor;
         if (st.shape != t.shape) {
           return bad(absl::StrCat("tensor ", t.name, " has shape [", absl::StrJoin(st.shape, ", "),
                                   "], this model needs [", absl::StrJoin(t.shape, ", "), "]"));
@@ -42,35 +42,64 @@ absl::Status LoadHfWeights(Trainer* trainer, const std::string& dir) {
       }
     }
   }
-  for (const auto& [name, unused] : file->tensors()) {
-    if (!wanted.count(name) && !absl::EndsWith(name, ".rotary_emb.inv_freq")) {
+  for (const auto& [name, unused] : w.tensors()) {
+    if (!wanted.count(name) && !absl::EndsWith(name, ".rotary_emb.inv_freq") &&
+        !(tied && name == "lm_head.weight")) {
       return bad(absl::StrCat("unexpected tensor ", name, " (this model has no such parameter)"));
     }
   }
+  return absl::OkStatus();
+}
+
+// Sets this rank's master elements [lo, hi) of buffer (u, b) (flat-buffer indices, inside tensor
+// t) from the file, in chunks of kReadChunk.
+absl::Status LoadRange(const HfWeights& w, FsdpParams* params, size_t u, size_t b, size_t t,
+                       int64_t lo, int64_t hi,
+                       const std::function<absl::Status(const std::string&)>& bad) {
+  const BufferPlan& bp = params->plan().units[u].buffers[b];
+  const std::string& name = bp.tensors[t].name;
+  const int64_t shard0 = bp.ShardBegin(params->rank());
+  std::vector<float> chunk(static_cast<size_t>(std::min(kReadChunk, hi - lo)));
+  for (int64_t c = lo; c < hi; c += kReadChunk) {
+    const int64_t n = std::min(kReadChunk, hi - c);
+    if (absl::Status s = w.Read(name, c - bp.offsets[t], n, chunk.data()); !s.ok()) return s;
+    for (int64_t i = 0; i < n; ++i) {
+      if (!std::isfinite(chunk[i])) {
+        return bad(absl::StrCat("tensor ", name, " element ", c - bp.offsets[t] + i, " is not finite"));
+      }
+    }
+    params->UploadShardRange(static_cast<int>(u), static_cast<int>(b), ShardArray::kMaster,
+                             c - shard0, chunk.data(), n);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status LoadHfWeights(Trainer* trainer, const std::string& dir) {
+  const std::string field = "init.from_hf";
+  if (absl::Status s = CheckHfDir(dir, trainer->spec().model(), field); !s.ok()) return s;
+  absl::StatusOr<HfWeights> w = HfWeights::Open(dir);
+  if (!w.ok()) return w.status();
   FsdpParams& params = trainer->params();
+  const ShardPlan& plan = params.plan();
+  auto bad = [&](const std::string& what) {
+    return absl::FailedPreconditionError(absl::StrCat(field, ": ", dir, ": ", what));
+  };
+  // Everything is checked before any shard changes.
+  if (absl::Status s = CheckTensors(*w, plan, trainer->spec().model().tie_word_embeddings(), bad);
+      !s.ok()) {
+    return s;
+  }
   const int rank = params.rank();
-  std::vector<float> chunk;
   for (size_t u = 0; u < plan.units.size(); ++u) {
     for (size_t b = 0; b < plan.units[u].buffers.size(); ++b) {
       const BufferPlan& bp = plan.units[u].buffers[b];
-      const int64_t lo_shard = bp.ShardBegin(rank), hi_shard = bp.ShardEnd(rank);
       for (size_t t = 0; t < bp.tensors.size(); ++t) {
-        const int64_t lo = std::max(lo_shard, bp.offsets[t]);
-        const int64_t hi = std::min(hi_shard, bp.offsets[t] + bp.tensors[t].numel);
+        const int64_t lo = std::max(bp.ShardBegin(rank), bp.offsets[t]);
+        const int64_t hi = std::min(bp.ShardEnd(rank), bp.offsets[t] + bp.tensors[t].numel);
         if (hi <= lo) continue;
-        chunk.resize(static_cast<size_t>(hi - lo));
-        if (absl::Status s = file->Read(bp.tensors[t].name, lo - bp.offsets[t], hi - lo, chunk.data());
-            !s.ok()) {
-          return s;
-        }
-        for (int64_t i = 0; i < hi - lo; ++i) {
-          if (!std::isfinite(chunk[i])) {
-            return bad(absl::StrCat("tensor ", bp.tensors[t].name, " element ",
-                                    lo - bp.offsets[t] + i, " is not finite"));
-          }
-        }
-        params.UploadShardRange(static_cast<int>(u), static_cast<int>(b), ShardArray::kMaster,
-                                lo - lo_shard, chunk.data(), hi - lo);
+        if (absl::Status s = LoadRange(*w, &params, u, b, t, lo, hi, bad); !s.ok()) return s;
       }
     }
   }

@@ -5,6 +5,7 @@
 
 #include "common/check.h"
 #include "absl/strings/str_cat.h"
+#include "common/rope.h"
 #include "common/spec.h"
 
 namespace fsdp8 {
@@ -42,15 +43,19 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
   T_ = m.seq_len();
   eps_ = static_cast<float>(m.norm_eps());
   theta_ = static_cast<float>(m.rope_theta());
+  // Every RoPE op of this model uses these frequencies (empty: the plain theta^(-2i/D)).
+  be_->SetRopeInvFreq(theta_, HasRopeScaling(m) ? RopeInvFreq(m) : std::vector<float>());
   const bool hybrid = spec.precision().fp8().format() != v1::FP8_FORMAT_E4M3;
   attention_bf16_ = spec.precision().attention() == v1::PRECISION_BF16;
   recompute_ = spec.training().activation_recompute();
 
   embed_ = p_->Ref("model.embed_tokens.weight");
   final_norm_ = p_->Ref("model.norm.weight");
-  head_ = p_->Ref("lm_head.weight");
+  tied_ = m.tie_word_embeddings();
+  // Tied: the head GEMM reads the embedding's weight (its unit is gathered again for the head).
+  head_ = tied_ ? embed_ : p_->Ref("lm_head.weight");
   embedding_unit_ = embed_.unit;
-  head_unit_ = head_.unit;
+  head_unit_ = final_norm_.unit;
 
   auto make_linear = [&](v1::Precision prec, const TensorRef& w, const std::string& hf) {
     if (prec != v1::PRECISION_FP8) return Linear(be, scaling, prec, -1, -1);
@@ -672,6 +677,23 @@ void LlamaModel::HeadBf16Compute(const float* nf, const int32_t* targets, int64_
   }
 }
 
+absl::Status LlamaModel::GatherHead() {
+  if (tied_) {
+    if (absl::Status s = p_->Gather(embedding_unit_); !s.ok()) return s;
+  }
+  return p_->Gather(head_unit_);
+}
+
+void LlamaModel::ReleaseHead() {
+  p_->Release(head_unit_);
+  if (tied_) p_->Release(embedding_unit_);
+}
+
+void LlamaModel::BeginHeadGrads() {
+  p_->BeginGrads(head_unit_);
+  if (tied_) p_->BeginGrads(embedding_unit_);
+}
+
 absl::Status LlamaModel::PrefetchFirstUnits() {
   if (absl::Status s = p_->Prefetch(embedding_unit_); !s.ok()) return s;
   return blocks_.empty() ? p_->Prefetch(head_unit_) : p_->Prefetch(blocks_[0].q.unit);
@@ -689,7 +711,7 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
   std::vector<BlockActs> acts(backward ? L : 0);
   if (absl::Status s = ForwardBlocks(tokens, B, backward, &x, &acts); !s.ok()) return s;
   // Head: final norm, lm_head, fused cross-entropy (+ its backward).
-  if (absl::Status s = p_->Gather(head_unit_); !s.ok()) return s;
+  if (absl::Status s = GatherHead(); !s.ok()) return s;
   if (backward && L > 0) {
     if (absl::Status s = p_->Prefetch(BlockUnit(L - 1)); !s.ok()) return s;
   }
@@ -699,12 +721,12 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
   if (lhead_.precision() == v1::PRECISION_BF16) {
     if (!backward) {
       HeadBf16Compute(nf.f32(), targets, N, 0.0f, losses, nullptr);
-      p_->Release(head_unit_);
+      ReleaseHead();
       return absl::OkStatus();
     }
     // Forward and backward of the head interleave (row chunks): the forward phase's peak is
     // taken after both.
-    p_->BeginGrads(head_unit_);
+    BeginHeadGrads();
     dnf = DevBuf(be_, N * C_ * 4);
     HeadBf16Compute(nf.f32(), targets, N, grad_scale, losses, dnf.f32());
     forward_peak_ = std::max(forward_peak_, be_->PeakAllocatedBytes());
@@ -716,12 +738,12 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
     be_->CrossEntropyForwardBackward(logits.f32(), targets, N, V_, backward ? grad_scale : 0.0f,
                                      losses);
     if (!backward) {
-      p_->Release(head_unit_);
+      ReleaseHead();
       return absl::OkStatus();
     }
     forward_peak_ = std::max(forward_peak_, be_->PeakAllocatedBytes());
     be_->ResetPeak();
-    p_->BeginGrads(head_unit_);
+    BeginHeadGrads();
     dnf = DevBuf(be_, N * C_ * 4);
     lhead_.Backward(ActivationView::F32(logits.f32()), N, C_, V_, View(head_), sh,
                     InputGrad::F32(dnf.f32()), p_->G(head_));
@@ -731,9 +753,30 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
                        p_->G(final_norm_));
   nf.Reset();
   x.Reset();
-  p_->Release(head_unit_);
+  ReleaseHead();
+  // Tied: the embedding's gradient is reduced after the embedding's own backward adds to it.
   if (absl::Status s = p_->ReduceGrads(head_unit_); !s.ok()) return s;
   return BackwardBlocks(tokens, B, &acts, &dx);
+}
+
+absl::Status LlamaModel::Logits(const int32_t* tokens, int64_t B, float* logits) {
+  const int64_t N = B * T_;
+  DevBuf x;
+  std::vector<BlockActs> none;
+  if (absl::Status s = ForwardBlocks(tokens, B, false, &x, &none); !s.ok()) return s;
+  if (absl::Status s = GatherHead(); !s.ok()) return s;
+  DevBuf nf(be_, N * C_ * 4), rstdf(be_, N * 4);
+  be_->RmsNormForward(x.f32(), p_->W(final_norm_), eps_, N, C_, nf.f32(), rstdf.f32());
+  if (lhead_.precision() == v1::PRECISION_BF16) {
+    DevBuf w16(be_, V_ * C_ * 2), nf16(be_, N * C_ * 2);
+    be_->PackBf16(p_->W(head_), w16.u16(), V_ * C_);
+    be_->PackBf16(nf.f32(), nf16.u16(), N * C_);
+    be_->GemmBf16(false, true, N, V_, C_, nf16.u16(), w16.u16(), logits, false);
+  } else {
+    lhead_.Forward(nf.f32(), N, C_, V_, View(head_), logits, nullptr);
+  }
+  ReleaseHead();
+  return absl::OkStatus();
 }
 
 absl::Status LlamaModel::ForwardBlocks(const int32_t* tokens, int64_t B, bool backward, DevBuf* x,
@@ -789,8 +832,9 @@ absl::Status LlamaModel::BackwardBlocks(const int32_t* tokens, int64_t B,
     p_->Release(unit);
     if (absl::Status s = p_->ReduceGrads(unit); !s.ok()) return s;
   }
-  // Embedding backward needs only the tokens.
-  p_->BeginGrads(embedding_unit_);
+  // Embedding backward needs only the tokens. Tied: its gradient buffer holds the head's part
+  // since the head's backward (BeginHeadGrads), and both are reduced once here.
+  if (!tied_) p_->BeginGrads(embedding_unit_);
   be_->EmbeddingBackward(tokens, N, dx->f32(), C_, p_->G(embed_));
   if (absl::Status s = p_->ReduceGrads(embedding_unit_); !s.ok()) return s;
   p_->FlushGrads();

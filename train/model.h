@@ -3,6 +3,9 @@
 //   embedding → L × [x + o_proj(attn(rope(q(n1)), rope(k(n1)), v(n1))), n1 = RMSNorm(x);
 //                    h + down(silu(gate(n2)) * up(n2)), n2 = RMSNorm(h)]
 //   → final RMSNorm → lm_head → softmax cross-entropy against the next tokens.
+// With tied embeddings (model.tie_word_embeddings) lm_head is embed_tokens' weight: the head
+// gathers the embedding unit again and its weight gradient is added to the embedding's, which is
+// reduce-scattered once after the embedding's backward.
 // Forward gathers each unit's weights, computes, frees them; backward re-gathers each block,
 // computes its gradients into full f32 buffers and reduce-scatters them (FsdpParams). The head's
 // forward and backward run back to back (fused cross-entropy), with one gather.
@@ -41,6 +44,9 @@ class LlamaModel {
   // parameters' grad shards (accumulating).
   absl::Status Run(const int32_t* tokens, const int32_t* targets, int64_t B, float grad_scale,
                    float* losses, bool backward);
+  // Forward only, for comparisons with other implementations: logits (B * T, V) f32 device buffer
+  // of the head's GEMM (in precision.lm_head; BF16 rounds its operands as the training head does).
+  absl::Status Logits(const int32_t* tokens, int64_t B, float* logits);
   // Starts the all-gathers of the first units a Run gathers (the embedding and block 0), so that
   // they run while the host finishes the step and starts the next one. Call after the weights'
   // last CastWeights of the step; the next Run takes them over (FsdpParams::Prefetch).
@@ -87,6 +93,12 @@ class LlamaModel {
   bool QkvBackwardFused(const Block& b) const;
   // The FSDP unit of block l; the head's unit for l == the number of blocks.
   int BlockUnit(int l) const;
+  // The head's units: its own (final norm, lm_head) and, with tied embeddings, the embedding's
+  // (the head GEMM's weight). BeginHeadGrads starts both gradient buffers; the embedding's stays
+  // open until the embedding's backward has added its part (one reduce-scatter of the sum).
+  absl::Status GatherHead();
+  void ReleaseHead();
+  void BeginHeadGrads();
   // The embedding and the blocks' forward: x (N, C) f32 receives the last block's output. With
   // backward, acts (one per block) receives what each block's backward needs (only the block
   // input with activation recompute).
@@ -161,6 +173,7 @@ class LlamaModel {
   float eps_, theta_;
   bool attention_bf16_ = false;  // precision.attention == BF16
   bool recompute_ = false;       // training.activation_recompute
+  bool tied_ = false;           // model.tie_word_embeddings: head_ is embed_
   // f32 logits per chunk of the BF16 head (HeadBf16Compute):
   // ModelOptions::head_chunk_logit_bytes.
   int64_t head_chunk_bytes_ = int64_t{1} << 30;

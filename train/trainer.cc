@@ -172,6 +172,66 @@ absl::StatusOr<double> Trainer::ForwardLoss(int64_t step) {
   return *total / (static_cast<double>(spec_.training().global_batch()) * spec_.model().seq_len());
 }
 
+namespace {
+
+// B when `tokens` holds B >= 1 sequences of seq_len tokens, each in [0, vocab).
+absl::StatusOr<int64_t> GivenBatch(const std::vector<int32_t>& tokens, const v1::ModelConfig& m) {
+  const int64_t T = m.seq_len();
+  if (tokens.empty() || static_cast<int64_t>(tokens.size()) % T != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tokens: ", tokens.size(),
+                                                   " is not a positive multiple of seq_len ", T));
+  }
+  for (int32_t t : tokens) {
+    if (t < 0 || t >= m.vocab_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("tokens: ", t, " outside [0, vocab_size ",
+                                                     m.vocab_size(), ")"));
+    }
+  }
+  return static_cast<int64_t>(tokens.size()) / T;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<float>> Trainer::ForwardBackwardTokens(
+    const std::vector<int32_t>& tokens, const std::vector<int32_t>& targets) {
+  absl::StatusOr<int64_t> B = GivenBatch(tokens, spec_.model());
+  if (!B.ok()) return B.status();
+  if (targets.size() != tokens.size()) return absl::InvalidArgumentError("targets: size differs from tokens");
+  if (absl::StatusOr<int64_t> b = GivenBatch(targets, spec_.model()); !b.ok()) return b.status();
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  params_->ZeroGrads();
+  scaling_->BeginStep();
+  scaling_->set_recording(true);
+  DevBuf d_in(be_, n * 4), d_tg(be_, n * 4), losses(be_, n * 4);
+  be_->CopyToDevice(d_in.get(), tokens.data(), n * 4);
+  be_->CopyToDevice(d_tg.get(), targets.data(), n * 4);
+  const float grad_scale = 1.0f / static_cast<float>(n * world_);
+  if (absl::Status s = model_->Run(d_in.i32(), d_tg.i32(), *B, grad_scale, losses.f32(), true);
+      !s.ok()) {
+    return s;
+  }
+  std::vector<float> out(static_cast<size_t>(n));
+  be_->CopyToHost(out.data(), losses.get(), n * 4);
+  if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;
+  return out;
+}
+
+absl::StatusOr<std::vector<float>> Trainer::Logits(const std::vector<int32_t>& tokens) {
+  absl::StatusOr<int64_t> B = GivenBatch(tokens, spec_.model());
+  if (!B.ok()) return B.status();
+  const int64_t n = static_cast<int64_t>(tokens.size()), V = spec_.model().vocab_size();
+  scaling_->set_recording(false);
+  DevBuf d_in(be_, n * 4), logits(be_, n * V * 4);
+  be_->CopyToDevice(d_in.get(), tokens.data(), n * 4);
+  absl::Status s = model_->Logits(d_in.i32(), *B, logits.f32());
+  scaling_->set_recording(true);
+  if (!s.ok()) return s;
+  std::vector<float> out(static_cast<size_t>(n * V));
+  be_->CopyToHost(out.data(), logits.get(), out.size() * 4);
+  if (absl::Status st = model_->PrefetchFirstUnits(); !st.ok()) return st;
+  return out;
+}
+
 absl::StatusOr<double> Trainer::Evaluate() {
   if (!val_) return std::numeric_limits<double>::quiet_NaN();
   scaling_->set_recording(false);

@@ -95,6 +95,15 @@ class Trainer {
   absl::StatusOr<double> ForwardBackward(int64_t step);
   // Global mean training loss of step k's batch under the current weights (forward only).
   absl::StatusOr<double> ForwardLoss(int64_t step);
+  // A given batch (comparisons with other implementations): tokens, targets (B * seq_len) host
+  // int32, B >= 1, each token < vocab_size. ForwardBackwardTokens zeroes the grad shards and
+  // accumulates the gradients of sum(losses) / (B * seq_len * world_size) (with the same B on
+  // every rank: of the mean over all ranks' tokens), returning this rank's per-token losses
+  // (nats); Logits returns (B * seq_len, V) f32 (forward only, no collective beyond the
+  // all-gathers). INVALID_ARGUMENT for a wrong size or a token out of range.
+  absl::StatusOr<std::vector<float>> ForwardBackwardTokens(const std::vector<int32_t>& tokens,
+                                                           const std::vector<int32_t>& targets);
+  absl::StatusOr<std::vector<float>> Logits(const std::vector<int32_t>& tokens);
   FsdpParams& params() { return *params_; }
   const FsdpParams& params() const { return *params_; }
   const LlamaModel& model() const { return *model_; }

@@ -363,15 +363,21 @@ void CpuRefBackend::RmsNormBackward(const float* dy, const float* x, const float
 // ---- RoPE -------------------------------------------------------------------------------------
 
 void CpuRefBackend::RopeTables(int64_t T, int64_t D, float theta) {
-  if (T == rope_T_ && D == rope_D_ && theta == rope_theta_) return;
-  // As Hugging Face computes them: inv_freq_i = theta^(-2i/D) and angle = t * inv_freq_i, both
-  // rounded to f32; cos/sin of that f32 angle, rounded to f32. (T, D/2)
+  if (T == rope_T_ && D == rope_D_ && theta == rope_theta_ &&
+      rope_freq_version() == rope_version_) {
+    return;
+  }
+  // As Hugging Face computes them: inv_freq_i = theta^(-2i/D) (or the frequencies SetRopeInvFreq
+  // gave) and angle = t * inv_freq_i, both rounded to f32; cos/sin of that f32 angle, rounded to
+  // f32. (T, D/2)
   const int64_t half = D / 2;
+  const std::vector<float>* scaled = RopeInvFreqFor(D, theta);
   rope_cos_.assign(static_cast<size_t>(T * half), 0.0f);
   rope_sin_.assign(static_cast<size_t>(T * half), 0.0f);
   for (int64_t i = 0; i < half; ++i) {
-    const float inv_freq = static_cast<float>(
-        1.0 / std::pow(static_cast<double>(theta), static_cast<double>(2 * i) / D));
+    const float inv_freq = scaled != nullptr
+        ? (*scaled)[i]
+        : static_cast<float>(1.0 / std::pow(static_cast<double>(theta), static_cast<double>(2 * i) / D));
     for (int64_t t = 0; t < T; ++t) {
       const float angle = static_cast<float>(t) * inv_freq;
       rope_cos_[t * half + i] = static_cast<float>(std::cos(static_cast<double>(angle)));
@@ -381,6 +387,7 @@ void CpuRefBackend::RopeTables(int64_t T, int64_t D, float theta) {
   rope_T_ = T;
   rope_D_ = D;
   rope_theta_ = theta;
+  rope_version_ = rope_freq_version();
 }
 
 void CpuRefBackend::RopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,

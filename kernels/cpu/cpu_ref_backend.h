@@ -118,7 +118,7 @@ class CpuRefBackend : public Backend {
   // Growable f32 scratch slot `i` of at least n elements (reused across calls; not tracked by
   // AllocatedBytes since it is the backend's own workspace).
   float* Scratch(int i, int64_t n);
-  // cos/sin tables (T, D/2) for RoPE, rebuilt when (T, D, theta) changes.
+  // cos/sin tables (T, D/2) for RoPE, rebuilt when (T, D, theta) or the set frequencies change.
   void RopeTables(int64_t T, int64_t D, float theta);
   void RopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta, float sign);
 
@@ -128,6 +128,7 @@ class CpuRefBackend : public Backend {
   std::vector<float> scratch_[4];
   int64_t rope_T_ = -1, rope_D_ = -1;
   float rope_theta_ = 0.0f;
+  int64_t rope_version_ = -1;  // rope_freq_version() of the tables
   std::vector<float> rope_cos_, rope_sin_;
 };
 

@@ -468,7 +468,9 @@ void CudaBackend::RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16
 }
 
 void CudaBackend::EnsureRopeTable(int64_t T, int64_t D, float theta) {
-  if (rope_T_ == T && rope_D_ == D && rope_theta_ == theta) return;
+  if (rope_T_ == T && rope_D_ == D && rope_theta_ == theta && rope_version_ == rope_freq_version()) {
+    return;
+  }
   const size_t bytes = sizeof(float) * 2 * T * (D / 2);
   if (rope_table_bytes_ < bytes) {
     FSDP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -477,7 +479,24 @@ void CudaBackend::EnsureRopeTable(int64_t T, int64_t D, float theta) {
     rope_table_bytes_ = bytes;
     CountWorkspaces();
   }
-  cuda::LaunchRopeTable(T, D, theta, rope_table_, stream_);
+  if (const std::vector<float>* inv_freq = RopeInvFreqFor(D, theta); inv_freq != nullptr) {
+    // Set frequencies: the table of RopeTableKernel's rule (f32 angle, cos/sin in double) on the
+    // host, once per job.
+    const int64_t half = D / 2;
+    std::vector<float> host(static_cast<size_t>(2 * T * half));
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t i = 0; i < half; ++i) {
+        const double a = static_cast<double>(static_cast<float>(t) * (*inv_freq)[i]);
+        host[2 * (t * half + i)] = static_cast<float>(std::cos(a));
+        host[2 * (t * half + i) + 1] = static_cast<float>(std::sin(a));
+      }
+    }
+    FSDP8_CUDA_CHECK(cudaMemcpyAsync(rope_table_, host.data(), bytes, cudaMemcpyHostToDevice, stream_));
+    FSDP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  } else {
+    cuda::LaunchRopeTable(T, D, theta, rope_table_, stream_);
+  }
+  rope_version_ = rope_freq_version();
   rope_T_ = T;
   rope_D_ = D;
   rope_theta_ = theta;

@@ -239,7 +239,8 @@ class CudaBackend final : public Backend, public CudaStreams {
   // Bytes from p to the end of the Alloc'd buffer containing it; 0 when unknown.
   size_t BytesToEndOfAllocation(const void* p) const;
   void Bind() const;
-  // Builds the RoPE cos/sin table for (T, D, theta) unless it is the cached one.
+  // Builds the RoPE cos/sin table for (T, D, theta) and the set frequencies (SetRopeInvFreq:
+  // tabulated on the host) unless it is the cached one.
   void EnsureRopeTable(int64_t T, int64_t D, float theta);
   // cuDNN's fused attention applies to this head dimension (and has not refused before).
   bool CudnnAttentionUsable(int64_t D) const;
@@ -261,6 +262,7 @@ class CudaBackend final : public Backend, public CudaStreams {
   size_t scratch_bytes_[kScratchSlots] = {};
   int64_t rope_T_ = -1, rope_D_ = -1;
   float rope_theta_ = 0.0f;
+  int64_t rope_version_ = -1;  // rope_freq_version() of the table
   float* rope_table_ = nullptr;
   size_t rope_table_bytes_ = 0;
   int64_t gemm_fp8_fallbacks_ = 0;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/hf_model.h"
+#include "common/spec.h"
 #include "gtest/gtest.h"
 
 namespace fsdp8 {
@@ -196,8 +197,8 @@ TEST(HfConfig, ATransformersStyleConfigMatchesAndEachMismatchIsNamed) {
   EXPECT_NE(CheckHfConfig(cfg, m, "x").message().find("rms_norm_eps"), std::string::npos);
   std::string tied = cfg;
   tied.replace(tied.find("\"tie_word_embeddings\": false"), 28, "\"tie_word_embeddings\": true");
-  EXPECT_NE(CheckHfConfig(tied, Model(), "x").message().find("tie_word_embeddings must be false"),
-            std::string::npos);
+  EXPECT_EQ(CheckHfConfig(tied, Model(), "x").message(),
+            "x: config.json tie_word_embeddings is true, model.tie_word_embeddings is false");
   EXPECT_EQ(CheckHfConfig("[1, 2]", Model(), "x").code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(CheckHfConfig(R"({"model_type": "gpt2"})", Model(), "x").message().find("model_type"),
             std::string::npos);
@@ -218,6 +219,106 @@ TEST(HfConfig, WrittenConfigRoundTrips) {
   EXPECT_EQ(back->seq_len(), 128);
   EXPECT_EQ(back->rope_theta(), 500000);
   EXPECT_EQ(back->norm_eps(), 1e-5);
+}
+
+// Llama 3.2 1B's published config.json (tied, llama3 RoPE scaling, head_dim given).
+const char kLlama32_1B[] = R"({
+  "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
+  "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+  "max_position_embeddings": 131072, "mlp_bias": false, "model_type": "llama",
+  "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+  "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+  "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+  "rope_theta": 500000.0, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+  "transformers_version": "4.45.0.dev0", "use_cache": true, "vocab_size": 128256})";
+
+TEST(HfConfig, ModelSectionOfLlama32IsItsPublishedShape) {
+  auto yaml = HfModelSectionYaml(kLlama32_1B, 2048);
+  ASSERT_TRUE(yaml.ok()) << yaml.status();
+  auto spec = ParseSpec(*yaml);
+  ASSERT_TRUE(spec.ok()) << spec.status() << "\n" << *yaml;
+  const v1::ModelConfig& m = spec->model();
+  EXPECT_EQ(m.d_model(), 2048);
+  EXPECT_EQ(m.n_layers(), 16);
+  EXPECT_EQ(m.n_heads(), 32);
+  EXPECT_EQ(m.n_kv_heads(), 8);
+  EXPECT_EQ(m.ffn_dim(), 8192);
+  EXPECT_EQ(m.vocab_size(), 128256);
+  EXPECT_EQ(m.seq_len(), 2048);  // --seq-len, below max_position_embeddings
+  EXPECT_EQ(m.rope_theta(), 500000.0);
+  EXPECT_EQ(m.norm_eps(), 1e-5);
+  EXPECT_TRUE(m.tie_word_embeddings());
+  ASSERT_TRUE(m.has_rope_scaling());
+  EXPECT_EQ(m.rope_scaling().rope_type(), "llama3");
+  EXPECT_EQ(m.rope_scaling().factor(), 32.0);
+  EXPECT_EQ(m.rope_scaling().low_freq_factor(), 1.0);
+  EXPECT_EQ(m.rope_scaling().high_freq_factor(), 4.0);
+  EXPECT_EQ(m.rope_scaling().original_max_position_embeddings(), 8192);
+  // The section matches its own config, and a config written from it reads back the same.
+  v1::ModelConfig at_max = m;
+  at_max.set_seq_len(131072);
+  EXPECT_TRUE(CheckHfConfig(kLlama32_1B, m, "x").ok()) << CheckHfConfig(kLlama32_1B, m, "x");
+  const std::string written = HfConfigJson(at_max, SafetensorsDtype::kBF16);
+  EXPECT_TRUE(CheckHfConfig(written, m, "x").ok()) << CheckHfConfig(written, m, "x") << written;
+  auto back = ModelConfigFromHf(written);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->SerializeAsString(), at_max.SerializeAsString()) << written;
+}
+
+TEST(HfConfig, UnimplementedFeaturesAreRefusedNamingTheKey) {
+  auto refused = [](const std::string& from, const std::string& to, const std::string& key) {
+    std::string cfg = kLlama32_1B;
+    const size_t at = cfg.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    cfg.replace(at, from.size(), to);
+    auto m = ModelConfigFromHf(cfg);
+    ASSERT_FALSE(m.ok()) << to;
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(m.status().message().find(key), std::string::npos) << m.status();
+  };
+  refused("\"attention_bias\": false", "\"attention_bias\": true", "attention_bias must be false");
+  refused("\"mlp_bias\": false", "\"mlp_bias\": true", "mlp_bias must be false");
+  refused("\"use_cache\": true", "\"use_cache\": true, \"sliding_window\": 4096",
+          "sliding_window must be null");
+  refused("\"rope_type\": \"llama3\"", "\"rope_type\": \"yarn\"",
+          "rope_scaling.rope_type is \"yarn\"");
+  refused("\"head_dim\": 64", "\"head_dim\": 128", "head_dim is 128");
+  refused("\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\"", "hidden_act must be \"silu\"");
+  refused("\"use_cache\": true", "\"use_cache\": true, \"partial_rotary_factor\": 0.5",
+          "partial_rotary_factor must be 1");
+  refused("\"factor\": 32.0, ", "", "rope_scaling.factor is missing");
+}
+
+TEST(HfConfig, RopeScalingAndTieAreComparedWithTheModelSection) {
+  auto m = ModelConfigFromHf(kLlama32_1B);
+  ASSERT_TRUE(m.ok()) << m.status();
+  m->set_seq_len(2048);
+  v1::ModelConfig other = *m;
+  other.mutable_rope_scaling()->set_factor(8.0);
+  EXPECT_EQ(CheckHfConfig(kLlama32_1B, other, "init.from_hf").message(),
+            "init.from_hf: config.json rope_scaling.factor is 32, model.rope_scaling.factor is 8");
+  other = *m;
+  other.clear_rope_scaling();
+  EXPECT_NE(CheckHfConfig(kLlama32_1B, other, "x").message().find(
+                "has rope_scaling llama3, model.rope_scaling is unset"),
+            std::string::npos);
+  other = *m;
+  other.set_tie_word_embeddings(false);
+  EXPECT_EQ(CheckHfConfig(kLlama32_1B, other, "x").message(),
+            "x: config.json tie_word_embeddings is true, model.tie_word_embeddings is false");
+  // transformers 5 writes rope_theta and the scaling together as rope_parameters.
+  std::string v5 = kLlama32_1B;
+  v5.replace(v5.find("\"rope_scaling\""), 14, "\"rope_parameters\"");
+  v5.replace(v5.find("\"rope_type\": \"llama3\""), 21,
+             "\"rope_type\": \"llama3\", \"rope_theta\": 500000.0");
+  v5.replace(v5.find("\"rope_theta\": 500000.0, \"tie"), 24, "");
+  EXPECT_TRUE(CheckHfConfig(v5, *m, "x").ok()) << CheckHfConfig(v5, *m, "x") << v5;
+  auto from_v5 = ModelConfigFromHf(v5);
+  ASSERT_TRUE(from_v5.ok()) << from_v5.status();
+  EXPECT_EQ(from_v5->rope_theta(), 500000.0);
+  EXPECT_EQ(from_v5->rope_scaling().factor(), 32.0);
 }
 
 }  // namespace

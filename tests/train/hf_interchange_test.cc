@@ -9,12 +9,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
 #include <vector>
 
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/hf_model.h"
 #include "common/safetensors.h"
 #include "common/spec.h"
@@ -331,6 +333,118 @@ TEST(HfInterchange, ExportRefusesDamagedOrUncommittedCheckpoints) {
   EXPECT_EQ(*d, ck.root + "/step-2");
   EXPECT_FALSE(ResolveCheckpointStepDir(ck.root, 5).ok());
   EXPECT_FALSE(ResolveCheckpointStepDir(copy, std::nullopt).ok());  // its only step lost its MANIFEST
+}
+
+// Sharded export: with a small maximum shard size the weights go into model-<i>-of-<n>.safetensors
+// files and model.safetensors.index.json (read back here with the safetensors reader, independent
+// of HfWeights); imported on 3 ranks, each reading only its own ranges, they are the checkpoint's
+// weights bit for bit. BF16 shards load as the bf16 rounding of each weight.
+TEST(HfInterchange, ShardedExportOfFourOrMoreShardsLoadsBitIdenticalOnThreeRanks) {
+  const Saved& ck = Checkpoint();
+  const std::string out = Fresh("export_sharded");
+  HfExportOptions o;
+  o.max_shard_bytes = 16 * 1024;  // the 32 KiB embedding and head alone, the blocks split
+  ASSERT_TRUE(ExportHf(ck.root + "/step-2", out, o).ok());
+  EXPECT_FALSE(fs::exists(out + "/model.safetensors"));
+  std::ifstream idx(out + "/model.safetensors.index.json");
+  const std::string index((std::istreambuf_iterator<char>(idx)), {});
+  ASSERT_NE(index.find("\"weight_map\""), std::string::npos) << index;
+  ASSERT_NE(index.find("\"total_size\""), std::string::npos) << index;
+  int shards = 0;
+  int64_t total = 0;
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(out)) {
+    const std::string f = e.path().filename().string();
+    if (f.rfind("model-", 0) != 0) continue;
+    ++shards;
+    auto st = SafetensorsFile::Open(e.path().string());
+    ASSERT_TRUE(st.ok()) << st.status();
+    int64_t bytes = 0;
+    for (const auto& [name, t] : st->tensors()) {
+      bytes += t.end - t.begin;
+      names.insert(name);
+      // The index puts the tensor in this file.
+      EXPECT_NE(index.find("\"" + name + "\": \"" + f + "\""), std::string::npos) << name;
+    }
+    EXPECT_TRUE(bytes <= o.max_shard_bytes || st->tensors().size() == 1) << f;
+    total += bytes;
+  }
+  EXPECT_GE(shards, 4);
+  EXPECT_EQ(names.size(), ck.master.size());
+  EXPECT_NE(index.find(absl::StrCat("\"total_size\": ", total)), std::string::npos) << index;
+  const Loaded l = LoadJob(testing::InterchangeSpec(TrainFile()), out, 3);
+  for (const absl::Status& s : l.status) ASSERT_TRUE(s.ok()) << s;
+  for (const auto& [name, v] : ck.master) {
+    ASSERT_EQ(l.master.at(name).size(), v.size()) << name;
+    EXPECT_EQ(std::memcmp(l.master.at(name).data(), v.data(), v.size() * 4), 0) << name;
+  }
+  // Re-exporting unsharded into the same directory removes the index (transformers would read it).
+  ASSERT_TRUE(ExportHf(ck.root + "/step-2", out, SafetensorsDtype::kBF16).ok());
+  EXPECT_TRUE(fs::exists(out + "/model.safetensors"));
+  EXPECT_FALSE(fs::exists(out + "/model.safetensors.index.json"));
+  o.dtype = SafetensorsDtype::kBF16;
+  const std::string bf = Fresh("export_sharded_bf16");
+  ASSERT_TRUE(ExportHf(ck.root + "/step-2", bf, o).ok());
+  const Loaded lb = LoadJob(testing::InterchangeSpec(TrainFile()), bf, 3);
+  for (const absl::Status& s : lb.status) ASSERT_TRUE(s.ok()) << s;
+  for (const auto& [name, v] : ck.master) {
+    for (size_t i = 0; i < v.size(); ++i) {
+      ASSERT_EQ(lb.master.at(name)[i], Bf16ToFloat(FloatToBf16(v[i]))) << name << "[" << i << "]";
+    }
+  }
+}
+
+TEST(HfInterchange, ShardedIndexThatDisagreesWithItsShardsIsRefusedNamingTheFile) {
+  const Saved& ck = Checkpoint();
+  const std::string out = Fresh("export_badindex");
+  HfExportOptions o;
+  o.max_shard_bytes = 16 * 1024;
+  ASSERT_TRUE(ExportHf(ck.root + "/step-2", out, o).ok());
+  std::ifstream in(out + "/model.safetensors.index.json");
+  std::string index((std::istreambuf_iterator<char>(in)), {});
+  in.close();
+  // Point the embedding at the last shard, which does not hold it.
+  const std::string key = "\"model.embed_tokens.weight\": \"model-00001-of-";
+  const size_t at = index.find(key);
+  ASSERT_NE(at, std::string::npos) << index;
+  const std::string n = index.substr(at + key.size(), 5);  // the shard count, 5 digits
+  index.replace(at + key.size() - 9, 5, n);                // "00001" -> model-<n>-of-<n>
+  std::ofstream(out + "/model.safetensors.index.json", std::ios::trunc) << index;
+  const absl::Status s = LoadOneRank(out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("model.safetensors.index.json: weight_map puts model.embed_tokens.weight in model-" + n),
+            std::string::npos) << s;
+  // A shard named by the index that is missing.
+  fs::remove(out + "/model-" + n + "-of-" + n + ".safetensors");
+  EXPECT_EQ(LoadOneRank(out).code(), absl::StatusCode::kNotFound);
+}
+
+// Tied embeddings: the export has no lm_head.weight and says tie_word_embeddings: true; it loads
+// on 2 ranks bit for bit.
+TEST(HfInterchange, TiedModelExportsWithoutAHeadWeightAndLoadsBitIdentical) {
+  v1::JobSpec spec = testing::InterchangeSpec(TrainFile());
+  spec.mutable_model()->set_tie_word_embeddings(true);
+  const std::string root = Fresh("tied_ckpt");
+  auto master = testing::WriteCommittedCheckpoint(spec, 3, 2, root);
+  ASSERT_TRUE(master.ok()) << master.status();
+  EXPECT_EQ(master->count("lm_head.weight"), 0u);
+  const std::string out = Fresh("tied_export");
+  ASSERT_TRUE(ExportHf(root + "/step-2", out, SafetensorsDtype::kF32).ok());
+  auto st = SafetensorsFile::Open(out + "/model.safetensors");
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->tensors().count("lm_head.weight"), 0u);
+  std::ifstream cfg(out + "/config.json");
+  const std::string text((std::istreambuf_iterator<char>(cfg)), {});
+  EXPECT_NE(text.find("\"tie_word_embeddings\": true"), std::string::npos) << text;
+  const Loaded l = LoadJob(spec, out, 2);
+  for (const absl::Status& s : l.status) ASSERT_TRUE(s.ok()) << s;
+  for (const auto& [name, v] : *master) {
+    EXPECT_EQ(std::memcmp(l.master.at(name).data(), v.data(), v.size() * 4), 0) << name;
+  }
+  // The untied model section refuses the tied directory, naming the key.
+  const absl::Status s = LoadOneRank(out);
+  EXPECT_NE(s.message().find("tie_word_embeddings is true, model.tie_word_embeddings is false"),
+            std::string::npos) << s;
 }
 
 }  // namespace
