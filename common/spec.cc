@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "common/hf_model.h"
 #include "common/rope.h"
+#include "common/token_dataset.h"
 #include "common/token_shard.h"
 
 namespace fsdp8 {
@@ -39,6 +40,9 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   if (!m->has_seq_len()) m->set_seq_len(256);
   if (!m->has_rope_theta()) m->set_rope_theta(10000.0);
   if (!m->has_norm_eps()) m->set_norm_eps(1e-5);
+  if (s.data().sampling() == v1::SAMPLING_UNSPECIFIED) {
+    s.mutable_data()->set_sampling(v1::SAMPLING_EPOCH);
+  }
 
   v1::TrainingSpec* t = s.mutable_training();
   if (!t->has_steps()) t->set_steps(600);
@@ -175,18 +179,32 @@ absl::Status CheckDataPath(const std::string& field, const std::string& value,
                                                  absl::StrJoin(roots, ", "), ")"));
 }
 
-absl::Status CheckDataFile(const std::string& field, const std::string& value, int seq_len) {
-  absl::StatusOr<int64_t> n = ReadTokenShardHeader(value);
-  if (!n.ok()) {
+// A dataset (file, directory or glob; common/token_dataset.h): every shard under the data roots
+// and a readable token shard; together at least one window of seq_len + 1 tokens.
+absl::Status CheckDataset(const std::string& field, const std::string& value, int seq_len,
+                          const std::vector<std::string>& roots) {
+  absl::StatusOr<std::vector<std::string>> shards = ExpandShardPaths(value);
+  if (!shards.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, ": must be a readable token shard (", n.status().message(), ")"));
+        absl::StrCat(field, ": must name token shards (", shards.status().message(), ")"));
   }
-  // Same rule as WindowStart and the worker's loader: one window needs seq_len + 1 tokens
-  // (computed in 64 bits: seq_len may be INT32_MAX).
-  const int64_t needed = static_cast<int64_t>(seq_len) + 1;
-  if (*n < needed) {
+  int64_t tokens = 0, windows = 0;
+  for (const std::string& shard : *shards) {
+    FSDP8_RETURN_IF_ERROR(CheckDataPath(field, shard, roots));
+    absl::StatusOr<TokenShardHeader> h = ReadTokenShardHeader(shard);
+    if (!h.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": must be a readable token shard (", h.status().message(), ")"));
+    }
+    tokens += h->num_tokens;
+    windows += ShardWindows(h->num_tokens, seq_len);
+  }
+  // Same rule as DataOrder and the worker's loader: one window needs seq_len + 1 tokens of a shard.
+  if (windows == 0) {
     return Bad(field, "too few tokens for one sequence",
-               absl::StrCat(*n, " tokens, need at least seq_len + 1 = ", needed));
+               absl::StrCat(tokens, " tokens, need at least seq_len + 1 = ",
+                            static_cast<int64_t>(seq_len) + 1, " in one shard (",
+                            shards->size(), " shards)"));
   }
   return absl::OkStatus();
 }
@@ -256,8 +274,8 @@ absl::Status CheckModel(const v1::ModelConfig& m) {
     return Bad("model.n_heads", "must be divisible by model.n_kv_heads",
                absl::StrCat(m.n_heads(), " % ", m.n_kv_heads(), " != 0"));
   }
-  if (m.vocab_size() > 65536) {
-    return Bad("model.vocab_size", "must be <= 65536 (tokens are uint16)",
+  if (m.vocab_size() > kMaxVocabSize) {
+    return Bad("model.vocab_size", absl::StrCat("must be <= ", kMaxVocabSize),
                absl::StrCat("got ", m.vocab_size()));
   }
   if (!(m.rope_theta() > 0) || !std::isfinite(m.rope_theta())) {
@@ -402,6 +420,10 @@ absl::Status CheckInitFromCheckpoint(const v1::InitSpec& init,
 absl::Status CheckPaths(const v1::JobSpec& spec, const std::vector<std::string>& data_roots) {
   const v1::DataSpec& d = spec.data();
   if (d.train_path().empty()) return absl::InvalidArgumentError("data.train_path: required");
+  if (d.sampling() != v1::SAMPLING_EPOCH && d.sampling() != v1::SAMPLING_RANDOM) {
+    return Bad("data.sampling", "must be EPOCH or RANDOM",
+               absl::StrCat("got ", static_cast<int>(d.sampling())));
+  }
   FSDP8_RETURN_IF_ERROR(CheckDataPath("data.train_path", d.train_path(), data_roots));
   if (!d.val_path().empty()) {
     FSDP8_RETURN_IF_ERROR(CheckDataPath("data.val_path", d.val_path(), data_roots));
@@ -414,12 +436,12 @@ absl::Status CheckPaths(const v1::JobSpec& spec, const std::vector<std::string>&
 }
 
 // The files the paths name: token shards long enough for one sequence, a compatible HF model.
-absl::Status CheckFiles(const v1::JobSpec& spec) {
+absl::Status CheckFiles(const v1::JobSpec& spec, const std::vector<std::string>& roots) {
   const v1::DataSpec& d = spec.data();
   const int seq_len = spec.model().seq_len();
-  FSDP8_RETURN_IF_ERROR(CheckDataFile("data.train_path", d.train_path(), seq_len));
+  FSDP8_RETURN_IF_ERROR(CheckDataset("data.train_path", d.train_path(), seq_len, roots));
   if (!d.val_path().empty()) {
-    FSDP8_RETURN_IF_ERROR(CheckDataFile("data.val_path", d.val_path(), seq_len));
+    FSDP8_RETURN_IF_ERROR(CheckDataset("data.val_path", d.val_path(), seq_len, roots));
   }
   if (!spec.init().from_hf().empty()) {
     FSDP8_RETURN_IF_ERROR(CheckHfDir(spec.init().from_hf(), spec.model(), "init.from_hf"));
@@ -490,7 +512,7 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
   if (spec.max_restarts() < 0) {
     return Bad("max_restarts", "must be >= 0", absl::StrCat("got ", spec.max_restarts()));
   }
-  if (check_files) FSDP8_RETURN_IF_ERROR(CheckFiles(spec));
+  if (check_files) FSDP8_RETURN_IF_ERROR(CheckFiles(spec, data_roots));
   return absl::OkStatus();
 }
 
@@ -584,6 +606,7 @@ const std::map<std::string, std::map<std::string, std::string>>& ShortEnumNames(
        {{"fp8", "PRECISION_FP8"}, {"bf16", "PRECISION_BF16"}, {"fp32", "PRECISION_FP32"}}},
       {"fsdp8.v1.ScalingRecipe",
        {{"delayed", "SCALING_RECIPE_DELAYED"}, {"current", "SCALING_RECIPE_CURRENT"}}},
+      {"fsdp8.v1.Sampling", {{"epoch", "SAMPLING_EPOCH"}, {"random", "SAMPLING_RANDOM"}}},
       {"fsdp8.v1.Fp8Format", {{"hybrid", "FP8_FORMAT_HYBRID"}, {"e4m3", "FP8_FORMAT_E4M3"}}},
       {"fsdp8.v1.AmaxAlgorithm",
        {{"max", "AMAX_ALGORITHM_MAX"}, {"most_recent", "AMAX_ALGORITHM_MOST_RECENT"}}},

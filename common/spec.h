@@ -28,6 +28,10 @@ inline constexpr int64_t kMaxNameBytes = 256;
 // "name: longer than the limit of 256 bytes (got 10485760)". ValidateSpec checks it first.
 absl::Status CheckSpecLimits(const v1::JobSpec& spec);
 
+// The largest model.vocab_size accepted (token ids travel as int32; every published Llama-family
+// vocabulary, up to 256k, fits).
+inline constexpr int kMaxVocabSize = 1 << 20;
+
 // Returns `spec` with every unset field filled with its documented default (see spec.proto).
 // world_size is needed for the microbatch default (global_batch / world_size); pass 0 when unknown
 // (the microbatch default is then left unset).
@@ -51,8 +55,12 @@ v1::JobSpec WithDefaults(const v1::JobSpec& spec, int world_size);
 // init.from_hf and init.from_checkpoint follow the data-root rule of data.train_path; at most one
 // of them is set; init.load_optimizer_state and init.load_fp8_state need init.from_checkpoint
 // (whether it holds a committed checkpoint of the job's model is checked by the coordinator).
-// check_files: data.train_path (and data.val_path when set) must be readable token shards (header
-// and size checked, see token_shard.h) holding at least seq_len + 1 tokens; init.from_hf must hold
+// data.sampling is EPOCH or RANDOM.
+// check_files: data.train_path (and data.val_path when set) must name token shards
+// (ExpandShardPaths in token_dataset.h: a file, a directory or a glob; a pattern matching nothing is
+// refused naming it), each under the data roots and readable (header and size checked, see
+// token_shard.h; the error names the shard), one of them holding at least seq_len + 1 tokens;
+// init.from_hf must hold
 // a config.json matching the model section (CheckHfDir in hf_model.h) and a model.safetensors.
 // Unset fields are first given their defaults (WithDefaults(spec, world_size)); rules stop at the
 // first violation.

@@ -1,12 +1,15 @@
 #include "common/token_shard.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 
 #include "absl/strings/str_cat.h"
 
@@ -16,69 +19,120 @@ namespace {
 // Host byte order must be little-endian (x86-64, aarch64): the file is read with memcpy.
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "token shards assume a little-endian host");
 
-// Opens `path`, checks the header and the size; leaves the stream after the header.
-absl::StatusOr<int64_t> OpenAndCheck(const std::string& path, std::ifstream* in) {
-  in->open(path, std::ios::binary);
-  if (!*in) {
+absl::Status Invalid(const std::string& path, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat("token shard ", path, ": ", what));
+}
+
+// Checks a header read from `path` against the file's size.
+absl::StatusOr<TokenShardHeader> CheckHeader(const std::string& path, const int32_t* header,
+                                             int64_t file_bytes) {
+  TokenShardHeader h;
+  if (header[0] == kTokenShardMagic) {
+    if (header[1] != kTokenShardVersion) {
+      return Invalid(path, absl::StrCat("unsupported version ", header[1], " for magic ",
+                                        kTokenShardMagic, " (want ", kTokenShardVersion,
+                                        ": uint16 tokens)"));
+    }
+    h.token_bytes = 2;
+  } else if (header[0] == kTokenShardMagicU32) {
+    if (header[1] != kTokenShardVersionU32) {
+      return Invalid(path, absl::StrCat("unsupported version ", header[1], " for magic ",
+                                        kTokenShardMagicU32, " (want ", kTokenShardVersionU32,
+                                        ": uint32 tokens)"));
+    }
+    h.token_bytes = 4;
+  } else {
+    return Invalid(path, absl::StrCat("bad magic ", header[0], " (want ", kTokenShardMagic,
+                                      " for uint16 tokens or ", kTokenShardMagicU32,
+                                      " for uint32 tokens)"));
+  }
+  h.num_tokens = header[2];
+  if (h.num_tokens < 0) return Invalid(path, absl::StrCat("negative token count ", h.num_tokens));
+  const int64_t want = kTokenShardHeaderBytes + h.token_bytes * h.num_tokens;
+  if (file_bytes != want) {
+    return Invalid(path, absl::StrCat("header says ", h.num_tokens, " tokens of ", h.token_bytes,
+                                      " bytes (", want, " bytes) but the file has ", file_bytes,
+                                      " bytes"));
+  }
+  return h;
+}
+
+// Opens `path` read-only and checks its header; *fd is open on success (the caller closes it).
+absl::StatusOr<TokenShardHeader> OpenAndCheck(const std::string& path, int* fd) {
+  *fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (*fd < 0) {
     return absl::NotFoundError(
         absl::StrCat("token shard ", path, ": cannot open (", std::strerror(errno), ")"));
   }
-  in->seekg(0, std::ios::end);
-  const int64_t size = static_cast<int64_t>(in->tellg());
-  in->seekg(0, std::ios::beg);
-  if (size < kTokenShardHeaderBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("token shard ", path, ": file has ", size,
-                                                   " bytes, shorter than the 1024-byte header"));
-  }
+  struct stat st;
   int32_t header[kTokenShardHeaderInts];
-  in->read(reinterpret_cast<char*>(header), sizeof(header));
-  if (!*in) {
-    return absl::InvalidArgumentError(absl::StrCat("token shard ", path, ": cannot read header"));
+  absl::StatusOr<TokenShardHeader> h;
+  if (::fstat(*fd, &st) != 0) {
+    h = absl::InternalError(absl::StrCat("token shard ", path, ": stat failed (",
+                                         std::strerror(errno), ")"));
+  } else if (st.st_size < kTokenShardHeaderBytes) {
+    h = Invalid(path, absl::StrCat("file has ", st.st_size,
+                                   " bytes, shorter than the 1024-byte header"));
+  } else if (::pread(*fd, header, sizeof(header), 0) != static_cast<ssize_t>(sizeof(header))) {
+    h = Invalid(path, "cannot read header");
+  } else {
+    h = CheckHeader(path, header, st.st_size);
   }
-  if (header[0] != kTokenShardMagic) {
-    return absl::InvalidArgumentError(absl::StrCat("token shard ", path, ": bad magic ", header[0],
-                                                   " (want ", kTokenShardMagic, ")"));
+  if (!h.ok()) {
+    ::close(*fd);
+    *fd = -1;
   }
-  if (header[1] != kTokenShardVersion) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("token shard ", path, ": unsupported version ", header[1], " (want ",
-                     kTokenShardVersion, ": uint16 tokens)"));
+  return h;
+}
+
+// Writes the header and n tokens narrowed to token_bytes each to f.
+bool WriteTokens(FILE* f, const uint32_t* tokens, int64_t n, int token_bytes) {
+  int32_t header[kTokenShardHeaderInts] = {};
+  header[0] = token_bytes == 2 ? kTokenShardMagic : kTokenShardMagicU32;
+  header[1] = token_bytes == 2 ? kTokenShardVersion : kTokenShardVersionU32;
+  header[2] = static_cast<int32_t>(n);
+  if (std::fwrite(header, sizeof(header), 1, f) != 1) return false;
+  if (token_bytes == 4) {
+    return n == 0 || std::fwrite(tokens, 4, static_cast<size_t>(n), f) == static_cast<size_t>(n);
   }
-  const int64_t count = header[2];
-  if (count < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("token shard ", path, ": negative token count ", count));
+  std::vector<uint16_t> chunk;
+  for (int64_t i = 0; i < n; i += 1 << 20) {
+    const int64_t m = std::min<int64_t>(1 << 20, n - i);
+    chunk.assign(tokens + i, tokens + i + m);
+    if (std::fwrite(chunk.data(), 2, static_cast<size_t>(m), f) != static_cast<size_t>(m)) {
+      return false;
+    }
   }
-  const int64_t want = kTokenShardHeaderBytes + 2 * count;
-  if (size != want) {
-    return absl::InvalidArgumentError(absl::StrCat("token shard ", path, ": header says ", count,
-                                                   " tokens (", want, " bytes) but the file has ",
-                                                   size, " bytes"));
-  }
-  return count;
+  return true;
 }
 
 }  // namespace
 
-absl::Status WriteTokenShard(const std::string& path, const std::vector<uint16_t>& tokens) {
-  if (tokens.size() > static_cast<size_t>(INT32_MAX)) {
-    return absl::InvalidArgumentError(absl::StrCat("token shard ", path, ": ", tokens.size(),
-                                                   " tokens exceed the int32 header count"));
+int TokenBytesForVocab(int64_t vocab_size) { return vocab_size <= 65536 ? 2 : 4; }
+
+absl::Status WriteTokenShard(const std::string& path, const uint32_t* tokens, int64_t n,
+                             int token_bytes) {
+  if (token_bytes != 2 && token_bytes != 4) {
+    return Invalid(path, absl::StrCat("token_bytes must be 2 or 4 (got ", token_bytes, ")"));
   }
-  int32_t header[kTokenShardHeaderInts] = {};
-  header[0] = kTokenShardMagic;
-  header[1] = kTokenShardVersion;
-  header[2] = static_cast<int32_t>(tokens.size());
+  if (n < 0 || n > INT32_MAX) {
+    return Invalid(path, absl::StrCat(n, " tokens do not fit the int32 header count"));
+  }
+  if (token_bytes == 2) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (tokens[i] > 65535) {
+        return Invalid(path, absl::StrCat("token ", tokens[i], " at index ", i,
+                                          " does not fit the uint16 format"));
+      }
+    }
+  }
   const std::string tmp = absl::StrCat(path, ".tmp.", static_cast<long>(getpid()));
   FILE* f = std::fopen(tmp.c_str(), "wb");
   if (f == nullptr) {
     return absl::InternalError(
         absl::StrCat("token shard ", path, ": cannot create ", tmp, " (", std::strerror(errno), ")"));
   }
-  bool ok = std::fwrite(header, sizeof(header), 1, f) == 1;
-  if (ok && !tokens.empty()) {
-    ok = std::fwrite(tokens.data(), sizeof(uint16_t), tokens.size(), f) == tokens.size();
-  }
+  bool ok = WriteTokens(f, tokens, n, token_bytes);
   ok = (std::fflush(f) == 0) && ok;
   ok = (fsync(fileno(f)) == 0) && ok;
   const int saved = errno;
@@ -97,25 +151,69 @@ absl::Status WriteTokenShard(const std::string& path, const std::vector<uint16_t
   return absl::OkStatus();
 }
 
-absl::StatusOr<TokenShard> ReadTokenShard(const std::string& path) {
-  std::ifstream in;
-  absl::StatusOr<int64_t> count = OpenAndCheck(path, &in);
-  if (!count.ok()) return count.status();
-  TokenShard shard;
-  shard.tokens.resize(static_cast<size_t>(*count));
-  if (*count > 0) {
-    in.read(reinterpret_cast<char*>(shard.tokens.data()), *count * 2);
-    if (!in) {
-      return absl::InvalidArgumentError(absl::StrCat("token shard ", path, ": cannot read ",
-                                                     *count, " tokens"));
-    }
-  }
-  return shard;
+absl::Status WriteTokenShard(const std::string& path, const std::vector<uint16_t>& tokens) {
+  const std::vector<uint32_t> wide(tokens.begin(), tokens.end());
+  return WriteTokenShard(path, wide.data(), static_cast<int64_t>(wide.size()), 2);
 }
 
-absl::StatusOr<int64_t> ReadTokenShardHeader(const std::string& path) {
-  std::ifstream in;
-  return OpenAndCheck(path, &in);
+absl::StatusOr<TokenShardHeader> ReadTokenShardHeader(const std::string& path) {
+  int fd = -1;
+  absl::StatusOr<TokenShardHeader> h = OpenAndCheck(path, &fd);
+  if (fd >= 0) ::close(fd);
+  return h;
+}
+
+absl::StatusOr<std::unique_ptr<MappedTokenShard>> MappedTokenShard::Open(const std::string& path) {
+  int fd = -1;
+  absl::StatusOr<TokenShardHeader> h = OpenAndCheck(path, &fd);
+  if (!h.ok()) return h.status();
+  std::unique_ptr<MappedTokenShard> m(new MappedTokenShard());
+  m->path_ = path;
+  m->header_ = *h;
+  m->map_bytes_ = static_cast<size_t>(kTokenShardHeaderBytes + h->token_bytes * h->num_tokens);
+  void* p = ::mmap(nullptr, m->map_bytes_, PROT_READ, MAP_SHARED, fd, 0);
+  const int e = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    return absl::InternalError(
+        absl::StrCat("token shard ", path, ": mmap failed (", std::strerror(e), ")"));
+  }
+  m->map_ = p;
+  m->tokens_ = static_cast<const unsigned char*>(p) + kTokenShardHeaderBytes;
+  return m;
+}
+
+MappedTokenShard::~MappedTokenShard() {
+  if (map_ != nullptr) ::munmap(map_, map_bytes_);
+}
+
+uint32_t MappedTokenShard::Token(int64_t i) const {
+  if (header_.token_bytes == 2) {
+    uint16_t t;
+    std::memcpy(&t, tokens_ + 2 * i, 2);
+    return t;
+  }
+  uint32_t t;
+  std::memcpy(&t, tokens_ + 4 * i, 4);
+  return t;
+}
+
+void MappedTokenShard::Read(int64_t first, int64_t count, uint32_t* out) const {
+  if (header_.token_bytes == 4) {
+    std::memcpy(out, tokens_ + 4 * first, static_cast<size_t>(count) * 4);
+    return;
+  }
+  for (int64_t i = 0; i < count; ++i) out[i] = Token(first + i);
+}
+
+absl::StatusOr<TokenShard> ReadTokenShard(const std::string& path) {
+  absl::StatusOr<std::unique_ptr<MappedTokenShard>> m = MappedTokenShard::Open(path);
+  if (!m.ok()) return m.status();
+  TokenShard shard;
+  shard.token_bytes = (*m)->token_bytes();
+  shard.tokens.resize(static_cast<size_t>((*m)->num_tokens()));
+  (*m)->Read(0, (*m)->num_tokens(), shard.tokens.data());
+  return shard;
 }
 
 uint64_t SplitMix64(uint64_t x) {

@@ -1,20 +1,26 @@
-// Token shards and the global-batch data rule.
+// Token shards: the one reader and writer of fsdp8's tokenized-data files.
 //
 // File format (llm.c, karpathy/llm.c dev/data/data_common.py `write_datafile`): a header of 256
-// little-endian int32 (header[0] = magic 20240520, header[1] = version 1, header[2] = token count N,
-// the rest 0), then N little-endian uint16 tokens. The file size is exactly 1024 + 2 * N bytes.
+// little-endian int32 — header[0] magic, header[1] version, header[2] token count N (0 <= N <
+// 2^31), the rest 0 — then N little-endian tokens. Two formats:
 //
-// Data rule (the design's "one training step"): the sequence at global index i of step k is a
-// window of seq_len + 1 consecutive tokens starting at WindowStart(seed, k, i, N, seq_len, stream);
-// tokens [start, start + seq_len) are the input and [start + 1, start + seq_len + 1) the target.
-// The start depends on (seed, step, index, stream, N, seq_len) only: no sampler state and nothing
-// about the world size, so a job on 1, 2 or 3 ranks (rank r takes a contiguous slice of the global
-// indices) and a resumed job read exactly the same sequences.
+//   | format  | magic    | version | token type | file size    | llm.c name |
+//   |---------|----------|---------|------------|--------------|------------|
+//   | uint16  | 20240520 | 1       | uint16     | 1024 + 2 * N | "gpt-2"    |
+//   | uint32  | 20240801 | 7       | uint32     | 1024 + 4 * N | "llama-3"  |
 //
-// Thread-safety: pure functions; the file functions touch only the named file (and its temp file).
+// Writers pick the narrowest format that holds the vocabulary (TokenBytesForVocab). Readers map the
+// file (MappedTokenShard): a shard is never read whole into anonymous memory, so a worker's
+// resident anonymous memory does not grow with the dataset.
+//
+// The data rule (which windows a step reads) is in common/token_dataset.h.
+//
+// Thread-safety: the free functions touch only the named file (and its temp file);
+// MappedTokenShard is immutable after Open and may be read from any thread.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -23,43 +29,88 @@
 
 namespace fsdp8 {
 
-inline constexpr int32_t kTokenShardMagic = 20240520;
+inline constexpr int32_t kTokenShardMagic = 20240520;       // uint16 tokens
 inline constexpr int32_t kTokenShardVersion = 1;
+inline constexpr int32_t kTokenShardMagicU32 = 20240801;    // uint32 tokens
+inline constexpr int32_t kTokenShardVersionU32 = 7;
 inline constexpr int kTokenShardHeaderInts = 256;
 inline constexpr int64_t kTokenShardHeaderBytes = kTokenShardHeaderInts * 4;
 
-struct TokenShard {
-  std::vector<uint16_t> tokens;
+// What a shard's header says, checked against the file size.
+struct TokenShardHeader {
+  int token_bytes = 2;     // 2 (uint16 format) or 4 (uint32 format)
+  int64_t num_tokens = 0;  // N
 };
 
-// Writes `tokens` as a token shard at `path`: to "<path>.tmp.<pid>" first, then renamed over `path`
-// (readers never see a partial file). INTERNAL with the path and errno text on I/O failure;
-// INVALID_ARGUMENT when there are more than INT32_MAX tokens (the header holds an int32 count).
+// Bytes per token of the narrowest format holding token ids [0, vocab_size): 2 when
+// vocab_size <= 65536, else 4.
+int TokenBytesForVocab(int64_t vocab_size);
+
+// Writes tokens[0, n) as a shard of `token_bytes` (2 or 4) per token at `path`: to
+// "<path>.tmp.<pid>" first, fsynced, then renamed over `path` (readers never see a partial file).
+// INVALID_ARGUMENT when token_bytes is not 2 or 4, n >= 2^31 (the header holds an int32 count), or
+// a token does not fit (>= 65536 in the uint16 format; the message names its index); INTERNAL with
+// the path and errno text on I/O failure.
+absl::Status WriteTokenShard(const std::string& path, const uint32_t* tokens, int64_t n,
+                             int token_bytes);
+// The uint16 format from 16-bit tokens.
 absl::Status WriteTokenShard(const std::string& path, const std::vector<uint16_t>& tokens);
 
-// Reads a whole token shard. NOT_FOUND when the file cannot be opened; INVALID_ARGUMENT, with the
-// path in the message, for a short header, a wrong magic or version, a negative count, or a file
-// size that is not 1024 + 2 * count bytes.
-absl::StatusOr<TokenShard> ReadTokenShard(const std::string& path);
+// Reads and checks the header: NOT_FOUND when the file cannot be opened; INVALID_ARGUMENT, with the
+// path in the message, for a short header, an unknown (magic, version) pair, a negative count, or a
+// file size that does not match the header.
+absl::StatusOr<TokenShardHeader> ReadTokenShardHeader(const std::string& path);
 
-// Reads and checks only the header (and the file size against it); returns the token count.
-// Errors as ReadTokenShard.
-absl::StatusOr<int64_t> ReadTokenShardHeader(const std::string& path);
+// A read-only memory map of one shard (header checked as ReadTokenShardHeader). Pages are
+// file-backed: the kernel reads them on first touch and may drop them under memory pressure.
+class MappedTokenShard {
+ public:
+  // Errors as ReadTokenShardHeader; INTERNAL when mmap fails.
+  static absl::StatusOr<std::unique_ptr<MappedTokenShard>> Open(const std::string& path);
+  ~MappedTokenShard();
+  MappedTokenShard(const MappedTokenShard&) = delete;
+  MappedTokenShard& operator=(const MappedTokenShard&) = delete;
+
+  const std::string& path() const { return path_; }
+  int64_t num_tokens() const { return header_.num_tokens; }
+  int token_bytes() const { return header_.token_bytes; }
+  // Token i, 0 <= i < num_tokens() (unchecked).
+  uint32_t Token(int64_t i) const;
+  // out[0, count) = tokens [first, first + count) widened to uint32; requires
+  // 0 <= first <= first + count <= num_tokens().
+  void Read(int64_t first, int64_t count, uint32_t* out) const;
+
+ private:
+  MappedTokenShard() = default;
+  std::string path_;
+  TokenShardHeader header_;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  const unsigned char* tokens_ = nullptr;  // map_ + header
+};
+
+// A whole shard in memory, for tests and small tools (training maps shards instead).
+struct TokenShard {
+  std::vector<uint32_t> tokens;
+  int token_bytes = 2;
+};
+// Errors as MappedTokenShard::Open.
+absl::StatusOr<TokenShard> ReadTokenShard(const std::string& path);
 
 // SplitMix64 (Steele, Lea, Flood 2014; the finaliser of java.util.SplittableRandom): one step of the
 // generator from state x, i.e. mix(x + 0x9e3779b97f4a7c15). A bijection on uint64 with good
 // avalanche; the counter-based hash behind data order and parameter initialisation.
 uint64_t SplitMix64(uint64_t x);
 
-// Stream ids for WindowStart.
+// Stream ids of the data rule.
 inline constexpr uint64_t kTrainStream = 0;
 inline constexpr uint64_t kValidationStream = 1;
 
-// Start offset of the window of sequence `global_index` in step `step` (for the validation stream,
-// `step` is the validation batch number b in [0, eval_batches), so every evaluation reads the same
-// windows). Returns a value in [0, num_tokens - seq_len - 1]:
+// The random-window rule on one shard of num_tokens tokens: start offset of the window of sequence
+// `global_index` in step `step` (for the validation stream, `step` is the validation batch number).
+// Returns a value in [0, num_tokens - seq_len - 1]:
 //   h = SplitMix64(SplitMix64(SplitMix64(SplitMix64(seed) ^ stream) ^ step) ^ global_index)
-//   start = floor(h * W / 2^64),  W = num_tokens - seq_len  (number of legal starts)
+//   start = floor(h * S / 2^64),  S = num_tokens - seq_len  (number of legal starts)
 // Returns -1 when num_tokens < seq_len + 1 (no full window) or seq_len < 1.
 int64_t WindowStart(uint64_t seed, int64_t step, int64_t global_index, int64_t num_tokens,
                     int seq_len, uint64_t stream);

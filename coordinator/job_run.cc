@@ -60,6 +60,7 @@ v1::JobEvent StepEvent(int64_t k, bool evaluated, const std::vector<v1::StepResu
   ev.set_val_loss(evaluated ? results[0].val_loss() : std::numeric_limits<double>::quiet_NaN());
   ev.set_grad_norm(results[0].grad_norm());
   ev.set_lr(results[0].lr());
+  ev.set_epoch(results[0].epoch());
   ev.set_tokens(*tokens_total);
   ev.set_tokens_per_second(secs > 0 ? tokens / secs : 0);
   ev.set_step_seconds(secs);

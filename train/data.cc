@@ -1,42 +1,58 @@
 #include "train/data.h"
 
-#include "common/check.h"
 #include "absl/strings/str_cat.h"
-#include "common/token_shard.h"
+#include "common/check.h"
 
 namespace fsdp8 {
 
-absl::StatusOr<TokenData> TokenData::Load(const std::string& path, int seq_len, int vocab_size) {
-  absl::StatusOr<TokenShard> shard = ReadTokenShard(path);
-  if (!shard.ok()) return shard.status();
-  TokenData d;
-  d.tokens_ = std::move(shard->tokens);
-  d.seq_len_ = seq_len;
-  const int64_t needed = static_cast<int64_t>(seq_len) + 1;  // 64 bits: seq_len may be INT32_MAX
-  if (static_cast<int64_t>(d.tokens_.size()) < needed) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", d.tokens_.size(),
-                                                   " tokens, fewer than seq_len + 1 = ", needed));
+absl::StatusOr<std::unique_ptr<TokenData>> TokenData::Load(const std::string& path, int seq_len,
+                                                           int vocab_size, int64_t global_batch,
+                                                           Sampling sampling) {
+  absl::StatusOr<std::vector<std::string>> paths = ExpandShardPaths(path);
+  if (!paths.ok()) return paths.status();
+  std::unique_ptr<TokenData> d(new TokenData());
+  d->seq_len_ = seq_len;
+  d->vocab_size_ = vocab_size;
+  std::vector<int64_t> counts;
+  for (const std::string& p : *paths) {
+    absl::StatusOr<std::unique_ptr<MappedTokenShard>> shard = MappedTokenShard::Open(p);
+    if (!shard.ok()) return shard.status();
+    counts.push_back((*shard)->num_tokens());
+    d->num_tokens_ += (*shard)->num_tokens();
+    d->shards_.push_back(std::move(*shard));
   }
-  for (size_t i = 0; i < d.tokens_.size(); ++i) {
-    if (d.tokens_[i] >= vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": token ", d.tokens_[i], " at ", i,
-                                                     " is >= model.vocab_size ", vocab_size));
-    }
+  d->order_ = std::make_unique<DataOrder>(std::move(counts), seq_len, global_batch, sampling);
+  if (d->order_->total_windows() == 0) {
+    // 64 bits: seq_len may be INT32_MAX.
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": ", d->num_tokens_, " tokens, fewer than seq_len + 1 = ",
+        static_cast<int64_t>(seq_len) + 1, " in every shard (", d->shards_.size(), " shards)"));
   }
   return d;
 }
 
-void TokenData::Batch(uint64_t seed, int64_t step, int64_t first, int64_t count, uint64_t stream,
-                      int32_t* inputs, int32_t* targets) const {
-  const int64_t n = num_tokens();
+absl::Status TokenData::Batch(uint64_t seed, int64_t step, int64_t first, int64_t count,
+                              uint64_t stream, int32_t* inputs, int32_t* targets) const {
+  std::vector<uint32_t> window(static_cast<size_t>(seq_len_) + 1);
   for (int64_t s = 0; s < count; ++s) {
-    const int64_t start = WindowStart(seed, step, first + s, n, seq_len_, stream);
-    FSDP8_CHECK(start >= 0 && start + seq_len_ + 1 <= n) << "window start " << start;
+    const WindowRef w = order_->Window(seed, stream, step, first + s);
+    const MappedTokenShard& shard = *shards_[w.shard];
+    FSDP8_CHECK(w.start >= 0 && w.start + seq_len_ + 1 <= shard.num_tokens())
+        << "window start " << w.start << " in " << shard.path();
+    shard.Read(w.start, seq_len_ + 1, window.data());
+    for (int t = 0; t <= seq_len_; ++t) {
+      if (window[t] >= static_cast<uint32_t>(vocab_size_)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("token shard ", shard.path(), ": token ", window[t], " at offset ",
+                         w.start + t, " is >= model.vocab_size ", vocab_size_));
+      }
+    }
     for (int t = 0; t < seq_len_; ++t) {
-      inputs[s * seq_len_ + t] = tokens_[start + t];
-      targets[s * seq_len_ + t] = tokens_[start + t + 1];
+      inputs[s * seq_len_ + t] = static_cast<int32_t>(window[t]);
+      targets[s * seq_len_ + t] = static_cast<int32_t>(window[t + 1]);
     }
   }
+  return absl::OkStatus();
 }
 
 }  // namespace fsdp8

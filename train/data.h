@@ -1,33 +1,48 @@
-// TokenData: a token shard in host memory and the global-batch data rule (common/token_shard.h):
-// sequence `global_index` of step `step` is the window starting at
-// WindowStart(seed, step, global_index, num_tokens, seq_len, stream); inputs are its first
+// TokenData: a worker's view of a token dataset — its shards memory-mapped (common/token_shard.h),
+// never read whole — and the data rule (common/token_dataset.h): sequence `global_index` of step
+// `step` is the window DataOrder::Window(seed, stream, step, global_index); inputs are its first
 // seq_len tokens, targets the next seq_len.
 //
 // Thread-safety: immutable after Load; Batch may be called from any thread.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/token_dataset.h"
+#include "common/token_shard.h"
 
 namespace fsdp8 {
 
 class TokenData {
  public:
-  // Reads the shard; INVALID_ARGUMENT when it has no full window of seq_len + 1 tokens or holds a
-  // token >= vocab_size; read errors as ReadTokenShard.
-  static absl::StatusOr<TokenData> Load(const std::string& path, int seq_len, int vocab_size);
+  // Maps every shard `path` names (ExpandShardPaths). NOT_FOUND / INVALID_ARGUMENT as
+  // ExpandShardPaths and MappedTokenShard::Open (naming the shard); INVALID_ARGUMENT when no shard
+  // holds a window of seq_len + 1 tokens. Token values are checked against vocab_size as batches
+  // are read (Batch), not here: a large corpus is not paged in at load.
+  static absl::StatusOr<std::unique_ptr<TokenData>> Load(const std::string& path, int seq_len,
+                                                         int vocab_size, int64_t global_batch,
+                                                         Sampling sampling);
 
-  // inputs, targets (count * seq_len) int32 for global indices [first, first + count).
-  void Batch(uint64_t seed, int64_t step, int64_t first, int64_t count, uint64_t stream,
-             int32_t* inputs, int32_t* targets) const;
-  int64_t num_tokens() const { return static_cast<int64_t>(tokens_.size()); }
+  // inputs, targets (count * seq_len) int32 for global indices [first, first + count) of `step`.
+  // INVALID_ARGUMENT naming the shard and the offset when a token is >= vocab_size.
+  absl::Status Batch(uint64_t seed, int64_t step, int64_t first, int64_t count, uint64_t stream,
+                     int32_t* inputs, int32_t* targets) const;
+
+  const DataOrder& order() const { return *order_; }
+  int64_t num_tokens() const { return num_tokens_; }  // over all shards
+  int num_shards() const { return static_cast<int>(shards_.size()); }
 
  private:
-  std::vector<uint16_t> tokens_;
+  std::vector<std::unique_ptr<MappedTokenShard>> shards_;
+  std::unique_ptr<DataOrder> order_;
   int seq_len_ = 0;
+  int vocab_size_ = 0;
+  int64_t num_tokens_ = 0;
 };
 
 }  // namespace fsdp8

@@ -126,10 +126,12 @@ int main(int argc, char** argv) {
     if (!loss_fp8.ok()) return Fail(loss_fp8.status());
   }
 
-  auto data = fsdp8::TokenData::Load(tokens, T, model->vocab_size());
+  // The validation batch Evaluate read: the job's default sampling (EPOCH), batch 0.
+  auto data = fsdp8::TokenData::Load(tokens, T, model->vocab_size(), B, fsdp8::Sampling::kEpoch);
   if (!data.ok()) return Fail(data.status());
   std::vector<int32_t> in(static_cast<size_t>(B) * T), tg(in.size());
-  data->Batch(seed, 0, 0, B, fsdp8::kValidationStream, in.data(), tg.data());
+  absl::Status read = (*data)->Batch(seed, 0, 0, B, fsdp8::kValidationStream, in.data(), tg.data());
+  if (!read.ok()) return Fail(read);
 
   google::protobuf::Struct out;
   auto& f = *out.mutable_fields();

@@ -53,19 +53,23 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
 
   const int T = spec.model().seq_len();
   const int V = spec.model().vocab_size();
-  absl::StatusOr<TokenData> train = TokenData::Load(spec.data().train_path(), T, V);
+  const Sampling sampling =
+      spec.data().sampling() == v1::SAMPLING_RANDOM ? Sampling::kRandom : Sampling::kEpoch;
+  absl::StatusOr<std::unique_ptr<TokenData>> train =
+      TokenData::Load(spec.data().train_path(), T, V, tr.global_batch(), sampling);
   if (!train.ok()) {
     return absl::Status(train.status().code(),
                         absl::StrCat("data.train_path: ", train.status().message()));
   }
-  t->train_ = std::make_unique<TokenData>(std::move(*train));
+  t->train_ = std::move(*train);
   if (!spec.data().val_path().empty()) {
-    absl::StatusOr<TokenData> val = TokenData::Load(spec.data().val_path(), T, V);
+    absl::StatusOr<std::unique_ptr<TokenData>> val =
+        TokenData::Load(spec.data().val_path(), T, V, tr.global_batch(), sampling);
     if (!val.ok()) {
       return absl::Status(val.status().code(),
                           absl::StrCat("data.val_path: ", val.status().message()));
     }
-    t->val_ = std::make_unique<TokenData>(std::move(*val));
+    t->val_ = std::move(*val);
   }
 
   backend->SetGemmAutotune(tr.gemm_autotune());
@@ -113,7 +117,11 @@ absl::StatusOr<double> Trainer::RunBatch(const TokenData& data, int64_t step, ui
   DevBuf losses(be_, host_losses.size() * sizeof(float));
   for (int mb = 0; mb < microbatches_; ++mb) {
     const int64_t first = static_cast<int64_t>(rank_) * local_batch_ + mb * micro_;
-    data.Batch(spec_.training().seed(), step, first, micro_, stream, in.data(), tg.data());
+    if (absl::Status s = data.Batch(spec_.training().seed(), step, first, micro_, stream,
+                                    in.data(), tg.data());
+        !s.ok()) {
+      return s;
+    }
     be_->CopyToDevice(d_in.get(), in.data(), n * 4);
     be_->CopyToDevice(d_tg.get(), tg.data(), n * 4);
     const double t_run = CommClock::Now();
@@ -261,6 +269,7 @@ absl::StatusOr<StepStats> Trainer::Step(int64_t step, bool evaluate, bool report
   StepStats r;
   r.step = step;
   r.tokens = static_cast<int64_t>(local_batch_) * spec_.model().seq_len();
+  r.epoch = train_->order().EpochAfterStep(step);
   if (absl::Status s = StepForwardBackward(step, &r); !s.ok()) return s;
   if (absl::Status s = StepOptimizer(step, &r); !s.ok()) return s;
   // The next step's first all-gathers overlap this step's end and the host's turn-around; they

@@ -47,6 +47,9 @@ struct StepStats {
   int64_t tokens = 0;    // tokens this rank trained on
   double grad_norm = 0;  // global L2 norm of the gradients before clipping (equal on every rank)
   double lr = 0;         // learning rate of the step
+  // Epochs of the training data completed after this step: (step + 1) * global_batch / windows
+  // (DataOrder::EpochAfterStep; equal on every rank).
+  double epoch = 0;
   // Global mean validation loss (nats, equal on every rank) when the step evaluated, else NaN.
   double val_loss = std::numeric_limits<double>::quiet_NaN();
   // Host wall seconds (StepTimer): the forward/backward split into compute and exposed

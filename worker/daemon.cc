@@ -55,6 +55,7 @@ v1::StepResult ToStepResult(const StepStats& s) {
   r.set_tokens(s.tokens);
   r.set_grad_norm(s.grad_norm);
   r.set_lr(s.lr);
+  r.set_epoch(s.epoch);
   r.set_val_loss(s.val_loss);
   r.set_compute_seconds(s.compute_seconds);
   r.set_comm_seconds(s.comm_seconds);

@@ -166,8 +166,11 @@ std::vector<RuleCase> Rules() {
   add("HeadsNotDivisibleByKvHeads",
       [](v1::JobSpec* s) { s->mutable_model()->set_n_kv_heads(3); }, 2,
       {"model.n_heads", "divisible by model.n_kv_heads", "4 % 3 != 0"});
-  add("VocabTooLarge", [](v1::JobSpec* s) { s->mutable_model()->set_vocab_size(65537); }, 2,
-      {"model.vocab_size", "<= 65536", "uint16"});
+  add("VocabTooLarge", [](v1::JobSpec* s) { s->mutable_model()->set_vocab_size(1048577); }, 2,
+      {"model.vocab_size", "<= 1048576", "got 1048577"});
+  add("SamplingUnknown",
+      [](v1::JobSpec* s) { s->mutable_data()->set_sampling(static_cast<v1::Sampling>(7)); }, 2,
+      {"data.sampling", "must be EPOCH or RANDOM", "got 7"});
   add("RopeThetaZero", [](v1::JobSpec* s) { s->mutable_model()->set_rope_theta(0); }, 2,
       {"model.rope_theta", "must be > 0"});
   add("NormEpsNegative", [](v1::JobSpec* s) { s->mutable_model()->set_norm_eps(-1); }, 2,
@@ -541,6 +544,53 @@ TEST(Spec, TooFewTokensMessageForMaxSeqLen) {
       << st;
   EXPECT_EQ(std::string(st.message()).find("-2147483648"), std::string::npos) << st;
   std::remove(path.c_str());
+}
+
+// A dataset of several shards: a directory or a glob; every shard's header is checked (the error
+// names the shard), a pattern matching nothing is named, the shards must lie under the data roots,
+// and a vocabulary beyond uint16 is accepted with uint32 shards.
+TEST(Spec, CheckDatasetOfShards) {
+  const std::string dir = ::testing::TempDir() + "/fsdp8_spec_ds_" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir + "/corpus");
+  const std::vector<uint32_t> toks(300, 128000);
+  for (const char* n : {"train_000.bin", "train_001.bin", "train_002.bin"}) {
+    ASSERT_TRUE(WriteTokenShard(dir + "/corpus/" + n, toks.data(), 300, 4).ok());
+  }
+  v1::JobSpec s = Valid();
+  s.mutable_model()->set_vocab_size(128256);
+  s.mutable_data()->set_train_path(dir + "/corpus");
+  EXPECT_TRUE(ValidateSpec(s, 2, {dir}, true).ok()) << ValidateSpec(s, 2, {dir}, true);
+  s.mutable_data()->set_train_path(dir + "/corpus/train_*.bin");
+  EXPECT_TRUE(ValidateSpec(s, 2, {dir}, true).ok()) << ValidateSpec(s, 2, {dir}, true);
+  s.mutable_data()->set_train_path(dir + "/corpus/val_*.bin");
+  absl::Status st = ValidateSpec(s, 2, {dir}, true);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("data.train_path"), std::string::npos) << st;
+  EXPECT_NE(st.message().find(dir + "/corpus/val_*.bin"), std::string::npos) << st;
+  // One corrupt shard among three: named.
+  std::FILE* f = std::fopen((dir + "/corpus/train_001.bin").c_str(), "r+b");
+  ASSERT_NE(f, nullptr);
+  const int32_t wrong = 12345;
+  std::fwrite(&wrong, 4, 1, f);
+  std::fclose(f);
+  s.mutable_data()->set_train_path(dir + "/corpus");
+  st = ValidateSpec(s, 2, {dir}, true);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find(dir + "/corpus/train_001.bin"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("magic"), std::string::npos) << st;
+  // A link inside the root to a shard outside it is refused like a plain path outside.
+  const std::string outside = ::testing::TempDir() + "/fsdp8_spec_out_" + std::to_string(getpid());
+  std::filesystem::remove_all(outside);
+  std::filesystem::create_directories(outside);
+  ASSERT_TRUE(WriteTokenShard(outside + "/x.bin", toks.data(), 300, 4).ok());
+  std::filesystem::remove(dir + "/corpus/train_001.bin");
+  std::filesystem::create_symlink(outside + "/x.bin", dir + "/corpus/train_001.bin");
+  st = ValidateSpec(s, 2, {dir}, true);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("data roots"), std::string::npos) << st;
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(outside);
 }
 
 // ---- parsing ----------------------------------------------------------------------------------

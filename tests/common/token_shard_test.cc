@@ -47,10 +47,12 @@ TEST(TokenShard, RoundTripAndLayout) {
   EXPECT_EQ(static_cast<unsigned char>(bytes[1027]), 0xff);
   auto shard = ReadTokenShard(p);
   ASSERT_TRUE(shard.ok()) << shard.status();
-  EXPECT_EQ(shard->tokens, tokens);
+  EXPECT_EQ(shard->tokens, std::vector<uint32_t>(tokens.begin(), tokens.end()));
+  EXPECT_EQ(shard->token_bytes, 2);
   auto n = ReadTokenShardHeader(p);
   ASSERT_TRUE(n.ok());
-  EXPECT_EQ(*n, 1000);
+  EXPECT_EQ(n->num_tokens, 1000);
+  EXPECT_EQ(n->token_bytes, 2);
   std::remove(p.c_str());
 }
 

@@ -42,7 +42,8 @@ using testing::ValFile;
 // ---- data loader --------------------------------------------------------------------------------
 // The loader's "too few tokens" message computes seq_len + 1 in 64 bits (2^31 for INT32_MAX).
 TEST(Trainer, TokenDataTooFewTokensMessageForMaxSeqLen) {
-  absl::StatusOr<TokenData> d = TokenData::Load(TrainFile(), 2147483647, 256);
+  absl::StatusOr<std::unique_ptr<TokenData>> d =
+      TokenData::Load(TrainFile(), 2147483647, 256, 16, Sampling::kEpoch);
   ASSERT_FALSE(d.ok());
   EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(d.status().message()).find("20000 tokens, fewer than seq_len + 1 = 2147483648"),
@@ -56,6 +57,7 @@ TEST(Trainer, TokenDataTooFewTokensMessageForMaxSeqLen) {
 // tokens of max_c |e_c| / sqrt(mean_c e_c^2 + eps), e = the bf16-rounded embedding row.
 TEST(Trainer, C03_StepAmaxIsMaxOverAllMicrobatches) {
   v1::JobSpec spec = TinySpec(TrainFile());
+  spec.mutable_data()->set_sampling(v1::SAMPLING_RANDOM);  // windows as WindowStart draws them
   spec.mutable_training()->set_global_batch(4);
   spec.mutable_training()->set_microbatch(1);  // 4 microbatches on 1 rank
   // BF16 attention: the FP8 block path where q/k/v share one cast of their input.
@@ -146,6 +148,7 @@ double LocalQProjXAmax(const v1::JobSpec& spec, uint64_t seed, int64_t first, in
 // is picked where those differ).
 TEST(Trainer, C04_ThreeRankAmaxIsTheMaxOfTheRanksLocalAmax) {
   v1::JobSpec spec = TinySpec(TrainFile());
+  spec.mutable_data()->set_sampling(v1::SAMPLING_RANDOM);  // windows as WindowStart draws them
   const int world = 3, local_batch = 6 / world;
   std::vector<double> local(world);
   uint64_t seed = 0;
