@@ -245,13 +245,14 @@ int ModelSection(Args& a) {
   return 0;
 }
 
-// The plain progress line of a step event: "step N/T loss X [val V] tok/s R elapsed E".
+// The plain progress line of a step event: "step N/T loss X [val V] tok/s R elapsed E [epoch P]".
 std::string StepLine(const fsdp8::v1::JobEvent& ev, double elapsed_s) {
   std::string line =
       absl::StrFormat("step %d/%d loss %s", ev.step(), ev.total_steps(), Num(ev.loss()));
   if (!std::isnan(ev.val_loss())) absl::StrAppend(&line, " val ", Num(ev.val_loss()));
   absl::StrAppend(&line, " tok/s ", static_cast<int64_t>(ev.tokens_per_second()), " elapsed ",
                   fsdp8::FormatDuration(elapsed_s));
+  if (ev.epoch() > 0) absl::StrAppend(&line, absl::StrFormat(" epoch %.2f", ev.epoch()));
   return line;
 }
 
@@ -347,9 +348,9 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
       std::string bar(filled, '#');
       bar += std::string(width - filled, '.');
       double eta = std::isnan(ema_step) ? NAN : ema_step * (ev.total_steps() - ev.step());
-      printf("\r\033[K[%s] step %lld/%lld  loss %s  val %s  %s tok/s  elapsed %s  ETA %s",
+      printf("\r\033[K[%s] step %lld/%lld  epoch %.2f  loss %s  val %s  %s tok/s  elapsed %s  ETA %s",
              bar.c_str(), static_cast<long long>(ev.step()),
-             static_cast<long long>(ev.total_steps()), Num(ev.loss()).c_str(),
+             static_cast<long long>(ev.total_steps()), ev.epoch(), Num(ev.loss()).c_str(),
              Num(last_val).c_str(), Thousands(static_cast<int64_t>(ev.tokens_per_second())).c_str(),
              fsdp8::FormatDuration(elapsed()).c_str(), fsdp8::FormatDuration(eta).c_str());
       bar_drawn = true;
