@@ -760,7 +760,9 @@ TEST_F(SaveFaultCluster, ConsecutiveFailedSavesFailTheJobAndKeepTheLastCheckpoin
   const fs::path ck = *dir_ / "ck-full";
   EXPECT_TRUE(fs::exists(ck / "step-5" / "MANIFEST"));
   EXPECT_FALSE(fs::exists(ck / "step-10"));
+  // A new job in the failed job's directory: it takes the directory over (its owner has ended).
   spec.mutable_checkpoint()->set_resume_from((ck / "step-5").string());
+  spec.mutable_checkpoint()->set_take_over(true);
   auto resumed = Run(spec, {}, v1::JOB_STATE_FAILED);
   ASSERT_EQ(resumed.size(), failed.size());
   for (int k = 5; k < 15; ++k) EXPECT_EQ(resumed[k], failed[k]) << "step " << k + 1;
