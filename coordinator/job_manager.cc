@@ -560,7 +560,7 @@ absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
                                   {"generation", j.generation()},
                                   {"world_size", j.world_size()},
                                   {"ranks", absl::StrJoin(ranks, ",")},
-                                  {"steps_done", j.step()}});
+                                  {"step", j.step()}});
   return j;
 }
 
