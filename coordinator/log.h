@@ -1,21 +1,26 @@
-// The coordinator's log: the daemons' log (common/log.h) under the coordinator's namespace. The
-// level is process-wide and can be changed at run time (AdminService.SetLogLevel); debug also logs
-// every authorized RPC with its caller. --log_format picks text or JSON lines.
+// The coordinator's log: leveled lines on stderr ("fsdp8-coordinator: [LEVEL] message"). The level
+// is process-wide and can be changed at run time (AdminService.SetLogLevel); debug also logs every
+// authorized RPC with its caller.
 //
 // Thread-safety: every function is safe to call from several threads.
 #pragma once
 
-#include "common/log.h"
+#include <string>
+
+#include "absl/status/statusor.h"
 
 namespace fsdp8::coord {
 
-using ::fsdp8::GetLogLevel;
-using ::fsdp8::Log;
-using ::fsdp8::LogEnabled;
-using ::fsdp8::LogEvent;
-using ::fsdp8::LogLevel;
-using ::fsdp8::LogLevelName;
-using ::fsdp8::ParseLogLevel;
-using ::fsdp8::SetLogLevel;
+enum class LogLevel { kError = 0, kWarning = 1, kInfo = 2, kDebug = 3 };
+
+// "error", "warning", "info", "debug" (case-insensitive; "warn" too). INVALID_ARGUMENT otherwise.
+absl::StatusOr<LogLevel> ParseLogLevel(const std::string& name);
+const char* LogLevelName(LogLevel level);  // "error", "warning", "info", "debug"
+
+void SetLogLevel(LogLevel level);  // default: info
+LogLevel GetLogLevel();
+bool LogEnabled(LogLevel level);
+// Writes one line when `level` is enabled.
+void Log(LogLevel level, const std::string& message);
 
 }  // namespace fsdp8::coord
