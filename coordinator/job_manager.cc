@@ -316,7 +316,8 @@ absl::StatusOr<JobPage> JobManager::ListPage(const std::optional<std::string>& o
     v1::Job j = r.job;
     const size_t n = std::min(n_events, r.events.size());
     for (auto e = r.events.end() - n; e != r.events.end(); ++e) *j.add_events() = *e;
-    const int64_t size = static_cast<int64_t>(j.ByteSizeLong());
+    // The job's bytes in the page: its own, its field tag (1 byte) and length (at most 5).
+    const int64_t size = static_cast<int64_t>(j.ByteSizeLong()) + 6;
     if (!page.jobs.empty() && bytes + size > max_bytes) break;
     bytes += size;
     page.jobs.push_back(std::move(j));
