@@ -109,11 +109,7 @@ WindowRef DataOrder::Window(uint64_t seed, uint64_t stream, int64_t step,
                             int64_t global_index) const {
   WindowRef w;
   if (sampling_ == Sampling::kRandom) {
-    uint64_t h = SplitMix64(seed);
-    h = SplitMix64(h ^ stream);
-    h = SplitMix64(h ^ static_cast<uint64_t>(step));
-    h = SplitMix64(h ^ static_cast<uint64_t>(global_index));
-    const int64_t g = Scale(h, total_starts());
+    const int64_t g = Scale(WindowHash(seed, step, global_index, stream), total_starts());
     w.shard = ShardOf(start_offset_, g);
     w.start = g - start_offset_[w.shard];
     return w;

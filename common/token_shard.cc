@@ -223,14 +223,18 @@ uint64_t SplitMix64(uint64_t x) {
   return z ^ (z >> 31);
 }
 
+uint64_t WindowHash(uint64_t seed, int64_t step, int64_t global_index, uint64_t stream) {
+  uint64_t h = SplitMix64(seed);
+  h = SplitMix64(h ^ stream);
+  h = SplitMix64(h ^ static_cast<uint64_t>(step));
+  return SplitMix64(h ^ static_cast<uint64_t>(global_index));
+}
+
 int64_t WindowStart(uint64_t seed, int64_t step, int64_t global_index, int64_t num_tokens,
                     int seq_len, uint64_t stream) {
   if (seq_len < 1 || num_tokens < static_cast<int64_t>(seq_len) + 1) return -1;
   const uint64_t windows = static_cast<uint64_t>(num_tokens - seq_len);
-  uint64_t h = SplitMix64(seed);
-  h = SplitMix64(h ^ stream);
-  h = SplitMix64(h ^ static_cast<uint64_t>(step));
-  h = SplitMix64(h ^ static_cast<uint64_t>(global_index));
+  const uint64_t h = WindowHash(seed, step, global_index, stream);
   // Lemire's multiply-shift maps h uniformly (to within 2^-64 * W) onto [0, W).
   return static_cast<int64_t>((static_cast<unsigned __int128>(h) * windows) >> 64);
 }

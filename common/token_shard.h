@@ -106,6 +106,10 @@ uint64_t SplitMix64(uint64_t x);
 inline constexpr uint64_t kTrainStream = 0;
 inline constexpr uint64_t kValidationStream = 1;
 
+// The hash behind the random-window rule:
+//   SplitMix64(SplitMix64(SplitMix64(SplitMix64(seed) ^ stream) ^ step) ^ global_index).
+uint64_t WindowHash(uint64_t seed, int64_t step, int64_t global_index, uint64_t stream);
+
 // The random-window rule on one shard of num_tokens tokens: start offset of the window of sequence
 // `global_index` in step `step` (for the validation stream, `step` is the validation batch number).
 // Returns a value in [0, num_tokens - seq_len - 1]:
