@@ -12,10 +12,33 @@
 # Usage: bench/recovery.sh [STEPS]. Needs a build in ./build and the prepared corpus in
 # data/fortunes (scripts/demo.sh makes both). Event times are taken when the CLI prints them and
 # steps by polling every 0.1 s, so figures are good to about 0.2 s.
+#
+# bench/recovery.sh hang [RUNS]: the hung-rank test with the coordinator's default flags
+# (tests/integration/lifecycle_test.cc: 2 ranks plus a spare worker, a checkpoint every 5 steps,
+# rank 0 stopped after step 8), RUNS times (default 5), each with a fresh cluster; prints each
+# run's times from SIGSTOP (detected, RUNNING again, first step of the new generation done).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-steps=${1:-40}
 bin=$PWD/build/bin
+if [ "${1:-}" = hang ]; then
+  runs=${2:-5}
+  [ -x "$bin/lifecycle_test" ] || { echo "build lifecycle_test first (ninja -C build lifecycle_test)" >&2; exit 1; }
+  echo "hung rank (SIGSTOP), default coordinator flags, 2 ranks + 1 spare, checkpoint every 5 steps"
+  printf '%-4s %12s %17s %22s\n' run detected_s running_again_s first_new_step_done_s
+  for i in $(seq "$runs"); do
+    out=$("$bin/lifecycle_test" --gtest_filter='LifecycleTest.HungRankCostsSecondsWithDefaultFlags' 2>&1) || true
+    line=$(grep -m1 '^hung rank recovery:' <<< "$out" || true)
+    if [ -z "$line" ]; then echo "run $i: no figure"; echo "$out" | tail -20; continue; fi
+    python3 - "$i" "$line" "$(grep -c '\[  PASSED  \]' <<< "$out" || true)" <<'PY'
+import re, sys
+run, line, passed = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+det, run_again, step = (float(x) for x in re.findall(r"after ([0-9.]+) s", line))
+print(f"{run:<4} {det:>12.2f} {run_again:>17.2f} {step:>22.2f}{'' if passed else '  (test failed)'}")
+PY
+  done
+  exit 0
+fi
+steps=${1:-40}
 [ -f data/fortunes/train.bin ] || scripts/prepare-fortunes.sh "$bin/fsdp8" "$PWD/data/fortunes"
 tmp=$(mktemp -d "$PWD/data/bench-recovery.XXXXXX")  # under the data root: the checkpoints go here
 pids=()

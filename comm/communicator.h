@@ -7,8 +7,16 @@
 // within the configured timeout (C10). After any failure the communicator is unusable: Abort() it
 // and build a new one for the next generation.
 //
+// The abort contract (every implementation: Gloo, NCCL): Abort(reason) may be called from any
+// thread, at any time, any number of times (the first reason is kept). A collective blocked in
+// the communicator when it is called returns within about a second (not at the collective
+// timeout), whatever the peers do, and every later call fails fast: both with ABORTED and a
+// message containing the reason. It is how a worker gives up a collective on a hung peer once the
+// coordinator has told it to (Gloo: the waits of the collective in flight are woken; NCCL:
+// ncclCommAbort ends the kernels in flight and the host waits see the abort).
+//
 // Thread-safety: collectives are issued by one thread (the trainer's). Abort() may be called from
-// any thread (the watchdog) and makes pending and future collectives fail.
+// any thread (the watchdog, the worker's session reader).
 #pragma once
 
 #include <cstdint>
@@ -47,6 +55,7 @@ class Communicator {
   virtual absl::Status AllReduce(float* buf, int64_t count, ReduceOp op) = 0;
   virtual absl::Status Broadcast(void* buf, int64_t bytes, int root) = 0;
   virtual absl::Status Barrier() = 0;
+  // See the abort contract above.
   virtual void Abort(const std::string& reason) = 0;
 
   // Deferred-wait variants for compute/communication overlap (FSDP prefetch): the collective is

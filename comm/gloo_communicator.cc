@@ -6,15 +6,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "gloo/allgather.h"
-#include "gloo/allreduce.h"
-#include "gloo/barrier.h"
-#include "gloo/broadcast.h"
 #include "gloo/common/error.h"
-#include "gloo/math.h"
 #include "gloo/rendezvous/context.h"
 #include "gloo/rendezvous/store.h"
 #include "gloo/transport/tcp/device.h"
+#include "gloo/transport/unbound_buffer.h"
 
 namespace fsdp8 {
 namespace {
@@ -86,11 +82,24 @@ absl::Status GlooCall(const std::string& what, F&& f) {
 }
 
 struct Header {  // one per rank per collective, all-gathered before the collective
-  int64_t seq;  // equal on all ranks by construction (the exchange's tag is derived from it)
+  int64_t seq;  // equal on all ranks by construction (the exchange's slot is derived from it)
   int64_t op;
   int64_t count;
   int64_t dtype_and_extra;  // dtype in the low 32 bits, op-specific (root) in the high bits
 };
+
+// The slot of phase `phase` (0: the header exchange, 1 and 2: the data) of collective #seq; a
+// pair's messages match by slot.
+uint64_t SlotOf(uint64_t seq, int phase) { return seq * 4 + static_cast<uint64_t>(phase); }
+
+// Slice bounds of `total` units over `world` ranks: rank p's are [begin[p], begin[p+1]). equal:
+// total is a multiple of world (slices of total / world); otherwise near-equal slices
+// (total * p / world).
+std::vector<int64_t> SliceBounds(int world, int64_t total, bool equal) {
+  std::vector<int64_t> begin(world + 1);
+  for (int p = 0; p <= world; ++p) begin[p] = equal ? total / world * p : total * p / world;
+  return begin;
+}
 
 }  // namespace
 
@@ -129,6 +138,8 @@ GlooCommunicator::GlooCommunicator(int rank, int world_size, std::shared_ptr<glo
 
 GlooCommunicator::~GlooCommunicator() = default;
 
+// ---- Failure and abort ----
+
 absl::Status GlooCommunicator::Failed() const {
   std::lock_guard<std::mutex> l(mu_);
   return absl::Status(error_.code() == absl::StatusCode::kOk ? absl::StatusCode::kUnavailable
@@ -138,30 +149,158 @@ absl::Status GlooCommunicator::Failed() const {
 
 absl::Status GlooCommunicator::Fail(absl::Status s) {
   std::lock_guard<std::mutex> l(mu_);
-  if (!failed_.exchange(true)) error_ = s;
-  return s;
+  if (!failed_.exchange(true)) error_ = std::move(s);
+  for (gloo::transport::UnboundBuffer* b : live_) {
+    b->abortWaitRecv();
+    b->abortWaitSend();
+  }
+  return error_;
 }
 
 void GlooCommunicator::Abort(const std::string& reason) {
   Fail(absl::AbortedError(absl::StrCat("aborted: ", reason))).IgnoreError();
 }
 
+// ---- Buffers in flight ----
+
+// An unbound buffer over caller memory, known to Abort while it lives. Gloo's abort flag outlives
+// a wait that has not started yet, so an Abort between Track and a wait still ends that wait.
+class GlooCommunicator::Buffer {
+ public:
+  Buffer(GlooCommunicator* comm, const void* ptr, size_t bytes)
+      : comm_(comm), buf_(comm->ctx_->createUnboundBuffer(const_cast<void*>(ptr), bytes)) {
+    comm_->Track(buf_.get());
+  }
+  ~Buffer() { comm_->Untrack(buf_.get()); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  gloo::transport::UnboundBuffer* operator->() const { return buf_.get(); }
+
+ private:
+  GlooCommunicator* comm_;
+  std::unique_ptr<gloo::transport::UnboundBuffer> buf_;
+};
+
+void GlooCommunicator::Track(gloo::transport::UnboundBuffer* b) {
+  std::lock_guard<std::mutex> l(mu_);
+  live_.push_back(b);
+  if (failed_.load()) {
+    b->abortWaitRecv();
+    b->abortWaitSend();
+  }
+}
+
+void GlooCommunicator::Untrack(gloo::transport::UnboundBuffer* b) {
+  std::lock_guard<std::mutex> l(mu_);
+  live_.erase(std::remove(live_.begin(), live_.end(), b), live_.end());
+}
+
+absl::Status GlooCommunicator::Wait(Buffer& b, bool recv, int n, Clock::time_point deadline,
+                                    const std::string& what) {
+  for (int i = 0; i < n; ++i) {
+    bool done = false;
+    absl::Status s = GlooCall(what, [&] {
+      const auto left = std::max(std::chrono::milliseconds(1),
+                                 std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     deadline - Clock::now()));
+      done = recv ? b->waitRecv(nullptr, left) : b->waitSend(nullptr, left);
+    });
+    if (!s.ok()) return Fail(s);
+    if (!done || failed_.load()) return Fail(absl::AbortedError(absl::StrCat(what, ": aborted")));
+  }
+  return absl::OkStatus();
+}
+
+// ---- Exchanges ----
+
+absl::Status GlooCommunicator::GatherSlices(void* data, const std::vector<int64_t>& begin,
+                                            uint64_t slot, const std::string& what) {
+  const auto deadline = Clock::now() + timeout_;
+  uint8_t* bytes = static_cast<uint8_t*>(data);
+  const int64_t total = begin[world_size_];
+  if (total == 0) return absl::OkStatus();
+  Buffer out(this, bytes, total);
+  const int64_t mine = begin[rank_ + 1] - begin[rank_];
+  int sends = 0, recvs = 0;
+  absl::Status s = GlooCall(what, [&] {
+    for (int p = 0; p < world_size_; ++p) {
+      const int64_t n = begin[p + 1] - begin[p];
+      if (p == rank_) continue;
+      if (mine > 0) {
+        out->send(p, slot, begin[rank_], mine);
+        ++sends;
+      }
+      if (n > 0) {
+        out->recv(p, slot, begin[p], n);
+        ++recvs;
+      }
+    }
+  });
+  if (!s.ok()) return Fail(s);
+  if (absl::Status w = Wait(out, true, recvs, deadline, what); !w.ok()) return w;
+  return Wait(out, false, sends, deadline, what);
+}
+
+absl::Status GlooCommunicator::ReduceSlices(const float* data, const std::vector<int64_t>& begin,
+                                            ReduceOp op, float* out, uint64_t slot,
+                                            const std::string& what) {
+  const auto deadline = Clock::now() + timeout_;
+  const int64_t len = begin[rank_ + 1] - begin[rank_];
+  // parts[p * len, (p + 1) * len): rank p's slice of this rank's range.
+  std::vector<float> parts(static_cast<size_t>(len) * world_size_);
+  {
+    Buffer in(this, data, begin[world_size_] * sizeof(float));
+    Buffer got(this, parts.data(), parts.size() * sizeof(float));
+    int sends = 0, recvs = 0;
+    absl::Status s = GlooCall(what, [&] {
+      for (int p = 0; p < world_size_; ++p) {
+        const int64_t n = begin[p + 1] - begin[p];
+        if (p == rank_) continue;
+        if (n > 0) {
+          in->send(p, slot, begin[p] * sizeof(float), n * sizeof(float));
+          ++sends;
+        }
+        if (len > 0) {
+          got->recv(p, slot, p * len * sizeof(float), len * sizeof(float));
+          ++recvs;
+        }
+      }
+    });
+    if (!s.ok()) return Fail(s);
+    if (absl::Status w = Wait(got, true, recvs, deadline, what); !w.ok()) return w;
+    if (absl::Status w = Wait(in, false, sends, deadline, what); !w.ok()) return w;
+  }
+  if (len == 0) return absl::OkStatus();
+  std::copy(data + begin[rank_], data + begin[rank_ + 1], parts.begin() + rank_ * len);
+  std::vector<float> acc(parts.begin(), parts.begin() + len);  // rank 0's, then 1, 2, ... in order
+  for (int p = 1; p < world_size_; ++p) {
+    const float* v = parts.data() + p * len;
+    if (op == ReduceOp::kSum) {
+      for (int64_t i = 0; i < len; ++i) acc[i] += v[i];
+    } else {
+      for (int64_t i = 0; i < len; ++i) acc[i] = std::max(acc[i], v[i]);
+    }
+  }
+  std::copy(acc.begin(), acc.end(), out);
+  return absl::OkStatus();
+}
+
+// ---- Collectives ----
+
 absl::Status GlooCommunicator::Check(int op, int64_t count, int dtype, int64_t extra,
                                      uint64_t* seq) {
   if (failed_.load()) return Failed();
   *seq = ++seq_;
-  Header mine{static_cast<int64_t>(*seq), op, count, (extra << 32) | dtype};
   if (world_size_ == 1) return absl::OkStatus();
   std::vector<Header> all(world_size_);
-  absl::Status s = GlooCall(absl::StrCat(OpName(op), " #", *seq, " (header exchange)"), [&] {
-    gloo::AllgatherOptions o(ctx_);
-    o.setInput(reinterpret_cast<int64_t*>(&mine), 4);
-    o.setOutput(reinterpret_cast<int64_t*>(all.data()), 4 * world_size_);
-    o.setTag(static_cast<uint32_t>(2 * *seq));
-    o.setTimeout(timeout_);
-    gloo::allgather(o);
-  });
-  if (!s.ok()) return Fail(s);
+  all[rank_] = Header{static_cast<int64_t>(*seq), op, count, (extra << 32) | dtype};
+  const Header& mine = all[rank_];
+  std::vector<int64_t> begin(world_size_ + 1);
+  for (int p = 0; p <= world_size_; ++p) begin[p] = p * static_cast<int64_t>(sizeof(Header));
+  if (absl::Status s = GatherSlices(all.data(), begin, SlotOf(*seq, 0),
+                                    absl::StrCat(OpName(op), " #", *seq, " (header exchange)"));
+      !s.ok())
+    return s;
   for (int r = 0; r < world_size_; ++r) {
     const Header& h = all[r];
     if (h.op != mine.op) {
@@ -200,19 +339,12 @@ absl::Status GlooCommunicator::AllGather(const void* send, void* recv, int64_t b
   if (absl::Status s = Check(kAllGather, bytes_per_rank, kU8, 0, &seq); !s.ok()) return s;
   bytes_.all_gather += bytes_per_rank * world_size_;
   if (bytes_per_rank == 0) return absl::OkStatus();
-  if (world_size_ == 1) {
-    if (recv != send) std::memmove(recv, send, bytes_per_rank);
-    return absl::OkStatus();
-  }
-  absl::Status s = GlooCall(absl::StrCat("all_gather #", seq), [&] {
-    gloo::AllgatherOptions o(ctx_);
-    o.setInput(const_cast<uint8_t*>(static_cast<const uint8_t*>(send)), bytes_per_rank);
-    o.setOutput(static_cast<uint8_t*>(recv), bytes_per_rank * world_size_);
-    o.setTag(static_cast<uint32_t>(2 * seq + 1));
-    o.setTimeout(timeout_);
-    gloo::allgather(o);
-  });
-  return s.ok() ? s : Fail(s);
+  uint8_t* out = static_cast<uint8_t*>(recv);
+  if (out + rank_ * bytes_per_rank != send)
+    std::memmove(out + rank_ * bytes_per_rank, send, bytes_per_rank);
+  if (world_size_ == 1) return absl::OkStatus();
+  return GatherSlices(recv, SliceBounds(world_size_, bytes_per_rank * world_size_, true),
+                      SlotOf(seq, 1), absl::StrCat("all_gather #", seq));
 }
 
 absl::Status GlooCommunicator::ReduceScatterSum(const float* send, float* recv, int64_t count) {
@@ -224,19 +356,8 @@ absl::Status GlooCommunicator::ReduceScatterSum(const float* send, float* recv, 
     if (recv != send) std::memmove(recv, send, count * sizeof(float));
     return absl::OkStatus();
   }
-  std::vector<float> tmp(send, send + count * world_size_);
-  absl::Status s = GlooCall(absl::StrCat("reduce_scatter #", seq), [&] {
-    gloo::AllreduceOptions o(ctx_);
-    o.setOutput(tmp.data(), tmp.size());
-    o.setReduceFunction(static_cast<void (*)(void*, const void*, const void*, size_t)>(
-        &gloo::sum<float>));
-    o.setTag(static_cast<uint32_t>(2 * seq + 1));
-    o.setTimeout(timeout_);
-    gloo::allreduce(o);
-  });
-  if (!s.ok()) return Fail(s);
-  std::memcpy(recv, tmp.data() + count * rank_, count * sizeof(float));
-  return absl::OkStatus();
+  return ReduceSlices(send, SliceBounds(world_size_, count * world_size_, true), ReduceOp::kSum,
+                      recv, SlotOf(seq, 1), absl::StrCat("reduce_scatter #", seq));
 }
 
 absl::Status GlooCommunicator::AllReduce(float* buf, int64_t count, ReduceOp op) {
@@ -245,21 +366,13 @@ absl::Status GlooCommunicator::AllReduce(float* buf, int64_t count, ReduceOp op)
   if (absl::Status s = Check(code, count, kF32, 0, &seq); !s.ok()) return s;
   bytes_.all_reduce += count * static_cast<int64_t>(sizeof(float));
   if (count == 0 || world_size_ == 1) return absl::OkStatus();
-  absl::Status s = GlooCall(absl::StrCat(OpName(code), " #", seq), [&] {
-    gloo::AllreduceOptions o(ctx_);
-    o.setOutput(buf, count);
-    if (op == ReduceOp::kSum) {
-      o.setReduceFunction(static_cast<void (*)(void*, const void*, const void*, size_t)>(
-          &gloo::sum<float>));
-    } else {
-      o.setReduceFunction(static_cast<void (*)(void*, const void*, const void*, size_t)>(
-          &gloo::max<float>));
-    }
-    o.setTag(static_cast<uint32_t>(2 * seq + 1));
-    o.setTimeout(timeout_);
-    gloo::allreduce(o);
-  });
-  return s.ok() ? s : Fail(s);
+  const std::string what = absl::StrCat(OpName(code), " #", seq);
+  std::vector<int64_t> begin = SliceBounds(world_size_, count, false);
+  if (absl::Status s = ReduceSlices(buf, begin, op, buf + begin[rank_], SlotOf(seq, 1), what);
+      !s.ok())
+    return s;
+  for (int64_t& b : begin) b *= static_cast<int64_t>(sizeof(float));
+  return GatherSlices(buf, begin, SlotOf(seq, 2), what);
 }
 
 absl::Status GlooCommunicator::Broadcast(void* buf, int64_t bytes, int root) {
@@ -269,28 +382,26 @@ absl::Status GlooCommunicator::Broadcast(void* buf, int64_t bytes, int root) {
   }
   if (absl::Status s = Check(kBroadcast, bytes, kU8, root, &seq); !s.ok()) return s;
   if (bytes == 0 || world_size_ == 1) return absl::OkStatus();
-  absl::Status s = GlooCall(absl::StrCat("broadcast #", seq), [&] {
-    gloo::BroadcastOptions o(ctx_);
-    o.setOutput(static_cast<uint8_t*>(buf), bytes);
-    o.setRoot(root);
-    o.setTag(static_cast<uint32_t>(2 * seq + 1));
-    o.setTimeout(timeout_);
-    gloo::broadcast(o);
+  const std::string what = absl::StrCat("broadcast #", seq);
+  const auto deadline = Clock::now() + timeout_;
+  Buffer b(this, buf, bytes);
+  absl::Status s = GlooCall(what, [&] {
+    if (rank_ != root) {
+      b->recv(root, SlotOf(seq, 1), 0, bytes);
+      return;
+    }
+    for (int p = 0; p < world_size_; ++p)
+      if (p != root) b->send(p, SlotOf(seq, 1), 0, bytes);
   });
-  return s.ok() ? s : Fail(s);
+  if (!s.ok()) return Fail(s);
+  return rank_ == root ? Wait(b, false, world_size_ - 1, deadline, what)
+                       : Wait(b, true, 1, deadline, what);
 }
 
+// The header exchange is the barrier: no rank gets past it before every rank has sent its header.
 absl::Status GlooCommunicator::Barrier() {
   uint64_t seq;
-  if (absl::Status s = Check(kBarrier, 0, kNone, 0, &seq); !s.ok()) return s;
-  if (world_size_ == 1) return absl::OkStatus();
-  absl::Status s = GlooCall(absl::StrCat("barrier #", seq), [&] {
-    gloo::BarrierOptions o(ctx_);
-    o.setTag(static_cast<uint32_t>(2 * seq + 1));
-    o.setTimeout(timeout_);
-    gloo::barrier(o);
-  });
-  return s.ok() ? s : Fail(s);
+  return Check(kBarrier, 0, kNone, 0, &seq);
 }
 
 }  // namespace fsdp8

@@ -15,16 +15,29 @@
 // count mismatch at the next one, and a rank that stops calling collectives makes the others'
 // next one fail at the timeout (DEADLINE_EXCEEDED), not as a sequence mismatch.
 //
-// ReduceScatterSum is an f32 all-reduce (sum, f32 accumulation) of the whole send buffer followed by
-// keeping this rank's slice: simple and exact-order deterministic for a given world size; it moves
-// ~world_size times more bytes than a true reduce-scatter, acceptable for the CPU reference.
+// Collectives are direct exchanges between every pair of ranks over Gloo's unbound buffers: each
+// rank posts every send and receive of a phase, then waits for them (deadline: the collective
+// timeout).
+//   AllGather: each rank sends its part to every other rank.
+//   ReduceScatterSum: rank q receives the q-th slice of every rank's input and adds them in rank
+//     order (0, 1, ..., W-1) in f32, so the result does not depend on arrival order.
+//   AllReduce: the same over W near-equal slices of the buffer (rank p owns elements
+//     [count*p/W, count*(p+1)/W)), then an all-gather of the reduced slices: every rank ends with
+//     the same bits, summed in rank order.
+//   Broadcast: the root sends to every rank. Barrier: the header exchange itself (a rank has
+//     received every header only once every rank entered).
+// Each rank moves 2 * (W-1)/W of the buffer for an all-reduce, as a ring would, in one round.
 //
 // Errors: Gloo exceptions are caught here and returned as Status: timeouts DEADLINE_EXCEEDED, peer
 // I/O failures UNAVAILABLE, other failures INTERNAL, each with Gloo's message. After any failure
 // (or Abort) every later call fails fast with the first error.
 //
-// Thread-safety: collectives from one thread; Abort() from any thread. Abort does not interrupt a
-// collective already in flight: that one ends at the collective timeout at the latest.
+// Abort (the contract of comm/communicator.h): Abort(reason) wakes every wait of the collective in
+// flight (Gloo's abortWaitRecv/abortWaitSend on the buffers it registered), so a rank blocked on
+// a hung peer returns ABORTED "aborted: <reason>" within milliseconds instead of at the
+// collective timeout.
+//
+// Thread-safety: collectives from one thread; Abort() from any thread.
 #pragma once
 
 #include <atomic>
@@ -33,6 +46,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "comm/communicator.h"
@@ -40,6 +54,9 @@
 
 namespace gloo {
 class Context;
+namespace transport {
+class UnboundBuffer;
+}
 }
 
 namespace fsdp8 {
@@ -66,10 +83,28 @@ class GlooCommunicator : public Communicator {
   void Abort(const std::string& reason) override;
 
  private:
+  using Clock = std::chrono::steady_clock;
+  class Buffer;  // an unbound buffer registered for Abort while it lives
+
   GlooCommunicator(int rank, int world_size, std::shared_ptr<gloo::Context> ctx,
                    std::chrono::milliseconds timeout);
   // Header exchange + mismatch check; returns the collective's sequence number in *seq.
   absl::Status Check(int op, int64_t count, int dtype, int64_t extra, uint64_t* seq);
+  // data holds W slices, rank p's bytes [begin[p], begin[p+1]); this rank's is in place. Sends it
+  // to every other rank and receives theirs into place.
+  absl::Status GatherSlices(void* data, const std::vector<int64_t>& begin, uint64_t slot,
+                            const std::string& what);
+  // out (the length of this rank's slice) = op over ranks 0..W-1, in that order, of slice `rank`
+  // of every rank's `data` (f32 elements [begin[p], begin[p+1]) are slice p). out may alias data.
+  absl::Status ReduceSlices(const float* data, const std::vector<int64_t>& begin, ReduceOp op,
+                            float* out, uint64_t slot, const std::string& what);
+  // Waits for `n` receives (recv) or sends of `b` until `deadline`; ABORTED once aborted.
+  absl::Status Wait(Buffer& b, bool recv, int n, Clock::time_point deadline,
+                    const std::string& what);
+  void Track(gloo::transport::UnboundBuffer* b);
+  void Untrack(gloo::transport::UnboundBuffer* b);
+  // Records the first error (later ones are dropped), wakes every wait in flight; returns the
+  // first error.
   absl::Status Fail(absl::Status s);
   absl::Status Failed() const;
 
@@ -81,6 +116,7 @@ class GlooCommunicator : public Communicator {
   std::atomic<bool> failed_{false};
   mutable std::mutex mu_;
   absl::Status error_;  // guarded by mu_
+  std::vector<gloo::transport::UnboundBuffer*> live_;  // guarded by mu_: the buffers in flight
 };
 
 }  // namespace fsdp8

@@ -297,11 +297,12 @@ class NcclCommunicator final : public Communicator {
   }
 
   void Abort(const std::string& reason) override {
-    bool expected = false;
-    if (!aborted_.compare_exchange_strong(expected, true)) return;
     {
+      // The reason is set before the flag, so a wait that sees the flag reports this reason.
       std::lock_guard<std::mutex> l(mu_);
+      if (aborted_.load()) return;
       abort_reason_ = reason;
+      aborted_ = true;
     }
     std::fprintf(stderr, "fsdp8 nccl rank %d: aborting communicator: %s\n", rank_, reason.c_str());
     cudaSetDevice(backend_->device());

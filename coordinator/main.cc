@@ -23,12 +23,13 @@ ABSL_FLAG(std::string, state_db, "./fsdp8-coordinator.db",
           "SQLite job table; \":memory:\" keeps it in memory");
 ABSL_FLAG(std::string, data_roots, "",
           "comma-separated directories that job data paths must lie under; empty: no restriction");
-ABSL_FLAG(double, heartbeat_timeout_s, 5, "a worker is dead after this long without a heartbeat");
-ABSL_FLAG(int32_t, heartbeat_interval_ms, 1000, "how often workers are told to heartbeat");
+ABSL_FLAG(double, heartbeat_timeout_s, 3,
+          "a worker is dead after this long without a heartbeat (a hung worker is detected then)");
+ABSL_FLAG(int32_t, heartbeat_interval_ms, 500, "how often workers are told to heartbeat");
 ABSL_FLAG(double, step_timeout_s, 300, "deadline for every rank's result of one step");
 ABSL_FLAG(double, start_timeout_s, 120, "deadline for every rank's Ready after an assignment");
 ABSL_FLAG(int32_t, collective_timeout_ms, 30000, "collective timeout told to the workers");
-ABSL_FLAG(double, abort_grace_s, 2,
+ABSL_FLAG(double, abort_grace_s, 1,
           "after an Abort, its workers stay unassignable this long while they unwind the job");
 ABSL_FLAG(bool, dispatch_ahead, true,
           "send step k+1 to the workers while step k runs when no checkpoint save comes between "

@@ -46,7 +46,7 @@ struct SchedulerOptions {
   // After a run ends with Abort, the ranks that were sent it stay unassignable this long so that a
   // worker still unwinding the aborted job (finishing a step, tearing down its communicator) is not
   // handed the next Assignment meanwhile. 0 releases them at once.
-  std::chrono::milliseconds abort_grace{2000};
+  std::chrono::milliseconds abort_grace{1000};
   // Told every completed step (optional; must outlive the scheduler).
   CoordinatorMetrics* metrics = nullptr;
   // The manifest.* crash points of checkpoint commits (optional; must outlive the scheduler).

@@ -53,8 +53,8 @@ using WorkerEventHandler = std::function<void(const WorkerEvent&)>;
 
 struct WorkerRegistryOptions {
   std::string version;  // workers must report exactly this version
-  std::chrono::milliseconds heartbeat_timeout{5000};
-  int heartbeat_interval_ms = 1000;
+  std::chrono::milliseconds heartbeat_timeout{3000};
+  int heartbeat_interval_ms = 500;
 };
 
 class WorkerRegistry {

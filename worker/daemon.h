@@ -7,7 +7,8 @@
 // written; the job stays usable; FSDP8_FAULT_CHECKPOINT_ENOSPC injects such failures,
 // common/fault_injection.h);
 // Finish → drop the job; Abort → cancel the job's rendezvous if it is still bootstrapping, abort
-// the communicator (pending collectives fail fast or at their timeout) and drop the job. A newer
+// the communicator (a collective blocked on a hung peer returns at once: comm/communicator.h) and
+// drop the job. A newer
 // Assignment cancels an older job's bootstrap too.
 // The daemon survives job failures and coordinator restarts (it registers again, with exponential
 // backoff from 0.2 s to 5 s). Nothing is reported for a job after its Abort (a late error or step

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -105,6 +106,85 @@ TEST(GlooCommunicator, AbortMakesLaterCallsFailFast) {
     EXPECT_FALSE(s.ok());
     EXPECT_NE(s.message().find("test"), std::string::npos) << s;
   });
+}
+
+// Odd sizes (fewer elements than ranks, not a multiple of the world size) on 3 ranks, against
+// values computed here; the sums run in rank order (documented), which these values tell apart:
+// rank 0 adds 1e8, rank 1 adds 1, rank 2 adds -1e8, and (1e8 + 1) - 1e8 is 0 in f32 while any
+// order that adds -1e8 before 1 gives 1. Every rank ends with the same bits.
+TEST(GlooCommunicator, AllReduceOfOddSizesSumsInRankOrderToTheSameBits) {
+  const int W = 3;
+  const float kAdd[W] = {1e8f, 1.0f, -1e8f};
+  std::vector<std::vector<float>> results(W);
+  RunRanks(W, [&](int r, Communicator* c) {
+    for (int count : {1, 2, 5, 7}) {
+      std::vector<float> v(count);
+      for (int i = 0; i < count; ++i) v[i] = kAdd[r];
+      ASSERT_TRUE(c->AllReduce(v.data(), count, ReduceOp::kSum).ok());
+      for (int i = 0; i < count; ++i) EXPECT_EQ(v[i], 0.0f) << "count " << count << " i " << i;
+      std::vector<float> m(count);
+      for (int i = 0; i < count; ++i) m[i] = static_cast<float>((r + i) % W);
+      ASSERT_TRUE(c->AllReduce(m.data(), count, ReduceOp::kMax).ok());
+      for (int i = 0; i < count; ++i) EXPECT_EQ(m[i], static_cast<float>(W - 1));
+    }
+    // Values whose sum rounds: the same bits on every rank.
+    std::vector<float> x(11);
+    for (int i = 0; i < 11; ++i) x[i] = 0.1f * static_cast<float>(r + 1) + 1e-3f * i;
+    ASSERT_TRUE(c->AllReduce(x.data(), 11, ReduceOp::kSum).ok());
+    results[r] = x;
+    // ReduceScatterSum in rank order too: slice r of every rank's input.
+    std::vector<float> in(2 * W), out(2);
+    for (int j = 0; j < 2 * W; ++j) in[j] = kAdd[r];
+    ASSERT_TRUE(c->ReduceScatterSum(in.data(), out.data(), 2).ok());
+    EXPECT_EQ(out[0], 0.0f);
+    EXPECT_EQ(out[1], 0.0f);
+  });
+  for (int r = 1; r < W; ++r)
+    for (int i = 0; i < 11; ++i)
+      EXPECT_EQ(std::memcmp(&results[r][i], &results[0][i], sizeof(float)), 0) << r << " " << i;
+}
+
+// The abort contract (comm/communicator.h): a rank blocked in a collective on a peer that never
+// takes part (as a hung process would) returns ABORTED with the reason within a second of
+// Abort(), not at the 30 s collective timeout: once waiting to receive (all-gather, all-reduce:
+// the peer sends nothing), once waiting for its sends (a 32 MiB broadcast from the root that the
+// peer never receives).
+TEST(GlooCommunicator, AbortWakesACollectiveBlockedOnASilentPeer) {
+  using Clock = std::chrono::steady_clock;
+  for (int which = 0; which < 3; ++which) {
+    SCOPED_TRACE(which);
+    std::atomic<bool> done{false};
+    absl::Status result;
+    double after_abort = -1;
+    RunRanks(2, [&](int r, Communicator* c) {
+      ASSERT_TRUE(c->Barrier().ok());
+      if (r == 1) {  // silent: never enters the collective, keeps its communicator open
+        for (int i = 0; i < 600 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        return;
+      }
+      std::atomic<bool> aborted{false};
+      Clock::time_point t_abort;
+      std::thread aborter([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        t_abort = Clock::now();
+        aborted = true;
+        c->Abort("peer rank 1 hung");
+      });
+      std::vector<uint8_t> big(32 << 20, 1), out(64 << 20);
+      std::vector<float> f(1024, 1.0f);
+      if (which == 0) result = c->AllGather(big.data(), out.data(), 1 << 20);
+      if (which == 1) result = c->AllReduce(f.data(), 1024, ReduceOp::kSum);
+      if (which == 2) result = c->Broadcast(big.data(), static_cast<int64_t>(big.size()), 0);
+      const auto t_end = Clock::now();
+      aborter.join();
+      EXPECT_TRUE(aborted.load()) << "the collective ended before the abort: " << result;
+      after_abort = std::chrono::duration<double>(t_end - t_abort).count();
+      done = true;
+    }, std::chrono::seconds(30));
+    EXPECT_EQ(result.code(), absl::StatusCode::kAborted) << result;
+    EXPECT_NE(result.message().find("peer rank 1 hung"), std::string::npos) << result;
+    EXPECT_LT(after_abort, 1.0);
+  }
 }
 
 TEST(GlooCommunicator, MissingPeerTimesOutInsteadOfHanging) {

@@ -21,7 +21,7 @@ TEST(WorkerRegistry, VersionMismatchIsRefused) {
   EXPECT_TRUE(reg.List().empty());
   auto ok = reg.Register(CpuWorkerRegistration());
   ASSERT_TRUE(ok.ok());
-  EXPECT_EQ(ok->heartbeat_interval_ms(), 1000);
+  EXPECT_EQ(ok->heartbeat_interval_ms(), 500);  // the default WorkerRegistryOptions
   EXPECT_TRUE(reg.Heartbeat(ok->worker_id()).ok());
   EXPECT_EQ(reg.Heartbeat("w-999").code(), absl::StatusCode::kNotFound);
 }
