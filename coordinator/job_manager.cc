@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "common/spec.h"
 #include "coordinator/checkpoint_store.h"
+#include "coordinator/log.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
@@ -182,30 +183,33 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
     }
   }
   if (absl::Status s = ValidateSpec(d, 0, options_.data_roots, options_.check_files); !s.ok())
-    return s;
+    return Refused(s, owner, d);
   const int mn = d.sharding().min_workers();
   const int mx = d.sharding().max_workers();
   for (int n : {mn, mx}) {
     if (n < 1) continue;  // ValidateSpec reported it above
     if (absl::Status s = ValidateSpec(WithDefaults(spec, n), n, options_.data_roots, false);
         !s.ok()) {
-      if (mn == mx) return s;
+      if (mn == mx) return Refused(s, owner, d);
       // The job may run (and, after a failure, shrink) to any world size in [min, max].
-      return absl::Status(s.code(),
-                          absl::StrCat(s.message(), " at world size ", n, " (sharding.",
-                                       n == mn ? "min_workers" : "max_workers",
-                                       "; the global batch is the same at every world size)"));
+      return Refused(absl::Status(s.code(),
+                                  absl::StrCat(s.message(), " at world size ", n, " (sharding.",
+                                               n == mn ? "min_workers" : "max_workers",
+                                               "; the global batch is the same at every world "
+                                               "size)")),
+                     owner, d);
     }
   }
   const std::string& resume = d.checkpoint().resume_from();
   if (options_.check_files && !resume.empty() && resume != "latest") {
     auto ck = CheckpointStore::Open(resume);
     if (!ck.ok())
-      return absl::FailedPreconditionError(
-          absl::StrCat("checkpoint.resume_from: ", ck.status().message()));
+      return Refused(absl::FailedPreconditionError(
+                         absl::StrCat("checkpoint.resume_from: ", ck.status().message())),
+                     owner, d);
     if (absl::Status s = CheckpointStore::CheckResumeCompatible(d, ck->manifest.spec(), resume);
         !s.ok())
-      return s;
+      return Refused(s, owner, d);
   }
   const std::string& init = d.init().from_checkpoint();
   if (options_.check_files && !init.empty()) {
@@ -257,6 +261,13 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
     PublishLocked(&r, ev);
     out = job;
   }
+  LogEvent("job_submitted", {{"job", out.job_id()},
+                             {"owner", out.owner()},
+                             {"name", d.name()},
+                             {"min_workers", mn},
+                             {"max_workers", mx},
+                             {"steps", d.training().steps()},
+                             {"request_id", request_id}});
   std::function<void()> cb;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -455,6 +466,8 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id) {
     cb = on_cancel_;
     NoteEndedLocked(out);
   }
+  LogEvent("job_cancelled", {{"job", job_id}, {"owner", out.owner()}, {"step", out.step()}});
+  LogEnded(out);
   if (was_active && cb) cb(job_id);
   return out;
 }
@@ -544,6 +557,11 @@ absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
                               " workers (rank=worker: ", absl::StrJoin(ranks, ", "), ")"));
   ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
   PublishLocked(r, ev);
+  LogEvent("generation_started", {{"job", job_id},
+                                  {"generation", j.generation()},
+                                  {"world_size", j.world_size()},
+                                  {"ranks", absl::StrJoin(ranks, ",")},
+                                  {"step", j.step()}});
   return j;
 }
 
@@ -585,6 +603,12 @@ absl::StatusOr<int> JobManager::MarkRecovering(const std::string& job_id,
   ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
   ev.set_message(msg);
   PublishLocked(r, ev);
+  LogEvent("job_restarting", {{"job", job_id},
+                              {"generation", j.generation()},
+                              {"restart", j.restarts()},
+                              {"max_restarts", max_restarts},
+                              {"step", j.step()},
+                              {"cause", cause}});
   return j.restarts();
 }
 
@@ -691,7 +715,34 @@ absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,
   ev.set_message(reason.empty() ? StateName(state) : reason);
   PublishLocked(r, ev);
   NoteEndedLocked(v1::Job(j));
+  LogEnded(j);
   return absl::OkStatus();
+}
+
+absl::Status JobManager::Refused(absl::Status s, const std::string& owner,
+                                 const v1::JobSpec& spec) {
+  // Validation messages read "field: rule".
+  const std::string message(s.message());
+  const size_t colon = message.find(": ");
+  LogEvent("job_refused", {{"owner", owner},
+                           {"name", spec.name()},
+                           {"code", absl::StatusCodeToString(s.code())},
+                           {"field", colon == std::string::npos ? "" : message.substr(0, colon)},
+                           {"rule", colon == std::string::npos ? message : message.substr(colon + 2)}});
+  return s;
+}
+
+void JobManager::LogEnded(const v1::Job& j) {
+  const double since = j.start_time() > 0 ? j.start_time() : j.create_time();
+  LogEvent("job_ended", {{"job", j.job_id()},
+                         {"state", StateName(j.state())},
+                         {"steps", j.step()},
+                         {"total_steps", j.total_steps()},
+                         {"loss", j.step() > 0 ? j.loss() : std::numeric_limits<double>::quiet_NaN()},
+                         {"val_loss", j.val_loss()},
+                         {"restarts", j.restarts()},
+                         {"wall_s", j.end_time() - since},
+                         {"reason", j.reason()}});
 }
 
 bool JobManager::IsTerminal(const std::string& job_id) const {

@@ -187,6 +187,11 @@ class JobManager {
   const JobManagerOptions& options() const { return options_; }
 
  private:
+  // Logs the refused submission (event job_refused: the field and the rule) and returns s.
+  static absl::Status Refused(absl::Status s, const std::string& owner, const v1::JobSpec& spec);
+  // Logs a job that reached a final state (event job_ended).
+  static void LogEnded(const v1::Job& j);
+
   struct Record {
     v1::Job job;
     std::string submitted_spec;  // deterministic serialization of the defaulted spec

@@ -6,9 +6,26 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/spec.h"
+#include "coordinator/log.h"
 #include "coordinator/metrics.h"
 
 namespace fsdp8::coord {
+
+bool IsDeterministicFailure(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kPermissionDenied:
+      return true;
+    default:
+      return false;
+  }
+}
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -167,6 +184,14 @@ std::string JobRun::EndFailedGeneration(const absl::Status& s) {
   }
   std::string reason(s.message());
   const int max_restarts = WithDefaults(job_.spec(), 0).max_restarts();
+  LogEvent("generation_failed",
+           {{"job", id},
+            {"generation", job_.generation()},
+            {"rank", failed_rank_},
+            {"worker", failed_rank_ >= 0 ? ranks_[failed_rank_] : std::string()},
+            {"code", absl::StatusCodeToString(s.code())},
+            {"deterministic", IsDeterministicFailure(s.code()) ? "yes" : "no"},
+            {"cause", reason}});
   if (assigning_ && recoverable_ && !job_.spec().checkpoint().dir().empty() &&
       job_.restarts() < max_restarts) {
     if (!jobs_->MarkRecovering(id, reason, max_restarts).ok()) {
@@ -260,10 +285,13 @@ absl::Status JobRun::Await(Clock::time_point deadline, const std::string& what,
       return absl::UnavailableError(absl::StrCat(RankName(r), " lost: ", ev.reason));
     }
     const v1::WorkerMessage& m = ev.message;
-    if (m.has_error() && (m.error().job_id().empty() || m.error().job_id() == job_.job_id())) {
+    if (IsJobError(m)) {
       failed_rank_ = r;
-      return absl::InternalError(
-          absl::StrCat(RankName(r), " reported an error: ", m.error().message()));
+      absl::Status s = RankError(r, m.error());
+      if (!IsDeterministicFailure(s.code())) s = AwaitRootCause(s);
+      // A restart would fail the same way: the job fails with this cause.
+      if (IsDeterministicFailure(s.code())) recoverable_ = false;
+      return s;
     }
     if (!got[r] && accept(r, m)) {
       got[r] = true;
@@ -273,6 +301,31 @@ absl::Status JobRun::Await(Clock::time_point deadline, const std::string& what,
     }
   }
   return absl::OkStatus();
+}
+
+bool JobRun::IsJobError(const v1::WorkerMessage& m) const {
+  return m.has_error() && (m.error().job_id().empty() || m.error().job_id() == job_.job_id());
+}
+
+absl::Status JobRun::RankError(int r, const v1::WorkerError& e) const {
+  const auto code = static_cast<absl::StatusCode>(e.code());
+  const std::string msg = absl::StrCat(RankName(r), " reported an error: ", e.message());
+  return IsDeterministicFailure(code) ? absl::Status(code, msg) : absl::InternalError(msg);
+}
+
+absl::Status JobRun::AwaitRootCause(absl::Status first) {
+  const auto until = Clock::now() + std::chrono::milliseconds(250);
+  WorkerEvent ev;
+  while (inbox_->Pop(&ev, until)) {
+    const int r = RankOf(ev.worker_id);
+    if (r < 0 || ev.kind != WorkerEvent::kMessage || !IsJobError(ev.message)) continue;
+    absl::Status s = RankError(r, ev.message.error());
+    if (IsDeterministicFailure(s.code())) {
+      failed_rank_ = r;
+      return s;
+    }
+  }
+  return first;
 }
 
 // ---- Start of a generation ----
@@ -563,6 +616,11 @@ absl::Status JobRun::SaveCheckpoint(const v1::JobSpec& spec, int64_t step, int64
   auto removed = store.Retain(spec.checkpoint().keep_last());
   std::string note;
   if (!removed.ok()) note = absl::StrCat(" (retention failed: ", removed.status().message(), ")");
+  LogEvent("checkpoint_committed", {{"job", job_.job_id()},
+                                    {"step", step},
+                                    {"dir", *dir},
+                                    {"world_size", manifest->world_size()},
+                                    {"tokens", tokens}});
   if (!jobs_->PublishMessage(job_.job_id(), absl::StrCat(what, " committed", note)).ok())
     return absl::CancelledError("job ended");
   return absl::OkStatus();

@@ -32,7 +32,9 @@
 // (the reason names the worker and rank) and sends Abort to the other ranks (and to a failed rank
 // that may still be alive: timed out, silent); Cancel and Shutdown send Abort to every rank. A
 // failed generation of a job with checkpoint.dir and restarts < max_restarts makes the job
-// RECOVERING (the scheduler starts the next generation); otherwise the job becomes FAILED. A save
+// RECOVERING (the scheduler starts the next generation); otherwise the job becomes FAILED, as it
+// does at once for a deterministic failure (a WorkerError whose code is RESOURCE_EXHAUSTED, a bad
+// input file or checkpoint: IsDeterministicFailure), which would repeat on other workers. A save
 // that times out or that a rank answers wrongly is not restarted (only a rank lost during a save
 // is). At the end the generation's rendezvous keys (job/<id>/gen/<g>/) are deleted and the workers
 // released, those sent Abort after SchedulerOptions::abort_grace.
@@ -69,6 +71,10 @@
 #include "coordinator/worker_registry.h"
 
 namespace fsdp8::coord {
+
+// Whether a rank's failure with this code would happen again on other workers (WorkerError.code:
+// out of memory, a bad input file or checkpoint), so that the job fails instead of restarting.
+bool IsDeterministicFailure(absl::StatusCode code);
 
 // A job run's mailbox: worker events plus "look again" pokes (cancel, shutdown).
 // Thread-safety: every method may be called from any thread.
@@ -132,6 +138,16 @@ class JobRun {
   // DEADLINE_EXCEEDED naming the missing ranks.
   absl::Status Await(Clock::time_point deadline, const std::string& what,
                      const std::function<bool(int, const v1::WorkerMessage&)>& accept);
+  // A WorkerError of this job (or of no job in particular).
+  bool IsJobError(const v1::WorkerMessage& m) const;
+  // Rank r's error as a Status: its own code when deterministic (IsDeterministicFailure), else
+  // INTERNAL.
+  absl::Status RankError(int r, const v1::WorkerError& e) const;
+  // A rank's failure often surfaces on its peers too (their collectives see it go): `first` came
+  // first but is not deterministic, so errors arriving within 250 ms are looked at for the cause
+  // (a deterministic one wins and sets failed_rank_). The generation is over: other events are
+  // dropped.
+  absl::Status AwaitRootCause(absl::Status first);
 
   // Start of a generation: resume choice, Assignments, every Ready, RUNNING. Fills *p.
   absl::Status StartGeneration(const v1::JobSpec& spec, Progress* p);

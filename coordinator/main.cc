@@ -11,6 +11,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/flags_help.h"
 #include "coordinator/log.h"
@@ -49,11 +50,16 @@ ABSL_FLAG(std::string, retain_ended_jobs, "1000,30d",
           "and none that ended more than AGE ago (a number with s, m, h or d; 0: no age limit); "
           "older ones are removed, never their checkpoints");
 ABSL_FLAG(std::string, log_level, "info", "error, warning, info or debug (AdminService.SetLogLevel)");
+ABSL_FLAG(std::string, log_format, "text",
+          "text, or json: one JSON object per line on stderr (docs/logging.md)");
 ABSL_FLAG(int, metrics_port, 0,
           "HTTP port for /metrics (Prometheus) and the status page at /; 0: off");
 ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "address the metrics port binds (an IP literal)");
 
 namespace {
+using fsdp8::coord::Log;
+using fsdp8::coord::LogLevel;
+
 std::chrono::milliseconds Ms(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
@@ -101,6 +107,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   fsdp8::coord::SetLogLevel(*level);
+  auto format = fsdp8::ParseLogFormat(absl::GetFlag(FLAGS_log_format));
+  if (!format.ok()) {
+    fprintf(stderr, "fsdp8-coordinator: --log_%s\n", std::string(format.status().message()).c_str());
+    return 2;
+  }
+  fsdp8::SetLogFormat(*format);
+  fsdp8::SetLogProcess("fsdp8-coordinator");
   o.listen = absl::GetFlag(FLAGS_listen);
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
@@ -141,7 +154,7 @@ int main(int argc, char** argv) {
   }
   auto server = fsdp8::coord::CoordinatorServer::Start(o);
   if (!server.ok()) {
-    fprintf(stderr, "fsdp8-coordinator: %s\n", server.status().ToString().c_str());
+    Log(LogLevel::kError, server.status().ToString());
     return 1;
   }
   printf("fsdp8-coordinator listening on %s\n", (*server)->address().c_str());
@@ -150,28 +163,28 @@ int main(int argc, char** argv) {
            o.metrics_host.c_str(), (*server)->metrics_port());
     auto chart = fsdp8::coord::ChartJsPath();
     if (!chart.ok())
-      fprintf(stderr, "fsdp8-coordinator: status page charts off: %s\n",
-              std::string(chart.status().message()).c_str());
+      Log(LogLevel::kWarning,
+          absl::StrCat("status page charts off: ", chart.status().message()));
   }
   fflush(stdout);
-  fprintf(stderr, "fsdp8-coordinator %s: state db %s, data roots %s, %s, %s\n", FSDP8_VERSION,
-          o.jobs.state_db.c_str(),
-          o.jobs.data_roots.empty() ? "(any)" : absl::GetFlag(FLAGS_data_roots).c_str(),
-          o.tls_cert.empty() ? "plaintext" : o.tls_client_ca.empty() ? "TLS" : "mutual TLS",
-          o.tokens.empty() ? "no authentication" : "bearer tokens");
+  Log(LogLevel::kInfo,
+      absl::StrCat("version ", FSDP8_VERSION, ": state db ", o.jobs.state_db, ", data roots ",
+                   o.jobs.data_roots.empty() ? "(any)" : absl::GetFlag(FLAGS_data_roots), ", ",
+                   o.tls_cert.empty() ? "plaintext" : o.tls_client_ca.empty() ? "TLS" : "mutual TLS",
+                   ", ", o.tokens.empty() ? "no authentication" : "bearer tokens"));
   if (!o.tokens.empty() && o.tls_cert.empty())
-    fsdp8::coord::Log(fsdp8::coord::LogLevel::kWarning,
-                      "bearer tokens travel in clear text without --tls_cert/--tls_key");
+    Log(LogLevel::kWarning, "bearer tokens travel in clear text without --tls_cert/--tls_key");
 
   int sig = 0;
   sigwait(&sigs, &sig);
-  fprintf(stderr, "fsdp8-coordinator: signal %d, draining (health NOT_SERVING, checkpoints)\n", sig);
+  Log(LogLevel::kInfo,
+      absl::StrCat("signal ", sig, ", draining (health NOT_SERVING, checkpoints)"));
   for (const std::string& line :
        (*server)->Drain(Ms(absl::GetFlag(FLAGS_drain_timeout_s))))
-    fprintf(stderr, "fsdp8-coordinator: drain: %s\n", line.c_str());
-  fprintf(stderr, "fsdp8-coordinator: shutting down\n");
+    Log(LogLevel::kInfo, absl::StrCat("drain: ", line));
+  Log(LogLevel::kInfo, "shutting down");
   (*server)->Shutdown();
   server->reset();
-  fprintf(stderr, "fsdp8-coordinator: stopped\n");
+  Log(LogLevel::kInfo, "stopped");
   return 0;
 }

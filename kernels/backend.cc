@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <new>
 #include <vector>
 
 #include "common/check.h"
@@ -22,7 +23,7 @@ namespace {
 // A device copy of n f32 values, each rounded to the nearest bfloat16 (f32 storage).
 float* RoundedToBf16Copy(Backend* be, const float* x, int64_t n) {
   float* c = static_cast<float*>(be->Alloc(static_cast<size_t>(n) * sizeof(float)));
-  FSDP8_CHECK(c != nullptr) << "device out of memory";  // the trainer sizes buffers from the spec
+  if (c == nullptr) throw std::bad_alloc();  // out of memory: the worker reports it (backend.h)
   be->Copy(c, x, static_cast<size_t>(n) * sizeof(float));
   be->RoundToBf16(c, n);
   return c;
@@ -87,11 +88,11 @@ void Backend::SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16, c
 // ---- bfloat16 activations: the reference compositions ---------------------------------------
 
 namespace {
-// Scratch f32 buffer of n elements on `be` (the trainer sizes buffers from the spec: running out
-// of memory here is a programming error).
+// Scratch f32 buffer of n elements on `be`; std::bad_alloc when out of memory (the worker reports
+// RESOURCE_EXHAUSTED).
 float* F32Scratch(Backend* be, int64_t n) {
   float* p = static_cast<float*>(be->Alloc(static_cast<size_t>(n > 0 ? n : 1) * sizeof(float)));
-  FSDP8_CHECK(p != nullptr) << "device out of memory";
+  if (p == nullptr) throw std::bad_alloc();
   return p;
 }
 }  // namespace
@@ -194,7 +195,7 @@ uint16_t* DenseRows16(Backend* be, const uint16_t* x16, int64_t rows, int64_t co
   if (ld == cols) return nullptr;
   CheckRowStride(ld, cols);
   uint16_t* d = static_cast<uint16_t*>(be->Alloc(static_cast<size_t>(rows * cols + 1) * 2));
-  FSDP8_CHECK(d != nullptr) << "device out of memory";
+  if (d == nullptr) throw std::bad_alloc();
   for (int64_t r = 0; r < rows; ++r) be->Copy(d + r * cols, x16 + r * ld, cols * sizeof(uint16_t));
   return d;
 }

@@ -25,9 +25,10 @@
 //
 // Thread-safety: a Backend is used by one thread (the rank's trainer thread).
 //
-// Errors: programming errors (null pointers, shape mismatch, out of memory on the CPU) abort with
-// file:line (FSDP8_CHECK, common/check.h); Alloc on a device out of memory returns nullptr and the caller reports
-// RESOURCE_EXHAUSTED.
+// Errors: programming errors (null pointers, shape mismatch) abort with file:line (FSDP8_CHECK,
+// common/check.h). Alloc returns nullptr when the memory is exhausted (device memory; host memory
+// for the CPU backend) or when the allocation would take AllocatedBytes() above
+// BackendOptions::memory_limit_bytes; the caller reports RESOURCE_EXHAUSTED (train/device_buffer.h).
 #pragma once
 
 #include <cstddef>
@@ -394,6 +395,9 @@ struct BackendOptions {
   double profile_ops_period_s = 0;
   // CUDA: each GEMM shape's cuBLASLt algorithm choice logged to stderr (FSDP8_GEMM_VERBOSE set).
   bool gemm_verbose = false;
+  // Bytes Alloc may hold at once (AllocatedBytes(), the backend's own workspaces not counted);
+  // 0: no limit but the memory itself. The worker's --memory_limit_mb.
+  int64_t memory_limit_bytes = 0;
 
   static BackendOptions FromEnvironment();
 };

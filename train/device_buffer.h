@@ -1,28 +1,90 @@
 // DevBuf: an owning handle to one Backend allocation (RAII), typed views for convenience.
 //
-// Allocation failure (a device out of memory) aborts with the size: the trainer's buffers are
-// sized from the job spec, and the CPU backend aborts on out-of-memory anyway.
+// Allocation failure (out of device memory, or of host memory for the CPU backend, or over the
+// backend's memory limit) throws DeviceOutOfMemory, a std::bad_alloc naming the bytes and what
+// they were for (the AllocationLabels in force). The worker catches it, and a host std::bad_alloc,
+// at its boundaries (CatchAllocationFailure): the job fails with RESOURCE_EXHAUSTED, its memory is
+// freed as the stack unwinds and the job is dropped, and the worker itself stays up.
 //
-// Thread-safety: as the Backend (one thread).
+// Thread-safety: as the Backend (one thread). AllocationLabels are per thread.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <vector>
+#include <exception>
+#include <new>
+#include <string>
 #include <utility>
+#include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "kernels/backend.h"
 
 namespace fsdp8 {
 
+// Names what the allocations made on this thread while it lives are for, e.g.
+// AllocationLabel l("the activations of block", 3). Labels nest (outermost first). `what` must
+// outlive the label (a string literal); index < 0: none.
+class AllocationLabel {
+ public:
+  explicit AllocationLabel(const char* what, int64_t index = -1)
+      : uncaught_(std::uncaught_exceptions()) {
+    Stack().emplace_back(what, index);
+  }
+  // An exception unwinding through the innermost label records the labels in force (TakeFailed).
+  ~AllocationLabel() {
+    if (std::uncaught_exceptions() > uncaught_ && Failed().empty()) Failed() = Current();
+    Stack().pop_back();
+  }
+  AllocationLabel(const AllocationLabel&) = delete;
+  AllocationLabel& operator=(const AllocationLabel&) = delete;
+
+  // The labels in force on this thread, outermost first, joined by ": "; "" when none.
+  static std::string Current() {
+    std::string out;
+    for (const auto& [what, index] : Stack())
+      absl::StrAppend(&out, out.empty() ? "" : ": ", what, index >= 0 ? absl::StrCat(" ", index) : "");
+    return out;
+  }
+  // The labels in force where the last exception on this thread started unwinding through them
+  // ("" when none), and forgets them.
+  static std::string TakeFailed() { return std::exchange(Failed(), std::string()); }
+
+ private:
+  static std::vector<std::pair<const char*, int64_t>>& Stack() {
+    thread_local std::vector<std::pair<const char*, int64_t>> stack;
+    return stack;
+  }
+  static std::string& Failed() {
+    thread_local std::string failed;
+    return failed;
+  }
+  int uncaught_;
+};
+
+// A Backend allocation that failed: the bytes asked for, the backend's bytes in use, and the
+// AllocationLabels in force.
+class DeviceOutOfMemory : public std::bad_alloc {
+ public:
+  DeviceOutOfMemory(size_t bytes, int64_t allocated)
+      : message_(absl::StrCat("could not allocate ", bytes, " bytes of ", "device memory (",
+                              allocated, " bytes in use)")) {}
+  const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  std::string message_;
+};
+
 class DevBuf {
  public:
   DevBuf() = default;
+  // Throws DeviceOutOfMemory when the backend cannot allocate `bytes`.
   DevBuf(Backend* be, size_t bytes) : be_(be), bytes_(bytes) {
     if (bytes > 0) {
       p_ = be->Alloc(bytes);
-      FSDP8_CHECK(p_ != nullptr) << "device out of memory allocating " << bytes << " bytes";
+      if (p_ == nullptr) throw DeviceOutOfMemory(bytes, be->AllocatedBytes());
     }
   }
   // Allocates and zeroes.
@@ -77,6 +139,26 @@ inline void UploadScaleSlots(Backend* be, float* dev, const std::vector<float>& 
   std::vector<float> slots(values.size() * kScaleStride, 0.0f);
   for (size_t i = 0; i < values.size(); ++i) slots[i * kScaleStride] = values[i];
   be->CopyToDevice(dev, slots.data(), slots.size() * sizeof(float));
+}
+
+// Runs fn() (returning absl::Status or absl::StatusOr<T>). An allocation failure inside it, a
+// DevBuf's or a host std::bad_alloc, becomes RESOURCE_EXHAUSTED "out of memory <doing>: <detail>
+// for <labels>", e.g. "out of memory in step 3: could not allocate 268435456 bytes of device
+// memory (1048576 bytes in use) for the activations of block 0". Everything fn allocated on the
+// way has been freed by then (RAII).
+template <typename F>
+auto CatchAllocationFailure(const std::string& doing, F&& fn) -> decltype(fn()) {
+  AllocationLabel::TakeFailed();  // nothing stale from an earlier exception
+  try {
+    return fn();
+  } catch (const std::bad_alloc& e) {
+    const std::string labels = AllocationLabel::TakeFailed();
+    const bool device = dynamic_cast<const DeviceOutOfMemory*>(&e) != nullptr;
+    return absl::ResourceExhaustedError(
+        absl::StrCat("out of memory ", doing, ": ",
+                     device ? e.what() : "could not allocate host memory (std::bad_alloc)",
+                     labels.empty() ? "" : absl::StrCat(" for ", labels)));
+  }
 }
 
 }  // namespace fsdp8

@@ -23,6 +23,8 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
     : plan_(plan), rank_(rank), be_(be), comm_(comm), clock_(clock) {
   units_.resize(plan.units.size());
   for (size_t u = 0; u < plan.units.size(); ++u) {
+    const AllocationLabel label("the shards (weights, gradients, AdamW moments) of unit",
+                                static_cast<int64_t>(u));
     for (size_t b = 0; b < plan.units[u].buffers.size(); ++b) {
       const BufferPlan& bp = plan.units[u].buffers[b];
       Buf& buf = units_[u].emplace_back();

@@ -711,6 +711,7 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
   std::vector<BlockActs> acts(backward ? L : 0);
   if (absl::Status s = ForwardBlocks(tokens, B, backward, &x, &acts); !s.ok()) return s;
   // Head: final norm, lm_head, fused cross-entropy (+ its backward).
+  const AllocationLabel label("the head (final norm, lm_head, loss)");
   if (absl::Status s = GatherHead(); !s.ok()) return s;
   if (backward && L > 0) {
     if (absl::Status s = p_->Prefetch(BlockUnit(L - 1)); !s.ok()) return s;
@@ -794,6 +795,7 @@ absl::Status LlamaModel::ForwardBlocks(const int32_t* tokens, int64_t B, bool ba
   // Blocks.
   const bool recompute = backward && recompute_;
   for (int l = 0; l < L; ++l) {
+    const AllocationLabel label("the forward of block", l);
     const int unit = BlockUnit(l);
     if (absl::Status s = p_->Gather(unit); !s.ok()) return s;
     if (absl::Status s = p_->Prefetch(BlockUnit(l + 1)); !s.ok()) return s;
@@ -815,6 +817,7 @@ absl::Status LlamaModel::BackwardBlocks(const int32_t* tokens, int64_t B,
   // Blocks in reverse: re-gather (prefetched one block ahead), gradients, reduce-scatter (in
   // flight while the next block computes), free.
   for (int l = static_cast<int>(blocks_.size()) - 1; l >= 0; --l) {
+    const AllocationLabel label("the backward of block", l);
     BlockActs& a = (*acts)[l];
     const int unit = BlockUnit(l);
     if (absl::Status s = p_->Gather(unit); !s.ok()) return s;

@@ -9,7 +9,9 @@
 #include "absl/strings/str_format.h"
 #include "kernels/backend.h"
 #include "common/checkpoint_format.h"
+#include "common/log.h"
 #include "train/checkpoint.h"
+#include "train/device_buffer.h"
 #include "comm/gloo_communicator.h"
 #include "worker/grpc_kv_store.h"
 #include "train/hf_import.h"
@@ -95,7 +97,8 @@ WorkerDaemon::~WorkerDaemon() {
 }
 
 void WorkerDaemon::Log(const std::string& msg) const {
-  std::cerr << "[worker " << (worker_id_.empty() ? "?" : worker_id_) << "] " << msg << std::endl;
+  ::fsdp8::Log(LogLevel::kInfo,
+               absl::StrCat("[worker ", worker_id_.empty() ? "?" : worker_id_, "] ", msg));
 }
 
 void WorkerDaemon::Shutdown() {
@@ -245,12 +248,20 @@ void WorkerDaemon::Serve() {
   hello.mutable_hello()->set_worker_id(worker_id_);
   Send(hello);
   v1::CoordinatorMessage msg;
+  std::string session_job;  // the job of the newest Assignment on this session
   while (stream->Read(&msg)) {
     switch (msg.kind_case()) {
       case v1::CoordinatorMessage::kAssignment: {
         const v1::Assignment a = msg.assignment();
         Log(absl::StrCat("assigned job ", a.job_id(), " generation ", a.generation(), " rank ",
                          a.rank(), "/", a.world_size()));
+        LogEvent("job_assigned", {{"worker", worker_id_},
+                                  {"job", a.job_id()},
+                                  {"generation", a.generation()},
+                                  {"rank", a.rank()},
+                                  {"world_size", a.world_size()},
+                                  {"load_dir", a.load_dir()}});
+        session_job = a.job_id();
         auto cancelled = std::make_shared<std::atomic<bool>>(false);
         {
           // A still-bootstrapping older job would otherwise hold the job thread until its
@@ -275,10 +286,13 @@ void WorkerDaemon::Serve() {
       }
       case v1::CoordinatorMessage::kFinish:
         Log("job finished");
+        LogEvent("job_finished", {{"worker", worker_id_}, {"job", session_job}});
         Post([this] { DropJob(); });
         break;
       case v1::CoordinatorMessage::kAbort: {
         Log(absl::StrCat("abort: ", msg.abort().reason()));
+        LogEvent("job_aborted",
+                 {{"worker", worker_id_}, {"job", session_job}, {"reason", msg.abort().reason()}});
         if (opts_.metrics) opts_.metrics->OnAbort();
         CancelJob(msg.abort().reason());
         Post([this] { DropJob(); });
@@ -348,8 +362,14 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
     return;
   }
   if (opts_.metrics) opts_.metrics->OnAssignment();
-  auto fail = [&](const std::string& what) {
+  // code: the failure's status code when it says whether a restart could cure it (WorkerError).
+  auto fail = [&](const std::string& what, absl::StatusCode code = absl::StatusCode::kOk) {
     Log(absl::StrCat("job ", a.job_id(), ": ", what));
+    LogEvent("job_start_failed", {{"worker", worker_id_},
+                                  {"job", a.job_id()},
+                                  {"generation", a.generation()},
+                                  {"code", absl::StatusCodeToString(code)},
+                                  {"cause", what}});
     // The coordinator has already moved on from an aborted job; an error for it could be taken
     // as a failure of the job's next generation.
     if (cancelled->load()) return DropJob();
@@ -357,6 +377,7 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
     v1::WorkerMessage m;
     m.mutable_error()->set_job_id(a.job_id());
     m.mutable_error()->set_message(what);
+    m.mutable_error()->set_code(static_cast<int32_t>(code));
     Send(m);
     DropJob();
   };
@@ -401,16 +422,19 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   }
   if (cancelled->load()) return fail("aborted during bootstrap");
   job->rank = a.rank();
-  auto t = Trainer::Create(a.spec(), a.rank(), a.world_size(), job->backend.get(), job->comm.get(),
-                           opts_.settings.trainer);
-  if (!t.ok()) return fail(t.status().ToString());
+  auto t = CatchAllocationFailure("building the model", [&] {
+    return Trainer::Create(a.spec(), a.rank(), a.world_size(), job->backend.get(),
+                           job->comm.get(), opts_.settings.trainer);
+  });
+  if (!t.ok()) return fail(t.status().ToString(), t.status().code());
   job->trainer = std::move(*t);
   if (!a.load_dir().empty()) {
     // Collective (the FP8 re-cast): every rank of the generation loads the same checkpoint.
     const auto t0 = std::chrono::steady_clock::now();
-    absl::Status s =
-        LoadShards(job->trainer.get(), a.load_dir(), a.load_world_size(), a.start_step());
-    if (!s.ok()) return fail(absl::StrCat("loading checkpoint: ", s.ToString()));
+    absl::Status s = CatchAllocationFailure("loading the checkpoint", [&] {
+      return LoadShards(job->trainer.get(), a.load_dir(), a.load_world_size(), a.start_step());
+    });
+    if (!s.ok()) return fail(absl::StrCat("loading checkpoint: ", s.ToString()), s.code());
     Log(absl::StrCat("loaded checkpoint ", a.load_dir(), " (", a.load_world_size(),
                      " ranks) in ",
                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
@@ -425,8 +449,10 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
                      " ranks)"));
   } else if (!a.spec().init().from_hf().empty()) {
     // Collective too; a job resumed from a checkpoint never re-reads its initial weights.
-    absl::Status s = LoadHfWeights(job->trainer.get(), a.spec().init().from_hf());
-    if (!s.ok()) return fail(absl::StrCat("loading initial weights: ", s.ToString()));
+    absl::Status s = CatchAllocationFailure("loading the initial weights", [&] {
+      return LoadHfWeights(job->trainer.get(), a.spec().init().from_hf());
+    });
+    if (!s.ok()) return fail(absl::StrCat("loading initial weights: ", s.ToString()), s.code());
     Log(absl::StrCat("loaded initial weights from ", a.spec().init().from_hf()));
   }
   job_ = std::move(job);
@@ -435,6 +461,7 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   m.mutable_ready()->set_generation(a.generation());
   Send(m);
   Log(absl::StrCat("ready for job ", a.job_id()));
+  LogEvent("job_ready", {{"worker", worker_id_}, {"job", a.job_id()}, {"generation", a.generation()}});
 }
 
 void WorkerDaemon::HandleStep(const v1::StepCommand& cmd) {
@@ -465,8 +492,9 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
     return false;
   }
   const auto t0 = std::chrono::steady_clock::now();
-  absl::StatusOr<StepStats> r =
-      job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
+  absl::StatusOr<StepStats> r = CatchAllocationFailure(absl::StrCat("in step ", c.step()), [&] {
+    return job_->trainer->Step(c.step(), c.evaluate(), c.report_scaling());
+  });
   if (r.ok()) {
     if (absl::Status fault = opts_.settings.faults.StepError(job_->rank, c.step()); !fault.ok()) {
       // An injected step error (common/fault_injection.h) is reported once the next step's
@@ -490,7 +518,13 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
     if (opts_.metrics) opts_.metrics->OnFailure();
     m.mutable_error()->set_job_id(job_->job_id);
     m.mutable_error()->set_message(absl::StrCat("step ", c.step(), ": ", r.status().ToString()));
+    m.mutable_error()->set_code(static_cast<int32_t>(r.status().code()));
     Log(m.error().message());
+    LogEvent("step_failed", {{"worker", worker_id_},
+                             {"job", job_->job_id},
+                             {"step", c.step()},
+                             {"code", absl::StatusCodeToString(r.status().code())},
+                             {"cause", std::string(r.status().message())}});
     // The coordinator fails this generation and sends this rank no Abort: a step it had already
     // sent ahead must not answer "no job assigned" into the next job's run.
     stale_steps_.store(true);
@@ -535,7 +569,11 @@ void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status s = opts_.settings.faults.CheckpointWriteError(
       absl::StrCat(c.dir(), "/", CheckpointFileName(job_->trainer->rank())));
-  if (s.ok()) s = SaveShard(*job_->trainer, c.step(), c.dir(), &saved, &opts_.settings.faults);
+  if (s.ok()) {
+    s = CatchAllocationFailure("saving the checkpoint", [&] {
+      return SaveShard(*job_->trainer, c.step(), c.dir(), &saved, &opts_.settings.faults);
+    });
+  }
   if (!s.ok()) {
     // The job stays usable: a failed save leaves the training state untouched. The coordinator
     // drops this save and tries again at the next interval.
@@ -552,6 +590,12 @@ void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   saved.set_job_id(job_->job_id);
+  LogEvent("checkpoint_saved", {{"worker", worker_id_},
+                                {"job", job_->job_id},
+                                {"step", c.step()},
+                                {"file", absl::StrCat(c.dir(), "/", saved.file())},
+                                {"bytes", saved.bytes()},
+                                {"seconds", secs}});
   Log(absl::StrCat("saved ", c.dir(), "/", saved.file(), " (", saved.bytes(), " bytes in ", secs,
                    " s)"));
   *m.mutable_saved() = std::move(saved);

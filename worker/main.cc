@@ -17,6 +17,7 @@
 #include "absl/strings/string_view.h"
 #include "common/flags_help.h"
 #include "common/http_server.h"
+#include "common/log.h"
 #include "common/rpc_channel.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -46,6 +47,12 @@ ABSL_FLAG(std::string, token_file, "",
           "or the token itself in $FSDP8_TOKEN");
 ABSL_FLAG(int, metrics_port, 0, "serve Prometheus metrics on http://metrics_host:PORT/metrics; 0: off");
 ABSL_FLAG(std::string, metrics_host, "0.0.0.0", "address the metrics port binds (an IP literal)");
+ABSL_FLAG(std::string, log_format, "text",
+          "text, or json: one JSON object per line on stderr (docs/logging.md)");
+ABSL_FLAG(int64_t, memory_limit_mb, 0,
+          "most memory a job's buffers may take on this worker's device (host memory for the cpu "
+          "backend), MiB; an allocation beyond it fails the job with RESOURCE_EXHAUSTED as an "
+          "exhausted device does; 0: no limit but the device's");
 ABSL_FLAG(int, health_port, 0,
           "serve grpc.health.v1 on 0.0.0.0:PORT (Kubernetes gRPC probes): service \"\" is SERVING "
           "while the process runs, service \"ready\" while registered with the coordinator; 0: off");
@@ -84,7 +91,7 @@ class SignalWatcher {
         int sig = 0;
         sigwait(&set, &sig);
         if (done_.load()) return;
-        std::cerr << "[worker] signal " << sig << ": shutting down" << std::endl;
+        fsdp8::Log(fsdp8::LogLevel::kInfo, absl::StrCat("signal ", sig, ": shutting down"));
         daemon->Shutdown();
       }
     });
@@ -205,6 +212,8 @@ fsdp8::DaemonOptions OptionsFromFlags(fsdp8::WorkerSettings settings) {
   opts.connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);
   opts.name = absl::GetFlag(FLAGS_name);
   opts.settings = std::move(settings);
+  opts.settings.backend.memory_limit_bytes =
+      std::max<int64_t>(0, absl::GetFlag(FLAGS_memory_limit_mb)) << 20;
   return opts;
 }
 
@@ -239,6 +248,10 @@ int main(int argc, char** argv) {
   const sigset_t stop_signals = BlockStopSignals();
   signal(SIGPIPE, SIG_IGN);
   openblas_set_num_threads(std::max(1, absl::GetFlag(FLAGS_threads)));
+  auto log_format = fsdp8::ParseLogFormat(absl::GetFlag(FLAGS_log_format));
+  if (!log_format.ok()) return Fail(absl::StrCat("--log_", log_format.status().message()));
+  fsdp8::SetLogFormat(*log_format);
+  fsdp8::SetLogProcess("fsdp8-worker");
 
   fsdp8::DaemonOptions opts = OptionsFromFlags(fsdp8::WorkerSettings::FromEnvironment());
   PrintStartLine(opts);

@@ -325,6 +325,7 @@ CpuFastBackend::~CpuFastBackend() {
 void* CpuFastBackend::Alloc(size_t bytes) {
   const size_t rounded =
       std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  if (limit_ > 0 && allocated_ + static_cast<int64_t>(bytes) > limit_) return nullptr;
   void* p = nullptr;
   auto it = free_.find(rounded);
   if (it != free_.end() && !it->second.empty()) {
@@ -333,7 +334,7 @@ void* CpuFastBackend::Alloc(size_t bytes) {
     cached_ -= rounded;
   } else {
     p = std::aligned_alloc(kAlignment, rounded);
-    FSDP8_CHECK(p != nullptr);  // host out of memory: abort (backend.h, Errors)
+    if (p == nullptr) return nullptr;  // host out of memory: the caller reports it (backend.h)
     rounded_[p] = rounded;
   }
   if (fill_nan_) std::memset(p, 0xFF, rounded);

@@ -114,7 +114,8 @@ inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 }  // namespace
 
-CpuRefBackend::CpuRefBackend(const BackendOptions& options) : fill_nan_(options.cpu_fill_nan) {}
+CpuRefBackend::CpuRefBackend(const BackendOptions& options)
+    : fill_nan_(options.cpu_fill_nan), limit_(options.memory_limit_bytes) {}
 
 CpuRefBackend::~CpuRefBackend() {
   for (auto& kv : sizes_) std::free(kv.first);
@@ -125,8 +126,9 @@ CpuRefBackend::~CpuRefBackend() {
 void* CpuRefBackend::Alloc(size_t bytes) {
   const size_t rounded =
       std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  if (limit_ > 0 && allocated_ + static_cast<int64_t>(bytes) > limit_) return nullptr;
   void* p = std::aligned_alloc(kAlignment, rounded);
-  FSDP8_CHECK(p != nullptr);  // host out of memory: abort (backend.h, Errors)
+  if (p == nullptr) return nullptr;  // host out of memory: the caller reports it (backend.h)
   if (fill_nan_) std::memset(p, 0xFF, rounded);
   sizes_[p] = bytes;
   allocated_ += static_cast<int64_t>(bytes);

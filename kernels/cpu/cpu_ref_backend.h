@@ -115,6 +115,7 @@ class CpuRefBackend : public Backend {
   // anything, so that a read before the first write shows in every result. Off by default: it
   // costs CPU training about 15 %.
   bool fill_nan_ = false;
+  int64_t limit_ = 0;  // BackendOptions::memory_limit_bytes
   // Growable f32 scratch slot `i` of at least n elements (reused across calls; not tracked by
   // AllocatedBytes since it is the backend's own workspace).
   float* Scratch(int i, int64_t n);

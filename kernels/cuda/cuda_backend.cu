@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -30,7 +31,8 @@ constexpr int kSlotMisc = 5;     // small host-visible values
 
 }  // namespace
 
-CudaBackend::CudaBackend(int device, const BackendOptions& options) : device_(device) {
+CudaBackend::CudaBackend(int device, const BackendOptions& options)
+    : device_(device), limit_(options.memory_limit_bytes) {
   FSDP8_CUDA_CHECK(cudaSetDevice(device_));
   FSDP8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   FSDP8_CUDA_CHECK(cudaMalloc(&gemm_workspace_, kGemmWorkspaceBytes));
@@ -48,12 +50,13 @@ CudaBackend::CudaBackend(int device, const BackendOptions& options) : device_(de
   cudnn_ = std::make_unique<cuda::CudnnAttention>(device_);
   // cuDNN's workspace (1 GiB for the deterministic backward at the 1b shapes) from the stream-
   // ordered pool per call: counted in AllocatedBytes while attention runs, free the rest of the step.
-  // Out of memory there is fatal, as for the backend's other transient buffers (a refusal would
-  // switch cuDNN off for the rest of the job).
+  // Out of memory there throws std::bad_alloc, as for the backend's other transient buffers (a
+  // refusal would switch cuDNN off for the rest of the job): the worker fails the job with
+  // RESOURCE_EXHAUSTED and drops it, backend included.
   cudnn_->set_workspace_allocator(
       [this](size_t bytes) {
         void* p = Alloc(bytes);
-        FSDP8_CHECK(p != nullptr) << "device out of memory for cuDNN attention's workspace";
+        if (p == nullptr) throw std::bad_alloc();
         return p;
       },
       [this](void* p) { Free(p); });
@@ -85,6 +88,7 @@ void CudaBackend::Bind() const { FSDP8_CUDA_CHECK(cudaSetDevice(device_)); }
 
 void* CudaBackend::Alloc(size_t bytes) {
   Bind();
+  if (limit_ > 0 && allocated_ + static_cast<int64_t>(bytes) > limit_) return nullptr;
   void* p = nullptr;
   const cudaError_t e = cudaMallocAsync(&p, bytes == 0 ? 1 : bytes, stream_);
   if (e == cudaErrorMemoryAllocation) {
@@ -546,7 +550,12 @@ void CudaBackend::AttentionForwardBf16Compute(const float* q, const float* k, co
     auto* k16 = static_cast<uint16_t*>(Alloc(nk * 2));
     auto* v16 = static_cast<uint16_t*>(Alloc(nk * 2));
     auto* o16 = static_cast<uint16_t*>(Alloc(nq * 2));
-    FSDP8_CHECK(q16 && k16 && v16 && o16) << "device out of memory in AttentionForwardBf16Compute";
+    if (!(q16 && k16 && v16 && o16)) {  // out of memory: give back what was taken
+      for (void* p : {static_cast<void*>(q16), static_cast<void*>(k16), static_cast<void*>(v16),
+                      static_cast<void*>(o16)})
+        if (p != nullptr) Free(p);
+      throw std::bad_alloc();
+    }
     PackBf16(q, q16, nq);
     PackBf16(k, k16, nk);
     PackBf16(v, v16, nk);
@@ -576,7 +585,7 @@ void CudaBackend::AttentionBackwardBf16Compute(const float* q, const float* k, c
     Bind();
     const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
     auto* buf = static_cast<uint16_t*>(Alloc((2 * nq + 2 * nk) * 2));  // q, o (nq); k, v (nk)
-    FSDP8_CHECK(buf != nullptr) << "device out of memory in AttentionBackwardBf16Compute";
+    if (buf == nullptr) throw std::bad_alloc();  // out of memory (backend.h, Errors)
     uint16_t *q16 = buf, *o16 = q16 + nq, *k16 = o16 + nq, *v16 = k16 + nk;
     PackBf16(q, q16, nq);
     PackBf16(k, k16, nk);
@@ -602,7 +611,7 @@ void CudaBackend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t
     const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
     // do, dq (nq) and dk, dv (nk) in bf16.
     auto* buf = static_cast<uint16_t*>(Alloc((2 * nq + 2 * nk) * 2));
-    FSDP8_CHECK(buf != nullptr) << "device out of memory in AttentionBackwardBf16Saved";
+    if (buf == nullptr) throw std::bad_alloc();  // out of memory (backend.h, Errors)
     uint16_t *do16 = buf, *dq16 = do16 + nq, *dk16 = dq16 + nq, *dv16 = dk16 + nk;
     PackBf16(dout, do16, nq);
     std::string err;

@@ -250,6 +250,7 @@ class CudaBackend final : public Backend, public CudaStreams {
 #endif
 
   int device_;
+  int64_t limit_ = 0;  // BackendOptions::memory_limit_bytes
   cudaStream_t stream_ = nullptr;
   void* gemm_workspace_ = nullptr;
   std::unique_ptr<cuda::LtGemm> lt_;

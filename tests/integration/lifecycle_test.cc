@@ -1,5 +1,6 @@
 // A job's life with the coordinator's default flags, through real processes on loopback (a
-// coordinator and CPU workers as children, tests/support): a hung rank (SIGSTOP) costs seconds.
+// coordinator and CPU workers as children, tests/support): a hung rank (SIGSTOP) costs seconds; a
+// failed allocation fails the job, not the worker.
 //
 // Each test starts its own cluster, so that the defaults under test are the daemons' own.
 #include <signal.h>
@@ -221,6 +222,59 @@ TEST_F(LifecycleTest, HungRankCostsSecondsWithDefaultFlags) {
   EXPECT_EQ(done.step(), steps);
   EXPECT_EQ(done.generation(), 2);
   for (const auto& w : done.worker_ids()) EXPECT_NE(w, victim) << "the hung worker was reused";
+}
+
+// Allocation failures are job errors: worker node-0 may hold 48 MiB (--memory_limit_mb), and a
+// job whose microbatch needs more (32 sequences of 512 tokens per rank) fails in its first step
+// with RESOURCE_EXHAUSTED naming what was being allocated, without a restart (a spare worker is
+// free, the job has a checkpoint dir and restarts left). Rank 1, blocked in a collective on the
+// failed rank, is aborted. Both workers are IDLE afterwards, and train the next (small) job.
+TEST_F(LifecycleTest, OutOfMemoryFailsTheJobAndTheWorkersTrainTheNext) {
+  StartCluster(3, {}, {{"--memory_limit_mb=48"}});
+  v1::JobSpec big = Spec(10);
+  big.mutable_model()->set_seq_len(512);
+  big.mutable_training()->set_global_batch(64);
+  big.mutable_training()->set_microbatch(32);
+  const v1::Job job = Submit(big);
+  ASSERT_FALSE(job.job_id().empty());
+  std::string reason;
+  const v1::JobState last = Follow(job.job_id(), [&](const v1::JobEvent& ev) {
+    if (!ev.message().empty()) reason = ev.message();
+  });
+  EXPECT_EQ(last, v1::JOB_STATE_FAILED) << reason;
+  const v1::Job failed = GetJob(job.job_id());
+  EXPECT_EQ(failed.restarts(), 0) << failed.reason();
+  EXPECT_EQ(failed.generation(), 1);
+  EXPECT_NE(failed.reason().find("RESOURCE_EXHAUSTED"), std::string::npos) << failed.reason();
+  EXPECT_NE(failed.reason().find("out of memory in step 0"), std::string::npos) << failed.reason();
+  EXPECT_NE(failed.reason().find("bytes of device memory"), std::string::npos) << failed.reason();
+  EXPECT_NE(failed.reason().find("block"), std::string::npos) << failed.reason();
+  EXPECT_NE(failed.reason().find("node-0"), std::string::npos) << failed.reason();
+  // Every worker is registered and IDLE again (after the abort grace).
+  bool idle = false;
+  for (int i = 0; i < 100 && !idle; ++i) {
+    v1::ListWorkersResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ASSERT_TRUE(admin_->ListWorkers(&ctx, v1::ListWorkersRequest(), &resp).ok());
+    int n_idle = 0;
+    for (const auto& w : resp.workers()) n_idle += w.state() == v1::WORKER_STATE_IDLE;
+    idle = resp.workers_size() == 3 && n_idle == 3;
+    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(idle) << "the workers did not all come back IDLE";
+  // The same workers (the scheduler takes free workers in registration order) train the next job.
+  const v1::Job next = Submit(Spec(6));
+  ASSERT_FALSE(next.job_id().empty());
+  EXPECT_EQ(Follow(next.job_id(), [](const v1::JobEvent&) {}), v1::JOB_STATE_SUCCEEDED);
+  const v1::Job done = GetJob(next.job_id());
+  ASSERT_EQ(done.worker_ids_size(), 2);
+  EXPECT_EQ(done.worker_ids(0), "node-0");
+  EXPECT_EQ(done.worker_ids(1), "node-1");
+  EXPECT_EQ(done.step(), 6);
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(cluster_->worker(i)->Wait(std::chrono::milliseconds(0)), ChildProcess::kStillRunning)
+        << "worker " << i << " exited";
 }
 
 }  // namespace
