@@ -561,7 +561,7 @@ absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
                                   {"generation", j.generation()},
                                   {"world_size", j.world_size()},
                                   {"ranks", absl::StrJoin(ranks, ",")},
-                                  {"step", j.step()}});
+                                  {"steps_done", j.step()}});
   return j;
 }
 

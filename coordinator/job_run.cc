@@ -293,6 +293,14 @@ absl::Status JobRun::Await(Clock::time_point deadline, const std::string& what,
       if (IsDeterministicFailure(s.code())) recoverable_ = false;
       return s;
     }
+    if (m.has_result() && m.result().job_id() == job_.job_id() &&
+        (m.result().step() < 0 || m.result().step() >= steps_sent_)) {
+      // A result for a step this generation never sent: the worker is broken (or not a worker).
+      failed_rank_ = r;
+      abort_failed_rank_ = true;
+      return absl::InternalError(absl::StrCat(RankName(r), " reported a result for step ",
+                                              m.result().step(), ", which it was never sent"));
+    }
     if (!got[r] && accept(r, m)) {
       got[r] = true;
       --missing;
@@ -507,6 +515,7 @@ absl::Status JobRun::SendStep(const v1::JobSpec& spec, const v1::CoordinatorMess
                                                RankName(failed_rank_), ": session closed"));
   jobs_->SetDispatched(job_.job_id(), k + 1);
   p->next_to_send = k + 1;
+  steps_sent_ = free_running ? spec.training().steps() : k + 1;
   return absl::OkStatus();
 }
 
@@ -521,6 +530,7 @@ std::optional<absl::Status> JobRun::SendAhead(const v1::JobSpec& spec, int64_t k
     failed = absl::UnavailableError(absl::StrCat("could not send step ", k + 1, " to ",
                                                  RankName(failed_rank_), ": session closed"));
   p->next_to_send = k + 2;
+  steps_sent_ = k + 2;
   return failed;
 }
 

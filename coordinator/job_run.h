@@ -10,7 +10,8 @@
 // Dispatch ahead (SchedulerOptions::dispatch_ahead): StepCommand{k+1} is sent right after
 // StepCommand{k} when no save is due after step k and no TriggerCheckpoint is pending; workers
 // queue it and start it right after step k. Results of a step sent ahead that arrive while the
-// previous one is awaited are kept and counted when their step is awaited. Free-running jobs get
+// previous one is awaited are kept and counted when their step is awaited; a result for a step
+// never sent fails the generation (a protocol violation). Free-running jobs get
 // one StepCommand{start_step, count = steps - start_step} and report every step on their own.
 // Checkpoints (spec.checkpoint.dir set): a save is due after k completed steps when every_steps > 0
 // and k % every_steps == 0, when a TriggerCheckpoint is pending, or when k == steps (free-running
@@ -210,6 +211,7 @@ class JobRun {
   std::vector<std::string> ranks_;  // worker id by rank
   std::string prefix_;              // the generation's rendezvous keys
   int failed_rank_ = -1;
+  int64_t steps_sent_ = 0;  // steps [0, steps_sent_) have had their StepCommand sent
   // Step results received ahead of the step being awaited (rank, message), oldest first.
   std::deque<std::pair<int, v1::WorkerMessage>> early_results_;
   bool abort_failed_rank_ = false;  // the failed rank may be alive: send it Abort too

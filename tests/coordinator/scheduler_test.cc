@@ -82,7 +82,9 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
   enum class Mode {
     kNormal, kErrorAtStep, kLoseSessionAtStep, kStopHeartbeatAtStep, kHangAtStep, kErrorAtSave,
     kWrongSizeAtSave, kEscapingNameAtSave, kErrorOnceAtStep,
-    kErrorFromSave  // every save from at_step on fails (as kErrorAtSave)
+    kErrorFromSave,  // every save from at_step on fails (as kErrorAtSave)
+    kOutOfMemoryAtStep,  // WorkerError with code RESOURCE_EXHAUSTED at at_step
+    kResultForUnsentStepAt,  // at at_step, also a result for step at_step + 1000 (never sent)
   };
 
   FakeWorker(WorkerRegistry* reg, Mode mode = Mode::kNormal, int64_t at_step = -1,
@@ -218,6 +220,20 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
               if (q.has_step() && q.step().step() > k) return true;
             return false;
           });
+        }
+        if (k == at_step_ && mode_ == Mode::kOutOfMemoryAtStep) {
+          v1::WorkerMessage r;
+          r.mutable_error()->set_job_id(a_.job_id());
+          r.mutable_error()->set_message("step 2: RESOURCE_EXHAUSTED: out of memory in step 2");
+          r.mutable_error()->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+          Reply(r);
+          continue;
+        }
+        if (k == at_step_ && mode_ == Mode::kResultForUnsentStepAt) {
+          v1::WorkerMessage r;
+          r.mutable_result()->set_job_id(a_.job_id());
+          r.mutable_result()->set_step(k + 1000);
+          Reply(r);
         }
         if (k == at_step_ && mode_ == Mode::kErrorOnceAtStep && !fired_) {
           fired_ = true;
@@ -1134,6 +1150,42 @@ TEST_F(SchedulerTest, ExhaustedRestartsFailTheJob) {
   EXPECT_EQ(end.generation(), 3);
   EXPECT_TRUE(absl::StrContains(end.reason(), "gloo allreduce failed")) << end.reason();
   EXPECT_EQ(w1->Count(v1::CoordinatorMessage::kAssignment), 3);
+}
+
+// A deterministic failure (out of memory: WorkerError code RESOURCE_EXHAUSTED) fails the job
+// with that cause at once, although it has a checkpoint dir, restarts left and a spare worker.
+TEST_F(SchedulerTest, OutOfMemoryFailsTheJobWithoutRestart) {
+  auto w0 = AddWorker();
+  auto w1 = AddWorker(FakeWorker::Mode::kOutOfMemoryAtStep, 2);
+  auto spare = AddWorker();
+  v1::JobSpec spec = SmallSpec(train_, 2, 6);
+  spec.mutable_checkpoint()->set_dir(dir_.File("ck"));
+  spec.mutable_checkpoint()->set_every_steps(2);
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  v1::Job end = WaitEnd(job->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(end.restarts(), 0);
+  EXPECT_EQ(end.generation(), 1);
+  EXPECT_TRUE(absl::StrContains(end.reason(), "RESOURCE_EXHAUSTED")) << end.reason();
+  EXPECT_EQ(spare->Count(v1::CoordinatorMessage::kAssignment), 0);
+  EXPECT_TRUE(WaitFor([&] { return AllIdle(); }, 5));
+}
+
+// A worker that reports a result for a step it was never sent fails the generation with that
+// protocol violation (named), instead of the coordinator keeping the result around.
+TEST_F(SchedulerTest, ResultForAStepNeverSentFailsTheGeneration) {
+  auto w0 = AddWorker();
+  auto w1 = AddWorker(FakeWorker::Mode::kResultForUnsentStepAt, 1);
+  v1::JobSpec spec = SmallSpec(train_, 2, 4);
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  v1::Job end = WaitEnd(job->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(end.reason(), "result for step 1001, which it was never sent"))
+      << end.reason();
+  EXPECT_TRUE(absl::StrContains(end.reason(), w1->id())) << end.reason();
+  EXPECT_TRUE(WaitFor([&] { return AllIdle(); }, 5));
 }
 
 TEST_F(SchedulerTest, NoCheckpointDirMeansNoRestart) {

@@ -1,20 +1,24 @@
 // A job's life with the coordinator's default flags, through real processes on loopback (a
 // coordinator and CPU workers as children, tests/support): a hung rank (SIGSTOP) costs seconds; a
-// failed allocation fails the job, not the worker.
+// failed allocation fails the job, not the worker; the JSON log tells a job's whole life.
 //
 // Each test starts its own cluster, so that the defaults under test are the daemons' own.
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
 #include "common/token_shard.h"
@@ -49,7 +53,7 @@ class LifecycleTest : public ::testing::Test {
     dir_ = tmp_.path();
     WriteCorpus();
     cluster_ = std::make_unique<LocalCluster>(
-        LocalCluster::Binaries{FSDP8_COORDINATOR_BIN, FSDP8_WORKER_BIN}, dir_);
+        LocalCluster::Binaries{FSDP8_COORDINATOR_BIN, FSDP8_WORKER_BIN}, dir_, cluster_options_);
     std::vector<std::string> flags{"--listen=127.0.0.1:0",
                                    "--state_db=" + (dir_ / "jobs.db").string(),
                                    "--data_roots=" + dir_.string()};
@@ -95,8 +99,8 @@ class LifecycleTest : public ::testing::Test {
     return false;
   }
 
-  // 2 ranks, FP32, d 64, 2 layers; a checkpoint every 5 steps under dir_/ck.
-  v1::JobSpec Spec(int steps) const {
+  // 2 ranks, FP32, d 64, 2 layers; a checkpoint every 5 steps under dir_/<ck>.
+  v1::JobSpec Spec(int steps, const std::string& ck = "ck") const {
     v1::JobSpec s;
     s.set_name("lifecycle");
     s.set_backend("cpu");
@@ -119,7 +123,7 @@ class LifecycleTest : public ::testing::Test {
     p->set_linears(v1::PRECISION_FP32);
     p->set_embedding(v1::PRECISION_FP32);
     p->set_lm_head(v1::PRECISION_FP32);
-    s.mutable_checkpoint()->set_dir((dir_ / "ck").string());
+    s.mutable_checkpoint()->set_dir((dir_ / ck).string());
     s.mutable_checkpoint()->set_every_steps(5);
     return s;
   }
@@ -169,6 +173,7 @@ class LifecycleTest : public ::testing::Test {
   }
 
   TempDir tmp_{"fsdp8-lifecycle", TempDir::Cleanup::kUnlessFailed};
+  testing::ProcessOptions cluster_options_;  // every process's (environment)
   fs::path dir_;
   std::unique_ptr<LocalCluster> cluster_;
   std::unique_ptr<v1::JobService::Stub> jobs_;
@@ -228,7 +233,8 @@ TEST_F(LifecycleTest, HungRankCostsSecondsWithDefaultFlags) {
 // job whose microbatch needs more (32 sequences of 512 tokens per rank) fails in its first step
 // with RESOURCE_EXHAUSTED naming what was being allocated, without a restart (a spare worker is
 // free, the job has a checkpoint dir and restarts left). Rank 1, blocked in a collective on the
-// failed rank, is aborted. Both workers are IDLE afterwards, and train the next (small) job.
+// failed rank, is aborted. Every worker is IDLE afterwards, and all three train the next (small)
+// job.
 TEST_F(LifecycleTest, OutOfMemoryFailsTheJobAndTheWorkersTrainTheNext) {
   StartCluster(3, {}, {{"--memory_limit_mb=48"}});
   v1::JobSpec big = Spec(10);
@@ -263,18 +269,150 @@ TEST_F(LifecycleTest, OutOfMemoryFailsTheJobAndTheWorkersTrainTheNext) {
     if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   EXPECT_TRUE(idle) << "the workers did not all come back IDLE";
-  // The same workers (the scheduler takes free workers in registration order) train the next job.
-  const v1::Job next = Submit(Spec(6));
+  // The same workers train the next job: one on all three, node-0 and node-1 included.
+  v1::JobSpec next_spec = Spec(6);
+  next_spec.mutable_training()->set_global_batch(6);
+  next_spec.mutable_sharding()->set_min_workers(3);
+  next_spec.mutable_sharding()->set_max_workers(3);
+  const v1::Job next = Submit(next_spec);
   ASSERT_FALSE(next.job_id().empty());
   EXPECT_EQ(Follow(next.job_id(), [](const v1::JobEvent&) {}), v1::JOB_STATE_SUCCEEDED);
   const v1::Job done = GetJob(next.job_id());
-  ASSERT_EQ(done.worker_ids_size(), 2);
+  ASSERT_EQ(done.worker_ids_size(), 3);
   EXPECT_EQ(done.worker_ids(0), "node-0");
   EXPECT_EQ(done.worker_ids(1), "node-1");
   EXPECT_EQ(done.step(), 6);
   for (int i = 0; i < 3; ++i)
     EXPECT_EQ(cluster_->worker(i)->Wait(std::chrono::milliseconds(0)), ChildProcess::kStillRunning)
         << "worker " << i << " exited";
+}
+
+// The operator's log (--log_format=json): every line of the coordinator's and the workers' logs
+// is a JSON object (parsed here line by line), and a whole job's life reads from the coordinator's
+// events: a refused submission (field and rule), a submission, its generation start (rank=worker),
+// an injected step failure on rank 1 at step 6 (FSDP8_FAULT_STEP_ERROR), the restart with that
+// cause, checkpoints, and the end with its steps, loss and wall time; a second job is cancelled.
+// The workers log the same job's assignment and failure with its id.
+TEST_F(LifecycleTest, JsonLogReadsAWholeJob) {
+  cluster_options_.env = {"FSDP8_FAULT_STEP_ERROR=1@6"};
+  StartCluster(3, {"--log_format=json"},
+               {{"--log_format=json"}, {"--log_format=json"}, {"--log_format=json"}});
+  v1::JobSpec bad = Spec(10);
+  bad.mutable_model()->set_n_heads(5);  // 64 % 5 != 0
+  {
+    v1::SubmitJobRequest req;
+    *req.mutable_spec() = bad;
+    v1::Job out;
+    grpc::ClientContext ctx;
+    EXPECT_EQ(jobs_->SubmitJob(&ctx, req, &out).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  const v1::Job job = Submit(Spec(10));
+  ASSERT_FALSE(job.job_id().empty());
+  EXPECT_EQ(Follow(job.job_id(), [](const v1::JobEvent&) {}), v1::JOB_STATE_SUCCEEDED);
+  const v1::Job other = Submit(Spec(100000, "ck-other"));
+  ASSERT_FALSE(other.job_id().empty());
+  bool cancel_sent = false;
+  Follow(other.job_id(), [&](const v1::JobEvent& ev) {
+    if (ev.step() >= 2 && !cancel_sent) {
+      cancel_sent = true;
+      v1::CancelJobRequest req;
+      req.set_job_id(other.job_id());
+      v1::Job out;
+      grpc::ClientContext ctx;
+      EXPECT_TRUE(jobs_->CancelJob(&ctx, req, &out).ok());
+    }
+  });
+  cluster_->coordinator()->Stop();  // the log is complete
+
+  // Every line parses; the coordinator's events of `job` in order.
+  auto parse = [](const fs::path& log, bool skip_listening) {
+    std::vector<google::protobuf::Struct> lines;
+    std::istringstream in(ReadFile(log));
+    std::string line;
+    while (std::getline(in, line)) {
+      // stdout's address line (the LocalCluster handshake) shares the file; it is not the log.
+      if (skip_listening && line.rfind(LocalCluster::kListeningPrefix, 0) == 0) continue;
+      google::protobuf::Struct st;
+      EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(line, &st).ok())
+          << log << ": not a JSON object: " << line;
+      lines.push_back(st);
+    }
+    return lines;
+  };
+  auto str = [](const google::protobuf::Struct& st, const std::string& k) {
+    auto it = st.fields().find(k);
+    return it == st.fields().end() ? std::string() : it->second.string_value();
+  };
+  auto num = [](const google::protobuf::Struct& st, const std::string& k) {
+    auto it = st.fields().find(k);
+    return it == st.fields().end() ? -1.0 : it->second.number_value();
+  };
+  const auto coord = parse(cluster_->LogPath("coordinator.log"), true);
+  std::vector<std::string> life;  // the events of `job`, in order
+  bool refused = false, cancelled = false, other_ended = false;
+  for (const auto& st : coord) {
+    EXPECT_EQ(str(st, "process"), "fsdp8-coordinator");
+    EXPECT_FALSE(str(st, "time").empty());
+    const std::string ev = str(st, "event");
+    if (ev == "job_refused") {
+      refused = true;
+      EXPECT_EQ(str(st, "field"), "model.d_model");
+      EXPECT_NE(str(st, "rule").find("divisible by model.n_heads"), std::string::npos);
+    }
+    if (str(st, "job") == other.job_id()) {
+      cancelled |= ev == "job_cancelled";
+      if (ev == "job_ended") {
+        other_ended = true;
+        EXPECT_EQ(str(st, "state"), "CANCELLED");
+      }
+    }
+    if (str(st, "job") != job.job_id()) continue;
+    life.push_back(ev);
+    if (ev == "job_submitted") {
+      EXPECT_EQ(num(st, "min_workers"), 2);
+      EXPECT_EQ(str(st, "name"), "lifecycle");
+    }
+    if (ev == "generation_started" && num(st, "generation") == 1) {
+      EXPECT_EQ(str(st, "ranks"), "0=node-0,1=node-1");
+    }
+    if (ev == "job_restarting") {
+      EXPECT_NE(str(st, "cause").find("rank 1"), std::string::npos) << str(st, "cause");
+    }
+    if (ev == "job_ended") {
+      EXPECT_EQ(str(st, "state"), "SUCCEEDED");
+      EXPECT_EQ(num(st, "steps"), 10);
+      EXPECT_GT(num(st, "loss"), 0);
+      EXPECT_GT(num(st, "wall_s"), 0);
+    }
+  }
+  EXPECT_TRUE(refused);
+  EXPECT_TRUE(cancelled);
+  EXPECT_TRUE(other_ended);
+  ASSERT_GE(life.size(), 7u);
+  EXPECT_EQ(life.front(), "job_submitted");
+  EXPECT_EQ(life[1], "generation_started");
+  EXPECT_EQ(life.back(), "job_ended");
+  auto index = [&](const std::string& e) {
+    return std::find(life.begin(), life.end(), e) - life.begin();
+  };
+  // Step 5's checkpoint, then the failure at step 6, the restart, the new generation.
+  EXPECT_LT(index("checkpoint_committed"), index("generation_failed"));
+  EXPECT_LT(index("generation_failed"), index("job_restarting"));
+  EXPECT_LT(index("job_restarting"),
+            std::find(life.begin() + index("job_restarting"), life.end(), "generation_started") -
+                life.begin());
+  // The workers: JSON too, and the job's assignment and failure with its id.
+  bool assigned = false, step_failed = false;
+  for (int i = 0; i < 3; ++i) {
+    for (const auto& st : parse(cluster_->LogPath("worker-" + std::to_string(i) + ".log"), false)) {
+      EXPECT_EQ(str(st, "process"), "fsdp8-worker");
+      if (str(st, "job") != job.job_id()) continue;
+      assigned |= str(st, "event") == "job_assigned";
+      step_failed |= str(st, "event") == "step_failed" && num(st, "step") == 6;
+    }
+  }
+  EXPECT_TRUE(assigned);
+  EXPECT_TRUE(step_failed);
 }
 
 }  // namespace
