@@ -197,8 +197,9 @@ absl::StatusOr<std::unique_ptr<fsdp8::HttpServer>> StartMetricsServer(
         return fsdp8::HttpResponse{404, "text/plain; charset=utf-8", "not found; try /metrics\n"};
       });
   if (!s.ok()) return s.status();
-  std::cerr << "[worker] metrics on http://" << absl::GetFlag(FLAGS_metrics_host) << ":"
-            << (*s)->port() << "/metrics" << std::endl;
+  fsdp8::Log(fsdp8::LogLevel::kInfo, absl::StrCat("metrics on http://",
+                                                  absl::GetFlag(FLAGS_metrics_host), ":",
+                                                  (*s)->port(), "/metrics"));
   return std::move(*s);
 }
 
@@ -229,9 +230,10 @@ void PrintStartLine(const fsdp8::DaemonOptions& o) {
   } else {
     device = absl::StrCat("GPU ", o.device);
   }
-  std::cerr << "fsdp8-worker " << FSDP8_VERSION << ": coordinator " << o.coordinator << ", host "
-            << o.host << ", name " << (o.name.empty() ? "(assigned)" : o.name) << ", backend "
-            << o.backend << ", device " << device << std::endl;
+  fsdp8::Log(fsdp8::LogLevel::kInfo,
+             absl::StrCat("version ", FSDP8_VERSION, ": coordinator ", o.coordinator, ", host ",
+                          o.host, ", name ", o.name.empty() ? "(assigned)" : o.name,
+                          ", backend ", o.backend, ", device ", device));
 }
 
 int Fail(absl::string_view what) {
