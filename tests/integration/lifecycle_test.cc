@@ -270,7 +270,7 @@ TEST_F(LifecycleTest, OutOfMemoryFailsTheJobAndTheWorkersTrainTheNext) {
   }
   EXPECT_TRUE(idle) << "the workers did not all come back IDLE";
   // The same workers train the next job: one on all three, node-0 and node-1 included.
-  v1::JobSpec next_spec = Spec(6);
+  v1::JobSpec next_spec = Spec(6, "ck-next");  // a checkpoint dir belongs to one job
   next_spec.mutable_training()->set_global_batch(6);
   next_spec.mutable_sharding()->set_min_workers(3);
   next_spec.mutable_sharding()->set_max_workers(3);
