@@ -7,7 +7,8 @@ PKGS=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler   # RPC
   libabsl-dev                                                              # Status, flags, strings
   libgloo-dev                                                              # CPU collectives
-  libopenblas-dev                                                          # CPU GEMM
+  libopenblas-dev                                                          # CPU GEMM (reference backend)
+  libdnnl-dev                                                              # CPU GEMM (fast backend: oneDNN sgemm)
   libsqlite3-dev                                                           # coordinator job table
   libyaml-cpp-dev                                                          # YAML job specs
   zlib1g-dev                                                               # checkpoint checksums (CRC-32)

@@ -2,6 +2,8 @@
 
 #include <cblas.h>
 #include <immintrin.h>
+#include <omp.h>
+#include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +24,20 @@ namespace {
 
 constexpr size_t kAlignment = 64;
 constexpr int64_t kAttnBlock = 64;  // query rows per block, as the reference
+
+// C (M, N) = alpha * op(A) * op(B) + beta * C, row major, through oneDNN's sgemm: its JIT kernels
+// are chosen by the CPU's instruction sets (AVX2, AVX-512), not by a table of CPU models. It runs on
+// the calling thread's OpenMP team, sized here to the process's BLAS thread count
+// (openblas_set_num_threads: the caller's business, as for the reference), so that two
+// single-threaded workers on two cores never start four threads.
+inline void Sgemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int64_t M, int64_t N, int64_t K,
+                  float alpha, const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
+                  float* C, int64_t ldc) {
+  omp_set_num_threads(std::max(1, openblas_get_num_threads()));
+  const dnnl_status_t s = dnnl_sgemm(ta == CblasTrans ? 'T' : 'N', tb == CblasTrans ? 'T' : 'N', M,
+                                     N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  FSDP8_CHECK(s == dnnl_success) << "dnnl_sgemm failed: status " << static_cast<int>(s);
+}
 
 // ---- vector helpers ---------------------------------------------------------------------------
 
@@ -441,22 +457,30 @@ void CpuFastBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, 
   float* bf = Scratch(1, N * K);
   Decode(A, M * K, a_fmt, af);
   Decode(B, N * K, b_fmt, bf);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, alpha, af, K, bf, K,
+  Sgemm(CblasNoTrans, CblasTrans, M, N, K, alpha, af, K, bf, K,
               accumulate ? 1.0f : 0.0f, C, N);
 }
 
 void CpuFastBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
                           const float* A, const float* B, float* C, bool accumulate,
                           GemmInputs inputs) {
-  if (inputs != GemmInputs::kBF16 || M == 0 || N == 0 || K == 0) {
-    CpuRefBackend::Gemm(trans_a, trans_b, M, N, K, A, B, C, accumulate, inputs);
+  FSDP8_CHECK(M >= 0 && N >= 0 && K >= 0);
+  if (M == 0 || N == 0) return;
+  if (K == 0) {  // empty sum
+    if (!accumulate) std::memset(C, 0, sizeof(float) * M * N);
     return;
   }
-  float* ar = Scratch(0, M * K);
-  float* br = Scratch(1, K * N);
-  RoundBf16Run(A, ar, M * K);
-  RoundBf16Run(B, br, K * N);
-  CpuRefBackend::Gemm(trans_a, trans_b, M, N, K, ar, br, C, accumulate, GemmInputs::kF32);
+  if (inputs == GemmInputs::kBF16) {
+    float* ar = Scratch(0, M * K);
+    float* br = Scratch(1, K * N);
+    RoundBf16Run(A, ar, M * K);
+    RoundBf16Run(B, br, K * N);
+    A = ar;
+    B = br;
+  }
+  // A is (M, K) or (K, M); B is (K, N) or (N, K); C (M, N).
+  Sgemm(trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K, 1.0f, A,
+        trans_a ? M : K, B, trans_b ? K : N, accumulate ? 1.0f : 0.0f, C, N);
 }
 
 void CpuFastBackend::RoundToBf16(float* x, int64_t n) { RoundBf16Run(x, x, n); }
@@ -585,7 +609,7 @@ void CpuFastBackend::AttentionForward(const float* q, const float* k, const floa
       float* lh = lse + (b * H + h) * T;
       for (int64_t i0 = 0; i0 < T; i0 += kAttnBlock) {
         const int64_t i1 = std::min(T, i0 + kAttnBlock);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq,
+        Sgemm(CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq,
                     ldq, kg, ldk, 0.0f, P + i0 * T, T);
         for (int64_t i = i0; i < i1; ++i) {
           float* row = P + i * T;
@@ -595,7 +619,7 @@ void CpuFastBackend::AttentionForward(const float* q, const float* k, const floa
           std::fill(row + i + 1, row + i1, 0.0f);  // causal mask
           lh[i] = mx + std::log(sum);
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, P + i0 * T, T,
+        Sgemm(CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, P + i0 * T, T,
                     vg, ldk, 0.0f, oh + i0 * ldq, ldq);
       }
     }
@@ -653,22 +677,22 @@ void CpuFastBackend::AttentionBackward(const float* q, const float* k, const flo
       float* dvg = dv + b * T * ldk + g * D;
       for (int64_t i0 = 0; i0 < T; i0 += kAttnBlock) {
         const int64_t i1 = std::min(T, i0 + kAttnBlock);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq,
+        Sgemm(CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq,
                     ldq, kg, ldk, 0.0f, P + i0 * T, T);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, 1.0f, doh + i0 * ldq,
+        Sgemm(CblasNoTrans, CblasTrans, i1 - i0, i1, D, 1.0f, doh + i0 * ldq,
                     ldq, vg, ldk, 0.0f, dS + i0 * T, T);
         for (int64_t i = i0; i < i1; ++i) {
           const float delta = Dot(doh + i * ldq, oh + i * ldq, D);
           SoftmaxGradRow(P + i * T, dS + i * T, i + 1, i1, lh[i], delta, scale);
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, dS + i0 * T, T,
+        Sgemm(CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, dS + i0 * T, T,
                     kg, ldk, 0.0f, dqh + i0 * ldq, ldq);
       }
       for (int64_t j0 = 0; j0 < T; j0 += kAttnBlock) {
         const int64_t j1 = std::min(T, j0 + kAttnBlock);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f,
+        Sgemm(CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f,
                     dS + j0 * T + j0, T, qh + j0 * ldq, ldq, 1.0f, dkg + j0 * ldk, ldk);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f,
+        Sgemm(CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f,
                     P + j0 * T + j0, T, doh + j0 * ldq, ldq, 1.0f, dvg + j0 * ldk, ldk);
       }
     }

@@ -9,12 +9,15 @@
 //   * FP8 casts encode 8 values at a time with integer arithmetic (round to nearest even on the
 //     bits, float addition of a magic constant for subnormals; bit-exact with kernels/fp8.h),
 //     with the amax taken in the same pass; RMSNorm + cast runs in one pass per row.
+//   * GEMMs (FP8 ones after decoding the codes to f32) through oneDNN's sgemm instead of the
+//     reference's OpenBLAS: JIT kernels picked by the CPU's instruction sets (AVX2, AVX-512).
 //   * Attention works as the reference does (row blocks of the causal T x T scores through
-//     OpenBLAS sgemm) with the vectorized softmax.
+//     sgemm) with the vectorized softmax.
 // On an x86-64 CPU without AVX2 and FMA, CreateBackend("cpu") returns the reference instead.
 //
-// Deterministic: a fixed order of operations for given shapes, one thread (the backend starts
-// none; OpenBLAS's thread count is the caller's business, as for the reference).
+// Deterministic: a fixed order of operations for given shapes and thread count. The backend starts
+// no threads of its own; its GEMMs use as many OpenMP threads as the process's OpenBLAS thread
+// count (openblas_set_num_threads, the caller's business, as for the reference), one by default.
 //
 // Thread-safety: one thread per instance (as Backend). Distinct instances are independent.
 #pragma once
