@@ -7,18 +7,30 @@ COPY scripts/install-deps.sh /src/scripts/install-deps.sh
 RUN FSDP8_BUILD_ONLY=1 bash /src/scripts/install-deps.sh
 COPY . /src
 WORKDIR /src
-RUN cmake -S . -B build -G Ninja -DFSDP8_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+# -O2 without -g: the code of RelWithDebInfo, whose debug info the image would strip anyway.
+RUN cmake -S . -B build -G Ninja -DFSDP8_CUDA=OFF -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" -DCMAKE_C_FLAGS_RELEASE="-O2 -DNDEBUG" \
  && cmake --build build --target fsdp8-coordinator fsdp8-worker fsdp8 \
- && strip --strip-debug build/bin/fsdp8-coordinator build/bin/fsdp8-worker build/bin/fsdp8 \
  && scripts/bundle-deps.sh /out build/bin/fsdp8-coordinator build/bin/fsdp8-worker build/bin/fsdp8
 
 FROM debian:12-slim
+# deploy/build-images.sh passes the version (CMakeLists.txt) and the commit.
+ARG FSDP8_VERSION=0.1.0
+ARG FSDP8_COMMIT=unknown
+LABEL org.opencontainers.image.title="fsdp8-coordinator" \
+      org.opencontainers.image.description="fsdp8 coordinator, CLI and CPU worker" \
+      org.opencontainers.image.version="${FSDP8_VERSION}" \
+      org.opencontainers.image.revision="${FSDP8_COMMIT}"
 # The binaries with the shared libraries they were linked against (scripts/bundle-deps.sh).
 COPY --from=build /out/lib/ /usr/local/lib/fsdp8/
 COPY --from=build /out/fsdp8-coordinator /out/fsdp8-worker /out/fsdp8 /usr/local/bin/
+# Chart.js (libjs-chart.js) for the status page's charts.
+COPY --from=build /usr/share/javascript/chart.js/ /usr/share/javascript/chart.js/
 ENV LD_LIBRARY_PATH=/usr/local/lib/fsdp8
 # --version: every bundled library resolves.
 RUN fsdp8-coordinator --version >/dev/null && fsdp8-worker --version >/dev/null \
+  && groupadd --gid 65532 fsdp8 \
+  && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin fsdp8 \
   && mkdir -p /var/lib/fsdp8 && chown 65532:65532 /var/lib/fsdp8
 USER 65532:65532
 EXPOSE 50051

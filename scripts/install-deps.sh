@@ -13,20 +13,26 @@ PKGS=(
   libyaml-cpp-dev                                                          # YAML job specs
   zlib1g-dev                                                               # checkpoint checksums (CRC-32)
   libmicrohttpd-dev libjs-chart.js                                         # /metrics, status page + charts
+  libgtest-dev libgmock-dev                                                # tests (CMake needs them to configure)
+  python3 python3-pip                                                      # test tools, Python SDK, cudnn-frontend (worker image)
+)
+# Run and test tools, not needed to compile the daemons and the CLI: FSDP8_BUILD_ONLY=1 (the image
+# builds' build stages) leaves them out.
+TOOL_PKGS=(
   gnuplot-nox                                                              # fsdp8 watch --plot
   chromium python3-prometheus-client                                       # tests: status page, exposition parser
-  libgtest-dev libgmock-dev                                                # tests
   openssl                                                                  # test certificates (TLS tests)
   util-linux                                                               # tests: setpriv --pdeathsig
   clang libclang-rt-14-dev                                                 # libFuzzer (spec parser fuzz test)
   fortunes                                                                 # the default corpus
-  python3 python3-pip                                                      # test tools, Python SDK (below)
   grpc-proto                                                               # health.proto for grpcurl (README)
+  podman runc debootstrap                                                  # deploy/build-images.sh (images, kube play)
 )
 # deploy/k8s is rendered with `kubectl kustomize`: Debian's kubernetes-client (kubectl 1.20,
 # kustomize v2) unless a kubectl is installed already (the manifests render the same with v2 to v5).
-# FSDP8_BUILD_ONLY=1 (container builds) skips it and the PyPI tools below.
+# FSDP8_BUILD_ONLY=1 (container builds) skips it, TOOL_PKGS and the PyPI tools below.
 BUILD_ONLY=${FSDP8_BUILD_ONLY:-0}
+[ "$BUILD_ONLY" = 1 ] || PKGS+=("${TOOL_PKGS[@]}")
 [ "$BUILD_ONLY" = 1 ] || command -v kubectl >/dev/null || PKGS+=(kubernetes-client)
 # Test tools and the Python SDK's build from PyPI: the `safetensors` reader (and numpy) that checks
 # `fsdp8 export` output; grpcio and grpcio-tools (client/python, stubs generated from proto/),

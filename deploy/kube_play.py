@@ -1,0 +1,538 @@
+"""Plays deploy/k8s/overlays/cpu-dev with `podman kube play` and trains on it.
+
+Renders the overlay with `kubectl kustomize`, translates what podman 4.3 lacks (below), plays the
+coordinator and the CPU workers from the images deploy/build-images.sh built, then, from a client
+outside the pods (a container on the host's network, dialing the published port):
+  1. runs every container's rendered gRPC probes (port, service) against its pod: SERVING;
+  2. submits the default job (data/default-job.yaml; FSDP8_DEPLOY_STEPS steps) and waits for
+     SUCCEEDED with its checkpoints on the shared volume;
+  3. submits the default job with min_workers 1 and a checkpoint every 10 steps, runs a worker's
+     preStop hook (`podman exec`) and stops that worker (`podman stop`, SIGTERM) mid-job: the job
+     resumes on the remaining worker; then kills the coordinator's container (SIGKILL) and starts
+     it again on its volume: the job resumes; it ends SUCCEEDED. The times are printed.
+Everything it started (pods, the client, volumes, the network, the secret directory) is removed on
+exit, also on failure. Exit code 0: passed; 1: failed; 77: podman cannot run containers here.
+
+The translation (podman 4.3 plays Pods, Deployments, PersistentVolumeClaims and ConfigMaps; every
+container's image, command, arguments, environment, mounts, ports and probes stay as rendered):
+  - Namespace fsdp8-dev: a podman network of that name; each pod gets a fixed address in it.
+  - Service fsdp8-coordinator: a hostAliases entry `fsdp8-coordinator` -> the coordinator pod's
+    address in every pod (cluster DNS); the client outside the pods dials the hostPort of the
+    coordinator's `grpc` port (what a port-forward gives). The headless Service fsdp8-worker is
+    dropped (nothing dials it by name).
+  - Container ports: podman 4.3 publishes every containerPort on the host at the same number
+    (Kubernetes publishes none; two workers would collide): each gets a free hostPort on
+    127.0.0.1, the containerPort unchanged.
+  - StatefulSet fsdp8-worker: its replicas as Pods fsdp8-worker-0..N-1 of the same pod template.
+  - Downward API `status.podIP`: the pod's fixed address (podman 4.3 refuses that fieldPath).
+  - `$(VAR)` in command and args: expanded from the container's env, as the kubelet does (podman
+    4.3 passes them on literally).
+  - Secret volumes (podman 4.3 crashes on them) and ConfigMap volumes mounted with subPath (podman
+    4.3 ignores subPath): hostPath directories and files holding the same keys.
+  - PodDisruptionBudget, NetworkPolicy: dropped (podman enforces neither; the test takes one worker
+    at a time, as the budget allows). gRPC probes: podman 4.3 ignores them; step 1 runs them.
+Environment: FSDP8_PODMAN (the podman command, default `podman --runtime runc`), KUBECTL,
+FSDP8_DEPLOY_DIR (work directory), FSDP8_DEPLOY_STEPS (default 600), FSDP8_DEPLOY_PORT (host port
+for the coordinator, default: a free one), FSDP8_DEPLOY_NETWORK (default fsdp8-dev; networks are
+shared by every podman store on the host)."""
+import base64
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OVERLAY = os.path.join(ROOT, "deploy/k8s/overlays/cpu-dev")
+PODMAN = shlex.split(os.environ.get("FSDP8_PODMAN", "podman --runtime runc"))
+WORK = os.path.abspath(os.environ.get("FSDP8_DEPLOY_DIR", os.path.join(ROOT, "build-deploy")))
+STEPS = int(os.environ.get("FSDP8_DEPLOY_STEPS", "600"))
+NETWORK = os.environ.get("FSDP8_DEPLOY_NETWORK", "fsdp8-dev")  # the Namespace's network
+CLIENT = "fsdp8-dev-client"
+SERVING = 1
+
+
+def log(msg):
+    print(f"[kube_play {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def podman(*args, check=True, timeout=600, quiet=False):
+    r = subprocess.run(PODMAN + list(args), capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"podman {' '.join(args)}: exit {r.returncode}\n{r.stdout}{r.stderr}")
+    return r.stdout if not quiet else r
+
+
+# ---- the translation ------------------------------------------------------------------------
+
+def render():
+    kubectl = os.environ.get("KUBECTL", "kubectl")
+    out = subprocess.run([kubectl, "kustomize", OVERLAY], check=True, capture_output=True,
+                         text=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def expand(text, env):
+    """$(VAR) -> env[VAR] for defined VARs, $$(VAR) -> $(VAR): the kubelet's expansion."""
+    def sub(m):
+        if m.group(0).startswith("$$"):
+            return m.group(0)[1:]
+        return env.get(m.group(1), m.group(0))
+    return re.sub(r"\$?\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, text)
+
+
+def container_env(c, configmaps, pod_name, pod_ip):
+    """The values the kubelet would give the container's env (for $(VAR) expansion), and the env
+    with `status.podIP` replaced by the pod's address."""
+    values, env = {}, []
+    for e in c.get("env", []):
+        src = e.get("valueFrom", {})
+        if "fieldRef" in src and src["fieldRef"]["fieldPath"] == "status.podIP":
+            e = {"name": e["name"], "value": pod_ip}
+        if "value" in e:
+            values[e["name"]] = expand(e["value"], values)
+        elif "configMapKeyRef" in src:
+            ref = src["configMapKeyRef"]
+            values[e["name"]] = configmaps[ref["name"]]["data"][ref["key"]]
+        elif src.get("fieldRef", {}).get("fieldPath") == "metadata.name":
+            values[e["name"]] = pod_name
+        env.append(e)
+    return values, env
+
+
+def host_volumes(spec, objs, pod_name):
+    """Secret volumes and subPath ConfigMap mounts -> hostPath (files written under WORK)."""
+    secrets = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Secret"}
+    configmaps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"}
+    uid = spec.get("securityContext", {}).get("runAsUser", 0)
+    gid = spec.get("securityContext", {}).get("fsGroup", uid)
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for v in spec.get("volumes", []):
+        if "secret" in v:
+            d = os.path.join(WORK, "volumes", pod_name, v["name"])
+            os.makedirs(d, exist_ok=True)
+            mode = v["secret"].get("defaultMode", 0o644) | 0o040  # group-readable: fsGroup
+            secret = secrets[v["secret"]["secretName"]]
+            keys = {k: base64.b64decode(val) for k, val in secret.get("data", {}).items()}
+            keys.update({k: val.encode() for k, val in secret.get("stringData", {}).items()})
+            for k, val in keys.items():
+                p = os.path.join(d, k)
+                with open(p, "wb") as f:
+                    f.write(val)
+                os.chmod(p, mode)
+                os.chown(p, uid, gid)
+            volumes[v["name"]] = {"name": v["name"],
+                                  "hostPath": {"path": d, "type": "Directory"}}
+    for c in spec["containers"]:
+        for m in c.get("volumeMounts", []):
+            v = volumes.get(m["name"], {})
+            if "subPath" not in m or "configMap" not in v:
+                continue
+            name = f"{m['name']}-{m['subPath'].replace('.', '-')}"
+            p = os.path.join(WORK, "volumes", pod_name, m["subPath"])
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            with open(p, "w") as f:
+                f.write(configmaps[v["configMap"]["name"]]["data"][m["subPath"]])
+            os.chmod(p, 0o644)
+            volumes[name] = {"name": name, "hostPath": {"path": p, "type": "File"}}
+            m["name"] = name
+            del m["subPath"]
+    spec["volumes"] = list(volumes.values())
+
+
+def translate_pod(template, objs, pod_name, pod_ip, aliases):
+    """One pod's spec, translated; `template` is the rendered pod template (copied)."""
+    t = yaml.safe_load(yaml.safe_dump(template))
+    spec = t["spec"]
+    configmaps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"}
+    for c in spec["containers"]:
+        values, c["env"] = container_env(c, configmaps, pod_name, pod_ip)
+        for key in ("command", "args"):
+            if key in c:
+                c[key] = [expand(a, values) for a in c[key]]
+    host_volumes(spec, objs, pod_name)
+    spec["hostAliases"] = aliases
+    for c in spec["containers"]:
+        for p in c.get("ports", []):
+            p["hostIP"], p["hostPort"] = "127.0.0.1", free_port()
+    return t
+
+
+def translate(objs, ips, host_port):
+    """Rendered objects -> {"volumes": [PVC...], "pods": [(name, ip, [docs])]}."""
+    by_kind = {}
+    for o in objs:
+        by_kind.setdefault(o["kind"], []).append(o)
+    configmaps = [{k: o[k] for k in ("apiVersion", "kind", "data")} |
+                  {"metadata": {"name": o["metadata"]["name"]}} for o in by_kind["ConfigMap"]]
+    pvcs = [dict(o, metadata={"name": o["metadata"]["name"]})
+            for o in by_kind["PersistentVolumeClaim"]]
+    coord = next(d for d in by_kind["Deployment"] if d["metadata"]["name"] == "fsdp8-coordinator")
+    aliases = [{"ip": ips[0], "hostnames": ["fsdp8-coordinator"]}]
+    pods = []
+    cname = coord["metadata"]["name"]
+    t = translate_pod(coord["spec"]["template"], objs, cname, ips[0], aliases)
+    for p in t["spec"]["containers"][0]["ports"]:
+        if p["name"] == "grpc":
+            p["hostPort"] = host_port
+            FREE_PORTS_TAKEN.add(host_port)
+    pods.append((cname, ips[0], configmaps + [{
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": cname},
+        "spec": dict(coord["spec"], template=t)}]))
+    sts = next(s for s in by_kind["StatefulSet"] if s["metadata"]["name"] == "fsdp8-worker")
+    for i in range(sts["spec"]["replicas"]):
+        name = f"{sts['metadata']['name']}-{i}"
+        t = translate_pod(sts["spec"]["template"], objs, name, ips[1 + i], aliases)
+        pods.append((name, ips[1 + i], configmaps + [{
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": dict(t.get("metadata", {}), name=name), "spec": t["spec"]}]))
+    return {"volumes": pvcs, "pods": pods}
+
+
+# ---- playing and tearing down ---------------------------------------------------------------
+
+def teardown(plan):
+    """Removes what a run (this one or an interrupted earlier one) left: pods, client, volumes,
+    network. Idempotent."""
+    names = [p[0] for p in plan["pods"]] if plan else []
+    pods = podman("pod", "ps", "-a", "--format", "{{.Name}}", check=False, quiet=True).stdout
+    for name in pods.split():
+        if name in names or re.fullmatch(r"fsdp8-(coordinator-pod-\d+|worker-\d+)", name):
+            podman("pod", "rm", "-f", "-t", "0", name, check=False, quiet=True)
+    podman("rm", "-f", "-t", "0", CLIENT, check=False, quiet=True)
+    for v in ("fsdp8-data", "fsdp8-coordinator-db"):
+        podman("volume", "rm", "-f", v, check=False, quiet=True)
+    podman("network", "rm", "-f", NETWORK, check=False, quiet=True)
+    subprocess.run(["rm", "-rf", os.path.join(WORK, "volumes")], check=False)
+
+
+def pod_addresses(n):
+    """Creates the network and picks n fixed addresses in its subnet (.10, .11, ...)."""
+    podman("network", "create", NETWORK)
+    info = json.loads(podman("network", "inspect", NETWORK))[0]
+    subnet = info["subnets"][0]["subnet"]
+    base = subnet.split("/")[0].rsplit(".", 1)[0]
+    return [f"{base}.{10 + i}" for i in range(n)]
+
+
+FREE_PORTS_TAKEN = set()
+
+
+def free_port():
+    """A port free on the host, below the ephemeral range, not handed out before."""
+    rng = random.Random(os.getpid() ^ int(time.time() * 1000))
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        if port in FREE_PORTS_TAKEN:
+            continue
+        FREE_PORTS_TAKEN.add(port)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
+
+
+def play(name, ip, docs):
+    path = os.path.join(WORK, f"play-{name}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump_all(docs, f, sort_keys=False)
+    podman("kube", "play", "--network", NETWORK, "--ip", ip, path)
+    log(f"played {name} at {ip} ({path})")
+
+
+def pod_of(name):
+    """The podman pod that kube play made for a Pod or Deployment `name`."""
+    pods = podman("pod", "ps", "--format", "{{.Name}}").split()
+    for p in pods:
+        if p == name or re.fullmatch(re.escape(name) + r"-pod(-\d+)?", p):
+            return p
+    raise RuntimeError(f"no pod for {name} among {pods}")
+
+
+def container_of(pod, container):
+    return f"{pod}-{container}"
+
+
+def logs(name):
+    r = podman("logs", "--tail", "40", name, check=False, quiet=True)
+    return f"--- {name}\n{r.stdout}{r.stderr}"
+
+
+# ---- the probes -----------------------------------------------------------------------------
+
+def health(addr, service, timeout=5):
+    """grpc.health.v1.Health/Check, request and response in protobuf wire format by hand
+    (HealthCheckRequest: field 1 `service`; HealthCheckResponse: field 1 `status`, SERVING = 1)."""
+    req = b"" if not service else b"\x0a" + bytes([len(service)]) + service.encode()
+    with grpc.insecure_channel(addr) as ch:
+        rpc = ch.unary_unary("/grpc.health.v1.Health/Check",
+                             request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        resp = rpc(req, timeout=timeout)
+    return 0 if resp == b"" else resp[1]
+
+
+def probes(docs):
+    """(container, kind, port, service) of every rendered gRPC probe in a played pod's docs."""
+    workload = docs[-1]
+    spec = workload["spec"]["template"]["spec"] if workload["kind"] == "Deployment" \
+        else workload["spec"]
+    out = []
+    for c in spec["containers"]:
+        for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+            g = c.get(kind, {}).get("grpc")
+            if g:
+                out.append((c["name"], kind, g["port"], g.get("service", "")))
+    return out
+
+
+def wait_probes_serving(plan, deadline_s=120):
+    """Every probe of every pod SERVING (the kubelet's view); returns the lines to print."""
+    t0 = time.monotonic()
+    lines = []
+    for name, ip, docs in plan["pods"]:
+        for container, kind, port, service in probes(docs):
+            while True:
+                try:
+                    status = health(f"{ip}:{port}", service)
+                except grpc.RpcError as e:
+                    status = e.code().name
+                if status == SERVING:
+                    break
+                if time.monotonic() - t0 > deadline_s:
+                    raise RuntimeError(f"{name}/{container} {kind} {ip}:{port} service "
+                                       f"'{service}': {status}, not SERVING")
+                time.sleep(1)
+            lines.append(f"{name}/{container} {kind} grpc {ip}:{port} service '{service}': "
+                         "SERVING")
+    return lines
+
+
+# ---- the client outside the pods ------------------------------------------------------------
+
+class Client:
+    """The fsdp8 CLI of the coordinator image in a container on the host's network, dialing the
+    coordinator's published port."""
+
+    def __init__(self, image, port):
+        self.addr = f"127.0.0.1:{port}"
+        podman("run", "-d", "--name", CLIENT, "--network", "host", "--entrypoint", "/bin/sleep",
+               "-v", f"{WORK}:{WORK}:ro", image, "infinity")
+
+    def run(self, *args, check=True, timeout=120):
+        r = podman("exec", CLIENT, "/usr/local/bin/fsdp8", "--coordinator", self.addr, *args,
+                   check=False, quiet=True, timeout=timeout)
+        if check and r.returncode != 0:
+            raise RuntimeError(f"fsdp8 {' '.join(args)}: exit {r.returncode}\n{r.stdout}{r.stderr}")
+        return r
+
+    def status(self, job):
+        r = self.run("status", job, "--json", check=False, timeout=30)
+        try:
+            return json.loads(r.stdout) if r.returncode == 0 else {}
+        except json.JSONDecodeError:
+            return {}
+
+    def wait(self, job, what, cond, timeout_s, pods=()):
+        t0 = time.monotonic()
+        while True:
+            j = self.status(job)
+            if j and cond(j):
+                return j
+            if j.get("state") in ("JOB_STATE_FAILED", "JOB_STATE_CANCELLED"):
+                raise RuntimeError(f"{job} {j['state']} waiting for {what}: {j.get('reason')}\n" +
+                                   "".join(logs(p) for p in pods))
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"{job}: no {what} in {timeout_s} s: {j}\n" +
+                                   "".join(logs(p) for p in pods))
+            time.sleep(0.5)
+
+
+def step(j):
+    return int(j.get("step", 0))
+
+
+def job_spec(name, steps, ckpt, extra=None):
+    with open(os.path.join(ROOT, "data/default-job.yaml")) as f:
+        spec = yaml.safe_load(f.read().replace("DATA_DIR", "/data/fortunes"))
+    spec["name"] = name
+    spec["training"]["steps"] = steps
+    spec["training"]["eval_every"] = min(spec["training"]["eval_every"], steps)
+    spec["checkpoint"] = {"dir": ckpt}
+    for key, val in (extra or {}).items():
+        spec.setdefault(key, {}).update(val)
+    path = os.path.join(WORK, f"{name}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(spec, f, sort_keys=False)
+    os.chmod(path, 0o644)
+    return path
+
+
+def committed_on_volume(ckpt):
+    """Steps with a MANIFEST under ckpt (a path inside the volume fsdp8-data), read on the host."""
+    mount = podman("volume", "inspect", "fsdp8-data", "--format", "{{.Mountpoint}}").strip()
+    d = os.path.join(mount, os.path.relpath(ckpt, "/data"))
+    if not os.path.isdir(d):
+        return []
+    return sorted(int(s.split("-")[1]) for s in os.listdir(d)
+                  if s.startswith("step-") and os.path.isfile(os.path.join(d, s, "MANIFEST")))
+
+
+def prepare_corpus(image):
+    """The fortunes corpus -> /data/fortunes on the shared volume (scripts/prepare-fortunes.sh in
+    the image, as the image's user)."""
+    src = "/usr/share/games/fortunes"
+    if not os.path.isdir(src):
+        raise RuntimeError(f"{src} missing (apt-get install fortunes)")
+    podman("run", "--rm", "-v", "fsdp8-data:/data", "-v", f"{src}:{src}:ro",
+           "-v", f"{ROOT}/scripts:/opt/fsdp8-scripts:ro", "--entrypoint", "/bin/bash", image,
+           "/opt/fsdp8-scripts/prepare-fortunes.sh", "/usr/local/bin/fsdp8", "/data/fortunes")
+
+
+# ---- the scenario ---------------------------------------------------------------------------
+
+def default_job(client, pods):
+    ckpt = "/data/checkpoints/default"
+    spec = job_spec("fortunes-default", STEPS, ckpt)
+    t0 = time.monotonic()
+    job = client.run("submit", spec, "--no-watch").stdout.split()[0]
+    log(f"submitted the default job ({STEPS} steps) through {client.addr}: {job}")
+    j = client.wait(job, "SUCCEEDED", lambda j: j["state"] == "JOB_STATE_SUCCEEDED",
+                    300 + 10 * STEPS, pods)
+    took = time.monotonic() - t0
+    steps = committed_on_volume(ckpt)
+    if STEPS not in steps:
+        raise RuntimeError(f"no committed checkpoint of step {STEPS} on fsdp8-data:{ckpt}: "
+                           f"{steps}")
+    log(f"default job SUCCEEDED in {took:.0f} s, final loss "
+        f"{j.get('loss')}, val {j.get('val_loss')}; checkpoints on fsdp8-data:{ckpt}: {steps}")
+    return took
+
+
+def worker_prestop_and_stop(client, job, plan, coord_pod):
+    """Worker 1's preStop hook, then SIGTERM: the job goes on on worker 0."""
+    name, _, docs = plan["pods"][2]
+    spec = docs[-1]["spec"]
+    c = spec["containers"][0]
+    ctr = container_of(name, c["name"])
+    j = client.wait(job, "2 ranks past step 12",
+                    lambda j: j.get("world_size") == 2 and step(j) >= 12, 300, [ctr])
+    t0 = time.monotonic()
+    podman("exec", ctr, *c["lifecycle"]["preStop"]["exec"]["command"], timeout=300)
+    t_prestop = time.monotonic() - t0
+    podman("stop", "-t", str(spec["terminationGracePeriodSeconds"]), ctr, timeout=400)
+    t_stop = time.monotonic() - t0
+    committed = committed_on_volume("/data/checkpoints/faults")
+    if not committed or max(committed) < step(j):
+        raise RuntimeError(f"preStop returned without a checkpoint after step {step(j)}: "
+                           f"{committed}")
+    ck = max(committed)
+    j = client.wait(job, "1 rank past the preStop checkpoint",
+                    lambda j: j["state"] == "JOB_STATE_RUNNING" and j.get("world_size") == 1
+                    and step(j) > ck, 300, [coord_pod])
+    t_resumed = time.monotonic() - t0
+    log(f"worker preStop + stop at step {ck}: preStop {t_prestop:.1f} s (checkpoint step {ck} "
+        f"committed), stopped after {t_stop:.1f} s, the job ran again on 1 worker (step "
+        f"{step(j)}) {t_resumed:.1f} s after the preStop began")
+    return t_prestop, t_resumed
+
+
+def coordinator_kill_and_start(client, job, coord_ctr, pods):
+    """SIGKILL to the coordinator's container 10 steps later, then start it again (what the
+    kubelet does after a crash): same pod, same volume fsdp8-coordinator-db."""
+    s0 = step(client.status(job))
+    j = client.wait(job, "10 more steps", lambda j: step(j) >= s0 + 10, 600, pods)
+    s_kill = step(j)
+    t0 = time.monotonic()
+    podman("kill", "-s", "KILL", coord_ctr)
+    podman("start", coord_ctr)
+    j = client.wait(job, "the job running again", lambda j: j["state"] == "JOB_STATE_RUNNING",
+                    300, pods)
+    t_answer = time.monotonic() - t0
+    s_back = step(j)
+    j = client.wait(job, "a step after the restart",
+                    lambda j: j["state"] == "JOB_STATE_RUNNING" and step(j) > s_back, 300, pods)
+    t_step = time.monotonic() - t0
+    log(f"coordinator SIGKILLed at step {s_kill} and started again: the job RUNNING at step "
+        f"{s_back} after {t_answer:.1f} s, step {step(j)} after {t_step:.1f} s")
+    return t_answer, t_step
+
+
+def faults(client, plan):
+    coord_name, _, _ = plan["pods"][0]
+    coord_pod = pod_of(coord_name)
+    coord_ctr = container_of(coord_pod, "coordinator")
+    pods = [coord_ctr, container_of(plan["pods"][1][0], "worker")]
+    steps = int(os.environ.get("FSDP8_DEPLOY_FAULT_STEPS", "120"))
+    spec = job_spec("fortunes-faults", steps, "/data/checkpoints/faults",
+                    {"sharding": {"min_workers": 1, "max_workers": 2},
+                     "checkpoint": {"every_steps": 10}})
+    job = client.run("submit", spec, "--no-watch").stdout.split()[0]
+    log(f"submitted the fault job ({steps} steps, min_workers 1, a checkpoint every 10): {job}")
+    times = worker_prestop_and_stop(client, job, plan, coord_ctr)
+    times += coordinator_kill_and_start(client, job, coord_ctr, pods)
+    j = client.wait(job, "SUCCEEDED", lambda j: j["state"] == "JOB_STATE_SUCCEEDED",
+                    300 + 10 * steps, pods)
+    log(f"fault job SUCCEEDED at step {step(j)}, generation {j.get('generation')}; committed "
+        f"checkpoints {committed_on_volume('/data/checkpoints/faults')}")
+    return times
+
+
+def main():
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM: tear down
+    os.makedirs(WORK, exist_ok=True)
+    objs = render()
+    coord_image = next(o for o in objs if o["kind"] == "Deployment")[
+        "spec"]["template"]["spec"]["containers"][0]["image"]
+    teardown(None)
+    plan = None
+    try:
+        n_workers = next(o for o in objs if o["kind"] == "StatefulSet")["spec"]["replicas"]
+        ips = pod_addresses(1 + n_workers)
+        port = int(os.environ.get("FSDP8_DEPLOY_PORT", "0")) or free_port()
+        plan = translate(objs, ips, port)
+        with open(os.path.join(WORK, "play-volumes.yaml"), "w") as f:
+            yaml.safe_dump_all(plan["volumes"], f, sort_keys=False)
+        podman("kube", "play", os.path.join(WORK, "play-volumes.yaml"))
+        t0 = time.monotonic()
+        prepare_corpus(coord_image)
+        log(f"fortunes corpus on fsdp8-data:/data/fortunes ({time.monotonic() - t0:.0f} s)")
+        t0 = time.monotonic()
+        for name, ip, docs in plan["pods"]:
+            play(name, ip, docs)
+        client = Client(coord_image, port)
+        names = [container_of(pod_of(plan["pods"][0][0]), "coordinator")] + \
+            [container_of(n, "worker") for n, _, _ in plan["pods"][1:]]
+        for line in wait_probes_serving(plan):
+            log(line)
+        log(f"pods up, every probe SERVING, {time.monotonic() - t0:.0f} s after the first play")
+        rows = client.run("workers").stdout
+        if sum(1 for r in rows.splitlines() if " cpu " in r) < n_workers:
+            raise RuntimeError(f"not every worker registered:\n{rows}" +
+                               "".join(logs(n) for n in names))
+        t_default = default_job(client, names)
+        t_prestop, t_worker, t_coord_answer, t_coord_step = faults(client, plan)
+        log(f"SUMMARY default job {t_default:.0f} s; worker preStop {t_prestop:.1f} s, resumed on "
+            f"1 worker after {t_worker:.1f} s; coordinator restart: job RUNNING after "
+            f"{t_coord_answer:.1f} s, next step after {t_coord_step:.1f} s")
+        return 0
+    except Exception as e:  # noqa: BLE001 - reported, then the exit code says it
+        log(f"FAILED: {e}")
+        return 1
+    finally:
+        if os.environ.get("FSDP8_DEPLOY_KEEP") != "1":
+            teardown(plan)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

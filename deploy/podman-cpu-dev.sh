@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# bash deploy/podman-cpu-dev.sh [--no-cuda]: on a machine without a registry or a Kubernetes
+# cluster (as root), builds the images (deploy/build-images.sh: the Debian 12 base by debootstrap,
+# the coordinator image, the CUDA worker image from a stand-in base unless --no-cuda), then plays
+# deploy/k8s/overlays/cpu-dev with `podman kube play` (deploy/kube_play.py): the probes SERVING, the
+# default job SUCCEEDED with its checkpoints on the shared volume, a worker's preStop + SIGTERM and
+# a coordinator SIGKILL + restart mid-job, each followed by the job resuming. Removes the pods,
+# volumes and network it made when it ends; keeps the images (unless FSDP8_PODMAN_ROOT, below).
+#
+# Exit 0: passed; 1: failed; 77: skipped, podman cannot run containers here (the reason printed).
+# Settings (deploy/podman-env.sh, deploy/kube_play.py): FSDP8_DEPLOY_DIR, FSDP8_PODMAN,
+# FSDP8_DEPLOY_STEPS (default 600, the default job's), FSDP8_DEPLOY_FAULT_STEPS (120),
+# FSDP8_DEPLOY_PORT, FSDP8_DEPLOY_NETWORK (default fsdp8-dev); FSDP8_PODMAN_ROOT: a storage
+# directory of its own, removed at the end with every image, container and volume in it (the
+# ctest's way to leave nothing behind).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+skip() { echo "SKIP: $*"; exit 77; }
+[ "$(id -u)" = 0 ] || skip "needs root (rootful podman for the pods' network, debootstrap)"
+for t in podman runc debootstrap python3; do
+  command -v $t > /dev/null || skip "$t is not installed (scripts/install-deps.sh installs it)"
+done
+command -v "${KUBECTL:-kubectl}" > /dev/null || skip "no kubectl (scripts/install-deps.sh installs it)"
+python3 -c 'import grpc, yaml' 2> /dev/null || skip "python3 lacks grpc or yaml (scripts/install-deps.sh)"
+. deploy/podman-env.sh
+"${PODMAN[@]}" info > /dev/null 2>&1 || skip "'$FSDP8_PODMAN info' fails: $("${PODMAN[@]}" info 2>&1 | tail -1)"
+
+cleanup_store() {  # the private store, when there is one, with everything in it
+  [ -n "${FSDP8_PODMAN_ROOT:-}" ] || return 0
+  "${PODMAN[@]}" pod rm -a -f -t 0 > /dev/null 2>&1 || true
+  "${PODMAN[@]}" rm -a -f -t 0 > /dev/null 2>&1 || true
+  "${PODMAN[@]}" volume rm -a -f > /dev/null 2>&1 || true
+  "${PODMAN[@]}" rmi -a -f > /dev/null 2>&1 || true
+  "${PODMAN[@]}" network rm -f "${FSDP8_DEPLOY_NETWORK:-fsdp8-dev}" > /dev/null 2>&1 || true
+  rm -rf "$FSDP8_PODMAN_ROOT"
+}
+cleanup_store  # what a killed earlier run left
+trap cleanup_store EXIT
+trap 'exit 143' TERM INT  # a timeout's SIGTERM runs the cleanup too
+
+# Can podman run a container here? One whose root is /bin/true and its libraries, before anything
+# is built.
+probe=$FSDP8_DEPLOY_DIR/probe-rootfs
+rm -rf "$probe"
+for f in /bin/true $(ldd /bin/true | grep -o '/[^ ]*'); do
+  mkdir -p "$probe$(dirname "$f")" && cp -L "$f" "$probe$f"
+done
+out=$("${PODMAN[@]}" run --rm --rootfs "$probe" /bin/true 2>&1) ||
+  skip "podman cannot run a container here: $out"
+rm -rf "$probe"
+
+t0=$SECONDS
+deploy/build-images.sh "${1:-all}"
+t_images=$((SECONDS - t0))
+t1=$SECONDS
+rc=0
+python3 deploy/kube_play.py || rc=$?
+echo "podman-cpu-dev: images ${t_images} s, kube play and jobs $((SECONDS - t1)) s, total $((SECONDS - t0)) s"
+if [ "${1:-all}" = --no-cuda ]; then
+  echo "podman-cpu-dev: the CUDA worker image (deploy/worker.Dockerfile) was not built (--no-cuda)"
+fi
+exit $rc
