@@ -3,7 +3,8 @@
 #
 #   scripts/gpu-dev.sh build   (on the build host; it needs no GPU)
 #       configures build-gpu/ with -DFSDP8_CUDA=ON, builds fsdp8-worker fsdp8-coordinator fsdp8
-#       fsdp8-conformance fsdp8-bench-cuda fsdp8-cuda-step-test (whichever targets exist) and packs them with their
+#       fsdp8-conformance fsdp8-bench-cuda fsdp8-cuda-step-test and the CPU benchmarks fsdp8-bench-cpu-gemm
+#       fsdp8-bench-cpu-step (whichever targets exist; bench/cpu/run.sh runs from the bundle with BIN=.dev/gpu) and packs them with their
 #       shared libraries into .dev/gpu/ (scripts/bundle-deps.sh; xz-compressed when large).
 #       First installs the header-only cuDNN frontend (pip package nvidia-cudnn-frontend, pinned
 #       below; a user builds the cuDNN attention path the same way: `pip install
@@ -33,7 +34,8 @@ build() {
       echo "gpu-dev: pip install nvidia-cudnn-frontend failed; the cuDNN attention path will not be built" >&2
   fi
   cmake -S "$root" -B "$bdir" -G Ninja -DFSDP8_CUDA=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
-  local want=(fsdp8-worker fsdp8-coordinator fsdp8 fsdp8-conformance fsdp8-bench-cuda fsdp8-cuda-step-test)
+  local want=(fsdp8-worker fsdp8-coordinator fsdp8 fsdp8-conformance fsdp8-bench-cuda fsdp8-cuda-step-test
+              fsdp8-bench-cpu-gemm fsdp8-bench-cpu-step)
   local have=()
   local targets
   targets=$(ninja -C "$bdir" -t targets all 2>/dev/null | awk -F: '{print $1}')

@@ -1,13 +1,16 @@
 // fsdp8-bench-cpu-gemm: GEMM throughput of the CPU backend.
 //
-// For each shape prints the FP8-emulated GEMM rate (Backend::GemmFp8: decode both operands through
-// the FP8 tables, then sgemm) and the plain f32 sgemm rate on the same shape, in GFLOP/s counted
-// as 2*M*N*K / seconds. Shapes: the default model's linears (M = 2048 tokens = 8 sequences x 256,
+// For each shape prints the FP8-emulated GEMM rate (Backend::GemmFp8: decode both operands, then
+// oneDNN sgemm), the backend's f32 Gemm (oneDNN sgemm) and OpenBLAS's f32 sgemm (the reference
+// backend's) on the same shape, in GFLOP/s counted as 2*M*N*K / seconds. Shapes: the default model's linears (M = 2048 tokens = 8 sequences x 256,
 // (N, K) in {(128,128), (384,128), (128,384)}) and a 1024^3 square. Rates are given per wall-clock
 // second and per process-CPU second (the machine may be shared).
 //
-// Usage: fsdp8-bench-cpu-gemm [--threads N]   (OpenBLAS threads, default 1)
+// Also prints the instruction set oneDNN's kernels use on this CPU.
+//
+// Usage: fsdp8-bench-cpu-gemm [--threads N]   (BLAS threads, default 1)
 #include <cblas.h>
+#include <oneapi/dnnl/dnnl.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +21,20 @@
 
 #include "bench/cpu/bench_util.h"
 #include "kernels/backend.h"
+
+namespace {
+const char* IsaName(dnnl_cpu_isa_t isa) {
+  switch (isa) {
+    case dnnl_cpu_isa_avx2: return "AVX2";
+    case dnnl_cpu_isa_avx2_vnni: return "AVX2 + VNNI";
+    case dnnl_cpu_isa_avx512_core: return "AVX-512";
+    case dnnl_cpu_isa_avx512_core_vnni: return "AVX-512 + VNNI";
+    case dnnl_cpu_isa_avx512_core_bf16: return "AVX-512 + BF16";
+    case dnnl_cpu_isa_avx512_core_amx: return "AVX-512 + AMX";
+    default: return "other";
+  }
+}
+}  // namespace
 
 int main(int argc, char** argv) {
   int threads = 1;
@@ -40,10 +57,10 @@ int main(int argc, char** argv) {
     int64_t M, N, K;
   };
   const Shape shapes[] = {{2048, 128, 128}, {2048, 384, 128}, {2048, 128, 384}, {1024, 1024, 1024}};
-  std::printf("OpenBLAS threads: %d\n", threads);
-  std::printf("GFLOP/s = 2*M*N*K / time; 'wall' uses wall-clock time, 'cpu' process CPU time\n");
-  std::printf("%6s %6s %6s  %14s %14s  %14s %14s\n", "M", "N", "K", "fp8-emul wall", "fp8-emul cpu",
-              "f32 sgemm wall", "f32 sgemm cpu");
+  std::printf("BLAS threads: %d; oneDNN ISA: %s\n", threads, IsaName(dnnl_get_effective_cpu_isa()));
+  std::printf("GFLOP/s = 2*M*N*K / time, as wall-clock / process-CPU time\n");
+  std::printf("%6s %6s %6s  %16s  %16s  %16s\n", "M", "N", "K", "fp8-emul (cpu)",
+              "f32 Gemm (cpu)", "OpenBLAS sgemm");
   std::mt19937 rng(1);
   std::uniform_int_distribution<int> code(0, 0x7D);  // finite E4M3 magnitudes, both signs below
   std::uniform_real_distribution<float> val(-1.0f, 1.0f);
@@ -71,13 +88,17 @@ int main(int argc, char** argv) {
       be->GemmFp8(s.M, s.N, s.K, A8, fsdp8::Fp8Format::kE4M3, S, B8, fsdp8::Fp8Format::kE4M3, S, C,
                   false);
     });
+    const fsdp8::bench::Timing tg = fsdp8::bench::TimeIt(
+        [&] { be->Gemm(false, true, s.M, s.N, s.K, AF, BF, C, false, fsdp8::GemmInputs::kF32); });
     const fsdp8::bench::Timing t32 = fsdp8::bench::TimeIt([&] {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s.M, s.N, s.K, 1.0f, AF, s.K, BF, s.K,
                   0.0f, C, s.N);
     });
-    std::printf("%6lld %6lld %6lld  %14.1f %14.1f  %14.1f %14.1f\n", static_cast<long long>(s.M),
-                static_cast<long long>(s.N), static_cast<long long>(s.K), flops / t8.wall / 1e9,
-                flops / t8.cpu / 1e9, flops / t32.wall / 1e9, flops / t32.cpu / 1e9);
+    std::printf("%6lld %6lld %6lld  %7.1f / %6.1f  %7.1f / %6.1f  %7.1f / %6.1f\n",
+                static_cast<long long>(s.M), static_cast<long long>(s.N),
+                static_cast<long long>(s.K), flops / t8.wall / 1e9, flops / t8.cpu / 1e9,
+                flops / tg.wall / 1e9, flops / tg.cpu / 1e9, flops / t32.wall / 1e9,
+                flops / t32.cpu / 1e9);
     for (void* p : {static_cast<void*>(A8), static_cast<void*>(B8), static_cast<void*>(AF),
                     static_cast<void*>(BF), static_cast<void*>(C), static_cast<void*>(S)})
       be->Free(p);

@@ -12,17 +12,22 @@
 # and buffer set-up are left out, as the PyTorch figure leaves out its warm-up steps.
 #
 # Usage: bench/cpu/run.sh [STEPS]   (default 60 steps per fsdp8 run, 30 timed torch steps)
-# Environment: CORES (default 0,1), LAYOUT (2x1 | 1x2), WARMUP (default 10).
-# Also prints OpenBLAS's kernel choice ("Core: ...") and its GEMM rates on the model's shapes.
-# Needs build/bin (scripts/build.sh; fsdp8-bench-cpu-gemm too) and the fortunes corpus in data/fortunes (prepared here from
-# /usr/share/games/fortunes when missing).
+# Environment: CORES (default 0,1), LAYOUT (2x1 | 1x2), WARMUP (default 10), BIN (the binaries'
+# folder, default build/bin; .dev/gpu for the bundle of scripts/gpu-dev.sh build, with
+# LD_LIBRARY_PATH=$PWD/.dev/gpu/lib).
+# Also prints OpenBLAS's kernel choice ("Core: ..."), the instruction set of oneDNN's kernels (the
+# fast backend's GEMMs), the GEMM rates on the model's shapes, the workers' CPU seconds per job
+# (tokens per worker-CPU second: below the tokens/s per core, the cores were shared or waited), and
+# the same steps in one process without the daemons (fsdp8-bench-cpu-step, ranks as threads).
+# Needs build/bin (scripts/build.sh; fsdp8-bench-cpu-gemm and fsdp8-bench-cpu-step too) and the
+# fortunes corpus in data/fortunes (prepared here from /usr/share/games/fortunes when missing).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 steps=${1:-60}
 cores=${CORES:-0,1}
 layout=${LAYOUT:-2x1}
 warmup=${WARMUP:-10}
-bin=$PWD/build/bin
+bin=$(cd "${BIN:-build/bin}" && pwd)
 pin=(taskset -c "$cores")
 case "$layout" in
   2x1) workers=2; threads=1 ;;
@@ -47,18 +52,28 @@ for _ in $(seq 150); do  # until every worker has registered
   sleep 0.2
 done
 
-# Runs the default job with linears $1; prints its steady-state tokens/s.
+# CPU seconds (user + system) used so far by the processes $@.
+cpu_seconds() {
+  local ticks=0 p
+  for p in "$@"; do ticks=$((ticks + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done
+  python3 -c "print($ticks / $(getconf CLK_TCK))"
+}
+
+# Runs the default job with linears $1; prints its steady-state tokens/s; the workers' CPU seconds
+# for the whole job go to $tmp/cpu-$1.
 fsdp8_run() {
   sed -e "s|DATA_DIR|$PWD/data/fortunes|" -e "s|steps: 600|steps: $steps|" \
       -e "s|min_workers: 2|min_workers: $workers|" -e "s|max_workers: 2|max_workers: $workers|" \
       -e "s|eval_every: 100|eval_every: 0|" -e "s|linears: fp8 |linears: $1 |" \
       data/default-job.yaml > "$tmp/job-$1.yaml"
-  local out id
+  local out id c0
+  c0=$(cpu_seconds "${pids[@]:1}")
   out=$("${pin[@]}" "$bin/fsdp8" --coordinator "$addr" submit --no-watch "$tmp/job-$1.yaml")
   id=$(echo "$out" | grep -oE 'job [A-Za-z0-9_-]+' | head -1 | cut -d' ' -f2)
   [ -n "$id" ] || id=$(echo "$out" | grep -oE '[A-Za-z0-9_-]{6,}' | head -1)
   "${pin[@]}" "$bin/fsdp8" --coordinator "$addr" watch --json "$id" > "$tmp/events-$1.json" || {
     echo "fsdp8 job ($1 linears) did not succeed; worker log:" >&2; tail -20 "$tmp/w1.log" >&2; exit 1; }
+  python3 -c "print(f'{$(cpu_seconds "${pids[@]:1}") - $c0:.1f}')" > "$tmp/cpu-$1"
   python3 - "$warmup" "$tmp/events-$1.json" <<'PY'
 import json, sys
 warmup, path = int(sys.argv[1]), sys.argv[2]
@@ -77,7 +92,7 @@ PY
 echo "cores $cores ($(taskset -c "$cores" nproc) CPUs): $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
 # OpenBLAS's kernel choice and its single-thread GEMM rates on the model's shapes (the CPU backend's
 # GEMMs are OpenBLAS sgemm; a generic kernel here explains a slow fsdp8 row).
-OPENBLAS_VERBOSE=2 taskset -c "${cores%%,*}" "$bin/fsdp8-bench-cpu-gemm" --threads 1 2>&1 | sed 's/^/  /'
+OPENBLAS_VERBOSE=2 OMP_NUM_THREADS=1 taskset -c "${cores%%,*}" "$bin/fsdp8-bench-cpu-gemm" --threads 1 2>&1 | sed 's/^/  /'
 
 fp8=$(fsdp8_run fp8)
 fp32=$(fsdp8_run fp32)
@@ -89,3 +104,11 @@ printf '%-58s %10s %8s\n' "fsdp8 cpu, $workers worker(s) x $threads thread(s), F
 printf '%-58s %10s %8s\n' "fsdp8 cpu, $workers worker(s) x $threads thread(s), FP32 linears" "$fp32" "$(ratio "$fp32")"
 printf '%-58s %10s %8s\n' "PyTorch CPU FP32, 1 process x 2 threads" "${torch_tps:--}" "${torch_tps:+1.00}"
 echo "$torch_line"
+for l in fp8 fp32; do
+  echo "fsdp8 $l job: workers' CPU $(cat "$tmp/cpu-$l") s for $steps steps of 4096 tokens" \
+    "($(python3 -c "print(f'{$steps * 4096 / $(cat "$tmp/cpu-$l"):.0f}')") tokens per worker-CPU second, start-up included)"
+done
+# The same steps without the daemons: ranks as threads of one process over Gloo.
+step_line=$("${pin[@]}" "$bin/fsdp8-bench-cpu-step" --spec data/default-job.yaml --data data/fortunes \
+  --steps 20 --warmup 3 --world "$workers" --threads "$threads" 2>&1 | grep -E 'tokens/s|per step')
+echo "in one process (fsdp8-bench-cpu-step, FP8, $workers rank(s) x $threads thread(s)): $step_line"
