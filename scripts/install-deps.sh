@@ -9,6 +9,7 @@ PKGS=(
   libgloo-dev                                                              # CPU collectives
   libopenblas-dev                                                          # CPU GEMM (reference backend)
   libdnnl-dev                                                              # CPU GEMM (fast backend: oneDNN sgemm)
+  ocl-icd-opencl-dev                                                       # OpenCL, which oneDNN's CMake config needs
   libsqlite3-dev                                                           # coordinator job table
   libyaml-cpp-dev                                                          # YAML job specs
   zlib1g-dev                                                               # checkpoint checksums (CRC-32)
