@@ -208,7 +208,8 @@ def teardown(plan):
         if name in names or re.fullmatch(r"fsdp8-(coordinator-pod-\d+|worker-\d+)", name):
             podman("pod", "rm", "-f", "-t", "0", name, check=False, quiet=True)
     podman("rm", "-f", "-t", "0", CLIENT, check=False, quiet=True)
-    for v in ("fsdp8-data", "fsdp8-coordinator-db"):
+    # The PVCs' volumes, and those kube play makes for emptyDir and configMap volumes.
+    for v in ("fsdp8-data", "fsdp8-coordinator-db", "dshm", "fsdp8-config"):
         podman("volume", "rm", "-f", v, check=False, quiet=True)
     podman("network", "rm", "-f", NETWORK, check=False, quiet=True)
     subprocess.run(["rm", "-rf", os.path.join(WORK, "volumes")], check=False)
