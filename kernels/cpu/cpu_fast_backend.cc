@@ -590,6 +590,9 @@ void CpuFastBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, in
 }
 
 // ---- attention --------------------------------------------------------------------------------
+// The score GEMMs stay on OpenBLAS, as in the reference: an analytically zero gradient (dq, dk at
+// T = 1, dP - delta) then comes out as the reference's own rounding, which the conformance test
+// compares against.
 
 void CpuFastBackend::AttentionForward(const float* q, const float* k, const float* v, int64_t B,
                                       int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
@@ -609,7 +612,7 @@ void CpuFastBackend::AttentionForward(const float* q, const float* k, const floa
       float* lh = lse + (b * H + h) * T;
       for (int64_t i0 = 0; i0 < T; i0 += kAttnBlock) {
         const int64_t i1 = std::min(T, i0 + kAttnBlock);
-        Sgemm(CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq,
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq,
                     ldq, kg, ldk, 0.0f, P + i0 * T, T);
         for (int64_t i = i0; i < i1; ++i) {
           float* row = P + i * T;
@@ -619,7 +622,7 @@ void CpuFastBackend::AttentionForward(const float* q, const float* k, const floa
           std::fill(row + i + 1, row + i1, 0.0f);  // causal mask
           lh[i] = mx + std::log(sum);
         }
-        Sgemm(CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, P + i0 * T, T,
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, P + i0 * T, T,
                     vg, ldk, 0.0f, oh + i0 * ldq, ldq);
       }
     }
@@ -677,22 +680,22 @@ void CpuFastBackend::AttentionBackward(const float* q, const float* k, const flo
       float* dvg = dv + b * T * ldk + g * D;
       for (int64_t i0 = 0; i0 < T; i0 += kAttnBlock) {
         const int64_t i1 = std::min(T, i0 + kAttnBlock);
-        Sgemm(CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq,
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq,
                     ldq, kg, ldk, 0.0f, P + i0 * T, T);
-        Sgemm(CblasNoTrans, CblasTrans, i1 - i0, i1, D, 1.0f, doh + i0 * ldq,
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, 1.0f, doh + i0 * ldq,
                     ldq, vg, ldk, 0.0f, dS + i0 * T, T);
         for (int64_t i = i0; i < i1; ++i) {
           const float delta = Dot(doh + i * ldq, oh + i * ldq, D);
           SoftmaxGradRow(P + i * T, dS + i * T, i + 1, i1, lh[i], delta, scale);
         }
-        Sgemm(CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, dS + i0 * T, T,
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, dS + i0 * T, T,
                     kg, ldk, 0.0f, dqh + i0 * ldq, ldq);
       }
       for (int64_t j0 = 0; j0 < T; j0 += kAttnBlock) {
         const int64_t j1 = std::min(T, j0 + kAttnBlock);
-        Sgemm(CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f,
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f,
                     dS + j0 * T + j0, T, qh + j0 * ldq, ldq, 1.0f, dkg + j0 * ldk, ldk);
-        Sgemm(CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f,
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f,
                     P + j0 * T + j0, T, doh + j0 * ldq, ldq, 1.0f, dvg + j0 * ldk, ldk);
       }
     }

@@ -9,10 +9,11 @@
 //   * FP8 casts encode 8 values at a time with integer arithmetic (round to nearest even on the
 //     bits, float addition of a magic constant for subnormals; bit-exact with kernels/fp8.h),
 //     with the amax taken in the same pass; RMSNorm + cast runs in one pass per row.
-//   * GEMMs (FP8 ones after decoding the codes to f32) through oneDNN's sgemm instead of the
-//     reference's OpenBLAS: JIT kernels picked by the CPU's instruction sets (AVX2, AVX-512).
+//   * The linears' GEMMs (FP8 ones after decoding the codes to f32) through oneDNN's sgemm
+//     instead of the reference's OpenBLAS: JIT kernels picked by the CPU's instruction sets
+//     (AVX2, AVX-512).
 //   * Attention works as the reference does (row blocks of the causal T x T scores through
-//     sgemm) with the vectorized softmax.
+//     OpenBLAS sgemm) with the vectorized softmax.
 // On an x86-64 CPU without AVX2 and FMA, CreateBackend("cpu") returns the reference instead.
 //
 // Deterministic: a fixed order of operations for given shapes and thread count. The backend starts
