@@ -96,7 +96,9 @@ OPENBLAS_VERBOSE=2 OMP_NUM_THREADS=1 taskset -c "${cores%%,*}" "$bin/fsdp8-bench
 
 fp8=$(fsdp8_run fp8)
 fp32=$(fsdp8_run fp32)
-torch_line=$("${pin[@]}" python3 bench/cpu/torch_reference.py --threads 2 2>&1) || torch_line="(no torch: $(echo "$torch_line" | tail -1))"
+# PyTorch with its own libraries: LD_LIBRARY_PATH without the fsdp8 bundle's folder (.dev/gpu/lib).
+torch_ld=$(echo "${LD_LIBRARY_PATH:-}" | tr ':' '\n' | grep -vE '(^|/)\.dev/gpu/lib/?$' | paste -sd: || true)
+torch_line=$("${pin[@]}" env LD_LIBRARY_PATH="$torch_ld" python3 bench/cpu/torch_reference.py --threads 2 2>&1) || torch_line="(no torch: $(echo "$torch_line" | tail -1))"
 torch_tps=$(echo "$torch_line" | grep -oE 'tokens/s [0-9]+' | cut -d' ' -f2 || true)
 printf '%-58s %10s %8s\n' system tokens/s vs-torch
 ratio() { [ -n "$torch_tps" ] && python3 -c "print(f'{$1 / $torch_tps:.2f}')" || echo -; }
