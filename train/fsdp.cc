@@ -114,6 +114,7 @@ void FsdpParams::DropUnit(int unit) {
     b.ticket = 0;
     b.full.Reset();
     b.full_u16.Reset();
+    b.f32_of.clear();
   }
   if (static_cast<size_t>(unit) < in_flight_.size()) in_flight_[unit] = false;
 }
@@ -156,11 +157,9 @@ absl::Status FsdpParams::Gather(int unit) {
   for (Buf& b : units_[unit]) {
     comm_->Wait(b.ticket);
     b.ticket = 0;
-    const BufferPlan& bp = *b.plan;
-    if (bp.wire == WireDtype::kBf16) {
-      b.full = DevBuf(be_, bp.padded_numel * sizeof(float));
-      be_->UnpackBf16(b.full_u16.u16(), b.full.f32(), bp.padded_numel);
-      b.full_u16.Reset();
+    if (b.plan->wire == WireDtype::kBf16) {
+      b.f32_of.clear();
+      b.f32_of.resize(b.plan->tensors.size());
     }
   }
   in_flight_[unit] = false;
@@ -168,7 +167,11 @@ absl::Status FsdpParams::Gather(int unit) {
 }
 
 void FsdpParams::Release(int unit) {
-  for (Buf& b : units_[unit]) b.full.Reset();
+  for (Buf& b : units_[unit]) {
+    b.full.Reset();
+    b.full_u16.Reset();
+    b.f32_of.clear();
+  }
 }
 
 void FsdpParams::BeginGrads(int unit) {
@@ -220,9 +223,25 @@ absl::Status FsdpParams::ReduceGrads(int unit) {
 
 const float* FsdpParams::W(const TensorRef& t) const {
   const Buf& b = units_[t.unit][t.buffer];
-  FSDP8_CHECK(!b.full.empty() || t.numel == 0) << "unit " << t.unit << " not gathered";
   FSDP8_CHECK(b.plan->wire != WireDtype::kFp8) << "f32 view of an fp8 buffer";
-  return b.full.f32() + t.offset;
+  if (b.plan->wire == WireDtype::kFp32) {
+    FSDP8_CHECK(!b.full.empty() || t.numel == 0) << "unit " << t.unit << " not gathered";
+    return b.full.f32() + t.offset;
+  }
+  FSDP8_CHECK(!b.full_u16.empty() || t.numel == 0) << "unit " << t.unit << " not gathered";
+  DevBuf& f = b.f32_of[t.index];
+  if (f.empty() && t.numel > 0) {
+    f = DevBuf(be_, t.numel * sizeof(float));
+    be_->UnpackBf16(b.full_u16.u16() + t.offset, f.f32(), t.numel);
+  }
+  return f.f32();
+}
+
+const uint16_t* FsdpParams::W16(const TensorRef& t) const {
+  const Buf& b = units_[t.unit][t.buffer];
+  FSDP8_CHECK(b.plan->wire == WireDtype::kBf16) << "bf16 view of a non-bf16 buffer";
+  FSDP8_CHECK(!b.full_u16.empty() || t.numel == 0) << "unit " << t.unit << " not gathered";
+  return b.full_u16.u16() + t.offset;
 }
 
 const uint8_t* FsdpParams::W8(const TensorRef& t) const {

@@ -113,7 +113,11 @@ class FsdpParams {
   void FlushGrads();
 
   // Views into the gathered unit (valid between Gather and Release).
-  const float* W(const TensorRef& t) const;         // f32 values (bf16/fp32 buffers)
+  // f32 values (bf16/fp32 buffers). A bf16 tensor is unpacked to f32 on its first W() after the
+  // Gather (the tensor's numel x 4 bytes, held until Release): tensors read only as bf16 (W16)
+  // never cost f32 memory. Not thread-safe (neither is the rest of the class).
+  const float* W(const TensorRef& t) const;
+  const uint16_t* W16(const TensorRef& t) const;    // bf16 codes as gathered (bf16 buffers)
   const uint8_t* W8(const TensorRef& t) const;      // E4M3 codes (fp8 buffers)
   const float* WScaleInv(const TensorRef& t) const; // device scalar of an FP8 tensor
   // Full gradient view (valid between BeginGrads and ReduceGrads).
@@ -165,8 +169,9 @@ class FsdpParams {
   struct Buf {
     const BufferPlan* plan = nullptr;
     DevBuf master, m, v, grad, wire;  // shards
-    DevBuf full;       // gathered f32 (bf16/fp32) or u8 (fp8), padded_numel elements
-    DevBuf full_u16;   // transient bf16 gather target
+    DevBuf full;       // gathered f32 (fp32) or u8 (fp8), padded_numel elements
+    DevBuf full_u16;   // gathered bf16 codes (bf16), padded_numel elements
+    mutable std::vector<DevBuf> f32_of;  // bf16: each tensor's f32 values, unpacked by W()
     DevBuf full_grad;  // padded_numel f32
     int64_t ticket = 0;  // in-flight all-gather (Communicator::Wait)
     std::vector<int> fp8_ids;        // FP8 tensors of this buffer, in offset order

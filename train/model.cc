@@ -651,30 +651,48 @@ void LlamaModel::BackwardQkvPerLinear(Block& b, int64_t B, BlockActs& a, DevBuf&
 
 void LlamaModel::HeadBf16Compute(const float* nf, const int32_t* targets, int64_t N,
                                  float grad_scale, float* losses, float* dnf) {
-  // Rows per chunk: at most head_chunk_bytes_ of f32 logits (by default 8192 of 16384 rows at
-  // vocab 32768), so the logits and their bf16 gradient take 1.5 GiB at a time instead of 3.
-  const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(N, head_chunk_bytes_ / (V_ * 4)));
+  // Rows per chunk: at most head_chunk_bytes_ of f32 logits (by default 512 MiB: 4096 rows at
+  // vocab 32768, 1024 at 128256), a multiple of 128 rows where the chunk holds more (GEMM tiles).
+  int64_t rows = std::max<int64_t>(1, std::min<int64_t>(N, head_chunk_bytes_ / (V_ * 4)));
+  if (rows < N && rows > 128) rows -= rows % 128;
   // W (V, C) and nf (N, C) in bf16 once: the GEMMs read the operands the BF16 head rounds to.
-  DevBuf w16(be_, V_ * C_ * 2), nf16(be_, N * C_ * 2);
-  be_->PackBf16(p_->W(head_), w16.u16(), V_ * C_);
+  DevBuf w16_packed;
+  const uint16_t* w16 = HeadWeightBf16(&w16_packed);
+  DevBuf nf16(be_, N * C_ * 2);
   be_->PackBf16(nf, nf16.u16(), N * C_);
-  float* dw = dnf != nullptr ? p_->G(head_) : nullptr;
+  if (dnf == nullptr) {  // evaluation: the losses only
+    for (int64_t r0 = 0; r0 < N; r0 += rows) {
+      const int64_t n = std::min(rows, N - r0);
+      DevBuf logits(be_, n * V_ * 4);
+      be_->GemmBf16(false, true, n, V_, C_, nf16.u16() + r0 * C_, w16, logits.f32(), false);
+      be_->CrossEntropyForwardBackward(logits.f32(), targets + r0, n, V_, 0.0f, losses + r0);
+    }
+    return;
+  }
+  // The bf16 cross-entropy gradient g (N, V) of every row is kept, so the weight gradient is one
+  // GEMM over all N rows: a GEMM per chunk would read and write the f32 dW (V, C) once per chunk.
+  DevBuf g16(be_, N * V_ * 2);
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t n = std::min(rows, N - r0);
-    const uint16_t* x16 = nf16.u16() + r0 * C_;
+    uint16_t* g = g16.u16() + r0 * V_;
     DevBuf logits(be_, n * V_ * 4);
-    be_->GemmBf16(false, true, n, V_, C_, x16, w16.u16(), logits.f32(), false);  // (n, V)
-    if (dnf == nullptr) {  // evaluation: the losses only
-      be_->CrossEntropyForwardBackward(logits.f32(), targets + r0, n, V_, 0.0f, losses + r0);
-      continue;
-    }
-    DevBuf g16(be_, n * V_ * 2);
+    be_->GemmBf16(false, true, n, V_, C_, nf16.u16() + r0 * C_, w16, logits.f32(), false);
     be_->CrossEntropyForwardBackwardBf16Grad(logits.f32(), targets + r0, n, V_, grad_scale,
-                                             losses + r0, g16.u16());
+                                             losses + r0, g);
     logits.Reset();
-    be_->GemmBf16(false, false, n, C_, V_, g16.u16(), w16.u16(), dnf + r0 * C_, false);  // dnf
-    be_->GemmBf16(true, false, V_, C_, n, g16.u16(), x16, dw, true);  // dW (V, C) += gᵀ · nf
+    be_->GemmBf16(false, false, n, C_, V_, g, w16, dnf + r0 * C_, false);  // dnf (n, C)
   }
+  // dW (V, C) += gᵀ · nf
+  be_->GemmBf16(true, false, V_, C_, N, g16.u16(), nf16.u16(), p_->G(head_), true);
+}
+
+const uint16_t* LlamaModel::HeadWeightBf16(DevBuf* packed) {
+  // A bf16 wire carries exactly the bf16 rounding of the master weights (PackBf16): the gathered
+  // codes are the operand. Another wire (an FP32 embedding tied to a BF16 head) is packed here.
+  if (head_.wire == WireDtype::kBf16) return p_->W16(head_);
+  *packed = DevBuf(be_, V_ * C_ * 2);
+  be_->PackBf16(p_->W(head_), packed->u16(), V_ * C_);
+  return packed->u16();
 }
 
 absl::Status LlamaModel::GatherHead() {
@@ -769,10 +787,10 @@ absl::Status LlamaModel::Logits(const int32_t* tokens, int64_t B, float* logits)
   DevBuf nf(be_, N * C_ * 4), rstdf(be_, N * 4);
   be_->RmsNormForward(x.f32(), p_->W(final_norm_), eps_, N, C_, nf.f32(), rstdf.f32());
   if (lhead_.precision() == v1::PRECISION_BF16) {
-    DevBuf w16(be_, V_ * C_ * 2), nf16(be_, N * C_ * 2);
-    be_->PackBf16(p_->W(head_), w16.u16(), V_ * C_);
+    DevBuf w16_packed, nf16(be_, N * C_ * 2);
+    const uint16_t* w16 = HeadWeightBf16(&w16_packed);
     be_->PackBf16(nf.f32(), nf16.u16(), N * C_);
-    be_->GemmBf16(false, true, N, V_, C_, nf16.u16(), w16.u16(), logits, false);
+    be_->GemmBf16(false, true, N, V_, C_, nf16.u16(), w16, logits, false);
   } else {
     lhead_.Forward(nf.f32(), N, C_, V_, View(head_), logits, nullptr);
   }

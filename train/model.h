@@ -164,6 +164,8 @@ class LlamaModel {
   // evaluation, the losses only. nf (N, C) f32, targets (N), losses (N) nats.
   void HeadBf16Compute(const float* nf, const int32_t* targets, int64_t N, float grad_scale,
                        float* losses, float* dnf);
+  // The head weight (V, C) as bf16 codes: the gathered bf16 wire itself, or packed into *packed.
+  const uint16_t* HeadWeightBf16(DevBuf* packed);
 
   Backend* be_;
   FsdpParams* p_;
@@ -176,7 +178,7 @@ class LlamaModel {
   bool tied_ = false;           // model.tie_word_embeddings: head_ is embed_
   // f32 logits per chunk of the BF16 head (HeadBf16Compute):
   // ModelOptions::head_chunk_logit_bytes.
-  int64_t head_chunk_bytes_ = int64_t{1} << 30;
+  int64_t head_chunk_bytes_ = int64_t{512} << 20;
   int64_t forward_peak_ = 0, backward_peak_ = 0;
   TensorRef embed_, final_norm_, head_;
   Linear lhead_;
