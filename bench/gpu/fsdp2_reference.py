@@ -32,6 +32,7 @@ Prints one JSON line (rank 0) with the figures.
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -90,8 +91,22 @@ class Fp8Linear(nn.Linear):
 
 
 # ---- model ----------------------------------------------------------------------------------------
-def rope_tables(seq, hd, theta, device=None):
+def llama3_inv_freq(inv, s):
+    """Llama 3.1's RoPE scaling (rope_type "llama3") of the inverse frequencies `inv`: wavelengths
+    above original / low_freq_factor are divided by factor, those below original /
+    high_freq_factor kept, those between interpolated linearly in original / wavelength."""
+    orig, lo, hi = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv
+    t = (orig / wavelen - lo) / (hi - lo)
+    between = (1 - t) * inv / s["factor"] + t * inv
+    out = torch.where(wavelen > orig / lo, inv / s["factor"], inv)
+    return torch.where((wavelen <= orig / lo) & (wavelen >= orig / hi), between, out)
+
+
+def rope_tables(seq, hd, theta, device=None, scaling=None):
     inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=device).float() / hd))
+    if scaling:
+        inv = llama3_inv_freq(inv, scaling)
     ang = torch.outer(torch.arange(seq, device=device).float(), inv)
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos(), ang.sin()
@@ -142,7 +157,8 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList([Block(p, linear) for _ in range(p["layers"])])
         self.norm = nn.RMSNorm(p["d"], eps=1e-5)
         self.head = nn.Linear(p["d"], self.vocab, bias=False)
-        cos, sin = rope_tables(p["seq"], presets.head_dim(p), p["rope_theta"])
+        cos, sin = rope_tables(p["seq"], presets.head_dim(p), p["rope_theta"],
+                               scaling=p.get("rope_scaling"))
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -198,7 +214,8 @@ def build(p, precision, dev):
                 prm.fill_(1.0)
             else:
                 prm.normal_(0.0, 0.02)
-        cos, sin = rope_tables(p["seq"], presets.head_dim(p), p["rope_theta"], device=dev)
+        cos, sin = rope_tables(p["seq"], presets.head_dim(p), p["rope_theta"], device=dev,
+                               scaling=p.get("rope_scaling"))
         model.cos.copy_(cos)
         model.sin.copy_(sin)
     return model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)

@@ -14,9 +14,11 @@ PRESETS = {
                  vocab=32768, rope_theta=10000.0, warmup=4, steps=12),
     "1b": dict(d=2048, layers=24, heads=16, kv_heads=16, ffn=5632, seq=2048, batch=8,
                vocab=32768, rope_theta=10000.0, warmup=4, steps=12),
-    # Llama-3-8B block shapes, 8 of its 32 layers.
+    # Llama-3-8B block shapes, 8 of its 32 layers; RoPE scaled as in Llama 3.1 8B's config.json.
     "l3proxy": dict(d=4096, layers=8, heads=32, kv_heads=8, ffn=14336, seq=8192, batch=1,
-                    vocab=128256, rope_theta=500000.0, warmup=3, steps=8),
+                    vocab=128256, rope_theta=500000.0, warmup=3, steps=8,
+                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                      high_freq_factor=4.0, original_max_position_embeddings=8192)),
 }
 
 

@@ -41,9 +41,15 @@ import sys, yaml
 T = sys.argv[1]
 for n in (1, 2):
     s = yaml.safe_load(open(f"{T}/l3-{n}.yaml"))
+    # Llama 3.1 8B's rope_scaling (its config.json), the same in the PyTorch reference's shapes.
+    l31 = dict(rope_type="llama3", factor=8, low_freq_factor=1, high_freq_factor=4,
+               original_max_position_embeddings=8192)
     want = dict(d_model=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
-                seq_len=8192, rope_theta=500000)
+                seq_len=8192, rope_theta=500000, rope_scaling=l31)
     assert s["model"] == want, s["model"]
+    sys.path.insert(0, "bench/gpu")
+    import presets
+    assert presets.shape("l3proxy")["rope_scaling"] == l31, presets.shape("l3proxy")
     assert s["training"]["global_batch"] == n and s["training"]["microbatch"] == 1, s["training"]
     assert s["training"]["steps"] == 11 and "free_running" not in s["training"]
     assert s["sharding"] == dict(min_workers=n, max_workers=n), s["sharding"]
