@@ -504,7 +504,8 @@ def main():
         plan = translate(objs, ips, port)
         with open(os.path.join(WORK, "play-volumes.yaml"), "w") as f:
             yaml.safe_dump_all(plan["volumes"], f, sort_keys=False)
-        podman("kube", "play", os.path.join(WORK, "play-volumes.yaml"))
+        # --network: without it kube play makes podman-default-kube-network, even for volumes.
+        podman("kube", "play", "--network", NETWORK, os.path.join(WORK, "play-volumes.yaml"))
         t0 = time.monotonic()
         prepare_corpus(coord_image)
         log(f"fortunes corpus on fsdp8-data:/data/fortunes ({time.monotonic() - t0:.0f} s)")
