@@ -15,7 +15,7 @@ const std::map<std::string, bool>& CliFlags() {
       {"tls-ca", true},      {"tls-cert", true},   {"tls-key", true},  {"plot", true},
       {"log", true},
       {"page-size", true},   {"page-token", true},  {"max-shard-size", true}, {"tokenizer", true},
-      {"seq-len", true}};
+      {"seq-len", true},     {"world-size", true}};
   return *flags;
 }
 

@@ -1,6 +1,7 @@
 // fsdp8: the command-line client of an fsdp8 coordinator.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -29,6 +30,7 @@
 #include "client/prepare.h"
 #include "common/env_settings.h"
 #include "common/hf_model.h"
+#include "common/memory_plan.h"
 #include "common/spec.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -69,6 +71,8 @@ constexpr char kUsage[] =
     "                                                    files of --tokenizer, else of the job's init.from_hf)\n"
     "  model-section HF_DIR|CONFIG_JSON [--seq-len 2048] the spec's model section (YAML) for a Hugging Face\n"
     "                                                    config.json\n"
+    "  plan SPEC_FILE [--world-size N] [--json]          each rank's predicted peak device memory, broken\n"
+    "                                                    down (default: at sharding.min/max_workers)\n"
     "\n"
     "--coordinator defaults to $FSDP8_COORDINATOR, else localhost:50051.\n"
     "security: --tls-ca FILE (verify the coordinator; TLS), --tls-cert FILE --tls-key FILE (mutual\n"
@@ -462,6 +466,71 @@ int RunPrepare(Context& ctx) {
 int RunExport(Context& ctx) { return Export(ctx.a, ctx.address, ctx.sec); }
 int RunModelSection(Context& ctx) { return ModelSection(ctx.a); }
 
+// fsdp8 plan SPEC_FILE [--world-size N] [--json]: each rank's predicted peak device memory,
+// broken down (common/memory_plan.h), at N ranks, else at the spec's sharding.min_workers and
+// max_workers. Computed here, as the coordinator does: no coordinator is needed.
+int RunPlan(Context& ctx) {
+  Args& a = ctx.a;
+  if (a.positional.size() != 1) return Usage("plan: exactly one SPEC_FILE");
+  std::ifstream in(a.positional[0]);
+  if (!in) {
+    fprintf(stderr, "error: %s: cannot read: %s\n", a.positional[0].c_str(), std::strerror(errno));
+    return 2;
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto spec = fsdp8::ParseSpec(ss.str());
+  if (!spec.ok()) {
+    fprintf(stderr, "error: %s: %s\n", a.positional[0].c_str(), std::string(spec.status().message()).c_str());
+    return 2;
+  }
+  std::vector<int> worlds;
+  if (a.flags.count("world-size")) {
+    int n = 0;
+    if (!absl::SimpleAtoi(a.flags["world-size"], &n) || n < 1) {
+      return Usage(absl::StrCat("--world-size: must be a positive integer (got \"", a.flags["world-size"], "\")"));
+    }
+    worlds.push_back(n);
+  } else {
+    const fsdp8::v1::JobSpec d = fsdp8::WithDefaults(*spec, 0);
+    worlds.push_back(std::max(1, d.sharding().min_workers()));
+    if (d.sharding().max_workers() > worlds[0]) worlds.push_back(d.sharding().max_workers());
+  }
+  for (int n : worlds) {
+    const fsdp8::v1::JobSpec d = fsdp8::WithDefaults(*spec, n);
+    if (absl::Status s = fsdp8::ValidateSpec(d, n, {}, /*check_files=*/false); !s.ok()) {
+      fprintf(stderr, "error: invalid job spec at world size %d: %s\n", n, std::string(s.message()).c_str());
+      return 2;
+    }
+    auto plan = fsdp8::PlanMemory(d, n);
+    if (!plan.ok()) return ReportError(plan.status());
+    if (a.flags.count("json")) {
+      std::string json;
+      google::protobuf::util::JsonPrintOptions jo;
+      jo.preserve_proto_field_names = true;
+      (void)google::protobuf::util::MessageToJsonString(fsdp8::ToProto(*plan), &json, jo);
+      printf("%s\n", json.c_str());
+      continue;
+    }
+    printf("memory plan of %s: backend %s, %d rank%s, per rank\n", a.positional[0].c_str(),
+           plan->backend.c_str(), n, n == 1 ? "" : "s");
+    for (const fsdp8::MemoryTerm& t : plan->terms) {
+      printf("  %-22s %12s\n", t.name.c_str(), fsdp8::MemoryBytes(t.bytes).c_str());
+    }
+    printf("  %-22s %12s   (forward %s, backward %s, optimizer %s)\n",
+           absl::StrCat("peak (", plan->peak_phase, ")").c_str(),
+           fsdp8::MemoryBytes(plan->peak_bytes).c_str(),
+           fsdp8::MemoryBytes(plan->forward_peak_bytes).c_str(),
+           fsdp8::MemoryBytes(plan->backward_peak_bytes).c_str(),
+           fsdp8::MemoryBytes(plan->optimizer_peak_bytes).c_str());
+    for (const fsdp8::MemoryTerm& t : plan->device_extra) {
+      printf("  + %-20s %12s\n", t.name.c_str(), fsdp8::MemoryBytes(t.bytes).c_str());
+    }
+    printf("  %-22s %12s\n", "device total", fsdp8::MemoryBytes(plan->device_bytes).c_str());
+  }
+  return 0;
+}
+
 // WatchJob with the --plot and --log flags of ctx (the log file is appended to).
 int WatchWithLog(Context& ctx, const std::string& job_id, bool json) {
   FILE* log = nullptr;
@@ -689,6 +758,7 @@ constexpr Command kCommands[] = {
     {"prepare", Needs::kNothing, RunPrepare},
     {"export", Needs::kSecurity, RunExport},
     {"model-section", Needs::kNothing, RunModelSection},
+    {"plan", Needs::kNothing, RunPlan},
     {"submit", Needs::kClient, RunSubmit},
     {"watch", Needs::kClient, RunWatch},
     {"status", Needs::kClient, RunStatus},

@@ -200,6 +200,14 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
                      owner, d);
     }
   }
+  std::function<absl::Status(const v1::JobSpec&)> admission;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    admission = admission_;
+  }
+  if (admission) {
+    if (absl::Status s = admission(d); !s.ok()) return Refused(s, owner, d);
+  }
   const std::string& resume = d.checkpoint().resume_from();
   if (options_.check_files && !resume.empty() && resume != "latest") {
     auto ck = CheckpointStore::Open(resume);
@@ -772,6 +780,11 @@ absl::StatusOr<v1::ScalingState> JobManager::GetScalingState(const std::string& 
 void JobManager::SetSubmitListener(std::function<void()> fn) {
   std::lock_guard<std::mutex> lock(mu_);
   on_submit_ = std::move(fn);
+}
+
+void JobManager::SetAdmission(std::function<absl::Status(const v1::JobSpec&)> fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  admission_ = std::move(fn);
 }
 void JobManager::SetCancelListener(std::function<void(const std::string&)> fn) {
   std::lock_guard<std::mutex> lock(mu_);

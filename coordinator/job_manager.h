@@ -182,6 +182,9 @@ class JobManager {
 
   // Called after a successful Submit (new job) and after Cancel of a STARTING/RUNNING job.
   void SetSubmitListener(std::function<void()> fn);
+  // Consulted by Submit after the spec checks (defaults applied): a non-OK status refuses the
+  // job with it (the memory check of coordinator/memory_fit.h against the registered workers).
+  void SetAdmission(std::function<absl::Status(const v1::JobSpec&)> fn);
   void SetCancelListener(std::function<void(const std::string& job_id)> fn);
 
   const JobManagerOptions& options() const { return options_; }
@@ -232,6 +235,7 @@ class JobManager {
   bool shutdown_ = false;
   std::function<void()> on_submit_;
   std::function<void(const std::string&)> on_cancel_;
+  std::function<absl::Status(const v1::JobSpec&)> admission_;  // guarded by mu_
 };
 
 // Text of a state without the prefix: "PENDING", "RUNNING", ...

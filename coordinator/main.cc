@@ -32,6 +32,10 @@ ABSL_FLAG(double, start_timeout_s, 120, "deadline for every rank's Ready after a
 ABSL_FLAG(int32_t, collective_timeout_ms, 30000, "collective timeout told to the workers");
 ABSL_FLAG(double, abort_grace_s, 1,
           "after an Abort, its workers stay unassignable this long while they unwind the job");
+ABSL_FLAG(bool, check_memory, true,
+          "refuse at submit a job that the largest registered worker cannot hold, and start jobs "
+          "only on workers that hold it, by the memory plan (docs/memory.md); false: any free "
+          "workers, as an allocation failure then fails the job");
 ABSL_FLAG(bool, dispatch_ahead, true,
           "send step k+1 to the workers while step k runs when no checkpoint save comes between "
           "them (hides the coordinator's per-step round trip)");
@@ -138,6 +142,7 @@ int main(int argc, char** argv) {
   o.scheduler.collective_timeout_ms = absl::GetFlag(FLAGS_collective_timeout_ms);
   o.scheduler.abort_grace = Ms(absl::GetFlag(FLAGS_abort_grace_s));
   o.scheduler.dispatch_ahead = absl::GetFlag(FLAGS_dispatch_ahead);
+  o.scheduler.check_memory = absl::GetFlag(FLAGS_check_memory);
   o.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
 

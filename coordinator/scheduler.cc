@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/job_run.h"
+#include "coordinator/memory_fit.h"
 
 namespace fsdp8::coord {
 namespace {
@@ -110,9 +111,11 @@ int Scheduler::MinWorldSize(const v1::JobSpec& spec) {
   return mn;
 }
 
-void Scheduler::NoteWaiting(const v1::Job& job, size_t free) {
+void Scheduler::NoteWaiting(const v1::Job& job, size_t free, const std::string& memory_why) {
   const int need = MinWorldSize(job.spec());
-  std::string why = absl::StrCat("waiting for ", need, " workers (", free, " free)");
+  std::string why = static_cast<int>(free) >= need && !memory_why.empty()
+                        ? memory_why
+                        : absl::StrCat("waiting for ", need, " workers (", free, " free)");
   if (job.state() == v1::JOB_STATE_RECOVERING) {
     const auto now = Clock::now();
     const auto since = recovering_since_.emplace(job.job_id(), now).first->second;
@@ -131,6 +134,7 @@ void Scheduler::NoteWaiting(const v1::Job& job, size_t free) {
 
 void Scheduler::SchedulePass() {
   std::map<std::string, std::vector<std::string>> free;
+  std::map<std::string, std::map<std::string, int64_t>> memory;  // per backend, per worker
   const std::vector<v1::Job> pending = jobs_->PendingJobs();
   for (auto it = recovering_since_.begin(); it != recovering_since_.end();) {
     bool waiting = false;
@@ -151,13 +155,27 @@ void Scheduler::SchedulePass() {
     auto it = free.find(backend);
     if (it == free.end()) it = free.emplace(backend, workers_->FreeWorkers(backend)).first;
     std::vector<std::string>& f = it->second;
-    int n = ChooseWorldSize(job.spec(), static_cast<int>(f.size()));
+    auto mit = memory.find(backend);
+    if (mit == memory.end()) {
+      // Without the check every worker counts as large enough (no memory known).
+      mit = memory.emplace(backend, options_.check_memory ? workers_->WorkerMemory(backend)
+                                                          : std::map<std::string, int64_t>())
+                .first;
+    }
+    // Workers whose memory holds the job's memory plan (coordinator/memory_fit.h).
+    const FitChoice fit = ChooseFittingWorkers(job.spec(), f, mit->second);
+    const int n = fit.world_size;
     if (n == 0) {
-      NoteWaiting(job, f.size());
+      if (absl::Status s = CheckFitsLargestWorkers(job.spec(), mit->second); !s.ok()) {
+        recovering_since_.erase(job.job_id());
+        jobs_->Finish(job.job_id(), v1::JOB_STATE_FAILED, std::string(s.message())).IgnoreError();
+        continue;
+      }
+      NoteWaiting(job, f.size(), fit.why);
       continue;
     }
     recovering_since_.erase(job.job_id());
-    std::vector<std::string> chosen(f.begin(), f.begin() + n);
+    const std::vector<std::string>& chosen = fit.workers;
     auto inbox = std::make_shared<Inbox>();
     if (!workers_->Assign(chosen, job.job_id(), [inbox](const WorkerEvent& ev) { inbox->Push(ev); })
              .ok()) {
@@ -165,7 +183,7 @@ void Scheduler::SchedulePass() {
       Wake();
       continue;
     }
-    f.erase(f.begin(), f.begin() + n);
+    for (const std::string& id : chosen) f.erase(std::find(f.begin(), f.end(), id));
     auto started = jobs_->MarkStarting(job.job_id(), chosen);
     if (!started.ok()) {  // cancelled meanwhile
       workers_->Release(job.job_id());

@@ -55,6 +55,9 @@ struct SchedulerOptions {
   // that the workers start it without waiting for the coordinator's round trip (result ->
   // aggregation -> next command). A TriggerCheckpoint then lands after the step already sent.
   bool dispatch_ahead = true;
+  // Start a job only on workers that hold its memory plan (coordinator/memory_fit.h); false:
+  // on any free workers (an allocation failure then fails the job on the worker).
+  bool check_memory = true;
 };
 
 class JobRun;
@@ -83,9 +86,10 @@ class Scheduler {
   void SchedulePass();
   void ReapFinished();
   void OnCancel(const std::string& job_id);
-  // No world size fits `free` workers: records why the job waits, or fails a RECOVERING job that
-  // has waited start_timeout.
-  void NoteWaiting(const v1::Job& job, size_t free);
+  // No world size fits `free` workers: records why the job waits (memory_why: the memory plan's
+  // reason when enough workers are free but too few hold the plan), or fails a RECOVERING job
+  // that has waited start_timeout.
+  void NoteWaiting(const v1::Job& job, size_t free, const std::string& memory_why = "");
 
   JobManager* jobs_;
   WorkerRegistry* workers_;

@@ -10,6 +10,8 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/memory_plan.h"
+#include "coordinator/memory_fit.h"
 #include "common/shard_plan.h"
 #include "common/spec.h"
 #include "common/http_server.h"
@@ -208,9 +210,17 @@ grpc::Status AdminServiceImpl::GetShardPlan(grpc::ServerContext* ctx,
     absl::Status s = ValidateSpec(d, world_size, {}, /*check_files=*/false);
     if (!s.ok()) return ToGrpc(s);
   }
-  auto plan = MakeShardPlan(d, world_size);
-  if (!plan.ok()) return ToGrpc(plan.status());
-  *resp = ToProto(*plan);
+  auto memory = PlanMemory(d, world_size);
+  if (!memory.ok()) return ToGrpc(memory.status());
+  if (req->memory_only()) {
+    resp->set_world_size(world_size);
+    resp->set_alignment(d.sharding().alignment());
+  } else {
+    auto plan = MakeShardPlan(d, world_size);
+    if (!plan.ok()) return ToGrpc(plan.status());
+    *resp = ToProto(*plan);
+  }
+  *resp->mutable_memory() = ToProto(*memory);
   return grpc::Status::OK;
 }
 
@@ -453,6 +463,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   if (!jobs.ok()) return jobs.status();
   s->jobs_ = std::move(*jobs);
   s->workers_ = std::make_unique<WorkerRegistry>(options.workers);
+  // A job that cannot fit even on the largest registered workers is refused at submit.
+  if (options.scheduler.check_memory) {
+    s->jobs_->SetAdmission([workers = s->workers_.get()](const v1::JobSpec& spec) {
+      const std::string backend = spec.backend().empty() ? "cpu" : spec.backend();
+      return CheckFitsLargestWorkers(spec, workers->WorkerMemory(backend));
+    });
+  }
   s->kv_ = std::make_unique<KvServer>();
   s->metrics_ = std::make_unique<CoordinatorMetrics>();
   options.scheduler.metrics = s->metrics_.get();

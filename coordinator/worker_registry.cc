@@ -84,6 +84,7 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(const v1::Register
     i.set_backend(backend);
     i.set_device(req.device());
     i.set_memory_bytes(req.memory_bytes());
+    w->memory_shared = req.memory_shared();
     i.set_version(req.version());
     i.set_healthy(true);
     i.set_last_heartbeat(NowSeconds());
@@ -205,8 +206,25 @@ std::vector<v1::WorkerInfo> WorkerRegistry::List() const {
   return out;
 }
 
-v1::WorkerInfo WorkerRegistry::InfoOf(const Worker& w) {
+int64_t WorkerRegistry::MemoryLocked(const Worker& w) const {
+  if (!w.memory_shared) return w.info.memory_bytes();
+  int64_t sharing = 0;
+  for (const auto& [id, o] : workers_) sharing += o.memory_shared && o.info.host() == w.info.host();
+  return w.info.memory_bytes() / std::max<int64_t>(1, sharing);
+}
+
+std::map<std::string, int64_t> WorkerRegistry::WorkerMemory(const std::string& backend) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<std::string, int64_t> out;
+  for (const auto& [id, w] : workers_) {
+    if (w.info.healthy() && w.info.backend() == backend) out[id] = MemoryLocked(w);
+  }
+  return out;
+}
+
+v1::WorkerInfo WorkerRegistry::InfoOf(const Worker& w) const {
   v1::WorkerInfo info = w.info;
+  info.set_memory_bytes(MemoryLocked(w));
   const bool busy = !info.job_id().empty();
   if (!info.healthy() || !w.session) info.set_state(v1::WORKER_STATE_UNHEALTHY);
   else if (info.draining()) info.set_state(busy ? v1::WORKER_STATE_DRAINING : v1::WORKER_STATE_DRAINED);

@@ -94,6 +94,9 @@ class WorkerRegistry {
   // ---- scheduler side ----
   // Assignable workers with this backend, in registration order.
   std::vector<std::string> FreeWorkers(const std::string& backend) const;
+  // The memory each healthy worker with this backend may use (WorkerInfo.memory_bytes; 0:
+  // unknown), by worker id; busy workers included (the memory plan's capacity check).
+  std::map<std::string, int64_t> WorkerMemory(const std::string& backend) const;
   // Marks worker_ids[r] as rank r of job_id and routes their events to `handler`.
   // FAILED_PRECONDITION (nothing changes) when any of them is not assignable any more.
   absl::Status Assign(const std::vector<std::string>& worker_ids, const std::string& job_id,
@@ -122,11 +125,16 @@ class WorkerRegistry {
     uint64_t token = 0;
     WorkerEventHandler handler;
     int64_t order = 0;
+    bool memory_shared = false;  // RegisterRequest.memory_shared
     int64_t pid = 0;  // the registering process's, to tell its own re-registration from another's
     std::chrono::steady_clock::time_point hold_until{};  // unassignable before this (see Release)
   };
   bool Assignable(const Worker& w, std::chrono::steady_clock::time_point now) const;
-  static v1::WorkerInfo InfoOf(const Worker& w);
+  // w's WorkerInfo, its state computed now and memory_bytes its share (MemoryLocked).
+  v1::WorkerInfo InfoOf(const Worker& w) const;
+  // The memory w may use: RegisterRequest.memory_bytes, divided among the workers registered from
+  // the same host with memory_shared.
+  int64_t MemoryLocked(const Worker& w) const;
   void NotifyChange();
 
   const WorkerRegistryOptions options_;

@@ -1,4 +1,7 @@
 #include "kernels/backend.h"
+#include "kernels/device_memory.h"
+
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -431,6 +434,24 @@ std::unique_ptr<Backend> CreateBackend(const std::string& name, int device, std:
   }
   if (error != nullptr) *error = "unknown backend '" + name + "': expected 'cpu', 'cpu-ref' or 'cuda'";
   return nullptr;
+}
+
+int64_t DeviceMemoryBytes(const std::string& backend, int device, std::string* error) {
+  if (backend == "cuda") {
+#ifdef FSDP8_WITH_CUDA
+    return CudaDeviceTotalMemory(device, error);
+#else
+    (void)device;
+    if (error != nullptr) *error = "backend 'cuda' is not built";
+    return 0;
+#endif
+  }
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) {
+    if (error != nullptr) *error = "sysconf: physical memory unknown";
+    return 0;
+  }
+  return static_cast<int64_t>(pages) * page;
 }
 
 }  // namespace fsdp8

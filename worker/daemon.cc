@@ -125,7 +125,8 @@ bool WorkerDaemon::Register() {
     req.set_host(opts_.host);
     req.set_backend(opts_.backend);
     req.set_device(opts_.device);
-    req.set_memory_bytes(static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE));
+    req.set_memory_bytes(opts_.memory_bytes);
+    req.set_memory_shared(opts_.memory_shared);
     req.set_pid(getpid());
     req.set_name(opts_.name);
     v1::RegisterResponse resp;

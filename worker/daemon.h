@@ -45,6 +45,12 @@ struct DaemonOptions {
   // Stable worker id to register under (RegisterRequest.name, e.g. the pod name); empty: the
   // coordinator assigns one, new at each registration.
   std::string name;
+  // The memory reported at registration (RegisterRequest.memory_bytes): the device's (a GPU's
+  // total, or --memory_limit_mb when smaller), or, for a CPU worker without --memory_limit_mb,
+  // the host's physical memory with memory_shared (the coordinator divides it among the host's
+  // workers). 0: unknown.
+  int64_t memory_bytes = 0;
+  bool memory_shared = false;
   // The channel to the coordinator (TLS, token: common/rpc_channel.h); null = plaintext.
   std::shared_ptr<grpc::Channel> channel;
   WorkerMetrics* metrics = nullptr;  // optional; must outlive the daemon

@@ -22,6 +22,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/backend.h"
+#include "kernels/device_memory.h"
 #include "worker/daemon.h"
 #include "worker/metrics.h"
 #include "worker/settings.h"
@@ -52,7 +53,9 @@ ABSL_FLAG(std::string, log_format, "text",
 ABSL_FLAG(int64_t, memory_limit_mb, 0,
           "most memory a job's buffers may take on this worker's device (host memory for the cpu "
           "backend), MiB; an allocation beyond it fails the job with RESOURCE_EXHAUSTED as an "
-          "exhausted device does; 0: no limit but the device's");
+          "exhausted device does; 0: no limit but the device's. Reported at registration as the "
+          "memory the coordinator plans jobs with (default: a GPU's total memory; for cpu "
+          "workers, the host's RAM divided by the cpu workers registered from this host)");
 ABSL_FLAG(int, health_port, 0,
           "serve grpc.health.v1 on 0.0.0.0:PORT (Kubernetes gRPC probes): service \"\" is SERVING "
           "while the process runs, service \"ready\" while registered with the coordinator; 0: off");
@@ -213,8 +216,15 @@ fsdp8::DaemonOptions OptionsFromFlags(fsdp8::WorkerSettings settings) {
   opts.connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);
   opts.name = absl::GetFlag(FLAGS_name);
   opts.settings = std::move(settings);
-  opts.settings.backend.memory_limit_bytes =
-      std::max<int64_t>(0, absl::GetFlag(FLAGS_memory_limit_mb)) << 20;
+  const int64_t limit = std::max<int64_t>(0, absl::GetFlag(FLAGS_memory_limit_mb)) << 20;
+  opts.settings.backend.memory_limit_bytes = limit;
+  // What the coordinator plans with (common/memory_plan.h): the device's memory, or the limit.
+  std::string err;
+  const int64_t device = fsdp8::DeviceMemoryBytes(opts.backend == "cuda" ? "cuda" : "cpu",
+                                                  opts.device, &err);
+  if (device == 0) fsdp8::Log(fsdp8::LogLevel::kWarning, absl::StrCat("device memory unknown: ", err));
+  opts.memory_bytes = limit > 0 && (device == 0 || limit < device) ? limit : device;
+  opts.memory_shared = opts.backend != "cuda" && limit == 0;  // the host's RAM, shared
   return opts;
 }
 

@@ -137,6 +137,18 @@ def fsdp8_result(events_file, preset, mode, warmup, world, vocab):
     return row
 
 
+def plan_fields(path):
+    """plan_peak_bytes (the backend's own count) and plan_device_bytes (with the CUDA context, NCCL
+    and the pool: what NVML sees) of an `fsdp8 plan --json` file; {} when it holds no plan."""
+    try:
+        with open(path) as f:
+            plan = json.loads(f.readline())
+        return dict(plan_peak_bytes=int(plan["peak_bytes"]), plan_device_bytes=int(plan["device_bytes"]),
+                    plan_phase=plan.get("peak_phase", ""))
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -160,6 +172,7 @@ def main():
     a.add_argument("--world", type=int, required=True)
     a.add_argument("--vocab", type=int, required=True)
     a.add_argument("--meter", help="memmeter.py watch output to merge into the line")
+    a.add_argument("--plan", help="`fsdp8 plan --json` output: the memory plan's prediction")
     a = sub.add_parser("line")
     a.add_argument("pairs", nargs="*")
     args = ap.parse_args()
@@ -177,6 +190,8 @@ def main():
             if args.meter:
                 import memmeter
                 row.update(memmeter.read_result(args.meter))
+            if args.plan:
+                row.update(plan_fields(args.plan))
             print(json.dumps(row))
         elif args.cmd == "line":
             if len(args.pairs) % 2:

@@ -10,6 +10,9 @@ Model FLOPs per token = 6 x (all parameters except the token embedding; the LM h
 """
 
 PRESETS = {
+    # The default model (data/default-job.yaml: 0.92 M parameters), on CUDA.
+    "default": dict(d=128, layers=4, heads=4, kv_heads=4, ffn=384, seq=256, batch=8,
+                    vocab=256, rope_theta=10000.0, warmup=4, steps=12),
     "125m": dict(d=768, layers=12, heads=12, kv_heads=12, ffn=2048, seq=1024, batch=16,
                  vocab=32768, rope_theta=10000.0, warmup=4, steps=12),
     "1b": dict(d=2048, layers=24, heads=16, kv_heads=16, ffn=5632, seq=2048, batch=8,

@@ -10,7 +10,8 @@
 # PyTorch runs torchrun --nproc_per_node N, fsdp8 N CUDA workers on devices 0..N-1, and every
 # preset keeps its sequences per GPU (global batch = sequences per GPU x N).
 # Options (environment):
-#   PRESETS           "125m 1b l3proxy" (bench/presets/, shapes in bench/gpu/presets.py)
+#   PRESETS           "125m 1b l3proxy" (bench/presets/, shapes in bench/gpu/presets.py; also
+#                     "default", the default model on CUDA)
 #   TORCH_PRECISIONS  "bf16 fp8 torchao-tensorwise torchao-rowwise" (bench/gpu/fsdp2_reference.py)
 #   MODES             fsdp8 modes, "driven free"
 #   VOCAB             vocabulary of every preset (default: each preset's; l3proxy 128256)
@@ -26,7 +27,8 @@
 # METER_INTERVAL s): the peak device memory used minus the idle baseline taken before the measured
 # processes started (torchrun's workers; fsdp8's workers, started per preset, metered over each
 # job). Beside it, each system's own count: torch.cuda.max_memory_allocated() for PyTorch,
-# peak_memory_bytes of the step events for fsdp8.
+# peak_memory_bytes of the step events for fsdp8; and fsdp8's memory plan (`fsdp8 plan`), the
+# prediction of both: its peak_bytes against the own count, its device_bytes against the meter.
 # fsdp8 figures come from the job's events (`fsdp8 watch --json`): the median over the timed steps
 # of the step time and its compute / exposed-communication / optimizer split. Free-running mode
 # (training.free_running: workers step back to back without the coordinator's per-step round trip)
@@ -185,10 +187,14 @@ run_fsdp8() {  # preset mode(driven|free) baseline-file
     --data "$data/tokens-$vocab.bin" $([ "$2" = free ] && echo --free) > "$spec" || {
     error_line system fsdp8 preset "$1" mode "$2" vocab "$vocab" error "no spec"; return; }
   meter_start "$m" "$3"
+  # The memory plan's prediction for this spec (common/memory_plan.h), printed beside the measured
+  # peaks by table.py.
+  "$BIN/fsdp8" plan "$spec" --world-size "$N" --json > "$OUT_DIR/$name.plan.json" 2> /dev/null
   fsdp8_job "$spec" "$ev"
   local rc=$?
   meter_stop
-  python3 "$tool" fsdp8-result "$ev" "$1" "$2" "$warm" --world "$N" --vocab "$vocab" --meter "$m" >> "$results"
+  python3 "$tool" fsdp8-result "$ev" "$1" "$2" "$warm" --world "$N" --vocab "$vocab" --meter "$m" \
+    --plan "$OUT_DIR/$name.plan.json" >> "$results"
   [ $rc -eq 0 ] || echo "fsdp8 $1 $2: watch rc $rc; last events: $(tail -2 "$ev")"
 }
 

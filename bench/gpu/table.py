@@ -53,6 +53,12 @@ def gib(x):
     return "" if x is None else f"{int(x) / GiB:.1f}"
 
 
+def mem(x):
+    """Bytes as GiB, or MiB below one GiB."""
+    x = int(x)
+    return f"{x / GiB:.2f} GiB" if x >= GiB else f"{x / 2**20:.1f} MiB"
+
+
 def row_cells(r, base):
     preset, vocab, world = group_key(r)
     cells = [system_key(r), preset, str(vocab), str(world)]
@@ -84,6 +90,13 @@ def fsdp8_notes(rows):
         if r["mode"] == "driven" and free is not None:
             over = float(r["step_s_median"]) - float(free["step_s_median"])
             line += f"; coordinator overhead {ms(over)} ms ({100 * over / float(r['step_s_median']):.2f}%)"
+        if r.get("plan_peak_bytes"):
+            own, ext = r.get("peak_mem_bytes"), r.get("ext_peak_mem_bytes")
+            ratio = lambda a, b: f" ({float(a) / float(b):.3f}x)" if a and b else ""  # noqa: E731
+            line += (f"; memory plan: own count {mem(r['plan_peak_bytes'])} predicted, "
+                     f"{mem(own) if own else 'n/a'} measured{ratio(r['plan_peak_bytes'], own)}; "
+                     f"device {mem(r['plan_device_bytes'])} predicted, {mem(ext) if ext else 'n/a'} "
+                     f"by the meter{ratio(r['plan_device_bytes'], ext)}")
         pk = r.get("phase_peaks")
         if pk:
             line += (f"; peak GiB per phase: forward {gib(pk['forward'])}, backward {gib(pk['backward'])}, "

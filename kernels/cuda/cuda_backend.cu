@@ -1,5 +1,6 @@
 // CudaBackend: memory, streams and the op entry points; kernels live in the per-family .cu files.
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/device_memory.h"
 
 #include <cmath>
 #include <cstdio>
@@ -864,6 +865,24 @@ void CudaBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n,
 }
 
 // ---- factory -------------------------------------------------------------------------------------
+
+int64_t CudaDeviceTotalMemory(int device, std::string* error) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+    cudaGetLastError();
+    if (error) *error = "no CUDA device " + std::to_string(device);
+    return 0;
+  }
+  size_t free_bytes = 0, total_bytes = 0;
+  const cudaError_t e = cudaSetDevice(device) == cudaSuccess ? cudaMemGetInfo(&free_bytes, &total_bytes)
+                                                              : cudaGetLastError();
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    if (error) *error = std::string("cudaMemGetInfo: ") + cudaGetErrorString(e);
+    return 0;
+  }
+  return static_cast<int64_t>(total_bytes);
+}
 
 std::unique_ptr<Backend> CreateCudaBackend(int device, std::string* error,
                                            const BackendOptions& options) {

@@ -140,6 +140,28 @@ TEST_F(GrpcTest, KvGetEndsWhenTheClientCancels) {
   EXPECT_TRUE(WaitFor([&] { return server_->kv()->waiting() == 0; }, 5));
 }
 
+// A job the registered workers cannot hold is refused at submit, before any worker allocates.
+TEST_F(GrpcTest, SubmitRefusesAJobNoRegisteredWorkerCanHold) {
+  auto stub = v1::WorkerControl::NewStub(channel_);
+  grpc::ClientContext rctx;
+  v1::RegisterRequest rreq;
+  rreq.set_version(FSDP8_VERSION);
+  rreq.set_host("127.0.0.1");
+  rreq.set_backend("cpu");
+  rreq.set_memory_bytes(int64_t{64} << 30);
+  v1::RegisterResponse rresp;
+  ASSERT_TRUE(stub->Register(&rctx, rreq, &rresp).ok());
+  auto client = fsdp8::Client::Connect(server_->address());
+  ASSERT_TRUE(client.ok());
+  v1::JobSpec spec = SmallSpec(train_);
+  spec.mutable_model()->set_n_layers(1000000);
+  auto job = (*client)->Submit(spec);
+  EXPECT_EQ(job.status().code(), absl::StatusCode::kResourceExhausted) << job.status();
+  EXPECT_TRUE(absl::StrContains(job.status().message(), "68719476736 bytes")) << job.status();
+  auto fits = (*client)->Submit(SmallSpec(train_));
+  EXPECT_TRUE(fits.ok()) << fits.status();
+}
+
 TEST_F(GrpcTest, OneWorkerSessionRunsAJobThroughTheSdk) {
   auto stub = v1::WorkerControl::NewStub(channel_);
   grpc::ClientContext rctx;
@@ -210,6 +232,13 @@ TEST_F(GrpcTest, OneWorkerSessionRunsAJobThroughTheSdk) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->world_size(), 1);
   EXPECT_GT(plan->total_numel(), 0);
+  // The memory plan travels with it: its terms add up to its peak, which covers at least the
+  // parameters' f32 master, gradient and two AdamW moments.
+  EXPECT_EQ(plan->memory().world_size(), 1);
+  int64_t sum = 0;
+  for (const v1::MemoryTerm& t : plan->memory().terms()) sum += t.bytes();
+  EXPECT_EQ(sum, plan->memory().peak_bytes());
+  EXPECT_GE(plan->memory().peak_bytes(), plan->total_numel() * 16);
   auto bad_plan = (*client)->GetShardPlan("", SmallSpec(train_), 0);
   EXPECT_EQ(bad_plan.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*client)->GetScalingState(job->job_id()).status().code(),

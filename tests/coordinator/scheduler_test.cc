@@ -11,9 +11,12 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
+#include "common/memory_plan.h"
+#include "common/spec.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/kv_server.h"
+#include "coordinator/memory_fit.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/worker_registry.h"
 #include "gtest/gtest.h"
@@ -92,8 +95,12 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
       : reg_(reg), mode_(mode), at_step_(at_step), loss_per_token_(loss_per_token) {}
   ~FakeWorker() override { Stop(); }
 
+  // The memory the worker reports at registration (0: unknown); before Start.
+  void set_memory_bytes(int64_t bytes) { memory_bytes_ = bytes; }
   void Start() {
-    auto r = reg_->Register(CpuWorkerRegistration(FSDP8_VERSION));
+    v1::RegisterRequest req = CpuWorkerRegistration(FSDP8_VERSION);
+    req.set_memory_bytes(memory_bytes_);
+    auto r = reg_->Register(req);
     ASSERT_TRUE(r.ok()) << r.status();
     id_ = r->worker_id();
     auto t = reg_->AttachSession(id_, shared_from_this());
@@ -283,6 +290,7 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
   }
 
   WorkerRegistry* reg_;
+  int64_t memory_bytes_ = 0;
   Mode mode_;
   int64_t at_step_;
   double loss_per_token_;
@@ -337,8 +345,10 @@ class SchedulerTest : public ::testing::Test {
     for (auto& w : fakes_) w->Stop();
   }
   std::shared_ptr<FakeWorker> AddWorker(FakeWorker::Mode mode = FakeWorker::Mode::kNormal,
-                                        int64_t at = -1, double loss = 2.0) {
+                                        int64_t at = -1, double loss = 2.0,
+                                        int64_t memory_bytes = 0) {
     auto w = std::make_shared<FakeWorker>(workers_.get(), mode, at, loss);
+    w->set_memory_bytes(memory_bytes);
     w->Start();
     fakes_.push_back(w);
     return w;
@@ -389,6 +399,117 @@ TEST_F(SchedulerTest, PendingReasonNamesWorkersNeededAndFree) {
                                    "waiting for 2 workers (1 free)"; }))
       << jobs_->Get(job->job_id())->reason();
   EXPECT_EQ(jobs_->Get(job->job_id())->state(), v1::JOB_STATE_PENDING);
+}
+
+// The memory plan's bytes per rank of `spec` at n ranks (what a worker must hold).
+int64_t PlanBytes(const v1::JobSpec& spec, int n) {
+  auto p = PlanMemory(WithDefaults(spec, n), n);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? p->device_bytes : 0;
+}
+
+TEST_F(SchedulerTest, MemoryPlanPicksTheWorkersThatHoldIt) {
+  const v1::JobSpec spec = SmallSpec(train_, 2);
+  const int64_t need = PlanBytes(spec, 2);
+  auto small = AddWorker(FakeWorker::Mode::kNormal, -1, 2.0, need / 2);
+  auto big0 = AddWorker(FakeWorker::Mode::kNormal, -1, 2.0, need * 4);
+  auto big1 = AddWorker(FakeWorker::Mode::kNormal, -1, 2.0, need);
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  v1::Job end = WaitEnd(job->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  ASSERT_EQ(end.worker_ids_size(), 2);
+  EXPECT_EQ(end.worker_ids(0), big0->id());
+  EXPECT_EQ(end.worker_ids(1), big1->id());
+}
+
+TEST_F(SchedulerTest, AJobThatFitsOnlyBusyWorkersWaitsThenStartsOnThem) {
+  const v1::JobSpec spec = SmallSpec(train_, 1);
+  const int64_t need = PlanBytes(spec, 1);
+  auto big = AddWorker(FakeWorker::Mode::kHangAtStep, 1, 2.0, need * 2);
+  auto a = jobs_->Submit("", SmallSpec(train_, 1, 5));
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(WaitFor([&] { return jobs_->Get(a->job_id())->state() == v1::JOB_STATE_RUNNING; }));
+  auto small = AddWorker(FakeWorker::Mode::kNormal, -1, 2.0, need / 2);
+  auto b = jobs_->Submit("", spec);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_TRUE(WaitFor([&] {
+    return absl::StrContains(jobs_->Get(b->job_id())->reason(), "memory plan");
+  })) << jobs_->Get(b->job_id())->reason();
+  EXPECT_EQ(jobs_->Get(b->job_id())->state(), v1::JOB_STATE_PENDING);
+  ASSERT_TRUE(jobs_->Cancel(a->job_id()).ok());
+  // Started once the big worker is free again, on it (it hangs this job too: cancelled after).
+  ASSERT_TRUE(WaitFor([&] { return jobs_->Get(b->job_id())->worker_ids_size() == 1; }))
+      << jobs_->Get(b->job_id())->reason();
+  EXPECT_EQ(jobs_->Get(b->job_id())->worker_ids(0), big->id());
+  ASSERT_TRUE(jobs_->Cancel(b->job_id()).ok());
+}
+
+// The check the coordinator installs (CoordinatorServer::Start): the registered workers' memory.
+void InstallAdmission(JobManager* jobs, WorkerRegistry* workers) {
+  jobs->SetAdmission([workers](const v1::JobSpec& spec) {
+    return CheckFitsLargestWorkers(spec, workers->WorkerMemory("cpu"));
+  });
+}
+
+TEST_F(SchedulerTest, SubmitRefusesAJobThatFitsNoRegisteredWorker) {
+  InstallAdmission(jobs_.get(), workers_.get());
+  AddWorker(FakeWorker::Mode::kNormal, -1, 2.0, int64_t{1} << 30);
+  AddWorker(FakeWorker::Mode::kNormal, -1, 2.0, int64_t{2} << 30);
+  for (int which = 0; which < 2; ++which) {
+    v1::JobSpec s = SmallSpec(train_, 1);
+    if (which == 0) s.mutable_model()->set_n_layers(1000000);
+    if (which == 1) s.mutable_model()->set_d_model(1048576);
+    auto job = jobs_->Submit("", s);
+    EXPECT_EQ(job.status().code(), absl::StatusCode::kResourceExhausted) << job.status();
+    const std::string m(job.status().message());
+    EXPECT_TRUE(absl::StrContains(m, "the largest registered cpu worker has 2.00 GiB (2147483648 "
+                                     "bytes)")) << m;
+    EXPECT_TRUE(absl::StrContains(m, "per rank at 1 ranks")) << m;
+    EXPECT_TRUE(absl::StrContains(m, "a lighter optimizer state")) << m;
+  }
+  EXPECT_TRUE(jobs_->List().empty()) << "a refused job is not in the table";
+  // One that fits 2 GiB but not 1 GiB is accepted (and runs on the larger worker).
+  auto ok = jobs_->Submit("", SmallSpec(train_, 1));
+  EXPECT_TRUE(ok.ok()) << ok.status();
+}
+
+TEST_F(SchedulerTest, AJobAcceptedWithoutWorkersFailsWhenNoneCanHoldIt) {
+  InstallAdmission(jobs_.get(), workers_.get());
+  v1::JobSpec s = SmallSpec(train_, 1);
+  s.mutable_model()->set_n_layers(1000000);
+  auto job = jobs_->Submit("", s);
+  ASSERT_TRUE(job.ok()) << "no workers registered yet: PENDING as before";
+  AddWorker(FakeWorker::Mode::kNormal, -1, 2.0, int64_t{1} << 30);
+  v1::Job end = WaitEnd(job->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(end.reason(), "does not fit")) << end.reason();
+  EXPECT_TRUE(AllIdle()) << "never started on a worker";
+}
+
+TEST(MemoryFit, RefusalNamesPredictedAvailableAndWaysToFit) {
+  v1::JobSpec s;
+  s.mutable_model()->set_d_model(64);
+  s.mutable_model()->set_seq_len(512);
+  s.mutable_training()->set_global_batch(8);
+  s.mutable_sharding()->set_min_workers(1);
+  s = WithDefaults(s, 0);
+  const int64_t need = PlanBytes(s, 1);
+  v1::JobSpec r = s;
+  r.mutable_training()->set_activation_recompute(true);
+  const int64_t with_recompute = PlanBytes(r, 1);
+  ASSERT_LT(with_recompute, need);
+  const int64_t have = (need + with_recompute) / 2;
+  EXPECT_TRUE(CheckFitsLargestWorkers(s, {}).ok()) << "no workers yet: it waits";
+  EXPECT_TRUE(CheckFitsLargestWorkers(s, {{"a", have}, {"b", 0}}).ok()) << "b: unknown memory";
+  EXPECT_TRUE(CheckFitsLargestWorkers(s, {{"a", have / 2}, {"b", need}}).ok());
+  const absl::Status st = CheckFitsLargestWorkers(s, {{"a", have / 2}, {"b", have}});
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  const std::string m(st.message());
+  EXPECT_TRUE(absl::StrContains(m, absl::StrCat("(", need, " bytes) per rank at 1 ranks"))) << m;
+  EXPECT_TRUE(absl::StrContains(m, absl::StrCat("(", have, " bytes)"))) << m;
+  EXPECT_TRUE(absl::StrContains(m, "training.activation_recompute: true")) << m;
+  EXPECT_TRUE(absl::StrContains(m, "more workers (sharding.min_workers: ")) << m;
 }
 
 TEST_F(SchedulerTest, TwoRanksRunToSuccess) {

@@ -230,13 +230,14 @@ TEST_F(LifecycleTest, HungRankCostsSecondsWithDefaultFlags) {
 }
 
 // Allocation failures are job errors: worker node-0 may hold 48 MiB (--memory_limit_mb), and a
-// job whose microbatch needs more (32 sequences of 512 tokens per rank) fails in its first step
+// job whose microbatch needs more (32 sequences of 512 tokens per rank), started on it (the
+// coordinator's memory check off: it would choose the other workers) fails in its first step
 // with RESOURCE_EXHAUSTED naming what was being allocated, without a restart (a spare worker is
 // free, the job has a checkpoint dir and restarts left). Rank 1, blocked in a collective on the
 // failed rank, is aborted. Every worker is IDLE afterwards, and all three train the next (small)
 // job.
 TEST_F(LifecycleTest, OutOfMemoryFailsTheJobAndTheWorkersTrainTheNext) {
-  StartCluster(3, {}, {{"--memory_limit_mb=48"}});
+  StartCluster(3, {"--check_memory=false"}, {{"--memory_limit_mb=48"}});
   v1::JobSpec big = Spec(10);
   big.mutable_model()->set_seq_len(512);
   big.mutable_training()->set_global_batch(64);

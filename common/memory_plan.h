@@ -1,0 +1,117 @@
+// The memory plan: each rank's peak device memory for a job spec on a world size, predicted
+// before anything runs (the coordinator at submit and at scheduling, GetShardPlan, `fsdp8 plan`).
+//
+// How: PlanMemory replays, on a ledger of byte counts, the allocations one training step of a
+// rank makes, in the order the code makes them: FsdpParams (train/fsdp.cc) for the shards, the
+// all-gathers and the reduce-scatters; LlamaModel (train/model.cc) and Linear (train/fp8_linear.cc)
+// for the activations, per block and per path (FP8 linears with BF16 attention, fused or per
+// linear; any other precision plan through the generic block); the Backend's composed ops
+// (kernels/backend.cc) for the scratch they take on the CPU backends, and the CUDA backend's own
+// workspaces (kernels/cuda/cuda_backend.cu). Every allocation lands in one of the terms below;
+// the step's peak, and the terms at the moment of the peak, are what the plan reports. The peak is
+// the figure the worker reports as StepResult.peak_memory_bytes (Backend::PeakAllocatedBytes, the
+// max over the forward, backward and optimizer phases), measured at a steady step (delayed scaling
+// with history; the first step and the CURRENT recipe cast through a few extra f32 copies).
+// A model of more than 1,024 blocks is replayed with 512 and with 1,024 blocks and extrapolated
+// linearly (every figure but one block's transients grows with the blocks); precision overrides
+// of blocks past 1,024 are not seen then. Two microbatches are replayed (later ones repeat the
+// second) and the BF16 head's first, full chunk.
+//
+// Terms (bytes of one rank; S = a buffer's shard_numel, P = its padded_numel, both from the shard
+// plan's rule: P = ceil(numel / (world_size * alignment)) * world_size * alignment, S = P / world):
+//   parameter shards   per flat buffer: the f32 master slice S*4 and the wire shard (fp8: S, bf16:
+//                      S*2, fp32: none, the master is sent)                  FsdpParams::FsdpParams
+//   gradient shards    per flat buffer S*4 (f32, accumulated over microbatches)
+//   optimizer state    per flat buffer S * OptimizerStateBytesPerElement (AdamW m and v)
+//   FP8 scaling state  weight and activation scales: 16-byte slots per FP8 tensor (kScaleStride)
+//                      plus amaxes                                      FsdpParams, ActScaling
+//   gathered units     full buffers of the units gathered or in flight: the unit computing, the
+//                      next one prefetched (prefetch depth 1; LlamaModel::ForwardBlocks), the
+//                      head's and the tied embedding's; fp8 P bytes, bf16 P*2 plus f32 copies of
+//                      the tensors read in f32 (norms, the embedding table, BF16 linears), fp32
+//                      P*4                                 FsdpParams::Prefetch, Gather, W
+//   unit gradients     full f32 gradients of the unit in backward (P*4) and of the one whose
+//                      reduce-scatter is in flight; later microbatches' S*4 parts
+//                                                              FsdpParams::BeginGrads, ReduceGrads
+//   saved activations  what each block keeps from its forward for its backward (BlockActs in
+//                      train/model.cc; only the block input, N*C*4, with
+//                      training.activation_recompute); N = microbatch * seq_len tokens
+//   workspaces         the temporaries of the block or head computing now (its activations before
+//                      they are kept, gradients, FP8 codes and transposes of grad-outputs and
+//                      weights) and the backends' scratch (kernels/backend.cc compositions on the
+//                      CPU; cuBLASLt workspace 32 MiB, RoPE tables and cuDNN attention workspace on
+//                      CUDA)
+//   logits chunks      the BF16 head's per-chunk f32 logits (rows chosen so that a chunk stays
+//                      within head_chunk_logit_bytes, default 512 MiB,
+//                      FSDP8_HEAD_CHUNK_LOGIT_BYTES), every row's bf16 logit gradient, nf in bf16; the f32
+//                      head's whole (N, V) logits     LlamaModel::HeadBf16Compute, LlamaModel::Run
+//   batch              token ids and targets (N*4 each) and the step's per-token losses
+//                      (local_batch * seq_len * 4)                                Trainer::RunBatch
+// Outside the backend's count (CUDA only; NVML sees them, StepResult.peak_memory_bytes does not),
+// device_extra:
+//   CUDA context       kCudaContextBytes: the context, module images and cuBLAS/cuBLASLt/cuDNN
+//                      handles of one process (measured about 0.5 GiB on H200, CUDA 13)
+//   NCCL buffers       world_size > 1: kNcclBufferBytes per communicator (NCCL_BUFFSIZE 4 MiB x
+//                      channels and peers, plus its proxy state; about 0.25 GiB at 8 ranks)
+//   allocator rounding cudaMallocAsync's pool rounds blocks up (2 MiB granularity for large
+//                      blocks) and keeps freed blocks: kPoolOverheadFraction of the peak
+//
+// Thread-safety: pure functions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "fsdp8/v1/admin.pb.h"
+#include "fsdp8/v1/spec.pb.h"
+
+namespace fsdp8 {
+
+// Bytes of optimizer state per parameter element of a rank's shard: AdamW's f32 m and v, 8.
+// (The one place the plan reads the optimizer state's precision from.)
+int64_t OptimizerStateBytesPerElement(const v1::JobSpec& spec);
+
+// CUDA-only constants of device_extra (see above).
+inline constexpr int64_t kCudaContextBytes = int64_t{512} << 20;
+inline constexpr int64_t kNcclBufferBytes = int64_t{256} << 20;
+inline constexpr double kPoolOverheadFraction = 0.03;
+// The CUDA backend's own workspaces, always held (kGemmWorkspaceBytes in cuda_backend.cu).
+inline constexpr int64_t kCudaGemmWorkspaceBytes = int64_t{32} << 20;
+
+struct MemoryTerm {
+  std::string name;    // "parameter shards", ... (the list above)
+  int64_t bytes = 0;
+};
+
+struct MemoryPlanOptions {
+  // The BF16 head's f32 logits per chunk (ModelOptions::head_chunk_logit_bytes, >= 1).
+  int64_t head_chunk_logit_bytes = int64_t{512} << 20;
+};
+
+struct MemoryPlan {
+  std::string backend;  // the spec's: "cpu" or "cuda"
+  int world_size = 1;
+  // Peaks of the backend's own count per phase (StepResult's forward/backward/optimizer peaks).
+  int64_t forward_peak_bytes = 0, backward_peak_bytes = 0, optimizer_peak_bytes = 0;
+  int64_t peak_bytes = 0;          // their maximum: StepResult.peak_memory_bytes
+  std::string peak_phase;          // "forward", "backward" or "optimizer"
+  std::vector<MemoryTerm> terms;   // at the peak, in the order above; they sum to peak_bytes
+  std::vector<MemoryTerm> device_extra;  // outside the count (CUDA only)
+  int64_t device_bytes = 0;        // peak_bytes + device_extra: what the device must hold
+};
+
+// The plan of `spec` (WithDefaults(spec, world_size) applied here) on world_size ranks; the worst
+// rank (all ranks hold the same shard sizes). INVALID_ARGUMENT for world_size < 1 or a model
+// whose sizes the spec rules refuse (validate first for the exact message). Sizes too large for
+// 64-bit byte counts saturate at INT64_MAX (such a job fits nowhere).
+absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec, int world_size,
+                                      const MemoryPlanOptions& options = {});
+
+v1::MemoryPlan ToProto(const MemoryPlan& plan);
+
+// "1.23 GiB" / "512 MiB" / "100 B": bytes for people.
+std::string MemoryBytes(int64_t bytes);
+
+}  // namespace fsdp8

@@ -1,0 +1,121 @@
+// The memory plan's terms, computed by hand for a tiny spec from the shard plan's rule and the
+// buffers FsdpParams and Trainer::RunBatch allocate (the comparison with measured peaks is in
+// tests/train/memory_plan_test.cc).
+#include "common/memory_plan.h"
+
+#include <chrono>
+#include <map>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace fsdp8 {
+namespace {
+
+// d 32, 2 layers, 2 heads, ffn 64, vocab 256, seq 32; global batch 6, microbatch 1; alignment 4;
+// FP8 block linears, bf16 embedding and head, f32 attention.
+v1::JobSpec Tiny() {
+  v1::JobSpec s;
+  auto* m = s.mutable_model();
+  m->set_d_model(32);
+  m->set_n_layers(2);
+  m->set_n_heads(2);
+  m->set_ffn_dim(64);
+  m->set_vocab_size(256);
+  m->set_seq_len(32);
+  s.mutable_training()->set_global_batch(6);
+  s.mutable_training()->set_microbatch(1);
+  s.mutable_sharding()->set_alignment(4);
+  return s;
+}
+
+std::map<std::string, int64_t> Terms(const MemoryPlan& p) {
+  std::map<std::string, int64_t> t;
+  for (const MemoryTerm& x : p.terms) t[x.name] = x.bytes;
+  return t;
+}
+
+TEST(MemoryPlan, HandComputedShardTerms) {
+  auto p = PlanMemory(Tiny(), 2);
+  ASSERT_TRUE(p.ok()) << p.status();
+  // Shards (elements per rank; quantum = world 2 x alignment 4 = 8):
+  //   embedding bf16 256*32 = 8192 -> 4096; block fp8 linears 2*32*32 + 2*32*32 + 3*64*32 =
+  //   10240 -> 5120, block bf16 norms 64 -> 32; head bf16 32 + 8192 = 8224 -> 4112.
+  const int64_t shard = 4096 + 2 * (5120 + 32) + 4112;  // 18512
+  std::map<std::string, int64_t> t = Terms(*p);
+  // Master f32 + wire shard (bf16 2 bytes, fp8 1 byte).
+  EXPECT_EQ(t["parameter shards"], 4096 * 6 + 2 * (5120 * 5 + 32 * 6) + 4112 * 6);
+  EXPECT_EQ(t["gradient shards"], shard * 4);
+  EXPECT_EQ(t["optimizer state"], shard * 8);  // AdamW m and v in f32
+  // 14 FP8 weights (40 bytes each: scale and scale_inv slots of 16, two amaxes), 28 activation
+  // and grad-output tensors (36 bytes each: two slots and an amax), one temporary amax.
+  EXPECT_EQ(t["FP8 scaling state"], 14 * 40 + 28 * 36 + 4);
+  // Token ids and targets of one microbatch (32 tokens, int32), losses of 3 sequences (f32).
+  EXPECT_EQ(t["batch"], 32 * 4 * 2 + 3 * 32 * 4);
+  int64_t sum = 0;
+  for (const MemoryTerm& x : p->terms) sum += x.bytes;
+  EXPECT_EQ(sum, p->peak_bytes);
+  EXPECT_EQ(p->peak_bytes, std::max({p->forward_peak_bytes, p->backward_peak_bytes,
+                                     p->optimizer_peak_bytes}));
+  EXPECT_TRUE(p->device_extra.empty()) << "CPU: nothing outside the backend's count";
+  EXPECT_EQ(p->device_bytes, p->peak_bytes);
+}
+
+TEST(MemoryPlan, RecomputeKeepsOnlyBlockInputs) {
+  v1::JobSpec s = Tiny();
+  s.mutable_training()->set_activation_recompute(true);
+  auto p = PlanMemory(s, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  // At most the two blocks' inputs (N = 32 tokens, C = 32, f32) are kept.
+  EXPECT_LE(Terms(*p)["saved activations"], 2 * 32 * 32 * 4);
+  auto full = PlanMemory(Tiny(), 1);
+  ASSERT_TRUE(full.ok());
+  EXPECT_GT(Terms(*full)["saved activations"], 2 * 32 * 32 * 4);
+  EXPECT_LT(p->peak_bytes, full->peak_bytes);
+}
+
+TEST(MemoryPlan, CudaAddsWorkspaceAndDeviceExtras) {
+  v1::JobSpec s = Tiny();
+  s.set_backend("cuda");
+  auto p = PlanMemory(s, 2);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_GE(Terms(*p)["workspaces"], kCudaGemmWorkspaceBytes);
+  ASSERT_EQ(p->device_extra.size(), 3u);
+  EXPECT_EQ(p->device_extra[0].bytes, kCudaContextBytes);
+  EXPECT_EQ(p->device_extra[1].bytes, kNcclBufferBytes);
+  EXPECT_GT(p->device_bytes, p->peak_bytes + kCudaContextBytes + kNcclBufferBytes);
+}
+
+TEST(MemoryPlan, HugeModelsArePlannedQuickly) {
+  for (int which = 0; which < 2; ++which) {
+    v1::JobSpec s;
+    if (which == 0) s.mutable_model()->set_n_layers(1000000);
+    if (which == 1) s.mutable_model()->set_d_model(1048576);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto p = PlanMemory(s, 1);
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ASSERT_TRUE(p.ok()) << p.status();
+    // n_layers 1e6: 212,992 linear parameters per block, 17 bytes of shards each (f32 master,
+    // grad, m, v and the FP8 wire shard); d_model 2^20:
+    // the embedding alone is 256 * 2^20 parameters.
+    EXPECT_GT(p->peak_bytes, which == 0 ? int64_t{3} << 40 : int64_t{1} << 30);
+    EXPECT_LT(secs, 10.0);
+  }
+}
+
+TEST(MemoryPlan, BadInputs) {
+  EXPECT_FALSE(PlanMemory(Tiny(), 0).ok());
+  v1::JobSpec s = Tiny();
+  s.mutable_model()->set_n_heads(3);  // 32 % 3 != 0
+  EXPECT_EQ(PlanMemory(s, 1).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(MemoryPlan, MemoryBytes) {
+  EXPECT_EQ(MemoryBytes(100), "100 B");
+  EXPECT_EQ(MemoryBytes(int64_t{3} << 29), "1.50 GiB");
+  EXPECT_EQ(MemoryBytes(int64_t{512} << 20), "512.0 MiB");
+}
+
+}  // namespace
+}  // namespace fsdp8

@@ -1,0 +1,91 @@
+// The memory plan (common/memory_plan.h) against what the CPU backend counts: each spec trains a
+// few steps on 1 or 2 ranks (threads, Gloo) and the plan's peak must be within 10% of the peak
+// the trainer reports (StepStats.peak_memory_bytes, Backend::PeakAllocatedBytes through the same
+// DevBuf path the workers use) at a steady step.
+#include <cstdio>
+#include <string>
+
+#include "common/memory_plan.h"
+#include "gtest/gtest.h"
+#include "tests/train/trainer_test_util.h"
+
+namespace fsdp8 {
+namespace {
+
+using testing::Train;
+using testing::TrainFile;
+
+// The default model (d 128, 4 layers, seq 256, vocab 256, FP8 block linears), global batch
+// `batch`.
+v1::JobSpec DefaultModel(int batch) {
+  v1::JobSpec s;
+  s.mutable_data()->set_train_path(TrainFile());
+  s.mutable_training()->set_global_batch(batch);
+  s.mutable_training()->set_steps(10);
+  s.mutable_optimizer()->set_warmup_steps(2);
+  s.set_backend("cpu");
+  return s;
+}
+
+// Rank 0's peak of step 1 (a steady step: delayed scaling has its history) against the plan.
+void ExpectWithinTenPercent(const v1::JobSpec& spec, int world, const char* what) {
+  auto plan = PlanMemory(spec, world);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const auto out = Train(spec, world, 2);
+  const int64_t measured = out[0].results[1].peak_memory_bytes;
+  const double ratio = static_cast<double>(plan->peak_bytes) / static_cast<double>(measured);
+  std::printf("%-40s world %d: predicted %lld (%s), measured %lld, ratio %.3f\n", what, world,
+              static_cast<long long>(plan->peak_bytes), plan->peak_phase.c_str(),
+              static_cast<long long>(measured), ratio);
+  for (const MemoryTerm& t : plan->terms) {
+    std::printf("    %-20s %12lld\n", t.name.c_str(), static_cast<long long>(t.bytes));
+  }
+  EXPECT_GT(ratio, 0.9) << what;
+  EXPECT_LT(ratio, 1.1) << what;
+}
+
+TEST(MemoryPlan, DefaultModelOneAndTwoRanks) {
+  ExpectWithinTenPercent(DefaultModel(2), 1, "default model");
+  ExpectWithinTenPercent(DefaultModel(2), 2, "default model");
+}
+
+// Smaller shapes for the other paths (seconds each): d 64, seq 64.
+v1::JobSpec Small() {
+  v1::JobSpec s = DefaultModel(4);
+  s.mutable_model()->set_d_model(64);
+  s.mutable_model()->set_ffn_dim(192);
+  s.mutable_model()->set_seq_len(64);
+  return s;
+}
+
+TEST(MemoryPlan, Bf16AttentionFusedFp8AndGqa) {
+  v1::JobSpec s = Small();
+  s.mutable_precision()->set_attention(v1::PRECISION_BF16);
+  ExpectWithinTenPercent(s, 2, "FP8, BF16 attention");
+  s.mutable_model()->set_n_kv_heads(2);
+  ExpectWithinTenPercent(s, 2, "GQA, FP8, BF16 attention");
+  s.mutable_precision()->set_attention(v1::PRECISION_FP32);
+  ExpectWithinTenPercent(s, 1, "GQA, FP8");
+}
+
+TEST(MemoryPlan, ActivationRecompute) {
+  v1::JobSpec s = Small();
+  s.mutable_training()->set_activation_recompute(true);
+  ExpectWithinTenPercent(s, 1, "recompute");
+  s.mutable_training()->set_activation_recompute(true);
+  s.mutable_precision()->set_attention(v1::PRECISION_BF16);
+  ExpectWithinTenPercent(s, 2, "recompute, BF16 attention");
+}
+
+TEST(MemoryPlan, Bf16AndFp32LinearsMicrobatchesTied) {
+  v1::JobSpec s = Small();
+  testing::AllPrecision(&s, v1::PRECISION_BF16);
+  s.mutable_training()->set_microbatch(1);
+  ExpectWithinTenPercent(s, 2, "BF16, microbatches");
+  testing::AllPrecision(&s, v1::PRECISION_FP32);
+  s.mutable_model()->set_tie_word_embeddings(true);
+  ExpectWithinTenPercent(s, 1, "FP32, tied");
+}
+
+}  // namespace
+}  // namespace fsdp8
