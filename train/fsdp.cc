@@ -174,10 +174,19 @@ void FsdpParams::Release(int unit) {
   }
 }
 
-void FsdpParams::BeginGrads(int unit) {
-  for (Buf& b : units_[unit]) {
+void FsdpParams::BeginGrads(int unit, const TensorRef* written_whole) {
+  for (int bi = 0; bi < static_cast<int>(units_[unit].size()); ++bi) {
+    Buf& b = units_[unit][bi];
     if (b.plan->wire != WireDtype::kFp8) {
-      b.full_grad = DevBuf::Zeros(be_, b.plan->padded_numel * sizeof(float));
+      const int64_t n = b.plan->padded_numel;
+      if (written_whole == nullptr || written_whole->unit != unit || written_whole->buffer != bi) {
+        b.full_grad = DevBuf::Zeros(be_, n * sizeof(float));
+        continue;
+      }
+      b.full_grad = DevBuf(be_, n * sizeof(float));
+      const int64_t lo = written_whole->offset, hi = lo + written_whole->numel;
+      be_->Memset(b.full_grad.f32(), 0, lo * sizeof(float));
+      be_->Memset(b.full_grad.f32() + hi, 0, (n - hi) * sizeof(float));
       continue;
     }
     // FP8 weights' gradients are written whole by their dW GEMM (Linear::Backward): only the

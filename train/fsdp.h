@@ -104,7 +104,10 @@ class FsdpParams {
   absl::Status Prefetch(int unit);
   absl::Status Gather(int unit);
   void Release(int unit);
-  void BeginGrads(int unit);
+  // Starts u's full gradient buffers, zeroed (FP8 buffers: only the elements outside every tensor,
+  // as their dW GEMMs write each tensor whole). `written_whole`, when given, names one more tensor
+  // of u whose gradient the caller writes whole (not accumulated): it is left unzeroed.
+  void BeginGrads(int unit, const TensorRef* written_whole = nullptr);
   // Starts the reduce-scatter of u's full gradients. The previous unit's reduce-scatter is
   // finished first (its shard accumulated, its buffers freed), so at most one is in flight;
   // FlushGrads() finishes the last one. The grad shards are read through StartGradSquaredNorm,

@@ -682,8 +682,9 @@ void LlamaModel::HeadBf16Compute(const float* nf, const int32_t* targets, int64_
     logits.Reset();
     be_->GemmBf16(false, false, n, C_, V_, g, w16, dnf + r0 * C_, false);  // dnf (n, C)
   }
-  // dW (V, C) += gᵀ · nf
-  be_->GemmBf16(true, false, V_, C_, N, g16.u16(), nf16.u16(), p_->G(head_), true);
+  // dW (V, C) = gᵀ · nf, written whole (BeginHeadGrads left it unzeroed); tied: += into the
+  // embedding's gradient, which its own backward adds to later.
+  be_->GemmBf16(true, false, V_, C_, N, g16.u16(), nf16.u16(), p_->G(head_), tied_);
 }
 
 const uint16_t* LlamaModel::HeadWeightBf16(DevBuf* packed) {
@@ -708,7 +709,9 @@ void LlamaModel::ReleaseHead() {
 }
 
 void LlamaModel::BeginHeadGrads() {
-  p_->BeginGrads(head_unit_);
+  // An untied BF16 head's weight gradient is written whole by one GEMM (HeadBf16Compute).
+  const bool whole = !tied_ && lhead_.precision() == v1::PRECISION_BF16;
+  p_->BeginGrads(head_unit_, whole ? &head_ : nullptr);
   if (tied_) p_->BeginGrads(embedding_unit_);
 }
 

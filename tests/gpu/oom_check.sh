@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A job that exhausts device memory fails, and does not take its workers with it.
 #
-# Starts a coordinator and W CUDA workers (W = max(2, GPUs present); with fewer GPUs than workers,
-# workers share devices round robin), then:
+# Starts a coordinator and one CUDA worker per GPU present (W workers; NCCL allows one rank per
+# device in a communicator), then:
 #   1. submits a job far too large for the devices (d_model 2048, seq_len 4096, 256 sequences per
 #      rank on W ranks): it must end FAILED with RESOURCE_EXHAUSTED in its status message, and
 #      every worker must be registered and IDLE afterwards;
@@ -23,7 +23,7 @@ OUT_DIR=${OUT_DIR:-$root/runs/oom-check-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT_DIR"
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 [ "$ngpu" -ge 1 ] || { echo "oom_check: no GPU (nvidia-smi -L lists none)"; exit 1; }
-W=$((ngpu > 2 ? ngpu : 2))
+W=$ngpu
 
 data=$OUT_DIR/data
 mkdir -p "$data"
@@ -39,7 +39,7 @@ trap cleanup EXIT
   > "$OUT_DIR/coordinator.log" 2>&1 & pids+=($!)
 sleep 1
 for ((w = 0; w < W; w++)); do
-  "$BIN/fsdp8-worker" --coordinator "$addr" --host 127.0.0.1 --backend cuda --device $((w % ngpu)) \
+  "$BIN/fsdp8-worker" --coordinator "$addr" --host 127.0.0.1 --backend cuda --device $w \
     > "$OUT_DIR/worker-$w.log" 2>&1 & pids+=($!)
 done
 cli() { "$BIN/fsdp8" --coordinator "$addr" "$@"; }
@@ -68,7 +68,7 @@ id=$(cli submit --no-watch "$OUT_DIR/big.yaml" 2> "$OUT_DIR/big.submit.log" | he
 t0=$(date +%s.%N)
 timeout 300 "$BIN/fsdp8" --coordinator "$addr" watch --json "$id" > "$OUT_DIR/big.events.jsonl"
 cli status "$id" > "$OUT_DIR/big.status.txt" 2>&1
-echo "big job $id ended after $(echo "$(date +%s.%N) - $t0" | bc) s: $(tr '\n' ' ' < "$OUT_DIR/big.status.txt" | cut -c1-400)"
+echo "big job $id ended after $(python3 -c "import sys; print(round($(date +%s.%N) - $t0, 1))") s: $(tr '\n' ' ' < "$OUT_DIR/big.status.txt" | cut -c1-400)"
 check "the oversized job FAILED" "grep -q FAILED '$OUT_DIR/big.status.txt'"
 check "its cause is RESOURCE_EXHAUSTED" "grep -q RESOURCE_EXHAUSTED '$OUT_DIR/big.status.txt'"
 sleep 1
