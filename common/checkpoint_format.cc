@@ -151,7 +151,7 @@ void RankFileEncoder::BufferHeader(const RankFileBufferHeader& b) {
   Pod<uint32_t>(b.unit);
   Pod<uint32_t>(b.buffer);
   Pod<uint32_t>(b.wire);
-  Pod<uint32_t>(0);
+  Pod<uint32_t>(static_cast<uint32_t>(b.moments));
   Pod<int64_t>(b.numel);
   Pod<int64_t>(b.padded_numel);
   Pod<int64_t>(b.shard_numel);
@@ -159,6 +159,10 @@ void RankFileEncoder::BufferHeader(const RankFileBufferHeader& b) {
 
 void RankFileEncoder::ShardArray(const float* values, int64_t n) {
   Put(values, static_cast<size_t>(n) * sizeof(float));
+}
+
+void RankFileEncoder::ShardArrayBf16(const uint16_t* bits, int64_t n) {
+  Put(bits, static_cast<size_t>(n) * sizeof(uint16_t));
 }
 
 void RankFileEncoder::Replicated(const RankFileReplicated& r) {
@@ -293,30 +297,46 @@ absl::Status RankFileReader::ReadHeader(RankFileHeader* h) {
 }
 
 absl::Status RankFileReader::ReadBufferHeader(RankFileBufferHeader* b) {
-  uint32_t reserved = 0;
-  if (!Pod(&b->unit) || !Pod(&b->buffer) || !Pod(&b->wire) || !Pod(&reserved) ||
+  uint32_t moments = 0;
+  if (!Pod(&b->unit) || !Pod(&b->buffer) || !Pod(&b->wire) || !Pod(&moments) ||
       !Pod(&b->numel) || !Pod(&b->padded_numel) || !Pod(&b->shard_numel)) {
     return Malformed("buffer header");
   }
+  if (moments > static_cast<uint32_t>(RankFileArrayDtype::kBf16)) {
+    ok_ = false;
+    return absl::DataLossError(absl::StrCat(path_, ": buffer header before byte ", pos_,
+                                            ": unknown moment dtype ", moments,
+                                            " (0: f32, 1: bf16)"));
+  }
+  b->moments = static_cast<RankFileArrayDtype>(moments);
   return absl::OkStatus();
 }
 
 absl::Status RankFileReader::ReadShardArray(int64_t shard_numel, int64_t lo, int64_t n,
-                                            float* dst) {
-  const int64_t f32 = static_cast<int64_t>(sizeof(float));
+                                            float* dst, RankFileArrayDtype dtype) {
+  const bool bf16 = dtype == RankFileArrayDtype::kBf16;
+  const int64_t e = bf16 ? static_cast<int64_t>(sizeof(uint16_t)) : static_cast<int64_t>(sizeof(float));
   if (lo < 0 || n < 0 || lo + n > shard_numel) {
     ok_ = false;
     return absl::InvalidArgumentError(absl::StrCat(path_, ": elements [", lo, ", ", lo + n,
                                                    ") of a shard of ", shard_numel));
   }
   if (n == 0) {
-    if (!Skip(shard_numel * f32)) return Malformed("shard data");
+    if (!Skip(shard_numel * e)) return Malformed("shard data");
     return absl::OkStatus();
   }
-  if (!Skip(lo * f32) || !Bytes(dst, static_cast<size_t>(n * f32)) ||
-      !Skip((shard_numel - lo - n) * f32)) {
-    return Malformed("shard data");
+  if (!Skip(lo * e)) return Malformed("shard data");
+  if (!bf16) {
+    if (!Bytes(dst, static_cast<size_t>(n * e))) return Malformed("shard data");
+  } else {
+    std::vector<uint16_t> bits(static_cast<size_t>(n));
+    if (!Bytes(bits.data(), static_cast<size_t>(n * e))) return Malformed("shard data");
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t u = static_cast<uint32_t>(bits[i]) << 16;
+      std::memcpy(&dst[i], &u, sizeof(float));
+    }
   }
+  if (!Skip((shard_numel - lo - n) * e)) return Malformed("shard data");
   return absl::OkStatus();
 }
 

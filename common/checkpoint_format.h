@@ -30,13 +30,16 @@
 //             4   u32 unit index
 //             4   u32 buffer index within the unit
 //             4   u32 wire dtype                (WireDtype's value)
-//             4   u32 reserved                  written 0, not read
+//             4   u32 moment dtype              RankFileArrayDtype of m and v: 0 f32, 1 bf16
+//                                               (optimizer.state_precision; files written
+//                                               before BF16 moments existed hold 0 here)
 //             8   i64 numel                     elements of the flat buffer
 //             8   i64 padded numel              = shard numel * world size >= numel
 //             8   i64 shard numel               S
 //          4 * S  f32[S] FP32 master weights    rank r's slice [r * S, (r + 1) * S) of the flat
-//          4 * S  f32[S] AdamW m                buffer; elements past numel (padding) are 0
-//          4 * S  f32[S] AdamW v
+//        e * S  m[S] AdamW m                    buffer; elements past numel (padding) are 0.
+//        e * S  m[S] AdamW v                    m: f32 (e = 4) or bfloat16 bit patterns, u16
+//                                               (e = 2), as the moment dtype says
 //   replicated state (identical on every rank)
 //             4   u32 W, then W times:          FP8 weight scales
 //                   str name, f32 scale, f32 scale_inv, f32 amax
@@ -124,7 +127,12 @@ struct RankFileHeader {
   uint32_t num_buffers = 0;
 };
 
-// The header of one flat buffer; three f32 arrays of shard_numel elements follow it.
+// The element type of a shard array in a rank file: the master weights are always kF32, the
+// AdamW moments as the buffer header's `moments` says.
+enum class RankFileArrayDtype : uint32_t { kF32 = 0, kBf16 = 1 };
+
+// The header of one flat buffer; three arrays of shard_numel elements follow it (master f32,
+// then m and v in `moments`).
 struct RankFileBufferHeader {
   uint32_t unit = 0;
   uint32_t buffer = 0;
@@ -132,6 +140,7 @@ struct RankFileBufferHeader {
   int64_t numel = 0;
   int64_t padded_numel = 0;
   int64_t shard_numel = 0;
+  RankFileArrayDtype moments = RankFileArrayDtype::kF32;  // m and v (after wire in the file)
 };
 
 // One FP8 weight's scale, as stored (the replicated section).
@@ -150,7 +159,8 @@ struct RankFileReplicated {
 };
 
 // Writes a rank file section by section, in the order of the layout above: Header, then per
-// buffer BufferHeader and three ShardArray calls (master, m, v), then Replicated, then Trailer.
+// buffer BufferHeader and three ShardArray calls (master, m, v: ShardArrayBf16 for the moments
+// when the buffer header says kBf16), then Replicated, then Trailer.
 // The bytes go to `sink` in order, in pieces of any size; the encoder keeps the running CRC-32
 // and byte count. It does no I/O of its own and cannot fail.
 class RankFileEncoder {
@@ -161,6 +171,8 @@ class RankFileEncoder {
   void Header(const RankFileHeader& h);
   void BufferHeader(const RankFileBufferHeader& b);
   void ShardArray(const float* values, int64_t n);
+  // bfloat16 bit patterns (2 bytes each).
+  void ShardArrayBf16(const uint16_t* bits, int64_t n);
   void Replicated(const RankFileReplicated& r);
   // The end magic and the CRC-32 of every byte written before it.
   void Trailer();
@@ -202,11 +214,13 @@ class RankFileReader {
 
   // DATA_LOSS for a bad magic or a truncated header; FAILED_PRECONDITION for another version.
   absl::Status ReadHeader(RankFileHeader* h);
+  // DATA_LOSS also for a moment dtype other than 0 and 1.
   absl::Status ReadBufferHeader(RankFileBufferHeader* b);
-  // Reads one shard array of shard_numel f32: elements [lo, lo + n) into dst[0, n), skipping the
-  // others (n = 0 skips the whole array; dst may then be null). Requires
-  // 0 <= lo, 0 <= n, lo + n <= shard_numel.
-  absl::Status ReadShardArray(int64_t shard_numel, int64_t lo, int64_t n, float* dst);
+  // Reads one shard array of shard_numel elements stored as `dtype`: elements [lo, lo + n) into
+  // dst[0, n) as f32 (bf16 widened exactly), skipping the others (n = 0 skips the whole array;
+  // dst may then be null). Requires 0 <= lo, 0 <= n, lo + n <= shard_numel.
+  absl::Status ReadShardArray(int64_t shard_numel, int64_t lo, int64_t n, float* dst,
+                              RankFileArrayDtype dtype = RankFileArrayDtype::kF32);
   // The replicated section; also requires the body to end right after it.
   absl::Status ReadReplicated(RankFileReplicated* r);
 

@@ -109,8 +109,8 @@ absl::Status ReadBufferMasters(RankFileReader* r, const ShardPlan& plan, size_t 
   if (absl::Status s = r->ReadShardArray(shard, 0, shard, dst->data() + rank * shard); !s.ok()) {
     return s;
   }
-  for (int moment = 0; moment < 2; ++moment) {  // AdamW m and v
-    if (absl::Status s = r->ReadShardArray(shard, 0, 0, nullptr); !s.ok()) return s;
+  for (int moment = 0; moment < 2; ++moment) {  // AdamW m and v, in their stored dtype
+    if (absl::Status s = r->ReadShardArray(shard, 0, 0, nullptr, h.moments); !s.ok()) return s;
   }
   return absl::OkStatus();
 }

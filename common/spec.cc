@@ -70,6 +70,7 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   if (!o->has_eps()) o->set_eps(1e-8);
   if (!o->has_weight_decay()) o->set_weight_decay(0.1);
   if (!o->has_grad_clip()) o->set_grad_clip(1.0);
+  if (o->state_precision() == v1::PRECISION_UNSPECIFIED) o->set_state_precision(v1::PRECISION_FP32);
 
   v1::ShardingSpec* sh = s.mutable_sharding();
   if (!sh->has_min_workers()) sh->set_min_workers(1);
@@ -335,6 +336,10 @@ absl::Status CheckOptimizer(const v1::OptimizerSpec& o, int64_t steps) {
   }
   FSDP8_RETURN_IF_ERROR(NonNegative("optimizer.weight_decay", o.weight_decay()));
   FSDP8_RETURN_IF_ERROR(NonNegative("optimizer.grad_clip", o.grad_clip()));
+  if (o.state_precision() != v1::PRECISION_FP32 && o.state_precision() != v1::PRECISION_BF16) {
+    return Bad("optimizer.state_precision", "must be FP32 or BF16",
+               absl::StrCat("got ", PrecisionName(o.state_precision())));
+  }
   return absl::OkStatus();
 }
 
@@ -819,6 +824,10 @@ v1::Precision LayerLinearPrecision(const v1::JobSpec& spec, int layer) {
   }
   const v1::Precision p = spec.precision().linears();
   return p == v1::PRECISION_UNSPECIFIED ? v1::PRECISION_FP8 : p;
+}
+
+int64_t AdamStateBytesPerElement(const v1::JobSpec& spec) {
+  return spec.optimizer().state_precision() == v1::PRECISION_BF16 ? 2 * 2 : 2 * 4;
 }
 
 }  // namespace fsdp8

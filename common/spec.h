@@ -85,4 +85,9 @@ int Microbatches(const v1::JobSpec& spec, int world_size);
 // The effective precision of block `layer`'s linears (overrides applied).
 v1::Precision LayerLinearPrecision(const v1::JobSpec& spec, int layer);
 
+// Bytes per parameter element of the AdamW state, both moments m and v together, for
+// optimizer.state_precision (defaults applied): 8 for FP32, 4 for BF16. The master weights (4)
+// and the gradient shard (4) are not included. For memory plans.
+int64_t AdamStateBytesPerElement(const v1::JobSpec& spec);
+
 }  // namespace fsdp8

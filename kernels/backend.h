@@ -373,6 +373,15 @@ class Backend {
   virtual void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
                      float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
                      float* amax_out) = 0;
+  // AdamW with both moments stored as bfloat16 (optimizer.state_precision BF16, as DeepSeek-V3
+  // keeps its AdamW moments, arXiv 2412.19437 sec. 3.3.3): m16 and v16 (n) are read (exactly
+  // widened to f32), updated by AdamW's per-element f32 operations, and stored rounded to the
+  // nearest bfloat16 (ties to even; NaN stays NaN). This step's update of p uses the f32 moments
+  // before that rounding. p, g (n) f32; the rest as AdamW. The reference: UnpackBf16 of m16 and
+  // v16, AdamW on the f32 copies, PackBf16 of them.
+  virtual void AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n,
+                                float lr, float beta1, float beta2, float eps, float weight_decay,
+                                int64_t step, float grad_scale, float* amax_out) = 0;
 
  protected:
   // The inverse frequencies SetRopeInvFreq set for (D, theta), or null when the default applies.

@@ -106,4 +106,15 @@ inline float RoundBf16(float x) {
   return r;
 }
 
+// The bfloat16 bit pattern of RoundBf16(x), and the f32 value of a bit pattern (exact).
+inline uint16_t Bf16Bits(float x) {
+  return static_cast<uint16_t>(fp8_internal::FloatBits(RoundBf16(x)) >> 16);
+}
+inline float Bf16Value(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float r;
+  std::memcpy(&r, &u, sizeof(r));
+  return r;
+}
+
 }  // namespace fsdp8

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/spec.h"
+#include "kernels/fp8.h"
 
 namespace fsdp8 {
 namespace {
@@ -176,17 +177,28 @@ void EncodeShardFile(const FsdpParams& params, const RankFileHeader& header,
                      const ReplicatedState& state, const Writer& w, RankFileEncoder* enc) {
   const ShardPlan& plan = params.plan();
   enc->Header(header);
+  // The moments keep the job's optimizer.state_precision in the file.
+  const RankFileArrayDtype moments = params.moment_dtype() == MomentDtype::kBf16
+                                         ? RankFileArrayDtype::kBf16
+                                         : RankFileArrayDtype::kF32;
   std::vector<float> host;
+  std::vector<uint16_t> bits;
   for (size_t u = 0; u < plan.units.size() && w.status().ok(); ++u) {
     for (size_t b = 0; b < plan.units[u].buffers.size() && w.status().ok(); ++b) {
       const BufferPlan& bp = plan.units[u].buffers[b];
       enc->BufferHeader({static_cast<uint32_t>(u), static_cast<uint32_t>(b),
                          static_cast<uint32_t>(bp.wire), bp.numel, bp.padded_numel,
-                         bp.shard_numel});
+                         bp.shard_numel, moments});
       host.resize(bp.shard_numel);
       for (ShardArray a : kArrays) {
         params.DownloadShard(static_cast<int>(u), static_cast<int>(b), a, host.data());
-        enc->ShardArray(host.data(), bp.shard_numel);
+        if (a == ShardArray::kMaster || moments == RankFileArrayDtype::kF32) {
+          enc->ShardArray(host.data(), bp.shard_numel);
+          continue;
+        }
+        bits.resize(bp.shard_numel);  // bf16 values widened by DownloadShard: exact both ways
+        for (int64_t i = 0; i < bp.shard_numel; ++i) bits[i] = Bf16Bits(host[i]);
+        enc->ShardArrayBf16(bits.data(), bp.shard_numel);
       }
     }
   }
@@ -305,8 +317,12 @@ absl::Status ReadBufferSlice(const LoadTarget& t, int rank, const BufInfo& bi,
   const int64_t hi = std::min({src_lo + shard, dst_lo + bp.shard_numel, h.numel});
   const int64_t n = std::max<int64_t>(0, hi - lo);
   chunk->resize(n);
+  // The moments are read in the file's dtype and stored in the job's (UploadShardRange rounds
+  // f32 moments to bf16 for a BF16 job; bf16 ones widen exactly for an FP32 job).
   for (ShardArray a : kArrays) {
-    if (absl::Status s = r->ReadShardArray(shard, n ? lo - src_lo : 0, n, chunk->data()); !s.ok()) {
+    const RankFileArrayDtype dtype = a == ShardArray::kMaster ? RankFileArrayDtype::kF32 : h.moments;
+    if (absl::Status s = r->ReadShardArray(shard, n ? lo - src_lo : 0, n, chunk->data(), dtype);
+        !s.ok()) {
       return s;
     }
     if (n) t.params->UploadShardRange(bi.unit, bi.buffer, a, lo - dst_lo, chunk->data(), n);

@@ -3,7 +3,8 @@
 // The coordinator chooses the step directory and writes its MANIFEST after every rank reported
 // CheckpointSaved; this module only writes and reads the rank files.
 //
-// The file format (header, per-buffer shards of master weights and AdamW moments, replicated
+// The file format (header, per-buffer shards of master weights and AdamW moments (f32, or bf16
+// with optimizer.state_precision BF16: kept in their precision), replicated
 // scaling state, trailer with CRC-32) is defined and documented in common/checkpoint_format.h;
 // this module maps a rank's FsdpParams and trainer state onto it. A file loads into any world size
 // of the same model and precision plan (reshard); the scaling state is replicated (identical on
@@ -58,7 +59,9 @@ absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
                             const std::string& dir, v1::CheckpointSaved* out,
                             const FaultInjection* faults = nullptr);
 // Reads dir/rank-0..saved_world_size-1.ckpt, verifies them and sets this rank's master, m and v
-// shards of `params` (plan: params.plan(), any world size) from the concatenated saved buffers;
+// shards of `params` (plan: params.plan(), any world size) from the concatenated saved buffers
+// (moments saved in another precision than params.moment_dtype() are converted: bf16 to f32
+// exactly, f32 to bf16 rounded to nearest even);
 // returns rank 0's replicated state in *state after checking that every file agrees with it.
 // Touches params only when every file verified. No collectives; the caller re-casts weights.
 absl::Status ReadShardFiles(const std::string& dir, int saved_world_size,

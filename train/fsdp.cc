@@ -8,6 +8,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "common/scaling.h"
+#include "kernels/fp8.h"
 
 namespace fsdp8 {
 
@@ -18,9 +19,13 @@ std::string ScalingBaseName(const std::string& hf_name) {
   return absl::StrReplaceAll(s, {{"self_attn.", "attn."}});
 }
 
+MomentDtype MomentDtypeOf(v1::Precision state_precision) {
+  return state_precision == v1::PRECISION_BF16 ? MomentDtype::kBf16 : MomentDtype::kF32;
+}
+
 FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* be,
-                       Communicator* comm, CommClock* clock)
-    : plan_(plan), rank_(rank), be_(be), comm_(comm), clock_(clock) {
+                       Communicator* comm, CommClock* clock, MomentDtype moments)
+    : plan_(plan), rank_(rank), moments_(moments), be_(be), comm_(comm), clock_(clock) {
   units_.resize(plan.units.size());
   for (size_t u = 0; u < plan.units.size(); ++u) {
     const AllocationLabel label("the shards (weights, gradients, AdamW moments) of unit",
@@ -55,8 +60,8 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
       }
       buf.master = DevBuf(be, n * sizeof(float));
       if (n > 0) be->CopyToDevice(buf.master.get(), host.data(), n * sizeof(float));
-      buf.m = DevBuf::Zeros(be, n * sizeof(float));
-      buf.v = DevBuf::Zeros(be, n * sizeof(float));
+      buf.m = DevBuf::Zeros(be, n * ElementBytes(ShardArray::kAdamM));
+      buf.v = DevBuf::Zeros(be, n * ElementBytes(ShardArray::kAdamV));
       buf.grad = DevBuf::Zeros(be, n * sizeof(float));
       if (bp.wire == WireDtype::kFp8) {
         buf.wire = DevBuf::Zeros(be, n);  // padding stays code 0: casts write the tensors only
@@ -318,6 +323,12 @@ void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weig
   if (!fp8_refs_.empty()) be_->Memset(w_amax_.get(), 0, fp8_refs_.size() * sizeof(float));
   auto update = [&](Buf& b, int64_t lo, int64_t hi, float* amax) {
     if (hi <= lo) return;
+    if (moments_ == MomentDtype::kBf16) {
+      be_->AdamWBf16Moments(b.master.f32() + lo, b.grad.f32() + lo, b.m.u16() + lo,
+                            b.v.u16() + lo, hi - lo, lr, beta1, beta2, eps, weight_decay, step,
+                            grad_scale, amax);
+      return;
+    }
     be_->AdamW(b.master.f32() + lo, b.grad.f32() + lo, b.m.f32() + lo, b.v.f32() + lo, hi - lo,
                lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax);
   };
@@ -459,15 +470,27 @@ const DevBuf& FsdpParams::Array(int unit, int buffer, ShardArray which) const {
   return b.master;
 }
 
+size_t FsdpParams::ElementBytes(ShardArray which) const {
+  const bool moment = which == ShardArray::kAdamM || which == ShardArray::kAdamV;
+  return moment && moments_ == MomentDtype::kBf16 ? sizeof(uint16_t) : sizeof(float);
+}
+
 void FsdpParams::DownloadShard(int unit, int buffer, ShardArray which, float* host) const {
   const int64_t n = units_[unit][buffer].plan->shard_numel;
-  if (n > 0) be_->CopyToHost(host, Array(unit, buffer, which).get(), n * sizeof(float));
+  if (n <= 0) return;
+  if (ElementBytes(which) == sizeof(float)) {
+    be_->CopyToHost(host, Array(unit, buffer, which).get(), n * sizeof(float));
+    return;
+  }
+  std::vector<uint16_t> bits(n);
+  be_->CopyToHost(bits.data(), Array(unit, buffer, which).get(), n * sizeof(uint16_t));
+  for (int64_t i = 0; i < n; ++i) host[i] = Bf16Value(bits[i]);
 }
 
 void FsdpParams::ZeroShard(int unit, int buffer, ShardArray which) {
   const int64_t n = units_[unit][buffer].plan->shard_numel;
   weight_amax_ready_ = false;
-  if (n > 0) be_->Memset(Array(unit, buffer, which).get(), 0, n * sizeof(float));
+  if (n > 0) be_->Memset(Array(unit, buffer, which).get(), 0, n * ElementBytes(which));
 }
 
 void FsdpParams::UploadShardRange(int unit, int buffer, ShardArray which, int64_t offset,
@@ -476,7 +499,15 @@ void FsdpParams::UploadShardRange(int unit, int buffer, ShardArray which, int64_
   FSDP8_CHECK(offset >= 0 && n >= 0 && offset + n <= shard)
       << "shard range [" << offset << ", " << offset + n << ") of " << shard;
   weight_amax_ready_ = false;
-  if (n > 0) be_->CopyToDevice(Array(unit, buffer, which).f32() + offset, host, n * sizeof(float));
+  if (n <= 0) return;
+  const DevBuf& a = Array(unit, buffer, which);
+  if (ElementBytes(which) == sizeof(float)) {
+    be_->CopyToDevice(a.f32() + offset, host, n * sizeof(float));
+    return;
+  }
+  std::vector<uint16_t> bits(n);
+  for (int64_t i = 0; i < n; ++i) bits[i] = Bf16Bits(host[i]);
+  be_->CopyToDevice(a.u16() + offset, bits.data(), n * sizeof(uint16_t));
 }
 
 const std::vector<WeightScaling>& FsdpParams::weight_scaling() const {

@@ -3,7 +3,7 @@
 // Per FSDP unit and flat buffer this rank holds, each of shard_numel elements:
 //   master (f32)  — the FP32 master weights of its slice, initialised from InitValue of the global
 //                   element index (padding 0), so the model is the same bits at any world size;
-//   m, v (f32)    — AdamW moments;
+//   m, v          — AdamW moments, f32 or bf16 (MomentDtype: optimizer.state_precision);
 //   grad (f32)    — the reduced gradient of its slice, accumulated over microbatches (after
 //                   ZeroGrads, a slice no gradient reached is zeroed only when first read);
 //   wire shard    — what travels on an all-gather: FP8 codes (u8) for FP8 GEMM weights, bf16 bit
@@ -80,13 +80,19 @@ struct WeightScaling {
 // "layers.0.attn.q_proj" (suffixes ".x", ".dy", ".w" name the three scaled tensors of a linear).
 std::string ScalingBaseName(const std::string& hf_name);
 
-// The per-element f32 arrays of a rank's shard that a checkpoint carries.
+// The per-element arrays of a rank's shard that a checkpoint carries.
 enum class ShardArray { kMaster = 0, kAdamM = 1, kAdamV = 2 };
+
+// Storage of the AdamW moments m and v: f32, or bfloat16 (Backend::AdamWBf16Moments: updated in
+// f32, rounded to nearest even when stored).
+enum class MomentDtype { kF32 = 0, kBf16 = 1 };
+// The moments' storage for optimizer.state_precision (FP32 or BF16; defaults applied).
+MomentDtype MomentDtypeOf(v1::Precision state_precision);
 
 class FsdpParams {
  public:
   FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* be, Communicator* comm,
-             CommClock* clock);
+             CommClock* clock, MomentDtype moments = MomentDtype::kF32);
 
   // Waits (stream-ordered) for prefetched all-gathers still in flight before their buffers go.
   ~FsdpParams();
@@ -95,6 +101,7 @@ class FsdpParams {
 
   const ShardPlan& plan() const { return plan_; }
   int rank() const { return rank_; }
+  MomentDtype moment_dtype() const { return moments_; }
   // The tensor named `hf_name`; aborts when the plan has no such tensor (a broken invariant).
   TensorRef Ref(const std::string& hf_name) const;
 
@@ -154,6 +161,8 @@ class FsdpParams {
   bool SetMasterElement(const std::string& hf_name, int64_t index, float value);
 
   // ---- checkpoints (train/checkpoint.h) ----
+  // The arrays travel as f32 whatever moment_dtype(): bf16 moments are widened (exact) on
+  // download and rounded to the nearest bfloat16 (ties to even) on upload.
   // Copies this rank's whole shard array of (unit, buffer) (shard_numel f32) to the host.
   void DownloadShard(int unit, int buffer, ShardArray which, float* host) const;
   // Zeroes this rank's shard array of (unit, buffer) (padding included).
@@ -194,9 +203,12 @@ class FsdpParams {
   // Finishes pending reduce-scatters and zeroes the grad shards no gradient reached.
   void MaterializeGrads();
   const DevBuf& Array(int unit, int buffer, ShardArray which) const;
+  // Bytes per element of `which` (4, or 2 for bf16 moments).
+  size_t ElementBytes(ShardArray which) const;
 
   const ShardPlan& plan_;
   const int rank_;
+  const MomentDtype moments_;
   Backend* be_;
   Communicator* comm_;
   CommClock* clock_;

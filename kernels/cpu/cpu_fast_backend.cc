@@ -796,4 +796,32 @@ void CpuFastBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t
   if (amax_out != nullptr) AmaxAccumulate(p, n, amax_out);
 }
 
+void CpuFastBackend::AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16,
+                                      int64_t n, float lr, float beta1, float beta2, float eps,
+                                      float weight_decay, int64_t step, float grad_scale,
+                                      float* amax_out) {
+  FSDP8_CHECK(step >= 1);
+  // AdamW's loop above with the moments widened on load and rounded (RoundBf16) on store.
+  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
+  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
+  const float w1 = static_cast<float>(1.0 - beta1);
+  const float w2 = static_cast<float>(1.0 - beta2);
+  const float step_size = static_cast<float>(lr / bc1);
+  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const bool lerp_from_m = w1 < 0.5f;
+  const float one_minus_w1 = 1.0f - w1;
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * grad_scale;
+    const float pi = p[i] * decay;
+    const float m0 = Bf16Value(m16[i]);
+    const float mi = lerp_from_m ? m0 + w1 * (gi - m0) : gi - (gi - m0) * one_minus_w1;
+    const float vi = Bf16Value(v16[i]) * beta2 + w2 * gi * gi;
+    m16[i] = Bf16Bits(mi);
+    v16[i] = Bf16Bits(vi);
+    p[i] = pi - step_size * (mi / (std::sqrt(vi) / bc2_sqrt + eps));
+  }
+  if (amax_out != nullptr) AmaxAccumulate(p, n, amax_out);
+}
+
 }  // namespace fsdp8

@@ -616,4 +616,18 @@ void CpuRefBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t 
   if (amax_out != nullptr) AmaxAccumulate(p, n, amax_out);
 }
 
+void CpuRefBackend::AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16,
+                                     int64_t n, float lr, float beta1, float beta2, float eps,
+                                     float weight_decay, int64_t step, float grad_scale,
+                                     float* amax_out) {
+  // The contract's own words: widen, the f32 AdamW, round to nearest even when stored.
+  std::vector<float> m(n), v(n);
+  CpuRefBackend::UnpackBf16(m16, m.data(), n);
+  CpuRefBackend::UnpackBf16(v16, v.data(), n);
+  CpuRefBackend::AdamW(p, g, m.data(), v.data(), n, lr, beta1, beta2, eps, weight_decay, step,
+                       grad_scale, amax_out);
+  CpuRefBackend::PackBf16(m.data(), m16, n);
+  CpuRefBackend::PackBf16(v.data(), v16, n);
+}
+
 }  // namespace fsdp8

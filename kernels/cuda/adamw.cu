@@ -1,4 +1,4 @@
-// AdamW on one flat f32 shard (Backend: AdamW).
+// AdamW on one flat f32 shard, moments in f32 or bf16 (Backend: AdamW, AdamWBf16Moments).
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_check.h"
@@ -28,13 +28,16 @@ __device__ __forceinline__ float AdamWElt(float p, float g, float& m, float& v,
   return __fsub_rn(pi, __fmul_rn(s.step_size, __fdiv_rn(m, denom)));
 }
 
-// kVec: four elements per iteration (all four arrays 16-byte aligned), the n % 4 tail scalar.
+// M: the moments' storage, float or uint16_t (bfloat16 bits: widened on load, rounded to
+// nearest even on store by device_math.cuh's Load/Store; the update of p reads the f32 values).
+// kVec: four elements per iteration (p, g 16-byte aligned, m, v 4-element aligned), the n % 4
+// tail scalar.
 // kAmax: also raises *amax_out to max |p| of the updated weights. The grid is capped at 1024
 // blocks (about 8 per SM on an H200) so that each thread covers many elements before the one
 // block reduction and atomic per block.
-template <bool kVec, bool kAmax>
-__global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                            float* __restrict__ v, int64_t n, AdamWScalars s, float* amax_out) {
+template <typename M, bool kVec, bool kAmax>
+__global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, M* __restrict__ m,
+                            M* __restrict__ v, int64_t n, AdamWScalars s, float* amax_out) {
   int amax_bits = 0;
   int64_t done = 0;
   if (kVec) {
@@ -42,15 +45,15 @@ __global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, 
     FSDP8_GRID_STRIDE(i, n4) {
       float4 pv = reinterpret_cast<const float4*>(p)[i];
       const float4 gv = reinterpret_cast<const float4*>(g)[i];
-      float4 mv = reinterpret_cast<const float4*>(m)[i];
-      float4 vv = reinterpret_cast<const float4*>(v)[i];
+      float4 mv = Load4F32(m + 4 * i);
+      float4 vv = Load4F32(v + 4 * i);
       pv.x = AdamWElt(pv.x, gv.x, mv.x, vv.x, s);
       pv.y = AdamWElt(pv.y, gv.y, mv.y, vv.y, s);
       pv.z = AdamWElt(pv.z, gv.z, mv.z, vv.z, s);
       pv.w = AdamWElt(pv.w, gv.w, mv.w, vv.w, s);
       reinterpret_cast<float4*>(p)[i] = pv;
-      reinterpret_cast<float4*>(m)[i] = mv;
-      reinterpret_cast<float4*>(v)[i] = vv;
+      Store4F32(m + 4 * i, mv);
+      Store4F32(v + 4 * i, vv);
       if (kAmax) {
         amax_bits = max(amax_bits, max(max(AbsBits(pv.x), AbsBits(pv.y)),
                                        max(AbsBits(pv.z), AbsBits(pv.w))));
@@ -60,11 +63,11 @@ __global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, 
   }
   for (int64_t i = done + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float mi = m[i], vi = v[i];
+    float mi = LoadF32(m + i), vi = LoadF32(v + i);
     const float pn = AdamWElt(p[i], g[i], mi, vi, s);
     p[i] = pn;
-    m[i] = mi;
-    v[i] = vi;
+    StoreF32(m + i, mi);
+    StoreF32(v + i, vi);
     if (kAmax) amax_bits = max(amax_bits, AbsBits(pn));
   }
   if (kAmax) {
@@ -74,32 +77,49 @@ __global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, 
   }
 }
 
-template <bool kVec>
-void Launch(float* p, const float* g, float* m, float* v, int64_t n, const AdamWScalars& s,
+template <typename M, bool kVec>
+void Launch(float* p, const float* g, M* m, M* v, int64_t n, const AdamWScalars& s,
             float* amax_out, cudaStream_t stream) {
   const int blocks = EltBlocks(kVec ? CeilDiv(n, 4) : n, 1024);
   if (amax_out != nullptr) {
-    AdamWKernel<kVec, true><<<blocks, kEltThreads, 0, stream>>>(p, g, m, v, n, s, amax_out);
+    AdamWKernel<M, kVec, true><<<blocks, kEltThreads, 0, stream>>>(p, g, m, v, n, s, amax_out);
   } else {
-    AdamWKernel<kVec, false><<<blocks, kEltThreads, 0, stream>>>(p, g, m, v, n, s, nullptr);
+    AdamWKernel<M, kVec, false><<<blocks, kEltThreads, 0, stream>>>(p, g, m, v, n, s, nullptr);
   }
 }
 
-bool Aligned16(const void* x) { return (reinterpret_cast<uintptr_t>(x) & 15) == 0; }
+bool Aligned(const void* x, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(x) & (bytes - 1)) == 0;
+}
+
+template <typename M>
+void LaunchAny(float* p, const float* g, M* m, M* v, int64_t n, const AdamWScalars& s,
+               float* amax_out, cudaStream_t stream) {
+  if (n <= 0) return;
+  const uintptr_t four = 4 * sizeof(M);  // four moments' bytes
+  if (Aligned(p, 16) && Aligned(g, 16) && Aligned(m, four) && Aligned(v, four)) {
+    Launch<M, true>(p, g, m, v, n, s, amax_out, stream);
+  } else {
+    Launch<M, false>(p, g, m, v, n, s, amax_out, stream);
+  }
+  FSDP8_CUDA_LAUNCH_CHECK();
+}
 
 }  // namespace
 
 void LaunchAdamW(float* p, const float* g, float* m, float* v, int64_t n, float decay,
                  float beta2, float w1, float w2, float step_size, float bc2_sqrt, float eps,
                  float grad_scale, float* amax_out, cudaStream_t stream) {
-  if (n <= 0) return;
   const AdamWScalars s{decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale};
-  if (Aligned16(p) && Aligned16(g) && Aligned16(m) && Aligned16(v)) {
-    Launch<true>(p, g, m, v, n, s, amax_out, stream);
-  } else {
-    Launch<false>(p, g, m, v, n, s, amax_out, stream);
-  }
-  FSDP8_CUDA_LAUNCH_CHECK();
+  LaunchAny(p, g, m, v, n, s, amax_out, stream);
+}
+
+void LaunchAdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n,
+                            float decay, float beta2, float w1, float w2, float step_size,
+                            float bc2_sqrt, float eps, float grad_scale, float* amax_out,
+                            cudaStream_t stream) {
+  const AdamWScalars s{decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale};
+  LaunchAny(p, g, m16, v16, n, s, amax_out, stream);
 }
 
 }  // namespace fsdp8::cuda

@@ -864,6 +864,24 @@ void CudaBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n,
                     amax_out, stream_);
 }
 
+void CudaBackend::AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16,
+                                   int64_t n, float lr, float beta1, float beta2, float eps,
+                                   float weight_decay, int64_t step, float grad_scale,
+                                   float* amax_out) {
+  cuda::OpScope op_scope(prof_.get(), "AdamWBf16Moments");
+  Bind();
+  FSDP8_CHECK(step >= 1) << "AdamW step must be >= 1";
+  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
+  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
+  const float w1 = static_cast<float>(1.0 - beta1);
+  const float w2 = static_cast<float>(1.0 - beta2);
+  const float step_size = static_cast<float>(lr / bc1);
+  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  cuda::LaunchAdamWBf16Moments(p, g, m16, v16, n, decay, beta2, w1, w2, step_size, bc2_sqrt, eps,
+                               grad_scale, amax_out, stream_);
+}
+
 // ---- factory -------------------------------------------------------------------------------------
 
 int64_t CudaDeviceTotalMemory(int device, std::string* error) {

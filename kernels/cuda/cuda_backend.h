@@ -229,6 +229,9 @@ class CudaBackend final : public Backend, public CudaStreams {
   void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
              float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
              float* amax_out) override;
+  void AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n,
+                        float lr, float beta1, float beta2, float eps, float weight_decay,
+                        int64_t step, float grad_scale, float* amax_out) override;
 
  private:
   // Growable device scratch slot i of at least `bytes` (counted as a workspace). Growing

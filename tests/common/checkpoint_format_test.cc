@@ -156,6 +156,66 @@ TEST(CheckpointFormat, BufferShardsReplicatedAndTrailerAreEncodedAsDocumented) {
   EXPECT_EQ(crc, ReferenceCrc32(expected));  // the whole file's, as CheckpointSaved reports it
 }
 
+// A buffer with BF16 moments: moment dtype 1 in the header, then the f32 master and the two
+// moment arrays as bfloat16 bit patterns, 2 bytes each; read back as f32 (widened exactly), and
+// skipped by their own size.
+TEST(CheckpointFormat, Bf16MomentsAreEncodedInTwoBytesAndReadAsF32) {
+  const float master[2] = {1.0f, -2.0f};
+  const uint16_t m[2] = {0x3FC0, 0xBE80};  // 1.5, -0.25
+  const uint16_t v[2] = {0x4040, 0x0001};  // 3.0, the smallest bfloat16 subnormal
+  RankFileBufferHeader bh{1, 0, 2, 2, 2, 2};
+  bh.moments = RankFileArrayDtype::kBf16;
+  const std::string bytes = Encode([&](RankFileEncoder* e) {
+    e->BufferHeader(bh);
+    e->ShardArray(master, 2);
+    e->ShardArrayBf16(m, 2);
+    e->ShardArrayBf16(v, 2);
+  });
+  const std::string expected = U32(1) + U32(0) + U32(2) + U32(1) + U64(2) + U64(2) + U64(2) +
+                               U32(0x3f800000) + U32(0xc0000000) +
+                               std::string("\xC0\x3F\x80\xBE\x40\x40\x01\x00", 8);
+  EXPECT_EQ(bytes, expected);
+
+  // The same buffer inside a file: header, this buffer, an empty replicated section.
+  const std::string file = Encode([&](RankFileEncoder* e) {
+    RankFileHeader h = Header();
+    h.num_buffers = 1;
+    e->Header(h);
+    e->BufferHeader(bh);
+    e->ShardArray(master, 2);
+    e->ShardArrayBf16(m, 2);
+    e->ShardArrayBf16(v, 2);
+    e->Replicated(RankFileReplicated{});
+    e->Trailer();
+  });
+  RankFileReader r = OpenOk(WriteFile("bf16_moments.ckpt", file));
+  ASSERT_TRUE(r.Verify().ok());
+  RankFileHeader h;
+  ASSERT_TRUE(r.ReadHeader(&h).ok());
+  RankFileBufferHeader got;
+  ASSERT_TRUE(r.ReadBufferHeader(&got).ok());
+  EXPECT_EQ(got.moments, RankFileArrayDtype::kBf16);
+  std::vector<float> x(2), y(1);
+  ASSERT_TRUE(r.ReadShardArray(2, 0, 2, x.data()).ok());
+  EXPECT_EQ(x, (std::vector<float>{1.0f, -2.0f}));
+  ASSERT_TRUE(r.ReadShardArray(2, 1, 1, y.data(), got.moments).ok());  // m: [1, 2)
+  EXPECT_EQ(y[0], -0.25f);
+  ASSERT_TRUE(r.ReadShardArray(2, 0, 2, x.data(), got.moments).ok());  // v: all
+  EXPECT_EQ(x[0], 3.0f);
+  EXPECT_EQ(x[1], std::ldexp(1.0f, -133));
+  RankFileReplicated rep;
+  EXPECT_TRUE(r.ReadReplicated(&rep).ok());  // the body ends right after it: sizes were right
+}
+
+TEST(CheckpointFormat, UnknownMomentDtypeIsDataLoss) {
+  std::string body = HeaderBytes() + U32(0) + U32(0) + U32(2) + U32(7) + U64(1) + U64(1) + U64(1);
+  RankFileReader r = OpenOk(WriteFile("moment_dtype.ckpt", WithTrailer(body)));
+  RankFileHeader h;
+  ASSERT_TRUE(r.ReadHeader(&h).ok());
+  RankFileBufferHeader bh;
+  ExpectError(r.ReadBufferHeader(&bh), absl::StatusCode::kDataLoss, "moment dtype 7");
+}
+
 // ---- Round trip ----
 
 struct Sample {

@@ -43,6 +43,7 @@ TEST(Spec, Defaults) {
   EXPECT_EQ(d.optimizer().eps(), 1e-8);
   EXPECT_EQ(d.optimizer().weight_decay(), 0.1);
   EXPECT_EQ(d.optimizer().grad_clip(), 1.0);
+  EXPECT_EQ(d.optimizer().state_precision(), v1::PRECISION_FP32);
   EXPECT_EQ(d.training().steps(), 600);
   EXPECT_EQ(d.training().global_batch(), 16);
   EXPECT_EQ(d.training().microbatch(), 8);  // 16 / 2
@@ -213,6 +214,9 @@ std::vector<RuleCase> Rules() {
       2, {"optimizer.weight_decay", "must be >= 0"});
   add("GradClipNegative", [](v1::JobSpec* s) { s->mutable_optimizer()->set_grad_clip(-1); }, 2,
       {"optimizer.grad_clip", "must be >= 0"});
+  add("StatePrecisionFp8",
+      [](v1::JobSpec* s) { s->mutable_optimizer()->set_state_precision(v1::PRECISION_FP8); }, 2,
+      {"optimizer.state_precision", "must be FP32 or BF16", "FP8"});
   add("MinWorkersZero", [](v1::JobSpec* s) { s->mutable_sharding()->set_min_workers(0); }, 2,
       {"sharding.min_workers", "must be >= 1"});
   add("MaxBelowMin", [](v1::JobSpec* s) {
@@ -641,6 +645,21 @@ const char* kJson = R"({
   },
   "backend": "cpu"
 })";
+
+// optimizer.state_precision: the short spelling parses, BF16 validates, and the memory plan's
+// bytes per element of the AdamW state follow it (two moments of 4 or 2 bytes).
+TEST(Spec, OptimizerStatePrecision) {
+  auto y = ParseSpec("data: {train_path: /data/train.bin}\noptimizer:\n  state_precision: bf16\n");
+  ASSERT_TRUE(y.ok()) << y.status();
+  EXPECT_EQ(y->optimizer().state_precision(), v1::PRECISION_BF16);
+  EXPECT_TRUE(ValidateSpec(*y, 2, {}, false).ok());
+  EXPECT_EQ(AdamStateBytesPerElement(WithDefaults(*y, 2)), 4);
+  EXPECT_EQ(AdamStateBytesPerElement(Valid()), 8);
+  auto bad = ParseSpec("optimizer: {state_precision: fp16}\n");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("optimizer.state_precision"), std::string::npos)
+      << bad.status();
+}
 
 TEST(Spec, ParseYamlAndJsonAgree) {
   auto y = ParseSpec(kYaml);

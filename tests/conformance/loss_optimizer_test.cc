@@ -1,4 +1,5 @@
-// Conformance of the cross-entropy loss, the sum of squares (gradient norm) and AdamW.
+// Conformance of the cross-entropy loss, the sum of squares (gradient norm) and AdamW (f32 and
+// bf16 moments).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -91,6 +92,59 @@ TEST_P(Conformance, AdamW) {
                 r.F32(&o, "v", vd, n);
                 return o;
               });
+      }
+    }
+  }
+}
+
+// BF16 moments (optimizer.state_precision BF16): p and the amax as AdamW (kEltTol: the f32
+// moments before rounding feed the update); the stored moments, unpacked to f32, may sit one
+// bf16 step (2^-7 of the element, so of the largest one normwise) from the reference's where
+// the f32 values differ by a few ulps across a rounding boundary.
+TEST_P(Conformance, AdamWBf16Moments) {
+  const double bf16_ulp = 1.0 / 128;
+  auto packed = [](DevRun& r, const std::vector<float>& x) {
+    uint16_t* p = r.Out<uint16_t>(static_cast<int64_t>(x.size()));
+    r.b()->PackBf16(r.In(x), p, static_cast<int64_t>(x.size()));
+    return p;
+  };
+  auto unpacked = [](DevRun& r, Outputs* o, const std::string& name, const uint16_t* p, int64_t n) {
+    float* f = r.Out<float>(n);
+    r.b()->UnpackBf16(p, f, n);
+    r.F32(o, name, f, n);
+  };
+  for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{1} << 20}) {
+    const auto p = Randn(n), g = Randn(n, 0.1f), m = Randn(n, 0.01f);
+    auto v = Randn(n, 0.001f);
+    for (auto& x : v) x = std::fabs(x);
+    for (int64_t step : {int64_t{1}, int64_t{1000}}) {
+      // skip: a shard slice that starts off the vector alignment (odd: the bf16 moments too).
+      for (int64_t skip : {int64_t{0}, int64_t{3}}) {
+        if (skip >= n) continue;
+        const std::string name = "AdamWBf16Moments/" + std::to_string(n) + "/step" +
+                                 std::to_string(step) + "/skip" + std::to_string(skip);
+        // The op once per output group: p and amax at AdamW's tolerance, the moments at theirs.
+        for (bool moments : {false, true}) {
+          Check(name + (moments ? "/moments" : "/p"), moments ? kEltTol + bf16_ulp : kEltTol,
+                [&](DevRun& r) {
+                  Outputs o;
+                  float* pd = r.In(p);
+                  uint16_t* md = packed(r, m);
+                  uint16_t* vd = packed(r, v);
+                  float* amax = r.In(std::vector<float>{0.5f});
+                  r.b()->AdamWBf16Moments(pd + skip, r.In(g) + skip, md + skip, vd + skip,
+                                          n - skip, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f,
+                                          amax);
+                  if (!moments) {
+                    r.F32(&o, "p", pd, n);
+                    r.F32(&o, "amax", amax, 1);
+                  } else {
+                    unpacked(r, &o, "m", md, n);
+                    unpacked(r, &o, "v", vd, n);
+                  }
+                  return o;
+                });
+        }
       }
     }
   }

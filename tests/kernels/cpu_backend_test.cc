@@ -936,6 +936,73 @@ TEST_P(CpuBackendTest, AdamWTwoStepsByHand) {
   EXPECT_NEAR(amax.Host()[0], want, 1e-6 * want);
 }
 
+// The nearest value with 8 significant bits (bfloat16's precision), ties to even, by frexp and
+// nearbyint (round to nearest even in the default rounding mode) in double: independent of the
+// backends' bit manipulation. Normal range only (the values below are far from its ends).
+double NearestBf16(double x) {
+  int e = 0;
+  const double f = std::frexp(x, &e);  // x = f * 2^e, 0.5 <= |f| < 1
+  return std::ldexp(std::nearbyint(std::ldexp(f, 8)), e - 8);
+}
+
+// How far x is from the nearest bfloat16 rounding boundary (a midpoint between two bfloat16
+// values), relative to |x|.
+double Bf16MidpointDistance(double x) {
+  int e = 0;
+  const double f = std::ldexp(std::frexp(x, &e), 8);  // 128 <= |f| < 256
+  return std::fabs(std::fabs(f - std::trunc(f)) - 0.5) / std::fabs(f);
+}
+
+TEST_P(CpuBackendTest, AdamWBf16MomentsTwoStepsByHand) {
+  // The double model of AdamWTwoStepsByHand with both moments rounded to bfloat16 after each
+  // step (stored rounded), while each step's update of p uses the moments before the rounding.
+  // Where the double model's moment is more than 1e-5 relative from a rounding boundary (checked
+  // below), the f32 kernel's ~1e-6 relative error cannot cross it, so the stored bits must equal
+  // the model's rounding exactly: a truncation instead of round-to-nearest, or no rounding, fails.
+  // Using the rounded moments for p would move p by ~lr * 2^-9 ~ 2e-5, far above 1e-6.
+  const double lr = 0.01f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.1f, gs = 0.5f;
+  const int n = 6;
+  std::vector<double> p = {1, -2, 0.5, 0.75, -0.3, 1.7}, m(n, 0), v(n, 0);
+  const std::vector<std::vector<double>> grads = {{0.2, -0.4, 0.013, 0.7, -0.09, 0.31},
+                                                  {0.1, 0.3, -1, 0.017, 0.55, -0.23}};
+  std::vector<float> pf(p.begin(), p.end());
+  Buf<float> bp(be_.get(), pf), amax(be_.get(), {0.25f});
+  Buf<uint16_t> bm(be_.get(), n), bv(be_.get(), n);  // bf16 zeros
+  for (int t = 1; t <= 2; ++t) {
+    std::vector<float> gf(grads[t - 1].begin(), grads[t - 1].end());
+    Buf<float> bg(be_.get(), gf);
+    be_->AdamWBf16Moments(bp.get(), bg.get(), bm.get(), bv.get(), n, lr, b1, b2, eps, wd, t, gs,
+                          t == 2 ? amax.get() : nullptr);
+    for (int i = 0; i < n; ++i) {
+      const double g = grads[t - 1][i] * gs;
+      p[i] *= 1 - lr * wd;
+      m[i] = b1 * m[i] + (1 - b1) * g;
+      v[i] = b2 * v[i] + (1 - b2) * g * g;
+      const double mh = m[i] / (1 - std::pow(b1, t)), vh = v[i] / (1 - std::pow(b2, t));
+      p[i] -= lr * mh / (std::sqrt(vh) + eps);
+    }
+    const std::vector<float> gp = bp.Host();
+    const std::vector<uint16_t> gm = bm.Host(), gv = bv.Host();
+    for (int i = 0; i < n; ++i) {
+      SCOPED_TRACE(::testing::Message() << "t=" << t << " i=" << i);
+      EXPECT_NEAR(gp[i], p[i], 1e-6 * std::fabs(p[i]));
+      ASSERT_GT(Bf16MidpointDistance(m[i]), 1e-5) << "test data: m too close to a tie";
+      ASSERT_GT(Bf16MidpointDistance(v[i]), 1e-5) << "test data: v too close to a tie";
+      m[i] = NearestBf16(m[i]);
+      v[i] = NearestBf16(v[i]);
+      uint32_t um = static_cast<uint32_t>(gm[i]) << 16, uv = static_cast<uint32_t>(gv[i]) << 16;
+      float fm, fv;
+      std::memcpy(&fm, &um, 4);
+      std::memcpy(&fv, &uv, 4);
+      EXPECT_EQ(fm, m[i]);
+      EXPECT_EQ(fv, v[i]);
+    }
+  }
+  double want = 0;
+  for (double x : p) want = std::max(want, std::fabs(x));
+  EXPECT_NEAR(amax.Host()[0], want, 1e-6 * want);
+}
+
 INSTANTIATE_TEST_SUITE_P(Cpu, CpuBackendTest,
                          ::testing::Values(std::string("cpu"), std::string("cpu-ref")),
                          [](const ::testing::TestParamInfo<std::string>& i) {

@@ -112,9 +112,7 @@ JobRun RunJob(const v1::JobSpec& spec, int world, int64_t first, int64_t last,
 // ---- C07 -------------------------------------------------------------------------------------
 // 6 uninterrupted steps vs 3 steps, save, a fresh trainer from the checkpoint, steps 3..5: every
 // loss, grad norm, LR and scaling state, and the final master weights are bit-identical.
-TEST(Checkpoint, C07_ResumeIsBitIdenticalToAnUninterruptedRun) {
-  const v1::JobSpec spec = TinySpec(TrainFile());  // FP8 linears, delayed scaling (default plan)
-  const std::string dir = FreshDir("c07");
+void ExpectResumeBitIdentical(const v1::JobSpec& spec, const std::string& dir) {
   const JobRun full = RunJob(spec, 2, 0, 6);
   const JobRun before = RunJob(spec, 2, 0, 3, "", 0, dir);
   for (int r = 0; r < 2; ++r) {
@@ -155,6 +153,17 @@ TEST(Checkpoint, C07_ResumeIsBitIdenticalToAnUninterruptedRun) {
     }
   }
   ExpectBitEqual(full.master, after.master, "final master weights");
+}
+
+TEST(Checkpoint, C07_ResumeIsBitIdenticalToAnUninterruptedRun) {
+  // FP8 linears, delayed scaling (default plan), FP32 moments.
+  ExpectResumeBitIdentical(TinySpec(TrainFile()), FreshDir("c07"));
+}
+
+TEST(Checkpoint, C07_ResumeIsBitIdenticalWithBf16Moments) {
+  v1::JobSpec spec = TinySpec(TrainFile());
+  spec.mutable_optimizer()->set_state_precision(v1::PRECISION_BF16);
+  ExpectResumeBitIdentical(spec, FreshDir("c07_bf16"));
 }
 
 // ---- C06: reshard ---------------------------------------------------------------------------
@@ -253,6 +262,148 @@ TEST(Checkpoint, C06_FiftySevenElementsReshardExactly) {
       ASSERT_EQ(m->at("w3").size(), 3u);
     });
   }
+}
+
+// ---- BF16 moments (optimizer.state_precision) ----------------------------------------------
+v1::JobSpec Bf16MomentsSpec(v1::JobSpec spec) {
+  spec.mutable_optimizer()->set_state_precision(v1::PRECISION_BF16);
+  return spec;
+}
+
+// Elements of one rank's shards, every flat buffer, on a world of `world` (for the file sizes).
+int64_t ShardElements(const v1::JobSpec& spec, int world) {
+  auto plan = MakeShardPlan(WithDefaults(spec, world), world);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  int64_t n = 0;
+  for (const UnitPlan& u : plan->units) {
+    for (const BufferPlan& b : u.buffers) n += b.shard_numel;
+  }
+  return n;
+}
+
+// A checkpoint with BF16 moments saved on 2 ranks loads on 3: saved again from 3 ranks and loaded
+// back on 2 it reproduces the original files byte for byte (the moments stay bf16 and reshard
+// exactly), its files hold the moments in 2 bytes each, and training resumes on 3 ranks: the
+// losses of steps 2..4 follow the uninterrupted 2-rank run's. The plan is all FP32 so that only
+// the order of f32 sums differs between 2 and 3 ranks (C12: 1e-5 relative); a moment of the two
+// runs that lands on different sides of a bf16 rounding boundary adds at most lr * 2^-8 to one
+// weight's step, hence 1e-4.
+TEST(Checkpoint, Bf16MomentsSavedOnTwoRanksResumeOnThree) {
+  v1::JobSpec spec = Bf16MomentsSpec(TinySpec(TrainFile()));
+  spec.mutable_precision()->set_linears(v1::PRECISION_FP32);
+  spec.mutable_precision()->set_embedding(v1::PRECISION_FP32);
+  spec.mutable_precision()->set_lm_head(v1::PRECISION_FP32);
+  const std::string dir = FreshDir("bf16_two");
+  const JobRun full = RunJob(spec, 2, 0, 5, "", 0, "");
+  const JobRun saved = RunJob(spec, 2, 0, 2, "", 0, dir);
+  // 12 bytes per element (f32 master, two bf16 moments) instead of 4 * 3.
+  v1::JobSpec fp32_moments = spec;
+  fp32_moments.mutable_optimizer()->set_state_precision(v1::PRECISION_FP32);
+  const std::string dir32 = FreshDir("bf16_two_fp32");
+  const JobRun saved32 = RunJob(fp32_moments, 2, 0, 2, "", 0, dir32);
+  EXPECT_EQ(saved32.saved[0].bytes() - saved.saved[0].bytes(), 4 * ShardElements(spec, 2));
+
+  const std::string mid = FreshDir("bf16_mid3");
+  const std::string back = FreshDir("bf16_back2");
+  const JobRun loaded = RunJob(spec, 3, 2, 2, dir, 2, mid);
+  for (int r = 0; r < 3; ++r) ASSERT_TRUE(loaded.load_status[r].ok()) << loaded.load_status[r];
+  ExpectBitEqual(saved.master, loaded.master, "2 -> 3");
+  const JobRun again = RunJob(spec, 2, 2, 2, mid, 3, back);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(again.load_status[r].ok()) << again.load_status[r];
+    EXPECT_TRUE(ReadAll(dir + "/" + CheckpointFileName(r)) ==
+                ReadAll(back + "/" + CheckpointFileName(r)))
+        << "rank " << r << " file after 2 -> 3 -> 2";
+  }
+
+  const JobRun resumed = RunJob(spec, 3, 2, 5, dir, 2);
+  for (int r = 0; r < 3; ++r) ASSERT_TRUE(resumed.load_status[r].ok()) << resumed.load_status[r];
+  ASSERT_EQ(resumed.results[0].size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    double loss2 = 0, loss3 = 0, tokens2 = 0, tokens3 = 0;
+    for (int r = 0; r < 2; ++r) {
+      loss2 += full.results[r][2 + i].loss_sum;
+      tokens2 += full.results[r][2 + i].tokens;
+    }
+    for (int r = 0; r < 3; ++r) {
+      loss3 += resumed.results[r][i].loss_sum;
+      tokens3 += resumed.results[r][i].tokens;
+    }
+    ASSERT_EQ(tokens2, tokens3);
+    EXPECT_EQ(resumed.results[0][i].step, 2 + i);
+    EXPECT_NEAR(loss3 / tokens3, loss2 / tokens2, 1e-4 * loss2 / tokens2) << "step " << 2 + i;
+  }
+}
+
+// The nearest bfloat16 value of a finite f32 x (ties to even), by nearbyint (round to nearest
+// even in the default rounding mode) on the value's quantum: 2^(e - 8) for x = f * 2^e with
+// 0.5 <= |f| < 1, at least 2^-133 (bfloat16's subnormal spacing). Independent of Bf16Bits.
+float NearestBf16(float x) {
+  int e = 0;
+  std::frexp(static_cast<double>(x), &e);
+  const double q = std::ldexp(1.0, std::max(e - 8, -133));
+  return static_cast<float>(std::nearbyint(static_cast<double>(x) / q) * q);
+}
+
+// Every moment of a trainer's shards, in plan order, as f32.
+std::vector<float> AllMoments(const FsdpParams& p) {
+  std::vector<float> all;
+  for (size_t u = 0; u < p.plan().units.size(); ++u) {
+    for (size_t b = 0; b < p.plan().units[u].buffers.size(); ++b) {
+      std::vector<float> host(p.plan().units[u].buffers[b].shard_numel);
+      for (ShardArray a : {ShardArray::kAdamM, ShardArray::kAdamV}) {
+        p.DownloadShard(static_cast<int>(u), static_cast<int>(b), a, host.data());
+        all.insert(all.end(), host.begin(), host.end());
+      }
+    }
+  }
+  return all;
+}
+
+// A checkpoint whose moments are in another precision than the job's state_precision is
+// converted on load: FP32 moments into a BF16 job round to the nearest bfloat16 (computed here
+// independently), BF16 moments into an FP32 job widen exactly; both then train on.
+TEST(Checkpoint, MomentsOfAnotherStatePrecisionAreConvertedOnLoad) {
+  const v1::JobSpec spec32 = TinySpec(TrainFile());
+  const v1::JobSpec spec16 = Bf16MomentsSpec(spec32);
+  const std::string dir32 = FreshDir("conv32"), dir16 = FreshDir("conv16");
+  RunJob(spec32, 1, 0, 2, "", 0, dir32);
+  RunJob(spec16, 1, 0, 2, "", 0, dir16);
+  RunRanks(1, [&](int r, Communicator* c) {
+    auto be = CpuBackend();
+    auto same32 = Trainer::Create(spec32, r, 1, be.get(), c);  // FP32 file, FP32 job
+    auto into16 = Trainer::Create(spec16, r, 1, be.get(), c);  // FP32 file, BF16 job
+    auto same16 = Trainer::Create(spec16, r, 1, be.get(), c);  // BF16 file, BF16 job
+    auto into32 = Trainer::Create(spec32, r, 1, be.get(), c);  // BF16 file, FP32 job
+    ASSERT_TRUE(same32.ok() && into16.ok() && same16.ok() && into32.ok());
+    ASSERT_TRUE(LoadShards(same32->get(), dir32, 1, 2).ok());
+    ASSERT_TRUE(LoadShards(same16->get(), dir16, 1, 2).ok());
+    absl::Status s = LoadShards(into16->get(), dir32, 1, 2);
+    ASSERT_TRUE(s.ok()) << s;
+    s = LoadShards(into32->get(), dir16, 1, 2);
+    ASSERT_TRUE(s.ok()) << s;
+    const std::vector<float> m32 = AllMoments((*same32)->params());
+    const std::vector<float> m16 = AllMoments((*same16)->params());
+    const std::vector<float> got16 = AllMoments((*into16)->params());
+    const std::vector<float> got32 = AllMoments((*into32)->params());
+    ASSERT_EQ(m32.size(), got16.size());
+    ASSERT_EQ(m16.size(), got32.size());
+    int64_t rounded = 0;
+    for (size_t i = 0; i < m32.size(); ++i) {
+      ASSERT_EQ(Bits(got16[i]), Bits(NearestBf16(m32[i]))) << "element " << i << " " << m32[i];
+      rounded += Bits(got16[i]) != Bits(m32[i]);
+    }
+    EXPECT_GT(rounded, 0) << "the FP32 moments were all bfloat16 values already";
+    for (size_t i = 0; i < m16.size(); ++i) {
+      ASSERT_EQ(Bits(m16[i]) & 0xFFFFu, 0u) << "element " << i << " is not a bfloat16";
+      ASSERT_EQ(Bits(got32[i]), Bits(m16[i])) << "element " << i;
+    }
+    for (auto* t : {into16->get(), into32->get()}) {
+      auto res = t->Step(2, false, true);
+      ASSERT_TRUE(res.ok()) << res.status();
+      EXPECT_TRUE(std::isfinite(res->loss_sum));
+    }
+  });
 }
 
 // ---- C08 -------------------------------------------------------------------------------------

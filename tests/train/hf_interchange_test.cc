@@ -96,6 +96,26 @@ float MaxAbs(const std::vector<float>& v) {
   return m;
 }
 
+// A checkpoint whose AdamW moments are bf16 (optimizer.state_precision BF16: 2-byte moment arrays in
+// the rank files) exports its master weights as an FP32-moment one does: loaded back, bit for bit.
+TEST(HfInterchange, ExportOfACheckpointWithBf16MomentsHoldsItsMasterWeights) {
+  v1::JobSpec spec = testing::InterchangeSpec(TrainFile());
+  spec.mutable_optimizer()->set_state_precision(v1::PRECISION_BF16);
+  const std::string root = Fresh("ckpt_bf16_moments");
+  auto master = testing::WriteCommittedCheckpoint(spec, 2, 2, root);
+  ASSERT_TRUE(master.ok()) << master.status();
+  const std::string out = Fresh("export_bf16_moments");
+  absl::Status s = ExportHf(root + "/step-2", out, SafetensorsDtype::kF32);
+  ASSERT_TRUE(s.ok()) << s;
+  const Loaded l = LoadJob(testing::InterchangeSpec(TrainFile()), out, 1);
+  ASSERT_TRUE(l.status[0].ok()) << l.status[0];
+  ASSERT_EQ(l.master.size(), master->size());
+  for (const auto& [name, v] : *master) {
+    ASSERT_EQ(l.master.at(name).size(), v.size()) << name;
+    EXPECT_EQ(std::memcmp(l.master.at(name).data(), v.data(), v.size() * 4), 0) << name;
+  }
+}
+
 TEST(HfInterchange, F32ExportLoadsBitIdenticalOnThreeRanksWithScalesFromTheLoadedWeights) {
   const Saved& ck = Checkpoint();
   ASSERT_FALSE(ck.master.empty());
