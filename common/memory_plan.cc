@@ -14,8 +14,7 @@
 namespace fsdp8 {
 
 int64_t OptimizerStateBytesPerElement(const v1::JobSpec& spec) {
-  (void)spec;
-  return 8;  // AdamW m and v, f32 each (FsdpParams::Buf)
+  return AdamStateBytesPerElement(spec);  // AdamW m and v in optimizer.state_precision
 }
 
 namespace {

@@ -69,7 +69,8 @@
 
 namespace fsdp8 {
 
-// Bytes of optimizer state per parameter element of a rank's shard: AdamW's f32 m and v, 8.
+// Bytes of optimizer state per parameter element of a rank's shard: AdamW's m and v, 8 (f32) or
+// 4 (optimizer.state_precision BF16).
 // (The one place the plan reads the optimizer state's precision from.)
 int64_t OptimizerStateBytesPerElement(const v1::JobSpec& spec);
 
