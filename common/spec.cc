@@ -340,6 +340,12 @@ absl::Status CheckOptimizer(const v1::OptimizerSpec& o, int64_t steps) {
     return Bad("optimizer.state_precision", "must be FP32 or BF16",
                absl::StrCat("got ", PrecisionName(o.state_precision())));
   }
+  // A BF16 second moment keeps 8 significant bits: above beta2 0.99 its decay (1 - beta2) v falls
+  // below half its rounding step (2^-9 to 2^-8 of v) and rounds away, so v could only grow.
+  if (o.state_precision() == v1::PRECISION_BF16 && o.beta2() > 0.99) {
+    return Bad("optimizer.beta2", "must be <= 0.99 with optimizer.state_precision BF16",
+               absl::StrCat("got ", o.beta2()));
+  }
   return absl::OkStatus();
 }
 

@@ -34,7 +34,7 @@ int64_t Term(const MemoryPlan& p, const std::string& name) {
 }
 
 // What would make the job fit on workers of `largest` bytes: more workers, activation recompute,
-// a lighter optimizer state; `plan` is the plan at the largest allowed world size n.
+// BF16 optimizer moments (when not already); `plan` is the plan at the largest allowed world size n.
 std::string FitAdvice(const v1::JobSpec& spec, int n, const MemoryPlan& plan, int64_t largest) {
   std::vector<std::string> ways;
   const int64_t gb = spec.training().global_batch();
@@ -61,8 +61,10 @@ std::string FitAdvice(const v1::JobSpec& spec, int n, const MemoryPlan& plan, in
                                   MemoryBytes(p->device_bytes), " per rank at ", n, " ranks)"));
     }
   }
-  ways.push_back(absl::StrCat("a lighter optimizer state (it takes ",
-                              MemoryBytes(Term(plan, "optimizer state")), " per rank)"));
+  if (spec.optimizer().state_precision() != v1::PRECISION_BF16) {
+    ways.push_back(absl::StrCat("optimizer.state_precision: bf16 (halves the optimizer state's ",
+                                MemoryBytes(Term(plan, "optimizer state")), " per rank)"));
+  }
   return absl::StrCat(more_workers || recompute_fits ? "it would fit with "
                                                      : "none of these alone makes it fit: ",
                       absl::StrJoin(ways, "; "));

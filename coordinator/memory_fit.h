@@ -35,7 +35,7 @@ FitChoice ChooseFittingWorkers(const v1::JobSpec& spec, const std::vector<std::s
 // OK when `memory` (every registered worker of the spec's backend, busy or not) is empty, holds a
 // worker of unknown memory, or its largest worker holds the plan at some allowed world size;
 // otherwise RESOURCE_EXHAUSTED naming the predicted bytes per rank, the largest worker's bytes and
-// what would make it fit (more workers, activation recompute, a lighter optimizer state).
+// what would make it fit (more workers, activation recompute, BF16 optimizer moments).
 absl::Status CheckFitsLargestWorkers(const v1::JobSpec& spec,
                                      const std::map<std::string, int64_t>& memory);
 

@@ -105,7 +105,18 @@ absl::Status FsdpParams::Timed(absl::Status s, double t0) {
   return s;
 }
 
-FsdpParams::~FsdpParams() { DropPrefetches(); }
+FsdpParams::~FsdpParams() {
+  // Collectives still in flight (a step abandoned by an exception) finish before their buffers go.
+  for (auto& u : units_) {
+    for (Buf& b : u) {
+      if (b.ticket != 0) comm_->Wait(b.ticket);
+      b.ticket = 0;
+    }
+  }
+  for (PendingReduce& p : reducing_) comm_->Wait(p.ticket);
+  reducing_.clear();
+  DropPrefetches();
+}
 
 void FsdpParams::DropPrefetches() {
   for (size_t u = 0; u < in_flight_.size(); ++u) {
@@ -127,6 +138,9 @@ void FsdpParams::DropUnit(int unit) {
 absl::Status FsdpParams::Prefetch(int unit) {
   if (in_flight_.size() != units_.size()) in_flight_.assign(units_.size(), false);
   if (in_flight_[unit]) return absl::OkStatus();
+  // Marked before the allocations: should one throw (out of memory), DropUnit (the destructor's)
+  // waits for the all-gathers already issued.
+  in_flight_[unit] = true;
   for (Buf& b : units_[unit]) {
     const BufferPlan& bp = *b.plan;
     const int64_t n = bp.shard_numel;
@@ -153,7 +167,6 @@ absl::Status FsdpParams::Prefetch(int unit) {
     }
     b.ticket = *t;
   }
-  in_flight_[unit] = true;
   return absl::OkStatus();
 }
 
@@ -243,6 +256,7 @@ const float* FsdpParams::W(const TensorRef& t) const {
     return b.full.f32() + t.offset;
   }
   FSDP8_CHECK(!b.full_u16.empty() || t.numel == 0) << "unit " << t.unit << " not gathered";
+  FSDP8_CHECK(static_cast<size_t>(t.index) < b.f32_of.size()) << "unit " << t.unit << " not gathered";
   DevBuf& f = b.f32_of[t.index];
   if (f.empty() && t.numel > 0) {
     f = DevBuf(be_, t.numel * sizeof(float));

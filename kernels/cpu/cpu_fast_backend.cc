@@ -3,6 +3,8 @@
 #include <cblas.h>
 #include <immintrin.h>
 #include <omp.h>
+
+#include <new>
 #include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
@@ -36,6 +38,7 @@ inline void Sgemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int64_t M, int64_t N, 
   omp_set_num_threads(std::max(1, openblas_get_num_threads()));
   const dnnl_status_t s = dnnl_sgemm(ta == CblasTrans ? 'T' : 'N', tb == CblasTrans ? 'T' : 'N', M,
                                      N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  if (s == dnnl_out_of_memory) throw std::bad_alloc();  // the worker's job error, as for a buffer
   FSDP8_CHECK(s == dnnl_success) << "dnnl_sgemm failed: status " << static_cast<int>(s);
 }
 

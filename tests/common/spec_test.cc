@@ -217,6 +217,11 @@ std::vector<RuleCase> Rules() {
   add("StatePrecisionFp8",
       [](v1::JobSpec* s) { s->mutable_optimizer()->set_state_precision(v1::PRECISION_FP8); }, 2,
       {"optimizer.state_precision", "must be FP32 or BF16", "FP8"});
+  // bf16 keeps 8 significant bits: at beta2 0.999 the decay 0.001 v is below half a step of v.
+  add("Beta2TooCloseToOneForBf16Moments", [](v1::JobSpec* s) {
+        s->mutable_optimizer()->set_state_precision(v1::PRECISION_BF16);
+        s->mutable_optimizer()->set_beta2(0.999);
+      }, 2, {"optimizer.beta2", "<= 0.99 with optimizer.state_precision BF16", "0.999"});
   add("MinWorkersZero", [](v1::JobSpec* s) { s->mutable_sharding()->set_min_workers(0); }, 2,
       {"sharding.min_workers", "must be >= 1"});
   add("MaxBelowMin", [](v1::JobSpec* s) {
