@@ -50,7 +50,10 @@
 // Outside the backend's count (CUDA only; NVML sees them, StepResult.peak_memory_bytes does not),
 // device_extra:
 //   CUDA context       kCudaContextBytes: the context, module images and cuBLAS/cuBLASLt/cuDNN
-//                      handles of one process (measured about 0.5 GiB on H200, CUDA 13)
+//                      handles of one process, and what a one-rank NCCL communicator holds:
+//                      1.1 GiB, from NVML's used memory of one CUDA worker on an H200 (CUDA 13)
+//                      less its own count x (1 + kPoolOverheadFraction): 1.10 GiB for the default
+//                      model, 1.09 GiB for 1b, 1.53 GiB for 125m and l3proxy (bench/RESULTS.md)
 //   NCCL buffers       world_size > 1: kNcclBufferBytes per communicator (NCCL_BUFFSIZE 4 MiB x
 //                      channels and peers, plus its proxy state; about 0.25 GiB at 8 ranks)
 //   allocator rounding cudaMallocAsync's pool rounds blocks up (2 MiB granularity for large
@@ -75,7 +78,7 @@ namespace fsdp8 {
 int64_t OptimizerStateBytesPerElement(const v1::JobSpec& spec);
 
 // CUDA-only constants of device_extra (see above).
-inline constexpr int64_t kCudaContextBytes = int64_t{512} << 20;
+inline constexpr int64_t kCudaContextBytes = int64_t{1126} << 20;
 inline constexpr int64_t kNcclBufferBytes = int64_t{256} << 20;
 inline constexpr double kPoolOverheadFraction = 0.03;
 // The CUDA backend's own workspaces, always held (kGemmWorkspaceBytes in cuda_backend.cu).

@@ -68,9 +68,9 @@ fsdp8_run() {
       data/default-job.yaml > "$tmp/job-$1.yaml"
   local out id c0
   c0=$(cpu_seconds "${pids[@]:1}")
-  out=$("${pin[@]}" "$bin/fsdp8" --coordinator "$addr" submit --no-watch "$tmp/job-$1.yaml")
-  id=$(echo "$out" | grep -oE 'job [A-Za-z0-9_-]+' | head -1 | cut -d' ' -f2)
-  [ -n "$id" ] || id=$(echo "$out" | grep -oE '[A-Za-z0-9_-]{6,}' | head -1)
+  out=$("${pin[@]}" "$bin/fsdp8" --coordinator "$addr" submit --no-watch "$tmp/job-$1.yaml") || {
+    echo "fsdp8 submit ($1 linears) failed: $out" >&2; exit 1; }
+  id=$(echo "$out" | head -1)  # submit --no-watch prints the job id first
   "${pin[@]}" "$bin/fsdp8" --coordinator "$addr" watch --json "$id" > "$tmp/events-$1.json" || {
     echo "fsdp8 job ($1 linears) did not succeed; worker log:" >&2; tail -20 "$tmp/w1.log" >&2; exit 1; }
   python3 -c "print(f'{$(cpu_seconds "${pids[@]:1}") - $c0:.1f}')" > "$tmp/cpu-$1"
