@@ -157,6 +157,21 @@ std::string JobManager::NewJobIdLocked() {
   }
 }
 
+std::optional<absl::StatusOr<v1::Job>> JobManager::ReplayLocked(
+    const std::string& request_id, const std::string& owner, const std::string& spec_bytes) const {
+  if (request_id.empty()) return std::nullopt;
+  auto it = by_request_.find(request_id);
+  if (it == by_request_.end()) return std::nullopt;
+  const Record& r = jobs_.at(it->second);
+  if (r.job.owner() != owner)
+    return absl::AlreadyExistsError(
+        absl::StrCat("request_id '", request_id, "' was already used by another user"));
+  if (r.submitted_spec == spec_bytes) return r.job;
+  return absl::AlreadyExistsError(absl::StrCat("request_id '", request_id,
+                                               "' was already used for job ", r.job.job_id(),
+                                               " with a different spec"));
+}
+
 absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
                                            const v1::JobSpec& spec, const std::string& owner) {
   if (static_cast<int64_t>(request_id.size()) > kMaxNameBytes)
@@ -168,19 +183,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
   std::string bytes = DeterministicBytes(d);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!request_id.empty()) {
-      auto it = by_request_.find(request_id);
-      if (it != by_request_.end()) {
-        const Record& r = jobs_.at(it->second);
-        if (r.job.owner() != owner)
-          return absl::AlreadyExistsError(
-              absl::StrCat("request_id '", request_id, "' was already used by another user"));
-        if (r.submitted_spec == bytes) return r.job;
-        return absl::AlreadyExistsError(absl::StrCat(
-            "request_id '", request_id, "' was already used for job ", r.job.job_id(),
-            " with a different spec"));
-      }
-    }
+    if (auto replay = ReplayLocked(request_id, owner, bytes)) return *replay;
   }
   if (absl::Status s = ValidateSpec(d, 0, options_.data_roots, options_.check_files); !s.ok())
     return Refused(s, owner, d);
@@ -234,19 +237,8 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
-    if (!request_id.empty()) {  // re-check: another submit may have raced us
-      auto it = by_request_.find(request_id);
-      if (it != by_request_.end()) {
-        const Record& r = jobs_.at(it->second);
-        if (r.job.owner() != owner)
-          return absl::AlreadyExistsError(
-              absl::StrCat("request_id '", request_id, "' was already used by another user"));
-        if (r.submitted_spec == bytes) return r.job;
-        return absl::AlreadyExistsError(absl::StrCat(
-            "request_id '", request_id, "' was already used for job ", r.job.job_id(),
-            " with a different spec"));
-      }
-    }
+    // Re-checked: another submit may have raced us.
+    if (auto replay = ReplayLocked(request_id, owner, bytes)) return *replay;
     std::string id = NewJobIdLocked();
     if (absl::Status s = ClaimCheckpointDirLocked(d, id, owner); !s.ok()) return s;
     Record& r = jobs_[id];

@@ -219,6 +219,11 @@ class JobManager {
   void PublishLocked(Record* r, v1::JobEvent ev);
   void PersistLocked(const Record& r);
   std::string NewJobIdLocked();
+  // A submit whose request_id was used before: the earlier job (same owner and spec bytes) or
+  // ALREADY_EXISTS naming the conflict; nullopt for an empty or new request_id. mu_ held.
+  std::optional<absl::StatusOr<v1::Job>> ReplayLocked(const std::string& request_id,
+                                                      const std::string& owner,
+                                                      const std::string& spec_bytes) const;
   // Claims spec.checkpoint.dir for job `id` (CheckpointStore::Claim; take-over only from a job
   // that ended or is not in the table).
   absl::Status ClaimCheckpointDirLocked(const v1::JobSpec& spec, const std::string& id,
