@@ -14,6 +14,7 @@
 #include <limits>
 
 #include "common/check.h"
+#include "kernels/adamw_scalars.h"
 #include "kernels/fp8.h"
 
 // Everything below is compiled for AVX2 + FMA (x86-64-v3); CpuFastBackend::Supported() checks the
@@ -776,15 +777,9 @@ void CpuFastBackend::CrossEntropyForwardBackward(float* logits, const int32_t* t
 void CpuFastBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
                            float beta1, float beta2, float eps, float weight_decay, int64_t step,
                            float grad_scale, float* amax_out) {
-  FSDP8_CHECK(step >= 1);
   // The reference's scalars and per-element operations (torch.optim.AdamW, single-tensor path).
-  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
-  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
-  const float w1 = static_cast<float>(1.0 - beta1);
-  const float w2 = static_cast<float>(1.0 - beta2);
-  const float step_size = static_cast<float>(lr / bc1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const auto [decay, w1, w2, step_size, bc2_sqrt] =
+      AdamWHostScalarsFor(lr, beta1, beta2, weight_decay, step);
   const bool lerp_from_m = w1 < 0.5f;
   const float one_minus_w1 = 1.0f - w1;
   for (int64_t i = 0; i < n; ++i) {
@@ -803,15 +798,9 @@ void CpuFastBackend::AdamWBf16Moments(float* p, const float* g, uint16_t* m16, u
                                       int64_t n, float lr, float beta1, float beta2, float eps,
                                       float weight_decay, int64_t step, float grad_scale,
                                       float* amax_out) {
-  FSDP8_CHECK(step >= 1);
   // AdamW's loop above with the moments widened on load and rounded (RoundBf16) on store.
-  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
-  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
-  const float w1 = static_cast<float>(1.0 - beta1);
-  const float w2 = static_cast<float>(1.0 - beta2);
-  const float step_size = static_cast<float>(lr / bc1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const auto [decay, w1, w2, step_size, bc2_sqrt] =
+      AdamWHostScalarsFor(lr, beta1, beta2, weight_decay, step);
   const bool lerp_from_m = w1 < 0.5f;
   const float one_minus_w1 = 1.0f - w1;
   for (int64_t i = 0; i < n; ++i) {

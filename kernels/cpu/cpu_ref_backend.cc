@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "common/check.h"
+#include "kernels/adamw_scalars.h"
 #include "kernels/fp8.h"
 
 namespace fsdp8 {
@@ -594,17 +595,11 @@ void CpuRefBackend::SumSquares(const float* x, int64_t n, float* out) {
 void CpuRefBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
                        float beta1, float beta2, float eps, float weight_decay, int64_t step,
                        float grad_scale, float* amax_out) {
-  FSDP8_CHECK(step >= 1);
   // torch.optim.AdamW (single-tensor path): scalars in double, then the f32 tensor ops
   //   p *= 1 - lr*wd;  m.lerp_(g, 1-b1);  v = b2 v + (1-b2) g^2;
   //   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps),  bc_k = 1 - b_k^t.
-  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
-  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
-  const float w1 = static_cast<float>(1.0 - beta1);
-  const float w2 = static_cast<float>(1.0 - beta2);
-  const float step_size = static_cast<float>(lr / bc1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const auto [decay, w1, w2, step_size, bc2_sqrt] =
+      AdamWHostScalarsFor(lr, beta1, beta2, weight_decay, step);
   for (int64_t i = 0; i < n; ++i) {
     const float gi = g[i] * grad_scale;
     p[i] *= decay;

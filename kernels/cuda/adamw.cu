@@ -12,7 +12,8 @@ struct AdamWScalars {
   float decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale;
 };
 
-// torch.optim.AdamW single-tensor path, with the scalars precomputed by the host in double:
+// torch.optim.AdamW single-tensor path, with the scalars precomputed by the host in double
+// (AdamWHostScalarsFor, kernels/adamw_scalars.h):
 //   p *= decay (= 1 - lr*wd);  m.lerp_(g', w1 = 1-b1);  v = v*b2 + w2*g'^2 (w2 = 1-b2);
 //   p -= step_size * m / (sqrt(v) / bc2_sqrt + eps),  step_size = lr / (1-b1^t),
 //   bc2_sqrt = sqrt(1-b2^t), g' = g * grad_scale. The _rn intrinsics keep the compiler from

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include "common/check.h"
+#include "kernels/adamw_scalars.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/launchers.h"
@@ -852,14 +853,8 @@ void CudaBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n,
                         float grad_scale, float* amax_out) {
   cuda::OpScope op_scope(prof_.get(), "AdamW");
   Bind();
-  FSDP8_CHECK(step >= 1) << "AdamW step must be >= 1";
-  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
-  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
-  const float w1 = static_cast<float>(1.0 - beta1);
-  const float w2 = static_cast<float>(1.0 - beta2);
-  const float step_size = static_cast<float>(lr / bc1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const auto [decay, w1, w2, step_size, bc2_sqrt] =
+      AdamWHostScalarsFor(lr, beta1, beta2, weight_decay, step);
   cuda::LaunchAdamW(p, g, m, v, n, decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale,
                     amax_out, stream_);
 }
@@ -870,14 +865,8 @@ void CudaBackend::AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint
                                    float* amax_out) {
   cuda::OpScope op_scope(prof_.get(), "AdamWBf16Moments");
   Bind();
-  FSDP8_CHECK(step >= 1) << "AdamW step must be >= 1";
-  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
-  const float decay = static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
-  const float w1 = static_cast<float>(1.0 - beta1);
-  const float w2 = static_cast<float>(1.0 - beta2);
-  const float step_size = static_cast<float>(lr / bc1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const auto [decay, w1, w2, step_size, bc2_sqrt] =
+      AdamWHostScalarsFor(lr, beta1, beta2, weight_decay, step);
   cuda::LaunchAdamWBf16Moments(p, g, m16, v16, n, decay, beta2, w1, w2, step_size, bc2_sqrt, eps,
                                grad_scale, amax_out, stream_);
 }

@@ -158,8 +158,7 @@ void LaunchCrossEntropyBf16Grad(const float* logits, const int32_t* targets, int
                                 cudaStream_t stream);
 
 // ---- adamw.cu --------------------------------------------------------------------------------
-// Scalars precomputed by the caller in double (see adamw.cu): decay = 1 - lr*wd, w1 = 1 - beta1,
-// w2 = 1 - beta2, step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t).
+// decay, w1, w2, step_size, bc2_sqrt: the caller's AdamWHostScalarsFor (kernels/adamw_scalars.h).
 void LaunchAdamW(float* p, const float* g, float* m, float* v, int64_t n, float decay,
                  float beta2, float w1, float w2, float step_size, float bc2_sqrt, float eps,
                  float grad_scale, float* amax_out, cudaStream_t stream);
