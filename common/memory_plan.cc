@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/model_dims.h"
 #include "common/spec.h"
 
 namespace fsdp8 {
@@ -141,7 +142,8 @@ int64_t Saturate(double b) {
   return static_cast<int64_t>(std::llround(b));
 }
 
-// The replay of one rank's steps. Dimensions as in LlamaModel (train/model.h).
+// The replay of one rank's steps. Dimensions as in LlamaModel (train/model.h): ModelDims, in
+// double (the byte counts' type).
 class Sim {
  public:
   Sim(const v1::JobSpec& spec, int world, const MemoryPlanOptions& options, int64_t opt_bytes);
@@ -221,16 +223,17 @@ Sim::Sim(const v1::JobSpec& spec, int world, const MemoryPlanOptions& options,
          int64_t opt_bytes)
     : opt_bytes_(opt_bytes) {
   const v1::ModelConfig& m = spec.model();
-  C_ = m.d_model();
-  H_ = m.n_heads();
-  Hkv_ = m.n_kv_heads();
-  D_ = C_ / H_;
-  F_ = m.ffn_dim();
-  V_ = m.vocab_size();
-  T_ = m.seq_len();
-  L_ = m.n_layers();
-  nq_ = H_ * D_;
-  nk_ = Hkv_ * D_;
+  const ModelDims d = ModelDimsOf(m);
+  C_ = d.d_model;
+  H_ = d.n_heads;
+  Hkv_ = d.n_kv_heads;
+  D_ = d.head_dim;
+  F_ = d.ffn_dim;
+  V_ = d.vocab_size;
+  T_ = d.seq_len;
+  L_ = d.n_layers;
+  nq_ = d.q_width();
+  nk_ = d.kv_width();
   const v1::TrainingSpec& tr = spec.training();
   B_ = tr.microbatch();
   N_ = B_ * T_;

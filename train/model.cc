@@ -5,6 +5,7 @@
 
 #include "common/check.h"
 #include "absl/strings/str_cat.h"
+#include "common/model_dims.h"
 #include "common/rope.h"
 #include "common/spec.h"
 
@@ -34,13 +35,14 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
     : be_(be), p_(params), scaling_(scaling),
       head_chunk_bytes_(std::max<int64_t>(1, options.head_chunk_logit_bytes)) {
   const v1::ModelConfig& m = spec.model();
-  C_ = m.d_model();
-  H_ = m.n_heads();
-  Hkv_ = m.n_kv_heads();
-  D_ = C_ / H_;
-  F_ = m.ffn_dim();
-  V_ = m.vocab_size();
-  T_ = m.seq_len();
+  const ModelDims d = ModelDimsOf(m);
+  C_ = d.d_model;
+  H_ = d.n_heads;
+  Hkv_ = d.n_kv_heads;
+  D_ = d.head_dim;
+  F_ = d.ffn_dim;
+  V_ = d.vocab_size;
+  T_ = d.seq_len;
   eps_ = static_cast<float>(m.norm_eps());
   theta_ = static_cast<float>(m.rope_theta());
   // Every RoPE op of this model uses these frequencies (empty: the plain theta^(-2i/D)).
@@ -65,7 +67,7 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
     const int di = scaling->Add(base + ".dy", hybrid);
     return Linear(be, scaling, prec, xi, di);
   };
-  for (int l = 0; l < m.n_layers(); ++l) {
+  for (int l = 0; l < d.n_layers; ++l) {
     Block b;
     b.prec = LayerLinearPrecision(spec, l);
     const std::string pre = absl::StrCat("model.layers.", l, ".");

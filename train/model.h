@@ -170,7 +170,7 @@ class LlamaModel {
   Backend* be_;
   FsdpParams* p_;
   ActScaling* scaling_;
-  int64_t C_, H_, Hkv_, D_, F_, V_, T_;
+  int64_t C_, H_, Hkv_, D_, F_, V_, T_;  // ModelDims (common/model_dims.h): d_model .. seq_len
   int64_t fused_backward_runs_ = 0;
   float eps_, theta_;
   bool attention_bf16_ = false;  // precision.attention == BF16
