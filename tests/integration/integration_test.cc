@@ -48,12 +48,14 @@
 #include "gtest/gtest.h"
 #include "tests/support/cluster.h"
 #include "tests/support/process.h"
+#include "tests/support/rank_failure.h"
 #include "tests/support/temp_dir.h"
 
 namespace fsdp8 {
 namespace {
 
 namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
 using testing::ChildProcess;
 using testing::LocalCluster;
 using testing::ReadFile;
@@ -368,51 +370,30 @@ TEST_F(RecoveryCluster, C10_KilledRankRecoversFromTheLatestCheckpoint) {
   };
   auto reference = Run(spec("ck-reference"));
   ASSERT_EQ(reference.size(), static_cast<size_t>(steps));
-  using Clock = std::chrono::steady_clock;
-  Clock::time_point killed, recovering, running, first_step;
-  bool done = false;
-  std::string job_id, victim;
   std::vector<std::string> messages;
+  testing::RankFailureTimer kill(SIGKILL, 8, [&](const std::string& job_id) {
+    const v1::Job job = GetJob(job_id);
+    EXPECT_EQ(job.worker_ids_size(), 2);
+    if (job.worker_ids_size() != 2) return testing::RankFailureTimer::Rank0{};
+    return testing::RankFailureTimer::Rank0{job.worker_ids(0), WorkerProcess(job.worker_ids(0))};
+  });
   auto recovered = Run(spec("ck"), [&](const v1::JobEvent& ev) {
     if (!ev.message().empty()) messages.push_back(ev.message());
-    if (!done && ev.step() >= 8 && ev.state() == v1::JOB_STATE_RUNNING) {
-      v1::GetJobRequest req;
-      req.set_job_id(ev.job_id());
-      v1::Job job;
-      grpc::ClientContext ctx;
-      ASSERT_TRUE(stub_->GetJob(&ctx, req, &job).ok());
-      ASSERT_EQ(job.worker_ids_size(), 2);
-      victim = job.worker_ids(0);
-      auto it = std::find(worker_ids_->begin(), worker_ids_->end(), victim);
-      ASSERT_NE(it, worker_ids_->end()) << victim;
-      cluster_->worker(it - worker_ids_->begin())->Signal(SIGKILL);
-      killed = Clock::now();
-      job_id = ev.job_id();
-      done = true;
-      return;
-    }
-    if (!done) return;
-    if (ev.state() == v1::JOB_STATE_RECOVERING && recovering == Clock::time_point())
-      recovering = Clock::now();
-    if (recovering != Clock::time_point() && ev.state() == v1::JOB_STATE_RUNNING &&
-        running == Clock::time_point())
-      running = Clock::now();
-    if (running != Clock::time_point() && ev.loss() > 0 && first_step == Clock::time_point())
-      first_step = Clock::now();
+    kill.OnEvent(ev);
   });
-  ASSERT_TRUE(done) << "the job never reached step 8";
-  ASSERT_NE(recovering, Clock::time_point()) << "no RECOVERING event";
-  ASSERT_NE(running, Clock::time_point()) << "never RUNNING again";
-  auto secs = [&](Clock::time_point t) { return std::chrono::duration<double>(t - killed).count(); };
+  ASSERT_TRUE(kill.failed()) << "the job never reached step 8";
+  ASSERT_NE(kill.recovering(), Clock::time_point()) << "no RECOVERING event";
+  ASSERT_NE(kill.running(), Clock::time_point()) << "never RUNNING again";
   std::printf("killed rank 0 (%s) after step 8: RECOVERING after %.3f s, RUNNING again after "
               "%.3f s, first recomputed step after %.3f s\n",
-              victim.c_str(), secs(recovering), secs(running), secs(first_step));
+              kill.victim().c_str(), kill.SecondsTo(kill.recovering()),
+              kill.SecondsTo(kill.running()), kill.SecondsTo(kill.first_step()));
   for (const auto& m : messages)
     if (m.find("recovering") != std::string::npos || m.find("resuming") != std::string::npos ||
         m.find("generation") != std::string::npos)
       std::printf("  event: %s\n", m.c_str());
   v1::GetJobRequest req;
-  req.set_job_id(job_id);
+  req.set_job_id(kill.job_id());
   v1::Job job;
   grpc::ClientContext ctx;
   ASSERT_TRUE(stub_->GetJob(&ctx, req, &job).ok());
@@ -422,7 +403,7 @@ TEST_F(RecoveryCluster, C10_KilledRankRecoversFromTheLatestCheckpoint) {
   ASSERT_EQ(recovered.size(), reference.size());
   for (int k = 9; k < steps; ++k)  // step 10 on (index = step - 1)
     EXPECT_EQ(recovered[k], reference[k]) << "step " << k + 1;
-  EXPECT_LT(secs(recovering), 10.0);
+  EXPECT_LT(kill.SecondsTo(kill.recovering()), 10.0);
 }
 
 // Failure handling with the short timeouts a test can afford: heartbeats every 250 ms, a worker is
@@ -445,7 +426,6 @@ class ChaosCluster : public Cluster {
   }
 };
 
-using Clock = std::chrono::steady_clock;
 // The newest committed checkpoint's step under ck (a step-<k> directory with a MANIFEST), of those
 // saved by `world_size` ranks when it is above 0; -1: none.
 int64_t NewestCommitted(const fs::path& ck, int world_size = 0) {
@@ -480,55 +460,36 @@ TEST_F(ChaosCluster, C10_HungRankIsDetectedAndTheJobRecoversBitIdentically) {
   const int steps = 30;
   auto reference = Run(CkptSpec("hang-reference", steps));
   ASSERT_EQ(reference.size(), static_cast<size_t>(steps));
-  Clock::time_point stopped, recovering, running, first_step;
-  ChildProcess* victim_proc = nullptr;
-  std::string victim, job_id, cause;
-  auto recovered = Run(CkptSpec("hang", steps), [&](const v1::JobEvent& ev) {
-    if (victim_proc == nullptr && ev.step() >= 8 && ev.state() == v1::JOB_STATE_RUNNING) {
-      const v1::Job job = GetJob(ev.job_id());
-      ASSERT_EQ(job.worker_ids_size(), 2);
-      victim = job.worker_ids(0);
-      victim_proc = WorkerProcess(victim);
-      ASSERT_NE(victim_proc, nullptr) << victim;
-      victim_proc->Signal(SIGSTOP);
-      stopped = Clock::now();
-      job_id = ev.job_id();
-      return;
-    }
-    if (victim_proc == nullptr) return;
-    const auto now = Clock::now();
-    if (ev.state() == v1::JOB_STATE_RECOVERING && recovering == Clock::time_point()) {
-      recovering = now;
-      cause = ev.message();
-    }
-    if (recovering != Clock::time_point() && ev.state() == v1::JOB_STATE_RUNNING &&
-        running == Clock::time_point())
-      running = now;
-    if (running != Clock::time_point() && ev.loss() > 0 && first_step == Clock::time_point())
-      first_step = now;
+  testing::RankFailureTimer hang(SIGSTOP, 8, [&](const std::string& job_id) {
+    const v1::Job job = GetJob(job_id);
+    EXPECT_EQ(job.worker_ids_size(), 2);
+    if (job.worker_ids_size() != 2) return testing::RankFailureTimer::Rank0{};
+    return testing::RankFailureTimer::Rank0{job.worker_ids(0), WorkerProcess(job.worker_ids(0))};
   });
-  ASSERT_NE(victim_proc, nullptr) << "the job never reached step 8";
+  auto recovered = Run(CkptSpec("hang", steps), [&](const v1::JobEvent& ev) { hang.OnEvent(ev); });
+  ASSERT_TRUE(hang.failed()) << "the job never reached step 8";
   // The test cleans up the stopped process: SIGKILL and reap, nothing left behind.
-  EXPECT_TRUE(victim_proc->Kill());
-  ASSERT_NE(recovering, Clock::time_point()) << "no RECOVERING event";
-  ASSERT_NE(running, Clock::time_point()) << "never RUNNING again";
+  EXPECT_TRUE(hang.victim_process()->Kill());
+  ASSERT_NE(hang.recovering(), Clock::time_point()) << "no RECOVERING event";
+  ASSERT_NE(hang.running(), Clock::time_point()) << "never RUNNING again";
   std::printf("stopped rank 0 (%s) after step 8: RECOVERING after %.3f s (%s), RUNNING again "
               "after %.3f s, first recomputed step after %.3f s\n",
-              victim.c_str(), Since(stopped, recovering), cause.c_str(), Since(stopped, running),
-              Since(stopped, first_step));
-  EXPECT_NE(cause.find("no heartbeat"), std::string::npos) << cause;
-  EXPECT_NE(cause.find(victim), std::string::npos) << cause;
+              hang.victim().c_str(), hang.SecondsTo(hang.recovering()), hang.cause().c_str(),
+              hang.SecondsTo(hang.running()), hang.SecondsTo(hang.first_step()));
+  EXPECT_NE(hang.cause().find("no heartbeat"), std::string::npos) << hang.cause();
+  EXPECT_NE(hang.cause().find(hang.victim()), std::string::npos) << hang.cause();
   // Detected once the heartbeat timeout passed (plus the 200 ms scheduler tick and load), and not
   // before: the rank was stopped, not dead.
-  EXPECT_GE(Since(stopped, recovering), kHeartbeatTimeoutS - 0.5);
-  EXPECT_LT(Since(stopped, recovering), kHeartbeatTimeoutS + 3);
+  EXPECT_GE(hang.SecondsTo(hang.recovering()), kHeartbeatTimeoutS - 0.5);
+  EXPECT_LT(hang.SecondsTo(hang.recovering()), kHeartbeatTimeoutS + 3);
   // The survivor unwinds within the collective timeout; the new generation then starts.
-  EXPECT_LT(Since(stopped, running), kHeartbeatTimeoutS + kCollectiveTimeoutS + 10);
-  const v1::Job job = GetJob(job_id);
+  EXPECT_LT(hang.SecondsTo(hang.running()), kHeartbeatTimeoutS + kCollectiveTimeoutS + 10);
+  const v1::Job job = GetJob(hang.job_id());
   EXPECT_EQ(job.restarts(), 1);
   EXPECT_EQ(job.generation(), 2);
   EXPECT_EQ(job.step(), steps);
-  for (const auto& w : job.worker_ids()) EXPECT_NE(w, victim) << "the hung worker was reused";
+  for (const auto& w : job.worker_ids())
+    EXPECT_NE(w, hang.victim()) << "the hung worker was reused";
   ASSERT_EQ(recovered.size(), reference.size());
   for (int k = 0; k < steps; ++k) EXPECT_EQ(recovered[k], reference[k]) << "step " << k + 1;
 }

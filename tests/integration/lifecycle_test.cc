@@ -27,6 +27,7 @@
 #include "gtest/gtest.h"
 #include "tests/support/cluster.h"
 #include "tests/support/process.h"
+#include "tests/support/rank_failure.h"
 #include "tests/support/temp_dir.h"
 
 namespace fsdp8 {
@@ -38,10 +39,6 @@ using testing::ChildProcess;
 using testing::LocalCluster;
 using testing::ReadFile;
 using testing::TempDir;
-
-double Since(Clock::time_point t0, Clock::time_point t) {
-  return std::chrono::duration<double>(t - t0).count();
-}
 
 // A coordinator with `coordinator_flags` (besides listen, state db and data root) and `workers`
 // CPU workers named node-0, node-1, ... (their worker ids), each registered before the next starts.
@@ -188,45 +185,28 @@ TEST_F(LifecycleTest, HungRankCostsSecondsWithDefaultFlags) {
   const int steps = 40;
   const v1::Job job = Submit(Spec(steps));
   ASSERT_FALSE(job.job_id().empty());
-  ChildProcess* victim_proc = nullptr;
-  std::string victim, cause;
-  Clock::time_point stopped, recovering, running, first_step;
-  const v1::JobState last = Follow(job.job_id(), [&](const v1::JobEvent& ev) {
-    const auto now = Clock::now();
-    if (victim_proc == nullptr && ev.step() >= 8 && ev.state() == v1::JOB_STATE_RUNNING) {
-      victim = GetJob(job.job_id()).worker_ids(0);
-      victim_proc = WorkerProcess(victim);
-      ASSERT_NE(victim_proc, nullptr) << victim;
-      victim_proc->Signal(SIGSTOP);
-      stopped = Clock::now();
-      return;
-    }
-    if (victim_proc == nullptr) return;
-    if (ev.state() == v1::JOB_STATE_RECOVERING && recovering == Clock::time_point()) {
-      recovering = now;
-      cause = ev.message();
-    }
-    if (recovering != Clock::time_point() && ev.state() == v1::JOB_STATE_RUNNING &&
-        running == Clock::time_point())
-      running = now;
-    if (running != Clock::time_point() && ev.loss() > 0 && first_step == Clock::time_point())
-      first_step = now;
+  testing::RankFailureTimer hang(SIGSTOP, 8, [&](const std::string& job_id) {
+    const std::string id = GetJob(job_id).worker_ids(0);
+    return testing::RankFailureTimer::Rank0{id, WorkerProcess(id)};
   });
-  ASSERT_NE(victim_proc, nullptr) << "the job never reached step 8";
-  EXPECT_TRUE(victim_proc->Kill());
-  ASSERT_NE(first_step, Clock::time_point()) << "no step of a new generation";
+  const v1::JobState last =
+      Follow(job.job_id(), [&](const v1::JobEvent& ev) { hang.OnEvent(ev); });
+  ASSERT_TRUE(hang.failed()) << "the job never reached step 8";
+  EXPECT_TRUE(hang.victim_process()->Kill());
+  ASSERT_NE(hang.first_step(), Clock::time_point()) << "no step of a new generation";
   std::printf("hung rank recovery: RECOVERING after %.2f s (%s), RUNNING after %.2f s, first step "
               "of the new generation after %.2f s\n",
-              Since(stopped, recovering), cause.c_str(), Since(stopped, running),
-              Since(stopped, first_step));
+              hang.SecondsTo(hang.recovering()), hang.cause().c_str(),
+              hang.SecondsTo(hang.running()), hang.SecondsTo(hang.first_step()));
   std::fflush(stdout);
-  EXPECT_NE(cause.find(victim), std::string::npos) << cause;
-  EXPECT_LE(Since(stopped, first_step), 10.0);
+  EXPECT_NE(hang.cause().find(hang.victim()), std::string::npos) << hang.cause();
+  EXPECT_LE(hang.SecondsTo(hang.first_step()), 10.0);
   EXPECT_EQ(last, v1::JOB_STATE_SUCCEEDED);
   const v1::Job done = GetJob(job.job_id());
   EXPECT_EQ(done.step(), steps);
   EXPECT_EQ(done.generation(), 2);
-  for (const auto& w : done.worker_ids()) EXPECT_NE(w, victim) << "the hung worker was reused";
+  for (const auto& w : done.worker_ids())
+    EXPECT_NE(w, hang.victim()) << "the hung worker was reused";
 }
 
 // Allocation failures are job errors: worker node-0 may hold 48 MiB (--memory_limit_mb), and a
