@@ -19,12 +19,10 @@ exceeds the logit bound 350x, a missing tie or an unscaled gradient by more):
   gradients:   |d| <= 5e-5 * max |g| of that tensor (per sampled element), and max |g| and the
                L2 norm within 5e-5 relative
 
-Exit status: 0 all match; 1 a mismatch or error; 77 (ctest's skip code) no fixture committed yet.
-
-usage: check_reference.py [--all] FSDP8_HF_REFERENCE_BIN WORK_DIR
-  --all: the gpu_only variants too (vocabulary 128256: run on the GPU machine, where its fixture
-         was made; fsdp8's side still runs on one CPU rank)
+Exit status: 0 all match; 1 a mismatch or error (a usage error too); 77 (ctest's skip code) no
+fixture committed yet.
 """
+import argparse
 import json
 import os
 import subprocess
@@ -68,14 +66,23 @@ def compare(name, ref, got):
     return worst, fails
 
 
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("binary", metavar="FSDP8_HF_REFERENCE_BIN")
+    ap.add_argument("work", metavar="WORK_DIR")
+    ap.add_argument("--all", action="store_true",
+                    help="the gpu_only variants too (vocabulary 128256: run on the GPU machine, "
+                         "where its fixture was made; fsdp8's side still runs on one CPU rank)")
+    return ap.parse_args()
+
+
 def main():
-    args = sys.argv[1:]
-    include_gpu_only = "--all" in args
-    args = [a for a in args if a != "--all"]
-    if len(args) != 2:
-        print(__doc__)
-        return 1
-    binary, work = args
+    try:
+        a = parse_args()
+    except SystemExit as e:  # --help: 0; a usage error: 1, as any other failure of the check
+        return 0 if e.code == 0 else 1
+    binary, work, include_gpu_only = a.binary, a.work, a.all
     fixtures_dir = os.path.join(HERE, "fixtures")
     names = sorted(f[:-5] for f in os.listdir(fixtures_dir) if f.endswith(".json")) \
         if os.path.isdir(fixtures_dir) else []
