@@ -370,9 +370,11 @@ class Backend {
   // p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps), with g' = g * grad_scale.
   // p, g, m, v (n) f32; step t >= 1. amax_out (1) f32 device scalar or null: raised to at least
   // max |p| over the updated p (the next FP8 cast's amax, without a second pass over p).
+  // p16_out (n) or null: the updated p as bfloat16 bits, equal to PackBf16 of it (a BF16 wire
+  // shard, without a second pass over p).
   virtual void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
                      float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
-                     float* amax_out) = 0;
+                     float* amax_out, uint16_t* p16_out) = 0;
   // AdamW with both moments stored as bfloat16 (optimizer.state_precision BF16, as DeepSeek-V3
   // keeps its AdamW moments, arXiv 2412.19437 sec. 3.3.3): m16 and v16 (n) are read (exactly
   // widened to f32), updated by AdamW's per-element f32 operations, and stored rounded to the
@@ -381,7 +383,8 @@ class Backend {
   // v16, AdamW on the f32 copies, PackBf16 of them.
   virtual void AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n,
                                 float lr, float beta1, float beta2, float eps, float weight_decay,
-                                int64_t step, float grad_scale, float* amax_out) = 0;
+                                int64_t step, float grad_scale, float* amax_out,
+                                uint16_t* p16_out) = 0;
 
  protected:
   // The inverse frequencies SetRopeInvFreq set for (D, theta), or null when the default applies.

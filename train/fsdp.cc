@@ -335,16 +335,18 @@ void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weig
                        int64_t step, float grad_scale) {
   MaterializeGrads();
   if (!fp8_refs_.empty()) be_->Memset(w_amax_.get(), 0, fp8_refs_.size() * sizeof(float));
+  // bf16 wire shards are packed by the update itself (CastWeights then skips them).
   auto update = [&](Buf& b, int64_t lo, int64_t hi, float* amax) {
     if (hi <= lo) return;
+    uint16_t* p16 = b.plan->wire == WireDtype::kBf16 ? b.wire.u16() + lo : nullptr;
     if (moments_ == MomentDtype::kBf16) {
       be_->AdamWBf16Moments(b.master.f32() + lo, b.grad.f32() + lo, b.m.u16() + lo,
                             b.v.u16() + lo, hi - lo, lr, beta1, beta2, eps, weight_decay, step,
-                            grad_scale, amax);
+                            grad_scale, amax, p16);
       return;
     }
     be_->AdamW(b.master.f32() + lo, b.grad.f32() + lo, b.m.f32() + lo, b.v.f32() + lo, hi - lo,
-               lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax);
+               lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax, p16);
   };
   for (auto& u : units_) {
     for (Buf& b : u) {
@@ -360,26 +362,26 @@ void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weig
       update(b, at, b.plan->shard_numel, nullptr);
     }
   }
-  weight_amax_ready_ = true;
+  adamw_outputs_ready_ = true;
 }
 
 absl::Status FsdpParams::CastWeights() {
   DropPrefetches();
-  // bf16 wire shards: a plain pack of the master slice.
+  const bool from_adamw = adamw_outputs_ready_;
+  adamw_outputs_ready_ = false;
+  // bf16 wire shards: a plain pack of the master slice (AdamW packed them when it just ran).
   for (auto& u : units_) {
     for (Buf& b : u) {
-      if (b.plan->wire == WireDtype::kBf16 && b.plan->shard_numel > 0) {
+      if (b.plan->wire == WireDtype::kBf16 && b.plan->shard_numel > 0 && !from_adamw) {
         be_->PackBf16(b.master.f32(), b.wire.u16(), b.plan->shard_numel);
       }
     }
   }
-  const bool amax_ready = weight_amax_ready_;
-  weight_amax_ready_ = false;
   if (fp8_refs_.empty()) return absl::OkStatus();
   // FP8: per-tensor amax of this rank's slice (taken by AdamW when it just ran), one fused
   // all-reduce(max), identical scales.
   const size_t nf = fp8_refs_.size();
-  if (!amax_ready) {
+  if (!from_adamw) {
     be_->Memset(w_amax_.get(), 0, nf * sizeof(float));
     for (size_t i = 0; i < nf; ++i) {
       const Buf& b = units_[fp8_refs_[i].unit][fp8_refs_[i].buffer];
@@ -466,7 +468,7 @@ bool FsdpParams::SetMasterElement(const std::string& hf_name, int64_t index, flo
   const int64_t g = r.offset + index;
   const int64_t begin = b.plan->ShardBegin(rank_);
   if (g < begin || g >= begin + b.plan->shard_numel) return false;
-  weight_amax_ready_ = false;
+  adamw_outputs_ready_ = false;
   be_->CopyToDevice(b.master.f32() + (g - begin), &value, sizeof(float));
   return true;
 }
@@ -503,7 +505,7 @@ void FsdpParams::DownloadShard(int unit, int buffer, ShardArray which, float* ho
 
 void FsdpParams::ZeroShard(int unit, int buffer, ShardArray which) {
   const int64_t n = units_[unit][buffer].plan->shard_numel;
-  weight_amax_ready_ = false;
+  adamw_outputs_ready_ = false;
   if (n > 0) be_->Memset(Array(unit, buffer, which).get(), 0, n * ElementBytes(which));
 }
 
@@ -512,7 +514,7 @@ void FsdpParams::UploadShardRange(int unit, int buffer, ShardArray which, int64_
   const int64_t shard = units_[unit][buffer].plan->shard_numel;
   FSDP8_CHECK(offset >= 0 && n >= 0 && offset + n <= shard)
       << "shard range [" << offset << ", " << offset + n << ") of " << shard;
-  weight_amax_ready_ = false;
+  adamw_outputs_ready_ = false;
   if (n <= 0) return;
   const DevBuf& a = Array(unit, buffer, which);
   if (ElementBytes(which) == sizeof(float)) {

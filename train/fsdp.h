@@ -217,7 +217,9 @@ class FsdpParams {
   std::vector<PendingReduce> reducing_;  // the reduce-scatters of one unit
   std::vector<TensorRef> fp8_refs_;
   std::vector<Slice> fp8_slices_;  // per FP8 tensor: its shard-local [lo, hi) ({0, 0} if none)
-  bool weight_amax_ready_ = false;  // w_amax_ holds the master weights' amax (AdamW just ran)
+  // AdamW just ran and nothing changed the master weights since: w_amax_ holds their amax and
+  // the bf16 wire shards their packed values (CastWeights skips both passes).
+  bool adamw_outputs_ready_ = false;
   mutable std::vector<WeightScaling> wscale_;  // host copy of the device state below
   mutable bool wscale_on_host_ = true;         // wscale_ matches the device
   DevBuf w_scale_, w_scale_inv_, w_amax_;  // scales (n_fp8 * kScaleStride), amax (n_fp8) f32

@@ -196,7 +196,7 @@ int main(int argc, char** argv) {
   Report("EmbeddingBackward (2048 tokens, 128)",
          fsdp8::bench::TimeIt([&] { be->EmbeddingBackward(tokens, kN, dNC, kC, demb); }));
   Report("AdamW (460k params)", fsdp8::bench::TimeIt([&] {
-           be->AdamW(p, pg, pm, pv, shard, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 10, 1.0f, nullptr);
+           be->AdamW(p, pg, pm, pv, shard, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 10, 1.0f, nullptr, nullptr);
          }));
   Report("SumSquares (460k)", fsdp8::bench::TimeIt([&] { be->SumSquares(pg, shard, norm); }));
 
@@ -253,7 +253,7 @@ int main(int argc, char** argv) {
     }
     be->EmbeddingBackward(tokens, kN, dNC2, kC, demb);
     be->SumSquares(pg, shard, norm);
-    be->AdamW(p, pg, pm, pv, shard, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 10, 1.0f, nullptr);
+    be->AdamW(p, pg, pm, pv, shard, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 10, 1.0f, nullptr, nullptr);
     be->Synchronize();
   };
   const fsdp8::bench::Timing t_step = fsdp8::bench::TimeIt(step, 2.0);

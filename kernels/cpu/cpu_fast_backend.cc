@@ -776,7 +776,7 @@ void CpuFastBackend::CrossEntropyForwardBackward(float* logits, const int32_t* t
 
 void CpuFastBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
                            float beta1, float beta2, float eps, float weight_decay, int64_t step,
-                           float grad_scale, float* amax_out) {
+                           float grad_scale, float* amax_out, uint16_t* p16_out) {
   // The reference's scalars and per-element operations (torch.optim.AdamW, single-tensor path).
   const auto [decay, w1, w2, step_size, bc2_sqrt] =
       AdamWHostScalarsFor(lr, beta1, beta2, weight_decay, step);
@@ -792,12 +792,13 @@ void CpuFastBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t
     p[i] = pi - step_size * (mi / (std::sqrt(vi) / bc2_sqrt + eps));
   }
   if (amax_out != nullptr) AmaxAccumulate(p, n, amax_out);
+  if (p16_out != nullptr) PackBf16(p, p16_out, n);
 }
 
 void CpuFastBackend::AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16,
                                       int64_t n, float lr, float beta1, float beta2, float eps,
                                       float weight_decay, int64_t step, float grad_scale,
-                                      float* amax_out) {
+                                      float* amax_out, uint16_t* p16_out) {
   // AdamW's loop above with the moments widened on load and rounded (RoundBf16) on store.
   const auto [decay, w1, w2, step_size, bc2_sqrt] =
       AdamWHostScalarsFor(lr, beta1, beta2, weight_decay, step);
@@ -814,6 +815,7 @@ void CpuFastBackend::AdamWBf16Moments(float* p, const float* g, uint16_t* m16, u
     p[i] = pi - step_size * (mi / (std::sqrt(vi) / bc2_sqrt + eps));
   }
   if (amax_out != nullptr) AmaxAccumulate(p, n, amax_out);
+  if (p16_out != nullptr) PackBf16(p, p16_out, n);
 }
 
 }  // namespace fsdp8

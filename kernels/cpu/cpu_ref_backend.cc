@@ -594,7 +594,7 @@ void CpuRefBackend::SumSquares(const float* x, int64_t n, float* out) {
 
 void CpuRefBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
                        float beta1, float beta2, float eps, float weight_decay, int64_t step,
-                       float grad_scale, float* amax_out) {
+                       float grad_scale, float* amax_out, uint16_t* p16_out) {
   // torch.optim.AdamW (single-tensor path): scalars in double, then the f32 tensor ops
   //   p *= 1 - lr*wd;  m.lerp_(g, 1-b1);  v = b2 v + (1-b2) g^2;
   //   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps),  bc_k = 1 - b_k^t.
@@ -609,18 +609,19 @@ void CpuRefBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t 
     p[i] -= step_size * (m[i] / denom);
   }
   if (amax_out != nullptr) AmaxAccumulate(p, n, amax_out);
+  if (p16_out != nullptr) PackBf16(p, p16_out, n);
 }
 
 void CpuRefBackend::AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16,
                                      int64_t n, float lr, float beta1, float beta2, float eps,
                                      float weight_decay, int64_t step, float grad_scale,
-                                     float* amax_out) {
+                                     float* amax_out, uint16_t* p16_out) {
   // The contract's own words: widen, the f32 AdamW, round to nearest even when stored.
   std::vector<float> m(n), v(n);
   CpuRefBackend::UnpackBf16(m16, m.data(), n);
   CpuRefBackend::UnpackBf16(v16, v.data(), n);
   CpuRefBackend::AdamW(p, g, m.data(), v.data(), n, lr, beta1, beta2, eps, weight_decay, step,
-                       grad_scale, amax_out);
+                       grad_scale, amax_out, p16_out);
   CpuRefBackend::PackBf16(m.data(), m16, n);
   CpuRefBackend::PackBf16(v.data(), v16, n);
 }

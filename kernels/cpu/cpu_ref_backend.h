@@ -107,10 +107,11 @@ class CpuRefBackend : public Backend {
   void SumSquares(const float* x, int64_t n, float* out) override;
   void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
              float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
-             float* amax_out) override;
+             float* amax_out, uint16_t* p16_out) override;
   void AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n,
                         float lr, float beta1, float beta2, float eps, float weight_decay,
-                        int64_t step, float grad_scale, float* amax_out) override;
+                        int64_t step, float grad_scale, float* amax_out,
+                        uint16_t* p16_out) override;
 
  protected:
   // BackendOptions::cpu_fill_nan (FSDP8_CPU_FILL_NAN=1, set by the tests): fresh allocations read

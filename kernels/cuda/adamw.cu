@@ -36,9 +36,11 @@ __device__ __forceinline__ float AdamWElt(float p, float g, float& m, float& v,
 // kAmax: also raises *amax_out to max |p| of the updated weights. The grid is capped at 1024
 // blocks (about 8 per SM on an H200) so that each thread covers many elements before the one
 // block reduction and atomic per block.
-template <typename M, bool kVec, bool kAmax>
+// kPack: also writes the updated p as bfloat16 bits to p16 (8-byte aligned when kVec).
+template <typename M, bool kVec, bool kAmax, bool kPack>
 __global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, M* __restrict__ m,
-                            M* __restrict__ v, int64_t n, AdamWScalars s, float* amax_out) {
+                            M* __restrict__ v, int64_t n, AdamWScalars s, float* amax_out,
+                            uint16_t* __restrict__ p16) {
   int amax_bits = 0;
   int64_t done = 0;
   if (kVec) {
@@ -53,6 +55,7 @@ __global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, 
       pv.z = AdamWElt(pv.z, gv.z, mv.z, vv.z, s);
       pv.w = AdamWElt(pv.w, gv.w, mv.w, vv.w, s);
       reinterpret_cast<float4*>(p)[i] = pv;
+      if (kPack) Store4F32(p16 + 4 * i, pv);
       Store4F32(m + 4 * i, mv);
       Store4F32(v + 4 * i, vv);
       if (kAmax) {
@@ -67,6 +70,7 @@ __global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, 
     float mi = LoadF32(m + i), vi = LoadF32(v + i);
     const float pn = AdamWElt(p[i], g[i], mi, vi, s);
     p[i] = pn;
+    if (kPack) StoreF32(p16 + i, pn);
     StoreF32(m + i, mi);
     StoreF32(v + i, vi);
     if (kAmax) amax_bits = max(amax_bits, AbsBits(pn));
@@ -78,14 +82,26 @@ __global__ void AdamWKernel(float* __restrict__ p, const float* __restrict__ g, 
   }
 }
 
+template <typename M, bool kVec, bool kAmax>
+void LaunchPack(float* p, const float* g, M* m, M* v, int64_t n, const AdamWScalars& s,
+                float* amax_out, uint16_t* p16, int blocks, cudaStream_t stream) {
+  if (p16 != nullptr) {
+    AdamWKernel<M, kVec, kAmax, true><<<blocks, kEltThreads, 0, stream>>>(p, g, m, v, n, s,
+                                                                         amax_out, p16);
+  } else {
+    AdamWKernel<M, kVec, kAmax, false><<<blocks, kEltThreads, 0, stream>>>(p, g, m, v, n, s,
+                                                                          amax_out, nullptr);
+  }
+}
+
 template <typename M, bool kVec>
 void Launch(float* p, const float* g, M* m, M* v, int64_t n, const AdamWScalars& s,
-            float* amax_out, cudaStream_t stream) {
+            float* amax_out, uint16_t* p16, cudaStream_t stream) {
   const int blocks = EltBlocks(kVec ? CeilDiv(n, 4) : n, 1024);
   if (amax_out != nullptr) {
-    AdamWKernel<M, kVec, true><<<blocks, kEltThreads, 0, stream>>>(p, g, m, v, n, s, amax_out);
+    LaunchPack<M, kVec, true>(p, g, m, v, n, s, amax_out, p16, blocks, stream);
   } else {
-    AdamWKernel<M, kVec, false><<<blocks, kEltThreads, 0, stream>>>(p, g, m, v, n, s, nullptr);
+    LaunchPack<M, kVec, false>(p, g, m, v, n, s, nullptr, p16, blocks, stream);
   }
 }
 
@@ -95,13 +111,14 @@ bool Aligned(const void* x, uintptr_t bytes) {
 
 template <typename M>
 void LaunchAny(float* p, const float* g, M* m, M* v, int64_t n, const AdamWScalars& s,
-               float* amax_out, cudaStream_t stream) {
+               float* amax_out, uint16_t* p16, cudaStream_t stream) {
   if (n <= 0) return;
   const uintptr_t four = 4 * sizeof(M);  // four moments' bytes
-  if (Aligned(p, 16) && Aligned(g, 16) && Aligned(m, four) && Aligned(v, four)) {
-    Launch<M, true>(p, g, m, v, n, s, amax_out, stream);
+  if (Aligned(p, 16) && Aligned(g, 16) && Aligned(m, four) && Aligned(v, four) &&
+      (p16 == nullptr || Aligned(p16, 8))) {
+    Launch<M, true>(p, g, m, v, n, s, amax_out, p16, stream);
   } else {
-    Launch<M, false>(p, g, m, v, n, s, amax_out, stream);
+    Launch<M, false>(p, g, m, v, n, s, amax_out, p16, stream);
   }
   FSDP8_CUDA_LAUNCH_CHECK();
 }
@@ -110,17 +127,17 @@ void LaunchAny(float* p, const float* g, M* m, M* v, int64_t n, const AdamWScala
 
 void LaunchAdamW(float* p, const float* g, float* m, float* v, int64_t n, float decay,
                  float beta2, float w1, float w2, float step_size, float bc2_sqrt, float eps,
-                 float grad_scale, float* amax_out, cudaStream_t stream) {
+                 float grad_scale, float* amax_out, uint16_t* p16_out, cudaStream_t stream) {
   const AdamWScalars s{decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale};
-  LaunchAny(p, g, m, v, n, s, amax_out, stream);
+  LaunchAny(p, g, m, v, n, s, amax_out, p16_out, stream);
 }
 
 void LaunchAdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n,
                             float decay, float beta2, float w1, float w2, float step_size,
                             float bc2_sqrt, float eps, float grad_scale, float* amax_out,
-                            cudaStream_t stream) {
+                            uint16_t* p16_out, cudaStream_t stream) {
   const AdamWScalars s{decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale};
-  LaunchAny(p, g, m16, v16, n, s, amax_out, stream);
+  LaunchAny(p, g, m16, v16, n, s, amax_out, p16_out, stream);
 }
 
 }  // namespace fsdp8::cuda

@@ -850,25 +850,25 @@ void CudaBackend::SumSquares(const float* x, int64_t n, float* out) {
 
 void CudaBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
                         float beta1, float beta2, float eps, float weight_decay, int64_t step,
-                        float grad_scale, float* amax_out) {
+                        float grad_scale, float* amax_out, uint16_t* p16_out) {
   cuda::OpScope op_scope(prof_.get(), "AdamW");
   Bind();
   const auto [decay, w1, w2, step_size, bc2_sqrt] =
       AdamWHostScalarsFor(lr, beta1, beta2, weight_decay, step);
   cuda::LaunchAdamW(p, g, m, v, n, decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale,
-                    amax_out, stream_);
+                    amax_out, p16_out, stream_);
 }
 
 void CudaBackend::AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16,
                                    int64_t n, float lr, float beta1, float beta2, float eps,
                                    float weight_decay, int64_t step, float grad_scale,
-                                   float* amax_out) {
+                                   float* amax_out, uint16_t* p16_out) {
   cuda::OpScope op_scope(prof_.get(), "AdamWBf16Moments");
   Bind();
   const auto [decay, w1, w2, step_size, bc2_sqrt] =
       AdamWHostScalarsFor(lr, beta1, beta2, weight_decay, step);
   cuda::LaunchAdamWBf16Moments(p, g, m16, v16, n, decay, beta2, w1, w2, step_size, bc2_sqrt, eps,
-                               grad_scale, amax_out, stream_);
+                               grad_scale, amax_out, p16_out, stream_);
 }
 
 // ---- factory -------------------------------------------------------------------------------------

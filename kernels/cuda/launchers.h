@@ -159,13 +159,14 @@ void LaunchCrossEntropyBf16Grad(const float* logits, const int32_t* targets, int
 
 // ---- adamw.cu --------------------------------------------------------------------------------
 // decay, w1, w2, step_size, bc2_sqrt: the caller's AdamWHostScalarsFor (kernels/adamw_scalars.h).
+// p16_out (n) or null: the updated p as bfloat16 bits (Backend::AdamW).
 void LaunchAdamW(float* p, const float* g, float* m, float* v, int64_t n, float decay,
                  float beta2, float w1, float w2, float step_size, float bc2_sqrt, float eps,
-                 float grad_scale, float* amax_out, cudaStream_t stream);
+                 float grad_scale, float* amax_out, uint16_t* p16_out, cudaStream_t stream);
 // The same with the moments stored as bfloat16 (Backend::AdamWBf16Moments).
 void LaunchAdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n,
                             float decay, float beta2, float w1, float w2, float step_size,
                             float bc2_sqrt, float eps, float grad_scale, float* amax_out,
-                            cudaStream_t stream);
+                            uint16_t* p16_out, cudaStream_t stream);
 
 }  // namespace fsdp8::cuda

@@ -85,11 +85,27 @@ TEST_P(Conformance, AdamW) {
                 // The fused amax of the updated weights starts above some |p| and below others.
                 float* amax = r.In(std::vector<float>{0.5f});
                 r.b()->AdamW(pd + skip, r.In(g) + skip, md + skip, vd + skip, n - skip, 3e-4f, 0.9f,
-                             0.95f, 1e-8f, 0.1f, step, 0.5f, amax);
+                             0.95f, 1e-8f, 0.1f, step, 0.5f, amax, nullptr);
                 r.F32(&o, "p", pd, n);
                 r.F32(&o, "amax", amax, 1);
                 r.F32(&o, "m", md, n);
                 r.F32(&o, "v", vd, n);
+                return o;
+              });
+        // The updated weights packed to bfloat16 by the update itself: the reference's are
+        // PackBf16 of its p; one bf16 step apart where the f32 values straddle a rounding
+        // boundary.
+        Check("AdamW/" + std::to_string(n) + "/step" + std::to_string(step) + "/skip" +
+                  std::to_string(skip) + "/p16",
+              kEltTol + 1.0 / 128, [&](DevRun& r) {
+                Outputs o;
+                float* pd = r.In(p);
+                uint16_t* p16 = r.Out<uint16_t>(n);
+                r.b()->AdamW(pd + skip, r.In(g) + skip, r.In(m) + skip, r.In(v) + skip, n - skip,
+                             3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f, nullptr, p16 + skip);
+                float* f = r.Out<float>(n - skip);
+                r.b()->UnpackBf16(p16 + skip, f, n - skip);
+                r.F32(&o, "p16", f, n - skip);
                 return o;
               });
       }
@@ -132,15 +148,17 @@ TEST_P(Conformance, AdamWBf16Moments) {
                   uint16_t* md = packed(r, m);
                   uint16_t* vd = packed(r, v);
                   float* amax = r.In(std::vector<float>{0.5f});
+                  uint16_t* p16 = r.Out<uint16_t>(n);
                   r.b()->AdamWBf16Moments(pd + skip, r.In(g) + skip, md + skip, vd + skip,
                                           n - skip, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f,
-                                          amax);
+                                          amax, p16 + skip);
                   if (!moments) {
                     r.F32(&o, "p", pd, n);
                     r.F32(&o, "amax", amax, 1);
                   } else {
                     unpacked(r, &o, "m", md, n);
                     unpacked(r, &o, "v", vd, n);
+                    unpacked(r, &o, "p16", p16 + skip, n - skip);  // PackBf16 of p
                   }
                   return o;
                 });

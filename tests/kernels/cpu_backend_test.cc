@@ -908,7 +908,7 @@ TEST_P(CpuBackendTest, AdamWTwoStepsByHand) {
     std::vector<float> gf(grads[t - 1].begin(), grads[t - 1].end());
     Buf<float> bg(be_.get(), gf);
     be_->AdamW(bp.get(), bg.get(), bm.get(), bv.get(), 3, lr, b1, b2, eps, wd, t, gs,
-               t == 2 ? amax.get() : nullptr);
+               t == 2 ? amax.get() : nullptr, nullptr);
     for (int i = 0; i < 3; ++i) {
       const double g = grads[t - 1][i] * gs;
       p[i] *= 1 - lr * wd;
@@ -968,11 +968,13 @@ TEST_P(CpuBackendTest, AdamWBf16MomentsTwoStepsByHand) {
   std::vector<float> pf(p.begin(), p.end());
   Buf<float> bp(be_.get(), pf), amax(be_.get(), {0.25f});
   Buf<uint16_t> bm(be_.get(), n), bv(be_.get(), n);  // bf16 zeros
+  // Step 2 also writes the updated weights as bfloat16 (the BF16 wire shard).
+  Buf<uint16_t> p16(be_.get(), n);
   for (int t = 1; t <= 2; ++t) {
     std::vector<float> gf(grads[t - 1].begin(), grads[t - 1].end());
     Buf<float> bg(be_.get(), gf);
     be_->AdamWBf16Moments(bp.get(), bg.get(), bm.get(), bv.get(), n, lr, b1, b2, eps, wd, t, gs,
-                          t == 2 ? amax.get() : nullptr);
+                          t == 2 ? amax.get() : nullptr, t == 2 ? p16.get() : nullptr);
     for (int i = 0; i < n; ++i) {
       const double g = grads[t - 1][i] * gs;
       p[i] *= 1 - lr * wd;
@@ -996,6 +998,13 @@ TEST_P(CpuBackendTest, AdamWBf16MomentsTwoStepsByHand) {
       std::memcpy(&fv, &uv, 4);
       EXPECT_EQ(fm, m[i]);
       EXPECT_EQ(fv, v[i]);
+      if (t == 2) {
+        ASSERT_GT(Bf16MidpointDistance(gp[i]), 1e-5) << "test data: p too close to a tie";
+        const uint32_t up = static_cast<uint32_t>(p16.Host()[i]) << 16;
+        float fp;
+        std::memcpy(&fp, &up, 4);
+        EXPECT_EQ(fp, NearestBf16(gp[i]));
+      }
     }
   }
   double want = 0;
