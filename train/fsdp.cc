@@ -65,13 +65,10 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
       buf.grad = DevBuf::Zeros(be, n * sizeof(float));
       if (bp.wire == WireDtype::kFp8) {
         buf.wire = DevBuf::Zeros(be, n);  // padding stays code 0: casts write the tensors only
-        // The full-gradient elements no tensor covers (alignment gaps, padding).
-        int64_t at = 0;
+        // Every FP8 weight's gradient is written whole by its dW GEMM (Linear::Backward).
         for (size_t t = 0; t < bp.tensors.size(); ++t) {
-          if (bp.offsets[t] > at) buf.grad_gaps.push_back({at, bp.offsets[t]});
-          at = std::max(at, bp.offsets[t] + bp.tensors[t].numel);
+          buf.grad_written_whole.push_back({bp.offsets[t], bp.offsets[t] + bp.tensors[t].numel});
         }
-        if (bp.padded_numel > at) buf.grad_gaps.push_back({at, bp.padded_numel});
       }
       if (bp.wire == WireDtype::kBf16) buf.wire = DevBuf::Zeros(be, n * sizeof(uint16_t));
     }
@@ -195,24 +192,21 @@ void FsdpParams::Release(int unit) {
 void FsdpParams::BeginGrads(int unit, const TensorRef* written_whole) {
   for (int bi = 0; bi < static_cast<int>(units_[unit].size()); ++bi) {
     Buf& b = units_[unit][bi];
-    if (b.plan->wire != WireDtype::kFp8) {
-      const int64_t n = b.plan->padded_numel;
-      if (written_whole == nullptr || written_whole->unit != unit || written_whole->buffer != bi) {
-        b.full_grad = DevBuf::Zeros(be_, n * sizeof(float));
-        continue;
-      }
-      b.full_grad = DevBuf(be_, n * sizeof(float));
-      const int64_t lo = written_whole->offset, hi = lo + written_whole->numel;
-      be_->Memset(b.full_grad.f32(), 0, lo * sizeof(float));
-      be_->Memset(b.full_grad.f32() + hi, 0, (n - hi) * sizeof(float));
-      continue;
+    std::vector<Slice> whole = b.grad_written_whole;
+    if (written_whole != nullptr && written_whole->unit == unit && written_whole->buffer == bi) {
+      whole.push_back({written_whole->offset, written_whole->offset + written_whole->numel});
     }
-    // FP8 weights' gradients are written whole by their dW GEMM (Linear::Backward): only the
-    // elements outside every tensor need zeros (they are reduce-scattered too).
-    b.full_grad = DevBuf(be_, b.plan->padded_numel * sizeof(float));
-    for (const Slice& g : b.grad_gaps) {
-      be_->Memset(b.full_grad.f32() + g.lo, 0, (g.hi - g.lo) * sizeof(float));
+    std::sort(whole.begin(), whole.end(),
+              [](const Slice& x, const Slice& y) { return x.lo < y.lo; });
+    // Zeros everywhere else: accumulated into, or reduce-scattered as they are (gaps, padding).
+    const int64_t n = b.plan->padded_numel;
+    b.full_grad = DevBuf(be_, n * sizeof(float));
+    int64_t at = 0;
+    for (const Slice& w : whole) {
+      if (w.lo > at) be_->Memset(b.full_grad.f32() + at, 0, (w.lo - at) * sizeof(float));
+      at = std::max(at, w.hi);
     }
+    if (n > at) be_->Memset(b.full_grad.f32() + at, 0, (n - at) * sizeof(float));
   }
 }
 

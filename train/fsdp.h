@@ -187,7 +187,8 @@ class FsdpParams {
     DevBuf full_grad;  // padded_numel f32
     int64_t ticket = 0;  // in-flight all-gather (Communicator::Wait)
     std::vector<int> fp8_ids;        // FP8 tensors of this buffer, in offset order
-    std::vector<Slice> grad_gaps;    // FP8 buffers: full-buffer ranges outside every tensor
+    std::vector<Slice> grad_written_whole;  // full-gradient ranges written whole, by offset (FP8
+                                            // buffers: every tensor); BeginGrads zeroes the rest
     bool grad_unset = false;         // grad holds nothing of this step yet (ZeroGrads)
   };
   struct PendingReduce {
