@@ -103,13 +103,10 @@ absl::Status FsdpParams::Timed(absl::Status s, double t0) {
 }
 
 FsdpParams::~FsdpParams() {
-  // Collectives still in flight (a step abandoned by an exception) finish before their buffers go.
-  for (auto& u : units_) {
-    for (Buf& b : u) {
-      if (b.ticket != 0) comm_->Wait(b.ticket);
-      b.ticket = 0;
-    }
-  }
+  // Collectives still in flight (a step abandoned by an exception) finish before their buffers
+  // go: the reduce-scatters here, the all-gathers in DropPrefetches (a buffer holds an all-gather
+  // ticket only while its unit is in flight: Prefetch marks the unit before it issues any, Gather
+  // and DropUnit clear the tickets before the mark).
   for (PendingReduce& p : reducing_) comm_->Wait(p.ticket);
   reducing_.clear();
   DropPrefetches();
