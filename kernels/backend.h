@@ -415,7 +415,7 @@ struct BackendOptions {
 };
 
 // Creates the named backend: "cpu" always (the fast CPU backend; the reference where the CPU
-// lacks what it needs, AVX2 and FMA on x86-64, or on other architectures: Name() then says
+// lacks what it needs, AVX2, FMA and F16C on x86-64, or on other architectures: Name() then says
 // "cpu-ref"); "cpu-ref" always (the reference the conformance tests compare against); "cuda"
 // when built with CUDA and a device is present. device: GPU ordinal (ignored by the CPU ones). Returns nullptr and sets *error when unavailable.
 std::unique_ptr<Backend> CreateBackend(const std::string& name, int device, std::string* error,

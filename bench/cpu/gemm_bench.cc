@@ -3,7 +3,8 @@
 // For each shape prints the FP8-emulated GEMM rate (Backend::GemmFp8: decode both operands, then
 // oneDNN sgemm), the backend's f32 Gemm (oneDNN sgemm) and OpenBLAS's f32 sgemm (the reference
 // backend's) on the same shape, in GFLOP/s counted as 2*M*N*K / seconds. Shapes: the default model's linears (M = 2048 tokens = 8 sequences x 256,
-// (N, K) in {(128,128), (384,128), (128,384)}) and a 1024^3 square. Rates are given per wall-clock
+// (N, K) in {(128,128), (384,128), (128,384)}), their weight gradients' shapes (the reduction over
+// the 2048 tokens) and a 1024^3 square. Rates are given per wall-clock
 // second and per process-CPU second (the machine may be shared).
 //
 // Also prints the instruction set oneDNN's kernels use on this CPU.
@@ -56,7 +57,8 @@ int main(int argc, char** argv) {
   struct Shape {
     int64_t M, N, K;
   };
-  const Shape shapes[] = {{2048, 128, 128}, {2048, 384, 128}, {2048, 128, 384}, {1024, 1024, 1024}};
+  const Shape shapes[] = {{2048, 128, 128}, {2048, 384, 128}, {2048, 128, 384},
+                          {384, 128, 2048}, {128, 384, 2048}, {1024, 1024, 1024}};
   std::printf("BLAS threads: %d; oneDNN ISA: %s\n", threads, IsaName(dnnl_get_effective_cpu_isa()));
   std::printf("GFLOP/s = 2*M*N*K / time, as wall-clock / process-CPU time\n");
   std::printf("%6s %6s %6s  %16s  %16s  %16s\n", "M", "N", "K", "fp8-emul (cpu)",

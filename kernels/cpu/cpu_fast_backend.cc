@@ -17,10 +17,10 @@
 #include "kernels/adamw_scalars.h"
 #include "kernels/fp8.h"
 
-// Everything below is compiled for AVX2 + FMA (x86-64-v3); CpuFastBackend::Supported() checks the
+// Everything below is compiled for AVX2 + FMA + F16C (x86-64-v3); CpuFastBackend::Supported() checks the
 // CPU before CreateBackend("cpu") builds one. Only this file's own functions get the target, the
 // headers above keep the default one.
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 
 namespace fsdp8 {
 namespace {
@@ -233,33 +233,48 @@ void EncodeRun(const float* in, uint8_t* out, int64_t n, float scale, Fp8Format 
   }
 }
 
-// 8 FP8 codes (one per 32-bit lane) to their f32 values, exactly: the exponent and mantissa bits
-// moved to the f32 positions read as a float of the f32 bias, times 2^(127 - bias) (exact: a
-// power of two; FP8 subnormals land on f32 subnormals and come out normal), then the sign, and
-// the special codes (E4M3 S.1111.111 NaN; E5M2 exponent 31: inf or NaN) from the table.
-inline __m256 Decode8(__m256i c, Fp8Format fmt) {
-  const bool e4m3 = fmt == Fp8Format::kE4M3;
-  const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
-  const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, e4m3 ? 20 : 21)),
-                                 _mm256_set1_ps(e4m3 ? 0x1p120f : 0x1p112f));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
-  __m256 r = _mm256_or_ps(v, _mm256_castsi256_ps(sign));
-  const __m256i special = e4m3 ? _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F))
-                               : _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7B));
-  if (_mm256_movemask_epi8(special) != 0) {
-    r = _mm256_blendv_ps(r, _mm256_i32gather_ps(Fp8DecodeTable(fmt), c, 4),
-                         _mm256_castsi256_ps(special));
+// 16 FP8 codes (one per 16-bit lane) to their f32 values, exactly, through the half-precision
+// converter (F16C): an E5M2 code is the top byte of the binary16 of the same value (infinities and
+// NaNs included); an E4M3 code's exponent and mantissa bits, moved to the binary16 positions,
+// read as a binary16 of bias 15 instead of 7, times 2^8 (exact: a power of two; FP8 subnormals
+// land on binary16 subnormals, whose f32 values are normal), then its NaNs (S.1111.111) from the
+// table. Writes out[0, 16).
+inline void Decode16(__m256i c, Fp8Format fmt, float* out) {
+  __m256i h;
+  __m256i special = _mm256_setzero_si256();
+  if (fmt == Fp8Format::kE5M2) {
+    h = _mm256_slli_epi16(c, 8);
+  } else {
+    const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi16(0x7F));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8);
+    h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), sign);
+    special = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F));
   }
-  return r;
+  __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  if (fmt == Fp8Format::kE4M3) {
+    lo = _mm256_mul_ps(lo, _mm256_set1_ps(256.0f));
+    hi = _mm256_mul_ps(hi, _mm256_set1_ps(256.0f));
+  }
+  _mm256_storeu_ps(out, lo);
+  _mm256_storeu_ps(out + 8, hi);
+  if (_mm256_movemask_epi8(special) != 0) {
+    alignas(32) uint16_t codes[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(codes), c);
+    const float* table = Fp8DecodeTable(fmt);
+    for (int j = 0; j < 16; ++j) {
+      if ((codes[j] & 0x7F) == 0x7F) out[j] = table[codes[j]];
+    }
+  }
 }
 
 // out[i] = the value of FP8 code in[i] for i < n (exact in f32).
 void Decode(const uint8_t* in, int64_t n, Fp8Format fmt, float* out) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
+  for (; i + 16 <= n; i += 16) {
     const __m256i c =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in + i)));
-    _mm256_storeu_ps(out + i, Decode8(c, fmt));
+        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+    Decode16(c, fmt, out + i);
   }
   const float* table = Fp8DecodeTable(fmt);
   for (; i < n; ++i) out[i] = table[in[i]];
@@ -315,8 +330,44 @@ void TransposeBlock(const uint8_t* in, int64_t in_ld, int64_t nr, int64_t nc, ui
 
 // ---- misc -------------------------------------------------------------------------------------
 
+// The f32 bits of RoundBf16 (kernels/fp8.h) of 8 lanes: ties to even on the bits, NaN quieted.
+inline __m256i RoundBf16Bits8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
+  return _mm256_and_si256(_mm256_blendv_epi8(rounded, quiet, nan),
+                          _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+}
+
+// 8 bf16 values at p to f32 (exact).
+inline __m256 LoadBf16x8(const uint16_t* p) {
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(c), 16));
+}
+
 inline void RoundBf16Run(const float* in, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = RoundBf16(in[i]);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        RoundBf16Bits8(_mm256_loadu_ps(in + i)));
+  }
+  for (; i < n; ++i) out[i] = RoundBf16(in[i]);
+}
+
+// out[i] = Bf16Bits(in[i]) for i < n.
+inline void PackBf16Run(const float* in, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i a = _mm256_srli_epi32(RoundBf16Bits8(_mm256_loadu_ps(in + i)), 16);
+    const __m256i b = _mm256_srli_epi32(RoundBf16Bits8(_mm256_loadu_ps(in + i + 8)), 16);
+    // packus works within 128-bit lanes: (a0-3, b0-3, a4-7, b4-7); put the 64-bit blocks in order.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), packed);
+  }
+  for (; i < n; ++i) out[i] = Bf16Bits(in[i]);
 }
 
 // RMSNorm of one row: y = (x * r) * w, returns r = 1 / sqrt(mean(x^2) + eps).
@@ -329,7 +380,8 @@ inline float NormRow(const float* x, const float* w, float eps, int64_t C, float
 }  // namespace
 
 bool CpuFastBackend::Supported() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
 }
 
 CpuFastBackend::CpuFastBackend(const BackendOptions& options) : CpuRefBackend(options) {}
@@ -400,8 +452,9 @@ void CpuFastBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t col
   FSDP8_CHECK(rows >= 0 && cols >= 0 && scale != nullptr);
   if (rows == 0 || cols == 0) return;
   FSDP8_CHECK(in != nullptr && out_t != nullptr);
-  // Strips of 16 rows: encoded into `out` (or a scratch strip), then transposed into out_t.
-  constexpr int64_t kStrip = 16;
+  // Strips of 64 rows: encoded into `out` (or a scratch strip), then transposed into out_t, whose
+  // rows then get 64-byte runs (whole cache lines) per strip.
+  constexpr int64_t kStrip = 64;
   std::vector<uint8_t> strip(out == nullptr ? static_cast<size_t>(kStrip * cols) : 0);
   AmaxAcc acc;
   float tail_max = 0.0f;
@@ -461,8 +514,7 @@ void CpuFastBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, 
   float* bf = Scratch(1, N * K);
   Decode(A, M * K, a_fmt, af);
   Decode(B, N * K, b_fmt, bf);
-  Sgemm(CblasNoTrans, CblasTrans, M, N, K, alpha, af, K, bf, K,
-              accumulate ? 1.0f : 0.0f, C, N);
+  Sgemm(CblasNoTrans, CblasTrans, M, N, K, alpha, af, K, bf, K, accumulate ? 1.0f : 0.0f, C, N);
 }
 
 void CpuFastBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
@@ -490,12 +542,7 @@ void CpuFastBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int6
 void CpuFastBackend::RoundToBf16(float* x, int64_t n) { RoundBf16Run(x, x, n); }
 
 void CpuFastBackend::PackBf16(const float* in, uint16_t* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float r = RoundBf16(in[i]);
-    uint32_t u;
-    std::memcpy(&u, &r, sizeof(u));
-    out[i] = static_cast<uint16_t>(u >> 16);
-  }
+  PackBf16Run(in, out, n);
 }
 
 void CpuFastBackend::UnpackBf16(const uint16_t* in, float* out, int64_t n) {
@@ -752,6 +799,35 @@ void CpuFastBackend::SwigluBackward(const float* dh, const float* gate, const fl
          _mm256_maskload_ps(up + i, m), &dg, &du);
     _mm256_maskstore_ps(dgate + i, m, dg);
     _mm256_maskstore_ps(dup + i, m, du);
+  }
+}
+
+void CpuFastBackend::SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16,
+                                             const uint16_t* up16, int64_t n, float* dgate,
+                                             float* dup) {
+  // SwigluBackward on the widened bf16 inputs (exact), read in the same pass.
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 dg, du;
+    SwigluGrad8(_mm256_loadu_ps(dh + i), LoadBf16x8(gate16 + i), LoadBf16x8(up16 + i), &dg, &du);
+    _mm256_storeu_ps(dgate + i, dg);
+    _mm256_storeu_ps(dup + i, du);
+  }
+  if (i < n) {
+    alignas(32) float d[8] = {}, g[8] = {}, u[8] = {}, dg_out[8], du_out[8];
+    for (int64_t j = i; j < n; ++j) {
+      d[j - i] = dh[j];
+      g[j - i] = Bf16Value(gate16[j]);
+      u[j - i] = Bf16Value(up16[j]);
+    }
+    __m256 dg, du;
+    SwigluGrad8(_mm256_load_ps(d), _mm256_load_ps(g), _mm256_load_ps(u), &dg, &du);
+    _mm256_store_ps(dg_out, dg);
+    _mm256_store_ps(du_out, du);
+    for (int64_t j = i; j < n; ++j) {
+      dgate[j] = dg_out[j - i];
+      dup[j] = du_out[j - i];
+    }
   }
 }
 

@@ -9,12 +9,14 @@
 //   * FP8 casts encode 8 values at a time with integer arithmetic (round to nearest even on the
 //     bits, float addition of a magic constant for subnormals; bit-exact with kernels/fp8.h),
 //     with the amax taken in the same pass; RMSNorm + cast runs in one pass per row.
-//   * The linears' GEMMs (FP8 ones after decoding the codes to f32) through oneDNN's sgemm
-//     instead of the reference's OpenBLAS: JIT kernels picked by the CPU's instruction sets
-//     (AVX2, AVX-512).
+//   * The linears' GEMMs (FP8 ones after decoding the codes to f32, 16 at a time through the
+//     half-precision converter F16C: exact) through oneDNN's sgemm instead of the reference's
+//     OpenBLAS: JIT kernels picked by the CPU's instruction sets (AVX2, AVX-512).
+//   * bfloat16 rounding and packing 8 or 16 values at a time on the bits; the SwiGLU backward
+//     reads its bf16-saved inputs directly (no f32 copies).
 //   * Attention works as the reference does (row blocks of the causal T x T scores through
 //     OpenBLAS sgemm) with the vectorized softmax.
-// On an x86-64 CPU without AVX2 and FMA, CreateBackend("cpu") returns the reference instead.
+// On an x86-64 CPU without AVX2, FMA and F16C, CreateBackend("cpu") returns the reference instead.
 //
 // Deterministic: a fixed order of operations for given shapes and thread count. The backend starts
 // no threads of its own; its GEMMs use as many OpenMP threads as the process's OpenBLAS thread
@@ -34,7 +36,7 @@ namespace fsdp8 {
 
 class CpuFastBackend final : public CpuRefBackend {
  public:
-  // Whether this CPU can run it (AVX2 and FMA on x86-64; always elsewhere).
+  // Whether this CPU can run it (AVX2, FMA and F16C on x86-64; always elsewhere).
   static bool Supported();
 
   explicit CpuFastBackend(const BackendOptions& options);
@@ -86,6 +88,8 @@ class CpuFastBackend final : public CpuRefBackend {
   void SwigluForward(const float* gate, const float* up, int64_t n, float* h) override;
   void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate,
                       float* dup) override;
+  void SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16, const uint16_t* up16,
+                               int64_t n, float* dgate, float* dup) override;
 
   void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N, int64_t V,
                                    float grad_scale, float* losses) override;
