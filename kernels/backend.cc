@@ -451,7 +451,9 @@ int64_t DeviceMemoryBytes(const std::string& backend, int device, std::string* e
     if (error != nullptr) *error = "sysconf: physical memory unknown";
     return 0;
   }
-  return static_cast<int64_t>(pages) * page;
+  const int64_t physical = static_cast<int64_t>(pages) * page;
+  const int64_t limit = CgroupMemoryLimitBytes();
+  return limit > 0 && limit < physical ? limit : physical;
 }
 
 }  // namespace fsdp8

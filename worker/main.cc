@@ -55,7 +55,8 @@ ABSL_FLAG(int64_t, memory_limit_mb, 0,
           "backend), MiB; an allocation beyond it fails the job with RESOURCE_EXHAUSTED as an "
           "exhausted device does; 0: no limit but the device's. Reported at registration as the "
           "memory the coordinator plans jobs with (default: a GPU's total memory; for cpu "
-          "workers, the host's RAM divided by the cpu workers registered from this host)");
+          "workers, the host's RAM or its cgroup's memory limit, divided by the cpu workers registered "
+          "from this host)");
 ABSL_FLAG(int, health_port, 0,
           "serve grpc.health.v1 on 0.0.0.0:PORT (Kubernetes gRPC probes): service \"\" is SERVING "
           "while the process runs, service \"ready\" while registered with the coordinator; 0: off");

@@ -52,6 +52,35 @@ TEST(WorkerRegistry, OnlyWorkersWithSessionAreAssignable) {
   EXPECT_EQ(list[0].rank(), -1);
 }
 
+// CPU workers without a memory limit share their host's RAM: each is planned with the RAM divided
+// by the live CPU workers on that host; a worker whose session ended no longer takes a share.
+TEST(WorkerRegistry, SharedHostMemoryIsDividedAmongLiveWorkers) {
+  WorkerRegistry reg({"1.2.3"});
+  const int64_t ram = int64_t{12} << 30;
+  std::vector<std::string> ids;
+  std::vector<uint64_t> tokens;
+  for (const char* host : {"10.0.0.1", "10.0.0.1", "10.0.0.1", "10.0.0.2"}) {
+    v1::RegisterRequest r = CpuWorkerRegistration();
+    r.set_host(host);
+    r.set_memory_bytes(ram);
+    r.set_memory_shared(true);
+    auto w = reg.Register(r);
+    ASSERT_TRUE(w.ok()) << w.status();
+    auto tok = reg.AttachSession(w->worker_id(), std::make_shared<NullSink>());
+    ASSERT_TRUE(tok.ok());
+    ids.push_back(w->worker_id());
+    tokens.push_back(*tok);
+  }
+  auto m = reg.WorkerMemory("cpu");
+  EXPECT_EQ(m[ids[0]], ram / 3);
+  EXPECT_EQ(m[ids[3]], ram) << "alone on its host";
+  reg.DetachSession(ids[2], tokens[2], "session stream ended");
+  m = reg.WorkerMemory("cpu");
+  EXPECT_EQ(m.count(ids[2]), 0u) << "not healthy: not offered";
+  EXPECT_EQ(m[ids[0]], ram / 2);
+  EXPECT_EQ(m[ids[1]], ram / 2);
+}
+
 // Named workers keep their id: a second live process under the name is refused naming the first,
 // the same process (its session dropped) or a successor after the first's session ended takes the
 // entry over, drain included; malformed names are refused naming the field and the rule.
