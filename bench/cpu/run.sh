@@ -90,8 +90,8 @@ PY
 }
 
 echo "cores $cores ($(taskset -c "$cores" nproc) CPUs): $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
-# OpenBLAS's kernel choice and its single-thread GEMM rates on the model's shapes (the CPU backend's
-# GEMMs are OpenBLAS sgemm; a generic kernel here explains a slow fsdp8 row).
+# OpenBLAS's kernel choice (the reference backend's GEMMs; the fast one's are oneDNN's) and the
+# single-thread GEMM rates on the model's shapes.
 OPENBLAS_VERBOSE=2 OMP_NUM_THREADS=1 taskset -c "${cores%%,*}" "$bin/fsdp8-bench-cpu-gemm" --threads 1 2>&1 | sed 's/^/  /'
 
 fp8=$(fsdp8_run fp8)

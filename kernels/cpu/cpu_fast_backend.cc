@@ -17,9 +17,9 @@
 #include "kernels/adamw_scalars.h"
 #include "kernels/fp8.h"
 
-// Everything below is compiled for AVX2 + FMA + F16C (x86-64-v3); CpuFastBackend::Supported() checks the
-// CPU before CreateBackend("cpu") builds one. Only this file's own functions get the target, the
-// headers above keep the default one.
+// Everything below is compiled for AVX2 + FMA + F16C (x86-64-v3); CpuFastBackend::Supported()
+// checks the CPU before CreateBackend("cpu") builds one. Only this file's own functions get the
+// target, the headers above keep the default one.
 #pragma GCC target("avx2,fma,f16c")
 
 namespace fsdp8 {
@@ -641,9 +641,11 @@ void CpuFastBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, in
 }
 
 // ---- attention --------------------------------------------------------------------------------
-// The score GEMMs stay on OpenBLAS, as in the reference: an analytically zero gradient (dq, dk at
-// T = 1, dP - delta) then comes out as the reference's own rounding, which the conformance test
-// compares against.
+// The reference's blocks, with its GEMMs through oneDNN's sgemm (as the linears'): the speed does
+// not depend on OpenBLAS's choice of kernels for this CPU. One exception: at T = 1 every query
+// has a single key, dq and dk are analytically zero and what comes out is the rounding of
+// dP - delta, which only the reference's own products reproduce; that degenerate case runs the
+// reference's code.
 
 void CpuFastBackend::AttentionForward(const float* q, const float* k, const float* v, int64_t B,
                                       int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
@@ -663,8 +665,8 @@ void CpuFastBackend::AttentionForward(const float* q, const float* k, const floa
       float* lh = lse + (b * H + h) * T;
       for (int64_t i0 = 0; i0 < T; i0 += kAttnBlock) {
         const int64_t i1 = std::min(T, i0 + kAttnBlock);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq,
-                    ldq, kg, ldk, 0.0f, P + i0 * T, T);
+        Sgemm(CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq, ldq, kg, ldk, 0.0f,
+              P + i0 * T, T);
         for (int64_t i = i0; i < i1; ++i) {
           float* row = P + i * T;
           const float mx = RowMax(row, i + 1);
@@ -673,8 +675,8 @@ void CpuFastBackend::AttentionForward(const float* q, const float* k, const floa
           std::fill(row + i + 1, row + i1, 0.0f);  // causal mask
           lh[i] = mx + std::log(sum);
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, P + i0 * T, T,
-                    vg, ldk, 0.0f, oh + i0 * ldq, ldq);
+        Sgemm(CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, P + i0 * T, T, vg, ldk, 0.0f,
+              oh + i0 * ldq, ldq);
       }
     }
   }
@@ -711,6 +713,10 @@ void CpuFastBackend::AttentionBackward(const float* q, const float* k, const flo
                                        float* dq, float* dk, float* dv) {
   FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
   if (B == 0 || T == 0 || H == 0) return;
+  if (T == 1) {
+    CpuRefBackend::AttentionBackward(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
+    return;
+  }
   const int64_t group = H / Hkv, ldq = H * D, ldk = Hkv * D;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   std::memset(dk, 0, sizeof(float) * B * T * ldk);
@@ -731,23 +737,23 @@ void CpuFastBackend::AttentionBackward(const float* q, const float* k, const flo
       float* dvg = dv + b * T * ldk + g * D;
       for (int64_t i0 = 0; i0 < T; i0 += kAttnBlock) {
         const int64_t i1 = std::min(T, i0 + kAttnBlock);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq,
-                    ldq, kg, ldk, 0.0f, P + i0 * T, T);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, i1 - i0, i1, D, 1.0f, doh + i0 * ldq,
-                    ldq, vg, ldk, 0.0f, dS + i0 * T, T);
+        Sgemm(CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq, ldq, kg, ldk, 0.0f,
+              P + i0 * T, T);
+        Sgemm(CblasNoTrans, CblasTrans, i1 - i0, i1, D, 1.0f, doh + i0 * ldq, ldq, vg, ldk, 0.0f,
+              dS + i0 * T, T);
         for (int64_t i = i0; i < i1; ++i) {
           const float delta = Dot(doh + i * ldq, oh + i * ldq, D);
           SoftmaxGradRow(P + i * T, dS + i * T, i + 1, i1, lh[i], delta, scale);
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, dS + i0 * T, T,
-                    kg, ldk, 0.0f, dqh + i0 * ldq, ldq);
+        Sgemm(CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, dS + i0 * T, T, kg, ldk, 0.0f,
+              dqh + i0 * ldq, ldq);
       }
       for (int64_t j0 = 0; j0 < T; j0 += kAttnBlock) {
         const int64_t j1 = std::min(T, j0 + kAttnBlock);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f,
-                    dS + j0 * T + j0, T, qh + j0 * ldq, ldq, 1.0f, dkg + j0 * ldk, ldk);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f,
-                    P + j0 * T + j0, T, doh + j0 * ldq, ldq, 1.0f, dvg + j0 * ldk, ldk);
+        Sgemm(CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f, dS + j0 * T + j0, T,
+              qh + j0 * ldq, ldq, 1.0f, dkg + j0 * ldk, ldk);
+        Sgemm(CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f, P + j0 * T + j0, T,
+              doh + j0 * ldq, ldq, 1.0f, dvg + j0 * ldk, ldk);
       }
     }
   }
