@@ -66,6 +66,23 @@ TEST_P(Conformance, SumSquares) {
   }
 }
 
+// p16_out's contract (Backend::AdamW): PackBf16 of the updated p, bit for bit, on the backend
+// that ran the update (the comparison with the reference's values below allows a bf16 step).
+void ExpectPackBf16Of(DevRun& r, const float* p, const uint16_t* p16, int64_t n,
+                      const std::string& what) {
+  uint16_t* want = r.Out<uint16_t>(n);
+  r.b()->PackBf16(p, want, n);
+  std::vector<uint16_t> got_h(static_cast<size_t>(n)), want_h(static_cast<size_t>(n));
+  r.b()->CopyToHost(got_h.data(), p16, n * sizeof(uint16_t));
+  r.b()->CopyToHost(want_h.data(), want, n * sizeof(uint16_t));
+  int64_t differ = 0, first = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (got_h[i] != want_h[i] && differ++ == 0) first = i;
+  }
+  EXPECT_EQ(differ, 0) << what << ": p16_out differs from PackBf16 of the updated p in " << differ
+                       << " of " << n << " elements (first at " << first << ")";
+}
+
 TEST_P(Conformance, AdamW) {
   for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{1} << 20}) {
     const auto p = Randn(n), g = Randn(n, 0.1f), m = Randn(n, 0.01f);
@@ -103,6 +120,7 @@ TEST_P(Conformance, AdamW) {
                 uint16_t* p16 = r.Out<uint16_t>(n);
                 r.b()->AdamW(pd + skip, r.In(g) + skip, r.In(m) + skip, r.In(v) + skip, n - skip,
                              3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f, nullptr, p16 + skip);
+                ExpectPackBf16Of(r, pd + skip, p16 + skip, n - skip, "AdamW");
                 float* f = r.Out<float>(n - skip);
                 r.b()->UnpackBf16(p16 + skip, f, n - skip);
                 r.F32(&o, "p16", f, n - skip);
@@ -158,6 +176,7 @@ TEST_P(Conformance, AdamWBf16Moments) {
                   } else {
                     unpacked(r, &o, "m", md, n);
                     unpacked(r, &o, "v", vd, n);
+                    ExpectPackBf16Of(r, pd + skip, p16 + skip, n - skip, "AdamWBf16Moments");
                     unpacked(r, &o, "p16", p16 + skip, n - skip);  // PackBf16 of p
                   }
                   return o;
