@@ -324,6 +324,7 @@ double FsdpParams::FinishGradSquaredNorm() {
 
 void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weight_decay,
                        int64_t step, float grad_scale) {
+  DropPrefetches();  // their all-gathers read the bf16 wire shards written below
   MaterializeGrads();
   if (!fp8_refs_.empty()) be_->Memset(w_amax_.get(), 0, fp8_refs_.size() * sizeof(float));
   // bf16 wire shards are packed by the update itself (CastWeights then skips them).

@@ -14,9 +14,9 @@
 // AllReduce(max) over all FP8 tensors, scale = ComputeScale(amax, 448, 0, previous) — identical on
 // every rank — then this rank's slice is cast with its tensor's scale.
 //
-// The FP8 tensors' amaxes come from the AdamW pass that updated them (Backend::AdamW's amax_out)
-// when CastWeights() follows AdamW(); otherwise (initialisation, a checkpoint load) from a pass
-// over the master slices.
+// The FP8 tensors' amaxes and the bf16 wire shards come from the AdamW pass that updated them
+// (Backend::AdamW's amax_out and p16_out) when CastWeights() follows AdamW(); otherwise
+// (initialisation, a checkpoint load) from a pass over the master slices.
 //
 // Unit lifecycle in a microbatch: Gather(u) all-gathers every buffer of u into full (padded)
 // buffers (f32 for bf16/fp32 wire, u8 codes for fp8); Release(u) frees them. BeginGrads(u)
@@ -139,6 +139,11 @@ class FsdpParams {
   // synchronisation).
   absl::Status StartGradSquaredNorm();
   double FinishGradSquaredNorm();
+  // Updates every master element of this rank's shards (Backend::AdamW; grads read as
+  // ReduceGrads says). Also writes the bf16 wire shards (PackBf16 of the update) and the FP8
+  // tensors' amaxes, which the next CastWeights() takes unless a master weight changed in between
+  // (SetMasterElement, ZeroShard, UploadShardRange). Prefetches still in flight read the wire
+  // shards: they are dropped first.
   void AdamW(float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
              float grad_scale);
   // Refreshes the wire shards from the master weights (FP8 casts with a fused amax all-reduce).
