@@ -132,6 +132,22 @@ void Scheduler::NoteWaiting(const v1::Job& job, size_t free, const std::string& 
   jobs_->SetPendingReason(job.job_id(), why).IgnoreError();
 }
 
+void Scheduler::NoteUnfit(const v1::Job& job, size_t free, const std::string& why) {
+  const auto now = Clock::now();
+  const auto since = unfit_since_.emplace(job.job_id(), now).first->second;
+  if (now - since < options_.start_timeout) {
+    if (job.state() == v1::JOB_STATE_RECOVERING) {
+      NoteWaiting(job, free, why);  // with its own deadline
+    } else {
+      jobs_->SetPendingReason(job.job_id(), why).IgnoreError();
+    }
+    return;
+  }
+  unfit_since_.erase(job.job_id());
+  recovering_since_.erase(job.job_id());
+  jobs_->Finish(job.job_id(), v1::JOB_STATE_FAILED, why).IgnoreError();
+}
+
 void Scheduler::SchedulePass() {
   std::map<std::string, std::vector<std::string>> free;
   std::map<std::string, std::map<std::string, int64_t>> memory;  // per backend, per worker
@@ -140,6 +156,11 @@ void Scheduler::SchedulePass() {
     bool waiting = false;
     for (const v1::Job& j : pending) waiting |= j.job_id() == it->first;
     it = waiting ? std::next(it) : recovering_since_.erase(it);
+  }
+  for (auto it = unfit_since_.begin(); it != unfit_since_.end();) {
+    bool waiting = false;
+    for (const v1::Job& j : pending) waiting |= j.job_id() == it->first;
+    it = waiting ? std::next(it) : unfit_since_.erase(it);
   }
   for (const v1::Job& job : pending) {
     {
@@ -167,14 +188,15 @@ void Scheduler::SchedulePass() {
     const int n = fit.world_size;
     if (n == 0) {
       if (absl::Status s = CheckFitsLargestWorkers(job.spec(), mit->second); !s.ok()) {
-        recovering_since_.erase(job.job_id());
-        jobs_->Finish(job.job_id(), v1::JOB_STATE_FAILED, std::string(s.message())).IgnoreError();
+        NoteUnfit(job, f.size(), std::string(s.message()));
         continue;
       }
+      unfit_since_.erase(job.job_id());
       NoteWaiting(job, f.size(), fit.why);
       continue;
     }
     recovering_since_.erase(job.job_id());
+    unfit_since_.erase(job.job_id());
     const std::vector<std::string>& chosen = fit.workers;
     auto inbox = std::make_shared<Inbox>();
     if (!workers_->Assign(chosen, job.job_id(), [inbox](const WorkerEvent& ev) { inbox->Push(ev); })

@@ -13,7 +13,9 @@
 // job RECOVERING ("recovering from <cause> (restart n of max)", Job.restarts counted) instead of
 // FAILED; the scheduler then starts generation + 1 on free workers (same world-size rule as a fresh
 // start) resuming from the latest committed checkpoint under checkpoint.dir (none yet: from where
-// the job started). Waiting longer than start_timeout for enough workers fails the job; Cancel
+// the job started). Waiting longer than start_timeout for enough workers fails the job; so does a
+// memory plan that no registered worker holds for start_timeout (a large worker that re-registers
+// meanwhile, after a restart or a heartbeat lapse, is waited for); Cancel
 // while RECOVERING cancels it. Workers are released (idle) when a run ends; ranks that were sent
 // Abort become assignable again only after abort_grace (the protocol has no message by which a
 // worker reports that it has finished unwinding), and are picked up by the next pass after that.
@@ -90,6 +92,9 @@ class Scheduler {
   // reason when enough workers are free but too few hold the plan), or fails a RECOVERING job
   // that has waited start_timeout.
   void NoteWaiting(const v1::Job& job, size_t free, const std::string& memory_why = "");
+  // No registered worker holds the job's memory plan (`why`: CheckFitsLargestWorkers' refusal):
+  // the job waits, and fails once the verdict has held for start_timeout.
+  void NoteUnfit(const v1::Job& job, size_t free, const std::string& why);
 
   JobManager* jobs_;
   WorkerRegistry* workers_;
@@ -104,6 +109,8 @@ class Scheduler {
   std::map<std::string, std::unique_ptr<JobRun>> runs_;
   // RECOVERING jobs waiting for workers, since when (scheduler thread only).
   std::map<std::string, std::chrono::steady_clock::time_point> recovering_since_;
+  // Jobs whose memory plan no registered worker holds, since when (scheduler thread only).
+  std::map<std::string, std::chrono::steady_clock::time_point> unfit_since_;
 };
 
 }  // namespace fsdp8::coord

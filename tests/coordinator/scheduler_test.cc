@@ -139,6 +139,14 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
   }
 
   const std::string& id() const { return id_; }
+  // Ends the worker's session as a lost stream does (the registration stays, unhealthy), and
+  // attaches a new one (a worker that reconnects).
+  void Detach() { reg_->DetachSession(id_, token_, "session stream ended"); }
+  void Reattach() {
+    auto t = reg_->AttachSession(id_, shared_from_this());
+    ASSERT_TRUE(t.ok()) << t.status();
+    token_ = *t;
+  }
   // Delays before answering: every StepCommand, every SaveCheckpoint.
   void set_delays(std::chrono::milliseconds step, std::chrono::milliseconds save) {
     step_delay_ = step;
@@ -485,6 +493,36 @@ TEST_F(SchedulerTest, AJobAcceptedWithoutWorkersFailsWhenNoneCanHoldIt) {
   EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
   EXPECT_TRUE(absl::StrContains(end.reason(), "does not fit")) << end.reason();
   EXPECT_TRUE(AllIdle()) << "never started on a worker";
+}
+
+// A pending job whose memory plan only the large workers hold waits while those are briefly
+// unregistered (a restart, a heartbeat lapse) instead of failing at once; it fails only once the
+// verdict has held for start_timeout (3 s here), and starts when they come back before that.
+TEST_F(SchedulerTest, APendingJobWaitsForALargeWorkerThatIsBrieflyGone) {
+  InstallAdmission(jobs_.get(), workers_.get());
+  const v1::JobSpec spec = SmallSpec(train_, 2);
+  const int64_t need = PlanBytes(spec, 2);
+  auto big0 = AddWorker(FakeWorker::Mode::kNormal, -1, 2.0, need * 2);
+  AddWorker(FakeWorker::Mode::kNormal, -1, 2.0, need / 2);
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(WaitFor([&] { return !jobs_->Get(job->job_id())->reason().empty(); }));
+  big0->Detach();  // now no registered worker holds the plan
+  ASSERT_TRUE(WaitFor([&] {
+    return absl::StrContains(jobs_->Get(job->job_id())->reason(), "does not fit");
+  })) << jobs_->Get(job->job_id())->reason();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  EXPECT_EQ(jobs_->Get(job->job_id())->state(), v1::JOB_STATE_PENDING)
+      << jobs_->Get(job->job_id())->reason();
+  big0->Reattach();
+  auto big1 = AddWorker(FakeWorker::Mode::kNormal, -1, 2.0, need * 2);
+  v1::Job end = WaitEnd(job->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  ASSERT_EQ(end.worker_ids_size(), 2);
+  EXPECT_NE(end.worker_ids(0), end.worker_ids(1));
+  for (const std::string& w : end.worker_ids()) {
+    EXPECT_TRUE(w == big0->id() || w == big1->id()) << w;
+  }
 }
 
 TEST(MemoryFit, RefusalNamesPredictedAvailableAndWaysToFit) {
