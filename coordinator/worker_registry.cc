@@ -209,9 +209,11 @@ std::vector<v1::WorkerInfo> WorkerRegistry::List() const {
 int64_t WorkerRegistry::MemoryLocked(const Worker& w) const {
   if (!w.memory_shared) return w.info.memory_bytes();
   int64_t sharing = 0;
-  // Live registrations only: a worker whose session ended no longer takes a share.
+  // Live registrations only: a worker whose session ended no longer takes a share. One whose
+  // heartbeats stopped while its session stays open (a hung process) still holds its memory.
   for (const auto& [id, o] : workers_) {
-    sharing += o.memory_shared && o.info.healthy() && o.info.host() == w.info.host();
+    const bool live = o.info.healthy() || o.session != nullptr;
+    sharing += o.memory_shared && live && o.info.host() == w.info.host();
   }
   return w.info.memory_bytes() / std::max<int64_t>(1, sharing);
 }

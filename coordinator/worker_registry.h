@@ -132,8 +132,8 @@ class WorkerRegistry {
   bool Assignable(const Worker& w, std::chrono::steady_clock::time_point now) const;
   // w's WorkerInfo, its state computed now and memory_bytes its share (MemoryLocked).
   v1::WorkerInfo InfoOf(const Worker& w) const;
-  // The memory w may use: RegisterRequest.memory_bytes, divided among the workers registered from
-  // the same host with memory_shared.
+  // The memory w may use: RegisterRequest.memory_bytes, divided among the live workers (healthy,
+  // or with a session still open) registered from the same host with memory_shared.
   int64_t MemoryLocked(const Worker& w) const;
   void NotifyChange();
 

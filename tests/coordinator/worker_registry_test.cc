@@ -1,6 +1,8 @@
 // WorkerRegistry: version checks, which workers are assignable, named workers' ids.
+#include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -55,7 +57,9 @@ TEST(WorkerRegistry, OnlyWorkersWithSessionAreAssignable) {
 // CPU workers without a memory limit share their host's RAM: each is planned with the RAM divided
 // by the live CPU workers on that host; a worker whose session ended no longer takes a share.
 TEST(WorkerRegistry, SharedHostMemoryIsDividedAmongLiveWorkers) {
-  WorkerRegistry reg({"1.2.3"});
+  WorkerRegistryOptions options{"1.2.3"};
+  options.heartbeat_timeout = std::chrono::milliseconds(250);
+  WorkerRegistry reg(options);
   const int64_t ram = int64_t{12} << 30;
   std::vector<std::string> ids;
   std::vector<uint64_t> tokens;
@@ -74,6 +78,13 @@ TEST(WorkerRegistry, SharedHostMemoryIsDividedAmongLiveWorkers) {
   auto m = reg.WorkerMemory("cpu");
   EXPECT_EQ(m[ids[0]], ram / 3);
   EXPECT_EQ(m[ids[3]], ram) << "alone on its host";
+  // A hung worker (no heartbeat, its session open) keeps its memory: still a share.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  for (int i : {0, 1, 3}) ASSERT_TRUE(reg.Heartbeat(ids[i]).ok());
+  reg.CheckHeartbeats();
+  m = reg.WorkerMemory("cpu");
+  EXPECT_EQ(m.count(ids[2]), 0u) << "not healthy: not offered";
+  EXPECT_EQ(m[ids[0]], ram / 3) << "the hung worker still takes a share";
   reg.DetachSession(ids[2], tokens[2], "session stream ended");
   m = reg.WorkerMemory("cpu");
   EXPECT_EQ(m.count(ids[2]), 0u) << "not healthy: not offered";
