@@ -235,7 +235,7 @@ void PrintStartLine(const fsdp8::DaemonOptions& o) {
   if (o.backend == "cpu") {
     std::string err;
     auto be = fsdp8::CreateBackend("cpu", 0, &err);  // which CPU kernels this CPU runs
-    const std::string kernels = !be ? "?" : be->Name() == "cpu" ? "AVX2+FMA" : "reference";
+    const std::string kernels = !be ? "?" : be->Name() == "cpu" ? "AVX2+FMA+F16C" : "reference";
     device = absl::StrCat("host CPU (", kernels, " kernels, ",
                           std::max(1, absl::GetFlag(FLAGS_threads)), " BLAS thread(s))");
   } else {
