@@ -68,11 +68,14 @@ print("\n".join(lines))
 PY
 }
 
-# lane L VARIANT...: one coordinator and WORKERS workers, the variants one after the other.
+# lane L VARIANT...: one coordinator and WORKERS workers, the variants one after the other. Runs
+# in its own subshell (lane ... &): its daemons are stopped when that subshell exits, also when a
+# failing command ends it early (set -e; a function's locals are gone by then, so pids is global).
 lane() {
-  local l=$1 pids=() port addr i dev pin name id
+  local l=$1 port addr i dev pin name id
   shift
-  trap 'for q in "${pids[@]}"; do kill "$q" 2>/dev/null || true; done; wait 2>/dev/null || true' RETURN
+  pids=()
+  trap 'for q in "${pids[@]}"; do kill "$q" 2>/dev/null || true; done; wait 2>/dev/null || true' EXIT
   port=$((20000 + RANDOM % 20000)); addr=127.0.0.1:$port
   "$bin/fsdp8-coordinator" --listen "$addr" --state_db "$OUT/jobs-$l.db" --data_roots "$DATA" \
       --heartbeat_timeout_s 30 > "$OUT/coordinator-$l.log" 2>&1 &
