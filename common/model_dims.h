@@ -26,7 +26,8 @@ struct ModelDims {
   int64_t kv_width() const { return n_kv_heads * head_dim; }
 };
 
-// The dimensions of model `m`, defaults applied (WithDefaults). Requires n_heads > 0
+// The dimensions of model `m`, read as set: pass a spec's model section after WithDefaults (this
+// applies none, e.g. an unset n_kv_heads reads 0). Requires n_heads > 0
 // (CHECK-fails otherwise); d_model divisible by n_heads as ValidateSpec requires (otherwise
 // head_dim is the quotient rounded down).
 ModelDims ModelDimsOf(const v1::ModelConfig& m);
