@@ -16,7 +16,8 @@
 #   LANES    variants run side by side, each lane on its own coordinator and workers (default 1).
 #            CPU lanes pin each worker to one core of CORES with taskset; CUDA lanes share the
 #            devices 0..WORKERS-1 (small models only).
-#   CORES    the CPU cores for CPU lanes (default 0..nproc-1)
+#   CORES    the CPU cores for CPU lanes, as taskset lists them: "6-15", "0,1,4-7" or "6 7 8"
+#            (default every core)
 #   BIN      the folder of the binaries (default ./build/bin; BIN=.dev/gpu for a bundle of
 #            scripts/gpu-dev.sh build); OUT the logs (default runs/recipe-sweep-<time>)
 set -euo pipefail
@@ -27,8 +28,13 @@ DATA=$(realpath -m "${DATA:-data/fortunes}")
 BACKEND=${BACKEND:-cpu}
 if [ "$BACKEND" = cuda ]; then WORKERS=${WORKERS:-1}; else WORKERS=${WORKERS:-2}; fi
 LANES=${LANES:-1}
-read -r -a cores <<< "${CORES:-$(seq -s ' ' 0 $(($(nproc) - 1)))}"
-CORES=${CORES:-}
+cores=()
+for c in ${CORES:-0-$(($(nproc) - 1))}; do  # "a-b" ranges and single cores, comma or space separated
+  for r in ${c//,/ }; do
+    [[ "$r" =~ ^[0-9]+(-[0-9]+)?$ ]] || { echo "CORES: '$r' is not a core or a range a-b" >&2; exit 2; }
+    if [[ "$r" == *-* ]]; then cores+=($(seq "${r%-*}" "${r#*-}")); else cores+=("$r"); fi
+  done
+done
 OUT=$(realpath -m "${OUT:-runs/recipe-sweep-$(date +%Y%m%d-%H%M%S)}")
 bin=$(realpath "${BIN:-${BUILD:-build}/bin}")
 [ -f "$DATA/train.bin" ] || { echo "$DATA/train.bin missing" >&2; exit 2; }

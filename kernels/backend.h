@@ -371,7 +371,8 @@ class Backend {
   // p, g, m, v (n) f32; step t >= 1. amax_out (1) f32 device scalar or null: raised to at least
   // max |p| over the updated p (the next FP8 cast's amax, without a second pass over p).
   // p16_out (n) or null: the updated p as bfloat16 bits, equal to PackBf16 of it (a BF16 wire
-  // shard, without a second pass over p).
+  // shard; the CUDA backend writes them from the update's registers, without reading p again; the
+  // CPU backends pack after the update).
   virtual void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
                      float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
                      float* amax_out, uint16_t* p16_out) = 0;
