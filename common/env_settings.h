@@ -47,6 +47,8 @@ inline constexpr char kNcclCheckCollectives[] = "FSDP8_NCCL_CHECK_COLLECTIVES";
 inline constexpr char kHeadChunkLogitBytes[] = "FSDP8_HEAD_CHUNK_LOGIT_BYTES";
 // "1": one GEMM per linear where a group of projections shares scales (the tests' reference).
 inline constexpr char kUnfusedProjections[] = "FSDP8_UNFUSED_PROJECTIONS";
+// "1": down_proj's FP8 input kept from the forward, not recast in the backward (the tests' reference).
+inline constexpr char kSaveDownProjInput[] = "FSDP8_SAVE_DOWN_PROJ_INPUT";
 // "1": the trainer logs each step's timing split to stderr (so does FSDP8_PROFILE_OPS).
 inline constexpr char kStepTiming[] = "FSDP8_STEP_TIMING";
 

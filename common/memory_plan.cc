@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -209,6 +210,9 @@ class Sim {
   int64_t opt_bytes_ = 8;
   bool cuda_ = false, attn16_ = false, recompute_ = false, tied_ = false, det_ = true;
   bool head_bf16_ = true;
+  // Delayed scaling: an FP8 block's backward recasts down_proj's input (Linear::RecastSwiglu)
+  // instead of keeping its codes from the forward.
+  bool recast_down_ = true;
   int L_ = 0, microbatches_ = 1;
   double C_, H_, Hkv_, D_, F_, V_, T_, B_, N_, nq_, nk_, local_tokens_, chunk_bytes_;
   std::vector<v1::Precision> prec_;
@@ -249,6 +253,7 @@ Sim::Sim(const v1::JobSpec& spec, int world, const MemoryPlanOptions& options,
   chunk_bytes_ = static_cast<double>(std::max<int64_t>(1, options.head_chunk_logit_bytes));
   const v1::Fp8Recipe& r = spec.precision().fp8();
   const bool fuse = r.fused_projections() && r.recipe() != v1::SCALING_RECIPE_CURRENT;
+  recast_down_ = r.recipe() != v1::SCALING_RECIPE_CURRENT;
   const double q = static_cast<double>(world) * spec.sharding().alignment();
   auto buf = [&](Wire w, double numel) {
     SimBuf b;
@@ -581,7 +586,7 @@ int Sim::MlpForwardFp8(int l, SimActs* a, bool train) {
     for (int* p : {&a->gate16, &a->up16, &a->gu16}) led_.Free(p);
   }
   int out = led_.Alloc(kWork, N * C_ * 4);
-  Keep(in_act, &a->sdown, train);
+  if (!recast_down_) Keep(in_act, &a->sdown, train);
   EndInput(in_act);
   return out;
 }
@@ -589,6 +594,12 @@ int Sim::MlpForwardFp8(int l, SimActs* a, bool train) {
 int Sim::MlpBackwardFp8(int l, SimActs* a, int* dout) {
   const double N = N_, n = N_ * F_;
   int dact16 = led_.Alloc(kWork, n * 2);
+  if (a->sdown < 0) {  // Linear::RecastSwiglu: the transpose, from dense codes (CPU) through f32
+    const int in = NewInput(n);
+    std::swap(inputs_[in].x8, inputs_[in].xT);
+    Keep(in, &a->sdown, true);
+    Scratch(n + 3 * n * 4, 0);
+  }
   LinearBackward(true, false, N, F_, C_, a->sdown, true);
   Drop(&a->sdown);
   int dn2g = led_.Alloc(kWork, N * C_ * 2), dn2u = -1;

@@ -349,6 +349,20 @@ void Backend::SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_
   Free(buf);
 }
 
+void Backend::SwigluCastTransposeFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
+                                     int64_t cols, int64_t in_ld, const float* scale,
+                                     Fp8Format fmt, uint8_t* out, uint8_t* out_t,
+                                     float* amax_out) {
+  uint8_t* codes = out;
+  if (codes == nullptr) {
+    codes = static_cast<uint8_t*>(Alloc(static_cast<size_t>(rows * cols > 0 ? rows * cols : 1)));
+    if (codes == nullptr) throw std::bad_alloc();
+  }
+  SwigluCastFp8(gate16, up16, rows, cols, in_ld, scale, fmt, codes, amax_out);
+  TransposeBytes(codes, rows, cols, out_t);
+  if (out == nullptr) Free(codes);
+}
+
 void Backend::SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16,
                                      const uint16_t* up16, int64_t n, uint16_t* dgate16,
                                      uint16_t* dup16) {

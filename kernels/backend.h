@@ -324,6 +324,16 @@ class Backend {
   virtual void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
                              int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
                              uint8_t* out, float* amax_out);
+  // SwigluCastFp8 fused with the transpose of its codes: out_t (cols, rows) dense = the
+  // transpose of the codes SwigluCastFp8(gate16, up16, rows, cols, in_ld, scale, fmt) writes on
+  // this backend, bit for bit (a backward recomputes a forward's cast this way instead of keeping
+  // its codes); out (rows, cols) dense receives those codes themselves (may be null: not
+  // written); amax_out as SwigluCastFp8 (may be null). gate16, up16 as SwigluCastFp8; CUDA also
+  // needs them 8-byte aligned, and out_t 4-byte aligned (aborts otherwise).
+  virtual void SwigluCastTransposeFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
+                                      int64_t cols, int64_t in_ld, const float* scale,
+                                      Fp8Format fmt, uint8_t* out, uint8_t* out_t,
+                                      float* amax_out);
   // SwigluBackwardBf16Saved with dh given as bf16 and dgate, dup rounded to bf16. All (n).
   virtual void SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16,
                                       const uint16_t* up16, int64_t n, uint16_t* dgate16,

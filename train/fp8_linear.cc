@@ -220,6 +220,20 @@ std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint1
   return Cast(std::move(in), {});
 }
 
+LinearSaved Linear::RecastSwiglu(const uint16_t* gate16, const uint16_t* up16, int64_t M,
+                                 int64_t K, int64_t ld) const {
+  FSDP8_CHECK(prec_ == v1::PRECISION_FP8 && !sc_->NeedsAmaxFirst(x_idx_))
+      << "RecastSwiglu needs an FP8 linear whose input scale is known (delayed scaling)";
+  auto in = std::make_shared<Fp8Input>();
+  in->xT = DevBuf(be_, M * K);
+  be_->SwigluCastTransposeFp8(gate16, up16, M, K, ld, sc_->Scale(x_idx_), Fp8Format::kE4M3,
+                              nullptr, in->xT.u8(), nullptr);
+  in->scale_inv = sc_->ScaleInv(x_idx_);
+  LinearSaved s;
+  s.in = std::move(in);
+  return s;
+}
+
 void Linear::ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t K, int64_t N,
                         const WeightView& w, LinearOutput y, LinearSaved* saved) {
   FSDP8_CHECK(prec_ == v1::PRECISION_FP8 && in != nullptr) << "ForwardFp8 of a non-FP8 linear";

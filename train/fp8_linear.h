@@ -215,6 +215,13 @@ class Linear {
   // in one pass (Backend::SwigluCastFp8).
   std::shared_ptr<Fp8Input> CastSwiglu(const uint16_t* gate16, const uint16_t* up16, int64_t M,
                                        int64_t K, int64_t ld);
+  // FP8 only, !XNeedsAmaxFirst(): the saved input of a forward that read CastSwiglu(gate16, up16,
+  // M, K, ld) in this step, recast for the backward from the same bf16 gate16, up16 with the same
+  // X scale (its slot holds still until UpdateScales): only the transpose xT (K, M) that dW reads,
+  // bit for bit the transpose of the forward's codes (Backend::SwigluCastTransposeFp8; x8 stays
+  // empty, dX does not read the input). Records no amax (the forward's cast did).
+  LinearSaved RecastSwiglu(const uint16_t* gate16, const uint16_t* up16, int64_t M, int64_t K,
+                           int64_t ld) const;
   // Whether this FP8 linear's input cast must first measure its own amax (ActScaling).
   bool XNeedsAmaxFirst() const { return sc_->NeedsAmaxFirst(x_idx_); }
   // FP8 only. y (M, N) = in · Wᵀ, written where `y` says (LinearOutput).

@@ -50,6 +50,7 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
   const bool hybrid = spec.precision().fp8().format() != v1::FP8_FORMAT_E4M3;
   attention_bf16_ = spec.precision().attention() == v1::PRECISION_BF16;
   recompute_ = spec.training().activation_recompute();
+  save_down_input_ = options.save_down_proj_input;
 
   embed_ = p_->Ref("model.embed_tokens.weight");
   final_norm_ = p_->Ref("model.norm.weight");
@@ -411,7 +412,8 @@ LlamaModel::QkvBf16 LlamaModel::QkvForwardFp8(Block& b, int64_t B, bool train,
 
 // Returns out (N, C) f32 = h + down(silu(gate) * up), gate and up (N, F) bf16 from
 // n2 = RMSNorm(h) cast straight to FP8 (one cast for gate and up), silu(gate) * up cast to FP8
-// in one pass.
+// in one pass. Under delayed scaling the backward recasts down's input from the kept gate and up
+// (Linear::RecastSwiglu, the same codes) rather than keeping its N * F codes.
 DevBuf LlamaModel::MlpForwardFp8(Block& b, int64_t B, bool train, BlockActs* a) {
   const int64_t N = B * T_;
   a->rstd2 = DevBuf(be_, N * 4);  // (N)
@@ -446,9 +448,10 @@ DevBuf LlamaModel::MlpForwardFp8(Block& b, int64_t B, bool train, BlockActs* a) 
     a->gu16.Reset();
   }
   DevBuf out(be_, N * C_ * 4);  // h + down(act), the residual added in the GEMM
+  const bool keep = train && (save_down_input_ || b.ldown.XNeedsAmaxFirst());
   b.ldown.ForwardFp8(in_act, N, F_, C_, View(b.down),
                      LinearOutput::F32PlusResidual(out.f32(), a->h.f32()),
-                     train ? &a->sdown : nullptr);
+                     keep ? &a->sdown : nullptr);
   in_act.reset();
   return out;
 }
@@ -466,6 +469,13 @@ void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) 
 DevBuf LlamaModel::MlpBackwardFp8(int l, Block& b, int64_t B, BlockActs* a, DevBuf* dout) {
   const int64_t N = B * T_;
   DevBuf dact16(be_, N * F_ * 2);  // (N, F) bf16
+  if (a->sdown.in == nullptr) {  // not kept by the forward: recast from gate and up
+    const bool fused = !a->gu16.empty();
+    a->sdown = b.ldown.RecastSwiglu(fused ? a->gu16.u16() : a->gate16.u16(),
+                                    fused ? a->gu16.u16() + F_ : a->up16.u16(), N, F_,
+                                    fused ? 2 * F_ : F_);
+    ++down_input_recasts_;
+  }
   b.ldown.Backward(ActivationView::F32(dout->f32()), N, F_, C_, View(b.down), a->sdown,
                    InputGrad::Bf16(dact16.u16()), p_->G(b.down));
   a->sdown = LinearSaved();

@@ -60,6 +60,9 @@ class LlamaModel {
     return n;
   }
   int64_t fused_backward_runs() const { return fused_backward_runs_; }
+  // How many FP8 block backwards so far recast down_proj's input from the saved gate/up instead
+  // of reading codes kept from the forward (ModelOptions::save_down_proj_input).
+  int64_t down_input_recasts() const { return down_input_recasts_; }
 
   // Peak device bytes of the forward (embedding through the loss) and of the backward, the
   // maximum over the Run calls since the last call (which resets them). Run resets the backend's
@@ -172,9 +175,11 @@ class LlamaModel {
   ActScaling* scaling_;
   int64_t C_, H_, Hkv_, D_, F_, V_, T_;  // ModelDims (common/model_dims.h): d_model .. seq_len
   int64_t fused_backward_runs_ = 0;
+  int64_t down_input_recasts_ = 0;
   float eps_, theta_;
   bool attention_bf16_ = false;  // precision.attention == BF16
   bool recompute_ = false;       // training.activation_recompute
+  bool save_down_input_ = false;  // ModelOptions::save_down_proj_input
   bool tied_ = false;           // model.tie_word_embeddings: head_ is embed_
   // f32 logits per chunk of the BF16 head (HeadBf16Compute):
   // ModelOptions::head_chunk_logit_bytes.

@@ -14,6 +14,7 @@ ModelOptions ModelOptions::FromEnvironment() {
   if (const std::optional<std::string> v = env::Get(env::kHeadChunkLogitBytes); v && !v->empty())
     o.head_chunk_logit_bytes = std::max<int64_t>(1, std::atoll(v->c_str()));
   o.unfused_projections = env::GetOrEmpty(env::kUnfusedProjections) == "1";
+  o.save_down_proj_input = env::GetOrEmpty(env::kSaveDownProjInput) == "1";
   return o;
 }
 

@@ -17,6 +17,10 @@ struct ModelOptions {
   // of the fused GEMM: the per-linear reference the tests hold the fused GEMMs to
   // (FSDP8_UNFUSED_PROJECTIONS=1).
   bool unfused_projections = false;
+  // down_proj's FP8 input codes kept from the forward for dW, instead of recast in the backward
+  // from the saved gate/up with the same scale (the same codes, bit for bit): the reference the
+  // tests hold the recast to (FSDP8_SAVE_DOWN_PROJ_INPUT=1).
+  bool save_down_proj_input = false;
 
   static ModelOptions FromEnvironment();
 };

@@ -1,5 +1,6 @@
 // FP8 casts, transposes, amax and bfloat16 rounding (Backend: CastToFp8, CastTransposeFp8,
 // SwigluBackwardCastTransposeFp8 (the SwiGLU gradient computed in the cast-transpose tile),
+// SwigluCastTransposeFp8 (a forward SwiGLU cast recomputed with its transpose),
 // TransposeBytes, DequantizeFp8, AmaxAccumulate, Fp8ScalesFromAmax, RoundToBf16, PackBf16,
 // UnpackBf16).
 //
@@ -195,6 +196,30 @@ struct SwigluBackwardSource {
   __device__ __forceinline__ void Values1(int64_t r, int64_t c, float* v) const {
     const int64_t i = r * cols + c, j = r * in_ld + c;
     One(LoadF32(dh + i), LoadF32(gate + j), LoadF32(up + j), &v[0], &v[1]);
+  }
+};
+
+// silu(gate) * up of bf16 gate, up (rows, cols) of row stride in_ld (SiluMulDev, the values
+// LaunchSwigluCastFp8 casts).
+struct SwigluSource {
+  static constexpr int kOut = 1;
+  static constexpr bool kPreloadBothHalves = false;
+  const uint16_t* gate;
+  const uint16_t* up;
+  int64_t in_ld;
+  struct Raw {
+    float4 v;
+  };
+  __device__ __forceinline__ Raw Load4(int64_t r, int64_t c) const {
+    const int64_t j = r * in_ld + c;
+    const float4 g = Load4F32(gate + j), u = Load4F32(up + j);
+    return {make_float4(SiluMulDev(g.x, u.x), SiluMulDev(g.y, u.y), SiluMulDev(g.z, u.z),
+                        SiluMulDev(g.w, u.w))};
+  }
+  __device__ __forceinline__ void Values4(const Raw& x, float4* v) const { v[0] = x.v; }
+  __device__ __forceinline__ void Values1(int64_t r, int64_t c, float* v) const {
+    const int64_t j = r * in_ld + c;
+    v[0] = SiluMulDev(LoadF32(gate + j), LoadF32(up + j));
   }
 };
 
@@ -535,6 +560,20 @@ void LaunchSwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* 
                     CastOutputs<2>{{scale_gate, scale_up}, {dgate8, dup8}, {dgate8_t, dup8_t},
                                    {amax_gate, amax_up}, out_ld},
                     stream);
+}
+
+void LaunchSwigluCastTransposeFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
+                                  int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
+                                  uint8_t* out, uint8_t* out_t, float* amax_out,
+                                  cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
+  FSDP8_CHECK(reinterpret_cast<uintptr_t>(gate16) % 8 == 0 &&
+              reinterpret_cast<uintptr_t>(up16) % 8 == 0)
+      << "SwigluCastTransposeFp8: gate or up not aligned to 4 elements";
+  FSDP8_CHECK(in_ld >= cols && (in_ld % 4 == 0 || cols % 4 != 0))
+      << "SwigluCastTransposeFp8: gate/up row stride below cols or not a multiple of 4";
+  CastTransposeImpl(SwigluSource{gate16, up16, in_ld}, rows, cols, fmt,
+                    CastOutputs<1>{{scale}, {out}, {out_t}, {amax_out}, cols}, stream);
 }
 
 void LaunchRopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T,

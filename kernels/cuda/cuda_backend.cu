@@ -817,6 +817,16 @@ void CudaBackend::SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, in
   cuda::LaunchSwigluCastFp8(gate16, up16, rows, cols, in_ld, scale, fmt, out, amax_out, stream_);
 }
 
+void CudaBackend::SwigluCastTransposeFp8(const uint16_t* gate16, const uint16_t* up16,
+                                         int64_t rows, int64_t cols, int64_t in_ld,
+                                         const float* scale, Fp8Format fmt, uint8_t* out,
+                                         uint8_t* out_t, float* amax_out) {
+  cuda::OpScope op_scope(prof_.get(), "SwigluCastTransposeFp8");
+  Bind();
+  cuda::LaunchSwigluCastTransposeFp8(gate16, up16, rows, cols, in_ld, scale, fmt, out, out_t,
+                                     amax_out, stream_);
+}
+
 void CudaBackend::SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16,
                                          const uint16_t* up16, int64_t n, uint16_t* dgate16,
                                          uint16_t* dup16) {

@@ -202,6 +202,9 @@ class CudaBackend final : public Backend, public CudaStreams {
   void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows, int64_t cols,
                      int64_t in_ld, const float* scale, Fp8Format fmt, uint8_t* out,
                      float* amax_out) override;
+  void SwigluCastTransposeFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
+                              int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
+                              uint8_t* out, uint8_t* out_t, float* amax_out) override;
   void SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16, const uint16_t* up16,
                               int64_t n, uint16_t* dgate16, uint16_t* dup16) override;
   void RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T, int64_t H,

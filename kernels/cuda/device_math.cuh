@@ -158,6 +158,14 @@ __device__ __forceinline__ void Store4F32(uint16_t* p, float4 v) {
                  (RoundBf16BitsDev(v.z) >> 16) | RoundBf16BitsDev(v.w));
 }
 
+// silu(g) * u, silu(g) = g * sigmoid(g): the one expression of every SwiGLU forward kernel
+// (SwigluForward, SwigluCastFp8, SwigluCastTransposeFp8), so a recomputed cast sees the forward's
+// values bit for bit.
+__device__ __forceinline__ float SiluMulDev(float g, float u) {
+  const float sig = 1.0f / (1.0f + expf(-g));
+  return g * sig * u;
+}
+
 // SwiGLU gradient of one element, h = silu(g) * u: dgate = dh * u * s * (1 + g * (1 - s)),
 // dup = dh * g * s, s = sigmoid(g). One expression for every kernel that needs it, so a fused
 // kernel computes the same f32 values as SwigluBackward.

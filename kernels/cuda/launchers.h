@@ -43,6 +43,13 @@ void LaunchSwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* 
                                           uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
                                           float* amax_up, int64_t out_ld, int64_t in_ld,
                                           cudaStream_t stream);
+// The codes of LaunchSwigluCastFp8 (the same f32 products, bit for bit) written row-major to out
+// (dense; may be null) and transposed (cols, rows) to out_t; amax into *amax_out when non-null.
+// gate16, up16 8-byte aligned; in_ld % 4 == 0 unless cols % 4 != 0.
+void LaunchSwigluCastTransposeFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
+                                  int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
+                                  uint8_t* out, uint8_t* out_t, float* amax_out,
+                                  cudaStream_t stream);
 // dx16 (B, T, H, D) bf16 rotated back as LaunchRopeApplyBf16(sign -1) would (not in place: dx16
 // is only read), then cast as LaunchCastTransposeFp8Bf16 of the (B * T, H * D) result. table as
 // LaunchRopeTable wrote it (16-byte aligned); D % 8 == 0, dx16 8-byte aligned.

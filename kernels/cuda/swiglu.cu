@@ -9,16 +9,10 @@
 namespace fsdp8::cuda {
 namespace {
 
-// silu(g) * u, silu(g) = g * sigmoid(g): the one expression every forward kernel here uses.
-__device__ __forceinline__ float SiluMul(float g, float u) {
-  const float sig = 1.0f / (1.0f + expf(-g));
-  return g * sig * u;
-}
-
 // h (n) = silu(gate) * up.
 __global__ void SwigluForwardKernel(const float* __restrict__ gate, const float* __restrict__ up,
                                     int64_t n, float* __restrict__ h) {
-  FSDP8_GRID_STRIDE(i, n) { h[i] = SiluMul(gate[i], up[i]); }
+  FSDP8_GRID_STRIDE(i, n) { h[i] = SiluMulDev(gate[i], up[i]); }
 }
 
 // dgate, dup (n): SwigluGradDev per element.
@@ -68,13 +62,13 @@ __global__ void SwigluCastKernel(const uint16_t* __restrict__ gate, const uint16
   const int64_t n4 = vec ? n / 4 : 0;
   for (int64_t i = tid; i < n4; i += stride) {
     const float4 g = Load4F32(gate + 4 * i), u = Load4F32(up + 4 * i);
-    const float h0 = SiluMul(g.x, u.x), h1 = SiluMul(g.y, u.y), h2 = SiluMul(g.z, u.z),
-                h3 = SiluMul(g.w, u.w);
+    const float h0 = SiluMulDev(g.x, u.x), h1 = SiluMulDev(g.y, u.y), h2 = SiluMulDev(g.z, u.z),
+                h3 = SiluMulDev(g.w, u.w);
     m = max(m, max(max(AbsBits(h0), AbsBits(h1)), max(AbsBits(h2), AbsBits(h3))));
     reinterpret_cast<uint32_t*>(out)[i] = Encode4Dev<kE5M2>(h0 * sc, h1 * sc, h2 * sc, h3 * sc);
   }
   for (int64_t i = n4 * 4 + tid; i < n; i += stride) {
-    const float h = SiluMul(LoadF32(gate + i), LoadF32(up + i));
+    const float h = SiluMulDev(LoadF32(gate + i), LoadF32(up + i));
     m = max(m, AbsBits(h));
     out[i] = static_cast<uint8_t>(Encode1Dev<kE5M2>(h * sc));
   }
@@ -100,8 +94,8 @@ __global__ void SwigluCastRowsKernel(const uint16_t* __restrict__ gate,
   for (int64_t i = tid; i < n4; i += stride) {
     const int64_t r = i / c4, c = 4 * (i - r * c4);
     const float4 g = Load4F32(gate + r * in_ld + c), u = Load4F32(up + r * in_ld + c);
-    const float y0 = SiluMul(g.x, u.x), y1 = SiluMul(g.y, u.y), y2 = SiluMul(g.z, u.z),
-                y3 = SiluMul(g.w, u.w);
+    const float y0 = SiluMulDev(g.x, u.x), y1 = SiluMulDev(g.y, u.y), y2 = SiluMulDev(g.z, u.z),
+                y3 = SiluMulDev(g.w, u.w);
     m = max(m, max(max(AbsBits(y0), AbsBits(y1)), max(AbsBits(y2), AbsBits(y3))));
     *reinterpret_cast<uint32_t*>(out + r * cols + c) = Encode4Dev<kE5M2>(y0 * sc, y1 * sc, y2 * sc, y3 * sc);
   }

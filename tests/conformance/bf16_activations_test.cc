@@ -452,5 +452,69 @@ TEST_P(Conformance, RopeBackwardCastTransposeIsItsComposition) {
   }
 }
 
+// SwigluCastTransposeFp8, the backward's recast of down_proj's input: its codes and their
+// transpose as the reference's within one code step (the f32 SwiGLU may round differently there,
+// as SwigluCastFp8 allows), and, on every backend, bit for bit the transpose of the codes that
+// backend's own SwigluCastFp8 writes (the forward's cast, which training's bit-identity rests on):
+// "same as SwigluCastFp8" is 1 exactly when all bytes agree. Dense gate/up and the two halves of
+// one (rows, 2 * cols) matrix; tile edges (37 x 129, 1000 x 36) take the element-by-element path.
+TEST_P(Conformance, SwigluCastTransposeRecastsTheForwardCodes) {
+  auto packed = [](DevRun& r, const std::vector<float>& x) {
+    uint16_t* p = r.Out<uint16_t>(static_cast<int64_t>(x.size()));
+    r.b()->PackBf16(r.In(x), p, static_cast<int64_t>(x.size()));
+    return p;
+  };
+  const int64_t shapes[][2] = {{1, 1}, {37, 129}, {256, 192}, {1000, 36}, {2048, 1408}};
+  for (auto& sh : shapes) {
+    const int64_t rows = sh[0], cols = sh[1], n = rows * cols;
+    auto gu = Randn(2 * n, 2.0f);
+    gu[static_cast<size_t>(n / 2)] = 300.0f;  // with its up partner, saturates at these scales
+    gu[static_cast<size_t>(n / 2 + cols)] = 200.0f;
+    const std::vector<float> scale = {16.0f};
+    for (Fp8Format fmt : kFormats) {
+      for (bool side_by_side : {false, true}) {
+        if (side_by_side && cols % 4 != 0) continue;  // CUDA reads strided rows 4 at a time
+        const int64_t ld = side_by_side ? 2 * cols : cols;
+        Check(std::string("SwigluCastTransposeFp8/") + (side_by_side ? "side-by-side/" : "") +
+                  FmtName(fmt) + "/" + std::to_string(rows) + "x" + std::to_string(cols),
+              kEltTol, [&](DevRun& r) {
+                Outputs o;
+                const uint16_t* g16 = packed(r, gu);
+                const uint16_t* u16 = g16 + (side_by_side ? cols : n);
+                uint8_t* out = r.Out<uint8_t>(n);
+                uint8_t* out_t = r.Out<uint8_t>(n);
+                uint8_t* fwd = r.Out<uint8_t>(n);
+                float* amax = r.In(std::vector<float>{0.0f});
+                const float* sc = r.In(scale);
+                r.b()->SwigluCastTransposeFp8(g16, u16, rows, cols, ld, sc, fmt, out, out_t, amax);
+                r.b()->SwigluCastFp8(g16, u16, rows, cols, ld, sc, fmt, fwd, nullptr);
+                std::vector<uint8_t> t(static_cast<size_t>(n)), f(static_cast<size_t>(n));
+                r.b()->CopyToHost(t.data(), out_t, t.size());
+                r.b()->CopyToHost(f.data(), fwd, f.size());
+                bool same = true;
+                for (int64_t i = 0; i < rows && same; ++i) {
+                  for (int64_t c = 0; c < cols; ++c) same = same && t[c * rows + i] == f[i * cols + c];
+                }
+                // Without out: out_t alone, the same bytes again.
+                uint8_t* only_t = r.Out<uint8_t>(n);
+                r.b()->SwigluCastTransposeFp8(g16, u16, rows, cols, ld, sc, fmt, nullptr, only_t,
+                                              nullptr);
+                std::vector<uint8_t> t2(static_cast<size_t>(n));
+                r.b()->CopyToHost(t2.data(), only_t, t2.size());
+                Output flag;
+                flag.name = "same as SwigluCastFp8";
+                flag.is_f32 = false;
+                flag.bytes = {static_cast<uint8_t>(same && t2 == t ? 1 : 0)};
+                o.push_back(flag);
+                r.Fp8CodesNear(&o, "out", out, n);
+                r.Fp8CodesNear(&o, "out_t", out_t, n);
+                r.F32(&o, "amax", amax, 1);
+                return o;
+              });
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fsdp8::conformance

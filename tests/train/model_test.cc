@@ -1,6 +1,6 @@
 // The model's math through the Trainer: analytic FP32 gradients against finite differences, the
-// BF16 head's row chunks, FP8 projections fused per group against per-linear GEMMs, and activation
-// recompute against kept activations.
+// BF16 head's row chunks, FP8 projections fused per group against per-linear GEMMs, activation
+// recompute against kept activations, and down_proj's recast input against its kept codes.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -270,6 +270,73 @@ TEST(Trainer, ActivationRecomputeIsBitIdentical) {
   EXPECT_TRUE(a[0].master == b[0].master);
   // And the peak memory is lower.
   EXPECT_LT(b[0].results[2].peak_memory_bytes, a[0].results[2].peak_memory_bytes);
+}
+
+// Under delayed scaling an FP8 block's backward recasts down_proj's input from the kept bf16
+// gate/up with the forward's scale (Linear::RecastSwiglu) instead of keeping its codes: the same
+// codes, so training is bit-identical to keeping them (FSDP8_SAVE_DOWN_PROJ_INPUT=1): losses,
+// gradient norms and weights over 3 steps, with gate/up fused, per linear, and recomputed. A stale
+// or other scale, a SwiGLU computed another way, or a mis-strided gate/up would not be. Step 0
+// measures its scales first and keeps the codes; steps 1 and 2 recast in every block and
+// microbatch (2 blocks, 3 microbatches per rank).
+TEST(Trainer, DownProjInputRecastIsBitIdentical) {
+  struct Config {
+    const char* what;
+    bool per_linear, recompute;
+  };
+  for (const Config& cfg : {Config{"fused gate/up", false, false},
+                            Config{"per-linear gate/up", true, false},
+                            Config{"recompute", false, true}}) {
+    v1::JobSpec spec = TinySpec(TrainFile());
+    spec.mutable_precision()->set_linears(v1::PRECISION_FP8);
+    spec.mutable_precision()->set_attention(v1::PRECISION_BF16);
+    spec.mutable_precision()->mutable_fp8()->set_fused_projections(true);
+    spec.mutable_training()->set_activation_recompute(cfg.recompute);
+    struct Out {
+      std::vector<double> losses, norms;
+      std::map<std::string, std::vector<float>> master;
+      int64_t recasts_step0 = -1, recasts = -1;
+    };
+    auto run = [&](bool save) {
+      if (cfg.per_linear) setenv("FSDP8_UNFUSED_PROJECTIONS", "1", 1);
+      if (save) setenv("FSDP8_SAVE_DOWN_PROJ_INPUT", "1", 1);
+      Out out;
+      RunRanks(2, [&](int r, Communicator* c) {
+        auto be = CpuBackend();
+        auto t = Trainer::Create(spec, r, 2, be.get(), c);
+        ASSERT_TRUE(t.ok()) << t.status();
+        for (int k = 0; k < 3; ++k) {
+          auto st = (*t)->Step(k, false, false);
+          ASSERT_TRUE(st.ok()) << st.status();
+          if (k == 0 && r == 0) out.recasts_step0 = (*t)->model().down_input_recasts();
+          if (r == 0) {
+            out.losses.push_back(st->loss_sum);
+            out.norms.push_back(st->grad_norm);
+          }
+        }
+        auto m = (*t)->params().GatherAll(false);
+        ASSERT_TRUE(m.ok()) << m.status();
+        if (r == 0) {
+          out.master = *m;
+          out.recasts = (*t)->model().down_input_recasts();
+        }
+      });
+      unsetenv("FSDP8_UNFUSED_PROJECTIONS");
+      unsetenv("FSDP8_SAVE_DOWN_PROJ_INPUT");
+      return out;
+    };
+    const Out saved = run(true), recast = run(false);
+    EXPECT_EQ(saved.recasts, 0) << cfg.what;
+    EXPECT_EQ(recast.recasts_step0, 0) << cfg.what;
+    EXPECT_EQ(recast.recasts, 2 * 3 * 2) << cfg.what;
+    ASSERT_EQ(saved.losses.size(), 3u) << cfg.what;
+    for (int k = 0; k < 3; ++k) {
+      EXPECT_EQ(saved.losses[k], recast.losses[k]) << cfg.what << " step " << k;
+      EXPECT_EQ(saved.norms[k], recast.norms[k]) << cfg.what << " step " << k;
+    }
+    ASSERT_FALSE(saved.master.empty());
+    EXPECT_TRUE(saved.master == recast.master) << cfg.what;
+  }
 }
 
 }  // namespace
