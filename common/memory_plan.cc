@@ -131,7 +131,7 @@ struct SimInput {
 struct SimActs {
   int x_in = -1, n1 = -1, rstd1 = -1, q = -1, k = -1, v = -1, att = -1, lse = -1, h = -1,
       n2 = -1, rstd2 = -1, gate = -1, up = -1, act = -1, q16 = -1, k16 = -1, v16 = -1,
-      att16 = -1, gate16 = -1, up16 = -1, gu16 = -1, qkv16 = -1;
+      att16 = -1, gate16 = -1, up16 = -1, gu16 = -1, qkv16 = -1, x_in16 = -1, h16 = -1;
   int sq = -1, sk = -1, sv = -1, so = -1, sgate = -1, sup = -1, sdown = -1;
 };
 
@@ -194,6 +194,12 @@ class Sim {
   int MlpBackwardFp8(int l, SimActs* a, int* dout);
   void AttentionBackwardFp8(int l, SimActs* a, int* dh, int* dout);
   void FreeActs(SimActs* a);
+  // LlamaModel::KeepNormInput of an (N, C) f32 *x.
+  void KeepNormInput(int* x, int* x16) {
+    if (!norm_inputs_bf16_) return;
+    *x16 = led_.Alloc(kWork, N_ * C_ * 2);
+    led_.Free(x);
+  }
   void KeepActs(SimActs* a, Term t);
   int BlockUnit(int l) const { return l < L_ ? 1 + l : 1 + L_; }
   // Elements of block l's bf16 tensors read in f32: its norms, and its linears in a BF16 block.
@@ -213,6 +219,7 @@ class Sim {
   // Delayed scaling: an FP8 block's backward recasts down_proj's input (Linear::RecastSwiglu)
   // instead of keeping its codes from the forward.
   bool recast_down_ = true;
+  bool norm_inputs_bf16_ = false;  // training.saved_norm_inputs BF16
   int L_ = 0, microbatches_ = 1;
   double C_, H_, Hkv_, D_, F_, V_, T_, B_, N_, nq_, nk_, local_tokens_, chunk_bytes_;
   std::vector<v1::Precision> prec_;
@@ -247,6 +254,7 @@ Sim::Sim(const v1::JobSpec& spec, int world, const MemoryPlanOptions& options,
   cuda_ = spec.backend() == "cuda";
   attn16_ = spec.precision().attention() == v1::PRECISION_BF16;
   recompute_ = tr.activation_recompute();
+  norm_inputs_bf16_ = tr.saved_norm_inputs() == v1::PRECISION_BF16;
   det_ = tr.deterministic();
   tied_ = m.tie_word_embeddings();
   head_bf16_ = spec.precision().lm_head() != v1::PRECISION_FP32;
@@ -626,7 +634,9 @@ int Sim::MlpBackwardFp8(int l, SimActs* a, int* dout) {
   Drop(&a->sgate);
   Drop(&a->sup);
   int dh = led_.Alloc(kWork, N * C_ * 4);
+  int h32 = a->h16 >= 0 ? led_.Alloc(kWork, N * C_ * 4) : -1;  // NormInput
   Scratch(2 * N * C_ * 4, 0);  // RmsNormBackwardAddBf16Parts
+  led_.Free(&h32);
   led_.Free(&dn2g);
   led_.Free(&dn2u);
   led_.Free(dout);
@@ -677,7 +687,9 @@ void Sim::AttentionBackwardFp8(int l, SimActs* a, int* dh, int* dout) {
   for (int* p : {&dq16, &dk16, &dv16}) led_.Free(p);
   for (int* s : {&a->sq, &a->sk, &a->sv}) Drop(s);
   int dx = led_.Alloc(kWork, N * C_ * 4);
+  int x32 = a->x_in16 >= 0 ? led_.Alloc(kWork, N * C_ * 4) : -1;  // NormInput
   Scratch(2 * N * C_ * 4, 0);  // RmsNormBackwardAddBf16Parts
+  led_.Free(&x32);
   FreeActs(a);
   for (int* p : {&dn1q, &dn1k, &dn1v}) led_.Free(p);
   led_.Free(dh);
@@ -689,7 +701,7 @@ void Sim::AttentionBackwardFp8(int l, SimActs* a, int* dh, int* dout) {
 void Sim::FreeActs(SimActs* a) {
   for (int* p : {&a->x_in, &a->n1, &a->rstd1, &a->q, &a->k, &a->v, &a->att, &a->lse, &a->h,
                  &a->n2, &a->rstd2, &a->gate, &a->up, &a->act, &a->q16, &a->k16, &a->v16,
-                 &a->att16, &a->gate16, &a->up16, &a->gu16, &a->qkv16}) {
+                 &a->att16, &a->gate16, &a->up16, &a->gu16, &a->qkv16, &a->x_in16, &a->h16}) {
     led_.Free(p);
   }
   for (int* s : {&a->sq, &a->sk, &a->sv, &a->so, &a->sgate, &a->sup, &a->sdown}) Drop(s);
@@ -698,7 +710,7 @@ void Sim::FreeActs(SimActs* a) {
 void Sim::KeepActs(SimActs* a, Term t) {
   for (int id : {a->x_in, a->n1, a->rstd1, a->q, a->k, a->v, a->att, a->lse, a->h, a->n2,
                  a->rstd2, a->gate, a->up, a->act, a->q16, a->k16, a->v16, a->att16, a->gate16,
-                 a->up16, a->gu16, a->qkv16}) {
+                 a->up16, a->gu16, a->qkv16, a->x_in16, a->h16}) {
     led_.Retag(id, t);
   }
   for (int s : {a->sq, a->sk, a->sv, a->so, a->sgate, a->sup, a->sdown}) {
@@ -713,7 +725,9 @@ void Sim::BlockForward(int l, int* x, SimActs* a, bool train) {
   const bool fp8 = prec_[l] == v1::PRECISION_FP8;
   if (fp8 && attn16_) {
     AttentionForwardFp8(l, a, train);
+    if (train) KeepNormInput(&a->x_in, &a->x_in16);
     *x = MlpForwardFp8(l, a, train);
+    if (train) KeepNormInput(&a->h, &a->h16);
   } else {
     AttentionForward(fp8, a, train);
     *x = MlpForward(fp8, a, train);

@@ -55,6 +55,9 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   if (!t->has_eval_every()) t->set_eval_every(100);
   if (!t->has_eval_batches()) t->set_eval_batches(4);
   if (!t->has_deterministic()) t->set_deterministic(true);
+  if (t->saved_norm_inputs() == v1::PRECISION_UNSPECIFIED) {
+    t->set_saved_norm_inputs(v1::PRECISION_FP32);
+  }
 
   v1::OptimizerSpec* o = s.mutable_optimizer();
   if (!o->has_peak_lr()) o->set_peak_lr(3e-3);
@@ -301,6 +304,10 @@ absl::Status CheckTraining(const v1::TrainingSpec& t, int world_size) {
                absl::StrCat("got eval_every ", t.eval_every()));
   }
   FSDP8_RETURN_IF_ERROR(Positive("training.eval_batches", t.eval_batches()));
+  if (t.saved_norm_inputs() != v1::PRECISION_FP32 && t.saved_norm_inputs() != v1::PRECISION_BF16) {
+    return Bad("training.saved_norm_inputs", "must be FP32 or BF16",
+               absl::StrCat("got ", PrecisionName(t.saved_norm_inputs())));
+  }
   if (world_size > 0) {
     const int64_t denom = static_cast<int64_t>(world_size) * t.microbatch();
     if (t.global_batch() % denom != 0) {

@@ -27,6 +27,9 @@ struct LlamaModel::BlockActs {
   // (N, (H + 2 Hkv) D) [q | k | v] bf16, q and k after RoPE: the fused q/k/v GEMM's output
   // (Block::fused_qkv), kept instead of q16, k16, v16.
   DevBuf qkv16;
+  // x_in and h rounded to bf16, kept instead of them in FP8 blocks with training.saved_norm_inputs
+  // BF16 (KeepNormInput).
+  DevBuf x_in16, h16;
   LinearSaved sq, sk, sv, so, sgate, sup, sdown;
 };
 
@@ -51,6 +54,7 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
   attention_bf16_ = spec.precision().attention() == v1::PRECISION_BF16;
   recompute_ = spec.training().activation_recompute();
   save_down_input_ = options.save_down_proj_input;
+  norm_inputs_bf16_ = spec.training().saved_norm_inputs() == v1::PRECISION_BF16;
 
   embed_ = p_->Ref("model.embed_tokens.weight");
   final_norm_ = p_->Ref("model.norm.weight");
@@ -342,8 +346,24 @@ absl::Status LlamaModel::BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs*
   if (!train) a = &local;
   a->x_in = std::move(*x);
   AttentionForwardFp8(b, B, train, a);
+  if (train) KeepNormInput(&a->x_in, &a->x_in16, B * T_ * C_);
   *x = MlpForwardFp8(b, B, train, a);
+  if (train) KeepNormInput(&a->h, &a->h16, B * T_ * C_);
   return absl::OkStatus();
+}
+
+void LlamaModel::KeepNormInput(DevBuf* x, DevBuf* x16, int64_t n) {
+  if (!norm_inputs_bf16_) return;
+  *x16 = DevBuf(be_, n * 2);
+  be_->PackBf16(x->f32(), x16->u16(), n);
+  x->Reset();
+}
+
+const float* LlamaModel::NormInput(const DevBuf& x, const DevBuf& x16, int64_t n, DevBuf* tmp) {
+  if (x16.empty()) return x.f32();
+  *tmp = DevBuf(be_, n * 4);
+  be_->UnpackBf16(x16.u16(), tmp->f32(), n);
+  return tmp->f32();
 }
 
 // h (N, C) f32 = x_in + o_proj(att), att = attn(rope(q(n1)), rope(k(n1)), v(n1)) bf16,
@@ -492,10 +512,12 @@ DevBuf LlamaModel::MlpBackwardFp8(int l, Block& b, int64_t B, BlockActs* a, DevB
   a->sgate = LinearSaved();
   a->sup = LinearSaved();
   DevBuf dh(be_, N * C_ * 4);  // (N, C)
+  DevBuf h32;
   be_->RmsNormBackwardAddBf16Parts(dn2g.u16(), dn2u.empty() ? nullptr : dn2u.u16(), nullptr,
-                                   a->h.f32(),
+                                   NormInput(a->h, a->h16, N * C_, &h32),
                                    p_->W(b.post_norm), a->rstd2.f32(), dout->f32(), N, C_,
                                    dh.f32(), p_->G(b.post_norm));
+  h32.Reset();
   dn2g.Reset();
   dn2u.Reset();
   dout->Reset();
@@ -582,10 +604,13 @@ void LlamaModel::AttentionBackwardFp8(Block& b, int64_t B, BlockActs* a, const D
   dv16.Reset();
   a->sq = a->sk = a->sv = LinearSaved();
   DevBuf dx(be_, N * C_ * 4);  // (N, C)
+  DevBuf x32;
   be_->RmsNormBackwardAddBf16Parts(dn1q.u16(), dn1k.empty() ? nullptr : dn1k.u16(),
-                                   dn1v.empty() ? nullptr : dn1v.u16(), a->x_in.f32(),
+                                   dn1v.empty() ? nullptr : dn1v.u16(),
+                                   NormInput(a->x_in, a->x_in16, N * C_, &x32),
                                    p_->W(b.in_norm), a->rstd1.f32(), dh.f32(), N, C_, dx.f32(),
                                    p_->G(b.in_norm));
+  x32.Reset();
   *a = BlockActs();
   *dout = std::move(dx);
 }

@@ -133,6 +133,11 @@ class LlamaModel {
   DevBuf MlpForwardFp8(Block& b, int64_t B, bool train, BlockActs* a);
   DevBuf MlpBackwardFp8(int l, Block& b, int64_t B, BlockActs* a, DevBuf* dout);
   void AttentionBackwardFp8(Block& b, int64_t B, BlockActs* a, const DevBuf& dh, DevBuf* dout);
+  // training.saved_norm_inputs BF16: *x16 (n) bf16 = *x (n f32), which is freed. Else nothing.
+  void KeepNormInput(DevBuf* x, DevBuf* x16, int64_t n);
+  // The f32 values a norm's backward reads of a kept norm input: x itself, or x16 unpacked into
+  // *tmp (n f32).
+  const float* NormInput(const DevBuf& x, const DevBuf& x16, int64_t n, DevBuf* tmp);
 
   // q, k, v (B, T, H, D), (B, T, Hkv, D) x2 bf16 after RoPE, in acts' buffers; consecutive
   // tokens' rows q_ld (q) and kv_ld (k, v) elements apart.
@@ -180,6 +185,7 @@ class LlamaModel {
   bool attention_bf16_ = false;  // precision.attention == BF16
   bool recompute_ = false;       // training.activation_recompute
   bool save_down_input_ = false;  // ModelOptions::save_down_proj_input
+  bool norm_inputs_bf16_ = false;  // training.saved_norm_inputs == BF16 (FP8 blocks, BF16 attention)
   bool tied_ = false;           // model.tie_word_embeddings: head_ is embed_
   // f32 logits per chunk of the BF16 head (HeadBf16Compute):
   // ModelOptions::head_chunk_logit_bytes.

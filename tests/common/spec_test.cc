@@ -12,6 +12,7 @@
 #include <google/protobuf/util/message_differencer.h>
 #include <gtest/gtest.h>
 
+#include "common/memory_plan.h"
 #include "common/token_shard.h"
 
 namespace fsdp8 {
@@ -44,6 +45,7 @@ TEST(Spec, Defaults) {
   EXPECT_EQ(d.optimizer().weight_decay(), 0.1);
   EXPECT_EQ(d.optimizer().grad_clip(), 1.0);
   EXPECT_EQ(d.optimizer().state_precision(), v1::PRECISION_FP32);
+  EXPECT_EQ(d.training().saved_norm_inputs(), v1::PRECISION_FP32);
   EXPECT_EQ(d.training().steps(), 600);
   EXPECT_EQ(d.training().global_batch(), 16);
   EXPECT_EQ(d.training().microbatch(), 8);  // 16 / 2
@@ -217,6 +219,9 @@ std::vector<RuleCase> Rules() {
   add("StatePrecisionFp8",
       [](v1::JobSpec* s) { s->mutable_optimizer()->set_state_precision(v1::PRECISION_FP8); }, 2,
       {"optimizer.state_precision", "must be FP32 or BF16", "FP8"});
+  add("SavedNormInputsFp8",
+      [](v1::JobSpec* s) { s->mutable_training()->set_saved_norm_inputs(v1::PRECISION_FP8); }, 2,
+      {"training.saved_norm_inputs", "must be FP32 or BF16", "FP8"});
   // bf16 keeps 8 significant bits: at beta2 0.999 the decay 0.001 v is below half a step of v.
   add("Beta2TooCloseToOneForBf16Moments", [](v1::JobSpec* s) {
         s->mutable_optimizer()->set_state_precision(v1::PRECISION_BF16);
@@ -663,6 +668,37 @@ TEST(Spec, OptimizerStatePrecision) {
   auto bad = ParseSpec("optimizer: {state_precision: fp16}\n");
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("optimizer.state_precision"), std::string::npos)
+      << bad.status();
+}
+
+// training.saved_norm_inputs: the short spelling parses and BF16 validates; the memory plan keeps
+// 2 bytes instead of 4 per element of the two norm inputs of each FP8 block with BF16 attention
+// (hand count: 2 * 2 bytes * N * d_model per block less, N the microbatch's tokens).
+TEST(Spec, SavedNormInputs) {
+  auto y = ParseSpec("data: {train_path: /data/train.bin}\ntraining:\n  saved_norm_inputs: bf16\n");
+  ASSERT_TRUE(y.ok()) << y.status();
+  EXPECT_EQ(y->training().saved_norm_inputs(), v1::PRECISION_BF16);
+  EXPECT_TRUE(ValidateSpec(*y, 2, {}, false).ok());
+  v1::JobSpec s = Valid();
+  s.mutable_precision()->set_linears(v1::PRECISION_FP8);
+  s.mutable_precision()->set_attention(v1::PRECISION_BF16);
+  auto f32 = PlanMemory(s, 1);
+  s.mutable_training()->set_saved_norm_inputs(v1::PRECISION_BF16);
+  auto bf16 = PlanMemory(s, 1);
+  ASSERT_TRUE(f32.ok() && bf16.ok());
+  const v1::JobSpec d = WithDefaults(s, 1);
+  const int64_t N = int64_t{d.training().microbatch()} * d.model().seq_len();
+  const int64_t want = d.model().n_layers() * 2 * 2 * N * d.model().d_model();
+  auto saved = [](const MemoryPlan& p) {
+    for (const MemoryTerm& t : p.terms) {
+      if (t.name == "saved activations") return t.bytes;
+    }
+    return int64_t{-1};
+  };
+  EXPECT_EQ(saved(*f32) - saved(*bf16), want);
+  auto bad = ParseSpec("training: {saved_norm_inputs: fp16}\n");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("training.saved_norm_inputs"), std::string::npos)
       << bad.status();
 }
 

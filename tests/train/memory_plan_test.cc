@@ -64,6 +64,9 @@ TEST(MemoryPlan, Bf16AttentionFusedFp8AndGqa) {
   ExpectWithinTenPercent(s, 2, "FP8, BF16 attention");
   s.mutable_model()->set_n_kv_heads(2);
   ExpectWithinTenPercent(s, 2, "GQA, FP8, BF16 attention");
+  s.mutable_training()->set_saved_norm_inputs(v1::PRECISION_BF16);
+  ExpectWithinTenPercent(s, 2, "GQA, FP8, BF16 attention, bf16 norm inputs");
+  s.mutable_training()->set_saved_norm_inputs(v1::PRECISION_FP32);
   s.mutable_precision()->set_attention(v1::PRECISION_FP32);
   ExpectWithinTenPercent(s, 1, "GQA, FP8");
 }
@@ -75,6 +78,8 @@ TEST(MemoryPlan, ActivationRecompute) {
   s.mutable_training()->set_activation_recompute(true);
   s.mutable_precision()->set_attention(v1::PRECISION_BF16);
   ExpectWithinTenPercent(s, 2, "recompute, BF16 attention");
+  s.mutable_training()->set_saved_norm_inputs(v1::PRECISION_BF16);
+  ExpectWithinTenPercent(s, 2, "recompute, BF16 attention, bf16 norm inputs");
 }
 
 TEST(MemoryPlan, Bf16AndFp32LinearsMicrobatchesTied) {
