@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -137,6 +138,25 @@ void Backend::RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16_t* 
   }
   RmsNormBackwardAdd(dy, x, w, rstd, dres, N, C, dx, dw);
   Free(dy);
+}
+
+void Backend::GemmFp8Layout(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                            const uint8_t* A, Fp8Format a_fmt, const float* a_scale_inv,
+                            const uint8_t* B, Fp8Format b_fmt, const float* b_scale_inv, float* C,
+                            bool accumulate) {
+  // GemmFp8 takes A (M, K) and B (N, K).
+  auto transposed = [this](const uint8_t* x, int64_t rows, int64_t cols) {
+    auto* t = static_cast<uint8_t*>(Alloc(static_cast<size_t>(std::max<int64_t>(rows * cols, 1))));
+    if (t == nullptr) throw std::bad_alloc();
+    TransposeBytes(x, rows, cols, t);
+    return t;
+  };
+  uint8_t* at = trans_a ? transposed(A, K, M) : nullptr;
+  uint8_t* bt = trans_b ? nullptr : transposed(B, K, N);
+  GemmFp8(M, N, K, at != nullptr ? at : A, a_fmt, a_scale_inv, bt != nullptr ? bt : B, b_fmt,
+          b_scale_inv, C, accumulate);
+  if (at != nullptr) Free(at);
+  if (bt != nullptr) Free(bt);
 }
 
 void Backend::GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint8_t* A,

@@ -113,6 +113,20 @@ class Backend {
   virtual void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                        const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
                        const float* b_scale_inv, float* C, bool accumulate) = 0;
+  // GemmFp8 with the operands in either layout: C (M, N) = alpha_dev * op(A) · op(B) [+ C if
+  // accumulate], op(A) (M, K) = A (M, K), or A (K, M) transposed when trans_a; op(B) (K, N) =
+  // B (N, K) transposed when trans_b (GemmFp8's layout), else B (K, N). The base implementation
+  // transposes the codes into GemmFp8's layout (TransposeBytes into scratch buffers; std::bad_alloc
+  // when those do not fit); a backend whose GEMM takes every layout as it is overrides it and says
+  // so through Fp8GemmAnyLayout.
+  virtual void GemmFp8Layout(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                             const uint8_t* A, Fp8Format a_fmt, const float* a_scale_inv,
+                             const uint8_t* B, Fp8Format b_fmt, const float* b_scale_inv, float* C,
+                             bool accumulate);
+  // True when GemmFp8Layout makes no transposed copies for any layout (the CPU backend, whose GEMM
+  // decodes the codes for an f32 BLAS): the FP8 linears' backward then casts the grad-output once,
+  // without its transpose, and leaves the inputs untransposed (train/fp8_linear.h).
+  virtual bool Fp8GemmAnyLayout() const { return false; }
   // While on, the FP8 GEMMs (GemmFp8, GemmFp8AddResidual, GemmFp8Bf16) may accumulate in the
   // tensor cores' native precision instead of promoting partial sums to FP32 every few K blocks
   // (CUDA: CUBLASLT_MATMUL_DESC_FAST_ACCUM; NVIDIA's Hopper FP8 GEMMs keep about 14 mantissa

@@ -271,23 +271,57 @@ void Linear::Backward(ActivationView dy, int64_t M, int64_t K, int64_t N, const 
   }
   FSDP8_CHECK(dy.valid()) << "Backward takes exactly one grad-output";
   FSDP8_CHECK(saved.in != nullptr) << "FP8 backward without its saved input";
-  const Fp8Format dfmt = sc_->format(dy_idx_);
-  DevBuf dy8(be_, M * N), dyT8(be_, M * N);
-  if (dy.is_bf16() && !sc_->NeedsAmaxFirst(dy_idx_)) {
-    be_->CastTransposeFp8Bf16(dy.bf16, M, N, sc_->Scale(dy_idx_), dfmt, dy8.u8(), dyT8.u8(),
-                              sc_->AmaxOut(dy_idx_), N);
-  } else {
-    const float* dy32 = dy.f32;
-    DevBuf unpacked;
-    if (dy.is_bf16()) {  // measuring the amax first goes through f32
-      unpacked = DevBuf(be_, M * N * sizeof(float));
-      be_->UnpackBf16(dy.bf16, unpacked.f32(), M * N);
-      dy32 = unpacked.f32();
-    }
-    const float* scale = sc_->ScaleFor(dy_idx_, dy32, M * N);
-    be_->CastTransposeFp8(dy32, M, N, scale, dfmt, dy8.u8(), dyT8.u8(), sc_->AmaxOut(dy_idx_));
+  DevBuf dy8(be_, M * N), dyT8;
+  if (be_->Fp8GemmAnyLayout() && dx.bf16 == nullptr && !saved.in->x8.empty()) {
+    CastDy(dy, M, N, &dy8, nullptr);
+    BackwardFp8AnyLayout(std::move(dy8), M, K, N, w, saved, dx, dw);
+    return;
   }
+  dyT8 = DevBuf(be_, M * N);
+  CastDy(dy, M, N, &dy8, &dyT8);
   BackwardFp8(std::move(dy8), std::move(dyT8), M, K, N, w, saved, dx, dw);
+}
+
+void Linear::CastDy(ActivationView dy, int64_t M, int64_t N, DevBuf* dy8, DevBuf* dyT8) {
+  const Fp8Format dfmt = sc_->format(dy_idx_);
+  if (dy.is_bf16() && !sc_->NeedsAmaxFirst(dy_idx_)) {
+    if (dyT8 == nullptr) {
+      be_->CastToFp8Bf16(dy.bf16, dy8->u8(), M * N, sc_->Scale(dy_idx_), dfmt,
+                         sc_->AmaxOut(dy_idx_));
+    } else {
+      be_->CastTransposeFp8Bf16(dy.bf16, M, N, sc_->Scale(dy_idx_), dfmt, dy8->u8(), dyT8->u8(),
+                                sc_->AmaxOut(dy_idx_), N);
+    }
+    return;
+  }
+  const float* dy32 = dy.f32;
+  DevBuf unpacked;
+  if (dy.is_bf16()) {  // measuring the amax first goes through f32
+    unpacked = DevBuf(be_, M * N * sizeof(float));
+    be_->UnpackBf16(dy.bf16, unpacked.f32(), M * N);
+    dy32 = unpacked.f32();
+  }
+  const float* scale = sc_->ScaleFor(dy_idx_, dy32, M * N);
+  if (dyT8 == nullptr) {
+    be_->CastToFp8(dy32, dy8->u8(), M * N, scale, dfmt, sc_->AmaxOut(dy_idx_));
+  } else {
+    be_->CastTransposeFp8(dy32, M, N, scale, dfmt, dy8->u8(), dyT8->u8(), sc_->AmaxOut(dy_idx_));
+  }
+}
+
+void Linear::BackwardFp8AnyLayout(DevBuf dy8, int64_t M, int64_t K, int64_t N,
+                                  const WeightView& w, const LinearSaved& saved, InputGrad dx,
+                                  float* dw) {
+  const Fp8Format dfmt = sc_->format(dy_idx_);
+  // dx (M, K) = dy8 (M, N) · W (N, K)
+  if (dx.f32 != nullptr) {
+    be_->GemmFp8Layout(false, false, M, K, N, dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_), w.fp8,
+                       Fp8Format::kE4M3, w.scale_inv, dx.f32, dx.accumulate);
+  }
+  // dW (N, K) = dy8ᵀ · x8 (M, K), overwritten as in BackwardFp8.
+  const Fp8Input& in = *saved.in;
+  be_->GemmFp8Layout(true, false, N, K, M, dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_), in.x8.u8(),
+                     Fp8Format::kE4M3, in.scale_inv, dw, false);
 }
 
 void Linear::BackwardFp8(DevBuf dy8, DevBuf dyT8, int64_t M, int64_t K, int64_t N,

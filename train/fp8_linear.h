@@ -249,6 +249,14 @@ class Linear {
   // cast's amax with the linears of `same_input`.
   std::shared_ptr<Fp8Input> Cast(std::shared_ptr<Fp8Input> in,
                                  std::initializer_list<const Linear*> same_input);
+  // dY (M, N), f32 or bf16, cast to this linear's grad-output format: dy8 (M, N); with dyT8 (its
+  // transpose, N x M) when dyT8 is not null.
+  void CastDy(ActivationView dy, int64_t M, int64_t N, DevBuf* dy8, DevBuf* dyT8);
+  // The FP8 backward for a backend whose GemmFp8Layout takes every layout (Fp8GemmAnyLayout):
+  // dx = dy8 · W and dw = dy8ᵀ · x8 straight from the untransposed codes. dx not bf16; the saved
+  // input has its codes x8 (not only a recast transpose).
+  void BackwardFp8AnyLayout(DevBuf dy8, int64_t M, int64_t K, int64_t N, const WeightView& w,
+                            const LinearSaved& saved, InputGrad dx, float* dw);
 
   Backend* be_ = nullptr;
   ActScaling* sc_ = nullptr;

@@ -503,6 +503,13 @@ void CpuFastBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out)
 void CpuFastBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                              const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
                              const float* b_scale_inv, float* C, bool accumulate) {
+  GemmFp8Layout(false, true, M, N, K, A, a_fmt, a_scale_inv, B, b_fmt, b_scale_inv, C, accumulate);
+}
+
+void CpuFastBackend::GemmFp8Layout(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                                   const uint8_t* A, Fp8Format a_fmt, const float* a_scale_inv,
+                                   const uint8_t* B, Fp8Format b_fmt, const float* b_scale_inv,
+                                   float* C, bool accumulate) {
   FSDP8_CHECK(M >= 0 && N >= 0 && K >= 0);
   if (M == 0 || N == 0) return;
   const float alpha = (*a_scale_inv) * (*b_scale_inv);
@@ -510,11 +517,13 @@ void CpuFastBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, 
     if (!accumulate) std::memset(C, 0, sizeof(float) * M * N);
     return;
   }
+  // The codes decoded in their own layout; sgemm reads either.
   float* af = Scratch(0, M * K);
   float* bf = Scratch(1, N * K);
   Decode(A, M * K, a_fmt, af);
   Decode(B, N * K, b_fmt, bf);
-  Sgemm(CblasNoTrans, CblasTrans, M, N, K, alpha, af, K, bf, K, accumulate ? 1.0f : 0.0f, C, N);
+  Sgemm(trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K, alpha,
+        af, trans_a ? M : K, bf, trans_b ? K : N, accumulate ? 1.0f : 0.0f, C, N);
 }
 
 void CpuFastBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,

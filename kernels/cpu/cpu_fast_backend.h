@@ -11,7 +11,9 @@
 //     with the amax taken in the same pass; RMSNorm + cast runs in one pass per row.
 //   * The linears' GEMMs (FP8 ones after decoding the codes to f32, 16 at a time through the
 //     half-precision converter F16C: exact) through oneDNN's sgemm instead of the reference's
-//     OpenBLAS: JIT kernels picked by the CPU's instruction sets (AVX2, AVX-512).
+//     OpenBLAS: JIT kernels picked by the CPU's instruction sets (AVX2, AVX-512). GemmFp8Layout
+//     takes every layout as it is (Fp8GemmAnyLayout), so the FP8 linears' backward makes no
+//     transposed copies of codes.
 //   * bfloat16 rounding and packing 8 or 16 values at a time on the bits; the SwiGLU backward
 //     reads its bf16-saved inputs directly (no f32 copies).
 //   * Attention works as the reference does (row blocks of the causal T x T scores), its GEMMs
@@ -61,6 +63,10 @@ class CpuFastBackend final : public CpuRefBackend {
   void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
                const float* b_scale_inv, float* C, bool accumulate) override;
+  void GemmFp8Layout(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                     const uint8_t* A, Fp8Format a_fmt, const float* a_scale_inv, const uint8_t* B,
+                     Fp8Format b_fmt, const float* b_scale_inv, float* C, bool accumulate) override;
+  bool Fp8GemmAnyLayout() const override { return true; }
   void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
             const float* B, float* C, bool accumulate, GemmInputs inputs) override;
   void RoundToBf16(float* x, int64_t n) override;

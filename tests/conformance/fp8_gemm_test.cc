@@ -237,6 +237,36 @@ TEST_P(Conformance, GemmFp8) {
   }
 }
 
+// GemmFp8Layout: every operand layout (the linears' backward on a backend with
+// Fp8GemmAnyLayout takes dY and x untransposed) against the reference's transposes + GemmFp8.
+TEST_P(Conformance, GemmFp8Layout) {
+  struct S { int64_t M, N, K; };
+  for (const S& s : {S{1, 1, 1}, S{37, 129, 16}, S{33, 17, 37}, S{128, 384, 2048}}) {
+    auto codes = [&](int64_t n, Fp8Format fmt) {  // |v| <= 2^4, as GemmFp8's test
+      auto c = Fp8Codes(n, fmt);
+      for (auto& x : c) x = static_cast<uint8_t>((x & 0x80) | ((x & 0x7F) % (fmt == Fp8Format::kE4M3 ? 0x58 : 0x4C)));
+      return c;
+    };
+    const auto A = codes(s.M * s.K, Fp8Format::kE5M2);
+    const auto B = codes(s.N * s.K, Fp8Format::kE4M3);
+    const std::vector<float> sa = {0.375f}, sb = {1.0f / 3.0f};
+    const auto C0 = Randn(s.M * s.N);
+    for (int layout = 0; layout < 4; ++layout) {
+      const bool ta = (layout & 1) != 0, tb = (layout & 2) != 0, acc = layout == 1;
+      Check("GemmFp8Layout/" + std::string(ta ? "T" : "N") + (tb ? "T" : "N") + "/" + std::to_string(s.M) + "x" +
+                std::to_string(s.N) + "x" + std::to_string(s.K) + (acc ? "/acc" : ""),
+            Fp8GemmTol(s.K), [&](DevRun& r) {
+              Outputs o;
+              float* C = acc ? r.In(C0) : r.Out<float>(s.M * s.N);
+              r.b()->GemmFp8Layout(ta, tb, s.M, s.N, s.K, r.In(A), Fp8Format::kE5M2, r.In(sa), r.In(B),
+                                   Fp8Format::kE4M3, r.In(sb), C, acc);
+              r.F32(&o, "C", C, s.M * s.N);
+              return o;
+            });
+    }
+  }
+}
+
 // GEMM autotuning (Backend::SetGemmAutotune): the first call of each shape times the candidate
 // algorithms before computing its result. The result must still be the reference's: tuning may
 // not run the product into the caller's output (an accumulating or in-place residual GEMM would
