@@ -96,8 +96,9 @@ def check_preset_yaml(name, lines):
                              f"bench/gpu/presets.py says {p[k]:g}")
 
 
-def make_spec(name, world, steps, data, vocab=None, free=False):
-    """The preset's spec text for `world` CUDA workers: global_batch = sequences per GPU x world."""
+def make_spec(name, world, steps, data, vocab=None, free=False, sets=()):
+    """The preset's spec text for `world` CUDA workers: global_batch = sequences per GPU x world.
+    sets: "SECTION.KEY=VALUE" fields set last (the section must be in the preset)."""
     if world < 1:
         raise ValueError(f"world size must be >= 1 (got {world})")
     with open(os.path.join(ROOT, "bench", "presets", f"{name}.yaml")) as f:
@@ -112,6 +113,12 @@ def make_spec(name, world, steps, data, vocab=None, free=False):
     _set(lines, "sharding", "max_workers", world)
     if free:
         _set(lines, "training", "free_running", "true")
+    for item in sets:
+        field, eq, value = item.partition("=")
+        section, dot, key = field.partition(".")
+        if not (eq and dot and section and key and value):
+            raise ValueError(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        _set(lines, section, key, value)
     return "\n".join(lines) + "\n"
 
 
@@ -165,6 +172,8 @@ def main():
     a.add_argument("--data", required=True)
     a.add_argument("--vocab", type=int)
     a.add_argument("--free", action="store_true")
+    a.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a spec field set last, e.g. training.saved_norm_inputs=bf16 (repeatable)")
     a = sub.add_parser("fsdp8-result")
     for k in ("events", "preset", "mode"):
         a.add_argument(k)
@@ -184,7 +193,8 @@ def main():
         elif args.cmd == "tokens":
             write_tokens(args.out, args.vocab, args.tokens)
         elif args.cmd == "spec":
-            sys.stdout.write(make_spec(args.preset, args.world, args.steps, args.data, args.vocab, args.free))
+            sys.stdout.write(make_spec(args.preset, args.world, args.steps, args.data, args.vocab, args.free,
+                                       args.set))
         elif args.cmd == "fsdp8-result":
             row = fsdp8_result(args.events, args.preset, args.mode, args.warmup, args.world, args.vocab)
             if args.meter:

@@ -20,6 +20,8 @@
 #   OUT_DIR           logs (default runs/bench-<time>); APPEND=1 adds to OUT_DIR's results (a run
 #                     split over several commands prints one table); SKIP_TORCH=1, SKIP_FSDP8=1;
 #   SKIP_WARMUP_JOB=1 (no discarded first fsdp8 job per preset); METER_INTERVAL (s, 0.05).
+#   SPEC_SET          spec fields set in every fsdp8 job, SECTION.KEY=VALUE separated by spaces
+#                     (e.g. "training.saved_norm_inputs=bf16")
 # torchao 0.18.0 comes from WHEELS (.dev/wheels; bench/gpu/fetch-wheels.sh, run where there is
 # network) and is installed into PYLIB (.dev/pylib, put on PYTHONPATH) on first use.
 #
@@ -184,7 +186,8 @@ run_fsdp8() {  # preset mode(driven|free) baseline-file
   local spec=$OUT_DIR/$name.yaml ev=$OUT_DIR/$name.events.jsonl m=$OUT_DIR/meter-$name.json
   echo "== fsdp8 $1 ($2; vocab $vocab, $N worker(s), $steps steps after $warm)"
   python3 "$tool" spec "$1" --world "$N" --steps $((steps + warm)) --vocab "$vocab" \
-    --data "$data/tokens-$vocab.bin" $([ "$2" = free ] && echo --free) > "$spec" || {
+    --data "$data/tokens-$vocab.bin" $([ "$2" = free ] && echo --free) \
+    $(for s in ${SPEC_SET:-}; do echo --set "$s"; done) > "$spec" || {
     error_line system fsdp8 preset "$1" mode "$2" vocab "$vocab" error "no spec"; return; }
   meter_start "$m" "$3"
   # The memory plan's prediction for this spec (common/memory_plan.h), printed beside the measured
