@@ -479,8 +479,12 @@ TEST_P(Conformance, SwigluCastTransposeRecastsTheForwardCodes) {
                   FmtName(fmt) + "/" + std::to_string(rows) + "x" + std::to_string(cols),
               kEltTol, [&](DevRun& r) {
                 Outputs o;
+                // Side by side: up follows gate in each row (the fused gate/up GEMM's output);
+                // else separate buffers, as separate GEMMs write them (aligned as allocations are).
                 const uint16_t* g16 = packed(r, gu);
-                const uint16_t* u16 = g16 + (side_by_side ? cols : n);
+                const uint16_t* u16 =
+                    side_by_side ? g16 + cols
+                                 : packed(r, std::vector<float>(gu.begin() + n, gu.end()));
                 uint8_t* out = r.Out<uint8_t>(n);
                 uint8_t* out_t = r.Out<uint8_t>(n);
                 uint8_t* fwd = r.Out<uint8_t>(n);
