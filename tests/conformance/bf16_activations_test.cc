@@ -26,16 +26,6 @@ namespace {
 TEST_P(Conformance, Bf16Activations) {
   const double ub = 1.0 / 256;          // bf16 unit roundoff, 2^-8
   const double bf16_ulp = 2 * ub;       // one bf16 step, relative: 2^-7
-  auto packed = [](DevRun& r, const std::vector<float>& x) {
-    uint16_t* p = r.Out<uint16_t>(static_cast<int64_t>(x.size()));
-    r.b()->PackBf16(r.In(x), p, static_cast<int64_t>(x.size()));
-    return p;
-  };
-  auto unpacked = [](DevRun& r, Outputs* o, const std::string& name, const uint16_t* p, int64_t n) {
-    float* f = r.Out<float>(n);
-    r.b()->UnpackBf16(p, f, n);
-    r.F32(o, name, f, n);
-  };
   for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{4099}, int64_t{1} << 16}) {
     for (Fp8Format fmt : kFormats) {
       const auto x = CastInputs(n);
@@ -44,7 +34,7 @@ TEST_P(Conformance, Bf16Activations) {
         Outputs o;
         uint8_t* out = r.Out<uint8_t>(n);
         float* amax = r.In(std::vector<float>{0.5f});
-        r.b()->CastToFp8Bf16(packed(r, x), out, n, r.In(scale), fmt, amax);
+        r.b()->CastToFp8Bf16(r.InBf16(x), out, n, r.In(scale), fmt, amax);
         r.Bytes(&o, "out", out, n);
         r.Bytes(&o, "amax", amax, 1);
         return o;
@@ -56,7 +46,7 @@ TEST_P(Conformance, Bf16Activations) {
       Outputs o;
       uint8_t* out = r.Out<uint8_t>(n);
       float* amax = r.In(std::vector<float>{0.0f});
-      r.b()->SwigluCastFp8(packed(r, g), packed(r, u), 1, n, n, r.In(scale), Fp8Format::kE4M3, out,
+      r.b()->SwigluCastFp8(r.InBf16(g), r.InBf16(u), 1, n, n, r.In(scale), Fp8Format::kE4M3, out,
                            amax);
       r.Fp8CodesNear(&o, "out", out, n);
       r.F32(&o, "amax", amax, 1);
@@ -76,7 +66,7 @@ TEST_P(Conformance, Bf16Activations) {
         Outputs o;
         uint8_t* out = r.Out<uint8_t>(n);
         float* amax = r.In(std::vector<float>{0.0f});
-        const uint16_t* p = packed(r, gu);
+        const uint16_t* p = r.InBf16(gu);
         r.b()->SwigluCastFp8(p, p + cols, rows, cols, 2 * cols, r.In(scale), Fp8Format::kE4M3, out,
                              amax);
         r.Fp8CodesNear(&o, "out", out, n);
@@ -88,9 +78,9 @@ TEST_P(Conformance, Bf16Activations) {
       Outputs o;
       uint16_t* dg = r.Out<uint16_t>(n);
       uint16_t* du = r.Out<uint16_t>(n);
-      r.b()->SwigluBackwardBf16To16(packed(r, dh), packed(r, g), packed(r, u), n, dg, du);
-      unpacked(r, &o, "dgate", dg, n);
-      unpacked(r, &o, "dup", du, n);
+      r.b()->SwigluBackwardBf16To16(r.InBf16(dh), r.InBf16(g), r.InBf16(u), n, dg, du);
+      r.Bf16AsF32(&o, "dgate", dg, n);
+      r.Bf16AsF32(&o, "dup", du, n);
       return o;
     });
   }
@@ -108,7 +98,7 @@ TEST_P(Conformance, Bf16Activations) {
               uint8_t* out = r.Out<uint8_t>(rows * cols);
               uint8_t* out_t = r.Out<uint8_t>(rows * cols);
               float* amax = r.In(std::vector<float>{0.0f});
-              r.b()->CastTransposeFp8Bf16(packed(r, x), rows, cols, r.In(scale), fmt, out, out_t, amax,
+              r.b()->CastTransposeFp8Bf16(r.InBf16(x), rows, cols, r.In(scale), fmt, out, out_t, amax,
                                           cols);
               r.Bytes(&o, "out", out, rows * cols);
               r.Bytes(&o, "out_t", out_t, rows * cols);
@@ -127,7 +117,7 @@ TEST_P(Conformance, Bf16Activations) {
                 uint8_t* out = r.In(std::vector<uint8_t>(static_cast<size_t>(rows * ld), 0x5A));
                 uint8_t* out_t = r.Out<uint8_t>(rows * cols);
                 float* amax = r.In(std::vector<float>{0.0f});
-                r.b()->CastTransposeFp8Bf16(packed(r, x), rows, cols, r.In(scale), fmt, out, out_t,
+                r.b()->CastTransposeFp8Bf16(r.InBf16(x), rows, cols, r.In(scale), fmt, out, out_t,
                                             amax, ld);
                 r.Bytes(&o, "out", out, rows * ld);
                 r.Bytes(&o, "out_t", out_t, rows * cols);
@@ -156,7 +146,7 @@ TEST_P(Conformance, Bf16Activations) {
               uint8_t* du8 = r.Out<uint8_t>(n);
               uint8_t* duT8 = r.Out<uint8_t>(n);
               float* amax = r.In(std::vector<float>{0.0f, 0.0f});
-              r.b()->SwigluBackwardCastTransposeFp8(packed(r, dh), packed(r, g), packed(r, u), rows,
+              r.b()->SwigluBackwardCastTransposeFp8(r.InBf16(dh), r.InBf16(g), r.InBf16(u), rows,
                                                     cols, r.In(sg), r.In(su), fmt, dg8, dgT8, du8,
                                                     duT8, amax, amax + 1, cols, cols);
               r.Fp8CodesNear(&o, "dgate8", dg8, n);
@@ -187,8 +177,8 @@ TEST_P(Conformance, Bf16Activations) {
               uint8_t* d8 = r.Out<uint8_t>(2 * n);
               uint8_t* dT8 = r.In(std::vector<uint8_t>(static_cast<size_t>(at + n), 0x5A));
               float* amax = r.In(std::vector<float>{0.0f, 0.0f});
-              const uint16_t* p = packed(r, gu);
-              r.b()->SwigluBackwardCastTransposeFp8(packed(r, dh), p, p + cols, rows, cols,
+              const uint16_t* p = r.InBf16(gu);
+              r.b()->SwigluBackwardCastTransposeFp8(r.InBf16(dh), p, p + cols, rows, cols,
                                                     r.In(sg), r.In(su), fmt, d8, dT8, d8 + cols,
                                                     dT8 + at, amax, amax + 1, 2 * cols, 2 * cols);
               r.Fp8CodesNear(&o, "[dgate8 | dup8]", d8, 2 * n);
@@ -219,7 +209,7 @@ TEST_P(Conformance, Bf16Activations) {
                   std::to_string(q.H) + "x" + std::to_string(q.D),
               kEltTol + bf16_ulp, [&](DevRun& r) {
                 Outputs o;
-                uint16_t* x16 = packed(r, dx);
+                uint16_t* x16 = r.InBf16(dx);
                 uint8_t* out = r.In(std::vector<uint8_t>(static_cast<size_t>(rows * ld), 0x5A));
                 uint8_t* out_t = r.Out<uint8_t>(n);
                 float* amax = r.In(std::vector<float>{0.0f});
@@ -249,7 +239,7 @@ TEST_P(Conformance, Bf16Activations) {
             uint16_t* C = r.Out<uint16_t>(s.M * s.N);
             r.b()->GemmFp8Bf16(s.M, s.N, s.K, r.In(A), Fp8Format::kE4M3, r.In(sa), r.In(B),
                                Fp8Format::kE4M3, r.In(sb), C);
-            unpacked(r, &o, "C", C, s.M * s.N);
+            r.Bf16AsF32(&o, "C", C, s.M * s.N);
             return o;
           });
   }
@@ -281,9 +271,9 @@ TEST_P(Conformance, Bf16Activations) {
     const std::string shape = std::to_string(s.B) + "x" + std::to_string(s.T) + "x" + std::to_string(s.H) + "x" + std::to_string(s.D);
     Check("RopeForwardBf16/" + shape, kEltTol + bf16_ulp, [&](DevRun& r) {
       Outputs o;
-      uint16_t* p = packed(r, x);
+      uint16_t* p = r.InBf16(x);
       r.b()->RopeForwardBf16(p, s.B, s.T, s.H, s.D, 10000.0f, s.H * s.D);
-      unpacked(r, &o, "x", p, n);
+      r.Bf16AsF32(&o, "x", p, n);
       return o;
     });
     // Tokens ld = H * D + 2 * D apart (q's part of a fused q/k/v output); the columns between
@@ -292,16 +282,16 @@ TEST_P(Conformance, Bf16Activations) {
     const auto xs = Randn(s.B * s.T * ld);
     Check("RopeForwardBf16/strided/" + shape, kEltTol + bf16_ulp, [&](DevRun& r) {
       Outputs o;
-      uint16_t* p = packed(r, xs);
+      uint16_t* p = r.InBf16(xs);
       r.b()->RopeForwardBf16(p, s.B, s.T, s.H, s.D, 10000.0f, ld);
-      unpacked(r, &o, "x", p, s.B * s.T * ld);
+      r.Bf16AsF32(&o, "x", p, s.B * s.T * ld);
       return o;
     });
     Check("RopeBackwardBf16/" + shape, kEltTol + bf16_ulp, [&](DevRun& r) {
       Outputs o;
-      uint16_t* p = packed(r, x);
+      uint16_t* p = r.InBf16(x);
       r.b()->RopeBackwardBf16(p, s.B, s.T, s.H, s.D, 500000.0f);
-      unpacked(r, &o, "dx", p, n);
+      r.Bf16AsF32(&o, "dx", p, n);
       return o;
     });
   }
@@ -313,21 +303,21 @@ TEST_P(Conformance, Bf16Activations) {
                               std::to_string(s.Hkv) + "x" + std::to_string(s.D);
     Check("AttentionBf16Packed/" + shape, 8 * ub + bf16_ulp, [&](DevRun& r) {
       Outputs o;
-      uint16_t *q16 = packed(r, q), *k16 = packed(r, k), *v16 = packed(r, v);
+      uint16_t *q16 = r.InBf16(q), *k16 = r.InBf16(k), *v16 = r.InBf16(v);
       uint16_t* out16 = r.Out<uint16_t>(nq);
       float* lse = r.Out<float>(s.B * s.H * s.T);
       r.b()->AttentionForwardBf16Packed(q16, k16, v16, s.B, s.T, s.H, s.Hkv, s.D, out16, lse,
                                         s.H * s.D, s.Hkv * s.D);
-      unpacked(r, &o, "out", out16, nq);
+      r.Bf16AsF32(&o, "out", out16, nq);
       r.F32(&o, "lse", lse, s.B * s.H * s.T);
       uint16_t* dq = r.Out<uint16_t>(nq);
       uint16_t* dk = r.Out<uint16_t>(nk);
       uint16_t* dv = r.Out<uint16_t>(nk);
-      r.b()->AttentionBackwardBf16SavedTo16(q16, k16, v16, out16, packed(r, dout), lse, s.B, s.T, s.H,
+      r.b()->AttentionBackwardBf16SavedTo16(q16, k16, v16, out16, r.InBf16(dout), lse, s.B, s.T, s.H,
                                             s.Hkv, s.D, dq, dk, dv, s.H * s.D, s.Hkv * s.D);
-      unpacked(r, &o, "dq", dq, nq);
-      unpacked(r, &o, "dk", dk, nk);
-      unpacked(r, &o, "dv", dv, nk);
+      r.Bf16AsF32(&o, "dq", dq, nq);
+      r.Bf16AsF32(&o, "dk", dk, nk);
+      r.Bf16AsF32(&o, "dv", dv, nk);
       return o;
     });
     // q, k, v as the three parts of one (B * T, (H + 2 Hkv) * D) matrix (the fused q/k/v GEMM's
@@ -343,21 +333,21 @@ TEST_P(Conformance, Bf16Activations) {
     }
     Check("AttentionBf16Packed/fused-qkv/" + shape, 8 * ub + bf16_ulp, [&](DevRun& r) {
       Outputs o;
-      const uint16_t* p = packed(r, qkv);
+      const uint16_t* p = r.InBf16(qkv);
       uint16_t* out16 = r.Out<uint16_t>(nq);
       float* lse = r.Out<float>(s.B * s.H * s.T);
       r.b()->AttentionForwardBf16Packed(p, p + hq, p + hq + hk, s.B, s.T, s.H, s.Hkv, s.D, out16,
                                         lse, ld, ld);
-      unpacked(r, &o, "out", out16, nq);
+      r.Bf16AsF32(&o, "out", out16, nq);
       r.F32(&o, "lse", lse, s.B * s.H * s.T);
       uint16_t* dq = r.Out<uint16_t>(nq);
       uint16_t* dk = r.Out<uint16_t>(nk);
       uint16_t* dv = r.Out<uint16_t>(nk);
-      r.b()->AttentionBackwardBf16SavedTo16(p, p + hq, p + hq + hk, out16, packed(r, dout), lse, s.B,
+      r.b()->AttentionBackwardBf16SavedTo16(p, p + hq, p + hq + hk, out16, r.InBf16(dout), lse, s.B,
                                             s.T, s.H, s.Hkv, s.D, dq, dk, dv, ld, ld);
-      unpacked(r, &o, "dq", dq, nq);
-      unpacked(r, &o, "dk", dk, nk);
-      unpacked(r, &o, "dv", dv, nk);
+      r.Bf16AsF32(&o, "dq", dq, nq);
+      r.Bf16AsF32(&o, "dk", dk, nk);
+      r.Bf16AsF32(&o, "dv", dv, nk);
       return o;
     });
   }
@@ -374,12 +364,7 @@ TEST_P(Conformance, SwigluBackwardCastTransposeIsItsComposition) {
       const auto dh = Randn(n, 4.0f), g = Randn(n, 2.0f), u = Randn(n);
       DevRun r(dut_.get());
       Backend* b = r.b();
-      auto packed = [&](const std::vector<float>& x) {
-        uint16_t* p = r.Out<uint16_t>(n);
-        b->PackBf16(r.In(x), p, n);
-        return p;
-      };
-      const uint16_t *dh16 = packed(dh), *g16 = packed(g), *u16 = packed(u);
+      const uint16_t *dh16 = r.InBf16(dh), *g16 = r.InBf16(g), *u16 = r.InBf16(u);
       const float* sg = r.In(std::vector<float>{24.0f});
       const float* su = r.In(std::vector<float>{6.0f});
       Outputs fused, unfused;
@@ -459,11 +444,6 @@ TEST_P(Conformance, RopeBackwardCastTransposeIsItsComposition) {
 // "same as SwigluCastFp8" is 1 exactly when all bytes agree. Dense gate/up and the two halves of
 // one (rows, 2 * cols) matrix; tile edges (37 x 129, 1000 x 36) take the element-by-element path.
 TEST_P(Conformance, SwigluCastTransposeRecastsTheForwardCodes) {
-  auto packed = [](DevRun& r, const std::vector<float>& x) {
-    uint16_t* p = r.Out<uint16_t>(static_cast<int64_t>(x.size()));
-    r.b()->PackBf16(r.In(x), p, static_cast<int64_t>(x.size()));
-    return p;
-  };
   const int64_t shapes[][2] = {{1, 1}, {37, 129}, {256, 192}, {1000, 36}, {2048, 1408}};
   for (auto& sh : shapes) {
     const int64_t rows = sh[0], cols = sh[1], n = rows * cols;
@@ -481,10 +461,10 @@ TEST_P(Conformance, SwigluCastTransposeRecastsTheForwardCodes) {
                 Outputs o;
                 // Side by side: up follows gate in each row (the fused gate/up GEMM's output);
                 // else separate buffers, as separate GEMMs write them (aligned as allocations are).
-                const uint16_t* g16 = packed(r, gu);
+                const uint16_t* g16 = r.InBf16(gu);
                 const uint16_t* u16 =
                     side_by_side ? g16 + cols
-                                 : packed(r, std::vector<float>(gu.begin() + n, gu.end()));
+                                 : r.InBf16(std::vector<float>(gu.begin() + n, gu.end()));
                 uint8_t* out = r.Out<uint8_t>(n);
                 uint8_t* out_t = r.Out<uint8_t>(n);
                 uint8_t* fwd = r.Out<uint8_t>(n);

@@ -125,6 +125,19 @@ class DevRun {
     outs->push_back(std::move(o));
   }
   void F32(Outputs* outs, const std::string& name, const float* p, int64_t n) { Get(outs, name, p, n, true); }
+  // x packed to bfloat16 on this run's backend (PackBf16), in a buffer of its own.
+  uint16_t* InBf16(const std::vector<float>& x) {
+    const int64_t n = static_cast<int64_t>(x.size());
+    uint16_t* p = Out<uint16_t>(n);
+    b_->PackBf16(In(x), p, n);
+    return p;
+  }
+  // The bfloat16 values p (n) as an f32 output (UnpackBf16 on this run's backend).
+  void Bf16AsF32(Outputs* outs, const std::string& name, const uint16_t* p, int64_t n) {
+    float* f = Out<float>(n);
+    b_->UnpackBf16(p, f, n);
+    F32(outs, name, f, n);
+  }
   void Fp8CodesNear(Outputs* outs, const std::string& name, const uint8_t* p, int64_t n) {
     Get(outs, name, p, n, false);
     outs->back().fp8_within_one_code = true;

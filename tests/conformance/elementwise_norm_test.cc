@@ -188,11 +188,6 @@ TEST_P(Conformance, RmsNorm) {
             Tol(static_cast<double>(s.C + s.N)), [&](DevRun& r) {
               Outputs o;
               const int64_t n = s.N * s.C;
-              auto packed = [&](const std::vector<float>& v) {
-                uint16_t* p = r.Out<uint16_t>(n);
-                r.b()->PackBf16(r.In(v), p, n);
-                return p;
-              };
               float* y = r.Out<float>(n);
               float* rstd = r.Out<float>(s.N);
               const float* xd = r.In(x);
@@ -200,8 +195,8 @@ TEST_P(Conformance, RmsNorm) {
               r.b()->RmsNormForward(xd, wd, 1e-5f, s.N, s.C, y, rstd);
               float* dx = r.Out<float>(n);
               float* dw = r.In(dw0);
-              r.b()->RmsNormBackwardAddBf16Parts(packed(dy), parts > 1 ? packed(dyb) : nullptr,
-                                                 three ? packed(dyc) : nullptr, xd, wd, rstd,
+              r.b()->RmsNormBackwardAddBf16Parts(r.InBf16(dy), parts > 1 ? r.InBf16(dyb) : nullptr,
+                                                 three ? r.InBf16(dyc) : nullptr, xd, wd, rstd,
                                                  r.In(dres), s.N, s.C, dx, dw);
               r.F32(&o, "dx", dx, n);
               r.F32(&o, "dw", dw, s.C);

@@ -121,9 +121,7 @@ TEST_P(Conformance, AdamW) {
                 r.b()->AdamW(pd + skip, r.In(g) + skip, r.In(m) + skip, r.In(v) + skip, n - skip,
                              3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f, nullptr, p16 + skip);
                 ExpectPackBf16Of(r, pd + skip, p16 + skip, n - skip, "AdamW");
-                float* f = r.Out<float>(n - skip);
-                r.b()->UnpackBf16(p16 + skip, f, n - skip);
-                r.F32(&o, "p16", f, n - skip);
+                r.Bf16AsF32(&o, "p16", p16 + skip, n - skip);
                 return o;
               });
       }
@@ -137,16 +135,6 @@ TEST_P(Conformance, AdamW) {
 // the f32 values differ by a few ulps across a rounding boundary.
 TEST_P(Conformance, AdamWBf16Moments) {
   const double bf16_ulp = 1.0 / 128;
-  auto packed = [](DevRun& r, const std::vector<float>& x) {
-    uint16_t* p = r.Out<uint16_t>(static_cast<int64_t>(x.size()));
-    r.b()->PackBf16(r.In(x), p, static_cast<int64_t>(x.size()));
-    return p;
-  };
-  auto unpacked = [](DevRun& r, Outputs* o, const std::string& name, const uint16_t* p, int64_t n) {
-    float* f = r.Out<float>(n);
-    r.b()->UnpackBf16(p, f, n);
-    r.F32(o, name, f, n);
-  };
   for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{1} << 20}) {
     const auto p = Randn(n), g = Randn(n, 0.1f), m = Randn(n, 0.01f);
     auto v = Randn(n, 0.001f);
@@ -163,8 +151,8 @@ TEST_P(Conformance, AdamWBf16Moments) {
                 [&](DevRun& r) {
                   Outputs o;
                   float* pd = r.In(p);
-                  uint16_t* md = packed(r, m);
-                  uint16_t* vd = packed(r, v);
+                  uint16_t* md = r.InBf16(m);
+                  uint16_t* vd = r.InBf16(v);
                   float* amax = r.In(std::vector<float>{0.5f});
                   uint16_t* p16 = r.Out<uint16_t>(n);
                   r.b()->AdamWBf16Moments(pd + skip, r.In(g) + skip, md + skip, vd + skip,
@@ -174,10 +162,10 @@ TEST_P(Conformance, AdamWBf16Moments) {
                     r.F32(&o, "p", pd, n);
                     r.F32(&o, "amax", amax, 1);
                   } else {
-                    unpacked(r, &o, "m", md, n);
-                    unpacked(r, &o, "v", vd, n);
+                    r.Bf16AsF32(&o, "m", md, n);
+                    r.Bf16AsF32(&o, "v", vd, n);
                     ExpectPackBf16Of(r, pd + skip, p16 + skip, n - skip, "AdamWBf16Moments");
-                    unpacked(r, &o, "p16", p16 + skip, n - skip);  // PackBf16 of p
+                    r.Bf16AsF32(&o, "p16", p16 + skip, n - skip);  // PackBf16 of p
                   }
                   return o;
                 });
