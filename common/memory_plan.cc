@@ -113,8 +113,9 @@ struct SimBuf {
   Wire wire;
   double padded = 0, shard = 0;
   int full = -1, full_u16 = -1, full_grad = -1;
+  int grad = -1;            // the grad shard: from the step's first reduce-scatter to ZeroGrads
   std::vector<int> f32_of;  // bf16: the tensors' f32 copies made on first use (FsdpParams::W)
-  bool grad_unset = false;
+  bool grad_unset = true;
 };
 struct SimUnit {
   std::vector<SimBuf> bufs;
@@ -348,6 +349,7 @@ void Sim::FlushGrads() {
 void Sim::ReduceGrads(int u) {
   FlushGrads();
   for (SimBuf& b : units_[u].bufs) {
+    if (b.grad_unset) b.grad = led_.Alloc(kGrads, b.shard * 4);
     int part = b.grad_unset ? -1 : led_.Alloc(kUnitGrads, b.shard * 4);
     b.grad_unset = false;
     reducing_.push_back({b.full_grad, part});
@@ -848,14 +850,23 @@ void Sim::Step(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) {
   led_.ResetPeak();
   FlushGrads();  // ZeroGrads
   for (SimUnit& u : units_) {
-    for (SimBuf& b : u.bufs) b.grad_unset = true;
+    for (SimBuf& b : u.bufs) {
+      led_.Free(&b.grad);
+      b.grad_unset = true;
+    }
   }
   // Trainer::RunBatch: token ids and targets of a microbatch, the step's losses.
   int in = led_.Alloc(kBatch, N_ * 4), tg = led_.Alloc(kBatch, N_ * 4),
       losses = led_.Alloc(kBatch, local_tokens_ * 4);
   // Microbatches after the second repeat it (the same buffers, reduce-scatter parts included).
   for (int mb = 0; mb < std::min(microbatches_, 2); ++mb) RunMicrobatch(fwd, bwd);
-  FlushGrads();                           // StartGradSquaredNorm
+  FlushGrads();  // StartGradSquaredNorm (MaterializeGrads: shards no gradient reached)
+  for (SimUnit& u : units_) {
+    for (SimBuf& b : u.bufs) {
+      if (b.grad_unset) b.grad = led_.Alloc(kGrads, b.shard * 4);
+      b.grad_unset = false;
+    }
+  }
   int grad_sq = led_.Alloc(kWork, 4);
   for (int* p : {&in, &tg, &losses}) led_.Free(p);
   bwd->Take(led_);  // the tail after the last phase boundary
@@ -870,13 +881,12 @@ void Sim::Step(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) {
 void Sim::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) {
   int fp8_tensors = 0;
   for (v1::Precision p : prec_) fp8_tensors += p == v1::PRECISION_FP8 ? 7 : 0;
-  // FsdpParams: per buffer master, m, v, grad and the wire shard; the weight scales.
+  // FsdpParams: per buffer master, m, v and the wire shard (grads: ReduceGrads); the weight scales.
   for (SimUnit& u : units_) {
     for (SimBuf& b : u.bufs) {
       const double wire = b.wire == kFp8 ? b.shard : b.wire == kBf16 ? b.shard * 2 : 0;
       led_.Alloc(kParams, b.shard * 4 + wire);
       led_.Alloc(kOptimizer, b.shard * static_cast<double>(opt_bytes_));
-      led_.Alloc(kGrads, b.shard * 4);
     }
   }
   const double nw = std::max(fp8_tensors, 1), na = std::max(2 * fp8_tensors, 1);

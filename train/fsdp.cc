@@ -62,7 +62,6 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
       if (n > 0) be->CopyToDevice(buf.master.get(), host.data(), n * sizeof(float));
       buf.m = DevBuf::Zeros(be, n * ElementBytes(ShardArray::kAdamM));
       buf.v = DevBuf::Zeros(be, n * ElementBytes(ShardArray::kAdamV));
-      buf.grad = DevBuf::Zeros(be, n * sizeof(float));
       if (bp.wire == WireDtype::kFp8) {
         buf.wire = DevBuf::Zeros(be, n);  // padding stays code 0: casts write the tensors only
         // Every FP8 weight's gradient is written whole by its dW GEMM (Linear::Backward).
@@ -223,6 +222,7 @@ absl::Status FsdpParams::ReduceGrads(int unit) {
     // The first gradient of a step lands in the grad shard itself; later ones (microbatches)
     // in a part that FlushGrads adds.
     DevBuf part;
+    if (b.grad_unset) b.grad = DevBuf(be_, n * sizeof(float));  // written whole below
     if (!b.grad_unset) part = DevBuf(be_, n * sizeof(float));
     float* out = b.grad_unset ? b.grad.f32() : part.f32();
     const double t0 = CommClock::Now();
@@ -283,10 +283,13 @@ float* FsdpParams::G(const TensorRef& t) const {
 
 void FsdpParams::ZeroGrads() {
   FlushGrads();
-  // Lazily: the step's first reduce-scatter writes each grad shard whole (ReduceGrads); shards
-  // no gradient reached are zeroed before anything reads them (MaterializeGrads).
+  // The step's first reduce-scatter allocates each grad shard and writes it whole (ReduceGrads);
+  // shards no gradient reached are made zero before anything reads them (MaterializeGrads).
   for (auto& u : units_) {
-    for (Buf& b : u) b.grad_unset = true;
+    for (Buf& b : u) {
+      b.grad.Reset();
+      b.grad_unset = true;
+    }
   }
 }
 
@@ -294,9 +297,7 @@ void FsdpParams::MaterializeGrads() {
   FlushGrads();
   for (auto& u : units_) {
     for (Buf& b : u) {
-      if (b.grad_unset && b.plan->shard_numel > 0) {
-        be_->Memset(b.grad.get(), 0, b.plan->shard_numel * sizeof(float));
-      }
+      if (b.grad_unset) b.grad = DevBuf::Zeros(be_, b.plan->shard_numel * sizeof(float));
       b.grad_unset = false;
     }
   }
@@ -431,7 +432,11 @@ absl::Status FsdpParams::SetWeightScaleGroup(const std::vector<TensorRef>& membe
 }
 
 absl::StatusOr<std::map<std::string, std::vector<float>>> FsdpParams::GatherAll(bool grads) {
-  MaterializeGrads();
+  if (grads) {
+    MaterializeGrads();
+  } else {
+    FlushGrads();
+  }
   std::map<std::string, std::vector<float>> out;
   for (auto& u : units_) {
     for (Buf& b : u) {

@@ -4,8 +4,11 @@
 //   master (f32)  — the FP32 master weights of its slice, initialised from InitValue of the global
 //                   element index (padding 0), so the model is the same bits at any world size;
 //   m, v          — AdamW moments, f32 or bf16 (MomentDtype: optimizer.state_precision);
-//   grad (f32)    — the reduced gradient of its slice, accumulated over microbatches (after
-//                   ZeroGrads, a slice no gradient reached is zeroed only when first read);
+//   grad (f32)    — the reduced gradient of its slice, accumulated over microbatches. It exists
+//                   from the step's first reduce-scatter into it (or its first read) until the
+//                   next ZeroGrads frees it, so the forward of a step holds no gradient shards
+//                   (as `zero_grad(set_to_none=True)` in PyTorch); a slice no gradient reached
+//                   is allocated and zeroed only when first read;
 //   wire shard    — what travels on an all-gather: FP8 codes (u8) for FP8 GEMM weights, bf16 bit
 //                   patterns for bf16 buffers (fp32 buffers send the master slice itself).
 // The wire shards are refreshed by CastWeights() once per optimizer step (docs/architecture.md,
@@ -24,8 +27,7 @@
 // must each be written whole (not accumulated) once per microbatch: the FP8 dW GEMM overwrites
 // (Linear::Backward), and only the elements outside every tensor are zeroed. ReduceGrads(u)
 // reduce-scatters them (f32 sums, C12) into the grad shards (the step's first gradient
-// directly, later microbatches' added), then frees them. ZeroGrads() marks the grad shards
-// empty without a pass over them.
+// directly, later microbatches' added), then frees them. ZeroGrads() frees the grad shards.
 //
 // Thread-safety: one thread (the trainer's).
 #pragma once
@@ -194,7 +196,7 @@ class FsdpParams {
     std::vector<int> fp8_ids;        // FP8 tensors of this buffer, in offset order
     std::vector<Slice> grad_written_whole;  // full-gradient ranges written whole, by offset (FP8
                                             // buffers: every tensor); BeginGrads zeroes the rest
-    bool grad_unset = false;         // grad holds nothing of this step yet (ZeroGrads)
+    bool grad_unset = true;          // grad holds nothing of this step yet (is not allocated)
   };
   struct PendingReduce {
     Buf* buf;
@@ -206,7 +208,7 @@ class FsdpParams {
   void DropPrefetches();
   // Drops one unit's issued all-gathers (waited for on the compute stream) and full buffers.
   void DropUnit(int unit);
-  // Finishes pending reduce-scatters and zeroes the grad shards no gradient reached.
+  // Finishes pending reduce-scatters; allocates and zeroes the grad shards no gradient reached.
   void MaterializeGrads();
   const DevBuf& Array(int unit, int buffer, ShardArray which) const;
   // Bytes per element of `which` (4, or 2 for bf16 moments).
