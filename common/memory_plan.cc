@@ -349,6 +349,16 @@ void Sim::FlushGrads() {
 void Sim::ReduceGrads(int u) {
   FlushGrads();
   for (SimBuf& b : units_[u].bufs) {
+    if (b.shard == b.padded) {  // one rank: the full gradient becomes, or is added to, the shard
+      if (b.grad_unset) {
+        led_.Retag(b.full_grad, kGrads);
+        b.grad = b.full_grad;
+        b.full_grad = -1;
+      }
+      led_.Free(&b.full_grad);
+      b.grad_unset = false;
+      continue;
+    }
     if (b.grad_unset) b.grad = led_.Alloc(kGrads, b.shard * 4);
     int part = b.grad_unset ? -1 : led_.Alloc(kUnitGrads, b.shard * 4);
     b.grad_unset = false;

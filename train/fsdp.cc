@@ -219,6 +219,16 @@ absl::Status FsdpParams::ReduceGrads(int unit) {
   FlushGrads();
   for (Buf& b : units_[unit]) {
     const int64_t n = b.plan->shard_numel;
+    if (n == b.plan->padded_numel) {  // one rank: the full gradient is the shard (no copy)
+      if (b.grad_unset) {
+        b.grad = std::move(b.full_grad);
+      } else {
+        if (n > 0) be_->Axpy(1.0f, b.full_grad.f32(), b.grad.f32(), n);
+        b.full_grad.Reset();
+      }
+      b.grad_unset = false;
+      continue;
+    }
     // The first gradient of a step lands in the grad shard itself; later ones (microbatches)
     // in a part that FlushGrads adds.
     DevBuf part;

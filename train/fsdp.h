@@ -27,7 +27,8 @@
 // must each be written whole (not accumulated) once per microbatch: the FP8 dW GEMM overwrites
 // (Linear::Backward), and only the elements outside every tensor are zeroed. ReduceGrads(u)
 // reduce-scatters them (f32 sums, C12) into the grad shards (the step's first gradient
-// directly, later microbatches' added), then frees them. ZeroGrads() frees the grad shards.
+// directly, later microbatches' added), then frees them; on one rank (shard = the whole buffer)
+// the step's first full gradient becomes the grad shard and later ones are added to it. ZeroGrads() frees the grad shards.
 //
 // Thread-safety: one thread (the trainer's).
 #pragma once

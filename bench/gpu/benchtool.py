@@ -96,16 +96,18 @@ def check_preset_yaml(name, lines):
                              f"bench/gpu/presets.py says {p[k]:g}")
 
 
-def make_spec(name, world, steps, data, vocab=None, free=False, sets=()):
+def make_spec(name, world, steps, data, vocab=None, free=False, sets=(), layers=None):
     """The preset's spec text for `world` CUDA workers: global_batch = sequences per GPU x world.
-    sets: "SECTION.KEY=VALUE" fields set last (the section must be in the preset)."""
+    layers: another layer count. sets: "SECTION.KEY=VALUE" fields set last (the section must be in
+    the preset)."""
     if world < 1:
         raise ValueError(f"world size must be >= 1 (got {world})")
     with open(os.path.join(ROOT, "bench", "presets", f"{name}.yaml")) as f:
         lines = f.read().splitlines()
     check_preset_yaml(name, lines)
-    p = presets.shape(name, vocab)
+    p = presets.shape(name, vocab, layers)
     _set(lines, "model", "vocab_size", p["vocab"])
+    _set(lines, "model", "n_layers", p["layers"])
     _set(lines, "data", "train_path", data)
     _set(lines, "training", "steps", steps)
     _set(lines, "training", "global_batch", p["batch"] * world)
@@ -123,11 +125,13 @@ def make_spec(name, world, steps, data, vocab=None, free=False, sets=()):
 
 
 # ---- fsdp8 events -> one result line ------------------------------------------------------------
-def fsdp8_result(events_file, preset, mode, warmup, world, vocab):
+def fsdp8_result(events_file, preset, mode, warmup, world, vocab, layers=None):
     evs = [json.loads(l) for l in open(events_file) if l.startswith("{")]
     steps = [e for e in evs if not e.get("message") and int(e.get("step", 0)) > warmup]
     msgs = [e["message"] for e in evs if e.get("message")]
-    row = dict(system="fsdp8", preset=preset, mode=mode, world=world, vocab=vocab)
+    p = presets.shape(preset, vocab, layers)
+    row = dict(system="fsdp8", preset=preset, mode=mode, world=world, vocab=vocab, layers=p["layers"],
+               params=presets.params(p))
     if not steps:
         row["error"] = msgs[-3:] or ["no step events"]
         return row
@@ -171,6 +175,7 @@ def main():
     a.add_argument("--steps", type=int, required=True)
     a.add_argument("--data", required=True)
     a.add_argument("--vocab", type=int)
+    a.add_argument("--layers", type=int)
     a.add_argument("--free", action="store_true")
     a.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a spec field set last, e.g. training.saved_norm_inputs=bf16 (repeatable)")
@@ -180,6 +185,7 @@ def main():
     a.add_argument("warmup", type=int)
     a.add_argument("--world", type=int, required=True)
     a.add_argument("--vocab", type=int, required=True)
+    a.add_argument("--layers", type=int)
     a.add_argument("--meter", help="memmeter.py watch output to merge into the line")
     a.add_argument("--plan", help="`fsdp8 plan --json` output: the memory plan's prediction")
     a = sub.add_parser("line")
@@ -194,9 +200,10 @@ def main():
             write_tokens(args.out, args.vocab, args.tokens)
         elif args.cmd == "spec":
             sys.stdout.write(make_spec(args.preset, args.world, args.steps, args.data, args.vocab, args.free,
-                                       args.set))
+                                       args.set, args.layers))
         elif args.cmd == "fsdp8-result":
-            row = fsdp8_result(args.events, args.preset, args.mode, args.warmup, args.world, args.vocab)
+            row = fsdp8_result(args.events, args.preset, args.mode, args.warmup, args.world, args.vocab,
+                               args.layers)
             if args.meter:
                 import memmeter
                 row.update(memmeter.read_result(args.meter))

@@ -19,6 +19,11 @@ attention, fused AdamW (lr 3e-4), random tokens. Shapes: bench/gpu/presets.py.
 The torchao precisions convert every block linear; the LM head stays BF16. torchao (0.18.0 wheel) is
 installed by bench/gpu/run.sh from .dev/wheels.
 
+--layers N overrides the preset's layer count. Blocks are checkpointed (their activations recomputed
+in the backward, torch.utils.checkpoint through checkpoint_wrapper, applied before fully_shard as
+torchtitan does) where the preset says torch_recompute (the full Llama-3-8B) or with --recompute.
+Running out of device memory prints a JSON line with error "out of memory" and exits with 3.
+
 Timing: median of --steps timed steps after --warmup steps (defaults: the preset's), each step timed
 between device synchronisations. Model FLOPs per token = 6 x (all parameters except the token
 embedding) + 12 x layers x d x seq. Peak memory = torch.cuda.max_memory_allocated() (bytes
@@ -196,13 +201,22 @@ def torchao_version():
 
 
 # ---- benchmark ------------------------------------------------------------------------------------
-def build(p, precision, dev):
+def checkpoint_blocks(model):
+    """Wraps every block in a non-reentrant activation checkpoint (recomputed in the backward)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    for i, blk in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(blk, preserve_rng_state=False)
+
+
+def build(p, precision, dev, recompute=False):
     """The FSDP2-sharded model with initialised parameters, and its optimizer."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     with torch.device("meta"):
         model = Llama(p, Fp8Linear if precision == "fp8" else nn.Linear)
     if precision.startswith("torchao-"):
         convert_torchao(model, precision)
+    if recompute:
+        checkpoint_blocks(model)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for blk in model.blocks:
         fully_shard(blk, mp_policy=mp)
@@ -239,9 +253,26 @@ def main():
     ap.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's)")
     ap.add_argument("--warmup", type=int, help="warm-up steps (default: the preset's)")
     ap.add_argument("--steps", type=int, help="timed steps (default: the preset's)")
+    ap.add_argument("--layers", type=int, help="layer count (default: the preset's)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="checkpoint every block (default: the preset's torch_recompute)")
     ap.add_argument("--no-compile", action="store_true")
     args = ap.parse_args()
-    p = presets.shape(args.preset, args.vocab)
+    p = presets.shape(args.preset, args.vocab, args.layers)
+    try:
+        run(args, p)
+    except torch.OutOfMemoryError as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(json.dumps(dict(system="pytorch-fsdp2", preset=args.preset, precision=args.precision,
+                                  vocab=p["vocab"], layers=p["layers"], params=presets.params(p),
+                                  error="out of memory", detail=str(e).splitlines()[0][:300])),
+                  flush=True)
+        sys.exit(3)
+
+
+def run(args, p):
+    """Builds, warms up and times the model; rank 0 prints the figures as one JSON line."""
+    recompute = args.recompute or p["torch_recompute"]
     warmup = p["warmup"] if args.warmup is None else args.warmup
     steps = p["steps"] if args.steps is None else args.steps
 
@@ -250,7 +281,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda")
     torch.manual_seed(1234)
-    model, opt = build(p, args.precision, dev)
+    model, opt = build(p, args.precision, dev, recompute)
     n_params = sum(prm.numel() for prm in model.parameters())
     n_embed = model.embed.weight.numel()
     if n_params - n_embed != presets.non_embedding_params(p):
@@ -293,7 +324,7 @@ def main():
     if rank == 0:
         print(json.dumps(dict(
             system="pytorch-fsdp2", preset=args.preset, precision=args.precision, world=world,
-            vocab=p["vocab"], tokens_per_s_per_gpu=tok_s,
+            vocab=p["vocab"], layers=p["layers"], recompute=recompute, tokens_per_s_per_gpu=tok_s,
             model_tflops_per_gpu=tok_s * presets.flops_per_token(p) / 1e12,
             peak_mem_bytes=int(peaks[0].item()), peak_reserved_bytes=int(peaks[1].item()),
             step_s_median=med, step_s_min=min(times), step_s_max=max(times), steps=steps,

@@ -3,7 +3,9 @@ and the table read them from (bench/presets/NAME.yaml carries the same shapes fo
 writer checks that they agree). Torch-free.
 
 batch is sequences per GPU; vocab the default vocabulary (a run may choose another); warmup and
-steps the default warm-up and timed step counts.
+steps the default warm-up and timed step counts; torch_recompute (default False): the PyTorch
+reference checkpoints every block (recomputes its activations in the backward), as it must to fit
+the full Llama-3-8B on one H200. A run may also choose another layer count (shape(layers=...)).
 
 Model FLOPs per token = 6 x (all parameters except the token embedding; the LM head counts)
 + 12 x layers x d x seq (the attention score and value products, forward and backward).
@@ -22,17 +24,34 @@ PRESETS = {
                     vocab=128256, rope_theta=500000.0, warmup=3, steps=8,
                     rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                       high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    # The full Llama-3-8B shape (32 layers); also the base of the largest-model search (other layer
+    # counts: bench/gpu/run.sh's LAYERS).
+    "8b": dict(d=4096, layers=32, heads=32, kv_heads=8, ffn=14336, seq=8192, batch=1,
+               vocab=128256, rope_theta=500000.0, warmup=2, steps=4, torch_recompute=True,
+               rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                 high_freq_factor=4.0, original_max_position_embeddings=8192)),
 }
 
 
-def shape(name, vocab=None):
-    """The preset's shape dict (a copy), with vocab replaced when given. KeyError names the preset."""
+def shape(name, vocab=None, layers=None):
+    """The preset's shape dict (a copy), with vocab and layers replaced when given. KeyError names
+    the preset; ValueError a layer count below 1."""
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
     p = dict(PRESETS[name])
+    p.setdefault("torch_recompute", False)
     if vocab is not None:
         p["vocab"] = int(vocab)
+    if layers is not None:
+        if int(layers) < 1:
+            raise ValueError(f"layers must be >= 1 (got {layers})")
+        p["layers"] = int(layers)
     return p
+
+
+def params(p):
+    """Every parameter, the token embedding included (untied head)."""
+    return non_embedding_params(p) + p["vocab"] * p["d"]
 
 
 def head_dim(p):

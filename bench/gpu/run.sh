@@ -15,6 +15,9 @@
 #   TORCH_PRECISIONS  "bf16 fp8 torchao-tensorwise torchao-rowwise" (bench/gpu/fsdp2_reference.py)
 #   MODES             fsdp8 modes, "driven free"
 #   VOCAB             vocabulary of every preset (default: each preset's; l3proxy 128256)
+#   LAYERS            layer count of every preset (default: each preset's); the largest model per
+#                     GPU is searched by repeating the bench with LAYERS (and APPEND=1)
+#   TORCH_NO_COMPILE=1  the PyTorch reference without torch.compile
 #   STEPS, WARMUP     timed and warm-up steps (default: each preset's; 12 after 4, l3proxy 8 after 3)
 #   NGPUS             world size; BIN (fsdp8 binaries; default .dev/gpu, else build/bin);
 #   OUT_DIR           logs (default runs/bench-<time>); APPEND=1 adds to OUT_DIR's results (a run
@@ -80,7 +83,7 @@ defaults() { python3 "$tool" defaults "$1"; }   # "WARMUP STEPS VOCAB SEQ_PER_GP
 warmup_of() { [ -n "${WARMUP:-}" ] && echo "$WARMUP" || defaults "$1" | cut -d' ' -f1; }
 steps_of() { [ -n "${STEPS:-}" ] && echo "$STEPS" || defaults "$1" | cut -d' ' -f2; }
 vocab_of() { [ -n "${VOCAB:-}" ] && echo "$VOCAB" || defaults "$1" | cut -d' ' -f3; }
-error_line() { python3 "$tool" line "$@" world "$N" >> "$results"; }
+error_line() { python3 "$tool" line "$@" world "$N" ${LAYERS:+layers "$LAYERS"} >> "$results"; }
 
 # ---- the external memory meter ---------------------------------------------------------------------
 meter_pid=
@@ -126,7 +129,7 @@ ensure_torchao() {  # torchao 0.18.0 importable, from .dev/pylib (installed ther
 }
 
 run_torch() {  # preset precision
-  local log=$OUT_DIR/torch-$1-$2.log m=$OUT_DIR/meter-torch-$1-$2.json
+  local log=$OUT_DIR/torch-$1${LAYERS:+-L$LAYERS}-$2.log m=$OUT_DIR/meter-torch-$1${LAYERS:+-L$LAYERS}-$2.json
   local vocab warm steps
   vocab=$(vocab_of "$1"); warm=$(warmup_of "$1"); steps=$(steps_of "$1")
   echo "== PyTorch FSDP2 $1 $2 (vocab $vocab, $N GPU(s), $steps steps after $warm)"
@@ -136,7 +139,8 @@ run_torch() {  # preset precision
   fi
   meter_start "$m"
   timeout 900 torchrun --standalone --nproc_per_node "$N" bench/gpu/fsdp2_reference.py \
-    --preset "$1" --precision "$2" --vocab "$vocab" --steps "$steps" --warmup "$warm" > "$log" 2>&1
+    --preset "$1" --precision "$2" --vocab "$vocab" --steps "$steps" --warmup "$warm" \
+    ${LAYERS:+--layers "$LAYERS"} $([ "${TORCH_NO_COMPILE:-0}" = 1 ] && echo --no-compile) > "$log" 2>&1
   local rc=$?
   meter_stop
   if grep -q '^{' "$log"; then
@@ -181,12 +185,12 @@ fsdp8_job() {  # spec events-file: submit, then follow the job to its end
 }
 
 run_fsdp8() {  # preset mode(driven|free) baseline-file
-  local name=fsdp8-$1-$2 vocab warm steps
+  local name=fsdp8-$1${LAYERS:+-L$LAYERS}-$2 vocab warm steps
   vocab=$(vocab_of "$1"); warm=$(warmup_of "$1"); steps=$(steps_of "$1")
   local spec=$OUT_DIR/$name.yaml ev=$OUT_DIR/$name.events.jsonl m=$OUT_DIR/meter-$name.json
   echo "== fsdp8 $1 ($2; vocab $vocab, $N worker(s), $steps steps after $warm)"
   python3 "$tool" spec "$1" --world "$N" --steps $((steps + warm)) --vocab "$vocab" \
-    --data "$data/tokens-$vocab.bin" $([ "$2" = free ] && echo --free) \
+    ${LAYERS:+--layers "$LAYERS"} --data "$data/tokens-$vocab.bin" $([ "$2" = free ] && echo --free) \
     $(for s in ${SPEC_SET:-}; do echo --set "$s"; done) > "$spec" || {
     error_line system fsdp8 preset "$1" mode "$2" vocab "$vocab" error "no spec"; return; }
   meter_start "$m" "$3"
@@ -196,7 +200,8 @@ run_fsdp8() {  # preset mode(driven|free) baseline-file
   fsdp8_job "$spec" "$ev"
   local rc=$?
   meter_stop
-  python3 "$tool" fsdp8-result "$ev" "$1" "$2" "$warm" --world "$N" --vocab "$vocab" --meter "$m" \
+  python3 "$tool" fsdp8-result "$ev" "$1" "$2" "$warm" --world "$N" --vocab "$vocab" \
+    ${LAYERS:+--layers "$LAYERS"} --meter "$m" \
     --plan "$OUT_DIR/$name.plan.json" >> "$results"
   [ $rc -eq 0 ] || echo "fsdp8 $1 $2: watch rc $rc; last events: $(tail -2 "$ev")"
 }
@@ -208,7 +213,8 @@ warm_fsdp8() {  # preset
   local spec=$OUT_DIR/fsdp8-$1-warmup.yaml vocab
   vocab=$(vocab_of "$1")
   echo "== fsdp8 $1 (warm-up job, not timed)"
-  python3 "$tool" spec "$1" --world "$N" --steps 6 --vocab "$vocab" --data "$data/tokens-$vocab.bin" > "$spec" &&
+  python3 "$tool" spec "$1" --world "$N" --steps 6 --vocab "$vocab" --data "$data/tokens-$vocab.bin" \
+    ${LAYERS:+--layers "$LAYERS"} $(for s in ${SPEC_SET:-}; do echo --set "$s"; done) > "$spec" &&
     fsdp8_job "$spec" "$OUT_DIR/fsdp8-$1-warmup.events.jsonl"
 }
 

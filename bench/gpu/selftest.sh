@@ -82,11 +82,11 @@ SH
 cat > "$T/bin/torchrun" <<'SH'
 #!/bin/sh
 # prints the line fsdp2_reference.py would, after raising device 0's memory by 2000 MiB for a while
-n=0; while [ $# -gt 0 ]; do case "$1" in --nproc_per_node) n=$2; shift;; --preset) p=$2; shift;;
-  --precision) x=$2; shift;; --vocab) v=$2; shift;; esac; shift; done
+n=0; l=8; while [ $# -gt 0 ]; do case "$1" in --nproc_per_node) n=$2; shift;; --preset) p=$2; shift;;
+  --precision) x=$2; shift;; --vocab) v=$2; shift;; --layers) l=$2; shift;; esac; shift; done
 cp "$FAKE_MEM" "$FAKE_MEM.idle"; { echo 2500; sed -n 2p "$FAKE_MEM.idle"; } > "$FAKE_MEM.t"
 mv "$FAKE_MEM.t" "$FAKE_MEM"; sleep 0.6; cp "$FAKE_MEM.idle" "$FAKE_MEM.t"; mv "$FAKE_MEM.t" "$FAKE_MEM"
-echo "{\"system\": \"pytorch-fsdp2\", \"preset\": \"$p\", \"precision\": \"$x\", \"world\": $n, \"vocab\": $v, \"step_s_median\": 0.25, \"peak_mem_bytes\": 1073741824, \"pythonpath\": \"$PYTHONPATH\"}"
+echo "{\"system\": \"pytorch-fsdp2\", \"preset\": \"$p\", \"precision\": \"$x\", \"world\": $n, \"vocab\": $v, \"layers\": $l, \"step_s_median\": 0.25, \"peak_mem_bytes\": 1073741824, \"pythonpath\": \"$PYTHONPATH\"}"
 SH
 cat > "$T/fsdp8/fsdp8-coordinator" <<'SH'
 #!/bin/sh
@@ -142,7 +142,7 @@ run() {  # extra env for run.sh; checks follow
 for case in "2 nvidia-smi" "1 nvml"; do
   set -- $case
   echo "-- run.sh, world size $1, meter $2"
-  if [ "$1" = 2 ]; then run; else run CUDA_VISIBLE_DEVICES=1 PYTHONPATH="$T/py"; fi
+  if [ "$1" = 2 ]; then run; else run CUDA_VISIBLE_DEVICES=1 PYTHONPATH="$T/py" LAYERS=12; fi
   python3 - "$T" "$1" "$2" <<'PY' || { cat "$T/run.log"; fail "results of world size $1"; }
 import json, sys, yaml
 T, n, meter = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -160,11 +160,15 @@ assert torch["ext_peak_mem_bytes"] == want_torch and torch["ext_meter"] == meter
 assert driven["ext_peak_mem_bytes"] == want_fsdp8 and driven["ext_meter"] == meter, driven
 workers = open(f"{T}/workers").read().split("\n")
 assert len([w for w in workers if w]) == n, workers
-spec = yaml.safe_load(open(f"{T}/spec-fsdp8-l3proxy-driven.yaml"))
+spec = yaml.safe_load(open(f"{T}/spec-fsdp8-l3proxy{'-L12' if n == 1 else ''}-driven.yaml"))
 assert spec["sharding"]["min_workers"] == n and spec["training"]["global_batch"] == n, spec
 assert spec["training"]["steps"] == 11 and spec["model"]["vocab_size"] == 65536, spec
+# LAYERS=12 (world size 1 case) reaches the spec and the table: 12 x 218,112,000 block linear
+# parameters, 12 x 2 x 4096 norm weights, the final norm, head and embedding (2 x 65536 x 4096).
+layers, params = (12, "3.15") if n == 1 else (8, "2.28")
+assert spec["model"]["n_layers"] == layers and driven["layers"] == layers, (spec, driven)
 table = open(f"{T}/out/table.md").read()
-assert "| fsdp8 driven | l3proxy | 65536 | %d | 40,960 | 1.250 |" % n in table, table
+assert "| fsdp8 driven | l3proxy | 65536 | %d | %d | %s | 40,960 | 1.250 |" % (n, layers, params) in table, table
 PY
 done
 if "${PYTHON:-python3}" -c 'import torch' 2> /dev/null; then

@@ -41,8 +41,10 @@ def system_key(r):
 
 
 def group_key(r):
+    """(preset, vocab, world, layers): rows compared with each other."""
     p = presets.shape(r["preset"])
-    return (r["preset"], int(r.get("vocab") or p["vocab"]), int(r.get("world") or 0))
+    return (r["preset"], int(r.get("vocab") or p["vocab"]), int(r.get("world") or 0),
+            int(r.get("layers") or p["layers"]))
 
 
 def tokens_per_s(r):
@@ -60,18 +62,19 @@ def mem(x):
 
 
 def row_cells(r, base):
-    preset, vocab, world = group_key(r)
-    cells = [system_key(r), preset, str(vocab), str(world)]
+    preset, vocab, world, layers = group_key(r)
+    p = presets.shape(preset, vocab, layers)
+    cells = [system_key(r), preset, str(vocab), str(world), str(layers), f"{presets.params(p) / 1e9:.2f}"]
     if "error" in r or "step_s_median" not in r:
         err = r.get("error", "no figures")
-        return cells + [f"failed: {err if isinstance(err, str) else '; '.join(map(str, err))}"] + [""] * 6
+        return cells + [f"failed: {err if isinstance(err, str) else '; '.join(map(str, err))}"] + [""] * 7
     t = tokens_per_s(r)
-    fpt = presets.flops_per_token(presets.shape(preset, vocab))
+    fpt = presets.flops_per_token(p)
     own = gib(r.get("peak_mem_bytes"))
     if r.get("peak_reserved_bytes"):
         own += f" ({gib(r['peak_reserved_bytes'])} reserved)"
     ext = gib(r.get("ext_peak_mem_bytes")) if "ext_peak_mem_bytes" in r else "n/a"
-    ref = SHARED.get((preset, vocab, world, system_key(r)))
+    ref = SHARED.get((preset, vocab, world, system_key(r))) if layers == presets.shape(preset)["layers"] else None
     return cells + [f"{t:,.0f}", f"{t / base:.3f}" if base else "", f"{t * fpt / 1e12:.0f}", ext, own,
                     f"{1e3 * float(r['step_s_median']):.1f}", f"{t / ref:.3f}" if ref else ""]
 
@@ -83,7 +86,7 @@ def fsdp8_notes(rows):
             continue
         g = group_key(r)
         ms = lambda x: f"{1e3 * float(x):.1f}"  # noqa: E731
-        line = (f"fsdp8 {r['mode']} {g[0]}/{g[1]}/{g[2]}: step {ms(r['step_s_median'])} ms = compute "
+        line = (f"fsdp8 {r['mode']} {g[0]}/{g[1]}/{g[2]}/L{g[3]}: step {ms(r['step_s_median'])} ms = compute "
                 f"{ms(r['compute_s'])} + exposed comm {ms(r['comm_s'])} + optimizer {ms(r['optimizer_s'])}")
         free = next((f for f in rows if f.get("system") == "fsdp8" and f.get("mode") == "free"
                      and group_key(f) == g and "step_s_median" in f), None)
@@ -110,14 +113,14 @@ def main():
     rows = [r for r in rows if r.get("preset") in presets.PRESETS]
     base = {group_key(r): tokens_per_s(r) for r in rows
             if system_key(r) == "PyTorch bf16" and "step_s_median" in r and "error" not in r}
-    print("| system | preset | vocab | world | tokens/s/GPU | vs PyTorch BF16 | model TFLOP/s/GPU "
-          "| peak GiB (external) | peak GiB (own count) | step ms | vs shared |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| system | preset | vocab | world | layers | params (B) | tokens/s/GPU | vs PyTorch BF16 "
+          "| model TFLOP/s/GPU | peak GiB (external) | peak GiB (own count) | step ms | vs shared |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(row_cells(r, base.get(group_key(r)))) + " |")
     print()
     for g in sorted({group_key(r) for r in rows}):
-        print(f"- {presets.describe(g[0], presets.shape(g[0], g[1]))}; world size {g[2]}")
+        print(f"- {presets.describe(g[0], presets.shape(g[0], g[1], g[3]))}; world size {g[2]}")
     meters = sorted({r["ext_meter"] for r in rows if r.get("ext_meter")})
     if meters:
         print(f"- external meter: {', '.join(meters)} (peak used minus idle baseline, per GPU)")
