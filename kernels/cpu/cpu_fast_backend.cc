@@ -651,10 +651,8 @@ void CpuFastBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, in
 
 // ---- attention --------------------------------------------------------------------------------
 // The reference's blocks, with its GEMMs through oneDNN's sgemm (as the linears'): the speed does
-// not depend on OpenBLAS's choice of kernels for this CPU. One exception: at T = 1 every query
-// has a single key, dq and dk are analytically zero and what comes out is the rounding of
-// dP - delta, which only the reference's own products reproduce; that degenerate case runs the
-// reference's code.
+// not depend on OpenBLAS's choice of kernels for this CPU. At T = 1 (one key per query) dq and dk
+// are analytically zero and come out as the rounding of dP - delta, as on the reference.
 
 void CpuFastBackend::AttentionForward(const float* q, const float* k, const float* v, int64_t B,
                                       int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
@@ -722,10 +720,6 @@ void CpuFastBackend::AttentionBackward(const float* q, const float* k, const flo
                                        float* dq, float* dk, float* dv) {
   FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
   if (B == 0 || T == 0 || H == 0) return;
-  if (T == 1) {
-    CpuRefBackend::AttentionBackward(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
-    return;
-  }
   const int64_t group = H / Hkv, ldq = H * D, ldk = Hkv * D;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   std::memset(dk, 0, sizeof(float) * B * T * ldk);

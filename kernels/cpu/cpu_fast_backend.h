@@ -17,9 +17,8 @@
 //   * bfloat16 rounding and packing 8 or 16 values at a time on the bits; the SwiGLU backward
 //     reads its bf16-saved inputs directly (no f32 copies).
 //   * Attention works as the reference does (row blocks of the causal T x T scores), its GEMMs
-//     through oneDNN's sgemm too, with the vectorized softmax; at T = 1 only (dq, dk analytically
-//     zero: the rounding of dP - delta) the backward runs the reference's code. No op of a
-//     training step goes through OpenBLAS, whose kernel choice depends on its table of CPU models.
+//     through oneDNN's sgemm too, with the vectorized softmax. No op of a training step goes
+//     through OpenBLAS, whose kernel choice depends on its table of CPU models.
 // On an x86-64 CPU without AVX2, FMA and F16C, CreateBackend("cpu") returns the reference instead.
 //
 // Deterministic: a fixed order of operations for given shapes and thread count. The backend starts

@@ -90,8 +90,10 @@ double MaxRelErr(const Output& got, const Output& ref, std::string* why) {
   if (maxdiff == 0.0) return 0.0;
   // An analytically zero output (e.g. attention dq, dk at T = 1, where the one softmax weight is
   // exactly 1) comes out as rounding noise on a backend whose sums run in another order: judge it
-  // by the absolute difference, the inputs here being O(1).
-  return maxref > 0.0 ? maxdiff / maxref : maxdiff;
+  // against the size of the terms that cancel (ref.abs_scale) or, without one, by the absolute
+  // difference, the inputs here being O(1).
+  const double denom = std::max(maxref, ref.abs_scale);
+  return denom > 0.0 ? maxdiff / denom : maxdiff;
 }
 
 // Bytes equal, with any NaN f32 equal to any NaN when is_f32.

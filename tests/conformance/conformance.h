@@ -91,6 +91,10 @@ struct Output {
   // FP8 codes of a value the reference computes in f32 in another order: each code may be one
   // step (the neighbouring representable value) from the reference's, no further.
   bool fp8_within_one_code = false;
+  // For an output whose exact value is 0 or nearly so (cancelling terms): the size of those terms.
+  // The error is then taken against max(max|reference|, abs_scale), an absolute bound where the
+  // reference itself is only rounding noise.
+  double abs_scale = 0.0;
   std::vector<uint8_t> bytes;
 };
 using Outputs = std::vector<Output>;
@@ -125,6 +129,11 @@ class DevRun {
     outs->push_back(std::move(o));
   }
   void F32(Outputs* outs, const std::string& name, const float* p, int64_t n) { Get(outs, name, p, n, true); }
+  // As F32, judged against at least abs_scale (Output::abs_scale).
+  void F32Near0(Outputs* outs, const std::string& name, const float* p, int64_t n, double abs_scale) {
+    F32(outs, name, p, n);
+    outs->back().abs_scale = abs_scale;
+  }
   // x packed to bfloat16 on this run's backend (PackBf16), in a buffer of its own.
   uint16_t* InBf16(const std::vector<float>& x) {
     const int64_t n = static_cast<int64_t>(x.size());
