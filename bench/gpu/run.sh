@@ -157,7 +157,9 @@ start_fsdp8() {  # preset
   local port=$((20000 + RANDOM % 20000)) d
   addr=127.0.0.1:$port
   rm -f "$OUT_DIR/coordinator-$1.db"
-  "$BIN/fsdp8-coordinator" --listen "$addr" --state_db "$OUT_DIR/coordinator-$1.db" \
+  # --start_timeout_s: a worker initialises a large model's shards before it is Ready (8b: 8 G
+  # master weights drawn on the host).
+  "$BIN/fsdp8-coordinator" --listen "$addr" --state_db "$OUT_DIR/coordinator-$1.db" --start_timeout_s 900 \
     --data_roots "$data" > "$OUT_DIR/coordinator-$1.log" 2>&1 & pids+=($!)
   sleep 1
   for ((d = 0; d < N; d++)); do

@@ -148,6 +148,29 @@ TEST(FsdpParams, C06_FiftySevenAndOneBySeventeenOnTwoRanks) {
   }
 }
 
+// A tensor large enough that its rank's slice is initialised on several host threads (4 Mi
+// elements each): every element equals InitValue of its index, on 1 and 2 ranks.
+TEST(FsdpParams, C06_LargeTensorInitialisedOnThreadsFollowsTheRule) {
+  constexpr int64_t kNumel = 3 * (int64_t{1} << 22) + 5;
+  auto make = [&](int world) {
+    auto plan = MakeShardPlan({{"u", {{}, {}, {testing::PlanTensor("big", {kNumel})}}}}, world, 1);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    return *plan;
+  };
+  const ShardPlan plan = make(1);
+  int u, b, t;
+  ASSERT_TRUE(plan.Find("big", &u, &b, &t));
+  const TensorSpec& ts = plan.units[u].buffers[b].tensors[t];
+  for (int world : {1, 2}) {
+    const auto got = InitialMaster(make, world, 7);
+    const std::vector<float>& v = got.at("big");
+    ASSERT_EQ(v.size(), static_cast<size_t>(kNumel));
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < kNumel; ++i) wrong += Bits(v[i]) != Bits(InitValue(ts, i, 7));
+    EXPECT_EQ(wrong, 0) << "world " << world;
+  }
+}
+
 // ---- FP8 gradients over microbatches ------------------------------------------------------------
 // FP8 weights' gradients are written by one dW GEMM per microbatch into buffers that are not
 // zeroed first, and reach the grad shard directly (a step's first microbatch) or through a part
