@@ -301,10 +301,10 @@ void Sim::Prefetch(int u) {
   SimUnit& su = units_[u];
   if (su.in_flight) return;
   for (SimBuf& b : su.bufs) {
-    // `full = DevBuf(...)` allocates before the old buffer (if any) goes.
+    // `full = DevBuf(...)` allocates before the old buffer (if any) goes; one rank: a view.
     int* slot = b.wire == kBf16 ? &b.full_u16 : &b.full;
     int old = *slot;
-    *slot = led_.Alloc(kGathered, b.padded * Wb(b.wire));
+    *slot = b.shard == b.padded ? -1 : led_.Alloc(kGathered, b.padded * Wb(b.wire));
     led_.Free(&old);
   }
   su.in_flight = true;

@@ -1,4 +1,5 @@
-// DevBuf: an owning handle to one Backend allocation (RAII), typed views for convenience.
+// DevBuf: an owning handle to one Backend allocation (RAII), typed views for convenience; or a
+// non-owning view of another DevBuf's memory (View).
 //
 // Allocation failure (out of device memory, or of host memory for the CPU backend, or over the
 // backend's memory limit) throws DeviceOutOfMemory, a std::bad_alloc naming the bytes and what
@@ -93,6 +94,14 @@ class DevBuf {
     if (bytes > 0) be->Memset(b.p_, 0, bytes);
     return b;
   }
+  // A view of `bytes` at `p`, memory owned by another DevBuf that must outlive it: Reset and the
+  // destructor free nothing.
+  static DevBuf View(void* p, size_t bytes) {
+    DevBuf b;
+    b.p_ = p;
+    b.bytes_ = bytes;
+    return b;
+  }
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
   DevBuf(DevBuf&& o) noexcept { *this = std::move(o); }
@@ -109,7 +118,7 @@ class DevBuf {
   }
   ~DevBuf() { Reset(); }
   void Reset() {
-    if (p_ != nullptr) be_->Free(p_);
+    if (p_ != nullptr && be_ != nullptr) be_->Free(p_);
     p_ = nullptr;
     bytes_ = 0;
   }

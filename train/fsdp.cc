@@ -157,6 +157,15 @@ absl::Status FsdpParams::Prefetch(int unit) {
   for (Buf& b : units_[unit]) {
     const BufferPlan& bp = *b.plan;
     const int64_t n = bp.shard_numel;
+    if (n == bp.padded_numel) {  // one rank: the gathered unit is the shard itself (no copy)
+      if (bp.wire == WireDtype::kBf16) {
+        b.full_u16 = DevBuf::View(b.wire.get(), n * sizeof(uint16_t));
+      } else {
+        b.full = bp.wire == WireDtype::kFp8 ? DevBuf::View(b.wire.get(), n)
+                                            : DevBuf::View(b.master.get(), n * sizeof(float));
+      }
+      continue;
+    }
     const double t0 = CommClock::Now();
     absl::StatusOr<int64_t> t;
     switch (bp.wire) {

@@ -22,7 +22,8 @@
 // (initialisation, a checkpoint load) from a pass over the master slices.
 //
 // Unit lifecycle in a microbatch: Gather(u) all-gathers every buffer of u into full (padded)
-// buffers (f32 for bf16/fp32 wire, u8 codes for fp8); Release(u) frees them. BeginGrads(u)
+// buffers (f32 for bf16/fp32 wire, u8 codes for fp8); Release(u) frees them. On one rank
+// (shard = the whole buffer) the gathered buffers are views of the shards: no copy, no memory. BeginGrads(u)
 // allocates full f32 gradient buffers, zeroed except for FP8 buffers, whose tensors' gradients
 // must each be written whole (not accumulated) once per microbatch: the FP8 dW GEMM overwrites
 // (Linear::Backward), and only the elements outside every tensor are zeroed. ReduceGrads(u)
