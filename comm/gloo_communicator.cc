@@ -134,9 +134,16 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
 
 GlooCommunicator::GlooCommunicator(int rank, int world_size, std::shared_ptr<gloo::Context> ctx,
                                    std::chrono::milliseconds timeout)
-    : rank_(rank), world_size_(world_size), ctx_(std::move(ctx)), timeout_(timeout) {}
+    : rank_(rank), world_size_(world_size), ctx_(std::move(ctx)), timeout_(timeout),
+      headers_(4 * static_cast<size_t>(world_size)) {
+  static_assert(sizeof(Header) == 4 * sizeof(int64_t), "a header is 4 words");
+}
 
-GlooCommunicator::~GlooCommunicator() = default;
+GlooCommunicator::~GlooCommunicator() {
+  std::lock_guard<std::mutex> l(mu_);
+  live_.clear();
+  cache_.clear();  // before the context
+}
 
 // ---- Failure and abort ----
 
@@ -163,23 +170,40 @@ void GlooCommunicator::Abort(const std::string& reason) {
 
 // ---- Buffers in flight ----
 
-// An unbound buffer over caller memory, known to Abort while it lives. Gloo's abort flag outlives
-// a wait that has not started yet, so an Abort between Track and a wait still ends that wait.
+// An unbound buffer over caller memory (CachedBuffer), known to Abort. Gloo's abort flag outlives
+// a wait that has not started yet, so an Abort before a wait still ends that wait.
 class GlooCommunicator::Buffer {
  public:
   Buffer(GlooCommunicator* comm, const void* ptr, size_t bytes)
-      : comm_(comm), buf_(comm->ctx_->createUnboundBuffer(const_cast<void*>(ptr), bytes)) {
-    comm_->Track(buf_.get());
-  }
-  ~Buffer() { comm_->Untrack(buf_.get()); }
+      : buf_(comm->CachedBuffer(ptr, bytes)) {}
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
-  gloo::transport::UnboundBuffer* operator->() const { return buf_.get(); }
+  gloo::transport::UnboundBuffer* operator->() const { return buf_; }
 
  private:
-  GlooCommunicator* comm_;
-  std::unique_ptr<gloo::transport::UnboundBuffer> buf_;
+  gloo::transport::UnboundBuffer* buf_;
 };
+
+gloo::transport::UnboundBuffer* GlooCommunicator::CachedBuffer(const void* ptr, size_t bytes) {
+  ++uses_;
+  for (CachedUnbound& c : cache_) {
+    if (c.ptr == ptr && c.bytes == bytes) {
+      c.last_use = uses_;
+      return c.buf.get();
+    }
+  }
+  if (cache_.size() >= kCachedBuffers) {
+    auto lru = std::min_element(cache_.begin(), cache_.end(),
+                                [](const CachedUnbound& a, const CachedUnbound& b) {
+                                  return a.last_use < b.last_use;
+                                });
+    Untrack(lru->buf.get());
+    cache_.erase(lru);  // no operation of it is in flight: every collective waits for its own
+  }
+  cache_.push_back({ptr, bytes, uses_, ctx_->createUnboundBuffer(const_cast<void*>(ptr), bytes)});
+  Track(cache_.back().buf.get());
+  return cache_.back().buf.get();
+}
 
 void GlooCommunicator::Track(gloo::transport::UnboundBuffer* b) {
   std::lock_guard<std::mutex> l(mu_);
@@ -246,11 +270,14 @@ absl::Status GlooCommunicator::ReduceSlices(const float* data, const std::vector
                                             const std::string& what) {
   const auto deadline = Clock::now() + timeout_;
   const int64_t len = begin[rank_ + 1] - begin[rank_];
-  // parts[p * len, (p + 1) * len): rank p's slice of this rank's range.
-  std::vector<float> parts(static_cast<size_t>(len) * world_size_);
+  // parts_[p * len, (p + 1) * len): rank p's slice of this rank's range.
+  if (parts_.size() < static_cast<size_t>(len) * world_size_) {
+    parts_.resize(static_cast<size_t>(len) * world_size_);
+  }
+  float* parts = parts_.data();
   {
     Buffer in(this, data, begin[world_size_] * sizeof(float));
-    Buffer got(this, parts.data(), parts.size() * sizeof(float));
+    Buffer got(this, parts, static_cast<size_t>(len) * world_size_ * sizeof(float));
     int sends = 0, recvs = 0;
     absl::Status s = GlooCall(what, [&] {
       for (int p = 0; p < world_size_; ++p) {
@@ -271,10 +298,10 @@ absl::Status GlooCommunicator::ReduceSlices(const float* data, const std::vector
     if (absl::Status w = Wait(in, false, sends, deadline, what); !w.ok()) return w;
   }
   if (len == 0) return absl::OkStatus();
-  std::copy(data + begin[rank_], data + begin[rank_ + 1], parts.begin() + rank_ * len);
-  std::vector<float> acc(parts.begin(), parts.begin() + len);  // rank 0's, then 1, 2, ... in order
+  std::copy(data + begin[rank_], data + begin[rank_ + 1], parts + rank_ * len);
+  std::vector<float> acc(parts, parts + len);  // rank 0's, then 1, 2, ... in order
   for (int p = 1; p < world_size_; ++p) {
-    const float* v = parts.data() + p * len;
+    const float* v = parts + p * len;
     if (op == ReduceOp::kSum) {
       for (int64_t i = 0; i < len; ++i) acc[i] += v[i];
     } else {
@@ -292,12 +319,12 @@ absl::Status GlooCommunicator::Check(int op, int64_t count, int dtype, int64_t e
   if (failed_.load()) return Failed();
   *seq = ++seq_;
   if (world_size_ == 1) return absl::OkStatus();
-  std::vector<Header> all(world_size_);
+  Header* all = reinterpret_cast<Header*>(headers_.data());  // one per rank
   all[rank_] = Header{static_cast<int64_t>(*seq), op, count, (extra << 32) | dtype};
   const Header& mine = all[rank_];
   std::vector<int64_t> begin(world_size_ + 1);
   for (int p = 0; p <= world_size_; ++p) begin[p] = p * static_cast<int64_t>(sizeof(Header));
-  if (absl::Status s = GatherSlices(all.data(), begin, SlotOf(*seq, 0),
+  if (absl::Status s = GatherSlices(all, begin, SlotOf(*seq, 0),
                                     absl::StrCat(OpName(op), " #", *seq, " (header exchange)"));
       !s.ok())
     return s;

@@ -55,6 +55,39 @@ TEST(GlooCommunicator, CollectivesMatchDirectComputation) {
   });
 }
 
+// The communicator keeps Gloo's buffers for the (pointer, size) pairs it has seen, up to a limit:
+// many distinct buffers, revisited, reused sizes at the same address and new contents every round
+// still give the directly computed results.
+TEST(GlooCommunicator, ManyBuffersRevisitedKeepTheirResults) {
+  const int W = 2, kBuffers = 80, kRounds = 3;
+  RunRanks(W, [&](int r, Communicator* c) {
+    std::vector<std::vector<uint8_t>> send(kBuffers), recv(kBuffers);
+    std::vector<std::vector<float>> grads(kBuffers);
+    for (int round = 0; round < kRounds; ++round) {
+      for (int k = 0; k < kBuffers; ++k) {
+        const int n = 1 + k % 7;  // bytes per rank; the same address gets other sizes below
+        send[k].assign(8, 0);
+        recv[k].assign(8 * W, 0);
+        for (int i = 0; i < n; ++i) send[k][i] = static_cast<uint8_t>(r * 50 + k + round + i);
+        ASSERT_TRUE(c->AllGather(send[k].data(), recv[k].data(), n + round % 2).ok());
+        for (int q = 0; q < W; ++q) {
+          for (int i = 0; i < n; ++i) {
+            EXPECT_EQ(recv[k][q * (n + round % 2) + i], q * 50 + k + round + i);
+          }
+        }
+        grads[k].assign(2 * W, 0.0f);
+        for (int j = 0; j < 2 * W; ++j) grads[k][j] = static_cast<float>(r + k * j + round);
+        float out[2];
+        ASSERT_TRUE(c->ReduceScatterSum(grads[k].data(), out, 2).ok());
+        for (int j = 0; j < 2; ++j) {
+          const int g = r * 2 + j;
+          EXPECT_FLOAT_EQ(out[j], static_cast<float>((0 + 1) + W * (k * g + round)));
+        }
+      }
+    }
+  });
+}
+
 TEST(GlooCommunicator, C09_MismatchedAllGatherCountsFailFastOnEveryRank) {
   const std::chrono::milliseconds timeout(10000);
   std::vector<absl::Status> results(2);
