@@ -10,8 +10,10 @@ outside the pods (a container on the host's network, dialing the published port)
      preStop hook (`podman exec`) and stops that worker (`podman stop`, SIGTERM) mid-job: the job
      resumes on the remaining worker; then kills the coordinator's container (SIGKILL) and starts
      it again on its volume: the job resumes; it ends SUCCEEDED. The times are printed.
-Everything it started (pods, the client, volumes, the network, the secret directory) is removed on
-exit, also on failure. Exit code 0: passed; 1: failed; 77: podman cannot run containers here.
+Everything it made (pods, the client, volumes, the network unless it existed, the secret directory)
+is removed on exit, also on failure and on SIGTERM, and nothing else: what it made is listed in
+FSDP8_DEPLOY_DIR/kube-play-made.json as it goes, which the next run reads if this one is killed.
+Exit code 0: passed; 1: failed.
 
 The translation (podman 4.3 plays Pods, Deployments, PersistentVolumeClaims and ConfigMaps; every
 container's image, command, arguments, environment, mounts, ports and probes stay as rendered):
@@ -56,7 +58,10 @@ PODMAN = shlex.split(os.environ.get("FSDP8_PODMAN", "podman --runtime runc"))
 WORK = os.path.abspath(os.environ.get("FSDP8_DEPLOY_DIR", os.path.join(ROOT, "build-deploy")))
 STEPS = int(os.environ.get("FSDP8_DEPLOY_STEPS", "600"))
 NETWORK = os.environ.get("FSDP8_DEPLOY_NETWORK", "fsdp8-dev")  # the Namespace's network
-CLIENT = "fsdp8-dev-client"
+CLIENT = f"fsdp8-dev-client-{os.getpid()}"
+# What this run made (pods, containers, volumes, the network when it was not there), written as it
+# goes so that teardown, in this run or after an interrupted one, removes that and nothing else.
+MADE = os.path.join(WORK, "kube-play-made.json")
 SERVING = 1
 
 
@@ -199,25 +204,80 @@ def translate(objs, ips, host_port):
 
 # ---- playing and tearing down ---------------------------------------------------------------
 
-def teardown(plan):
-    """Removes what a run (this one or an interrupted earlier one) left: pods, client, volumes,
-    network. Idempotent."""
-    names = [p[0] for p in plan["pods"]] if plan else []
-    pods = podman("pod", "ps", "-a", "--format", "{{.Name}}", check=False, quiet=True).stdout
-    for name in pods.split():
-        if name in names or re.fullmatch(r"fsdp8-(coordinator-pod-\d+|worker-\d+)", name):
-            podman("pod", "rm", "-f", "-t", "0", name, check=False, quiet=True)
-    podman("rm", "-f", "-t", "0", CLIENT, check=False, quiet=True)
-    # The PVCs' volumes, and those kube play makes for emptyDir and configMap volumes.
-    for v in ("fsdp8-data", "fsdp8-coordinator-db", "dshm", "fsdp8-config"):
-        podman("volume", "rm", "-f", v, check=False, quiet=True)
-    podman("network", "rm", "-f", NETWORK, check=False, quiet=True)
+def made():
+    try:
+        with open(MADE) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {"pods": [], "containers": [], "volumes": [], "networks": []}
+
+
+def record(kind, names):
+    """Adds `names` to what this run made (kind: pods, containers, volumes or networks)."""
+    m = made()
+    m[kind] += [n for n in names if n not in m[kind]]
+    with open(MADE + ".tmp", "w") as f:
+        json.dump(m, f)
+    os.replace(MADE + ".tmp", MADE)
+
+
+def teardown():
+    """Removes what this run, or an interrupted earlier one with the same FSDP8_DEPLOY_DIR, made
+    (MADE): its pods with their containers, its containers, volumes and network. Idempotent."""
+    m = made()
+    for name in m["pods"]:
+        podman("pod", "rm", "-f", "-t", "0", name, check=False, quiet=True)
+    for name in m["containers"]:
+        podman("rm", "-f", "-t", "0", name, check=False, quiet=True)
+    for name in m["volumes"]:
+        podman("volume", "rm", "-f", name, check=False, quiet=True)
+    for name in m["networks"]:
+        podman("network", "rm", "-f", name, check=False, quiet=True)
+    if os.path.exists(MADE):
+        os.remove(MADE)
     subprocess.run(["rm", "-rf", os.path.join(WORK, "volumes")], check=False)
 
 
+def listed(*args):
+    return set(podman(*args, "--format", "{{.Name}}").split())
+
+
+def kube_play(path, docs, *args):
+    """`podman kube play` of `docs` (written to `path`), recording the pods and volumes it made:
+    those new since before the play and named in the docs (other users of the store may add
+    theirs meanwhile). A volume of a claim in the docs that exists already is refused: the test
+    would run on its data, and it is not the test's to remove."""
+    claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    pods_before, volumes_before = listed("pod", "ps"), listed("volume", "ls")
+    taken = claims & volumes_before
+    if taken:
+        raise RuntimeError(f"volume(s) {sorted(taken)} exist and were not made by this run: "
+                           "remove them, or set FSDP8_PODMAN_ROOT (a podman store of its own)")
+    with open(path, "w") as f:
+        yaml.safe_dump_all(docs, f, sort_keys=False)
+    names = {d["metadata"]["name"] for d in docs}
+    for d in docs:
+        spec = d.get("spec", {})
+        spec = spec.get("template", {}).get("spec", spec)
+        names |= {v["name"] for v in spec.get("volumes", [])}
+        names |= {v["persistentVolumeClaim"]["claimName"] for v in spec.get("volumes", [])
+                  if "persistentVolumeClaim" in v}
+    try:
+        podman("kube", "play", "--network", NETWORK, *args, path)
+    finally:
+        record("pods", [p for p in listed("pod", "ps") - pods_before
+                        if any(p == n or re.fullmatch(re.escape(n) + r"-pod(-\d+)?", p)
+                               for n in names)])
+        record("volumes", sorted((listed("volume", "ls") - volumes_before) & names))
+
+
 def pod_addresses(n):
-    """Creates the network and picks n fixed addresses in its subnet (.10, .11, ...)."""
-    podman("network", "create", NETWORK)
+    """The network (made, unless it exists) and n fixed addresses in its subnet (.10, .11, ...)."""
+    if podman("network", "exists", NETWORK, check=False, quiet=True).returncode != 0:
+        podman("network", "create", NETWORK)
+        record("networks", [NETWORK])
+    else:
+        log(f"network {NETWORK} exists: used, and kept at the end")
     info = json.loads(podman("network", "inspect", NETWORK))[0]
     subnet = info["subnets"][0]["subnet"]
     base = subnet.split("/")[0].rsplit(".", 1)[0]
@@ -246,9 +306,7 @@ def free_port():
 
 def play(name, ip, docs):
     path = os.path.join(WORK, f"play-{name}.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump_all(docs, f, sort_keys=False)
-    podman("kube", "play", "--network", NETWORK, "--ip", ip, path)
+    kube_play(path, docs, "--ip", ip)
     log(f"played {name} at {ip} ({path})")
 
 
@@ -327,6 +385,7 @@ class Client:
 
     def __init__(self, image, port):
         self.addr = f"127.0.0.1:{port}"
+        record("containers", [CLIENT])  # a name of this run's own
         podman("run", "-d", "--name", CLIENT, "--network", "host", "--entrypoint", "/bin/sleep",
                "-v", f"{WORK}:{WORK}:ro", image, "infinity")
 
@@ -395,7 +454,9 @@ def prepare_corpus(image):
     src = "/usr/share/games/fortunes"
     if not os.path.isdir(src):
         raise RuntimeError(f"{src} missing (apt-get install fortunes)")
-    podman("run", "--rm", "-v", "fsdp8-data:/data", "-v", f"{src}:{src}:ro",
+    name = f"fsdp8-dev-corpus-{os.getpid()}"
+    record("containers", [name])  # removed by teardown if this run is killed meanwhile
+    podman("run", "--rm", "--name", name, "-v", "fsdp8-data:/data", "-v", f"{src}:{src}:ro",
            "-v", f"{ROOT}/scripts:/opt/fsdp8-scripts:ro", "--entrypoint", "/bin/bash", image,
            "/opt/fsdp8-scripts/prepare-fortunes.sh", "/usr/local/bin/fsdp8", "/data/fortunes")
 
@@ -495,17 +556,15 @@ def main():
     objs = render()
     coord_image = next(o for o in objs if o["kind"] == "Deployment")[
         "spec"]["template"]["spec"]["containers"][0]["image"]
-    teardown(None)
+    teardown()
     plan = None
     try:
         n_workers = next(o for o in objs if o["kind"] == "StatefulSet")["spec"]["replicas"]
         ips = pod_addresses(1 + n_workers)
         port = int(os.environ.get("FSDP8_DEPLOY_PORT", "0")) or free_port()
         plan = translate(objs, ips, port)
-        with open(os.path.join(WORK, "play-volumes.yaml"), "w") as f:
-            yaml.safe_dump_all(plan["volumes"], f, sort_keys=False)
         # --network: without it kube play makes podman-default-kube-network, even for volumes.
-        podman("kube", "play", "--network", NETWORK, os.path.join(WORK, "play-volumes.yaml"))
+        kube_play(os.path.join(WORK, "play-volumes.yaml"), plan["volumes"])
         t0 = time.monotonic()
         prepare_corpus(coord_image)
         log(f"fortunes corpus on fsdp8-data:/data/fortunes ({time.monotonic() - t0:.0f} s)")
@@ -533,7 +592,7 @@ def main():
         return 1
     finally:
         if os.environ.get("FSDP8_DEPLOY_KEEP") != "1":
-            teardown(plan)
+            teardown()
 
 
 if __name__ == "__main__":

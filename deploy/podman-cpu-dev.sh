@@ -7,7 +7,8 @@
 # a coordinator SIGKILL + restart mid-job, each followed by the job resuming. Removes the pods,
 # volumes and network it made when it ends; keeps the images (unless FSDP8_PODMAN_ROOT, below).
 #
-# Exit 0: passed; 1: failed; 77: skipped, podman cannot run containers here (the reason printed).
+# Exit 0: passed; 1: failed; 77: skipped, podman cannot run containers here or the Debian mirror is
+# unreachable (the reason printed).
 # Settings (deploy/podman-env.sh, deploy/kube_play.py): FSDP8_DEPLOY_DIR, FSDP8_PODMAN,
 # FSDP8_DEPLOY_STEPS (default 600, the default job's), FSDP8_DEPLOY_FAULT_STEPS (120),
 # FSDP8_DEPLOY_PORT, FSDP8_DEPLOY_NETWORK (default fsdp8-dev); FSDP8_PODMAN_ROOT: a storage
@@ -31,12 +32,26 @@ cleanup_store() {  # the private store, when there is one, with everything in it
   "${PODMAN[@]}" rm -a -f -t 0 > /dev/null 2>&1 || true
   "${PODMAN[@]}" volume rm -a -f > /dev/null 2>&1 || true
   "${PODMAN[@]}" rmi -a -f > /dev/null 2>&1 || true
-  "${PODMAN[@]}" network rm -f "${FSDP8_DEPLOY_NETWORK:-fsdp8-dev}" > /dev/null 2>&1 || true
   rm -rf "$FSDP8_PODMAN_ROOT"
 }
 cleanup_store  # what a killed earlier run left
 trap cleanup_store EXIT
-trap 'exit 143' TERM INT  # a timeout's SIGTERM runs the cleanup too
+# SIGTERM or SIGINT (a timeout, ctest, Ctrl-C): the step running gets SIGTERM and its time to tear
+# down (kube_play.py removes what it made), then the cleanup. Each step runs in the background and
+# is waited for: bash runs a trap only between commands, and `wait` is one it interrupts.
+child=
+on_signal() {
+  [ -z "$child" ] || { kill -TERM "$child" 2> /dev/null; wait "$child" 2> /dev/null; }
+  exit 143
+}
+trap on_signal TERM INT
+run_step() {  # run_step COMMAND...: COMMAND's exit status
+  local rc=0
+  "$@" & child=$!
+  wait "$child" || rc=$?
+  child=
+  return $rc
+}
 
 # Can podman run a container here? One whose root is /bin/true and its libraries, before anything
 # is built.
@@ -48,13 +63,18 @@ done
 out=$("${PODMAN[@]}" run --rm --rootfs "$probe" /bin/true 2>&1) ||
   skip "podman cannot run a container here: $out"
 rm -rf "$probe"
+# The Debian mirror (debootstrap, apt-get in the build stages): reachable?
+mirror=${FSDP8_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+out=$(python3 -c 'import sys, urllib.request
+urllib.request.urlopen(sys.argv[1] + "/dists/bookworm/Release", timeout=30).read(1)' "$mirror" 2>&1) ||
+  skip "the Debian mirror $mirror is unreachable: $(tail -1 <<< "$out")"
 
 t0=$SECONDS
-deploy/build-images.sh "${1:-all}"
+run_step deploy/build-images.sh "${1:-all}"
 t_images=$((SECONDS - t0))
 t1=$SECONDS
 rc=0
-python3 deploy/kube_play.py || rc=$?
+run_step python3 deploy/kube_play.py || rc=$?
 echo "podman-cpu-dev: images ${t_images} s, kube play and jobs $((SECONDS - t1)) s, total $((SECONDS - t0)) s"
 if [ "${1:-all}" = --no-cuda ]; then
   echo "podman-cpu-dev: the CUDA worker image (deploy/worker.Dockerfile) was not built (--no-cuda)"
