@@ -70,24 +70,79 @@ base_image() {
   say "base: $d:12 and $d:12-slim imported"
 }
 
+# The CUDA libraries the worker loads: linked (cudart, cuBLASLt, cuDNN, NCCL) and loaded by those
+# (cuBLAS, cuDNN's sub-libraries, and NVRTC with its builtins and nvJitLink for cuDNN's
+# runtime-compiled engines). The devel stand-in also needs the cuDNN and NCCL headers.
+CUDA_RUNTIME_LIBS="libcudart.so.* libcublas.so.* libcublasLt.so.* libnccl.so.* libcudnn*.so.*
+  libnvrtc.so.* libnvrtc-builtins.so.* libnvJitLink.so.*"
+CUDA_HEADERS="cudnn*.h nccl*.h"
+
+# host_files PATTERNS DIR...: for each pattern, the files matching it in the first DIR that has one;
+# status 1, naming the pattern, when no DIR has it.
+host_files() {
+  local pat d patterns=$1; shift
+  for pat in $patterns; do
+    for d in "$@"; do
+      if compgen -G "$d/$pat" > /dev/null; then ls -d "$d"/$pat; continue 2; fi
+    done
+    echo "build-images: no $pat in $* (CUDA_HOME; cuDNN and NCCL may come from packages)" >&2
+    return 1
+  done
+}
+
+# cuda_standin KIND CUDADIR: sets SCRIPT, the container script that makes the stand-in for NVIDIA's
+# -KIND base (the toolkit under /usr/local/cuda-X.Y, linked from /usr/local/cuda, its lib64 in the
+# linker's path, every library's dependencies resolved), and MOUNTS, the host directories it copies
+# from. Libraries come from the toolkit's lib64 (a link to targets/x86_64-linux/lib in NVIDIA's
+# layout) or, for cuDNN and NCCL installed from packages, the linker's directories; headers from
+# the toolkit's include/ or /usr/include.
+cuda_standin() {
+  local kind=$1 cudadir=$2 lib libs headers f d libdirs
+  local -A mounted=()
+  lib=/usr/local/$(basename "$cudadir")
+  mapfile -t libdirs < <(readlink -f "$cudadir/lib64"
+                         ldconfig -p | sed -n 's|.* => \(.*\)/[^/]*$|\1|p' | sort -u)
+  libs=$(host_files "$CUDA_RUNTIME_LIBS" "${libdirs[@]}") || exit 1
+  headers=$(host_files "$CUDA_HEADERS" "$cudadir/include" /usr/include \
+            /usr/include/x86_64-linux-gnu) || exit 1
+  MOUNTS=() SCRIPT="mkdir -p $lib"
+  if [ "$kind" = devel ]; then
+    MOUNTS+=(-v "$cudadir:/opt/host-cuda:ro")
+    SCRIPT+=$'\n'"cp -a /opt/host-cuda/. $lib/"
+  else
+    headers=
+  fi
+  SCRIPT+=$'\n'"mkdir -p $lib/lib64 $lib/include"
+  for f in $libs $headers; do
+    d=$(dirname "$f")
+    if [ -z "${mounted[$d]:-}" ]; then
+      mounted[$d]=/opt/host/${#mounted[@]}
+      MOUNTS+=(-v "$d:${mounted[$d]}:ro")
+    fi
+    case $f in *.h) SCRIPT+=$'\n'"cp -Ln ${mounted[$d]}/${f##*/} $lib/include/" ;;
+               *) SCRIPT+=$'\n'"cp -Ln ${mounted[$d]}/${f##*/} $lib/lib64/" ;; esac
+  done
+  SCRIPT+=$'\n'"cd $lib/lib64"$'\n'
+  SCRIPT+='for f in lib*.so.*; do [ -e "${f%%.so.*}.so" ] || ln -s "$f" "${f%%.so.*}.so"; done'
+  SCRIPT+=$'\n'"ln -sfn $lib /usr/local/cuda"
+  SCRIPT+=$'\n'"echo /usr/local/cuda/lib64 > /etc/ld.so.conf.d/cuda.conf && ldconfig"
+  SCRIPT+=$'\n'"if ldd $(for f in $libs; do printf '%s ' "${f##*/}"; done)| grep -B20 'not found'; then"
+  SCRIPT+=$'\n'"  echo 'a CUDA library misses a dependency in the Debian base' >&2; exit 1; fi"
+}
+
 cuda_bases() {
-  local tag cudadir lib copy name
+  local tag cudadir name
   tag=$(sed -n 's/^ARG CUDA_IMAGE_TAG=//p' deploy/worker.Dockerfile)
   cudadir=$(readlink -f "${CUDA_HOME:-/usr/local/cuda}")
   [ -x "$cudadir/bin/nvcc" ] || { echo "build-images: no nvcc under $cudadir (CUDA_HOME)" >&2; exit 1; }
-  lib=/usr/local/$(basename "$cudadir")
   for kind in devel runtime; do
     name=docker.io/nvidia/cuda:$tag-$kind-ubuntu24.04
     if "${PODMAN[@]}" image exists "$name"; then say "cuda: $name present"; continue; fi
-    copy="cp -a /opt/host-cuda/. $lib/"
-    [ $kind = devel ] || copy="mkdir -p $lib/lib && cd /opt/host-cuda/lib && cp -a libcudart.so* \
-      libcublas.so* libcublasLt.so* libnccl.so* libcudnn*.so* libnvrtc*.so* libnvJitLink.so* $lib/lib/"
+    cuda_standin $kind "$cudadir"
     "${PODMAN[@]}" rm -f fsdp8-cuda-standin > /dev/null 2>&1 || true
-    "${PODMAN[@]}" run --name fsdp8-cuda-standin -v "$cudadir:/opt/host-cuda:ro" \
-      docker.io/library/debian:12 sh -ec "mkdir -p $lib && $copy
-        [ -e $lib/lib64 ] || ln -s lib $lib/lib64
-        ln -sfn $lib /usr/local/cuda
-        echo /usr/local/cuda/lib64 > /etc/ld.so.conf.d/cuda.conf && ldconfig"
+    "${PODMAN[@]}" run --name fsdp8-cuda-standin "${MOUNTS[@]}" docker.io/library/debian:12 \
+      sh -ec "$SCRIPT" > "$work/cuda-$kind.log" 2>&1 ||
+      { tail -20 "$work/cuda-$kind.log" >&2; echo "build-images: the $kind stand-in failed" >&2; exit 1; }
     "${PODMAN[@]}" commit -q --change 'CMD ["bash"]' --change "ENV CUDA_HOME=/usr/local/cuda" \
       --change "ENV PATH=/usr/local/cuda/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
       --change "ENV LD_LIBRARY_PATH=/usr/local/cuda/lib64" fsdp8-cuda-standin "$name" > /dev/null
@@ -105,6 +160,19 @@ host_ca_mounts() {
   echo "-v $ca:/run/fsdp8-host-ca.crt:ro -v $work/pip.conf:/etc/pip.conf:ro"
 }
 
+# The host's compiler cache (the one scripts/build.sh fills) as a build volume at /ccache, where the
+# Dockerfiles' build stages compile through it (as scripts/build.sh does, reusing its objects), with
+# the host's locale variables, which ccache hashes: FSDP8_CCACHE_DIR, else ccache's cache directory
+# when ccache is installed and the directory exists. FSDP8_CCACHE=0: none, a cold build as a user's.
+ccache_args() {
+  local dir=${FSDP8_CCACHE_DIR:-} v
+  [ "${FSDP8_CCACHE:-1}" != 0 ] || return 0
+  [ -n "$dir" ] || ! command -v ccache > /dev/null || dir=$(ccache -k cache_dir)
+  [ -n "$dir" ] && [ -d "$dir" ] || return 0
+  echo "-v $(cd "$dir" && pwd):/ccache"
+  for v in LANG LC_ALL LC_CTYPE LC_MESSAGES; do [ -z "${!v:-}" ] || echo "--build-arg $v=${!v}"; done
+}
+
 build() {  # build DOCKERFILE TAG BINARY [BUILD_OPTION...]: the image; its labels, user, --version
   local t0=$SECONDS log v c u
   log=$work/build-$(basename "$1" .Dockerfile).log
@@ -119,15 +187,19 @@ build() {  # build DOCKERFILE TAG BINARY [BUILD_OPTION...]: the image; its label
   case ${u%%:*} in ""|0|root) echo "build-images: $2 runs as '$u', not non-root" >&2; exit 1 ;; esac
   "${PODMAN[@]}" run --rm --entrypoint "$3" "$2" --version > /dev/null  # every library resolves
   say "$2 built from $1 in $((SECONDS - t0)) s: version $v, revision $c, user $u"
+  [ -z "$(ccache_args)" ] || say "compiler cache $(ccache_args | head -1): $(grep -E '^ +(Hits|Misses):' "$log" |
+    tr -s ' ' | tr '\n' ' ')"
 }
 
 base_image
 case $what in all|--no-cuda|coordinator)
-  build deploy/coordinator.Dockerfile "fsdp8/coordinator:$version" /usr/local/bin/fsdp8-coordinator ;;
+  # shellcheck disable=SC2046
+  build deploy/coordinator.Dockerfile "fsdp8/coordinator:$version" /usr/local/bin/fsdp8-coordinator \
+    $(ccache_args) ;;
 esac
 case $what in all|worker|cuda-bases) cuda_bases ;; esac
 case $what in all|worker)
   # shellcheck disable=SC2046
   build deploy/worker.Dockerfile "fsdp8/worker:$version-cuda13" /usr/local/bin/fsdp8-worker \
-    $(host_ca_mounts) ;;
+    $(host_ca_mounts) $(ccache_args) ;;
 esac

@@ -7,11 +7,28 @@ COPY scripts/install-deps.sh /src/scripts/install-deps.sh
 RUN FSDP8_BUILD_ONLY=1 bash /src/scripts/install-deps.sh
 COPY . /src
 WORKDIR /src
-# -O2 without -g: the code of RelWithDebInfo, whose debug info the image would strip anyway.
-RUN cmake -S . -B build -G Ninja -DFSDP8_CUDA=OFF -DCMAKE_BUILD_TYPE=Release \
-      -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" -DCMAKE_C_FLAGS_RELEASE="-O2 -DNDEBUG" \
+# -O2 without -g: the code of RelWithDebInfo, whose debug info the image would strip anyway. Only
+# with a compiler cache mounted at /ccache (deploy/build-images.sh: `podman build -v
+# HOST_CACHE:/ccache`, the cache scripts/build.sh fills) it compiles as scripts/build.sh does
+# (RelWithDebInfo, paths relative to the source tree) to reuse the host's objects, and strips the
+# debug info.
+# The host's locale, which ccache hashes (deploy/build-images.sh passes it with the cache; unset
+# otherwise).
+ARG LANG
+ARG LC_ALL
+ARG LC_CTYPE
+ARG LC_MESSAGES
+RUN if [ -d /ccache ]; then \
+      export CCACHE_DIR=/ccache CCACHE_BASEDIR=/src CCACHE_NOHASHDIR=1 \
+             CCACHE_STATSLOG=/tmp/ccache.log \
+      && set -- -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER_LAUNCHER=ccache \
+           -DCMAKE_CXX_COMPILER_LAUNCHER=ccache; \
+    else set -- -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
+           -DCMAKE_C_FLAGS_RELEASE="-O2 -DNDEBUG"; fi \
+ && cmake -S . -B build -G Ninja -DFSDP8_CUDA=OFF "$@" \
  && cmake --build build --target fsdp8-coordinator fsdp8-worker fsdp8 \
- && scripts/bundle-deps.sh /out build/bin/fsdp8-coordinator build/bin/fsdp8-worker build/bin/fsdp8
+ && scripts/bundle-deps.sh /out build/bin/fsdp8-coordinator build/bin/fsdp8-worker build/bin/fsdp8 \
+ && if [ -d /ccache ]; then strip --strip-debug /out/fsdp8*; ccache --show-log-stats; fi
 
 FROM debian:12-slim
 # deploy/build-images.sh passes the version (CMakeLists.txt) and the commit.

@@ -12,12 +12,26 @@ RUN FSDP8_BUILD_ONLY=1 bash /src/scripts/install-deps.sh \
  && python3 -m pip install --break-system-packages --no-deps nvidia-cudnn-frontend==1.32.0
 COPY . /src
 WORKDIR /src
-# -O2 without -g: the code of RelWithDebInfo, whose debug info the image would strip anyway.
-RUN cmake -S . -B build -G Ninja -DFSDP8_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
-      -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
-      -DCMAKE_C_FLAGS_RELEASE="-O2 -DNDEBUG" -DCMAKE_CUDA_FLAGS_RELEASE="-O2 -DNDEBUG" \
+# -O2 without -g: the code of RelWithDebInfo, whose debug info the image would strip anyway. Only
+# with a compiler cache mounted at /ccache: as in coordinator.Dockerfile (scripts/build.sh's flags,
+# the host's objects reused, the debug info stripped).
+# The host's locale, which ccache hashes (deploy/build-images.sh passes it with the cache; unset
+# otherwise).
+ARG LANG
+ARG LC_ALL
+ARG LC_CTYPE
+ARG LC_MESSAGES
+RUN if [ -d /ccache ]; then \
+      export CCACHE_DIR=/ccache CCACHE_BASEDIR=/src CCACHE_NOHASHDIR=1 \
+             CCACHE_STATSLOG=/tmp/ccache.log \
+      && set -- -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER_LAUNCHER=ccache \
+           -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache; \
+    else set -- -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
+           -DCMAKE_C_FLAGS_RELEASE="-O2 -DNDEBUG" -DCMAKE_CUDA_FLAGS_RELEASE="-O2 -DNDEBUG"; fi \
+ && cmake -S . -B build -G Ninja -DFSDP8_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a "$@" \
  && cmake --build build --target fsdp8-worker fsdp8 \
- && scripts/bundle-deps.sh /out build/bin/fsdp8-worker build/bin/fsdp8
+ && scripts/bundle-deps.sh /out build/bin/fsdp8-worker build/bin/fsdp8 \
+ && if [ -d /ccache ]; then strip --strip-debug /out/fsdp8*; ccache --show-log-stats; fi
 
 FROM nvidia/cuda:${CUDA_IMAGE_TAG}-runtime-ubuntu24.04
 # deploy/build-images.sh passes the version (CMakeLists.txt) and the commit.

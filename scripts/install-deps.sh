@@ -4,6 +4,7 @@
 set -euo pipefail
 PKGS=(
   build-essential cmake ninja-build pkg-config git
+  ccache                                                                   # compiler cache (scripts/build.sh, the images' build stage)
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler   # RPC
   libabsl-dev                                                              # Status, flags, strings
   libgloo-dev                                                              # CPU collectives
