@@ -114,6 +114,7 @@ struct SimBuf {
   double padded = 0, shard = 0;
   int full = -1, full_u16 = -1, full_grad = -1;
   int grad = -1;            // the grad shard: from the step's first reduce-scatter to ZeroGrads
+  int codes = -1;           // FP8 codes cast for an all-gather (no kept codes), until gathered
   std::vector<int> f32_of;  // bf16: the tensors' f32 copies made on first use (FsdpParams::W)
   bool grad_unset = true;
 };
@@ -216,6 +217,7 @@ class Sim {
   Ledger led_;
   int64_t opt_bytes_ = 8;
   bool cuda_ = false, attn16_ = false, recompute_ = false, tied_ = false, det_ = true;
+  bool keep_codes_ = true;  // Fp8Recipe.keep_weight_codes
   bool head_bf16_ = true;
   // Delayed scaling: an FP8 block's backward recasts down_proj's input (Linear::RecastSwiglu)
   // instead of keeping its codes from the forward.
@@ -255,6 +257,7 @@ Sim::Sim(const v1::JobSpec& spec, int world, const MemoryPlanOptions& options,
   cuda_ = spec.backend() == "cuda";
   attn16_ = spec.precision().attention() == v1::PRECISION_BF16;
   recompute_ = tr.activation_recompute();
+  keep_codes_ = spec.precision().fp8().keep_weight_codes();
   norm_inputs_bf16_ = tr.saved_norm_inputs() == v1::PRECISION_BF16;
   det_ = tr.deterministic();
   tied_ = m.tie_word_embeddings();
@@ -304,6 +307,17 @@ void Sim::Prefetch(int u) {
     // `full = DevBuf(...)` allocates before the old buffer (if any) goes; one rank: a view.
     int* slot = b.wire == kBf16 ? &b.full_u16 : &b.full;
     int old = *slot;
+    if (b.wire == kFp8 && !keep_codes_) {  // the slice is cast first; on one rank it is the unit
+      int old_codes = b.codes;
+      b.codes = led_.Alloc(kGathered, b.shard);
+      led_.Free(&old_codes);
+      if (b.shard == b.padded) {
+        *slot = b.codes;
+        b.codes = -1;
+        led_.Free(&old);
+        continue;
+      }
+    }
     *slot = b.shard == b.padded ? -1 : led_.Alloc(kGathered, b.padded * Wb(b.wire));
     led_.Free(&old);
   }
@@ -312,6 +326,7 @@ void Sim::Prefetch(int u) {
 
 void Sim::Gather(int u) {
   Prefetch(u);  // bf16 buffers stay bf16: their tensors are unpacked to f32 on first use
+  for (SimBuf& b : units_[u].bufs) led_.Free(&b.codes);
   units_[u].in_flight = false;
 }
 
@@ -371,6 +386,7 @@ void Sim::DropPrefetches() {
   for (SimUnit& u : units_) {
     if (!u.in_flight) continue;
     for (SimBuf& b : u.bufs) {
+      led_.Free(&b.codes);
       led_.Free(&b.full);
       led_.Free(&b.full_u16);
     }
@@ -894,7 +910,8 @@ void Sim::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) {
   // FsdpParams: per buffer master, m, v and the wire shard (grads: ReduceGrads); the weight scales.
   for (SimUnit& u : units_) {
     for (SimBuf& b : u.bufs) {
-      const double wire = b.wire == kFp8 ? b.shard : b.wire == kBf16 ? b.shard * 2 : 0;
+      const double wire =
+          b.wire == kFp8 ? (keep_codes_ ? b.shard : 0) : b.wire == kBf16 ? b.shard * 2 : 0;
       led_.Alloc(kParams, b.shard * 4 + wire);
       led_.Alloc(kOptimizer, b.shard * static_cast<double>(opt_bytes_));
     }

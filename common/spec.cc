@@ -93,6 +93,7 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   if (!r->has_margin()) r->set_margin(0);
   if (!r->has_forward_fast_accumulation()) r->set_forward_fast_accumulation(true);
   if (!r->has_fused_projections()) r->set_fused_projections(true);
+  if (!r->has_keep_weight_codes()) r->set_keep_weight_codes(true);
 
   v1::CheckpointSpec* c = s.mutable_checkpoint();
   if (!c->has_every_steps()) c->set_every_steps(0);

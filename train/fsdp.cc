@@ -46,8 +46,10 @@ MomentDtype MomentDtypeOf(v1::Precision state_precision) {
 }
 
 FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* be,
-                       Communicator* comm, CommClock* clock, MomentDtype moments)
-    : plan_(plan), rank_(rank), moments_(moments), be_(be), comm_(comm), clock_(clock) {
+                       Communicator* comm, CommClock* clock, MomentDtype moments,
+                       bool keep_fp8_codes)
+    : plan_(plan), rank_(rank), keep_fp8_codes_(keep_fp8_codes), moments_(moments), be_(be),
+      comm_(comm), clock_(clock) {
   units_.resize(plan.units.size());
   for (size_t u = 0; u < plan.units.size(); ++u) {
     const AllocationLabel label("the shards (weights, gradients, AdamW moments) of unit",
@@ -83,7 +85,8 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
       buf.m = DevBuf::Zeros(be, n * ElementBytes(ShardArray::kAdamM));
       buf.v = DevBuf::Zeros(be, n * ElementBytes(ShardArray::kAdamV));
       if (bp.wire == WireDtype::kFp8) {
-        buf.wire = DevBuf::Zeros(be, n);  // padding stays code 0: casts write the tensors only
+        // Padding stays code 0: casts write the tensors only.
+        if (keep_fp8_codes_) buf.wire = DevBuf::Zeros(be, n);
         // Every FP8 weight's gradient is written whole by its dW GEMM (Linear::Backward).
         for (size_t t = 0; t < bp.tensors.size(); ++t) {
           buf.grad_written_whole.push_back({bp.offsets[t], bp.offsets[t] + bp.tensors[t].numel});
@@ -141,6 +144,7 @@ void FsdpParams::DropUnit(int unit) {
   for (Buf& b : units_[unit]) {
     if (b.ticket != 0) comm_->Wait(b.ticket);  // the compute stream's frees below come after it
     b.ticket = 0;
+    b.codes.Reset();
     b.full.Reset();
     b.full_u16.Reset();
     b.f32_of.clear();
@@ -157,6 +161,16 @@ absl::Status FsdpParams::Prefetch(int unit) {
   for (Buf& b : units_[unit]) {
     const BufferPlan& bp = *b.plan;
     const int64_t n = bp.shard_numel;
+    if (bp.wire == WireDtype::kFp8 && !keep_fp8_codes_) {
+      // No kept codes: cast now (on one rank straight into the gathered buffer).
+      const bool one_rank = n == bp.padded_numel;
+      b.codes = DevBuf(be_, n);
+      CastShardCodes(b, b.codes.u8());
+      if (one_rank) {
+        b.full = std::move(b.codes);
+        continue;
+      }
+    }
     if (n == bp.padded_numel) {  // one rank: the gathered unit is the shard itself (no copy)
       if (bp.wire == WireDtype::kBf16) {
         b.full_u16 = DevBuf::View(b.wire.get(), n * sizeof(uint16_t));
@@ -171,7 +185,7 @@ absl::Status FsdpParams::Prefetch(int unit) {
     switch (bp.wire) {
       case WireDtype::kFp8:
         b.full = DevBuf(be_, bp.padded_numel);
-        t = comm_->AllGatherAsync(b.wire.get(), b.full.get(), n);
+        t = comm_->AllGatherAsync(keep_fp8_codes_ ? b.wire.get() : b.codes.get(), b.full.get(), n);
         break;
       case WireDtype::kBf16:
         b.full_u16 = DevBuf(be_, bp.padded_numel * sizeof(uint16_t));
@@ -197,6 +211,7 @@ absl::Status FsdpParams::Gather(int unit) {
   for (Buf& b : units_[unit]) {
     comm_->Wait(b.ticket);
     b.ticket = 0;
+    b.codes.Reset();  // the all-gather has read it (stream-ordered free)
     if (b.plan->wire == WireDtype::kBf16) {
       b.f32_of.clear();
       b.f32_of.resize(b.plan->tensors.size());
@@ -204,6 +219,19 @@ absl::Status FsdpParams::Gather(int unit) {
   }
   in_flight_[unit] = false;
   return absl::OkStatus();
+}
+
+void FsdpParams::CastShardCodes(const Buf& b, uint8_t* codes) {
+  int64_t at = 0;  // zeroes the gaps between tensors and the padding
+  for (int i : b.fp8_ids) {
+    const Slice& sl = fp8_slices_[i];
+    if (sl.hi <= sl.lo) continue;
+    if (sl.lo > at) be_->Memset(codes + at, 0, sl.lo - at);
+    be_->CastToFp8(b.master.f32() + sl.lo, codes + sl.lo, sl.hi - sl.lo,
+                   w_scale_.f32() + i * kScaleStride, Fp8Format::kE4M3, nullptr);
+    at = sl.hi;
+  }
+  if (b.plan->shard_numel > at) be_->Memset(codes + at, 0, b.plan->shard_numel - at);
 }
 
 void FsdpParams::Release(int unit) {
@@ -440,6 +468,7 @@ absl::Status FsdpParams::CastWeights() {
   be_->Fp8ScalesFromAmax(w_amax_.f32(), static_cast<int64_t>(nf), Fp8MaxValue(/*e5m2=*/false),
                          /*margin=*/0, w_scale_.f32(), w_scale_inv_.f32(), kScaleStride);
   wscale_on_host_ = false;
+  if (!keep_fp8_codes_) return absl::OkStatus();  // each Prefetch casts with these scales
   for (size_t i = 0; i < nf; ++i) {
     Buf& b = units_[fp8_refs_[i].unit][fp8_refs_[i].buffer];
     const Slice& sl = fp8_slices_[i];

@@ -95,8 +95,10 @@ MomentDtype MomentDtypeOf(v1::Precision state_precision);
 
 class FsdpParams {
  public:
+  // keep_fp8_codes (Fp8Recipe.keep_weight_codes): false keeps no FP8 wire shards; Prefetch casts
+  // the rank's FP8 slices from the master weights with the current scales instead.
   FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* be, Communicator* comm,
-             CommClock* clock, MomentDtype moments = MomentDtype::kF32);
+             CommClock* clock, MomentDtype moments = MomentDtype::kF32, bool keep_fp8_codes = true);
 
   // Waits (stream-ordered) for prefetched all-gathers still in flight before their buffers go.
   ~FsdpParams();
@@ -194,6 +196,7 @@ class FsdpParams {
     DevBuf full_u16;   // gathered bf16 codes (bf16), padded_numel elements
     mutable std::vector<DevBuf> f32_of;  // bf16: each tensor's f32 values, unpacked by W()
     DevBuf full_grad;  // padded_numel f32
+    DevBuf codes;      // without kept FP8 codes: the slice cast for an all-gather in flight
     int64_t ticket = 0;  // in-flight all-gather (Communicator::Wait)
     std::vector<int> fp8_ids;        // FP8 tensors of this buffer, in offset order
     std::vector<Slice> grad_written_whole;  // full-gradient ranges written whole, by offset (FP8
@@ -210,6 +213,9 @@ class FsdpParams {
   void DropPrefetches();
   // Drops one unit's issued all-gathers (waited for on the compute stream) and full buffers.
   void DropUnit(int unit);
+  // Casts b's FP8 tensors from its master slice with the current weight scales into `codes`
+  // (shard_numel bytes; the rest zeroed, as a kept wire shard's padding).
+  void CastShardCodes(const Buf& b, uint8_t* codes);
   // Finishes pending reduce-scatters; allocates and zeroes the grad shards no gradient reached.
   void MaterializeGrads();
   const DevBuf& Array(int unit, int buffer, ShardArray which) const;
@@ -218,6 +224,7 @@ class FsdpParams {
 
   const ShardPlan& plan_;
   const int rank_;
+  const bool keep_fp8_codes_;
   const MomentDtype moments_;
   Backend* be_;
   Communicator* comm_;

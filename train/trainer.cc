@@ -75,7 +75,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
   backend->SetGemmAutotune(tr.gemm_autotune());
   backend->SetDeterministic(tr.deterministic());
   t->params_ = std::make_unique<FsdpParams>(t->plan_, rank, tr.seed(), backend, comm, &t->clock_,
-                                            MomentDtypeOf(spec.optimizer().state_precision()));
+                                            MomentDtypeOf(spec.optimizer().state_precision()),
+                                            spec.precision().fp8().keep_weight_codes());
   t->scaling_ = std::make_unique<ActScaling>(backend, spec.precision().fp8());
   t->model_ = std::make_unique<LlamaModel>(spec, t->params_.get(), t->scaling_.get(), backend,
                                            options.model);

@@ -82,6 +82,18 @@ TEST(MemoryPlan, ActivationRecompute) {
   ExpectWithinTenPercent(s, 2, "recompute, BF16 attention, bf16 norm inputs");
 }
 
+// Fp8Recipe.keep_weight_codes false: no FP8 wire shards; each gather's cast slice (and, on one
+// rank, the gathered unit itself).
+TEST(MemoryPlan, FP8WeightCodesCastPerGather) {
+  v1::JobSpec s = Small();
+  s.mutable_precision()->mutable_fp8()->set_keep_weight_codes(false);
+  ExpectWithinTenPercent(s, 1, "codes cast per gather");
+  ExpectWithinTenPercent(s, 2, "codes cast per gather");
+  s.mutable_training()->set_activation_recompute(true);
+  s.mutable_precision()->set_attention(v1::PRECISION_BF16);
+  ExpectWithinTenPercent(s, 2, "codes cast per gather, recompute");
+}
+
 TEST(MemoryPlan, Bf16AndFp32LinearsMicrobatchesTied) {
   v1::JobSpec s = Small();
   testing::AllPrecision(&s, v1::PRECISION_BF16);

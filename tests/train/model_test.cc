@@ -340,6 +340,58 @@ TEST(Trainer, DownProjInputRecastIsBitIdentical) {
   }
 }
 
+// Fp8Recipe.keep_weight_codes false casts each unit's FP8 codes from the master weights at each
+// all-gather instead of keeping them from the optimizer step: the same codes (the same master
+// weights, the step's scales), hence the same losses, gradient norms and weights, bit for bit, on
+// 1 rank (the cast is the gathered unit) and 2 (the cast slice is all-gathered); with
+// recompute (three gathers of a block per step) and with q/k/v and gate/up sharing scales. A cast
+// with a stale scale, a wrong slice or unzeroed padding would change them.
+TEST(Trainer, FP8WeightCodesCastPerGatherAreBitIdentical) {
+  for (int world : {1, 2}) {
+    for (bool recompute : {false, true}) {
+      v1::JobSpec spec = TinySpec(TrainFile());
+      spec.mutable_precision()->set_linears(v1::PRECISION_FP8);
+      spec.mutable_precision()->set_attention(v1::PRECISION_BF16);
+      spec.mutable_training()->set_activation_recompute(recompute);
+      struct Out {
+        std::vector<double> losses, norms;
+        std::map<std::string, std::vector<float>> master;
+      };
+      auto run = [&](bool keep) {
+        spec.mutable_precision()->mutable_fp8()->set_keep_weight_codes(keep);
+        Out out;
+        RunRanks(world, [&](int r, Communicator* c) {
+          auto be = CpuBackend();
+          auto t = Trainer::Create(spec, r, world, be.get(), c);
+          ASSERT_TRUE(t.ok()) << t.status();
+          for (int k = 0; k < 3; ++k) {
+            auto st = (*t)->Step(k, false, false);
+            ASSERT_TRUE(st.ok()) << st.status();
+            if (r == 0) {
+              out.losses.push_back(st->loss_sum);
+              out.norms.push_back(st->grad_norm);
+            }
+          }
+          auto m = (*t)->params().GatherAll(false);
+          ASSERT_TRUE(m.ok()) << m.status();
+          if (r == 0) out.master = *m;
+        });
+        return out;
+      };
+      const Out kept = run(true), cast = run(false);
+      const std::string what = "world " + std::to_string(world) + (recompute ? ", recompute" : "");
+      ASSERT_EQ(kept.losses.size(), 3u) << what;
+      ASSERT_EQ(cast.losses.size(), 3u) << what;
+      for (int k = 0; k < 3; ++k) {
+        EXPECT_EQ(kept.losses[k], cast.losses[k]) << what << " step " << k;
+        EXPECT_EQ(kept.norms[k], cast.norms[k]) << what << " step " << k;
+      }
+      ASSERT_FALSE(kept.master.empty());
+      EXPECT_TRUE(kept.master == cast.master) << what;
+    }
+  }
+}
+
 // training.saved_norm_inputs BF16 keeps the two norm inputs of each FP8 block rounded to bf16
 // for the backward: the forward is unchanged (step 0's loss bit-identical), the norms' backward
 // reads inputs within 2^-9 of the f32 ones (the gradients move: grad norm within 0.2 %, not equal),
