@@ -63,14 +63,29 @@ def _parse(lines):
 
 
 def _set(lines, section, key, value):
+    """Sets section.key (key "sub.name": the third-level field name of the two-level line
+    "  sub:", which is added when missing)."""
     fields = _parse(lines)
+    if "." in key:
+        sub, name = key.split(".", 1)
+        if (section, sub) not in fields:
+            _set(lines, section, sub, "")
+            fields = _parse(lines)
+        at = fields[(section, sub)][0] + 1
+        while at < len(lines) and lines[at].startswith("    "):
+            if re.match(rf"^    {re.escape(name)}:", lines[at]):
+                lines[at] = f"    {name}: {value}"
+                return
+            at += 1
+        lines.insert(fields[(section, sub)][0] + 1, f"    {name}: {value}")
+        return
     if (section, key) in fields:
-        lines[fields[(section, key)][0]] = f"  {key}: {value}"
+        lines[fields[(section, key)][0]] = f"  {key}: {value}".rstrip()
         return
     last = max((i for (s, _), (i, _) in fields.items() if s == section), default=None)
     if last is None:
         raise ValueError(f"preset has no section {section!r}")
-    lines.insert(last + 1, f"  {key}: {value}")
+    lines.insert(last + 1, f"  {key}: {value}".rstrip())
 
 
 # preset field -> (section, key) in the fsdp8 spec
