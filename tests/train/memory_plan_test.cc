@@ -37,6 +37,14 @@ void ExpectWithinTenPercent(const v1::JobSpec& spec, int world, const char* what
   std::printf("%-40s world %d: predicted %lld (%s), measured %lld, ratio %.3f\n", what, world,
               static_cast<long long>(plan->peak_bytes), plan->peak_phase.c_str(),
               static_cast<long long>(measured), ratio);
+  const auto& r = out[0].results[1];
+  std::printf("    phases predicted %lld %lld %lld, measured %lld %lld %lld\n",
+              static_cast<long long>(plan->forward_peak_bytes),
+              static_cast<long long>(plan->backward_peak_bytes),
+              static_cast<long long>(plan->optimizer_peak_bytes),
+              static_cast<long long>(r.forward_peak_bytes),
+              static_cast<long long>(r.backward_peak_bytes),
+              static_cast<long long>(r.optimizer_peak_bytes));
   for (const MemoryTerm& t : plan->terms) {
     std::printf("    %-20s %12lld\n", t.name.c_str(), static_cast<long long>(t.bytes));
   }
