@@ -6,8 +6,14 @@ scripts/install-deps.sh
 scripts/build.sh
 # CPU backends fill fresh allocations with NaN: a read before the first write fails its test.
 export FSDP8_CPU_FILL_NAN=1
-# The container test (label deploy: a debootstrapped base, the coordinator image built cold, the
-# cpu-dev overlay played by podman; 15 minutes or more on 2 cores) runs with FSDP8_DEPLOY_TEST=1.
-skip=(-LE deploy)
-if [ "${FSDP8_DEPLOY_TEST:-0}" = 1 ]; then skip=(); fi
-ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 900 "${skip[@]}"
+# The container test (label deploy: a debootstrapped base, the coordinator image built through the
+# compiler cache scripts/build.sh just filled, the cpu-dev overlay played by podman) runs first,
+# beside the others; it skips, saying why, where podman cannot run containers or the Debian mirror
+# is unreachable. FSDP8_DEPLOY_TEST=0 leaves it out.
+skip=()
+if [ "${FSDP8_DEPLOY_TEST:-1}" = 0 ]; then skip=(-LE deploy); fi
+rc=0
+ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 900 "${skip[@]}" || rc=$?
+# ctest shows no output of a skipped test: the reasons the skipped ones gave.
+grep -h '^SKIP: ' build/Testing/Temporary/LastTest*.log 2> /dev/null | sort -u || true
+exit $rc
