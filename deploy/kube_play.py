@@ -9,7 +9,8 @@ outside the pods (a container on the host's network, dialing the published port)
   3. submits the default job with min_workers 1 and a checkpoint every 10 steps, runs a worker's
      preStop hook (`podman exec`) and stops that worker (`podman stop`, SIGTERM) mid-job: the job
      resumes on the remaining worker; then kills the coordinator's container (SIGKILL) and starts
-     it again on its volume: the job resumes; it ends SUCCEEDED. The times are printed.
+     its pod again (podman stops it with its last container) on its volume: the job resumes; it
+     ends SUCCEEDED. The times are printed.
 Everything it made (pods, the client, volumes, the network unless it existed, the secret directory)
 is removed on exit, also on failure and on SIGTERM, and nothing else: what it made is listed in
 FSDP8_DEPLOY_DIR/kube-play-made.json as it goes, which the next run reads if this one is killed.
@@ -509,15 +510,29 @@ def worker_prestop_and_stop(client, job, plan, coord_pod):
     return t_prestop, t_resumed
 
 
-def coordinator_kill_and_start(client, job, coord_ctr, pods):
+def pod_stopped(pod, timeout_s=20):
+    """Waits until every container of `pod` has stopped, or timeout_s: a pod kube play made stops
+    when its last container exits (its exit policy), infra container included."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if podman("pod", "inspect", pod, "--format", "{{.State}}").strip() in ("Exited", "Stopped"):
+            return
+        time.sleep(0.2)
+
+
+def coordinator_kill_and_start(client, job, coord_pod, coord_ctr, pods):
     """SIGKILL to the coordinator's container 10 steps later, then start it again (what the
-    kubelet does after a crash): same pod, same volume fsdp8-coordinator-db."""
+    kubelet does after a crash): same pod, address and volume fsdp8-coordinator-db. The kubelet
+    restarts the container in the pod's running sandbox; podman stops the whole pod once the
+    container is gone (kube play's exit policy), so the pod is started again, once it has stopped
+    (starting the container alone races with that)."""
     s0 = step(client.status(job))
     j = client.wait(job, "10 more steps", lambda j: step(j) >= s0 + 10, 600, pods)
     s_kill = step(j)
     t0 = time.monotonic()
     podman("kill", "-s", "KILL", coord_ctr)
-    podman("start", coord_ctr)
+    pod_stopped(coord_pod)
+    podman("pod", "start", coord_pod)
     j = client.wait(job, "the job running again", lambda j: j["state"] == "JOB_STATE_RUNNING",
                     300, pods)
     t_answer = time.monotonic() - t0
@@ -542,7 +557,7 @@ def faults(client, plan):
     job = client.run("submit", spec, "--no-watch").stdout.split()[0]
     log(f"submitted the fault job ({steps} steps, min_workers 1, a checkpoint every 10): {job}")
     times = worker_prestop_and_stop(client, job, plan, coord_ctr)
-    times += coordinator_kill_and_start(client, job, coord_ctr, pods)
+    times += coordinator_kill_and_start(client, job, coord_pod, coord_ctr, pods)
     j = client.wait(job, "SUCCEEDED", lambda j: j["state"] == "JOB_STATE_SUCCEEDED",
                     300 + 10 * steps, pods)
     log(f"fault job SUCCEEDED at step {step(j)}, generation {j.get('generation')}; committed "
