@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "comm/collective_check.h"
 #include "gloo/common/error.h"
 #include "gloo/rendezvous/context.h"
 #include "gloo/rendezvous/store.h"
@@ -14,23 +15,6 @@
 
 namespace fsdp8 {
 namespace {
-
-enum Op : int { kAllGather = 1, kReduceScatter = 2, kAllReduceSum = 3, kAllReduceMax = 4,
-                kBroadcast = 5, kBarrier = 6 };
-enum Dtype : int { kU8 = 1, kF32 = 2, kNone = 3 };
-
-const char* OpName(int op) {
-  switch (op) {
-    case kAllGather: return "all_gather";
-    case kReduceScatter: return "reduce_scatter";
-    case kAllReduceSum: return "all_reduce(sum)";
-    case kAllReduceMax: return "all_reduce(max)";
-    case kBroadcast: return "broadcast";
-    case kBarrier: return "barrier";
-  }
-  return "unknown";
-}
-const char* DtypeName(int d) { return d == kU8 ? "u8" : d == kF32 ? "f32" : "none"; }
 
 // gloo::rendezvous::Store over a KvStore; Gloo expects exceptions for failures.
 class KvGlooStore : public gloo::rendezvous::Store {
@@ -81,13 +65,6 @@ absl::Status GlooCall(const std::string& what, F&& f) {
   }
 }
 
-struct Header {  // one per rank per collective, all-gathered before the collective
-  int64_t seq;  // equal on all ranks by construction (the exchange's slot is derived from it)
-  int64_t op;
-  int64_t count;
-  int64_t dtype_and_extra;  // dtype in the low 32 bits, op-specific (root) in the high bits
-};
-
 // The slot of phase `phase` (0: the header exchange, 1 and 2: the data) of collective #seq; a
 // pair's messages match by slot.
 uint64_t SlotOf(uint64_t seq, int phase) { return seq * 4 + static_cast<uint64_t>(phase); }
@@ -136,7 +113,7 @@ GlooCommunicator::GlooCommunicator(int rank, int world_size, std::shared_ptr<glo
                                    std::chrono::milliseconds timeout)
     : rank_(rank), world_size_(world_size), ctx_(std::move(ctx)), timeout_(timeout),
       headers_(4 * static_cast<size_t>(world_size)) {
-  static_assert(sizeof(Header) == 4 * sizeof(int64_t), "a header is 4 words");
+  static_assert(sizeof(CollectiveHeader) == 4 * sizeof(int64_t), "a header is 4 words");
 }
 
 GlooCommunicator::~GlooCommunicator() {
@@ -319,51 +296,22 @@ absl::Status GlooCommunicator::Check(int op, int64_t count, int dtype, int64_t e
   if (failed_.load()) return Failed();
   *seq = ++seq_;
   if (world_size_ == 1) return absl::OkStatus();
-  Header* all = reinterpret_cast<Header*>(headers_.data());  // one per rank
-  all[rank_] = Header{static_cast<int64_t>(*seq), op, count, (extra << 32) | dtype};
-  const Header& mine = all[rank_];
+  CollectiveHeader* all = reinterpret_cast<CollectiveHeader*>(headers_.data());  // one per rank
+  all[rank_] = CollectiveHeader::Make(*seq, op, count, dtype, extra);
   std::vector<int64_t> begin(world_size_ + 1);
-  for (int p = 0; p <= world_size_; ++p) begin[p] = p * static_cast<int64_t>(sizeof(Header));
+  for (int p = 0; p <= world_size_; ++p) begin[p] = p * static_cast<int64_t>(sizeof(CollectiveHeader));
   if (absl::Status s = GatherSlices(all, begin, SlotOf(*seq, 0),
-                                    absl::StrCat(OpName(op), " #", *seq, " (header exchange)"));
+                                    absl::StrCat(CollectiveOpName(op), " #", *seq,
+                                                 " (header exchange)"));
       !s.ok())
     return s;
-  for (int r = 0; r < world_size_; ++r) {
-    const Header& h = all[r];
-    if (h.op != mine.op) {
-      return Fail(absl::InvalidArgumentError(absl::StrCat(
-          "collective #", *seq, ": rank ", rank_, " called ", OpName(op), ", rank ", r,
-          " called ", OpName(static_cast<int>(h.op)))));
-    }
-  }
-  for (int r = 1; r < world_size_; ++r) {
-    const Header& a = all[0];
-    const Header& b = all[r];
-    if (a.count != b.count) {
-      // u8 collectives count bytes, f32 ones elements.
-      const char* unit = dtype == kU8 ? " bytes" : " elements";
-      return Fail(absl::InvalidArgumentError(absl::StrCat(OpName(op), " #", *seq, ": rank 0 has ",
-                                                          a.count, unit, ", rank ", r, " has ",
-                                                          b.count, unit)));
-    }
-    if ((a.dtype_and_extra & 0xffffffff) != (b.dtype_and_extra & 0xffffffff)) {
-      return Fail(absl::InvalidArgumentError(absl::StrCat(
-          OpName(op), " #", *seq, ": rank 0 has dtype ",
-          DtypeName(static_cast<int>(a.dtype_and_extra & 0xffffffff)), ", rank ", r, " has ",
-          DtypeName(static_cast<int>(b.dtype_and_extra & 0xffffffff)))));
-    }
-    if ((a.dtype_and_extra >> 32) != (b.dtype_and_extra >> 32)) {
-      return Fail(absl::InvalidArgumentError(
-          absl::StrCat(OpName(op), " #", *seq, ": rank 0 has root ", a.dtype_and_extra >> 32,
-                       ", rank ", r, " has root ", b.dtype_and_extra >> 32)));
-    }
-  }
+  if (absl::Status s = CheckHeaders(all, world_size_, rank_); !s.ok()) return Fail(s);
   return absl::OkStatus();
 }
 
 absl::Status GlooCommunicator::AllGather(const void* send, void* recv, int64_t bytes_per_rank) {
   uint64_t seq;
-  if (absl::Status s = Check(kAllGather, bytes_per_rank, kU8, 0, &seq); !s.ok()) return s;
+  if (absl::Status s = Check(kOpAllGather, bytes_per_rank, kDtypeU8, 0, &seq); !s.ok()) return s;
   bytes_.all_gather += bytes_per_rank * world_size_;
   if (bytes_per_rank == 0) return absl::OkStatus();
   uint8_t* out = static_cast<uint8_t*>(recv);
@@ -376,7 +324,7 @@ absl::Status GlooCommunicator::AllGather(const void* send, void* recv, int64_t b
 
 absl::Status GlooCommunicator::ReduceScatterSum(const float* send, float* recv, int64_t count) {
   uint64_t seq;
-  if (absl::Status s = Check(kReduceScatter, count, kF32, 0, &seq); !s.ok()) return s;
+  if (absl::Status s = Check(kOpReduceScatter, count, kDtypeF32, 0, &seq); !s.ok()) return s;
   bytes_.reduce_scatter += count * world_size_ * static_cast<int64_t>(sizeof(float));
   if (count == 0) return absl::OkStatus();
   if (world_size_ == 1) {
@@ -389,11 +337,11 @@ absl::Status GlooCommunicator::ReduceScatterSum(const float* send, float* recv, 
 
 absl::Status GlooCommunicator::AllReduce(float* buf, int64_t count, ReduceOp op) {
   uint64_t seq;
-  const int code = op == ReduceOp::kSum ? kAllReduceSum : kAllReduceMax;
-  if (absl::Status s = Check(code, count, kF32, 0, &seq); !s.ok()) return s;
+  const int code = op == ReduceOp::kSum ? kOpAllReduceSum : kOpAllReduceMax;
+  if (absl::Status s = Check(code, count, kDtypeF32, 0, &seq); !s.ok()) return s;
   bytes_.all_reduce += count * static_cast<int64_t>(sizeof(float));
   if (count == 0 || world_size_ == 1) return absl::OkStatus();
-  const std::string what = absl::StrCat(OpName(code), " #", seq);
+  const std::string what = absl::StrCat(CollectiveOpName(code), " #", seq);
   std::vector<int64_t> begin = SliceBounds(world_size_, count, false);
   if (absl::Status s = ReduceSlices(buf, begin, op, buf + begin[rank_], SlotOf(seq, 1), what);
       !s.ok())
@@ -407,7 +355,7 @@ absl::Status GlooCommunicator::Broadcast(void* buf, int64_t bytes, int root) {
   if (root < 0 || root >= world_size_) {
     return absl::InvalidArgumentError(absl::StrCat("broadcast: root ", root, " out of range"));
   }
-  if (absl::Status s = Check(kBroadcast, bytes, kU8, root, &seq); !s.ok()) return s;
+  if (absl::Status s = Check(kOpBroadcast, bytes, kDtypeU8, root, &seq); !s.ok()) return s;
   if (bytes == 0 || world_size_ == 1) return absl::OkStatus();
   const std::string what = absl::StrCat("broadcast #", seq);
   const auto deadline = Clock::now() + timeout_;
@@ -428,7 +376,7 @@ absl::Status GlooCommunicator::Broadcast(void* buf, int64_t bytes, int root) {
 // The header exchange is the barrier: no rank gets past it before every rank has sent its header.
 absl::Status GlooCommunicator::Barrier() {
   uint64_t seq;
-  return Check(kBarrier, 0, kNone, 0, &seq);
+  return Check(kOpBarrier, 0, kDtypeNone, 0, &seq);
 }
 
 }  // namespace fsdp8

@@ -41,6 +41,9 @@ inline constexpr char kGemmVerbose[] = "FSDP8_GEMM_VERBOSE";
 // The NCCL communicator's check of matched collectives (C09): unset/"1" on the watchdog, "sync"
 // before each collective, "0" off.
 inline constexpr char kNcclCheckCollectives[] = "FSDP8_NCCL_CHECK_COLLECTIVES";
+// CPU jobs' collectives (comm/cpu_communicator.h, CpuCommOptions): "gloo" always over Gloo's TCP;
+// unset/"auto" through shared memory when every rank runs on this machine.
+inline constexpr char kCpuTransport[] = "FSDP8_CPU_TRANSPORT";
 
 // ---- training (train/options.h, ModelOptions and TrainerOptions) ----
 // f32 logit bytes per row chunk of the BF16 head (default 1 GiB).

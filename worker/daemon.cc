@@ -12,7 +12,7 @@
 #include "common/log.h"
 #include "train/checkpoint.h"
 #include "train/device_buffer.h"
-#include "comm/gloo_communicator.h"
+#include "comm/cpu_communicator.h"
 #include "worker/grpc_kv_store.h"
 #include "train/hf_import.h"
 #include "train/trainer.h"
@@ -406,11 +406,15 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
     return fail("backend cuda: this worker was built without CUDA");
 #endif
   } else {
-    auto c = GlooCommunicator::Create(a.rank(), a.world_size(), job->kv.get(), a.store_prefix(),
-                                      opts_.host, timeout,
-                                      std::chrono::milliseconds(a.bootstrap_timeout_ms()));
+    std::string transport;
+    auto c = CreateCpuCommunicator(a.rank(), a.world_size(), job->kv.get(), a.store_prefix(),
+                                   opts_.host, timeout,
+                                   std::chrono::milliseconds(a.bootstrap_timeout_ms()),
+                                   opts_.settings.cpu_comm, &transport);
     if (!c.ok()) return fail(std::string(c.status().message()));
     job->comm = std::move(*c);
+    Log(absl::StrCat("job ", a.job_id(), " generation ", a.generation(),
+                     ": collectives over ", transport));
   }
   {
     // Checked under comm_mu_ so an Abort either sees live_comm_ or is seen here.

@@ -8,6 +8,7 @@ WorkerSettings WorkerSettings::FromEnvironment() {
   WorkerSettings s;
   s.backend = BackendOptions::FromEnvironment();
   s.nccl = NcclOptions::FromEnvironment();
+  s.cpu_comm = CpuCommOptions::FromEnvironment();
   s.trainer = TrainerOptions::FromEnvironment();
   s.faults = FaultInjection::FromEnvironment();
   s.tls_ca = env::GetOrEmpty(env::kTlsCa);

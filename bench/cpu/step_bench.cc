@@ -1,9 +1,11 @@
 // fsdp8-bench-cpu-step: training steps of a job spec in one process, without the coordinator and
-// worker daemons: `--world` ranks as threads over Gloo on 127.0.0.1, each with its own backend.
+// worker daemons: `--world` ranks as threads, each with its own backend, their collectives through
+// comm/cpu_communicator.h as in the workers (shared memory; FSDP8_CPU_TRANSPORT=gloo: Gloo on
+// 127.0.0.1).
 // Prints tokens/s over the timed steps (after `--warmup` untimed ones), per wall-clock second and
 // per process-CPU second, the trainer's compute / communication / optimizer split of rank 0, and
-// the process's CPU time per timed step split into the rank threads' and the rest (Gloo's event
-// loop threads).
+// the process's CPU time per timed step split into the rank threads' and the rest (with Gloo, its
+// event-loop threads).
 //
 // Usage: fsdp8-bench-cpu-step --spec JOB.yaml --data DIR [--steps N] [--warmup N] [--world N]
 //                             [--backend cpu|cpu-ref] [--threads N]
@@ -32,7 +34,7 @@
 
 #include "absl/strings/str_replace.h"
 #include "bench/cpu/bench_util.h"
-#include "comm/gloo_communicator.h"
+#include "comm/cpu_communicator.h"
 #include "comm/kv_store.h"
 #include "common/spec.h"
 #include "kernels/backend.h"
@@ -93,13 +95,16 @@ struct RankResult {
   double seconds = 0, cpu_seconds = 0, compute = 0, comm = 0, optimizer = 0;
   double process_cpu_seconds = 0;  // the whole process's CPU time over this rank's timed steps
   int64_t tokens = 0;
+  std::string transport;
   std::string error;
 };
 
 void RunRank(const fsdp8::v1::JobSpec& spec, const Args& a, int rank, fsdp8::KvStore* kv,
              RankResult* out) {
-  auto comm = fsdp8::GlooCommunicator::Create(rank, a.world, kv, "bench/", "127.0.0.1",
-                                              std::chrono::seconds(60));
+  auto comm = fsdp8::CreateCpuCommunicator(rank, a.world, kv, "bench/", "127.0.0.1",
+                                           std::chrono::seconds(60), std::chrono::seconds(60),
+                                           fsdp8::CpuCommOptions::FromEnvironment(),
+                                           &out->transport);
   if (!comm.ok()) {
     out->error = comm.status().ToString();
     return;
@@ -183,8 +188,8 @@ int main(int argc, char** argv) {
     rank_cpu_sum += r.cpu_seconds;
   }
   const RankResult& r0 = results[0];
-  std::printf("backend %s, %d rank(s), %d BLAS thread(s), %d timed steps\n", a.backend.c_str(),
-              a.world, a.threads, a.steps);
+  std::printf("backend %s, %d rank(s), %d BLAS thread(s), %d timed steps, collectives over %s\n",
+              a.backend.c_str(), a.world, a.threads, a.steps, results[0].transport.c_str());
   // On a shared machine the wall figure also counts waiting for a core; the per-CPU-second one
   // divides by the busiest rank thread's CPU time (what the ranks would take on their own cores).
   std::printf("tokens/s %.0f (wall), %.0f (per rank-thread CPU second); process CPU %.2f s incl. "
@@ -193,10 +198,10 @@ int main(int argc, char** argv) {
   std::printf("rank 0 per step: compute %.1f ms, comm %.1f ms, optimizer %.1f ms, wall %.1f ms\n",
               1e3 * r0.compute / a.steps, 1e3 * r0.comm / a.steps, 1e3 * r0.optimizer / a.steps,
               1e3 * r0.seconds / a.steps);
-  // What the rank threads do not account for: Gloo's event-loop threads (one per rank) and the
-  // kernel's TCP work for them, waking once per message of every collective.
+  // What the rank threads do not account for: with Gloo, its event-loop threads (one per rank)
+  // and the kernel's TCP work for them, waking once per message of every collective.
   std::printf("timed steps, per step: process CPU %.1f ms, rank threads %.1f ms, other threads "
-              "(Gloo's event loops) %.1f ms\n",
+              "%.1f ms\n",
               1e3 * r0.process_cpu_seconds / a.steps, 1e3 * rank_cpu_sum / a.steps,
               1e3 * (r0.process_cpu_seconds - rank_cpu_sum) / a.steps);
   return 0;

@@ -21,6 +21,7 @@
 #include "kernels/backend.h"
 #include "comm/gloo_communicator.h"
 #include "comm/kv_store.h"
+#include "comm/shm_communicator.h"
 
 namespace fsdp8::testing {
 
@@ -47,21 +48,38 @@ class MemKvStore : public KvStore {
   std::map<std::string, std::string> kv_;
 };
 
-// Runs fn(rank, comm) on `world` threads, each with its own Gloo communicator.
-inline void RunRanks(int world, const std::function<void(int, Communicator*)>& fn,
-                     std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+enum class Transport { kGloo, kSharedMemory };
+
+// Runs fn(rank, comm) on `world` threads, each with its own communicator over `transport`.
+inline void RunRanksOver(Transport transport, int world,
+                         const std::function<void(int, Communicator*)>& fn,
+                         std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
   static std::atomic<int> generation{0};
   const std::string prefix = absl::StrCat("test/", generation++, "/");
   MemKvStore kv;
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      auto c = GlooCommunicator::Create(r, world, &kv, prefix, "127.0.0.1", timeout);
-      ASSERT_TRUE(c.ok()) << c.status();
-      fn(r, c->get());
+      std::unique_ptr<Communicator> comm;
+      if (transport == Transport::kGloo) {
+        auto c = GlooCommunicator::Create(r, world, &kv, prefix, "127.0.0.1", timeout);
+        ASSERT_TRUE(c.ok()) << c.status();
+        comm = std::move(*c);
+      } else {
+        auto c = SharedMemoryCommunicator::Create(r, world, &kv, prefix, timeout);
+        ASSERT_TRUE(c.ok()) << c.status();
+        comm = std::move(*c);
+      }
+      fn(r, comm.get());
     });
   }
   for (auto& t : threads) t.join();
+}
+
+// Runs fn(rank, comm) on `world` threads, each with its own Gloo communicator.
+inline void RunRanks(int world, const std::function<void(int, Communicator*)>& fn,
+                     std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  RunRanksOver(Transport::kGloo, world, fn, timeout);
 }
 
 // A token file of byte-level pseudo-English (words from a small list): learnable structure, so

@@ -1,0 +1,36 @@
+// The communicator of a CPU job's rank: shared memory when every rank of the generation runs on
+// this machine (comm/shm_communicator.h), Gloo over TCP otherwise (comm/gloo_communicator.h). Both
+// give the same results bit for bit; shared memory needs no helper threads and no sockets.
+//
+// Thread-safety: CreateCpuCommunicator may run on several threads at once (one per rank).
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "comm/communicator.h"
+#include "comm/kv_store.h"
+
+namespace fsdp8 {
+
+struct CpuCommOptions {
+  // FSDP8_CPU_TRANSPORT: "gloo" always uses Gloo; unset or "auto" uses shared memory where every
+  // rank shares this machine. Every rank of a job must use the same value.
+  enum class Transport { kAuto, kGloo };
+  Transport transport = Transport::kAuto;
+
+  static CpuCommOptions FromEnvironment();
+};
+
+// Builds rank `rank` of `world_size`'s communicator, rendezvousing through `store` under `prefix`
+// (see SharedMemoryCommunicator::Create and GlooCommunicator::Create for the arguments; `host` is
+// the address Gloo's peers reach this rank at). *transport (when given) is set to "shared memory"
+// or "gloo". Errors: those of the rendezvous and of GlooCommunicator::Create.
+absl::StatusOr<std::unique_ptr<Communicator>> CreateCpuCommunicator(
+    int rank, int world_size, KvStore* store, const std::string& prefix, const std::string& host,
+    std::chrono::milliseconds timeout, std::chrono::milliseconds bootstrap_timeout,
+    const CpuCommOptions& options, std::string* transport = nullptr);
+
+}  // namespace fsdp8
