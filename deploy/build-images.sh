@@ -131,13 +131,14 @@ cuda_standin() {
 }
 
 cuda_bases() {
-  local tag cudadir name
+  local tag cudadir name t0
   tag=$(sed -n 's/^ARG CUDA_IMAGE_TAG=//p' deploy/worker.Dockerfile)
   cudadir=$(readlink -f "${CUDA_HOME:-/usr/local/cuda}")
   [ -x "$cudadir/bin/nvcc" ] || { echo "build-images: no nvcc under $cudadir (CUDA_HOME)" >&2; exit 1; }
   for kind in devel runtime; do
     name=docker.io/nvidia/cuda:$tag-$kind-ubuntu24.04
     if "${PODMAN[@]}" image exists "$name"; then say "cuda: $name present"; continue; fi
+    t0=$SECONDS
     cuda_standin $kind "$cudadir"
     "${PODMAN[@]}" rm -f fsdp8-cuda-standin > /dev/null 2>&1 || true
     "${PODMAN[@]}" run --name fsdp8-cuda-standin "${MOUNTS[@]}" docker.io/library/debian:12 \
@@ -147,7 +148,7 @@ cuda_bases() {
       --change "ENV PATH=/usr/local/cuda/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
       --change "ENV LD_LIBRARY_PATH=/usr/local/cuda/lib64" fsdp8-cuda-standin "$name" > /dev/null
     "${PODMAN[@]}" rm fsdp8-cuda-standin > /dev/null
-    say "cuda: $name: a stand-in from $cudadir"
+    say "cuda: $name: a stand-in from $cudadir in $((SECONDS - t0)) s"
   done
 }
 
