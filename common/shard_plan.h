@@ -51,6 +51,9 @@ struct BufferPlan {
   // [begin, end) of rank r's slice in flat-buffer elements.
   int64_t ShardBegin(int rank) const { return rank * shard_numel; }
   int64_t ShardEnd(int rank) const { return (rank + 1) * shard_numel; }
+  // One rank holds the whole buffer (world_size 1): its shard is the gathered buffer and the full
+  // gradient its gradient shard, with no collective between them.
+  bool OneRank() const { return shard_numel == padded_numel; }
 };
 
 struct UnitPlan {

@@ -163,15 +163,14 @@ absl::Status FsdpParams::Prefetch(int unit) {
     const int64_t n = bp.shard_numel;
     if (bp.wire == WireDtype::kFp8 && !keep_fp8_codes_) {
       // No kept codes: cast now (on one rank straight into the gathered buffer).
-      const bool one_rank = n == bp.padded_numel;
       b.codes = DevBuf(be_, n);
       CastShardCodes(b, b.codes.u8());
-      if (one_rank) {
+      if (bp.OneRank()) {
         b.full = std::move(b.codes);
         continue;
       }
     }
-    if (n == bp.padded_numel) {  // one rank: the gathered unit is the shard itself (no copy)
+    if (bp.OneRank()) {  // the gathered unit is the shard itself (no copy)
       if (bp.wire == WireDtype::kBf16) {
         b.full_u16 = DevBuf::View(b.wire.get(), n * sizeof(uint16_t));
       } else {
@@ -276,7 +275,7 @@ absl::Status FsdpParams::ReduceGrads(int unit) {
   FlushGrads();
   for (Buf& b : units_[unit]) {
     const int64_t n = b.plan->shard_numel;
-    if (n == b.plan->padded_numel) {  // one rank: the full gradient is the shard (no copy)
+    if (b.plan->OneRank()) {  // the full gradient is the shard (no copy)
       if (b.grad_unset) {
         b.grad = std::move(b.full_grad);
       } else {
