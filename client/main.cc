@@ -199,9 +199,15 @@ int Export(Args& a, const std::string& address, const fsdp8::ChannelSecurity& se
     if (!bytes.ok()) return Usage(std::string(bytes.status().message()));
     options.max_shard_bytes = *bytes;
   }
-  if (a.flags.count("tokenizer")) options.tokenizer_dir = a.flags["tokenizer"];
-  std::string src = a.positional[0];
   std::error_code ec;
+  if (a.flags.count("tokenizer")) {
+    options.tokenizer_dir = a.flags["tokenizer"];
+    if (!std::filesystem::is_directory(options.tokenizer_dir, ec)) {
+      return Usage(absl::StrCat("--tokenizer: \"", options.tokenizer_dir,
+                                "\" is not a directory (the tokenizer files to copy)"));
+    }
+  }
+  std::string src = a.positional[0];
   if (!std::filesystem::is_directory(src, ec)) {
     auto client = fsdp8::Client::Connect(address, sec);
     if (!client.ok()) return ReportError(client.status());
@@ -260,14 +266,16 @@ std::string StepLine(const fsdp8::v1::JobEvent& ev, double elapsed_s) {
   return line;
 }
 
-// The closing line of a watch: state, steps, wall time of the watch, mean tokens/s of the job
-// (tokens / (end_time - start_time)) and the last train and validation losses.
+// The closing line of a watch: state, steps, the job's wall time (end_time - start_time; the
+// watch's own when the job has no times, e.g. one watched from before it started), mean tokens/s
+// of the job (tokens / that time) and the last train and validation losses.
 std::string SummaryLine(const fsdp8::v1::Job& job, double elapsed_s) {
+  const double run_s = job.end_time() - job.start_time();
+  const bool timed = job.start_time() > 0 && job.end_time() > 0 && run_s > 0;
   std::string line = absl::StrFormat("job %s %s after %d/%d steps in %s", job.job_id(),
                                      State(job.state()), job.step(), job.total_steps(),
-                                     fsdp8::FormatDuration(elapsed_s));
-  const double run_s = job.end_time() - job.start_time();
-  if (job.start_time() > 0 && job.end_time() > 0 && run_s > 0 && job.tokens() > 0) {
+                                     fsdp8::FormatDuration(timed ? run_s : elapsed_s));
+  if (timed && job.tokens() > 0) {
     absl::StrAppend(&line, " (mean ", Thousands(static_cast<int64_t>(job.tokens() / run_s)),
                     " tok/s)");
   }

@@ -135,5 +135,23 @@ TEST(CliBinary, OldUnderscoreFlagStillWorksWithAWarning) {
   std::filesystem::remove_all(dir);
 }
 
+// A --tokenizer folder that does not exist is refused before anything is read or written (a typo
+// would otherwise export without the tokenizer files, silently).
+TEST(CliBinary, ExportRefusesAMissingTokenizerFolder) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / "fsdp8-cli-XXXXXX").string();
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  const std::string dir = mkdtemp(buf.data());
+  std::filesystem::create_directories(dir + "/ckpt");
+  std::string err;
+  EXPECT_EQ(RunCli("export " + dir + "/ckpt --out " + dir + "/hf --tokenizer " + dir + "/no-such",
+                   dir, &err),
+            2);
+  EXPECT_NE(err.find("--tokenizer: \"" + dir + "/no-such\" is not a directory"), std::string::npos)
+      << err;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/hf"));
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace fsdp8
