@@ -250,34 +250,38 @@ void SharedMemoryCommunicator::Abort(const std::string& reason) {
   Fail(absl::AbortedError(absl::StrCat("aborted: ", reason))).IgnoreError();
 }
 
-absl::Status SharedMemoryCommunicator::PeerFailure(const std::string& what) {
+std::string SharedMemoryCommunicator::Call::Name() const {
+  return absl::StrCat(CollectiveOpName(op), " #", seq);
+}
+
+absl::Status SharedMemoryCommunicator::PeerFailure(const Call& call) {
   const int32_t failed = ctl_->failed_rank.load();
   if (failed == 0 || failed - 1 == rank_) return absl::OkStatus();
-  return Fail(absl::UnavailableError(absl::StrCat(what, ": rank ", failed - 1,
+  return Fail(absl::UnavailableError(absl::StrCat(call.Name(), ": rank ", failed - 1,
                                                   " left the collective: ",
                                                   ctl_->reason[failed - 1])));
 }
 
-absl::Status SharedMemoryCommunicator::Health(Clock::time_point deadline, const std::string& what) {
-  if (failed_.load()) return Fail(absl::AbortedError(what + ": aborted"));
-  if (absl::Status s = PeerFailure(what); !s.ok()) return s;
+absl::Status SharedMemoryCommunicator::Health(Clock::time_point deadline, const Call& call) {
+  if (failed_.load()) return Fail(absl::AbortedError(call.Name() + ": aborted"));
+  if (absl::Status s = PeerFailure(call); !s.ok()) return s;
   if (Clock::now() >= deadline) {
     return Fail(absl::DeadlineExceededError(absl::StrCat(
-        what, ": timed out after ", timeout_.count(), " ms (a peer is gone or stuck)")));
+        call.Name(), ": timed out after ", timeout_.count(), " ms (a peer is gone or stuck)")));
   }
   for (int p = 0; p < world_size_; ++p) {
     const int pid = ctl_->pid[p];
     if (p != rank_ && pid != 0 && !ProcessAlive(pid)) {
       return Fail(absl::UnavailableError(
-          absl::StrCat(what, ": rank ", p, " (process ", pid, ") is gone")));
+          absl::StrCat(call.Name(), ": rank ", p, " (process ", pid, ") is gone")));
     }
   }
   return absl::OkStatus();
 }
 
-absl::Status SharedMemoryCommunicator::Meet(Clock::time_point deadline, const std::string& what) {
+absl::Status SharedMemoryCommunicator::Meet(Clock::time_point deadline, const Call& call) {
   // A rank that failed may have arrived before it did: its arrival must not complete this meeting.
-  if (absl::Status s = PeerFailure(what); !s.ok()) return s;
+  if (absl::Status s = PeerFailure(call); !s.ok()) return s;
   const uint32_t gen = ctl_->gen.load(std::memory_order_acquire);
   if (ctl_->arrived.fetch_add(1, std::memory_order_acq_rel) + 1 ==
       static_cast<uint32_t>(world_size_)) {
@@ -294,7 +298,7 @@ absl::Status SharedMemoryCommunicator::Meet(Clock::time_point deadline, const st
   }
   for (;;) {
     if (ctl_->gen.load(std::memory_order_acquire) != gen) return absl::OkStatus();
-    if (absl::Status s = Health(deadline, what); !s.ok()) return s;
+    if (absl::Status s = Health(deadline, call); !s.ok()) return s;
     ctl_->waiters.fetch_add(1, std::memory_order_seq_cst);
     if (ctl_->gen.load(std::memory_order_seq_cst) == gen) FutexWait(&ctl_->gen, gen);
     ctl_->waiters.fetch_sub(1, std::memory_order_seq_cst);
@@ -308,19 +312,19 @@ absl::Status SharedMemoryCommunicator::Run(int op, int64_t count, int dtype, int
                                            int64_t rounds, Write write, Read read) {
   if (failed_.load()) return Failed();
   const uint64_t seq = ++seq_;
-  const std::string what = absl::StrCat(CollectiveOpName(op), " #", seq);
+  const Call call{op, seq};
   ctl_->headers[seq & 1][rank_] = CollectiveHeader::Make(seq, op, count, dtype, extra);
   const auto deadline = Clock::now() + timeout_;
   for (int64_t k = 0; k < std::max<int64_t>(rounds, 1); ++k) {
     if (k < rounds) write(k);
-    if (absl::Status s = Meet(deadline, what); !s.ok()) return s;
+    if (absl::Status s = Meet(deadline, call); !s.ok()) return s;
     if (k == 0) {
       absl::Status s = CheckHeaders(ctl_->headers[seq & 1], world_size_, rank_);
       if (!s.ok()) return Fail(s);
       if (rounds == 0) return absl::OkStatus();
     }
     read(k);
-    if (absl::Status s = Meet(deadline, what); !s.ok()) return s;
+    if (absl::Status s = Meet(deadline, call); !s.ok()) return s;
   }
   return absl::OkStatus();
 }

@@ -82,6 +82,12 @@ class SharedMemoryCommunicator : public Communicator {
 
  private:
   using Clock = std::chrono::steady_clock;
+  // The collective a wait belongs to; its name ("all_gather #17") is built only for an error.
+  struct Call {
+    int op;
+    uint64_t seq;
+    std::string Name() const;
+  };
 
   SharedMemoryCommunicator(int rank, int world_size, void* base, size_t bytes,
                            std::chrono::milliseconds timeout);
@@ -92,12 +98,12 @@ class SharedMemoryCommunicator : public Communicator {
   template <typename Write, typename Read>
   absl::Status Run(int op, int64_t count, int dtype, int64_t extra, int64_t rounds, Write write,
                    Read read);
-  // Meets every rank of the segment; `what` names the collective in errors.
-  absl::Status Meet(Clock::time_point deadline, const std::string& what);
+  // Meets every rank of the segment; `call` names the collective in errors.
+  absl::Status Meet(Clock::time_point deadline, const Call& call);
   // UNAVAILABLE naming the peer when another rank marked the segment failed, else OK.
-  absl::Status PeerFailure(const std::string& what);
+  absl::Status PeerFailure(const Call& call);
   // Why waiting must stop now (abort, a failed or vanished peer, the deadline), or OK.
-  absl::Status Health(Clock::time_point deadline, const std::string& what);
+  absl::Status Health(Clock::time_point deadline, const Call& call);
   // Records the first error, marks the segment for the peers, wakes every waiter; returns the
   // first error.
   absl::Status Fail(absl::Status s);

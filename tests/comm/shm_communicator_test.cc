@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -211,40 +212,40 @@ TEST(SharedMemoryCommunicator, SilentPeerTimesOut) {
   EXPECT_LT(took, 1.2);
 }
 
+// Runs fn(rank) on `world` threads and joins them.
+void OnThreads(int world, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) threads.emplace_back(fn, r);
+  for (auto& t : threads) t.join();
+}
+
 // Ranks that report different machines get FAILED_PRECONDITION on every rank and nothing
-// created; CreateCpuCommunicator then connects them over Gloo, which works.
+// created (CreateCpuCommunicator's cue to use Gloo); with the transport set to Gloo
+// (FSDP8_CPU_TRANSPORT=gloo) CreateCpuCommunicator connects them over Gloo, which works.
 TEST(SharedMemoryCommunicator, RanksOnDifferentMachinesFallBackToGloo) {
   testing::MemKvStore kv;
   std::vector<absl::Status> created(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      auto c = SharedMemoryCommunicator::Create(r, 2, &kv, "apart/", std::chrono::seconds(10),
-                                                std::chrono::seconds(10),
-                                                r == 0 ? "machine-a" : "machine-b");
-      created[r] = c.status();
-    });
-  }
-  for (auto& t : threads) t.join();
+  OnThreads(2, [&](int r) {
+    auto c = SharedMemoryCommunicator::Create(r, 2, &kv, "apart/", std::chrono::seconds(10),
+                                              std::chrono::seconds(10),
+                                              r == 0 ? "machine-a" : "machine-b");
+    created[r] = c.status();
+  });
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(created[r].code(), absl::StatusCode::kFailedPrecondition) << created[r];
   }
-  threads.clear();
   std::vector<std::string> transport(2);
   std::vector<float> sums(2);
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      CpuCommOptions gloo;
-      gloo.transport = CpuCommOptions::Transport::kGloo;
-      auto c = CreateCpuCommunicator(r, 2, &kv, "forced/", "127.0.0.1", std::chrono::seconds(10),
-                                     std::chrono::seconds(10), gloo, &transport[r]);
-      ASSERT_TRUE(c.ok()) << c.status();
-      float v = static_cast<float>(r + 1);
-      ASSERT_TRUE((*c)->AllReduce(&v, 1, ReduceOp::kSum).ok());
-      sums[r] = v;
-    });
-  }
-  for (auto& t : threads) t.join();
+  OnThreads(2, [&](int r) {
+    CpuCommOptions gloo;
+    gloo.transport = CpuCommOptions::Transport::kGloo;
+    auto c = CreateCpuCommunicator(r, 2, &kv, "forced/", "127.0.0.1", std::chrono::seconds(10),
+                                   std::chrono::seconds(10), gloo, &transport[r]);
+    ASSERT_TRUE(c.ok()) << c.status();
+    float v = static_cast<float>(r + 1);
+    ASSERT_TRUE((*c)->AllReduce(&v, 1, ReduceOp::kSum).ok());
+    sums[r] = v;
+  });
   EXPECT_EQ(transport[0], "gloo");
   EXPECT_EQ(sums[1], 3.0f);
 }
@@ -252,16 +253,12 @@ TEST(SharedMemoryCommunicator, RanksOnDifferentMachinesFallBackToGloo) {
 TEST(SharedMemoryCommunicator, CreateCpuCommunicatorUsesSharedMemoryOnOneMachine) {
   testing::MemKvStore kv;
   std::vector<std::string> transport(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      auto c = CreateCpuCommunicator(r, 2, &kv, "one/", "127.0.0.1", std::chrono::seconds(10),
-                                     std::chrono::seconds(10), CpuCommOptions(), &transport[r]);
-      ASSERT_TRUE(c.ok()) << c.status();
-      ASSERT_TRUE((*c)->Barrier().ok());
-    });
-  }
-  for (auto& t : threads) t.join();
+  OnThreads(2, [&](int r) {
+    auto c = CreateCpuCommunicator(r, 2, &kv, "one/", "127.0.0.1", std::chrono::seconds(10),
+                                   std::chrono::seconds(10), CpuCommOptions(), &transport[r]);
+    ASSERT_TRUE(c.ok()) << c.status();
+    ASSERT_TRUE((*c)->Barrier().ok());
+  });
   EXPECT_EQ(transport[0], "shared memory");
   EXPECT_EQ(transport[1], "shared memory");
 }
