@@ -15,7 +15,6 @@
 
 #include "common/check.h"
 #include "kernels/adamw_scalars.h"
-#include "kernels/cpu/panel_gemm.h"
 #include "kernels/fp8.h"
 
 // Everything below is compiled for AVX2 + FMA + F16C (x86-64-v3); CpuFastBackend::Supported()
@@ -27,6 +26,7 @@ namespace fsdp8 {
 namespace {
 
 constexpr size_t kAlignment = 64;
+constexpr int64_t kAttnBlock = 64;  // query rows per block, as the reference
 
 // C (M, N) = alpha * op(A) * op(B) + beta * C, row major, through oneDNN's sgemm: its JIT kernels
 // are chosen by the CPU's instruction sets (AVX2, AVX-512), not by a table of CPU models. It runs on
@@ -656,55 +656,46 @@ void CpuFastBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, in
 }
 
 // ---- attention --------------------------------------------------------------------------------
-// The reference's arithmetic in panels of kPanelRows query rows (kernels/cpu/panel_gemm.h): each
-// panel's scores S = scale Q Kᵀ cover the keys up to its last row only, against a transposed copy
-// of K (so that the panel GEMM reads B rows contiguously), then the vectorized softmax, then P·V
-// over those keys. No library GEMM: its per-call packing cost more than these products (K = the
-// head dim), and its square blocks computed the masked half of every diagonal block. At T = 1 (one
-// key per query) dq and dk are analytically zero and come out as the rounding of dP - delta, as on
-// the reference.
+// The reference's blocks, with its GEMMs through oneDNN's sgemm (as the linears'): the speed does
+// not depend on OpenBLAS's choice of kernels for this CPU. At T = 1 (one key per query) dq and dk
+// are analytically zero and come out as the rounding of dP - delta, as on the reference.
 
-namespace {
-// out[8 rows, ld_out] = the transpose of in[8 rows, ld_in] (8 x 8 floats).
-inline void Transpose8x8(const float* in, int64_t ld_in, float* out, int64_t ld_out) {
-  __m256 r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + i * ld_in);
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    for (int j = 0; j < 2; ++j) {
-      r[i + j] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], _MM_SHUFFLE(1, 0, 1, 0));
-      r[i + j + 2] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+void CpuFastBackend::AttentionForward(const float* q, const float* k, const float* v, int64_t B,
+                                      int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
+                                      float* lse) {
+  FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
+  if (B == 0 || T == 0 || H == 0) return;
+  const int64_t group = H / Hkv, ldq = H * D, ldk = Hkv * D;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  float* P = Scratch(2, T * T);  // (T, T) scores, then probabilities
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / group;
+      const float* qh = q + b * T * ldq + h * D;
+      const float* kg = k + b * T * ldk + g * D;
+      const float* vg = v + b * T * ldk + g * D;
+      float* oh = out + b * T * ldq + h * D;
+      float* lh = lse + (b * H + h) * T;
+      for (int64_t i0 = 0; i0 < T; i0 += kAttnBlock) {
+        const int64_t i1 = std::min(T, i0 + kAttnBlock);
+        Sgemm(CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq, ldq, kg, ldk, 0.0f,
+              P + i0 * T, T);
+        for (int64_t i = i0; i < i1; ++i) {
+          float* row = P + i * T;
+          const float mx = RowMax(row, i + 1);
+          const float sum = ExpShiftSum(row, i + 1, mx);
+          ScaleRow(row, i + 1, 1.0f / sum);
+          std::fill(row + i + 1, row + i1, 0.0f);  // causal mask
+          lh[i] = mx + std::log(sum);
+        }
+        Sgemm(CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, P + i0 * T, T, vg, ldk, 0.0f,
+              oh + i0 * ldq, ldq);
+      }
     }
   }
-  // r[i] (i < 4) holds rows 0-3 of columns col[i] | col[i] + 4 in its two halves; r[i + 4] the
-  // same of rows 4-7.
-  const int col[4] = {0, 2, 1, 3};
-  for (int i = 0; i < 4; ++i) {
-    const __m256 a = r[i], b = r[i + 4];
-    _mm256_storeu_ps(out + col[i] * ld_out, _mm256_permute2f128_ps(a, b, 0x20));
-    _mm256_storeu_ps(out + (col[i] + 4) * ld_out, _mm256_permute2f128_ps(a, b, 0x31));
-  }
 }
 
-// The row stride of the (., T) scratch matrices: T rounded up to 8, plus 16 floats, so that the
-// rows of a panel's operands do not all fall into the same few L1 sets (at T = 256 a 1 KiB
-// stride maps every row to 4 of the 64 sets; measured: the key-side panels 63 -> 77 GFLOP/s).
-inline int64_t PaddedLd(int64_t T) { return (T + 7) / 8 * 8 + 16; }
-
-// out (D, T) with row stride ldo = the transpose of the (T, D) rows of x (row stride ld).
-void TransposeRows(const float* x, int64_t T, int64_t D, int64_t ld, float* out, int64_t ldo) {
-  const int64_t T8 = T / 8 * 8, D8 = D / 8 * 8;
-  for (int64_t t = 0; t < T8; t += 8) {
-    for (int64_t d = 0; d < D8; d += 8) Transpose8x8(x + t * ld + d, ld, out + d * ldo + t, ldo);
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t d = (t < T8 ? D8 : 0); d < D; ++d) out[d * ldo + t] = x[t * ld + d];
-  }
-}
-
+namespace {
 // One row of the attention backward: p[j] = exp(p[j] - lse), s[j] = scale * p[j] * (s[j] - delta)
 // for j < n; both zero on [n, n_end).
 void SoftmaxGradRow(float* p, float* s, int64_t n, int64_t n_end, float lse, float delta,
@@ -729,120 +720,50 @@ void SoftmaxGradRow(float* p, float* s, int64_t n, int64_t n_end, float lse, flo
 }
 }  // namespace
 
-void CpuFastBackend::AttentionForward(const float* q, const float* k, const float* v, int64_t B,
-                                      int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
-                                      float* lse) {
-  FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
-  if (B == 0 || T == 0 || H == 0) return;
-  const int64_t group = H / Hkv, ldq = H * D, ldk = Hkv * D;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const int64_t ldt = PaddedLd(T);
-  float* S = Scratch(2, kPanelRows * ldt);  // one panel's scores, then probabilities (rows, T)
-  float* kt = Scratch(4, D * ldt);          // (D, T): K of the current (b, kv head)
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t g = 0; g < Hkv; ++g) {
-      TransposeRows(k + b * T * ldk + g * D, T, D, ldk, kt, ldt);
-      const float* vg = v + b * T * ldk + g * D;
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        const float* qh = q + b * T * ldq + h * D;
-        float* oh = out + b * T * ldq + h * D;
-        float* lh = lse + (b * H + h) * T;
-        for (int64_t m0 = 0; m0 < T; m0 += kPanelRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, T - m0));
-          const int64_t n = m0 + rows;  // keys [0, n): up to the panel's last row
-          PanelGemm(rows, n, D, scale, qh + m0 * ldq, ldq, 1, kt, ldt, S, ldt, false);
-          for (int r = 0; r < rows; ++r) {
-            const int64_t i = m0 + r;
-            float* row = S + r * ldt;
-            const float mx = RowMax(row, i + 1);
-            const float sum = ExpShiftSum(row, i + 1, mx);
-            ScaleRow(row, i + 1, 1.0f / sum);
-            std::fill(row + i + 1, row + n, 0.0f);  // causal mask
-            lh[i] = mx + std::log(sum);
-          }
-          PanelGemm(rows, D, n, 1.0f, S, ldt, 1, vg, ldk, oh + m0 * ldq, ldq, false);
-        }
-      }
-    }
-  }
-}
-
 void CpuFastBackend::AttentionBackward(const float* q, const float* k, const float* v,
                                        const float* out, const float* dout, const float* lse,
                                        int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
                                        float* dq, float* dk, float* dv) {
   FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
   if (B == 0 || T == 0 || H == 0) return;
-  const int64_t group = H / Hkv, ldk = Hkv * D;
+  const int64_t group = H / Hkv, ldq = H * D, ldk = Hkv * D;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   std::memset(dk, 0, sizeof(float) * B * T * ldk);
   std::memset(dv, 0, sizeof(float) * B * T * ldk);
-  const int64_t ldt = PaddedLd(T);
-  float* kt = Scratch(4, D * ldt);  // (D, T)
-  float* vt = Scratch(5, D * ldt);  // (D, T)
+  float* P = Scratch(2, T * T);
+  float* dS = Scratch(3, T * T);
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t g = 0; g < Hkv; ++g) {
-      TransposeRows(k + b * T * ldk + g * D, T, D, ldk, kt, ldt);
-      TransposeRows(v + b * T * ldk + g * D, T, D, ldk, vt, ldt);
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        AttentionBackwardHead(q, k, out, dout, lse, kt, vt, b, h, g, T, H, Hkv, D, dq, dk, dv);
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / group;
+      const float* qh = q + b * T * ldq + h * D;
+      const float* kg = k + b * T * ldk + g * D;
+      const float* vg = v + b * T * ldk + g * D;
+      const float* oh = out + b * T * ldq + h * D;
+      const float* doh = dout + b * T * ldq + h * D;
+      const float* lh = lse + (b * H + h) * T;
+      float* dqh = dq + b * T * ldq + h * D;
+      float* dkg = dk + b * T * ldk + g * D;
+      float* dvg = dv + b * T * ldk + g * D;
+      for (int64_t i0 = 0; i0 < T; i0 += kAttnBlock) {
+        const int64_t i1 = std::min(T, i0 + kAttnBlock);
+        Sgemm(CblasNoTrans, CblasTrans, i1 - i0, i1, D, scale, qh + i0 * ldq, ldq, kg, ldk, 0.0f,
+              P + i0 * T, T);
+        Sgemm(CblasNoTrans, CblasTrans, i1 - i0, i1, D, 1.0f, doh + i0 * ldq, ldq, vg, ldk, 0.0f,
+              dS + i0 * T, T);
+        for (int64_t i = i0; i < i1; ++i) {
+          const float delta = Dot(doh + i * ldq, oh + i * ldq, D);
+          SoftmaxGradRow(P + i * T, dS + i * T, i + 1, i1, lh[i], delta, scale);
+        }
+        Sgemm(CblasNoTrans, CblasNoTrans, i1 - i0, D, i1, 1.0f, dS + i0 * T, T, kg, ldk, 0.0f,
+              dqh + i0 * ldq, ldq);
       }
-    }
-  }
-}
-
-// One (batch b, head h) of the backward, kv head g, with K and V transposed in kt and vt (D, T;
-// row stride PaddedLd(T)):
-// dq of the head; dk, dv of the kv head += this head's part.
-void CpuFastBackend::AttentionBackwardHead(const float* q, const float* k, const float* out,
-                                           const float* dout, const float* lse, const float* kt,
-                                           const float* vt, int64_t b, int64_t h, int64_t g,
-                                           int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                           float* dq, float* dk, float* dv) {
-  const int64_t ldq = H * D, ldk = Hkv * D, ldt = PaddedLd(T);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const float* qh = q + b * T * ldq + h * D;
-  const float* kg = k + b * T * ldk + g * D;
-  const float* oh = out + b * T * ldq + h * D;
-  const float* doh = dout + b * T * ldq + h * D;
-  const float* lh = lse + (b * H + h) * T;
-  // Query rows in chunks of kQueryChunk, so that a chunk's P and dS rows (2 x 60 x T floats) stay
-  // in L2 between their query-panel writes and their key-panel reads.
-  constexpr int64_t kQueryChunk = 10 * kPanelRows;
-  // Row r of a chunk: query i = c0 + r, valid on columns [0, min(T, i + 7)).
-  float* P = Scratch(2, kQueryChunk * ldt);   // probabilities
-  float* dS = Scratch(3, kQueryChunk * ldt);  // score gradients
-  float* dkg = dk + b * T * ldk + g * D;
-  float* dvg = dv + b * T * ldk + g * D;
-  for (int64_t c0 = 0; c0 < T; c0 += kQueryChunk) {
-    const int64_t c1 = std::min(T, c0 + kQueryChunk);
-    // Query panels: P and dS rows, then dq = dS K over the panel's keys. Each row's entries past
-    // the diagonal are zeroed for kPanelRows columns: every panel below reads only those.
-    for (int64_t m0 = c0; m0 < c1; m0 += kPanelRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, c1 - m0));
-      const int64_t n = m0 + rows;
-      float* Pm = P + (m0 - c0) * ldt;
-      float* dSm = dS + (m0 - c0) * ldt;
-      PanelGemm(rows, n, D, scale, qh + m0 * ldq, ldq, 1, kt, ldt, Pm, ldt, false);
-      PanelGemm(rows, n, D, 1.0f, doh + m0 * ldq, ldq, 1, vt, ldt, dSm, ldt, false);
-      for (int r = 0; r < rows; ++r) {
-        const int64_t i = m0 + r;
-        const float delta = Dot(doh + i * ldq, oh + i * ldq, D);
-        SoftmaxGradRow(Pm + r * ldt, dSm + r * ldt, i + 1, std::min(T, i + 1 + kPanelRows), lh[i],
-                       delta, scale);
+      for (int64_t j0 = 0; j0 < T; j0 += kAttnBlock) {
+        const int64_t j1 = std::min(T, j0 + kAttnBlock);
+        Sgemm(CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f, dS + j0 * T + j0, T,
+              qh + j0 * ldq, ldq, 1.0f, dkg + j0 * ldk, ldk);
+        Sgemm(CblasTrans, CblasNoTrans, j1 - j0, D, T - j0, 1.0f, P + j0 * T + j0, T,
+              doh + j0 * ldq, ldq, 1.0f, dvg + j0 * ldk, ldk);
       }
-      PanelGemm(rows, D, n, 1.0f, dSm, ldt, 1, kg, ldk, dq + b * T * ldq + h * D + m0 * ldq, ldq,
-                false);
-    }
-    // Key panels: dk += dSᵀ Q and dv += Pᵀ dO over this chunk's queries at or after the panel's
-    // first key.
-    for (int64_t j0 = 0; j0 < c1; j0 += kPanelRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, c1 - j0));
-      const int64_t i0 = std::max(c0, j0);
-      const int64_t r0 = (i0 - c0) * ldt + j0;
-      PanelGemm(rows, D, c1 - i0, 1.0f, dS + r0, 1, ldt, qh + i0 * ldq, ldq, dkg + j0 * ldk, ldk,
-                true);
-      PanelGemm(rows, D, c1 - i0, 1.0f, P + r0, 1, ldt, doh + i0 * ldq, ldq, dvg + j0 * ldk, ldk,
-                true);
     }
   }
 }

@@ -16,10 +16,9 @@
 //     transposed copies of codes.
 //   * bfloat16 rounding and packing 8 or 16 values at a time on the bits; the SwiGLU backward
 //     reads its bf16-saved inputs directly (no f32 copies).
-//   * Attention computes what the reference does in panels of 6 query rows, each panel's products
-//     only up to its own causal bound, through a register-tiled panel GEMM (kernels/cpu/
-//     panel_gemm.h) instead of a library GEMM, with the vectorized softmax. No op of a training
-//     step goes through OpenBLAS, whose kernel choice depends on its table of CPU models.
+//   * Attention works as the reference does (row blocks of the causal T x T scores), its GEMMs
+//     through oneDNN's sgemm too, with the vectorized softmax. No op of a training step goes
+//     through OpenBLAS, whose kernel choice depends on its table of CPU models.
 // On an x86-64 CPU without AVX2, FMA and F16C, CreateBackend("cpu") returns the reference instead.
 //
 // Deterministic: a fixed order of operations for given shapes and thread count. The backend starts
@@ -111,11 +110,6 @@ class CpuFastBackend final : public CpuRefBackend {
                         uint16_t* p16_out) override;
 
  private:
-  void AttentionBackwardHead(const float* q, const float* k, const float* out, const float* dout,
-                             const float* lse, const float* kt, const float* vt, int64_t b,
-                             int64_t h, int64_t g, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                             float* dq, float* dk, float* dv);
-
   static constexpr size_t kMaxCachedBytes = size_t{1} << 30;
   // Freed blocks by rounded size, reused by Alloc; cached_ bytes in total.
   std::unordered_map<size_t, std::vector<void*>> free_;

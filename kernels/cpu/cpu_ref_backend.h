@@ -130,7 +130,7 @@ class CpuRefBackend : public Backend {
   std::unordered_map<void*, size_t> sizes_;
   int64_t allocated_ = 0;
   int64_t peak_ = 0;
-  std::vector<float> scratch_[6];  // slots 4 and 5: the fast backend's transposed K and V
+  std::vector<float> scratch_[4];
   int64_t rope_T_ = -1, rope_D_ = -1;
   float rope_theta_ = 0.0f;
   int64_t rope_version_ = -1;  // rope_freq_version() of the tables
