@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -64,11 +65,13 @@ absl::StatusOr<Struct> ParseJsonObject(const std::string& text, const std::strin
   return s;
 }
 
+// Whole numbers as integers (500000), others as the shortest text that reads back as v (1e-05,
+// not 1.0000000000000001e-05).
 std::string Num(double v) {
-  std::ostringstream o;
-  o.precision(17);
-  o << v;
-  return o.str();
+  if (std::fabs(v) < 1e15 && v == std::trunc(v)) return absl::StrCat(static_cast<int64_t>(v));
+  char buf[32];
+  const std::to_chars_result r = std::to_chars(buf, buf + sizeof(buf), v);
+  return std::string(buf, r.ptr);
 }
 
 // Checks a rank file's header against what the MANIFEST says of it.

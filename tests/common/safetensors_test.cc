@@ -237,6 +237,9 @@ const char kLlama32_1B[] = R"({
 TEST(HfConfig, ModelSectionOfLlama32IsItsPublishedShape) {
   auto yaml = HfModelSectionYaml(kLlama32_1B, 2048);
   ASSERT_TRUE(yaml.ok()) << yaml.status();
+  // Numbers as config.json writes them (shortest form), not 17 digits of their binary value.
+  EXPECT_NE(yaml->find("  norm_eps: 1e-05\n"), std::string::npos) << *yaml;
+  EXPECT_NE(yaml->find("  rope_theta: 500000\n"), std::string::npos) << *yaml;
   auto spec = ParseSpec(*yaml);
   ASSERT_TRUE(spec.ok()) << spec.status() << "\n" << *yaml;
   const v1::ModelConfig& m = spec->model();
