@@ -65,8 +65,8 @@ absl::StatusOr<Struct> ParseJsonObject(const std::string& text, const std::strin
   return s;
 }
 
-// Whole numbers as integers (500000), others as the shortest text that reads back as v (1e-05,
-// not 1.0000000000000001e-05).
+// Whole numbers below 1e15 as integers (500000), others as the shortest text that reads back as
+// the same double (1e-05, not 1.0000000000000001e-05; 1e+15). -0 prints as 0.
 std::string Num(double v) {
   if (std::fabs(v) < 1e15 && v == std::trunc(v)) return absl::StrCat(static_cast<int64_t>(v));
   char buf[32];

@@ -4,11 +4,13 @@
 #include "common/safetensors.h"
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/hf_model.h"
@@ -234,10 +236,29 @@ const char kLlama32_1B[] = R"({
   "rope_theta": 500000.0, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
   "transformers_version": "4.45.0.dev0", "use_cache": true, "vocab_size": 128256})";
 
+// Numbers that need all 17 digits, and a whole number beyond 1e15, come back from the printed
+// section as the same doubles.
+TEST(HfConfig, ModelSectionNumbersReadBackExactly) {
+  for (const auto& [eps_text, theta_text] :
+       {std::pair<std::string, std::string>{"1.0000000000000002e-05", "500000.1234567891"},
+        {"3e-07", "2e+16"}}) {
+    std::string cfg = kLlama32_1B;
+    cfg.replace(cfg.find("1e-05"), 5, eps_text);
+    cfg.replace(cfg.find("500000.0"), 8, theta_text);
+    auto yaml = HfModelSectionYaml(cfg, 2048);
+    ASSERT_TRUE(yaml.ok()) << yaml.status();
+    auto spec = ParseSpec(*yaml);
+    ASSERT_TRUE(spec.ok()) << spec.status() << "\n" << *yaml;
+    EXPECT_EQ(spec->model().norm_eps(), std::strtod(eps_text.c_str(), nullptr)) << *yaml;
+    EXPECT_EQ(spec->model().rope_theta(), std::strtod(theta_text.c_str(), nullptr)) << *yaml;
+  }
+}
+
 TEST(HfConfig, ModelSectionOfLlama32IsItsPublishedShape) {
   auto yaml = HfModelSectionYaml(kLlama32_1B, 2048);
   ASSERT_TRUE(yaml.ok()) << yaml.status();
-  // Numbers as config.json writes them (shortest form), not 17 digits of their binary value.
+  // The shortest text that reads back exactly (whole numbers without a fraction), not 17 digits
+  // of the binary value.
   EXPECT_NE(yaml->find("  norm_eps: 1e-05\n"), std::string::npos) << *yaml;
   EXPECT_NE(yaml->find("  rope_theta: 500000\n"), std::string::npos) << *yaml;
   auto spec = ParseSpec(*yaml);
