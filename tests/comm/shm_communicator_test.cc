@@ -11,7 +11,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -212,20 +211,13 @@ TEST(SharedMemoryCommunicator, SilentPeerTimesOut) {
   EXPECT_LT(took, 1.2);
 }
 
-// Runs fn(rank) on `world` threads and joins them.
-void OnThreads(int world, const std::function<void(int)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) threads.emplace_back(fn, r);
-  for (auto& t : threads) t.join();
-}
-
 // Ranks that report different machines get FAILED_PRECONDITION on every rank and nothing
 // created (CreateCpuCommunicator's cue to use Gloo); with the transport set to Gloo
 // (FSDP8_CPU_TRANSPORT=gloo) CreateCpuCommunicator connects them over Gloo, which works.
 TEST(SharedMemoryCommunicator, RanksOnDifferentMachinesFallBackToGloo) {
   testing::MemKvStore kv;
   std::vector<absl::Status> created(2);
-  OnThreads(2, [&](int r) {
+  testing::RunOnThreads(2, [&](int r) {
     auto c = SharedMemoryCommunicator::Create(r, 2, &kv, "apart/", std::chrono::seconds(10),
                                               std::chrono::seconds(10),
                                               r == 0 ? "machine-a" : "machine-b");
@@ -236,7 +228,7 @@ TEST(SharedMemoryCommunicator, RanksOnDifferentMachinesFallBackToGloo) {
   }
   std::vector<std::string> transport(2);
   std::vector<float> sums(2);
-  OnThreads(2, [&](int r) {
+  testing::RunOnThreads(2, [&](int r) {
     CpuCommOptions gloo;
     gloo.transport = CpuCommOptions::Transport::kGloo;
     auto c = CreateCpuCommunicator(r, 2, &kv, "forced/", "127.0.0.1", std::chrono::seconds(10),
@@ -253,7 +245,7 @@ TEST(SharedMemoryCommunicator, RanksOnDifferentMachinesFallBackToGloo) {
 TEST(SharedMemoryCommunicator, CreateCpuCommunicatorUsesSharedMemoryOnOneMachine) {
   testing::MemKvStore kv;
   std::vector<std::string> transport(2);
-  OnThreads(2, [&](int r) {
+  testing::RunOnThreads(2, [&](int r) {
     auto c = CreateCpuCommunicator(r, 2, &kv, "one/", "127.0.0.1", std::chrono::seconds(10),
                                    std::chrono::seconds(10), CpuCommOptions(), &transport[r]);
     ASSERT_TRUE(c.ok()) << c.status();

@@ -276,12 +276,10 @@ class ReflectionTest(unittest.TestCase):
         workers = [w.worker_id for w in self.r.call(ADMIN, "ListWorkers").workers]
         out = {}
         for argv in readme_grpcurl_commands():
-            # Placeholders of the README: JOB, worker NAME (w-3, demo-worker-1), the data root /data.
+            # Placeholders of the README: JOB, worker NAME, the data root /data.
             argv = [grpcurl_binary()] + [
                 self.cluster.address if a == "localhost:50051" else
-                a.replace('"JOB"', json.dumps(job_id)).replace('"w-3"', json.dumps(workers[0]))
-                .replace('"demo-worker-1"', json.dumps(workers[0]))
-                .replace('"NAME"', json.dumps(workers[0]))
+                a.replace('"JOB"', json.dumps(job_id)).replace('"NAME"', json.dumps(workers[0]))
                 .replace('"/data/', json.dumps(self.cluster.data + "/")[:-1])
                 for a in argv[1:]]
             r = subprocess.run(argv, capture_output=True, text=True, timeout=30)

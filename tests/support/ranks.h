@@ -48,6 +48,13 @@ class MemKvStore : public KvStore {
   std::map<std::string, std::string> kv_;
 };
 
+// Runs fn(rank) on `world` threads and joins them.
+inline void RunOnThreads(int world, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) threads.emplace_back(fn, r);
+  for (auto& t : threads) t.join();
+}
+
 enum class Transport { kGloo, kSharedMemory };
 
 // Runs fn(rank, comm) on `world` threads, each with its own communicator over `transport`.
@@ -57,23 +64,19 @@ inline void RunRanksOver(Transport transport, int world,
   static std::atomic<int> generation{0};
   const std::string prefix = absl::StrCat("test/", generation++, "/");
   MemKvStore kv;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      std::unique_ptr<Communicator> comm;
-      if (transport == Transport::kGloo) {
-        auto c = GlooCommunicator::Create(r, world, &kv, prefix, "127.0.0.1", timeout);
-        ASSERT_TRUE(c.ok()) << c.status();
-        comm = std::move(*c);
-      } else {
-        auto c = SharedMemoryCommunicator::Create(r, world, &kv, prefix, timeout);
-        ASSERT_TRUE(c.ok()) << c.status();
-        comm = std::move(*c);
-      }
-      fn(r, comm.get());
-    });
-  }
-  for (auto& t : threads) t.join();
+  RunOnThreads(world, [&](int r) {
+    std::unique_ptr<Communicator> comm;
+    if (transport == Transport::kGloo) {
+      auto c = GlooCommunicator::Create(r, world, &kv, prefix, "127.0.0.1", timeout);
+      ASSERT_TRUE(c.ok()) << c.status();
+      comm = std::move(*c);
+    } else {
+      auto c = SharedMemoryCommunicator::Create(r, world, &kv, prefix, timeout);
+      ASSERT_TRUE(c.ok()) << c.status();
+      comm = std::move(*c);
+    }
+    fn(r, comm.get());
+  });
 }
 
 // Runs fn(rank, comm) on `world` threads, each with its own Gloo communicator.
