@@ -227,11 +227,16 @@ int Export(Args& a, const std::string& address, const fsdp8::ChannelSecurity& se
   auto dir = fsdp8::ResolveCheckpointStepDir(src, step);
   if (!dir.ok()) return ReportError(dir.status());
   const std::string& out = a.flags["out"];
-  if (absl::Status s = fsdp8::ExportHf(*dir, out, options); !s.ok()) return ReportError(s);
+  std::vector<std::string> tokenizer_files;
+  if (absl::Status s = fsdp8::ExportHf(*dir, out, options, &tokenizer_files); !s.ok()) {
+    return ReportError(s);
+  }
   const bool sharded = std::filesystem::exists(std::filesystem::path(out) / fsdp8::kHfIndexFile);
-  printf("exported %s as %s: %s/%s, %s/%s\n", dir->c_str(), fsdp8::SafetensorsDtypeName(dtype),
-         out.c_str(), fsdp8::kHfConfigFile, out.c_str(),
-         sharded ? fsdp8::kHfIndexFile : fsdp8::kHfWeightsFile);
+  std::vector<std::string> written = {fsdp8::kHfConfigFile,
+                                      sharded ? fsdp8::kHfIndexFile : fsdp8::kHfWeightsFile};
+  written.insert(written.end(), tokenizer_files.begin(), tokenizer_files.end());
+  printf("exported %s as %s into %s: %s\n", dir->c_str(), fsdp8::SafetensorsDtypeName(dtype),
+         out.c_str(), absl::StrJoin(written, ", ").c_str());
   return 0;
 }
 

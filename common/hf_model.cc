@@ -689,8 +689,10 @@ absl::Status WriteHfWeights(const CheckpointWeights& w, const std::string& out_d
   return WriteTextAtomically(absl::StrCat(out_dir, "/", kHfIndexFile), text);
 }
 
-// Copies the tokenizer files present in `from` (none when it is empty or unreadable).
-absl::Status CopyTokenizerFiles(const std::string& from, const std::string& out_dir) {
+// Copies the tokenizer files present in `from` (none when it is empty or unreadable); appends
+// their names to *copied when it is not null.
+absl::Status CopyTokenizerFiles(const std::string& from, const std::string& out_dir,
+                                std::vector<std::string>* copied) {
   if (from.empty()) return absl::OkStatus();
   for (const char* f : kHfTokenizerFiles) {
     std::error_code ec;
@@ -698,6 +700,7 @@ absl::Status CopyTokenizerFiles(const std::string& from, const std::string& out_
     if (!fs::is_regular_file(src, ec)) continue;
     fs::copy_file(src, fs::path(out_dir) / f, fs::copy_options::overwrite_existing, ec);
     if (ec) return absl::InternalError(absl::StrCat("copying ", src.string(), ": ", ec.message()));
+    if (copied != nullptr) copied->push_back(f);
   }
   return absl::OkStatus();
 }
@@ -705,7 +708,7 @@ absl::Status CopyTokenizerFiles(const std::string& from, const std::string& out_
 }  // namespace
 
 absl::Status ExportHf(const std::string& step_dir, const std::string& out_dir,
-                      const HfExportOptions& options) {
+                      const HfExportOptions& options, std::vector<std::string>* tokenizer_files) {
   if (options.max_shard_bytes < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("max shard size: must be >= 1 byte (got ", options.max_shard_bytes, ")"));
@@ -718,7 +721,7 @@ absl::Status ExportHf(const std::string& step_dir, const std::string& out_dir,
   if (absl::Status s = WriteHfWeights(*w, out_dir, options); !s.ok()) return s;
   const std::string tok = options.tokenizer_dir.empty() ? w->manifest.spec().init().from_hf()
                                                         : options.tokenizer_dir;
-  if (absl::Status s = CopyTokenizerFiles(tok, out_dir); !s.ok()) return s;
+  if (absl::Status s = CopyTokenizerFiles(tok, out_dir, tokenizer_files); !s.ok()) return s;
   return WriteTextAtomically(absl::StrCat(out_dir, "/", kHfConfigFile),
                              HfConfigJson(w->manifest.spec().model(), options.dtype) + "\n");
 }

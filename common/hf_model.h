@@ -138,11 +138,13 @@ struct HfExportOptions {
 // Writes out_dir/config.json and the weights (out_dir is created; files of the names written are
 // replaced; a model.safetensors or index left from an earlier export of the other layout is
 // removed, so that transformers reads the new one) from the committed checkpoint step_dir, and
-// copies the tokenizer files found. Each safetensors file's metadata records the job id and step.
+// copies the tokenizer files found (their names appended to *tokenizer_files when it is not null).
+// Each safetensors file's metadata records the job id and step.
 // Errors as ReadCheckpointWeights, INVALID_ARGUMENT for max_shard_bytes < 1, plus I/O errors
 // naming the file.
 absl::Status ExportHf(const std::string& step_dir, const std::string& out_dir,
-                      const HfExportOptions& options);
+                      const HfExportOptions& options,
+                      std::vector<std::string>* tokenizer_files = nullptr);
 inline absl::Status ExportHf(const std::string& step_dir, const std::string& out_dir,
                              SafetensorsDtype dtype) {
   HfExportOptions o;

@@ -61,7 +61,8 @@ bool SaveDue(const v1::JobSpec& spec, int64_t completed, bool requested) {
 }
 
 // The job event of step k from every rank's result: loss over the global batch, throughput over
-// `secs`, the slowest rank's time and memory breakdown. Adds the step's tokens to *tokens_total.
+// `secs` less the slowest rank's validation, the slowest rank's time and memory breakdown. Adds the
+// step's tokens to *tokens_total.
 v1::JobEvent StepEvent(int64_t k, bool evaluated, const std::vector<v1::StepResult>& results,
                        double secs, int64_t* tokens_total) {
   double loss_sum = 0;
@@ -79,9 +80,8 @@ v1::JobEvent StepEvent(int64_t k, bool evaluated, const std::vector<v1::StepResu
   ev.set_lr(results[0].lr());
   ev.set_epoch(results[0].epoch());
   ev.set_tokens(*tokens_total);
-  ev.set_tokens_per_second(secs > 0 ? tokens / secs : 0);
-  ev.set_step_seconds(secs);
   for (const auto& res : results) {  // the slowest rank's breakdown
+    ev.set_eval_seconds(std::max(ev.eval_seconds(), res.eval_seconds()));
     ev.set_compute_seconds(std::max(ev.compute_seconds(), res.compute_seconds()));
     ev.set_comm_seconds(std::max(ev.comm_seconds(), res.comm_seconds()));
     ev.set_optimizer_seconds(std::max(ev.optimizer_seconds(), res.optimizer_seconds()));
@@ -92,6 +92,11 @@ v1::JobEvent StepEvent(int64_t k, bool evaluated, const std::vector<v1::StepResu
     ev.set_backward_peak_bytes(std::max(ev.backward_peak_bytes(), res.backward_peak_bytes()));
     ev.set_optimizer_peak_bytes(std::max(ev.optimizer_peak_bytes(), res.optimizer_peak_bytes()));
   }
+  // The ranks time their validation themselves; should it exceed the interval measured here (a
+  // rank that started the step before its previous result arrived), the wall time is used.
+  const double train_secs = ev.eval_seconds() < secs ? secs - ev.eval_seconds() : secs;
+  ev.set_tokens_per_second(train_secs > 0 ? tokens / train_secs : 0);
+  ev.set_step_seconds(secs);
   return ev;
 }
 

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t_setup=$(date +%s)
-scripts/install-deps.sh
+scripts/install-deps.sh --demo  # the build packages, the corpus, gnuplot
 # The demo trains on CPU workers and needs only the daemons and the CLI (no test targets).
 FSDP8_CUDA=${FSDP8_CUDA:-OFF} scripts/build.sh fsdp8-coordinator fsdp8-worker fsdp8
 bin=$PWD/build/bin

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Installs fsdp8's build and run dependencies from Debian 12 packages (run as root).
 # Skips apt entirely when every package is already installed.
+# Usage: scripts/install-deps.sh [--demo]
+#   (none)  everything: build, run and test tools, the PyPI test tools (scripts/test.sh)
+#   --demo  what scripts/demo.sh needs: the build packages, the corpus and gnuplot (its loss plot);
+#           no test tools, no PyPI packages
 set -euo pipefail
 PKGS=(
   build-essential cmake ninja-build pkg-config git
@@ -34,6 +38,15 @@ TOOL_PKGS=(
 # kustomize v2) unless a kubectl is installed already (the manifests render the same with v2 to v5).
 # FSDP8_BUILD_ONLY=1 (container builds) skips it, TOOL_PKGS and the PyPI tools below.
 BUILD_ONLY=${FSDP8_BUILD_ONLY:-0}
+case "${1:-}" in
+  "") mode=all ;;
+  --demo) mode=demo ;;
+  *) echo "install-deps: unknown argument \"$1\" (usage: scripts/install-deps.sh [--demo])" >&2; exit 2 ;;
+esac
+if [ "$mode" = demo ]; then
+  [ "$BUILD_ONLY" = 1 ] || PKGS+=(fortunes gnuplot-nox)
+  BUILD_ONLY=1  # no kubectl, no other tools, no PyPI packages
+fi
 [ "$BUILD_ONLY" = 1 ] || PKGS+=("${TOOL_PKGS[@]}")
 [ "$BUILD_ONLY" = 1 ] || command -v kubectl >/dev/null || PKGS+=(kubernetes-client)
 # Test tools and the Python SDK's build from PyPI: the `safetensors` reader (and numpy) that checks

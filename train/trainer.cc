@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 
@@ -285,11 +286,13 @@ absl::StatusOr<StepStats> Trainer::Step(int64_t step, bool evaluate, bool report
   comm_->ConsumeExposedSeconds();
   last_step_ = step;
   if (evaluate) {
+    const auto e0 = std::chrono::steady_clock::now();
     absl::StatusOr<double> v = Evaluate();
     if (!v.ok()) return v.status();
     if (absl::Status s = comm_->Verify(); !s.ok()) return s;  // the evaluation's collectives (C09)
     if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;  // taken by the evaluation
     r.val_loss = *v;
+    r.eval_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - e0).count();
   }
   r.comm_seconds = timer_.comm_seconds();
   r.compute_seconds = timer_.compute_seconds();

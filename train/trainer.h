@@ -58,6 +58,7 @@ struct StepStats {
   double compute_seconds = 0;
   double comm_seconds = 0;
   double optimizer_seconds = 0;
+  double eval_seconds = 0;  // host wall seconds of the validation (Evaluate) when the step ran one
   // Bytes this rank's all-gathers and reduce-scatters moved in the step (as CommBytes counts).
   int64_t all_gather_bytes = 0;
   int64_t reduce_scatter_bytes = 0;

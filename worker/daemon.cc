@@ -59,6 +59,7 @@ v1::StepResult ToStepResult(const StepStats& s) {
   r.set_lr(s.lr);
   r.set_epoch(s.epoch);
   r.set_val_loss(s.val_loss);
+  r.set_eval_seconds(s.eval_seconds);
   r.set_compute_seconds(s.compute_seconds);
   r.set_comm_seconds(s.comm_seconds);
   r.set_optimizer_seconds(s.optimizer_seconds);

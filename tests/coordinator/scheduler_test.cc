@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <chrono>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -283,6 +284,10 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
         s->set_grad_norm(1.5);
         s->set_lr(0.001 * (k + 1));
         s->set_val_loss(m.step().evaluate() ? 2.75 : NAN);
+        if (m.step().evaluate()) {  // a validation of 50 ms (rank 0) or 90 ms (rank 1) in 100 ms
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          s->set_eval_seconds(0.05 + 0.04 * a_.rank());
+        }
         if (m.step().report_scaling()) {
           s->mutable_scaling()->set_step(k + 1);
           auto* t = s->mutable_scaling()->add_tensors();
@@ -609,7 +614,14 @@ TEST_F(SchedulerTest, TwoRanksRunToSuccess) {
     EXPECT_DOUBLE_EQ(e.grad_norm(), 1.5);
     EXPECT_DOUBLE_EQ(e.lr(), 0.001 * e.step());
     EXPECT_EQ(e.tokens(), 300 * e.step());
-    EXPECT_GT(e.tokens_per_second(), 0);
+    // Throughput over the step's time less the slowest rank's validation (jobs.proto).
+    const bool evaluated = e.step() % 2 == 0;
+    EXPECT_DOUBLE_EQ(e.eval_seconds(), evaluated ? 0.09 : 0.0) << "step " << e.step();
+    if (evaluated) {
+      EXPECT_GE(e.step_seconds(), 0.1) << "step " << e.step();
+    }
+    EXPECT_NEAR(e.tokens_per_second() * (e.step_seconds() - e.eval_seconds()), 300.0, 1e-6)
+        << "step " << e.step();
   }
   EXPECT_EQ(step_events, 12);
   EXPECT_EQ(evs.back().state(), v1::JOB_STATE_SUCCEEDED);

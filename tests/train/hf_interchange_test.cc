@@ -355,6 +355,35 @@ TEST(HfInterchange, ExportRefusesDamagedOrUncommittedCheckpoints) {
   EXPECT_FALSE(ResolveCheckpointStepDir(copy, std::nullopt).ok());  // its only step lost its MANIFEST
 }
 
+// Export copies the tokenizer files of --tokenizer (the five names transformers reads beside the
+// weights), byte for byte, and nothing else from that directory, and names what it copied.
+TEST(HfInterchange, ExportCopiesTheTokenizerFilesAndNamesThem) {
+  const Saved& ck = Checkpoint();
+  const std::string tok = Fresh("tokenizer_src");
+  fs::create_directories(tok);
+  auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream(tok + "/" + name) << text;
+  };
+  write("tokenizer.json", "{\"model\": {\"type\": \"BPE\"}}");
+  write("tokenizer_config.json", "{\"eos_token\": \"</s>\"}");
+  write("notes.txt", "not a tokenizer file");
+  const std::string out = Fresh("export_tokenizer");
+  HfExportOptions o;
+  o.tokenizer_dir = tok;
+  std::vector<std::string> copied;
+  ASSERT_TRUE(ExportHf(ck.root + "/step-2", out, o, &copied).ok());
+  EXPECT_EQ(copied, (std::vector<std::string>{"tokenizer.json", "tokenizer_config.json"}));
+  auto read = [](const std::string& path) {
+    std::ifstream in(path);
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+  };
+  EXPECT_EQ(read(out + "/tokenizer.json"), "{\"model\": {\"type\": \"BPE\"}}");
+  EXPECT_EQ(read(out + "/tokenizer_config.json"), "{\"eos_token\": \"</s>\"}");
+  EXPECT_FALSE(fs::exists(out + "/notes.txt"));
+  EXPECT_FALSE(fs::exists(out + "/special_tokens_map.json"));
+  EXPECT_TRUE(fs::exists(out + "/config.json"));
+}
+
 // Sharded export: with a small maximum shard size the weights go into model-<i>-of-<n>.safetensors
 // files and model.safetensors.index.json (read back here with the safetensors reader, independent
 // of HfWeights); imported on 3 ranks, each reading only its own ranges, they are the checkpoint's
