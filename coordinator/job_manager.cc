@@ -141,6 +141,9 @@ void JobManager::PublishLocked(Record* r, v1::JobEvent ev) {
   ev.set_state(r->job.state());
   ev.set_total_steps(r->job.total_steps());
   if (ev.time() == 0) ev.set_time(NowSeconds());
+  absl::Status s = store_->AddEvent(ev, static_cast<int64_t>(options_.max_events_per_job));
+  if (!s.ok()) fprintf(stderr, "fsdp8-coordinator: persisting an event of job %s: %s\n",
+                       r->job.job_id().c_str(), s.ToString().c_str());
   r->events.push_back(std::move(ev));
   while (r->events.size() > options_.max_events_per_job) r->events.pop_front();
   PersistLocked(*r);
@@ -481,6 +484,20 @@ absl::Status JobManager::Watch(const std::string& job_id, int64_t after_seq,
     if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
     Record* r = FindLocked(job_id);
     if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+    // Events older than those in memory (published before a coordinator restart) come from the
+    // state db, read without the lock.
+    const int64_t first_in_memory = r->events.empty() ? r->last_seq + 1 : r->events.front().seq();
+    if (cursor + 1 < first_in_memory) {
+      lock.unlock();
+      auto stored = store_->Events(job_id, cursor, first_in_memory);
+      if (!stored.ok()) return stored.status();
+      for (const auto& e : *stored) {
+        if (!on_event(e)) return absl::OkStatus();
+      }
+      cursor = first_in_memory - 1;
+      lock.lock();
+      continue;
+    }
     std::vector<v1::JobEvent> batch;
     if (!r->events.empty()) {
       int64_t first = r->events.front().seq();

@@ -7,9 +7,10 @@
 // driver notices that its job was cancelled underneath it.
 //
 // Events: every job has events with seq 1, 2, 3, ... (the seq counter is persisted, so it continues
-// after a restart). The last `max_events_per_job` events are kept in memory; Watch streams those
-// after a given seq and then blocks for new ones until the job ends. The final event of a job
-// carries its terminal state.
+// after a restart). The last `max_events_per_job` events are kept in memory and in the state db;
+// Watch streams those after a given seq (reading from the state db the ones published before a
+// restart) and then blocks for new ones until the job ends. The final event of a job carries its
+// terminal state.
 //
 // Restart: Open() loads every job. Those that were STARTING, RUNNING or RECOVERING become
 // RECOVERING ("recovering from a coordinator restart (restart n of max)", counted in Job.restarts
@@ -117,8 +118,8 @@ class JobManager {
   // Calls on_event for every kept event with seq > after_seq, then for new ones as they come, and
   // returns OK after the job's final event. Returns early with OK when on_event returns false,
   // CANCELLED when `stop` returns true (polled about every 200 ms), UNAVAILABLE after Shutdown().
-  // NOT_FOUND for an unknown id. If the job has ended and nothing is newer than after_seq, returns
-  // OK at once.
+  // NOT_FOUND for an unknown id; the state db's error when it cannot be read. If the job has ended
+  // and nothing is newer than after_seq, returns OK at once.
   absl::Status Watch(const std::string& job_id, int64_t after_seq,
                      const std::function<bool(const v1::JobEvent&)>& on_event,
                      const std::function<bool()>& stop = nullptr);

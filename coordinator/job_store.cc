@@ -39,6 +39,14 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
   if (auto s = store->Exec("CREATE INDEX IF NOT EXISTS jobs_request_id ON jobs(request_id)");
       !s.ok())
     return s;
+  if (auto s = store->Exec(
+          "CREATE TABLE IF NOT EXISTS events ("
+          " job_id TEXT NOT NULL,"
+          " seq INTEGER NOT NULL,"
+          " event BLOB NOT NULL,"
+          " PRIMARY KEY (job_id, seq)) WITHOUT ROWID");
+      !s.ok())
+    return s;
   return store;
 }
 
@@ -86,16 +94,71 @@ absl::Status JobStore::Put(const v1::Job& job, int64_t last_seq) {
   return absl::OkStatus();
 }
 
-absl::Status JobStore::Delete(const std::string& job_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+absl::Status JobStore::Run(const char* sql, const char* what,
+                           const std::function<void(sqlite3_stmt*)>& bind) {
   sqlite3_stmt* st = nullptr;
-  if (sqlite3_prepare_v2(db_, "DELETE FROM jobs WHERE job_id = ?", -1, &st, nullptr) != SQLITE_OK)
-    return Error("prepare");
-  sqlite3_bind_text(st, 1, job_id.c_str(), -1, SQLITE_TRANSIENT);
+  if (sqlite3_prepare_v2(db_, sql, -1, &st, nullptr) != SQLITE_OK) return Error("prepare");
+  bind(st);
   int rc = sqlite3_step(st);
   sqlite3_finalize(st);
-  if (rc != SQLITE_DONE) return Error("delete job");
+  if (rc != SQLITE_DONE) return Error(what);
   return absl::OkStatus();
+}
+
+absl::Status JobStore::Delete(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto bind_id = [&](sqlite3_stmt* st) {
+    sqlite3_bind_text(st, 1, job_id.c_str(), -1, SQLITE_TRANSIENT);
+  };
+  if (auto s = Run("DELETE FROM jobs WHERE job_id = ?", "delete job", bind_id); !s.ok()) return s;
+  return Run("DELETE FROM events WHERE job_id = ?", "delete job events", bind_id);
+}
+
+absl::Status JobStore::AddEvent(const v1::JobEvent& ev, int64_t keep) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string blob = ev.SerializeAsString();
+  absl::Status s = Run("INSERT OR REPLACE INTO events (job_id, seq, event) VALUES (?,?,?)",
+                       "write event", [&](sqlite3_stmt* st) {
+                         sqlite3_bind_text(st, 1, ev.job_id().c_str(), -1, SQLITE_TRANSIENT);
+                         sqlite3_bind_int64(st, 2, ev.seq());
+                         sqlite3_bind_blob(st, 3, blob.data(), static_cast<int>(blob.size()),
+                                           SQLITE_TRANSIENT);
+                       });
+  if (!s.ok() || ev.seq() <= keep) return s;
+  return Run("DELETE FROM events WHERE job_id = ? AND seq <= ?", "trim events",
+             [&](sqlite3_stmt* st) {
+               sqlite3_bind_text(st, 1, ev.job_id().c_str(), -1, SQLITE_TRANSIENT);
+               sqlite3_bind_int64(st, 2, ev.seq() - keep);
+             });
+}
+
+absl::StatusOr<std::vector<v1::JobEvent>> JobStore::Events(const std::string& job_id,
+                                                           int64_t after_seq, int64_t before_seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  sqlite3_stmt* st = nullptr;
+  if (sqlite3_prepare_v2(db_,
+                         "SELECT seq, event FROM events WHERE job_id = ? AND seq > ? AND seq < ?"
+                         " ORDER BY seq",
+                         -1, &st, nullptr) != SQLITE_OK)
+    return Error("prepare");
+  sqlite3_bind_text(st, 1, job_id.c_str(), -1, SQLITE_TRANSIENT);
+  sqlite3_bind_int64(st, 2, after_seq);
+  sqlite3_bind_int64(st, 3, before_seq);
+  std::vector<v1::JobEvent> out;
+  int rc;
+  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
+    v1::JobEvent ev;
+    if (!ev.ParseFromArray(sqlite3_column_blob(st, 1), sqlite3_column_bytes(st, 1))) {
+      const int64_t seq = sqlite3_column_int64(st, 0);
+      sqlite3_finalize(st);
+      return absl::DataLossError(
+          absl::StrCat("state db ", path_, ": job ", job_id, ": event ", seq, ": corrupt row"));
+    }
+    out.push_back(std::move(ev));
+  }
+  sqlite3_finalize(st);
+  if (rc != SQLITE_DONE) return Error("read events");
+  return out;
 }
 
 absl::StatusOr<std::vector<JobStore::Row>> JobStore::LoadAll() {

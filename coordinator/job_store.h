@@ -2,13 +2,16 @@
 //
 // Each row holds the job's identifying and summary columns (job_id, request_id, state, reason, step,
 // total_steps, create_time, last event seq) plus the whole v1::Job and its submitted spec as
-// serialized protobuf blobs. Writes use synchronous=NORMAL, so persisting every step is cheap.
+// serialized protobuf blobs. A second table holds each job's newest events (v1::JobEvent blobs by
+// job and seq), so that a watch after a coordinator restart still gets the job's history. Writes
+// use synchronous=NORMAL, so persisting every step is cheap.
 //
 // Thread-safety: all methods are safe to call from several threads (one internal mutex).
 // Errors: INTERNAL with SQLite's message (and the database path) on any SQLite failure.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -19,6 +22,7 @@
 #include "fsdp8/v1/jobs.pb.h"
 
 struct sqlite3;
+struct sqlite3_stmt;
 
 namespace fsdp8::coord {
 
@@ -37,14 +41,22 @@ class JobStore {
 
   // Inserts or replaces the job's row.
   absl::Status Put(const v1::Job& job, int64_t last_seq);
-  // Removes the job's row (OK when there is none).
+  // Removes the job's row and its events (OK when there are none).
   absl::Status Delete(const std::string& job_id);
+  // Stores `ev` (its job_id and seq name it; a stored event of that seq is replaced) and removes
+  // the job's events of seq <= ev.seq() - keep, so that at most `keep` (>= 1) are kept.
+  absl::Status AddEvent(const v1::JobEvent& ev, int64_t keep);
+  // The job's stored events with after_seq < seq < before_seq, in seq order.
+  absl::StatusOr<std::vector<v1::JobEvent>> Events(const std::string& job_id, int64_t after_seq,
+                                                   int64_t before_seq);
   // Every job, oldest first (by create_time, then job_id).
   absl::StatusOr<std::vector<Row>> LoadAll();
 
  private:
   JobStore(sqlite3* db, std::string path) : db_(db), path_(std::move(path)) {}
   absl::Status Exec(const char* sql);
+  // Runs a statement that returns no rows, `bind` binding its parameters; `what` names it in errors.
+  absl::Status Run(const char* sql, const char* what, const std::function<void(sqlite3_stmt*)>& bind);
   absl::Status Error(const char* what);
 
   std::mutex mu_;

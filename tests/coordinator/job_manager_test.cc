@@ -273,28 +273,88 @@ TEST(JobManagerPersistence, SurvivesRestart) {
   EXPECT_DOUBLE_EQ(r->val_loss(), 2.5);
   EXPECT_EQ(r->total_steps(), 9);
   EXPECT_EQ((*jm)->Get(done_id)->state(), v1::JOB_STATE_CANCELLED);
-  // Event numbering continues; the final event carries the terminal state.
+  // Event numbering continues; a watch from the start gets every event of before the restart (the
+  // step's figures included), in order and without gaps; the final event carries the terminal state.
   std::vector<v1::JobEvent> evs;
   ASSERT_TRUE((*jm)->Watch(running_id, 0, [&](const v1::JobEvent& e) {
                        evs.push_back(e);
                        return true;
                      }).ok());
-  ASSERT_FALSE(evs.empty());
-  EXPECT_EQ(evs.back().seq(), running_last_seq + 1);
+  ASSERT_EQ(evs.size(), static_cast<size_t>(running_last_seq + 1));
+  for (size_t i = 0; i < evs.size(); ++i) EXPECT_EQ(evs[i].seq(), static_cast<int64_t>(i + 1));
   EXPECT_EQ(evs.back().state(), v1::JOB_STATE_FAILED);
+  const v1::JobEvent& step4 = evs[running_last_seq - 1];
+  EXPECT_EQ(step4.step(), 4);
+  EXPECT_DOUBLE_EQ(step4.loss(), 2.25);
+  EXPECT_DOUBLE_EQ(step4.val_loss(), 2.5);
+  EXPECT_EQ(step4.state(), v1::JOB_STATE_RUNNING);
+  // From a later seq: only what follows it.
+  std::vector<int64_t> later;
+  ASSERT_TRUE((*jm)->Watch(running_id, running_last_seq - 1, [&](const v1::JobEvent& e) {
+                       later.push_back(e.seq());
+                       return true;
+                     }).ok());
+  EXPECT_EQ(later, (std::vector<int64_t>{running_last_seq, running_last_seq + 1}));
   std::vector<v1::JobEvent> done_evs;
   ASSERT_TRUE((*jm)->Watch(done_id, 0, [&](const v1::JobEvent& e) {
                        done_evs.push_back(e);
                        return true;
                      }).ok());
-  ASSERT_EQ(done_evs.size(), 1u);
-  EXPECT_EQ(done_evs[0].state(), v1::JOB_STATE_CANCELLED);
+  ASSERT_GE(done_evs.size(), 2u);  // submitted, ..., cancelled
+  EXPECT_EQ(done_evs.front().seq(), 1);
+  EXPECT_EQ(done_evs.front().state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(done_evs.back().seq(), static_cast<int64_t>(done_evs.size()));
+  EXPECT_EQ(done_evs.back().state(), v1::JOB_STATE_CANCELLED);
   // The request id is remembered.
   auto again = (*jm)->Submit("keep-me", SmallSpec(train));
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->job_id(), pending_id);
   EXPECT_EQ((*jm)->Submit("keep-me", SmallSpec(train, 1, 5)).status().code(),
             absl::StatusCode::kAlreadyExists);
+}
+
+// The state db keeps a job's newest max_events_per_job events, as memory does: after a restart a
+// watch from the start gets those, in seq order, and no older ones.
+TEST(JobManagerPersistence, StoredEventsAreTheNewestMaxEventsPerJob) {
+  TempDir dir;
+  std::string train = WriteTokens(dir, "train.bin");
+  JobManagerOptions o;
+  o.state_db = dir.File("state.db");
+  o.max_events_per_job = 3;
+  std::string id;
+  int64_t last = 0;
+  {
+    auto jm = JobManager::Open(o);
+    ASSERT_TRUE(jm.ok()) << jm.status();
+    auto j = (*jm)->Submit("", SmallSpec(train, 1, 9));
+    ASSERT_TRUE(j.ok());
+    id = j->job_id();
+    ASSERT_TRUE((*jm)->MarkStarting(id, {"w-1"}).ok());
+    ASSERT_TRUE((*jm)->MarkRunning(id).ok());
+    for (int k = 1; k <= 5; ++k) {
+      v1::JobEvent step;
+      step.set_step(k);
+      step.set_loss(3.0 - 0.25 * k);
+      step.set_val_loss(NAN);
+      step.set_tokens(100 * k);
+      ASSERT_TRUE((*jm)->RecordStep(id, step).ok());
+    }
+    ASSERT_TRUE((*jm)->Watch(id, 0, [&](const v1::JobEvent& e) {
+                         last = e.seq();
+                         return true;
+                       }, [] { return true; }).code() == absl::StatusCode::kCancelled);
+  }
+  auto jm = JobManager::Open(o);
+  ASSERT_TRUE(jm.ok()) << jm.status();
+  std::vector<int64_t> seqs, steps;
+  ASSERT_TRUE((*jm)->Watch(id, 0, [&](const v1::JobEvent& e) {
+                       seqs.push_back(e.seq());
+                       steps.push_back(e.step());
+                       return true;
+                     }).ok());
+  // The restart's own event (seq last + 1, the job's step) is one of the 3 kept.
+  EXPECT_EQ(seqs, (std::vector<int64_t>{last - 1, last, last + 1}));
+  EXPECT_EQ(steps, (std::vector<int64_t>{4, 5, 5}));
 }
 
 // A coordinator restart is a failed generation: a job with a checkpoint.dir and restarts left comes
