@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <cstring>
 #include <random>
@@ -59,6 +60,11 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
     Record& r = jm->jobs_[id];
     r.job = std::move(row.job);
     r.last_seq = row.last_seq;
+    const int64_t keep = static_cast<int64_t>(options.max_events_per_job);
+    auto stored = jm->store_->Events(id, r.last_seq - keep, r.last_seq + 1);
+    if (!stored.ok()) return stored.status();
+    r.events.assign(std::make_move_iterator(stored->begin()),
+                    std::make_move_iterator(stored->end()));
     // Re-defaulted, so a row stored before a default was added still matches a resubmission.
     r.submitted_spec = DeterministicBytes(WithDefaults(r.job.spec(), 0));
     jm->order_.insert({r.job.create_time(), id});
@@ -94,8 +100,9 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
       ev.set_message(r.job.reason());
       jm->PublishLocked(&r, ev);
       if (!recover) jm->ended_.insert({r.job.end_time(), id});
-    } else if (IsTerminalState(s) && r.last_seq > 0) {
-      // The final event, rebuilt from the row so a late watcher still learns the outcome.
+    } else if (IsTerminalState(s) && r.last_seq > 0 && r.events.empty()) {
+      // A database written before events were stored: the final event, rebuilt from the row so
+      // that a late watcher still learns the outcome.
       v1::JobEvent ev;
       ev.set_seq(r.last_seq);
       ev.set_job_id(id);
@@ -129,8 +136,9 @@ const JobManager::Record* JobManager::FindLocked(const std::string& job_id) cons
   return it == jobs_.end() ? nullptr : &it->second;
 }
 
-void JobManager::PersistLocked(const Record& r) {
-  absl::Status s = store_->Put(r.job, r.last_seq);
+void JobManager::PersistLocked(const Record& r, const v1::JobEvent* event) {
+  absl::Status s =
+      store_->Put(r.job, r.last_seq, event, static_cast<int64_t>(options_.max_events_per_job));
   if (!s.ok()) fprintf(stderr, "fsdp8-coordinator: persisting job %s: %s\n",
                        r.job.job_id().c_str(), s.ToString().c_str());
 }
@@ -141,12 +149,9 @@ void JobManager::PublishLocked(Record* r, v1::JobEvent ev) {
   ev.set_state(r->job.state());
   ev.set_total_steps(r->job.total_steps());
   if (ev.time() == 0) ev.set_time(NowSeconds());
-  absl::Status s = store_->AddEvent(ev, static_cast<int64_t>(options_.max_events_per_job));
-  if (!s.ok()) fprintf(stderr, "fsdp8-coordinator: persisting an event of job %s: %s\n",
-                       r->job.job_id().c_str(), s.ToString().c_str());
   r->events.push_back(std::move(ev));
   while (r->events.size() > options_.max_events_per_job) r->events.pop_front();
-  PersistLocked(*r);
+  PersistLocked(*r, &r->events.back());
   cv_.notify_all();
 }
 
@@ -484,20 +489,6 @@ absl::Status JobManager::Watch(const std::string& job_id, int64_t after_seq,
     if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
     Record* r = FindLocked(job_id);
     if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
-    // Events older than those in memory (published before a coordinator restart) come from the
-    // state db, read without the lock.
-    const int64_t first_in_memory = r->events.empty() ? r->last_seq + 1 : r->events.front().seq();
-    if (cursor + 1 < first_in_memory) {
-      lock.unlock();
-      auto stored = store_->Events(job_id, cursor, first_in_memory);
-      if (!stored.ok()) return stored.status();
-      for (const auto& e : *stored) {
-        if (!on_event(e)) return absl::OkStatus();
-      }
-      cursor = first_in_memory - 1;
-      lock.lock();
-      continue;
-    }
     std::vector<v1::JobEvent> batch;
     if (!r->events.empty()) {
       int64_t first = r->events.front().seq();

@@ -7,10 +7,9 @@
 // driver notices that its job was cancelled underneath it.
 //
 // Events: every job has events with seq 1, 2, 3, ... (the seq counter is persisted, so it continues
-// after a restart). The last `max_events_per_job` events are kept in memory and in the state db;
-// Watch streams those after a given seq (reading from the state db the ones published before a
-// restart) and then blocks for new ones until the job ends. The final event of a job carries its
-// terminal state.
+// after a restart). The last `max_events_per_job` events are kept in memory and in the state db,
+// which Open() reads them back from; Watch streams those after a given seq and then blocks for new
+// ones until the job ends. The final event of a job carries its terminal state.
 //
 // Restart: Open() loads every job. Those that were STARTING, RUNNING or RECOVERING become
 // RECOVERING ("recovering from a coordinator restart (restart n of max)", counted in Job.restarts
@@ -147,7 +146,8 @@ class JobManager {
   absl::StatusOr<int> MarkRecovering(const std::string& job_id, const std::string& cause,
                                      int max_restarts);
   // Records a finished step: `ev` carries step (steps completed so far, 1-based), loss, val_loss
-  // (NaN when not evaluated), grad_norm, lr, tokens (cumulative), tokens_per_second, step_seconds.
+  // (NaN when not evaluated), grad_norm, lr, tokens (cumulative), tokens_per_second, step_seconds,
+  // eval_seconds and the step's breakdown (jobs.proto JobEvent), stored as given.
   // FAILED_PRECONDITION when the job is not RUNNING.
   // checkpoint_requested (optional): set to whether a RequestCheckpoint was pending, which is
   // consumed in the same step (so a request is honoured after exactly one step).
@@ -218,7 +218,8 @@ class JobManager {
   const Record* FindLocked(const std::string& job_id) const;
   // Appends an event (fills seq, job_id, state, total_steps, time), persists, notifies watchers.
   void PublishLocked(Record* r, v1::JobEvent ev);
-  void PersistLocked(const Record& r);
+  // Writes the job's row and, when given, its new event (kept with the newest max_events_per_job).
+  void PersistLocked(const Record& r, const v1::JobEvent* event);
   std::string NewJobIdLocked();
   // A submit whose request_id was used before: the earlier job (same owner and spec bytes) or
   // ALREADY_EXISTS naming the conflict; nullopt for an empty or new request_id. mu_ held.

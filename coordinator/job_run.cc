@@ -61,8 +61,8 @@ bool SaveDue(const v1::JobSpec& spec, int64_t completed, bool requested) {
 }
 
 // The job event of step k from every rank's result: loss over the global batch, throughput over
-// `secs` less the slowest rank's validation, the slowest rank's time and memory breakdown. Adds the
-// step's tokens to *tokens_total.
+// `secs` less the validation's time, the slowest rank's time and memory breakdown. Adds the step's
+// tokens to *tokens_total.
 v1::JobEvent StepEvent(int64_t k, bool evaluated, const std::vector<v1::StepResult>& results,
                        double secs, int64_t* tokens_total) {
   double loss_sum = 0;
@@ -80,8 +80,12 @@ v1::JobEvent StepEvent(int64_t k, bool evaluated, const std::vector<v1::StepResu
   ev.set_lr(results[0].lr());
   ev.set_epoch(results[0].epoch());
   ev.set_tokens(*tokens_total);
+  // The validation's time: the least of the ranks' (a rank that finished training early waited in
+  // the validation's first collective for the others; the last one to finish did not).
+  double eval_secs = results.empty() ? 0 : results[0].eval_seconds();
+  for (const auto& res : results) eval_secs = std::min(eval_secs, res.eval_seconds());
+  ev.set_eval_seconds(eval_secs);
   for (const auto& res : results) {  // the slowest rank's breakdown
-    ev.set_eval_seconds(std::max(ev.eval_seconds(), res.eval_seconds()));
     ev.set_compute_seconds(std::max(ev.compute_seconds(), res.compute_seconds()));
     ev.set_comm_seconds(std::max(ev.comm_seconds(), res.comm_seconds()));
     ev.set_optimizer_seconds(std::max(ev.optimizer_seconds(), res.optimizer_seconds()));

@@ -2,6 +2,8 @@
 
 #include <sqlite3.h>
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 
 namespace fsdp8::coord {
@@ -47,6 +49,10 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
           " PRIMARY KEY (job_id, seq)) WITHOUT ROWID");
       !s.ok())
     return s;
+  // Events of jobs no longer in the table (a deletion by an earlier version of this file).
+  if (auto s = store->Exec("DELETE FROM events WHERE job_id NOT IN (SELECT job_id FROM jobs)");
+      !s.ok())
+    return s;
   return store;
 }
 
@@ -67,98 +73,6 @@ absl::Status JobStore::Exec(const char* sql) {
     return absl::InternalError(absl::StrCat("state db ", path_, ": ", sql, ": ", msg));
   }
   return absl::OkStatus();
-}
-
-absl::Status JobStore::Put(const v1::Job& job, int64_t last_seq) {
-  std::lock_guard<std::mutex> lock(mu_);
-  static const char* kSql =
-      "INSERT OR REPLACE INTO jobs (job_id, request_id, state, reason, step, total_steps,"
-      " create_time, last_seq, spec, job) VALUES (?,?,?,?,?,?,?,?,?,?)";
-  sqlite3_stmt* st = nullptr;
-  if (sqlite3_prepare_v2(db_, kSql, -1, &st, nullptr) != SQLITE_OK) return Error("prepare");
-  std::string spec = job.spec().SerializeAsString();
-  std::string blob = job.SerializeAsString();
-  sqlite3_bind_text(st, 1, job.job_id().c_str(), -1, SQLITE_TRANSIENT);
-  sqlite3_bind_text(st, 2, job.request_id().c_str(), -1, SQLITE_TRANSIENT);
-  sqlite3_bind_int(st, 3, job.state());
-  sqlite3_bind_text(st, 4, job.reason().c_str(), -1, SQLITE_TRANSIENT);
-  sqlite3_bind_int64(st, 5, job.step());
-  sqlite3_bind_int64(st, 6, job.total_steps());
-  sqlite3_bind_double(st, 7, job.create_time());
-  sqlite3_bind_int64(st, 8, last_seq);
-  sqlite3_bind_blob(st, 9, spec.data(), static_cast<int>(spec.size()), SQLITE_TRANSIENT);
-  sqlite3_bind_blob(st, 10, blob.data(), static_cast<int>(blob.size()), SQLITE_TRANSIENT);
-  int rc = sqlite3_step(st);
-  sqlite3_finalize(st);
-  if (rc != SQLITE_DONE) return Error("write job");
-  return absl::OkStatus();
-}
-
-absl::Status JobStore::Run(const char* sql, const char* what,
-                           const std::function<void(sqlite3_stmt*)>& bind) {
-  sqlite3_stmt* st = nullptr;
-  if (sqlite3_prepare_v2(db_, sql, -1, &st, nullptr) != SQLITE_OK) return Error("prepare");
-  bind(st);
-  int rc = sqlite3_step(st);
-  sqlite3_finalize(st);
-  if (rc != SQLITE_DONE) return Error(what);
-  return absl::OkStatus();
-}
-
-absl::Status JobStore::Delete(const std::string& job_id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto bind_id = [&](sqlite3_stmt* st) {
-    sqlite3_bind_text(st, 1, job_id.c_str(), -1, SQLITE_TRANSIENT);
-  };
-  if (auto s = Run("DELETE FROM jobs WHERE job_id = ?", "delete job", bind_id); !s.ok()) return s;
-  return Run("DELETE FROM events WHERE job_id = ?", "delete job events", bind_id);
-}
-
-absl::Status JobStore::AddEvent(const v1::JobEvent& ev, int64_t keep) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const std::string blob = ev.SerializeAsString();
-  absl::Status s = Run("INSERT OR REPLACE INTO events (job_id, seq, event) VALUES (?,?,?)",
-                       "write event", [&](sqlite3_stmt* st) {
-                         sqlite3_bind_text(st, 1, ev.job_id().c_str(), -1, SQLITE_TRANSIENT);
-                         sqlite3_bind_int64(st, 2, ev.seq());
-                         sqlite3_bind_blob(st, 3, blob.data(), static_cast<int>(blob.size()),
-                                           SQLITE_TRANSIENT);
-                       });
-  if (!s.ok() || ev.seq() <= keep) return s;
-  return Run("DELETE FROM events WHERE job_id = ? AND seq <= ?", "trim events",
-             [&](sqlite3_stmt* st) {
-               sqlite3_bind_text(st, 1, ev.job_id().c_str(), -1, SQLITE_TRANSIENT);
-               sqlite3_bind_int64(st, 2, ev.seq() - keep);
-             });
-}
-
-absl::StatusOr<std::vector<v1::JobEvent>> JobStore::Events(const std::string& job_id,
-                                                           int64_t after_seq, int64_t before_seq) {
-  std::lock_guard<std::mutex> lock(mu_);
-  sqlite3_stmt* st = nullptr;
-  if (sqlite3_prepare_v2(db_,
-                         "SELECT seq, event FROM events WHERE job_id = ? AND seq > ? AND seq < ?"
-                         " ORDER BY seq",
-                         -1, &st, nullptr) != SQLITE_OK)
-    return Error("prepare");
-  sqlite3_bind_text(st, 1, job_id.c_str(), -1, SQLITE_TRANSIENT);
-  sqlite3_bind_int64(st, 2, after_seq);
-  sqlite3_bind_int64(st, 3, before_seq);
-  std::vector<v1::JobEvent> out;
-  int rc;
-  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
-    v1::JobEvent ev;
-    if (!ev.ParseFromArray(sqlite3_column_blob(st, 1), sqlite3_column_bytes(st, 1))) {
-      const int64_t seq = sqlite3_column_int64(st, 0);
-      sqlite3_finalize(st);
-      return absl::DataLossError(
-          absl::StrCat("state db ", path_, ": job ", job_id, ": event ", seq, ": corrupt row"));
-    }
-    out.push_back(std::move(ev));
-  }
-  sqlite3_finalize(st);
-  if (rc != SQLITE_DONE) return Error("read events");
-  return out;
 }
 
 absl::StatusOr<std::vector<JobStore::Row>> JobStore::LoadAll() {
@@ -184,6 +98,119 @@ absl::StatusOr<std::vector<JobStore::Row>> JobStore::LoadAll() {
   sqlite3_finalize(st);
   if (rc != SQLITE_DONE) return Error("read jobs");
   return rows;
+}
+
+absl::Status JobStore::Run(const char* sql, const char* what,
+                           const std::function<void(sqlite3_stmt*)>& bind) {
+  sqlite3_stmt* st = nullptr;
+  if (sqlite3_prepare_v2(db_, sql, -1, &st, nullptr) != SQLITE_OK) return Error("prepare");
+  bind(st);
+  int rc = sqlite3_step(st);
+  sqlite3_finalize(st);
+  if (rc != SQLITE_DONE) return Error(what);
+  return absl::OkStatus();
+}
+
+absl::Status JobStore::Transaction(const std::function<absl::Status()>& body) {
+  if (auto s = Exec("BEGIN IMMEDIATE"); !s.ok()) return s;
+  absl::Status s = body();
+  if (s.ok()) s = Exec("COMMIT");
+  if (!s.ok()) (void)Exec("ROLLBACK");
+  return s;
+}
+
+absl::Status JobStore::WriteJobRow(const v1::Job& job, int64_t last_seq) {
+  const std::string spec = job.spec().SerializeAsString();
+  const std::string blob = job.SerializeAsString();
+  return Run("INSERT OR REPLACE INTO jobs (job_id, request_id, state, reason, step, total_steps,"
+             " create_time, last_seq, spec, job) VALUES (?,?,?,?,?,?,?,?,?,?)",
+             "write job", [&](sqlite3_stmt* st) {
+               sqlite3_bind_text(st, 1, job.job_id().c_str(), -1, SQLITE_TRANSIENT);
+               sqlite3_bind_text(st, 2, job.request_id().c_str(), -1, SQLITE_TRANSIENT);
+               sqlite3_bind_int(st, 3, job.state());
+               sqlite3_bind_text(st, 4, job.reason().c_str(), -1, SQLITE_TRANSIENT);
+               sqlite3_bind_int64(st, 5, job.step());
+               sqlite3_bind_int64(st, 6, job.total_steps());
+               sqlite3_bind_double(st, 7, job.create_time());
+               sqlite3_bind_int64(st, 8, last_seq);
+               sqlite3_bind_blob(st, 9, spec.data(), static_cast<int>(spec.size()),
+                                 SQLITE_TRANSIENT);
+               sqlite3_bind_blob(st, 10, blob.data(), static_cast<int>(blob.size()),
+                                 SQLITE_TRANSIENT);
+             });
+}
+
+absl::Status JobStore::WriteEvent(const v1::JobEvent& ev, int64_t keep) {
+  const std::string blob = ev.SerializeAsString();
+  absl::Status s = Run("INSERT OR REPLACE INTO events (job_id, seq, event) VALUES (?,?,?)",
+                       "write event", [&](sqlite3_stmt* st) {
+                         sqlite3_bind_text(st, 1, ev.job_id().c_str(), -1, SQLITE_TRANSIENT);
+                         sqlite3_bind_int64(st, 2, ev.seq());
+                         sqlite3_bind_blob(st, 3, blob.data(), static_cast<int>(blob.size()),
+                                           SQLITE_TRANSIENT);
+                       });
+  // Trimmed every kTrimEvery events: at most keep + kTrimEvery - 1 are stored.
+  if (!s.ok() || ev.seq() <= keep || ev.seq() % kTrimEvery != 0) return s;
+  return Run("DELETE FROM events WHERE job_id = ? AND seq <= ?", "trim events",
+             [&](sqlite3_stmt* st) {
+               sqlite3_bind_text(st, 1, ev.job_id().c_str(), -1, SQLITE_TRANSIENT);
+               sqlite3_bind_int64(st, 2, ev.seq() - keep);
+             });
+}
+
+absl::Status JobStore::Put(const v1::Job& job, int64_t last_seq, const v1::JobEvent* event,
+                           int64_t keep_events) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (event == nullptr) return WriteJobRow(job, last_seq);
+  return Transaction([&] {
+    if (auto s = WriteEvent(*event, keep_events); !s.ok()) return s;
+    return WriteJobRow(job, last_seq);
+  });
+}
+
+absl::Status JobStore::Delete(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto bind_id = [&](sqlite3_stmt* st) {
+    sqlite3_bind_text(st, 1, job_id.c_str(), -1, SQLITE_TRANSIENT);
+  };
+  return Transaction([&] {
+    if (auto s = Run("DELETE FROM jobs WHERE job_id = ?", "delete job", bind_id); !s.ok()) return s;
+    return Run("DELETE FROM events WHERE job_id = ?", "delete job events", bind_id);
+  });
+}
+
+absl::StatusOr<std::vector<v1::JobEvent>> JobStore::Events(const std::string& job_id,
+                                                           int64_t after_seq, int64_t before_seq) {
+  std::vector<std::pair<int64_t, std::string>> blobs;  // (seq, serialized event)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sqlite3_stmt* st = nullptr;
+    if (sqlite3_prepare_v2(db_,
+                           "SELECT seq, event FROM events WHERE job_id = ? AND seq > ? AND seq < ?"
+                           " ORDER BY seq",
+                           -1, &st, nullptr) != SQLITE_OK)
+      return Error("prepare");
+    sqlite3_bind_text(st, 1, job_id.c_str(), -1, SQLITE_TRANSIENT);
+    sqlite3_bind_int64(st, 2, after_seq);
+    sqlite3_bind_int64(st, 3, before_seq);
+    int rc;
+    while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
+      const char* data = static_cast<const char*>(sqlite3_column_blob(st, 1));
+      const int n = sqlite3_column_bytes(st, 1);
+      blobs.emplace_back(sqlite3_column_int64(st, 0),
+                         n > 0 ? std::string(data, static_cast<size_t>(n)) : std::string());
+    }
+    sqlite3_finalize(st);
+    if (rc != SQLITE_DONE) return Error("read events");
+  }
+  std::vector<v1::JobEvent> out(blobs.size());
+  for (size_t i = 0; i < blobs.size(); ++i) {
+    if (!out[i].ParseFromString(blobs[i].second)) {
+      return absl::DataLossError(absl::StrCat("state db ", path_, ": job ", job_id, ": event ",
+                                              blobs[i].first, ": corrupt row"));
+    }
+  }
+  return out;
 }
 
 }  // namespace fsdp8::coord

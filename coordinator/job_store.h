@@ -39,24 +39,33 @@ class JobStore {
   JobStore(const JobStore&) = delete;
   JobStore& operator=(const JobStore&) = delete;
 
-  // Inserts or replaces the job's row.
-  absl::Status Put(const v1::Job& job, int64_t last_seq);
-  // Removes the job's row and its events (OK when there are none).
+  // Inserts or replaces the job's row. With `event` (its job_id and seq name it; a stored event of
+  // that seq is replaced), stores the event in the same transaction and keeps the job's newest
+  // `keep_events` (>= 1) of them: older ones are removed every kTrimEvery events, so at most
+  // keep_events + kTrimEvery - 1 are stored at a time.
+  absl::Status Put(const v1::Job& job, int64_t last_seq, const v1::JobEvent* event = nullptr,
+                   int64_t keep_events = 0);
+  // Removes the job's row and its events in one transaction (OK when there are none).
   absl::Status Delete(const std::string& job_id);
-  // Stores `ev` (its job_id and seq name it; a stored event of that seq is replaced) and removes
-  // the job's events of seq <= ev.seq() - keep, so that at most `keep` (>= 1) are kept.
-  absl::Status AddEvent(const v1::JobEvent& ev, int64_t keep);
-  // The job's stored events with after_seq < seq < before_seq, in seq order.
+  // The job's stored events with after_seq < seq < before_seq, in seq order. DATA_LOSS naming the
+  // event for a row that does not parse.
   absl::StatusOr<std::vector<v1::JobEvent>> Events(const std::string& job_id, int64_t after_seq,
                                                    int64_t before_seq);
+  static constexpr int64_t kTrimEvery = 64;
   // Every job, oldest first (by create_time, then job_id).
   absl::StatusOr<std::vector<Row>> LoadAll();
 
  private:
   JobStore(sqlite3* db, std::string path) : db_(db), path_(std::move(path)) {}
   absl::Status Exec(const char* sql);
-  // Runs a statement that returns no rows, `bind` binding its parameters; `what` names it in errors.
-  absl::Status Run(const char* sql, const char* what, const std::function<void(sqlite3_stmt*)>& bind);
+  // Runs a statement that returns no rows, `bind` binding its parameters; `what` names it in
+  // errors.
+  absl::Status Run(const char* sql, const char* what,
+                   const std::function<void(sqlite3_stmt*)>& bind);
+  // Runs `body` in one transaction, rolled back when it fails. The caller holds mu_.
+  absl::Status Transaction(const std::function<absl::Status()>& body);
+  absl::Status WriteJobRow(const v1::Job& job, int64_t last_seq);
+  absl::Status WriteEvent(const v1::JobEvent& ev, int64_t keep);
   absl::Status Error(const char* what);
 
   std::mutex mu_;

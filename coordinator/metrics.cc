@@ -166,7 +166,9 @@ void CoordinatorMetrics::RenderSteps(prom::ExpositionWriter* w) const {
                 [](const JobSeries& s) { return s.grad_norm; });
   series_family("fsdp8_learning_rate", "gauge", "Learning rate of the last step.",
                 [](const JobSeries& s) { return s.lr; });
-  series_family("fsdp8_tokens_per_second", "gauge", "Throughput of the last step (training tokens per second, its validation time excluded).",
+  series_family("fsdp8_tokens_per_second", "gauge",
+                "Throughput of the last step (training tokens per second, its validation time "
+                "excluded).",
                 [](const JobSeries& s) { return s.tokens_per_second; });
 }
 

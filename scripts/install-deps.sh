@@ -3,8 +3,9 @@
 # Skips apt entirely when every package is already installed.
 # Usage: scripts/install-deps.sh [--demo]
 #   (none)  everything: build, run and test tools, the PyPI test tools (scripts/test.sh)
-#   --demo  what scripts/demo.sh needs: the build packages, the corpus and gnuplot (its loss plot);
-#           no test tools, no PyPI packages
+#   --demo  what scripts/demo.sh needs: PKGS below (everything the build's CMake configuration
+#           looks for, gtest included), the fortunes corpus and gnuplot (its loss plot); no test
+#           tools, no PyPI packages. With FSDP8_BUILD_ONLY=1: PKGS alone.
 set -euo pipefail
 PKGS=(
   build-essential cmake ninja-build pkg-config git

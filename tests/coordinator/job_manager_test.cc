@@ -3,10 +3,12 @@
 
 #include <cmath>
 #include <filesystem>
+#include <limits>
 #include <optional>
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "coordinator/job_store.h"
 #include "gtest/gtest.h"
 #include "tests/coordinator/test_util.h"
 
@@ -300,11 +302,19 @@ TEST(JobManagerPersistence, SurvivesRestart) {
                        done_evs.push_back(e);
                        return true;
                      }).ok());
-  ASSERT_GE(done_evs.size(), 2u);  // submitted, ..., cancelled
-  EXPECT_EQ(done_evs.front().seq(), 1);
-  EXPECT_EQ(done_evs.front().state(), v1::JOB_STATE_PENDING);
-  EXPECT_EQ(done_evs.back().seq(), static_cast<int64_t>(done_evs.size()));
-  EXPECT_EQ(done_evs.back().state(), v1::JOB_STATE_CANCELLED);
+  ASSERT_EQ(done_evs.size(), 2u);  // submitted, cancelled
+  EXPECT_EQ(done_evs[0].seq(), 1);
+  EXPECT_EQ(done_evs[0].state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(done_evs[1].seq(), 2);
+  EXPECT_EQ(done_evs[1].state(), v1::JOB_STATE_CANCELLED);
+  // A job still pending: its events from before the restart, then the watch waits for more.
+  std::vector<int64_t> pending_seqs;
+  EXPECT_EQ((*jm)->Watch(pending_id, 0, [&](const v1::JobEvent& e) {
+                     pending_seqs.push_back(e.seq());
+                     EXPECT_EQ(e.state(), v1::JOB_STATE_PENDING);
+                     return true;
+                   }, [] { return true; }).code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(pending_seqs, (std::vector<int64_t>{1}));
   // The request id is remembered.
   auto again = (*jm)->Submit("keep-me", SmallSpec(train));
   ASSERT_TRUE(again.ok()) << again.status();
@@ -331,7 +341,7 @@ TEST(JobManagerPersistence, StoredEventsAreTheNewestMaxEventsPerJob) {
     id = j->job_id();
     ASSERT_TRUE((*jm)->MarkStarting(id, {"w-1"}).ok());
     ASSERT_TRUE((*jm)->MarkRunning(id).ok());
-    for (int k = 1; k <= 5; ++k) {
+    for (int k = 1; k <= 70; ++k) {
       v1::JobEvent step;
       step.set_step(k);
       step.set_loss(3.0 - 0.25 * k);
@@ -344,6 +354,17 @@ TEST(JobManagerPersistence, StoredEventsAreTheNewestMaxEventsPerJob) {
                          return true;
                        }, [] { return true; }).code() == absl::StatusCode::kCancelled);
   }
+  {
+    // Trimmed in the state db every JobStore::kTrimEvery events, not kept whole.
+    auto store = JobStore::Open(o.state_db);
+    ASSERT_TRUE(store.ok()) << store.status();
+    auto stored = (*store)->Events(id, 0, std::numeric_limits<int64_t>::max());
+    ASSERT_TRUE(stored.ok()) << stored.status();
+    EXPECT_GE(stored->size(), 3u);
+    EXPECT_LE(stored->size(), static_cast<size_t>(3 + JobStore::kTrimEvery - 1));
+    EXPECT_LT(stored->size(), static_cast<size_t>(last));
+    EXPECT_EQ(stored->back().seq(), last);
+  }
   auto jm = JobManager::Open(o);
   ASSERT_TRUE(jm.ok()) << jm.status();
   std::vector<int64_t> seqs, steps;
@@ -354,7 +375,7 @@ TEST(JobManagerPersistence, StoredEventsAreTheNewestMaxEventsPerJob) {
                      }).ok());
   // The restart's own event (seq last + 1, the job's step) is one of the 3 kept.
   EXPECT_EQ(seqs, (std::vector<int64_t>{last - 1, last, last + 1}));
-  EXPECT_EQ(steps, (std::vector<int64_t>{4, 5, 5}));
+  EXPECT_EQ(steps, (std::vector<int64_t>{69, 70, 70}));
 }
 
 // A coordinator restart is a failed generation: a job with a checkpoint.dir and restarts left comes
@@ -512,6 +533,22 @@ TEST(JobManagerRetention, DeleteOnlyEndedJobsAndKeepTheirCheckpoints) {
     auto again = (*jm)->Submit("req-a", SmallSpec(train), "alice");
     ASSERT_TRUE(again.ok()) << again.status();
     EXPECT_NE(again->job_id(), id);
+  }
+  {
+    // Its events left the state db with it; the other jobs' are there.
+    auto store = JobStore::Open(o.state_db);
+    ASSERT_TRUE(store.ok()) << store.status();
+    auto gone = (*store)->Events(id, 0, std::numeric_limits<int64_t>::max());
+    ASSERT_TRUE(gone.ok()) << gone.status();
+    EXPECT_TRUE(gone->empty());
+    auto rows = (*store)->LoadAll();
+    ASSERT_TRUE(rows.ok());
+    ASSERT_EQ(rows->size(), 2u);
+    for (const auto& row : *rows) {
+      auto kept = (*store)->Events(row.job.job_id(), 0, std::numeric_limits<int64_t>::max());
+      ASSERT_TRUE(kept.ok());
+      EXPECT_EQ(kept->size(), static_cast<size_t>(row.last_seq)) << row.job.job_id();
+    }
   }
   auto jm = JobManager::Open(o);  // deleted from the state db too
   ASSERT_TRUE(jm.ok());
