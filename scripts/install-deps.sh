@@ -34,6 +34,7 @@ TOOL_PKGS=(
   fortunes                                                                 # the default corpus
   grpc-proto                                                               # health.proto for grpcurl (README)
   podman runc debootstrap                                                  # deploy/build-images.sh (images, kube play)
+  catatonit                                                                # podman's pause process (kube play pods; a Recommends)
 )
 # deploy/k8s is rendered with `kubectl kustomize`: Debian's kubernetes-client (kubectl 1.20,
 # kustomize v2) unless a kubectl is installed already (the manifests render the same with v2 to v5).
