@@ -71,7 +71,8 @@ inline constexpr int kMaxListEvents = 100;  // events per job in a page
 
 class JobManager {
  public:
-  // Opens the state database and loads the job table (see "Restart" above).
+  // Opens the state database and loads the job table and each job's stored events (see "Restart"
+  // above). JobStore's errors: INTERNAL from SQLite, DATA_LOSS for a row that does not parse.
   static absl::StatusOr<std::unique_ptr<JobManager>> Open(const JobManagerOptions& options);
   ~JobManager();
 
@@ -117,8 +118,8 @@ class JobManager {
   // Calls on_event for every kept event with seq > after_seq, then for new ones as they come, and
   // returns OK after the job's final event. Returns early with OK when on_event returns false,
   // CANCELLED when `stop` returns true (polled about every 200 ms), UNAVAILABLE after Shutdown().
-  // NOT_FOUND for an unknown id; the state db's error when it cannot be read. If the job has ended
-  // and nothing is newer than after_seq, returns OK at once.
+  // NOT_FOUND for an unknown id. If the job has ended and nothing is newer than after_seq, returns
+  // OK at once.
   absl::Status Watch(const std::string& job_id, int64_t after_seq,
                      const std::function<bool(const v1::JobEvent&)>& on_event,
                      const std::function<bool()>& stop = nullptr);
