@@ -136,7 +136,7 @@ const JobManager::Record* JobManager::FindLocked(const std::string& job_id) cons
   return it == jobs_.end() ? nullptr : &it->second;
 }
 
-void JobManager::PersistLocked(const Record& r, const v1::JobEvent* event) {
+void JobManager::PersistLocked(const Record& r, const v1::JobEvent& event) {
   absl::Status s =
       store_->Put(r.job, r.last_seq, event, static_cast<int64_t>(options_.max_events_per_job));
   if (!s.ok()) fprintf(stderr, "fsdp8-coordinator: persisting job %s: %s\n",
@@ -151,7 +151,7 @@ void JobManager::PublishLocked(Record* r, v1::JobEvent ev) {
   if (ev.time() == 0) ev.set_time(NowSeconds());
   r->events.push_back(std::move(ev));
   while (r->events.size() > options_.max_events_per_job) r->events.pop_front();
-  PersistLocked(*r, &r->events.back());
+  PersistLocked(*r, r->events.back());
   cv_.notify_all();
 }
 

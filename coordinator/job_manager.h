@@ -219,8 +219,8 @@ class JobManager {
   const Record* FindLocked(const std::string& job_id) const;
   // Appends an event (fills seq, job_id, state, total_steps, time), persists, notifies watchers.
   void PublishLocked(Record* r, v1::JobEvent ev);
-  // Writes the job's row and, when given, its new event (kept with the newest max_events_per_job).
-  void PersistLocked(const Record& r, const v1::JobEvent* event);
+  // Writes the job's row and its new event (kept with the newest max_events_per_job).
+  void PersistLocked(const Record& r, const v1::JobEvent& event);
   std::string NewJobIdLocked();
   // A submit whose request_id was used before: the earlier job (same owner and spec bytes) or
   // ALREADY_EXISTS naming the conflict; nullopt for an empty or new request_id. mu_ held.

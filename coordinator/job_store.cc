@@ -158,12 +158,11 @@ absl::Status JobStore::WriteEvent(const v1::JobEvent& ev, int64_t keep) {
              });
 }
 
-absl::Status JobStore::Put(const v1::Job& job, int64_t last_seq, const v1::JobEvent* event,
+absl::Status JobStore::Put(const v1::Job& job, int64_t last_seq, const v1::JobEvent& event,
                            int64_t keep_events) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (event == nullptr) return WriteJobRow(job, last_seq);
   return Transaction([&] {
-    if (auto s = WriteEvent(*event, keep_events); !s.ok()) return s;
+    if (auto s = WriteEvent(event, keep_events); !s.ok()) return s;
     return WriteJobRow(job, last_seq);
   });
 }

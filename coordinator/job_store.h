@@ -39,12 +39,12 @@ class JobStore {
   JobStore(const JobStore&) = delete;
   JobStore& operator=(const JobStore&) = delete;
 
-  // Inserts or replaces the job's row. With `event` (its job_id and seq name it; a stored event of
-  // that seq is replaced), stores the event in the same transaction and keeps the job's newest
-  // `keep_events` (>= 1) of them: older ones are removed every kTrimEvery events, so at most
+  // Inserts or replaces the job's row and stores its new `event` (its job_id and seq name it; a
+  // stored event of that seq is replaced) in one transaction, keeping the job's newest
+  // `keep_events` (>= 1) events: older ones are removed every kTrimEvery events, so at most
   // keep_events + kTrimEvery - 1 are stored at a time.
-  absl::Status Put(const v1::Job& job, int64_t last_seq, const v1::JobEvent* event = nullptr,
-                   int64_t keep_events = 0);
+  absl::Status Put(const v1::Job& job, int64_t last_seq, const v1::JobEvent& event,
+                   int64_t keep_events);
   // Removes the job's row and its events in one transaction (OK when there are none).
   absl::Status Delete(const std::string& job_id);
   // The job's stored events with after_seq < seq < before_seq, in seq order. DATA_LOSS naming the

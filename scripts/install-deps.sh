@@ -23,15 +23,18 @@ PKGS=(
   libgtest-dev libgmock-dev                                                # tests (CMake needs them to configure)
   python3 python3-pip                                                      # test tools, Python SDK, cudnn-frontend (worker image)
 )
+# What the demo needs beyond PKGS (scripts/demo.sh: --demo).
+DEMO_PKGS=(
+  fortunes                                                                 # the default corpus
+  gnuplot-nox                                                              # fsdp8 watch --plot
+)
 # Run and test tools, not needed to compile the daemons and the CLI: FSDP8_BUILD_ONLY=1 (the image
 # builds' build stages) leaves them out.
 TOOL_PKGS=(
-  gnuplot-nox                                                              # fsdp8 watch --plot
   chromium python3-prometheus-client                                       # tests: status page, exposition parser
   openssl                                                                  # test certificates (TLS tests)
   util-linux                                                               # tests: setpriv --pdeathsig
   clang libclang-rt-14-dev                                                 # libFuzzer (spec parser fuzz test)
-  fortunes                                                                 # the default corpus
   grpc-proto                                                               # health.proto for grpcurl (README)
   podman runc debootstrap                                                  # deploy/build-images.sh (images, kube play)
   catatonit                                                                # podman's pause process (kube play pods; a Recommends)
@@ -46,10 +49,10 @@ case "${1:-}" in
   *) echo "install-deps: unknown argument \"$1\" (usage: scripts/install-deps.sh [--demo])" >&2; exit 2 ;;
 esac
 if [ "$mode" = demo ]; then
-  [ "$BUILD_ONLY" = 1 ] || PKGS+=(fortunes gnuplot-nox)
+  [ "$BUILD_ONLY" = 1 ] || PKGS+=("${DEMO_PKGS[@]}")
   BUILD_ONLY=1  # no kubectl, no other tools, no PyPI packages
 fi
-[ "$BUILD_ONLY" = 1 ] || PKGS+=("${TOOL_PKGS[@]}")
+[ "$BUILD_ONLY" = 1 ] || PKGS+=("${DEMO_PKGS[@]}" "${TOOL_PKGS[@]}")
 [ "$BUILD_ONLY" = 1 ] || command -v kubectl >/dev/null || PKGS+=(kubernetes-client)
 # Test tools and the Python SDK's build from PyPI: the `safetensors` reader (and numpy) that checks
 # `fsdp8 export` output; grpcio and grpcio-tools (client/python, stubs generated from proto/),

@@ -323,6 +323,16 @@ TEST(JobManagerPersistence, SurvivesRestart) {
             absl::StatusCode::kAlreadyExists);
 }
 
+// Every event the state db holds for `job_id`, read through a second JobStore.
+std::vector<v1::JobEvent> StoredEvents(const std::string& db, const std::string& job_id) {
+  auto store = JobStore::Open(db);
+  EXPECT_TRUE(store.ok()) << store.status();
+  if (!store.ok()) return {};
+  auto events = (*store)->Events(job_id, 0, std::numeric_limits<int64_t>::max());
+  EXPECT_TRUE(events.ok()) << events.status();
+  return events.ok() ? *events : std::vector<v1::JobEvent>{};
+}
+
 // The state db keeps a job's newest max_events_per_job events, as memory does: after a restart a
 // watch from the start gets those, in seq order, and no older ones.
 TEST(JobManagerPersistence, StoredEventsAreTheNewestMaxEventsPerJob) {
@@ -354,17 +364,13 @@ TEST(JobManagerPersistence, StoredEventsAreTheNewestMaxEventsPerJob) {
                          return true;
                        }, [] { return true; }).code() == absl::StatusCode::kCancelled);
   }
-  {
-    // Trimmed in the state db every JobStore::kTrimEvery events, not kept whole.
-    auto store = JobStore::Open(o.state_db);
-    ASSERT_TRUE(store.ok()) << store.status();
-    auto stored = (*store)->Events(id, 0, std::numeric_limits<int64_t>::max());
-    ASSERT_TRUE(stored.ok()) << stored.status();
-    EXPECT_GE(stored->size(), 3u);
-    EXPECT_LE(stored->size(), static_cast<size_t>(3 + JobStore::kTrimEvery - 1));
-    EXPECT_LT(stored->size(), static_cast<size_t>(last));
-    EXPECT_EQ(stored->back().seq(), last);
-  }
+  // Trimmed in the state db every JobStore::kTrimEvery events, not kept whole.
+  const std::vector<v1::JobEvent> stored = StoredEvents(o.state_db, id);
+  EXPECT_GE(stored.size(), 3u);
+  EXPECT_LE(stored.size(), static_cast<size_t>(3 + JobStore::kTrimEvery - 1));
+  EXPECT_LT(stored.size(), static_cast<size_t>(last));
+  ASSERT_FALSE(stored.empty());
+  EXPECT_EQ(stored.back().seq(), last);
   auto jm = JobManager::Open(o);
   ASSERT_TRUE(jm.ok()) << jm.status();
   std::vector<int64_t> seqs, steps;
@@ -536,18 +542,15 @@ TEST(JobManagerRetention, DeleteOnlyEndedJobsAndKeepTheirCheckpoints) {
   }
   {
     // Its events left the state db with it; the other jobs' are there.
+    EXPECT_TRUE(StoredEvents(o.state_db, id).empty());
     auto store = JobStore::Open(o.state_db);
     ASSERT_TRUE(store.ok()) << store.status();
-    auto gone = (*store)->Events(id, 0, std::numeric_limits<int64_t>::max());
-    ASSERT_TRUE(gone.ok()) << gone.status();
-    EXPECT_TRUE(gone->empty());
     auto rows = (*store)->LoadAll();
     ASSERT_TRUE(rows.ok());
     ASSERT_EQ(rows->size(), 2u);
     for (const auto& row : *rows) {
-      auto kept = (*store)->Events(row.job.job_id(), 0, std::numeric_limits<int64_t>::max());
-      ASSERT_TRUE(kept.ok());
-      EXPECT_EQ(kept->size(), static_cast<size_t>(row.last_seq)) << row.job.job_id();
+      EXPECT_EQ(StoredEvents(o.state_db, row.job.job_id()).size(),
+                static_cast<size_t>(row.last_seq)) << row.job.job_id();
     }
   }
   auto jm = JobManager::Open(o);  // deleted from the state db too
