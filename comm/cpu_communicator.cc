@@ -1,5 +1,6 @@
 #include "comm/cpu_communicator.h"
 
+#include "comm/async_communicator.h"
 #include "comm/gloo_communicator.h"
 #include "comm/shm_communicator.h"
 #include "common/env_settings.h"
@@ -9,8 +10,19 @@ namespace fsdp8 {
 CpuCommOptions CpuCommOptions::FromEnvironment() {
   CpuCommOptions o;
   if (env::GetOrEmpty(env::kCpuTransport) == "gloo") o.transport = Transport::kGloo;
+  if (env::GetOrEmpty(env::kCpuCommOverlap) == "0") o.overlap = false;
   return o;
 }
+
+namespace {
+
+std::unique_ptr<Communicator> MaybeOverlapped(std::unique_ptr<Communicator> c,
+                                              const CpuCommOptions& options) {
+  if (!options.overlap || c->world_size() < 2) return c;
+  return std::make_unique<AsyncCommunicator>(std::move(c));
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Communicator>> CreateCpuCommunicator(
     int rank, int world_size, KvStore* store, const std::string& prefix, const std::string& host,
@@ -21,7 +33,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCpuCommunicator(
                                                 bootstrap_timeout);
     if (shm.ok()) {
       if (transport) *transport = "shared memory";
-      return std::unique_ptr<Communicator>(std::move(*shm));
+      return MaybeOverlapped(std::move(*shm), options);
     }
     if (shm.status().code() != absl::StatusCode::kFailedPrecondition) return shm.status();
   }
@@ -29,7 +41,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCpuCommunicator(
   auto gloo = GlooCommunicator::Create(rank, world_size, store, prefix, host, timeout,
                                        bootstrap_timeout);
   if (!gloo.ok()) return gloo.status();
-  return std::unique_ptr<Communicator>(std::move(*gloo));
+  return MaybeOverlapped(std::move(*gloo), options);
 }
 
 }  // namespace fsdp8

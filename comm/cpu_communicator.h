@@ -20,6 +20,10 @@ struct CpuCommOptions {
   // rank shares this machine. Every rank of a job must use the same value.
   enum class Transport { kAuto, kGloo };
   Transport transport = Transport::kAuto;
+  // FSDP8_CPU_COMM_OVERLAP: unset or "1" runs the collectives of a job of 2 or more ranks on a
+  // helper thread (comm/async_communicator.h), so that FSDP's all-gathers and reduce-scatters
+  // overlap compute; "0" runs them on the caller's thread. Ranks may differ here.
+  bool overlap = true;
 
   static CpuCommOptions FromEnvironment();
 };
@@ -27,7 +31,8 @@ struct CpuCommOptions {
 // Builds rank `rank` of `world_size`'s communicator, rendezvousing through `store` under `prefix`
 // (see SharedMemoryCommunicator::Create and GlooCommunicator::Create for the arguments; `host` is
 // the address Gloo's peers reach this rank at). *transport (when given) is set to "shared memory"
-// or "gloo". Errors: those of the rendezvous and of GlooCommunicator::Create.
+// or "gloo". With options.overlap and world_size > 1 the communicator is wrapped in an
+// AsyncCommunicator. Errors: those of the rendezvous and of GlooCommunicator::Create.
 absl::StatusOr<std::unique_ptr<Communicator>> CreateCpuCommunicator(
     int rank, int world_size, KvStore* store, const std::string& prefix, const std::string& host,
     std::chrono::milliseconds timeout, std::chrono::milliseconds bootstrap_timeout,

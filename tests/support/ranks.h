@@ -1,4 +1,5 @@
-// Helpers for worker tests: an in-memory KvStore, ranks as threads over Gloo on 127.0.0.1, a
+// Helpers for worker tests: an in-memory KvStore, ranks as threads over Gloo on 127.0.0.1 (or
+// shared memory), a
 // small generated token file and a tiny job spec.
 #pragma once
 
@@ -19,6 +20,7 @@
 #include "fsdp8/v1/spec.pb.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "comm/async_communicator.h"
 #include "comm/gloo_communicator.h"
 #include "comm/kv_store.h"
 #include "comm/shm_communicator.h"
@@ -55,7 +57,8 @@ inline void RunOnThreads(int world, const std::function<void(int)>& fn) {
   for (auto& t : threads) t.join();
 }
 
-enum class Transport { kGloo, kSharedMemory };
+// kSharedMemoryOverlapped: shared memory behind an AsyncCommunicator (the CPU workers' default).
+enum class Transport { kGloo, kSharedMemory, kSharedMemoryOverlapped };
 
 // Runs fn(rank, comm) on `world` threads, each with its own communicator over `transport`.
 inline void RunRanksOver(Transport transport, int world,
@@ -74,6 +77,9 @@ inline void RunRanksOver(Transport transport, int world,
       auto c = SharedMemoryCommunicator::Create(r, world, &kv, prefix, timeout);
       ASSERT_TRUE(c.ok()) << c.status();
       comm = std::move(*c);
+      if (transport == Transport::kSharedMemoryOverlapped) {
+        comm = std::make_unique<AsyncCommunicator>(std::move(comm));
+      }
     }
     fn(r, comm.get());
   });

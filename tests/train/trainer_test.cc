@@ -217,6 +217,39 @@ TEST(Trainer, C04_ThreeRanksHoldBitIdenticalScalesAndWeights) {
   EXPECT_EQ(s0.tensors_size(), 14 * 3);
 }
 
+// The CPU workers' collectives on a helper thread (comm/async_communicator.h) change when they
+// run, not what they compute: 2 ranks, 3 microbatches each (so the grad shards also take the
+// reduce-scatter's later parts), FP8 blocks; every step's loss and grad norm, the final master
+// weights and the scaling state are the same bits as with the blocking shared-memory collectives.
+TEST(Trainer, OverlappedCollectivesGiveTheSameBits) {
+  v1::JobSpec spec = TinySpec(TrainFile());  // global batch 6, microbatch 1
+  const std::vector<RankOut> blocking = Train(spec, 2, 3, true, testing::Transport::kSharedMemory);
+  const std::vector<RankOut> overlapped =
+      Train(spec, 2, 3, true, testing::Transport::kSharedMemoryOverlapped);
+  ASSERT_EQ(blocking.size(), 2u);
+  ASSERT_EQ(overlapped.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(r);
+    ASSERT_EQ(overlapped[r].results.size(), 3u);
+    for (int k = 0; k < 3; ++k) {
+      // Exact double equality (neither is NaN: the tiny model trains).
+      EXPECT_EQ(overlapped[r].results[k].loss_sum, blocking[r].results[k].loss_sum);
+      EXPECT_EQ(overlapped[r].results[k].grad_norm, blocking[r].results[k].grad_norm);
+      EXPECT_GT(overlapped[r].results[k].all_gather_bytes, 0);
+      EXPECT_EQ(overlapped[r].results[k].all_gather_bytes, blocking[r].results[k].all_gather_bytes);
+      EXPECT_EQ(overlapped[r].results[k].reduce_scatter_bytes,
+                blocking[r].results[k].reduce_scatter_bytes);
+    }
+    ASSERT_EQ(overlapped[r].master.size(), blocking[r].master.size());
+    for (const auto& [name, v] : blocking[r].master) {
+      const auto& w = overlapped[r].master.at(name);
+      ASSERT_EQ(v.size(), w.size());
+      EXPECT_EQ(std::memcmp(v.data(), w.data(), v.size() * 4), 0) << name;
+    }
+    EXPECT_EQ(overlapped[r].scaling.SerializeAsString(), blocking[r].scaling.SerializeAsString());
+  }
+}
+
 // ---- C12: same math across world sizes -------------------------------------------------------
 // FP32 precision, world 1 vs 3, same global batch. Each gradient element is a sum of <= 6 x 32
 // token contributions, reduced in a different order: f32 reordering changes it by about

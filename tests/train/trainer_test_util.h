@@ -41,12 +41,13 @@ struct RankOut {
   v1::ScalingState scaling;
 };
 
-// `steps` steps of `spec` on `world` ranks as threads (CPU backend, Gloo); gather: also the master
-// weights at the end.
+// `steps` steps of `spec` on `world` ranks as threads (CPU backend, collectives over
+// `transport`); gather: also the master weights at the end.
 inline std::vector<RankOut> Train(const v1::JobSpec& spec, int world, int steps,
-                                  bool gather = false) {
+                                  bool gather = false,
+                                  Transport transport = Transport::kGloo) {
   std::vector<RankOut> out(world);
-  RunRanks(world, [&](int r, Communicator* c) {
+  RunRanksOver(transport, world, [&](int r, Communicator* c) {
     auto be = CpuBackend();
     auto t = Trainer::Create(spec, r, world, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();

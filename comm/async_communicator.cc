@@ -1,0 +1,121 @@
+#include "comm/async_communicator.h"
+
+#include <chrono>
+#include <utility>
+
+
+namespace fsdp8 {
+
+AsyncCommunicator::AsyncCommunicator(std::unique_ptr<Communicator> inner)
+    : inner_(std::move(inner)), rank_(inner_->rank()), world_size_(inner_->world_size()) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+AsyncCommunicator::~AsyncCommunicator() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  queued_cv_.notify_one();
+  thread_.join();
+}
+
+void AsyncCommunicator::Loop() {
+  std::unique_lock<std::mutex> l(mu_);
+  for (;;) {
+    queued_cv_.wait(l, [this] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stop_ with nothing left
+    auto [ticket, run] = std::move(queue_.front());
+    queue_.pop_front();
+    const bool skip = !error_.ok();  // fail fast behind the first error
+    l.unlock();
+    absl::Status s = skip ? absl::OkStatus() : run();
+    l.lock();
+    if (!s.ok() && error_.ok()) error_ = std::move(s);
+    completed_ = ticket;
+    done_cv_.notify_all();
+  }
+}
+
+absl::StatusOr<int64_t> AsyncCommunicator::Enqueue(std::function<absl::Status()> run) {
+  int64_t ticket;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!error_.ok()) return error_;
+    ticket = ++issued_;
+    queue_.emplace_back(ticket, std::move(run));
+  }
+  queued_cv_.notify_one();
+  return ticket;
+}
+
+void AsyncCommunicator::Wait(int64_t ticket) {
+  if (ticket <= 0) return;
+  std::unique_lock<std::mutex> l(mu_);
+  if (completed_ >= ticket) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  done_cv_.wait(l, [&] { return completed_ >= ticket; });
+  exposed_seconds_ +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+absl::Status AsyncCommunicator::Finish(absl::StatusOr<int64_t> ticket) {
+  if (!ticket.ok()) return ticket.status();
+  std::unique_lock<std::mutex> l(mu_);
+  done_cv_.wait(l, [&] { return completed_ >= *ticket; });
+  return error_;
+}
+
+absl::Status AsyncCommunicator::AllGather(const void* send, void* recv, int64_t bytes_per_rank) {
+  return Finish(AllGatherAsync(send, recv, bytes_per_rank));
+}
+
+absl::Status AsyncCommunicator::ReduceScatterSum(const float* send, float* recv, int64_t count) {
+  return Finish(ReduceScatterSumAsync(send, recv, count));
+}
+
+absl::StatusOr<int64_t> AsyncCommunicator::AllGatherAsync(const void* send, void* recv,
+                                                          int64_t bytes_per_rank) {
+  absl::StatusOr<int64_t> t =
+      Enqueue([=, this] { return inner_->AllGather(send, recv, bytes_per_rank); });
+  if (t.ok()) bytes_.all_gather += bytes_per_rank * world_size_;
+  return t;
+}
+
+absl::StatusOr<int64_t> AsyncCommunicator::ReduceScatterSumAsync(const float* send, float* recv,
+                                                                 int64_t count) {
+  absl::StatusOr<int64_t> t =
+      Enqueue([=, this] { return inner_->ReduceScatterSum(send, recv, count); });
+  if (t.ok()) {
+    bytes_.reduce_scatter += count * world_size_ * static_cast<int64_t>(sizeof(float));
+  }
+  return t;
+}
+
+absl::Status AsyncCommunicator::AllReduce(float* buf, int64_t count, ReduceOp op) {
+  absl::StatusOr<int64_t> t = Enqueue([=, this] { return inner_->AllReduce(buf, count, op); });
+  if (t.ok()) bytes_.all_reduce += count * static_cast<int64_t>(sizeof(float));
+  return Finish(t);
+}
+
+absl::Status AsyncCommunicator::Broadcast(void* buf, int64_t bytes, int root) {
+  return Finish(Enqueue([=, this] { return inner_->Broadcast(buf, bytes, root); }));
+}
+
+absl::Status AsyncCommunicator::Barrier() {
+  return Finish(Enqueue([this] { return inner_->Barrier(); }));
+}
+
+absl::Status AsyncCommunicator::Verify() {
+  return Finish(Enqueue([this] { return inner_->Verify(); }));
+}
+
+void AsyncCommunicator::Abort(const std::string& reason) { inner_->Abort(reason); }
+
+double AsyncCommunicator::ConsumeExposedSeconds() {
+  const double s = exposed_seconds_;
+  exposed_seconds_ = 0;
+  return s;
+}
+
+}  // namespace fsdp8

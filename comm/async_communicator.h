@@ -1,0 +1,98 @@
+// AsyncCommunicator: gives a communicator whose collectives block the calling thread (shared
+// memory, Gloo) the deferred-wait variants of comm/communicator.h, by running every collective
+// on one helper thread in call order. FSDP's prefetched all-gathers and its reduce-scatters then
+// overlap the rank's compute, and a rank that reaches a collective ahead of its peers keeps
+// computing instead of waiting there: on CPU ranks, whose per-block compute times differ by the
+// host's jitter, the waits at the many per-unit collectives of a step shrink to the lag that is
+// left when the data is needed (bench/RESULTS.md).
+//
+// Order: collectives run on the helper thread in the order they were called, so the ranks'
+// sequences still match (C09). A blocking call (AllGather, ReduceScatterSum, AllReduce,
+// Broadcast, Barrier, Verify) waits for every collective called before it and for itself.
+//
+// Errors: a failed collective's status is kept as this communicator's first error; every later
+// call then fails fast with it (a deferred call when it is issued, a blocking call on return),
+// and Verify() returns it. Wait(ticket) returns once the collective has finished, failed or not,
+// so a rank never hangs on a ticket; the recv buffer of a failed collective is then undefined,
+// and the step that used it fails at its Verify() (the trainer calls it at the end of each step).
+//
+// Abort(reason) forwards to the wrapped communicator at once (from any thread, its contract):
+// the collective running on the helper thread returns, and every queued one fails fast.
+//
+// ConsumeExposedSeconds(): seconds the caller stood blocked in Wait() since the last call. The
+// time inside blocking calls is the caller's to measure, as for a blocking communicator. For
+// communicators whose collectives block (their own figure is always 0); not for NCCL.
+//
+// Thread-safety: collectives, Wait, Verify and ConsumeExposedSeconds from one thread (the
+// trainer's); Abort from any thread. The wrapped communicator is used only by the helper thread
+// once wrapped.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "comm/communicator.h"
+
+namespace fsdp8 {
+
+class AsyncCommunicator : public Communicator {
+ public:
+  // Starts the helper thread. `inner` must not be null.
+  explicit AsyncCommunicator(std::unique_ptr<Communicator> inner);
+  // Runs the collectives still queued (their buffers are the callers' to keep alive until their
+  // tickets were waited for, so normally none are left), then stops the helper thread.
+  ~AsyncCommunicator() override;
+  AsyncCommunicator(const AsyncCommunicator&) = delete;
+  AsyncCommunicator& operator=(const AsyncCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_size_; }
+  absl::Status AllGather(const void* send, void* recv, int64_t bytes_per_rank) override;
+  absl::Status ReduceScatterSum(const float* send, float* recv, int64_t count) override;
+  absl::Status AllReduce(float* buf, int64_t count, ReduceOp op) override;
+  absl::Status Broadcast(void* buf, int64_t bytes, int root) override;
+  absl::Status Barrier() override;
+  void Abort(const std::string& reason) override;
+
+  absl::StatusOr<int64_t> AllGatherAsync(const void* send, void* recv,
+                                         int64_t bytes_per_rank) override;
+  absl::StatusOr<int64_t> ReduceScatterSumAsync(const float* send, float* recv,
+                                                int64_t count) override;
+  void Wait(int64_t ticket) override;
+  double ConsumeExposedSeconds() override;
+  absl::Status Verify() override;
+
+ private:
+  // Queues `run` (it runs on the helper thread unless an earlier collective failed) and returns
+  // its ticket (> 0); the first error instead when one is recorded.
+  absl::StatusOr<int64_t> Enqueue(std::function<absl::Status()> run);
+  // Waits for `ticket`'s collective (and every one before it); the first error when any of them
+  // failed, or ticket's own error.
+  absl::Status Finish(absl::StatusOr<int64_t> ticket);
+  void Loop();
+
+  std::unique_ptr<Communicator> inner_;
+  const int rank_;
+  const int world_size_;
+  double exposed_seconds_ = 0;  // the caller's thread only
+
+  mutable std::mutex mu_;
+  std::condition_variable queued_cv_;  // the helper waits for work
+  std::condition_variable done_cv_;    // callers wait for tickets
+  std::deque<std::pair<int64_t, std::function<absl::Status()>>> queue_;  // guarded by mu_
+  int64_t issued_ = 0;                                                  // guarded by mu_
+  int64_t completed_ = 0;                                               // guarded by mu_
+  absl::Status error_;                                                  // guarded by mu_
+  bool stop_ = false;                                                   // guarded by mu_
+  std::thread thread_;
+};
+
+}  // namespace fsdp8
