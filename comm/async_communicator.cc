@@ -1,7 +1,11 @@
 #include "comm/async_communicator.h"
 
 #include <chrono>
+#include <exception>
+#include <new>
 #include <utility>
+
+#include "absl/strings/str_cat.h"
 
 
 namespace fsdp8 {
@@ -29,11 +33,23 @@ void AsyncCommunicator::Loop() {
     queue_.pop_front();
     const bool skip = !error_.ok();  // fail fast behind the first error
     l.unlock();
-    absl::Status s = skip ? absl::OkStatus() : run();
+    absl::Status s = skip ? absl::OkStatus() : Run(run);
     l.lock();
     if (!s.ok() && error_.ok()) error_ = std::move(s);
     completed_ = ticket;
     done_cv_.notify_all();
+  }
+}
+
+absl::Status AsyncCommunicator::Run(const std::function<absl::Status()>& run) {
+  // An exception must not leave the helper thread (std::terminate would take the worker down):
+  // it becomes this communicator's error, as a failed collective's status.
+  try {
+    return run();
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("out of host memory in a collective");
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("collective threw: ", e.what()));
   }
 }
 
@@ -110,7 +126,13 @@ absl::Status AsyncCommunicator::Verify() {
   return Finish(Enqueue([this] { return inner_->Verify(); }));
 }
 
-void AsyncCommunicator::Abort(const std::string& reason) { inner_->Abort(reason); }
+void AsyncCommunicator::Abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> l(mu_);  // the helper never holds mu_ while a collective runs
+    if (error_.ok()) error_ = absl::AbortedError(absl::StrCat("aborted: ", reason));
+  }
+  inner_->Abort(reason);
+}
 
 double AsyncCommunicator::ConsumeExposedSeconds() {
   const double s = exposed_seconds_;

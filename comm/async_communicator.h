@@ -12,20 +12,26 @@
 //
 // Errors: a failed collective's status is kept as this communicator's first error; every later
 // call then fails fast with it (a deferred call when it is issued, a blocking call on return),
-// and Verify() returns it. Wait(ticket) returns once the collective has finished, failed or not,
-// so a rank never hangs on a ticket; the recv buffer of a failed collective is then undefined,
-// and the step that used it fails at its Verify() (the trainer calls it at the end of each step).
+// and Verify() returns it. An exception thrown by the wrapped communicator becomes such an error
+// (std::bad_alloc: RESOURCE_EXHAUSTED, others INTERNAL) instead of leaving the helper thread.
+// Wait(ticket) returns once the collective has finished, failed or not (so no later than the
+// wrapped communicator's collective timeout); the recv buffer of a failed collective is then
+// undefined, and the step that used it fails at its Verify() (the trainer calls it at the end of
+// each step).
 //
-// Abort(reason) forwards to the wrapped communicator at once (from any thread, its contract):
-// the collective running on the helper thread returns, and every queued one fails fast.
+// Abort(reason) records ABORTED "aborted: <reason>" as the first error (unless one is recorded)
+// and forwards to the wrapped communicator at once (from any thread, its contract): the
+// collective running on the helper thread returns, every queued one is skipped, and every later
+// call fails fast.
 //
 // ConsumeExposedSeconds(): seconds the caller stood blocked in Wait() since the last call. The
 // time inside blocking calls is the caller's to measure, as for a blocking communicator. For
 // communicators whose collectives block (their own figure is always 0); not for NCCL.
 //
 // Thread-safety: collectives, Wait, Verify and ConsumeExposedSeconds from one thread (the
-// trainer's); Abort from any thread. The wrapped communicator is used only by the helper thread
-// once wrapped.
+// trainer's); Abort from any thread. Once wrapped, the wrapped communicator's collectives run on
+// the helper thread only; its Abort may come from any thread, and it is destroyed with this
+// object after the helper thread has stopped.
 #pragma once
 
 #include <condition_variable>
@@ -77,6 +83,8 @@ class AsyncCommunicator : public Communicator {
   // Waits for `ticket`'s collective (and every one before it); the first error when any of them
   // failed, or ticket's own error.
   absl::Status Finish(absl::StatusOr<int64_t> ticket);
+  // Runs one collective on the helper thread; an exception becomes its status.
+  static absl::Status Run(const std::function<absl::Status()>& run);
   void Loop();
 
   std::unique_ptr<Communicator> inner_;

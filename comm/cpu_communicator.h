@@ -20,9 +20,9 @@ struct CpuCommOptions {
   // rank shares this machine. Every rank of a job must use the same value.
   enum class Transport { kAuto, kGloo };
   Transport transport = Transport::kAuto;
-  // FSDP8_CPU_COMM_OVERLAP: unset or "1" runs the collectives of a job of 2 or more ranks on a
-  // helper thread (comm/async_communicator.h), so that FSDP's all-gathers and reduce-scatters
-  // overlap compute; "0" runs them on the caller's thread. Ranks may differ here.
+  // FSDP8_CPU_COMM_OVERLAP: "0" runs the collectives on the caller's thread; unset or any other
+  // value runs those of a job of 2 or more ranks on a helper thread (comm/async_communicator.h),
+  // so that FSDP's all-gathers and reduce-scatters overlap compute. Ranks may differ here.
   bool overlap = true;
 
   static CpuCommOptions FromEnvironment();

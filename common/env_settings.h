@@ -44,8 +44,8 @@ inline constexpr char kNcclCheckCollectives[] = "FSDP8_NCCL_CHECK_COLLECTIVES";
 // CPU jobs' collectives (comm/cpu_communicator.h, CpuCommOptions): "gloo" always over Gloo's TCP;
 // unset/"auto" through shared memory when every rank runs on this machine.
 inline constexpr char kCpuTransport[] = "FSDP8_CPU_TRANSPORT";
-// "0" runs a CPU job's collectives on the trainer's thread (blocking); unset/"1" on a helper
-// thread per rank, overlapping compute (comm/async_communicator.h).
+// "0" runs a CPU job's collectives on the trainer's thread (blocking); unset or anything else on
+// a helper thread per rank, overlapping compute (comm/async_communicator.h).
 inline constexpr char kCpuCommOverlap[] = "FSDP8_CPU_COMM_OVERLAP";
 
 // ---- training (train/options.h, ModelOptions and TrainerOptions) ----

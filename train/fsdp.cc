@@ -532,6 +532,7 @@ bool FsdpParams::SetMasterElement(const std::string& hf_name, int64_t index, flo
   const int64_t g = r.offset + index;
   const int64_t begin = b.plan->ShardBegin(rank_);
   if (g < begin || g >= begin + b.plan->shard_numel) return false;
+  DropPrefetches();  // an fp32 buffer's all-gather reads the master shard
   adamw_outputs_ready_ = false;
   be_->CopyToDevice(b.master.f32() + (g - begin), &value, sizeof(float));
   return true;
@@ -569,6 +570,7 @@ void FsdpParams::DownloadShard(int unit, int buffer, ShardArray which, float* ho
 
 void FsdpParams::ZeroShard(int unit, int buffer, ShardArray which) {
   const int64_t n = units_[unit][buffer].plan->shard_numel;
+  DropPrefetches();  // an fp32 buffer's all-gather reads the master shard
   adamw_outputs_ready_ = false;
   if (n > 0) be_->Memset(Array(unit, buffer, which).get(), 0, n * ElementBytes(which));
 }
@@ -578,6 +580,7 @@ void FsdpParams::UploadShardRange(int unit, int buffer, ShardArray which, int64_
   const int64_t shard = units_[unit][buffer].plan->shard_numel;
   FSDP8_CHECK(offset >= 0 && n >= 0 && offset + n <= shard)
       << "shard range [" << offset << ", " << offset + n << ") of " << shard;
+  DropPrefetches();  // an fp32 buffer's all-gather reads the master shard
   adamw_outputs_ready_ = false;
   if (n <= 0) return;
   const DevBuf& a = Array(unit, buffer, which);

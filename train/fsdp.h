@@ -168,7 +168,9 @@ class FsdpParams {
   // Collective: every tensor's full values, gathered from all ranks (master weights or grads).
   absl::StatusOr<std::map<std::string, std::vector<float>>> GatherAll(bool grads);
   // Sets one element of a tensor's master weight if this rank owns it (testing, import); call
-  // CastWeights() afterwards. Returns whether this rank owns it.
+  // CastWeights() afterwards. Returns whether this rank owns it. Like ZeroShard and
+  // UploadShardRange, it drops the prefetches in flight first (an fp32 buffer's all-gather reads
+  // the master shard).
   bool SetMasterElement(const std::string& hf_name, int64_t index, float value);
 
   // ---- checkpoints (train/checkpoint.h) ----

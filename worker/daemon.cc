@@ -289,7 +289,7 @@ void WorkerDaemon::Serve() {
       case v1::CoordinatorMessage::kFinish:
         Log("job finished");
         LogEvent("job_finished", {{"worker", worker_id_}, {"job", session_job}});
-        Post([this] { DropJob(); });
+        Post([this] { DropJob(/*finished=*/true); });
         break;
       case v1::CoordinatorMessage::kAbort: {
         Log(absl::StrCat("abort: ", msg.abort().reason()));
@@ -346,9 +346,10 @@ void WorkerDaemon::JobThread() {
   DropJob();
 }
 
-void WorkerDaemon::DropJob() {
+void WorkerDaemon::DropJob(bool finished) {
   {
     std::lock_guard<std::mutex> l(comm_mu_);
+    if (live_comm_ && !finished) live_comm_->Abort("this rank dropped the job");
     live_comm_.reset();
   }
   job_.reset();

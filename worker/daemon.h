@@ -86,7 +86,11 @@ class WorkerDaemon {
   bool RunStep(const v1::StepCommand& c);
   // Writes this rank's checkpoint shard (between steps) and replies CheckpointSaved or WorkerError.
   void HandleSave(const v1::SaveCheckpoint& c);
-  void DropJob();
+  // Destroys the current job. Unless `finished` (the coordinator's Finish), its communicator is
+  // aborted first: collectives still queued on it (a prefetch behind a failed step) then end at
+  // once instead of waiting for a peer up to the collective timeout; the peers learn that this
+  // rank left, as from its communicator's destruction.
+  void DropJob(bool finished = false);
   void Log(const std::string& msg) const;
 
   DaemonOptions opts_;  // opts_.settings.faults keeps its state: touched only on the job thread

@@ -17,7 +17,7 @@ namespace fsdp8 {
 struct WorkerSettings {
   BackendOptions backend;  // FSDP8_CPU_FILL_NAN, FSDP8_PROFILE_OPS, FSDP8_GEMM_VERBOSE
   NcclOptions nccl;        // FSDP8_NCCL_CHECK_COLLECTIVES (cuda jobs)
-  CpuCommOptions cpu_comm;  // FSDP8_CPU_TRANSPORT (cpu jobs)
+  CpuCommOptions cpu_comm;  // FSDP8_CPU_TRANSPORT, FSDP8_CPU_COMM_OVERLAP (cpu jobs)
   // FSDP8_HEAD_CHUNK_LOGIT_BYTES, FSDP8_UNFUSED_PROJECTIONS, FSDP8_STEP_TIMING, FSDP8_PROFILE_OPS
   TrainerOptions trainer;
   FaultInjection faults;  // FSDP8_FAULT_STEP_ERROR, FSDP8_FAULT_CHECKPOINT_ENOSPC

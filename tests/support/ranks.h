@@ -57,8 +57,8 @@ inline void RunOnThreads(int world, const std::function<void(int)>& fn) {
   for (auto& t : threads) t.join();
 }
 
-// kSharedMemoryOverlapped: shared memory behind an AsyncCommunicator (the CPU workers' default).
-enum class Transport { kGloo, kSharedMemory, kSharedMemoryOverlapped };
+// k*Overlapped: behind an AsyncCommunicator (the CPU workers' default).
+enum class Transport { kGloo, kSharedMemory, kGlooOverlapped, kSharedMemoryOverlapped };
 
 // Runs fn(rank, comm) on `world` threads, each with its own communicator over `transport`.
 inline void RunRanksOver(Transport transport, int world,
@@ -69,7 +69,7 @@ inline void RunRanksOver(Transport transport, int world,
   MemKvStore kv;
   RunOnThreads(world, [&](int r) {
     std::unique_ptr<Communicator> comm;
-    if (transport == Transport::kGloo) {
+    if (transport == Transport::kGloo || transport == Transport::kGlooOverlapped) {
       auto c = GlooCommunicator::Create(r, world, &kv, prefix, "127.0.0.1", timeout);
       ASSERT_TRUE(c.ok()) << c.status();
       comm = std::move(*c);
@@ -77,9 +77,10 @@ inline void RunRanksOver(Transport transport, int world,
       auto c = SharedMemoryCommunicator::Create(r, world, &kv, prefix, timeout);
       ASSERT_TRUE(c.ok()) << c.status();
       comm = std::move(*c);
-      if (transport == Transport::kSharedMemoryOverlapped) {
-        comm = std::make_unique<AsyncCommunicator>(std::move(comm));
-      }
+    }
+    if (transport == Transport::kGlooOverlapped ||
+        transport == Transport::kSharedMemoryOverlapped) {
+      comm = std::make_unique<AsyncCommunicator>(std::move(comm));
     }
     fn(r, comm.get());
   });
