@@ -7,7 +7,6 @@
 
 #include "absl/strings/str_cat.h"
 
-
 namespace fsdp8 {
 
 AsyncCommunicator::AsyncCommunicator(std::unique_ptr<Communicator> inner)
