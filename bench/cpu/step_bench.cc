@@ -4,8 +4,8 @@
 // 127.0.0.1).
 // Prints tokens/s over the timed steps (after `--warmup` untimed ones), per wall-clock second and
 // per process-CPU second, the trainer's compute / communication / optimizer split of rank 0, and
-// the process's CPU time per timed step split into the rank threads' and the rest (with Gloo, its
-// event-loop threads).
+// the process's CPU time per timed step split into the rank threads' and the rest (the ranks'
+// collective helper threads, comm/async_communicator.h; with Gloo also its event-loop threads).
 //
 // Usage: fsdp8-bench-cpu-step --spec JOB.yaml --data DIR [--steps N] [--warmup N] [--world N]
 //                             [--backend cpu|cpu-ref] [--threads N]
@@ -198,8 +198,9 @@ int main(int argc, char** argv) {
   std::printf("rank 0 per step: compute %.1f ms, comm %.1f ms, optimizer %.1f ms, wall %.1f ms\n",
               1e3 * r0.compute / a.steps, 1e3 * r0.comm / a.steps, 1e3 * r0.optimizer / a.steps,
               1e3 * r0.seconds / a.steps);
-  // What the rank threads do not account for: with Gloo, its event-loop threads (one per rank)
-  // and the kernel's TCP work for them, waking once per message of every collective.
+  // What the rank threads do not account for: the ranks' collective helper threads (unless
+  // FSDP8_CPU_COMM_OVERLAP=0) and, with Gloo, its event-loop threads (one per rank) and the
+  // kernel's TCP work for them, waking once per message of every collective.
   std::printf("timed steps, per step: process CPU %.1f ms, rank threads %.1f ms, other threads "
               "%.1f ms\n",
               1e3 * r0.process_cpu_seconds / a.steps, 1e3 * rank_cpu_sum / a.steps,
