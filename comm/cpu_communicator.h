@@ -1,6 +1,8 @@
 // The communicator of a CPU job's rank: shared memory when every rank of the generation runs on
 // this machine (comm/shm_communicator.h), Gloo over TCP otherwise (comm/gloo_communicator.h). Both
-// give the same results bit for bit; shared memory needs no helper threads and no sockets.
+// give the same results bit for bit; shared memory needs no threads of its own and no sockets.
+// With 2 or more ranks either runs its collectives on one helper thread per rank
+// (comm/async_communicator.h) unless CpuCommOptions::overlap is off.
 //
 // Thread-safety: CreateCpuCommunicator may run on several threads at once (one per rank).
 #pragma once
