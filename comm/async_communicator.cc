@@ -10,7 +10,7 @@
 namespace fsdp8 {
 
 AsyncCommunicator::AsyncCommunicator(std::unique_ptr<Communicator> inner)
-    : inner_(std::move(inner)), rank_(inner_->rank()), world_size_(inner_->world_size()) {
+    : inner_(std::move(inner)) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -64,20 +64,23 @@ absl::StatusOr<int64_t> AsyncCommunicator::Enqueue(std::function<absl::Status()>
   return ticket;
 }
 
+double AsyncCommunicator::WaitLocked(std::unique_lock<std::mutex>& l, int64_t ticket) {
+  if (completed_ >= ticket) return 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  done_cv_.wait(l, [&] { return completed_ >= ticket; });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 void AsyncCommunicator::Wait(int64_t ticket) {
   if (ticket <= 0) return;
   std::unique_lock<std::mutex> l(mu_);
-  if (completed_ >= ticket) return;
-  const auto t0 = std::chrono::steady_clock::now();
-  done_cv_.wait(l, [&] { return completed_ >= ticket; });
-  exposed_seconds_ +=
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  exposed_seconds_ += WaitLocked(l, ticket);
 }
 
 absl::Status AsyncCommunicator::Finish(absl::StatusOr<int64_t> ticket) {
   if (!ticket.ok()) return ticket.status();
   std::unique_lock<std::mutex> l(mu_);
-  done_cv_.wait(l, [&] { return completed_ >= *ticket; });
+  WaitLocked(l, *ticket);
   return error_;
 }
 
@@ -93,7 +96,7 @@ absl::StatusOr<int64_t> AsyncCommunicator::AllGatherAsync(const void* send, void
                                                           int64_t bytes_per_rank) {
   absl::StatusOr<int64_t> t =
       Enqueue([=, this] { return inner_->AllGather(send, recv, bytes_per_rank); });
-  if (t.ok()) bytes_.all_gather += bytes_per_rank * world_size_;
+  if (t.ok()) bytes_.all_gather += bytes_per_rank * world_size();
   return t;
 }
 
@@ -102,7 +105,7 @@ absl::StatusOr<int64_t> AsyncCommunicator::ReduceScatterSumAsync(const float* se
   absl::StatusOr<int64_t> t =
       Enqueue([=, this] { return inner_->ReduceScatterSum(send, recv, count); });
   if (t.ok()) {
-    bytes_.reduce_scatter += count * world_size_ * static_cast<int64_t>(sizeof(float));
+    bytes_.reduce_scatter += count * world_size() * static_cast<int64_t>(sizeof(float));
   }
   return t;
 }

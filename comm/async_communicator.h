@@ -59,8 +59,8 @@ class AsyncCommunicator : public Communicator {
   AsyncCommunicator(const AsyncCommunicator&) = delete;
   AsyncCommunicator& operator=(const AsyncCommunicator&) = delete;
 
-  int rank() const override { return rank_; }
-  int world_size() const override { return world_size_; }
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
   absl::Status AllGather(const void* send, void* recv, int64_t bytes_per_rank) override;
   absl::Status ReduceScatterSum(const float* send, float* recv, int64_t count) override;
   absl::Status AllReduce(float* buf, int64_t count, ReduceOp op) override;
@@ -80,6 +80,9 @@ class AsyncCommunicator : public Communicator {
   // Queues `run` (it runs on the helper thread unless an earlier collective failed) and returns
   // its ticket (> 0); the first error instead when one is recorded.
   absl::StatusOr<int64_t> Enqueue(std::function<absl::Status()> run);
+  // Blocks on `l` (holding mu_) until `ticket`'s collective, and every one before it, has
+  // finished; returns the seconds it blocked.
+  double WaitLocked(std::unique_lock<std::mutex>& l, int64_t ticket);
   // Waits for `ticket`'s collective (and every one before it); the first error when any of them
   // failed, or ticket's own error.
   absl::Status Finish(absl::StatusOr<int64_t> ticket);
@@ -87,9 +90,7 @@ class AsyncCommunicator : public Communicator {
   static absl::Status Run(const std::function<absl::Status()>& run);
   void Loop();
 
-  std::unique_ptr<Communicator> inner_;
-  const int rank_;
-  const int world_size_;
+  std::unique_ptr<Communicator> inner_;  // rank() and world_size() are plain getters
   double exposed_seconds_ = 0;  // the caller's thread only
 
   mutable std::mutex mu_;
