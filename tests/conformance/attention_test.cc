@@ -42,7 +42,15 @@ TEST_P(Conformance, Attention) {
       float* lse = r.Out<float>(s.B * s.H * s.T);
       r.b()->AttentionForward(r.In(q), r.In(k), r.In(v), s.B, s.T, s.H, s.Hkv, s.D, out, lse);
       r.F32(&o, "out", out, nq);
-      r.F32(&o, "lse", lse, s.B * s.H * s.T);
+      if (s.T == 1) {
+        // One key per query: lse is that key's score, q.k / sqrt(D), whose D terms can cancel to
+        // near 0 (seed 17136784729985: 3e-4 relative, 3e-8 absolute); its rounding is bounded by
+        // the size of those terms, D max|q| max|k| / sqrt(D).
+        r.F32Near0(&o, "lse", lse, s.B * s.H * s.T,
+                   std::sqrt(static_cast<double>(s.D)) * MaxAbs(q) * MaxAbs(k));
+      } else {
+        r.F32(&o, "lse", lse, s.B * s.H * s.T);
+      }
       return o;
     });
     Check("AttentionBackward/" + shape, tol * (s.H / s.Hkv), [&](DevRun& r) {
