@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "kernels/backend.h"
+#include "kernels/fp8.h"
 #include "tests/conformance/conformance.h"
 
 namespace fsdp8::conformance {
@@ -91,9 +92,11 @@ TEST_P(Conformance, Embedding) {
 // RMSNorm's backward dx = rstd * (w*dy - xhat * mean(xhat * w*dy)) (eps 1e-5) is a difference of
 // terms up to rstd * max(|w dy|, |xhat mean(...)|) each: where they cancel (few columns, dy nearly
 // along xhat) their f32 roundings, not dx's size, set the error a normwise comparison of dx sees.
-// Returns by how much the terms exceed dx (>= 1), in double from the inputs.
+// With dres (the residual's gradient, RmsNormBackwardAdd) dx + dres is the result and |dres| one
+// more term. Returns by how much the terms exceed the result (>= 1), in double from the inputs.
 double RmsNormBackwardCancellation(const std::vector<float>& x, const std::vector<float>& w,
-                                   const std::vector<float>& dy, int64_t N, int64_t C) {
+                                   const std::vector<float>& dy, int64_t N, int64_t C,
+                                   const std::vector<float>* dres = nullptr) {
   double terms = 0, dx = 0;
   for (int64_t r = 0; r < N; ++r) {
     const float* xr = x.data() + r * C;
@@ -104,8 +107,9 @@ double RmsNormBackwardCancellation(const std::vector<float>& x, const std::vecto
     for (int64_t i = 0; i < C; ++i) m += xr[i] * rstd * w[i] * dyr[i] / C;
     for (int64_t i = 0; i < C; ++i) {
       const double g = static_cast<double>(w[i]) * dyr[i], h = xr[i] * rstd * m;
-      terms = std::max(terms, rstd * std::max(std::fabs(g), std::fabs(h)));
-      dx = std::max(dx, rstd * std::fabs(g - h));
+      const double res = dres != nullptr ? (*dres)[r * C + i] : 0.0;
+      terms = std::max({terms, rstd * std::fabs(g), rstd * std::fabs(h), std::fabs(res)});
+      dx = std::max(dx, std::fabs(rstd * (g - h) + res));
     }
   }
   return dx > 0 ? std::max(1.0, terms / dx) : 1.0;
@@ -165,7 +169,9 @@ TEST_P(Conformance, RmsNorm) {
     Check("RmsNormCastFp8/" + shape + "/rstd,amax", Tol(static_cast<double>(s.C)),
           [&](DevRun& r) { return norm_cast(r, false); });
     const auto dres = Randn(s.N * s.C);
-    Check("RmsNormBackwardAdd/" + shape, Tol(static_cast<double>(s.C + s.N)), [&](DevRun& r) {
+    Check("RmsNormBackwardAdd/" + shape,
+          Tol(static_cast<double>(s.C + s.N)) * RmsNormBackwardCancellation(x, w, dy, s.N, s.C, &dres),
+          [&](DevRun& r) {
       Outputs o;
       float* y = r.Out<float>(s.N * s.C);
       float* rstd = r.Out<float>(s.N);
@@ -184,8 +190,15 @@ TEST_P(Conformance, RmsNorm) {
     const auto dyb = Randn(s.N * s.C), dyc = Randn(s.N * s.C);
     for (int parts : {1, 2, 3}) {
       const bool three = parts == 3;
+      std::vector<float> dy_sum(dy.size());  // the dy the backward sees: bf16 parts summed
+      for (size_t i = 0; i < dy.size(); ++i) {
+        dy_sum[i] = RoundBf16(dy[i]) + (parts > 1 ? RoundBf16(dyb[i]) : 0.0f) +
+                    (three ? RoundBf16(dyc[i]) : 0.0f);
+      }
       Check("RmsNormBackwardAddBf16Parts/" + shape + "/" + std::to_string(parts),
-            Tol(static_cast<double>(s.C + s.N)), [&](DevRun& r) {
+            Tol(static_cast<double>(s.C + s.N)) *
+                RmsNormBackwardCancellation(x, w, dy_sum, s.N, s.C, &dres),
+            [&](DevRun& r) {
               Outputs o;
               const int64_t n = s.N * s.C;
               float* y = r.Out<float>(n);
