@@ -198,7 +198,7 @@ class RecordingComm : public Communicator {
 
  private:
   absl::Status Record(const std::string& call) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // the caller gets ahead
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));  // the caller gets ahead
     std::lock_guard<std::mutex> l(log_->mu);
     log_->calls.push_back(call);
     return absl::OkStatus();
@@ -219,7 +219,7 @@ TEST(AsyncCommunicator, DestructorRunsWhatIsQueuedInOrder) {
     }
     seen_before_destruction = log.Get().size();
   }
-  EXPECT_LT(seen_before_destruction, 6u);  // the calls took 5 ms each: some were still queued
+  EXPECT_LT(seen_before_destruction, 6u);  // the calls took 25 ms each: some were still queued
   const std::vector<std::string> calls = log.Get();
   ASSERT_EQ(calls.size(), 6u);
   for (int i = 1; i <= 3; ++i) {
