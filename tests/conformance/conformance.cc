@@ -11,12 +11,16 @@ namespace fsdp8::conformance {
 
 uint64_t Seed() {
   static const uint64_t seed = [] {
+    // The user's seed, else the one ctest passes (tests/conformance/CMakeLists.txt), else the clock.
     const char* env = std::getenv("FSDP8_CONFORMANCE_SEED");
-    uint64_t s = env != nullptr ? std::strtoull(env, nullptr, 10)
-                                : static_cast<uint64_t>(
-                                      std::chrono::steady_clock::now().time_since_epoch().count());
-    std::printf("conformance seed %llu (set FSDP8_CONFORMANCE_SEED to repeat)\n",
-                static_cast<unsigned long long>(s));
+    if (env == nullptr || *env == '\0') env = std::getenv("FSDP8_CONFORMANCE_DEFAULT_SEED");
+    uint64_t s = env != nullptr && *env != '\0'
+                     ? std::strtoull(env, nullptr, 10)
+                     : static_cast<uint64_t>(
+                           std::chrono::steady_clock::now().time_since_epoch().count());
+    std::printf("conformance seed %llu (FSDP8_CONFORMANCE_SEED=%llu with the same --gtest_filter "
+                "repeats this run's inputs)\n",
+                static_cast<unsigned long long>(s), static_cast<unsigned long long>(s));
     return s;
   }();
   return seed;

@@ -71,7 +71,8 @@ inline double Fp8GemmTol(int64_t K) {
   return std::max(Tol(static_cast<double>(K) + 1), std::sqrt(static_cast<double>(K)) * std::ldexp(1.0, -13));
 }
 
-// The seed of this run: FSDP8_CONFORMANCE_SEED, else the clock; printed on first use.
+// The seed of this run: FSDP8_CONFORMANCE_SEED, else FSDP8_CONFORMANCE_DEFAULT_SEED (set by ctest),
+// else the clock; printed on first use.
 uint64_t Seed();
 // The generator every input is drawn from, seeded with Seed().
 std::mt19937_64& Rng();
