@@ -1,6 +1,6 @@
-// Helpers for worker tests: an in-memory KvStore, ranks as threads over Gloo on 127.0.0.1 (or
-// shared memory), a
-// small generated token file and a tiny job spec.
+// Helpers for worker tests: an in-memory KvStore, ranks as threads over Gloo on 127.0.0.1 or over
+// shared memory (either behind an AsyncCommunicator or not), a small generated token file and a
+// tiny job spec.
 #pragma once
 
 #include <atomic>
