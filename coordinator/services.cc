@@ -498,6 +498,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder b;
   int port = 0;
+  // No SO_REUSEPORT: a second coordinator on a taken port fails to start instead of sharing it.
+  b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   b.AddListeningPort(options.listen, *creds, &port);
   b.SetMaxReceiveMessageSize(options.max_message_bytes);
   b.SetMaxSendMessageSize(options.max_message_bytes);

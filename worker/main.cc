@@ -131,6 +131,7 @@ class HealthServer {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder b;
     int bound = 0;
+    b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a taken port fails, not shared
     b.AddListeningPort(absl::StrCat("0.0.0.0:", port), grpc::InsecureServerCredentials(), &bound);
     b.RegisterCallbackGenericService(&unimplemented_);
     server_ = b.BuildAndStart();
