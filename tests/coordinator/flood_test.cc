@@ -160,5 +160,23 @@ TEST(Flood, FiveThousandJobsFromFourUsersStayBounded) {
   if (on_shm) fs::remove_all(shm);
 }
 
+// A second coordinator asked to listen on the first one's port is refused (gRPC would otherwise
+// share the port through SO_REUSEPORT and split the clients between the two).
+TEST(Listen, TakenPortIsRefused) {
+  TempDir dir;
+  CoordinatorOptions o;
+  o.listen = "127.0.0.1:0";
+  o.jobs.state_db = dir.File("a.db");
+  auto first = CoordinatorServer::Start(o);
+  ASSERT_TRUE(first.ok()) << first.status();
+  CoordinatorOptions taken = o;
+  taken.listen = absl::StrCat("127.0.0.1:", (*first)->port());
+  taken.jobs.state_db = dir.File("b.db");
+  auto second = CoordinatorServer::Start(taken);
+  EXPECT_FALSE(second.ok());
+  if (second.ok()) (*second)->Shutdown();
+  (*first)->Shutdown();
+}
+
 }  // namespace
 }  // namespace fsdp8::coord
