@@ -348,6 +348,15 @@ absl::Status JobRun::AwaitRootCause(absl::Status first) {
 // ---- Start of a generation ----
 
 absl::Status JobRun::StartGeneration(const v1::JobSpec& spec, Progress* p) {
+  if (!spec.checkpoint().dir().empty()) {
+    // No save of this job is in progress: what an interrupted one left goes (each logged).
+    auto removed =
+        CheckpointStore(spec.checkpoint().dir(), job_.job_id(), options_.faults).RemoveLeftovers();
+    if (!removed.ok())
+      Log(LogLevel::kWarning, absl::StrCat("job ", job_.job_id(), ": checkpoint.dir ",
+                                           spec.checkpoint().dir(), ": removing leftovers: ",
+                                           removed.status().message()));
+  }
   std::optional<CommittedCheckpoint> resume;
   if (absl::Status s = ResolveResume(spec, &resume); !s.ok()) return s;
   if (resume) {
