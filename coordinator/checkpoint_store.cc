@@ -189,7 +189,7 @@ absl::StatusOr<std::string> CheckpointStore::Prepare(int64_t step) const {
   std::error_code ec;
   if (IsCommitted(dir)) {
     if (!Mine(dir)) {
-      return absl::FailedPreconditionError(absl::StrCat(
+      return absl::AlreadyExistsError(absl::StrCat(
           dir, " holds the committed checkpoint of job ", StepDirJob(dir), "; job ", job_id_,
           " never writes into another job's step directory"));
     }
@@ -530,25 +530,14 @@ absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant,
     if (options.may_take_over && (lease.coordinator().empty() || same_coordinator)) {
       if (absl::Status s = options.may_take_over(old); !s.ok()) return s;
     }
-    if (options.last_save >= 0) {
+    if (options.skipped != nullptr && options.last_save >= 0) {
       int64_t after = options.saves_after;
       if (options.saves_after_latest) {
         auto latest = Latest();
         if (!latest.ok()) return latest.status();
         if (latest->has_value()) after = std::max(after, (*latest)->step);
       }
-      const std::vector<std::string> hit = CollisionsLocked(claimant.job_id(), after, options.last_save);
-      if (!hit.empty()) {
-        const size_t shown = std::min<size_t>(hit.size(), 4);
-        std::string list = absl::StrJoin(hit.begin(), hit.begin() + shown, ", ");
-        if (hit.size() > shown) absl::StrAppend(&list, " and ", hit.size() - shown, " more");
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint.take_over: checkpoint.dir ", root_, " holds ", list,
-            ", which this job would save again (its saves are steps ", after + 1, " to ",
-            options.last_save, "); a directory taken over keeps its earlier owners' checkpoints "
-            "as they are: set checkpoint.resume_from: latest to continue after the newest one, "
-            "or choose another checkpoint.dir (init.from_checkpoint starts from one of these)"));
-      }
+      *options.skipped = CollisionsLocked(claimant.job_id(), after, options.last_save);
     }
     v1::CheckpointOwnerEntry* prev = next.add_previous();
     *prev = old;

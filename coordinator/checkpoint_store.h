@@ -22,7 +22,7 @@
 // by the first Prepare): Prepare, Commit, Abandon, Retain and RemoveLeftovers refuse with
 // FAILED_PRECONDITION naming the owner otherwise. Nothing ever writes into or deletes another
 // job's committed step directory: Prepare of a step whose step-<k> holds another job's committed
-// checkpoint is refused (FAILED_PRECONDITION), and Abandon and Retain delete only that job's step
+// checkpoint is refused (ALREADY_EXISTS), and Abandon and Retain delete only that job's step
 // directories (the MANIFEST's job_id, or the JOB file Prepare writes into every step directory it
 // creates). A store made without a job id (tools, tests) ignores ownership.
 //
@@ -97,19 +97,20 @@ class CheckpointStore {
     double lease_s = 0;
     // With take_over: the steps the claimant may save, (saves_after, last_save] (saves_after
     // raised to the newest committed step when saves_after_latest: checkpoint.resume_from
-    // latest). A committed step-<k> directory of another job in that range refuses the
-    // take-over with FAILED_PRECONDITION naming the directories. last_save < 0: not checked.
+    // latest). On a successful take-over, *skipped (when set and last_save >= 0) lists the
+    // committed step directories of other jobs in that range, "step-<k> (job X)" by step: the
+    // saves the claimant will skip (Prepare).
     int64_t saves_after = 0;
     bool saves_after_latest = false;
     int64_t last_save = -1;
+    std::vector<std::string>* skipped = nullptr;
   };
   // Makes `claimant` (job_id set) the owner of root (created when missing). Without OWNER, the
   // owner is the job of the newest committed checkpoint written by another job, if any (a
   // directory from before OWNER records). OK at once when claimant already owns it, or nobody
   // does (OWNER written). Another job's directory: FAILED_PRECONDITION naming that job unless
   // take_over; with take_over, refused while another coordinator's lease on it is live, else
-  // may_take_over(owner) decides; then the saves are checked against the committed step
-  // directories of other jobs (ClaimOptions).
+  // may_take_over(owner) decides (and ClaimOptions::skipped is filled).
   // On OK the claimant becomes the owner, the old one moving to OWNER's `previous` with `until`
   // set, and the lease is options.coordinator's. INTERNAL for I/O errors.
   absl::Status Claim(const v1::CheckpointOwnerEntry& claimant, const ClaimOptions& options) const;
@@ -147,9 +148,10 @@ class CheckpointStore {
   // Returns the directory the ranks write step k's files into: <root>/step-<k> (created, with
   // root), or StagingDir(k) when step-<k> is already committed by this job (a job resumed from an
   // older checkpoint saves the same step again). Either way the previously committed checkpoint of
-  // step k stays intact and loadable until Commit replaces it. With a job id: FAILED_PRECONDITION
-  // when step-<k> holds another job's committed checkpoint (never replaced); another job's
-  // uncommitted step-<k> (a leftover: this job owns the directory) is removed first.
+  // step k stays intact and loadable until Commit replaces it. With a job id: ALREADY_EXISTS
+  // when step-<k> holds another job's committed checkpoint (never replaced: the caller skips
+  // that save); another job's uncommitted step-<k> (a leftover: this job owns the directory) is
+  // removed first.
   absl::StatusOr<std::string> Prepare(int64_t step) const;
 
   // Writes manifest.step()'s MANIFEST (see the header comment). The manifest must be valid

@@ -335,7 +335,8 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
     // Re-checked: another submit may have raced us.
     if (auto replay = ReplayLocked(request_id, owner, bytes)) return *replay;
     std::string id = NewJobIdLocked();
-    if (absl::Status s = ClaimCheckpointDirLocked(d, id, owner); !s.ok())
+    std::vector<std::string> skipped;
+    if (absl::Status s = ClaimCheckpointDirLocked(d, id, owner, &skipped); !s.ok())
       return Refused(s, owner, d);
     Record& r = jobs_[id];
     r.submitted_spec = bytes;
@@ -353,6 +354,16 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
     if (!request_id.empty()) by_request_[request_id] = id;
     v1::JobEvent ev;
     ev.set_message(absl::StrCat("submitted; ", job.reason()));
+    if (!skipped.empty()) {
+      const size_t shown = std::min<size_t>(skipped.size(), 4);
+      absl::StrAppend(ev.mutable_message(), "; checkpoint.take_over: ", d.checkpoint().dir(),
+                      " holds ", absl::StrJoin(skipped.begin(), skipped.begin() + shown, ", "),
+                      skipped.size() > shown ? absl::StrCat(" and ", skipped.size() - shown, " more")
+                                             : "",
+                      " of earlier owners, which stay as they are: this job's saves of those "
+                      "steps will be skipped (checkpoint.resume_from: latest continues after the "
+                      "newest)");
+    }
     ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
     PublishLocked(&r, ev);
     out = job;
@@ -491,7 +502,8 @@ void JobManager::EraseLocked(const std::string& job_id) {
 }
 
 absl::Status JobManager::ClaimCheckpointDirLocked(const v1::JobSpec& spec, const std::string& id,
-                                                  const std::string& owner) {
+                                                  const std::string& owner,
+                                                  std::vector<std::string>* skipped) {
   const v1::CheckpointSpec& c = spec.checkpoint();
   if (c.dir().empty()) return absl::OkStatus();
   v1::CheckpointOwnerEntry claimant;
@@ -522,6 +534,7 @@ absl::Status JobManager::ClaimCheckpointDirLocked(const v1::JobSpec& spec, const
     o.saves_after = std::max<int64_t>(0, StepOfDirName(path.substr(path.find_last_of('/') + 1)));
   }
   o.last_save = spec.training().steps();
+  o.skipped = skipped;
   absl::Status s = CheckpointStore(c.dir()).Claim(claimant, o);
   if (s.ok() && !o.coordinator.empty()) leases_[id] = c.dir();
   return s;

@@ -244,9 +244,11 @@ class JobManager {
                                                       const std::string& owner,
                                                       const std::string& spec_bytes) const;
   // Claims spec.checkpoint.dir for job `id` (CheckpointStore::Claim; take-over only from a job
-  // that ended or is not in the table).
+  // that ended or is not in the table, and whose lease no other coordinator holds). *skipped:
+  // the earlier owners' committed steps this job's saves will skip.
   absl::Status ClaimCheckpointDirLocked(const v1::JobSpec& spec, const std::string& id,
-                                        const std::string& owner);
+                                        const std::string& owner,
+                                        std::vector<std::string>* skipped);
 
   // At Open: tidies the checkpoint directories this coordinator's jobs own (see above).
   void ReconcileCheckpointDirsLocked();

@@ -628,6 +628,15 @@ absl::Status JobRun::SaveCheckpoint(const v1::JobSpec& spec, int64_t step, int64
     return WithContext(what, s);
   };
   auto dir = store.Prepare(step);
+  if (absl::IsAlreadyExists(dir.status())) {
+    // Another job's committed checkpoint of this step (an earlier owner's): never replaced.
+    LogEvent("checkpoint_skipped", {{"job", job_.job_id()}, {"step", step},
+                                    {"cause", std::string(dir.status().message())}});
+    if (!jobs_->PublishMessage(job_.job_id(),
+                               absl::StrCat(what, " skipped: ", dir.status().message())).ok())
+      return absl::CancelledError("job ended");
+    return absl::OkStatus();
+  }
   if (!dir.ok()) return storage(dir.status());
   std::vector<v1::CheckpointSaved> saved;
   if (absl::Status s = CollectSaved(step, *dir, what, &saved); !s.ok()) return s;

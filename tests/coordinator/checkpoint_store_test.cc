@@ -376,7 +376,7 @@ TEST(CheckpointStore, PrepareNeverWritesIntoAnotherJobsCommittedStep) {
   ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-b"), true, nullptr).ok());
   CheckpointStore b(root, "job-b");
   auto dir = b.Prepare(4);
-  EXPECT_EQ(dir.status().code(), absl::StatusCode::kFailedPrecondition) << dir.status();
+  EXPECT_EQ(dir.status().code(), absl::StatusCode::kAlreadyExists) << dir.status();
   EXPECT_TRUE(absl::StrContains(dir.status().message(),
                                 root + "/step-4 holds the committed checkpoint of job job-a"))
       << dir.status();
@@ -399,32 +399,34 @@ TEST(CheckpointStore, PrepareNeverWritesIntoAnotherJobsCommittedStep) {
   }
 }
 
-// A take-over whose saves would hit committed steps of another job is refused, naming them;
-// starting after the newest one (resume_from latest) is not.
-TEST(CheckpointStore, TakeOverRefusedWhenItsSavesWouldHitAnotherJobsSteps) {
+// A take-over lists the committed steps of other jobs its saves would hit (and will skip): those
+// after the step it starts from, up to its last; none when it starts after the newest one
+// (resume_from latest). Uncommitted directories are not listed (a save replaces them).
+TEST(CheckpointStore, TakeOverListsTheEarlierOwnersStepsItsSavesWillSkip) {
   TempDir tmp;
   const std::string root = tmp.File("ck");
   ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-a"), false, nullptr).ok());
   for (int64_t k : {4, 6, 8}) CommitAs(root, "job-a", k);
-  ASSERT_TRUE(fs::create_directories(root + "/step-10"));  // uncommitted: not a collision
+  ASSERT_TRUE(fs::create_directories(root + "/step-10"));  // uncommitted
+  std::vector<std::string> skipped;
   CheckpointStore::ClaimOptions o;
   o.take_over = true;
   o.saves_after = 5;
   o.last_save = 12;
-  absl::Status s = CheckpointStore(root).Claim(Claimant("job-b"), o);
-  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
-  EXPECT_TRUE(absl::StrContains(s.message(), "holds step-6 (job job-a), step-8 (job job-a), which "
-                                             "this job would save again (its saves are steps 6 "
-                                             "to 12)"))
-      << s;
-  EXPECT_EQ((*CheckpointStore(root).Owner())->owner().job_id(), "job-a");
+  o.skipped = &skipped;
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-b"), o).ok());
+  EXPECT_EQ(skipped, (std::vector<std::string>{"step-6 (job job-a)", "step-8 (job job-a)"}));
+  EXPECT_EQ((*CheckpointStore(root).Owner())->owner().job_id(), "job-b");
+  CommitAs(root, "job-b", 12);
   o.saves_after = 0;
-  o.last_save = 3;  // below every step of job-a
-  EXPECT_TRUE(CheckpointStore(root).Claim(Claimant("job-b"), o).ok());
   o.last_save = 20;
-  o.saves_after_latest = true;
-  EXPECT_TRUE(CheckpointStore(root).Claim(Claimant("job-c"), o).ok());  // after step 8
-  EXPECT_EQ((*CheckpointStore(root).Owner())->owner().job_id(), "job-c");
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-c"), o).ok());
+  EXPECT_EQ(skipped, (std::vector<std::string>{"step-4 (job job-a)", "step-6 (job job-a)",
+                                                "step-8 (job job-a)", "step-12 (job job-b)"}));
+  o.saves_after_latest = true;  // after step 12
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-d"), o).ok());
+  EXPECT_TRUE(skipped.empty());
+  EXPECT_EQ((*CheckpointStore(root).Owner())->owner().job_id(), "job-d");
 }
 
 // The owner's coordinator holds a lease: another coordinator's take-over is refused while it is
