@@ -1,7 +1,8 @@
 // Checkpoint directories that change hands, through real processes on loopback (coordinators and
 // CPU workers as children, tests/support): a take-over never rewrites or deletes an earlier
 // owner's committed files (checked with sha256sum, file by file); a second coordinator on the same
-// storage refuses to take over the directory of a job the first one runs (the first one's lease);
+// storage refuses to take over the directory of a job the first one runs (the first one's lease),
+// also while the first one is down and after it restarted;
 // a coordinator killed in the middle of retention leaves a half-removed step directory that the
 // next start removes (and logs).
 #include <signal.h>
@@ -296,6 +297,52 @@ TEST_F(CheckpointOwnershipTest, SecondCoordinatorRefusesTakeOverOfARunningJob) {
   owner = ReadOwnerFile(ck().string());
   ASSERT_TRUE(owner.ok() && owner->has_value());
   EXPECT_EQ((*owner)->owner().job_id(), b.job_id());
+}
+
+// The owner's coordinator is SIGKILLed while its job runs: its lease outlives it, so a second
+// coordinator refuses the take-over while it is down; started again on its state db, it renews
+// the lease (same identity), resumes the job from its checkpoint and finishes it; the directory
+// stays the job's throughout.
+TEST_F(CheckpointOwnershipTest, LeaseOutlivesARestartOfTheOwningCoordinator) {
+  auto second = Start("second", "second.db", 0);
+  std::string id, holder;
+  {
+    auto first = Start("first", "first.db", 1);
+    v1::Job a;
+    ASSERT_TRUE(Submit("first", Spec(40, 5, 2), &a).ok());
+    id = a.job_id();
+    const auto until = std::chrono::steady_clock::now() + 60s;
+    while (!fs::exists(ck() / "step-5" / kManifestFileName) &&
+           std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(5ms);
+    ASSERT_TRUE(first->coordinator()->Kill());
+    auto owner = ReadOwnerFile(ck().string());
+    ASSERT_TRUE(owner.ok() && owner->has_value()) << owner.status();
+    holder = (*owner)->lease().coordinator();
+    EXPECT_FALSE(holder.empty());
+  }  // its worker stopped too
+
+  v1::JobSpec take = Spec(60, 5, 2);
+  take.mutable_checkpoint()->set_take_over(true);
+  take.mutable_checkpoint()->set_resume_from("latest");
+  v1::Job b;
+  grpc::Status st = Submit("second", take, &b);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "belongs to job " + id)) << st.error_message();
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "another coordinator")) << st.error_message();
+
+  auto again = Start("first-again", "first.db", 1);
+  auto owner = ReadOwnerFile(ck().string());
+  ASSERT_TRUE(owner.ok() && owner->has_value()) << owner.status();
+  EXPECT_EQ((*owner)->owner().job_id(), id);
+  EXPECT_EQ((*owner)->lease().coordinator(), holder) << "the restarted coordinator re-claims";
+  st = Submit("second", take, &b);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  const v1::Job end = WaitEnd("first-again", id);
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  EXPECT_EQ(end.step(), 40);
+  EXPECT_EQ(end.restarts(), 1);
+  EXPECT_EQ(CommittedJobs(ck()), (std::map<int64_t, std::string>{{35, id}, {40, id}}));
 }
 
 // A coordinator SIGKILLed while retention removes step-2 (keep_last 1, after step-4's commit)
