@@ -620,6 +620,33 @@ TEST(JobManagerLease, AnotherCoordinatorWaitsForTheLeaseOfAJobThatHasNotEnded) {
   EXPECT_EQ((*owner)->lease().coordinator(), (*second)->coordinator_id());
 }
 
+// The lease thread renews the lease of a job that has not ended (every quarter of the lease),
+// so it never lapses while the job waits or runs; Finish releases it.
+TEST(JobManagerLease, RenewedUntilTheJobEnds) {
+  TempDir dir;
+  const std::string train = WriteTokens(dir, "train.bin");
+  JobManagerOptions o;
+  o.checkpoint_lease = std::chrono::milliseconds(400);
+  auto jm = JobManager::Open(o);
+  ASSERT_TRUE(jm.ok()) << jm.status();
+  const std::string ck = dir.File("ck");
+  v1::JobSpec spec = SmallSpec(train);
+  spec.mutable_checkpoint()->set_dir(ck);
+  auto a = (*jm)->Submit("", spec);
+  ASSERT_TRUE(a.ok()) << a.status();
+  const double first = (*CheckpointStore(ck).Owner())->lease().renewed();
+  // Three lease lengths later the lease is still live: renewed meanwhile.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  auto owner = CheckpointStore(ck).Owner();
+  ASSERT_TRUE(owner.ok() && owner->has_value());
+  EXPECT_GT((*owner)->lease().renewed(), first + 0.5);
+  EXPECT_GT((*owner)->lease().expires(), NowSeconds());
+  ASSERT_TRUE((*jm)->Finish(a->job_id(), v1::JOB_STATE_FAILED, "test").ok());
+  EXPECT_EQ((*CheckpointStore(ck).Owner())->lease().expires(), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ((*CheckpointStore(ck).Owner())->lease().expires(), 0) << "renewed after the end";
+}
+
 // Retention keeps the most recently ended jobs up to the count, drops those older than the age,
 // and never touches a job that has not ended.
 TEST(JobManagerRetention, CountAndAge) {
