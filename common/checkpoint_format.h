@@ -8,7 +8,8 @@
 //                                   validity) is what makes step-<k> a committed checkpoint
 //   <root>/step-<k>/JOB             the id of the job that prepared step-<k> (one line of text)
 //   <root>/OWNER                    protobuf JSON of v1::CheckpointDirOwner: the job the directory
-//                                   belongs to, and its earlier owners
+//                                   belongs to, its earlier owners, and the lease of the
+//                                   coordinator running the owner job
 //   <root>/OWNER.lock               empty; flock'ed while OWNER is read and written and while a
 //                                   MANIFEST is committed
 //

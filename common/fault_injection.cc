@@ -59,6 +59,9 @@ const char* const kCrashPoints[10] = {
     "manifest.mid_write",    "manifest.before_fsync", "manifest.before_rename",
     "manifest.after_rename"};
 
+const char* const kRetentionCrashPoints[2] = {"retain.after_manifest_removed",
+                                               "retain.mid_remove"};
+
 bool FaultInjection::CrashesAt(absl::string_view point, const std::string& path) const {
   for (const std::string& item : crash_at_) {
     const size_t at = item.find('@');

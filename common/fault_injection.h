@@ -15,7 +15,11 @@
 //     written), shard.before_rename (fsynced and closed), shard.after_rename (renamed to
 //     rank-<r>.ckpt, the directory not yet fsynced, not yet reported); in the coordinator's
 //     MANIFEST commit (coordinator/checkpoint_store.cc, path <dir>/step-<k>/MANIFEST) the same
-//     five as manifest.before_write ... manifest.after_rename.
+//     five as manifest.before_write ... manifest.after_rename; in the coordinator's removal of a
+//     step directory by retention (CheckpointStore::Retain, path <dir>/step-<k>, the directory
+//     removed; kRetentionCrashPoints) retain.after_manifest_removed (its MANIFEST removed and the
+//     directory fsynced, every other file still there) and retain.mid_remove (its first file
+//     removed too: rank-0.ckpt; the JOB file goes last).
 // Empty items are skipped; unset or empty injects nothing.
 //
 // Thread-safety: StepError from one thread at a time (the daemon's job thread);
@@ -34,6 +38,8 @@ namespace fsdp8 {
 
 // Every crash point's name, in the order a write reaches them (shard.*, then manifest.*).
 extern const char* const kCrashPoints[10];
+// The crash points of retention's removal of a step directory, in the order it reaches them.
+extern const char* const kRetentionCrashPoints[2];
 
 class FaultInjection {
  public:

@@ -18,8 +18,10 @@
 #include <google/protobuf/util/message_differencer.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/checkpoint_format.h"
 #include "common/spec.h"
+#include "coordinator/log.h"
 
 namespace fsdp8::coord {
 namespace fs = std::filesystem;
@@ -127,6 +129,33 @@ absl::StatusOr<std::unique_ptr<DirLock>> LockIf(bool lock, const std::string& ro
   return DirLock::Acquire(root);
 }
 
+// The job that wrote a step directory: its MANIFEST's job when committed, else its JOB file
+// (empty when neither names one).
+std::string StepDirJob(const std::string& step_dir) {
+  auto m = ReadManifestFile(step_dir);
+  if (m.ok()) return m->job_id();
+  return ReadStepJobFile(step_dir);
+}
+
+void LogLeftover(const std::string& path, const char* action, const std::string& why) {
+  LogEvent("checkpoint_leftover_removed", {{"dir", path}, {"action", action}, {"why", why}});
+}
+
+std::string HostDescription() {
+  char host[256] = {0};
+  if (::gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
+  return absl::StrCat(host[0] ? host : "?", " pid ", static_cast<int64_t>(::getpid()));
+}
+
+double WallSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// Whether `lease` is held by a coordinator other than `me` and not expired or released.
+bool ForeignLive(const v1::CheckpointLease& lease, const std::string& me, double now) {
+  return !lease.coordinator().empty() && lease.coordinator() != me && lease.expires() > now;
+}
+
 std::string Describe(const v1::CheckpointOwnerEntry& e) {
   return absl::StrCat("job ", e.job_id(), e.user().empty() ? "" : absl::StrCat(" (user ", e.user(), ")"));
 }
@@ -143,6 +172,10 @@ std::string CheckpointStore::StepDir(int64_t step) const {
   return (fs::path(root_) / StepDirName(step)).string();
 }
 
+bool CheckpointStore::IsCommitted(const std::string& step_dir) {
+  return ReadManifestFile(step_dir).ok();  // also checks step == k for a directory step-<k>
+}
+
 std::string CheckpointStore::StagingDir(int64_t step) const {
   return (fs::path(root_) / absl::StrCat(kStagingPrefix, StepDirName(step))).string();
 }
@@ -154,11 +187,21 @@ absl::StatusOr<std::string> CheckpointStore::Prepare(int64_t step) const {
   if (absl::Status s = CheckOwnedLocked(); !s.ok()) return s;
   std::string dir = StepDir(step);
   std::error_code ec;
-  if (fs::exists(fs::path(dir) / kManifestName, ec)) {
-    // Committed already: stage the new save beside it.
+  if (IsCommitted(dir)) {
+    if (!Mine(dir)) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          dir, " holds the committed checkpoint of job ", StepDirJob(dir), "; job ", job_id_,
+          " never writes into another job's step directory"));
+    }
+    // Committed already by this job: stage the new save beside it.
     dir = StagingDir(step);
     fs::remove_all(dir, ec);
     if (ec) return absl::InternalError(absl::StrCat("remove ", dir, ": ", ec.message()));
+  } else if (!job_id_.empty() && fs::exists(dir, ec) && !Mine(dir)) {
+    // Another job's unfinished save; that job no longer writes here (this one owns root).
+    fs::remove_all(dir, ec);
+    if (ec) return absl::InternalError(absl::StrCat("remove ", dir, ": ", ec.message()));
+    LogLeftover(dir, "removed", "an earlier owner's unfinished save (no valid MANIFEST)");
   }
   fs::create_directories(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("create ", dir, ": ", ec.message()));
@@ -183,8 +226,7 @@ absl::Status CheckpointStore::Commit(v1::CheckpointManifest m) const {
   std::error_code ec;
   // Staged when Prepare put the save beside a committed step-<k>. A staging directory left over
   // while step-<k> is uncommitted is stale: the save went into step-<k> itself.
-  const bool staged = fs::exists(fs::path(step_dir) / kManifestName, ec) &&
-                      fs::is_directory(StagingDir(m.step()), ec);
+  const bool staged = IsCommitted(step_dir) && fs::is_directory(StagingDir(m.step()), ec);
   const std::string dir = staged ? StagingDir(m.step()) : step_dir;
   if (absl::Status s = CheckManifest(m, step_dir); !s.ok())
     return absl::InvalidArgumentError(s.message());
@@ -335,18 +377,40 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Retain(int keep_last) 
   if (ec) return absl::InternalError(absl::StrCat("list ", root_, ": ", ec.message()));
   std::sort(removed.begin(), removed.end());
   for (const std::string& d : removed) {
-    // The MANIFEST goes first (and durably), so a crash midway leaves an uncommitted directory,
-    // never a committed one with missing files.
-    const std::string manifest = (fs::path(d) / kManifestName).string();
-    if (fs::exists(manifest, ec)) {
-      fs::remove(manifest, ec);
-      if (ec) return absl::InternalError(absl::StrCat("remove ", manifest, ": ", ec.message()));
-      if (absl::Status s = FsyncPath(d, true); !s.ok()) return s;
-    }
-    fs::remove_all(d, ec);
-    if (ec) return absl::InternalError(absl::StrCat("remove ", d, ": ", ec.message()));
+    if (absl::Status s = RemoveStepDir(d); !s.ok()) return s;
   }
   return removed;
+}
+
+absl::Status CheckpointStore::RemoveStepDir(const std::string& d) const {
+  // The MANIFEST goes first (and durably), so a crash midway leaves an uncommitted directory,
+  // never a committed one with missing files.
+  std::error_code ec;
+  const std::string manifest = (fs::path(d) / kManifestName).string();
+  if (fs::exists(manifest, ec)) {
+    fs::remove(manifest, ec);
+    if (ec) return absl::InternalError(absl::StrCat("remove ", manifest, ": ", ec.message()));
+    if (absl::Status s = FsyncPath(d, true); !s.ok()) return s;
+  }
+  if (faults_ != nullptr) faults_->CrashPoint("retain.after_manifest_removed", d);
+  std::vector<fs::path> entries;
+  for (fs::directory_iterator it(d, ec); !ec && it != fs::directory_iterator(); it.increment(ec))
+    entries.push_back(it->path());
+  // JOB last: a half-removed directory still names the job that wrote it.
+  std::sort(entries.begin(), entries.end(), [](const fs::path& a, const fs::path& b) {
+    const bool ja = a.filename() == kStepJobFileName, jb = b.filename() == kStepJobFileName;
+    return ja != jb ? jb : a < b;
+  });
+  bool first = true;
+  for (const fs::path& e : entries) {
+    fs::remove_all(e, ec);
+    if (ec) return absl::InternalError(absl::StrCat("remove ", e.string(), ": ", ec.message()));
+    if (first && faults_ != nullptr) faults_->CrashPoint("retain.mid_remove", d);
+    first = false;
+  }
+  fs::remove_all(d, ec);
+  if (ec) return absl::InternalError(absl::StrCat("remove ", d, ": ", ec.message()));
+  return absl::OkStatus();
 }
 
 absl::Status CheckpointStore::CheckResumeCompatible(const v1::JobSpec& job_in,
@@ -373,7 +437,7 @@ absl::Status CheckpointStore::Abandon(int64_t step) const {
   if (!lock.ok()) return lock.status();
   if (absl::Status s = CheckOwnedLocked(); !s.ok()) return s;
   std::error_code ec;
-  if (fs::exists(fs::path(StepDir(step)) / kManifestName, ec)) {
+  if (IsCommitted(StepDir(step))) {
     // The failed save was staged (step-<k> is committed): drop only the staging directory.
     if (!Mine(StagingDir(step))) return absl::OkStatus();
     fs::remove_all(StagingDir(step), ec);
@@ -381,7 +445,6 @@ absl::Status CheckpointStore::Abandon(int64_t step) const {
     return absl::OkStatus();
   }
   const std::string dir = StepDir(step);
-  if (fs::exists(fs::path(dir) / kManifestName, ec)) return absl::OkStatus();
   if (!job_id_.empty() && fs::exists(dir, ec) && !Mine(dir)) return absl::OkStatus();
   fs::remove_all(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("remove ", dir, ": ", ec.message()));
@@ -421,6 +484,14 @@ absl::Status CheckpointStore::WriteOwnerLocked(const v1::CheckpointDirOwner& o) 
 
 absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant, bool take_over,
                                     const TakeOverCheck& may_take_over) const {
+  ClaimOptions o;
+  o.take_over = take_over;
+  o.may_take_over = may_take_over;
+  return Claim(claimant, o);
+}
+
+absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant,
+                                    const ClaimOptions& options) const {
   auto lock = DirLock::Acquire(root_);
   if (!lock.ok()) return lock.status();
   auto record = ReadOwnerFile(root_);
@@ -434,24 +505,184 @@ absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant, bo
     if (legacy->has_value()) *next.mutable_owner() = **legacy;
   }
   const v1::CheckpointOwnerEntry old = next.owner();
-  if (old.job_id() == claimant.job_id()) return absl::OkStatus();
+  const v1::CheckpointLease& lease = next.lease();
+  const double now = WallSeconds();
+  const bool same_coordinator = lease.coordinator().empty() || options.coordinator.empty() ||
+                                lease.coordinator() == options.coordinator;
+  if (old.job_id() == claimant.job_id() && same_coordinator) return absl::OkStatus();
   if (!old.job_id().empty()) {
-    if (!take_over) {
+    if (!options.take_over) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint.dir: ", root_, " belongs to ", Describe(old),
           "; a checkpoint directory holds one job's checkpoints: choose another checkpoint.dir "
           "(init.from_checkpoint starts from one of its checkpoints), or set "
           "checkpoint.take_over: true once ", old.job_id(), " has ended or was deleted"));
     }
-    if (may_take_over) {
-      if (absl::Status s = may_take_over(old); !s.ok()) return s;
+    if (ForeignLive(lease, options.coordinator, now)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint.take_over: checkpoint.dir ", root_, " belongs to ", Describe(old),
+          ", which runs under another coordinator (", lease.host(), "; its lease was renewed ",
+          static_cast<int64_t>(now - lease.renewed()), " s ago and expires in ",
+          static_cast<int64_t>(lease.expires() - now) + 1,
+          " s); a directory is taken over only once its owner has ended"));
+    }
+    // Our own job, or one without a live lease elsewhere: the caller's job table decides.
+    if (options.may_take_over && (lease.coordinator().empty() || same_coordinator)) {
+      if (absl::Status s = options.may_take_over(old); !s.ok()) return s;
+    }
+    if (options.skipped != nullptr && options.last_save >= 0) {
+      int64_t after = options.saves_after;
+      if (options.saves_after_latest) {
+        auto latest = Latest();
+        if (!latest.ok()) return latest.status();
+        if (latest->has_value()) after = std::max(after, (*latest)->step);
+      }
+      *options.skipped = CollisionsLocked(claimant.job_id(), after, options.last_save);
     }
     v1::CheckpointOwnerEntry* prev = next.add_previous();
     *prev = old;
     prev->set_until(claimant.since());
   }
   *next.mutable_owner() = claimant;
+  next.clear_lease();
+  if (!options.coordinator.empty()) {
+    v1::CheckpointLease* l = next.mutable_lease();
+    l->set_coordinator(options.coordinator);
+    l->set_host(HostDescription());
+    l->set_renewed(now);
+    l->set_expires(now + options.lease_s);
+  }
   return WriteOwnerLocked(next);
+}
+
+std::vector<std::string> CheckpointStore::CollisionsLocked(const std::string& job, int64_t after,
+                                                           int64_t last) const {
+  std::vector<std::pair<int64_t, std::string>> hit;
+  std::error_code ec;
+  for (fs::directory_iterator it(root_, ec); !ec && it != fs::directory_iterator();
+       it.increment(ec)) {
+    const int64_t k = StepOfDirName(it->path().filename().string());
+    if (k <= after || k > last || !it->is_directory(ec)) continue;
+    // An uncommitted one is a leftover, removed by the save of that step (Prepare).
+    auto m = ReadManifestFile(it->path().string());
+    if (!m.ok() || m->job_id() == job) continue;
+    const std::string& writer = m->job_id();
+    hit.push_back({k, absl::StrCat(it->path().filename().string(), " (job ",
+                                   writer.empty() ? "unknown" : writer, ")")});
+  }
+  std::sort(hit.begin(), hit.end());
+  std::vector<std::string> out;
+  for (auto& h : hit) out.push_back(std::move(h.second));
+  return out;
+}
+
+absl::StatusOr<bool> CheckpointStore::RenewLease(const std::string& job_id,
+                                                 const std::string& coordinator,
+                                                 double lease_s) const {
+  auto lock = DirLock::Acquire(root_);
+  if (!lock.ok()) return lock.status();
+  auto record = ReadOwnerFile(root_);
+  if (!record.ok()) return record.status();
+  if (!record->has_value()) return false;
+  v1::CheckpointDirOwner o = **record;
+  if (o.owner().job_id() != job_id) return false;
+  if (!o.lease().coordinator().empty() && o.lease().coordinator() != coordinator) return false;
+  const double now = WallSeconds();
+  v1::CheckpointLease* l = o.mutable_lease();
+  l->set_coordinator(coordinator);
+  l->set_host(HostDescription());
+  l->set_renewed(now);
+  l->set_expires(now + lease_s);
+  if (absl::Status s = WriteOwnerLocked(o); !s.ok()) return s;
+  return true;
+}
+
+absl::StatusOr<bool> CheckpointStore::ReleaseLease(const std::string& job_id,
+                                                   const std::string& coordinator) const {
+  auto lock = DirLock::Acquire(root_);
+  if (!lock.ok()) return lock.status();
+  auto record = ReadOwnerFile(root_);
+  if (!record.ok()) return record.status();
+  if (!record->has_value()) return false;
+  v1::CheckpointDirOwner o = **record;
+  if (o.owner().job_id() != job_id || o.lease().coordinator() != coordinator) return false;
+  if (o.lease().expires() == 0) return true;
+  o.mutable_lease()->set_expires(0);
+  o.mutable_lease()->set_renewed(WallSeconds());
+  if (absl::Status s = WriteOwnerLocked(o); !s.ok()) return s;
+  return true;
+}
+
+absl::StatusOr<std::vector<std::string>> CheckpointStore::RemoveLeftovers() const {
+  std::error_code ec;
+  if (!fs::exists(root_, ec)) return std::vector<std::string>();
+  auto lock = DirLock::Acquire(root_);
+  if (!lock.ok()) return lock.status();
+  if (absl::Status s = CheckOwnedLocked(); !s.ok()) return s;
+  return RemoveLeftoversLocked();
+}
+
+absl::StatusOr<std::vector<std::string>> CheckpointStore::RemoveLeftoversLocked() const {
+  std::vector<std::string> done;
+  std::error_code ec;
+  std::vector<fs::path> olds, staging, steps;
+  for (fs::directory_iterator it(root_, ec); !ec && it != fs::directory_iterator();
+       it.increment(ec)) {
+    if (!it->is_directory(ec)) continue;
+    const std::string name = it->path().filename().string();
+    if (name.rfind(kStagingPrefix, 0) == 0 &&
+        StepOfDirName(name.substr(sizeof(kStagingPrefix) - 1)) >= 0) {
+      staging.push_back(it->path());
+    } else if (name.size() > 4 && name.compare(name.size() - 4, 4, ".old") == 0 &&
+               StepOfDirName(name.substr(0, name.size() - 4)) >= 0) {
+      olds.push_back(it->path());
+    } else if (StepOfDirName(name) >= 0) {
+      steps.push_back(it->path());
+    }
+  }
+  if (ec) return absl::InternalError(absl::StrCat("list ", root_, ": ", ec.message()));
+  auto remove = [&](const fs::path& p, const std::string& why) -> absl::Status {
+    if (absl::Status s = RemoveStepDir(p.string()); !s.ok()) return s;
+    LogLeftover(p.string(), "removed", why);
+    done.push_back(p.string());
+    return absl::OkStatus();
+  };
+  // Old copies first (an exchange without renameat2 interrupted): the committed one of a step.
+  for (const fs::path& old : olds) {
+    const std::string name = old.filename().string();
+    const fs::path step = fs::path(root_) / name.substr(0, name.size() - 4);
+    if (IsCommitted(step.string())) {
+      if (absl::Status s = remove(old, "an old copy of a step committed again"); !s.ok()) return s;
+    } else if (ReadManifestFile(old.string()).ok()) {
+      if (fs::exists(step, ec)) {
+        if (absl::Status s = remove(step, "no valid MANIFEST; its old copy is restored"); !s.ok())
+          return s;
+      }
+      if (::rename(old.c_str(), step.c_str()) != 0) return ErrnoError("rename to", step.string());
+      if (absl::Status s = FsyncPath(root_, true); !s.ok()) return s;
+      LogLeftover(old.string(), "restored", absl::StrCat("the only committed copy, renamed back to ",
+                                                         step.string()));
+      done.push_back(old.string());
+    } else if (absl::Status s = remove(old, "no valid MANIFEST"); !s.ok()) {
+      return s;
+    }
+  }
+  for (const fs::path& st : staging) {
+    const std::string name = st.filename().string();
+    const fs::path step = fs::path(root_) / name.substr(sizeof(kStagingPrefix) - 1);
+    if (IsCommitted(step.string())) {
+      if (absl::Status s = remove(st, "a staged save beside a committed step"); !s.ok()) return s;
+    } else if (!ReadManifestFile(st.string()).ok()) {
+      if (absl::Status s = remove(st, "an unfinished staged save"); !s.ok()) return s;
+    }
+  }
+  for (const fs::path& step : steps) {
+    if (!fs::exists(step, ec) || IsCommitted(step.string())) continue;
+    if (absl::Status s = remove(step, "no valid MANIFEST (an interrupted save or retention)");
+        !s.ok())
+      return s;
+  }
+  return done;
 }
 
 absl::Status CheckpointStore::CheckOwnedLocked() const {
@@ -481,13 +712,7 @@ absl::Status CheckpointStore::CheckOwnedLocked() const {
 }
 
 bool CheckpointStore::Mine(const std::string& step_dir) const {
-  if (job_id_.empty()) return true;
-  std::error_code ec;
-  if (fs::exists(fs::path(step_dir) / kManifestName, ec)) {
-    auto m = ReadManifest(step_dir);
-    if (m.ok()) return m->job_id() == job_id_;
-  }
-  return ReadStepJobFile(step_dir) == job_id_;
+  return job_id_.empty() || StepDirJob(step_dir) == job_id_;
 }
 
 }  // namespace fsdp8::coord

@@ -19,12 +19,30 @@
 // owner at submit (under an exclusive flock of <root>/OWNER.lock, waited for at most 10 s, then
 // UNAVAILABLE). A store made with a job id (the job's step driver) writes only while OWNER names
 // that job (a directory without OWNER and without another job's committed checkpoint is claimed
-// by the first Prepare): Prepare, Commit, Abandon and Retain refuse with FAILED_PRECONDITION naming
-// the owner otherwise. Abandon and Retain delete only that job's step directories (the MANIFEST's
-// job_id, or the JOB file Prepare writes into every step directory it creates): never a
-// checkpoint or leftover of a previous owner. (A save of a step number a previous owner also
-// saved replaces that step as a re-save does: the old one stays loadable until the new commit.)
-// A store made without a job id (tools, tests) ignores ownership.
+// by the first Prepare): Prepare, Commit, Abandon, Retain and RemoveLeftovers refuse with
+// FAILED_PRECONDITION naming the owner otherwise. Nothing ever writes into or deletes another
+// job's committed step directory: Prepare of a step whose step-<k> holds another job's committed
+// checkpoint is refused (ALREADY_EXISTS), and Abandon and Retain delete only that job's step
+// directories (the MANIFEST's job_id, or the JOB file Prepare writes into every step directory it
+// creates). A store made without a job id (tools, tests) ignores ownership.
+//
+// Lease (CheckpointLease in OWNER): the coordinator that runs the owner job renews it
+// (RenewLease) while the job has not ended and releases it (ReleaseLease) when it ends. Claim
+// with take_over refuses a directory whose lease is another coordinator's and live
+// (FAILED_PRECONDITION naming the directory, the job and that coordinator's host), whatever that
+// coordinator's job table says; the claiming coordinator's own TakeOverCheck decides for its own
+// jobs. A renewal by the same coordinator identity succeeds whatever the expiry (a restarted
+// coordinator re-claims its running jobs' directories), unless another job owns the directory by
+// then.
+//
+// Committed: IsCommitted(step_dir) is the one rule (a valid MANIFEST naming the directory's step).
+// Leftovers (RemoveLeftovers): step-<k> directories that are not committed (an interrupted save,
+// or retention interrupted after it removed the MANIFEST), staging directories beside a committed
+// step, and old copies beside a committed step are removed, each logged (event
+// checkpoint_leftover_removed); an old copy that is the only committed one of its step is renamed
+// back to step-<k>. Committed step directories are never removed. Call it only while no save of
+// the directory is in progress: the coordinator does at start (for its jobs' directories) and
+// before every generation of the owner job.
 //
 // Thread-safety: the object is immutable; concurrent calls on the same root are safe as far as the
 // filesystem is (OWNER and the MANIFEST commit under the flock), but Prepare/Commit/Retain for one
@@ -68,28 +86,72 @@ class CheckpointStore {
   // Decides whether the current owner may be replaced: OK allows, an error is returned by Claim
   // as is. Called under the lock.
   using TakeOverCheck = std::function<absl::Status(const v1::CheckpointOwnerEntry& owner)>;
+
+  struct ClaimOptions {
+    bool take_over = false;
+    // Consulted for an owner whose lease is not another coordinator's (see Lease above).
+    TakeOverCheck may_take_over;
+    // The claiming coordinator's identity and its lease length: the new owner's lease. Empty: no
+    // lease is written (tools, tests), and another coordinator's live lease still refuses.
+    std::string coordinator;
+    double lease_s = 0;
+    // With take_over: the steps the claimant may save, (saves_after, last_save] (saves_after
+    // raised to the newest committed step when saves_after_latest: checkpoint.resume_from
+    // latest). On a successful take-over, *skipped (when set and last_save >= 0) lists the
+    // committed step directories of other jobs in that range, "step-<k> (job X)" by step: the
+    // saves the claimant will skip (Prepare).
+    int64_t saves_after = 0;
+    bool saves_after_latest = false;
+    int64_t last_save = -1;
+    std::vector<std::string>* skipped = nullptr;
+  };
   // Makes `claimant` (job_id set) the owner of root (created when missing). Without OWNER, the
   // owner is the job of the newest committed checkpoint written by another job, if any (a
   // directory from before OWNER records). OK at once when claimant already owns it, or nobody
   // does (OWNER written). Another job's directory: FAILED_PRECONDITION naming that job unless
-  // take_over; with take_over, may_take_over(owner) decides, and on OK the claimant becomes the
-  // owner, the old one moving to OWNER's `previous` with `until` set. INTERNAL for I/O errors.
+  // take_over; with take_over, refused while another coordinator's lease on it is live, else
+  // may_take_over(owner) decides (and ClaimOptions::skipped is filled).
+  // On OK the claimant becomes the owner, the old one moving to OWNER's `previous` with `until`
+  // set, and the lease is options.coordinator's. INTERNAL for I/O errors.
+  absl::Status Claim(const v1::CheckpointOwnerEntry& claimant, const ClaimOptions& options) const;
+  // Claim without a lease or a save range.
   absl::Status Claim(const v1::CheckpointOwnerEntry& claimant, bool take_over,
                      const TakeOverCheck& may_take_over) const;
+  // Renews the lease of job_id's directory for `coordinator` until now + lease_s: true when
+  // OWNER names job_id and its lease is coordinator's, absent or released; false (nothing
+  // written) when another job owns the directory, or another coordinator holds a lease on it.
+  absl::StatusOr<bool> RenewLease(const std::string& job_id, const std::string& coordinator,
+                                  double lease_s) const;
+  // Releases (expires = 0) coordinator's lease of job_id's directory; false when OWNER names
+  // another job or the lease is another coordinator's (nothing written).
+  absl::StatusOr<bool> ReleaseLease(const std::string& job_id, const std::string& coordinator) const;
+
   // The owner record; nullopt when root has none.
   absl::StatusOr<std::optional<v1::CheckpointDirOwner>> Owner() const;
 
   // "<root>/step-<k>".
   std::string StepDir(int64_t step) const;
 
+  // Whether step_dir is a committed checkpoint: its MANIFEST is valid (ReadManifestFile) and,
+  // for a directory named step-<k>, records step k. The one rule every listing, save and removal
+  // uses.
+  static bool IsCommitted(const std::string& step_dir);
+
+  // Removes the leftovers of interrupted saves and retention (see Leftovers above) and returns
+  // what it removed or restored. With a job id: only while that job owns root.
+  absl::StatusOr<std::vector<std::string>> RemoveLeftovers() const;
+
   // "<root>/.replace-step-<k>": where a save of a step that already has a committed checkpoint
   // is written (that checkpoint stays untouched until the new one is complete).
   std::string StagingDir(int64_t step) const;
 
   // Returns the directory the ranks write step k's files into: <root>/step-<k> (created, with
-  // root), or StagingDir(k) when step-<k> is already committed (a job resumed from an older
-  // checkpoint saves the same step again). Either way the previously committed checkpoint of step
-  // k stays intact and loadable until Commit replaces it.
+  // root), or StagingDir(k) when step-<k> is already committed by this job (a job resumed from an
+  // older checkpoint saves the same step again). Either way the previously committed checkpoint of
+  // step k stays intact and loadable until Commit replaces it. With a job id: ALREADY_EXISTS
+  // when step-<k> holds another job's committed checkpoint (never replaced: the caller skips
+  // that save); another job's uncommitted step-<k> (a leftover: this job owns the directory) is
+  // removed first.
   absl::StatusOr<std::string> Prepare(int64_t step) const;
 
   // Writes manifest.step()'s MANIFEST (see the header comment). The manifest must be valid
@@ -112,7 +174,10 @@ class CheckpointStore {
   // Deletes every committed step directory except the newest keep_last, and every uncommitted
   // step-<k> directory with k below the newest committed step (abandoned saves). Directories not
   // named step-<digits> are never touched. With a job id, only that job's committed and
-  // uncommitted step directories count and are deleted. Returns the removed directories.
+  // uncommitted step directories count and are deleted. Returns the removed directories. Each
+  // directory loses its MANIFEST first (durably), then its files one by one: crash points
+  // retain.after_manifest_removed and retain.mid_remove (after the first file), path
+  // <root>/step-<k>; a directory left half-removed is uncommitted and RemoveLeftovers' to remove.
   absl::StatusOr<std::vector<std::string>> Retain(int keep_last) const;
 
   // Reads and checks <step_dir>/MANIFEST and the files it lists (existence and size). For loading.
@@ -139,6 +204,11 @@ class CheckpointStore {
   // by a job other than `except`; nullopt when none.
   absl::StatusOr<std::optional<v1::CheckpointOwnerEntry>> LegacyOwner(const std::string& except) const;
   absl::Status WriteOwnerLocked(const v1::CheckpointDirOwner& o) const;
+  absl::StatusOr<std::vector<std::string>> RemoveLeftoversLocked() const;
+  // The step directories of other jobs than `job` with after < k <= last, named "step-<k> (job X)".
+  std::vector<std::string> CollisionsLocked(const std::string& job, int64_t after, int64_t last) const;
+  // Removes step_dir: MANIFEST first (durably), then its entries one by one (crash points).
+  absl::Status RemoveStepDir(const std::string& step_dir) const;
   // Whether the step directory (committed or not) was written by job_id_ (always true without a
   // job id).
   bool Mine(const std::string& step_dir) const;

@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/checkpoint_format.h"
 #include "common/spec.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/log.h"
@@ -54,7 +55,10 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
   auto rows = (*store)->LoadAll();
   if (!rows.ok()) return rows.status();
   std::unique_ptr<JobManager> jm(new JobManager(options, std::move(*store)));
-  std::lock_guard<std::mutex> lock(jm->mu_);
+  auto coordinator = jm->store_->CoordinatorId();
+  if (!coordinator.ok()) return coordinator.status();
+  jm->coordinator_id_ = *coordinator;
+  std::unique_lock<std::mutex> lock(jm->mu_);
   for (auto& row : *rows) {
     const std::string id = row.job.job_id();
     Record& r = jm->jobs_[id];
@@ -119,13 +123,96 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
     if (IsTerminalState(s)) jm->ended_.insert({r.job.end_time(), id});
   }
   jm->RetainLocked();
+  jm->ReconcileCheckpointDirsLocked();
+  lock.unlock();
+  if (options.checkpoint_lease.count() > 0)
+    jm->lease_thread_ = std::thread([p = jm.get()] { p->RenewLeases(); });
   return jm;
+}
+
+void JobManager::ReconcileCheckpointDirsLocked() {
+  for (auto& [id, r] : jobs_) {
+    const std::string& dir = r.job.spec().checkpoint().dir();
+    if (dir.empty()) continue;
+    const CheckpointStore store(dir);
+    auto owner = store.Owner();
+    if (!owner.ok()) {
+      Log(LogLevel::kWarning, absl::StrCat("job ", id, ": ", owner.status().message()));
+      continue;
+    }
+    // Only a directory this job still owns, and that no other coordinator leases.
+    if (!owner->has_value() || (*owner)->owner().job_id() != id) continue;
+    const std::string& holder = (*owner)->lease().coordinator();
+    if (!holder.empty() && holder != coordinator_id_) continue;
+    if (auto removed = store.RemoveLeftovers(); !removed.ok())
+      Log(LogLevel::kWarning, absl::StrCat("job ", id, ": checkpoint.dir ", dir,
+                                           ": removing leftovers: ", removed.status().message()));
+    if (options_.checkpoint_lease.count() <= 0) continue;
+    const double lease_s = std::chrono::duration<double>(options_.checkpoint_lease).count();
+    absl::StatusOr<bool> done = IsTerminalState(r.job.state())
+                                    ? store.ReleaseLease(id, coordinator_id_)
+                                    : store.RenewLease(id, coordinator_id_, lease_s);
+    if (!done.ok())
+      Log(LogLevel::kWarning, absl::StrCat("job ", id, ": checkpoint.dir ", dir, ": lease: ",
+                                           done.status().message()));
+    if (!IsTerminalState(r.job.state())) leases_[id] = dir;
+  }
+}
+
+void JobManager::RenewLeases() {
+  const auto every = std::max<std::chrono::milliseconds>(options_.checkpoint_lease / 4,
+                                                         std::chrono::milliseconds(50));
+  const double lease_s = std::chrono::duration<double>(options_.checkpoint_lease).count();
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (cv_.wait_for(lock, every, [&] { return shutdown_; })) return;
+    }
+    std::lock_guard<std::mutex> io(lease_io_mu_);
+    std::vector<std::pair<std::string, std::string>> held;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (shutdown_) return;
+      held.assign(leases_.begin(), leases_.end());
+    }
+    for (const auto& [id, dir] : held) {
+      // Finish and Cancel take lease_io_mu_ too: a job still in leases_ has not ended.
+      auto renewed = CheckpointStore(dir).RenewLease(id, coordinator_id_, lease_s);
+      if (!renewed.ok()) {
+        Log(LogLevel::kWarning, absl::StrCat("job ", id, ": renewing the lease of checkpoint.dir ",
+                                             dir, ": ", renewed.status().message()));
+      } else if (!*renewed) {
+        Log(LogLevel::kWarning, absl::StrCat("job ", id, ": checkpoint.dir ", dir,
+                                             " is no longer its own; its lease is not renewed"));
+        std::lock_guard<std::mutex> lock(mu_);
+        leases_.erase(id);
+      }
+    }
+  }
+}
+
+void JobManager::ReleaseLeaseIoLocked(const std::string& job_id) {
+  std::string dir;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = leases_.find(job_id);
+    if (it == leases_.end()) return;
+    dir = it->second;
+    leases_.erase(it);
+  }
+  auto released = CheckpointStore(dir).ReleaseLease(job_id, coordinator_id_);
+  if (!released.ok())
+    Log(LogLevel::kWarning, absl::StrCat("job ", job_id, ": releasing the lease of checkpoint.dir ",
+                                         dir, ": ", released.status().message()));
 }
 
 JobManager::JobManager(JobManagerOptions options, std::unique_ptr<JobStore> store)
     : options_(std::move(options)), store_(std::move(store)) {}
 
-JobManager::~JobManager() { Shutdown(); }
+JobManager::~JobManager() {
+  Shutdown();
+  if (lease_thread_.joinable()) lease_thread_.join();
+}
 
 JobManager::Record* JobManager::FindLocked(const std::string& job_id) {
   auto it = jobs_.find(job_id);
@@ -248,7 +335,9 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
     // Re-checked: another submit may have raced us.
     if (auto replay = ReplayLocked(request_id, owner, bytes)) return *replay;
     std::string id = NewJobIdLocked();
-    if (absl::Status s = ClaimCheckpointDirLocked(d, id, owner); !s.ok()) return s;
+    std::vector<std::string> skipped;
+    if (absl::Status s = ClaimCheckpointDirLocked(d, id, owner, &skipped); !s.ok())
+      return Refused(s, owner, d);
     Record& r = jobs_[id];
     r.submitted_spec = bytes;
     v1::Job& job = r.job;
@@ -265,6 +354,16 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
     if (!request_id.empty()) by_request_[request_id] = id;
     v1::JobEvent ev;
     ev.set_message(absl::StrCat("submitted; ", job.reason()));
+    if (!skipped.empty()) {
+      const size_t shown = std::min<size_t>(skipped.size(), 4);
+      absl::StrAppend(ev.mutable_message(), "; checkpoint.take_over: ", d.checkpoint().dir(),
+                      " holds ", absl::StrJoin(skipped.begin(), skipped.begin() + shown, ", "),
+                      skipped.size() > shown ? absl::StrCat(" and ", skipped.size() - shown, " more")
+                                             : "",
+                      " of earlier owners, which stay as they are: this job's saves of those "
+                      "steps will be skipped (checkpoint.resume_from: latest continues after the "
+                      "newest)");
+    }
     ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
     PublishLocked(&r, ev);
     out = job;
@@ -403,15 +502,18 @@ void JobManager::EraseLocked(const std::string& job_id) {
 }
 
 absl::Status JobManager::ClaimCheckpointDirLocked(const v1::JobSpec& spec, const std::string& id,
-                                                  const std::string& owner) {
+                                                  const std::string& owner,
+                                                  std::vector<std::string>* skipped) {
   const v1::CheckpointSpec& c = spec.checkpoint();
   if (c.dir().empty()) return absl::OkStatus();
   v1::CheckpointOwnerEntry claimant;
   claimant.set_job_id(id);
   claimant.set_user(owner);
   claimant.set_since(NowSeconds());
+  CheckpointStore::ClaimOptions o;
+  o.take_over = c.take_over();
   // Under mu_: the owner's state cannot change between this check and the claim.
-  auto may_take_over = [&](const v1::CheckpointOwnerEntry& old) -> absl::Status {
+  o.may_take_over = [&](const v1::CheckpointOwnerEntry& old) -> absl::Status {
     const Record* r = FindLocked(old.job_id());
     if (r == nullptr || IsTerminalState(r->job.state())) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat(
@@ -419,7 +521,23 @@ absl::Status JobManager::ClaimCheckpointDirLocked(const v1::JobSpec& spec, const
         ", which is ", StateName(r->job.state()),
         "; a directory is taken over only once its owner has ended or was deleted"));
   };
-  return CheckpointStore(c.dir()).Claim(claimant, c.take_over(), may_take_over);
+  if (options_.checkpoint_lease.count() > 0) {
+    o.coordinator = coordinator_id_;
+    o.lease_s = std::chrono::duration<double>(options_.checkpoint_lease).count();
+  }
+  // The steps this job may save: after the one it starts from, up to its last.
+  if (c.resume_from() == "latest") {
+    o.saves_after_latest = true;
+  } else if (!c.resume_from().empty()) {
+    std::string path = c.resume_from();
+    while (path.size() > 1 && path.back() == '/') path.pop_back();
+    o.saves_after = std::max<int64_t>(0, StepOfDirName(path.substr(path.find_last_of('/') + 1)));
+  }
+  o.last_save = spec.training().steps();
+  o.skipped = skipped;
+  absl::Status s = CheckpointStore(c.dir()).Claim(claimant, o);
+  if (s.ok() && !o.coordinator.empty()) leases_[id] = c.dir();
+  return s;
 }
 
 absl::StatusOr<v1::Job> JobManager::Get(const std::string& job_id) const {
@@ -453,6 +571,9 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id) {
   bool was_active = false;
   std::function<void(const std::string&)> cb;
   {
+    // The lease goes before the job is seen to end (another coordinator may then take over).
+    std::lock_guard<std::mutex> io(lease_io_mu_);
+    ReleaseLeaseIoLocked(job_id);
     std::lock_guard<std::mutex> lock(mu_);
     Record* r = FindLocked(job_id);
     if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
@@ -703,14 +824,17 @@ bool JobManager::TryDispatchAhead(const std::string& job_id, int64_t completed) 
 
 absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,
                                 const std::string& reason) {
+  if (!IsTerminalState(state))
+    return absl::InvalidArgumentError(absl::StrCat("not a final state: ", StateName(state)));
+  // The lease goes before the job is seen to end (another coordinator may then take over).
+  std::lock_guard<std::mutex> io(lease_io_mu_);
+  ReleaseLeaseIoLocked(job_id);
   std::lock_guard<std::mutex> lock(mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (IsTerminalState(r->job.state()))
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " already ended (", StateName(r->job.state()), ")"));
-  if (!IsTerminalState(state))
-    return absl::InvalidArgumentError(absl::StrCat("not a final state: ", StateName(state)));
   v1::Job& j = r->job;
   j.set_state(state);
   j.set_reason(reason);

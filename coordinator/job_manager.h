@@ -11,6 +11,13 @@
 // which Open() reads them back from; Watch streams those after a given seq and then blocks for new
 // ones until the job ends. The final event of a job carries its terminal state.
 //
+// Checkpoint directories: Submit claims checkpoint.dir (CheckpointStore::Claim) with this
+// coordinator's lease (its identity is kept in the state db, JobStore::CoordinatorId); a thread
+// renews the leases of jobs that have not ended, and Finish and Cancel release a job's lease
+// before the job is seen to end. Open, for every job whose directory it still owns (and no other
+// coordinator leases), removes the leftovers of interrupted saves and retention
+// (CheckpointStore::RemoveLeftovers, each logged) and renews or releases the lease.
+//
 // Restart: Open() loads every job. Those that were STARTING, RUNNING or RECOVERING become
 // RECOVERING ("recovering from a coordinator restart (restart n of max)", counted in Job.restarts
 // unless already RECOVERING) when they have a checkpoint.dir and restarts left, so the scheduler
@@ -36,6 +43,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -58,6 +66,12 @@ struct JobManagerOptions {
   // Open and on ApplyRetention.
   size_t retain_ended_jobs = 1000;
   std::chrono::seconds retain_ended_age{30 * 24 * 3600};
+  // The lease on each job's checkpoint.dir (CheckpointLease, coordinator/checkpoint_store.h):
+  // written at submit, renewed every checkpoint_lease / 4 while the job has not ended (and at
+  // Open for the jobs it resumes), released when the job ends. Another coordinator refuses a
+  // take-over of the directory while the lease is live. It must outlast a restart of this
+  // coordinator, which renews it again at Open. 0: no leases are written.
+  std::chrono::milliseconds checkpoint_lease{std::chrono::seconds(120)};
 };
 
 // One page of JobManager::ListPage.
@@ -190,6 +204,8 @@ class JobManager {
   void SetCancelListener(std::function<void(const std::string& job_id)> fn);
 
   const JobManagerOptions& options() const { return options_; }
+  // This coordinator's identity in checkpoint directory leases (JobStore::CoordinatorId).
+  const std::string& coordinator_id() const { return coordinator_id_; }
 
  private:
   // Logs the refused submission (event job_refused: the field and the rule) and returns s.
@@ -228,12 +244,26 @@ class JobManager {
                                                       const std::string& owner,
                                                       const std::string& spec_bytes) const;
   // Claims spec.checkpoint.dir for job `id` (CheckpointStore::Claim; take-over only from a job
-  // that ended or is not in the table).
+  // that ended or is not in the table, and whose lease no other coordinator holds). *skipped:
+  // the earlier owners' committed steps this job's saves will skip.
   absl::Status ClaimCheckpointDirLocked(const v1::JobSpec& spec, const std::string& id,
-                                        const std::string& owner);
+                                        const std::string& owner,
+                                        std::vector<std::string>* skipped);
+
+  // At Open: tidies the checkpoint directories this coordinator's jobs own (see above).
+  void ReconcileCheckpointDirsLocked();
+  // Releases the job's checkpoint.dir lease (before it ends); lease_io_mu_ held, not mu_.
+  void ReleaseLeaseIoLocked(const std::string& job_id);
+  // The lease thread: renews every leases_ entry every checkpoint_lease / 4 until Shutdown.
+  void RenewLeases();
 
   const JobManagerOptions options_;
   std::unique_ptr<JobStore> store_;
+  std::string coordinator_id_;
+  // Held across a lease's file I/O and the job state it depends on (before mu_).
+  std::mutex lease_io_mu_;
+  std::map<std::string, std::string> leases_;  // job id -> checkpoint.dir leased (mu_)
+  std::thread lease_thread_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::string, Record> jobs_;

@@ -348,6 +348,15 @@ absl::Status JobRun::AwaitRootCause(absl::Status first) {
 // ---- Start of a generation ----
 
 absl::Status JobRun::StartGeneration(const v1::JobSpec& spec, Progress* p) {
+  if (!spec.checkpoint().dir().empty()) {
+    // No save of this job is in progress: what an interrupted one left goes (each logged).
+    auto removed =
+        CheckpointStore(spec.checkpoint().dir(), job_.job_id(), options_.faults).RemoveLeftovers();
+    if (!removed.ok())
+      Log(LogLevel::kWarning, absl::StrCat("job ", job_.job_id(), ": checkpoint.dir ",
+                                           spec.checkpoint().dir(), ": removing leftovers: ",
+                                           removed.status().message()));
+  }
   std::optional<CommittedCheckpoint> resume;
   if (absl::Status s = ResolveResume(spec, &resume); !s.ok()) return s;
   if (resume) {
@@ -619,6 +628,15 @@ absl::Status JobRun::SaveCheckpoint(const v1::JobSpec& spec, int64_t step, int64
     return WithContext(what, s);
   };
   auto dir = store.Prepare(step);
+  if (absl::IsAlreadyExists(dir.status())) {
+    // Another job's committed checkpoint of this step (an earlier owner's): never replaced.
+    LogEvent("checkpoint_skipped", {{"job", job_.job_id()}, {"step", step},
+                                    {"cause", std::string(dir.status().message())}});
+    if (!jobs_->PublishMessage(job_.job_id(),
+                               absl::StrCat(what, " skipped: ", dir.status().message())).ok())
+      return absl::CancelledError("job ended");
+    return absl::OkStatus();
+  }
   if (!dir.ok()) return storage(dir.status());
   std::vector<v1::CheckpointSaved> saved;
   if (absl::Status s = CollectSaved(step, *dir, what, &saved); !s.ok()) return s;

@@ -28,7 +28,11 @@
 // load_world_size / start_step in every rank's Assignment; steps start_step..steps-1 run and
 // Job.step / tokens continue from the checkpoint. Without one, init.from_checkpoint (another
 // job's checkpoint, read only) goes out as init_dir / init_world_size and the job starts at 0.
-// Saves go through CheckpointStore(dir, job id): only while the job owns the directory.
+// Saves go through CheckpointStore(dir, job id): only while the job owns the directory. A save
+// of a step whose directory holds another job's committed checkpoint (an earlier owner's, in a
+// directory taken over) is skipped: event "checkpoint step-<k> skipped: ..." (log event
+// checkpoint_skipped), not a failed save; that checkpoint stays as it is. Before each generation
+// the leftovers of interrupted saves are removed (CheckpointStore::RemoveLeftovers).
 // Failure: a WorkerError, a lost Session, a heartbeat timeout or a deadline fails the generation
 // (the reason names the worker and rank) and sends Abort to the other ranks (and to a failed rank
 // that may still be alive: timed out, silent); Cancel and Shutdown send Abort to every rank. A

@@ -2,6 +2,7 @@
 
 #include <sqlite3.h>
 
+#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -47,6 +48,9 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
           " seq INTEGER NOT NULL,"
           " event BLOB NOT NULL,"
           " PRIMARY KEY (job_id, seq)) WITHOUT ROWID");
+      !s.ok())
+    return s;
+  if (auto s = store->Exec("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)");
       !s.ok())
     return s;
   // Events of jobs no longer in the table (a deletion by an earlier version of this file).
@@ -98,6 +102,29 @@ absl::StatusOr<std::vector<JobStore::Row>> JobStore::LoadAll() {
   sqlite3_finalize(st);
   if (rc != SQLITE_DONE) return Error("read jobs");
   return rows;
+}
+
+absl::StatusOr<std::string> JobStore::CoordinatorId() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::random_device rd;
+  char buf[24];
+  snprintf(buf, sizeof(buf), "coord-%08x%08x", rd(), rd());
+  const std::string fresh = buf;
+  absl::Status s = Run("INSERT OR IGNORE INTO meta (key, value) VALUES ('coordinator_id', ?)",
+                       "storing the coordinator id", [&](sqlite3_stmt* st) {
+                         sqlite3_bind_text(st, 1, fresh.c_str(), -1, SQLITE_TRANSIENT);
+                       });
+  if (!s.ok()) return s;
+  sqlite3_stmt* st = nullptr;
+  if (sqlite3_prepare_v2(db_, "SELECT value FROM meta WHERE key = 'coordinator_id'", -1, &st,
+                         nullptr) != SQLITE_OK)
+    return Error("prepare");
+  std::string id;
+  if (sqlite3_step(st) == SQLITE_ROW)
+    id = reinterpret_cast<const char*>(sqlite3_column_text(st, 0));
+  sqlite3_finalize(st);
+  if (id.empty()) return Error("reading the coordinator id");
+  return id;
 }
 
 absl::Status JobStore::Run(const char* sql, const char* what,

@@ -54,6 +54,10 @@ class JobStore {
   static constexpr int64_t kTrimEvery = 64;
   // Every job, oldest first (by create_time, then job_id).
   absl::StatusOr<std::vector<Row>> LoadAll();
+  // This database's coordinator identity ("coord-" and 16 hex digits): made once, at random, and
+  // kept in the table `meta`, so a coordinator restarted on the same state db has the same one
+  // (it names the coordinator in checkpoint directory leases, coordinator/checkpoint_store.h).
+  absl::StatusOr<std::string> CoordinatorId();
 
  private:
   JobStore(sqlite3* db, std::string path) : db_(db), path_(std::move(path)) {}

@@ -53,6 +53,10 @@ ABSL_FLAG(std::string, retain_ended_jobs, "1000,30d",
           "COUNT[,AGE]: keep at most COUNT ended jobs in the job table (the most recently ended) "
           "and none that ended more than AGE ago (a number with s, m, h or d; 0: no age limit); "
           "older ones are removed, never their checkpoints");
+ABSL_FLAG(double, checkpoint_lease_s, 120,
+          "lease on each running job's checkpoint.dir, renewed every quarter of it: another "
+          "coordinator on the same storage refuses a take-over while it is live; longer than a "
+          "restart of this coordinator (which renews it again), and than the hosts' clock skew");
 ABSL_FLAG(std::string, log_level, "info", "error, warning, info or debug (AdminService.SetLogLevel)");
 ABSL_FLAG(std::string, log_format, "text",
           "text, or json: one JSON object per line on stderr (docs/logging.md)");
@@ -125,6 +129,12 @@ int main(int argc, char** argv) {
   o.tokens = absl::GetFlag(FLAGS_tokens);
   o.max_message_bytes = std::max(1, absl::GetFlag(FLAGS_max_message_mb)) << 20;
   o.jobs.state_db = absl::GetFlag(FLAGS_state_db);
+  if (!(absl::GetFlag(FLAGS_checkpoint_lease_s) >= 1)) {
+    fprintf(stderr, "fsdp8-coordinator: --checkpoint_lease_s must be >= 1, got %g\n",
+            absl::GetFlag(FLAGS_checkpoint_lease_s));
+    return 2;
+  }
+  o.jobs.checkpoint_lease = Ms(absl::GetFlag(FLAGS_checkpoint_lease_s));
   o.faults = fsdp8::FaultInjection::FromEnvironment();
   if (!ParseRetention(absl::GetFlag(FLAGS_retain_ended_jobs), &o.jobs)) {
     fprintf(stderr, "fsdp8-coordinator: --retain_ended_jobs must be COUNT[,AGE] (e.g. 1000,30d), "

@@ -4,7 +4,10 @@
 
 #include <filesystem>
 #include <fstream>
+#include <algorithm>
+#include <chrono>
 #include <map>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -360,6 +363,196 @@ TEST(CheckpointStore, ADirectoryWithoutOwnerBelongsToItsCheckpointsJob) {
   // Its own job claims it at its first save (a job submitted before OWNER records).
   EXPECT_TRUE(CheckpointStore(root, "job-1").Prepare(4).ok());
   EXPECT_EQ((*CheckpointStore(root).Owner())->owner().job_id(), "job-1");
+}
+
+// A new owner never writes into a step directory holding another job's committed checkpoint:
+// Prepare refuses, naming it, and an abandoned save of that step leaves it as it was.
+TEST(CheckpointStore, PrepareNeverWritesIntoAnotherJobsCommittedStep) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-a"), false, nullptr).ok());
+  for (int64_t k : {2, 4}) CommitAs(root, "job-a", k);
+  const auto before = Snapshot(root);
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-b"), true, nullptr).ok());
+  CheckpointStore b(root, "job-b");
+  auto dir = b.Prepare(4);
+  EXPECT_EQ(dir.status().code(), absl::StatusCode::kAlreadyExists) << dir.status();
+  EXPECT_TRUE(absl::StrContains(dir.status().message(),
+                                root + "/step-4 holds the committed checkpoint of job job-a"))
+      << dir.status();
+  EXPECT_TRUE(b.Abandon(4).ok());
+  EXPECT_FALSE(fs::exists(b.StagingDir(4)));
+  // job-a's unfinished save of step 6 is a leftover: job-b's save of step 6 replaces it.
+  ASSERT_TRUE(fs::create_directories(root + "/step-6"));
+  {
+    std::ofstream(root + "/step-6/JOB") << "job-a\n";
+  }
+  WriteBytes(root + "/step-6/rank-0.ckpt", 5);
+  CommitAs(root, "job-b", 6);
+  EXPECT_EQ(Steps(CheckpointStore(root)), (std::vector<int64_t>{2, 4, 6}));
+  EXPECT_EQ(CheckpointStore(root).List("job-b")->size(), 1u);
+  const auto now = Snapshot(root);
+  for (const auto& [path, bytes] : before) {
+    if (absl::EndsWith(path, "/OWNER")) continue;
+    ASSERT_TRUE(now.count(path)) << path << " was deleted";
+    EXPECT_EQ(now.at(path), bytes) << path << " changed";
+  }
+}
+
+// A take-over lists the committed steps of other jobs its saves would hit (and will skip): those
+// after the step it starts from, up to its last; none when it starts after the newest one
+// (resume_from latest). Uncommitted directories are not listed (a save replaces them).
+TEST(CheckpointStore, TakeOverListsTheEarlierOwnersStepsItsSavesWillSkip) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-a"), false, nullptr).ok());
+  for (int64_t k : {4, 6, 8}) CommitAs(root, "job-a", k);
+  ASSERT_TRUE(fs::create_directories(root + "/step-10"));  // uncommitted
+  std::vector<std::string> skipped;
+  CheckpointStore::ClaimOptions o;
+  o.take_over = true;
+  o.saves_after = 5;
+  o.last_save = 12;
+  o.skipped = &skipped;
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-b"), o).ok());
+  EXPECT_EQ(skipped, (std::vector<std::string>{"step-6 (job job-a)", "step-8 (job job-a)"}));
+  EXPECT_EQ((*CheckpointStore(root).Owner())->owner().job_id(), "job-b");
+  CommitAs(root, "job-b", 12);
+  o.saves_after = 0;
+  o.last_save = 20;
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-c"), o).ok());
+  EXPECT_EQ(skipped, (std::vector<std::string>{"step-4 (job job-a)", "step-6 (job job-a)",
+                                                "step-8 (job job-a)", "step-12 (job job-b)"}));
+  o.saves_after_latest = true;  // after step 12
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-d"), o).ok());
+  EXPECT_TRUE(skipped.empty());
+  EXPECT_EQ((*CheckpointStore(root).Owner())->owner().job_id(), "job-d");
+}
+
+// The owner's coordinator holds a lease: another coordinator's take-over is refused while it is
+// live (whatever its own check says), allowed once released or expired; the holder renews it
+// whatever the expiry (a restart), another coordinator cannot.
+TEST(CheckpointStore, ALiveLeaseOfAnotherCoordinatorRefusesATakeOver) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  CheckpointStore store(root);
+  CheckpointStore::ClaimOptions first;
+  first.coordinator = "coord-1";
+  first.lease_s = 60;
+  ASSERT_TRUE(store.Claim(Claimant("job-a"), first).ok());
+  auto owner = store.Owner();
+  ASSERT_TRUE(owner.ok() && owner->has_value());
+  EXPECT_EQ((*owner)->lease().coordinator(), "coord-1");
+  EXPECT_GT((*owner)->lease().expires(), (*owner)->lease().renewed() + 59);
+  EXPECT_FALSE((*owner)->lease().host().empty());
+
+  CheckpointStore::ClaimOptions second;
+  second.take_over = true;
+  second.coordinator = "coord-2";
+  second.lease_s = 60;
+  second.may_take_over = [](const v1::CheckpointOwnerEntry&) { return absl::OkStatus(); };
+  absl::Status s = store.Claim(Claimant("job-b"), second);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "checkpoint.dir " + root + " belongs to job job-a"))
+      << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "runs under another coordinator")) << s;
+  // Only the holder renews; another coordinator's renewal or release changes nothing.
+  EXPECT_FALSE(*store.RenewLease("job-a", "coord-2", 60));
+  EXPECT_FALSE(*store.ReleaseLease("job-a", "coord-2"));
+  EXPECT_FALSE(*store.RenewLease("job-x", "coord-1", 60));
+  EXPECT_TRUE(*store.RenewLease("job-a", "coord-1", 0.5));  // a restarted holder re-claims
+  EXPECT_EQ(store.Claim(Claimant("job-b"), second).code(), absl::StatusCode::kFailedPrecondition);
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));  // expired
+  EXPECT_TRUE(store.Claim(Claimant("job-b"), second).ok());
+  EXPECT_EQ((*store.Owner())->owner().job_id(), "job-b");
+  EXPECT_EQ((*store.Owner())->lease().coordinator(), "coord-2");
+  // The old holder's renewal no longer applies: the directory is job-b's.
+  EXPECT_FALSE(*store.RenewLease("job-a", "coord-1", 60));
+  // Released: coord-1 may take it over at once.
+  ASSERT_TRUE(*store.ReleaseLease("job-b", "coord-2"));
+  EXPECT_EQ((*store.Owner())->lease().expires(), 0);
+  first.take_over = true;
+  EXPECT_TRUE(store.Claim(Claimant("job-c"), first).ok());
+  // The holder's own take-over is decided by its own check.
+  ASSERT_TRUE(*store.RenewLease("job-c", "coord-1", 60));
+  first.may_take_over = [](const v1::CheckpointOwnerEntry& o) {
+    return absl::FailedPreconditionError("running: " + o.job_id());
+  };
+  EXPECT_EQ(store.Claim(Claimant("job-d"), first).message(), "running: job-c");
+}
+
+// RemoveLeftovers: uncommitted step directories (an interrupted save; a retention that removed
+// the MANIFEST and some files), staging beside a committed step and an old copy of a step
+// committed again go; an old copy that is the only committed one is renamed back; every committed
+// file stays as it was.
+TEST(CheckpointStore, RemoveLeftoversNeverTouchesACommittedStep) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  CheckpointStore store(root);
+  for (int64_t k : {2, 4}) ASSERT_TRUE(store.Commit(Save(store, k, 2)).ok());
+  // step-6: an interrupted save (one rank file); step-8: half-removed by retention.
+  ASSERT_TRUE(fs::create_directories(root + "/step-6"));
+  WriteBytes(root + "/step-6/rank-0.ckpt", 7);
+  ASSERT_TRUE(store.Commit(Save(store, 8, 2)).ok());
+  fs::remove(root + "/step-8/MANIFEST");
+  fs::remove(root + "/step-8/rank-0.ckpt");
+  // A staging directory beside committed step-2; an old copy beside committed step-4.
+  ASSERT_TRUE(fs::create_directories(store.StagingDir(2)));
+  WriteBytes(store.StagingDir(2) + "/rank-0.ckpt", 3);
+  fs::copy(root + "/step-4", root + "/step-4.old");
+  // step-10 moved aside (committed, as step-10.old) and an unfinished step-10 in its place.
+  ASSERT_TRUE(store.Commit(Save(store, 10, 2)).ok());
+  fs::rename(root + "/step-10", root + "/step-10.old");
+  ASSERT_TRUE(fs::create_directories(root + "/step-10"));
+  WriteBytes(root + "/step-10/rank-1.ckpt", 9);
+  // Not step directories: never touched.
+  ASSERT_TRUE(fs::create_directories(root + "/notes"));
+  WriteBytes(root + "/notes/x", 1);
+  std::map<std::string, std::string> committed;
+  for (const auto& [path, bytes] : Snapshot(root))
+    if (absl::StrContains(path, "/step-2/") || absl::StrContains(path, "/step-4/"))
+      committed[path] = bytes;
+  std::map<std::string, std::string> old10;
+  for (const auto& [path, bytes] : Snapshot(root + "/step-10.old"))
+    old10[path.substr((root + "/step-10.old").size())] = bytes;
+
+  auto removed = store.RemoveLeftovers();
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  std::sort(removed->begin(), removed->end());
+  EXPECT_EQ(*removed, (std::vector<std::string>{
+                          root + "/.replace-step-2", root + "/step-10", root + "/step-10.old",
+                          root + "/step-4.old", root + "/step-6", root + "/step-8"}));
+  EXPECT_EQ(Steps(store), (std::vector<int64_t>{2, 4, 10}));
+  for (const char* gone : {"/step-6", "/step-8", "/.replace-step-2", "/step-4.old", "/step-10.old"})
+    EXPECT_FALSE(fs::exists(root + gone)) << gone;
+  EXPECT_TRUE(fs::exists(root + "/notes/x"));
+  const auto now = Snapshot(root);
+  for (const auto& [path, bytes] : committed) {
+    ASSERT_TRUE(now.count(path)) << path << " was deleted";
+    EXPECT_EQ(now.at(path), bytes) << path << " changed";
+  }
+  for (const auto& [rel, bytes] : old10) EXPECT_EQ(now.at(root + "/step-10" + rel), bytes) << rel;
+  EXPECT_TRUE(CheckpointStore::Open(root + "/step-10").ok());
+  // Nothing left to do the second time.
+  EXPECT_TRUE(store.RemoveLeftovers()->empty());
+}
+
+// Retention's removal of a step directory goes MANIFEST first: a half-removed one is never
+// committed, and RemoveLeftovers takes it away.
+TEST(CheckpointStore, HalfRemovedStepIsUncommittedAndALeftover) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  CheckpointStore store(root);
+  for (int64_t k : {1, 2}) ASSERT_TRUE(store.Commit(Save(store, k, 2)).ok());
+  EXPECT_TRUE(CheckpointStore::IsCommitted(root + "/step-1"));
+  fs::remove(root + "/step-1/MANIFEST");  // where retain.after_manifest_removed stops
+  EXPECT_FALSE(CheckpointStore::IsCommitted(root + "/step-1"));
+  EXPECT_EQ(Steps(store), (std::vector<int64_t>{2}));
+  EXPECT_EQ(*store.RemoveLeftovers(), (std::vector<std::string>{root + "/step-1"}));
+  EXPECT_TRUE(CheckpointStore::IsCommitted(root + "/step-2"));
+  // A MANIFEST of another step (a directory renamed by hand) does not commit step-3.
+  fs::copy(root + "/step-2", root + "/step-3");
+  EXPECT_FALSE(CheckpointStore::IsCommitted(root + "/step-3"));
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "coordinator/checkpoint_store.h"
 #include "coordinator/job_store.h"
 #include "gtest/gtest.h"
 #include "tests/coordinator/test_util.h"
@@ -557,6 +558,93 @@ TEST(JobManagerRetention, DeleteOnlyEndedJobsAndKeepTheirCheckpoints) {
   ASSERT_TRUE(jm.ok());
   EXPECT_EQ((*jm)->Get(id).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ((*jm)->size(), 2u);
+}
+
+// Two coordinators' job managers (their own state dbs) on one checkpoint directory: the first's
+// job holds a lease from its submission; the second, which has never heard of it, refuses to take
+// the directory over until the job ends (Cancel releases the lease first). A restart on the same
+// state db keeps the coordinator's identity and renews the lease of a job that has not ended.
+TEST(JobManagerLease, AnotherCoordinatorWaitsForTheLeaseOfAJobThatHasNotEnded) {
+  TempDir dir;
+  const std::string train = WriteTokens(dir, "train.bin");
+  JobManagerOptions o1;
+  o1.state_db = dir.File("first.db");
+  JobManagerOptions o2;
+  o2.state_db = dir.File("second.db");
+  const std::string ck = dir.File("ck");
+  v1::JobSpec spec = SmallSpec(train);
+  spec.mutable_checkpoint()->set_dir(ck);
+  v1::JobSpec take = spec;
+  take.mutable_checkpoint()->set_take_over(true);
+  std::string id, first_id;
+  double renewed = 0;
+  {
+    auto first = JobManager::Open(o1);
+    ASSERT_TRUE(first.ok()) << first.status();
+    first_id = (*first)->coordinator_id();
+    EXPECT_TRUE(absl::StartsWith(first_id, "coord-")) << first_id;
+    auto a = (*first)->Submit("", spec, "alice");
+    ASSERT_TRUE(a.ok()) << a.status();
+    id = a->job_id();
+    auto owner = CheckpointStore(ck).Owner();
+    ASSERT_TRUE(owner.ok() && owner->has_value()) << owner.status();
+    EXPECT_EQ((*owner)->lease().coordinator(), first_id);
+    EXPECT_GT((*owner)->lease().expires(), NowSeconds() + 100);  // 120 s by default
+    renewed = (*owner)->lease().renewed();
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  auto first = JobManager::Open(o1);  // a restart: same identity, the PENDING job's lease renewed
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ((*first)->coordinator_id(), first_id);
+  auto owner = CheckpointStore(ck).Owner();
+  ASSERT_TRUE(owner.ok() && owner->has_value());
+  EXPECT_EQ((*owner)->lease().coordinator(), first_id);
+  EXPECT_GT((*owner)->lease().renewed(), renewed);
+
+  auto second = JobManager::Open(o2);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_NE((*second)->coordinator_id(), first_id);
+  absl::Status s = (*second)->Submit("", take, "bob").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "checkpoint.dir " + ck + " belongs to job " + id))
+      << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "runs under another coordinator")) << s;
+  EXPECT_EQ((*CheckpointStore(ck).Owner())->owner().job_id(), id);
+
+  ASSERT_TRUE((*first)->Cancel(id).ok());
+  EXPECT_EQ((*CheckpointStore(ck).Owner())->lease().expires(), 0);
+  auto b = (*second)->Submit("", take, "bob");
+  ASSERT_TRUE(b.ok()) << b.status();
+  owner = CheckpointStore(ck).Owner();
+  EXPECT_EQ((*owner)->owner().job_id(), b->job_id());
+  EXPECT_EQ((*owner)->lease().coordinator(), (*second)->coordinator_id());
+}
+
+// The lease thread renews the lease of a job that has not ended (every quarter of the lease),
+// so it never lapses while the job waits or runs; Finish releases it.
+TEST(JobManagerLease, RenewedUntilTheJobEnds) {
+  TempDir dir;
+  const std::string train = WriteTokens(dir, "train.bin");
+  JobManagerOptions o;
+  o.checkpoint_lease = std::chrono::milliseconds(400);
+  auto jm = JobManager::Open(o);
+  ASSERT_TRUE(jm.ok()) << jm.status();
+  const std::string ck = dir.File("ck");
+  v1::JobSpec spec = SmallSpec(train);
+  spec.mutable_checkpoint()->set_dir(ck);
+  auto a = (*jm)->Submit("", spec);
+  ASSERT_TRUE(a.ok()) << a.status();
+  const double first = (*CheckpointStore(ck).Owner())->lease().renewed();
+  // Three lease lengths later the lease is still live: renewed meanwhile.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  auto owner = CheckpointStore(ck).Owner();
+  ASSERT_TRUE(owner.ok() && owner->has_value());
+  EXPECT_GT((*owner)->lease().renewed(), first + 0.5);
+  EXPECT_GT((*owner)->lease().expires(), NowSeconds());
+  ASSERT_TRUE((*jm)->Finish(a->job_id(), v1::JOB_STATE_FAILED, "test").ok());
+  EXPECT_EQ((*CheckpointStore(ck).Owner())->lease().expires(), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ((*CheckpointStore(ck).Owner())->lease().expires(), 0) << "renewed after the end";
 }
 
 // Retention keeps the most recently ended jobs up to the count, drops those older than the age,
