@@ -141,7 +141,7 @@ struct SimActs {
 constexpr int kReplayLayers = 1024;
 
 int64_t Saturate(double b) {
-  if (!(b < 9.2e18)) return std::numeric_limits<int64_t>::max();
+  if (!(b < 9.2e18)) return kBytesExceeded;
   return static_cast<int64_t>(std::llround(b));
 }
 
@@ -209,6 +209,30 @@ class Sim {
     const double norms = 2 * C_;
     return prec_[l] == v1::PRECISION_BF16 ? norms + 2 * C_ * C_ + 2 * nk_ * C_ + 3 * F_ * C_
                                           : norms;
+  }
+  // The CPU backends' scratch slots (CpuRefBackend::Scratch), grown in the first step and kept:
+  // the GEMMs' decoded or rounded operands (FP8 and BF16 linears; a linear of `in` inputs and
+  // `out` outputs over N tokens takes N * max(in, out) in slot 0, max(in * out, N * in) in slot
+  // 1), the attention's two T x T f32 matrices, and the RoPE cos/sin tables (T * D/2 each).
+  double CpuScratchBytes() const {
+    double s0 = 0, s1 = 0;
+    auto linear = [&](double in, double out) {
+      s0 = std::max(s0, N_ * std::max(in, out));
+      s1 = std::max(s1, std::max(in * out, N_ * in));
+    };
+    for (int l = 0; l < L_; ++l) {
+      if (prec_[l] == v1::PRECISION_FP32) continue;  // f32 GEMMs read their operands in place
+      if (fused_qkv_[l]) {
+        linear(C_, nq_ + 2 * nk_);
+      } else {
+        linear(C_, nq_);
+        linear(C_, nk_);
+      }
+      linear(nq_, C_);
+      linear(C_, fused_mlp_[l] ? 2 * F_ : F_);
+      linear(F_, C_);
+    }
+    return (s0 + s1 + 2 * T_ * T_ + T_ * D_) * 4;
   }
   // Backend scratch of one composed op: `cpu` on the CPU backends (the Backend compositions of
   // kernels/backend.cc), `cuda` on the CUDA backend.
@@ -927,6 +951,7 @@ void Sim::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) {
     led_.Alloc(kWork, static_cast<double>(kCudaGemmWorkspaceBytes) + T_ * D_ * 4 +
                           (attn16_ ? 0 : B_ * H_ * T_ * 4 * 1.25));
   }
+  if (!cuda_) led_.Alloc(kWork, CpuScratchBytes());
   PhasePeak f, b, o;
   Step(&f, &b, &o);
   Step(fwd, bwd, opt);
@@ -998,6 +1023,11 @@ absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec_in, int world_size
     for (const MemoryTerm& t : p.device_extra) device += static_cast<double>(t.bytes);
   }
   p.device_bytes = Saturate(device);
+  p.exceeds_int64 = p.device_bytes == kBytesExceeded || p.peak_bytes == kBytesExceeded ||
+                    p.forward_peak_bytes == kBytesExceeded ||
+                    p.backward_peak_bytes == kBytesExceeded ||
+                    p.optimizer_peak_bytes == kBytesExceeded;
+  for (const MemoryTerm& t : p.terms) p.exceeds_int64 = p.exceeds_int64 || t.bytes == kBytesExceeded;
   return p;
 }
 
@@ -1021,10 +1051,12 @@ v1::MemoryPlan ToProto(const MemoryPlan& plan) {
     o->set_bytes(t.bytes);
   }
   out.set_device_bytes(plan.device_bytes);
+  out.set_exceeds_int64(plan.exceeds_int64);
   return out;
 }
 
 std::string MemoryBytes(int64_t bytes) {
+  if (bytes == kBytesExceeded) return "exceeds 8 EiB";
   const double b = static_cast<double>(bytes);
   const double tib = static_cast<double>(int64_t{1} << 40);
   if (b >= tib) return absl::StrFormat("%.2f TiB", b / tib);
@@ -1032,6 +1064,23 @@ std::string MemoryBytes(int64_t bytes) {
   if (b >= double(1 << 20)) return absl::StrFormat("%.1f MiB", b / double(1 << 20));
   if (b >= 1024) return absl::StrFormat("%.1f KiB", b / 1024);
   return absl::StrCat(bytes, " B");
+}
+
+std::string MemoryBytesAndCount(int64_t bytes) {
+  if (bytes == kBytesExceeded) return MemoryBytes(bytes);
+  return absl::StrCat(MemoryBytes(bytes), " (", bytes, " bytes)");
+}
+
+std::string LargestTerms(const MemoryPlan& plan, int n) {
+  std::vector<MemoryTerm> all = plan.terms;
+  all.insert(all.end(), plan.device_extra.begin(), plan.device_extra.end());
+  std::stable_sort(all.begin(), all.end(),
+                   [](const MemoryTerm& a, const MemoryTerm& b) { return a.bytes > b.bytes; });
+  std::string out;
+  for (int i = 0; i < n && i < static_cast<int>(all.size()) && all[i].bytes > 0; ++i) {
+    absl::StrAppend(&out, i > 0 ? ", " : "", all[i].name, " ", MemoryBytes(all[i].bytes));
+  }
+  return out;
 }
 
 }  // namespace fsdp8

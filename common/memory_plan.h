@@ -38,9 +38,10 @@
 //                      training.activation_recompute); N = microbatch * seq_len tokens
 //   workspaces         the temporaries of the block or head computing now (its activations before
 //                      they are kept, gradients, FP8 codes and transposes of grad-outputs and
-//                      weights) and the backends' scratch (kernels/backend.cc compositions on the
-//                      CPU; cuBLASLt workspace 32 MiB, RoPE tables and cuDNN attention workspace on
-//                      CUDA)
+//                      weights) and the backends' scratch (kernels/backend.cc compositions and the
+//                      CPU backends' kept scratch slots: two T x T f32 attention matrices, the
+//                      GEMMs' f32 operands, RoPE tables; cuBLASLt workspace 32 MiB, RoPE tables
+//                      and cuDNN attention workspace on CUDA)
 //   logits chunks      the BF16 head's per-chunk f32 logits (rows chosen so that a chunk stays
 //                      within head_chunk_logit_bytes, default 512 MiB,
 //                      FSDP8_HEAD_CHUNK_LOGIT_BYTES), every row's bf16 logit gradient, nf in bf16; the f32
@@ -104,18 +105,28 @@ struct MemoryPlan {
   std::vector<MemoryTerm> terms;   // at the peak, in the order above; they sum to peak_bytes
   std::vector<MemoryTerm> device_extra;  // outside the count (CUDA only)
   int64_t device_bytes = 0;        // peak_bytes + device_extra: what the device must hold
+  // Some figure exceeds 64-bit byte counts: it holds kBytesExceeded (no size; fits nowhere).
+  bool exceeds_int64 = false;
 };
+
+// What a plan's figure holds when the true figure does not fit 64-bit byte counts (8 EiB).
+inline constexpr int64_t kBytesExceeded = INT64_MAX;
 
 // The plan of `spec` (WithDefaults(spec, world_size) applied here) on world_size ranks; the worst
 // rank (all ranks hold the same shard sizes). INVALID_ARGUMENT for world_size < 1 or a model
 // whose sizes the spec rules refuse (validate first for the exact message). Sizes too large for
-// 64-bit byte counts saturate at INT64_MAX (such a job fits nowhere).
+// 64-bit byte counts hold kBytesExceeded and set exceeds_int64 (such a job fits nowhere).
 absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec, int world_size,
                                       const MemoryPlanOptions& options = {});
 
 v1::MemoryPlan ToProto(const MemoryPlan& plan);
 
-// "1.23 GiB" / "512 MiB" / "100 B": bytes for people.
+// "1.23 GiB" / "512 MiB" / "100 B": bytes for people; kBytesExceeded reads "exceeds 8 EiB".
 std::string MemoryBytes(int64_t bytes);
+// "1.23 GiB (1320702443 bytes)", or "exceeds 8 EiB" for kBytesExceeded (no saturated count).
+std::string MemoryBytesAndCount(int64_t bytes);
+// The plan's `n` largest terms at its peak (device_extra included), largest first:
+// "saved activations 1.20 GiB, workspaces 512.0 MiB".
+std::string LargestTerms(const MemoryPlan& plan, int n = 3);
 
 }  // namespace fsdp8
