@@ -149,7 +149,7 @@ int64_t Saturate(double b) {
 // double (the byte counts' type).
 class Sim {
  public:
-  Sim(const v1::JobSpec& spec, int world, const MemoryPlanOptions& options, int64_t opt_bytes);
+  Sim(const v1::JobSpec& spec, const StepPlan& plan, int64_t opt_bytes);
   // Two steps (the second starts from the state the first leaves: prefetched first units);
   // returns the second's phase peaks.
   void Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt);
@@ -243,22 +243,21 @@ class Sim {
   bool cuda_ = false, attn16_ = false, recompute_ = false, tied_ = false, det_ = true;
   bool keep_codes_ = true;  // Fp8Recipe.keep_weight_codes
   bool head_bf16_ = true;
-  // Delayed scaling: an FP8 block's backward recasts down_proj's input (Linear::RecastSwiglu)
-  // instead of keeping its codes from the forward.
-  bool recast_down_ = true;
   bool norm_inputs_bf16_ = false;  // training.saved_norm_inputs BF16
+  bool grouped_ = false;           // some block shares scales in a group (BlockPlan::group_*)
   int L_ = 0, microbatches_ = 1;
-  double C_, H_, Hkv_, D_, F_, V_, T_, B_, N_, nq_, nk_, local_tokens_, chunk_bytes_;
+  double C_, H_, Hkv_, D_, F_, V_, T_, B_, N_, nq_, nk_, local_tokens_, head_rows_;
   std::vector<v1::Precision> prec_;
-  std::vector<bool> fused_qkv_, fused_mlp_;
+  // Per block, from the step plan: fused groups, and down_proj's input recast in the backward
+  // (Linear::RecastSwiglu) instead of kept from the forward.
+  std::vector<bool> fused_qkv_, fused_mlp_, recast_down_;
   std::vector<SimUnit> units_;
   std::vector<SimInput> inputs_;
   std::vector<int> free_inputs_;
   std::vector<std::pair<int, int>> reducing_;  // (full_grad, part) ids in flight
 };
 
-Sim::Sim(const v1::JobSpec& spec, int world, const MemoryPlanOptions& options,
-         int64_t opt_bytes)
+Sim::Sim(const v1::JobSpec& spec, const StepPlan& plan, int64_t opt_bytes)
     : opt_bytes_(opt_bytes) {
   const v1::ModelConfig& m = spec.model();
   const ModelDims d = ModelDimsOf(m);
@@ -274,52 +273,36 @@ Sim::Sim(const v1::JobSpec& spec, int world, const MemoryPlanOptions& options,
   nk_ = d.kv_width();
   const v1::TrainingSpec& tr = spec.training();
   B_ = tr.microbatch();
-  N_ = B_ * T_;
-  const double local_batch = static_cast<double>(tr.global_batch()) / world;
-  local_tokens_ = local_batch * T_;
-  microbatches_ = static_cast<int>(std::max(1.0, local_batch / B_));
+  N_ = static_cast<double>(plan.tokens);
+  local_tokens_ = static_cast<double>(tr.global_batch()) / plan.world_size * T_;
+  microbatches_ = plan.microbatches;
   cuda_ = spec.backend() == "cuda";
   attn16_ = spec.precision().attention() == v1::PRECISION_BF16;
-  recompute_ = tr.activation_recompute();
+  recompute_ = plan.recompute;
   keep_codes_ = spec.precision().fp8().keep_weight_codes();
   norm_inputs_bf16_ = tr.saved_norm_inputs() == v1::PRECISION_BF16;
   det_ = tr.deterministic();
   tied_ = m.tie_word_embeddings();
-  head_bf16_ = spec.precision().lm_head() != v1::PRECISION_FP32;
-  chunk_bytes_ = static_cast<double>(std::max<int64_t>(1, options.head_chunk_logit_bytes));
-  const v1::Fp8Recipe& r = spec.precision().fp8();
-  const bool fuse = r.fused_projections() && r.recipe() != v1::SCALING_RECIPE_CURRENT;
-  recast_down_ = r.recipe() != v1::SCALING_RECIPE_CURRENT;
-  const double q = static_cast<double>(world) * spec.sharding().alignment();
-  auto buf = [&](Wire w, double numel) {
-    SimBuf b;
-    b.wire = w;
-    b.padded = std::ceil(numel / q) * q;
-    b.shard = b.padded / world;
-    return b;
-  };
-  auto wire_of = [](v1::Precision p) {
-    return p == v1::PRECISION_FP8 ? kFp8 : p == v1::PRECISION_BF16 ? kBf16 : kFp32;
-  };
-  // Units as MakeShardPlan lays them out (common/shard_plan.cc): embedding, blocks, head.
-  units_.emplace_back().bufs.push_back(buf(wire_of(spec.precision().embedding()), V_ * C_));
-  const double linears = 2 * C_ * C_ + 2 * nk_ * C_ + 3 * F_ * C_;
-  for (int l = 0; l < L_; ++l) {
-    const v1::Precision p = LayerLinearPrecision(spec, l);
-    prec_.push_back(p);
-    const bool fp8_bf16 = p == v1::PRECISION_FP8 && attn16_ && fuse;
-    fused_qkv_.push_back(fp8_bf16 && std::fmod(D_, 8) == 0);
-    fused_mlp_.push_back(fp8_bf16 && std::fmod(F_, 4) == 0);
-    SimUnit& u = units_.emplace_back();
-    if (p == v1::PRECISION_FP8) {
-      u.bufs.push_back(buf(kFp8, linears));
-      u.bufs.push_back(buf(kBf16, 2 * C_));
-    } else {
-      u.bufs.push_back(buf(wire_of(p), linears + 2 * C_));
+  head_bf16_ = plan.head_bf16;
+  head_rows_ = static_cast<double>(plan.head_chunk_rows);
+  // The step plan decides each block's path; the units are the shard plan's buffers.
+  for (const BlockPlan& b : plan.blocks) {
+    prec_.push_back(b.linears);
+    fused_qkv_.push_back(b.fused_qkv);
+    fused_mlp_.push_back(b.fused_mlp);
+    grouped_ = grouped_ || b.group_qkv || b.group_mlp;
+    recast_down_.push_back(b.recast_down);
+  }
+  for (const PlannedUnit& u : plan.units) {
+    SimUnit& su = units_.emplace_back();
+    for (const PlannedBuffer& b : u.buffers) {
+      SimBuf sb;
+      sb.wire = b.wire == WireDtype::kFp8 ? kFp8 : b.wire == WireDtype::kBf16 ? kBf16 : kFp32;
+      sb.padded = static_cast<double>(b.padded);
+      sb.shard = static_cast<double>(b.shard);
+      su.bufs.push_back(sb);
     }
   }
-  const Wire hw = wire_of(spec.precision().lm_head());
-  units_.emplace_back().bufs.push_back(buf(hw, C_ + (tied_ ? 0 : V_ * C_)));
 }
 
 // ---- FsdpParams (train/fsdp.cc) ----
@@ -646,7 +629,7 @@ int Sim::MlpForwardFp8(int l, SimActs* a, bool train) {
     for (int* p : {&a->gate16, &a->up16, &a->gu16}) led_.Free(p);
   }
   int out = led_.Alloc(kWork, N * C_ * 4);
-  if (!recast_down_) Keep(in_act, &a->sdown, train);
+  if (!recast_down_[l]) Keep(in_act, &a->sdown, train);
   EndInput(in_act);
   return out;
 }
@@ -807,8 +790,7 @@ void Sim::BlockBackward(int l, SimActs* a, int* dout) {
 
 void Sim::HeadBf16() {
   const double N = N_;
-  double rows = std::max(1.0, std::min(N, std::floor(chunk_bytes_ / (V_ * 4))));
-  if (rows < N && rows > 128) rows -= std::fmod(rows, 128);
+  const double rows = head_rows_;  // StepPlan::head_chunk_rows
   // The GEMMs read the gathered bf16 weight; nf in bf16 once; every row's bf16 logit gradient.
   int nf16 = led_.Alloc(kLogits, N * C_ * 2), g16 = led_.Alloc(kLogits, N * V_ * 2);
   // The first chunk is a full one: the largest.
@@ -941,10 +923,8 @@ void Sim::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) {
     }
   }
   const double nw = std::max(fp8_tensors, 1), na = std::max(2 * fp8_tensors, 1);
-  // A fused projection groups weight scales: the group table on the device (SetWeightScaleGroup).
-  bool grouped = false;
-  for (int l = 0; l < L_; ++l) grouped = grouped || fused_qkv_[l] || fused_mlp_[l];
-  led_.Alloc(kScaling, nw * 40 + (grouped ? nw * 4 : 0) + na * 36 + 4);
+  // Projections sharing scales: the group table on the device (SetWeightScaleGroup).
+  led_.Alloc(kScaling, nw * 40 + (grouped_ ? nw * 4 : 0) + na * 36 + 4);
   // CUDA: the cuBLASLt workspace, the RoPE table (T, D/2) x cos and sin, and the f32 attention
   // backward's delta slot (B, H, T), grown by a quarter (CudaBackend::Scratch).
   if (cuda_) {
@@ -975,9 +955,17 @@ absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec_in, int world_size
         "memory plan: model sizes, microbatch and alignment must be > 0 and d_model divisible by "
         "n_heads (validate the spec first)");
   }
+  // The step plan of `s` (at most kReplayLayers blocks), replayed.
+  auto replay = [&](const v1::JobSpec& s, PhasePeak* f, PhasePeak* b, PhasePeak* o) {
+    absl::StatusOr<StepPlan> plan =
+        MakeStepPlan(s, world_size, BackendCapsOf(s.backend()), options);
+    if (!plan.ok()) return plan.status();
+    Sim(s, *plan, OptimizerStateBytesPerElement(s)).Run(f, b, o);
+    return absl::OkStatus();
+  };
   PhasePeak fwd, bwd, opt;
   if (m.n_layers() <= kReplayLayers) {
-    Sim(spec, world_size, options, OptimizerStateBytesPerElement(spec)).Run(&fwd, &bwd, &opt);
+    if (absl::Status st = replay(spec, &fwd, &bwd, &opt); !st.ok()) return st;
   } else {
     // Beyond kReplayLayers blocks every figure grows linearly with the blocks (shards, saved
     // activations; the transients are one block's): replays of K / 2 and K blocks, extrapolated.
@@ -985,8 +973,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec_in, int world_size
     for (auto [n, out] : {std::pair{kReplayLayers / 2, &a}, std::pair{kReplayLayers, &b}}) {
       v1::JobSpec s = spec;
       s.mutable_model()->set_n_layers(n);
-      Sim(s, world_size, options, OptimizerStateBytesPerElement(s))
-          .Run(&(*out)[0], &(*out)[1], &(*out)[2]);
+      if (absl::Status st = replay(s, &(*out)[0], &(*out)[1], &(*out)[2]); !st.ok()) return st;
     }
     const double f = (static_cast<double>(m.n_layers()) - kReplayLayers) / (kReplayLayers / 2);
     for (auto [x, y, out] : {std::tuple{&a[0], &b[0], &fwd}, std::tuple{&a[1], &b[1], &bwd},

@@ -1,7 +1,8 @@
 // The memory plan: each rank's peak device memory for a job spec on a world size, predicted
 // before anything runs (the coordinator at submit and at scheduling, GetShardPlan, `fsdp8 plan`).
 //
-// How: PlanMemory replays, on a ledger of byte counts, the allocations one training step of a
+// How: PlanMemory makes the step plan (common/step_plan.h: each block's path, fused groups, the
+// units' buffers, the head's chunk rows) and replays, on a ledger of byte counts, the allocations one training step of a
 // rank makes, in the order the code makes them: FsdpParams (train/fsdp.cc) for the shards, the
 // all-gathers and the reduce-scatters; LlamaModel (train/model.cc) and Linear (train/fp8_linear.cc)
 // for the activations, per block and per path (FP8 linears with BF16 attention, fused or per
@@ -68,6 +69,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/step_plan.h"
 #include "fsdp8/v1/admin.pb.h"
 #include "fsdp8/v1/spec.pb.h"
 
@@ -90,10 +92,9 @@ struct MemoryTerm {
   int64_t bytes = 0;
 };
 
-struct MemoryPlanOptions {
-  // The BF16 head's f32 logits per chunk (ModelOptions::head_chunk_logit_bytes, >= 1).
-  int64_t head_chunk_logit_bytes = int64_t{512} << 20;
-};
+// The model's options that change the step (the head's chunk, unfused projections, a kept
+// down_proj input): the step plan's (common/step_plan.h).
+using MemoryPlanOptions = StepPlanOptions;
 
 struct MemoryPlan {
   std::string backend;  // the spec's: "cpu" or "cuda"
