@@ -248,9 +248,10 @@ class Sim {
   int L_ = 0, microbatches_ = 1;
   double C_, H_, Hkv_, D_, F_, V_, T_, B_, N_, nq_, nk_, local_tokens_, head_rows_;
   std::vector<v1::Precision> prec_;
-  // Per block, from the step plan: fused groups, and down_proj's input recast in the backward
+  // Per block, from the step plan: the path (FP8 linears with BF16 attention, or the generic
+  // block), fused groups, and down_proj's input recast in the backward
   // (Linear::RecastSwiglu) instead of kept from the forward.
-  std::vector<bool> fused_qkv_, fused_mlp_, recast_down_;
+  std::vector<bool> fp8_bf16_, fused_qkv_, fused_mlp_, recast_down_;
   std::vector<SimUnit> units_;
   std::vector<SimInput> inputs_;
   std::vector<int> free_inputs_;
@@ -288,6 +289,7 @@ Sim::Sim(const v1::JobSpec& spec, const StepPlan& plan, int64_t opt_bytes)
   // The step plan decides each block's path; the units are the shard plan's buffers.
   for (const BlockPlan& b : plan.blocks) {
     prec_.push_back(b.linears);
+    fp8_bf16_.push_back(b.fp8_bf16);
     fused_qkv_.push_back(b.fused_qkv);
     fused_mlp_.push_back(b.fused_mlp);
     grouped_ = grouped_ || b.group_qkv || b.group_mlp;
@@ -758,7 +760,7 @@ void Sim::BlockForward(int l, int* x, SimActs* a, bool train) {
   if (!train) a = &local;
   a->x_in = *x;
   const bool fp8 = prec_[l] == v1::PRECISION_FP8;
-  if (fp8 && attn16_) {
+  if (fp8_bf16_[l]) {  // BlockPlan::fp8_bf16
     AttentionForwardFp8(l, a, train);
     if (train) KeepNormInput(&a->x_in, &a->x_in16);
     *x = MlpForwardFp8(l, a, train);
@@ -777,7 +779,7 @@ void Sim::BlockForward(int l, int* x, SimActs* a, bool train) {
 
 void Sim::BlockBackward(int l, SimActs* a, int* dout) {
   const bool fp8 = prec_[l] == v1::PRECISION_FP8;
-  if (fp8 && attn16_) {
+  if (fp8_bf16_[l]) {
     int dh = MlpBackwardFp8(l, a, dout);
     AttentionBackwardFp8(l, a, &dh, dout);
   } else {
