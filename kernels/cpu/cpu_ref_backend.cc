@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <string>
 
 #include "common/check.h"
 #include "kernels/adamw_scalars.h"
@@ -160,14 +161,30 @@ void CpuRefBackend::Memset(void* dst, int value, size_t bytes) {
   if (bytes > 0) std::memset(dst, value, bytes);
 }
 
+namespace {
+// A scratch slot the backend could not allocate: std::bad_alloc naming the bytes (the worker's
+// RESOURCE_EXHAUSTED carries what()).
+class ScratchOutOfMemory : public std::bad_alloc {
+ public:
+  ScratchOutOfMemory(int64_t bytes, int64_t allocated)
+      : message_("the CPU backend's scratch slot: " + std::to_string(bytes) + " bytes, " +
+                 std::to_string(allocated) + " bytes in use") {}
+  const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  std::string message_;
+};
+}  // namespace
+
 float* CpuRefBackend::Scratch(int i, int64_t n) {
   FSDP8_CHECK(i >= 0 && i < kScratchSlots);
   if (scratch_[i] != nullptr && scratch_n_[i] >= n) return scratch_[i];
   Free(scratch_[i]);  // grows: the old contents are not kept
   scratch_[i] = nullptr;
   scratch_n_[i] = 0;
-  auto* p = static_cast<float*>(Alloc(static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float)));
-  if (p == nullptr) throw std::bad_alloc();
+  const int64_t bytes = std::max<int64_t>(n, 1) * static_cast<int64_t>(sizeof(float));
+  auto* p = static_cast<float*>(Alloc(static_cast<size_t>(bytes)));
+  if (p == nullptr) throw ScratchOutOfMemory(bytes, AllocatedBytes());
   scratch_[i] = p;
   scratch_n_[i] = n;
   return p;

@@ -124,7 +124,8 @@ class CpuRefBackend : public Backend {
   // and kept until the backend goes: 0 and 1 the decoded or rounded GEMM operands, 2 and 3 the
   // attention's T x T scores and their gradient, 4 and 5 the RoPE cos/sin tables. Taken through
   // Alloc, so AllocatedBytes counts them (the memory plan's "workspaces") and the memory limit
-  // applies; std::bad_alloc when Alloc fails (the worker reports RESOURCE_EXHAUSTED).
+  // applies; a std::bad_alloc whose what() names the bytes when Alloc fails (the worker reports
+  // RESOURCE_EXHAUSTED with it).
   float* Scratch(int i, int64_t n);
   static constexpr int kScratchSlots = 6;
   // cos/sin tables (T, D/2) for RoPE, rebuilt when (T, D, theta) or the set frequencies change.
