@@ -540,6 +540,9 @@ int RunPlan(Context& ctx) {
       printf("  + %-20s %12s\n", t.name.c_str(), fsdp8::MemoryBytes(t.bytes).c_str());
     }
     printf("  %-22s %12s\n", "device total", fsdp8::MemoryBytes(plan->device_bytes).c_str());
+    if (plan->exceeds_int64) {
+      printf("  (a figure exceeds 64-bit byte counts: no machine holds this job)\n");
+    }
   }
   return 0;
 }

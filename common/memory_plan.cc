@@ -141,7 +141,7 @@ struct SimActs {
 constexpr int kReplayLayers = 1024;
 
 int64_t Saturate(double b) {
-  if (!(b < 9.2e18)) return std::numeric_limits<int64_t>::max();
+  if (!(b < 9.2e18)) return kBytesExceeded;
   return static_cast<int64_t>(std::llround(b));
 }
 
@@ -149,7 +149,7 @@ int64_t Saturate(double b) {
 // double (the byte counts' type).
 class Sim {
  public:
-  Sim(const v1::JobSpec& spec, int world, const MemoryPlanOptions& options, int64_t opt_bytes);
+  Sim(const v1::JobSpec& spec, const StepPlan& plan, int64_t opt_bytes);
   // Two steps (the second starts from the state the first leaves: prefetched first units);
   // returns the second's phase peaks.
   void Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt);
@@ -210,6 +210,30 @@ class Sim {
     return prec_[l] == v1::PRECISION_BF16 ? norms + 2 * C_ * C_ + 2 * nk_ * C_ + 3 * F_ * C_
                                           : norms;
   }
+  // The CPU backends' scratch slots (CpuRefBackend::Scratch), grown in the first step and kept:
+  // the GEMMs' decoded or rounded operands (FP8 and BF16 linears; a linear of `in` inputs and
+  // `out` outputs over N tokens takes N * max(in, out) in slot 0, max(in * out, N * in) in slot
+  // 1), the attention's two T x T f32 matrices, and the RoPE cos/sin tables (T * D/2 each).
+  double CpuScratchBytes() const {
+    double s0 = 0, s1 = 0;
+    auto linear = [&](double in, double out) {
+      s0 = std::max(s0, N_ * std::max(in, out));
+      s1 = std::max(s1, std::max(in * out, N_ * in));
+    };
+    for (int l = 0; l < L_; ++l) {
+      if (prec_[l] == v1::PRECISION_FP32) continue;  // f32 GEMMs read their operands in place
+      if (fused_qkv_[l]) {
+        linear(C_, nq_ + 2 * nk_);
+      } else {
+        linear(C_, nq_);
+        linear(C_, nk_);
+      }
+      linear(nq_, C_);
+      linear(C_, fused_mlp_[l] ? 2 * F_ : F_);
+      linear(F_, C_);
+    }
+    return (s0 + s1 + 2 * T_ * T_ + T_ * D_) * 4;
+  }
   // Backend scratch of one composed op: `cpu` on the CPU backends (the Backend compositions of
   // kernels/backend.cc), `cuda` on the CUDA backend.
   void Scratch(double cpu, double cuda) { led_.Scratch(kWork, cuda_ ? cuda : cpu); }
@@ -219,22 +243,22 @@ class Sim {
   bool cuda_ = false, attn16_ = false, recompute_ = false, tied_ = false, det_ = true;
   bool keep_codes_ = true;  // Fp8Recipe.keep_weight_codes
   bool head_bf16_ = true;
-  // Delayed scaling: an FP8 block's backward recasts down_proj's input (Linear::RecastSwiglu)
-  // instead of keeping its codes from the forward.
-  bool recast_down_ = true;
   bool norm_inputs_bf16_ = false;  // training.saved_norm_inputs BF16
+  bool grouped_ = false;           // some block shares scales in a group (BlockPlan::group_*)
   int L_ = 0, microbatches_ = 1;
-  double C_, H_, Hkv_, D_, F_, V_, T_, B_, N_, nq_, nk_, local_tokens_, chunk_bytes_;
+  double C_, H_, Hkv_, D_, F_, V_, T_, B_, N_, nq_, nk_, local_tokens_, head_rows_;
   std::vector<v1::Precision> prec_;
-  std::vector<bool> fused_qkv_, fused_mlp_;
+  // Per block, from the step plan: the path (FP8 linears with BF16 attention, or the generic
+  // block), fused groups, and down_proj's input recast in the backward
+  // (Linear::RecastSwiglu) instead of kept from the forward.
+  std::vector<bool> fp8_bf16_, fused_qkv_, fused_mlp_, recast_down_;
   std::vector<SimUnit> units_;
   std::vector<SimInput> inputs_;
   std::vector<int> free_inputs_;
   std::vector<std::pair<int, int>> reducing_;  // (full_grad, part) ids in flight
 };
 
-Sim::Sim(const v1::JobSpec& spec, int world, const MemoryPlanOptions& options,
-         int64_t opt_bytes)
+Sim::Sim(const v1::JobSpec& spec, const StepPlan& plan, int64_t opt_bytes)
     : opt_bytes_(opt_bytes) {
   const v1::ModelConfig& m = spec.model();
   const ModelDims d = ModelDimsOf(m);
@@ -250,52 +274,37 @@ Sim::Sim(const v1::JobSpec& spec, int world, const MemoryPlanOptions& options,
   nk_ = d.kv_width();
   const v1::TrainingSpec& tr = spec.training();
   B_ = tr.microbatch();
-  N_ = B_ * T_;
-  const double local_batch = static_cast<double>(tr.global_batch()) / world;
-  local_tokens_ = local_batch * T_;
-  microbatches_ = static_cast<int>(std::max(1.0, local_batch / B_));
+  N_ = static_cast<double>(plan.tokens);
+  local_tokens_ = static_cast<double>(tr.global_batch()) / plan.world_size * T_;
+  microbatches_ = plan.microbatches;
   cuda_ = spec.backend() == "cuda";
   attn16_ = spec.precision().attention() == v1::PRECISION_BF16;
-  recompute_ = tr.activation_recompute();
+  recompute_ = plan.recompute;
   keep_codes_ = spec.precision().fp8().keep_weight_codes();
   norm_inputs_bf16_ = tr.saved_norm_inputs() == v1::PRECISION_BF16;
   det_ = tr.deterministic();
   tied_ = m.tie_word_embeddings();
-  head_bf16_ = spec.precision().lm_head() != v1::PRECISION_FP32;
-  chunk_bytes_ = static_cast<double>(std::max<int64_t>(1, options.head_chunk_logit_bytes));
-  const v1::Fp8Recipe& r = spec.precision().fp8();
-  const bool fuse = r.fused_projections() && r.recipe() != v1::SCALING_RECIPE_CURRENT;
-  recast_down_ = r.recipe() != v1::SCALING_RECIPE_CURRENT;
-  const double q = static_cast<double>(world) * spec.sharding().alignment();
-  auto buf = [&](Wire w, double numel) {
-    SimBuf b;
-    b.wire = w;
-    b.padded = std::ceil(numel / q) * q;
-    b.shard = b.padded / world;
-    return b;
-  };
-  auto wire_of = [](v1::Precision p) {
-    return p == v1::PRECISION_FP8 ? kFp8 : p == v1::PRECISION_BF16 ? kBf16 : kFp32;
-  };
-  // Units as MakeShardPlan lays them out (common/shard_plan.cc): embedding, blocks, head.
-  units_.emplace_back().bufs.push_back(buf(wire_of(spec.precision().embedding()), V_ * C_));
-  const double linears = 2 * C_ * C_ + 2 * nk_ * C_ + 3 * F_ * C_;
-  for (int l = 0; l < L_; ++l) {
-    const v1::Precision p = LayerLinearPrecision(spec, l);
-    prec_.push_back(p);
-    const bool fp8_bf16 = p == v1::PRECISION_FP8 && attn16_ && fuse;
-    fused_qkv_.push_back(fp8_bf16 && std::fmod(D_, 8) == 0);
-    fused_mlp_.push_back(fp8_bf16 && std::fmod(F_, 4) == 0);
-    SimUnit& u = units_.emplace_back();
-    if (p == v1::PRECISION_FP8) {
-      u.bufs.push_back(buf(kFp8, linears));
-      u.bufs.push_back(buf(kBf16, 2 * C_));
-    } else {
-      u.bufs.push_back(buf(wire_of(p), linears + 2 * C_));
+  head_bf16_ = plan.head_bf16;
+  head_rows_ = static_cast<double>(plan.head_chunk_rows);
+  // The step plan decides each block's path; the units are the shard plan's buffers.
+  for (const BlockPlan& b : plan.blocks) {
+    prec_.push_back(b.linears);
+    fp8_bf16_.push_back(b.fp8_bf16);
+    fused_qkv_.push_back(b.fused_qkv);
+    fused_mlp_.push_back(b.fused_mlp);
+    grouped_ = grouped_ || b.group_qkv || b.group_mlp;
+    recast_down_.push_back(b.recast_down);
+  }
+  for (const PlannedUnit& u : plan.units) {
+    SimUnit& su = units_.emplace_back();
+    for (const PlannedBuffer& b : u.buffers) {
+      SimBuf sb;
+      sb.wire = b.wire == WireDtype::kFp8 ? kFp8 : b.wire == WireDtype::kBf16 ? kBf16 : kFp32;
+      sb.padded = static_cast<double>(b.padded);
+      sb.shard = static_cast<double>(b.shard);
+      su.bufs.push_back(sb);
     }
   }
-  const Wire hw = wire_of(spec.precision().lm_head());
-  units_.emplace_back().bufs.push_back(buf(hw, C_ + (tied_ ? 0 : V_ * C_)));
 }
 
 // ---- FsdpParams (train/fsdp.cc) ----
@@ -622,7 +631,7 @@ int Sim::MlpForwardFp8(int l, SimActs* a, bool train) {
     for (int* p : {&a->gate16, &a->up16, &a->gu16}) led_.Free(p);
   }
   int out = led_.Alloc(kWork, N * C_ * 4);
-  if (!recast_down_) Keep(in_act, &a->sdown, train);
+  if (!recast_down_[l]) Keep(in_act, &a->sdown, train);
   EndInput(in_act);
   return out;
 }
@@ -751,7 +760,7 @@ void Sim::BlockForward(int l, int* x, SimActs* a, bool train) {
   if (!train) a = &local;
   a->x_in = *x;
   const bool fp8 = prec_[l] == v1::PRECISION_FP8;
-  if (fp8 && attn16_) {
+  if (fp8_bf16_[l]) {  // BlockPlan::fp8_bf16
     AttentionForwardFp8(l, a, train);
     if (train) KeepNormInput(&a->x_in, &a->x_in16);
     *x = MlpForwardFp8(l, a, train);
@@ -770,7 +779,7 @@ void Sim::BlockForward(int l, int* x, SimActs* a, bool train) {
 
 void Sim::BlockBackward(int l, SimActs* a, int* dout) {
   const bool fp8 = prec_[l] == v1::PRECISION_FP8;
-  if (fp8 && attn16_) {
+  if (fp8_bf16_[l]) {
     int dh = MlpBackwardFp8(l, a, dout);
     AttentionBackwardFp8(l, a, &dh, dout);
   } else {
@@ -783,8 +792,7 @@ void Sim::BlockBackward(int l, SimActs* a, int* dout) {
 
 void Sim::HeadBf16() {
   const double N = N_;
-  double rows = std::max(1.0, std::min(N, std::floor(chunk_bytes_ / (V_ * 4))));
-  if (rows < N && rows > 128) rows -= std::fmod(rows, 128);
+  const double rows = head_rows_;  // StepPlan::head_chunk_rows
   // The GEMMs read the gathered bf16 weight; nf in bf16 once; every row's bf16 logit gradient.
   int nf16 = led_.Alloc(kLogits, N * C_ * 2), g16 = led_.Alloc(kLogits, N * V_ * 2);
   // The first chunk is a full one: the largest.
@@ -917,16 +925,15 @@ void Sim::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) {
     }
   }
   const double nw = std::max(fp8_tensors, 1), na = std::max(2 * fp8_tensors, 1);
-  // A fused projection groups weight scales: the group table on the device (SetWeightScaleGroup).
-  bool grouped = false;
-  for (int l = 0; l < L_; ++l) grouped = grouped || fused_qkv_[l] || fused_mlp_[l];
-  led_.Alloc(kScaling, nw * 40 + (grouped ? nw * 4 : 0) + na * 36 + 4);
+  // Projections sharing scales: the group table on the device (SetWeightScaleGroup).
+  led_.Alloc(kScaling, nw * 40 + (grouped_ ? nw * 4 : 0) + na * 36 + 4);
   // CUDA: the cuBLASLt workspace, the RoPE table (T, D/2) x cos and sin, and the f32 attention
   // backward's delta slot (B, H, T), grown by a quarter (CudaBackend::Scratch).
   if (cuda_) {
     led_.Alloc(kWork, static_cast<double>(kCudaGemmWorkspaceBytes) + T_ * D_ * 4 +
                           (attn16_ ? 0 : B_ * H_ * T_ * 4 * 1.25));
   }
+  if (!cuda_) led_.Alloc(kWork, CpuScratchBytes());
   PhasePeak f, b, o;
   Step(&f, &b, &o);
   Step(fwd, bwd, opt);
@@ -950,9 +957,17 @@ absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec_in, int world_size
         "memory plan: model sizes, microbatch and alignment must be > 0 and d_model divisible by "
         "n_heads (validate the spec first)");
   }
+  // The step plan of `s` (at most kReplayLayers blocks), replayed.
+  auto replay = [&](const v1::JobSpec& s, PhasePeak* f, PhasePeak* b, PhasePeak* o) {
+    absl::StatusOr<StepPlan> plan =
+        MakeStepPlan(s, world_size, BackendCapsOf(s.backend()), options);
+    if (!plan.ok()) return plan.status();
+    Sim(s, *plan, OptimizerStateBytesPerElement(s)).Run(f, b, o);
+    return absl::OkStatus();
+  };
   PhasePeak fwd, bwd, opt;
   if (m.n_layers() <= kReplayLayers) {
-    Sim(spec, world_size, options, OptimizerStateBytesPerElement(spec)).Run(&fwd, &bwd, &opt);
+    if (absl::Status st = replay(spec, &fwd, &bwd, &opt); !st.ok()) return st;
   } else {
     // Beyond kReplayLayers blocks every figure grows linearly with the blocks (shards, saved
     // activations; the transients are one block's): replays of K / 2 and K blocks, extrapolated.
@@ -960,8 +975,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec_in, int world_size
     for (auto [n, out] : {std::pair{kReplayLayers / 2, &a}, std::pair{kReplayLayers, &b}}) {
       v1::JobSpec s = spec;
       s.mutable_model()->set_n_layers(n);
-      Sim(s, world_size, options, OptimizerStateBytesPerElement(s))
-          .Run(&(*out)[0], &(*out)[1], &(*out)[2]);
+      if (absl::Status st = replay(s, &(*out)[0], &(*out)[1], &(*out)[2]); !st.ok()) return st;
     }
     const double f = (static_cast<double>(m.n_layers()) - kReplayLayers) / (kReplayLayers / 2);
     for (auto [x, y, out] : {std::tuple{&a[0], &b[0], &fwd}, std::tuple{&a[1], &b[1], &bwd},
@@ -998,6 +1012,11 @@ absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec_in, int world_size
     for (const MemoryTerm& t : p.device_extra) device += static_cast<double>(t.bytes);
   }
   p.device_bytes = Saturate(device);
+  p.exceeds_int64 = p.device_bytes == kBytesExceeded || p.peak_bytes == kBytesExceeded ||
+                    p.forward_peak_bytes == kBytesExceeded ||
+                    p.backward_peak_bytes == kBytesExceeded ||
+                    p.optimizer_peak_bytes == kBytesExceeded;
+  for (const MemoryTerm& t : p.terms) p.exceeds_int64 = p.exceeds_int64 || t.bytes == kBytesExceeded;
   return p;
 }
 
@@ -1021,10 +1040,12 @@ v1::MemoryPlan ToProto(const MemoryPlan& plan) {
     o->set_bytes(t.bytes);
   }
   out.set_device_bytes(plan.device_bytes);
+  out.set_exceeds_int64(plan.exceeds_int64);
   return out;
 }
 
 std::string MemoryBytes(int64_t bytes) {
+  if (bytes == kBytesExceeded) return "exceeds 8 EiB";
   const double b = static_cast<double>(bytes);
   const double tib = static_cast<double>(int64_t{1} << 40);
   if (b >= tib) return absl::StrFormat("%.2f TiB", b / tib);
@@ -1032,6 +1053,23 @@ std::string MemoryBytes(int64_t bytes) {
   if (b >= double(1 << 20)) return absl::StrFormat("%.1f MiB", b / double(1 << 20));
   if (b >= 1024) return absl::StrFormat("%.1f KiB", b / 1024);
   return absl::StrCat(bytes, " B");
+}
+
+std::string MemoryBytesAndCount(int64_t bytes) {
+  if (bytes == kBytesExceeded) return MemoryBytes(bytes);
+  return absl::StrCat(MemoryBytes(bytes), " (", bytes, " bytes)");
+}
+
+std::string LargestTerms(const MemoryPlan& plan, int n) {
+  std::vector<MemoryTerm> all = plan.terms;
+  all.insert(all.end(), plan.device_extra.begin(), plan.device_extra.end());
+  std::stable_sort(all.begin(), all.end(),
+                   [](const MemoryTerm& a, const MemoryTerm& b) { return a.bytes > b.bytes; });
+  std::string out;
+  for (int i = 0; i < n && i < static_cast<int>(all.size()) && all[i].bytes > 0; ++i) {
+    absl::StrAppend(&out, i > 0 ? ", " : "", all[i].name, " ", MemoryBytes(all[i].bytes));
+  }
+  return out;
 }
 
 }  // namespace fsdp8

@@ -1,7 +1,8 @@
 // The memory plan: each rank's peak device memory for a job spec on a world size, predicted
 // before anything runs (the coordinator at submit and at scheduling, GetShardPlan, `fsdp8 plan`).
 //
-// How: PlanMemory replays, on a ledger of byte counts, the allocations one training step of a
+// How: PlanMemory makes the step plan (common/step_plan.h: each block's path, fused groups, the
+// units' buffers, the head's chunk rows) and replays, on a ledger of byte counts, the allocations one training step of a
 // rank makes, in the order the code makes them: FsdpParams (train/fsdp.cc) for the shards, the
 // all-gathers and the reduce-scatters; LlamaModel (train/model.cc) and Linear (train/fp8_linear.cc)
 // for the activations, per block and per path (FP8 linears with BF16 attention, fused or per
@@ -38,9 +39,10 @@
 //                      training.activation_recompute); N = microbatch * seq_len tokens
 //   workspaces         the temporaries of the block or head computing now (its activations before
 //                      they are kept, gradients, FP8 codes and transposes of grad-outputs and
-//                      weights) and the backends' scratch (kernels/backend.cc compositions on the
-//                      CPU; cuBLASLt workspace 32 MiB, RoPE tables and cuDNN attention workspace on
-//                      CUDA)
+//                      weights) and the backends' scratch (kernels/backend.cc compositions and the
+//                      CPU backends' kept scratch slots: two T x T f32 attention matrices, the
+//                      GEMMs' f32 operands, RoPE tables; cuBLASLt workspace 32 MiB, RoPE tables
+//                      and cuDNN attention workspace on CUDA)
 //   logits chunks      the BF16 head's per-chunk f32 logits (rows chosen so that a chunk stays
 //                      within head_chunk_logit_bytes, default 512 MiB,
 //                      FSDP8_HEAD_CHUNK_LOGIT_BYTES), every row's bf16 logit gradient, nf in bf16; the f32
@@ -67,6 +69,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/step_plan.h"
 #include "fsdp8/v1/admin.pb.h"
 #include "fsdp8/v1/spec.pb.h"
 
@@ -89,10 +92,9 @@ struct MemoryTerm {
   int64_t bytes = 0;
 };
 
-struct MemoryPlanOptions {
-  // The BF16 head's f32 logits per chunk (ModelOptions::head_chunk_logit_bytes, >= 1).
-  int64_t head_chunk_logit_bytes = int64_t{512} << 20;
-};
+// The model's options that change the step (the head's chunk, unfused projections, a kept
+// down_proj input): the step plan's (common/step_plan.h).
+using MemoryPlanOptions = StepPlanOptions;
 
 struct MemoryPlan {
   std::string backend;  // the spec's: "cpu" or "cuda"
@@ -104,18 +106,28 @@ struct MemoryPlan {
   std::vector<MemoryTerm> terms;   // at the peak, in the order above; they sum to peak_bytes
   std::vector<MemoryTerm> device_extra;  // outside the count (CUDA only)
   int64_t device_bytes = 0;        // peak_bytes + device_extra: what the device must hold
+  // Some figure exceeds 64-bit byte counts: it holds kBytesExceeded (no size; fits nowhere).
+  bool exceeds_int64 = false;
 };
+
+// What a plan's figure holds when the true figure does not fit 64-bit byte counts (8 EiB).
+inline constexpr int64_t kBytesExceeded = INT64_MAX;
 
 // The plan of `spec` (WithDefaults(spec, world_size) applied here) on world_size ranks; the worst
 // rank (all ranks hold the same shard sizes). INVALID_ARGUMENT for world_size < 1 or a model
 // whose sizes the spec rules refuse (validate first for the exact message). Sizes too large for
-// 64-bit byte counts saturate at INT64_MAX (such a job fits nowhere).
+// 64-bit byte counts hold kBytesExceeded and set exceeds_int64 (such a job fits nowhere).
 absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec, int world_size,
                                       const MemoryPlanOptions& options = {});
 
 v1::MemoryPlan ToProto(const MemoryPlan& plan);
 
-// "1.23 GiB" / "512 MiB" / "100 B": bytes for people.
+// "1.23 GiB" / "512 MiB" / "100 B": bytes for people; kBytesExceeded reads "exceeds 8 EiB".
 std::string MemoryBytes(int64_t bytes);
+// "1.23 GiB (1320702443 bytes)", or "exceeds 8 EiB" for kBytesExceeded (no saturated count).
+std::string MemoryBytesAndCount(int64_t bytes);
+// The plan's `n` largest terms at its peak (device_extra included), largest first:
+// "saved activations 1.20 GiB, workspaces 512.0 MiB".
+std::string LargestTerms(const MemoryPlan& plan, int n = 3);
 
 }  // namespace fsdp8

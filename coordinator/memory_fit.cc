@@ -125,12 +125,15 @@ absl::Status CheckFitsLargestWorkers(const v1::JobSpec& spec,
     if (!best || p->device_bytes < best->device_bytes) best = p;
   }
   const std::string backend = spec.backend().empty() ? "cpu" : spec.backend();
+  const std::string needed = best->device_bytes == kBytesExceeded
+                                 ? std::string("more than 64-bit byte counts hold (exceeds 8 EiB)")
+                                 : MemoryBytesAndCount(best->device_bytes);
   return absl::ResourceExhaustedError(absl::StrCat(
-      "the job does not fit: the memory plan predicts ", MemoryBytes(best->device_bytes), " (",
-      best->device_bytes, " bytes) per rank at ", best->world_size, " ranks (peak in the ",
-      best->peak_phase, "; fsdp8 plan shows the terms), the largest registered ", backend,
-      " worker has ", MemoryBytes(largest), " (", largest, " bytes); ",
-      FitAdvice(spec, best->world_size, *best, largest)));
+      "the job does not fit: the memory plan predicts ", needed, " per rank at ",
+      best->world_size, " ranks (rank 0 and every other rank alike; peak in the ",
+      best->peak_phase, ", largest terms: ", LargestTerms(*best),
+      "; fsdp8 plan shows every term), the largest registered ", backend, " worker has ",
+      MemoryBytesAndCount(largest), "; ", FitAdvice(spec, best->world_size, *best, largest)));
 }
 
 }  // namespace fsdp8::coord

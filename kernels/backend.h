@@ -65,8 +65,8 @@ class Backend {
   virtual void Copy(void* dst, const void* src, size_t bytes) = 0;            // device to device
   virtual void Memset(void* dst, int value, size_t bytes) = 0;
   virtual void Synchronize() = 0;
-  // Bytes currently allocated through Alloc (on CUDA plus the backend's own workspaces) and the
-  // high-water mark since the last reset.
+  // Bytes currently allocated through Alloc (plus the backend's own workspaces: CUDA's, and the
+  // CPU backends' kept scratch slots) and the high-water mark since the last reset.
   virtual int64_t AllocatedBytes() const = 0;
   virtual int64_t PeakAllocatedBytes() const = 0;
   virtual void ResetPeak() = 0;
@@ -432,7 +432,8 @@ struct BackendOptions {
   double profile_ops_period_s = 0;
   // CUDA: each GEMM shape's cuBLASLt algorithm choice logged to stderr (FSDP8_GEMM_VERBOSE set).
   bool gemm_verbose = false;
-  // Bytes Alloc may hold at once (AllocatedBytes(), the backend's own workspaces not counted);
+  // Bytes Alloc may hold at once (AllocatedBytes(); CUDA's own workspaces not counted, the CPU
+  // backends' scratch slots counted);
   // 0: no limit but the memory itself. The worker's --memory_limit_mb.
   int64_t memory_limit_bytes = 0;
 

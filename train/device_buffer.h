@@ -165,7 +165,8 @@ auto CatchAllocationFailure(const std::string& doing, F&& fn) -> decltype(fn()) 
     const bool device = dynamic_cast<const DeviceOutOfMemory*>(&e) != nullptr;
     return absl::ResourceExhaustedError(
         absl::StrCat("out of memory ", doing, ": ",
-                     device ? e.what() : "could not allocate host memory (std::bad_alloc)",
+                     device ? std::string(e.what())
+                            : absl::StrCat("could not allocate host memory (", e.what(), ")"),
                      labels.empty() ? "" : absl::StrCat(" for ", labels)));
   }
 }

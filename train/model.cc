@@ -8,6 +8,7 @@
 #include "common/model_dims.h"
 #include "common/rope.h"
 #include "common/spec.h"
+#include "common/step_plan.h"
 
 namespace fsdp8 {
 
@@ -72,9 +73,18 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
     const int di = scaling->Add(base + ".dy", hybrid);
     return Linear(be, scaling, prec, xi, di);
   };
+  // Which path each block takes: the step plan (common/step_plan.h).
+  StepPlanOptions step_options;
+  step_options.unfused_projections = options.unfused_projections;
+  step_options.save_down_proj_input = options.save_down_proj_input;
+  step_options.head_chunk_logit_bytes = head_chunk_bytes_;
+  const absl::StatusOr<StepPlan> step_or =
+      MakeStepPlan(spec, p_->plan().world_size, BackendCapsOf(be->Name()), step_options);
+  FSDP8_CHECK(step_or.ok()) << step_or.status().message();
+  const StepPlan& step = *step_or;
   for (int l = 0; l < d.n_layers; ++l) {
     Block b;
-    b.prec = LayerLinearPrecision(spec, l);
+    b.prec = step.blocks[l].linears;
     const std::string pre = absl::StrCat("model.layers.", l, ".");
     b.in_norm = p_->Ref(pre + "input_layernorm.weight");
     b.post_norm = p_->Ref(pre + "post_attention_layernorm.weight");
@@ -89,44 +99,20 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
     lin(&b.gate, &b.lgate, "mlp.gate_proj.weight");
     lin(&b.up, &b.lup, "mlp.up_proj.weight");
     lin(&b.down, &b.ldown, "mlp.down_proj.weight");
-    // Fused projections where they run: FP8 blocks with BF16 attention (BlockForwardFp8 /
-    // BlockBackwardFp8) under delayed scaling (the CURRENT recipe measures every grad-output
-    // first, so its backward never fuses).
-    if (b.prec == v1::PRECISION_FP8 && attention_bf16_ &&
-        spec.precision().fp8().fused_projections() &&
-        spec.precision().fp8().recipe() != v1::SCALING_RECIPE_CURRENT) {
-      // One fused projection per norm output: shared weight scale, shared grad-output scale.
-      auto adjacent = [](std::initializer_list<const TensorRef*> ts) {
-        const TensorRef* prev = nullptr;
-        for (const TensorRef* t : ts) {
-          if (prev != nullptr && (t->unit != prev->unit || t->buffer != prev->buffer ||
-                                  t->offset != prev->offset + prev->numel)) {
-            return false;
-          }
-          prev = t;
-        }
-        return true;
-      };
-      // Adjacent weights (one matrix), and the widths the CUDA kernels' 4-element accesses need
-      // at the parts' offsets (RoPE's fused cast wants D % 8 anyway).
-      const bool qkv = adjacent({&b.q, &b.k, &b.v}) && D_ % 8 == 0;
-      const bool mlp = adjacent({&b.gate, &b.up}) && F_ % 4 == 0;
-      if (qkv) {
-        const absl::Status st = p_->SetWeightScaleGroup({b.q, b.k, b.v});
-        FSDP8_CHECK(st.ok()) << st.message();
-        scaling->GroupAmax({b.lq.dy_index(), b.lk.dy_index(), b.lv.dy_index()});
-      }
-      if (mlp) {
-        const absl::Status st = p_->SetWeightScaleGroup({b.gate, b.up});
-        FSDP8_CHECK(st.ok()) << st.message();
-        scaling->GroupAmax({b.lgate.dy_index(), b.lup.dy_index()});
-      }
-      // options.unfused_projections keeps the shared scales but runs one GEMM per linear: the
-      // per-linear reference that tests hold the fused GEMMs to.
-      const bool fuse = !options.unfused_projections;
-      b.fused_qkv = fuse && qkv;
-      b.fused_mlp = fuse && mlp;
+    // Shared scales and fused GEMMs where the step plan puts them (BlockPlan::group_*, fused_*).
+    const BlockPlan& bp = step.blocks[l];
+    if (bp.group_qkv) {
+      const absl::Status st = p_->SetWeightScaleGroup({b.q, b.k, b.v});
+      FSDP8_CHECK(st.ok()) << st.message();
+      scaling->GroupAmax({b.lq.dy_index(), b.lk.dy_index(), b.lv.dy_index()});
     }
+    if (bp.group_mlp) {
+      const absl::Status st = p_->SetWeightScaleGroup({b.gate, b.up});
+      FSDP8_CHECK(st.ok()) << st.message();
+      scaling->GroupAmax({b.lgate.dy_index(), b.lup.dy_index()});
+    }
+    b.fused_qkv = bp.fused_qkv;
+    b.fused_mlp = bp.fused_mlp;
     blocks_.push_back(std::move(b));
   }
   v1::Precision hp = spec.precision().lm_head();
@@ -690,8 +676,7 @@ void LlamaModel::HeadBf16Compute(const float* nf, const int32_t* targets, int64_
                                  float grad_scale, float* losses, float* dnf) {
   // Rows per chunk: at most head_chunk_bytes_ of f32 logits (by default 512 MiB: 4096 rows at
   // vocab 32768, 1024 at 128256), a multiple of 128 rows where the chunk holds more (GEMM tiles).
-  int64_t rows = std::max<int64_t>(1, std::min<int64_t>(N, head_chunk_bytes_ / (V_ * 4)));
-  if (rows < N && rows > 128) rows -= rows % 128;
+  const int64_t rows = HeadChunkRows(N, V_, head_chunk_bytes_);
   // W (V, C) and nf (N, C) in bf16 once: the GEMMs read the operands the BF16 head rounds to.
   DevBuf w16_packed;
   const uint16_t* w16 = HeadWeightBf16(&w16_packed);

@@ -189,7 +189,7 @@ class LlamaModel {
   bool tied_ = false;           // model.tie_word_embeddings: head_ is embed_
   // f32 logits per chunk of the BF16 head (HeadBf16Compute):
   // ModelOptions::head_chunk_logit_bytes.
-  int64_t head_chunk_bytes_ = int64_t{512} << 20;
+  int64_t head_chunk_bytes_ = kDefaultHeadChunkLogitBytes;
   int64_t forward_peak_ = 0, backward_peak_ = 0;
   TensorRef embed_, final_norm_, head_;
   Linear lhead_;

@@ -6,13 +6,15 @@
 
 #include <cstdint>
 
+#include "common/step_plan.h"
+
 namespace fsdp8 {
 
 struct ModelOptions {
   // f32 logits per row chunk of the BF16 head (LlamaModel::HeadBf16Compute), >= 1; smaller saves
   // memory at the head at some speed (FSDP8_HEAD_CHUNK_LOGIT_BYTES; the tests use it to run
   // several chunks).
-  int64_t head_chunk_logit_bytes = int64_t{512} << 20;
+  int64_t head_chunk_logit_bytes = kDefaultHeadChunkLogitBytes;
   // One GEMM per linear where a group of projections shares its scales (q/k/v, gate/up), instead
   // of the fused GEMM: the per-linear reference the tests hold the fused GEMMs to
   // (FSDP8_UNFUSED_PROJECTIONS=1).

@@ -645,14 +645,14 @@ void CpuFastBackend::RopeForward(float* x, int64_t B, int64_t T, int64_t H, int6
                                  float theta) {
   FSDP8_CHECK(D % 2 == 0);
   RopeTables(T, D, theta);
-  RopeRotate(x, B, T, H, D, rope_cos_.data(), rope_sin_.data(), 1.0f);
+  RopeRotate(x, B, T, H, D, rope_cos_, rope_sin_, 1.0f);
 }
 
 void CpuFastBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D,
                                   float theta) {
   FSDP8_CHECK(D % 2 == 0);
   RopeTables(T, D, theta);
-  RopeRotate(dx, B, T, H, D, rope_cos_.data(), rope_sin_.data(), -1.0f);
+  RopeRotate(dx, B, T, H, D, rope_cos_, rope_sin_, -1.0f);
 }
 
 // ---- attention --------------------------------------------------------------------------------

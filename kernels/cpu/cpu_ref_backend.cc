@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
+#include <string>
 
 #include "common/check.h"
 #include "kernels/adamw_scalars.h"
@@ -159,10 +161,33 @@ void CpuRefBackend::Memset(void* dst, int value, size_t bytes) {
   if (bytes > 0) std::memset(dst, value, bytes);
 }
 
+namespace {
+// A scratch slot the backend could not allocate: std::bad_alloc naming the bytes (the worker's
+// RESOURCE_EXHAUSTED carries what()).
+class ScratchOutOfMemory : public std::bad_alloc {
+ public:
+  ScratchOutOfMemory(int64_t bytes, int64_t allocated)
+      : message_("the CPU backend's scratch slot: " + std::to_string(bytes) + " bytes, " +
+                 std::to_string(allocated) + " bytes in use") {}
+  const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  std::string message_;
+};
+}  // namespace
+
 float* CpuRefBackend::Scratch(int i, int64_t n) {
-  std::vector<float>& s = scratch_[i];
-  if (static_cast<int64_t>(s.size()) < n) s.resize(static_cast<size_t>(n));
-  return s.data();
+  FSDP8_CHECK(i >= 0 && i < kScratchSlots);
+  if (scratch_[i] != nullptr && scratch_n_[i] >= n) return scratch_[i];
+  Free(scratch_[i]);  // grows: the old contents are not kept
+  scratch_[i] = nullptr;
+  scratch_n_[i] = 0;
+  const int64_t bytes = std::max<int64_t>(n, 1) * static_cast<int64_t>(sizeof(float));
+  auto* p = static_cast<float*>(Alloc(static_cast<size_t>(bytes)));
+  if (p == nullptr) throw ScratchOutOfMemory(bytes, AllocatedBytes());
+  scratch_[i] = p;
+  scratch_n_[i] = n;
+  return p;
 }
 
 // ---- FP8 --------------------------------------------------------------------------------------
@@ -375,8 +400,9 @@ void CpuRefBackend::RopeTables(int64_t T, int64_t D, float theta) {
   // f32. (T, D/2)
   const int64_t half = D / 2;
   const std::vector<float>* scaled = RopeInvFreqFor(D, theta);
-  rope_cos_.assign(static_cast<size_t>(T * half), 0.0f);
-  rope_sin_.assign(static_cast<size_t>(T * half), 0.0f);
+  rope_T_ = -1;  // until rebuilt (Scratch may throw)
+  rope_cos_ = Scratch(4, T * half);
+  rope_sin_ = Scratch(5, T * half);
   for (int64_t i = 0; i < half; ++i) {
     const float inv_freq = scaled != nullptr
         ? (*scaled)[i]
@@ -401,8 +427,8 @@ void CpuRefBackend::RopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t
   // x (B, T, H, D): rotate the pair (x[i], x[i + D/2]) by sign * angle(t, i).
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
-      const float* cs = rope_cos_.data() + t * half;
-      const float* sn = rope_sin_.data() + t * half;
+      const float* cs = rope_cos_ + t * half;
+      const float* sn = rope_sin_ + t * half;
       for (int64_t h = 0; h < H; ++h) {
         float* xh = x + ((b * T + t) * H + h) * D;
         for (int64_t i = 0; i < half; ++i) {

@@ -13,7 +13,7 @@
 //     of the scaled f32 and a sticky bit for the low 16 (exact: built with kernels/fp8.h), and
 //     transposing casts go through 64 x 64 byte tiles.
 //   * Attention works one (batch, head) at a time on two T x T f32 scratch matrices (scores and
-//     their gradient); nothing T x T outlives the call. The backward recomputes the probabilities
+//     their gradient), kept in counted scratch slots (Scratch) between calls. The backward recomputes the probabilities
 //     from the saved log-sum-exp.
 //
 // Every op runs synchronously on the calling thread, in a fixed order, so results are
@@ -120,9 +120,14 @@ class CpuRefBackend : public Backend {
   // costs CPU training about 15 %.
   bool fill_nan_ = false;
   int64_t limit_ = 0;  // BackendOptions::memory_limit_bytes
-  // Growable f32 scratch slot `i` of at least n elements (reused across calls; not tracked by
-  // AllocatedBytes since it is the backend's own workspace).
+  // Growable f32 scratch slot `i` (< kScratchSlots) of at least n elements, reused across calls
+  // and kept until the backend goes: 0 and 1 the decoded or rounded GEMM operands, 2 and 3 the
+  // attention's T x T scores and their gradient, 4 and 5 the RoPE cos/sin tables. Taken through
+  // Alloc, so AllocatedBytes counts them (the memory plan's "workspaces") and the memory limit
+  // applies; a std::bad_alloc whose what() names the bytes when Alloc fails (the worker reports
+  // RESOURCE_EXHAUSTED with it).
   float* Scratch(int i, int64_t n);
+  static constexpr int kScratchSlots = 6;
   // cos/sin tables (T, D/2) for RoPE, rebuilt when (T, D, theta) or the set frequencies change.
   void RopeTables(int64_t T, int64_t D, float theta);
   void RopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta, float sign);
@@ -130,11 +135,13 @@ class CpuRefBackend : public Backend {
   std::unordered_map<void*, size_t> sizes_;
   int64_t allocated_ = 0;
   int64_t peak_ = 0;
-  std::vector<float> scratch_[4];
+  float* scratch_[kScratchSlots] = {};
+  int64_t scratch_n_[kScratchSlots] = {};
   int64_t rope_T_ = -1, rope_D_ = -1;
   float rope_theta_ = 0.0f;
   int64_t rope_version_ = -1;  // rope_freq_version() of the tables
-  std::vector<float> rope_cos_, rope_sin_;
+  float* rope_cos_ = nullptr;  // scratch slots 4 and 5
+  float* rope_sin_ = nullptr;
 };
 
 }  // namespace fsdp8

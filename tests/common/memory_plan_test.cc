@@ -117,5 +117,51 @@ TEST(MemoryPlan, MemoryBytes) {
   EXPECT_EQ(MemoryBytes(int64_t{512} << 20), "512.0 MiB");
 }
 
+// The CPU backends' scratch slots (CpuRefBackend::Scratch), counted by the backend and kept for
+// the job: Tiny at seq 2048, one rank, one sequence per microbatch (N = 2048 tokens), FP8 linears
+// unfused (f32 attention). By hand, in f32 elements: slot 0 = N * max(in, out) over the linears =
+// N * 64 (ffn 64); slot 1 = max(in * out, N * in) = N * 64 (down_proj's input); the attention's
+// scores and their gradient 2 * T * T; the RoPE cos/sin tables T * D (D = 16).
+TEST(MemoryPlan, CpuScratchSlotsAreWorkspaces) {
+  v1::JobSpec s = Tiny();
+  s.mutable_model()->set_seq_len(2048);
+  s.mutable_training()->set_global_batch(1);
+  auto p = PlanMemory(s, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  const int64_t n = 2048, scratch = (n * 64 + n * 64 + 2 * n * n + n * 16) * 4;  // 34,734,080
+  const int64_t work = Terms(*p)["workspaces"];
+  EXPECT_GE(work, scratch);
+  // Besides it, one block's transients: a few dozen (N, C) f32 tensors at most.
+  EXPECT_LE(work, scratch + 64 * n * 32 * 4);
+  EXPECT_EQ(LargestTerms(*p, 1), "workspaces " + MemoryBytes(work));
+  // The same at seq 4096: the T x T matrices grow fourfold.
+  s.mutable_model()->set_seq_len(4096);
+  auto q = PlanMemory(s, 1);
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_GE(Terms(*q)["workspaces"], int64_t{2} * 4096 * 4096 * 4);
+}
+
+// 2e9 blocks of width 2^20: beyond 64-bit byte counts. The plan says so (exceeds_int64, the figure
+// kBytesExceeded), and people read "exceeds 8 EiB", never a saturated count.
+TEST(MemoryPlan, OverflowSaysExceeds) {
+  v1::JobSpec s = Tiny();
+  s.mutable_model()->set_n_layers(2000000000);
+  s.mutable_model()->set_d_model(1048576);
+  s.mutable_model()->set_n_heads(8192);
+  s.mutable_model()->set_ffn_dim(4194304);
+  auto p = PlanMemory(s, 1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->exceeds_int64);
+  EXPECT_EQ(p->device_bytes, kBytesExceeded);
+  EXPECT_TRUE(ToProto(*p).exceeds_int64());
+  EXPECT_EQ(MemoryBytes(p->device_bytes), "exceeds 8 EiB");
+  EXPECT_EQ(MemoryBytesAndCount(p->device_bytes), "exceeds 8 EiB");
+  EXPECT_EQ(LargestTerms(*p, 1).find("9223372036854775807"), std::string::npos);
+  auto small = PlanMemory(Tiny(), 1);
+  ASSERT_TRUE(small.ok());
+  EXPECT_FALSE(small->exceeds_int64);
+  EXPECT_EQ(MemoryBytesAndCount(int64_t{3} << 29), "1.50 GiB (1610612736 bytes)");
+}
+
 }  // namespace
 }  // namespace fsdp8

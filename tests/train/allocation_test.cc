@@ -80,5 +80,23 @@ TEST(CatchAllocationFailure, TrainerOverTheMemoryLimitFailsToBuild) {
   EXPECT_EQ(be->AllocatedBytes(), 0);
 }
 
+// The CPU attention's T x T scratch over the backend's limit (1 MiB; T = 1024: 4 MiB of f32
+// scores) is RESOURCE_EXHAUSTED naming the bytes asked for, not a bare std::bad_alloc.
+TEST(CatchAllocationFailure, CpuAttentionScratchOverTheLimitNamesItsBytes) {
+  auto be = LimitedCpuBackend(1 << 20);
+  const int64_t T = 1024, D = 2;
+  absl::Status s = CatchAllocationFailure("in step 0", [&] {
+    const AllocationLabel label("the attention of block", 0);
+    DevBuf q(be.get(), T * D * 4), k(be.get(), T * D * 4), v(be.get(), T * D * 4);
+    DevBuf out(be.get(), T * D * 4), lse(be.get(), T * 4);
+    for (DevBuf* b : {&q, &k, &v}) be->Memset(b->get(), 0, T * D * 4);
+    be->AttentionForward(q.f32(), k.f32(), v.f32(), 1, T, 1, 1, D, out.f32(), lse.f32());
+    return absl::OkStatus();
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("4194304 bytes"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("for the attention of block 0"), std::string::npos) << s;
+}
+
 }  // namespace
 }  // namespace fsdp8

@@ -112,5 +112,19 @@ TEST(MemoryPlan, Bf16AndFp32LinearsMicrobatchesTied) {
   ExpectWithinTenPercent(s, 1, "FP32, tied");
 }
 
+// A long sequence on one block (seq 2048, one sequence per step): the CPU attention's two T x T
+// f32 matrices (32 MiB) and the GEMMs' f32 operands, counted by the backend as its scratch slots,
+// are most of the peak; the plan holds them too. Both ways, f32 and BF16 attention.
+TEST(MemoryPlan, CpuAttentionScratchAtLongSequence) {
+  v1::JobSpec s = Small();
+  s.mutable_model()->set_n_layers(1);
+  s.mutable_model()->set_seq_len(2048);
+  s.mutable_training()->set_global_batch(1);
+  s.mutable_training()->set_steps(3);
+  ExpectWithinTenPercent(s, 1, "seq 2048, f32 attention");
+  s.mutable_precision()->set_attention(v1::PRECISION_BF16);
+  ExpectWithinTenPercent(s, 1, "seq 2048, BF16 attention");
+}
+
 }  // namespace
 }  // namespace fsdp8

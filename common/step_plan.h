@@ -1,0 +1,113 @@
+// The step plan: what one training step of a rank computes and keeps, as data. One pure function
+// (MakeStepPlan) from the resolved job spec, the world size, the backend's capabilities and the
+// model's options (train/options.h) decides, per block, each linear's precision and scaling
+// recipe, the activation dtypes, which projections share scales and run as one GEMM, what the
+// forward keeps for the backward (name, dtype, shape, bytes) and what the backward recomputes;
+// per FSDP unit, its flat buffers as the shard plan lays them out; and the head's chunking. The
+// model (train/model.cc) and the memory plan (common/memory_plan.cc) read these decisions from
+// here instead of deciding them each on their own.
+//
+// Thread-safety: pure functions and plain values.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/shard_plan.h"
+#include "fsdp8/v1/spec.pb.h"
+
+namespace fsdp8 {
+
+// The BF16 head's f32 logits per row chunk by default (FSDP8_HEAD_CHUNK_LOGIT_BYTES overrides
+// it: train/options.h).
+inline constexpr int64_t kDefaultHeadChunkLogitBytes = int64_t{512} << 20;
+
+// The model's options that change the step (ModelOptions, train/options.h).
+struct StepPlanOptions {
+  // One GEMM per linear where projections share their scales (FSDP8_UNFUSED_PROJECTIONS).
+  bool unfused_projections = false;
+  // down_proj's FP8 input codes kept from the forward instead of recast in the backward
+  // (FSDP8_SAVE_DOWN_PROJ_INPUT).
+  bool save_down_proj_input = false;
+  // f32 logits per chunk of the BF16 head, >= 1 (FSDP8_HEAD_CHUNK_LOGIT_BYTES).
+  int64_t head_chunk_logit_bytes = kDefaultHeadChunkLogitBytes;
+};
+
+// What the plan needs to know of the backend.
+struct BackendCaps {
+  bool cuda = false;  // the CUDA backend (its own workspaces; no CPU scratch slots)
+};
+BackendCaps BackendCapsOf(const std::string& backend);  // "cuda" -> cuda; else the CPU backends
+
+enum class Dtype { kF32 = 0, kBf16 = 1, kE4M3 = 2 };
+int64_t DtypeBytes(Dtype d);  // 4, 2, 1
+
+struct PlannedLinear {
+  std::string name;                 // "q_proj", ..., "down_proj"
+  int64_t in = 0, out = 0;          // features
+  v1::Precision precision = v1::PRECISION_FP32;
+  // FP8 linears: the activations' and grad-outputs' scaling (weights are scaled per cast).
+  v1::ScalingRecipe recipe = v1::SCALING_RECIPE_UNSPECIFIED;
+};
+
+struct PlannedTensor {
+  std::string name;             // "x_in", "q16", "gate_up16", "down_proj.x8", ...
+  Dtype dtype = Dtype::kF32;
+  std::vector<int64_t> shape;   // elements per dimension
+  int64_t bytes = 0;            // product of shape x DtypeBytes
+};
+
+struct BlockPlan {
+  v1::Precision linears = v1::PRECISION_FP32;  // LayerLinearPrecision
+  // FP8 linears with BF16 attention: bf16 activations between the GEMMs, FP8 inputs cast from
+  // them, fused groups possible (LlamaModel::BlockForwardFp8). Otherwise the generic block: f32
+  // activations, each linear casting its own input.
+  bool fp8_bf16 = false;
+  Dtype attention = Dtype::kF32;  // the attention's compute dtype (precision.attention)
+  // Projections sharing one weight scale and one grad-output scale (delayed scaling, adjacent
+  // weights, widths the CUDA kernels' vector accesses need: head_dim % 8, ffn_dim % 4).
+  bool group_qkv = false, group_mlp = false;
+  // Those groups run as one GEMM (unless StepPlanOptions::unfused_projections).
+  bool fused_qkv = false, fused_mlp = false;
+  // FP8 blocks under delayed scaling: down_proj's input codes are recast in the backward from the
+  // kept bf16 gate/up instead of kept from the forward.
+  bool recast_down = false;
+  std::vector<PlannedLinear> proj;     // q, k, v, o, gate, up, down
+  // What the forward keeps for the backward (training.activation_recompute: only x_in; the rest
+  // is recomputed in the backward, see recomputed).
+  std::vector<PlannedTensor> saved;
+  std::vector<PlannedTensor> recomputed;
+};
+
+struct PlannedBuffer {
+  WireDtype wire = WireDtype::kFp32;
+  int64_t padded = 0, shard = 0;  // BufferPlan::padded_numel, shard_numel
+};
+struct PlannedUnit {
+  std::string name;                   // "embedding", "layers.0", ..., "head"
+  std::vector<PlannedBuffer> buffers;
+};
+
+struct StepPlan {
+  int world_size = 1;
+  int64_t tokens = 0;     // N: microbatch * seq_len, the rows of every activation
+  int microbatches = 1;   // per rank and step
+  bool recompute = false;
+  std::vector<BlockPlan> blocks;
+  std::vector<PlannedUnit> units;  // embedding, blocks, head (MakeShardPlan's order)
+  bool head_bf16 = true;           // precision.lm_head BF16 (chunked) or FP32 (whole logits)
+  int64_t head_chunk_rows = 0;     // HeadChunkRows(tokens, V, head_chunk_logit_bytes)
+};
+
+// Rows per chunk of the BF16 head: at most chunk_bytes of f32 logits (V per row), at least 1, a
+// multiple of 128 where the chunk holds fewer than N rows and more than 128 (GEMM tiles).
+int64_t HeadChunkRows(int64_t N, int64_t V, int64_t chunk_bytes);
+
+// The plan of `spec` (WithDefaults applied by the caller: the resolved spec) on world_size ranks.
+// INVALID_ARGUMENT where the shard plan refuses the spec.
+absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
+                                      const BackendCaps& caps, const StepPlanOptions& options);
+
+}  // namespace fsdp8

@@ -1,0 +1,154 @@
+// The step plan (common/step_plan.h): each block's path, the fused groups, what the forward keeps
+// and the head's chunk rows, against the rules written out by hand.
+#include "common/step_plan.h"
+
+#include <cstdint>
+
+#include "common/memory_plan.h"
+#include "common/spec.h"
+#include "gtest/gtest.h"
+
+namespace fsdp8 {
+namespace {
+
+// d 32, 2 layers, 2 heads (head_dim 16), ffn 64, vocab 256, seq 32; one sequence per microbatch,
+// global batch 2; FP8 block linears under delayed scaling, BF16 attention, fused projections.
+v1::JobSpec Tiny() {
+  v1::JobSpec s;
+  auto* m = s.mutable_model();
+  m->set_d_model(32);
+  m->set_n_layers(2);
+  m->set_n_heads(2);
+  m->set_ffn_dim(64);
+  m->set_vocab_size(256);
+  m->set_seq_len(32);
+  s.mutable_training()->set_global_batch(2);
+  s.mutable_training()->set_microbatch(1);
+  s.mutable_sharding()->set_alignment(4);
+  s.mutable_precision()->set_attention(v1::PRECISION_BF16);
+  s.mutable_precision()->mutable_fp8()->set_fused_projections(true);
+  return WithDefaults(s, 1);
+}
+
+StepPlan Plan(const v1::JobSpec& s, int world = 1, StepPlanOptions o = {}) {
+  auto p = MakeStepPlan(s, world, BackendCapsOf("cpu"), o);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? *p : StepPlan{};
+}
+
+// Groups share scales only for FP8 linears with BF16 attention under delayed scaling, with
+// head_dim % 8 == 0 (q/k/v) and ffn_dim % 4 == 0 (gate/up); they run as one GEMM unless the
+// unfused option asks for one GEMM per linear.
+TEST(StepPlan, FusionRule) {
+  StepPlan p = Plan(Tiny());
+  ASSERT_EQ(p.blocks.size(), 2u);
+  for (const BlockPlan& b : p.blocks) {
+    EXPECT_TRUE(b.fp8_bf16);
+    EXPECT_TRUE(b.group_qkv && b.group_mlp && b.fused_qkv && b.fused_mlp);
+    EXPECT_TRUE(b.recast_down);
+  }
+  StepPlanOptions unfused;
+  unfused.unfused_projections = true;
+  p = Plan(Tiny(), 1, unfused);
+  EXPECT_TRUE(p.blocks[0].group_qkv && p.blocks[0].group_mlp);
+  EXPECT_FALSE(p.blocks[0].fused_qkv || p.blocks[0].fused_mlp);
+
+  v1::JobSpec s = Tiny();
+  s.mutable_precision()->mutable_fp8()->set_recipe(v1::SCALING_RECIPE_CURRENT);
+  p = Plan(s);
+  EXPECT_FALSE(p.blocks[0].group_qkv || p.blocks[0].group_mlp || p.blocks[0].recast_down);
+
+  s = Tiny();
+  s.mutable_precision()->set_attention(v1::PRECISION_FP32);
+  p = Plan(s);
+  EXPECT_FALSE(p.blocks[0].fp8_bf16 || p.blocks[0].group_qkv || p.blocks[0].recast_down);
+
+  s = Tiny();
+  s.mutable_model()->set_d_model(24);  // head_dim 12: q/k/v not grouped; ffn 64: gate/up are
+  p = Plan(s);
+  EXPECT_FALSE(p.blocks[0].group_qkv);
+  EXPECT_TRUE(p.blocks[0].group_mlp && p.blocks[0].fused_mlp);
+
+  s = Tiny();
+  auto* o = s.mutable_precision()->add_overrides();
+  o->set_layer(1);
+  o->set_linears(v1::PRECISION_BF16);
+  p = Plan(s);
+  EXPECT_TRUE(p.blocks[0].fused_qkv);
+  EXPECT_EQ(p.blocks[1].linears, v1::PRECISION_BF16);
+  EXPECT_FALSE(p.blocks[1].fp8_bf16 || p.blocks[1].group_qkv);
+}
+
+int64_t SavedBytes(const BlockPlan& b) {
+  int64_t n = 0;
+  for (const PlannedTensor& t : b.saved) n += t.bytes;
+  return n;
+}
+
+// N = 32 tokens, C = 32, F = 64, H = 2, T = 32, by hand.
+TEST(StepPlan, SavedTensorsByHand) {
+  // The fused FP8 block: x_in, h (N, C) f32; rstd1, rstd2 (N) f32; lse (1, 2, 32) f32; q/k/v's
+  // shared input codes, o's, gate/up's shared ones (N, C) e4m3; qkv16 (N, 96) bf16, att16 (N, C)
+  // bf16, gate_up16 (N, 128) bf16; no down_proj codes (recast in the backward).
+  const int64_t fused = 2 * 32 * 32 * 4 + 2 * 32 * 4 + 2 * 32 * 4 + 3 * 32 * 32 + 32 * 96 * 2 +
+                        32 * 32 * 2 + 32 * 128 * 2;
+  EXPECT_EQ(SavedBytes(Plan(Tiny()).blocks[0]), fused);
+  // The generic FP32 block: x_in, n1, q, k, v, att, h, n2 (N, C) and gate, up, act (N, F) f32;
+  // rstd1, rstd2, lse.
+  v1::JobSpec s = Tiny();
+  s.mutable_precision()->set_linears(v1::PRECISION_FP32);
+  s.mutable_precision()->set_attention(v1::PRECISION_FP32);
+  const int64_t generic = 8 * 32 * 32 * 4 + 3 * 32 * 64 * 4 + 2 * 32 * 4 + 2 * 32 * 4;
+  EXPECT_EQ(SavedBytes(Plan(s).blocks[0]), generic);
+  // Recompute keeps only the block input; the rest is recomputed.
+  s.mutable_training()->set_activation_recompute(true);
+  const StepPlan r = Plan(s);
+  EXPECT_EQ(SavedBytes(r.blocks[0]), 32 * 32 * 4);
+  int64_t again = 0;
+  for (const PlannedTensor& t : r.blocks[0].recomputed) again += t.bytes;
+  EXPECT_EQ(again, generic);
+}
+
+// The units are the shard plan's: at 2 ranks (quantum 8), the embedding's bf16 256 * 32 = 8192
+// elements hold 4096 per rank; a block's FP8 linears 10240 -> 5120 and its bf16 norms 64 -> 32;
+// the head's bf16 norm and lm_head 32 + 8192 = 8224 -> 4112.
+TEST(StepPlan, UnitsAreTheShardPlans) {
+  const StepPlan p = Plan(Tiny(), 2);
+  ASSERT_EQ(p.units.size(), 4u);
+  EXPECT_EQ(p.units[0].buffers.at(0).shard, 4096);
+  ASSERT_EQ(p.units[1].buffers.size(), 2u);
+  EXPECT_EQ(p.units[1].buffers[0].wire, WireDtype::kFp8);
+  EXPECT_EQ(p.units[1].buffers[0].shard, 5120);
+  EXPECT_EQ(p.units[1].buffers[1].padded, 64);
+  EXPECT_EQ(p.units[3].buffers.at(0).shard, 4112);
+  EXPECT_EQ(p.tokens, 32);
+  EXPECT_EQ(p.microbatches, 1);
+}
+
+TEST(StepPlan, HeadChunkRows) {
+  const int64_t mib512 = kDefaultHeadChunkLogitBytes;
+  EXPECT_EQ(mib512, int64_t{512} << 20);
+  EXPECT_EQ(HeadChunkRows(8192, 32768, mib512), 4096);  // 512 MiB / (32768 * 4)
+  // 536870912 / (128256 * 4) = 1046 rows, rounded down to 1024 (a multiple of 128).
+  EXPECT_EQ(HeadChunkRows(10000, 128256, mib512), 1024);
+  EXPECT_EQ(HeadChunkRows(100, 256, mib512), 100);  // the whole microbatch
+  EXPECT_EQ(HeadChunkRows(100, 256, 1), 1);
+  EXPECT_EQ(HeadChunkRows(1000, 256, 200 * 1024), 128);  // 200 rows, rounded down to 128
+  EXPECT_EQ(HeadChunkRows(1000, 256, 100 * 1024), 100);  // 128 rows or fewer: as they come
+}
+
+// The memory plan follows the model's options through the step plan: unfused projections take
+// less GEMM scratch on the CPU (N x F rather than N x 2F for gate/up).
+TEST(StepPlan, MemoryPlanFollowsTheUnfusedOption) {
+  v1::JobSpec s = Tiny();
+  s.mutable_model()->set_seq_len(256);
+  auto fused = PlanMemory(s, 1);
+  StepPlanOptions o;
+  o.unfused_projections = true;
+  auto unfused = PlanMemory(s, 1, o);
+  ASSERT_TRUE(fused.ok() && unfused.ok());
+  EXPECT_LT(unfused->peak_bytes, fused->peak_bytes);
+}
+
+}  // namespace
+}  // namespace fsdp8
