@@ -1,22 +1,21 @@
 // The memory plan: each rank's peak device memory for a job spec on a world size, predicted
 // before anything runs (the coordinator at submit and at scheduling, GetShardPlan, `fsdp8 plan`).
 //
-// How: PlanMemory makes the step plan (common/step_plan.h: each block's path, fused groups, the
-// units' buffers, the head's chunk rows) and replays, on a ledger of byte counts, the allocations one training step of a
-// rank makes, in the order the code makes them: FsdpParams (train/fsdp.cc) for the shards, the
-// all-gathers and the reduce-scatters; LlamaModel (train/model.cc) and Linear (train/fp8_linear.cc)
-// for the activations, per block and per path (FP8 linears with BF16 attention, fused or per
-// linear; any other precision plan through the generic block); the Backend's composed ops
-// (kernels/backend.cc) for the scratch they take on the CPU backends, and the CUDA backend's own
-// workspaces (kernels/cuda/cuda_backend.cu). Every allocation lands in one of the terms below;
-// the step's peak, and the terms at the moment of the peak, are what the plan reports. The peak is
-// the figure the worker reports as StepResult.peak_memory_bytes (Backend::PeakAllocatedBytes, the
-// max over the forward, backward and optimizer phases), measured at a steady step (delayed scaling
-// with history; the first step and the CURRENT recipe cast through a few extra f32 copies).
-// A model of more than 1,024 blocks is replayed with 512 and with 1,024 blocks and extrapolated
-// linearly (every figure but one block's transients grows with the blocks); precision overrides
-// of blocks past 1,024 are not seen then. Two microbatches are replayed (later ones repeat the
-// second) and the BF16 head's first, full chunk.
+// How: PlanMemory makes the step plan (common/step_plan.h) and sums its tables at each moment of
+// one rank's step where the peak can fall: each block's forward (the blocks before it keep their
+// saved tensors, BlockPlan::saved; the block holds its forward_work), the head (head_logits,
+// head_work), each block's backward (backward_work, and with training.activation_recompute its
+// recomputed tensors) in the first microbatch and in later ones (which hold every gradient
+// shard), and the optimizer. Around them: the units' buffers as the shard plan lays them out
+// (the unit computing and the one prefetched, gradients in flight), the FP8 scaling state, the
+// batch, and the backends' own workspaces (the CPU backends' kept scratch slots; the CUDA
+// backend's cuBLASLt workspace and tables, kernels/cuda/cuda_backend.cu). The peak is the figure
+// the worker reports as StepResult.peak_memory_bytes (Backend::PeakAllocatedBytes, the max over
+// the forward, backward and optimizer phases), measured at a steady step (delayed scaling with
+// history; the first step and the CURRENT recipe cast through a few extra f32 copies). A model of
+// more than 1,024 blocks is summed with 512 and with 1,024 blocks and extrapolated linearly
+// (every figure but one block's transients grows with the blocks); precision overrides of blocks
+// past 1,024 are not seen then.
 //
 // Terms (bytes of one rank; S = a buffer's shard_numel, P = its padded_numel, both from the shard
 // plan's rule: P = ceil(numel / (world_size * alignment)) * world_size * alignment, S = P / world):

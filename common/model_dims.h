@@ -1,6 +1,6 @@
 // ModelDims: the dimensions of a Llama model, derived in one place from the spec's model section
 // (JobSpec.model, proto/fsdp8/v1/spec.proto) for the trainer's LlamaModel (train/model.h) and the
-// memory plan's replay of it (common/memory_plan.cc).
+// memory plan (common/memory_plan.cc).
 //
 // Thread-safety: a pure function and a plain value.
 #pragma once

@@ -116,11 +116,124 @@ std::vector<PlannedTensor> Saved(const BlockPlan& bp, const ModelDims& d, int64_
   return s;
 }
 
+// `bytes` of a backend's composed-op scratch, as a byte tensor.
+PlannedTensor Scratch(const std::string& what, int64_t bytes) {
+  return Tensor("scratch:" + what, Dtype::kE4M3, {bytes});
+}
+
+int64_t SumBytes(const std::vector<PlannedTensor>& t) {
+  int64_t s = 0;
+  for (const PlannedTensor& x : t) s += x.bytes;
+  return s;
+}
+
+// The larger of two moments' tables (ties: the first).
+std::vector<PlannedTensor> Larger(std::vector<PlannedTensor> a, std::vector<PlannedTensor> b) {
+  return SumBytes(a) >= SumBytes(b) ? a : b;
+}
+
+// Block `bp`'s forward transients at its largest moment (the attention's or the MLP's): the
+// f32 results the generic block rounds or casts and drops, the output, and the CPU backends'
+// composed-op scratch (kernels/backend.cc) or cuDNN's bf16 operands.
+std::vector<PlannedTensor> ForwardWork(const BlockPlan& bp, const ModelDims& d, int64_t N,
+                                       bool cuda) {
+  const int64_t C = d.d_model, F = d.ffn_dim, nq = d.q_width(), nk = d.kv_width();
+  const bool fp8 = bp.linears == v1::PRECISION_FP8, a16 = bp.attention == Dtype::kBf16;
+  std::vector<PlannedTensor> attn, mlp;
+  if (bp.fp8_bf16) {  // bf16 results straight from the GEMMs: only scratch on the side
+    if (!cuda) attn.push_back(Scratch("attention", (3 * nq + 4 * nk) * N * 4));
+    if (bp.recast_down) mlp.push_back(Tensor("down_proj.x8", Dtype::kE4M3, {N, F}));
+    if (!cuda) mlp.push_back(Scratch("swiglu cast", 3 * N * F * 4));
+  } else {
+    if (a16) {  // f32 q, k, v (and att under FP8 linears) packed to bf16 and dropped
+      for (auto [n, w] : {std::pair{"q", nq}, std::pair{"k", nk}, std::pair{"v", nk}}) {
+        attn.push_back(Tensor(n, Dtype::kF32, {N, w}));
+      }
+      if (fp8) attn.push_back(Tensor("att", Dtype::kF32, {N, C}));
+      attn.push_back(cuda ? Scratch("attention", (2 * nq + 2 * nk) * N * 2)
+                          : Scratch("attention", (nq + 2 * nk) * N * 4));
+    }
+    attn.push_back(Tensor("o", Dtype::kF32, {N, C}));
+    if (fp8) {  // FP8 linears keep their input codes and bf16 gate/up, not the f32 results
+      for (const char* n : {"gate", "up", "act"}) mlp.push_back(Tensor(n, Dtype::kF32, {N, F}));
+    }
+    mlp.push_back(Tensor("mlp", Dtype::kF32, {N, C}));
+  }
+  mlp.push_back(Tensor("out", Dtype::kF32, {N, C}));
+  return Larger(std::move(attn), std::move(mlp));
+}
+
+// Block `bp`'s backward transients at its largest moment: the incoming gradient, the
+// activations' gradients, FP8 grad-output codes and their transposes, and the backends' scratch
+// (the CPU compositions' f32 copies; cuDNN's attention workspace, deterministic: B*H*T*T bf16).
+std::vector<PlannedTensor> BackwardWork(const BlockPlan& bp, const ModelDims& d, int64_t N,
+                                        int64_t B, bool cuda, bool deterministic) {
+  const int64_t C = d.d_model, F = d.ffn_dim, nq = d.q_width(), nk = d.kv_width(), n = N * F;
+  const bool fp8 = bp.linears == v1::PRECISION_FP8, a16 = bp.attention == Dtype::kBf16;
+  const int64_t cudnn = deterministic ? B * d.n_heads * d.seq_len * d.seq_len * 2 : N * nq * 4;
+  std::vector<PlannedTensor> mlp = {Tensor("dout", Dtype::kF32, {N, C})};
+  std::vector<PlannedTensor> attn = {Tensor("dout", Dtype::kF32, {N, C}),
+                                     Tensor("dh", Dtype::kF32, {N, C})};
+  if (bp.fp8_bf16) {
+    mlp.push_back(Tensor("dact16", Dtype::kBf16, {N, F}));
+    mlp.push_back(Tensor("dn2", Dtype::kBf16, {N, C}));
+    if (bp.fused_mlp) {
+      mlp.push_back(Tensor("gate_up.dy8", Dtype::kE4M3, {N, 2 * F}));
+      mlp.push_back(Tensor("gate_up.dyT8", Dtype::kE4M3, {2 * F, N}));
+      if (!cuda) mlp.push_back(Scratch("swiglu backward", 4 * n + (n + 2) * 4 + 20 * n));
+    } else {
+      mlp.push_back(Tensor("dn2_up", Dtype::kBf16, {N, C}));
+      for (const char* p : {"gate_proj.dy8", "gate_proj.dyT8", "up_proj.dy8", "up_proj.dyT8"}) {
+        mlp.push_back(Tensor(p, Dtype::kE4M3, {N, F}));
+      }
+      if (!cuda) mlp.push_back(Scratch("swiglu backward", (n + 2) * 4 + 20 * n));
+    }
+    attn.push_back(Tensor("dq16", Dtype::kBf16, {N, nq}));
+    attn.push_back(Tensor("dk16", Dtype::kBf16, {N, nk}));
+    attn.push_back(Tensor("dv16", Dtype::kBf16, {N, nk}));
+    attn.push_back(Tensor("datt16", Dtype::kBf16, {N, C}));
+    const int64_t dense = bp.fused_qkv ? (nq + 2 * nk) * N * 2 : 0;
+    attn.push_back(cuda ? Scratch("attention", cudnn)
+                        : Scratch("attention", dense + (7 * nq + 6 * nk) * N * 4));
+    return Larger(std::move(mlp), std::move(attn));
+  }
+  for (const char* p : {"dact", "dgate", "dup"}) mlp.push_back(Tensor(p, Dtype::kF32, {N, F}));
+  if (fp8 && !cuda) mlp.push_back(Scratch("swiglu backward", 2 * n * 4));
+  attn.push_back(Tensor("datt", Dtype::kF32, {N, C}));
+  attn.push_back(Tensor("dq", Dtype::kF32, {N, nq}));
+  attn.push_back(Tensor("dk", Dtype::kF32, {N, nk}));
+  attn.push_back(Tensor("dv", Dtype::kF32, {N, nk}));
+  if (a16) {
+    attn.push_back(cuda ? Scratch("attention", (2 * nq + 2 * nk) * N * 2 + cudnn)
+                        : Scratch("attention", (5 * nq + 4 * nk) * N * 4));
+  }
+  return Larger(std::move(mlp), std::move(attn));
+}
+
+// The head's tables (StepPlan::head_logits, head_work): the BF16 head's first, full chunk.
+void HeadTables(StepPlan* p, const ModelDims& d, bool cuda) {
+  const int64_t N = p->tokens, C = d.d_model, V = d.vocab_size, rows = p->head_chunk_rows;
+  p->head_work = {Tensor("x", Dtype::kF32, {N, C}), Tensor("nf", Dtype::kF32, {N, C}),
+                  Tensor("rstdf", Dtype::kF32, {N}), Tensor("dnf", Dtype::kF32, {N, C})};
+  if (!p->head_bf16) {
+    p->head_logits = {Tensor("logits", Dtype::kF32, {N, V})};
+    return;
+  }
+  p->head_logits = {Tensor("nf16", Dtype::kBf16, {N, C}), Tensor("dlogits16", Dtype::kBf16, {N, V}),
+                    Tensor("logits", Dtype::kF32, {rows, V})};
+  // GemmBf16's f32 operands, the cross-entropy through f32, dW over every row once the chunk's
+  // logits are gone.
+  if (!cuda) {
+    p->head_work.push_back(Scratch(
+        "head", std::max({(rows * C + V * C) * 4, rows * V * 4, (rows * V + C * V) * 4,
+                          (V * N + C * N) * 4 - rows * V * 4})));
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
                                       const BackendCaps& caps, const StepPlanOptions& options) {
-  (void)caps;  // no decision of the step depends on it yet; the memory plan reads it
   absl::StatusOr<ShardPlan> shards = MakeShardPlan(spec, world_size);
   if (!shards.ok()) return shards.status();
   const ModelDims d = ModelDimsOf(spec.model());
@@ -173,11 +286,14 @@ absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
       bp.proj.push_back({name, in, out, bp.linears, recipe});
     }
     bp.saved = Saved(bp, d, p.tokens, B, norm_inputs_bf16);
+    bp.forward_work = ForwardWork(bp, d, p.tokens, caps.cuda);
+    bp.backward_work = BackwardWork(bp, d, p.tokens, B, caps.cuda, tr.deterministic());
     if (p.recompute) {
       bp.recomputed = std::move(bp.saved);
       bp.saved = {Tensor("x_in", Dtype::kF32, {p.tokens, C})};
     }
   }
+  HeadTables(&p, d, caps.cuda);
   return p;
 }
 

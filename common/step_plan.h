@@ -79,6 +79,11 @@ struct BlockPlan {
   // is recomputed in the backward, see recomputed).
   std::vector<PlannedTensor> saved;
   std::vector<PlannedTensor> recomputed;
+  // The block's transients at the largest moment of its forward and of its backward, beyond what
+  // it keeps (saved, recomputed): its output, gradients, FP8 codes of grad-outputs and weight
+  // transposes, and the scratch the backend's composed ops take ("scratch:..." bytes, E4M3 as a
+  // byte). The memory plan sums these tables.
+  std::vector<PlannedTensor> forward_work, backward_work;
 };
 
 struct PlannedBuffer {
@@ -99,6 +104,10 @@ struct StepPlan {
   std::vector<PlannedUnit> units;  // embedding, blocks, head (MakeShardPlan's order)
   bool head_bf16 = true;           // precision.lm_head BF16 (chunked) or FP32 (whole logits)
   int64_t head_chunk_rows = 0;     // HeadChunkRows(tokens, V, head_chunk_logit_bytes)
+  // The head's tensors at its largest moment: the logits (a BF16 head's first chunk, its bf16
+  // logit gradient and nf in bf16; an f32 head's whole logits) and the rest (the final norm's
+  // output, rstd and gradient, the last block's output, the backend's scratch).
+  std::vector<PlannedTensor> head_logits, head_work;
 };
 
 // Rows per chunk of the BF16 head: at most chunk_bytes of f32 logits (V per row), at least 1, a
