@@ -3,6 +3,7 @@
 #include "common/step_plan.h"
 
 #include <cstdint>
+#include <vector>
 
 #include "common/memory_plan.h"
 #include "common/spec.h"
@@ -107,6 +108,50 @@ TEST(StepPlan, SavedTensorsByHand) {
   int64_t again = 0;
   for (const PlannedTensor& t : r.blocks[0].recomputed) again += t.bytes;
   EXPECT_EQ(again, generic);
+}
+
+int64_t Bytes(const std::vector<PlannedTensor>& table) {
+  int64_t b = 0;
+  for (const PlannedTensor& t : table) b += t.bytes;
+  return b;
+}
+
+// The transients at a block's and the head's largest moments, by hand (N = 32, C = 32, F = 64,
+// q/k/v widths 32, V = 256; one f32 (N, C) is 4,096 bytes, one f32 (N, F) 8,192).
+TEST(StepPlan, WorkTablesByHand) {
+  v1::JobSpec s = Tiny();
+  s.mutable_precision()->set_linears(v1::PRECISION_FP32);
+  s.mutable_precision()->set_attention(v1::PRECISION_FP32);
+  StepPlan p = Plan(s);
+  // The generic FP32 block's forward: the MLP's f32 output and the block output (the
+  // attention's moment holds only o).
+  EXPECT_EQ(Bytes(p.blocks[0].forward_work), 2 * 4096);
+  // Its backward: dout and the SwiGLU's dact, dgate, dup (28,672 bytes) outweigh dout, dh, datt,
+  // dq, dk, dv (24,576).
+  EXPECT_EQ(Bytes(p.blocks[0].backward_work), 4096 + 3 * 8192);
+  // The BF16 head's one full chunk of 32 rows: nf16 (N, C) bf16, the bf16 logit gradient (N, V),
+  // the f32 logits (32, V); beside them x, nf, dnf (N, C) f32, rstdf (N) and the CPU GEMM's
+  // largest scratch, (rows * V + C * V) f32.
+  EXPECT_EQ(Bytes(p.head_logits), 32 * 32 * 2 + 32 * 256 * 2 + 32 * 256 * 4);
+  EXPECT_EQ(Bytes(p.head_work), 3 * 4096 + 32 * 4 + (32 * 256 + 32 * 256) * 4);
+
+  // The fused FP8 block with BF16 attention, backward on the CPU backends: the MLP's moment
+  // (dout; dact16 (N, F) and dn2 (N, C) bf16; gate_up's grad-output codes and their transpose,
+  // (N, 2F) e4m3 each; the SwiGLU backward's scratch 4n + 4(n + 2) + 20n bytes, n = N * F)
+  // is 75,784 bytes, 8 more than the attention's (dout, dh; dq16, dk16, dv16, datt16; dense
+  // q/k/v copies (N, 96) bf16 and (7 * 32 + 6 * 32) * N f32).
+  const int64_t n = 32 * 64;
+  p = Plan(Tiny());
+  EXPECT_EQ(Bytes(p.blocks[0].backward_work),
+            4096 + n * 2 + 32 * 32 * 2 + 2 * 32 * 128 + 4 * n + 4 * (n + 2) + 20 * n);
+  // On CUDA no composed-op scratch; cuDNN's deterministic backward takes B * H * T * T bf16
+  // (4,096 bytes), and the attention's moment (20,480) outweighs the MLP's (18,432).
+  auto cuda = MakeStepPlan(Tiny(), 1, BackendCapsOf("cuda"), {});
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  EXPECT_EQ(Bytes(cuda->blocks[0].backward_work), 2 * 4096 + 4 * 32 * 32 * 2 + 2 * 32 * 32 * 2);
+  // Its forward: the output beside down_proj's input codes, cast for the GEMM and dropped (the
+  // backward recasts them under delayed scaling).
+  EXPECT_EQ(Bytes(cuda->blocks[0].forward_work), 4096 + 32 * 64);
 }
 
 // The units are the shard plan's: at 2 ranks (quantum 8), the embedding's bf16 256 * 32 = 8192
