@@ -224,8 +224,9 @@ void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
       Bytes at = fixed_;
       at[kGrads] = grads;
       at[kGathered] = Gathered(u) + (l > 0 ? Prefetched(u - 1) : 0);
-      // Its full gradient, and the previous unit's while its reduce-scatter is in flight.
-      at[kUnitGrads] = units_[u].full_grad;
+      // Its full gradient, the previous unit's while its reduce-scatter is in flight, and a
+      // tied embedding's (from the head until the embedding's backward).
+      at[kUnitGrads] = units_[u].full_grad + (tied_ ? units_[0].full_grad : 0);
       if (plan_.world_size > 1) {
         at[kUnitGrads] += units_[u + 1].full_grad + (later ? units_[u + 1].grad : 0);
       }
