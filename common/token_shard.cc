@@ -218,8 +218,8 @@ absl::Status TokenShardReader::Read(int64_t first, int64_t count, uint32_t* out)
     if (n == 0) {
       struct stat st;
       const int64_t now = ::fstat(fd_, &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
-      return Changed(path_, absl::StrCat("it ends at byte ", begin + done, ", before byte ",
-                                         begin + bytes, " (", now, " bytes now, ", file_bytes_,
+      return Changed(path_, absl::StrCat("a read of bytes [", begin, ", ", begin + bytes,
+                                         ") met its end (", now, " bytes now, ", file_bytes_,
                                          " when opened: truncated)"));
     }
     done += n;

@@ -352,8 +352,12 @@ TEST(TokenDataset, ReadPastTheEndOfATruncatedShardIsDataLoss) {
   absl::Status s = (*r)->Read(900, 100, out.data());
   ASSERT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_NE(s.message().find(p), std::string::npos) << s;
-  // Byte 1024 + 2 * 950 = 2924 is the new end; the read wanted up to 1024 + 2 * 1000 = 3024.
-  EXPECT_NE(s.message().find("ends at byte 2924, before byte 3024"), std::string::npos) << s;
+  // Tokens 900..999 are bytes [1024 + 2 * 900, 1024 + 2 * 1000) = [2824, 3024); the file now has
+  // 1024 + 2 * 950 = 2924 bytes, 3024 when opened.
+  EXPECT_NE(s.message().find("a read of bytes [2824, 3024) met its end (2924 bytes now, 3024 "
+                             "when opened: truncated)"),
+            std::string::npos)
+      << s;
 }
 
 // A shard replaced by a rename (as WriteTokenShard and `fsdp8 prepare --overwrite` do), even with
