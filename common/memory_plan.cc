@@ -901,7 +901,7 @@ void Sim::Step(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) {
       b.grad_unset = false;
     }
   }
-  int grad_sq = led_.Alloc(kWork, 4);
+  int grad_sq = led_.Alloc(kWork, 8);  // the grad norm's and the losses' sums of squares
   for (int* p : {&in, &tg, &losses}) led_.Free(p);
   bwd->Take(led_);  // the tail after the last phase boundary
   led_.ResetPeak();

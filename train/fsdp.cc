@@ -369,24 +369,26 @@ void FsdpParams::MaterializeGrads() {
   }
 }
 
-absl::Status FsdpParams::StartGradSquaredNorm() {
+absl::Status FsdpParams::StartGradSquaredNorm(const float* values, int64_t n) {
   MaterializeGrads();
-  grad_sq_ = DevBuf::Zeros(be_, sizeof(float));
+  grad_sq_ = DevBuf::Zeros(be_, 2 * sizeof(float));
   for (auto& u : units_) {
     for (Buf& b : u) be_->SumSquares(b.grad.f32(), b.plan->shard_numel, grad_sq_.f32());
   }
+  if (values != nullptr && n > 0) be_->SumSquares(values, n, grad_sq_.f32() + 1);
   const double t0 = CommClock::Now();
-  absl::Status s = Timed(comm_->AllReduce(grad_sq_.f32(), 1, ReduceOp::kSum), t0);
+  absl::Status s = Timed(comm_->AllReduce(grad_sq_.f32(), 2, ReduceOp::kSum), t0);
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat("grad-norm all-reduce: ", s.message()));
   return absl::OkStatus();
 }
 
-double FsdpParams::FinishGradSquaredNorm() {
+double FsdpParams::FinishGradSquaredNorm(double* values_squared) {
   FSDP8_CHECK(!grad_sq_.empty()) << "FinishGradSquaredNorm without StartGradSquaredNorm";
-  float host = 0;
-  be_->CopyToHost(&host, grad_sq_.get(), sizeof(float));
+  float host[2] = {0, 0};
+  be_->CopyToHost(host, grad_sq_.get(), sizeof(host));
   grad_sq_.Reset();
-  return static_cast<double>(host);
+  if (values_squared != nullptr) *values_squared = static_cast<double>(host[1]);
+  return static_cast<double>(host[0]);
 }
 
 void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weight_decay,
