@@ -190,8 +190,8 @@ void LlamaModel::AttentionForward(Block& b, int64_t B, bool train, BlockActs* a)
   a->att = DevBuf(be_, N * C_ * 4);        // (N, C)
   a->lse = DevBuf(be_, B * H_ * T_ * 4);   // (B, H, T)
   if (attention_bf16_) {
-    be_->AttentionForwardBf16Compute(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_,
-                                     a->att.f32(), a->lse.f32());
+    be_->AttentionForward(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_, a->att.f32(),
+                          a->lse.f32(), AttentionOptions{true});
   } else {
     be_->AttentionForward(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_, a->att.f32(),
                           a->lse.f32());
@@ -228,7 +228,7 @@ DevBuf LlamaModel::MlpForward(Block& b, int64_t B, bool train, BlockActs* a) {
   b.lup.Forward(a->n2.f32(), N, C_, F_, View(b.up), a->up.f32(), train ? &a->sup : nullptr);
   if (!keep_f32_inputs || !train) a->n2.Reset();
   a->act = DevBuf(be_, N * F_ * 4);  // (N, F)
-  be_->SwigluForward(a->gate.f32(), a->up.f32(), N * F_, a->act.f32());
+  be_->SwigluForward(a->gate.f32(), a->up.f32(), 1, N * F_, 0, a->act.f32());
   if (train && !keep_f32_inputs) {
     // FP8 blocks keep the SwiGLU inputs in bf16 for the backward: 8 significant bits where the
     // GEMM that made them multiplied 4-bit E4M3 operands; half the memory of f32.
@@ -265,10 +265,11 @@ DevBuf LlamaModel::MlpBackward(Block& b, int64_t B, BlockActs* a, DevBuf* dout) 
   a->act.Reset();
   DevBuf dgate(be_, N * F_ * 4), dup(be_, N * F_ * 4);  // (N, F) each
   if (!a->gate16.empty()) {
-    be_->SwigluBackwardBf16Saved(dact.f32(), a->gate16.u16(), a->up16.u16(), N * F_,
-                                 dgate.f32(), dup.f32());
+    be_->SwigluBackward(dact.f32(), a->gate16.u16(), a->up16.u16(), 1, N * F_, 0, dgate.f32(),
+                        dup.f32());
   } else {
-    be_->SwigluBackward(dact.f32(), a->gate.f32(), a->up.f32(), N * F_, dgate.f32(), dup.f32());
+    be_->SwigluBackward(dact.f32(), a->gate.f32(), a->up.f32(), 1, N * F_, 0, dgate.f32(),
+                        dup.f32());
   }
   dact.Reset();
   a->gate.Reset();
@@ -306,9 +307,9 @@ void LlamaModel::AttentionBackward(Block& b, int64_t B, BlockActs* a, const DevB
   // (B, T, H, D), (B, T, Hkv, D) x2
   DevBuf dq(be_, N * H_ * D_ * 4), dk(be_, N * Hkv_ * D_ * 4), dv(be_, N * Hkv_ * D_ * 4);
   if (attention_bf16_) {
-    be_->AttentionBackwardBf16Saved(a->q16.u16(), a->k16.u16(), a->v16.u16(), a->att16.u16(),
-                                    datt.f32(), a->lse.f32(), B, T_, H_, Hkv_, D_, dq.f32(),
-                                    dk.f32(), dv.f32());
+    be_->AttentionBackward(a->q16.u16(), a->k16.u16(), a->v16.u16(), a->att16.u16(), datt.f32(),
+                           a->lse.f32(), B, T_, H_, Hkv_, D_, dq.f32(), dk.f32(), dv.f32(),
+                           AttentionOptions{true});
   } else {
     be_->AttentionBackward(a->q.f32(), a->k.f32(), a->v.f32(), a->att.f32(), datt.f32(),
                            a->lse.f32(), B, T_, H_, Hkv_, D_, dq.f32(), dk.f32(), dv.f32());
@@ -377,8 +378,8 @@ void LlamaModel::AttentionForwardFp8(Block& b, int64_t B, bool train, BlockActs*
   in1.reset();
   a->att16 = DevBuf(be_, N * C_ * 2);     // (N, C) bf16
   a->lse = DevBuf(be_, B * H_ * T_ * 4);  // (B, H, T)
-  be_->AttentionForwardBf16Packed(qkv.q, qkv.k, qkv.v, B, T_, H_, Hkv_, D_, a->att16.u16(),
-                                  a->lse.f32(), qkv.q_ld, qkv.kv_ld);
+  be_->AttentionForward(qkv.q, qkv.k, qkv.v, B, T_, H_, Hkv_, D_, a->att16.u16(), a->lse.f32(),
+                        AttentionOptions{true, qkv.q_ld, qkv.kv_ld});
   if (!train) {
     a->q16.Reset();
     a->k16.Reset();
@@ -404,8 +405,8 @@ LlamaModel::QkvBf16 LlamaModel::QkvForwardFp8(Block& b, int64_t B, bool train,
     b.lq.ForwardFp8(in1, N, C_, r.q_ld, View(b.q), LinearOutput::Bf16(a->qkv16.u16()),
                     train ? &a->sq : nullptr);
     if (train) a->sk = a->sv = a->sq;
-    be_->RopeForwardBf16(a->qkv16.u16(), B, T_, H_, D_, theta_, r.q_ld);
-    be_->RopeForwardBf16(a->qkv16.u16() + nq, B, T_, Hkv_, D_, theta_, r.kv_ld);
+    be_->RopeForward(a->qkv16.u16(), B, T_, H_, D_, theta_, r.q_ld);
+    be_->RopeForward(a->qkv16.u16() + nq, B, T_, Hkv_, D_, theta_, r.kv_ld);
     r.q = a->qkv16.u16();
     r.k = r.q + nq;
     r.v = r.q + nq + nk;
@@ -422,8 +423,8 @@ LlamaModel::QkvBf16 LlamaModel::QkvForwardFp8(Block& b, int64_t B, bool train,
                   train ? &a->sk : nullptr);
   b.lv.ForwardFp8(in1, N, C_, nk, View(b.v), LinearOutput::Bf16(a->v16.u16()),
                   train ? &a->sv : nullptr);
-  be_->RopeForwardBf16(a->q16.u16(), B, T_, H_, D_, theta_, nq);
-  be_->RopeForwardBf16(a->k16.u16(), B, T_, Hkv_, D_, theta_, nk);
+  be_->RopeForward(a->q16.u16(), B, T_, H_, D_, theta_, nq);
+  be_->RopeForward(a->k16.u16(), B, T_, Hkv_, D_, theta_, nk);
   r.q = a->q16.u16();
   r.k = a->k16.u16();
   r.v = a->v16.u16();
@@ -513,10 +514,9 @@ DevBuf LlamaModel::MlpBackwardFp8(int l, Block& b, int64_t B, BlockActs* a, DevB
   a->sup = LinearSaved();
   DevBuf dh(be_, N * C_ * 4);  // (N, C)
   DevBuf h32;
-  be_->RmsNormBackwardAddBf16Parts(dn2g.u16(), dn2u.empty() ? nullptr : dn2u.u16(), nullptr,
-                                   NormInput(a->h, a->h16, N * C_, &h32),
-                                   p_->W(b.post_norm), a->rstd2.f32(), dout->f32(), N, C_,
-                                   dh.f32(), p_->G(b.post_norm));
+  be_->RmsNormBackward(dn2g.u16(), NormInput(a->h, a->h16, N * C_, &h32), p_->W(b.post_norm),
+                       a->rstd2.f32(), N, C_, dh.f32(), p_->G(b.post_norm), dout->f32(),
+                       dn2u.empty() ? nullptr : dn2u.u16(), nullptr);
   h32.Reset();
   dn2g.Reset();
   dn2u.Reset();
@@ -530,10 +530,11 @@ void LlamaModel::BackwardGateUpFused(Block& b, int64_t N, BlockActs* a, DevBuf* 
   // of the fused dX (N, C) = [dgate | dup] · [Wgate ; Wup] and dW (2F, C) = [dgateᵀ ; dupᵀ] · n2.
   DevBuf d8(be_, N * 2 * F_), dT8(be_, N * 2 * F_);
   const uint16_t* gu16 = a->gu16.u16();
-  be_->SwigluBackwardCastTransposeFp8(dact16->u16(), gu16, gu16 + F_, N, F_, b.lgate.DyScale(),
-                                      b.lup.DyScale(), b.lgate.dy_format(), d8.u8(), dT8.u8(),
-                                      d8.u8() + F_, dT8.u8() + N * F_, b.lgate.DyAmaxOut(),
-                                      b.lup.DyAmaxOut(), 2 * F_, 2 * F_);
+  be_->SwigluBackward(dact16->u16(), gu16, gu16 + F_, N, F_, 2 * F_, nullptr, nullptr,
+                      Fp8Cast{b.lgate.DyScale(), b.lgate.dy_format(), d8.u8(), dT8.u8(),
+                              b.lgate.DyAmaxOut(), 2 * F_},
+                      Fp8Cast{b.lup.DyScale(), b.lgate.dy_format(), d8.u8() + F_, dT8.u8() + N * F_,
+                              b.lup.DyAmaxOut(), 2 * F_});
   dact16->Reset();
   a->gate16.Reset();
   a->up16.Reset();
@@ -551,10 +552,11 @@ void LlamaModel::BackwardGateUpPerLinear(Block& b, int64_t N, BlockActs* a, DevB
     // dgate and dup go straight from the SwiGLU gradient to their FP8 codes and transposes: no
     // bf16 copy of either passes through memory.
     DevBuf dg8(be_, N * F_), dgT8(be_, N * F_), du8(be_, N * F_), duT8(be_, N * F_);
-    be_->SwigluBackwardCastTransposeFp8(dact16->u16(), a->gate16.u16(), a->up16.u16(), N, F_,
-                                        b.lgate.DyScale(), b.lup.DyScale(), b.lgate.dy_format(),
-                                        dg8.u8(), dgT8.u8(), du8.u8(), duT8.u8(),
-                                        b.lgate.DyAmaxOut(), b.lup.DyAmaxOut(), F_, F_);
+    be_->SwigluBackward(
+        dact16->u16(), a->gate16.u16(), a->up16.u16(), N, F_, F_, nullptr, nullptr,
+        Fp8Cast{b.lgate.DyScale(), b.lgate.dy_format(), dg8.u8(), dgT8.u8(), b.lgate.DyAmaxOut(),
+                F_},
+        Fp8Cast{b.lup.DyScale(), b.lgate.dy_format(), du8.u8(), duT8.u8(), b.lup.DyAmaxOut(), F_});
     dact16->Reset();
     a->gate16.Reset();
     a->up16.Reset();
@@ -566,8 +568,8 @@ void LlamaModel::BackwardGateUpPerLinear(Block& b, int64_t N, BlockActs* a, DevB
   }
   // A grad-output scale measured first (first step, CURRENT recipe).
   DevBuf dgate16(be_, N * F_ * 2), dup16(be_, N * F_ * 2);  // (N, F) bf16
-  be_->SwigluBackwardBf16To16(dact16->u16(), a->gate16.u16(), a->up16.u16(), N * F_,
-                              dgate16.u16(), dup16.u16());
+  be_->SwigluBackward(dact16->u16(), a->gate16.u16(), a->up16.u16(), 1, N * F_, 0, dgate16.u16(),
+                      dup16.u16());
   dact16->Reset();
   a->gate16.Reset();
   a->up16.Reset();
@@ -605,11 +607,9 @@ void LlamaModel::AttentionBackwardFp8(Block& b, int64_t B, BlockActs* a, const D
   a->sq = a->sk = a->sv = LinearSaved();
   DevBuf dx(be_, N * C_ * 4);  // (N, C)
   DevBuf x32;
-  be_->RmsNormBackwardAddBf16Parts(dn1q.u16(), dn1k.empty() ? nullptr : dn1k.u16(),
-                                   dn1v.empty() ? nullptr : dn1v.u16(),
-                                   NormInput(a->x_in, a->x_in16, N * C_, &x32),
-                                   p_->W(b.in_norm), a->rstd1.f32(), dh.f32(), N, C_, dx.f32(),
-                                   p_->G(b.in_norm));
+  be_->RmsNormBackward(dn1q.u16(), NormInput(a->x_in, a->x_in16, N * C_, &x32), p_->W(b.in_norm),
+                       a->rstd1.f32(), N, C_, dx.f32(), p_->G(b.in_norm), dh.f32(),
+                       dn1k.empty() ? nullptr : dn1k.u16(), dn1v.empty() ? nullptr : dn1v.u16());
   x32.Reset();
   *a = BlockActs();
   *dout = std::move(dx);
@@ -625,13 +625,13 @@ void LlamaModel::OutputAttentionBackwardFp8(Block& b, int64_t B, BlockActs* a, c
   const int64_t nq = H_ * D_, nk = Hkv_ * D_;
   if (!a->qkv16.empty()) {  // [q | k | v] from the fused forward GEMM
     const uint16_t* p = a->qkv16.u16();
-    be_->AttentionBackwardBf16SavedTo16(p, p + nq, p + nq + nk, a->att16.u16(), datt16.u16(),
-                                        a->lse.f32(), B, T_, H_, Hkv_, D_, dq16->u16(),
-                                        dk16->u16(), dv16->u16(), nq + 2 * nk, nq + 2 * nk);
+    be_->AttentionBackward(p, p + nq, p + nq + nk, a->att16.u16(), datt16.u16(), a->lse.f32(), B,
+                           T_, H_, Hkv_, D_, dq16->u16(), dk16->u16(), dv16->u16(),
+                           AttentionOptions{true, nq + 2 * nk, nq + 2 * nk});
   } else {
-    be_->AttentionBackwardBf16SavedTo16(a->q16.u16(), a->k16.u16(), a->v16.u16(),
-                                        a->att16.u16(), datt16.u16(), a->lse.f32(), B, T_, H_,
-                                        Hkv_, D_, dq16->u16(), dk16->u16(), dv16->u16(), nq, nk);
+    be_->AttentionBackward(a->q16.u16(), a->k16.u16(), a->v16.u16(), a->att16.u16(), datt16.u16(),
+                           a->lse.f32(), B, T_, H_, Hkv_, D_, dq16->u16(), dk16->u16(), dv16->u16(),
+                           AttentionOptions{true, nq, nk});
   }
 }
 
@@ -643,13 +643,13 @@ void LlamaModel::BackwardQkvFused(Block& b, int64_t B, BlockActs& a, DevBuf& dq1
   const int64_t nq = H_ * D_, nk = Hkv_ * D_, nt = nq + 2 * nk;
   const Fp8Format qfmt = b.lq.dy_format();
   DevBuf d8(be_, N * nt), dT8(be_, N * nt);
-  be_->RopeBackwardCastTransposeFp8Bf16(dq16.u16(), B, T_, H_, D_, theta_, b.lq.DyScale(), qfmt,
-                                        d8.u8(), dT8.u8(), b.lq.DyAmaxOut(), nt);
-  be_->RopeBackwardCastTransposeFp8Bf16(dk16.u16(), B, T_, Hkv_, D_, theta_, b.lk.DyScale(),
-                                        qfmt, d8.u8() + nq, dT8.u8() + N * nq,
-                                        b.lk.DyAmaxOut(), nt);
-  be_->CastTransposeFp8Bf16(dv16.u16(), N, nk, b.lv.DyScale(), qfmt, d8.u8() + nq + nk,
-                            dT8.u8() + N * (nq + nk), b.lv.DyAmaxOut(), nt);
+  be_->RopeBackward(dq16.u16(), B, T_, H_, D_, theta_,
+                    Fp8Cast{b.lq.DyScale(), qfmt, d8.u8(), dT8.u8(), b.lq.DyAmaxOut(), nt});
+  be_->RopeBackward(
+      dk16.u16(), B, T_, Hkv_, D_, theta_,
+      Fp8Cast{b.lk.DyScale(), qfmt, d8.u8() + nq, dT8.u8() + N * nq, b.lk.DyAmaxOut(), nt});
+  be_->CastFp8(dv16.u16(), N, nk, b.lv.DyScale(), qfmt, d8.u8() + nq + nk, dT8.u8() + N * (nq + nk),
+               b.lv.DyAmaxOut(), nt);
   dq16.Reset();  // before the GEMMs: off the backward's peak
   dk16.Reset();
   dv16.Reset();
@@ -667,15 +667,15 @@ void LlamaModel::BackwardQkvPerLinear(Block& b, int64_t B, BlockActs& a, DevBuf&
                            const TensorRef& w, DevBuf& dn) {
     const int64_t n = N * heads * D_;
     if (lin.DyNeedsAmaxFirst()) {
-      be_->RopeBackwardBf16(d16.u16(), B, T_, heads, D_, theta_);
+      be_->RopeBackward(d16.u16(), B, T_, heads, D_, theta_);
       lin.Backward(ActivationView::Bf16(d16.u16()), N, C_, heads * D_, View(w), saved,
                    InputGrad::Bf16(dn.u16()), p_->G(w));
       return;
     }
     DevBuf d8(be_, n), dT8(be_, n);
-    be_->RopeBackwardCastTransposeFp8Bf16(d16.u16(), B, T_, heads, D_, theta_, lin.DyScale(),
-                                          lin.dy_format(), d8.u8(), dT8.u8(), lin.DyAmaxOut(),
-                                          heads * D_);
+    be_->RopeBackward(
+        d16.u16(), B, T_, heads, D_, theta_,
+        Fp8Cast{lin.DyScale(), lin.dy_format(), d8.u8(), dT8.u8(), lin.DyAmaxOut(), heads * D_});
     d16.Reset();
     lin.BackwardFp8(std::move(d8), std::move(dT8), N, C_, heads * D_, View(w), saved,
                     InputGrad::Bf16(dn.u16()), p_->G(w));
@@ -701,7 +701,8 @@ void LlamaModel::HeadBf16Compute(const float* nf, const int32_t* targets, int64_
     for (int64_t r0 = 0; r0 < N; r0 += rows) {
       const int64_t n = std::min(rows, N - r0);
       DevBuf logits(be_, n * V_ * 4);
-      be_->GemmBf16(false, true, n, V_, C_, nf16.u16() + r0 * C_, w16, logits.f32(), false);
+      be_->Gemm(false, true, n, V_, C_, nf16.u16() + r0 * C_, w16, logits.f32(), false,
+                GemmInputs::kBF16);
       be_->CrossEntropyForwardBackward(logits.f32(), targets + r0, n, V_, 0.0f, losses + r0);
     }
     return;
@@ -713,15 +714,16 @@ void LlamaModel::HeadBf16Compute(const float* nf, const int32_t* targets, int64_
     const int64_t n = std::min(rows, N - r0);
     uint16_t* g = g16.u16() + r0 * V_;
     DevBuf logits(be_, n * V_ * 4);
-    be_->GemmBf16(false, true, n, V_, C_, nf16.u16() + r0 * C_, w16, logits.f32(), false);
-    be_->CrossEntropyForwardBackwardBf16Grad(logits.f32(), targets + r0, n, V_, grad_scale,
-                                             losses + r0, g);
+    be_->Gemm(false, true, n, V_, C_, nf16.u16() + r0 * C_, w16, logits.f32(), false,
+              GemmInputs::kBF16);
+    be_->CrossEntropyForwardBackward(logits.f32(), targets + r0, n, V_, grad_scale, losses + r0, g);
     logits.Reset();
-    be_->GemmBf16(false, false, n, C_, V_, g, w16, dnf + r0 * C_, false);  // dnf (n, C)
+    be_->Gemm(false, false, n, C_, V_, g, w16, dnf + r0 * C_, false,
+              GemmInputs::kBF16);  // dnf (n, C)
   }
   // dW (V, C) = gᵀ · nf, written whole (BeginHeadGrads left it unzeroed); tied: += into the
   // embedding's gradient, which its own backward adds to later.
-  be_->GemmBf16(true, false, V_, C_, N, g16.u16(), nf16.u16(), p_->G(head_), tied_);
+  be_->Gemm(true, false, V_, C_, N, g16.u16(), nf16.u16(), p_->G(head_), tied_, GemmInputs::kBF16);
 }
 
 const uint16_t* LlamaModel::HeadWeightBf16(DevBuf* packed) {
@@ -830,7 +832,7 @@ absl::Status LlamaModel::Logits(const int32_t* tokens, int64_t B, float* logits)
     DevBuf w16_packed, nf16(be_, N * C_ * 2);
     const uint16_t* w16 = HeadWeightBf16(&w16_packed);
     be_->PackBf16(nf.f32(), nf16.u16(), N * C_);
-    be_->GemmBf16(false, true, N, V_, C_, nf16.u16(), w16, logits, false);
+    be_->Gemm(false, true, N, V_, C_, nf16.u16(), w16, logits, false, GemmInputs::kBF16);
   } else {
     lhead_.Forward(nf.f32(), N, C_, V_, View(head_), logits, nullptr);
   }

@@ -167,9 +167,9 @@ class LlamaModel {
   void BackwardQkvPerLinear(Block& b, int64_t B, BlockActs& a, DevBuf& dq16, DevBuf& dk16,
                             DevBuf& dv16, DevBuf& dn1q, DevBuf& dn1k, DevBuf& dn1v);
   // The BF16 head's forward and backward with its loss, in row chunks: logits (rows, V) f32 per
-  // chunk, the cross-entropy gradient straight to bf16 (Backend::CrossEntropyForwardBackwardBf16Grad),
-  // dnf (N, C) f32 written, the head's weight gradient accumulated (BeginGrads first). dnf null:
-  // evaluation, the losses only. nf (N, C) f32, targets (N), losses (N) nats.
+  // chunk, the cross-entropy gradient straight to bf16 (Backend::CrossEntropyForwardBackward into
+  // bf16 dlogits), dnf (N, C) f32 written, the head's weight gradient accumulated (BeginGrads
+  // first). dnf null: evaluation, the losses only. nf (N, C) f32, targets (N), losses (N) nats.
   void HeadBf16Compute(const float* nf, const int32_t* targets, int64_t N, float grad_scale,
                        float* losses, float* dnf);
   // The head weight (V, C) as bf16 codes: the gathered bf16 wire itself, or packed into *packed.
