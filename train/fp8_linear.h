@@ -236,6 +236,11 @@ class Linear {
   const float* DyScale() const { return sc_->Scale(dy_idx_); }
   float* DyAmaxOut() const { return sc_->AmaxOut(dy_idx_); }
   Fp8Format dy_format() const { return sc_->format(dy_idx_); }
+  // FP8 only: where an op that computes dY casts it (Fp8Cast: this linear's grad-output scale,
+  // format and amax), codes into out (row stride ld) and their transpose into out_t.
+  Fp8Cast DyCast(uint8_t* out, uint8_t* out_t, int64_t ld) const {
+    return Fp8Cast{DyScale(), dy_format(), out, out_t, DyAmaxOut(), ld};
+  }
   // ActScaling indices of this FP8 linear's input and grad-output (-1 for other precisions).
   int x_index() const { return x_idx_; }
   int dy_index() const { return dy_idx_; }
