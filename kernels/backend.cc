@@ -233,7 +233,7 @@ void Backend::RmsNormBackward(TypedCPtr dy, const float* x, const float* w, cons
                               int64_t N, int64_t C, float* dx, float* dw, const float* dres,
                               TypedCPtr dy_b, TypedCPtr dy_c) {
   FSDP8_CHECK(dres != nullptr) << "RmsNormBackward without dres is the backend's own";
-  if (dy.f32()) {
+  if (!dy.bf16()) {
     FSDP8_CHECK(dy_b.null() && dy_c.null()) << "RmsNormBackward: parts are bf16";
     RmsNormBackward(dy, x, w, rstd, N, C, dx, dw);
     Axpy(1.0f, dres, dx, N * C);
@@ -292,7 +292,7 @@ void Backend::AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B,
                                int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
                                const AttentionOptions& opts) {
   const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
-  if (q.f32()) {  // the bf16 recipe on f32 storage
+  if (!q.bf16()) {  // the bf16 recipe on f32 storage
     FSDP8_CHECK(opts.bf16) << "AttentionForward: the f32 recipe is the backend's own";
     float* qr = RoundedToBf16Copy(this, q.f(), nq);
     float* kr = RoundedToBf16Copy(this, k.f(), nk);
@@ -319,7 +319,7 @@ void Backend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr
                                 int64_t Hkv, int64_t D, TypedPtr dq, TypedPtr dk, TypedPtr dv,
                                 const AttentionOptions& opts) {
   const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
-  if (q.f32()) {  // the bf16 recipe on f32 storage
+  if (!q.bf16()) {  // the bf16 recipe on f32 storage
     FSDP8_CHECK(opts.bf16) << "AttentionBackward: the f32 recipe is the backend's own";
     float* qr = RoundedToBf16Copy(this, q.f(), nq);
     float* kr = RoundedToBf16Copy(this, k.f(), nk);
@@ -333,7 +333,7 @@ void Backend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr
     for (float* p : {qr, kr, vr, outr, doutr}) Free(p);
     return;
   }
-  if (dout.f32()) {  // saved bf16 activations, f32 gradients
+  if (!dout.bf16()) {  // saved bf16 activations, f32 gradients
     FSDP8_CHECK(Ld(opts.q_ld, H * D) == H * D && Ld(opts.kv_ld, Hkv * D) == Hkv * D)
         << "AttentionBackward: strided q, k, v take bf16 gradients";
     float* buf = static_cast<float*>(Alloc(static_cast<size_t>(2 * nq + 2 * nk) * sizeof(float)));
@@ -428,7 +428,7 @@ void Backend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t
     return;
   }
   FSDP8_CHECK(in_ld == cols) << "SwigluBackward: strided gate and up take FP8 gradients";
-  if (dh.f32()) {  // bf16-saved inputs, f32 gradients
+  if (!dh.bf16()) {  // bf16-saved inputs, f32 gradients
     float* buf = static_cast<float*>(Alloc(static_cast<size_t>(2 * n) * sizeof(float)));
     FSDP8_CHECK(buf != nullptr) << "device out of memory";
     UnpackBf16(gate.h(), buf, n);

@@ -619,7 +619,7 @@ int main(int argc, char** argv) {
         be->AttentionForward(reinterpret_cast<uint16_t*>(q), reinterpret_cast<uint16_t*>(k),
                              reinterpret_cast<uint16_t*>(v), Bn, T, H, H, D,
                              reinterpret_cast<uint16_t*>(o), stats,
-                             AttentionOptions{true, H * D, H * D});
+                             fsdp8::AttentionOptions{true, H * D, H * D});
       });
       split("AttentionBackwardBf16SavedTo16", [&] {
         be->AttentionBackward(reinterpret_cast<uint16_t*>(q), reinterpret_cast<uint16_t*>(k),
@@ -627,7 +627,7 @@ int main(int argc, char** argv) {
                               reinterpret_cast<uint16_t*>(dout), stats, Bn, T, H, H, D,
                               reinterpret_cast<uint16_t*>(dq), reinterpret_cast<uint16_t*>(dk),
                               reinterpret_cast<uint16_t*>(dv),
-                              AttentionOptions{true, H * D, H * D});
+                              fsdp8::AttentionOptions{true, H * D, H * D});
       });
     }
     for (void* p : bufs) be->Free(p);
@@ -750,8 +750,8 @@ int main(int argc, char** argv) {
         [&](int) { be->RmsNormBackward(pa, x, w, rstd, M, C, dx, dw, dres, pb, pc); });
     row("SwigluBackwardCastTransposeFp8", 6 * mf + 4 * mf, [&](int) {
       be->SwigluBackward(dh, g, u, M, F, F, nullptr, nullptr,
-                         Fp8Cast{sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, F},
-                         Fp8Cast{sc + 4, fsdp8::Fp8Format::kE5M2, o3, o4, amax + 1, F});
+                         fsdp8::Fp8Cast{sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, F},
+                         fsdp8::Fp8Cast{sc + 4, fsdp8::Fp8Format::kE5M2, o3, o4, amax + 1, F});
     });
     row("SwigluBackwardBf16To16 + 2 CastTransposeFp8Bf16", 10 * mf + 8 * mf, [&](int) {
       be->SwigluBackward(dh, g, u, 1, M * F, 0, dg16, du16);
@@ -762,7 +762,7 @@ int main(int argc, char** argv) {
         [&](int) { be->CastFp8(dg16, M, F, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, F); });
     row("RopeBackwardCastTransposeFp8Bf16 (q)", 2 * mc + 2 * mc, [&](int) {
       be->RopeBackward(pa, B, T, H, D, 10000.0f,
-                       Fp8Cast{sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, C});
+                       fsdp8::Fp8Cast{sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, C});
     });
     row("RopeBackwardBf16 + CastTransposeFp8Bf16 (q)", 4 * mc + 4 * mc, [&](int) {
       be->RopeBackward(pb, B, T, H, D, 10000.0f);
@@ -771,11 +771,11 @@ int main(int argc, char** argv) {
     // The forward's memory-bound passes of the same block, for comparison.
     row("RmsNormCastFp8 (forward)", 4 * mc + mc, [&](int) {
       be->RmsNormForward(x, w, 1e-5f, M, C, nullptr, rstd,
-                         Fp8Cast{sc, fsdp8::Fp8Format::kE4M3, o1, nullptr, amax});
+                         fsdp8::Fp8Cast{sc, fsdp8::Fp8Format::kE4M3, o1, nullptr, amax});
     });
     row("SwigluCastFp8 (forward)", 4 * mf + mf, [&](int) {
       be->SwigluForward(g, u, M, F, F, nullptr,
-                        Fp8Cast{sc, fsdp8::Fp8Format::kE4M3, o1, nullptr, amax});
+                        fsdp8::Fp8Cast{sc, fsdp8::Fp8Format::kE4M3, o1, nullptr, amax});
     });
     row("RopeForwardBf16 (q, forward)", 4 * mc,
         [&](int) { be->RopeForward(pa, B, T, H, D, 10000.0f, H * D); });

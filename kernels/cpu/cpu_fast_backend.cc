@@ -916,7 +916,7 @@ void CpuFastBackend::AdamWBf16Moments(float* p, const float* g, uint16_t* m16, u
 void CpuFastBackend::CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale,
                              Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
                              int64_t out_ld) {
-  if (!in.f32()) return Backend::CastFp8(in, rows, cols, scale, fmt, out, out_t, amax_out, out_ld);
+  if (in.bf16()) return Backend::CastFp8(in, rows, cols, scale, fmt, out, out_t, amax_out, out_ld);
   FSDP8_CHECK(out_ld == 0 || out_ld == cols) << "CastFp8: f32 input takes dense codes";
   if (out_t == nullptr) return CastToFp8(in.f(), out, rows * cols, scale, fmt, amax_out);
   CastTransposeFp8(in.f(), rows, cols, scale, fmt, out, out_t, amax_out);
@@ -925,7 +925,7 @@ void CpuFastBackend::CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const flo
 void CpuFastBackend::GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
                              Fp8Operand a, Fp8Operand b, TypedPtr C, bool accumulate,
                              const float* residual) {
-  if (!C.f32() || residual != nullptr) {
+  if (C.bf16() || residual != nullptr) {
     return Backend::GemmFp8(trans_a, trans_b, M, N, K, a, b, C, accumulate, residual);
   }
   GemmFp8Layout(trans_a, trans_b, M, N, K, a.codes, a.fmt, a.scale_inv, b.codes, b.fmt, b.scale_inv,
@@ -934,7 +934,7 @@ void CpuFastBackend::GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, i
 
 void CpuFastBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
                           TypedCPtr B, float* C, bool accumulate, GemmInputs inputs) {
-  if (!A.f32() || !B.f32())
+  if (A.bf16() || B.bf16())
     return Backend::Gemm(trans_a, trans_b, M, N, K, A, B, C, accumulate, inputs);
   Gemm(trans_a, trans_b, M, N, K, A.f(), B.f(), C, accumulate, inputs);
 }
@@ -950,7 +950,7 @@ void CpuFastBackend::RmsNormForward(const float* x, const float* w, float eps, i
 void CpuFastBackend::RmsNormBackward(TypedCPtr dy, const float* x, const float* w,
                                      const float* rstd, int64_t N, int64_t C, float* dx, float* dw,
                                      const float* dres, TypedCPtr dy_b, TypedCPtr dy_c) {
-  if (!dy.f32() || dres != nullptr) {
+  if (dy.bf16() || dres != nullptr) {
     return Backend::RmsNormBackward(dy, x, w, rstd, N, C, dx, dw, dres, dy_b, dy_c);
   }
   RmsNormBackward(dy.f(), x, w, rstd, N, C, dx, dw);
@@ -958,21 +958,21 @@ void CpuFastBackend::RmsNormBackward(TypedCPtr dy, const float* x, const float* 
 
 void CpuFastBackend::RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D,
                                  float theta, int64_t ld) {
-  if (!x.f32()) return Backend::RopeForward(x, B, T, H, D, theta, ld);
+  if (x.bf16()) return Backend::RopeForward(x, B, T, H, D, theta, ld);
   FSDP8_CHECK(ld == 0 || ld == H * D) << "RopeForward: f32 x is dense";
   RopeForward(x.f(), B, T, H, D, theta);
 }
 
 void CpuFastBackend::RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D,
                                   float theta, const Fp8Cast& cast) {
-  if (!dx.f32() || !cast.none()) return Backend::RopeBackward(dx, B, T, H, D, theta, cast);
+  if (dx.bf16() || !cast.none()) return Backend::RopeBackward(dx, B, T, H, D, theta, cast);
   RopeBackward(dx.f(), B, T, H, D, theta);
 }
 
 void CpuFastBackend::AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
                                       int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
                                       const AttentionOptions& opts) {
-  if (!q.f32() || opts.bf16) {
+  if (q.bf16() || opts.bf16) {
     return Backend::AttentionForward(q, k, v, B, T, H, Hkv, D, out, lse, opts);
   }
   AttentionForward(q.f(), k.f(), v.f(), B, T, H, Hkv, D, out.f(), lse);
@@ -982,7 +982,7 @@ void CpuFastBackend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, Ty
                                        TypedCPtr dout, const float* lse, int64_t B, int64_t T,
                                        int64_t H, int64_t Hkv, int64_t D, TypedPtr dq, TypedPtr dk,
                                        TypedPtr dv, const AttentionOptions& opts) {
-  if (!q.f32() || opts.bf16) {
+  if (q.bf16() || opts.bf16) {
     return Backend::AttentionBackward(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv, opts);
   }
   AttentionBackward(q.f(), k.f(), v.f(), out.f(), dout.f(), lse, B, T, H, Hkv, D, dq.f(), dk.f(),
@@ -991,7 +991,7 @@ void CpuFastBackend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, Ty
 
 void CpuFastBackend::SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
                                    int64_t in_ld, float* h, const Fp8Cast& cast) {
-  if (!gate.f32() || !cast.none()) {
+  if (gate.bf16() || !cast.none()) {
     return Backend::SwigluForward(gate, up, rows, cols, in_ld, h, cast);
   }
   FSDP8_CHECK(in_ld == 0 || in_ld == cols) << "SwigluForward: f32 gate and up are dense";
@@ -1002,11 +1002,11 @@ void CpuFastBackend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, 
                                     int64_t cols, int64_t in_ld, TypedPtr dgate, TypedPtr dup,
                                     const Fp8Cast& gate_cast, const Fp8Cast& up_cast) {
   const bool dense = in_ld == 0 || in_ld == cols;
-  if (gate.f32()) {
+  if (!gate.bf16()) {
     FSDP8_CHECK(dense) << "SwigluBackward: f32 gate and up are dense";
     return SwigluBackward(dh.f(), gate.f(), up.f(), rows * cols, dgate.f(), dup.f());
   }
-  if (dh.f32() && dense) {  // bf16-saved inputs, f32 gradients
+  if (!dh.bf16() && dense) {  // bf16-saved inputs, f32 gradients
     return SwigluBackwardBf16Saved(dh.f(), gate.h(), up.h(), rows * cols, dgate.f(), dup.f());
   }
   Backend::SwigluBackward(dh, gate, up, rows, cols, in_ld, dgate, dup, gate_cast, up_cast);

@@ -11,7 +11,7 @@
 //     with the amax taken in the same pass; RMSNorm + cast runs in one pass per row.
 //   * The linears' GEMMs (FP8 ones after decoding the codes to f32, 16 at a time through the
 //     half-precision converter F16C: exact) through oneDNN's sgemm instead of the reference's
-//     OpenBLAS: JIT kernels picked by the CPU's instruction sets (AVX2, AVX-512). GemmFp8Layout
+//     OpenBLAS: JIT kernels picked by the CPU's instruction sets (AVX2, AVX-512). GemmFp8
 //     takes every layout as it is (Fp8GemmAnyLayout), so the FP8 linears' backward makes no
 //     transposed copies of codes.
 //   * bfloat16 rounding and packing 8 or 16 values at a time on the bits; the SwiGLU backward

@@ -1094,8 +1094,8 @@ void CudaBackend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int
         LdOr(gate_cast.ld, cols), in_ld);
   }
   FSDP8_CHECK(in_ld == cols) << "SwigluBackward: strided gate and up take FP8 gradients";
-  if (gate.f32()) return SwigluBackward(dh.f(), gate.f(), up.f(), n, dgate.f(), dup.f());
-  if (dh.f32()) return SwigluBackwardBf16Saved(dh.f(), gate.h(), up.h(), n, dgate.f(), dup.f());
+  if (!gate.bf16()) return SwigluBackward(dh.f(), gate.f(), up.f(), n, dgate.f(), dup.f());
+  if (!dh.bf16()) return SwigluBackwardBf16Saved(dh.f(), gate.h(), up.h(), n, dgate.f(), dup.f());
   SwigluBackwardBf16To16(dh.h(), gate.h(), up.h(), n, dgate.h(), dup.h());
 }
 

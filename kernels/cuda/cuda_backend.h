@@ -7,12 +7,12 @@
 // torch.cuda.max_memory_allocated, which counts cuBLAS's and cuDNN's workspaces too); out of memory
 // returns nullptr. A buffer freed while enqueued
 // compute-stream work still reads it stays valid for that work (stream order); communicators order
-// their stream against the compute stream (comm/nccl_communicator.h), so the same holds for collectives. The
-// backend's own workspaces (GEMM workspace 32 MiB, reduction partials, conversion buffers, RoPE
-// tables) are allocated with cudaMalloc and held until the backend is destroyed; cuDNN attention's
-// workspace (1 GiB for the deterministic backward at the 1b shapes) is taken with Alloc for each
-// call and freed after it. AllocatedBytes and PeakAllocatedBytes include all of them, so a peak is
-// comparable with PyTorch's.
+// their stream against the compute stream (comm/nccl_communicator.h), so the same holds for
+// collectives. The backend's own workspaces (GEMM workspace 32 MiB, reduction partials, conversion
+// buffers, RoPE tables) are allocated with cudaMalloc and held until the backend is destroyed;
+// cuDNN attention's workspace (1 GiB for the deterministic backward at the 1b shapes) is taken with
+// Alloc for each call and freed after it. AllocatedBytes and PeakAllocatedBytes include all of
+// them, so a peak is comparable with PyTorch's.
 //
 // Streams: every op is enqueued on one compute stream (a non-blocking stream created for this
 // backend), in call order. CopyToHost and Synchronize wait for it. Communicators order their own
@@ -29,7 +29,7 @@
 //   * Gemm: cuBLASLt with CUBLAS_COMPUTE_32F (no TF32) for kF32; kBF16 packs A and B to bfloat16
 //     (RNE) and multiplies on tensor cores with FP32 accumulation into f32 C.
 //   * Attention: f32 flash-style kernels (kernels/cuda/attention.cu). The BF16 variants
-//     (AttentionForwardBf16Compute / AttentionBackwardBf16Compute) run cuDNN's fused SDPA
+//     (AttentionForward / AttentionBackward with AttentionOptions::bf16) run cuDNN's fused SDPA
 //     (attention_cudnn.h, deterministic backward) when built with it and D is a multiple of 8 up
 //     to 128; otherwise, or if cuDNN refuses the shape, the Backend reference (a one-time message
 //     says so).
