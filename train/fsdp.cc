@@ -226,8 +226,8 @@ void FsdpParams::CastShardCodes(const Buf& b, uint8_t* codes) {
     const Slice& sl = fp8_slices_[i];
     if (sl.hi <= sl.lo) continue;
     if (sl.lo > at) be_->Memset(codes + at, 0, sl.lo - at);
-    be_->CastToFp8(b.master.f32() + sl.lo, codes + sl.lo, sl.hi - sl.lo,
-                   w_scale_.f32() + i * kScaleStride, Fp8Format::kE4M3, nullptr);
+    be_->CastFp8(b.master.f32() + sl.lo, 1, sl.hi - sl.lo, w_scale_.f32() + i * kScaleStride,
+                 Fp8Format::kE4M3, codes + sl.lo, nullptr, nullptr);
     at = sl.hi;
   }
   if (b.plan->shard_numel > at) be_->Memset(codes + at, 0, b.plan->shard_numel - at);
@@ -401,9 +401,8 @@ void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weig
     if (hi <= lo) return;
     uint16_t* p16 = b.plan->wire == WireDtype::kBf16 ? b.wire.u16() + lo : nullptr;
     if (moments_ == MomentDtype::kBf16) {
-      be_->AdamWBf16Moments(b.master.f32() + lo, b.grad.f32() + lo, b.m.u16() + lo,
-                            b.v.u16() + lo, hi - lo, lr, beta1, beta2, eps, weight_decay, step,
-                            grad_scale, amax, p16);
+      be_->AdamW(b.master.f32() + lo, b.grad.f32() + lo, b.m.u16() + lo, b.v.u16() + lo, hi - lo,
+                 lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax, p16);
       return;
     }
     be_->AdamW(b.master.f32() + lo, b.grad.f32() + lo, b.m.f32() + lo, b.v.f32() + lo, hi - lo,
@@ -474,8 +473,8 @@ absl::Status FsdpParams::CastWeights() {
     Buf& b = units_[fp8_refs_[i].unit][fp8_refs_[i].buffer];
     const Slice& sl = fp8_slices_[i];
     if (sl.hi <= sl.lo) continue;
-    be_->CastToFp8(b.master.f32() + sl.lo, b.wire.u8() + sl.lo, sl.hi - sl.lo,
-                   w_scale_.f32() + i * kScaleStride, Fp8Format::kE4M3, nullptr);
+    be_->CastFp8(b.master.f32() + sl.lo, 1, sl.hi - sl.lo, w_scale_.f32() + i * kScaleStride,
+                 Fp8Format::kE4M3, b.wire.u8() + sl.lo, nullptr, nullptr);
   }
   return absl::OkStatus();
 }

@@ -87,8 +87,8 @@ std::string ScalingBaseName(const std::string& hf_name);
 // The per-element arrays of a rank's shard that a checkpoint carries.
 enum class ShardArray { kMaster = 0, kAdamM = 1, kAdamV = 2 };
 
-// Storage of the AdamW moments m and v: f32, or bfloat16 (Backend::AdamWBf16Moments: updated in
-// f32, rounded to nearest even when stored).
+// Storage of the AdamW moments m and v: f32, or bfloat16 (Backend::AdamW with bf16 moments: updated
+// in f32, rounded to nearest even when stored).
 enum class MomentDtype { kF32 = 0, kBf16 = 1 };
 // The moments' storage for optimizer.state_precision (FP32 or BF16; defaults applied).
 MomentDtype MomentDtypeOf(v1::Precision state_precision);
