@@ -485,14 +485,13 @@ int RunModelSection(Context& ctx) { return ModelSection(ctx.a); }
 int RunPlan(Context& ctx) {
   Args& a = ctx.a;
   if (a.positional.size() != 1) return Usage("plan: exactly one SPEC_FILE");
-  std::ifstream in(a.positional[0]);
-  if (!in) {
-    fprintf(stderr, "error: %s: cannot read: %s\n", a.positional[0].c_str(), std::strerror(errno));
+  // Bounded: an oversized file is refused before it is read (common/spec.h).
+  auto text = fsdp8::ReadSpecFile(a.positional[0]);
+  if (!text.ok()) {
+    fprintf(stderr, "error: %s\n", std::string(text.status().message()).c_str());
     return 2;
   }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto spec = fsdp8::ParseSpec(ss.str());
+  auto spec = fsdp8::ParseSpec(*text);
   if (!spec.ok()) {
     fprintf(stderr, "error: %s: %s\n", a.positional[0].c_str(), std::string(spec.status().message()).c_str());
     return 2;
@@ -567,14 +566,13 @@ int RunSubmit(Context& ctx) {
   Args& a = ctx.a;
   if (a.positional.size() != 1) return Usage("submit: exactly one SPEC_FILE");
   const std::string& file = a.positional[0];
-  std::ifstream in(file);
-  if (!in) {
-    fprintf(stderr, "error: %s: cannot read: %s\n", file.c_str(), std::strerror(errno));
+  // Bounded: an oversized file is refused before it is read (common/spec.h).
+  auto text = fsdp8::ReadSpecFile(file);
+  if (!text.ok()) {
+    fprintf(stderr, "error: %s\n", std::string(text.status().message()).c_str());
     return 2;
   }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto spec = fsdp8::ParseSpec(ss.str());
+  auto spec = fsdp8::ParseSpec(*text);
   if (!spec.ok()) {
     fprintf(stderr, "error: %s: %s\n", file.c_str(), std::string(spec.status().message()).c_str());
     return 2;

@@ -1,10 +1,15 @@
 #include "common/spec.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -58,6 +63,7 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   if (t->saved_norm_inputs() == v1::PRECISION_UNSPECIFIED) {
     t->set_saved_norm_inputs(v1::PRECISION_FP32);
   }
+  if (!t->has_max_nonfinite_steps()) t->set_max_nonfinite_steps(0);
 
   v1::OptimizerSpec* o = s.mutable_optimizer();
   if (!o->has_peak_lr()) o->set_peak_lr(3e-3);
@@ -305,6 +311,11 @@ absl::Status CheckTraining(const v1::TrainingSpec& t, int world_size) {
                absl::StrCat("got eval_every ", t.eval_every()));
   }
   FSDP8_RETURN_IF_ERROR(Positive("training.eval_batches", t.eval_batches()));
+  if (t.max_nonfinite_steps() < 0 || t.max_nonfinite_steps() > t.steps()) {
+    return Bad("training.max_nonfinite_steps",
+               "must be in [0, training.steps] (non-finite steps skipped before the job fails)",
+               absl::StrCat("got ", t.max_nonfinite_steps(), ", steps ", t.steps()));
+  }
   if (t.saved_norm_inputs() != v1::PRECISION_FP32 && t.saved_norm_inputs() != v1::PRECISION_BF16) {
     return Bad("training.saved_norm_inputs", "must be FP32 or BF16",
                absl::StrCat("got ", PrecisionName(t.saved_norm_inputs())));
@@ -504,6 +515,48 @@ absl::Status CheckStringLimits(const google::protobuf::Message& m, const std::st
 }
 
 }  // namespace
+
+absl::StatusOr<std::string> ReadSpecFile(const std::string& path) {
+  auto io_error = [&](const char* what) {
+    return absl::NotFoundError(absl::StrCat(path, ": ", what, ": ", std::strerror(errno)));
+  };
+  auto too_big = [&](const std::string& size) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", size, " exceeds the limit of ",
+                                                   kMaxSpecBytes, " bytes on a job spec"));
+  };
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return io_error("cannot read");
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    absl::Status e = io_error("cannot stat");
+    ::close(fd);
+    return e;
+  }
+  if (S_ISREG(st.st_mode) && st.st_size > kMaxSpecBytes) {
+    ::close(fd);
+    return too_big(absl::StrCat(st.st_size, " bytes"));
+  }
+  // Read at most one byte beyond the limit: that byte tells a file that grew (or a pipe) too big.
+  std::string text(static_cast<size_t>(kMaxSpecBytes) + 1, '\0');
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      absl::Status e = io_error("cannot read");
+      ::close(fd);
+      return e;
+    }
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  if (static_cast<int64_t>(got) > kMaxSpecBytes) {
+    return too_big(absl::StrCat("more than ", kMaxSpecBytes, " bytes"));
+  }
+  text.resize(got);
+  return text;
+}
 
 absl::Status CheckSpecLimits(const v1::JobSpec& spec) {
   const int64_t bytes = static_cast<int64_t>(spec.ByteSizeLong());

@@ -18,7 +18,8 @@ namespace fsdp8 {
 // without bound: the serialized size of the spec, and the bytes of every string field — paths
 // (data.train_path, data.val_path, checkpoint.dir, checkpoint.resume_from, init.from_hf,
 // init.from_checkpoint) up to kMaxPathBytes, every other string (name, backend) up to
-// kMaxNameBytes. Also the limit on a request id.
+// kMaxNameBytes. Also the limit on a request id. kMaxSpecBytes also bounds a spec file the CLI
+// reads (ReadSpecFile): a file larger than a spec may be is refused before it is read.
 inline constexpr int64_t kMaxSpecBytes = 64 << 10;
 inline constexpr int64_t kMaxPathBytes = 1024;
 inline constexpr int64_t kMaxNameBytes = 256;
@@ -66,6 +67,14 @@ v1::JobSpec WithDefaults(const v1::JobSpec& spec, int world_size);
 // first violation.
 absl::Status ValidateSpec(const v1::JobSpec& spec, int world_size,
                           const std::vector<std::string>& data_roots, bool check_files);
+
+// The text of a job spec file, for the CLI: the file's size is checked (fstat of the open file)
+// before anything is read, and at most kMaxSpecBytes + 1 bytes are ever read (a file that grows
+// meanwhile, a pipe), so memory stays bounded whatever the file holds. NOT_FOUND naming the path
+// and the errno text when it cannot be opened or read; INVALID_ARGUMENT naming the path, its size
+// and the limit when it is larger than kMaxSpecBytes ("big.yaml: 53477376 bytes exceeds the
+// limit of 65536 bytes on a job spec").
+absl::StatusOr<std::string> ReadSpecFile(const std::string& path);
 
 // Parses a job spec from YAML or JSON text (protobuf JSON mapping: original or lowerCamel field
 // names, enum value names; YAML uses the same names). Enums also accept case-insensitive value names

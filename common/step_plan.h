@@ -62,7 +62,7 @@ struct PlannedTensor {
 struct BlockPlan {
   v1::Precision linears = v1::PRECISION_FP32;  // LayerLinearPrecision
   // FP8 linears with BF16 attention: bf16 activations between the GEMMs, FP8 inputs cast from
-  // them, fused groups possible (LlamaModel::BlockForwardFp8). Otherwise the generic block: f32
+  // them, fused groups possible (LlamaModel::BlockForward with Block::acts16). Otherwise the generic block: f32
   // activations, each linear casting its own input.
   bool fp8_bf16 = false;
   Dtype attention = Dtype::kF32;  // the attention's compute dtype (precision.attention)

@@ -1,7 +1,6 @@
 #include "common/token_shard.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -163,56 +162,109 @@ absl::StatusOr<TokenShardHeader> ReadTokenShardHeader(const std::string& path) {
   return h;
 }
 
-absl::StatusOr<std::unique_ptr<MappedTokenShard>> MappedTokenShard::Open(const std::string& path) {
+namespace {
+
+int64_t MtimeNs(const struct stat& st) {
+  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
+
+absl::Status Changed(const std::string& path, const std::string& what) {
+  return absl::DataLossError(
+      absl::StrCat("token shard ", path, " changed while it was being read: ", what));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TokenShardReader>> TokenShardReader::Open(const std::string& path) {
   int fd = -1;
   absl::StatusOr<TokenShardHeader> h = OpenAndCheck(path, &fd);
   if (!h.ok()) return h.status();
-  std::unique_ptr<MappedTokenShard> m(new MappedTokenShard());
-  m->path_ = path;
-  m->header_ = *h;
-  m->map_bytes_ = static_cast<size_t>(kTokenShardHeaderBytes + h->token_bytes * h->num_tokens);
-  void* p = ::mmap(nullptr, m->map_bytes_, PROT_READ, MAP_SHARED, fd, 0);
-  const int e = errno;
-  ::close(fd);
-  if (p == MAP_FAILED) {
+  std::unique_ptr<TokenShardReader> r(new TokenShardReader());
+  r->path_ = path;
+  r->header_ = *h;
+  r->fd_ = fd;
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
     return absl::InternalError(
-        absl::StrCat("token shard ", path, ": mmap failed (", std::strerror(e), ")"));
+        absl::StrCat("token shard ", path, ": stat failed (", std::strerror(errno), ")"));
   }
-  m->map_ = p;
-  m->tokens_ = static_cast<const unsigned char*>(p) + kTokenShardHeaderBytes;
-  return m;
+  r->file_bytes_ = st.st_size;
+  r->dev_ = st.st_dev;
+  r->ino_ = st.st_ino;
+  r->mtime_ns_ = MtimeNs(st);
+  return r;
 }
 
-MappedTokenShard::~MappedTokenShard() {
-  if (map_ != nullptr) ::munmap(map_, map_bytes_);
+TokenShardReader::~TokenShardReader() {
+  if (fd_ >= 0) ::close(fd_);
 }
 
-uint32_t MappedTokenShard::Token(int64_t i) const {
-  if (header_.token_bytes == 2) {
-    uint16_t t;
-    std::memcpy(&t, tokens_ + 2 * i, 2);
-    return t;
+absl::Status TokenShardReader::Read(int64_t first, int64_t count, uint32_t* out) const {
+  const int tb = header_.token_bytes;
+  const int64_t begin = kTokenShardHeaderBytes + tb * first;
+  const int64_t bytes = tb * count;
+  // uint32 tokens land in `out` as they are; uint16 ones go through a buffer and are widened.
+  std::vector<uint16_t> narrow(tb == 2 ? static_cast<size_t>(count) : 0);
+  char* dst = tb == 4 ? reinterpret_cast<char*>(out) : reinterpret_cast<char*>(narrow.data());
+  int64_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::pread(fd_, dst + done, static_cast<size_t>(bytes - done), begin + done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      return absl::InternalError(absl::StrCat("token shard ", path_, ": read of bytes [", begin,
+                                              ", ", begin + bytes, ") failed (",
+                                              std::strerror(errno), ")"));
+    }
+    if (n == 0) {
+      struct stat st;
+      const int64_t now = ::fstat(fd_, &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+      return Changed(path_, absl::StrCat("a read of bytes [", begin, ", ", begin + bytes,
+                                         ") met its end (", now, " bytes now, ", file_bytes_,
+                                         " when opened: truncated)"));
+    }
+    done += n;
   }
-  uint32_t t;
-  std::memcpy(&t, tokens_ + 4 * i, 4);
-  return t;
+  if (tb == 2) {
+    for (int64_t i = 0; i < count; ++i) out[i] = narrow[static_cast<size_t>(i)];
+  }
+  return absl::OkStatus();
 }
 
-void MappedTokenShard::Read(int64_t first, int64_t count, uint32_t* out) const {
-  if (header_.token_bytes == 4) {
-    std::memcpy(out, tokens_ + 4 * first, static_cast<size_t>(count) * 4);
-    return;
+absl::Status TokenShardReader::CheckUnchanged() const {
+  struct stat open_st;
+  if (::fstat(fd_, &open_st) != 0) {
+    return absl::InternalError(
+        absl::StrCat("token shard ", path_, ": stat failed (", std::strerror(errno), ")"));
   }
-  for (int64_t i = 0; i < count; ++i) out[i] = Token(first + i);
+  if (open_st.st_size != file_bytes_) {
+    return Changed(path_, absl::StrCat("it has ", open_st.st_size, " bytes now, ", file_bytes_,
+                                       " when opened (",
+                                       open_st.st_size < file_bytes_ ? "truncated" : "extended",
+                                       ")"));
+  }
+  if (MtimeNs(open_st) != mtime_ns_) {
+    return Changed(path_, "its modification time changed (rewritten in place)");
+  }
+  struct stat path_st;
+  if (::stat(path_.c_str(), &path_st) != 0) {
+    const int e = errno;
+    if (e == ENOENT) return Changed(path_, "the path no longer exists (deleted or renamed)");
+    return absl::InternalError(
+        absl::StrCat("token shard ", path_, ": stat failed (", std::strerror(e), ")"));
+  }
+  if (path_st.st_dev != dev_ || path_st.st_ino != ino_) {
+    return Changed(path_, "the path names another file now (replaced)");
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<TokenShard> ReadTokenShard(const std::string& path) {
-  absl::StatusOr<std::unique_ptr<MappedTokenShard>> m = MappedTokenShard::Open(path);
-  if (!m.ok()) return m.status();
+  absl::StatusOr<std::unique_ptr<TokenShardReader>> r = TokenShardReader::Open(path);
+  if (!r.ok()) return r.status();
   TokenShard shard;
-  shard.token_bytes = (*m)->token_bytes();
-  shard.tokens.resize(static_cast<size_t>((*m)->num_tokens()));
-  (*m)->Read(0, (*m)->num_tokens(), shard.tokens.data());
+  shard.token_bytes = (*r)->token_bytes();
+  shard.tokens.resize(static_cast<size_t>((*r)->num_tokens()));
+  if (absl::Status s = (*r)->Read(0, (*r)->num_tokens(), shard.tokens.data()); !s.ok()) return s;
   return shard;
 }
 

@@ -9,14 +9,17 @@
 //   | uint16  | 20240520 | 1       | uint16     | 1024 + 2 * N | "gpt-2"    |
 //   | uint32  | 20240801 | 7       | uint32     | 1024 + 4 * N | "llama-3"  |
 //
-// Writers pick the narrowest format that holds the vocabulary (TokenBytesForVocab). Readers map the
-// file (MappedTokenShard): a shard is never read whole into anonymous memory, so a worker's
-// resident anonymous memory does not grow with the dataset.
+// Writers pick the narrowest format that holds the vocabulary (TokenBytesForVocab). Readers keep
+// the file open (TokenShardReader) and read the tokens they need with pread(2) into their own
+// buffer: a shard is never read whole into anonymous memory, so a worker's resident anonymous
+// memory does not grow with the dataset, and a file that shrinks, is replaced or is deleted while
+// it is read gives an error naming it (DATA_LOSS), never a signal (a memory map of a truncated
+// file raises SIGBUS on the next touch of a page past its end).
 //
 // The data rule (which windows a step reads) is in common/token_dataset.h.
 //
 // Thread-safety: the free functions touch only the named file (and its temp file);
-// MappedTokenShard is immutable after Open and may be read from any thread.
+// TokenShardReader is immutable after Open and may be used from any thread.
 #pragma once
 
 #include <cstdint>
@@ -61,40 +64,52 @@ absl::Status WriteTokenShard(const std::string& path, const std::vector<uint16_t
 // file size that does not match the header.
 absl::StatusOr<TokenShardHeader> ReadTokenShardHeader(const std::string& path);
 
-// A read-only memory map of one shard (header checked as ReadTokenShardHeader). Pages are
-// file-backed: the kernel reads them on first touch and may drop them under memory pressure.
-class MappedTokenShard {
+// One shard, open read-only (header checked as ReadTokenShardHeader). Tokens are read with
+// pread(2) (no memory map): the page cache holds what was read, file-backed, and the kernel may
+// drop it under memory pressure.
+//
+// The file may change under a long-running reader (truncated, rewritten, replaced by a rename,
+// deleted). Read never reads past the end the file has now (a short read is DATA_LOSS), and
+// CheckUnchanged tells whether the path still names the file as it was opened: a caller that
+// checks after its reads knows that what it read came from that file.
+class TokenShardReader {
  public:
-  // Errors as ReadTokenShardHeader; INTERNAL when mmap fails.
-  static absl::StatusOr<std::unique_ptr<MappedTokenShard>> Open(const std::string& path);
-  ~MappedTokenShard();
-  MappedTokenShard(const MappedTokenShard&) = delete;
-  MappedTokenShard& operator=(const MappedTokenShard&) = delete;
+  // Errors as ReadTokenShardHeader; INTERNAL when the file cannot be stat'ed.
+  static absl::StatusOr<std::unique_ptr<TokenShardReader>> Open(const std::string& path);
+  ~TokenShardReader();  // closes the file
+  TokenShardReader(const TokenShardReader&) = delete;
+  TokenShardReader& operator=(const TokenShardReader&) = delete;
 
   const std::string& path() const { return path_; }
   int64_t num_tokens() const { return header_.num_tokens; }
   int token_bytes() const { return header_.token_bytes; }
-  // Token i, 0 <= i < num_tokens() (unchecked).
-  uint32_t Token(int64_t i) const;
   // out[0, count) = tokens [first, first + count) widened to uint32; requires
-  // 0 <= first <= first + count <= num_tokens().
-  void Read(int64_t first, int64_t count, uint32_t* out) const;
+  // 0 <= first <= first + count <= num_tokens(). DATA_LOSS naming the path when the file ends
+  // before the last byte asked for (it shrank since Open); INTERNAL with the errno text when the
+  // read fails.
+  absl::Status Read(int64_t first, int64_t count, uint32_t* out) const;
+  // OK while the open file has the size and modification time it had at Open and `path` still
+  // names it (same device and inode). Otherwise DATA_LOSS naming the path and what changed:
+  // its size (truncated or extended), its modification time (rewritten in place), or the file
+  // the path names (replaced, e.g. renamed over) or none (deleted). Two stat calls; never reads.
+  absl::Status CheckUnchanged() const;
 
  private:
-  MappedTokenShard() = default;
+  TokenShardReader() = default;
   std::string path_;
   TokenShardHeader header_;
-  void* map_ = nullptr;
-  size_t map_bytes_ = 0;
-  const unsigned char* tokens_ = nullptr;  // map_ + header
+  int fd_ = -1;
+  int64_t file_bytes_ = 0;  // at Open
+  uint64_t dev_ = 0, ino_ = 0;
+  int64_t mtime_ns_ = 0;  // at Open
 };
 
-// A whole shard in memory, for tests and small tools (training maps shards instead).
+// A whole shard in memory, for tests and small tools (training reads windows instead).
 struct TokenShard {
   std::vector<uint32_t> tokens;
   int token_bytes = 2;
 };
-// Errors as MappedTokenShard::Open.
+// Errors as TokenShardReader::Open and Read.
 absl::StatusOr<TokenShard> ReadTokenShard(const std::string& path);
 
 // SplitMix64 (Steele, Lea, Flood 2014; the finaliser of java.util.SplittableRandom): one step of the

@@ -270,10 +270,12 @@ std::optional<absl::StatusOr<v1::Job>> JobManager::ReplayLocked(
 absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
                                            const v1::JobSpec& spec, const std::string& owner) {
   if (static_cast<int64_t>(request_id.size()) > kMaxNameBytes)
-    return absl::InvalidArgumentError(absl::StrCat("request_id: longer than the limit of ",
-                                                   kMaxNameBytes, " bytes (got ",
-                                                   request_id.size(), ")"));
-  if (absl::Status s = CheckSpecLimits(spec); !s.ok()) return s;  // before copying it around
+    return Refused(absl::InvalidArgumentError(absl::StrCat("request_id: longer than the limit of ",
+                                                           kMaxNameBytes, " bytes (got ",
+                                                           request_id.size(), ")")),
+                   owner, spec);
+  // Before copying it around.
+  if (absl::Status s = CheckSpecLimits(spec); !s.ok()) return Refused(s, owner, spec);
   v1::JobSpec d = WithDefaults(spec, 0);
   std::string bytes = DeterministicBytes(d);
   {
@@ -321,17 +323,19 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
   if (options_.check_files && !init.empty()) {
     auto ck = CheckpointStore::Open(init);
     if (!ck.ok())
-      return absl::FailedPreconditionError(
-          absl::StrCat("init.from_checkpoint: ", ck.status().message()));
+      return Refused(absl::FailedPreconditionError(
+                         absl::StrCat("init.from_checkpoint: ", ck.status().message())),
+                     owner, d);
     if (absl::Status s = CheckpointStore::CheckResumeCompatible(d, ck->manifest.spec(), init,
                                                                 "init.from_checkpoint");
         !s.ok())
-      return s;
+      return Refused(s, owner, d);
   }
   v1::Job out;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
+    if (shutdown_)
+      return Refused(absl::UnavailableError("coordinator is shutting down"), owner, d);
     // Re-checked: another submit may have raced us.
     if (auto replay = ReplayLocked(request_id, owner, bytes)) return *replay;
     std::string id = NewJobIdLocked();
@@ -856,8 +860,13 @@ absl::Status JobManager::Refused(absl::Status s, const std::string& owner,
   // Validation messages read "field: rule".
   const std::string message(s.message());
   const size_t colon = message.find(": ");
+  // A refused spec may break the limits: its name is logged up to the limit on names.
+  std::string name = spec.name();
+  if (static_cast<int64_t>(name.size()) > kMaxNameBytes)
+    name = absl::StrCat(name.substr(0, static_cast<size_t>(kMaxNameBytes)), "... (",
+                        spec.name().size(), " bytes)");
   LogEvent("job_refused", {{"owner", owner},
-                           {"name", spec.name()},
+                           {"name", name},
                            {"code", absl::StatusCodeToString(s.code())},
                            {"field", colon == std::string::npos ? "" : message.substr(0, colon)},
                            {"rule", colon == std::string::npos ? message : message.substr(colon + 2)}});

@@ -1,6 +1,7 @@
 #include "coordinator/job_run.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -506,6 +507,7 @@ absl::Status JobRun::RunStep(const v1::JobSpec& spec, int64_t k, Progress* p) {
       StepEvent(k, command.step().evaluate(), results, secs, &p->tokens_total);
   bool requested = false;
   if (absl::Status s = PublishStep(k, ev, results, &requested); !s.ok()) return s;
+  if (absl::Status s = CheckFinite(spec, ev, results, p); !s.ok()) return s;
   const int64_t completed = k + 1;
   // A request that arrived after step k+1 was sent ahead is honoured after step k+1.
   if (requested && p->next_to_send > completed) {
@@ -579,6 +581,37 @@ absl::Status JobRun::PublishStep(int64_t k, const v1::JobEvent& ev,
   // Metrics first: a watcher that has seen step k's event then scrapes at least k steps.
   if (options_.metrics) options_.metrics->OnStep(id, ev, results);
   if (!jobs_->RecordStep(id, ev, requested).ok()) return absl::CancelledError("job ended");
+  return absl::OkStatus();
+}
+
+absl::Status JobRun::CheckFinite(const v1::JobSpec& spec, const v1::JobEvent& ev,
+                                 const std::vector<v1::StepResult>& results, Progress* p) {
+  bool skipped = false;
+  for (const auto& res : results) skipped = skipped || res.skipped();
+  if (!skipped && std::isfinite(ev.loss()) && std::isfinite(ev.grad_norm())) return absl::OkStatus();
+  ++p->nonfinite_steps;
+  const int64_t allowed = spec.training().max_nonfinite_steps();
+  const std::string what = absl::StrCat("step ", ev.step(), ": loss ", ev.loss(),
+                                        ", gradient norm ", ev.grad_norm(), ": not finite");
+  LogEvent("step_not_finite", {{"job", job_.job_id()},
+                               {"step", ev.step()},
+                               {"loss", ev.loss()},
+                               {"grad_norm", ev.grad_norm()},
+                               {"nonfinite_steps", p->nonfinite_steps},
+                               {"max_nonfinite_steps", allowed}});
+  if (p->nonfinite_steps > allowed) {
+    recoverable_ = false;  // the same data and weights would give the same values again
+    return absl::OutOfRangeError(absl::StrCat(
+        what, "; ", p->nonfinite_steps, " non-finite step", p->nonfinite_steps == 1 ? "" : "s",
+        ", more than training.max_nonfinite_steps ", allowed, " (",
+        p->nonfinite_steps == 1 ? "its update was" : "each one's update was", " skipped)"));
+  }
+  if (!jobs_->PublishMessage(job_.job_id(),
+                             absl::StrCat(what, "; its update was skipped (", p->nonfinite_steps,
+                                          " of at most ", allowed,
+                                          " non-finite steps, training.max_nonfinite_steps)"))
+           .ok())
+    return absl::CancelledError("job ended");
   return absl::OkStatus();
 }
 

@@ -126,6 +126,7 @@ class JobRun {
     int failed_saves = 0;       // consecutive saves that failed for lack of storage
     int64_t next_to_send = 0;   // the first step whose command has not been sent
     bool save_pending = false;  // a requested save waits for the step already sent ahead
+    int64_t nonfinite_steps = 0;  // steps of this generation whose loss or grad norm was not finite
   };
 
   void Run();
@@ -178,6 +179,12 @@ class JobRun {
   // reported after step k's wait (which names a lost rank's cause).
   std::optional<absl::Status> SendAhead(const v1::JobSpec& spec, int64_t k, Progress* p);
   absl::Status AwaitResults(int64_t k, Clock::time_point t0, std::vector<v1::StepResult>* results);
+  // After step event `ev` was published: a step whose loss or gradient norm is not finite (or that
+  // a rank reports skipped) is counted; beyond spec.training.max_nonfinite_steps the job fails
+  // (OUT_OF_RANGE, not restarted: it would repeat), the reason naming the step, the loss and the
+  // gradient norm; before that the skip is published as an event and logged.
+  absl::Status CheckFinite(const v1::JobSpec& spec, const v1::JobEvent& ev,
+                           const std::vector<v1::StepResult>& results, Progress* p);
   // Records the step (scaling state, JobManager, metrics); *requested: a TriggerCheckpoint is due.
   absl::Status PublishStep(int64_t k, const v1::JobEvent& ev,
                            const std::vector<v1::StepResult>& results, bool* requested);

@@ -63,8 +63,14 @@ grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* ctx, const v1::Submi
                                        v1::Job* resp) {
   auto p = Authorize(auth_, ctx, {Role::kSubmitter, Role::kAdmin}, "JobService/SubmitJob");
   if (!p.ok()) return ToGrpc(p.status());
-  if (draining_ && draining_->load())
+  if (draining_ && draining_->load()) {
+    LogEvent("job_refused", {{"owner", p->user},
+                             {"name", req->spec().name().substr(0, kMaxNameBytes)},
+                             {"code", "UNAVAILABLE"},
+                             {"field", ""},
+                             {"rule", "coordinator is draining (shutting down)"}});
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator is draining (shutting down)");
+  }
   auto job = jobs_->Submit(req->request_id(), req->spec(), p->user);
   if (!job.ok()) return ToGrpc(job.status());
   *resp = *job;

@@ -22,7 +22,33 @@
 #endif
 
 namespace fsdp8 {
+
+float* TypedPtr::f() const {
+  FSDP8_CHECK(data == nullptr || dtype == DType::kF32) << "expected an f32 buffer, got bf16";
+  return static_cast<float*>(data);
+}
+uint16_t* TypedPtr::h() const {
+  FSDP8_CHECK(data == nullptr || dtype == DType::kBF16) << "expected a bf16 buffer, got f32";
+  return static_cast<uint16_t*>(data);
+}
+const float* TypedCPtr::f() const {
+  FSDP8_CHECK(data == nullptr || dtype == DType::kF32) << "expected an f32 buffer, got bf16";
+  return static_cast<const float*>(data);
+}
+const uint16_t* TypedCPtr::h() const {
+  FSDP8_CHECK(data == nullptr || dtype == DType::kBF16) << "expected a bf16 buffer, got f32";
+  return static_cast<const uint16_t*>(data);
+}
+
 namespace {
+
+// Scratch f32 buffer of n elements on `be`; std::bad_alloc when out of memory (the worker reports
+// RESOURCE_EXHAUSTED).
+float* F32Scratch(Backend* be, int64_t n) {
+  float* p = static_cast<float*>(be->Alloc(static_cast<size_t>(n > 0 ? n : 1) * sizeof(float)));
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
 
 // A device copy of n f32 values, each rounded to the nearest bfloat16 (f32 storage).
 float* RoundedToBf16Copy(Backend* be, const float* x, int64_t n) {
@@ -33,171 +59,6 @@ float* RoundedToBf16Copy(Backend* be, const float* x, int64_t n) {
   return c;
 }
 
-}  // namespace
-
-void Backend::SetRopeInvFreq(float theta, std::vector<float> inv_freq) {
-  rope_freq_theta_ = theta;
-  rope_inv_freq_ = std::move(inv_freq);
-  ++rope_freq_version_;
-}
-
-const std::vector<float>* Backend::RopeInvFreqFor(int64_t D, float theta) const {
-  if (rope_inv_freq_.empty() || theta != rope_freq_theta_ ||
-      D != 2 * static_cast<int64_t>(rope_inv_freq_.size())) {
-    return nullptr;
-  }
-  return &rope_inv_freq_;
-}
-
-void Backend::AttentionForwardBf16Compute(const float* q, const float* k, const float* v, int64_t B,
-                                          int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
-                                          float* lse) {
-  float* qr = RoundedToBf16Copy(this, q, B * T * H * D);
-  float* kr = RoundedToBf16Copy(this, k, B * T * Hkv * D);
-  float* vr = RoundedToBf16Copy(this, v, B * T * Hkv * D);
-  AttentionForward(qr, kr, vr, B, T, H, Hkv, D, out, lse);
-  RoundToBf16(out, B * T * H * D);
-  Free(qr);
-  Free(kr);
-  Free(vr);
-}
-
-void Backend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t* k16,
-                                         const uint16_t* v16, const uint16_t* out16,
-                                         const float* dout, const float* lse, int64_t B,
-                                         int64_t T, int64_t H, int64_t Hkv, int64_t D, float* dq,
-                                         float* dk, float* dv) {
-  const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
-  float* buf = static_cast<float*>(Alloc(static_cast<size_t>(2 * nq + 2 * nk) * sizeof(float)));
-  FSDP8_CHECK(buf != nullptr) << "device out of memory";
-  float *q = buf, *o = q + nq, *k = o + nq, *v = k + nk;
-  UnpackBf16(q16, q, nq);
-  UnpackBf16(out16, o, nq);
-  UnpackBf16(k16, k, nk);
-  UnpackBf16(v16, v, nk);
-  AttentionBackwardBf16Compute(q, k, v, o, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
-  Free(buf);
-}
-
-void Backend::SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16, const uint16_t* up16,
-                                      int64_t n, float* dgate, float* dup) {
-  float* buf = static_cast<float*>(Alloc(static_cast<size_t>(2 * n) * sizeof(float)));
-  FSDP8_CHECK(buf != nullptr) << "device out of memory";
-  UnpackBf16(gate16, buf, n);
-  UnpackBf16(up16, buf + n, n);
-  SwigluBackward(dh, buf, buf + n, n, dgate, dup);
-  Free(buf);
-}
-
-// ---- bfloat16 activations: the reference compositions ---------------------------------------
-
-namespace {
-// Scratch f32 buffer of n elements on `be`; std::bad_alloc when out of memory (the worker reports
-// RESOURCE_EXHAUSTED).
-float* F32Scratch(Backend* be, int64_t n) {
-  float* p = static_cast<float*>(be->Alloc(static_cast<size_t>(n > 0 ? n : 1) * sizeof(float)));
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
-}  // namespace
-
-void Backend::RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C,
-                             float* rstd, const float* scale, Fp8Format fmt, uint8_t* out,
-                             float* amax_out) {
-  float* y = F32Scratch(this, N * C);
-  RmsNormForward(x, w, eps, N, C, y, rstd);
-  CastToFp8(y, out, N * C, scale, fmt, amax_out);
-  Free(y);
-}
-
-void Backend::RmsNormBackwardAdd(const float* dy, const float* x, const float* w,
-                                 const float* rstd, const float* dres, int64_t N, int64_t C,
-                                 float* dx, float* dw) {
-  RmsNormBackward(dy, x, w, rstd, N, C, dx, dw);
-  Axpy(1.0f, dres, dx, N * C);
-}
-
-void Backend::RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b,
-                                          const uint16_t* dy_c, const float* x, const float* w,
-                                          const float* rstd, const float* dres, int64_t N,
-                                          int64_t C, float* dx, float* dw) {
-  const int64_t n = N * C;
-  float* dy = static_cast<float*>(Alloc(static_cast<size_t>(2 * (n > 0 ? n : 1)) * sizeof(float)));
-  FSDP8_CHECK(dy != nullptr) << "device out of memory";
-  float* part = dy + n;
-  FSDP8_CHECK(dy_b != nullptr || dy_c == nullptr)
-      << "RmsNormBackwardAddBf16Parts: dy_c without dy_b";
-  UnpackBf16(dy_a, dy, n);
-  if (dy_b != nullptr) {
-    UnpackBf16(dy_b, part, n);
-    Axpy(1.0f, part, dy, n);
-  }
-  if (dy_c != nullptr) {
-    UnpackBf16(dy_c, part, n);
-    Axpy(1.0f, part, dy, n);
-  }
-  RmsNormBackwardAdd(dy, x, w, rstd, dres, N, C, dx, dw);
-  Free(dy);
-}
-
-void Backend::GemmFp8Layout(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                            const uint8_t* A, Fp8Format a_fmt, const float* a_scale_inv,
-                            const uint8_t* B, Fp8Format b_fmt, const float* b_scale_inv, float* C,
-                            bool accumulate) {
-  // GemmFp8 takes A (M, K) and B (N, K).
-  auto transposed = [this](const uint8_t* x, int64_t rows, int64_t cols) {
-    auto* t = static_cast<uint8_t*>(Alloc(static_cast<size_t>(std::max<int64_t>(rows * cols, 1))));
-    if (t == nullptr) throw std::bad_alloc();
-    TransposeBytes(x, rows, cols, t);
-    return t;
-  };
-  uint8_t* at = trans_a ? transposed(A, K, M) : nullptr;
-  uint8_t* bt = trans_b ? nullptr : transposed(B, K, N);
-  GemmFp8(M, N, K, at != nullptr ? at : A, a_fmt, a_scale_inv, bt != nullptr ? bt : B, b_fmt,
-          b_scale_inv, C, accumulate);
-  if (at != nullptr) Free(at);
-  if (bt != nullptr) Free(bt);
-}
-
-void Backend::GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint8_t* A,
-                                 Fp8Format a_fmt, const float* a_scale_inv, const uint8_t* B,
-                                 Fp8Format b_fmt, const float* b_scale_inv, const float* R,
-                                 float* D) {
-  Copy(D, R, static_cast<size_t>(M * N) * sizeof(float));
-  GemmFp8(M, N, K, A, a_fmt, a_scale_inv, B, b_fmt, b_scale_inv, D, true);
-}
-
-void Backend::GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                       const uint16_t* A16, const uint16_t* B16, float* C, bool accumulate) {
-  float* a = F32Scratch(this, M * K);
-  float* b = F32Scratch(this, N * K);
-  UnpackBf16(A16, a, M * K);
-  UnpackBf16(B16, b, N * K);
-  Gemm(trans_a, trans_b, M, N, K, a, b, C, accumulate, GemmInputs::kF32);
-  Free(a);
-  Free(b);
-}
-
-void Backend::CrossEntropyForwardBackwardBf16Grad(const float* logits, const int32_t* targets,
-                                                  int64_t N, int64_t V, float grad_scale,
-                                                  float* losses, uint16_t* dlogits16) {
-  float* g = F32Scratch(this, N * V);
-  Copy(g, logits, static_cast<size_t>(N * V) * sizeof(float));
-  CrossEntropyForwardBackward(g, targets, N, V, grad_scale, losses);
-  PackBf16(g, dlogits16, N * V);
-  Free(g);
-}
-
-void Backend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-                          const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-                          const float* b_scale_inv, uint16_t* C16) {
-  float* c = F32Scratch(this, M * N);
-  GemmFp8(M, N, K, A, a_fmt, a_scale_inv, B, b_fmt, b_scale_inv, c, false);
-  PackBf16(c, C16, M * N);
-  Free(c);
-}
-
-namespace {
 void CheckRowStride(int64_t ld, int64_t cols) {
   FSDP8_CHECK(ld >= cols) << "row stride " << ld << " < cols " << cols;
 }
@@ -222,28 +83,72 @@ uint16_t* DenseRows16(Backend* be, const uint16_t* x16, int64_t rows, int64_t co
   for (int64_t r = 0; r < rows; ++r) be->Copy(d + r * cols, x16 + r * ld, cols * sizeof(uint16_t));
   return d;
 }
-}  // namespace
 
-void Backend::CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, const float* scale,
-                            Fp8Format fmt, float* amax_out) {
-  float* x = F32Scratch(this, n);
-  UnpackBf16(in16, x, n);
-  CastToFp8(x, out, n, scale, fmt, amax_out);
-  Free(x);
+// RopeForward (backward = false) or RopeBackward in place on dense bf16 x16 through an f32 copy.
+void RopeBf16(Backend* be, uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+              bool backward) {
+  const int64_t n = B * T * H * D;
+  float* x = F32Scratch(be, n);
+  be->UnpackBf16(x16, x, n);
+  if (backward) {
+    be->RopeBackward(x, B, T, H, D, theta);
+  } else {
+    be->RopeForward(x, B, T, H, D, theta);
+  }
+  be->PackBf16(x, x16, n);
+  be->Free(x);
 }
 
-void Backend::CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t cols,
-                                   const float* scale, Fp8Format fmt, uint8_t* out,
-                                   uint8_t* out_t, float* amax_out, int64_t out_ld) {
-  FSDP8_CHECK(out_ld >= cols) << "CastTransposeFp8Bf16: out_ld " << out_ld << " < cols " << cols;
-  float* x = F32Scratch(this, rows * cols);
-  UnpackBf16(in16, x, rows * cols);
-  if (out == nullptr || out_ld == cols) {
-    CastTransposeFp8(x, rows, cols, scale, fmt, out, out_t, amax_out);
+int64_t Ld(int64_t ld, int64_t dense) { return ld == 0 ? dense : ld; }
+
+}  // namespace
+
+void Backend::SetRopeInvFreq(float theta, std::vector<float> inv_freq) {
+  rope_freq_theta_ = theta;
+  rope_inv_freq_ = std::move(inv_freq);
+  ++rope_freq_version_;
+}
+
+const std::vector<float>* Backend::RopeInvFreqFor(int64_t D, float theta) const {
+  if (rope_inv_freq_.empty() || theta != rope_freq_theta_ ||
+      D != 2 * static_cast<int64_t>(rope_inv_freq_.size())) {
+    return nullptr;
+  }
+  return &rope_inv_freq_;
+}
+
+void Backend::SetFp8FastAccumulation(bool on) {
+  settings_.fp8_fast_accumulation = on;
+  ApplySettings(settings_);
+}
+void Backend::SetGemmAutotune(bool on) {
+  settings_.gemm_autotune = on;
+  ApplySettings(settings_);
+}
+void Backend::SetDeterministic(bool on) {
+  settings_.deterministic = on;
+  ApplySettings(settings_);
+}
+
+// ---- the reference compositions: every variant but the f32 one, which the backends run -------
+
+void Backend::CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale, Fp8Format fmt,
+                      uint8_t* out, uint8_t* out_t, float* amax_out, int64_t out_ld) {
+  const uint16_t* in16 = in.h();
+  FSDP8_CHECK(in16 != nullptr) << "CastFp8: f32 input is the backend's own";
+  out_ld = Ld(out_ld, cols);
+  FSDP8_CHECK(out_ld >= cols) << "CastFp8: out_ld " << out_ld << " < cols " << cols;
+  const int64_t n = rows * cols;
+  float* x = F32Scratch(this, n);
+  UnpackBf16(in16, x, n);
+  if (out_t == nullptr && out_ld == cols) {
+    CastFp8(x, 1, n, scale, fmt, out, nullptr, amax_out);
+  } else if (out == nullptr || out_ld == cols) {
+    CastFp8(x, rows, cols, scale, fmt, out, out_t, amax_out);
   } else {  // dense codes first, then row by row into the strided matrix
-    uint8_t* dense = static_cast<uint8_t*>(Alloc(static_cast<size_t>(rows * cols > 0 ? rows * cols : 1)));
+    uint8_t* dense = static_cast<uint8_t*>(Alloc(static_cast<size_t>(n > 0 ? n : 1)));
     FSDP8_CHECK(dense != nullptr) << "device out of memory";
-    CastTransposeFp8(x, rows, cols, scale, fmt, dense, out_t, amax_out);
+    CastFp8(x, rows, cols, scale, fmt, dense, out_t, amax_out);
     for (int64_t r = 0; r < rows; ++r) Copy(out + r * out_ld, dense + r * cols, cols);
     Free(dense);
   }
@@ -267,25 +172,96 @@ void Backend::GroupMax(const float* in, const int32_t* group, int64_t n, float* 
   CopyToDevice(out, r.data(), n * sizeof(float));
 }
 
-namespace {
-// RopeForward (backward = false) or RopeBackward in place on bf16 x16 through an f32 copy.
-void RopeBf16(Backend* be, uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
-              float theta, bool backward) {
-  const int64_t n = B * T * H * D;
-  float* x = F32Scratch(be, n);
-  be->UnpackBf16(x16, x, n);
-  if (backward) {
-    be->RopeBackward(x, B, T, H, D, theta);
-  } else {
-    be->RopeForward(x, B, T, H, D, theta);
+void Backend::GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
+                      Fp8Operand b, TypedPtr C, bool accumulate, const float* residual) {
+  if (C.bf16()) {
+    FSDP8_CHECK(!trans_a && trans_b && !accumulate && residual == nullptr)
+        << "GemmFp8: bf16 C takes the TN layout, without accumulation or residual";
+    float* c = F32Scratch(this, M * N);
+    GemmFp8(false, true, M, N, K, a, b, c, false);
+    PackBf16(c, C.h(), M * N);
+    Free(c);
+    return;
   }
-  be->PackBf16(x, x16, n);
-  be->Free(x);
+  if (residual != nullptr) {
+    FSDP8_CHECK(!trans_a && trans_b && !accumulate)
+        << "GemmFp8: a residual takes the TN layout, without accumulation";
+    Copy(C.f(), residual, static_cast<size_t>(M * N) * sizeof(float));
+    GemmFp8(false, true, M, N, K, a, b, C, true);
+    return;
+  }
+  FSDP8_CHECK(trans_a || !trans_b) << "GemmFp8: the TN layout is the backend's own";
+  auto transposed = [this](const uint8_t* x, int64_t rows, int64_t cols) {
+    auto* t = static_cast<uint8_t*>(Alloc(static_cast<size_t>(std::max<int64_t>(rows * cols, 1))));
+    if (t == nullptr) throw std::bad_alloc();
+    TransposeBytes(x, rows, cols, t);
+    return t;
+  };
+  uint8_t* at = trans_a ? transposed(a.codes, K, M) : nullptr;
+  uint8_t* bt = trans_b ? nullptr : transposed(b.codes, K, N);
+  if (at != nullptr) a.codes = at;
+  if (bt != nullptr) b.codes = bt;
+  GemmFp8(false, true, M, N, K, a, b, C, accumulate);
+  if (at != nullptr) Free(at);
+  if (bt != nullptr) Free(bt);
 }
-}  // namespace
 
-void Backend::RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
-                              float theta, int64_t ld) {
+void Backend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
+                   TypedCPtr B, float* C, bool accumulate, GemmInputs inputs) {
+  (void)inputs;
+  FSDP8_CHECK(A.bf16() && B.bf16()) << "Gemm: f32 inputs are the backend's own; bf16 takes both";
+  float* a = F32Scratch(this, M * K);
+  float* b = F32Scratch(this, N * K);
+  UnpackBf16(A.h(), a, M * K);
+  UnpackBf16(B.h(), b, N * K);
+  Gemm(trans_a, trans_b, M, N, K, a, b, C, accumulate, GemmInputs::kF32);
+  Free(a);
+  Free(b);
+}
+
+void Backend::RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                             float* y, float* rstd, const Fp8Cast& cast) {
+  FSDP8_CHECK(!cast.none() && y == nullptr && cast.out_t == nullptr && Ld(cast.ld, C) == C)
+      << "RmsNormForward: f32 y is the backend's own; FP8 takes dense codes only";
+  float* s = F32Scratch(this, N * C);
+  RmsNormForward(x, w, eps, N, C, s, rstd);
+  CastFp8(s, 1, N * C, cast.scale, cast.fmt, cast.out, nullptr, cast.amax);
+  Free(s);
+}
+
+void Backend::RmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd,
+                              int64_t N, int64_t C, float* dx, float* dw, const float* dres,
+                              TypedCPtr dy_b, TypedCPtr dy_c) {
+  FSDP8_CHECK(dres != nullptr) << "RmsNormBackward without dres is the backend's own";
+  if (!dy.bf16()) {
+    FSDP8_CHECK(dy_b.null() && dy_c.null()) << "RmsNormBackward: parts are bf16";
+    RmsNormBackward(dy, x, w, rstd, N, C, dx, dw);
+    Axpy(1.0f, dres, dx, N * C);
+    return;
+  }
+  const int64_t n = N * C;
+  float* sum = static_cast<float*>(Alloc(static_cast<size_t>(2 * (n > 0 ? n : 1)) * sizeof(float)));
+  FSDP8_CHECK(sum != nullptr) << "device out of memory";
+  float* part = sum + n;
+  FSDP8_CHECK(!dy_b.null() || dy_c.null()) << "RmsNormBackward: dy_c without dy_b";
+  UnpackBf16(dy.h(), sum, n);
+  if (!dy_b.null()) {
+    UnpackBf16(dy_b.h(), part, n);
+    Axpy(1.0f, part, sum, n);
+  }
+  if (!dy_c.null()) {
+    UnpackBf16(dy_c.h(), part, n);
+    Axpy(1.0f, part, sum, n);
+  }
+  RmsNormBackward(sum, x, w, rstd, N, C, dx, dw, dres);
+  Free(sum);
+}
+
+void Backend::RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                          int64_t ld) {
+  uint16_t* x16 = x.h();
+  FSDP8_CHECK(x16 != nullptr) << "RopeForward: f32 x is the backend's own";
+  ld = Ld(ld, H * D);
   if (ld == H * D) {
     RopeBf16(this, x16, B, T, H, D, theta, /*backward=*/false);
     return;
@@ -296,143 +272,188 @@ void Backend::RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, in
   Free(d);
 }
 
-void Backend::RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D,
-                               float theta) {
-  RopeBf16(this, dx16, B, T, H, D, theta, /*backward=*/true);
-}
-
-void Backend::RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T,
-                                               int64_t H, int64_t D, float theta,
-                                               const float* scale, Fp8Format fmt, uint8_t* out,
-                                               uint8_t* out_t, float* amax_out, int64_t out_ld) {
+void Backend::RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                           const Fp8Cast& cast) {
+  uint16_t* dx16 = dx.h();
+  FSDP8_CHECK(dx16 != nullptr) << "RopeBackward: f32 dx is the backend's own";
+  if (cast.none()) {
+    RopeBf16(this, dx16, B, T, H, D, theta, /*backward=*/true);
+    return;
+  }
   const int64_t n = B * T * H * D;
   uint16_t* r16 = reinterpret_cast<uint16_t*>(F32Scratch(this, (n + 1) / 2));
   Copy(r16, dx16, static_cast<size_t>(n) * sizeof(uint16_t));
-  RopeBackwardBf16(r16, B, T, H, D, theta);
-  CastTransposeFp8Bf16(r16, B * T, H * D, scale, fmt, out, out_t, amax_out, out_ld);
+  RopeBackward(r16, B, T, H, D, theta);
+  CastFp8(r16, B * T, H * D, cast.scale, cast.fmt, cast.out, cast.out_t, cast.amax, cast.ld);
   Free(r16);
 }
 
-void Backend::AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16,
-                                         const uint16_t* v16, int64_t B, int64_t T, int64_t H,
-                                         int64_t Hkv, int64_t D, uint16_t* out16, float* lse,
-                                         int64_t q_ld, int64_t kv_ld) {
+void Backend::AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
+                               int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
+                               const AttentionOptions& opts) {
   const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
+  if (!q.bf16()) {  // the bf16 recipe on f32 storage
+    FSDP8_CHECK(opts.bf16) << "AttentionForward: the f32 recipe is the backend's own";
+    float* qr = RoundedToBf16Copy(this, q.f(), nq);
+    float* kr = RoundedToBf16Copy(this, k.f(), nk);
+    float* vr = RoundedToBf16Copy(this, v.f(), nk);
+    AttentionForward(qr, kr, vr, B, T, H, Hkv, D, out.f(), lse);
+    RoundToBf16(out.f(), nq);
+    Free(qr);
+    Free(kr);
+    Free(vr);
+    return;
+  }
   float* buf = F32Scratch(this, 2 * nq + 2 * nk);
-  float *q = buf, *o = q + nq, *k = o + nq, *v = k + nk;
-  UnpackRows(this, q16, B * T, H * D, q_ld, q);
-  UnpackRows(this, k16, B * T, Hkv * D, kv_ld, k);
-  UnpackRows(this, v16, B * T, Hkv * D, kv_ld, v);
-  AttentionForwardBf16Compute(q, k, v, B, T, H, Hkv, D, o, lse);
-  PackBf16(o, out16, nq);
+  float *qf = buf, *o = qf + nq, *kf = o + nq, *vf = kf + nk;
+  UnpackRows(this, q.h(), B * T, H * D, Ld(opts.q_ld, H * D), qf);
+  UnpackRows(this, k.h(), B * T, Hkv * D, Ld(opts.kv_ld, Hkv * D), kf);
+  UnpackRows(this, v.h(), B * T, Hkv * D, Ld(opts.kv_ld, Hkv * D), vf);
+  AttentionForward(qf, kf, vf, B, T, H, Hkv, D, o, lse, AttentionOptions{true});
+  PackBf16(o, out.h(), nq);
   Free(buf);
 }
 
-void Backend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
-                                             const uint16_t* v16, const uint16_t* out16,
-                                             const uint16_t* dout16, const float* lse, int64_t B,
-                                             int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                             uint16_t* dq16, uint16_t* dk16, uint16_t* dv16,
-                                             int64_t q_ld, int64_t kv_ld) {
-  uint16_t* qd = DenseRows16(this, q16, B * T, H * D, q_ld);
-  uint16_t* kd = DenseRows16(this, k16, B * T, Hkv * D, kv_ld);
-  uint16_t* vd = DenseRows16(this, v16, B * T, Hkv * D, kv_ld);
+void Backend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out,
+                                TypedCPtr dout, const float* lse, int64_t B, int64_t T, int64_t H,
+                                int64_t Hkv, int64_t D, TypedPtr dq, TypedPtr dk, TypedPtr dv,
+                                const AttentionOptions& opts) {
+  const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
+  if (!q.bf16()) {  // the bf16 recipe on f32 storage
+    FSDP8_CHECK(opts.bf16) << "AttentionBackward: the f32 recipe is the backend's own";
+    float* qr = RoundedToBf16Copy(this, q.f(), nq);
+    float* kr = RoundedToBf16Copy(this, k.f(), nk);
+    float* vr = RoundedToBf16Copy(this, v.f(), nk);
+    float* outr = RoundedToBf16Copy(this, out.f(), nq);
+    float* doutr = RoundedToBf16Copy(this, dout.f(), nq);
+    AttentionBackward(qr, kr, vr, outr, doutr, lse, B, T, H, Hkv, D, dq.f(), dk.f(), dv.f());
+    RoundToBf16(dq.f(), nq);
+    RoundToBf16(dk.f(), nk);
+    RoundToBf16(dv.f(), nk);
+    for (float* p : {qr, kr, vr, outr, doutr}) Free(p);
+    return;
+  }
+  if (!dout.bf16()) {  // saved bf16 activations, f32 gradients
+    FSDP8_CHECK(Ld(opts.q_ld, H * D) == H * D && Ld(opts.kv_ld, Hkv * D) == Hkv * D)
+        << "AttentionBackward: strided q, k, v take bf16 gradients";
+    float* buf = static_cast<float*>(Alloc(static_cast<size_t>(2 * nq + 2 * nk) * sizeof(float)));
+    FSDP8_CHECK(buf != nullptr) << "device out of memory";
+    float *qf = buf, *o = qf + nq, *kf = o + nq, *vf = kf + nk;
+    UnpackBf16(q.h(), qf, nq);
+    UnpackBf16(out.h(), o, nq);
+    UnpackBf16(k.h(), kf, nk);
+    UnpackBf16(v.h(), vf, nk);
+    AttentionBackward(qf, kf, vf, o, dout, lse, B, T, H, Hkv, D, dq.f(), dk.f(), dv.f(),
+                      AttentionOptions{true});
+    Free(buf);
+    return;
+  }
+  // everything bf16
+  uint16_t* qd = DenseRows16(this, q.h(), B * T, H * D, Ld(opts.q_ld, H * D));
+  uint16_t* kd = DenseRows16(this, k.h(), B * T, Hkv * D, Ld(opts.kv_ld, Hkv * D));
+  uint16_t* vd = DenseRows16(this, v.h(), B * T, Hkv * D, Ld(opts.kv_ld, Hkv * D));
   if (qd != nullptr || kd != nullptr || vd != nullptr) {
-    AttentionBackwardBf16SavedTo16(qd ? qd : q16, kd ? kd : k16, vd ? vd : v16, out16, dout16, lse,
-                                   B, T, H, Hkv, D, dq16, dk16, dv16, H * D, Hkv * D);
+    AttentionBackward(qd ? qd : q.h(), kd ? kd : k.h(), vd ? vd : v.h(), out, dout, lse, B, T, H,
+                      Hkv, D, dq, dk, dv, AttentionOptions{true, H * D, Hkv * D});
     for (uint16_t* p : {qd, kd, vd}) {
       if (p != nullptr) Free(p);
     }
     return;
   }
-  const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
   float* buf = F32Scratch(this, 2 * nq + 2 * nk);
-  float *dq = buf, *dk = dq + nq, *dv = dk + nk, *dout = dv + nk;
-  UnpackBf16(dout16, dout, nq);
-  AttentionBackwardBf16Saved(q16, k16, v16, out16, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
-  PackBf16(dq, dq16, nq);
-  PackBf16(dk, dk16, nk);
-  PackBf16(dv, dv16, nk);
+  float *dqf = buf, *dkf = dqf + nq, *dvf = dkf + nk, *doutf = dvf + nk;
+  UnpackBf16(dout.h(), doutf, nq);
+  AttentionBackward(q, k, v, out, doutf, lse, B, T, H, Hkv, D, dqf, dkf, dvf,
+                    AttentionOptions{true});
+  PackBf16(dqf, dq.h(), nq);
+  PackBf16(dkf, dk.h(), nk);
+  PackBf16(dvf, dv.h(), nk);
   Free(buf);
 }
 
-
-void Backend::SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
-                            int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
-                            uint8_t* out, float* amax_out) {
-  const int64_t n = rows * cols;
-  float* buf = F32Scratch(this, 3 * n);
-  UnpackRows(this, gate16, rows, cols, in_ld, buf);
-  UnpackRows(this, up16, rows, cols, in_ld, buf + n);
-  SwigluForward(buf, buf + n, n, buf + 2 * n);
-  CastToFp8(buf + 2 * n, out, n, scale, fmt, amax_out);
-  Free(buf);
-}
-
-void Backend::SwigluCastTransposeFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
-                                     int64_t cols, int64_t in_ld, const float* scale,
-                                     Fp8Format fmt, uint8_t* out, uint8_t* out_t,
-                                     float* amax_out) {
-  uint8_t* codes = out;
-  if (codes == nullptr) {
-    codes = static_cast<uint8_t*>(Alloc(static_cast<size_t>(rows * cols > 0 ? rows * cols : 1)));
-    if (codes == nullptr) throw std::bad_alloc();
-  }
-  SwigluCastFp8(gate16, up16, rows, cols, in_ld, scale, fmt, codes, amax_out);
-  TransposeBytes(codes, rows, cols, out_t);
-  if (out == nullptr) Free(codes);
-}
-
-void Backend::SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16,
-                                     const uint16_t* up16, int64_t n, uint16_t* dgate16,
-                                     uint16_t* dup16) {
-  float* buf = F32Scratch(this, 3 * n);
-  UnpackBf16(dh16, buf + 2 * n, n);
-  SwigluBackwardBf16Saved(buf + 2 * n, gate16, up16, n, buf, buf + n);
-  PackBf16(buf, dgate16, n);
-  PackBf16(buf + n, dup16, n);
-  Free(buf);
-}
-
-void Backend::SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* gate16,
-                                             const uint16_t* up16, int64_t rows, int64_t cols,
-                                             const float* scale_gate, const float* scale_up,
-                                             Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
-                                             uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
-                                             float* amax_up, int64_t out_ld, int64_t in_ld) {
-  const int64_t n = rows * cols;
-  if (in_ld != cols) {  // dense copies of gate and up first
-    uint16_t* g16 = DenseRows16(this, gate16, rows, cols, in_ld);
-    uint16_t* u16 = DenseRows16(this, up16, rows, cols, in_ld);
-    SwigluBackwardCastTransposeFp8(dh16, g16, u16, rows, cols, scale_gate, scale_up, fmt, dgate8,
-                                   dgate8_t, dup8, dup8_t, amax_gate, amax_up, out_ld, cols);
-    Free(u16);
-    Free(g16);
+void Backend::SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols, int64_t in_ld,
+                            float* h, const Fp8Cast& cast) {
+  FSDP8_CHECK(!cast.none() && h == nullptr && gate.bf16() && up.bf16())
+      << "SwigluForward: f32 is the backend's own; FP8 takes bf16 gate and up";
+  in_ld = Ld(in_ld, cols);
+  if (cast.out_t != nullptr) {  // the codes, then their transpose
+    uint8_t* codes = cast.out;
+    if (codes == nullptr) {
+      codes = static_cast<uint8_t*>(Alloc(static_cast<size_t>(rows * cols > 0 ? rows * cols : 1)));
+      if (codes == nullptr) throw std::bad_alloc();
+    }
+    Fp8Cast c = cast;
+    c.out = codes;
+    c.out_t = nullptr;
+    SwigluForward(gate, up, rows, cols, in_ld, nullptr, c);
+    TransposeBytes(codes, rows, cols, cast.out_t);
+    if (cast.out == nullptr) Free(codes);
     return;
   }
-  // Two bf16 gradients in one scratch buffer, the second starting 8-byte aligned.
-  uint16_t* dgate16 = reinterpret_cast<uint16_t*>(F32Scratch(this, n + 2));
-  uint16_t* dup16 = dgate16 + ((n + 3) & ~int64_t{3});
-  SwigluBackwardBf16To16(dh16, gate16, up16, n, dgate16, dup16);
-  CastTransposeFp8Bf16(dgate16, rows, cols, scale_gate, fmt, dgate8, dgate8_t, amax_gate, out_ld);
-  CastTransposeFp8Bf16(dup16, rows, cols, scale_up, fmt, dup8, dup8_t, amax_up, out_ld);
-  Free(dgate16);
+  const int64_t n = rows * cols;
+  float* buf = F32Scratch(this, 3 * n);
+  UnpackRows(this, gate.h(), rows, cols, in_ld, buf);
+  UnpackRows(this, up.h(), rows, cols, in_ld, buf + n);
+  SwigluForward(buf, buf + n, 1, n, 0, buf + 2 * n);
+  CastFp8(buf + 2 * n, 1, n, cast.scale, cast.fmt, cast.out, nullptr, cast.amax);
+  Free(buf);
 }
 
-void Backend::AttentionBackwardBf16Compute(const float* q, const float* k, const float* v,
-                                           const float* out, const float* dout, const float* lse,
-                                           int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                           float* dq, float* dk, float* dv) {
-  float* qr = RoundedToBf16Copy(this, q, B * T * H * D);
-  float* kr = RoundedToBf16Copy(this, k, B * T * Hkv * D);
-  float* vr = RoundedToBf16Copy(this, v, B * T * Hkv * D);
-  float* outr = RoundedToBf16Copy(this, out, B * T * H * D);
-  float* doutr = RoundedToBf16Copy(this, dout, B * T * H * D);
-  AttentionBackward(qr, kr, vr, outr, doutr, lse, B, T, H, Hkv, D, dq, dk, dv);
-  RoundToBf16(dq, B * T * H * D);
-  RoundToBf16(dk, B * T * Hkv * D);
-  RoundToBf16(dv, B * T * Hkv * D);
-  for (float* p : {qr, kr, vr, outr, doutr}) Free(p);
+void Backend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
+                             int64_t in_ld, TypedPtr dgate, TypedPtr dup, const Fp8Cast& gate_cast,
+                             const Fp8Cast& up_cast) {
+  const int64_t n = rows * cols;
+  in_ld = Ld(in_ld, cols);
+  FSDP8_CHECK(gate.bf16() && up.bf16()) << "SwigluBackward: f32 is the backend's own";
+  if (dgate.null() && dup.null()) {  // the gradients straight to FP8
+    FSDP8_CHECK(dh.bf16() && gate_cast.fmt == up_cast.fmt && gate_cast.ld == up_cast.ld)
+        << "SwigluBackward: FP8 gradients take bf16 dh and one format and ld";
+    if (in_ld != cols) {  // dense copies of gate and up first
+      uint16_t* g16 = DenseRows16(this, gate.h(), rows, cols, in_ld);
+      uint16_t* u16 = DenseRows16(this, up.h(), rows, cols, in_ld);
+      SwigluBackward(dh, g16, u16, rows, cols, cols, nullptr, nullptr, gate_cast, up_cast);
+      Free(u16);
+      Free(g16);
+      return;
+    }
+    // Two bf16 gradients in one scratch buffer, the second starting 8-byte aligned.
+    uint16_t* dgate16 = reinterpret_cast<uint16_t*>(F32Scratch(this, n + 2));
+    uint16_t* dup16 = dgate16 + ((n + 3) & ~int64_t{3});
+    SwigluBackward(dh, gate, up, 1, n, 0, dgate16, dup16);
+    for (const auto& [g16, c] : {std::pair<uint16_t*, const Fp8Cast*>{dgate16, &gate_cast},
+                                 std::pair<uint16_t*, const Fp8Cast*>{dup16, &up_cast}}) {
+      CastFp8(g16, rows, cols, c->scale, c->fmt, c->out, c->out_t, c->amax, c->ld);
+    }
+    Free(dgate16);
+    return;
+  }
+  FSDP8_CHECK(in_ld == cols) << "SwigluBackward: strided gate and up take FP8 gradients";
+  if (!dh.bf16()) {  // bf16-saved inputs, f32 gradients
+    float* buf = static_cast<float*>(Alloc(static_cast<size_t>(2 * n) * sizeof(float)));
+    FSDP8_CHECK(buf != nullptr) << "device out of memory";
+    UnpackBf16(gate.h(), buf, n);
+    UnpackBf16(up.h(), buf + n, n);
+    SwigluBackward(dh, buf, buf + n, 1, n, 0, dgate.f(), dup.f());
+    Free(buf);
+    return;
+  }
+  float* buf = F32Scratch(this, 3 * n);  // everything bf16
+  UnpackBf16(dh.h(), buf + 2 * n, n);
+  SwigluBackward(buf + 2 * n, gate, up, 1, n, 0, buf, buf + n);
+  PackBf16(buf, dgate.h(), n);
+  PackBf16(buf + n, dup.h(), n);
+  Free(buf);
+}
+
+void Backend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
+                                          int64_t V, float grad_scale, float* losses,
+                                          TypedPtr dlogits) {
+  FSDP8_CHECK(dlogits.bf16()) << "CrossEntropyForwardBackward: in place is the backend's own";
+  float* g = F32Scratch(this, N * V);
+  Copy(g, logits, static_cast<size_t>(N * V) * sizeof(float));
+  CrossEntropyForwardBackward(g, targets, N, V, grad_scale, losses);
+  PackBf16(g, dlogits.h(), N * V);
+  Free(g);
 }
 
 BackendOptions BackendOptions::FromEnvironment() {

@@ -5,19 +5,18 @@
 // All pointers are *device* pointers of this backend (host memory for the CPU backend), obtained
 // from Alloc(). Shapes are given as row-major dimensions in comments, e.g. x (M, K) means M rows of
 // K contiguous elements. FP8 buffers hold one OCP FP8 code per byte (kernels/fp8.h). "f32" is IEEE
-// float32; activations and gradients are f32 in memory on every backend, except where an op takes
-// or gives bfloat16 bit patterns (uint16_t; the "bfloat16 activations" ops below).
+// float32, "bf16" bfloat16 bit patterns (uint16_t; f32 -> bf16 rounds to nearest even, NaN stays
+// NaN).
 //
-// Names: "Bf16" in an op's name means bfloat16 storage (uint16_t bit patterns, parameters named
-// *16) of the operands it names; every other operand is f32.
-//   ...Bf16, ...Bf16Packed   the activations in and out (RopeForwardBf16, CastToFp8Bf16,
-//                            AttentionForwardBf16Packed; GemmBf16: A and B; GemmFp8Bf16: C).
-//   ...Bf16Saved             the saved forward activations it reads (dout and the results f32).
-//   ...To16                  the gradient in and the results bf16 as well (lse stays f32).
-//   ...Bf16Parts, ...Bf16Grad  the named operand (the dy parts; the gradient written).
-//   ...Bf16Compute           no bf16 storage: f32 in and out, rounded to bf16 values where the
-//                            bf16 recipe rounds (inputs, outputs), as a bf16 kernel computes.
-//   RoundToBf16              rounds f32 values in place; PackBf16 / UnpackBf16 convert storage.
+// One op per computation: where an op's operands may be stored as f32 or as bf16, it takes them as
+// typed views (TypedPtr / TypedCPtr: a pointer and its DType, converted implicitly from float* or
+// uint16_t*), and where its result may go straight to FP8 it takes an Fp8Cast naming the codes'
+// destination. Each op documents the combinations it accepts (others abort). Wherever an op reads
+// bf16 storage, the result is that of the f32 op on the exactly widened values (bf16 recipes: see
+// the attention ops); wherever it writes bf16, the f32 result rounded once. The base
+// implementations below are the reference compositions of those variants (widen, run the f32 op,
+// round); a backend runs the f32 case itself and may fuse the others, its result then differing
+// from the reference only as much as its f32 op does (the conformance tolerances).
 //
 // Ops are enqueued on the backend's compute stream in call order; host-visible results (CopyToHost,
 // the float returned by ReduceMax etc. are *not* returned: they land in device buffers) are ready
@@ -25,10 +24,12 @@
 //
 // Thread-safety: a Backend is used by one thread (the rank's trainer thread).
 //
-// Errors: programming errors (null pointers, shape mismatch) abort with file:line (FSDP8_CHECK,
-// common/check.h). Alloc returns nullptr when the memory is exhausted (device memory; host memory
-// for the CPU backend) or when the allocation would take AllocatedBytes() above
-// BackendOptions::memory_limit_bytes; the caller reports RESOURCE_EXHAUSTED (train/device_buffer.h).
+// Errors: programming errors (null pointers, shape mismatch, an unsupported combination of
+// operand types) abort with file:line (FSDP8_CHECK, common/check.h). Alloc returns nullptr when
+// the memory is exhausted (device memory; host memory for the CPU backend) or when the allocation
+// would take AllocatedBytes() above BackendOptions::memory_limit_bytes; the caller reports
+// RESOURCE_EXHAUSTED (train/device_buffer.h). The reference compositions take scratch buffers
+// through Alloc and throw std::bad_alloc when those do not fit.
 #pragma once
 
 #include <cstddef>
@@ -48,6 +49,83 @@ enum class Fp8Format : uint8_t {
 enum class GemmInputs : uint8_t {
   kF32 = 0,
   kBF16 = 1,  // inputs rounded to bfloat16 (round to nearest even) first
+};
+
+// How an activation buffer stores its values.
+enum class DType : uint8_t {
+  kF32 = 0,
+  kBF16 = 1,  // bfloat16 bit patterns (uint16_t)
+};
+
+// A typed view of a device buffer an op writes: its address and element type. Converts from
+// float* (f32) and uint16_t* (bf16); a null view (nullptr) stands for an absent operand.
+struct TypedPtr {
+  void* data = nullptr;
+  DType dtype = DType::kF32;
+  TypedPtr(std::nullptr_t = nullptr) {}                    // NOLINT: implicit by design
+  TypedPtr(float* p) : data(p), dtype(DType::kF32) {}      // NOLINT
+  TypedPtr(uint16_t* p) : data(p), dtype(DType::kBF16) {}  // NOLINT
+  bool null() const { return data == nullptr; }
+  bool bf16() const { return data != nullptr && dtype == DType::kBF16; }
+  bool f32() const { return data != nullptr && dtype == DType::kF32; }
+  float* f() const;     // the f32 pointer; aborts unless dtype is kF32 (null passes)
+  uint16_t* h() const;  // the bf16 pointer; aborts unless dtype is kBF16 (null passes)
+};
+// A typed view of a buffer an op reads.
+struct TypedCPtr {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  TypedCPtr(std::nullptr_t = nullptr) {}                          // NOLINT
+  TypedCPtr(const float* p) : data(p), dtype(DType::kF32) {}      // NOLINT
+  TypedCPtr(const uint16_t* p) : data(p), dtype(DType::kBF16) {}  // NOLINT
+  TypedCPtr(TypedPtr b) : data(b.data), dtype(b.dtype) {}         // NOLINT
+  bool null() const { return data == nullptr; }
+  bool bf16() const { return data != nullptr && dtype == DType::kBF16; }
+  bool f32() const { return data != nullptr && dtype == DType::kF32; }
+  const float* f() const;
+  const uint16_t* h() const;
+};
+
+// Where an op's result goes as FP8 instead of f32/bf16: codes = fp8(value * (*scale)) (round to
+// nearest even, saturating; CastFp8's rule) into `out` (rows, cols) with row stride `ld` (0:
+// dense; the codes of several results can sit side by side in one matrix) and/or their transpose
+// into `out_t` (cols, rows) dense; either may be null. *amax (nullable) is raised to the max
+// |value| (NaN-propagating; the caller zeroes it once per step, so microbatches accumulate).
+// An Fp8Cast with neither out nor out_t is "none".
+struct Fp8Cast {
+  const float* scale = nullptr;  // (1) f32 device scalar
+  Fp8Format fmt = Fp8Format::kE4M3;
+  uint8_t* out = nullptr;
+  uint8_t* out_t = nullptr;
+  float* amax = nullptr;
+  int64_t ld = 0;
+  bool none() const { return out == nullptr && out_t == nullptr; }
+};
+
+// An FP8 GEMM operand: codes, their format and the scale_inv device scalar (1) that decodes them.
+struct Fp8Operand {
+  const uint8_t* codes = nullptr;
+  Fp8Format fmt = Fp8Format::kE4M3;
+  const float* scale_inv = nullptr;
+};
+
+// Attention's precision and layout. bf16: the flash-attention recipe of fused kernels such as
+// cuDNN's SDPA on f32 storage: q, k, v rounded to bfloat16 first, scores and softmax statistics
+// (lse) f32, out rounded to bfloat16; the backward likewise rounds q, k, v, out and dout and
+// returns dq, dk, dv rounded. bf16 storage of q, k, v implies it. q_ld, kv_ld: the token strides
+// of q and of k, v in elements (0: dense, H * D and Hkv * D; (H + 2 Hkv) * D for q, k and v as
+// parts of one fused q/k/v GEMM output); only bf16 storage takes strides.
+struct AttentionOptions {
+  bool bf16 = false;
+  int64_t q_ld = 0;
+  int64_t kv_ld = 0;
+};
+
+// Run-time settings of a backend's kernels (Backend::Set*): see the setters.
+struct ComputeSettings {
+  bool fp8_fast_accumulation = false;
+  bool gemm_autotune = false;
+  bool deterministic = true;
 };
 
 class Backend {
@@ -72,16 +150,15 @@ class Backend {
   virtual void ResetPeak() = 0;
 
   // ---- FP8 --------------------------------------------------------------------------------------
-  // out[i] = fp8(in[i] * (*scale)), round to nearest even, saturating to ±max of `fmt`.
-  // *amax_out = max(*amax_out, max_i |in[i]|) (NaN-propagating) when amax_out != nullptr: the
-  // caller zeroes it once per step so that microbatches accumulate (C03).
-  // in (n) f32, out (n) u8, scale (1) f32 device scalar, amax_out (1) f32 device scalar.
-  virtual void CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale, Fp8Format fmt,
-                         float* amax_out) = 0;
-  // Fused cast + transpose (+ amax): out_t (cols, rows) = fp8(in (rows, cols) * scale)^T, and
-  // optionally out (rows, cols) non-transposed in the same pass (nullptr to skip).
-  virtual void CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
-                                Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) = 0;
+  // FP8 cast (+ transpose, + amax) of in (rows, cols), f32 or bf16: out (rows, cols), row stride
+  // out_ld >= cols (0: dense; bf16 input only otherwise) = fp8(in * (*scale)), round to nearest
+  // even, saturating to ±max of `fmt`; out_t (cols, rows) dense = the transpose of those codes;
+  // either may be null. *amax_out = max(*amax_out, max |in|) (NaN-propagating) when not null: the
+  // caller zeroes it once per step so that microbatches accumulate (C03). scale (1), amax_out (1)
+  // f32 device scalars.
+  virtual void CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale, Fp8Format fmt,
+                       uint8_t* out, uint8_t* out_t = nullptr, float* amax_out = nullptr,
+                       int64_t out_ld = 0);
   // out (cols, rows) = in (rows, cols)^T for one-byte elements (FP8 codes keep their scale).
   virtual void TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) = 0;
   // out[i] = decode(in[i]) * (*scale_inv).
@@ -105,56 +182,52 @@ class Backend {
   // through the host; a backend may run it on the device.
   virtual void GroupMax(const float* in, const int32_t* group, int64_t n, float* out);
 
-  // C (M, N) = alpha_dev * A (M, K) · B (N, K)^T  [+ C if accumulate], where
-  // alpha_dev = (*a_scale_inv) * (*b_scale_inv): the "TN" layout Hopper FP8 GEMMs require.
-  // A and B hold FP8 codes of formats a_fmt / b_fmt; products and sums are exact-FP32 emulated on
-  // the CPU (cuBLASLt on CUDA). C is f32. On CUDA, scale pointers that are not 16-byte aligned
-  // cost one extra device copy each (cuBLASLt only takes 16-byte-aligned FP8 scale pointers).
-  virtual void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-                       const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-                       const float* b_scale_inv, float* C, bool accumulate) = 0;
-  // GemmFp8 with the operands in either layout: C (M, N) = alpha_dev * op(A) · op(B) [+ C if
-  // accumulate], op(A) (M, K) = A (M, K), or A (K, M) transposed when trans_a; op(B) (K, N) =
-  // B (N, K) transposed when trans_b (GemmFp8's layout), else B (K, N). The base implementation
-  // transposes the codes into GemmFp8's layout (TransposeBytes into scratch buffers; std::bad_alloc
-  // when those do not fit); a backend whose GEMM takes every layout as it is overrides it and says
-  // so through Fp8GemmAnyLayout.
-  virtual void GemmFp8Layout(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                             const uint8_t* A, Fp8Format a_fmt, const float* a_scale_inv,
-                             const uint8_t* B, Fp8Format b_fmt, const float* b_scale_inv, float* C,
-                             bool accumulate);
-  // True when GemmFp8Layout makes no transposed copies for any layout (the CPU backend, whose GEMM
+  // FP8 GEMM: C (M, N) = alpha_dev * op(A) · op(B) [+ C if accumulate] [+ residual], with
+  // alpha_dev = (*a.scale_inv) * (*b.scale_inv); op(A) (M, K) = A (M, K), or A (K, M) transposed
+  // when trans_a; op(B) (K, N) = B (N, K) transposed when trans_b, else B (K, N). Products and sums
+  // are exact-FP32 emulated on the CPU (cuBLASLt on CUDA, whose FP8 GEMMs want the "TN" layout
+  // trans_a = false, trans_b = true; the others go through transposed copies of the codes unless
+  // Fp8GemmAnyLayout). C is f32, or bf16 (the f32 result rounded once, cuBLASLt's BF16 output on
+  // CUDA; TN, no accumulate). residual (M, N) f32 or null (TN, no accumulate, f32 C not aliasing
+  // A, B or residual): the residual add folded into the GEMM (the reference: Copy(C, residual),
+  // then the GEMM accumulating). On CUDA, scale pointers that are not 16-byte aligned cost one
+  // extra device copy each (cuBLASLt only takes 16-byte-aligned FP8 scale pointers).
+  virtual void GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
+                       Fp8Operand b, TypedPtr C, bool accumulate, const float* residual = nullptr);
+  // True when GemmFp8 makes no transposed copies for any layout (the CPU backend, whose GEMM
   // decodes the codes for an f32 BLAS): the FP8 linears' backward then casts the grad-output once,
   // without its transpose, and leaves the inputs untransposed (train/fp8_linear.h).
-  virtual bool Fp8GemmAnyLayout() const { return false; }
-  // While on, the FP8 GEMMs (GemmFp8, GemmFp8AddResidual, GemmFp8Bf16) may accumulate in the
-  // tensor cores' native precision instead of promoting partial sums to FP32 every few K blocks
-  // (CUDA: CUBLASLT_MATMUL_DESC_FAST_ACCUM; NVIDIA's Hopper FP8 GEMMs keep about 14 mantissa
-  // bits in that mode, per the DeepSeek-V3 report, section 3.3.2). Off by default; backends that
-  // always accumulate in FP32 (CPU) ignore it.
-  virtual void SetFp8FastAccumulation(bool on) { (void)on; }
+  bool Fp8GemmAnyLayout() const { return fp8_gemm_any_layout_; }
+  // While on, the FP8 GEMMs may accumulate in the tensor cores' native precision instead of
+  // promoting partial sums to FP32 every few K blocks (CUDA: CUBLASLT_MATMUL_DESC_FAST_ACCUM;
+  // NVIDIA's Hopper FP8 GEMMs keep about 14 mantissa bits in that mode, per the DeepSeek-V3
+  // report, section 3.3.2). Off by default; backends that always accumulate in FP32 (CPU) ignore
+  // it.
+  void SetFp8FastAccumulation(bool on);
   // GEMM autotuning (TrainingSpec.gemm_autotune): a backend with several algorithms per GEMM
   // shape times them on the shape's first call and keeps the fastest. Results stay within each
   // algorithm's rounding; only which algorithm runs changes. Default off; the CPU backend has one
   // algorithm and ignores it. Not thread-safe (set between steps).
-  virtual void SetGemmAutotune(bool on) { (void)on; }
+  void SetGemmAutotune(bool on);
   // Deterministic kernels (TrainingSpec.deterministic; default on): off lets a backend use
   // order-dependent float atomics where that is faster (CUDA: the cuDNN attention backward's dQ).
   // Results then vary in the last bits between runs, within each op's tolerance. The CPU backend
   // is always deterministic and ignores it. Not thread-safe (set between steps).
-  virtual void SetDeterministic(bool on) { (void)on; }
+  void SetDeterministic(bool on);
   // C (M, N) = op(A) · op(B) [+ C if accumulate], op(X) = X or X^T; A is (M, K) or (K, M) when
-  // trans_a, B is (K, N) or (N, K) when trans_b. f32 storage; inputs rounded per `inputs`.
-  virtual void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
-                    const float* B, float* C, bool accumulate, GemmInputs inputs) = 0;
+  // trans_a, B is (K, N) or (N, K) when trans_b. A and B both f32, inputs rounded per `inputs`, or
+  // both bf16 (`inputs` then changes nothing: the same result as kBF16 on the widened values). C
+  // f32.
+  virtual void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
+                    TypedCPtr B, float* C, bool accumulate, GemmInputs inputs);
   // Rounds every element to the nearest bfloat16 (ties to even), in place. x (n) f32.
   virtual void RoundToBf16(float* x, int64_t n) = 0;
   // Packs f32 to bfloat16 bit patterns (round to nearest even; NaN stays NaN) and back (exact).
-  // Used for BF16 weights on the wire. in/out (n).
+  // in/out (n).
   virtual void PackBf16(const float* in, uint16_t* out, int64_t n) = 0;
   virtual void UnpackBf16(const uint16_t* in, float* out, int64_t n) = 0;
 
-  // ---- elementwise and layers (activations f32) --------------------------------------------
+  // ---- elementwise and layers ----------------------------------------------------------------
   // out = a + b. (n)
   virtual void Add(const float* a, const float* b, float* out, int64_t n) = 0;
   // y += alpha * x. (n)
@@ -168,221 +241,89 @@ class Backend {
                                  float* dtable) = 0;
 
   // RMSNorm (Zhang & Sennrich 2019; HF LlamaRMSNorm): y = x / sqrt(mean(x^2) + eps) * w.
-  // x, y (N, C); w (C); rstd (N) saved for the backward.
+  // x (N, C), w (C) f32; rstd (N) saved for the backward. The result goes to y (N, C) f32, or,
+  // with y null, to FP8 through `cast` (out only: fp8(y * scale), amax of y; the reference:
+  // RmsNormForward into a scratch y, then CastFp8).
   virtual void RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
-                              float* y, float* rstd) = 0;
-  // dx (N, C) = (overwrite); dw (C) += (accumulate, deterministic).
-  virtual void RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
-                               int64_t N, int64_t C, float* dx, float* dw) = 0;
+                              float* y, float* rstd, const Fp8Cast& cast = {});
+  // dx (N, C) = (overwrite) the gradient of x, [+ dres (N, C) f32, the residual branch's
+  // gradient, when not null]; dw (C) += (accumulate, deterministic). dy (N, C) is f32, or bf16
+  // parts whose f32 sum it is: dy = (dy + dy_b) + dy_c, added in that order and rounded once per
+  // addition (dy_c may be null: dy + dy_b; both null: dy alone; bf16 parts need dres). The parts
+  // are the dX of the FP8 linears that read the norm's output (q/k/v, gate/up), each from its own
+  // GEMM with bf16 output, or one part from their fused GEMM.
+  virtual void RmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd,
+                               int64_t N, int64_t C, float* dx, float* dw,
+                               const float* dres = nullptr, TypedCPtr dy_b = nullptr,
+                               TypedCPtr dy_c = nullptr);
 
   // RoPE in HF rotate_half convention, in place on x (B, T, H, D), position = t:
   // x1 = x[..., :D/2], x2 = x[..., D/2:], out = (x1*cos - x2*sin, x2*cos + x1*sin) with
-  // angle = t * theta^(-2i/D), i in [0, D/2). The backward applies the inverse rotation
-  // (angle -> -angle) to the gradient in place.
-  virtual void RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) = 0;
-  virtual void RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D,
-                            float theta) = 0;
-  // Replaces the inverse frequencies of the RoPE calls (every Rope* op) whose theta equals `theta`
-  // and whose head dimension is D = 2 * inv_freq.size(): they rotate by angle = f32(t) *
-  // inv_freq[i] instead of t * theta^(-2i/D) (RoPE scaling such as Llama 3.1's, computed by the
-  // caller). An empty inv_freq restores the default for every call. Not concurrent with RoPE calls.
+  // angle = t * theta^(-2i/D), i in [0, D/2). x f32, or bf16 (each result rounded to bf16); the
+  // tokens of bf16 x are ld >= H * D elements apart (0: dense; the q or k part of the fused q/k/v
+  // GEMM's (B * T, (H + 2 Hkv) * D) output), elements between them left alone.
+  virtual void RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                           int64_t ld = 0);
+  // The inverse rotation (angle -> -angle), in place on the gradient dx (B, T, H, D), f32 or bf16
+  // (dense). With `cast` (bf16 dx only), dx is left as it was and the rotated gradient goes to FP8
+  // as a (B * T, H * D) matrix (a q or k grad-output: codes, transpose and amax as Fp8Cast says).
+  virtual void RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                            const Fp8Cast& cast = {});
+  // Replaces the inverse frequencies of the RoPE calls whose theta equals `theta` and whose head
+  // dimension is D = 2 * inv_freq.size(): they rotate by angle = f32(t) * inv_freq[i] instead of
+  // t * theta^(-2i/D) (RoPE scaling such as Llama 3.1's, computed by the caller). An empty
+  // inv_freq restores the default for every call. Not concurrent with RoPE calls.
   void SetRopeInvFreq(float theta, std::vector<float> inv_freq);
 
   // Causal scaled-dot-product attention, scale 1/sqrt(D), grouped-query when Hkv < H
   // (query head h uses kv head h / (H / Hkv)).
-  // q, out (B, T, H, D); k, v (B, T, Hkv, D); lse (B, H, T) log-sum-exp of the scaled scores,
-  // saved for the backward (no T x T matrix is kept).
-  virtual void AttentionForward(const float* q, const float* k, const float* v, int64_t B,
-                                int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
-                                float* lse) = 0;
-  // dq (B, T, H, D), dk, dv (B, T, Hkv, D) overwritten.
-  virtual void AttentionBackward(const float* q, const float* k, const float* v, const float* out,
-                                 const float* dout, const float* lse, int64_t B, int64_t T,
-                                 int64_t H, int64_t Hkv, int64_t D, float* dq, float* dk,
-                                 float* dv) = 0;
+  // q, out (B, T, H, D); k, v (B, T, Hkv, D); lse (B, H, T) f32 log-sum-exp of the scaled scores,
+  // saved for the backward (no T x T matrix is kept). q, k, v and out all f32 (opts.bf16: the
+  // bf16 recipe, AttentionOptions) or all bf16 (the bf16 recipe; token strides from opts). The
+  // reference of the bf16 recipe rounds copies of the inputs, calls the f32 kernel and rounds the
+  // output; a fused kernel may differ from it by the rounding of the probabilities to bfloat16
+  // before P·V (relative error about 2^-8 per element).
+  virtual void AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
+                                int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
+                                const AttentionOptions& opts = {});
+  // dq (B, T, H, D), dk, dv (B, T, Hkv, D) overwritten. Storage: all f32 (opts.bf16 as in the
+  // forward); q, k, v, out bf16 (the saved activations, exactly the values the bf16 recipe rounds
+  // to) with dout, dq, dk, dv f32; or all bf16 (q, k, v with token strides from opts; dq, dk, dv
+  // dense).
+  virtual void AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out,
+                                 TypedCPtr dout, const float* lse, int64_t B, int64_t T, int64_t H,
+                                 int64_t Hkv, int64_t D, TypedPtr dq, TypedPtr dk, TypedPtr dv,
+                                 const AttentionOptions& opts = {});
 
-  // BF16 attention (precision.attention = bf16) on f32 storage, the flash-attention recipe of
-  // fused kernels such as cuDNN's SDPA: q, k, v are rounded to bfloat16 (round to nearest even)
-  // first, scores and softmax statistics (lse) are f32, and out is rounded to bfloat16; backward
-  // likewise rounds q, k, v, out and dout to bfloat16 and returns dq, dk, dv rounded to bfloat16.
-  // Shapes, layout and causal/GQA semantics as AttentionForward/Backward; storage stays f32.
-  // The base implementation is the reference: it rounds copies of the inputs, calls the f32
-  // kernels above and rounds the outputs. A fused kernel may differ from it by the rounding of the
-  // probabilities to bfloat16 before P·V (relative error about 2^-8 per element).
-  virtual void AttentionForwardBf16Compute(const float* q, const float* k, const float* v,
-                                           int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                           float* out, float* lse);
-  virtual void AttentionBackwardBf16Compute(const float* q, const float* k, const float* v,
-                                            const float* out, const float* dout, const float* lse,
-                                            int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                            float* dq, float* dk, float* dv);
-
-  // The backward of AttentionForwardBf16Compute from activations saved as bfloat16 bit patterns:
-  // q16 (B, T, H, D), k16, v16 (B, T, Hkv, D) and out16 (B, T, H, D) hold exactly the bf16 values
-  // AttentionBackwardBf16Compute would round q, k, v and out to, so the result is the same; dout,
-  // lse, dq, dk, dv (f32) as there. The base implementation unpacks and calls
-  // AttentionBackwardBf16Compute.
-  virtual void AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t* k16,
-                                          const uint16_t* v16, const uint16_t* out16,
-                                          const float* dout, const float* lse, int64_t B,
-                                          int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                          float* dq, float* dk, float* dv);
-
-  // SwiGLU: h (N, F) = silu(gate) * up, silu(x) = x * sigmoid(x).
-  virtual void SwigluForward(const float* gate, const float* up, int64_t n, float* h) = 0;
-  // dgate, dup (n) overwritten from dh (n).
-  virtual void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
-                              float* dgate, float* dup) = 0;
-  // As SwigluBackward with gate and up given as bfloat16 bit patterns (activations saved in bf16);
-  // dh, dgate, dup f32; the math is f32 on their exact values. The base implementation unpacks
-  // and calls SwigluBackward.
-  virtual void SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16,
-                                       const uint16_t* up16, int64_t n, float* dgate, float* dup);
-
-  // RmsNormForward whose output goes straight to FP8: out (N, C) = fp8(y * (*scale)) with
-  // y = RMSNorm(x) * w as RmsNormForward computes it (y itself is not returned), rstd (N) as
-  // there, and max |y| into *amax_out (nullable) as CastToFp8. The reference: RmsNormForward into
-  // a scratch y, then CastToFp8.
-  virtual void RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C,
-                              float* rstd, const float* scale, Fp8Format fmt, uint8_t* out,
-                              float* amax_out);
-  // RmsNormBackward, then dx += dres (the residual branch's gradient, (N, C) f32): the reference
-  // is RmsNormBackward followed by Axpy(1, dres, dx); a backend may add it in the same pass.
-  virtual void RmsNormBackwardAdd(const float* dy, const float* x, const float* w,
-                                  const float* rstd, const float* dres, int64_t N, int64_t C,
-                                  float* dx, float* dw);
-  // RmsNormBackwardAdd with dy given as bf16 parts whose f32 sum it is: dy = (dy_a + dy_b) + dy_c,
-  // added in that order and rounded once per addition (dy_c may be null: a + b; dy_b and dy_c
-  // both null: dy_a alone). The parts are the dX of the FP8 linears that read the norm's output
-  // (q/k/v, gate/up), each from its own GEMM with bf16 output, or one part from their fused GEMM;
-  // no GEMM reads and rewrites an f32 accumulator. The reference: UnpackBf16 of each part, Axpy
-  // the sum, RmsNormBackwardAdd. dy_a, dy_b, dy_c (N, C) bf16.
-  virtual void RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b,
-                                           const uint16_t* dy_c, const float* x, const float* w,
-                                           const float* rstd, const float* dres, int64_t N,
-                                           int64_t C, float* dx, float* dw);
-
-  // ---- bfloat16 activations ------------------------------------------------------------------
-  // Variants that take or give activations as bfloat16 bit patterns (uint16_t; f32 -> bf16 is
-  // round to nearest even, NaN stays NaN), so that the memory-bound passes between FP8 GEMMs move
-  // half the bytes. Each base implementation is the reference: unpack the bf16 inputs (exact),
-  // run the f32 op above, pack the outputs. A backend may fuse these steps; its result then
-  // differs from the reference only as much as its f32 op does (the conformance tolerances).
-  // Shapes as for the f32 ops.
-
-  // D (M, N) = A · Bᵀ · a_scale_inv · b_scale_inv + R (R (M, N) f32 unchanged; D may not alias
-  // A, B or R): the residual add folded into the GEMM. The reference: Copy(D, R), then GemmFp8
-  // accumulating into D.
-  virtual void GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint8_t* A,
-                                  Fp8Format a_fmt, const float* a_scale_inv, const uint8_t* B,
-                                  Fp8Format b_fmt, const float* b_scale_inv, const float* R,
-                                  float* D);
-  // Gemm with inputs already bf16: A16, B16 hold bf16 bit patterns with the shapes of Gemm's A,
-  // B; C (M, N) f32. The same result as Gemm(..., GemmInputs::kBF16) on the unpacked values (which
-  // rounding to bf16 leaves unchanged). The reference: UnpackBf16 both, Gemm with kF32.
-  virtual void GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                        const uint16_t* A16, const uint16_t* B16, float* C, bool accumulate);
-  // C16 (M, N) = bf16(A · Bᵀ · a_scale_inv · b_scale_inv): GemmFp8 without accumulation, its f32
-  // result rounded once to bf16 (cuBLASLt's BF16 output on CUDA).
-  virtual void GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-                           const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-                           const float* b_scale_inv, uint16_t* C16);
-  // CastToFp8 / CastTransposeFp8 of bf16 values (the amax is of those values). in16 (n) or
-  // (rows, cols).
-  virtual void CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, const float* scale,
-                             Fp8Format fmt, float* amax_out);
-  // out_ld: the row stride of out in elements (>= cols; cols when dense), so that the codes of
-  // several grad-outputs can sit side by side in one (rows, out_ld) matrix, the A operand of one
-  // fused dX GEMM (LlamaModel's q/k/v and gate/up); out_t is always dense (cols, rows).
-  virtual void CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t cols,
-                                    const float* scale, Fp8Format fmt, uint8_t* out,
-                                    uint8_t* out_t, float* amax_out, int64_t out_ld);
-  // RopeForward / RopeBackward in place on bf16 x16 (B, T, H, D): each result rounded to bf16.
-  // The forward's tokens are ld >= H * D elements apart (H * D when dense; the q or k part of the
-  // fused q/k/v GEMM's (B * T, (H + 2 Hkv) * D) output); elements between them are left alone.
-  virtual void RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
-                               float theta, int64_t ld);
-  virtual void RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D,
-                                float theta);
-  // RopeBackwardBf16 fused with the FP8 cast-transpose of its result (a q or k grad-output),
-  // leaving dx16 as it was. The reference: a copy of dx16, RopeBackwardBf16 on it, then
-  // CastTransposeFp8Bf16 of the (B * T, H * D) result. dx16 (B, T, H, D) bf16; out (B * T, H * D)
-  // codes (may be null; row stride out_ld >= H * D, as CastTransposeFp8Bf16) and out_t
-  // (H * D, B * T) codes; scale (1), amax_out (1, or null) as CastTransposeFp8.
-  virtual void RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T,
-                                                int64_t H, int64_t D, float theta,
-                                                const float* scale, Fp8Format fmt, uint8_t* out,
-                                                uint8_t* out_t, float* amax_out, int64_t out_ld);
-  // AttentionForwardBf16Compute on bf16 operands, its (bf16-rounded) output returned as bf16:
-  // q16, out16 (B, T, H, D); k16, v16 (B, T, Hkv, D); lse (B, H, T) f32. The tokens of q16 are
-  // q_ld >= H * D elements apart, those of k16 and v16 kv_ld >= Hkv * D (dense: H * D and
-  // Hkv * D; q, k and v as parts of one fused q/k/v GEMM output: (H + 2 Hkv) * D for all three).
-  virtual void AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16,
-                                          const uint16_t* v16, int64_t B, int64_t T, int64_t H,
-                                          int64_t Hkv, int64_t D, uint16_t* out16, float* lse,
-                                          int64_t q_ld, int64_t kv_ld);
-  // AttentionBackwardBf16Saved with dout given as bf16 (dout16 (B, T, H, D)) and dq, dk, dv
-  // (bf16-rounded there) returned as bf16, dense; q16, k16, v16 with token strides q_ld, kv_ld
-  // as in AttentionForwardBf16Packed.
-  virtual void AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
-                                              const uint16_t* v16, const uint16_t* out16,
-                                              const uint16_t* dout16, const float* lse, int64_t B,
-                                              int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                              uint16_t* dq16, uint16_t* dk16, uint16_t* dv16,
-                                              int64_t q_ld, int64_t kv_ld);
-  // out (rows, cols) = fp8(silu(gate) * up * (*scale)): SwigluForward of the unpacked gate16, up16,
-  // then CastToFp8 (amax of the f32 products into *amax_out as there). gate16 and up16 are
-  // (rows, cols) with row stride in_ld >= cols (in_ld = 2 * cols, up16 = gate16 + cols: both
-  // halves of one fused gate/up GEMM output); out is dense. CUDA reads strided rows 4 elements at
-  // a time: cols % 4 == 0, in_ld % 4 == 0 and 8-byte aligned gate16, up16 (aborts otherwise).
-  virtual void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
-                             int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
-                             uint8_t* out, float* amax_out);
-  // SwigluCastFp8 fused with the transpose of its codes: out_t (cols, rows) dense = the
-  // transpose of the codes SwigluCastFp8(gate16, up16, rows, cols, in_ld, scale, fmt) writes on
-  // this backend, bit for bit (a backward recomputes a forward's cast this way instead of keeping
-  // its codes); out (rows, cols) dense receives those codes themselves (may be null: not
-  // written); amax_out as SwigluCastFp8 (may be null). gate16, up16 as SwigluCastFp8; CUDA also
-  // needs them 8-byte aligned, and out_t 4-byte aligned (aborts otherwise).
-  virtual void SwigluCastTransposeFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
-                                      int64_t cols, int64_t in_ld, const float* scale,
-                                      Fp8Format fmt, uint8_t* out, uint8_t* out_t,
-                                      float* amax_out);
-  // SwigluBackwardBf16Saved with dh given as bf16 and dgate, dup rounded to bf16. All (n).
-  virtual void SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16,
-                                      const uint16_t* up16, int64_t n, uint16_t* dgate16,
-                                      uint16_t* dup16);
-  // The SwiGLU backward fused with the FP8 cast-transposes of its two gradients (the grad-outputs
-  // of the gate and up linears), without the bf16 round trip through memory. The reference:
-  // SwigluBackwardBf16To16(dh16, gate16, up16) into bf16 dgate16, dup16 (rows, cols), then
-  // CastTransposeFp8Bf16(dgate16, ..., scale_gate, fmt, dgate8, dgate8_t, amax_gate) and the same
-  // for dup16 with scale_up. dh16, gate16, up16 (rows, cols) bf16; dgate8, dup8 (rows, cols) FP8 codes
-  // with row stride out_ld >= cols (either may be null: not written; out_ld = 2 * cols with
-  // dup8 = dgate8 + cols puts both in one (rows, 2 * cols) matrix) and dgate8_t, dup8_t (cols, rows)
-  // dense FP8 codes; scales (1) f32 device scalars; amax_gate, amax_up (1) f32 device scalars or
-  // null, raised to the max |value| of the bf16 gradient they belong to. gate16 and up16 have row
-  // stride in_ld >= cols (as SwigluCastFp8); dh16 is dense.
-  virtual void SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* gate16,
-                                              const uint16_t* up16, int64_t rows, int64_t cols,
-                                              const float* scale_gate, const float* scale_up,
-                                              Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
-                                              uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
-                                              float* amax_up, int64_t out_ld, int64_t in_ld);
-
-  // CrossEntropyForwardBackward with the gradient written as bf16 to dlogits16 (N, V) instead of
-  // over the logits, which are left as they were: the gradient of a BF16 head goes to its GEMMs
-  // once, in the precision they read it. The reference: a copy of the logits,
-  // CrossEntropyForwardBackward on it, PackBf16.
-  virtual void CrossEntropyForwardBackwardBf16Grad(const float* logits, const int32_t* targets,
-                                                   int64_t N, int64_t V, float grad_scale,
-                                                   float* losses, uint16_t* dlogits16);
+  // SwiGLU: h = silu(gate) * up, silu(x) = x * sigmoid(x), over (rows, cols) elements. gate and
+  // up have row stride in_ld >= cols (0: dense). f32 gate, up give h f32 (dense). bf16 gate, up
+  // (in_ld = 2 * cols, up = gate + cols: both halves of one fused gate/up GEMM output) go to FP8
+  // through `cast` with h null: the f32 products' codes (out, dense) and/or their transpose
+  // (out_t) and amax; out_t is the transpose of the very codes out receives (a backward
+  // recomputes a forward's cast this way). CUDA reads strided bf16 rows 4 elements at a time:
+  // cols % 4 == 0, in_ld % 4 == 0, 8-byte aligned gate and up, 4-byte aligned out_t.
+  virtual void SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
+                             int64_t in_ld, float* h, const Fp8Cast& cast = {});
+  // dgate, dup (rows, cols) overwritten from dh (rows, cols); gate and up as in the forward (row
+  // stride in_ld, 0: dense). Storage: all f32; gate, up bf16 (saved) with dh, dgate, dup f32; or
+  // all bf16 (dense; dgate, dup rounded to bf16). With gate_cast and up_cast (dh, gate, up bf16;
+  // dgate, dup null) the two bf16 gradients go to FP8 instead, without their round trip through
+  // memory (the reference: the all-bf16 backward, then CastFp8 of each); both casts take one
+  // format and one ld (0: dense; 2 * cols with up's out = gate's out + cols: both in one
+  // (rows, 2 * cols) matrix).
+  virtual void SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows,
+                              int64_t cols, int64_t in_ld, TypedPtr dgate, TypedPtr dup,
+                              const Fp8Cast& gate_cast = {}, const Fp8Cast& up_cast = {});
 
   // Softmax cross-entropy over V classes, fused with its gradient.
-  // logits (N, V) f32 is overwritten with dlogits = (softmax - onehot(target)) * grad_scale;
-  // losses (N) f32 receives -log softmax[target] in nats. targets (N) int32 in [0, V).
-  // With grad_scale = 0 only losses are produced (logits are still overwritten).
+  // logits (N, V) f32; losses (N) f32 receives -log softmax[target] in nats; targets (N) int32 in
+  // [0, V). The gradient (softmax - onehot(target)) * grad_scale overwrites the logits when
+  // dlogits is null, else goes to dlogits (N, V) bf16 (the logits are then left as they were: the
+  // gradient of a BF16 head goes to its GEMMs once, in the precision they read it). With
+  // grad_scale = 0 only losses are produced (the logits are still overwritten).
   virtual void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
-                                           int64_t V, float grad_scale, float* losses) = 0;
+                                           int64_t V, float grad_scale, float* losses,
+                                           TypedPtr dlogits = nullptr);
 
   // ---- optimizer ---------------------------------------------------------------------------
   // out[0] += sum_i x[i]^2. x (n) f32, n may be 0; out (1) f32 device scalar. The sum is taken in
@@ -392,32 +333,31 @@ class Backend {
   // AdamW (Loshchilov & Hutter 2019; torch.optim.AdamW semantics) on one flat shard:
   // p -= lr * wd * p; m = b1 m + (1-b1) g'; v = b2 v + (1-b2) g'^2;
   // p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps), with g' = g * grad_scale.
-  // p, g, m, v (n) f32; step t >= 1. amax_out (1) f32 device scalar or null: raised to at least
-  // max |p| over the updated p (the next FP8 cast's amax, without a second pass over p).
-  // p16_out (n) or null: the updated p as bfloat16 bits, equal to PackBf16 of it (a BF16 wire
-  // shard; the CUDA backend writes them from the update's registers, without reading p again; the
-  // CPU backends pack after the update).
-  virtual void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
-                     float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
-                     float* amax_out, uint16_t* p16_out) = 0;
-  // AdamW with both moments stored as bfloat16 (optimizer.state_precision BF16, as DeepSeek-V3
-  // keeps its AdamW moments, arXiv 2412.19437 sec. 3.3.3): m16 and v16 (n) are read (exactly
-  // widened to f32), updated by AdamW's per-element f32 operations, and stored rounded to the
-  // nearest bfloat16 (ties to even; NaN stays NaN). This step's update of p uses the f32 moments
-  // before that rounding. p, g (n) f32; the rest as AdamW. The reference: UnpackBf16 of m16 and
-  // v16, AdamW on the f32 copies, PackBf16 of them.
-  virtual void AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n,
-                                float lr, float beta1, float beta2, float eps, float weight_decay,
-                                int64_t step, float grad_scale, float* amax_out,
-                                uint16_t* p16_out) = 0;
+  // p, g (n) f32; step t >= 1. m, v (n) both f32, or both bf16 (optimizer.state_precision BF16,
+  // as DeepSeek-V3 keeps its AdamW moments, arXiv 2412.19437 sec. 3.3.3: read exactly widened,
+  // updated by the same per-element f32 operations, stored rounded to the nearest bf16; this
+  // step's update of p uses the f32 moments before that rounding). amax_out (1) f32 device scalar
+  // or null: raised to at least max |p| over the updated p (the next FP8 cast's amax, without a
+  // second pass over p). p16_out (n) or null: the updated p as bfloat16 bits, equal to PackBf16
+  // of it (a BF16 wire shard; the CUDA backend writes them from the update's registers, without
+  // reading p again; the CPU backends pack after the update).
+  virtual void AdamW(float* p, const float* g, TypedPtr m, TypedPtr v, int64_t n, float lr,
+                     float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                     float grad_scale, float* amax_out, uint16_t* p16_out) = 0;
 
  protected:
+  // Applies settings changed through the Set* calls above (all of them, every time).
+  virtual void ApplySettings(const ComputeSettings& settings) { (void)settings; }
+  // A backend whose GemmFp8 takes every layout as it is sets this (Fp8GemmAnyLayout).
+  bool fp8_gemm_any_layout_ = false;
+
   // The inverse frequencies SetRopeInvFreq set for (D, theta), or null when the default applies.
   const std::vector<float>* RopeInvFreqFor(int64_t D, float theta) const;
   // Changes with every SetRopeInvFreq (a key of the backends' RoPE table caches).
   int64_t rope_freq_version() const { return rope_freq_version_; }
 
  private:
+  ComputeSettings settings_;
   float rope_freq_theta_ = 0.0f;
   std::vector<float> rope_inv_freq_;
   int64_t rope_freq_version_ = 0;

@@ -174,13 +174,15 @@ std::shared_ptr<Fp8Input> Linear::CastInput(ActivationView x, int64_t M, int64_t
     DevBuf x32(be_, M * K * sizeof(float));
     be_->UnpackBf16(x.bf16, x32.f32(), M * K);
     const float* scale = sc_->ScaleFor(x_idx_, x32.f32(), M * K);
-    be_->CastToFp8(x32.f32(), in->x8.u8(), M * K, scale, Fp8Format::kE4M3, sc_->AmaxOut(x_idx_));
+    be_->CastFp8(x32.f32(), 1, M * K, scale, Fp8Format::kE4M3, in->x8.u8(), nullptr,
+                 sc_->AmaxOut(x_idx_));
   } else if (x.is_bf16()) {
-    be_->CastToFp8Bf16(x.bf16, in->x8.u8(), M * K, sc_->Scale(x_idx_), Fp8Format::kE4M3,
-                       sc_->AmaxOut(x_idx_));
+    be_->CastFp8(x.bf16, 1, M * K, sc_->Scale(x_idx_), Fp8Format::kE4M3, in->x8.u8(), nullptr,
+                 sc_->AmaxOut(x_idx_));
   } else {
     const float* scale = sc_->ScaleFor(x_idx_, x.f32, M * K);
-    be_->CastToFp8(x.f32, in->x8.u8(), M * K, scale, Fp8Format::kE4M3, sc_->AmaxOut(x_idx_));
+    be_->CastFp8(x.f32, 1, M * K, scale, Fp8Format::kE4M3, in->x8.u8(), nullptr,
+                 sc_->AmaxOut(x_idx_));
   }
   return Cast(std::move(in), same_input);
 }
@@ -196,8 +198,9 @@ std::shared_ptr<Fp8Input> Linear::NormCastInput(const float* x, const float* w_n
   }
   auto in = std::make_shared<Fp8Input>();
   in->x8 = DevBuf(be_, M * K);
-  be_->RmsNormCastFp8(x, w_norm, eps, M, K, rstd, sc_->Scale(x_idx_), Fp8Format::kE4M3,
-                      in->x8.u8(), sc_->AmaxOut(x_idx_));
+  be_->RmsNormForward(
+      x, w_norm, eps, M, K, nullptr, rstd,
+      Fp8Cast{sc_->Scale(x_idx_), Fp8Format::kE4M3, in->x8.u8(), nullptr, sc_->AmaxOut(x_idx_)});
   return Cast(std::move(in), same_input);
 }
 
@@ -210,13 +213,14 @@ std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint1
     DevBuf g(be_, n * sizeof(float)), u(be_, n * sizeof(float)), h(be_, n * sizeof(float));
     be_->UnpackBf16(gate16, g.f32(), n);
     be_->UnpackBf16(up16, u.f32(), n);
-    be_->SwigluForward(g.f32(), u.f32(), n, h.f32());
+    be_->SwigluForward(g.f32(), u.f32(), 1, n, 0, h.f32());
     return CastInput(ActivationView::F32(h.f32()), M, K);
   }
   auto in = std::make_shared<Fp8Input>();
   in->x8 = DevBuf(be_, n);
-  be_->SwigluCastFp8(gate16, up16, M, K, ld, sc_->Scale(x_idx_), Fp8Format::kE4M3, in->x8.u8(),
-                     sc_->AmaxOut(x_idx_));
+  be_->SwigluForward(
+      gate16, up16, M, K, ld, nullptr,
+      Fp8Cast{sc_->Scale(x_idx_), Fp8Format::kE4M3, in->x8.u8(), nullptr, sc_->AmaxOut(x_idx_)});
   return Cast(std::move(in), {});
 }
 
@@ -226,8 +230,8 @@ LinearSaved Linear::RecastSwiglu(const uint16_t* gate16, const uint16_t* up16, i
       << "RecastSwiglu needs an FP8 linear whose input scale is known (delayed scaling)";
   auto in = std::make_shared<Fp8Input>();
   in->xT = DevBuf(be_, M * K);
-  be_->SwigluCastTransposeFp8(gate16, up16, M, K, ld, sc_->Scale(x_idx_), Fp8Format::kE4M3,
-                              nullptr, in->xT.u8(), nullptr);
+  be_->SwigluForward(gate16, up16, M, K, ld, nullptr,
+                     Fp8Cast{sc_->Scale(x_idx_), Fp8Format::kE4M3, nullptr, in->xT.u8(), nullptr});
   in->scale_inv = sc_->ScaleInv(x_idx_);
   LinearSaved s;
   s.in = std::move(in);
@@ -243,14 +247,14 @@ void Linear::ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t 
   const bool fast = sc_->forward_fast_accumulation();
   if (fast) be_->SetFp8FastAccumulation(true);
   if (y.bf16 != nullptr) {
-    be_->GemmFp8Bf16(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv, w.fp8,
-                     Fp8Format::kE4M3, w.scale_inv, y.bf16);
+    be_->GemmFp8(false, true, M, N, K, {in->x8.u8(), Fp8Format::kE4M3, in->scale_inv},
+                 {w.fp8, Fp8Format::kE4M3, w.scale_inv}, y.bf16, false);
   } else if (y.residual != nullptr) {
-    be_->GemmFp8AddResidual(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv, w.fp8,
-                            Fp8Format::kE4M3, w.scale_inv, y.residual, y.f32);
+    be_->GemmFp8(false, true, M, N, K, {in->x8.u8(), Fp8Format::kE4M3, in->scale_inv},
+                 {w.fp8, Fp8Format::kE4M3, w.scale_inv}, y.f32, false, y.residual);
   } else {
-    be_->GemmFp8(M, N, K, in->x8.u8(), Fp8Format::kE4M3, in->scale_inv, w.fp8,
-                 Fp8Format::kE4M3, w.scale_inv, y.f32, false);
+    be_->GemmFp8(false, true, M, N, K, {in->x8.u8(), Fp8Format::kE4M3, in->scale_inv},
+                 {w.fp8, Fp8Format::kE4M3, w.scale_inv}, y.f32, false);
   }
   if (fast) be_->SetFp8FastAccumulation(false);
   if (saved) saved->in = in;
@@ -286,11 +290,11 @@ void Linear::CastDy(ActivationView dy, int64_t M, int64_t N, DevBuf* dy8, DevBuf
   const Fp8Format dfmt = sc_->format(dy_idx_);
   if (dy.is_bf16() && !sc_->NeedsAmaxFirst(dy_idx_)) {
     if (dyT8 == nullptr) {
-      be_->CastToFp8Bf16(dy.bf16, dy8->u8(), M * N, sc_->Scale(dy_idx_), dfmt,
-                         sc_->AmaxOut(dy_idx_));
+      be_->CastFp8(dy.bf16, 1, M * N, sc_->Scale(dy_idx_), dfmt, dy8->u8(), nullptr,
+                   sc_->AmaxOut(dy_idx_));
     } else {
-      be_->CastTransposeFp8Bf16(dy.bf16, M, N, sc_->Scale(dy_idx_), dfmt, dy8->u8(), dyT8->u8(),
-                                sc_->AmaxOut(dy_idx_), N);
+      be_->CastFp8(dy.bf16, M, N, sc_->Scale(dy_idx_), dfmt, dy8->u8(), dyT8->u8(),
+                   sc_->AmaxOut(dy_idx_), N);
     }
     return;
   }
@@ -303,9 +307,9 @@ void Linear::CastDy(ActivationView dy, int64_t M, int64_t N, DevBuf* dy8, DevBuf
   }
   const float* scale = sc_->ScaleFor(dy_idx_, dy32, M * N);
   if (dyT8 == nullptr) {
-    be_->CastToFp8(dy32, dy8->u8(), M * N, scale, dfmt, sc_->AmaxOut(dy_idx_));
+    be_->CastFp8(dy32, 1, M * N, scale, dfmt, dy8->u8(), nullptr, sc_->AmaxOut(dy_idx_));
   } else {
-    be_->CastTransposeFp8(dy32, M, N, scale, dfmt, dy8->u8(), dyT8->u8(), sc_->AmaxOut(dy_idx_));
+    be_->CastFp8(dy32, M, N, scale, dfmt, dy8->u8(), dyT8->u8(), sc_->AmaxOut(dy_idx_));
   }
 }
 
@@ -315,13 +319,13 @@ void Linear::BackwardFp8AnyLayout(DevBuf dy8, int64_t M, int64_t K, int64_t N,
   const Fp8Format dfmt = sc_->format(dy_idx_);
   // dx (M, K) = dy8 (M, N) · W (N, K)
   if (dx.f32 != nullptr) {
-    be_->GemmFp8Layout(false, false, M, K, N, dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_), w.fp8,
-                       Fp8Format::kE4M3, w.scale_inv, dx.f32, dx.accumulate);
+    be_->GemmFp8(false, false, M, K, N, {dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_)},
+                 {w.fp8, Fp8Format::kE4M3, w.scale_inv}, dx.f32, dx.accumulate);
   }
   // dW (N, K) = dy8ᵀ · x8 (M, K), overwritten as in BackwardFp8.
   const Fp8Input& in = *saved.in;
-  be_->GemmFp8Layout(true, false, N, K, M, dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_), in.x8.u8(),
-                     Fp8Format::kE4M3, in.scale_inv, dw, false);
+  be_->GemmFp8(true, false, N, K, M, {dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_)},
+               {in.x8.u8(), Fp8Format::kE4M3, in.scale_inv}, dw, false);
 }
 
 void Linear::BackwardFp8(DevBuf dy8, DevBuf dyT8, int64_t M, int64_t K, int64_t N,
@@ -335,11 +339,11 @@ void Linear::BackwardFp8(DevBuf dy8, DevBuf dyT8, int64_t M, int64_t K, int64_t 
     DevBuf wT(be_, N * K);
     be_->TransposeBytes(w.fp8, N, K, wT.u8());  // (K, N)
     if (dx.bf16) {
-      be_->GemmFp8Bf16(M, K, N, dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_), wT.u8(), Fp8Format::kE4M3,
-                       w.scale_inv, dx.bf16);
+      be_->GemmFp8(false, true, M, K, N, {dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_)},
+                   {wT.u8(), Fp8Format::kE4M3, w.scale_inv}, dx.bf16, false);
     } else {
-      be_->GemmFp8(M, K, N, dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_), wT.u8(), Fp8Format::kE4M3,
-                   w.scale_inv, dx.f32, dx.accumulate);
+      be_->GemmFp8(false, true, M, K, N, {dy8.u8(), dfmt, sc_->ScaleInv(dy_idx_)},
+                   {wT.u8(), Fp8Format::kE4M3, w.scale_inv}, dx.f32, dx.accumulate);
     }
   }
   dy8.Reset();
@@ -349,8 +353,8 @@ void Linear::BackwardFp8(DevBuf dy8, DevBuf dyT8, int64_t M, int64_t K, int64_t 
     be_->TransposeBytes(in.x8.u8(), M, K, in.xT.u8());  // (K, M)
   }
   // dW is overwritten: FsdpParams leaves FP8 weights' gradient buffers unzeroed (BeginGrads).
-  be_->GemmFp8(N, K, M, dyT8.u8(), dfmt, sc_->ScaleInv(dy_idx_), in.xT.u8(), Fp8Format::kE4M3,
-               in.scale_inv, dw, false);
+  be_->GemmFp8(false, true, N, K, M, {dyT8.u8(), dfmt, sc_->ScaleInv(dy_idx_)},
+               {in.xT.u8(), Fp8Format::kE4M3, in.scale_inv}, dw, false);
   dyT8.Reset();
 }
 

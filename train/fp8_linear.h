@@ -17,8 +17,8 @@
 //   (FsdpParams::SetWeightScaleGroup), so that their grad-outputs, cast side by side, and their
 //   adjacent gathered weights form one FP8 matrix each: one BackwardFp8 of N = the group's total
 //   runs the group's dX and dW GEMMs.
-//   Inputs, outputs and grad-outputs may be bfloat16 (bit patterns, Backend's *Bf16 ops): the
-//   views ActivationView, LinearOutput and InputGrad say which.
+//   Inputs, outputs and grad-outputs may be bfloat16 (bit patterns, Backend's bf16 operands):
+//   the views ActivationView, LinearOutput and InputGrad say which.
 // BF16 / FP32: Backend::Gemm with inputs rounded to bf16 / kept f32; the f32 input is kept (by
 // the caller) for dW.
 //
@@ -120,8 +120,8 @@ struct WeightView {
 };
 
 // A device activation a linear reads (its input x, or its grad-output dy): f32 values or bf16
-// bit patterns (Backend's *Bf16 ops), exactly one. Make it through F32 / Bf16 (the fields stay public for the
-// linear's checks; valid() says whether exactly one is set).
+// bit patterns (Backend's bf16 operands), exactly one. Make it through F32 / Bf16 (the fields stay
+// public for the linear's checks; valid() says whether exactly one is set).
 struct ActivationView {
   const float* f32 = nullptr;
   const uint16_t* bf16 = nullptr;
@@ -206,20 +206,21 @@ class Linear {
   std::shared_ptr<Fp8Input> CastInput(ActivationView x, int64_t M, int64_t K,
                                       std::initializer_list<const Linear*> same_input = {});
   // FP8 only. The input RMSNorm(x) * w_norm (M, K) of this linear (and of `same_input`), cast
-  // straight from the norm (Backend::RmsNormCastFp8); rstd (M) receives the norm's 1/rms.
+  // straight from the norm (Backend::RmsNormForward with an Fp8Cast); rstd (M) receives the norm's
+  // 1/rms.
   std::shared_ptr<Fp8Input> NormCastInput(const float* x, const float* w_norm, float eps,
                                           int64_t M, int64_t K, float* rstd,
                                           std::initializer_list<const Linear*> same_input = {});
   // FP8 only. The input silu(gate) * up (M, K) of this linear from bf16 gate16, up16 (M, K) of
   // row stride ld (K when dense; ld != K only when !NeedsAmaxFirst of this linear's input), cast
-  // in one pass (Backend::SwigluCastFp8).
+  // in one pass (Backend::SwigluForward with an Fp8Cast).
   std::shared_ptr<Fp8Input> CastSwiglu(const uint16_t* gate16, const uint16_t* up16, int64_t M,
                                        int64_t K, int64_t ld);
   // FP8 only, !XNeedsAmaxFirst(): the saved input of a forward that read CastSwiglu(gate16, up16,
   // M, K, ld) in this step, recast for the backward from the same bf16 gate16, up16 with the same
   // X scale (its slot holds still until UpdateScales): only the transpose xT (K, M) that dW reads,
-  // bit for bit the transpose of the forward's codes (Backend::SwigluCastTransposeFp8; x8 stays
-  // empty, dX does not read the input). Records no amax (the forward's cast did).
+  // bit for bit the transpose of the forward's codes (Backend::SwigluForward with an Fp8Cast to
+  // out_t; x8 stays empty, dX does not read the input). Records no amax (the forward's cast did).
   LinearSaved RecastSwiglu(const uint16_t* gate16, const uint16_t* up16, int64_t M, int64_t K,
                            int64_t ld) const;
   // Whether this FP8 linear's input cast must first measure its own amax (ActScaling).
@@ -229,12 +230,17 @@ class Linear {
                   const WeightView& w, LinearOutput y, LinearSaved* saved);
 
   // FP8 only: where this linear's grad-output dY is cast, for an op that computes dY and casts it
-  // in the same pass (Backend::SwigluBackwardCastTransposeFp8). Such an op may be used only when
+  // in the same pass (Backend::SwigluBackward with two Fp8Casts). Such an op may be used only when
   // !DyNeedsAmaxFirst() (delayed scaling with history: no measurement before the cast).
   bool DyNeedsAmaxFirst() const { return sc_->NeedsAmaxFirst(dy_idx_); }
   const float* DyScale() const { return sc_->Scale(dy_idx_); }
   float* DyAmaxOut() const { return sc_->AmaxOut(dy_idx_); }
   Fp8Format dy_format() const { return sc_->format(dy_idx_); }
+  // FP8 only: where an op that computes dY casts it (Fp8Cast: this linear's grad-output scale,
+  // format and amax), codes into out (row stride ld) and their transpose into out_t.
+  Fp8Cast DyCast(uint8_t* out, uint8_t* out_t, int64_t ld) const {
+    return Fp8Cast{DyScale(), dy_format(), out, out_t, DyAmaxOut(), ld};
+  }
   // ActScaling indices of this FP8 linear's input and grad-output (-1 for other precisions).
   int x_index() const { return x_idx_; }
   int dy_index() const { return dy_idx_; }
@@ -252,7 +258,7 @@ class Linear {
   // dY (M, N), f32 or bf16, cast to this linear's grad-output format: dy8 (M, N); with dyT8 (its
   // transpose, N x M) when dyT8 is not null.
   void CastDy(ActivationView dy, int64_t M, int64_t N, DevBuf* dy8, DevBuf* dyT8);
-  // The FP8 backward for a backend whose GemmFp8Layout takes every layout (Fp8GemmAnyLayout):
+  // The FP8 backward for a backend whose GemmFp8 takes every layout (Fp8GemmAnyLayout):
   // dx = dy8 · W and dw = dy8ᵀ · x8 straight from the untransposed codes. dx not bf16; the saved
   // input has its codes x8 (not only a recast transpose).
   void BackwardFp8AnyLayout(DevBuf dy8, int64_t M, int64_t K, int64_t N, const WeightView& w,

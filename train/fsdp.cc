@@ -226,8 +226,8 @@ void FsdpParams::CastShardCodes(const Buf& b, uint8_t* codes) {
     const Slice& sl = fp8_slices_[i];
     if (sl.hi <= sl.lo) continue;
     if (sl.lo > at) be_->Memset(codes + at, 0, sl.lo - at);
-    be_->CastToFp8(b.master.f32() + sl.lo, codes + sl.lo, sl.hi - sl.lo,
-                   w_scale_.f32() + i * kScaleStride, Fp8Format::kE4M3, nullptr);
+    be_->CastFp8(b.master.f32() + sl.lo, 1, sl.hi - sl.lo, w_scale_.f32() + i * kScaleStride,
+                 Fp8Format::kE4M3, codes + sl.lo, nullptr, nullptr);
     at = sl.hi;
   }
   if (b.plan->shard_numel > at) be_->Memset(codes + at, 0, b.plan->shard_numel - at);
@@ -369,24 +369,26 @@ void FsdpParams::MaterializeGrads() {
   }
 }
 
-absl::Status FsdpParams::StartGradSquaredNorm() {
+absl::Status FsdpParams::StartGradSquaredNorm(const float* values, int64_t n) {
   MaterializeGrads();
-  grad_sq_ = DevBuf::Zeros(be_, sizeof(float));
+  grad_sq_ = DevBuf::Zeros(be_, 2 * sizeof(float));
   for (auto& u : units_) {
     for (Buf& b : u) be_->SumSquares(b.grad.f32(), b.plan->shard_numel, grad_sq_.f32());
   }
+  if (values != nullptr && n > 0) be_->SumSquares(values, n, grad_sq_.f32() + 1);
   const double t0 = CommClock::Now();
-  absl::Status s = Timed(comm_->AllReduce(grad_sq_.f32(), 1, ReduceOp::kSum), t0);
+  absl::Status s = Timed(comm_->AllReduce(grad_sq_.f32(), 2, ReduceOp::kSum), t0);
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat("grad-norm all-reduce: ", s.message()));
   return absl::OkStatus();
 }
 
-double FsdpParams::FinishGradSquaredNorm() {
+double FsdpParams::FinishGradSquaredNorm(double* values_squared) {
   FSDP8_CHECK(!grad_sq_.empty()) << "FinishGradSquaredNorm without StartGradSquaredNorm";
-  float host = 0;
-  be_->CopyToHost(&host, grad_sq_.get(), sizeof(float));
+  float host[2] = {0, 0};
+  be_->CopyToHost(host, grad_sq_.get(), sizeof(host));
   grad_sq_.Reset();
-  return static_cast<double>(host);
+  if (values_squared != nullptr) *values_squared = static_cast<double>(host[1]);
+  return static_cast<double>(host[0]);
 }
 
 void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weight_decay,
@@ -399,9 +401,8 @@ void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weig
     if (hi <= lo) return;
     uint16_t* p16 = b.plan->wire == WireDtype::kBf16 ? b.wire.u16() + lo : nullptr;
     if (moments_ == MomentDtype::kBf16) {
-      be_->AdamWBf16Moments(b.master.f32() + lo, b.grad.f32() + lo, b.m.u16() + lo,
-                            b.v.u16() + lo, hi - lo, lr, beta1, beta2, eps, weight_decay, step,
-                            grad_scale, amax, p16);
+      be_->AdamW(b.master.f32() + lo, b.grad.f32() + lo, b.m.u16() + lo, b.v.u16() + lo, hi - lo,
+                 lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax, p16);
       return;
     }
     be_->AdamW(b.master.f32() + lo, b.grad.f32() + lo, b.m.f32() + lo, b.v.f32() + lo, hi - lo,
@@ -472,8 +473,8 @@ absl::Status FsdpParams::CastWeights() {
     Buf& b = units_[fp8_refs_[i].unit][fp8_refs_[i].buffer];
     const Slice& sl = fp8_slices_[i];
     if (sl.hi <= sl.lo) continue;
-    be_->CastToFp8(b.master.f32() + sl.lo, b.wire.u8() + sl.lo, sl.hi - sl.lo,
-                   w_scale_.f32() + i * kScaleStride, Fp8Format::kE4M3, nullptr);
+    be_->CastFp8(b.master.f32() + sl.lo, 1, sl.hi - sl.lo, w_scale_.f32() + i * kScaleStride,
+                 Fp8Format::kE4M3, b.wire.u8() + sl.lo, nullptr, nullptr);
   }
   return absl::OkStatus();
 }

@@ -87,8 +87,8 @@ std::string ScalingBaseName(const std::string& hf_name);
 // The per-element arrays of a rank's shard that a checkpoint carries.
 enum class ShardArray { kMaster = 0, kAdamM = 1, kAdamV = 2 };
 
-// Storage of the AdamW moments m and v: f32, or bfloat16 (Backend::AdamWBf16Moments: updated in
-// f32, rounded to nearest even when stored).
+// Storage of the AdamW moments m and v: f32, or bfloat16 (Backend::AdamW with bf16 moments: updated
+// in f32, rounded to nearest even when stored).
 enum class MomentDtype { kF32 = 0, kBf16 = 1 };
 // The moments' storage for optimizer.state_precision (FP32 or BF16; defaults applied).
 MomentDtype MomentDtypeOf(v1::Precision state_precision);
@@ -142,9 +142,13 @@ class FsdpParams {
   void ZeroGrads();
   // Squared L2 norm of the global gradient: sum of every shard's SumSquares, AllReduce(sum).
   // StartGradSquaredNorm enqueues it, FinishGradSquaredNorm reads it (a device
-  // synchronisation).
-  absl::Status StartGradSquaredNorm();
-  double FinishGradSquaredNorm();
+  // synchronisation). `values` (optional, n device floats: the trainer passes this rank's
+  // per-token losses) ride in the same all-reduce as a second sum, of their squares over every
+  // rank: *values_squared, finite when every rank's values are all finite (and of magnitude below
+  // about 1e19, whose squares a float holds), so that every rank reaches the same verdict on them
+  // without another collective. Without values (or values_squared null) it is 0 / not written.
+  absl::Status StartGradSquaredNorm(const float* values = nullptr, int64_t n = 0);
+  double FinishGradSquaredNorm(double* values_squared = nullptr);
   // Updates every master element of this rank's shards (Backend::AdamW; grads read as
   // ReduceGrads says). Also writes the bf16 wire shards (PackBf16 of the update) and the FP8
   // tensors' amaxes, which the next CastWeights() takes unless a master weight changed in between
@@ -243,7 +247,7 @@ class FsdpParams {
   mutable bool wscale_on_host_ = true;         // wscale_ matches the device
   DevBuf w_scale_, w_scale_inv_, w_amax_;  // scales (n_fp8 * kScaleStride), amax (n_fp8) f32
   DevBuf w_amax_cast_;                     // global amaxes of the last CastWeights (n_fp8) f32
-  DevBuf grad_sq_;                         // StartGradSquaredNorm's sum (1) f32
+  DevBuf grad_sq_;                         // StartGradSquaredNorm's sums (2) f32
   std::vector<int32_t> w_group_;           // per FP8 tensor: its scale group (its own index alone)
   bool w_grouped_ = false;                 // some group has two or more members
   DevBuf w_group_dev_;                     // w_group_ on the device (n_fp8) int32, when grouped

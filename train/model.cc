@@ -11,6 +11,12 @@
 #include "common/step_plan.h"
 
 namespace fsdp8 {
+namespace {
+
+// A block activation buffer as the typed operand of a backend op: bf16 or f32.
+TypedPtr Act(DevBuf& d, bool bf16) { return bf16 ? TypedPtr(d.u16()) : TypedPtr(d.f32()); }
+
+}  // namespace
 
 // Everything a block's backward needs from its forward.
 struct LlamaModel::BlockActs {
@@ -99,8 +105,10 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
     lin(&b.gate, &b.lgate, "mlp.gate_proj.weight");
     lin(&b.up, &b.lup, "mlp.up_proj.weight");
     lin(&b.down, &b.ldown, "mlp.down_proj.weight");
-    // Shared scales and fused GEMMs where the step plan puts them (BlockPlan::group_*, fused_*).
+    // The block's path, shared scales and fused GEMMs where the step plan puts them
+    // (BlockPlan::fp8_bf16, group_*, fused_*).
     const BlockPlan& bp = step.blocks[l];
+    b.acts16 = bp.fp8_bf16;
     if (bp.group_qkv) {
       const absl::Status st = p_->SetWeightScaleGroup({b.q, b.k, b.v});
       FSDP8_CHECK(st.ok()) << st.message();
@@ -145,42 +153,73 @@ WeightView LlamaModel::View(const TensorRef& t) const {
   return w;
 }
 
+// One block for every precision. The linears' precision is their own (Linear); the activations
+// between the GEMMs are f32, or bf16 in a block with FP8 linears and BF16 attention
+// (Block::acts16): there they feed only an FP8 cast or the attention (q, k, v, att, gate, up and
+// their gradients), so each memory-bound pass moves half the bytes, the norms cast straight to
+// the shared FP8 input of q/k/v (gate/up), and o_proj and down_proj add the residual in their
+// GEMMs. The residual stream, the norms' inputs and the GEMM outputs that join it stay f32.
 absl::Status LlamaModel::BlockForward(int l, int64_t B, DevBuf* x, BlockActs* a) {
   Block& b = blocks_[l];
-  if (b.prec == v1::PRECISION_FP8 && attention_bf16_) return BlockForwardFp8(l, B, x, a);
   const bool train = a != nullptr;
   BlockActs local;
   if (!train) a = &local;
   a->x_in = std::move(*x);
   AttentionForward(b, B, train, a);
+  if (train) KeepNormInput(b, &a->x_in, &a->x_in16, B * T_ * C_);
   *x = MlpForward(b, B, train, a);
+  if (train) KeepNormInput(b, &a->h, &a->h16, B * T_ * C_);
   return absl::OkStatus();
 }
 
-// h (N, C) = x_in + o_proj(attn(rope(q(n1)), rope(k(n1)), v(n1))), n1 = RMSNorm(x_in).
+void LlamaModel::KeepNormInput(const Block& b, DevBuf* x, DevBuf* x16, int64_t n) {
+  if (!b.acts16 || !norm_inputs_bf16_) return;
+  *x16 = DevBuf(be_, n * 2);
+  be_->PackBf16(x->f32(), x16->u16(), n);
+  x->Reset();
+}
+
+const float* LlamaModel::NormInput(const DevBuf& x, const DevBuf& x16, int64_t n, DevBuf* tmp) {
+  if (x16.empty()) return x.f32();
+  *tmp = DevBuf(be_, n * 4);
+  be_->UnpackBf16(x16.u16(), tmp->f32(), n);
+  return tmp->f32();
+}
+
+// h (N, C) = x_in + o_proj(att), att = attn(rope(q(n1)), rope(k(n1)), v(n1)), n1 = RMSNorm(x_in)
+// (bf16 activations: cast straight to FP8, one cast for q, k and v).
 void LlamaModel::AttentionForward(Block& b, int64_t B, bool train, BlockActs* a) {
   const int64_t N = B * T_;
-  const bool keep_f32_inputs = b.prec != v1::PRECISION_FP8;
-  a->n1 = DevBuf(be_, N * C_ * 4);  // (N, C)
-  a->rstd1 = DevBuf(be_, N * 4);    // (N)
-  be_->RmsNormForward(a->x_in.f32(), p_->W(b.in_norm), eps_, N, C_, a->n1.f32(), a->rstd1.f32());
-  a->q = DevBuf(be_, N * H_ * D_ * 4);    // (B, T, H, D)
-  a->k = DevBuf(be_, N * Hkv_ * D_ * 4);  // (B, T, Hkv, D)
-  a->v = DevBuf(be_, N * Hkv_ * D_ * 4);  // (B, T, Hkv, D)
-  b.lq.Forward(a->n1.f32(), N, C_, H_ * D_, View(b.q), a->q.f32(), train ? &a->sq : nullptr);
-  b.lk.Forward(a->n1.f32(), N, C_, Hkv_ * D_, View(b.k), a->k.f32(), train ? &a->sk : nullptr);
-  b.lv.Forward(a->n1.f32(), N, C_, Hkv_ * D_, View(b.v), a->v.f32(), train ? &a->sv : nullptr);
-  if (!keep_f32_inputs || !train) a->n1.Reset();
-  be_->RopeForward(a->q.f32(), B, T_, H_, D_, theta_);
-  be_->RopeForward(a->k.f32(), B, T_, Hkv_, D_, theta_);
-  a->att = DevBuf(be_, N * C_ * 4);        // (N, C)
-  a->lse = DevBuf(be_, B * H_ * T_ * 4);   // (B, H, T)
-  if (attention_bf16_) {
-    be_->AttentionForwardBf16Compute(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_,
-                                     a->att.f32(), a->lse.f32());
+  if (!b.acts16) a->n1 = DevBuf(be_, N * C_ * 4);  // (N, C)
+  a->rstd1 = DevBuf(be_, N * 4);                   // (N)
+  std::shared_ptr<Fp8Input> in1;
+  if (b.acts16) {
+    in1 = b.lq.NormCastInput(a->x_in.f32(), p_->W(b.in_norm), eps_, N, C_, a->rstd1.f32(),
+                             {&b.lk, &b.lv});
   } else {
-    be_->AttentionForward(a->q.f32(), a->k.f32(), a->v.f32(), B, T_, H_, Hkv_, D_, a->att.f32(),
-                          a->lse.f32());
+    be_->RmsNormForward(a->x_in.f32(), p_->W(b.in_norm), eps_, N, C_, a->n1.f32(), a->rstd1.f32());
+  }
+  const Qkv qkv = QkvForward(b, B, train, in1, a);
+  in1.reset();
+  DevBuf& att = b.acts16 ? a->att16 : a->att;
+  att = DevBuf(be_, N * C_ * (b.acts16 ? 2 : 4));  // (N, C)
+  a->lse = DevBuf(be_, B * H_ * T_ * 4);           // (B, H, T)
+  be_->AttentionForward(qkv.q, qkv.k, qkv.v, B, T_, H_, Hkv_, D_, Act(att, b.acts16), a->lse.f32(),
+                        AttentionOptions{attention_bf16_, qkv.q_ld, qkv.kv_ld});
+  if (b.acts16) {
+    if (!train) {
+      a->q16.Reset();
+      a->k16.Reset();
+      a->v16.Reset();
+      a->qkv16.Reset();
+    }
+    // h = x + o_proj(att), the residual added in the GEMM.
+    a->h = DevBuf(be_, N * C_ * 4);
+    b.lo.ForwardFp8(b.lo.CastInput(ActivationView::Bf16(a->att16.u16()), N, C_), N, C_, C_,
+                    View(b.o), LinearOutput::F32PlusResidual(a->h.f32(), a->x_in.f32()),
+                    train ? &a->so : nullptr);
+    if (!train) a->att16.Reset();
+    return;
   }
   DevBuf o(be_, N * C_ * 4);  // (N, C)
   b.lo.Forward(a->att.f32(), N, C_, C_, View(b.o), o.f32(), train ? &a->so : nullptr);
@@ -194,29 +233,106 @@ void LlamaModel::AttentionForward(Block& b, int64_t B, bool train, BlockActs* a)
     pack(&a->k, &a->k16, N * Hkv_ * D_, false);
     pack(&a->v, &a->v16, N * Hkv_ * D_, false);
     // A non-FP8 o_proj keeps a pointer to its f32 input for its weight gradient.
-    pack(&a->att, &a->att16, N * C_, keep_f32_inputs);
+    pack(&a->att, &a->att16, N * C_, b.prec != v1::PRECISION_FP8);
   }
   a->h = DevBuf(be_, N * C_ * 4);  // (N, C)
   be_->Add(a->x_in.f32(), o.f32(), a->h.f32(), N * C_);
   o.Reset();
 }
 
-// Returns out (N, C) = h + down(silu(gate(n2)) * up(n2)), n2 = RMSNorm(h).
+// q, k, v from n1 (its FP8 codes in1 with bf16 activations, else a->n1 f32) with RoPE applied
+// to q and k: f32 in acts' q, k, v; or bf16, from one GEMM into acts->qkv16 when b.fused_qkv,
+// else three into q16, k16, v16.
+LlamaModel::Qkv LlamaModel::QkvForward(Block& b, int64_t B, bool train,
+                                       const std::shared_ptr<Fp8Input>& in1, BlockActs* a) {
+  const int64_t N = B * T_;
+  const int64_t nq = H_ * D_, nk = Hkv_ * D_;
+  Qkv r;
+  if (!b.acts16) {
+    a->q = DevBuf(be_, N * nq * 4);  // (B, T, H, D)
+    a->k = DevBuf(be_, N * nk * 4);  // (B, T, Hkv, D)
+    a->v = DevBuf(be_, N * nk * 4);  // (B, T, Hkv, D)
+    b.lq.Forward(a->n1.f32(), N, C_, nq, View(b.q), a->q.f32(), train ? &a->sq : nullptr);
+    b.lk.Forward(a->n1.f32(), N, C_, nk, View(b.k), a->k.f32(), train ? &a->sk : nullptr);
+    b.lv.Forward(a->n1.f32(), N, C_, nk, View(b.v), a->v.f32(), train ? &a->sv : nullptr);
+    // A non-FP8 linear keeps a pointer to its f32 input for its weight gradient.
+    if (b.prec == v1::PRECISION_FP8 || !train) a->n1.Reset();
+    be_->RopeForward(a->q.f32(), B, T_, H_, D_, theta_);
+    be_->RopeForward(a->k.f32(), B, T_, Hkv_, D_, theta_);
+    r.q = a->q.f32();
+    r.k = a->k.f32();
+    r.v = a->v.f32();
+    return r;
+  }
+  if (b.fused_qkv) {  // one GEMM: [q | k | v] (N, nq + 2 nk) = n1 · [Wq ; Wk ; Wv]ᵀ
+    r.q_ld = r.kv_ld = nq + 2 * nk;
+    a->qkv16 = DevBuf(be_, N * r.q_ld * 2);
+    b.lq.ForwardFp8(in1, N, C_, r.q_ld, View(b.q), LinearOutput::Bf16(a->qkv16.u16()),
+                    train ? &a->sq : nullptr);
+    if (train) a->sk = a->sv = a->sq;
+    be_->RopeForward(a->qkv16.u16(), B, T_, H_, D_, theta_, r.q_ld);
+    be_->RopeForward(a->qkv16.u16() + nq, B, T_, Hkv_, D_, theta_, r.kv_ld);
+    r.q = a->qkv16.u16();
+    r.k = a->qkv16.u16() + nq;
+    r.v = a->qkv16.u16() + nq + nk;
+    return r;
+  }
+  r.q_ld = nq;
+  r.kv_ld = nk;
+  a->q16 = DevBuf(be_, N * nq * 2);  // (B, T, H, D) bf16
+  a->k16 = DevBuf(be_, N * nk * 2);  // (B, T, Hkv, D) bf16
+  a->v16 = DevBuf(be_, N * nk * 2);  // (B, T, Hkv, D) bf16
+  b.lq.ForwardFp8(in1, N, C_, nq, View(b.q), LinearOutput::Bf16(a->q16.u16()),
+                  train ? &a->sq : nullptr);
+  b.lk.ForwardFp8(in1, N, C_, nk, View(b.k), LinearOutput::Bf16(a->k16.u16()),
+                  train ? &a->sk : nullptr);
+  b.lv.ForwardFp8(in1, N, C_, nk, View(b.v), LinearOutput::Bf16(a->v16.u16()),
+                  train ? &a->sv : nullptr);
+  be_->RopeForward(a->q16.u16(), B, T_, H_, D_, theta_, nq);
+  be_->RopeForward(a->k16.u16(), B, T_, Hkv_, D_, theta_, nk);
+  r.q = a->q16.u16();
+  r.k = a->k16.u16();
+  r.v = a->v16.u16();
+  return r;
+}
+
+// Returns out (N, C) = h + down(silu(gate(n2)) * up(n2)), n2 = RMSNorm(h). With bf16
+// activations n2 is cast straight to FP8 (one cast for gate and up), gate and up are bf16 and
+// silu(gate) * up is cast to FP8 in one pass; under delayed scaling the backward recasts down's
+// input from the kept gate and up (Linear::RecastSwiglu, the same codes) rather than keeping its
+// N * F codes.
 DevBuf LlamaModel::MlpForward(Block& b, int64_t B, bool train, BlockActs* a) {
   const int64_t N = B * T_;
+  if (!b.acts16) a->n2 = DevBuf(be_, N * C_ * 4);  // (N, C)
+  a->rstd2 = DevBuf(be_, N * 4);                   // (N)
+  std::shared_ptr<Fp8Input> in2;
+  if (b.acts16) {
+    in2 = b.lgate.NormCastInput(a->h.f32(), p_->W(b.post_norm), eps_, N, C_, a->rstd2.f32(),
+                                {&b.lup});
+  } else {
+    be_->RmsNormForward(a->h.f32(), p_->W(b.post_norm), eps_, N, C_, a->n2.f32(), a->rstd2.f32());
+  }
+  const GateUp gu = GateUpForward(b, N, train, in2, a);
+  in2.reset();
+  if (b.acts16) {
+    std::shared_ptr<Fp8Input> in_act = b.ldown.CastSwiglu(gu.gate.h(), gu.up.h(), N, F_, gu.ld);
+    if (!train) {
+      a->gate16.Reset();
+      a->up16.Reset();
+      a->gu16.Reset();
+    }
+    DevBuf out(be_, N * C_ * 4);  // h + down(act), the residual added in the GEMM
+    const bool keep = train && (save_down_input_ || b.ldown.XNeedsAmaxFirst());
+    b.ldown.ForwardFp8(in_act, N, F_, C_, View(b.down),
+                       LinearOutput::F32PlusResidual(out.f32(), a->h.f32()),
+                       keep ? &a->sdown : nullptr);
+    return out;
+  }
   const bool keep_f32_inputs = b.prec != v1::PRECISION_FP8;
-  a->n2 = DevBuf(be_, N * C_ * 4);  // (N, C)
-  a->rstd2 = DevBuf(be_, N * 4);    // (N)
-  be_->RmsNormForward(a->h.f32(), p_->W(b.post_norm), eps_, N, C_, a->n2.f32(), a->rstd2.f32());
-  a->gate = DevBuf(be_, N * F_ * 4);  // (N, F)
-  a->up = DevBuf(be_, N * F_ * 4);    // (N, F)
-  b.lgate.Forward(a->n2.f32(), N, C_, F_, View(b.gate), a->gate.f32(), train ? &a->sgate : nullptr);
-  b.lup.Forward(a->n2.f32(), N, C_, F_, View(b.up), a->up.f32(), train ? &a->sup : nullptr);
-  if (!keep_f32_inputs || !train) a->n2.Reset();
   a->act = DevBuf(be_, N * F_ * 4);  // (N, F)
-  be_->SwigluForward(a->gate.f32(), a->up.f32(), N * F_, a->act.f32());
+  be_->SwigluForward(gu.gate, gu.up, 1, N * F_, 0, a->act.f32());
   if (train && !keep_f32_inputs) {
-    // FP8 blocks keep the SwiGLU inputs in bf16 for the backward: 8 significant bits where the
+    // FP8 linears keep the SwiGLU inputs in bf16 for the backward: 8 significant bits where the
     // GEMM that made them multiplied 4-bit E4M3 operands; half the memory of f32.
     a->gate16 = DevBuf(be_, N * F_ * 2);
     a->up16 = DevBuf(be_, N * F_ * 2);
@@ -233,249 +349,60 @@ DevBuf LlamaModel::MlpForward(Block& b, int64_t B, bool train, BlockActs* a) {
   return out;
 }
 
-void LlamaModel::BlockBackward(int l, int64_t B, BlockActs* a, DevBuf* dout) {
-  Block& b = blocks_[l];
-  if (b.prec == v1::PRECISION_FP8 && attention_bf16_) return BlockBackwardFp8(l, B, a, dout);
-  DevBuf dh = MlpBackward(b, B, a, dout);
-  AttentionBackward(b, B, a, dh, dout);
-}
-
-// The MLP half, out = h + down(silu(gate) * up): returns dh (N, C) f32 from dout (N, C) f32
-// (freed here).
-DevBuf LlamaModel::MlpBackward(Block& b, int64_t B, BlockActs* a, DevBuf* dout) {
-  const int64_t N = B * T_;
-  DevBuf dact(be_, N * F_ * 4);  // (N, F)
-  b.ldown.Backward(ActivationView::F32(dout->f32()), N, F_, C_, View(b.down), a->sdown,
-                   InputGrad::F32(dact.f32()), p_->G(b.down));
-  a->sdown = LinearSaved();
-  a->act.Reset();
-  DevBuf dgate(be_, N * F_ * 4), dup(be_, N * F_ * 4);  // (N, F) each
-  if (!a->gate16.empty()) {
-    be_->SwigluBackwardBf16Saved(dact.f32(), a->gate16.u16(), a->up16.u16(), N * F_,
-                                 dgate.f32(), dup.f32());
-  } else {
-    be_->SwigluBackward(dact.f32(), a->gate.f32(), a->up.f32(), N * F_, dgate.f32(), dup.f32());
-  }
-  dact.Reset();
-  a->gate.Reset();
-  a->up.Reset();
-  a->gate16.Reset();
-  a->up16.Reset();
-  DevBuf dn2(be_, N * C_ * 4);  // (N, C) = dgate · Wgate + dup · Wup
-  b.lgate.Backward(ActivationView::F32(dgate.f32()), N, C_, F_, View(b.gate), a->sgate,
-                   InputGrad::F32(dn2.f32()), p_->G(b.gate));
-  b.lup.Backward(ActivationView::F32(dup.f32()), N, C_, F_, View(b.up), a->sup,
-                 InputGrad::AddF32(dn2.f32()), p_->G(b.up));
-  dgate.Reset();
-  dup.Reset();
-  a->sgate = LinearSaved();
-  a->sup = LinearSaved();
-  a->n2.Reset();
-  DevBuf dh(be_, N * C_ * 4);  // (N, C)
-  be_->RmsNormBackward(dn2.f32(), a->h.f32(), p_->W(b.post_norm), a->rstd2.f32(), N, C_,
-                       dh.f32(), p_->G(b.post_norm));
-  be_->Axpy(1.0f, dout->f32(), dh.f32(), N * C_);
-  dn2.Reset();
-  dout->Reset();
-  return dh;
-}
-
-// The attention half, h = x + o_proj(attn): *dout becomes dx (N, C) f32 from dh (N, C) f32;
-// *a is cleared.
-void LlamaModel::AttentionBackward(Block& b, int64_t B, BlockActs* a, const DevBuf& dh,
-                                   DevBuf* dout) {
-  const int64_t N = B * T_;
-  DevBuf datt(be_, N * C_ * 4);  // (N, C)
-  b.lo.Backward(ActivationView::F32(dh.f32()), N, C_, C_, View(b.o), a->so,
-                InputGrad::F32(datt.f32()), p_->G(b.o));
-  a->so = LinearSaved();
-  // (B, T, H, D), (B, T, Hkv, D) x2
-  DevBuf dq(be_, N * H_ * D_ * 4), dk(be_, N * Hkv_ * D_ * 4), dv(be_, N * Hkv_ * D_ * 4);
-  if (attention_bf16_) {
-    be_->AttentionBackwardBf16Saved(a->q16.u16(), a->k16.u16(), a->v16.u16(), a->att16.u16(),
-                                    datt.f32(), a->lse.f32(), B, T_, H_, Hkv_, D_, dq.f32(),
-                                    dk.f32(), dv.f32());
-  } else {
-    be_->AttentionBackward(a->q.f32(), a->k.f32(), a->v.f32(), a->att.f32(), datt.f32(),
-                           a->lse.f32(), B, T_, H_, Hkv_, D_, dq.f32(), dk.f32(), dv.f32());
-  }
-  datt.Reset();
-  be_->RopeBackward(dq.f32(), B, T_, H_, D_, theta_);
-  be_->RopeBackward(dk.f32(), B, T_, Hkv_, D_, theta_);
-  DevBuf dn1(be_, N * C_ * 4);  // (N, C) = dq · Wq + dk · Wk + dv · Wv
-  b.lq.Backward(ActivationView::F32(dq.f32()), N, C_, H_ * D_, View(b.q), a->sq,
-                InputGrad::F32(dn1.f32()), p_->G(b.q));
-  b.lk.Backward(ActivationView::F32(dk.f32()), N, C_, Hkv_ * D_, View(b.k), a->sk,
-                InputGrad::AddF32(dn1.f32()), p_->G(b.k));
-  b.lv.Backward(ActivationView::F32(dv.f32()), N, C_, Hkv_ * D_, View(b.v), a->sv,
-                InputGrad::AddF32(dn1.f32()), p_->G(b.v));
-  a->sq = a->sk = a->sv = LinearSaved();  // frees their FP8 input and its transpose
-  dq.Reset();
-  dk.Reset();
-  dv.Reset();
-  DevBuf dx(be_, N * C_ * 4);  // (N, C)
-  be_->RmsNormBackward(dn1.f32(), a->x_in.f32(), p_->W(b.in_norm), a->rstd1.f32(), N, C_,
-                       dx.f32(), p_->G(b.in_norm));
-  be_->Axpy(1.0f, dh.f32(), dx.f32(), N * C_);
-  *a = BlockActs();
-  *dout = std::move(dx);
-}
-
-// FP8 linears with BF16 attention: activations between the GEMMs are bf16 wherever they only
-// feed an FP8 cast or the attention (q, k, v, att, gate, up and their gradients), so each
-// memory-bound pass moves half the bytes, and q/k/v (gate/up) share one cast of their input.
-// The residual stream, the norms' inputs and outputs and the GEMM outputs that join it stay f32.
-absl::Status LlamaModel::BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs* a) {
-  Block& b = blocks_[l];
-  const bool train = a != nullptr;
-  BlockActs local;
-  if (!train) a = &local;
-  a->x_in = std::move(*x);
-  AttentionForwardFp8(b, B, train, a);
-  if (train) KeepNormInput(&a->x_in, &a->x_in16, B * T_ * C_);
-  *x = MlpForwardFp8(b, B, train, a);
-  if (train) KeepNormInput(&a->h, &a->h16, B * T_ * C_);
-  return absl::OkStatus();
-}
-
-void LlamaModel::KeepNormInput(DevBuf* x, DevBuf* x16, int64_t n) {
-  if (!norm_inputs_bf16_) return;
-  *x16 = DevBuf(be_, n * 2);
-  be_->PackBf16(x->f32(), x16->u16(), n);
-  x->Reset();
-}
-
-const float* LlamaModel::NormInput(const DevBuf& x, const DevBuf& x16, int64_t n, DevBuf* tmp) {
-  if (x16.empty()) return x.f32();
-  *tmp = DevBuf(be_, n * 4);
-  be_->UnpackBf16(x16.u16(), tmp->f32(), n);
-  return tmp->f32();
-}
-
-// h (N, C) f32 = x_in + o_proj(att), att = attn(rope(q(n1)), rope(k(n1)), v(n1)) bf16,
-// n1 = RMSNorm(x_in) cast straight to FP8 (one cast for q, k and v).
-void LlamaModel::AttentionForwardFp8(Block& b, int64_t B, bool train, BlockActs* a) {
-  const int64_t N = B * T_;
-  a->rstd1 = DevBuf(be_, N * 4);  // (N)
-  std::shared_ptr<Fp8Input> in1 = b.lq.NormCastInput(a->x_in.f32(), p_->W(b.in_norm), eps_, N, C_,
-                                                     a->rstd1.f32(), {&b.lk, &b.lv});
-  const QkvBf16 qkv = QkvForwardFp8(b, B, train, in1, a);
-  in1.reset();
-  a->att16 = DevBuf(be_, N * C_ * 2);     // (N, C) bf16
-  a->lse = DevBuf(be_, B * H_ * T_ * 4);  // (B, H, T)
-  be_->AttentionForwardBf16Packed(qkv.q, qkv.k, qkv.v, B, T_, H_, Hkv_, D_, a->att16.u16(),
-                                  a->lse.f32(), qkv.q_ld, qkv.kv_ld);
-  if (!train) {
-    a->q16.Reset();
-    a->k16.Reset();
-    a->v16.Reset();
-    a->qkv16.Reset();
-  }
-  // h = x + o_proj(att), the residual added in the GEMM.
-  a->h = DevBuf(be_, N * C_ * 4);
-  b.lo.ForwardFp8(b.lo.CastInput(ActivationView::Bf16(a->att16.u16()), N, C_), N, C_, C_,
-                  View(b.o), LinearOutput::F32PlusResidual(a->h.f32(), a->x_in.f32()),
-                  train ? &a->so : nullptr);
-  if (!train) a->att16.Reset();
-}
-
-LlamaModel::QkvBf16 LlamaModel::QkvForwardFp8(Block& b, int64_t B, bool train,
-                                             const std::shared_ptr<Fp8Input>& in1, BlockActs* a) {
-  const int64_t N = B * T_;
-  const int64_t nq = H_ * D_, nk = Hkv_ * D_;
-  QkvBf16 r;
-  if (b.fused_qkv) {  // one GEMM: [q | k | v] (N, nq + 2 nk) = n1 · [Wq ; Wk ; Wv]ᵀ
-    r.q_ld = r.kv_ld = nq + 2 * nk;
-    a->qkv16 = DevBuf(be_, N * r.q_ld * 2);
-    b.lq.ForwardFp8(in1, N, C_, r.q_ld, View(b.q), LinearOutput::Bf16(a->qkv16.u16()),
-                    train ? &a->sq : nullptr);
-    if (train) a->sk = a->sv = a->sq;
-    be_->RopeForwardBf16(a->qkv16.u16(), B, T_, H_, D_, theta_, r.q_ld);
-    be_->RopeForwardBf16(a->qkv16.u16() + nq, B, T_, Hkv_, D_, theta_, r.kv_ld);
-    r.q = a->qkv16.u16();
-    r.k = r.q + nq;
-    r.v = r.q + nq + nk;
+// gate and up (N, F) from n2 (its FP8 codes in2 with bf16 activations, else a->n2 f32): f32 in
+// acts' gate, up; or bf16, from one GEMM into acts->gu16 ([gate | up], row stride 2F) when
+// MlpFused, else two into gate16, up16.
+LlamaModel::GateUp LlamaModel::GateUpForward(Block& b, int64_t N, bool train,
+                                             const std::shared_ptr<Fp8Input>& in2, BlockActs* a) {
+  GateUp r;
+  if (!b.acts16) {
+    a->gate = DevBuf(be_, N * F_ * 4);  // (N, F)
+    a->up = DevBuf(be_, N * F_ * 4);    // (N, F)
+    b.lgate.Forward(a->n2.f32(), N, C_, F_, View(b.gate), a->gate.f32(),
+                    train ? &a->sgate : nullptr);
+    b.lup.Forward(a->n2.f32(), N, C_, F_, View(b.up), a->up.f32(), train ? &a->sup : nullptr);
+    if (b.prec == v1::PRECISION_FP8 || !train) a->n2.Reset();
+    r.gate = a->gate.f32();
+    r.up = a->up.f32();
+    r.ld = F_;
     return r;
   }
-  r.q_ld = nq;
-  r.kv_ld = nk;
-  a->q16 = DevBuf(be_, N * nq * 2);  // (B, T, H, D) bf16
-  a->k16 = DevBuf(be_, N * nk * 2);  // (B, T, Hkv, D) bf16
-  a->v16 = DevBuf(be_, N * nk * 2);  // (B, T, Hkv, D) bf16
-  b.lq.ForwardFp8(in1, N, C_, nq, View(b.q), LinearOutput::Bf16(a->q16.u16()),
-                  train ? &a->sq : nullptr);
-  b.lk.ForwardFp8(in1, N, C_, nk, View(b.k), LinearOutput::Bf16(a->k16.u16()),
-                  train ? &a->sk : nullptr);
-  b.lv.ForwardFp8(in1, N, C_, nk, View(b.v), LinearOutput::Bf16(a->v16.u16()),
-                  train ? &a->sv : nullptr);
-  be_->RopeForwardBf16(a->q16.u16(), B, T_, H_, D_, theta_, nq);
-  be_->RopeForwardBf16(a->k16.u16(), B, T_, Hkv_, D_, theta_, nk);
-  r.q = a->q16.u16();
-  r.k = a->k16.u16();
-  r.v = a->v16.u16();
-  return r;
-}
-
-// Returns out (N, C) f32 = h + down(silu(gate) * up), gate and up (N, F) bf16 from
-// n2 = RMSNorm(h) cast straight to FP8 (one cast for gate and up), silu(gate) * up cast to FP8
-// in one pass. Under delayed scaling the backward recasts down's input from the kept gate and up
-// (Linear::RecastSwiglu, the same codes) rather than keeping its N * F codes.
-DevBuf LlamaModel::MlpForwardFp8(Block& b, int64_t B, bool train, BlockActs* a) {
-  const int64_t N = B * T_;
-  a->rstd2 = DevBuf(be_, N * 4);  // (N)
-  std::shared_ptr<Fp8Input> in2 = b.lgate.NormCastInput(a->h.f32(), p_->W(b.post_norm), eps_, N,
-                                                        C_, a->rstd2.f32(), {&b.lup});
-  const uint16_t *gate16, *up16;
-  int64_t gu_ld;  // row stride of gate16 and up16
   if (MlpFused(b)) {  // one GEMM: [gate | up] (N, 2F) = n2 · [Wgate ; Wup]ᵀ (adjacent weights)
     a->gu16 = DevBuf(be_, N * 2 * F_ * 2);
     b.lgate.ForwardFp8(in2, N, C_, 2 * F_, View(b.gate), LinearOutput::Bf16(a->gu16.u16()),
                        train ? &a->sgate : nullptr);
     if (train) a->sup = a->sgate;
-    gate16 = a->gu16.u16();
-    up16 = gate16 + F_;
-    gu_ld = 2 * F_;
-  } else {
-    a->gate16 = DevBuf(be_, N * F_ * 2);  // (N, F) bf16
-    a->up16 = DevBuf(be_, N * F_ * 2);    // (N, F) bf16
-    b.lgate.ForwardFp8(in2, N, C_, F_, View(b.gate), LinearOutput::Bf16(a->gate16.u16()),
-                       train ? &a->sgate : nullptr);
-    b.lup.ForwardFp8(in2, N, C_, F_, View(b.up), LinearOutput::Bf16(a->up16.u16()),
-                     train ? &a->sup : nullptr);
-    gate16 = a->gate16.u16();
-    up16 = a->up16.u16();
-    gu_ld = F_;
+    r.gate = a->gu16.u16();
+    r.up = a->gu16.u16() + F_;
+    r.ld = 2 * F_;
+    return r;
   }
-  in2.reset();
-  std::shared_ptr<Fp8Input> in_act = b.ldown.CastSwiglu(gate16, up16, N, F_, gu_ld);
-  if (!train) {
-    a->gate16.Reset();
-    a->up16.Reset();
-    a->gu16.Reset();
-  }
-  DevBuf out(be_, N * C_ * 4);  // h + down(act), the residual added in the GEMM
-  const bool keep = train && (save_down_input_ || b.ldown.XNeedsAmaxFirst());
-  b.ldown.ForwardFp8(in_act, N, F_, C_, View(b.down),
-                     LinearOutput::F32PlusResidual(out.f32(), a->h.f32()),
-                     keep ? &a->sdown : nullptr);
-  in_act.reset();
-  return out;
+  a->gate16 = DevBuf(be_, N * F_ * 2);  // (N, F) bf16
+  a->up16 = DevBuf(be_, N * F_ * 2);    // (N, F) bf16
+  b.lgate.ForwardFp8(in2, N, C_, F_, View(b.gate), LinearOutput::Bf16(a->gate16.u16()),
+                     train ? &a->sgate : nullptr);
+  b.lup.ForwardFp8(in2, N, C_, F_, View(b.up), LinearOutput::Bf16(a->up16.u16()),
+                   train ? &a->sup : nullptr);
+  r.gate = a->gate16.u16();
+  r.up = a->up16.u16();
+  r.ld = F_;
+  return r;
 }
 
-void LlamaModel::BlockBackwardFp8(int l, int64_t B, BlockActs* a, DevBuf* dout) {
+void LlamaModel::BlockBackward(int l, int64_t B, BlockActs* a, DevBuf* dout) {
   Block& b = blocks_[l];
-  DevBuf dh = MlpBackwardFp8(l, b, B, a, dout);
-  AttentionBackwardFp8(b, B, a, dh, dout);
+  DevBuf dh = MlpBackward(l, b, B, a, dout);
+  AttentionBackward(b, B, a, dh, dout);
 }
 
 // The MLP half, out = h + down(silu(gate) * up): returns dh (N, C) f32 from dout (N, C) f32
-// (freed here). dn2 = dgate · Wgate + dup · Wup: one GEMM over K = 2F when gate/up are fused
-// (one bf16 part), else two bf16 parts summed in f32 by the norm's backward (no GEMM reads and
-// rewrites an f32 accumulator).
-DevBuf LlamaModel::MlpBackwardFp8(int l, Block& b, int64_t B, BlockActs* a, DevBuf* dout) {
+// (freed here). dn2 = dgate · Wgate + dup · Wup: f32, accumulated by the second linear; with bf16
+// activations one GEMM over K = 2F when gate/up are fused (one bf16 part), else two bf16 parts
+// summed in f32 by the norm's backward (no GEMM reads and rewrites an f32 accumulator).
+DevBuf LlamaModel::MlpBackward(int l, Block& b, int64_t B, BlockActs* a, DevBuf* dout) {
   const int64_t N = B * T_;
-  DevBuf dact16(be_, N * F_ * 2);  // (N, F) bf16
-  if (a->sdown.in == nullptr) {  // not kept by the forward: recast from gate and up
+  DevBuf dact(be_, N * F_ * (b.acts16 ? 2 : 4));  // (N, F): the gradient of silu(gate) * up
+  if (b.acts16 && a->sdown.in == nullptr) {  // not kept by the forward: recast from gate and up
     const bool fused = !a->gu16.empty();
     a->sdown = b.ldown.RecastSwiglu(fused ? a->gu16.u16() : a->gate16.u16(),
                                     fused ? a->gu16.u16() + F_ : a->up16.u16(), N, F_,
@@ -483,26 +410,60 @@ DevBuf LlamaModel::MlpBackwardFp8(int l, Block& b, int64_t B, BlockActs* a, DevB
     ++down_input_recasts_;
   }
   b.ldown.Backward(ActivationView::F32(dout->f32()), N, F_, C_, View(b.down), a->sdown,
-                   InputGrad::Bf16(dact16.u16()), p_->G(b.down));
+                   b.acts16 ? InputGrad::Bf16(dact.u16()) : InputGrad::F32(dact.f32()),
+                   p_->G(b.down));
   a->sdown = LinearSaved();
+  a->act.Reset();
+  DevBuf dh;
+  if (!b.acts16) {
+    DevBuf dgate(be_, N * F_ * 4), dup(be_, N * F_ * 4);  // (N, F) each
+    if (!a->gate16.empty()) {
+      be_->SwigluBackward(dact.f32(), a->gate16.u16(), a->up16.u16(), 1, N * F_, 0, dgate.f32(),
+                          dup.f32());
+    } else {
+      be_->SwigluBackward(dact.f32(), a->gate.f32(), a->up.f32(), 1, N * F_, 0, dgate.f32(),
+                          dup.f32());
+    }
+    dact.Reset();
+    a->gate.Reset();
+    a->up.Reset();
+    a->gate16.Reset();
+    a->up16.Reset();
+    DevBuf dn2(be_, N * C_ * 4);  // (N, C) = dgate · Wgate + dup · Wup
+    b.lgate.Backward(ActivationView::F32(dgate.f32()), N, C_, F_, View(b.gate), a->sgate,
+                     InputGrad::F32(dn2.f32()), p_->G(b.gate));
+    b.lup.Backward(ActivationView::F32(dup.f32()), N, C_, F_, View(b.up), a->sup,
+                   InputGrad::AddF32(dn2.f32()), p_->G(b.up));
+    dgate.Reset();
+    dup.Reset();
+    a->sgate = LinearSaved();
+    a->sup = LinearSaved();
+    a->n2.Reset();
+    dh = DevBuf(be_, N * C_ * 4);  // (N, C)
+    be_->RmsNormBackward(dn2.f32(), a->h.f32(), p_->W(b.post_norm), a->rstd2.f32(), N, C_, dh.f32(),
+                         p_->G(b.post_norm));
+    be_->Axpy(1.0f, dout->f32(), dh.f32(), N * C_);
+    dn2.Reset();
+    dout->Reset();
+    return dh;
+  }
   DevBuf dn2g(be_, N * C_ * 2), dn2u;  // (N, C) bf16 parts
   // The forward (and a recompute) decided with the same scales: [gate | up] is there exactly
   // when the backward fuses.
   const bool fused = MlpFused(b);
   FSDP8_CHECK(fused == !a->gu16.empty()) << "block " << l << ": gate/up fused in one pass only";
   if (fused) {
-    BackwardGateUpFused(b, N, a, &dact16, &dn2g);
+    BackwardGateUpFused(b, N, a, &dact, &dn2g);
   } else {
-    BackwardGateUpPerLinear(b, N, a, &dact16, &dn2g, &dn2u);
+    BackwardGateUpPerLinear(b, N, a, &dact, &dn2g, &dn2u);
   }
   a->sgate = LinearSaved();
   a->sup = LinearSaved();
-  DevBuf dh(be_, N * C_ * 4);  // (N, C)
+  dh = DevBuf(be_, N * C_ * 4);  // (N, C)
   DevBuf h32;
-  be_->RmsNormBackwardAddBf16Parts(dn2g.u16(), dn2u.empty() ? nullptr : dn2u.u16(), nullptr,
-                                   NormInput(a->h, a->h16, N * C_, &h32),
-                                   p_->W(b.post_norm), a->rstd2.f32(), dout->f32(), N, C_,
-                                   dh.f32(), p_->G(b.post_norm));
+  be_->RmsNormBackward(dn2g.u16(), NormInput(a->h, a->h16, N * C_, &h32), p_->W(b.post_norm),
+                       a->rstd2.f32(), N, C_, dh.f32(), p_->G(b.post_norm), dout->f32(),
+                       dn2u.empty() ? nullptr : dn2u.u16(), nullptr);
   h32.Reset();
   dn2g.Reset();
   dn2u.Reset();
@@ -516,10 +477,9 @@ void LlamaModel::BackwardGateUpFused(Block& b, int64_t N, BlockActs* a, DevBuf* 
   // of the fused dX (N, C) = [dgate | dup] · [Wgate ; Wup] and dW (2F, C) = [dgateᵀ ; dupᵀ] · n2.
   DevBuf d8(be_, N * 2 * F_), dT8(be_, N * 2 * F_);
   const uint16_t* gu16 = a->gu16.u16();
-  be_->SwigluBackwardCastTransposeFp8(dact16->u16(), gu16, gu16 + F_, N, F_, b.lgate.DyScale(),
-                                      b.lup.DyScale(), b.lgate.dy_format(), d8.u8(), dT8.u8(),
-                                      d8.u8() + F_, dT8.u8() + N * F_, b.lgate.DyAmaxOut(),
-                                      b.lup.DyAmaxOut(), 2 * F_, 2 * F_);
+  be_->SwigluBackward(dact16->u16(), gu16, gu16 + F_, N, F_, 2 * F_, nullptr, nullptr,
+                      b.lgate.DyCast(d8.u8(), dT8.u8(), 2 * F_),
+                      b.lup.DyCast(d8.u8() + F_, dT8.u8() + N * F_, 2 * F_));
   dact16->Reset();
   a->gate16.Reset();
   a->up16.Reset();
@@ -537,10 +497,9 @@ void LlamaModel::BackwardGateUpPerLinear(Block& b, int64_t N, BlockActs* a, DevB
     // dgate and dup go straight from the SwiGLU gradient to their FP8 codes and transposes: no
     // bf16 copy of either passes through memory.
     DevBuf dg8(be_, N * F_), dgT8(be_, N * F_), du8(be_, N * F_), duT8(be_, N * F_);
-    be_->SwigluBackwardCastTransposeFp8(dact16->u16(), a->gate16.u16(), a->up16.u16(), N, F_,
-                                        b.lgate.DyScale(), b.lup.DyScale(), b.lgate.dy_format(),
-                                        dg8.u8(), dgT8.u8(), du8.u8(), duT8.u8(),
-                                        b.lgate.DyAmaxOut(), b.lup.DyAmaxOut(), F_, F_);
+    be_->SwigluBackward(dact16->u16(), a->gate16.u16(), a->up16.u16(), N, F_, F_, nullptr, nullptr,
+                        b.lgate.DyCast(dg8.u8(), dgT8.u8(), F_),
+                        b.lup.DyCast(du8.u8(), duT8.u8(), F_));
     dact16->Reset();
     a->gate16.Reset();
     a->up16.Reset();
@@ -552,8 +511,8 @@ void LlamaModel::BackwardGateUpPerLinear(Block& b, int64_t N, BlockActs* a, DevB
   }
   // A grad-output scale measured first (first step, CURRENT recipe).
   DevBuf dgate16(be_, N * F_ * 2), dup16(be_, N * F_ * 2);  // (N, F) bf16
-  be_->SwigluBackwardBf16To16(dact16->u16(), a->gate16.u16(), a->up16.u16(), N * F_,
-                              dgate16.u16(), dup16.u16());
+  be_->SwigluBackward(dact16->u16(), a->gate16.u16(), a->up16.u16(), 1, N * F_, 0, dgate16.u16(),
+                      dup16.u16());
   dact16->Reset();
   a->gate16.Reset();
   a->up16.Reset();
@@ -564,61 +523,90 @@ void LlamaModel::BackwardGateUpPerLinear(Block& b, int64_t N, BlockActs* a, DevB
 }
 
 // The attention half, h = x + o_proj(attn): *dout becomes dx (N, C) f32 from dh (N, C) f32;
-// *a is cleared. dn1 = dq · Wq + dk · Wk + dv · Wv: one fused GEMM, or three bf16 parts (as dn2
-// in MlpBackwardFp8).
-void LlamaModel::AttentionBackwardFp8(Block& b, int64_t B, BlockActs* a, const DevBuf& dh,
-                                      DevBuf* dout) {
+// *a is cleared. dn1 = dq · Wq + dk · Wk + dv · Wv: f32, accumulated by the linears; with bf16
+// activations one fused GEMM, or three bf16 parts (as dn2 in MlpBackward).
+void LlamaModel::AttentionBackward(Block& b, int64_t B, BlockActs* a, const DevBuf& dh,
+                                   DevBuf* dout) {
   const int64_t N = B * T_;
-  // (B, T, H, D), (B, T, Hkv, D) x2, bf16
-  DevBuf dq16(be_, N * H_ * D_ * 2), dk16(be_, N * Hkv_ * D_ * 2), dv16(be_, N * Hkv_ * D_ * 2);
-  OutputAttentionBackwardFp8(b, B, a, dh, &dq16, &dk16, &dv16);
-  a->q16.Reset();
-  a->k16.Reset();
-  a->v16.Reset();
-  a->qkv16.Reset();
-  a->att16.Reset();
-  DevBuf dn1q(be_, N * C_ * 2), dn1k, dn1v;  // (N, C) bf16 parts
-  if (QkvBackwardFused(b)) {
-    BackwardQkvFused(b, B, *a, dq16, dk16, dv16, dn1q);
+  DevBuf dx;  // (N, C)
+  if (b.acts16) {
+    // (B, T, H, D), (B, T, Hkv, D) x2, bf16
+    DevBuf dq16(be_, N * H_ * D_ * 2), dk16(be_, N * Hkv_ * D_ * 2), dv16(be_, N * Hkv_ * D_ * 2);
+    OutputAttentionBackward(b, B, a, dh, &dq16, &dk16, &dv16);
+    a->q16.Reset();
+    a->k16.Reset();
+    a->v16.Reset();
+    a->qkv16.Reset();
+    a->att16.Reset();
+    DevBuf dn1q(be_, N * C_ * 2), dn1k, dn1v;  // (N, C) bf16 parts
+    if (QkvBackwardFused(b)) {
+      BackwardQkvFused(b, B, *a, dq16, dk16, dv16, dn1q);
+    } else {
+      dn1k = DevBuf(be_, N * C_ * 2);
+      dn1v = DevBuf(be_, N * C_ * 2);
+      BackwardQkvPerLinear(b, B, *a, dq16, dk16, dv16, dn1q, dn1k, dn1v);
+    }
+    dq16.Reset();
+    dk16.Reset();
+    dv16.Reset();
+    a->sq = a->sk = a->sv = LinearSaved();
+    dx = DevBuf(be_, N * C_ * 4);
+    DevBuf x32;
+    be_->RmsNormBackward(dn1q.u16(), NormInput(a->x_in, a->x_in16, N * C_, &x32), p_->W(b.in_norm),
+                         a->rstd1.f32(), N, C_, dx.f32(), p_->G(b.in_norm), dh.f32(),
+                         dn1k.empty() ? nullptr : dn1k.u16(), dn1v.empty() ? nullptr : dn1v.u16());
   } else {
-    dn1k = DevBuf(be_, N * C_ * 2);
-    dn1v = DevBuf(be_, N * C_ * 2);
-    BackwardQkvPerLinear(b, B, *a, dq16, dk16, dv16, dn1q, dn1k, dn1v);
+    DevBuf datt(be_, N * C_ * 4);  // (N, C)
+    b.lo.Backward(ActivationView::F32(dh.f32()), N, C_, C_, View(b.o), a->so,
+                  InputGrad::F32(datt.f32()), p_->G(b.o));
+    a->so = LinearSaved();
+    // (B, T, H, D), (B, T, Hkv, D) x2
+    DevBuf dq(be_, N * H_ * D_ * 4), dk(be_, N * Hkv_ * D_ * 4), dv(be_, N * Hkv_ * D_ * 4);
+    // BF16 attention saved its operands as bf16 (exactly the values its backward rounds to).
+    auto saved = [&](DevBuf& f32, DevBuf& b16) {
+      return Act(attention_bf16_ ? b16 : f32, attention_bf16_);
+    };
+    be_->AttentionBackward(saved(a->q, a->q16), saved(a->k, a->k16), saved(a->v, a->v16),
+                           saved(a->att, a->att16), datt.f32(), a->lse.f32(), B, T_, H_, Hkv_, D_,
+                           dq.f32(), dk.f32(), dv.f32(), AttentionOptions{attention_bf16_});
+    datt.Reset();
+    be_->RopeBackward(dq.f32(), B, T_, H_, D_, theta_);
+    be_->RopeBackward(dk.f32(), B, T_, Hkv_, D_, theta_);
+    DevBuf dn1(be_, N * C_ * 4);  // (N, C) = dq · Wq + dk · Wk + dv · Wv
+    b.lq.Backward(ActivationView::F32(dq.f32()), N, C_, H_ * D_, View(b.q), a->sq,
+                  InputGrad::F32(dn1.f32()), p_->G(b.q));
+    b.lk.Backward(ActivationView::F32(dk.f32()), N, C_, Hkv_ * D_, View(b.k), a->sk,
+                  InputGrad::AddF32(dn1.f32()), p_->G(b.k));
+    b.lv.Backward(ActivationView::F32(dv.f32()), N, C_, Hkv_ * D_, View(b.v), a->sv,
+                  InputGrad::AddF32(dn1.f32()), p_->G(b.v));
+    a->sq = a->sk = a->sv = LinearSaved();  // frees their FP8 input and its transpose
+    dq.Reset();
+    dk.Reset();
+    dv.Reset();
+    dx = DevBuf(be_, N * C_ * 4);
+    be_->RmsNormBackward(dn1.f32(), a->x_in.f32(), p_->W(b.in_norm), a->rstd1.f32(), N, C_,
+                         dx.f32(), p_->G(b.in_norm));
+    be_->Axpy(1.0f, dh.f32(), dx.f32(), N * C_);
   }
-  dq16.Reset();
-  dk16.Reset();
-  dv16.Reset();
-  a->sq = a->sk = a->sv = LinearSaved();
-  DevBuf dx(be_, N * C_ * 4);  // (N, C)
-  DevBuf x32;
-  be_->RmsNormBackwardAddBf16Parts(dn1q.u16(), dn1k.empty() ? nullptr : dn1k.u16(),
-                                   dn1v.empty() ? nullptr : dn1v.u16(),
-                                   NormInput(a->x_in, a->x_in16, N * C_, &x32),
-                                   p_->W(b.in_norm), a->rstd1.f32(), dh.f32(), N, C_, dx.f32(),
-                                   p_->G(b.in_norm));
-  x32.Reset();
   *a = BlockActs();
   *dout = std::move(dx);
 }
 
-void LlamaModel::OutputAttentionBackwardFp8(Block& b, int64_t B, BlockActs* a, const DevBuf& dh,
-                                            DevBuf* dq16, DevBuf* dk16, DevBuf* dv16) {
+void LlamaModel::OutputAttentionBackward(Block& b, int64_t B, BlockActs* a, const DevBuf& dh,
+                                         DevBuf* dq16, DevBuf* dk16, DevBuf* dv16) {
   const int64_t N = B * T_;
   DevBuf datt16(be_, N * C_ * 2);  // (N, C) bf16
   b.lo.Backward(ActivationView::F32(dh.f32()), N, C_, C_, View(b.o), a->so,
                 InputGrad::Bf16(datt16.u16()), p_->G(b.o));
   a->so = LinearSaved();
   const int64_t nq = H_ * D_, nk = Hkv_ * D_;
-  if (!a->qkv16.empty()) {  // [q | k | v] from the fused forward GEMM
-    const uint16_t* p = a->qkv16.u16();
-    be_->AttentionBackwardBf16SavedTo16(p, p + nq, p + nq + nk, a->att16.u16(), datt16.u16(),
-                                        a->lse.f32(), B, T_, H_, Hkv_, D_, dq16->u16(),
-                                        dk16->u16(), dv16->u16(), nq + 2 * nk, nq + 2 * nk);
-  } else {
-    be_->AttentionBackwardBf16SavedTo16(a->q16.u16(), a->k16.u16(), a->v16.u16(),
-                                        a->att16.u16(), datt16.u16(), a->lse.f32(), B, T_, H_,
-                                        Hkv_, D_, dq16->u16(), dk16->u16(), dv16->u16(), nq, nk);
-  }
+  const bool fused = !a->qkv16.empty();  // [q | k | v] from the fused forward GEMM
+  const uint16_t* q = fused ? a->qkv16.u16() : a->q16.u16();
+  const uint16_t* k = fused ? q + nq : a->k16.u16();
+  const uint16_t* v = fused ? q + nq + nk : a->v16.u16();
+  const AttentionOptions opts{true, fused ? nq + 2 * nk : nq, fused ? nq + 2 * nk : nk};
+  be_->AttentionBackward(q, k, v, a->att16.u16(), datt16.u16(), a->lse.f32(), B, T_, H_, Hkv_, D_,
+                         dq16->u16(), dk16->u16(), dv16->u16(), opts);
 }
 
 void LlamaModel::BackwardQkvFused(Block& b, int64_t B, BlockActs& a, DevBuf& dq16, DevBuf& dk16,
@@ -627,15 +615,14 @@ void LlamaModel::BackwardQkvFused(Block& b, int64_t B, BlockActs& a, DevBuf& dq1
   // transposes stacked (nt, N): one dX GEMM over K = nt and one dW GEMM of (nt, C).
   const int64_t N = B * T_;
   const int64_t nq = H_ * D_, nk = Hkv_ * D_, nt = nq + 2 * nk;
-  const Fp8Format qfmt = b.lq.dy_format();
   DevBuf d8(be_, N * nt), dT8(be_, N * nt);
-  be_->RopeBackwardCastTransposeFp8Bf16(dq16.u16(), B, T_, H_, D_, theta_, b.lq.DyScale(), qfmt,
-                                        d8.u8(), dT8.u8(), b.lq.DyAmaxOut(), nt);
-  be_->RopeBackwardCastTransposeFp8Bf16(dk16.u16(), B, T_, Hkv_, D_, theta_, b.lk.DyScale(),
-                                        qfmt, d8.u8() + nq, dT8.u8() + N * nq,
-                                        b.lk.DyAmaxOut(), nt);
-  be_->CastTransposeFp8Bf16(dv16.u16(), N, nk, b.lv.DyScale(), qfmt, d8.u8() + nq + nk,
-                            dT8.u8() + N * (nq + nk), b.lv.DyAmaxOut(), nt);
+  // One format for the group (QkvBackwardFused): k's and v's casts take q's.
+  Fp8Cast kc = b.lk.DyCast(d8.u8() + nq, dT8.u8() + N * nq, nt);
+  Fp8Cast vc = b.lv.DyCast(d8.u8() + nq + nk, dT8.u8() + N * (nq + nk), nt);
+  kc.fmt = vc.fmt = b.lq.dy_format();
+  be_->RopeBackward(dq16.u16(), B, T_, H_, D_, theta_, b.lq.DyCast(d8.u8(), dT8.u8(), nt));
+  be_->RopeBackward(dk16.u16(), B, T_, Hkv_, D_, theta_, kc);
+  be_->CastFp8(dv16.u16(), N, nk, vc.scale, vc.fmt, vc.out, vc.out_t, vc.amax, nt);
   dq16.Reset();  // before the GEMMs: off the backward's peak
   dk16.Reset();
   dv16.Reset();
@@ -653,15 +640,14 @@ void LlamaModel::BackwardQkvPerLinear(Block& b, int64_t B, BlockActs& a, DevBuf&
                            const TensorRef& w, DevBuf& dn) {
     const int64_t n = N * heads * D_;
     if (lin.DyNeedsAmaxFirst()) {
-      be_->RopeBackwardBf16(d16.u16(), B, T_, heads, D_, theta_);
+      be_->RopeBackward(d16.u16(), B, T_, heads, D_, theta_);
       lin.Backward(ActivationView::Bf16(d16.u16()), N, C_, heads * D_, View(w), saved,
                    InputGrad::Bf16(dn.u16()), p_->G(w));
       return;
     }
     DevBuf d8(be_, n), dT8(be_, n);
-    be_->RopeBackwardCastTransposeFp8Bf16(d16.u16(), B, T_, heads, D_, theta_, lin.DyScale(),
-                                          lin.dy_format(), d8.u8(), dT8.u8(), lin.DyAmaxOut(),
-                                          heads * D_);
+    be_->RopeBackward(d16.u16(), B, T_, heads, D_, theta_,
+                      lin.DyCast(d8.u8(), dT8.u8(), heads * D_));
     d16.Reset();
     lin.BackwardFp8(std::move(d8), std::move(dT8), N, C_, heads * D_, View(w), saved,
                     InputGrad::Bf16(dn.u16()), p_->G(w));
@@ -686,7 +672,8 @@ void LlamaModel::HeadBf16Compute(const float* nf, const int32_t* targets, int64_
     for (int64_t r0 = 0; r0 < N; r0 += rows) {
       const int64_t n = std::min(rows, N - r0);
       DevBuf logits(be_, n * V_ * 4);
-      be_->GemmBf16(false, true, n, V_, C_, nf16.u16() + r0 * C_, w16, logits.f32(), false);
+      be_->Gemm(false, true, n, V_, C_, nf16.u16() + r0 * C_, w16, logits.f32(), false,
+                GemmInputs::kBF16);
       be_->CrossEntropyForwardBackward(logits.f32(), targets + r0, n, V_, 0.0f, losses + r0);
     }
     return;
@@ -698,15 +685,16 @@ void LlamaModel::HeadBf16Compute(const float* nf, const int32_t* targets, int64_
     const int64_t n = std::min(rows, N - r0);
     uint16_t* g = g16.u16() + r0 * V_;
     DevBuf logits(be_, n * V_ * 4);
-    be_->GemmBf16(false, true, n, V_, C_, nf16.u16() + r0 * C_, w16, logits.f32(), false);
-    be_->CrossEntropyForwardBackwardBf16Grad(logits.f32(), targets + r0, n, V_, grad_scale,
-                                             losses + r0, g);
+    be_->Gemm(false, true, n, V_, C_, nf16.u16() + r0 * C_, w16, logits.f32(), false,
+              GemmInputs::kBF16);
+    be_->CrossEntropyForwardBackward(logits.f32(), targets + r0, n, V_, grad_scale, losses + r0, g);
     logits.Reset();
-    be_->GemmBf16(false, false, n, C_, V_, g, w16, dnf + r0 * C_, false);  // dnf (n, C)
+    be_->Gemm(false, false, n, C_, V_, g, w16, dnf + r0 * C_, false,
+              GemmInputs::kBF16);  // dnf (n, C)
   }
   // dW (V, C) = gᵀ · nf, written whole (BeginHeadGrads left it unzeroed); tied: += into the
   // embedding's gradient, which its own backward adds to later.
-  be_->GemmBf16(true, false, V_, C_, N, g16.u16(), nf16.u16(), p_->G(head_), tied_);
+  be_->Gemm(true, false, V_, C_, N, g16.u16(), nf16.u16(), p_->G(head_), tied_, GemmInputs::kBF16);
 }
 
 const uint16_t* LlamaModel::HeadWeightBf16(DevBuf* packed) {
@@ -815,7 +803,7 @@ absl::Status LlamaModel::Logits(const int32_t* tokens, int64_t B, float* logits)
     DevBuf w16_packed, nf16(be_, N * C_ * 2);
     const uint16_t* w16 = HeadWeightBf16(&w16_packed);
     be_->PackBf16(nf.f32(), nf16.u16(), N * C_);
-    be_->GemmBf16(false, true, N, V_, C_, nf16.u16(), w16, logits, false);
+    be_->Gemm(false, true, N, V_, C_, nf16.u16(), w16, logits, false, GemmInputs::kBF16);
   } else {
     lhead_.Forward(nf.f32(), N, C_, V_, View(head_), logits, nullptr);
   }

@@ -12,7 +12,8 @@
 //
 // Activations are f32 (B, T, C) row-major, N = B * T tokens. FP8 blocks keep their linear inputs
 // as FP8 codes only; with BF16 attention, the activations between their GEMMs that feed only an
-// FP8 cast or the attention (q, k, v, att, gate, up and their gradients) are bf16.
+// FP8 cast or the attention (q, k, v, att, gate, up and their gradients) are bf16. One routine
+// runs every block (BlockForward / BlockBackward); each linear computes in its own precision.
 //
 // Thread-safety: one thread (the trainer's).
 #pragma once
@@ -83,6 +84,9 @@ class LlamaModel {
     // GEMM (always: their weight scale is shared) and, once their grad-output scales are known,
     // one dX and one dW GEMM; gate/up the same when MlpFused.
     bool fused_qkv = false, fused_mlp = false;
+    // FP8 linears with BF16 attention: the activations between the GEMMs that feed only an FP8
+    // cast or the attention (q, k, v, att, gate, up and their gradients) are bf16.
+    bool acts16 = false;
   };
   struct BlockActs;
   WeightView View(const TensorRef& t) const;
@@ -115,61 +119,63 @@ class LlamaModel {
   // One block, forward: *x (N, C) f32 is the block input and becomes its output; acts null:
   // evaluation (nothing kept). Backward: *dx (N, C) f32, the gradient of the block output,
   // becomes the gradient of its input; the block's weight gradients are written, acts cleared.
+  // Every block runs these, whatever its linears' precision (Block::acts16: model.cc).
   absl::Status BlockForward(int l, int64_t B, DevBuf* x, BlockActs* acts);
   void BlockBackward(int l, int64_t B, BlockActs* acts, DevBuf* dx);
-  // The two halves of a block (any precision, f32 activations): the attention half makes
-  // acts->h (N, C) from acts->x_in; the MLP half returns the block output (N, C) from acts->h.
-  // Their backwards in reverse order: the MLP half returns dh (N, C) from *dout (freed), the
-  // attention half turns *dout into dx (N, C) from dh and clears acts.
+  // The two halves of a block: the attention half makes acts->h (N, C) f32 from acts->x_in; the
+  // MLP half returns the block output (N, C) f32 from acts->h. Their backwards in reverse order:
+  // the MLP half returns dh (N, C) from *dout (freed), the attention half turns *dout into dx
+  // (N, C) from dh and clears acts.
   void AttentionForward(Block& b, int64_t B, bool train, BlockActs* a);
   DevBuf MlpForward(Block& b, int64_t B, bool train, BlockActs* a);
-  DevBuf MlpBackward(Block& b, int64_t B, BlockActs* a, DevBuf* dout);
+  DevBuf MlpBackward(int l, Block& b, int64_t B, BlockActs* a, DevBuf* dout);
   void AttentionBackward(Block& b, int64_t B, BlockActs* a, const DevBuf& dh, DevBuf* dout);
-
-  // The same for an FP8 block with BF16 attention (bf16 activations between its GEMMs).
-  absl::Status BlockForwardFp8(int l, int64_t B, DevBuf* x, BlockActs* acts);
-  void BlockBackwardFp8(int l, int64_t B, BlockActs* acts, DevBuf* dx);
-  void AttentionForwardFp8(Block& b, int64_t B, bool train, BlockActs* a);
-  DevBuf MlpForwardFp8(Block& b, int64_t B, bool train, BlockActs* a);
-  DevBuf MlpBackwardFp8(int l, Block& b, int64_t B, BlockActs* a, DevBuf* dout);
-  void AttentionBackwardFp8(Block& b, int64_t B, BlockActs* a, const DevBuf& dh, DevBuf* dout);
-  // training.saved_norm_inputs BF16: *x16 (n) bf16 = *x (n f32), which is freed. Else nothing.
-  void KeepNormInput(DevBuf* x, DevBuf* x16, int64_t n);
+  // training.saved_norm_inputs BF16 in a block with bf16 activations: *x16 (n) bf16 = *x (n f32),
+  // which is freed. Else nothing.
+  void KeepNormInput(const Block& b, DevBuf* x, DevBuf* x16, int64_t n);
   // The f32 values a norm's backward reads of a kept norm input: x itself, or x16 unpacked into
   // *tmp (n f32).
   const float* NormInput(const DevBuf& x, const DevBuf& x16, int64_t n, DevBuf* tmp);
 
-  // q, k, v (B, T, H, D), (B, T, Hkv, D) x2 bf16 after RoPE, in acts' buffers; consecutive
-  // tokens' rows q_ld (q) and kv_ld (k, v) elements apart.
-  struct QkvBf16 {
-    const uint16_t *q = nullptr, *k = nullptr, *v = nullptr;
+  // q, k, v (B, T, H, D), (B, T, Hkv, D) x2 after RoPE, in acts' buffers, f32 or bf16;
+  // consecutive tokens' rows q_ld (q) and kv_ld (k, v) elements apart (0: dense).
+  struct Qkv {
+    TypedCPtr q, k, v;
     int64_t q_ld = 0, kv_ld = 0;
   };
-  // The q/k/v projections of the FP8 attention half from their shared input in1 (n1's FP8
-  // codes): one GEMM into acts->qkv16 when b.fused_qkv, else three into q16, k16, v16.
-  QkvBf16 QkvForwardFp8(Block& b, int64_t B, bool train, const std::shared_ptr<Fp8Input>& in1,
-                        BlockActs* a);
-  // The gate/up backward of the FP8 MLP half from dact16 (N, F) bf16, the gradient of
-  // silu(gate) * up (freed here): fused (MlpFused), dn2 (N, C) bf16 from one dX GEMM; or per
-  // linear, dn2g and dn2u (N, C) bf16 (allocated here) parts.
+  // The q/k/v projections of the attention half from n1: acts->n1 f32, or with bf16 activations
+  // its FP8 codes in1, through one GEMM into acts->qkv16 when b.fused_qkv, else three.
+  Qkv QkvForward(Block& b, int64_t B, bool train, const std::shared_ptr<Fp8Input>& in1,
+                 BlockActs* a);
+  // gate and up (N, F), f32 or bf16, rows ld elements apart.
+  struct GateUp {
+    TypedCPtr gate, up;
+    int64_t ld = 0;
+  };
+  // The gate/up projections of the MLP half from n2 (as QkvForward; fused when MlpFused).
+  GateUp GateUpForward(Block& b, int64_t N, bool train, const std::shared_ptr<Fp8Input>& in2,
+                       BlockActs* a);
+  // The gate/up backward of the MLP half with bf16 activations from dact16 (N, F) bf16, the
+  // gradient of silu(gate) * up (freed here): fused (MlpFused), dn2 (N, C) bf16 from one dX GEMM;
+  // or per linear, dn2g and dn2u (N, C) bf16 (allocated here) parts.
   void BackwardGateUpFused(Block& b, int64_t N, BlockActs* a, DevBuf* dact16, DevBuf* dn2);
   void BackwardGateUpPerLinear(Block& b, int64_t N, BlockActs* a, DevBuf* dact16, DevBuf* dn2g,
                                DevBuf* dn2u);
-  // The o_proj and attention backward of the FP8 attention half: dq16, dk16, dv16 (B, T, H|Hkv,
-  // D) bf16 from dh (N, C) f32.
-  void OutputAttentionBackwardFp8(Block& b, int64_t B, BlockActs* a, const DevBuf& dh,
-                                  DevBuf* dq16, DevBuf* dk16, DevBuf* dv16);
-  // The q/k/v backward of the FP8 attention half from dq16, dk16, dv16 (RoPE's backward
-  // applied to q and k here): fused (QkvBackwardFused), dn1 (N, C) bf16 from one dX GEMM; or
-  // per linear, dn1q, dn1k, dn1v (N, C) bf16 parts.
+  // The o_proj and attention backward of the attention half with bf16 activations: dq16, dk16,
+  // dv16 (B, T, H|Hkv, D) bf16 from dh (N, C) f32.
+  void OutputAttentionBackward(Block& b, int64_t B, BlockActs* a, const DevBuf& dh, DevBuf* dq16,
+                               DevBuf* dk16, DevBuf* dv16);
+  // The q/k/v backward of the attention half with bf16 activations from dq16, dk16, dv16
+  // (RoPE's backward applied to q and k here): fused (QkvBackwardFused), dn1 (N, C) bf16 from one
+  // dX GEMM; or per linear, dn1q, dn1k, dn1v (N, C) bf16 parts.
   void BackwardQkvFused(Block& b, int64_t B, BlockActs& a, DevBuf& dq16, DevBuf& dk16,
                         DevBuf& dv16, DevBuf& dn1);
   void BackwardQkvPerLinear(Block& b, int64_t B, BlockActs& a, DevBuf& dq16, DevBuf& dk16,
                             DevBuf& dv16, DevBuf& dn1q, DevBuf& dn1k, DevBuf& dn1v);
   // The BF16 head's forward and backward with its loss, in row chunks: logits (rows, V) f32 per
-  // chunk, the cross-entropy gradient straight to bf16 (Backend::CrossEntropyForwardBackwardBf16Grad),
-  // dnf (N, C) f32 written, the head's weight gradient accumulated (BeginGrads first). dnf null:
-  // evaluation, the losses only. nf (N, C) f32, targets (N), losses (N) nats.
+  // chunk, the cross-entropy gradient straight to bf16 (Backend::CrossEntropyForwardBackward into
+  // bf16 dlogits), dnf (N, C) f32 written, the head's weight gradient accumulated (BeginGrads
+  // first). dnf null: evaluation, the losses only. nf (N, C) f32, targets (N), losses (N) nats.
   void HeadBf16Compute(const float* nf, const int32_t* targets, int64_t N, float grad_scale,
                        float* losses, float* dnf);
   // The head weight (V, C) as bf16 codes: the gathered bf16 wire itself, or packed into *packed.

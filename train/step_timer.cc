@@ -26,14 +26,14 @@ void StepTimer::MaybePrint(int64_t step) const {
   std::fprintf(stderr,
                "fsdp8 step %lld: forward+backward %.1f ms (host time enqueueing it %.1f ms, of "
                "which inside collective calls %.1f ms; compute stream waiting on collectives "
-               "%.1f ms), optimizer %.1f ms (host: scale updates %.2f, grad norm %.2f, AdamW "
+               "%.1f ms), optimizer %.1f ms (host: grad norm %.2f, scale updates %.2f, AdamW "
                "enqueued %.2f, casts enqueued %.2f, verify %.2f, prefetch enqueued and waiting "
                "for the device %.2f), host between the previous step's end and this step's "
                "start %.2f ms\n",
                static_cast<long long>(step), 1e3 * (at_[kForwardBackward] - start_),
                1e3 * host_enqueue_, 1e3 * fb_host_comm_, 1e3 * fb_waits_,
-               ms(kForwardBackward, kOptimizer), ms(kForwardBackward, kScaleUpdate),
-               ms(kScaleUpdate, kGradNorm), ms(kGradNorm, kAdamW), ms(kAdamW, kWeightCasts),
+               ms(kForwardBackward, kOptimizer), ms(kForwardBackward, kGradNorm),
+               ms(kGradNorm, kScaleUpdate), ms(kScaleUpdate, kAdamW), ms(kAdamW, kWeightCasts),
                ms(kWeightCasts, kVerify), ms(kVerify, kOptimizer),
                last_end_ > 0 ? 1e3 * (start_ - last_end_) : 0.0);
 }

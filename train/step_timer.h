@@ -20,8 +20,8 @@ class StepTimer {
   // The points of a step after its start, in the order the step reaches them.
   enum Point {
     kForwardBackward,  // every microbatch's forward and backward ran (device synchronised)
+    kGradNorm,         // the global grad norm (and the losses' check) read back
     kScaleUpdate,      // delayed-scaling update of the activation scales
-    kGradNorm,         // the global grad norm read back
     kAdamW,            // AdamW enqueued
     kWeightCasts,      // the next step's FP8 weight casts enqueued
     kVerify,           // the step's collectives verified (C09)

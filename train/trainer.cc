@@ -107,9 +107,9 @@ double Trainer::LearningRate(int64_t k) const {
   return floor + (peak - floor) * 0.5 * (1.0 + std::cos(M_PI * progress));
 }
 
-absl::StatusOr<double> Trainer::RunBatch(const TokenData& data, int64_t step, uint64_t stream,
-                                         bool backward,
-                                         const std::function<absl::Status()>& before_readback) {
+absl::StatusOr<double> Trainer::RunBatch(
+    const TokenData& data, int64_t step, uint64_t stream, bool backward,
+    const std::function<absl::Status(const float* losses, int64_t n)>& before_readback) {
   const int T = spec_.model().seq_len();
   const int64_t n = static_cast<int64_t>(micro_) * T;
   const float grad_scale =
@@ -134,7 +134,9 @@ absl::StatusOr<double> Trainer::RunBatch(const TokenData& data, int64_t step, ui
     if (!s.ok()) return s;
   }
   if (before_readback) {
-    if (absl::Status s = before_readback(); !s.ok()) return s;
+    if (absl::Status s = before_readback(losses.f32(), static_cast<int64_t>(host_losses.size()));
+        !s.ok())
+      return s;
   }
   be_->CopyToHost(host_losses.data(), losses.get(), host_losses.size() * sizeof(float));
   double sum = 0;
@@ -314,11 +316,13 @@ absl::Status Trainer::StepForwardBackward(int64_t step, StepStats* r) {
   // while the host waits for the losses: one synchronisation instead of three host round trips.
   double fb_host_comm = 0;
   absl::StatusOr<double> loss_sum =
-      RunBatch(*train_, step, kTrainStream, true, [&]() -> absl::Status {
-        fb_host_comm = clock_.seconds;  // the forward/backward's own collective calls
-        if (absl::Status s = scaling_->ReduceAmax(comm_, &clock_); !s.ok()) return s;
-        return params_->StartGradSquaredNorm();
-      });
+      RunBatch(*train_, step, kTrainStream, true,
+               [&](const float* losses, int64_t n) -> absl::Status {
+                 fb_host_comm = clock_.seconds;  // the forward/backward's own collective calls
+                 if (absl::Status s = scaling_->ReduceAmax(comm_, &clock_); !s.ok()) return s;
+                 // The losses ride along: every rank learns whether any rank's loss is finite.
+                 return params_->StartGradSquaredNorm(losses, n);
+               });
   if (!loss_sum.ok()) return loss_sum.status();
   // RunBatch ended with a device synchronisation (the losses' copy to the host).
   timer_.Mark(StepTimer::kForwardBackward);
@@ -333,19 +337,33 @@ absl::Status Trainer::StepForwardBackward(int64_t step, StepStats* r) {
 }
 
 absl::Status Trainer::StepOptimizer(int64_t step, StepStats* r) {
-  // Step 5: one fused amax all-reduce (enqueued behind the backward); identical delayed-scaling
+  // Step 6's reductions were enqueued behind the backward: the global grad norm and the sum of
+  // every rank's squared losses, read back first: a non-finite step changes nothing below.
+  double losses_squared = 0;
+  const double sq = params_->FinishGradSquaredNorm(&losses_squared);
+  timer_.Mark(StepTimer::kGradNorm);
+  const double norm = std::sqrt(sq);
+  const double lr = LearningRate(step);
+  r->grad_norm = norm;
+  r->lr = lr;
+  if (!std::isfinite(norm) || !std::isfinite(losses_squared)) {
+    // Every rank got the same sums, so every rank skips: no scale update, AdamW or weight cast.
+    r->skipped = true;
+    timer_.Mark(StepTimer::kScaleUpdate);
+    timer_.Mark(StepTimer::kAdamW);
+    timer_.Mark(StepTimer::kWeightCasts);
+    if (absl::Status s = comm_->Verify(); !s.ok()) return s;
+    timer_.Mark(StepTimer::kVerify);
+    return absl::OkStatus();
+  }
+  // Step 5: the fused amax all-reduce (enqueued behind the backward); identical delayed-scaling
   // updates on every rank.
   scaling_->UpdateScales();
   timer_.Mark(StepTimer::kScaleUpdate);
-  // Step 6: global grad norm (enqueued behind the backward), clipping, AdamW, next step's FP8
-  // weight shards.
-  const double sq = params_->FinishGradSquaredNorm();
-  timer_.Mark(StepTimer::kGradNorm);
-  const double norm = std::sqrt(sq);
+  // Step 6: clipping, AdamW, next step's FP8 weight shards.
   const v1::OptimizerSpec& o = spec_.optimizer();
   double clip = 1.0;
   if (o.grad_clip() > 0) clip = std::min(1.0, o.grad_clip() / (norm + 1e-6));
-  const double lr = LearningRate(step);
   params_->AdamW(static_cast<float>(lr), static_cast<float>(o.beta1()),
                  static_cast<float>(o.beta2()), static_cast<float>(o.eps()),
                  static_cast<float>(o.weight_decay()), step + 1 + adamw_offset_,
@@ -358,8 +376,6 @@ absl::Status Trainer::StepOptimizer(int64_t step, StepStats* r) {
   timer_.Mark(StepTimer::kWeightCasts);
   if (absl::Status s = comm_->Verify(); !s.ok()) return s;
   timer_.Mark(StepTimer::kVerify);
-  r->grad_norm = norm;
-  r->lr = lr;
   return absl::OkStatus();
 }
 

@@ -70,6 +70,10 @@ struct StepStats {
   int64_t peak_memory_bytes = 0;
   // Trainer::ScalingReport() after the step, when the step was asked for it.
   std::optional<v1::ScalingState> scaling;
+  // The step's loss on some rank or its global grad norm was not finite: the step changed no
+  // master weight, AdamW moment, FP8 scale or amax history (equal on every rank; loss_sum and
+  // grad_norm then carry the non-finite values).
+  bool skipped = false;
 };
 
 class Trainer {
@@ -83,7 +87,10 @@ class Trainer {
       const TrainerOptions& options = TrainerOptions::FromEnvironment());
 
   // Runs optimizer step `step` (0-based); evaluates afterwards when `evaluate`; reports the
-  // scaling state when `report_scaling`.
+  // scaling state when `report_scaling`. A step whose loss (on any rank: its per-token losses ride
+  // in the grad-norm all-reduce, FsdpParams::StartGradSquaredNorm) or global grad norm is not
+  // finite is skipped by every rank: no scale update, clipping, AdamW or weight cast
+  // (StepStats::skipped). Whether that fails the job is for the caller (the coordinator) to say.
   absl::StatusOr<StepStats> Step(int64_t step, bool evaluate, bool report_scaling);
   // Mean validation loss over eval_batches x global_batch sequences (identical on every rank);
   // NaN without a validation file.
@@ -135,9 +142,11 @@ class Trainer {
   // Runs every microbatch of this rank's slice of batch `step` of `stream`; returns this rank's
   // loss sum (host, double). before_readback (optional) enqueues more device work after the last
   // microbatch, ahead of the losses' copy to the host (which waits for it too).
-  absl::StatusOr<double> RunBatch(const TokenData& data, int64_t step, uint64_t stream,
-                                  bool backward,
-                                  const std::function<absl::Status()>& before_readback = nullptr);
+  // before_readback gets the device losses of this rank's tokens (local batch x seq_len f32).
+  absl::StatusOr<double> RunBatch(
+      const TokenData& data, int64_t step, uint64_t stream, bool backward,
+      const std::function<absl::Status(const float* losses, int64_t n)>& before_readback =
+          nullptr);
   absl::StatusOr<double> GlobalSum(double local);
   // The two phases of Step: every microbatch's forward and backward with the amax and grad-norm
   // reductions enqueued behind them (fills loss_sum and the forward/backward peaks); then the

@@ -69,6 +69,7 @@ v1::StepResult ToStepResult(const StepStats& s) {
   r.set_backward_peak_bytes(s.backward_peak_bytes);
   r.set_optimizer_peak_bytes(s.optimizer_peak_bytes);
   r.set_peak_memory_bytes(s.peak_memory_bytes);
+  r.set_skipped(s.skipped);
   if (s.scaling.has_value()) *r.mutable_scaling() = *s.scaling;
   return r;
 }
@@ -541,7 +542,11 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   }
   v1::StepResult result = ToStepResult(*r);
   result.set_job_id(job_->job_id);
-  if (c.step() % 50 == 0 || c.evaluate()) {
+  if (result.skipped()) {
+    Log(absl::StrCat("step ", c.step(), ": loss ",
+                     result.loss_sum() / std::max<int64_t>(1, result.tokens()), " (this rank's), ",
+                     "gradient norm ", result.grad_norm(), ": not finite, update skipped"));
+  } else if (c.step() % 50 == 0 || c.evaluate()) {
     Log(absl::StrCat("step ", c.step(), ": loss ",
                      result.loss_sum() / std::max<int64_t>(1, result.tokens()), " compute ",
                      result.compute_seconds(), " s, comm ", result.comm_seconds(),

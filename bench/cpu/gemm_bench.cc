@@ -87,8 +87,8 @@ int main(int argc, char** argv) {
     be->CopyToDevice(S, &one, 4);
     const double flops = 2.0 * s.M * s.N * s.K;
     const fsdp8::bench::Timing t8 = fsdp8::bench::TimeIt([&] {
-      be->GemmFp8(s.M, s.N, s.K, A8, fsdp8::Fp8Format::kE4M3, S, B8, fsdp8::Fp8Format::kE4M3, S, C,
-                  false);
+      be->GemmFp8(false, true, s.M, s.N, s.K, {A8, fsdp8::Fp8Format::kE4M3, S},
+                  {B8, fsdp8::Fp8Format::kE4M3, S}, C, false);
     });
     const fsdp8::bench::Timing tg = fsdp8::bench::TimeIt(
         [&] { be->Gemm(false, true, s.M, s.N, s.K, AF, BF, C, false, fsdp8::GemmInputs::kF32); });

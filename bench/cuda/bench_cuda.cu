@@ -357,7 +357,8 @@ int main(int argc, char** argv) {
     for (const GemmShape& s : shapes) {
       const int64_t fb0 = cb->gemm_fp8_fallbacks();
       const double ms_be = MedianMs(st, [&](int i) {
-        be->GemmFp8(s.M, s.N, s.K, op.A[i & 1], s.a, op.scales, op.B[i & 1], s.b, op.scales + 4, C, false);
+        be->GemmFp8(false, true, s.M, s.N, s.K, {op.A[i & 1], s.a, op.scales},
+                    {op.B[i & 1], s.b, op.scales + 4}, C, false);
       });
       const bool fell_back = cb->gemm_fp8_fallbacks() != fb0;
       const double ms_lt = BareLt(st, s, op.A, op.B, C, op.scales, op.scales + 4, op.ws, op.kWsBytes);
@@ -426,7 +427,8 @@ int main(int argc, char** argv) {
       be->CopyToDevice(sc, hs, sizeof(hs));
       for (int both = 0; both < 2; ++both) {
         const double ms = MedianMs(st, [&](int i) {
-          be->CastTransposeFp8(in[i & 1], M, cols, sc, fsdp8::Fp8Format::kE4M3, both ? out : nullptr, out_t, sc + 1);
+          be->CastFp8(in[i & 1], M, cols, sc, fsdp8::Fp8Format::kE4M3, both ? out : nullptr, out_t,
+                      sc + 1);
         });
         const double bytes = static_cast<double>(n) * (4 + 1 + both);
         const double gbs = bytes / ms / 1e6;
@@ -571,7 +573,8 @@ int main(int argc, char** argv) {
         const float one[2] = {1.0f, 1.0f};
         be->CopyToDevice(sc, one, sizeof(one));
         row("GemmFp8Bf16 16384x2048x2048", [&] {
-          be->GemmFp8Bf16(M, N, K, xa, fsdp8::Fp8Format::kE4M3, sc, wb, fsdp8::Fp8Format::kE4M3, sc + 1, y16);
+          be->GemmFp8(false, true, M, N, K, {xa, fsdp8::Fp8Format::kE4M3, sc},
+                      {wb, fsdp8::Fp8Format::kE4M3, sc + 1}, y16, false);
         });
         be->Free(xa);
         be->Free(wb);
@@ -613,16 +616,18 @@ int main(int argc, char** argv) {
       split("cuDNN attention fwd", [&] { att.Forward(q, k, v, o, stats, Bn, T, H, H, D, st, &aerr); });
       split("cuDNN attention bwd det", [&] { att.Backward(q, k, v, o, dout, stats, dq, dk, dv, Bn, T, H, H, D, st, &aerr); });
       split("AttentionForwardBf16Packed", [&] {
-        be->AttentionForwardBf16Packed(reinterpret_cast<uint16_t*>(q), reinterpret_cast<uint16_t*>(k),
-                                       reinterpret_cast<uint16_t*>(v), Bn, T, H, H, D, reinterpret_cast<uint16_t*>(o), stats,
-                                       H * D, H * D);
+        be->AttentionForward(reinterpret_cast<uint16_t*>(q), reinterpret_cast<uint16_t*>(k),
+                             reinterpret_cast<uint16_t*>(v), Bn, T, H, H, D,
+                             reinterpret_cast<uint16_t*>(o), stats,
+                             fsdp8::AttentionOptions{true, H * D, H * D});
       });
       split("AttentionBackwardBf16SavedTo16", [&] {
-        be->AttentionBackwardBf16SavedTo16(
-            reinterpret_cast<uint16_t*>(q), reinterpret_cast<uint16_t*>(k), reinterpret_cast<uint16_t*>(v),
-            reinterpret_cast<uint16_t*>(o), reinterpret_cast<uint16_t*>(dout), stats, Bn, T, H, H, D,
-            reinterpret_cast<uint16_t*>(dq), reinterpret_cast<uint16_t*>(dk), reinterpret_cast<uint16_t*>(dv),
-            H * D, H * D);
+        be->AttentionBackward(reinterpret_cast<uint16_t*>(q), reinterpret_cast<uint16_t*>(k),
+                              reinterpret_cast<uint16_t*>(v), reinterpret_cast<uint16_t*>(o),
+                              reinterpret_cast<uint16_t*>(dout), stats, Bn, T, H, H, D,
+                              reinterpret_cast<uint16_t*>(dq), reinterpret_cast<uint16_t*>(dk),
+                              reinterpret_cast<uint16_t*>(dv),
+                              fsdp8::AttentionOptions{true, H * D, H * D});
       });
     }
     for (void* p : bufs) be->Free(p);
@@ -735,48 +740,45 @@ int main(int argc, char** argv) {
       g_rows.push_back({"backward", name, Fmt(1e3 * ms, "us"), Fmt(bytes / ms / 1e6, "GB/s"), "-"});
     };
     const double mc = static_cast<double>(M * C), mf = static_cast<double>(M * F);
-    row("RmsNormBackwardAdd f32", 16 * mc, [&](int) {
-      be->RmsNormBackwardAdd(dy, x, w, rstd, dres, M, C, dx, dw);
-    });
-    row("RmsNormBackwardAddBf16Parts 1 part", 2 * mc + 12 * mc, [&](int) {
-      be->RmsNormBackwardAddBf16Parts(pa, nullptr, nullptr, x, w, rstd, dres, M, C, dx, dw);
-    });
-    row("RmsNormBackwardAddBf16Parts 2 parts", 4 * mc + 12 * mc, [&](int) {
-      be->RmsNormBackwardAddBf16Parts(pa, pb, nullptr, x, w, rstd, dres, M, C, dx, dw);
-    });
-    row("RmsNormBackwardAddBf16Parts 3 parts", 6 * mc + 12 * mc, [&](int) {
-      be->RmsNormBackwardAddBf16Parts(pa, pb, pc, x, w, rstd, dres, M, C, dx, dw);
-    });
+    row("RmsNormBackwardAdd f32", 16 * mc,
+        [&](int) { be->RmsNormBackward(dy, x, w, rstd, M, C, dx, dw, dres); });
+    row("RmsNormBackwardAddBf16Parts 1 part", 2 * mc + 12 * mc,
+        [&](int) { be->RmsNormBackward(pa, x, w, rstd, M, C, dx, dw, dres, nullptr, nullptr); });
+    row("RmsNormBackwardAddBf16Parts 2 parts", 4 * mc + 12 * mc,
+        [&](int) { be->RmsNormBackward(pa, x, w, rstd, M, C, dx, dw, dres, pb, nullptr); });
+    row("RmsNormBackwardAddBf16Parts 3 parts", 6 * mc + 12 * mc,
+        [&](int) { be->RmsNormBackward(pa, x, w, rstd, M, C, dx, dw, dres, pb, pc); });
     row("SwigluBackwardCastTransposeFp8", 6 * mf + 4 * mf, [&](int) {
-      be->SwigluBackwardCastTransposeFp8(dh, g, u, M, F, sc, sc + 4, fsdp8::Fp8Format::kE5M2, o1,
-                                         o2, o3, o4, amax, amax + 1, F, F);
+      be->SwigluBackward(dh, g, u, M, F, F, nullptr, nullptr,
+                         fsdp8::Fp8Cast{sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, F},
+                         fsdp8::Fp8Cast{sc + 4, fsdp8::Fp8Format::kE5M2, o3, o4, amax + 1, F});
     });
     row("SwigluBackwardBf16To16 + 2 CastTransposeFp8Bf16", 10 * mf + 8 * mf, [&](int) {
-      be->SwigluBackwardBf16To16(dh, g, u, M * F, dg16, du16);
-      be->CastTransposeFp8Bf16(dg16, M, F, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, F);
-      be->CastTransposeFp8Bf16(du16, M, F, sc + 4, fsdp8::Fp8Format::kE5M2, o3, o4, amax + 1, F);
+      be->SwigluBackward(dh, g, u, 1, M * F, 0, dg16, du16);
+      be->CastFp8(dg16, M, F, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, F);
+      be->CastFp8(du16, M, F, sc + 4, fsdp8::Fp8Format::kE5M2, o3, o4, amax + 1, F);
     });
-    row("CastTransposeFp8Bf16 16384x5632", 2 * mf + 2 * mf, [&](int) {
-      be->CastTransposeFp8Bf16(dg16, M, F, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, F);
-    });
+    row("CastTransposeFp8Bf16 16384x5632", 2 * mf + 2 * mf,
+        [&](int) { be->CastFp8(dg16, M, F, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, F); });
     row("RopeBackwardCastTransposeFp8Bf16 (q)", 2 * mc + 2 * mc, [&](int) {
-      be->RopeBackwardCastTransposeFp8Bf16(pa, B, T, H, D, 10000.0f, sc, fsdp8::Fp8Format::kE5M2,
-                                           o1, o2, amax, C);
+      be->RopeBackward(pa, B, T, H, D, 10000.0f,
+                       fsdp8::Fp8Cast{sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, C});
     });
     row("RopeBackwardBf16 + CastTransposeFp8Bf16 (q)", 4 * mc + 4 * mc, [&](int) {
-      be->RopeBackwardBf16(pb, B, T, H, D, 10000.0f);
-      be->CastTransposeFp8Bf16(pb, M, C, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, C);
+      be->RopeBackward(pb, B, T, H, D, 10000.0f);
+      be->CastFp8(pb, M, C, sc, fsdp8::Fp8Format::kE5M2, o1, o2, amax, C);
     });
     // The forward's memory-bound passes of the same block, for comparison.
     row("RmsNormCastFp8 (forward)", 4 * mc + mc, [&](int) {
-      be->RmsNormCastFp8(x, w, 1e-5f, M, C, rstd, sc, fsdp8::Fp8Format::kE4M3, o1, amax);
+      be->RmsNormForward(x, w, 1e-5f, M, C, nullptr, rstd,
+                         fsdp8::Fp8Cast{sc, fsdp8::Fp8Format::kE4M3, o1, nullptr, amax});
     });
     row("SwigluCastFp8 (forward)", 4 * mf + mf, [&](int) {
-      be->SwigluCastFp8(g, u, M, F, F, sc, fsdp8::Fp8Format::kE4M3, o1, amax);
+      be->SwigluForward(g, u, M, F, F, nullptr,
+                        fsdp8::Fp8Cast{sc, fsdp8::Fp8Format::kE4M3, o1, nullptr, amax});
     });
-    row("RopeForwardBf16 (q, forward)", 4 * mc, [&](int) {
-      be->RopeForwardBf16(pa, B, T, H, D, 10000.0f, H * D);
-    });
+    row("RopeForwardBf16 (q, forward)", 4 * mc,
+        [&](int) { be->RopeForward(pa, B, T, H, D, 10000.0f, H * D); });
     for (void* p : bufs) be->Free(p);
   }
 

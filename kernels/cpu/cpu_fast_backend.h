@@ -11,7 +11,7 @@
 //     with the amax taken in the same pass; RMSNorm + cast runs in one pass per row.
 //   * The linears' GEMMs (FP8 ones after decoding the codes to f32, 16 at a time through the
 //     half-precision converter F16C: exact) through oneDNN's sgemm instead of the reference's
-//     OpenBLAS: JIT kernels picked by the CPU's instruction sets (AVX2, AVX-512). GemmFp8Layout
+//     OpenBLAS: JIT kernels picked by the CPU's instruction sets (AVX2, AVX-512). GemmFp8
 //     takes every layout as it is (Fp8GemmAnyLayout), so the FP8 linears' backward makes no
 //     transposed copies of codes.
 //   * bfloat16 rounding and packing 8 or 16 values at a time on the bits; the SwiGLU backward
@@ -50,24 +50,11 @@ class CpuFastBackend final : public CpuRefBackend {
   void* Alloc(size_t bytes) override;
   void Free(void* p) override;
 
-  void CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale, Fp8Format fmt,
-                 float* amax_out) override;
-  void CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
-                        Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) override;
   void TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) override;
   void DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
                      Fp8Format fmt) override;
   void AmaxAccumulate(const float* in, int64_t n, float* amax_out) override;
 
-  void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-               const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-               const float* b_scale_inv, float* C, bool accumulate) override;
-  void GemmFp8Layout(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                     const uint8_t* A, Fp8Format a_fmt, const float* a_scale_inv, const uint8_t* B,
-                     Fp8Format b_fmt, const float* b_scale_inv, float* C, bool accumulate) override;
-  bool Fp8GemmAnyLayout() const override { return true; }
-  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
-            const float* B, float* C, bool accumulate, GemmInputs inputs) override;
   void RoundToBf16(float* x, int64_t n) override;
   void PackBf16(const float* in, uint16_t* out, int64_t n) override;
   void UnpackBf16(const uint16_t* in, float* out, int64_t n) override;
@@ -75,39 +62,82 @@ class CpuFastBackend final : public CpuRefBackend {
   void Add(const float* a, const float* b, float* out, int64_t n) override;
   void Axpy(float alpha, const float* x, float* y, int64_t n) override;
 
+  // ---- the ops, each dispatching its variants (backend.h) ----
+  void CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale, Fp8Format fmt,
+               uint8_t* out, uint8_t* out_t = nullptr, float* amax_out = nullptr,
+               int64_t out_ld = 0) override;
+  void GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
+               Fp8Operand b, TypedPtr C, bool accumulate, const float* residual = nullptr) override;
+  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A, TypedCPtr B,
+            float* C, bool accumulate, GemmInputs inputs) override;
   void RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
-                      float* rstd) override;
-  void RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
-                       int64_t N, int64_t C, float* dx, float* dw) override;
-  void RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C,
-                      float* rstd, const float* scale, Fp8Format fmt, uint8_t* out,
-                      float* amax_out) override;
-
-  void RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) override;
-  void RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta) override;
-
-  void AttentionForward(const float* q, const float* k, const float* v, int64_t B, int64_t T,
-                        int64_t H, int64_t Hkv, int64_t D, float* out, float* lse) override;
-  void AttentionBackward(const float* q, const float* k, const float* v, const float* out,
-                         const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
-                         int64_t Hkv, int64_t D, float* dq, float* dk, float* dv) override;
-
-  void SwigluForward(const float* gate, const float* up, int64_t n, float* h) override;
-  void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate,
-                      float* dup) override;
-  void SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16, const uint16_t* up16,
-                               int64_t n, float* dgate, float* dup) override;
-
+                      float* rstd, const Fp8Cast& cast = {}) override;
+  void RmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd, int64_t N,
+                       int64_t C, float* dx, float* dw, const float* dres = nullptr,
+                       TypedCPtr dy_b = nullptr, TypedCPtr dy_c = nullptr) override;
+  void RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                   int64_t ld = 0) override;
+  void RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                    const Fp8Cast& cast = {}) override;
+  void AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T, int64_t H,
+                        int64_t Hkv, int64_t D, TypedPtr out, float* lse,
+                        const AttentionOptions& opts = {}) override;
+  void AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out, TypedCPtr dout,
+                         const float* lse, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                         TypedPtr dq, TypedPtr dk, TypedPtr dv,
+                         const AttentionOptions& opts = {}) override;
+  void SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols, int64_t in_ld,
+                     float* h, const Fp8Cast& cast = {}) override;
+  void SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
+                      int64_t in_ld, TypedPtr dgate, TypedPtr dup, const Fp8Cast& gate_cast = {},
+                      const Fp8Cast& up_cast = {}) override;
   void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N, int64_t V,
-                                   float grad_scale, float* losses) override;
-
-  void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
+                                   float grad_scale, float* losses,
+                                   TypedPtr dlogits = nullptr) override;
+  void AdamW(float* p, const float* g, TypedPtr m, TypedPtr v, int64_t n, float lr, float beta1,
              float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
              float* amax_out, uint16_t* p16_out) override;
-  void AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n,
-                        float lr, float beta1, float beta2, float eps, float weight_decay,
-                        int64_t step, float grad_scale, float* amax_out,
-                        uint16_t* p16_out) override;
+
+ private:
+  // The variants the ops above dispatch to.
+  void CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale, Fp8Format fmt,
+                 float* amax_out);
+  void CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
+                        Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out);
+  void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+               const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+               const float* b_scale_inv, float* C, bool accumulate);
+  void GemmFp8Layout(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint8_t* A,
+                     Fp8Format a_fmt, const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+                     const float* b_scale_inv, float* C, bool accumulate);
+  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
+            const float* B, float* C, bool accumulate, GemmInputs inputs);
+  void RmsNormForwardF32(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
+                         float* rstd);
+  void RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
+                       int64_t N, int64_t C, float* dx, float* dw);
+  void RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C, float* rstd,
+                      const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out);
+  void RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta);
+  void RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta);
+  void AttentionForward(const float* q, const float* k, const float* v, int64_t B, int64_t T,
+                        int64_t H, int64_t Hkv, int64_t D, float* out, float* lse);
+  void AttentionBackward(const float* q, const float* k, const float* v, const float* out,
+                         const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
+                         int64_t Hkv, int64_t D, float* dq, float* dk, float* dv);
+  void SwigluForward(const float* gate, const float* up, int64_t n, float* h);
+  void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate,
+                      float* dup);
+  void SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16, const uint16_t* up16,
+                               int64_t n, float* dgate, float* dup);
+  void CrossEntropyF32(float* logits, const int32_t* targets, int64_t N, int64_t V,
+                       float grad_scale, float* losses);
+  void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
+             float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
+             float* amax_out, uint16_t* p16_out);
+  void AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n, float lr,
+                        float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                        float grad_scale, float* amax_out, uint16_t* p16_out);
 
  private:
   static constexpr size_t kMaxCachedBytes = size_t{1} << 30;

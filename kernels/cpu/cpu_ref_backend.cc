@@ -355,8 +355,8 @@ void CpuRefBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const fl
 
 // ---- RMSNorm ----------------------------------------------------------------------------------
 
-void CpuRefBackend::RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
-                                float* y, float* rstd) {
+void CpuRefBackend::RmsNormForwardF32(const float* x, const float* w, float eps, int64_t N,
+                                      int64_t C, float* y, float* rstd) {
   // x, y (N, C); w (C); rstd (N) = 1 / sqrt(mean(x^2) + eps)
   for (int64_t n = 0; n < N; ++n) {
     const float* xr = x + n * C;
@@ -588,8 +588,8 @@ void CpuRefBackend::SwigluBackward(const float* dh, const float* gate, const flo
 
 // ---- cross-entropy ----------------------------------------------------------------------------
 
-void CpuRefBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
-                                             int64_t V, float grad_scale, float* losses) {
+void CpuRefBackend::CrossEntropyF32(float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                    float grad_scale, float* losses) {
   // logits (N, V) -> dlogits; losses (N) = logsumexp(row) - row[target]
   for (int64_t n = 0; n < N; ++n) {
     float* row = logits + n * V;
@@ -650,6 +650,120 @@ void CpuRefBackend::AdamWBf16Moments(float* p, const float* g, uint16_t* m16, ui
                        grad_scale, amax_out, p16_out);
   CpuRefBackend::PackBf16(m.data(), m16, n);
   CpuRefBackend::PackBf16(v.data(), v16, n);
+}
+
+// ---- the ops: the f32 variants here, the others through the reference compositions -----------
+
+void CpuRefBackend::CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale,
+                            Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
+                            int64_t out_ld) {
+  if (in.bf16()) return Backend::CastFp8(in, rows, cols, scale, fmt, out, out_t, amax_out, out_ld);
+  FSDP8_CHECK(out_ld == 0 || out_ld == cols) << "CastFp8: f32 input takes dense codes";
+  if (out_t == nullptr) return CastToFp8(in.f(), out, rows * cols, scale, fmt, amax_out);
+  CastTransposeFp8(in.f(), rows, cols, scale, fmt, out, out_t, amax_out);
+}
+
+void CpuRefBackend::GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                            Fp8Operand a, Fp8Operand b, TypedPtr C, bool accumulate,
+                            const float* residual) {
+  if (C.bf16() || residual != nullptr || trans_a || !trans_b) {
+    return Backend::GemmFp8(trans_a, trans_b, M, N, K, a, b, C, accumulate, residual);
+  }
+  GemmFp8(M, N, K, a.codes, a.fmt, a.scale_inv, b.codes, b.fmt, b.scale_inv, C.f(), accumulate);
+}
+
+void CpuRefBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
+                         TypedCPtr B, float* C, bool accumulate, GemmInputs inputs) {
+  if (A.bf16() || B.bf16())
+    return Backend::Gemm(trans_a, trans_b, M, N, K, A, B, C, accumulate, inputs);
+  Gemm(trans_a, trans_b, M, N, K, A.f(), B.f(), C, accumulate, inputs);
+}
+
+void CpuRefBackend::RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                                   float* y, float* rstd, const Fp8Cast& cast) {
+  if (!cast.none()) return Backend::RmsNormForward(x, w, eps, N, C, y, rstd, cast);
+  RmsNormForwardF32(x, w, eps, N, C, y, rstd);
+}
+
+void CpuRefBackend::RmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd,
+                                    int64_t N, int64_t C, float* dx, float* dw, const float* dres,
+                                    TypedCPtr dy_b, TypedCPtr dy_c) {
+  if (dy.bf16() || dres != nullptr) {
+    return Backend::RmsNormBackward(dy, x, w, rstd, N, C, dx, dw, dres, dy_b, dy_c);
+  }
+  RmsNormBackward(dy.f(), x, w, rstd, N, C, dx, dw);
+}
+
+void CpuRefBackend::RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                                int64_t ld) {
+  if (x.bf16()) return Backend::RopeForward(x, B, T, H, D, theta, ld);
+  FSDP8_CHECK(ld == 0 || ld == H * D) << "RopeForward: f32 x is dense";
+  RopeForward(x.f(), B, T, H, D, theta);
+}
+
+void CpuRefBackend::RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D,
+                                 float theta, const Fp8Cast& cast) {
+  if (dx.bf16() || !cast.none()) return Backend::RopeBackward(dx, B, T, H, D, theta, cast);
+  RopeBackward(dx.f(), B, T, H, D, theta);
+}
+
+void CpuRefBackend::AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
+                                     int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
+                                     const AttentionOptions& opts) {
+  if (q.bf16() || opts.bf16) {
+    return Backend::AttentionForward(q, k, v, B, T, H, Hkv, D, out, lse, opts);
+  }
+  AttentionForward(q.f(), k.f(), v.f(), B, T, H, Hkv, D, out.f(), lse);
+}
+
+void CpuRefBackend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out,
+                                      TypedCPtr dout, const float* lse, int64_t B, int64_t T,
+                                      int64_t H, int64_t Hkv, int64_t D, TypedPtr dq, TypedPtr dk,
+                                      TypedPtr dv, const AttentionOptions& opts) {
+  if (q.bf16() || opts.bf16) {
+    return Backend::AttentionBackward(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv, opts);
+  }
+  AttentionBackward(q.f(), k.f(), v.f(), out.f(), dout.f(), lse, B, T, H, Hkv, D, dq.f(), dk.f(),
+                    dv.f());
+}
+
+void CpuRefBackend::SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
+                                  int64_t in_ld, float* h, const Fp8Cast& cast) {
+  if (gate.bf16() || !cast.none()) {
+    return Backend::SwigluForward(gate, up, rows, cols, in_ld, h, cast);
+  }
+  FSDP8_CHECK(in_ld == 0 || in_ld == cols) << "SwigluForward: f32 gate and up are dense";
+  SwigluForward(gate.f(), up.f(), rows * cols, h);
+}
+
+void CpuRefBackend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows,
+                                   int64_t cols, int64_t in_ld, TypedPtr dgate, TypedPtr dup,
+                                   const Fp8Cast& gate_cast, const Fp8Cast& up_cast) {
+  if (gate.bf16()) {
+    return Backend::SwigluBackward(dh, gate, up, rows, cols, in_ld, dgate, dup, gate_cast, up_cast);
+  }
+  FSDP8_CHECK(in_ld == 0 || in_ld == cols) << "SwigluBackward: f32 gate and up are dense";
+  SwigluBackward(dh.f(), gate.f(), up.f(), rows * cols, dgate.f(), dup.f());
+}
+
+void CpuRefBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
+                                                int64_t V, float grad_scale, float* losses,
+                                                TypedPtr dlogits) {
+  if (!dlogits.null()) {
+    return Backend::CrossEntropyForwardBackward(logits, targets, N, V, grad_scale, losses, dlogits);
+  }
+  CrossEntropyF32(logits, targets, N, V, grad_scale, losses);
+}
+
+void CpuRefBackend::AdamW(float* p, const float* g, TypedPtr m, TypedPtr v, int64_t n, float lr,
+                          float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                          float grad_scale, float* amax_out, uint16_t* p16_out) {
+  if (m.bf16()) {
+    return AdamWBf16Moments(p, g, m.h(), v.h(), n, lr, beta1, beta2, eps, weight_decay, step,
+                            grad_scale, amax_out, p16_out);
+  }
+  AdamW(p, g, m.f(), v.f(), n, lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax_out,
+        p16_out);
 }
 
 }  // namespace fsdp8

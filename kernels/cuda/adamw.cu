@@ -1,4 +1,4 @@
-// AdamW on one flat f32 shard, moments in f32 or bf16 (Backend: AdamW, AdamWBf16Moments).
+// AdamW on one flat f32 shard, moments in f32 or bf16 (Backend::AdamW).
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_check.h"

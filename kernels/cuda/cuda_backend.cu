@@ -104,13 +104,11 @@ void* CudaBackend::Alloc(size_t bytes) {
   return p;
 }
 
-void CudaBackend::SetGemmAutotune(bool on) { lt_->set_autotune(on); }
-
-void CudaBackend::SetDeterministic(bool on) {
+void CudaBackend::ApplySettings(const ComputeSettings& settings) {
+  fp8_fast_accum_ = settings.fp8_fast_accumulation;
+  lt_->set_autotune(settings.gemm_autotune);
 #ifdef FSDP8_WITH_CUDNN
-  cudnn_->set_deterministic_backward(on);
-#else
-  (void)on;
+  cudnn_->set_deterministic_backward(settings.deterministic);
 #endif
 }
 
@@ -335,7 +333,7 @@ void CudaBackend::GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int
   p.align_b = cuda::PointerAlignment(A16);
   if (lt_->Run(p, B16, A16, C, nullptr, nullptr)) return;
   // No bf16 algorithm for this shape: the same values in f32 (bf16 values are exact in f32).
-  Backend::GemmBf16(trans_a, trans_b, M, N, K, A16, B16, C, accumulate);
+  Backend::Gemm(trans_a, trans_b, M, N, K, A16, B16, C, accumulate, GemmInputs::kBF16);
 }
 
 void CudaBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
@@ -421,8 +419,8 @@ void CudaBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const floa
   cuda::LaunchEmbeddingBackward(tokens, N, dout, C, dtable, V, stream_);
 }
 
-void CudaBackend::RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
-                                 float* y, float* rstd) {
+void CudaBackend::RmsNormForwardF32(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                                    float* y, float* rstd) {
   cuda::OpScope op_scope(prof_.get(), "RmsNormForward");
   Bind();
   cuda::LaunchRmsNormForward(x, w, eps, N, C, y, rstd, stream_);
@@ -470,7 +468,7 @@ void CudaBackend::RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16
       return;
     }
   }
-  Backend::RmsNormBackwardAddBf16Parts(dy_a, dy_b, dy_c, x, w, rstd, dres, N, C, dx, dw);
+  Backend::RmsNormBackward(dy_a, x, w, rstd, N, C, dx, dw, dres, dy_b, dy_c);
 }
 
 void CudaBackend::EnsureRopeTable(int64_t T, int64_t D, float theta) {
@@ -572,7 +570,7 @@ void CudaBackend::AttentionForwardBf16Compute(const float* q, const float* k, co
     CudnnRefused(err);
   }
 #endif
-  Backend::AttentionForwardBf16Compute(q, k, v, B, T, H, Hkv, D, out, lse);
+  Backend::AttentionForward(q, k, v, B, T, H, Hkv, D, out, lse, AttentionOptions{true});
 }
 
 void CudaBackend::AttentionBackwardBf16Compute(const float* q, const float* k, const float* v,
@@ -598,7 +596,8 @@ void CudaBackend::AttentionBackwardBf16Compute(const float* q, const float* k, c
     return;
   }
 #endif
-  Backend::AttentionBackwardBf16Compute(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
+  Backend::AttentionBackward(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv,
+                             AttentionOptions{true});
 }
 
 void CudaBackend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t* k16,
@@ -629,8 +628,8 @@ void CudaBackend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t
     CudnnRefused(err);
   }
 #endif
-  Backend::AttentionBackwardBf16Saved(q16, k16, v16, out16, dout, lse, B, T, H, Hkv, D, dq, dk,
-                                      dv);
+  Backend::AttentionBackward(q16, k16, v16, out16, dout, lse, B, T, H, Hkv, D, dq, dk, dv,
+                             AttentionOptions{true});
 }
 
 void CudaBackend::SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16,
@@ -662,8 +661,8 @@ void CudaBackend::CrossEntropyForwardBackwardBf16Grad(const float* logits, const
   cuda::LaunchCrossEntropyBf16Grad(logits, targets, N, V, grad_scale, losses, dlogits16, stream_);
 }
 
-void CudaBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
-                                              int64_t V, float grad_scale, float* losses) {
+void CudaBackend::CrossEntropyF32(float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                  float grad_scale, float* losses) {
   cuda::OpScope op_scope(prof_.get(), "CrossEntropyForwardBackward");
   Bind();
   cuda::LaunchCrossEntropy(logits, targets, N, V, grad_scale, losses, stream_);
@@ -685,7 +684,8 @@ void CudaBackend::GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint
     p.accumulate = true;
     if (lt_->Run(p, B, A, D, b_scale_inv, a_scale_inv, R)) return;
   }
-  Backend::GemmFp8AddResidual(M, N, K, A, a_fmt, a_scale_inv, B, b_fmt, b_scale_inv, R, D);
+  Backend::GemmFp8(false, true, M, N, K, {A, a_fmt, a_scale_inv}, {B, b_fmt, b_scale_inv}, D, false,
+                   R);
 }
 
 void CudaBackend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
@@ -700,7 +700,8 @@ void CudaBackend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A,
     p.c_type = CUDA_R_16BF;
     if (lt_->Run(p, B, A, C16, b_scale_inv, a_scale_inv)) return;
   }
-  Backend::GemmFp8Bf16(M, N, K, A, a_fmt, a_scale_inv, B, b_fmt, b_scale_inv, C16);
+  Backend::GemmFp8(false, true, M, N, K, {A, a_fmt, a_scale_inv}, {B, b_fmt, b_scale_inv}, C16,
+                   false);
 }
 
 void CudaBackend::CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, const float* scale,
@@ -741,8 +742,8 @@ void CudaBackend::RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t
                                                    uint8_t* out_t, float* amax_out,
                                                    int64_t out_ld) {
   if (D % 8 != 0 || reinterpret_cast<uintptr_t>(dx16) % 8 != 0) {  // the unfused reference
-    Backend::RopeBackwardCastTransposeFp8Bf16(dx16, B, T, H, D, theta, scale, fmt, out, out_t,
-                                              amax_out, out_ld);
+    Backend::RopeBackward(const_cast<uint16_t*>(dx16), B, T, H, D, theta,
+                          Fp8Cast{scale, fmt, out, out_t, amax_out, out_ld});
     return;
   }
   cuda::OpScope op_scope(prof_.get(), "RopeBackwardCastTransposeFp8Bf16");
@@ -784,7 +785,8 @@ void CudaBackend::AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t
     CudnnRefused(err);
   }
 #endif
-  Backend::AttentionForwardBf16Packed(q16, k16, v16, B, T, H, Hkv, D, out16, lse, q_ld, kv_ld);
+  Backend::AttentionForward(q16, k16, v16, B, T, H, Hkv, D, out16, lse,
+                            AttentionOptions{true, q_ld, kv_ld});
 }
 
 void CudaBackend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
@@ -805,8 +807,8 @@ void CudaBackend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint
     CudnnRefused(err);
   }
 #endif
-  Backend::AttentionBackwardBf16SavedTo16(q16, k16, v16, out16, dout16, lse, B, T, H, Hkv, D, dq16,
-                                          dk16, dv16, q_ld, kv_ld);
+  Backend::AttentionBackward(q16, k16, v16, out16, dout16, lse, B, T, H, Hkv, D, dq16, dk16, dv16,
+                             AttentionOptions{true, q_ld, kv_ld});
 }
 
 void CudaBackend::SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
@@ -945,6 +947,177 @@ std::unique_ptr<Backend> CreateCudaBackend(int device, std::string* error,
     return nullptr;
   }
   return std::make_unique<CudaBackend>(device, options);
+}
+
+// ---- the ops: each variant to its kernel (the declarations' order of cuda_backend.h) ----------
+
+namespace {
+int64_t LdOr(int64_t ld, int64_t dense) { return ld == 0 ? dense : ld; }
+}  // namespace
+
+void CudaBackend::CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale,
+                          Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
+                          int64_t out_ld) {
+  out_ld = LdOr(out_ld, cols);
+  if (in.bf16()) {
+    if (out_t == nullptr && out_ld == cols) {
+      return CastToFp8Bf16(in.h(), out, rows * cols, scale, fmt, amax_out);
+    }
+    return CastTransposeFp8Bf16(in.h(), rows, cols, scale, fmt, out, out_t, amax_out, out_ld);
+  }
+  FSDP8_CHECK(out_ld == cols) << "CastFp8: f32 input takes dense codes";
+  if (out_t == nullptr) return CastToFp8(in.f(), out, rows * cols, scale, fmt, amax_out);
+  CastTransposeFp8(in.f(), rows, cols, scale, fmt, out, out_t, amax_out);
+}
+
+void CudaBackend::GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
+                          Fp8Operand b, TypedPtr C, bool accumulate, const float* residual) {
+  const bool tn = !trans_a && trans_b;
+  if (C.bf16()) {
+    FSDP8_CHECK(tn && !accumulate && residual == nullptr)
+        << "GemmFp8: bf16 C takes the TN layout, without accumulation or residual";
+    return GemmFp8Bf16(M, N, K, a.codes, a.fmt, a.scale_inv, b.codes, b.fmt, b.scale_inv, C.h());
+  }
+  if (residual != nullptr) {
+    FSDP8_CHECK(tn && !accumulate) << "GemmFp8: a residual takes the TN layout, no accumulation";
+    return GemmFp8AddResidual(M, N, K, a.codes, a.fmt, a.scale_inv, b.codes, b.fmt, b.scale_inv,
+                              residual, C.f());
+  }
+  if (!tn) return Backend::GemmFp8(trans_a, trans_b, M, N, K, a, b, C, accumulate);
+  GemmFp8(M, N, K, a.codes, a.fmt, a.scale_inv, b.codes, b.fmt, b.scale_inv, C.f(), accumulate);
+}
+
+void CudaBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
+                       TypedCPtr B, float* C, bool accumulate, GemmInputs inputs) {
+  if (A.bf16() || B.bf16()) return GemmBf16(trans_a, trans_b, M, N, K, A.h(), B.h(), C, accumulate);
+  Gemm(trans_a, trans_b, M, N, K, A.f(), B.f(), C, accumulate, inputs);
+}
+
+void CudaBackend::RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                                 float* y, float* rstd, const Fp8Cast& cast) {
+  if (cast.none()) return RmsNormForwardF32(x, w, eps, N, C, y, rstd);
+  FSDP8_CHECK(y == nullptr && cast.out_t == nullptr && LdOr(cast.ld, C) == C)
+      << "RmsNormForward: FP8 takes dense codes only";
+  RmsNormCastFp8(x, w, eps, N, C, rstd, cast.scale, cast.fmt, cast.out, cast.amax);
+}
+
+void CudaBackend::RmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd,
+                                  int64_t N, int64_t C, float* dx, float* dw, const float* dres,
+                                  TypedCPtr dy_b, TypedCPtr dy_c) {
+  if (dy.bf16()) {
+    FSDP8_CHECK(dres != nullptr) << "RmsNormBackward: bf16 parts need dres";
+    return RmsNormBackwardAddBf16Parts(dy.h(), dy_b.h(), dy_c.h(), x, w, rstd, dres, N, C, dx, dw);
+  }
+  if (dres != nullptr) return RmsNormBackwardAdd(dy.f(), x, w, rstd, dres, N, C, dx, dw);
+  RmsNormBackward(dy.f(), x, w, rstd, N, C, dx, dw);
+}
+
+void CudaBackend::RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                              int64_t ld) {
+  if (x.bf16()) return RopeForwardBf16(x.h(), B, T, H, D, theta, LdOr(ld, H * D));
+  FSDP8_CHECK(LdOr(ld, H * D) == H * D) << "RopeForward: f32 x is dense";
+  RopeForward(x.f(), B, T, H, D, theta);
+}
+
+void CudaBackend::RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                               const Fp8Cast& cast) {
+  if (!cast.none()) {
+    return RopeBackwardCastTransposeFp8Bf16(dx.h(), B, T, H, D, theta, cast.scale, cast.fmt,
+                                            cast.out, cast.out_t, cast.amax, LdOr(cast.ld, H * D));
+  }
+  if (dx.bf16()) return RopeBackwardBf16(dx.h(), B, T, H, D, theta);
+  RopeBackward(dx.f(), B, T, H, D, theta);
+}
+
+void CudaBackend::AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
+                                   int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
+                                   const AttentionOptions& opts) {
+  if (q.bf16()) {
+    return AttentionForwardBf16Packed(q.h(), k.h(), v.h(), B, T, H, Hkv, D, out.h(), lse,
+                                      LdOr(opts.q_ld, H * D), LdOr(opts.kv_ld, Hkv * D));
+  }
+  if (opts.bf16) {
+    return AttentionForwardBf16Compute(q.f(), k.f(), v.f(), B, T, H, Hkv, D, out.f(), lse);
+  }
+  AttentionForward(q.f(), k.f(), v.f(), B, T, H, Hkv, D, out.f(), lse);
+}
+
+void CudaBackend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out,
+                                    TypedCPtr dout, const float* lse, int64_t B, int64_t T,
+                                    int64_t H, int64_t Hkv, int64_t D, TypedPtr dq, TypedPtr dk,
+                                    TypedPtr dv, const AttentionOptions& opts) {
+  if (q.bf16() && dout.bf16()) {
+    return AttentionBackwardBf16SavedTo16(q.h(), k.h(), v.h(), out.h(), dout.h(), lse, B, T, H, Hkv,
+                                          D, dq.h(), dk.h(), dv.h(), LdOr(opts.q_ld, H * D),
+                                          LdOr(opts.kv_ld, Hkv * D));
+  }
+  if (q.bf16()) {
+    FSDP8_CHECK(LdOr(opts.q_ld, H * D) == H * D && LdOr(opts.kv_ld, Hkv * D) == Hkv * D)
+        << "AttentionBackward: strided q, k, v take bf16 gradients";
+    return AttentionBackwardBf16Saved(q.h(), k.h(), v.h(), out.h(), dout.f(), lse, B, T, H, Hkv, D,
+                                      dq.f(), dk.f(), dv.f());
+  }
+  if (opts.bf16) {
+    return AttentionBackwardBf16Compute(q.f(), k.f(), v.f(), out.f(), dout.f(), lse, B, T, H, Hkv,
+                                        D, dq.f(), dk.f(), dv.f());
+  }
+  AttentionBackward(q.f(), k.f(), v.f(), out.f(), dout.f(), lse, B, T, H, Hkv, D, dq.f(), dk.f(),
+                    dv.f());
+}
+
+void CudaBackend::SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
+                                int64_t in_ld, float* h, const Fp8Cast& cast) {
+  in_ld = LdOr(in_ld, cols);
+  if (cast.none()) {
+    FSDP8_CHECK(in_ld == cols && h != nullptr) << "SwigluForward: f32 gate and up are dense";
+    return SwigluForward(gate.f(), up.f(), rows * cols, h);
+  }
+  FSDP8_CHECK(h == nullptr) << "SwigluForward: FP8 output takes h null";
+  if (cast.out_t != nullptr) {
+    return SwigluCastTransposeFp8(gate.h(), up.h(), rows, cols, in_ld, cast.scale, cast.fmt,
+                                  cast.out, cast.out_t, cast.amax);
+  }
+  SwigluCastFp8(gate.h(), up.h(), rows, cols, in_ld, cast.scale, cast.fmt, cast.out, cast.amax);
+}
+
+void CudaBackend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows,
+                                 int64_t cols, int64_t in_ld, TypedPtr dgate, TypedPtr dup,
+                                 const Fp8Cast& gate_cast, const Fp8Cast& up_cast) {
+  in_ld = LdOr(in_ld, cols);
+  const int64_t n = rows * cols;
+  if (dgate.null() && dup.null()) {  // the gradients straight to FP8
+    FSDP8_CHECK(gate_cast.fmt == up_cast.fmt && gate_cast.ld == up_cast.ld)
+        << "SwigluBackward: FP8 gradients take one format and ld";
+    return SwigluBackwardCastTransposeFp8(
+        dh.h(), gate.h(), up.h(), rows, cols, gate_cast.scale, up_cast.scale, gate_cast.fmt,
+        gate_cast.out, gate_cast.out_t, up_cast.out, up_cast.out_t, gate_cast.amax, up_cast.amax,
+        LdOr(gate_cast.ld, cols), in_ld);
+  }
+  FSDP8_CHECK(in_ld == cols) << "SwigluBackward: strided gate and up take FP8 gradients";
+  if (!gate.bf16()) return SwigluBackward(dh.f(), gate.f(), up.f(), n, dgate.f(), dup.f());
+  if (!dh.bf16()) return SwigluBackwardBf16Saved(dh.f(), gate.h(), up.h(), n, dgate.f(), dup.f());
+  SwigluBackwardBf16To16(dh.h(), gate.h(), up.h(), n, dgate.h(), dup.h());
+}
+
+void CudaBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
+                                              int64_t V, float grad_scale, float* losses,
+                                              TypedPtr dlogits) {
+  if (!dlogits.null()) {
+    return CrossEntropyForwardBackwardBf16Grad(logits, targets, N, V, grad_scale, losses,
+                                               dlogits.h());
+  }
+  CrossEntropyF32(logits, targets, N, V, grad_scale, losses);
+}
+
+void CudaBackend::AdamW(float* p, const float* g, TypedPtr m, TypedPtr v, int64_t n, float lr,
+                        float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                        float grad_scale, float* amax_out, uint16_t* p16_out) {
+  if (m.bf16()) {
+    return AdamWBf16Moments(p, g, m.h(), v.h(), n, lr, beta1, beta2, eps, weight_decay, step,
+                            grad_scale, amax_out, p16_out);
+  }
+  AdamW(p, g, m.f(), v.f(), n, lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax_out,
+        p16_out);
 }
 
 }  // namespace fsdp8

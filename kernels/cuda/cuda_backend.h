@@ -7,12 +7,12 @@
 // torch.cuda.max_memory_allocated, which counts cuBLAS's and cuDNN's workspaces too); out of memory
 // returns nullptr. A buffer freed while enqueued
 // compute-stream work still reads it stays valid for that work (stream order); communicators order
-// their stream against the compute stream (comm/nccl_communicator.h), so the same holds for collectives. The
-// backend's own workspaces (GEMM workspace 32 MiB, reduction partials, conversion buffers, RoPE
-// tables) are allocated with cudaMalloc and held until the backend is destroyed; cuDNN attention's
-// workspace (1 GiB for the deterministic backward at the 1b shapes) is taken with Alloc for each
-// call and freed after it. AllocatedBytes and PeakAllocatedBytes include all of them, so a peak is
-// comparable with PyTorch's.
+// their stream against the compute stream (comm/nccl_communicator.h), so the same holds for
+// collectives. The backend's own workspaces (GEMM workspace 32 MiB, reduction partials, conversion
+// buffers, RoPE tables) are allocated with cudaMalloc and held until the backend is destroyed;
+// cuDNN attention's workspace (1 GiB for the deterministic backward at the 1b shapes) is taken with
+// Alloc for each call and freed after it. AllocatedBytes and PeakAllocatedBytes include all of
+// them, so a peak is comparable with PyTorch's.
 //
 // Streams: every op is enqueued on one compute stream (a non-blocking stream created for this
 // backend), in call order. CopyToHost and Synchronize wait for it. Communicators order their own
@@ -29,7 +29,7 @@
 //   * Gemm: cuBLASLt with CUBLAS_COMPUTE_32F (no TF32) for kF32; kBF16 packs A and B to bfloat16
 //     (RNE) and multiplies on tensor cores with FP32 accumulation into f32 C.
 //   * Attention: f32 flash-style kernels (kernels/cuda/attention.cu). The BF16 variants
-//     (AttentionForwardBf16Compute / AttentionBackwardBf16Compute) run cuDNN's fused SDPA
+//     (AttentionForward / AttentionBackward with AttentionOptions::bf16) run cuDNN's fused SDPA
 //     (attention_cudnn.h, deterministic backward) when built with it and D is a multiple of 8 up
 //     to 128; otherwise, or if cuDNN refuses the shape, the Backend reference (a one-time message
 //     says so).
@@ -95,10 +95,6 @@ class CudaBackend final : public Backend, public CudaStreams {
   int64_t PeakAllocatedBytes() const override { return peak_; }
   void ResetPeak() override { peak_ = allocated_ + workspace_; }
 
-  void CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale, Fp8Format fmt,
-                 float* amax_out) override;
-  void CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
-                        Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) override;
   void TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) override;
   void DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
                      Fp8Format fmt) override;
@@ -107,17 +103,6 @@ class CudaBackend final : public Backend, public CudaStreams {
                          float* scale_inv, int64_t stride) override;
   void GroupMax(const float* in, const int32_t* group, int64_t n, float* out) override;
 
-  void SetFp8FastAccumulation(bool on) override { fp8_fast_accum_ = on; }
-  // Times cuBLASLt's candidates on each GEMM shape's first call (cuda::LtGemm::set_autotune); the
-  // scratch output comes from Alloc, so it counts in the peak while tuning.
-  void SetGemmAutotune(bool on) override;
-  // Off: cuDNN attention's non-deterministic backward (CudnnAttention::set_deterministic_backward).
-  void SetDeterministic(bool on) override;
-  void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-               const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-               const float* b_scale_inv, float* C, bool accumulate) override;
-  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
-            const float* B, float* C, bool accumulate, GemmInputs inputs) override;
   void RoundToBf16(float* x, int64_t n) override;
   void PackBf16(const float* in, uint16_t* out, int64_t n) override;
   void UnpackBf16(const uint16_t* in, float* out, int64_t n) override;
@@ -133,109 +118,149 @@ class CudaBackend final : public Backend, public CudaStreams {
   void EmbeddingBackward(const int32_t* tokens, int64_t N, const float* dout, int64_t C,
                          float* dtable) override;
 
+  void SumSquares(const float* x, int64_t n, float* out) override;
+
+  // ---- the ops, each dispatching its variants (backend.h) ----
+  void CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale, Fp8Format fmt,
+               uint8_t* out, uint8_t* out_t = nullptr, float* amax_out = nullptr,
+               int64_t out_ld = 0) override;
+  void GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
+               Fp8Operand b, TypedPtr C, bool accumulate, const float* residual = nullptr) override;
+  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A, TypedCPtr B,
+            float* C, bool accumulate, GemmInputs inputs) override;
   void RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
-                      float* rstd) override;
+                      float* rstd, const Fp8Cast& cast = {}) override;
+  void RmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd, int64_t N,
+                       int64_t C, float* dx, float* dw, const float* dres = nullptr,
+                       TypedCPtr dy_b = nullptr, TypedCPtr dy_c = nullptr) override;
+  void RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                   int64_t ld = 0) override;
+  void RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                    const Fp8Cast& cast = {}) override;
+  void AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T, int64_t H,
+                        int64_t Hkv, int64_t D, TypedPtr out, float* lse,
+                        const AttentionOptions& opts = {}) override;
+  void AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out, TypedCPtr dout,
+                         const float* lse, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                         TypedPtr dq, TypedPtr dk, TypedPtr dv,
+                         const AttentionOptions& opts = {}) override;
+  void SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols, int64_t in_ld,
+                     float* h, const Fp8Cast& cast = {}) override;
+  void SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
+                      int64_t in_ld, TypedPtr dgate, TypedPtr dup, const Fp8Cast& gate_cast = {},
+                      const Fp8Cast& up_cast = {}) override;
+  void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                   float grad_scale, float* losses,
+                                   TypedPtr dlogits = nullptr) override;
+  void AdamW(float* p, const float* g, TypedPtr m, TypedPtr v, int64_t n, float lr, float beta1,
+             float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
+             float* amax_out, uint16_t* p16_out) override;
+
+ protected:
+  // SetFp8FastAccumulation; SetGemmAutotune times cuBLASLt's candidates on each GEMM shape's first
+  // call (cuda::LtGemm::set_autotune; the scratch output comes from Alloc, so it counts in the
+  // peak while tuning); SetDeterministic(false): cuDNN attention's non-deterministic backward
+  // (CudnnAttention::set_deterministic_backward).
+  void ApplySettings(const ComputeSettings& settings) override;
+
+ private:
+  // The variants the ops above dispatch to.
+  void CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale, Fp8Format fmt,
+                 float* amax_out);
+  void CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
+                        Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out);
+  void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+               const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+               const float* b_scale_inv, float* C, bool accumulate);
+  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
+            const float* B, float* C, bool accumulate, GemmInputs inputs);
+  void RmsNormForwardF32(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
+                         float* rstd);
   void RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
-                       int64_t N, int64_t C, float* dx, float* dw) override;
-
+                       int64_t N, int64_t C, float* dx, float* dw);
   void RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C, float* rstd,
-                      const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out) override;
-  void RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b,
-                                   const uint16_t* dy_c, const float* x, const float* w,
-                                   const float* rstd, const float* dres, int64_t N, int64_t C,
-                                   float* dx, float* dw) override;
+                      const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out);
+  void RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b, const uint16_t* dy_c,
+                                   const float* x, const float* w, const float* rstd,
+                                   const float* dres, int64_t N, int64_t C, float* dx, float* dw);
   void RmsNormBackwardAdd(const float* dy, const float* x, const float* w, const float* rstd,
-                          const float* dres, int64_t N, int64_t C, float* dx,
-                          float* dw) override;
-
-  void RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) override;
-  void RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta) override;
-
+                          const float* dres, int64_t N, int64_t C, float* dx, float* dw);
+  void RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta);
+  void RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta);
   void AttentionForward(const float* q, const float* k, const float* v, int64_t B, int64_t T,
-                        int64_t H, int64_t Hkv, int64_t D, float* out, float* lse) override;
+                        int64_t H, int64_t Hkv, int64_t D, float* out, float* lse);
   void AttentionBackward(const float* q, const float* k, const float* v, const float* out,
                          const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
-                         int64_t Hkv, int64_t D, float* dq, float* dk, float* dv) override;
-
+                         int64_t Hkv, int64_t D, float* dq, float* dk, float* dv);
   void AttentionForwardBf16Compute(const float* q, const float* k, const float* v, int64_t B,
                                    int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
-                                   float* lse) override;
+                                   float* lse);
   void AttentionBackwardBf16Compute(const float* q, const float* k, const float* v,
                                     const float* out, const float* dout, const float* lse,
                                     int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                    float* dq, float* dk, float* dv) override;
-
+                                    float* dq, float* dk, float* dv);
   void AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t* k16, const uint16_t* v16,
                                   const uint16_t* out16, const float* dout, const float* lse,
                                   int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                  float* dq, float* dk, float* dv) override;
+                                  float* dq, float* dk, float* dv);
   void SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16, const uint16_t* up16,
-                               int64_t n, float* dgate, float* dup) override;
-
-  void SwigluForward(const float* gate, const float* up, int64_t n, float* h) override;
-
+                               int64_t n, float* dgate, float* dup);
+  void SwigluForward(const float* gate, const float* up, int64_t n, float* h);
   void GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                           const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-                          const float* b_scale_inv, const float* R, float* D) override;
+                          const float* b_scale_inv, const float* R, float* D);
   void GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
                    const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-                   const float* b_scale_inv, uint16_t* C16) override;
+                   const float* b_scale_inv, uint16_t* C16);
   void CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, const float* scale,
-                     Fp8Format fmt, float* amax_out) override;
+                     Fp8Format fmt, float* amax_out);
   void CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t cols, const float* scale,
                             Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
-                            int64_t out_ld) override;
+                            int64_t out_ld);
   void RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-                       int64_t ld) override;
-  void RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D,
-                        float theta) override;
+                       int64_t ld);
+  void RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D, float theta);
   void AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16, const uint16_t* v16,
                                   int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                  uint16_t* out16, float* lse, int64_t q_ld,
-                                  int64_t kv_ld) override;
-  void AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
-                                      const uint16_t* v16, const uint16_t* out16,
-                                      const uint16_t* dout16, const float* lse, int64_t B,
-                                      int64_t T, int64_t H, int64_t Hkv, int64_t D, uint16_t* dq16,
-                                      uint16_t* dk16, uint16_t* dv16, int64_t q_ld,
-                                      int64_t kv_ld) override;
+                                  uint16_t* out16, float* lse, int64_t q_ld, int64_t kv_ld);
+  void AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16, const uint16_t* v16,
+                                      const uint16_t* out16, const uint16_t* dout16,
+                                      const float* lse, int64_t B, int64_t T, int64_t H,
+                                      int64_t Hkv, int64_t D, uint16_t* dq16, uint16_t* dk16,
+                                      uint16_t* dv16, int64_t q_ld, int64_t kv_ld);
   void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows, int64_t cols,
                      int64_t in_ld, const float* scale, Fp8Format fmt, uint8_t* out,
-                     float* amax_out) override;
+                     float* amax_out);
   void SwigluCastTransposeFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
                               int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
-                              uint8_t* out, uint8_t* out_t, float* amax_out) override;
+                              uint8_t* out, uint8_t* out_t, float* amax_out);
   void SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16, const uint16_t* up16,
-                              int64_t n, uint16_t* dgate16, uint16_t* dup16) override;
+                              int64_t n, uint16_t* dgate16, uint16_t* dup16);
   void RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T, int64_t H,
                                         int64_t D, float theta, const float* scale, Fp8Format fmt,
                                         uint8_t* out, uint8_t* out_t, float* amax_out,
-                                        int64_t out_ld) override;
+                                        int64_t out_ld);
   void SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* gate16,
                                       const uint16_t* up16, int64_t rows, int64_t cols,
                                       const float* scale_gate, const float* scale_up, Fp8Format fmt,
                                       uint8_t* dgate8, uint8_t* dgate8_t, uint8_t* dup8,
                                       uint8_t* dup8_t, float* amax_gate, float* amax_up,
-                                      int64_t out_ld, int64_t in_ld) override;
-  void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
-                      float* dgate, float* dup) override;
-
+                                      int64_t out_ld, int64_t in_ld);
+  void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate,
+                      float* dup);
   void CrossEntropyForwardBackwardBf16Grad(const float* logits, const int32_t* targets, int64_t N,
                                            int64_t V, float grad_scale, float* losses,
-                                           uint16_t* dlogits16) override;
+                                           uint16_t* dlogits16);
   void GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A16,
-                const uint16_t* B16, float* C, bool accumulate) override;
-  void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N, int64_t V,
-                                   float grad_scale, float* losses) override;
-
-  void SumSquares(const float* x, int64_t n, float* out) override;
+                const uint16_t* B16, float* C, bool accumulate);
+  void CrossEntropyF32(float* logits, const int32_t* targets, int64_t N, int64_t V,
+                       float grad_scale, float* losses);
   void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
              float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
-             float* amax_out, uint16_t* p16_out) override;
-  void AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n,
-                        float lr, float beta1, float beta2, float eps, float weight_decay,
-                        int64_t step, float grad_scale, float* amax_out,
-                        uint16_t* p16_out) override;
+             float* amax_out, uint16_t* p16_out);
+  void AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n, float lr,
+                        float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                        float grad_scale, float* amax_out, uint16_t* p16_out);
 
  private:
   // Growable device scratch slot i of at least `bytes` (counted as a workspace). Growing

@@ -170,7 +170,7 @@ void LaunchCrossEntropyBf16Grad(const float* logits, const int32_t* targets, int
 void LaunchAdamW(float* p, const float* g, float* m, float* v, int64_t n, float decay,
                  float beta2, float w1, float w2, float step_size, float bc2_sqrt, float eps,
                  float grad_scale, float* amax_out, uint16_t* p16_out, cudaStream_t stream);
-// The same with the moments stored as bfloat16 (Backend::AdamWBf16Moments).
+// The same with the moments stored as bfloat16 (Backend::AdamW with bf16 moments).
 void LaunchAdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n,
                             float decay, float beta2, float w1, float w2, float step_size,
                             float bc2_sqrt, float eps, float grad_scale, float* amax_out,

@@ -1,13 +1,16 @@
 // Job spec defaults, validation rules (code and message per rule) and YAML/JSON parsing.
 #include "common/spec.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
+#include <thread>
 
 #include <google/protobuf/util/message_differencer.h>
 #include <gtest/gtest.h>
@@ -46,6 +49,8 @@ TEST(Spec, Defaults) {
   EXPECT_EQ(d.optimizer().grad_clip(), 1.0);
   EXPECT_EQ(d.optimizer().state_precision(), v1::PRECISION_FP32);
   EXPECT_EQ(d.training().saved_norm_inputs(), v1::PRECISION_FP32);
+  EXPECT_EQ(d.training().max_nonfinite_steps(), 0);  // the first non-finite step fails the job
+  EXPECT_TRUE(d.training().has_max_nonfinite_steps());
   EXPECT_EQ(d.training().steps(), 600);
   EXPECT_EQ(d.training().global_batch(), 16);
   EXPECT_EQ(d.training().microbatch(), 8);  // 16 / 2
@@ -204,6 +209,12 @@ std::vector<RuleCase> Rules() {
       {"optimizer.min_lr_ratio", "in [0, 1]"});
   add("WarmupBeyondSteps", [](v1::JobSpec* s) { s->mutable_optimizer()->set_warmup_steps(601); }, 2,
       {"optimizer.warmup_steps", "in [0, training.steps]"});
+  add("MaxNonfiniteStepsNegative",
+      [](v1::JobSpec* s) { s->mutable_training()->set_max_nonfinite_steps(-1); }, 2,
+      {"training.max_nonfinite_steps", "must be in [0, training.steps]", "got -1, steps 600"});
+  add("MaxNonfiniteStepsBeyondSteps",
+      [](v1::JobSpec* s) { s->mutable_training()->set_max_nonfinite_steps(601); }, 2,
+      {"training.max_nonfinite_steps", "must be in [0, training.steps]", "got 601, steps 600"});
   add("WarmupNegative", [](v1::JobSpec* s) { s->mutable_optimizer()->set_warmup_steps(-1); }, 2,
       {"optimizer.warmup_steps", "in [0, training.steps]"});
   add("Beta1One", [](v1::JobSpec* s) { s->mutable_optimizer()->set_beta1(1.0); }, 2,
@@ -468,6 +479,49 @@ TEST(Spec, CheckFiles) {
 
 // Bounded inputs: every string field has a limit (paths 1024 bytes, other strings 256), and so
 // has the serialized spec (64 KiB); the message names the field and the limit.
+// ReadSpecFile (the CLI's reader): a regular file over kMaxSpecBytes is refused from its size,
+// naming the path, the size and the limit; at the limit it is read whole; a pipe, whose size
+// fstat does not know, is read up to one byte past the limit and refused as larger; a missing
+// file is NOT_FOUND naming it.
+TEST(Spec, ReadSpecFileIsBoundedByTheSpecLimit) {
+  const std::string dir = ::testing::TempDir() + "/fsdp8_specfile_" + std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  const std::string at = dir + "/at.yaml", over = dir + "/over.yaml";
+  const std::string text = "name: x\n#" + std::string(65536 - 10, 'c') + "\n";
+  ASSERT_EQ(text.size(), 65536u);
+  std::ofstream(at, std::ios::binary) << text;
+  std::ofstream(over, std::ios::binary) << text << "\n";
+  auto ok = ReadSpecFile(at);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(*ok, text);
+  auto big = ReadSpecFile(over);
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(big.status().message(),
+            over + ": 65537 bytes exceeds the limit of 65536 bytes on a job spec");
+  auto missing = ReadSpecFile(dir + "/none.yaml");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find(dir + "/none.yaml"), std::string::npos);
+
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  std::thread writer([&] {  // more than the pipe holds: the reader must stop reading
+    const std::string chunk(4096, 'y');
+    for (int i = 0; i < 64; ++i)
+      if (write(fds[1], chunk.data(), chunk.size()) < 0) break;  // EPIPE once the reader is gone
+    close(fds[1]);
+  });
+  signal(SIGPIPE, SIG_IGN);
+  const std::string pipe_path = "/proc/self/fd/" + std::to_string(fds[0]);
+  auto piped = ReadSpecFile(pipe_path);
+  close(fds[0]);
+  writer.join();
+  EXPECT_EQ(piped.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(piped.status().message().find("more than 65536 bytes exceeds the limit of 65536"),
+            std::string::npos)
+      << piped.status();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Spec, StringFieldsAndSizeAreBounded) {
   auto msg = [](const v1::JobSpec& s) { return std::string(ValidateSpec(s, 2, {}, false).message()); };
   v1::JobSpec s = Valid();
@@ -669,6 +723,22 @@ TEST(Spec, OptimizerStatePrecision) {
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("optimizer.state_precision"), std::string::npos)
       << bad.status();
+}
+
+// training.max_nonfinite_steps: parsed from YAML; 0 and training.steps are the bounds accepted
+// (the refusals are ValidateRule cases).
+TEST(Spec, MaxNonfiniteStepsBounds) {
+  auto y = ParseSpec("data: {train_path: /data/train.bin}\ntraining:\n  steps: 20\n"
+                     "  max_nonfinite_steps: 3\n");
+  ASSERT_TRUE(y.ok()) << y.status();
+  EXPECT_EQ(y->training().max_nonfinite_steps(), 3);
+  EXPECT_TRUE(ValidateSpec(*y, 2, {}, false).ok());
+  for (int64_t n : {0, 20}) {
+    y->mutable_training()->set_max_nonfinite_steps(n);
+    EXPECT_TRUE(ValidateSpec(*y, 2, {}, false).ok()) << n;
+  }
+  y->mutable_training()->set_max_nonfinite_steps(21);
+  EXPECT_EQ(ValidateSpec(*y, 2, {}, false).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // training.saved_norm_inputs: the short spelling parses and BF16 validates; the memory plan keeps

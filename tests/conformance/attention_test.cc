@@ -101,8 +101,8 @@ TEST_P(Conformance, AttentionBf16) {
       Outputs o;
       float* out = r.Out<float>(nq);
       float* lse = r.Out<float>(s.B * s.H * s.T);
-      r.b()->AttentionForwardBf16Compute(r.In(q), r.In(k), r.In(v), s.B, s.T, s.H, s.Hkv, s.D, out,
-                                         lse);
+      r.b()->AttentionForward(r.In(q), r.In(k), r.In(v), s.B, s.T, s.H, s.Hkv, s.D, out, lse,
+                              AttentionOptions{true});
       r.F32(&o, "out", out, nq);
       r.F32(&o, "lse", lse, s.B * s.H * s.T);
       return o;
@@ -114,12 +114,13 @@ TEST_P(Conformance, AttentionBf16) {
       const float* vd = r.In(v);
       float* out = r.Out<float>(nq);
       float* lse = r.Out<float>(s.B * s.H * s.T);
-      r.b()->AttentionForwardBf16Compute(qd, kd, vd, s.B, s.T, s.H, s.Hkv, s.D, out, lse);
+      r.b()->AttentionForward(qd, kd, vd, s.B, s.T, s.H, s.Hkv, s.D, out, lse,
+                              AttentionOptions{true});
       float* dq = r.Out<float>(nq);
       float* dk = r.Out<float>(nk);
       float* dv = r.Out<float>(nk);
-      r.b()->AttentionBackwardBf16Compute(qd, kd, vd, out, r.In(dout), lse, s.B, s.T, s.H, s.Hkv,
-                                          s.D, dq, dk, dv);
+      r.b()->AttentionBackward(qd, kd, vd, out, r.In(dout), lse, s.B, s.T, s.H, s.Hkv, s.D, dq, dk,
+                               dv, AttentionOptions{true});
       r.F32(&o, "dq", dq, nq);
       r.F32(&o, "dk", dk, nk);
       r.F32(&o, "dv", dv, nk);
@@ -133,7 +134,8 @@ TEST_P(Conformance, AttentionBf16) {
       const float* vd = r.In(v);
       float* out = r.Out<float>(nq);
       float* lse = r.Out<float>(s.B * s.H * s.T);
-      r.b()->AttentionForwardBf16Compute(qd, kd, vd, s.B, s.T, s.H, s.Hkv, s.D, out, lse);
+      r.b()->AttentionForward(qd, kd, vd, s.B, s.T, s.H, s.Hkv, s.D, out, lse,
+                              AttentionOptions{true});
       uint16_t* q16 = r.Out<uint16_t>(nq);
       uint16_t* o16 = r.Out<uint16_t>(nq);
       uint16_t* k16 = r.Out<uint16_t>(nk);
@@ -145,8 +147,8 @@ TEST_P(Conformance, AttentionBf16) {
       float* dq = r.Out<float>(nq);
       float* dk = r.Out<float>(nk);
       float* dv = r.Out<float>(nk);
-      r.b()->AttentionBackwardBf16Saved(q16, k16, v16, o16, r.In(dout), lse, s.B, s.T, s.H, s.Hkv, s.D,
-                                        dq, dk, dv);
+      r.b()->AttentionBackward(q16, k16, v16, o16, r.In(dout), lse, s.B, s.T, s.H, s.Hkv, s.D, dq,
+                               dk, dv, AttentionOptions{true});
       r.F32(&o, "dq", dq, nq);
       r.F32(&o, "dk", dk, nk);
       r.F32(&o, "dv", dv, nk);

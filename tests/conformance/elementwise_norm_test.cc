@@ -37,7 +37,7 @@ TEST_P(Conformance, Elementwise) {
     Check("SwigluForward/" + std::to_string(n), kEltTol, [&](DevRun& r) {
       Outputs o;
       float* h = r.Out<float>(n);
-      r.b()->SwigluForward(r.In(g), r.In(u), n, h);
+      r.b()->SwigluForward(r.In(g), r.In(u), 1, n, 0, h);
       r.F32(&o, "h", h, n);
       return o;
     });
@@ -45,7 +45,7 @@ TEST_P(Conformance, Elementwise) {
       Outputs o;
       float* dg = r.Out<float>(n);
       float* du = r.Out<float>(n);
-      r.b()->SwigluBackward(r.In(dh), r.In(g), r.In(u), n, dg, du);
+      r.b()->SwigluBackward(r.In(dh), r.In(g), r.In(u), 1, n, 0, dg, du);
       r.F32(&o, "dgate", dg, n);
       r.F32(&o, "dup", du, n);
       return o;
@@ -58,7 +58,7 @@ TEST_P(Conformance, Elementwise) {
       r.b()->PackBf16(r.In(u), u16, n);
       float* dg = r.Out<float>(n);
       float* du = r.Out<float>(n);
-      r.b()->SwigluBackwardBf16Saved(r.In(dh), g16, u16, n, dg, du);
+      r.b()->SwigluBackward(r.In(dh), g16, u16, 1, n, 0, dg, du);
       r.F32(&o, "dgate", dg, n);
       r.F32(&o, "dup", du, n);
       return o;
@@ -154,8 +154,8 @@ TEST_P(Conformance, RmsNorm) {
       float* rstd = r.Out<float>(s.N);
       uint8_t* out = r.Out<uint8_t>(s.N * s.C);
       float* amax = r.In(std::vector<float>{0.0f});
-      r.b()->RmsNormCastFp8(r.In(x), r.In(w), 1e-5f, s.N, s.C, rstd, r.In(nscale), Fp8Format::kE4M3,
-                            out, amax);
+      r.b()->RmsNormForward(r.In(x), r.In(w), 1e-5f, s.N, s.C, nullptr, rstd,
+                            Fp8Cast{r.In(nscale), Fp8Format::kE4M3, out, nullptr, amax});
       if (codes) {
         r.Fp8CodesNear(&o, "out", out, s.N * s.C);
       } else {
@@ -178,7 +178,7 @@ TEST_P(Conformance, RmsNorm) {
       r.b()->RmsNormForward(xd, wd, 1e-5f, s.N, s.C, y, rstd);
       float* dx = r.Out<float>(s.N * s.C);
       float* dw = r.In(dw0);
-      r.b()->RmsNormBackwardAdd(r.In(dy), xd, wd, rstd, r.In(dres), s.N, s.C, dx, dw);
+      r.b()->RmsNormBackward(r.In(dy), xd, wd, rstd, s.N, s.C, dx, dw, r.In(dres));
       r.F32Near0(&o, "dx", dx, s.N * s.C, dx_add_terms);
       r.F32(&o, "dw", dw, s.C);
       return o;
@@ -205,9 +205,9 @@ TEST_P(Conformance, RmsNorm) {
               r.b()->RmsNormForward(xd, wd, 1e-5f, s.N, s.C, y, rstd);
               float* dx = r.Out<float>(n);
               float* dw = r.In(dw0);
-              r.b()->RmsNormBackwardAddBf16Parts(r.InBf16(dy), parts > 1 ? r.InBf16(dyb) : nullptr,
-                                                 three ? r.InBf16(dyc) : nullptr, xd, wd, rstd,
-                                                 r.In(dres), s.N, s.C, dx, dw);
+              r.b()->RmsNormBackward(r.InBf16(dy), xd, wd, rstd, s.N, s.C, dx, dw, r.In(dres),
+                                     parts > 1 ? r.InBf16(dyb) : nullptr,
+                                     three ? r.InBf16(dyc) : nullptr);
               r.F32Near0(&o, "dx", dx, n, dx_terms_parts);
               r.F32(&o, "dw", dw, s.C);
               return o;

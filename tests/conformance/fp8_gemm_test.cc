@@ -26,7 +26,7 @@ TEST_P(Conformance, CastToFp8) {
         const float* in = r.In(x);
         uint8_t* out = r.Out<uint8_t>(n);
         float* amax = r.In(std::vector<float>{0.5f});
-        r.b()->CastToFp8(in, out, n, r.In(scale), fmt, amax);
+        r.b()->CastFp8(in, 1, n, r.In(scale), fmt, out, nullptr, amax);
         r.Bytes(&o, "out", out, n);
         r.Bytes(&o, "amax", amax, 1);
         return o;
@@ -49,13 +49,13 @@ TEST_P(Conformance, CastTransposeFp8) {
               uint8_t* out = r.Out<uint8_t>(rows * cols);
               uint8_t* out_t = r.Out<uint8_t>(rows * cols);
               float* amax = r.In(std::vector<float>{0.0f});
-              r.b()->CastTransposeFp8(r.In(x), rows, cols, r.In(scale), fmt, out, out_t, amax);
+              r.b()->CastFp8(r.In(x), rows, cols, r.In(scale), fmt, out, out_t, amax);
               r.Bytes(&o, "out", out, rows * cols);
               r.Bytes(&o, "out_t", out_t, rows * cols);
               r.Bytes(&o, "amax", amax, 1);
               // Transposed only, no amax.
               uint8_t* out_t2 = r.Out<uint8_t>(rows * cols);
-              r.b()->CastTransposeFp8(r.In(x), rows, cols, r.In(scale), fmt, nullptr, out_t2, nullptr);
+              r.b()->CastFp8(r.In(x), rows, cols, r.In(scale), fmt, nullptr, out_t2, nullptr);
               r.Bytes(&o, "out_t_only", out_t2, rows * cols);
               return o;
             });
@@ -227,7 +227,8 @@ TEST_P(Conformance, GemmFp8) {
                 Outputs o;
                 float* C = acc ? r.In(C0) : r.Out<float>(s.M * s.N);
                 r.b()->SetFp8FastAccumulation(fast);
-                r.b()->GemmFp8(s.M, s.N, s.K, r.In(A), f[0], r.In(sa), r.In(B), f[1], r.In(sb), C, acc);
+                r.b()->GemmFp8(false, true, s.M, s.N, s.K, {r.In(A), f[0], r.In(sa)},
+                               {r.In(B), f[1], r.In(sb)}, C, acc);
                 r.b()->SetFp8FastAccumulation(false);
                 r.F32(&o, "C", C, s.M * s.N);
                 return o;
@@ -258,8 +259,8 @@ TEST_P(Conformance, GemmFp8Layout) {
             Fp8GemmTol(s.K), [&](DevRun& r) {
               Outputs o;
               float* C = acc ? r.In(C0) : r.Out<float>(s.M * s.N);
-              r.b()->GemmFp8Layout(ta, tb, s.M, s.N, s.K, r.In(A), Fp8Format::kE5M2, r.In(sa), r.In(B),
-                                   Fp8Format::kE4M3, r.In(sb), C, acc);
+              r.b()->GemmFp8(ta, tb, s.M, s.N, s.K, {r.In(A), Fp8Format::kE5M2, r.In(sa)},
+                             {r.In(B), Fp8Format::kE4M3, r.In(sb)}, C, acc);
               r.F32(&o, "C", C, s.M * s.N);
               return o;
             });
@@ -289,8 +290,8 @@ TEST_P(Conformance, GemmAutotune) {
       Outputs o;
       float* C = r.In(C0);
       r.b()->SetGemmAutotune(true);
-      r.b()->GemmFp8(s.M, s.N, s.K, r.In(A), Fp8Format::kE4M3, r.In(sa), r.In(B), Fp8Format::kE4M3,
-                     r.In(sb), C, true);
+      r.b()->GemmFp8(false, true, s.M, s.N, s.K, {r.In(A), Fp8Format::kE4M3, r.In(sa)},
+                     {r.In(B), Fp8Format::kE4M3, r.In(sb)}, C, true);
       r.b()->SetGemmAutotune(false);
       r.F32(&o, "C", C, s.M * s.N);
       return o;
@@ -301,8 +302,8 @@ TEST_P(Conformance, GemmAutotune) {
       float* D = r.Out<float>(s.M * s.N);
       r.b()->SetGemmAutotune(true);
       r.b()->SetFp8FastAccumulation(true);
-      r.b()->GemmFp8AddResidual(s.M, s.N, s.K, r.In(A), Fp8Format::kE4M3, r.In(sa), r.In(B),
-                                Fp8Format::kE4M3, r.In(sb), R, D);
+      r.b()->GemmFp8(false, true, s.M, s.N, s.K, {r.In(A), Fp8Format::kE4M3, r.In(sa)},
+                     {r.In(B), Fp8Format::kE4M3, r.In(sb)}, D, false, R);
       r.b()->SetFp8FastAccumulation(false);
       r.b()->SetGemmAutotune(false);
       r.F32(&o, "D", D, s.M * s.N);
@@ -313,8 +314,8 @@ TEST_P(Conformance, GemmAutotune) {
       Outputs o;
       uint16_t* C = r.Out<uint16_t>(s.M * s.N);
       r.b()->SetGemmAutotune(true);
-      r.b()->GemmFp8Bf16(s.M, s.N, s.K, r.In(A), Fp8Format::kE4M3, r.In(sa), r.In(B),
-                         Fp8Format::kE4M3, r.In(sb), C);
+      r.b()->GemmFp8(false, true, s.M, s.N, s.K, {r.In(A), Fp8Format::kE4M3, r.In(sa)},
+                     {r.In(B), Fp8Format::kE4M3, r.In(sb)}, C, false);
       r.b()->SetGemmAutotune(false);
       float* f = r.Out<float>(s.M * s.N);
       r.b()->UnpackBf16(C, f, s.M * s.N);
@@ -331,7 +332,7 @@ TEST_P(Conformance, GemmAutotune) {
     r.b()->PackBf16(r.In(B), b16, 160 * 96);
     float* C = r.In(C0);
     r.b()->SetGemmAutotune(true);
-    r.b()->GemmBf16(false, true, 1000, 160, 96, a16, b16, C, true);
+    r.b()->Gemm(false, true, 1000, 160, 96, a16, b16, C, true, GemmInputs::kBF16);
     r.b()->SetGemmAutotune(false);
     r.F32(&o, "C", C, 1000 * 160);
     return o;
@@ -373,7 +374,7 @@ TEST_P(Conformance, Gemm) {
               r.b()->PackBf16(r.In(A), a16, s.M * s.K);
               r.b()->PackBf16(r.In(B), b16, s.N * s.K);
               float* C = acc ? r.In(C0) : r.Out<float>(s.M * s.N);
-              r.b()->GemmBf16(ta, tb, s.M, s.N, s.K, a16, b16, C, acc);
+              r.b()->Gemm(ta, tb, s.M, s.N, s.K, a16, b16, C, acc, GemmInputs::kBF16);
               r.F32(&o, "C", C, s.M * s.N);
               return o;
             });

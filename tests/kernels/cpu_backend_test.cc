@@ -282,7 +282,8 @@ TEST_P(CpuBackendTest, GemmFp8MatchesDecodedDoubleReference) {
       auto C0 = RandomVec(M * N, 52, -1000, 1000);
       Buf<uint8_t> a(be_.get(), A), b(be_.get(), B);
       Buf<float> c(be_.get(), C0), sai(be_.get(), {sa}), sbi(be_.get(), {sb});
-      be_->GemmFp8(M, N, K, a.get(), f[0], sai.get(), b.get(), f[1], sbi.get(), c.get(), acc);
+      be_->GemmFp8(false, true, M, N, K, {a.get(), f[0], sai.get()}, {b.get(), f[1], sbi.get()},
+                   c.get(), acc);
       std::vector<double> Ad(A.size()), Bd(B.size()), abs_sum;
       for (size_t i = 0; i < A.size(); ++i) Ad[i] = RefDecode(A[i], f[0]);
       for (size_t i = 0; i < B.size(); ++i) Bd[i] = RefDecode(B[i], f[1]);
@@ -310,7 +311,7 @@ TEST_P(CpuBackendTest, C02_CastToFp8RoundsAndSaturatesLikeTheReference) {
     const float scale = fmt == Fp8Format::kE4M3 ? 150.0f : 20000.0f;  // pushes some past max
     Buf<float> in(be_.get(), x), s(be_.get(), {scale}), amax(be_.get(), {0.0f});
     Buf<uint8_t> out(be_.get(), x.size());
-    be_->CastToFp8(in.get(), out.get(), x.size(), s.get(), fmt, amax.get());
+    be_->CastFp8(in.get(), 1, x.size(), s.get(), fmt, out.get(), nullptr, amax.get());
     auto got = out.Host();
     int saturated = 0;
     for (size_t i = 0; i < x.size(); ++i) {
@@ -339,7 +340,7 @@ TEST_P(CpuBackendTest, C02_CastToFp8SweepOfAllTopBitPatterns) {
   for (Fp8Format fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
     Buf<float> in(be_.get(), x), s(be_.get(), {1.0f});
     Buf<uint8_t> out(be_.get(), x.size());
-    be_->CastToFp8(in.get(), out.get(), x.size(), s.get(), fmt, nullptr);
+    be_->CastFp8(in.get(), 1, x.size(), s.get(), fmt, out.get(), nullptr, nullptr);
     auto got = out.Host();
     for (size_t i = 0; i < x.size(); ++i) {
       if (std::isnan(x[i])) {
@@ -358,9 +359,8 @@ TEST_P(CpuBackendTest, C03_AmaxAccumulatesMaxAcrossCalls) {
   Buf<uint8_t> out(be_.get(), 2), out_t(be_.get(), 2);
   for (auto& v : mb) {
     Buf<float> in(be_.get(), v);
-    be_->CastToFp8(in.get(), out.get(), 2, s.get(), Fp8Format::kE4M3, amax.get());
-    be_->CastTransposeFp8(in.get(), 1, 2, s.get(), Fp8Format::kE5M2, nullptr, out_t.get(),
-                          amax2.get());
+    be_->CastFp8(in.get(), 1, 2, s.get(), Fp8Format::kE4M3, out.get(), nullptr, amax.get());
+    be_->CastFp8(in.get(), 1, 2, s.get(), Fp8Format::kE5M2, nullptr, out_t.get(), amax2.get());
   }
   EXPECT_EQ(amax.Host()[0], 7.5f);
   EXPECT_EQ(amax2.Host()[0], 7.5f);
@@ -380,7 +380,7 @@ TEST_P(CpuBackendTest, C01_AmaxSurfacesNonFiniteAndCastNeverProducesInf) {
   {
     Buf<float> in(be_.get(), {1.0f, nan, 2.0f}), amax(be_.get(), {5.0f});
     Buf<uint8_t> out(be_.get(), 3);
-    be_->CastToFp8(in.get(), out.get(), 3, s.get(), Fp8Format::kE5M2, amax.get());
+    be_->CastFp8(in.get(), 1, 3, s.get(), Fp8Format::kE5M2, out.get(), nullptr, amax.get());
     EXPECT_TRUE(
         std::isnan(amax.Host()[0]));  // NaN reaches the scaling logic, which keeps the old scale
     EXPECT_TRUE(std::isnan(RefDecode(out.Host()[1], Fp8Format::kE5M2)));
@@ -391,8 +391,7 @@ TEST_P(CpuBackendTest, C01_AmaxSurfacesNonFiniteAndCastNeverProducesInf) {
   {
     Buf<float> in(be_.get(), {inf, -inf, 3.0f}), amax(be_.get(), {0.0f});
     Buf<uint8_t> out(be_.get(), 3), out_t(be_.get(), 3);
-    be_->CastTransposeFp8(in.get(), 3, 1, s.get(), Fp8Format::kE5M2, out.get(), out_t.get(),
-                          amax.get());
+    be_->CastFp8(in.get(), 3, 1, s.get(), Fp8Format::kE5M2, out.get(), out_t.get(), amax.get());
     EXPECT_EQ(amax.Host()[0], inf);
     auto o = out.Host();
     EXPECT_EQ(RefDecode(o[0], Fp8Format::kE5M2), 57344.0);
@@ -412,10 +411,9 @@ TEST_P(CpuBackendTest, CastTransposeEqualsTransposeOfCast) {
           amax_b(be_.get(), {0.0f});
       Buf<uint8_t> plain(be_.get(), rows * cols), out(be_.get(), rows * cols),
           out_t(be_.get(), rows * cols), out_t_only(be_.get(), rows * cols);
-      be_->CastToFp8(in.get(), plain.get(), rows * cols, s.get(), fmt, amax_a.get());
-      be_->CastTransposeFp8(in.get(), rows, cols, s.get(), fmt, out.get(), out_t.get(),
-                            amax_b.get());
-      be_->CastTransposeFp8(in.get(), rows, cols, s.get(), fmt, nullptr, out_t_only.get(), nullptr);
+      be_->CastFp8(in.get(), 1, rows * cols, s.get(), fmt, plain.get(), nullptr, amax_a.get());
+      be_->CastFp8(in.get(), rows, cols, s.get(), fmt, out.get(), out_t.get(), amax_b.get());
+      be_->CastFp8(in.get(), rows, cols, s.get(), fmt, nullptr, out_t_only.get(), nullptr);
       auto p = plain.Host(), o = out.Host(), t = out_t.Host(), t2 = out_t_only.Host();
       EXPECT_EQ(o, p);
       EXPECT_EQ(t2, t);
@@ -823,8 +821,8 @@ TEST_P(CpuBackendTest, SwigluForwardBackward) {
   auto g = RandomVec(n, 150, -6, 6), u = RandomVec(n, 151, -2, 2), dh = RandomVec(n, 152);
   Buf<float> bg(be_.get(), g), bu(be_.get(), u), bh(be_.get(), n), bdh(be_.get(), dh),
       bdg(be_.get(), n), bdu(be_.get(), n);
-  be_->SwigluForward(bg.get(), bu.get(), n, bh.get());
-  be_->SwigluBackward(bdh.get(), bg.get(), bu.get(), n, bdg.get(), bdu.get());
+  be_->SwigluForward(bg.get(), bu.get(), 1, n, 0, bh.get());
+  be_->SwigluBackward(bdh.get(), bg.get(), bu.get(), 1, n, 0, bdg.get(), bdu.get());
   auto h = bh.Host(), dg = bdg.Host(), du = bdu.Host();
   auto f = [](double gv, double uv) { return gv / (1 + std::exp(-gv)) * uv; };
   for (int i = 0; i < n; ++i) {
@@ -973,8 +971,8 @@ TEST_P(CpuBackendTest, AdamWBf16MomentsTwoStepsByHand) {
   for (int t = 1; t <= 2; ++t) {
     std::vector<float> gf(grads[t - 1].begin(), grads[t - 1].end());
     Buf<float> bg(be_.get(), gf);
-    be_->AdamWBf16Moments(bp.get(), bg.get(), bm.get(), bv.get(), n, lr, b1, b2, eps, wd, t, gs,
-                          t == 2 ? amax.get() : nullptr, t == 2 ? p16.get() : nullptr);
+    be_->AdamW(bp.get(), bg.get(), bm.get(), bv.get(), n, lr, b1, b2, eps, wd, t, gs,
+               t == 2 ? amax.get() : nullptr, t == 2 ? p16.get() : nullptr);
     for (int i = 0; i < n; ++i) {
       const double g = grads[t - 1][i] * gs;
       p[i] *= 1 - lr * wd;

@@ -5,6 +5,8 @@
 // except what it is asked to produce.
 #include "common/token_dataset.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -311,6 +313,101 @@ TEST(TokenDataset, TokenBeyondVocabularyNamesShardAndOffset) {
   ASSERT_FALSE(small.ok());
   EXPECT_NE(small.status().message().find("seq_len + 1 = 65"), std::string::npos)
       << small.status();
+}
+
+// A shard that shrinks under a loaded dataset (a memory map would raise SIGBUS on the next read
+// past the new end and kill the process): the next batch fails with DATA_LOSS naming the file,
+// and the process goes on.
+TEST(TokenDataset, ShardTruncatedAfterLoadFailsTheBatchNamingIt) {
+  const std::string d = TempDir("truncated");
+  const std::string p = d + "/a.bin";
+  WriteCountingShard(p, 0, 4000);  // uint32 tokens 0..3999
+  auto data = TokenData::Load(p, 8, 1 << 20, 4, Sampling::kEpoch);
+  ASSERT_TRUE(data.ok()) << data.status();
+  std::vector<int32_t> in(32), tg(32);
+  ASSERT_TRUE((*data)->Batch(1, 0, 0, 4, kTrainStream, in.data(), tg.data()).ok());
+  // Inputs of a window are consecutive counting tokens: the batch was read from the file.
+  EXPECT_EQ(tg[0], in[0] + 1);
+  ASSERT_EQ(::truncate(p.c_str(), 1024 + 4 * 10), 0);
+  for (int64_t step = 1; step < 4; ++step) {  // whichever windows the steps read
+    absl::Status s = (*data)->Batch(1, step, 0, 4, kTrainStream, in.data(), tg.data());
+    ASSERT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+    EXPECT_NE(s.message().find(p), std::string::npos) << s;
+    EXPECT_NE(s.message().find("truncated"), std::string::npos) << s;
+  }
+}
+
+// The reader itself: a read past the new end of a truncated file is DATA_LOSS, not a signal.
+TEST(TokenDataset, ReadPastTheEndOfATruncatedShardIsDataLoss) {
+  const std::string d = TempDir("shortread");
+  const std::string p = d + "/a.bin";
+  ASSERT_TRUE(WriteTokenShard(p, std::vector<uint16_t>(1000, 7)).ok());
+  auto r = TokenShardReader::Open(p);
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::vector<uint32_t> out(100);
+  ASSERT_TRUE((*r)->Read(900, 100, out.data()).ok());
+  EXPECT_EQ(out, std::vector<uint32_t>(100, 7));
+  ASSERT_EQ(::truncate(p.c_str(), 1024 + 2 * 950), 0);  // tokens 950.. gone
+  EXPECT_TRUE((*r)->Read(900, 50, out.data()).ok());
+  absl::Status s = (*r)->Read(900, 100, out.data());
+  ASSERT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find(p), std::string::npos) << s;
+  // Tokens 900..999 are bytes [1024 + 2 * 900, 1024 + 2 * 1000) = [2824, 3024); the file now has
+  // 1024 + 2 * 950 = 2924 bytes, 3024 when opened.
+  EXPECT_NE(s.message().find("a read of bytes [2824, 3024) met its end (2924 bytes now, 3024 "
+                             "when opened: truncated)"),
+            std::string::npos)
+      << s;
+}
+
+// A shard replaced by a rename (as WriteTokenShard and `fsdp8 prepare --overwrite` do), even with
+// the same bytes, deleted, or rewritten in place: the next batch fails naming the file and what
+// changed.
+TEST(TokenDataset, ShardReplacedDeletedOrRewrittenAfterLoadFailsTheBatch) {
+  const std::string d = TempDir("replaced");
+  std::vector<int32_t> in(32), tg(32);
+  auto load = [&](const std::string& p) {
+    WriteCountingShard(p, 0, 4000);
+    // An old modification time, so that a rewrite now changes it whatever the clock's grain.
+    const struct timespec old[2] = {{946684800, 0}, {946684800, 0}};
+    EXPECT_EQ(::utimensat(AT_FDCWD, p.c_str(), old, 0), 0);
+    auto data = TokenData::Load(p, 8, 1 << 20, 4, Sampling::kEpoch);
+    EXPECT_TRUE(data.ok()) << data.status();
+    if (!data.ok()) return std::unique_ptr<TokenData>();
+    EXPECT_TRUE((*data)->Batch(1, 0, 0, 4, kTrainStream, in.data(), tg.data()).ok());
+    return std::move(*data);
+  };
+  auto expect_changed = [&](const TokenData& data, const std::string& p, const std::string& what) {
+    absl::Status s = data.Batch(1, 1, 0, 4, kTrainStream, in.data(), tg.data());
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+    EXPECT_NE(s.message().find(p), std::string::npos) << s;
+    EXPECT_NE(s.message().find(what), std::string::npos) << s;
+  };
+  {
+    const std::string p = d + "/renamed.bin";
+    auto data = load(p);
+    ASSERT_NE(data, nullptr);
+    WriteCountingShard(p, 0, 4000);  // the same bytes, a new file renamed over the path
+    expect_changed(*data, p, "replaced");
+  }
+  {
+    const std::string p = d + "/deleted.bin";
+    auto data = load(p);
+    ASSERT_NE(data, nullptr);
+    ASSERT_EQ(std::remove(p.c_str()), 0);
+    expect_changed(*data, p, "no longer exists");
+  }
+  {
+    const std::string p = d + "/rewritten.bin";
+    auto data = load(p);
+    ASSERT_NE(data, nullptr);
+    std::fstream f(p, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(1024);
+    const uint32_t t = 5;
+    f.write(reinterpret_cast<const char*>(&t), 4);
+    f.close();
+    expect_changed(*data, p, "rewritten in place");
+  }
 }
 
 }  // namespace

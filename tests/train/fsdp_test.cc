@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -146,6 +147,43 @@ TEST(FsdpParams, C06_FiftySevenAndOneBySeventeenOnTwoRanks) {
     ExpectBitEqual(two, InitialMaster(make, 1, 99), "world 1");
     ExpectBitEqual(two, InitialMaster(make, 3, 99), "world 3");
   }
+}
+
+// The values riding in the grad-norm all-reduce (the trainer's per-token losses): every rank gets
+// the sum of all ranks' squares, non-finite on both ranks when one rank holds an infinity or a NaN,
+// and the grad norm's own sum is untouched (zero gradients here: exactly 0).
+TEST(FsdpParams, ValuesInTheGradNormAllReduceReachEveryRank) {
+  auto plan = MakeShardPlan({{"u", {{}, {}, {testing::PlanTensor("w57", {57})}}}}, 2, 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const float kInf = std::numeric_limits<float>::infinity();
+  const float kNaN = std::numeric_limits<float>::quiet_NaN();
+  // rank 0 {1, 2}, rank 1 {3, 4}: 1 + 4 + 9 + 16 = 30; then rank 1 {3, inf}, then {NaN, 4}.
+  const std::vector<std::vector<std::vector<float>>> cases = {
+      {{1, 2}, {3, 4}}, {{1, 2}, {3, kInf}}, {{1, 2}, {kNaN, 4}}};
+  RunRanks(2, [&](int r, Communicator* c) {
+    auto be = CpuBackend();
+    CommClock clock;
+    FsdpParams params(*plan, r, 5, be.get(), c, &clock);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      params.ZeroGrads();
+      DevBuf values(be.get(), 2 * sizeof(float));
+      be->CopyToDevice(values.get(), cases[i][r].data(), 2 * sizeof(float));
+      ASSERT_TRUE(params.StartGradSquaredNorm(values.f32(), 2).ok());
+      double values_squared = -1;
+      EXPECT_EQ(params.FinishGradSquaredNorm(&values_squared), 0.0) << "case " << i;
+      if (i == 0) {
+        EXPECT_EQ(values_squared, 30.0) << "rank " << r;
+      } else {
+        EXPECT_FALSE(std::isfinite(values_squared)) << "case " << i << " rank " << r;
+      }
+    }
+    // Without values the second sum is 0.
+    params.ZeroGrads();
+    ASSERT_TRUE(params.StartGradSquaredNorm().ok());
+    double values_squared = -1;
+    EXPECT_EQ(params.FinishGradSquaredNorm(&values_squared), 0.0);
+    EXPECT_EQ(values_squared, 0.0);
+  });
 }
 
 // A tensor large enough that its rank's slice is initialised on several host threads (4 Mi

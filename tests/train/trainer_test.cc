@@ -375,5 +375,83 @@ TEST(Trainer, DISABLED_DefaultModelStepTime) {
   });
 }
 
+// ---- non-finite steps ------------------------------------------------------------------------
+// Every shard array of this rank (master weights, both AdamW moments), unit by unit, as bytes.
+std::string ShardBytes(const FsdpParams& p) {
+  std::string out;
+  for (size_t u = 0; u < p.plan().units.size(); ++u) {
+    const UnitPlan& unit = p.plan().units[u];
+    for (size_t b = 0; b < unit.buffers.size(); ++b) {
+      for (ShardArray a : {ShardArray::kMaster, ShardArray::kAdamM, ShardArray::kAdamV}) {
+        std::vector<float> host(static_cast<size_t>(unit.buffers[b].shard_numel));
+        p.DownloadShard(static_cast<int>(u), static_cast<int>(b), a, host.data());
+        out.append(reinterpret_cast<const char*>(host.data()), host.size() * sizeof(float));
+      }
+    }
+  }
+  return out;
+}
+
+// peak_lr 1e308 is finite in double but infinite as the f32 learning rate AdamW takes: step 0 runs
+// on the initial weights (finite loss and grad norm) and leaves the master weights non-finite, so
+// step 1's loss and grad norm are not finite. Step 1 is then skipped by both ranks: every byte of
+// every rank's master weights and AdamW moments, and the FP8 scaling state (scales, amax
+// histories), are what they were after step 0.
+TEST(Trainer, NonFiniteStepIsSkippedByEveryRankAndChangesNothing) {
+  v1::JobSpec spec = TinySpec(TrainFile());
+  spec.mutable_optimizer()->set_peak_lr(1e308);
+  spec.mutable_optimizer()->set_warmup_steps(1);
+  ASSERT_TRUE(std::isinf(static_cast<float>(1e308)));
+  RunRanks(2, [&](int r, Communicator* c) {
+    auto be = CpuBackend();
+    auto t = Trainer::Create(spec, r, 2, be.get(), c);
+    ASSERT_TRUE(t.ok()) << t.status();
+    auto first = (*t)->Step(0, false, false);
+    ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_FALSE(first->skipped);
+    EXPECT_TRUE(std::isfinite(first->loss_sum)) << first->loss_sum;
+    EXPECT_TRUE(std::isfinite(first->grad_norm)) << first->grad_norm;
+    const std::string before = ShardBytes((*t)->params());
+    v1::ScalingState scaling_before = (*t)->ScalingReport();
+    scaling_before.clear_step();
+    for (int64_t k = 1; k <= 2; ++k) {
+      auto res = (*t)->Step(k, false, false);
+      ASSERT_TRUE(res.ok()) << res.status();
+      EXPECT_TRUE(res->skipped) << "rank " << r << " step " << k;
+      EXPECT_FALSE(std::isfinite(res->loss_sum) && std::isfinite(res->grad_norm))
+          << res->loss_sum << " " << res->grad_norm;
+      EXPECT_TRUE(ShardBytes((*t)->params()) == before) << "rank " << r << " step " << k;
+      v1::ScalingState scaling_after = (*t)->ScalingReport();
+      scaling_after.clear_step();
+      EXPECT_EQ(scaling_after.SerializeAsString(), scaling_before.SerializeAsString())
+          << "rank " << r << " step " << k;
+    }
+  });
+}
+
+// A finite step is not skipped, and the losses riding in the grad-norm all-reduce leave the grad
+// norm what it is: the L2 norm of the gathered global gradient of the same batch (summed here in
+// double), on both ranks.
+TEST(Trainer, FiniteStepIsNotSkippedAndItsGradNormIsTheGradientsNorm) {
+  const v1::JobSpec spec = TinySpec(TrainFile());
+  RunRanks(2, [&](int r, Communicator* c) {
+    auto be = CpuBackend();
+    auto t = Trainer::Create(spec, r, 2, be.get(), c);
+    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_TRUE((*t)->ForwardBackward(0).ok());
+    auto grads = (*t)->params().GatherAll(true);
+    ASSERT_TRUE(grads.ok()) << grads.status();
+    double sq = 0;
+    for (const auto& [name, g] : *grads)
+      for (float x : g) sq += static_cast<double>(x) * x;
+    const double want = std::sqrt(sq);
+    ASSERT_GT(want, 0);
+    auto res = (*t)->Step(0, false, false);  // the same batch on the same weights
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_FALSE(res->skipped);
+    EXPECT_NEAR(res->grad_norm, want, 1e-5 * want) << "rank " << r;
+  });
+}
+
 }  // namespace
 }  // namespace fsdp8
