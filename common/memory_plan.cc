@@ -33,9 +33,12 @@ constexpr const char* kTermNames[kNumTerms] = {
 // saturates them when it reports).
 using Bytes = std::array<double, kNumTerms>;
 
-double Sum(const std::vector<PlannedTensor>& table) {
+// The table's bytes; after_mlp: less the saved tensors the MLP's backward has dropped.
+double Sum(const std::vector<PlannedTensor>& table, bool after_mlp = false) {
   double s = 0;
-  for (const PlannedTensor& t : table) s += static_cast<double>(t.bytes);
+  for (const PlannedTensor& t : table) {
+    if (!after_mlp || t.lifetime != Lifetime::kMlpBackward) s += static_cast<double>(t.bytes);
+  }
   return s;
 }
 
@@ -218,7 +221,7 @@ void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
       fwd->Take(at);
     }
     double grads = later ? all_grads_ : units_[head].grad;  // reduced so far
-    for (int l = L_ - 1; l >= 0; --l) {  // block l's backward
+    for (int l = L_ - 1; l >= 0; --l) {  // block l's backward: its MLP's, then its attention's
       const BlockPlan& b = plan_.blocks[l];
       const int u = BlockUnit(l);
       Bytes at = fixed_;
@@ -230,11 +233,26 @@ void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
       if (plan_.world_size > 1) {
         at[kUnitGrads] += units_[u + 1].full_grad + (later ? units_[u + 1].grad : 0);
       }
-      at[kSaved] = saved_before[l + 1] - (plan_.recompute ? Sum(b.saved) : 0);
-      at[kWork] += Sum(b.backward_work) + (plan_.recompute ? Sum(b.recomputed) : 0);
-      bwd->Take(at);
+      at[kSaved] = saved_before[l];
+      at[kWork] += Sum(plan_.backward_held);
+      for (bool after_mlp : {false, true}) {
+        Bytes m = at;
+        // With recompute the block's tensors are its backward's workspace.
+        const double own = Sum(plan_.recompute ? b.recomputed : b.saved, after_mlp);
+        m[plan_.recompute ? kWork : kSaved] += own;
+        m[kWork] += Sum(after_mlp ? b.backward_attention : b.backward_mlp);
+        bwd->Take(m);
+      }
       if (!later) grads += units_[u].grad;
     }
+    Bytes at = fixed_;  // the embedding's backward: its full gradient
+    at[kGrads] = later ? all_grads_ : all_grads_ - units_[0].grad;
+    at[kUnitGrads] = units_[0].full_grad;
+    if (plan_.world_size > 1 && L_ > 0) {
+      at[kUnitGrads] += units_[1].full_grad + (later ? units_[1].grad : 0);
+    }
+    at[kWork] += Sum(plan_.backward_held) + Sum(plan_.embedding_backward);
+    bwd->Take(at);
   }
   Bytes at = fixed_;  // the optimizer, then the next step's first units prefetched
   at[kGrads] = all_grads_;

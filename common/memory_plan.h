@@ -4,9 +4,10 @@
 // How: PlanMemory makes the step plan (common/step_plan.h) and sums its tables at each moment of
 // one rank's step where the peak can fall: each block's forward (the blocks before it keep their
 // saved tensors, BlockPlan::saved; the block holds its forward_work), the head (head_logits,
-// head_work), each block's backward (backward_work, and with training.activation_recompute its
-// recomputed tensors) in the first microbatch and in later ones (which hold every gradient
-// shard), and the optimizer. Around them: the units' buffers as the shard plan lays them out
+// head_work), each block's backward at its MLP's and at its attention's largest moment
+// (backward_mlp, backward_attention, with the block's saved or recomputed tensors still alive by
+// their Lifetime, and what the head leaves held), the embedding's backward, in the first
+// microbatch and in later ones (which hold every gradient shard), and the optimizer. Around them: the units' buffers as the shard plan lays them out
 // (the unit computing and the one prefetched, gradients in flight), the FP8 scaling state, the
 // batch, and the backends' own workspaces (the CPU backends' kept scratch slots; the CUDA
 // backend's cuBLASLt workspace and tables, kernels/cuda/cuda_backend.cu). The peak is the figure

@@ -56,8 +56,8 @@ bool Adjacent(const UnitPlan& unit, std::initializer_list<const char*> names) {
   return true;
 }
 
-// What block `bp`'s forward keeps for its backward (train/model.cc BlockActs).
-std::vector<PlannedTensor> Saved(const BlockPlan& bp, const ModelDims& d, int64_t N, int64_t B,
+// What block `bp`'s forward keeps for its backward (train/model.cc BlockActs), in order.
+std::vector<PlannedTensor> SavedInOrder(const BlockPlan& bp, const ModelDims& d, int64_t N, int64_t B,
                                  bool norm_inputs_bf16) {
   const int64_t C = d.d_model, F = d.ffn_dim, nq = d.q_width(), nk = d.kv_width();
   const bool fp8 = bp.linears == v1::PRECISION_FP8, a16 = bp.attention == Dtype::kBf16;
@@ -116,6 +116,19 @@ std::vector<PlannedTensor> Saved(const BlockPlan& bp, const ModelDims& d, int64_
   return s;
 }
 
+// SavedInOrder with the MLP's tensors marked: its backward drops them.
+std::vector<PlannedTensor> Saved(const BlockPlan& bp, const ModelDims& d, int64_t N, int64_t B,
+                                 bool norm_inputs_bf16) {
+  std::vector<PlannedTensor> s = SavedInOrder(bp, d, N, B, norm_inputs_bf16);
+  for (PlannedTensor& t : s) {
+    for (const char* mlp : {"n2", "gate", "up", "act", "gate16", "up16", "gate_up16", "gate_up.x8",
+                            "gate_proj.x8", "up_proj.x8", "down_proj.x8"}) {
+      if (t.name == mlp) t.lifetime = Lifetime::kMlpBackward;
+    }
+  }
+  return s;
+}
+
 // `bytes` of a backend's composed-op scratch, as a byte tensor.
 PlannedTensor Scratch(const std::string& what, int64_t bytes) {
   return Tensor("scratch:" + what, Dtype::kE4M3, {bytes});
@@ -163,17 +176,19 @@ std::vector<PlannedTensor> ForwardWork(const BlockPlan& bp, const ModelDims& d, 
   return Larger(std::move(attn), std::move(mlp));
 }
 
-// Block `bp`'s backward transients at its largest moment: the incoming gradient, the
-// activations' gradients, FP8 grad-output codes and their transposes, and the backends' scratch
+// Block `bp`'s backward transients at the largest moments of its MLP and of its attention: the
+// incoming gradient, the activations' gradients, FP8 grad-output codes and their transposes, and the backends' scratch
 // (the CPU compositions' f32 copies; cuDNN's attention workspace, deterministic: B*H*T*T bf16).
-std::vector<PlannedTensor> BackwardWork(const BlockPlan& bp, const ModelDims& d, int64_t N,
-                                        int64_t B, bool cuda, bool deterministic) {
+void BackwardWork(BlockPlan* block, const ModelDims& d, int64_t N, int64_t B, bool cuda,
+                  bool deterministic) {
+  const BlockPlan& bp = *block;
   const int64_t C = d.d_model, F = d.ffn_dim, nq = d.q_width(), nk = d.kv_width(), n = N * F;
   const bool fp8 = bp.linears == v1::PRECISION_FP8, a16 = bp.attention == Dtype::kBf16;
   const int64_t cudnn = deterministic ? B * d.n_heads * d.seq_len * d.seq_len * 2 : N * nq * 4;
-  std::vector<PlannedTensor> mlp = {Tensor("dout", Dtype::kF32, {N, C})};
-  std::vector<PlannedTensor> attn = {Tensor("dout", Dtype::kF32, {N, C}),
-                                     Tensor("dh", Dtype::kF32, {N, C})};
+  std::vector<PlannedTensor>& mlp = block->backward_mlp;
+  std::vector<PlannedTensor>& attn = block->backward_attention;
+  mlp = {Tensor("dout", Dtype::kF32, {N, C})};
+  attn = {Tensor("dh", Dtype::kF32, {N, C})};  // the MLP's backward turned dout into dh
   if (bp.fp8_bf16) {
     mlp.push_back(Tensor("dact16", Dtype::kBf16, {N, F}));
     mlp.push_back(Tensor("dn2", Dtype::kBf16, {N, C}));
@@ -195,7 +210,7 @@ std::vector<PlannedTensor> BackwardWork(const BlockPlan& bp, const ModelDims& d,
     const int64_t dense = bp.fused_qkv ? (nq + 2 * nk) * N * 2 : 0;
     attn.push_back(cuda ? Scratch("attention", cudnn)
                         : Scratch("attention", dense + (7 * nq + 6 * nk) * N * 4));
-    return Larger(std::move(mlp), std::move(attn));
+    return;
   }
   for (const char* p : {"dact", "dgate", "dup"}) mlp.push_back(Tensor(p, Dtype::kF32, {N, F}));
   if (fp8 && !cuda) mlp.push_back(Scratch("swiglu backward", 2 * n * 4));
@@ -207,7 +222,6 @@ std::vector<PlannedTensor> BackwardWork(const BlockPlan& bp, const ModelDims& d,
     attn.push_back(cuda ? Scratch("attention", (2 * nq + 2 * nk) * N * 2 + cudnn)
                         : Scratch("attention", (5 * nq + 4 * nk) * N * 4));
   }
-  return Larger(std::move(mlp), std::move(attn));
 }
 
 // The head's tables (StepPlan::head_logits, head_work): the BF16 head's first, full chunk.
@@ -215,6 +229,8 @@ void HeadTables(StepPlan* p, const ModelDims& d, bool cuda) {
   const int64_t N = p->tokens, C = d.d_model, V = d.vocab_size, rows = p->head_chunk_rows;
   p->head_work = {Tensor("x", Dtype::kF32, {N, C}), Tensor("nf", Dtype::kF32, {N, C}),
                   Tensor("rstdf", Dtype::kF32, {N}), Tensor("dnf", Dtype::kF32, {N, C})};
+  p->backward_held = {Tensor("dnf", Dtype::kF32, {N, C}), Tensor("rstdf", Dtype::kF32, {N})};
+  p->embedding_backward = {Tensor("dx", Dtype::kF32, {N, C})};
   if (!p->head_bf16) {
     p->head_logits = {Tensor("logits", Dtype::kF32, {N, V})};
     return;
@@ -287,7 +303,7 @@ absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
     }
     bp.saved = Saved(bp, d, p.tokens, B, norm_inputs_bf16);
     bp.forward_work = ForwardWork(bp, d, p.tokens, caps.cuda);
-    bp.backward_work = BackwardWork(bp, d, p.tokens, B, caps.cuda, tr.deterministic());
+    BackwardWork(&bp, d, p.tokens, B, caps.cuda, tr.deterministic());
     if (p.recompute) {
       bp.recomputed = std::move(bp.saved);
       bp.saved = {Tensor("x_in", Dtype::kF32, {p.tokens, C})};

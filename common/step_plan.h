@@ -52,11 +52,16 @@ struct PlannedLinear {
   v1::ScalingRecipe recipe = v1::SCALING_RECIPE_UNSPECIFIED;
 };
 
+// How long a saved tensor lives into its block's backward: to the block's end, or until the
+// MLP's backward is done with it (the MLP's inputs, results and codes).
+enum class Lifetime { kBlock = 0, kMlpBackward = 1 };
+
 struct PlannedTensor {
   std::string name;             // "x_in", "q16", "gate_up16", "down_proj.x8", ...
   Dtype dtype = Dtype::kF32;
   std::vector<int64_t> shape;   // elements per dimension
   int64_t bytes = 0;            // product of shape x DtypeBytes
+  Lifetime lifetime = Lifetime::kBlock;  // saved tensors only
 };
 
 struct BlockPlan {
@@ -79,11 +84,12 @@ struct BlockPlan {
   // is recomputed in the backward, see recomputed).
   std::vector<PlannedTensor> saved;
   std::vector<PlannedTensor> recomputed;
-  // The block's transients at the largest moment of its forward and of its backward, beyond what
-  // it keeps (saved, recomputed): its output, gradients, FP8 codes of grad-outputs and weight
-  // transposes, and the scratch the backend's composed ops take ("scratch:..." bytes, E4M3 as a
-  // byte). The memory plan sums these tables.
-  std::vector<PlannedTensor> forward_work, backward_work;
+  // The block's transients beyond what it keeps (saved, recomputed) at the largest moment of its
+  // forward, of its MLP's backward and of its attention's backward (the MLP's saved tensors are
+  // gone by then): its output, gradients, FP8 codes of grad-outputs, and the scratch the
+  // backend's composed ops take ("scratch:..." bytes, E4M3 as a byte). The memory plan sums
+  // these tables.
+  std::vector<PlannedTensor> forward_work, backward_mlp, backward_attention;
 };
 
 struct PlannedBuffer {
@@ -108,6 +114,9 @@ struct StepPlan {
   // logit gradient and nf in bf16; an f32 head's whole logits) and the rest (the final norm's
   // output, rstd and gradient, the last block's output, the backend's scratch).
   std::vector<PlannedTensor> head_logits, head_work;
+  // What the head leaves held through the blocks' backward (the final norm's gradient and rstd),
+  // and the gradient reaching the embedding's backward.
+  std::vector<PlannedTensor> backward_held, embedding_backward;
 };
 
 // Rows per chunk of the BF16 head: at most chunk_bytes of f32 logits (V per row), at least 1, a

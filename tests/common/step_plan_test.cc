@@ -126,9 +126,17 @@ TEST(StepPlan, WorkTablesByHand) {
   // The generic FP32 block's forward: the MLP's f32 output and the block output (the
   // attention's moment holds only o).
   EXPECT_EQ(Bytes(p.blocks[0].forward_work), 2 * 4096);
-  // Its backward: dout and the SwiGLU's dact, dgate, dup (28,672 bytes) outweigh dout, dh, datt,
-  // dq, dk, dv (24,576).
-  EXPECT_EQ(Bytes(p.blocks[0].backward_work), 4096 + 3 * 8192);
+  // Its backward: dout and the SwiGLU's dact, dgate, dup at the MLP's moment; dh, datt, dq, dk,
+  // dv at the attention's (the MLP's saved n2, gate, up, act are dropped by then).
+  EXPECT_EQ(Bytes(p.blocks[0].backward_mlp), 4096 + 3 * 8192);
+  EXPECT_EQ(Bytes(p.blocks[0].backward_attention), 5 * 4096);
+  int64_t after_mlp = 0;
+  for (const PlannedTensor& t : p.blocks[0].saved) {
+    if (t.lifetime == Lifetime::kBlock) after_mlp += t.bytes;
+  }
+  // x_in, n1, q, k, v, att, h (N, C) f32, rstd1, rstd2 (N) and lse (1, 2, 32) stay to the
+  // block's end.
+  EXPECT_EQ(after_mlp, 7 * 4096 + 2 * 32 * 4 + 2 * 32 * 4);
   // The BF16 head's one full chunk of 32 rows: nf16 (N, C) bf16, the bf16 logit gradient (N, V),
   // the f32 logits (32, V); beside them x, nf, dnf (N, C) f32, rstdf (N) and the CPU GEMM's
   // largest scratch, (rows * V + C * V) f32.
@@ -137,20 +145,23 @@ TEST(StepPlan, WorkTablesByHand) {
 
   // The fused FP8 block with BF16 attention, backward on the CPU backends: the MLP's moment
   // (dout; dact16 (N, F) and dn2 (N, C) bf16; gate_up's grad-output codes and their transpose,
-  // (N, 2F) e4m3 each; the SwiGLU backward's scratch 4n + 4(n + 2) + 20n bytes, n = N * F)
-  // is 75,784 bytes, 8 more than the attention's (dout, dh; dq16, dk16, dv16, datt16; dense
-  // q/k/v copies (N, 96) bf16 and (7 * 32 + 6 * 32) * N f32).
+  // (N, 2F) e4m3 each; the SwiGLU backward's scratch 4n + 4(n + 2) + 20n bytes, n = N * F) and
+  // the attention's (dh; dq16, dk16, dv16, datt16; dense q/k/v copies (N, 96) bf16 and
+  // (7 * 32 + 6 * 32) * N f32).
   const int64_t n = 32 * 64;
   p = Plan(Tiny());
-  EXPECT_EQ(Bytes(p.blocks[0].backward_work),
+  EXPECT_EQ(Bytes(p.blocks[0].backward_mlp),
             4096 + n * 2 + 32 * 32 * 2 + 2 * 32 * 128 + 4 * n + 4 * (n + 2) + 20 * n);
-  // On CUDA no composed-op scratch; cuDNN's deterministic backward takes B * H * T * T bf16
-  // (4,096 bytes), and the attention's moment (20,480) outweighs the MLP's (18,432).
+  EXPECT_EQ(Bytes(p.blocks[0].backward_attention),
+            4096 + 4 * 32 * 32 * 2 + 32 * 96 * 2 + (7 * 32 + 6 * 32) * 32 * 4);
+  // On CUDA no composed-op scratch; the attention's moment takes cuDNN's deterministic
+  // workspace, B * H * T * T bf16.
   auto cuda = MakeStepPlan(Tiny(), 1, BackendCapsOf("cuda"), {});
   ASSERT_TRUE(cuda.ok()) << cuda.status();
-  EXPECT_EQ(Bytes(cuda->blocks[0].backward_work), 2 * 4096 + 4 * 32 * 32 * 2 + 2 * 32 * 32 * 2);
-  // Its forward: the output beside down_proj's input codes, cast for the GEMM and dropped (the
-  // backward recasts them under delayed scaling).
+  EXPECT_EQ(Bytes(cuda->blocks[0].backward_mlp), 4096 + n * 2 + 32 * 32 * 2 + 2 * 32 * 128);
+  EXPECT_EQ(Bytes(cuda->blocks[0].backward_attention), 4096 + 4 * 32 * 32 * 2 + 2 * 32 * 32 * 2);
+  // The CUDA block's forward: the output beside down_proj's input codes, cast for the GEMM and
+  // dropped (the backward recasts them under delayed scaling).
   EXPECT_EQ(Bytes(cuda->blocks[0].forward_work), 4096 + 32 * 64);
 }
 
