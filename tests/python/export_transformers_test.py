@@ -62,7 +62,8 @@ def train_tokenizer(texts, path):
 
 def shard_tokens(path):
     """The tokens of an llm.c shard, read from its header (uint16, magic 20240520)."""
-    raw = open(path, "rb").read()
+    with open(path, "rb") as f:
+        raw = f.read()
     header = np.frombuffer(raw[:1024], dtype="<i4")
     assert (header[0], header[1]) == (20240520, 1), header[:3]
     return np.frombuffer(raw[1024:], dtype="<u2")
