@@ -791,8 +791,10 @@ absl::StatusOr<Struct> SpecialTokenIds(const std::string& dir) {
 }
 
 // out_dir/generation_config.json with the special token ids (null ones left out), the other keys
-// of the one copied there kept.
-absl::Status WriteGenerationConfig(const std::string& out_dir, const Struct& ids) {
+// of the one copied there kept; none when there is neither an id nor a copied file. *written says
+// whether it was written.
+absl::Status WriteGenerationConfig(const std::string& out_dir, const Struct& ids, bool* written) {
+  *written = false;
   const std::string path = absl::StrCat(out_dir, "/", kHfGenerationConfigFile);
   Struct g;
   absl::StatusOr<std::string> text = ReadText(path);
@@ -809,6 +811,7 @@ absl::Status WriteGenerationConfig(const std::string& out_dir, const Struct& ids
     }
   }
   if (!text.ok() && g.fields().empty()) return absl::OkStatus();  // nothing to say
+  *written = true;
   return WriteTextAtomically(path, PrettyJson(g) + "\n");
 }
 
@@ -834,7 +837,13 @@ absl::Status ExportHf(const std::string& step_dir, const std::string& out_dir,
   if (!ids.ok()) return ids.status();
   if (!ids->fields().empty()) {
     extras.token_ids_json = PrettyJson(*ids);
-    if (absl::Status s = WriteGenerationConfig(out_dir, *ids); !s.ok()) return s;
+    bool written = false;
+    if (absl::Status s = WriteGenerationConfig(out_dir, *ids, &written); !s.ok()) return s;
+    if (written && tokenizer_files != nullptr &&
+        std::find(tokenizer_files->begin(), tokenizer_files->end(), kHfGenerationConfigFile) ==
+            tokenizer_files->end()) {
+      tokenizer_files->push_back(kHfGenerationConfigFile);
+    }
   }
   if (!spec.init().from_hf().empty()) {
     absl::StatusOr<std::string> src =

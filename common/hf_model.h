@@ -170,7 +170,8 @@ struct HfExportOptions {
 // Writes out_dir/config.json and the weights (out_dir is created; files of the names written are
 // replaced; a model.safetensors or index left from an earlier export of the other layout is
 // removed, so that transformers reads the new one) from the committed checkpoint step_dir, and
-// copies the tokenizer files found (their names appended to *tokenizer_files when it is not null).
+// copies the tokenizer files found (their names, and generation_config.json when it is written,
+// appended to *tokenizer_files when it is not null).
 // Each safetensors file's metadata records the job id and step.
 // Special token ids, from the source's kTokenIdsFile, else its generation_config.json, else its
 // config.json: written into config.json (null when unknown) and, when known, into

@@ -176,7 +176,8 @@ class ExportTransformersTest(unittest.TestCase):
         out = fsdp8("--coordinator", self.cluster.address, "submit", spec_path)
         job = out.splitlines()[0].strip()
         export = os.path.join(self.root, "export-" + name)
-        fsdp8("--coordinator", self.cluster.address, "export", job, "--out", export)
+        self.export_line = fsdp8("--coordinator", self.cluster.address, "export", job, "--out",
+                                 export)
         return export
 
     def load_quietly(self, export):
@@ -195,6 +196,8 @@ class ExportTransformersTest(unittest.TestCase):
 
     def test_bpe_export_has_the_trained_special_tokens(self):
         export = self.train_and_export("bpe")
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            self.assertIn(name, self.export_line)  # the files the CLI says it wrote
         config, generation, tokenizer, model = self.load_quietly(export)
         for what, obj in (("AutoTokenizer", tokenizer), ("AutoConfig", config),
                           ("GenerationConfig", generation)):
