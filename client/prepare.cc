@@ -8,9 +8,29 @@
 #include <iterator>
 
 #include "absl/strings/str_cat.h"
+#include "common/hf_model.h"
 #include "common/token_shard.h"
 
 namespace fsdp8 {
+namespace {
+
+// out_dir/tokenizer/ holding only token_ids.json: byte-level tokens, no document separators.
+absl::Status WriteByteTokenRecord(const std::string& out_dir) {
+  const std::filesystem::path dir = std::filesystem::path(out_dir) / kTokenizerRecordDir;
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);  // a record of an earlier run with another tokenizer
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat(dir.string(), ": ", ec.message()));
+  const std::string path = (dir / kTokenIdsFile).string();
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << "{\"kind\": \"bytes\", \"vocab_size\": 256, \"bos_token_id\": null, "
+       "\"eos_token_id\": null, \"pad_token_id\": null}\n";
+  f.flush();
+  if (!f) return absl::InternalError(absl::StrCat("writing ", path, ": ", std::strerror(errno)));
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<PrepareResult> PrepareTokenShards(const std::vector<std::string>& files,
                                                  const std::string& out_dir,
@@ -42,6 +62,7 @@ absl::StatusOr<PrepareResult> PrepareTokenShards(const std::vector<std::string>&
   tokens.resize(r.train_tokens);
   if (auto s = WriteTokenShard(r.train_path, tokens); !s.ok()) return s;
   if (auto s = WriteTokenShard(r.val_path, val); !s.ok()) return s;
+  if (auto s = WriteByteTokenRecord(out_dir); !s.ok()) return s;
   return r;
 }
 

@@ -2,7 +2,9 @@
 //
 // The files are concatenated as bytes in the given order; every byte is one token (0..255). The
 // last floor(val_fraction * total) bytes become <out_dir>/val.bin, the rest <out_dir>/train.bin
-// (common/token_shard.h format). out_dir is created when missing.
+// (common/token_shard.h format). out_dir is created when missing. The tokenizer record
+// <out_dir>/tokenizer/token_ids.json (common/hf_model.h) says the tokens are bytes, with no BOS,
+// EOS or padding token, so that an export of a job trained on them writes no special token ids.
 //
 // Thread-safety: a pure function of its inputs and the files it reads and writes.
 #pragma once

@@ -22,6 +22,7 @@
 #include "common/checkpoint_format.h"
 #include "common/shard_plan.h"
 #include "common/spec.h"
+#include "common/token_dataset.h"
 
 namespace fsdp8 {
 namespace {
@@ -365,7 +366,17 @@ absl::Status ModelFlagsFromHf(const Struct& s, v1::ModelConfig* m) {
 
 }  // namespace
 
-std::string HfConfigJson(const v1::ModelConfig& m_in, SafetensorsDtype dtype) {
+namespace {
+
+std::string PrettyJson(const Struct& s) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.add_whitespace = true;
+  (void)google::protobuf::util::MessageToJsonString(s, &out, opts);
+  return out;
+}
+
+Struct HfConfigStruct(const v1::ModelConfig& m_in, SafetensorsDtype dtype) {
   v1::JobSpec tmp;
   *tmp.mutable_model() = m_in;
   const v1::ModelConfig m = WithDefaults(tmp, 0).model();
@@ -399,11 +410,64 @@ std::string HfConfigJson(const v1::ModelConfig& m_in, SafetensorsDtype dtype) {
     f["rope_scaling"].set_null_value(google::protobuf::NULL_VALUE);
   }
   f["torch_dtype"].set_string_value(dtype == SafetensorsDtype::kBF16 ? "bfloat16" : "float32");
-  std::string out;
-  google::protobuf::util::JsonPrintOptions opts;
-  opts.add_whitespace = true;
-  (void)google::protobuf::util::MessageToJsonString(s, &out, opts);
-  return out;
+  return s;
+}
+
+constexpr const char* kTokenIdKeys[] = {"bos_token_id", "eos_token_id", "pad_token_id"};
+
+}  // namespace
+
+std::string HfConfigJson(const v1::ModelConfig& m, SafetensorsDtype dtype) {
+  return PrettyJson(HfConfigStruct(m, dtype));
+}
+
+absl::StatusOr<std::string> HfConfigJson(const v1::ModelConfig& m, SafetensorsDtype dtype,
+                                         const HfConfigExtras& extras) {
+  Struct s = HfConfigStruct(m, dtype);
+  auto& f = *s.mutable_fields();
+  Struct ids;
+  if (!extras.token_ids_json.empty()) {
+    absl::StatusOr<Struct> p = ParseJsonObject(extras.token_ids_json, "special token ids");
+    if (!p.ok()) return p.status();
+    ids = std::move(*p);
+  }
+  for (const char* k : kTokenIdKeys) {
+    auto it = ids.fields().find(k);
+    if (it != ids.fields().end()) {
+      f[k] = it->second;
+    } else {
+      f[k].set_null_value(google::protobuf::NULL_VALUE);
+    }
+  }
+  if (!extras.source_config_json.empty()) {
+    absl::StatusOr<Struct> src =
+        ParseJsonObject(extras.source_config_json, "init.from_hf config.json");
+    if (!src.ok()) return src.status();
+    if (const Value* v = Field(*src, "max_position_embeddings");
+        v && v->kind_case() == Value::kNumberValue) {
+      f["max_position_embeddings"] = *v;
+    }
+    if (const Value* v = Field(*src, "rope_parameters")) {
+      f["rope_parameters"] = *v;
+      f.erase("rope_scaling");
+    } else if (const Value* v = Field(*src, "rope_scaling")) {
+      f["rope_scaling"] = *v;
+    }
+  }
+  return PrettyJson(s);
+}
+
+std::string HfTokenizerSource(const v1::JobSpec& spec, const std::string& tokenizer_dir) {
+  if (!tokenizer_dir.empty()) return tokenizer_dir;
+  std::error_code ec;
+  if (!spec.data().train_path().empty()) {
+    absl::StatusOr<std::vector<std::string>> shards = ExpandShardPaths(spec.data().train_path());
+    if (shards.ok() && !shards->empty()) {
+      const fs::path record = fs::path(shards->front()).parent_path() / kTokenizerRecordDir;
+      if (fs::is_regular_file(record / kTokenIdsFile, ec)) return record.string();
+    }
+  }
+  return spec.init().from_hf();
 }
 
 absl::StatusOr<v1::ModelConfig> ModelConfigFromHf(const std::string& config_json) {
@@ -705,6 +769,52 @@ absl::Status CopyTokenizerFiles(const std::string& from, const std::string& out_
   return absl::OkStatus();
 }
 
+// The special token ids of the tokenizer source `dir`: bos_token_id, eos_token_id and
+// pad_token_id (those present) of its kTokenIdsFile, else of its generation_config.json, else of
+// its config.json; an empty object when none of them has any (or dir is empty).
+absl::StatusOr<Struct> SpecialTokenIds(const std::string& dir) {
+  Struct ids;
+  if (dir.empty()) return ids;
+  for (const char* name : {kTokenIdsFile, kHfGenerationConfigFile, kHfConfigFile}) {
+    const std::string path = absl::StrCat(dir, "/", name);
+    absl::StatusOr<std::string> text = ReadText(path);
+    if (!text.ok()) continue;
+    absl::StatusOr<Struct> s = ParseJsonObject(*text, path);
+    if (!s.ok()) return s.status();
+    for (const char* k : kTokenIdKeys) {
+      auto it = s->fields().find(k);
+      if (it != s->fields().end()) (*ids.mutable_fields())[k] = it->second;
+    }
+    if (!ids.fields().empty()) return ids;
+  }
+  return ids;
+}
+
+// out_dir/generation_config.json with the special token ids (null ones left out), the other keys
+// of the one copied there kept; none when there is neither an id nor a copied file. *written says
+// whether it was written.
+absl::Status WriteGenerationConfig(const std::string& out_dir, const Struct& ids, bool* written) {
+  *written = false;
+  const std::string path = absl::StrCat(out_dir, "/", kHfGenerationConfigFile);
+  Struct g;
+  absl::StatusOr<std::string> text = ReadText(path);
+  if (text.ok()) {
+    absl::StatusOr<Struct> s = ParseJsonObject(*text, path);
+    if (!s.ok()) return s.status();
+    g = std::move(*s);
+  }
+  for (const auto& [k, v] : ids.fields()) {
+    if (v.kind_case() == Value::kNullValue) {
+      g.mutable_fields()->erase(k);
+    } else {
+      (*g.mutable_fields())[k] = v;
+    }
+  }
+  if (!text.ok() && g.fields().empty()) return absl::OkStatus();  // nothing to say
+  *written = true;
+  return WriteTextAtomically(path, PrettyJson(g) + "\n");
+}
+
 }  // namespace
 
 absl::Status ExportHf(const std::string& step_dir, const std::string& out_dir,
@@ -719,11 +829,30 @@ absl::Status ExportHf(const std::string& step_dir, const std::string& out_dir,
   fs::create_directories(out_dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("creating ", out_dir, ": ", ec.message()));
   if (absl::Status s = WriteHfWeights(*w, out_dir, options); !s.ok()) return s;
-  const std::string tok = options.tokenizer_dir.empty() ? w->manifest.spec().init().from_hf()
-                                                        : options.tokenizer_dir;
+  const v1::JobSpec& spec = w->manifest.spec();
+  const std::string tok = HfTokenizerSource(spec, options.tokenizer_dir);
   if (absl::Status s = CopyTokenizerFiles(tok, out_dir, tokenizer_files); !s.ok()) return s;
-  return WriteTextAtomically(absl::StrCat(out_dir, "/", kHfConfigFile),
-                             HfConfigJson(w->manifest.spec().model(), options.dtype) + "\n");
+  HfConfigExtras extras;
+  absl::StatusOr<Struct> ids = SpecialTokenIds(tok);
+  if (!ids.ok()) return ids.status();
+  if (!ids->fields().empty()) {
+    extras.token_ids_json = PrettyJson(*ids);
+    bool written = false;
+    if (absl::Status s = WriteGenerationConfig(out_dir, *ids, &written); !s.ok()) return s;
+    if (written && tokenizer_files != nullptr &&
+        std::find(tokenizer_files->begin(), tokenizer_files->end(), kHfGenerationConfigFile) ==
+            tokenizer_files->end()) {
+      tokenizer_files->push_back(kHfGenerationConfigFile);
+    }
+  }
+  if (!spec.init().from_hf().empty()) {
+    absl::StatusOr<std::string> src =
+        ReadText(absl::StrCat(spec.init().from_hf(), "/", kHfConfigFile));
+    if (src.ok()) extras.source_config_json = std::move(*src);
+  }
+  absl::StatusOr<std::string> config = HfConfigJson(spec.model(), options.dtype, extras);
+  if (!config.ok()) return config.status();
+  return WriteTextAtomically(absl::StrCat(out_dir, "/", kHfConfigFile), *config + "\n");
 }
 
 }  // namespace fsdp8

@@ -40,6 +40,18 @@ inline constexpr char kHfIndexFile[] = "model.safetensors.index.json";
 inline constexpr const char* kHfTokenizerFiles[] = {
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "generation_config.json"};
+inline constexpr char kHfGenerationConfigFile[] = "generation_config.json";
+
+// The record of the tokenizer a corpus was prepared with: `fsdp8 prepare` and `fsdp8-prepare`
+// write the directory kTokenizerRecordDir beside the shards of their --out folder, holding
+// kTokenIdsFile, a JSON object
+//   {"kind": "bytes" | "hf" | "sentencepiece", "vocab_size": N,
+//    "bos_token_id": id | null, "eos_token_id": id | null, "pad_token_id": id | null, ...}
+// (the separators the shards hold: each document is [BOS] tokens [EOS]; byte-level shards have
+// none), and, for a real tokenizer, the files transformers loads it from (tokenizer.json or
+// tokenizer.model, and a tokenizer_config.json naming the same bos/eos/pad tokens).
+inline constexpr char kTokenizerRecordDir[] = "tokenizer";
+inline constexpr char kTokenIdsFile[] = "token_ids.json";
 
 // The weights of a Hugging Face model directory: model.safetensors, or (when there is none)
 // model.safetensors.index.json and the shards its weight_map names. Every shard is opened and
@@ -73,6 +85,26 @@ class HfWeights {
 // seq_len, hidden_act "silu", tie_word_embeddings, attention_bias / mlp_bias false, torch_dtype
 // ("float32" or "bfloat16").
 std::string HfConfigJson(const v1::ModelConfig& m, SafetensorsDtype dtype);
+
+// What an export knows beyond the model section.
+struct HfConfigExtras {
+  // A JSON object whose bos_token_id, eos_token_id and pad_token_id (an id, a list of ids or
+  // null; kTokenIdsFile, generation_config.json or config.json) go into config.json. Each key it
+  // lacks is written as null, so that transformers does not assume LlamaConfig's defaults (1, 2).
+  std::string token_ids_json;
+  // The config.json of the job's init.from_hf directory, when set: its max_position_embeddings
+  // and rope_scaling (or transformers 5's rope_parameters) are kept as they came instead of
+  // seq_len and the model section's scaling.
+  std::string source_config_json;
+};
+// HfConfigJson with the extras. INVALID_ARGUMENT when either extra is not a JSON object.
+absl::StatusOr<std::string> HfConfigJson(const v1::ModelConfig& m, SafetensorsDtype dtype,
+                                         const HfConfigExtras& extras);
+
+// The directory an export takes the tokenizer files and special token ids from: `tokenizer_dir`
+// when set; else the tokenizer record (kTokenizerRecordDir) beside the first shard of
+// spec.data.train_path, when it exists here; else spec.init.from_hf; else "" (none known).
+std::string HfTokenizerSource(const v1::JobSpec& spec, const std::string& tokenizer_dir);
 
 // Checks config.json text against the model section `m` (defaults applied). INVALID_ARGUMENT
 // naming `field` ("init.from_hf"), the config.json key and the model field, e.g.
@@ -130,18 +162,23 @@ struct HfExportOptions {
   // shards in shard-plan order, a new shard starting when the next tensor would not fit (a tensor
   // larger than this gets a shard of its own). When everything fits in one: model.safetensors.
   int64_t max_shard_bytes = int64_t{5} << 30;
-  // Where the tokenizer files (kHfTokenizerFiles) are copied from; empty: the checkpoint job's
-  // init.from_hf directory, when it has one and it is readable here.
+  // Where the tokenizer files (kHfTokenizerFiles) and special token ids are taken from; empty:
+  // as HfTokenizerSource (the corpus' tokenizer record, else init.from_hf).
   std::string tokenizer_dir;
 };
 
 // Writes out_dir/config.json and the weights (out_dir is created; files of the names written are
 // replaced; a model.safetensors or index left from an earlier export of the other layout is
 // removed, so that transformers reads the new one) from the committed checkpoint step_dir, and
-// copies the tokenizer files found (their names appended to *tokenizer_files when it is not null).
+// copies the tokenizer files found (their names, and generation_config.json when it is written,
+// appended to *tokenizer_files when it is not null).
 // Each safetensors file's metadata records the job id and step.
-// Errors as ReadCheckpointWeights, INVALID_ARGUMENT for max_shard_bytes < 1, plus I/O errors
-// naming the file.
+// Special token ids, from the source's kTokenIdsFile, else its generation_config.json, else its
+// config.json: written into config.json (null when unknown) and, when known, into
+// generation_config.json (the copied one's other keys kept). The job's init.from_hf config.json,
+// when readable, gives max_position_embeddings and the RoPE scaling (HfConfigExtras).
+// Errors as ReadCheckpointWeights, INVALID_ARGUMENT for max_shard_bytes < 1 or a source JSON
+// file that is not an object (naming it), plus I/O errors naming the file.
 absl::Status ExportHf(const std::string& step_dir, const std::string& out_dir,
                       const HfExportOptions& options,
                       std::vector<std::string>* tokenizer_files = nullptr);

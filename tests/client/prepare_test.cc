@@ -5,8 +5,13 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
 
 #include "common/token_shard.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 
 namespace fsdp8 {
@@ -54,6 +59,32 @@ TEST_F(PrepareTest, RoundTripSplitsTheConcatenationAtTheFraction) {
     joined += static_cast<char>(t);
   }
   EXPECT_EQ(joined, a + b);
+}
+
+// The tokenizer record beside the shards (README, `fsdp8 prepare`): bytes, no BOS / EOS / padding
+// token; a record of an earlier run (another tokenizer's files) is replaced, not merged.
+TEST_F(PrepareTest, RecordsByteTokensWithNoSpecialTokens) {
+  const std::string out = dir_ + "/out";
+  std::filesystem::create_directories(out + "/tokenizer");
+  std::ofstream(out + "/tokenizer/tokenizer.json") << "{}";  // left by an earlier BPE run
+  ASSERT_TRUE(PrepareTokenShards({Write("a.txt", "hello")}, out, 0.2).ok());
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(out + "/tokenizer")) {
+    files.push_back(e.path().filename().string());
+  }
+  EXPECT_EQ(files, std::vector<std::string>{"token_ids.json"});
+  google::protobuf::Struct record;
+  std::ifstream in(out + "/tokenizer/token_ids.json");
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(text, &record).ok()) << text;
+  const auto& f = record.fields();
+  ASSERT_EQ(f.count("kind"), 1u) << text;
+  EXPECT_EQ(f.at("kind").string_value(), "bytes");
+  EXPECT_EQ(f.at("vocab_size").number_value(), 256);
+  for (const char* k : {"bos_token_id", "eos_token_id", "pad_token_id"}) {
+    ASSERT_EQ(f.count(k), 1u) << k << " in " << text;
+    EXPECT_EQ(f.at(k).kind_case(), google::protobuf::Value::kNullValue) << k;
+  }
 }
 
 TEST_F(PrepareTest, OrderOfFilesIsKept) {

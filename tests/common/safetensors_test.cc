@@ -15,6 +15,8 @@
 
 #include "common/hf_model.h"
 #include "common/spec.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 
 namespace fsdp8 {
@@ -289,6 +291,52 @@ TEST(HfConfig, ModelSectionOfLlama32IsItsPublishedShape) {
   auto back = ModelConfigFromHf(written);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->SerializeAsString(), at_max.SerializeAsString()) << written;
+}
+
+// An export's config.json: special token ids as given (a list kept a list), null when unknown;
+// an imported model's max_position_embeddings and rope_scaling as its config.json had them.
+TEST(HfConfig, ExportExtrasGiveTokenIdsAndKeepTheSourcePositions) {
+  auto parse = [](const std::string& text) {
+    google::protobuf::Struct s;
+    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(text, &s).ok()) << text;
+    return s;
+  };
+  v1::ModelConfig m = Model();  // seq_len 128, no rope_scaling
+  auto plain = HfConfigJson(m, SafetensorsDtype::kF32, HfConfigExtras{});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  const google::protobuf::Struct p = parse(*plain);
+  for (const char* k : {"bos_token_id", "eos_token_id", "pad_token_id"}) {
+    ASSERT_EQ(p.fields().count(k), 1u) << k << " in " << *plain;
+    EXPECT_EQ(p.fields().at(k).kind_case(), google::protobuf::Value::kNullValue) << k;
+  }
+  EXPECT_EQ(p.fields().at("max_position_embeddings").number_value(), 128);
+
+  auto ad = ModelConfigFromHf(kLlama32_1B);
+  ASSERT_TRUE(ad.ok()) << ad.status();
+  v1::ModelConfig llama = *ad;
+  llama.set_seq_len(2048);
+  HfConfigExtras extras;
+  extras.token_ids_json = R"({"bos_token_id": 128000, "eos_token_id": [128001, 128009]})";
+  extras.source_config_json = kLlama32_1B;
+  auto written = HfConfigJson(llama, SafetensorsDtype::kBF16, extras);
+  ASSERT_TRUE(written.ok()) << written.status();
+  const google::protobuf::Struct w = parse(*written);
+  EXPECT_EQ(w.fields().at("bos_token_id").number_value(), 128000);
+  const auto& eos = w.fields().at("eos_token_id").list_value();
+  ASSERT_EQ(eos.values_size(), 2) << *written;
+  EXPECT_EQ(eos.values(0).number_value(), 128001);
+  EXPECT_EQ(eos.values(1).number_value(), 128009);
+  EXPECT_EQ(w.fields().at("pad_token_id").kind_case(), google::protobuf::Value::kNullValue);
+  EXPECT_EQ(w.fields().at("max_position_embeddings").number_value(), 131072) << *written;
+  const auto& rope = w.fields().at("rope_scaling").struct_value().fields();
+  EXPECT_EQ(rope.at("factor").number_value(), 32);
+  EXPECT_EQ(rope.at("original_max_position_embeddings").number_value(), 8192);
+  EXPECT_EQ(rope.at("rope_type").string_value(), "llama3");
+  EXPECT_TRUE(CheckHfConfig(*written, llama, "x").ok()) << CheckHfConfig(*written, llama, "x");
+
+  extras.token_ids_json = "[1]";
+  EXPECT_EQ(HfConfigJson(llama, SafetensorsDtype::kBF16, extras).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(HfConfig, UnimplementedFeaturesAreRefusedNamingTheKey) {

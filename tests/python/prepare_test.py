@@ -174,7 +174,19 @@ class BpeTest(Case):
         r = prepare_here("--tokenizer", path, "--out", self.out, "--val-fraction", "0.25",
                          "--workers", "1", "--overwrite", *self.inputs)
         self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertEqual(sorted(os.listdir(self.out)), ["train_000000.bin", "val_000000.bin"])
+        # The shards and the record of the tokenizer (README, Tokenizer record): GPT-2 style,
+        # the EOS alone, no BOS, no padding token.
+        self.assertEqual(sorted(os.listdir(self.out)),
+                         ["tokenizer", "train_000000.bin", "val_000000.bin"])
+        self.assertEqual(sorted(os.listdir(os.path.join(self.out, "tokenizer"))),
+                         ["token_ids.json", "tokenizer.json", "tokenizer_config.json"])
+        with open(os.path.join(self.out, "tokenizer", "token_ids.json")) as f:
+            record = json.load(f)
+        self.assertEqual((record["eos_token_id"], record["bos_token_id"], record["pad_token_id"]),
+                         (eos, None, None))
+        self.assertEqual((record["kind"], record["eos_token"]), ("hf", "<|endoftext|>"))
+        with open(os.path.join(self.out, "tokenizer", "tokenizer.json")) as f, open(path) as g:
+            self.assertEqual(f.read(), g.read())
         self.assertRoundTrip((20240520, 1), lambda ids: tok.decode(ids, skip_special_tokens=False),
                              eos, None)
 

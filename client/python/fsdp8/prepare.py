@@ -15,6 +15,13 @@ and the split does not depend on --workers. The splits' token streams are cut in
 OUT/val_000000.bin, ... (fsdp8.token_shards: uint16 when the vocabulary has at most 65536 ids,
 else uint32; --dtype forces one). Shards appear only when the whole run succeeds.
 
+Beside the shards, OUT/tokenizer/ records the tokenizer used, for `fsdp8 export`: token_ids.json
+({"kind", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", their token strings and
+"source", the tokenizer file's absolute path; ids null when there is none}), a copy of the
+tokenizer file as tokenizer.json or tokenizer.model, and a tokenizer_config.json (the one beside
+a tokenizer.json, if any, with bos_token / eos_token / pad_token set to the tokens used) from which
+transformers' AutoTokenizer loads it.
+
 Errors name the file and line: invalid UTF-8, a JSONL line that is not a JSON object or lacks
 the field, a token id that does not fit the output's token type. Exit status 0 on success, 1 on
 an error in the input or the tokenizer, 2 on bad flags.
@@ -25,6 +32,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -353,9 +361,42 @@ def run(args, out=None):
         for w in writers.values():
             w.abort()
         raise
+    write_tokenizer_record(args.out, tok)
     seconds = time.monotonic() - start
     print_summary(out, args, tok, dtype, router.totals, writers, paths, seconds)
     return 0
+
+
+RECORD_DIR = "tokenizer"  # common/hf_model.h kTokenizerRecordDir
+
+
+def write_tokenizer_record(out_dir, tok):
+    """OUT/tokenizer/: the tokenizer used and its special token ids (module doc). Written under a
+    hidden name and renamed over the previous record."""
+    final = os.path.join(out_dir, RECORD_DIR)
+    tmp = os.path.join(out_dir, "." + RECORD_DIR + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    hf = tok.kind == "hf"
+    shutil.copyfile(tok.path, os.path.join(tmp, "tokenizer.json" if hf else "tokenizer.model"))
+    ids = {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
+    names = {k: None if i is None else tok.token_name(i) for k, i in ids.items()}
+    config = tok.hf_config()
+    config.update({f"{k}_token": v for k, v in names.items()})
+    if hf:
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    else:
+        config.update(tokenizer_class="LlamaTokenizer", add_bos_token=tok.bos_id is not None,
+                      add_eos_token=False)
+    record = {"kind": tok.kind, "vocab_size": tok.vocab_size, "source": os.path.abspath(tok.path)}
+    record.update({f"{k}_token_id": v for k, v in ids.items()})
+    record.update({f"{k}_token": v for k, v in names.items()})
+    for name, data in (("tokenizer_config.json", config), ("token_ids.json", record)):
+        with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
 
 
 def print_summary(out, args, tok, dtype, t, writers, paths, seconds):

@@ -14,6 +14,8 @@ Separators, each document becoming [BOS] + tokens + [EOS]:
        <|startoftext|>, <s>, <bos>; the model's bos id). A BOS equal to the EOS (GPT-2's
        <|endoftext|>) or --no-bos means none: documents are then separated by the EOS alone.
 A token given by name must be in the vocabulary.
+  PAD  (not written into the shards; recorded for exports) "pad_token" of the config files, else
+       the special token <pad>, <|pad|> or [PAD]; for SentencePiece, the model's pad id; else none.
 
 Encoding adds no special tokens of the tokenizer's own (no template), and text that spells a
 special token ("<|endoftext|>" inside a document) is encoded as plain text, not as that token.
@@ -25,6 +27,7 @@ import os
 
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
 BOS_NAMES = ("<|begin_of_text|>", "<|startoftext|>", "<s>", "<bos>")
+PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]")
 HF_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -56,7 +59,8 @@ def kind_of(path):
 
 class TextTokenizer:
     """Loads the tokenizer at path (see the module doc). Attributes: path, kind ('hf' or
-    'sentencepiece'), vocab_size (largest id + 1), eos_id, bos_id (None when there is none).
+    'sentencepiece'), vocab_size (largest id + 1), eos_id, bos_id and pad_id (None when there is
+    none).
     Raises TokenizerError naming the file."""
 
     def __init__(self, path, eos_token=None, bos_token=None, no_bos=False):
@@ -82,6 +86,7 @@ class TextTokenizer:
                 f"special tokens); name one with --eos-token TOKEN")
         if self.bos_id == self.eos_id:
             self.bos_id = None
+        self.pad_id = self._pad()
 
     def encode(self, texts):
         """Token ids (lists of int) of each text, without special tokens of the tokenizer's own."""
@@ -141,6 +146,34 @@ class TextTokenizer:
             if name in self._specials:
                 return self._specials[name]
         return None
+
+    def _pad(self):
+        """The padding token's id (module doc), or None."""
+        if self.kind == "sentencepiece":
+            token_id = self._sp.pad_id()
+            return token_id if token_id >= 0 else None
+        configured, found = self._hf_config_token("pad")
+        if found:
+            return None if configured is None else self._id_of(configured)
+        for name in PAD_NAMES:
+            if name in self._specials:
+                return self._specials[name]
+        return None
+
+    def hf_config(self):
+        """tokenizer_config.json beside a Hugging Face tokenizer file as a dict ({} when there is
+        none or it is not an object)."""
+        if self.kind != "hf":
+            return {}
+        config = os.path.join(os.path.dirname(os.path.abspath(self.path)), HF_CONFIG_FILES[0])
+        try:
+            with open(config, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            raise TokenizerError(f"{config}: not readable JSON: {e}") from e
+        return data if isinstance(data, dict) else {}
 
     def _hf_config_token(self, which):
         """(token or None, found): '<which>_token' of the first config file beside the tokenizer
