@@ -35,14 +35,21 @@
 // coordinator re-claims its running jobs' directories), unless another job owns the directory by
 // then.
 //
-// Committed: IsCommitted(step_dir) is the one rule (a valid MANIFEST naming the directory's step).
-// Leftovers (RemoveLeftovers): step-<k> directories that are not committed (an interrupted save,
-// or retention interrupted after it removed the MANIFEST), staging directories beside a committed
-// step, and old copies beside a committed step are removed, each logged (event
-// checkpoint_leftover_removed); an old copy that is the only committed one of its step is renamed
-// back to step-<k>. Committed step directories are never removed. Call it only while no save of
-// the directory is in progress: the coordinator does at start (for its jobs' directories) and
-// before every generation of the owner job.
+// Committed: Inspect(step_dir) is the one rule: committed (a valid MANIFEST naming the
+// directory's step), MANIFEST missing (ENOENT), or unreadable (any other failure to read or
+// accept it). Only a directory whose MANIFEST is missing is ever removed as a leftover.
+// Leftovers (RemoveLeftovers): step-<k> directories without MANIFEST (an interrupted save, or
+// retention interrupted after it removed the MANIFEST), unfinished staging directories, a staging
+// directory or old copy (step-<k>.old) beside a committed step-<k> of the same job are removed,
+// each logged (event checkpoint_leftover_removed); an old copy that is the only committed one of
+// its step is renamed back to step-<k>. Committed and unreadable step directories, and another
+// job's committed old copy, are never removed (each kept one is logged, event
+// checkpoint_leftover_kept). Prepare refuses (ALREADY_EXISTS, the save is skipped) a step whose
+// step-<k> is unreadable or another job's, or whose step-<k>.old is another job's or unreadable.
+// Call RemoveLeftovers only while no save of the directory is in progress: the coordinator does
+// at start (for its jobs' directories) and before every generation of the owner job (a failure
+// fails that generation). Without a job id it refuses (FAILED_PRECONDITION) while OWNER's lease
+// is live.
 //
 // Thread-safety: the object is immutable; concurrent calls on the same root are safe as far as the
 // filesystem is (OWNER and the MANIFEST commit under the flock), but Prepare/Commit/Retain for one
@@ -133,9 +140,23 @@ class CheckpointStore {
   std::string StepDir(int64_t step) const;
 
   // Whether step_dir is a committed checkpoint: its MANIFEST is valid (ReadManifestFile) and,
-  // for a directory named step-<k>, records step k. The one rule every listing, save and removal
-  // uses.
+  // for a directory named step-<k>, records step k.
   static bool IsCommitted(const std::string& step_dir);
+
+  // What a step directory's MANIFEST says, the one rule every save and removal uses:
+  // kCommitted: a valid MANIFEST (IsCommitted); kMissing: lstat of <step_dir>/MANIFEST reports
+  // ENOENT or ENOTDIR (an unfinished save, or retention interrupted after removing it; also a
+  // step_dir that does not exist); kUnreadable: anything else (an open or read error such as
+  // EIO, ESTALE, EMFILE or EACCES, a torn MANIFEST, a newer format_version, a MANIFEST of another
+  // step). Only a kMissing directory is ever deleted as a leftover; a kUnreadable one is kept
+  // (logged) and counts as another job's checkpoint for Prepare.
+  enum class ManifestState { kCommitted, kMissing, kUnreadable };
+  struct Inspection {
+    ManifestState state = ManifestState::kMissing;
+    v1::CheckpointManifest manifest;  // kCommitted only
+    absl::Status error;               // kUnreadable: why
+  };
+  static Inspection Inspect(const std::string& step_dir);
 
   // Removes the leftovers of interrupted saves and retention (see Leftovers above) and returns
   // what it removed or restored. With a job id: only while that job owns root.

@@ -352,10 +352,11 @@ absl::Status JobRun::StartGeneration(const v1::JobSpec& spec, Progress* p) {
     // No save of this job is in progress: what an interrupted one left goes (each logged).
     auto removed =
         CheckpointStore(spec.checkpoint().dir(), job_.job_id(), options_.faults).RemoveLeftovers();
+    // A failure fails the generation: its saves would meet what was not cleaned up.
     if (!removed.ok())
-      Log(LogLevel::kWarning, absl::StrCat("job ", job_.job_id(), ": checkpoint.dir ",
-                                           spec.checkpoint().dir(), ": removing leftovers: ",
-                                           removed.status().message()));
+      return absl::Status(removed.status().code(),
+                          absl::StrCat("checkpoint.dir ", spec.checkpoint().dir(),
+                                       ": removing leftovers: ", removed.status().message()));
   }
   std::optional<CommittedCheckpoint> resume;
   if (absl::Status s = ResolveResume(spec, &resume); !s.ok()) return s;

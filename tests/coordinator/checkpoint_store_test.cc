@@ -555,5 +555,137 @@ TEST(CheckpointStore, HalfRemovedStepIsUncommittedAndALeftover) {
   EXPECT_FALSE(CheckpointStore::IsCommitted(root + "/step-3"));
 }
 
+// Replaces `from` by `to` in <step_dir>/MANIFEST (a MANIFEST this build cannot read, or one
+// naming another job).
+void EditManifest(const std::string& step_dir, const std::string& from, const std::string& to) {
+  const std::string path = step_dir + "/MANIFEST";
+  std::ifstream in(path, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  in.close();
+  const size_t at = text.find(from);
+  ASSERT_NE(at, std::string::npos) << from << " not in " << path;
+  text.replace(at, from.size(), to);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+}
+
+// A committed step directory whose MANIFEST cannot be read (a newer format_version, a torn file)
+// is neither committed nor a leftover: RemoveLeftovers, Retain and Abandon keep it, Prepare skips
+// its step, a take-over lists it. Only a directory with no MANIFEST at all is removed.
+TEST(CheckpointStore, AnUnreadableManifestIsNeverDeleted) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-a"), false, nullptr).ok());
+  for (int64_t k : {2, 4, 6}) CommitAs(root, "job-a", k);
+  EditManifest(root + "/step-2", "\"format_version\": 1", "\"format_version\": 99");
+  {
+    const std::string path = root + "/step-4/MANIFEST";
+    fs::resize_file(path, fs::file_size(path) / 2);  // torn
+  }
+  EXPECT_EQ(CheckpointStore::Inspect(root + "/step-2").state,
+            CheckpointStore::ManifestState::kUnreadable);
+  EXPECT_EQ(CheckpointStore::Inspect(root + "/step-4").state,
+            CheckpointStore::ManifestState::kUnreadable);
+  EXPECT_EQ(CheckpointStore::Inspect(root + "/step-6").state,
+            CheckpointStore::ManifestState::kCommitted);
+  EXPECT_EQ(CheckpointStore::Inspect(root + "/step-9").state,
+            CheckpointStore::ManifestState::kMissing);
+  // An interrupted save of job-a: no MANIFEST at all, the one leftover.
+  ASSERT_TRUE(fs::create_directories(root + "/step-7"));
+  WriteBytes(root + "/step-7/rank-0.ckpt", 3);
+  EXPECT_EQ(CheckpointStore::Inspect(root + "/step-7").state,
+            CheckpointStore::ManifestState::kMissing);
+  auto before = Snapshot(root);
+  for (auto it = before.begin(); it != before.end();)
+    it = absl::StrContains(it->first, "/step-7/") ? before.erase(it) : std::next(it);
+
+  CheckpointStore a(root, "job-a");
+  auto removed = a.RemoveLeftovers();
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ(*removed, (std::vector<std::string>{root + "/step-7"}));
+  // The owner's own retention: step-2 and step-4 are not stale saves.
+  CommitAs(root, "job-a", 8);
+  ASSERT_TRUE(a.Retain(1).ok());
+  EXPECT_TRUE(fs::exists(root + "/step-2/MANIFEST"));
+  EXPECT_TRUE(fs::exists(root + "/step-4/MANIFEST"));
+  EXPECT_TRUE(a.Abandon(2).ok());
+  EXPECT_TRUE(a.Abandon(4).ok());
+  // A later owner: the same, and its saves of those steps are skipped.
+  std::vector<std::string> skipped;
+  CheckpointStore::ClaimOptions o;
+  o.take_over = true;
+  o.last_save = 4;
+  o.skipped = &skipped;
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-b"), o).ok());
+  EXPECT_EQ(skipped, (std::vector<std::string>{"step-2 (unreadable MANIFEST)",
+                                                "step-4 (unreadable MANIFEST)"}));
+  CheckpointStore b(root, "job-b");
+  removed = b.RemoveLeftovers();
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_TRUE(removed->empty());
+  for (int64_t k : {2, 4}) {
+    auto dir = b.Prepare(k);
+    EXPECT_EQ(dir.status().code(), absl::StatusCode::kAlreadyExists) << k << dir.status();
+    EXPECT_TRUE(absl::StrContains(dir.status().message(), "cannot be read")) << dir.status();
+    EXPECT_TRUE(b.Abandon(k).ok());
+  }
+  const auto now = Snapshot(root);
+  for (const auto& [path, bytes] : before) {
+    if (absl::EndsWith(path, "/OWNER") || absl::StrContains(path, "/step-6/")) continue;
+    ASSERT_TRUE(now.count(path)) << path << " was deleted";
+    EXPECT_EQ(now.at(path), bytes) << path << " changed";
+  }
+}
+
+// step-<k>.old of another job (its only copy of step k, left by an interrupted replacement) is
+// never removed because step-<k> is committed by the new owner; Prepare skips step k, a take-over
+// lists it, and Commit never swaps a staged save with a step-<k> that is not the job's own.
+TEST(CheckpointStore, AnotherJobsOldCopyOfAStepIsNeverDeleted) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-a"), false, nullptr).ok());
+  CommitAs(root, "job-a", 3);
+  fs::rename(root + "/step-3", root + "/step-3.old");
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-b"), true, nullptr).ok());
+  {
+    CheckpointStore untracked(root);  // job-b's step-3 beside it (no ownership checks)
+    v1::CheckpointManifest m = Save(untracked, 3, 1);
+    m.set_job_id("job-b");
+    ASSERT_TRUE(untracked.Commit(m).ok());
+  }
+  const auto old = Snapshot(root + "/step-3.old");
+  ASSERT_FALSE(old.empty());
+  CheckpointStore b(root, "job-b");
+  auto removed = b.RemoveLeftovers();
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_TRUE(removed->empty());
+  EXPECT_EQ(Snapshot(root + "/step-3.old"), old);
+  auto dir = b.Prepare(3);
+  EXPECT_EQ(dir.status().code(), absl::StatusCode::kAlreadyExists) << dir.status();
+  EXPECT_TRUE(absl::StrContains(dir.status().message(),
+                                root + "/step-3.old holds the committed checkpoint of job job-a"))
+      << dir.status();
+  ASSERT_TRUE(b.Retain(1).ok());
+  EXPECT_EQ(Snapshot(root + "/step-3.old"), old);
+  std::vector<std::string> skipped;
+  CheckpointStore::ClaimOptions o;
+  o.take_over = true;
+  o.last_save = 5;
+  o.skipped = &skipped;
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-c"), o).ok());
+  EXPECT_EQ(skipped, (std::vector<std::string>{"step-3 (job job-b)", "step-3.old (job job-a)"}));
+  // job-c's staged re-save of its step 5, and meanwhile step-5 names job-a: not swapped in.
+  CommitAs(root, "job-c", 5);
+  CheckpointStore c(root, "job-c");
+  v1::CheckpointManifest m = Save(c, 5, 1);
+  m.set_job_id("job-c");
+  ASSERT_TRUE(fs::is_directory(c.StagingDir(5)));
+  EditManifest(root + "/step-5", "\"job-c\"", "\"job-a\"");
+  const auto five = Snapshot(root + "/step-5");
+  absl::Status s = c.Commit(m);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(Snapshot(root + "/step-5"), five);
+  EXPECT_EQ(CheckpointStore::ReadManifest(root + "/step-5")->job_id(), "job-a");
+}
+
 }  // namespace
 }  // namespace fsdp8::coord

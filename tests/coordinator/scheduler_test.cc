@@ -1110,6 +1110,30 @@ TEST_F(SchedulerTest, TwoJobsOnOneDirectoryTheFirstsCheckpointsStay) {
   EXPECT_EQ((*owner_now)->previous(0).job_id(), a->job_id());
 }
 
+// A generation starts only once the leftovers of its directory are removed: when that fails (the
+// directory now belongs to another job) the job fails naming it and never runs a step.
+TEST_F(SchedulerTest, AGenerationWhoseLeftoversCannotBeRemovedNeverRuns) {
+  const std::string ck = dir_.File("ck");
+  v1::JobSpec spec = SmallSpec(train_, 1, 3);
+  spec.mutable_checkpoint()->set_dir(ck);
+  auto job = jobs_->Submit("", spec);  // no worker yet: PENDING
+  ASSERT_TRUE(job.ok()) << job.status();
+  {
+    v1::CheckpointDirOwner o;
+    o.mutable_owner()->set_job_id("job-elsewhere");
+    auto text = EncodeOwner(o);
+    ASSERT_TRUE(text.ok()) << text.status();
+    std::ofstream(ck + "/OWNER", std::ios::trunc) << *text;
+  }
+  auto w0 = AddWorker();
+  v1::Job end = WaitEnd(job->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(end.reason(), "checkpoint.dir " + ck + ": removing leftovers"))
+      << end.reason();
+  EXPECT_TRUE(absl::StrContains(end.reason(), "belongs to job job-elsewhere")) << end.reason();
+  EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kStep), 0);
+}
+
 // init.from_checkpoint: a job starts at step 0 from another job's committed checkpoint, which
 // every rank gets in its Assignment and which is never written (its directory stays byte for
 // byte); a checkpoint of another model is refused at submit, naming the field.
