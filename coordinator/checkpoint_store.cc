@@ -87,14 +87,22 @@ absl::Status WriteFileDurably(const std::string& path, const std::string& data,
   return absl::OkStatus();
 }
 
-// An exclusive flock of <root>/OWNER.lock (root created when missing); closing the descriptor
-// releases it.
+// An exclusive flock of <root>/OWNER.lock; closing the descriptor releases it. root is created
+// when missing only with create_root (a claim at submit); otherwise a missing root (storage not
+// mounted) is UNAVAILABLE and nothing is created.
 class DirLock {
  public:
-  static absl::StatusOr<std::unique_ptr<DirLock>> Acquire(const std::string& root) {
+  static absl::StatusOr<std::unique_ptr<DirLock>> Acquire(const std::string& root,
+                                                          bool create_root = false) {
     std::error_code ec;
-    fs::create_directories(root, ec);
-    if (ec) return absl::InternalError(absl::StrCat("create ", root, ": ", ec.message()));
+    if (create_root) {
+      fs::create_directories(root, ec);
+      if (ec) return absl::InternalError(absl::StrCat("create ", root, ": ", ec.message()));
+    } else if (!fs::is_directory(root, ec)) {
+      return absl::UnavailableError(absl::StrCat(
+          "checkpoint.dir ", root, " is not there (", ec ? ec.message() : "not a directory",
+          "; storage not mounted?); it is created only when a job claims it"));
+    }
     const std::string path = (fs::path(root) / kOwnerLockFileName).string();
     const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) return ErrnoError("open", path);
@@ -572,7 +580,7 @@ absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant, bo
 
 absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant,
                                     const ClaimOptions& options) const {
-  auto lock = DirLock::Acquire(root_);
+  auto lock = DirLock::Acquire(root_, /*create_root=*/true);
   if (!lock.ok()) return lock.status();
   auto record = ReadOwnerFile(root_);
   if (!record.ok()) return record.status();
@@ -667,6 +675,32 @@ absl::StatusOr<bool> CheckpointStore::RenewLease(const std::string& job_id,
                                                  double lease_s) const {
   auto lock = DirLock::Acquire(root_);
   if (!lock.ok()) return lock.status();
+  return RenewLeaseLocked(job_id, coordinator, lease_s);
+}
+
+absl::StatusOr<std::vector<std::string>> CheckpointStore::ResumeAndRemoveLeftovers(
+    const std::string& coordinator, double lease_s) const {
+  if (job_id_.empty())
+    return absl::InvalidArgumentError("ResumeAndRemoveLeftovers needs a store with a job id");
+  auto lock = DirLock::Acquire(root_);
+  if (!lock.ok()) return lock.status();
+  if (lease_s > 0) {
+    auto renewed = RenewLeaseLocked(job_id_, coordinator, lease_s);
+    if (!renewed.ok()) return renewed.status();
+    if (!*renewed) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint.dir ", root_, ": job ", job_id_,
+          " no longer holds it (another job owns it, another coordinator leases it, or it has "
+          "no OWNER record); its leftovers are left to its owner"));
+    }
+  }
+  if (absl::Status s = CheckOwnedLocked(); !s.ok()) return s;
+  return RemoveLeftoversLocked();
+}
+
+absl::StatusOr<bool> CheckpointStore::RenewLeaseLocked(const std::string& job_id,
+                                                       const std::string& coordinator,
+                                                       double lease_s) const {
   auto record = ReadOwnerFile(root_);
   if (!record.ok()) return record.status();
   if (!record->has_value()) return false;

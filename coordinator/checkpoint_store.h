@@ -17,7 +17,8 @@
 //
 // Ownership (common/checkpoint_format.h, OWNER): a directory belongs to one job. Claim records the
 // owner at submit (under an exclusive flock of <root>/OWNER.lock, waited for at most 10 s, then
-// UNAVAILABLE). A store made with a job id (the job's step driver) writes only while OWNER names
+// UNAVAILABLE); only Claim creates root, every other call that takes the lock is UNAVAILABLE
+// when root is not there (storage not mounted). A store made with a job id (the job's step driver) writes only while OWNER names
 // that job (a directory without OWNER and without another job's committed checkpoint is claimed
 // by the first Prepare): Prepare, Commit, Abandon, Retain and RemoveLeftovers refuse with
 // FAILED_PRECONDITION naming the owner otherwise. Nothing ever writes into or deletes another
@@ -129,6 +130,13 @@ class CheckpointStore {
   // written) when another job owns the directory, or another coordinator holds a lease on it.
   absl::StatusOr<bool> RenewLease(const std::string& job_id, const std::string& coordinator,
                                   double lease_s) const;
+  // At a coordinator's start, for a job it resumes (a store made with that job id), under one
+  // lock: renews the job's lease for `coordinator` (as RenewLease; lease_s <= 0: no lease), then
+  // removes the leftovers (RemoveLeftovers). FAILED_PRECONDITION, nothing removed, when the
+  // renewal is refused (OWNER missing or naming another job, another coordinator's lease);
+  // UNAVAILABLE when root is not there (never created here).
+  absl::StatusOr<std::vector<std::string>> ResumeAndRemoveLeftovers(const std::string& coordinator,
+                                                                    double lease_s) const;
   // Releases (expires = 0) coordinator's lease of job_id's directory; false when OWNER names
   // another job or the lease is another coordinator's (nothing written).
   absl::StatusOr<bool> ReleaseLease(const std::string& job_id, const std::string& coordinator) const;
@@ -225,6 +233,8 @@ class CheckpointStore {
   // by a job other than `except`; nullopt when none.
   absl::StatusOr<std::optional<v1::CheckpointOwnerEntry>> LegacyOwner(const std::string& except) const;
   absl::Status WriteOwnerLocked(const v1::CheckpointDirOwner& o) const;
+  absl::StatusOr<bool> RenewLeaseLocked(const std::string& job_id, const std::string& coordinator,
+                                        double lease_s) const;
   absl::StatusOr<std::vector<std::string>> RemoveLeftoversLocked() const;
   // The step directories of other jobs than `job` with after < k <= last, named "step-<k> (job X)".
   std::vector<std::string> CollisionsLocked(const std::string& job, int64_t after, int64_t last) const;

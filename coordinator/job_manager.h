@@ -14,9 +14,13 @@
 // Checkpoint directories: Submit claims checkpoint.dir (CheckpointStore::Claim) with this
 // coordinator's lease (its identity is kept in the state db, JobStore::CoordinatorId); a thread
 // renews the leases of jobs that have not ended, and Finish and Cancel release a job's lease
-// before the job is seen to end. Open, for every job whose directory it still owns (and no other
-// coordinator leases), removes the leftovers of interrupted saves and retention
-// (CheckpointStore::RemoveLeftovers, each logged) and renews or releases the lease.
+// before the job is seen to end. A renewal that fails (an I/O error, the directory not there:
+// storage not mounted, never created by a lease call) is retried every round; a job stops being
+// renewed only when it ends or OWNER names another job. Open puts every job that has not ended
+// and has a checkpoint.dir under renewal, and for each renews its lease and then removes the
+// leftovers of interrupted saves and retention under one lock
+// (CheckpointStore::ResumeAndRemoveLeftovers, each removal logged; nothing when the directory is
+// no longer the job's); an ended job's lease is released and its directory left alone.
 //
 // Restart: Open() loads every job. Those that were STARTING, RUNNING or RECOVERING become
 // RECOVERING ("recovering from a coordinator restart (restart n of max)", counted in Job.restarts

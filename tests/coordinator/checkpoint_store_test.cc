@@ -687,5 +687,24 @@ TEST(CheckpointStore, AnotherJobsOldCopyOfAStepIsNeverDeleted) {
   EXPECT_EQ(CheckpointStore::ReadManifest(root + "/step-5")->job_id(), "job-a");
 }
 
+// Lease calls on a directory that is not there (storage not mounted) fail UNAVAILABLE and create
+// nothing; only a claim creates the directory.
+TEST(CheckpointStore, LeaseCallsNeverCreateTheDirectory) {
+  TempDir tmp;
+  const std::string root = tmp.File("mnt/ck");
+  CheckpointStore store(root);
+  auto renewed = store.RenewLease("job-a", "coord-1", 60);
+  EXPECT_EQ(renewed.status().code(), absl::StatusCode::kUnavailable) << renewed.status();
+  EXPECT_TRUE(absl::StrContains(renewed.status().message(), "checkpoint.dir " + root))
+      << renewed.status();
+  EXPECT_EQ(store.ReleaseLease("job-a", "coord-1").status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(CheckpointStore(root, "job-a").ResumeAndRemoveLeftovers("coord-1", 60).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_FALSE(fs::exists(tmp.File("mnt")));
+  ASSERT_TRUE(store.Claim(Claimant("job-a"), false, nullptr).ok());
+  EXPECT_TRUE(fs::exists(root + "/OWNER"));
+}
+
 }  // namespace
 }  // namespace fsdp8::coord
