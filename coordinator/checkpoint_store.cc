@@ -225,6 +225,7 @@ absl::StatusOr<std::string> CheckpointStore::Prepare(int64_t step) const {
   auto lock = LockIf(!job_id_.empty(), root_);
   if (!lock.ok()) return lock.status();
   if (absl::Status s = CheckOwnedLocked(); !s.ok()) return s;
+  if (absl::Status s = CheckLeaseLocked(); !s.ok()) return s;
   std::string dir = StepDir(step);
   std::error_code ec;
   // Another job's committed old copy of this step (an interrupted replacement) is never touched.
@@ -280,6 +281,7 @@ absl::Status CheckpointStore::Commit(v1::CheckpointManifest m) const {
   auto lock = LockIf(!job_id_.empty(), root_);
   if (!lock.ok()) return lock.status();
   if (absl::Status s = CheckOwnedLocked(); !s.ok()) return s;
+  if (absl::Status s = CheckLeaseLocked(); !s.ok()) return s;
   if (!job_id_.empty() && m.job_id() != job_id_) {
     return absl::InvalidArgumentError(absl::StrCat("the MANIFEST of ", step_dir, " names job ",
                                                    m.job_id(), ", this store writes for ", job_id_));
@@ -863,9 +865,38 @@ absl::Status CheckpointStore::CheckOwnedLocked() const {
   }
   v1::CheckpointDirOwner o;
   o.mutable_owner()->set_job_id(job_id_);
-  o.mutable_owner()->set_since(
-      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+  const double now = WallSeconds();
+  o.mutable_owner()->set_since(now);
+  if (!lease_.coordinator.empty()) {
+    // Never an OWNER without the lease of the coordinator that runs the job.
+    v1::CheckpointLease* l = o.mutable_lease();
+    l->set_coordinator(lease_.coordinator);
+    l->set_host(HostDescription());
+    l->set_renewed(now);
+    l->set_expires(now + lease_.lease_s);
+  }
   return WriteOwnerLocked(o);
+}
+
+absl::Status CheckpointStore::CheckLeaseLocked() const {
+  if (lease_.coordinator.empty() || job_id_.empty()) return absl::OkStatus();
+  auto record = ReadOwnerFile(root_);
+  if (!record.ok()) return record.status();
+  const double now = WallSeconds();
+  const v1::CheckpointLease lease =
+      record->has_value() ? (*record)->lease() : v1::CheckpointLease();
+  if (lease.coordinator() == lease_.coordinator && lease.expires() - now > lease_.margin_s)
+    return absl::OkStatus();
+  const std::string holder =
+      lease.coordinator().empty()
+          ? std::string("no coordinator")
+          : (lease.coordinator() == lease_.coordinator ? std::string("this coordinator")
+                                                       : absl::StrCat("another coordinator (",
+                                                                      lease.host(), ")"));
+  return absl::FailedPreconditionError(absl::StrCat(
+      "checkpoint.dir ", root_, ": the lease of job ", job_id_, " is held by ", holder,
+      " and expires in ", static_cast<int64_t>(lease.expires() - now), " s (a save needs more than ",
+      static_cast<int64_t>(lease_.margin_s), " s left); not saving while it may lapse"));
 }
 
 bool CheckpointStore::Mine(const std::string& step_dir) const {

@@ -79,16 +79,30 @@ struct CommittedCheckpoint {
   int64_t bytes() const;  // sum of the files' sizes
 };
 
+// The lease the job's saves run under (the coordinator's step driver). coordinator empty: no
+// lease checks (tools, tests). Otherwise Prepare and Commit refuse (FAILED_PRECONDITION naming
+// the directory, the lease's holder and its expiry) unless OWNER's lease is `coordinator`'s and
+// expires more than margin_s from now (a lapsed lease may already have let another job in), and
+// a directory without OWNER is claimed with a lease of lease_s, never without one.
+struct SaveLeaseCheck {
+  std::string coordinator;
+  double lease_s = 0;
+  double margin_s = 0;
+};
+
 class CheckpointStore {
  public:
   static constexpr int kFormatVersion = kManifestFormatVersion;
   static constexpr const char* kManifestName = kManifestFileName;
 
+  using LeaseCheck = SaveLeaseCheck;
+
   // job_id: the job this store writes for (see Ownership above); empty: no ownership checks.
   // faults (optional, must outlive the store): Commit reaches its manifest.* crash points.
   explicit CheckpointStore(std::string root, std::string job_id = "",
-                           const FaultInjection* faults = nullptr)
-      : root_(std::move(root)), job_id_(std::move(job_id)), faults_(faults) {}
+                           const FaultInjection* faults = nullptr, LeaseCheck lease = {})
+      : root_(std::move(root)), job_id_(std::move(job_id)), faults_(faults),
+        lease_(std::move(lease)) {}
   const std::string& root() const { return root_; }
 
   // Decides whether the current owner may be replaced: OK allows, an error is returned by Claim
@@ -244,9 +258,14 @@ class CheckpointStore {
   // job id).
   bool Mine(const std::string& step_dir) const;
 
+  // With a LeaseCheck: OK while OWNER's lease is lease_.coordinator's with more than margin_s
+  // left. Call with the lock held, after CheckOwnedLocked.
+  absl::Status CheckLeaseLocked() const;
+
   std::string root_;
   std::string job_id_;
   const FaultInjection* faults_;
+  LeaseCheck lease_;
 };
 
 }  // namespace fsdp8::coord

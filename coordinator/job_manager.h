@@ -53,6 +53,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "coordinator/checkpoint_store.h"
 #include "coordinator/job_store.h"
 #include "fsdp8/v1/admin.pb.h"
 #include "fsdp8/v1/jobs.pb.h"
@@ -210,6 +211,16 @@ class JobManager {
   const JobManagerOptions& options() const { return options_; }
   // This coordinator's identity in checkpoint directory leases (JobStore::CoordinatorId).
   const std::string& coordinator_id() const { return coordinator_id_; }
+  // The lease a job's saves run under (CheckpointStore::LeaseCheck): this coordinator's, with
+  // half the lease length as the margin; no check when leases are off (checkpoint_lease 0).
+  CheckpointStore::LeaseCheck SaveLease() const {
+    CheckpointStore::LeaseCheck l;
+    if (options_.checkpoint_lease.count() <= 0) return l;
+    l.coordinator = coordinator_id_;
+    l.lease_s = std::chrono::duration<double>(options_.checkpoint_lease).count();
+    l.margin_s = l.lease_s / 2;
+    return l;
+  }
 
  private:
   // Logs the refused submission (event job_refused: the field and the rule) and returns s.

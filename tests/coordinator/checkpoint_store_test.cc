@@ -706,5 +706,50 @@ TEST(CheckpointStore, LeaseCallsNeverCreateTheDirectory) {
   EXPECT_TRUE(fs::exists(root + "/OWNER"));
 }
 
+// The coordinator's step driver saves only under its own lease with more than the margin left:
+// a lease about to lapse, released, or another coordinator's refuses Prepare and Commit; a
+// directory without OWNER is claimed with the lease, never without one.
+TEST(CheckpointStore, SavesOnlyUnderALiveLeaseWithTheMarginLeft) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  CheckpointStore::ClaimOptions claim;
+  claim.coordinator = "coord-1";
+  claim.lease_s = 60;
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-a"), claim).ok());
+  CheckpointStore::LeaseCheck lease{"coord-1", 60, 30};
+  CheckpointStore a(root, "job-a", nullptr, lease);
+  v1::CheckpointManifest m = Save(a, 2, 1);  // 60 s left: saves
+  m.set_job_id("job-a");
+  ASSERT_TRUE(a.Commit(m).ok());
+  ASSERT_TRUE(a.Prepare(4).ok());
+  auto refused = [&](const std::string& why) {
+    absl::Status s = a.Prepare(4).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << why << ": " << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "checkpoint.dir " + root + ": the lease of job job-a"))
+        << s;
+    m.set_step(2);
+    s = a.Commit(m);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << why << ": " << s;
+  };
+  ASSERT_TRUE(*CheckpointStore(root).RenewLease("job-a", "coord-1", 10));  // 10 s < 30 s margin
+  refused("about to lapse");
+  ASSERT_TRUE(*CheckpointStore(root).ReleaseLease("job-a", "coord-1"));
+  refused("released");
+  CheckpointStore::LeaseCheck other{"coord-2", 60, 30};
+  EXPECT_EQ(CheckpointStore(root, "job-a", nullptr, other).Prepare(6).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(*CheckpointStore(root).RenewLease("job-a", "coord-1", 60));
+  EXPECT_TRUE(a.Prepare(6).ok());
+  // A directory without OWNER: the first save claims it with the lease.
+  const std::string fresh = tmp.File("fresh");
+  ASSERT_TRUE(fs::create_directories(fresh));
+  ASSERT_TRUE(CheckpointStore(fresh, "job-b", nullptr, lease).Prepare(1).ok());
+  auto owner = CheckpointStore(fresh).Owner();
+  ASSERT_TRUE(owner.ok() && owner->has_value()) << owner.status();
+  EXPECT_EQ((*owner)->owner().job_id(), "job-b");
+  EXPECT_EQ((*owner)->lease().coordinator(), "coord-1");
+  EXPECT_GT((*owner)->lease().expires(), (*owner)->lease().renewed() + 59);
+}
+
 }  // namespace
 }  // namespace fsdp8::coord
