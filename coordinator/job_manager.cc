@@ -201,6 +201,23 @@ void JobManager::RenewLeases() {
   }
 }
 
+bool JobManager::HasRun(const std::string& job_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return runs_.count(job_id) > 0;
+}
+
+void JobManager::RunJoined(const std::string& job_id) {
+  std::lock_guard<std::mutex> io(lease_io_mu_);
+  bool ended = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    runs_.erase(job_id);
+    const Record* r = FindLocked(job_id);
+    ended = r == nullptr || IsTerminalState(r->job.state());
+  }
+  if (ended) ReleaseLeaseIoLocked(job_id);
+}
+
 void JobManager::ReleaseLeaseIoLocked(const std::string& job_id) {
   std::string dir;
   {
@@ -581,9 +598,10 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id) {
   bool was_active = false;
   std::function<void(const std::string&)> cb;
   {
-    // The lease goes before the job is seen to end (another coordinator may then take over).
+    // A job without a run: the lease goes before the job is seen to end (another coordinator may
+    // then take over). With a run, its ranks may still be writing: RunJoined releases it.
     std::lock_guard<std::mutex> io(lease_io_mu_);
-    ReleaseLeaseIoLocked(job_id);
+    if (!HasRun(job_id)) ReleaseLeaseIoLocked(job_id);
     std::lock_guard<std::mutex> lock(mu_);
     Record* r = FindLocked(job_id);
     if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
@@ -680,6 +698,7 @@ absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
   if (r->job.state() != v1::JOB_STATE_PENDING && !recovering)
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " is ", StateName(r->job.state()), ", not PENDING"));
+  runs_.insert(job_id);  // until RunJoined
   v1::Job& j = r->job;
   j.set_state(v1::JOB_STATE_STARTING);
   j.set_reason("");
@@ -836,9 +855,11 @@ absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,
                                 const std::string& reason) {
   if (!IsTerminalState(state))
     return absl::InvalidArgumentError(absl::StrCat("not a final state: ", StateName(state)));
-  // The lease goes before the job is seen to end (another coordinator may then take over).
+  // The lease goes before the job is seen to end (another coordinator may then take over), unless
+  // a run of the job may still be writing (a failure, followed by Abort): RunJoined releases it.
+  // SUCCEEDED comes after every rank acknowledged the final save.
   std::lock_guard<std::mutex> io(lease_io_mu_);
-  ReleaseLeaseIoLocked(job_id);
+  if (state == v1::JOB_STATE_SUCCEEDED || !HasRun(job_id)) ReleaseLeaseIoLocked(job_id);
   std::lock_guard<std::mutex> lock(mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
