@@ -620,14 +620,28 @@ absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant,
     if (options.may_take_over && (lease.coordinator().empty() || same_coordinator)) {
       if (absl::Status s = options.may_take_over(old); !s.ok()) return s;
     }
-    if (options.skipped != nullptr && options.last_save >= 0) {
+    if (options.last_save >= 0) {
       int64_t after = options.saves_after;
       if (options.saves_after_latest) {
         auto latest = Latest();
         if (!latest.ok()) return latest.status();
         if (latest->has_value()) after = std::max(after, (*latest)->step);
       }
-      *options.skipped = CollisionsLocked(claimant.job_id(), after, options.last_save);
+      // The final save is never skipped: a job whose last step is another job's would end
+      // without its final state.
+      const std::vector<std::string> final_hit = CollisionsLocked(
+          claimant.job_id(), std::max(after, options.last_save - 1), options.last_save);
+      if (!final_hit.empty()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint.take_over: checkpoint.dir ", root_, ": the final step ", options.last_save,
+            " (training.steps) is taken: ", absl::StrJoin(final_hit, ", "),
+            " holds a checkpoint that is never replaced, so this job's final save would be "
+            "skipped and its final state lost; set checkpoint.resume_from: latest (continue "
+            "after the newest checkpoint), raise training.steps above ", options.last_save,
+            ", or choose another checkpoint.dir"));
+      }
+      if (options.skipped != nullptr)
+        *options.skipped = CollisionsLocked(claimant.job_id(), after, options.last_save);
     }
     v1::CheckpointOwnerEntry* prev = next.add_previous();
     *prev = old;

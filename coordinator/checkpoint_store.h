@@ -132,7 +132,11 @@ class CheckpointStore {
   // directory from before OWNER records). OK at once when claimant already owns it, or nobody
   // does (OWNER written). Another job's directory: FAILED_PRECONDITION naming that job unless
   // take_over; with take_over, refused while another coordinator's lease on it is live, else
-  // may_take_over(owner) decides (and ClaimOptions::skipped is filled).
+  // may_take_over(owner) decides (and ClaimOptions::skipped is filled). A take-over whose final
+  // save (last_save, when in its save range) would hit another job's committed or unreadable
+  // step-<last_save> or step-<last_save>.old is refused (FAILED_PRECONDITION naming the
+  // directory, the step, the other job and the ways out: resume_from latest, a larger
+  // training.steps, another checkpoint.dir); earlier collisions are skipped saves.
   // On OK the claimant becomes the owner, the old one moving to OWNER's `previous` with `until`
   // set, and the lease is options.coordinator's. INTERNAL for I/O errors.
   absl::Status Claim(const v1::CheckpointOwnerEntry& claimant, const ClaimOptions& options) const;

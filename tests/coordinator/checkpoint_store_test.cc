@@ -613,8 +613,12 @@ TEST(CheckpointStore, AnUnreadableManifestIsNeverDeleted) {
   std::vector<std::string> skipped;
   CheckpointStore::ClaimOptions o;
   o.take_over = true;
-  o.last_save = 4;
+  o.last_save = 4;  // its final save would hit step-4: refused
   o.skipped = &skipped;
+  absl::Status refused = CheckpointStore(root).Claim(Claimant("job-b"), o);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "step-4 (unreadable MANIFEST)")) << refused;
+  o.last_save = 5;
   ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-b"), o).ok());
   EXPECT_EQ(skipped, (std::vector<std::string>{"step-2 (unreadable MANIFEST)",
                                                 "step-4 (unreadable MANIFEST)"}));
