@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -566,10 +567,35 @@ absl::Status CheckpointStore::WriteOwnerLocked(const v1::CheckpointDirOwner& o) 
   absl::StatusOr<std::string> text = EncodeOwner(o);
   if (!text.ok()) return text.status();
   const std::string path = (fs::path(root_) / kOwnerFileName).string();
-  const std::string tmp = path + ".tmp";
-  if (absl::Status s = WriteFileDurably(tmp, *text); !s.ok()) return s;
-  if (::rename(tmp.c_str(), path.c_str()) != 0) return ErrnoError("rename to", path);
-  return FsyncPath(root_, true);
+  // A temporary name of this writer alone (host, pid, a counter): where the flock is not honoured
+  // (some network filesystems) two writers never share one, and a stale one is never reused.
+  static std::atomic<uint64_t> counter{0};
+  char host[64] = {0};
+  if (::gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
+  const std::string tmp = absl::StrCat(path, ".tmp.", host[0] ? host : "host", ".",
+                                       static_cast<int64_t>(::getpid()), ".", counter++);
+  if (absl::Status s = WriteFileDurably(tmp, *text); !s.ok()) {
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    absl::Status err = ErrnoError("rename to", path);
+    ::unlink(tmp.c_str());
+    return err;
+  }
+  if (absl::Status s = FsyncPath(root_, true); !s.ok()) return s;
+  // Read back: another writer's rename in between would leave its record, not this one.
+  auto back = ReadOwnerFile(root_);
+  if (!back.ok()) return back.status();
+  if (!back->has_value() || (*back)->owner().job_id() != o.owner().job_id() ||
+      (*back)->lease().coordinator() != o.lease().coordinator() ||
+      (*back)->lease().expires() != o.lease().expires()) {
+    return absl::AbortedError(absl::StrCat(
+        path, " was rewritten by another writer at the same time (it names job ",
+        back->has_value() ? (*back)->owner().job_id() : std::string("none"), ", not ",
+        o.owner().job_id(), ")"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant, bool take_over,

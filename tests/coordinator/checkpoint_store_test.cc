@@ -755,5 +755,25 @@ TEST(CheckpointStore, SavesOnlyUnderALiveLeaseWithTheMarginLeft) {
   EXPECT_GT((*owner)->lease().expires(), (*owner)->lease().renewed() + 59);
 }
 
+// OWNER is written through a temporary file of the writer's own: another writer's (or a stale)
+// OWNER.tmp is neither used nor in the way, and no temporary file stays behind.
+TEST(CheckpointStore, OwnerIsWrittenThroughAWritersOwnTemporaryFile) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  ASSERT_TRUE(fs::create_directories(root + "/OWNER.tmp"));  // in the way of a fixed name
+  WriteBytes(root + "/OWNER.tmp/x", 1);
+  CheckpointStore::ClaimOptions o;
+  o.coordinator = "coord-1";
+  o.lease_s = 60;
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-a"), o).ok());
+  ASSERT_TRUE(*CheckpointStore(root).RenewLease("job-a", "coord-1", 60));
+  EXPECT_EQ((*CheckpointStore(root).Owner())->owner().job_id(), "job-a");
+  EXPECT_TRUE(fs::exists(root + "/OWNER.tmp/x"));
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    EXPECT_TRUE(name == "OWNER" || name == "OWNER.lock" || name == "OWNER.tmp") << name;
+  }
+}
+
 }  // namespace
 }  // namespace fsdp8::coord
