@@ -172,8 +172,11 @@ double WallSeconds() {
 }
 
 // Whether `lease` is held by a coordinator other than `me` and not expired or released.
-bool ForeignLive(const v1::CheckpointLease& lease, const std::string& me, double now) {
-  return !lease.coordinator().empty() && lease.coordinator() != me && lease.expires() > now;
+// A lease counts as live until skew_s after its expiry (the hosts' clocks may differ).
+bool ForeignLive(const v1::CheckpointLease& lease, const std::string& me, double now,
+                 double skew_s) {
+  return !lease.coordinator().empty() && lease.coordinator() != me &&
+         lease.expires() > 0 && lease.expires() + skew_s > now;
 }
 
 std::string Describe(const v1::CheckpointOwnerEntry& e) {
@@ -634,7 +637,7 @@ absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant,
           "(init.from_checkpoint starts from one of its checkpoints), or set "
           "checkpoint.take_over: true once ", old.job_id(), " has ended or was deleted"));
     }
-    if (ForeignLive(lease, options.coordinator, now)) {
+    if (ForeignLive(lease, options.coordinator, now, options.clock_skew_s)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint.take_over: checkpoint.dir ", root_, " belongs to ", Describe(old),
           ", which runs under another coordinator (", lease.host(), "; its lease was renewed ",

@@ -117,6 +117,9 @@ class CheckpointStore {
     // lease is written (tools, tests), and another coordinator's live lease still refuses.
     std::string coordinator;
     double lease_s = 0;
+    // Another coordinator's lease refuses a take-over until clock_skew_s after its expiry (a
+    // released lease, expires 0, at once): the hosts' clocks may differ by that much.
+    double clock_skew_s = 0;
     // With take_over: the steps the claimant may save, (saves_after, last_save] (saves_after
     // raised to the newest committed step when saves_after_latest: checkpoint.resume_from
     // latest). On a successful take-over, *skipped (when set and last_save >= 0) lists the

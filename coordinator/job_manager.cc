@@ -551,6 +551,7 @@ absl::Status JobManager::ClaimCheckpointDirLocked(const v1::JobSpec& spec, const
   if (options_.checkpoint_lease.count() > 0) {
     o.coordinator = coordinator_id_;
     o.lease_s = std::chrono::duration<double>(options_.checkpoint_lease).count();
+    o.clock_skew_s = o.lease_s / 4;  // an expired lease is taken over only this much later
   }
   // The steps this job may save: after the one it starts from, up to its last.
   if (c.resume_from() == "latest") {

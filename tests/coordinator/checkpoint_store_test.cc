@@ -775,5 +775,32 @@ TEST(CheckpointStore, OwnerIsWrittenThroughAWritersOwnTemporaryFile) {
   }
 }
 
+// An expired lease of another coordinator still refuses a take-over within the clock-skew grace
+// after its expiry; a released one does not.
+TEST(CheckpointStore, AnExpiredLeaseRefusesATakeOverWithinTheClockSkewGrace) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  CheckpointStore store(root);
+  CheckpointStore::ClaimOptions first;
+  first.coordinator = "coord-1";
+  first.lease_s = 60;
+  ASSERT_TRUE(store.Claim(Claimant("job-a"), first).ok());
+  ASSERT_TRUE(*store.RenewLease("job-a", "coord-1", -2));  // expired 2 s ago
+  CheckpointStore::ClaimOptions second;
+  second.take_over = true;
+  second.coordinator = "coord-2";
+  second.lease_s = 60;
+  second.clock_skew_s = 5;
+  absl::Status s = store.Claim(Claimant("job-b"), second);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "runs under another coordinator")) << s;
+  second.clock_skew_s = 1;
+  EXPECT_TRUE(store.Claim(Claimant("job-b"), second).ok());
+  ASSERT_TRUE(*store.ReleaseLease("job-b", "coord-2"));
+  first.take_over = true;
+  first.clock_skew_s = 3600;
+  EXPECT_TRUE(store.Claim(Claimant("job-c"), first).ok()) << "a released lease is no lease";
+}
+
 }  // namespace
 }  // namespace fsdp8::coord
