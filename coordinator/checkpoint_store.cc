@@ -2,9 +2,11 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -86,14 +88,22 @@ absl::Status WriteFileDurably(const std::string& path, const std::string& data,
   return absl::OkStatus();
 }
 
-// An exclusive flock of <root>/OWNER.lock (root created when missing); closing the descriptor
-// releases it.
+// An exclusive flock of <root>/OWNER.lock; closing the descriptor releases it. root is created
+// when missing only with create_root (a claim at submit); otherwise a missing root (storage not
+// mounted) is UNAVAILABLE and nothing is created.
 class DirLock {
  public:
-  static absl::StatusOr<std::unique_ptr<DirLock>> Acquire(const std::string& root) {
+  static absl::StatusOr<std::unique_ptr<DirLock>> Acquire(const std::string& root,
+                                                          bool create_root = false) {
     std::error_code ec;
-    fs::create_directories(root, ec);
-    if (ec) return absl::InternalError(absl::StrCat("create ", root, ": ", ec.message()));
+    if (create_root) {
+      fs::create_directories(root, ec);
+      if (ec) return absl::InternalError(absl::StrCat("create ", root, ": ", ec.message()));
+    } else if (!fs::is_directory(root, ec)) {
+      return absl::UnavailableError(absl::StrCat(
+          "checkpoint.dir ", root, " is not there (", ec ? ec.message() : "not a directory",
+          "; storage not mounted?); it is created only when a job claims it"));
+    }
     const std::string path = (fs::path(root) / kOwnerLockFileName).string();
     const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) return ErrnoError("open", path);
@@ -141,6 +151,16 @@ void LogLeftover(const std::string& path, const char* action, const std::string&
   LogEvent("checkpoint_leftover_removed", {{"dir", path}, {"action", action}, {"why", why}});
 }
 
+void LogKept(const std::string& path, const std::string& why) {
+  LogEvent("checkpoint_leftover_kept", {{"dir", path}, {"why", why}});
+}
+
+// "<name>.old" of a step directory name: the step; -1 otherwise.
+int64_t StepOfOldName(const std::string& name) {
+  if (name.size() <= 4 || name.compare(name.size() - 4, 4, ".old") != 0) return -1;
+  return StepOfDirName(name.substr(0, name.size() - 4));
+}
+
 std::string HostDescription() {
   char host[256] = {0};
   if (::gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
@@ -152,8 +172,11 @@ double WallSeconds() {
 }
 
 // Whether `lease` is held by a coordinator other than `me` and not expired or released.
-bool ForeignLive(const v1::CheckpointLease& lease, const std::string& me, double now) {
-  return !lease.coordinator().empty() && lease.coordinator() != me && lease.expires() > now;
+// A lease counts as live until skew_s after its expiry (the hosts' clocks may differ).
+bool ForeignLive(const v1::CheckpointLease& lease, const std::string& me, double now,
+                 double skew_s) {
+  return !lease.coordinator().empty() && lease.coordinator() != me &&
+         lease.expires() > 0 && lease.expires() + skew_s > now;
 }
 
 std::string Describe(const v1::CheckpointOwnerEntry& e) {
@@ -173,7 +196,28 @@ std::string CheckpointStore::StepDir(int64_t step) const {
 }
 
 bool CheckpointStore::IsCommitted(const std::string& step_dir) {
-  return ReadManifestFile(step_dir).ok();  // also checks step == k for a directory step-<k>
+  return Inspect(step_dir).state == ManifestState::kCommitted;
+}
+
+CheckpointStore::Inspection CheckpointStore::Inspect(const std::string& step_dir) {
+  Inspection out;
+  const std::string path = (fs::path(step_dir) / kManifestName).string();
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT || errno == ENOTDIR) return out;  // kMissing
+    out.state = ManifestState::kUnreadable;
+    out.error = ErrnoError("lstat", path);
+    return out;
+  }
+  auto m = ReadManifestFile(step_dir);  // also checks step == k for a directory step-<k>
+  if (!m.ok()) {
+    out.state = ManifestState::kUnreadable;
+    out.error = m.status();
+    return out;
+  }
+  out.state = ManifestState::kCommitted;
+  out.manifest = std::move(*m);
+  return out;
 }
 
 std::string CheckpointStore::StagingDir(int64_t step) const {
@@ -185,12 +229,34 @@ absl::StatusOr<std::string> CheckpointStore::Prepare(int64_t step) const {
   auto lock = LockIf(!job_id_.empty(), root_);
   if (!lock.ok()) return lock.status();
   if (absl::Status s = CheckOwnedLocked(); !s.ok()) return s;
+  if (absl::Status s = CheckLeaseLocked(); !s.ok()) return s;
   std::string dir = StepDir(step);
   std::error_code ec;
-  if (IsCommitted(dir)) {
-    if (!Mine(dir)) {
+  // Another job's committed old copy of this step (an interrupted replacement) is never touched.
+  const Inspection old = Inspect(dir + ".old");
+  if (old.state == ManifestState::kUnreadable) {
+    LogKept(dir + ".old", std::string(old.error.message()));
+    return absl::AlreadyExistsError(absl::StrCat(
+        dir, ".old has a MANIFEST that cannot be read (", old.error.message(), "); job ", job_id_,
+        " never writes beside a checkpoint it cannot identify"));
+  }
+  if (!job_id_.empty() && old.state == ManifestState::kCommitted &&
+      old.manifest.job_id() != job_id_) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        dir, ".old holds the committed checkpoint of job ", old.manifest.job_id(), "; job ",
+        job_id_, " never writes into another job's step"));
+  }
+  const Inspection here = Inspect(dir);
+  if (here.state == ManifestState::kUnreadable) {
+    LogKept(dir, std::string(here.error.message()));
+    return absl::AlreadyExistsError(absl::StrCat(
+        dir, " has a MANIFEST that cannot be read (", here.error.message(), "); job ", job_id_,
+        " never writes into a step directory it cannot identify"));
+  }
+  if (here.state == ManifestState::kCommitted) {
+    if (!job_id_.empty() && here.manifest.job_id() != job_id_) {
       return absl::AlreadyExistsError(absl::StrCat(
-          dir, " holds the committed checkpoint of job ", StepDirJob(dir), "; job ", job_id_,
+          dir, " holds the committed checkpoint of job ", here.manifest.job_id(), "; job ", job_id_,
           " never writes into another job's step directory"));
     }
     // Committed already by this job: stage the new save beside it.
@@ -219,14 +285,27 @@ absl::Status CheckpointStore::Commit(v1::CheckpointManifest m) const {
   auto lock = LockIf(!job_id_.empty(), root_);
   if (!lock.ok()) return lock.status();
   if (absl::Status s = CheckOwnedLocked(); !s.ok()) return s;
+  if (absl::Status s = CheckLeaseLocked(); !s.ok()) return s;
   if (!job_id_.empty() && m.job_id() != job_id_) {
     return absl::InvalidArgumentError(absl::StrCat("the MANIFEST of ", step_dir, " names job ",
                                                    m.job_id(), ", this store writes for ", job_id_));
   }
   std::error_code ec;
   // Staged when Prepare put the save beside a committed step-<k>. A staging directory left over
-  // while step-<k> is uncommitted is stale: the save went into step-<k> itself.
-  const bool staged = IsCommitted(step_dir) && fs::is_directory(StagingDir(m.step()), ec);
+  // while step-<k> has no MANIFEST is stale: the save went into step-<k> itself.
+  const Inspection current = Inspect(step_dir);
+  const bool staged =
+      current.state != ManifestState::kMissing && fs::is_directory(StagingDir(m.step()), ec);
+  if (staged && (current.state != ManifestState::kCommitted ||
+                 (!job_id_.empty() && current.manifest.job_id() != job_id_))) {
+    // What the exchange would move aside and delete must be this job's committed checkpoint.
+    return absl::FailedPreconditionError(absl::StrCat(
+        step_dir, " is not a committed checkpoint of job ", job_id_, " (",
+        current.state == ManifestState::kCommitted
+            ? absl::StrCat("job ", current.manifest.job_id())
+            : std::string(current.error.message()),
+        "); the staged save in ", StagingDir(m.step()), " is not swapped in"));
+  }
   const std::string dir = staged ? StagingDir(m.step()) : step_dir;
   if (absl::Status s = CheckManifest(m, step_dir); !s.ok())
     return absl::InvalidArgumentError(s.message());
@@ -252,6 +331,13 @@ absl::Status CheckpointStore::Commit(v1::CheckpointManifest m) const {
     // step-<k>.old, which retention keeps while step-<k> is not committed), move the new one in,
     // then drop the old. A failed second rename moves the old one back.
     const std::string old = step_dir + ".old";
+    const Inspection prior = Inspect(old);
+    if (prior.state == ManifestState::kUnreadable ||
+        (prior.state == ManifestState::kCommitted && !job_id_.empty() &&
+         prior.manifest.job_id() != job_id_)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(old, " holds a checkpoint that is not job ", job_id_, "'s; not replaced"));
+    }
     fs::remove_all(old, ec);
     if (::rename(step_dir.c_str(), old.c_str()) != 0) return ErrnoError("rename to", old);
     if (::rename(dir.c_str(), step_dir.c_str()) != 0) {
@@ -364,13 +450,16 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Retain(int keep_last) 
     if (name.size() > 4 && name.compare(name.size() - 4, 4, ".old") == 0)
       leftover = StepOfDirName(name.substr(0, name.size() - 4));
     if (leftover >= 0) {
-      if (it->is_directory() && committed.count(leftover) && Mine(it->path().string()))
+      if (it->is_directory() && committed.count(leftover) && Mine(it->path().string()) &&
+          Inspect(it->path().string()).state != ManifestState::kUnreadable)
         removed.push_back(it->path().string());
       continue;
     }
     const int64_t k = StepOfDirName(name);
     if (k < 0 || !it->is_directory()) continue;
-    const bool stale = !committed.count(k) && k < newest;
+    // Stale: an abandoned save (no MANIFEST at all); an unreadable one is never deleted.
+    const bool stale = !committed.count(k) && k < newest &&
+                       Inspect(it->path().string()).state == ManifestState::kMissing;
     if ((doomed.count(k) || stale) && Mine(it->path().string()))
       removed.push_back(it->path().string());
   }
@@ -437,9 +526,14 @@ absl::Status CheckpointStore::Abandon(int64_t step) const {
   if (!lock.ok()) return lock.status();
   if (absl::Status s = CheckOwnedLocked(); !s.ok()) return s;
   std::error_code ec;
-  if (IsCommitted(StepDir(step))) {
-    // The failed save was staged (step-<k> is committed): drop only the staging directory.
+  const ManifestState state = Inspect(StepDir(step)).state;
+  if (state != ManifestState::kMissing) {
+    // The failed save was staged (step-<k> is committed): drop only the staging directory, and
+    // beside an unreadable step-<k> only an unfinished one.
     if (!Mine(StagingDir(step))) return absl::OkStatus();
+    if (state == ManifestState::kUnreadable &&
+        Inspect(StagingDir(step)).state != ManifestState::kMissing)
+      return absl::OkStatus();
     fs::remove_all(StagingDir(step), ec);
     if (ec) return absl::InternalError(absl::StrCat("remove ", StagingDir(step), ": ", ec.message()));
     return absl::OkStatus();
@@ -476,10 +570,35 @@ absl::Status CheckpointStore::WriteOwnerLocked(const v1::CheckpointDirOwner& o) 
   absl::StatusOr<std::string> text = EncodeOwner(o);
   if (!text.ok()) return text.status();
   const std::string path = (fs::path(root_) / kOwnerFileName).string();
-  const std::string tmp = path + ".tmp";
-  if (absl::Status s = WriteFileDurably(tmp, *text); !s.ok()) return s;
-  if (::rename(tmp.c_str(), path.c_str()) != 0) return ErrnoError("rename to", path);
-  return FsyncPath(root_, true);
+  // A temporary name of this writer alone (host, pid, a counter): where the flock is not honoured
+  // (some network filesystems) two writers never share one, and a stale one is never reused.
+  static std::atomic<uint64_t> counter{0};
+  char host[64] = {0};
+  if (::gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
+  const std::string tmp = absl::StrCat(path, ".tmp.", host[0] ? host : "host", ".",
+                                       static_cast<int64_t>(::getpid()), ".", counter++);
+  if (absl::Status s = WriteFileDurably(tmp, *text); !s.ok()) {
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    absl::Status err = ErrnoError("rename to", path);
+    ::unlink(tmp.c_str());
+    return err;
+  }
+  if (absl::Status s = FsyncPath(root_, true); !s.ok()) return s;
+  // Read back: another writer's rename in between would leave its record, not this one.
+  auto back = ReadOwnerFile(root_);
+  if (!back.ok()) return back.status();
+  if (!back->has_value() || (*back)->owner().job_id() != o.owner().job_id() ||
+      (*back)->lease().coordinator() != o.lease().coordinator() ||
+      (*back)->lease().expires() != o.lease().expires()) {
+    return absl::AbortedError(absl::StrCat(
+        path, " was rewritten by another writer at the same time (it names job ",
+        back->has_value() ? (*back)->owner().job_id() : std::string("none"), ", not ",
+        o.owner().job_id(), ")"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant, bool take_over,
@@ -492,7 +611,7 @@ absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant, bo
 
 absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant,
                                     const ClaimOptions& options) const {
-  auto lock = DirLock::Acquire(root_);
+  auto lock = DirLock::Acquire(root_, /*create_root=*/true);
   if (!lock.ok()) return lock.status();
   auto record = ReadOwnerFile(root_);
   if (!record.ok()) return record.status();
@@ -518,7 +637,7 @@ absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant,
           "(init.from_checkpoint starts from one of its checkpoints), or set "
           "checkpoint.take_over: true once ", old.job_id(), " has ended or was deleted"));
     }
-    if (ForeignLive(lease, options.coordinator, now)) {
+    if (ForeignLive(lease, options.coordinator, now, options.clock_skew_s)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint.take_over: checkpoint.dir ", root_, " belongs to ", Describe(old),
           ", which runs under another coordinator (", lease.host(), "; its lease was renewed ",
@@ -530,14 +649,28 @@ absl::Status CheckpointStore::Claim(const v1::CheckpointOwnerEntry& claimant,
     if (options.may_take_over && (lease.coordinator().empty() || same_coordinator)) {
       if (absl::Status s = options.may_take_over(old); !s.ok()) return s;
     }
-    if (options.skipped != nullptr && options.last_save >= 0) {
+    if (options.last_save >= 0) {
       int64_t after = options.saves_after;
       if (options.saves_after_latest) {
         auto latest = Latest();
         if (!latest.ok()) return latest.status();
         if (latest->has_value()) after = std::max(after, (*latest)->step);
       }
-      *options.skipped = CollisionsLocked(claimant.job_id(), after, options.last_save);
+      // The final save is never skipped: a job whose last step is another job's would end
+      // without its final state.
+      const std::vector<std::string> final_hit = CollisionsLocked(
+          claimant.job_id(), std::max(after, options.last_save - 1), options.last_save);
+      if (!final_hit.empty()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint.take_over: checkpoint.dir ", root_, ": the final step ", options.last_save,
+            " (training.steps) is taken: ", absl::StrJoin(final_hit, ", "),
+            " holds a checkpoint that is never replaced, so this job's final save would be "
+            "skipped and its final state lost; set checkpoint.resume_from: latest (continue "
+            "after the newest checkpoint), raise training.steps above ", options.last_save,
+            ", or choose another checkpoint.dir"));
+      }
+      if (options.skipped != nullptr)
+        *options.skipped = CollisionsLocked(claimant.job_id(), after, options.last_save);
     }
     v1::CheckpointOwnerEntry* prev = next.add_previous();
     *prev = old;
@@ -561,14 +694,20 @@ std::vector<std::string> CheckpointStore::CollisionsLocked(const std::string& jo
   std::error_code ec;
   for (fs::directory_iterator it(root_, ec); !ec && it != fs::directory_iterator();
        it.increment(ec)) {
-    const int64_t k = StepOfDirName(it->path().filename().string());
-    if (k <= after || k > last || !it->is_directory(ec)) continue;
-    // An uncommitted one is a leftover, removed by the save of that step (Prepare).
-    auto m = ReadManifestFile(it->path().string());
-    if (!m.ok() || m->job_id() == job) continue;
-    const std::string& writer = m->job_id();
-    hit.push_back({k, absl::StrCat(it->path().filename().string(), " (job ",
-                                   writer.empty() ? "unknown" : writer, ")")});
+    const std::string name = it->path().filename().string();
+    const int64_t k = std::max(StepOfDirName(name), StepOfOldName(name));
+    if (k < 0 || k <= after || k > last || !it->is_directory(ec)) continue;
+    // One without MANIFEST is a leftover, removed by the save of that step (Prepare); an
+    // unreadable one, or another job's old copy, makes Prepare skip the step too.
+    const Inspection in = Inspect(it->path().string());
+    if (in.state == ManifestState::kMissing) continue;
+    if (in.state == ManifestState::kUnreadable) {
+      hit.push_back({k, absl::StrCat(name, " (unreadable MANIFEST)")});
+      continue;
+    }
+    const std::string& writer = in.manifest.job_id();
+    if (writer == job) continue;
+    hit.push_back({k, absl::StrCat(name, " (job ", writer.empty() ? "unknown" : writer, ")")});
   }
   std::sort(hit.begin(), hit.end());
   std::vector<std::string> out;
@@ -581,6 +720,32 @@ absl::StatusOr<bool> CheckpointStore::RenewLease(const std::string& job_id,
                                                  double lease_s) const {
   auto lock = DirLock::Acquire(root_);
   if (!lock.ok()) return lock.status();
+  return RenewLeaseLocked(job_id, coordinator, lease_s);
+}
+
+absl::StatusOr<std::vector<std::string>> CheckpointStore::ResumeAndRemoveLeftovers(
+    const std::string& coordinator, double lease_s) const {
+  if (job_id_.empty())
+    return absl::InvalidArgumentError("ResumeAndRemoveLeftovers needs a store with a job id");
+  auto lock = DirLock::Acquire(root_);
+  if (!lock.ok()) return lock.status();
+  if (lease_s > 0) {
+    auto renewed = RenewLeaseLocked(job_id_, coordinator, lease_s);
+    if (!renewed.ok()) return renewed.status();
+    if (!*renewed) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint.dir ", root_, ": job ", job_id_,
+          " no longer holds it (another job owns it, another coordinator leases it, or it has "
+          "no OWNER record); its leftovers are left to its owner"));
+    }
+  }
+  if (absl::Status s = CheckOwnedLocked(); !s.ok()) return s;
+  return RemoveLeftoversLocked();
+}
+
+absl::StatusOr<bool> CheckpointStore::RenewLeaseLocked(const std::string& job_id,
+                                                       const std::string& coordinator,
+                                                       double lease_s) const {
   auto record = ReadOwnerFile(root_);
   if (!record.ok()) return record.status();
   if (!record->has_value()) return false;
@@ -618,7 +783,19 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::RemoveLeftovers() cons
   if (!fs::exists(root_, ec)) return std::vector<std::string>();
   auto lock = DirLock::Acquire(root_);
   if (!lock.ok()) return lock.status();
-  if (absl::Status s = CheckOwnedLocked(); !s.ok()) return s;
+  if (job_id_.empty()) {
+    // No ownership to check: never while the owner's coordinator may be saving.
+    auto record = ReadOwnerFile(root_);
+    if (!record.ok()) return record.status();
+    if (record->has_value() && (*record)->lease().expires() > WallSeconds()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint.dir ", root_, ": job ", (*record)->owner().job_id(),
+          " holds a live lease (coordinator ", (*record)->lease().host(),
+          "); its leftovers are removed only by that job's store"));
+    }
+  } else if (absl::Status s = CheckOwnedLocked(); !s.ok()) {
+    return s;
+  }
   return RemoveLeftoversLocked();
 }
 
@@ -633,8 +810,7 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::RemoveLeftoversLocked(
     if (name.rfind(kStagingPrefix, 0) == 0 &&
         StepOfDirName(name.substr(sizeof(kStagingPrefix) - 1)) >= 0) {
       staging.push_back(it->path());
-    } else if (name.size() > 4 && name.compare(name.size() - 4, 4, ".old") == 0 &&
-               StepOfDirName(name.substr(0, name.size() - 4)) >= 0) {
+    } else if (StepOfOldName(name) >= 0) {
       olds.push_back(it->path());
     } else if (StepOfDirName(name) >= 0) {
       steps.push_back(it->path());
@@ -647,15 +823,34 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::RemoveLeftoversLocked(
     done.push_back(p.string());
     return absl::OkStatus();
   };
+  auto unreadable = [](const Inspection& in) {
+    return absl::StrCat("MANIFEST unreadable, kept: ", in.error.message());
+  };
   // Old copies first (an exchange without renameat2 interrupted): the committed one of a step.
   for (const fs::path& old : olds) {
     const std::string name = old.filename().string();
     const fs::path step = fs::path(root_) / name.substr(0, name.size() - 4);
-    if (IsCommitted(step.string())) {
-      if (absl::Status s = remove(old, "an old copy of a step committed again"); !s.ok()) return s;
-    } else if (ReadManifestFile(old.string()).ok()) {
+    const Inspection o = Inspect(old.string());
+    const Inspection k = Inspect(step.string());
+    if (o.state == ManifestState::kUnreadable) {
+      LogKept(old.string(), unreadable(o));
+    } else if (o.state == ManifestState::kMissing) {
+      if (absl::Status s = remove(old, "no MANIFEST"); !s.ok()) return s;
+    } else if (k.state == ManifestState::kCommitted) {
+      // Only an old copy of the same job's step: another job's is its only copy of that step.
+      if (o.manifest.job_id() == k.manifest.job_id()) {
+        if (absl::Status s = remove(old, "an old copy of a step committed again"); !s.ok())
+          return s;
+      } else {
+        LogKept(old.string(), absl::StrCat("the committed checkpoint of job ", o.manifest.job_id(),
+                                           " beside ", step.string(), " of job ",
+                                           k.manifest.job_id()));
+      }
+    } else if (k.state == ManifestState::kUnreadable) {
+      LogKept(old.string(), absl::StrCat(step.string(), ": ", unreadable(k)));
+    } else {
       if (fs::exists(step, ec)) {
-        if (absl::Status s = remove(step, "no valid MANIFEST; its old copy is restored"); !s.ok())
+        if (absl::Status s = remove(step, "no MANIFEST; its old copy is restored"); !s.ok())
           return s;
       }
       if (::rename(old.c_str(), step.c_str()) != 0) return ErrnoError("rename to", step.string());
@@ -663,23 +858,30 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::RemoveLeftoversLocked(
       LogLeftover(old.string(), "restored", absl::StrCat("the only committed copy, renamed back to ",
                                                          step.string()));
       done.push_back(old.string());
-    } else if (absl::Status s = remove(old, "no valid MANIFEST"); !s.ok()) {
-      return s;
     }
   }
   for (const fs::path& st : staging) {
     const std::string name = st.filename().string();
     const fs::path step = fs::path(root_) / name.substr(sizeof(kStagingPrefix) - 1);
-    if (IsCommitted(step.string())) {
-      if (absl::Status s = remove(st, "a staged save beside a committed step"); !s.ok()) return s;
-    } else if (!ReadManifestFile(st.string()).ok()) {
+    const Inspection in = Inspect(st.string());
+    if (in.state == ManifestState::kMissing) {
       if (absl::Status s = remove(st, "an unfinished staged save"); !s.ok()) return s;
+    } else if (in.state == ManifestState::kUnreadable) {
+      LogKept(st.string(), unreadable(in));
+    } else if (const Inspection k = Inspect(step.string());
+               k.state == ManifestState::kCommitted && k.manifest.job_id() == in.manifest.job_id()) {
+      if (absl::Status s = remove(st, "a staged save beside a committed step"); !s.ok()) return s;
     }
   }
   for (const fs::path& step : steps) {
-    if (!fs::exists(step, ec) || IsCommitted(step.string())) continue;
-    if (absl::Status s = remove(step, "no valid MANIFEST (an interrupted save or retention)");
-        !s.ok())
+    if (!fs::exists(step, ec)) continue;
+    const Inspection in = Inspect(step.string());
+    if (in.state == ManifestState::kUnreadable) {
+      LogKept(step.string(), unreadable(in));
+      continue;
+    }
+    if (in.state != ManifestState::kMissing) continue;
+    if (absl::Status s = remove(step, "no MANIFEST (an interrupted save or retention)"); !s.ok())
       return s;
   }
   return done;
@@ -706,9 +908,38 @@ absl::Status CheckpointStore::CheckOwnedLocked() const {
   }
   v1::CheckpointDirOwner o;
   o.mutable_owner()->set_job_id(job_id_);
-  o.mutable_owner()->set_since(
-      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+  const double now = WallSeconds();
+  o.mutable_owner()->set_since(now);
+  if (!lease_.coordinator.empty()) {
+    // Never an OWNER without the lease of the coordinator that runs the job.
+    v1::CheckpointLease* l = o.mutable_lease();
+    l->set_coordinator(lease_.coordinator);
+    l->set_host(HostDescription());
+    l->set_renewed(now);
+    l->set_expires(now + lease_.lease_s);
+  }
   return WriteOwnerLocked(o);
+}
+
+absl::Status CheckpointStore::CheckLeaseLocked() const {
+  if (lease_.coordinator.empty() || job_id_.empty()) return absl::OkStatus();
+  auto record = ReadOwnerFile(root_);
+  if (!record.ok()) return record.status();
+  const double now = WallSeconds();
+  const v1::CheckpointLease lease =
+      record->has_value() ? (*record)->lease() : v1::CheckpointLease();
+  if (lease.coordinator() == lease_.coordinator && lease.expires() - now > lease_.margin_s)
+    return absl::OkStatus();
+  const std::string holder =
+      lease.coordinator().empty()
+          ? std::string("no coordinator")
+          : (lease.coordinator() == lease_.coordinator ? std::string("this coordinator")
+                                                       : absl::StrCat("another coordinator (",
+                                                                      lease.host(), ")"));
+  return absl::FailedPreconditionError(absl::StrCat(
+      "checkpoint.dir ", root_, ": the lease of job ", job_id_, " is held by ", holder,
+      " and expires in ", static_cast<int64_t>(lease.expires() - now), " s (a save needs more than ",
+      static_cast<int64_t>(lease_.margin_s), " s left); not saving while it may lapse"));
 }
 
 bool CheckpointStore::Mine(const std::string& step_dir) const {

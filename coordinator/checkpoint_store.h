@@ -17,7 +17,8 @@
 //
 // Ownership (common/checkpoint_format.h, OWNER): a directory belongs to one job. Claim records the
 // owner at submit (under an exclusive flock of <root>/OWNER.lock, waited for at most 10 s, then
-// UNAVAILABLE). A store made with a job id (the job's step driver) writes only while OWNER names
+// UNAVAILABLE); only Claim creates root, every other call that takes the lock is UNAVAILABLE
+// when root is not there (storage not mounted). A store made with a job id (the job's step driver) writes only while OWNER names
 // that job (a directory without OWNER and without another job's committed checkpoint is claimed
 // by the first Prepare): Prepare, Commit, Abandon, Retain and RemoveLeftovers refuse with
 // FAILED_PRECONDITION naming the owner otherwise. Nothing ever writes into or deletes another
@@ -35,14 +36,21 @@
 // coordinator re-claims its running jobs' directories), unless another job owns the directory by
 // then.
 //
-// Committed: IsCommitted(step_dir) is the one rule (a valid MANIFEST naming the directory's step).
-// Leftovers (RemoveLeftovers): step-<k> directories that are not committed (an interrupted save,
-// or retention interrupted after it removed the MANIFEST), staging directories beside a committed
-// step, and old copies beside a committed step are removed, each logged (event
-// checkpoint_leftover_removed); an old copy that is the only committed one of its step is renamed
-// back to step-<k>. Committed step directories are never removed. Call it only while no save of
-// the directory is in progress: the coordinator does at start (for its jobs' directories) and
-// before every generation of the owner job.
+// Committed: Inspect(step_dir) is the one rule: committed (a valid MANIFEST naming the
+// directory's step), MANIFEST missing (ENOENT), or unreadable (any other failure to read or
+// accept it). Only a directory whose MANIFEST is missing is ever removed as a leftover.
+// Leftovers (RemoveLeftovers): step-<k> directories without MANIFEST (an interrupted save, or
+// retention interrupted after it removed the MANIFEST), unfinished staging directories, a staging
+// directory or old copy (step-<k>.old) beside a committed step-<k> of the same job are removed,
+// each logged (event checkpoint_leftover_removed); an old copy that is the only committed one of
+// its step is renamed back to step-<k>. Committed and unreadable step directories, and another
+// job's committed old copy, are never removed (each kept one is logged, event
+// checkpoint_leftover_kept). Prepare refuses (ALREADY_EXISTS, the save is skipped) a step whose
+// step-<k> is unreadable or another job's, or whose step-<k>.old is another job's or unreadable.
+// Call RemoveLeftovers only while no save of the directory is in progress: the coordinator does
+// at start (for its jobs' directories) and before every generation of the owner job (a failure
+// fails that generation). Without a job id it refuses (FAILED_PRECONDITION) while OWNER's lease
+// is live.
 //
 // Thread-safety: the object is immutable; concurrent calls on the same root are safe as far as the
 // filesystem is (OWNER and the MANIFEST commit under the flock), but Prepare/Commit/Retain for one
@@ -71,16 +79,30 @@ struct CommittedCheckpoint {
   int64_t bytes() const;  // sum of the files' sizes
 };
 
+// The lease the job's saves run under (the coordinator's step driver). coordinator empty: no
+// lease checks (tools, tests). Otherwise Prepare and Commit refuse (FAILED_PRECONDITION naming
+// the directory, the lease's holder and its expiry) unless OWNER's lease is `coordinator`'s and
+// expires more than margin_s from now (a lapsed lease may already have let another job in), and
+// a directory without OWNER is claimed with a lease of lease_s, never without one.
+struct SaveLeaseCheck {
+  std::string coordinator;
+  double lease_s = 0;
+  double margin_s = 0;
+};
+
 class CheckpointStore {
  public:
   static constexpr int kFormatVersion = kManifestFormatVersion;
   static constexpr const char* kManifestName = kManifestFileName;
 
+  using LeaseCheck = SaveLeaseCheck;
+
   // job_id: the job this store writes for (see Ownership above); empty: no ownership checks.
   // faults (optional, must outlive the store): Commit reaches its manifest.* crash points.
   explicit CheckpointStore(std::string root, std::string job_id = "",
-                           const FaultInjection* faults = nullptr)
-      : root_(std::move(root)), job_id_(std::move(job_id)), faults_(faults) {}
+                           const FaultInjection* faults = nullptr, LeaseCheck lease = {})
+      : root_(std::move(root)), job_id_(std::move(job_id)), faults_(faults),
+        lease_(std::move(lease)) {}
   const std::string& root() const { return root_; }
 
   // Decides whether the current owner may be replaced: OK allows, an error is returned by Claim
@@ -95,6 +117,9 @@ class CheckpointStore {
     // lease is written (tools, tests), and another coordinator's live lease still refuses.
     std::string coordinator;
     double lease_s = 0;
+    // Another coordinator's lease refuses a take-over until clock_skew_s after its expiry (a
+    // released lease, expires 0, at once): the hosts' clocks may differ by that much.
+    double clock_skew_s = 0;
     // With take_over: the steps the claimant may save, (saves_after, last_save] (saves_after
     // raised to the newest committed step when saves_after_latest: checkpoint.resume_from
     // latest). On a successful take-over, *skipped (when set and last_save >= 0) lists the
@@ -110,7 +135,11 @@ class CheckpointStore {
   // directory from before OWNER records). OK at once when claimant already owns it, or nobody
   // does (OWNER written). Another job's directory: FAILED_PRECONDITION naming that job unless
   // take_over; with take_over, refused while another coordinator's lease on it is live, else
-  // may_take_over(owner) decides (and ClaimOptions::skipped is filled).
+  // may_take_over(owner) decides (and ClaimOptions::skipped is filled). A take-over whose final
+  // save (last_save, when in its save range) would hit another job's committed or unreadable
+  // step-<last_save> or step-<last_save>.old is refused (FAILED_PRECONDITION naming the
+  // directory, the step, the other job and the ways out: resume_from latest, a larger
+  // training.steps, another checkpoint.dir); earlier collisions are skipped saves.
   // On OK the claimant becomes the owner, the old one moving to OWNER's `previous` with `until`
   // set, and the lease is options.coordinator's. INTERNAL for I/O errors.
   absl::Status Claim(const v1::CheckpointOwnerEntry& claimant, const ClaimOptions& options) const;
@@ -122,6 +151,13 @@ class CheckpointStore {
   // written) when another job owns the directory, or another coordinator holds a lease on it.
   absl::StatusOr<bool> RenewLease(const std::string& job_id, const std::string& coordinator,
                                   double lease_s) const;
+  // At a coordinator's start, for a job it resumes (a store made with that job id), under one
+  // lock: renews the job's lease for `coordinator` (as RenewLease; lease_s <= 0: no lease), then
+  // removes the leftovers (RemoveLeftovers). FAILED_PRECONDITION, nothing removed, when the
+  // renewal is refused (OWNER missing or naming another job, another coordinator's lease);
+  // UNAVAILABLE when root is not there (never created here).
+  absl::StatusOr<std::vector<std::string>> ResumeAndRemoveLeftovers(const std::string& coordinator,
+                                                                    double lease_s) const;
   // Releases (expires = 0) coordinator's lease of job_id's directory; false when OWNER names
   // another job or the lease is another coordinator's (nothing written).
   absl::StatusOr<bool> ReleaseLease(const std::string& job_id, const std::string& coordinator) const;
@@ -133,9 +169,23 @@ class CheckpointStore {
   std::string StepDir(int64_t step) const;
 
   // Whether step_dir is a committed checkpoint: its MANIFEST is valid (ReadManifestFile) and,
-  // for a directory named step-<k>, records step k. The one rule every listing, save and removal
-  // uses.
+  // for a directory named step-<k>, records step k.
   static bool IsCommitted(const std::string& step_dir);
+
+  // What a step directory's MANIFEST says, the one rule every save and removal uses:
+  // kCommitted: a valid MANIFEST (IsCommitted); kMissing: lstat of <step_dir>/MANIFEST reports
+  // ENOENT or ENOTDIR (an unfinished save, or retention interrupted after removing it; also a
+  // step_dir that does not exist); kUnreadable: anything else (an open or read error such as
+  // EIO, ESTALE, EMFILE or EACCES, a torn MANIFEST, a newer format_version, a MANIFEST of another
+  // step). Only a kMissing directory is ever deleted as a leftover; a kUnreadable one is kept
+  // (logged) and counts as another job's checkpoint for Prepare.
+  enum class ManifestState { kCommitted, kMissing, kUnreadable };
+  struct Inspection {
+    ManifestState state = ManifestState::kMissing;
+    v1::CheckpointManifest manifest;  // kCommitted only
+    absl::Status error;               // kUnreadable: why
+  };
+  static Inspection Inspect(const std::string& step_dir);
 
   // Removes the leftovers of interrupted saves and retention (see Leftovers above) and returns
   // what it removed or restored. With a job id: only while that job owns root.
@@ -204,6 +254,8 @@ class CheckpointStore {
   // by a job other than `except`; nullopt when none.
   absl::StatusOr<std::optional<v1::CheckpointOwnerEntry>> LegacyOwner(const std::string& except) const;
   absl::Status WriteOwnerLocked(const v1::CheckpointDirOwner& o) const;
+  absl::StatusOr<bool> RenewLeaseLocked(const std::string& job_id, const std::string& coordinator,
+                                        double lease_s) const;
   absl::StatusOr<std::vector<std::string>> RemoveLeftoversLocked() const;
   // The step directories of other jobs than `job` with after < k <= last, named "step-<k> (job X)".
   std::vector<std::string> CollisionsLocked(const std::string& job, int64_t after, int64_t last) const;
@@ -213,9 +265,14 @@ class CheckpointStore {
   // job id).
   bool Mine(const std::string& step_dir) const;
 
+  // With a LeaseCheck: OK while OWNER's lease is lease_.coordinator's with more than margin_s
+  // left. Call with the lock held, after CheckOwnedLocked.
+  absl::Status CheckLeaseLocked() const;
+
   std::string root_;
   std::string job_id_;
   const FaultInjection* faults_;
+  LeaseCheck lease_;
 };
 
 }  // namespace fsdp8::coord

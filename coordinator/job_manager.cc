@@ -131,31 +131,27 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
 }
 
 void JobManager::ReconcileCheckpointDirsLocked() {
+  const double lease_s = std::chrono::duration<double>(options_.checkpoint_lease).count();
   for (auto& [id, r] : jobs_) {
     const std::string& dir = r.job.spec().checkpoint().dir();
     if (dir.empty()) continue;
-    const CheckpointStore store(dir);
-    auto owner = store.Owner();
-    if (!owner.ok()) {
-      Log(LogLevel::kWarning, absl::StrCat("job ", id, ": ", owner.status().message()));
+    const CheckpointStore store(dir, id);
+    if (IsTerminalState(r.job.state())) {
+      // Ended: its lease goes (false: not this coordinator's, or not this job's directory).
+      if (lease_s <= 0) continue;
+      if (auto done = store.ReleaseLease(id, coordinator_id_); !done.ok())
+        Log(LogLevel::kWarning, absl::StrCat("job ", id, ": checkpoint.dir ", dir, ": lease: ",
+                                             done.status().message()));
       continue;
     }
-    // Only a directory this job still owns, and that no other coordinator leases.
-    if (!owner->has_value() || (*owner)->owner().job_id() != id) continue;
-    const std::string& holder = (*owner)->lease().coordinator();
-    if (!holder.empty() && holder != coordinator_id_) continue;
-    if (auto removed = store.RemoveLeftovers(); !removed.ok())
+    // Renewed by the lease thread from now on whatever happens below (storage not mounted yet:
+    // retried), until the job ends or OWNER names another job.
+    if (lease_s > 0) leases_[id] = dir;
+    // The lease first, then the leftovers, under one lock.
+    if (auto removed = store.ResumeAndRemoveLeftovers(coordinator_id_, lease_s); !removed.ok())
       Log(LogLevel::kWarning, absl::StrCat("job ", id, ": checkpoint.dir ", dir,
-                                           ": removing leftovers: ", removed.status().message()));
-    if (options_.checkpoint_lease.count() <= 0) continue;
-    const double lease_s = std::chrono::duration<double>(options_.checkpoint_lease).count();
-    absl::StatusOr<bool> done = IsTerminalState(r.job.state())
-                                    ? store.ReleaseLease(id, coordinator_id_)
-                                    : store.RenewLease(id, coordinator_id_, lease_s);
-    if (!done.ok())
-      Log(LogLevel::kWarning, absl::StrCat("job ", id, ": checkpoint.dir ", dir, ": lease: ",
-                                           done.status().message()));
-    if (!IsTerminalState(r.job.state())) leases_[id] = dir;
+                                           ": renewing the lease and removing leftovers: ",
+                                           removed.status().message()));
   }
 }
 
@@ -177,18 +173,49 @@ void JobManager::RenewLeases() {
     }
     for (const auto& [id, dir] : held) {
       // Finish and Cancel take lease_io_mu_ too: a job still in leases_ has not ended.
-      auto renewed = CheckpointStore(dir).RenewLease(id, coordinator_id_, lease_s);
+      const CheckpointStore store(dir);
+      auto renewed = store.RenewLease(id, coordinator_id_, lease_s);
       if (!renewed.ok()) {
+        // An I/O error or storage not mounted: retried at the next round.
         Log(LogLevel::kWarning, absl::StrCat("job ", id, ": renewing the lease of checkpoint.dir ",
                                              dir, ": ", renewed.status().message()));
-      } else if (!*renewed) {
-        Log(LogLevel::kWarning, absl::StrCat("job ", id, ": checkpoint.dir ", dir,
-                                             " is no longer its own; its lease is not renewed"));
-        std::lock_guard<std::mutex> lock(mu_);
-        leases_.erase(id);
+        continue;
       }
+      if (*renewed) continue;
+      // Dropped only when OWNER names another job; anything else is retried.
+      auto owner = store.Owner();
+      if (!owner.ok() || !owner->has_value() || (*owner)->owner().job_id() == id) {
+        Log(LogLevel::kWarning, absl::StrCat("job ", id, ": checkpoint.dir ", dir,
+                                             ": lease not renewed (",
+                                             owner.ok() ? (owner->has_value() ? "another coordinator's lease" : "no OWNER record")
+                                                        : std::string(owner.status().message()),
+                                             "); retried"));
+        continue;
+      }
+      Log(LogLevel::kWarning, absl::StrCat("job ", id, ": checkpoint.dir ", dir, " belongs to job ",
+                                           (*owner)->owner().job_id(),
+                                           "; its lease is no longer renewed"));
+      std::lock_guard<std::mutex> lock(mu_);
+      leases_.erase(id);
     }
   }
+}
+
+bool JobManager::HasRun(const std::string& job_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return runs_.count(job_id) > 0;
+}
+
+void JobManager::RunJoined(const std::string& job_id) {
+  std::lock_guard<std::mutex> io(lease_io_mu_);
+  bool ended = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    runs_.erase(job_id);
+    const Record* r = FindLocked(job_id);
+    ended = r == nullptr || IsTerminalState(r->job.state());
+  }
+  if (ended) ReleaseLeaseIoLocked(job_id);
 }
 
 void JobManager::ReleaseLeaseIoLocked(const std::string& job_id) {
@@ -528,6 +555,7 @@ absl::Status JobManager::ClaimCheckpointDirLocked(const v1::JobSpec& spec, const
   if (options_.checkpoint_lease.count() > 0) {
     o.coordinator = coordinator_id_;
     o.lease_s = std::chrono::duration<double>(options_.checkpoint_lease).count();
+    o.clock_skew_s = o.lease_s / 4;  // an expired lease is taken over only this much later
   }
   // The steps this job may save: after the one it starts from, up to its last.
   if (c.resume_from() == "latest") {
@@ -575,9 +603,10 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id) {
   bool was_active = false;
   std::function<void(const std::string&)> cb;
   {
-    // The lease goes before the job is seen to end (another coordinator may then take over).
+    // A job without a run: the lease goes before the job is seen to end (another coordinator may
+    // then take over). With a run, its ranks may still be writing: RunJoined releases it.
     std::lock_guard<std::mutex> io(lease_io_mu_);
-    ReleaseLeaseIoLocked(job_id);
+    if (!HasRun(job_id)) ReleaseLeaseIoLocked(job_id);
     std::lock_guard<std::mutex> lock(mu_);
     Record* r = FindLocked(job_id);
     if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
@@ -674,6 +703,7 @@ absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
   if (r->job.state() != v1::JOB_STATE_PENDING && !recovering)
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " is ", StateName(r->job.state()), ", not PENDING"));
+  runs_.insert(job_id);  // until RunJoined
   v1::Job& j = r->job;
   j.set_state(v1::JOB_STATE_STARTING);
   j.set_reason("");
@@ -830,9 +860,11 @@ absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,
                                 const std::string& reason) {
   if (!IsTerminalState(state))
     return absl::InvalidArgumentError(absl::StrCat("not a final state: ", StateName(state)));
-  // The lease goes before the job is seen to end (another coordinator may then take over).
+  // The lease goes before the job is seen to end (another coordinator may then take over), unless
+  // a run of the job may still be writing (a failure, followed by Abort): RunJoined releases it.
+  // SUCCEEDED comes after every rank acknowledged the final save.
   std::lock_guard<std::mutex> io(lease_io_mu_);
-  ReleaseLeaseIoLocked(job_id);
+  if (state == v1::JOB_STATE_SUCCEEDED || !HasRun(job_id)) ReleaseLeaseIoLocked(job_id);
   std::lock_guard<std::mutex> lock(mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));

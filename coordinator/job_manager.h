@@ -14,9 +14,14 @@
 // Checkpoint directories: Submit claims checkpoint.dir (CheckpointStore::Claim) with this
 // coordinator's lease (its identity is kept in the state db, JobStore::CoordinatorId); a thread
 // renews the leases of jobs that have not ended, and Finish and Cancel release a job's lease
-// before the job is seen to end. Open, for every job whose directory it still owns (and no other
-// coordinator leases), removes the leftovers of interrupted saves and retention
-// (CheckpointStore::RemoveLeftovers, each logged) and renews or releases the lease.
+// before the job is seen to end, unless a run of the job may still be writing (Cancel, a failure):
+// then once the run is joined (RunJoined). A renewal that fails (an I/O error, the directory not there:
+// storage not mounted, never created by a lease call) is retried every round; a job stops being
+// renewed only when it ends or OWNER names another job. Open puts every job that has not ended
+// and has a checkpoint.dir under renewal, and for each renews its lease and then removes the
+// leftovers of interrupted saves and retention under one lock
+// (CheckpointStore::ResumeAndRemoveLeftovers, each removal logged; nothing when the directory is
+// no longer the job's); an ended job's lease is released and its directory left alone.
 //
 // Restart: Open() loads every job. Those that were STARTING, RUNNING or RECOVERING become
 // RECOVERING ("recovering from a coordinator restart (restart n of max)", counted in Job.restarts
@@ -49,6 +54,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "coordinator/checkpoint_store.h"
 #include "coordinator/job_store.h"
 #include "fsdp8/v1/admin.pb.h"
 #include "fsdp8/v1/jobs.pb.h"
@@ -205,7 +211,22 @@ class JobManager {
 
   const JobManagerOptions& options() const { return options_; }
   // This coordinator's identity in checkpoint directory leases (JobStore::CoordinatorId).
+  // The scheduler's run of a job is from MarkStarting until RunJoined (its driver thread joined,
+  // every rank sent Abort or done): meanwhile its ranks may write checkpoint.dir, so Cancel, and
+  // Finish with a state other than SUCCEEDED, leave the lease (still renewed) to RunJoined, which
+  // releases it when the job has ended.
+  void RunJoined(const std::string& job_id);
   const std::string& coordinator_id() const { return coordinator_id_; }
+  // The lease a job's saves run under (CheckpointStore::LeaseCheck): this coordinator's, with
+  // half the lease length as the margin; no check when leases are off (checkpoint_lease 0).
+  CheckpointStore::LeaseCheck SaveLease() const {
+    CheckpointStore::LeaseCheck l;
+    if (options_.checkpoint_lease.count() <= 0) return l;
+    l.coordinator = coordinator_id_;
+    l.lease_s = std::chrono::duration<double>(options_.checkpoint_lease).count();
+    l.margin_s = l.lease_s / 2;
+    return l;
+  }
 
  private:
   // Logs the refused submission (event job_refused: the field and the rule) and returns s.
@@ -252,6 +273,8 @@ class JobManager {
 
   // At Open: tidies the checkpoint directories this coordinator's jobs own (see above).
   void ReconcileCheckpointDirsLocked();
+  // Whether a run of the job has not been joined yet (mu_ not held).
+  bool HasRun(const std::string& job_id) const;
   // Releases the job's checkpoint.dir lease (before it ends); lease_io_mu_ held, not mu_.
   void ReleaseLeaseIoLocked(const std::string& job_id);
   // The lease thread: renews every leases_ entry every checkpoint_lease / 4 until Shutdown.
@@ -263,6 +286,7 @@ class JobManager {
   // Held across a lease's file I/O and the job state it depends on (before mu_).
   std::mutex lease_io_mu_;
   std::map<std::string, std::string> leases_;  // job id -> checkpoint.dir leased (mu_)
+  std::set<std::string> runs_;                 // jobs with a run not joined yet (mu_)
   std::thread lease_thread_;
   mutable std::mutex mu_;
   std::condition_variable cv_;

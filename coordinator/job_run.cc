@@ -352,11 +352,13 @@ absl::Status JobRun::StartGeneration(const v1::JobSpec& spec, Progress* p) {
   if (!spec.checkpoint().dir().empty()) {
     // No save of this job is in progress: what an interrupted one left goes (each logged).
     auto removed =
-        CheckpointStore(spec.checkpoint().dir(), job_.job_id(), options_.faults).RemoveLeftovers();
+        CheckpointStore(spec.checkpoint().dir(), job_.job_id(), options_.faults, jobs_->SaveLease())
+            .RemoveLeftovers();
+    // A failure fails the generation: its saves would meet what was not cleaned up.
     if (!removed.ok())
-      Log(LogLevel::kWarning, absl::StrCat("job ", job_.job_id(), ": checkpoint.dir ",
-                                           spec.checkpoint().dir(), ": removing leftovers: ",
-                                           removed.status().message()));
+      return absl::Status(removed.status().code(),
+                          absl::StrCat("checkpoint.dir ", spec.checkpoint().dir(),
+                                       ": removing leftovers: ", removed.status().message()));
   }
   std::optional<CommittedCheckpoint> resume;
   if (absl::Status s = ResolveResume(spec, &resume); !s.ok()) return s;
@@ -654,7 +656,8 @@ absl::Status JobRun::SaveCheckpoint(const v1::JobSpec& spec, int64_t step, int64
                                     bool* storage_failure) {
   *storage_failure = false;
   const std::string what = absl::StrCat("checkpoint step-", step);
-  const CheckpointStore store(spec.checkpoint().dir(), job_.job_id(), options_.faults);
+  const CheckpointStore store(spec.checkpoint().dir(), job_.job_id(), options_.faults,
+                              jobs_->SaveLease());
   auto storage = [&](const absl::Status& s) {
     *storage_failure = true;
     store.Abandon(step).IgnoreError();  // best effort; Retain removes leftovers later

@@ -32,7 +32,7 @@
 // of a step whose directory holds another job's committed checkpoint (an earlier owner's, in a
 // directory taken over) is skipped: event "checkpoint step-<k> skipped: ..." (log event
 // checkpoint_skipped), not a failed save; that checkpoint stays as it is. Before each generation
-// the leftovers of interrupted saves are removed (CheckpointStore::RemoveLeftovers).
+// the leftovers of interrupted saves are removed (CheckpointStore::RemoveLeftovers; a failure fails the generation).
 // Failure: a WorkerError, a lost Session, a heartbeat timeout or a deadline fails the generation
 // (the reason names the worker and rank) and sends Abort to the other ranks (and to a failed rank
 // that may still be alive: timed out, silent); Cancel and Shutdown send Abort to every rank. A

@@ -56,7 +56,8 @@ ABSL_FLAG(std::string, retain_ended_jobs, "1000,30d",
 ABSL_FLAG(double, checkpoint_lease_s, 120,
           "lease on each running job's checkpoint.dir, renewed every quarter of it: another "
           "coordinator on the same storage refuses a take-over while it is live; longer than a "
-          "restart of this coordinator (which renews it again), and than the hosts' clock skew");
+          "restart of this coordinator (which renews it again), and than the hosts' clock skew; at "
+          "least 10");
 ABSL_FLAG(std::string, log_level, "info", "error, warning, info or debug (AdminService.SetLogLevel)");
 ABSL_FLAG(std::string, log_format, "text",
           "text, or json: one JSON object per line on stderr (docs/logging.md)");
@@ -129,8 +130,12 @@ int main(int argc, char** argv) {
   o.tokens = absl::GetFlag(FLAGS_tokens);
   o.max_message_bytes = std::max(1, absl::GetFlag(FLAGS_max_message_mb)) << 20;
   o.jobs.state_db = absl::GetFlag(FLAGS_state_db);
-  if (!(absl::GetFlag(FLAGS_checkpoint_lease_s) >= 1)) {
-    fprintf(stderr, "fsdp8-coordinator: --checkpoint_lease_s must be >= 1, got %g\n",
+  // A shorter lease lapses on a stalled renewal or a short restart; saves stop with half of it
+  // left (SaveLeaseCheck), so a few seconds would stop them at every hiccup.
+  if (!(absl::GetFlag(FLAGS_checkpoint_lease_s) >= 10)) {
+    fprintf(stderr,
+            "fsdp8-coordinator: --checkpoint_lease_s must be >= 10 (seconds; renewed every "
+            "quarter of it, and a job saves only with more than half of it left), got %g\n",
             absl::GetFlag(FLAGS_checkpoint_lease_s));
     return 2;
   }

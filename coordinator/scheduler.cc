@@ -44,7 +44,10 @@ void Scheduler::Stop() {
     runs.swap(runs_);
   }
   for (auto& [id, run] : runs) run->Shutdown();
-  for (auto& [id, run] : runs) run->Join();
+  for (auto& [id, run] : runs) {
+    run->Join();
+    jobs_->RunJoined(id);
+  }
 }
 
 void Scheduler::Wake() {
@@ -77,19 +80,22 @@ void Scheduler::Loop() {
 }
 
 void Scheduler::ReapFinished() {
-  std::vector<std::unique_ptr<JobRun>> done;
+  std::vector<std::pair<std::string, std::unique_ptr<JobRun>>> done;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = runs_.begin(); it != runs_.end();) {
       if (it->second->done()) {
-        done.push_back(std::move(it->second));
+        done.emplace_back(it->first, std::move(it->second));
         it = runs_.erase(it);
       } else {
         ++it;
       }
     }
   }
-  for (auto& r : done) r->Join();
+  for (auto& [id, r] : done) {
+    r->Join();
+    jobs_->RunJoined(id);  // the job's lease goes now if it has ended (Cancel)
+  }
 }
 
 int Scheduler::ChooseWorldSize(const v1::JobSpec& spec, int free) {

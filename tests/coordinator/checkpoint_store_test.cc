@@ -555,5 +555,252 @@ TEST(CheckpointStore, HalfRemovedStepIsUncommittedAndALeftover) {
   EXPECT_FALSE(CheckpointStore::IsCommitted(root + "/step-3"));
 }
 
+// Replaces `from` by `to` in <step_dir>/MANIFEST (a MANIFEST this build cannot read, or one
+// naming another job).
+void EditManifest(const std::string& step_dir, const std::string& from, const std::string& to) {
+  const std::string path = step_dir + "/MANIFEST";
+  std::ifstream in(path, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  in.close();
+  const size_t at = text.find(from);
+  ASSERT_NE(at, std::string::npos) << from << " not in " << path;
+  text.replace(at, from.size(), to);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+}
+
+// A committed step directory whose MANIFEST cannot be read (a newer format_version, a torn file)
+// is neither committed nor a leftover: RemoveLeftovers, Retain and Abandon keep it, Prepare skips
+// its step, a take-over lists it. Only a directory with no MANIFEST at all is removed.
+TEST(CheckpointStore, AnUnreadableManifestIsNeverDeleted) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-a"), false, nullptr).ok());
+  for (int64_t k : {2, 4, 6}) CommitAs(root, "job-a", k);
+  EditManifest(root + "/step-2", "\"format_version\": 1", "\"format_version\": 99");
+  {
+    const std::string path = root + "/step-4/MANIFEST";
+    fs::resize_file(path, fs::file_size(path) / 2);  // torn
+  }
+  EXPECT_EQ(CheckpointStore::Inspect(root + "/step-2").state,
+            CheckpointStore::ManifestState::kUnreadable);
+  EXPECT_EQ(CheckpointStore::Inspect(root + "/step-4").state,
+            CheckpointStore::ManifestState::kUnreadable);
+  EXPECT_EQ(CheckpointStore::Inspect(root + "/step-6").state,
+            CheckpointStore::ManifestState::kCommitted);
+  EXPECT_EQ(CheckpointStore::Inspect(root + "/step-9").state,
+            CheckpointStore::ManifestState::kMissing);
+  // An interrupted save of job-a: no MANIFEST at all, the one leftover.
+  ASSERT_TRUE(fs::create_directories(root + "/step-7"));
+  WriteBytes(root + "/step-7/rank-0.ckpt", 3);
+  EXPECT_EQ(CheckpointStore::Inspect(root + "/step-7").state,
+            CheckpointStore::ManifestState::kMissing);
+  auto before = Snapshot(root);
+  for (auto it = before.begin(); it != before.end();)
+    it = absl::StrContains(it->first, "/step-7/") ? before.erase(it) : std::next(it);
+
+  CheckpointStore a(root, "job-a");
+  auto removed = a.RemoveLeftovers();
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ(*removed, (std::vector<std::string>{root + "/step-7"}));
+  // The owner's own retention: step-2 and step-4 are not stale saves.
+  CommitAs(root, "job-a", 8);
+  ASSERT_TRUE(a.Retain(1).ok());
+  EXPECT_TRUE(fs::exists(root + "/step-2/MANIFEST"));
+  EXPECT_TRUE(fs::exists(root + "/step-4/MANIFEST"));
+  EXPECT_TRUE(a.Abandon(2).ok());
+  EXPECT_TRUE(a.Abandon(4).ok());
+  // A later owner: the same, and its saves of those steps are skipped.
+  std::vector<std::string> skipped;
+  CheckpointStore::ClaimOptions o;
+  o.take_over = true;
+  o.last_save = 4;  // its final save would hit step-4: refused
+  o.skipped = &skipped;
+  absl::Status refused = CheckpointStore(root).Claim(Claimant("job-b"), o);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "step-4 (unreadable MANIFEST)")) << refused;
+  o.last_save = 5;
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-b"), o).ok());
+  EXPECT_EQ(skipped, (std::vector<std::string>{"step-2 (unreadable MANIFEST)",
+                                                "step-4 (unreadable MANIFEST)"}));
+  CheckpointStore b(root, "job-b");
+  removed = b.RemoveLeftovers();
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_TRUE(removed->empty());
+  for (int64_t k : {2, 4}) {
+    auto dir = b.Prepare(k);
+    EXPECT_EQ(dir.status().code(), absl::StatusCode::kAlreadyExists) << k << dir.status();
+    EXPECT_TRUE(absl::StrContains(dir.status().message(), "cannot be read")) << dir.status();
+    EXPECT_TRUE(b.Abandon(k).ok());
+  }
+  const auto now = Snapshot(root);
+  for (const auto& [path, bytes] : before) {
+    if (absl::EndsWith(path, "/OWNER") || absl::StrContains(path, "/step-6/")) continue;
+    ASSERT_TRUE(now.count(path)) << path << " was deleted";
+    EXPECT_EQ(now.at(path), bytes) << path << " changed";
+  }
+}
+
+// step-<k>.old of another job (its only copy of step k, left by an interrupted replacement) is
+// never removed because step-<k> is committed by the new owner; Prepare skips step k, a take-over
+// lists it, and Commit never swaps a staged save with a step-<k> that is not the job's own.
+TEST(CheckpointStore, AnotherJobsOldCopyOfAStepIsNeverDeleted) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-a"), false, nullptr).ok());
+  CommitAs(root, "job-a", 3);
+  fs::rename(root + "/step-3", root + "/step-3.old");
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-b"), true, nullptr).ok());
+  {
+    CheckpointStore untracked(root);  // job-b's step-3 beside it (no ownership checks)
+    v1::CheckpointManifest m = Save(untracked, 3, 1);
+    m.set_job_id("job-b");
+    ASSERT_TRUE(untracked.Commit(m).ok());
+  }
+  const auto old = Snapshot(root + "/step-3.old");
+  ASSERT_FALSE(old.empty());
+  CheckpointStore b(root, "job-b");
+  auto removed = b.RemoveLeftovers();
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_TRUE(removed->empty());
+  EXPECT_EQ(Snapshot(root + "/step-3.old"), old);
+  auto dir = b.Prepare(3);
+  EXPECT_EQ(dir.status().code(), absl::StatusCode::kAlreadyExists) << dir.status();
+  EXPECT_TRUE(absl::StrContains(dir.status().message(),
+                                root + "/step-3.old holds the committed checkpoint of job job-a"))
+      << dir.status();
+  ASSERT_TRUE(b.Retain(1).ok());
+  EXPECT_EQ(Snapshot(root + "/step-3.old"), old);
+  std::vector<std::string> skipped;
+  CheckpointStore::ClaimOptions o;
+  o.take_over = true;
+  o.last_save = 5;
+  o.skipped = &skipped;
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-c"), o).ok());
+  EXPECT_EQ(skipped, (std::vector<std::string>{"step-3 (job job-b)", "step-3.old (job job-a)"}));
+  // job-c's staged re-save of its step 5, and meanwhile step-5 names job-a: not swapped in.
+  CommitAs(root, "job-c", 5);
+  CheckpointStore c(root, "job-c");
+  v1::CheckpointManifest m = Save(c, 5, 1);
+  m.set_job_id("job-c");
+  ASSERT_TRUE(fs::is_directory(c.StagingDir(5)));
+  EditManifest(root + "/step-5", "\"job-c\"", "\"job-a\"");
+  const auto five = Snapshot(root + "/step-5");
+  absl::Status s = c.Commit(m);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(Snapshot(root + "/step-5"), five);
+  EXPECT_EQ(CheckpointStore::ReadManifest(root + "/step-5")->job_id(), "job-a");
+}
+
+// Lease calls on a directory that is not there (storage not mounted) fail UNAVAILABLE and create
+// nothing; only a claim creates the directory.
+TEST(CheckpointStore, LeaseCallsNeverCreateTheDirectory) {
+  TempDir tmp;
+  const std::string root = tmp.File("mnt/ck");
+  CheckpointStore store(root);
+  auto renewed = store.RenewLease("job-a", "coord-1", 60);
+  EXPECT_EQ(renewed.status().code(), absl::StatusCode::kUnavailable) << renewed.status();
+  EXPECT_TRUE(absl::StrContains(renewed.status().message(), "checkpoint.dir " + root))
+      << renewed.status();
+  EXPECT_EQ(store.ReleaseLease("job-a", "coord-1").status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(CheckpointStore(root, "job-a").ResumeAndRemoveLeftovers("coord-1", 60).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_FALSE(fs::exists(tmp.File("mnt")));
+  ASSERT_TRUE(store.Claim(Claimant("job-a"), false, nullptr).ok());
+  EXPECT_TRUE(fs::exists(root + "/OWNER"));
+}
+
+// The coordinator's step driver saves only under its own lease with more than the margin left:
+// a lease about to lapse, released, or another coordinator's refuses Prepare and Commit; a
+// directory without OWNER is claimed with the lease, never without one.
+TEST(CheckpointStore, SavesOnlyUnderALiveLeaseWithTheMarginLeft) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  CheckpointStore::ClaimOptions claim;
+  claim.coordinator = "coord-1";
+  claim.lease_s = 60;
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-a"), claim).ok());
+  CheckpointStore::LeaseCheck lease{"coord-1", 60, 30};
+  CheckpointStore a(root, "job-a", nullptr, lease);
+  v1::CheckpointManifest m = Save(a, 2, 1);  // 60 s left: saves
+  m.set_job_id("job-a");
+  ASSERT_TRUE(a.Commit(m).ok());
+  ASSERT_TRUE(a.Prepare(4).ok());
+  auto refused = [&](const std::string& why) {
+    absl::Status s = a.Prepare(4).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << why << ": " << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "checkpoint.dir " + root + ": the lease of job job-a"))
+        << s;
+    m.set_step(2);
+    s = a.Commit(m);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << why << ": " << s;
+  };
+  ASSERT_TRUE(*CheckpointStore(root).RenewLease("job-a", "coord-1", 10));  // 10 s < 30 s margin
+  refused("about to lapse");
+  ASSERT_TRUE(*CheckpointStore(root).ReleaseLease("job-a", "coord-1"));
+  refused("released");
+  CheckpointStore::LeaseCheck other{"coord-2", 60, 30};
+  EXPECT_EQ(CheckpointStore(root, "job-a", nullptr, other).Prepare(6).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(*CheckpointStore(root).RenewLease("job-a", "coord-1", 60));
+  EXPECT_TRUE(a.Prepare(6).ok());
+  // A directory without OWNER: the first save claims it with the lease.
+  const std::string fresh = tmp.File("fresh");
+  ASSERT_TRUE(fs::create_directories(fresh));
+  ASSERT_TRUE(CheckpointStore(fresh, "job-b", nullptr, lease).Prepare(1).ok());
+  auto owner = CheckpointStore(fresh).Owner();
+  ASSERT_TRUE(owner.ok() && owner->has_value()) << owner.status();
+  EXPECT_EQ((*owner)->owner().job_id(), "job-b");
+  EXPECT_EQ((*owner)->lease().coordinator(), "coord-1");
+  EXPECT_GT((*owner)->lease().expires(), (*owner)->lease().renewed() + 59);
+}
+
+// OWNER is written through a temporary file of the writer's own: another writer's (or a stale)
+// OWNER.tmp is neither used nor in the way, and no temporary file stays behind.
+TEST(CheckpointStore, OwnerIsWrittenThroughAWritersOwnTemporaryFile) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  ASSERT_TRUE(fs::create_directories(root + "/OWNER.tmp"));  // in the way of a fixed name
+  WriteBytes(root + "/OWNER.tmp/x", 1);
+  CheckpointStore::ClaimOptions o;
+  o.coordinator = "coord-1";
+  o.lease_s = 60;
+  ASSERT_TRUE(CheckpointStore(root).Claim(Claimant("job-a"), o).ok());
+  ASSERT_TRUE(*CheckpointStore(root).RenewLease("job-a", "coord-1", 60));
+  EXPECT_EQ((*CheckpointStore(root).Owner())->owner().job_id(), "job-a");
+  EXPECT_TRUE(fs::exists(root + "/OWNER.tmp/x"));
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    EXPECT_TRUE(name == "OWNER" || name == "OWNER.lock" || name == "OWNER.tmp") << name;
+  }
+}
+
+// An expired lease of another coordinator still refuses a take-over within the clock-skew grace
+// after its expiry; a released one does not.
+TEST(CheckpointStore, AnExpiredLeaseRefusesATakeOverWithinTheClockSkewGrace) {
+  TempDir tmp;
+  const std::string root = tmp.File("ck");
+  CheckpointStore store(root);
+  CheckpointStore::ClaimOptions first;
+  first.coordinator = "coord-1";
+  first.lease_s = 60;
+  ASSERT_TRUE(store.Claim(Claimant("job-a"), first).ok());
+  ASSERT_TRUE(*store.RenewLease("job-a", "coord-1", -2));  // expired 2 s ago
+  CheckpointStore::ClaimOptions second;
+  second.take_over = true;
+  second.coordinator = "coord-2";
+  second.lease_s = 60;
+  second.clock_skew_s = 5;
+  absl::Status s = store.Claim(Claimant("job-b"), second);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "runs under another coordinator")) << s;
+  second.clock_skew_s = 1;
+  EXPECT_TRUE(store.Claim(Claimant("job-b"), second).ok());
+  ASSERT_TRUE(*store.ReleaseLease("job-b", "coord-2"));
+  first.take_over = true;
+  first.clock_skew_s = 3600;
+  EXPECT_TRUE(store.Claim(Claimant("job-c"), first).ok()) << "a released lease is no lease";
+}
+
 }  // namespace
 }  // namespace fsdp8::coord

@@ -647,6 +647,76 @@ TEST(JobManagerLease, RenewedUntilTheJobEnds) {
   EXPECT_EQ((*CheckpointStore(ck).Owner())->lease().expires(), 0) << "renewed after the end";
 }
 
+// Cancel of a job whose run has not been joined (its ranks may still write) keeps the lease live
+// and renewed; it goes once the run is joined. A job without a run loses it at once.
+TEST(JobManagerLease, CancelKeepsTheLeaseUntilTheRunIsJoined) {
+  TempDir dir;
+  const std::string train = WriteTokens(dir, "train.bin");
+  JobManagerOptions o;
+  o.checkpoint_lease = std::chrono::milliseconds(400);
+  auto jm = JobManager::Open(o);
+  ASSERT_TRUE(jm.ok()) << jm.status();
+  v1::JobSpec spec = SmallSpec(train);
+  spec.mutable_checkpoint()->set_dir(dir.File("ck"));
+  auto a = (*jm)->Submit("", spec);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE((*jm)->MarkStarting(a->job_id(), {"w-1"}).ok());
+  ASSERT_TRUE((*jm)->Cancel(a->job_id()).ok());
+  const double cancelled = NowSeconds();
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // beyond one lease length
+  auto owner = CheckpointStore(dir.File("ck")).Owner();
+  ASSERT_TRUE(owner.ok() && owner->has_value()) << owner.status();
+  EXPECT_GT((*owner)->lease().expires(), NowSeconds()) << "released while the run may write";
+  EXPECT_GT((*owner)->lease().renewed(), cancelled) << "not renewed while the run may write";
+  (*jm)->RunJoined(a->job_id());
+  EXPECT_EQ((*CheckpointStore(dir.File("ck")).Owner())->lease().expires(), 0);
+
+  spec.mutable_checkpoint()->set_dir(dir.File("ck2"));
+  auto b = (*jm)->Submit("", spec);  // PENDING: no run
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_TRUE((*jm)->Cancel(b->job_id()).ok());
+  EXPECT_EQ((*CheckpointStore(dir.File("ck2")).Owner())->lease().expires(), 0);
+}
+
+// A restart while the checkpoint storage is not mounted yet: the job's lease is still renewed
+// once the directory is back (retried, never dropped), and no lease call creates the directory on
+// the empty mount point meanwhile.
+TEST(JobManagerLease, RenewedOnceTheStorageIsBackAfterARestart) {
+  TempDir dir;
+  const std::string train = WriteTokens(dir, "train.bin");
+  JobManagerOptions o;
+  o.state_db = dir.File("state.db");
+  o.checkpoint_lease = std::chrono::milliseconds(400);
+  const std::string mnt = dir.File("mnt");
+  const std::string ck = mnt + "/ck";
+  v1::JobSpec spec = SmallSpec(train);
+  spec.mutable_checkpoint()->set_dir(ck);
+  std::string id;
+  {
+    auto jm = JobManager::Open(o);
+    ASSERT_TRUE(jm.ok()) << jm.status();
+    auto a = (*jm)->Submit("", spec);
+    ASSERT_TRUE(a.ok()) << a.status();
+    id = a->job_id();
+  }
+  std::filesystem::rename(mnt, dir.File("unmounted"));
+  ASSERT_TRUE(std::filesystem::create_directories(mnt));  // the empty mount point
+  auto jm = JobManager::Open(o);
+  ASSERT_TRUE(jm.ok()) << jm.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));  // four renewal rounds
+  EXPECT_FALSE(std::filesystem::exists(ck)) << "created on the empty mount point";
+  std::filesystem::remove(mnt);
+  std::filesystem::rename(dir.File("unmounted"), mnt);  // mounted
+  const double back = NowSeconds();
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  auto owner = CheckpointStore(ck).Owner();
+  ASSERT_TRUE(owner.ok() && owner->has_value()) << owner.status();
+  EXPECT_EQ((*owner)->owner().job_id(), id);
+  EXPECT_EQ((*owner)->lease().coordinator(), (*jm)->coordinator_id());
+  EXPECT_GT((*owner)->lease().renewed(), back) << "never renewed after the storage came back";
+  EXPECT_GT((*owner)->lease().expires(), NowSeconds());
+}
+
 // Retention keeps the most recently ended jobs up to the count, drops those older than the age,
 // and never touches a job that has not ended.
 TEST(JobManagerRetention, CountAndAge) {

@@ -993,8 +993,15 @@ TEST_F(SchedulerTest, ResumeSendsTheSameCheckpointToEveryRank) {
   ASSERT_EQ(WaitEnd(a->job_id()).state(), v1::JOB_STATE_SUCCEEDED);
   ASSERT_EQ(Committed(ck), (std::vector<int64_t>{4}));
   ASSERT_TRUE(WaitFor([&] { return AllIdle(); }));
+  // Each pass takes over its own copy of the directory: a second take-over of the same one would
+  // meet the first pass's step-8 at its final step (refused at submit).
+  const std::string copies[2] = {dir_.File("ck-latest"), dir_.File("ck-step4")};
+  for (const std::string& copy : copies)
+    std::filesystem::copy(ck, copy, std::filesystem::copy_options::recursive);
 
-  for (const std::string& from : {std::string("latest"), ck + "/step-4"}) {
+  for (int pass = 0; pass < 2; ++pass) {
+    const std::string ck = copies[pass];
+    const std::string from = pass == 0 ? std::string("latest") : ck + "/step-4";
     v1::JobSpec second = SmallSpec(train_, 2, 8);
     second.mutable_checkpoint()->set_dir(ck);
     second.mutable_checkpoint()->set_resume_from(from);
@@ -1033,8 +1040,43 @@ TEST_F(SchedulerTest, ResumeSendsTheSameCheckpointToEveryRank) {
                         "resuming from " + ck + "/step-4 (step 4, saved by 2 ranks)"),
               msgs.end());
     ASSERT_TRUE(WaitFor([&] { return AllIdle(); }));
+    EXPECT_EQ(Committed(ck), (std::vector<int64_t>{4, 8}));
+    // step-4 stays the first job's, step-8 is this pass's.
+    EXPECT_EQ(CheckpointStore::ReadManifest(ck + "/step-4")->job_id(), a->job_id());
+    EXPECT_EQ(CheckpointStore::ReadManifest(ck + "/step-8")->job_id(), b->job_id());
   }
-  EXPECT_EQ(Committed(ck), (std::vector<int64_t>{4, 8}));
+}
+
+std::map<std::string, std::string> FilesUnder(const std::string& root);
+
+// A take-over whose final step (training.steps) is another job's committed checkpoint is refused
+// at submit, naming the directory, the step, that job and the ways out; nothing is written.
+TEST_F(SchedulerTest, TakeOverWhoseFinalStepIsTakenIsRefused) {
+  auto w0 = AddWorker();
+  const std::string ck = dir_.File("ck");
+  v1::JobSpec first = SmallSpec(train_, 1, 4);
+  first.mutable_checkpoint()->set_dir(ck);
+  first.mutable_checkpoint()->set_every_steps(2);
+  auto a = jobs_->Submit("", first);
+  ASSERT_TRUE(a.ok());
+  ASSERT_EQ(WaitEnd(a->job_id()).state(), v1::JOB_STATE_SUCCEEDED);
+  ASSERT_EQ(Committed(ck), (std::vector<int64_t>{2, 4}));
+  const auto before = FilesUnder(ck);
+  v1::JobSpec second = SmallSpec(train_, 1, 4);
+  second.mutable_checkpoint()->set_dir(ck);
+  second.mutable_checkpoint()->set_take_over(true);
+  absl::Status s = jobs_->Submit("", second).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  for (const std::string& part :
+       {"checkpoint.dir " + ck, std::string("final step 4"), "step-4 (job " + a->job_id() + ")",
+        std::string("checkpoint.resume_from: latest"), std::string("training.steps"),
+        std::string("another checkpoint.dir")})
+    EXPECT_TRUE(absl::StrContains(s.message(), part)) << part << " not in " << s;
+  EXPECT_EQ(FilesUnder(ck), before);
+  EXPECT_EQ((*CheckpointStore(ck).Owner())->owner().job_id(), a->job_id());
+  // The ways out: continuing after the newest checkpoint, or more steps (step 2 is skipped).
+  second.mutable_checkpoint()->set_resume_from("latest");
+  EXPECT_TRUE(jobs_->Submit("", second).ok());
 }
 
 // Every file under root and its bytes.
@@ -1108,6 +1150,30 @@ TEST_F(SchedulerTest, TwoJobsOnOneDirectoryTheFirstsCheckpointsStay) {
   EXPECT_EQ((*owner_now)->owner().job_id(), b->job_id());
   ASSERT_EQ((*owner_now)->previous_size(), 1);
   EXPECT_EQ((*owner_now)->previous(0).job_id(), a->job_id());
+}
+
+// A generation starts only once the leftovers of its directory are removed: when that fails (the
+// directory now belongs to another job) the job fails naming it and never runs a step.
+TEST_F(SchedulerTest, AGenerationWhoseLeftoversCannotBeRemovedNeverRuns) {
+  const std::string ck = dir_.File("ck");
+  v1::JobSpec spec = SmallSpec(train_, 1, 3);
+  spec.mutable_checkpoint()->set_dir(ck);
+  auto job = jobs_->Submit("", spec);  // no worker yet: PENDING
+  ASSERT_TRUE(job.ok()) << job.status();
+  {
+    v1::CheckpointDirOwner o;
+    o.mutable_owner()->set_job_id("job-elsewhere");
+    auto text = EncodeOwner(o);
+    ASSERT_TRUE(text.ok()) << text.status();
+    std::ofstream(ck + "/OWNER", std::ios::trunc) << *text;
+  }
+  auto w0 = AddWorker();
+  v1::Job end = WaitEnd(job->job_id());
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(end.reason(), "checkpoint.dir " + ck + ": removing leftovers"))
+      << end.reason();
+  EXPECT_TRUE(absl::StrContains(end.reason(), "belongs to job job-elsewhere")) << end.reason();
+  EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kStep), 0);
 }
 
 // init.from_checkpoint: a job starts at step 0 from another job's committed checkpoint, which

@@ -131,16 +131,19 @@ class CheckpointOwnershipTest : public ::testing::Test {
   }
 
   // A coordinator on state db `db` with `workers` CPU workers; its stub in stubs_[name].
+  // `flags`: more coordinator flags.
   std::unique_ptr<LocalCluster> Start(const std::string& name, const std::string& db, int workers,
-                                      std::vector<std::string> env = {}) {
+                                      std::vector<std::string> env = {},
+                                      const std::vector<std::string>& flags = {}) {
     auto c = std::make_unique<LocalCluster>(
         LocalCluster::Binaries{FSDP8_COORDINATOR_BIN, FSDP8_WORKER_BIN}, root(),
         ProcessOptions{std::move(env)});
-    const std::string addr = c->StartCoordinator(
-        {"--listen=127.0.0.1:0", "--state_db=" + (root() / db).string(),
-         "--data_roots=" + root().string(), "--heartbeat_interval_ms=200",
-         "--heartbeat_timeout_s=10", "--abort_grace_s=0"},
-        name + "-coordinator.log");
+    std::vector<std::string> all = {"--listen=127.0.0.1:0", "--state_db=" + (root() / db).string(),
+                                    "--data_roots=" + root().string(),
+                                    "--heartbeat_interval_ms=200", "--heartbeat_timeout_s=10",
+                                    "--abort_grace_s=0"};
+    all.insert(all.end(), flags.begin(), flags.end());
+    const std::string addr = c->StartCoordinator(all, name + "-coordinator.log");
     EXPECT_FALSE(addr.empty()) << ReadFile(c->LogPath(name + "-coordinator.log"));
     for (int i = 0; i < workers; ++i)
       c->AddWorker({"--coordinator=" + addr, "--threads=1"}, absl::StrCat(name, "-worker-", i, ".log"));
@@ -299,15 +302,23 @@ TEST_F(CheckpointOwnershipTest, SecondCoordinatorRefusesTakeOverOfARunningJob) {
   EXPECT_EQ((*owner)->owner().job_id(), b.job_id());
 }
 
-// The owner's coordinator is SIGKILLed while its job runs: its lease outlives it, so a second
-// coordinator refuses the take-over while it is down; started again on its state db, it renews
-// the lease (same identity), resumes the job from its checkpoint and finishes it; the directory
-// stays the job's throughout.
+double WallNow() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// The owner's coordinator (a 10 s lease, the shortest allowed) is SIGKILLed while its job runs:
+// its lease outlives it, so a second coordinator refuses the take-over while it is down; started
+// again on its state db a few seconds later, it renews the lease (same identity, renewed after
+// the kill) and keeps renewing it: more than a lease length later, while the job still waits for
+// a worker, the take-over is still refused. With a worker it resumes the job from its checkpoint
+// and finishes it; the directory stays the job's throughout.
 TEST_F(CheckpointOwnershipTest, LeaseOutlivesARestartOfTheOwningCoordinator) {
+  const std::vector<std::string> lease = {"--checkpoint_lease_s=10"};
   auto second = Start("second", "second.db", 0);
   std::string id, holder;
+  double killed = 0;
   {
-    auto first = Start("first", "first.db", 1);
+    auto first = Start("first", "first.db", 1, {}, lease);
     v1::Job a;
     ASSERT_TRUE(Submit("first", Spec(40, 5, 2), &a).ok());
     id = a.job_id();
@@ -316,6 +327,7 @@ TEST_F(CheckpointOwnershipTest, LeaseOutlivesARestartOfTheOwningCoordinator) {
            std::chrono::steady_clock::now() < until)
       std::this_thread::sleep_for(5ms);
     ASSERT_TRUE(first->coordinator()->Kill());
+    killed = WallNow();
     auto owner = ReadOwnerFile(ck().string());
     ASSERT_TRUE(owner.ok() && owner->has_value()) << owner.status();
     holder = (*owner)->lease().coordinator();
@@ -331,13 +343,27 @@ TEST_F(CheckpointOwnershipTest, LeaseOutlivesARestartOfTheOwningCoordinator) {
   EXPECT_TRUE(absl::StrContains(st.error_message(), "belongs to job " + id)) << st.error_message();
   EXPECT_TRUE(absl::StrContains(st.error_message(), "another coordinator")) << st.error_message();
 
-  auto again = Start("first-again", "first.db", 1);
+  std::this_thread::sleep_for(3s);  // a restart that takes a few seconds
+  // No worker yet: the job waits RECOVERING, with its lease renewed by the restarted coordinator.
+  auto again = Start("first-again", "first.db", 0, {}, lease);
+  const double restarted = WallNow();
   auto owner = ReadOwnerFile(ck().string());
   ASSERT_TRUE(owner.ok() && owner->has_value()) << owner.status();
   EXPECT_EQ((*owner)->owner().job_id(), id);
   EXPECT_EQ((*owner)->lease().coordinator(), holder) << "the restarted coordinator re-claims";
+  EXPECT_GT((*owner)->lease().renewed(), killed + 2) << "not renewed by the restart";
   st = Submit("second", take, &b);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  // Past one lease length after the restart's renewal: still refused (renewed meanwhile).
+  std::this_thread::sleep_for(std::chrono::duration<double>(restarted + 11.5 - WallNow()));
+  owner = ReadOwnerFile(ck().string());
+  ASSERT_TRUE(owner.ok() && owner->has_value()) << owner.status();
+  EXPECT_GT((*owner)->lease().renewed(), restarted + 5) << "not renewed after the restart";
+  st = Submit("second", take, &b);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_TRUE(absl::StrContains(st.error_message(), "another coordinator")) << st.error_message();
+  again->AddWorker({"--coordinator=" + again->address(), "--threads=1"},
+                   "first-again-worker-0.log");
   const v1::Job end = WaitEnd("first-again", id);
   ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
   EXPECT_EQ(end.step(), 40);
