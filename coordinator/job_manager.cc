@@ -307,7 +307,8 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
   std::string bytes = DeterministicBytes(d);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (auto replay = ReplayLocked(request_id, owner, bytes)) return *replay;
+    if (auto replay = ReplayLocked(request_id, owner, bytes))
+      return replay->ok() ? *replay : Refused(replay->status(), owner, d);
   }
   if (absl::Status s = ValidateSpec(d, 0, options_.data_roots, options_.check_files); !s.ok())
     return Refused(s, owner, d);
@@ -364,7 +365,8 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
     if (shutdown_)
       return Refused(absl::UnavailableError("coordinator is shutting down"), owner, d);
     // Re-checked: another submit may have raced us.
-    if (auto replay = ReplayLocked(request_id, owner, bytes)) return *replay;
+    if (auto replay = ReplayLocked(request_id, owner, bytes))
+      return replay->ok() ? *replay : Refused(replay->status(), owner, d);
     std::string id = NewJobIdLocked();
     std::vector<std::string> skipped;
     if (absl::Status s = ClaimCheckpointDirLocked(d, id, owner, &skipped); !s.ok())

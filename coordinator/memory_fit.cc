@@ -100,9 +100,12 @@ FitChoice ChooseFittingWorkers(const v1::JobSpec& spec, const std::vector<std::s
       return c;
     }
     if (c.why.empty() && p) {
-      c.why = absl::StrCat("waiting for ", n, " workers with ", MemoryBytes(p->device_bytes),
-                           " each (the memory plan at ", n, " ranks; ", fit.size(), " of ",
-                           free.size(), " free workers have it)");
+      const std::string each = p->device_bytes == kBytesExceeded
+                                   ? "more than 8 EiB"  // MemoryBytes reads "exceeds 8 EiB"
+                                   : MemoryBytes(p->device_bytes);
+      c.why = absl::StrCat("waiting for ", n, " workers with ", each, " each (the memory plan at ",
+                           n, " ranks; ", fit.size(), " of ", free.size(),
+                           " free workers have it)");
     }
   }
   return c;

@@ -1,5 +1,6 @@
 // fsdp8-worker: one rank of fsdp8 training jobs (see worker/daemon.h).
 #include <pthread.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -248,6 +249,18 @@ void PrintStartLine(const fsdp8::DaemonOptions& o) {
                           ", backend ", o.backend, ", device ", device));
 }
 
+// A job keeps each of its token shards open while it runs (common/token_shard.h, TokenShardReader):
+// the soft limit on open files is raised to the hard one, so that a corpus of thousands of shards
+// does not run into the usual soft limit of 1,024.
+void RaiseOpenFileLimit() {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur >= rl.rlim_max) return;
+  rl.rlim_cur = rl.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &rl) != 0) {
+    fsdp8::Log(fsdp8::LogLevel::kWarning, "cannot raise the open-file limit to its hard limit");
+  }
+}
+
 int Fail(absl::string_view what) {
   std::cerr << "fsdp8-worker: " << what << std::endl;
   return 2;
@@ -266,6 +279,7 @@ int main(int argc, char** argv) {
   if (!log_format.ok()) return Fail(absl::StrCat("--log_", log_format.status().message()));
   fsdp8::SetLogFormat(*log_format);
   fsdp8::SetLogProcess("fsdp8-worker");
+  RaiseOpenFileLimit();
 
   fsdp8::DaemonOptions opts = OptionsFromFlags(fsdp8::WorkerSettings::FromEnvironment());
   PrintStartLine(opts);

@@ -339,20 +339,25 @@ TEST_F(FailLoudlyTest, EveryRefusedSubmissionIsInTheCoordinatorLog) {
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
   st = TrySubmit(SmallSpec(5), &job, std::string(300, 'r'));
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  // A request id reused with another spec: accepted once, refused the second time.
+  ASSERT_TRUE(TrySubmit(SmallSpec(5), &job, "rid-1").ok());
+  st = TrySubmit(SmallSpec(6), &job, "rid-1");
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::ALREADY_EXISTS) << st.error_message();
 
   const fs::path log = cluster_->LogPath("coordinator.log");
   const std::vector<std::string> rules{
       "field=spec rule=\"serialized size " + std::to_string(big.ByteSizeLong()) +
           " bytes exceeds the limit of 65536 bytes\"",
       "field=model.d_model rule=\"must be divisible by model.n_heads",
-      "field=request_id rule=\"longer than the limit of 256 bytes (got 300)\""};
+      "field=request_id rule=\"longer than the limit of 256 bytes (got 300)\"",
+      "code=ALREADY_EXISTS", "was already used for job"};
   // Each refusal was answered after its line was written.
   const std::string text = ReadFile(log);
   int refused = 0;
   for (size_t at = text.find("job_refused"); at != std::string::npos;
        at = text.find("job_refused", at + 1))
     ++refused;
-  EXPECT_EQ(refused, 3) << text;
+  EXPECT_EQ(refused, 4) << text;
   for (const std::string& rule : rules)
     EXPECT_NE(text.find(rule), std::string::npos) << rule << "\n" << text;
 }
