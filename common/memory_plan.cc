@@ -24,10 +24,9 @@ enum Term {
   kParams, kGrads, kOptimizer, kScaling, kGathered, kUnitGrads, kSaved, kWork, kLogits, kBatch,
   kNumTerms
 };
-constexpr const char* kTermNames[kNumTerms] = {
-    "parameter shards", "gradient shards",   "optimizer state", "FP8 scaling state",
-    "gathered units",   "unit gradients",    "saved activations", "workspaces",
-    "logits chunks",    "batch"};
+// The terms are the memory labels (common/memory_label.h) but "unlabelled", in their order.
+static_assert(kNumTerms == static_cast<int>(MemoryLabel::kUnlabelled) &&
+              kSaved == static_cast<int>(MemoryLabel::kSaved));
 
 // Byte counts in double: exact below 2^53 bytes, and no overflow for absurd sizes (PlanMemory
 // saturates them when it reports).
@@ -324,7 +323,12 @@ absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec_in, int world_size
     p.peak_phase = "optimizer";
   }
   p.peak_bytes = Saturate(top->bytes);
-  for (int t = 0; t < kNumTerms; ++t) p.terms.push_back({kTermNames[t], Saturate(top->terms[t])});
+  for (int t = 0; t < kNumTerms; ++t) {
+    p.terms.push_back({kMemoryLabelNames[t], Saturate(top->terms[t])});
+    p.forward_terms.push_back({kMemoryLabelNames[t], Saturate(fwd.terms[t])});
+    p.backward_terms.push_back({kMemoryLabelNames[t], Saturate(bwd.terms[t])});
+    p.optimizer_terms.push_back({kMemoryLabelNames[t], Saturate(opt.terms[t])});
+  }
   double device = top->bytes;
   if (p.backend == "cuda") {
     p.device_extra.push_back({"CUDA context", kCudaContextBytes});
@@ -350,15 +354,16 @@ v1::MemoryPlan ToProto(const MemoryPlan& plan) {
   out.set_optimizer_peak_bytes(plan.optimizer_peak_bytes);
   out.set_peak_bytes(plan.peak_bytes);
   out.set_peak_phase(plan.peak_phase);
-  for (const MemoryTerm& t : plan.terms) {
-    v1::MemoryTerm* o = out.add_terms();
-    o->set_name(t.name);
-    o->set_bytes(t.bytes);
-  }
-  for (const MemoryTerm& t : plan.device_extra) {
-    v1::MemoryTerm* o = out.add_device_extra();
-    o->set_name(t.name);
-    o->set_bytes(t.bytes);
+  for (auto [terms, field] : {std::pair{&plan.terms, out.mutable_terms()},
+                              std::pair{&plan.device_extra, out.mutable_device_extra()},
+                              std::pair{&plan.forward_terms, out.mutable_forward_terms()},
+                              std::pair{&plan.backward_terms, out.mutable_backward_terms()},
+                              std::pair{&plan.optimizer_terms, out.mutable_optimizer_terms()}}) {
+    for (const MemoryTerm& t : *terms) {
+      v1::MemoryTerm* o = field->Add();
+      o->set_name(t.name);
+      o->set_bytes(t.bytes);
+    }
   }
   out.set_device_bytes(plan.device_bytes);
   out.set_exceeds_int64(plan.exceeds_int64);

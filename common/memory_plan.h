@@ -69,6 +69,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/memory_label.h"
 #include "common/step_plan.h"
 #include "fsdp8/v1/admin.pb.h"
 #include "fsdp8/v1/spec.pb.h"
@@ -104,6 +105,10 @@ struct MemoryPlan {
   int64_t peak_bytes = 0;          // their maximum: StepResult.peak_memory_bytes
   std::string peak_phase;          // "forward", "backward" or "optimizer"
   std::vector<MemoryTerm> terms;   // at the peak, in the order above; they sum to peak_bytes
+  // Each phase's terms at its own peak, one per memory label (common/memory_label.h, the names
+  // of `terms`, "unlabelled" left out): what the backend's AllocationAccount holds per label at
+  // that phase's peak (StepStats::*_peak_labels). Each sums to its phase's peak bytes.
+  std::vector<MemoryTerm> forward_terms, backward_terms, optimizer_terms;
   std::vector<MemoryTerm> device_extra;  // outside the count (CUDA only)
   int64_t device_bytes = 0;        // peak_bytes + device_extra: what the device must hold
   // Some figure exceeds 64-bit byte counts: it holds kBytesExceeded (no size; fits nowhere).
