@@ -48,7 +48,7 @@ struct PhasePeak {
   void Take(const Bytes& at) {
     double total = 0;
     for (double b : at) total += b;
-    if (total >= bytes) {
+    if (total > bytes) {  // the first moment at the largest total, as the backend's account
       bytes = total;
       terms = at;
     }
@@ -201,17 +201,21 @@ void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
     const bool later = mb > 0;
     for (int l = 0; l < L_; ++l) {  // block l's forward
       const BlockPlan& b = plan_.blocks[l];
-      Bytes at = fixed_;
+      Bytes at = fixed_;  // at its largest moment (BlockPlan::forward_peak)
       at[kGrads] = later ? all_grads_ : 0;
-      at[kGathered] = Gathered(BlockUnit(l)) + Prefetched(BlockUnit(l) + 1);
-      at[kSaved] = saved_before[l + 1];
-      at[kWork] += Sum(b.forward_work) + (plan_.recompute ? Sum(b.recomputed) : 0);
+      at[kGathered] = units_[BlockUnit(l)].full + Sum(b.forward_peak.gathered) +
+                      Prefetched(BlockUnit(l) + 1);
+      // Under recompute the block's kept input copy; else what it has kept by then.
+      at[kSaved] = saved_before[l] + Sum(plan_.recompute ? b.saved : b.forward_peak.saved);
+      at[kWork] += Sum(b.forward_work);
       fwd->Take(at);
     }
     {  // the head: forward and backward at once (a BF16 head computes both per chunk)
       Bytes at = fixed_;
       at[kGrads] = later ? all_grads_ : 0;
-      at[kGathered] = Gathered(head) + (tied_ ? Gathered(0) : 0) +
+      // A tied BF16 head reads the embedding's bf16 codes (no f32 copy).
+      at[kGathered] = Gathered(head) +
+                      (tied_ ? units_[0].full + (plan_.head_bf16 ? 0 : units_[0].f32) : 0) +
                       (L_ > 0 ? Prefetched(BlockUnit(L_ - 1)) : 0);
       at[kUnitGrads] = units_[head].full_grad + (tied_ ? units_[0].full_grad : 0);
       at[kSaved] = saved_before[L_];
@@ -253,8 +257,14 @@ void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
     at[kWork] += Sum(plan_.backward_held) + Sum(plan_.embedding_backward);
     bwd->Take(at);
   }
-  Bytes at = fixed_;  // the optimizer, then the next step's first units prefetched
+  // The optimizer (the batch is gone): first with the grad norm's two f32 sums
+  // (FsdpParams::StartGradSquaredNorm), then with the next step's first units prefetched.
+  Bytes at = fixed_;
+  at[kBatch] = 0;
   at[kGrads] = all_grads_;
+  at[kWork] += 8;
+  opt->Take(at);
+  at[kWork] -= 8;
   at[kGathered] = Prefetched(0) + (L_ > 0 ? Prefetched(1) : 0);
   opt->Take(at);
 }
@@ -280,7 +290,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec_in, int world_size
   // The step plan of `s` (at most kMaxWalkLayers blocks), summed.
   auto sum = [&](const v1::JobSpec& s, PhasePeak* f, PhasePeak* b, PhasePeak* o) {
     absl::StatusOr<StepPlan> plan =
-        MakeStepPlan(s, world_size, BackendCapsOf(s.backend()), options);
+        MakeStepPlan(s, world_size, BackendCapsOf(s.backend()), options);  // cpu_reference: options
     if (!plan.ok()) return plan.status();
     StepSum(s, *plan, OptimizerStateBytesPerElement(s)).Run(f, b, o);
     return absl::OkStatus();

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "common/check.h"
 #include "common/model_dims.h"
 #include "common/spec.h"
 
@@ -14,6 +15,7 @@ namespace fsdp8 {
 BackendCaps BackendCapsOf(const std::string& backend) {
   BackendCaps c;
   c.cuda = backend == "cuda";
+  c.cpu_reference = backend == "cpu-ref";
   return c;
 }
 
@@ -134,46 +136,221 @@ PlannedTensor Scratch(const std::string& what, int64_t bytes) {
   return Tensor("scratch:" + what, Dtype::kE4M3, {bytes});
 }
 
-int64_t SumBytes(const std::vector<PlannedTensor>& t) {
-  int64_t s = 0;
-  for (const PlannedTensor& x : t) s += x.bytes;
-  return s;
-}
 
-// The larger of two moments' tables (ties: the first).
-std::vector<PlannedTensor> Larger(std::vector<PlannedTensor> a, std::vector<PlannedTensor> b) {
-  return SumBytes(a) >= SumBytes(b) ? a : b;
-}
+// The tensors of one block alive while its forward runs, allocation by allocation as
+// train/model.cc allocates them, and the largest moment (the first to reach the largest total,
+// as the backend's account records its peak).
+class Walk {
+ public:
+  enum Kind { kSaved, kWork, kGathered };
+  // keep: a training forward without recompute, keeping the tensors `saved` names.
+  Walk(const std::vector<PlannedTensor>& saved, bool keep) : saved_(saved), keep_(keep) {}
+  void Add(const std::string& name, Dtype dtype, std::vector<int64_t> shape) {
+    Push(Tensor(name, dtype, std::move(shape)), Kept(name) ? kSaved : kWork);
+  }
+  void Gathered(const std::string& name, int64_t numel) {  // a bf16 tensor's f32 copy
+    Push(Tensor(name, Dtype::kF32, {numel}), kGathered);
+  }
+  void Scratch(const std::string& what, int64_t bytes) {  // a composed op's, while it runs
+    Push(fsdp8::Scratch(what, bytes), kWork);
+    Drop("scratch:" + what);
+  }
+  void Drop(const std::string& name) {
+    for (size_t i = live_.size(); i-- > 0;) {
+      if (live_[i].first.name == name) {
+        live_.erase(live_.begin() + static_cast<int64_t>(i));
+        return;
+      }
+    }
+    FSDP8_CHECK(false) << "step plan walk: " << name << " dropped but not alive";
+  }
+  const PlannedMoment& peak() const { return peak_; }
 
-// Block `bp`'s forward transients at its largest moment (the attention's or the MLP's): the
-// f32 results the generic block rounds or casts and drops, the output, and the CPU backends'
-// composed-op scratch (kernels/backend.cc) or cuDNN's bf16 operands.
-std::vector<PlannedTensor> ForwardWork(const BlockPlan& bp, const ModelDims& d, int64_t N,
-                                       bool cuda) {
+ private:
+  bool Kept(const std::string& name) const {
+    if (!keep_) return false;
+    for (const PlannedTensor& t : saved_) {
+      if (t.name == name) return true;
+    }
+    return false;
+  }
+  void Push(PlannedTensor t, Kind kind) {
+    live_.emplace_back(std::move(t), kind);
+    int64_t total = 0;
+    for (const auto& [x, k] : live_) total += x.bytes;
+    if (total <= best_) return;
+    best_ = total;
+    peak_ = PlannedMoment();
+    for (const auto& [x, k] : live_) {
+      (k == kSaved ? peak_.saved : k == kWork ? peak_.work : peak_.gathered).push_back(x);
+    }
+  }
+
+  const std::vector<PlannedTensor>& saved_;
+  bool keep_;
+  std::vector<std::pair<PlannedTensor, Kind>> live_;
+  int64_t best_ = -1;
+  PlannedMoment peak_;
+};
+
+// How a block's forward runs beyond its BlockPlan.
+struct ForwardRun {
+  bool train = true;          // the tensors for the backward are kept (else dropped once used)
+  bool measure_first = false; // activation scales measured before each cast (CURRENT recipe)
+  bool norm16 = false;        // training.saved_norm_inputs BF16
+  bool save_down = false;     // StepPlanOptions::save_down_proj_input
+};
+
+// The generic block's forward (LlamaModel::BlockForward without Block::acts16): f32
+// activations, each linear casting its own input.
+void WalkGenericForward(const BlockPlan& bp, const ModelDims& d, int64_t N, int64_t B,
+                        const BackendCaps& caps, const ForwardRun& run, Walk* w) {
   const int64_t C = d.d_model, F = d.ffn_dim, nq = d.q_width(), nk = d.kv_width();
   const bool fp8 = bp.linears == v1::PRECISION_FP8, a16 = bp.attention == Dtype::kBf16;
-  std::vector<PlannedTensor> attn, mlp;
-  if (bp.fp8_bf16) {  // bf16 results straight from the GEMMs: only scratch on the side
-    if (!cuda) attn.push_back(Scratch("attention", (3 * nq + 4 * nk) * N * 4));
-    if (bp.recast_down) mlp.push_back(Tensor("down_proj.x8", Dtype::kE4M3, {N, F}));
-    if (!cuda) mlp.push_back(Scratch("swiglu cast", 3 * N * F * 4));
-  } else {
-    if (a16) {  // f32 q, k, v (and att under FP8 linears) packed to bf16 and dropped
-      for (auto [n, w] : {std::pair{"q", nq}, std::pair{"k", nk}, std::pair{"v", nk}}) {
-        attn.push_back(Tensor(n, Dtype::kF32, {N, w}));
-      }
-      if (fp8) attn.push_back(Tensor("att", Dtype::kF32, {N, C}));
-      attn.push_back(cuda ? Scratch("attention", (2 * nq + 2 * nk) * N * 2)
-                          : Scratch("attention", (nq + 2 * nk) * N * 4));
-    }
-    attn.push_back(Tensor("o", Dtype::kF32, {N, C}));
-    if (fp8) {  // FP8 linears keep their input codes and bf16 gate/up, not the f32 results
-      for (const char* n : {"gate", "up", "act"}) mlp.push_back(Tensor(n, Dtype::kF32, {N, F}));
-    }
-    mlp.push_back(Tensor("mlp", Dtype::kF32, {N, C}));
+  const bool train = run.train;
+  const bool norms16 = bp.linears != v1::PRECISION_FP32;  // norms on the bf16 wire
+  auto linear = [&](const std::string& name, int64_t in, int64_t out) {
+    if (bp.linears == v1::PRECISION_BF16) w->Gathered(name + ".weight", in * out);
+    if (!fp8) return;
+    w->Add(name + ".x8", Dtype::kE4M3, {N, in});
+    if (!train) w->Drop(name + ".x8");
+  };
+  w->Add("n1", Dtype::kF32, {N, C});
+  w->Add("rstd1", Dtype::kF32, {N});
+  if (norms16) w->Gathered("input_layernorm.weight", C);
+  for (auto [n, width] : {std::pair{"q", nq}, std::pair{"k", nk}, std::pair{"v", nk}}) {
+    w->Add(n, Dtype::kF32, {N, width});
   }
-  mlp.push_back(Tensor("out", Dtype::kF32, {N, C}));
-  return Larger(std::move(attn), std::move(mlp));
+  linear("q_proj", C, nq);
+  linear("k_proj", C, nk);
+  linear("v_proj", C, nk);
+  if (fp8 || !train) w->Drop("n1");
+  w->Add("att", Dtype::kF32, {N, C});
+  w->Add("lse", Dtype::kF32, {B, d.n_heads, d.seq_len});
+  if (a16 && caps.cuda) w->Scratch("attention", (2 * nq + 2 * nk) * N * 2);
+  if (a16 && caps.cpu_reference) w->Scratch("attention", (nq + 2 * nk) * N * 4);
+  w->Add("o", Dtype::kF32, {N, C});
+  linear("o_proj", nq, C);
+  if (train && a16) {  // the attention's bf16 operands kept instead of the f32 ones
+    for (auto [n, width] : {std::pair{"q", nq}, std::pair{"k", nk}, std::pair{"v", nk}}) {
+      w->Add(std::string(n) + "16", Dtype::kBf16, {N, width});
+      w->Drop(n);
+    }
+    w->Add("att16", Dtype::kBf16, {N, C});
+    if (fp8) w->Drop("att");
+  }
+  w->Add("h", Dtype::kF32, {N, C});
+  w->Drop("o");
+  w->Add("n2", Dtype::kF32, {N, C});
+  w->Add("rstd2", Dtype::kF32, {N});
+  if (norms16) w->Gathered("post_attention_layernorm.weight", C);
+  w->Add("gate", Dtype::kF32, {N, F});
+  w->Add("up", Dtype::kF32, {N, F});
+  linear("gate_proj", C, F);
+  linear("up_proj", C, F);
+  if (fp8 || !train) w->Drop("n2");
+  w->Add("act", Dtype::kF32, {N, F});
+  if (train && fp8) {  // bf16 gate and up kept instead of the f32 ones
+    w->Add("gate16", Dtype::kBf16, {N, F});
+    w->Add("up16", Dtype::kBf16, {N, F});
+    w->Drop("gate");
+    w->Drop("up");
+  }
+  w->Add("mlp", Dtype::kF32, {N, C});
+  linear("down_proj", F, C);
+  if (fp8 || !train) w->Drop("act");
+  w->Add("out", Dtype::kF32, {N, C});
+  w->Drop("mlp");
+}
+
+// The block with FP8 linears and BF16 attention (LlamaModel::BlockForward with Block::acts16):
+// bf16 activations, the norms cast straight to the shared FP8 inputs.
+void WalkFp8Bf16Forward(const BlockPlan& bp, const ModelDims& d, int64_t N, int64_t B,
+                        const BackendCaps& caps, const ForwardRun& run, Walk* w) {
+  const int64_t C = d.d_model, F = d.ffn_dim, nq = d.q_width(), nk = d.kv_width();
+  const bool train = run.train, cpu = !caps.cuda;
+  const bool fused_mlp = bp.fused_mlp && !run.measure_first;
+  // A cast of `n` f32 elements measured first goes through an f32 copy (Linear::CastInput).
+  w->Add("rstd1", Dtype::kF32, {N});
+  w->Gathered("input_layernorm.weight", C);
+  if (run.measure_first) w->Add("n1", Dtype::kF32, {N, C});
+  w->Add("qkv.x8", Dtype::kE4M3, {N, C});
+  if (run.measure_first) w->Drop("n1");
+  if (bp.fused_qkv) {
+    w->Add("qkv16", Dtype::kBf16, {N, nq + 2 * nk});
+  } else {
+    w->Add("q16", Dtype::kBf16, {N, nq});
+    w->Add("k16", Dtype::kBf16, {N, nk});
+    w->Add("v16", Dtype::kBf16, {N, nk});
+  }
+  if (!train) w->Drop("qkv.x8");
+  w->Add("att16", Dtype::kBf16, {N, C});
+  w->Add("lse", Dtype::kF32, {B, d.n_heads, d.seq_len});
+  if (cpu) w->Scratch("attention", (3 * nq + 4 * nk) * N * 4);
+  if (!train) {
+    for (const char* n : {"qkv16", "q16", "k16", "v16"}) {
+      if ((n[1] == 'k') == bp.fused_qkv) w->Drop(n);
+    }
+  }
+  w->Add("h", Dtype::kF32, {N, C});
+  w->Add("o_proj.x8", Dtype::kE4M3, {N, C});
+  if (run.measure_first) {
+    w->Add("att32", Dtype::kF32, {N, C});
+    w->Drop("att32");
+  }
+  if (!train) {
+    w->Drop("o_proj.x8");
+    w->Drop("att16");
+  }
+  if (train && run.norm16) {
+    w->Add("x_in16", Dtype::kBf16, {N, C});
+    w->Drop("x_in");
+  }
+  w->Add("rstd2", Dtype::kF32, {N});
+  w->Gathered("post_attention_layernorm.weight", C);
+  if (run.measure_first) w->Add("n2", Dtype::kF32, {N, C});
+  w->Add("gate_up.x8", Dtype::kE4M3, {N, C});
+  if (run.measure_first) w->Drop("n2");
+  if (fused_mlp) {
+    w->Add("gate_up16", Dtype::kBf16, {N, 2 * F});
+  } else {
+    w->Add("gate16", Dtype::kBf16, {N, F});
+    w->Add("up16", Dtype::kBf16, {N, F});
+  }
+  if (!train) w->Drop("gate_up.x8");
+  if (run.measure_first) {
+    for (const char* n : {"gate32", "up32", "act32"}) w->Add(n, Dtype::kF32, {N, F});
+  }
+  w->Add("down_proj.x8", Dtype::kE4M3, {N, F});
+  if (run.measure_first) {
+    for (const char* n : {"gate32", "up32", "act32"}) w->Drop(n);
+  } else if (cpu) {
+    w->Scratch("swiglu cast", 3 * N * F * 4);
+  }
+  if (!train) {
+    for (const char* n : {"gate_up16", "gate16", "up16"}) {
+      if ((n[4] == '_') == fused_mlp) w->Drop(n);
+    }
+  }
+  w->Add("out", Dtype::kF32, {N, C});
+  if (!(train && (run.save_down || run.measure_first))) w->Drop("down_proj.x8");
+  if (train && run.norm16) {
+    w->Add("h16", Dtype::kBf16, {N, C});
+    w->Drop("h");
+  }
+}
+
+// Block `bp`'s forward from its input x_in: the largest moment.
+PlannedMoment ForwardPeak(const BlockPlan& bp, const ModelDims& d, int64_t N, int64_t B,
+                          const BackendCaps& caps, const ForwardRun& run) {
+  Walk w(bp.saved, run.train);
+  w.Add("x_in", Dtype::kF32, {N, d.d_model});
+  if (bp.fp8_bf16) {
+    WalkFp8Bf16Forward(bp, d, N, B, caps, run, &w);
+  } else {
+    WalkGenericForward(bp, d, N, B, caps, run, &w);
+  }
+  return w.peak();
 }
 
 // Block `bp`'s backward transients at the largest moments of its MLP and of its attention: the
@@ -237,11 +414,11 @@ void HeadTables(StepPlan* p, const ModelDims& d, bool cuda) {
   }
   p->head_logits = {Tensor("nf16", Dtype::kBf16, {N, C}), Tensor("dlogits16", Dtype::kBf16, {N, V}),
                     Tensor("logits", Dtype::kF32, {rows, V})};
-  // GemmBf16's f32 operands, the cross-entropy through f32, dW over every row once the chunk's
-  // logits are gone.
+  // GemmBf16's f32 operands and the cross-entropy through f32 while the chunk's logits live;
+  // dnf's GEMM (the chunk's f32 logit gradient and W) and dW over every row once they are gone.
   if (!cuda) {
     p->head_work.push_back(Scratch(
-        "head", std::max({(rows * C + V * C) * 4, rows * V * 4, (rows * V + C * V) * 4,
+        "head", std::max({(rows * C + V * C) * 4, rows * V * 4, C * V * 4,
                           (V * N + C * N) * 4 - rows * V * 4})));
   }
 }
@@ -302,7 +479,15 @@ absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
       bp.proj.push_back({name, in, out, bp.linears, recipe});
     }
     bp.saved = Saved(bp, d, p.tokens, B, norm_inputs_bf16);
-    bp.forward_work = ForwardWork(bp, d, p.tokens, caps.cuda);
+    ForwardRun run;
+    run.train = !p.recompute;  // the training forward under recompute keeps nothing
+    run.measure_first = fp8 && !delayed;
+    run.norm16 = norm_inputs_bf16;
+    run.save_down = options.save_down_proj_input;
+    BackendCaps bc = caps;
+    bc.cpu_reference = bc.cpu_reference || (!caps.cuda && options.cpu_reference);
+    bp.forward_peak = ForwardPeak(bp, d, p.tokens, B, bc, run);
+    bp.forward_work = bp.forward_peak.work;
     BackwardWork(&bp, d, p.tokens, B, caps.cuda, tr.deterministic());
     if (p.recompute) {
       bp.recomputed = std::move(bp.saved);

@@ -88,15 +88,17 @@ void ExpectLabelsMatchPlan(const v1::JobSpec& spec, const std::string& backend, 
       only != nullptr && (what + " on " + backend + ", world " + std::to_string(world)) != only) {
     return;
   }
-  const absl::StatusOr<MemoryPlan> plan = PlanMemory(spec, world);
+  MemoryPlanOptions options;  // the plan of the backend that runs: cpu-ref's compositions
+  options.cpu_reference = backend == "cpu-ref";
+  const absl::StatusOr<MemoryPlan> plan = PlanMemory(spec, world, options);
   ASSERT_TRUE(plan.ok()) << plan.status();
   std::vector<StepStats> steps;
   int64_t after_init_unlabelled = -1;
   testing::RunRanksOver(testing::Transport::kGloo, world, [&](int r, Communicator* c) {
     std::string err;
-    BackendOptions options;
-    options.cpu_fill_nan = true;
-    std::unique_ptr<Backend> be = CreateBackend(backend, 0, &err, options);
+    BackendOptions backend_options;
+    backend_options.cpu_fill_nan = true;
+    std::unique_ptr<Backend> be = CreateBackend(backend, 0, &err, backend_options);
     ASSERT_NE(be, nullptr) << err;
     auto t = Trainer::Create(spec, r, world, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
