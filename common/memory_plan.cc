@@ -210,18 +210,30 @@ void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
       at[kWork] += Sum(b.forward_work);
       fwd->Take(at);
     }
-    {  // the head: forward and backward at once (a BF16 head computes both per chunk)
+    {  // the head's forward (a BF16 head's backward too: it computes both per chunk)
       Bytes at = fixed_;
       at[kGrads] = later ? all_grads_ : 0;
       // A tied BF16 head reads the embedding's bf16 codes (no f32 copy).
       at[kGathered] = Gathered(head) +
                       (tied_ ? units_[0].full + (plan_.head_bf16 ? 0 : units_[0].f32) : 0) +
                       (L_ > 0 ? Prefetched(BlockUnit(L_ - 1)) : 0);
-      at[kUnitGrads] = units_[head].full_grad + (tied_ ? units_[0].full_grad : 0);
+      const double unit_grads = units_[head].full_grad + (tied_ ? units_[0].full_grad : 0);
+      const double nc = N_ * C_ * 4;  // dnf, dx
+      at[kUnitGrads] = plan_.head_bf16 ? unit_grads : 0;
       at[kSaved] = saved_before[L_];
-      at[kWork] += Sum(plan_.head_work);
+      at[kWork] += Sum(plan_.head_work) - (plan_.head_bf16 ? 0 : nc);
       at[kLogits] = Sum(plan_.head_logits);
       fwd->Take(at);
+      // The backward opens at the head: an f32 head's backward (with its logits), then dx
+      // (LlamaModel::Run) with the head's x, nf, rstdf and dnf.
+      at[kUnitGrads] = unit_grads;
+      if (!plan_.head_bf16) {
+        at[kWork] += nc;
+        bwd->Take(at);
+      }
+      at[kLogits] = 0;
+      at[kWork] = fixed_[kWork] + 3 * nc + N_ * 4 + nc;
+      bwd->Take(at);
     }
     double grads = later ? all_grads_ : units_[head].grad;  // reduced so far
     for (int l = L_ - 1; l >= 0; --l) {  // block l's backward: its MLP's, then its attention's
@@ -229,23 +241,26 @@ void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
       const int u = BlockUnit(l);
       Bytes at = fixed_;
       at[kGrads] = grads;
-      at[kGathered] = Gathered(u) + (l > 0 ? Prefetched(u - 1) : 0);
-      // Its full gradient, the previous unit's while its reduce-scatter is in flight, and a
-      // tied embedding's (from the head until the embedding's backward).
-      at[kUnitGrads] = units_[u].full_grad + (tied_ ? units_[0].full_grad : 0);
+      at[kGathered] = units_[u].full + (l > 0 ? Prefetched(u - 1) : 0);
+      // The previous unit's full gradient while its reduce-scatter is in flight, and a tied
+      // embedding's (from the head until the embedding's backward); its own from BeginGrads,
+      // after a recompute.
+      at[kUnitGrads] = tied_ ? units_[0].full_grad : 0;
       if (plan_.world_size > 1) {
         at[kUnitGrads] += units_[u + 1].full_grad + (later ? units_[u + 1].grad : 0);
       }
       at[kSaved] = saved_before[l];
       at[kWork] += Sum(plan_.backward_held);
-      for (bool after_mlp : {false, true}) {
-        Bytes m = at;
-        // With recompute the block's tensors are its backward's workspace.
-        const double own = Sum(plan_.recompute ? b.recomputed : b.saved, after_mlp);
-        m[plan_.recompute ? kWork : kSaved] += own;
-        m[kWork] += Sum(after_mlp ? b.backward_attention : b.backward_mlp);
-        bwd->Take(m);
-      }
+      auto take = [&](const PlannedMoment& m, double own_grads) {
+        Bytes x = at;
+        x[kUnitGrads] += own_grads;
+        x[kSaved] += Sum(m.saved);
+        x[kWork] += Sum(m.work);
+        x[kGathered] += Sum(m.gathered);
+        bwd->Take(x);
+      };
+      if (plan_.recompute) take(b.recompute_peak, 0);
+      take(b.backward_peak, units_[u].full_grad);
       if (!later) grads += units_[u].grad;
     }
     Bytes at = fixed_;  // the embedding's backward: its full gradient

@@ -164,6 +164,34 @@ class Walk {
     }
     FSDP8_CHECK(false) << "step plan walk: " << name << " dropped but not alive";
   }
+  void AddTensor(const PlannedTensor& t) { Push(t, Kept(t.name) ? kSaved : kWork); }
+  // A bf16 tensor's f32 copy, made by its first read (FsdpParams::W) until the unit's release.
+  void GatheredOnce(const std::string& name, int64_t numel) {
+    if (!Alive(name)) Gathered(name, numel);
+  }
+  bool Alive(const std::string& name) const {
+    for (const auto& [t, k] : live_) {
+      if (t.name == name) return true;
+    }
+    return false;
+  }
+  void DropIfAlive(const std::string& name) {
+    if (Alive(name)) Drop(name);
+  }
+  // Drops every tensor but the f32 copies and those named in `keep`.
+  void DropAllBut(std::initializer_list<const char*> keep) {
+    std::vector<std::pair<PlannedTensor, Kind>> kept;
+    for (auto& e : live_) {
+      bool k = e.second == kGathered;
+      for (const char* n : keep) k = k || e.first.name == n;
+      if (k) kept.push_back(std::move(e));
+    }
+    live_ = std::move(kept);
+  }
+  void ResetPeak() {
+    best_ = -1;
+    peak_ = PlannedMoment();
+  }
   const PlannedMoment& peak() const { return peak_; }
 
  private:
@@ -340,6 +368,221 @@ void WalkFp8Bf16Forward(const BlockPlan& bp, const ModelDims& d, int64_t N, int6
   }
 }
 
+// How a block's backward runs beyond its BlockPlan: the forward's, and the backend's FP8 GEMMs.
+struct BackwardRun : ForwardRun {
+  bool any_layout = false;  // Backend::Fp8GemmAnyLayout (the fast CPU backend)
+  bool cpu_reference = false;
+};
+
+// Linear::Backward of an FP8 linear (dy (M, n) -> dx (M, k), its input's codes `in`.x8 saved):
+// the grad-output's codes (and their transpose), then BackwardFp8.
+void WalkFp8Backward(Walk* w, const std::string& name, const std::string& in, int64_t M,
+                     int64_t k, int64_t n, bool dy_bf16, bool dx_bf16, const BackwardRun& run);
+
+// Linear::BackwardFp8: W's transpose for dx, the input's transpose for dW (made by the first
+// linear of those sharing the input, kept with it).
+void WalkBackwardFp8(Walk* w, const std::string& dy8, const std::string& dyT8,
+                     const std::string& in, int64_t M, int64_t k, int64_t n, bool dx) {
+  if (dx) {
+    w->Add("wT8", Dtype::kE4M3, {n, k});
+    w->Drop("wT8");
+  }
+  w->Drop(dy8);
+  if (!w->Alive(in + ".xT8")) w->Add(in + ".xT8", Dtype::kE4M3, {k, M});
+  w->Drop(dyT8);
+}
+
+void WalkFp8Backward(Walk* w, const std::string& name, const std::string& in, int64_t M,
+                     int64_t k, int64_t n, bool dy_bf16, bool dx_bf16, const BackwardRun& run) {
+  w->Add(name + ".dy8", Dtype::kE4M3, {M, n});
+  const bool unpack = dy_bf16 && run.measure_first;  // measured through f32
+  if (run.any_layout && !dx_bf16) {
+    if (unpack) {
+      w->Add("dy32", Dtype::kF32, {M, n});
+      w->Drop("dy32");
+    }
+    w->Drop(name + ".dy8");
+    return;
+  }
+  w->Add(name + ".dyT8", Dtype::kE4M3, {M, n});
+  if (unpack) {
+    w->Add("dy32", Dtype::kF32, {M, n});
+    w->Drop("dy32");
+  }
+  WalkBackwardFp8(w, name + ".dy8", name + ".dyT8", in, M, k, n, true);
+}
+
+// A non-FP8 linear's backward: its weight's f32 copy (BF16 linears).
+void WalkPlainBackward(Walk* w, const BlockPlan& bp, const std::string& name, int64_t numel) {
+  if (bp.linears == v1::PRECISION_BF16) w->GatheredOnce(name + ".weight", numel);
+}
+
+// The generic block's backward (LlamaModel::MlpBackward and AttentionBackward without acts16).
+void WalkGenericBackward(const BlockPlan& bp, const ModelDims& d, int64_t N,
+                         const BackwardRun& run, Walk* w) {
+  const int64_t C = d.d_model, F = d.ffn_dim, nq = d.q_width(), nk = d.kv_width();
+  const bool fp8 = bp.linears == v1::PRECISION_FP8, a16 = bp.attention == Dtype::kBf16;
+  const bool norms16 = bp.linears != v1::PRECISION_FP32;
+  auto backward = [&](const std::string& name, int64_t k, int64_t n) {
+    if (fp8) {
+      WalkFp8Backward(w, name, name, N, k, n, false, false, run);
+    } else {
+      WalkPlainBackward(w, bp, name, k * n);
+    }
+  };
+  auto drop_input = [&](const std::string& name) {  // LinearSaved reset: codes, transpose
+    if (!fp8) return;
+    w->Drop(name + ".x8");
+    w->DropIfAlive(name + ".xT8");
+  };
+  w->Add("dact", Dtype::kF32, {N, F});
+  backward("down_proj", F, C);
+  drop_input("down_proj");
+  if (!fp8) w->Drop("act");
+  w->Add("dgate", Dtype::kF32, {N, F});
+  w->Add("dup", Dtype::kF32, {N, F});
+  if (fp8 && run.cpu_reference) w->Scratch("swiglu backward", 2 * N * F * 4);
+  w->Drop("dact");
+  w->Drop(fp8 ? "gate16" : "gate");
+  w->Drop(fp8 ? "up16" : "up");
+  w->Add("dn2", Dtype::kF32, {N, C});
+  backward("gate_proj", C, F);
+  backward("up_proj", C, F);
+  w->Drop("dgate");
+  w->Drop("dup");
+  drop_input("gate_proj");
+  drop_input("up_proj");
+  if (!fp8) w->Drop("n2");
+  w->Add("dh", Dtype::kF32, {N, C});
+  if (norms16) w->GatheredOnce("post_attention_layernorm.weight", C);
+  w->Drop("dn2");
+  w->Drop("dout");
+  w->Add("datt", Dtype::kF32, {N, C});
+  backward("o_proj", nq, C);
+  drop_input("o_proj");
+  w->Add("dq", Dtype::kF32, {N, nq});
+  w->Add("dk", Dtype::kF32, {N, nk});
+  w->Add("dv", Dtype::kF32, {N, nk});
+  if (a16 && run.cpu_reference) w->Scratch("attention", (5 * nq + 4 * nk) * N * 4);
+  w->Drop("datt");
+  w->Add("dn1", Dtype::kF32, {N, C});
+  backward("q_proj", C, nq);
+  backward("k_proj", C, nk);
+  backward("v_proj", C, nk);
+  drop_input("q_proj");
+  drop_input("k_proj");
+  drop_input("v_proj");
+  w->Drop("dq");
+  w->Drop("dk");
+  w->Drop("dv");
+  w->Add("dx", Dtype::kF32, {N, C});
+  if (norms16) w->GatheredOnce("input_layernorm.weight", C);
+  w->DropAllBut({"dx", "dh"});
+}
+
+// The FP8 block with BF16 attention's backward (acts16).
+void WalkFp8Bf16Backward(const BlockPlan& bp, const ModelDims& d, int64_t N,
+                         const BackwardRun& run, Walk* w) {
+  const int64_t C = d.d_model, F = d.ffn_dim, nq = d.q_width(), nk = d.kv_width();
+  const int64_t nt = nq + 2 * nk;
+  const bool mf = run.measure_first, cpu_ref = run.cpu_reference;
+  const bool fused_mlp = bp.fused_mlp && !mf, fused_qkv = bp.fused_qkv && !mf;
+  w->Add("dact16", Dtype::kBf16, {N, F});
+  if (!w->Alive("down_proj.x8")) {  // recast from gate and up (delayed scaling)
+    w->Add("down_proj.xT8", Dtype::kE4M3, {F, N});
+    if (cpu_ref) w->Scratch("swiglu cast", 3 * N * F * 4);
+  }
+  WalkFp8Backward(w, "down_proj", "down_proj", N, F, C, false, true, run);
+  w->DropIfAlive("down_proj.x8");
+  w->DropIfAlive("down_proj.xT8");
+  w->Add("dn2g", Dtype::kBf16, {N, C});
+  if (fused_mlp) {
+    w->Add("gate_up.dy8", Dtype::kE4M3, {N, 2 * F});
+    w->Add("gate_up.dyT8", Dtype::kE4M3, {2 * F, N});
+    if (cpu_ref) w->Scratch("swiglu backward", 4 * N * F * 4);
+    w->Drop("dact16");
+    w->Drop("gate_up16");
+    WalkBackwardFp8(w, "gate_up.dy8", "gate_up.dyT8", "gate_up", N, C, 2 * F, true);
+  } else {
+    w->Add("dn2u", Dtype::kBf16, {N, C});
+    if (!mf) {
+      for (const char* n : {"gate_proj.dy8", "gate_proj.dyT8", "up_proj.dy8", "up_proj.dyT8"}) {
+        w->Add(n, Dtype::kE4M3, {N, F});
+      }
+      if (cpu_ref) w->Scratch("swiglu backward", 4 * N * F * 4);
+      w->Drop("dact16");
+      w->Drop("gate16");
+      w->Drop("up16");
+      WalkBackwardFp8(w, "gate_proj.dy8", "gate_proj.dyT8", "gate_up", N, C, F, true);
+      WalkBackwardFp8(w, "up_proj.dy8", "up_proj.dyT8", "gate_up", N, C, F, true);
+    } else {
+      w->Add("dgate16", Dtype::kBf16, {N, F});
+      w->Add("dup16", Dtype::kBf16, {N, F});
+      w->Drop("dact16");
+      w->Drop("gate16");
+      w->Drop("up16");
+      WalkFp8Backward(w, "gate_proj", "gate_up", N, C, F, true, true, run);
+      WalkFp8Backward(w, "up_proj", "gate_up", N, C, F, true, true, run);
+      w->Drop("dup16");  // freed in the reverse order of their declaration
+      w->Drop("dgate16");
+    }
+  }
+  w->Drop("gate_up.x8");
+  w->DropIfAlive("gate_up.xT8");
+  w->Add("dh", Dtype::kF32, {N, C});
+  if (w->Alive("h16")) w->Add("h32", Dtype::kF32, {N, C});
+  w->GatheredOnce("post_attention_layernorm.weight", C);
+  if (cpu_ref) w->Scratch("norm backward", 2 * N * C * 4);
+  w->DropIfAlive("h32");
+  w->Drop("dn2g");
+  w->DropIfAlive("dn2u");
+  w->Drop("dout");
+  // The attention half.
+  w->Add("dq16", Dtype::kBf16, {N, nq});
+  w->Add("dk16", Dtype::kBf16, {N, nk});
+  w->Add("dv16", Dtype::kBf16, {N, nk});
+  w->Add("datt16", Dtype::kBf16, {N, C});
+  WalkFp8Backward(w, "o_proj", "o_proj", N, nq, C, false, true, run);
+  w->Drop("o_proj.x8");
+  w->DropIfAlive("o_proj.xT8");
+  if (cpu_ref) w->Scratch("attention", (fused_qkv ? nt * N * 2 : 0) + (7 * nq + 6 * nk) * N * 4);
+  w->Drop("datt16");
+  for (const char* n : {"q16", "k16", "v16", "qkv16", "att16"}) w->DropIfAlive(n);
+  w->Add("dn1q", Dtype::kBf16, {N, C});
+  if (fused_qkv) {
+    w->Add("qkv.dy8", Dtype::kE4M3, {N, nt});
+    w->Add("qkv.dyT8", Dtype::kE4M3, {nt, N});
+    w->Drop("dq16");
+    w->Drop("dk16");
+    w->Drop("dv16");
+    WalkBackwardFp8(w, "qkv.dy8", "qkv.dyT8", "qkv", N, C, nt, true);
+  } else {
+    w->Add("dn1k", Dtype::kBf16, {N, C});
+    w->Add("dn1v", Dtype::kBf16, {N, C});
+    for (auto [n, width, d16] : {std::tuple{"q_proj", nq, "dq16"}, std::tuple{"k_proj", nk, "dk16"}}) {
+      if (mf) {
+        WalkFp8Backward(w, n, "qkv", N, C, width, true, true, run);
+        continue;
+      }
+      w->Add(std::string(n) + ".dy8", Dtype::kE4M3, {N, width});
+      w->Add(std::string(n) + ".dyT8", Dtype::kE4M3, {N, width});
+      w->Drop(d16);
+      WalkBackwardFp8(w, std::string(n) + ".dy8", std::string(n) + ".dyT8", "qkv", N, C, width,
+                      true);
+    }
+    WalkFp8Backward(w, "v_proj", "qkv", N, C, nk, true, true, run);
+    for (const char* n : {"dq16", "dk16", "dv16"}) w->DropIfAlive(n);
+  }
+  for (const char* n : {"dq16", "dk16", "dv16"}) w->DropIfAlive(n);
+  w->Drop("qkv.x8");
+  w->DropIfAlive("qkv.xT8");
+  w->Add("dx", Dtype::kF32, {N, C});
+  if (w->Alive("x_in16")) w->Add("x32", Dtype::kF32, {N, C});
+  w->GatheredOnce("input_layernorm.weight", C);
+  if (cpu_ref) w->Scratch("norm backward", 2 * N * C * 4);
+  w->DropAllBut({"dx", "dh"});
+}
+
 // Block `bp`'s forward from its input x_in: the largest moment.
 PlannedMoment ForwardPeak(const BlockPlan& bp, const ModelDims& d, int64_t N, int64_t B,
                           const BackendCaps& caps, const ForwardRun& run) {
@@ -423,6 +666,37 @@ void HeadTables(StepPlan* p, const ModelDims& d, bool cuda) {
   }
 }
 
+// Block `bp`'s backward (and recompute) from the incoming gradient: BlockPlan::backward_peak,
+// recompute_peak.
+void BackwardPeaks(BlockPlan* bp, const ModelDims& d, int64_t N, int64_t B,
+                   const BackendCaps& caps, const ForwardRun& forward, bool recompute) {
+  BackwardRun run;
+  static_cast<ForwardRun&>(run) = forward;
+  run.train = true;
+  run.any_layout = !caps.cuda && !caps.cpu_reference;
+  run.cpu_reference = caps.cpu_reference;
+  Walk w(bp->saved, !recompute);
+  w.Add("dout", Dtype::kF32, {N, d.d_model});
+  if (recompute) {  // the block's forward again, keeping what its backward reads (as work)
+    w.Add("x_in", Dtype::kF32, {N, d.d_model});
+    if (bp->fp8_bf16) {
+      WalkFp8Bf16Forward(*bp, d, N, B, caps, run, &w);
+    } else {
+      WalkGenericForward(*bp, d, N, B, caps, run, &w);
+    }
+    bp->recompute_peak = w.peak();
+    w.ResetPeak();
+  } else {
+    for (const PlannedTensor& t : bp->saved) w.AddTensor(t);
+  }
+  if (bp->fp8_bf16) {
+    WalkFp8Bf16Backward(*bp, d, N, run, &w);
+  } else {
+    WalkGenericBackward(*bp, d, N, run, &w);
+  }
+  bp->backward_peak = w.peak();
+}
+
 }  // namespace
 
 absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
@@ -488,6 +762,7 @@ absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
     bc.cpu_reference = bc.cpu_reference || (!caps.cuda && options.cpu_reference);
     bp.forward_peak = ForwardPeak(bp, d, p.tokens, B, bc, run);
     bp.forward_work = bp.forward_peak.work;
+    BackwardPeaks(&bp, d, p.tokens, B, bc, run, p.recompute);
     BackwardWork(&bp, d, p.tokens, B, caps.cuda, tr.deterministic());
     if (p.recompute) {
       bp.recomputed = std::move(bp.saved);

@@ -109,6 +109,11 @@ struct BlockPlan {
   // allocation by allocation as train/model.cc allocates: with training.activation_recompute the
   // forward keeps nothing (every tensor is work; the kept input copy is `saved`).
   PlannedMoment forward_peak;
+  // The largest moment of its backward (from the incoming gradient `dout` to the block's end:
+  // its saved or recomputed tensors as they are dropped, the gradients, FP8 grad-output codes and
+  // transposes, the backend's scratch), and under recompute the largest moment of the recompute
+  // before it (the unit's gradients are not allocated yet then).
+  PlannedMoment backward_peak, recompute_peak;
 };
 
 struct PlannedBuffer {
