@@ -1,6 +1,6 @@
 // The memory labels (common/memory_label.h) held against the memory plan, label by label: real
 // training steps on the CPU backends (cpu-ref and cpu), and at each phase's peak of a steady step
-// (step 1: delayed scaling has its history) the backend's labelled bytes (StepStats::*_labels,
+// (step 2: delayed scaling has its history, the backends' scratch slots their size) the backend's labelled bytes (StepStats::*_labels,
 // from Backend::account()) must
 //   * sum to the phase's peak as the backend counts it (PeakAllocatedBytes), with no unlabelled
 //     byte: an allocation the labelling missed shows here;
@@ -79,8 +79,9 @@ constexpr Phase kPhases[] = {
      &MemoryPlan::optimizer_terms},
 };
 
-// Two steps of `spec` on `world` ranks (threads, Gloo) on `backend`; rank 0's step 1 against the
-// plan, every phase and label.
+// Three steps of `spec` on `world` ranks (threads, Gloo) on `backend`; rank 0's step 2 against
+// the plan, every phase and label: a steady step (step 0 measures every scale first and runs no
+// fused GEMM, step 1 grows the backends' kept scratch to the fused GEMMs' shapes).
 void ExpectLabelsMatchPlan(const v1::JobSpec& spec, const std::string& backend, int world,
                            const std::string& what) {
   SCOPED_TRACE(what + " on " + backend + ", world " + std::to_string(world));
@@ -110,15 +111,15 @@ void ExpectLabelsMatchPlan(const v1::JobSpec& spec, const std::string& backend, 
       EXPECT_EQ(sum, be->AllocatedBytes()) << "after init";
       after_init_unlabelled = live[static_cast<int>(MemoryLabel::kUnlabelled)];
     }
-    for (int k = 0; k < 2; ++k) {
+    for (int k = 0; k < 3; ++k) {
       absl::StatusOr<StepStats> res = (*t)->Step(k, false, false);
       ASSERT_TRUE(res.ok()) << res.status();
       if (r == 0) steps.push_back(*res);
     }
   });
-  ASSERT_EQ(steps.size(), 2u);
+  ASSERT_EQ(steps.size(), 3u);
   EXPECT_EQ(after_init_unlabelled, 0) << "after init";
-  const StepStats& st = steps[1];
+  const StepStats& st = steps[2];
   if (std::getenv("DBG_CASE") != nullptr) {
     for (const Phase& ph : kPhases) {  // the table, to read a mismatch by
       std::printf("%s %s peak: measured %lld\n", what.c_str(), ph.name,
