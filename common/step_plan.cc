@@ -304,12 +304,22 @@ void WalkFp8Bf16Forward(const BlockPlan& bp, const ModelDims& d, int64_t N, int6
   if (run.measure_first) w->Add("n1", Dtype::kF32, {N, C});
   w->Add("qkv.x8", Dtype::kE4M3, {N, C});
   if (run.measure_first) w->Drop("n1");
+  // On a CPU backend a bf16 GEMM result goes through f32, and RoPE on bf16 through an f32 copy
+  // (of dense rows of the fused [q | k | v]).
   if (bp.fused_qkv) {
     w->Add("qkv16", Dtype::kBf16, {N, nq + 2 * nk});
+    if (cpu) {
+      w->Scratch("gemm bf16", N * (nq + 2 * nk) * 4);
+      for (int64_t width : {nq, nk}) w->Scratch("rope", (N * width + 1) * 2 + N * width * 4);
+    }
   } else {
     w->Add("q16", Dtype::kBf16, {N, nq});
     w->Add("k16", Dtype::kBf16, {N, nk});
     w->Add("v16", Dtype::kBf16, {N, nk});
+    if (cpu) {
+      for (int64_t width : {nq, nk, nk}) w->Scratch("gemm bf16", N * width * 4);
+      for (int64_t width : {nq, nk}) w->Scratch("rope", N * width * 4);
+    }
   }
   if (!train) w->Drop("qkv.x8");
   w->Add("att16", Dtype::kBf16, {N, C});
@@ -325,6 +335,8 @@ void WalkFp8Bf16Forward(const BlockPlan& bp, const ModelDims& d, int64_t N, int6
   if (run.measure_first) {
     w->Add("att32", Dtype::kF32, {N, C});
     w->Drop("att32");
+  } else if (cpu) {
+    w->Scratch("cast", N * C * 4);
   }
   if (!train) {
     w->Drop("o_proj.x8");
@@ -341,9 +353,14 @@ void WalkFp8Bf16Forward(const BlockPlan& bp, const ModelDims& d, int64_t N, int6
   if (run.measure_first) w->Drop("n2");
   if (fused_mlp) {
     w->Add("gate_up16", Dtype::kBf16, {N, 2 * F});
+    if (cpu) w->Scratch("gemm bf16", N * 2 * F * 4);
   } else {
     w->Add("gate16", Dtype::kBf16, {N, F});
     w->Add("up16", Dtype::kBf16, {N, F});
+    if (cpu) {
+      w->Scratch("gemm bf16", N * F * 4);
+      w->Scratch("gemm bf16", N * F * 4);
+    }
   }
   if (!train) w->Drop("gate_up.x8");
   if (run.measure_first) {
@@ -372,6 +389,7 @@ void WalkFp8Bf16Forward(const BlockPlan& bp, const ModelDims& d, int64_t N, int6
 struct BackwardRun : ForwardRun {
   bool any_layout = false;  // Backend::Fp8GemmAnyLayout (the fast CPU backend)
   bool cpu_reference = false;
+  bool cpu = false;  // a CPU backend (the compositions' f32 scratch, kernels/backend.cc)
 };
 
 // Linear::Backward of an FP8 linear (dy (M, n) -> dx (M, k), its input's codes `in`.x8 saved):
@@ -381,10 +399,13 @@ void WalkFp8Backward(Walk* w, const std::string& name, const std::string& in, in
 
 // Linear::BackwardFp8: W's transpose for dx, the input's transpose for dW (made by the first
 // linear of those sharing the input, kept with it).
+// dx_bf16 on a CPU backend: the GEMM's f32 result before its rounding (kernels/backend.cc).
 void WalkBackwardFp8(Walk* w, const std::string& dy8, const std::string& dyT8,
-                     const std::string& in, int64_t M, int64_t k, int64_t n, bool dx) {
+                     const std::string& in, int64_t M, int64_t k, int64_t n, bool dx,
+                     bool cpu_dx_bf16 = false) {
   if (dx) {
     w->Add("wT8", Dtype::kE4M3, {n, k});
+    if (cpu_dx_bf16) w->Scratch("gemm bf16", M * k * 4);
     w->Drop("wT8");
   }
   w->Drop(dy8);
@@ -408,8 +429,10 @@ void WalkFp8Backward(Walk* w, const std::string& name, const std::string& in, in
   if (unpack) {
     w->Add("dy32", Dtype::kF32, {M, n});
     w->Drop("dy32");
+  } else if (dy_bf16 && run.cpu) {
+    w->Scratch("cast", M * n * 4);
   }
-  WalkBackwardFp8(w, name + ".dy8", name + ".dyT8", in, M, k, n, true);
+  WalkBackwardFp8(w, name + ".dy8", name + ".dyT8", in, M, k, n, true, run.cpu && dx_bf16);
 }
 
 // A non-FP8 linear's backward: its weight's f32 copy (BF16 linears).
@@ -463,7 +486,8 @@ void WalkGenericBackward(const BlockPlan& bp, const ModelDims& d, int64_t N,
   w->Add("dq", Dtype::kF32, {N, nq});
   w->Add("dk", Dtype::kF32, {N, nk});
   w->Add("dv", Dtype::kF32, {N, nk});
-  if (a16 && run.cpu_reference) w->Scratch("attention", (5 * nq + 4 * nk) * N * 4);
+  // f32 gradients from bf16 operands: f32 copies, then rounded f32 copies (kernels/backend.cc).
+  if (a16 && run.cpu) w->Scratch("attention", (5 * nq + 4 * nk) * N * 4);
   w->Drop("datt");
   w->Add("dn1", Dtype::kF32, {N, C});
   backward("q_proj", C, nq);
@@ -485,12 +509,13 @@ void WalkFp8Bf16Backward(const BlockPlan& bp, const ModelDims& d, int64_t N,
                          const BackwardRun& run, Walk* w) {
   const int64_t C = d.d_model, F = d.ffn_dim, nq = d.q_width(), nk = d.kv_width();
   const int64_t nt = nq + 2 * nk;
-  const bool mf = run.measure_first, cpu_ref = run.cpu_reference;
+  const bool mf = run.measure_first, cpu = run.cpu;
+  const int64_t n = N * F, ref2n = run.cpu_reference ? 2 * n * 4 : 0;
   const bool fused_mlp = bp.fused_mlp && !mf, fused_qkv = bp.fused_qkv && !mf;
   w->Add("dact16", Dtype::kBf16, {N, F});
   if (!w->Alive("down_proj.x8")) {  // recast from gate and up (delayed scaling)
     w->Add("down_proj.xT8", Dtype::kE4M3, {F, N});
-    if (cpu_ref) w->Scratch("swiglu cast", 3 * N * F * 4);
+    if (cpu) w->Scratch("swiglu cast", n + 3 * n * 4);  // the codes, then the f32 SwiGLU
   }
   WalkFp8Backward(w, "down_proj", "down_proj", N, F, C, false, true, run);
   w->DropIfAlive("down_proj.x8");
@@ -499,22 +524,24 @@ void WalkFp8Bf16Backward(const BlockPlan& bp, const ModelDims& d, int64_t N,
   if (fused_mlp) {
     w->Add("gate_up.dy8", Dtype::kE4M3, {N, 2 * F});
     w->Add("gate_up.dyT8", Dtype::kE4M3, {2 * F, N});
-    if (cpu_ref) w->Scratch("swiglu backward", 4 * N * F * 4);
+    // Dense gate and up, their bf16 gradients, the f32 SwiGLU backward.
+    // (The reference's f32 SwiGLU backward widens bf16 gate and up once more.)
+    if (cpu) w->Scratch("swiglu backward", 2 * (n + 1) * 2 + (n + 2) * 4 + 3 * n * 4 + ref2n);
     w->Drop("dact16");
     w->Drop("gate_up16");
-    WalkBackwardFp8(w, "gate_up.dy8", "gate_up.dyT8", "gate_up", N, C, 2 * F, true);
+    WalkBackwardFp8(w, "gate_up.dy8", "gate_up.dyT8", "gate_up", N, C, 2 * F, true, cpu);
   } else {
     w->Add("dn2u", Dtype::kBf16, {N, C});
     if (!mf) {
       for (const char* n : {"gate_proj.dy8", "gate_proj.dyT8", "up_proj.dy8", "up_proj.dyT8"}) {
         w->Add(n, Dtype::kE4M3, {N, F});
       }
-      if (cpu_ref) w->Scratch("swiglu backward", 4 * N * F * 4);
+      if (cpu) w->Scratch("swiglu backward", (n + 2) * 4 + 3 * n * 4 + ref2n);
       w->Drop("dact16");
       w->Drop("gate16");
       w->Drop("up16");
-      WalkBackwardFp8(w, "gate_proj.dy8", "gate_proj.dyT8", "gate_up", N, C, F, true);
-      WalkBackwardFp8(w, "up_proj.dy8", "up_proj.dyT8", "gate_up", N, C, F, true);
+      WalkBackwardFp8(w, "gate_proj.dy8", "gate_proj.dyT8", "gate_up", N, C, F, true, cpu);
+      WalkBackwardFp8(w, "up_proj.dy8", "up_proj.dyT8", "gate_up", N, C, F, true, cpu);
     } else {
       w->Add("dgate16", Dtype::kBf16, {N, F});
       w->Add("dup16", Dtype::kBf16, {N, F});
@@ -532,7 +559,7 @@ void WalkFp8Bf16Backward(const BlockPlan& bp, const ModelDims& d, int64_t N,
   w->Add("dh", Dtype::kF32, {N, C});
   if (w->Alive("h16")) w->Add("h32", Dtype::kF32, {N, C});
   w->GatheredOnce("post_attention_layernorm.weight", C);
-  if (cpu_ref) w->Scratch("norm backward", 2 * N * C * 4);
+  if (cpu) w->Scratch("norm backward", 2 * N * C * 4);  // the bf16 parts' f32 sum
   w->DropIfAlive("h32");
   w->Drop("dn2g");
   w->DropIfAlive("dn2u");
@@ -545,17 +572,27 @@ void WalkFp8Bf16Backward(const BlockPlan& bp, const ModelDims& d, int64_t N,
   WalkFp8Backward(w, "o_proj", "o_proj", N, nq, C, false, true, run);
   w->Drop("o_proj.x8");
   w->DropIfAlive("o_proj.xT8");
-  if (cpu_ref) w->Scratch("attention", (fused_qkv ? nt * N * 2 : 0) + (7 * nq + 6 * nk) * N * 4);
+  // Dense q, k, v (fused), f32 gradients, then f32 operands rounded to bf16.
+  if (cpu) {
+    w->Scratch("attention", (bp.fused_qkv ? (N * nq + 1) * 2 + 2 * (N * nk + 1) * 2 : 0) +
+                                2 * (2 * nq + 2 * nk) * N * 4 + (3 * nq + 2 * nk) * N * 4);
+  }
   w->Drop("datt16");
   for (const char* n : {"q16", "k16", "v16", "qkv16", "att16"}) w->DropIfAlive(n);
   w->Add("dn1q", Dtype::kBf16, {N, C});
   if (fused_qkv) {
     w->Add("qkv.dy8", Dtype::kE4M3, {N, nt});
     w->Add("qkv.dyT8", Dtype::kE4M3, {nt, N});
+    if (cpu) {  // RoPE's backward and the casts through f32, dense codes into the strided ones
+      for (int64_t width : {nq, nk}) {
+        w->Scratch("rope", (N * width + 1) / 2 * 4 + N * width * 4 + N * width);
+      }
+      w->Scratch("cast", N * nk * 4 + N * nk);
+    }
     w->Drop("dq16");
     w->Drop("dk16");
     w->Drop("dv16");
-    WalkBackwardFp8(w, "qkv.dy8", "qkv.dyT8", "qkv", N, C, nt, true);
+    WalkBackwardFp8(w, "qkv.dy8", "qkv.dyT8", "qkv", N, C, nt, true, cpu);
   } else {
     w->Add("dn1k", Dtype::kBf16, {N, C});
     w->Add("dn1v", Dtype::kBf16, {N, C});
@@ -566,9 +603,10 @@ void WalkFp8Bf16Backward(const BlockPlan& bp, const ModelDims& d, int64_t N,
       }
       w->Add(std::string(n) + ".dy8", Dtype::kE4M3, {N, width});
       w->Add(std::string(n) + ".dyT8", Dtype::kE4M3, {N, width});
+      if (cpu) w->Scratch("rope", (N * width + 1) / 2 * 4 + N * width * 4);
       w->Drop(d16);
       WalkBackwardFp8(w, std::string(n) + ".dy8", std::string(n) + ".dyT8", "qkv", N, C, width,
-                      true);
+                      true, cpu);
     }
     WalkFp8Backward(w, "v_proj", "qkv", N, C, nk, true, true, run);
     for (const char* n : {"dq16", "dk16", "dv16"}) w->DropIfAlive(n);
@@ -579,7 +617,7 @@ void WalkFp8Bf16Backward(const BlockPlan& bp, const ModelDims& d, int64_t N,
   w->Add("dx", Dtype::kF32, {N, C});
   if (w->Alive("x_in16")) w->Add("x32", Dtype::kF32, {N, C});
   w->GatheredOnce("input_layernorm.weight", C);
-  if (cpu_ref) w->Scratch("norm backward", 2 * N * C * 4);
+  if (cpu) w->Scratch("norm backward", 2 * N * C * 4);
   w->DropAllBut({"dx", "dh"});
 }
 
@@ -675,6 +713,7 @@ void BackwardPeaks(BlockPlan* bp, const ModelDims& d, int64_t N, int64_t B,
   run.train = true;
   run.any_layout = !caps.cuda && !caps.cpu_reference;
   run.cpu_reference = caps.cpu_reference;
+  run.cpu = !caps.cuda;
   Walk w(bp->saved, !recompute);
   w.Add("dout", Dtype::kF32, {N, d.d_model});
   if (recompute) {  // the block's forward again, keeping what its backward reads (as work)
@@ -686,6 +725,7 @@ void BackwardPeaks(BlockPlan* bp, const ModelDims& d, int64_t N, int64_t B,
     }
     bp->recompute_peak = w.peak();
     w.ResetPeak();
+    w.Drop("out");  // the recompute's output, not read (LlamaModel::BackwardBlocks)
   } else {
     for (const PlannedTensor& t : bp->saved) w.AddTensor(t);
   }
