@@ -118,10 +118,16 @@ std::vector<PlannedTensor> SavedInOrder(const BlockPlan& bp, const ModelDims& d,
   return s;
 }
 
-// SavedInOrder with the MLP's tensors marked: its backward drops them.
+// SavedInOrder with the MLP's tensors marked: its backward drops them. scale_copies: each kept
+// FP8 input keeps a copy of its scale_inv (activation scales measured per cast: CURRENT).
 std::vector<PlannedTensor> Saved(const BlockPlan& bp, const ModelDims& d, int64_t N, int64_t B,
-                                 bool norm_inputs_bf16) {
-  std::vector<PlannedTensor> s = SavedInOrder(bp, d, N, B, norm_inputs_bf16);
+                                 bool norm_inputs_bf16, bool scale_copies) {
+  std::vector<PlannedTensor> s;
+  for (PlannedTensor& t : SavedInOrder(bp, d, N, B, norm_inputs_bf16)) {
+    const bool x8 = absl::EndsWith(t.name, ".x8");
+    s.push_back(std::move(t));
+    if (x8 && scale_copies) s.push_back(Tensor(s.back().name + ".scale_inv", Dtype::kF32, {1}));
+  }
   for (PlannedTensor& t : s) {
     for (const char* mlp : {"n2", "gate", "up", "act", "gate16", "up16", "gate_up16", "gate_up.x8",
                             "gate_proj.x8", "up_proj.x8", "down_proj.x8"}) {
@@ -155,10 +161,16 @@ class Walk {
     Push(fsdp8::Scratch(what, bytes), kWork);
     Drop("scratch:" + what);
   }
-  void Drop(const std::string& name) {
+  // An FP8 input's codes: with a copy of their scale_inv where scales are measured per cast.
+  void AddCodes(const std::string& name, std::vector<int64_t> shape, bool scale_copy) {
+    Add(name, Dtype::kE4M3, std::move(shape));
+    if (scale_copy) Add(name + ".scale_inv", Dtype::kF32, {1});
+  }
+  void Drop(const std::string& name) {  // codes: with their scale_inv copy
     for (size_t i = live_.size(); i-- > 0;) {
       if (live_[i].first.name == name) {
         live_.erase(live_.begin() + static_cast<int64_t>(i));
+        if (absl::EndsWith(name, ".x8")) DropIfAlive(name + ".scale_inv");
         return;
       }
     }
@@ -240,7 +252,7 @@ void WalkGenericForward(const BlockPlan& bp, const ModelDims& d, int64_t N, int6
   auto linear = [&](const std::string& name, int64_t in, int64_t out) {
     if (bp.linears == v1::PRECISION_BF16) w->Gathered(name + ".weight", in * out);
     if (!fp8) return;
-    w->Add(name + ".x8", Dtype::kE4M3, {N, in});
+    w->AddCodes(name + ".x8", {N, in}, run.measure_first);
     if (!train) w->Drop(name + ".x8");
   };
   w->Add("n1", Dtype::kF32, {N, C});
@@ -302,7 +314,7 @@ void WalkFp8Bf16Forward(const BlockPlan& bp, const ModelDims& d, int64_t N, int6
   w->Add("rstd1", Dtype::kF32, {N});
   w->Gathered("input_layernorm.weight", C);
   if (run.measure_first) w->Add("n1", Dtype::kF32, {N, C});
-  w->Add("qkv.x8", Dtype::kE4M3, {N, C});
+  w->AddCodes("qkv.x8", {N, C}, run.measure_first);
   if (run.measure_first) w->Drop("n1");
   // On a CPU backend a bf16 GEMM result goes through f32, and RoPE on bf16 through an f32 copy
   // (of dense rows of the fused [q | k | v]).
@@ -335,6 +347,7 @@ void WalkFp8Bf16Forward(const BlockPlan& bp, const ModelDims& d, int64_t N, int6
   if (run.measure_first) {
     w->Add("att32", Dtype::kF32, {N, C});
     w->Drop("att32");
+    w->Add("o_proj.x8.scale_inv", Dtype::kF32, {1});
   } else if (cpu) {
     w->Scratch("cast", N * C * 4);
   }
@@ -349,7 +362,7 @@ void WalkFp8Bf16Forward(const BlockPlan& bp, const ModelDims& d, int64_t N, int6
   w->Add("rstd2", Dtype::kF32, {N});
   w->Gathered("post_attention_layernorm.weight", C);
   if (run.measure_first) w->Add("n2", Dtype::kF32, {N, C});
-  w->Add("gate_up.x8", Dtype::kE4M3, {N, C});
+  w->AddCodes("gate_up.x8", {N, C}, run.measure_first);
   if (run.measure_first) w->Drop("n2");
   if (fused_mlp) {
     w->Add("gate_up16", Dtype::kBf16, {N, 2 * F});
@@ -366,7 +379,7 @@ void WalkFp8Bf16Forward(const BlockPlan& bp, const ModelDims& d, int64_t N, int6
   if (run.measure_first) {
     for (const char* n : {"gate32", "up32", "act32"}) w->Add(n, Dtype::kF32, {N, F});
   }
-  w->Add("down_proj.x8", Dtype::kE4M3, {N, F});
+  w->AddCodes("down_proj.x8", {N, F}, run.measure_first);
   if (run.measure_first) {
     for (const char* n : {"gate32", "up32", "act32"}) w->Drop(n);
   } else if (cpu) {
@@ -545,6 +558,9 @@ void WalkFp8Bf16Backward(const BlockPlan& bp, const ModelDims& d, int64_t N,
     } else {
       w->Add("dgate16", Dtype::kBf16, {N, F});
       w->Add("dup16", Dtype::kBf16, {N, F});
+      // The SwiGLU backward through f32 (dh, then the gradients); the reference's widens gate
+      // and up once more.
+      if (cpu) w->Scratch("swiglu backward", 3 * n * 4 + ref2n);
       w->Drop("dact16");
       w->Drop("gate16");
       w->Drop("up16");
@@ -792,7 +808,7 @@ absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
                                  std::tuple{"up_proj", C, F}, std::tuple{"down_proj", F, C}}) {
       bp.proj.push_back({name, in, out, bp.linears, recipe});
     }
-    bp.saved = Saved(bp, d, p.tokens, B, norm_inputs_bf16);
+    bp.saved = Saved(bp, d, p.tokens, B, norm_inputs_bf16, fp8 && !delayed);
     ForwardRun run;
     run.train = !p.recompute;  // the training forward under recompute keeps nothing
     run.measure_first = fp8 && !delayed;

@@ -146,13 +146,13 @@ void Linear::Forward(const float* x, int64_t M, int64_t K, int64_t N, const Weig
              saved);
 }
 
-std::shared_ptr<Fp8Input> Linear::Cast(std::shared_ptr<Fp8Input> in,
+std::shared_ptr<Fp8Input> Linear::Cast(std::shared_ptr<Fp8Input> in, MemoryLabel codes,
                                        std::initializer_list<const Linear*> same_input) {
   // Under delayed scaling the tensor's scale_inv slot holds still until UpdateScales, after every
   // backward of the step; a cast that measured its own amax first (NeedsAmaxFirst) rewrites the
   // slot at each cast, so its value is kept.
   if (sc_->NeedsAmaxFirst(x_idx_)) {
-    in->scale_inv_copy = DevBuf(be_, sizeof(float), MemoryLabel::kScaling);
+    in->scale_inv_copy = DevBuf(be_, sizeof(float), codes);
     be_->Copy(in->scale_inv_copy.get(), sc_->ScaleInv(x_idx_), sizeof(float));
     in->scale_inv = in->scale_inv_copy.f32();
   } else {
@@ -187,7 +187,7 @@ std::shared_ptr<Fp8Input> Linear::CastInput(ActivationView x, int64_t M, int64_t
     be_->CastFp8(x.f32, 1, M * K, scale, Fp8Format::kE4M3, in->x8.u8(), nullptr,
                  sc_->AmaxOut(x_idx_));
   }
-  return Cast(std::move(in), same_input);
+  return Cast(std::move(in), codes, same_input);
 }
 
 std::shared_ptr<Fp8Input> Linear::NormCastInput(const float* x, const float* w_norm, float eps,
@@ -205,7 +205,7 @@ std::shared_ptr<Fp8Input> Linear::NormCastInput(const float* x, const float* w_n
   be_->RmsNormForward(
       x, w_norm, eps, M, K, nullptr, rstd,
       Fp8Cast{sc_->Scale(x_idx_), Fp8Format::kE4M3, in->x8.u8(), nullptr, sc_->AmaxOut(x_idx_)});
-  return Cast(std::move(in), same_input);
+  return Cast(std::move(in), codes, same_input);
 }
 
 std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint16_t* up16,
@@ -226,7 +226,7 @@ std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint1
   be_->SwigluForward(
       gate16, up16, M, K, ld, nullptr,
       Fp8Cast{sc_->Scale(x_idx_), Fp8Format::kE4M3, in->x8.u8(), nullptr, sc_->AmaxOut(x_idx_)});
-  return Cast(std::move(in), {});
+  return Cast(std::move(in), codes, {});
 }
 
 LinearSaved Linear::RecastSwiglu(const uint16_t* gate16, const uint16_t* up16, int64_t M,

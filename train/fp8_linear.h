@@ -258,8 +258,8 @@ class Linear {
  private:
   // Finishes an input whose x8 was just cast with this linear's X scale: points at that
   // scale_inv (or keeps a copy when the slot may change before the backward) and shares the
-  // cast's amax with the linears of `same_input`.
-  std::shared_ptr<Fp8Input> Cast(std::shared_ptr<Fp8Input> in,
+  // cast's amax with the linears of `same_input`. The copy takes the codes' memory label.
+  std::shared_ptr<Fp8Input> Cast(std::shared_ptr<Fp8Input> in, MemoryLabel codes,
                                  std::initializer_list<const Linear*> same_input);
   // dY (M, N), f32 or bf16, cast to this linear's grad-output format: dy8 (M, N); with dyT8 (its
   // transpose, N x M) when dyT8 is not null.

@@ -1,7 +1,7 @@
 // The memory labels (common/memory_label.h) held against the memory plan, label by label: real
 // training steps on the CPU backends (cpu-ref and cpu), and at each phase's peak of a steady step
-// (step 2: delayed scaling has its history, the backends' scratch slots their size) the backend's labelled bytes (StepStats::*_labels,
-// from Backend::account()) must
+// (step 2: delayed scaling has its history, the backends' scratch slots their size) the
+// backend's labelled bytes (StepStats::*_labels, from Backend::account()) must
 //   * sum to the phase's peak as the backend counts it (PeakAllocatedBytes), with no unlabelled
 //     byte: an allocation the labelling missed shows here;
 //   * equal, label by label, the memory plan's bytes for that phase (MemoryPlan::*_terms), which
@@ -10,8 +10,8 @@
 // Models: the default job's shape (data/default-job.yaml) and small models shaped as the 1b
 // preset (bench/presets/1b.yaml: head_dim 128 -> 16, ffn 2.75 d_model, vocab 16 d_model, seq =
 // d_model, FP8 linears with BF16 attention), under every precision plan (block linears FP8, BF16,
-// FP32; attention FP32, BF16; per-block overrides), with and without activation recompute, BF16
-// AdamW moments and FP8 weight codes cast per gather.
+// FP32; attention FP32, BF16; per-block overrides; FP8 under the delayed and the CURRENT
+// recipes), with and without activation recompute, BF16 AdamW moments and kept FP8 weight codes.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -79,16 +79,25 @@ constexpr Phase kPhases[] = {
      &MemoryPlan::optimizer_terms},
 };
 
+// The phase's labels, measured and planned, one a line: the whole moment, to read a mismatch by.
+std::string Table(const LabelBytes& measured, const std::vector<MemoryTerm>& planned) {
+  std::string out;
+  for (int l = 0; l + 1 < kNumMemoryLabels && l < static_cast<int>(planned.size()); ++l) {
+    char line[128];
+    std::snprintf(line, sizeof(line), "  %-20s measured %12lld plan %12lld\n",
+                  kMemoryLabelNames[l], static_cast<long long>(measured[l]),
+                  static_cast<long long>(planned[l].bytes));
+    out += line;
+  }
+  return out;
+}
+
 // Three steps of `spec` on `world` ranks (threads, Gloo) on `backend`; rank 0's step 2 against
 // the plan, every phase and label: a steady step (step 0 measures every scale first and runs no
 // fused GEMM, step 1 grows the backends' kept scratch to the fused GEMMs' shapes).
 void ExpectLabelsMatchPlan(const v1::JobSpec& spec, const std::string& backend, int world,
                            const std::string& what) {
   SCOPED_TRACE(what + " on " + backend + ", world " + std::to_string(world));
-  if (const char* only = std::getenv("DBG_CASE");
-      only != nullptr && (what + " on " + backend + ", world " + std::to_string(world)) != only) {
-    return;
-  }
   MemoryPlanOptions options;  // the plan of the backend that runs: cpu-ref's compositions
   options.cpu_reference = backend == "cpu-ref";
   const absl::StatusOr<MemoryPlan> plan = PlanMemory(spec, world, options);
@@ -120,17 +129,6 @@ void ExpectLabelsMatchPlan(const v1::JobSpec& spec, const std::string& backend, 
   ASSERT_EQ(steps.size(), 3u);
   EXPECT_EQ(after_init_unlabelled, 0) << "after init";
   const StepStats& st = steps[2];
-  if (std::getenv("DBG_CASE") != nullptr) {
-    for (const Phase& ph : kPhases) {  // the table, to read a mismatch by
-      std::printf("%s %s peak: measured %lld\n", what.c_str(), ph.name,
-                  static_cast<long long>(st.*ph.peak));
-      for (int l = 0; l + 1 < kNumMemoryLabels; ++l) {
-        std::printf("  %-20s measured %10lld plan %10lld\n", kMemoryLabelNames[l],
-                    static_cast<long long>((st.*ph.labels)[l]),
-                    static_cast<long long>(((*plan).*ph.terms)[l].bytes));
-      }
-    }
-  }
   for (const Phase& ph : kPhases) {
     const LabelBytes& measured = st.*ph.labels;
     const std::vector<MemoryTerm>& planned = (*plan).*ph.terms;
@@ -143,7 +141,8 @@ void ExpectLabelsMatchPlan(const v1::JobSpec& spec, const std::string& backend, 
     for (int l = 0; l + 1 < kNumMemoryLabels; ++l) {
       EXPECT_EQ(planned[l].name, kMemoryLabelNames[l]);
       EXPECT_EQ(measured[l], planned[l].bytes)
-          << ph.name << " peak, label \"" << kMemoryLabelNames[l] << "\": measured vs plan";
+          << ph.name << " peak, label \"" << kMemoryLabelNames[l] << "\": measured vs plan\n"
+          << Table(measured, planned);
     }
   }
 }
@@ -168,19 +167,36 @@ v1::JobSpec WithPrecision(v1::JobSpec s, const Precisions& p) {
   return s;
 }
 
-// Each precision plan as it is, with recompute, and with BF16 moments and codes cast per gather.
+// `s` as it is, with recompute, and with BF16 moments and codes cast per gather.
+void EveryVariant(v1::JobSpec s, const std::string& backend, int world, const std::string& what) {
+  ExpectLabelsMatchPlan(s, backend, world, what);
+  s.mutable_training()->set_activation_recompute(true);
+  ExpectLabelsMatchPlan(s, backend, world, what + ", recompute");
+  s.mutable_training()->set_activation_recompute(false);
+  s.mutable_optimizer()->set_state_precision(v1::PRECISION_BF16);
+  s.mutable_precision()->mutable_fp8()->set_keep_weight_codes(false);
+  ExpectLabelsMatchPlan(s, backend, world, what + ", BF16 moments, codes cast per gather");
+}
+
+// Each precision plan (delayed scaling) in every variant.
 void EveryPrecisionAndVariant(const v1::JobSpec& base, const std::string& model, int world) {
   for (const char* backend : {"cpu-ref", "cpu"}) {
     for (const Precisions& p : kPrecisions) {
+      EveryVariant(WithPrecision(base, p), backend, world, model + ", " + p.name);
+    }
+  }
+}
+
+// Each precision plan with FP8 linears under the CURRENT recipe (activation and grad-output
+// scales measured before every cast: f32 copies, per-linear casts, kept scale_inv copies) in
+// every variant.
+void CurrentRecipeEveryVariant(const v1::JobSpec& base, const std::string& model, int world) {
+  for (const char* backend : {"cpu-ref", "cpu"}) {
+    for (const Precisions& p : kPrecisions) {
+      if (p.linears != v1::PRECISION_FP8) continue;
       v1::JobSpec s = WithPrecision(base, p);
-      const std::string what = model + ", " + p.name;
-      ExpectLabelsMatchPlan(s, backend, world, what);
-      s.mutable_training()->set_activation_recompute(true);
-      ExpectLabelsMatchPlan(s, backend, world, what + ", recompute");
-      s.mutable_training()->set_activation_recompute(false);
-      s.mutable_optimizer()->set_state_precision(v1::PRECISION_BF16);
-      s.mutable_precision()->mutable_fp8()->set_keep_weight_codes(false);
-      ExpectLabelsMatchPlan(s, backend, world, what + ", BF16 moments, codes cast per gather");
+      s.mutable_precision()->mutable_fp8()->set_recipe(v1::SCALING_RECIPE_CURRENT);
+      EveryVariant(s, backend, world, model + ", " + p.name + ", CURRENT recipe");
     }
   }
 }
@@ -191,6 +207,14 @@ TEST(MemoryLabels, DefaultModelEveryPrecisionPlan) {
 
 TEST(MemoryLabels, OneBShapedEveryPrecisionPlan) {
   EveryPrecisionAndVariant(OneBShaped(), "1b-shaped", 1);
+}
+
+TEST(MemoryLabels, DefaultModelCurrentRecipe) {
+  CurrentRecipeEveryVariant(DefaultModel(), "default model", 1);
+}
+
+TEST(MemoryLabels, OneBShapedCurrentRecipe) {
+  CurrentRecipeEveryVariant(OneBShaped(), "1b-shaped", 1);
 }
 
 // Two ranks: gathered units, unit gradients in flight and later microbatches' parts.
