@@ -35,7 +35,7 @@ TOOL_PKGS=(
   openssl                                                                  # test certificates (TLS tests)
   util-linux                                                               # tests: setpriv --pdeathsig
   clang libclang-rt-14-dev                                                 # libFuzzer (spec parser fuzz test)
-  grpc-proto                                                               # health.proto for grpcurl (README)
+  grpc-proto                                                               # health.proto for grpcurl (docs/operations.md)
   podman runc debootstrap                                                  # deploy/build-images.sh (images, kube play)
   catatonit                                                                # podman's pause process (kube play pods; a Recommends)
 )
