@@ -288,6 +288,24 @@ class WatchProgressTest(unittest.TestCase):
         self.assertIn(f"tensorboard: {len(by_step)} steps written to {run_dir}", stdout)
         self.assertScalarsMatch(run_dir, raw)
 
+    def test_cli_writer_that_cannot_start_stops_the_watch_first(self):
+        # A fsdp8-tensorboard that fails as a missing tensorboard package would: the CLI says so
+        # before it watches anything (an unknown job would otherwise fail NOT_FOUND, exit 1).
+        fake = os.path.join(self.tmp, "failingbin")
+        os.makedirs(fake, exist_ok=True)
+        script = os.path.join(fake, "fsdp8-tensorboard")
+        with open(script, "w") as f:
+            f.write("#!/bin/sh\necho 'fsdp8-tensorboard: no tensorboard here' >&2\nexit 3\n")
+        os.chmod(script, 0o755)
+        r = subprocess.run([CLI, "--coordinator", self.cluster.address, "watch", "no-such-job",
+                            "--tensorboard", os.path.join(self.tmp, "never")],
+                           capture_output=True, text=True, env=dict(os.environ, PATH=fake),
+                           timeout=60)
+        self.assertEqual(r.returncode, 2, r.stdout + r.stderr)
+        self.assertIn("fsdp8-tensorboard: no tensorboard here", r.stderr)
+        self.assertIn("stopped before writing anything (exit status 3)", r.stderr)
+        self.assertNotIn("NOT_FOUND", r.stderr)
+
     def test_cli_without_the_writer_submits_nothing(self):
         before = [j.job_id for j in self.client.list()]
         spec = os.path.join(self.tmp, "job.yaml")
