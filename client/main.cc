@@ -301,9 +301,11 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
   };
   fsdp8::WatchProgress progress;
   // The job's start_time: asked for once, at the first step (a job watched from PENDING has none
-  // before it starts).
+  // before it starts); unknown (elapsed "?") if that call fails.
+  bool asked_job_start = false;
   auto learn_job_start = [&] {
-    if (progress.knows_job_start()) return;
+    if (asked_job_start) return;
+    asked_job_start = true;
     auto j = c.GetJob(job_id);
     if (j.ok()) progress.set_job_start(j->start_time());
   };
