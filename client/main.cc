@@ -28,6 +28,8 @@
 #include "client/client.h"
 #include "client/plot.h"
 #include "client/prepare.h"
+#include "client/progress.h"
+#include "client/tensorboard.h"
 #include "common/env_settings.h"
 #include "common/hf_model.h"
 #include "common/memory_plan.h"
@@ -41,12 +43,15 @@ constexpr char kUsage[] =
     "\n"
     "commands:\n"
     "  submit SPEC_FILE [--request-id ID] [--no-watch]   submit a job (YAML or JSON), then watch it\n"
-    "  watch JOB [--json] [--plot FILE] [--log FILE]     follow a job until it ends (--json: one event per\n"
+    "  watch JOB [--json] [--plot FILE] [--log FILE] [--tensorboard DIR]\n"
+    "                                                    follow a job until it ends (--json: one event per\n"
     "                                                    line; --plot, also on submit: the loss curve\n"
     "                                                    as an image, .png, .svg or .pdf, by gnuplot;\n"
     "                                                    --log, also on submit: the progress lines and\n"
     "                                                    the summary appended to FILE, while a terminal\n"
-    "                                                    shows the live bar)\n"
+    "                                                    shows the live bar; --tensorboard, also on\n"
+    "                                                    submit: TensorBoard event files under DIR/JOB\n"
+    "                                                    by fsdp8-tensorboard, Python SDK)\n"
     "  status JOB [--json]                               one job's state\n"
     "  list [--page-size N] [--page-token T]             every job you may see, oldest first (with a\n"
     "                                                    flag: one page, then the next page's token)\n"
@@ -262,17 +267,6 @@ int ModelSection(Args& a) {
   return 0;
 }
 
-// The plain progress line of a step event: "step N/T loss X [val V] tok/s R elapsed E [epoch P]".
-std::string StepLine(const fsdp8::v1::JobEvent& ev, double elapsed_s) {
-  std::string line =
-      absl::StrFormat("step %d/%d loss %s", ev.step(), ev.total_steps(), Num(ev.loss()));
-  if (!std::isnan(ev.val_loss())) absl::StrAppend(&line, " val ", Num(ev.val_loss()));
-  absl::StrAppend(&line, " tok/s ", static_cast<int64_t>(ev.tokens_per_second()), " elapsed ",
-                  fsdp8::FormatDuration(elapsed_s));
-  if (ev.epoch() > 0) absl::StrAppend(&line, absl::StrFormat(" epoch %.2f", ev.epoch()));
-  return line;
-}
-
 // The closing line of a watch: state, steps, the job's wall time (end_time - start_time; the
 // watch's own when the job has no times, e.g. one watched from before it started), mean tokens/s
 // of the job (tokens / that time) and the last train and validation losses.
@@ -294,14 +288,28 @@ std::string SummaryLine(const fsdp8::v1::Job& job, double elapsed_s) {
 // Follows a job; returns the exit code (0 only for SUCCEEDED). With `plot`, writes the loss curve
 // there when the watch ends, and every 30 s meanwhile. On a terminal, steps show as a live bar;
 // otherwise as a line every 10 steps, at evaluations and at the end. `log` (may be null) gets the
-// plain lines and the summary whether or not stdout is a terminal.
+// plain lines and the summary whether or not stdout is a terminal. Elapsed time and ETA are the
+// job's (client/progress.h): from its start_time, at each event's time. `tensorboard` (may be
+// null) gets every event (client/tensorboard.h).
 int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
-             const std::string& plot = "", FILE* log = nullptr) {
+             const std::string& plot = "", FILE* log = nullptr,
+             fsdp8::TensorBoardSink* tensorboard = nullptr) {
   std::vector<fsdp8::LossPoint> curve;
   const auto start = std::chrono::steady_clock::now();
-  auto elapsed = [&] {
+  auto elapsed = [&] {  // the watch's own, for a summary of a job that has no times
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
+  fsdp8::WatchProgress progress;
+  // The job's start_time: asked for once, at the first step (a job watched from PENDING has none
+  // before it starts); unknown (elapsed "?") if that call fails.
+  bool asked_job_start = false;
+  auto learn_job_start = [&] {
+    if (asked_job_start) return;
+    asked_job_start = true;
+    auto j = c.GetJob(job_id);
+    if (j.ok()) progress.set_job_start(j->start_time());
+  };
+  absl::Status tensorboard_status;
   auto last_plot = start;
   auto write_plot = [&]() {
     absl::Status s = fsdp8::WriteLossPlot(plot, absl::StrCat("fsdp8 job ", job_id), curve);
@@ -314,7 +322,6 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
     fflush(log);
   };
   const bool tty = isatty(fileno(stdout));
-  double last_val = NAN, ema_step = NAN;
   fsdp8::v1::JobState state = fsdp8::v1::JOB_STATE_UNSPECIFIED;
   bool bar_drawn = false;
   auto end_bar = [&] {  // keeps the last bar on its own line
@@ -324,7 +331,10 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
     }
   };
   auto job = c.Watch(job_id, 0, [&](const fsdp8::v1::JobEvent& ev) {
-    if (ev.message().empty() && ev.step() > 0) {
+    if (tensorboard != nullptr && tensorboard_status.ok()) tensorboard_status = tensorboard->Write(ev);
+    if (fsdp8::IsStepEvent(ev)) {
+      if (!json) learn_job_start();
+      progress.Add(ev);
       // A restarted generation replays the steps after its checkpoint: keep the newest ones.
       while (!curve.empty() && curve.back().step >= ev.step()) curve.pop_back();
       curve.push_back({ev.step(), ev.loss(), ev.val_loss()});
@@ -345,10 +355,7 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
     }
     const bool state_changed = ev.state() != state;
     state = ev.state();
-    const bool is_step = ev.message().empty() && ev.step() > 0;
-    if (!std::isnan(ev.val_loss()) && is_step) last_val = ev.val_loss();
-    if (is_step && ev.step_seconds() > 0)
-      ema_step = std::isnan(ema_step) ? ev.step_seconds() : 0.9 * ema_step + 0.1 * ev.step_seconds();
+    const bool is_step = fsdp8::IsStepEvent(ev);
     if (!is_step) {  // a state change or a notice
       end_bar();
       const std::string line = absl::StrCat(State(ev.state()), ": ", ev.message());
@@ -359,23 +366,24 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
     }
     const bool plain_due = !std::isnan(ev.val_loss()) || state_changed || ev.step() % 10 == 0 ||
                            ev.step() == ev.total_steps();
-    if (plain_due) to_log(StepLine(ev, elapsed()));
+    if (plain_due) to_log(fsdp8::StepLine(ev, progress));
     if (tty) {
       const int width = 20;
       int filled = ev.total_steps() > 0
                        ? static_cast<int>(width * ev.step() / ev.total_steps()) : 0;
       std::string bar(filled, '#');
       bar += std::string(width - filled, '.');
-      double eta = std::isnan(ema_step) ? NAN : ema_step * (ev.total_steps() - ev.step());
       printf("\r\033[K[%s] step %lld/%lld  epoch %.2f  loss %s  val %s  %s tok/s  elapsed %s  ETA %s",
              bar.c_str(), static_cast<long long>(ev.step()),
              static_cast<long long>(ev.total_steps()), ev.epoch(), Num(ev.loss()).c_str(),
-             Num(last_val).c_str(), Thousands(static_cast<int64_t>(ev.tokens_per_second())).c_str(),
-             fsdp8::FormatDuration(elapsed()).c_str(), fsdp8::FormatDuration(eta).c_str());
+             Num(progress.last_val_loss()).c_str(),
+             Thousands(static_cast<int64_t>(ev.tokens_per_second())).c_str(),
+             fsdp8::FormatDuration(progress.ElapsedAt(ev.time())).c_str(),
+             fsdp8::FormatDuration(progress.EtaAfter(ev)).c_str());
       bar_drawn = true;
       fflush(stdout);
     } else if (plain_due) {
-      printf("%s\n", StepLine(ev, elapsed()).c_str());
+      printf("%s\n", fsdp8::StepLine(ev, progress).c_str());
       fflush(stdout);
     }
     return true;
@@ -390,6 +398,16 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
       to_log(line);
     } else {
       fprintf(stderr, "error: %s\n", std::string(ps.message()).c_str());
+    }
+  }
+  if (tensorboard != nullptr) {
+    auto written = tensorboard->Finish();
+    if (!tensorboard_status.ok()) written = tensorboard_status;
+    if (written.ok()) {
+      fprintf(json ? stderr : stdout, "%s\n", written->c_str());
+      to_log(*written);
+    } else {
+      fprintf(stderr, "error: %s\n", std::string(written.status().message()).c_str());
     }
   }
   if (!job.ok()) return ReportError(job.status());
@@ -548,7 +566,8 @@ int RunPlan(Context& ctx) {
   return 0;
 }
 
-// WatchJob with the --plot and --log flags of ctx (the log file is appended to).
+// WatchJob with the --plot, --log and --tensorboard flags of ctx (the log file is appended to;
+// the TensorBoard writer is started before anything is watched).
 int WatchWithLog(Context& ctx, const std::string& job_id, bool json) {
   FILE* log = nullptr;
   if (ctx.a.flags.count("log")) {
@@ -558,12 +577,23 @@ int WatchWithLog(Context& ctx, const std::string& job_id, bool json) {
       return 2;
     }
   }
-  const int rc = WatchJob(*ctx.client, job_id, json, ctx.a.flags["plot"], log);
+  std::unique_ptr<fsdp8::TensorBoardSink> tensorboard;
+  if (ctx.a.flags.count("tensorboard")) {
+    auto sink = fsdp8::TensorBoardSink::Start(ctx.a.flags["tensorboard"], job_id);
+    if (!sink.ok()) {
+      fprintf(stderr, "error: %s\n", std::string(sink.status().message()).c_str());
+      if (log != nullptr) fclose(log);
+      return 2;
+    }
+    tensorboard = std::move(*sink);
+  }
+  const int rc = WatchJob(*ctx.client, job_id, json, ctx.a.flags["plot"], log, tensorboard.get());
   if (log != nullptr) fclose(log);
   return rc;
 }
 
 // fsdp8 submit SPEC_FILE [--request-id ID] [--no-watch] [--plot FILE] [--log FILE]
+//              [--tensorboard DIR]
 int RunSubmit(Context& ctx) {
   Args& a = ctx.a;
   if (a.positional.size() != 1) return Usage("submit: exactly one SPEC_FILE");
@@ -578,6 +608,13 @@ int RunSubmit(Context& ctx) {
   if (!spec.ok()) {
     fprintf(stderr, "error: %s: %s\n", file.c_str(), std::string(spec.status().message()).c_str());
     return 2;
+  }
+  if (a.flags.count("tensorboard") && !a.flags.count("no-watch")) {
+    // Before the job exists: a job is not submitted for a watch that could not write.
+    if (absl::Status s = fsdp8::CheckTensorBoardProgram(); !s.ok()) {
+      fprintf(stderr, "error: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
   }
   auto job = ctx.client->Submit(*spec, a.flags.count("request-id") ? a.flags["request-id"] : "");
   if (!job.ok()) {

@@ -8,6 +8,7 @@ import grpc
 import yaml
 from google.protobuf import descriptor, json_format
 
+from fsdp8 import events
 from fsdp8.v1 import admin_pb2, admin_pb2_grpc, jobs_pb2, jobs_pb2_grpc, spec_pb2
 
 JobState = jobs_pb2.JobState
@@ -156,19 +157,34 @@ class Client:
         FAILED_PRECONDITION for a job that already ended, NOT_FOUND for an unknown id."""
         return self._call(self.jobs.CancelJob, jobs_pb2.CancelJobRequest(job_id=job_id))
 
-    def watch(self, job_id: str, *, after_seq: int = 0,
-              timeout: Optional[float] = None) -> Iterator[jobs_pb2.JobEvent]:
-        """Yields the job's events (seq > after_seq) until the one carrying its final state.
+    def watch(self, job_id: str, *, after_seq: int = 0, timeout: Optional[float] = None,
+              tensorboard: Optional[str] = None) -> Iterator[events.Event]:
+        """Yields the job's events (seq > after_seq) until the one carrying its final state, typed
+        (fsdp8.events): StepEvent, ValidationEvent (a step that validated) or StateEvent (a state
+        change or a notice); ev.raw is the JobEvent message, whose fields stay readable on the
+        event itself (ev.tokens_per_second, ev.val_loss) as when this yielded the messages.
 
         timeout: seconds for the whole stream (None: no limit); past it grpc.RpcError
-        DEADLINE_EXCEEDED is raised. Resume after a broken stream with after_seq = last seq."""
+        DEADLINE_EXCEEDED is raised. Resume after a broken stream with after_seq = last seq.
+        tensorboard: a TensorBoard log directory: the steps are also written as scalars into its
+        run directory of this job, tensorboard/JOB_ID (fsdp8.TensorBoardWriter; needs the
+        tensorboard package), flushed when the stream ends or is closed."""
+        writer = None
+        if tensorboard is not None:
+            from fsdp8.tensorboard import TensorBoardWriter, run_dir
+            writer = TensorBoardWriter(run_dir(tensorboard, job_id))
         req = jobs_pb2.WatchJobRequest(job_id=job_id, after_seq=after_seq)
         stream = self.jobs.WatchJob(req, timeout=timeout, wait_for_ready=True)
         try:
-            for ev in stream:
+            for msg in stream:
+                ev = events.from_proto(msg)
+                if writer is not None:
+                    writer.write(ev)
                 yield ev
         finally:
             stream.cancel()
+            if writer is not None:
+                writer.close()
 
     def wait(self, job_id: str, *, timeout: Optional[float] = None) -> jobs_pb2.Job:
         """Follows the job until it ends; returns the final Job."""
