@@ -160,6 +160,27 @@ class SdkTest(unittest.TestCase):
         self.assertEqual(o.precision.overrides[0].layer, 1)
         self.assertEqual(o.precision.overrides[0].linears, fsdp8.client.spec_pb2.PRECISION_BF16)
 
+    def test_oversized_spec_file_refused_unread(self):
+        # 64 KiB is the coordinator's limit on a spec (common/spec.h); a 50 MB (sparse) file is
+        # refused from its size: the process grows by far less than the file.
+        import resource
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            big = os.path.join(d, "big.yaml")
+            with open(big, "wb") as f:
+                f.truncate(50 * 1000 * 1000)
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+            with self.assertRaisesRegex(ValueError, r"big\.yaml: 50000000 bytes exceeds the limit "
+                                                    r"of 65536 bytes on a job spec"):
+                fsdp8.load_spec(big)
+            grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+            self.assertLess(grown, 10 * 1024, "the file was read into memory")
+            ok = os.path.join(d, "ok.yaml")
+            with open(ok, "w") as f:
+                f.write("model:\n  d_model: 64\n" + "#" * (65536 - 21 - 1) + "\n")
+            self.assertEqual(os.path.getsize(ok), 65536)
+            self.assertEqual(fsdp8.load_spec(ok).model.d_model, 64)  # exactly the limit is taken
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

@@ -70,6 +70,24 @@ def _normalise(value, msg: descriptor.Descriptor, path: str):
     return out
 
 
+# The largest spec the coordinator takes (common/spec.h, kMaxSpecBytes), and so the largest spec
+# file read: a larger file is refused from its size, before it is read.
+MAX_SPEC_BYTES = 64 * 1024
+
+
+def _read_spec_file(path: pathlib.Path) -> str:
+    """The text of a spec file of at most MAX_SPEC_BYTES; ValueError naming the file otherwise."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_SPEC_BYTES:
+            raise ValueError(f"{path}: {size} bytes exceeds the limit of {MAX_SPEC_BYTES} bytes "
+                             "on a job spec")
+        data = f.read(MAX_SPEC_BYTES + 1)  # a file that grew since fstat is still bounded
+    if len(data) > MAX_SPEC_BYTES:
+        raise ValueError(f"{path}: more than the limit of {MAX_SPEC_BYTES} bytes on a job spec")
+    return data.decode("utf-8")
+
+
 def load_spec(spec: SpecLike) -> spec_pb2.JobSpec:
     """A JobSpec from a JobSpec, a dict, a file path (YAML or JSON) or YAML/JSON text.
 
@@ -83,7 +101,7 @@ def load_spec(spec: SpecLike) -> spec_pb2.JobSpec:
         text = str(spec)
         p = pathlib.Path(text)
         if "\n" not in text and p.suffix in (".yaml", ".yml", ".json"):
-            text = p.read_text()
+            text = _read_spec_file(p)
         try:
             spec = yaml.safe_load(text)
         except yaml.YAMLError as e:
