@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -184,6 +185,10 @@ def check_drop_lock(entries, clang, spec):
 
 def main():
     a = parse_args()
+    if shutil.which(a.clang) is None:
+        print(f"thread_safety_check: {a.clang} not found (Debian: the clang package, which "
+              "scripts/install-deps.sh installs)")
+        return 1
     entries = load_entries(a.build_dir, a.source_dir)
     if a.drop_lock:
         return check_drop_lock(entries, a.clang, a.drop_lock)
