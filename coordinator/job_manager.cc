@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/time.h"
 #include "common/checkpoint_format.h"
 #include "common/spec.h"
 #include "coordinator/checkpoint_store.h"
@@ -58,7 +59,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
   auto coordinator = jm->store_->CoordinatorId();
   if (!coordinator.ok()) return coordinator.status();
   jm->coordinator_id_ = *coordinator;
-  std::unique_lock<std::mutex> lock(jm->mu_);
+  absl::ReleasableMutexLock lock(&jm->mu_);
   for (auto& row : *rows) {
     const std::string id = row.job.job_id();
     Record& r = jm->jobs_[id];
@@ -124,7 +125,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
   }
   jm->RetainLocked();
   jm->ReconcileCheckpointDirsLocked();
-  lock.unlock();
+  lock.Release();
   if (options.checkpoint_lease.count() > 0)
     jm->lease_thread_ = std::thread([p = jm.get()] { p->RenewLeases(); });
   return jm;
@@ -161,13 +162,13 @@ void JobManager::RenewLeases() {
   const double lease_s = std::chrono::duration<double>(options_.checkpoint_lease).count();
   for (;;) {
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      if (cv_.wait_for(lock, every, [&] { return shutdown_; })) return;
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&shutdown_), absl::FromChrono(every))) return;
     }
-    std::lock_guard<std::mutex> io(lease_io_mu_);
+    absl::MutexLock io(&lease_io_mu_);
     std::vector<std::pair<std::string, std::string>> held;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       if (shutdown_) return;
       held.assign(leases_.begin(), leases_.end());
     }
@@ -195,22 +196,22 @@ void JobManager::RenewLeases() {
       Log(LogLevel::kWarning, absl::StrCat("job ", id, ": checkpoint.dir ", dir, " belongs to job ",
                                            (*owner)->owner().job_id(),
                                            "; its lease is no longer renewed"));
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       leases_.erase(id);
     }
   }
 }
 
 bool JobManager::HasRun(const std::string& job_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return runs_.count(job_id) > 0;
 }
 
 void JobManager::RunJoined(const std::string& job_id) {
-  std::lock_guard<std::mutex> io(lease_io_mu_);
+  absl::MutexLock io(&lease_io_mu_);
   bool ended = true;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     runs_.erase(job_id);
     const Record* r = FindLocked(job_id);
     ended = r == nullptr || IsTerminalState(r->job.state());
@@ -221,7 +222,7 @@ void JobManager::RunJoined(const std::string& job_id) {
 void JobManager::ReleaseLeaseIoLocked(const std::string& job_id) {
   std::string dir;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = leases_.find(job_id);
     if (it == leases_.end()) return;
     dir = it->second;
@@ -266,7 +267,7 @@ void JobManager::PublishLocked(Record* r, v1::JobEvent ev) {
   r->events.push_back(std::move(ev));
   while (r->events.size() > options_.max_events_per_job) r->events.pop_front();
   PersistLocked(*r, r->events.back());
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 std::string JobManager::NewJobIdLocked() {
@@ -306,7 +307,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
   v1::JobSpec d = WithDefaults(spec, 0);
   std::string bytes = DeterministicBytes(d);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (auto replay = ReplayLocked(request_id, owner, bytes))
       return replay->ok() ? *replay : Refused(replay->status(), owner, d);
   }
@@ -330,7 +331,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
   }
   std::function<absl::Status(const v1::JobSpec&)> admission;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     admission = admission_;
   }
   if (admission) {
@@ -361,7 +362,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
   }
   v1::Job out;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (shutdown_)
       return Refused(absl::UnavailableError("coordinator is shutting down"), owner, d);
     // Re-checked: another submit may have raced us.
@@ -410,7 +411,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
                              {"request_id", request_id}});
   std::function<void()> cb;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     cb = on_submit_;
   }
   if (cb) cb();
@@ -451,7 +452,7 @@ absl::StatusOr<JobPage> JobManager::ListPage(const std::optional<std::string>& o
     return absl::InvalidArgumentError(absl::StrCat("events: must be >= 0 (got ", events, ")"));
   const size_t want = page_size == 0 ? kDefaultPageSize : std::min(page_size, kMaxPageSize);
   const size_t n_events = static_cast<size_t>(std::min(events, kMaxListEvents));
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = order_.begin();
   if (!page_token.empty()) {
     auto key = ParsePageToken(page_token);
@@ -481,7 +482,7 @@ absl::StatusOr<JobPage> JobManager::ListPage(const std::optional<std::string>& o
 }
 
 absl::Status JobManager::Delete(const std::string& job_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (!IsTerminalState(r->job.state()))
@@ -489,17 +490,17 @@ absl::Status JobManager::Delete(const std::string& job_id) {
         "job ", job_id, " is ", StateName(r->job.state()),
         "; only an ended job can be deleted (cancel it first)"));
   EraseLocked(job_id);
-  cv_.notify_all();
+  cv_.SignalAll();
   return absl::OkStatus();
 }
 
 size_t JobManager::ApplyRetention() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return RetainLocked();
 }
 
 size_t JobManager::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return jobs_.size();
 }
 
@@ -517,7 +518,7 @@ size_t JobManager::RetainLocked() {
     EraseLocked(ended_.begin()->second);
     ++removed;
   }
-  if (removed > 0) cv_.notify_all();
+  if (removed > 0) cv_.SignalAll();
   return removed;
 }
 
@@ -546,7 +547,8 @@ absl::Status JobManager::ClaimCheckpointDirLocked(const v1::JobSpec& spec, const
   CheckpointStore::ClaimOptions o;
   o.take_over = c.take_over();
   // Under mu_: the owner's state cannot change between this check and the claim.
-  o.may_take_over = [&](const v1::CheckpointOwnerEntry& old) -> absl::Status {
+  o.may_take_over = [&](const v1::CheckpointOwnerEntry& old)
+                         ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
     const Record* r = FindLocked(old.job_id());
     if (r == nullptr || IsTerminalState(r->job.state())) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat(
@@ -575,14 +577,14 @@ absl::Status JobManager::ClaimCheckpointDirLocked(const v1::JobSpec& spec, const
 }
 
 absl::StatusOr<v1::Job> JobManager::Get(const std::string& job_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   return r->job;
 }
 
 std::vector<v1::Job> JobManager::List() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<v1::Job> out;
   out.reserve(order_.size());
   for (const auto& [unused, id] : order_) out.push_back(jobs_.at(id).job);
@@ -590,7 +592,7 @@ std::vector<v1::Job> JobManager::List() const {
 }
 
 std::vector<v1::Job> JobManager::PendingJobs() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<v1::Job> out;
   for (const auto& [unused, id] : order_) {
     const auto& j = jobs_.at(id).job;
@@ -607,9 +609,9 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id) {
   {
     // A job without a run: the lease goes before the job is seen to end (another coordinator may
     // then take over). With a run, its ranks may still be writing: RunJoined releases it.
-    std::lock_guard<std::mutex> io(lease_io_mu_);
+    absl::MutexLock io(&lease_io_mu_);
     if (!HasRun(job_id)) ReleaseLeaseIoLocked(job_id);
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     Record* r = FindLocked(job_id);
     if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
     if (IsTerminalState(r->job.state()))
@@ -640,35 +642,35 @@ absl::Status JobManager::Watch(const std::string& job_id, int64_t after_seq,
                                const std::function<bool(const v1::JobEvent&)>& on_event,
                                const std::function<bool()>& stop) {
   int64_t cursor = after_seq;
-  std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
-    Record* r = FindLocked(job_id);
-    if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
-    std::vector<v1::JobEvent> batch;
-    if (!r->events.empty()) {
-      int64_t first = r->events.front().seq();
-      size_t i = cursor + 1 <= first ? 0 : static_cast<size_t>(cursor + 1 - first);
-      for (; i < r->events.size(); ++i) batch.push_back(r->events[i]);
-    }
-    if (!batch.empty()) {
-      lock.unlock();
-      for (const auto& e : batch) {
-        cursor = e.seq();
-        if (!on_event(e)) return absl::OkStatus();
+    std::vector<v1::JobEvent> batch;  // the events after cursor, handed out without mu_ held
+    {
+      absl::MutexLock lock(&mu_);
+      for (;;) {
+        if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
+        Record* r = FindLocked(job_id);
+        if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+        if (!r->events.empty()) {
+          int64_t first = r->events.front().seq();
+          size_t i = cursor + 1 <= first ? 0 : static_cast<size_t>(cursor + 1 - first);
+          for (; i < r->events.size(); ++i) batch.push_back(r->events[i]);
+        }
+        if (!batch.empty()) break;
+        if (IsTerminalState(r->job.state())) return absl::OkStatus();
+        if (stop && stop()) return absl::CancelledError("watch cancelled");
+        cv_.WaitWithTimeout(&mu_, absl::Milliseconds(200));
       }
-      lock.lock();
-      continue;
     }
-    if (IsTerminalState(r->job.state())) return absl::OkStatus();
-    if (stop && stop()) return absl::CancelledError("watch cancelled");
-    cv_.wait_for(lock, std::chrono::milliseconds(200));
+    for (const auto& e : batch) {
+      cursor = e.seq();
+      if (!on_event(e)) return absl::OkStatus();
+    }
   }
 }
 
 absl::StatusOr<std::vector<v1::JobEvent>> JobManager::RecentEvents(const std::string& job_id,
                                                                    size_t max) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   const size_t n = std::min(max, r->events.size());
@@ -676,13 +678,13 @@ absl::StatusOr<std::vector<v1::JobEvent>> JobManager::RecentEvents(const std::st
 }
 
 void JobManager::Shutdown() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   shutdown_ = true;
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 absl::Status JobManager::SetPendingReason(const std::string& job_id, const std::string& reason) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (r->job.state() != v1::JOB_STATE_PENDING && r->job.state() != v1::JOB_STATE_RECOVERING)
@@ -698,7 +700,7 @@ absl::Status JobManager::SetPendingReason(const std::string& job_id, const std::
 
 absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
                                                  const std::vector<std::string>& worker_ids) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   const bool recovering = r->job.state() == v1::JOB_STATE_RECOVERING;
@@ -731,7 +733,7 @@ absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
 }
 
 absl::Status JobManager::MarkRunning(const std::string& job_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (r->job.state() != v1::JOB_STATE_STARTING)
@@ -749,7 +751,7 @@ absl::Status JobManager::MarkRunning(const std::string& job_id) {
 
 absl::StatusOr<int> JobManager::MarkRecovering(const std::string& job_id,
                                               const std::string& cause, int max_restarts) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (IsTerminalState(r->job.state()))
@@ -779,7 +781,7 @@ absl::StatusOr<int> JobManager::MarkRecovering(const std::string& job_id,
 
 absl::Status JobManager::RecordStep(const std::string& job_id, const v1::JobEvent& ev,
                                     bool* checkpoint_requested) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (r->job.state() != v1::JOB_STATE_RUNNING)
@@ -797,7 +799,7 @@ absl::Status JobManager::RecordStep(const std::string& job_id, const v1::JobEven
 }
 
 absl::Status JobManager::PublishMessage(const std::string& job_id, const std::string& message) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (IsTerminalState(r->job.state()))
@@ -814,7 +816,7 @@ absl::Status JobManager::PublishMessage(const std::string& job_id, const std::st
 
 absl::Status JobManager::MarkResumed(const std::string& job_id, int64_t step, int64_t tokens,
                                      const std::string& message) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (r->job.state() != v1::JOB_STATE_STARTING)
@@ -832,7 +834,7 @@ absl::Status JobManager::MarkResumed(const std::string& job_id, int64_t step, in
 }
 
 absl::StatusOr<int64_t> JobManager::RequestCheckpoint(const std::string& job_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (r->job.spec().checkpoint().dir().empty())
@@ -846,12 +848,12 @@ absl::StatusOr<int64_t> JobManager::RequestCheckpoint(const std::string& job_id)
 }
 
 void JobManager::SetDispatched(const std::string& job_id, int64_t completed) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (Record* r = FindLocked(job_id)) r->dispatched = completed;
 }
 
 bool JobManager::TryDispatchAhead(const std::string& job_id, int64_t completed) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (r == nullptr || r->checkpoint_requested) return false;
   r->dispatched = completed;
@@ -865,9 +867,9 @@ absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,
   // The lease goes before the job is seen to end (another coordinator may then take over), unless
   // a run of the job may still be writing (a failure, followed by Abort): RunJoined releases it.
   // SUCCEEDED comes after every rank acknowledged the final save.
-  std::lock_guard<std::mutex> io(lease_io_mu_);
+  absl::MutexLock io(&lease_io_mu_);
   if (state == v1::JOB_STATE_SUCCEEDED || !HasRun(job_id)) ReleaseLeaseIoLocked(job_id);
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (IsTerminalState(r->job.state()))
@@ -921,13 +923,13 @@ void JobManager::LogEnded(const v1::Job& j) {
 }
 
 bool JobManager::IsTerminal(const std::string& job_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const Record* r = FindLocked(job_id);
   return !r || IsTerminalState(r->job.state());
 }
 
 void JobManager::SetScalingState(const std::string& job_id, const v1::ScalingState& state) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return;
   r->scaling = state;
@@ -935,7 +937,7 @@ void JobManager::SetScalingState(const std::string& job_id, const v1::ScalingSta
 }
 
 absl::StatusOr<v1::ScalingState> JobManager::GetScalingState(const std::string& job_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (!r->scaling)
@@ -945,16 +947,16 @@ absl::StatusOr<v1::ScalingState> JobManager::GetScalingState(const std::string& 
 }
 
 void JobManager::SetSubmitListener(std::function<void()> fn) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   on_submit_ = std::move(fn);
 }
 
 void JobManager::SetAdmission(std::function<absl::Status(const v1::JobSpec&)> fn) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   admission_ = std::move(fn);
 }
 void JobManager::SetCancelListener(std::function<void(const std::string&)> fn) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   on_cancel_ = std::move(fn);
 }
 

@@ -34,17 +34,16 @@
 // and the state db, never their checkpoints.
 //
 // Thread-safety: every method is safe to call from several threads. Listeners are called without
-// the internal lock held.
+// the internal lock held. The locks' use is checked by clang's -Wthread-safety (ABSL_GUARDED_BY,
+// ABSL_EXCLUSIVE_LOCKS_REQUIRED on the ...Locked helpers).
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -52,8 +51,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/job_store.h"
 #include "fsdp8/v1/admin.pb.h"
@@ -249,55 +250,59 @@ class JobManager {
   JobManager(JobManagerOptions options, std::unique_ptr<JobStore> store);
   // Records that the job ended (for retention) and applies the retention rule; may remove jobs,
   // so no Record pointer survives it.
-  void NoteEndedLocked(const v1::Job& job);
-  size_t RetainLocked();
-  void EraseLocked(const std::string& job_id);
-  Record* FindLocked(const std::string& job_id);
-  const Record* FindLocked(const std::string& job_id) const;
+  void NoteEndedLocked(const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  size_t RetainLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Record* FindLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const Record* FindLocked(const std::string& job_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Appends an event (fills seq, job_id, state, total_steps, time), persists, notifies watchers.
-  void PublishLocked(Record* r, v1::JobEvent ev);
+  void PublishLocked(Record* r, v1::JobEvent ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes the job's row and its new event (kept with the newest max_events_per_job).
-  void PersistLocked(const Record& r, const v1::JobEvent& event);
-  std::string NewJobIdLocked();
+  void PersistLocked(const Record& r, const v1::JobEvent& event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string NewJobIdLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A submit whose request_id was used before: the earlier job (same owner and spec bytes) or
   // ALREADY_EXISTS naming the conflict; nullopt for an empty or new request_id. mu_ held.
   std::optional<absl::StatusOr<v1::Job>> ReplayLocked(const std::string& request_id,
                                                       const std::string& owner,
-                                                      const std::string& spec_bytes) const;
+                                                      const std::string& spec_bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Claims spec.checkpoint.dir for job `id` (CheckpointStore::Claim; take-over only from a job
   // that ended or is not in the table, and whose lease no other coordinator holds). *skipped:
   // the earlier owners' committed steps this job's saves will skip.
   absl::Status ClaimCheckpointDirLocked(const v1::JobSpec& spec, const std::string& id,
                                         const std::string& owner,
-                                        std::vector<std::string>* skipped);
+                                        std::vector<std::string>* skipped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // At Open: tidies the checkpoint directories this coordinator's jobs own (see above).
-  void ReconcileCheckpointDirsLocked();
-  // Whether a run of the job has not been joined yet (mu_ not held).
-  bool HasRun(const std::string& job_id) const;
-  // Releases the job's checkpoint.dir lease (before it ends); lease_io_mu_ held, not mu_.
-  void ReleaseLeaseIoLocked(const std::string& job_id);
+  void ReconcileCheckpointDirsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a run of the job has not been joined yet.
+  bool HasRun(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Releases the job's checkpoint.dir lease (before it ends).
+  void ReleaseLeaseIoLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lease_io_mu_)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The lease thread: renews every leases_ entry every checkpoint_lease / 4 until Shutdown.
-  void RenewLeases();
+  void RenewLeases() ABSL_LOCKS_EXCLUDED(lease_io_mu_, mu_);
 
   const JobManagerOptions options_;
   std::unique_ptr<JobStore> store_;
   std::string coordinator_id_;
-  // Held across a lease's file I/O and the job state it depends on (before mu_).
-  std::mutex lease_io_mu_;
-  std::map<std::string, std::string> leases_;  // job id -> checkpoint.dir leased (mu_)
-  std::set<std::string> runs_;                 // jobs with a run not joined yet (mu_)
+  // Held across a lease's file I/O and the job state it depends on (taken before mu_).
+  absl::Mutex lease_io_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  std::map<std::string, std::string> leases_ ABSL_GUARDED_BY(mu_);  // job id -> checkpoint.dir leased
+  std::set<std::string> runs_ ABSL_GUARDED_BY(mu_);  // jobs with a run not joined yet
   std::thread lease_thread_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<std::string, Record> jobs_;
-  std::set<OrderKey> order_;                          // every job, oldest first
-  std::set<std::pair<double, std::string>> ended_;    // (end_time, job_id) of ended jobs
-  std::map<std::string, std::string> by_request_;  // request_id -> job_id
-  bool shutdown_ = false;
-  std::function<void()> on_submit_;
-  std::function<void(const std::string&)> on_cancel_;
-  std::function<absl::Status(const v1::JobSpec&)> admission_;  // guarded by mu_
+  mutable absl::Mutex mu_;
+  absl::CondVar cv_;  // signalled on every new event, removal and at Shutdown
+  std::map<std::string, Record> jobs_ ABSL_GUARDED_BY(mu_);
+  std::set<OrderKey> order_ ABSL_GUARDED_BY(mu_);  // every job, oldest first
+  // (end_time, job_id) of ended jobs
+  std::set<std::pair<double, std::string>> ended_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> by_request_ ABSL_GUARDED_BY(mu_);  // request_id -> job_id
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<void()> on_submit_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const std::string&)> on_cancel_ ABSL_GUARDED_BY(mu_);
+  std::function<absl::Status(const v1::JobSpec&)> admission_ ABSL_GUARDED_BY(mu_);
 };
 
 // Text of a state without the prefix: "PENDING", "RUNNING", ...

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/time.h"
 #include "common/spec.h"
 #include "coordinator/log.h"
 #include "coordinator/metrics.h"
@@ -113,21 +114,21 @@ absl::Status WithContext(const std::string& what, const absl::Status& s) {
 
 // ---- Inbox ----
 
+// Pop waits on mu_ for ReadyLocked, which absl::Mutex evaluates whenever the lock is released.
 void Inbox::Push(const WorkerEvent& ev) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   q_.push_back(ev);
-  cv_.notify_all();
 }
 
 void Inbox::Poke() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   poked_ = true;
-  cv_.notify_all();
 }
 
 bool Inbox::Pop(WorkerEvent* out, Clock::time_point until) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_until(lock, until, [&] { return !q_.empty() || poked_; });
+  absl::MutexLock lock(&mu_);
+  mu_.AwaitWithTimeout(absl::Condition(this, &Inbox::ReadyLocked),
+                       absl::FromChrono(until - Clock::now()));
   poked_ = false;
   if (q_.empty()) return false;
   *out = std::move(q_.front());

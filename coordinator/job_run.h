@@ -55,20 +55,20 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/kv_server.h"
@@ -85,16 +85,18 @@ bool IsDeterministicFailure(absl::StatusCode code);
 // Thread-safety: every method may be called from any thread.
 class Inbox {
  public:
-  void Push(const WorkerEvent& ev);
-  void Poke();
+  void Push(const WorkerEvent& ev) ABSL_LOCKS_EXCLUDED(mu_);
+  void Poke() ABSL_LOCKS_EXCLUDED(mu_);
   // True with the oldest event; false on timeout (`until`) or poke (the poke is consumed).
-  bool Pop(WorkerEvent* out, std::chrono::steady_clock::time_point until);
+  bool Pop(WorkerEvent* out, std::chrono::steady_clock::time_point until) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<WorkerEvent> q_;
-  bool poked_ = false;
+  // What Pop waits for.
+  bool ReadyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !q_.empty() || poked_; }
+
+  absl::Mutex mu_;
+  std::deque<WorkerEvent> q_ ABSL_GUARDED_BY(mu_);
+  bool poked_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 class JobRun {

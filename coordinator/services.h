@@ -17,8 +17,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "coordinator/auth.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/kv_server.h"
@@ -181,8 +183,8 @@ class CoordinatorServer {
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   int port_ = 0;
-  std::mutex shutdown_mu_;
-  bool shut_down_ = false;
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };
 
 }  // namespace fsdp8::coord
