@@ -1046,6 +1046,9 @@ absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " already ended (", StateName(r->job.state()), ")"));
   v1::Job& j = r->job;
+  // A cancel that waited for its save ends here (the step driver finishes the job).
+  const bool cancelled_after_save = state == v1::JOB_STATE_CANCELLED && r->cancel_after_save;
+  r->cancel_after_save = false;
   j.set_state(state);
   j.set_reason(reason);
   j.set_end_time(NowSeconds());
@@ -1056,8 +1059,11 @@ absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,
   ev.set_tokens(j.tokens());
   ev.set_message(reason.empty() ? StateName(state) : reason);
   PublishLocked(r, ev);
-  NoteEndedLocked(v1::Job(j));
-  LogEnded(j);
+  const v1::Job ended = j;
+  NoteEndedLocked(ended);  // may remove the record
+  if (cancelled_after_save)
+    LogEvent("job_cancelled", {{"job", job_id}, {"owner", ended.owner()}, {"step", ended.step()}});
+  LogEnded(ended);
   return absl::OkStatus();
 }
 
