@@ -5,7 +5,8 @@
 // its last extension>.fsdp8" (job.yaml -> ./job.fsdp8/). It holds the coordinator's state db
 // (jobs.db: the job, its events, the coordinator's identity, so a rerun is the same job and
 // holds the same checkpoint lease), its log (coordinator.log), one log per worker
-// (worker-<i>.log), and checkpoints/ for a spec without checkpoint.dir. Logs are appended to.
+// (worker-<i>.log), checkpoints/ for a spec without checkpoint.dir, and run.lock (one run of a
+// state directory at a time). Logs are appended to.
 //
 // Processes: fsdp8-coordinator and fsdp8-worker from `bin_dir` (the directory of the running
 // fsdp8), each in a process group of its own (a terminal's Ctrl-C reaches only the CLI, which
@@ -47,8 +48,9 @@ class LocalServices {
  public:
   // Starts the coordinator, waits up to 30 s for its listening line, then starts the workers and
   // waits up to 60 s until all have registered (polled over gRPC). FAILED_PRECONDITION naming
-  // the missing binary; UNAVAILABLE naming the log of a process that exited or did not get ready
-  // (what was started is stopped again).
+  // the missing binary, or when another run holds the state directory (an flock on run.lock);
+  // UNAVAILABLE naming the log of a process that exited or did not get ready (what was started
+  // is stopped again).
   static absl::StatusOr<std::unique_ptr<LocalServices>> Start(const LocalRunOptions& options);
   // Stop().
   ~LocalServices();
@@ -65,6 +67,7 @@ class LocalServices {
   absl::Status StartCoordinator(const LocalRunOptions& o);
   absl::Status StartWorkers(const LocalRunOptions& o);
 
+  int lock_fd_ = -1;  // state_dir/run.lock, flock'ed while this run lives
   pid_t coordinator_ = -1;
   std::vector<pid_t> workers_;
   std::string address_;
