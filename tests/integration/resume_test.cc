@@ -4,13 +4,19 @@
 // - `fsdp8 cancel JOB` saves a checkpoint after the step in progress, then cancels; `fsdp8 resume
 //   JOB` continues the same job from that checkpoint: the first step trained after the resume is
 //   the checkpoint's step + 1, and the job's events (what `fsdp8 resume --json` prints: the whole
-//   history) hold every step 1..steps once, in order.
+//   history) hold every step 1..steps once, in order. The coordinator is restarted between the
+//   cancel and the resume (same state db): the job still resumes under its own lease, and the
+//   status page's chart (/api/status) holds every step, those before the restart included.
 // - ResumeJob refuses a running job, a job that SUCCEEDED, one with no committed checkpoint of
 //   its own (cancelled before any), one without checkpoint.dir (FAILED_PRECONDITION naming the
 //   rule), and another user's job (PERMISSION_DENIED).
 // - `fsdp8 run job.yaml` interrupted by SIGINT exits 130 after a checkpoint; run again, it resumes
 //   the same job from that checkpoint, and its events are continuous as above.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
@@ -23,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 
 #include "client/client.h"
@@ -41,6 +48,42 @@ using testing::ChildProcess;
 using testing::LocalCluster;
 using testing::ReadFile;
 using testing::TempDir;
+
+// A port that was free a moment ago on 127.0.0.1 (the kernel's pick).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// The body of an HTTP/1.0 GET of 127.0.0.1:port/path ("" on any failure or a status other than 200).
+std::string HttpGetBody(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  std::string raw;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+    const std::string req = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    if (send(fd, req.data(), req.size(), 0) == static_cast<ssize_t>(req.size())) {
+      char buf[65536];
+      for (ssize_t n; (n = recv(fd, buf, sizeof(buf), 0)) > 0;) raw.append(buf, n);
+    }
+  }
+  close(fd);
+  const size_t end = raw.find("\r\n\r\n");
+  if (raw.rfind("HTTP/1.", 0) != 0 || raw.find(" 200 ") != 8 || end == std::string::npos) return "";
+  return raw.substr(end + 4);
+}
 
 // The JobEvent lines (proto3 JSON, one per line: `watch --json`) of a CLI's output; other lines
 // (notices on stderr share the log) are skipped.
@@ -114,10 +157,12 @@ class ResumeTest : public ::testing::Test {
   void StartCluster(const std::vector<std::string>& extra = {}, int workers = 2) {
     cluster_ = std::make_unique<LocalCluster>(
         LocalCluster::Binaries{FSDP8_COORDINATOR_BIN, FSDP8_WORKER_BIN}, dir_);
-    std::vector<std::string> flags{"--listen=127.0.0.1:0", "--state_db=" + (dir_ / "jobs.db").string(),
-                                   "--data_roots=" + dir_.string()};
-    flags.insert(flags.end(), extra.begin(), extra.end());
-    address_ = cluster_->StartCoordinator(flags, "coordinator.log");
+    coordinator_flags_ = {"--listen=127.0.0.1:" + std::to_string(FreePort()),
+                          "--state_db=" + (dir_ / "jobs.db").string(),
+                          "--data_roots=" + dir_.string(), "--metrics_host=127.0.0.1",
+                          "--metrics_port=" + std::to_string(metrics_port_)};
+    coordinator_flags_.insert(coordinator_flags_.end(), extra.begin(), extra.end());
+    address_ = cluster_->StartCoordinator(coordinator_flags_, "coordinator.log");
     ASSERT_FALSE(address_.empty()) << ReadFile(dir_ / "coordinator.log");
     for (int i = 0; i < workers; ++i)
       cluster_->AddWorker({"--coordinator=" + address_, "--threads=1", "--name=node-" + std::to_string(i)},
@@ -162,7 +207,16 @@ class ResumeTest : public ::testing::Test {
         120);
   }
 
+  // Stops the coordinator and starts it again with the same flags (address, state db); the
+  // workers re-register on their own.
+  void RestartCoordinator() {
+    address_ = cluster_->StartCoordinator(coordinator_flags_, "coordinator-2.log");
+    ASSERT_FALSE(address_.empty()) << ReadFile(dir_ / "coordinator-2.log");
+  }
+
   TempDir tmp_{"resume-test"};
+  const int metrics_port_ = FreePort();
+  std::vector<std::string> coordinator_flags_;
   fs::path dir_;
   std::string train_;
   std::unique_ptr<LocalCluster> cluster_;
@@ -193,6 +247,13 @@ TEST_F(ResumeTest, CancelSavesAndResumeContinuesFromThatCheckpoint) {
   EXPECT_NE(out.find("CANCELLED"), std::string::npos) << out;
   EXPECT_NE(out.find(committed), std::string::npos) << out;
 
+  // A coordinator restart in between: the job is kept, ended, in the state db.
+  c.reset();
+  RestartCoordinator();
+  c = Connect();
+  ASSERT_NE(c, nullptr);
+  ASSERT_EQ(c->GetJob(job->job_id())->state(), v1::JOB_STATE_CANCELLED);
+
   // Resume as the same job and follow it to the end; --json prints the whole history.
   ASSERT_EQ(Cli({"resume", job->job_id(), "--json"}, &out, "resume", 300s), 0) << out;
   auto done = c->GetJob(job->job_id());
@@ -214,6 +275,17 @@ TEST_F(ResumeTest, CancelSavesAndResumeContinuesFromThatCheckpoint) {
   EXPECT_TRUE(resumed_from_k) << out;
   // Retention is the job's own as before: keep_last 3 of its steps, the final one among them.
   EXPECT_EQ(CommittedSteps(dir_ / "ck"), (std::set<int64_t>{k, kSteps}));
+
+  // The status page's chart: every step once, those of the coordinator before the restart too.
+  const std::string page = HttpGetBody(metrics_port_, "/api/status?job=" + job->job_id());
+  google::protobuf::Struct doc;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(page, &doc).ok()) << page;
+  std::vector<int64_t> charted;
+  for (const auto& p : doc.fields().at("points").list_value().values())
+    charted.push_back(static_cast<int64_t>(p.struct_value().fields().at("step").number_value()));
+  std::vector<int64_t> all;
+  for (int64_t s = 1; s <= kSteps; ++s) all.push_back(s);
+  EXPECT_EQ(charted, all);
 }
 
 TEST_F(ResumeTest, RefusesRunningSucceededUncheckpointedAndUnsavedJobs) {
