@@ -63,11 +63,12 @@ constexpr char kUsage[] =
     "  cancel JOB [--no-save]                            cancel a job; a running job with a checkpoint.dir\n"
     "                                                    first saves a checkpoint after its current step\n"
     "                                                    (--no-save: stop at once, saving nothing)\n"
-    "  resume JOB [--no-watch] [--json] [--plot FILE] [--log FILE]\n"
+    "  resume JOB [--no-watch] [--json] [--plot FILE] [--log FILE] [--tensorboard DIR]\n"
     "                                                    continue your CANCELLED or FAILED job, same id,\n"
     "                                                    from its newest committed checkpoint, then watch\n"
     "                                                    it (the whole history, from its first step)\n"
     "  run SPEC_FILE [--state-dir DIR] [--threads N] [--plot FILE] [--log FILE] [--json]\n"
+    "      [--tensorboard DIR]\n"
     "                                                    local mode: start a coordinator and the workers the\n"
     "                                                    spec asks for (CPU: sharding.max_workers; cuda: one\n"
     "                                                    per GPU) as child processes, train and watch; Ctrl-C\n"
@@ -943,6 +944,7 @@ int LocalJob(fsdp8::Client& c, const fsdp8::v1::JobSpec& spec, const std::string
 }
 
 // fsdp8 run SPEC_FILE [--state-dir DIR] [--threads N] [--plot FILE] [--log FILE] [--json]
+//           [--tensorboard DIR]
 int RunLocal(Context& ctx) {
   Args& a = ctx.a;
   if (a.positional.size() != 1) return Usage("run: exactly one SPEC_FILE");
@@ -997,11 +999,21 @@ int RunLocal(Context& ctx) {
     fprintf(stderr, "error: --log %s: %s\n", log.c_str(), std::strerror(errno));
     return 2;
   }
+  std::unique_ptr<fsdp8::TensorBoardSink> tensorboard;
+  if (a.flags.count("tensorboard")) {
+    auto sink = fsdp8::TensorBoardSink::Start(a.flags["tensorboard"], job.job_id());
+    if (!sink.ok()) {
+      fprintf(stderr, "error: %s\n", std::string(sink.status().message()).c_str());
+      fclose(log_file);
+      return 2;
+    }
+    tensorboard = std::move(*sink);
+  }
   int rc = 0;
   bool interrupted = false;
   {
     InterruptCanceller canceller(client->get(), job.job_id());
-    rc = WatchJob(**client, job.job_id(), json, plot, log_file);
+    rc = WatchJob(**client, job.job_id(), json, plot, log_file, tensorboard.get());
     interrupted = canceller.interrupted();
   }
   fclose(log_file);
