@@ -70,7 +70,7 @@ constexpr char kUsage[] =
     "  run SPEC_FILE [--state-dir DIR] [--threads N] [--plot FILE] [--log FILE] [--json]\n"
     "      [--tensorboard DIR]\n"
     "                                                    local mode: start a coordinator and the workers the\n"
-    "                                                    spec asks for (CPU: sharding.max_workers; cuda: one\n"
+    "                                                    spec asks for (CPU: sharding.min_workers; cuda: one\n"
     "                                                    per GPU) as child processes, train and watch; Ctrl-C\n"
     "                                                    saves a checkpoint and stops; run it again to resume\n"
     "                                                    (state in SPEC_DIR/SPEC_NAME.fsdp8/)\n"
@@ -975,7 +975,7 @@ int RunLocal(Context& ctx) {
       return 1;
     }
   } else {
-    o.workers = std::max(1, d.sharding().max_workers());
+    o.workers = std::max(1, d.sharding().min_workers());
   }
   if (spec->checkpoint().dir().empty())
     spec->mutable_checkpoint()->set_dir(o.state_dir + "/checkpoints");
