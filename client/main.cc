@@ -930,7 +930,12 @@ int LocalJob(fsdp8::Client& c, const fsdp8::v1::JobSpec& spec, const std::string
   if (st == fsdp8::v1::JOB_STATE_CANCELLED || st == fsdp8::v1::JOB_STATE_FAILED) {
     fprintf(out, "job %s was %s (%s)\n", job->job_id().c_str(), State(st).c_str(), job->reason().c_str());
     auto resumed = c.Resume(job->job_id());
-    if (!resumed.ok()) return ReportError(resumed.status());
+    if (!resumed.ok()) {
+      ReportError(resumed.status());
+      fprintf(stderr, "to start over as a new job, use another --state-dir (or remove %s)\n",
+              state_dir.c_str());
+      return 1;
+    }
     *job = *resumed;
     fprintf(out, "job %s resumed: %s\n", job->job_id().c_str(), job->reason().c_str());
   } else if (st == fsdp8::v1::JOB_STATE_SUCCEEDED) {
