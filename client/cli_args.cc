@@ -16,7 +16,8 @@ const std::map<std::string, bool>& CliFlags() {
       {"log", true},
       {"tensorboard", true},
       {"page-size", true},   {"page-token", true},  {"max-shard-size", true}, {"tokenizer", true},
-      {"seq-len", true},     {"world-size", true}};
+      {"seq-len", true},     {"world-size", true},
+      {"no-save", false},    {"state-dir", true},  {"threads", true}};
   return *flags;
 }
 

@@ -602,7 +602,71 @@ std::vector<v1::Job> JobManager::PendingJobs() const {
   return out;
 }
 
-absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id) {
+absl::StatusOr<bool> JobManager::RequestCancelAfterSave(const std::string& job_id,
+                                                         std::string* why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  v1::Job& j = r->job;
+  if (IsTerminalState(j.state()))
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " already ended (", StateName(j.state()), ")"));
+  if (r->cancel_after_save) return true;  // an earlier cancel's save is pending
+  if (j.spec().checkpoint().dir().empty()) {
+    *why = "the job has no checkpoint.dir";
+    return false;
+  }
+  if (j.spec().training().free_running()) {
+    *why = "a free-running job saves only after its last step";
+    return false;
+  }
+  if (j.state() != v1::JOB_STATE_RUNNING) {
+    *why = absl::StrCat("the job was ", StateName(j.state()),
+                        ": nothing was trained since the checkpoint it starts from");
+    return false;
+  }
+  r->cancel_after_save = true;
+  r->checkpoint_requested = true;
+  const int64_t at = std::min(std::max(j.step() + 1, r->dispatched), j.total_steps());
+  v1::JobEvent ev;
+  ev.set_step(j.step());
+  ev.set_tokens(j.tokens());
+  ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+  ev.set_message(absl::StrCat("cancelling: saving checkpoint step-", at, " after step ", at,
+                              ", then stopping"));
+  PublishLocked(r, ev);
+  LogEvent("job_cancelling", {{"job", job_id}, {"owner", j.owner()}, {"save_step", at}});
+  return true;
+}
+
+absl::StatusOr<v1::Job> JobManager::AwaitEnded(const std::string& job_id,
+                                               const std::function<bool()>& stop) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
+    const Record* r = FindLocked(job_id);
+    if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+    if (IsTerminalState(r->job.state()) || (stop && stop())) return r->job;
+    cv_.wait_for(lock, std::chrono::milliseconds(200));
+  }
+}
+
+bool JobManager::CancelRequested(const std::string& job_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Record* r = FindLocked(job_id);
+  return r != nullptr && r->cancel_after_save;
+}
+
+absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id, bool save,
+                                           const std::function<bool()>& stop) {
+  std::string reason = "cancelled by user";
+  if (save) {
+    std::string why;
+    auto saving = RequestCancelAfterSave(job_id, &why);
+    if (!saving.ok()) return saving.status();
+    if (*saving) return AwaitEnded(job_id, stop);
+    reason = absl::StrCat("cancelled by user; no checkpoint saved: ", why);
+  }
   v1::Job out;
   bool was_active = false;
   std::function<void(const std::string&)> cb;
@@ -619,14 +683,14 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id) {
           "job ", job_id, " already ended (", StateName(r->job.state()), ")"));
     was_active = r->job.state() != v1::JOB_STATE_PENDING;
     r->job.set_state(v1::JOB_STATE_CANCELLED);
-    r->job.set_reason("cancelled by user");
+    r->job.set_reason(reason);
     r->job.set_end_time(NowSeconds());
     v1::JobEvent ev;
     ev.set_step(r->job.step());
     ev.set_loss(r->job.loss());
     ev.set_val_loss(r->job.val_loss());
     ev.set_tokens(r->job.tokens());
-    ev.set_message("cancelled by user");
+    ev.set_message(reason);
     PublishLocked(r, ev);
     out = r->job;
     cb = on_cancel_;
@@ -635,6 +699,113 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id) {
   LogEvent("job_cancelled", {{"job", job_id}, {"owner", out.owner()}, {"step", out.step()}});
   LogEnded(out);
   if (was_active && cb) cb(job_id);
+  return out;
+}
+
+absl::StatusOr<CommittedCheckpoint> JobManager::ResumePoint(const std::string& job_id,
+                                                             const std::string& dir) {
+  const CheckpointStore store(dir, job_id);
+  auto owner = store.Owner();
+  if (!owner.ok())
+    return absl::UnavailableError(absl::StrCat("checkpoint.dir ", dir, ": ", owner.status().message()));
+  if (owner->has_value() && (*owner)->owner().job_id() != job_id)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "resume: checkpoint.dir ", dir, " now belongs to job ", (*owner)->owner().job_id(),
+        " (it took the directory over); job ", job_id,
+        " may not save there again: submit a new job (init.from_checkpoint starts it from one of "
+        "these checkpoints)"));
+  auto latest = store.Latest(job_id);
+  if (!latest.ok())
+    return absl::UnavailableError(absl::StrCat("checkpoint.dir ", dir, ": ", latest.status().message()));
+  if (!latest->has_value())
+    return absl::FailedPreconditionError(absl::StrCat(
+        "resume: checkpoint.dir ", dir, " holds no committed checkpoint of job ", job_id,
+        "; a job resumes only from its own newest committed checkpoint (submit it again to "
+        "start over)"));
+  const double lease_s = std::chrono::duration<double>(options_.checkpoint_lease).count();
+  if (lease_s > 0) {
+    auto renewed = store.RenewLease(job_id, coordinator_id_, lease_s);
+    if (!renewed.ok())
+      return absl::UnavailableError(absl::StrCat("checkpoint.dir ", dir, ": renewing the lease: ",
+                                                 renewed.status().message()));
+    if (!*renewed)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: checkpoint.dir ", dir, " is leased by another coordinator (or has no OWNER "
+          "record naming job ", job_id, "); a job resumes only under the coordinator that "
+          "holds its directory"));
+  }
+  return std::move(**latest);
+}
+
+absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id) {
+  std::lock_guard<std::mutex> io(lease_io_mu_);  // no lease call of this job meanwhile
+  std::string dir;
+  double ended_at = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Record* r = FindLocked(job_id);
+    if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+    const v1::Job& j = r->job;
+    if (!IsTerminalState(j.state()))
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: job ", job_id, " is ", StateName(j.state()),
+          "; only an ended job (CANCELLED or FAILED) can be resumed"));
+    if (j.state() == v1::JOB_STATE_SUCCEEDED)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: job ", job_id, " SUCCEEDED (all ", j.total_steps(),
+          " training.steps done); only a CANCELLED or FAILED job can be resumed (to train "
+          "further, submit a new job with init.from_checkpoint)"));
+    dir = j.spec().checkpoint().dir();
+    if (dir.empty())
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: job ", job_id, " has no checkpoint.dir, so nothing to resume from"));
+    ended_at = j.end_time();
+  }
+  auto point = ResumePoint(job_id, dir);
+  if (!point.ok()) return point.status();
+  v1::Job out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Record* r = FindLocked(job_id);
+    // Deleted, or resumed by another call, meanwhile (the lease renewal stays harmless: it
+    // expires, or the resumed job renews it).
+    if (!r || !IsTerminalState(r->job.state()) || r->job.end_time() != ended_at)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: job ", job_id, " changed while it was being resumed; look at it again"));
+    v1::Job& j = r->job;
+    ended_.erase({j.end_time(), job_id});
+    const int mn = std::max(1, WithDefaults(j.spec(), 0).sharding().min_workers());
+    j.set_state(v1::JOB_STATE_PENDING);
+    j.set_reason(absl::StrCat("resumed from ", point->dir, "; waiting for ", mn, " workers"));
+    j.set_end_time(0);
+    j.set_restarts(0);
+    j.set_resumes(j.resumes() + 1);
+    j.set_step(point->step);
+    j.set_tokens(point->manifest.tokens());
+    j.clear_worker_ids();
+    r->checkpoint_requested = false;
+    r->cancel_after_save = false;
+    if (options_.checkpoint_lease.count() > 0) leases_[job_id] = dir;
+    v1::JobEvent ev;
+    ev.set_step(point->step);
+    ev.set_tokens(point->manifest.tokens());
+    ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+    ev.set_message(absl::StrCat("resumed (resume ", j.resumes(), ") from ", point->dir, " (step ",
+                                point->step, "); waiting for ", mn, " workers"));
+    PublishLocked(r, ev);
+    out = j;
+  }
+  LogEvent("job_resumed", {{"job", job_id},
+                           {"owner", out.owner()},
+                           {"step", out.step()},
+                           {"dir", point->dir},
+                           {"resumes", out.resumes()}});
+  std::function<void()> cb;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cb = on_submit_;
+  }
+  if (cb) cb();
   return out;
 }
 
@@ -715,7 +886,8 @@ absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
   j.clear_worker_ids();
   for (const auto& w : worker_ids) j.add_worker_ids(w);
   j.set_generation(j.generation() + 1);
-  if (!recovering) j.set_start_time(NowSeconds());
+  // A resumed job keeps the time it first started (its history continues).
+  if (!recovering && j.start_time() == 0) j.set_start_time(NowSeconds());
   std::vector<std::string> ranks;
   for (size_t i = 0; i < worker_ids.size(); ++i)
     ranks.push_back(absl::StrCat(i, "=", worker_ids[i]));
@@ -876,6 +1048,9 @@ absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " already ended (", StateName(r->job.state()), ")"));
   v1::Job& j = r->job;
+  // A cancel that waited for its save ends here (the step driver finishes the job).
+  const bool cancelled_after_save = state == v1::JOB_STATE_CANCELLED && r->cancel_after_save;
+  r->cancel_after_save = false;
   j.set_state(state);
   j.set_reason(reason);
   j.set_end_time(NowSeconds());
@@ -886,8 +1061,11 @@ absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,
   ev.set_tokens(j.tokens());
   ev.set_message(reason.empty() ? StateName(state) : reason);
   PublishLocked(r, ev);
-  NoteEndedLocked(v1::Job(j));
-  LogEnded(j);
+  const v1::Job ended = j;
+  NoteEndedLocked(ended);  // may remove the record
+  if (cancelled_after_save)
+    LogEvent("job_cancelled", {{"job", job_id}, {"owner", ended.owner()}, {"step", ended.step()}});
+  LogEnded(ended);
   return absl::OkStatus();
 }
 

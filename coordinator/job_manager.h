@@ -2,9 +2,10 @@
 // per-job event log that WatchJob streams, and persistence through JobStore (SQLite).
 //
 // States: PENDING -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED, and
-// STARTING/RUNNING -> RECOVERING -> STARTING (a failed generation restarted). A terminal job never
-// changes again; the transition methods refuse it with FAILED_PRECONDITION, which is how a step
-// driver notices that its job was cancelled underneath it.
+// STARTING/RUNNING -> RECOVERING -> STARTING (a failed generation restarted), and
+// CANCELLED | FAILED -> PENDING by Resume only. An ended job changes no other way; the transition
+// methods refuse it with FAILED_PRECONDITION, which is how a step driver notices that its job was
+// cancelled underneath it.
 //
 // Events: every job has events with seq 1, 2, 3, ... (the seq counter is persisted, so it continues
 // after a restart). The last `max_events_per_job` events are kept in memory and in the state db,
@@ -135,7 +136,29 @@ class JobManager {
   // A PENDING job becomes CANCELLED at once; a STARTING/RUNNING job becomes CANCELLED and the
   // cancel listener is told (the step driver then aborts its ranks). FAILED_PRECONDITION for a
   // finished job, NOT_FOUND for an unknown id.
-  absl::StatusOr<v1::Job> Cancel(const std::string& job_id);
+  // save: a RUNNING job with a checkpoint.dir that is not free-running first saves a checkpoint
+  // after the step in progress (as RequestCheckpoint; event "cancelling: ..."), and the step driver
+  // then ends it CANCELLED (CancelRequested, reason naming the committed checkpoint or why the
+  // save failed); Cancel waits for the job to end and returns it as it ended (SUCCEEDED when that
+  // step was its last), or as it stands when `stop` returns true (polled about every 200 ms);
+  // UNAVAILABLE after Shutdown(). Any other job is cancelled at once, its reason saying why no
+  // checkpoint was saved (no checkpoint.dir, free-running, or nothing trained since the
+  // checkpoint it starts from). A second Cancel while the save is pending waits as well.
+  absl::StatusOr<v1::Job> Cancel(const std::string& job_id, bool save = false,
+                                 const std::function<bool()>& stop = nullptr);
+  // Continues an ended job (CANCELLED or FAILED) as the same job: it becomes PENDING (reason
+  // "resumed from <dir>/step-<k>; waiting for N workers"), keeps its id, owner, spec, events
+  // (the event "resumed from ..." carries step k) and creation and start times; end_time is
+  // cleared, restarts reset to 0 (a fresh max_restarts budget), Job.resumes counted, and every
+  // generation from then on starts from the job's own newest committed checkpoint (step k + 1
+  // is the first step trained). The job's lease on checkpoint.dir is renewed (retention and
+  // ownership unchanged: no take-over happens). Refusals, nothing changed: NOT_FOUND for an
+  // unknown id; FAILED_PRECONDITION naming the rule for a job that has not ended, one that
+  // SUCCEEDED, one without a checkpoint.dir, one whose checkpoint.dir holds no committed
+  // checkpoint of its own, and one whose checkpoint.dir now belongs to another job or is leased
+  // by another coordinator; UNAVAILABLE when checkpoint.dir cannot be read. Owner checks are the
+  // caller's (the RPC layer's, as for Cancel).
+  absl::StatusOr<v1::Job> Resume(const std::string& job_id);
   // Calls on_event for every kept event with seq > after_seq, then for new ones as they come, and
   // returns OK after the job's final event. Returns early with OK when on_event returns false,
   // CANCELLED when `stop` returns true (polled about every 200 ms), UNAVAILABLE after Shutdown().
@@ -194,6 +217,8 @@ class JobManager {
   // The scheduler may send that step's command ahead, while the current step runs, unless a
   // checkpoint request is pending (then the save comes first): true records it as dispatched.
   bool TryDispatchAhead(const std::string& job_id, int64_t completed);
+  // Whether a Cancel with save waits for this job's save (the step driver ends the job after it).
+  bool CancelRequested(const std::string& job_id) const;
   // Any non-terminal state -> `state` (SUCCEEDED, FAILED or CANCELLED) with `reason`.
   // FAILED_PRECONDITION when the job already ended.
   absl::Status Finish(const std::string& job_id, v1::JobState state, const std::string& reason);
@@ -243,6 +268,7 @@ class JobManager {
     std::optional<v1::ScalingState> scaling;
     bool checkpoint_requested = false;
     int64_t dispatched = 0;  // completed-step count after the last step command sent
+    bool cancel_after_save = false;  // a Cancel with save waits for the next save
   };
 
   using OrderKey = std::pair<double, std::string>;  // (create_time, job_id)
@@ -273,6 +299,16 @@ class JobManager {
                                         const std::string& owner,
                                         std::vector<std::string>* skipped)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Cancel with save, first part: true when the job now saves before it is cancelled (the flag
+  // set, the checkpoint requested, the event published); false with *why when it cannot save.
+  absl::StatusOr<bool> RequestCancelAfterSave(const std::string& job_id, std::string* why);
+  // Waits until the job has ended (or `stop`, or Shutdown) and returns it.
+  absl::StatusOr<v1::Job> AwaitEnded(const std::string& job_id, const std::function<bool()>& stop);
+  // Resume's checks of checkpoint.dir (no lock held): the job's newest committed checkpoint, its
+  // lease renewed. FAILED_PRECONDITION naming the rule.
+  absl::StatusOr<CommittedCheckpoint> ResumePoint(const std::string& job_id,
+                                                  const std::string& dir);
 
   // At Open: tidies the checkpoint directories this coordinator's jobs own (see above).
   void ReconcileCheckpointDirsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

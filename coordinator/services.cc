@@ -148,7 +148,21 @@ grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* ctx, const v1::Cance
   auto p = Authorize(auth_, ctx, {Role::kSubmitter, Role::kAdmin}, "JobService/CancelJob");
   if (!p.ok()) return ToGrpc(p.status());
   if (auto seen = Visible(*p, req->job_id()); !seen.ok()) return ToGrpc(seen.status());
-  auto job = jobs_->Cancel(req->job_id());
+  auto job = jobs_->Cancel(req->job_id(), /*save=*/!req->no_save(),
+                          [ctx] { return ctx->IsCancelled(); });
+  if (!job.ok()) return ToGrpc(job.status());
+  *resp = *job;
+  return grpc::Status::OK;
+}
+
+grpc::Status JobServiceImpl::ResumeJob(grpc::ServerContext* ctx, const v1::ResumeJobRequest* req,
+                                       v1::Job* resp) {
+  auto p = Authorize(auth_, ctx, {Role::kSubmitter, Role::kAdmin}, "JobService/ResumeJob");
+  if (!p.ok()) return ToGrpc(p.status());
+  if (auto seen = Visible(*p, req->job_id()); !seen.ok()) return ToGrpc(seen.status());
+  if (draining_ && draining_->load())
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator is draining (shutting down)");
+  auto job = jobs_->Resume(req->job_id());
   if (!job.ok()) return ToGrpc(job.status());
   *resp = *job;
   return grpc::Status::OK;

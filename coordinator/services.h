@@ -53,6 +53,7 @@ class JobServiceImpl final : public v1::JobService::Service {
   grpc::Status WatchJob(grpc::ServerContext*, const v1::WatchJobRequest*,
                         grpc::ServerWriter<v1::JobEvent>*) override;
   grpc::Status CancelJob(grpc::ServerContext*, const v1::CancelJobRequest*, v1::Job*) override;
+  grpc::Status ResumeJob(grpc::ServerContext*, const v1::ResumeJobRequest*, v1::Job*) override;
   grpc::Status DeleteJob(grpc::ServerContext*, const v1::DeleteJobRequest*, v1::Job*) override;
 
  private:

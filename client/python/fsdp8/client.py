@@ -170,10 +170,27 @@ class Client:
         grpc.RpcError FAILED_PRECONDITION for a job that has not ended."""
         return self._call(self.jobs.DeleteJob, jobs_pb2.DeleteJobRequest(job_id=job_id))
 
-    def cancel(self, job_id: str) -> jobs_pb2.Job:
-        """Cancels a PENDING, STARTING or RUNNING job; returns it, CANCELLED. grpc.RpcError
-        FAILED_PRECONDITION for a job that already ended, NOT_FOUND for an unknown id."""
-        return self._call(self.jobs.CancelJob, jobs_pb2.CancelJobRequest(job_id=job_id))
+    def cancel(self, job_id: str, *, save: bool = True,
+               timeout: Optional[float] = 600.0) -> jobs_pb2.Job:
+        """Cancels a PENDING, STARTING or RUNNING job; returns it as it ended.
+
+        save (default): a RUNNING job with a checkpoint.dir first saves a checkpoint after the
+        step in progress, and the call returns once the job has ended: CANCELLED, its reason
+        naming the committed checkpoint or why none was saved (SUCCEEDED when that step was its
+        last); timeout bounds that wait (seconds; None: no limit). save=False stops it at once.
+        grpc.RpcError FAILED_PRECONDITION for a job that already ended, NOT_FOUND for an unknown
+        id."""
+        req = jobs_pb2.CancelJobRequest(job_id=job_id, no_save=not save)
+        return self.jobs.CancelJob(req, timeout=timeout if save else self.timeout,
+                                   wait_for_ready=True)
+
+    def resume(self, job_id: str) -> jobs_pb2.Job:
+        """Continues an ended job (CANCELLED or FAILED) as the same job id from its own newest
+        committed checkpoint; returns it PENDING (follow it with watch / wait: the events go on
+        after the ones it had). grpc.RpcError FAILED_PRECONDITION naming the rule for a job that
+        has not ended, SUCCEEDED, or has no committed checkpoint of its own; PERMISSION_DENIED
+        for another user's job; NOT_FOUND for an unknown id."""
+        return self._call(self.jobs.ResumeJob, jobs_pb2.ResumeJobRequest(job_id=job_id))
 
     def watch(self, job_id: str, *, after_seq: int = 0, timeout: Optional[float] = None,
               tensorboard: Optional[str] = None) -> Iterator[events.Event]:
