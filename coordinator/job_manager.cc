@@ -604,7 +604,7 @@ std::vector<v1::Job> JobManager::PendingJobs() const {
 
 absl::StatusOr<bool> JobManager::RequestCancelAfterSave(const std::string& job_id,
                                                          std::string* why) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   v1::Job& j = r->job;
@@ -641,18 +641,18 @@ absl::StatusOr<bool> JobManager::RequestCancelAfterSave(const std::string& job_i
 
 absl::StatusOr<v1::Job> JobManager::AwaitEnded(const std::string& job_id,
                                                const std::function<bool()>& stop) {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   for (;;) {
     if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
     const Record* r = FindLocked(job_id);
     if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
     if (IsTerminalState(r->job.state()) || (stop && stop())) return r->job;
-    cv_.wait_for(lock, std::chrono::milliseconds(200));
+    cv_.WaitWithTimeout(&mu_, absl::Milliseconds(200));
   }
 }
 
 bool JobManager::CancelRequested(const std::string& job_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const Record* r = FindLocked(job_id);
   return r != nullptr && r->cancel_after_save;
 }
@@ -738,11 +738,11 @@ absl::StatusOr<CommittedCheckpoint> JobManager::ResumePoint(const std::string& j
 }
 
 absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id) {
-  std::lock_guard<std::mutex> io(lease_io_mu_);  // no lease call of this job meanwhile
+  absl::MutexLock io(&lease_io_mu_);  // no lease call of this job meanwhile
   std::string dir;
   double ended_at = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     const Record* r = FindLocked(job_id);
     if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
     const v1::Job& j = r->job;
@@ -765,7 +765,7 @@ absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id) {
   if (!point.ok()) return point.status();
   v1::Job out;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     Record* r = FindLocked(job_id);
     // Deleted, or resumed by another call, meanwhile (the lease renewal stays harmless: it
     // expires, or the resumed job renews it).
@@ -802,7 +802,7 @@ absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id) {
                            {"resumes", out.resumes()}});
   std::function<void()> cb;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     cb = on_submit_;
   }
   if (cb) cb();

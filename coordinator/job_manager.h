@@ -158,7 +158,7 @@ class JobManager {
   // checkpoint of its own, and one whose checkpoint.dir now belongs to another job or is leased
   // by another coordinator; UNAVAILABLE when checkpoint.dir cannot be read. Owner checks are the
   // caller's (the RPC layer's, as for Cancel).
-  absl::StatusOr<v1::Job> Resume(const std::string& job_id);
+  absl::StatusOr<v1::Job> Resume(const std::string& job_id) ABSL_LOCKS_EXCLUDED(lease_io_mu_, mu_);
   // Calls on_event for every kept event with seq > after_seq, then for new ones as they come, and
   // returns OK after the job's final event. Returns early with OK when on_event returns false,
   // CANCELLED when `stop` returns true (polled about every 200 ms), UNAVAILABLE after Shutdown().
@@ -218,7 +218,7 @@ class JobManager {
   // checkpoint request is pending (then the save comes first): true records it as dispatched.
   bool TryDispatchAhead(const std::string& job_id, int64_t completed);
   // Whether a Cancel with save waits for this job's save (the step driver ends the job after it).
-  bool CancelRequested(const std::string& job_id) const;
+  bool CancelRequested(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Any non-terminal state -> `state` (SUCCEEDED, FAILED or CANCELLED) with `reason`.
   // FAILED_PRECONDITION when the job already ended.
   absl::Status Finish(const std::string& job_id, v1::JobState state, const std::string& reason);
@@ -302,13 +302,16 @@ class JobManager {
 
   // Cancel with save, first part: true when the job now saves before it is cancelled (the flag
   // set, the checkpoint requested, the event published); false with *why when it cannot save.
-  absl::StatusOr<bool> RequestCancelAfterSave(const std::string& job_id, std::string* why);
+  absl::StatusOr<bool> RequestCancelAfterSave(const std::string& job_id, std::string* why)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until the job has ended (or `stop`, or Shutdown) and returns it.
-  absl::StatusOr<v1::Job> AwaitEnded(const std::string& job_id, const std::function<bool()>& stop);
+  absl::StatusOr<v1::Job> AwaitEnded(const std::string& job_id, const std::function<bool()>& stop)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Resume's checks of checkpoint.dir (no lock held): the job's newest committed checkpoint, its
   // lease renewed. FAILED_PRECONDITION naming the rule.
   absl::StatusOr<CommittedCheckpoint> ResumePoint(const std::string& job_id,
-                                                  const std::string& dir);
+                                                  const std::string& dir)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lease_io_mu_) ABSL_LOCKS_EXCLUDED(mu_);
 
   // At Open: tidies the checkpoint directories this coordinator's jobs own (see above).
   void ReconcileCheckpointDirsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
