@@ -74,7 +74,7 @@ JOB_ROLES = {
     "scaling": "the running job",
     "checkpoint": "the running job",
     "checkpoints": "the running job, once it has a committed checkpoint",
-    "cancel": "a fresh running job of 300 steps with a checkpoint.dir (then resumed, if asked)",
+    "cancel": "a fresh running job of 400 steps with a checkpoint.dir (then resumed, if asked)",
     "resume": "the job the last cancel stopped (it saved a checkpoint)",
     "watch": "a SUCCEEDED job (the first one a doc submit line ran)",
     "delete": "an ended job nothing else uses",
@@ -82,7 +82,7 @@ JOB_ROLES = {
 }
 
 D, L, H, FFN, V, SEQ = 64, 2, 4, 192, 256, 64
-RESUMABLE_STEPS = 300
+RESUMABLE_STEPS = 400
 SMALL_STEPS = 10
 # The Llama-3.2-1B config.json fields model-section reads (Hugging Face's published values).
 LLAMA_3_2_1B = {
@@ -237,8 +237,9 @@ class Fixtures:
         self.write("notes/second.txt", docs[1] * 3)
         self.write("a.txt", docs[2] * 3)
         self.write("b.txt", docs[3] * 3)
-        self.write("corpus/part-0.jsonl", "".join(json.dumps({"text": d}) + "\n" for d in docs[:20]))
-        self.write("corpus/part-1.jsonl", "".join(json.dumps({"text": d}) + "\n" for d in docs[20:]))
+        for part in (0, 1):  # 40 documents: two of them validation at --val-fraction 0.05
+            self.write(f"corpus/part-{part}.jsonl", "".join(
+                json.dumps({"text": d}) + "\n" for d in docs[20 * part:20 * part + 20]))
         self.bpe(docs)
         self.write("Llama-3.2-1B/config.json", json.dumps(LLAMA_3_2_1B, indent=1))
         self.sentencepiece(docs)
@@ -338,7 +339,8 @@ class Jobs:
             if ok(state, step):
                 return state, step
             if time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"job {job}: not {what} after {timeout} s ({state}, step {step})")
+                raise RuntimeError(f"job {job}: not {what} after {timeout} s "
+                                   f"({state}, step {step})")
             time.sleep(0.05)
 
     def submit(self, steps, checkpoints):
@@ -431,13 +433,19 @@ class Jobs:
 
 # ---- one file's commands ----
 
+def tail(path, n=1500):
+    with open(path, errors="replace") as f:
+        return f.read()[-n:]
+
+
 def clip(text, n=700):
     """The head and the tail of a long output (an error is first, a summary last)."""
     return text if len(text) <= 2 * n else text[:n] + "\n    [...]\n" + text[-n:]
 
 
 class DocRun:
-    """The commands of one file, in its scratch folder, against the cluster its daemon lines start."""
+    """The commands of one file, in its scratch folder, against the cluster its own daemon
+    lines start."""
 
     def __init__(self, doc, base, fixtures, env):
         self.doc = doc
@@ -495,7 +503,7 @@ class DocRun:
             out.append(w)
         for w in out:
             for part in w.split("="):
-                if re.fullmatch(r"[A-Z][A-Z0-9_]+", part) and not part.startswith("FSDP8_"):
+                if re.fullmatch(r"[A-Z][A-Z0-9_]*", part) and not part.startswith("FSDP8_"):
                     raise RuntimeError(f"unknown placeholder {part}: say what it stands for")
         return " ".join(out), info
 
@@ -568,7 +576,7 @@ class DocRun:
             if m:
                 break
             if p.poll() is not None or time.monotonic() - t0 > 30:
-                raise RuntimeError(f"no listening line (exit {p.poll()}):\n{open(log).read()[-2000:]}")
+                raise RuntimeError(f"no listening line (exit {p.poll()}):\n{tail(log)}")
             time.sleep(0.05)
         self.address = f"127.0.0.1:{m.group(1)}"
         self.jobs = Jobs(self)
@@ -576,7 +584,7 @@ class DocRun:
     def start_workers(self, cmd):
         tag = self.doc.replace("/", "-").replace(".", "-").lower()
         names = [f"{tag}-w{i}" for i in range(WORKERS_PER_LINE)]
-        for i, name in enumerate(names):
+        for name in names:
             code, _ = self.substitute(cmd, expand(cmd.code), names=[name])
             p, log = self.spawn(cmd, code, name)
             self.workers.append((cmd, p, log))
@@ -587,7 +595,7 @@ class DocRun:
             if len(idle) == len(names):
                 return
             if time.monotonic() - t0 > 60 or any(p.poll() is not None for _, p, _ in self.workers):
-                logs = "".join(open(lg).read()[-1000:] for _, _, lg in self.workers)
+                logs = "".join(tail(lg) for _, _, lg in self.workers)
                 raise RuntimeError(f"workers {names} not IDLE:\n{table}\n{logs}")
             time.sleep(0.1)
 
@@ -606,7 +614,7 @@ class DocRun:
                 p.kill()
                 rc = p.wait()
             if rc != 0:  # docs/usage.md: 0 after a clean shutdown (SIGTERM or SIGINT)
-                self.fail(cmd, f"exit {rc} after SIGTERM, not 0:\n{open(log).read()[-1500:]}")
+                self.fail(cmd, f"exit {rc} after SIGTERM, not 0:\n{tail(log)}")
         self.workers, self.coordinator = [], None
 
     def run_one(self, cmd):
@@ -643,7 +651,8 @@ def check_prepare(run, code, info, stdout):
         assert "train_000000.bin" in files and "val_000000.bin" in files, f"{out} holds {files}"
         with open(os.path.join(out, "tokenizer", "token_ids.json")) as f:
             record = json.load(f)
-        want = "hf" if code.split("--tokenizer ")[1].split()[0].endswith(".json") else "sentencepiece"
+        tokenizer = code.split("--tokenizer ")[1].split()[0]
+        want = "hf" if tokenizer.endswith(".json") else "sentencepiece"
         assert record["kind"] == want, f"token_ids.json kind {record['kind']!r}, not {want!r}"
         assert re.search(r"fsdp8-prepare: [\d,]+ documents", stdout), "no summary line"
     else:
@@ -726,6 +735,12 @@ def check_resume(run, code, info, stdout):
     job = info["job"]
     state, step, _ = run.jobs.status(job)
     assert (state, step) == ("SUCCEEDED", RESUMABLE_STEPS), f"job {job} is {state} at step {step}"
+    # The docs: resume continues from the newest checkpoint, the one cancel saved after the step
+    # it stopped at; the job's history goes on: every step once, none trained twice.
+    events = [json.loads(line) for line in run.jobs.cli("watch", job, "--json").stdout.splitlines()]
+    steps = [int(e["step"]) for e in events if not e.get("message")]
+    assert steps == list(range(1, RESUMABLE_STEPS + 1)), \
+        f"step events of the job's history: {steps[:3]} ... {len(steps)} in all, not 1..{step} once"
     run.jobs.succeeded.append(job)
 
 
@@ -747,7 +762,8 @@ def check_scaling(run, code, info, stdout):
     assert f"job {info['job']}, scaling state after step" in stdout, "no scaling state"
     # Every FP8 linear scales its input (x) in E4M3 and its grad-output (dy) in E5M2.
     assert re.search(r"^layers\.0\.attn\.q_proj\.x\s+E4M3\s", stdout, re.M), "no q_proj.x E4M3"
-    assert re.search(r"^layers\.0\.mlp\.down_proj\.dy\s+E5M2\s", stdout, re.M), "no down_proj.dy E5M2"
+    assert re.search(r"^layers\.0\.mlp\.down_proj\.dy\s+E5M2\s", stdout, re.M), \
+        "no down_proj.dy E5M2"
 
 
 def check_checkpoint(run, code, info, stdout):
@@ -786,7 +802,8 @@ class DocCommandsTest(unittest.TestCase):
         text = ("text\n```\nbuild/bin/fsdp8 list   # also: status, watch, delete JOB\n"
                 "build/bin/fsdp8-coordinator --listen 0.0.0.0:50051 \\\n    --data_roots /data\n"
                 "export FSDP8_COORDINATOR=HOST:50051\nsed x > job.yaml\n"
-                "fsdp8 watch JOB --tensorboard runs   # also: fsdp8 submit job.yaml --tensorboard runs\n"
+                "fsdp8 watch JOB --tensorboard runs   "
+                "# also: fsdp8 submit job.yaml --tensorboard runs\n"
                 "```\nfsdp8 list\n")
         lines = logical_lines(text)
         self.assertEqual([n for n, _ in lines], [3, 4, 6, 7, 8])
