@@ -13,7 +13,8 @@
 // backend's cuBLASLt workspace and tables, kernels/cuda/cuda_backend.cu). The peak is the figure
 // the worker reports as StepResult.peak_memory_bytes (Backend::PeakAllocatedBytes, the max over
 // the forward, backward and optimizer phases), measured at a steady step (delayed scaling with
-// history; the first step and the CURRENT recipe cast through a few extra f32 copies). A model of
+// history; the first step casts through a few extra f32 copies, as the CURRENT recipe does at
+// every step, where the plan counts them). A model of
 // more than 1,024 blocks is summed with 512 and with 1,024 blocks and extrapolated linearly
 // (every figure but one block's transients grows with the blocks); precision overrides of blocks
 // past 1,024 are not seen then.
