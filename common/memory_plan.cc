@@ -24,10 +24,9 @@ enum Term {
   kParams, kGrads, kOptimizer, kScaling, kGathered, kUnitGrads, kSaved, kWork, kLogits, kBatch,
   kNumTerms
 };
-constexpr const char* kTermNames[kNumTerms] = {
-    "parameter shards", "gradient shards",   "optimizer state", "FP8 scaling state",
-    "gathered units",   "unit gradients",    "saved activations", "workspaces",
-    "logits chunks",    "batch"};
+// The terms are the memory labels (common/memory_label.h) but "unlabelled", in their order.
+static_assert(kNumTerms == static_cast<int>(MemoryLabel::kUnlabelled) &&
+              kSaved == static_cast<int>(MemoryLabel::kSaved));
 
 // Byte counts in double: exact below 2^53 bytes, and no overflow for absurd sizes (PlanMemory
 // saturates them when it reports).
@@ -49,7 +48,7 @@ struct PhasePeak {
   void Take(const Bytes& at) {
     double total = 0;
     for (double b : at) total += b;
-    if (total >= bytes) {
+    if (total > bytes) {  // the first moment at the largest total, as the backend's account
       bytes = total;
       terms = at;
     }
@@ -202,23 +201,39 @@ void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
     const bool later = mb > 0;
     for (int l = 0; l < L_; ++l) {  // block l's forward
       const BlockPlan& b = plan_.blocks[l];
-      Bytes at = fixed_;
+      Bytes at = fixed_;  // at its largest moment (BlockPlan::forward_peak)
       at[kGrads] = later ? all_grads_ : 0;
-      at[kGathered] = Gathered(BlockUnit(l)) + Prefetched(BlockUnit(l) + 1);
-      at[kSaved] = saved_before[l + 1];
-      at[kWork] += Sum(b.forward_work) + (plan_.recompute ? Sum(b.recomputed) : 0);
+      at[kGathered] = units_[BlockUnit(l)].full + Sum(b.forward_peak.gathered) +
+                      Prefetched(BlockUnit(l) + 1);
+      // Under recompute the block's kept input copy; else what it has kept by then.
+      at[kSaved] = saved_before[l] + Sum(plan_.recompute ? b.saved : b.forward_peak.saved);
+      at[kWork] += Sum(b.forward_work);
       fwd->Take(at);
     }
-    {  // the head: forward and backward at once (a BF16 head computes both per chunk)
+    {  // the head's forward (a BF16 head's backward too: it computes both per chunk)
       Bytes at = fixed_;
       at[kGrads] = later ? all_grads_ : 0;
-      at[kGathered] = Gathered(head) + (tied_ ? Gathered(0) : 0) +
+      // A tied BF16 head reads the embedding's bf16 codes (no f32 copy).
+      at[kGathered] = Gathered(head) +
+                      (tied_ ? units_[0].full + (plan_.head_bf16 ? 0 : units_[0].f32) : 0) +
                       (L_ > 0 ? Prefetched(BlockUnit(L_ - 1)) : 0);
-      at[kUnitGrads] = units_[head].full_grad + (tied_ ? units_[0].full_grad : 0);
+      const double unit_grads = units_[head].full_grad + (tied_ ? units_[0].full_grad : 0);
+      const double nc = N_ * C_ * 4;  // dnf, dx
+      at[kUnitGrads] = plan_.head_bf16 ? unit_grads : 0;
       at[kSaved] = saved_before[L_];
-      at[kWork] += Sum(plan_.head_work);
+      at[kWork] += Sum(plan_.head_work) - (plan_.head_bf16 ? 0 : nc);
       at[kLogits] = Sum(plan_.head_logits);
       fwd->Take(at);
+      // The backward opens at the head: an f32 head's backward (with its logits), then dx
+      // (LlamaModel::Run) with the head's x, nf, rstdf and dnf.
+      at[kUnitGrads] = unit_grads;
+      if (!plan_.head_bf16) {
+        at[kWork] += nc;
+        bwd->Take(at);
+      }
+      at[kLogits] = 0;
+      at[kWork] = fixed_[kWork] + 3 * nc + N_ * 4 + nc;
+      bwd->Take(at);
     }
     double grads = later ? all_grads_ : units_[head].grad;  // reduced so far
     for (int l = L_ - 1; l >= 0; --l) {  // block l's backward: its MLP's, then its attention's
@@ -226,23 +241,26 @@ void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
       const int u = BlockUnit(l);
       Bytes at = fixed_;
       at[kGrads] = grads;
-      at[kGathered] = Gathered(u) + (l > 0 ? Prefetched(u - 1) : 0);
-      // Its full gradient, the previous unit's while its reduce-scatter is in flight, and a
-      // tied embedding's (from the head until the embedding's backward).
-      at[kUnitGrads] = units_[u].full_grad + (tied_ ? units_[0].full_grad : 0);
+      at[kGathered] = units_[u].full + (l > 0 ? Prefetched(u - 1) : 0);
+      // The previous unit's full gradient while its reduce-scatter is in flight, and a tied
+      // embedding's (from the head until the embedding's backward); its own from BeginGrads,
+      // after a recompute.
+      at[kUnitGrads] = tied_ ? units_[0].full_grad : 0;
       if (plan_.world_size > 1) {
         at[kUnitGrads] += units_[u + 1].full_grad + (later ? units_[u + 1].grad : 0);
       }
       at[kSaved] = saved_before[l];
       at[kWork] += Sum(plan_.backward_held);
-      for (bool after_mlp : {false, true}) {
-        Bytes m = at;
-        // With recompute the block's tensors are its backward's workspace.
-        const double own = Sum(plan_.recompute ? b.recomputed : b.saved, after_mlp);
-        m[plan_.recompute ? kWork : kSaved] += own;
-        m[kWork] += Sum(after_mlp ? b.backward_attention : b.backward_mlp);
-        bwd->Take(m);
-      }
+      auto take = [&](const PlannedMoment& m, double own_grads) {
+        Bytes x = at;
+        x[kUnitGrads] += own_grads;
+        x[kSaved] += Sum(m.saved);
+        x[kWork] += Sum(m.work);
+        x[kGathered] += Sum(m.gathered);
+        bwd->Take(x);
+      };
+      if (plan_.recompute) take(b.recompute_peak, 0);
+      take(b.backward_peak, units_[u].full_grad);
       if (!later) grads += units_[u].grad;
     }
     Bytes at = fixed_;  // the embedding's backward: its full gradient
@@ -254,8 +272,14 @@ void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
     at[kWork] += Sum(plan_.backward_held) + Sum(plan_.embedding_backward);
     bwd->Take(at);
   }
-  Bytes at = fixed_;  // the optimizer, then the next step's first units prefetched
+  // The optimizer (the batch is gone): first with the grad norm's two f32 sums
+  // (FsdpParams::StartGradSquaredNorm), then with the next step's first units prefetched.
+  Bytes at = fixed_;
+  at[kBatch] = 0;
   at[kGrads] = all_grads_;
+  at[kWork] += 8;
+  opt->Take(at);
+  at[kWork] -= 8;
   at[kGathered] = Prefetched(0) + (L_ > 0 ? Prefetched(1) : 0);
   opt->Take(at);
 }
@@ -281,7 +305,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec_in, int world_size
   // The step plan of `s` (at most kMaxWalkLayers blocks), summed.
   auto sum = [&](const v1::JobSpec& s, PhasePeak* f, PhasePeak* b, PhasePeak* o) {
     absl::StatusOr<StepPlan> plan =
-        MakeStepPlan(s, world_size, BackendCapsOf(s.backend()), options);
+        MakeStepPlan(s, world_size, BackendCapsOf(s.backend()), options);  // cpu_reference: options
     if (!plan.ok()) return plan.status();
     StepSum(s, *plan, OptimizerStateBytesPerElement(s)).Run(f, b, o);
     return absl::OkStatus();
@@ -324,7 +348,12 @@ absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec_in, int world_size
     p.peak_phase = "optimizer";
   }
   p.peak_bytes = Saturate(top->bytes);
-  for (int t = 0; t < kNumTerms; ++t) p.terms.push_back({kTermNames[t], Saturate(top->terms[t])});
+  for (int t = 0; t < kNumTerms; ++t) {
+    p.terms.push_back({kMemoryLabelNames[t], Saturate(top->terms[t])});
+    p.forward_terms.push_back({kMemoryLabelNames[t], Saturate(fwd.terms[t])});
+    p.backward_terms.push_back({kMemoryLabelNames[t], Saturate(bwd.terms[t])});
+    p.optimizer_terms.push_back({kMemoryLabelNames[t], Saturate(opt.terms[t])});
+  }
   double device = top->bytes;
   if (p.backend == "cuda") {
     p.device_extra.push_back({"CUDA context", kCudaContextBytes});
@@ -350,15 +379,16 @@ v1::MemoryPlan ToProto(const MemoryPlan& plan) {
   out.set_optimizer_peak_bytes(plan.optimizer_peak_bytes);
   out.set_peak_bytes(plan.peak_bytes);
   out.set_peak_phase(plan.peak_phase);
-  for (const MemoryTerm& t : plan.terms) {
-    v1::MemoryTerm* o = out.add_terms();
-    o->set_name(t.name);
-    o->set_bytes(t.bytes);
-  }
-  for (const MemoryTerm& t : plan.device_extra) {
-    v1::MemoryTerm* o = out.add_device_extra();
-    o->set_name(t.name);
-    o->set_bytes(t.bytes);
+  for (auto [terms, field] : {std::pair{&plan.terms, out.mutable_terms()},
+                              std::pair{&plan.device_extra, out.mutable_device_extra()},
+                              std::pair{&plan.forward_terms, out.mutable_forward_terms()},
+                              std::pair{&plan.backward_terms, out.mutable_backward_terms()},
+                              std::pair{&plan.optimizer_terms, out.mutable_optimizer_terms()}}) {
+    for (const MemoryTerm& t : *terms) {
+      v1::MemoryTerm* o = field->Add();
+      o->set_name(t.name);
+      o->set_bytes(t.bytes);
+    }
   }
   out.set_device_bytes(plan.device_bytes);
   out.set_exceeds_int64(plan.exceeds_int64);

@@ -13,7 +13,8 @@
 // backend's cuBLASLt workspace and tables, kernels/cuda/cuda_backend.cu). The peak is the figure
 // the worker reports as StepResult.peak_memory_bytes (Backend::PeakAllocatedBytes, the max over
 // the forward, backward and optimizer phases), measured at a steady step (delayed scaling with
-// history; the first step and the CURRENT recipe cast through a few extra f32 copies). A model of
+// history; the first step casts through a few extra f32 copies, as the CURRENT recipe does at
+// every step, where the plan counts them). A model of
 // more than 1,024 blocks is summed with 512 and with 1,024 blocks and extrapolated linearly
 // (every figure but one block's transients grows with the blocks); precision overrides of blocks
 // past 1,024 are not seen then.
@@ -69,6 +70,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/memory_label.h"
 #include "common/step_plan.h"
 #include "fsdp8/v1/admin.pb.h"
 #include "fsdp8/v1/spec.pb.h"
@@ -104,6 +106,10 @@ struct MemoryPlan {
   int64_t peak_bytes = 0;          // their maximum: StepResult.peak_memory_bytes
   std::string peak_phase;          // "forward", "backward" or "optimizer"
   std::vector<MemoryTerm> terms;   // at the peak, in the order above; they sum to peak_bytes
+  // Each phase's terms at its own peak, one per memory label (common/memory_label.h, the names
+  // of `terms`, "unlabelled" left out): what the backend's AllocationAccount holds per label at
+  // that phase's peak (StepStats::*_peak_labels). Each sums to its phase's peak bytes.
+  std::vector<MemoryTerm> forward_terms, backward_terms, optimizer_terms;
   std::vector<MemoryTerm> device_extra;  // outside the count (CUDA only)
   int64_t device_bytes = 0;        // peak_bytes + device_extra: what the device must hold
   // Some figure exceeds 64-bit byte counts: it holds kBytesExceeded (no size; fits nowhere).

@@ -33,13 +33,20 @@ struct StepPlanOptions {
   bool save_down_proj_input = false;
   // f32 logits per chunk of the BF16 head, >= 1 (FSDP8_HEAD_CHUNK_LOGIT_BYTES).
   int64_t head_chunk_logit_bytes = kDefaultHeadChunkLogitBytes;
+  // A "cpu" job runs on the CPU reference backend (Backend::Name() "cpu-ref"; BackendCaps).
+  bool cpu_reference = false;
 };
 
 // What the plan needs to know of the backend.
 struct BackendCaps {
   bool cuda = false;  // the CUDA backend (its own workspaces; no CPU scratch slots)
+  // The CPU reference backend ("cpu-ref", also what a "cpu" job runs on where the host lacks the
+  // fast backend's instructions): its composed bf16 and fused ops take f32 scratch through Alloc
+  // where the fast backend takes other scratch (kernels/backend.cc, kernels/cpu).
+  bool cpu_reference = false;
 };
-BackendCaps BackendCapsOf(const std::string& backend);  // "cuda" -> cuda; else the CPU backends
+// "cuda" -> cuda; "cpu-ref" -> cpu_reference; else the fast CPU backend.
+BackendCaps BackendCapsOf(const std::string& backend);
 
 enum class Dtype { kF32 = 0, kBf16 = 1, kE4M3 = 2 };
 int64_t DtypeBytes(Dtype d);  // 4, 2, 1
@@ -62,6 +69,14 @@ struct PlannedTensor {
   std::vector<int64_t> shape;   // elements per dimension
   int64_t bytes = 0;            // product of shape x DtypeBytes
   Lifetime lifetime = Lifetime::kBlock;  // saved tensors only
+};
+
+// One moment of a block's forward: what of the block is alive then, by memory label
+// (common/memory_label.h): its saved tensors allocated by then, its transients and the backend's
+// scratch in use (workspaces), the f32 copies of its unit's bf16 tensors made by then (gathered
+// units).
+struct PlannedMoment {
+  std::vector<PlannedTensor> saved, work, gathered;
 };
 
 struct BlockPlan {
@@ -90,6 +105,15 @@ struct BlockPlan {
   // backend's composed ops take ("scratch:..." bytes, E4M3 as a byte). The memory plan sums
   // these tables.
   std::vector<PlannedTensor> forward_work, backward_mlp, backward_attention;
+  // The largest moment of the block's forward in training (forward_work is its work), walked
+  // allocation by allocation as train/model.cc allocates: with training.activation_recompute the
+  // forward keeps nothing (every tensor is work; the kept input copy is `saved`).
+  PlannedMoment forward_peak;
+  // The largest moment of its backward (from the incoming gradient `dout` to the block's end:
+  // its saved or recomputed tensors as they are dropped, the gradients, FP8 grad-output codes and
+  // transposes, the backend's scratch), and under recompute the largest moment of the recompute
+  // before it (the unit's gradients are not allocated yet then).
+  PlannedMoment backward_peak, recompute_peak;
 };
 
 struct PlannedBuffer {

@@ -38,6 +38,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/allocation_account.h"
+
 namespace fsdp8 {
 
 enum class Fp8Format : uint8_t {
@@ -147,7 +149,13 @@ class Backend {
   // CPU backends' kept scratch slots) and the high-water mark since the last reset.
   virtual int64_t AllocatedBytes() const = 0;
   virtual int64_t PeakAllocatedBytes() const = 0;
-  virtual void ResetPeak() = 0;
+  virtual void ResetPeak() = 0;  // also the account's peak (AllocationAccount::ResetPeak)
+  // The bytes Alloc holds per memory label, live and at the peak (kernels/allocation_account.h):
+  // every Alloc takes the account's current label (MemoryLabelScope); the backend's own scratch
+  // is labelled workspaces. On the CPU backends the account's Total() and Peak() are
+  // AllocatedBytes() and PeakAllocatedBytes(); on CUDA they leave out its own workspaces.
+  AllocationAccount& account() { return account_; }
+  const AllocationAccount& account() const { return account_; }
 
   // ---- FP8 --------------------------------------------------------------------------------------
   // FP8 cast (+ transpose, + amax) of in (rows, cols), f32 or bf16: out (rows, cols), row stride
@@ -355,6 +363,8 @@ class Backend {
   const std::vector<float>* RopeInvFreqFor(int64_t D, float theta) const;
   // Changes with every SetRopeInvFreq (a key of the backends' RoPE table caches).
   int64_t rope_freq_version() const { return rope_freq_version_; }
+
+  AllocationAccount account_;  // what Alloc holds, by label (account())
 
  private:
   ComputeSettings settings_;

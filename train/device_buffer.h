@@ -88,6 +88,21 @@ class DevBuf {
       if (p_ == nullptr) throw DeviceOutOfMemory(bytes, be->AllocatedBytes());
     }
   }
+  // Allocates under memory label `label` (common/memory_label.h) instead of the backend account's
+  // current one (MemoryLabelScope).
+  DevBuf(Backend* be, size_t bytes, MemoryLabel label) {
+    const MemoryLabelScope scope(&be->account(), label);
+    *this = DevBuf(be, bytes);
+  }
+  static DevBuf Zeros(Backend* be, size_t bytes, MemoryLabel label) {
+    const MemoryLabelScope scope(&be->account(), label);
+    return Zeros(be, bytes);
+  }
+  // Moves this buffer's bytes to `label` in its backend's account (a view or an empty buffer:
+  // nothing).
+  void Relabel(MemoryLabel label) const {
+    if (p_ != nullptr && be_ != nullptr) be_->account().Relabel(p_, label);
+  }
   // Allocates and zeroes.
   static DevBuf Zeros(Backend* be, size_t bytes) {
     DevBuf b(be, bytes);

@@ -22,6 +22,7 @@ int ActScaling::Add(const std::string& name, bool e5m2) {
 
 void ActScaling::Finalize() {
   const size_t n = std::max<size_t>(states_.size(), 1);
+  const MemoryLabelScope label(&be_->account(), MemoryLabel::kScaling);
   scale_ = DevBuf(be_, n * kScaleStride * sizeof(float));
   scale_inv_ = DevBuf(be_, n * kScaleStride * sizeof(float));
   amax_ = DevBuf::Zeros(be_, n * sizeof(float));  // contiguous: one fused all-reduce
@@ -134,23 +135,24 @@ void ActScaling::GroupAmax(const std::vector<int>& members) {
 }
 
 void Linear::Forward(const float* x, int64_t M, int64_t K, int64_t N, const WeightView& w,
-                     float* y, LinearSaved* saved) {
+                     float* y, LinearSaved* saved, MemoryLabel codes) {
   if (prec_ != v1::PRECISION_FP8) {
     be_->Gemm(false, true, M, N, K, x, w.f32, y, false,
               prec_ == v1::PRECISION_BF16 ? GemmInputs::kBF16 : GemmInputs::kF32);
     if (saved) saved->x = x;
     return;
   }
-  ForwardFp8(CastInput(ActivationView::F32(x), M, K), M, K, N, w, LinearOutput::F32(y), saved);
+  ForwardFp8(CastInput(ActivationView::F32(x), M, K, {}, codes), M, K, N, w, LinearOutput::F32(y),
+             saved);
 }
 
-std::shared_ptr<Fp8Input> Linear::Cast(std::shared_ptr<Fp8Input> in,
+std::shared_ptr<Fp8Input> Linear::Cast(std::shared_ptr<Fp8Input> in, MemoryLabel codes,
                                        std::initializer_list<const Linear*> same_input) {
   // Under delayed scaling the tensor's scale_inv slot holds still until UpdateScales, after every
   // backward of the step; a cast that measured its own amax first (NeedsAmaxFirst) rewrites the
   // slot at each cast, so its value is kept.
   if (sc_->NeedsAmaxFirst(x_idx_)) {
-    in->scale_inv_copy = DevBuf(be_, sizeof(float));
+    in->scale_inv_copy = DevBuf(be_, sizeof(float), codes);
     be_->Copy(in->scale_inv_copy.get(), sc_->ScaleInv(x_idx_), sizeof(float));
     in->scale_inv = in->scale_inv_copy.f32();
   } else {
@@ -164,11 +166,12 @@ std::shared_ptr<Fp8Input> Linear::Cast(std::shared_ptr<Fp8Input> in,
 }
 
 std::shared_ptr<Fp8Input> Linear::CastInput(ActivationView x, int64_t M, int64_t K,
-                                            std::initializer_list<const Linear*> same_input) {
+                                            std::initializer_list<const Linear*> same_input,
+                                            MemoryLabel codes) {
   FSDP8_CHECK(prec_ == v1::PRECISION_FP8) << "CastInput of a non-FP8 linear";
   FSDP8_CHECK(x.valid()) << "CastInput takes exactly one input";
   auto in = std::make_shared<Fp8Input>();
-  in->x8 = DevBuf(be_, M * K);
+  in->x8 = DevBuf(be_, M * K, codes);
   if (x.is_bf16() && sc_->NeedsAmaxFirst(x_idx_)) {
     // Measuring the amax first (first step, CURRENT recipe) goes through f32.
     DevBuf x32(be_, M * K * sizeof(float));
@@ -184,28 +187,30 @@ std::shared_ptr<Fp8Input> Linear::CastInput(ActivationView x, int64_t M, int64_t
     be_->CastFp8(x.f32, 1, M * K, scale, Fp8Format::kE4M3, in->x8.u8(), nullptr,
                  sc_->AmaxOut(x_idx_));
   }
-  return Cast(std::move(in), same_input);
+  return Cast(std::move(in), codes, same_input);
 }
 
 std::shared_ptr<Fp8Input> Linear::NormCastInput(const float* x, const float* w_norm, float eps,
                                                 int64_t M, int64_t K, float* rstd,
-                                                std::initializer_list<const Linear*> same_input) {
+                                                std::initializer_list<const Linear*> same_input,
+                                                MemoryLabel codes) {
   FSDP8_CHECK(prec_ == v1::PRECISION_FP8) << "NormCastInput of a non-FP8 linear";
   if (sc_->NeedsAmaxFirst(x_idx_)) {
     DevBuf n(be_, M * K * sizeof(float));
     be_->RmsNormForward(x, w_norm, eps, M, K, n.f32(), rstd);
-    return CastInput(ActivationView::F32(n.f32()), M, K, same_input);
+    return CastInput(ActivationView::F32(n.f32()), M, K, same_input, codes);
   }
   auto in = std::make_shared<Fp8Input>();
-  in->x8 = DevBuf(be_, M * K);
+  in->x8 = DevBuf(be_, M * K, codes);
   be_->RmsNormForward(
       x, w_norm, eps, M, K, nullptr, rstd,
       Fp8Cast{sc_->Scale(x_idx_), Fp8Format::kE4M3, in->x8.u8(), nullptr, sc_->AmaxOut(x_idx_)});
-  return Cast(std::move(in), same_input);
+  return Cast(std::move(in), codes, same_input);
 }
 
 std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint16_t* up16,
-                                             int64_t M, int64_t K, int64_t ld) {
+                                             int64_t M, int64_t K, int64_t ld,
+                                             MemoryLabel codes) {
   FSDP8_CHECK(prec_ == v1::PRECISION_FP8) << "CastSwiglu of a non-FP8 linear";
   const int64_t n = M * K;
   if (sc_->NeedsAmaxFirst(x_idx_)) {
@@ -214,14 +219,14 @@ std::shared_ptr<Fp8Input> Linear::CastSwiglu(const uint16_t* gate16, const uint1
     be_->UnpackBf16(gate16, g.f32(), n);
     be_->UnpackBf16(up16, u.f32(), n);
     be_->SwigluForward(g.f32(), u.f32(), 1, n, 0, h.f32());
-    return CastInput(ActivationView::F32(h.f32()), M, K);
+    return CastInput(ActivationView::F32(h.f32()), M, K, {}, codes);
   }
   auto in = std::make_shared<Fp8Input>();
-  in->x8 = DevBuf(be_, n);
+  in->x8 = DevBuf(be_, n, codes);
   be_->SwigluForward(
       gate16, up16, M, K, ld, nullptr,
       Fp8Cast{sc_->Scale(x_idx_), Fp8Format::kE4M3, in->x8.u8(), nullptr, sc_->AmaxOut(x_idx_)});
-  return Cast(std::move(in), {});
+  return Cast(std::move(in), codes, {});
 }
 
 LinearSaved Linear::RecastSwiglu(const uint16_t* gate16, const uint16_t* up16, int64_t M,

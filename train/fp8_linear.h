@@ -192,9 +192,11 @@ class Linear {
       : be_(be), sc_(scaling), prec_(precision), x_idx_(x_idx), dy_idx_(dy_idx) {}
   v1::Precision precision() const { return prec_; }
 
-  // y (M, N) = x (M, K) · W (N, K)ᵀ. saved may be null (no backward follows).
+  // y (M, N) = x (M, K) · W (N, K)ᵀ. saved may be null (no backward follows). An FP8 linear's
+  // input codes are allocated under memory label `codes` (common/memory_label.h: kSaved where the
+  // step plan keeps them for the backward).
   void Forward(const float* x, int64_t M, int64_t K, int64_t N, const WeightView& w, float* y,
-               LinearSaved* saved);
+               LinearSaved* saved, MemoryLabel codes = MemoryLabel::kWork);
   // dx (M, K) = dy (M, N) · W (see InputGrad); dw (N, K) += dyᵀ · x for BF16/FP32 linears; FP8
   // linears overwrite dw = dyᵀ · x (each FP8 weight's gradient is written once per microbatch
   // into an unzeroed buffer, FsdpParams). A bf16 dy, or a bf16 dx, only for FP8 linears.
@@ -202,20 +204,24 @@ class Linear {
                 const LinearSaved& saved, InputGrad dx, float* dw);
 
   // FP8 only. Casts x (M, K), f32 or bf16, with this linear's X scale; each linear of
-  // `same_input` (which read the same x) takes the amax it records (ActScaling::ShareAmax).
+  // `same_input` (which read the same x) takes the amax it records (ActScaling::ShareAmax). The
+  // codes here and in NormCastInput and CastSwiglu are allocated under memory label `codes`.
   std::shared_ptr<Fp8Input> CastInput(ActivationView x, int64_t M, int64_t K,
-                                      std::initializer_list<const Linear*> same_input = {});
+                                      std::initializer_list<const Linear*> same_input = {},
+                                      MemoryLabel codes = MemoryLabel::kWork);
   // FP8 only. The input RMSNorm(x) * w_norm (M, K) of this linear (and of `same_input`), cast
   // straight from the norm (Backend::RmsNormForward with an Fp8Cast); rstd (M) receives the norm's
   // 1/rms.
   std::shared_ptr<Fp8Input> NormCastInput(const float* x, const float* w_norm, float eps,
                                           int64_t M, int64_t K, float* rstd,
-                                          std::initializer_list<const Linear*> same_input = {});
+                                          std::initializer_list<const Linear*> same_input = {},
+                                          MemoryLabel codes = MemoryLabel::kWork);
   // FP8 only. The input silu(gate) * up (M, K) of this linear from bf16 gate16, up16 (M, K) of
   // row stride ld (K when dense; ld != K only when !NeedsAmaxFirst of this linear's input), cast
   // in one pass (Backend::SwigluForward with an Fp8Cast).
   std::shared_ptr<Fp8Input> CastSwiglu(const uint16_t* gate16, const uint16_t* up16, int64_t M,
-                                       int64_t K, int64_t ld);
+                                       int64_t K, int64_t ld,
+                                       MemoryLabel codes = MemoryLabel::kWork);
   // FP8 only, !XNeedsAmaxFirst(): the saved input of a forward that read CastSwiglu(gate16, up16,
   // M, K, ld) in this step, recast for the backward from the same bf16 gate16, up16 with the same
   // X scale (its slot holds still until UpdateScales): only the transpose xT (K, M) that dW reads,
@@ -252,8 +258,8 @@ class Linear {
  private:
   // Finishes an input whose x8 was just cast with this linear's X scale: points at that
   // scale_inv (or keeps a copy when the slot may change before the backward) and shares the
-  // cast's amax with the linears of `same_input`.
-  std::shared_ptr<Fp8Input> Cast(std::shared_ptr<Fp8Input> in,
+  // cast's amax with the linears of `same_input`. The copy takes the codes' memory label.
+  std::shared_ptr<Fp8Input> Cast(std::shared_ptr<Fp8Input> in, MemoryLabel codes,
                                  std::initializer_list<const Linear*> same_input);
   // dY (M, N), f32 or bf16, cast to this linear's grad-output format: dy8 (M, N); with dyT8 (its
   // transpose, N x M) when dyT8 is not null.

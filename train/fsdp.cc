@@ -80,22 +80,25 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
           wscale_.push_back(ws);
         }
       }
-      buf.master = DevBuf(be, n * sizeof(float));
+      buf.master = DevBuf(be, n * sizeof(float), MemoryLabel::kParams);
       if (n > 0) be->CopyToDevice(buf.master.get(), host.data(), n * sizeof(float));
-      buf.m = DevBuf::Zeros(be, n * ElementBytes(ShardArray::kAdamM));
-      buf.v = DevBuf::Zeros(be, n * ElementBytes(ShardArray::kAdamV));
+      buf.m = DevBuf::Zeros(be, n * ElementBytes(ShardArray::kAdamM), MemoryLabel::kOptimizer);
+      buf.v = DevBuf::Zeros(be, n * ElementBytes(ShardArray::kAdamV), MemoryLabel::kOptimizer);
       if (bp.wire == WireDtype::kFp8) {
         // Padding stays code 0: casts write the tensors only.
-        if (keep_fp8_codes_) buf.wire = DevBuf::Zeros(be, n);
+        if (keep_fp8_codes_) buf.wire = DevBuf::Zeros(be, n, MemoryLabel::kParams);
         // Every FP8 weight's gradient is written whole by its dW GEMM (Linear::Backward).
         for (size_t t = 0; t < bp.tensors.size(); ++t) {
           buf.grad_written_whole.push_back({bp.offsets[t], bp.offsets[t] + bp.tensors[t].numel});
         }
       }
-      if (bp.wire == WireDtype::kBf16) buf.wire = DevBuf::Zeros(be, n * sizeof(uint16_t));
+      if (bp.wire == WireDtype::kBf16) {
+        buf.wire = DevBuf::Zeros(be, n * sizeof(uint16_t), MemoryLabel::kParams);
+      }
     }
   }
   const size_t nf = std::max<size_t>(fp8_refs_.size(), 1);
+  const MemoryLabelScope scaling(&be->account(), MemoryLabel::kScaling);
   w_scale_ = DevBuf(be, nf * kScaleStride * sizeof(float));
   w_scale_inv_ = DevBuf(be, nf * kScaleStride * sizeof(float));
   w_amax_ = DevBuf(be, nf * sizeof(float));
@@ -163,7 +166,7 @@ absl::Status FsdpParams::Prefetch(int unit) {
     const int64_t n = bp.shard_numel;
     if (bp.wire == WireDtype::kFp8 && !keep_fp8_codes_) {
       // No kept codes: cast now (on one rank straight into the gathered buffer).
-      b.codes = DevBuf(be_, n);
+      b.codes = DevBuf(be_, n, MemoryLabel::kGathered);
       CastShardCodes(b, b.codes.u8());
       if (bp.OneRank()) {
         b.full = std::move(b.codes);
@@ -183,15 +186,15 @@ absl::Status FsdpParams::Prefetch(int unit) {
     absl::StatusOr<int64_t> t;
     switch (bp.wire) {
       case WireDtype::kFp8:
-        b.full = DevBuf(be_, bp.padded_numel);
+        b.full = DevBuf(be_, bp.padded_numel, MemoryLabel::kGathered);
         t = comm_->AllGatherAsync(keep_fp8_codes_ ? b.wire.get() : b.codes.get(), b.full.get(), n);
         break;
       case WireDtype::kBf16:
-        b.full_u16 = DevBuf(be_, bp.padded_numel * sizeof(uint16_t));
+        b.full_u16 = DevBuf(be_, bp.padded_numel * sizeof(uint16_t), MemoryLabel::kGathered);
         t = comm_->AllGatherAsync(b.wire.get(), b.full_u16.get(), n * sizeof(uint16_t));
         break;
       case WireDtype::kFp32:
-        b.full = DevBuf(be_, bp.padded_numel * sizeof(float));
+        b.full = DevBuf(be_, bp.padded_numel * sizeof(float), MemoryLabel::kGathered);
         t = comm_->AllGatherAsync(b.master.get(), b.full.get(), n * sizeof(float));
         break;
     }
@@ -252,7 +255,7 @@ void FsdpParams::BeginGrads(int unit, const TensorRef* written_whole) {
               [](const Slice& x, const Slice& y) { return x.lo < y.lo; });
     // Zeros everywhere else: accumulated into, or reduce-scattered as they are (gaps, padding).
     const int64_t n = b.plan->padded_numel;
-    b.full_grad = DevBuf(be_, n * sizeof(float));
+    b.full_grad = DevBuf(be_, n * sizeof(float), MemoryLabel::kUnitGrads);
     int64_t at = 0;
     for (const Slice& w : whole) {
       if (w.lo > at) be_->Memset(b.full_grad.f32() + at, 0, (w.lo - at) * sizeof(float));
@@ -278,6 +281,7 @@ absl::Status FsdpParams::ReduceGrads(int unit) {
     if (b.plan->OneRank()) {  // the full gradient is the shard (no copy)
       if (b.grad_unset) {
         b.grad = std::move(b.full_grad);
+        b.grad.Relabel(MemoryLabel::kGrads);
       } else {
         if (n > 0) be_->Axpy(1.0f, b.full_grad.f32(), b.grad.f32(), n);
         b.full_grad.Reset();
@@ -288,8 +292,8 @@ absl::Status FsdpParams::ReduceGrads(int unit) {
     // The first gradient of a step lands in the grad shard itself; later ones (microbatches)
     // in a part that FlushGrads adds.
     DevBuf part;
-    if (b.grad_unset) b.grad = DevBuf(be_, n * sizeof(float));  // written whole below
-    if (!b.grad_unset) part = DevBuf(be_, n * sizeof(float));
+    if (b.grad_unset) b.grad = DevBuf(be_, n * sizeof(float), MemoryLabel::kGrads);  // written below
+    if (!b.grad_unset) part = DevBuf(be_, n * sizeof(float), MemoryLabel::kUnitGrads);
     float* out = b.grad_unset ? b.grad.f32() : part.f32();
     const double t0 = CommClock::Now();
     absl::StatusOr<int64_t> t = comm_->ReduceScatterSumAsync(b.full_grad.f32(), out, n);
@@ -316,7 +320,7 @@ const float* FsdpParams::W(const TensorRef& t) const {
   FSDP8_CHECK(static_cast<size_t>(t.index) < b.f32_of.size()) << "unit " << t.unit << " not gathered";
   DevBuf& f = b.f32_of[t.index];
   if (f.empty() && t.numel > 0) {
-    f = DevBuf(be_, t.numel * sizeof(float));
+    f = DevBuf(be_, t.numel * sizeof(float), MemoryLabel::kGathered);
     be_->UnpackBf16(b.full_u16.u16() + t.offset, f.f32(), t.numel);
   }
   return f.f32();
@@ -363,7 +367,9 @@ void FsdpParams::MaterializeGrads() {
   FlushGrads();
   for (auto& u : units_) {
     for (Buf& b : u) {
-      if (b.grad_unset) b.grad = DevBuf::Zeros(be_, b.plan->shard_numel * sizeof(float));
+      if (b.grad_unset) {
+        b.grad = DevBuf::Zeros(be_, b.plan->shard_numel * sizeof(float), MemoryLabel::kGrads);
+      }
       b.grad_unset = false;
     }
   }
@@ -371,7 +377,7 @@ void FsdpParams::MaterializeGrads() {
 
 absl::Status FsdpParams::StartGradSquaredNorm(const float* values, int64_t n) {
   MaterializeGrads();
-  grad_sq_ = DevBuf::Zeros(be_, 2 * sizeof(float));
+  grad_sq_ = DevBuf::Zeros(be_, 2 * sizeof(float), MemoryLabel::kWork);
   for (auto& u : units_) {
     for (Buf& b : u) be_->SumSquares(b.grad.f32(), b.plan->shard_numel, grad_sq_.f32());
   }
@@ -494,7 +500,7 @@ absl::Status FsdpParams::SetWeightScaleGroup(const std::vector<TensorRef>& membe
   const int32_t g = members.front().fp8_id;
   for (const TensorRef& r : members) w_group_[r.fp8_id] = g;
   w_grouped_ = true;
-  w_group_dev_ = DevBuf(be_, w_group_.size() * sizeof(int32_t));
+  w_group_dev_ = DevBuf(be_, w_group_.size() * sizeof(int32_t), MemoryLabel::kScaling);
   be_->CopyToDevice(w_group_dev_.get(), w_group_.data(), w_group_.size() * sizeof(int32_t));
   return absl::OkStatus();
 }
@@ -509,7 +515,7 @@ absl::StatusOr<std::map<std::string, std::vector<float>>> FsdpParams::GatherAll(
   for (auto& u : units_) {
     for (Buf& b : u) {
       const BufferPlan& bp = *b.plan;
-      DevBuf full(be_, bp.padded_numel * sizeof(float));
+      DevBuf full(be_, bp.padded_numel * sizeof(float), MemoryLabel::kWork);
       const DevBuf& src = grads ? b.grad : b.master;
       const double t0 = CommClock::Now();
       absl::Status s =

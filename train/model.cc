@@ -121,11 +121,25 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
     }
     b.fused_qkv = bp.fused_qkv;
     b.fused_mlp = bp.fused_mlp;
+    for (const PlannedTensor& t : recompute_ ? bp.recomputed : bp.saved) b.saved.push_back(t.name);
     blocks_.push_back(std::move(b));
   }
   v1::Precision hp = spec.precision().lm_head();
   if (hp == v1::PRECISION_UNSPECIFIED) hp = v1::PRECISION_BF16;
   lhead_ = make_linear(hp, head_, "lm_head.weight");
+}
+
+MemoryLabel LlamaModel::Keep(const Block& b, bool train, const char* name) const {
+  if (!train || recompute_) return MemoryLabel::kWork;  // recomputed tensors are workspace
+  return std::find(b.saved.begin(), b.saved.end(), name) != b.saved.end() ? MemoryLabel::kSaved
+                                                                          : MemoryLabel::kWork;
+}
+
+void LlamaModel::TakePeak(int64_t* peak, LabelBytes* labels) {
+  if (be_->PeakAllocatedBytes() > *peak) {
+    *peak = be_->PeakAllocatedBytes();
+    *labels = be_->account().AtPeak();
+  }
 }
 
 bool LlamaModel::QkvBackwardFused(const Block& b) const {
@@ -165,16 +179,18 @@ absl::Status LlamaModel::BlockForward(int l, int64_t B, DevBuf* x, BlockActs* a)
   BlockActs local;
   if (!train) a = &local;
   a->x_in = std::move(*x);
+  a->x_in.Relabel(Keep(b, train, "x_in"));
   AttentionForward(b, B, train, a);
-  if (train) KeepNormInput(b, &a->x_in, &a->x_in16, B * T_ * C_);
+  if (train) KeepNormInput(b, &a->x_in, &a->x_in16, B * T_ * C_, "x_in16");
   *x = MlpForward(b, B, train, a);
-  if (train) KeepNormInput(b, &a->h, &a->h16, B * T_ * C_);
+  if (train) KeepNormInput(b, &a->h, &a->h16, B * T_ * C_, "h16");
   return absl::OkStatus();
 }
 
-void LlamaModel::KeepNormInput(const Block& b, DevBuf* x, DevBuf* x16, int64_t n) {
+void LlamaModel::KeepNormInput(const Block& b, DevBuf* x, DevBuf* x16, int64_t n,
+                                const char* name) {
   if (!b.acts16 || !norm_inputs_bf16_) return;
-  *x16 = DevBuf(be_, n * 2);
+  *x16 = DevBuf(be_, n * 2, Keep(b, true, name));
   be_->PackBf16(x->f32(), x16->u16(), n);
   x->Reset();
 }
@@ -190,20 +206,20 @@ const float* LlamaModel::NormInput(const DevBuf& x, const DevBuf& x16, int64_t n
 // (bf16 activations: cast straight to FP8, one cast for q, k and v).
 void LlamaModel::AttentionForward(Block& b, int64_t B, bool train, BlockActs* a) {
   const int64_t N = B * T_;
-  if (!b.acts16) a->n1 = DevBuf(be_, N * C_ * 4);  // (N, C)
-  a->rstd1 = DevBuf(be_, N * 4);                   // (N)
+  if (!b.acts16) a->n1 = DevBuf(be_, N * C_ * 4, Keep(b, train, "n1"));  // (N, C)
+  a->rstd1 = DevBuf(be_, N * 4, Keep(b, train, "rstd1"));                  // (N)
   std::shared_ptr<Fp8Input> in1;
   if (b.acts16) {
     in1 = b.lq.NormCastInput(a->x_in.f32(), p_->W(b.in_norm), eps_, N, C_, a->rstd1.f32(),
-                             {&b.lk, &b.lv});
+                             {&b.lk, &b.lv}, Keep(b, train, "qkv.x8"));
   } else {
     be_->RmsNormForward(a->x_in.f32(), p_->W(b.in_norm), eps_, N, C_, a->n1.f32(), a->rstd1.f32());
   }
   const Qkv qkv = QkvForward(b, B, train, in1, a);
   in1.reset();
   DevBuf& att = b.acts16 ? a->att16 : a->att;
-  att = DevBuf(be_, N * C_ * (b.acts16 ? 2 : 4));  // (N, C)
-  a->lse = DevBuf(be_, B * H_ * T_ * 4);           // (B, H, T)
+  att = DevBuf(be_, N * C_ * (b.acts16 ? 2 : 4), Keep(b, train, b.acts16 ? "att16" : "att"));
+  a->lse = DevBuf(be_, B * H_ * T_ * 4, Keep(b, train, "lse"));  // (B, H, T)
   be_->AttentionForward(qkv.q, qkv.k, qkv.v, B, T_, H_, Hkv_, D_, Act(att, b.acts16), a->lse.f32(),
                         AttentionOptions{attention_bf16_, qkv.q_ld, qkv.kv_ld});
   if (b.acts16) {
@@ -214,28 +230,31 @@ void LlamaModel::AttentionForward(Block& b, int64_t B, bool train, BlockActs* a)
       a->qkv16.Reset();
     }
     // h = x + o_proj(att), the residual added in the GEMM.
-    a->h = DevBuf(be_, N * C_ * 4);
-    b.lo.ForwardFp8(b.lo.CastInput(ActivationView::Bf16(a->att16.u16()), N, C_), N, C_, C_,
+    a->h = DevBuf(be_, N * C_ * 4, Keep(b, train, "h"));
+    b.lo.ForwardFp8(b.lo.CastInput(ActivationView::Bf16(a->att16.u16()), N, C_, {},
+                                   Keep(b, train, "o_proj.x8")),
+                    N, C_, C_,
                     View(b.o), LinearOutput::F32PlusResidual(a->h.f32(), a->x_in.f32()),
                     train ? &a->so : nullptr);
     if (!train) a->att16.Reset();
     return;
   }
   DevBuf o(be_, N * C_ * 4);  // (N, C)
-  b.lo.Forward(a->att.f32(), N, C_, C_, View(b.o), o.f32(), train ? &a->so : nullptr);
+  b.lo.Forward(a->att.f32(), N, C_, C_, View(b.o), o.f32(), train ? &a->so : nullptr,
+               Keep(b, train, "o_proj.x8"));
   if (train && attention_bf16_) {  // keep the attention's bf16 operands only
-    auto pack = [&](DevBuf* f32, DevBuf* b16, int64_t n, bool keep_f32) {
-      *b16 = DevBuf(be_, n * 2);
+    auto pack = [&](DevBuf* f32, DevBuf* b16, int64_t n, bool keep_f32, const char* name) {
+      *b16 = DevBuf(be_, n * 2, Keep(b, train, name));
       be_->PackBf16(f32->f32(), b16->u16(), n);
       if (!keep_f32) f32->Reset();
     };
-    pack(&a->q, &a->q16, N * H_ * D_, false);
-    pack(&a->k, &a->k16, N * Hkv_ * D_, false);
-    pack(&a->v, &a->v16, N * Hkv_ * D_, false);
+    pack(&a->q, &a->q16, N * H_ * D_, false, "q16");
+    pack(&a->k, &a->k16, N * Hkv_ * D_, false, "k16");
+    pack(&a->v, &a->v16, N * Hkv_ * D_, false, "v16");
     // A non-FP8 o_proj keeps a pointer to its f32 input for its weight gradient.
-    pack(&a->att, &a->att16, N * C_, b.prec != v1::PRECISION_FP8);
+    pack(&a->att, &a->att16, N * C_, b.prec != v1::PRECISION_FP8, "att16");
   }
-  a->h = DevBuf(be_, N * C_ * 4);  // (N, C)
+  a->h = DevBuf(be_, N * C_ * 4, Keep(b, train, "h"));  // (N, C)
   be_->Add(a->x_in.f32(), o.f32(), a->h.f32(), N * C_);
   o.Reset();
 }
@@ -249,12 +268,15 @@ LlamaModel::Qkv LlamaModel::QkvForward(Block& b, int64_t B, bool train,
   const int64_t nq = H_ * D_, nk = Hkv_ * D_;
   Qkv r;
   if (!b.acts16) {
-    a->q = DevBuf(be_, N * nq * 4);  // (B, T, H, D)
-    a->k = DevBuf(be_, N * nk * 4);  // (B, T, Hkv, D)
-    a->v = DevBuf(be_, N * nk * 4);  // (B, T, Hkv, D)
-    b.lq.Forward(a->n1.f32(), N, C_, nq, View(b.q), a->q.f32(), train ? &a->sq : nullptr);
-    b.lk.Forward(a->n1.f32(), N, C_, nk, View(b.k), a->k.f32(), train ? &a->sk : nullptr);
-    b.lv.Forward(a->n1.f32(), N, C_, nk, View(b.v), a->v.f32(), train ? &a->sv : nullptr);
+    a->q = DevBuf(be_, N * nq * 4, Keep(b, train, "q"));  // (B, T, H, D)
+    a->k = DevBuf(be_, N * nk * 4, Keep(b, train, "k"));  // (B, T, Hkv, D)
+    a->v = DevBuf(be_, N * nk * 4, Keep(b, train, "v"));  // (B, T, Hkv, D)
+    b.lq.Forward(a->n1.f32(), N, C_, nq, View(b.q), a->q.f32(), train ? &a->sq : nullptr,
+                 Keep(b, train, "q_proj.x8"));
+    b.lk.Forward(a->n1.f32(), N, C_, nk, View(b.k), a->k.f32(), train ? &a->sk : nullptr,
+                 Keep(b, train, "k_proj.x8"));
+    b.lv.Forward(a->n1.f32(), N, C_, nk, View(b.v), a->v.f32(), train ? &a->sv : nullptr,
+                 Keep(b, train, "v_proj.x8"));
     // A non-FP8 linear keeps a pointer to its f32 input for its weight gradient.
     if (b.prec == v1::PRECISION_FP8 || !train) a->n1.Reset();
     be_->RopeForward(a->q.f32(), B, T_, H_, D_, theta_);
@@ -266,7 +288,7 @@ LlamaModel::Qkv LlamaModel::QkvForward(Block& b, int64_t B, bool train,
   }
   if (b.fused_qkv) {  // one GEMM: [q | k | v] (N, nq + 2 nk) = n1 · [Wq ; Wk ; Wv]ᵀ
     r.q_ld = r.kv_ld = nq + 2 * nk;
-    a->qkv16 = DevBuf(be_, N * r.q_ld * 2);
+    a->qkv16 = DevBuf(be_, N * r.q_ld * 2, Keep(b, train, "qkv16"));
     b.lq.ForwardFp8(in1, N, C_, r.q_ld, View(b.q), LinearOutput::Bf16(a->qkv16.u16()),
                     train ? &a->sq : nullptr);
     if (train) a->sk = a->sv = a->sq;
@@ -279,9 +301,9 @@ LlamaModel::Qkv LlamaModel::QkvForward(Block& b, int64_t B, bool train,
   }
   r.q_ld = nq;
   r.kv_ld = nk;
-  a->q16 = DevBuf(be_, N * nq * 2);  // (B, T, H, D) bf16
-  a->k16 = DevBuf(be_, N * nk * 2);  // (B, T, Hkv, D) bf16
-  a->v16 = DevBuf(be_, N * nk * 2);  // (B, T, Hkv, D) bf16
+  a->q16 = DevBuf(be_, N * nq * 2, Keep(b, train, "q16"));  // (B, T, H, D) bf16
+  a->k16 = DevBuf(be_, N * nk * 2, Keep(b, train, "k16"));  // (B, T, Hkv, D) bf16
+  a->v16 = DevBuf(be_, N * nk * 2, Keep(b, train, "v16"));  // (B, T, Hkv, D) bf16
   b.lq.ForwardFp8(in1, N, C_, nq, View(b.q), LinearOutput::Bf16(a->q16.u16()),
                   train ? &a->sq : nullptr);
   b.lk.ForwardFp8(in1, N, C_, nk, View(b.k), LinearOutput::Bf16(a->k16.u16()),
@@ -303,19 +325,20 @@ LlamaModel::Qkv LlamaModel::QkvForward(Block& b, int64_t B, bool train,
 // N * F codes.
 DevBuf LlamaModel::MlpForward(Block& b, int64_t B, bool train, BlockActs* a) {
   const int64_t N = B * T_;
-  if (!b.acts16) a->n2 = DevBuf(be_, N * C_ * 4);  // (N, C)
-  a->rstd2 = DevBuf(be_, N * 4);                   // (N)
+  if (!b.acts16) a->n2 = DevBuf(be_, N * C_ * 4, Keep(b, train, "n2"));  // (N, C)
+  a->rstd2 = DevBuf(be_, N * 4, Keep(b, train, "rstd2"));                  // (N)
   std::shared_ptr<Fp8Input> in2;
   if (b.acts16) {
     in2 = b.lgate.NormCastInput(a->h.f32(), p_->W(b.post_norm), eps_, N, C_, a->rstd2.f32(),
-                                {&b.lup});
+                                {&b.lup}, Keep(b, train, "gate_up.x8"));
   } else {
     be_->RmsNormForward(a->h.f32(), p_->W(b.post_norm), eps_, N, C_, a->n2.f32(), a->rstd2.f32());
   }
   const GateUp gu = GateUpForward(b, N, train, in2, a);
   in2.reset();
   if (b.acts16) {
-    std::shared_ptr<Fp8Input> in_act = b.ldown.CastSwiglu(gu.gate.h(), gu.up.h(), N, F_, gu.ld);
+    std::shared_ptr<Fp8Input> in_act =
+        b.ldown.CastSwiglu(gu.gate.h(), gu.up.h(), N, F_, gu.ld, Keep(b, train, "down_proj.x8"));
     if (!train) {
       a->gate16.Reset();
       a->up16.Reset();
@@ -329,20 +352,21 @@ DevBuf LlamaModel::MlpForward(Block& b, int64_t B, bool train, BlockActs* a) {
     return out;
   }
   const bool keep_f32_inputs = b.prec != v1::PRECISION_FP8;
-  a->act = DevBuf(be_, N * F_ * 4);  // (N, F)
+  a->act = DevBuf(be_, N * F_ * 4, Keep(b, train, "act"));  // (N, F)
   be_->SwigluForward(gu.gate, gu.up, 1, N * F_, 0, a->act.f32());
   if (train && !keep_f32_inputs) {
     // FP8 linears keep the SwiGLU inputs in bf16 for the backward: 8 significant bits where the
     // GEMM that made them multiplied 4-bit E4M3 operands; half the memory of f32.
-    a->gate16 = DevBuf(be_, N * F_ * 2);
-    a->up16 = DevBuf(be_, N * F_ * 2);
+    a->gate16 = DevBuf(be_, N * F_ * 2, Keep(b, train, "gate16"));
+    a->up16 = DevBuf(be_, N * F_ * 2, Keep(b, train, "up16"));
     be_->PackBf16(a->gate.f32(), a->gate16.u16(), N * F_);
     be_->PackBf16(a->up.f32(), a->up16.u16(), N * F_);
     a->gate.Reset();
     a->up.Reset();
   }
   DevBuf mlp(be_, N * C_ * 4);  // (N, C)
-  b.ldown.Forward(a->act.f32(), N, F_, C_, View(b.down), mlp.f32(), train ? &a->sdown : nullptr);
+  b.ldown.Forward(a->act.f32(), N, F_, C_, View(b.down), mlp.f32(), train ? &a->sdown : nullptr,
+                  Keep(b, train, "down_proj.x8"));
   if (!keep_f32_inputs || !train) a->act.Reset();
   DevBuf out(be_, N * C_ * 4);  // (N, C)
   be_->Add(a->h.f32(), mlp.f32(), out.f32(), N * C_);
@@ -356,11 +380,12 @@ LlamaModel::GateUp LlamaModel::GateUpForward(Block& b, int64_t N, bool train,
                                              const std::shared_ptr<Fp8Input>& in2, BlockActs* a) {
   GateUp r;
   if (!b.acts16) {
-    a->gate = DevBuf(be_, N * F_ * 4);  // (N, F)
-    a->up = DevBuf(be_, N * F_ * 4);    // (N, F)
+    a->gate = DevBuf(be_, N * F_ * 4, Keep(b, train, "gate"));  // (N, F)
+    a->up = DevBuf(be_, N * F_ * 4, Keep(b, train, "up"));      // (N, F)
     b.lgate.Forward(a->n2.f32(), N, C_, F_, View(b.gate), a->gate.f32(),
-                    train ? &a->sgate : nullptr);
-    b.lup.Forward(a->n2.f32(), N, C_, F_, View(b.up), a->up.f32(), train ? &a->sup : nullptr);
+                    train ? &a->sgate : nullptr, Keep(b, train, "gate_proj.x8"));
+    b.lup.Forward(a->n2.f32(), N, C_, F_, View(b.up), a->up.f32(), train ? &a->sup : nullptr,
+                  Keep(b, train, "up_proj.x8"));
     if (b.prec == v1::PRECISION_FP8 || !train) a->n2.Reset();
     r.gate = a->gate.f32();
     r.up = a->up.f32();
@@ -368,7 +393,7 @@ LlamaModel::GateUp LlamaModel::GateUpForward(Block& b, int64_t N, bool train,
     return r;
   }
   if (MlpFused(b)) {  // one GEMM: [gate | up] (N, 2F) = n2 · [Wgate ; Wup]ᵀ (adjacent weights)
-    a->gu16 = DevBuf(be_, N * 2 * F_ * 2);
+    a->gu16 = DevBuf(be_, N * 2 * F_ * 2, Keep(b, train, "gate_up16"));
     b.lgate.ForwardFp8(in2, N, C_, 2 * F_, View(b.gate), LinearOutput::Bf16(a->gu16.u16()),
                        train ? &a->sgate : nullptr);
     if (train) a->sup = a->sgate;
@@ -377,8 +402,8 @@ LlamaModel::GateUp LlamaModel::GateUpForward(Block& b, int64_t N, bool train,
     r.ld = 2 * F_;
     return r;
   }
-  a->gate16 = DevBuf(be_, N * F_ * 2);  // (N, F) bf16
-  a->up16 = DevBuf(be_, N * F_ * 2);    // (N, F) bf16
+  a->gate16 = DevBuf(be_, N * F_ * 2, Keep(b, train, "gate16"));  // (N, F) bf16
+  a->up16 = DevBuf(be_, N * F_ * 2, Keep(b, train, "up16"));      // (N, F) bf16
   b.lgate.ForwardFp8(in2, N, C_, F_, View(b.gate), LinearOutput::Bf16(a->gate16.u16()),
                      train ? &a->sgate : nullptr);
   b.lup.ForwardFp8(in2, N, C_, F_, View(b.up), LinearOutput::Bf16(a->up16.u16()),
@@ -666,12 +691,12 @@ void LlamaModel::HeadBf16Compute(const float* nf, const int32_t* targets, int64_
   // W (V, C) and nf (N, C) in bf16 once: the GEMMs read the operands the BF16 head rounds to.
   DevBuf w16_packed;
   const uint16_t* w16 = HeadWeightBf16(&w16_packed);
-  DevBuf nf16(be_, N * C_ * 2);
+  DevBuf nf16(be_, N * C_ * 2, MemoryLabel::kLogits);
   be_->PackBf16(nf, nf16.u16(), N * C_);
   if (dnf == nullptr) {  // evaluation: the losses only
     for (int64_t r0 = 0; r0 < N; r0 += rows) {
       const int64_t n = std::min(rows, N - r0);
-      DevBuf logits(be_, n * V_ * 4);
+      DevBuf logits(be_, n * V_ * 4, MemoryLabel::kLogits);
       be_->Gemm(false, true, n, V_, C_, nf16.u16() + r0 * C_, w16, logits.f32(), false,
                 GemmInputs::kBF16);
       be_->CrossEntropyForwardBackward(logits.f32(), targets + r0, n, V_, 0.0f, losses + r0);
@@ -680,11 +705,11 @@ void LlamaModel::HeadBf16Compute(const float* nf, const int32_t* targets, int64_
   }
   // The bf16 cross-entropy gradient g (N, V) of every row is kept, so the weight gradient is one
   // GEMM over all N rows: a GEMM per chunk would read and write the f32 dW (V, C) once per chunk.
-  DevBuf g16(be_, N * V_ * 2);
+  DevBuf g16(be_, N * V_ * 2, MemoryLabel::kLogits);
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t n = std::min(rows, N - r0);
     uint16_t* g = g16.u16() + r0 * V_;
-    DevBuf logits(be_, n * V_ * 4);
+    DevBuf logits(be_, n * V_ * 4, MemoryLabel::kLogits);
     be_->Gemm(false, true, n, V_, C_, nf16.u16() + r0 * C_, w16, logits.f32(), false,
               GemmInputs::kBF16);
     be_->CrossEntropyForwardBackward(logits.f32(), targets + r0, n, V_, grad_scale, losses + r0, g);
@@ -738,6 +763,9 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
                              float grad_scale, float* losses, bool backward) {
   const int64_t N = B * T_;
   const int L = static_cast<int>(blocks_.size());
+  // The step's transients are workspaces; what the plan names otherwise is labelled where it is
+  // allocated (saved activations, logits; FsdpParams' buffers).
+  const MemoryLabelScope work(&be_->account(), MemoryLabel::kWork);
   DevBuf x;  // (N, C) f32: the residual stream
   std::vector<BlockActs> acts(backward ? L : 0);
   if (absl::Status s = ForwardBlocks(tokens, B, backward, &x, &acts); !s.ok()) return s;
@@ -761,10 +789,10 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
     BeginHeadGrads();
     dnf = DevBuf(be_, N * C_ * 4);
     HeadBf16Compute(nf.f32(), targets, N, grad_scale, losses, dnf.f32());
-    forward_peak_ = std::max(forward_peak_, be_->PeakAllocatedBytes());
+    TakePeak(&forward_peak_, &forward_peak_labels_);
     be_->ResetPeak();
   } else {
-    DevBuf logits(be_, N * V_ * 4);  // (N, V)
+    DevBuf logits(be_, N * V_ * 4, MemoryLabel::kLogits);  // (N, V)
     LinearSaved sh;
     lhead_.Forward(nf.f32(), N, C_, V_, View(head_), logits.f32(), backward ? &sh : nullptr);
     be_->CrossEntropyForwardBackward(logits.f32(), targets, N, V_, backward ? grad_scale : 0.0f,
@@ -773,7 +801,7 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
       ReleaseHead();
       return absl::OkStatus();
     }
-    forward_peak_ = std::max(forward_peak_, be_->PeakAllocatedBytes());
+    TakePeak(&forward_peak_, &forward_peak_labels_);
     be_->ResetPeak();
     BeginHeadGrads();
     dnf = DevBuf(be_, N * C_ * 4);
@@ -793,6 +821,7 @@ absl::Status LlamaModel::Run(const int32_t* tokens, const int32_t* targets, int6
 
 absl::Status LlamaModel::Logits(const int32_t* tokens, int64_t B, float* logits) {
   const int64_t N = B * T_;
+  const MemoryLabelScope work(&be_->account(), MemoryLabel::kWork);
   DevBuf x;
   std::vector<BlockActs> none;
   if (absl::Status s = ForwardBlocks(tokens, B, false, &x, &none); !s.ok()) return s;
@@ -832,7 +861,7 @@ absl::Status LlamaModel::ForwardBlocks(const int32_t* tokens, int64_t B, bool ba
     if (absl::Status s = p_->Prefetch(BlockUnit(l + 1)); !s.ok()) return s;
     BlockActs* a = backward ? &(*acts)[l] : nullptr;
     if (recompute) {  // keep only the block input
-      a->x_in = DevBuf(be_, N * C_ * 4);
+      a->x_in = DevBuf(be_, N * C_ * 4, MemoryLabel::kSaved);
       be_->Copy(a->x_in.get(), x->get(), N * C_ * 4);
     }
     absl::Status s = BlockForward(l, B, x, recompute ? nullptr : a);
@@ -859,6 +888,7 @@ absl::Status LlamaModel::BackwardBlocks(const int32_t* tokens, int64_t B,
       // The same weights and FP8 scales as the forward: the activations come out bit-identical
       // (re-recording their amax changes no maximum).
       DevBuf xin = std::move(a.x_in);
+      xin.Relabel(MemoryLabel::kWork);  // the recomputed block's input
       if (absl::Status s = BlockForward(l, B, &xin, &a); !s.ok()) return s;
     }
     p_->BeginGrads(unit);
@@ -872,7 +902,7 @@ absl::Status LlamaModel::BackwardBlocks(const int32_t* tokens, int64_t B,
   be_->EmbeddingBackward(tokens, N, dx->f32(), C_, p_->G(embed_));
   if (absl::Status s = p_->ReduceGrads(embedding_unit_); !s.ok()) return s;
   p_->FlushGrads();
-  backward_peak_ = std::max(backward_peak_, be_->PeakAllocatedBytes());
+  TakePeak(&backward_peak_, &backward_peak_labels_);
   be_->ResetPeak();
   return absl::OkStatus();
 }

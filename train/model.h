@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -73,6 +74,11 @@ class LlamaModel {
     forward_peak_ = backward_peak_ = 0;
     return r;
   }
+  // The backend's bytes per memory label at those peaks (AllocationAccount::AtPeak), reset with
+  // them; call before TakePhasePeaks.
+  std::pair<LabelBytes, LabelBytes> PhasePeakLabels() const {
+    return {forward_peak_labels_, backward_peak_labels_};
+  }
 
  private:
   struct Block {
@@ -87,8 +93,14 @@ class LlamaModel {
     // FP8 linears with BF16 attention: the activations between the GEMMs that feed only an FP8
     // cast or the attention (q, k, v, att, gate, up and their gradients) are bf16.
     bool acts16 = false;
+    // The names of what the step plan keeps from this block's forward for its backward
+    // (BlockPlan::saved without recompute): their allocations are labelled saved activations.
+    std::vector<std::string> saved;
   };
   struct BlockActs;
+  // The memory label of block b's tensor `name` (a PlannedTensor name): saved activations when a
+  // training forward without recompute keeps it (Block::saved), else workspaces.
+  MemoryLabel Keep(const Block& b, bool train, const char* name) const;
   WeightView View(const TensorRef& t) const;
   // Whether block b's gate/up run fused this step (b.fused_mlp, and every scale involved known
   // without measuring: delayed scaling with history, gate's and up's grad-output scales equal):
@@ -132,7 +144,7 @@ class LlamaModel {
   void AttentionBackward(Block& b, int64_t B, BlockActs* a, const DevBuf& dh, DevBuf* dout);
   // training.saved_norm_inputs BF16 in a block with bf16 activations: *x16 (n) bf16 = *x (n f32),
   // which is freed. Else nothing.
-  void KeepNormInput(const Block& b, DevBuf* x, DevBuf* x16, int64_t n);
+  void KeepNormInput(const Block& b, DevBuf* x, DevBuf* x16, int64_t n, const char* name);
   // The f32 values a norm's backward reads of a kept norm input: x itself, or x16 unpacked into
   // *tmp (n f32).
   const float* NormInput(const DevBuf& x, const DevBuf& x16, int64_t n, DevBuf* tmp);
@@ -197,6 +209,9 @@ class LlamaModel {
   // ModelOptions::head_chunk_logit_bytes.
   int64_t head_chunk_bytes_ = kDefaultHeadChunkLogitBytes;
   int64_t forward_peak_ = 0, backward_peak_ = 0;
+  LabelBytes forward_peak_labels_{}, backward_peak_labels_{};
+  // Takes the backend's peak since its last reset into *peak (and its labels) when larger.
+  void TakePeak(int64_t* peak, LabelBytes* labels);
   TensorRef embed_, final_norm_, head_;
   Linear lhead_;
   std::vector<Block> blocks_;

@@ -116,6 +116,7 @@ absl::StatusOr<double> Trainer::RunBatch(
       1.0f / static_cast<float>(static_cast<int64_t>(spec_.training().global_batch()) * T);
   std::vector<int32_t> in(n), tg(n);
   std::vector<float> host_losses(static_cast<size_t>(local_batch_) * T);
+  const MemoryLabelScope batch(&be_->account(), MemoryLabel::kBatch);
   DevBuf d_in(be_, n * 4), d_tg(be_, n * 4);
   DevBuf losses(be_, host_losses.size() * sizeof(float));
   for (int mb = 0; mb < microbatches_; ++mb) {
@@ -152,7 +153,7 @@ absl::StatusOr<double> Trainer::GlobalSum(double local) {
   float parts[2];
   parts[0] = static_cast<float>(local);
   parts[1] = static_cast<float>(local - static_cast<double>(parts[0]));
-  DevBuf d(be_, sizeof(parts));
+  DevBuf d(be_, sizeof(parts), MemoryLabel::kWork);
   be_->CopyToDevice(d.get(), parts, sizeof(parts));
   const double t0 = CommClock::Now();
   absl::Status s = comm_->AllReduce(d.f32(), 2, ReduceOp::kSum);
@@ -215,6 +216,7 @@ absl::StatusOr<std::vector<float>> Trainer::ForwardBackwardTokens(
   params_->ZeroGrads();
   scaling_->BeginStep();
   scaling_->set_recording(true);
+  const MemoryLabelScope batch(&be_->account(), MemoryLabel::kBatch);
   DevBuf d_in(be_, n * 4), d_tg(be_, n * 4), losses(be_, n * 4);
   be_->CopyToDevice(d_in.get(), tokens.data(), n * 4);
   be_->CopyToDevice(d_tg.get(), targets.data(), n * 4);
@@ -234,7 +236,7 @@ absl::StatusOr<std::vector<float>> Trainer::Logits(const std::vector<int32_t>& t
   if (!B.ok()) return B.status();
   const int64_t n = static_cast<int64_t>(tokens.size()), V = spec_.model().vocab_size();
   scaling_->set_recording(false);
-  DevBuf d_in(be_, n * 4), logits(be_, n * V * 4);
+  DevBuf d_in(be_, n * 4, MemoryLabel::kBatch), logits(be_, n * V * 4, MemoryLabel::kLogits);
   be_->CopyToDevice(d_in.get(), tokens.data(), n * 4);
   absl::Status s = model_->Logits(d_in.i32(), *B, logits.f32());
   scaling_->set_recording(true);
@@ -284,6 +286,7 @@ absl::StatusOr<StepStats> Trainer::Step(int64_t step, bool evaluate, bool report
   be_->Synchronize();
   timer_.Mark(StepTimer::kOptimizer);
   r.optimizer_peak_bytes = be_->PeakAllocatedBytes();
+  r.optimizer_peak_labels = be_->account().AtPeak();
   timer_.MaybePrint(step);
   comm_->ConsumeExposedSeconds();
   last_step_ = step;
@@ -326,8 +329,11 @@ absl::Status Trainer::StepForwardBackward(int64_t step, StepStats* r) {
   if (!loss_sum.ok()) return loss_sum.status();
   // RunBatch ended with a device synchronisation (the losses' copy to the host).
   timer_.Mark(StepTimer::kForwardBackward);
+  const auto [fwd_labels, bwd_labels] = model_->PhasePeakLabels();
   const auto [fwd_peak, bwd_peak] = model_->TakePhasePeaks();
   const int64_t fb_tail_peak = be_->PeakAllocatedBytes();  // after the last phase boundary
+  r->forward_peak_labels = fwd_labels;
+  r->backward_peak_labels = fb_tail_peak > bwd_peak ? be_->account().AtPeak() : bwd_labels;
   be_->ResetPeak();
   timer_.SetForwardBackwardComm(fb_host_comm, comm_->ConsumeExposedSeconds());
   r->loss_sum = *loss_sum;

@@ -68,6 +68,9 @@ struct StepStats {
   int64_t backward_peak_bytes = 0;
   int64_t optimizer_peak_bytes = 0;
   int64_t peak_memory_bytes = 0;
+  // The backend's bytes per memory label at each phase's peak (Backend::account(), AtPeak): each
+  // sums to that phase's peak bytes above (the CPU backends; CUDA's own workspaces are in neither).
+  LabelBytes forward_peak_labels{}, backward_peak_labels{}, optimizer_peak_labels{};
   // Trainer::ScalingReport() after the step, when the step was asked for it.
   std::optional<v1::ScalingState> scaling;
   // The step's loss on some rank or its global grad norm was not finite: the step changed no

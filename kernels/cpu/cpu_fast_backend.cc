@@ -415,6 +415,7 @@ void* CpuFastBackend::Alloc(size_t bytes) {
   sizes_[p] = bytes;
   allocated_ += static_cast<int64_t>(bytes);
   peak_ = std::max(peak_, allocated_);
+  account_.Allocated(p, static_cast<int64_t>(bytes));
   return p;
 }
 
@@ -423,6 +424,7 @@ void CpuFastBackend::Free(void* p) {
   auto it = sizes_.find(p);
   FSDP8_CHECK(it != sizes_.end());  // not from this backend's Alloc, or freed twice
   allocated_ -= static_cast<int64_t>(it->second);
+  account_.Freed(p);
   sizes_.erase(it);
   const size_t rounded = rounded_.at(p);
   if (cached_ + rounded <= kMaxCachedBytes) {

@@ -136,6 +136,7 @@ void* CpuRefBackend::Alloc(size_t bytes) {
   sizes_[p] = bytes;
   allocated_ += static_cast<int64_t>(bytes);
   peak_ = std::max(peak_, allocated_);
+  account_.Allocated(p, static_cast<int64_t>(bytes));
   return p;
 }
 
@@ -144,6 +145,7 @@ void CpuRefBackend::Free(void* p) {
   auto it = sizes_.find(p);
   FSDP8_CHECK(it != sizes_.end());  // not from this backend's Alloc, or freed twice
   allocated_ -= static_cast<int64_t>(it->second);
+  account_.Freed(p);
   sizes_.erase(it);
   std::free(p);
 }
@@ -183,6 +185,7 @@ float* CpuRefBackend::Scratch(int i, int64_t n) {
   scratch_[i] = nullptr;
   scratch_n_[i] = 0;
   const int64_t bytes = std::max<int64_t>(n, 1) * static_cast<int64_t>(sizeof(float));
+  const MemoryLabelScope work(&account_, MemoryLabel::kWork);  // the backend's own
   auto* p = static_cast<float*>(Alloc(static_cast<size_t>(bytes)));
   if (p == nullptr) throw ScratchOutOfMemory(bytes, AllocatedBytes());
   scratch_[i] = p;

@@ -53,7 +53,10 @@ class CpuRefBackend : public Backend {
   void Synchronize() override {}
   int64_t AllocatedBytes() const override { return allocated_; }
   int64_t PeakAllocatedBytes() const override { return peak_; }
-  void ResetPeak() override { peak_ = allocated_; }
+  void ResetPeak() override {
+    peak_ = allocated_;
+    account_.ResetPeak();
+  }
 
   void TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) override;
   void DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,

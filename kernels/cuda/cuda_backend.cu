@@ -101,6 +101,7 @@ void* CudaBackend::Alloc(size_t bytes) {
   sizes_[reinterpret_cast<uintptr_t>(p)] = bytes;
   allocated_ += static_cast<int64_t>(bytes);
   peak_ = std::max(peak_, allocated_ + workspace_);
+  account_.Allocated(p, static_cast<int64_t>(bytes));
   return p;
 }
 
@@ -121,6 +122,7 @@ void CudaBackend::Free(void* p) {
   // it) still reads p; later allocations reuse it only after that work.
   FSDP8_CUDA_CHECK(cudaFreeAsync(p, stream_));
   allocated_ -= static_cast<int64_t>(it->second);
+  account_.Freed(p);
   sizes_.erase(it);
 }
 

@@ -93,7 +93,10 @@ class CudaBackend final : public Backend, public CudaStreams {
   void Synchronize() override;
   int64_t AllocatedBytes() const override { return allocated_ + workspace_; }
   int64_t PeakAllocatedBytes() const override { return peak_; }
-  void ResetPeak() override { peak_ = allocated_ + workspace_; }
+  void ResetPeak() override {
+    peak_ = allocated_ + workspace_;
+    account_.ResetPeak();
+  }
 
   void TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) override;
   void DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,

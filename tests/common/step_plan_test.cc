@@ -138,10 +138,15 @@ TEST(StepPlan, WorkTablesByHand) {
   // block's end.
   EXPECT_EQ(after_mlp, 7 * 4096 + 2 * 32 * 4 + 2 * 32 * 4);
   // The BF16 head's one full chunk of 32 rows: nf16 (N, C) bf16, the bf16 logit gradient (N, V),
-  // the f32 logits (32, V); beside them x, nf, dnf (N, C) f32, rstdf (N) and the CPU GEMM's
-  // largest scratch, (rows * V + C * V) f32.
+  // the f32 logits (32, V); beside them x, nf, dnf (N, C) f32, rstdf (N) and the CPU backends'
+  // largest scratch above those tables. The candidates (kernels/backend.cc: a bf16 GEMM widens
+  // both operands to f32): the logits GEMM's nf16 rows and W, (32 * 32 + 256 * 32) f32 = 36,864
+  // bytes; the cross-entropy through f32, 32 * 256 f32 = 32,768; dnf's GEMM widens the chunk's
+  // bf16 gradient and W, (32 * 256 + 256 * 32) f32, after the chunk's f32 logits (32 * 256 f32,
+  // in head_logits) are freed: 32,768 more than head_logits; dW's GEMM over every row, (256 * 32 +
+  // 32 * 32) f32 less the freed logits: 4,096. The largest is the logits GEMM's.
   EXPECT_EQ(Bytes(p.head_logits), 32 * 32 * 2 + 32 * 256 * 2 + 32 * 256 * 4);
-  EXPECT_EQ(Bytes(p.head_work), 3 * 4096 + 32 * 4 + (32 * 256 + 32 * 256) * 4);
+  EXPECT_EQ(Bytes(p.head_work), 3 * 4096 + 32 * 4 + (32 * 32 + 256 * 32) * 4);
 
   // The fused FP8 block with BF16 attention, backward on the CPU backends: the MLP's moment
   // (dout; dact16 (N, F) and dn2 (N, C) bf16; gate_up's grad-output codes and their transpose,

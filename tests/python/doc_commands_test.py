@@ -682,11 +682,31 @@ def check_model_section(run, code, info, stdout):
     assert text.startswith("model:\n"), "not a model: section"
 
 
+# The labels of docs/memory.md's table, in its order (the --json per-phase lists).
+MEMORY_LABELS = ["parameter shards", "gradient shards", "optimizer state", "FP8 scaling state",
+                 "gathered units", "unit gradients", "saved activations", "workspaces",
+                 "logits chunks", "batch"]
+
+
 def check_plan(run, code, info, stdout):
     world = code.split("--world-size ")[1].split()[0] if "--world-size" in code else None
-    assert "memory plan of job.yaml" in stdout, "no memory plan"
+    if "--json" not in code.split():
+        assert "memory plan of job.yaml" in stdout, "no memory plan"
+        if world:
+            assert f"{world} ranks, per rank" in stdout, f"not at world size {world}"
+        return
+    plans = [json.loads(line) for line in stdout.splitlines() if line.strip()]
+    assert plans, "no JSON plan"
     if world:
-        assert f"{world} ranks, per rank" in stdout, f"not at world size {world}"
+        assert len(plans) == 1 and int(plans[0]["world_size"]) == int(world), \
+            f"not one plan at world size {world}"
+    for plan in plans:  # each phase's labels, as docs/memory.md lists them, sum to its peak
+        for phase in ("forward", "backward", "optimizer"):
+            terms = plan[f"{phase}_terms"]
+            assert [t["name"] for t in terms] == MEMORY_LABELS, f"{phase}_terms: not the labels"
+            total = sum(int(t.get("bytes", 0)) for t in terms)
+            assert total == int(plan[f"{phase}_peak_bytes"]), \
+                f"{phase}_terms sum to {total}, not {phase}_peak_bytes {plan[f'{phase}_peak_bytes']}"
 
 
 def check_submit(run, code, info, stdout):

@@ -1,0 +1,256 @@
+// The memory labels (common/memory_label.h) held against the memory plan, label by label: real
+// training steps on the CPU backends (cpu-ref and cpu), and at each phase's peak of a steady step
+// (step 2: delayed scaling has its history, the backends' scratch slots their size) the
+// backend's labelled bytes (StepStats::*_labels, from Backend::account()) must
+//   * sum to the phase's peak as the backend counts it (PeakAllocatedBytes), with no unlabelled
+//     byte: an allocation the labelling missed shows here;
+//   * equal, label by label, the memory plan's bytes for that phase (MemoryPlan::*_terms), which
+//     the plan sums from the step plan's tables without running anything: a wrong label, or a
+//     tensor the plan and the model disagree on, shows here.
+// Models: the default job's shape (data/default-job.yaml) and small models shaped as the 1b
+// preset (bench/presets/1b.yaml: head_dim 128 -> 16, ffn 2.75 d_model, vocab 16 d_model, seq =
+// d_model, FP8 linears with BF16 attention), under every precision plan (block linears FP8, BF16,
+// FP32; attention FP32, BF16; per-block overrides; FP8 under the delayed and the CURRENT
+// recipes), with and without activation recompute, BF16 AdamW moments and kept FP8 weight codes.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "common/memory_label.h"
+#include "common/memory_plan.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "tests/support/ranks.h"
+#include "tests/train/trainer_test_util.h"
+#include "train/trainer.h"
+
+namespace fsdp8 {
+namespace {
+
+using testing::TrainFile;
+
+// The default job's model (d 128, 4 layers, 4 heads, ffn 384, vocab 256, seq 256), FP8 linears,
+// global batch 2.
+v1::JobSpec DefaultModel() {
+  v1::JobSpec s;
+  s.mutable_data()->set_train_path(TrainFile());
+  s.mutable_model()->set_d_model(128);
+  s.mutable_model()->set_n_layers(4);
+  s.mutable_model()->set_n_heads(4);
+  s.mutable_model()->set_ffn_dim(384);
+  s.mutable_model()->set_vocab_size(256);
+  s.mutable_model()->set_seq_len(256);
+  s.mutable_training()->set_global_batch(2);
+  s.mutable_training()->set_steps(10);
+  s.mutable_optimizer()->set_warmup_steps(2);
+  s.set_backend("cpu");
+  return s;
+}
+
+// The 1b preset's proportions at d_model 64: 4 heads of 16, ffn 176, vocab 1024, seq 64, 2
+// layers, two microbatches of 2; FP8 linears, BF16 attention and head.
+v1::JobSpec OneBShaped() {
+  v1::JobSpec s = DefaultModel();
+  s.mutable_model()->set_d_model(64);
+  s.mutable_model()->set_n_layers(2);
+  s.mutable_model()->set_n_heads(4);
+  s.mutable_model()->set_ffn_dim(176);
+  s.mutable_model()->set_vocab_size(1024);
+  s.mutable_model()->set_seq_len(64);
+  s.mutable_training()->set_global_batch(4);
+  s.mutable_training()->set_microbatch(2);
+  s.mutable_precision()->set_attention(v1::PRECISION_BF16);
+  return s;
+}
+
+struct Phase {
+  const char* name;
+  int64_t StepStats::*peak;
+  LabelBytes StepStats::*labels;
+  std::vector<MemoryTerm> MemoryPlan::*terms;
+};
+constexpr Phase kPhases[] = {
+    {"forward", &StepStats::forward_peak_bytes, &StepStats::forward_peak_labels,
+     &MemoryPlan::forward_terms},
+    {"backward", &StepStats::backward_peak_bytes, &StepStats::backward_peak_labels,
+     &MemoryPlan::backward_terms},
+    {"optimizer", &StepStats::optimizer_peak_bytes, &StepStats::optimizer_peak_labels,
+     &MemoryPlan::optimizer_terms},
+};
+
+// The phase's labels, measured and planned, one a line: the whole moment, to read a mismatch by.
+std::string Table(const LabelBytes& measured, const std::vector<MemoryTerm>& planned) {
+  std::string out;
+  for (int l = 0; l + 1 < kNumMemoryLabels && l < static_cast<int>(planned.size()); ++l) {
+    char line[128];
+    std::snprintf(line, sizeof(line), "  %-20s measured %12lld plan %12lld\n",
+                  kMemoryLabelNames[l], static_cast<long long>(measured[l]),
+                  static_cast<long long>(planned[l].bytes));
+    out += line;
+  }
+  return out;
+}
+
+// Three steps of `spec` on `world` ranks (threads, Gloo) on `backend`; rank 0's step 2 against
+// the plan, every phase and label: a steady step (step 0 measures every scale first and runs no
+// fused GEMM, step 1 grows the backends' kept scratch to the fused GEMMs' shapes).
+void ExpectLabelsMatchPlan(const v1::JobSpec& spec, const std::string& backend, int world,
+                           const std::string& what) {
+  SCOPED_TRACE(what + " on " + backend + ", world " + std::to_string(world));
+  MemoryPlanOptions options;  // the plan of the backend that runs: cpu-ref's compositions
+  options.cpu_reference = backend == "cpu-ref";
+  const absl::StatusOr<MemoryPlan> plan = PlanMemory(spec, world, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<StepStats> steps;
+  int64_t after_init_unlabelled = -1;
+  testing::RunRanksOver(testing::Transport::kGloo, world, [&](int r, Communicator* c) {
+    std::string err;
+    BackendOptions backend_options;
+    backend_options.cpu_fill_nan = true;
+    std::unique_ptr<Backend> be = CreateBackend(backend, 0, &err, backend_options);
+    ASSERT_NE(be, nullptr) << err;
+    auto t = Trainer::Create(spec, r, world, be.get(), c);
+    ASSERT_TRUE(t.ok()) << t.status();
+    if (r == 0) {
+      // After init: every live byte labelled, the labels summing to the backend's count.
+      const LabelBytes& live = be->account().Live();
+      int64_t sum = 0;
+      for (int64_t b : live) sum += b;
+      EXPECT_EQ(sum, be->AllocatedBytes()) << "after init";
+      after_init_unlabelled = live[static_cast<int>(MemoryLabel::kUnlabelled)];
+    }
+    for (int k = 0; k < 3; ++k) {
+      absl::StatusOr<StepStats> res = (*t)->Step(k, false, false);
+      ASSERT_TRUE(res.ok()) << res.status();
+      if (r == 0) steps.push_back(*res);
+    }
+  });
+  ASSERT_EQ(steps.size(), 3u);
+  EXPECT_EQ(after_init_unlabelled, 0) << "after init";
+  const StepStats& st = steps[2];
+  for (const Phase& ph : kPhases) {
+    const LabelBytes& measured = st.*ph.labels;
+    const std::vector<MemoryTerm>& planned = (*plan).*ph.terms;
+    int64_t sum = 0;
+    for (int64_t b : measured) sum += b;
+    EXPECT_EQ(sum, st.*ph.peak) << ph.name << ": labelled bytes vs PeakAllocatedBytes";
+    EXPECT_EQ(measured[static_cast<int>(MemoryLabel::kUnlabelled)], 0)
+        << ph.name << ": unlabelled bytes";
+    ASSERT_EQ(planned.size(), static_cast<size_t>(kNumMemoryLabels - 1));
+    for (int l = 0; l + 1 < kNumMemoryLabels; ++l) {
+      EXPECT_EQ(planned[l].name, kMemoryLabelNames[l]);
+      EXPECT_EQ(measured[l], planned[l].bytes)
+          << ph.name << " peak, label \"" << kMemoryLabelNames[l] << "\": measured vs plan\n"
+          << Table(measured, planned);
+    }
+  }
+}
+
+// linears, attention, head and embedding of one precision plan.
+struct Precisions {
+  const char* name;
+  v1::Precision linears, attention;
+};
+constexpr Precisions kPrecisions[] = {
+    {"FP8 linears, f32 attention", v1::PRECISION_FP8, v1::PRECISION_FP32},
+    {"FP8 linears, BF16 attention", v1::PRECISION_FP8, v1::PRECISION_BF16},
+    {"BF16 linears, f32 attention", v1::PRECISION_BF16, v1::PRECISION_FP32},
+    {"BF16 linears, BF16 attention", v1::PRECISION_BF16, v1::PRECISION_BF16},
+    {"FP32 linears, f32 attention", v1::PRECISION_FP32, v1::PRECISION_FP32},
+    {"FP32 linears, BF16 attention", v1::PRECISION_FP32, v1::PRECISION_BF16},
+};
+
+v1::JobSpec WithPrecision(v1::JobSpec s, const Precisions& p) {
+  testing::AllPrecision(&s, p.linears);
+  s.mutable_precision()->set_attention(p.attention);
+  return s;
+}
+
+// `s` as it is, with recompute, and with BF16 moments and codes cast per gather.
+void EveryVariant(v1::JobSpec s, const std::string& backend, int world, const std::string& what) {
+  ExpectLabelsMatchPlan(s, backend, world, what);
+  s.mutable_training()->set_activation_recompute(true);
+  ExpectLabelsMatchPlan(s, backend, world, what + ", recompute");
+  s.mutable_training()->set_activation_recompute(false);
+  s.mutable_optimizer()->set_state_precision(v1::PRECISION_BF16);
+  s.mutable_precision()->mutable_fp8()->set_keep_weight_codes(false);
+  ExpectLabelsMatchPlan(s, backend, world, what + ", BF16 moments, codes cast per gather");
+}
+
+// Each precision plan (delayed scaling) in every variant.
+void EveryPrecisionAndVariant(const v1::JobSpec& base, const std::string& model, int world) {
+  for (const char* backend : {"cpu-ref", "cpu"}) {
+    for (const Precisions& p : kPrecisions) {
+      EveryVariant(WithPrecision(base, p), backend, world, model + ", " + p.name);
+    }
+  }
+}
+
+// Each precision plan with FP8 linears under the CURRENT recipe (activation and grad-output
+// scales measured before every cast: f32 copies, per-linear casts, kept scale_inv copies) in
+// every variant.
+void CurrentRecipeEveryVariant(const v1::JobSpec& base, const std::string& model, int world) {
+  for (const char* backend : {"cpu-ref", "cpu"}) {
+    for (const Precisions& p : kPrecisions) {
+      if (p.linears != v1::PRECISION_FP8) continue;
+      v1::JobSpec s = WithPrecision(base, p);
+      s.mutable_precision()->mutable_fp8()->set_recipe(v1::SCALING_RECIPE_CURRENT);
+      EveryVariant(s, backend, world, model + ", " + p.name + ", CURRENT recipe");
+    }
+  }
+}
+
+TEST(MemoryLabels, DefaultModelEveryPrecisionPlan) {
+  EveryPrecisionAndVariant(DefaultModel(), "default model", 1);
+}
+
+TEST(MemoryLabels, OneBShapedEveryPrecisionPlan) {
+  EveryPrecisionAndVariant(OneBShaped(), "1b-shaped", 1);
+}
+
+TEST(MemoryLabels, DefaultModelCurrentRecipe) {
+  CurrentRecipeEveryVariant(DefaultModel(), "default model", 1);
+}
+
+TEST(MemoryLabels, OneBShapedCurrentRecipe) {
+  CurrentRecipeEveryVariant(OneBShaped(), "1b-shaped", 1);
+}
+
+// Two ranks: gathered units, unit gradients in flight and later microbatches' parts.
+TEST(MemoryLabels, TwoRanks) {
+  for (const char* backend : {"cpu-ref", "cpu"}) {
+    ExpectLabelsMatchPlan(DefaultModel(), backend, 2, "default model");
+    v1::JobSpec s = OneBShaped();
+    ExpectLabelsMatchPlan(s, backend, 2, "1b-shaped");
+    s.mutable_training()->set_activation_recompute(true);
+    s.mutable_optimizer()->set_state_precision(v1::PRECISION_BF16);
+    s.mutable_precision()->mutable_fp8()->set_keep_weight_codes(false);
+    ExpectLabelsMatchPlan(s, backend, 2, "1b-shaped, recompute, BF16 moments, codes per gather");
+  }
+}
+
+// Per-block precision overrides (the first block BF16, the last FP32), tied embeddings, bf16
+// saved norm inputs, the CURRENT recipe.
+TEST(MemoryLabels, OverridesTiedNormInputsAndCurrentRecipe) {
+  for (const char* backend : {"cpu-ref", "cpu"}) {
+    v1::JobSpec s = OneBShaped();
+    auto* o = s.mutable_precision()->add_overrides();
+    o->set_layer(0);
+    o->set_linears(v1::PRECISION_BF16);
+    o = s.mutable_precision()->add_overrides();
+    o->set_layer(1);
+    o->set_linears(v1::PRECISION_FP32);
+    ExpectLabelsMatchPlan(s, backend, 1, "1b-shaped, overrides");
+    s = OneBShaped();
+    s.mutable_model()->set_tie_word_embeddings(true);
+    s.mutable_training()->set_saved_norm_inputs(v1::PRECISION_BF16);
+    ExpectLabelsMatchPlan(s, backend, 1, "1b-shaped, tied, bf16 norm inputs");
+    s = OneBShaped();
+    s.mutable_precision()->mutable_fp8()->set_recipe(v1::SCALING_RECIPE_CURRENT);
+    ExpectLabelsMatchPlan(s, backend, 1, "1b-shaped, CURRENT recipe");
+  }
+}
+
+}  // namespace
+}  // namespace fsdp8
