@@ -130,13 +130,14 @@ void Backend::SetDeterministic(bool on) {
   ApplySettings(settings_);
 }
 
-// ---- the reference compositions: every variant but the f32 one, which the backends run -------
+// ---- the typed ops: checks, the backend's hook, else the reference composition ----------------
 
 void Backend::CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale, Fp8Format fmt,
                       uint8_t* out, uint8_t* out_t, float* amax_out, int64_t out_ld) {
-  const uint16_t* in16 = in.h();
-  FSDP8_CHECK(in16 != nullptr) << "CastFp8: f32 input is the backend's own";
   out_ld = Ld(out_ld, cols);
+  FSDP8_CHECK(in.bf16() || out_ld == cols) << "CastFp8: f32 input takes dense codes";
+  if (TryCastFp8(in, rows, cols, scale, fmt, out, out_t, amax_out, out_ld)) return;
+  const uint16_t* in16 = in.h();
   FSDP8_CHECK(out_ld >= cols) << "CastFp8: out_ld " << out_ld << " < cols " << cols;
   const int64_t n = rows * cols;
   float* x = F32Scratch(this, n);
@@ -174,9 +175,11 @@ void Backend::GroupMax(const float* in, const int32_t* group, int64_t n, float* 
 
 void Backend::GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
                       Fp8Operand b, TypedPtr C, bool accumulate, const float* residual) {
+  FSDP8_CHECK((!C.bf16() && residual == nullptr) ||
+              (!trans_a && trans_b && !accumulate && !(C.bf16() && residual != nullptr)))
+      << "GemmFp8: bf16 C or a residual (not both) takes the TN layout, without accumulation";
+  if (TryGemmFp8(trans_a, trans_b, M, N, K, a, b, C, accumulate, residual)) return;
   if (C.bf16()) {
-    FSDP8_CHECK(!trans_a && trans_b && !accumulate && residual == nullptr)
-        << "GemmFp8: bf16 C takes the TN layout, without accumulation or residual";
     float* c = F32Scratch(this, M * N);
     GemmFp8(false, true, M, N, K, a, b, c, false);
     PackBf16(c, C.h(), M * N);
@@ -184,8 +187,6 @@ void Backend::GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
     return;
   }
   if (residual != nullptr) {
-    FSDP8_CHECK(!trans_a && trans_b && !accumulate)
-        << "GemmFp8: a residual takes the TN layout, without accumulation";
     Copy(C.f(), residual, static_cast<size_t>(M * N) * sizeof(float));
     GemmFp8(false, true, M, N, K, a, b, C, true);
     return;
@@ -208,8 +209,8 @@ void Backend::GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
 
 void Backend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
                    TypedCPtr B, float* C, bool accumulate, GemmInputs inputs) {
-  (void)inputs;
-  FSDP8_CHECK(A.bf16() && B.bf16()) << "Gemm: f32 inputs are the backend's own; bf16 takes both";
+  FSDP8_CHECK(A.bf16() == B.bf16()) << "Gemm: A and B take one dtype";
+  if (TryGemm(trans_a, trans_b, M, N, K, A, B, C, accumulate, inputs)) return;
   float* a = F32Scratch(this, M * K);
   float* b = F32Scratch(this, N * K);
   UnpackBf16(A.h(), a, M * K);
@@ -221,8 +222,9 @@ void Backend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, 
 
 void Backend::RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
                              float* y, float* rstd, const Fp8Cast& cast) {
-  FSDP8_CHECK(!cast.none() && y == nullptr && cast.out_t == nullptr && Ld(cast.ld, C) == C)
-      << "RmsNormForward: f32 y is the backend's own; FP8 takes dense codes only";
+  FSDP8_CHECK(cast.none() || (y == nullptr && cast.out_t == nullptr && Ld(cast.ld, C) == C))
+      << "RmsNormForward: FP8 takes dense codes only";
+  if (TryRmsNormForward(x, w, eps, N, C, y, rstd, cast)) return;
   float* s = F32Scratch(this, N * C);
   RmsNormForward(x, w, eps, N, C, s, rstd);
   CastFp8(s, 1, N * C, cast.scale, cast.fmt, cast.out, nullptr, cast.amax);
@@ -232,7 +234,8 @@ void Backend::RmsNormForward(const float* x, const float* w, float eps, int64_t 
 void Backend::RmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd,
                               int64_t N, int64_t C, float* dx, float* dw, const float* dres,
                               TypedCPtr dy_b, TypedCPtr dy_c) {
-  FSDP8_CHECK(dres != nullptr) << "RmsNormBackward without dres is the backend's own";
+  FSDP8_CHECK(!dy.bf16() || dres != nullptr) << "RmsNormBackward: bf16 parts need dres";
+  if (TryRmsNormBackward(dy, x, w, rstd, N, C, dx, dw, dres, dy_b, dy_c)) return;
   if (!dy.bf16()) {
     FSDP8_CHECK(dy_b.null() && dy_c.null()) << "RmsNormBackward: parts are bf16";
     RmsNormBackward(dy, x, w, rstd, N, C, dx, dw);
@@ -259,9 +262,10 @@ void Backend::RmsNormBackward(TypedCPtr dy, const float* x, const float* w, cons
 
 void Backend::RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
                           int64_t ld) {
-  uint16_t* x16 = x.h();
-  FSDP8_CHECK(x16 != nullptr) << "RopeForward: f32 x is the backend's own";
   ld = Ld(ld, H * D);
+  FSDP8_CHECK(x.bf16() || ld == H * D) << "RopeForward: f32 x is dense";
+  if (TryRopeForward(x, B, T, H, D, theta, ld)) return;
+  uint16_t* x16 = x.h();
   if (ld == H * D) {
     RopeBf16(this, x16, B, T, H, D, theta, /*backward=*/false);
     return;
@@ -274,8 +278,8 @@ void Backend::RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D
 
 void Backend::RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
                            const Fp8Cast& cast) {
+  if (TryRopeBackward(dx, B, T, H, D, theta, cast)) return;
   uint16_t* dx16 = dx.h();
-  FSDP8_CHECK(dx16 != nullptr) << "RopeBackward: f32 dx is the backend's own";
   if (cast.none()) {
     RopeBf16(this, dx16, B, T, H, D, theta, /*backward=*/true);
     return;
@@ -290,10 +294,11 @@ void Backend::RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t
 
 void Backend::AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
                                int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
-                               const AttentionOptions& opts) {
+                               const AttentionOptions& options) {
+  const AttentionOptions opts{options.bf16, Ld(options.q_ld, H * D), Ld(options.kv_ld, Hkv * D)};
+  if (TryAttentionForward(q, k, v, B, T, H, Hkv, D, out, lse, opts)) return;
   const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
   if (!q.bf16()) {  // the bf16 recipe on f32 storage
-    FSDP8_CHECK(opts.bf16) << "AttentionForward: the f32 recipe is the backend's own";
     float* qr = RoundedToBf16Copy(this, q.f(), nq);
     float* kr = RoundedToBf16Copy(this, k.f(), nk);
     float* vr = RoundedToBf16Copy(this, v.f(), nk);
@@ -306,9 +311,9 @@ void Backend::AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B,
   }
   float* buf = F32Scratch(this, 2 * nq + 2 * nk);
   float *qf = buf, *o = qf + nq, *kf = o + nq, *vf = kf + nk;
-  UnpackRows(this, q.h(), B * T, H * D, Ld(opts.q_ld, H * D), qf);
-  UnpackRows(this, k.h(), B * T, Hkv * D, Ld(opts.kv_ld, Hkv * D), kf);
-  UnpackRows(this, v.h(), B * T, Hkv * D, Ld(opts.kv_ld, Hkv * D), vf);
+  UnpackRows(this, q.h(), B * T, H * D, opts.q_ld, qf);
+  UnpackRows(this, k.h(), B * T, Hkv * D, opts.kv_ld, kf);
+  UnpackRows(this, v.h(), B * T, Hkv * D, opts.kv_ld, vf);
   AttentionForward(qf, kf, vf, B, T, H, Hkv, D, o, lse, AttentionOptions{true});
   PackBf16(o, out.h(), nq);
   Free(buf);
@@ -317,10 +322,13 @@ void Backend::AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B,
 void Backend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out,
                                 TypedCPtr dout, const float* lse, int64_t B, int64_t T, int64_t H,
                                 int64_t Hkv, int64_t D, TypedPtr dq, TypedPtr dk, TypedPtr dv,
-                                const AttentionOptions& opts) {
+                                const AttentionOptions& options) {
+  const AttentionOptions opts{options.bf16, Ld(options.q_ld, H * D), Ld(options.kv_ld, Hkv * D)};
+  FSDP8_CHECK(!q.bf16() || dout.bf16() || (opts.q_ld == H * D && opts.kv_ld == Hkv * D))
+      << "AttentionBackward: strided q, k, v take bf16 gradients";
+  if (TryAttentionBackward(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv, opts)) return;
   const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
   if (!q.bf16()) {  // the bf16 recipe on f32 storage
-    FSDP8_CHECK(opts.bf16) << "AttentionBackward: the f32 recipe is the backend's own";
     float* qr = RoundedToBf16Copy(this, q.f(), nq);
     float* kr = RoundedToBf16Copy(this, k.f(), nk);
     float* vr = RoundedToBf16Copy(this, v.f(), nk);
@@ -334,8 +342,6 @@ void Backend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr
     return;
   }
   if (!dout.bf16()) {  // saved bf16 activations, f32 gradients
-    FSDP8_CHECK(Ld(opts.q_ld, H * D) == H * D && Ld(opts.kv_ld, Hkv * D) == Hkv * D)
-        << "AttentionBackward: strided q, k, v take bf16 gradients";
     float* buf = static_cast<float*>(Alloc(static_cast<size_t>(2 * nq + 2 * nk) * sizeof(float)));
     FSDP8_CHECK(buf != nullptr) << "device out of memory";
     float *qf = buf, *o = qf + nq, *kf = o + nq, *vf = kf + nk;
@@ -349,9 +355,9 @@ void Backend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr
     return;
   }
   // everything bf16
-  uint16_t* qd = DenseRows16(this, q.h(), B * T, H * D, Ld(opts.q_ld, H * D));
-  uint16_t* kd = DenseRows16(this, k.h(), B * T, Hkv * D, Ld(opts.kv_ld, Hkv * D));
-  uint16_t* vd = DenseRows16(this, v.h(), B * T, Hkv * D, Ld(opts.kv_ld, Hkv * D));
+  uint16_t* qd = DenseRows16(this, q.h(), B * T, H * D, opts.q_ld);
+  uint16_t* kd = DenseRows16(this, k.h(), B * T, Hkv * D, opts.kv_ld);
+  uint16_t* vd = DenseRows16(this, v.h(), B * T, Hkv * D, opts.kv_ld);
   if (qd != nullptr || kd != nullptr || vd != nullptr) {
     AttentionBackward(qd ? qd : q.h(), kd ? kd : k.h(), vd ? vd : v.h(), out, dout, lse, B, T, H,
                       Hkv, D, dq, dk, dv, AttentionOptions{true, H * D, Hkv * D});
@@ -373,9 +379,11 @@ void Backend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr
 
 void Backend::SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols, int64_t in_ld,
                             float* h, const Fp8Cast& cast) {
-  FSDP8_CHECK(!cast.none() && h == nullptr && gate.bf16() && up.bf16())
-      << "SwigluForward: f32 is the backend's own; FP8 takes bf16 gate and up";
   in_ld = Ld(in_ld, cols);
+  FSDP8_CHECK(cast.none() ? in_ld == cols && h != nullptr : h == nullptr)
+      << "SwigluForward: f32 gate and up are dense; FP8 output takes h null";
+  if (TrySwigluForward(gate, up, rows, cols, in_ld, h, cast)) return;
+  FSDP8_CHECK(!cast.none() && gate.bf16() && up.bf16()) << "SwigluForward: FP8 takes bf16 gate, up";
   if (cast.out_t != nullptr) {  // the codes, then their transpose
     uint8_t* codes = cast.out;
     if (codes == nullptr) {
@@ -404,10 +412,13 @@ void Backend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t
                              const Fp8Cast& up_cast) {
   const int64_t n = rows * cols;
   in_ld = Ld(in_ld, cols);
-  FSDP8_CHECK(gate.bf16() && up.bf16()) << "SwigluBackward: f32 is the backend's own";
-  if (dgate.null() && dup.null()) {  // the gradients straight to FP8
-    FSDP8_CHECK(dh.bf16() && gate_cast.fmt == up_cast.fmt && gate_cast.ld == up_cast.ld)
-        << "SwigluBackward: FP8 gradients take bf16 dh and one format and ld";
+  const bool fp8 = dgate.null() && dup.null();  // the gradients straight to FP8
+  FSDP8_CHECK(fp8 ? dh.bf16() && gate.bf16() && gate_cast.fmt == up_cast.fmt &&
+                        gate_cast.ld == up_cast.ld
+                  : in_ld == cols)
+      << "SwigluBackward: FP8 gradients take bf16 inputs and one format and ld; others dense";
+  if (TrySwigluBackward(dh, gate, up, rows, cols, in_ld, dgate, dup, gate_cast, up_cast)) return;
+  if (fp8) {
     if (in_ld != cols) {  // dense copies of gate and up first
       uint16_t* g16 = DenseRows16(this, gate.h(), rows, cols, in_ld);
       uint16_t* u16 = DenseRows16(this, up.h(), rows, cols, in_ld);
@@ -427,7 +438,6 @@ void Backend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t
     Free(dgate16);
     return;
   }
-  FSDP8_CHECK(in_ld == cols) << "SwigluBackward: strided gate and up take FP8 gradients";
   if (!dh.bf16()) {  // bf16-saved inputs, f32 gradients
     float* buf = static_cast<float*>(Alloc(static_cast<size_t>(2 * n) * sizeof(float)));
     FSDP8_CHECK(buf != nullptr) << "device out of memory";
@@ -448,7 +458,8 @@ void Backend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t
 void Backend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
                                           int64_t V, float grad_scale, float* losses,
                                           TypedPtr dlogits) {
-  FSDP8_CHECK(dlogits.bf16()) << "CrossEntropyForwardBackward: in place is the backend's own";
+  if (TryCrossEntropy(logits, targets, N, V, grad_scale, losses, dlogits)) return;
+  FSDP8_CHECK(dlogits.bf16()) << "CrossEntropyForwardBackward: dlogits is bf16";
   float* g = F32Scratch(this, N * V);
   Copy(g, logits, static_cast<size_t>(N * V) * sizeof(float));
   CrossEntropyForwardBackward(g, targets, N, V, grad_scale, losses);
