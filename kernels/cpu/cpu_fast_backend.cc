@@ -478,8 +478,8 @@ void CpuFastBackend::TransposeBytes(const uint8_t* in, int64_t rows, int64_t col
   }
 }
 
-void CpuFastBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n,
-                                   const float* scale_inv, Fp8Format fmt) {
+void CpuFastBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
+                                   Fp8Format fmt) {
   Decode(in, n, fmt, out);
   const float si = *scale_inv;
   for (int64_t i = 0; i < n; ++i) out[i] *= si;
@@ -545,9 +545,9 @@ void CpuFastBackend::GemmF32(bool trans_a, bool trans_b, int64_t M, int64_t N, i
         trans_a ? M : K, B, trans_b ? K : N, accumulate ? 1.0f : 0.0f, C, N);
 }
 
-void CpuFastBackend::RoundToBf16(float* x, int64_t n) { RoundBf16Run(x, x, n); }
-
-void CpuFastBackend::PackBf16(const float* in, uint16_t* out, int64_t n) {
+void CpuFastBackend::RoundToBf16(float* x, int64_t n) { RoundBf16Run(x, x,
+                                 n); }  void CpuFastBackend::PackBf16(const float* in,
+                                 uint16_t* out, int64_t n) {
   PackBf16Run(in, out, n);
 }
 
@@ -582,8 +582,8 @@ void CpuFastBackend::RmsNormForwardF32(const float* x, const float* w, float eps
 }
 
 void CpuFastBackend::RmsNormBackwardF32(const float* dy, const float* x, const float* w,
-                                     const float* rstd, int64_t N, int64_t C, float* dx,
-                                     float* dw) {
+                                        const float* rstd, int64_t N, int64_t C, float* dx,
+                                        float* dw) {
   // As the reference: dx_c = r w_c dy_c - (r^3 / C) x_c sum_k dy_k w_k x_k; dw_c += dy_c x_c r.
   std::vector<float> wx(static_cast<size_t>(C));
   for (int64_t n = 0; n < N; ++n) {
@@ -649,8 +649,8 @@ void CpuFastBackend::RopeF32(float* x, int64_t B, int64_t T, int64_t H, int64_t 
 // are analytically zero and come out as the rounding of dP - delta, as on the reference.
 
 void CpuFastBackend::AttentionForwardF32(const float* q, const float* k, const float* v, int64_t B,
-                                      int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
-                                      float* lse) {
+                                         int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
+                                         float* lse) {
   FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
   if (B == 0 || T == 0 || H == 0) return;
   const int64_t group = H / Hkv, ldq = H * D, ldk = Hkv * D;
@@ -709,9 +709,9 @@ void SoftmaxGradRow(float* p, float* s, int64_t n, int64_t n_end, float lse, flo
 }  // namespace
 
 void CpuFastBackend::AttentionBackwardF32(const float* q, const float* k, const float* v,
-                                       const float* out, const float* dout, const float* lse,
-                                       int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                       float* dq, float* dk, float* dv) {
+                                          const float* out, const float* dout, const float* lse,
+                                          int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                          float* dq, float* dk, float* dv) {
   FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
   if (B == 0 || T == 0 || H == 0) return;
   const int64_t group = H / Hkv, ldq = H * D, ldk = Hkv * D;

@@ -193,7 +193,7 @@ float* CpuRefBackend::Scratch(int i, int64_t n) {
 // ---- FP8 --------------------------------------------------------------------------------------
 
 void CpuRefBackend::CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale,
-                           Fp8Format fmt, float* amax_out) {
+                              Fp8Format fmt, float* amax_out) {
   FSDP8_CHECK(n >= 0 && scale != nullptr);
   if (n == 0) return;
   FSDP8_CHECK(in != nullptr && out != nullptr);
@@ -201,8 +201,9 @@ void CpuRefBackend::CastToFp8(const float* in, uint8_t* out, int64_t n, const fl
   if (amax_out != nullptr) *amax_out = NanMax(*amax_out, AbsMax(in, n));
 }
 
-void CpuRefBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
-                                  Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) {
+void CpuRefBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t cols,
+                                     const float* scale, Fp8Format fmt, uint8_t* out,
+                                     uint8_t* out_t, float* amax_out) {
   FSDP8_CHECK(rows >= 0 && cols >= 0 && scale != nullptr);
   if (rows == 0 || cols == 0) return;
   FSDP8_CHECK(in != nullptr && out_t != nullptr);
@@ -224,7 +225,7 @@ void CpuRefBackend::TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols
 }
 
 void CpuRefBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
-                               Fp8Format fmt) {
+                                  Fp8Format fmt) {
   const float* table = Fp8DecodeTable(fmt);
   const float si = *scale_inv;
   for (int64_t i = 0; i < n; ++i) out[i] = table[in[i]] * si;
@@ -236,7 +237,7 @@ void CpuRefBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out) 
 }
 
 void CpuRefBackend::Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin,
-                                   float* scale, float* scale_inv, int64_t stride) {
+                                      float* scale, float* scale_inv, int64_t stride) {
   FSDP8_CHECK(n >= 0 && stride >= 1 && margin >= 0);
   auto usable = [](float v) { return std::isfinite(v) && v > 0.0f; };
   for (int64_t i = 0; i < n; ++i) {
@@ -255,8 +256,8 @@ void CpuRefBackend::Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_ma
 // ---- GEMMs ------------------------------------------------------------------------------------
 
 void CpuRefBackend::GemmFp8Tn(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-                         const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-                         const float* b_scale_inv, float* C, bool accumulate) {
+                              const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+                              const float* b_scale_inv, float* C, bool accumulate) {
   FSDP8_CHECK(M >= 0 && N >= 0 && K >= 0);
   if (M == 0 || N == 0) return;
   const float alpha = (*a_scale_inv) * (*b_scale_inv);
@@ -277,7 +278,8 @@ void CpuRefBackend::GemmFp8Tn(int64_t M, int64_t N, int64_t K, const uint8_t* A,
 }
 
 void CpuRefBackend::GemmF32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                            const float* A, const float* B, float* C, bool accumulate, GemmInputs inputs) {
+                            const float* A, const float* B, float* C, bool accumulate,
+                            GemmInputs inputs) {
   FSDP8_CHECK(M >= 0 && N >= 0 && K >= 0);
   if (M == 0 || N == 0) return;
   if (K == 0) {
@@ -333,8 +335,8 @@ void CpuRefBackend::Axpy(float alpha, const float* x, float* y, int64_t n) {
 
 // ---- embedding --------------------------------------------------------------------------------
 
-void CpuRefBackend::EmbeddingForward(const int32_t* tokens, int64_t N, const float* table, int64_t C,
-                                  float* out) {
+void CpuRefBackend::EmbeddingForward(const int32_t* tokens, int64_t N, const float* table,
+                                     int64_t C, float* out) {
   // out (N, C) = table (V, C) [tokens (N)]
   for (int64_t i = 0; i < N; ++i) {
     FSDP8_CHECK(tokens[i] >= 0);
@@ -342,8 +344,8 @@ void CpuRefBackend::EmbeddingForward(const int32_t* tokens, int64_t N, const flo
   }
 }
 
-void CpuRefBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const float* dout, int64_t C,
-                                   float* dtable) {
+void CpuRefBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const float* dout,
+                                      int64_t C, float* dtable) {
   // dtable (V, C) += dout (N, C) scattered by tokens, rows visited in order i = 0..N-1.
   for (int64_t i = 0; i < N; ++i) {
     FSDP8_CHECK(tokens[i] >= 0);
@@ -369,8 +371,9 @@ void CpuRefBackend::RmsNormForwardF32(const float* x, const float* w, float eps,
   }
 }
 
-void CpuRefBackend::RmsNormBackwardF32(const float* dy, const float* x, const float* w, const float* rstd,
-                                 int64_t N, int64_t C, float* dx, float* dw) {
+void CpuRefBackend::RmsNormBackwardF32(const float* dy, const float* x, const float* w,
+                                       const float* rstd, int64_t N, int64_t C, float* dx,
+                                       float* dw) {
   // y_c = x_c r w_c with r = (mean(x^2) + eps)^(-1/2), dr/dx_c = -r^3 x_c / C, so
   // dx_c = r w_c dy_c - (r^3 / C) x_c sum_k dy_k w_k x_k;   dw_c += sum_n dy_nc x_nc r_n.
   for (int64_t n = 0; n < N; ++n) {
@@ -420,7 +423,7 @@ void CpuRefBackend::RopeTables(int64_t T, int64_t D, float theta) {
 }
 
 void CpuRefBackend::RopeF32(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-                           float sign) {
+                            float sign) {
   FSDP8_CHECK(D % 2 == 0);
   RopeTables(T, D, theta);
   const int64_t half = D / 2;
@@ -446,8 +449,8 @@ void CpuRefBackend::RopeF32(float* x, int64_t B, int64_t T, int64_t H, int64_t D
 // ---- attention --------------------------------------------------------------------------------
 
 void CpuRefBackend::AttentionForwardF32(const float* q, const float* k, const float* v, int64_t B,
-                                  int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
-                                  float* lse) {
+                                        int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
+                                        float* lse) {
   FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
   if (B == 0 || T == 0 || H == 0) return;
   const int64_t group = H / Hkv;
@@ -490,10 +493,10 @@ void CpuRefBackend::AttentionForwardF32(const float* q, const float* k, const fl
   }
 }
 
-void CpuRefBackend::AttentionBackwardF32(const float* q, const float* k, const float* v, const float* out,
-                                   const float* dout, const float* lse, int64_t B, int64_t T,
-                                   int64_t H, int64_t Hkv, int64_t D, float* dq, float* dk,
-                                   float* dv) {
+void CpuRefBackend::AttentionBackwardF32(const float* q, const float* k, const float* v,
+                                         const float* out, const float* dout, const float* lse,
+                                         int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                         float* dq, float* dk, float* dv) {
   FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
   if (B == 0 || T == 0 || H == 0) return;
   const int64_t group = H / Hkv;
@@ -564,8 +567,8 @@ void CpuRefBackend::SwigluForwardF32(const float* gate, const float* up, int64_t
   for (int64_t i = 0; i < n; ++i) h[i] = gate[i] * Sigmoid(gate[i]) * up[i];
 }
 
-void CpuRefBackend::SwigluBackwardF32(const float* dh, const float* gate, const float* up, int64_t n,
-                                float* dgate, float* dup) {
+void CpuRefBackend::SwigluBackwardF32(const float* dh, const float* gate, const float* up,
+                                      int64_t n, float* dgate, float* dup) {
   // h = g s(g) u:  dh/dg = u (s + g s (1 - s)),  dh/du = g s.
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
@@ -610,8 +613,8 @@ void CpuRefBackend::SumSquares(const float* x, int64_t n, float* out) {
 }
 
 void CpuRefBackend::AdamWF32(float* p, const float* g, float* m, float* v, int64_t n, float lr,
-                       float beta1, float beta2, float eps, float weight_decay, int64_t step,
-                       float grad_scale, float* amax_out, uint16_t* p16_out) {
+                             float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                             float grad_scale, float* amax_out, uint16_t* p16_out) {
   // torch.optim.AdamW (single-tensor path): scalars in double, then the f32 tensor ops
   //   p *= 1 - lr*wd;  m.lerp_(g, 1-b1);  v = b2 v + (1-b2) g^2;
   //   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps),  bc_k = 1 - b_k^t.
@@ -706,9 +709,9 @@ bool CpuRefBackend::TryRopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H
   return true;
 }
 
-bool CpuRefBackend::TryAttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B,
-                                        int64_t T, int64_t H, int64_t Hkv, int64_t D, TypedPtr out,
-                                        float* lse, const AttentionOptions& opts) {
+bool CpuRefBackend::TryAttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
+                                        int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
+                                        const AttentionOptions& opts) {
   if (q.bf16() || opts.bf16) return false;
   AttentionForwardF32(q.f(), k.f(), v.f(), B, T, H, Hkv, D, out.f(), lse);
   return true;
