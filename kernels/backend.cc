@@ -304,9 +304,7 @@ void Backend::AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B,
     float* vr = RoundedToBf16Copy(this, v.f(), nk);
     AttentionForward(qr, kr, vr, B, T, H, Hkv, D, out.f(), lse);
     RoundToBf16(out.f(), nq);
-    Free(qr);
-    Free(kr);
-    Free(vr);
+    for (float* p : {qr, kr, vr}) Free(p);
     return;
   }
   float* buf = F32Scratch(this, 2 * nq + 2 * nk);

@@ -242,27 +242,38 @@ cudaDataType_t Fp8Type(Fp8Format f) {
   return f == Fp8Format::kE5M2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
 }
 
-// cuBLASLt's view of our TN FP8 product C (M, N) = A (M, K) · B (N, K)^T (see gemm.h): cuBLASLt A
-// is our B, its B our A; fast_accum for the forward GEMMs (SetFp8FastAccumulation); c_type and
-// accumulate as the caller needs.
-cuda::LtProblem Fp8Problem(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-                           const uint8_t* B, Fp8Format b_fmt, const void* C, bool fast_accum) {
+// Backend::Gemm's row-major C (M, N) = op(A) op(B) as cuBLASLt's column-major problem
+// D (N, M) = op(B)^T · op(A)^T (gemm.h): our B (K, N) is stored col-major (N, K), no op, and
+// (N, K) takes op T; likewise A. cuBLASLt's A is our B, its B our A, both of `type`.
+cuda::LtProblem RowMajorProblem(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                                const void* A, const void* B, const void* C, cudaDataType_t type,
+                                bool accumulate) {
   cuda::LtProblem p;
   p.m = N;
   p.n = M;
   p.k = K;
-  p.trans_a = true;
-  p.trans_b = false;
-  p.a_type = Fp8Type(b_fmt);
-  p.b_type = Fp8Type(a_fmt);
-  p.lda = K;
-  p.ldb = K;
+  p.trans_a = trans_b;
+  p.lda = trans_b ? K : N;
+  p.trans_b = trans_a;
+  p.ldb = trans_a ? M : K;
   p.ldc = N;
-  p.scaled = true;
-  p.fast_accum = fast_accum;
+  p.accumulate = accumulate;
+  p.a_type = type;
+  p.b_type = type;
   p.align_a = cuda::PointerAlignment(B);
   p.align_b = cuda::PointerAlignment(A);
   p.align_c = cuda::PointerAlignment(C);
+  return p;
+}
+
+// Our TN FP8 product C (M, N) = A (M, K) · B (N, K)^T (see gemm.h); fast_accum for the forward
+// GEMMs (SetFp8FastAccumulation); c_type and accumulate as the caller needs.
+cuda::LtProblem Fp8Problem(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+                           const uint8_t* B, Fp8Format b_fmt, const void* C, bool fast_accum) {
+  cuda::LtProblem p = RowMajorProblem(false, true, M, N, K, A, B, C, Fp8Type(b_fmt), false);
+  p.b_type = Fp8Type(a_fmt);
+  p.scaled = true;
+  p.fast_accum = fast_accum;
   return p;
 }
 }  // namespace
@@ -288,36 +299,12 @@ void CudaBackend::GemmFp8Tn(int64_t M, int64_t N, int64_t K, Fp8Operand a, Fp8Op
   cuda::LaunchScaleAccumulate(tmp, a.scale_inv, b.scale_inv, C, M * N, accumulate, stream_);
 }
 
-namespace {
-// Backend::Gemm's row-major C (M, N) = op(A) op(B) as cuBLASLt's column-major problem
-// D (N, M) = op(B)^T · op(A)^T (gemm.h): our B (K, N) is stored col-major (N, K), no op, and
-// (N, K) takes op T; likewise A. Types and operand alignments are the caller's.
-cuda::LtProblem RowMajorProblem(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                                const float* C, bool accumulate) {
-  cuda::LtProblem p;
-  p.m = N;
-  p.n = M;
-  p.k = K;
-  p.trans_a = trans_b;
-  p.lda = trans_b ? K : N;
-  p.trans_b = trans_a;
-  p.ldb = trans_a ? M : K;
-  p.ldc = N;
-  p.accumulate = accumulate;
-  p.align_c = cuda::PointerAlignment(C);
-  return p;
-}
-}  // namespace
-
 bool CudaBackend::GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
                            const uint16_t* A16, const uint16_t* B16, float* C, bool accumulate) {
   const auto op = Op("GemmBf16", M, N, K);
   if (EmptyGemm(M, N, K, C, accumulate)) return true;
-  cuda::LtProblem p = RowMajorProblem(trans_a, trans_b, M, N, K, C, accumulate);
-  p.a_type = CUDA_R_16BF;
-  p.b_type = CUDA_R_16BF;
-  p.align_a = cuda::PointerAlignment(B16);
-  p.align_b = cuda::PointerAlignment(A16);
+  const cuda::LtProblem p =
+      RowMajorProblem(trans_a, trans_b, M, N, K, A16, B16, C, CUDA_R_16BF, accumulate);
   // false: no bf16 algorithm for this shape (the reference: the same values in f32, exactly).
   return lt_->Run(p, B16, A16, C, nullptr, nullptr);
 }
@@ -336,11 +323,8 @@ void CudaBackend::GemmF32(bool trans_a, bool trans_b, int64_t M, int64_t N, int6
     Gemm(trans_a, trans_b, M, N, K, a16, b16, C, accumulate, GemmInputs::kBF16);
     return;
   }
-  cuda::LtProblem p = RowMajorProblem(trans_a, trans_b, M, N, K, C, accumulate);
-  p.a_type = CUDA_R_32F;
-  p.b_type = CUDA_R_32F;
-  p.align_a = cuda::PointerAlignment(B);
-  p.align_b = cuda::PointerAlignment(A);
+  const cuda::LtProblem p =
+      RowMajorProblem(trans_a, trans_b, M, N, K, A, B, C, CUDA_R_32F, accumulate);
   const bool ok = lt_->Run(p, B, A, C, nullptr, nullptr);
   FSDP8_CHECK(ok) << "cuBLASLt has no f32 algorithm for this GEMM";
 }
