@@ -25,7 +25,6 @@
 namespace fsdp8 {
 namespace {
 
-constexpr size_t kAlignment = 64;
 constexpr int64_t kAttnBlock = 64;  // query rows per block, as the reference
 
 // C (M, N) = alpha * op(A) * op(B) + beta * C, row major, through oneDNN's sgemm: its JIT kernels
@@ -396,42 +395,22 @@ CpuFastBackend::~CpuFastBackend() {
 
 // ---- memory -----------------------------------------------------------------------------------
 
-void* CpuFastBackend::Alloc(size_t bytes) {
-  const size_t rounded =
-      std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
-  if (limit_ > 0 && allocated_ + static_cast<int64_t>(bytes) > limit_) return nullptr;
-  void* p = nullptr;
+void* CpuFastBackend::TakeBlock(size_t rounded) {
   auto it = free_.find(rounded);
-  if (it != free_.end() && !it->second.empty()) {
-    p = it->second.back();
-    it->second.pop_back();
-    cached_ -= rounded;
-  } else {
-    p = std::aligned_alloc(kAlignment, rounded);
-    if (p == nullptr) return nullptr;  // host out of memory: the caller reports it (backend.h)
-    rounded_[p] = rounded;
-  }
-  if (fill_nan_) std::memset(p, 0xFF, rounded);
-  sizes_[p] = bytes;
-  allocated_ += static_cast<int64_t>(bytes);
-  peak_ = std::max(peak_, allocated_);
+  if (it == free_.end() || it->second.empty()) return CpuRefBackend::TakeBlock(rounded);
+  void* p = it->second.back();
+  it->second.pop_back();
+  cached_ -= rounded;
   return p;
 }
 
-void CpuFastBackend::Free(void* p) {
-  if (p == nullptr) return;
-  auto it = sizes_.find(p);
-  FSDP8_CHECK(it != sizes_.end());  // not from this backend's Alloc, or freed twice
-  allocated_ -= static_cast<int64_t>(it->second);
-  sizes_.erase(it);
-  const size_t rounded = rounded_.at(p);
-  if (cached_ + rounded <= kMaxCachedBytes) {
-    free_[rounded].push_back(p);
-    cached_ += rounded;
-  } else {
-    rounded_.erase(p);
-    std::free(p);
+void CpuFastBackend::GiveBlock(void* p, size_t rounded) {
+  if (cached_ + rounded > kMaxCachedBytes) {
+    CpuRefBackend::GiveBlock(p, rounded);
+    return;
   }
+  free_[rounded].push_back(p);
+  cached_ += rounded;
 }
 
 // ---- FP8 --------------------------------------------------------------------------------------

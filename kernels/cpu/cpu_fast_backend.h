@@ -47,9 +47,6 @@ class CpuFastBackend final : public CpuRefBackend {
 
   std::string Name() const override { return "cpu"; }
 
-  void* Alloc(size_t bytes) override;
-  void Free(void* p) override;
-
   void TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) override;
   void DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
                      Fp8Format fmt) override;
@@ -67,6 +64,9 @@ class CpuFastBackend final : public CpuRefBackend {
              float* amax_out, uint16_t* p16_out) override;
 
  protected:
+  // Freed blocks are kept by size for reuse, up to kMaxCachedBytes in all.
+  void* TakeBlock(size_t rounded) override;
+  void GiveBlock(void* p, size_t rounded) override;
   // The reference's hooks (cpu_ref_backend.h) run every layout of GemmFp8, RMSNorm + FP8 cast in
   // one pass and the SwiGLU backward on bf16-saved inputs with f32 gradients; the f32 kernels are
   // this backend's.
@@ -104,7 +104,6 @@ class CpuFastBackend final : public CpuRefBackend {
   static constexpr size_t kMaxCachedBytes = size_t{1} << 30;
   // Freed blocks by rounded size, reused by Alloc; cached_ bytes in total.
   std::unordered_map<size_t, std::vector<void*>> free_;
-  std::unordered_map<void*, size_t> rounded_;  // live and cached blocks: their rounded size
   size_t cached_ = 0;
 };
 

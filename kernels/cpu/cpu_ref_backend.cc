@@ -20,6 +20,10 @@ namespace fsdp8 {
 namespace {
 
 constexpr size_t kAlignment = 64;
+// The size of the host block behind an allocation of `bytes`: whole kAlignment units, at least one.
+size_t Rounded(size_t bytes) {
+  return std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+}
 // Rows per block in the attention kernels: the causal structure lets a row block [i0, i1) touch
 // only keys [0, i1), which skips about 3/8 of the T x T work at T = 256.
 constexpr int64_t kAttnBlock = 64;
@@ -126,11 +130,13 @@ CpuRefBackend::~CpuRefBackend() {
 
 // ---- memory ---------------------------------------------------------------------------------
 
+void* CpuRefBackend::TakeBlock(size_t rounded) { return std::aligned_alloc(kAlignment, rounded); }
+void CpuRefBackend::GiveBlock(void* p, size_t /*rounded*/) { std::free(p); }
+
 void* CpuRefBackend::Alloc(size_t bytes) {
-  const size_t rounded =
-      std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  const size_t rounded = Rounded(bytes);
   if (limit_ > 0 && allocated_ + static_cast<int64_t>(bytes) > limit_) return nullptr;
-  void* p = std::aligned_alloc(kAlignment, rounded);
+  void* p = TakeBlock(rounded);
   if (p == nullptr) return nullptr;  // host out of memory: the caller reports it (backend.h)
   if (fill_nan_) std::memset(p, 0xFF, rounded);
   sizes_[p] = bytes;
@@ -144,8 +150,9 @@ void CpuRefBackend::Free(void* p) {
   auto it = sizes_.find(p);
   FSDP8_CHECK(it != sizes_.end());  // not from this backend's Alloc, or freed twice
   allocated_ -= static_cast<int64_t>(it->second);
+  const size_t rounded = Rounded(it->second);
   sizes_.erase(it);
-  std::free(p);
+  GiveBlock(p, rounded);
 }
 
 void CpuRefBackend::CopyToDevice(void* dst, const void* host_src, size_t bytes) {

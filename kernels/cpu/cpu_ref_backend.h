@@ -140,6 +140,11 @@ class CpuRefBackend : public Backend {
                                  float* dgate, float* dup);
   virtual void CrossEntropyF32(float* logits, const int32_t* targets, int64_t N, int64_t V,
                                float grad_scale, float* losses);
+  // The host blocks behind Alloc and Free, of `rounded` bytes (whole 64-byte units, 64-byte
+  // aligned): taken from the C allocator and given back to it at once; the fast backend keeps
+  // freed blocks for reuse. TakeBlock returns nullptr when the host is out of memory.
+  virtual void* TakeBlock(size_t rounded);
+  virtual void GiveBlock(void* p, size_t rounded);
 
  private:
   // The FP8 GEMM in the TN layout (backend.h), f32 C.
