@@ -288,7 +288,7 @@ class ReflectionTest(unittest.TestCase):
             out.setdefault(key, []).append(r.stdout if key == "list" else json.loads(r.stdout or "{}"))
         for m in ("list", "ListWorkers", "DrainWorker", "GetShardPlan", "GetScalingState",
                   "ListJobs", "GetJob", "TriggerCheckpoint", "ListCheckpoints", "CancelJob",
-                  "SetLogLevel", "Check"):
+                  "ResumeJob", "SetLogLevel", "Check"):
             self.assertIn(m, out)
         for svc in (JOBS, ADMIN, "grpc.health.v1.Health"):
             self.assertIn(svc, out["list"][0].split())
@@ -305,6 +305,9 @@ class ReflectionTest(unittest.TestCase):
         self.assertEqual(out["GetJob"][0]["state"], "JOB_STATE_RUNNING")
         self.assertGreaterEqual(int(out["TriggerCheckpoint"][0]["step"]), 2)
         self.assertEqual(out["CancelJob"][0]["state"], "JOB_STATE_CANCELLED")
+        # Resumed from the checkpoint the first cancel saved, then cancelled without a save.
+        self.assertEqual(out["ResumeJob"][0]["state"], "JOB_STATE_PENDING")
+        self.assertEqual(out["CancelJob"][1]["state"], "JOB_STATE_CANCELLED")
         self.assertEqual(out["SetLogLevel"][0]["level"], "debug")
         self.assertEqual(out["Check"][0]["status"], "SERVING")
         # Leave the cluster as it was.
