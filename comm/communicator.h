@@ -66,15 +66,11 @@ class Communicator {
   // The default implementations run the blocking collective and return ticket 0 (Wait no-op).
   virtual absl::StatusOr<int64_t> AllGatherAsync(const void* send, void* recv,
                                                  int64_t bytes_per_rank) {
-    absl::Status s = AllGather(send, recv, bytes_per_rank);
-    if (!s.ok()) return s;
-    return 0;
+    return TicketOr(AllGather(send, recv, bytes_per_rank), 0);
   }
   virtual absl::StatusOr<int64_t> ReduceScatterSumAsync(const float* send, float* recv,
                                                         int64_t count) {
-    absl::Status s = ReduceScatterSum(send, recv, count);
-    if (!s.ok()) return s;
-    return 0;
+    return TicketOr(ReduceScatterSum(send, recv, count), 0);
   }
   virtual void Wait(int64_t ticket) { (void)ticket; }
 
@@ -94,6 +90,11 @@ class Communicator {
   const CommBytes& bytes() const { return bytes_; }
 
  protected:
+  // An async variant's result: `ticket` when the collective was accepted, else its error.
+  static absl::StatusOr<int64_t> TicketOr(const absl::Status& s, int64_t ticket) {
+    if (!s.ok()) return s;
+    return ticket;
+  }
   CommBytes bytes_;
 };
 

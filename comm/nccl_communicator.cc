@@ -217,9 +217,8 @@ class NcclCommunicator final : public Communicator {
   absl::StatusOr<int64_t> AllGatherAsync(const void* send, void* recv,
                                          int64_t bytes_per_rank) override {
     int64_t ticket = 0;
-    absl::Status s = AllGatherImpl(send, recv, bytes_per_rank, &ticket);
-    if (!s.ok()) return s;
-    return ticket;
+    const absl::Status s = AllGatherImpl(send, recv, bytes_per_rank, &ticket);
+    return TicketOr(s, ticket);
   }
 
   absl::Status ReduceScatterSum(const float* send, float* recv, int64_t count) override {
@@ -228,9 +227,8 @@ class NcclCommunicator final : public Communicator {
   absl::StatusOr<int64_t> ReduceScatterSumAsync(const float* send, float* recv,
                                                 int64_t count) override {
     int64_t ticket = 0;
-    absl::Status s = ReduceScatterImpl(send, recv, count, &ticket);
-    if (!s.ok()) return s;
-    return ticket;
+    const absl::Status s = ReduceScatterImpl(send, recv, count, &ticket);
+    return TicketOr(s, ticket);
   }
 
   absl::Status Verify() override {

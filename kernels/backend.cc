@@ -3,11 +3,11 @@
 
 #include <unistd.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <new>
+#include <utility>
 #include <vector>
 
 #include "common/check.h"
@@ -42,18 +42,18 @@ const uint16_t* TypedCPtr::h() const {
 
 namespace {
 
-// Scratch f32 buffer of n elements on `be`; std::bad_alloc when out of memory (the worker reports
-// RESOURCE_EXHAUSTED).
-float* F32Scratch(Backend* be, int64_t n) {
-  float* p = static_cast<float*>(be->Alloc(static_cast<size_t>(n > 0 ? n : 1) * sizeof(float)));
+// Scratch buffer of n elements of T (at least one) on `be`; std::bad_alloc when out of memory
+// (backend.h, Errors: the worker reports RESOURCE_EXHAUSTED).
+template <typename T>
+T* Scratch(Backend* be, int64_t n) {
+  T* p = static_cast<T*>(be->Alloc(static_cast<size_t>(n > 0 ? n : 1) * sizeof(T)));
   if (p == nullptr) throw std::bad_alloc();
   return p;
 }
 
 // A device copy of n f32 values, each rounded to the nearest bfloat16 (f32 storage).
 float* RoundedToBf16Copy(Backend* be, const float* x, int64_t n) {
-  float* c = static_cast<float*>(be->Alloc(static_cast<size_t>(n) * sizeof(float)));
-  if (c == nullptr) throw std::bad_alloc();  // out of memory: the worker reports it (backend.h)
+  float* c = Scratch<float>(be, n);
   be->Copy(c, x, static_cast<size_t>(n) * sizeof(float));
   be->RoundToBf16(c, n);
   return c;
@@ -78,8 +78,7 @@ void UnpackRows(Backend* be, const uint16_t* x16, int64_t rows, int64_t cols, in
 uint16_t* DenseRows16(Backend* be, const uint16_t* x16, int64_t rows, int64_t cols, int64_t ld) {
   if (ld == cols) return nullptr;
   CheckRowStride(ld, cols);
-  uint16_t* d = static_cast<uint16_t*>(be->Alloc(static_cast<size_t>(rows * cols + 1) * 2));
-  if (d == nullptr) throw std::bad_alloc();
+  uint16_t* d = Scratch<uint16_t>(be, rows * cols + 1);
   for (int64_t r = 0; r < rows; ++r) be->Copy(d + r * cols, x16 + r * ld, cols * sizeof(uint16_t));
   return d;
 }
@@ -88,7 +87,7 @@ uint16_t* DenseRows16(Backend* be, const uint16_t* x16, int64_t rows, int64_t co
 void RopeBf16(Backend* be, uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
               bool backward) {
   const int64_t n = B * T * H * D;
-  float* x = F32Scratch(be, n);
+  float* x = Scratch<float>(be, n);
   be->UnpackBf16(x16, x, n);
   if (backward) {
     be->RopeBackward(x, B, T, H, D, theta);
@@ -130,24 +129,24 @@ void Backend::SetDeterministic(bool on) {
   ApplySettings(settings_);
 }
 
-// ---- the reference compositions: every variant but the f32 one, which the backends run -------
+// ---- the typed ops: checks, the backend's hook, else the reference composition ----------------
 
 void Backend::CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale, Fp8Format fmt,
                       uint8_t* out, uint8_t* out_t, float* amax_out, int64_t out_ld) {
-  const uint16_t* in16 = in.h();
-  FSDP8_CHECK(in16 != nullptr) << "CastFp8: f32 input is the backend's own";
   out_ld = Ld(out_ld, cols);
+  FSDP8_CHECK(in.bf16() || out_ld == cols) << "CastFp8: f32 input takes dense codes";
+  if (TryCastFp8(in, rows, cols, scale, fmt, out, out_t, amax_out, out_ld)) return;
+  const uint16_t* in16 = in.h();
   FSDP8_CHECK(out_ld >= cols) << "CastFp8: out_ld " << out_ld << " < cols " << cols;
   const int64_t n = rows * cols;
-  float* x = F32Scratch(this, n);
+  float* x = Scratch<float>(this, n);
   UnpackBf16(in16, x, n);
   if (out_t == nullptr && out_ld == cols) {
     CastFp8(x, 1, n, scale, fmt, out, nullptr, amax_out);
   } else if (out == nullptr || out_ld == cols) {
     CastFp8(x, rows, cols, scale, fmt, out, out_t, amax_out);
   } else {  // dense codes first, then row by row into the strided matrix
-    uint8_t* dense = static_cast<uint8_t*>(Alloc(static_cast<size_t>(n > 0 ? n : 1)));
-    FSDP8_CHECK(dense != nullptr) << "device out of memory";
+    uint8_t* dense = Scratch<uint8_t>(this, n);
     CastFp8(x, rows, cols, scale, fmt, dense, out_t, amax_out);
     for (int64_t r = 0; r < rows; ++r) Copy(out + r * out_ld, dense + r * cols, cols);
     Free(dense);
@@ -174,26 +173,25 @@ void Backend::GroupMax(const float* in, const int32_t* group, int64_t n, float* 
 
 void Backend::GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
                       Fp8Operand b, TypedPtr C, bool accumulate, const float* residual) {
+  FSDP8_CHECK((!C.bf16() && residual == nullptr) ||
+              (!trans_a && trans_b && !accumulate && !(C.bf16() && residual != nullptr)))
+      << "GemmFp8: bf16 C or a residual (not both) takes the TN layout, without accumulation";
+  if (TryGemmFp8(trans_a, trans_b, M, N, K, a, b, C, accumulate, residual)) return;
   if (C.bf16()) {
-    FSDP8_CHECK(!trans_a && trans_b && !accumulate && residual == nullptr)
-        << "GemmFp8: bf16 C takes the TN layout, without accumulation or residual";
-    float* c = F32Scratch(this, M * N);
+    float* c = Scratch<float>(this, M * N);
     GemmFp8(false, true, M, N, K, a, b, c, false);
     PackBf16(c, C.h(), M * N);
     Free(c);
     return;
   }
   if (residual != nullptr) {
-    FSDP8_CHECK(!trans_a && trans_b && !accumulate)
-        << "GemmFp8: a residual takes the TN layout, without accumulation";
     Copy(C.f(), residual, static_cast<size_t>(M * N) * sizeof(float));
     GemmFp8(false, true, M, N, K, a, b, C, true);
     return;
   }
   FSDP8_CHECK(trans_a || !trans_b) << "GemmFp8: the TN layout is the backend's own";
   auto transposed = [this](const uint8_t* x, int64_t rows, int64_t cols) {
-    auto* t = static_cast<uint8_t*>(Alloc(static_cast<size_t>(std::max<int64_t>(rows * cols, 1))));
-    if (t == nullptr) throw std::bad_alloc();
+    uint8_t* t = Scratch<uint8_t>(this, rows * cols);
     TransposeBytes(x, rows, cols, t);
     return t;
   };
@@ -208,10 +206,10 @@ void Backend::GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
 
 void Backend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
                    TypedCPtr B, float* C, bool accumulate, GemmInputs inputs) {
-  (void)inputs;
-  FSDP8_CHECK(A.bf16() && B.bf16()) << "Gemm: f32 inputs are the backend's own; bf16 takes both";
-  float* a = F32Scratch(this, M * K);
-  float* b = F32Scratch(this, N * K);
+  FSDP8_CHECK(A.bf16() == B.bf16()) << "Gemm: A and B take one dtype";
+  if (TryGemm(trans_a, trans_b, M, N, K, A, B, C, accumulate, inputs)) return;
+  float* a = Scratch<float>(this, M * K);
+  float* b = Scratch<float>(this, N * K);
   UnpackBf16(A.h(), a, M * K);
   UnpackBf16(B.h(), b, N * K);
   Gemm(trans_a, trans_b, M, N, K, a, b, C, accumulate, GemmInputs::kF32);
@@ -221,9 +219,10 @@ void Backend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, 
 
 void Backend::RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
                              float* y, float* rstd, const Fp8Cast& cast) {
-  FSDP8_CHECK(!cast.none() && y == nullptr && cast.out_t == nullptr && Ld(cast.ld, C) == C)
-      << "RmsNormForward: f32 y is the backend's own; FP8 takes dense codes only";
-  float* s = F32Scratch(this, N * C);
+  FSDP8_CHECK(cast.none() || (y == nullptr && cast.out_t == nullptr && Ld(cast.ld, C) == C))
+      << "RmsNormForward: FP8 takes dense codes only";
+  if (TryRmsNormForward(x, w, eps, N, C, y, rstd, cast)) return;
+  float* s = Scratch<float>(this, N * C);
   RmsNormForward(x, w, eps, N, C, s, rstd);
   CastFp8(s, 1, N * C, cast.scale, cast.fmt, cast.out, nullptr, cast.amax);
   Free(s);
@@ -232,7 +231,8 @@ void Backend::RmsNormForward(const float* x, const float* w, float eps, int64_t 
 void Backend::RmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd,
                               int64_t N, int64_t C, float* dx, float* dw, const float* dres,
                               TypedCPtr dy_b, TypedCPtr dy_c) {
-  FSDP8_CHECK(dres != nullptr) << "RmsNormBackward without dres is the backend's own";
+  FSDP8_CHECK(!dy.bf16() || dres != nullptr) << "RmsNormBackward: bf16 parts need dres";
+  if (TryRmsNormBackward(dy, x, w, rstd, N, C, dx, dw, dres, dy_b, dy_c)) return;
   if (!dy.bf16()) {
     FSDP8_CHECK(dy_b.null() && dy_c.null()) << "RmsNormBackward: parts are bf16";
     RmsNormBackward(dy, x, w, rstd, N, C, dx, dw);
@@ -240,8 +240,7 @@ void Backend::RmsNormBackward(TypedCPtr dy, const float* x, const float* w, cons
     return;
   }
   const int64_t n = N * C;
-  float* sum = static_cast<float*>(Alloc(static_cast<size_t>(2 * (n > 0 ? n : 1)) * sizeof(float)));
-  FSDP8_CHECK(sum != nullptr) << "device out of memory";
+  float* sum = Scratch<float>(this, 2 * n);
   float* part = sum + n;
   FSDP8_CHECK(!dy_b.null() || dy_c.null()) << "RmsNormBackward: dy_c without dy_b";
   UnpackBf16(dy.h(), sum, n);
@@ -259,9 +258,10 @@ void Backend::RmsNormBackward(TypedCPtr dy, const float* x, const float* w, cons
 
 void Backend::RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
                           int64_t ld) {
-  uint16_t* x16 = x.h();
-  FSDP8_CHECK(x16 != nullptr) << "RopeForward: f32 x is the backend's own";
   ld = Ld(ld, H * D);
+  FSDP8_CHECK(x.bf16() || ld == H * D) << "RopeForward: f32 x is dense";
+  if (TryRopeForward(x, B, T, H, D, theta, ld)) return;
+  uint16_t* x16 = x.h();
   if (ld == H * D) {
     RopeBf16(this, x16, B, T, H, D, theta, /*backward=*/false);
     return;
@@ -274,14 +274,14 @@ void Backend::RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D
 
 void Backend::RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
                            const Fp8Cast& cast) {
+  if (TryRopeBackward(dx, B, T, H, D, theta, cast)) return;
   uint16_t* dx16 = dx.h();
-  FSDP8_CHECK(dx16 != nullptr) << "RopeBackward: f32 dx is the backend's own";
   if (cast.none()) {
     RopeBf16(this, dx16, B, T, H, D, theta, /*backward=*/true);
     return;
   }
   const int64_t n = B * T * H * D;
-  uint16_t* r16 = reinterpret_cast<uint16_t*>(F32Scratch(this, (n + 1) / 2));
+  uint16_t* r16 = reinterpret_cast<uint16_t*>(Scratch<float>(this, (n + 1) / 2));
   Copy(r16, dx16, static_cast<size_t>(n) * sizeof(uint16_t));
   RopeBackward(r16, B, T, H, D, theta);
   CastFp8(r16, B * T, H * D, cast.scale, cast.fmt, cast.out, cast.out_t, cast.amax, cast.ld);
@@ -290,25 +290,24 @@ void Backend::RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t
 
 void Backend::AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
                                int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
-                               const AttentionOptions& opts) {
+                               const AttentionOptions& options) {
+  const AttentionOptions opts{options.bf16, Ld(options.q_ld, H * D), Ld(options.kv_ld, Hkv * D)};
+  if (TryAttentionForward(q, k, v, B, T, H, Hkv, D, out, lse, opts)) return;
   const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
   if (!q.bf16()) {  // the bf16 recipe on f32 storage
-    FSDP8_CHECK(opts.bf16) << "AttentionForward: the f32 recipe is the backend's own";
     float* qr = RoundedToBf16Copy(this, q.f(), nq);
     float* kr = RoundedToBf16Copy(this, k.f(), nk);
     float* vr = RoundedToBf16Copy(this, v.f(), nk);
     AttentionForward(qr, kr, vr, B, T, H, Hkv, D, out.f(), lse);
     RoundToBf16(out.f(), nq);
-    Free(qr);
-    Free(kr);
-    Free(vr);
+    for (float* p : {qr, kr, vr}) Free(p);
     return;
   }
-  float* buf = F32Scratch(this, 2 * nq + 2 * nk);
+  float* buf = Scratch<float>(this, 2 * nq + 2 * nk);
   float *qf = buf, *o = qf + nq, *kf = o + nq, *vf = kf + nk;
-  UnpackRows(this, q.h(), B * T, H * D, Ld(opts.q_ld, H * D), qf);
-  UnpackRows(this, k.h(), B * T, Hkv * D, Ld(opts.kv_ld, Hkv * D), kf);
-  UnpackRows(this, v.h(), B * T, Hkv * D, Ld(opts.kv_ld, Hkv * D), vf);
+  UnpackRows(this, q.h(), B * T, H * D, opts.q_ld, qf);
+  UnpackRows(this, k.h(), B * T, Hkv * D, opts.kv_ld, kf);
+  UnpackRows(this, v.h(), B * T, Hkv * D, opts.kv_ld, vf);
   AttentionForward(qf, kf, vf, B, T, H, Hkv, D, o, lse, AttentionOptions{true});
   PackBf16(o, out.h(), nq);
   Free(buf);
@@ -317,10 +316,13 @@ void Backend::AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B,
 void Backend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out,
                                 TypedCPtr dout, const float* lse, int64_t B, int64_t T, int64_t H,
                                 int64_t Hkv, int64_t D, TypedPtr dq, TypedPtr dk, TypedPtr dv,
-                                const AttentionOptions& opts) {
+                                const AttentionOptions& options) {
+  const AttentionOptions opts{options.bf16, Ld(options.q_ld, H * D), Ld(options.kv_ld, Hkv * D)};
+  FSDP8_CHECK(!q.bf16() || dout.bf16() || (opts.q_ld == H * D && opts.kv_ld == Hkv * D))
+      << "AttentionBackward: strided q, k, v take bf16 gradients";
+  if (TryAttentionBackward(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv, opts)) return;
   const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
   if (!q.bf16()) {  // the bf16 recipe on f32 storage
-    FSDP8_CHECK(opts.bf16) << "AttentionBackward: the f32 recipe is the backend's own";
     float* qr = RoundedToBf16Copy(this, q.f(), nq);
     float* kr = RoundedToBf16Copy(this, k.f(), nk);
     float* vr = RoundedToBf16Copy(this, v.f(), nk);
@@ -334,10 +336,7 @@ void Backend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr
     return;
   }
   if (!dout.bf16()) {  // saved bf16 activations, f32 gradients
-    FSDP8_CHECK(Ld(opts.q_ld, H * D) == H * D && Ld(opts.kv_ld, Hkv * D) == Hkv * D)
-        << "AttentionBackward: strided q, k, v take bf16 gradients";
-    float* buf = static_cast<float*>(Alloc(static_cast<size_t>(2 * nq + 2 * nk) * sizeof(float)));
-    FSDP8_CHECK(buf != nullptr) << "device out of memory";
+    float* buf = Scratch<float>(this, 2 * nq + 2 * nk);
     float *qf = buf, *o = qf + nq, *kf = o + nq, *vf = kf + nk;
     UnpackBf16(q.h(), qf, nq);
     UnpackBf16(out.h(), o, nq);
@@ -349,9 +348,9 @@ void Backend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr
     return;
   }
   // everything bf16
-  uint16_t* qd = DenseRows16(this, q.h(), B * T, H * D, Ld(opts.q_ld, H * D));
-  uint16_t* kd = DenseRows16(this, k.h(), B * T, Hkv * D, Ld(opts.kv_ld, Hkv * D));
-  uint16_t* vd = DenseRows16(this, v.h(), B * T, Hkv * D, Ld(opts.kv_ld, Hkv * D));
+  uint16_t* qd = DenseRows16(this, q.h(), B * T, H * D, opts.q_ld);
+  uint16_t* kd = DenseRows16(this, k.h(), B * T, Hkv * D, opts.kv_ld);
+  uint16_t* vd = DenseRows16(this, v.h(), B * T, Hkv * D, opts.kv_ld);
   if (qd != nullptr || kd != nullptr || vd != nullptr) {
     AttentionBackward(qd ? qd : q.h(), kd ? kd : k.h(), vd ? vd : v.h(), out, dout, lse, B, T, H,
                       Hkv, D, dq, dk, dv, AttentionOptions{true, H * D, Hkv * D});
@@ -360,7 +359,7 @@ void Backend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr
     }
     return;
   }
-  float* buf = F32Scratch(this, 2 * nq + 2 * nk);
+  float* buf = Scratch<float>(this, 2 * nq + 2 * nk);
   float *dqf = buf, *dkf = dqf + nq, *dvf = dkf + nk, *doutf = dvf + nk;
   UnpackBf16(dout.h(), doutf, nq);
   AttentionBackward(q, k, v, out, doutf, lse, B, T, H, Hkv, D, dqf, dkf, dvf,
@@ -373,15 +372,14 @@ void Backend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr
 
 void Backend::SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols, int64_t in_ld,
                             float* h, const Fp8Cast& cast) {
-  FSDP8_CHECK(!cast.none() && h == nullptr && gate.bf16() && up.bf16())
-      << "SwigluForward: f32 is the backend's own; FP8 takes bf16 gate and up";
   in_ld = Ld(in_ld, cols);
+  FSDP8_CHECK(cast.none() ? in_ld == cols && h != nullptr : h == nullptr)
+      << "SwigluForward: f32 gate and up are dense; FP8 output takes h null";
+  if (TrySwigluForward(gate, up, rows, cols, in_ld, h, cast)) return;
+  FSDP8_CHECK(!cast.none() && gate.bf16() && up.bf16()) << "SwigluForward: FP8 takes bf16 gate, up";
   if (cast.out_t != nullptr) {  // the codes, then their transpose
     uint8_t* codes = cast.out;
-    if (codes == nullptr) {
-      codes = static_cast<uint8_t*>(Alloc(static_cast<size_t>(rows * cols > 0 ? rows * cols : 1)));
-      if (codes == nullptr) throw std::bad_alloc();
-    }
+    if (codes == nullptr) codes = Scratch<uint8_t>(this, rows * cols);
     Fp8Cast c = cast;
     c.out = codes;
     c.out_t = nullptr;
@@ -391,7 +389,7 @@ void Backend::SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t 
     return;
   }
   const int64_t n = rows * cols;
-  float* buf = F32Scratch(this, 3 * n);
+  float* buf = Scratch<float>(this, 3 * n);
   UnpackRows(this, gate.h(), rows, cols, in_ld, buf);
   UnpackRows(this, up.h(), rows, cols, in_ld, buf + n);
   SwigluForward(buf, buf + n, 1, n, 0, buf + 2 * n);
@@ -404,10 +402,13 @@ void Backend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t
                              const Fp8Cast& up_cast) {
   const int64_t n = rows * cols;
   in_ld = Ld(in_ld, cols);
-  FSDP8_CHECK(gate.bf16() && up.bf16()) << "SwigluBackward: f32 is the backend's own";
-  if (dgate.null() && dup.null()) {  // the gradients straight to FP8
-    FSDP8_CHECK(dh.bf16() && gate_cast.fmt == up_cast.fmt && gate_cast.ld == up_cast.ld)
-        << "SwigluBackward: FP8 gradients take bf16 dh and one format and ld";
+  const bool fp8 = dgate.null() && dup.null();  // the gradients straight to FP8
+  FSDP8_CHECK(fp8 ? dh.bf16() && gate.bf16() && gate_cast.fmt == up_cast.fmt &&
+                        gate_cast.ld == up_cast.ld
+                  : in_ld == cols)
+      << "SwigluBackward: FP8 gradients take bf16 inputs and one format and ld; others dense";
+  if (TrySwigluBackward(dh, gate, up, rows, cols, in_ld, dgate, dup, gate_cast, up_cast)) return;
+  if (fp8) {
     if (in_ld != cols) {  // dense copies of gate and up first
       uint16_t* g16 = DenseRows16(this, gate.h(), rows, cols, in_ld);
       uint16_t* u16 = DenseRows16(this, up.h(), rows, cols, in_ld);
@@ -417,7 +418,7 @@ void Backend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t
       return;
     }
     // Two bf16 gradients in one scratch buffer, the second starting 8-byte aligned.
-    uint16_t* dgate16 = reinterpret_cast<uint16_t*>(F32Scratch(this, n + 2));
+    uint16_t* dgate16 = reinterpret_cast<uint16_t*>(Scratch<float>(this, n + 2));
     uint16_t* dup16 = dgate16 + ((n + 3) & ~int64_t{3});
     SwigluBackward(dh, gate, up, 1, n, 0, dgate16, dup16);
     for (const auto& [g16, c] : {std::pair<uint16_t*, const Fp8Cast*>{dgate16, &gate_cast},
@@ -427,17 +428,15 @@ void Backend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t
     Free(dgate16);
     return;
   }
-  FSDP8_CHECK(in_ld == cols) << "SwigluBackward: strided gate and up take FP8 gradients";
   if (!dh.bf16()) {  // bf16-saved inputs, f32 gradients
-    float* buf = static_cast<float*>(Alloc(static_cast<size_t>(2 * n) * sizeof(float)));
-    FSDP8_CHECK(buf != nullptr) << "device out of memory";
+    float* buf = Scratch<float>(this, 2 * n);
     UnpackBf16(gate.h(), buf, n);
     UnpackBf16(up.h(), buf + n, n);
     SwigluBackward(dh, buf, buf + n, 1, n, 0, dgate.f(), dup.f());
     Free(buf);
     return;
   }
-  float* buf = F32Scratch(this, 3 * n);  // everything bf16
+  float* buf = Scratch<float>(this, 3 * n);  // everything bf16
   UnpackBf16(dh.h(), buf + 2 * n, n);
   SwigluBackward(buf + 2 * n, gate, up, 1, n, 0, buf, buf + n);
   PackBf16(buf, dgate.h(), n);
@@ -448,8 +447,9 @@ void Backend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t
 void Backend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
                                           int64_t V, float grad_scale, float* losses,
                                           TypedPtr dlogits) {
-  FSDP8_CHECK(dlogits.bf16()) << "CrossEntropyForwardBackward: in place is the backend's own";
-  float* g = F32Scratch(this, N * V);
+  if (TryCrossEntropy(logits, targets, N, V, grad_scale, losses, dlogits)) return;
+  FSDP8_CHECK(dlogits.bf16()) << "CrossEntropyForwardBackward: dlogits is bf16";
+  float* g = Scratch<float>(this, N * V);
   Copy(g, logits, static_cast<size_t>(N * V) * sizeof(float));
   CrossEntropyForwardBackward(g, targets, N, V, grad_scale, losses);
   PackBf16(g, dlogits.h(), N * V);

@@ -13,10 +13,12 @@
 // uint16_t*), and where its result may go straight to FP8 it takes an Fp8Cast naming the codes'
 // destination. Each op documents the combinations it accepts (others abort). Wherever an op reads
 // bf16 storage, the result is that of the f32 op on the exactly widened values (bf16 recipes: see
-// the attention ops); wherever it writes bf16, the f32 result rounded once. The base
-// implementations below are the reference compositions of those variants (widen, run the f32 op,
-// round); a backend runs the f32 case itself and may fuse the others, its result then differing
-// from the reference only as much as its f32 op does (the conformance tolerances).
+// the attention ops); wherever it writes bf16, the f32 result rounded once. These typed ops are
+// written once, here: each checks its operands, resolves row strides of 0 to dense and hands the
+// combination to the backend's hook (Try*, below), which runs the f32 case and may fuse the
+// others; a combination the backend declines runs as the reference composition (widen, run the
+// f32 op, round), its result then differing from the reference only as much as the backend's f32
+// op does (the conformance tolerances).
 //
 // Ops are enqueued on the backend's compute stream in call order; host-visible results (CopyToHost,
 // the float returned by ReduceMax etc. are *not* returned: they land in device buffers) are ready
@@ -164,9 +166,9 @@ class Backend {
   // either may be null. *amax_out = max(*amax_out, max |in|) (NaN-propagating) when not null: the
   // caller zeroes it once per step so that microbatches accumulate (C03). scale (1), amax_out (1)
   // f32 device scalars.
-  virtual void CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale, Fp8Format fmt,
-                       uint8_t* out, uint8_t* out_t = nullptr, float* amax_out = nullptr,
-                       int64_t out_ld = 0);
+  void CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale, Fp8Format fmt,
+               uint8_t* out, uint8_t* out_t = nullptr, float* amax_out = nullptr,
+               int64_t out_ld = 0);
   // out (cols, rows) = in (rows, cols)^T for one-byte elements (FP8 codes keep their scale).
   virtual void TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) = 0;
   // out[i] = decode(in[i]) * (*scale_inv).
@@ -200,8 +202,8 @@ class Backend {
   // A, B or residual): the residual add folded into the GEMM (the reference: Copy(C, residual),
   // then the GEMM accumulating). On CUDA, scale pointers that are not 16-byte aligned cost one
   // extra device copy each (cuBLASLt only takes 16-byte-aligned FP8 scale pointers).
-  virtual void GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
-                       Fp8Operand b, TypedPtr C, bool accumulate, const float* residual = nullptr);
+  void GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
+               Fp8Operand b, TypedPtr C, bool accumulate, const float* residual = nullptr);
   // True when GemmFp8 makes no transposed copies for any layout (the CPU backend, whose GEMM
   // decodes the codes for an f32 BLAS): the FP8 linears' backward then casts the grad-output once,
   // without its transpose, and leaves the inputs untransposed (train/fp8_linear.h).
@@ -226,8 +228,8 @@ class Backend {
   // trans_a, B is (K, N) or (N, K) when trans_b. A and B both f32, inputs rounded per `inputs`, or
   // both bf16 (`inputs` then changes nothing: the same result as kBF16 on the widened values). C
   // f32.
-  virtual void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
-                    TypedCPtr B, float* C, bool accumulate, GemmInputs inputs);
+  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
+            TypedCPtr B, float* C, bool accumulate, GemmInputs inputs);
   // Rounds every element to the nearest bfloat16 (ties to even), in place. x (n) f32.
   virtual void RoundToBf16(float* x, int64_t n) = 0;
   // Packs f32 to bfloat16 bit patterns (round to nearest even; NaN stays NaN) and back (exact).
@@ -252,31 +254,31 @@ class Backend {
   // x (N, C), w (C) f32; rstd (N) saved for the backward. The result goes to y (N, C) f32, or,
   // with y null, to FP8 through `cast` (out only: fp8(y * scale), amax of y; the reference:
   // RmsNormForward into a scratch y, then CastFp8).
-  virtual void RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
-                              float* y, float* rstd, const Fp8Cast& cast = {});
+  void RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                      float* y, float* rstd, const Fp8Cast& cast = {});
   // dx (N, C) = (overwrite) the gradient of x, [+ dres (N, C) f32, the residual branch's
   // gradient, when not null]; dw (C) += (accumulate, deterministic). dy (N, C) is f32, or bf16
   // parts whose f32 sum it is: dy = (dy + dy_b) + dy_c, added in that order and rounded once per
   // addition (dy_c may be null: dy + dy_b; both null: dy alone; bf16 parts need dres). The parts
   // are the dX of the FP8 linears that read the norm's output (q/k/v, gate/up), each from its own
   // GEMM with bf16 output, or one part from their fused GEMM.
-  virtual void RmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd,
-                               int64_t N, int64_t C, float* dx, float* dw,
-                               const float* dres = nullptr, TypedCPtr dy_b = nullptr,
-                               TypedCPtr dy_c = nullptr);
+  void RmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd,
+                       int64_t N, int64_t C, float* dx, float* dw,
+                       const float* dres = nullptr, TypedCPtr dy_b = nullptr,
+                       TypedCPtr dy_c = nullptr);
 
   // RoPE in HF rotate_half convention, in place on x (B, T, H, D), position = t:
   // x1 = x[..., :D/2], x2 = x[..., D/2:], out = (x1*cos - x2*sin, x2*cos + x1*sin) with
   // angle = t * theta^(-2i/D), i in [0, D/2). x f32, or bf16 (each result rounded to bf16); the
   // tokens of bf16 x are ld >= H * D elements apart (0: dense; the q or k part of the fused q/k/v
   // GEMM's (B * T, (H + 2 Hkv) * D) output), elements between them left alone.
-  virtual void RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-                           int64_t ld = 0);
+  void RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                   int64_t ld = 0);
   // The inverse rotation (angle -> -angle), in place on the gradient dx (B, T, H, D), f32 or bf16
   // (dense). With `cast` (bf16 dx only), dx is left as it was and the rotated gradient goes to FP8
   // as a (B * T, H * D) matrix (a q or k grad-output: codes, transpose and amax as Fp8Cast says).
-  virtual void RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-                            const Fp8Cast& cast = {});
+  void RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                    const Fp8Cast& cast = {});
   // Replaces the inverse frequencies of the RoPE calls whose theta equals `theta` and whose head
   // dimension is D = 2 * inv_freq.size(): they rotate by angle = f32(t) * inv_freq[i] instead of
   // t * theta^(-2i/D) (RoPE scaling such as Llama 3.1's, computed by the caller). An empty
@@ -291,17 +293,17 @@ class Backend {
   // reference of the bf16 recipe rounds copies of the inputs, calls the f32 kernel and rounds the
   // output; a fused kernel may differ from it by the rounding of the probabilities to bfloat16
   // before P·V (relative error about 2^-8 per element).
-  virtual void AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
-                                int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
-                                const AttentionOptions& opts = {});
+  void AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
+                        int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
+                        const AttentionOptions& opts = {});
   // dq (B, T, H, D), dk, dv (B, T, Hkv, D) overwritten. Storage: all f32 (opts.bf16 as in the
   // forward); q, k, v, out bf16 (the saved activations, exactly the values the bf16 recipe rounds
   // to) with dout, dq, dk, dv f32; or all bf16 (q, k, v with token strides from opts; dq, dk, dv
   // dense).
-  virtual void AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out,
-                                 TypedCPtr dout, const float* lse, int64_t B, int64_t T, int64_t H,
-                                 int64_t Hkv, int64_t D, TypedPtr dq, TypedPtr dk, TypedPtr dv,
-                                 const AttentionOptions& opts = {});
+  void AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out,
+                         TypedCPtr dout, const float* lse, int64_t B, int64_t T, int64_t H,
+                         int64_t Hkv, int64_t D, TypedPtr dq, TypedPtr dk, TypedPtr dv,
+                         const AttentionOptions& opts = {});
 
   // SwiGLU: h = silu(gate) * up, silu(x) = x * sigmoid(x), over (rows, cols) elements. gate and
   // up have row stride in_ld >= cols (0: dense). f32 gate, up give h f32 (dense). bf16 gate, up
@@ -310,8 +312,8 @@ class Backend {
   // (out_t) and amax; out_t is the transpose of the very codes out receives (a backward
   // recomputes a forward's cast this way). CUDA reads strided bf16 rows 4 elements at a time:
   // cols % 4 == 0, in_ld % 4 == 0, 8-byte aligned gate and up, 4-byte aligned out_t.
-  virtual void SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
-                             int64_t in_ld, float* h, const Fp8Cast& cast = {});
+  void SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
+                     int64_t in_ld, float* h, const Fp8Cast& cast = {});
   // dgate, dup (rows, cols) overwritten from dh (rows, cols); gate and up as in the forward (row
   // stride in_ld, 0: dense). Storage: all f32; gate, up bf16 (saved) with dh, dgate, dup f32; or
   // all bf16 (dense; dgate, dup rounded to bf16). With gate_cast and up_cast (dh, gate, up bf16;
@@ -319,9 +321,9 @@ class Backend {
   // memory (the reference: the all-bf16 backward, then CastFp8 of each); both casts take one
   // format and one ld (0: dense; 2 * cols with up's out = gate's out + cols: both in one
   // (rows, 2 * cols) matrix).
-  virtual void SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows,
-                              int64_t cols, int64_t in_ld, TypedPtr dgate, TypedPtr dup,
-                              const Fp8Cast& gate_cast = {}, const Fp8Cast& up_cast = {});
+  void SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows,
+                      int64_t cols, int64_t in_ld, TypedPtr dgate, TypedPtr dup,
+                      const Fp8Cast& gate_cast = {}, const Fp8Cast& up_cast = {});
 
   // Softmax cross-entropy over V classes, fused with its gradient.
   // logits (N, V) f32; losses (N) f32 receives -log softmax[target] in nats; targets (N) int32 in
@@ -329,9 +331,9 @@ class Backend {
   // dlogits is null, else goes to dlogits (N, V) bf16 (the logits are then left as they were: the
   // gradient of a BF16 head goes to its GEMMs once, in the precision they read it). With
   // grad_scale = 0 only losses are produced (the logits are still overwritten).
-  virtual void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
-                                           int64_t V, float grad_scale, float* losses,
-                                           TypedPtr dlogits = nullptr);
+  void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
+                                   int64_t V, float grad_scale, float* losses,
+                                   TypedPtr dlogits = nullptr);
 
   // ---- optimizer ---------------------------------------------------------------------------
   // out[0] += sum_i x[i]^2. x (n) f32, n may be 0; out (1) f32 device scalar. The sum is taken in
@@ -354,6 +356,44 @@ class Backend {
                      float grad_scale, float* amax_out, uint16_t* p16_out) = 0;
 
  protected:
+  // ---- the backends' hooks behind the typed ops ------------------------------------------------
+  // Each Try* takes its op's arguments as the op received them, checked, with the row strides
+  // out_ld, ld, in_ld, q_ld and kv_ld resolved (0 -> dense). It runs that combination of operand
+  // types and FP8 outputs on this backend and returns true, or returns false and the op runs the
+  // reference composition (backend.cc) through other combinations. Every backend runs the all-f32
+  // combination without FP8 output (Try* never declines it), where the compositions end.
+  virtual bool TryCastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale,
+                          Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
+                          int64_t out_ld) = 0;
+  virtual bool TryGemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                          Fp8Operand a, Fp8Operand b, TypedPtr C, bool accumulate,
+                          const float* residual) = 0;
+  virtual bool TryGemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
+                       TypedCPtr B, float* C, bool accumulate, GemmInputs inputs) = 0;
+  virtual bool TryRmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                                 float* y, float* rstd, const Fp8Cast& cast) = 0;
+  virtual bool TryRmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd,
+                                  int64_t N, int64_t C, float* dx, float* dw, const float* dres,
+                                  TypedCPtr dy_b, TypedCPtr dy_c) = 0;
+  virtual bool TryRopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                              int64_t ld) = 0;
+  virtual bool TryRopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D,
+                               float theta, const Fp8Cast& cast) = 0;
+  virtual bool TryAttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
+                                   int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
+                                   const AttentionOptions& opts) = 0;
+  virtual bool TryAttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out,
+                                    TypedCPtr dout, const float* lse, int64_t B, int64_t T,
+                                    int64_t H, int64_t Hkv, int64_t D, TypedPtr dq, TypedPtr dk,
+                                    TypedPtr dv, const AttentionOptions& opts) = 0;
+  virtual bool TrySwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
+                                int64_t in_ld, float* h, const Fp8Cast& cast) = 0;
+  virtual bool TrySwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows,
+                                 int64_t cols, int64_t in_ld, TypedPtr dgate, TypedPtr dup,
+                                 const Fp8Cast& gate_cast, const Fp8Cast& up_cast) = 0;
+  virtual bool TryCrossEntropy(float* logits, const int32_t* targets, int64_t N, int64_t V,
+                               float grad_scale, float* losses, TypedPtr dlogits) = 0;
+
   // Applies settings changed through the Set* calls above (all of them, every time).
   virtual void ApplySettings(const ComputeSettings& settings) { (void)settings; }
   // A backend whose GemmFp8 takes every layout as it is sets this (Fp8GemmAnyLayout).

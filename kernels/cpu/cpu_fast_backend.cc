@@ -25,7 +25,6 @@
 namespace fsdp8 {
 namespace {
 
-constexpr size_t kAlignment = 64;
 constexpr int64_t kAttnBlock = 64;  // query rows per block, as the reference
 
 // C (M, N) = alpha * op(A) * op(B) + beta * C, row major, through oneDNN's sgemm: its JIT kernels
@@ -396,44 +395,22 @@ CpuFastBackend::~CpuFastBackend() {
 
 // ---- memory -----------------------------------------------------------------------------------
 
-void* CpuFastBackend::Alloc(size_t bytes) {
-  const size_t rounded =
-      std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
-  if (limit_ > 0 && allocated_ + static_cast<int64_t>(bytes) > limit_) return nullptr;
-  void* p = nullptr;
+void* CpuFastBackend::TakeBlock(size_t rounded) {
   auto it = free_.find(rounded);
-  if (it != free_.end() && !it->second.empty()) {
-    p = it->second.back();
-    it->second.pop_back();
-    cached_ -= rounded;
-  } else {
-    p = std::aligned_alloc(kAlignment, rounded);
-    if (p == nullptr) return nullptr;  // host out of memory: the caller reports it (backend.h)
-    rounded_[p] = rounded;
-  }
-  if (fill_nan_) std::memset(p, 0xFF, rounded);
-  sizes_[p] = bytes;
-  allocated_ += static_cast<int64_t>(bytes);
-  peak_ = std::max(peak_, allocated_);
-  account_.Allocated(p, static_cast<int64_t>(bytes));
+  if (it == free_.end() || it->second.empty()) return CpuRefBackend::TakeBlock(rounded);
+  void* p = it->second.back();
+  it->second.pop_back();
+  cached_ -= rounded;
   return p;
 }
 
-void CpuFastBackend::Free(void* p) {
-  if (p == nullptr) return;
-  auto it = sizes_.find(p);
-  FSDP8_CHECK(it != sizes_.end());  // not from this backend's Alloc, or freed twice
-  allocated_ -= static_cast<int64_t>(it->second);
-  account_.Freed(p);
-  sizes_.erase(it);
-  const size_t rounded = rounded_.at(p);
-  if (cached_ + rounded <= kMaxCachedBytes) {
-    free_[rounded].push_back(p);
-    cached_ += rounded;
-  } else {
-    rounded_.erase(p);
-    std::free(p);
+void CpuFastBackend::GiveBlock(void* p, size_t rounded) {
+  if (cached_ + rounded > kMaxCachedBytes) {
+    CpuRefBackend::GiveBlock(p, rounded);
+    return;
   }
+  free_[rounded].push_back(p);
+  cached_ += rounded;
 }
 
 // ---- FP8 --------------------------------------------------------------------------------------
@@ -480,8 +457,8 @@ void CpuFastBackend::TransposeBytes(const uint8_t* in, int64_t rows, int64_t col
   }
 }
 
-void CpuFastBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n,
-                                   const float* scale_inv, Fp8Format fmt) {
+void CpuFastBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
+                                   Fp8Format fmt) {
   Decode(in, n, fmt, out);
   const float si = *scale_inv;
   for (int64_t i = 0; i < n; ++i) out[i] *= si;
@@ -504,35 +481,30 @@ void CpuFastBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out)
 // ---- GEMMs ------------------------------------------------------------------------------------
 
 
-void CpuFastBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-                             const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-                             const float* b_scale_inv, float* C, bool accumulate) {
-  GemmFp8Layout(false, true, M, N, K, A, a_fmt, a_scale_inv, B, b_fmt, b_scale_inv, C, accumulate);
-}
-
-void CpuFastBackend::GemmFp8Layout(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                                   const uint8_t* A, Fp8Format a_fmt, const float* a_scale_inv,
-                                   const uint8_t* B, Fp8Format b_fmt, const float* b_scale_inv,
-                                   float* C, bool accumulate) {
+bool CpuFastBackend::TryGemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                                Fp8Operand a, Fp8Operand b, TypedPtr C, bool accumulate,
+                                const float* residual) {
+  if (C.bf16() || residual != nullptr) return false;
   FSDP8_CHECK(M >= 0 && N >= 0 && K >= 0);
-  if (M == 0 || N == 0) return;
-  const float alpha = (*a_scale_inv) * (*b_scale_inv);
+  if (M == 0 || N == 0) return true;
+  const float alpha = (*a.scale_inv) * (*b.scale_inv);
   if (K == 0) {  // empty sum
-    if (!accumulate) std::memset(C, 0, sizeof(float) * M * N);
-    return;
+    if (!accumulate) std::memset(C.f(), 0, sizeof(float) * M * N);
+    return true;
   }
   // The codes decoded in their own layout; sgemm reads either.
   float* af = Scratch(0, M * K);
   float* bf = Scratch(1, N * K);
-  Decode(A, M * K, a_fmt, af);
-  Decode(B, N * K, b_fmt, bf);
+  Decode(a.codes, M * K, a.fmt, af);
+  Decode(b.codes, N * K, b.fmt, bf);
   Sgemm(trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K, alpha,
-        af, trans_a ? M : K, bf, trans_b ? K : N, accumulate ? 1.0f : 0.0f, C, N);
+        af, trans_a ? M : K, bf, trans_b ? K : N, accumulate ? 1.0f : 0.0f, C.f(), N);
+  return true;
 }
 
-void CpuFastBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                          const float* A, const float* B, float* C, bool accumulate,
-                          GemmInputs inputs) {
+void CpuFastBackend::GemmF32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                             const float* A, const float* B, float* C, bool accumulate,
+                             GemmInputs inputs) {
   FSDP8_CHECK(M >= 0 && N >= 0 && K >= 0);
   if (M == 0 || N == 0) return;
   if (K == 0) {  // empty sum
@@ -552,9 +524,9 @@ void CpuFastBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int6
         trans_a ? M : K, B, trans_b ? K : N, accumulate ? 1.0f : 0.0f, C, N);
 }
 
-void CpuFastBackend::RoundToBf16(float* x, int64_t n) { RoundBf16Run(x, x, n); }
-
-void CpuFastBackend::PackBf16(const float* in, uint16_t* out, int64_t n) {
+void CpuFastBackend::RoundToBf16(float* x, int64_t n) { RoundBf16Run(x, x,
+                                 n); }  void CpuFastBackend::PackBf16(const float* in,
+                                 uint16_t* out, int64_t n) {
   PackBf16Run(in, out, n);
 }
 
@@ -588,9 +560,9 @@ void CpuFastBackend::RmsNormForwardF32(const float* x, const float* w, float eps
   for (int64_t n = 0; n < N; ++n) rstd[n] = NormRow(x + n * C, w, eps, C, y + n * C);
 }
 
-void CpuFastBackend::RmsNormBackward(const float* dy, const float* x, const float* w,
-                                     const float* rstd, int64_t N, int64_t C, float* dx,
-                                     float* dw) {
+void CpuFastBackend::RmsNormBackwardF32(const float* dy, const float* x, const float* w,
+                                        const float* rstd, int64_t N, int64_t C, float* dx,
+                                        float* dw) {
   // As the reference: dx_c = r w_c dy_c - (r^3 / C) x_c sum_k dy_k w_k x_k; dw_c += dy_c x_c r.
   std::vector<float> wx(static_cast<size_t>(C));
   for (int64_t n = 0; n < N; ++n) {
@@ -607,30 +579,36 @@ void CpuFastBackend::RmsNormBackward(const float* dy, const float* x, const floa
   }
 }
 
-void CpuFastBackend::RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N,
-                                    int64_t C, float* rstd, const float* scale, Fp8Format fmt,
-                                    uint8_t* out, float* amax_out) {
+bool CpuFastBackend::TryRmsNormForward(const float* x, const float* w, float eps, int64_t N,
+                                       int64_t C, float* y_out, float* rstd, const Fp8Cast& cast) {
+  if (cast.none()) {
+    RmsNormForwardF32(x, w, eps, N, C, y_out, rstd);
+    return true;
+  }
+  // RMSNorm and the cast in one pass per row.
   std::vector<float> y(static_cast<size_t>(C));
   AmaxAcc acc;
   float tail_max = 0.0f;
   bool tail_nan = false;
   for (int64_t n = 0; n < N; ++n) {
     rstd[n] = NormRow(x + n * C, w, eps, C, y.data());
-    EncodeRun(y.data(), out + n * C, C, *scale, fmt, &acc, &tail_max, &tail_nan);
+    EncodeRun(y.data(), cast.out + n * C, C, *cast.scale, cast.fmt, &acc, &tail_max, &tail_nan);
   }
-  if (amax_out != nullptr) acc.Finish(tail_max, tail_nan, amax_out);
+  if (cast.amax != nullptr) acc.Finish(tail_max, tail_nan, cast.amax);
+  return true;
 }
 
 // ---- RoPE -------------------------------------------------------------------------------------
 
-namespace {
-void RopeRotate(float* x, int64_t B, int64_t T, int64_t H, int64_t D, const float* cos_t,
-                const float* sin_t, float sign) {
+void CpuFastBackend::RopeF32(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                             float sign) {
+  FSDP8_CHECK(D % 2 == 0);
+  RopeTables(T, D, theta);
   const int64_t half = D / 2;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
-      const float* cs = cos_t + t * half;
-      const float* sn = sin_t + t * half;
+      const float* cs = rope_cos_ + t * half;
+      const float* sn = rope_sin_ + t * half;
       for (int64_t h = 0; h < H; ++h) {
         float* x1 = x + ((b * T + t) * H + h) * D;
         float* x2 = x1 + half;
@@ -643,30 +621,15 @@ void RopeRotate(float* x, int64_t B, int64_t T, int64_t H, int64_t D, const floa
     }
   }
 }
-}  // namespace
-
-void CpuFastBackend::RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D,
-                                 float theta) {
-  FSDP8_CHECK(D % 2 == 0);
-  RopeTables(T, D, theta);
-  RopeRotate(x, B, T, H, D, rope_cos_, rope_sin_, 1.0f);
-}
-
-void CpuFastBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D,
-                                  float theta) {
-  FSDP8_CHECK(D % 2 == 0);
-  RopeTables(T, D, theta);
-  RopeRotate(dx, B, T, H, D, rope_cos_, rope_sin_, -1.0f);
-}
 
 // ---- attention --------------------------------------------------------------------------------
 // The reference's blocks, with its GEMMs through oneDNN's sgemm (as the linears'): the speed does
 // not depend on OpenBLAS's choice of kernels for this CPU. At T = 1 (one key per query) dq and dk
 // are analytically zero and come out as the rounding of dP - delta, as on the reference.
 
-void CpuFastBackend::AttentionForward(const float* q, const float* k, const float* v, int64_t B,
-                                      int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
-                                      float* lse) {
+void CpuFastBackend::AttentionForwardF32(const float* q, const float* k, const float* v, int64_t B,
+                                         int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
+                                         float* lse) {
   FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
   if (B == 0 || T == 0 || H == 0) return;
   const int64_t group = H / Hkv, ldq = H * D, ldk = Hkv * D;
@@ -724,10 +687,10 @@ void SoftmaxGradRow(float* p, float* s, int64_t n, int64_t n_end, float lse, flo
 }
 }  // namespace
 
-void CpuFastBackend::AttentionBackward(const float* q, const float* k, const float* v,
-                                       const float* out, const float* dout, const float* lse,
-                                       int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                       float* dq, float* dk, float* dv) {
+void CpuFastBackend::AttentionBackwardF32(const float* q, const float* k, const float* v,
+                                          const float* out, const float* dout, const float* lse,
+                                          int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                          float* dq, float* dk, float* dv) {
   FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
   if (B == 0 || T == 0 || H == 0) return;
   const int64_t group = H / Hkv, ldq = H * D, ldk = Hkv * D;
@@ -790,7 +753,7 @@ inline void SwigluGrad8(__m256 d, __m256 g, __m256 u, __m256* dg, __m256* du) {
 }
 }  // namespace
 
-void CpuFastBackend::SwigluForward(const float* gate, const float* up, int64_t n, float* h) {
+void CpuFastBackend::SwigluForwardF32(const float* gate, const float* up, int64_t n, float* h) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     _mm256_storeu_ps(h + i, Swiglu8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
@@ -802,42 +765,28 @@ void CpuFastBackend::SwigluForward(const float* gate, const float* up, int64_t n
   }
 }
 
-void CpuFastBackend::SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
-                                    float* dgate, float* dup) {
+namespace {
+// The SwiGLU backward over n elements; gate and up f32, or bf16 widened exactly as they are read.
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Load8(const uint16_t* p) { return LoadBf16x8(p); }
+inline float Widen(float x) { return x; }
+inline float Widen(uint16_t x) { return Bf16Value(x); }
+template <typename T>
+void SwigluBackwardRun(const float* dh, const T* gate, const T* up, int64_t n, float* dgate,
+                       float* dup) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256 dg, du;
-    SwigluGrad8(_mm256_loadu_ps(dh + i), _mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i), &dg, &du);
+    SwigluGrad8(_mm256_loadu_ps(dh + i), Load8(gate + i), Load8(up + i), &dg, &du);
     _mm256_storeu_ps(dgate + i, dg);
     _mm256_storeu_ps(dup + i, du);
   }
-  if (i < n) {
-    const __m256i m = TailMask(n - i);
-    __m256 dg, du;
-    SwigluGrad8(_mm256_maskload_ps(dh + i, m), _mm256_maskload_ps(gate + i, m),
-         _mm256_maskload_ps(up + i, m), &dg, &du);
-    _mm256_maskstore_ps(dgate + i, m, dg);
-    _mm256_maskstore_ps(dup + i, m, du);
-  }
-}
-
-void CpuFastBackend::SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16,
-                                             const uint16_t* up16, int64_t n, float* dgate,
-                                             float* dup) {
-  // SwigluBackward on the widened bf16 inputs (exact), read in the same pass.
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 dg, du;
-    SwigluGrad8(_mm256_loadu_ps(dh + i), LoadBf16x8(gate16 + i), LoadBf16x8(up16 + i), &dg, &du);
-    _mm256_storeu_ps(dgate + i, dg);
-    _mm256_storeu_ps(dup + i, du);
-  }
-  if (i < n) {
+  if (i < n) {  // the tail in zero-padded lanes
     alignas(32) float d[8] = {}, g[8] = {}, u[8] = {}, dg_out[8], du_out[8];
     for (int64_t j = i; j < n; ++j) {
       d[j - i] = dh[j];
-      g[j - i] = Bf16Value(gate16[j]);
-      u[j - i] = Bf16Value(up16[j]);
+      g[j - i] = Widen(gate[j]);
+      u[j - i] = Widen(up[j]);
     }
     __m256 dg, du;
     SwigluGrad8(_mm256_load_ps(d), _mm256_load_ps(g), _mm256_load_ps(u), &dg, &du);
@@ -848,6 +797,23 @@ void CpuFastBackend::SwigluBackwardBf16Saved(const float* dh, const uint16_t* ga
       dup[j] = du_out[j - i];
     }
   }
+}
+}  // namespace
+
+void CpuFastBackend::SwigluBackwardF32(const float* dh, const float* gate, const float* up,
+                                       int64_t n, float* dgate, float* dup) {
+  SwigluBackwardRun(dh, gate, up, n, dgate, dup);
+}
+
+bool CpuFastBackend::TrySwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows,
+                                       int64_t cols, int64_t in_ld, TypedPtr dgate, TypedPtr dup,
+                                       const Fp8Cast& gate_cast, const Fp8Cast& up_cast) {
+  if (!gate.bf16() || dh.bf16()) {
+    return CpuRefBackend::TrySwigluBackward(dh, gate, up, rows, cols, in_ld, dgate, dup, gate_cast,
+                                            up_cast);
+  }
+  SwigluBackwardRun(dh.f(), gate.h(), up.h(), rows * cols, dgate.f(), dup.f());  // bf16-saved
+  return true;
 }
 
 // ---- cross-entropy ----------------------------------------------------------------------------
@@ -869,32 +835,15 @@ void CpuFastBackend::CrossEntropyF32(float* logits, const int32_t* targets, int6
 
 // ---- optimizer --------------------------------------------------------------------------------
 
-void CpuFastBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
-                           float beta1, float beta2, float eps, float weight_decay, int64_t step,
-                           float grad_scale, float* amax_out, uint16_t* p16_out) {
-  // The reference's scalars and per-element operations (torch.optim.AdamW, single-tensor path).
-  const auto [decay, w1, w2, step_size, bc2_sqrt] =
-      AdamWHostScalarsFor(lr, beta1, beta2, weight_decay, step);
-  const bool lerp_from_m = w1 < 0.5f;
-  const float one_minus_w1 = 1.0f - w1;
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i] * grad_scale;
-    const float pi = p[i] * decay;
-    const float mi = lerp_from_m ? m[i] + w1 * (gi - m[i]) : gi - (gi - m[i]) * one_minus_w1;
-    const float vi = v[i] * beta2 + w2 * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    p[i] = pi - step_size * (mi / (std::sqrt(vi) / bc2_sqrt + eps));
-  }
-  if (amax_out != nullptr) AmaxAccumulate(p, n, amax_out);
-  if (p16_out != nullptr) PackBf16(p, p16_out, n);
-}
+namespace {
+inline void Narrow(float x, float* to) { *to = x; }
+inline void Narrow(float x, uint16_t* to) { *to = Bf16Bits(x); }
 
-void CpuFastBackend::AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16,
-                                      int64_t n, float lr, float beta1, float beta2, float eps,
-                                      float weight_decay, int64_t step, float grad_scale,
-                                      float* amax_out, uint16_t* p16_out) {
-  // AdamW's loop above with the moments widened on load and rounded (RoundBf16) on store.
+// The reference's scalars and per-element operations (torch.optim.AdamW, single-tensor path), the
+// moments f32, or bf16 widened on load and rounded (RoundBf16) on store.
+template <typename T>
+void AdamWRun(float* p, const float* g, T* m, T* v, int64_t n, float lr, float beta1, float beta2,
+              float eps, float weight_decay, int64_t step, float grad_scale) {
   const auto [decay, w1, w2, step_size, bc2_sqrt] =
       AdamWHostScalarsFor(lr, beta1, beta2, weight_decay, step);
   const bool lerp_from_m = w1 < 0.5f;
@@ -902,136 +851,26 @@ void CpuFastBackend::AdamWBf16Moments(float* p, const float* g, uint16_t* m16, u
   for (int64_t i = 0; i < n; ++i) {
     const float gi = g[i] * grad_scale;
     const float pi = p[i] * decay;
-    const float m0 = Bf16Value(m16[i]);
+    const float m0 = Widen(m[i]);
     const float mi = lerp_from_m ? m0 + w1 * (gi - m0) : gi - (gi - m0) * one_minus_w1;
-    const float vi = Bf16Value(v16[i]) * beta2 + w2 * gi * gi;
-    m16[i] = Bf16Bits(mi);
-    v16[i] = Bf16Bits(vi);
+    const float vi = Widen(v[i]) * beta2 + w2 * gi * gi;
+    Narrow(mi, m + i);
+    Narrow(vi, v + i);
     p[i] = pi - step_size * (mi / (std::sqrt(vi) / bc2_sqrt + eps));
   }
-  if (amax_out != nullptr) AmaxAccumulate(p, n, amax_out);
-  if (p16_out != nullptr) PackBf16(p, p16_out, n);
 }
-
-// ---- the ops: the variants run here, the others through the reference compositions ------------
-
-void CpuFastBackend::CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale,
-                             Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
-                             int64_t out_ld) {
-  if (in.bf16()) return Backend::CastFp8(in, rows, cols, scale, fmt, out, out_t, amax_out, out_ld);
-  FSDP8_CHECK(out_ld == 0 || out_ld == cols) << "CastFp8: f32 input takes dense codes";
-  if (out_t == nullptr) return CastToFp8(in.f(), out, rows * cols, scale, fmt, amax_out);
-  CastTransposeFp8(in.f(), rows, cols, scale, fmt, out, out_t, amax_out);
-}
-
-void CpuFastBackend::GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                             Fp8Operand a, Fp8Operand b, TypedPtr C, bool accumulate,
-                             const float* residual) {
-  if (C.bf16() || residual != nullptr) {
-    return Backend::GemmFp8(trans_a, trans_b, M, N, K, a, b, C, accumulate, residual);
-  }
-  GemmFp8Layout(trans_a, trans_b, M, N, K, a.codes, a.fmt, a.scale_inv, b.codes, b.fmt, b.scale_inv,
-                C.f(), accumulate);
-}
-
-void CpuFastBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
-                          TypedCPtr B, float* C, bool accumulate, GemmInputs inputs) {
-  if (A.bf16() || B.bf16())
-    return Backend::Gemm(trans_a, trans_b, M, N, K, A, B, C, accumulate, inputs);
-  Gemm(trans_a, trans_b, M, N, K, A.f(), B.f(), C, accumulate, inputs);
-}
-
-void CpuFastBackend::RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
-                                    float* y, float* rstd, const Fp8Cast& cast) {
-  if (cast.none()) return RmsNormForwardF32(x, w, eps, N, C, y, rstd);
-  FSDP8_CHECK(y == nullptr && cast.out_t == nullptr && (cast.ld == 0 || cast.ld == C))
-      << "RmsNormForward: FP8 takes dense codes only";
-  RmsNormCastFp8(x, w, eps, N, C, rstd, cast.scale, cast.fmt, cast.out, cast.amax);
-}
-
-void CpuFastBackend::RmsNormBackward(TypedCPtr dy, const float* x, const float* w,
-                                     const float* rstd, int64_t N, int64_t C, float* dx, float* dw,
-                                     const float* dres, TypedCPtr dy_b, TypedCPtr dy_c) {
-  if (dy.bf16() || dres != nullptr) {
-    return Backend::RmsNormBackward(dy, x, w, rstd, N, C, dx, dw, dres, dy_b, dy_c);
-  }
-  RmsNormBackward(dy.f(), x, w, rstd, N, C, dx, dw);
-}
-
-void CpuFastBackend::RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D,
-                                 float theta, int64_t ld) {
-  if (x.bf16()) return Backend::RopeForward(x, B, T, H, D, theta, ld);
-  FSDP8_CHECK(ld == 0 || ld == H * D) << "RopeForward: f32 x is dense";
-  RopeForward(x.f(), B, T, H, D, theta);
-}
-
-void CpuFastBackend::RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D,
-                                  float theta, const Fp8Cast& cast) {
-  if (dx.bf16() || !cast.none()) return Backend::RopeBackward(dx, B, T, H, D, theta, cast);
-  RopeBackward(dx.f(), B, T, H, D, theta);
-}
-
-void CpuFastBackend::AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
-                                      int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
-                                      const AttentionOptions& opts) {
-  if (q.bf16() || opts.bf16) {
-    return Backend::AttentionForward(q, k, v, B, T, H, Hkv, D, out, lse, opts);
-  }
-  AttentionForward(q.f(), k.f(), v.f(), B, T, H, Hkv, D, out.f(), lse);
-}
-
-void CpuFastBackend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out,
-                                       TypedCPtr dout, const float* lse, int64_t B, int64_t T,
-                                       int64_t H, int64_t Hkv, int64_t D, TypedPtr dq, TypedPtr dk,
-                                       TypedPtr dv, const AttentionOptions& opts) {
-  if (q.bf16() || opts.bf16) {
-    return Backend::AttentionBackward(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv, opts);
-  }
-  AttentionBackward(q.f(), k.f(), v.f(), out.f(), dout.f(), lse, B, T, H, Hkv, D, dq.f(), dk.f(),
-                    dv.f());
-}
-
-void CpuFastBackend::SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
-                                   int64_t in_ld, float* h, const Fp8Cast& cast) {
-  if (gate.bf16() || !cast.none()) {
-    return Backend::SwigluForward(gate, up, rows, cols, in_ld, h, cast);
-  }
-  FSDP8_CHECK(in_ld == 0 || in_ld == cols) << "SwigluForward: f32 gate and up are dense";
-  SwigluForward(gate.f(), up.f(), rows * cols, h);
-}
-
-void CpuFastBackend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows,
-                                    int64_t cols, int64_t in_ld, TypedPtr dgate, TypedPtr dup,
-                                    const Fp8Cast& gate_cast, const Fp8Cast& up_cast) {
-  const bool dense = in_ld == 0 || in_ld == cols;
-  if (!gate.bf16()) {
-    FSDP8_CHECK(dense) << "SwigluBackward: f32 gate and up are dense";
-    return SwigluBackward(dh.f(), gate.f(), up.f(), rows * cols, dgate.f(), dup.f());
-  }
-  if (!dh.bf16() && dense) {  // bf16-saved inputs, f32 gradients
-    return SwigluBackwardBf16Saved(dh.f(), gate.h(), up.h(), rows * cols, dgate.f(), dup.f());
-  }
-  Backend::SwigluBackward(dh, gate, up, rows, cols, in_ld, dgate, dup, gate_cast, up_cast);
-}
-
-void CpuFastBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
-                                                 int64_t V, float grad_scale, float* losses,
-                                                 TypedPtr dlogits) {
-  if (!dlogits.null()) {
-    return Backend::CrossEntropyForwardBackward(logits, targets, N, V, grad_scale, losses, dlogits);
-  }
-  CrossEntropyF32(logits, targets, N, V, grad_scale, losses);
-}
+}  // namespace
 
 void CpuFastBackend::AdamW(float* p, const float* g, TypedPtr m, TypedPtr v, int64_t n, float lr,
                            float beta1, float beta2, float eps, float weight_decay, int64_t step,
                            float grad_scale, float* amax_out, uint16_t* p16_out) {
   if (m.bf16()) {
-    return AdamWBf16Moments(p, g, m.h(), v.h(), n, lr, beta1, beta2, eps, weight_decay, step,
-                            grad_scale, amax_out, p16_out);
+    AdamWRun(p, g, m.h(), v.h(), n, lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+  } else {
+    AdamWRun(p, g, m.f(), v.f(), n, lr, beta1, beta2, eps, weight_decay, step, grad_scale);
   }
-  AdamW(p, g, m.f(), v.f(), n, lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax_out,
-        p16_out);
+  if (amax_out != nullptr) AmaxAccumulate(p, n, amax_out);
+  if (p16_out != nullptr) PackBf16(p, p16_out, n);
 }
 
 }  // namespace fsdp8

@@ -47,9 +47,6 @@ class CpuFastBackend final : public CpuRefBackend {
 
   std::string Name() const override { return "cpu"; }
 
-  void* Alloc(size_t bytes) override;
-  void Free(void* p) override;
-
   void TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) override;
   void DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
                      Fp8Format fmt) override;
@@ -62,88 +59,51 @@ class CpuFastBackend final : public CpuRefBackend {
   void Add(const float* a, const float* b, float* out, int64_t n) override;
   void Axpy(float alpha, const float* x, float* y, int64_t n) override;
 
-  // ---- the ops, each dispatching its variants (backend.h) ----
-  void CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale, Fp8Format fmt,
-               uint8_t* out, uint8_t* out_t = nullptr, float* amax_out = nullptr,
-               int64_t out_ld = 0) override;
-  void GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
-               Fp8Operand b, TypedPtr C, bool accumulate, const float* residual = nullptr) override;
-  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A, TypedCPtr B,
-            float* C, bool accumulate, GemmInputs inputs) override;
-  void RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
-                      float* rstd, const Fp8Cast& cast = {}) override;
-  void RmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd, int64_t N,
-                       int64_t C, float* dx, float* dw, const float* dres = nullptr,
-                       TypedCPtr dy_b = nullptr, TypedCPtr dy_c = nullptr) override;
-  void RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-                   int64_t ld = 0) override;
-  void RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-                    const Fp8Cast& cast = {}) override;
-  void AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T, int64_t H,
-                        int64_t Hkv, int64_t D, TypedPtr out, float* lse,
-                        const AttentionOptions& opts = {}) override;
-  void AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out, TypedCPtr dout,
-                         const float* lse, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                         TypedPtr dq, TypedPtr dk, TypedPtr dv,
-                         const AttentionOptions& opts = {}) override;
-  void SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols, int64_t in_ld,
-                     float* h, const Fp8Cast& cast = {}) override;
-  void SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
-                      int64_t in_ld, TypedPtr dgate, TypedPtr dup, const Fp8Cast& gate_cast = {},
-                      const Fp8Cast& up_cast = {}) override;
-  void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N, int64_t V,
-                                   float grad_scale, float* losses,
-                                   TypedPtr dlogits = nullptr) override;
   void AdamW(float* p, const float* g, TypedPtr m, TypedPtr v, int64_t n, float lr, float beta1,
              float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
              float* amax_out, uint16_t* p16_out) override;
 
- private:
-  // The variants the ops above dispatch to.
+ protected:
+  // Freed blocks are kept by size for reuse, up to kMaxCachedBytes in all.
+  void* TakeBlock(size_t rounded) override;
+  void GiveBlock(void* p, size_t rounded) override;
+  // The reference's hooks (cpu_ref_backend.h) run every layout of GemmFp8, RMSNorm + FP8 cast in
+  // one pass and the SwiGLU backward on bf16-saved inputs with f32 gradients; the f32 kernels are
+  // this backend's.
+  bool TryGemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
+                  Fp8Operand b, TypedPtr C, bool accumulate, const float* residual) override;
+  bool TryRmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
+                         float* rstd, const Fp8Cast& cast) override;
+  bool TrySwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
+                         int64_t in_ld, TypedPtr dgate, TypedPtr dup, const Fp8Cast& gate_cast,
+                         const Fp8Cast& up_cast) override;
   void CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale, Fp8Format fmt,
-                 float* amax_out);
+                 float* amax_out) override;
   void CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
-                        Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out);
-  void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-               const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-               const float* b_scale_inv, float* C, bool accumulate);
-  void GemmFp8Layout(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint8_t* A,
-                     Fp8Format a_fmt, const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-                     const float* b_scale_inv, float* C, bool accumulate);
-  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
-            const float* B, float* C, bool accumulate, GemmInputs inputs);
+                        Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) override;
+  void GemmF32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
+               const float* B, float* C, bool accumulate, GemmInputs inputs) override;
   void RmsNormForwardF32(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
-                         float* rstd);
-  void RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
-                       int64_t N, int64_t C, float* dx, float* dw);
-  void RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C, float* rstd,
-                      const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out);
-  void RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta);
-  void RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta);
-  void AttentionForward(const float* q, const float* k, const float* v, int64_t B, int64_t T,
-                        int64_t H, int64_t Hkv, int64_t D, float* out, float* lse);
-  void AttentionBackward(const float* q, const float* k, const float* v, const float* out,
-                         const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
-                         int64_t Hkv, int64_t D, float* dq, float* dk, float* dv);
-  void SwigluForward(const float* gate, const float* up, int64_t n, float* h);
-  void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate,
-                      float* dup);
-  void SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16, const uint16_t* up16,
-                               int64_t n, float* dgate, float* dup);
+                         float* rstd) override;
+  void RmsNormBackwardF32(const float* dy, const float* x, const float* w, const float* rstd,
+                          int64_t N, int64_t C, float* dx, float* dw) override;
+  void RopeF32(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+               float sign) override;
+  void AttentionForwardF32(const float* q, const float* k, const float* v, int64_t B, int64_t T,
+                           int64_t H, int64_t Hkv, int64_t D, float* out, float* lse) override;
+  void AttentionBackwardF32(const float* q, const float* k, const float* v, const float* out,
+                            const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
+                            int64_t Hkv, int64_t D, float* dq, float* dk, float* dv) override;
+  void SwigluForwardF32(const float* gate, const float* up, int64_t n, float* h) override;
+  void SwigluBackwardF32(const float* dh, const float* gate, const float* up, int64_t n,
+                         float* dgate, float* dup) override;
   void CrossEntropyF32(float* logits, const int32_t* targets, int64_t N, int64_t V,
-                       float grad_scale, float* losses);
-  void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
-             float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
-             float* amax_out, uint16_t* p16_out);
-  void AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n, float lr,
-                        float beta1, float beta2, float eps, float weight_decay, int64_t step,
-                        float grad_scale, float* amax_out, uint16_t* p16_out);
+                       float grad_scale, float* losses) override;
 
  private:
   static constexpr size_t kMaxCachedBytes = size_t{1} << 30;
   // Freed blocks by rounded size, reused by Alloc; cached_ bytes in total.
   std::unordered_map<size_t, std::vector<void*>> free_;
-  std::unordered_map<void*, size_t> rounded_;  // live and cached blocks: their rounded size
   size_t cached_ = 0;
 };
 

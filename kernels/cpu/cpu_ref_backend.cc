@@ -20,6 +20,10 @@ namespace fsdp8 {
 namespace {
 
 constexpr size_t kAlignment = 64;
+// The size of the host block behind an allocation of `bytes`: whole kAlignment units, at least one.
+size_t Rounded(size_t bytes) {
+  return std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+}
 // Rows per block in the attention kernels: the causal structure lets a row block [i0, i1) touch
 // only keys [0, i1), which skips about 3/8 of the T x T work at T = 256.
 constexpr int64_t kAttnBlock = 64;
@@ -126,11 +130,13 @@ CpuRefBackend::~CpuRefBackend() {
 
 // ---- memory ---------------------------------------------------------------------------------
 
+void* CpuRefBackend::TakeBlock(size_t rounded) { return std::aligned_alloc(kAlignment, rounded); }
+void CpuRefBackend::GiveBlock(void* p, size_t /*rounded*/) { std::free(p); }
+
 void* CpuRefBackend::Alloc(size_t bytes) {
-  const size_t rounded =
-      std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  const size_t rounded = Rounded(bytes);
   if (limit_ > 0 && allocated_ + static_cast<int64_t>(bytes) > limit_) return nullptr;
-  void* p = std::aligned_alloc(kAlignment, rounded);
+  void* p = TakeBlock(rounded);
   if (p == nullptr) return nullptr;  // host out of memory: the caller reports it (backend.h)
   if (fill_nan_) std::memset(p, 0xFF, rounded);
   sizes_[p] = bytes;
@@ -146,8 +152,9 @@ void CpuRefBackend::Free(void* p) {
   FSDP8_CHECK(it != sizes_.end());  // not from this backend's Alloc, or freed twice
   allocated_ -= static_cast<int64_t>(it->second);
   account_.Freed(p);
+  const size_t rounded = Rounded(it->second);
   sizes_.erase(it);
-  std::free(p);
+  GiveBlock(p, rounded);
 }
 
 void CpuRefBackend::CopyToDevice(void* dst, const void* host_src, size_t bytes) {
@@ -196,7 +203,7 @@ float* CpuRefBackend::Scratch(int i, int64_t n) {
 // ---- FP8 --------------------------------------------------------------------------------------
 
 void CpuRefBackend::CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale,
-                           Fp8Format fmt, float* amax_out) {
+                              Fp8Format fmt, float* amax_out) {
   FSDP8_CHECK(n >= 0 && scale != nullptr);
   if (n == 0) return;
   FSDP8_CHECK(in != nullptr && out != nullptr);
@@ -204,8 +211,9 @@ void CpuRefBackend::CastToFp8(const float* in, uint8_t* out, int64_t n, const fl
   if (amax_out != nullptr) *amax_out = NanMax(*amax_out, AbsMax(in, n));
 }
 
-void CpuRefBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
-                                  Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) {
+void CpuRefBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t cols,
+                                     const float* scale, Fp8Format fmt, uint8_t* out,
+                                     uint8_t* out_t, float* amax_out) {
   FSDP8_CHECK(rows >= 0 && cols >= 0 && scale != nullptr);
   if (rows == 0 || cols == 0) return;
   FSDP8_CHECK(in != nullptr && out_t != nullptr);
@@ -227,7 +235,7 @@ void CpuRefBackend::TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols
 }
 
 void CpuRefBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
-                               Fp8Format fmt) {
+                                  Fp8Format fmt) {
   const float* table = Fp8DecodeTable(fmt);
   const float si = *scale_inv;
   for (int64_t i = 0; i < n; ++i) out[i] = table[in[i]] * si;
@@ -239,7 +247,7 @@ void CpuRefBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out) 
 }
 
 void CpuRefBackend::Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin,
-                                   float* scale, float* scale_inv, int64_t stride) {
+                                      float* scale, float* scale_inv, int64_t stride) {
   FSDP8_CHECK(n >= 0 && stride >= 1 && margin >= 0);
   auto usable = [](float v) { return std::isfinite(v) && v > 0.0f; };
   for (int64_t i = 0; i < n; ++i) {
@@ -257,9 +265,9 @@ void CpuRefBackend::Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_ma
 
 // ---- GEMMs ------------------------------------------------------------------------------------
 
-void CpuRefBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-                         const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-                         const float* b_scale_inv, float* C, bool accumulate) {
+void CpuRefBackend::GemmFp8Tn(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+                              const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+                              const float* b_scale_inv, float* C, bool accumulate) {
   FSDP8_CHECK(M >= 0 && N >= 0 && K >= 0);
   if (M == 0 || N == 0) return;
   const float alpha = (*a_scale_inv) * (*b_scale_inv);
@@ -279,8 +287,9 @@ void CpuRefBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, F
               accumulate ? 1.0f : 0.0f, C, N);
 }
 
-void CpuRefBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
-                      const float* B, float* C, bool accumulate, GemmInputs inputs) {
+void CpuRefBackend::GemmF32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                            const float* A, const float* B, float* C, bool accumulate,
+                            GemmInputs inputs) {
   FSDP8_CHECK(M >= 0 && N >= 0 && K >= 0);
   if (M == 0 || N == 0) return;
   if (K == 0) {
@@ -336,8 +345,8 @@ void CpuRefBackend::Axpy(float alpha, const float* x, float* y, int64_t n) {
 
 // ---- embedding --------------------------------------------------------------------------------
 
-void CpuRefBackend::EmbeddingForward(const int32_t* tokens, int64_t N, const float* table, int64_t C,
-                                  float* out) {
+void CpuRefBackend::EmbeddingForward(const int32_t* tokens, int64_t N, const float* table,
+                                     int64_t C, float* out) {
   // out (N, C) = table (V, C) [tokens (N)]
   for (int64_t i = 0; i < N; ++i) {
     FSDP8_CHECK(tokens[i] >= 0);
@@ -345,8 +354,8 @@ void CpuRefBackend::EmbeddingForward(const int32_t* tokens, int64_t N, const flo
   }
 }
 
-void CpuRefBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const float* dout, int64_t C,
-                                   float* dtable) {
+void CpuRefBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const float* dout,
+                                      int64_t C, float* dtable) {
   // dtable (V, C) += dout (N, C) scattered by tokens, rows visited in order i = 0..N-1.
   for (int64_t i = 0; i < N; ++i) {
     FSDP8_CHECK(tokens[i] >= 0);
@@ -372,8 +381,9 @@ void CpuRefBackend::RmsNormForwardF32(const float* x, const float* w, float eps,
   }
 }
 
-void CpuRefBackend::RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
-                                 int64_t N, int64_t C, float* dx, float* dw) {
+void CpuRefBackend::RmsNormBackwardF32(const float* dy, const float* x, const float* w,
+                                       const float* rstd, int64_t N, int64_t C, float* dx,
+                                       float* dw) {
   // y_c = x_c r w_c with r = (mean(x^2) + eps)^(-1/2), dr/dx_c = -r^3 x_c / C, so
   // dx_c = r w_c dy_c - (r^3 / C) x_c sum_k dy_k w_k x_k;   dw_c += sum_n dy_nc x_nc r_n.
   for (int64_t n = 0; n < N; ++n) {
@@ -422,8 +432,8 @@ void CpuRefBackend::RopeTables(int64_t T, int64_t D, float theta) {
   rope_version_ = rope_freq_version();
 }
 
-void CpuRefBackend::RopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-                           float sign) {
+void CpuRefBackend::RopeF32(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                            float sign) {
   FSDP8_CHECK(D % 2 == 0);
   RopeTables(T, D, theta);
   const int64_t half = D / 2;
@@ -446,20 +456,11 @@ void CpuRefBackend::RopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t
   }
 }
 
-void CpuRefBackend::RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
-  RopeApply(x, B, T, H, D, theta, 1.0f);
-}
-
-void CpuRefBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
-  // The rotation is orthogonal: its Jacobian transpose is the rotation by -angle.
-  RopeApply(dx, B, T, H, D, theta, -1.0f);
-}
-
 // ---- attention --------------------------------------------------------------------------------
 
-void CpuRefBackend::AttentionForward(const float* q, const float* k, const float* v, int64_t B,
-                                  int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
-                                  float* lse) {
+void CpuRefBackend::AttentionForwardF32(const float* q, const float* k, const float* v, int64_t B,
+                                        int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
+                                        float* lse) {
   FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
   if (B == 0 || T == 0 || H == 0) return;
   const int64_t group = H / Hkv;
@@ -502,10 +503,10 @@ void CpuRefBackend::AttentionForward(const float* q, const float* k, const float
   }
 }
 
-void CpuRefBackend::AttentionBackward(const float* q, const float* k, const float* v, const float* out,
-                                   const float* dout, const float* lse, int64_t B, int64_t T,
-                                   int64_t H, int64_t Hkv, int64_t D, float* dq, float* dk,
-                                   float* dv) {
+void CpuRefBackend::AttentionBackwardF32(const float* q, const float* k, const float* v,
+                                         const float* out, const float* dout, const float* lse,
+                                         int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                         float* dq, float* dk, float* dv) {
   FSDP8_CHECK(Hkv > 0 && H % Hkv == 0);
   if (B == 0 || T == 0 || H == 0) return;
   const int64_t group = H / Hkv;
@@ -572,12 +573,12 @@ void CpuRefBackend::AttentionBackward(const float* q, const float* k, const floa
 
 // ---- SwiGLU -----------------------------------------------------------------------------------
 
-void CpuRefBackend::SwigluForward(const float* gate, const float* up, int64_t n, float* h) {
+void CpuRefBackend::SwigluForwardF32(const float* gate, const float* up, int64_t n, float* h) {
   for (int64_t i = 0; i < n; ++i) h[i] = gate[i] * Sigmoid(gate[i]) * up[i];
 }
 
-void CpuRefBackend::SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
-                                float* dgate, float* dup) {
+void CpuRefBackend::SwigluBackwardF32(const float* dh, const float* gate, const float* up,
+                                      int64_t n, float* dgate, float* dup) {
   // h = g s(g) u:  dh/dg = u (s + g s (1 - s)),  dh/du = g s.
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
@@ -621,9 +622,9 @@ void CpuRefBackend::SumSquares(const float* x, int64_t n, float* out) {
   out[0] = static_cast<float>(static_cast<double>(out[0]) + s);
 }
 
-void CpuRefBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
-                       float beta1, float beta2, float eps, float weight_decay, int64_t step,
-                       float grad_scale, float* amax_out, uint16_t* p16_out) {
+void CpuRefBackend::AdamWF32(float* p, const float* g, float* m, float* v, int64_t n, float lr,
+                             float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                             float grad_scale, float* amax_out, uint16_t* p16_out) {
   // torch.optim.AdamW (single-tensor path): scalars in double, then the f32 tensor ops
   //   p *= 1 - lr*wd;  m.lerp_(g, 1-b1);  v = b2 v + (1-b2) g^2;
   //   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps),  bc_k = 1 - b_k^t.
@@ -641,132 +642,121 @@ void CpuRefBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t 
   if (p16_out != nullptr) PackBf16(p, p16_out, n);
 }
 
-void CpuRefBackend::AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16,
-                                     int64_t n, float lr, float beta1, float beta2, float eps,
-                                     float weight_decay, int64_t step, float grad_scale,
-                                     float* amax_out, uint16_t* p16_out) {
-  // The contract's own words: widen, the f32 AdamW, round to nearest even when stored.
-  std::vector<float> m(n), v(n);
-  CpuRefBackend::UnpackBf16(m16, m.data(), n);
-  CpuRefBackend::UnpackBf16(v16, v.data(), n);
-  CpuRefBackend::AdamW(p, g, m.data(), v.data(), n, lr, beta1, beta2, eps, weight_decay, step,
-                       grad_scale, amax_out, p16_out);
-  CpuRefBackend::PackBf16(m.data(), m16, n);
-  CpuRefBackend::PackBf16(v.data(), v16, n);
-}
-
-// ---- the ops: the f32 variants here, the others through the reference compositions -----------
-
-void CpuRefBackend::CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale,
-                            Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
-                            int64_t out_ld) {
-  if (in.bf16()) return Backend::CastFp8(in, rows, cols, scale, fmt, out, out_t, amax_out, out_ld);
-  FSDP8_CHECK(out_ld == 0 || out_ld == cols) << "CastFp8: f32 input takes dense codes";
-  if (out_t == nullptr) return CastToFp8(in.f(), out, rows * cols, scale, fmt, amax_out);
-  CastTransposeFp8(in.f(), rows, cols, scale, fmt, out, out_t, amax_out);
-}
-
-void CpuRefBackend::GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                            Fp8Operand a, Fp8Operand b, TypedPtr C, bool accumulate,
-                            const float* residual) {
-  if (C.bf16() || residual != nullptr || trans_a || !trans_b) {
-    return Backend::GemmFp8(trans_a, trans_b, M, N, K, a, b, C, accumulate, residual);
-  }
-  GemmFp8(M, N, K, a.codes, a.fmt, a.scale_inv, b.codes, b.fmt, b.scale_inv, C.f(), accumulate);
-}
-
-void CpuRefBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
-                         TypedCPtr B, float* C, bool accumulate, GemmInputs inputs) {
-  if (A.bf16() || B.bf16())
-    return Backend::Gemm(trans_a, trans_b, M, N, K, A, B, C, accumulate, inputs);
-  Gemm(trans_a, trans_b, M, N, K, A.f(), B.f(), C, accumulate, inputs);
-}
-
-void CpuRefBackend::RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
-                                   float* y, float* rstd, const Fp8Cast& cast) {
-  if (!cast.none()) return Backend::RmsNormForward(x, w, eps, N, C, y, rstd, cast);
-  RmsNormForwardF32(x, w, eps, N, C, y, rstd);
-}
-
-void CpuRefBackend::RmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd,
-                                    int64_t N, int64_t C, float* dx, float* dw, const float* dres,
-                                    TypedCPtr dy_b, TypedCPtr dy_c) {
-  if (dy.bf16() || dres != nullptr) {
-    return Backend::RmsNormBackward(dy, x, w, rstd, N, C, dx, dw, dres, dy_b, dy_c);
-  }
-  RmsNormBackward(dy.f(), x, w, rstd, N, C, dx, dw);
-}
-
-void CpuRefBackend::RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-                                int64_t ld) {
-  if (x.bf16()) return Backend::RopeForward(x, B, T, H, D, theta, ld);
-  FSDP8_CHECK(ld == 0 || ld == H * D) << "RopeForward: f32 x is dense";
-  RopeForward(x.f(), B, T, H, D, theta);
-}
-
-void CpuRefBackend::RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D,
-                                 float theta, const Fp8Cast& cast) {
-  if (dx.bf16() || !cast.none()) return Backend::RopeBackward(dx, B, T, H, D, theta, cast);
-  RopeBackward(dx.f(), B, T, H, D, theta);
-}
-
-void CpuRefBackend::AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
-                                     int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
-                                     const AttentionOptions& opts) {
-  if (q.bf16() || opts.bf16) {
-    return Backend::AttentionForward(q, k, v, B, T, H, Hkv, D, out, lse, opts);
-  }
-  AttentionForward(q.f(), k.f(), v.f(), B, T, H, Hkv, D, out.f(), lse);
-}
-
-void CpuRefBackend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out,
-                                      TypedCPtr dout, const float* lse, int64_t B, int64_t T,
-                                      int64_t H, int64_t Hkv, int64_t D, TypedPtr dq, TypedPtr dk,
-                                      TypedPtr dv, const AttentionOptions& opts) {
-  if (q.bf16() || opts.bf16) {
-    return Backend::AttentionBackward(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv, opts);
-  }
-  AttentionBackward(q.f(), k.f(), v.f(), out.f(), dout.f(), lse, B, T, H, Hkv, D, dq.f(), dk.f(),
-                    dv.f());
-}
-
-void CpuRefBackend::SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
-                                  int64_t in_ld, float* h, const Fp8Cast& cast) {
-  if (gate.bf16() || !cast.none()) {
-    return Backend::SwigluForward(gate, up, rows, cols, in_ld, h, cast);
-  }
-  FSDP8_CHECK(in_ld == 0 || in_ld == cols) << "SwigluForward: f32 gate and up are dense";
-  SwigluForward(gate.f(), up.f(), rows * cols, h);
-}
-
-void CpuRefBackend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows,
-                                   int64_t cols, int64_t in_ld, TypedPtr dgate, TypedPtr dup,
-                                   const Fp8Cast& gate_cast, const Fp8Cast& up_cast) {
-  if (gate.bf16()) {
-    return Backend::SwigluBackward(dh, gate, up, rows, cols, in_ld, dgate, dup, gate_cast, up_cast);
-  }
-  FSDP8_CHECK(in_ld == 0 || in_ld == cols) << "SwigluBackward: f32 gate and up are dense";
-  SwigluBackward(dh.f(), gate.f(), up.f(), rows * cols, dgate.f(), dup.f());
-}
-
-void CpuRefBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
-                                                int64_t V, float grad_scale, float* losses,
-                                                TypedPtr dlogits) {
-  if (!dlogits.null()) {
-    return Backend::CrossEntropyForwardBackward(logits, targets, N, V, grad_scale, losses, dlogits);
-  }
-  CrossEntropyF32(logits, targets, N, V, grad_scale, losses);
-}
-
 void CpuRefBackend::AdamW(float* p, const float* g, TypedPtr m, TypedPtr v, int64_t n, float lr,
                           float beta1, float beta2, float eps, float weight_decay, int64_t step,
                           float grad_scale, float* amax_out, uint16_t* p16_out) {
-  if (m.bf16()) {
-    return AdamWBf16Moments(p, g, m.h(), v.h(), n, lr, beta1, beta2, eps, weight_decay, step,
-                            grad_scale, amax_out, p16_out);
+  if (!m.bf16()) {
+    return AdamWF32(p, g, m.f(), v.f(), n, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
+                    amax_out, p16_out);
   }
-  AdamW(p, g, m.f(), v.f(), n, lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax_out,
-        p16_out);
+  // bf16 moments, as the contract says: widen, the f32 AdamW, round to nearest even when stored.
+  std::vector<float> mf(n), vf(n);
+  CpuRefBackend::UnpackBf16(m.h(), mf.data(), n);
+  CpuRefBackend::UnpackBf16(v.h(), vf.data(), n);
+  CpuRefBackend::AdamWF32(p, g, mf.data(), vf.data(), n, lr, beta1, beta2, eps, weight_decay, step,
+                          grad_scale, amax_out, p16_out);
+  CpuRefBackend::PackBf16(mf.data(), m.h(), n);
+  CpuRefBackend::PackBf16(vf.data(), v.h(), n);
+}
+
+// ---- the hooks of the typed ops: the f32 combinations, the others declined --------------------
+
+bool CpuRefBackend::TryCastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale,
+                               Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
+                               int64_t) {
+  if (in.bf16()) return false;
+  if (out_t == nullptr) {
+    CastToFp8(in.f(), out, rows * cols, scale, fmt, amax_out);
+  } else {
+    CastTransposeFp8(in.f(), rows, cols, scale, fmt, out, out_t, amax_out);
+  }
+  return true;
+}
+
+bool CpuRefBackend::TryGemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                               Fp8Operand a, Fp8Operand b, TypedPtr C, bool accumulate,
+                               const float* residual) {
+  if (C.bf16() || residual != nullptr || trans_a || !trans_b) return false;
+  GemmFp8Tn(M, N, K, a.codes, a.fmt, a.scale_inv, b.codes, b.fmt, b.scale_inv, C.f(), accumulate);
+  return true;
+}
+
+bool CpuRefBackend::TryGemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                            TypedCPtr A, TypedCPtr B, float* C, bool accumulate,
+                            GemmInputs inputs) {
+  if (A.bf16()) return false;
+  GemmF32(trans_a, trans_b, M, N, K, A.f(), B.f(), C, accumulate, inputs);
+  return true;
+}
+
+bool CpuRefBackend::TryRmsNormForward(const float* x, const float* w, float eps, int64_t N,
+                                      int64_t C, float* y, float* rstd, const Fp8Cast& cast) {
+  if (!cast.none()) return false;
+  RmsNormForwardF32(x, w, eps, N, C, y, rstd);
+  return true;
+}
+
+bool CpuRefBackend::TryRmsNormBackward(TypedCPtr dy, const float* x, const float* w,
+                                       const float* rstd, int64_t N, int64_t C, float* dx,
+                                       float* dw, const float* dres, TypedCPtr, TypedCPtr) {
+  if (dy.bf16() || dres != nullptr) return false;
+  RmsNormBackwardF32(dy.f(), x, w, rstd, N, C, dx, dw);
+  return true;
+}
+
+bool CpuRefBackend::TryRopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D,
+                                   float theta, int64_t) {
+  if (x.bf16()) return false;
+  RopeF32(x.f(), B, T, H, D, theta, 1.0f);
+  return true;
+}
+
+bool CpuRefBackend::TryRopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D,
+                                    float theta, const Fp8Cast& cast) {
+  if (dx.bf16() || !cast.none()) return false;
+  // The rotation is orthogonal: its Jacobian transpose is the rotation by -angle.
+  RopeF32(dx.f(), B, T, H, D, theta, -1.0f);
+  return true;
+}
+
+bool CpuRefBackend::TryAttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
+                                        int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
+                                        const AttentionOptions& opts) {
+  if (q.bf16() || opts.bf16) return false;
+  AttentionForwardF32(q.f(), k.f(), v.f(), B, T, H, Hkv, D, out.f(), lse);
+  return true;
+}
+
+bool CpuRefBackend::TryAttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out,
+                                         TypedCPtr dout, const float* lse, int64_t B, int64_t T,
+                                         int64_t H, int64_t Hkv, int64_t D, TypedPtr dq,
+                                         TypedPtr dk, TypedPtr dv, const AttentionOptions& opts) {
+  if (q.bf16() || opts.bf16) return false;
+  AttentionBackwardF32(q.f(), k.f(), v.f(), out.f(), dout.f(), lse, B, T, H, Hkv, D, dq.f(),
+                       dk.f(), dv.f());
+  return true;
+}
+
+bool CpuRefBackend::TrySwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
+                                     int64_t, float* h, const Fp8Cast& cast) {
+  if (gate.bf16() || !cast.none()) return false;
+  SwigluForwardF32(gate.f(), up.f(), rows * cols, h);
+  return true;
+}
+
+bool CpuRefBackend::TrySwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows,
+                                      int64_t cols, int64_t, TypedPtr dgate, TypedPtr dup,
+                                      const Fp8Cast&, const Fp8Cast&) {
+  if (gate.bf16()) return false;
+  SwigluBackwardF32(dh.f(), gate.f(), up.f(), rows * cols, dgate.f(), dup.f());
+  return true;
+}
+
+bool CpuRefBackend::TryCrossEntropy(float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                    float grad_scale, float* losses, TypedPtr dlogits) {
+  if (!dlogits.null()) return false;
+  CrossEntropyF32(logits, targets, N, V, grad_scale, losses);
+  return true;
 }
 
 }  // namespace fsdp8

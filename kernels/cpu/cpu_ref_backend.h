@@ -79,75 +79,84 @@ class CpuRefBackend : public Backend {
 
   void SumSquares(const float* x, int64_t n, float* out) override;
 
-  // ---- the ops, each dispatching its variants (backend.h) ----
-  void CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale, Fp8Format fmt,
-               uint8_t* out, uint8_t* out_t = nullptr, float* amax_out = nullptr,
-               int64_t out_ld = 0) override;
-  void GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
-               Fp8Operand b, TypedPtr C, bool accumulate, const float* residual = nullptr) override;
-  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A, TypedCPtr B,
-            float* C, bool accumulate, GemmInputs inputs) override;
-  void RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
-                      float* rstd, const Fp8Cast& cast = {}) override;
-  void RmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd, int64_t N,
-                       int64_t C, float* dx, float* dw, const float* dres = nullptr,
-                       TypedCPtr dy_b = nullptr, TypedCPtr dy_c = nullptr) override;
-  void RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-                   int64_t ld = 0) override;
-  void RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-                    const Fp8Cast& cast = {}) override;
-  void AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T, int64_t H,
-                        int64_t Hkv, int64_t D, TypedPtr out, float* lse,
-                        const AttentionOptions& opts = {}) override;
-  void AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out, TypedCPtr dout,
-                         const float* lse, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                         TypedPtr dq, TypedPtr dk, TypedPtr dv,
-                         const AttentionOptions& opts = {}) override;
-  void SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols, int64_t in_ld,
-                     float* h, const Fp8Cast& cast = {}) override;
-  void SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
-                      int64_t in_ld, TypedPtr dgate, TypedPtr dup, const Fp8Cast& gate_cast = {},
-                      const Fp8Cast& up_cast = {}) override;
-  void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N, int64_t V,
-                                   float grad_scale, float* losses,
-                                   TypedPtr dlogits = nullptr) override;
   void AdamW(float* p, const float* g, TypedPtr m, TypedPtr v, int64_t n, float lr, float beta1,
              float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
              float* amax_out, uint16_t* p16_out) override;
 
  protected:
-  // The variants the ops above dispatch to.
-  void CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale, Fp8Format fmt,
-                 float* amax_out);
-  void CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
-                        Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out);
-  void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-               const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-               const float* b_scale_inv, float* C, bool accumulate);
-  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
-            const float* B, float* C, bool accumulate, GemmInputs inputs);
-  void RmsNormForwardF32(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
-                         float* rstd);
-  void RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
-                       int64_t N, int64_t C, float* dx, float* dw);
-  void RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta);
-  void RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta);
-  void AttentionForward(const float* q, const float* k, const float* v, int64_t B, int64_t T,
-                        int64_t H, int64_t Hkv, int64_t D, float* out, float* lse);
-  void AttentionBackward(const float* q, const float* k, const float* v, const float* out,
-                         const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
-                         int64_t Hkv, int64_t D, float* dq, float* dk, float* dv);
-  void SwigluForward(const float* gate, const float* up, int64_t n, float* h);
-  void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate,
-                      float* dup);
-  void CrossEntropyF32(float* logits, const int32_t* targets, int64_t N, int64_t V,
-                       float grad_scale, float* losses);
-  void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
-             float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
-             float* amax_out, uint16_t* p16_out);
-  void AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n, float lr,
-                        float beta1, float beta2, float eps, float weight_decay, int64_t step,
-                        float grad_scale, float* amax_out, uint16_t* p16_out);
+  // The hooks of the typed ops (backend.h): the f32 combinations through the f32 kernels below,
+  // every other one declined (the reference compositions).
+  bool TryCastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale, Fp8Format fmt,
+                  uint8_t* out, uint8_t* out_t, float* amax_out, int64_t out_ld) override;
+  bool TryGemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
+                  Fp8Operand b, TypedPtr C, bool accumulate, const float* residual) override;
+  bool TryGemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
+               TypedCPtr B, float* C, bool accumulate, GemmInputs inputs) override;
+  bool TryRmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
+                         float* rstd, const Fp8Cast& cast) override;
+  bool TryRmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd,
+                          int64_t N, int64_t C, float* dx, float* dw, const float* dres,
+                          TypedCPtr dy_b, TypedCPtr dy_c) override;
+  bool TryRopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                      int64_t ld) override;
+  bool TryRopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                       const Fp8Cast& cast) override;
+  bool TryAttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T, int64_t H,
+                           int64_t Hkv, int64_t D, TypedPtr out, float* lse,
+                           const AttentionOptions& opts) override;
+  bool TryAttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out, TypedCPtr dout,
+                            const float* lse, int64_t B, int64_t T, int64_t H, int64_t Hkv,
+                            int64_t D, TypedPtr dq, TypedPtr dk, TypedPtr dv,
+                            const AttentionOptions& opts) override;
+  bool TrySwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols, int64_t in_ld,
+                        float* h, const Fp8Cast& cast) override;
+  bool TrySwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
+                         int64_t in_ld, TypedPtr dgate, TypedPtr dup, const Fp8Cast& gate_cast,
+                         const Fp8Cast& up_cast) override;
+  bool TryCrossEntropy(float* logits, const int32_t* targets, int64_t N, int64_t V,
+                       float grad_scale, float* losses, TypedPtr dlogits) override;
+
+  // The f32 kernels (dense operands, n = rows * cols elements); the fast CPU backend overrides
+  // them. RopeF32 rotates by sign * angle (1: RopeForward, -1: RopeBackward).
+  virtual void CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale,
+                         Fp8Format fmt, float* amax_out);
+  virtual void CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
+                                Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out);
+  virtual void GemmF32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                       const float* A, const float* B, float* C, bool accumulate,
+                       GemmInputs inputs);
+  virtual void RmsNormForwardF32(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                                 float* y, float* rstd);
+  virtual void RmsNormBackwardF32(const float* dy, const float* x, const float* w,
+                                  const float* rstd, int64_t N, int64_t C, float* dx, float* dw);
+  virtual void RopeF32(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                       float sign);
+  virtual void AttentionForwardF32(const float* q, const float* k, const float* v, int64_t B,
+                                   int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
+                                   float* lse);
+  virtual void AttentionBackwardF32(const float* q, const float* k, const float* v,
+                                    const float* out, const float* dout, const float* lse,
+                                    int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                    float* dq, float* dk, float* dv);
+  virtual void SwigluForwardF32(const float* gate, const float* up, int64_t n, float* h);
+  virtual void SwigluBackwardF32(const float* dh, const float* gate, const float* up, int64_t n,
+                                 float* dgate, float* dup);
+  virtual void CrossEntropyF32(float* logits, const int32_t* targets, int64_t N, int64_t V,
+                               float grad_scale, float* losses);
+  // The host blocks behind Alloc and Free, of `rounded` bytes (whole 64-byte units, 64-byte
+  // aligned): taken from the C allocator and given back to it at once; the fast backend keeps
+  // freed blocks for reuse. TakeBlock returns nullptr when the host is out of memory.
+  virtual void* TakeBlock(size_t rounded);
+  virtual void GiveBlock(void* p, size_t rounded);
+
+ private:
+  // The FP8 GEMM in the TN layout (backend.h), f32 C.
+  void GemmFp8Tn(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+                 const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
+                 const float* b_scale_inv, float* C, bool accumulate);
+  void AdamWF32(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
+                float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
+                float* amax_out, uint16_t* p16_out);
 
  protected:
   // BackendOptions::cpu_fill_nan (FSDP8_CPU_FILL_NAN=1, set by the tests): fresh allocations read
@@ -166,7 +175,6 @@ class CpuRefBackend : public Backend {
   static constexpr int kScratchSlots = 6;
   // cos/sin tables (T, D/2) for RoPE, rebuilt when (T, D, theta) or the set frequencies change.
   void RopeTables(int64_t T, int64_t D, float theta);
-  void RopeApply(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta, float sign);
 
   std::unordered_map<void*, size_t> sizes_;
   int64_t allocated_ = 0;

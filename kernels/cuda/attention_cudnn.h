@@ -69,7 +69,6 @@ class CudnnAttention {
   static int64_t CompiledVersion();
 
   void set_deterministic_backward(bool on) { deterministic_ = on; }
-  bool deterministic_backward() const { return deterministic_; }
 
   // Builds (or finds) the forward and backward graphs of this shape; optional.
   bool Prepare(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, std::string* error);
@@ -87,9 +86,6 @@ class CudnnAttention {
                 int64_t Hkv, int64_t D, cudaStream_t stream, std::string* error,
                 int64_t q_ld = 0, int64_t kv_ld = 0);
 
-  // Bytes of the workspace buffer currently held (0 before the first call, and always 0 with
-  // set_workspace_allocator).
-  size_t workspace_bytes() const { return workspace_bytes_; }
   // Per-call workspaces from `alloc` (nullptr: out of memory), returned through `release` once
   // the call's work is enqueued on its stream; both must be ordered on that stream (e.g.
   // cudaMallocAsync / cudaFreeAsync on it).

@@ -482,11 +482,9 @@ void LaunchCastToFp8(const float* in, uint8_t* out, int64_t n, const float* scal
   const bool vec = (reinterpret_cast<uintptr_t>(in) % 16 == 0) &&
                    (reinterpret_cast<uintptr_t>(out) % 4 == 0);
   const int blocks = CastBlocks(vec ? CeilDiv(n, 4) : n);
-  if (fmt == Fp8Format::kE5M2) {
-    CastToFp8Kernel<true><<<blocks, kEltThreads, 0, stream>>>(in, out, n, scale, amax_out, vec);
-  } else {
-    CastToFp8Kernel<false><<<blocks, kEltThreads, 0, stream>>>(in, out, n, scale, amax_out, vec);
-  }
+  ForFormat(fmt, [&](auto e5m2) {
+    CastToFp8Kernel<decltype(e5m2)::value><<<blocks, kEltThreads, 0, stream>>>(in, out, n, scale, amax_out, vec);
+  });
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
@@ -509,11 +507,9 @@ void CastTransposeImpl(const Src& src, int64_t rows, int64_t cols, Fp8Format fmt
     out_t_vec = out_t_vec && reinterpret_cast<uintptr_t>(o.out_t[k]) % 16 == 0;
   }
   const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kTileCols)), static_cast<unsigned>(CeilDiv(rows, kTileRows)));
-  if (fmt == Fp8Format::kE5M2) {
-    CastTransposeKernel<true, Src><<<grid, kTileThreads, 0, stream>>>(src, rows, cols, o, row_vec, out_t_vec);
-  } else {
-    CastTransposeKernel<false, Src><<<grid, kTileThreads, 0, stream>>>(src, rows, cols, o, row_vec, out_t_vec);
-  }
+  ForFormat(fmt, [&](auto e5m2) {
+    CastTransposeKernel<decltype(e5m2)::value, Src><<<grid, kTileThreads, 0, stream>>>(src, rows, cols, o, row_vec, out_t_vec);
+  });
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
@@ -598,11 +594,9 @@ void LaunchCastToFp8Bf16(const uint16_t* in, uint8_t* out, int64_t n, const floa
   const bool vec = (reinterpret_cast<uintptr_t>(in) % 16 == 0) &&
                    (reinterpret_cast<uintptr_t>(out) % 8 == 0);
   const int blocks = CastBlocks(vec ? CeilDiv(n, 8) : n);
-  if (fmt == Fp8Format::kE5M2) {
-    CastBf16ToFp8Kernel<true><<<blocks, kEltThreads, 0, stream>>>(in, out, n, scale, amax_out, vec);
-  } else {
-    CastBf16ToFp8Kernel<false><<<blocks, kEltThreads, 0, stream>>>(in, out, n, scale, amax_out, vec);
-  }
+  ForFormat(fmt, [&](auto e5m2) {
+    CastBf16ToFp8Kernel<decltype(e5m2)::value><<<blocks, kEltThreads, 0, stream>>>(in, out, n, scale, amax_out, vec);
+  });
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
@@ -670,11 +664,9 @@ void LaunchTransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t
 void LaunchDequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
                          Fp8Format fmt, cudaStream_t stream) {
   if (n <= 0) return;
-  if (fmt == Fp8Format::kE5M2) {
-    DequantizeKernel<true><<<CastBlocks(n), kEltThreads, 0, stream>>>(in, out, n, scale_inv);
-  } else {
-    DequantizeKernel<false><<<CastBlocks(n), kEltThreads, 0, stream>>>(in, out, n, scale_inv);
-  }
+  ForFormat(fmt, [&](auto e5m2) {
+    DequantizeKernel<decltype(e5m2)::value><<<CastBlocks(n), kEltThreads, 0, stream>>>(in, out, n, scale_inv);
+  });
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 

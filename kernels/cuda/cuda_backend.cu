@@ -86,6 +86,24 @@ CudaBackend::~CudaBackend() {
 
 void CudaBackend::Bind() const { FSDP8_CUDA_CHECK(cudaSetDevice(device_)); }
 
+cuda::OpScope CudaBackend::Op(const char* name) {
+  Bind();
+  return cuda::OpScope(prof_.get(), name);
+}
+
+cuda::OpScope CudaBackend::Op(const char* name, int64_t M, int64_t N, int64_t K) {
+  Bind();
+  return cuda::OpScope(prof_.get(), name, M, N, K);
+}
+
+bool CudaBackend::EmptyGemm(int64_t M, int64_t N, int64_t K, float* C, bool accumulate) {
+  if (M > 0 && N > 0 && K > 0) return false;
+  if (M > 0 && N > 0 && !accumulate) {
+    FSDP8_CUDA_CHECK(cudaMemsetAsync(C, 0, sizeof(float) * M * N, stream_));
+  }
+  return true;
+}
+
 // ---- memory ------------------------------------------------------------------------------------
 
 void* CudaBackend::Alloc(size_t bytes) {
@@ -193,50 +211,31 @@ void* CudaBackend::Scratch(int i, size_t bytes) {
 
 // ---- FP8 ---------------------------------------------------------------------------------------
 
-void CudaBackend::CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale,
-                            Fp8Format fmt, float* amax_out) {
-  cuda::OpScope op_scope(prof_.get(), "CastToFp8");
-  Bind();
-  cuda::LaunchCastToFp8(in, out, n, scale, fmt, amax_out, stream_);
-}
-
-void CudaBackend::CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
-                                   Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out) {
-  cuda::OpScope op_scope(prof_.get(), "CastTransposeFp8");
-  Bind();
-  cuda::LaunchCastTransposeFp8(in, rows, cols, scale, fmt, out, out_t, amax_out, stream_);
-}
-
 void CudaBackend::TransposeBytes(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) {
-  cuda::OpScope op_scope(prof_.get(), "TransposeBytes");
-  Bind();
+  const auto op = Op("TransposeBytes");
   cuda::LaunchTransposeBytes(in, rows, cols, out, stream_);
 }
 
 void CudaBackend::DequantizeFp8(const uint8_t* in, float* out, int64_t n, const float* scale_inv,
                                 Fp8Format fmt) {
-  cuda::OpScope op_scope(prof_.get(), "DequantizeFp8");
-  Bind();
+  const auto op = Op("DequantizeFp8");
   cuda::LaunchDequantizeFp8(in, out, n, scale_inv, fmt, stream_);
 }
 
 void CudaBackend::Fp8ScalesFromAmax(const float* amax, int64_t n, float fp8_max, int margin,
                                     float* scale, float* scale_inv, int64_t stride) {
-  cuda::OpScope op_scope(prof_.get(), "Fp8ScalesFromAmax");
-  Bind();
+  const auto op = Op("Fp8ScalesFromAmax");
   FSDP8_CHECK(n >= 0 && stride >= 1 && margin >= 0) << "Fp8ScalesFromAmax: bad arguments";
   cuda::LaunchFp8ScalesFromAmax(amax, n, fp8_max, margin, scale, scale_inv, stride, stream_);
 }
 
 void CudaBackend::GroupMax(const float* in, const int32_t* group, int64_t n, float* out) {
-  cuda::OpScope op_scope(prof_.get(), "GroupMax");
-  Bind();
+  const auto op = Op("GroupMax");
   cuda::LaunchGroupMax(in, group, n, out, stream_);
 }
 
 void CudaBackend::AmaxAccumulate(const float* in, int64_t n, float* amax_out) {
-  cuda::OpScope op_scope(prof_.get(), "AmaxAccumulate");
-  Bind();
+  const auto op = Op("AmaxAccumulate");
   cuda::LaunchAmaxAccumulate(in, n, amax_out, stream_);
 }
 
@@ -245,64 +244,12 @@ cudaDataType_t Fp8Type(Fp8Format f) {
   return f == Fp8Format::kE5M2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
 }
 
-// cuBLASLt's view of our TN FP8 product C (M, N) = A (M, K) · B (N, K)^T (see gemm.h): cuBLASLt A
-// is our B, its B our A; fast_accum for the forward GEMMs (SetFp8FastAccumulation); c_type and
-// accumulate as the caller needs.
-cuda::LtProblem Fp8Problem(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-                           const uint8_t* B, Fp8Format b_fmt, const void* C, bool fast_accum) {
-  cuda::LtProblem p;
-  p.m = N;
-  p.n = M;
-  p.k = K;
-  p.trans_a = true;
-  p.trans_b = false;
-  p.a_type = Fp8Type(b_fmt);
-  p.b_type = Fp8Type(a_fmt);
-  p.lda = K;
-  p.ldb = K;
-  p.ldc = N;
-  p.scaled = true;
-  p.fast_accum = fast_accum;
-  p.align_a = cuda::PointerAlignment(B);
-  p.align_b = cuda::PointerAlignment(A);
-  p.align_c = cuda::PointerAlignment(C);
-  return p;
-}
-}  // namespace
-
-void CudaBackend::GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-                          const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-                          const float* b_scale_inv, float* C, bool accumulate) {
-  cuda::OpScope op_scope(prof_.get(), "GemmFp8", M, N, K);
-  Bind();
-  if (M <= 0 || N <= 0) return;
-  if (K <= 0) {
-    if (!accumulate) FSDP8_CUDA_CHECK(cudaMemsetAsync(C, 0, sizeof(float) * M * N, stream_));
-    return;
-  }
-  // See gemm.h: column-major D (N, M) = B_stored(K, N)^T · A_stored(K, M).
-  cuda::LtProblem p = Fp8Problem(M, N, K, A, a_fmt, B, b_fmt, C, fp8_fast_accum_);
-  p.accumulate = accumulate;
-  const bool both_e5m2 = a_fmt == Fp8Format::kE5M2 && b_fmt == Fp8Format::kE5M2;
-  if (!both_e5m2 && lt_->Run(p, B, A, C, b_scale_inv, a_scale_inv)) return;
-
-  // Fallback (shapes cuBLASLt FP8 refuses): exact decode, f32 GEMM, then the scales.
-  ++gemm_fp8_fallbacks_;
-  float* a32 = static_cast<float*>(Scratch(kSlotA, sizeof(float) * M * K));
-  float* b32 = static_cast<float*>(Scratch(kSlotB, sizeof(float) * N * K));
-  float* tmp = static_cast<float*>(Scratch(kSlotTmp, sizeof(float) * M * N));
-  cuda::LaunchDequantizeFp8(A, a32, M * K, nullptr, a_fmt, stream_);
-  cuda::LaunchDequantizeFp8(B, b32, N * K, nullptr, b_fmt, stream_);
-  Gemm(false, true, M, N, K, a32, b32, tmp, false, GemmInputs::kF32);
-  cuda::LaunchScaleAccumulate(tmp, a_scale_inv, b_scale_inv, C, M * N, accumulate, stream_);
-}
-
-namespace {
 // Backend::Gemm's row-major C (M, N) = op(A) op(B) as cuBLASLt's column-major problem
 // D (N, M) = op(B)^T · op(A)^T (gemm.h): our B (K, N) is stored col-major (N, K), no op, and
-// (N, K) takes op T; likewise A. Types and operand alignments are the caller's.
+// (N, K) takes op T; likewise A. cuBLASLt's A is our B, its B our A, both of `type`.
 cuda::LtProblem RowMajorProblem(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                                const float* C, bool accumulate) {
+                                const void* A, const void* B, const void* C, cudaDataType_t type,
+                                bool accumulate) {
   cuda::LtProblem p;
   p.m = N;
   p.n = M;
@@ -313,101 +260,113 @@ cuda::LtProblem RowMajorProblem(bool trans_a, bool trans_b, int64_t M, int64_t N
   p.ldb = trans_a ? M : K;
   p.ldc = N;
   p.accumulate = accumulate;
+  p.a_type = type;
+  p.b_type = type;
+  p.align_a = cuda::PointerAlignment(B);
+  p.align_b = cuda::PointerAlignment(A);
   p.align_c = cuda::PointerAlignment(C);
+  return p;
+}
+
+// Our TN FP8 product C (M, N) = A (M, K) · B (N, K)^T (see gemm.h); fast_accum for the forward
+// GEMMs (SetFp8FastAccumulation); c_type and accumulate as the caller needs.
+cuda::LtProblem Fp8Problem(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
+                           const uint8_t* B, Fp8Format b_fmt, const void* C, bool fast_accum) {
+  cuda::LtProblem p = RowMajorProblem(false, true, M, N, K, A, B, C, Fp8Type(b_fmt), false);
+  p.b_type = Fp8Type(a_fmt);
+  p.scaled = true;
+  p.fast_accum = fast_accum;
   return p;
 }
 }  // namespace
 
-void CudaBackend::GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                           const uint16_t* A16, const uint16_t* B16, float* C, bool accumulate) {
-  cuda::OpScope op_scope(prof_.get(), "GemmBf16", M, N, K);
-  Bind();
-  if (M <= 0 || N <= 0) return;
-  if (K <= 0) {
-    if (!accumulate) FSDP8_CUDA_CHECK(cudaMemsetAsync(C, 0, sizeof(float) * M * N, stream_));
-    return;
-  }
-  // As Gemm's bf16 path, without the packs.
-  cuda::LtProblem p = RowMajorProblem(trans_a, trans_b, M, N, K, C, accumulate);
-  p.a_type = CUDA_R_16BF;
-  p.b_type = CUDA_R_16BF;
-  p.align_a = cuda::PointerAlignment(B16);
-  p.align_b = cuda::PointerAlignment(A16);
-  if (lt_->Run(p, B16, A16, C, nullptr, nullptr)) return;
-  // No bf16 algorithm for this shape: the same values in f32 (bf16 values are exact in f32).
-  Backend::Gemm(trans_a, trans_b, M, N, K, A16, B16, C, accumulate, GemmInputs::kBF16);
+void CudaBackend::GemmFp8Tn(int64_t M, int64_t N, int64_t K, Fp8Operand a, Fp8Operand b, float* C,
+                            bool accumulate) {
+  const auto op = Op("GemmFp8", M, N, K);
+  if (EmptyGemm(M, N, K, C, accumulate)) return;
+  // See gemm.h: column-major D (N, M) = B_stored(K, N)^T · A_stored(K, M).
+  cuda::LtProblem p = Fp8Problem(M, N, K, a.codes, a.fmt, b.codes, b.fmt, C, fp8_fast_accum_);
+  p.accumulate = accumulate;
+  const bool both_e5m2 = a.fmt == Fp8Format::kE5M2 && b.fmt == Fp8Format::kE5M2;
+  if (!both_e5m2 && lt_->Run(p, b.codes, a.codes, C, b.scale_inv, a.scale_inv)) return;
+
+  // Fallback (shapes cuBLASLt FP8 refuses): exact decode, f32 GEMM, then the scales.
+  ++gemm_fp8_fallbacks_;
+  float* a32 = static_cast<float*>(Scratch(kSlotA, sizeof(float) * M * K));
+  float* b32 = static_cast<float*>(Scratch(kSlotB, sizeof(float) * N * K));
+  float* tmp = static_cast<float*>(Scratch(kSlotTmp, sizeof(float) * M * N));
+  cuda::LaunchDequantizeFp8(a.codes, a32, M * K, nullptr, a.fmt, stream_);
+  cuda::LaunchDequantizeFp8(b.codes, b32, N * K, nullptr, b.fmt, stream_);
+  GemmF32(false, true, M, N, K, a32, b32, tmp, false, GemmInputs::kF32);
+  cuda::LaunchScaleAccumulate(tmp, a.scale_inv, b.scale_inv, C, M * N, accumulate, stream_);
 }
 
-void CudaBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
-                       const float* B, float* C, bool accumulate, GemmInputs inputs) {
-  cuda::OpScope op_scope(prof_.get(), "Gemm", M, N, K);
-  Bind();
-  if (M <= 0 || N <= 0) return;
-  if (K <= 0) {
-    if (!accumulate) FSDP8_CUDA_CHECK(cudaMemsetAsync(C, 0, sizeof(float) * M * N, stream_));
-    return;
-  }
+bool CudaBackend::GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                           const uint16_t* A16, const uint16_t* B16, float* C, bool accumulate) {
+  const auto op = Op("GemmBf16", M, N, K);
+  if (EmptyGemm(M, N, K, C, accumulate)) return true;
+  const cuda::LtProblem p =
+      RowMajorProblem(trans_a, trans_b, M, N, K, A16, B16, C, CUDA_R_16BF, accumulate);
+  // false: no bf16 algorithm for this shape (the reference: the same values in f32, exactly).
+  return lt_->Run(p, B16, A16, C, nullptr, nullptr);
+}
+
+void CudaBackend::GemmF32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                          const float* A, const float* B, float* C, bool accumulate,
+                          GemmInputs inputs) {
+  const auto op = Op("Gemm", M, N, K);
+  if (EmptyGemm(M, N, K, C, accumulate)) return;
   if (inputs == GemmInputs::kBF16) {
-    // The inputs rounded to bf16 once, then the bf16-operand GEMM (and its f32 fallback).
+    // The inputs rounded to bf16 once, then the bf16-operand GEMM (or its reference).
     uint16_t* a16 = static_cast<uint16_t*>(Scratch(kSlotA, sizeof(uint16_t) * M * K));
     uint16_t* b16 = static_cast<uint16_t*>(Scratch(kSlotB, sizeof(uint16_t) * N * K));
     cuda::LaunchPackBf16(A, a16, M * K, stream_);
     cuda::LaunchPackBf16(B, b16, N * K, stream_);
-    GemmBf16(trans_a, trans_b, M, N, K, a16, b16, C, accumulate);
+    Gemm(trans_a, trans_b, M, N, K, a16, b16, C, accumulate, GemmInputs::kBF16);
     return;
   }
-  cuda::LtProblem p = RowMajorProblem(trans_a, trans_b, M, N, K, C, accumulate);
-  p.a_type = CUDA_R_32F;
-  p.b_type = CUDA_R_32F;
-  p.align_a = cuda::PointerAlignment(B);
-  p.align_b = cuda::PointerAlignment(A);
+  const cuda::LtProblem p =
+      RowMajorProblem(trans_a, trans_b, M, N, K, A, B, C, CUDA_R_32F, accumulate);
   const bool ok = lt_->Run(p, B, A, C, nullptr, nullptr);
   FSDP8_CHECK(ok) << "cuBLASLt has no f32 algorithm for this GEMM";
 }
 
 void CudaBackend::RoundToBf16(float* x, int64_t n) {
-  cuda::OpScope op_scope(prof_.get(), "RoundToBf16");
-  Bind();
+  const auto op = Op("RoundToBf16");
   cuda::LaunchRoundToBf16(x, n, stream_);
 }
 
 void CudaBackend::PackBf16(const float* in, uint16_t* out, int64_t n) {
-  cuda::OpScope op_scope(prof_.get(), "PackBf16");
-  Bind();
+  const auto op = Op("PackBf16");
   cuda::LaunchPackBf16(in, out, n, stream_);
 }
 
 void CudaBackend::UnpackBf16(const uint16_t* in, float* out, int64_t n) {
-  cuda::OpScope op_scope(prof_.get(), "UnpackBf16");
-  Bind();
+  const auto op = Op("UnpackBf16");
   cuda::LaunchUnpackBf16(in, out, n, stream_);
 }
 
 // ---- elementwise and layers ----------------------------------------------------------------------
 
 void CudaBackend::Add(const float* a, const float* b, float* out, int64_t n) {
-  cuda::OpScope op_scope(prof_.get(), "Add");
-  Bind();
+  const auto op = Op("Add");
   cuda::LaunchAdd(a, b, out, n, stream_);
 }
 
 void CudaBackend::Axpy(float alpha, const float* x, float* y, int64_t n) {
-  cuda::OpScope op_scope(prof_.get(), "Axpy");
-  Bind();
+  const auto op = Op("Axpy");
   cuda::LaunchAxpy(alpha, x, y, n, stream_);
 }
 
 void CudaBackend::EmbeddingForward(const int32_t* tokens, int64_t N, const float* table, int64_t C,
                                    float* out) {
-  cuda::OpScope op_scope(prof_.get(), "EmbeddingForward");
-  Bind();
+  const auto op = Op("EmbeddingForward");
   cuda::LaunchEmbeddingForward(tokens, N, table, C, out, stream_);
 }
 
 void CudaBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const float* dout, int64_t C,
                                     float* dtable) {
-  cuda::OpScope op_scope(prof_.get(), "EmbeddingBackward");
-  Bind();
+  const auto op = Op("EmbeddingBackward");
   if (N <= 0 || C <= 0) return;
   int64_t V = static_cast<int64_t>(BytesToEndOfAllocation(dtable) / (sizeof(float) * C));
   if (V <= 0) {
@@ -419,58 +378,6 @@ void CudaBackend::EmbeddingBackward(const int32_t* tokens, int64_t N, const floa
     V = static_cast<int64_t>(mx) + 1;
   }
   cuda::LaunchEmbeddingBackward(tokens, N, dout, C, dtable, V, stream_);
-}
-
-void CudaBackend::RmsNormForwardF32(const float* x, const float* w, float eps, int64_t N, int64_t C,
-                                    float* y, float* rstd) {
-  cuda::OpScope op_scope(prof_.get(), "RmsNormForward");
-  Bind();
-  cuda::LaunchRmsNormForward(x, w, eps, N, C, y, rstd, stream_);
-}
-
-void CudaBackend::RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
-                                  int64_t N, int64_t C, float* dx, float* dw) {
-  cuda::OpScope op_scope(prof_.get(), "RmsNormBackward");
-  Bind();
-  float* partials = static_cast<float*>(
-      Scratch(kSlotPartials, sizeof(float) * cuda::RmsNormBackwardScratchFloats(N, C)));
-  cuda::LaunchRmsNormBackward(dy, x, w, rstd, N, C, dx, dw, partials, stream_);
-}
-
-void CudaBackend::RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C,
-                                 float* rstd, const float* scale, Fp8Format fmt, uint8_t* out,
-                                 float* amax_out) {
-  cuda::OpScope op_scope(prof_.get(), "RmsNormCastFp8");
-  Bind();
-  cuda::LaunchRmsNormCastFp8(x, w, eps, N, C, rstd, scale, fmt, out, amax_out, stream_);
-}
-
-void CudaBackend::RmsNormBackwardAdd(const float* dy, const float* x, const float* w,
-                                     const float* rstd, const float* dres, int64_t N, int64_t C,
-                                     float* dx, float* dw) {
-  cuda::OpScope op_scope(prof_.get(), "RmsNormBackwardAdd");
-  Bind();
-  float* partials = static_cast<float*>(
-      Scratch(kSlotPartials, sizeof(float) * cuda::RmsNormBackwardScratchFloats(N, C)));
-  cuda::LaunchRmsNormBackward(dy, x, w, rstd, N, C, dx, dw, partials, stream_, dres);
-}
-
-void CudaBackend::RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b,
-                                              const uint16_t* dy_c, const float* x,
-                                              const float* w, const float* rstd,
-                                              const float* dres, int64_t N, int64_t C, float* dx,
-                                              float* dw) {
-  {
-    cuda::OpScope op_scope(prof_.get(), "RmsNormBackwardAddBf16Parts");
-    Bind();
-    float* partials = static_cast<float*>(
-        Scratch(kSlotPartials, sizeof(float) * cuda::RmsNormBackwardScratchFloats(N, C)));
-    if (cuda::LaunchRmsNormBackwardBf16Parts(dy_a, dy_b, dy_c, x, w, rstd, N, C, dx, dw, partials,
-                                             stream_, dres)) {
-      return;
-    }
-  }
-  Backend::RmsNormBackward(dy_a, x, w, rstd, N, C, dx, dw, dres, dy_b, dy_c);
 }
 
 void CudaBackend::EnsureRopeTable(int64_t T, int64_t D, float theta) {
@@ -508,252 +415,7 @@ void CudaBackend::EnsureRopeTable(int64_t T, int64_t D, float theta) {
   rope_theta_ = theta;
 }
 
-void CudaBackend::RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
-  cuda::OpScope op_scope(prof_.get(), "RopeForward");
-  Bind();
-  EnsureRopeTable(T, D, theta);
-  cuda::LaunchRopeApply(x, B, T, H, D, rope_table_, 1.0f, stream_);
-}
-
-void CudaBackend::RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta) {
-  cuda::OpScope op_scope(prof_.get(), "RopeBackward");
-  Bind();
-  EnsureRopeTable(T, D, theta);
-  cuda::LaunchRopeApply(dx, B, T, H, D, rope_table_, -1.0f, stream_);
-}
-
-void CudaBackend::AttentionForward(const float* q, const float* k, const float* v, int64_t B,
-                                   int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
-                                   float* lse) {
-  cuda::OpScope op_scope(prof_.get(), "AttentionForward");
-  Bind();
-  cuda::LaunchAttentionForward(q, k, v, B, T, H, Hkv, D, out, lse, stream_);
-}
-
-void CudaBackend::AttentionBackward(const float* q, const float* k, const float* v, const float* out,
-                                    const float* dout, const float* lse, int64_t B, int64_t T,
-                                    int64_t H, int64_t Hkv, int64_t D, float* dq, float* dk,
-                                    float* dv) {
-  cuda::OpScope op_scope(prof_.get(), "AttentionBackward");
-  Bind();
-  float* delta = static_cast<float*>(Scratch(kSlotDelta, sizeof(float) * B * H * T));
-  cuda::LaunchAttentionBackward(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv, delta, stream_);
-}
-
-void CudaBackend::AttentionForwardBf16Compute(const float* q, const float* k, const float* v,
-                                              int64_t B, int64_t T, int64_t H, int64_t Hkv,
-                                              int64_t D, float* out, float* lse) {
-  cuda::OpScope op_scope(prof_.get(), "AttentionForwardBf16Compute");
-#ifdef FSDP8_WITH_CUDNN
-  if (CudnnAttentionUsable(D)) {
-    Bind();
-    const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
-    auto* q16 = static_cast<uint16_t*>(Alloc(nq * 2));
-    auto* k16 = static_cast<uint16_t*>(Alloc(nk * 2));
-    auto* v16 = static_cast<uint16_t*>(Alloc(nk * 2));
-    auto* o16 = static_cast<uint16_t*>(Alloc(nq * 2));
-    if (!(q16 && k16 && v16 && o16)) {  // out of memory: give back what was taken
-      for (void* p : {static_cast<void*>(q16), static_cast<void*>(k16), static_cast<void*>(v16),
-                      static_cast<void*>(o16)})
-        if (p != nullptr) Free(p);
-      throw std::bad_alloc();
-    }
-    PackBf16(q, q16, nq);
-    PackBf16(k, k16, nk);
-    PackBf16(v, v16, nk);
-    std::string err;
-    const bool ok = cudnn_->Forward(q16, k16, v16, o16, lse, B, T, H, Hkv, D, stream_, &err);
-    if (ok) UnpackBf16(o16, out, nq);
-    for (void* p : {static_cast<void*>(q16), static_cast<void*>(k16), static_cast<void*>(v16),
-                    static_cast<void*>(o16)}) {
-      Free(p);
-    }
-    if (ok) return;
-    CudnnRefused(err);
-  }
-#endif
-  Backend::AttentionForward(q, k, v, B, T, H, Hkv, D, out, lse, AttentionOptions{true});
-}
-
-void CudaBackend::AttentionBackwardBf16Compute(const float* q, const float* k, const float* v,
-                                               const float* out, const float* dout,
-                                               const float* lse, int64_t B, int64_t T, int64_t H,
-                                               int64_t Hkv, int64_t D, float* dq, float* dk,
-                                               float* dv) {
-  cuda::OpScope op_scope(prof_.get(), "AttentionBackwardBf16Compute");
-#ifdef FSDP8_WITH_CUDNN
-  if (CudnnAttentionUsable(D)) {
-    // Round the operands to bf16 once and take the saved-activation path (same cuDNN call).
-    Bind();
-    const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
-    auto* buf = static_cast<uint16_t*>(Alloc((2 * nq + 2 * nk) * 2));  // q, o (nq); k, v (nk)
-    if (buf == nullptr) throw std::bad_alloc();  // out of memory (backend.h, Errors)
-    uint16_t *q16 = buf, *o16 = q16 + nq, *k16 = o16 + nq, *v16 = k16 + nk;
-    PackBf16(q, q16, nq);
-    PackBf16(k, k16, nk);
-    PackBf16(v, v16, nk);
-    PackBf16(out, o16, nq);  // exact: out holds the forward's bf16 output
-    AttentionBackwardBf16Saved(q16, k16, v16, o16, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
-    Free(buf);
-    return;
-  }
-#endif
-  Backend::AttentionBackward(q, k, v, out, dout, lse, B, T, H, Hkv, D, dq, dk, dv,
-                             AttentionOptions{true});
-}
-
-void CudaBackend::AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t* k16,
-                                             const uint16_t* v16, const uint16_t* out16,
-                                             const float* dout, const float* lse, int64_t B,
-                                             int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                             float* dq, float* dk, float* dv) {
-  cuda::OpScope op_scope(prof_.get(), "AttentionBackwardBf16Saved");
-#ifdef FSDP8_WITH_CUDNN
-  if (CudnnAttentionUsable(D)) {
-    Bind();
-    const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
-    // do, dq (nq) and dk, dv (nk) in bf16.
-    auto* buf = static_cast<uint16_t*>(Alloc((2 * nq + 2 * nk) * 2));
-    if (buf == nullptr) throw std::bad_alloc();  // out of memory (backend.h, Errors)
-    uint16_t *do16 = buf, *dq16 = do16 + nq, *dk16 = dq16 + nq, *dv16 = dk16 + nk;
-    PackBf16(dout, do16, nq);
-    std::string err;
-    const bool ok = cudnn_->Backward(q16, k16, v16, out16, do16, lse, dq16, dk16, dv16, B, T, H,
-                                     Hkv, D, stream_, &err);
-    if (ok) {
-      UnpackBf16(dq16, dq, nq);
-      UnpackBf16(dk16, dk, nk);
-      UnpackBf16(dv16, dv, nk);
-    }
-    Free(buf);
-    if (ok) return;
-    CudnnRefused(err);
-  }
-#endif
-  Backend::AttentionBackward(q16, k16, v16, out16, dout, lse, B, T, H, Hkv, D, dq, dk, dv,
-                             AttentionOptions{true});
-}
-
-void CudaBackend::SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16,
-                                          const uint16_t* up16, int64_t n, float* dgate,
-                                          float* dup) {
-  cuda::OpScope op_scope(prof_.get(), "SwigluBackwardBf16Saved");
-  Bind();
-  cuda::LaunchSwigluBackwardBf16Saved(dh, gate16, up16, n, dgate, dup, stream_);
-}
-
-void CudaBackend::SwigluForward(const float* gate, const float* up, int64_t n, float* h) {
-  cuda::OpScope op_scope(prof_.get(), "SwigluForward");
-  Bind();
-  cuda::LaunchSwigluForward(gate, up, n, h, stream_);
-}
-
-void CudaBackend::SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n,
-                                 float* dgate, float* dup) {
-  cuda::OpScope op_scope(prof_.get(), "SwigluBackward");
-  Bind();
-  cuda::LaunchSwigluBackward(dh, gate, up, n, dgate, dup, stream_);
-}
-
-void CudaBackend::CrossEntropyForwardBackwardBf16Grad(const float* logits, const int32_t* targets,
-                                                      int64_t N, int64_t V, float grad_scale,
-                                                      float* losses, uint16_t* dlogits16) {
-  cuda::OpScope op_scope(prof_.get(), "CrossEntropyForwardBackwardBf16Grad");
-  Bind();
-  cuda::LaunchCrossEntropyBf16Grad(logits, targets, N, V, grad_scale, losses, dlogits16, stream_);
-}
-
-void CudaBackend::CrossEntropyF32(float* logits, const int32_t* targets, int64_t N, int64_t V,
-                                  float grad_scale, float* losses) {
-  cuda::OpScope op_scope(prof_.get(), "CrossEntropyForwardBackward");
-  Bind();
-  cuda::LaunchCrossEntropy(logits, targets, N, V, grad_scale, losses, stream_);
-}
-
 // ---- bfloat16 activations -------------------------------------------------------------------------
-
-void CudaBackend::GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint8_t* A,
-                                     Fp8Format a_fmt, const float* a_scale_inv, const uint8_t* B,
-                                     Fp8Format b_fmt, const float* b_scale_inv, const float* R,
-                                     float* D) {
-  cuda::OpScope op_scope(prof_.get(), "GemmFp8AddResidual", M, N, K);
-  Bind();
-  if (M <= 0 || N <= 0) return;
-  const bool both_e5m2 = a_fmt == Fp8Format::kE5M2 && b_fmt == Fp8Format::kE5M2;
-  if (K > 0 && !both_e5m2 && cuda::PointerAlignment(R) >= cuda::PointerAlignment(D)) {
-    // Accumulating, C = R.
-    cuda::LtProblem p = Fp8Problem(M, N, K, A, a_fmt, B, b_fmt, D, fp8_fast_accum_);
-    p.accumulate = true;
-    if (lt_->Run(p, B, A, D, b_scale_inv, a_scale_inv, R)) return;
-  }
-  Backend::GemmFp8(false, true, M, N, K, {A, a_fmt, a_scale_inv}, {B, b_fmt, b_scale_inv}, D, false,
-                   R);
-}
-
-void CudaBackend::GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-                              const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-                              const float* b_scale_inv, uint16_t* C16) {
-  cuda::OpScope op_scope(prof_.get(), "GemmFp8Bf16", M, N, K);
-  Bind();
-  if (M <= 0 || N <= 0) return;
-  const bool both_e5m2 = a_fmt == Fp8Format::kE5M2 && b_fmt == Fp8Format::kE5M2;
-  if (K > 0 && !both_e5m2) {
-    cuda::LtProblem p = Fp8Problem(M, N, K, A, a_fmt, B, b_fmt, C16, fp8_fast_accum_);
-    p.c_type = CUDA_R_16BF;
-    if (lt_->Run(p, B, A, C16, b_scale_inv, a_scale_inv)) return;
-  }
-  Backend::GemmFp8(false, true, M, N, K, {A, a_fmt, a_scale_inv}, {B, b_fmt, b_scale_inv}, C16,
-                   false);
-}
-
-void CudaBackend::CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, const float* scale,
-                                Fp8Format fmt, float* amax_out) {
-  cuda::OpScope op_scope(prof_.get(), "CastToFp8Bf16");
-  Bind();
-  cuda::LaunchCastToFp8Bf16(in16, out, n, scale, fmt, amax_out, stream_);
-}
-
-void CudaBackend::CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t cols,
-                                       const float* scale, Fp8Format fmt, uint8_t* out,
-                                       uint8_t* out_t, float* amax_out, int64_t out_ld) {
-  cuda::OpScope op_scope(prof_.get(), "CastTransposeFp8Bf16");
-  Bind();
-  cuda::LaunchCastTransposeFp8Bf16(in16, rows, cols, scale, fmt, out, out_t, amax_out, out_ld,
-                                   stream_);
-}
-
-void CudaBackend::RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D,
-                                  float theta, int64_t ld) {
-  cuda::OpScope op_scope(prof_.get(), "RopeForwardBf16");
-  Bind();
-  EnsureRopeTable(T, D, theta);
-  cuda::LaunchRopeApplyBf16(x16, B, T, H, D, ld, rope_table_, 1.0f, stream_);
-}
-
-void CudaBackend::RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D,
-                                   float theta) {
-  cuda::OpScope op_scope(prof_.get(), "RopeBackwardBf16");
-  Bind();
-  EnsureRopeTable(T, D, theta);
-  cuda::LaunchRopeApplyBf16(dx16, B, T, H, D, H * D, rope_table_, -1.0f, stream_);
-}
-
-void CudaBackend::RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T,
-                                                   int64_t H, int64_t D, float theta,
-                                                   const float* scale, Fp8Format fmt, uint8_t* out,
-                                                   uint8_t* out_t, float* amax_out,
-                                                   int64_t out_ld) {
-  if (D % 8 != 0 || reinterpret_cast<uintptr_t>(dx16) % 8 != 0) {  // the unfused reference
-    Backend::RopeBackward(const_cast<uint16_t*>(dx16), B, T, H, D, theta,
-                          Fp8Cast{scale, fmt, out, out_t, amax_out, out_ld});
-    return;
-  }
-  cuda::OpScope op_scope(prof_.get(), "RopeBackwardCastTransposeFp8Bf16");
-  Bind();
-  EnsureRopeTable(T, D, theta);
-  cuda::LaunchRopeBackwardCastTransposeFp8Bf16(dx16, B, T, H, D, rope_table_, scale, fmt, out,
-                                               out_t, amax_out, out_ld, stream_);
-}
 
 #ifdef FSDP8_WITH_CUDNN
 void CudaBackend::CudnnRefused(const std::string& err) {
@@ -772,117 +434,13 @@ bool CudaBackend::CudnnAttentionUsable(int64_t D) const {
 #endif
 }
 
-void CudaBackend::AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16,
-                                             const uint16_t* v16, int64_t B, int64_t T, int64_t H,
-                                             int64_t Hkv, int64_t D, uint16_t* out16, float* lse,
-                                             int64_t q_ld, int64_t kv_ld) {
-  cuda::OpScope op_scope(prof_.get(), "AttentionForwardBf16Packed");
-#ifdef FSDP8_WITH_CUDNN
-  if (CudnnAttentionUsable(D)) {
-    Bind();
-    std::string err;
-    if (cudnn_->Forward(q16, k16, v16, out16, lse, B, T, H, Hkv, D, stream_, &err, q_ld, kv_ld)) {
-      return;
-    }
-    CudnnRefused(err);
-  }
-#endif
-  Backend::AttentionForward(q16, k16, v16, B, T, H, Hkv, D, out16, lse,
-                            AttentionOptions{true, q_ld, kv_ld});
-}
-
-void CudaBackend::AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16,
-                                                 const uint16_t* v16, const uint16_t* out16,
-                                                 const uint16_t* dout16, const float* lse, int64_t B,
-                                                 int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                                 uint16_t* dq16, uint16_t* dk16, uint16_t* dv16,
-                                                 int64_t q_ld, int64_t kv_ld) {
-  cuda::OpScope op_scope(prof_.get(), "AttentionBackwardBf16SavedTo16");
-#ifdef FSDP8_WITH_CUDNN
-  if (CudnnAttentionUsable(D)) {
-    Bind();
-    std::string err;
-    if (cudnn_->Backward(q16, k16, v16, out16, dout16, lse, dq16, dk16, dv16, B, T, H, Hkv, D,
-                         stream_, &err, q_ld, kv_ld)) {
-      return;
-    }
-    CudnnRefused(err);
-  }
-#endif
-  Backend::AttentionBackward(q16, k16, v16, out16, dout16, lse, B, T, H, Hkv, D, dq16, dk16, dv16,
-                             AttentionOptions{true, q_ld, kv_ld});
-}
-
-void CudaBackend::SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
-                                int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
-                                uint8_t* out, float* amax_out) {
-  cuda::OpScope op_scope(prof_.get(), "SwigluCastFp8");
-  Bind();
-  cuda::LaunchSwigluCastFp8(gate16, up16, rows, cols, in_ld, scale, fmt, out, amax_out, stream_);
-}
-
-void CudaBackend::SwigluCastTransposeFp8(const uint16_t* gate16, const uint16_t* up16,
-                                         int64_t rows, int64_t cols, int64_t in_ld,
-                                         const float* scale, Fp8Format fmt, uint8_t* out,
-                                         uint8_t* out_t, float* amax_out) {
-  cuda::OpScope op_scope(prof_.get(), "SwigluCastTransposeFp8");
-  Bind();
-  cuda::LaunchSwigluCastTransposeFp8(gate16, up16, rows, cols, in_ld, scale, fmt, out, out_t,
-                                     amax_out, stream_);
-}
-
-void CudaBackend::SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16,
-                                         const uint16_t* up16, int64_t n, uint16_t* dgate16,
-                                         uint16_t* dup16) {
-  cuda::OpScope op_scope(prof_.get(), "SwigluBackwardBf16To16");
-  Bind();
-  cuda::LaunchSwigluBackwardBf16To16(dh16, gate16, up16, n, dgate16, dup16, stream_);
-}
-
-void CudaBackend::SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* gate16,
-                                                 const uint16_t* up16, int64_t rows, int64_t cols,
-                                                 const float* scale_gate, const float* scale_up,
-                                                 Fp8Format fmt, uint8_t* dgate8, uint8_t* dgate8_t,
-                                                 uint8_t* dup8, uint8_t* dup8_t, float* amax_gate,
-                                                 float* amax_up, int64_t out_ld, int64_t in_ld) {
-  cuda::OpScope op_scope(prof_.get(), "SwigluBackwardCastTransposeFp8");
-  Bind();
-  cuda::LaunchSwigluBackwardCastTransposeFp8(dh16, gate16, up16, rows, cols, scale_gate, scale_up,
-                                             fmt, dgate8, dgate8_t, dup8, dup8_t, amax_gate,
-                                             amax_up, out_ld, in_ld, stream_);
-}
-
 // ---- optimizer -----------------------------------------------------------------------------------
 
 void CudaBackend::SumSquares(const float* x, int64_t n, float* out) {
-  cuda::OpScope op_scope(prof_.get(), "SumSquares");
-  Bind();
+  const auto op = Op("SumSquares");
   double* partials = static_cast<double*>(
       Scratch(kSlotMisc, sizeof(double) * cuda::SumSquaresScratchDoubles()));
   cuda::LaunchSumSquares(x, n, out, partials, stream_);
-}
-
-void CudaBackend::AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr,
-                        float beta1, float beta2, float eps, float weight_decay, int64_t step,
-                        float grad_scale, float* amax_out, uint16_t* p16_out) {
-  cuda::OpScope op_scope(prof_.get(), "AdamW");
-  Bind();
-  const auto [decay, w1, w2, step_size, bc2_sqrt] =
-      AdamWHostScalarsFor(lr, beta1, beta2, weight_decay, step);
-  cuda::LaunchAdamW(p, g, m, v, n, decay, beta2, w1, w2, step_size, bc2_sqrt, eps, grad_scale,
-                    amax_out, p16_out, stream_);
-}
-
-void CudaBackend::AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16,
-                                   int64_t n, float lr, float beta1, float beta2, float eps,
-                                   float weight_decay, int64_t step, float grad_scale,
-                                   float* amax_out, uint16_t* p16_out) {
-  cuda::OpScope op_scope(prof_.get(), "AdamWBf16Moments");
-  Bind();
-  const auto [decay, w1, w2, step_size, bc2_sqrt] =
-      AdamWHostScalarsFor(lr, beta1, beta2, weight_decay, step);
-  cuda::LaunchAdamWBf16Moments(p, g, m16, v16, n, decay, beta2, w1, w2, step_size, bc2_sqrt, eps,
-                               grad_scale, amax_out, p16_out, stream_);
 }
 
 // ---- factory -------------------------------------------------------------------------------------
@@ -951,175 +509,280 @@ std::unique_ptr<Backend> CreateCudaBackend(int device, std::string* error,
   return std::make_unique<CudaBackend>(device, options);
 }
 
-// ---- the ops: each variant to its kernel (the declarations' order of cuda_backend.h) ----------
+// ---- the typed ops' hooks (backend.h): each combination to its kernel ---------------------------
 
-namespace {
-int64_t LdOr(int64_t ld, int64_t dense) { return ld == 0 ? dense : ld; }
-}  // namespace
-
-void CudaBackend::CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale,
-                          Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
-                          int64_t out_ld) {
-  out_ld = LdOr(out_ld, cols);
-  if (in.bf16()) {
-    if (out_t == nullptr && out_ld == cols) {
-      return CastToFp8Bf16(in.h(), out, rows * cols, scale, fmt, amax_out);
-    }
-    return CastTransposeFp8Bf16(in.h(), rows, cols, scale, fmt, out, out_t, amax_out, out_ld);
+bool CudaBackend::TryCastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale,
+                             Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
+                             int64_t out_ld) {
+  if (in.bf16() && (out_t != nullptr || out_ld != cols)) {
+    const auto op = Op("CastTransposeFp8Bf16");
+    cuda::LaunchCastTransposeFp8Bf16(in.h(), rows, cols, scale, fmt, out, out_t, amax_out, out_ld,
+                                     stream_);
+  } else if (in.bf16()) {
+    const auto op = Op("CastToFp8Bf16");
+    cuda::LaunchCastToFp8Bf16(in.h(), out, rows * cols, scale, fmt, amax_out, stream_);
+  } else if (out_t != nullptr) {
+    const auto op = Op("CastTransposeFp8");
+    cuda::LaunchCastTransposeFp8(in.f(), rows, cols, scale, fmt, out, out_t, amax_out, stream_);
+  } else {
+    const auto op = Op("CastToFp8");
+    cuda::LaunchCastToFp8(in.f(), out, rows * cols, scale, fmt, amax_out, stream_);
   }
-  FSDP8_CHECK(out_ld == cols) << "CastFp8: f32 input takes dense codes";
-  if (out_t == nullptr) return CastToFp8(in.f(), out, rows * cols, scale, fmt, amax_out);
-  CastTransposeFp8(in.f(), rows, cols, scale, fmt, out, out_t, amax_out);
+  return true;
 }
 
-void CudaBackend::GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
-                          Fp8Operand b, TypedPtr C, bool accumulate, const float* residual) {
-  const bool tn = !trans_a && trans_b;
-  if (C.bf16()) {
-    FSDP8_CHECK(tn && !accumulate && residual == nullptr)
-        << "GemmFp8: bf16 C takes the TN layout, without accumulation or residual";
-    return GemmFp8Bf16(M, N, K, a.codes, a.fmt, a.scale_inv, b.codes, b.fmt, b.scale_inv, C.h());
+bool CudaBackend::TryGemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                             Fp8Operand a, Fp8Operand b, TypedPtr C, bool accumulate,
+                             const float* residual) {
+  if (trans_a || !trans_b) return false;  // cuBLASLt's FP8 layout is TN: transposed copies first
+  if (C.f32() && residual == nullptr) {
+    GemmFp8Tn(M, N, K, a, b, C.f(), accumulate);
+    return true;
   }
-  if (residual != nullptr) {
-    FSDP8_CHECK(tn && !accumulate) << "GemmFp8: a residual takes the TN layout, no accumulation";
-    return GemmFp8AddResidual(M, N, K, a.codes, a.fmt, a.scale_inv, b.codes, b.fmt, b.scale_inv,
-                              residual, C.f());
+  // bf16 C (cuBLASLt's BF16 output), or the residual as cuBLASLt's C input (accumulating).
+  const auto op = Op(C.bf16() ? "GemmFp8Bf16" : "GemmFp8AddResidual", M, N, K);
+  if (M <= 0 || N <= 0) return true;
+  const bool both_e5m2 = a.fmt == Fp8Format::kE5M2 && b.fmt == Fp8Format::kE5M2;
+  if (K <= 0 || both_e5m2) return false;
+  if (residual != nullptr && cuda::PointerAlignment(residual) < cuda::PointerAlignment(C.data)) {
+    return false;
   }
-  if (!tn) return Backend::GemmFp8(trans_a, trans_b, M, N, K, a, b, C, accumulate);
-  GemmFp8(M, N, K, a.codes, a.fmt, a.scale_inv, b.codes, b.fmt, b.scale_inv, C.f(), accumulate);
+  cuda::LtProblem p = Fp8Problem(M, N, K, a.codes, a.fmt, b.codes, b.fmt, C.data, fp8_fast_accum_);
+  if (C.bf16()) p.c_type = CUDA_R_16BF;
+  p.accumulate = residual != nullptr;
+  return lt_->Run(p, b.codes, a.codes, C.data, b.scale_inv, a.scale_inv, residual);
 }
 
-void CudaBackend::Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
-                       TypedCPtr B, float* C, bool accumulate, GemmInputs inputs) {
-  if (A.bf16() || B.bf16()) return GemmBf16(trans_a, trans_b, M, N, K, A.h(), B.h(), C, accumulate);
-  Gemm(trans_a, trans_b, M, N, K, A.f(), B.f(), C, accumulate, inputs);
+bool CudaBackend::TryGemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
+                          TypedCPtr B, float* C, bool accumulate, GemmInputs inputs) {
+  if (A.bf16()) return GemmBf16(trans_a, trans_b, M, N, K, A.h(), B.h(), C, accumulate);
+  GemmF32(trans_a, trans_b, M, N, K, A.f(), B.f(), C, accumulate, inputs);
+  return true;
 }
 
-void CudaBackend::RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
-                                 float* y, float* rstd, const Fp8Cast& cast) {
-  if (cast.none()) return RmsNormForwardF32(x, w, eps, N, C, y, rstd);
-  FSDP8_CHECK(y == nullptr && cast.out_t == nullptr && LdOr(cast.ld, C) == C)
-      << "RmsNormForward: FP8 takes dense codes only";
-  RmsNormCastFp8(x, w, eps, N, C, rstd, cast.scale, cast.fmt, cast.out, cast.amax);
-}
-
-void CudaBackend::RmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd,
-                                  int64_t N, int64_t C, float* dx, float* dw, const float* dres,
-                                  TypedCPtr dy_b, TypedCPtr dy_c) {
-  if (dy.bf16()) {
-    FSDP8_CHECK(dres != nullptr) << "RmsNormBackward: bf16 parts need dres";
-    return RmsNormBackwardAddBf16Parts(dy.h(), dy_b.h(), dy_c.h(), x, w, rstd, dres, N, C, dx, dw);
-  }
-  if (dres != nullptr) return RmsNormBackwardAdd(dy.f(), x, w, rstd, dres, N, C, dx, dw);
-  RmsNormBackward(dy.f(), x, w, rstd, N, C, dx, dw);
-}
-
-void CudaBackend::RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-                              int64_t ld) {
-  if (x.bf16()) return RopeForwardBf16(x.h(), B, T, H, D, theta, LdOr(ld, H * D));
-  FSDP8_CHECK(LdOr(ld, H * D) == H * D) << "RopeForward: f32 x is dense";
-  RopeForward(x.f(), B, T, H, D, theta);
-}
-
-void CudaBackend::RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-                               const Fp8Cast& cast) {
-  if (!cast.none()) {
-    return RopeBackwardCastTransposeFp8Bf16(dx.h(), B, T, H, D, theta, cast.scale, cast.fmt,
-                                            cast.out, cast.out_t, cast.amax, LdOr(cast.ld, H * D));
-  }
-  if (dx.bf16()) return RopeBackwardBf16(dx.h(), B, T, H, D, theta);
-  RopeBackward(dx.f(), B, T, H, D, theta);
-}
-
-void CudaBackend::AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
-                                   int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
-                                   const AttentionOptions& opts) {
-  if (q.bf16()) {
-    return AttentionForwardBf16Packed(q.h(), k.h(), v.h(), B, T, H, Hkv, D, out.h(), lse,
-                                      LdOr(opts.q_ld, H * D), LdOr(opts.kv_ld, Hkv * D));
-  }
-  if (opts.bf16) {
-    return AttentionForwardBf16Compute(q.f(), k.f(), v.f(), B, T, H, Hkv, D, out.f(), lse);
-  }
-  AttentionForward(q.f(), k.f(), v.f(), B, T, H, Hkv, D, out.f(), lse);
-}
-
-void CudaBackend::AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out,
-                                    TypedCPtr dout, const float* lse, int64_t B, int64_t T,
-                                    int64_t H, int64_t Hkv, int64_t D, TypedPtr dq, TypedPtr dk,
-                                    TypedPtr dv, const AttentionOptions& opts) {
-  if (q.bf16() && dout.bf16()) {
-    return AttentionBackwardBf16SavedTo16(q.h(), k.h(), v.h(), out.h(), dout.h(), lse, B, T, H, Hkv,
-                                          D, dq.h(), dk.h(), dv.h(), LdOr(opts.q_ld, H * D),
-                                          LdOr(opts.kv_ld, Hkv * D));
-  }
-  if (q.bf16()) {
-    FSDP8_CHECK(LdOr(opts.q_ld, H * D) == H * D && LdOr(opts.kv_ld, Hkv * D) == Hkv * D)
-        << "AttentionBackward: strided q, k, v take bf16 gradients";
-    return AttentionBackwardBf16Saved(q.h(), k.h(), v.h(), out.h(), dout.f(), lse, B, T, H, Hkv, D,
-                                      dq.f(), dk.f(), dv.f());
-  }
-  if (opts.bf16) {
-    return AttentionBackwardBf16Compute(q.f(), k.f(), v.f(), out.f(), dout.f(), lse, B, T, H, Hkv,
-                                        D, dq.f(), dk.f(), dv.f());
-  }
-  AttentionBackward(q.f(), k.f(), v.f(), out.f(), dout.f(), lse, B, T, H, Hkv, D, dq.f(), dk.f(),
-                    dv.f());
-}
-
-void CudaBackend::SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
-                                int64_t in_ld, float* h, const Fp8Cast& cast) {
-  in_ld = LdOr(in_ld, cols);
+bool CudaBackend::TryRmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C,
+                                    float* y, float* rstd, const Fp8Cast& cast) {
   if (cast.none()) {
-    FSDP8_CHECK(in_ld == cols && h != nullptr) << "SwigluForward: f32 gate and up are dense";
-    return SwigluForward(gate.f(), up.f(), rows * cols, h);
+    const auto op = Op("RmsNormForward");
+    cuda::LaunchRmsNormForward(x, w, eps, N, C, y, rstd, stream_);
+  } else {
+    const auto op = Op("RmsNormCastFp8");
+    cuda::LaunchRmsNormCastFp8(x, w, eps, N, C, rstd, cast.scale, cast.fmt, cast.out, cast.amax,
+                               stream_);
   }
-  FSDP8_CHECK(h == nullptr) << "SwigluForward: FP8 output takes h null";
-  if (cast.out_t != nullptr) {
-    return SwigluCastTransposeFp8(gate.h(), up.h(), rows, cols, in_ld, cast.scale, cast.fmt,
-                                  cast.out, cast.out_t, cast.amax);
-  }
-  SwigluCastFp8(gate.h(), up.h(), rows, cols, in_ld, cast.scale, cast.fmt, cast.out, cast.amax);
+  return true;
 }
 
-void CudaBackend::SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows,
-                                 int64_t cols, int64_t in_ld, TypedPtr dgate, TypedPtr dup,
-                                 const Fp8Cast& gate_cast, const Fp8Cast& up_cast) {
-  in_ld = LdOr(in_ld, cols);
+bool CudaBackend::TryRmsNormBackward(TypedCPtr dy, const float* x, const float* w,
+                                     const float* rstd, int64_t N, int64_t C, float* dx, float* dw,
+                                     const float* dres, TypedCPtr dy_b, TypedCPtr dy_c) {
+  const auto op = Op(dy.bf16()           ? "RmsNormBackwardAddBf16Parts"
+                     : dres != nullptr ? "RmsNormBackwardAdd"
+                                       : "RmsNormBackward");
+  float* partials = static_cast<float*>(
+      Scratch(kSlotPartials, sizeof(float) * cuda::RmsNormBackwardScratchFloats(N, C)));
+  if (dy.bf16()) {  // false: no kernel for this shape (the reference sums the parts first)
+    return cuda::LaunchRmsNormBackwardBf16Parts(dy.h(), dy_b.h(), dy_c.h(), x, w, rstd, N, C, dx,
+                                                dw, partials, stream_, dres);
+  }
+  cuda::LaunchRmsNormBackward(dy.f(), x, w, rstd, N, C, dx, dw, partials, stream_, dres);
+  return true;
+}
+
+bool CudaBackend::TryRopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D,
+                                 float theta, int64_t ld) {
+  const auto op = Op(x.bf16() ? "RopeForwardBf16" : "RopeForward");
+  EnsureRopeTable(T, D, theta);
+  if (x.bf16()) {
+    cuda::LaunchRopeApplyBf16(x.h(), B, T, H, D, ld, rope_table_, 1.0f, stream_);
+  } else {
+    cuda::LaunchRopeApply(x.f(), B, T, H, D, rope_table_, 1.0f, stream_);
+  }
+  return true;
+}
+
+bool CudaBackend::TryRopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D,
+                                  float theta, const Fp8Cast& cast) {
+  const bool fp8 = !cast.none();
+  if (fp8 && (D % 8 != 0 || reinterpret_cast<uintptr_t>(dx.h()) % 8 != 0)) return false;
+  const auto op = Op(fp8 ? "RopeBackwardCastTransposeFp8Bf16"
+                         : dx.bf16() ? "RopeBackwardBf16" : "RopeBackward");
+  EnsureRopeTable(T, D, theta);
+  if (fp8) {
+    cuda::LaunchRopeBackwardCastTransposeFp8Bf16(dx.h(), B, T, H, D, rope_table_, cast.scale,
+                                                 cast.fmt, cast.out, cast.out_t, cast.amax,
+                                                 cast.ld == 0 ? H * D : cast.ld, stream_);
+  } else if (dx.bf16()) {
+    cuda::LaunchRopeApplyBf16(dx.h(), B, T, H, D, H * D, rope_table_, -1.0f, stream_);
+  } else {
+    cuda::LaunchRopeApply(dx.f(), B, T, H, D, rope_table_, -1.0f, stream_);
+  }
+  return true;
+}
+
+bool CudaBackend::TryAttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T,
+                                      int64_t H, int64_t Hkv, int64_t D, TypedPtr out, float* lse,
+                                      const AttentionOptions& opts) {
+  if (!q.bf16() && !opts.bf16) {
+    const auto op = Op("AttentionForward");
+    cuda::LaunchAttentionForward(q.f(), k.f(), v.f(), B, T, H, Hkv, D, out.f(), lse, stream_);
+    return true;
+  }
+#ifdef FSDP8_WITH_CUDNN
+  if (!CudnnAttentionUsable(D)) return false;
+  std::string err;
+  if (q.bf16()) {
+    const auto op = Op("AttentionForwardBf16Packed");
+    if (cudnn_->Forward(q.h(), k.h(), v.h(), out.h(), lse, B, T, H, Hkv, D, stream_, &err,
+                        opts.q_ld, opts.kv_ld)) {
+      return true;
+    }
+  } else {  // the bf16 recipe on f32 storage: bf16 copies in and out
+    const auto op = Op("AttentionForwardBf16Compute");
+    const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
+    const int64_t n[4] = {nq, nk, nk, nq};
+    uint16_t* b16[4];  // q, k, v, out
+    for (int i = 0; i < 4; ++i) b16[i] = static_cast<uint16_t*>(Alloc(n[i] * 2));
+    if (!(b16[0] && b16[1] && b16[2] && b16[3])) {  // out of memory: give back what was taken
+      for (uint16_t* p : b16) {
+        if (p != nullptr) Free(p);
+      }
+      throw std::bad_alloc();
+    }
+    PackBf16(q.f(), b16[0], nq);
+    PackBf16(k.f(), b16[1], nk);
+    PackBf16(v.f(), b16[2], nk);
+    const bool ok = cudnn_->Forward(b16[0], b16[1], b16[2], b16[3], lse, B, T, H, Hkv, D, stream_,
+                                    &err);
+    if (ok) UnpackBf16(b16[3], out.f(), nq);
+    for (uint16_t* p : b16) Free(p);
+    if (ok) return true;
+  }
+  CudnnRefused(err);
+#endif
+  return false;
+}
+
+bool CudaBackend::TryAttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out,
+                                       TypedCPtr dout, const float* lse, int64_t B, int64_t T,
+                                       int64_t H, int64_t Hkv, int64_t D, TypedPtr dq, TypedPtr dk,
+                                       TypedPtr dv, const AttentionOptions& opts) {
+  if (!q.bf16() && !opts.bf16) {
+    const auto op = Op("AttentionBackward");
+    float* delta = static_cast<float*>(Scratch(kSlotDelta, sizeof(float) * B * H * T));
+    cuda::LaunchAttentionBackward(q.f(), k.f(), v.f(), out.f(), dout.f(), lse, B, T, H, Hkv, D,
+                                  dq.f(), dk.f(), dv.f(), delta, stream_);
+    return true;
+  }
+#ifdef FSDP8_WITH_CUDNN
+  if (!CudnnAttentionUsable(D)) return false;
+  const int64_t nq = B * T * H * D, nk = B * T * Hkv * D;
+  std::string err;
+  if (q.bf16() && dout.bf16()) {
+    const auto op = Op("AttentionBackwardBf16SavedTo16");
+    if (cudnn_->Backward(q.h(), k.h(), v.h(), out.h(), dout.h(), lse, dq.h(), dk.h(), dv.h(), B, T,
+                         H, Hkv, D, stream_, &err, opts.q_ld, opts.kv_ld)) {
+      return true;
+    }
+  } else if (q.bf16()) {  // saved bf16 activations, f32 gradients: bf16 copies of those
+    const auto op = Op("AttentionBackwardBf16Saved");
+    auto* buf = static_cast<uint16_t*>(Alloc((2 * nq + 2 * nk) * 2));  // do, dq (nq); dk, dv (nk)
+    if (buf == nullptr) throw std::bad_alloc();  // out of memory (backend.h, Errors)
+    uint16_t *do16 = buf, *dq16 = do16 + nq, *dk16 = dq16 + nq, *dv16 = dk16 + nk;
+    PackBf16(dout.f(), do16, nq);
+    const bool ok = cudnn_->Backward(q.h(), k.h(), v.h(), out.h(), do16, lse, dq16, dk16, dv16, B,
+                                     T, H, Hkv, D, stream_, &err);
+    if (ok) {
+      UnpackBf16(dq16, dq.f(), nq);
+      UnpackBf16(dk16, dk.f(), nk);
+      UnpackBf16(dv16, dv.f(), nk);
+    }
+    Free(buf);
+    if (ok) return true;
+  } else {  // the bf16 recipe on f32 storage: q, k, v, out rounded once, then the saved path
+    const auto op = Op("AttentionBackwardBf16Compute");
+    auto* buf = static_cast<uint16_t*>(Alloc((2 * nq + 2 * nk) * 2));  // q, o (nq); k, v (nk)
+    if (buf == nullptr) throw std::bad_alloc();  // out of memory (backend.h, Errors)
+    uint16_t *q16 = buf, *o16 = q16 + nq, *k16 = o16 + nq, *v16 = k16 + nk;
+    PackBf16(q.f(), q16, nq);
+    PackBf16(k.f(), k16, nk);
+    PackBf16(v.f(), v16, nk);
+    PackBf16(out.f(), o16, nq);  // exact: out holds the forward's bf16 output
+    AttentionBackward(q16, k16, v16, o16, dout, lse, B, T, H, Hkv, D, dq, dk, dv);
+    Free(buf);
+    return true;
+  }
+  CudnnRefused(err);
+#endif
+  return false;
+}
+
+bool CudaBackend::TrySwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
+                                   int64_t in_ld, float* h, const Fp8Cast& cast) {
+  if (cast.none()) {
+    const auto op = Op("SwigluForward");
+    cuda::LaunchSwigluForward(gate.f(), up.f(), rows * cols, h, stream_);
+  } else if (cast.out_t != nullptr) {
+    const auto op = Op("SwigluCastTransposeFp8");
+    cuda::LaunchSwigluCastTransposeFp8(gate.h(), up.h(), rows, cols, in_ld, cast.scale, cast.fmt,
+                                       cast.out, cast.out_t, cast.amax, stream_);
+  } else {
+    const auto op = Op("SwigluCastFp8");
+    cuda::LaunchSwigluCastFp8(gate.h(), up.h(), rows, cols, in_ld, cast.scale, cast.fmt, cast.out,
+                              cast.amax, stream_);
+  }
+  return true;
+}
+
+bool CudaBackend::TrySwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows,
+                                    int64_t cols, int64_t in_ld, TypedPtr dgate, TypedPtr dup,
+                                    const Fp8Cast& gate_cast, const Fp8Cast& up_cast) {
   const int64_t n = rows * cols;
   if (dgate.null() && dup.null()) {  // the gradients straight to FP8
-    FSDP8_CHECK(gate_cast.fmt == up_cast.fmt && gate_cast.ld == up_cast.ld)
-        << "SwigluBackward: FP8 gradients take one format and ld";
-    return SwigluBackwardCastTransposeFp8(
+    const auto op = Op("SwigluBackwardCastTransposeFp8");
+    cuda::LaunchSwigluBackwardCastTransposeFp8(
         dh.h(), gate.h(), up.h(), rows, cols, gate_cast.scale, up_cast.scale, gate_cast.fmt,
         gate_cast.out, gate_cast.out_t, up_cast.out, up_cast.out_t, gate_cast.amax, up_cast.amax,
-        LdOr(gate_cast.ld, cols), in_ld);
+        gate_cast.ld == 0 ? cols : gate_cast.ld, in_ld, stream_);
+  } else if (!gate.bf16()) {
+    const auto op = Op("SwigluBackward");
+    cuda::LaunchSwigluBackward(dh.f(), gate.f(), up.f(), n, dgate.f(), dup.f(), stream_);
+  } else if (!dh.bf16()) {
+    const auto op = Op("SwigluBackwardBf16Saved");
+    cuda::LaunchSwigluBackwardBf16Saved(dh.f(), gate.h(), up.h(), n, dgate.f(), dup.f(), stream_);
+  } else {
+    const auto op = Op("SwigluBackwardBf16To16");
+    cuda::LaunchSwigluBackwardBf16To16(dh.h(), gate.h(), up.h(), n, dgate.h(), dup.h(), stream_);
   }
-  FSDP8_CHECK(in_ld == cols) << "SwigluBackward: strided gate and up take FP8 gradients";
-  if (!gate.bf16()) return SwigluBackward(dh.f(), gate.f(), up.f(), n, dgate.f(), dup.f());
-  if (!dh.bf16()) return SwigluBackwardBf16Saved(dh.f(), gate.h(), up.h(), n, dgate.f(), dup.f());
-  SwigluBackwardBf16To16(dh.h(), gate.h(), up.h(), n, dgate.h(), dup.h());
+  return true;
 }
 
-void CudaBackend::CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N,
-                                              int64_t V, float grad_scale, float* losses,
-                                              TypedPtr dlogits) {
-  if (!dlogits.null()) {
-    return CrossEntropyForwardBackwardBf16Grad(logits, targets, N, V, grad_scale, losses,
-                                               dlogits.h());
+bool CudaBackend::TryCrossEntropy(float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                  float grad_scale, float* losses, TypedPtr dlogits) {
+  if (dlogits.null()) {
+    const auto op = Op("CrossEntropyForwardBackward");
+    cuda::LaunchCrossEntropy(logits, targets, N, V, grad_scale, losses, stream_);
+  } else {
+    const auto op = Op("CrossEntropyForwardBackwardBf16Grad");
+    cuda::LaunchCrossEntropyBf16Grad(logits, targets, N, V, grad_scale, losses, dlogits.h(),
+                                     stream_);
   }
-  CrossEntropyF32(logits, targets, N, V, grad_scale, losses);
+  return true;
 }
 
 void CudaBackend::AdamW(float* p, const float* g, TypedPtr m, TypedPtr v, int64_t n, float lr,
                         float beta1, float beta2, float eps, float weight_decay, int64_t step,
                         float grad_scale, float* amax_out, uint16_t* p16_out) {
+  const auto op = Op(m.bf16() ? "AdamWBf16Moments" : "AdamW");
+  const auto [decay, w1, w2, step_size, bc2_sqrt] =
+      AdamWHostScalarsFor(lr, beta1, beta2, weight_decay, step);
   if (m.bf16()) {
-    return AdamWBf16Moments(p, g, m.h(), v.h(), n, lr, beta1, beta2, eps, weight_decay, step,
-                            grad_scale, amax_out, p16_out);
+    cuda::LaunchAdamWBf16Moments(p, g, m.h(), v.h(), n, decay, beta2, w1, w2, step_size, bc2_sqrt,
+                                 eps, grad_scale, amax_out, p16_out, stream_);
+  } else {
+    cuda::LaunchAdamW(p, g, m.f(), v.f(), n, decay, beta2, w1, w2, step_size, bc2_sqrt, eps,
+                      grad_scale, amax_out, p16_out, stream_);
   }
-  AdamW(p, g, m.f(), v.f(), n, lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax_out,
-        p16_out);
 }
 
 }  // namespace fsdp8

@@ -66,6 +66,7 @@ namespace fsdp8 {
 namespace cuda {
 class LtGemm;
 class OpProfile;
+class OpScope;
 }
 
 class CudaBackend final : public Backend, public CudaStreams {
@@ -123,43 +124,43 @@ class CudaBackend final : public Backend, public CudaStreams {
 
   void SumSquares(const float* x, int64_t n, float* out) override;
 
-  // ---- the ops, each dispatching its variants (backend.h) ----
-  void CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale, Fp8Format fmt,
-               uint8_t* out, uint8_t* out_t = nullptr, float* amax_out = nullptr,
-               int64_t out_ld = 0) override;
-  void GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
-               Fp8Operand b, TypedPtr C, bool accumulate, const float* residual = nullptr) override;
-  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A, TypedCPtr B,
-            float* C, bool accumulate, GemmInputs inputs) override;
-  void RmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
-                      float* rstd, const Fp8Cast& cast = {}) override;
-  void RmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd, int64_t N,
-                       int64_t C, float* dx, float* dw, const float* dres = nullptr,
-                       TypedCPtr dy_b = nullptr, TypedCPtr dy_c = nullptr) override;
-  void RopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-                   int64_t ld = 0) override;
-  void RopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-                    const Fp8Cast& cast = {}) override;
-  void AttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T, int64_t H,
-                        int64_t Hkv, int64_t D, TypedPtr out, float* lse,
-                        const AttentionOptions& opts = {}) override;
-  void AttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out, TypedCPtr dout,
-                         const float* lse, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                         TypedPtr dq, TypedPtr dk, TypedPtr dv,
-                         const AttentionOptions& opts = {}) override;
-  void SwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols, int64_t in_ld,
-                     float* h, const Fp8Cast& cast = {}) override;
-  void SwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
-                      int64_t in_ld, TypedPtr dgate, TypedPtr dup, const Fp8Cast& gate_cast = {},
-                      const Fp8Cast& up_cast = {}) override;
-  void CrossEntropyForwardBackward(float* logits, const int32_t* targets, int64_t N, int64_t V,
-                                   float grad_scale, float* losses,
-                                   TypedPtr dlogits = nullptr) override;
   void AdamW(float* p, const float* g, TypedPtr m, TypedPtr v, int64_t n, float lr, float beta1,
              float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
              float* amax_out, uint16_t* p16_out) override;
 
  protected:
+  // The typed ops' hooks (backend.h): every combination has its kernel, fused where the op
+  // describes one; declined are GemmFp8's layouts other than TN, shapes cuBLASLt or the fused
+  // kernels refuse, and BF16 attention without cuDNN (CudnnAttentionUsable).
+  bool TryCastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* scale, Fp8Format fmt,
+                  uint8_t* out, uint8_t* out_t, float* amax_out, int64_t out_ld) override;
+  bool TryGemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
+                  Fp8Operand b, TypedPtr C, bool accumulate, const float* residual) override;
+  bool TryGemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,
+               TypedCPtr B, float* C, bool accumulate, GemmInputs inputs) override;
+  bool TryRmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
+                         float* rstd, const Fp8Cast& cast) override;
+  bool TryRmsNormBackward(TypedCPtr dy, const float* x, const float* w, const float* rstd,
+                          int64_t N, int64_t C, float* dx, float* dw, const float* dres,
+                          TypedCPtr dy_b, TypedCPtr dy_c) override;
+  bool TryRopeForward(TypedPtr x, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                      int64_t ld) override;
+  bool TryRopeBackward(TypedPtr dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
+                       const Fp8Cast& cast) override;
+  bool TryAttentionForward(TypedCPtr q, TypedCPtr k, TypedCPtr v, int64_t B, int64_t T, int64_t H,
+                           int64_t Hkv, int64_t D, TypedPtr out, float* lse,
+                           const AttentionOptions& opts) override;
+  bool TryAttentionBackward(TypedCPtr q, TypedCPtr k, TypedCPtr v, TypedCPtr out, TypedCPtr dout,
+                            const float* lse, int64_t B, int64_t T, int64_t H, int64_t Hkv,
+                            int64_t D, TypedPtr dq, TypedPtr dk, TypedPtr dv,
+                            const AttentionOptions& opts) override;
+  bool TrySwigluForward(TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols, int64_t in_ld,
+                        float* h, const Fp8Cast& cast) override;
+  bool TrySwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
+                         int64_t in_ld, TypedPtr dgate, TypedPtr dup, const Fp8Cast& gate_cast,
+                         const Fp8Cast& up_cast) override;
+  bool TryCrossEntropy(float* logits, const int32_t* targets, int64_t N, int64_t V,
+                       float grad_scale, float* losses, TypedPtr dlogits) override;
   // SetFp8FastAccumulation; SetGemmAutotune times cuBLASLt's candidates on each GEMM shape's first
   // call (cuda::LtGemm::set_autotune; the scratch output comes from Alloc, so it counts in the
   // peak while tuning); SetDeterministic(false): cuDNN attention's non-deterministic backward
@@ -167,103 +168,19 @@ class CudaBackend final : public Backend, public CudaStreams {
   void ApplySettings(const ComputeSettings& settings) override;
 
  private:
-  // The variants the ops above dispatch to.
-  void CastToFp8(const float* in, uint8_t* out, int64_t n, const float* scale, Fp8Format fmt,
-                 float* amax_out);
-  void CastTransposeFp8(const float* in, int64_t rows, int64_t cols, const float* scale,
-                        Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out);
-  void GemmFp8(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-               const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-               const float* b_scale_inv, float* C, bool accumulate);
-  void Gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
-            const float* B, float* C, bool accumulate, GemmInputs inputs);
-  void RmsNormForwardF32(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
-                         float* rstd);
-  void RmsNormBackward(const float* dy, const float* x, const float* w, const float* rstd,
-                       int64_t N, int64_t C, float* dx, float* dw);
-  void RmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, int64_t C, float* rstd,
-                      const float* scale, Fp8Format fmt, uint8_t* out, float* amax_out);
-  void RmsNormBackwardAddBf16Parts(const uint16_t* dy_a, const uint16_t* dy_b, const uint16_t* dy_c,
-                                   const float* x, const float* w, const float* rstd,
-                                   const float* dres, int64_t N, int64_t C, float* dx, float* dw);
-  void RmsNormBackwardAdd(const float* dy, const float* x, const float* w, const float* rstd,
-                          const float* dres, int64_t N, int64_t C, float* dx, float* dw);
-  void RopeForward(float* x, int64_t B, int64_t T, int64_t H, int64_t D, float theta);
-  void RopeBackward(float* dx, int64_t B, int64_t T, int64_t H, int64_t D, float theta);
-  void AttentionForward(const float* q, const float* k, const float* v, int64_t B, int64_t T,
-                        int64_t H, int64_t Hkv, int64_t D, float* out, float* lse);
-  void AttentionBackward(const float* q, const float* k, const float* v, const float* out,
-                         const float* dout, const float* lse, int64_t B, int64_t T, int64_t H,
-                         int64_t Hkv, int64_t D, float* dq, float* dk, float* dv);
-  void AttentionForwardBf16Compute(const float* q, const float* k, const float* v, int64_t B,
-                                   int64_t T, int64_t H, int64_t Hkv, int64_t D, float* out,
-                                   float* lse);
-  void AttentionBackwardBf16Compute(const float* q, const float* k, const float* v,
-                                    const float* out, const float* dout, const float* lse,
-                                    int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                    float* dq, float* dk, float* dv);
-  void AttentionBackwardBf16Saved(const uint16_t* q16, const uint16_t* k16, const uint16_t* v16,
-                                  const uint16_t* out16, const float* dout, const float* lse,
-                                  int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                  float* dq, float* dk, float* dv);
-  void SwigluBackwardBf16Saved(const float* dh, const uint16_t* gate16, const uint16_t* up16,
-                               int64_t n, float* dgate, float* dup);
-  void SwigluForward(const float* gate, const float* up, int64_t n, float* h);
-  void GemmFp8AddResidual(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-                          const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-                          const float* b_scale_inv, const float* R, float* D);
-  void GemmFp8Bf16(int64_t M, int64_t N, int64_t K, const uint8_t* A, Fp8Format a_fmt,
-                   const float* a_scale_inv, const uint8_t* B, Fp8Format b_fmt,
-                   const float* b_scale_inv, uint16_t* C16);
-  void CastToFp8Bf16(const uint16_t* in16, uint8_t* out, int64_t n, const float* scale,
-                     Fp8Format fmt, float* amax_out);
-  void CastTransposeFp8Bf16(const uint16_t* in16, int64_t rows, int64_t cols, const float* scale,
-                            Fp8Format fmt, uint8_t* out, uint8_t* out_t, float* amax_out,
-                            int64_t out_ld);
-  void RopeForwardBf16(uint16_t* x16, int64_t B, int64_t T, int64_t H, int64_t D, float theta,
-                       int64_t ld);
-  void RopeBackwardBf16(uint16_t* dx16, int64_t B, int64_t T, int64_t H, int64_t D, float theta);
-  void AttentionForwardBf16Packed(const uint16_t* q16, const uint16_t* k16, const uint16_t* v16,
-                                  int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                  uint16_t* out16, float* lse, int64_t q_ld, int64_t kv_ld);
-  void AttentionBackwardBf16SavedTo16(const uint16_t* q16, const uint16_t* k16, const uint16_t* v16,
-                                      const uint16_t* out16, const uint16_t* dout16,
-                                      const float* lse, int64_t B, int64_t T, int64_t H,
-                                      int64_t Hkv, int64_t D, uint16_t* dq16, uint16_t* dk16,
-                                      uint16_t* dv16, int64_t q_ld, int64_t kv_ld);
-  void SwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows, int64_t cols,
-                     int64_t in_ld, const float* scale, Fp8Format fmt, uint8_t* out,
-                     float* amax_out);
-  void SwigluCastTransposeFp8(const uint16_t* gate16, const uint16_t* up16, int64_t rows,
-                              int64_t cols, int64_t in_ld, const float* scale, Fp8Format fmt,
-                              uint8_t* out, uint8_t* out_t, float* amax_out);
-  void SwigluBackwardBf16To16(const uint16_t* dh16, const uint16_t* gate16, const uint16_t* up16,
-                              int64_t n, uint16_t* dgate16, uint16_t* dup16);
-  void RopeBackwardCastTransposeFp8Bf16(const uint16_t* dx16, int64_t B, int64_t T, int64_t H,
-                                        int64_t D, float theta, const float* scale, Fp8Format fmt,
-                                        uint8_t* out, uint8_t* out_t, float* amax_out,
-                                        int64_t out_ld);
-  void SwigluBackwardCastTransposeFp8(const uint16_t* dh16, const uint16_t* gate16,
-                                      const uint16_t* up16, int64_t rows, int64_t cols,
-                                      const float* scale_gate, const float* scale_up, Fp8Format fmt,
-                                      uint8_t* dgate8, uint8_t* dgate8_t, uint8_t* dup8,
-                                      uint8_t* dup8_t, float* amax_gate, float* amax_up,
-                                      int64_t out_ld, int64_t in_ld);
-  void SwigluBackward(const float* dh, const float* gate, const float* up, int64_t n, float* dgate,
-                      float* dup);
-  void CrossEntropyForwardBackwardBf16Grad(const float* logits, const int32_t* targets, int64_t N,
-                                           int64_t V, float grad_scale, float* losses,
-                                           uint16_t* dlogits16);
-  void GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A16,
+  // The FP8 GEMM in the TN layout with f32 C; shapes cuBLASLt refuses take the exact fallback.
+  void GemmFp8Tn(int64_t M, int64_t N, int64_t K, Fp8Operand a, Fp8Operand b, float* C,
+                 bool accumulate);
+  // The bf16-operand GEMM; false when cuBLASLt has no algorithm for the shape.
+  bool GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A16,
                 const uint16_t* B16, float* C, bool accumulate);
-  void CrossEntropyF32(float* logits, const int32_t* targets, int64_t N, int64_t V,
-                       float grad_scale, float* losses);
-  void AdamW(float* p, const float* g, float* m, float* v, int64_t n, float lr, float beta1,
-             float beta2, float eps, float weight_decay, int64_t step, float grad_scale,
-             float* amax_out, uint16_t* p16_out);
-  void AdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v16, int64_t n, float lr,
-                        float beta1, float beta2, float eps, float weight_decay, int64_t step,
-                        float grad_scale, float* amax_out, uint16_t* p16_out);
+  void GemmF32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
+               const float* B, float* C, bool accumulate, GemmInputs inputs);
+  // A GEMM without rows, columns or K (C zeroed unless accumulating): true, having done it.
+  bool EmptyGemm(int64_t M, int64_t N, int64_t K, float* C, bool accumulate);
+  // The profile scope of op `name` (op_profile.h; a GEMM's with its shape), the device bound.
+  cuda::OpScope Op(const char* name);
+  cuda::OpScope Op(const char* name, int64_t M, int64_t N, int64_t K);
 
  private:
   // Growable device scratch slot i of at least `bytes` (counted as a workspace). Growing

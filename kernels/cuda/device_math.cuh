@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -231,6 +232,16 @@ constexpr int kEltThreads = 256;
 inline int EltBlocks(int64_t n_items, int64_t max_blocks = 16384) {
   const int64_t b = CeilDiv(n_items, kEltThreads);
   return static_cast<int>(b < 1 ? 1 : (b < max_blocks ? b : max_blocks));
+}
+// Runs launch(std::true_type{}) for E5M2, launch(std::false_type{}) for E4M3: the kernels take
+// the format as their compile-time flag kE5M2 (decltype(flag)::value).
+template <typename Launch>
+void ForFormat(Fp8Format fmt, Launch&& launch) {
+  if (fmt == Fp8Format::kE5M2) {
+    launch(std::true_type{});
+  } else {
+    launch(std::false_type{});
+  }
 }
 #define FSDP8_GRID_STRIDE(i, n)                                                             \
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \

@@ -73,8 +73,6 @@ class LtGemm {
   bool Run(const LtProblem& p, const void* A, const void* B, void* C, const float* scale_a,
            const float* scale_b, const void* c_in = nullptr);
 
-  int64_t cache_size() const { return static_cast<int64_t>(cache_.size()); }
-
   // Autotuning: while on, a problem's first Run times each heuristic candidate (kTuneReps calls
   // after one warm-up, on the real A and B with a scratch D taken from `alloc`, beta as the
   // problem's; the median of kTuneRounds rounds) and uses the fastest from then on; candidate 0

@@ -423,11 +423,9 @@ void LaunchRmsNormCastFp8(const float* x, const float* w, float eps, int64_t N, 
                   : LaunchRmsNormCastRegs<false>(x, w, eps, N, C, rstd, scale, out, amax_out, stream))) {
     return;
   }
-  if (fmt == Fp8Format::kE5M2) {
-    RmsNormCastKernel<true><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(x, w, eps, C, rstd, scale, out, amax_out, vec);
-  } else {
-    RmsNormCastKernel<false><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(x, w, eps, C, rstd, scale, out, amax_out, vec);
-  }
+  ForFormat(fmt, [&](auto e5m2) {
+    RmsNormCastKernel<decltype(e5m2)::value><<<static_cast<unsigned>(N), kThreads, 0, stream>>>(x, w, eps, C, rstd, scale, out, amax_out, vec);
+  });
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 

@@ -154,11 +154,9 @@ void LaunchSwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t r
                 reinterpret_cast<uintptr_t>(out) % 4 == 0)
         << "SwigluCastFp8: strided rows need cols % 4, in_ld % 4 and aligned pointers";
     const int blocks = EltBlocks(rows * (cols / 4), 8192);
-    if (fmt == Fp8Format::kE5M2) {
-      SwigluCastRowsKernel<true><<<blocks, kEltThreads, 0, stream>>>(gate16, up16, rows, cols, in_ld, scale, out, amax_out);
-    } else {
-      SwigluCastRowsKernel<false><<<blocks, kEltThreads, 0, stream>>>(gate16, up16, rows, cols, in_ld, scale, out, amax_out);
-    }
+    ForFormat(fmt, [&](auto e5m2) {
+      SwigluCastRowsKernel<decltype(e5m2)::value><<<blocks, kEltThreads, 0, stream>>>(gate16, up16, rows, cols, in_ld, scale, out, amax_out);
+    });
     FSDP8_CUDA_LAUNCH_CHECK();
     return;
   }
@@ -167,11 +165,9 @@ void LaunchSwigluCastFp8(const uint16_t* gate16, const uint16_t* up16, int64_t r
                    reinterpret_cast<uintptr_t>(up16) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(out) % 4 == 0;
   const int blocks = EltBlocks(vec ? CeilDiv(n, 4) : n, 8192);
-  if (fmt == Fp8Format::kE5M2) {
-    SwigluCastKernel<true><<<blocks, kEltThreads, 0, stream>>>(gate16, up16, n, scale, out, amax_out, vec);
-  } else {
-    SwigluCastKernel<false><<<blocks, kEltThreads, 0, stream>>>(gate16, up16, n, scale, out, amax_out, vec);
-  }
+  ForFormat(fmt, [&](auto e5m2) {
+    SwigluCastKernel<decltype(e5m2)::value><<<blocks, kEltThreads, 0, stream>>>(gate16, up16, n, scale, out, amax_out, vec);
+  });
   FSDP8_CUDA_LAUNCH_CHECK();
 }
 
