@@ -234,10 +234,20 @@ int Export(Args& a, const std::string& address, const fsdp8::ChannelSecurity& se
   }
   std::string src = a.positional[0];
   if (!std::filesystem::is_directory(src, ec)) {
+    // No coordinator (after `fsdp8 run`, say): a checkpoint folder needs none.
+    auto unreachable = [&](const absl::Status& s) {
+      ReportError(s);
+      if (absl::IsUnavailable(s))
+        fprintf(stderr, "export: \"%s\" is not a folder, so it was taken as a job id, and no "
+                "coordinator answered at %s; give the job's checkpoint folder instead (fsdp8 run: "
+                "<spec>.fsdp8/checkpoints, or the spec's checkpoint.dir)\n", src.c_str(),
+                address.c_str());
+      return 1;
+    };
     auto client = fsdp8::Client::Connect(address, sec);
-    if (!client.ok()) return ReportError(client.status());
+    if (!client.ok()) return unreachable(client.status());
     auto cks = (*client)->ListCheckpoints(src);
-    if (!cks.ok()) return ReportError(cks.status());
+    if (!cks.ok()) return unreachable(cks.status());
     const fsdp8::v1::CheckpointInfo* pick = nullptr;
     for (const auto& ck : *cks) {
       if (step ? ck.step() == *step : (!pick || ck.step() > pick->step())) pick = &ck;
@@ -586,7 +596,24 @@ int RunPlan(Context& ctx) {
 
 // WatchJob with the --plot, --log and --tensorboard flags of ctx (the log file is appended to;
 // the TensorBoard writer is started before anything is watched).
+// Ctrl-C while submit, watch or resume watch a job detaches from it: a line on stderr saying the
+// job goes on, then exit status 130 (the shell's for SIGINT). Only async-signal-safe calls run in
+// the handler: the line is formatted beforehand.
+char g_detach_line[256];
+size_t g_detach_len = 0;
+void DetachOnInterrupt(const std::string& job_id) {
+  const int n = snprintf(g_detach_line, sizeof g_detach_line,
+                         "\ndetached: job %s keeps running (fsdp8 watch %s; fsdp8 cancel %s)\n",
+                         job_id.c_str(), job_id.c_str(), job_id.c_str());
+  g_detach_len = n < 0 ? 0 : std::min<size_t>(n, sizeof g_detach_line - 1);
+  signal(SIGINT, [](int) {
+    [[maybe_unused]] const ssize_t written = write(STDERR_FILENO, g_detach_line, g_detach_len);
+    _exit(130);
+  });
+}
+
 int WatchWithLog(Context& ctx, const std::string& job_id, bool json) {
+  DetachOnInterrupt(job_id);
   FILE* log = nullptr;
   if (ctx.a.flags.count("log")) {
     log = fopen(ctx.a.flags["log"].c_str(), "a");
@@ -915,8 +942,9 @@ int LocalJob(fsdp8::Client& c, const fsdp8::v1::JobSpec& spec, const std::string
       fprintf(stderr,
               "error: %s changed since its job was submitted (%s); fsdp8 run continues one job "
               "per spec: restore the spec, or start over with another --state-dir (or after "
-              "removing %s; its checkpoints stay where checkpoint.dir says)\n",
-              file.c_str(), std::string(submitted.status().message()).c_str(), state_dir.c_str());
+              "removing %s, which removes its checkpoints too when they are in %s/checkpoints)\n",
+              file.c_str(), std::string(submitted.status().message()).c_str(), state_dir.c_str(),
+              state_dir.c_str());
       return 2;
     }
     if (absl::IsInvalidArgument(submitted.status())) {
@@ -1026,6 +1054,9 @@ int RunLocal(Context& ctx) {
   (*services)->Stop();
   fprintf(info, "logs:        %s (coordinator.log, worker-<i>.log, client.log)\n", o.state_dir.c_str());
   fprintf(info, "checkpoints: %s\n", spec->checkpoint().dir().c_str());
+  if (final_job.ok() && final_job->state() == fsdp8::v1::JOB_STATE_SUCCEEDED)
+    fprintf(info, "export:      fsdp8 export %s --out DIR (a Hugging Face model of the last one)\n",
+            spec->checkpoint().dir().c_str());
   if (final_job.ok() && (final_job->state() == fsdp8::v1::JOB_STATE_CANCELLED ||
                          final_job->state() == fsdp8::v1::JOB_STATE_FAILED))
     fprintf(info, "run `fsdp8 run %s` again to resume job %s from its newest checkpoint\n",

@@ -60,5 +60,6 @@ echo
 echo "setup + build + prepare: $((t_ready - t_setup)) s; submit to final loss: $((t_end - t_submit)) s"
 echo "logs:        $run (coordinator.log, worker-0.log, worker-1.log, client.log, job.yaml)"
 [ ${#plot_flag[@]} -gt 0 ] && echo "loss plot:   $run/loss.png"
-echo "checkpoints: $ckpt (fsdp8 export JOB --out DIR turns the last one into a Hugging Face model)"
+echo "checkpoints: $ckpt"
+echo "export:      $bin/fsdp8 export $ckpt --out DIR (a Hugging Face model of the last one)"
 exit "$rc"

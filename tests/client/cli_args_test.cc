@@ -153,5 +153,23 @@ TEST(CliBinary, ExportRefusesAMissingTokenizerFolder) {
   std::filesystem::remove_all(dir);
 }
 
+// A job id given with no coordinator to ask (after `fsdp8 run` ended, say) is refused saying what
+// to give instead, and nothing is written.
+TEST(CliBinary, ExportOfAJobIdWithNoCoordinatorNamesTheCheckpointFolder) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / "fsdp8-cli-XXXXXX").string();
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  const std::string dir = mkdtemp(buf.data());
+  std::string err;
+  // Port 1 on the loopback: nothing listens there.
+  EXPECT_EQ(RunCli("--coordinator 127.0.0.1:1 export job-12345678 --out " + dir + "/hf", dir, &err),
+            1);
+  EXPECT_NE(err.find("error: UNAVAILABLE"), std::string::npos) << err;
+  EXPECT_NE(err.find("\"job-12345678\" is not a folder"), std::string::npos) << err;
+  EXPECT_NE(err.find("give the job's checkpoint folder instead"), std::string::npos) << err;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/hf"));
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace fsdp8
