@@ -455,6 +455,17 @@ struct Context {
 std::string OnlyArg(const Args& a) { return a.positional.size() == 1 ? a.positional[0] : ""; }
 
 // fsdp8 prepare --out DIR [--val-fraction F] FILES...
+// A spec file's fields in their old place (kMovedFields, common/spec.h): one warning line each on
+// stderr, naming the new place ("warning: job.yaml: training.gemm_autotune: moved to
+// tuning.gemm_autotune (...)"). Fields set in both places with different values are left to the
+// coordinator's refusal (or the plan's check) to report.
+void PrintMovedFieldWarnings(const std::string& file, const fsdp8::v1::JobSpec& spec) {
+  fsdp8::v1::JobSpec moved = spec;
+  absl::StatusOr<std::vector<std::string>> warnings = fsdp8::MigrateSpec(&moved);
+  if (!warnings.ok()) return;
+  for (const std::string& w : *warnings) fprintf(stderr, "warning: %s: %s\n", file.c_str(), w.c_str());
+}
+
 int RunPrepare(Context& ctx) {
   Args& a = ctx.a;
   if (!a.flags.count("out")) return Usage("prepare: --out DIR is required");
@@ -498,6 +509,7 @@ int RunPlan(Context& ctx) {
     fprintf(stderr, "error: %s: %s\n", a.positional[0].c_str(), std::string(spec.status().message()).c_str());
     return 2;
   }
+  PrintMovedFieldWarnings(a.positional[0], *spec);
   std::vector<int> worlds;
   if (a.flags.count("world-size")) {
     int n = 0;
@@ -506,17 +518,22 @@ int RunPlan(Context& ctx) {
     }
     worlds.push_back(n);
   } else {
-    const fsdp8::v1::JobSpec d = fsdp8::WithDefaults(*spec, 0);
-    worlds.push_back(std::max(1, d.sharding().min_workers()));
-    if (d.sharding().max_workers() > worlds[0]) worlds.push_back(d.sharding().max_workers());
-  }
-  for (int n : worlds) {
-    const fsdp8::v1::JobSpec d = fsdp8::WithDefaults(*spec, n);
-    if (absl::Status s = fsdp8::ValidateSpec(d, n, {}, /*check_files=*/false); !s.ok()) {
-      fprintf(stderr, "error: invalid job spec at world size %d: %s\n", n, std::string(s.message()).c_str());
+    auto d = fsdp8::ResolveSpec(*spec, 0, {}, /*check_files=*/false);
+    if (!d.ok()) {
+      fprintf(stderr, "error: invalid job spec: %s\n", std::string(d.status().message()).c_str());
       return 2;
     }
-    auto plan = fsdp8::PlanMemory(d, n);
+    worlds.push_back(std::max(1, d->sharding().min_workers()));
+    if (d->sharding().max_workers() > worlds[0]) worlds.push_back(d->sharding().max_workers());
+  }
+  for (int n : worlds) {
+    auto d = fsdp8::ResolveSpec(*spec, n, {}, /*check_files=*/false);
+    if (!d.ok()) {
+      fprintf(stderr, "error: invalid job spec at world size %d: %s\n", n,
+              std::string(d.status().message()).c_str());
+      return 2;
+    }
+    auto plan = fsdp8::PlanMemory(*d, n);
     if (!plan.ok()) return ReportError(plan.status());
     if (a.flags.count("json")) {
       std::string json;
@@ -579,6 +596,8 @@ int RunSubmit(Context& ctx) {
     fprintf(stderr, "error: %s: %s\n", file.c_str(), std::string(spec.status().message()).c_str());
     return 2;
   }
+  // Sent as written: the coordinator moves the fields too, and records the warnings with the job.
+  PrintMovedFieldWarnings(file, *spec);
   auto job = ctx.client->Submit(*spec, a.flags.count("request-id") ? a.flags["request-id"] : "");
   if (!job.ok()) {
     if (absl::IsInvalidArgument(job.status())) {

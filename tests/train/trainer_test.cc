@@ -266,7 +266,7 @@ TEST(Trainer, C12_WorldSizeOneAndThreeDoTheSameMath) {
     std::vector<std::vector<double>> l(world);
     RunRanks(world, [&](int r, Communicator* c) {
       auto be = CpuBackend();
-      auto t = Trainer::Create(spec, r, world, be.get(), c);
+      auto t = Trainer::Create(WithDefaults(spec, world), r, world, be.get(), c);
       ASSERT_TRUE(t.ok()) << t.status();
       ASSERT_TRUE((*t)->ForwardBackward(0).ok());
       g[r] = *(*t)->params().GatherAll(true);
@@ -328,7 +328,7 @@ TEST(Trainer, EveryPrecisionPlanTrainsOnOneAndTwoRanks) {
       std::vector<RankOut> out(world);
       RunRanks(world, [&](int r, Communicator* c) {
         auto be = CpuBackend();
-        auto t = Trainer::Create(spec, r, world, be.get(), c);
+        auto t = Trainer::Create(WithDefaults(spec, world), r, world, be.get(), c);
         ASSERT_TRUE(t.ok()) << t.status();
         auto v0 = (*t)->Evaluate();  // untrained
         ASSERT_TRUE(v0.ok()) << v0.status();
@@ -362,7 +362,7 @@ TEST(Trainer, DISABLED_DefaultModelStepTime) {
   spec.mutable_training()->set_global_batch(8);
   RunRanks(1, [&](int /*rank*/, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, 0, 1, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, 1), 0, 1, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
     for (int k = 0; k < 4; ++k) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -404,7 +404,7 @@ TEST(Trainer, NonFiniteStepIsSkippedByEveryRankAndChangesNothing) {
   ASSERT_TRUE(std::isinf(static_cast<float>(1e308)));
   RunRanks(2, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, r, 2, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, 2), r, 2, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
     auto first = (*t)->Step(0, false, false);
     ASSERT_TRUE(first.ok()) << first.status();
@@ -436,7 +436,7 @@ TEST(Trainer, FiniteStepIsNotSkippedAndItsGradNormIsTheGradientsNorm) {
   const v1::JobSpec spec = TinySpec(TrainFile());
   RunRanks(2, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, r, 2, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, 2), r, 2, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
     ASSERT_TRUE((*t)->ForwardBackward(0).ok());
     auto grads = (*t)->params().GatherAll(true);
