@@ -556,7 +556,7 @@ TEST_F(SchedulerTest, MemoryPlanIsMadeOncePerJobAndWorldSize) {
   auto jm = JobManager::Open(jo);
   ASSERT_TRUE(jm.ok()) << jm.status();
   jobs_ = std::move(*jm);
-  StartScheduler(2s, 0ms);
+  StartScheduler(60s, 0ms);  // the running job hangs at step 1 until cancelled
   InstallAdmission(jobs_.get(), workers_.get());
 
   v1::JobSpec b = SmallSpec(train_, 1, 5);
