@@ -51,6 +51,38 @@ TEST(Trainer, TokenDataTooFewTokensMessageForMaxSeqLen) {
       << d.status();
 }
 
+// ---- the spec a worker receives -----------------------------------------------------------------
+// The trainer takes the spec the coordinator resolved at the job's world size and checks it: one
+// with a default left to fill in (training.microbatch here) or a moved field in its old place is
+// refused naming it, never filled in; the resolved one trains.
+TEST(Trainer, RefusesASpecTheCoordinatorDidNotResolve) {
+  const v1::JobSpec spec = testing::TinySpec(TrainFile());
+  RunRanks(1, [&](int, Communicator* c) {
+    auto be = CpuBackend();
+    v1::JobSpec no_micro = WithDefaults(spec, 1);
+    no_micro.mutable_training()->clear_microbatch();
+    auto t = Trainer::Create(no_micro, 0, 1, be.get(), c);
+    ASSERT_FALSE(t.ok());
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(t.status().message()).find("spec: not resolved at world size 1"),
+              std::string::npos) << t.status();
+    EXPECT_NE(std::string(t.status().message()).find("training.microbatch"), std::string::npos)
+        << t.status();
+    auto old = ParseSpec("training: {gemm_autotune: false}\n");
+    ASSERT_TRUE(old.ok()) << old.status();
+    v1::JobSpec old_place = WithDefaults(spec, 1);
+    old_place.MergeFrom(*old);  // the deprecated field, set after resolution
+    auto u = Trainer::Create(old_place, 0, 1, be.get(), c);
+    ASSERT_FALSE(u.ok());
+    EXPECT_NE(std::string(u.status().message()).find("spec: not resolved at world size 1"),
+              std::string::npos) << u.status();
+    auto r = ResolveSpec(spec, 1, {}, false);
+    ASSERT_TRUE(r.ok()) << r.status();
+    auto ok = Trainer::Create(*r, 0, 1, be.get(), c);
+    EXPECT_TRUE(ok.ok()) << ok.status();
+  });
+}
+
 // ---- C03 ------------------------------------------------------------------------------------
 // The X of layer 0's q_proj is RMSNorm(embedding(token)) with unit norm weights, so its amax over
 // a microbatch is computable here from the initialisation rule alone: max over the microbatch's
