@@ -14,8 +14,10 @@ const std::map<std::string, bool>& CliFlags() {
       {"dtype", true},       {"undo", false},      {"token", true},    {"token-file", true},
       {"tls-ca", true},      {"tls-cert", true},   {"tls-key", true},  {"plot", true},
       {"log", true},
+      {"tensorboard", true},
       {"page-size", true},   {"page-token", true},  {"max-shard-size", true}, {"tokenizer", true},
-      {"seq-len", true},     {"world-size", true}};
+      {"seq-len", true},     {"world-size", true},
+      {"no-save", false},    {"state-dir", true},  {"threads", true}};
   return *flags;
 }
 

@@ -98,13 +98,25 @@ absl::StatusOr<v1::Job> Client::Delete(const std::string& job_id) {
   return job;
 }
 
-absl::StatusOr<v1::Job> Client::Cancel(const std::string& job_id) {
+absl::StatusOr<v1::Job> Client::Cancel(const std::string& job_id, bool save) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx);
+  // A cancel with a save returns once the step in progress and the save are done.
+  SetDeadline(&ctx, save ? kCancelSaveDeadlineS : 30);
   v1::CancelJobRequest req;
   req.set_job_id(job_id);
+  req.set_no_save(!save);
   v1::Job job;
   if (auto s = FromGrpc(jobs_->CancelJob(&ctx, req, &job)); !s.ok()) return s;
+  return job;
+}
+
+absl::StatusOr<v1::Job> Client::Resume(const std::string& job_id) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::ResumeJobRequest req;
+  req.set_job_id(job_id);
+  v1::Job job;
+  if (auto s = FromGrpc(jobs_->ResumeJob(&ctx, req, &job)); !s.ok()) return s;
   return job;
 }
 

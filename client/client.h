@@ -39,7 +39,18 @@ class Client {
   // One page of ListJobs: page_size 0 is the coordinator's default (100); page_token is the
   // previous page's next_page_token ("" for the first page).
   absl::StatusOr<v1::ListJobsResponse> ListJobsPage(int page_size, const std::string& page_token);
-  absl::StatusOr<v1::Job> Cancel(const std::string& job_id);
+  // Cancels a job. save (the default): a RUNNING job with a checkpoint.dir first saves a
+  // checkpoint after the step in progress, and the call returns the job once it has ended
+  // (CANCELLED, its reason naming the committed checkpoint or why none was saved; SUCCEEDED when
+  // that step was its last), waiting up to kCancelSaveDeadlineS; save false: stops it at once.
+  // FAILED_PRECONDITION for an ended job.
+  absl::StatusOr<v1::Job> Cancel(const std::string& job_id, bool save = true);
+  // Continues an ended (CANCELLED or FAILED) job as the same job id from its own newest committed
+  // checkpoint: returns it PENDING. FAILED_PRECONDITION naming the rule for a job that has not
+  // ended, SUCCEEDED, or has no committed checkpoint of its own; PERMISSION_DENIED for another
+  // user's job.
+  absl::StatusOr<v1::Job> Resume(const std::string& job_id);
+  static constexpr double kCancelSaveDeadlineS = 600;
   // Removes an ended job from the job table (its checkpoints stay); FAILED_PRECONDITION for a job
   // that has not ended. Returns the job as it was.
   absl::StatusOr<v1::Job> Delete(const std::string& job_id);

@@ -1,7 +1,9 @@
 // fsdp8: the command-line client of an fsdp8 coordinator.
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -16,6 +18,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -24,10 +27,14 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "client/cli_args.h"
 #include "client/client.h"
+#include "client/local_run.h"
 #include "client/plot.h"
 #include "client/prepare.h"
+#include "client/progress.h"
+#include "client/tensorboard.h"
 #include "common/env_settings.h"
 #include "common/hf_model.h"
 #include "common/memory_plan.h"
@@ -41,16 +48,32 @@ constexpr char kUsage[] =
     "\n"
     "commands:\n"
     "  submit SPEC_FILE [--request-id ID] [--no-watch]   submit a job (YAML or JSON), then watch it\n"
-    "  watch JOB [--json] [--plot FILE] [--log FILE]     follow a job until it ends (--json: one event per\n"
+    "  watch JOB [--json] [--plot FILE] [--log FILE] [--tensorboard DIR]\n"
+    "                                                    follow a job until it ends (--json: one event per\n"
     "                                                    line; --plot, also on submit: the loss curve\n"
     "                                                    as an image, .png, .svg or .pdf, by gnuplot;\n"
     "                                                    --log, also on submit: the progress lines and\n"
     "                                                    the summary appended to FILE, while a terminal\n"
-    "                                                    shows the live bar)\n"
+    "                                                    shows the live bar; --tensorboard, also on\n"
+    "                                                    submit: TensorBoard event files under DIR/JOB\n"
+    "                                                    by fsdp8-tensorboard, Python SDK)\n"
     "  status JOB [--json]                               one job's state\n"
     "  list [--page-size N] [--page-token T]             every job you may see, oldest first (with a\n"
     "                                                    flag: one page, then the next page's token)\n"
-    "  cancel JOB                                        cancel a job\n"
+    "  cancel JOB [--no-save]                            cancel a job; a running job with a checkpoint.dir\n"
+    "                                                    first saves a checkpoint after its current step\n"
+    "                                                    (--no-save: stop at once, saving nothing)\n"
+    "  resume JOB [--no-watch] [--json] [--plot FILE] [--log FILE] [--tensorboard DIR]\n"
+    "                                                    continue your CANCELLED or FAILED job, same id,\n"
+    "                                                    from its newest committed checkpoint, then watch\n"
+    "                                                    it (the whole history, from its first step)\n"
+    "  run SPEC_FILE [--state-dir DIR] [--threads N] [--plot FILE] [--log FILE] [--json]\n"
+    "      [--tensorboard DIR]\n"
+    "                                                    local mode: start a coordinator and the workers the\n"
+    "                                                    spec asks for (CPU: sharding.min_workers; cuda: one\n"
+    "                                                    per GPU) as child processes, train and watch; Ctrl-C\n"
+    "                                                    saves a checkpoint and stops; run it again to resume\n"
+    "                                                    (state in SPEC_DIR/SPEC_NAME.fsdp8/)\n"
     "  delete JOB                                        remove an ended job from the job table (its\n"
     "                                                    checkpoints stay)\n"
     "  workers                                           registered workers\n"
@@ -80,7 +103,7 @@ constexpr char kUsage[] =
     "security: --tls-ca FILE (verify the coordinator; TLS), --tls-cert FILE --tls-key FILE (mutual\n"
     "TLS), --token TOKEN or --token-file FILE (bearer token); defaults from $FSDP8_TLS_CA,\n"
     "$FSDP8_TLS_CERT, $FSDP8_TLS_KEY, $FSDP8_TOKEN, $FSDP8_TOKEN_FILE.\n"
-    "watch/submit exit 0 only when the job SUCCEEDED.\n"
+    "watch/submit/resume/run exit 0 only when the job SUCCEEDED (run: 130 when Ctrl-C cancelled it).\n"
     "Flags are spelled with dashes; the underscore spelling (--request_id, --val_fraction,\n"
     "--no_watch) is deprecated and still accepted for one release.\n";
 
@@ -262,17 +285,6 @@ int ModelSection(Args& a) {
   return 0;
 }
 
-// The plain progress line of a step event: "step N/T loss X [val V] tok/s R elapsed E [epoch P]".
-std::string StepLine(const fsdp8::v1::JobEvent& ev, double elapsed_s) {
-  std::string line =
-      absl::StrFormat("step %d/%d loss %s", ev.step(), ev.total_steps(), Num(ev.loss()));
-  if (!std::isnan(ev.val_loss())) absl::StrAppend(&line, " val ", Num(ev.val_loss()));
-  absl::StrAppend(&line, " tok/s ", static_cast<int64_t>(ev.tokens_per_second()), " elapsed ",
-                  fsdp8::FormatDuration(elapsed_s));
-  if (ev.epoch() > 0) absl::StrAppend(&line, absl::StrFormat(" epoch %.2f", ev.epoch()));
-  return line;
-}
-
 // The closing line of a watch: state, steps, the job's wall time (end_time - start_time; the
 // watch's own when the job has no times, e.g. one watched from before it started), mean tokens/s
 // of the job (tokens / that time) and the last train and validation losses.
@@ -294,14 +306,28 @@ std::string SummaryLine(const fsdp8::v1::Job& job, double elapsed_s) {
 // Follows a job; returns the exit code (0 only for SUCCEEDED). With `plot`, writes the loss curve
 // there when the watch ends, and every 30 s meanwhile. On a terminal, steps show as a live bar;
 // otherwise as a line every 10 steps, at evaluations and at the end. `log` (may be null) gets the
-// plain lines and the summary whether or not stdout is a terminal.
+// plain lines and the summary whether or not stdout is a terminal. Elapsed time and ETA are the
+// job's (client/progress.h): from its start_time, at each event's time. `tensorboard` (may be
+// null) gets every event (client/tensorboard.h).
 int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
-             const std::string& plot = "", FILE* log = nullptr) {
+             const std::string& plot = "", FILE* log = nullptr,
+             fsdp8::TensorBoardSink* tensorboard = nullptr) {
   std::vector<fsdp8::LossPoint> curve;
   const auto start = std::chrono::steady_clock::now();
-  auto elapsed = [&] {
+  auto elapsed = [&] {  // the watch's own, for a summary of a job that has no times
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
+  fsdp8::WatchProgress progress;
+  // The job's start_time: asked for once, at the first step (a job watched from PENDING has none
+  // before it starts); unknown (elapsed "?") if that call fails.
+  bool asked_job_start = false;
+  auto learn_job_start = [&] {
+    if (asked_job_start) return;
+    asked_job_start = true;
+    auto j = c.GetJob(job_id);
+    if (j.ok()) progress.set_job_start(j->start_time());
+  };
+  absl::Status tensorboard_status;
   auto last_plot = start;
   auto write_plot = [&]() {
     absl::Status s = fsdp8::WriteLossPlot(plot, absl::StrCat("fsdp8 job ", job_id), curve);
@@ -314,7 +340,6 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
     fflush(log);
   };
   const bool tty = isatty(fileno(stdout));
-  double last_val = NAN, ema_step = NAN;
   fsdp8::v1::JobState state = fsdp8::v1::JOB_STATE_UNSPECIFIED;
   bool bar_drawn = false;
   auto end_bar = [&] {  // keeps the last bar on its own line
@@ -324,7 +349,10 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
     }
   };
   auto job = c.Watch(job_id, 0, [&](const fsdp8::v1::JobEvent& ev) {
-    if (ev.message().empty() && ev.step() > 0) {
+    if (tensorboard != nullptr && tensorboard_status.ok()) tensorboard_status = tensorboard->Write(ev);
+    if (fsdp8::IsStepEvent(ev)) {
+      if (!json) learn_job_start();
+      progress.Add(ev);
       // A restarted generation replays the steps after its checkpoint: keep the newest ones.
       while (!curve.empty() && curve.back().step >= ev.step()) curve.pop_back();
       curve.push_back({ev.step(), ev.loss(), ev.val_loss()});
@@ -345,10 +373,7 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
     }
     const bool state_changed = ev.state() != state;
     state = ev.state();
-    const bool is_step = ev.message().empty() && ev.step() > 0;
-    if (!std::isnan(ev.val_loss()) && is_step) last_val = ev.val_loss();
-    if (is_step && ev.step_seconds() > 0)
-      ema_step = std::isnan(ema_step) ? ev.step_seconds() : 0.9 * ema_step + 0.1 * ev.step_seconds();
+    const bool is_step = fsdp8::IsStepEvent(ev);
     if (!is_step) {  // a state change or a notice
       end_bar();
       const std::string line = absl::StrCat(State(ev.state()), ": ", ev.message());
@@ -359,23 +384,24 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
     }
     const bool plain_due = !std::isnan(ev.val_loss()) || state_changed || ev.step() % 10 == 0 ||
                            ev.step() == ev.total_steps();
-    if (plain_due) to_log(StepLine(ev, elapsed()));
+    if (plain_due) to_log(fsdp8::StepLine(ev, progress));
     if (tty) {
       const int width = 20;
       int filled = ev.total_steps() > 0
                        ? static_cast<int>(width * ev.step() / ev.total_steps()) : 0;
       std::string bar(filled, '#');
       bar += std::string(width - filled, '.');
-      double eta = std::isnan(ema_step) ? NAN : ema_step * (ev.total_steps() - ev.step());
       printf("\r\033[K[%s] step %lld/%lld  epoch %.2f  loss %s  val %s  %s tok/s  elapsed %s  ETA %s",
              bar.c_str(), static_cast<long long>(ev.step()),
              static_cast<long long>(ev.total_steps()), ev.epoch(), Num(ev.loss()).c_str(),
-             Num(last_val).c_str(), Thousands(static_cast<int64_t>(ev.tokens_per_second())).c_str(),
-             fsdp8::FormatDuration(elapsed()).c_str(), fsdp8::FormatDuration(eta).c_str());
+             Num(progress.last_val_loss()).c_str(),
+             Thousands(static_cast<int64_t>(ev.tokens_per_second())).c_str(),
+             fsdp8::FormatDuration(progress.ElapsedAt(ev.time())).c_str(),
+             fsdp8::FormatDuration(progress.EtaAfter(ev)).c_str());
       bar_drawn = true;
       fflush(stdout);
     } else if (plain_due) {
-      printf("%s\n", StepLine(ev, elapsed()).c_str());
+      printf("%s\n", fsdp8::StepLine(ev, progress).c_str());
       fflush(stdout);
     }
     return true;
@@ -390,6 +416,16 @@ int WatchJob(fsdp8::Client& c, const std::string& job_id, bool json = false,
       to_log(line);
     } else {
       fprintf(stderr, "error: %s\n", std::string(ps.message()).c_str());
+    }
+  }
+  if (tensorboard != nullptr) {
+    auto written = tensorboard->Finish();
+    if (!tensorboard_status.ok()) written = tensorboard_status;
+    if (written.ok()) {
+      fprintf(json ? stderr : stdout, "%s\n", written->c_str());
+      to_log(*written);
+    } else {
+      fprintf(stderr, "error: %s\n", std::string(written.status().message()).c_str());
     }
   }
   if (!job.ok()) return ReportError(job.status());
@@ -454,7 +490,6 @@ struct Context {
 // The one positional argument of a command that takes exactly one (JOB, WORKER, ...), or "".
 std::string OnlyArg(const Args& a) { return a.positional.size() == 1 ? a.positional[0] : ""; }
 
-// fsdp8 prepare --out DIR [--val-fraction F] FILES...
 // A spec file's fields in their old place (kMovedFields, common/spec.h): one warning line each on
 // stderr, naming the new place ("warning: job.yaml: training.gemm_autotune: moved to
 // tuning.gemm_autotune (...)"). Fields set in both places with different values are left to the
@@ -466,6 +501,7 @@ void PrintMovedFieldWarnings(const std::string& file, const fsdp8::v1::JobSpec& 
   for (const std::string& w : *warnings) fprintf(stderr, "warning: %s: %s\n", file.c_str(), w.c_str());
 }
 
+// fsdp8 prepare --out DIR [--val-fraction F] FILES...
 int RunPrepare(Context& ctx) {
   Args& a = ctx.a;
   if (!a.flags.count("out")) return Usage("prepare: --out DIR is required");
@@ -565,7 +601,8 @@ int RunPlan(Context& ctx) {
   return 0;
 }
 
-// WatchJob with the --plot and --log flags of ctx (the log file is appended to).
+// WatchJob with the --plot, --log and --tensorboard flags of ctx (the log file is appended to;
+// the TensorBoard writer is started before anything is watched).
 int WatchWithLog(Context& ctx, const std::string& job_id, bool json) {
   FILE* log = nullptr;
   if (ctx.a.flags.count("log")) {
@@ -575,12 +612,23 @@ int WatchWithLog(Context& ctx, const std::string& job_id, bool json) {
       return 2;
     }
   }
-  const int rc = WatchJob(*ctx.client, job_id, json, ctx.a.flags["plot"], log);
+  std::unique_ptr<fsdp8::TensorBoardSink> tensorboard;
+  if (ctx.a.flags.count("tensorboard")) {
+    auto sink = fsdp8::TensorBoardSink::Start(ctx.a.flags["tensorboard"], job_id);
+    if (!sink.ok()) {
+      fprintf(stderr, "error: %s\n", std::string(sink.status().message()).c_str());
+      if (log != nullptr) fclose(log);
+      return 2;
+    }
+    tensorboard = std::move(*sink);
+  }
+  const int rc = WatchJob(*ctx.client, job_id, json, ctx.a.flags["plot"], log, tensorboard.get());
   if (log != nullptr) fclose(log);
   return rc;
 }
 
 // fsdp8 submit SPEC_FILE [--request-id ID] [--no-watch] [--plot FILE] [--log FILE]
+//              [--tensorboard DIR]
 int RunSubmit(Context& ctx) {
   Args& a = ctx.a;
   if (a.positional.size() != 1) return Usage("submit: exactly one SPEC_FILE");
@@ -598,6 +646,13 @@ int RunSubmit(Context& ctx) {
   }
   // Sent as written: the coordinator moves the fields too, and records the warnings with the job.
   PrintMovedFieldWarnings(file, *spec);
+  if (a.flags.count("tensorboard") && !a.flags.count("no-watch")) {
+    // Before the job exists: a job is not submitted for a watch that could not write.
+    if (absl::Status s = fsdp8::CheckTensorBoardProgram(); !s.ok()) {
+      fprintf(stderr, "error: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
+  }
   auto job = ctx.client->Submit(*spec, a.flags.count("request-id") ? a.flags["request-id"] : "");
   if (!job.ok()) {
     if (absl::IsInvalidArgument(job.status())) {
@@ -688,13 +743,31 @@ int RunDelete(Context& ctx) {
   return 0;
 }
 
+// fsdp8 cancel JOB [--no-save]: returns once the job has ended (after its save).
 int RunCancel(Context& ctx) {
   const std::string id = OnlyArg(ctx.a);
   if (id.empty()) return Usage("cancel: exactly one JOB");
-  auto job = ctx.client->Cancel(id);
+  const bool save = !ctx.a.flags.count("no-save");
+  auto job = ctx.client->Cancel(id, save);
   if (!job.ok()) return ReportError(job.status());
-  printf("job %s %s\n", job->job_id().c_str(), State(job->state()).c_str());
+  printf("job %s %s%s%s\n", job->job_id().c_str(), State(job->state()).c_str(),
+         job->reason().empty() ? "" : ": ", job->reason().c_str());
   return 0;
+}
+
+// fsdp8 resume JOB [--no-watch] [--json] [--plot FILE] [--log FILE]: the watch shows the job's
+// whole history, from before the resume on.
+int RunResume(Context& ctx) {
+  const std::string id = OnlyArg(ctx.a);
+  if (id.empty()) return Usage("resume: exactly one JOB");
+  auto job = ctx.client->Resume(id);
+  if (!job.ok()) return ReportError(job.status());
+  const bool json = ctx.a.flags.count("json") > 0;
+  fprintf(json ? stderr : stdout, "job %s %s: %s\n", job->job_id().c_str(),
+          State(job->state()).c_str(), job->reason().c_str());
+  fflush(stdout);
+  if (ctx.a.flags.count("no-watch")) return 0;
+  return WatchWithLog(ctx, id, json);
 }
 
 // "IDLE" for WORKER_STATE_IDLE.
@@ -776,6 +849,219 @@ int RunLogLevel(Context& ctx) {
   return 0;
 }
 
+// ---- fsdp8 run: local mode ----
+
+// The read end gets a byte per SIGINT/SIGTERM while `run` watches its job.
+int g_interrupt_pipe[2] = {-1, -1};
+
+extern "C" void OnInterrupt(int) {
+  const char c = 'i';
+  if (write(g_interrupt_pipe[1], &c, 1) < 0) {
+  }
+}
+
+// Whether `program` is an executable on the PATH.
+bool OnPath(const std::string& program) {
+  const char* env = std::getenv("PATH");
+  const std::string path = env == nullptr ? "" : env;
+  for (const auto& dir : absl::StrSplit(path, ':', absl::SkipEmpty()))
+    if (access(absl::StrCat(dir, "/", program).c_str(), X_OK) == 0) return true;
+  return false;
+}
+
+// Ctrl-C handling of a watched job: the first interrupt cancels it with a save (Cancel returns
+// once the job has ended), a second one stops it at once. Lives while the watch does.
+class InterruptCanceller {
+ public:
+  InterruptCanceller(fsdp8::Client* client, std::string job_id)
+      : client_(client), job_id_(std::move(job_id)) {
+    if (pipe(g_interrupt_pipe) != 0) return;
+    struct sigaction sa {};
+    sa.sa_handler = OnInterrupt;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &old_int_);
+    sigaction(SIGTERM, &sa, &old_term_);
+    waiter_ = std::thread([this] { Wait(); });
+  }
+  ~InterruptCanceller() {
+    if (!waiter_.joinable()) return;
+    const char q = 'q';
+    if (write(g_interrupt_pipe[1], &q, 1) < 0) {
+    }
+    waiter_.join();
+    if (saver_.joinable()) saver_.join();
+    sigaction(SIGINT, &old_int_, nullptr);
+    sigaction(SIGTERM, &old_term_, nullptr);
+    close(g_interrupt_pipe[0]);
+    close(g_interrupt_pipe[1]);
+  }
+  bool interrupted() const { return interrupts_ > 0; }
+
+ private:
+  void Wait() {
+    char c = 0;
+    while (read(g_interrupt_pipe[0], &c, 1) == 1 && c != 'q') {
+      if (++interrupts_ == 1) {
+        fprintf(stderr, "\ninterrupted: saving a checkpoint after the current step, then stopping "
+                        "(Ctrl-C again: stop at once, saving nothing)\n");
+        saver_ = std::thread([this] {
+          auto job = client_->Cancel(job_id_, /*save=*/true);
+          if (!job.ok() && !absl::IsFailedPrecondition(job.status()))
+            fprintf(stderr, "cancel: %s\n", std::string(job.status().message()).c_str());
+        });
+      } else {
+        fprintf(stderr, "\ninterrupted again: stopping at once\n");
+        client_->Cancel(job_id_, /*save=*/false).IgnoreError();
+      }
+    }
+  }
+
+  fsdp8::Client* client_;
+  const std::string job_id_;
+  struct sigaction old_int_ {}, old_term_ {};
+  std::atomic<int> interrupts_{0};
+  std::thread waiter_, saver_;
+};
+
+// The job `run` trains: the one submitted from this spec before (same request id, state db), else
+// a new one; an ended one is resumed. Returns the exit code on an error, else -1 with *job set.
+int LocalJob(fsdp8::Client& c, const fsdp8::v1::JobSpec& spec, const std::string& file,
+             const std::string& state_dir, FILE* out, fsdp8::v1::Job* job) {
+  auto submitted = c.Submit(spec, "fsdp8-run");
+  if (!submitted.ok()) {
+    if (absl::IsAlreadyExists(submitted.status())) {
+      fprintf(stderr,
+              "error: %s changed since its job was submitted (%s); fsdp8 run continues one job "
+              "per spec: restore the spec, or start over with another --state-dir (or after "
+              "removing %s; its checkpoints stay where checkpoint.dir says)\n",
+              file.c_str(), std::string(submitted.status().message()).c_str(), state_dir.c_str());
+      return 2;
+    }
+    if (absl::IsInvalidArgument(submitted.status())) {
+      fprintf(stderr, "error: invalid job spec: %s\n", std::string(submitted.status().message()).c_str());
+      return 2;
+    }
+    return ReportError(submitted.status());
+  }
+  *job = *submitted;
+  const auto st = job->state();
+  if (st == fsdp8::v1::JOB_STATE_CANCELLED || st == fsdp8::v1::JOB_STATE_FAILED) {
+    fprintf(out, "job %s was %s (%s)\n", job->job_id().c_str(), State(st).c_str(), job->reason().c_str());
+    auto resumed = c.Resume(job->job_id());
+    if (!resumed.ok()) {
+      ReportError(resumed.status());
+      fprintf(stderr, "to start over as a new job, use another --state-dir (or remove %s)\n",
+              state_dir.c_str());
+      return 1;
+    }
+    *job = *resumed;
+    fprintf(out, "job %s resumed: %s\n", job->job_id().c_str(), job->reason().c_str());
+  } else if (st == fsdp8::v1::JOB_STATE_SUCCEEDED) {
+    fprintf(out, "job %s already SUCCEEDED (%s); to train again, use another --state-dir\n",
+           job->job_id().c_str(), job->reason().c_str());
+  } else {
+    fprintf(out, "job %s %s\n", job->job_id().c_str(), State(st).c_str());
+  }
+  fflush(out);
+  return -1;
+}
+
+// fsdp8 run SPEC_FILE [--state-dir DIR] [--threads N] [--plot FILE] [--log FILE] [--json]
+//           [--tensorboard DIR]
+int RunLocal(Context& ctx) {
+  Args& a = ctx.a;
+  if (a.positional.size() != 1) return Usage("run: exactly one SPEC_FILE");
+  const std::string& file = a.positional[0];
+  auto text = fsdp8::ReadSpecFile(file);
+  if (!text.ok()) {
+    fprintf(stderr, "error: %s\n", std::string(text.status().message()).c_str());
+    return 2;
+  }
+  auto spec = fsdp8::ParseSpec(*text);
+  if (!spec.ok()) {
+    fprintf(stderr, "error: %s: %s\n", file.c_str(), std::string(spec.status().message()).c_str());
+    return 2;
+  }
+  fsdp8::LocalRunOptions o;
+  o.bin_dir = fsdp8::ExecutableDir();
+  o.state_dir = a.flags.count("state-dir")
+                    ? std::filesystem::absolute(a.flags["state-dir"]).lexically_normal().string()
+                    : fsdp8::LocalStateDir(file);
+  if (a.flags.count("threads") && (!absl::SimpleAtoi(a.flags["threads"], &o.threads) || o.threads < 1))
+    return Usage("run: --threads must be a positive integer");
+  if (spec->checkpoint().dir().empty())
+    spec->mutable_checkpoint()->set_dir(o.state_dir + "/checkpoints");
+  // Checked here as the coordinator checks it at submit (its defaults applied, no world size
+  // yet), so a spec it would refuse starts no daemon.
+  PrintMovedFieldWarnings(file, *spec);
+  auto resolved = fsdp8::ResolveSpec(*spec, 0, {}, /*check_files=*/false);
+  if (!resolved.ok()) {
+    fprintf(stderr, "error: invalid job spec: %s\n", std::string(resolved.status().message()).c_str());
+    return 2;
+  }
+  const fsdp8::v1::JobSpec& d = *resolved;
+  o.backend = d.backend().empty() ? "cpu" : d.backend();
+  if (o.backend == "cuda") {
+    o.workers = fsdp8::CountGpus();
+    if (o.workers == 0) {
+      fprintf(stderr, "error: run: backend: cuda, but no GPU is present (no /dev/nvidia<N>)\n");
+      return 1;
+    }
+  } else {
+    o.workers = std::max(1, d.sharding().min_workers());
+  }
+  const std::string plot = a.flags.count("plot") ? a.flags["plot"]
+                           : OnPath("gnuplot") ? o.state_dir + "/loss.png" : "";
+  const std::string log = a.flags.count("log") ? a.flags["log"] : o.state_dir + "/client.log";
+  const bool json = a.flags.count("json") > 0;
+  FILE* info = json ? stderr : stdout;
+  fprintf(info, "fsdp8 run %s: %d %s worker%s; state and logs in %s\n", file.c_str(), o.workers,
+          o.backend.c_str(), o.workers == 1 ? "" : "s", o.state_dir.c_str());
+  fflush(info);
+  auto services = fsdp8::LocalServices::Start(o);
+  if (!services.ok()) return ReportError(services.status());
+  auto client = fsdp8::Client::Connect((*services)->address());
+  if (!client.ok()) return ReportError(client.status());
+  fsdp8::v1::Job job;
+  // Under --json, stdout holds only the events.
+  if (const int rc = LocalJob(**client, *spec, file, o.state_dir, info, &job); rc >= 0) return rc;
+  FILE* log_file = fopen(log.c_str(), "a");
+  if (log_file == nullptr) {
+    fprintf(stderr, "error: --log %s: %s\n", log.c_str(), std::strerror(errno));
+    return 2;
+  }
+  std::unique_ptr<fsdp8::TensorBoardSink> tensorboard;
+  if (a.flags.count("tensorboard")) {
+    auto sink = fsdp8::TensorBoardSink::Start(a.flags["tensorboard"], job.job_id());
+    if (!sink.ok()) {
+      fprintf(stderr, "error: %s\n", std::string(sink.status().message()).c_str());
+      fclose(log_file);
+      return 2;
+    }
+    tensorboard = std::move(*sink);
+  }
+  int rc = 0;
+  bool interrupted = false;
+  {
+    InterruptCanceller canceller(client->get(), job.job_id());
+    rc = WatchJob(**client, job.job_id(), json, plot, log_file, tensorboard.get());
+    interrupted = canceller.interrupted();
+  }
+  fclose(log_file);
+  auto final_job = (*client)->GetJob(job.job_id());
+  (*services)->Stop();
+  fprintf(info, "logs:        %s (coordinator.log, worker-<i>.log, client.log)\n", o.state_dir.c_str());
+  fprintf(info, "checkpoints: %s\n", spec->checkpoint().dir().c_str());
+  if (final_job.ok() && (final_job->state() == fsdp8::v1::JOB_STATE_CANCELLED ||
+                         final_job->state() == fsdp8::v1::JOB_STATE_FAILED))
+    fprintf(info, "run `fsdp8 run %s` again to resume job %s from its newest checkpoint\n",
+            file.c_str(), job.job_id().c_str());
+  if (final_job.ok() && final_job->state() == fsdp8::v1::JOB_STATE_CANCELLED && interrupted)
+    return 130;
+  return rc;
+}
+
 // What a command needs before it runs.
 enum class Needs {
   kNothing,   // local work only
@@ -799,6 +1085,8 @@ constexpr Command kCommands[] = {
     {"status", Needs::kClient, RunStatus},
     {"list", Needs::kClient, RunList},
     {"cancel", Needs::kClient, RunCancel},
+    {"resume", Needs::kClient, RunResume},
+    {"run", Needs::kNothing, RunLocal},
     {"delete", Needs::kClient, RunDelete},
     {"workers", Needs::kClient, RunWorkers},
     {"scaling", Needs::kClient, RunScaling},

@@ -16,28 +16,29 @@ AsyncCommunicator::AsyncCommunicator(std::unique_ptr<Communicator> inner)
 
 AsyncCommunicator::~AsyncCommunicator() {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     stop_ = true;
   }
-  queued_cv_.notify_one();
+  queued_cv_.Signal();
   thread_.join();
 }
 
 void AsyncCommunicator::Loop() {
-  std::unique_lock<std::mutex> l(mu_);
+  mu_.Lock();
   for (;;) {
-    queued_cv_.wait(l, [this] { return stop_ || !queue_.empty(); });
-    if (queue_.empty()) return;  // stop_ with nothing left
+    while (!stop_ && queue_.empty()) queued_cv_.Wait(&mu_);
+    if (queue_.empty()) break;  // stop_ with nothing left
     auto [ticket, run] = std::move(queue_.front());
     queue_.pop_front();
     const bool skip = !error_.ok();  // fail fast behind the first error
-    l.unlock();
+    mu_.Unlock();
     absl::Status s = skip ? absl::OkStatus() : Run(run);
-    l.lock();
+    mu_.Lock();
     if (!s.ok() && error_.ok()) error_ = std::move(s);
     completed_ = ticket;
-    done_cv_.notify_all();
+    done_cv_.SignalAll();
   }
+  mu_.Unlock();
 }
 
 absl::Status AsyncCommunicator::Run(const std::function<absl::Status()>& run) {
@@ -55,32 +56,32 @@ absl::Status AsyncCommunicator::Run(const std::function<absl::Status()>& run) {
 absl::StatusOr<int64_t> AsyncCommunicator::Enqueue(std::function<absl::Status()> run) {
   int64_t ticket;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     if (!error_.ok()) return error_;
     ticket = ++issued_;
     queue_.emplace_back(ticket, std::move(run));
   }
-  queued_cv_.notify_one();
+  queued_cv_.Signal();
   return ticket;
 }
 
-double AsyncCommunicator::WaitLocked(std::unique_lock<std::mutex>& l, int64_t ticket) {
+double AsyncCommunicator::WaitLocked(int64_t ticket) {
   if (completed_ >= ticket) return 0;
   const auto t0 = std::chrono::steady_clock::now();
-  done_cv_.wait(l, [&] { return completed_ >= ticket; });
+  while (completed_ < ticket) done_cv_.Wait(&mu_);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void AsyncCommunicator::Wait(int64_t ticket) {
   if (ticket <= 0) return;
-  std::unique_lock<std::mutex> l(mu_);
-  exposed_seconds_ += WaitLocked(l, ticket);
+  absl::MutexLock l(&mu_);
+  exposed_seconds_ += WaitLocked(ticket);
 }
 
 absl::Status AsyncCommunicator::Finish(absl::StatusOr<int64_t> ticket) {
   if (!ticket.ok()) return ticket.status();
-  std::unique_lock<std::mutex> l(mu_);
-  WaitLocked(l, *ticket);
+  absl::MutexLock l(&mu_);
+  WaitLocked(*ticket);
   return error_;
 }
 
@@ -130,7 +131,7 @@ absl::Status AsyncCommunicator::Verify() {
 
 void AsyncCommunicator::Abort(const std::string& reason) {
   {
-    std::lock_guard<std::mutex> l(mu_);  // the helper never holds mu_ while a collective runs
+    absl::MutexLock l(&mu_);  // the helper never holds mu_ while a collective runs
     if (error_.ok()) error_ = absl::AbortedError(absl::StrCat("aborted: ", reason));
   }
   inner_->Abort(reason);

@@ -34,17 +34,17 @@
 // object after the helper thread has stopped.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "comm/communicator.h"
 
 namespace fsdp8 {
@@ -79,28 +79,28 @@ class AsyncCommunicator : public Communicator {
  private:
   // Queues `run` (it runs on the helper thread unless an earlier collective failed) and returns
   // its ticket (> 0); the first error instead when one is recorded.
-  absl::StatusOr<int64_t> Enqueue(std::function<absl::Status()> run);
-  // Blocks on `l` (holding mu_) until `ticket`'s collective, and every one before it, has
-  // finished; returns the seconds it blocked.
-  double WaitLocked(std::unique_lock<std::mutex>& l, int64_t ticket);
+  absl::StatusOr<int64_t> Enqueue(std::function<absl::Status()> run) ABSL_LOCKS_EXCLUDED(mu_);
+  // Blocks (mu_ released while it waits) until `ticket`'s collective, and every one before it,
+  // has finished; returns the seconds it blocked.
+  double WaitLocked(int64_t ticket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits for `ticket`'s collective (and every one before it); the first error when any of them
   // failed, or ticket's own error.
-  absl::Status Finish(absl::StatusOr<int64_t> ticket);
+  absl::Status Finish(absl::StatusOr<int64_t> ticket) ABSL_LOCKS_EXCLUDED(mu_);
   // Runs one collective on the helper thread; an exception becomes its status.
   static absl::Status Run(const std::function<absl::Status()>& run);
-  void Loop();
+  void Loop() ABSL_LOCKS_EXCLUDED(mu_);
 
   std::unique_ptr<Communicator> inner_;  // rank() and world_size() are plain getters
   double exposed_seconds_ = 0;  // the caller's thread only
 
-  mutable std::mutex mu_;
-  std::condition_variable queued_cv_;  // the helper waits for work
-  std::condition_variable done_cv_;    // callers wait for tickets
-  std::deque<std::pair<int64_t, std::function<absl::Status()>>> queue_;  // guarded by mu_
-  int64_t issued_ = 0;                                                  // guarded by mu_
-  int64_t completed_ = 0;                                               // guarded by mu_
-  absl::Status error_;                                                  // guarded by mu_
-  bool stop_ = false;                                                   // guarded by mu_
+  mutable absl::Mutex mu_;
+  absl::CondVar queued_cv_;  // the helper waits for work
+  absl::CondVar done_cv_;    // callers wait for tickets
+  std::deque<std::pair<int64_t, std::function<absl::Status()>>> queue_ ABSL_GUARDED_BY(mu_);
+  int64_t issued_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

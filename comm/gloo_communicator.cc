@@ -117,7 +117,7 @@ GlooCommunicator::GlooCommunicator(int rank, int world_size, std::shared_ptr<glo
 }
 
 GlooCommunicator::~GlooCommunicator() {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   live_.clear();
   cache_.clear();  // before the context
 }
@@ -125,14 +125,14 @@ GlooCommunicator::~GlooCommunicator() {
 // ---- Failure and abort ----
 
 absl::Status GlooCommunicator::Failed() const {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   return absl::Status(error_.code() == absl::StatusCode::kOk ? absl::StatusCode::kUnavailable
                                                                : error_.code(),
                       absl::StrCat("communicator failed earlier: ", error_.message()));
 }
 
 absl::Status GlooCommunicator::Fail(absl::Status s) {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   if (!failed_.exchange(true)) error_ = std::move(s);
   for (gloo::transport::UnboundBuffer* b : live_) {
     b->abortWaitRecv();
@@ -183,7 +183,7 @@ gloo::transport::UnboundBuffer* GlooCommunicator::CachedBuffer(const void* ptr, 
 }
 
 void GlooCommunicator::Track(gloo::transport::UnboundBuffer* b) {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   live_.push_back(b);
   if (failed_.load()) {
     b->abortWaitRecv();
@@ -192,7 +192,7 @@ void GlooCommunicator::Track(gloo::transport::UnboundBuffer* b) {
 }
 
 void GlooCommunicator::Untrack(gloo::transport::UnboundBuffer* b) {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   live_.erase(std::remove(live_.begin(), live_.end(), b), live_.end());
 }
 

@@ -48,11 +48,12 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "comm/communicator.h"
 #include "comm/kv_store.h"
 
@@ -118,12 +119,12 @@ class GlooCommunicator : public Communicator {
   // the event loop has let go of it: one wake-up per buffer per collective when buffers lived for
   // one collective only. Every cached buffer is known to Abort.
   gloo::transport::UnboundBuffer* CachedBuffer(const void* ptr, size_t bytes);
-  void Track(gloo::transport::UnboundBuffer* b);
-  void Untrack(gloo::transport::UnboundBuffer* b);
+  void Track(gloo::transport::UnboundBuffer* b) ABSL_LOCKS_EXCLUDED(mu_);
+  void Untrack(gloo::transport::UnboundBuffer* b) ABSL_LOCKS_EXCLUDED(mu_);
   // Records the first error (later ones are dropped), wakes every wait in flight; returns the
   // first error.
-  absl::Status Fail(absl::Status s);
-  absl::Status Failed() const;
+  absl::Status Fail(absl::Status s) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Failed() const ABSL_LOCKS_EXCLUDED(mu_);
 
   const int rank_;
   const int world_size_;
@@ -131,9 +132,9 @@ class GlooCommunicator : public Communicator {
   std::chrono::milliseconds timeout_;
   uint64_t seq_ = 0;
   std::atomic<bool> failed_{false};
-  mutable std::mutex mu_;
-  absl::Status error_;  // guarded by mu_
-  std::vector<gloo::transport::UnboundBuffer*> live_;  // guarded by mu_: the cached buffers
+  mutable absl::Mutex mu_;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+  std::vector<gloo::transport::UnboundBuffer*> live_ ABSL_GUARDED_BY(mu_);  // the cached buffers
   std::vector<CachedUnbound> cache_;  // collectives' thread only
   uint64_t uses_ = 0;
   std::vector<int64_t> headers_;  // the header exchange's buffer: 4 words per rank

@@ -13,4 +13,5 @@ message(STATUS "fsdp8: NCCL ${NCCL_LIBRARY} (headers ${NCCL_INCLUDE_DIR})")
 add_library(fsdp8_comm_nccl STATIC nccl_communicator.cc)
 target_include_directories(fsdp8_comm_nccl PUBLIC ${CMAKE_SOURCE_DIR} PRIVATE ${NCCL_INCLUDE_DIR})
 target_link_libraries(fsdp8_comm_nccl PUBLIC fsdp8_kernels absl::status
-                      absl::statusor absl::strings CUDA::cudart ${NCCL_LIBRARY} Threads::Threads)
+                      absl::statusor absl::strings absl::synchronization CUDA::cudart
+                      ${NCCL_LIBRARY} Threads::Threads)

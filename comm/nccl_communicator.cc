@@ -2,14 +2,12 @@
 #include "comm/nccl_communicator.h"
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
-#include <mutex>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -17,8 +15,11 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_streams.h"
 
@@ -113,10 +114,10 @@ class NcclCommunicator final : public Communicator {
 
   ~NcclCommunicator() override {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      absl::MutexLock l(&mu_);
       stop_ = true;
     }
-    cv_.notify_all();
+    cv_.SignalAll();
     if (watchdog_.joinable()) watchdog_.join();
     cudaSetDevice(backend_->device());
     if (comm_ != nullptr) {
@@ -171,7 +172,10 @@ class NcclCommunicator final : public Communicator {
       return absl::InternalError(absl::StrCat("nccl: CUDA setup on device ", backend_->device(), ": ", CudaErr(e)));
     }
     hdr_events_.assign(kHeaderSlots, nullptr);
-    hdr_slot_seq_.assign(kHeaderSlots, 0);
+    {
+      absl::MutexLock l(&mu_);  // no other thread yet: the watchdog starts below
+      hdr_slot_seq_.assign(kHeaderSlots, 0);
+    }
     for (cudaEvent_t& ev : hdr_events_) {
       if ((e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)) != cudaSuccess) {
         return absl::InternalError(absl::StrCat("nccl: cudaEventCreate: ", CudaErr(e)));
@@ -236,7 +240,7 @@ class NcclCommunicator final : public Communicator {
       int slot = -1;
       int64_t seq = 0;
       {
-        std::lock_guard<std::mutex> l(mu_);
+        absl::MutexLock l(&mu_);
         while (!hdr_pending_.empty() && hdr_slot_seq_[hdr_pending_.front()] == 0) hdr_pending_.pop_front();
         if (hdr_pending_.empty()) break;
         slot = hdr_pending_.front();
@@ -246,7 +250,7 @@ class NcclCommunicator final : public Communicator {
       if (!s.ok()) return s;
       std::string msg;
       {
-        std::lock_guard<std::mutex> l(mu_);
+        absl::MutexLock l(&mu_);
         if (hdr_slot_seq_[slot] == seq) {
           msg = CompareHeaders(slot);
           hdr_slot_seq_[slot] = 0;
@@ -299,7 +303,7 @@ class NcclCommunicator final : public Communicator {
   void Abort(const std::string& reason) override {
     {
       // The reason is set before the flag, so a wait that sees the flag reports this reason.
-      std::lock_guard<std::mutex> l(mu_);
+      absl::MutexLock l(&mu_);
       if (aborted_.load()) return;
       abort_reason_ = reason;
       aborted_ = true;
@@ -307,7 +311,7 @@ class NcclCommunicator final : public Communicator {
     std::fprintf(stderr, "fsdp8 nccl rank %d: aborting communicator: %s\n", rank_, reason.c_str());
     cudaSetDevice(backend_->device());
     // ncclCommAbort may be called from another thread; it terminates outstanding operations.
-    std::lock_guard<std::mutex> l(comm_mu_);
+    absl::MutexLock l(&comm_mu_);
     if (comm_ != nullptr) ncclCommAbort(comm_);
     comm_aborted_ = true;
   }
@@ -343,7 +347,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   absl::Status AbortedStatus() {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     return absl::AbortedError(absl::StrCat("nccl communicator (rank ", rank_, " of ", world_,
                                            ") was aborted: ", abort_reason_,
                                            "; last enqueued collective #", enqueued_seq_.load(),
@@ -368,7 +372,7 @@ class NcclCommunicator final : public Communicator {
       }
       ncclResult_t st = ncclSuccess;
       {
-        std::lock_guard<std::mutex> l(comm_mu_);
+        absl::MutexLock l(&comm_mu_);
         if (!comm_aborted_) ncclCommGetAsyncError(comm_, &st);
       }
       if (st != ncclSuccess && st != ncclInProgress) {
@@ -457,7 +461,7 @@ class NcclCommunicator final : public Communicator {
     // flight: rare; then this waits for it).
     int64_t prev = 0;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      absl::MutexLock l(&mu_);
       prev = hdr_slot_seq_[slot];
     }
     if (prev != 0) {
@@ -465,7 +469,7 @@ class NcclCommunicator final : public Communicator {
       if (!s.ok()) return s;
       std::string msg;
       {
-        std::lock_guard<std::mutex> l(mu_);
+        absl::MutexLock l(&mu_);
         if (hdr_slot_seq_[slot] != 0) {
           msg = CompareHeaders(slot);
           hdr_slot_seq_[slot] = 0;
@@ -483,12 +487,16 @@ class NcclCommunicator final : public Communicator {
     absl::Status s = CheckCuda(cudaMemcpyAsync(dev_mine, mine, sizeof(Header), cudaMemcpyHostToDevice, comm_stream_),
                                "header copy to device");
     if (!s.ok()) return s;
+    bool comm_aborted = false;
     {
-      std::lock_guard<std::mutex> l(comm_mu_);
-      if (comm_aborted_) return AbortedStatus();
-      s = CheckEnqueue(ncclAllGather(dev_mine, dev_all, sizeof(Header), ncclUint8, comm_, comm_stream_),
-                       "header all-gather", seq);
+      absl::MutexLock l(&comm_mu_);
+      comm_aborted = comm_aborted_;
+      if (!comm_aborted) {
+        s = CheckEnqueue(ncclAllGather(dev_mine, dev_all, sizeof(Header), ncclUint8, comm_, comm_stream_),
+                         "header all-gather", seq);
+      }
     }
+    if (comm_aborted) return AbortedStatus();  // after comm_mu_: it takes mu_ (see WatchdogLoop)
     if (!s.ok()) {
       Abort(std::string(s.message()));
       return s;
@@ -499,7 +507,7 @@ class NcclCommunicator final : public Communicator {
     s = CheckCuda(cudaEventRecord(hdr_events_[slot], comm_stream_), "cudaEventRecord(header)");
     if (!s.ok()) return s;
     if (!sync_headers_) {
-      std::lock_guard<std::mutex> l(mu_);
+      absl::MutexLock l(&mu_);
       hdr_slot_seq_[slot] = seq;
       hdr_pending_.push_back(slot);
       return absl::OkStatus();
@@ -568,7 +576,7 @@ class NcclCommunicator final : public Communicator {
 
  private:
   cudaEvent_t TakeEvent() {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     if (!free_events_.empty()) {
       cudaEvent_t e = free_events_.back();
       free_events_.pop_back();
@@ -601,9 +609,13 @@ class NcclCommunicator final : public Communicator {
     s = CheckCuda(cudaStreamWaitEvent(comm_stream_, compute_ready_, 0), "cudaStreamWaitEvent(comm)");
     if (!s.ok()) return s;
     if (nonempty) {
-      std::lock_guard<std::mutex> l(comm_mu_);
-      if (comm_aborted_) return AbortedStatus();
-      s = CheckEnqueue(enqueue(), OpName(static_cast<int64_t>(op)), seq);
+      bool comm_aborted = false;
+      {
+        absl::MutexLock l(&comm_mu_);
+        comm_aborted = comm_aborted_;
+        if (!comm_aborted) s = CheckEnqueue(enqueue(), OpName(static_cast<int64_t>(op)), seq);
+      }
+      if (comm_aborted) return AbortedStatus();  // after comm_mu_: it takes mu_ (see WatchdogLoop)
     }
     if (!s.ok()) {
       Abort(std::string(s.message()));
@@ -631,18 +643,18 @@ class NcclCommunicator final : public Communicator {
     last_done_ = done;
     enqueued_seq_.store(seq);
     {
-      std::lock_guard<std::mutex> l(mu_);
+      absl::MutexLock l(&mu_);
       pending_.push_back(Pending{seq, static_cast<int64_t>(op), count, done, Clock::now() + timeout_});
     }
-    cv_.notify_all();
+    cv_.SignalAll();
     return absl::OkStatus();
   }
 
   void WatchdogLoop() {
     cudaSetDevice(backend_->device());
-    std::unique_lock<std::mutex> l(mu_);
+    mu_.Lock();
     while (!stop_) {
-      cv_.wait_for(l, std::chrono::milliseconds(50));
+      cv_.WaitWithTimeout(&mu_, absl::Milliseconds(50));
       if (stop_ || aborted_.load()) continue;
       std::string failure;
       // Compare the C09 headers that arrived, in order.
@@ -681,7 +693,7 @@ class NcclCommunicator final : public Communicator {
       if (failure.empty() && !pending_.empty()) {
         ncclResult_t st = ncclSuccess;
         {
-          std::lock_guard<std::mutex> cl(comm_mu_);
+          absl::MutexLock cl(&comm_mu_);  // mu_ then comm_mu_: never the other way round
           if (!comm_aborted_) ncclCommGetAsyncError(comm_, &st);
         }
         if (st != ncclSuccess && st != ncclInProgress) {
@@ -691,11 +703,12 @@ class NcclCommunicator final : public Communicator {
       }
       if (!failure.empty()) {
         failure = absl::StrCat("watchdog: ", failure, "; ", Progress());
-        l.unlock();
+        mu_.Unlock();
         Abort(failure);
-        l.lock();
+        mu_.Lock();
       }
     }
+    mu_.Unlock();
   }
 
   const int rank_, world_;
@@ -704,8 +717,9 @@ class NcclCommunicator final : public Communicator {
   bool check_headers_ = true;
   bool sync_headers_ = false;
   std::vector<cudaEvent_t> hdr_events_;  // per header slot
-  std::vector<int64_t> hdr_slot_seq_;    // seq whose header is in the slot, not yet compared (0: none); mu_
-  std::deque<int> hdr_pending_;          // slots in enqueue order, for the watchdog; mu_
+  // seq whose header is in the slot, not yet compared (0: none)
+  std::vector<int64_t> hdr_slot_seq_ ABSL_GUARDED_BY(mu_);
+  std::deque<int> hdr_pending_ ABSL_GUARDED_BY(mu_);  // slots in enqueue order, for the watchdog
 
   ncclComm_t comm_ = nullptr;
   cudaStream_t comm_stream_ = nullptr;
@@ -723,15 +737,17 @@ class NcclCommunicator final : public Communicator {
   std::atomic<int64_t> enqueued_seq_{0};
   std::atomic<int64_t> completed_seq_{0};
 
-  std::mutex comm_mu_;  // serialises NCCL calls on comm_ with ncclCommAbort
-  bool comm_aborted_ = false;
+  // Serialises NCCL calls on comm_ with ncclCommAbort. Taken after mu_ (the watchdog), never
+  // before it: AbortedStatus (mu_) is called once comm_mu_ is released.
+  absl::Mutex comm_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  bool comm_aborted_ ABSL_GUARDED_BY(comm_mu_) = false;
 
-  std::mutex mu_;       // guards pending_, free_events_, abort_reason_, stop_
-  std::condition_variable cv_;
-  std::deque<Pending> pending_;
-  std::vector<cudaEvent_t> free_events_;
-  std::string abort_reason_;
-  bool stop_ = false;
+  absl::Mutex mu_;
+  absl::CondVar cv_;  // wakes the watchdog: a new collective, Stop
+  std::deque<Pending> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<cudaEvent_t> free_events_ ABSL_GUARDED_BY(mu_);
+  std::string abort_reason_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread watchdog_;
 };
 

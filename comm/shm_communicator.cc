@@ -229,12 +229,12 @@ uint8_t* SharedMemoryCommunicator::Slot(int p) const {
 // ---- Failure and abort ----
 
 absl::Status SharedMemoryCommunicator::Failed() const {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   return absl::Status(error_.code(), absl::StrCat("communicator failed earlier: ", error_.message()));
 }
 
 absl::Status SharedMemoryCommunicator::Fail(absl::Status s) {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   if (!failed_.exchange(true)) {
     error_ = std::move(s);
     std::snprintf(ctl_->reason[rank_], sizeof(ctl_->reason[rank_]), "%s",

@@ -34,10 +34,11 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "comm/communicator.h"
 #include "comm/kv_store.h"
 
@@ -106,8 +107,8 @@ class SharedMemoryCommunicator : public Communicator {
   absl::Status Health(Clock::time_point deadline, const Call& call);
   // Records the first error, marks the segment for the peers, wakes every waiter; returns the
   // first error.
-  absl::Status Fail(absl::Status s);
-  absl::Status Failed() const;
+  absl::Status Fail(absl::Status s) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Failed() const ABSL_LOCKS_EXCLUDED(mu_);
 
   const int rank_;
   const int world_size_;
@@ -117,8 +118,8 @@ class SharedMemoryCommunicator : public Communicator {
   std::chrono::milliseconds timeout_;
   uint64_t seq_ = 0;
   std::atomic<bool> failed_{false};
-  mutable std::mutex mu_;
-  absl::Status error_;  // guarded by mu_
+  mutable absl::Mutex mu_;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace fsdp8

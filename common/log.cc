@@ -3,11 +3,12 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
-#include <mutex>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "google/protobuf/struct.pb.h"
@@ -18,13 +19,14 @@ namespace {
 
 std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};
 std::atomic<int> g_format{static_cast<int>(LogFormat::kText)};
-std::mutex g_process_mu;
-std::string& Process() {  // guarded by g_process_mu
+// Constant-initialized: usable from any static initializer or destructor that logs.
+ABSL_CONST_INIT absl::Mutex g_process_mu(absl::kConstInit);
+std::string& Process() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_process_mu) {
   static std::string* p = new std::string("fsdp8");
   return *p;
 }
 std::string ProcessName() {
-  std::lock_guard<std::mutex> l(g_process_mu);
+  absl::MutexLock l(&g_process_mu);
   return Process();
 }
 
@@ -123,7 +125,7 @@ bool LogEnabled(LogLevel level) { return static_cast<int>(level) <= g_level.load
 void SetLogFormat(LogFormat format) { g_format = static_cast<int>(format); }
 LogFormat GetLogFormat() { return static_cast<LogFormat>(g_format.load()); }
 void SetLogProcess(const std::string& process) {
-  std::lock_guard<std::mutex> l(g_process_mu);
+  absl::MutexLock l(&g_process_mu);
   Process() = process;
 }
 

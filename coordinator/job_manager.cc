@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/time.h"
 #include "common/checkpoint_format.h"
 #include "common/spec.h"
 #include "coordinator/checkpoint_store.h"
@@ -58,7 +59,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
   auto coordinator = jm->store_->CoordinatorId();
   if (!coordinator.ok()) return coordinator.status();
   jm->coordinator_id_ = *coordinator;
-  std::unique_lock<std::mutex> lock(jm->mu_);
+  absl::ReleasableMutexLock lock(&jm->mu_);
   for (auto& row : *rows) {
     const std::string id = row.job.job_id();
     Record& r = jm->jobs_[id];
@@ -127,7 +128,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
   }
   jm->RetainLocked();
   jm->ReconcileCheckpointDirsLocked();
-  lock.unlock();
+  lock.Release();
   if (options.checkpoint_lease.count() > 0)
     jm->lease_thread_ = std::thread([p = jm.get()] { p->RenewLeases(); });
   return jm;
@@ -164,13 +165,13 @@ void JobManager::RenewLeases() {
   const double lease_s = std::chrono::duration<double>(options_.checkpoint_lease).count();
   for (;;) {
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      if (cv_.wait_for(lock, every, [&] { return shutdown_; })) return;
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&shutdown_), absl::FromChrono(every))) return;
     }
-    std::lock_guard<std::mutex> io(lease_io_mu_);
+    absl::MutexLock io(&lease_io_mu_);
     std::vector<std::pair<std::string, std::string>> held;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       if (shutdown_) return;
       held.assign(leases_.begin(), leases_.end());
     }
@@ -198,22 +199,22 @@ void JobManager::RenewLeases() {
       Log(LogLevel::kWarning, absl::StrCat("job ", id, ": checkpoint.dir ", dir, " belongs to job ",
                                            (*owner)->owner().job_id(),
                                            "; its lease is no longer renewed"));
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       leases_.erase(id);
     }
   }
 }
 
 bool JobManager::HasRun(const std::string& job_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return runs_.count(job_id) > 0;
 }
 
 void JobManager::RunJoined(const std::string& job_id) {
-  std::lock_guard<std::mutex> io(lease_io_mu_);
+  absl::MutexLock io(&lease_io_mu_);
   bool ended = true;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     runs_.erase(job_id);
     const Record* r = FindLocked(job_id);
     ended = r == nullptr || IsTerminalState(r->job.state());
@@ -224,7 +225,7 @@ void JobManager::RunJoined(const std::string& job_id) {
 void JobManager::ReleaseLeaseIoLocked(const std::string& job_id) {
   std::string dir;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = leases_.find(job_id);
     if (it == leases_.end()) return;
     dir = it->second;
@@ -269,7 +270,7 @@ void JobManager::PublishLocked(Record* r, v1::JobEvent ev) {
   r->events.push_back(std::move(ev));
   while (r->events.size() > options_.max_events_per_job) r->events.pop_front();
   PersistLocked(*r, r->events.back());
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 std::string JobManager::NewJobIdLocked() {
@@ -314,7 +315,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
   v1::JobSpec d = WithDefaults(moved, 0);
   std::string bytes = DeterministicBytes(d);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (auto replay = ReplayLocked(request_id, owner, bytes))
       return replay->ok() ? *replay : Refused(replay->status(), owner, d);
   }
@@ -338,7 +339,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
   }
   std::function<absl::Status(ResolvedJob&)> admission;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     admission = admission_;
   }
   if (admission) {
@@ -369,7 +370,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
   }
   v1::Job out;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (shutdown_)
       return Refused(absl::UnavailableError("coordinator is shutting down"), owner, d);
     // Re-checked: another submit may have raced us.
@@ -422,7 +423,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
                              {"request_id", request_id}});
   std::function<void()> cb;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     cb = on_submit_;
   }
   if (cb) cb();
@@ -463,7 +464,7 @@ absl::StatusOr<JobPage> JobManager::ListPage(const std::optional<std::string>& o
     return absl::InvalidArgumentError(absl::StrCat("events: must be >= 0 (got ", events, ")"));
   const size_t want = page_size == 0 ? kDefaultPageSize : std::min(page_size, kMaxPageSize);
   const size_t n_events = static_cast<size_t>(std::min(events, kMaxListEvents));
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = order_.begin();
   if (!page_token.empty()) {
     auto key = ParsePageToken(page_token);
@@ -493,7 +494,7 @@ absl::StatusOr<JobPage> JobManager::ListPage(const std::optional<std::string>& o
 }
 
 absl::Status JobManager::Delete(const std::string& job_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (!IsTerminalState(r->job.state()))
@@ -501,17 +502,17 @@ absl::Status JobManager::Delete(const std::string& job_id) {
         "job ", job_id, " is ", StateName(r->job.state()),
         "; only an ended job can be deleted (cancel it first)"));
   EraseLocked(job_id);
-  cv_.notify_all();
+  cv_.SignalAll();
   return absl::OkStatus();
 }
 
 size_t JobManager::ApplyRetention() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return RetainLocked();
 }
 
 size_t JobManager::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return jobs_.size();
 }
 
@@ -529,7 +530,7 @@ size_t JobManager::RetainLocked() {
     EraseLocked(ended_.begin()->second);
     ++removed;
   }
-  if (removed > 0) cv_.notify_all();
+  if (removed > 0) cv_.SignalAll();
   return removed;
 }
 
@@ -558,7 +559,8 @@ absl::Status JobManager::ClaimCheckpointDirLocked(const v1::JobSpec& spec, const
   CheckpointStore::ClaimOptions o;
   o.take_over = c.take_over();
   // Under mu_: the owner's state cannot change between this check and the claim.
-  o.may_take_over = [&](const v1::CheckpointOwnerEntry& old) -> absl::Status {
+  o.may_take_over = [&](const v1::CheckpointOwnerEntry& old)
+                         ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
     const Record* r = FindLocked(old.job_id());
     if (r == nullptr || IsTerminalState(r->job.state())) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat(
@@ -587,14 +589,14 @@ absl::Status JobManager::ClaimCheckpointDirLocked(const v1::JobSpec& spec, const
 }
 
 absl::StatusOr<v1::Job> JobManager::Get(const std::string& job_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   return r->job;
 }
 
 std::vector<v1::Job> JobManager::List() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<v1::Job> out;
   out.reserve(order_.size());
   for (const auto& [unused, id] : order_) out.push_back(jobs_.at(id).job);
@@ -602,7 +604,7 @@ std::vector<v1::Job> JobManager::List() const {
 }
 
 std::vector<v1::Job> JobManager::PendingJobs() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<v1::Job> out;
   for (const auto& [unused, id] : order_) {
     const auto& j = jobs_.at(id).job;
@@ -612,16 +614,80 @@ std::vector<v1::Job> JobManager::PendingJobs() const {
   return out;
 }
 
-absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id) {
+absl::StatusOr<bool> JobManager::RequestCancelAfterSave(const std::string& job_id,
+                                                         std::string* why) {
+  absl::MutexLock lock(&mu_);
+  Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  v1::Job& j = r->job;
+  if (IsTerminalState(j.state()))
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " already ended (", StateName(j.state()), ")"));
+  if (r->cancel_after_save) return true;  // an earlier cancel's save is pending
+  if (j.spec().checkpoint().dir().empty()) {
+    *why = "the job has no checkpoint.dir";
+    return false;
+  }
+  if (j.spec().training().free_running()) {
+    *why = "a free-running job saves only after its last step";
+    return false;
+  }
+  if (j.state() != v1::JOB_STATE_RUNNING) {
+    *why = absl::StrCat("the job was ", StateName(j.state()),
+                        ": nothing was trained since the checkpoint it starts from");
+    return false;
+  }
+  r->cancel_after_save = true;
+  r->checkpoint_requested = true;
+  const int64_t at = std::min(std::max(j.step() + 1, r->dispatched), j.total_steps());
+  v1::JobEvent ev;
+  ev.set_step(j.step());
+  ev.set_tokens(j.tokens());
+  ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+  ev.set_message(absl::StrCat("cancelling: saving checkpoint step-", at, " after step ", at,
+                              ", then stopping"));
+  PublishLocked(r, ev);
+  LogEvent("job_cancelling", {{"job", job_id}, {"owner", j.owner()}, {"save_step", at}});
+  return true;
+}
+
+absl::StatusOr<v1::Job> JobManager::AwaitEnded(const std::string& job_id,
+                                               const std::function<bool()>& stop) {
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
+    const Record* r = FindLocked(job_id);
+    if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+    if (IsTerminalState(r->job.state()) || (stop && stop())) return r->job;
+    cv_.WaitWithTimeout(&mu_, absl::Milliseconds(200));
+  }
+}
+
+bool JobManager::CancelRequested(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  const Record* r = FindLocked(job_id);
+  return r != nullptr && r->cancel_after_save;
+}
+
+absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id, bool save,
+                                           const std::function<bool()>& stop) {
+  std::string reason = "cancelled by user";
+  if (save) {
+    std::string why;
+    auto saving = RequestCancelAfterSave(job_id, &why);
+    if (!saving.ok()) return saving.status();
+    if (*saving) return AwaitEnded(job_id, stop);
+    reason = absl::StrCat("cancelled by user; no checkpoint saved: ", why);
+  }
   v1::Job out;
   bool was_active = false;
   std::function<void(const std::string&)> cb;
   {
     // A job without a run: the lease goes before the job is seen to end (another coordinator may
     // then take over). With a run, its ranks may still be writing: RunJoined releases it.
-    std::lock_guard<std::mutex> io(lease_io_mu_);
+    absl::MutexLock io(&lease_io_mu_);
     if (!HasRun(job_id)) ReleaseLeaseIoLocked(job_id);
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     Record* r = FindLocked(job_id);
     if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
     if (IsTerminalState(r->job.state()))
@@ -629,14 +695,14 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id) {
           "job ", job_id, " already ended (", StateName(r->job.state()), ")"));
     was_active = r->job.state() != v1::JOB_STATE_PENDING;
     r->job.set_state(v1::JOB_STATE_CANCELLED);
-    r->job.set_reason("cancelled by user");
+    r->job.set_reason(reason);
     r->job.set_end_time(NowSeconds());
     v1::JobEvent ev;
     ev.set_step(r->job.step());
     ev.set_loss(r->job.loss());
     ev.set_val_loss(r->job.val_loss());
     ev.set_tokens(r->job.tokens());
-    ev.set_message("cancelled by user");
+    ev.set_message(reason);
     PublishLocked(r, ev);
     out = r->job;
     cb = on_cancel_;
@@ -648,39 +714,147 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id) {
   return out;
 }
 
+absl::StatusOr<CommittedCheckpoint> JobManager::ResumePoint(const std::string& job_id,
+                                                             const std::string& dir) {
+  const CheckpointStore store(dir, job_id);
+  auto owner = store.Owner();
+  if (!owner.ok())
+    return absl::UnavailableError(absl::StrCat("checkpoint.dir ", dir, ": ", owner.status().message()));
+  if (owner->has_value() && (*owner)->owner().job_id() != job_id)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "resume: checkpoint.dir ", dir, " now belongs to job ", (*owner)->owner().job_id(),
+        " (it took the directory over); job ", job_id,
+        " may not save there again: submit a new job (init.from_checkpoint starts it from one of "
+        "these checkpoints)"));
+  auto latest = store.Latest(job_id);
+  if (!latest.ok())
+    return absl::UnavailableError(absl::StrCat("checkpoint.dir ", dir, ": ", latest.status().message()));
+  if (!latest->has_value())
+    return absl::FailedPreconditionError(absl::StrCat(
+        "resume: checkpoint.dir ", dir, " holds no committed checkpoint of job ", job_id,
+        "; a job resumes only from its own newest committed checkpoint (submit it again to "
+        "start over)"));
+  const double lease_s = std::chrono::duration<double>(options_.checkpoint_lease).count();
+  if (lease_s > 0) {
+    auto renewed = store.RenewLease(job_id, coordinator_id_, lease_s);
+    if (!renewed.ok())
+      return absl::UnavailableError(absl::StrCat("checkpoint.dir ", dir, ": renewing the lease: ",
+                                                 renewed.status().message()));
+    if (!*renewed)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: checkpoint.dir ", dir, " is leased by another coordinator (or has no OWNER "
+          "record naming job ", job_id, "); a job resumes only under the coordinator that "
+          "holds its directory"));
+  }
+  return std::move(**latest);
+}
+
+absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id) {
+  absl::MutexLock io(&lease_io_mu_);  // no lease call of this job meanwhile
+  std::string dir;
+  double ended_at = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const Record* r = FindLocked(job_id);
+    if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+    const v1::Job& j = r->job;
+    if (!IsTerminalState(j.state()))
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: job ", job_id, " is ", StateName(j.state()),
+          "; only an ended job (CANCELLED or FAILED) can be resumed"));
+    if (j.state() == v1::JOB_STATE_SUCCEEDED)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: job ", job_id, " SUCCEEDED (all ", j.total_steps(),
+          " training.steps done); only a CANCELLED or FAILED job can be resumed (to train "
+          "further, submit a new job with init.from_checkpoint)"));
+    dir = j.spec().checkpoint().dir();
+    if (dir.empty())
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: job ", job_id, " has no checkpoint.dir, so nothing to resume from"));
+    ended_at = j.end_time();
+  }
+  auto point = ResumePoint(job_id, dir);
+  if (!point.ok()) return point.status();
+  v1::Job out;
+  {
+    absl::MutexLock lock(&mu_);
+    Record* r = FindLocked(job_id);
+    // Deleted, or resumed by another call, meanwhile (the lease renewal stays harmless: it
+    // expires, or the resumed job renews it).
+    if (!r || !IsTerminalState(r->job.state()) || r->job.end_time() != ended_at)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: job ", job_id, " changed while it was being resumed; look at it again"));
+    v1::Job& j = r->job;
+    ended_.erase({j.end_time(), job_id});
+    // The job's spec has its defaults (applied at submit, or migrated when the db was read).
+    const int mn = std::max(1, j.spec().sharding().min_workers());
+    j.set_state(v1::JOB_STATE_PENDING);
+    j.set_reason(absl::StrCat("resumed from ", point->dir, "; waiting for ", mn, " workers"));
+    j.set_end_time(0);
+    j.set_restarts(0);
+    j.set_resumes(j.resumes() + 1);
+    j.set_step(point->step);
+    j.set_tokens(point->manifest.tokens());
+    j.clear_worker_ids();
+    r->checkpoint_requested = false;
+    r->cancel_after_save = false;
+    if (options_.checkpoint_lease.count() > 0) leases_[job_id] = dir;
+    v1::JobEvent ev;
+    ev.set_step(point->step);
+    ev.set_tokens(point->manifest.tokens());
+    ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+    ev.set_message(absl::StrCat("resumed (resume ", j.resumes(), ") from ", point->dir, " (step ",
+                                point->step, "); waiting for ", mn, " workers"));
+    PublishLocked(r, ev);
+    out = j;
+  }
+  LogEvent("job_resumed", {{"job", job_id},
+                           {"owner", out.owner()},
+                           {"step", out.step()},
+                           {"dir", point->dir},
+                           {"resumes", out.resumes()}});
+  std::function<void()> cb;
+  {
+    absl::MutexLock lock(&mu_);
+    cb = on_submit_;
+  }
+  if (cb) cb();
+  return out;
+}
+
 absl::Status JobManager::Watch(const std::string& job_id, int64_t after_seq,
                                const std::function<bool(const v1::JobEvent&)>& on_event,
                                const std::function<bool()>& stop) {
   int64_t cursor = after_seq;
-  std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
-    Record* r = FindLocked(job_id);
-    if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
-    std::vector<v1::JobEvent> batch;
-    if (!r->events.empty()) {
-      int64_t first = r->events.front().seq();
-      size_t i = cursor + 1 <= first ? 0 : static_cast<size_t>(cursor + 1 - first);
-      for (; i < r->events.size(); ++i) batch.push_back(r->events[i]);
-    }
-    if (!batch.empty()) {
-      lock.unlock();
-      for (const auto& e : batch) {
-        cursor = e.seq();
-        if (!on_event(e)) return absl::OkStatus();
+    std::vector<v1::JobEvent> batch;  // the events after cursor, handed out without mu_ held
+    {
+      absl::MutexLock lock(&mu_);
+      for (;;) {
+        if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
+        Record* r = FindLocked(job_id);
+        if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+        if (!r->events.empty()) {
+          int64_t first = r->events.front().seq();
+          size_t i = cursor + 1 <= first ? 0 : static_cast<size_t>(cursor + 1 - first);
+          for (; i < r->events.size(); ++i) batch.push_back(r->events[i]);
+        }
+        if (!batch.empty()) break;
+        if (IsTerminalState(r->job.state())) return absl::OkStatus();
+        if (stop && stop()) return absl::CancelledError("watch cancelled");
+        cv_.WaitWithTimeout(&mu_, absl::Milliseconds(200));
       }
-      lock.lock();
-      continue;
     }
-    if (IsTerminalState(r->job.state())) return absl::OkStatus();
-    if (stop && stop()) return absl::CancelledError("watch cancelled");
-    cv_.wait_for(lock, std::chrono::milliseconds(200));
+    for (const auto& e : batch) {
+      cursor = e.seq();
+      if (!on_event(e)) return absl::OkStatus();
+    }
   }
 }
 
 absl::StatusOr<std::vector<v1::JobEvent>> JobManager::RecentEvents(const std::string& job_id,
                                                                    size_t max) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   const size_t n = std::min(max, r->events.size());
@@ -688,13 +862,13 @@ absl::StatusOr<std::vector<v1::JobEvent>> JobManager::RecentEvents(const std::st
 }
 
 void JobManager::Shutdown() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   shutdown_ = true;
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 absl::Status JobManager::SetPendingReason(const std::string& job_id, const std::string& reason) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (r->job.state() != v1::JOB_STATE_PENDING && r->job.state() != v1::JOB_STATE_RECOVERING)
@@ -710,7 +884,7 @@ absl::Status JobManager::SetPendingReason(const std::string& job_id, const std::
 
 absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
                                                  const std::vector<std::string>& worker_ids) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   const bool recovering = r->job.state() == v1::JOB_STATE_RECOVERING;
@@ -725,7 +899,8 @@ absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
   j.clear_worker_ids();
   for (const auto& w : worker_ids) j.add_worker_ids(w);
   j.set_generation(j.generation() + 1);
-  if (!recovering) j.set_start_time(NowSeconds());
+  // A resumed job keeps the time it first started (its history continues).
+  if (!recovering && j.start_time() == 0) j.set_start_time(NowSeconds());
   std::vector<std::string> ranks;
   for (size_t i = 0; i < worker_ids.size(); ++i)
     ranks.push_back(absl::StrCat(i, "=", worker_ids[i]));
@@ -743,7 +918,7 @@ absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
 }
 
 absl::Status JobManager::MarkRunning(const std::string& job_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (r->job.state() != v1::JOB_STATE_STARTING)
@@ -761,7 +936,7 @@ absl::Status JobManager::MarkRunning(const std::string& job_id) {
 
 absl::StatusOr<int> JobManager::MarkRecovering(const std::string& job_id,
                                               const std::string& cause, int max_restarts) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (IsTerminalState(r->job.state()))
@@ -791,7 +966,7 @@ absl::StatusOr<int> JobManager::MarkRecovering(const std::string& job_id,
 
 absl::Status JobManager::RecordStep(const std::string& job_id, const v1::JobEvent& ev,
                                     bool* checkpoint_requested) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (r->job.state() != v1::JOB_STATE_RUNNING)
@@ -809,7 +984,7 @@ absl::Status JobManager::RecordStep(const std::string& job_id, const v1::JobEven
 }
 
 absl::Status JobManager::PublishMessage(const std::string& job_id, const std::string& message) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (IsTerminalState(r->job.state()))
@@ -826,7 +1001,7 @@ absl::Status JobManager::PublishMessage(const std::string& job_id, const std::st
 
 absl::Status JobManager::MarkResumed(const std::string& job_id, int64_t step, int64_t tokens,
                                      const std::string& message) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (r->job.state() != v1::JOB_STATE_STARTING)
@@ -844,7 +1019,7 @@ absl::Status JobManager::MarkResumed(const std::string& job_id, int64_t step, in
 }
 
 absl::StatusOr<int64_t> JobManager::RequestCheckpoint(const std::string& job_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (r->job.spec().checkpoint().dir().empty())
@@ -858,12 +1033,12 @@ absl::StatusOr<int64_t> JobManager::RequestCheckpoint(const std::string& job_id)
 }
 
 void JobManager::SetDispatched(const std::string& job_id, int64_t completed) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (Record* r = FindLocked(job_id)) r->dispatched = completed;
 }
 
 bool JobManager::TryDispatchAhead(const std::string& job_id, int64_t completed) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (r == nullptr || r->checkpoint_requested) return false;
   r->dispatched = completed;
@@ -877,15 +1052,18 @@ absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,
   // The lease goes before the job is seen to end (another coordinator may then take over), unless
   // a run of the job may still be writing (a failure, followed by Abort): RunJoined releases it.
   // SUCCEEDED comes after every rank acknowledged the final save.
-  std::lock_guard<std::mutex> io(lease_io_mu_);
+  absl::MutexLock io(&lease_io_mu_);
   if (state == v1::JOB_STATE_SUCCEEDED || !HasRun(job_id)) ReleaseLeaseIoLocked(job_id);
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (IsTerminalState(r->job.state()))
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " already ended (", StateName(r->job.state()), ")"));
   v1::Job& j = r->job;
+  // A cancel that waited for its save ends here (the step driver finishes the job).
+  const bool cancelled_after_save = state == v1::JOB_STATE_CANCELLED && r->cancel_after_save;
+  r->cancel_after_save = false;
   j.set_state(state);
   j.set_reason(reason);
   j.set_end_time(NowSeconds());
@@ -896,8 +1074,11 @@ absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,
   ev.set_tokens(j.tokens());
   ev.set_message(reason.empty() ? StateName(state) : reason);
   PublishLocked(r, ev);
-  NoteEndedLocked(v1::Job(j));
-  LogEnded(j);
+  const v1::Job ended = j;
+  NoteEndedLocked(ended);  // may remove the record
+  if (cancelled_after_save)
+    LogEvent("job_cancelled", {{"job", job_id}, {"owner", ended.owner()}, {"step", ended.step()}});
+  LogEnded(ended);
   return absl::OkStatus();
 }
 
@@ -933,13 +1114,13 @@ void JobManager::LogEnded(const v1::Job& j) {
 }
 
 bool JobManager::IsTerminal(const std::string& job_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const Record* r = FindLocked(job_id);
   return !r || IsTerminalState(r->job.state());
 }
 
 void JobManager::SetScalingState(const std::string& job_id, const v1::ScalingState& state) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return;
   r->scaling = state;
@@ -947,7 +1128,7 @@ void JobManager::SetScalingState(const std::string& job_id, const v1::ScalingSta
 }
 
 absl::StatusOr<v1::ScalingState> JobManager::GetScalingState(const std::string& job_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (!r->scaling)
@@ -957,22 +1138,22 @@ absl::StatusOr<v1::ScalingState> JobManager::GetScalingState(const std::string& 
 }
 
 void JobManager::SetSubmitListener(std::function<void()> fn) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   on_submit_ = std::move(fn);
 }
 
 std::shared_ptr<ResolvedJob> JobManager::Resolved(const std::string& job_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const Record* r = FindLocked(job_id);
   return r == nullptr ? nullptr : r->resolved;
 }
 
 void JobManager::SetAdmission(std::function<absl::Status(ResolvedJob&)> fn) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   admission_ = std::move(fn);
 }
 void JobManager::SetCancelListener(std::function<void(const std::string&)> fn) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   on_cancel_ = std::move(fn);
 }
 

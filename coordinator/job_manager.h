@@ -2,9 +2,10 @@
 // per-job event log that WatchJob streams, and persistence through JobStore (SQLite).
 //
 // States: PENDING -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED, and
-// STARTING/RUNNING -> RECOVERING -> STARTING (a failed generation restarted). A terminal job never
-// changes again; the transition methods refuse it with FAILED_PRECONDITION, which is how a step
-// driver notices that its job was cancelled underneath it.
+// STARTING/RUNNING -> RECOVERING -> STARTING (a failed generation restarted), and
+// CANCELLED | FAILED -> PENDING by Resume only. An ended job changes no other way; the transition
+// methods refuse it with FAILED_PRECONDITION, which is how a step driver notices that its job was
+// cancelled underneath it.
 //
 // Events: every job has events with seq 1, 2, 3, ... (the seq counter is persisted, so it continues
 // after a restart). The last `max_events_per_job` events are kept in memory and in the state db,
@@ -34,17 +35,16 @@
 // and the state db, never their checkpoints.
 //
 // Thread-safety: every method is safe to call from several threads. Listeners are called without
-// the internal lock held.
+// the internal lock held. The locks' use is checked by clang's -Wthread-safety (ABSL_GUARDED_BY,
+// ABSL_EXCLUSIVE_LOCKS_REQUIRED on the ...Locked helpers).
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -52,8 +52,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/job_store.h"
 #include "coordinator/resolved_job.h"
@@ -140,7 +142,29 @@ class JobManager {
   // A PENDING job becomes CANCELLED at once; a STARTING/RUNNING job becomes CANCELLED and the
   // cancel listener is told (the step driver then aborts its ranks). FAILED_PRECONDITION for a
   // finished job, NOT_FOUND for an unknown id.
-  absl::StatusOr<v1::Job> Cancel(const std::string& job_id);
+  // save: a RUNNING job with a checkpoint.dir that is not free-running first saves a checkpoint
+  // after the step in progress (as RequestCheckpoint; event "cancelling: ..."), and the step driver
+  // then ends it CANCELLED (CancelRequested, reason naming the committed checkpoint or why the
+  // save failed); Cancel waits for the job to end and returns it as it ended (SUCCEEDED when that
+  // step was its last), or as it stands when `stop` returns true (polled about every 200 ms);
+  // UNAVAILABLE after Shutdown(). Any other job is cancelled at once, its reason saying why no
+  // checkpoint was saved (no checkpoint.dir, free-running, or nothing trained since the
+  // checkpoint it starts from). A second Cancel while the save is pending waits as well.
+  absl::StatusOr<v1::Job> Cancel(const std::string& job_id, bool save = false,
+                                 const std::function<bool()>& stop = nullptr);
+  // Continues an ended job (CANCELLED or FAILED) as the same job: it becomes PENDING (reason
+  // "resumed from <dir>/step-<k>; waiting for N workers"), keeps its id, owner, spec, events
+  // (the event "resumed from ..." carries step k) and creation and start times; end_time is
+  // cleared, restarts reset to 0 (a fresh max_restarts budget), Job.resumes counted, and every
+  // generation from then on starts from the job's own newest committed checkpoint (step k + 1
+  // is the first step trained). The job's lease on checkpoint.dir is renewed (retention and
+  // ownership unchanged: no take-over happens). Refusals, nothing changed: NOT_FOUND for an
+  // unknown id; FAILED_PRECONDITION naming the rule for a job that has not ended, one that
+  // SUCCEEDED, one without a checkpoint.dir, one whose checkpoint.dir holds no committed
+  // checkpoint of its own, and one whose checkpoint.dir now belongs to another job or is leased
+  // by another coordinator; UNAVAILABLE when checkpoint.dir cannot be read. Owner checks are the
+  // caller's (the RPC layer's, as for Cancel).
+  absl::StatusOr<v1::Job> Resume(const std::string& job_id) ABSL_LOCKS_EXCLUDED(lease_io_mu_, mu_);
   // Calls on_event for every kept event with seq > after_seq, then for new ones as they come, and
   // returns OK after the job's final event. Returns early with OK when on_event returns false,
   // CANCELLED when `stop` returns true (polled about every 200 ms), UNAVAILABLE after Shutdown().
@@ -199,6 +223,8 @@ class JobManager {
   // The scheduler may send that step's command ahead, while the current step runs, unless a
   // checkpoint request is pending (then the save comes first): true records it as dispatched.
   bool TryDispatchAhead(const std::string& job_id, int64_t completed);
+  // Whether a Cancel with save waits for this job's save (the step driver ends the job after it).
+  bool CancelRequested(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Any non-terminal state -> `state` (SUCCEEDED, FAILED or CANCELLED) with `reason`.
   // FAILED_PRECONDITION when the job already ended.
   absl::Status Finish(const std::string& job_id, v1::JobState state, const std::string& reason);
@@ -254,6 +280,7 @@ class JobManager {
     std::optional<v1::ScalingState> scaling;
     bool checkpoint_requested = false;
     int64_t dispatched = 0;  // completed-step count after the last step command sent
+    bool cancel_after_save = false;  // a Cancel with save waits for the next save
   };
 
   using OrderKey = std::pair<double, std::string>;  // (create_time, job_id)
@@ -261,55 +288,72 @@ class JobManager {
   JobManager(JobManagerOptions options, std::unique_ptr<JobStore> store);
   // Records that the job ended (for retention) and applies the retention rule; may remove jobs,
   // so no Record pointer survives it.
-  void NoteEndedLocked(const v1::Job& job);
-  size_t RetainLocked();
-  void EraseLocked(const std::string& job_id);
-  Record* FindLocked(const std::string& job_id);
-  const Record* FindLocked(const std::string& job_id) const;
+  void NoteEndedLocked(const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  size_t RetainLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Record* FindLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const Record* FindLocked(const std::string& job_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Appends an event (fills seq, job_id, state, total_steps, time), persists, notifies watchers.
-  void PublishLocked(Record* r, v1::JobEvent ev);
+  void PublishLocked(Record* r, v1::JobEvent ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes the job's row and its new event (kept with the newest max_events_per_job).
-  void PersistLocked(const Record& r, const v1::JobEvent& event);
-  std::string NewJobIdLocked();
+  void PersistLocked(const Record& r, const v1::JobEvent& event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string NewJobIdLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A submit whose request_id was used before: the earlier job (same owner and spec bytes) or
   // ALREADY_EXISTS naming the conflict; nullopt for an empty or new request_id. mu_ held.
   std::optional<absl::StatusOr<v1::Job>> ReplayLocked(const std::string& request_id,
                                                       const std::string& owner,
-                                                      const std::string& spec_bytes) const;
+                                                      const std::string& spec_bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Claims spec.checkpoint.dir for job `id` (CheckpointStore::Claim; take-over only from a job
   // that ended or is not in the table, and whose lease no other coordinator holds). *skipped:
   // the earlier owners' committed steps this job's saves will skip.
   absl::Status ClaimCheckpointDirLocked(const v1::JobSpec& spec, const std::string& id,
                                         const std::string& owner,
-                                        std::vector<std::string>* skipped);
+                                        std::vector<std::string>* skipped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Cancel with save, first part: true when the job now saves before it is cancelled (the flag
+  // set, the checkpoint requested, the event published); false with *why when it cannot save.
+  absl::StatusOr<bool> RequestCancelAfterSave(const std::string& job_id, std::string* why)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until the job has ended (or `stop`, or Shutdown) and returns it.
+  absl::StatusOr<v1::Job> AwaitEnded(const std::string& job_id, const std::function<bool()>& stop)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Resume's checks of checkpoint.dir (no lock held): the job's newest committed checkpoint, its
+  // lease renewed. FAILED_PRECONDITION naming the rule.
+  absl::StatusOr<CommittedCheckpoint> ResumePoint(const std::string& job_id,
+                                                  const std::string& dir)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lease_io_mu_) ABSL_LOCKS_EXCLUDED(mu_);
 
   // At Open: tidies the checkpoint directories this coordinator's jobs own (see above).
-  void ReconcileCheckpointDirsLocked();
-  // Whether a run of the job has not been joined yet (mu_ not held).
-  bool HasRun(const std::string& job_id) const;
-  // Releases the job's checkpoint.dir lease (before it ends); lease_io_mu_ held, not mu_.
-  void ReleaseLeaseIoLocked(const std::string& job_id);
+  void ReconcileCheckpointDirsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a run of the job has not been joined yet.
+  bool HasRun(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Releases the job's checkpoint.dir lease (before it ends).
+  void ReleaseLeaseIoLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(lease_io_mu_)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The lease thread: renews every leases_ entry every checkpoint_lease / 4 until Shutdown.
-  void RenewLeases();
+  void RenewLeases() ABSL_LOCKS_EXCLUDED(lease_io_mu_, mu_);
 
   const JobManagerOptions options_;
   std::unique_ptr<JobStore> store_;
   std::string coordinator_id_;
-  // Held across a lease's file I/O and the job state it depends on (before mu_).
-  std::mutex lease_io_mu_;
-  std::map<std::string, std::string> leases_;  // job id -> checkpoint.dir leased (mu_)
-  std::set<std::string> runs_;                 // jobs with a run not joined yet (mu_)
+  // Held across a lease's file I/O and the job state it depends on (taken before mu_).
+  absl::Mutex lease_io_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  std::map<std::string, std::string> leases_ ABSL_GUARDED_BY(mu_);  // job id -> checkpoint.dir leased
+  std::set<std::string> runs_ ABSL_GUARDED_BY(mu_);  // jobs with a run not joined yet
   std::thread lease_thread_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<std::string, Record> jobs_;
-  std::set<OrderKey> order_;                          // every job, oldest first
-  std::set<std::pair<double, std::string>> ended_;    // (end_time, job_id) of ended jobs
-  std::map<std::string, std::string> by_request_;  // request_id -> job_id
-  bool shutdown_ = false;
-  std::function<void()> on_submit_;
-  std::function<void(const std::string&)> on_cancel_;
-  std::function<absl::Status(ResolvedJob&)> admission_;  // guarded by mu_
+  mutable absl::Mutex mu_;
+  absl::CondVar cv_;  // signalled on every new event, removal and at Shutdown
+  std::map<std::string, Record> jobs_ ABSL_GUARDED_BY(mu_);
+  std::set<OrderKey> order_ ABSL_GUARDED_BY(mu_);  // every job, oldest first
+  // (end_time, job_id) of ended jobs
+  std::set<std::pair<double, std::string>> ended_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> by_request_ ABSL_GUARDED_BY(mu_);  // request_id -> job_id
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<void()> on_submit_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const std::string&)> on_cancel_ ABSL_GUARDED_BY(mu_);
+  std::function<absl::Status(ResolvedJob&)> admission_ ABSL_GUARDED_BY(mu_);
 };
 
 // Text of a state without the prefix: "PENDING", "RUNNING", ...

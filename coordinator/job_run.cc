@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/time.h"
 #include "common/spec.h"
 #include "coordinator/log.h"
 #include "coordinator/metrics.h"
@@ -113,21 +114,21 @@ absl::Status WithContext(const std::string& what, const absl::Status& s) {
 
 // ---- Inbox ----
 
+// Pop waits on mu_ for ReadyLocked, which absl::Mutex evaluates whenever the lock is released.
 void Inbox::Push(const WorkerEvent& ev) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   q_.push_back(ev);
-  cv_.notify_all();
 }
 
 void Inbox::Poke() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   poked_ = true;
-  cv_.notify_all();
 }
 
 bool Inbox::Pop(WorkerEvent* out, Clock::time_point until) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_until(lock, until, [&] { return !q_.empty() || poked_; });
+  absl::MutexLock lock(&mu_);
+  mu_.AwaitWithTimeout(absl::Condition(this, &Inbox::ReadyLocked),
+                       absl::FromChrono(until - Clock::now()));
   poked_ = false;
   if (q_.empty()) return false;
   *out = std::move(q_.front());
@@ -193,6 +194,12 @@ std::string JobRun::EndFailedGeneration(const absl::Status& s) {
     return j.ok() && !j->reason().empty() ? j->reason() : "job ended";
   }
   std::string reason(s.message());
+  if (jobs_->CancelRequested(id)) {
+    // A cancel waited for a save that this failure prevented: the job is cancelled, not
+    // restarted, and says why nothing was saved.
+    const std::string cancelled = absl::StrCat("cancelled by user; no checkpoint saved: ", reason);
+    if (jobs_->Finish(id, v1::JOB_STATE_CANCELLED, cancelled).ok()) return cancelled;
+  }
   const int max_restarts = job_.spec().max_restarts();  // defaults applied at submit
   LogEvent("generation_failed",
            {{"job", id},
@@ -404,9 +411,9 @@ absl::Status JobRun::ResolveResume(const v1::JobSpec& spec,
   const v1::CheckpointSpec& cs = spec.checkpoint();
   if (cs.dir().empty()) return absl::OkStatus();
   std::string step_dir = cs.resume_from();
-  if (job_.restarts() > 0) {
-    // A restarted generation continues from the job's own newest committed checkpoint; before
-    // the first one, from where the job itself started.
+  if (job_.restarts() > 0 || job_.resumes() > 0) {
+    // A restarted or resumed generation continues from the job's own newest committed
+    // checkpoint; before the first one, from where the job itself started.
     auto latest = CheckpointStore(cs.dir()).Latest(job_.job_id());
     if (!latest.ok())
       return absl::FailedPreconditionError(
@@ -530,7 +537,22 @@ absl::Status JobRun::RunStep(const v1::JobSpec& spec, int64_t k, Progress* p) {
     requested = true;
   }
   if (!SaveDue(spec, completed, requested)) return absl::OkStatus();
-  return SaveWithRetry(spec, completed, p);
+  if (absl::Status s = SaveWithRetry(spec, completed, p); !s.ok()) return s;
+  return CancelAfterSave(spec, completed, p);
+}
+
+absl::Status JobRun::CancelAfterSave(const v1::JobSpec& spec, int64_t completed,
+                                     const Progress* p) {
+  // The last step's save ends the job SUCCEEDED instead.
+  if (completed == spec.training().steps() || !jobs_->CancelRequested(job_.job_id()))
+    return absl::OkStatus();
+  const std::string reason =
+      p->failed_saves == 0
+          ? absl::StrCat("cancelled by user after step ", completed, " (", last_save_, ")")
+          : absl::StrCat("cancelled by user after step ", completed,
+                         "; no checkpoint saved: ", last_save_);
+  jobs_->Finish(job_.job_id(), v1::JOB_STATE_CANCELLED, reason).IgnoreError();
+  return absl::CancelledError("job ended");
 }
 
 absl::Status JobRun::SendStep(const v1::JobSpec& spec, const v1::CoordinatorMessage& command,
@@ -638,6 +660,7 @@ absl::Status JobRun::SaveWithRetry(const v1::JobSpec& spec, int64_t completed, P
       p->failed_saves = 0;
       return s;
     }
+    last_save_ = std::string(s.message());
     if (!storage_failure) {
       // A rank lost during the save is a failed generation; a save that times out or that a rank
       // answers wrongly is not restarted (a restart would repeat it).
@@ -678,8 +701,8 @@ absl::Status JobRun::SaveCheckpoint(const v1::JobSpec& spec, int64_t step, int64
     // Another job's committed checkpoint of this step (an earlier owner's): never replaced.
     LogEvent("checkpoint_skipped", {{"job", job_.job_id()}, {"step", step},
                                     {"cause", std::string(dir.status().message())}});
-    if (!jobs_->PublishMessage(job_.job_id(),
-                               absl::StrCat(what, " skipped: ", dir.status().message())).ok())
+    last_save_ = absl::StrCat(what, " skipped: ", dir.status().message());
+    if (!jobs_->PublishMessage(job_.job_id(), last_save_).ok())
       return absl::CancelledError("job ended");
     return absl::OkStatus();
   }
@@ -704,6 +727,7 @@ absl::Status JobRun::SaveCheckpoint(const v1::JobSpec& spec, int64_t step, int64
                                     {"dir", *dir},
                                     {"world_size", manifest->world_size()},
                                     {"tokens", tokens}});
+  last_save_ = absl::StrCat(what, " committed");
   if (!jobs_->PublishMessage(job_.job_id(), absl::StrCat(what, " committed", note)).ok())
     return absl::CancelledError("job ended");
   return absl::OkStatus();

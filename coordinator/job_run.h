@@ -22,9 +22,9 @@
 // step directory removed; committed checkpoints untouched), published as an event, and training
 // goes on; the next interval tries again (the last step's save is retried at once). After
 // checkpoint.max_failed_saves consecutive failed saves the job is FAILED, not restarted.
-// Resume (checkpoint.resume_from, or any restarted generation): the coordinator picks the
-// checkpoint ("latest" committed one, or the named step directory, or for a restarted generation
-// the job's own newest; verified, model and precision must match) and sends the same load_dir /
+// Resume (checkpoint.resume_from, or any restarted or resumed generation): the coordinator picks
+// the checkpoint ("latest" committed one, or the named step directory, or for a restarted
+// generation or a job continued by JobManager::Resume the job's own newest; verified, model and precision must match) and sends the same load_dir /
 // load_world_size / start_step in every rank's Assignment; steps start_step..steps-1 run and
 // Job.step / tokens continue from the checkpoint. Without one, init.from_checkpoint (another
 // job's checkpoint, read only) goes out as init_dir / init_world_size and the job starts at 0.
@@ -33,6 +33,9 @@
 // directory taken over) is skipped: event "checkpoint step-<k> skipped: ..." (log event
 // checkpoint_skipped), not a failed save; that checkpoint stays as it is. Before each generation
 // the leftovers of interrupted saves are removed (CheckpointStore::RemoveLeftovers; a failure fails the generation).
+// Cancel with a save (JobManager::Cancel save=true): the requested save runs as a
+// TriggerCheckpoint's, then the job ends CANCELLED (CancelAfterSave); a generation that fails
+// meanwhile ends the job CANCELLED too, not RECOVERING, its reason saying why nothing was saved.
 // Failure: a WorkerError, a lost Session, a heartbeat timeout or a deadline fails the generation
 // (the reason names the worker and rank) and sends Abort to the other ranks (and to a failed rank
 // that may still be alive: timed out, silent); Cancel and Shutdown send Abort to every rank. A
@@ -55,20 +58,20 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/kv_server.h"
@@ -85,16 +88,18 @@ bool IsDeterministicFailure(absl::StatusCode code);
 // Thread-safety: every method may be called from any thread.
 class Inbox {
  public:
-  void Push(const WorkerEvent& ev);
-  void Poke();
+  void Push(const WorkerEvent& ev) ABSL_LOCKS_EXCLUDED(mu_);
+  void Poke() ABSL_LOCKS_EXCLUDED(mu_);
   // True with the oldest event; false on timeout (`until`) or poke (the poke is consumed).
-  bool Pop(WorkerEvent* out, std::chrono::steady_clock::time_point until);
+  bool Pop(WorkerEvent* out, std::chrono::steady_clock::time_point until) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<WorkerEvent> q_;
-  bool poked_ = false;
+  // What Pop waits for.
+  bool ReadyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !q_.empty() || poked_; }
+
+  absl::Mutex mu_;
+  std::deque<WorkerEvent> q_ ABSL_GUARDED_BY(mu_);
+  bool poked_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 class JobRun {
@@ -193,6 +198,10 @@ class JobRun {
   // published and training goes on (the last step's save is retried at once) until
   // checkpoint.max_failed_saves in a row (RESOURCE_EXHAUSTED, not restarted).
   absl::Status SaveWithRetry(const v1::JobSpec& spec, int64_t completed, Progress* p);
+  // After a save following `completed` steps (not the last): a Cancel waiting for a save
+  // (JobManager::CancelRequested) ends the job CANCELLED now, its reason naming the committed
+  // checkpoint or why the save failed; returns CANCELLED then (the ranks get Abort).
+  absl::Status CancelAfterSave(const v1::JobSpec& spec, int64_t completed, const Progress* p);
   // Saves a checkpoint after `step` completed steps: SaveCheckpoint{step, dir} to every rank, every
   // rank's CheckpointSaved (deadline: step_timeout), then the MANIFEST (only now is it committed),
   // retention, and the event "checkpoint step-<k> committed".
@@ -222,6 +231,7 @@ class JobRun {
   std::vector<std::string> ranks_;  // worker id by rank
   std::string prefix_;              // the generation's rendezvous keys
   int failed_rank_ = -1;
+  std::string last_save_;  // the outcome of the latest save: "checkpoint step-<k> committed", ...
   int64_t steps_sent_ = 0;  // steps [0, steps_sent_) have had their StepCommand sent
   // Step results received ahead of the step being awaited (rank, message), oldest first.
   std::deque<std::pair<int, v1::WorkerMessage>> early_results_;

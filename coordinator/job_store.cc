@@ -20,6 +20,7 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
     return absl::InternalError(absl::StrCat("state db ", path, ": cannot open: ", msg));
   }
   std::unique_ptr<JobStore> store(new JobStore(db, path));
+  absl::MutexLock lock(&store->mu_);  // no other thread has the store yet
   sqlite3_busy_timeout(db, 5000);
   if (path != ":memory:") {
     if (auto s = store->Exec("PRAGMA journal_mode=WAL"); !s.ok()) return s;
@@ -80,7 +81,7 @@ absl::Status JobStore::Exec(const char* sql) {
 }
 
 absl::StatusOr<std::vector<JobStore::Row>> JobStore::LoadAll() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   sqlite3_stmt* st = nullptr;
   if (sqlite3_prepare_v2(db_, "SELECT job_id, last_seq, job FROM jobs ORDER BY create_time, job_id",
                          -1, &st, nullptr) != SQLITE_OK)
@@ -105,7 +106,7 @@ absl::StatusOr<std::vector<JobStore::Row>> JobStore::LoadAll() {
 }
 
 absl::StatusOr<std::string> JobStore::CoordinatorId() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::random_device rd;
   char buf[24];
   snprintf(buf, sizeof(buf), "coord-%08x%08x", rd(), rd());
@@ -187,19 +188,19 @@ absl::Status JobStore::WriteEvent(const v1::JobEvent& ev, int64_t keep) {
 
 absl::Status JobStore::Put(const v1::Job& job, int64_t last_seq, const v1::JobEvent& event,
                            int64_t keep_events) {
-  std::lock_guard<std::mutex> lock(mu_);
-  return Transaction([&] {
+  absl::MutexLock lock(&mu_);
+  return Transaction([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (auto s = WriteEvent(event, keep_events); !s.ok()) return s;
     return WriteJobRow(job, last_seq);
   });
 }
 
 absl::Status JobStore::Delete(const std::string& job_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto bind_id = [&](sqlite3_stmt* st) {
     sqlite3_bind_text(st, 1, job_id.c_str(), -1, SQLITE_TRANSIENT);
   };
-  return Transaction([&] {
+  return Transaction([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (auto s = Run("DELETE FROM jobs WHERE job_id = ?", "delete job", bind_id); !s.ok()) return s;
     return Run("DELETE FROM events WHERE job_id = ?", "delete job events", bind_id);
   });
@@ -209,7 +210,7 @@ absl::StatusOr<std::vector<v1::JobEvent>> JobStore::Events(const std::string& jo
                                                            int64_t after_seq, int64_t before_seq) {
   std::vector<std::pair<int64_t, std::string>> blobs;  // (seq, serialized event)
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     sqlite3_stmt* st = nullptr;
     if (sqlite3_prepare_v2(db_,
                            "SELECT seq, event FROM events WHERE job_id = ? AND seq > ? AND seq < ?"

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 
 namespace fsdp8::coord {
 
@@ -10,9 +11,9 @@ absl::Status KvServer::Set(const std::string& key, const std::string& value) {
   if (key.empty()) return absl::InvalidArgumentError("key: must not be empty");
   if (value.size() > (16u << 20))
     return absl::InvalidArgumentError(absl::StrCat("value of key '", key, "': over 16 MiB"));
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   kv_[key] = value;
-  cv_.notify_all();
+  cv_.SignalAll();
   return absl::OkStatus();
 }
 
@@ -20,7 +21,7 @@ absl::StatusOr<std::string> KvServer::Get(const std::string& key,
                                           std::chrono::milliseconds timeout,
                                           const std::function<bool()>& cancelled) {
   auto deadline = std::chrono::steady_clock::now() + timeout;
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   ++waiting_;
   struct Leave {
     int* n;
@@ -35,14 +36,15 @@ absl::StatusOr<std::string> KvServer::Get(const std::string& key,
     }
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) break;
-    cv_.wait_until(lock, cancelled ? std::min(deadline, now + kCancelPoll) : deadline);
+    const auto until = cancelled ? std::min(deadline, now + kCancelPoll) : deadline;
+    cv_.WaitWithTimeout(&mu_, absl::FromChrono(until - now));
   }
   return absl::DeadlineExceededError(absl::StrCat("key '", key, "' did not appear within ",
                                                   timeout.count(), " ms"));
 }
 
 int KvServer::DeletePrefix(const std::string& prefix) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   int n = 0;
   for (auto it = kv_.lower_bound(prefix); it != kv_.end() && it->first.rfind(prefix, 0) == 0;) {
     it = kv_.erase(it);
@@ -52,19 +54,19 @@ int KvServer::DeletePrefix(const std::string& prefix) {
 }
 
 size_t KvServer::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return kv_.size();
 }
 
 int KvServer::waiting() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return waiting_;
 }
 
 void KvServer::Shutdown() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   shutdown_ = true;
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 }  // namespace fsdp8::coord

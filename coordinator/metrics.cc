@@ -10,7 +10,7 @@ namespace fsdp8::coord {
 
 void CoordinatorMetrics::OnStep(const std::string& job_id, const v1::JobEvent& ev,
                                 const std::vector<v1::StepResult>& results) {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) {
     if (jobs_.size() >= kMaxJobs) {  // drop the least recently updated job
@@ -56,7 +56,7 @@ void CoordinatorMetrics::OnStep(const std::string& job_id, const v1::JobEvent& e
 }
 
 std::vector<CoordinatorMetrics::Point> CoordinatorMetrics::Recent(const std::string& job_id) const {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return {};
   return {it->second.points.begin(), it->second.points.end()};
@@ -144,7 +144,8 @@ void RenderWorkers(const std::vector<v1::WorkerInfo>& ws, prom::ExpositionWriter
 
 void CoordinatorMetrics::RenderSteps(prom::ExpositionWriter* w) const {
   auto series_family = [&](const char* name, const char* type, const char* help, auto value,
-                           bool (*has)(const JobSeries&) = nullptr) {
+                           bool (*has)(const JobSeries&) = nullptr)
+                           ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     w->Family(name, type, help);
     for (const auto& [id, s] : jobs_)
       if (has == nullptr || has(s)) w->Sample({{"job", id}}, static_cast<double>(value(s)));
@@ -173,7 +174,8 @@ void CoordinatorMetrics::RenderSteps(prom::ExpositionWriter* w) const {
 }
 
 void CoordinatorMetrics::RenderRanks(prom::ExpositionWriter* w) const {
-  auto rank_family = [&](const char* name, const char* type, const char* help, auto value) {
+  auto rank_family = [&](const char* name, const char* type, const char* help, auto value)
+                         ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     w->Family(name, type, help);
     for (const auto& [id, s] : jobs_)
       for (size_t r = 0; r < s.ranks.size(); ++r)
@@ -203,7 +205,7 @@ std::string CoordinatorMetrics::Render(const JobManager& jobs,
   const std::vector<v1::WorkerInfo> ws = workers.List();
   prom::ExpositionWriter w;
   RenderCoordinator(all, &w);
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   // Per-job series for jobs still in play and for those this process ran steps of.
   std::vector<const v1::Job*> shown;
   for (const v1::Job& j : all)

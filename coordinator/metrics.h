@@ -15,9 +15,11 @@
 #include <cstdint>
 #include <deque>
 #include <map>
-#include <mutex>
 #include <string>
 #include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 #include "common/prometheus_text.h"
 #include "coordinator/job_manager.h"
@@ -67,13 +69,13 @@ class CoordinatorMetrics {
     uint64_t touched = 0;           // order of the last update, for eviction
   };
 
-  // Per-job step series and per-rank series of the jobs in jobs_ (mu_ held).
-  void RenderSteps(prom::ExpositionWriter* w) const;
-  void RenderRanks(prom::ExpositionWriter* w) const;
+  // Per-job step series and per-rank series of the jobs in jobs_.
+  void RenderSteps(prom::ExpositionWriter* w) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RenderRanks(prom::ExpositionWriter* w) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  mutable std::mutex mu_;
-  std::map<std::string, JobSeries> jobs_;
-  uint64_t clock_ = 0;
+  mutable absl::Mutex mu_;
+  std::map<std::string, JobSeries> jobs_ ABSL_GUARDED_BY(mu_);
+  uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace fsdp8::coord

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "coordinator/job_run.h"
 #include "coordinator/memory_fit.h"
 
@@ -29,10 +30,9 @@ void Scheduler::Start() {
 
 void Scheduler::Stop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (stop_ && !thread_.joinable() && runs_.empty()) return;
     stop_ = true;
-    cv_.notify_all();
   }
   if (thread_.joinable()) thread_.join();
   jobs_->SetSubmitListener(nullptr);
@@ -40,7 +40,7 @@ void Scheduler::Stop() {
   workers_->SetChangeListener(nullptr);
   std::map<std::string, std::unique_ptr<JobRun>> runs;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     runs.swap(runs_);
   }
   for (auto& [id, run] : runs) run->Shutdown();
@@ -51,24 +51,24 @@ void Scheduler::Stop() {
 }
 
 void Scheduler::Wake() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   wake_ = true;
-  cv_.notify_all();
 }
 
 void Scheduler::OnCancel(const std::string& job_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = runs_.find(job_id);
   if (it != runs_.end()) it->second->Poke();
   wake_ = true;
-  cv_.notify_all();
 }
 
 void Scheduler::Loop() {
   for (;;) {
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_for(lock, options_.tick, [&] { return wake_ || stop_; });
+      absl::MutexLock lock(&mu_);
+      // Woken by Wake, OnCancel and Stop: the condition is evaluated whenever mu_ is released.
+      mu_.AwaitWithTimeout(absl::Condition(this, &Scheduler::WakeOrStopLocked),
+                           absl::FromChrono(options_.tick));
       if (stop_) return;
       wake_ = false;
     }
@@ -83,7 +83,7 @@ void Scheduler::Loop() {
 void Scheduler::ReapFinished() {
   std::vector<std::pair<std::string, std::unique_ptr<JobRun>>> done;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     for (auto it = runs_.begin(); it != runs_.end();) {
       if (it->second->done()) {
         done.emplace_back(it->first, std::move(it->second));
@@ -185,12 +185,12 @@ void Scheduler::SchedulePass() {
   }
   for (const v1::Job& job : pending) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       if (stop_) return;
     }
     const bool recovering = job.state() == v1::JOB_STATE_RECOVERING;
     if (recovering) {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       if (runs_.count(job.job_id())) continue;  // the failed generation is still unwinding
     }
     std::string backend = job.spec().backend().empty() ? "cpu" : job.spec().backend();
@@ -239,7 +239,7 @@ void Scheduler::SchedulePass() {
                                         [this] { Wake(); });
     JobRun* raw = run.get();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       runs_[job.job_id()] = std::move(run);
     }
     raw->Start();

@@ -27,13 +27,14 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 #include "common/fault_injection.h"
 #include "coordinator/job_manager.h"
@@ -91,10 +92,12 @@ class Scheduler {
   int64_t passes() const { return passes_.load(); }
 
  private:
-  void Loop();
-  void SchedulePass();
-  void ReapFinished();
-  void OnCancel(const std::string& job_id);
+  void Loop() ABSL_LOCKS_EXCLUDED(mu_);
+  void SchedulePass() ABSL_LOCKS_EXCLUDED(mu_);
+  void ReapFinished() ABSL_LOCKS_EXCLUDED(mu_);
+  void OnCancel(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // What the scheduler thread waits for between passes (besides the tick).
+  bool WakeOrStopLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return wake_ || stop_; }
   // No world size fits `free` workers: records why the job waits (memory_why: the memory plan's
   // reason when enough workers are free but too few hold the plan), or fails a RECOVERING job
   // that has waited start_timeout.
@@ -113,12 +116,11 @@ class Scheduler {
   KvServer* kv_;
   const SchedulerOptions options_;
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool wake_ = false;
-  bool stop_ = false;
+  absl::Mutex mu_;
+  bool wake_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
-  std::map<std::string, std::unique_ptr<JobRun>> runs_;
+  std::map<std::string, std::unique_ptr<JobRun>> runs_ ABSL_GUARDED_BY(mu_);
   // RECOVERING jobs waiting for workers, since when (scheduler thread only).
   std::map<std::string, std::chrono::steady_clock::time_point> recovering_since_;
   // Jobs whose memory plan no registered worker holds, since when (scheduler thread only).

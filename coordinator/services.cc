@@ -1,7 +1,6 @@
 #include "coordinator/services.h"
 
 #include <cerrno>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <fstream>
@@ -9,7 +8,9 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/memory_plan.h"
 #include "coordinator/memory_fit.h"
 #include "common/shard_plan.h"
@@ -147,7 +148,21 @@ grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* ctx, const v1::Cance
   auto p = Authorize(auth_, ctx, {Role::kSubmitter, Role::kAdmin}, "JobService/CancelJob");
   if (!p.ok()) return ToGrpc(p.status());
   if (auto seen = Visible(*p, req->job_id()); !seen.ok()) return ToGrpc(seen.status());
-  auto job = jobs_->Cancel(req->job_id());
+  auto job = jobs_->Cancel(req->job_id(), /*save=*/!req->no_save(),
+                          [ctx] { return ctx->IsCancelled(); });
+  if (!job.ok()) return ToGrpc(job.status());
+  *resp = *job;
+  return grpc::Status::OK;
+}
+
+grpc::Status JobServiceImpl::ResumeJob(grpc::ServerContext* ctx, const v1::ResumeJobRequest* req,
+                                       v1::Job* resp) {
+  auto p = Authorize(auth_, ctx, {Role::kSubmitter, Role::kAdmin}, "JobService/ResumeJob");
+  if (!p.ok()) return ToGrpc(p.status());
+  if (auto seen = Visible(*p, req->job_id()); !seen.ok()) return ToGrpc(seen.status());
+  if (draining_ && draining_->load())
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator is draining (shutting down)");
+  auto job = jobs_->Resume(req->job_id());
   if (!job.ok()) return ToGrpc(job.status());
   *resp = *job;
   return grpc::Status::OK;
@@ -331,39 +346,39 @@ namespace {
 class GrpcSessionSink : public SessionSink {
  public:
   explicit GrpcSessionSink(grpc::ServerContext* ctx) : ctx_(ctx) {}
+  // WriteLoop waits on mu_ for WritableLocked, which absl::Mutex evaluates whenever the lock is
+  // released.
   bool Send(const v1::CoordinatorMessage& msg) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (closed_) return false;
     q_.push_back(msg);
-    cv_.notify_all();
     return true;
   }
   void Close() override {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     closed_ = true;
-    cv_.notify_all();
     if (ctx_) ctx_->TryCancel();  // ctx_ is cleared before the handler returns
   }
   // Ends the writer (the handler is returning).
-  void Stop() {
-    std::lock_guard<std::mutex> lock(mu_);
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
     closed_ = true;
     stopped_ = true;
     ctx_ = nullptr;
-    cv_.notify_all();
   }
-  void WriteLoop(grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) {
+  void WriteLoop(grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream)
+      ABSL_LOCKS_EXCLUDED(mu_) {
     for (;;) {
       v1::CoordinatorMessage m;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return !q_.empty() || closed_; });
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &GrpcSessionSink::WritableLocked));
         if (q_.empty() || stopped_) return;
         m = std::move(q_.front());
         q_.pop_front();
       }
       if (!stream->Write(m)) {
-        std::lock_guard<std::mutex> lock(mu_);
+        absl::MutexLock lock(&mu_);
         closed_ = true;
         return;
       }
@@ -371,12 +386,13 @@ class GrpcSessionSink : public SessionSink {
   }
 
  private:
-  grpc::ServerContext* ctx_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<v1::CoordinatorMessage> q_;
-  bool closed_ = false;
-  bool stopped_ = false;
+  bool WritableLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !q_.empty() || closed_; }
+
+  absl::Mutex mu_;
+  grpc::ServerContext* ctx_ ABSL_GUARDED_BY(mu_);
+  std::deque<v1::CoordinatorMessage> q_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace
@@ -589,7 +605,7 @@ int CoordinatorServer::metrics_port() const { return http_ ? http_->port() : 0; 
 
 void CoordinatorServer::Shutdown() {
   {
-    std::lock_guard<std::mutex> lock(shutdown_mu_);
+    absl::MutexLock lock(&shutdown_mu_);
     if (shut_down_) return;
     shut_down_ = true;
   }

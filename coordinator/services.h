@@ -17,8 +17,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "coordinator/auth.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/kv_server.h"
@@ -51,6 +53,7 @@ class JobServiceImpl final : public v1::JobService::Service {
   grpc::Status WatchJob(grpc::ServerContext*, const v1::WatchJobRequest*,
                         grpc::ServerWriter<v1::JobEvent>*) override;
   grpc::Status CancelJob(grpc::ServerContext*, const v1::CancelJobRequest*, v1::Job*) override;
+  grpc::Status ResumeJob(grpc::ServerContext*, const v1::ResumeJobRequest*, v1::Job*) override;
   grpc::Status DeleteJob(grpc::ServerContext*, const v1::DeleteJobRequest*, v1::Job*) override;
 
  private:
@@ -181,8 +184,8 @@ class CoordinatorServer {
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   int port_ = 0;
-  std::mutex shutdown_mu_;
-  bool shut_down_ = false;
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };
 
 }  // namespace fsdp8::coord

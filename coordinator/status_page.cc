@@ -3,7 +3,9 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
@@ -194,6 +196,35 @@ absl::StatusOr<std::string> ChartJsPath() {
       "Chart.js not found under /usr/share/javascript/chart.js/ (apt-get install libjs-chart.js)");
 }
 
+namespace {
+
+// The chart's points of job `id`: its kept step events (the job's history: they outlive
+// coordinator restarts and go on across resumes) up to where the in-memory recent steps begin,
+// then those; the newest kMaxPoints. A step trained again (after a recovery) keeps its newest point.
+std::vector<CoordinatorMetrics::Point> ChartPoints(const JobManager& jobs,
+                                                   const CoordinatorMetrics& metrics,
+                                                   const std::string& id) {
+  std::vector<CoordinatorMetrics::Point> recent = metrics.Recent(id);
+  if (id.empty()) return recent;
+  const int64_t first = recent.empty() ? std::numeric_limits<int64_t>::max() : recent.front().step;
+  std::vector<CoordinatorMetrics::Point> out;
+  auto events = jobs.RecentEvents(id, jobs.options().max_events_per_job);
+  if (events.ok()) {
+    for (const v1::JobEvent& ev : *events) {
+      if (!ev.message().empty() || ev.step() <= 0 || ev.step() >= first) continue;
+      while (!out.empty() && out.back().step >= ev.step()) out.pop_back();
+      out.push_back({ev.step(), ev.loss(), ev.val_loss(), ev.tokens_per_second(), ev.step_seconds(),
+                     ev.time()});
+    }
+  }
+  out.insert(out.end(), recent.begin(), recent.end());
+  if (out.size() > CoordinatorMetrics::kMaxPoints)
+    out.erase(out.begin(), out.end() - static_cast<std::ptrdiff_t>(CoordinatorMetrics::kMaxPoints));
+  return out;
+}
+
+}  // namespace
+
 std::string StatusJson(const JobManager& jobs, const WorkerRegistry& workers,
                        const CoordinatorMetrics& metrics, const std::string& chart_job_in) {
   Struct doc;
@@ -239,7 +270,7 @@ std::string StatusJson(const JobManager& jobs, const WorkerRegistry& workers,
   }
   f["chart_job"] = Str(chart_job);
   ListValue* pl = f["points"].mutable_list_value();
-  for (const CoordinatorMetrics::Point& p : metrics.Recent(chart_job)) {
+  for (const CoordinatorMetrics::Point& p : ChartPoints(jobs, metrics, chart_job)) {
     auto& g = *pl->add_values()->mutable_struct_value()->mutable_fields();
     g["step"] = Num(static_cast<double>(p.step));
     g["loss"] = Num(p.loss);

@@ -2,7 +2,9 @@
 //   /metrics      Prometheus text format (coordinator/metrics.h)
 //   /             the status page: jobs, workers, live loss and throughput charts (Chart.js)
 //   /api/status   what the page shows, as JSON: {time, jobs[], workers[], chart_job, points[]};
-//                 ?job=ID picks the charted job (default: the newest job with steps, running first)
+//                 ?job=ID picks the charted job (default: the newest job with steps, running first);
+//                 points: its newest steps, from its kept events (across coordinator restarts and
+//                 resumes) and this process's recent steps
 //   /chart.js     Chart.js from Debian's libjs-chart.js (found at run time, see ChartJsPath)
 // Read-only; no authentication (bind --metrics_host to a private address).
 //

@@ -45,7 +45,7 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(const v1::Register
   std::shared_ptr<SessionSink> replaced;  // a taken-over entry's old Session, ended below
   WorkerEventHandler handler;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     std::string id;
     Worker* w = nullptr;
     if (!req.name().empty()) {
@@ -107,7 +107,7 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(const v1::Register
 absl::Status WorkerRegistry::Heartbeat(const std::string& worker_id) {
   bool became_healthy = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = workers_.find(worker_id);
     if (it == workers_.end())
       return absl::NotFoundError(absl::StrCat("worker '", worker_id, "' is not registered"));
@@ -129,7 +129,7 @@ absl::StatusOr<uint64_t> WorkerRegistry::AttachSession(const std::string& worker
   WorkerEventHandler handler;
   uint64_t token;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = workers_.find(worker_id);
     if (it == workers_.end())
       return absl::NotFoundError(absl::StrCat("worker '", worker_id, "' is not registered"));
@@ -159,7 +159,7 @@ void WorkerRegistry::OnMessage(const std::string& worker_id, uint64_t token,
                                const v1::WorkerMessage& msg) {
   WorkerEventHandler handler;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = workers_.find(worker_id);
     if (it == workers_.end() || it->second.token != token) return;
     it->second.last_seen = std::chrono::steady_clock::now();
@@ -178,7 +178,7 @@ void WorkerRegistry::DetachSession(const std::string& worker_id, uint64_t token,
                                    const std::string& reason) {
   WorkerEventHandler handler;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = workers_.find(worker_id);
     if (it == workers_.end() || it->second.token != token) return;
     Worker& w = it->second;
@@ -197,7 +197,7 @@ void WorkerRegistry::DetachSession(const std::string& worker_id, uint64_t token,
 }
 
 std::vector<v1::WorkerInfo> WorkerRegistry::List() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<const Worker*> ws;
   for (const auto& [id, w] : workers_) ws.push_back(&w);
   std::sort(ws.begin(), ws.end(), [](const Worker* a, const Worker* b) { return a->order < b->order; });
@@ -219,7 +219,7 @@ int64_t WorkerRegistry::MemoryLocked(const Worker& w) const {
 }
 
 std::map<std::string, int64_t> WorkerRegistry::WorkerMemory(const std::string& backend) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::map<std::string, int64_t> out;
   for (const auto& [id, w] : workers_) {
     if (w.info.healthy() && w.info.backend() == backend) out[id] = MemoryLocked(w);
@@ -240,7 +240,7 @@ v1::WorkerInfo WorkerRegistry::InfoOf(const Worker& w) const {
 absl::StatusOr<v1::WorkerInfo> WorkerRegistry::Drain(const std::string& worker_id, bool undo) {
   v1::WorkerInfo out;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = workers_.find(worker_id);
     if (it == workers_.end())
       return absl::NotFoundError(absl::StrCat("worker '", worker_id, "' not found"));
@@ -253,7 +253,7 @@ absl::StatusOr<v1::WorkerInfo> WorkerRegistry::Drain(const std::string& worker_i
 
 void WorkerRegistry::SetAssigning(bool assigning) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     assigning_ = assigning;
   }
   if (assigning) NotifyChange();
@@ -265,7 +265,7 @@ bool WorkerRegistry::Assignable(const Worker& w, std::chrono::steady_clock::time
 }
 
 std::vector<std::string> WorkerRegistry::FreeWorkers(const std::string& backend) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const auto now = std::chrono::steady_clock::now();
   std::vector<const Worker*> ws;
   for (const auto& [id, w] : workers_) {
@@ -279,7 +279,7 @@ std::vector<std::string> WorkerRegistry::FreeWorkers(const std::string& backend)
 
 absl::Status WorkerRegistry::Assign(const std::vector<std::string>& worker_ids,
                                     const std::string& job_id, WorkerEventHandler handler) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const auto now = std::chrono::steady_clock::now();
   for (const auto& id : worker_ids) {
     auto it = workers_.find(id);
@@ -298,7 +298,7 @@ absl::Status WorkerRegistry::Assign(const std::vector<std::string>& worker_ids,
 void WorkerRegistry::Release(const std::string& job_id, const std::vector<std::string>& aborted,
                              std::chrono::milliseconds grace) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     const auto hold_until = std::chrono::steady_clock::now() + grace;
     for (auto& [id, w] : workers_) {
       if (w.info.job_id() == job_id) {
@@ -316,7 +316,7 @@ void WorkerRegistry::Release(const std::string& job_id, const std::vector<std::s
 bool WorkerRegistry::Send(const std::string& worker_id, const v1::CoordinatorMessage& msg) {
   std::shared_ptr<SessionSink> sink;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = workers_.find(worker_id);
     if (it == workers_.end()) return false;
     sink = it->second.session;
@@ -327,7 +327,7 @@ bool WorkerRegistry::Send(const std::string& worker_id, const v1::CoordinatorMes
 void WorkerRegistry::CheckHeartbeats() {
   std::vector<std::pair<WorkerEventHandler, WorkerEvent>> lost;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto now = std::chrono::steady_clock::now();
     for (auto it = workers_.begin(); it != workers_.end();) {
       Worker& w = it->second;
@@ -355,14 +355,14 @@ void WorkerRegistry::CheckHeartbeats() {
 }
 
 void WorkerRegistry::SetChangeListener(std::function<void()> fn) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   on_change_ = std::move(fn);
 }
 
 void WorkerRegistry::NotifyChange() {
   std::function<void()> fn;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     fn = on_change_;
   }
   if (fn) fn();

@@ -20,12 +20,13 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "fsdp8/v1/admin.pb.h"
 #include "fsdp8/v1/worker.pb.h"
 
@@ -129,21 +130,22 @@ class WorkerRegistry {
     int64_t pid = 0;  // the registering process's, to tell its own re-registration from another's
     std::chrono::steady_clock::time_point hold_until{};  // unassignable before this (see Release)
   };
-  bool Assignable(const Worker& w, std::chrono::steady_clock::time_point now) const;
+  bool Assignable(const Worker& w, std::chrono::steady_clock::time_point now) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // w's WorkerInfo, its state computed now and memory_bytes its share (MemoryLocked).
-  v1::WorkerInfo InfoOf(const Worker& w) const;
+  v1::WorkerInfo InfoOf(const Worker& w) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The memory w may use: RegisterRequest.memory_bytes, divided among the live workers (healthy,
   // or with a session still open) registered from the same host with memory_shared.
-  int64_t MemoryLocked(const Worker& w) const;
-  void NotifyChange();
+  int64_t MemoryLocked(const Worker& w) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void NotifyChange() ABSL_LOCKS_EXCLUDED(mu_);
 
   const WorkerRegistryOptions options_;
-  mutable std::mutex mu_;
-  std::map<std::string, Worker> workers_;
-  int64_t next_id_ = 1;
-  bool assigning_ = true;
-  uint64_t next_token_ = 1;
-  std::function<void()> on_change_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Worker> workers_ ABSL_GUARDED_BY(mu_);
+  int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  bool assigning_ ABSL_GUARDED_BY(mu_) = true;
+  uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;
+  std::function<void()> on_change_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace fsdp8::coord

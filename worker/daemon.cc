@@ -91,10 +91,9 @@ WorkerDaemon::WorkerDaemon(DaemonOptions opts)
 WorkerDaemon::~WorkerDaemon() {
   CancelJob("worker shutting down");
   {
-    std::lock_guard<std::mutex> l(q_mu_);
-    q_stop_ = true;
+    absl::MutexLock l(&q_mu_);
+    q_stop_ = true;  // the job thread's wait sees it when q_mu_ is released
   }
-  q_cv_.notify_all();
   job_thread_.join();
 }
 
@@ -105,7 +104,7 @@ void WorkerDaemon::Log(const std::string& msg) const {
 
 void WorkerDaemon::Shutdown() {
   shutdown_ = true;
-  std::lock_guard<std::mutex> l(ctx_mu_);
+  absl::MutexLock l(&ctx_mu_);
   if (session_ctx_) session_ctx_->TryCancel();
 }
 
@@ -220,7 +219,7 @@ void WorkerDaemon::HeartbeatLoop(std::string worker_id, int interval_ms, std::at
     if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
       // The coordinator no longer knows us (it restarted): end the session and register again.
       Log("coordinator forgot this worker; re-registering");
-      std::lock_guard<std::mutex> l(ctx_mu_);
+      absl::MutexLock l(&ctx_mu_);
       if (session_ctx_) session_ctx_->TryCancel();
       return;
     }
@@ -231,20 +230,20 @@ void WorkerDaemon::HeartbeatLoop(std::string worker_id, int interval_ms, std::at
 }
 
 void WorkerDaemon::Send(const v1::WorkerMessage& m) {
-  std::lock_guard<std::mutex> l(write_mu_);
+  absl::MutexLock l(&write_mu_);
   if (stream_ == nullptr || !stream_->Write(m)) Log("could not send a message: no session");
 }
 
 void WorkerDaemon::Serve() {
   grpc::ClientContext ctx;
   {
-    std::lock_guard<std::mutex> l(ctx_mu_);
+    absl::MutexLock l(&ctx_mu_);
     session_ctx_ = &ctx;
     if (shutdown_) ctx.TryCancel();
   }
   auto stream = stub_->Session(&ctx);
   {
-    std::lock_guard<std::mutex> l(write_mu_);
+    absl::MutexLock l(&write_mu_);
     stream_ = stream.get();
   }
   v1::WorkerMessage hello;
@@ -269,7 +268,7 @@ void WorkerDaemon::Serve() {
         {
           // A still-bootstrapping older job would otherwise hold the job thread until its
           // rendezvous timeout and make this one miss its own rendezvous.
-          std::lock_guard<std::mutex> l(comm_mu_);
+          absl::MutexLock l(&comm_mu_);
           if (job_cancelled_) job_cancelled_->store(true);
           job_cancelled_ = cancelled;
         }
@@ -306,38 +305,37 @@ void WorkerDaemon::Serve() {
     }
   }
   {
-    std::lock_guard<std::mutex> l(write_mu_);
+    absl::MutexLock l(&write_mu_);
     stream_ = nullptr;
   }
   CancelJob("coordinator session ended");
   Post([this] { DropJob(); });
   grpc::Status s = stream->Finish();
   if (!s.ok() && !shutdown_) Log(absl::StrCat("session ended: ", s.error_message()));
-  std::lock_guard<std::mutex> l(ctx_mu_);
+  absl::MutexLock l(&ctx_mu_);
   session_ctx_ = nullptr;
 }
 
 void WorkerDaemon::CancelJob(const std::string& reason) {
   stale_steps_.store(true);
-  std::lock_guard<std::mutex> l(comm_mu_);
+  absl::MutexLock l(&comm_mu_);
   if (job_cancelled_) job_cancelled_->store(true);
   if (live_comm_) live_comm_->Abort(reason);
 }
 
 void WorkerDaemon::Post(std::function<void()> task) {
   {
-    std::lock_guard<std::mutex> l(q_mu_);
-    queue_.push_back(std::move(task));
+    absl::MutexLock l(&q_mu_);
+    queue_.push_back(std::move(task));  // the job thread's wait sees it when q_mu_ is released
   }
-  q_cv_.notify_one();
 }
 
 void WorkerDaemon::JobThread() {
   for (;;) {
     std::function<void()> task;
     {
-      std::unique_lock<std::mutex> l(q_mu_);
-      q_cv_.wait(l, [this] { return q_stop_ || !queue_.empty(); });
+      absl::MutexLock l(&q_mu_);
+      q_mu_.Await(absl::Condition(this, &WorkerDaemon::TaskOrStopLocked));
       if (q_stop_ && queue_.empty()) break;
       task = std::move(queue_.front());
       queue_.pop_front();
@@ -349,7 +347,7 @@ void WorkerDaemon::JobThread() {
 
 void WorkerDaemon::DropJob(bool finished) {
   {
-    std::lock_guard<std::mutex> l(comm_mu_);
+    absl::MutexLock l(&comm_mu_);
     if (live_comm_ && !finished) live_comm_->Abort("this rank dropped the job");
     live_comm_.reset();
   }
@@ -421,7 +419,7 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   }
   {
     // Checked under comm_mu_ so an Abort either sees live_comm_ or is seen here.
-    std::lock_guard<std::mutex> l(comm_mu_);
+    absl::MutexLock l(&comm_mu_);
     if (cancelled->load()) {
       job->comm->Abort("job aborted during bootstrap");
     } else {

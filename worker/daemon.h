@@ -19,15 +19,15 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
 #include "fsdp8/v1/worker.grpc.pb.h"
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
 #include "comm/communicator.h"
 #include "common/fault_injection.h"
@@ -75,12 +75,16 @@ class WorkerDaemon {
   bool Register();
   void Serve();  // one Session stream
   void HeartbeatLoop(std::string worker_id, int interval_ms, std::atomic<bool>* stop);
-  void Send(const v1::WorkerMessage& m);
-  void Post(std::function<void()> task);
-  void JobThread();
+  void Send(const v1::WorkerMessage& m) ABSL_LOCKS_EXCLUDED(write_mu_);
+  void Post(std::function<void()> task) ABSL_LOCKS_EXCLUDED(q_mu_);
+  void JobThread() ABSL_LOCKS_EXCLUDED(q_mu_);
+  // What the job thread waits for.
+  bool TaskOrStopLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(q_mu_) {
+    return q_stop_ || !queue_.empty();
+  }
   void HandleAssignment(const v1::Assignment& a, std::shared_ptr<std::atomic<bool>> cancelled);
   // Marks the newest job's bootstrap cancelled and aborts its communicator (reader thread).
-  void CancelJob(const std::string& reason);
+  void CancelJob(const std::string& reason) ABSL_LOCKS_EXCLUDED(comm_mu_);
   void HandleStep(const v1::StepCommand& c);
   // One step; false when it failed (the job was dropped and the error sent).
   bool RunStep(const v1::StepCommand& c);
@@ -90,7 +94,7 @@ class WorkerDaemon {
   // aborted first: collectives still queued on it (a prefetch behind a failed step) then end at
   // once instead of waiting for a peer up to the collective timeout; the peers learn that this
   // rank left, as from its communicator's destruction.
-  void DropJob(bool finished = false);
+  void DropJob(bool finished = false) ABSL_LOCKS_EXCLUDED(comm_mu_);
   void Log(const std::string& msg) const;
 
   DaemonOptions opts_;  // opts_.settings.faults keeps its state: touched only on the job thread
@@ -101,24 +105,25 @@ class WorkerDaemon {
   std::atomic<bool> shutdown_{false};
   std::atomic<bool> registered_{false};
 
-  std::mutex ctx_mu_;
-  grpc::ClientContext* session_ctx_ = nullptr;  // guarded by ctx_mu_
-  std::mutex write_mu_;
-  grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream_ = nullptr;
+  absl::Mutex ctx_mu_;
+  grpc::ClientContext* session_ctx_ ABSL_GUARDED_BY(ctx_mu_) = nullptr;
+  absl::Mutex write_mu_;  // held across a write: one message on the stream at a time
+  grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream_
+      ABSL_GUARDED_BY(write_mu_) = nullptr;
 
   // Job thread: assignments and steps run there in order.
-  std::mutex q_mu_;
-  std::condition_variable q_cv_;
-  std::deque<std::function<void()>> queue_;
-  bool q_stop_ = false;
+  absl::Mutex q_mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(q_mu_);
+  bool q_stop_ ABSL_GUARDED_BY(q_mu_) = false;
   std::thread job_thread_;
   std::unique_ptr<Job> job_;  // touched only on the job thread
-  std::mutex comm_mu_;
-  std::shared_ptr<Communicator> live_comm_;  // the current job's, for Abort from the reader
-  // The newest assigned job's abort flag (guarded by comm_mu_). Set by Abort, by session end and
-  // by a newer Assignment; the job's rendezvous waits poll it, so a job aborted while still
-  // bootstrapping stops within a fraction of a second instead of at the rendezvous timeout.
-  std::shared_ptr<std::atomic<bool>> job_cancelled_;
+  absl::Mutex comm_mu_;
+  // The current job's, for Abort from the reader.
+  std::shared_ptr<Communicator> live_comm_ ABSL_GUARDED_BY(comm_mu_);
+  // The newest assigned job's abort flag. Set by Abort, by session end and by a newer
+  // Assignment; the job's rendezvous waits poll it, so a job aborted while still bootstrapping
+  // stops within a fraction of a second instead of at the rendezvous timeout.
+  std::shared_ptr<std::atomic<bool>> job_cancelled_ ABSL_GUARDED_BY(comm_mu_);
   // Set when a job is aborted, fails a step, or the session ends, until the next assignment: step
   // commands the coordinator had already sent ahead are then dropped without an error.
   std::atomic<bool> stale_steps_{false};

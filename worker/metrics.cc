@@ -14,29 +14,29 @@ WorkerMetrics::WorkerMetrics(std::string backend, int device)
     : backend_(std::move(backend)), device_(device) {}
 
 void WorkerMetrics::SetWorkerId(const std::string& id) {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   worker_id_ = id;
 }
 
 void WorkerMetrics::OnAssignment() {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   ++assignments_;
 }
 
 void WorkerMetrics::OnFailure() {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   ++failures_;
 }
 
 void WorkerMetrics::OnAbort() {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   ++aborts_;
 }
 
 void WorkerMetrics::OnStep(const std::string& job_id, int rank, const v1::StepResult& result,
                            double step_seconds, const CommBytes& comm,
                            const v1::ScalingState& scaling) {
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   Series* s = nullptr;
   for (Series& x : series_)
     if (x.job_id == job_id && x.rank == rank) s = &x;
@@ -67,7 +67,7 @@ void WorkerMetrics::OnStep(const std::string& job_id, int rank, const v1::StepRe
 
 std::string WorkerMetrics::Render() const {
   const int64_t rss = ResidentMemoryBytes();
-  std::lock_guard<std::mutex> l(mu_);
+  absl::MutexLock l(&mu_);
   prom::ExpositionWriter w;
   w.Family("fsdp8_worker_info", "gauge", "Constant 1, labelled with the worker's identity.");
   w.Sample({{"worker", worker_id_}, {"version", FSDP8_VERSION}, {"backend", backend_},
@@ -87,7 +87,8 @@ std::string WorkerMetrics::Render() const {
   auto labels = [](const Series& s) {
     return prom::Labels{{"job", s.job_id}, {"rank", std::to_string(s.rank)}};
   };
-  auto per_series = [&](const char* name, const char* type, const char* help, auto value) {
+  auto per_series = [&](const char* name, const char* type, const char* help, auto value)
+                        ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     w.Family(name, type, help);
     for (const Series& s : series_) w.Sample(labels(s), static_cast<double>(value(s)));
   };
@@ -128,7 +129,8 @@ std::string WorkerMetrics::Render() const {
       w.Sample(lb, static_cast<double>(bytes));
     }
   }
-  auto scaled = [&](const char* name, const char* help, auto value) {
+  auto scaled = [&](const char* name, const char* help, auto value)
+                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     w.Family(name, "gauge", help);
     if (scaling_job_.empty()) return;
     for (const v1::TensorScaling& t : scaling_.tensors())

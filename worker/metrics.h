@@ -10,8 +10,10 @@
 
 #include <cstdint>
 #include <deque>
-#include <mutex>
 #include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 #include "common/prometheus_text.h"
 #include "fsdp8/v1/admin.pb.h"
@@ -51,13 +53,15 @@ class WorkerMetrics {
 
   const std::string backend_;
   const int device_;
-  mutable std::mutex mu_;
-  std::string worker_id_;
-  int64_t assignments_ = 0, failures_ = 0, aborts_ = 0;
-  std::deque<Series> series_;
-  std::string scaling_job_;
-  int scaling_rank_ = 0;
-  v1::ScalingState scaling_;
+  mutable absl::Mutex mu_;
+  std::string worker_id_ ABSL_GUARDED_BY(mu_);
+  int64_t assignments_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t failures_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t aborts_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<Series> series_ ABSL_GUARDED_BY(mu_);
+  std::string scaling_job_ ABSL_GUARDED_BY(mu_);
+  int scaling_rank_ ABSL_GUARDED_BY(mu_) = 0;
+  v1::ScalingState scaling_ ABSL_GUARDED_BY(mu_);
 };
 
 // This process's resident set size in bytes (/proc/self/statm), 0 when unreadable.

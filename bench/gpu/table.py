@@ -6,8 +6,8 @@ bench/gpu/presets.py. "vs PyTorch BF16" compares with PyTorch FSDP2 BF16 on the 
 vocabulary and world size in the same results. Peak (external) is bench/gpu/memmeter.py's figure:
 device memory used at the peak minus the idle baseline, per GPU (the largest GPU); peak (own count)
 is what each system counts itself: torch.cuda.max_memory_allocated() (reserved in brackets) and
-fsdp8's peak_memory_bytes. "vs shared" compares with the figures of ../shared/gpu/README.md for the
-same preset, vocabulary and world size (1 H200 2026-12-01, 2 H200 2026-11-29), where there is one.
+fsdp8's peak_memory_bytes. "vs shared" compares with the reference figures below (PyTorch FSDP2 and fsdp8 runs
+published with the GPU build notes) for the same preset, vocabulary and world size (1 H200 2026-12-01, 2 H200 2026-11-29), where there is one.
 
 Usage: table.py results.jsonl
 """
@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import presets  # noqa: E402
 
 GiB = 1024 ** 3
-# (preset, vocab, world, system key) -> tokens/s per GPU, from ../shared/gpu/README.md.
+# (preset, vocab, world, system key) -> tokens/s per GPU: the reference figures of the GPU build
+# notes (1 H200 2026-12-01, 2 H200 2026-11-29).
 SHARED = {
     ("125m", 32768, 2, "PyTorch bf16"): 209166, ("125m", 32768, 2, "PyTorch fp8"): 196454,
     ("1b", 32768, 2, "PyTorch bf16"): 55827, ("1b", 32768, 2, "PyTorch fp8"): 60308,

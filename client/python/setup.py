@@ -27,7 +27,23 @@ class BuildWithStubs(build_py):
                 f"--pyi_out={out}", f"--grpc_python_out={out}", *protos]
         if protoc.main(args) != 0:
             raise SystemExit("fsdp8-client: protoc failed on " + " ".join(protos))
-        (out / "fsdp8" / "v1" / "__init__.py").write_text('"""Generated from proto/fsdp8/v1."""\n')
+        (out / "fsdp8" / "v1" / "__init__.py").write_text(v1_init([pathlib.Path(p).stem for p in protos]))
+
+
+def v1_init(stems):
+    """fsdp8/v1/__init__.py: the message modules (*_pb2, protobuf only) imported with the package,
+    so that `fsdp8.v1.jobs_pb2` works after `import fsdp8.v1`; the gRPC stub modules (*_pb2_grpc)
+    on first use (they import grpc)."""
+    messages = ", ".join(f"{s}_pb2" for s in stems)
+    stubs = ", ".join(f'"{s}_pb2_grpc"' for s in stems)
+    return (f'"""Generated from proto/fsdp8/v1 by client/python/setup.py."""\n'
+            f"import importlib\n\n"
+            f"from fsdp8.v1 import {messages}  # noqa: F401\n\n"
+            f"_STUBS = ({stubs},)\n\n\n"
+            f"def __getattr__(name):\n"
+            f"    if name in _STUBS:\n"
+            f"        return importlib.import_module(__name__ + '.' + name)\n"
+            f"    raise AttributeError(f'module {{__name__!r}} has no attribute {{name!r}}')\n")
 
 
 setup(cmdclass={"build_py": BuildWithStubs})

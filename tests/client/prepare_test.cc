@@ -61,7 +61,7 @@ TEST_F(PrepareTest, RoundTripSplitsTheConcatenationAtTheFraction) {
   EXPECT_EQ(joined, a + b);
 }
 
-// The tokenizer record beside the shards (README, `fsdp8 prepare`): bytes, no BOS / EOS / padding
+// The tokenizer record beside the shards (docs/usage.md, `fsdp8 prepare`): bytes, no BOS / EOS / padding
 // token; a record of an earlier run (another tokenizer's files) is replaced, not merged.
 TEST_F(PrepareTest, RecordsByteTokensWithNoSpecialTokens) {
   const std::string out = dir_ + "/out";

@@ -4,11 +4,11 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
-#include <utility>
 #include <limits>
 #include <optional>
+#include <sstream>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "coordinator/checkpoint_store.h"
@@ -839,6 +839,151 @@ TEST(JobManagerRetention, CountAndAge) {
   EXPECT_EQ((*jm)->Get(ids[6]).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ((*jm)->size(), 1u);
   EXPECT_TRUE((*jm)->Get(ids[7]).ok());  // pending: never removed
+}
+
+// ---- cancel with a save, resume ----------------------------------------------------------------
+
+// A RUNNING job's step event after `step` steps of 4 x 16 tokens.
+v1::JobEvent StepDone(int64_t step) {
+  v1::JobEvent ev;
+  ev.set_step(step);
+  ev.set_loss(2.0);
+  ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+  ev.set_tokens(step * 64);
+  return ev;
+}
+
+// Commits a one-rank checkpoint of `job` after `step` steps under root (as the step driver does).
+void CommitStep(const std::string& root, const v1::Job& job, int64_t step) {
+  CheckpointStore store(root, job.job_id());
+  auto dir = store.Prepare(step);
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  std::ofstream(*dir + "/rank-0.ckpt") << "0123456789";
+  v1::CheckpointManifest m;
+  m.set_format_version(CheckpointStore::kFormatVersion);
+  m.set_job_id(job.job_id());
+  m.set_step(step);
+  m.set_world_size(1);
+  m.set_tokens(step * 64);
+  *m.mutable_spec() = job.spec();
+  auto* f = m.add_files();
+  f->set_rank(0);
+  f->set_file("rank-0.ckpt");
+  f->set_bytes(10);
+  ASSERT_TRUE(store.Commit(m).ok());
+}
+
+// Cancel with a save waits while the job runs: the next step asks for the checkpoint, and the job
+// ends when the step driver finishes it after the save.
+TEST(JobManagerResume, CancelWithASaveWaitsForTheStepDriver) {
+  TempDir dir;
+  const std::string train = WriteTokens(dir, "train.bin");
+  auto jm = JobManager::Open(JobManagerOptions());
+  ASSERT_TRUE(jm.ok()) << jm.status();
+  v1::JobSpec spec = SmallSpec(train, 1, 100);
+  spec.mutable_checkpoint()->set_dir(dir.File("ck"));
+  auto job = (*jm)->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string id = job->job_id();
+  ASSERT_TRUE((*jm)->MarkStarting(id, {"w-1"}).ok());
+  ASSERT_TRUE((*jm)->MarkRunning(id).ok());
+  ASSERT_TRUE((*jm)->RecordStep(id, StepDone(1)).ok());
+  absl::StatusOr<v1::Job> cancelled;
+  std::thread canceller([&] { cancelled = (*jm)->Cancel(id, /*save=*/true); });
+  ASSERT_TRUE(WaitFor([&] { return (*jm)->CancelRequested(id); }));
+  EXPECT_FALSE((*jm)->IsTerminal(id)) << "cancelled before its save";
+  bool requested = false;
+  ASSERT_TRUE((*jm)->RecordStep(id, StepDone(2), &requested).ok());
+  EXPECT_TRUE(requested) << "the cancel did not ask for a checkpoint after the step in progress";
+  ASSERT_TRUE((*jm)->Finish(id, v1::JOB_STATE_CANCELLED, "cancelled by user after step 2").ok());
+  canceller.join();
+  ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+  EXPECT_EQ(cancelled->state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(cancelled->step(), 2);
+  EXPECT_FALSE((*jm)->CancelRequested(id));
+
+  // Without a checkpoint.dir there is nothing to save: cancelled at once, saying why.
+  v1::JobSpec bare = SmallSpec(train, 1, 100);
+  auto other = (*jm)->Submit("", bare);
+  ASSERT_TRUE(other.ok());
+  ASSERT_TRUE((*jm)->MarkStarting(other->job_id(), {"w-2"}).ok());
+  ASSERT_TRUE((*jm)->MarkRunning(other->job_id()).ok());
+  auto now = (*jm)->Cancel(other->job_id(), /*save=*/true);
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_EQ(now->state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(now->reason(), "cancelled by user; no checkpoint saved: the job has no checkpoint.dir");
+}
+
+// Resume: the same job, PENDING again from its own newest checkpoint, its events continuing, its
+// lease renewed, a fresh restart budget; kept across a coordinator restart.
+TEST(JobManagerResume, ContinuesTheSameJobFromItsNewestCheckpoint) {
+  TempDir dir;
+  const std::string train = WriteTokens(dir, "train.bin");
+  JobManagerOptions o;
+  o.state_db = dir.File("state.db");
+  std::string id;
+  int64_t last_seq = 0;
+  {
+    auto jm = JobManager::Open(o);
+    ASSERT_TRUE(jm.ok()) << jm.status();
+    v1::JobSpec spec = SmallSpec(train, 1, 100);
+    spec.mutable_checkpoint()->set_dir(dir.File("ck"));
+    spec.set_max_restarts(2);
+    auto job = (*jm)->Submit("", spec, "alice");
+    ASSERT_TRUE(job.ok()) << job.status();
+    id = job->job_id();
+    ASSERT_TRUE((*jm)->MarkStarting(id, {"w-1"}).ok());
+    ASSERT_TRUE((*jm)->MarkRunning(id).ok());
+    for (int64_t k = 1; k <= 3; ++k) ASSERT_TRUE((*jm)->RecordStep(id, StepDone(k)).ok());
+    ASSERT_TRUE((*jm)->MarkRecovering(id, "rank 0 lost", 2).ok());
+    ASSERT_TRUE((*jm)->MarkStarting(id, {"w-1"}).ok());
+    ASSERT_TRUE((*jm)->MarkRunning(id).ok());
+    // Step 7 is trained but not saved: the resume goes back to step 6.
+    for (int64_t k = 1; k <= 7; ++k) ASSERT_TRUE((*jm)->RecordStep(id, StepDone(k)).ok());
+    auto running = (*jm)->Get(id);
+    EXPECT_EQ((*jm)->Resume(id).status().code(), absl::StatusCode::kFailedPrecondition);
+    CommitStep(dir.File("ck"), *running, 4);
+    CommitStep(dir.File("ck"), *running, 6);
+    ASSERT_TRUE((*jm)->Cancel(id).ok());
+    (*jm)->RunJoined(id);
+    EXPECT_EQ((*CheckpointStore(dir.File("ck")).Owner())->lease().expires(), 0) << "not released";
+    auto ended = (*jm)->RecentEvents(id, 1);
+    ASSERT_TRUE(ended.ok());
+    last_seq = ended->back().seq();
+
+    auto resumed = (*jm)->Resume(id);
+    ASSERT_TRUE(resumed.ok()) << resumed.status();
+    EXPECT_EQ(resumed->job_id(), id);
+    EXPECT_EQ(resumed->owner(), "alice");
+    EXPECT_EQ(resumed->state(), v1::JOB_STATE_PENDING);
+    EXPECT_EQ(resumed->step(), 6);
+    EXPECT_EQ(resumed->tokens(), 6 * 64);
+    EXPECT_EQ(resumed->restarts(), 0);
+    EXPECT_EQ(resumed->resumes(), 1);
+    EXPECT_EQ(resumed->end_time(), 0);
+    auto ev = (*jm)->RecentEvents(id, 1);
+    ASSERT_TRUE(ev.ok());
+    EXPECT_EQ(ev->back().seq(), last_seq + 1);
+    EXPECT_EQ(ev->back().step(), 6);
+    EXPECT_EQ(ev->back().message().rfind("resumed (resume 1) from " + dir.File("ck") + "/step-6 (step 6)", 0), 0u)
+        << ev->back().message();
+    // The job's own lease again (no take-over: OWNER still names it).
+    auto owner = CheckpointStore(dir.File("ck")).Owner();
+    ASSERT_TRUE(owner.ok() && owner->has_value());
+    EXPECT_EQ((*owner)->owner().job_id(), id);
+    EXPECT_GT((*owner)->lease().expires(), NowSeconds());
+    EXPECT_EQ((*owner)->previous_size(), 0) << "a take-over was recorded";
+    // Pending for the scheduler, and not resumable twice.
+    ASSERT_EQ((*jm)->PendingJobs().size(), 1u);
+    EXPECT_EQ((*jm)->Resume(id).status().code(), absl::StatusCode::kFailedPrecondition);
+  }
+  auto jm = JobManager::Open(o);
+  ASSERT_TRUE(jm.ok()) << jm.status();
+  auto again = (*jm)->Get(id);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(again->resumes(), 1);
+  EXPECT_EQ(again->step(), 6);
 }
 
 }  // namespace

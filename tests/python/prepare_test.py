@@ -174,7 +174,7 @@ class BpeTest(Case):
         r = prepare_here("--tokenizer", path, "--out", self.out, "--val-fraction", "0.25",
                          "--workers", "1", "--overwrite", *self.inputs)
         self.assertEqual(r.returncode, 0, r.stderr)
-        # The shards and the record of the tokenizer (README, Tokenizer record): GPT-2 style,
+        # The shards and the record of the tokenizer (docs/usage.md, Tokenizer record): GPT-2 style,
         # the EOS alone, no BOS, no padding token.
         self.assertEqual(sorted(os.listdir(self.out)),
                          ["tokenizer", "train_000000.bin", "val_000000.bin"])

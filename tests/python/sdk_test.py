@@ -128,6 +128,45 @@ class SdkTest(unittest.TestCase):
         self.assertLess(final.step, 100000)
         self.assertEqual(fsdp8.state_name(final.state), "CANCELLED")
 
+    def test_cancel_saves_then_resume_continues_the_same_job(self):
+        ckpt = os.path.join(self.cluster.data, "ckpt-sdk-resume")
+        steps = 1000
+        job = self.client.submit(tiny_spec(self.train, self.val, steps=steps,
+                                           checkpoint={"dir": ckpt}))
+        stream = self.client.watch(job.job_id, timeout=240)
+        for ev in stream:
+            if ev.step >= 2 and not ev.message:
+                break
+        else:
+            self.fail("the job ended before step 2")
+        stream.close()
+        # The default cancel saves after the step in progress and returns the ended job.
+        cancelled = self.client.cancel(job.job_id)
+        self.assertEqual(cancelled.state, jobs_pb2.JOB_STATE_CANCELLED, cancelled.reason)
+        k = cancelled.step
+        self.assertGreaterEqual(k, 2)
+        self.assertLess(k, steps)
+        self.assertIn(f"checkpoint step-{k} committed", cancelled.reason)
+        self.assertTrue(os.path.isfile(os.path.join(ckpt, f"step-{k}", "MANIFEST")))
+
+        resumed = self.client.resume(job.job_id)
+        self.assertEqual(resumed.job_id, job.job_id)
+        self.assertEqual(resumed.state, jobs_pb2.JOB_STATE_PENDING)
+        self.assertEqual(resumed.step, k)
+        self.assertEqual(resumed.resumes, 1)
+        events = list(self.client.watch(job.job_id, timeout=240))
+        self.assertEqual([e.seq for e in events], list(range(1, len(events) + 1)))
+        seen = [e.step for e in events if e.step > 0 and not e.message]
+        self.assertEqual(seen, list(range(1, steps + 1)))  # no gap, no step twice
+        final = self.client.get(job.job_id)
+        self.assertEqual(final.state, jobs_pb2.JOB_STATE_SUCCEEDED, final.reason)
+        self.assertEqual(final.tokens, steps * BATCH * SEQ)
+        # A job that SUCCEEDED is not resumed.
+        with self.assertRaises(grpc.RpcError) as e:
+            self.client.resume(job.job_id)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("SUCCEEDED", e.exception.details())
+
     def test_bad_spec_refused_and_nothing_lost(self):
         before = [(j.job_id, j.state) for j in self.client.list()]
         spec = tiny_spec(self.train, self.val)
@@ -159,6 +198,27 @@ class SdkTest(unittest.TestCase):
         o = fsdp8.load_spec({"precision": {"overrides": [{"layer": 1, "linears": "BF16"}]}})
         self.assertEqual(o.precision.overrides[0].layer, 1)
         self.assertEqual(o.precision.overrides[0].linears, fsdp8.client.spec_pb2.PRECISION_BF16)
+
+    def test_oversized_spec_file_refused_unread(self):
+        # 64 KiB is the coordinator's limit on a spec (common/spec.h); a 50 MB (sparse) file is
+        # refused from its size: the process grows by far less than the file.
+        import resource
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            big = os.path.join(d, "big.yaml")
+            with open(big, "wb") as f:
+                f.truncate(50 * 1000 * 1000)
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+            with self.assertRaisesRegex(ValueError, r"big\.yaml: 50000000 bytes exceeds the limit "
+                                                    r"of 65536 bytes on a job spec"):
+                fsdp8.load_spec(big)
+            grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+            self.assertLess(grown, 10 * 1024, "the file was read into memory")
+            ok = os.path.join(d, "ok.yaml")
+            with open(ok, "w") as f:
+                f.write("model:\n  d_model: 64\n" + "#" * (65536 - 21 - 1) + "\n")
+            self.assertEqual(os.path.getsize(ok), 65536)
+            self.assertEqual(fsdp8.load_spec(ok).model.d_model, 64)  # exactly the limit is taken
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import grpc
 import yaml
 from google.protobuf import descriptor, json_format
 
+from fsdp8 import events
 from fsdp8.v1 import admin_pb2, admin_pb2_grpc, jobs_pb2, jobs_pb2_grpc, spec_pb2
 
 JobState = jobs_pb2.JobState
@@ -69,6 +70,24 @@ def _normalise(value, msg: descriptor.Descriptor, path: str):
     return out
 
 
+# The largest spec the coordinator takes (common/spec.h, kMaxSpecBytes), and so the largest spec
+# file read: a larger file is refused from its size, before it is read.
+MAX_SPEC_BYTES = 64 * 1024
+
+
+def _read_spec_file(path: pathlib.Path) -> str:
+    """The text of a spec file of at most MAX_SPEC_BYTES; ValueError naming the file otherwise."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_SPEC_BYTES:
+            raise ValueError(f"{path}: {size} bytes exceeds the limit of {MAX_SPEC_BYTES} bytes "
+                             "on a job spec")
+        data = f.read(MAX_SPEC_BYTES + 1)  # a file that grew since fstat is still bounded
+    if len(data) > MAX_SPEC_BYTES:
+        raise ValueError(f"{path}: more than the limit of {MAX_SPEC_BYTES} bytes on a job spec")
+    return data.decode("utf-8")
+
+
 def load_spec(spec: SpecLike) -> spec_pb2.JobSpec:
     """A JobSpec from a JobSpec, a dict, a file path (YAML or JSON) or YAML/JSON text.
 
@@ -82,7 +101,7 @@ def load_spec(spec: SpecLike) -> spec_pb2.JobSpec:
         text = str(spec)
         p = pathlib.Path(text)
         if "\n" not in text and p.suffix in (".yaml", ".yml", ".json"):
-            text = p.read_text()
+            text = _read_spec_file(p)
         try:
             spec = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -151,24 +170,56 @@ class Client:
         grpc.RpcError FAILED_PRECONDITION for a job that has not ended."""
         return self._call(self.jobs.DeleteJob, jobs_pb2.DeleteJobRequest(job_id=job_id))
 
-    def cancel(self, job_id: str) -> jobs_pb2.Job:
-        """Cancels a PENDING, STARTING or RUNNING job; returns it, CANCELLED. grpc.RpcError
-        FAILED_PRECONDITION for a job that already ended, NOT_FOUND for an unknown id."""
-        return self._call(self.jobs.CancelJob, jobs_pb2.CancelJobRequest(job_id=job_id))
+    def cancel(self, job_id: str, *, save: bool = True,
+               timeout: Optional[float] = 600.0) -> jobs_pb2.Job:
+        """Cancels a PENDING, STARTING or RUNNING job; returns it as it ended.
 
-    def watch(self, job_id: str, *, after_seq: int = 0,
-              timeout: Optional[float] = None) -> Iterator[jobs_pb2.JobEvent]:
-        """Yields the job's events (seq > after_seq) until the one carrying its final state.
+        save (default): a RUNNING job with a checkpoint.dir first saves a checkpoint after the
+        step in progress, and the call returns once the job has ended: CANCELLED, its reason
+        naming the committed checkpoint or why none was saved (SUCCEEDED when that step was its
+        last); timeout bounds that wait (seconds; None: no limit). save=False stops it at once.
+        grpc.RpcError FAILED_PRECONDITION for a job that already ended, NOT_FOUND for an unknown
+        id."""
+        req = jobs_pb2.CancelJobRequest(job_id=job_id, no_save=not save)
+        return self.jobs.CancelJob(req, timeout=timeout if save else self.timeout,
+                                   wait_for_ready=True)
+
+    def resume(self, job_id: str) -> jobs_pb2.Job:
+        """Continues an ended job (CANCELLED or FAILED) as the same job id from its own newest
+        committed checkpoint; returns it PENDING (follow it with watch / wait: the events go on
+        after the ones it had). grpc.RpcError FAILED_PRECONDITION naming the rule for a job that
+        has not ended, SUCCEEDED, or has no committed checkpoint of its own; PERMISSION_DENIED
+        for another user's job; NOT_FOUND for an unknown id."""
+        return self._call(self.jobs.ResumeJob, jobs_pb2.ResumeJobRequest(job_id=job_id))
+
+    def watch(self, job_id: str, *, after_seq: int = 0, timeout: Optional[float] = None,
+              tensorboard: Optional[str] = None) -> Iterator[events.Event]:
+        """Yields the job's events (seq > after_seq) until the one carrying its final state, typed
+        (fsdp8.events): StepEvent, ValidationEvent (a step that validated) or StateEvent (a state
+        change or a notice); ev.raw is the JobEvent message, whose fields stay readable on the
+        event itself (ev.tokens_per_second, ev.val_loss) as when this yielded the messages.
 
         timeout: seconds for the whole stream (None: no limit); past it grpc.RpcError
-        DEADLINE_EXCEEDED is raised. Resume after a broken stream with after_seq = last seq."""
+        DEADLINE_EXCEEDED is raised. Resume after a broken stream with after_seq = last seq.
+        tensorboard: a TensorBoard log directory: the steps are also written as scalars into its
+        run directory of this job, tensorboard/JOB_ID (fsdp8.TensorBoardWriter; needs the
+        tensorboard package), flushed when the stream ends or is closed."""
+        writer = None
+        if tensorboard is not None:
+            from fsdp8.tensorboard import TensorBoardWriter, run_dir
+            writer = TensorBoardWriter(run_dir(tensorboard, job_id))
         req = jobs_pb2.WatchJobRequest(job_id=job_id, after_seq=after_seq)
         stream = self.jobs.WatchJob(req, timeout=timeout, wait_for_ready=True)
         try:
-            for ev in stream:
+            for msg in stream:
+                ev = events.from_proto(msg)
+                if writer is not None:
+                    writer.write(ev)
                 yield ev
         finally:
             stream.cancel()
+            if writer is not None:
+                writer.close()
 
     def wait(self, job_id: str, *, timeout: Optional[float] = None) -> jobs_pb2.Job:
         """Follows the job until it ends; returns the final Job."""
