@@ -500,6 +500,17 @@ struct Context {
 // The one positional argument of a command that takes exactly one (JOB, WORKER, ...), or "".
 std::string OnlyArg(const Args& a) { return a.positional.size() == 1 ? a.positional[0] : ""; }
 
+// A spec file's fields in their old place (kMovedFields, common/spec.h): one warning line each on
+// stderr, naming the new place ("warning: job.yaml: training.gemm_autotune: moved to
+// tuning.gemm_autotune (...)"). Fields set in both places with different values are left to the
+// coordinator's refusal (or the plan's check) to report.
+void PrintMovedFieldWarnings(const std::string& file, const fsdp8::v1::JobSpec& spec) {
+  fsdp8::v1::JobSpec moved = spec;
+  absl::StatusOr<std::vector<std::string>> warnings = fsdp8::MigrateSpec(&moved);
+  if (!warnings.ok()) return;
+  for (const std::string& w : *warnings) fprintf(stderr, "warning: %s: %s\n", file.c_str(), w.c_str());
+}
+
 // fsdp8 prepare --out DIR [--val-fraction F] FILES...
 int RunPrepare(Context& ctx) {
   Args& a = ctx.a;
@@ -544,6 +555,7 @@ int RunPlan(Context& ctx) {
     fprintf(stderr, "error: %s: %s\n", a.positional[0].c_str(), std::string(spec.status().message()).c_str());
     return 2;
   }
+  PrintMovedFieldWarnings(a.positional[0], *spec);
   std::vector<int> worlds;
   if (a.flags.count("world-size")) {
     int n = 0;
@@ -552,17 +564,22 @@ int RunPlan(Context& ctx) {
     }
     worlds.push_back(n);
   } else {
-    const fsdp8::v1::JobSpec d = fsdp8::WithDefaults(*spec, 0);
-    worlds.push_back(std::max(1, d.sharding().min_workers()));
-    if (d.sharding().max_workers() > worlds[0]) worlds.push_back(d.sharding().max_workers());
-  }
-  for (int n : worlds) {
-    const fsdp8::v1::JobSpec d = fsdp8::WithDefaults(*spec, n);
-    if (absl::Status s = fsdp8::ValidateSpec(d, n, {}, /*check_files=*/false); !s.ok()) {
-      fprintf(stderr, "error: invalid job spec at world size %d: %s\n", n, std::string(s.message()).c_str());
+    auto d = fsdp8::ResolveSpec(*spec, 0, {}, /*check_files=*/false);
+    if (!d.ok()) {
+      fprintf(stderr, "error: invalid job spec: %s\n", std::string(d.status().message()).c_str());
       return 2;
     }
-    auto plan = fsdp8::PlanMemory(d, n);
+    worlds.push_back(std::max(1, d->sharding().min_workers()));
+    if (d->sharding().max_workers() > worlds[0]) worlds.push_back(d->sharding().max_workers());
+  }
+  for (int n : worlds) {
+    auto d = fsdp8::ResolveSpec(*spec, n, {}, /*check_files=*/false);
+    if (!d.ok()) {
+      fprintf(stderr, "error: invalid job spec at world size %d: %s\n", n,
+              std::string(d.status().message()).c_str());
+      return 2;
+    }
+    auto plan = fsdp8::PlanMemory(*d, n);
     if (!plan.ok()) return ReportError(plan.status());
     if (a.flags.count("json")) {
       std::string json;
@@ -654,6 +671,8 @@ int RunSubmit(Context& ctx) {
     fprintf(stderr, "error: %s: %s\n", file.c_str(), std::string(spec.status().message()).c_str());
     return 2;
   }
+  // Sent as written: the coordinator moves the fields too, and records the warnings with the job.
+  PrintMovedFieldWarnings(file, *spec);
   if (a.flags.count("tensorboard") && !a.flags.count("no-watch")) {
     // Before the job exists: a job is not submitted for a watch that could not write.
     if (absl::Status s = fsdp8::CheckTensorBoardProgram(); !s.ok()) {
@@ -999,7 +1018,17 @@ int RunLocal(Context& ctx) {
                     : fsdp8::LocalStateDir(file);
   if (a.flags.count("threads") && (!absl::SimpleAtoi(a.flags["threads"], &o.threads) || o.threads < 1))
     return Usage("run: --threads must be a positive integer");
-  const fsdp8::v1::JobSpec d = fsdp8::WithDefaults(*spec, 0);
+  if (spec->checkpoint().dir().empty())
+    spec->mutable_checkpoint()->set_dir(o.state_dir + "/checkpoints");
+  // Checked here as the coordinator checks it at submit (its defaults applied, no world size
+  // yet), so a spec it would refuse starts no daemon.
+  PrintMovedFieldWarnings(file, *spec);
+  auto resolved = fsdp8::ResolveSpec(*spec, 0, {}, /*check_files=*/false);
+  if (!resolved.ok()) {
+    fprintf(stderr, "error: invalid job spec: %s\n", std::string(resolved.status().message()).c_str());
+    return 2;
+  }
+  const fsdp8::v1::JobSpec& d = *resolved;
   o.backend = d.backend().empty() ? "cpu" : d.backend();
   if (o.backend == "cuda") {
     o.workers = fsdp8::CountGpus();
@@ -1010,8 +1039,6 @@ int RunLocal(Context& ctx) {
   } else {
     o.workers = std::max(1, d.sharding().min_workers());
   }
-  if (spec->checkpoint().dir().empty())
-    spec->mutable_checkpoint()->set_dir(o.state_dir + "/checkpoints");
   const std::string plot = a.flags.count("plot") ? a.flags["plot"]
                            : OnPath("gnuplot") ? o.state_dir + "/loss.png" : "";
   const std::string log = a.flags.count("log") ? a.flags["log"] : o.state_dir + "/client.log";

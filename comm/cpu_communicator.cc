@@ -10,7 +10,7 @@ namespace fsdp8 {
 CpuCommOptions CpuCommOptions::FromEnvironment() {
   CpuCommOptions o;
   if (env::GetOrEmpty(env::kCpuTransport) == "gloo") o.transport = Transport::kGloo;
-  if (env::GetOrEmpty(env::kCpuCommOverlap) == "0") o.overlap = false;
+  o.overlap = env::SwitchOrExit(env::kCpuCommOverlap, /*unset=*/true);
   return o;
 }
 

@@ -47,15 +47,19 @@ namespace fsdp8 {
 // The NCCL communicator's settings from the environment (common/env_settings.h).
 struct NcclOptions {
   // How the C09 headers are compared (FSDP8_NCCL_CHECK_COLLECTIVES): on the watchdog, without a
-  // host wait (unset or any other value), before each collective ("sync"), or not at all ("0").
+  // host wait (unset or an on value), before each collective ("sync"), or not at all (an off
+  // value: 0, false, off); anything else exits (env::SwitchOrExit).
   enum class CollectiveCheck { kWatchdog, kSync, kOff };
   CollectiveCheck check_collectives = CollectiveCheck::kWatchdog;
 
   static NcclOptions FromEnvironment() {
     const std::string mode = env::GetOrEmpty(env::kNcclCheckCollectives);
     NcclOptions o;
-    if (mode == "sync") o.check_collectives = CollectiveCheck::kSync;
-    if (mode == "0") o.check_collectives = CollectiveCheck::kOff;
+    if (mode == "sync") {
+      o.check_collectives = CollectiveCheck::kSync;
+    } else if (!env::SwitchOrExit(env::kNcclCheckCollectives, /*unset=*/true)) {
+      o.check_collectives = CollectiveCheck::kOff;
+    }
     return o;
   }
 };

@@ -377,9 +377,7 @@ std::string PrettyJson(const Struct& s) {
 }
 
 Struct HfConfigStruct(const v1::ModelConfig& m_in, SafetensorsDtype dtype) {
-  v1::JobSpec tmp;
-  *tmp.mutable_model() = m_in;
-  const v1::ModelConfig m = WithDefaults(tmp, 0).model();
+  const v1::ModelConfig m = DefaultedModel(m_in);
   Struct s;
   auto& f = *s.mutable_fields();
   f["architectures"].mutable_list_value()->add_values()->set_string_value("LlamaForCausalLM");
@@ -534,9 +532,7 @@ absl::StatusOr<std::string> HfModelSectionYaml(const std::string& config_json, i
 
 absl::Status CheckHfConfig(const std::string& config_json, const v1::ModelConfig& m_in,
                            const std::string& field) {
-  v1::JobSpec tmp;
-  *tmp.mutable_model() = m_in;
-  const v1::ModelConfig m = WithDefaults(tmp, 0).model();
+  const v1::ModelConfig m = DefaultedModel(m_in);
   absl::StatusOr<Struct> parsed = ParseJsonObject(config_json, absl::StrCat(field, ": config.json"));
   if (!parsed.ok()) return parsed.status();
   const HfConfigFields c{*parsed, field};

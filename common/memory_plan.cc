@@ -292,7 +292,8 @@ absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec_in, int world_size
     return absl::InvalidArgumentError(
         absl::StrCat("world_size: must be >= 1 (got ", world_size, ")"));
   }
-  const v1::JobSpec spec = WithDefaults(spec_in, world_size);
+  if (absl::Status s = CheckDefaulted(spec_in, world_size); !s.ok()) return s;
+  const v1::JobSpec& spec = spec_in;
   const v1::ModelConfig& m = spec.model();
   if (m.d_model() <= 0 || m.n_layers() <= 0 || m.n_heads() <= 0 || m.n_kv_heads() <= 0 ||
       m.ffn_dim() <= 0 || m.vocab_size() <= 0 || m.seq_len() <= 0 ||

@@ -119,9 +119,10 @@ struct MemoryPlan {
 // What a plan's figure holds when the true figure does not fit 64-bit byte counts (8 EiB).
 inline constexpr int64_t kBytesExceeded = INT64_MAX;
 
-// The plan of `spec` (WithDefaults(spec, world_size) applied here) on world_size ranks; the worst
-// rank (all ranks hold the same shard sizes). INVALID_ARGUMENT for world_size < 1 or a model
-// whose sizes the spec rules refuse (validate first for the exact message). Sizes too large for
+// The plan of `spec`, resolved at world_size (ResolveSpec in common/spec.h: defaults applied,
+// checked here with CheckDefaulted, never filled in), on world_size ranks; the worst rank (all
+// ranks hold the same shard sizes). INVALID_ARGUMENT for world_size < 1, a spec not resolved at
+// world_size, or a model whose sizes the spec rules refuse (validate first for the exact message). Sizes too large for
 // 64-bit byte counts hold kBytesExceeded and set exceeds_int64 (such a job fits nowhere).
 absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec, int world_size,
                                       const MemoryPlanOptions& options = {});

@@ -139,7 +139,8 @@ absl::StatusOr<ShardPlan> MakeShardPlan(
 }
 
 absl::StatusOr<ShardPlan> MakeShardPlan(const v1::JobSpec& spec_in, int world_size) {
-  const v1::JobSpec spec = WithDefaults(spec_in, world_size);
+  if (absl::Status s = CheckDefaulted(spec_in, 0); !s.ok()) return s;
+  const v1::JobSpec& spec = spec_in;
   const v1::ModelConfig& m = spec.model();
   const int64_t C = m.d_model(), L = m.n_layers(), H = m.n_heads(), Hkv = m.n_kv_heads(),
                 F = m.ffn_dim(), V = m.vocab_size();

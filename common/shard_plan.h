@@ -70,7 +70,8 @@ struct ShardPlan {
   bool Find(const std::string& name, int* unit, int* buffer, int* tensor) const;
 };
 
-// Builds the plan for a spec (WithDefaults(spec, world_size) is applied first). Tensors (Hugging
+// Builds the plan for a spec with its defaults applied (ResolveSpec in common/spec.h, at any world
+// size: checked with CheckDefaulted(spec, 0), never filled in here). Tensors (Hugging
 // Face names, in this order): unit "embedding" = model.embed_tokens.weight (V, C) kNormal;
 // unit "layers.i" = input_layernorm (C) kOnes, self_attn.{q (C, C), k (Hkv*hd, C), v (Hkv*hd, C),
 // o (C, C)}_proj, post_attention_layernorm (C) kOnes, mlp.{gate (F, C), up (F, C), down (C, F)}_proj,
@@ -82,7 +83,8 @@ struct ShardPlan {
 // and head (both tensors) follow precision.embedding / precision.lm_head (BF16 or FP32).
 // padded_numel = ceil(numel / (world_size * alignment)) * world_size * alignment.
 // init_id = FNV-1a 64 of the tensor name (stable across builds and world sizes).
-// INVALID_ARGUMENT for world_size < 1, alignment < 1, or non-positive model sizes.
+// INVALID_ARGUMENT for world_size < 1, alignment < 1, non-positive model sizes or a spec without
+// its defaults.
 absl::StatusOr<ShardPlan> MakeShardPlan(const v1::JobSpec& spec, int world_size);
 // Same, from an explicit tensor list per unit (used by tests for odd sizes such as 57 elements):
 // units[u] = {name, lists}, where lists[d] holds the tensors of wire dtype WireDtype(d) (at most 3

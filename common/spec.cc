@@ -17,6 +17,7 @@
 
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/util/json_util.h>
+#include <google/protobuf/util/message_differencer.h>
 #include <yaml-cpp/yaml.h>
 
 #include "absl/strings/ascii.h"
@@ -30,11 +31,85 @@
 namespace fsdp8 {
 
 // ---------------------------------------------------------------------------------------------
+// Moved fields
+// ---------------------------------------------------------------------------------------------
+
+const MovedField kMovedFields[2] = {
+    {"training.gemm_autotune", "tuning.gemm_autotune"},
+    {"precision.fp8.forward_fast_accumulation", "tuning.forward_fast_accumulation"},
+};
+
+namespace {
+
+// The old places are deprecated proto fields: this is the one place that reads them.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
+// One moved bool as a spec holds it: whether it is set in its old place and its value there,
+// whether it is set in its new place and its value there.
+struct MovedBool {
+  const MovedField& field;
+  bool has_old, old_value, has_new, new_value;
+};
+
+std::vector<MovedBool> MovedBools(const v1::JobSpec& s) {
+  return {
+      {kMovedFields[0], s.training().has_gemm_autotune(), s.training().gemm_autotune(),
+       s.tuning().has_gemm_autotune(), s.tuning().gemm_autotune()},
+      {kMovedFields[1], s.precision().fp8().has_forward_fast_accumulation(),
+       s.precision().fp8().forward_fast_accumulation(), s.tuning().has_forward_fast_accumulation(),
+       s.tuning().forward_fast_accumulation()},
+  };
+}
+
+// Moves field i of kMovedFields (when set in its old place) unless the new place is set, and
+// clears the old place.
+void MoveField(v1::JobSpec* s, int i) {
+  if (i == 0 && s->training().has_gemm_autotune()) {
+    if (!s->tuning().has_gemm_autotune())
+      s->mutable_tuning()->set_gemm_autotune(s->training().gemm_autotune());
+    s->mutable_training()->clear_gemm_autotune();
+  }
+  if (i == 1 && s->precision().fp8().has_forward_fast_accumulation()) {
+    if (!s->tuning().has_forward_fast_accumulation())
+      s->mutable_tuning()->set_forward_fast_accumulation(
+          s->precision().fp8().forward_fast_accumulation());
+    s->mutable_precision()->mutable_fp8()->clear_forward_fast_accumulation();
+  }
+}
+
+#pragma GCC diagnostic pop
+
+void MoveFields(v1::JobSpec* s) {
+  for (int i = 0; i < 2; ++i) MoveField(s, i);
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::string>> MigrateSpec(v1::JobSpec* spec) {
+  std::vector<std::string> warnings;
+  for (const MovedBool& m : MovedBools(*spec)) {
+    if (!m.has_old) continue;
+    if (m.has_new && m.new_value != m.old_value) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          m.field.old_path, ": moved to ", m.field.new_path, ", which says ",
+          m.new_value ? "true" : "false", " where the old place says ",
+          m.old_value ? "true" : "false", " (give it only in ", m.field.new_path, ")"));
+    }
+    warnings.push_back(absl::StrCat(m.field.old_path, ": moved to ", m.field.new_path,
+                                    " (read from the old place for now; write it there)"));
+  }
+  MoveFields(spec);
+  return warnings;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Defaults
 // ---------------------------------------------------------------------------------------------
 
 v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   v1::JobSpec s = in;
+  MoveFields(&s);
   v1::ModelConfig* m = s.mutable_model();
   if (!m->has_d_model()) m->set_d_model(128);
   if (!m->has_n_layers()) m->set_n_layers(4);
@@ -97,7 +172,6 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   if (!r->has_amax_history_len()) r->set_amax_history_len(16);
   if (r->amax_algorithm() == v1::AMAX_ALGORITHM_UNSPECIFIED) r->set_amax_algorithm(v1::AMAX_ALGORITHM_MAX);
   if (!r->has_margin()) r->set_margin(0);
-  if (!r->has_forward_fast_accumulation()) r->set_forward_fast_accumulation(true);
   if (!r->has_fused_projections()) r->set_fused_projections(true);
   if (!r->has_keep_weight_codes()) r->set_keep_weight_codes(true);
 
@@ -108,6 +182,10 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   if (!s.has_max_restarts()) s.set_max_restarts(c->dir().empty() ? 0 : 3);
 
   if (s.backend().empty()) s.set_backend("cpu");
+
+  v1::TuningSpec* tu = s.mutable_tuning();
+  if (!tu->has_gemm_autotune()) tu->set_gemm_autotune(false);
+  if (!tu->has_forward_fast_accumulation()) tu->set_forward_fast_accumulation(true);
   return s;
 }
 
@@ -586,6 +664,47 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
   }
   if (check_files) FSDP8_RETURN_IF_ERROR(CheckFiles(spec, data_roots));
   return absl::OkStatus();
+}
+
+absl::StatusOr<v1::JobSpec> ResolveSpec(const v1::JobSpec& spec, int world_size,
+                                        const std::vector<std::string>& data_roots,
+                                        bool check_files, std::vector<std::string>* warnings) {
+  FSDP8_RETURN_IF_ERROR(CheckSpecLimits(spec));
+  v1::JobSpec moved = spec;
+  absl::StatusOr<std::vector<std::string>> w = MigrateSpec(&moved);
+  if (!w.ok()) return w.status();
+  if (warnings != nullptr) warnings->insert(warnings->end(), w->begin(), w->end());
+  v1::JobSpec resolved = WithDefaults(moved, world_size);
+  FSDP8_RETURN_IF_ERROR(ValidateSpec(resolved, world_size, data_roots, check_files));
+  return resolved;
+}
+
+v1::JobSpec MigrateStoredSpec(const v1::JobSpec& stored) { return WithDefaults(stored, 0); }
+
+v1::ModelConfig DefaultedModel(const v1::ModelConfig& model) {
+  v1::JobSpec s;
+  *s.mutable_model() = model;
+  return WithDefaults(s, 0).model();
+}
+
+absl::Status CheckDefaulted(const v1::JobSpec& spec, int world_size) {
+  const v1::JobSpec resolved = WithDefaults(spec, world_size);
+  google::protobuf::util::MessageDifferencer diff;
+  std::string what;
+  diff.ReportDifferencesToString(&what);
+  if (!diff.Compare(spec, resolved)) {
+    const size_t nl = what.find('\n');
+    if (nl != std::string::npos) what.resize(nl);
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec: not resolved at world size ", world_size,
+                     " (the coordinator resolves a job's spec, ResolveSpec): ", what));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckResolved(const v1::JobSpec& spec, int world_size) {
+  FSDP8_RETURN_IF_ERROR(CheckDefaulted(spec, world_size));
+  return ValidateSpec(spec, world_size, {}, /*check_files=*/false);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -35,8 +35,62 @@ inline constexpr int kMaxVocabSize = 1 << 20;
 
 // Returns `spec` with every unset field filled with its documented default (see spec.proto).
 // world_size is needed for the microbatch default (global_batch / world_size); pass 0 when unknown
-// (the microbatch default is then left unset).
+// (the microbatch default is then left unset). Fields set in their old place (kMovedFields) are
+// moved first, silently (the new place wins when both are set; MigrateSpec reports them).
+// Only the coordinator (ResolveSpec) and readers of old records and user input call it: a worker
+// receives a resolved spec and checks it (CheckResolved).
 v1::JobSpec WithDefaults(const v1::JobSpec& spec, int world_size);
+
+// A spec field that moved: its old path and its new one.
+struct MovedField {
+  const char* old_path;
+  const char* new_path;
+};
+// training.gemm_autotune -> tuning.gemm_autotune,
+// precision.fp8.forward_fast_accumulation -> tuning.forward_fast_accumulation.
+extern const MovedField kMovedFields[2];
+
+// Moves every field set in its old place (kMovedFields) to its new place and clears the old one;
+// returns one warning per field moved, naming both places:
+//   "training.gemm_autotune: moved to tuning.gemm_autotune (read from the old place for now;
+//    write it there)".
+// INVALID_ARGUMENT naming both places when a field is set in both with different values. For
+// specs written before the move: users' YAML and API requests (at submit), the state db's jobs
+// and checkpoint MANIFESTs (on load).
+absl::StatusOr<std::vector<std::string>> MigrateSpec(v1::JobSpec* spec);
+
+// The coordinator's resolution of a job's spec: moved fields migrated (MigrateSpec; its warnings
+// appended to *warnings when given), every default applied at world_size (WithDefaults), then
+// checked (ValidateSpec with data_roots and check_files). world_size 0: the job's spec before a
+// world size is fixed (training.microbatch stays unset unless given). Errors: MigrateSpec's and
+// ValidateSpec's.
+absl::StatusOr<v1::JobSpec> ResolveSpec(const v1::JobSpec& spec, int world_size,
+                                        const std::vector<std::string>& data_roots,
+                                        bool check_files,
+                                        std::vector<std::string>* warnings = nullptr);
+
+// A spec read back from a record an earlier release may have written (a state db row, a
+// checkpoint MANIFEST): moved fields in their new place and the defaults added since applied
+// (WithDefaults(stored, 0)); every set field is kept. The one migration on load.
+v1::JobSpec MigrateStoredSpec(const v1::JobSpec& stored);
+
+// The model section alone with its defaults (those WithDefaults gives it), for readers of a model
+// section outside a job spec (Hugging Face config.json conversion, common/hf_model.h).
+v1::ModelConfig DefaultedModel(const v1::ModelConfig& model);
+
+// Whether every default is applied at world_size and no moved field is in its old place
+// (WithDefaults(spec, world_size) would change nothing): INVALID_ARGUMENT naming the first field
+// it would fill or move otherwise,
+//   "spec: not resolved at world size 2 (the coordinator resolves a job's spec, ResolveSpec):
+//    added: training.microbatch: 8".
+// What the plans (PlanMemory, MakeShardPlan) require of their spec; CheckResolved adds the rules.
+absl::Status CheckDefaulted(const v1::JobSpec& spec, int world_size);
+
+// What a worker checks of the spec its assignment carries, without filling anything in: nothing
+// in a moved field's old place, every default applied at world_size (WithDefaults would change
+// nothing) and ValidateSpec(spec, world_size, {}, false) passing: CheckDefaulted's error, or
+// ValidateSpec's.
+absl::Status CheckResolved(const v1::JobSpec& spec, int world_size);
 
 // Checks the rules of a job spec (after WithDefaults). Returns INVALID_ARGUMENT whose message names
 // the field path and the rule, e.g.

@@ -26,10 +26,10 @@ inline constexpr int64_t kDefaultHeadChunkLogitBytes = int64_t{512} << 20;
 
 // The model's options that change the step (ModelOptions, train/options.h).
 struct StepPlanOptions {
-  // One GEMM per linear where projections share their scales (FSDP8_UNFUSED_PROJECTIONS).
+  // One GEMM per linear where projections share their scales (ModelOptions::unfused_projections).
   bool unfused_projections = false;
   // down_proj's FP8 input codes kept from the forward instead of recast in the backward
-  // (FSDP8_SAVE_DOWN_PROJ_INPUT).
+  // (ModelOptions::save_down_proj_input).
   bool save_down_proj_input = false;
   // f32 logits per chunk of the BF16 head, >= 1 (FSDP8_HEAD_CHUNK_LOGIT_BYTES).
   int64_t head_chunk_logit_bytes = kDefaultHeadChunkLogitBytes;

@@ -502,12 +502,13 @@ absl::Status CheckpointStore::RemoveStepDir(const std::string& d) const {
   return absl::OkStatus();
 }
 
-absl::Status CheckpointStore::CheckResumeCompatible(const v1::JobSpec& job_in,
+absl::Status CheckpointStore::CheckResumeCompatible(const v1::JobSpec& job,
                                                     const v1::JobSpec& saved_in,
                                                     const std::string& step_dir,
                                                     const std::string& field) {
-  const v1::JobSpec job = WithDefaults(job_in, 0);
-  const v1::JobSpec saved = WithDefaults(saved_in, 0);
+  // A MANIFEST of an earlier release may hold a field in its old place or lack a default added
+  // since: migrated as it is read.
+  const v1::JobSpec saved = MigrateStoredSpec(saved_in);
   using google::protobuf::util::MessageDifferencer;
   auto differ = [&](const google::protobuf::Message& a, const google::protobuf::Message& b,
                     const std::string& section) -> absl::Status {

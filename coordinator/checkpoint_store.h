@@ -239,7 +239,9 @@ class CheckpointStore {
   static absl::Status VerifyFiles(const std::string& step_dir, const v1::CheckpointManifest& m);
 
   // OK when a job with spec `job` may load a checkpoint written with spec `saved`: the model
-  // config and the precision plan (defaults applied) must be equal. FAILED_PRECONDITION naming the
+  // config and the precision plan must be equal. `job` resolved by the coordinator (defaults
+  // applied); `saved`, a MANIFEST's, is migrated here (MigrateStoredSpec: moved fields, defaults
+  // added since). The tuning section is not compared. FAILED_PRECONDITION naming the
   // differing section otherwise. Sharding, batch sizes and the optimizer may differ.
   // `field` names the spec field in the message.
   static absl::Status CheckResumeCompatible(const v1::JobSpec& job, const v1::JobSpec& saved,

@@ -70,8 +70,11 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
     if (!stored.ok()) return stored.status();
     r.events.assign(std::make_move_iterator(stored->begin()),
                     std::make_move_iterator(stored->end()));
-    // Re-defaulted, so a row stored before a default was added still matches a resubmission.
-    r.submitted_spec = DeterministicBytes(WithDefaults(r.job.spec(), 0));
+    // Migrated on load (fields moved since, defaults added since), so a row stored before still
+    // matches a resubmission.
+    *r.job.mutable_spec() = MigrateStoredSpec(r.job.spec());
+    r.submitted_spec = DeterministicBytes(r.job.spec());
+    r.resolved = std::make_shared<ResolvedJob>(r.job.spec(), options.planner);
     jm->order_.insert({r.job.create_time(), id});
     if (!r.job.request_id().empty()) jm->by_request_[r.job.request_id()] = id;
     v1::JobState s = r.job.state();
@@ -80,7 +83,7 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
       // The generation that was running died with the old coordinator (its workers abort when
       // their session ends). Like any failed generation, a job with checkpoints and restarts left
       // continues from its latest committed checkpoint; a RECOVERING one was already counted.
-      const v1::JobSpec d = WithDefaults(r.job.spec(), 0);
+      const v1::JobSpec& d = r.job.spec();
       const bool counted = s == v1::JOB_STATE_RECOVERING;
       const bool recover = !d.checkpoint().dir().empty() &&
                            (counted || r.job.restarts() < d.max_restarts());
@@ -304,7 +307,12 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
                    owner, spec);
   // Before copying it around.
   if (absl::Status s = CheckSpecLimits(spec); !s.ok()) return Refused(s, owner, spec);
-  v1::JobSpec d = WithDefaults(spec, 0);
+  v1::JobSpec moved = spec;
+  absl::StatusOr<std::vector<std::string>> warnings = MigrateSpec(&moved);
+  if (!warnings.ok()) return Refused(warnings.status(), owner, spec);
+  // The job's spec before a world size is fixed: the defaults that need none (ResolvedJob fills
+  // in the rest per world size).
+  v1::JobSpec d = WithDefaults(moved, 0);
   std::string bytes = DeterministicBytes(d);
   {
     absl::MutexLock lock(&mu_);
@@ -315,10 +323,10 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
     return Refused(s, owner, d);
   const int mn = d.sharding().min_workers();
   const int mx = d.sharding().max_workers();
+  auto resolved = std::make_shared<ResolvedJob>(d, options_.planner);
   for (int n : {mn, mx}) {
     if (n < 1) continue;  // ValidateSpec reported it above
-    if (absl::Status s = ValidateSpec(WithDefaults(spec, n), n, options_.data_roots, false);
-        !s.ok()) {
+    if (absl::Status s = resolved->SpecAt(n).status(); !s.ok()) {
       if (mn == mx) return Refused(s, owner, d);
       // The job may run (and, after a failure, shrink) to any world size in [min, max].
       return Refused(absl::Status(s.code(),
@@ -329,13 +337,13 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
                      owner, d);
     }
   }
-  std::function<absl::Status(const v1::JobSpec&)> admission;
+  std::function<absl::Status(ResolvedJob&)> admission;
   {
     absl::MutexLock lock(&mu_);
     admission = admission_;
   }
   if (admission) {
-    if (absl::Status s = admission(d); !s.ok()) return Refused(s, owner, d);
+    if (absl::Status s = admission(*resolved); !s.ok()) return Refused(s, owner, d);
   }
   const std::string& resume = d.checkpoint().resume_from();
   if (options_.check_files && !resume.empty() && resume != "latest") {
@@ -374,6 +382,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
       return Refused(s, owner, d);
     Record& r = jobs_[id];
     r.submitted_spec = bytes;
+    r.resolved = resolved;
     v1::Job& job = r.job;
     job.set_job_id(id);
     job.set_request_id(request_id);
@@ -388,6 +397,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
     if (!request_id.empty()) by_request_[request_id] = id;
     v1::JobEvent ev;
     ev.set_message(absl::StrCat("submitted; ", job.reason()));
+    for (const std::string& w : *warnings) absl::StrAppend(ev.mutable_message(), "; warning: ", w);
     if (!skipped.empty()) {
       const size_t shown = std::min<size_t>(skipped.size(), 4);
       absl::StrAppend(ev.mutable_message(), "; checkpoint.take_over: ", d.checkpoint().dir(),
@@ -402,6 +412,8 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
     PublishLocked(&r, ev);
     out = job;
   }
+  for (const std::string& w : *warnings)
+    Log(LogLevel::kWarning, absl::StrCat("job ", out.job_id(), ": ", w));
   LogEvent("job_submitted", {{"job", out.job_id()},
                              {"owner", out.owner()},
                              {"name", d.name()},
@@ -774,7 +786,8 @@ absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id) {
           "resume: job ", job_id, " changed while it was being resumed; look at it again"));
     v1::Job& j = r->job;
     ended_.erase({j.end_time(), job_id});
-    const int mn = std::max(1, WithDefaults(j.spec(), 0).sharding().min_workers());
+    // The job's spec has its defaults (applied at submit, or migrated when the db was read).
+    const int mn = std::max(1, j.spec().sharding().min_workers());
     j.set_state(v1::JOB_STATE_PENDING);
     j.set_reason(absl::StrCat("resumed from ", point->dir, "; waiting for ", mn, " workers"));
     j.set_end_time(0);
@@ -1129,7 +1142,13 @@ void JobManager::SetSubmitListener(std::function<void()> fn) {
   on_submit_ = std::move(fn);
 }
 
-void JobManager::SetAdmission(std::function<absl::Status(const v1::JobSpec&)> fn) {
+std::shared_ptr<ResolvedJob> JobManager::Resolved(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  const Record* r = FindLocked(job_id);
+  return r == nullptr ? nullptr : r->resolved;
+}
+
+void JobManager::SetAdmission(std::function<absl::Status(ResolvedJob&)> fn) {
   absl::MutexLock lock(&mu_);
   admission_ = std::move(fn);
 }

@@ -58,6 +58,7 @@
 #include "absl/synchronization/mutex.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/job_store.h"
+#include "coordinator/resolved_job.h"
 #include "fsdp8/v1/admin.pb.h"
 #include "fsdp8/v1/jobs.pb.h"
 
@@ -80,6 +81,9 @@ struct JobManagerOptions {
   // take-over of the directory while the lease is live. It must outlast a restart of this
   // coordinator, which renews it again at Open. 0: no leases are written.
   std::chrono::milliseconds checkpoint_lease{std::chrono::seconds(120)};
+  // Makes each job's memory plans (ResolvedJob, once per job and world size); empty: PlanMemory.
+  // Tests inject one that counts its calls.
+  MemoryPlanner planner;
 };
 
 // One page of JobManager::ListPage.
@@ -101,7 +105,9 @@ class JobManager {
   // ---- client side ----
 
   // Validates `spec` (defaults applied; checked at both min_workers and max_workers) and creates a
-  // PENDING job. With check_files and a checkpoint.resume_from naming a step directory, that
+  // PENDING job. A field given in its old place (kMovedFields, common/spec.h) is moved to its new
+  // one: the job's spec holds it there, and the "submitted" event and the coordinator's log carry
+  // MigrateSpec's warning naming the new place (INVALID_ARGUMENT when both places disagree). With check_files and a checkpoint.resume_from naming a step directory, that
   // checkpoint must be committed and intact and have the job's model and precision
   // (FAILED_PRECONDITION otherwise; "latest" is resolved when the job starts). INVALID_ARGUMENT names the field and the rule. A non-empty request_id that was
   // seen before returns that job when the spec (defaults applied) is the same, and ALREADY_EXISTS
@@ -228,11 +234,16 @@ class JobManager {
   // NOT_FOUND for an unknown job; FAILED_PRECONDITION when no rank has reported one yet.
   absl::StatusOr<v1::ScalingState> GetScalingState(const std::string& job_id) const;
 
+  // The job's resolved spec and memory plans per world size (made once, kept with the job until it
+  // leaves the table); nullptr for an unknown id.
+  std::shared_ptr<ResolvedJob> Resolved(const std::string& job_id) const;
+
   // Called after a successful Submit (new job) and after Cancel of a STARTING/RUNNING job.
   void SetSubmitListener(std::function<void()> fn);
   // Consulted by Submit after the spec checks (defaults applied): a non-OK status refuses the
-  // job with it (the memory check of coordinator/memory_fit.h against the registered workers).
-  void SetAdmission(std::function<absl::Status(const v1::JobSpec&)> fn);
+  // job with it (the memory check of coordinator/memory_fit.h against the registered workers). The
+  // ResolvedJob it gets becomes the job's: plans it makes are the scheduler's too.
+  void SetAdmission(std::function<absl::Status(ResolvedJob&)> fn);
   void SetCancelListener(std::function<void(const std::string& job_id)> fn);
 
   const JobManagerOptions& options() const { return options_; }
@@ -263,6 +274,7 @@ class JobManager {
   struct Record {
     v1::Job job;
     std::string submitted_spec;  // deterministic serialization of the defaulted spec
+    std::shared_ptr<ResolvedJob> resolved;  // the spec per world size and its memory plans
     int64_t last_seq = 0;
     std::deque<v1::JobEvent> events;
     std::optional<v1::ScalingState> scaling;
@@ -341,7 +353,7 @@ class JobManager {
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   std::function<void()> on_submit_ ABSL_GUARDED_BY(mu_);
   std::function<void(const std::string&)> on_cancel_ ABSL_GUARDED_BY(mu_);
-  std::function<absl::Status(const v1::JobSpec&)> admission_ ABSL_GUARDED_BY(mu_);
+  std::function<absl::Status(ResolvedJob&)> admission_ ABSL_GUARDED_BY(mu_);
 };
 
 // Text of a state without the prefix: "PENDING", "RUNNING", ...

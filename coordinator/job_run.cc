@@ -200,7 +200,7 @@ std::string JobRun::EndFailedGeneration(const absl::Status& s) {
     const std::string cancelled = absl::StrCat("cancelled by user; no checkpoint saved: ", reason);
     if (jobs_->Finish(id, v1::JOB_STATE_CANCELLED, cancelled).ok()) return cancelled;
   }
-  const int max_restarts = WithDefaults(job_.spec(), 0).max_restarts();
+  const int max_restarts = job_.spec().max_restarts();  // defaults applied at submit
   LogEvent("generation_failed",
            {{"job", id},
             {"generation", job_.generation()},
@@ -223,7 +223,17 @@ std::string JobRun::EndFailedGeneration(const absl::Status& s) {
 }
 
 absl::Status JobRun::Drive() {
-  const v1::JobSpec spec = WithDefaults(job_.spec(), static_cast<int>(ranks_.size()));
+  // The spec resolved at this world size, once per job (JobManager::Resolved): what every
+  // rank's Assignment carries and what the workers check without filling anything in.
+  const int world_size = static_cast<int>(ranks_.size());
+  const std::shared_ptr<ResolvedJob> resolved = jobs_->Resolved(job_.job_id());
+  if (resolved == nullptr) return absl::CancelledError("job deleted");
+  absl::StatusOr<v1::JobSpec> at = resolved->SpecAt(world_size);
+  if (!at.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("spec at world size ", world_size, ": ", at.status().message()));
+  }
+  const v1::JobSpec spec = *std::move(at);
   Progress p;
   if (absl::Status s = StartGeneration(spec, &p); !s.ok()) return s;
   const int64_t steps = spec.training().steps();

@@ -99,6 +99,7 @@ bool ParseRetention(const std::string& v, fsdp8::coord::JobManagerOptions* o) {
 int main(int argc, char** argv) {
   fsdp8::SetDaemonHelp("fsdp8-coordinator [--listen host:port] [--data_roots DIRS] [--state_db FILE] ...",
                        "coordinator/main.cc", argc, argv);
+  fsdp8::ParseOnOffFlags("coordinator/main.cc", argc, argv);
   absl::ParseCommandLine(argc, argv);
 
   // Handle SIGINT/SIGTERM on this thread only (every thread started later inherits the mask).

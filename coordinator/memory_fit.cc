@@ -18,12 +18,18 @@ bool BatchAllows(const v1::JobSpec& spec, int n) {
   return mb >= 1 && gb % (n * mb) == 0;
 }
 
-// The plan's bytes per rank at n ranks; nullopt when the plan cannot be made (the spec checks
-// report that).
-std::optional<MemoryPlan> PlanAt(const v1::JobSpec& spec, int n) {
-  auto p = PlanMemory(WithDefaults(spec, n), n);
+// The job's plan at n ranks; nullopt when the plan cannot be made (the spec checks report that).
+std::optional<MemoryPlan> PlanAt(ResolvedJob& job, int n) {
+  absl::StatusOr<MemoryPlan> p = job.PlanAt(n);
   if (!p.ok()) return std::nullopt;
   return *p;
+}
+
+// The plan of a variant of the job's spec at n ranks (not the job's own: planned each time, with
+// the job's planner).
+std::optional<MemoryPlan> PlanVariant(const ResolvedJob& job, const v1::JobSpec& variant, int n) {
+  ResolvedJob v(variant, job.planner());
+  return PlanAt(v, n);
 }
 
 int64_t Term(const MemoryPlan& p, const std::string& name) {
@@ -35,7 +41,8 @@ int64_t Term(const MemoryPlan& p, const std::string& name) {
 
 // What would make the job fit on workers of `largest` bytes: more workers, activation recompute,
 // BF16 optimizer moments (when not already); `plan` is the plan at the largest allowed world size n.
-std::string FitAdvice(const v1::JobSpec& spec, int n, const MemoryPlan& plan, int64_t largest) {
+std::string FitAdvice(const ResolvedJob& job, int n, const MemoryPlan& plan, int64_t largest) {
+  const v1::JobSpec& spec = job.spec();
   std::vector<std::string> ways;
   const int64_t gb = spec.training().global_batch();
   for (int m = n + 1; m <= std::min<int64_t>(gb, 4096); ++m) {
@@ -43,7 +50,7 @@ std::string FitAdvice(const v1::JobSpec& spec, int n, const MemoryPlan& plan, in
     v1::JobSpec s = spec;
     s.mutable_sharding()->set_min_workers(m);
     s.mutable_sharding()->set_max_workers(m);
-    auto p = PlanAt(s, m);
+    auto p = PlanVariant(job, s, m);
     if (p && p->device_bytes <= largest) {
       ways.push_back(absl::StrCat("more workers (sharding.min_workers: ", m, ", ",
                                   MemoryBytes(p->device_bytes), " per rank)"));
@@ -55,7 +62,7 @@ std::string FitAdvice(const v1::JobSpec& spec, int n, const MemoryPlan& plan, in
   if (!spec.training().activation_recompute()) {
     v1::JobSpec s = spec;
     s.mutable_training()->set_activation_recompute(true);
-    if (auto p = PlanAt(s, n)) {
+    if (auto p = PlanVariant(job, s, n)) {
       recompute_fits = p->device_bytes <= largest;
       ways.push_back(absl::StrCat("training.activation_recompute: true (",
                                   MemoryBytes(p->device_bytes), " per rank at ", n, " ranks)"));
@@ -82,12 +89,12 @@ std::vector<int> AllowedWorldSizes(const v1::JobSpec& spec) {
   return out;
 }
 
-FitChoice ChooseFittingWorkers(const v1::JobSpec& spec, const std::vector<std::string>& free,
+FitChoice ChooseFittingWorkers(ResolvedJob& job, const std::vector<std::string>& free,
                                const std::map<std::string, int64_t>& memory) {
   FitChoice c;
-  for (int n : AllowedWorldSizes(spec)) {
+  for (int n : AllowedWorldSizes(job.spec())) {
     if (n > static_cast<int>(free.size())) continue;
-    const std::optional<MemoryPlan> p = PlanAt(spec, n);
+    const std::optional<MemoryPlan> p = PlanAt(job, n);
     std::vector<std::string> fit;
     for (const std::string& id : free) {
       auto it = memory.find(id);
@@ -113,6 +120,13 @@ FitChoice ChooseFittingWorkers(const v1::JobSpec& spec, const std::vector<std::s
 
 absl::Status CheckFitsLargestWorkers(const v1::JobSpec& spec,
                                      const std::map<std::string, int64_t>& memory) {
+  ResolvedJob job(MigrateStoredSpec(spec));
+  return CheckFitsLargestWorkers(job, memory);
+}
+
+absl::Status CheckFitsLargestWorkers(ResolvedJob& job,
+                                     const std::map<std::string, int64_t>& memory) {
+  const v1::JobSpec& spec = job.spec();
   if (memory.empty()) return absl::OkStatus();
   int64_t largest = 0;
   for (const auto& [id, mem] : memory) {
@@ -123,7 +137,7 @@ absl::Status CheckFitsLargestWorkers(const v1::JobSpec& spec,
   if (sizes.empty()) return absl::OkStatus();  // the spec checks refuse it
   std::optional<MemoryPlan> best;
   for (int n : sizes) {
-    const std::optional<MemoryPlan> p = PlanAt(spec, n);
+    const std::optional<MemoryPlan> p = PlanAt(job, n);
     if (!p || p->device_bytes <= largest) return absl::OkStatus();
     if (!best || p->device_bytes < best->device_bytes) best = p;
   }
@@ -136,7 +150,7 @@ absl::Status CheckFitsLargestWorkers(const v1::JobSpec& spec,
       best->world_size, " ranks (rank 0 and every other rank alike; peak in the ",
       best->peak_phase, ", largest terms: ", LargestTerms(*best),
       "; fsdp8 plan shows every term), the largest registered ", backend, " worker has ",
-      MemoryBytesAndCount(largest), "; ", FitAdvice(spec, best->world_size, *best, largest)));
+      MemoryBytesAndCount(largest), "; ", FitAdvice(job, best->world_size, *best, largest)));
 }
 
 }  // namespace fsdp8::coord

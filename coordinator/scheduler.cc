@@ -76,6 +76,7 @@ void Scheduler::Loop() {
     jobs_->ApplyRetention();  // the age part of the ended jobs' retention
     ReapFinished();
     SchedulePass();
+    passes_.fetch_add(1);
   }
 }
 
@@ -154,6 +155,15 @@ void Scheduler::NoteUnfit(const v1::Job& job, size_t free, const std::string& wh
   jobs_->Finish(job.job_id(), v1::JOB_STATE_FAILED, why).IgnoreError();
 }
 
+absl::Status Scheduler::FitVerdict(const std::string& job_id, ResolvedJob& job,
+                                   const std::map<std::string, int64_t>& memory) {
+  auto it = fit_verdicts_.find(job_id);
+  if (it != fit_verdicts_.end() && it->second.memory == memory) return it->second.status;
+  absl::Status s = CheckFitsLargestWorkers(job, memory);
+  fit_verdicts_[job_id] = FitVerdictEntry{memory, s};
+  return s;
+}
+
 void Scheduler::SchedulePass() {
   std::map<std::string, std::vector<std::string>> free;
   std::map<std::string, std::map<std::string, int64_t>> memory;  // per backend, per worker
@@ -167,6 +177,11 @@ void Scheduler::SchedulePass() {
     bool waiting = false;
     for (const v1::Job& j : pending) waiting |= j.job_id() == it->first;
     it = waiting ? std::next(it) : unfit_since_.erase(it);
+  }
+  for (auto it = fit_verdicts_.begin(); it != fit_verdicts_.end();) {
+    bool waiting = false;
+    for (const v1::Job& j : pending) waiting |= j.job_id() == it->first;
+    it = waiting ? std::next(it) : fit_verdicts_.erase(it);
   }
   for (const v1::Job& job : pending) {
     {
@@ -189,11 +204,14 @@ void Scheduler::SchedulePass() {
                                                           : std::map<std::string, int64_t>())
                 .first;
     }
+    // The job's spec and memory plans per world size, made once (JobManager keeps them).
+    const std::shared_ptr<ResolvedJob> resolved = jobs_->Resolved(job.job_id());
+    if (resolved == nullptr) continue;  // deleted meanwhile
     // Workers whose memory holds the job's memory plan (coordinator/memory_fit.h).
-    const FitChoice fit = ChooseFittingWorkers(job.spec(), f, mit->second);
+    const FitChoice fit = ChooseFittingWorkers(*resolved, f, mit->second);
     const int n = fit.world_size;
     if (n == 0) {
-      if (absl::Status s = CheckFitsLargestWorkers(job.spec(), mit->second); !s.ok()) {
+      if (absl::Status s = FitVerdict(job.job_id(), *resolved, mit->second); !s.ok()) {
         NoteUnfit(job, f.size(), std::string(s.message()));
         continue;
       }

@@ -3,7 +3,9 @@
 // One scheduler thread (woken by submissions, cancellations and worker changes, and every 200 ms)
 // checks heartbeats and starts PENDING jobs, oldest first, on disjoint idle workers: a job takes the
 // largest n in [min_workers, max_workers] of free workers of its backend for which global_batch is
-// divisible by n * microbatch (microbatch unset: global_batch / n). Jobs that cannot start get the
+// divisible by n * microbatch (microbatch unset: global_batch / n). The memory plans it weighs are
+// the job's own (JobManager::Resolved: made once per job and world size, at submit or at the first
+// pass that needs one), never remade per pass. Jobs that cannot start get the
 // reason "waiting for N workers (F free)".
 //
 // Each started job gets its own driver thread (JobRun, coordinator/job_run.h) that speaks the
@@ -23,7 +25,9 @@
 // Thread-safety: Start/Stop/Wake may be called from any thread; Stop joins every thread.
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -35,6 +39,7 @@
 #include "common/fault_injection.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/kv_server.h"
+#include "coordinator/resolved_job.h"
 #include "coordinator/worker_registry.h"
 
 namespace fsdp8::coord {
@@ -83,6 +88,8 @@ class Scheduler {
   static int ChooseWorldSize(const v1::JobSpec& spec, int free);
   // The smallest world size the spec can run on (>= min_workers).
   static int MinWorldSize(const v1::JobSpec& spec);
+  // Scheduling passes completed since Start (any thread).
+  int64_t passes() const { return passes_.load(); }
 
  private:
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
@@ -98,6 +105,11 @@ class Scheduler {
   // No registered worker holds the job's memory plan (`why`: CheckFitsLargestWorkers' refusal):
   // the job waits, and fails once the verdict has held for start_timeout.
   void NoteUnfit(const v1::Job& job, size_t free, const std::string& why);
+  // CheckFitsLargestWorkers of the job against `memory` (the registered workers of its backend),
+  // made again only when `memory` changed since the job's last verdict (its refusal's advice plans
+  // variants of the spec: not every pass).
+  absl::Status FitVerdict(const std::string& job_id, ResolvedJob& job,
+                          const std::map<std::string, int64_t>& memory);
 
   JobManager* jobs_;
   WorkerRegistry* workers_;
@@ -113,6 +125,14 @@ class Scheduler {
   std::map<std::string, std::chrono::steady_clock::time_point> recovering_since_;
   // Jobs whose memory plan no registered worker holds, since when (scheduler thread only).
   std::map<std::string, std::chrono::steady_clock::time_point> unfit_since_;
+  // Each waiting job's last FitVerdict and the worker memory it was made against (scheduler
+  // thread only).
+  struct FitVerdictEntry {
+    std::map<std::string, int64_t> memory;
+    absl::Status status;
+  };
+  std::map<std::string, FitVerdictEntry> fit_verdicts_;
+  std::atomic<int64_t> passes_{0};
 };
 
 }  // namespace fsdp8::coord

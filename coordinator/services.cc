@@ -209,14 +209,15 @@ grpc::Status AdminServiceImpl::GetShardPlan(grpc::ServerContext* ctx,
                                             const v1::GetShardPlanRequest* req,
                                             v1::ShardPlan* resp) {
   if (grpc::Status a = Admin(ctx, "AdminService/GetShardPlan"); !a.ok()) return a;
-  v1::JobSpec spec;
   int world_size = req->world_size();
+  std::shared_ptr<ResolvedJob> resolved;
   if (!req->job_id().empty()) {
     auto job = jobs_->Get(req->job_id());
     if (!job.ok()) return ToGrpc(job.status());
-    spec = job->spec();
+    resolved = jobs_->Resolved(req->job_id());
+    if (resolved == nullptr) return ToGrpc(absl::NotFoundError(req->job_id()));  // deleted meanwhile
     if (job->world_size() > 0) world_size = job->world_size();
-    else if (world_size <= 0) world_size = Scheduler::MinWorldSize(spec);
+    else if (world_size <= 0) world_size = Scheduler::MinWorldSize(job->spec());
   } else {
     if (!req->has_spec())
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -224,15 +225,15 @@ grpc::Status AdminServiceImpl::GetShardPlan(grpc::ServerContext* ctx,
     if (world_size < 1)
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           absl::StrCat("world_size: must be >= 1 (got ", world_size, ")"));
-    spec = req->spec();
+    // A spec not submitted: resolved for this answer only (its fields checked at world_size).
+    absl::StatusOr<v1::JobSpec> d = ResolveSpec(req->spec(), world_size, {}, /*check_files=*/false);
+    if (!d.ok()) return ToGrpc(d.status());
+    resolved = std::make_shared<ResolvedJob>(*d);
   }
-  v1::JobSpec d = WithDefaults(spec, world_size);
-  if (req->job_id().empty()) {
-    absl::Status s = ValidateSpec(d, world_size, {}, /*check_files=*/false);
-    if (!s.ok()) return ToGrpc(s);
-  }
-  auto memory = PlanMemory(d, world_size);
+  // A job's plan is the one its admission and scheduling made (ResolvedJob, once per world size).
+  auto memory = resolved->PlanAt(world_size);
   if (!memory.ok()) return ToGrpc(memory.status());
+  const v1::JobSpec d = resolved->DefaultedAt(world_size);
   if (req->memory_only()) {
     resp->set_world_size(world_size);
     resp->set_alignment(d.sharding().alignment());
@@ -487,9 +488,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->workers_ = std::make_unique<WorkerRegistry>(options.workers);
   // A job that cannot fit even on the largest registered workers is refused at submit.
   if (options.scheduler.check_memory) {
-    s->jobs_->SetAdmission([workers = s->workers_.get()](const v1::JobSpec& spec) {
-      const std::string backend = spec.backend().empty() ? "cpu" : spec.backend();
-      return CheckFitsLargestWorkers(spec, workers->WorkerMemory(backend));
+    s->jobs_->SetAdmission([workers = s->workers_.get()](ResolvedJob& job) {
+      const std::string backend = job.spec().backend().empty() ? "cpu" : job.spec().backend();
+      return CheckFitsLargestWorkers(job, workers->WorkerMemory(backend));
     });
   }
   s->kv_ = std::make_unique<KvServer>();

@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <new>
+#include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -458,12 +460,14 @@ void Backend::CrossEntropyForwardBackward(float* logits, const int32_t* targets,
 
 BackendOptions BackendOptions::FromEnvironment() {
   BackendOptions o;
-  o.cpu_fill_nan = env::IsOn(env::kCpuFillNan);
-  if (env::IsOn(env::kProfileOps)) {
-    const double every_s = std::atof(env::GetOrEmpty(env::kProfileOps).c_str());
-    o.profile_ops_period_s = every_s > 1.0 ? every_s : 10.0;
+  o.cpu_fill_nan = env::SwitchOrExit(env::kCpuFillNan);
+  absl::StatusOr<std::optional<double>> period = env::ProfileOpsPeriod();
+  if (!period.ok()) {
+    std::fprintf(stderr, "fsdp8: %s\n", std::string(period.status().message()).c_str());
+    std::exit(2);
   }
-  o.gemm_verbose = env::Get(env::kGemmVerbose).has_value();
+  if (period->has_value()) o.profile_ops_period_s = **period;
+  o.gemm_verbose = env::SwitchOrExit(env::kGemmVerbose);
   return o;
 }
 

@@ -214,7 +214,7 @@ class Backend {
   // report, section 3.3.2). Off by default; backends that always accumulate in FP32 (CPU) ignore
   // it.
   void SetFp8FastAccumulation(bool on);
-  // GEMM autotuning (TrainingSpec.gemm_autotune): a backend with several algorithms per GEMM
+  // GEMM autotuning (TuningSpec.gemm_autotune): a backend with several algorithms per GEMM
   // shape times them on the shape's first call and keeps the fastest. Results stay within each
   // algorithm's rounding; only which algorithm runs changes. Default off; the CPU backend has one
   // algorithm and ignores it. Not thread-safe (set between steps).
@@ -415,18 +415,20 @@ class Backend {
 
 // A backend's settings from the environment (common/env_settings.h); all off by default.
 struct BackendOptions {
-  // CPU: fresh allocations read as NaN (all-ones bytes) until written (FSDP8_CPU_FILL_NAN=1).
+  // CPU: fresh allocations read as NaN (all-ones bytes) until written (FSDP8_CPU_FILL_NAN on).
   bool cpu_fill_nan = false;
-  // CUDA: the GPU time of every op, reported every this many seconds (FSDP8_PROFILE_OPS=1: 10 s,
-  // =<seconds> when above 1); 0: off.
+  // CUDA: the GPU time of every op, reported every this many seconds (FSDP8_PROFILE_OPS on: 10 s,
+  // =<seconds> when above 1; env::ProfileOpsPeriod); 0: off.
   double profile_ops_period_s = 0;
-  // CUDA: each GEMM shape's cuBLASLt algorithm choice logged to stderr (FSDP8_GEMM_VERBOSE set).
+  // CUDA: each GEMM shape's cuBLASLt algorithm choice logged to stderr (FSDP8_GEMM_VERBOSE on).
   bool gemm_verbose = false;
   // Bytes Alloc may hold at once (AllocatedBytes(); CUDA's own workspaces not counted, the CPU
   // backends' scratch slots counted);
   // 0: no limit but the memory itself. The worker's --memory_limit_mb.
   int64_t memory_limit_bytes = 0;
 
+  // The switches read under env::ParseOnOff's rule; a value that breaks it exits the process
+  // (env::SwitchOrExit).
   static BackendOptions FromEnvironment();
 };
 

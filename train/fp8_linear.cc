@@ -9,7 +9,8 @@
 
 namespace fsdp8 {
 
-ActScaling::ActScaling(Backend* be, const v1::Fp8Recipe& recipe) : be_(be), recipe_(recipe) {}
+ActScaling::ActScaling(Backend* be, const v1::Fp8Recipe& recipe, bool forward_fast_accumulation)
+    : be_(be), recipe_(recipe), forward_fast_accumulation_(forward_fast_accumulation) {}
 
 int ActScaling::Add(const std::string& name, bool e5m2) {
   FSDP8_CHECK(scale_.empty()) << "ActScaling::Add after Finalize";

@@ -51,7 +51,8 @@ namespace fsdp8 {
 
 class ActScaling {
  public:
-  ActScaling(Backend* be, const v1::Fp8Recipe& recipe);
+  // forward_fast_accumulation: TuningSpec.forward_fast_accumulation of the job.
+  ActScaling(Backend* be, const v1::Fp8Recipe& recipe, bool forward_fast_accumulation);
   // Registers a scaled tensor; returns its index. Call before Finalize().
   int Add(const std::string& name, bool e5m2);
   void Finalize();
@@ -79,8 +80,8 @@ class ActScaling {
   }
   // The device scale slot of tensor i as it stands (delayed scaling: no measurement).
   const float* Scale(int i) const { return scale_.f32() + i * kScaleStride; }
-  // Whether forward FP8 GEMMs use fast accumulation (Fp8Recipe.forward_fast_accumulation).
-  bool forward_fast_accumulation() const { return recipe_.forward_fast_accumulation(); }
+  // Whether forward FP8 GEMMs use fast accumulation (TuningSpec.forward_fast_accumulation).
+  bool forward_fast_accumulation() const { return forward_fast_accumulation_; }
   // Fp8Recipe.fused_projections.
   bool fused_projections() const { return recipe_.fused_projections(); }
   // Tensor `to` takes the amax that tensor `from` records (the same input values, one cast):
@@ -105,6 +106,7 @@ class ActScaling {
  private:
   Backend* be_;
   v1::Fp8Recipe recipe_;
+  bool forward_fast_accumulation_ = true;
   std::vector<ScalingState> states_;
   DevBuf scale_, scale_inv_, amax_, tmp_amax_;  // scales in kScaleStride slots; amax (n) contiguous
   std::map<int, int> amax_from_;                // ShareAmax: to -> from

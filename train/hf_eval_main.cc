@@ -20,7 +20,9 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/flags_help.h"
 #include "common/hf_model.h"
+#include "common/spec.h"
 #include "common/token_shard.h"
 #include "kernels/backend.h"
 #include "train/data.h"
@@ -67,7 +69,9 @@ absl::StatusOr<double> Loss(const fsdp8::v1::JobSpec& spec, const std::string& h
   std::string err;
   auto be = fsdp8::CreateBackend("cpu", 0, &err);
   if (!be) return absl::InternalError(err);
-  auto t = fsdp8::Trainer::Create(spec, 0, 1, be.get(), comm->get());
+  absl::StatusOr<fsdp8::v1::JobSpec> resolved = fsdp8::ResolveSpec(spec, 1, {}, false);
+  if (!resolved.ok()) return resolved.status();
+  auto t = fsdp8::Trainer::Create(*resolved, 0, 1, be.get(), comm->get());
   if (!t.ok()) return t.status();
   if (absl::Status s = fsdp8::LoadHfWeights(t->get(), hf); !s.ok()) return s;
   return (*t)->Evaluate();
@@ -81,6 +85,7 @@ int Fail(const absl::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  fsdp8::ParseOnOffFlags("train/hf_eval_main.cc", argc, argv);
   absl::ParseCommandLine(argc, argv);
   const std::string hf = absl::GetFlag(FLAGS_hf), tokens = absl::GetFlag(FLAGS_tokens);
   if (hf.empty() || tokens.empty()) {

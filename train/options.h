@@ -1,7 +1,7 @@
-// Settings of the model and the trainer that come from the environment, not from the job spec
-// (common/env_settings.h; docs/environment.md). They change no result beyond the order of f32 sums
-// (the head's chunks) or the GEMM grouping that the tests compare (unfused projections), and
-// what is logged.
+// Settings of the model and the trainer that are not the job spec's: some come from the
+// environment (common/env_settings.h; docs/environment.md), the rest are test options set in code.
+// They change no result beyond the order of f32 sums (the head's chunks) or the GEMM grouping
+// that the tests compare (unfused projections, down_proj's kept input), and what is logged.
 #pragma once
 
 #include <cstdint>
@@ -15,15 +15,16 @@ struct ModelOptions {
   // memory at the head at some speed (FSDP8_HEAD_CHUNK_LOGIT_BYTES; the tests use it to run
   // several chunks).
   int64_t head_chunk_logit_bytes = kDefaultHeadChunkLogitBytes;
-  // One GEMM per linear where a group of projections shares its scales (q/k/v, gate/up), instead
-  // of the fused GEMM: the per-linear reference the tests hold the fused GEMMs to
-  // (FSDP8_UNFUSED_PROJECTIONS=1).
+  // Test option (set in code, never from the environment): one GEMM per linear where a group of
+  // projections shares its scales (q/k/v, gate/up), instead of the fused GEMM: the per-linear
+  // reference the tests hold the fused GEMMs to.
   bool unfused_projections = false;
-  // down_proj's FP8 input codes kept from the forward for dW, instead of recast in the backward
-  // from the saved gate/up with the same scale (the same codes, bit for bit): the reference the
-  // tests hold the recast to (FSDP8_SAVE_DOWN_PROJ_INPUT=1).
+  // Test option (set in code, never from the environment): down_proj's FP8 input codes kept from
+  // the forward for dW, instead of recast in the backward from the saved gate/up with the same
+  // scale (the same codes, bit for bit): the reference the tests hold the recast to.
   bool save_down_proj_input = false;
 
+  // FSDP8_HEAD_CHUNK_LOGIT_BYTES; the test options keep their defaults.
   static ModelOptions FromEnvironment();
 };
 

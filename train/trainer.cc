@@ -21,9 +21,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
                                                          int world_size, Backend* backend,
                                                          Communicator* comm,
                                                          const TrainerOptions& options) {
+  // The coordinator resolved the spec at this world size; it is checked, never filled in here.
+  if (absl::Status s = CheckResolved(spec_in, world_size); !s.ok()) return s;
   std::unique_ptr<Trainer> t(new Trainer());
   t->timer_ = StepTimer(options.log_step_timing);
-  t->spec_ = WithDefaults(spec_in, world_size);
+  t->spec_ = spec_in;
   const v1::JobSpec& spec = t->spec_;
   t->rank_ = rank;
   t->world_ = world_size;
@@ -34,7 +36,6 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
                                                    comm->world_size(), ", trainer rank ", rank,
                                                    " of ", world_size));
   }
-  if (absl::Status s = ValidateSpec(spec, world_size, {}, /*check_files=*/false); !s.ok()) return s;
   const v1::TrainingSpec& tr = spec.training();
   if (tr.global_batch() <= 0 || tr.microbatch() <= 0 ||
       tr.global_batch() % (world_size * tr.microbatch()) != 0) {
@@ -73,12 +74,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
     t->val_ = std::move(*val);
   }
 
-  backend->SetGemmAutotune(tr.gemm_autotune());
+  backend->SetGemmAutotune(spec.tuning().gemm_autotune());
   backend->SetDeterministic(tr.deterministic());
   t->params_ = std::make_unique<FsdpParams>(t->plan_, rank, tr.seed(), backend, comm, &t->clock_,
                                             MomentDtypeOf(spec.optimizer().state_precision()),
                                             spec.precision().fp8().keep_weight_codes());
-  t->scaling_ = std::make_unique<ActScaling>(backend, spec.precision().fp8());
+  t->scaling_ = std::make_unique<ActScaling>(backend, spec.precision().fp8(),
+                                             spec.tuning().forward_fast_accumulation());
   t->model_ = std::make_unique<LlamaModel>(spec, t->params_.get(), t->scaling_.get(), backend,
                                            options.model);
   t->scaling_->Finalize();

@@ -81,7 +81,9 @@ struct StepStats {
 
 class Trainer {
  public:
-  // spec: the job spec (defaults are applied here). backend and comm must outlive the trainer.
+  // spec: the job spec resolved at world_size (ResolveSpec in common/spec.h: defaults applied,
+  // moved fields in their new place); checked with CheckResolved, never defaulted here
+  // (INVALID_ARGUMENT naming the first unresolved field). backend and comm must outlive the trainer.
   // options: the settings the spec does not hold (train/options.h; the worker passes its
   // WorkerSettings'). INVALID_ARGUMENT for specs the worker cannot run, NOT_FOUND for missing data
   // files; may run collectives (the initial FP8 weight cast), so every rank must call it.

@@ -271,6 +271,7 @@ int Fail(absl::string_view what) {
 int main(int argc, char** argv) {
   fsdp8::SetDaemonHelp("fsdp8-worker --coordinator host:port [--host ip] [--name NAME] [--threads N] ...",
                        "worker/main.cc", argc, argv);
+  fsdp8::ParseOnOffFlags("worker/main.cc", argc, argv);
   absl::ParseCommandLine(argc, argv);
   const sigset_t stop_signals = BlockStopSignals();
   signal(SIGPIPE, SIG_IGN);
@@ -281,7 +282,9 @@ int main(int argc, char** argv) {
   fsdp8::SetLogProcess("fsdp8-worker");
   RaiseOpenFileLimit();
 
-  fsdp8::DaemonOptions opts = OptionsFromFlags(fsdp8::WorkerSettings::FromEnvironment());
+  absl::StatusOr<fsdp8::WorkerSettings> settings = fsdp8::WorkerSettings::FromEnvironment();
+  if (!settings.ok()) return Fail(settings.status().message());
+  fsdp8::DaemonOptions opts = OptionsFromFlags(*std::move(settings));
   PrintStartLine(opts);
   auto channel = CoordinatorChannel(opts.coordinator, opts.settings);
   if (!channel.ok()) return Fail(channel.status().message());

@@ -4,7 +4,8 @@
 
 namespace fsdp8 {
 
-WorkerSettings WorkerSettings::FromEnvironment() {
+absl::StatusOr<WorkerSettings> WorkerSettings::FromEnvironment() {
+  if (absl::Status st = env::CheckEnvironment(); !st.ok()) return st;
   WorkerSettings s;
   s.backend = BackendOptions::FromEnvironment();
   s.nccl = NcclOptions::FromEnvironment();

@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "absl/status/statusor.h"
 #include "comm/cpu_communicator.h"
 #include "comm/nccl_communicator.h"
 #include "kernels/backend.h"
@@ -18,7 +19,7 @@ struct WorkerSettings {
   BackendOptions backend;  // FSDP8_CPU_FILL_NAN, FSDP8_PROFILE_OPS, FSDP8_GEMM_VERBOSE
   NcclOptions nccl;        // FSDP8_NCCL_CHECK_COLLECTIVES (cuda jobs)
   CpuCommOptions cpu_comm;  // FSDP8_CPU_TRANSPORT, FSDP8_CPU_COMM_OVERLAP (cpu jobs)
-  // FSDP8_HEAD_CHUNK_LOGIT_BYTES, FSDP8_UNFUSED_PROJECTIONS, FSDP8_STEP_TIMING, FSDP8_PROFILE_OPS
+  // FSDP8_HEAD_CHUNK_LOGIT_BYTES, FSDP8_STEP_TIMING, FSDP8_PROFILE_OPS
   TrainerOptions trainer;
   FaultInjection faults;  // FSDP8_FAULT_STEP_ERROR, FSDP8_FAULT_CHECKPOINT_ENOSPC
   // Defaults of the flags --tls_ca, --tls_cert, --tls_key and --token_file (FSDP8_TLS_CA,
@@ -26,7 +27,9 @@ struct WorkerSettings {
   // file is given (FSDP8_TOKEN); "" when unset.
   std::string tls_ca, tls_cert, tls_key, token_file, token;
 
-  static WorkerSettings FromEnvironment();
+  // INVALID_ARGUMENT naming the variable when an on/off variable breaks the rule of
+  // env::ParseOnOff (env::CheckEnvironment), checked before any part is read.
+  static absl::StatusOr<WorkerSettings> FromEnvironment();
 };
 
 }  // namespace fsdp8

@@ -115,7 +115,12 @@ void RunRank(const fsdp8::v1::JobSpec& spec, const Args& a, int rank, fsdp8::KvS
     out->error = error;
     return;
   }
-  auto t = fsdp8::Trainer::Create(spec, rank, a.world, be.get(), comm->get());
+  absl::StatusOr<fsdp8::v1::JobSpec> resolved = fsdp8::ResolveSpec(spec, a.world, {}, false);
+  if (!resolved.ok()) {
+    out->error = resolved.status().ToString();
+    return;
+  }
+  auto t = fsdp8::Trainer::Create(*resolved, rank, a.world, be.get(), comm->get());
   if (!t.ok()) {
     out->error = t.status().ToString();
     return;

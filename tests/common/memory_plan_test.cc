@@ -1,6 +1,7 @@
 // The memory plan's terms, computed by hand for a tiny spec from the shard plan's rule and the
 // buffers FsdpParams and Trainer::RunBatch allocate (the comparison with measured peaks is in
 // tests/train/memory_plan_test.cc).
+#include "common/spec.h"
 #include "common/memory_plan.h"
 
 #include <chrono>
@@ -36,7 +37,7 @@ std::map<std::string, int64_t> Terms(const MemoryPlan& p) {
 }
 
 TEST(MemoryPlan, HandComputedShardTerms) {
-  auto p = PlanMemory(Tiny(), 2);
+  auto p = PlanMemory(WithDefaults(Tiny(), 2), 2);
   ASSERT_TRUE(p.ok()) << p.status();
   // Shards (elements per rank; quantum = world 2 x alignment 4 = 8):
   //   embedding bf16 256*32 = 8192 -> 4096; block fp8 linears 2*32*32 + 2*32*32 + 3*64*32 =
@@ -64,11 +65,11 @@ TEST(MemoryPlan, HandComputedShardTerms) {
 TEST(MemoryPlan, RecomputeKeepsOnlyBlockInputs) {
   v1::JobSpec s = Tiny();
   s.mutable_training()->set_activation_recompute(true);
-  auto p = PlanMemory(s, 1);
+  auto p = PlanMemory(WithDefaults(s, 1), 1);
   ASSERT_TRUE(p.ok()) << p.status();
   // At most the two blocks' inputs (N = 32 tokens, C = 32, f32) are kept.
   EXPECT_LE(Terms(*p)["saved activations"], 2 * 32 * 32 * 4);
-  auto full = PlanMemory(Tiny(), 1);
+  auto full = PlanMemory(WithDefaults(Tiny(), 1), 1);
   ASSERT_TRUE(full.ok());
   EXPECT_GT(Terms(*full)["saved activations"], 2 * 32 * 32 * 4);
   EXPECT_LT(p->peak_bytes, full->peak_bytes);
@@ -77,7 +78,7 @@ TEST(MemoryPlan, RecomputeKeepsOnlyBlockInputs) {
 TEST(MemoryPlan, CudaAddsWorkspaceAndDeviceExtras) {
   v1::JobSpec s = Tiny();
   s.set_backend("cuda");
-  auto p = PlanMemory(s, 2);
+  auto p = PlanMemory(WithDefaults(s, 2), 2);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_GE(Terms(*p)["workspaces"], kCudaGemmWorkspaceBytes);
   ASSERT_EQ(p->device_extra.size(), 3u);
@@ -92,7 +93,7 @@ TEST(MemoryPlan, HugeModelsArePlannedQuickly) {
     if (which == 0) s.mutable_model()->set_n_layers(1000000);
     if (which == 1) s.mutable_model()->set_d_model(1048576);
     const auto t0 = std::chrono::steady_clock::now();
-    auto p = PlanMemory(s, 1);
+    auto p = PlanMemory(WithDefaults(s, 1), 1);
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ASSERT_TRUE(p.ok()) << p.status();
@@ -105,10 +106,10 @@ TEST(MemoryPlan, HugeModelsArePlannedQuickly) {
 }
 
 TEST(MemoryPlan, BadInputs) {
-  EXPECT_FALSE(PlanMemory(Tiny(), 0).ok());
+  EXPECT_FALSE(PlanMemory(WithDefaults(Tiny(), 0), 0).ok());
   v1::JobSpec s = Tiny();
   s.mutable_model()->set_n_heads(3);  // 32 % 3 != 0
-  EXPECT_EQ(PlanMemory(s, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanMemory(WithDefaults(s, 1), 1).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(MemoryPlan, MemoryBytes) {
@@ -126,7 +127,7 @@ TEST(MemoryPlan, CpuScratchSlotsAreWorkspaces) {
   v1::JobSpec s = Tiny();
   s.mutable_model()->set_seq_len(2048);
   s.mutable_training()->set_global_batch(1);
-  auto p = PlanMemory(s, 1);
+  auto p = PlanMemory(WithDefaults(s, 1), 1);
   ASSERT_TRUE(p.ok()) << p.status();
   const int64_t n = 2048, scratch = (n * 64 + n * 64 + 2 * n * n + n * 16) * 4;  // 34,734,080
   const int64_t work = Terms(*p)["workspaces"];
@@ -136,7 +137,7 @@ TEST(MemoryPlan, CpuScratchSlotsAreWorkspaces) {
   EXPECT_EQ(LargestTerms(*p, 1), "workspaces " + MemoryBytes(work));
   // The same at seq 4096: the T x T matrices grow fourfold.
   s.mutable_model()->set_seq_len(4096);
-  auto q = PlanMemory(s, 1);
+  auto q = PlanMemory(WithDefaults(s, 1), 1);
   ASSERT_TRUE(q.ok()) << q.status();
   EXPECT_GE(Terms(*q)["workspaces"], int64_t{2} * 4096 * 4096 * 4);
 }
@@ -149,7 +150,7 @@ TEST(MemoryPlan, OverflowSaysExceeds) {
   s.mutable_model()->set_d_model(1048576);
   s.mutable_model()->set_n_heads(8192);
   s.mutable_model()->set_ffn_dim(4194304);
-  auto p = PlanMemory(s, 1);
+  auto p = PlanMemory(WithDefaults(s, 1), 1);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_TRUE(p->exceeds_int64);
   EXPECT_EQ(p->device_bytes, kBytesExceeded);
@@ -157,7 +158,7 @@ TEST(MemoryPlan, OverflowSaysExceeds) {
   EXPECT_EQ(MemoryBytes(p->device_bytes), "exceeds 8 EiB");
   EXPECT_EQ(MemoryBytesAndCount(p->device_bytes), "exceeds 8 EiB");
   EXPECT_EQ(LargestTerms(*p, 1).find("9223372036854775807"), std::string::npos);
-  auto small = PlanMemory(Tiny(), 1);
+  auto small = PlanMemory(WithDefaults(Tiny(), 1), 1);
   ASSERT_TRUE(small.ok());
   EXPECT_FALSE(small->exceeds_int64);
   EXPECT_EQ(MemoryBytesAndCount(int64_t{3} << 29), "1.50 GiB (1610612736 bytes)");

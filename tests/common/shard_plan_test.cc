@@ -100,7 +100,7 @@ TEST(ShardPlan, C05_ModelSmallerThanWorld) {
   spec.mutable_model()->set_ffn_dim(2);
   spec.mutable_model()->set_vocab_size(3);
   spec.mutable_sharding()->set_alignment(1);
-  auto plan = MakeShardPlan(spec, 8);
+  auto plan = MakeShardPlan(WithDefaults(spec, 8), 8);
   ASSERT_TRUE(plan.ok()) << plan.status();
   const BufferPlan& emb = plan->units[0].buffers[0];
   EXPECT_EQ(emb.numel, 6);
@@ -197,7 +197,7 @@ TEST(ShardPlan, DefaultModelParameterCount) {
   const int64_t formula = V * C * 2 + C + L * (2 * C + 4 * C * C + 3 * C * F);
   ASSERT_EQ(formula, 918656);
   for (int world : {1, 2, 3}) {
-    auto plan = MakeShardPlan(DefaultSpec(), world);
+    auto plan = MakeShardPlan(WithDefaults(DefaultSpec(), world), world);
     ASSERT_TRUE(plan.ok()) << plan.status();
     EXPECT_EQ(plan->world_size, world);
     EXPECT_EQ(plan->alignment, 16);
@@ -237,7 +237,7 @@ TEST(ShardPlan, DefaultModelParameterCount) {
 }
 
 TEST(ShardPlan, DefaultModelShapesAndInits) {
-  auto plan = MakeShardPlan(DefaultSpec(), 2);
+  auto plan = MakeShardPlan(WithDefaults(DefaultSpec(), 2), 2);
   ASSERT_TRUE(plan.ok());
   int u, b, t;
   ASSERT_TRUE(plan->Find("model.embed_tokens.weight", &u, &b, &t));
@@ -276,7 +276,7 @@ TEST(ShardPlan, DefaultModelShapesAndInits) {
 TEST(ShardPlan, GroupedQueryShapes) {
   v1::JobSpec s = DefaultSpec();
   s.mutable_model()->set_n_kv_heads(2);  // head_dim 32 -> k/v (64, 128)
-  auto plan = MakeShardPlan(s, 1);
+  auto plan = MakeShardPlan(WithDefaults(s, 1), 1);
   ASSERT_TRUE(plan.ok());
   int u, b, t;
   ASSERT_TRUE(plan->Find("model.layers.1.self_attn.k_proj.weight", &u, &b, &t));
@@ -286,7 +286,7 @@ TEST(ShardPlan, GroupedQueryShapes) {
 TEST(ShardPlan, Fp8BuffersHoldExactlyTheBlockLinears) {
   v1::JobSpec s = DefaultSpec();
   s.mutable_precision()->set_linears(v1::PRECISION_FP8);
-  auto plan = MakeShardPlan(s, 2);
+  auto plan = MakeShardPlan(WithDefaults(s, 2), 2);
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->units[0].buffers.size(), 1u);  // embedding: bf16 only
   EXPECT_EQ(plan->units[5].buffers.size(), 1u);  // head: bf16 only
@@ -321,7 +321,7 @@ TEST(ShardPlan, LayerOverrideMovesLinearsOutOfFp8) {
   o3->set_layer(3);
   o3->set_linears(v1::PRECISION_FP32);
   s.mutable_precision()->set_embedding(v1::PRECISION_FP32);
-  auto plan = MakeShardPlan(s, 3);
+  auto plan = MakeShardPlan(WithDefaults(s, 3), 3);
   ASSERT_TRUE(plan.ok());
   const UnitPlan& l2 = plan->units[3];
   ASSERT_EQ(l2.buffers.size(), 1u);
@@ -356,9 +356,9 @@ std::vector<float> InitByShards(const ShardPlan& p, int unit, int buffer, uint64
 }
 
 TEST(ShardPlan, InitIndependentOfWorldSize) {
-  auto p1 = MakeShardPlan(DefaultSpec(), 1);
-  auto p2 = MakeShardPlan(DefaultSpec(), 2);
-  auto p3 = MakeShardPlan(DefaultSpec(), 3);
+  auto p1 = MakeShardPlan(WithDefaults(DefaultSpec(), 1), 1);
+  auto p2 = MakeShardPlan(WithDefaults(DefaultSpec(), 2), 2);
+  auto p3 = MakeShardPlan(WithDefaults(DefaultSpec(), 3), 3);
   ASSERT_TRUE(p1.ok() && p2.ok() && p3.ok());
   for (size_t u = 0; u < p1->units.size(); ++u) {
     for (size_t b = 0; b < p1->units[u].buffers.size(); ++b) {
@@ -384,7 +384,7 @@ TEST(ShardPlan, InitIndependentOfWorldSize) {
 }
 
 TEST(ShardPlan, KaimingUniformBound) {
-  auto plan = MakeShardPlan(DefaultSpec(), 1);
+  auto plan = MakeShardPlan(WithDefaults(DefaultSpec(), 1), 1);
   ASSERT_TRUE(plan.ok());
   int u, b, t;
   for (const char* name : {"model.layers.1.self_attn.q_proj.weight",

@@ -12,9 +12,11 @@
 #include <limits>
 #include <thread>
 
+#include <google/protobuf/util/json_util.h>
 #include <google/protobuf/util/message_differencer.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "common/memory_plan.h"
 #include "common/token_shard.h"
 
@@ -58,7 +60,7 @@ TEST(Spec, Defaults) {
   EXPECT_EQ(d.training().eval_every(), 100);
   EXPECT_EQ(d.training().eval_batches(), 4);
   EXPECT_TRUE(d.training().deterministic());
-  EXPECT_FALSE(d.training().gemm_autotune());
+  EXPECT_FALSE(d.tuning().gemm_autotune());
   EXPECT_EQ(d.sharding().min_workers(), 1);
   EXPECT_EQ(d.sharding().max_workers(), 1);
   EXPECT_EQ(d.sharding().alignment(), 16);
@@ -752,9 +754,9 @@ TEST(Spec, SavedNormInputs) {
   v1::JobSpec s = Valid();
   s.mutable_precision()->set_linears(v1::PRECISION_FP8);
   s.mutable_precision()->set_attention(v1::PRECISION_BF16);
-  auto f32 = PlanMemory(s, 1);
+  auto f32 = PlanMemory(WithDefaults(s, 1), 1);
   s.mutable_training()->set_saved_norm_inputs(v1::PRECISION_BF16);
-  auto bf16 = PlanMemory(s, 1);
+  auto bf16 = PlanMemory(WithDefaults(s, 1), 1);
   ASSERT_TRUE(f32.ok() && bf16.ok());
   const v1::JobSpec d = WithDefaults(s, 1);
   const int64_t N = int64_t{d.training().microbatch()} * d.model().seq_len();
@@ -860,6 +862,116 @@ TEST(Spec, ParseMalformedGivesLine) {
   ExpectParseError("{\"model\": {\"d_model\": 3,}", {"parse error", "line"});
   ExpectParseError("", {"empty"});
   ExpectParseError("- 1\n- 2\n", {"expected a mapping"});
+}
+
+}  // namespace
+}  // namespace fsdp8
+
+namespace fsdp8 {
+namespace {
+
+// A spec of the release before the tuning section: both moved fields in their old places.
+constexpr char kOldPlaces[] = R"(
+data: {train_path: /data/train.bin}
+training: {gemm_autotune: true}
+precision: {fp8: {forward_fast_accumulation: false}}
+)";
+constexpr char kNewPlaces[] = R"(
+data: {train_path: /data/train.bin}
+tuning: {gemm_autotune: true, forward_fast_accumulation: false}
+)";
+
+TEST(SpecMovedFields, MigrateMovesEachToItsNewPlaceWithAWarningNamingIt) {
+  auto old_spec = ParseSpec(kOldPlaces);
+  ASSERT_TRUE(old_spec.ok()) << old_spec.status();
+  v1::JobSpec moved = *old_spec;
+  auto warnings = MigrateSpec(&moved);
+  ASSERT_TRUE(warnings.ok()) << warnings.status();
+  EXPECT_EQ(*warnings, (std::vector<std::string>{
+                           "training.gemm_autotune: moved to tuning.gemm_autotune (read from the "
+                           "old place for now; write it there)",
+                           "precision.fp8.forward_fast_accumulation: moved to "
+                           "tuning.forward_fast_accumulation (read from the old place for now; "
+                           "write it there)"}));
+  auto new_spec = ParseSpec(kNewPlaces);
+  ASSERT_TRUE(new_spec.ok()) << new_spec.status();
+  // The same spec as one written in the new places (the old sections left empty), and no warning
+  // for that one.
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equivalent(moved, *new_spec))
+      << moved.ShortDebugString() << " vs " << new_spec->ShortDebugString();
+  v1::JobSpec again = *new_spec;
+  EXPECT_TRUE(MigrateSpec(&again)->empty());
+  // Defaults, resolution and the memory plan see the same spec either way.
+  EXPECT_EQ(WithDefaults(*old_spec, 2).SerializeAsString(),
+            WithDefaults(*new_spec, 2).SerializeAsString());
+  auto r = ResolveSpec(*old_spec, 2, {}, false);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->tuning().gemm_autotune());
+  EXPECT_FALSE(r->tuning().forward_fast_accumulation());
+  // Defaults of the new section: the ones the old places had.
+  const v1::JobSpec d = WithDefaults(Valid(), 2);
+  EXPECT_FALSE(d.tuning().gemm_autotune());
+  EXPECT_TRUE(d.tuning().forward_fast_accumulation());
+}
+
+TEST(SpecMovedFields, BothPlacesDisagreeingIsRefusedNamingBoth) {
+  auto s = ParseSpec(std::string(kOldPlaces) + "tuning: {gemm_autotune: false}\n");
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto w = MigrateSpec(&*s);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(w.status().message(),
+            "training.gemm_autotune: moved to tuning.gemm_autotune, which says false where the "
+            "old place says true (give it only in tuning.gemm_autotune)");
+  // Agreeing: accepted, one warning.
+  auto same = ParseSpec(std::string(kOldPlaces) + "tuning: {gemm_autotune: true}\n");
+  ASSERT_TRUE(same.ok());
+  auto ok = MigrateSpec(&*same);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->size(), 2u);
+}
+
+// Stored records of the last release (a state db row's binary proto, a MANIFEST's JSON) hold the
+// old fields under their old numbers and names: they still decode, and migrate on load.
+TEST(SpecMovedFields, OldStoredSpecsDecodeAndMigrate) {
+  auto old_spec = ParseSpec(kOldPlaces);
+  ASSERT_TRUE(old_spec.ok());
+  const std::string bytes = old_spec->SerializeAsString();  // as a state db row holds it
+  v1::JobSpec row;
+  ASSERT_TRUE(row.ParseFromString(bytes));
+  const v1::JobSpec loaded = MigrateStoredSpec(row);
+  EXPECT_TRUE(loaded.tuning().gemm_autotune());
+  EXPECT_FALSE(loaded.tuning().forward_fast_accumulation());
+  EXPECT_TRUE(CheckDefaulted(loaded, 0).ok()) << CheckDefaulted(loaded, 0);
+  // A MANIFEST's JSON of the last release (proto field names).
+  v1::JobSpec manifest_spec;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(
+                  R"({"training": {"gemm_autotune": true},
+                      "precision": {"fp8": {"forward_fast_accumulation": false}}})",
+                  &manifest_spec)
+                  .ok());
+  const v1::JobSpec m = MigrateStoredSpec(manifest_spec);
+  EXPECT_TRUE(m.tuning().gemm_autotune());
+  EXPECT_FALSE(m.tuning().forward_fast_accumulation());
+}
+
+// What a worker checks: a resolved spec passes; one the coordinator did not resolve is refused
+// naming the field that would have been filled in, never defaulted.
+TEST(SpecResolved, CheckResolvedNamesTheFirstFieldNotFilledIn) {
+  v1::JobSpec s;
+  s.mutable_data()->set_train_path("/data/train.bin");
+  auto r = ResolveSpec(s, 2, {}, false);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(CheckResolved(*r, 2).ok()) << CheckResolved(*r, 2);
+  EXPECT_EQ(r->training().microbatch(), 8);  // 16 / 2
+  v1::JobSpec no_micro = *r;
+  no_micro.mutable_training()->clear_microbatch();
+  const absl::Status st = CheckResolved(no_micro, 2);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(st.message(), "spec: not resolved at world size 2")) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "training.microbatch")) << st;
+  // The rules too: resolved, but not at this world size.
+  EXPECT_EQ(CheckResolved(*r, 3).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -203,10 +203,10 @@ TEST(StepPlan, HeadChunkRows) {
 TEST(StepPlan, MemoryPlanFollowsTheUnfusedOption) {
   v1::JobSpec s = Tiny();
   s.mutable_model()->set_seq_len(256);
-  auto fused = PlanMemory(s, 1);
+  auto fused = PlanMemory(WithDefaults(s, 1), 1);
   StepPlanOptions o;
   o.unfused_projections = true;
-  auto unfused = PlanMemory(s, 1, o);
+  auto unfused = PlanMemory(WithDefaults(s, 1), 1, o);
   ASSERT_TRUE(fused.ok() && unfused.ok());
   EXPECT_LT(unfused->peak_bytes, fused->peak_bytes);
 }

@@ -6,11 +6,15 @@
 #include <fstream>
 #include <limits>
 #include <optional>
+#include <sstream>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/job_store.h"
+#include "common/spec.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/coordinator/test_util.h"
 
@@ -109,6 +113,85 @@ TEST_F(JobManagerTest, ValidSpecIsPendingWithDefaults) {
   EXPECT_EQ(job->spec().backend(), "cpu");
   EXPECT_TRUE(std::isnan(job->val_loss()));
   EXPECT_FALSE(job->reason().empty());
+}
+
+// The submitted event's message (the job's first event).
+std::string SubmittedMessage(JobManager* jm, const std::string& id) {
+  auto ev = jm->RecentEvents(id, 100);
+  EXPECT_TRUE(ev.ok() && !ev->empty());
+  return ev.ok() && !ev->empty() ? ev->front().message() : "";
+}
+
+// A spec written for the release before tuning: moved out of the user's sections still submits.
+// Today's data/default-job.yaml (its data paths filled in, as scripts/demo.sh does) is accepted as
+// it is, with no warning (it sets no moved field); a spec that sets every moved field in its old
+// place is accepted with one warning per field naming its new place, and the job records them
+// there (tuning), so that the same request in the new place is the same job.
+TEST_F(JobManagerTest, SpecsOfTheLastReleaseSubmitWithAWarningNamingTheNewPlace) {
+  const std::string val = WriteTokens(dir_, "val.bin", 1000);
+  std::ifstream in(std::string(FSDP8_SOURCE_DIR) + "/data/default-job.yaml");
+  ASSERT_TRUE(in) << "data/default-job.yaml";
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string yaml = text.str();
+  for (auto [from, to] : {std::pair<std::string, std::string>{"DATA_DIR/train.bin", train_},
+                          std::pair<std::string, std::string>{"DATA_DIR/val.bin", val}}) {
+    const size_t at = yaml.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    yaml.replace(at, from.size(), to);
+  }
+  auto def = ParseSpec(yaml);
+  ASSERT_TRUE(def.ok()) << def.status();
+  auto d = jm_->Submit("", *def);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_FALSE(absl::StrContains(SubmittedMessage(jm_.get(), d->job_id()), "warning"))
+      << SubmittedMessage(jm_.get(), d->job_id());
+  EXPECT_FALSE(d->spec().tuning().gemm_autotune());
+  EXPECT_TRUE(d->spec().tuning().forward_fast_accumulation());
+
+  const std::string old_place = absl::StrCat(
+      "name: old-place\n"
+      "model: {d_model: 32, n_layers: 1, n_heads: 2, ffn_dim: 64, seq_len: 16}\n"
+      "data: {train_path: ", train_, "}\n"
+      "training: {steps: 3, global_batch: 4, gemm_autotune: true}\n"
+      "precision:\n"
+      "  fp8: {recipe: delayed, forward_fast_accumulation: false}\n");
+  auto old_spec = ParseSpec(old_place);
+  ASSERT_TRUE(old_spec.ok()) << old_spec.status();
+  auto o = jm_->Submit("same-request", *old_spec);
+  ASSERT_TRUE(o.ok()) << o.status();
+  const std::string m = SubmittedMessage(jm_.get(), o->job_id());
+  EXPECT_TRUE(absl::StrContains(
+      m, "warning: training.gemm_autotune: moved to tuning.gemm_autotune")) << m;
+  EXPECT_TRUE(absl::StrContains(m, "warning: precision.fp8.forward_fast_accumulation: moved to "
+                                   "tuning.forward_fast_accumulation")) << m;
+  EXPECT_TRUE(o->spec().tuning().gemm_autotune());
+  EXPECT_FALSE(o->spec().tuning().forward_fast_accumulation());
+  // Nothing left in the old places (WithDefaults would move it).
+  EXPECT_TRUE(CheckDefaulted(o->spec(), 0).ok()) << CheckDefaulted(o->spec(), 0);
+
+  const std::string new_place = absl::StrCat(
+      "name: old-place\n"
+      "model: {d_model: 32, n_layers: 1, n_heads: 2, ffn_dim: 64, seq_len: 16}\n"
+      "data: {train_path: ", train_, "}\n"
+      "training: {steps: 3, global_batch: 4}\n"
+      "precision:\n"
+      "  fp8: {recipe: delayed}\n"
+      "tuning: {gemm_autotune: true, forward_fast_accumulation: false}\n");
+  auto new_spec = ParseSpec(new_place);
+  ASSERT_TRUE(new_spec.ok()) << new_spec.status();
+  auto n = jm_->Submit("same-request", *new_spec);
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(n->job_id(), o->job_id());
+
+  // Both places, disagreeing: refused naming both.
+  v1::JobSpec both = *old_spec;
+  both.mutable_tuning()->set_gemm_autotune(false);
+  auto b = jm_->Submit("", both);
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(b.status().message(),
+                                "training.gemm_autotune: moved to tuning.gemm_autotune"))
+      << b.status();
 }
 
 TEST_F(JobManagerTest, IdempotentSubmit) {

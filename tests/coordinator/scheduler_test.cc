@@ -8,6 +8,9 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -460,8 +463,8 @@ TEST_F(SchedulerTest, AJobThatFitsOnlyBusyWorkersWaitsThenStartsOnThem) {
 
 // The check the coordinator installs (CoordinatorServer::Start): the registered workers' memory.
 void InstallAdmission(JobManager* jobs, WorkerRegistry* workers) {
-  jobs->SetAdmission([workers](const v1::JobSpec& spec) {
-    return CheckFitsLargestWorkers(spec, workers->WorkerMemory("cpu"));
+  jobs->SetAdmission([workers](ResolvedJob& job) {
+    return CheckFitsLargestWorkers(job, workers->WorkerMemory("cpu"));
   });
 }
 
@@ -528,6 +531,64 @@ TEST_F(SchedulerTest, APendingJobWaitsForALargeWorkerThatIsBrieflyGone) {
   for (const std::string& w : end.worker_ids()) {
     EXPECT_TRUE(w == big0->id() || w == big1->id()) << w;
   }
+}
+
+// The memory plan is made once per (job, world size): at submit (the admission check) or at the
+// first scheduling pass that weighs that world size, then reused by every later pass. A job that
+// waits with enough free workers, none of which holds its plan (a larger worker is busy), is
+// weighed at both its world sizes (2 and 1) on every pass; over 100 passes the planner still runs
+// once for each, and once for the job already running.
+TEST_F(SchedulerTest, MemoryPlanIsMadeOncePerJobAndWorldSize) {
+  struct Counts {
+    std::mutex mu;
+    std::map<std::pair<std::string, int>, int> calls;  // (job name, world size) -> plans made
+  };
+  auto counts = std::make_shared<Counts>();
+  sched_->Stop();
+  JobManagerOptions jo;
+  jo.planner = [counts](const v1::JobSpec& spec, int n) {
+    {
+      std::lock_guard<std::mutex> lock(counts->mu);
+      ++counts->calls[{spec.name(), n}];
+    }
+    return PlanMemory(spec, n);
+  };
+  auto jm = JobManager::Open(jo);
+  ASSERT_TRUE(jm.ok()) << jm.status();
+  jobs_ = std::move(*jm);
+  StartScheduler(60s, 0ms);  // the running job hangs at step 1 until cancelled
+  InstallAdmission(jobs_.get(), workers_.get());
+
+  v1::JobSpec b = SmallSpec(train_, 1, 5);
+  b.set_name("waits");
+  b.mutable_sharding()->set_max_workers(2);  // global batch 4: world sizes 2 and 1
+  const int64_t need1 = PlanBytes(b, 1), need2 = PlanBytes(b, 2);
+  ASSERT_GT(need1, need2);
+  auto big = AddWorker(FakeWorker::Mode::kHangAtStep, 1, 2.0, need1 * 2);
+  v1::JobSpec a = SmallSpec(train_, 1, 5);
+  a.set_name("runs");
+  auto ja = jobs_->Submit("", a);
+  ASSERT_TRUE(ja.ok()) << ja.status();
+  ASSERT_TRUE(WaitFor([&] { return jobs_->Get(ja->job_id())->state() == v1::JOB_STATE_RUNNING; }));
+  AddWorker(FakeWorker::Mode::kNormal, -1, 2.0, need2 / 2);
+  AddWorker(FakeWorker::Mode::kNormal, -1, 2.0, need2 / 2);
+  auto jb = jobs_->Submit("", b);
+  ASSERT_TRUE(jb.ok()) << jb.status();
+  ASSERT_TRUE(WaitFor([&] {
+    return absl::StrContains(jobs_->Get(jb->job_id())->reason(), "memory plan");
+  })) << jobs_->Get(jb->job_id())->reason();
+  const int64_t p0 = sched_->passes();
+  ASSERT_TRUE(WaitFor([&] { return sched_->passes() >= p0 + 100; }, 30))
+      << sched_->passes() - p0 << " passes";
+  EXPECT_EQ(jobs_->Get(jb->job_id())->state(), v1::JOB_STATE_PENDING);
+  {
+    std::lock_guard<std::mutex> lock(counts->mu);
+    std::map<std::pair<std::string, int>, int> expected = {
+        {{"runs", 1}, 1}, {{"waits", 1}, 1}, {{"waits", 2}, 1}};
+    EXPECT_EQ(counts->calls, expected);
+  }
+  ASSERT_TRUE(jobs_->Cancel(jb->job_id()).ok());
+  ASSERT_TRUE(jobs_->Cancel(ja->job_id()).ok());
 }
 
 TEST(MemoryFit, RefusalNamesPredictedAvailableAndWaysToFit) {

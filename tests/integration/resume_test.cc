@@ -12,6 +12,8 @@
 //   rule), and another user's job (PERMISSION_DENIED).
 // - `fsdp8 run job.yaml` interrupted by SIGINT exits 130 after a checkpoint; run again, it resumes
 //   the same job from that checkpoint, and its events are continuous as above.
+// - `fsdp8 run` warns of a field in its old place, and refuses a spec that breaks a rule before
+//   it starts a daemon.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -431,6 +433,42 @@ TEST(LocalRunTest, SigintSavesAndRunAgainResumes) {
   EXPECT_TRUE(fs::exists(state / "coordinator.log"));
   EXPECT_TRUE(fs::exists(state / "worker-0.log"));
   EXPECT_TRUE(fs::exists(state / "worker-1.log"));
+}
+
+// `fsdp8 run` checks the spec as the coordinator would at submit before it starts anything: a
+// field in its old place is named with its new one on stderr (and the job runs), a spec that
+// breaks a rule exits 2 naming the field, with no coordinator or worker started.
+TEST(LocalRunTest, MovedFieldWarnsAndInvalidSpecStartsNoDaemon) {
+  TempDir tmp("local-run-spec-test");
+  ASSERT_FALSE(tmp.path().empty());
+  const fs::path dir = tmp.path();
+  const std::string train = testing::WriteTokens(tmp, "train.bin", 20000);
+  const std::string common = "model: {d_model: 32, n_layers: 1, n_heads: 2, ffn_dim: 64, "
+                             "vocab_size: 256, seq_len: 16}\n"
+                             "data: {train_path: " + train + "}\n";
+  std::ofstream(dir / "old.yaml") << common
+                                  << "training: {steps: 2, global_batch: 4, eval_every: 0, "
+                                     "gemm_autotune: true}\n";
+  ChildProcess old({FSDP8_CLI_BIN, "run", (dir / "old.yaml").string()},
+                   (dir / "old.log").string());
+  ASSERT_EQ(old.Wait(120s), 0) << ReadFile(dir / "old.log");
+  EXPECT_NE(ReadFile(dir / "old.log")
+                .find("warning: " + (dir / "old.yaml").string() +
+                      ": training.gemm_autotune: moved to tuning.gemm_autotune"),
+            std::string::npos)
+      << ReadFile(dir / "old.log");
+
+  std::ofstream(dir / "bad.yaml") << common << "training: {steps: 2, global_batch: 4, eval_every: -1}\n";
+  ChildProcess bad({FSDP8_CLI_BIN, "run", (dir / "bad.yaml").string()},
+                   (dir / "bad.log").string());
+  ASSERT_EQ(bad.Wait(60s), 2) << ReadFile(dir / "bad.log");
+  EXPECT_NE(ReadFile(dir / "bad.log")
+                .find("error: invalid job spec: training.eval_every: must be >= 0 (got -1)"),
+            std::string::npos)
+      << ReadFile(dir / "bad.log");
+  // The documented state directory of bad.yaml: no coordinator (nor its db) was started there.
+  EXPECT_FALSE(fs::exists(dir / "bad.fsdp8" / "coordinator.log"));
+  EXPECT_FALSE(fs::exists(dir / "bad.fsdp8" / "jobs.db"));
 }
 
 }  // namespace

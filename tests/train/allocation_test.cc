@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/spec.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "tests/support/ranks.h"
@@ -68,7 +69,7 @@ TEST(CatchAllocationFailure, TrainerOverTheMemoryLimitFailsToBuild) {
   auto be = LimitedCpuBackend(16 << 10);
   testing::RunRanks(1, [&](int rank, Communicator* comm) {
     auto t = CatchAllocationFailure("building the model", [&] {
-      return Trainer::Create(testing::TinySpec(train), rank, 1, be.get(), comm);
+      return Trainer::Create(WithDefaults(testing::TinySpec(train), 1), rank, 1, be.get(), comm);
     });
     ASSERT_FALSE(t.ok());
     EXPECT_EQ(t.status().code(), absl::StatusCode::kResourceExhausted) << t.status();

@@ -86,7 +86,7 @@ JobRun RunJob(const v1::JobSpec& spec, int world, int64_t first, int64_t last,
   out.load_status.resize(world);
   RunRanks(world, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, r, world, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, world), r, world, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
     if (!load_dir.empty()) {
       out.load_status[r] = LoadShards(t->get(), load_dir, load_world, first);
@@ -371,10 +371,10 @@ TEST(Checkpoint, MomentsOfAnotherStatePrecisionAreConvertedOnLoad) {
   RunJob(spec16, 1, 0, 2, "", 0, dir16);
   RunRanks(1, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto same32 = Trainer::Create(spec32, r, 1, be.get(), c);  // FP32 file, FP32 job
-    auto into16 = Trainer::Create(spec16, r, 1, be.get(), c);  // FP32 file, BF16 job
-    auto same16 = Trainer::Create(spec16, r, 1, be.get(), c);  // BF16 file, BF16 job
-    auto into32 = Trainer::Create(spec32, r, 1, be.get(), c);  // BF16 file, FP32 job
+    auto same32 = Trainer::Create(WithDefaults(spec32, 1), r, 1, be.get(), c);  // FP32 file, FP32 job
+    auto into16 = Trainer::Create(WithDefaults(spec16, 1), r, 1, be.get(), c);  // FP32 file, BF16 job
+    auto same16 = Trainer::Create(WithDefaults(spec16, 1), r, 1, be.get(), c);  // BF16 file, BF16 job
+    auto into32 = Trainer::Create(WithDefaults(spec32, 1), r, 1, be.get(), c);  // BF16 file, FP32 job
     ASSERT_TRUE(same32.ok() && into16.ok() && same16.ok() && into32.ok());
     ASSERT_TRUE(LoadShards(same32->get(), dir32, 1, 2).ok());
     ASSERT_TRUE(LoadShards(same16->get(), dir16, 1, 2).ok());
@@ -416,7 +416,7 @@ TEST(Checkpoint, C08_LoadedWeightsGetFreshScales) {
   std::vector<WeightScaling> init_scales;
   RunRanks(2, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, r, 2, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, 2), r, 2, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
     FsdpParams& p = (*t)->params();
     for (size_t u = 0; u < p.plan().units.size(); ++u) {
@@ -435,7 +435,7 @@ TEST(Checkpoint, C08_LoadedWeightsGetFreshScales) {
   ASSERT_FALSE(init_scales.empty());
   RunRanks(2, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, r, 2, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, 2), r, 2, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
     absl::Status s = LoadShards(t->get(), dir, 2, 0);
     ASSERT_TRUE(s.ok()) << s;
@@ -468,10 +468,10 @@ TEST(Checkpoint, InitialShardsTakeWeightsAndOptionallyOptimizerAndFp8State) {
   RunJob(spec, 2, 0, 3, "", 0, dir);
   RunRanks(2, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto resumed = Trainer::Create(spec, r, 2, be.get(), c);
-    auto full = Trainer::Create(spec, r, 2, be.get(), c);
-    auto weights = Trainer::Create(spec, r, 2, be.get(), c);
-    auto fresh = Trainer::Create(spec, r, 2, be.get(), c);
+    auto resumed = Trainer::Create(WithDefaults(spec, 2), r, 2, be.get(), c);
+    auto full = Trainer::Create(WithDefaults(spec, 2), r, 2, be.get(), c);
+    auto weights = Trainer::Create(WithDefaults(spec, 2), r, 2, be.get(), c);
+    auto fresh = Trainer::Create(WithDefaults(spec, 2), r, 2, be.get(), c);
     ASSERT_TRUE(resumed.ok() && full.ok() && weights.ok() && fresh.ok());
     ASSERT_TRUE(LoadShards(resumed->get(), dir, 2, 3).ok());
     ASSERT_TRUE(LoadInitialShards(full->get(), dir, 2, true, true).ok());
@@ -584,7 +584,7 @@ TEST(Checkpoint, CorruptMissingOrMismatchedFilesAreRefused) {
   // A save whose step is not the trainer's state.
   RunRanks(1, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, r, 1, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, 1), r, 1, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
     v1::CheckpointSaved out;
     absl::Status e = SaveShard(**t, 3, FreshDir("bad_step"), &out);
@@ -596,7 +596,7 @@ TEST(Checkpoint, CorruptMissingOrMismatchedFilesAreRefused) {
   std::ofstream(blocker) << "x";
   RunRanks(1, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, r, 1, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, 1), r, 1, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
     v1::CheckpointSaved out;
     absl::Status e = SaveShard(**t, 0, blocker + "/step-0", &out);

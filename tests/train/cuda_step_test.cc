@@ -55,6 +55,7 @@
 #include <string>
 #include <vector>
 
+#include "common/spec.h"
 #include "gtest/gtest-spi.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
@@ -119,7 +120,7 @@ struct RunOut {
 void Drive(const v1::JobSpec& spec_in, Backend* be, Communicator* comm, RunOut* out) {
   v1::JobSpec spec = spec_in;
   spec.set_backend(be->Name());
-  auto t = Trainer::Create(spec, 0, 1, be, comm);
+  auto t = Trainer::Create(WithDefaults(spec, 1), 0, 1, be, comm);
   ASSERT_TRUE(t.ok()) << t.status();
   Trainer& tr = **t;
   auto w0 = tr.params().GatherAll(false);

@@ -229,7 +229,7 @@ TEST(Trainer, Fp8GradientsAreTheSameOverMicrobatchesAndRanks) {
     std::map<std::string, std::vector<float>> out;
     RunRanks(world, [&](int r, Communicator* c) {
       auto be = CpuBackend();
-      auto t = Trainer::Create(s, r, world, be.get(), c);
+      auto t = Trainer::Create(WithDefaults(s, world), r, world, be.get(), c);
       ASSERT_TRUE(t.ok()) << t.status();
       ASSERT_TRUE((*t)->ForwardBackward(0).ok());
       auto g = (*t)->params().GatherAll(true);
@@ -277,7 +277,7 @@ TEST(Trainer, Fp8AllGatherMovesOneBytePerWeight) {
   std::vector<StepStats> res(2);
   RunRanks(2, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, r, 2, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, 2), r, 2, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
     for (int k = 0; k < 2; ++k) {
       auto step = (*t)->Step(k, false, false);

@@ -54,7 +54,7 @@ RunOut TrainRanks(const v1::JobSpec& spec, int world, int steps,
   std::vector<RunOut> out(world);
   RunRanks(world, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, r, world, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, world), r, world, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
     if (prepare) {
       prepare(t->get());
@@ -266,7 +266,7 @@ TEST(RopeScaling, ModelLossFollowsTheFrequencies) {
     double out = 0;
     RunRanks(1, [&](int r, Communicator* c) {
       auto be = CpuBackend();
-      auto t = Trainer::Create(spec, r, 1, be.get(), c);
+      auto t = Trainer::Create(WithDefaults(spec, 1), r, 1, be.get(), c);
       ASSERT_TRUE(t.ok()) << t.status();
       auto l = (*t)->ForwardLoss(0);
       ASSERT_TRUE(l.ok()) << l.status();

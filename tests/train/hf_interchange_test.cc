@@ -75,7 +75,7 @@ Loaded LoadJob(v1::JobSpec spec, const std::string& dir, int world) {
   out.status.resize(world);
   RunRanks(world, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, r, world, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, world), r, world, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
     if (r == 0) out.scaling_before = (*t)->params().weight_scaling();
     out.status[r] = LoadHfWeights(t->get(), dir);
@@ -211,7 +211,7 @@ void WriteEdited(const std::string& src, const std::string& dir, const std::vect
 // Every tensor of the model as entries (F32), from the checkpoint's plan order.
 std::vector<Entry> ModelEntries() {
   std::vector<Entry> out;
-  auto plan = MakeShardPlan(testing::InterchangeSpec(TrainFile()), 1);
+  auto plan = MakeShardPlan(WithDefaults(testing::InterchangeSpec(TrainFile()), 1), 1);
   EXPECT_TRUE(plan.ok());
   for (const UnitPlan& u : plan->units) {
     for (const BufferPlan& b : u.buffers) {

@@ -16,6 +16,7 @@
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 
+#include "common/spec.h"
 #include "absl/strings/str_cat.h"
 #include "common/hf_model.h"
 #include "tests/support/ranks.h"
@@ -135,7 +136,7 @@ absl::Status Run(const std::string& hf, const std::string& fixture_path, const s
   Struct result;
   testing::RunRanks(1, [&](int r, Communicator* c) {
     auto be = testing::CpuBackend();
-    auto t = Trainer::Create(spec, r, 1, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, 1), r, 1, be.get(), c);
     if (!t.ok()) {
       status = t.status();
       return;

@@ -48,7 +48,7 @@ inline absl::StatusOr<Weights> WriteCommittedCheckpoint(const v1::JobSpec& spec,
   Weights master;
   RunRanks(world, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, r, world, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, world), r, world, be.get(), c);
     if (!t.ok()) {
       status[r] = t.status();
       return;

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <string>
 
+#include "common/spec.h"
 #include "common/memory_plan.h"
 #include "gtest/gtest.h"
 #include "tests/train/trainer_test_util.h"
@@ -29,7 +30,7 @@ v1::JobSpec DefaultModel(int batch) {
 
 // Rank 0's peak of step 1 (a steady step: delayed scaling has its history) against the plan.
 void ExpectWithinTenPercent(const v1::JobSpec& spec, int world, const char* what) {
-  auto plan = PlanMemory(spec, world);
+  auto plan = PlanMemory(WithDefaults(spec, world), world);
   ASSERT_TRUE(plan.ok()) << plan.status();
   const auto out = Train(spec, world, 2);
   const int64_t measured = out[0].results[1].peak_memory_bytes;

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/spec.h"
 #include "common/scaling.h"
 #include "gtest/gtest.h"
 #include "tests/support/ranks.h"
@@ -49,7 +50,7 @@ TEST(Trainer, Bf16HeadChunksGiveTheUnchunkedGradients) {
     Out out;
     RunRanks(1, [&](int, Communicator* c) {
       auto be = CpuBackend();
-      auto tr = Trainer::Create(sp, 0, 1, be.get(), c);
+      auto tr = Trainer::Create(WithDefaults(sp, 1), 0, 1, be.get(), c);
       ASSERT_TRUE(tr.ok()) << tr.status();
       absl::StatusOr<double> loss = (*tr)->ForwardBackward(0);
       ASSERT_TRUE(loss.ok()) << loss.status();
@@ -111,7 +112,7 @@ TEST(Trainer, FiniteDifferenceGradientsFp32) {
   spec.mutable_training()->set_global_batch(2);
   RunRanks(1, [&](int /*rank*/, Communicator* c) {
     auto be = CpuBackend();
-    auto tr = Trainer::Create(spec, 0, 1, be.get(), c);
+    auto tr = Trainer::Create(WithDefaults(spec, 1), 0, 1, be.get(), c);
     ASSERT_TRUE(tr.ok()) << tr.status();
     Trainer& t = **tr;
     ASSERT_TRUE(t.ForwardBackward(0).ok());
@@ -143,7 +144,7 @@ TEST(Trainer, FiniteDifferenceGradientsFp32) {
 // Fp8Recipe.fused_projections: q/k/v and gate/up share one weight scale (from the largest of
 // their amaxes, ComputeScale's rule) and one grad-output scale, and their backward runs one dX and
 // one dW GEMM per group. Held to the per-linear GEMMs on the same shared scales
-// (FSDP8_UNFUSED_PROJECTIONS=1): step 0 (scales measured first, the per-linear path in both runs)
+// (ModelOptions::unfused_projections): step 0 (scales measured first, the per-linear path in both runs)
 // leaves both with the same weights and scales, then the gradients of step 1 are compared.
 // - The last block's gate/up weight gradients come from the same operands through one GEMM or
 //   two: equal up to f32 summation order (relative L2 difference <= 1e-6).
@@ -168,15 +169,12 @@ TEST(Trainer, FusedProjectionsShareScalesAndMatchPerLinearGemms) {
     std::vector<ScalingState> act;
   };
   auto run = [&](bool per_linear) {
-    if (per_linear) {
-      setenv("FSDP8_UNFUSED_PROJECTIONS", "1", 1);
-    } else {
-      unsetenv("FSDP8_UNFUSED_PROJECTIONS");
-    }
+    TrainerOptions options = TrainerOptions::FromEnvironment();
+    options.model.unfused_projections = per_linear;
     Out out;
     RunRanks(2, [&](int r, Communicator* c) {
       auto be = CpuBackend();
-      auto t = Trainer::Create(spec, r, 2, be.get(), c);
+      auto t = Trainer::Create(WithDefaults(spec, 2), r, 2, be.get(), c, options);
       ASSERT_TRUE(t.ok()) << t.status();
       ASSERT_TRUE((*t)->Step(0, false, false).ok());
       ASSERT_TRUE((*t)->ForwardBackward(1).ok());
@@ -190,7 +188,6 @@ TEST(Trainer, FusedProjectionsShareScalesAndMatchPerLinearGemms) {
         out.act = (*t)->scaling().states();
       }
     });
-    unsetenv("FSDP8_UNFUSED_PROJECTIONS");
     return out;
   };
   const Out fused = run(false);
@@ -275,7 +272,7 @@ TEST(Trainer, ActivationRecomputeIsBitIdentical) {
 
 // Under delayed scaling an FP8 block's backward recasts down_proj's input from the kept bf16
 // gate/up with the forward's scale (Linear::RecastSwiglu) instead of keeping its codes: the same
-// codes, so training is bit-identical to keeping them (FSDP8_SAVE_DOWN_PROJ_INPUT=1): losses,
+// codes, so training is bit-identical to keeping them (ModelOptions::save_down_proj_input): losses,
 // gradient norms and weights over 3 steps, with gate/up fused, per linear, and recomputed. A stale
 // or other scale, a SwiGLU computed another way, or a mis-strided gate/up would not be. Step 0
 // measures its scales first and keeps the codes; steps 1 and 2 recast in every block and
@@ -299,12 +296,13 @@ TEST(Trainer, DownProjInputRecastIsBitIdentical) {
       int64_t recasts_step0 = -1, recasts = -1;
     };
     auto run = [&](bool save) {
-      if (cfg.per_linear) setenv("FSDP8_UNFUSED_PROJECTIONS", "1", 1);
-      if (save) setenv("FSDP8_SAVE_DOWN_PROJ_INPUT", "1", 1);
+      TrainerOptions options = TrainerOptions::FromEnvironment();
+      options.model.unfused_projections = cfg.per_linear;
+      options.model.save_down_proj_input = save;
       Out out;
       RunRanks(2, [&](int r, Communicator* c) {
         auto be = CpuBackend();
-        auto t = Trainer::Create(spec, r, 2, be.get(), c);
+        auto t = Trainer::Create(WithDefaults(spec, 2), r, 2, be.get(), c, options);
         ASSERT_TRUE(t.ok()) << t.status();
         for (int k = 0; k < 3; ++k) {
           auto st = (*t)->Step(k, false, false);
@@ -322,8 +320,6 @@ TEST(Trainer, DownProjInputRecastIsBitIdentical) {
           out.recasts = (*t)->model().down_input_recasts();
         }
       });
-      unsetenv("FSDP8_UNFUSED_PROJECTIONS");
-      unsetenv("FSDP8_SAVE_DOWN_PROJ_INPUT");
       return out;
     };
     const Out saved = run(true), recast = run(false);
@@ -362,7 +358,7 @@ TEST(Trainer, FP8WeightCodesCastPerGatherAreBitIdentical) {
         Out out;
         RunRanks(world, [&](int r, Communicator* c) {
           auto be = CpuBackend();
-          auto t = Trainer::Create(spec, r, world, be.get(), c);
+          auto t = Trainer::Create(WithDefaults(spec, world), r, world, be.get(), c);
           ASSERT_TRUE(t.ok()) << t.status();
           for (int k = 0; k < 3; ++k) {
             auto st = (*t)->Step(k, false, false);

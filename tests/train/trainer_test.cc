@@ -51,6 +51,38 @@ TEST(Trainer, TokenDataTooFewTokensMessageForMaxSeqLen) {
       << d.status();
 }
 
+// ---- the spec a worker receives -----------------------------------------------------------------
+// The trainer takes the spec the coordinator resolved at the job's world size and checks it: one
+// with a default left to fill in (training.microbatch here) or a moved field in its old place is
+// refused naming it, never filled in; the resolved one trains.
+TEST(Trainer, RefusesASpecTheCoordinatorDidNotResolve) {
+  const v1::JobSpec spec = testing::TinySpec(TrainFile());
+  RunRanks(1, [&](int, Communicator* c) {
+    auto be = CpuBackend();
+    v1::JobSpec no_micro = WithDefaults(spec, 1);
+    no_micro.mutable_training()->clear_microbatch();
+    auto t = Trainer::Create(no_micro, 0, 1, be.get(), c);
+    ASSERT_FALSE(t.ok());
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(t.status().message()).find("spec: not resolved at world size 1"),
+              std::string::npos) << t.status();
+    EXPECT_NE(std::string(t.status().message()).find("training.microbatch"), std::string::npos)
+        << t.status();
+    auto old = ParseSpec("training: {gemm_autotune: false}\n");
+    ASSERT_TRUE(old.ok()) << old.status();
+    v1::JobSpec old_place = WithDefaults(spec, 1);
+    old_place.MergeFrom(*old);  // the deprecated field, set after resolution
+    auto u = Trainer::Create(old_place, 0, 1, be.get(), c);
+    ASSERT_FALSE(u.ok());
+    EXPECT_NE(std::string(u.status().message()).find("spec: not resolved at world size 1"),
+              std::string::npos) << u.status();
+    auto r = ResolveSpec(spec, 1, {}, false);
+    ASSERT_TRUE(r.ok()) << r.status();
+    auto ok = Trainer::Create(*r, 0, 1, be.get(), c);
+    EXPECT_TRUE(ok.ok()) << ok.status();
+  });
+}
+
 // ---- C03 ------------------------------------------------------------------------------------
 // The X of layer 0's q_proj is RMSNorm(embedding(token)) with unit norm weights, so its amax over
 // a microbatch is computable here from the initialisation rule alone: max over the microbatch's
@@ -266,7 +298,7 @@ TEST(Trainer, C12_WorldSizeOneAndThreeDoTheSameMath) {
     std::vector<std::vector<double>> l(world);
     RunRanks(world, [&](int r, Communicator* c) {
       auto be = CpuBackend();
-      auto t = Trainer::Create(spec, r, world, be.get(), c);
+      auto t = Trainer::Create(WithDefaults(spec, world), r, world, be.get(), c);
       ASSERT_TRUE(t.ok()) << t.status();
       ASSERT_TRUE((*t)->ForwardBackward(0).ok());
       g[r] = *(*t)->params().GatherAll(true);
@@ -328,7 +360,7 @@ TEST(Trainer, EveryPrecisionPlanTrainsOnOneAndTwoRanks) {
       std::vector<RankOut> out(world);
       RunRanks(world, [&](int r, Communicator* c) {
         auto be = CpuBackend();
-        auto t = Trainer::Create(spec, r, world, be.get(), c);
+        auto t = Trainer::Create(WithDefaults(spec, world), r, world, be.get(), c);
         ASSERT_TRUE(t.ok()) << t.status();
         auto v0 = (*t)->Evaluate();  // untrained
         ASSERT_TRUE(v0.ok()) << v0.status();
@@ -362,7 +394,7 @@ TEST(Trainer, DISABLED_DefaultModelStepTime) {
   spec.mutable_training()->set_global_batch(8);
   RunRanks(1, [&](int /*rank*/, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, 0, 1, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, 1), 0, 1, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
     for (int k = 0; k < 4; ++k) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -404,7 +436,7 @@ TEST(Trainer, NonFiniteStepIsSkippedByEveryRankAndChangesNothing) {
   ASSERT_TRUE(std::isinf(static_cast<float>(1e308)));
   RunRanks(2, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, r, 2, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, 2), r, 2, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
     auto first = (*t)->Step(0, false, false);
     ASSERT_TRUE(first.ok()) << first.status();
@@ -436,7 +468,7 @@ TEST(Trainer, FiniteStepIsNotSkippedAndItsGradNormIsTheGradientsNorm) {
   const v1::JobSpec spec = TinySpec(TrainFile());
   RunRanks(2, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, r, 2, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, 2), r, 2, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
     ASSERT_TRUE((*t)->ForwardBackward(0).ok());
     auto grads = (*t)->params().GatherAll(true);

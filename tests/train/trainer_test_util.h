@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/spec.h"
 #include "fsdp8/v1/spec.pb.h"
 #include "gtest/gtest.h"
 #include "tests/support/ranks.h"
@@ -49,7 +50,7 @@ inline std::vector<RankOut> Train(const v1::JobSpec& spec, int world, int steps,
   std::vector<RankOut> out(world);
   RunRanksOver(transport, world, [&](int r, Communicator* c) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(spec, r, world, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, world), r, world, be.get(), c);
     ASSERT_TRUE(t.ok()) << t.status();
     for (int k = 0; k < steps; ++k) {
       auto res = (*t)->Step(k, false, true);
