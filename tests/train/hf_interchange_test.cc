@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/checkpoint_format.h"
 #include "common/hf_model.h"
 #include "common/safetensors.h"
 #include "common/spec.h"
@@ -353,6 +354,43 @@ TEST(HfInterchange, ExportRefusesDamagedOrUncommittedCheckpoints) {
   EXPECT_EQ(*d, ck.root + "/step-2");
   EXPECT_FALSE(ResolveCheckpointStepDir(ck.root, 5).ok());
   EXPECT_FALSE(ResolveCheckpointStepDir(copy, std::nullopt).ok());  // its only step lost its MANIFEST
+}
+
+// A checkpoint of the last release: its MANIFEST's spec has no tuning section and holds
+// precision.fp8.forward_fast_accumulation in its old place. It exports as it did: the same
+// weights as the checkpoint with today's MANIFEST.
+TEST(HfInterchange, ExportOfAManifestWithMovedFieldsInTheirOldPlaces) {
+  const Saved& ck = Checkpoint();
+  const std::string copy = Fresh("old_manifest");
+  fs::copy(ck.root, copy, fs::copy_options::recursive);
+  auto m = ReadManifestFile(copy + "/step-2");
+  ASSERT_TRUE(m.ok()) << m.status();
+  v1::JobSpec* spec = m->mutable_spec();
+  spec->clear_tuning();
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  spec->mutable_precision()->mutable_fp8()->set_forward_fast_accumulation(true);  // the old place
+#pragma GCC diagnostic pop
+  auto text = EncodeManifest(*m);
+  ASSERT_TRUE(text.ok()) << text.status();
+  ASSERT_NE(text->find("forward_fast_accumulation"), std::string::npos);
+  ASSERT_EQ(text->find("tuning"), std::string::npos);
+  std::ofstream(copy + "/step-2/MANIFEST", std::ios::trunc) << *text;
+  const std::string old_out = Fresh("out_old_manifest"), new_out = Fresh("out_new_manifest");
+  absl::Status s = ExportHf(copy + "/step-2", old_out, SafetensorsDtype::kF32);
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(ExportHf(ck.root + "/step-2", new_out, SafetensorsDtype::kF32).ok());
+  auto a = SafetensorsFile::Open(old_out + "/model.safetensors");
+  auto b = SafetensorsFile::Open(new_out + "/model.safetensors");
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ(a->tensors().size(), b->tensors().size());
+  for (const auto& [name, t] : b->tensors()) {
+    ASSERT_EQ(a->tensors().count(name), 1u) << name;
+    std::vector<float> x(t.numel), y(t.numel);
+    ASSERT_TRUE(a->Read(name, 0, t.numel, x.data()).ok());
+    ASSERT_TRUE(b->Read(name, 0, t.numel, y.data()).ok());
+    EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0) << name;
+  }
 }
 
 // Export copies the tokenizer files of --tokenizer (the five names transformers reads beside the
