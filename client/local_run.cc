@@ -130,15 +130,18 @@ absl::StatusOr<std::unique_ptr<LocalServices>> LocalServices::Start(const LocalR
     return absl::FailedPreconditionError(
         absl::StrCat("run: cannot create the state directory ", o.state_dir, ": ", ec.message()));
   std::unique_ptr<LocalServices> s(new LocalServices());
-  // One run per state directory: a second would open the same state db.
+  // One run per state directory: a second would open the same state db. The daemons inherit the
+  // locked descriptor (no O_CLOEXEC), so the lock holds until the last of them has exited, also
+  // when this process is killed and they are still shutting down.
   const std::string lock = (fs::path(o.state_dir) / "run.lock").string();
-  s->lock_fd_ = open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  s->lock_fd_ = open(lock.c_str(), O_RDWR | O_CREAT, 0644);
   if (s->lock_fd_ < 0)
     return absl::FailedPreconditionError(absl::StrCat("run: cannot open ", lock, ": ", std::strerror(errno)));
   if (flock(s->lock_fd_, LOCK_EX | LOCK_NB) != 0)
     return absl::FailedPreconditionError(absl::StrCat(
         "run: another fsdp8 run is using ", o.state_dir, " (", lock,
-        " is locked); wait for it to end, or use another --state-dir"));
+        " is locked, by it or by its daemons while they stop); wait for it to end, or use "
+        "another --state-dir"));
   if (absl::Status st = s->StartCoordinator(o); !st.ok()) return st;
   if (absl::Status st = s->StartWorkers(o); !st.ok()) return st;
   return s;
