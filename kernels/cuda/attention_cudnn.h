@@ -86,6 +86,10 @@ class CudnnAttention {
                 int64_t Hkv, int64_t D, cudaStream_t stream, std::string* error,
                 int64_t q_ld = 0, int64_t kv_ld = 0);
 
+  // Bytes of the workspace buffer currently held (0 before the first call, and always 0 with
+  // set_workspace_allocator). The attention benchmark prints it.
+  size_t workspace_bytes() const { return workspace_bytes_; }
+
   // Per-call workspaces from `alloc` (nullptr: out of memory), returned through `release` once
   // the call's work is enqueued on its stream; both must be ordered on that stream (e.g.
   // cudaMallocAsync / cudaFreeAsync on it).
