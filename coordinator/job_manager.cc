@@ -771,6 +771,12 @@ absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id) {
     if (dir.empty())
       return absl::FailedPreconditionError(absl::StrCat(
           "resume: job ", job_id, " has no checkpoint.dir, so nothing to resume from"));
+    // A run that has not been joined (a cancel --no-save while it commits a checkpoint) may
+    // still write checkpoint.dir and release its workers: a new run must not start beside it.
+    if (runs_.count(job_id) > 0)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: job ", job_id,
+          " is still stopping (its last run has not ended); try again in a moment"));
     ended_at = j.end_time();
   }
   auto point = ResumePoint(job_id, dir);
@@ -936,12 +942,34 @@ absl::Status JobManager::MarkRunning(const std::string& job_id) {
 
 absl::StatusOr<int> JobManager::MarkRecovering(const std::string& job_id,
                                               const std::string& cause, int max_restarts) {
+  // Held throughout: cancel_after_save is cleared, and a job ended, only under lease_io_mu_
+  // (Finish, Cancel, Resume), so the decision below stands until the job is cancelled.
+  absl::MutexLock io(&lease_io_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    Record* r = FindLocked(job_id);
+    if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+    if (IsTerminalState(r->job.state()))
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job_id, " already ended (", StateName(r->job.state()), ")"));
+    if (!r->cancel_after_save) return MarkRecoveringLocked(r, cause, max_restarts);
+  }
+  // A cancel waits for a save that this failure prevented: the job is cancelled, not restarted.
+  const std::string reason = absl::StrCat("cancelled by user; no checkpoint saved: ", cause);
+  if (!HasRun(job_id)) ReleaseLeaseIoLocked(job_id);  // else RunJoined releases it
   absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (IsTerminalState(r->job.state()))
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " already ended (", StateName(r->job.state()), ")"));
+  FinishLocked(r, v1::JOB_STATE_CANCELLED, reason);
+  return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " ", reason));
+}
+
+absl::StatusOr<int> JobManager::MarkRecoveringLocked(Record* r, const std::string& cause,
+                                                    int max_restarts) {
+  const std::string& job_id = r->job.job_id();
   v1::Job& j = r->job;
   j.set_restarts(j.restarts() + 1);
   j.set_state(v1::JOB_STATE_RECOVERING);
@@ -1060,6 +1088,18 @@ absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,
   if (IsTerminalState(r->job.state()))
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " already ended (", StateName(r->job.state()), ")"));
+  if (state == v1::JOB_STATE_FAILED && r->cancel_after_save) {
+    // A cancel waits for a save that this failure prevented: the job is cancelled, saying why.
+    FinishLocked(r, v1::JOB_STATE_CANCELLED,
+                 absl::StrCat("cancelled by user; no checkpoint saved: ", reason));
+  } else {
+    FinishLocked(r, state, reason);
+  }
+  return absl::OkStatus();
+}
+
+void JobManager::FinishLocked(Record* r, v1::JobState state, const std::string& reason) {
+  const std::string job_id = r->job.job_id();
   v1::Job& j = r->job;
   // A cancel that waited for its save ends here (the step driver finishes the job).
   const bool cancelled_after_save = state == v1::JOB_STATE_CANCELLED && r->cancel_after_save;
@@ -1079,7 +1119,6 @@ absl::Status JobManager::Finish(const std::string& job_id, v1::JobState state,
   if (cancelled_after_save)
     LogEvent("job_cancelled", {{"job", job_id}, {"owner", ended.owner()}, {"step", ended.step()}});
   LogEnded(ended);
-  return absl::OkStatus();
 }
 
 absl::Status JobManager::Refused(absl::Status s, const std::string& owner,

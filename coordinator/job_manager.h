@@ -161,9 +161,10 @@ class JobManager {
   // ownership unchanged: no take-over happens). Refusals, nothing changed: NOT_FOUND for an
   // unknown id; FAILED_PRECONDITION naming the rule for a job that has not ended, one that
   // SUCCEEDED, one without a checkpoint.dir, one whose checkpoint.dir holds no committed
-  // checkpoint of its own, and one whose checkpoint.dir now belongs to another job or is leased
-  // by another coordinator; UNAVAILABLE when checkpoint.dir cannot be read. Owner checks are the
-  // caller's (the RPC layer's, as for Cancel).
+  // checkpoint of its own, one whose last run has not been joined yet (RunJoined: "is still
+  // stopping"; it may still write checkpoint.dir and hold workers), and one whose checkpoint.dir
+  // now belongs to another job or is leased by another coordinator; UNAVAILABLE when
+  // checkpoint.dir cannot be read. Owner checks are the caller's (the RPC layer's, as for Cancel).
   absl::StatusOr<v1::Job> Resume(const std::string& job_id) ABSL_LOCKS_EXCLUDED(lease_io_mu_, mu_);
   // Calls on_event for every kept event with seq > after_seq, then for new ones as they come, and
   // returns OK after the job's final event. Returns early with OK when on_event returns false,
@@ -193,9 +194,12 @@ class JobManager {
   absl::Status MarkRunning(const std::string& job_id);
   // STARTING/RUNNING -> RECOVERING after a failed generation: counts the restart (Job.restarts),
   // sets the reason and publishes "recovering from <cause> (restart n of max)". Returns the new
-  // restart count. FAILED_PRECONDITION when the job already ended.
+  // restart count. FAILED_PRECONDITION when the job already ended. A job that a Cancel with save
+  // waits for (CancelRequested) is not restarted: decided under the same lock as that Cancel's
+  // request, it ends CANCELLED ("cancelled by user; no checkpoint saved: <cause>"), the waiting
+  // Cancel returns it, and MarkRecovering returns FAILED_PRECONDITION with that reason.
   absl::StatusOr<int> MarkRecovering(const std::string& job_id, const std::string& cause,
-                                     int max_restarts);
+                                     int max_restarts) ABSL_LOCKS_EXCLUDED(lease_io_mu_, mu_);
   // Records a finished step: `ev` carries step (steps completed so far, 1-based), loss, val_loss
   // (NaN when not evaluated), grad_norm, lr, tokens (cumulative), tokens_per_second, step_seconds,
   // eval_seconds and the step's breakdown (jobs.proto JobEvent), stored as given.
@@ -226,8 +230,11 @@ class JobManager {
   // Whether a Cancel with save waits for this job's save (the step driver ends the job after it).
   bool CancelRequested(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Any non-terminal state -> `state` (SUCCEEDED, FAILED or CANCELLED) with `reason`.
-  // FAILED_PRECONDITION when the job already ended.
-  absl::Status Finish(const std::string& job_id, v1::JobState state, const std::string& reason);
+  // FAILED_PRECONDITION when the job already ended. FAILED for a job that a Cancel with save
+  // waits for (CancelRequested) ends it CANCELLED instead, with the reason "cancelled by user; no
+  // checkpoint saved: <reason>" (the failure prevented the save).
+  absl::Status Finish(const std::string& job_id, v1::JobState state, const std::string& reason)
+      ABSL_LOCKS_EXCLUDED(lease_io_mu_, mu_);
   bool IsTerminal(const std::string& job_id) const;
 
   void SetScalingState(const std::string& job_id, const v1::ScalingState& state);
@@ -324,6 +331,15 @@ class JobManager {
   absl::StatusOr<CommittedCheckpoint> ResumePoint(const std::string& job_id,
                                                   const std::string& dir)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(lease_io_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Ends the job (not ended yet) in `state` with `reason`: publishes the final event, clears a
+  // pending cancel-with-save, applies retention (r may be gone afterwards). The lease is the
+  // caller's (Finish).
+  void FinishLocked(Record* r, v1::JobState state, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // MarkRecovering of a job that has not ended and that no cancel waits for.
+  absl::StatusOr<int> MarkRecoveringLocked(Record* r, const std::string& cause, int max_restarts)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // At Open: tidies the checkpoint directories this coordinator's jobs own (see above).
   void ReconcileCheckpointDirsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -418,7 +418,16 @@ absl::Status JobRun::ResolveResume(const v1::JobSpec& spec,
     if (!latest.ok())
       return absl::FailedPreconditionError(
           absl::StrCat("checkpoint.dir: ", latest.status().message()));
-    if (latest->has_value()) step_dir = (*latest)->dir;
+    if (latest->has_value()) {
+      step_dir = (*latest)->dir;
+    } else if (job_.resumes() > 0) {
+      // Resume started the job from its own newest checkpoint (Job.step): it continues from
+      // there or not at all, never from resume_from (another job's, with "latest") or step 0.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "resume: checkpoint.dir ", cs.dir(), " no longer holds a committed checkpoint of job ",
+          job_.job_id(), "; a resumed job continues only from its own newest committed "
+          "checkpoint (submit it again to start over)"));
+    }
   }
   if (step_dir.empty()) return absl::OkStatus();
   if (step_dir == "latest") {

@@ -188,10 +188,11 @@ void Scheduler::SchedulePass() {
       absl::MutexLock lock(&mu_);
       if (stop_) return;
     }
-    const bool recovering = job.state() == v1::JOB_STATE_RECOVERING;
-    if (recovering) {
+    {
+      // The job's last run (a failed generation, or one cancelled and then resumed) is still
+      // unwinding: the next starts once it is reaped, never beside it.
       absl::MutexLock lock(&mu_);
-      if (runs_.count(job.job_id())) continue;  // the failed generation is still unwinding
+      if (runs_.count(job.job_id())) continue;
     }
     std::string backend = job.spec().backend().empty() ? "cpu" : job.spec().backend();
     auto it = free.find(backend);
@@ -238,11 +239,14 @@ void Scheduler::SchedulePass() {
     auto run = std::make_unique<JobRun>(jobs_, workers_, kv_, options_, *started, inbox,
                                         [this] { Wake(); });
     JobRun* raw = run.get();
+    bool added = false;
     {
+      // The job has no entry (checked above, and only this thread adds them): an entry is never
+      // replaced, which would destroy a live run (joining its thread) under mu_.
       absl::MutexLock lock(&mu_);
-      runs_[job.job_id()] = std::move(run);
+      added = runs_.try_emplace(job.job_id(), std::move(run)).second;
     }
-    raw->Start();
+    if (added) raw->Start();
   }
 }
 

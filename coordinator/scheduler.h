@@ -10,7 +10,8 @@
 //
 // Each started job gets its own driver thread (JobRun, coordinator/job_run.h) that speaks the
 // Session protocol with the job's ranks for one generation: Assignment, Ready, StepCommand and
-// StepResult, checkpoint saves, Finish or Abort.
+// StepResult, checkpoint saves, Finish or Abort. A job has at most one run: a PENDING or
+// RECOVERING job whose last run has not been reaped (joined) yet waits for it.
 // Recovery: a failed generation of a job with checkpoint.dir and restarts < max_restarts makes the
 // job RECOVERING ("recovering from <cause> (restart n of max)", Job.restarts counted) instead of
 // FAILED; the scheduler then starts generation + 1 on free workers (same world-size rule as a fresh

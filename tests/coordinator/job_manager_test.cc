@@ -1,6 +1,7 @@
 // JobManager without workers: validation, idempotency, states, events, persistence.
 #include "coordinator/job_manager.h"
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -984,6 +985,92 @@ TEST(JobManagerResume, ContinuesTheSameJobFromItsNewestCheckpoint) {
   EXPECT_EQ(again->state(), v1::JOB_STATE_PENDING);
   EXPECT_EQ(again->resumes(), 1);
   EXPECT_EQ(again->step(), 6);
+}
+
+// A job cancelled without a save while its run still unwinds (e.g. in a checkpoint commit) is not
+// resumed until that run is joined: a second run beside it would share its workers and directory.
+TEST(JobManagerResume, RefusedWhileTheLastRunIsStillStopping) {
+  TempDir dir;
+  const std::string train = WriteTokens(dir, "train.bin");
+  auto jm = JobManager::Open(JobManagerOptions());
+  ASSERT_TRUE(jm.ok()) << jm.status();
+  v1::JobSpec spec = SmallSpec(train, 1, 100);
+  spec.mutable_checkpoint()->set_dir(dir.File("ck"));
+  auto job = (*jm)->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string id = job->job_id();
+  ASSERT_TRUE((*jm)->MarkStarting(id, {"w-1"}).ok());
+  ASSERT_TRUE((*jm)->MarkRunning(id).ok());
+  for (int64_t k = 1; k <= 2; ++k) ASSERT_TRUE((*jm)->RecordStep(id, StepDone(k)).ok());
+  CommitStep(dir.File("ck"), *(*jm)->Get(id), 2);
+  auto cancelled = (*jm)->Cancel(id);
+  ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+  ASSERT_EQ(cancelled->state(), v1::JOB_STATE_CANCELLED);
+
+  auto early = (*jm)->Resume(id);
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(early.status().message(),
+            "resume: job " + id +
+                " is still stopping (its last run has not ended); try again in a moment");
+  auto unchanged = (*jm)->Get(id);
+  ASSERT_TRUE(unchanged.ok());
+  EXPECT_EQ(unchanged->state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(unchanged->resumes(), 0);
+  EXPECT_TRUE((*jm)->PendingJobs().empty());
+
+  (*jm)->RunJoined(id);  // the run has ended
+  auto resumed = (*jm)->Resume(id);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_EQ(resumed->state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(resumed->step(), 2);
+  EXPECT_EQ(resumed->resumes(), 1);
+}
+
+// A generation that fails after a Cancel with save asked for a checkpoint (and before the save):
+// the job is cancelled, saying why nothing was saved, and the waiting Cancel returns; it is not
+// restarted (MarkRecovering) nor left FAILED (Finish).
+TEST(JobManagerResume, AFailureBeforeTheCancelsSaveCancelsTheJob) {
+  TempDir dir;
+  const std::string train = WriteTokens(dir, "train.bin");
+  auto jm = JobManager::Open(JobManagerOptions());
+  ASSERT_TRUE(jm.ok()) << jm.status();
+  for (const bool recoverable : {true, false}) {
+    SCOPED_TRACE(recoverable ? "MarkRecovering" : "Finish FAILED");
+    v1::JobSpec spec = SmallSpec(train, 1, 100);
+    spec.mutable_checkpoint()->set_dir(dir.File(recoverable ? "ck-1" : "ck-2"));
+    spec.set_max_restarts(3);
+    auto job = (*jm)->Submit("", spec);
+    ASSERT_TRUE(job.ok()) << job.status();
+    const std::string id = job->job_id();
+    ASSERT_TRUE((*jm)->MarkStarting(id, {"w-1"}).ok());
+    ASSERT_TRUE((*jm)->MarkRunning(id).ok());
+    ASSERT_TRUE((*jm)->RecordStep(id, StepDone(1)).ok());
+    // Bounded: a cancel that is lost would otherwise wait for the job to end.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    absl::StatusOr<v1::Job> cancelled;
+    std::thread canceller([&] {
+      cancelled = (*jm)->Cancel(id, /*save=*/true,
+                                [&] { return std::chrono::steady_clock::now() > until; });
+    });
+    ASSERT_TRUE(WaitFor([&] { return (*jm)->CancelRequested(id); }));
+    if (recoverable) {
+      auto restarted = (*jm)->MarkRecovering(id, "rank 0 lost", 3);
+      EXPECT_EQ(restarted.status().code(), absl::StatusCode::kFailedPrecondition);
+    } else {
+      EXPECT_TRUE((*jm)->Finish(id, v1::JOB_STATE_FAILED, "rank 0 lost").ok());
+    }
+    canceller.join();
+    ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+    EXPECT_EQ(cancelled->state(), v1::JOB_STATE_CANCELLED);
+    EXPECT_EQ(cancelled->reason(), "cancelled by user; no checkpoint saved: rank 0 lost");
+    auto now = (*jm)->Get(id);
+    ASSERT_TRUE(now.ok());
+    EXPECT_EQ(now->state(), v1::JOB_STATE_CANCELLED);
+    EXPECT_EQ(now->restarts(), 0);
+    EXPECT_FALSE((*jm)->CancelRequested(id));
+    EXPECT_TRUE((*jm)->PendingJobs().empty()) << "the job waits to be restarted";
+    (*jm)->RunJoined(id);
+  }
 }
 
 }  // namespace

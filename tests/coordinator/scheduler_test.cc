@@ -1531,5 +1531,38 @@ TEST_F(SchedulerTest, CancelWhileRecoveringCancels) {
   EXPECT_EQ(jobs_->Get(id)->generation(), 1);
 }
 
+// A resumed job whose own checkpoints are gone before its next generation starts fails, naming
+// the directory: it neither starts over at step 0 (while Job.step says the resume point) nor
+// from checkpoint.resume_from.
+TEST_F(SchedulerTest, AResumedJobWhoseCheckpointsVanishedFailsInsteadOfStartingOver) {
+  auto w0 = AddWorker(FakeWorker::Mode::kErrorAtStep, 5);
+  const std::string ck = dir_.File("ck");
+  v1::JobSpec spec = SmallSpec(train_, 1, 8);
+  spec.mutable_checkpoint()->set_dir(ck);
+  spec.mutable_checkpoint()->set_every_steps(2);
+  spec.mutable_checkpoint()->set_resume_from("latest");
+  spec.set_max_restarts(0);
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string id = job->job_id();
+  ASSERT_EQ(WaitEnd(id).state(), v1::JOB_STATE_FAILED);
+  ASSERT_EQ(Committed(ck), (std::vector<int64_t>{2, 4}));
+  sched_->Stop();  // nothing starts while the checkpoints go
+  auto resumed = jobs_->Resume(id);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  ASSERT_EQ(resumed->step(), 4);
+  for (const char* step : {"/step-2", "/step-4"}) std::filesystem::remove_all(ck + step);
+  ASSERT_TRUE(Committed(ck).empty());
+  StartScheduler(2s, 0ms);
+  const v1::Job end = WaitEnd(id);
+  EXPECT_EQ(end.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(end.reason().rfind("resume: checkpoint.dir " + ck +
+                                   " no longer holds a committed checkpoint of job " + id,
+                               0),
+            0u)
+      << end.reason();
+  EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kAssignment), 1) << "a second generation started";
+}
+
 }  // namespace
 }  // namespace fsdp8::coord
