@@ -1036,6 +1036,13 @@ int RunLocal(Context& ctx) {
       fprintf(stderr, "error: run: backend: cuda, but no GPU is present (no /dev/nvidia<N>)\n");
       return 1;
     }
+    if (d.sharding().min_workers() > o.workers) {
+      fprintf(stderr,
+              "error: %s: sharding.min_workers: %d, but fsdp8 run starts one worker per GPU and "
+              "this machine has %d (set sharding.min_workers to at most %d)\n",
+              file.c_str(), d.sharding().min_workers(), o.workers, o.workers);
+      return 2;
+    }
   } else {
     o.workers = std::max(1, d.sharding().min_workers());
   }
