@@ -22,6 +22,9 @@
 namespace fsdp8::coord {
 namespace {
 
+// How long Resume waits for an ended job's run to be joined before it refuses.
+constexpr absl::Duration kResumeJoinWait = absl::Seconds(5);
+
 std::string DeterministicBytes(const google::protobuf::Message& m) {
   std::string out;
   google::protobuf::io::StringOutputStream sos(&out);
@@ -216,6 +219,7 @@ void JobManager::RunJoined(const std::string& job_id) {
   {
     absl::MutexLock lock(&mu_);
     runs_.erase(job_id);
+    cv_.SignalAll();  // a Resume may wait for it
     const Record* r = FindLocked(job_id);
     ended = r == nullptr || IsTerminalState(r->job.state());
   }
@@ -750,6 +754,18 @@ absl::StatusOr<CommittedCheckpoint> JobManager::ResumePoint(const std::string& j
 }
 
 absl::StatusOr<v1::Job> JobManager::Resume(const std::string& job_id) {
+  {
+    // An ended job's run is joined moments after it ends (a cancel returns at the end): wait for
+    // that, up to kResumeJoinWait, before the refusal below (RunJoined signals cv_).
+    absl::MutexLock lock(&mu_);
+    const absl::Time until = absl::Now() + kResumeJoinWait;
+    for (;;) {
+      const Record* r = FindLocked(job_id);
+      if (r == nullptr || !IsTerminalState(r->job.state()) || runs_.count(job_id) == 0 ||
+          shutdown_ || cv_.WaitWithDeadline(&mu_, until))
+        break;
+    }
+  }
   absl::MutexLock io(&lease_io_mu_);  // no lease call of this job meanwhile
   std::string dir;
   double ended_at = 0;

@@ -95,9 +95,13 @@ std::string Table(const LabelBytes& measured, const std::vector<MemoryTerm>& pla
 // Three steps of `spec` on `world` ranks (threads, Gloo) on `backend`; rank 0's step 2 against
 // the plan, every phase and label: a steady step (step 0 measures every scale first and runs no
 // fused GEMM, step 1 grows the backends' kept scratch to the fused GEMMs' shapes).
-void ExpectLabelsMatchPlan(const v1::JobSpec& spec, const std::string& backend, int world,
+void ExpectLabelsMatchPlan(const v1::JobSpec& spec_in, const std::string& backend, int world,
                            const std::string& what) {
   SCOPED_TRACE(what + " on " + backend + ", world " + std::to_string(world));
+  // Resolved at this world size, as the coordinator sends it to the ranks.
+  const absl::StatusOr<v1::JobSpec> resolved = ResolveSpec(spec_in, world, {}, false);
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  const v1::JobSpec& spec = *resolved;
   MemoryPlanOptions options;  // the plan of the backend that runs: cpu-ref's compositions
   options.cpu_reference = backend == "cpu-ref";
   const absl::StatusOr<MemoryPlan> plan = PlanMemory(spec, world, options);
