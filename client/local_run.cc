@@ -28,8 +28,10 @@ using Clock = std::chrono::steady_clock;
 constexpr char kListening[] = "fsdp8-coordinator listening on ";
 
 // Starts argv[0] with its output appended to `log`, in a process group of its own, ending with
-// this process (PR_SET_PDEATHSIG). Returns the pid, or -1 with errno.
-pid_t Spawn(const std::vector<std::string>& argv, const std::string& log) {
+// this process (PR_SET_PDEATHSIG); `inherit_fd` (>= 0) stays open across the exec (the run.lock
+// descriptor; every other child of the CLI, gnuplot say, does not get it). Returns the pid, or -1
+// with errno.
+pid_t Spawn(const std::vector<std::string>& argv, const std::string& log, int inherit_fd) {
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -50,6 +52,7 @@ pid_t Spawn(const std::vector<std::string>& argv, const std::string& log) {
     dup2(fd, 1);
     dup2(fd, 2);
   }
+  if (inherit_fd >= 0) fcntl(inherit_fd, F_SETFD, 0);
   execv(args[0], args.data());
   _exit(127);
 }
@@ -131,10 +134,10 @@ absl::StatusOr<std::unique_ptr<LocalServices>> LocalServices::Start(const LocalR
         absl::StrCat("run: cannot create the state directory ", o.state_dir, ": ", ec.message()));
   std::unique_ptr<LocalServices> s(new LocalServices());
   // One run per state directory: a second would open the same state db. The daemons inherit the
-  // locked descriptor (no O_CLOEXEC), so the lock holds until the last of them has exited, also
-  // when this process is killed and they are still shutting down.
+  // locked descriptor (Spawn), so the lock holds until the last of them has exited, also when
+  // this process is killed and they are still shutting down.
   const std::string lock = (fs::path(o.state_dir) / "run.lock").string();
-  s->lock_fd_ = open(lock.c_str(), O_RDWR | O_CREAT, 0644);
+  s->lock_fd_ = open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (s->lock_fd_ < 0)
     return absl::FailedPreconditionError(absl::StrCat("run: cannot open ", lock, ": ", std::strerror(errno)));
   if (flock(s->lock_fd_, LOCK_EX | LOCK_NB) != 0)
@@ -153,7 +156,7 @@ absl::Status LocalServices::StartCoordinator(const LocalRunOptions& o) {
   coordinator_ = Spawn({(fs::path(o.bin_dir) / "fsdp8-coordinator").string(),
                         "--listen=127.0.0.1:0",
                         "--state_db=" + (fs::path(o.state_dir) / "jobs.db").string()},
-                       log);
+                       log, lock_fd_);
   if (coordinator_ < 0)
     return absl::UnavailableError(absl::StrCat("run: cannot start fsdp8-coordinator: ",
                                                std::strerror(errno)));
@@ -184,7 +187,8 @@ absl::Status LocalServices::StartWorkers(const LocalRunOptions& o) {
       argv.push_back(absl::StrCat("--threads=", std::max(1, o.threads)));
       argv.push_back(absl::StrCat("--name=local-", i));
     }
-    const pid_t pid = Spawn(argv, (fs::path(o.state_dir) / absl::StrCat("worker-", i, ".log")).string());
+    const pid_t pid =
+        Spawn(argv, (fs::path(o.state_dir) / absl::StrCat("worker-", i, ".log")).string(), lock_fd_);
     if (pid < 0)
       return absl::UnavailableError(absl::StrCat("run: cannot start fsdp8-worker: ", std::strerror(errno)));
     workers_.push_back(pid);

@@ -237,7 +237,8 @@ int Export(Args& a, const std::string& address, const fsdp8::ChannelSecurity& se
     // No coordinator (after `fsdp8 run`, say): a checkpoint folder needs none.
     auto unreachable = [&](const absl::Status& s) {
       ReportError(s);
-      if (absl::IsUnavailable(s))
+      // The transport's failure (no server there), not a coordinator's own UNAVAILABLE.
+      if (absl::IsUnavailable(s) && absl::StrContains(s.message(), "connect"))
         fprintf(stderr, "export: \"%s\" is not a folder, so it was taken as a job id, and no "
                 "coordinator answered at %s; give the job's checkpoint folder instead (fsdp8 run: "
                 "<spec>.fsdp8/checkpoints, or the spec's checkpoint.dir)\n", src.c_str(),
@@ -614,8 +615,8 @@ int RunPlan(Context& ctx) {
 // WatchJob with the --plot, --log and --tensorboard flags of ctx (the log file is appended to;
 // the TensorBoard writer is started before anything is watched).
 // Ctrl-C while submit, watch or resume watch a job detaches from it: a line on stderr saying the
-// job goes on, then exit status 130 (the shell's for SIGINT). Only async-signal-safe calls run in
-// the handler: the line is formatted beforehand.
+// job goes on, then the process dies of the SIGINT (status 130 in a shell). Only async-signal-safe
+// calls run in the handler: the line is formatted beforehand.
 char g_detach_line[256];
 size_t g_detach_len = 0;
 void DetachOnInterrupt(const std::string& job_id) {
@@ -625,7 +626,9 @@ void DetachOnInterrupt(const std::string& job_id) {
   g_detach_len = n < 0 ? 0 : std::min<size_t>(n, sizeof g_detach_line - 1);
   signal(SIGINT, [](int) {
     [[maybe_unused]] const ssize_t written = write(STDERR_FILENO, g_detach_line, g_detach_len);
-    _exit(130);
+    // Die of the signal, as without the handler: a calling shell script stops too.
+    signal(SIGINT, SIG_DFL);
+    raise(SIGINT);
   });
 }
 

@@ -376,6 +376,25 @@ TEST_F(ResumeTest, AnotherUsersJobIsRefused) {
   EXPECT_EQ(j->resumes(), 0);
 }
 
+// Pids other than `except` that hold `path` open (their /proc/<pid>/fd links).
+std::set<pid_t> HoldersOf(const fs::path& path, pid_t except) {
+  std::set<pid_t> out;
+  std::error_code ec;
+  const fs::path target = fs::canonical(path, ec);
+  for (const auto& proc : fs::directory_iterator("/proc", ec)) {
+    const std::string name = proc.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(name));
+    if (pid == except) continue;
+    std::error_code fd_ec;
+    for (const auto& fd : fs::directory_iterator(proc.path() / "fd", fd_ec)) {
+      std::error_code link_ec;
+      if (fs::read_symlink(fd.path(), link_ec) == target) out.insert(pid);
+    }
+  }
+  return out;
+}
+
 // `fsdp8 run`: SIGINT saves and stops; the rerun resumes the same job from that checkpoint.
 TEST(LocalRunTest, SigintSavesAndRunAgainResumes) {
   TempDir tmp("local-run-test");
@@ -402,8 +421,12 @@ TEST(LocalRunTest, SigintSavesAndRunAgainResumes) {
       },
       120))
       << ReadFile(dir / "run-1.log");
+  // The daemons hold the state directory's run.lock too (inherited), so a rerun is refused until
+  // the last of them has exited, even when `fsdp8 run` itself is killed.
+  EXPECT_GE(HoldersOf(state / "run.lock", first.pid()).size(), 3u) << "coordinator + 2 workers";
   first.Signal(SIGINT);
   ASSERT_EQ(first.Wait(120s), 130) << ReadFile(dir / "run-1.log");
+  EXPECT_TRUE(HoldersOf(state / "run.lock", -1).empty()) << "a daemon outlived fsdp8 run";
   const std::vector<v1::JobEvent> before = JsonEvents(ReadFile(dir / "run-1.log"));
   ASSERT_FALSE(before.empty());
   EXPECT_EQ(before.back().state(), v1::JOB_STATE_CANCELLED) << before.back().message();
