@@ -315,7 +315,8 @@ absl::Status JobRun::Await(Clock::time_point deadline, const std::string& what,
     if (IsJobError(m)) {
       failed_rank_ = r;
       absl::Status s = RankError(r, m.error());
-      if (!IsDeterministicFailure(s.code())) s = AwaitRootCause(s);
+      if (!IsDeterministicFailure(s.code()))
+        s = AwaitRootCause(s, static_cast<absl::StatusCode>(m.error().code()));
       // A restart would fail the same way: the job fails with this cause.
       if (IsDeterministicFailure(s.code())) recoverable_ = false;
       return s;
@@ -348,14 +349,17 @@ absl::Status JobRun::RankError(int r, const v1::WorkerError& e) const {
   return IsDeterministicFailure(code) ? absl::Status(code, msg) : absl::InternalError(msg);
 }
 
-absl::Status JobRun::AwaitRootCause(absl::Status first) {
+absl::Status JobRun::AwaitRootCause(absl::Status first, absl::StatusCode first_code) {
   const auto until = Clock::now() + std::chrono::milliseconds(250);
   WorkerEvent ev;
   while (inbox_->Pop(&ev, until)) {
     const int r = RankOf(ev.worker_id);
     if (r < 0 || ev.kind != WorkerEvent::kMessage || !IsJobError(ev.message)) continue;
     absl::Status s = RankError(r, ev.message.error());
-    if (IsDeterministicFailure(s.code())) {
+    const bool peers_own = first_code == absl::StatusCode::kUnavailable &&
+                           static_cast<absl::StatusCode>(ev.message.error().code()) !=
+                               absl::StatusCode::kUnavailable;
+    if (IsDeterministicFailure(s.code()) || peers_own) {
       failed_rank_ = r;
       return s;
     }

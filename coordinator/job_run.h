@@ -157,8 +157,9 @@ class JobRun {
   // A rank's failure often surfaces on its peers too (their collectives see it go): `first` came
   // first but is not deterministic, so errors arriving within 250 ms are looked at for the cause
   // (a deterministic one wins and sets failed_rank_). The generation is over: other events are
-  // dropped.
-  absl::Status AwaitRootCause(absl::Status first);
+  // dropped. A rank whose peer left the collective reports UNAVAILABLE (`first_code`, the
+  // worker's code): then another rank's error of any other code is its cause and wins too.
+  absl::Status AwaitRootCause(absl::Status first, absl::StatusCode first_code);
 
   // Start of a generation: resume choice, Assignments, every Ready, RUNNING. Fills *p.
   absl::Status StartGeneration(const v1::JobSpec& spec, Progress* p);
