@@ -160,6 +160,10 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   if (!sh->has_min_workers()) sh->set_min_workers(1);
   if (!sh->has_max_workers()) sh->set_max_workers(sh->min_workers());
   if (!sh->has_alignment()) sh->set_alignment(16);
+  if (!sh->has_replicas()) sh->set_replicas(1);
+  if (sh->optimizer_sharding() == v1::OPTIMIZER_SHARDING_UNSPECIFIED) {
+    sh->set_optimizer_sharding(v1::OPTIMIZER_SHARDING_SHARD_GROUP);
+  }
 
   v1::PrecisionSpec* p = s.mutable_precision();
   if (p->linears() == v1::PRECISION_UNSPECIFIED) p->set_linears(v1::PRECISION_FP8);
@@ -446,8 +450,9 @@ absl::Status CheckOptimizer(const v1::OptimizerSpec& o, int64_t steps) {
   return absl::OkStatus();
 }
 
-// sharding.*: the world-size range and the shard alignment.
-absl::Status CheckSharding(const v1::ShardingSpec& sh) {
+// sharding.*: the world-size range, the shard alignment and the mesh (replicas dividing the
+// world size when both are known; 0 = auto is resolved by the coordinator's placement).
+absl::Status CheckSharding(const v1::ShardingSpec& sh, int world_size) {
   if (sh.min_workers() < 1) {
     return Bad("sharding.min_workers", "must be >= 1", absl::StrCat("got ", sh.min_workers()));
   }
@@ -457,6 +462,17 @@ absl::Status CheckSharding(const v1::ShardingSpec& sh) {
   }
   if (sh.alignment() < 1) {
     return Bad("sharding.alignment", "must be >= 1", absl::StrCat("got ", sh.alignment()));
+  }
+  if (sh.replicas() < 0) {
+    return Bad("sharding.replicas", "must be >= 1, or 0 (auto)", absl::StrCat("got ", sh.replicas()));
+  }
+  if (sh.replicas() > 0 && sh.replicas() > sh.max_workers()) {
+    return Bad("sharding.replicas", "must be <= sharding.max_workers",
+               absl::StrCat(sh.replicas(), " > ", sh.max_workers()));
+  }
+  if (world_size > 0 && sh.replicas() > 0 && world_size % sh.replicas() != 0) {
+    return Bad("sharding.replicas", "must divide the world size",
+               absl::StrCat(world_size, " % ", sh.replicas(), " != 0"));
   }
   return absl::OkStatus();
 }
@@ -653,7 +669,7 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
   FSDP8_RETURN_IF_ERROR(CheckModel(spec.model()));
   FSDP8_RETURN_IF_ERROR(CheckTraining(spec.training(), world_size));
   FSDP8_RETURN_IF_ERROR(CheckOptimizer(spec.optimizer(), spec.training().steps()));
-  FSDP8_RETURN_IF_ERROR(CheckSharding(spec.sharding()));
+  FSDP8_RETURN_IF_ERROR(CheckSharding(spec.sharding(), world_size));
   FSDP8_RETURN_IF_ERROR(CheckPrecision(spec.precision(), spec.model().n_layers()));
   if (spec.backend() != "cpu" && spec.backend() != "cuda") {
     return Bad("backend", "must be \"cpu\" or \"cuda\"", absl::StrCat("got \"", spec.backend(), "\""));
@@ -801,6 +817,8 @@ const std::map<std::string, std::map<std::string, std::string>>& ShortEnumNames(
       {"fsdp8.v1.Fp8Format", {{"hybrid", "FP8_FORMAT_HYBRID"}, {"e4m3", "FP8_FORMAT_E4M3"}}},
       {"fsdp8.v1.AmaxAlgorithm",
        {{"max", "AMAX_ALGORITHM_MAX"}, {"most_recent", "AMAX_ALGORITHM_MOST_RECENT"}}},
+      {"fsdp8.v1.OptimizerSharding",
+       {{"shard_group", "OPTIMIZER_SHARDING_SHARD_GROUP"}, {"world", "OPTIMIZER_SHARDING_WORLD"}}},
   };
   return *m;
 }
@@ -916,6 +934,12 @@ absl::Status ValueToJson(const YAML::Node& n, const FieldDescriptor* f, const st
                                                      absl::StrJoin(names, ", "), ")", Where(n)));
     }
     default: {  // numbers
+      // sharding.replicas: "auto" is 0 (ShardingSpec.replicas).
+      if (f->full_name() == "fsdp8.v1.ShardingSpec.replicas" && !IsQuoted(n) &&
+          absl::AsciiStrToLower(v) == "auto") {
+        *out += "0";
+        return absl::OkStatus();
+      }
       const bool integer = f->cpp_type() != FieldDescriptor::CPPTYPE_DOUBLE &&
                            f->cpp_type() != FieldDescriptor::CPPTYPE_FLOAT;
       std::string json;

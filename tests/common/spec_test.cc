@@ -248,6 +248,18 @@ std::vector<RuleCase> Rules() {
       }, 2, {"sharding.max_workers", "must be >= sharding.min_workers", "2 < 3"});
   add("AlignmentZero", [](v1::JobSpec* s) { s->mutable_sharding()->set_alignment(0); }, 2,
       {"sharding.alignment", "must be >= 1"});
+  add("ReplicasNegative", [](v1::JobSpec* s) { s->mutable_sharding()->set_replicas(-1); }, 2,
+      {"sharding.replicas", "must be >= 1, or 0 (auto)", "got -1"});
+  add("ReplicasAboveMaxWorkers", [](v1::JobSpec* s) {
+        s->mutable_sharding()->set_max_workers(2);
+        s->mutable_sharding()->set_replicas(3);
+      }, 2, {"sharding.replicas", "must be <= sharding.max_workers", "3 > 2"});
+  add("ReplicasNotDividingTheWorld", [](v1::JobSpec* s) {
+        s->mutable_sharding()->set_max_workers(4);
+        s->mutable_sharding()->set_replicas(2);
+        s->mutable_training()->set_global_batch(6);
+        s->mutable_training()->set_microbatch(1);
+      }, 3, {"sharding.replicas", "must divide the world size", "3 % 2 != 0"});
   add("EmbeddingFp8", [](v1::JobSpec* s) { s->mutable_precision()->set_embedding(v1::PRECISION_FP8); },
       2, {"precision.embedding", "precision.embedding: must be BF16 or FP32"});
   add("LmHeadFp8", [](v1::JobSpec* s) { s->mutable_precision()->set_lm_head(v1::PRECISION_FP8); }, 2,

@@ -1,0 +1,49 @@
+// The device mesh of a job: W ranks = R replicas x S ranks per shard group (hybrid sharding, as
+// torchtitan's dp_replicate x dp_shard and Megatron-FSDP's outer/inner data-parallel groups).
+//
+// Rank r is shard index r % S of replica r / S: a shard group is S consecutive ranks (the
+// coordinator places a group inside one host), a replica group is the R ranks of one shard index.
+// Parameters and gradients are sharded over the shard group (the shard plan is made at S ranks)
+// and replicated across replicas; the gradients are reduce-scattered within the group, then summed
+// across the replica group. The optimizer state (FP32 master weights and AdamW moments) is either
+// sharded like the parameters (kShardGroup: replicated across replicas) or over every rank
+// (kWorld, Megatron's HFSDP): shard s of the group is split into R pieces, piece p held by the
+// rank of replica p, so the state's layout is a flat world-W layout with optimizer index s * R + p.
+// R = 1 is flat FSDP (S = W); S = 1 is pure data parallelism.
+//
+// Data: rank r always trains on the global-batch slice of rank r of a flat world-W job, so a
+// hybrid job sees the same tokens per step as the flat one.
+//
+// Thread-safety: pure functions and immutable values.
+#pragma once
+
+#include "absl/status/statusor.h"
+#include "fsdp8/v1/spec.pb.h"
+
+namespace fsdp8 {
+
+struct Mesh {
+  int replicas = 1;    // R
+  int shard_size = 1;  // S, ranks per shard group
+  bool optimizer_over_world = false;  // OPTIMIZER_SHARDING_WORLD
+
+  int world_size() const { return replicas * shard_size; }
+  int Replica(int rank) const { return rank / shard_size; }
+  int ShardIndex(int rank) const { return rank % shard_size; }
+  // Global rank of shard index `shard` in replica `replica`.
+  int RankOf(int replica, int shard) const { return replica * shard_size + shard; }
+  // Ranks the optimizer state is split over (S, or W with optimizer_over_world), and this rank's
+  // piece's index in that flat layout (shard index, or shard index * R + replica).
+  int OptimizerShards() const { return optimizer_over_world ? world_size() : shard_size; }
+  int OptimizerIndex(int rank) const {
+    return optimizer_over_world ? ShardIndex(rank) * replicas + Replica(rank) : ShardIndex(rank);
+  }
+  bool Flat() const { return replicas == 1; }
+};
+
+// The mesh of a spec resolved at world_size (sharding.replicas > 0: auto is resolved by the
+// coordinator before). INVALID_ARGUMENT naming sharding.replicas when it is not >= 1 or does not
+// divide world_size (>= 1).
+absl::StatusOr<Mesh> MeshOf(const v1::JobSpec& resolved, int world_size);
+
+}  // namespace fsdp8

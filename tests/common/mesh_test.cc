@@ -1,0 +1,83 @@
+// The mesh arithmetic (common/mesh.h) against hand-written tables, and the spec's mesh fields.
+#include "common/mesh.h"
+
+#include <set>
+
+#include "common/spec.h"
+#include "gtest/gtest.h"
+
+namespace fsdp8 {
+namespace {
+
+TEST(Mesh, TwoReplicasOfTwoShards) {
+  v1::JobSpec s;
+  s.mutable_sharding()->set_replicas(2);
+  absl::StatusOr<Mesh> m = MeshOf(s, 4);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->shard_size, 2);
+  // rank: replica, shard index (hand table: groups {0,1} and {2,3}; replica groups {0,2}, {1,3}).
+  const int want[4][2] = {{0, 0}, {0, 1}, {1, 0}, {1, 1}};
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(m->Replica(r), want[r][0]) << r;
+    EXPECT_EQ(m->ShardIndex(r), want[r][1]) << r;
+    EXPECT_EQ(m->RankOf(want[r][0], want[r][1]), r);
+    EXPECT_EQ(m->OptimizerIndex(r), want[r][1]);  // SHARD_GROUP: the shard index
+  }
+  EXPECT_EQ(m->OptimizerShards(), 2);
+}
+
+TEST(Mesh, WorldOptimizerShardingIsTheFlatWorldLayout) {
+  v1::JobSpec s;
+  s.mutable_sharding()->set_replicas(2);
+  s.mutable_sharding()->set_optimizer_sharding(v1::OPTIMIZER_SHARDING_WORLD);
+  absl::StatusOr<Mesh> m = MeshOf(s, 6);  // R 2, S 3
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->OptimizerShards(), 6);
+  // Shard s of the group split in 2 pieces, piece p at flat index s * 2 + p.
+  const int want[6] = {0, 2, 4, 1, 3, 5};
+  std::set<int> seen;
+  for (int r = 0; r < 6; ++r) {
+    EXPECT_EQ(m->OptimizerIndex(r), want[r]) << r;
+    seen.insert(m->OptimizerIndex(r));
+  }
+  EXPECT_EQ(seen.size(), 6u);
+}
+
+TEST(Mesh, FlatAndPureDataParallel) {
+  v1::JobSpec s;  // replicas unset: 1
+  absl::StatusOr<Mesh> flat = MeshOf(s, 3);
+  ASSERT_TRUE(flat.ok());
+  EXPECT_TRUE(flat->Flat());
+  EXPECT_EQ(flat->shard_size, 3);
+  s.mutable_sharding()->set_replicas(3);
+  absl::StatusOr<Mesh> dp = MeshOf(s, 3);
+  ASSERT_TRUE(dp.ok());
+  EXPECT_EQ(dp->shard_size, 1);
+  EXPECT_EQ(dp->Replica(2), 2);
+}
+
+TEST(Mesh, RefusesReplicasThatDoNotDivideOrAreUnresolved) {
+  v1::JobSpec s;
+  s.mutable_sharding()->set_replicas(2);
+  absl::StatusOr<Mesh> m = MeshOf(s, 3);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("sharding.replicas"), std::string::npos);
+  s.mutable_sharding()->set_replicas(0);  // auto, not resolved
+  EXPECT_FALSE(MeshOf(s, 2).ok());
+}
+
+TEST(Mesh, YamlSpellings) {
+  absl::StatusOr<v1::JobSpec> s =
+      ParseSpec("sharding: {replicas: auto, optimizer_sharding: world}\n");
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_TRUE(s->sharding().has_replicas());
+  EXPECT_EQ(s->sharding().replicas(), 0);
+  EXPECT_EQ(s->sharding().optimizer_sharding(), v1::OPTIMIZER_SHARDING_WORLD);
+  EXPECT_FALSE(ParseSpec("sharding: {replicas: many}\n").ok());
+  const v1::JobSpec d = WithDefaults(v1::JobSpec(), 4);
+  EXPECT_EQ(d.sharding().replicas(), 1);
+  EXPECT_EQ(d.sharding().optimizer_sharding(), v1::OPTIMIZER_SHARDING_SHARD_GROUP);
+}
+
+}  // namespace
+}  // namespace fsdp8
