@@ -48,6 +48,9 @@ CudaBackend::CudaBackend(int device, const BackendOptions& options)
   FSDP8_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
   uint64_t threshold = UINT64_MAX;
   FSDP8_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+  uint64_t zero = 0;  // the pool's high-water marks from here on (reported at destruction)
+  FSDP8_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &zero));
+  FSDP8_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
 #ifdef FSDP8_WITH_CUDNN
   cudnn_ = std::make_unique<cuda::CudnnAttention>(device_);
   // cuDNN's workspace (1 GiB for the deterministic backward at the 1b shapes) from the stream-
@@ -68,9 +71,30 @@ CudaBackend::CudaBackend(int device, const BackendOptions& options)
   }
 }
 
+// One line on stderr (the worker's log) per backend: what the stream-ordered pool reserved from the
+// device at its peak against what it handed out and the backend's own count, so that the memory
+// plan's allocator term (kPoolOverheadFraction, common/memory_plan.h) can be checked against the
+// pool's behaviour rather than only against NVML.
+void CudaBackend::ReportPoolPeaks() const {
+  cudaMemPool_t pool;
+  uint64_t reserved = 0, used = 0;
+  if (cudaDeviceGetDefaultMemPool(&pool, device_) != cudaSuccess ||
+      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &reserved) != cudaSuccess ||
+      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &used) != cudaSuccess) {
+    return;
+  }
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  std::fprintf(stderr,
+               "fsdp8 cuda: memory pool peaks: reserved %.3f GiB, used %.3f GiB; backend count "
+               "peak %.3f GiB (reserved / count %.4f)\n",
+               reserved / gib, used / gib, PeakAllocatedBytes() / gib,
+               PeakAllocatedBytes() > 0 ? static_cast<double>(reserved) / PeakAllocatedBytes() : 0.0);
+}
+
 CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   cudaStreamSynchronize(stream_);
+  ReportPoolPeaks();
   prof_.reset();
   lt_.reset();
 #ifdef FSDP8_WITH_CUDNN

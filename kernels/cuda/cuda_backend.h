@@ -188,6 +188,7 @@ class CudaBackend final : public Backend, public CudaStreams {
   void* Scratch(int i, size_t bytes);
   // Recounts the workspaces' bytes (after one may have grown) and raises the peak.
   void CountWorkspaces();
+  void ReportPoolPeaks() const;  // one stderr line: the pool's reserved and used peaks
   // Bytes from p to the end of the Alloc'd buffer containing it; 0 when unknown.
   size_t BytesToEndOfAllocation(const void* p) const;
   void Bind() const;
