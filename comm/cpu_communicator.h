@@ -43,6 +43,8 @@ struct CpuCommOptions {
 // the address Gloo's peers reach this rank at). *transport (when given) is set to "shared memory"
 // or "gloo". With options.overlap and world_size > 1 the communicator is wrapped in an
 // AsyncCommunicator. Errors: those of the rendezvous and of GlooCommunicator::Create.
+// `store` must outlive the communicator and every sub-communicator split from it: Split
+// rendezvouses each sub-group through it (comm/cpu_split.h).
 absl::StatusOr<std::unique_ptr<Communicator>> CreateCpuCommunicator(
     int rank, int world_size, KvStore* store, const std::string& prefix, const std::string& host,
     std::chrono::milliseconds timeout, std::chrono::milliseconds bootstrap_timeout,

@@ -209,8 +209,9 @@ TEST_P(SplitTest, KeysOrderTheRanks) {
     ASSERT_TRUE(nested);
     ASSERT_TRUE(nested->AllGather(&me, order, 1).ok());
     // reversed ranks 0..3 are old 3..0; parity 0: reversed {0, 2} = old {3, 1}, keys 0, -2.
-    if ((3 - r) % 2 == 0) EXPECT_EQ(std::vector<uint8_t>(order, order + 2), (std::vector<uint8_t>{1, 3}));
-    if ((3 - r) % 2 == 1) EXPECT_EQ(std::vector<uint8_t>(order, order + 2), (std::vector<uint8_t>{0, 2}));
+    const std::vector<uint8_t> want =
+        (3 - r) % 2 == 0 ? std::vector<uint8_t>{1, 3} : std::vector<uint8_t>{0, 2};
+    EXPECT_EQ(std::vector<uint8_t>(order, order + 2), want);
   });
 }
 
@@ -322,7 +323,9 @@ TEST_P(SplitTest, SendRecvRing) {
       for (int64_t i = 0; i < n; i += 4093) {
         ASSERT_EQ(in[i], static_cast<uint8_t>((i * 13 + prev * 101) % 251)) << i;
       }
-      if (n > 0) EXPECT_EQ(in[n - 1], static_cast<uint8_t>(((n - 1) * 13 + prev * 101) % 251));
+      if (n > 0) {
+        EXPECT_EQ(in[n - 1], static_cast<uint8_t>(((n - 1) * 13 + prev * 101) % 251));
+      }
     }
     EXPECT_EQ(c->Send(&r, 4, r).code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(c->Recv(&r, 4, 3).code(), absl::StatusCode::kInvalidArgument);
@@ -366,7 +369,9 @@ TEST_P(SplitTest, AllReduceAsyncOverlapsAnAllGatherAsync) {
     ASSERT_TRUE(t1.ok() && t2.ok());
     EXPECT_GT(*t1, 0);
     EXPECT_GT(*t2, *t1);
-    if (r % 2 == 0) EXPECT_LT(issued, 0.2);  // did not wait for the late peer
+    if (r % 2 == 0) {
+      EXPECT_LT(issued, 0.2);  // did not wait for the late peer
+    }
     shard->Wait(*t2);  // covers t1
     const float want = static_cast<float>(r / 2 * 2 + 1 + r / 2 * 2 + 2);
     EXPECT_EQ(grad[0], want);
