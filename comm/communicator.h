@@ -97,11 +97,11 @@ class Communicator {
   // Point-to-point: this rank and `peer` only (the other ranks take no part and are not ordered
   // with it). Send moves `bytes` bytes from buf to peer's matching Recv, which writes them into
   // its buf; the n-th Send to a peer matches that peer's n-th Recv from this rank. Both block:
-  // Send until the peer's Recv has taken the data (a Send may wait for the Recv to start, so
-  // order them so that each Send meets its Recv, e.g. even ranks send first in a ring), Recv
-  // until the data is in buf (NCCL: stream-ordered as the blocking collectives: compute ops
-  // enqueued later see the data). bytes may be 0 (it still meets the peer). buf is device
-  // memory of the matching Backend.
+  // Send until buf may be reused and the peer's matching Recv has started (so order them that
+  // each Send meets its Recv, e.g. even ranks send first in a ring: a ring where every rank
+  // sends first deadlocks), Recv until the data is in buf (NCCL: stream-ordered as its blocking
+  // collectives: compute ops enqueued later see the data). bytes may be 0 (it still meets the
+  // peer). buf is device memory of the matching Backend.
   // Errors: INVALID_ARGUMENT for a peer out of [0, world_size) or equal to rank() or negative
   // bytes (the communicator stays usable); a size that differs between the Send and its Recv
   // fails both (INVALID_ARGUMENT naming both ranks and sizes) as C09 mismatches do, where the

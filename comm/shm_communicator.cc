@@ -496,11 +496,17 @@ absl::Status SharedMemoryCommunicator::Transfer(void* buf, int64_t bytes, int pe
   if (absl::Status s = CheckPeer(sending ? "send" : "recv", peer, bytes); !s.ok()) return s;
   if (failed_.load()) return Failed();
   const int from = sending ? rank_ : peer, to = sending ? peer : rank_;
-  ShmPair& pair = ctl_->pairs[from][to];
   const int64_t n = ++(sending ? sends_ : recvs_)[peer];
   const Call call{sending ? kOpSend : kOpRecv, static_cast<uint64_t>(n), from, to};
   const auto deadline = Clock::now() + timeout_;
-  // C09: publish this side's size, wait for the other side's, compare.
+  if (absl::Status s = MatchSizes(bytes, sending, call, deadline); !s.ok()) return s;
+  return MoveChunks(static_cast<uint8_t*>(buf), bytes, sending, call, deadline);
+}
+
+absl::Status SharedMemoryCommunicator::MatchSizes(int64_t bytes, bool sending, const Call& call,
+                                                  Clock::time_point deadline) {
+  ShmPair& pair = ctl_->pairs[call.from][call.to];
+  const int64_t n = static_cast<int64_t>(call.seq);
   (sending ? pair.send_bytes : pair.recv_bytes).store(bytes);
   (sending ? pair.send_n : pair.recv_n).store(n);
   Ring(pair);
@@ -510,24 +516,28 @@ absl::Status SharedMemoryCommunicator::Transfer(void* buf, int64_t bytes, int pe
       !s.ok())
     return s;
   const int64_t other = (sending ? pair.recv_bytes : pair.send_bytes).load();
-  if (absl::Status s = CheckTransfer(sending, n, from, sending ? bytes : other, to,
-                                     sending ? other : bytes);
-      !s.ok())
-    return Fail(s);
-  // The data, a slot at a time; an empty transfer still passes one empty chunk.
-  int64_t& base = (sending ? chunks_out_ : chunks_in_)[peer];
+  absl::Status s = CheckTransfer(sending, n, call.from, sending ? bytes : other, call.to,
+                                 sending ? other : bytes);
+  return s.ok() ? s : Fail(s);
+}
+
+absl::Status SharedMemoryCommunicator::MoveChunks(uint8_t* data, int64_t bytes, bool sending,
+                                                  const Call& call, Clock::time_point deadline) {
+  ShmPair& pair = ctl_->pairs[call.from][call.to];
+  int64_t& base = (sending ? chunks_out_ : chunks_in_)[sending ? call.to : call.from];
   const int64_t chunks = std::max<int64_t>(1, (bytes + kSlotBytes - 1) / kSlotBytes);
-  uint8_t* data = static_cast<uint8_t*>(buf);
+  // Chunk k (cumulative number base + k + 1 of the pair): the sender writes it once chunk k - 1
+  // was taken, the receiver copies it out once it is posted.
+  std::atomic<int64_t>& awaited = sending ? pair.taken : pair.posted;
   for (int64_t k = 0; k < chunks; ++k) {
     const int64_t len = std::min(kSlotBytes, bytes - k * kSlotBytes);
-    const int64_t ready = base + k + (sending ? 0 : 1);  // taken (sending) / posted (receiving)
-    std::atomic<int64_t>& counter = sending ? pair.taken : pair.posted;
-    if (absl::Status s = Await(&pair.bell, &pair.waiters,
-                               [&] { return counter.load() >= ready; }, deadline, call);
+    const int64_t ready = base + k + (sending ? 0 : 1);
+    if (absl::Status s = Await(&pair.bell, &pair.waiters, [&] { return awaited.load() >= ready; },
+                               deadline, call);
         !s.ok())
       return s;
-    if (len > 0 && sending) std::memcpy(Slot(from), data + k * kSlotBytes, len);
-    if (len > 0 && !sending) std::memcpy(data + k * kSlotBytes, Slot(from), len);
+    if (len > 0 && sending) std::memcpy(Slot(call.from), data + k * kSlotBytes, len);
+    if (len > 0 && !sending) std::memcpy(data + k * kSlotBytes, Slot(call.from), len);
     (sending ? pair.posted : pair.taken).store(base + k + 1);
     Ring(pair);
   }

@@ -127,6 +127,14 @@ class SharedMemoryCommunicator : public CpuCommunicatorBase {
                      Clock::time_point deadline, const Call& call);
   // Send (sending) or Recv of `bytes` at buf with `peer`.
   absl::Status Transfer(void* buf, int64_t bytes, int peer, bool sending);
+  // Transfer `call` (from, to, number): publishes this side's size, waits for the other side's
+  // and compares them (C09).
+  absl::Status MatchSizes(int64_t bytes, bool sending, const Call& call,
+                          Clock::time_point deadline);
+  // The data of transfer `call` through the sender's slot, a slot at a time (an empty transfer
+  // passes one empty chunk); the sender returns once the receiver took the last chunk.
+  absl::Status MoveChunks(uint8_t* data, int64_t bytes, bool sending, const Call& call,
+                          Clock::time_point deadline);
   // UNAVAILABLE naming the peer when another rank marked the segment failed, else OK.
   absl::Status PeerFailure(const Call& call);
   // Why waiting must stop now (abort, a failed or vanished peer, the deadline), or OK.
