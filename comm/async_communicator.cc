@@ -111,10 +111,37 @@ absl::StatusOr<int64_t> AsyncCommunicator::ReduceScatterSumAsync(const float* se
   return t;
 }
 
-absl::Status AsyncCommunicator::AllReduce(float* buf, int64_t count, ReduceOp op) {
+absl::StatusOr<int64_t> AsyncCommunicator::AllReduceAsync(float* buf, int64_t count,
+                                                          ReduceOp op) {
   absl::StatusOr<int64_t> t = Enqueue([=, this] { return inner_->AllReduce(buf, count, op); });
   if (t.ok()) bytes_.all_reduce += count * static_cast<int64_t>(sizeof(float));
-  return Finish(t);
+  return t;
+}
+
+absl::Status AsyncCommunicator::AllReduce(float* buf, int64_t count, ReduceOp op) {
+  return Finish(AllReduceAsync(buf, count, op));
+}
+
+absl::Status AsyncCommunicator::Send(const void* buf, int64_t bytes, int peer) {
+  return Finish(Enqueue([=, this] { return inner_->Send(buf, bytes, peer); }));
+}
+
+absl::Status AsyncCommunicator::Recv(void* buf, int64_t bytes, int peer) {
+  return Finish(Enqueue([=, this] { return inner_->Recv(buf, bytes, peer); }));
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> AsyncCommunicator::Split(int color, int key) {
+  absl::StatusOr<std::unique_ptr<Communicator>> child =
+      absl::UnknownError("split: not run");  // set on the helper thread before Finish returns
+  // The split's error is returned, not recorded: this communicator is left as the wrapped one
+  // leaves it (failed when the exchange failed, usable when only the sub-group's rendezvous did).
+  absl::Status s = Finish(Enqueue([&, this] {
+    child = inner_->Split(color, key);
+    return absl::OkStatus();
+  }));
+  if (!s.ok()) return s;
+  if (!child.ok()) return child.status();
+  return std::unique_ptr<Communicator>(std::make_unique<AsyncCommunicator>(std::move(*child)));
 }
 
 absl::Status AsyncCommunicator::Broadcast(void* buf, int64_t bytes, int root) {

@@ -8,7 +8,7 @@
 //
 // Order: collectives run on the helper thread in the order they were called, so the ranks'
 // sequences still match (C09). A blocking call (AllGather, ReduceScatterSum, AllReduce,
-// Broadcast, Barrier, Verify) waits for every collective called before it and for itself.
+// Broadcast, Barrier, Verify, Split, Send, Recv) waits for every collective called before it and for itself.
 //
 // Errors: a failed collective's status is kept as this communicator's first error; every later
 // call then fails fast with it (a deferred call when it is issued, a blocking call on return),
@@ -23,6 +23,15 @@
 // and forwards to the wrapped communicator at once (from any thread, its contract): the
 // collective running on the helper thread returns, every queued one is skipped, and every later
 // call fails fast.
+//
+// Split(color, key) waits for every collective called before it (they run first, in order),
+// then splits the wrapped communicator on the helper thread and wraps the sub-communicator in an
+// AsyncCommunicator of its own (its own helper thread): it overlaps as this one does, and is
+// independent of it (either may be destroyed or aborted first). A failed split is returned, not
+// recorded here: this communicator is then as the wrapped one is (failed when the exchange
+// failed; usable when only the sub-group's rendezvous did). Send and Recv are blocking
+// calls: they wait for every collective called before them, then run on the helper thread.
+// AllReduceAsync is deferred as AllGatherAsync is.
 //
 // ConsumeExposedSeconds(): seconds the caller stood blocked in Wait() since the last call. The
 // time inside blocking calls is the caller's to measure, as for a blocking communicator. For
@@ -67,7 +76,11 @@ class AsyncCommunicator : public Communicator {
   absl::Status Broadcast(void* buf, int64_t bytes, int root) override;
   absl::Status Barrier() override;
   void Abort(const std::string& reason) override;
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override;
+  absl::Status Send(const void* buf, int64_t bytes, int peer) override;
+  absl::Status Recv(void* buf, int64_t bytes, int peer) override;
 
+  absl::StatusOr<int64_t> AllReduceAsync(float* buf, int64_t count, ReduceOp op) override;
   absl::StatusOr<int64_t> AllGatherAsync(const void* send, void* recv,
                                          int64_t bytes_per_rank) override;
   absl::StatusOr<int64_t> ReduceScatterSumAsync(const float* send, float* recv,

@@ -19,6 +19,8 @@ const char* CollectiveOpName(int op) {
     case kOpAllReduceMax: return "all_reduce(max)";
     case kOpBroadcast: return "broadcast";
     case kOpBarrier: return "barrier";
+    case kOpSend: return "send";
+    case kOpRecv: return "recv";
   }
   return "unknown";
 }
@@ -55,6 +57,14 @@ absl::Status CheckHeaders(const CollectiveHeader* all, int world, int rank) {
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckTransfer(bool sending, int64_t n, int sender, int64_t sent, int receiver,
+                           int64_t received) {
+  if (sent == received) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      sending ? "send #" : "recv #", n, " from rank ", sender, " to rank ", receiver, ": rank ",
+      sender, " sends ", sent, " bytes, rank ", receiver, " receives ", received, " bytes"));
 }
 
 }  // namespace fsdp8

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 
@@ -19,11 +20,14 @@ enum CollectiveOp : int {
   kOpAllReduceSum = 3,
   kOpAllReduceMax = 4,
   kOpBroadcast = 5,
-  kOpBarrier = 6
+  kOpBarrier = 6,
+  kOpSend = 7,  // point-to-point (no header exchange: the two sides compare their sizes)
+  kOpRecv = 8
 };
 enum CollectiveDtype : int { kDtypeU8 = 1, kDtypeF32 = 2, kDtypeNone = 3 };
 
-// "all_gather", "reduce_scatter", "all_reduce(sum)", "all_reduce(max)", "broadcast", "barrier".
+// "all_gather", "reduce_scatter", "all_reduce(sum)", "all_reduce(max)", "broadcast", "barrier",
+// "send", "recv".
 const char* CollectiveOpName(int op);
 
 // One rank's description of its collective #seq (32 bytes, plain data: it travels as bytes).
@@ -42,5 +46,12 @@ struct CollectiveHeader {
 // otherwise INVALID_ARGUMENT naming the collective, its sequence number and what differs (the op,
 // the count with its unit, the dtype or the root), from the view of `rank`.
 absl::Status CheckHeaders(const CollectiveHeader* all, int world, int rank);
+
+// OK when a point-to-point transfer's sizes agree; otherwise INVALID_ARGUMENT from the view of
+// `rank` (its side: "send" or "recv"; n: the pair's transfer number, 1, 2, ...), the same on
+// both sides but for the side, e.g.
+//   "send #3 from rank 0 to rank 2: rank 0 sends 1024 bytes, rank 2 receives 1000 bytes".
+absl::Status CheckTransfer(bool sending, int64_t n, int sender, int64_t sent, int receiver,
+                           int64_t received);
 
 }  // namespace fsdp8

@@ -4,6 +4,11 @@
 // With 2 or more ranks either runs its collectives on one helper thread per rank
 // (comm/async_communicator.h) unless CpuCommOptions::overlap is off.
 //
+// Split (Communicator::Split, comm/cpu_split.h) makes the same choice per sub-group: shared
+// memory when every rank of the sub-group shares this machine (e.g. a shard group inside one
+// host), Gloo otherwise (a replica group across hosts), whatever the parent's transport; with
+// the transport set to Gloo, Gloo. A wrapped communicator's sub-communicators are wrapped too.
+//
 // Thread-safety: CreateCpuCommunicator may run on several threads at once (one per rank).
 #pragma once
 
@@ -26,6 +31,9 @@ struct CpuCommOptions {
   // value runs those of a job of 2 or more ranks on a helper thread (comm/async_communicator.h),
   // so that FSDP's all-gathers and reduce-scatters overlap compute. Ranks may differ here.
   bool overlap = true;
+  // This rank's machine as the shared-memory choice compares it across ranks; "" (the default):
+  // SharedMemoryCommunicator::MachineIdentity(). Tests set it to place ranks on "machines".
+  std::string machine;
 
   static CpuCommOptions FromEnvironment();
 };
@@ -35,6 +43,8 @@ struct CpuCommOptions {
 // the address Gloo's peers reach this rank at). *transport (when given) is set to "shared memory"
 // or "gloo". With options.overlap and world_size > 1 the communicator is wrapped in an
 // AsyncCommunicator. Errors: those of the rendezvous and of GlooCommunicator::Create.
+// `store` must outlive the communicator and every sub-communicator split from it: Split
+// rendezvouses each sub-group through it (comm/cpu_split.h).
 absl::StatusOr<std::unique_ptr<Communicator>> CreateCpuCommunicator(
     int rank, int world_size, KvStore* store, const std::string& prefix, const std::string& host,
     std::chrono::milliseconds timeout, std::chrono::milliseconds bootstrap_timeout,

@@ -69,6 +69,14 @@ absl::Status GlooCall(const std::string& what, F&& f) {
 // pair's messages match by slot.
 uint64_t SlotOf(uint64_t seq, int phase) { return seq * 4 + static_cast<uint64_t>(phase); }
 
+// The slot of phase `phase` (0: the sender's size, 1: the receiver's, 2: the data) of transfer
+// #n of a pair in one direction (low_sends: from the lower rank to the higher): bit 62 keeps it
+// apart from the collectives'.
+uint64_t TransferSlot(int64_t n, bool low_sends, int phase) {
+  return (uint64_t{1} << 62) | (static_cast<uint64_t>(n) << 3) | (low_sends ? 4u : 0u) |
+         static_cast<uint64_t>(phase);
+}
+
 // Slice bounds of `total` units over `world` ranks: rank p's are [begin[p], begin[p+1]). equal:
 // total is a multiple of world (slices of total / world); otherwise near-equal slices
 // (total * p / world).
@@ -106,13 +114,23 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
                                                " failed (are all ranks up and reachable?): ",
                                                s.message()));
   }
-  return std::unique_ptr<GlooCommunicator>(new GlooCommunicator(rank, world_size, ctx, timeout));
+  const CpuBootstrap bootstrap{store, prefix, timeout, bootstrap_timeout};
+  return std::unique_ptr<GlooCommunicator>(
+      new GlooCommunicator(rank, world_size, ctx, bootstrap, host));
 }
 
 GlooCommunicator::GlooCommunicator(int rank, int world_size, std::shared_ptr<gloo::Context> ctx,
-                                   std::chrono::milliseconds timeout)
-    : rank_(rank), world_size_(world_size), ctx_(std::move(ctx)), timeout_(timeout),
-      headers_(4 * static_cast<size_t>(world_size)) {
+                                   const CpuBootstrap& bootstrap, const std::string& host)
+    : CpuCommunicatorBase(bootstrap,
+                          [host](int r, int w, const CpuBootstrap& b)
+                              -> absl::StatusOr<std::unique_ptr<Communicator>> {
+                            auto c = Create(r, w, b.store, b.prefix, host, b.timeout,
+                                            b.bootstrap_timeout);
+                            if (!c.ok()) return c.status();
+                            return std::unique_ptr<Communicator>(std::move(*c));
+                          }),
+      rank_(rank), world_size_(world_size), ctx_(std::move(ctx)), timeout_(bootstrap.timeout),
+      headers_(4 * static_cast<size_t>(world_size)), sends_(world_size), recvs_(world_size) {
   static_assert(sizeof(CollectiveHeader) == 4 * sizeof(int64_t), "a header is 4 words");
 }
 
@@ -377,6 +395,59 @@ absl::Status GlooCommunicator::Broadcast(void* buf, int64_t bytes, int root) {
 absl::Status GlooCommunicator::Barrier() {
   uint64_t seq;
   return Check(kOpBarrier, 0, kDtypeNone, 0, &seq);
+}
+
+// ---- Point-to-point ----
+
+absl::Status GlooCommunicator::Send(const void* buf, int64_t bytes, int peer) {
+  return Transfer(const_cast<void*>(buf), bytes, peer, /*sending=*/true);
+}
+
+absl::Status GlooCommunicator::Recv(void* buf, int64_t bytes, int peer) {
+  return Transfer(buf, bytes, peer, /*sending=*/false);
+}
+
+absl::Status GlooCommunicator::ExchangeSizes(int peer, uint64_t send_slot, uint64_t recv_slot,
+                                             Clock::time_point deadline,
+                                             const std::string& name) {
+  Buffer mine(this, &sizes_[0], sizeof(int64_t));
+  Buffer theirs(this, &sizes_[1], sizeof(int64_t));
+  absl::Status s = GlooCall(name, [&] {
+    mine->send(peer, send_slot, 0, sizeof(int64_t));
+    theirs->recv(peer, recv_slot, 0, sizeof(int64_t));
+  });
+  if (!s.ok()) return Fail(s);
+  if (s = Wait(theirs, true, 1, deadline, name); !s.ok()) return s;
+  return Wait(mine, false, 1, deadline, name);
+}
+
+absl::Status GlooCommunicator::Transfer(void* buf, int64_t bytes, int peer, bool sending) {
+  const char* what = sending ? "send" : "recv";
+  if (absl::Status s = CheckPeer(what, peer, bytes); !s.ok()) return s;
+  if (failed_.load()) return Failed();
+  const int from = sending ? rank_ : peer, to = sending ? peer : rank_;
+  const int64_t n = ++(sending ? sends_ : recvs_)[peer];
+  const bool low = from < to;
+  const std::string name = absl::StrCat(what, " #", n, " from rank ", from, " to rank ", to);
+  const auto deadline = Clock::now() + timeout_;
+  sizes_[0] = bytes;
+  if (absl::Status s = ExchangeSizes(peer, TransferSlot(n, low, sending ? 0 : 1),
+                                     TransferSlot(n, low, sending ? 1 : 0), deadline, name);
+      !s.ok())
+    return s;
+  const int64_t other = sizes_[1];
+  if (absl::Status s = CheckTransfer(sending, n, from, sending ? bytes : other, to,
+                                     sending ? other : bytes);
+      !s.ok())
+    return Fail(s);
+  if (bytes == 0) return absl::OkStatus();
+  Buffer data(this, buf, static_cast<size_t>(bytes));
+  absl::Status s = GlooCall(name, [&] {
+    if (sending) data->send(peer, TransferSlot(n, low, 2), 0, static_cast<size_t>(bytes));
+    if (!sending) data->recv(peer, TransferSlot(n, low, 2), 0, static_cast<size_t>(bytes));
+  });
+  if (!s.ok()) return Fail(s);
+  return Wait(data, !sending, 1, deadline, name);
 }
 
 }  // namespace fsdp8

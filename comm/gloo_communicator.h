@@ -32,6 +32,15 @@
 // which cost a thread wake-up per buffer per collective (on 2 ranks of the default job, Gloo's
 // threads then used about a third as much CPU as the ranks' compute).
 //
+// Point-to-point (Send/Recv): the two sides first send each other their sizes (so a mismatch
+// fails both, C09, and a Send returns only once its Recv has started), then the data goes from
+// the sender's buffer to the receiver's. Their slots are apart from the collectives' and per
+// direction of the pair, numbered by the pair's transfer count.
+//
+// Split (comm/cpu_split.h): the sub-group connects a mesh of its own (its own TCP connections)
+// through the KvStore this communicator was created with, under the sub-group's prefix, with
+// the same host and timeouts.
+//
 // Errors: Gloo exceptions are caught here and returned as Status: timeouts DEADLINE_EXCEEDED, peer
 // I/O failures UNAVAILABLE, other failures INTERNAL, each with Gloo's message. After any failure
 // (or Abort) every later call fails fast with the first error.
@@ -55,6 +64,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "comm/communicator.h"
+#include "comm/cpu_split.h"
 #include "comm/kv_store.h"
 
 namespace gloo {
@@ -66,12 +76,14 @@ class UnboundBuffer;
 
 namespace fsdp8 {
 
-class GlooCommunicator : public Communicator {
+class GlooCommunicator : public CpuCommunicatorBase {
  public:
   // Connects the full mesh (blocks until every rank has published its address or
   // `bootstrap_timeout` passes; 0: `timeout`). `timeout` bounds each TCP connect (Gloo waits up to
   // 5x it) and each collective afterwards.
   // host: the address peers use to reach this rank. prefix: this generation's key prefix.
+  // Split's sub-communicators are GlooCommunicators over the same store, host and timeouts (see
+  // comm/cpu_split.h: the store must outlive them) unless set_subgroup_factory says otherwise.
   static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
       int rank, int world_size, KvStore* store, const std::string& prefix, const std::string& host,
       std::chrono::milliseconds timeout,
@@ -86,6 +98,8 @@ class GlooCommunicator : public Communicator {
   absl::Status Broadcast(void* buf, int64_t bytes, int root) override;
   absl::Status Barrier() override;
   void Abort(const std::string& reason) override;
+  absl::Status Send(const void* buf, int64_t bytes, int peer) override;
+  absl::Status Recv(void* buf, int64_t bytes, int peer) override;
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -100,7 +114,12 @@ class GlooCommunicator : public Communicator {
   static constexpr size_t kCachedBuffers = 64;
 
   GlooCommunicator(int rank, int world_size, std::shared_ptr<gloo::Context> ctx,
-                   std::chrono::milliseconds timeout);
+                   const CpuBootstrap& bootstrap, const std::string& host);
+  // Send (sending) or Recv of `bytes` at buf with `peer`.
+  absl::Status Transfer(void* buf, int64_t bytes, int peer, bool sending);
+  // Sends this side's size of transfer `name` to the peer and receives the peer's (sizes_).
+  absl::Status ExchangeSizes(int peer, uint64_t send_slot, uint64_t recv_slot,
+                             Clock::time_point deadline, const std::string& name);
   // Header exchange + mismatch check; returns the collective's sequence number in *seq.
   absl::Status Check(int op, int64_t count, int dtype, int64_t extra, uint64_t* seq);
   // data holds W slices, rank p's bytes [begin[p], begin[p+1]); this rank's is in place. Sends it
@@ -139,6 +158,8 @@ class GlooCommunicator : public Communicator {
   uint64_t uses_ = 0;
   std::vector<int64_t> headers_;  // the header exchange's buffer: 4 words per rank
   std::vector<float> parts_;      // ReduceSlices' receive buffer
+  std::vector<int64_t> sends_, recvs_;  // point-to-point transfers by peer
+  int64_t sizes_[2] = {0, 0};           // a transfer's sizes: this side's, the peer's
 };
 
 }  // namespace fsdp8

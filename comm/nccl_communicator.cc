@@ -71,7 +71,10 @@ bool HexDecode(const std::string& s, void* out, size_t n) {
   return true;
 }
 
-enum class Op : int64_t { kAllGather = 1, kReduceScatterSum, kAllReduceSum, kAllReduceMax, kBroadcast, kBarrier };
+enum class Op : int64_t {
+  kAllGather = 1, kReduceScatterSum, kAllReduceSum, kAllReduceMax, kBroadcast, kBarrier, kSplit,
+  kSend, kRecv
+};
 
 const char* OpName(int64_t op) {
   switch (static_cast<Op>(op)) {
@@ -81,6 +84,9 @@ const char* OpName(int64_t op) {
     case Op::kAllReduceMax: return "AllReduce(max)";
     case Op::kBroadcast: return "Broadcast";
     case Op::kBarrier: return "Barrier";
+    case Op::kSplit: return "Split";
+    case Op::kSend: return "Send";
+    case Op::kRecv: return "Recv";
   }
   return "unknown collective";
 }
@@ -89,7 +95,10 @@ const char* CountUnit(int64_t op) {
   switch (static_cast<Op>(op)) {
     case Op::kAllGather: return "bytes per rank";
     case Op::kBroadcast: return "bytes";
+    case Op::kSend: return "bytes";
+    case Op::kRecv: return "bytes";
     case Op::kBarrier: return "";
+    case Op::kSplit: return "";
     default: return "f32 elements";
   }
 }
@@ -107,7 +116,8 @@ class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(int rank, int world, CudaStreams* backend, std::chrono::milliseconds timeout,
                    const NcclOptions& options)
-      : rank_(rank), world_(world), backend_(backend), timeout_(timeout) {
+      : rank_(rank), world_(world), backend_(backend), timeout_(timeout), options_(options),
+        sends_(world), recvs_(world) {
     check_headers_ = options.check_collectives != NcclOptions::CollectiveCheck::kOff;
     sync_headers_ = options.check_collectives == NcclOptions::CollectiveCheck::kSync;
   }
@@ -155,32 +165,14 @@ class NcclCommunicator final : public Communicator {
     if (hdr_dev_) cudaFree(hdr_dev_);
     if (hdr_host_) cudaFreeHost(hdr_host_);
     if (scratch_dev_) cudaFree(scratch_dev_);
+    if (sizes_host_) cudaFreeHost(sizes_host_);
+    if (sizes_event_) cudaEventDestroy(sizes_event_);
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
   }
 
   // Waits up to `bootstrap` for every rank to join.
   absl::Status Init(const ncclUniqueId& id, std::chrono::milliseconds bootstrap) {
-    cudaError_t e = cudaSetDevice(backend_->device());
-    if (e != cudaSuccess) return absl::InternalError(absl::StrCat("nccl: cudaSetDevice: ", CudaErr(e)));
-    int prio_lo = 0, prio_hi = 0;
-    cudaDeviceGetStreamPriorityRange(&prio_lo, &prio_hi);
-    if ((e = cudaStreamCreateWithPriority(&comm_stream_, cudaStreamNonBlocking, prio_hi)) != cudaSuccess ||
-        (e = cudaEventCreateWithFlags(&compute_ready_, cudaEventDisableTiming)) != cudaSuccess ||
-        (e = cudaMalloc(&hdr_dev_, sizeof(Header) * (world_ + 1) * kHeaderSlots)) != cudaSuccess ||
-        (e = cudaMallocHost(&hdr_host_, sizeof(Header) * (world_ + 1) * kHeaderSlots)) != cudaSuccess ||
-        (e = cudaMalloc(&scratch_dev_, 256)) != cudaSuccess) {
-      return absl::InternalError(absl::StrCat("nccl: CUDA setup on device ", backend_->device(), ": ", CudaErr(e)));
-    }
-    hdr_events_.assign(kHeaderSlots, nullptr);
-    {
-      absl::MutexLock l(&mu_);  // no other thread yet: the watchdog starts below
-      hdr_slot_seq_.assign(kHeaderSlots, 0);
-    }
-    for (cudaEvent_t& ev : hdr_events_) {
-      if ((e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)) != cudaSuccess) {
-        return absl::InternalError(absl::StrCat("nccl: cudaEventCreate: ", CudaErr(e)));
-      }
-    }
+    if (absl::Status s = SetupCuda(); !s.ok()) return s;
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclResult_t r = ncclCommInitRankConfig(&comm_, world_, id, rank_, &config);
@@ -205,6 +197,48 @@ class NcclCommunicator final : public Communicator {
                                               rank_, " of ", world_, ": ", NcclErr(r)));
     }
     watchdog_ = std::thread([this] { WatchdogLoop(); });
+    return absl::OkStatus();
+  }
+
+  // Takes over `comm`, an initialised communicator (ncclCommSplit's result); aborts it when the
+  // CUDA setup fails.
+  absl::Status Adopt(ncclComm_t comm) {
+    if (absl::Status s = SetupCuda(); !s.ok()) {
+      ncclCommAbort(comm);
+      return s;
+    }
+    comm_ = comm;
+    watchdog_ = std::thread([this] { WatchdogLoop(); });
+    return absl::OkStatus();
+  }
+
+  // The communication stream, events and buffers of the device.
+  absl::Status SetupCuda() {
+    cudaError_t e = cudaSetDevice(backend_->device());
+    if (e != cudaSuccess) return absl::InternalError(absl::StrCat("nccl: cudaSetDevice: ", CudaErr(e)));
+    int prio_lo = 0, prio_hi = 0;
+    cudaDeviceGetStreamPriorityRange(&prio_lo, &prio_hi);
+    if ((e = cudaStreamCreateWithPriority(&comm_stream_, cudaStreamNonBlocking, prio_hi)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&compute_ready_, cudaEventDisableTiming)) != cudaSuccess ||
+        (e = cudaMalloc(&hdr_dev_, sizeof(Header) * (world_ + 1) * kHeaderSlots)) != cudaSuccess ||
+        (e = cudaMallocHost(&hdr_host_, sizeof(Header) * (world_ + 1) * kHeaderSlots)) != cudaSuccess ||
+        (e = cudaMalloc(&scratch_dev_, 256)) != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("nccl: CUDA setup on device ", backend_->device(), ": ", CudaErr(e)));
+    }
+    hdr_events_.assign(kHeaderSlots, nullptr);
+    {
+      absl::MutexLock l(&mu_);  // no other thread yet: the watchdog starts after SetupCuda
+      hdr_slot_seq_.assign(kHeaderSlots, 0);
+    }
+    for (cudaEvent_t& ev : hdr_events_) {
+      if ((e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)) != cudaSuccess) {
+        return absl::InternalError(absl::StrCat("nccl: cudaEventCreate: ", CudaErr(e)));
+      }
+    }
+    if ((e = cudaMallocHost(&sizes_host_, 2 * sizeof(int64_t))) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&sizes_event_, cudaEventDisableTiming)) != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("nccl: CUDA setup on device ", backend_->device(), ": ", CudaErr(e)));
+    }
     return absl::OkStatus();
   }
 
@@ -272,12 +306,45 @@ class NcclCommunicator final : public Communicator {
   }
 
   absl::Status AllReduce(float* buf, int64_t count, ReduceOp op) override {
-    const Op o = op == ReduceOp::kMax ? Op::kAllReduceMax : Op::kAllReduceSum;
-    const ncclRedOp_t nop = op == ReduceOp::kMax ? ncclMax : ncclSum;
-    bytes_.all_reduce += count * static_cast<int64_t>(sizeof(float));
-    return Collective(o, count, 0, [&] {
-      return ncclAllReduce(buf, buf, static_cast<size_t>(count), ncclFloat32, nop, comm_, comm_stream_);
-    }, count > 0);
+    return AllReduceImpl(buf, count, op, nullptr);
+  }
+  absl::StatusOr<int64_t> AllReduceAsync(float* buf, int64_t count, ReduceOp op) override {
+    int64_t ticket = 0;
+    const absl::Status s = AllReduceImpl(buf, count, op, &ticket);
+    return TicketOr(s, ticket);
+  }
+
+  // Point-to-point on the comm stream, ordered and waited for as a blocking collective (the
+  // compute stream waits for it); no header exchange with the other ranks. With the C09 checks
+  // on, the two sides first swap their sizes (a host wait for the swap) and both fail on a
+  // mismatch.
+  absl::Status Send(const void* buf, int64_t bytes, int peer) override {
+    return Transfer(const_cast<void*>(buf), bytes, peer, /*sending=*/true);
+  }
+  absl::Status Recv(void* buf, int64_t bytes, int peer) override {
+    return Transfer(buf, bytes, peer, /*sending=*/false);
+  }
+
+  // A collective of this communicator (its C09 header, op Split, compared before NCCL splits),
+  // then ncclCommSplit in non-blocking mode without resource sharing, so that the child aborts
+  // and frees independently of its parent; polled until the child is ready (the collective
+  // timeout). A failed or timed-out split aborts this communicator.
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    if (color < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("nccl Split: rank ", rank_, " passed color ", color, " (colors must be >= 0)"));
+    }
+    absl::Status s = Collective(Op::kSplit, 0, 0, [] { return ncclSuccess; }, /*nonempty=*/false);
+    if (s.ok()) s = Verify();
+    if (!s.ok()) return s;
+    ncclComm_t child = nullptr;
+    if (s = SplitComm(color, key, &child); !s.ok()) return s;
+    int rank = 0, world = 0;
+    ncclCommUserRank(child, &rank);
+    ncclCommCount(child, &world);
+    auto sub = std::make_unique<NcclCommunicator>(rank, world, backend_, timeout_, options_);
+    if (s = sub->Adopt(child); !s.ok()) return s;
+    return std::unique_ptr<Communicator>(std::move(sub));
   }
 
   absl::Status Broadcast(void* buf, int64_t bytes, int root) override {
@@ -520,6 +587,116 @@ class NcclCommunicator final : public Communicator {
     return absl::OkStatus();
   }
 
+  absl::Status AllReduceImpl(float* buf, int64_t count, ReduceOp op, int64_t* ticket) {
+    const Op o = op == ReduceOp::kMax ? Op::kAllReduceMax : Op::kAllReduceSum;
+    const ncclRedOp_t nop = op == ReduceOp::kMax ? ncclMax : ncclSum;
+    bytes_.all_reduce += count * static_cast<int64_t>(sizeof(float));
+    return Collective(o, count, 0, [&] {
+      return ncclAllReduce(buf, buf, static_cast<size_t>(count), ncclFloat32, nop, comm_, comm_stream_);
+    }, count > 0, ticket);
+  }
+
+  absl::Status Transfer(void* buf, int64_t bytes, int peer, bool sending) {
+    if (absl::Status s = CheckPeer(sending ? "nccl Send" : "nccl Recv", peer, bytes); !s.ok()) return s;
+    if (aborted_.load()) return AbortedStatus();
+    const int64_t n = ++(sending ? sends_ : recvs_)[peer];
+    if (check_headers_) {
+      if (absl::Status s = CompareSizes(bytes, peer, sending, n); !s.ok()) return s;
+    }
+    const size_t len = static_cast<size_t>(bytes);
+    return Collective(sending ? Op::kSend : Op::kRecv, bytes, peer, [&] {
+      return sending ? ncclSend(buf, len, ncclUint8, peer, comm_, comm_stream_)
+                     : ncclRecv(buf, len, ncclUint8, peer, comm_, comm_stream_);
+    }, bytes > 0, nullptr, /*checked=*/false);
+  }
+
+  // Sends dev[0] to `peer` and receives its dev[1], grouped (both sides call it).
+  ncclResult_t SwapSizes(int64_t* dev, int peer) {
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess) return r;
+    const ncclResult_t a = ncclSend(dev, sizeof(int64_t), ncclUint8, peer, comm_, comm_stream_);
+    const ncclResult_t b = ncclRecv(dev + 1, sizeof(int64_t), ncclUint8, peer, comm_, comm_stream_);
+    r = ncclGroupEnd();
+    if (a != ncclSuccess && a != ncclInProgress) return a;
+    if (b != ncclSuccess && b != ncclInProgress) return b;
+    return r;
+  }
+
+  // C09 for transfer #n with `peer`: both sides swap their sizes through scratch memory and
+  // compare them after a host wait; a mismatch aborts the communicator (INVALID_ARGUMENT).
+  absl::Status CompareSizes(int64_t bytes, int peer, bool sending, int64_t n) {
+    const char* what = sending ? "Send (sizes)" : "Recv (sizes)";
+    absl::Status s = CheckCuda(cudaSetDevice(backend_->device()), "cudaSetDevice");
+    if (!s.ok()) return s;
+    int64_t* host = static_cast<int64_t*>(sizes_host_);
+    int64_t* dev = reinterpret_cast<int64_t*>(static_cast<char*>(scratch_dev_) + 128);
+    host[0] = bytes;
+    s = CheckCuda(cudaMemcpyAsync(dev, host, sizeof(int64_t), cudaMemcpyHostToDevice, comm_stream_),
+                  "size copy to device");
+    if (!s.ok()) return s;
+    bool comm_aborted = false;
+    {
+      absl::MutexLock l(&comm_mu_);
+      comm_aborted = comm_aborted_;
+      if (!comm_aborted) s = CheckEnqueue(SwapSizes(dev, peer), what, n);
+    }
+    if (comm_aborted) return AbortedStatus();  // after comm_mu_: it takes mu_
+    if (!s.ok()) {
+      Abort(std::string(s.message()));
+      return s;
+    }
+    s = CheckCuda(cudaMemcpyAsync(host + 1, dev + 1, sizeof(int64_t), cudaMemcpyDeviceToHost, comm_stream_),
+                  "size copy to host");
+    if (s.ok()) s = CheckCuda(cudaEventRecord(sizes_event_, comm_stream_), "cudaEventRecord(sizes)");
+    if (s.ok()) s = WaitEvent(sizes_event_, Clock::now() + timeout_, what, n);
+    if (!s.ok()) return s;
+    const int from = sending ? rank_ : peer, to = sending ? peer : rank_;
+    const int64_t sent = sending ? bytes : host[1], received = sending ? host[1] : bytes;
+    if (sent == received) return absl::OkStatus();
+    const std::string msg = absl::StrCat(sending ? "Send #" : "Recv #", n, " from rank ", from, " to rank ", to,
+                                         ": rank ", from, " sends ", sent, " bytes, rank ", to, " receives ",
+                                         received, " bytes");
+    Abort(msg);
+    return absl::InvalidArgumentError(msg);
+  }
+
+  // ncclCommSplit of comm_ into *child, polled until the child is ready; on failure, timeout or
+  // abort the child is aborted, and so is this communicator.
+  absl::Status SplitComm(int color, int key, ncclComm_t* child) {
+    absl::Status s = CheckCuda(cudaSetDevice(backend_->device()), "cudaSetDevice");
+    if (!s.ok()) return s;
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    config.splitShare = 0;
+    ncclResult_t r = ncclSuccess;
+    bool comm_aborted = false;
+    {
+      absl::MutexLock l(&comm_mu_);
+      comm_aborted = comm_aborted_;
+      if (!comm_aborted) r = ncclCommSplit(comm_, color, key, child, &config);
+    }
+    if (comm_aborted) return AbortedStatus();  // after comm_mu_: it takes mu_
+    const auto deadline = Clock::now() + timeout_;
+    ncclResult_t st = r;
+    while (st == ncclInProgress || (st == ncclSuccess && *child == nullptr)) {
+      if (aborted_.load() || Clock::now() >= deadline) break;
+      if (*child != nullptr) ncclCommGetAsyncError(*child, &st);
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    if (st == ncclSuccess && *child != nullptr && !aborted_.load()) return absl::OkStatus();
+    if (*child != nullptr) ncclCommAbort(*child);
+    *child = nullptr;
+    if (aborted_.load()) return AbortedStatus();
+    const std::string msg = absl::StrCat(
+        "nccl Split (color ", color, ") on rank ", rank_, " of ", world_, ": ",
+        st == ncclInProgress || st == ncclSuccess ? "the sub-communicator was not ready within " + Seconds(timeout_)
+                                                  : NcclErr(st),
+        "; ", Progress());
+    Abort(msg);
+    return st == ncclInProgress || st == ncclSuccess ? absl::DeadlineExceededError(msg)
+                                                     : absl::InternalError(msg);
+  }
+
   absl::Status AllGatherImpl(const void* send, void* recv, int64_t bytes_per_rank, int64_t* ticket) {
     bytes_.all_gather += bytes_per_rank * world_;
     return Collective(Op::kAllGather, bytes_per_rank, 0, [&] {
@@ -587,16 +764,18 @@ class NcclCommunicator final : public Communicator {
 
   // ticket == nullptr: later compute-stream ops wait for the collective. Otherwise an event
   // recorded after it is kept under *ticket = seq, for Wait().
+  // checked: exchange and compare the C09 header first (not for point-to-point, which the
+  // other ranks do not take part in).
   template <typename Enqueue>
   absl::Status Collective(Op op, int64_t count, int64_t root, Enqueue enqueue, bool nonempty,
-                          int64_t* ticket = nullptr) {
+                          int64_t* ticket = nullptr, bool checked = true) {
     if (aborted_.load()) return AbortedStatus();
     if (count < 0) return absl::InvalidArgumentError(absl::StrCat(OpName(static_cast<int64_t>(op)), ": negative count"));
     absl::Status s = CheckCuda(cudaSetDevice(backend_->device()), "cudaSetDevice");
     if (!s.ok()) return s;
     const int64_t seq = enqueued_seq_.load() + 1;
-    if (check_headers_) {
-      s = CheckHeader(seq, op, count, root);
+    if (check_headers_ && checked) {
+      s = CheckHeader(++header_seq_, op, count, root);
       if (!s.ok()) return s;
     }
     cudaEvent_t done = TakeEvent();
@@ -712,6 +891,11 @@ class NcclCommunicator final : public Communicator {
   const int rank_, world_;
   CudaStreams* const backend_;
   const std::chrono::milliseconds timeout_;
+  const NcclOptions options_;           // for the sub-communicators of Split
+  std::vector<int64_t> sends_, recvs_;  // point-to-point transfers by peer (trainer thread)
+  int64_t header_seq_ = 0;              // collectives with a C09 header (trainer thread)
+  void* sizes_host_ = nullptr;          // pinned: a transfer's two sizes (CompareSizes)
+  cudaEvent_t sizes_event_ = nullptr;
   bool check_headers_ = true;
   bool sync_headers_ = false;
   std::vector<cudaEvent_t> hdr_events_;  // per header slot

@@ -26,6 +26,22 @@
 // sequence numbers. The worker's step deadline covers the case where the trainer is blocked in a
 // device synchronisation when that happens (the abort completes the aborted kernels).
 //
+// Split(color, key): a collective of this communicator (its C09 header, op "Split", compared
+// with a host wait before NCCL is called), then ncclCommSplit in non-blocking mode with
+// splitShare off, polled until the sub-communicator is ready (at most `timeout`; then
+// DEADLINE_EXCEEDED and this communicator is aborted). The sub-communicator is a
+// NcclCommunicator of its own (its comm stream, watchdog and checks, the same options and
+// timeout); parent and child may be destroyed in either order, and aborting one does not abort
+// the other. A negative color fails on the calling rank only (its peers then time out).
+//
+// Send/Recv: ncclSend/ncclRecv of bytes on the comm stream, ordered after the compute stream
+// and waited for by it as a blocking collective; they take no part in the other ranks' C09
+// header numbering. With the C09 checks on (the default and sync modes), the two sides first
+// swap their sizes with a grouped 8-byte ncclSend/ncclRecv and compare them after a host wait:
+// a mismatch aborts the communicator and returns INVALID_ARGUMENT on both sides.
+//
+// AllReduceAsync: the all-reduce with a ticket, as AllGatherAsync and ReduceScatterSumAsync.
+//
 // Dtypes: AllGather and Broadcast move bytes (ncclUint8); ReduceScatterSum and AllReduce are
 // f32 (ncclFloat32) accumulated in f32.
 //

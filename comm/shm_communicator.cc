@@ -24,6 +24,18 @@
 
 namespace fsdp8 {
 
+// The point-to-point words of one ordered pair (sender, receiver): pairs[sender][receiver].
+struct ShmPair {
+  std::atomic<uint32_t> bell;     // futex word: bumped after every change below
+  std::atomic<uint32_t> waiters;  // sides asleep (or about to sleep) on bell
+  std::atomic<int64_t> send_n;    // the sender's latest transfer whose size is published
+  std::atomic<int64_t> send_bytes;
+  std::atomic<int64_t> recv_n;    // the receiver's, likewise
+  std::atomic<int64_t> recv_bytes;
+  std::atomic<int64_t> posted;    // chunks written into the sender's slot, over the pair's life
+  std::atomic<int64_t> taken;     // chunks the receiver has copied out
+};
+
 // The control block at the start of the segment. Plain data and lock-free atomics only: it is
 // shared between processes.
 struct SharedMemoryCommunicator::Control {
@@ -36,6 +48,7 @@ struct SharedMemoryCommunicator::Control {
   char reason[kMaxRanks][192];                // rank p's first error, written before failed_rank
   int32_t pid[kMaxRanks];                     // 0 until rank p has mapped the segment
   CollectiveHeader headers[2][kMaxRanks];     // by the parity of the collective's number
+  ShmPair pairs[kMaxRanks][kMaxRanks];        // point-to-point, [sender][receiver]
 };
 
 namespace {
@@ -43,6 +56,7 @@ namespace {
 using Control = SharedMemoryCommunicator::Control;
 static_assert(std::atomic<uint32_t>::is_always_lock_free && sizeof(std::atomic<uint32_t>) == 4,
               "the futex word must be a plain 32-bit word");
+static_assert(std::atomic<int64_t>::is_always_lock_free, "shared between processes");
 constexpr size_t kDataOffset = (sizeof(Control) + 4095) / 4096 * 4096;  // the slots, page aligned
 constexpr auto kSpin = std::chrono::microseconds(50);
 constexpr auto kSleepSlice = std::chrono::milliseconds(20);
@@ -147,9 +161,10 @@ absl::StatusOr<std::unique_ptr<SharedMemoryCommunicator>> SharedMemoryCommunicat
     return absl::InvalidArgumentError(absl::StrCat("shm: bad rank ", rank, " of ", world_size));
   }
   const size_t bytes = SegmentBytes(world_size);
+  const CpuBootstrap bootstrap{store, prefix, timeout, bootstrap_timeout};
   auto make = [&](void* base) {
     return std::unique_ptr<SharedMemoryCommunicator>(
-        new SharedMemoryCommunicator(rank, world_size, base, bytes, timeout));
+        new SharedMemoryCommunicator(rank, world_size, base, bytes, bootstrap));
   };
   if (world_size == 1) {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -210,10 +225,24 @@ absl::StatusOr<std::unique_ptr<SharedMemoryCommunicator>> SharedMemoryCommunicat
   return s.ok() ? not_shared("a rank could not map the segment") : s;
 }
 
+namespace {
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeSharedMemorySubgroup(int rank, int world,
+                                                                       const CpuBootstrap& b) {
+  auto c = SharedMemoryCommunicator::Create(rank, world, b.store, b.prefix, b.timeout,
+                                            b.bootstrap_timeout);
+  if (!c.ok()) return c.status();
+  return std::unique_ptr<Communicator>(std::move(*c));
+}
+
+}  // namespace
+
 SharedMemoryCommunicator::SharedMemoryCommunicator(int rank, int world_size, void* base,
-                                                   size_t bytes, std::chrono::milliseconds timeout)
-    : rank_(rank), world_size_(world_size), base_(base), mapped_bytes_(bytes),
-      ctl_(static_cast<Control*>(base)), timeout_(timeout) {}
+                                                   size_t bytes, const CpuBootstrap& bootstrap)
+    : CpuCommunicatorBase(bootstrap, MakeSharedMemorySubgroup), rank_(rank),
+      world_size_(world_size), base_(base), mapped_bytes_(bytes),
+      ctl_(static_cast<Control*>(base)), timeout_(bootstrap.timeout), sends_(world_size),
+      recvs_(world_size), chunks_out_(world_size), chunks_in_(world_size) {}
 
 // A rank that leaves tells its peers, as a closed TCP connection would: a collective they are
 // blocked in (one this rank will never join) fails at once.
@@ -251,7 +280,8 @@ void SharedMemoryCommunicator::Abort(const std::string& reason) {
 }
 
 std::string SharedMemoryCommunicator::Call::Name() const {
-  return absl::StrCat(CollectiveOpName(op), " #", seq);
+  if (from < 0) return absl::StrCat(CollectiveOpName(op), " #", seq);
+  return absl::StrCat(CollectiveOpName(op), " #", seq, " from rank ", from, " to rank ", to);
 }
 
 absl::Status SharedMemoryCommunicator::PeerFailure(const Call& call) {
@@ -290,18 +320,27 @@ absl::Status SharedMemoryCommunicator::Meet(Clock::time_point deadline, const Ca
     if (ctl_->waiters.load(std::memory_order_seq_cst) > 0) FutexWake(&ctl_->gen);
     return absl::OkStatus();
   }
+  return Await(&ctl_->gen, &ctl_->waiters,
+               [&] { return ctl_->gen.load(std::memory_order_acquire) != gen; }, deadline, call);
+}
+
+template <typename Done>
+absl::Status SharedMemoryCommunicator::Await(std::atomic<uint32_t>* word,
+                                             std::atomic<uint32_t>* waiters, Done done,
+                                             Clock::time_point deadline, const Call& call) {
   const auto spin_end = Clock::now() + kSpin;
   for (int i = 1;; ++i) {
-    if (ctl_->gen.load(std::memory_order_acquire) != gen) return absl::OkStatus();
+    if (done()) return absl::OkStatus();
     if (i % 64 == 0 && Clock::now() > spin_end) break;
     _mm_pause();
   }
   for (;;) {
-    if (ctl_->gen.load(std::memory_order_acquire) != gen) return absl::OkStatus();
+    const uint32_t seen = word->load(std::memory_order_seq_cst);
+    if (done()) return absl::OkStatus();
     if (absl::Status s = Health(deadline, call); !s.ok()) return s;
-    ctl_->waiters.fetch_add(1, std::memory_order_seq_cst);
-    if (ctl_->gen.load(std::memory_order_seq_cst) == gen) FutexWait(&ctl_->gen, gen);
-    ctl_->waiters.fetch_sub(1, std::memory_order_seq_cst);
+    waiters->fetch_add(1, std::memory_order_seq_cst);
+    if (word->load(std::memory_order_seq_cst) == seen && !done()) FutexWait(word, seen);
+    waiters->fetch_sub(1, std::memory_order_seq_cst);
   }
 }
 
@@ -430,6 +469,82 @@ absl::Status SharedMemoryCommunicator::Broadcast(void* buf, int64_t bytes, int r
 
 absl::Status SharedMemoryCommunicator::Barrier() {
   return Run(kOpBarrier, 0, kDtypeNone, 0, 0, [](int64_t) {}, [](int64_t) {});
+}
+
+// ---- Point-to-point ----
+
+namespace {
+
+// Wakes the side of `pair` that waits for the change just made.
+void Ring(ShmPair& pair) {
+  pair.bell.fetch_add(1, std::memory_order_seq_cst);
+  if (pair.waiters.load(std::memory_order_seq_cst) > 0) FutexWake(&pair.bell);
+}
+
+}  // namespace
+
+absl::Status SharedMemoryCommunicator::Send(const void* buf, int64_t bytes, int peer) {
+  return Transfer(const_cast<void*>(buf), bytes, peer, /*sending=*/true);
+}
+
+absl::Status SharedMemoryCommunicator::Recv(void* buf, int64_t bytes, int peer) {
+  return Transfer(buf, bytes, peer, /*sending=*/false);
+}
+
+absl::Status SharedMemoryCommunicator::Transfer(void* buf, int64_t bytes, int peer,
+                                                bool sending) {
+  if (absl::Status s = CheckPeer(sending ? "send" : "recv", peer, bytes); !s.ok()) return s;
+  if (failed_.load()) return Failed();
+  const int from = sending ? rank_ : peer, to = sending ? peer : rank_;
+  const int64_t n = ++(sending ? sends_ : recvs_)[peer];
+  const Call call{sending ? kOpSend : kOpRecv, static_cast<uint64_t>(n), from, to};
+  const auto deadline = Clock::now() + timeout_;
+  if (absl::Status s = MatchSizes(bytes, sending, call, deadline); !s.ok()) return s;
+  return MoveChunks(static_cast<uint8_t*>(buf), bytes, sending, call, deadline);
+}
+
+absl::Status SharedMemoryCommunicator::MatchSizes(int64_t bytes, bool sending, const Call& call,
+                                                  Clock::time_point deadline) {
+  ShmPair& pair = ctl_->pairs[call.from][call.to];
+  const int64_t n = static_cast<int64_t>(call.seq);
+  (sending ? pair.send_bytes : pair.recv_bytes).store(bytes);
+  (sending ? pair.send_n : pair.recv_n).store(n);
+  Ring(pair);
+  std::atomic<int64_t>& other_n = sending ? pair.recv_n : pair.send_n;
+  if (absl::Status s = Await(&pair.bell, &pair.waiters, [&] { return other_n.load() >= n; },
+                             deadline, call);
+      !s.ok())
+    return s;
+  const int64_t other = (sending ? pair.recv_bytes : pair.send_bytes).load();
+  absl::Status s = CheckTransfer(sending, n, call.from, sending ? bytes : other, call.to,
+                                 sending ? other : bytes);
+  return s.ok() ? s : Fail(s);
+}
+
+absl::Status SharedMemoryCommunicator::MoveChunks(uint8_t* data, int64_t bytes, bool sending,
+                                                  const Call& call, Clock::time_point deadline) {
+  ShmPair& pair = ctl_->pairs[call.from][call.to];
+  int64_t& base = (sending ? chunks_out_ : chunks_in_)[sending ? call.to : call.from];
+  const int64_t chunks = std::max<int64_t>(1, (bytes + kSlotBytes - 1) / kSlotBytes);
+  // Chunk k (cumulative number base + k + 1 of the pair): the sender writes it once chunk k - 1
+  // was taken, the receiver copies it out once it is posted.
+  std::atomic<int64_t>& awaited = sending ? pair.taken : pair.posted;
+  for (int64_t k = 0; k < chunks; ++k) {
+    const int64_t len = std::min(kSlotBytes, bytes - k * kSlotBytes);
+    const int64_t ready = base + k + (sending ? 0 : 1);
+    if (absl::Status s = Await(&pair.bell, &pair.waiters, [&] { return awaited.load() >= ready; },
+                               deadline, call);
+        !s.ok())
+      return s;
+    if (len > 0 && sending) std::memcpy(Slot(call.from), data + k * kSlotBytes, len);
+    if (len > 0 && !sending) std::memcpy(data + k * kSlotBytes, Slot(call.from), len);
+    (sending ? pair.posted : pair.taken).store(base + k + 1);
+    Ring(pair);
+  }
+  base += chunks;
+  if (!sending) return absl::OkStatus();
+  return Await(&pair.bell, &pair.waiters, [&] { return pair.taken.load() >= base; }, deadline,
+               call);
 }
 
 }  // namespace fsdp8
