@@ -18,13 +18,13 @@
 namespace fsdp8 {
 namespace {
 
-struct Run {
+struct CliOutput {
   int exit_code = -1;
   std::string out;  // stdout and stderr
 };
 
-Run RunCli(const std::string& args) {
-  Run r;
+CliOutput RunCli(const std::string& args) {
+  CliOutput r;
   const std::string cmd = std::string(FSDP8_CLI_BIN) + " " + args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   if (p == nullptr) return r;
@@ -50,13 +50,13 @@ std::string WriteSpec(const std::string& name, const std::string& sharding) {
 TEST(CliPlan, ShowsTheMeshInTextAndJson) {
   const std::string world =
       WriteSpec("mesh-world", "{min_workers: 4, replicas: 2, optimizer_sharding: world}");
-  const Run text = RunCli("plan " + world + " --world-size 4");
+  const CliOutput text = RunCli("plan " + world + " --world-size 4");
   ASSERT_EQ(text.exit_code, 0) << text.out;
   EXPECT_NE(text.out.find("mesh: 2 replicas x 2 ranks per shard group, optimizer state over the "
                           "world (4 shards)"),
             std::string::npos)
       << text.out;
-  const Run json = RunCli("plan " + world + " --world-size 4 --json");
+  const CliOutput json = RunCli("plan " + world + " --world-size 4 --json");
   ASSERT_EQ(json.exit_code, 0) << json.out;
   EXPECT_NE(json.out.find("\"mesh\":{\"replicas\":2,\"shard_group_size\":2,"
                           "\"optimizer_sharding\":\"OPTIMIZER_SHARDING_WORLD\","
@@ -65,7 +65,7 @@ TEST(CliPlan, ShowsTheMeshInTextAndJson) {
       << json.out;
 
   const std::string flat = WriteSpec("mesh-flat", "{min_workers: 2}");
-  const Run f = RunCli("plan " + flat + " --world-size 2");
+  const CliOutput f = RunCli("plan " + flat + " --world-size 2");
   ASSERT_EQ(f.exit_code, 0) << f.out;
   EXPECT_NE(f.out.find("mesh: flat (1 replica x 2 ranks per shard group), optimizer state over "
                        "the shard group (2 shards)"),
@@ -73,14 +73,14 @@ TEST(CliPlan, ShowsTheMeshInTextAndJson) {
       << f.out;
 
   const std::string automatic = WriteSpec("mesh-auto", "{min_workers: 8, replicas: auto}");
-  const Run a = RunCli("plan " + automatic + " --world-size 8 --replicas 4");
+  const CliOutput a = RunCli("plan " + automatic + " --world-size 8 --replicas 4");
   ASSERT_EQ(a.exit_code, 0) << a.out;
   EXPECT_NE(a.out.find("mesh: 4 replicas x 2 ranks per shard group, optimizer state over the "
                        "shard group (2 shards)"),
             std::string::npos)
       << a.out;
   // R must divide the world size: refused naming sharding.replicas.
-  const Run bad = RunCli("plan " + world + " --world-size 3");
+  const CliOutput bad = RunCli("plan " + world + " --world-size 3");
   EXPECT_EQ(bad.exit_code, 2) << bad.out;
   EXPECT_NE(bad.out.find("sharding.replicas"), std::string::npos) << bad.out;
   for (const std::string& p : {world, flat, automatic}) std::filesystem::remove(p);

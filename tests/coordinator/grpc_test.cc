@@ -171,6 +171,7 @@ TEST_F(GrpcTest, ShardPlanShowsTheMesh) {
   ASSERT_TRUE(client.ok());
   v1::JobSpec spec = SmallSpec(train_);
   spec.mutable_training()->set_global_batch(8);
+  spec.mutable_sharding()->set_max_workers(8);
   spec.mutable_sharding()->set_replicas(2);
   spec.mutable_sharding()->set_optimizer_sharding(v1::OPTIMIZER_SHARDING_WORLD);
   auto world = (*client)->GetShardPlan("", spec, 4);

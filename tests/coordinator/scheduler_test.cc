@@ -1696,7 +1696,9 @@ TEST_F(SchedulerTest, TwoHybridJobsSideBySideKeepTheirGroupsWhole) {
 // shrinks it), two groups whole, the third split, and the generation's event says so.
 TEST_F(SchedulerTest, AnUnavoidableSplitRunsAndIsAnnounced) {
   AddInterleavedWorkers(6);
-  auto job = jobs_->Submit("", HybridSpec(train_, 6, 6, 3));
+  v1::JobSpec spec = HybridSpec(train_, 6, 6, 3);
+  spec.mutable_training()->set_global_batch(24);
+  auto job = jobs_->Submit("", spec);
   ASSERT_TRUE(job.ok()) << job.status();
   const v1::Job end = WaitEnd(job->job_id());
   ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
