@@ -98,7 +98,8 @@ constexpr char kUsage[] =
     "  model-section HF_DIR|CONFIG_JSON [--seq-len 2048] the spec's model section (YAML) for a Hugging Face\n"
     "                                                    config.json\n"
     "  plan SPEC_FILE [--world-size N] [--json]          each rank's predicted peak device memory, broken\n"
-    "                                                    down (default: at sharding.min/max_workers)\n"
+    "                                                    down, and the mesh (default: at sharding.min/max_workers;\n"
+    "                                                    --replicas R: the R of a replicas auto spec)\n"
     "\n"
     "--coordinator defaults to $FSDP8_COORDINATOR, else localhost:50051.\n"
     "security: --tls-ca FILE (verify the coordinator; TLS), --tls-cert FILE --tls-key FILE (mutual\n"
@@ -571,9 +572,10 @@ int RunPrepare(Context& ctx) {
 int RunExport(Context& ctx) { return Export(ctx.a, ctx.address, ctx.sec); }
 int RunModelSection(Context& ctx) { return ModelSection(ctx.a); }
 
-// fsdp8 plan SPEC_FILE [--world-size N] [--json]: each rank's predicted peak device memory,
-// broken down (common/memory_plan.h), at N ranks, else at the spec's sharding.min_workers and
-// max_workers. Computed here, as the coordinator does: no coordinator is needed.
+// fsdp8 plan SPEC_FILE [--world-size N] [--replicas R] [--json]: each rank's predicted peak device
+// memory, broken down (common/memory_plan.h), and the mesh, at N ranks, else at the smallest and
+// largest world sizes in the spec's [sharding.min_workers, max_workers] that its
+// sharding.replicas divides. Computed here, as the coordinator does: no coordinator is needed.
 int RunPlan(Context& ctx) {
   Args& a = ctx.a;
   if (a.positional.size() != 1) return Usage("plan: exactly one SPEC_FILE");
@@ -602,8 +604,24 @@ int RunPlan(Context& ctx) {
       fprintf(stderr, "error: invalid job spec: %s\n", std::string(d.status().message()).c_str());
       return 2;
     }
-    worlds.push_back(std::max(1, d->sharding().min_workers()));
-    if (d->sharding().max_workers() > worlds[0]) worlds.push_back(d->sharding().max_workers());
+    // The smallest and largest world sizes of the range that sharding.replicas divides (the
+    // coordinator gives a job only those; auto: any).
+    const int r = d->sharding().replicas();
+    const int mn = std::max(1, d->sharding().min_workers());
+    const int mx = std::max(mn, d->sharding().max_workers());
+    for (int n = mn; n <= mx; ++n) {
+      if (r > 0 && n % r != 0) continue;
+      if (worlds.empty()) worlds.push_back(n);
+      else if (worlds.size() == 1 && n > worlds[0]) worlds.push_back(n);
+      else if (n > worlds[0]) worlds[1] = n;
+    }
+    if (worlds.empty()) {
+      fprintf(stderr,
+              "error: invalid job spec: sharding.replicas: must divide a world size in "
+              "[sharding.min_workers, sharding.max_workers] (%d divides none of %d..%d)\n",
+              r, mn, mx);
+      return 2;
+    }
   }
   // sharding.replicas auto is resolved by the coordinator's placement: planned at --replicas R
   // (default 1), as the coordinator does before a job has started.

@@ -83,7 +83,21 @@ TEST(CliPlan, ShowsTheMeshInTextAndJson) {
   const CliOutput bad = RunCli("plan " + world + " --world-size 3");
   EXPECT_EQ(bad.exit_code, 2) << bad.out;
   EXPECT_NE(bad.out.find("sharding.replicas"), std::string::npos) << bad.out;
-  for (const std::string& p : {world, flat, automatic}) std::filesystem::remove(p);
+  // Without --world-size: the smallest and largest multiples of R in [min, max] (4 and 8 of 3..9;
+  // 3, 5, 6, 7 and 9 are no world size of this job).
+  const std::string range =
+      WriteSpec("mesh-range", "{min_workers: 3, max_workers: 9, replicas: 4}");
+  const CliOutput rr = RunCli("plan " + range);
+  ASSERT_EQ(rr.exit_code, 0) << rr.out;
+  EXPECT_NE(rr.out.find("backend cpu, 4 ranks, per rank"), std::string::npos) << rr.out;
+  EXPECT_NE(rr.out.find("backend cpu, 8 ranks, per rank"), std::string::npos) << rr.out;
+  EXPECT_EQ(rr.out.find("backend cpu, 3 ranks"), std::string::npos) << rr.out;
+  EXPECT_EQ(rr.out.find("backend cpu, 9 ranks"), std::string::npos) << rr.out;
+  const std::string none = WriteSpec("mesh-none", "{min_workers: 5, max_workers: 7, replicas: 4}");
+  const CliOutput nr = RunCli("plan " + none);
+  EXPECT_EQ(nr.exit_code, 2) << nr.out;
+  EXPECT_NE(nr.out.find("sharding.replicas"), std::string::npos) << nr.out;
+  for (const std::string& p : {world, flat, automatic, range, none}) std::filesystem::remove(p);
 }
 
 }  // namespace
