@@ -17,6 +17,7 @@ const std::map<std::string, bool>& CliFlags() {
       {"tensorboard", true},
       {"page-size", true},   {"page-token", true},  {"max-shard-size", true}, {"tokenizer", true},
       {"seq-len", true},     {"world-size", true},
+      {"replicas", true},
       {"no-save", false},    {"state-dir", true},  {"threads", true}};
   return *flags;
 }

@@ -166,13 +166,15 @@ absl::StatusOr<std::vector<v1::WorkerInfo>> Client::ListWorkers() {
 }
 
 absl::StatusOr<v1::ShardPlan> Client::GetShardPlan(const std::string& job_id,
-                                                   const v1::JobSpec& spec, int world_size) {
+                                                   const v1::JobSpec& spec, int world_size,
+                                                   int replicas) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx);
   v1::GetShardPlanRequest req;
   req.set_job_id(job_id);
   if (job_id.empty()) *req.mutable_spec() = spec;
   req.set_world_size(world_size);
+  req.set_replicas(replicas);
   v1::ShardPlan plan;
   if (auto s = FromGrpc(admin_->GetShardPlan(&ctx, req, &plan)); !s.ok()) return s;
   return plan;

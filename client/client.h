@@ -65,8 +65,9 @@ class Client {
 
   absl::StatusOr<std::vector<v1::WorkerInfo>> ListWorkers();
   // The plan of a job (at its world size), or of `spec` at `world_size` when job_id is empty.
+  // replicas: GetShardPlanRequest.replicas (the R to plan a sharding.replicas auto spec at).
   absl::StatusOr<v1::ShardPlan> GetShardPlan(const std::string& job_id, const v1::JobSpec& spec = {},
-                                             int world_size = 0);
+                                             int world_size = 0, int replicas = 0);
   absl::StatusOr<v1::ScalingState> GetScalingState(const std::string& job_id);
   // Asks a RUNNING job with a checkpoint.dir for a checkpoint after its next step; returns that
   // step. FAILED_PRECONDITION when the job is not running or has no checkpoint.dir.

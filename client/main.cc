@@ -38,6 +38,7 @@
 #include "common/env_settings.h"
 #include "common/hf_model.h"
 #include "common/memory_plan.h"
+#include "common/mesh.h"
 #include "common/spec.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -97,7 +98,8 @@ constexpr char kUsage[] =
     "  model-section HF_DIR|CONFIG_JSON [--seq-len 2048] the spec's model section (YAML) for a Hugging Face\n"
     "                                                    config.json\n"
     "  plan SPEC_FILE [--world-size N] [--json]          each rank's predicted peak device memory, broken\n"
-    "                                                    down (default: at sharding.min/max_workers)\n"
+    "                                                    down, and the mesh (default: at sharding.min/max_workers;\n"
+    "                                                    --replicas R: the R of a replicas auto spec)\n"
     "\n"
     "--coordinator defaults to $FSDP8_COORDINATOR, else localhost:50051.\n"
     "security: --tls-ca FILE (verify the coordinator; TLS), --tls-cert FILE --tls-key FILE (mutual\n"
@@ -460,6 +462,36 @@ std::string Ago(double t) {
   return fsdp8::FormatDuration(now - t) + " ago";
 }
 
+fsdp8::v1::MeshShape MeshShapeOf(const fsdp8::Mesh& m) {
+  fsdp8::v1::MeshShape out;
+  out.set_replicas(m.replicas);
+  out.set_shard_group_size(m.shard_size);
+  out.set_optimizer_sharding(m.optimizer_over_world ? fsdp8::v1::OPTIMIZER_SHARDING_WORLD
+                                                    : fsdp8::v1::OPTIMIZER_SHARDING_SHARD_GROUP);
+  out.set_optimizer_shards(m.OptimizerShards());
+  return out;
+}
+
+// "2 replicas x 4 ranks per shard group, optimizer state over the shard group (4 shards)", or
+// "flat (1 replica x 8 ranks), ..." for R = 1.
+std::string MeshLine(const fsdp8::Mesh& m) {
+  return absl::StrCat(m.Flat() ? "flat (" : "", m.replicas, m.replicas == 1 ? " replica" : " replicas",
+                      " x ", m.shard_size, m.shard_size == 1 ? " rank" : " ranks",
+                      " per shard group", m.Flat() ? ")" : "", ", optimizer state over the ",
+                      m.optimizer_over_world ? "world" : "shard group", " (",
+                      m.OptimizerShards(), m.OptimizerShards() == 1 ? " shard)" : " shards)");
+}
+
+// A started job's mesh after its world size: " = 2x4" (R x S), "+" appended when the optimizer
+// state is sharded over the world; "" for a flat job (R = 1) or one that has not started.
+std::string JobMeshSuffix(const fsdp8::v1::Job& j) {
+  if (j.replicas() <= 1 || j.world_size() % j.replicas() != 0) return "";
+  return absl::StrCat(" = ", j.replicas(), "x", j.world_size() / j.replicas(),
+                      j.spec().sharding().optimizer_sharding() == fsdp8::v1::OPTIMIZER_SHARDING_WORLD
+                          ? " replicas x shard group, optimizer over the world"
+                          : " replicas x shard group");
+}
+
 void PrintJob(const fsdp8::v1::Job& j) {
   printf("job %s  %s\n", j.job_id().c_str(), State(j.state()).c_str());
   if (!j.spec().name().empty()) printf("  name:       %s\n", j.spec().name().c_str());
@@ -473,8 +505,9 @@ void PrintJob(const fsdp8::v1::Job& j) {
     std::vector<std::string> ranks;
     for (int r = 0; r < j.worker_ids_size(); ++r)
       ranks.push_back(absl::StrCat(r, "=", j.worker_ids(r)));
-    printf("  world size: %d (generation %lld; rank=worker %s)\n", j.world_size(),
-           static_cast<long long>(j.generation()), absl::StrJoin(ranks, " ").c_str());
+    printf("  world size: %d%s (generation %lld; rank=worker %s)\n", j.world_size(),
+           JobMeshSuffix(j).c_str(), static_cast<long long>(j.generation()),
+           absl::StrJoin(ranks, " ").c_str());
   }
   if (j.restarts() > 0 || j.spec().max_restarts() > 0)
     printf("  restarts:   %d of %d\n", j.restarts(), j.spec().max_restarts());
@@ -539,9 +572,10 @@ int RunPrepare(Context& ctx) {
 int RunExport(Context& ctx) { return Export(ctx.a, ctx.address, ctx.sec); }
 int RunModelSection(Context& ctx) { return ModelSection(ctx.a); }
 
-// fsdp8 plan SPEC_FILE [--world-size N] [--json]: each rank's predicted peak device memory,
-// broken down (common/memory_plan.h), at N ranks, else at the spec's sharding.min_workers and
-// max_workers. Computed here, as the coordinator does: no coordinator is needed.
+// fsdp8 plan SPEC_FILE [--world-size N] [--replicas R] [--json]: each rank's predicted peak device
+// memory, broken down (common/memory_plan.h), and the mesh, at N ranks, else at the smallest and
+// largest world sizes in the spec's [sharding.min_workers, max_workers] that its
+// sharding.replicas divides. Computed here, as the coordinator does: no coordinator is needed.
 int RunPlan(Context& ctx) {
   Args& a = ctx.a;
   if (a.positional.size() != 1) return Usage("plan: exactly one SPEC_FILE");
@@ -570,14 +604,47 @@ int RunPlan(Context& ctx) {
       fprintf(stderr, "error: invalid job spec: %s\n", std::string(d.status().message()).c_str());
       return 2;
     }
-    worlds.push_back(std::max(1, d->sharding().min_workers()));
-    if (d->sharding().max_workers() > worlds[0]) worlds.push_back(d->sharding().max_workers());
+    // The smallest and largest world sizes of the range that sharding.replicas divides (the
+    // coordinator gives a job only those; auto: any).
+    const int r = d->sharding().replicas();
+    const int mn = std::max(1, d->sharding().min_workers());
+    const int mx = std::max(mn, d->sharding().max_workers());
+    for (int n = mn; n <= mx; ++n) {
+      if (r > 0 && n % r != 0) continue;
+      if (worlds.empty()) worlds.push_back(n);
+      else if (worlds.size() == 1 && n > worlds[0]) worlds.push_back(n);
+      else if (n > worlds[0]) worlds[1] = n;
+    }
+    if (worlds.empty()) {
+      fprintf(stderr,
+              "error: invalid job spec: sharding.replicas: must divide a world size in "
+              "[sharding.min_workers, sharding.max_workers] (%d divides none of %d..%d)\n",
+              r, mn, mx);
+      return 2;
+    }
+  }
+  // sharding.replicas auto is resolved by the coordinator's placement: planned at --replicas R
+  // (default 1), as the coordinator does before a job has started.
+  int auto_replicas = 1;
+  if (a.flags.count("replicas") &&
+      (!absl::SimpleAtoi(a.flags["replicas"], &auto_replicas) || auto_replicas < 1)) {
+    return Usage(absl::StrCat("--replicas: must be a positive integer (got \"", a.flags["replicas"],
+                              "\")"));
   }
   for (int n : worlds) {
-    auto d = fsdp8::ResolveSpec(*spec, n, {}, /*check_files=*/false);
+    fsdp8::v1::JobSpec at = *spec;
+    if (at.sharding().has_replicas() && at.sharding().replicas() == 0)
+      at.mutable_sharding()->set_replicas(auto_replicas);
+    auto d = fsdp8::ResolveSpec(at, n, {}, /*check_files=*/false);
     if (!d.ok()) {
       fprintf(stderr, "error: invalid job spec at world size %d: %s\n", n,
               std::string(d.status().message()).c_str());
+      return 2;
+    }
+    auto mesh = fsdp8::MeshOf(*d, n);
+    if (!mesh.ok()) {
+      fprintf(stderr, "error: invalid job spec at world size %d: %s\n", n,
+              std::string(mesh.status().message()).c_str());
       return 2;
     }
     auto plan = fsdp8::PlanMemory(*d, n);
@@ -586,12 +653,15 @@ int RunPlan(Context& ctx) {
       std::string json;
       google::protobuf::util::JsonPrintOptions jo;
       jo.preserve_proto_field_names = true;
-      (void)google::protobuf::util::MessageToJsonString(fsdp8::ToProto(*plan), &json, jo);
+      fsdp8::v1::MemoryPlan out = fsdp8::ToProto(*plan);
+      *out.mutable_mesh() = MeshShapeOf(*mesh);
+      (void)google::protobuf::util::MessageToJsonString(out, &json, jo);
       printf("%s\n", json.c_str());
       continue;
     }
     printf("memory plan of %s: backend %s, %d rank%s, per rank\n", a.positional[0].c_str(),
            plan->backend.c_str(), n, n == 1 ? "" : "s");
+    printf("  mesh: %s\n", MeshLine(*mesh).c_str());
     for (const fsdp8::MemoryTerm& t : plan->terms) {
       printf("  %-22s %12s\n", t.name.c_str(), fsdp8::MemoryBytes(t.bytes).c_str());
     }

@@ -16,6 +16,7 @@
 #include "common/spec.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/log.h"
+#include "coordinator/memory_fit.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
@@ -325,9 +326,11 @@ absl::StatusOr<v1::Job> JobManager::Submit(const std::string& request_id,
   }
   if (absl::Status s = ValidateSpec(d, 0, options_.data_roots, options_.check_files); !s.ok())
     return Refused(s, owner, d);
-  const int mn = d.sharding().min_workers();
-  const int mx = d.sharding().max_workers();
   auto resolved = std::make_shared<ResolvedJob>(d, options_.planner);
+  // The world sizes the job may get are the multiples of its sharding.replicas in [min, max].
+  auto range = MeshWorldSizeRange(d);
+  if (!range.ok()) return Refused(range.status(), owner, d);
+  const auto [mn, mx] = *range;
   for (int n : {mn, mx}) {
     if (n < 1) continue;  // ValidateSpec reported it above
     if (absl::Status s = resolved->SpecAt(n).status(); !s.ok()) {
@@ -905,7 +908,8 @@ absl::Status JobManager::SetPendingReason(const std::string& job_id, const std::
 }
 
 absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
-                                                 const std::vector<std::string>& worker_ids) {
+                                                 const std::vector<std::string>& worker_ids,
+                                                 int replicas, const std::string& placement_note) {
   absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
@@ -918,6 +922,7 @@ absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
   j.set_state(v1::JOB_STATE_STARTING);
   j.set_reason("");
   j.set_world_size(static_cast<int>(worker_ids.size()));
+  j.set_replicas(std::max(1, replicas));
   j.clear_worker_ids();
   for (const auto& w : worker_ids) j.add_worker_ids(w);
   j.set_generation(j.generation() + 1);
@@ -927,13 +932,19 @@ absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
   for (size_t i = 0; i < worker_ids.size(); ++i)
     ranks.push_back(absl::StrCat(i, "=", worker_ids[i]));
   v1::JobEvent ev;
+  const std::string mesh =
+      j.replicas() > 1 ? absl::StrCat(" as ", j.replicas(), " replicas x ",
+                                      worker_ids.size() / j.replicas(), " ranks")
+                       : "";
   ev.set_message(absl::StrCat("starting generation ", j.generation(), " on ", worker_ids.size(),
-                              " workers (rank=worker: ", absl::StrJoin(ranks, ", "), ")"));
+                              " workers", mesh, " (rank=worker: ", absl::StrJoin(ranks, ", "), ")",
+                              placement_note.empty() ? "" : "; ", placement_note));
   ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
   PublishLocked(r, ev);
   LogEvent("generation_started", {{"job", job_id},
                                   {"generation", j.generation()},
                                   {"world_size", j.world_size()},
+                                  {"replicas", j.replicas()},
                                   {"ranks", absl::StrJoin(ranks, ",")},
                                   {"steps_done", j.step()}});
   return j;

@@ -186,10 +186,13 @@ class JobManager {
   std::vector<v1::Job> PendingJobs() const;
   // Sets a PENDING or RECOVERING job's reason (publishes an event when it changed).
   absl::Status SetPendingReason(const std::string& job_id, const std::string& reason);
-  // PENDING or RECOVERING -> STARTING with a new generation; returns the job (its generation field
-  // is the new one).
+  // PENDING or RECOVERING -> STARTING with a new generation on worker_ids (index = rank) as a mesh
+  // of `replicas` (Job.replicas: sharding.replicas with auto resolved; 1 for a flat job); returns
+  // the job (its generation field is the new one). The generation's event names the mesh when
+  // replicas > 1, and `placement_note` (e.g. shard groups split across hosts) when not empty.
   absl::StatusOr<v1::Job> MarkStarting(const std::string& job_id,
-                                       const std::vector<std::string>& worker_ids);
+                                       const std::vector<std::string>& worker_ids,
+                                       int replicas = 1, const std::string& placement_note = "");
   // STARTING -> RUNNING.
   absl::Status MarkRunning(const std::string& job_id);
   // STARTING/RUNNING -> RECOVERING after a failed generation: counts the restart (Job.restarts),

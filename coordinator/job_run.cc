@@ -228,7 +228,8 @@ absl::Status JobRun::Drive() {
   const int world_size = static_cast<int>(ranks_.size());
   const std::shared_ptr<ResolvedJob> resolved = jobs_->Resolved(job_.job_id());
   if (resolved == nullptr) return absl::CancelledError("job deleted");
-  absl::StatusOr<v1::JobSpec> at = resolved->SpecAt(world_size);
+  // The mesh the scheduler placed the ranks as (Job.replicas: auto resolved by the placement).
+  absl::StatusOr<v1::JobSpec> at = resolved->SpecAt(world_size, job_.replicas());
   if (!at.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("spec at world size ", world_size, ": ", at.status().message()));
@@ -769,30 +770,49 @@ absl::Status JobRun::CollectSaved(int64_t step, const std::string& dir, const st
   return absl::OkStatus();
 }
 
+int JobRun::RankFileIndex(const Mesh& mesh, int rank) {
+  if (mesh.optimizer_over_world) return mesh.OptimizerIndex(rank);
+  return mesh.Replica(rank) == 0 ? mesh.ShardIndex(rank) : -1;
+}
+
 absl::StatusOr<v1::CheckpointManifest> JobRun::ManifestOf(
     const v1::JobSpec& spec, int64_t step, int64_t tokens,
     const std::vector<v1::CheckpointSaved>& saved, const std::string& what) {
   const int n = static_cast<int>(saved.size());
+  absl::StatusOr<Mesh> mesh = MeshOf(spec, n);
+  if (!mesh.ok()) return WithContext(what, mesh.status());
+  const int files = mesh->OptimizerShards();
+  std::vector<int> writer(files, -1);  // file index -> rank
+  auto broken = [&](int r, const std::string& why) {
+    failed_rank_ = r;
+    abort_failed_rank_ = true;
+    return absl::InternalError(absl::StrCat(what, ": ", RankName(r), " ", why));
+  };
+  for (int r = 0; r < n; ++r) {
+    if (saved[r].rank() != r) return broken(r, absl::StrCat("reported rank ", saved[r].rank()));
+    const int i = RankFileIndex(*mesh, r);
+    if (i < 0 && !saved[r].file().empty())
+      return broken(r, absl::StrCat("reported file ", saved[r].file(), " but writes none (replica ",
+                                    mesh->Replica(r), " under optimizer_sharding SHARD_GROUP)"));
+    if (i >= 0 && saved[r].file().empty())
+      return broken(r, absl::StrCat("reported no file but writes file ", i, " of ", files));
+    if (i >= 0) writer[i] = r;
+  }
   v1::CheckpointManifest manifest;
   manifest.set_format_version(CheckpointStore::kFormatVersion);
   manifest.set_job_id(job_.job_id());
   manifest.set_step(step);
-  manifest.set_world_size(n);
+  manifest.set_world_size(files);
   *manifest.mutable_spec() = spec;
   manifest.set_time(NowSeconds());
   manifest.set_tokens(tokens);
-  for (int r = 0; r < n; ++r) {
-    if (saved[r].rank() != r) {
-      failed_rank_ = r;
-      abort_failed_rank_ = true;
-      return absl::InternalError(absl::StrCat(what, ": ", RankName(r), " reported rank ",
-                                              saved[r].rank()));
-    }
+  for (int i = 0; i < files; ++i) {
+    const v1::CheckpointSaved& from = saved[writer[i]];
     v1::CheckpointFile* f = manifest.add_files();
-    f->set_rank(r);
-    f->set_file(saved[r].file());
-    f->set_bytes(saved[r].bytes());
-    f->set_crc32(saved[r].crc32());
+    f->set_rank(i);
+    f->set_file(from.file());
+    f->set_bytes(from.bytes());
+    f->set_crc32(from.crc32());
   }
   return manifest;
 }

@@ -73,6 +73,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "coordinator/checkpoint_store.h"
+#include "common/mesh.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/kv_server.h"
 #include "coordinator/scheduler.h"
@@ -216,11 +217,19 @@ class JobRun {
   // SaveCheckpoint{step, dir} to every rank and every rank's CheckpointSaved, by rank.
   absl::Status CollectSaved(int64_t step, const std::string& dir, const std::string& what,
                             std::vector<v1::CheckpointSaved>* saved);
-  // The MANIFEST of the ranks' files; INTERNAL when a rank reported another rank than its own.
+  // The MANIFEST of the ranks' files: a flat checkpoint of Mesh::OptimizerShards() files (its
+  // world_size), file i from the rank RankFileIndex names for it. INTERNAL when a rank reported
+  // another rank than its own, a rank that writes a file reported none, or a rank that writes
+  // none reported one.
+  // Which file of a mesh's checkpoint rank `rank` writes (the design of common/mesh.h):
+  // optimizer_sharding SHARD_GROUP: the ranks of replica 0, file = shard index, others none (-1);
+  // WORLD: every rank, file = Mesh::OptimizerIndex(rank).
   absl::StatusOr<v1::CheckpointManifest> ManifestOf(const v1::JobSpec& spec, int64_t step,
                                                     int64_t tokens,
                                                     const std::vector<v1::CheckpointSaved>& saved,
                                                     const std::string& what);
+
+  static int RankFileIndex(const Mesh& mesh, int rank);
 
   JobManager* jobs_;
   WorkerRegistry* workers_;

@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "common/memory_plan.h"
 #include "common/spec.h"
+#include "coordinator/placement.h"
 
 namespace fsdp8::coord {
 namespace {
@@ -18,11 +19,46 @@ bool BatchAllows(const v1::JobSpec& spec, int n) {
   return mb >= 1 && gb % (n * mb) == 0;
 }
 
-// The job's plan at n ranks; nullopt when the plan cannot be made (the spec checks report that).
-std::optional<MemoryPlan> PlanAt(ResolvedJob& job, int n) {
-  absl::StatusOr<MemoryPlan> p = job.PlanAt(n);
+// The job's plan at n ranks as `replicas` x n / replicas (0: the spec's own, auto as 1); nullopt
+// when the plan cannot be made (the spec checks report that).
+std::optional<MemoryPlan> PlanAt(ResolvedJob& job, int n, int replicas = 0) {
+  absl::StatusOr<MemoryPlan> p = job.PlanAt(n, replicas);
   if (!p.ok()) return std::nullopt;
   return *p;
+}
+
+// The workers of `free` (in order) that hold plan `p` (none known: all of them), each with its
+// placement domain (a worker without one is its own).
+std::vector<PlacementWorker> Holding(const std::optional<MemoryPlan>& p,
+                                     const std::vector<std::string>& free,
+                                     const std::map<std::string, int64_t>& memory,
+                                     const std::map<std::string, std::string>& domains) {
+  std::vector<PlacementWorker> fit;
+  for (const std::string& id : free) {
+    auto it = memory.find(id);
+    const int64_t mem = it == memory.end() ? 0 : it->second;
+    if (p && mem != 0 && mem < p->device_bytes) continue;
+    auto d = domains.find(id);
+    fit.push_back({id, d == domains.end() ? id : d->second});
+  }
+  return fit;
+}
+
+std::string WaitingWhy(int n, const MemoryPlan& p, size_t holding, size_t free) {
+  const std::string each = p.device_bytes == kBytesExceeded
+                               ? "more than 8 EiB"  // MemoryBytes reads "exceeds 8 EiB"
+                               : MemoryBytes(p.device_bytes);
+  return absl::StrCat("waiting for ", n, " workers with ", each, " each (the memory plan at ", n,
+                      " ranks; ", holding, " of ", free, " free workers have it)");
+}
+
+FitChoice Chosen(int n, const Placement& p) {
+  FitChoice c;
+  c.world_size = n;
+  c.workers = p.ranks;
+  c.replicas = p.replicas;
+  c.split_groups = p.split;
+  return c;
 }
 
 // The plan of a variant of the job's spec at n ranks (not the job's own: planned each time, with
@@ -46,7 +82,7 @@ std::string FitAdvice(const ResolvedJob& job, int n, const MemoryPlan& plan, int
   std::vector<std::string> ways;
   const int64_t gb = spec.training().global_batch();
   for (int m = n + 1; m <= std::min<int64_t>(gb, 4096); ++m) {
-    if (!BatchAllows(spec, m)) continue;
+    if (!BatchAllows(spec, m) || !MeshAllows(spec, m)) continue;
     v1::JobSpec s = spec;
     s.mutable_sharding()->set_min_workers(m);
     s.mutable_sharding()->set_max_workers(m);
@@ -79,41 +115,60 @@ std::string FitAdvice(const ResolvedJob& job, int n, const MemoryPlan& plan, int
 
 }  // namespace
 
+bool MeshAllows(const v1::JobSpec& spec, int n) {
+  const int r = spec.sharding().has_replicas() ? spec.sharding().replicas() : 1;
+  return r <= 0 || n % r == 0;
+}
+
+absl::StatusOr<std::pair<int, int>> MeshWorldSizeRange(const v1::JobSpec& spec) {
+  const int mn = std::max(1, spec.sharding().min_workers());
+  const int mx = std::max(mn, spec.sharding().max_workers());
+  int lo = 0, hi = 0;
+  for (int n = mn; n <= mx; ++n) {
+    if (!MeshAllows(spec, n)) continue;
+    if (lo == 0) lo = n;
+    hi = n;
+  }
+  if (lo == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sharding.replicas: must divide a world size in [sharding.min_workers, "
+        "sharding.max_workers] (", spec.sharding().replicas(), " divides none of ", mn, "..", mx,
+        ")"));
+  }
+  return std::make_pair(lo, hi);
+}
+
 std::vector<int> AllowedWorldSizes(const v1::JobSpec& spec) {
   const int mn = std::max(1, spec.sharding().min_workers());
   const int mx = std::max(mn, spec.sharding().max_workers());
   std::vector<int> out;
   for (int n = mx; n >= mn; --n) {
-    if (BatchAllows(spec, n)) out.push_back(n);
+    if (BatchAllows(spec, n) && MeshAllows(spec, n)) out.push_back(n);
   }
   return out;
 }
 
 FitChoice ChooseFittingWorkers(ResolvedJob& job, const std::vector<std::string>& free,
-                               const std::map<std::string, int64_t>& memory) {
+                               const std::map<std::string, int64_t>& memory,
+                               const std::map<std::string, std::string>& domains) {
   FitChoice c;
+  const bool automatic = job.SpecReplicas() == 0;
   for (int n : AllowedWorldSizes(job.spec())) {
     if (n > static_cast<int>(free.size())) continue;
-    const std::optional<MemoryPlan> p = PlanAt(job, n);
-    std::vector<std::string> fit;
-    for (const std::string& id : free) {
-      auto it = memory.find(id);
-      const int64_t mem = it == memory.end() ? 0 : it->second;
-      if (!p || mem == 0 || mem >= p->device_bytes) fit.push_back(id);
+    if (automatic) {
+      // One shard group per domain, fewest domains first (placement.h, PlaceAuto).
+      for (int r = 1; r <= n; ++r) {
+        if (n % r != 0) continue;
+        const Placement p =
+            PlaceOnePerDomain(Holding(PlanAt(job, n, r), free, memory, domains), n, r);
+        if (!p.ranks.empty()) return Chosen(n, p);
+      }
     }
-    if (static_cast<int>(fit.size()) >= n) {
-      c.world_size = n;
-      c.workers.assign(fit.begin(), fit.begin() + n);
-      return c;
-    }
-    if (c.why.empty() && p) {
-      const std::string each = p->device_bytes == kBytesExceeded
-                                   ? "more than 8 EiB"  // MemoryBytes reads "exceeds 8 EiB"
-                                   : MemoryBytes(p->device_bytes);
-      c.why = absl::StrCat("waiting for ", n, " workers with ", each, " each (the memory plan at ",
-                           n, " ranks; ", fit.size(), " of ", free.size(),
-                           " free workers have it)");
-    }
+    const int r = job.ReplicasFor(1);
+    const std::optional<MemoryPlan> p = PlanAt(job, n, r);
+    const std::vector<PlacementWorker> fit = Holding(p, free, memory, domains);
+    if (static_cast<int>(fit.size()) >= n) return Chosen(n, PlaceMesh(fit, n, r));
+    if (c.why.empty() && p) c.why = WaitingWhy(n, *p, fit.size(), free.size());
   }
   return c;
 }

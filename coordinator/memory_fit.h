@@ -2,7 +2,13 @@
 // at submit (JobManager) and the choice of workers at scheduling (Scheduler::SchedulePass).
 //
 // A worker's memory is WorkerInfo.memory_bytes (WorkerRegistry::WorkerMemory); 0 means unknown
-// and is taken as enough. A rank needs the plan's device_bytes at the world size it runs at.
+// and is taken as enough. A rank needs the plan's device_bytes at the mesh it runs at (world size
+// and replicas: ResolvedJob plans the resolved spec, which carries the concrete R). The admission
+// check (CheckFitsLargestWorkers) plans a sharding.replicas auto job at R = 1, its smallest
+// plan per rank: it refuses only what fits no placement. Workers registered with memory_shared
+// each get their host address's memory divided by the live memory_shared workers of that address
+// (WorkerRegistry), so simulated hosts on one machine (CPU workers on 127.0.0.1 and 127.0.0.2
+// without --memory_limit_mb) each count the whole machine's memory.
 // The plans are the job's own (ResolvedJob::PlanAt: made once per job and world size); the
 // advice of a refusal plans variants of the spec (more workers, recompute) with the job's planner.
 //
@@ -12,28 +18,45 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "coordinator/resolved_job.h"
 #include "fsdp8/v1/spec.pb.h"
 
 namespace fsdp8::coord {
 
+// Whether n ranks can form the spec's mesh: sharding.replicas (R; unset 1) divides n, or the spec
+// says auto (0).
+bool MeshAllows(const v1::JobSpec& spec, int n);
+// The smallest and largest world sizes in [sharding.min_workers, sharding.max_workers] that
+// MeshAllows. INVALID_ARGUMENT naming sharding.replicas when there is none.
+absl::StatusOr<std::pair<int, int>> MeshWorldSizeRange(const v1::JobSpec& spec);
+
 // The world sizes a spec (defaults applied) may run at: sharding.min_workers .. max_workers, those
-// the global batch allows (Scheduler::ChooseWorldSize's rule), largest first.
+// the global batch allows (Scheduler::ChooseWorldSize's rule) and that are multiples of
+// sharding.replicas (MeshAllows), largest first.
 std::vector<int> AllowedWorldSizes(const v1::JobSpec& spec);
 
 struct FitChoice {
   int world_size = 0;                // 0: none fits now
-  std::vector<std::string> workers;  // rank order
+  std::vector<std::string> workers;  // rank order (coordinator/placement.h)
+  int replicas = 0;                  // R of the mesh (auto resolved), world_size > 0
+  std::vector<int> split_groups;     // replicas whose shard group spans domains (placement.h)
   std::string why;                   // world_size 0: what is missing, for the pending reason
 };
 
-// Among the free workers `free` (ids in registration order; memory by id), the largest allowed
-// world size n for which n of them hold the plan at n each, and the first n such workers.
+// Among the free workers `free` (ids in registration order; memory by id; placement domain by id,
+// coordinator/placement.h, a worker without one its own domain), the largest allowed world size n
+// for which n of them hold the plan at n each (the plan of the mesh they would form), and those
+// workers in rank order: PlaceMesh for a fixed sharding.replicas; for auto, the smallest R for
+// which R domains each hold n / R workers that hold the plan at (n, R), one shard group per
+// domain, else R = 1 on the first n that hold the plan at (n, 1) (PlaceAuto's rule).
 FitChoice ChooseFittingWorkers(ResolvedJob& job, const std::vector<std::string>& free,
-                               const std::map<std::string, int64_t>& memory);
+                               const std::map<std::string, int64_t>& memory,
+                               const std::map<std::string, std::string>& domains = {});
 
 // OK when `memory` (every registered worker of the spec's backend, busy or not) is empty, holds a
 // worker of unknown memory, or its largest worker holds the plan at some allowed world size;

@@ -1,5 +1,6 @@
-// ResolvedJob: one job's spec as the coordinator resolves it at each world size it considers
-// the job at, and the job's memory plan there, each made once per (job, world size) and kept with
+// ResolvedJob: one job's spec as the coordinator resolves it at each mesh it considers the job at
+// (world size and replicas, common/mesh.h), and the job's memory plan there, each made once per
+// (job, world size, replicas) and kept with
 // the job (JobManager holds one per job) for the admission check at submit, every scheduling pass
 // (coordinator/memory_fit.h), the Assignment's spec (JobRun) and AdminService.GetShardPlan.
 //
@@ -14,6 +15,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -40,16 +42,25 @@ class ResolvedJob {
 
   // The job's stored spec (world-size free).
   const v1::JobSpec& spec() const { return spec_; }
-  // The spec resolved at world_size (every default, training.microbatch included, and the rules
+  // sharding.replicas of the stored spec: R >= 1, or 0 for auto (unset: 1).
+  int SpecReplicas() const;
+  // The concrete R a call with `replicas` resolves to: the spec's own R when it names one
+  // (`replicas` ignored), else (auto) `replicas`, or 1 when that is < 1.
+  int ReplicasFor(int replicas) const;
+
+  // Every call below takes the mesh as (world_size, replicas), replicas per ReplicasFor: the
+  // resolved spec's sharding.replicas is that concrete R, never auto.
+  // The spec resolved at the mesh (every default, training.microbatch included, and the rules
   // of ValidateSpec at that world size; the paths were checked at submit): what the Assignment
-  // carries. ValidateSpec's error when it breaks a rule at that world size.
-  absl::StatusOr<v1::JobSpec> SpecAt(int world_size) ABSL_LOCKS_EXCLUDED(mu_);
-  // The spec with its defaults at world_size, whatever the rules say of it (what PlanAt plans).
-  v1::JobSpec DefaultedAt(int world_size) ABSL_LOCKS_EXCLUDED(mu_);
-  // The memory plan of the spec with its defaults at world_size (the planner's result; the spec
-  // rules are SpecAt's to report), made on the first call for that world size and returned from
-  // then on.
-  absl::StatusOr<MemoryPlan> PlanAt(int world_size) ABSL_LOCKS_EXCLUDED(mu_);
+  // carries. ValidateSpec's error when it breaks a rule there (sharding.replicas not dividing
+  // world_size among them).
+  absl::StatusOr<v1::JobSpec> SpecAt(int world_size, int replicas = 0) ABSL_LOCKS_EXCLUDED(mu_);
+  // The spec with its defaults at the mesh, whatever the rules say of it (what PlanAt plans).
+  v1::JobSpec DefaultedAt(int world_size, int replicas = 0) ABSL_LOCKS_EXCLUDED(mu_);
+  // The memory plan of the spec with its defaults at the mesh (the planner's result, from the
+  // resolved spec, which carries the mesh; the spec rules are SpecAt's to report), made on the
+  // first call for that (world size, replicas) and returned from then on.
+  absl::StatusOr<MemoryPlan> PlanAt(int world_size, int replicas = 0) ABSL_LOCKS_EXCLUDED(mu_);
   // The planner (for plans of other specs derived from this one, e.g. memory_fit's advice).
   const MemoryPlanner& planner() const { return planner_; }
 
@@ -59,12 +70,12 @@ class ResolvedJob {
     absl::Status rules;  // ValidateSpec's verdict on it
     std::unique_ptr<absl::StatusOr<MemoryPlan>> plan;  // null until asked for
   };
-  AtSize& AtLocked(int world_size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  AtSize& AtLocked(int world_size, int replicas) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const v1::JobSpec spec_;
   const MemoryPlanner planner_;
   absl::Mutex mu_;
-  std::map<int, AtSize> at_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<int, int>, AtSize> at_ ABSL_GUARDED_BY(mu_);  // by (world size, R)
 };
 
 }  // namespace fsdp8::coord

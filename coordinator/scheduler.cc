@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "coordinator/job_run.h"
 #include "coordinator/memory_fit.h"
@@ -12,6 +13,19 @@ namespace fsdp8::coord {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// The generation's note on shard groups that placement had to split across domains (placement.h).
+std::string SplitNote(const FitChoice& fit) {
+  if (fit.split_groups.empty()) return "";
+  const int s = fit.world_size / fit.replicas;
+  std::vector<std::string> groups;
+  for (int g : fit.split_groups) {
+    std::vector<std::string> ids(fit.workers.begin() + g * s, fit.workers.begin() + (g + 1) * s);
+    groups.push_back(absl::StrCat("replica ", g, " (", absl::StrJoin(ids, ", "), ")"));
+  }
+  return absl::StrCat("shard groups split across hosts (no host had ", s,
+                      " free workers left for them): ", absl::StrJoin(groups, "; "));
+}
 
 }  // namespace
 
@@ -104,6 +118,7 @@ int Scheduler::ChooseWorldSize(const v1::JobSpec& spec, int free) {
   const int mx = std::max(mn, spec.sharding().max_workers());
   const int64_t gb = spec.training().global_batch();
   for (int n = std::min(mx, free); n >= mn; --n) {
+    if (!MeshAllows(spec, n)) continue;  // a multiple of sharding.replicas
     int64_t mb = spec.training().has_microbatch() ? spec.training().microbatch() : gb / n;
     if (mb >= 1 && gb % (n * mb) == 0) return n;
   }
@@ -167,6 +182,7 @@ absl::Status Scheduler::FitVerdict(const std::string& job_id, ResolvedJob& job,
 void Scheduler::SchedulePass() {
   std::map<std::string, std::vector<std::string>> free;
   std::map<std::string, std::map<std::string, int64_t>> memory;  // per backend, per worker
+  std::map<std::string, std::map<std::string, std::string>> domains;  // per backend, per worker
   const std::vector<v1::Job> pending = jobs_->PendingJobs();
   for (auto it = recovering_since_.begin(); it != recovering_since_.end();) {
     bool waiting = false;
@@ -205,11 +221,13 @@ void Scheduler::SchedulePass() {
                                                           : std::map<std::string, int64_t>())
                 .first;
     }
-    // The job's spec and memory plans per world size, made once (JobManager keeps them).
+    auto dit = domains.find(backend);
+    if (dit == domains.end()) dit = domains.emplace(backend, workers_->WorkerDomains(backend)).first;
+    // The job's spec and memory plans per mesh, made once (JobManager keeps them).
     const std::shared_ptr<ResolvedJob> resolved = jobs_->Resolved(job.job_id());
     if (resolved == nullptr) continue;  // deleted meanwhile
     // Workers whose memory holds the job's memory plan (coordinator/memory_fit.h).
-    const FitChoice fit = ChooseFittingWorkers(*resolved, f, mit->second);
+    const FitChoice fit = ChooseFittingWorkers(*resolved, f, mit->second, dit->second);
     const int n = fit.world_size;
     if (n == 0) {
       if (absl::Status s = FitVerdict(job.job_id(), *resolved, mit->second); !s.ok()) {
@@ -231,7 +249,7 @@ void Scheduler::SchedulePass() {
       continue;
     }
     for (const std::string& id : chosen) f.erase(std::find(f.begin(), f.end(), id));
-    auto started = jobs_->MarkStarting(job.job_id(), chosen);
+    auto started = jobs_->MarkStarting(job.job_id(), chosen, fit.replicas, SplitNote(fit));
     if (!started.ok()) {  // cancelled meanwhile
       workers_->Release(job.job_id());
       continue;

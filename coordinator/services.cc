@@ -1,5 +1,7 @@
 #include "coordinator/services.h"
 
+#include "common/mesh.h"
+
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -12,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/memory_plan.h"
+#include "common/mesh.h"
 #include "coordinator/memory_fit.h"
 #include "common/shard_plan.h"
 #include "common/spec.h"
@@ -30,6 +33,16 @@ grpc::Status ToGrpc(const absl::Status& s) {
 }
 
 namespace {
+
+v1::MeshShape MeshShapeOf(const Mesh& m) {
+  v1::MeshShape out;
+  out.set_replicas(m.replicas);
+  out.set_shard_group_size(m.shard_size);
+  out.set_optimizer_sharding(m.optimizer_over_world ? v1::OPTIMIZER_SHARDING_WORLD
+                                                    : v1::OPTIMIZER_SHARDING_SHARD_GROUP);
+  out.set_optimizer_shards(m.OptimizerShards());
+  return out;
+}
 
 // Authenticates and authorizes one call; logs refusals (warning) and calls (debug).
 absl::StatusOr<Principal> Authorize(const Authorizer* auth, grpc::ServerContext* ctx,
@@ -210,14 +223,19 @@ grpc::Status AdminServiceImpl::GetShardPlan(grpc::ServerContext* ctx,
                                             v1::ShardPlan* resp) {
   if (grpc::Status a = Admin(ctx, "AdminService/GetShardPlan"); !a.ok()) return a;
   int world_size = req->world_size();
+  int replicas = req->replicas();  // for a spec whose sharding.replicas is auto
   std::shared_ptr<ResolvedJob> resolved;
   if (!req->job_id().empty()) {
     auto job = jobs_->Get(req->job_id());
     if (!job.ok()) return ToGrpc(job.status());
     resolved = jobs_->Resolved(req->job_id());
     if (resolved == nullptr) return ToGrpc(absl::NotFoundError(req->job_id()));  // deleted meanwhile
-    if (job->world_size() > 0) world_size = job->world_size();
-    else if (world_size <= 0) world_size = Scheduler::MinWorldSize(job->spec());
+    if (job->world_size() > 0) {
+      world_size = job->world_size();
+      replicas = job->replicas();  // the mesh it runs on
+    } else if (world_size <= 0) {
+      world_size = Scheduler::MinWorldSize(job->spec());
+    }
   } else {
     if (!req->has_spec())
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -230,10 +248,16 @@ grpc::Status AdminServiceImpl::GetShardPlan(grpc::ServerContext* ctx,
     if (!d.ok()) return ToGrpc(d.status());
     resolved = std::make_shared<ResolvedJob>(*d);
   }
-  // A job's plan is the one its admission and scheduling made (ResolvedJob, once per world size).
-  auto memory = resolved->PlanAt(world_size);
+  // The mesh: refused (naming sharding.replicas or replicas) when R does not divide world_size.
+  if (replicas < 0)
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("replicas: must be >= 0 (got ", replicas, ")"));
+  const v1::JobSpec d = resolved->DefaultedAt(world_size, replicas);
+  absl::StatusOr<Mesh> mesh = MeshOf(d, world_size);
+  if (!mesh.ok()) return ToGrpc(mesh.status());
+  // A job's plan is the one its admission and scheduling made (ResolvedJob, once per mesh).
+  auto memory = resolved->PlanAt(world_size, replicas);
   if (!memory.ok()) return ToGrpc(memory.status());
-  const v1::JobSpec d = resolved->DefaultedAt(world_size);
   if (req->memory_only()) {
     resp->set_world_size(world_size);
     resp->set_alignment(d.sharding().alignment());
@@ -243,6 +267,8 @@ grpc::Status AdminServiceImpl::GetShardPlan(grpc::ServerContext* ctx,
     *resp = ToProto(*plan);
   }
   *resp->mutable_memory() = ToProto(*memory);
+  *resp->mutable_mesh() = MeshShapeOf(*mesh);
+  *resp->mutable_memory()->mutable_mesh() = resp->mesh();
   return grpc::Status::OK;
 }
 

@@ -116,7 +116,7 @@ function render(st) {
     cell(tr, fmt(j.loss, 4), "num");
     cell(tr, fmt(j.val_loss, 4), "num");
     cell(tr, String(j.tokens), "num");
-    cell(tr, j.worker_ids.length ? j.worker_ids.join(", ") : "-");
+    cell(tr, j.worker_ids.length ? (j.mesh ? j.mesh + ": " : "") + j.worker_ids.join(", ") : "-");
     cell(tr, String(j.restarts), "num");
     cell(tr, j.reason);
     jobs.appendChild(tr);
@@ -246,6 +246,10 @@ std::string StatusJson(const JobManager& jobs, const WorkerRegistry& workers,
     g["val_loss"] = Num(j.val_loss());
     g["tokens"] = Num(static_cast<double>(j.tokens()));
     g["restarts"] = Num(j.restarts());
+    // The mesh of a hybrid-sharded job, "RxS" (replicas x shard group); empty when flat.
+    g["mesh"] = Str(j.replicas() > 1 && j.world_size() % j.replicas() == 0
+                        ? absl::StrCat(j.replicas(), "x", j.world_size() / j.replicas())
+                        : std::string());
     ListValue* ids = g["worker_ids"].mutable_list_value();
     for (const std::string& w : j.worker_ids()) *ids->add_values() = Str(w);
   }

@@ -5,6 +5,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "coordinator/job_manager.h"
+#include "coordinator/placement.h"
 
 namespace fsdp8::coord {
 
@@ -83,6 +84,7 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(const v1::Register
     i.set_host(req.host());
     i.set_backend(backend);
     i.set_device(req.device());
+    i.set_placement_domain(req.placement_domain());
     i.set_memory_bytes(req.memory_bytes());
     w->memory_shared = req.memory_shared();
     i.set_version(req.version());
@@ -223,6 +225,16 @@ std::map<std::string, int64_t> WorkerRegistry::WorkerMemory(const std::string& b
   std::map<std::string, int64_t> out;
   for (const auto& [id, w] : workers_) {
     if (w.info.healthy() && w.info.backend() == backend) out[id] = MemoryLocked(w);
+  }
+  return out;
+}
+
+std::map<std::string, std::string> WorkerRegistry::WorkerDomains(const std::string& backend) const {
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, std::string> out;
+  for (const auto& [id, w] : workers_) {
+    if (w.info.backend() == backend)
+      out[id] = DomainOf(w.info.host(), w.info.placement_domain());
   }
   return out;
 }

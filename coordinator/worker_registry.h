@@ -98,6 +98,9 @@ class WorkerRegistry {
   // The memory each healthy worker with this backend may use (WorkerInfo.memory_bytes; 0:
   // unknown), by worker id; busy workers included (the memory plan's capacity check).
   std::map<std::string, int64_t> WorkerMemory(const std::string& backend) const;
+  // Each registered worker's placement domain with this backend (coordinator/placement.h:
+  // DomainOf(host, placement_domain)), by worker id.
+  std::map<std::string, std::string> WorkerDomains(const std::string& backend) const;
   // Marks worker_ids[r] as rank r of job_id and routes their events to `handler`.
   // FAILED_PRECONDITION (nothing changes) when any of them is not assignable any more.
   absl::Status Assign(const std::vector<std::string>& worker_ids, const std::string& job_id,
@@ -135,7 +138,9 @@ class WorkerRegistry {
   // w's WorkerInfo, its state computed now and memory_bytes its share (MemoryLocked).
   v1::WorkerInfo InfoOf(const Worker& w) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The memory w may use: RegisterRequest.memory_bytes, divided among the live workers (healthy,
-  // or with a session still open) registered from the same host with memory_shared.
+  // or with a session still open) registered from the same host address with memory_shared. The
+  // share is per address: simulated hosts on one machine (CPU workers with --host 127.0.0.1 and
+  // 127.0.0.2) each divide the whole machine's memory among their own workers.
   int64_t MemoryLocked(const Worker& w) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NotifyChange() ABSL_LOCKS_EXCLUDED(mu_);
 

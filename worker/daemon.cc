@@ -10,6 +10,7 @@
 #include "kernels/backend.h"
 #include "common/checkpoint_format.h"
 #include "common/log.h"
+#include "common/mesh.h"
 #include "train/checkpoint.h"
 #include "train/device_buffer.h"
 #include "comm/cpu_communicator.h"
@@ -35,6 +36,7 @@ struct WorkerDaemon::Job {
   std::shared_ptr<Communicator> comm;
   CommBytes reported;  // comm's byte counters as already added to the metrics
   int rank = 0;
+  Mesh mesh;  // of the Assignment's resolved spec: which checkpoint file this rank writes
   std::unique_ptr<Trainer> trainer;
   // Set by Abort, by the end of the session and by a newer Assignment: the coordinator has moved
   // on, so nothing more is reported for this job (a late error or result could otherwise be taken
@@ -48,6 +50,14 @@ struct WorkerDaemon::Job {
 };
 
 namespace {
+
+// The file of a mesh's checkpoint that `rank` writes, or -1 for none (common/mesh.h): under
+// optimizer_sharding SHARD_GROUP only the ranks of replica 0 write, file = shard index; under
+// WORLD every rank writes file Mesh::OptimizerIndex(rank). R = 1: file = rank, as before.
+int CheckpointFileIndex(const Mesh& mesh, int rank) {
+  if (mesh.optimizer_over_world) return mesh.OptimizerIndex(rank);
+  return mesh.Replica(rank) == 0 ? mesh.ShardIndex(rank) : -1;
+}
 
 // The wire form of a step's figures (job_id is left to the caller).
 v1::StepResult ToStepResult(const StepStats& s) {
@@ -124,6 +134,7 @@ bool WorkerDaemon::Register() {
     v1::RegisterRequest req;
     req.set_version(FSDP8_VERSION);
     req.set_host(opts_.host);
+    req.set_placement_domain(opts_.placement_domain);
     req.set_backend(opts_.backend);
     req.set_device(opts_.device);
     req.set_memory_bytes(opts_.memory_bytes);
@@ -386,6 +397,7 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   auto job = std::make_unique<Job>();
   job->job_id = a.job_id();
   job->generation = a.generation();
+  job->mesh = MeshOf(a.spec(), a.world_size()).value_or(Mesh{1, std::max(1, a.world_size())});
   job->cancelled = cancelled;
   const std::string backend = a.spec().backend().empty() ? "cpu" : a.spec().backend();
   std::string err;
@@ -575,10 +587,22 @@ void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
     Send(m);
     return;
   }
+  // ---- Hybrid sharding: does this rank write a file of the mesh's checkpoint? ----
+  const int file_index = CheckpointFileIndex(job_->mesh, job_->trainer->rank());
+  if (file_index < 0) {  // a replica other than 0 under SHARD_GROUP: replica 0 holds the same
+    v1::CheckpointSaved none;
+    none.set_job_id(job_->job_id);
+    none.set_step(c.step());
+    none.set_rank(job_->trainer->rank());
+    *m.mutable_saved() = std::move(none);  // file empty: nothing written
+    Send(m);
+    return;
+  }
+  // ---- end of the mesh part; SaveShard (train/checkpoint.h) writes and names the file ----
   v1::CheckpointSaved saved;
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status s = opts_.settings.faults.CheckpointWriteError(
-      absl::StrCat(c.dir(), "/", CheckpointFileName(job_->trainer->rank())));
+      absl::StrCat(c.dir(), "/", CheckpointFileName(file_index)));
   if (s.ok()) {
     s = CatchAllocationFailure("saving the checkpoint", [&] {
       return SaveShard(*job_->trainer, c.step(), c.dir(), &saved, &opts_.settings.faults);

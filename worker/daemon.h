@@ -4,7 +4,9 @@
 // (reply Ready or WorkerError); StepCommand → run the step on the job thread and reply StepResult
 // (or WorkerError, then drop the job); SaveCheckpoint → write this rank's rank-<r>.ckpt on the job
 // thread between steps and reply CheckpointSaved (carrying the error when the shard could not be
-// written; the job stays usable; FSDP8_FAULT_CHECKPOINT_ENOSPC injects such failures,
+// written; the job stays usable; under hybrid sharding a rank whose file the mesh's checkpoint
+// does not take, a replica other than 0 with optimizer_sharding SHARD_GROUP, writes nothing and
+// replies with an empty file; FSDP8_FAULT_CHECKPOINT_ENOSPC injects such failures,
 // common/fault_injection.h);
 // Finish → drop the job; Abort → cancel the job's rendezvous if it is still bootstrapping, abort
 // the communicator (a collective blocked on a hung peer returns at once: comm/communicator.h) and
@@ -39,6 +41,10 @@ namespace fsdp8 {
 struct DaemonOptions {
   std::string coordinator;     // host:port
   std::string host = "127.0.0.1";  // address peers use for collectives
+  // RegisterRequest.placement_domain: the device's NVLink island within the host; empty: the host
+  // is one domain. Not detected (the daemon does not query NVML): operators name the islands of
+  // machines that have several.
+  std::string placement_domain;
   std::string backend = "cpu";
   int device = 0;
   int connect_timeout_s = 60;  // give up when the coordinator does not answer this long; 0: never

@@ -32,6 +32,10 @@ extern "C" void openblas_set_num_threads(int);
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address host:port");
 ABSL_FLAG(std::string, host, "127.0.0.1", "address peers use to reach this worker (Gloo TCP)");
+ABSL_FLAG(std::string, placement_domain, "",
+          "the NVLink island of this worker's device within its host, for the placement of "
+          "hybrid-sharded jobs' shard groups (any name; devices naming the same one are one domain); "
+          "empty: the whole host is one domain (as on NVSwitch machines)");
 ABSL_FLAG(std::string, backend, "cpu", "compute backend this worker offers: cpu or cuda");
 ABSL_FLAG(int, device, 0, "GPU ordinal (cuda backend)");
 ABSL_FLAG(int, threads, 1, "BLAS threads for the CPU backend");
@@ -214,6 +218,7 @@ fsdp8::DaemonOptions OptionsFromFlags(fsdp8::WorkerSettings settings) {
   fsdp8::DaemonOptions opts;
   opts.coordinator = absl::GetFlag(FLAGS_coordinator);
   opts.host = absl::GetFlag(FLAGS_host);
+  opts.placement_domain = absl::GetFlag(FLAGS_placement_domain);
   opts.backend = absl::GetFlag(FLAGS_backend);
   opts.device = absl::GetFlag(FLAGS_device);
   opts.connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);

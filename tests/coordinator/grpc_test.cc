@@ -162,6 +162,45 @@ TEST_F(GrpcTest, SubmitRefusesAJobNoRegisteredWorkerCanHold) {
   EXPECT_TRUE(fits.ok()) << fits.status();
 }
 
+// GetShardPlan names the mesh it planned: replicas, shard group size, optimizer sharding and the
+// optimizer's shards (the checkpoint's files), in the plan and in its memory plan; auto is
+// planned at the request's replicas; a replica count that does not divide the world is refused
+// naming sharding.replicas.
+TEST_F(GrpcTest, ShardPlanShowsTheMesh) {
+  auto client = fsdp8::Client::Connect(server_->address());
+  ASSERT_TRUE(client.ok());
+  v1::JobSpec spec = SmallSpec(train_);
+  spec.mutable_training()->set_global_batch(8);
+  spec.mutable_sharding()->set_max_workers(8);
+  spec.mutable_sharding()->set_replicas(2);
+  spec.mutable_sharding()->set_optimizer_sharding(v1::OPTIMIZER_SHARDING_WORLD);
+  auto world = (*client)->GetShardPlan("", spec, 4);
+  ASSERT_TRUE(world.ok()) << world.status();
+  EXPECT_EQ(world->world_size(), 4);
+  EXPECT_EQ(world->mesh().replicas(), 2);
+  EXPECT_EQ(world->mesh().shard_group_size(), 2);
+  EXPECT_EQ(world->mesh().optimizer_sharding(), v1::OPTIMIZER_SHARDING_WORLD);
+  EXPECT_EQ(world->mesh().optimizer_shards(), 4);
+  EXPECT_EQ(world->memory().mesh().shard_group_size(), 2);
+  spec.mutable_sharding()->set_optimizer_sharding(v1::OPTIMIZER_SHARDING_SHARD_GROUP);
+  auto group = (*client)->GetShardPlan("", spec, 8);
+  ASSERT_TRUE(group.ok()) << group.status();
+  EXPECT_EQ(group->mesh().shard_group_size(), 4);
+  EXPECT_EQ(group->mesh().optimizer_shards(), 4);
+  spec.mutable_sharding()->set_replicas(0);  // auto: at the request's replicas
+  auto autos = (*client)->GetShardPlan("", spec, 8, 4);
+  ASSERT_TRUE(autos.ok()) << autos.status();
+  EXPECT_EQ(autos->mesh().replicas(), 4);
+  EXPECT_EQ(autos->mesh().shard_group_size(), 2);
+  auto auto_flat = (*client)->GetShardPlan("", spec, 8);
+  ASSERT_TRUE(auto_flat.ok()) << auto_flat.status();
+  EXPECT_EQ(auto_flat->mesh().replicas(), 1);
+  spec.mutable_sharding()->set_replicas(3);
+  auto bad = (*client)->GetShardPlan("", spec, 4);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "sharding.replicas")) << bad.status();
+}
+
 TEST_F(GrpcTest, OneWorkerSessionRunsAJobThroughTheSdk) {
   auto stub = v1::WorkerControl::NewStub(channel_);
   grpc::ClientContext rctx;
@@ -241,6 +280,11 @@ TEST_F(GrpcTest, OneWorkerSessionRunsAJobThroughTheSdk) {
   EXPECT_GE(plan->memory().peak_bytes(), plan->total_numel() * 16);
   auto bad_plan = (*client)->GetShardPlan("", SmallSpec(train_), 0);
   EXPECT_EQ(bad_plan.status().code(), absl::StatusCode::kInvalidArgument);
+  // The mesh: a flat job's is 1 x its world size, optimizer state over the shard group.
+  EXPECT_EQ(plan->mesh().replicas(), 1);
+  EXPECT_EQ(plan->mesh().shard_group_size(), 1);
+  EXPECT_EQ(plan->mesh().optimizer_shards(), 1);
+  EXPECT_EQ(plan->memory().mesh().replicas(), 1);
   EXPECT_EQ((*client)->GetScalingState(job->job_id()).status().code(),
             absl::StatusCode::kFailedPrecondition);
 }

@@ -10,10 +10,13 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <utility>
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/memory_plan.h"
 #include "common/spec.h"
@@ -101,9 +104,12 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
 
   // The memory the worker reports at registration (0: unknown); before Start.
   void set_memory_bytes(int64_t bytes) { memory_bytes_ = bytes; }
+  // The host it registers from (a simulated host: 127.0.0.2, ...); before Start.
+  void set_host(const std::string& host) { host_ = host; }
   void Start() {
     v1::RegisterRequest req = CpuWorkerRegistration(FSDP8_VERSION);
     req.set_memory_bytes(memory_bytes_);
+    if (!host_.empty()) req.set_host(host_);
     auto r = reg_->Register(req);
     ASSERT_TRUE(r.ok()) << r.status();
     id_ = r->worker_id();
@@ -212,7 +218,24 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
           Reply(r);
           continue;
         }
-        const std::string file = "rank-" + std::to_string(a_.rank()) + ".ckpt";
+        // Hybrid sharding, as the design says (written out here, not taken from the code under
+        // test): R replicas of S ranks; SHARD_GROUP: replica 0 writes file = shard index, the
+        // others nothing; WORLD: every rank writes file = shard index * R + replica.
+        const int r_count = a_.spec().sharding().replicas() > 0 ? a_.spec().sharding().replicas() : 1;
+        const int s_size = a_.world_size() / r_count;
+        const int replica = a_.rank() / s_size, shard = a_.rank() % s_size;
+        const bool world =
+            a_.spec().sharding().optimizer_sharding() == v1::OPTIMIZER_SHARDING_WORLD;
+        const int index = world ? shard * r_count + replica : (replica == 0 ? shard : -1);
+        if (index < 0) {
+          v1::CheckpointSaved* cs = r.mutable_saved();
+          cs->set_job_id(a_.job_id());
+          cs->set_step(sc.step());
+          cs->set_rank(a_.rank());
+          Reply(r);
+          continue;
+        }
+        const std::string file = "rank-" + std::to_string(index) + ".ckpt";
         {
           std::ofstream out(sc.dir() + "/" + file, std::ios::binary);
           out << std::string(1000 + a_.rank(), 'c');
@@ -307,6 +330,7 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
 
   WorkerRegistry* reg_;
   int64_t memory_bytes_ = 0;
+  std::string host_;
   Mode mode_;
   int64_t at_step_;
   double loss_per_token_;
@@ -368,6 +392,37 @@ class SchedulerTest : public ::testing::Test {
     w->Start();
     fakes_.push_back(w);
     return w;
+  }
+  // A worker registered from `host` (a simulated host of this machine).
+  std::shared_ptr<FakeWorker> AddWorkerOn(const std::string& host) {
+    auto w = std::make_shared<FakeWorker>(workers_.get());
+    w->set_host(host);
+    w->Start();
+    fakes_.push_back(w);
+    return w;
+  }
+  // n workers registered alternately from 127.0.0.1 and 127.0.0.2 (first-n in registration order
+  // would span both hosts).
+  void AddInterleavedWorkers(int n) {
+    for (int i = 0; i < n; ++i) AddWorkerOn(i % 2 == 0 ? "127.0.0.1" : "127.0.0.2");
+  }
+  // The host each rank of a started job runs on.
+  std::vector<std::string> RankHosts(const v1::Job& job) {
+    std::map<std::string, std::string> host;
+    for (const v1::WorkerInfo& w : workers_->List()) host[w.worker_id()] = w.host();
+    std::vector<std::string> out;
+    for (const std::string& id : job.worker_ids()) out.push_back(host[id]);
+    return out;
+  }
+  // The Assignment a worker got for job_id (the last one).
+  std::optional<v1::Assignment> AssignmentOf(const std::string& worker_id, const std::string& job_id) {
+    std::optional<v1::Assignment> a;
+    for (auto& f : fakes_) {
+      if (f->id() != worker_id) continue;
+      for (const auto& m : f->received())
+        if (m.has_assignment() && m.assignment().job_id() == job_id) a = m.assignment();
+    }
+    return a;
   }
   v1::Job WaitEnd(const std::string& id, double seconds = 10) {
     EXPECT_TRUE(WaitFor([&] { return jobs_->IsTerminal(id); }, seconds)) << "job did not end";
@@ -1562,6 +1617,208 @@ TEST_F(SchedulerTest, AResumedJobWhoseCheckpointsVanishedFailsInsteadOfStartingO
             0u)
       << end.reason();
   EXPECT_EQ(w0->Count(v1::CoordinatorMessage::kAssignment), 1) << "a second generation started";
+}
+
+// ---------------- hybrid sharding: placement, auto replicas, checkpoints of a mesh ----------------
+
+// A job of `replicas` x world / replicas on min..max workers, global batch 8 (microbatch 1 at 8).
+v1::JobSpec HybridSpec(const std::string& train, int min_workers, int max_workers, int replicas,
+                       int64_t steps = 3) {
+  v1::JobSpec s = SmallSpec(train, min_workers, steps);
+  s.mutable_sharding()->set_max_workers(max_workers);
+  s.mutable_training()->set_global_batch(8);
+  s.mutable_sharding()->set_replicas(replicas);
+  return s;
+}
+
+// The host of each shard group (S consecutive ranks); "split" for a group on several hosts.
+std::vector<std::string> GroupHosts(const std::vector<std::string>& rank_hosts, int s) {
+  std::vector<std::string> out;
+  for (size_t g = 0; g * s < rank_hosts.size(); ++g) {
+    std::string h = rank_hosts[g * s];
+    for (int k = 1; k < s; ++k)
+      if (rank_hosts[g * s + k] != h) h = "split";
+    out.push_back(h);
+  }
+  return out;
+}
+
+// 8 workers registered alternately from two simulated hosts: R = 2 x S = 4 and R = 4 x S = 2
+// jobs get every shard group on one host, replicas alternating between the hosts, and every
+// rank's Assignment carries the concrete R (registration order alone would split every group).
+TEST_F(SchedulerTest, HybridShardGroupsStayOnOneHostAndReplicasSpreadOverHosts) {
+  AddInterleavedWorkers(8);
+  for (int r : {2, 4}) {
+    SCOPED_TRACE(absl::StrCat("replicas ", r));
+    auto job = jobs_->Submit("", HybridSpec(train_, 8, 8, r));
+    ASSERT_TRUE(job.ok()) << job.status();
+    const v1::Job end = WaitEnd(job->job_id());
+    ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+    EXPECT_EQ(end.world_size(), 8);
+    EXPECT_EQ(end.replicas(), r);
+    std::vector<std::string> expected;
+    for (int g = 0; g < r; ++g) expected.push_back(g % 2 == 0 ? "127.0.0.1" : "127.0.0.2");
+    EXPECT_EQ(GroupHosts(RankHosts(end), 8 / r), expected);
+    for (int rank = 0; rank < 8; ++rank) {
+      auto a = AssignmentOf(end.worker_ids(rank), end.job_id());
+      ASSERT_TRUE(a.has_value()) << rank;
+      EXPECT_EQ(a->rank(), rank);
+      EXPECT_EQ(a->world_size(), 8);
+      EXPECT_EQ(a->spec().sharding().replicas(), r);
+    }
+  }
+}
+
+// Two R = 2 x S = 2 jobs side by side on two hosts of 4: disjoint workers, no group split.
+TEST_F(SchedulerTest, TwoHybridJobsSideBySideKeepTheirGroupsWhole) {
+  AddInterleavedWorkers(8);
+  for (auto& f : fakes_) f->set_delays(100ms, 0ms);  // both jobs run at the same time
+  auto a = jobs_->Submit("", HybridSpec(train_, 4, 4, 2));
+  auto b = jobs_->Submit("", HybridSpec(train_, 4, 4, 2));
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE(WaitFor([&] {
+    return jobs_->Get(a->job_id())->world_size() == 4 && jobs_->Get(b->job_id())->world_size() == 4;
+  }));
+  const v1::Job ja = *jobs_->Get(a->job_id()), jb = *jobs_->Get(b->job_id());
+  EXPECT_FALSE(jobs_->IsTerminal(ja.job_id()) && jobs_->IsTerminal(jb.job_id()));
+  std::set<std::string> ids(ja.worker_ids().begin(), ja.worker_ids().end());
+  ids.insert(jb.worker_ids().begin(), jb.worker_ids().end());
+  EXPECT_EQ(ids.size(), 8u) << "the jobs share a worker";
+  for (const v1::Job* j : {&ja, &jb}) {
+    EXPECT_EQ(GroupHosts(RankHosts(*j), 2), (std::vector<std::string>{"127.0.0.1", "127.0.0.2"}))
+        << j->job_id();
+  }
+  EXPECT_EQ(WaitEnd(a->job_id()).state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(WaitEnd(b->job_id()).state(), v1::JOB_STATE_SUCCEEDED);
+}
+
+// Two hosts of 3 free workers and R = 3 x S = 2: the job still runs on 6 (placement never
+// shrinks it), two groups whole, the third split, and the generation's event says so.
+TEST_F(SchedulerTest, AnUnavoidableSplitRunsAndIsAnnounced) {
+  AddInterleavedWorkers(6);
+  v1::JobSpec spec = HybridSpec(train_, 6, 6, 3);
+  spec.mutable_training()->set_global_batch(24);
+  auto job = jobs_->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const v1::Job end = WaitEnd(job->job_id());
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  EXPECT_EQ(end.world_size(), 6);
+  EXPECT_EQ(GroupHosts(RankHosts(end), 2),
+            (std::vector<std::string>{"127.0.0.1", "127.0.0.2", "split"}));
+  bool announced = false;
+  for (const std::string& m : Messages(jobs_.get(), job->job_id()))
+    announced |= absl::StrContains(m, "as 3 replicas x 2 ranks") &&
+                 absl::StrContains(m, "shard groups split across hosts") &&
+                 absl::StrContains(m, "replica 2 (");
+  EXPECT_TRUE(announced) << absl::StrJoin(Messages(jobs_.get(), job->job_id()), "\n");
+}
+
+// replicas auto: on two hosts of 4, an 8-rank job is 2 x 4, a group per host; its memory plans
+// were made from specs carrying a concrete R (2 where it ran), never auto.
+TEST_F(SchedulerTest, AutoReplicasAreTheHostsOfTheJobsWorkers) {
+  struct Seen {
+    std::mutex mu;
+    std::set<std::pair<int, int>> plans;  // (world size, sharding.replicas of the planned spec)
+  };
+  auto seen = std::make_shared<Seen>();
+  sched_->Stop();
+  JobManagerOptions jo;
+  jo.planner = [seen](const v1::JobSpec& spec, int n) {
+    {
+      std::lock_guard<std::mutex> lock(seen->mu);
+      seen->plans.insert({n, spec.sharding().replicas()});
+    }
+    return PlanMemory(spec, n);
+  };
+  auto jm = JobManager::Open(jo);
+  ASSERT_TRUE(jm.ok()) << jm.status();
+  jobs_ = std::move(*jm);
+  StartScheduler(2s, 0ms);
+  AddInterleavedWorkers(8);
+  InstallAdmission(jobs_.get(), workers_.get());
+  auto job = jobs_->Submit("", HybridSpec(train_, 8, 8, 0));
+  ASSERT_TRUE(job.ok()) << job.status();
+  const v1::Job end = WaitEnd(job->job_id());
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  EXPECT_EQ(end.replicas(), 2);
+  EXPECT_EQ(GroupHosts(RankHosts(end), 4), (std::vector<std::string>{"127.0.0.1", "127.0.0.2"}));
+  auto a = AssignmentOf(end.worker_ids(0), end.job_id());
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->spec().sharding().replicas(), 2);
+  std::lock_guard<std::mutex> lock(seen->mu);
+  EXPECT_TRUE(seen->plans.count({8, 2})) << "no plan of the mesh it runs on";
+  for (const auto& [n, r] : seen->plans) EXPECT_GE(r, 1) << "planned auto at " << n;
+}
+
+// A world size that R does not divide is never chosen: 6 free workers, a batch that allows 6,
+// R = 4: the job runs on 4. Specs whose range holds no multiple of R are refused naming
+// sharding.replicas; a range holding one is accepted.
+TEST_F(SchedulerTest, WorldSizesAreMultiplesOfTheReplicas) {
+  v1::JobSpec s = HybridSpec(train_, 1, 6, 4);
+  s.mutable_training()->set_global_batch(24);  // 6, 4, 3, 2, 1 ranks split it
+  EXPECT_EQ(Scheduler::ChooseWorldSize(s, 6), 4);
+  EXPECT_EQ(Scheduler::ChooseWorldSize(s, 3), 0);
+  EXPECT_EQ(AllowedWorldSizes(s), (std::vector<int>{4}));
+  s.mutable_sharding()->set_replicas(2);
+  EXPECT_EQ(AllowedWorldSizes(s), (std::vector<int>{6, 4, 2}));
+  s.mutable_sharding()->set_replicas(4);
+  for (int i = 0; i < 6; ++i) AddWorker();
+  auto job = jobs_->Submit("", s);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const v1::Job end = WaitEnd(job->job_id());
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  EXPECT_EQ(end.world_size(), 4);
+  EXPECT_EQ(end.replicas(), 4);
+
+  v1::JobSpec none = HybridSpec(train_, 5, 7, 4);
+  auto refused = jobs_->Submit("", none);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "sharding.replicas"))
+      << refused.status();
+  v1::JobSpec exact = HybridSpec(train_, 6, 6, 4);
+  exact.mutable_training()->set_global_batch(24);
+  auto refused6 = jobs_->Submit("", exact);
+  EXPECT_TRUE(absl::StrContains(refused6.status().message(), "sharding.replicas"))
+      << refused6.status();
+  auto accepted = jobs_->Submit("", HybridSpec(train_, 3, 5, 2));  // runs at 4
+  EXPECT_TRUE(accepted.ok()) << accepted.status();
+  if (accepted.ok()) {
+    const v1::Job four = WaitEnd(accepted->job_id());
+    EXPECT_EQ(four.state(), v1::JOB_STATE_SUCCEEDED) << four.reason();
+    EXPECT_EQ(four.world_size(), 4);
+  }
+}
+
+// A checkpoint of an R = 2 x S = 2 job is a flat one: SHARD_GROUP: 2 files from replica 0's
+// ranks (replica 1 answers with no file); WORLD: 4 files, file s * R + p from the rank of shard s
+// of replica p (ranks 0, 2, 1, 3 write files 0, 1, 2, 3; the fakes' files hold 1000 + rank bytes).
+TEST_F(SchedulerTest, AMeshsCheckpointListsItsOptimizerShards) {
+  AddInterleavedWorkers(4);
+  for (bool world : {false, true}) {
+    SCOPED_TRACE(world ? "WORLD" : "SHARD_GROUP");
+    const std::string ck = dir_.File(world ? "ck-world" : "ck-group");
+    v1::JobSpec spec = HybridSpec(train_, 4, 4, 2);
+    spec.mutable_sharding()->set_optimizer_sharding(world ? v1::OPTIMIZER_SHARDING_WORLD
+                                                          : v1::OPTIMIZER_SHARDING_SHARD_GROUP);
+    spec.mutable_checkpoint()->set_dir(ck);
+    auto job = jobs_->Submit("", spec);
+    ASSERT_TRUE(job.ok()) << job.status();
+    const v1::Job end = WaitEnd(job->job_id());
+    ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+    auto c = CheckpointStore::Open(ck + "/step-3");
+    ASSERT_TRUE(c.ok()) << c.status();
+    const std::vector<int64_t> bytes =
+        world ? std::vector<int64_t>{1000, 1002, 1001, 1003} : std::vector<int64_t>{1000, 1001};
+    EXPECT_EQ(c->manifest.world_size(), static_cast<int>(bytes.size()));
+    ASSERT_EQ(c->manifest.files_size(), static_cast<int>(bytes.size()));
+    for (int i = 0; i < c->manifest.files_size(); ++i) {
+      EXPECT_EQ(c->manifest.files(i).rank(), i);
+      EXPECT_EQ(c->manifest.files(i).file(), "rank-" + std::to_string(i) + ".ckpt");
+      EXPECT_EQ(c->manifest.files(i).bytes(), bytes[i]) << "file " << i;
+    }
+    EXPECT_FALSE(std::filesystem::exists(ck + "/step-3/rank-" + std::to_string(bytes.size()) +
+                                         ".ckpt"));
+  }
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // WorkerRegistry: version checks, which workers are assignable, named workers' ids.
 #include <chrono>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -156,6 +157,30 @@ TEST(WorkerRegistry, NamedWorkerKeepsItsIdAndALiveDuplicateIsRefused) {
   ok.set_name("w-x1");  // not w-<digits>
   EXPECT_TRUE(reg.Register(ok).ok());
   EXPECT_EQ(reg.List().size(), 4u);
+}
+
+// Placement domains: CPU workers on different loopback addresses are different hosts; a named
+// NVLink island is a domain of its host only (the same name on another host is another domain).
+TEST(WorkerRegistry, PlacementDomainsAreHostsOrTheirNamedIslands) {
+  WorkerRegistry reg({"1.2.3"});
+  std::vector<std::string> ids;
+  for (auto [host, island] : std::vector<std::pair<std::string, std::string>>{
+           {"127.0.0.1", ""}, {"127.0.0.2", ""}, {"10.0.0.5", "nvl1"}, {"10.0.0.6", "nvl1"}}) {
+    v1::RegisterRequest req = CpuWorkerRegistration();
+    req.set_host(host);
+    req.set_placement_domain(island);
+    auto r = reg.Register(req);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ids.push_back(r->worker_id());
+  }
+  const std::map<std::string, std::string> d = reg.WorkerDomains("cpu");
+  ASSERT_EQ(d.size(), 4u);
+  EXPECT_EQ(d.at(ids[0]), "127.0.0.1");
+  EXPECT_EQ(d.at(ids[1]), "127.0.0.2");
+  EXPECT_EQ(d.at(ids[2]), "10.0.0.5/nvl1");
+  EXPECT_EQ(d.at(ids[3]), "10.0.0.6/nvl1");
+  EXPECT_TRUE(reg.WorkerDomains("cuda").empty());
+  EXPECT_EQ(reg.List()[2].placement_domain(), "nvl1");
 }
 
 }  // namespace
