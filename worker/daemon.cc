@@ -34,6 +34,9 @@ struct WorkerDaemon::Job {
   std::unique_ptr<KvStore> grpc_kv;
   std::unique_ptr<KvStore> kv;  // grpc_kv, cancellable by the job's abort flag
   std::shared_ptr<Communicator> comm;
+  // Hybrid sharding (R > 1): the shard group's and the replica group's communicators, split from
+  // comm (Communicator::Split); null for a flat job.
+  std::shared_ptr<Communicator> shard_comm, replica_comm;
   CommBytes reported;  // comm's byte counters as already added to the metrics
   int rank = 0;
   Mesh mesh;  // of the Assignment's resolved spec: which checkpoint file this rank writes
@@ -43,7 +46,9 @@ struct WorkerDaemon::Job {
   // for one of the job's next generation).
   std::shared_ptr<std::atomic<bool>> cancelled;
   ~Job() {
-    trainer.reset();  // uses backend and comm
+    trainer.reset();  // uses backend and the communicators
+    shard_comm.reset();
+    replica_comm.reset();
     comm.reset();
     backend.reset();
   }
@@ -331,7 +336,7 @@ void WorkerDaemon::CancelJob(const std::string& reason) {
   stale_steps_.store(true);
   absl::MutexLock l(&comm_mu_);
   if (job_cancelled_) job_cancelled_->store(true);
-  if (live_comm_) live_comm_->Abort(reason);
+  for (const auto& c : live_comms_) c->Abort(reason);
 }
 
 void WorkerDaemon::Post(std::function<void()> task) {
@@ -359,10 +364,42 @@ void WorkerDaemon::JobThread() {
 void WorkerDaemon::DropJob(bool finished) {
   {
     absl::MutexLock l(&comm_mu_);
-    if (live_comm_ && !finished) live_comm_->Abort("this rank dropped the job");
-    live_comm_.reset();
+    if (!finished) {
+      for (const auto& c : live_comms_) c->Abort("this rank dropped the job");
+    }
+    live_comms_.clear();
   }
   job_.reset();
+}
+
+bool WorkerDaemon::PublishComm(const std::shared_ptr<Communicator>& comm,
+                               const std::atomic<bool>& cancelled) {
+  // Checked under comm_mu_ so an Abort either sees it in live_comms_ or is seen here.
+  absl::MutexLock l(&comm_mu_);
+  if (cancelled.load()) {
+    comm->Abort("job aborted during bootstrap");
+    return false;
+  }
+  live_comms_.push_back(comm);
+  return true;
+}
+
+// Hybrid sharding: the shard group (color = replica, key = shard index) and the replica group
+// (color = shard index, key = replica) from the world communicator, every rank in the same order.
+absl::Status WorkerDaemon::SplitMesh(Job* job) {
+  if (job->mesh.Flat()) return absl::OkStatus();
+  const int r = job->comm->rank();
+  absl::StatusOr<std::unique_ptr<Communicator>> shard =
+      job->comm->Split(job->mesh.Replica(r), job->mesh.ShardIndex(r));
+  if (!shard.ok()) return shard.status();
+  job->shard_comm = std::move(*shard);
+  if (!PublishComm(job->shard_comm, *job->cancelled)) return absl::AbortedError("aborted during bootstrap");
+  absl::StatusOr<std::unique_ptr<Communicator>> replica =
+      job->comm->Split(job->mesh.ShardIndex(r), job->mesh.Replica(r));
+  if (!replica.ok()) return replica.status();
+  job->replica_comm = std::move(*replica);
+  if (!PublishComm(job->replica_comm, *job->cancelled)) return absl::AbortedError("aborted during bootstrap");
+  return absl::OkStatus();
 }
 
 void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
@@ -429,20 +466,13 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
     Log(absl::StrCat("job ", a.job_id(), " generation ", a.generation(),
                      ": collectives over ", transport));
   }
-  {
-    // Checked under comm_mu_ so an Abort either sees live_comm_ or is seen here.
-    absl::MutexLock l(&comm_mu_);
-    if (cancelled->load()) {
-      job->comm->Abort("job aborted during bootstrap");
-    } else {
-      live_comm_ = job->comm;
-    }
-  }
-  if (cancelled->load()) return fail("aborted during bootstrap");
+  if (!PublishComm(job->comm, *cancelled)) return fail("aborted during bootstrap");
+  if (absl::Status s = SplitMesh(job.get()); !s.ok()) return fail(std::string(s.message()));
   job->rank = a.rank();
+  const MeshComms mesh_comms{job->shard_comm.get(), job->replica_comm.get()};
   auto t = CatchAllocationFailure("building the model", [&] {
     return Trainer::Create(a.spec(), a.rank(), a.world_size(), job->backend.get(),
-                           job->comm.get(), opts_.settings.trainer);
+                           job->comm.get(), mesh_comms, opts_.settings.trainer);
   });
   if (!t.ok()) return fail(t.status().ToString(), t.status().code());
   job->trainer = std::move(*t);

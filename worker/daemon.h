@@ -20,6 +20,7 @@
 #pragma once
 
 #include <atomic>
+#include <vector>
 #include <chrono>
 #include <deque>
 #include <functional>
@@ -89,6 +90,11 @@ class WorkerDaemon {
     return q_stop_ || !queue_.empty();
   }
   void HandleAssignment(const v1::Assignment& a, std::shared_ptr<std::atomic<bool>> cancelled);
+  // Adds comm to live_comms_ unless the job was cancelled (then aborts it, returns false).
+  bool PublishComm(const std::shared_ptr<Communicator>& comm, const std::atomic<bool>& cancelled)
+      ABSL_LOCKS_EXCLUDED(comm_mu_);
+  // A hybrid job's group communicators (job->shard_comm, job->replica_comm), published as made.
+  absl::Status SplitMesh(Job* job) ABSL_LOCKS_EXCLUDED(comm_mu_);
   // Marks the newest job's bootstrap cancelled and aborts its communicator (reader thread).
   void CancelJob(const std::string& reason) ABSL_LOCKS_EXCLUDED(comm_mu_);
   void HandleStep(const v1::StepCommand& c);
@@ -124,8 +130,9 @@ class WorkerDaemon {
   std::thread job_thread_;
   std::unique_ptr<Job> job_;  // touched only on the job thread
   absl::Mutex comm_mu_;
-  // The current job's, for Abort from the reader.
-  std::shared_ptr<Communicator> live_comm_ ABSL_GUARDED_BY(comm_mu_);
+  // The current job's communicators (the world's, then a hybrid job's group ones), for Abort
+  // from the reader: aborting one does not abort the others (Communicator::Split).
+  std::vector<std::shared_ptr<Communicator>> live_comms_ ABSL_GUARDED_BY(comm_mu_);
   // The newest assigned job's abort flag. Set by Abort, by session end and by a newer
   // Assignment; the job's rendezvous waits poll it, so a job aborted while still bootstrapping
   // stops within a fraction of a second instead of at the rendezvous timeout.
