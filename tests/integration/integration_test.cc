@@ -32,6 +32,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -41,6 +42,7 @@
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
+#include "common/checkpoint_format.h"
 #include "common/token_shard.h"
 #include "fsdp8/v1/admin.grpc.pb.h"
 #include "fsdp8/v1/checkpoint.pb.h"
@@ -90,7 +92,11 @@ class Cluster : public ::testing::Test {
 
   // A coordinator and 3 workers. one_at_a_time: each worker is started only after the previous one
   // registered, so that worker_ids_[i] is the id of cluster_->worker(i).
-  static void StartCluster(bool one_at_a_time, const std::vector<std::string>& coordinator_flags = {}) {
+  // worker_hosts: one --host per worker (loopback addresses; distinct ones are distinct hosts for
+  // placement); empty: 3 workers on 127.0.0.1.
+  static void StartCluster(bool one_at_a_time, const std::vector<std::string>& coordinator_flags = {},
+                           std::vector<std::string> worker_hosts = {}) {
+    if (worker_hosts.empty()) worker_hosts.assign(3, "127.0.0.1");
     tmp_ = new TempDir(one_at_a_time ? "fsdp8-integration-recovery" : "fsdp8-integration",
                        TempDir::Cleanup::kUnlessFailed);
     dir_ = new fs::path(tmp_->path());
@@ -104,11 +110,11 @@ class Cluster : public ::testing::Test {
     auto channel = grpc::CreateChannel(*addr_, grpc::InsecureChannelCredentials());
     admin_ = v1::AdminService::NewStub(channel).release();
     worker_ids_ = new std::vector<std::string>();
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < static_cast<int>(worker_hosts.size()); ++i) {
       // Named as Kubernetes names a StatefulSet's pods: the ids survive a coordinator restart.
-      cluster_->AddWorker(
-          {"--coordinator=" + *addr_, "--threads=1", "--name=node-" + std::to_string(i)},
-          "worker-" + std::to_string(i) + ".log");
+      cluster_->AddWorker({"--coordinator=" + *addr_, "--threads=1", "--host=" + worker_hosts[i],
+                           "--name=node-" + std::to_string(i)},
+                          "worker-" + std::to_string(i) + ".log");
       if (!one_at_a_time) continue;
       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
       for (;;) {
@@ -856,6 +862,79 @@ TEST_F(Cluster, C10_KilledRankFailsTheJobFastAndSurvivorsServeTheNextJob) {
   EXPECT_TRUE(std::isfinite(after[4]));
   std::printf("the 2 surviving workers trained the next job in %.1f s\n",
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+// Hybrid sharding across real processes: 4 CPU workers on 2 simulated hosts (127.0.0.1 and
+// 127.0.0.2). A job of 2 replicas x 2-rank shard groups trains the same losses as the flat
+// world-4 job (C12's tolerances: 1e-5 relative with FP32 linears, 5e-3 with FP8), with either
+// optimizer sharding; every shard group lies on one host; a checkpoint of the mesh holds
+// Mesh::OptimizerShards() rank files.
+class HybridCluster : public Cluster {
+ protected:
+  static void SetUpTestSuite() {
+    StartCluster(false, {}, {"127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"});
+  }
+  static v1::JobSpec MeshSpec(int replicas, v1::Precision linears, int steps,
+                              v1::OptimizerSharding optimizer = v1::OPTIMIZER_SHARDING_SHARD_GROUP) {
+    v1::JobSpec s = SmallSpec(4, linears, steps);
+    s.mutable_sharding()->set_replicas(replicas);
+    s.mutable_sharding()->set_optimizer_sharding(optimizer);
+    return s;
+  }
+  // Every shard group (ranks g*S .. g*S+S-1 of job_id) on one host.
+  static void ExpectShardGroupsOnOneHost(const std::string& job_id, int shard_size) {
+    const v1::Job job = GetJob(job_id);
+    const auto workers = ListWorkers();
+    ASSERT_TRUE(workers.has_value());
+    std::map<std::string, std::string> host_of;
+    for (const auto& w : *workers) host_of[w.worker_id()] = w.host();
+    ASSERT_EQ(job.worker_ids_size(), 4);
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(host_of[job.worker_ids(r)], host_of[job.worker_ids(r - r % shard_size)])
+          << "rank " << r << " is not on its shard group's host";
+    }
+  }
+};
+
+TEST_F(HybridCluster, TwoReplicasOfTwoRanksMatchTheFlatWorldOfFour) {
+  const int steps = 20;
+  for (v1::Precision linears : {v1::PRECISION_FP32, v1::PRECISION_FP8}) {
+    const double tol = linears == v1::PRECISION_FP32 ? 1e-5 : 5e-3;
+    const auto flat = Run(MeshSpec(1, linears, steps));
+    for (v1::OptimizerSharding o :
+         {v1::OPTIMIZER_SHARDING_SHARD_GROUP, v1::OPTIMIZER_SHARDING_WORLD}) {
+      const v1::Job job = Submit(MeshSpec(2, linears, steps, o));
+      ASSERT_FALSE(job.job_id().empty());
+      std::vector<double> hybrid(steps, NAN);
+      std::string message;
+      ASSERT_EQ(Follow(job.job_id(), 0, &hybrid, {}, &message), v1::JOB_STATE_SUCCEEDED) << message;
+      ExpectShardGroupsOnOneHost(job.job_id(), 2);
+      for (int k = 0; k < steps; ++k) {
+        ASSERT_TRUE(std::isfinite(hybrid[k]) && std::isfinite(flat[k])) << "step " << k;
+        EXPECT_NEAR(hybrid[k], flat[k], tol * flat[k]) << "step " << k << " optimizer " << o;
+      }
+      std::printf("%s linears, optimizer sharding %d: (2 x 2) vs flat 4: max relative loss "
+                  "difference %.3g (tolerance %g)\n",
+                  linears == v1::PRECISION_FP32 ? "fp32" : "fp8", static_cast<int>(o),
+                  MaxRelDiff(hybrid, flat), tol);
+    }
+  }
+}
+
+TEST_F(HybridCluster, ACheckpointOfTheMeshHasOneFilePerOptimizerShard) {
+  for (auto [o, files] : {std::pair{v1::OPTIMIZER_SHARDING_SHARD_GROUP, 2},
+                          std::pair{v1::OPTIMIZER_SHARDING_WORLD, 4}}) {
+    const std::string ck = "hybrid-ck-" + std::to_string(files);
+    v1::JobSpec s = MeshSpec(2, v1::PRECISION_FP8, 10, o);
+    s.mutable_checkpoint()->set_dir((*dir_ / ck).string());
+    s.mutable_checkpoint()->set_every_steps(5);
+    Run(s);
+    const absl::StatusOr<v1::CheckpointManifest> m =
+        ReadManifestFile((*dir_ / ck / "step-10").string());
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_EQ(m->world_size(), files);
+    EXPECT_EQ(m->files_size(), files);
+  }
 }
 
 }  // namespace
