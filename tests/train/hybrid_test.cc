@@ -9,8 +9,6 @@
 // mesh resume on other meshes, flat included, within the same tolerances of the uninterrupted
 // run, and have the files the design names (SHARD_GROUP: replica 0's ranks, one file per shard
 // index; WORLD: one per rank at its optimizer index).
-#include <atomic>
-#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -20,7 +18,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "comm/cpu_communicator.h"
 #include "common/checkpoint_format.h"
 #include "common/mesh.h"
 #include "common/spec.h"
@@ -55,32 +52,12 @@ const char* Name(v1::OptimizerSharding s) {
   return s == v1::OPTIMIZER_SHARDING_WORLD ? "WORLD" : "SHARD_GROUP";
 }
 
-// Runs fn(rank, trainer) on R x S ranks (threads): R = 1 is a flat job (no group communicators).
+// Runs fn(rank, trainer) on R x S ranks (threads): R = 1 is a flat job.
 using RankFn = std::function<void(int rank, Trainer* t)>;
 void RunMesh(const v1::JobSpec& spec, int R, int S, const RankFn& fn) {
-  static std::atomic<int> generation{0};
-  const std::string prefix = absl::StrCat("hybrid/", generation++, "/");
-  const int W = R * S;
-  testing::MemKvStore kv;
-  const auto timeout = std::chrono::seconds(30);
-  CpuCommOptions options;
-  testing::RunOnThreads(W, [&](int r) {
-    auto make = [&](int rank, int size, const std::string& name) {
-      auto c = CreateCpuCommunicator(rank, size, &kv, prefix + name + "/", "127.0.0.1", timeout,
-                                     timeout, options);
-      EXPECT_TRUE(c.ok()) << c.status();
-      return c.ok() ? std::move(*c) : nullptr;
-    };
-    std::unique_ptr<Communicator> world = make(r, W, "world"), shard, replica;
-    MeshComms comms;
-    if (R > 1) {
-      shard = make(r % S, S, absl::StrCat("shard", r / S));
-      replica = make(r / S, R, absl::StrCat("replica", r % S));
-      comms = MeshComms{shard.get(), replica.get()};
-    }
-    ASSERT_TRUE(world && (R == 1 || (shard && replica)));
+  testing::RunMeshRanks(R, S, [&](int r, Communicator* world, const MeshComms& comms) {
     auto be = CpuBackend();
-    auto t = Trainer::Create(WithDefaults(spec, W), r, W, be.get(), world.get(), comms);
+    auto t = Trainer::Create(WithDefaults(spec, R * S), r, R * S, be.get(), world, comms);
     ASSERT_TRUE(t.ok()) << t.status();
     fn(r, t->get());
   });
