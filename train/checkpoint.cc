@@ -313,7 +313,7 @@ absl::Status ReadBufferSlice(const LoadTarget& t, int rank, const BufInfo& bi,
   // piece [index * piece, ...) and only the unpadded ones (< numel).
   const int64_t src_lo = static_cast<int64_t>(rank) * shard;
   const int64_t mine = t.params->OptimizerNumel(bi.unit, bi.buffer);  // this rank's piece
-  const int64_t dst_lo = static_cast<int64_t>(t.params->OptimizerIndex()) * mine;
+  const int64_t dst_lo = t.params->OptimizerBegin(bi.unit, bi.buffer);
   const int64_t lo = std::max(src_lo, dst_lo);
   const int64_t hi = std::min({src_lo + shard, dst_lo + mine, h.numel});
   const int64_t n = std::max<int64_t>(0, hi - lo);

@@ -140,6 +140,10 @@ class FsdpParams {
   int OptimizerShards() const { return mesh_.OptimizerShards(); }
   int OptimizerIndex() const { return mesh_.OptimizerIndex(global_rank_); }
   int64_t OptimizerNumel(int unit, int buffer) const { return units_[unit][buffer].opt_n; }
+  // The piece's first element in the flat buffer (OptimizerIndex() * OptimizerNumel).
+  int64_t OptimizerBegin(int unit, int buffer) const {
+    return OptimizerIndex() * units_[unit][buffer].opt_n;
+  }
   // Whether the reduce-scatters from now on are the step's last microbatch's: each unit's grad
   // shard is then summed over the replica group once complete (R > 1). Default true; the trainer
   // sets it per microbatch. No effect on a flat job.
