@@ -320,9 +320,9 @@ void FsdpParams::FlushGrads() {
   reducing_.clear();  // frees the full gradients and the parts (stream-ordered)
   if (replica_ == nullptr || !final_microbatch_) return;
   for (Buf* b : complete) {
-    // A failed start leaves the grad without its replica sum: MaterializeGrads aborts on it,
-    // and the communicator's error fails the step's next collective first.
-    if (absl::Status s = StartReplicaSum(*b); !s.ok()) replica_error_ = s;
+    // A failed start is returned by the next ReduceGrads or StartGradSquaredNorm (the step
+    // fails; the trainer is unusable then, as after any collective error).
+    if (absl::Status s = StartReplicaSum(*b); !s.ok() && replica_error_.ok()) replica_error_ = s;
   }
 }
 
