@@ -571,8 +571,10 @@ absl::StatusOr<CheckpointWeights> ReadCheckpointWeights(const std::string& step_
   CheckpointWeights out;
   out.manifest = std::move(*manifest);
   const v1::CheckpointManifest& m = out.manifest;
-  // A MANIFEST of an earlier release holds moved fields in their old places: migrated first.
-  absl::StatusOr<ShardPlan> plan = MakeShardPlan(MigrateStoredSpec(m.spec()), m.world_size());
+  // A MANIFEST of an earlier release holds moved fields in their old places: migrated first. A
+  // hybrid-sharded job's files are padded for its whole mesh (MakeCheckpointShardPlan).
+  absl::StatusOr<ShardPlan> plan =
+      MakeCheckpointShardPlan(MigrateStoredSpec(m.spec()), m.world_size());
   if (!plan.ok()) {
     return absl::DataLossError(absl::StrCat(step_dir, "/MANIFEST: its spec has no shard plan (",
                                             plan.status().message(), ")"));

@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <numeric>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "common/model_dims.h"
 #include "common/spec.h"
 
@@ -45,10 +45,8 @@ double Sum(const std::vector<PlannedTensor>& table, bool after_mlp = false) {
 struct PhasePeak {
   double bytes = 0;
   Bytes terms{};
-  void Take(const Bytes& at) {
-    double total = 0;
-    for (double b : at) total += b;
-    if (total > bytes) {  // the first moment at the largest total, as the backend's account
+  void Take(const Bytes& at) {  // the first moment at the largest total, as the backend's account
+    if (const double total = std::accumulate(at.begin(), at.end(), 0.0); total > bytes) {
       bytes = total;
       terms = at;
     }
@@ -58,16 +56,16 @@ struct PhasePeak {
 // Models with more blocks are planned by extrapolation (PlanMemory).
 constexpr int kMaxWalkLayers = 1024;
 
-int64_t Saturate(double b) {
-  if (!(b < 9.2e18)) return kBytesExceeded;
-  return static_cast<int64_t>(std::llround(b));
-}
+int64_t Saturate(double b) { return b < 9.2e18 ? std::llround(b) : kBytesExceeded; }
 
-// Per unit (the step plan's, in its order): what FsdpParams (train/fsdp.cc) holds of it.
+// Per unit (the step plan's, in its order): what FsdpParams (train/fsdp.cc) holds of it. O: the
+// optimizer piece, S / R under WORLD optimizer sharding with R > 1, else S.
 struct UnitBytes {
-  double shard = 0;       // master S*4 plus the wire shard (fp8: S with kept codes, bf16: S*2)
+  double shard = 0;       // master O*4 plus the wire shard (fp8: S with kept codes, bf16: S*2,
+                          // fp32 under WORLD: S*4)
   double grad = 0;        // the gradient shard, S*4
-  double optimizer = 0;   // S * OptimizerStateBytesPerElement
+  double piece = 0;       // the gradient's piece after its replica sum (WORLD), O*4
+  double optimizer = 0;   // O * OptimizerStateBytesPerElement
   double full = 0;        // gathered: P x wire bytes (one rank: a view; cast codes without kept
                           // weight codes)
   double codes = 0;       // a prefetch's cast FP8 slice (no kept codes), until gathered
@@ -92,35 +90,34 @@ class StepSum {
   // matrices, the RoPE tables); on CUDA the cuBLASLt workspace, the RoPE table and the f32
   // attention backward's delta slot (B, H, T) grown by a quarter (CudaBackend::Scratch).
   double BackendWorkspace() const;
+  // kGrads while unit u computes its backward (the units after it reduced): in the last
+  // microbatch under WORLD a unit's shard becomes its piece once its replica sum is waited for;
+  // the one d units back has both (its sum in flight: d = 2 behind a reduce-scatter in flight,
+  // 1 on one rank).
+  double GradsAt(int u, bool later, bool last) const;
 
   const StepPlan& plan_;
-  bool cuda_, tied_, attn16_;
-  double C_, H_, D_, T_, B_, N_, nq_, nk_, F_, local_tokens_;
-  int L_;
+  const ModelDims d_;
+  const double C_, H_, D_, T_, B_, N_, nq_, nk_, F_, local_tokens_;
+  const int L_;
+  const bool cuda_, tied_, attn16_;
   Bytes fixed_{};  // shards, optimizer state, scaling state, backend workspaces, batch
   std::vector<UnitBytes> units_;
-  double all_grads_ = 0;
+  double all_grads_ = 0, all_pieces_ = 0;
+  bool pieces_ = false;  // WORLD optimizer sharding, R > 1
+  double rebuild_ = 0;   // WORLD: the largest fp8/bf16 wire piece copied out for its all-gather
 };
 
 StepSum::StepSum(const v1::JobSpec& spec, const StepPlan& plan, int64_t opt_bytes)
-    : plan_(plan) {
-  const v1::ModelConfig& m = spec.model();
-  const ModelDims d = ModelDimsOf(m);
-  C_ = d.d_model;
-  H_ = d.n_heads;
-  D_ = d.head_dim;
-  F_ = d.ffn_dim;
-  T_ = d.seq_len;
-  nq_ = d.q_width();
-  nk_ = d.kv_width();
-  L_ = static_cast<int>(plan.blocks.size());
-  B_ = spec.training().microbatch();
-  N_ = static_cast<double>(plan.tokens);
-  local_tokens_ = static_cast<double>(spec.training().global_batch()) / plan.world_size * T_;
-  cuda_ = spec.backend() == "cuda";
-  tied_ = m.tie_word_embeddings();
-  attn16_ = spec.precision().attention() == v1::PRECISION_BF16;
+    : plan_(plan), d_(ModelDimsOf(spec.model())), C_(d_.d_model), H_(d_.n_heads),
+      D_(d_.head_dim), T_(d_.seq_len), B_(spec.training().microbatch()),
+      N_(static_cast<double>(plan.tokens)), nq_(d_.q_width()), nk_(d_.kv_width()), F_(d_.ffn_dim),
+      local_tokens_(static_cast<double>(spec.training().global_batch()) / plan.world_size * T_),
+      L_(static_cast<int>(plan.blocks.size())), cuda_(spec.backend() == "cuda"),
+      tied_(spec.model().tie_word_embeddings()),
+      attn16_(spec.precision().attention() == v1::PRECISION_BF16) {
   const bool keep_codes = spec.precision().fp8().keep_weight_codes();
+  pieces_ = plan.mesh.optimizer_over_world && plan.mesh.replicas > 1;
   int fp8_tensors = 0;
   bool grouped = false;
   for (const BlockPlan& b : plan.blocks) {
@@ -130,10 +127,10 @@ StepSum::StepSum(const v1::JobSpec& spec, const StepPlan& plan, int64_t opt_byte
   for (size_t u = 0; u < plan.units.size(); ++u) {
     // Elements read in f32 per bf16 buffer: the embedding table; a block's norms (and its
     // linears in a BF16 block); the final norm (and the weight of an f32 head).
-    const double V = static_cast<double>(d.vocab_size);
-    double f32_numel = V * C_;
-    if (u == plan.units.size() - 1) {
-      f32_numel = plan.head_bf16 ? C_ : C_ + V * C_;
+    const double VC = static_cast<double>(d_.vocab_size) * C_;
+    double f32_numel = VC;
+    if (u + 1 == plan.units.size()) {
+      f32_numel = plan.head_bf16 ? C_ : C_ + VC;
     } else if (u > 0) {
       f32_numel = 2 * C_;
       if (plan.blocks[u - 1].linears == v1::PRECISION_BF16) {
@@ -144,10 +141,12 @@ StepSum::StepSum(const v1::JobSpec& spec, const StepPlan& plan, int64_t opt_byte
     for (const PlannedBuffer& b : plan.units[u].buffers) {
       const double S = static_cast<double>(b.shard), P = static_cast<double>(b.padded);
       const bool fp8 = b.wire == WireDtype::kFp8, bf16 = b.wire == WireDtype::kBf16;
-      const double wire = fp8 ? 1 : bf16 ? 2 : 4;
-      ub.shard += S * 4 + (fp8 ? (keep_codes ? S : 0) : bf16 ? S * 2 : 0);
+      const double wire = fp8 ? 1 : bf16 ? 2 : 4, O = pieces_ ? S / plan.mesh.replicas : S;
+      ub.shard += O * 4 + (fp8 ? (keep_codes ? S : 0) : bf16 ? S * 2 : pieces_ ? S * 4 : 0);
       ub.grad += S * 4;
-      ub.optimizer += S * static_cast<double>(opt_bytes);
+      ub.piece += O * 4;
+      ub.optimizer += O * static_cast<double>(opt_bytes);
+      if (pieces_ && (fp8 || bf16)) rebuild_ = std::max(rebuild_, O * wire);
       ub.full += S == P ? (fp8 && !keep_codes ? S : 0) : P * wire;
       ub.codes += fp8 && !keep_codes && S != P ? S : 0;
       ub.f32 += bf16 ? f32_numel * 4 : 0;
@@ -156,6 +155,7 @@ StepSum::StepSum(const v1::JobSpec& spec, const StepPlan& plan, int64_t opt_byte
     fixed_[kParams] += ub.shard;
     fixed_[kOptimizer] += ub.optimizer;
     all_grads_ += ub.grad;
+    all_pieces_ += ub.piece;
   }
   // Weight scales (40 bytes per FP8 weight: scale and scale_inv slots of 16, two amaxes), the
   // shared groups' table, activation and grad-output scales (36 each), a temporary amax.
@@ -177,11 +177,9 @@ double StepSum::BackendWorkspace() const {
   for (const BlockPlan& b : plan_.blocks) {
     if (b.linears == v1::PRECISION_FP32) continue;
     std::vector<std::pair<double, double>> shapes = {{nq_, C_}, {C_, b.fused_mlp ? 2 * F_ : F_},
-                                                     {F_, C_}};
-    if (b.fused_qkv) {
-      shapes.push_back({C_, nq_ + 2 * nk_});
-    } else {
-      shapes.push_back({C_, nq_});
+                                                     {F_, C_}, {C_, nq_ + 2 * nk_}};
+    if (!b.fused_qkv) {  // separate q, k and v GEMMs
+      shapes.back() = {C_, nq_};
       shapes.push_back({C_, nk_});
     }
     for (auto [in, out] : shapes) {
@@ -192,13 +190,28 @@ double StepSum::BackendWorkspace() const {
   return (s0 + s1 + 2 * T_ * T_ + T_ * D_) * 4;
 }
 
+double StepSum::GradsAt(int u, bool later, bool last) const {
+  const int d = plan_.mesh.shard_size > 1 ? 2 : 1;
+  double g = 0;
+  for (int x = 0; x < static_cast<int>(units_.size()); ++x) {
+    const UnitBytes& b = units_[x];
+    if (x <= u) g += later ? b.grad : 0;
+    if (x > u) g += !(last && pieces_) || x < u + d ? b.grad : b.piece + (x == u + d ? b.grad : 0);
+  }
+  return g;
+}
+
 void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
   const int head = 1 + L_;
   std::vector<double> saved_before(L_ + 1, 0);  // saved activations of blocks < l
   for (int l = 0; l < L_; ++l) saved_before[l + 1] = saved_before[l] + Sum(plan_.blocks[l].saved);
-  // Microbatch 0 starts with no gradient shard; later ones hold them all (repeating the second).
-  for (int mb = 0; mb < std::min(plan_.microbatches, 2); ++mb) {
-    const bool later = mb > 0;
+  // Microbatch 0 starts with no gradient shard; later ones hold them all (repeating the second);
+  // the last one sums the shards over the replicas (WORLD: a third walk when it is not the second).
+  const int M = plan_.microbatches;
+  std::vector<std::pair<bool, bool>> walks = {{false, M == 1}};  // later, last
+  if (M >= 2) walks.push_back({true, true});
+  if (M >= 3 && pieces_) walks.push_back({true, false});
+  for (auto [later, last] : walks) {
     for (int l = 0; l < L_; ++l) {  // block l's forward
       const BlockPlan& b = plan_.blocks[l];
       Bytes at = fixed_;  // at its largest moment (BlockPlan::forward_peak)
@@ -235,18 +248,17 @@ void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
       at[kWork] = fixed_[kWork] + 3 * nc + N_ * 4 + nc;
       bwd->Take(at);
     }
-    double grads = later ? all_grads_ : units_[head].grad;  // reduced so far
     for (int l = L_ - 1; l >= 0; --l) {  // block l's backward: its MLP's, then its attention's
       const BlockPlan& b = plan_.blocks[l];
       const int u = BlockUnit(l);
       Bytes at = fixed_;
-      at[kGrads] = grads;
+      at[kGrads] = GradsAt(u, later, last);
       at[kGathered] = units_[u].full + (l > 0 ? Prefetched(u - 1) : 0);
       // The previous unit's full gradient while its reduce-scatter is in flight, and a tied
       // embedding's (from the head until the embedding's backward); its own from BeginGrads,
       // after a recompute.
       at[kUnitGrads] = tied_ ? units_[0].full_grad : 0;
-      if (plan_.world_size > 1) {
+      if (plan_.mesh.shard_size > 1) {
         at[kUnitGrads] += units_[u + 1].full_grad + (later ? units_[u + 1].grad : 0);
       }
       at[kSaved] = saved_before[l];
@@ -261,25 +273,32 @@ void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
       };
       if (plan_.recompute) take(b.recompute_peak, 0);
       take(b.backward_peak, units_[u].full_grad);
-      if (!later) grads += units_[u].grad;
     }
     Bytes at = fixed_;  // the embedding's backward: its full gradient
-    at[kGrads] = later ? all_grads_ : all_grads_ - units_[0].grad;
+    at[kGrads] = GradsAt(0, later, last);
     at[kUnitGrads] = units_[0].full_grad;
-    if (plan_.world_size > 1 && L_ > 0) {
+    if (plan_.mesh.shard_size > 1 && L_ > 0) {
       at[kUnitGrads] += units_[1].full_grad + (later ? units_[1].grad : 0);
     }
     at[kWork] += Sum(plan_.backward_held) + Sum(plan_.embedding_backward);
     bwd->Take(at);
+    if (last && pieces_ && plan_.mesh.shard_size > 1) {  // the embedding's replica sum (WORLD)
+      Bytes tail = fixed_;
+      tail[kGrads] = all_pieces_ + units_[0].grad;
+      bwd->Take(tail);
+    }
   }
   // The optimizer (the batch is gone): first with the grad norm's two f32 sums
   // (FsdpParams::StartGradSquaredNorm), then with the next step's first units prefetched.
+  // WORLD: the gradients are pieces; the wire shards' rebuild copies one piece out at a time.
   Bytes at = fixed_;
   at[kBatch] = 0;
-  at[kGrads] = all_grads_;
-  at[kWork] += 8;
-  opt->Take(at);
-  at[kWork] -= 8;
+  at[kGrads] = pieces_ ? all_pieces_ : all_grads_;
+  for (double work : {8.0, rebuild_}) {
+    at[kWork] += work;
+    if (work > 0) opt->Take(at);
+    at[kWork] -= work;
+  }
   at[kGathered] = Prefetched(0) + (L_ > 0 ? Prefetched(1) : 0);
   opt->Take(at);
 }
@@ -338,15 +357,12 @@ absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec_in, int world_size
   p.forward_peak_bytes = Saturate(fwd.bytes);
   p.backward_peak_bytes = Saturate(bwd.bytes);
   p.optimizer_peak_bytes = Saturate(opt.bytes);
-  const PhasePeak* top = &fwd;
-  p.peak_phase = "forward";
-  if (bwd.bytes > top->bytes) {
-    top = &bwd;
-    p.peak_phase = "backward";
-  }
-  if (opt.bytes > top->bytes) {
-    top = &opt;
-    p.peak_phase = "optimizer";
+  const PhasePeak* top = nullptr;  // the first phase at the largest peak
+  for (auto [name, ph] : {std::pair{"forward", &fwd}, {"backward", &bwd}, {"optimizer", &opt}}) {
+    if (top == nullptr || ph->bytes > top->bytes) {
+      top = ph;
+      p.peak_phase = name;
+    }
   }
   p.peak_bytes = Saturate(top->bytes);
   for (int t = 0; t < kNumTerms; ++t) {
@@ -363,65 +379,11 @@ absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec_in, int world_size
     for (const MemoryTerm& t : p.device_extra) device += static_cast<double>(t.bytes);
   }
   p.device_bytes = Saturate(device);
-  p.exceeds_int64 = p.device_bytes == kBytesExceeded || p.peak_bytes == kBytesExceeded ||
-                    p.forward_peak_bytes == kBytesExceeded ||
-                    p.backward_peak_bytes == kBytesExceeded ||
-                    p.optimizer_peak_bytes == kBytesExceeded;
-  for (const MemoryTerm& t : p.terms) p.exceeds_int64 = p.exceeds_int64 || t.bytes == kBytesExceeded;
+  std::vector<int64_t> all = {p.device_bytes, p.peak_bytes, p.forward_peak_bytes,
+                              p.backward_peak_bytes, p.optimizer_peak_bytes};
+  for (const MemoryTerm& t : p.terms) all.push_back(t.bytes);
+  p.exceeds_int64 = std::find(all.begin(), all.end(), kBytesExceeded) != all.end();
   return p;
-}
-
-v1::MemoryPlan ToProto(const MemoryPlan& plan) {
-  v1::MemoryPlan out;
-  out.set_backend(plan.backend);
-  out.set_world_size(plan.world_size);
-  out.set_forward_peak_bytes(plan.forward_peak_bytes);
-  out.set_backward_peak_bytes(plan.backward_peak_bytes);
-  out.set_optimizer_peak_bytes(plan.optimizer_peak_bytes);
-  out.set_peak_bytes(plan.peak_bytes);
-  out.set_peak_phase(plan.peak_phase);
-  for (auto [terms, field] : {std::pair{&plan.terms, out.mutable_terms()},
-                              std::pair{&plan.device_extra, out.mutable_device_extra()},
-                              std::pair{&plan.forward_terms, out.mutable_forward_terms()},
-                              std::pair{&plan.backward_terms, out.mutable_backward_terms()},
-                              std::pair{&plan.optimizer_terms, out.mutable_optimizer_terms()}}) {
-    for (const MemoryTerm& t : *terms) {
-      v1::MemoryTerm* o = field->Add();
-      o->set_name(t.name);
-      o->set_bytes(t.bytes);
-    }
-  }
-  out.set_device_bytes(plan.device_bytes);
-  out.set_exceeds_int64(plan.exceeds_int64);
-  return out;
-}
-
-std::string MemoryBytes(int64_t bytes) {
-  if (bytes == kBytesExceeded) return "exceeds 8 EiB";
-  const double b = static_cast<double>(bytes);
-  const double tib = static_cast<double>(int64_t{1} << 40);
-  if (b >= tib) return absl::StrFormat("%.2f TiB", b / tib);
-  if (b >= double(1 << 30)) return absl::StrFormat("%.2f GiB", b / double(1 << 30));
-  if (b >= double(1 << 20)) return absl::StrFormat("%.1f MiB", b / double(1 << 20));
-  if (b >= 1024) return absl::StrFormat("%.1f KiB", b / 1024);
-  return absl::StrCat(bytes, " B");
-}
-
-std::string MemoryBytesAndCount(int64_t bytes) {
-  if (bytes == kBytesExceeded) return MemoryBytes(bytes);
-  return absl::StrCat(MemoryBytes(bytes), " (", bytes, " bytes)");
-}
-
-std::string LargestTerms(const MemoryPlan& plan, int n) {
-  std::vector<MemoryTerm> all = plan.terms;
-  all.insert(all.end(), plan.device_extra.begin(), plan.device_extra.end());
-  std::stable_sort(all.begin(), all.end(),
-                   [](const MemoryTerm& a, const MemoryTerm& b) { return a.bytes > b.bytes; });
-  std::string out;
-  for (int i = 0; i < n && i < static_cast<int>(all.size()) && all[i].bytes > 0; ++i) {
-    absl::StrAppend(&out, i > 0 ? ", " : "", all[i].name, " ", MemoryBytes(all[i].bytes));
-  }
-  return out;
 }
 
 }  // namespace fsdp8

@@ -20,11 +20,18 @@
 // past 1,024 are not seen then.
 //
 // Terms (bytes of one rank; S = a buffer's shard_numel, P = its padded_numel, both from the shard
-// plan's rule: P = ceil(numel / (world_size * alignment)) * world_size * alignment, S = P / world):
-//   parameter shards   per flat buffer: the f32 master slice S*4 and the wire shard (fp8: S, bf16:
-//                      S*2, fp32: none, the master is sent)                  FsdpParams::FsdpParams
-//   gradient shards    per flat buffer S*4 (f32, accumulated over microbatches)
-//   optimizer state    per flat buffer S * OptimizerStateBytesPerElement (AdamW m and v)
+// plan's rule: P = ceil(numel / (W * alignment)) * W * alignment, S = P / ranks per shard group;
+// a flat job's group is the world. Under a mesh of R replicas x S-rank groups (sharding.replicas,
+// common/mesh.h) O = S / R is a rank's optimizer piece with optimizer_sharding WORLD and R > 1,
+// else O = S):
+//   parameter shards   per flat buffer: the f32 master slice O*4 and the wire shard (fp8: S, bf16:
+//                      S*2, fp32: none, the master is sent; O < S: an f32 copy S*4, rebuilt from
+//                      the replicas' pieces)                                 FsdpParams::FsdpParams
+//   gradient shards    per flat buffer S*4 (f32, accumulated over microbatches); O < S: in the
+//                      last microbatch each becomes its piece O*4 once its reduce-scatter over
+//                      the replica group is waited for (both while it is in flight), and the
+//                      optimizer holds the pieces
+//   optimizer state    per flat buffer O * OptimizerStateBytesPerElement (AdamW m and v)
 //   FP8 scaling state  weight and activation scales: 16-byte slots per FP8 tensor (kScaleStride)
 //                      plus amaxes                                      FsdpParams, ActScaling
 //   gathered units     full buffers of the units gathered or in flight: the unit computing, the
@@ -43,7 +50,8 @@
 //                      weights) and the backends' scratch (kernels/backend.cc compositions and the
 //                      CPU backends' kept scratch slots: two T x T f32 attention matrices, the
 //                      GEMMs' f32 operands, RoPE tables; cuBLASLt workspace 32 MiB, RoPE tables
-//                      and cuDNN attention workspace on CUDA)
+//                      and cuDNN attention workspace on CUDA); O < S: the optimizer's copy of
+//                      one fp8 / bf16 wire piece, the send buffer of its replicas' all-gather
 //   logits chunks      the BF16 head's per-chunk f32 logits (rows chosen so that a chunk stays
 //                      within head_chunk_logit_bytes, default 512 MiB,
 //                      FSDP8_HEAD_CHUNK_LOGIT_BYTES), every row's bf16 logit gradient, nf in bf16; the f32
@@ -120,8 +128,9 @@ struct MemoryPlan {
 inline constexpr int64_t kBytesExceeded = INT64_MAX;
 
 // The plan of `spec`, resolved at world_size (ResolveSpec in common/spec.h: defaults applied,
-// checked here with CheckDefaulted, never filled in), on world_size ranks; the worst rank (all
-// ranks hold the same shard sizes). INVALID_ARGUMENT for world_size < 1, a spec not resolved at
+// checked here with CheckDefaulted, never filled in), on world_size ranks in the spec's mesh
+// (sharding.replicas; auto, 0, plans as 1 until resolved); the worst rank (all ranks hold the
+// same shard sizes). The SHARD_GROUP replica-group all-reduce runs in place: no bytes. INVALID_ARGUMENT for world_size < 1, a spec not resolved at
 // world_size, or a model whose sizes the spec rules refuse (validate first for the exact message). Sizes too large for
 // 64-bit byte counts hold kBytesExceeded and set exceeds_int64 (such a job fits nowhere).
 absl::StatusOr<MemoryPlan> PlanMemory(const v1::JobSpec& spec, int world_size,

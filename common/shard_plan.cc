@@ -79,17 +79,21 @@ bool ShardPlan::Find(const std::string& name, int* unit, int* buffer, int* tenso
 
 absl::StatusOr<ShardPlan> MakeShardPlan(
     const std::vector<std::pair<std::string, std::vector<std::vector<TensorSpec>>>>& units,
-    int world_size, int alignment) {
+    int world_size, int alignment, int replicas) {
   if (world_size < 1) {
     return absl::InvalidArgumentError(absl::StrCat("world_size: must be >= 1 (got ", world_size, ")"));
+  }
+  if (replicas < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("sharding.replicas: must be >= 1 (got ", replicas, ")"));
   }
   if (alignment < 1) {
     return absl::InvalidArgumentError(absl::StrCat("sharding.alignment: must be >= 1 (got ", alignment, ")"));
   }
   ShardPlan plan;
   plan.world_size = world_size;
+  plan.replicas = replicas;
   plan.alignment = alignment;
-  const int64_t quantum = static_cast<int64_t>(world_size) * alignment;
+  const int64_t quantum = static_cast<int64_t>(world_size) * replicas * alignment;
   std::set<std::string> names;
   for (const auto& [uname, lists] : units) {
     if (lists.size() > 3) {
@@ -138,7 +142,9 @@ absl::StatusOr<ShardPlan> MakeShardPlan(
   return plan;
 }
 
-absl::StatusOr<ShardPlan> MakeShardPlan(const v1::JobSpec& spec_in, int world_size) {
+namespace {
+
+absl::StatusOr<ShardPlan> MakeSpecPlan(const v1::JobSpec& spec_in, int world_size, int replicas) {
   if (absl::Status s = CheckDefaulted(spec_in, 0); !s.ok()) return s;
   const v1::JobSpec& spec = spec_in;
   const v1::ModelConfig& m = spec.model();
@@ -187,7 +193,23 @@ absl::StatusOr<ShardPlan> MakeShardPlan(const v1::JobSpec& spec_in, int world_si
     }
     units.emplace_back("head", std::move(u));
   }
-  return MakeShardPlan(units, world_size, spec.sharding().alignment());
+  return MakeShardPlan(units, world_size, spec.sharding().alignment(), replicas);
+}
+
+}  // namespace
+
+absl::StatusOr<ShardPlan> MakeShardPlan(const v1::JobSpec& spec, int world_size) {
+  return MakeSpecPlan(spec, world_size, 1);
+}
+
+absl::StatusOr<ShardPlan> MakeShardPlan(const v1::JobSpec& spec, const Mesh& mesh) {
+  return MakeSpecPlan(spec, mesh.shard_size, mesh.replicas);
+}
+
+absl::StatusOr<ShardPlan> MakeCheckpointShardPlan(const v1::JobSpec& spec, int files) {
+  const v1::ShardingSpec& sh = spec.sharding();
+  const bool per_shard = sh.optimizer_sharding() != v1::OPTIMIZER_SHARDING_WORLD;
+  return MakeSpecPlan(spec, files, per_shard ? std::max(1, sh.replicas()) : 1);
 }
 
 v1::ShardPlan ToProto(const ShardPlan& plan) {

@@ -1,9 +1,14 @@
-// The shard plan: a deterministic function of (model config, precision plan, world size, alignment).
+// The shard plan: a deterministic function of (model config, precision plan, world size, alignment)
+// and, for a hybrid-sharded job (common/mesh.h), of the mesh.
 //
 // Each FSDP unit ("embedding", "layers.<i>", "head" = final norm + LM head) holds its parameters in
 // flat buffers, one per wire dtype (FP8 weights travel as uint8, the rest as bf16 or fp32). A
 // buffer's tensors are laid out in a fixed order, then padded to a multiple of
-// world_size * alignment elements; rank r owns elements [r * shard_numel, (r + 1) * shard_numel).
+// world_size * replicas * alignment elements; rank r owns elements [r * shard_numel, (r + 1) *
+// shard_numel). For a mesh of R replicas x S ranks the plan is made at world_size = S (r is the
+// shard index) with replicas = R, so that a group's shard splits into R whole pieces and the
+// optimizer state's layout under OPTIMIZER_SHARDING_WORLD is that of a flat world-W plan. A flat
+// job (R = 1) has the same plan as before meshes existed, bit for bit.
 // Ranks whose slice is empty or all padding are legal (C05); unpadding round-trips exactly (C06).
 //
 // Thread-safety: pure functions and immutable values.
@@ -14,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/mesh.h"
 #include "fsdp8/v1/admin.pb.h"
 #include "fsdp8/v1/spec.pb.h"
 
@@ -45,7 +51,7 @@ struct BufferPlan {
   std::vector<TensorSpec> tensors;
   std::vector<int64_t> offsets;  // element offset of each tensor in the flat buffer
   int64_t numel = 0;             // sum of tensor numels
-  int64_t padded_numel = 0;      // multiple of world_size * alignment, >= numel
+  int64_t padded_numel = 0;      // multiple of world_size * replicas * alignment, >= numel
   int64_t shard_numel = 0;       // padded_numel / world_size
 
   // [begin, end) of rank r's slice in flat-buffer elements.
@@ -62,7 +68,8 @@ struct UnitPlan {
 };
 
 struct ShardPlan {
-  int world_size = 1;
+  int world_size = 1;  // ranks a buffer is sharded over (a mesh's shard group: S)
+  int replicas = 1;    // R: copies of each shard (hybrid sharding); padding covers R x world_size
   int alignment = 1;
   std::vector<UnitPlan> units;  // embedding, layers.0 .. layers.{L-1}, head
 
@@ -83,18 +90,29 @@ struct ShardPlan {
 // and head (both tensors) follow precision.embedding / precision.lm_head (BF16 or FP32).
 // padded_numel = ceil(numel / (world_size * alignment)) * world_size * alignment.
 // init_id = FNV-1a 64 of the tensor name (stable across builds and world sizes).
+// This overload is the flat plan over world_size ranks: sharding.replicas is not read.
 // INVALID_ARGUMENT for world_size < 1, alignment < 1, non-positive model sizes or a spec without
 // its defaults.
 absl::StatusOr<ShardPlan> MakeShardPlan(const v1::JobSpec& spec, int world_size);
+// The plan of a mesh: world_size = mesh.shard_size, replicas = mesh.replicas, padded_numel a
+// multiple of mesh.world_size() * alignment (a flat mesh gives MakeShardPlan(spec, W)).
+absl::StatusOr<ShardPlan> MakeShardPlan(const v1::JobSpec& spec, const Mesh& mesh);
+// The layout of a checkpoint's `files` rank files (train/checkpoint.h): a flat plan over `files`
+// ranks whose padding covers the spec's sharding.replicas (>= 1; 0 reads as 1) when its
+// optimizer_sharding is SHARD_GROUP (one file per shard index), else files x alignment (WORLD:
+// one file per rank, the layout of a flat world-W plan). What a reader of a checkpoint's master
+// weights plans with (a checkpoint of a flat job: MakeShardPlan(spec, files)).
+absl::StatusOr<ShardPlan> MakeCheckpointShardPlan(const v1::JobSpec& spec, int files);
 // Same, from an explicit tensor list per unit (used by tests for odd sizes such as 57 elements):
 // units[u] = {name, lists}, where lists[d] holds the tensors of wire dtype WireDtype(d) (at most 3
 // lists; empty lists and zero-element buffers produce no buffer). A tensor's numel is the product of
 // its shape when 0; an empty shape becomes {numel}; init_id 0 becomes the name hash.
-// INVALID_ARGUMENT for world_size < 1, alignment < 1, more than 3 lists, a negative dimension,
-// numel != product of shape, or a duplicate tensor name.
+// replicas: padding to world_size * replicas * alignment (a mesh's plan, see above).
+// INVALID_ARGUMENT for world_size < 1, replicas < 1, alignment < 1, more than 3 lists, a negative
+// dimension, numel != product of shape, or a duplicate tensor name.
 absl::StatusOr<ShardPlan> MakeShardPlan(const std::vector<std::pair<std::string,
                                         std::vector<std::vector<TensorSpec>>>>& units,
-                                        int world_size, int alignment);
+                                        int world_size, int alignment, int replicas = 1);
 
 // The plan as the AdminService reports it.
 v1::ShardPlan ToProto(const ShardPlan& plan);

@@ -757,13 +757,22 @@ void BackwardPeaks(BlockPlan* bp, const ModelDims& d, int64_t N, int64_t B,
 
 absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
                                       const BackendCaps& caps, const StepPlanOptions& options) {
-  absl::StatusOr<ShardPlan> shards = MakeShardPlan(spec, world_size);
+  // A hybrid-sharded job's units are laid out at its mesh (sharding.replicas; auto, 0, as flat).
+  Mesh mesh;
+  mesh.shard_size = world_size;
+  if (spec.sharding().replicas() > 1) {
+    absl::StatusOr<Mesh> m = MeshOf(spec, world_size);
+    if (!m.ok()) return m.status();
+    mesh = *m;
+  }
+  absl::StatusOr<ShardPlan> shards = MakeShardPlan(spec, mesh);
   if (!shards.ok()) return shards.status();
   const ModelDims d = ModelDimsOf(spec.model());
   const v1::TrainingSpec& tr = spec.training();
   const v1::PrecisionSpec& pp = spec.precision();
   StepPlan p;
   p.world_size = world_size;
+  p.mesh = mesh;
   const int64_t B = std::max(1, tr.microbatch());
   p.tokens = B * d.seq_len;
   const int64_t local_batch = tr.global_batch() / std::max(1, world_size);

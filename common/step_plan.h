@@ -118,7 +118,7 @@ struct BlockPlan {
 
 struct PlannedBuffer {
   WireDtype wire = WireDtype::kFp32;
-  int64_t padded = 0, shard = 0;  // BufferPlan::padded_numel, shard_numel
+  int64_t padded = 0, shard = 0;  // BufferPlan::padded_numel, shard_numel (at the mesh's S)
 };
 struct PlannedUnit {
   std::string name;                   // "embedding", "layers.0", ..., "head"
@@ -126,7 +126,8 @@ struct PlannedUnit {
 };
 
 struct StepPlan {
-  int world_size = 1;
+  int world_size = 1;  // W
+  Mesh mesh;           // the spec's at W (flat: S = W); the units are laid out at mesh.shard_size
   int64_t tokens = 0;     // N: microbatch * seq_len, the rows of every activation
   int microbatches = 1;   // per rank and step
   bool recompute = false;
@@ -147,7 +148,9 @@ struct StepPlan {
 // multiple of 128 where the chunk holds fewer than N rows and more than 128 (GEMM tiles).
 int64_t HeadChunkRows(int64_t N, int64_t V, int64_t chunk_bytes);
 
-// The plan of `spec` (WithDefaults applied by the caller: the resolved spec) on world_size ranks.
+// The plan of `spec` (WithDefaults applied by the caller: the resolved spec) on world_size ranks
+// (W: a hybrid-sharded spec's units are those of its mesh, MakeShardPlan(spec, MeshOf(spec, W));
+// sharding.replicas 0, auto, plans as 1).
 // INVALID_ARGUMENT where the shard plan refuses the spec.
 absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
                                       const BackendCaps& caps, const StepPlanOptions& options);

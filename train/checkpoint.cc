@@ -186,19 +186,19 @@ void EncodeShardFile(const FsdpParams& params, const RankFileHeader& header,
   for (size_t u = 0; u < plan.units.size() && w.status().ok(); ++u) {
     for (size_t b = 0; b < plan.units[u].buffers.size() && w.status().ok(); ++b) {
       const BufferPlan& bp = plan.units[u].buffers[b];
+      const int64_t n = params.OptimizerNumel(static_cast<int>(u), static_cast<int>(b));
       enc->BufferHeader({static_cast<uint32_t>(u), static_cast<uint32_t>(b),
-                         static_cast<uint32_t>(bp.wire), bp.numel, bp.padded_numel,
-                         bp.shard_numel, moments});
-      host.resize(bp.shard_numel);
+                         static_cast<uint32_t>(bp.wire), bp.numel, bp.padded_numel, n, moments});
+      host.resize(n);
       for (ShardArray a : kArrays) {
         params.DownloadShard(static_cast<int>(u), static_cast<int>(b), a, host.data());
         if (a == ShardArray::kMaster || moments == RankFileArrayDtype::kF32) {
-          enc->ShardArray(host.data(), bp.shard_numel);
+          enc->ShardArray(host.data(), n);
           continue;
         }
-        bits.resize(bp.shard_numel);  // bf16 values widened by DownloadShard: exact both ways
-        for (int64_t i = 0; i < bp.shard_numel; ++i) bits[i] = Bf16Bits(host[i]);
-        enc->ShardArrayBf16(bits.data(), bp.shard_numel);
+        bits.resize(n);  // bf16 values widened by DownloadShard: exact both ways
+        for (int64_t i = 0; i < n; ++i) bits[i] = Bf16Bits(host[i]);
+        enc->ShardArrayBf16(bits.data(), n);
       }
     }
   }
@@ -309,12 +309,13 @@ absl::Status ReadBufferSlice(const LoadTarget& t, int rank, const BufInfo& bi,
         " layout does not match (numel ", h.numel, ", padded ", h.padded_numel, ", shard ", shard,
         "; expected numel ", bp.numel, ")"));
   }
-  // Saved rank i holds flat elements [i * shard, (i + 1) * shard); this rank needs
-  // [my_rank * bp.shard_numel, ...) and only the unpadded ones (< numel).
+  // Saved rank i holds flat elements [i * shard, (i + 1) * shard); this rank needs its optimizer
+  // piece [index * piece, ...) and only the unpadded ones (< numel).
   const int64_t src_lo = static_cast<int64_t>(rank) * shard;
-  const int64_t dst_lo = static_cast<int64_t>(t.params->rank()) * bp.shard_numel;
+  const int64_t mine = t.params->OptimizerNumel(bi.unit, bi.buffer);  // this rank's piece
+  const int64_t dst_lo = t.params->OptimizerBegin(bi.unit, bi.buffer);
   const int64_t lo = std::max(src_lo, dst_lo);
-  const int64_t hi = std::min({src_lo + shard, dst_lo + bp.shard_numel, h.numel});
+  const int64_t hi = std::min({src_lo + shard, dst_lo + mine, h.numel});
   const int64_t n = std::max<int64_t>(0, hi - lo);
   chunk->resize(n);
   // The moments are read in the file's dtype and stored in the job's (UploadShardRange rounds
@@ -349,6 +350,14 @@ absl::Status ReadRankFile(const LoadTarget& t, int rank, ReplicatedState* state)
 
 }  // namespace
 
+CheckpointRole CheckpointRoleOf(const Mesh& mesh, int rank) {
+  CheckpointRole r;
+  r.writes = mesh.optimizer_over_world || mesh.Replica(rank) == 0;
+  r.file_index = mesh.OptimizerIndex(rank);
+  r.files = mesh.OptimizerShards();
+  return r;
+}
+
 std::string SpecDescription(const v1::JobSpec& spec) {
   const v1::ModelConfig& m = spec.model();
   const v1::PrecisionSpec& p = spec.precision();
@@ -369,9 +378,10 @@ absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
                             const std::string& dir, v1::CheckpointSaved* out,
                             const FaultInjection* faults) {
   const ShardPlan& plan = params.plan();
-  if (plan.world_size != world_size || rank < 0 || rank >= world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoint: rank ", rank, " of ", world_size,
-                                                   " with a plan for ", plan.world_size));
+  if (params.OptimizerShards() != world_size || params.OptimizerIndex() != rank) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint: file ", rank, " of ", world_size, " from the optimizer piece ",
+        params.OptimizerIndex(), " of ", params.OptimizerShards()));
   }
   if (absl::Status s = MakeDirs(dir); !s.ok()) return s;
   const std::string name = CheckpointFileName(rank);
@@ -437,13 +447,22 @@ absl::Status SaveShard(const Trainer& trainer, int64_t step, const std::string& 
         "checkpoint ", dir, "/", CheckpointFileName(trainer.rank()), ": asked to save the state "
         "after step ", step, ", but this rank has completed ", trainer.CompletedSteps(), " steps"));
   }
+  const CheckpointRole role = CheckpointRoleOf(trainer.mesh(), trainer.rank());
+  if (!role.writes) {  // another replica writes this shard index's file
+    out->set_step(step);
+    out->set_rank(trainer.rank());
+    out->clear_file();
+    return absl::OkStatus();
+  }
   ReplicatedState st;
   st.step = step;
   st.adamw_step = step + trainer.adamw_offset();
   st.weight_scaling = trainer.params().weight_scaling();
   st.act_scaling = trainer.scaling().states();
-  return WriteShardFile(trainer.params(), trainer.rank(), trainer.world_size(),
-                        SpecDescription(trainer.spec()), st, dir, out, faults);
+  absl::Status s = WriteShardFile(trainer.params(), role.file_index, role.files,
+                                  SpecDescription(trainer.spec()), st, dir, out, faults);
+  if (s.ok()) out->set_rank(trainer.rank());
+  return s;
 }
 
 absl::Status LoadShards(Trainer* trainer, const std::string& dir, int saved_world_size,

@@ -17,6 +17,13 @@
 // FAILED_PRECONDITION for a file of another model / precision plan / world size / step or ranks
 // that disagree on the replicated state.
 //
+// Checkpoints of a hybrid-sharded job (common/mesh.h) are mesh-independent: they hold the
+// optimizer state's flat layout, Mesh::OptimizerShards() rank files. SHARD_GROUP: the ranks of
+// replica 0 write, file index = shard index (a world-S checkpoint); WORLD: every rank writes its
+// piece as file Mesh::OptimizerIndex(rank) (a world-W checkpoint). A file's buffers carry their
+// own padding (a multiple of W x alignment for a mesh), so any mesh, flat included, loads any
+// checkpoint of the same model and precision plan by global element offset.
+//
 // Thread-safety: the functions touch only their arguments; the trainer's thread.
 #pragma once
 
@@ -27,6 +34,7 @@
 #include "absl/status/status.h"
 #include "common/checkpoint_format.h"
 #include "common/fault_injection.h"
+#include "common/mesh.h"
 #include "common/scaling.h"
 #include "common/shard_plan.h"
 #include "fsdp8/v1/spec.pb.h"
@@ -39,6 +47,15 @@ namespace fsdp8 {
 
 // CheckpointFileName and LayoutFingerprint: common/checkpoint_format.h.
 
+// What rank `rank` of a job of mesh `mesh` contributes to a checkpoint.
+struct CheckpointRole {
+  bool writes = true;  // false: SaveShard writes nothing (a SHARD_GROUP replica other than 0)
+  int file_index = 0;  // its file: CheckpointFileName(file_index) (Mesh::OptimizerIndex(rank))
+  int files = 1;       // rank files in the whole checkpoint (Mesh::OptimizerShards()): the
+                       // saved world size that LoadShards and the MANIFEST take
+};
+CheckpointRole CheckpointRoleOf(const Mesh& mesh, int rank);
+
 // Human-readable model dims and precision plan of a spec (defaults applied by the caller).
 std::string SpecDescription(const v1::JobSpec& spec);
 
@@ -50,16 +67,17 @@ struct ReplicatedState {
   std::vector<ScalingState> act_scaling;
 };
 
-// Writes dir/rank-<rank>.ckpt (dir is created when missing) from `params` (this rank's shards
-// under params.plan() with `world_size` ranks) and `state`. On success fills out->{step, rank,
-// file, bytes, crc32} (job_id is the caller's). faults (optional): its shard.* crash points
+// Writes dir/rank-<rank>.ckpt (dir is created when missing) from `params` (this rank's optimizer
+// piece: rank = params.OptimizerIndex(), world_size = params.OptimizerShards(), else
+// INVALID_ARGUMENT) and `state`. On success fills out->{step, rank (= `rank`), file, bytes,
+// crc32} (job_id is the caller's). faults (optional): its shard.* crash points
 // (common/fault_injection.h) are reached on the way.
 absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
                             const std::string& description, const ReplicatedState& state,
                             const std::string& dir, v1::CheckpointSaved* out,
                             const FaultInjection* faults = nullptr);
 // Reads dir/rank-0..saved_world_size-1.ckpt, verifies them and sets this rank's master, m and v
-// shards of `params` (plan: params.plan(), any world size) from the concatenated saved buffers
+// shards of `params` (its optimizer piece, any mesh) from the concatenated saved buffers
 // (moments saved in another precision than params.moment_dtype() are converted: bf16 to f32
 // exactly, f32 to bf16 rounded to nearest even);
 // returns rank 0's replicated state in *state after checking that every file agrees with it.
@@ -70,9 +88,13 @@ absl::Status ReadShardFiles(const std::string& dir, int saved_world_size,
 
 // Trainer level. SaveShard: the state after `step` completed optimizer steps (call between steps);
 // FAILED_PRECONDITION when the trainer's state is not that (trainer.CompletedSteps() != step).
+// Under a mesh it writes file CheckpointRoleOf(mesh, rank).file_index, or nothing when the role
+// does not write: then it fills only out->{step, rank} (file empty). out->rank is the trainer's
+// (global) rank either way.
 absl::Status SaveShard(const Trainer& trainer, int64_t step, const std::string& dir,
                        v1::CheckpointSaved* out, const FaultInjection* faults = nullptr);
-// Collective (every rank calls it): loads the checkpoint written by saved_world_size ranks,
+// Collective (every rank calls it): loads the checkpoint of saved_world_size rank files (the
+// files count of the writing job's CheckpointRole; any mesh loads it),
 // requires its step to equal start_step, restores the scaling state, then re-casts the FP8 / bf16
 // weight shards from the loaded master weights with amax recomputed from them (C08). On error
 // the trainer must be discarded.

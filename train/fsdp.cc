@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <thread>
+#include <utility>
 
 #include "common/check.h"
 #include "absl/strings/str_cat.h"
@@ -45,11 +46,41 @@ MomentDtype MomentDtypeOf(v1::Precision state_precision) {
   return state_precision == v1::PRECISION_BF16 ? MomentDtype::kBf16 : MomentDtype::kF32;
 }
 
+namespace {
+
+// The replica group's all-reduce of a grad shard, issued like the reduce-scatters (deferred
+// wait, ticket for Communicator::Wait). Blocking until the communicators have an asynchronous
+// all-reduce; then: return comm->AllReduceAsync(buf, count, ReduceOp::kSum);
+absl::StatusOr<int64_t> ReplicaAllReduce(Communicator* comm, float* buf, int64_t count) {
+  if (absl::Status s = comm->AllReduce(buf, count, ReduceOp::kSum); !s.ok()) return s;
+  return int64_t{0};
+}
+
+Mesh FlatMesh(int world_size) {
+  Mesh m;
+  m.shard_size = world_size;
+  return m;
+}
+
+}  // namespace
+
 FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* be,
                        Communicator* comm, CommClock* clock, MomentDtype moments,
-                       bool keep_fp8_codes)
+                       bool keep_fp8_codes, const FsdpMesh* mesh)
     : plan_(plan), rank_(rank), keep_fp8_codes_(keep_fp8_codes), moments_(moments), be_(be),
-      comm_(comm), clock_(clock) {
+      comm_(comm), replica_(mesh != nullptr && mesh->mesh.replicas > 1 ? mesh->replica : nullptr),
+      world_(mesh != nullptr && mesh->mesh.replicas > 1 ? mesh->world : comm),
+      mesh_(mesh != nullptr ? mesh->mesh : FlatMesh(plan.world_size)),
+      global_rank_(mesh != nullptr ? mesh->rank : rank), clock_(clock) {
+  FSDP8_CHECK(mesh_.shard_size == plan.world_size && mesh_.replicas == plan.replicas)
+      << "mesh " << mesh_.replicas << " x " << mesh_.shard_size << " for a plan of "
+      << plan.replicas << " x " << plan.world_size;
+  FSDP8_CHECK(mesh_.ShardIndex(global_rank_) == rank) << "rank " << global_rank_ << " is not shard " << rank;
+  FSDP8_CHECK(mesh_.replicas == 1 || (replica_ != nullptr && world_ != nullptr))
+      << "a mesh of " << mesh_.replicas << " replicas needs its replica and world communicators";
+  FSDP8_CHECK(keep_fp8_codes_ || !WorldOptimizer()) << "WORLD optimizer sharding keeps FP8 codes";
+  const int pieces = WorldOptimizer() ? mesh_.replicas : 1;
+  const int piece = WorldOptimizer() ? mesh_.Replica(global_rank_) : 0;
   units_.resize(plan.units.size());
   for (size_t u = 0; u < plan.units.size(); ++u) {
     const AllocationLabel label("the shards (weights, gradients, AdamW moments) of unit",
@@ -58,10 +89,12 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
       const BufferPlan& bp = plan.units[u].buffers[b];
       Buf& buf = units_[u].emplace_back();
       buf.plan = &bp;
-      const int64_t n = bp.shard_numel;
-      // Master init on the host from the global index: only this rank's slice is materialised.
+      buf.opt_n = bp.shard_numel / pieces;
+      buf.opt_lo = piece * buf.opt_n;
+      const int64_t n = buf.opt_n;
+      // Master init on the host from the global index: only this rank's piece is materialised.
       std::vector<float> host(n, 0.0f);
-      const int64_t begin = bp.ShardBegin(rank);
+      const int64_t begin = bp.ShardBegin(rank) + buf.opt_lo;
       for (size_t t = 0; t < bp.tensors.size(); ++t) {
         const int64_t lo = std::max(bp.offsets[t], begin);
         const int64_t hi = std::min(bp.offsets[t] + bp.tensors[t].numel, begin + n);
@@ -72,7 +105,9 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
                       bp.offsets[t], bp.tensors[t].numel, bp.wire,
                       static_cast<int>(fp8_refs_.size())};
           buf.fp8_ids.push_back(r.fp8_id);
-          fp8_slices_.push_back(hi > lo ? Slice{lo - begin, hi - begin} : Slice{0, 0});
+          // Shard-local, within the optimizer piece.
+          fp8_slices_.push_back(hi > lo ? Slice{lo - begin + buf.opt_lo, hi - begin + buf.opt_lo}
+                                        : Slice{0, 0});
           fp8_refs_.push_back(r);
           WeightScaling ws;
           ws.name = ScalingBaseName(bp.tensors[t].name) + ".w";
@@ -84,16 +119,21 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
       if (n > 0) be->CopyToDevice(buf.master.get(), host.data(), n * sizeof(float));
       buf.m = DevBuf::Zeros(be, n * ElementBytes(ShardArray::kAdamM), MemoryLabel::kOptimizer);
       buf.v = DevBuf::Zeros(be, n * ElementBytes(ShardArray::kAdamV), MemoryLabel::kOptimizer);
+      const int64_t ns = bp.shard_numel;  // the wire shards are the group's whole shard
       if (bp.wire == WireDtype::kFp8) {
         // Padding stays code 0: casts write the tensors only.
-        if (keep_fp8_codes_) buf.wire = DevBuf::Zeros(be, n, MemoryLabel::kParams);
+        if (keep_fp8_codes_) buf.wire = DevBuf::Zeros(be, ns, MemoryLabel::kParams);
         // Every FP8 weight's gradient is written whole by its dW GEMM (Linear::Backward).
         for (size_t t = 0; t < bp.tensors.size(); ++t) {
           buf.grad_written_whole.push_back({bp.offsets[t], bp.offsets[t] + bp.tensors[t].numel});
         }
       }
       if (bp.wire == WireDtype::kBf16) {
-        buf.wire = DevBuf::Zeros(be, n * sizeof(uint16_t), MemoryLabel::kParams);
+        buf.wire = DevBuf::Zeros(be, ns * sizeof(uint16_t), MemoryLabel::kParams);
+      }
+      // WORLD: an fp32 buffer's all-gathers send an f32 copy of the shard (RebuildWireShards).
+      if (bp.wire == WireDtype::kFp32 && WorldOptimizer()) {
+        buf.wire = DevBuf(be, ns * sizeof(float), MemoryLabel::kParams);
       }
     }
   }
@@ -134,6 +174,8 @@ FsdpParams::~FsdpParams() {
   // and DropUnit clear the tickets before the mark).
   for (PendingReduce& p : reducing_) comm_->Wait(p.ticket);
   reducing_.clear();
+  for (PendingReplica& p : replica_sums_) replica_->Wait(p.ticket);
+  replica_sums_.clear();
   DropPrefetches();
 }
 
@@ -178,7 +220,7 @@ absl::Status FsdpParams::Prefetch(int unit) {
         b.full_u16 = DevBuf::View(b.wire.get(), n * sizeof(uint16_t));
       } else {
         b.full = bp.wire == WireDtype::kFp8 ? DevBuf::View(b.wire.get(), n)
-                                            : DevBuf::View(b.master.get(), n * sizeof(float));
+                                            : DevBuf::View(F32Wire(b).get(), n * sizeof(float));
       }
       continue;
     }
@@ -195,7 +237,7 @@ absl::Status FsdpParams::Prefetch(int unit) {
         break;
       case WireDtype::kFp32:
         b.full = DevBuf(be_, bp.padded_numel * sizeof(float), MemoryLabel::kGathered);
-        t = comm_->AllGatherAsync(b.master.get(), b.full.get(), n * sizeof(float));
+        t = comm_->AllGatherAsync(F32Wire(b).get(), b.full.get(), n * sizeof(float));
         break;
     }
     if (absl::Status r = Timed(t.status(), t0); !r.ok()) {
@@ -229,8 +271,9 @@ void FsdpParams::CastShardCodes(const Buf& b, uint8_t* codes) {
     const Slice& sl = fp8_slices_[i];
     if (sl.hi <= sl.lo) continue;
     if (sl.lo > at) be_->Memset(codes + at, 0, sl.lo - at);
-    be_->CastFp8(b.master.f32() + sl.lo, 1, sl.hi - sl.lo, w_scale_.f32() + i * kScaleStride,
-                 Fp8Format::kE4M3, codes + sl.lo, nullptr, nullptr);
+    be_->CastFp8(b.master.f32() + (sl.lo - b.opt_lo), 1, sl.hi - sl.lo,
+                 w_scale_.f32() + i * kScaleStride, Fp8Format::kE4M3, codes + sl.lo, nullptr,
+                 nullptr);
     at = sl.hi;
   }
   if (b.plan->shard_numel > at) be_->Memset(codes + at, 0, b.plan->shard_numel - at);
@@ -266,16 +309,54 @@ void FsdpParams::BeginGrads(int unit, const TensorRef* written_whole) {
 }
 
 void FsdpParams::FlushGrads() {
+  FinishReplicaSums();
+  std::vector<Buf*> complete;
   for (PendingReduce& p : reducing_) {
     comm_->Wait(p.ticket);
     const int64_t n = p.buf->plan->shard_numel;
     if (n > 0 && !p.part.empty()) be_->Axpy(1.0f, p.part.f32(), p.buf->grad.f32(), n);
+    complete.push_back(p.buf);
   }
   reducing_.clear();  // frees the full gradients and the parts (stream-ordered)
+  if (replica_ == nullptr || !final_microbatch_) return;
+  for (Buf* b : complete) {
+    // A failed start is returned by the next ReduceGrads or StartGradSquaredNorm (the step
+    // fails; the trainer is unusable then, as after any collective error).
+    if (absl::Status s = StartReplicaSum(*b); !s.ok() && replica_error_.ok()) replica_error_ = s;
+  }
+}
+
+// The replica-group sum of a complete grad shard. Until Communicator::AllReduceAsync exists the
+// SHARD_GROUP all-reduce blocks (ReplicaAllReduce); its ticket is 0.
+absl::Status FsdpParams::StartReplicaSum(Buf& b) {
+  FSDP8_CHECK(!b.replica_summed) << "grad shard summed over the replicas twice in a step";
+  b.replica_summed = true;
+  const int64_t n = b.plan->shard_numel;
+  const double t0 = CommClock::Now();
+  absl::StatusOr<int64_t> t;
+  DevBuf shard;
+  if (WorldOptimizer()) {
+    shard = std::move(b.grad);
+    b.grad = DevBuf(be_, b.opt_n * sizeof(float), MemoryLabel::kGrads);  // written below
+    t = replica_->ReduceScatterSumAsync(shard.f32(), b.grad.f32(), b.opt_n);
+  } else {
+    t = ReplicaAllReduce(replica_, b.grad.f32(), n);
+  }
+  if (absl::Status s = Timed(t.status(), t0); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("replica-group sum of a grad shard: ", s.message()));
+  }
+  replica_sums_.push_back(PendingReplica{&b, std::move(shard), *t});
+  return absl::OkStatus();
+}
+
+void FsdpParams::FinishReplicaSums() {
+  for (PendingReplica& p : replica_sums_) replica_->Wait(p.ticket);
+  replica_sums_.clear();  // frees WORLD's group shards (stream-ordered)
 }
 
 absl::Status FsdpParams::ReduceGrads(int unit) {
   FlushGrads();
+  if (!replica_error_.ok()) return std::exchange(replica_error_, absl::OkStatus());
   for (Buf& b : units_[unit]) {
     const int64_t n = b.plan->shard_numel;
     if (b.plan->OneRank()) {  // the full gradient is the shard (no copy)
@@ -287,6 +368,9 @@ absl::Status FsdpParams::ReduceGrads(int unit) {
         b.full_grad.Reset();
       }
       b.grad_unset = false;
+      if (replica_ != nullptr && final_microbatch_) {
+        if (absl::Status s = StartReplicaSum(b); !s.ok()) return s;
+      }
       continue;
     }
     // The first gradient of a step lands in the grad shard itself; later ones (microbatches)
@@ -355,35 +439,47 @@ void FsdpParams::ZeroGrads() {
   FlushGrads();
   // The step's first reduce-scatter allocates each grad shard and writes it whole (ReduceGrads);
   // shards no gradient reached are made zero before anything reads them (MaterializeGrads).
+  FinishReplicaSums();
   for (auto& u : units_) {
     for (Buf& b : u) {
       b.grad.Reset();
       b.grad_unset = true;
+      b.replica_summed = false;
     }
   }
 }
 
 void FsdpParams::MaterializeGrads() {
   FlushGrads();
+  FinishReplicaSums();
   for (auto& u : units_) {
     for (Buf& b : u) {
-      if (b.grad_unset) {
-        b.grad = DevBuf::Zeros(be_, b.plan->shard_numel * sizeof(float), MemoryLabel::kGrads);
+      if (b.grad_unset) {  // no gradient reached it on any rank: zero, summed or not
+        b.grad = DevBuf::Zeros(be_, b.opt_n * sizeof(float), MemoryLabel::kGrads);
+        b.replica_summed = true;
       }
       b.grad_unset = false;
+      FSDP8_CHECK(replica_ == nullptr || b.replica_summed)
+          << "a grad shard read before its replica-group sum (SetFinalMicrobatch unset in the "
+             "step's last microbatch)";
     }
   }
 }
 
 absl::Status FsdpParams::StartGradSquaredNorm(const float* values, int64_t n) {
   MaterializeGrads();
+  if (!replica_error_.ok()) return std::exchange(replica_error_, absl::OkStatus());
   grad_sq_ = DevBuf::Zeros(be_, 2 * sizeof(float), MemoryLabel::kWork);
+  // Each distinct gradient element counted once: SHARD_GROUP's replicas hold the same shards.
+  const bool adds = WorldOptimizer() || mesh_.Replica(global_rank_) == 0;
   for (auto& u : units_) {
-    for (Buf& b : u) be_->SumSquares(b.grad.f32(), b.plan->shard_numel, grad_sq_.f32());
+    for (Buf& b : u) {
+      if (adds) be_->SumSquares(b.grad.f32(), b.opt_n, grad_sq_.f32());
+    }
   }
   if (values != nullptr && n > 0) be_->SumSquares(values, n, grad_sq_.f32() + 1);
   const double t0 = CommClock::Now();
-  absl::Status s = Timed(comm_->AllReduce(grad_sq_.f32(), 2, ReduceOp::kSum), t0);
+  absl::Status s = Timed(world_->AllReduce(grad_sq_.f32(), 2, ReduceOp::kSum), t0);
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat("grad-norm all-reduce: ", s.message()));
   return absl::OkStatus();
 }
@@ -403,21 +499,23 @@ void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weig
   MaterializeGrads();
   if (!fp8_refs_.empty()) be_->Memset(w_amax_.get(), 0, fp8_refs_.size() * sizeof(float));
   // bf16 wire shards are packed by the update itself (CastWeights then skips them).
+  // [lo, hi): shard elements within the optimizer piece; the piece's arrays start at opt_lo.
   auto update = [&](Buf& b, int64_t lo, int64_t hi, float* amax) {
     if (hi <= lo) return;
     uint16_t* p16 = b.plan->wire == WireDtype::kBf16 ? b.wire.u16() + lo : nullptr;
+    const int64_t i = lo - b.opt_lo;
     if (moments_ == MomentDtype::kBf16) {
-      be_->AdamW(b.master.f32() + lo, b.grad.f32() + lo, b.m.u16() + lo, b.v.u16() + lo, hi - lo,
+      be_->AdamW(b.master.f32() + i, b.grad.f32() + i, b.m.u16() + i, b.v.u16() + i, hi - lo,
                  lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax, p16);
       return;
     }
-    be_->AdamW(b.master.f32() + lo, b.grad.f32() + lo, b.m.f32() + lo, b.v.f32() + lo, hi - lo,
+    be_->AdamW(b.master.f32() + i, b.grad.f32() + i, b.m.f32() + i, b.v.f32() + i, hi - lo,
                lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax, p16);
   };
   for (auto& u : units_) {
     for (Buf& b : u) {
       // FP8 tensors' slices record the amax of their updated weights for CastWeights.
-      int64_t at = 0;
+      int64_t at = b.opt_lo;
       for (int i : b.fp8_ids) {
         const Slice& s = fp8_slices_[i];
         if (s.hi <= s.lo) continue;
@@ -425,7 +523,7 @@ void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weig
         update(b, s.lo, s.hi, w_amax_.f32() + i);
         at = s.hi;
       }
-      update(b, at, b.plan->shard_numel, nullptr);
+      update(b, at, b.opt_lo + b.opt_n, nullptr);
     }
   }
   adamw_outputs_ready_ = true;
@@ -438,12 +536,12 @@ absl::Status FsdpParams::CastWeights() {
   // bf16 wire shards: a plain pack of the master slice (AdamW packed them when it just ran).
   for (auto& u : units_) {
     for (Buf& b : u) {
-      if (b.plan->wire == WireDtype::kBf16 && b.plan->shard_numel > 0 && !from_adamw) {
-        be_->PackBf16(b.master.f32(), b.wire.u16(), b.plan->shard_numel);
+      if (b.plan->wire == WireDtype::kBf16 && b.opt_n > 0 && !from_adamw) {
+        be_->PackBf16(b.master.f32(), b.wire.u16() + b.opt_lo, b.opt_n);
       }
     }
   }
-  if (fp8_refs_.empty()) return absl::OkStatus();
+  if (fp8_refs_.empty()) return RebuildWireShards();
   // FP8: per-tensor amax of this rank's slice (taken by AdamW when it just ran), one fused
   // all-reduce(max), identical scales.
   const size_t nf = fp8_refs_.size();
@@ -452,11 +550,11 @@ absl::Status FsdpParams::CastWeights() {
     for (size_t i = 0; i < nf; ++i) {
       const Buf& b = units_[fp8_refs_[i].unit][fp8_refs_[i].buffer];
       const Slice& sl = fp8_slices_[i];
-      be_->AmaxAccumulate(b.master.f32() + sl.lo, sl.hi - sl.lo, w_amax_.f32() + i);
+      be_->AmaxAccumulate(b.master.f32() + (sl.lo - b.opt_lo), sl.hi - sl.lo, w_amax_.f32() + i);
     }
   }
   const double t0 = CommClock::Now();
-  absl::Status s = Timed(comm_->AllReduce(w_amax_.f32(), nf, ReduceOp::kMax), t0);
+  absl::Status s = Timed(world_->AllReduce(w_amax_.f32(), nf, ReduceOp::kMax), t0);
   if (!s.ok()) {
     return absl::Status(s.code(), absl::StrCat("fp8 weight amax all-reduce: ", s.message()));
   }
@@ -479,8 +577,34 @@ absl::Status FsdpParams::CastWeights() {
     Buf& b = units_[fp8_refs_[i].unit][fp8_refs_[i].buffer];
     const Slice& sl = fp8_slices_[i];
     if (sl.hi <= sl.lo) continue;
-    be_->CastFp8(b.master.f32() + sl.lo, 1, sl.hi - sl.lo, w_scale_.f32() + i * kScaleStride,
-                 Fp8Format::kE4M3, b.wire.u8() + sl.lo, nullptr, nullptr);
+    be_->CastFp8(b.master.f32() + (sl.lo - b.opt_lo), 1, sl.hi - sl.lo,
+                 w_scale_.f32() + i * kScaleStride, Fp8Format::kE4M3, b.wire.u8() + sl.lo,
+                 nullptr, nullptr);
+  }
+  return RebuildWireShards();
+}
+
+absl::Status FsdpParams::RebuildWireShards() {
+  if (!WorldOptimizer()) return absl::OkStatus();
+  for (auto& u : units_) {
+    for (Buf& b : u) {
+      if (b.opt_n == 0) continue;
+      const size_t eb = b.plan->wire == WireDtype::kFp8 ? 1 : b.plan->wire == WireDtype::kBf16 ? 2 : 4;
+      const double t0 = CommClock::Now();
+      absl::Status s;
+      if (b.plan->wire == WireDtype::kFp32) {
+        s = replica_->AllGather(b.master.get(), b.wire.get(), b.opt_n * eb);
+      } else {
+        // The own piece is copied out first: an all-gather's send may not alias its receive.
+        DevBuf piece(be_, b.opt_n * eb, MemoryLabel::kWork);
+        be_->Copy(piece.get(), static_cast<uint8_t*>(b.wire.get()) + b.opt_lo * eb, b.opt_n * eb);
+        s = replica_->AllGather(piece.get(), b.wire.get(), b.opt_n * eb);
+      }
+      if (absl::Status r = Timed(s, t0); !r.ok()) {
+        return absl::Status(r.code(), absl::StrCat("wire shard all-gather over the replicas: ",
+                                                   r.message()));
+      }
+    }
   }
   return absl::OkStatus();
 }
@@ -512,17 +636,27 @@ absl::StatusOr<std::map<std::string, std::vector<float>>> FsdpParams::GatherAll(
     FlushGrads();
   }
   std::map<std::string, std::vector<float>> out;
+  // Under WORLD every rank holds a piece: gathered over the world in rank order, each placed at
+  // its optimizer index.
+  Communicator* over = WorldOptimizer() ? world_ : comm_;
   for (auto& u : units_) {
     for (Buf& b : u) {
       const BufferPlan& bp = *b.plan;
       DevBuf full(be_, bp.padded_numel * sizeof(float), MemoryLabel::kWork);
       const DevBuf& src = grads ? b.grad : b.master;
       const double t0 = CommClock::Now();
-      absl::Status s =
-          Timed(comm_->AllGather(src.get(), full.get(), bp.shard_numel * sizeof(float)), t0);
+      absl::Status s = Timed(over->AllGather(src.get(), full.get(), b.opt_n * sizeof(float)), t0);
       if (!s.ok()) return s;
       std::vector<float> host(bp.padded_numel);
       if (bp.padded_numel > 0) be_->CopyToHost(host.data(), full.get(), host.size() * sizeof(float));
+      if (WorldOptimizer()) {
+        std::vector<float> ordered(host.size());
+        for (int r = 0; r < mesh_.world_size(); ++r) {
+          std::copy_n(host.begin() + r * b.opt_n, b.opt_n,
+                      ordered.begin() + mesh_.OptimizerIndex(r) * b.opt_n);
+        }
+        host.swap(ordered);
+      }
       for (size_t t = 0; t < bp.tensors.size(); ++t) {
         out[bp.tensors[t].name] = std::vector<float>(
             host.begin() + bp.offsets[t], host.begin() + bp.offsets[t] + bp.tensors[t].numel);
@@ -537,8 +671,8 @@ bool FsdpParams::SetMasterElement(const std::string& hf_name, int64_t index, flo
   FSDP8_CHECK(index >= 0 && index < r.numel);
   Buf& b = units_[r.unit][r.buffer];
   const int64_t g = r.offset + index;
-  const int64_t begin = b.plan->ShardBegin(rank_);
-  if (g < begin || g >= begin + b.plan->shard_numel) return false;
+  const int64_t begin = b.plan->ShardBegin(rank_) + b.opt_lo;
+  if (g < begin || g >= begin + b.opt_n) return false;
   DropPrefetches();  // an fp32 buffer's all-gather reads the master shard
   adamw_outputs_ready_ = false;
   be_->CopyToDevice(b.master.f32() + (g - begin), &value, sizeof(float));
@@ -564,7 +698,7 @@ size_t FsdpParams::ElementBytes(ShardArray which) const {
 }
 
 void FsdpParams::DownloadShard(int unit, int buffer, ShardArray which, float* host) const {
-  const int64_t n = units_[unit][buffer].plan->shard_numel;
+  const int64_t n = units_[unit][buffer].opt_n;
   if (n <= 0) return;
   if (ElementBytes(which) == sizeof(float)) {
     be_->CopyToHost(host, Array(unit, buffer, which).get(), n * sizeof(float));
@@ -576,7 +710,7 @@ void FsdpParams::DownloadShard(int unit, int buffer, ShardArray which, float* ho
 }
 
 void FsdpParams::ZeroShard(int unit, int buffer, ShardArray which) {
-  const int64_t n = units_[unit][buffer].plan->shard_numel;
+  const int64_t n = units_[unit][buffer].opt_n;
   DropPrefetches();  // an fp32 buffer's all-gather reads the master shard
   adamw_outputs_ready_ = false;
   if (n > 0) be_->Memset(Array(unit, buffer, which).get(), 0, n * ElementBytes(which));
@@ -584,7 +718,7 @@ void FsdpParams::ZeroShard(int unit, int buffer, ShardArray which) {
 
 void FsdpParams::UploadShardRange(int unit, int buffer, ShardArray which, int64_t offset,
                                   const float* host, int64_t n) {
-  const int64_t shard = units_[unit][buffer].plan->shard_numel;
+  const int64_t shard = units_[unit][buffer].opt_n;
   FSDP8_CHECK(offset >= 0 && n >= 0 && offset + n <= shard)
       << "shard range [" << offset << ", " << offset + n << ") of " << shard;
   DropPrefetches();  // an fp32 buffer's all-gather reads the master shard

@@ -31,6 +31,19 @@
 // directly, later microbatches' added), then frees them; on one rank (shard = the whole buffer)
 // the step's first full gradient becomes the grad shard and later ones are added to it. ZeroGrads() frees the grad shards.
 //
+// Hybrid sharding (common/mesh.h, FsdpMesh below): `comm` is the shard group's communicator and
+// the plan is made at its S ranks (rank = shard index). After a unit's reduce-scatter in the
+// step's last microbatch (SetFinalMicrobatch) completes, its grad shard is summed over the
+// replica group, started as the reduce-scatters are (at most one in flight, finished by the next
+// ReduceGrads or before the shards are read): an in-place all-reduce (SHARD_GROUP), or a
+// reduce-scatter into the rank's 1/R piece of the shard (WORLD: the grad shard then holds that
+// piece). Under WORLD master, m and v hold only that piece (the rank's optimizer index
+// Mesh::OptimizerIndex in a flat world-W layout), AdamW updates it, and CastWeights rebuilds the
+// group's wire shard (FP8 codes, bf16, or an f32 copy for fp32 buffers, whose all-gathers then
+// send it instead of the master) by an all-gather over the replica group. FP8 weight amaxes and
+// the grad norm reduce over the world communicator; under SHARD_GROUP only replica 0 adds its
+// squares to the norm (every replica holds the same reduced shards).
+//
 // Thread-safety: one thread (the trainer's).
 #pragma once
 
@@ -42,6 +55,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/mesh.h"
 #include "common/shard_plan.h"
 #include "kernels/backend.h"
 #include "comm/communicator.h"
@@ -93,12 +107,24 @@ enum class MomentDtype { kF32 = 0, kBf16 = 1 };
 // The moments' storage for optimizer.state_precision (FP32 or BF16; defaults applied).
 MomentDtype MomentDtypeOf(v1::Precision state_precision);
 
+// A hybrid-sharded rank's mesh and its two other communicators (non-owning; they outlive the
+// FsdpParams). A flat job passes none.
+struct FsdpMesh {
+  Mesh mesh;                        // R x S: S == plan.world_size, R == plan.replicas
+  int rank = 0;                     // global rank (its shard index is FsdpParams' rank)
+  Communicator* replica = nullptr;  // the replica group of this shard index (R ranks, by replica)
+  Communicator* world = nullptr;    // every rank (W)
+};
+
 class FsdpParams {
  public:
   // keep_fp8_codes (Fp8Recipe.keep_weight_codes): false keeps no FP8 wire shards; Prefetch casts
-  // the rank's FP8 slices from the master weights with the current scales instead.
+  // the rank's FP8 slices from the master weights with the current scales instead (not under an
+  // optimizer sharded over the world with R > 1: aborts). rank: the shard index in `comm`.
+  // mesh (optional; R > 1 requires it, its communicators non-null and matching): see above.
   FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* be, Communicator* comm,
-             CommClock* clock, MomentDtype moments = MomentDtype::kF32, bool keep_fp8_codes = true);
+             CommClock* clock, MomentDtype moments = MomentDtype::kF32, bool keep_fp8_codes = true,
+             const FsdpMesh* mesh = nullptr);
 
   // Waits (stream-ordered) for prefetched all-gathers still in flight before their buffers go.
   ~FsdpParams();
@@ -106,7 +132,22 @@ class FsdpParams {
   FsdpParams& operator=(const FsdpParams&) = delete;
 
   const ShardPlan& plan() const { return plan_; }
-  int rank() const { return rank_; }
+  int rank() const { return rank_; }  // shard index
+  const Mesh& mesh() const { return mesh_; }
+  // The optimizer state's flat layout (checkpoints): OptimizerShards() pieces of each buffer,
+  // this rank's at index OptimizerIndex() (a flat job: world size and rank), each
+  // OptimizerNumel(u, b) elements; master, m and v (ShardArray) hold this piece.
+  int OptimizerShards() const { return mesh_.OptimizerShards(); }
+  int OptimizerIndex() const { return mesh_.OptimizerIndex(global_rank_); }
+  int64_t OptimizerNumel(int unit, int buffer) const { return units_[unit][buffer].opt_n; }
+  // The piece's first element in the flat buffer (OptimizerIndex() * OptimizerNumel).
+  int64_t OptimizerBegin(int unit, int buffer) const {
+    return OptimizerIndex() * units_[unit][buffer].opt_n;
+  }
+  // Whether the reduce-scatters from now on are the step's last microbatch's: each unit's grad
+  // shard is then summed over the replica group once complete (R > 1). Default true; the trainer
+  // sets it per microbatch. No effect on a flat job.
+  void SetFinalMicrobatch(bool final) { final_microbatch_ = final; }
   MomentDtype moment_dtype() const { return moments_; }
   // The tensor named `hf_name`; aborts when the plan has no such tensor (a broken invariant).
   TensorRef Ref(const std::string& hf_name) const;
@@ -140,7 +181,8 @@ class FsdpParams {
   float* G(const TensorRef& t) const;
 
   void ZeroGrads();
-  // Squared L2 norm of the global gradient: sum of every shard's SumSquares, AllReduce(sum).
+  // Squared L2 norm of the global gradient: sum of every shard's SumSquares, AllReduce(sum) over
+  // the world (a mesh: each distinct piece once, see above).
   // StartGradSquaredNorm enqueues it, FinishGradSquaredNorm reads it (a device
   // synchronisation). `values` (optional, n device floats: the trainer passes this rank's
   // per-token losses) ride in the same all-reduce as a second sum, of their squares over every
@@ -179,8 +221,9 @@ class FsdpParams {
 
   // ---- checkpoints (train/checkpoint.h) ----
   // The arrays travel as f32 whatever moment_dtype(): bf16 moments are widened (exact) on
-  // download and rounded to the nearest bfloat16 (ties to even) on upload.
-  // Copies this rank's whole shard array of (unit, buffer) (shard_numel f32) to the host.
+  // download and rounded to the nearest bfloat16 (ties to even) on upload. A "shard array" is the
+  // optimizer piece: OptimizerNumel(unit, buffer) elements (shard_numel but under WORLD).
+  // Copies this rank's whole shard array of (unit, buffer) (OptimizerNumel f32) to the host.
   void DownloadShard(int unit, int buffer, ShardArray which, float* host) const;
   // Zeroes this rank's shard array of (unit, buffer) (padding included).
   void ZeroShard(int unit, int buffer, ShardArray which);
@@ -197,7 +240,8 @@ class FsdpParams {
   };
   struct Buf {
     const BufferPlan* plan = nullptr;
-    DevBuf master, m, v, grad, wire;  // shards
+    DevBuf master, m, v, grad, wire;  // shards (master, m, v and a reduced grad: the piece)
+    int64_t opt_lo = 0, opt_n = 0;   // the optimizer piece: shard elements [opt_lo, + opt_n)
     DevBuf full;       // gathered f32 (fp32) or u8 (fp8), padded_numel elements
     DevBuf full_u16;   // gathered bf16 codes (bf16), padded_numel elements
     mutable std::vector<DevBuf> f32_of;  // bf16: each tensor's f32 values, unpacked by W()
@@ -208,6 +252,12 @@ class FsdpParams {
     std::vector<Slice> grad_written_whole;  // full-gradient ranges written whole, by offset (FP8
                                             // buffers: every tensor); BeginGrads zeroes the rest
     bool grad_unset = true;          // grad holds nothing of this step yet (is not allocated)
+    bool replica_summed = false;     // grad's replica-group sum has started (R > 1)
+  };
+  struct PendingReplica {
+    Buf* buf;
+    DevBuf shard;  // WORLD: the group's grad shard, read until the reduce-scatter is waited for
+    int64_t ticket;
   };
   struct PendingReduce {
     Buf* buf;
@@ -224,6 +274,15 @@ class FsdpParams {
   void CastShardCodes(const Buf& b, uint8_t* codes);
   // Finishes pending reduce-scatters; allocates and zeroes the grad shards no gradient reached.
   void MaterializeGrads();
+  // R > 1: starts b's replica-group sum (its grad shard complete); finishes those in flight.
+  absl::Status StartReplicaSum(Buf& b);
+  void FinishReplicaSums();
+  // WORLD with R > 1: the group's wire shards from every replica's piece (all-gathers over the
+  // replica group).
+  absl::Status RebuildWireShards();
+  // What an fp32 buffer's all-gather sends: its f32 wire shard under WORLD, else the master.
+  const DevBuf& F32Wire(const Buf& b) const { return b.wire.empty() ? b.master : b.wire; }
+  bool WorldOptimizer() const { return mesh_.optimizer_over_world && mesh_.replicas > 1; }
   const DevBuf& Array(int unit, int buffer, ShardArray which) const;
   // Bytes per element of `which` (4, or 2 for bf16 moments).
   size_t ElementBytes(ShardArray which) const;
@@ -233,7 +292,14 @@ class FsdpParams {
   const bool keep_fp8_codes_;
   const MomentDtype moments_;
   Backend* be_;
-  Communicator* comm_;
+  Communicator* comm_;     // the shard group (a flat job: every rank)
+  Communicator* replica_;  // R > 1: the replica group, else null
+  Communicator* world_;    // every rank (comm_ for a flat job)
+  Mesh mesh_;
+  int global_rank_;
+  bool final_microbatch_ = true;
+  std::vector<PendingReplica> replica_sums_;  // in flight
+  absl::Status replica_error_;  // a replica-group sum FlushGrads could not start
   CommClock* clock_;
   std::vector<std::vector<Buf>> units_;
   std::vector<bool> in_flight_;          // per unit: prefetched, not yet waited for

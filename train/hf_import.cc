@@ -52,13 +52,13 @@ absl::Status CheckTensors(const HfWeights& w, const ShardPlan& plan, bool tied,
 }
 
 // Sets this rank's master elements [lo, hi) of buffer (u, b) (flat-buffer indices, inside tensor
-// t) from the file, in chunks of kReadChunk.
+// t and its optimizer piece) from the file, in chunks of kReadChunk.
 absl::Status LoadRange(const HfWeights& w, FsdpParams* params, size_t u, size_t b, size_t t,
                        int64_t lo, int64_t hi,
                        const std::function<absl::Status(const std::string&)>& bad) {
   const BufferPlan& bp = params->plan().units[u].buffers[b];
   const std::string& name = bp.tensors[t].name;
-  const int64_t shard0 = bp.ShardBegin(params->rank());
+  const int64_t shard0 = params->OptimizerBegin(static_cast<int>(u), static_cast<int>(b));
   std::vector<float> chunk(static_cast<size_t>(std::min(kReadChunk, hi - lo)));
   for (int64_t c = lo; c < hi; c += kReadChunk) {
     const int64_t n = std::min(kReadChunk, hi - c);
@@ -91,13 +91,15 @@ absl::Status LoadHfWeights(Trainer* trainer, const std::string& dir) {
       !s.ok()) {
     return s;
   }
-  const int rank = params.rank();
   for (size_t u = 0; u < plan.units.size(); ++u) {
     for (size_t b = 0; b < plan.units[u].buffers.size(); ++b) {
       const BufferPlan& bp = plan.units[u].buffers[b];
+      // This rank's master elements: its optimizer piece (its shard, or 1/R of it under WORLD).
+      const int64_t begin = params.OptimizerBegin(static_cast<int>(u), static_cast<int>(b));
+      const int64_t end = begin + params.OptimizerNumel(static_cast<int>(u), static_cast<int>(b));
       for (size_t t = 0; t < bp.tensors.size(); ++t) {
-        const int64_t lo = std::max(bp.ShardBegin(rank), bp.offsets[t]);
-        const int64_t hi = std::min(bp.ShardEnd(rank), bp.offsets[t] + bp.tensors[t].numel);
+        const int64_t lo = std::max(begin, bp.offsets[t]);
+        const int64_t hi = std::min(end, bp.offsets[t] + bp.tensors[t].numel);
         if (hi <= lo) continue;
         if (absl::Status s = LoadRange(*w, &params, u, b, t, lo, hi, bad); !s.ok()) return s;
       }

@@ -85,7 +85,8 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
   step_options.save_down_proj_input = options.save_down_proj_input;
   step_options.head_chunk_logit_bytes = head_chunk_bytes_;
   const absl::StatusOr<StepPlan> step_or =
-      MakeStepPlan(spec, p_->plan().world_size, BackendCapsOf(be->Name()), step_options);
+      MakeStepPlan(spec, p_->plan().world_size * p_->plan().replicas, BackendCapsOf(be->Name()),
+                   step_options);
   FSDP8_CHECK(step_or.ok()) << step_or.status().message();
   const StepPlan& step = *step_or;
   for (int l = 0; l < d.n_layers; ++l) {

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/spec.h"
@@ -15,14 +16,65 @@ namespace {
 
 const char* FormatName(bool e5m2) { return e5m2 ? "E5M2" : "E4M3"; }
 
+// Empty when `c` is rank `rank` of `size`, else what is wrong with it.
+std::string CommMismatch(const Communicator* c, int rank, int size) {
+  if (c->rank() == rank && c->world_size() == size) return "";
+  return absl::StrCat("is rank ", c->rank(), " of ", c->world_size(), ", expected rank ", rank,
+                      " of ", size);
+}
+
+// A mesh's group communicators against the mesh (R > 1).
+absl::Status CheckMeshComms(const Mesh& mesh, int rank, const MeshComms& comms) {
+  std::string missing;
+  if (comms.shard == nullptr) missing = "MeshComms.shard (the shard group)";
+  if (comms.replica == nullptr) {
+    absl::StrAppend(&missing, missing.empty() ? "" : " and ",
+                    "MeshComms.replica (the replica group)");
+  }
+  if (!missing.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "trainer: a mesh of ", mesh.replicas, " replicas x ", mesh.shard_size,
+        " ranks (sharding.replicas ", mesh.replicas, ") needs its group communicators: ", missing,
+        " missing"));
+  }
+  for (auto [name, c, r, n] :
+       {std::tuple{"MeshComms.shard", comms.shard, mesh.ShardIndex(rank), mesh.shard_size},
+        std::tuple{"MeshComms.replica", comms.replica, mesh.Replica(rank), mesh.replicas}}) {
+    if (std::string m = CommMismatch(c, r, n); !m.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("trainer: ", name, " ", m, " (rank ", rank,
+                                                     " of a ", mesh.replicas, " x ",
+                                                     mesh.shard_size, " mesh)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec, int rank,
+                                                         int world_size, Backend* backend,
+                                                         Communicator* comm,
+                                                         const TrainerOptions& options) {
+  return Create(spec, rank, world_size, backend, comm, MeshComms{}, options);
+}
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec_in, int rank,
                                                          int world_size, Backend* backend,
                                                          Communicator* comm,
+                                                         const MeshComms& mesh_comms,
                                                          const TrainerOptions& options) {
   // The coordinator resolved the spec at this world size; it is checked, never filled in here.
   if (absl::Status s = CheckResolved(spec_in, world_size); !s.ok()) return s;
+  absl::StatusOr<Mesh> mesh = MeshOf(spec_in, world_size);
+  if (!mesh.ok()) return mesh.status();
+  if (!mesh->Flat()) {
+    if (mesh->optimizer_over_world && !spec_in.precision().fp8().keep_weight_codes()) {
+      return absl::InvalidArgumentError(
+          "precision.fp8.keep_weight_codes: must be true with sharding.optimizer_sharding WORLD "
+          "and sharding.replicas > 1 (a rank holds only a piece of its shard's master weights)");
+    }
+    if (absl::Status s = CheckMeshComms(*mesh, rank, mesh_comms); !s.ok()) return s;
+  }
   std::unique_ptr<Trainer> t(new Trainer());
   t->timer_ = StepTimer(options.log_step_timing);
   t->spec_ = spec_in;
@@ -31,6 +83,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
   t->world_ = world_size;
   t->be_ = backend;
   t->comm_ = comm;
+  t->mesh_ = *mesh;
+  t->shard_comm_ = mesh->Flat() ? comm : mesh_comms.shard;
+  t->replica_comm_ = mesh->Flat() ? nullptr : mesh_comms.replica;
   if (comm->world_size() != world_size || comm->rank() != rank) {
     return absl::InvalidArgumentError(absl::StrCat("communicator is rank ", comm->rank(), " of ",
                                                    comm->world_size(), ", trainer rank ", rank,
@@ -49,7 +104,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
   t->local_batch_ = LocalBatch(spec, world_size);
   t->micro_ = tr.microbatch();
   t->microbatches_ = Microbatches(spec, world_size);
-  absl::StatusOr<ShardPlan> plan = MakeShardPlan(spec, world_size);
+  absl::StatusOr<ShardPlan> plan = MakeShardPlan(spec, *mesh);
   if (!plan.ok()) return plan.status();
   t->plan_ = std::move(*plan);
 
@@ -76,9 +131,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
 
   backend->SetGemmAutotune(spec.tuning().gemm_autotune());
   backend->SetDeterministic(tr.deterministic());
-  t->params_ = std::make_unique<FsdpParams>(t->plan_, rank, tr.seed(), backend, comm, &t->clock_,
+  const FsdpMesh fsdp_mesh{*mesh, rank, t->replica_comm_, comm};
+  t->params_ = std::make_unique<FsdpParams>(t->plan_, mesh->ShardIndex(rank), tr.seed(), backend,
+                                            t->shard_comm_, &t->clock_,
                                             MomentDtypeOf(spec.optimizer().state_precision()),
-                                            spec.precision().fp8().keep_weight_codes());
+                                            spec.precision().fp8().keep_weight_codes(),
+                                            mesh->Flat() ? nullptr : &fsdp_mesh);
   t->scaling_ = std::make_unique<ActScaling>(backend, spec.precision().fp8(),
                                              spec.tuning().forward_fast_accumulation());
   t->model_ = std::make_unique<LlamaModel>(spec, t->params_.get(), t->scaling_.get(), backend,
@@ -130,6 +188,8 @@ absl::StatusOr<double> Trainer::RunBatch(
     }
     be_->CopyToDevice(d_in.get(), in.data(), n * 4);
     be_->CopyToDevice(d_tg.get(), tg.data(), n * 4);
+    // A mesh sums the gradients over the replicas after the last microbatch's reduce-scatters.
+    params_->SetFinalMicrobatch(mb + 1 == microbatches_);
     const double t_run = CommClock::Now();
     absl::Status s = model_->Run(d_in.i32(), d_tg.i32(), micro_, grad_scale,
                                  losses.f32() + mb * n, backward);
@@ -216,6 +276,7 @@ absl::StatusOr<std::vector<float>> Trainer::ForwardBackwardTokens(
   if (absl::StatusOr<int64_t> b = GivenBatch(targets, spec_.model()); !b.ok()) return b.status();
   const int64_t n = static_cast<int64_t>(tokens.size());
   params_->ZeroGrads();
+  params_->SetFinalMicrobatch(true);
   scaling_->BeginStep();
   scaling_->set_recording(true);
   const MemoryLabelScope batch(&be_->account(), MemoryLabel::kBatch);
@@ -272,8 +333,8 @@ absl::StatusOr<double> Trainer::Evaluate() {
 absl::StatusOr<StepStats> Trainer::Step(int64_t step, bool evaluate, bool report_scaling) {
   timer_.Begin();
   clock_.seconds = 0;
-  comm_->ConsumeExposedSeconds();  // drop waits recorded outside steps
-  const CommBytes bytes0 = comm_->bytes();
+  ConsumeExposedSeconds();  // drop waits recorded outside steps
+  const CommBytes bytes0 = Bytes();
   be_->ResetPeak();
   StepStats r;
   r.step = step;
@@ -284,19 +345,19 @@ absl::StatusOr<StepStats> Trainer::Step(int64_t step, bool evaluate, bool report
   // The next step's first all-gathers overlap this step's end and the host's turn-around; they
   // count in this step's bytes, as this step's own first all-gathers counted in the previous one.
   if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;
-  const CommBytes bytes1 = comm_->bytes();
+  const CommBytes bytes1 = Bytes();
   be_->Synchronize();
   timer_.Mark(StepTimer::kOptimizer);
   r.optimizer_peak_bytes = be_->PeakAllocatedBytes();
   r.optimizer_peak_labels = be_->account().AtPeak();
   timer_.MaybePrint(step);
-  comm_->ConsumeExposedSeconds();
+  ConsumeExposedSeconds();
   last_step_ = step;
   if (evaluate) {
     const auto e0 = std::chrono::steady_clock::now();
     absl::StatusOr<double> v = Evaluate();
     if (!v.ok()) return v.status();
-    if (absl::Status s = comm_->Verify(); !s.ok()) return s;  // the evaluation's collectives (C09)
+    if (absl::Status s = VerifyComms(); !s.ok()) return s;  // the evaluation's collectives (C09)
     if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;  // taken by the evaluation
     r.val_loss = *v;
     r.eval_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - e0).count();
@@ -337,7 +398,7 @@ absl::Status Trainer::StepForwardBackward(int64_t step, StepStats* r) {
   r->forward_peak_labels = fwd_labels;
   r->backward_peak_labels = fb_tail_peak > bwd_peak ? be_->account().AtPeak() : bwd_labels;
   be_->ResetPeak();
-  timer_.SetForwardBackwardComm(fb_host_comm, comm_->ConsumeExposedSeconds());
+  timer_.SetForwardBackwardComm(fb_host_comm, ConsumeExposedSeconds());
   r->loss_sum = *loss_sum;
   r->forward_peak_bytes = fwd_peak;
   r->backward_peak_bytes = std::max(bwd_peak, fb_tail_peak);
@@ -360,7 +421,7 @@ absl::Status Trainer::StepOptimizer(int64_t step, StepStats* r) {
     timer_.Mark(StepTimer::kScaleUpdate);
     timer_.Mark(StepTimer::kAdamW);
     timer_.Mark(StepTimer::kWeightCasts);
-    if (absl::Status s = comm_->Verify(); !s.ok()) return s;
+    if (absl::Status s = VerifyComms(); !s.ok()) return s;
     timer_.Mark(StepTimer::kVerify);
     return absl::OkStatus();
   }
@@ -382,8 +443,39 @@ absl::Status Trainer::StepOptimizer(int64_t step, StepStats* r) {
   // the embedding's all-gather, and waiting for them held the next step back (~0.7 ms at 1b);
   // the watchdog or the next step's Verify compares them.
   timer_.Mark(StepTimer::kWeightCasts);
-  if (absl::Status s = comm_->Verify(); !s.ok()) return s;
+  if (absl::Status s = VerifyComms(); !s.ok()) return s;
   timer_.Mark(StepTimer::kVerify);
+  return absl::OkStatus();
+}
+
+std::vector<Communicator*> Trainer::Comms() const {
+  std::vector<Communicator*> out = {comm_};
+  for (Communicator* c : {shard_comm_, replica_comm_}) {
+    if (c != nullptr && c != comm_) out.push_back(c);
+  }
+  return out;
+}
+
+CommBytes Trainer::Bytes() const {
+  CommBytes sum;
+  for (const Communicator* c : Comms()) {
+    sum.all_gather += c->bytes().all_gather;
+    sum.reduce_scatter += c->bytes().reduce_scatter;
+    sum.all_reduce += c->bytes().all_reduce;
+  }
+  return sum;
+}
+
+double Trainer::ConsumeExposedSeconds() {
+  double s = 0;
+  for (Communicator* c : Comms()) s += c->ConsumeExposedSeconds();
+  return s;
+}
+
+absl::Status Trainer::VerifyComms() {
+  for (Communicator* c : Comms()) {
+    if (absl::Status s = c->Verify(); !s.ok()) return s;
+  }
   return absl::OkStatus();
 }
 

@@ -11,6 +11,12 @@
 // The trainer touches tensors only through Backend (device pointers); per step it copies to the
 // host the amaxes, the per-token losses and the grad norm.
 //
+// Hybrid sharding (common/mesh.h: sharding.replicas R > 1, MeshOf(spec, world_size)): the
+// parameters are sharded over the rank's shard group (MeshComms::shard) and summed across its
+// replica group (MeshComms::replica) as FsdpParams says (train/fsdp.h); the loss, the FP8 amaxes
+// and the grad norm reduce over `comm` (the world), and rank r trains on the same tokens as rank
+// r of a flat world-W job. R = 1 is flat FSDP over `comm`, as before.
+//
 // Errors: collective failures and data errors are returned as Status (the trainer is unusable
 // after a failed step); broken invariants abort.
 // Thread-safety: one thread at a time.
@@ -26,6 +32,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/mesh.h"
 #include "common/shard_plan.h"
 #include "fsdp8/v1/admin.pb.h"
 #include "fsdp8/v1/spec.pb.h"
@@ -79,6 +86,15 @@ struct StepStats {
   bool skipped = false;
 };
 
+// A hybrid-sharded rank's two group communicators (non-owning; they outlive the trainer): the
+// shard group (S ranks, rank = shard index) and the replica group of its shard index (R ranks,
+// rank = replica), as Communicator::Split(color, key) makes them from the world. A flat job
+// (R = 1) needs neither (they are ignored then).
+struct MeshComms {
+  Communicator* shard = nullptr;
+  Communicator* replica = nullptr;
+};
+
 class Trainer {
  public:
   // spec: the job spec resolved at world_size (ResolveSpec in common/spec.h: defaults applied,
@@ -90,6 +106,14 @@ class Trainer {
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(
       const v1::JobSpec& spec, int rank, int world_size, Backend* backend, Communicator* comm,
       const TrainerOptions& options = TrainerOptions::FromEnvironment());
+  // The same for a job of any mesh: comm is the world's communicator, mesh the group ones.
+  // INVALID_ARGUMENT naming sharding.replicas when R does not divide world_size, naming
+  // MeshComms.shard / MeshComms.replica when R > 1 and one is missing or of the wrong size or
+  // rank, and naming precision.fp8.keep_weight_codes when it is false under
+  // optimizer_sharding WORLD with R > 1 (the casts need the whole shard's codes kept).
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(
+      const v1::JobSpec& spec, int rank, int world_size, Backend* backend, Communicator* comm,
+      const MeshComms& mesh, const TrainerOptions& options = TrainerOptions::FromEnvironment());
 
   // Runs optimizer step `step` (0-based); evaluates afterwards when `evaluate`; reports the
   // scaling state when `report_scaling`. A step whose loss (on any rank: its per-token losses ride
@@ -128,6 +152,7 @@ class Trainer {
   const v1::JobSpec& spec() const { return spec_; }
   int rank() const { return rank_; }
   int world_size() const { return world_; }
+  const Mesh& mesh() const { return mesh_; }
   // Records that the state now is the one after `start_step` completed steps (checkpoint load);
   // the next Step() should be start_step. Only the reported scaling step depends on it: AdamW's
   // step counter (k + 1) and the LR schedule are functions of the step index passed to Step().
@@ -153,6 +178,11 @@ class Trainer {
       const std::function<absl::Status(const float* losses, int64_t n)>& before_readback =
           nullptr);
   absl::StatusOr<double> GlobalSum(double local);
+  // The distinct communicators of this rank (world, and a mesh's shard and replica groups).
+  std::vector<Communicator*> Comms() const;
+  CommBytes Bytes() const;          // summed over Comms()
+  double ConsumeExposedSeconds();   // summed over Comms()
+  absl::Status VerifyComms();       // Verify() of each of Comms()
   // The two phases of Step: every microbatch's forward and backward with the amax and grad-norm
   // reductions enqueued behind them (fills loss_sum and the forward/backward peaks); then the
   // scaling update, clipping, AdamW and the next step's FP8 weight casts (fills grad_norm, lr).
@@ -163,7 +193,10 @@ class Trainer {
   int rank_ = 0;
   int world_ = 1;
   Backend* be_ = nullptr;
-  Communicator* comm_ = nullptr;
+  Communicator* comm_ = nullptr;  // the world
+  Communicator* shard_comm_ = nullptr;
+  Communicator* replica_comm_ = nullptr;  // R > 1
+  Mesh mesh_;
   ShardPlan plan_;
   CommClock clock_;
   std::unique_ptr<FsdpParams> params_;

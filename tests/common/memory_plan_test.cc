@@ -166,3 +166,34 @@ TEST(MemoryPlan, OverflowSaysExceeds) {
 
 }  // namespace
 }  // namespace fsdp8
+
+namespace fsdp8 {
+namespace {
+
+// Tiny() on 2 replicas x 2 ranks (global batch 4 -> 1 microbatch, quantum 4 x 4 = 16, every
+// buffer already a multiple of it): shards of the embedding 8192 -> 4096, a block's fp8 linears
+// 10240 -> 5120 and norms 64 -> 32, the head 8224 -> 4112: as on 2 flat ranks. SHARD_GROUP holds
+// them as a flat world-2 rank does; WORLD halves the master weights (f32 4 bytes) and the moments
+// (8 bytes) and holds, at the optimizer, half the gradient shards.
+TEST(MemoryPlan, HybridShardTerms) {
+  const int64_t shard = 4096 + 2 * (5120 + 32) + 4112;
+  const int64_t wire = 4096 * 2 + 2 * (5120 + 32 * 2) + 4112 * 2;  // bf16 2 bytes, fp8 1 byte
+  for (bool world : {false, true}) {
+    v1::JobSpec s = Tiny();
+    s.mutable_training()->set_global_batch(4);
+    s.mutable_sharding()->set_max_workers(4);
+    s.mutable_sharding()->set_replicas(2);
+    if (world) s.mutable_sharding()->set_optimizer_sharding(v1::OPTIMIZER_SHARDING_WORLD);
+    auto p = PlanMemory(WithDefaults(s, 4), 4);
+    ASSERT_TRUE(p.ok()) << p.status();
+    std::map<std::string, int64_t> o;
+    for (const MemoryTerm& x : p->optimizer_terms) o[x.name] = x.bytes;
+    const int64_t piece = world ? shard / 2 : shard;
+    EXPECT_EQ(o["parameter shards"], piece * 4 + wire) << world;
+    EXPECT_EQ(o["optimizer state"], piece * 8) << world;
+    EXPECT_EQ(o["gradient shards"], piece * 4) << world;
+  }
+}
+
+}  // namespace
+}  // namespace fsdp8

@@ -436,3 +436,75 @@ TEST(ShardPlan, NormalInitMoments) {
 
 }  // namespace
 }  // namespace fsdp8
+
+namespace fsdp8 {
+namespace {
+
+// A mesh's plan is made at its S ranks and padded to W x alignment: 40 elements, alignment 4, on
+// 2 replicas x 2 ranks pad to a multiple of 16 (48, shards of 24), where a flat world-2 plan pads
+// to a multiple of 8 (40, shards of 20). One replica is the flat plan.
+TEST(ShardPlan, MeshPadsToTheWorldAndShardsOverTheGroup) {
+  const std::vector<TensorSpec> t = {T("w", {40})};
+  UnitList units = {{"u", {{}, t}}};
+  auto mesh = MakeShardPlan(units, 2, 4, 2);
+  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  EXPECT_EQ(mesh->world_size, 2);
+  EXPECT_EQ(mesh->replicas, 2);
+  const BufferPlan& b = mesh->units[0].buffers[0];
+  EXPECT_EQ(b.padded_numel, 48);
+  EXPECT_EQ(b.shard_numel, 24);
+  EXPECT_EQ(b.ShardBegin(1), 24);
+  const BufferPlan& flat = OneBuffer(t, 2, 4).units[0].buffers[0];
+  EXPECT_EQ(flat.padded_numel, 40);
+  EXPECT_EQ(flat.shard_numel, 20);
+  EXPECT_EQ(MakeShardPlan(units, 2, 4, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The spec overloads: a flat mesh gives the world-size plan bit for bit; 2 x 2 and 3 x 1 give
+// the group's S ranks, every buffer padded to a multiple of W x 16 (the default alignment).
+TEST(ShardPlan, MeshOfSpec) {
+  const v1::JobSpec spec = WithDefaults(DefaultSpec(), 4);
+  Mesh flat;
+  flat.shard_size = 4;
+  auto a = MakeShardPlan(spec, flat);
+  auto b = MakeShardPlan(spec, 4);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(ToProto(*a).SerializeAsString(), ToProto(*b).SerializeAsString());
+  for (auto [R, S] : {std::pair{2, 2}, std::pair{3, 1}}) {
+    Mesh m;
+    m.replicas = R;
+    m.shard_size = S;
+    auto plan = MakeShardPlan(spec, m);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->world_size, S);
+    EXPECT_EQ(plan->replicas, R);
+    for (const UnitPlan& u : plan->units) {
+      for (const BufferPlan& buf : u.buffers) {
+        EXPECT_EQ(buf.padded_numel % (R * S * 16), 0) << u.name;
+        EXPECT_LT(buf.padded_numel - buf.numel, R * S * 16) << u.name;
+        EXPECT_EQ(buf.shard_numel * S, buf.padded_numel) << u.name;
+      }
+    }
+  }
+}
+
+// A checkpoint's layout: SHARD_GROUP files of a 2-replica job are shards of a plan padded for
+// both replicas (files x 2 x 16); WORLD files are a flat plan over the files (files x 16).
+TEST(ShardPlan, CheckpointLayoutOfAMesh) {
+  v1::JobSpec spec = WithDefaults(DefaultSpec(), 4);
+  spec.mutable_sharding()->set_replicas(2);
+  auto group = MakeCheckpointShardPlan(spec, 2);
+  ASSERT_TRUE(group.ok()) << group.status();
+  EXPECT_EQ(group->world_size, 2);
+  for (const UnitPlan& u : group->units) {
+    for (const BufferPlan& buf : u.buffers) EXPECT_EQ(buf.padded_numel % 64, 0) << u.name;
+  }
+  spec.mutable_sharding()->set_optimizer_sharding(v1::OPTIMIZER_SHARDING_WORLD);
+  auto world = MakeCheckpointShardPlan(spec, 4);
+  auto flat4 = MakeShardPlan(spec, 4);
+  ASSERT_TRUE(world.ok() && flat4.ok());
+  EXPECT_EQ(ToProto(*world).SerializeAsString(), ToProto(*flat4).SerializeAsString());
+}
+
+}  // namespace
+}  // namespace fsdp8

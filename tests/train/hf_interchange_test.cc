@@ -23,6 +23,7 @@
 #include "common/spec.h"
 #include "gtest/gtest.h"
 #include "tests/train/hf_test_util.h"
+#include "tests/train/trainer_test_util.h"
 
 namespace fsdp8 {
 namespace {
@@ -532,6 +533,83 @@ TEST(HfInterchange, TiedModelExportsWithoutAHeadWeightAndLoadsBitIdentical) {
   const absl::Status s = LoadOneRank(out);
   EXPECT_NE(s.message().find("tie_word_embeddings is true, model.tie_word_embeddings is false"),
             std::string::npos) << s;
+}
+
+}  // namespace
+}  // namespace fsdp8
+
+namespace fsdp8 {
+namespace {
+
+// A hybrid-sharded job's committed checkpoint (2 replicas x 2 ranks, 2-element alignment so that
+// its buffers are padded for 4 ranks, not for 2; SHARD_GROUP: 2 files of replica 0, WORLD: 4
+// pieces in optimizer order) exports the master weights it trained, and a 2 x 2 WORLD job loads
+// the export, each rank its own piece: bit for bit both ways.
+TEST(HfInterchange, MeshCheckpointExportsAndLoadsOnAMesh) {
+  for (v1::OptimizerSharding sh : {v1::OPTIMIZER_SHARDING_SHARD_GROUP, v1::OPTIMIZER_SHARDING_WORLD}) {
+    SCOPED_TRACE(v1::OptimizerSharding_Name(sh));
+    v1::JobSpec spec = testing::InterchangeSpec(TrainFile());
+    spec.mutable_training()->set_global_batch(8);
+    spec.mutable_sharding()->set_max_workers(4);
+    spec.mutable_sharding()->set_replicas(2);
+    spec.mutable_sharding()->set_optimizer_sharding(sh);
+    const v1::JobSpec resolved = WithDefaults(spec, 4);
+    const std::string root = Fresh(absl::StrCat("mesh_ckpt_", sh));
+    coord::CheckpointStore store(root);
+    absl::StatusOr<std::string> dir = store.Prepare(2);
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    std::vector<v1::CheckpointSaved> saved(4);
+    Weights master;
+    testing::RunMeshRanks(2, 2, [&](int r, Communicator* world, const MeshComms& comms) {
+      auto be = CpuBackend();
+      auto t = Trainer::Create(resolved, r, 4, be.get(), world, comms);
+      ASSERT_TRUE(t.ok()) << t.status();
+      for (int k = 0; k < 2; ++k) ASSERT_TRUE((*t)->Step(k, false, false).ok());
+      ASSERT_TRUE(SaveShard(**t, 2, *dir, &saved[r]).ok());
+      auto m = (*t)->params().GatherAll(false);
+      ASSERT_TRUE(m.ok()) << m.status();
+      if (r == 0) master = *m;
+    });
+    const Mesh mesh = *MeshOf(resolved, 4);
+    v1::CheckpointManifest m;
+    m.set_job_id("job-mesh");
+    m.set_step(2);
+    m.set_world_size(mesh.OptimizerShards());
+    *m.mutable_spec() = resolved;
+    std::vector<v1::CheckpointFile> files(mesh.OptimizerShards());
+    for (int r = 0; r < 4; ++r) {
+      const CheckpointRole role = CheckpointRoleOf(mesh, r);
+      if (!role.writes) continue;
+      files[role.file_index].set_rank(role.file_index);
+      files[role.file_index].set_file(saved[r].file());
+      files[role.file_index].set_bytes(saved[r].bytes());
+      files[role.file_index].set_crc32(saved[r].crc32());
+    }
+    for (const v1::CheckpointFile& f : files) *m.add_files() = f;
+    ASSERT_TRUE(store.Commit(m).ok());
+    const std::string out = Fresh(absl::StrCat("mesh_export_", sh));
+    absl::Status s = ExportHf(root + "/step-2", out, SafetensorsDtype::kF32);
+    ASSERT_TRUE(s.ok()) << s;
+    v1::JobSpec load = spec;
+    load.mutable_sharding()->set_optimizer_sharding(v1::OPTIMIZER_SHARDING_WORLD);
+    load.mutable_init()->set_from_hf(out);
+    Weights loaded;
+    testing::RunMeshRanks(2, 2, [&](int r, Communicator* world, const MeshComms& comms) {
+      auto be = CpuBackend();
+      auto t = Trainer::Create(WithDefaults(load, 4), r, 4, be.get(), world, comms);
+      ASSERT_TRUE(t.ok()) << t.status();
+      absl::Status st = LoadHfWeights(t->get(), out);
+      ASSERT_TRUE(st.ok()) << st;
+      auto g = (*t)->params().GatherAll(false);
+      ASSERT_TRUE(g.ok()) << g.status();
+      if (r == 0) loaded = *g;
+    });
+    ASSERT_EQ(loaded.size(), master.size());
+    for (const auto& [name, v] : master) {
+      ASSERT_EQ(loaded.at(name).size(), v.size()) << name;
+      EXPECT_EQ(std::memcmp(loaded.at(name).data(), v.data(), v.size() * 4), 0) << name;
+    }
+  }
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 // d_model, FP8 linears with BF16 attention), under every precision plan (block linears FP8, BF16,
 // FP32; attention FP32, BF16; per-block overrides; FP8 under the delayed and the CURRENT
 // recipes), with and without activation recompute, BF16 AdamW moments and kept FP8 weight codes.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -108,13 +109,13 @@ void ExpectLabelsMatchPlan(const v1::JobSpec& spec_in, const std::string& backen
   ASSERT_TRUE(plan.ok()) << plan.status();
   std::vector<StepStats> steps;
   int64_t after_init_unlabelled = -1;
-  testing::RunRanksOver(testing::Transport::kGloo, world, [&](int r, Communicator* c) {
+  auto rank = [&](int r, Communicator* c, const MeshComms& mesh) {
     std::string err;
     BackendOptions backend_options;
     backend_options.cpu_fill_nan = true;
     std::unique_ptr<Backend> be = CreateBackend(backend, 0, &err, backend_options);
     ASSERT_NE(be, nullptr) << err;
-    auto t = Trainer::Create(spec, r, world, be.get(), c);
+    auto t = Trainer::Create(spec, r, world, be.get(), c, mesh);
     ASSERT_TRUE(t.ok()) << t.status();
     if (r == 0) {
       // After init: every live byte labelled, the labels summing to the backend's count.
@@ -129,7 +130,15 @@ void ExpectLabelsMatchPlan(const v1::JobSpec& spec_in, const std::string& backen
       ASSERT_TRUE(res.ok()) << res.status();
       if (r == 0) steps.push_back(*res);
     }
-  });
+  };
+  // A hybrid-sharded spec (sharding.replicas R > 1) runs on its mesh's communicators.
+  const int R = std::max(1, spec.sharding().replicas());
+  if (R > 1) {
+    testing::RunMeshRanks(R, world / R, rank);
+  } else {
+    testing::RunRanksOver(testing::Transport::kGloo, world,
+                          [&](int r, Communicator* c) { rank(r, c, MeshComms{}); });
+  }
   ASSERT_EQ(steps.size(), 3u);
   EXPECT_EQ(after_init_unlabelled, 0) << "after init";
   const StepStats& st = steps[2];
@@ -231,6 +240,40 @@ TEST(MemoryLabels, TwoRanks) {
     s.mutable_optimizer()->set_state_precision(v1::PRECISION_BF16);
     s.mutable_precision()->mutable_fp8()->set_keep_weight_codes(false);
     ExpectLabelsMatchPlan(s, backend, 2, "1b-shaped, recompute, BF16 moments, codes per gather");
+  }
+}
+
+// Hybrid sharding (R replicas x S-rank shard groups): under SHARD_GROUP each rank holds a flat
+// world-S rank's shards (padded to W x alignment); under WORLD the master weights and moments are
+// 1/R pieces of them, fp32 buffers keep an f32 wire shard, the last microbatch's gradient shards
+// turn into pieces as their replica-group reduce-scatters finish, and the optimizer copies out
+// one wire piece at a time for its all-gather. 2 x 2 and 2 x 1 (one rank per shard group: no
+// reduce-scatter), one to three microbatches, FP8, BF16 and FP32 linears.
+TEST(MemoryLabels, HybridSharding) {
+  auto mesh = [](v1::JobSpec s, int replicas, v1::OptimizerSharding sh) {
+    s.mutable_sharding()->set_max_workers(4);
+    s.mutable_sharding()->set_replicas(replicas);
+    s.mutable_sharding()->set_optimizer_sharding(sh);
+    return s;
+  };
+  constexpr auto kGroup = v1::OPTIMIZER_SHARDING_SHARD_GROUP;
+  constexpr auto kWorld = v1::OPTIMIZER_SHARDING_WORLD;
+  for (const char* backend : {"cpu-ref", "cpu"}) {
+    v1::JobSpec d = DefaultModel();
+    d.mutable_training()->set_global_batch(4);
+    ExpectLabelsMatchPlan(mesh(d, 2, kGroup), backend, 4, "default model, 2 x 2 SHARD_GROUP");
+    ExpectLabelsMatchPlan(mesh(d, 2, kWorld), backend, 4, "default model, 2 x 2 WORLD");
+    v1::JobSpec b = OneBShaped();
+    b.mutable_training()->set_global_batch(12);
+    b.mutable_training()->set_microbatch(1);
+    ExpectLabelsMatchPlan(mesh(b, 2, kWorld), backend, 4, "1b-shaped, 2 x 2 WORLD, 3 microbatches");
+    b.mutable_training()->set_global_batch(4);
+    ExpectLabelsMatchPlan(mesh(b, 2, kWorld), backend, 2, "1b-shaped, 2 x 1 WORLD, 2 microbatches");
+    ExpectLabelsMatchPlan(mesh(b, 2, kGroup), backend, 2, "1b-shaped, 2 x 1 SHARD_GROUP");
+    for (const Precisions& p : {kPrecisions[3], kPrecisions[4]}) {
+      ExpectLabelsMatchPlan(mesh(WithPrecision(b, p), 2, kWorld), backend, 4,
+                            std::string("1b-shaped, 2 x 2 WORLD, ") + p.name);
+    }
   }
 }
 

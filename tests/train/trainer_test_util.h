@@ -1,13 +1,20 @@
-// Helpers shared by the training tests (trainer_test, model_test, fsdp_test): the token files
-// of this process, precision plans, and training a TinySpec job on ranks as threads.
+// Helpers shared by the training tests (trainer_test, model_test, fsdp_test, hybrid_test,
+// memory_labels_test): the token files of this process, precision plans, training a TinySpec job
+// on ranks as threads, and the ranks of a hybrid-sharded mesh.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "comm/cpu_communicator.h"
 #include "common/spec.h"
 #include "fsdp8/v1/spec.pb.h"
 #include "gtest/gtest.h"
@@ -65,6 +72,36 @@ inline std::vector<RankOut> Train(const v1::JobSpec& spec, int world, int steps,
     }
   });
   return out;
+}
+
+// Runs fn(rank, world, mesh) on R x S ranks (threads) of a hybrid-sharded job (common/mesh.h):
+// each rank's world communicator and, for R > 1, its shard-group and replica-group communicators
+// (CPU communicators under their own rendezvous prefixes on one in-process KvStore); R = 1 passes
+// empty MeshComms (a flat job).
+inline void RunMeshRanks(int R, int S,
+                         const std::function<void(int, Communicator*, const MeshComms&)>& fn) {
+  static std::atomic<int> generation{0};
+  const std::string prefix = absl::StrCat("mesh/", generation++, "/");
+  const int W = R * S;
+  MemKvStore kv;
+  const auto timeout = std::chrono::seconds(30);
+  RunOnThreads(W, [&](int r) {
+    auto make = [&](int rank, int size, const std::string& name) -> std::unique_ptr<Communicator> {
+      auto c = CreateCpuCommunicator(rank, size, &kv, prefix + name + "/", "127.0.0.1", timeout,
+                                     timeout, CpuCommOptions());
+      EXPECT_TRUE(c.ok()) << c.status();
+      return c.ok() ? std::move(*c) : nullptr;
+    };
+    std::unique_ptr<Communicator> world = make(r, W, "world"), shard, replica;
+    MeshComms comms;
+    if (R > 1) {
+      shard = make(r % S, S, absl::StrCat("shard", r / S));
+      replica = make(r / S, R, absl::StrCat("replica", r % S));
+      comms = MeshComms{shard.get(), replica.get()};
+    }
+    ASSERT_TRUE(world && (R == 1 || (shard && replica)));
+    fn(r, world.get(), comms);
+  });
 }
 
 // Global mean training loss of step k (sum over ranks of loss_sum / tokens).
