@@ -671,6 +671,15 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
   FSDP8_RETURN_IF_ERROR(CheckOptimizer(spec.optimizer(), spec.training().steps()));
   FSDP8_RETURN_IF_ERROR(CheckSharding(spec.sharding(), world_size));
   FSDP8_RETURN_IF_ERROR(CheckPrecision(spec.precision(), spec.model().n_layers()));
+  // Under WORLD a rank holds only its 1/R piece of the master weights: its shard group's FP8
+  // codes cannot be cast per gather from them, so they must be kept.
+  if (spec.sharding().optimizer_sharding() == v1::OPTIMIZER_SHARDING_WORLD &&
+      spec.sharding().replicas() != 1 && !spec.precision().fp8().keep_weight_codes()) {
+    return Bad("precision.fp8.keep_weight_codes",
+               "must be true with sharding.optimizer_sharding WORLD and sharding.replicas other "
+               "than 1",
+               "got false");
+  }
   if (spec.backend() != "cpu" && spec.backend() != "cuda") {
     return Bad("backend", "must be \"cpu\" or \"cuda\"", absl::StrCat("got \"", spec.backend(), "\""));
   }

@@ -262,7 +262,7 @@ grpc::Status AdminServiceImpl::GetShardPlan(grpc::ServerContext* ctx,
     resp->set_world_size(world_size);
     resp->set_alignment(d.sharding().alignment());
   } else {
-    auto plan = MakeShardPlan(d, world_size);
+    auto plan = MakeShardPlan(d, *mesh);
     if (!plan.ok()) return ToGrpc(plan.status());
     *resp = ToProto(*plan);
   }

@@ -48,14 +48,6 @@ MomentDtype MomentDtypeOf(v1::Precision state_precision) {
 
 namespace {
 
-// The replica group's all-reduce of a grad shard, issued like the reduce-scatters (deferred
-// wait, ticket for Communicator::Wait). Blocking until the communicators have an asynchronous
-// all-reduce; then: return comm->AllReduceAsync(buf, count, ReduceOp::kSum);
-absl::StatusOr<int64_t> ReplicaAllReduce(Communicator* comm, float* buf, int64_t count) {
-  if (absl::Status s = comm->AllReduce(buf, count, ReduceOp::kSum); !s.ok()) return s;
-  return int64_t{0};
-}
-
 Mesh FlatMesh(int world_size) {
   Mesh m;
   m.shard_size = world_size;
@@ -326,8 +318,9 @@ void FsdpParams::FlushGrads() {
   }
 }
 
-// The replica-group sum of a complete grad shard. Until Communicator::AllReduceAsync exists the
-// SHARD_GROUP all-reduce blocks (ReplicaAllReduce); its ticket is 0.
+// The replica-group sum of a complete grad shard, started asynchronously (deferred wait) as the
+// reduce-scatters are: an all-reduce in place (SHARD_GROUP) or a reduce-scatter into the rank's
+// 1/R piece (WORLD).
 absl::Status FsdpParams::StartReplicaSum(Buf& b) {
   FSDP8_CHECK(!b.replica_summed) << "grad shard summed over the replicas twice in a step";
   b.replica_summed = true;
@@ -340,7 +333,7 @@ absl::Status FsdpParams::StartReplicaSum(Buf& b) {
     b.grad = DevBuf(be_, b.opt_n * sizeof(float), MemoryLabel::kGrads);  // written below
     t = replica_->ReduceScatterSumAsync(shard.f32(), b.grad.f32(), b.opt_n);
   } else {
-    t = ReplicaAllReduce(replica_, b.grad.f32(), n);
+    t = replica_->AllReduceAsync(b.grad.f32(), n, ReduceOp::kSum);
   }
   if (absl::Status s = Timed(t.status(), t0); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("replica-group sum of a grad shard: ", s.message()));

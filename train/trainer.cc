@@ -68,11 +68,6 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
   absl::StatusOr<Mesh> mesh = MeshOf(spec_in, world_size);
   if (!mesh.ok()) return mesh.status();
   if (!mesh->Flat()) {
-    if (mesh->optimizer_over_world && !spec_in.precision().fp8().keep_weight_codes()) {
-      return absl::InvalidArgumentError(
-          "precision.fp8.keep_weight_codes: must be true with sharding.optimizer_sharding WORLD "
-          "and sharding.replicas > 1 (a rank holds only a piece of its shard's master weights)");
-    }
     if (absl::Status s = CheckMeshComms(*mesh, rank, mesh_comms); !s.ok()) return s;
   }
   std::unique_ptr<Trainer> t(new Trainer());

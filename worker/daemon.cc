@@ -56,14 +56,6 @@ struct WorkerDaemon::Job {
 
 namespace {
 
-// The file of a mesh's checkpoint that `rank` writes, or -1 for none (common/mesh.h): under
-// optimizer_sharding SHARD_GROUP only the ranks of replica 0 write, file = shard index; under
-// WORLD every rank writes file Mesh::OptimizerIndex(rank). R = 1: file = rank, as before.
-int CheckpointFileIndex(const Mesh& mesh, int rank) {
-  if (mesh.optimizer_over_world) return mesh.OptimizerIndex(rank);
-  return mesh.Replica(rank) == 0 ? mesh.ShardIndex(rank) : -1;
-}
-
 // The wire form of a step's figures (job_id is left to the caller).
 v1::StepResult ToStepResult(const StepStats& s) {
   v1::StepResult r;
@@ -617,9 +609,9 @@ void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
     Send(m);
     return;
   }
-  // ---- Hybrid sharding: does this rank write a file of the mesh's checkpoint? ----
-  const int file_index = CheckpointFileIndex(job_->mesh, job_->trainer->rank());
-  if (file_index < 0) {  // a replica other than 0 under SHARD_GROUP: replica 0 holds the same
+  // Hybrid sharding: does this rank write a file of the mesh's checkpoint (CheckpointRoleOf)?
+  const CheckpointRole role = CheckpointRoleOf(job_->mesh, job_->trainer->rank());
+  if (!role.writes) {  // a replica other than 0 under SHARD_GROUP: replica 0 holds the same
     v1::CheckpointSaved none;
     none.set_job_id(job_->job_id);
     none.set_step(c.step());
@@ -628,11 +620,10 @@ void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
     Send(m);
     return;
   }
-  // ---- end of the mesh part; SaveShard (train/checkpoint.h) writes and names the file ----
   v1::CheckpointSaved saved;
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status s = opts_.settings.faults.CheckpointWriteError(
-      absl::StrCat(c.dir(), "/", CheckpointFileName(file_index)));
+      absl::StrCat(c.dir(), "/", CheckpointFileName(role.file_index)));
   if (s.ok()) {
     s = CatchAllocationFailure("saving the checkpoint", [&] {
       return SaveShard(*job_->trainer, c.step(), c.dir(), &saved, &opts_.settings.faults);

@@ -260,6 +260,12 @@ std::vector<RuleCase> Rules() {
         s->mutable_training()->set_global_batch(6);
         s->mutable_training()->set_microbatch(1);
       }, 3, {"sharding.replicas", "must divide the world size", "3 % 2 != 0"});
+  add("WorldOptimizerWithoutKeptCodes", [](v1::JobSpec* s) {
+        s->mutable_sharding()->set_max_workers(2);
+        s->mutable_sharding()->set_replicas(2);
+        s->mutable_sharding()->set_optimizer_sharding(v1::OPTIMIZER_SHARDING_WORLD);
+        s->mutable_precision()->mutable_fp8()->set_keep_weight_codes(false);
+      }, 2, {"precision.fp8.keep_weight_codes", "must be true with sharding.optimizer_sharding WORLD"});
   add("EmbeddingFp8", [](v1::JobSpec* s) { s->mutable_precision()->set_embedding(v1::PRECISION_FP8); },
       2, {"precision.embedding", "precision.embedding: must be BF16 or FP32"});
   add("LmHeadFp8", [](v1::JobSpec* s) { s->mutable_precision()->set_lm_head(v1::PRECISION_FP8); }, 2,
