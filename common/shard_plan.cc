@@ -214,7 +214,7 @@ absl::StatusOr<ShardPlan> MakeCheckpointShardPlan(const v1::JobSpec& spec, int f
 
 v1::ShardPlan ToProto(const ShardPlan& plan) {
   v1::ShardPlan out;
-  out.set_world_size(plan.world_size);
+  out.set_world_size(plan.world_size * plan.replicas);  // the job's ranks (W = R x S)
   out.set_alignment(plan.alignment);
   int64_t total = 0, padded = 0;
   for (const UnitPlan& u : plan.units) {
