@@ -329,19 +329,27 @@ class NcclCommunicator final : public Communicator {
   // then ncclCommSplit in non-blocking mode without resource sharing, so that the child aborts
   // and frees independently of its parent; polled until the child is ready (the collective
   // timeout). A failed or timed-out split aborts this communicator.
+  // A negative color rides in the header (extra -1), so every rank fails at once on a mix.
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    absl::Status s = Collective(Op::kSplit, 0, color < 0 ? -1 : 0, [] { return ncclSuccess; },
+                                /*nonempty=*/false);
+    if (s.ok()) s = Verify();
+    if (!s.ok()) return s;
     if (color < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("nccl Split: rank ", rank_, " passed color ", color, " (colors must be >= 0)"));
     }
-    absl::Status s = Collective(Op::kSplit, 0, 0, [] { return ncclSuccess; }, /*nonempty=*/false);
-    if (s.ok()) s = Verify();
-    if (!s.ok()) return s;
     ncclComm_t child = nullptr;
     if (s = SplitComm(color, key, &child); !s.ok()) return s;
     int rank = 0, world = 0;
-    ncclCommUserRank(child, &rank);
-    ncclCommCount(child, &world);
+    const ncclResult_t ur = ncclCommUserRank(child, &rank);
+    const ncclResult_t cr = ncclCommCount(child, &world);
+    if (ur != ncclSuccess || cr != ncclSuccess) {
+      ncclCommAbort(child);
+      return absl::InternalError(absl::StrCat("nccl Split (color ", color, ") on rank ", rank_,
+                                              ": the sub-communicator's rank and size: ",
+                                              NcclErr(ur != ncclSuccess ? ur : cr)));
+    }
     auto sub = std::make_unique<NcclCommunicator>(rank, world, backend_, timeout_, options_);
     if (s = sub->Adopt(child); !s.ok()) return s;
     return std::unique_ptr<Communicator>(std::move(sub));

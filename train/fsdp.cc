@@ -543,6 +543,7 @@ absl::Status FsdpParams::CastWeights() {
     for (size_t i = 0; i < nf; ++i) {
       const Buf& b = units_[fp8_refs_[i].unit][fp8_refs_[i].buffer];
       const Slice& sl = fp8_slices_[i];
+      if (sl.hi <= sl.lo) continue;  // none of the tensor in this rank's piece: amax stays 0
       be_->AmaxAccumulate(b.master.f32() + (sl.lo - b.opt_lo), sl.hi - sl.lo, w_amax_.f32() + i);
     }
   }
@@ -565,7 +566,7 @@ absl::Status FsdpParams::CastWeights() {
   be_->Fp8ScalesFromAmax(w_amax_.f32(), static_cast<int64_t>(nf), Fp8MaxValue(/*e5m2=*/false),
                          /*margin=*/0, w_scale_.f32(), w_scale_inv_.f32(), kScaleStride);
   wscale_on_host_ = false;
-  if (!keep_fp8_codes_) return absl::OkStatus();  // each Prefetch casts with these scales
+  if (!keep_fp8_codes_) return RebuildWireShards();  // each Prefetch casts with these scales
   for (size_t i = 0; i < nf; ++i) {
     Buf& b = units_[fp8_refs_[i].unit][fp8_refs_[i].buffer];
     const Slice& sl = fp8_slices_[i];

@@ -34,9 +34,9 @@
 // Hybrid sharding (common/mesh.h, FsdpMesh below): `comm` is the shard group's communicator and
 // the plan is made at its S ranks (rank = shard index). After a unit's reduce-scatter in the
 // step's last microbatch (SetFinalMicrobatch) completes, its grad shard is summed over the
-// replica group, started as the reduce-scatters are (at most one in flight, finished by the next
-// ReduceGrads or before the shards are read): an in-place all-reduce (SHARD_GROUP), or a
-// reduce-scatter into the rank's 1/R piece of the shard (WORLD: the grad shard then holds that
+// replica group, started as the reduce-scatters are (one unit's buffers in flight at a time,
+// finished by the next ReduceGrads or before the shards are read): an in-place all-reduce
+// (SHARD_GROUP), or a reduce-scatter into the rank's 1/R piece of the shard (WORLD: the grad shard then holds that
 // piece). Under WORLD master, m and v hold only that piece (the rank's optimizer index
 // Mesh::OptimizerIndex in a flat world-W layout), AdamW updates it, and CastWeights rebuilds the
 // group's wire shard (FP8 codes, bf16, or an f32 copy for fp32 buffers, whose all-gathers then

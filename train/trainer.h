@@ -150,6 +150,9 @@ class Trainer {
   ActScaling& scaling() { return *scaling_; }
   const ActScaling& scaling() const { return *scaling_; }
   const v1::JobSpec& spec() const { return spec_; }
+  // Bytes of this rank's collectives since the trainer was built (CommBytes), summed over its
+  // communicators: the world's and, under a mesh, the shard and replica groups'.
+  CommBytes Bytes() const;
   int rank() const { return rank_; }
   int world_size() const { return world_; }
   const Mesh& mesh() const { return mesh_; }
@@ -180,7 +183,6 @@ class Trainer {
   absl::StatusOr<double> GlobalSum(double local);
   // The distinct communicators of this rank (world, and a mesh's shard and replica groups).
   std::vector<Communicator*> Comms() const;
-  CommBytes Bytes() const;          // summed over Comms()
   double ConsumeExposedSeconds();   // summed over Comms()
   absl::Status VerifyComms();       // Verify() of each of Comms()
   // The two phases of Step: every microbatch's forward and backward with the amax and grad-norm

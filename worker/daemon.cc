@@ -14,6 +14,7 @@
 #include "train/checkpoint.h"
 #include "train/device_buffer.h"
 #include "comm/cpu_communicator.h"
+#include "comm/shm_communicator.h"
 #include "worker/grpc_kv_store.h"
 #include "train/hf_import.h"
 #include "train/trainer.h"
@@ -37,7 +38,7 @@ struct WorkerDaemon::Job {
   // Hybrid sharding (R > 1): the shard group's and the replica group's communicators, split from
   // comm (Communicator::Split); null for a flat job.
   std::shared_ptr<Communicator> shard_comm, replica_comm;
-  CommBytes reported;  // comm's byte counters as already added to the metrics
+  CommBytes reported;  // the trainer's byte counters (every communicator) already in the metrics
   int rank = 0;
   Mesh mesh;  // of the Assignment's resolved spec: which checkpoint file this rank writes
   std::unique_ptr<Trainer> trainer;
@@ -449,10 +450,16 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
 #endif
   } else {
     std::string transport;
+    // Workers advertising different --host addresses are different hosts, also on one machine
+    // (simulated hosts): shared memory only between ranks of the same machine and address.
+    CpuCommOptions cpu = opts_.settings.cpu_comm;
+    if (cpu.machine.empty()) {
+      cpu.machine = absl::StrCat(SharedMemoryCommunicator::MachineIdentity(), "@", opts_.host);
+    }
     auto c = CreateCpuCommunicator(a.rank(), a.world_size(), job->kv.get(), a.store_prefix(),
                                    opts_.host, timeout,
-                                   std::chrono::milliseconds(a.bootstrap_timeout_ms()),
-                                   opts_.settings.cpu_comm, &transport);
+                                   std::chrono::milliseconds(a.bootstrap_timeout_ms()), cpu,
+                                   &transport);
     if (!c.ok()) return fail(std::string(c.status().message()));
     job->comm = std::move(*c);
     Log(absl::StrCat("job ", a.job_id(), " generation ", a.generation(),
@@ -587,7 +594,7 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   }
   if (result.has_scaling()) result.mutable_scaling()->set_job_id(job_->job_id);
   if (opts_.metrics) {
-    const CommBytes now = job_->comm->bytes();
+    const CommBytes now = job_->trainer->Bytes();  // every communicator of the job
     CommBytes delta;
     delta.all_gather = now.all_gather - job_->reported.all_gather;
     delta.reduce_scatter = now.reduce_scatter - job_->reported.reduce_scatter;
@@ -609,21 +616,14 @@ void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
     Send(m);
     return;
   }
-  // Hybrid sharding: does this rank write a file of the mesh's checkpoint (CheckpointRoleOf)?
+  // Hybrid sharding: a rank whose role writes no file (a replica other than 0 under
+  // SHARD_GROUP) still goes through SaveShard, which checks the step and answers with no file.
   const CheckpointRole role = CheckpointRoleOf(job_->mesh, job_->trainer->rank());
-  if (!role.writes) {  // a replica other than 0 under SHARD_GROUP: replica 0 holds the same
-    v1::CheckpointSaved none;
-    none.set_job_id(job_->job_id);
-    none.set_step(c.step());
-    none.set_rank(job_->trainer->rank());
-    *m.mutable_saved() = std::move(none);  // file empty: nothing written
-    Send(m);
-    return;
-  }
   v1::CheckpointSaved saved;
   const auto t0 = std::chrono::steady_clock::now();
-  absl::Status s = opts_.settings.faults.CheckpointWriteError(
-      absl::StrCat(c.dir(), "/", CheckpointFileName(role.file_index)));
+  absl::Status s = role.writes ? opts_.settings.faults.CheckpointWriteError(absl::StrCat(
+                                     c.dir(), "/", CheckpointFileName(role.file_index)))
+                               : absl::OkStatus();
   if (s.ok()) {
     s = CatchAllocationFailure("saving the checkpoint", [&] {
       return SaveShard(*job_->trainer, c.step(), c.dir(), &saved, &opts_.settings.faults);
@@ -645,6 +645,11 @@ void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   saved.set_job_id(job_->job_id);
+  if (!role.writes) {  // nothing written: replica 0 holds the same state
+    *m.mutable_saved() = std::move(saved);
+    Send(m);
+    return;
+  }
   LogEvent("checkpoint_saved", {{"worker", worker_id_},
                                 {"job", job_->job_id},
                                 {"step", c.step()},

@@ -921,6 +921,17 @@ TEST_F(HybridCluster, TwoReplicasOfTwoRanksMatchTheFlatWorldOfFour) {
   }
 }
 
+// Workers of different --host addresses are different hosts also on one machine: the world's
+// collectives go over Gloo, as between real hosts.
+TEST_F(HybridCluster, SimulatedHostsTalkOverGloo) {
+  Run(MeshSpec(2, v1::PRECISION_FP32, 2));
+  for (int i = 0; i < 4; ++i) {
+    const std::string log = ReadFile(cluster_->LogPath("worker-" + std::to_string(i) + ".log"));
+    EXPECT_NE(log.find("collectives over gloo"), std::string::npos) << "worker " << i << ":\n" << log;
+    EXPECT_EQ(log.find("collectives over shared memory"), std::string::npos) << "worker " << i;
+  }
+}
+
 TEST_F(HybridCluster, ACheckpointOfTheMeshHasOneFilePerOptimizerShard) {
   for (auto [o, files] : {std::pair{v1::OPTIMIZER_SHARDING_SHARD_GROUP, 2},
                           std::pair{v1::OPTIMIZER_SHARDING_WORLD, 4}}) {
