@@ -1758,8 +1758,9 @@ TEST_F(SchedulerTest, AutoReplicasAreTheHostsOfTheJobsWorkers) {
 // the R x n / R mesh. The planner here needs 1000 bytes per replica (R = 1: 1000, 2: 2000, 4:
 // 4000): on hosts A (a0, a1, a2) and B (b0, b1, b2) no host holds 4 ranks (R = 1 per host fails),
 // and a0, b0 (1000 bytes) cannot join a 2 x 2 mesh, so its groups are (a1, a2) and (b1, b2), not
-// the hosts' first workers. With every worker at 1000 bytes only the flat R = 1 fits: the first 4
-// in registration order. With one such worker nothing fits and the reason counts the workers that
+// the hosts' first workers; with a fourth worker on A, A holds the whole flat job (R = 1 is tried
+// first). With every worker at 1000 bytes only the flat R = 1 fits: the first 4 in registration
+// order. With one such worker nothing fits and the reason counts the workers that
 // hold the flat plan.
 TEST_F(SchedulerTest, AutoReplicasPlaceEachMeshOnTheWorkersThatHoldItsPlan) {
   ResolvedJob job(HybridSpec(train_, 4, 4, 0), [](const v1::JobSpec& resolved, int n) {
@@ -1771,7 +1772,7 @@ TEST_F(SchedulerTest, AutoReplicasPlaceEachMeshOnTheWorkersThatHoldItsPlan) {
   });
   const std::vector<std::string> free = {"a0", "b0", "a1", "b1", "a2", "b2"};
   std::map<std::string, std::string> domains;
-  for (const std::string& id : free) domains[id] = id.substr(0, 1);
+  for (const std::string& id : free) domains[id] = id.substr(0, 1);  // hosts "a" and "b"
   std::map<std::string, int64_t> memory = {{"a0", 1000}, {"b0", 1000}, {"a1", 2000},
                                            {"b1", 2000}, {"a2", 2000}, {"b2", 2000}};
   const FitChoice two = ChooseFittingWorkers(job, free, memory, domains);
@@ -1779,6 +1780,16 @@ TEST_F(SchedulerTest, AutoReplicasPlaceEachMeshOnTheWorkersThatHoldItsPlan) {
   EXPECT_EQ(two.replicas, 2);
   EXPECT_EQ(two.workers, (std::vector<std::string>{"a1", "a2", "b1", "b2"}));
   EXPECT_TRUE(two.split_groups.empty());
+
+  // A fourth worker on A, a3: host A holds the flat mesh, and the fewest domains win (R = 1).
+  std::vector<std::string> with_a3 = free;
+  with_a3.push_back("a3");
+  domains["a3"] = "a";
+  memory["a3"] = 2000;
+  const FitChoice one = ChooseFittingWorkers(job, with_a3, memory, domains);
+  EXPECT_EQ(one.replicas, 1);
+  EXPECT_EQ(one.workers, (std::vector<std::string>{"a0", "a1", "a2", "a3"}));
+  memory.erase("a3");
 
   for (auto& [id, bytes] : memory) bytes = 1000;
   const FitChoice flat = ChooseFittingWorkers(job, free, memory, domains);
