@@ -462,16 +462,6 @@ std::string Ago(double t) {
   return fsdp8::FormatDuration(now - t) + " ago";
 }
 
-fsdp8::v1::MeshShape MeshShapeOf(const fsdp8::Mesh& m) {
-  fsdp8::v1::MeshShape out;
-  out.set_replicas(m.replicas);
-  out.set_shard_group_size(m.shard_size);
-  out.set_optimizer_sharding(m.optimizer_over_world ? fsdp8::v1::OPTIMIZER_SHARDING_WORLD
-                                                    : fsdp8::v1::OPTIMIZER_SHARDING_SHARD_GROUP);
-  out.set_optimizer_shards(m.OptimizerShards());
-  return out;
-}
-
 // "2 replicas x 4 ranks per shard group, optimizer state over the shard group (4 shards)", or
 // "flat (1 replica x 8 ranks), ..." for R = 1.
 std::string MeshLine(const fsdp8::Mesh& m) {
@@ -606,22 +596,14 @@ int RunPlan(Context& ctx) {
     }
     // The smallest and largest world sizes of the range that sharding.replicas divides (the
     // coordinator gives a job only those; auto: any).
-    const int r = d->sharding().replicas();
-    const int mn = std::max(1, d->sharding().min_workers());
-    const int mx = std::max(mn, d->sharding().max_workers());
-    for (int n = mn; n <= mx; ++n) {
-      if (r > 0 && n % r != 0) continue;
-      if (worlds.empty()) worlds.push_back(n);
-      else if (worlds.size() == 1 && n > worlds[0]) worlds.push_back(n);
-      else if (n > worlds[0]) worlds[1] = n;
-    }
-    if (worlds.empty()) {
-      fprintf(stderr,
-              "error: invalid job spec: sharding.replicas: must divide a world size in "
-              "[sharding.min_workers, sharding.max_workers] (%d divides none of %d..%d)\n",
-              r, mn, mx);
+    auto range = fsdp8::MeshWorldSizeRange(*d);
+    if (!range.ok()) {
+      fprintf(stderr, "error: invalid job spec: %s\n",
+              std::string(range.status().message()).c_str());
       return 2;
     }
+    worlds.push_back(range->first);
+    if (range->second > range->first) worlds.push_back(range->second);
   }
   // sharding.replicas auto is resolved by the coordinator's placement: planned at --replicas R
   // (default 1), as the coordinator does before a job has started.
@@ -654,7 +636,7 @@ int RunPlan(Context& ctx) {
       google::protobuf::util::JsonPrintOptions jo;
       jo.preserve_proto_field_names = true;
       fsdp8::v1::MemoryPlan out = fsdp8::ToProto(*plan);
-      *out.mutable_mesh() = MeshShapeOf(*mesh);
+      *out.mutable_mesh() = fsdp8::MeshShapeOf(*mesh);
       (void)google::protobuf::util::MessageToJsonString(out, &json, jo);
       printf("%s\n", json.c_str());
       continue;

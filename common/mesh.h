@@ -17,7 +17,10 @@
 // Thread-safety: pure functions and immutable values.
 #pragma once
 
+#include <utility>
+
 #include "absl/status/statusor.h"
+#include "fsdp8/v1/admin.pb.h"
 #include "fsdp8/v1/spec.pb.h"
 
 namespace fsdp8 {
@@ -39,11 +42,29 @@ struct Mesh {
     return optimizer_over_world ? ShardIndex(rank) * replicas + Replica(rank) : ShardIndex(rank);
   }
   bool Flat() const { return replicas == 1; }
+  // The checkpoint file rank `rank` writes (a mesh's checkpoint is a flat one of OptimizerShards()
+  // files), or -1 when it writes none: optimizer_over_world (WORLD), every rank writes file
+  // OptimizerIndex(rank); otherwise (SHARD_GROUP) the ranks of replica 0 write file = shard index
+  // and the other replicas' ranks, which hold copies of those shards, write none.
+  int CheckpointFile(int rank) const;
 };
 
 // The mesh of a spec resolved at world_size (sharding.replicas > 0: auto is resolved by the
 // coordinator before). INVALID_ARGUMENT naming sharding.replicas when it is not >= 1 or does not
 // divide world_size (>= 1).
 absl::StatusOr<Mesh> MeshOf(const v1::JobSpec& resolved, int world_size);
+
+// Whether n ranks can form the spec's mesh: sharding.replicas (R; unset: 1) divides n, or the
+// spec says auto (0), which any n can form. The coordinator gives a job only such world sizes.
+bool MeshAllows(const v1::JobSpec& spec, int n);
+
+// The smallest and largest world sizes in [sharding.min_workers, sharding.max_workers] (min < 1
+// taken as 1, max below min as min) that MeshAllows; equal when only one does. INVALID_ARGUMENT
+// naming sharding.replicas when none does.
+absl::StatusOr<std::pair<int, int>> MeshWorldSizeRange(const v1::JobSpec& spec);
+
+// The mesh as the API reports it (GetShardPlan, fsdp8 plan): R, S, the optimizer sharding and its
+// shard count.
+v1::MeshShape MeshShapeOf(const Mesh& m);
 
 }  // namespace fsdp8

@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "common/checkpoint_format.h"
+#include "common/mesh.h"
 #include "common/spec.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/log.h"

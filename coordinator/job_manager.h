@@ -189,7 +189,7 @@ class JobManager {
   // PENDING or RECOVERING -> STARTING with a new generation on worker_ids (index = rank) as a mesh
   // of `replicas` (Job.replicas: sharding.replicas with auto resolved; 1 for a flat job); returns
   // the job (its generation field is the new one). The generation's event names the mesh when
-  // replicas > 1, and `placement_note` (e.g. shard groups split across hosts) when not empty.
+  // replicas > 1, and `placement_note` (e.g. shard groups split across placement domains) when not empty.
   absl::StatusOr<v1::Job> MarkStarting(const std::string& job_id,
                                        const std::vector<std::string>& worker_ids,
                                        int replicas = 1, const std::string& placement_note = "");

@@ -770,27 +770,22 @@ absl::Status JobRun::CollectSaved(int64_t step, const std::string& dir, const st
   return absl::OkStatus();
 }
 
-int JobRun::RankFileIndex(const Mesh& mesh, int rank) {
-  if (mesh.optimizer_over_world) return mesh.OptimizerIndex(rank);
-  return mesh.Replica(rank) == 0 ? mesh.ShardIndex(rank) : -1;
-}
-
-absl::StatusOr<v1::CheckpointManifest> JobRun::ManifestOf(
-    const v1::JobSpec& spec, int64_t step, int64_t tokens,
-    const std::vector<v1::CheckpointSaved>& saved, const std::string& what) {
+absl::StatusOr<std::vector<v1::CheckpointFile>> MeshCheckpointFiles(
+    const v1::JobSpec& spec, const std::vector<v1::CheckpointSaved>& saved,
+    const std::function<std::string(int)>& rank_name, int* bad_rank) {
+  *bad_rank = -1;
   const int n = static_cast<int>(saved.size());
   absl::StatusOr<Mesh> mesh = MeshOf(spec, n);
-  if (!mesh.ok()) return WithContext(what, mesh.status());
+  if (!mesh.ok()) return mesh.status();
   const int files = mesh->OptimizerShards();
   std::vector<int> writer(files, -1);  // file index -> rank
   auto broken = [&](int r, const std::string& why) {
-    failed_rank_ = r;
-    abort_failed_rank_ = true;
-    return absl::InternalError(absl::StrCat(what, ": ", RankName(r), " ", why));
+    *bad_rank = r;
+    return absl::InternalError(absl::StrCat(rank_name(r), " ", why));
   };
   for (int r = 0; r < n; ++r) {
     if (saved[r].rank() != r) return broken(r, absl::StrCat("reported rank ", saved[r].rank()));
-    const int i = RankFileIndex(*mesh, r);
+    const int i = mesh->CheckpointFile(r);
     if (i < 0 && !saved[r].file().empty())
       return broken(r, absl::StrCat("reported file ", saved[r].file(), " but writes none (replica ",
                                     mesh->Replica(r), " under optimizer_sharding SHARD_GROUP)"));
@@ -798,22 +793,37 @@ absl::StatusOr<v1::CheckpointManifest> JobRun::ManifestOf(
       return broken(r, absl::StrCat("reported no file but writes file ", i, " of ", files));
     if (i >= 0) writer[i] = r;
   }
+  std::vector<v1::CheckpointFile> out(files);
+  for (int i = 0; i < files; ++i) {
+    const v1::CheckpointSaved& from = saved[writer[i]];
+    out[i].set_rank(i);
+    out[i].set_file(from.file());
+    out[i].set_bytes(from.bytes());
+    out[i].set_crc32(from.crc32());
+  }
+  return out;
+}
+
+absl::StatusOr<v1::CheckpointManifest> JobRun::ManifestOf(
+    const v1::JobSpec& spec, int64_t step, int64_t tokens,
+    const std::vector<v1::CheckpointSaved>& saved, const std::string& what) {
+  int bad = -1;
+  auto files = MeshCheckpointFiles(spec, saved, [this](int r) { return RankName(r); }, &bad);
+  if (!files.ok() && bad < 0) return WithContext(what, files.status());
+  if (!files.ok()) {
+    failed_rank_ = bad;
+    abort_failed_rank_ = true;
+    return absl::InternalError(absl::StrCat(what, ": ", files.status().message()));
+  }
   v1::CheckpointManifest manifest;
   manifest.set_format_version(CheckpointStore::kFormatVersion);
   manifest.set_job_id(job_.job_id());
   manifest.set_step(step);
-  manifest.set_world_size(files);
+  manifest.set_world_size(static_cast<int>(files->size()));
   *manifest.mutable_spec() = spec;
   manifest.set_time(NowSeconds());
   manifest.set_tokens(tokens);
-  for (int i = 0; i < files; ++i) {
-    const v1::CheckpointSaved& from = saved[writer[i]];
-    v1::CheckpointFile* f = manifest.add_files();
-    f->set_rank(i);
-    f->set_file(from.file());
-    f->set_bytes(from.bytes());
-    f->set_crc32(from.crc32());
-  }
+  for (v1::CheckpointFile& f : *files) *manifest.add_files() = std::move(f);
   return manifest;
 }
 

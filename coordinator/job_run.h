@@ -85,6 +85,18 @@ namespace fsdp8::coord {
 // out of memory, a bad input file or checkpoint), so that the job fails instead of restarting.
 bool IsDeterministicFailure(absl::StatusCode code);
 
+// The files of a mesh's checkpoint from every rank's CheckpointSaved (saved[r] is rank r's;
+// saved.size() is the world size W): Mesh::OptimizerShards() files in index order, file i as
+// reported by the rank Mesh::CheckpointFile names for it (CheckpointFile.rank = i, its file, bytes
+// and crc32): a flat checkpoint. The mesh is the spec's at W (MeshOf's error when it has none,
+// *bad_rank = -1). INTERNAL "<rank_name(r)> <why>", *bad_rank = r, when rank r reported another
+// rank than its own, reported no file but writes one ("reported no file but writes file i of N"),
+// or reported a file but writes none ("reported file F but writes none (replica p under
+// optimizer_sharding SHARD_GROUP)"). Pure.
+absl::StatusOr<std::vector<v1::CheckpointFile>> MeshCheckpointFiles(
+    const v1::JobSpec& spec, const std::vector<v1::CheckpointSaved>& saved,
+    const std::function<std::string(int)>& rank_name, int* bad_rank);
+
 // A job run's mailbox: worker events plus "look again" pokes (cancel, shutdown).
 // Thread-safety: every method may be called from any thread.
 class Inbox {
@@ -218,18 +230,12 @@ class JobRun {
   absl::Status CollectSaved(int64_t step, const std::string& dir, const std::string& what,
                             std::vector<v1::CheckpointSaved>* saved);
   // The MANIFEST of the ranks' files: a flat checkpoint of Mesh::OptimizerShards() files (its
-  // world_size), file i from the rank RankFileIndex names for it. INTERNAL when a rank reported
-  // another rank than its own, a rank that writes a file reported none, or a rank that writes
-  // none reported one.
-  // Which file of a mesh's checkpoint rank `rank` writes (the design of common/mesh.h):
-  // optimizer_sharding SHARD_GROUP: the ranks of replica 0, file = shard index, others none (-1);
-  // WORLD: every rank, file = Mesh::OptimizerIndex(rank).
+  // world_size), the files of MeshCheckpointFiles. Its INTERNAL refusals, prefixed with `what`,
+  // mark the rank at fault as the failed one (aborted).
   absl::StatusOr<v1::CheckpointManifest> ManifestOf(const v1::JobSpec& spec, int64_t step,
                                                     int64_t tokens,
                                                     const std::vector<v1::CheckpointSaved>& saved,
                                                     const std::string& what);
-
-  static int RankFileIndex(const Mesh& mesh, int rank);
 
   JobManager* jobs_;
   WorkerRegistry* workers_;

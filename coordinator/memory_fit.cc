@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/memory_plan.h"
+#include "common/mesh.h"
 #include "common/spec.h"
 #include "coordinator/placement.h"
 
@@ -82,7 +83,7 @@ std::string FitAdvice(const ResolvedJob& job, int n, const MemoryPlan& plan, int
   std::vector<std::string> ways;
   const int64_t gb = spec.training().global_batch();
   for (int m = n + 1; m <= std::min<int64_t>(gb, 4096); ++m) {
-    if (!BatchAllows(spec, m) || !MeshAllows(spec, m)) continue;
+    if (!AllowsWorldSize(spec, m)) continue;
     v1::JobSpec s = spec;
     s.mutable_sharding()->set_min_workers(m);
     s.mutable_sharding()->set_max_workers(m);
@@ -115,27 +116,8 @@ std::string FitAdvice(const ResolvedJob& job, int n, const MemoryPlan& plan, int
 
 }  // namespace
 
-bool MeshAllows(const v1::JobSpec& spec, int n) {
-  const int r = spec.sharding().has_replicas() ? spec.sharding().replicas() : 1;
-  return r <= 0 || n % r == 0;
-}
-
-absl::StatusOr<std::pair<int, int>> MeshWorldSizeRange(const v1::JobSpec& spec) {
-  const int mn = std::max(1, spec.sharding().min_workers());
-  const int mx = std::max(mn, spec.sharding().max_workers());
-  int lo = 0, hi = 0;
-  for (int n = mn; n <= mx; ++n) {
-    if (!MeshAllows(spec, n)) continue;
-    if (lo == 0) lo = n;
-    hi = n;
-  }
-  if (lo == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sharding.replicas: must divide a world size in [sharding.min_workers, "
-        "sharding.max_workers] (", spec.sharding().replicas(), " divides none of ", mn, "..", mx,
-        ")"));
-  }
-  return std::make_pair(lo, hi);
+bool AllowsWorldSize(const v1::JobSpec& spec, int n) {
+  return BatchAllows(spec, n) && MeshAllows(spec, n);
 }
 
 std::vector<int> AllowedWorldSizes(const v1::JobSpec& spec) {
@@ -143,7 +125,7 @@ std::vector<int> AllowedWorldSizes(const v1::JobSpec& spec) {
   const int mx = std::max(mn, spec.sharding().max_workers());
   std::vector<int> out;
   for (int n = mx; n >= mn; --n) {
-    if (BatchAllows(spec, n) && MeshAllows(spec, n)) out.push_back(n);
+    if (AllowsWorldSize(spec, n)) out.push_back(n);
   }
   return out;
 }
@@ -155,20 +137,15 @@ FitChoice ChooseFittingWorkers(ResolvedJob& job, const std::vector<std::string>&
   const bool automatic = job.SpecReplicas() == 0;
   for (int n : AllowedWorldSizes(job.spec())) {
     if (n > static_cast<int>(free.size())) continue;
-    if (automatic) {
-      // One shard group per domain, fewest domains first (placement.h, PlaceAuto).
-      for (int r = 1; r <= n; ++r) {
-        if (n % r != 0) continue;
-        const Placement p =
-            PlaceOnePerDomain(Holding(PlanAt(job, n, r), free, memory, domains), n, r);
-        if (!p.ranks.empty()) return Chosen(n, p);
-      }
-    }
-    const int r = job.ReplicasFor(1);
-    const std::optional<MemoryPlan> p = PlanAt(job, n, r);
-    const std::vector<PlacementWorker> fit = Holding(p, free, memory, domains);
-    if (static_cast<int>(fit.size()) >= n) return Chosen(n, PlaceMesh(fit, n, r));
-    if (c.why.empty() && p) c.why = WaitingWhy(n, *p, fit.size(), free.size());
+    // The workers that hold the plan of the mesh R x n / R.
+    auto holding = [&](int r) { return Holding(PlanAt(job, n, r), free, memory, domains); };
+    const int r = job.ReplicasFor(1);  // auto: 1
+    const Placement placed = automatic ? PlaceAuto(holding, n) : PlaceMesh(holding(r), n, r);
+    if (!placed.ranks.empty()) return Chosen(n, placed);
+    if (!c.why.empty()) continue;
+    // Waiting: for workers that hold the plan at (n, R), auto's flat R = 1 (its smallest plan).
+    if (const std::optional<MemoryPlan> p = PlanAt(job, n, r))
+      c.why = WaitingWhy(n, *p, holding(r).size(), free.size());
   }
   return c;
 }

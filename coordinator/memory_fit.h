@@ -28,16 +28,15 @@
 
 namespace fsdp8::coord {
 
-// Whether n ranks can form the spec's mesh: sharding.replicas (R; unset 1) divides n, or the spec
-// says auto (0).
-bool MeshAllows(const v1::JobSpec& spec, int n);
-// The smallest and largest world sizes in [sharding.min_workers, sharding.max_workers] that
-// MeshAllows. INVALID_ARGUMENT naming sharding.replicas when there is none.
-absl::StatusOr<std::pair<int, int>> MeshWorldSizeRange(const v1::JobSpec& spec);
+// Whether a spec (defaults applied) may run at n ranks, n in its worker range aside: the global
+// batch splits over n (training.microbatch, when set, per rank) and n can form its mesh
+// (common/mesh.h MeshAllows: a multiple of sharding.replicas). The one rule of
+// AllowedWorldSizes and Scheduler::ChooseWorldSize.
+bool AllowsWorldSize(const v1::JobSpec& spec, int n);
 
-// The world sizes a spec (defaults applied) may run at: sharding.min_workers .. max_workers, those
-// the global batch allows (Scheduler::ChooseWorldSize's rule) and that are multiples of
-// sharding.replicas (MeshAllows), largest first.
+// The world sizes a spec (defaults applied) may run at: sharding.min_workers .. max_workers that
+// AllowsWorldSize, largest first. (The range's multiples of sharding.replicas alone:
+// MeshWorldSizeRange, common/mesh.h.)
 std::vector<int> AllowedWorldSizes(const v1::JobSpec& spec);
 
 struct FitChoice {
@@ -53,7 +52,8 @@ struct FitChoice {
 // for which n of them hold the plan at n each (the plan of the mesh they would form), and those
 // workers in rank order: PlaceMesh for a fixed sharding.replicas; for auto, the smallest R for
 // which R domains each hold n / R workers that hold the plan at (n, R), one shard group per
-// domain, else R = 1 on the first n that hold the plan at (n, 1) (PlaceAuto's rule).
+// domain, else R = 1 on the first n that hold the plan at (n, 1): PlaceAuto (placement.h) given,
+// for each R, the free workers that hold the plan at (n, R).
 FitChoice ChooseFittingWorkers(ResolvedJob& job, const std::vector<std::string>& free,
                                const std::map<std::string, int64_t>& memory,
                                const std::map<std::string, std::string>& domains = {});

@@ -100,13 +100,21 @@ Placement PlaceOnePerDomain(const std::vector<PlacementWorker>& workers, int wor
   return p;
 }
 
-Placement PlaceAuto(const std::vector<PlacementWorker>& workers, int world_size) {
-  if (world_size < 1 || static_cast<int>(workers.size()) < world_size) return {};
+Placement PlaceAuto(const WorkersAt& at, int world_size) {
+  if (world_size < 1) return {};
   for (int r = 1; r <= world_size; ++r) {
-    Placement p = PlaceOnePerDomain(workers, world_size, r);
+    if (world_size % r != 0) continue;
+    Placement p = PlaceOnePerDomain(at(r), world_size, r);
     if (!p.ranks.empty()) return p;
   }
-  return FirstN(workers, world_size);
+  const std::vector<PlacementWorker> flat = at(1);
+  if (static_cast<int>(flat.size()) < world_size) return {};
+  return FirstN(flat, world_size);
+}
+
+Placement PlaceAuto(const std::vector<PlacementWorker>& workers, int world_size) {
+  if (static_cast<int>(workers.size()) < world_size) return {};
+  return PlaceAuto([&workers](int) { return workers; }, world_size);
 }
 
 }  // namespace fsdp8::coord

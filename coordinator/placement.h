@@ -22,11 +22,14 @@
 //   W / D of the workers (the first such domains in first-appearance order) gives R = D with one
 //   shard group per domain (D = 1: the job fits one domain, a flat job there); when no D does,
 //   R = 1 on the first W workers, as a flat job. So auto's R is always the number of domains of
-//   the chosen workers when each holds as many of them, else 1.
+//   the chosen workers when each holds as many of them, else 1. The workers considered may
+//   depend on D (the scheduler's: those that hold the memory plan of the D x W / D mesh, which
+//   grows with D); each D is tried on its own list.
 //
 // Thread-safety: pure functions.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -57,8 +60,17 @@ Placement PlaceMesh(const std::vector<PlacementWorker>& workers, int world_size,
 Placement PlaceOnePerDomain(const std::vector<PlacementWorker>& workers, int world_size,
                             int replicas);
 
-// Resolves sharding.replicas auto at world_size (rules above); ranks empty when fewer than
-// world_size workers are given.
+// The free workers (registration order) that may take part in a mesh of `replicas` x
+// world_size / replicas; called once per replicas tried, replicas = 1 possibly twice.
+using WorkersAt = std::function<std::vector<PlacementWorker>(int replicas)>;
+
+// Resolves sharding.replicas auto at world_size (rules above) on the workers of `at`: each D
+// dividing world_size, smallest first, on at(D); then R = 1 on the first world_size of at(1).
+// ranks empty when none of these places world_size workers. The scheduler's rule
+// (ChooseFittingWorkers, coordinator/memory_fit.h).
+Placement PlaceAuto(const WorkersAt& at, int world_size);
+// The same on one list of workers whatever D is; ranks empty when fewer than world_size workers
+// are given.
 Placement PlaceAuto(const std::vector<PlacementWorker>& workers, int world_size);
 
 }  // namespace fsdp8::coord

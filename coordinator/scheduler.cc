@@ -23,7 +23,8 @@ std::string SplitNote(const FitChoice& fit) {
     std::vector<std::string> ids(fit.workers.begin() + g * s, fit.workers.begin() + (g + 1) * s);
     groups.push_back(absl::StrCat("replica ", g, " (", absl::StrJoin(ids, ", "), ")"));
   }
-  return absl::StrCat("shard groups split across hosts (no host had ", s,
+  return absl::StrCat("shard groups split across placement domains (hosts, or a host's NVLink "
+                      "islands where workers give --placement_domain; no domain had ", s,
                       " free workers left for them): ", absl::StrJoin(groups, "; "));
 }
 
@@ -116,11 +117,8 @@ void Scheduler::ReapFinished() {
 int Scheduler::ChooseWorldSize(const v1::JobSpec& spec, int free) {
   const int mn = std::max(1, spec.sharding().min_workers());
   const int mx = std::max(mn, spec.sharding().max_workers());
-  const int64_t gb = spec.training().global_batch();
   for (int n = std::min(mx, free); n >= mn; --n) {
-    if (!MeshAllows(spec, n)) continue;  // a multiple of sharding.replicas
-    int64_t mb = spec.training().has_microbatch() ? spec.training().microbatch() : gb / n;
-    if (mb >= 1 && gb % (n * mb) == 0) return n;
+    if (AllowsWorldSize(spec, n)) return n;  // the batch splits; a multiple of sharding.replicas
   }
   return 0;
 }

@@ -5,8 +5,8 @@
 // largest n in [min_workers, max_workers] of free workers of its backend for which global_batch is
 // divisible by n * microbatch (microbatch unset: global_batch / n) and n is a multiple of
 // sharding.replicas; the workers become ranks by placement (coordinator/placement.h: each shard
-// group inside one host when the free workers allow it, replicas spread over hosts; auto replicas
-// resolved there). The memory plans it weighs are
+// group inside one placement domain, a host or an NVLink island of one (--placement_domain), when
+// the free workers allow it, replicas spread over the domains; auto replicas resolved there). The memory plans it weighs are
 // the job's own (JobManager::Resolved: made once per job and world size, at submit or at the first
 // pass that needs one), never remade per pass. Jobs that cannot start get the
 // reason "waiting for N workers (F free)".

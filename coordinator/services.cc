@@ -1,7 +1,5 @@
 #include "coordinator/services.h"
 
-#include "common/mesh.h"
-
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -33,16 +31,6 @@ grpc::Status ToGrpc(const absl::Status& s) {
 }
 
 namespace {
-
-v1::MeshShape MeshShapeOf(const Mesh& m) {
-  v1::MeshShape out;
-  out.set_replicas(m.replicas);
-  out.set_shard_group_size(m.shard_size);
-  out.set_optimizer_sharding(m.optimizer_over_world ? v1::OPTIMIZER_SHARDING_WORLD
-                                                    : v1::OPTIMIZER_SHARDING_SHARD_GROUP);
-  out.set_optimizer_shards(m.OptimizerShards());
-  return out;
-}
 
 // Authenticates and authorizes one call; logs refusals (warning) and calls (debug).
 absl::StatusOr<Principal> Authorize(const Authorizer* auth, grpc::ServerContext* ctx,

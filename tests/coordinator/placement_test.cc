@@ -128,5 +128,40 @@ TEST(Placement, AutoIsTheHostsOfTheChosenWorkersWhenEachHoldsAsMany) {
   EXPECT_EQ(p3.ranks, (std::vector<std::string>{"a0", "a1", "b0", "b1", "c0", "c1"}));
 }
 
+// Auto with a list per replica count (the scheduler's: the workers that hold the plan of each
+// mesh, fewer as R grows). Two hosts of 3: R = 1 fits no host (4 > 3); at R = 2 only a1, a2, b1,
+// b2 take part, so the groups are theirs, not the hosts' first workers a0, b0.
+TEST(Placement, AutoTriesEachReplicaCountOnItsOwnWorkers) {
+  const std::vector<PlacementWorker> all = {{"a0", "A"}, {"b0", "B"}, {"a1", "A"},
+                                            {"b1", "B"}, {"a2", "A"}, {"b2", "B"}};
+  const std::vector<PlacementWorker> big = {{"a1", "A"}, {"b1", "B"}, {"a2", "A"}, {"b2", "B"}};
+  std::vector<int> asked;
+  auto at = [&](int r) {
+    asked.push_back(r);
+    return r == 1 ? all : r == 2 ? big : std::vector<PlacementWorker>{};
+  };
+  const Placement two = PlaceAuto(at, 4);
+  EXPECT_EQ(two.replicas, 2);
+  EXPECT_EQ(two.ranks, (std::vector<std::string>{"a1", "a2", "b1", "b2"}));
+  EXPECT_EQ(asked, (std::vector<int>{1, 2}));  // smallest first, stopping at the first that fits
+  // Nobody holds a 2 x 2 mesh's plan: no R places groups per host; R = 1 on the first 4 of the
+  // R = 1 list (interleaved, so spanning both hosts), after every divisor of 4 was tried.
+  asked.clear();
+  auto flat_only = [&](int r) {
+    asked.push_back(r);
+    return r == 1 ? all : std::vector<PlacementWorker>{};
+  };
+  const Placement flat = PlaceAuto(flat_only, 4);
+  EXPECT_EQ(flat.replicas, 1);
+  EXPECT_EQ(flat.ranks, (std::vector<std::string>{"a0", "b0", "a1", "b1"}));
+  EXPECT_EQ(asked, (std::vector<int>{1, 2, 4, 1}));
+  // Fewer than 4 hold even the flat plan: nothing placed.
+  const Placement none = PlaceAuto(
+      [&](int r) { return r == 1 ? std::vector<PlacementWorker>(all.begin(), all.begin() + 3)
+                                 : std::vector<PlacementWorker>{}; },
+      4);
+  EXPECT_TRUE(none.ranks.empty());
+}
+
 }  // namespace
 }  // namespace fsdp8::coord

@@ -22,6 +22,9 @@
 #include "common/spec.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/job_manager.h"
+#include "coordinator/job_run.h"
+#include "coordinator/placement.h"
+#include "coordinator/resolved_job.h"
 #include "coordinator/kv_server.h"
 #include "coordinator/memory_fit.h"
 #include "coordinator/scheduler.h"
@@ -1708,7 +1711,8 @@ TEST_F(SchedulerTest, AnUnavoidableSplitRunsAndIsAnnounced) {
   bool announced = false;
   for (const std::string& m : Messages(jobs_.get(), job->job_id()))
     announced |= absl::StrContains(m, "as 3 replicas x 2 ranks") &&
-                 absl::StrContains(m, "shard groups split across hosts") &&
+                 absl::StrContains(m, "shard groups split across placement domains") &&
+                 absl::StrContains(m, "no domain had 2 free workers") &&
                  absl::StrContains(m, "replica 2 (");
   EXPECT_TRUE(announced) << absl::StrJoin(Messages(jobs_.get(), job->job_id()), "\n");
 }
@@ -1750,6 +1754,57 @@ TEST_F(SchedulerTest, AutoReplicasAreTheHostsOfTheJobsWorkers) {
   for (const auto& [n, r] : seen->plans) EXPECT_GE(r, 1) << "planned auto at " << n;
 }
 
+// The scheduler's auto rule is PlaceAuto on, for each R, the free workers that hold the plan of
+// the R x n / R mesh. The planner here needs 1000 bytes per replica (R = 1: 1000, 2: 2000, 4:
+// 4000): on hosts A (a0, a1, a2) and B (b0, b1, b2) no host holds 4 ranks (R = 1 per host fails),
+// and a0, b0 (1000 bytes) cannot join a 2 x 2 mesh, so its groups are (a1, a2) and (b1, b2), not
+// the hosts' first workers; with a fourth worker on A, A holds the whole flat job (R = 1 is tried
+// first). With every worker at 1000 bytes only the flat R = 1 fits: the first 4 in registration
+// order. With one such worker nothing fits and the reason counts the workers that
+// hold the flat plan.
+TEST_F(SchedulerTest, AutoReplicasPlaceEachMeshOnTheWorkersThatHoldItsPlan) {
+  ResolvedJob job(HybridSpec(train_, 4, 4, 0), [](const v1::JobSpec& resolved, int n) {
+    MemoryPlan p;
+    p.backend = "cpu";
+    p.world_size = n;
+    p.device_bytes = 1000 * int64_t{resolved.sharding().replicas()};
+    return absl::StatusOr<MemoryPlan>(p);
+  });
+  const std::vector<std::string> free = {"a0", "b0", "a1", "b1", "a2", "b2"};
+  std::map<std::string, std::string> domains;
+  for (const std::string& id : free) domains[id] = id.substr(0, 1);  // hosts "a" and "b"
+  std::map<std::string, int64_t> memory = {{"a0", 1000}, {"b0", 1000}, {"a1", 2000},
+                                           {"b1", 2000}, {"a2", 2000}, {"b2", 2000}};
+  const FitChoice two = ChooseFittingWorkers(job, free, memory, domains);
+  EXPECT_EQ(two.world_size, 4);
+  EXPECT_EQ(two.replicas, 2);
+  EXPECT_EQ(two.workers, (std::vector<std::string>{"a1", "a2", "b1", "b2"}));
+  EXPECT_TRUE(two.split_groups.empty());
+
+  // A fourth worker on A, a3: host A holds the flat mesh, and the fewest domains win (R = 1).
+  std::vector<std::string> with_a3 = free;
+  with_a3.push_back("a3");
+  domains["a3"] = "a";
+  memory["a3"] = 2000;
+  const FitChoice one = ChooseFittingWorkers(job, with_a3, memory, domains);
+  EXPECT_EQ(one.replicas, 1);
+  EXPECT_EQ(one.workers, (std::vector<std::string>{"a0", "a1", "a2", "a3"}));
+  memory.erase("a3");
+
+  for (auto& [id, bytes] : memory) bytes = 1000;
+  const FitChoice flat = ChooseFittingWorkers(job, free, memory, domains);
+  EXPECT_EQ(flat.world_size, 4);
+  EXPECT_EQ(flat.replicas, 1);
+  EXPECT_EQ(flat.workers, (std::vector<std::string>{"a0", "b0", "a1", "b1"}));
+
+  for (auto& [id, bytes] : memory) bytes = id == "b2" ? 1000 : 500;
+  const FitChoice none = ChooseFittingWorkers(job, free, memory, domains);
+  EXPECT_EQ(none.world_size, 0);
+  EXPECT_TRUE(none.workers.empty());
+  EXPECT_TRUE(absl::StrContains(none.why, "waiting for 4 workers with")) << none.why;
+  EXPECT_TRUE(absl::StrContains(none.why, "1 of 6 free workers have it")) << none.why;
+}
+
 // A world size that R does not divide is never chosen: 6 free workers, a batch that allows 6,
 // R = 4: the job runs on 4. Specs whose range holds no multiple of R are refused naming
 // sharding.replicas; a range holding one is accepted.
@@ -1787,6 +1842,84 @@ TEST_F(SchedulerTest, WorldSizesAreMultiplesOfTheReplicas) {
     EXPECT_EQ(four.state(), v1::JOB_STATE_SUCCEEDED) << four.reason();
     EXPECT_EQ(four.world_size(), 4);
   }
+}
+
+// The MANIFEST's files of an R = 2 x S = 2 mesh from hand-written CheckpointSaved lists (file
+// names carry the file index each rank must write, bytes 1000 + rank): SHARD_GROUP, ranks 0 and 1
+// write files 0 and 1 and replica 1 none; WORLD, ranks 0, 1, 2, 3 write files 0, 2, 1, 3, listed
+// in index order. A rank that writes a file and reports none, or one that writes none and
+// reports one, is refused by name.
+std::vector<v1::CheckpointSaved> SavedList(const std::vector<std::string>& files) {
+  std::vector<v1::CheckpointSaved> out;
+  for (int r = 0; r < static_cast<int>(files.size()); ++r) {
+    v1::CheckpointSaved s;
+    s.set_rank(r);
+    s.set_file(files[r]);
+    if (!files[r].empty()) {
+      s.set_bytes(1000 + r);
+      s.set_crc32(7000 + r);
+    }
+    out.push_back(s);
+  }
+  return out;
+}
+
+TEST(MeshCheckpointFiles, ListsEachFileOnceInIndexOrderAndRefusesWrongLists) {
+  auto name = [](int r) { return absl::StrCat("rank ", r, " (worker w", r, ")"); };
+  v1::JobSpec spec;
+  spec.mutable_sharding()->set_replicas(2);
+  int bad = -2;
+
+  auto group = MeshCheckpointFiles(spec, SavedList({"f0", "f1", "", ""}), name, &bad);
+  ASSERT_TRUE(group.ok()) << group.status();
+  EXPECT_EQ(bad, -1);
+  ASSERT_EQ(group->size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ((*group)[i].rank(), i);
+    EXPECT_EQ((*group)[i].file(), absl::StrCat("f", i));
+    EXPECT_EQ((*group)[i].bytes(), 1000 + i);
+    EXPECT_EQ((*group)[i].crc32(), 7000u + i);
+  }
+  auto missing = MeshCheckpointFiles(spec, SavedList({"f0", "", "", ""}), name, &bad);
+  ASSERT_EQ(missing.status().code(), absl::StatusCode::kInternal) << missing.status();
+  EXPECT_EQ(missing.status().message(), "rank 1 (worker w1) reported no file but writes file 1 of 2");
+  EXPECT_EQ(bad, 1);
+  auto extra = MeshCheckpointFiles(spec, SavedList({"f0", "f1", "", "x"}), name, &bad);
+  ASSERT_EQ(extra.status().code(), absl::StatusCode::kInternal) << extra.status();
+  EXPECT_EQ(extra.status().message(),
+            "rank 3 (worker w3) reported file x but writes none (replica 1 under "
+            "optimizer_sharding SHARD_GROUP)");
+  EXPECT_EQ(bad, 3);
+
+  spec.mutable_sharding()->set_optimizer_sharding(v1::OPTIMIZER_SHARDING_WORLD);
+  auto world = MeshCheckpointFiles(spec, SavedList({"f0", "f2", "f1", "f3"}), name, &bad);
+  ASSERT_TRUE(world.ok()) << world.status();
+  EXPECT_EQ(bad, -1);
+  ASSERT_EQ(world->size(), 4u);
+  const int writer[4] = {0, 2, 1, 3};  // file index -> rank
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ((*world)[i].rank(), i);
+    EXPECT_EQ((*world)[i].file(), absl::StrCat("f", i));
+    EXPECT_EQ((*world)[i].bytes(), 1000 + writer[i]);
+    EXPECT_EQ((*world)[i].crc32(), 7000u + writer[i]);
+  }
+  auto world_missing = MeshCheckpointFiles(spec, SavedList({"f0", "f2", "", "f3"}), name, &bad);
+  ASSERT_EQ(world_missing.status().code(), absl::StatusCode::kInternal) << world_missing.status();
+  EXPECT_EQ(world_missing.status().message(),
+            "rank 2 (worker w2) reported no file but writes file 1 of 4");
+  EXPECT_EQ(bad, 2);
+  // Under WORLD every rank writes one, so an extra file is a rank reporting another's.
+  std::vector<v1::CheckpointSaved> swapped = SavedList({"f0", "f2", "f1", "f3"});
+  swapped[3].set_rank(1);
+  auto world_extra = MeshCheckpointFiles(spec, swapped, name, &bad);
+  ASSERT_EQ(world_extra.status().code(), absl::StatusCode::kInternal) << world_extra.status();
+  EXPECT_EQ(world_extra.status().message(), "rank 3 (worker w3) reported rank 1");
+  EXPECT_EQ(bad, 3);
+
+  // A list whose length the spec's replicas do not divide: no mesh, no rank at fault.
+  auto odd = MeshCheckpointFiles(spec, SavedList({"f0", "f1", "f2"}), name, &bad);
+  EXPECT_EQ(odd.status().code(), absl::StatusCode::kInvalidArgument) << odd.status();
+  EXPECT_EQ(bad, -1);
 }
 
 // A checkpoint of an R = 2 x S = 2 job is a flat one: SHARD_GROUP: 2 files from replica 0's
