@@ -2,7 +2,8 @@
 // torchtitan's dp_replicate x dp_shard and Megatron-FSDP's outer/inner data-parallel groups).
 //
 // Rank r is shard index r % S of replica r / S: a shard group is S consecutive ranks (the
-// coordinator places a group inside one host), a replica group is the R ranks of one shard index.
+// coordinator places a group inside one placement domain: a host, or an NVLink island of one), a
+// replica group is the R ranks of one shard index.
 // Parameters and gradients are sharded over the shard group (the shard plan is made at S ranks)
 // and replicated across replicas; the gradients are reduce-scattered within the group, then summed
 // across the replica group. The optimizer state (FP32 master weights and AdamW moments) is either

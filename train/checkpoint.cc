@@ -352,8 +352,9 @@ absl::Status ReadRankFile(const LoadTarget& t, int rank, ReplicatedState* state)
 
 CheckpointRole CheckpointRoleOf(const Mesh& mesh, int rank) {
   CheckpointRole r;
-  r.writes = mesh.optimizer_over_world || mesh.Replica(rank) == 0;
-  r.file_index = mesh.OptimizerIndex(rank);
+  const int file = mesh.CheckpointFile(rank);  // the one rule (common/mesh.h)
+  r.writes = file >= 0;
+  r.file_index = mesh.OptimizerIndex(rank);  // = file where the rank writes
   r.files = mesh.OptimizerShards();
   return r;
 }
