@@ -17,7 +17,8 @@ const std::map<std::string, bool>& CliFlags() {
       {"tensorboard", true},
       {"page-size", true},   {"page-token", true},  {"max-shard-size", true}, {"tokenizer", true},
       {"seq-len", true},     {"world-size", true},
-      {"no-save", false},    {"state-dir", true},  {"threads", true}};
+      {"no-save", false},    {"state-dir", true},  {"threads", true},
+      {"predict", false},    {"calibration", true}, {"replicas", true}};
   return *flags;
 }
 

@@ -3,6 +3,7 @@
 
 #include <time.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 
@@ -35,6 +36,14 @@ inline Timing TimeIt(const std::function<void()>& fn, double min_seconds = 0.3) 
     elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   } while (elapsed < min_seconds || reps < 3);
   return {elapsed / reps, (ProcessCpuSeconds() - cpu_start) / reps};
+}
+
+// The best (lowest) mean wall-clock seconds per call of `rounds` TimeIt rounds: on a shared
+// machine the round least disturbed by other processes (calibration files, bench/calibrate.sh).
+inline double BestWall(const std::function<void()>& fn, int rounds = 3, double min_seconds = 0.2) {
+  double best = TimeIt(fn, min_seconds).wall;
+  for (int r = 1; r < rounds; ++r) best = std::min(best, TimeIt(fn, min_seconds).wall);
+  return best;
 }
 
 }  // namespace fsdp8::bench
