@@ -14,7 +14,9 @@
 #
 # Usage: bench/calibrate.sh [OUT]   Environment: BACKEND (cpu | cuda), BIN (the binaries' folder,
 # default build/bin), MAX_RANKS (CPU collectives up to this many ranks, default 4), DEVICE (CUDA
-# device, default 0). Run on an otherwise idle machine: every figure is the best of 3 rounds.
+# device, default 0). Run on an otherwise idle machine: every figure is the best of 3 rounds; the
+# CPU's compute figures are per CPU second of the (single-threaded) benchmark, so that a shared
+# host's other processes do not slow them (the model predicts the step on cores of the ranks' own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 backend=${BACKEND:-cpu}
@@ -55,7 +57,8 @@ if backend == "cpu":
         "backend": "cpu",
         "device": f"{cpu_model()}, {cores} CPUs",
         "source": f"bench/calibrate.sh on {day}: fsdp8-bench-cpu-gemm --json, fsdp8-bench-cpu-ops "
-                  "--json, fsdp8-bench-cpu-step --collectives shm (best of 3 rounds, wall clock)",
+                  "--json (best of 3 rounds, per CPU second of the benchmark), fsdp8-bench-cpu-step "
+                  "--collectives shm (best of 3 rounds, wall clock)",
         "cores": cores,
         "ranks_per_host": 0,
         "intra_link": "shm",

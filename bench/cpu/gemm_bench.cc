@@ -12,7 +12,8 @@
 // Usage: fsdp8-bench-cpu-gemm [--threads N] [--json]   (BLAS threads, default 1)
 //   --json: instead of the table, one JSON list of GEMM shape classes for a calibration file
 //   (common/cost_model.h): the backend's GemmFp8 ("fp8"), its Gemm with bf16 inputs ("bf16") and
-//   with f32 inputs ("fp32"), TFLOP/s per wall-clock second, the best of 3 rounds, on the default
+//   with f32 inputs ("fp32"), TFLOP/s per second of the lower of wall-clock and process-CPU time, the best of 3 rounds
+//   (bench_util.h BestSeconds), on the default
 //   model's forward, input-gradient and weight-gradient shapes (fused q|k|v and gate|up
 //   included, the head's) and a 1024^3 square.
 #include <cblas.h>
@@ -80,13 +81,13 @@ int PrintCalibrationJson(fsdp8::Backend* be) {
     be->CopyToDevice(BF, bf.data(), bf.size() * 4);
     be->CopyToDevice(S, &one, 4);
     const double flops = 2.0 * s.M * s.N * s.K;
-    const double t8 = fsdp8::bench::BestWall([&] {
+    const double t8 = fsdp8::bench::BestSeconds([&] {
       be->GemmFp8(false, true, s.M, s.N, s.K, {A8, fsdp8::Fp8Format::kE4M3, S},
                   {B8, fsdp8::Fp8Format::kE4M3, S}, C, false);
     });
-    const double t16 = fsdp8::bench::BestWall(
+    const double t16 = fsdp8::bench::BestSeconds(
         [&] { be->Gemm(false, true, s.M, s.N, s.K, AF, BF, C, false, fsdp8::GemmInputs::kBF16); });
-    const double t32 = fsdp8::bench::BestWall(
+    const double t32 = fsdp8::bench::BestSeconds(
         [&] { be->Gemm(false, true, s.M, s.N, s.K, AF, BF, C, false, fsdp8::GemmInputs::kF32); });
     for (auto [name, t] : {std::pair{"fp8", t8}, std::pair{"bf16", t16}, std::pair{"fp32", t32}}) {
       std::printf("%s\n {\"precision\": \"%s\", \"m\": %lld, \"n\": %lld, \"k\": %lld, \"tflops\": %.6g}",

@@ -7,7 +7,8 @@
 //
 // Usage: fsdp8-bench-cpu-ops [--threads N] [--json]   (OpenBLAS threads, default 1)
 //   --json: instead of the table, the non-GEMM rates of a calibration file (common/cost_model.h)
-//   as one JSON object, each from the best of 3 rounds of wall-clock time: "memory_gbps", the
+//   as one JSON object, each from the best of 3 rounds (bench_util.h BestSeconds: the lower of
+//   wall-clock and process-CPU time): "memory_gbps", the
 //   bytes of the memory-bound passes (counted as common/cost_model.cc counts them: RMSNorm
 //   forward 8 and backward 12 bytes per element, FP8 cast 5, cast + transpose 6, RoPE 8,
 //   SwiGLU forward 12 and backward 20 per (N, F) element, cross-entropy 8 per logit, embedding
@@ -169,7 +170,7 @@ int main(int argc, char** argv) {
   };
 
   if (json) {
-    using fsdp8::bench::BestWall;
+    using fsdp8::bench::BestSeconds;
     const double nc = static_cast<double>(kN * kC), nf = static_cast<double>(kN * kF);
     const std::pair<double, std::function<void()>> passes[] = {
         {8 * nc, [&] { be->RmsNormForward(x, wn, 1e-5f, kN, kC, xn, rstd); }},
@@ -185,14 +186,14 @@ int main(int argc, char** argv) {
     double bytes = 0, seconds = 0;
     for (const auto& [b, fn] : passes) {
       bytes += b;
-      seconds += BestWall(fn);
+      seconds += BestSeconds(fn);
     }
     const double att_flops = 2.0 * kB * kH * kT * kT * kD;
-    const double af = BestWall([&] { be->AttentionForward(q, k, v, kB, kT, kH, kH, kD, att, lse); });
-    const double ab = BestWall([&] {
+    const double af = BestSeconds([&] { be->AttentionForward(q, k, v, kB, kT, kH, kH, kD, att, lse); });
+    const double ab = BestSeconds([&] {
       be->AttentionBackward(q, k, v, att, dNC, lse, kB, kT, kH, kH, kD, dq, dk, dv);
     });
-    const double adamw = BestWall([&] {
+    const double adamw = BestSeconds([&] {
       be->AdamW(p, pg, pm, pv, shard, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 10, 1.0f, nullptr, nullptr);
     });
     std::printf("{\"memory_gbps\": %.6g, \"attention\": {\"forward_tflops\": %.6g, "

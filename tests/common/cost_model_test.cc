@@ -228,5 +228,26 @@ TEST(CostModel, CalibrationFileRules) {
   EXPECT_NE(p.status().message().find("backend"), std::string::npos);
 }
 
+// The calibration files shipped in data/calibration parse, and the CUDA file's collectives are
+// the published NCCL bus bandwidths its comments cite (NVLink 4: 370 GB/s all-gather and
+// reduce-scatter; 400 Gb/s InfiniBand: 46 GB/s).
+TEST(CostModel, ShippedCalibrationFilesParse) {
+  auto cpu = LoadCalibration(std::string(FSDP8_SOURCE_DIR) + "/data/calibration/cpu.json");
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_EQ(cpu->backend, "cpu");
+  EXPECT_GT(cpu->cores, 0);
+  auto cuda = LoadCalibration(std::string(FSDP8_SOURCE_DIR) + "/data/calibration/cuda-h100.json");
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  EXPECT_EQ(cuda->backend, "cuda");
+  EXPECT_EQ(cuda->intra_link, "nvlink4");
+  EXPECT_EQ(cuda->inter_link, "ib400");
+  // 1 GiB all-gathered on 8 ranks: 15 us + 2^30 * 7/8 / 370e9 s; across hosts 46 us + ... / 46e9.
+  const double gib = 1 << 30;
+  EXPECT_NEAR(CollectiveSeconds(*cuda, "nvlink4", CollectiveOp::kAllGather, 8, gib),
+              15e-6 + gib * 7 / 8 / 370e9, 1e-12);
+  EXPECT_NEAR(CollectiveSeconds(*cuda, "ib400", CollectiveOp::kReduceScatter, 2, gib),
+              46e-6 + gib / 2 / 46e9, 1e-12);
+}
+
 }  // namespace
 }  // namespace fsdp8
