@@ -9,11 +9,17 @@
 # step would take were the cores the ranks' own (a figure other processes on a shared host do not
 # inflate; it leaves out waits, so on an idle host it is a lower bound of the wall time).
 #
-# The job: data/default-job.yaml with eval_every 0 and STEPS steps; global_batch 16 where the
-# rank count divides it (1, 2, 4 ranks), else 8 sequences per rank (3 ranks: 24).
+# The job: SPEC (default data/default-job.yaml) with eval_every 0, STEPS steps and
+# sharding.min/max_workers = the rank count; its global batch where the rank count (times the
+# microbatch) divides it, else its sequences per rank at max_workers times the rank count (the
+# default job on 3 ranks: 24). DATA_DIR in the spec is replaced by DATA (default data/fortunes;
+# for a spec reading DATA_DIR/tokens.bin without DATA: random tokens of its vocabulary, from
+# bench/gpu/benchtool.py).
 #
 # Usage: bench/predict-vs-run.sh   Environment: RANKS (default "1 2 3"), STEPS (60), WARMUP (10),
-# CALIBRATION (an existing calibration file instead of a fresh one), BIN (default build/bin).
+# SPEC, DATA, BACKEND (cpu, or cuda: the spec's backend set to cuda, one worker per GPU
+# 0..RANKS-1, calibration by BACKEND=cuda bench/calibrate.sh), CALIBRATION (an existing
+# calibration file instead of a fresh one), BIN (default build/bin).
 # Needs build/bin: fsdp8, fsdp8-coordinator, fsdp8-worker, fsdp8-bench-cpu-gemm,
 # fsdp8-bench-cpu-ops, fsdp8-bench-cpu-step; the fortunes corpus in data/fortunes (prepared here
 # when missing). The ranks share the host's cores; on a machine shared with other work the
@@ -21,12 +27,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ranks_list=${RANKS:-1 2 3}
+backend=${BACKEND:-cpu}
+spec=${SPEC:-data/default-job.yaml}
 steps=${STEPS:-60}
 warmup=${WARMUP:-10}
 bin=$(cd "${BIN:-build/bin}" && pwd)
 [ "$steps" -gt "$warmup" ] || { echo "STEPS must exceed WARMUP ($warmup)" >&2; exit 2; }
-[ -f data/fortunes/train.bin ] || scripts/prepare-fortunes.sh "$bin/fsdp8" "$PWD/data/fortunes"
 tmp=$(mktemp -d)
+if [ -n "${DATA:-}" ]; then
+  data=$(cd "$DATA" && pwd)
+elif grep -q 'DATA_DIR/tokens.bin' "$spec"; then
+  data=$tmp/data; mkdir -p "$data"
+  python3 bench/gpu/benchtool.py tokens "$data/tokens.bin" \
+    "$(python3 -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['model']['vocab_size'])" "$spec")"
+else
+  data=$PWD/data/fortunes
+  [ -f data/fortunes/train.bin ] || scripts/prepare-fortunes.sh "$bin/fsdp8" "$data"
+fi
 pids=()
 stop_daemons() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; pids=(); }
 trap 'stop_daemons; rm -rf "$tmp"' EXIT
@@ -35,7 +52,7 @@ if [ -n "${CALIBRATION:-}" ]; then
   cal=$CALIBRATION
 else
   cal=$tmp/cpu.json
-  BIN=$bin bench/calibrate.sh "$cal" > /dev/null
+  BACKEND=$backend BIN=$bin bench/calibrate.sh "$cal" > /dev/null
 fi
 echo "calibration: $cal ($(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['source'])" "$cal"))"
 
@@ -45,14 +62,16 @@ echo "calibration: $cal ($(python3 -c "import json,sys; print(json.load(open(sys
 measure() {
   local job=$1 n=$2 port addr out id wpids=()
   port=$((20000 + RANDOM % 20000)); addr=127.0.0.1:$port
-  "$bin/fsdp8-coordinator" --listen "$addr" --state_db "$tmp/db-$n" --data_roots "$PWD/data" \
+  "$bin/fsdp8-coordinator" --listen "$addr" --state_db "$tmp/db-$n" --data_roots "$data" \
     > "$tmp/coord-$n.log" 2>&1 & pids+=($!)
   for i in $(seq "$n"); do
-    "$bin/fsdp8-worker" --coordinator "$addr" --threads 1 --name "pvr-$i" > "$tmp/w$n-$i.log" 2>&1 &
+    dev=(--threads 1)
+    [ "$backend" = cuda ] && dev=(--backend cuda --device $((i - 1)))
+    "$bin/fsdp8-worker" --coordinator "$addr" "${dev[@]}" --name "pvr-$i" > "$tmp/w$n-$i.log" 2>&1 &
     pids+=($!); wpids+=($!)
   done
   for _ in $(seq 150); do
-    [ "$("$bin/fsdp8" --coordinator "$addr" workers 2>/dev/null | grep -c ' cpu ')" -ge "$n" ] && break
+    [ "$("$bin/fsdp8" --coordinator "$addr" workers 2>/dev/null | grep -c " $backend ")" -ge "$n" ] && break
     sleep 0.2
   done
   out=$("$bin/fsdp8" --coordinator "$addr" submit --no-watch "$job") || { echo "submit failed: $out" >&2; exit 1; }
@@ -89,13 +108,23 @@ PY
 
 printf '%-6s %-6s %-10s %-10s %-8s %-10s %-8s %s\n' ranks batch pred-ms wall-ms ratio cpu-ms ratio load-before
 for n in $ranks_list; do
-  gb=16
-  [ $((16 % n)) -eq 0 ] || gb=$((8 * n))
   job=$tmp/job-$n.yaml
-  sed -e "s|DATA_DIR|$PWD/data/fortunes|" -e "s|steps: 600|steps: $steps|" \
-      -e "s|global_batch: 16|global_batch: $gb|" -e "s|eval_every: 100|eval_every: 0|" \
-      -e "s|min_workers: 2|min_workers: $n|" -e "s|max_workers: 2|max_workers: $n|" \
-      data/default-job.yaml > "$job"
+  gb=$(python3 - "$spec" "$job" "$n" "$steps" "$data" "$backend" <<'PY'
+import sys, yaml
+src, out, n, steps, data, backend = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+s = yaml.safe_load(open(src).read().replace("DATA_DIR", data))
+t, sh = s.setdefault("training", {}), s.setdefault("sharding", {})
+gb, mb = t.get("global_batch", 16), t.get("microbatch", 1)
+if gb % (n * mb):
+    gb = gb // max(1, sh.get("max_workers", 1)) * n
+t.update(global_batch=gb, steps=steps, eval_every=0)
+sh.update(min_workers=n, max_workers=n)
+if backend == "cuda":
+    s["backend"] = "cuda"
+yaml.safe_dump(s, open(out, "w"), sort_keys=False)
+print(gb)
+PY
+)
   pred=$("$bin/fsdp8" plan "$job" --predict --world-size "$n" --calibration "$cal" --json |
          python3 -c "import json,sys; print(json.load(sys.stdin)['step_ms'])")
   load=$(cut -d' ' -f1 /proc/loadavg)
