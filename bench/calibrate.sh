@@ -14,7 +14,7 @@
 #
 # Usage: bench/calibrate.sh [OUT]   Environment: BACKEND (cpu | cuda), BIN (the binaries' folder,
 # default build/bin), MAX_RANKS (CPU collectives up to this many ranks, default 4), DEVICE (CUDA
-# device, default 0). Run on an otherwise idle machine: every figure is the best of 3 rounds; the
+# device, default 0), LOG (BACKEND=cuda: keep fsdp8-bench-cuda's output there). Run on an otherwise idle machine: every figure is the best of 3 rounds; the
 # CPU's compute figures are per CPU second of the (single-threaded) benchmark, so that a shared
 # host's other processes do not slow them (the model predicts the step on cores of the ranks' own).
 set -euo pipefail
@@ -36,7 +36,9 @@ case "$backend" in
     ;;
   cuda)
     out=${1:-data/calibration/cuda-h100.json}
-    "$bin/fsdp8-bench-cuda" --device "${DEVICE:-0}" --calibration "$tmp/cuda.json" > "$tmp/cuda.log"
+    "$bin/fsdp8-bench-cuda" --device "${DEVICE:-0}" --calibration "$tmp/cuda.json" > "$tmp/cuda.log" ||
+      { tail -20 "$tmp/cuda.log" >&2; exit 1; }
+    [ -z "${LOG:-}" ] || cp "$tmp/cuda.log" "$LOG"
     ;;
   *) echo "BACKEND must be cpu or cuda" >&2; exit 2 ;;
 esac
