@@ -29,7 +29,8 @@
 //                   within one host (ranks_per_host) take the calibration's intra-host link,
 //                   groups spanning hosts and replica groups the inter-host link.
 // CPU ranks share the host's cores: compute and optimizer times are multiplied by
-// max(1, ranks on the host / cores) (the calibration measured one rank on one core).
+// max(1, ranks on the host / cores) (the calibration measured one single-threaded op on a core,
+// per CPU second: the model predicts the step on cores the ranks have to themselves).
 //
 // Overlap (Schedule): one compute stream, one collective channel per link (intra: all-gathers and
 // reduce-scatters in issue order; inter: the replica reductions). FSDP's prefetch of one unit:
@@ -92,8 +93,10 @@ struct Calibration {
   std::vector<CollectiveCurve> collectives;
 };
 
-// Parses a calibration file's JSON text (docs: /work/notes/docs-cost-model.md; fields as above,
-// "collectives": [{"link", "op", "ranks", "latency_us", "points": [[bytes, GB/s], ...]}]).
+// Parses a calibration file's JSON text (bench/calibrate.sh writes them): the fields above by
+// name, "attention": {"forward_tflops", "backward_tflops"}, "gemm": [{"precision", "m", "n",
+// "k", "tflops"}], "collectives": [{"link", "op", "ranks", "latency_us", "points": [[bytes,
+// GB/s], ...]}]; "cores", "ranks_per_host", "collectives" and "inter_link" optional.
 // INVALID_ARGUMENT naming `origin` and the field for malformed JSON, a missing or non-positive
 // rate, an unknown precision or op, points not ascending.
 absl::StatusOr<Calibration> ParseCalibration(const std::string& json, const std::string& origin);
