@@ -18,7 +18,8 @@ const std::map<std::string, bool>& CliFlags() {
       {"page-size", true},   {"page-token", true},  {"max-shard-size", true}, {"tokenizer", true},
       {"seq-len", true},     {"world-size", true},
       {"replicas", true},
-      {"no-save", false},    {"state-dir", true},  {"threads", true}};
+      {"no-save", false},    {"state-dir", true},  {"threads", true},
+      {"predict", false},    {"calibration", true}};
   return *flags;
 }
 

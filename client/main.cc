@@ -30,6 +30,7 @@
 #include "absl/strings/str_split.h"
 #include "client/cli_args.h"
 #include "client/client.h"
+#include "client/plan_predict.h"
 #include "client/local_run.h"
 #include "client/plot.h"
 #include "client/prepare.h"
@@ -100,6 +101,9 @@ constexpr char kUsage[] =
     "  plan SPEC_FILE [--world-size N] [--json]          each rank's predicted peak device memory, broken\n"
     "                                                    down, and the mesh (default: at sharding.min/max_workers;\n"
     "                                                    --replicas R: the R of a replicas auto spec)\n"
+    "  plan SPEC_FILE --predict [--world-size N] [--replicas R] [--calibration FILE] [--json]\n"
+    "                                                    the predicted step time and its compute /\n"
+    "                                                    exposed communication / optimizer split\n"
     "\n"
     "--coordinator defaults to $FSDP8_COORDINATOR, else localhost:50051.\n"
     "security: --tls-ca FILE (verify the coordinator; TLS), --tls-cert FILE --tls-key FILE (mutual\n"
@@ -612,6 +616,12 @@ int RunPlan(Context& ctx) {
       (!absl::SimpleAtoi(a.flags["replicas"], &auto_replicas) || auto_replicas < 1)) {
     return Usage(absl::StrCat("--replicas: must be a positive integer (got \"", a.flags["replicas"],
                               "\")"));
+  }
+  if (a.flags.count("predict")) {  // the cost model's step time instead of the memory plan
+    return fsdp8::PrintStepPrediction(a.positional[0], *spec, worlds,
+                                      {a.flags.count("replicas") ? a.flags["replicas"] : "",
+                                       a.flags.count("calibration") ? a.flags["calibration"] : "",
+                                       a.flags.count("json") > 0});
   }
   for (int n : worlds) {
     fsdp8::v1::JobSpec at = *spec;

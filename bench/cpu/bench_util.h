@@ -3,6 +3,7 @@
 
 #include <time.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 
@@ -35,6 +36,21 @@ inline Timing TimeIt(const std::function<void()>& fn, double min_seconds = 0.3) 
     elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   } while (elapsed < min_seconds || reps < 3);
   return {elapsed / reps, (ProcessCpuSeconds() - cpu_start) / reps};
+}
+
+// Seconds per call for a calibration file (bench/calibrate.sh): the lowest of `rounds` TimeIt
+// rounds, each round's the lower of its wall-clock and process-CPU mean. A single-threaded op on
+// an idle core takes its CPU time in wall time; on a shared machine the wall time also counts
+// waiting for a core, which the CPU time leaves out (an op running threads of its own spends
+// more CPU than wall time: the wall time is taken then).
+inline double BestSeconds(const std::function<void()>& fn, int rounds = 3, double min_seconds = 0.2) {
+  double best = 0;
+  for (int r = 0; r < rounds; ++r) {
+    const Timing t = TimeIt(fn, min_seconds);
+    const double s = std::min(t.wall, t.cpu);
+    best = r == 0 ? s : std::min(best, s);
+  }
+  return best;
 }
 
 }  // namespace fsdp8::bench

@@ -9,7 +9,13 @@
 //
 // Also prints the instruction set oneDNN's kernels use on this CPU.
 //
-// Usage: fsdp8-bench-cpu-gemm [--threads N]   (BLAS threads, default 1)
+// Usage: fsdp8-bench-cpu-gemm [--threads N] [--json]   (BLAS threads, default 1)
+//   --json: instead of the table, one JSON list of GEMM shape classes for a calibration file
+//   (common/cost_model.h): the backend's GemmFp8 ("fp8"), its Gemm with bf16 inputs ("bf16") and
+//   with f32 inputs ("fp32"), TFLOP/s per second of the lower of wall-clock and process-CPU time, the best of 3 rounds
+//   (bench_util.h BestSeconds), on the default
+//   model's forward, input-gradient and weight-gradient shapes (fused q|k|v and gate|up
+//   included, the head's) and a 1024^3 square.
 #include <cblas.h>
 #include <oneapi/dnnl/dnnl.h>
 
@@ -35,15 +41,80 @@ const char* IsaName(dnnl_cpu_isa_t isa) {
     default: return "other";
   }
 }
+// --json: the calibration's GEMM classes (see the file comment).
+int PrintCalibrationJson(fsdp8::Backend* be) {
+  struct Shape {
+    int64_t M, N, K;
+  };
+  // (M, N, K) of Y = X W^T (N tokens, out, in), dX (N, in, out) and dW (out, in, N) of the
+  // default model's GEMMs at 2048 tokens: q|k|v (128 -> 384), o (128 -> 128), gate|up
+  // (128 -> 768), down (384 -> 128), the head (128 -> 256); and a square.
+  std::vector<Shape> shapes;
+  for (auto [in, out] : {std::pair<int64_t, int64_t>{128, 384}, {128, 128}, {128, 768}, {384, 128},
+                         {128, 256}}) {
+    shapes.push_back({2048, out, in});
+    shapes.push_back({2048, in, out});
+    shapes.push_back({out, in, 2048});
+  }
+  shapes.push_back({1024, 1024, 1024});
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> val(-1.0f, 1.0f);
+  std::printf("[");
+  bool first = true;
+  for (const Shape& s : shapes) {
+    std::vector<uint8_t> a8(s.M * s.K), b8(s.N * s.K);
+    for (auto& c : a8) c = static_cast<uint8_t>((rng() % 0x38) | (rng() & 0x80));
+    for (auto& c : b8) c = static_cast<uint8_t>((rng() % 0x38) | (rng() & 0x80));
+    std::vector<float> af(s.M * s.K), bf(s.N * s.K);
+    for (auto& x : af) x = val(rng);
+    for (auto& x : bf) x = val(rng);
+    const float one = 1.0f;
+    auto* A8 = static_cast<uint8_t*>(be->Alloc(a8.size()));
+    auto* B8 = static_cast<uint8_t*>(be->Alloc(b8.size()));
+    auto* AF = static_cast<float*>(be->Alloc(af.size() * 4));
+    auto* BF = static_cast<float*>(be->Alloc(bf.size() * 4));
+    auto* C = static_cast<float*>(be->Alloc(s.M * s.N * 4));
+    auto* S = static_cast<float*>(be->Alloc(4));
+    be->CopyToDevice(A8, a8.data(), a8.size());
+    be->CopyToDevice(B8, b8.data(), b8.size());
+    be->CopyToDevice(AF, af.data(), af.size() * 4);
+    be->CopyToDevice(BF, bf.data(), bf.size() * 4);
+    be->CopyToDevice(S, &one, 4);
+    const double flops = 2.0 * s.M * s.N * s.K;
+    const double t8 = fsdp8::bench::BestSeconds([&] {
+      be->GemmFp8(false, true, s.M, s.N, s.K, {A8, fsdp8::Fp8Format::kE4M3, S},
+                  {B8, fsdp8::Fp8Format::kE4M3, S}, C, false);
+    });
+    const double t16 = fsdp8::bench::BestSeconds(
+        [&] { be->Gemm(false, true, s.M, s.N, s.K, AF, BF, C, false, fsdp8::GemmInputs::kBF16); });
+    const double t32 = fsdp8::bench::BestSeconds(
+        [&] { be->Gemm(false, true, s.M, s.N, s.K, AF, BF, C, false, fsdp8::GemmInputs::kF32); });
+    for (auto [name, t] : {std::pair{"fp8", t8}, std::pair{"bf16", t16}, std::pair{"fp32", t32}}) {
+      std::printf("%s\n {\"precision\": \"%s\", \"m\": %lld, \"n\": %lld, \"k\": %lld, \"tflops\": %.6g}",
+                  first ? "" : ",", name, static_cast<long long>(s.M), static_cast<long long>(s.N),
+                  static_cast<long long>(s.K), flops / t / 1e12);
+      first = false;
+    }
+    for (void* p : {static_cast<void*>(A8), static_cast<void*>(B8), static_cast<void*>(AF),
+                    static_cast<void*>(BF), static_cast<void*>(C), static_cast<void*>(S)})
+      be->Free(p);
+  }
+  std::printf("\n]\n");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int threads = 1;
+  bool json = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
       threads = std::atoi(argv[++i]);
+    } else if (std::strcmp(argv[i], "--json") == 0) {
+      json = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--threads N]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--threads N] [--json]\n", argv[0]);
       return 2;
     }
   }
@@ -59,6 +130,7 @@ int main(int argc, char** argv) {
   };
   const Shape shapes[] = {{2048, 128, 128}, {2048, 384, 128}, {2048, 128, 384},
                           {384, 128, 2048}, {128, 384, 2048}, {1024, 1024, 1024}};
+  if (json) return PrintCalibrationJson(be.get());
   std::printf("BLAS threads: %d; oneDNN ISA: %s\n", threads, IsaName(dnnl_get_effective_cpu_isa()));
   std::printf("GFLOP/s = 2*M*N*K / time, as wall-clock / process-CPU time\n");
   std::printf("%6s %6s %6s  %16s  %16s  %16s\n", "M", "N", "K", "fp8-emul (cpu)",

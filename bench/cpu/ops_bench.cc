@@ -5,12 +5,23 @@
 // linears, in the order and number a trainer would. Inputs are random: this measures time, not
 // math.
 //
-// Usage: fsdp8-bench-cpu-ops [--threads N]   (OpenBLAS threads, default 1)
+// Usage: fsdp8-bench-cpu-ops [--threads N] [--json]   (OpenBLAS threads, default 1)
+//   --json: instead of the table, the non-GEMM rates of a calibration file (common/cost_model.h)
+//   as one JSON object, each from the best of 3 rounds (bench_util.h BestSeconds: the lower of
+//   wall-clock and process-CPU time): "memory_gbps", the
+//   bytes of the memory-bound passes (counted as common/cost_model.cc counts them: RMSNorm
+//   forward 8 and backward 12 bytes per element, FP8 cast 5, cast + transpose 6, RoPE 8,
+//   SwiGLU forward 12 and backward 20 per (N, F) element, cross-entropy 8 per logit, embedding
+//   backward 8) over their summed time; "attention" forward and backward TFLOP/s (FLOPs
+//   2 B H T^2 D forward, 2.5 x that backward, as bench/cuda/bench_cuda.cu counts them);
+//   "optimizer_gbps", AdamW's 28 bytes per f32 element (p, g, m, v read; p, m, v written).
 #include <cblas.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <utility>
 #include <random>
 #include <string>
 #include <vector>
@@ -78,11 +89,14 @@ void Report(const char* name, const fsdp8::bench::Timing& t) {
 
 int main(int argc, char** argv) {
   int threads = 1;
+  bool json = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
       threads = std::atoi(argv[++i]);
+    } else if (std::strcmp(argv[i], "--json") == 0) {
+      json = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--threads N]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--threads N] [--json]\n", argv[0]);
       return 2;
     }
   }
@@ -155,6 +169,39 @@ int main(int argc, char** argv) {
                 false);  // dW (Nout, Kin)
   };
 
+  if (json) {
+    using fsdp8::bench::BestSeconds;
+    const double nc = static_cast<double>(kN * kC), nf = static_cast<double>(kN * kF);
+    const std::pair<double, std::function<void()>> passes[] = {
+        {8 * nc, [&] { be->RmsNormForward(x, wn, 1e-5f, kN, kC, xn, rstd); }},
+        {12 * nc, [&] { be->RmsNormBackward(dNC, x, wn, rstd, kN, kC, dNC2, dwn); }},
+        {5 * nc, [&] { be->CastFp8(x, 1, kN * kC, scale, e4, x8, nullptr, amax); }},
+        {6 * nf, [&] { be->CastFp8(g, kN, kF, scale, e5, dy8, dy8t, amax); }},
+        {8 * nc, [&] { be->RopeForward(q, kB, kT, kH, kD, kTheta); }},
+        {12 * nf, [&] { be->SwigluForward(g, u, 1, kN * kF, 0, h); }},
+        {20 * nf, [&] { be->SwigluBackward(h, g, u, 1, kN * kF, 0, dNF, dNF2); }},
+        {8.0 * kN * kV, [&] { be->CrossEntropyForwardBackward(logits, tokens, kN, kV, 1.0f / kN, losses); }},
+        {8 * nc, [&] { be->EmbeddingBackward(tokens, kN, dNC, kC, demb); }},
+    };
+    double bytes = 0, seconds = 0;
+    for (const auto& [b, fn] : passes) {
+      bytes += b;
+      seconds += BestSeconds(fn);
+    }
+    const double att_flops = 2.0 * kB * kH * kT * kT * kD;
+    const double af = BestSeconds([&] { be->AttentionForward(q, k, v, kB, kT, kH, kH, kD, att, lse); });
+    const double ab = BestSeconds([&] {
+      be->AttentionBackward(q, k, v, att, dNC, lse, kB, kT, kH, kH, kD, dq, dk, dv);
+    });
+    const double adamw = BestSeconds([&] {
+      be->AdamW(p, pg, pm, pv, shard, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 10, 1.0f, nullptr, nullptr);
+    });
+    std::printf("{\"memory_gbps\": %.6g, \"attention\": {\"forward_tflops\": %.6g, "
+                "\"backward_tflops\": %.6g}, \"optimizer_gbps\": %.6g}\n",
+                bytes / seconds / 1e9, att_flops / af / 1e12, 2.5 * att_flops / ab / 1e12,
+                28.0 * shard / adamw / 1e9);
+    return 0;
+  }
   std::printf("CPU backend, default model shapes (N = %lld tokens), OpenBLAS threads %d\n",
               static_cast<long long>(kN), threads);
   std::printf("  %-44s %9s %9s\n", "op", "wall ms", "cpu ms");

@@ -9,6 +9,14 @@
 //
 // Usage: fsdp8-bench-cpu-step --spec JOB.yaml --data DIR [--steps N] [--warmup N] [--world N]
 //                             [--backend cpu|cpu-ref] [--threads N]
+//        fsdp8-bench-cpu-step --collectives LINK [--world N]
+//   --collectives: instead of steps, times the collectives the step issues (all-gather,
+//   reduce-scatter, all-reduce; through the same communicator, helper thread included) on
+//   --world rank threads at message sizes from 8 B to 4 MiB, the best of 3 rounds, and prints one
+//   JSON list of curves for a calibration file (common/cost_model.h): per op, points
+//   [bytes, bus GB/s] with bus GB/s = bytes * f / seconds (f = (n-1)/n, all-reduce 2(n-1)/n,
+//   nccl-tests' convention; the latency folded in), tagged with LINK ("shm", or "gloo" with
+//   FSDP8_CPU_TRANSPORT=gloo).
 //   JOB.yaml: a job spec (e.g. data/default-job.yaml; "DATA_DIR" in it is replaced by --data).
 //   --threads: OpenBLAS threads of the process (default 1).
 // On a shared machine, the tokens per rank-thread CPU second (the timed steps' tokens over the
@@ -66,7 +74,7 @@ class MemKv : public fsdp8::KvStore {
 };
 
 struct Args {
-  std::string spec, data, backend = "cpu";
+  std::string spec, data, backend = "cpu", collectives;
   int steps = 10, warmup = 2, world = 1, threads = 1;
 };
 
@@ -80,8 +88,10 @@ bool ParseArgs(int argc, char** argv, Args* a) {
     else if (k == "--warmup") a->warmup = std::atoi(v.c_str());
     else if (k == "--world") a->world = std::atoi(v.c_str());
     else if (k == "--threads") a->threads = std::atoi(v.c_str());
+    else if (k == "--collectives") a->collectives = v;
     else return false;
   }
+  if (!a->collectives.empty()) return argc % 2 == 1 && a->world > 1;
   return argc % 2 == 1 && !a->spec.empty() && a->steps > 0 && a->world > 0;
 }
 
@@ -149,6 +159,89 @@ void RunRank(const fsdp8::v1::JobSpec& spec, const Args& a, int rank, fsdp8::KvS
   out->process_cpu_seconds = fsdp8::bench::ProcessCpuSeconds() - process_cpu_start;
 }
 
+// --collectives: message sizes (the full buffer, bytes) and the best seconds per op and size.
+constexpr int64_t kSizes[] = {8, 256, 4096, 65536, 262144, 1 << 20, 4 << 20};
+constexpr int kOps = 3;  // all-gather, reduce-scatter, all-reduce
+
+// The all-gather's and reduce-scatter's bytes per rank for a full buffer of about `bytes`
+// (whole floats); the full buffer is then this times the world.
+int64_t PerRankBytes(int64_t bytes, int world) { return std::max<int64_t>(4, bytes / world / 4 * 4); }
+
+// Rank `rank`'s part of the collectives' timing; rank 0 writes (*best)[op][size index].
+void RunCollectiveRank(const Args& a, int rank, fsdp8::KvStore* kv,
+                       std::vector<std::vector<double>>* best, std::string* error) {
+  auto comm = fsdp8::CreateCpuCommunicator(rank, a.world, kv, "bench-comm/", "127.0.0.1",
+                                           std::chrono::seconds(60), std::chrono::seconds(60),
+                                           fsdp8::CpuCommOptions::FromEnvironment());
+  if (!comm.ok()) {
+    *error = comm.status().ToString();
+    return;
+  }
+  fsdp8::Communicator* c = comm->get();
+  const int64_t max_bytes = kSizes[std::size(kSizes) - 1];
+  std::vector<float> send(max_bytes / 4 + a.world), recv(max_bytes / 4 + a.world);
+  for (size_t i = 0; i < send.size(); ++i) send[i] = 1e-3f * static_cast<float>(i % 97);
+  for (int round = 0; round < 3; ++round) {
+    for (int op = 0; op < kOps; ++op) {
+      for (size_t si = 0; si < std::size(kSizes); ++si) {
+        const int64_t bytes = kSizes[si];
+        // Per rank: the all-gather sends bytes / world; the reduce-scatter keeps count floats of
+        // the full buffer's bytes / 4; the all-reduce reduces all of it.
+        const int64_t per_rank = PerRankBytes(bytes, a.world);
+        const int reps = static_cast<int>(std::clamp<int64_t>((int64_t{16} << 20) / bytes, 4, 300));
+        absl::Status s = c->Barrier();
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int r = 0; r < reps && s.ok(); ++r) {
+          if (op == 0) s = c->AllGather(send.data(), recv.data(), per_rank);
+          if (op == 1) s = c->ReduceScatterSum(send.data(), recv.data(), per_rank / 4);
+          if (op == 2) s = c->AllReduce(send.data(), std::max<int64_t>(1, bytes / 4), fsdp8::ReduceOp::kSum);
+        }
+        if (s.ok()) s = c->Barrier();
+        if (!s.ok()) {
+          *error = s.ToString();
+          return;
+        }
+        const double sec =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
+        if (rank == 0) (*best)[op][si] = std::min((*best)[op][si], sec);
+      }
+    }
+  }
+}
+
+int RunCollectives(const Args& a) {
+  MemKv kv;
+  std::vector<std::vector<double>> best(kOps, std::vector<double>(std::size(kSizes), 1e30));
+  std::vector<std::string> errors(a.world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < a.world; ++r) {
+    threads.emplace_back([&, r] { RunCollectiveRank(a, r, &kv, &best, &errors[r]); });
+  }
+  for (auto& t : threads) t.join();
+  for (const std::string& e : errors) {
+    if (!e.empty()) {
+      std::fprintf(stderr, "error: %s\n", e.c_str());
+      return 1;
+    }
+  }
+  const char* names[kOps] = {"all_gather", "reduce_scatter", "all_reduce"};
+  const double n = a.world;
+  std::printf("[");
+  for (int op = 0; op < kOps; ++op) {
+    const double f = op == 2 ? 2 * (n - 1) / n : (n - 1) / n;
+    std::printf("%s\n {\"link\": \"%s\", \"op\": \"%s\", \"ranks\": %d, \"latency_us\": 0, \"points\": [",
+                op ? "," : "", a.collectives.c_str(), names[op], a.world);
+    for (size_t si = 0; si < std::size(kSizes); ++si) {
+      const double bytes = op == 2 ? static_cast<double>(std::max<int64_t>(1, kSizes[si] / 4) * 4)
+                                   : static_cast<double>(PerRankBytes(kSizes[si], a.world) * a.world);
+      std::printf("%s[%.0f, %.6g]", si ? ", " : "", bytes, bytes * f / best[op][si] / 1e9);
+    }
+    std::printf("]}");
+  }
+  std::printf("\n]\n");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -156,10 +249,11 @@ int main(int argc, char** argv) {
   if (!ParseArgs(argc, argv, &a)) {
     std::fprintf(stderr,
                  "usage: %s --spec JOB.yaml --data DIR [--steps N] [--warmup N] [--world N] "
-                 "[--backend cpu|cpu-ref] [--threads N]\n",
-                 argv[0]);
+                 "[--backend cpu|cpu-ref] [--threads N]\n       %s --collectives LINK [--world N >= 2]\n",
+                 argv[0], argv[0]);
     return 2;
   }
+  if (!a.collectives.empty()) return RunCollectives(a);
   openblas_set_num_threads(a.threads);
   std::ifstream in(a.spec);
   std::stringstream text;

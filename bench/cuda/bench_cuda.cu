@@ -20,9 +20,17 @@
 //      (output type, fast accumulation and residual accumulation as the worker runs them): the
 //      first candidate, which the backend takes, against the fastest.
 //
+//  (k) with --calibration FILE: the backend's Gemm with bf16-rounded and f32 inputs on the
+//      shapes of (a), and AdamW (f32 moments, 64 M elements, 28 bytes per element); then FILE
+//      gets the calibration of common/cost_model.h as JSON: GEMM classes of (a) (fp8, backend
+//      path) and (k) (bf16, fp32), attention forward and deterministic backward from (c),
+//      "memory_gbps" the bytes over the time of (b)'s and (f)'s passes, "optimizer_gbps" from (k).
+//      bench/calibrate.sh (BACKEND=cuda) adds the published NCCL bus bandwidths and the links.
+//
 // Timing: cudaEvents around each call on the backend's stream, 5 warm-up calls, median of 21,
 // inputs rotated between two sets. Usage: fsdp8-bench-cuda [--device N] [--quick] [--only LETTERS]
-// (--only f: section (f) only; d and e run inside c).
+// [--calibration FILE] (--only f: section (f) only; d and e run inside c; --calibration needs
+// sections a, b, c and f: run it without --only).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -64,6 +72,22 @@ namespace {
   } while (0)
 
 int g_warm = 5, g_iters = 21;
+
+// What --calibration writes (section (k)).
+struct CalibrationFigures {
+  std::string gemm;  // JSON objects of the GEMM classes, comma-separated
+  double pass_bytes = 0, pass_ms = 0;
+  double attention_fwd_tflops = 0, attention_bwd_tflops = 0;
+  double optimizer_gbps = 0;
+  void AddGemm(const char* precision, int64_t m, int64_t n, int64_t k, double tflops) {
+    char b[256];
+    std::snprintf(b, sizeof(b), "%s\n    {\"precision\": \"%s\", \"m\": %lld, \"n\": %lld, \"k\": %lld, \"tflops\": %.6g}",
+                  gemm.empty() ? "" : ",", precision, static_cast<long long>(m), static_cast<long long>(n),
+                  static_cast<long long>(k), tflops);
+    gemm += b;
+  }
+};
+CalibrationFigures g_cal;
 
 // Median milliseconds of fn(i) on `stream`.
 double MedianMs(cudaStream_t stream, const std::function<void(int)>& fn) {
@@ -249,6 +273,71 @@ struct BareProblem {
   cublasLtMatmulPreference_t pref = nullptr;
 };
 
+// Section (k) and the calibration file (see the file comment). false (with a message) when a
+// figure the file needs was not measured or the file cannot be written.
+bool WriteCalibration(fsdp8::Backend* be, cudaStream_t st, const char* device_name,
+                      const std::string& path) {
+  const int64_t M = 16384, d = 2048, f = 5632;
+  const int64_t shapes[][3] = {{M, d, d}, {M, d, d}, {d, d, M}, {M, f, d}, {M, d, f},
+                               {f, d, M}, {M, d, f}, {M, f, d}, {d, f, M}};
+  const size_t big = static_cast<size_t>(M) * f;
+  float* A = static_cast<float*>(be->Alloc(big * sizeof(float)));
+  float* B = static_cast<float*>(be->Alloc(big * sizeof(float)));
+  float* C = static_cast<float*>(be->Alloc(big * sizeof(float)));
+  FillFloats<<<1024, 256, 0, st>>>(A, big, 21u);
+  FillFloats<<<1024, 256, 0, st>>>(B, big, 22u);
+  std::printf("\n(k) Gemm with bf16-rounded / f32 inputs, TFLOP/s; AdamW\n");
+  for (const auto& sh : shapes) {
+    const double flop = 2.0 * sh[0] * sh[1] * sh[2];
+    double t[2];
+    for (int v = 0; v < 2; ++v) {
+      const fsdp8::GemmInputs in = v == 0 ? fsdp8::GemmInputs::kBF16 : fsdp8::GemmInputs::kF32;
+      const double ms = MedianMs(st, [&](int) { be->Gemm(false, true, sh[0], sh[1], sh[2], A, B, C, false, in); });
+      t[v] = flop / ms / 1e9;
+      g_cal.AddGemm(v == 0 ? "bf16" : "fp32", sh[0], sh[1], sh[2], t[v]);
+    }
+    std::printf("  M %6lld N %5lld K %6lld  bf16 %7.1f  f32 %7.1f\n", static_cast<long long>(sh[0]),
+                static_cast<long long>(sh[1]), static_cast<long long>(sh[2]), t[0], t[1]);
+  }
+  be->Free(A);
+  be->Free(B);
+  be->Free(C);
+  const int64_t n = int64_t{64} << 20;
+  float* p = static_cast<float*>(be->Alloc(n * 4));
+  float* g = static_cast<float*>(be->Alloc(n * 4));
+  float* m = static_cast<float*>(be->Alloc(n * 4));
+  float* v = static_cast<float*>(be->Alloc(n * 4));
+  FillFloats<<<1024, 256, 0, st>>>(p, n, 31u);
+  FillFloats<<<1024, 256, 0, st>>>(g, n, 32u);
+  CK(cudaMemsetAsync(m, 0, n * 4, st));
+  CK(cudaMemsetAsync(v, 0, n * 4, st));
+  const double ms = MedianMs(st, [&](int i) {
+    be->AdamW(p, g, m, v, n, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 10 + i, 1.0f, nullptr, nullptr);
+  });
+  g_cal.optimizer_gbps = 28.0 * n / ms / 1e6;
+  std::printf("  AdamW %lld elements: %.3f ms, %.0f GB/s (28 bytes per element)\n",
+              static_cast<long long>(n), ms, g_cal.optimizer_gbps);
+  for (void* x : {static_cast<void*>(p), static_cast<void*>(g), static_cast<void*>(m), static_cast<void*>(v)}) be->Free(x);
+  if (g_cal.gemm.empty() || g_cal.pass_ms <= 0 || g_cal.attention_fwd_tflops <= 0 ||
+      g_cal.attention_bwd_tflops <= 0) {
+    std::fprintf(stderr, "--calibration: sections a, b, c (cuDNN attention) and f must run\n");
+    return false;
+  }
+  FILE* out = std::fopen(path.c_str(), "w");
+  if (out == nullptr) {
+    std::fprintf(stderr, "--calibration: cannot write %s\n", path.c_str());
+    return false;
+  }
+  std::fprintf(out,
+               "{\"backend\": \"cuda\", \"device\": \"%s\",\n \"memory_gbps\": %.6g, \"optimizer_gbps\": %.6g,\n"
+               " \"attention\": {\"forward_tflops\": %.6g, \"backward_tflops\": %.6g},\n \"gemm\": [%s\n ]}\n",
+               device_name, g_cal.pass_bytes / g_cal.pass_ms / 1e6, g_cal.optimizer_gbps,
+               g_cal.attention_fwd_tflops, g_cal.attention_bwd_tflops, g_cal.gemm.c_str());
+  std::fclose(out);
+  std::printf("calibration written to %s\n", path.c_str());
+  return true;
+}
+
 // Bare cuBLASLt: the heuristic's best algorithm with default preferences.
 double BareLt(cudaStream_t stream, const GemmShape& s, uint8_t* const A[2], uint8_t* const B[2],
               void* C, const float* sa, const float* sb, void* ws, size_t ws_bytes,
@@ -305,7 +394,9 @@ int main(int argc, char** argv) {
   int device = 0;
   bool quick = false;
   std::string only;  // section letters to run (all when empty)
+  std::string calibration;  // --calibration FILE
   for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--calibration") && i + 1 < argc) calibration = argv[++i];
     if (!std::strcmp(argv[i], "--device") && i + 1 < argc) device = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
@@ -370,6 +461,7 @@ int main(int argc, char** argv) {
       char ratio[32];
       std::snprintf(ratio, sizeof(ratio), "%.1f%%", t_lt > 0 ? 100.0 * t_be / t_lt : 0.0);
       g_rows.push_back({"gemm", s.name, Fmt(t_be, "TF/s"), Fmt(t_lt, "TF/s"), ratio});
+      g_cal.AddGemm("fp8", s.M, s.N, s.K, t_be);
     }
     // Bare cuBLASLt: bf16 / f32 output, with and without fast accumulation, and the shapes of
     // q/k/v and gate/up fused into one GEMM (N or K = 3d, 2f).
@@ -432,6 +524,8 @@ int main(int argc, char** argv) {
         });
         const double bytes = static_cast<double>(n) * (4 + 1 + both);
         const double gbs = bytes / ms / 1e6;
+        g_cal.pass_bytes += bytes;
+        g_cal.pass_ms += ms;
         char name[64], ratio[32];
         std::snprintf(name, sizeof(name), "%lldx%lld %s", static_cast<long long>(M), static_cast<long long>(cols),
                       both ? "out+out_t" : "out_t");
@@ -484,6 +578,7 @@ int main(int argc, char** argv) {
       std::printf("  cuDNN forward unavailable: %s\n", aerr.c_str());
     }
     const double tf_f = ms_f > 0 ? fwd_flop / ms_f / 1e9 : 0;
+    g_cal.attention_fwd_tflops = tf_f;
     if (ms_f > 0) {
       std::printf("  forward                    %7.3f ms %7.1f TFLOP/s\n", ms_f, tf_f);
       g_rows.push_back({"attention", "cudnn bf16 fwd", Fmt(tf_f, "TF/s"), "-", "-"});
@@ -502,6 +597,7 @@ int main(int argc, char** argv) {
         }
       });
       const double tf_b = bwd_flop / ms_b / 1e9;
+      if (det == 1) g_cal.attention_bwd_tflops = tf_b;  // training's default backward
       const double tf_fb = (fwd_flop + bwd_flop) / (ms_f + ms_b) / 1e9;
       std::printf("  backward %-17s %7.3f ms %7.1f TFLOP/s   fwd+bwd %7.1f TFLOP/s (%s 350 target)  workspace %zu MiB\n",
                   label, ms_b, tf_b, tf_fb, tf_fb >= 350 ? "meets" : "below", att.workspace_bytes() >> 20);
@@ -736,6 +832,8 @@ int main(int argc, char** argv) {
     std::printf("\n(f) memory-bound passes of a 1b block, backward then forward (us, GB/s of bytes read + written)\n");
     auto row = [&](const char* name, double bytes, const std::function<void(int)>& fn) {
       const double ms = MedianMs(st, fn);
+      g_cal.pass_bytes += bytes;
+      g_cal.pass_ms += ms;
       std::printf("  %-44s %8.1f us %8.1f GB/s\n", name, 1e3 * ms, bytes / ms / 1e6);
       g_rows.push_back({"backward", name, Fmt(1e3 * ms, "us"), Fmt(bytes / ms / 1e6, "GB/s"), "-"});
     };
@@ -780,6 +878,10 @@ int main(int argc, char** argv) {
     row("RopeForwardBf16 (q, forward)", 4 * mc,
         [&](int) { be->RopeForward(pa, B, T, H, D, 10000.0f, H * D); });
     for (void* p : bufs) be->Free(p);
+  }
+
+  if (!calibration.empty()) {
+    if (!WriteCalibration(be.get(), st, prop.name, calibration)) return 1;
   }
 
   std::printf("\n%-10s %-26s %-14s %-18s %s\n", "section", "case", "fsdp8", "reference", "ratio");

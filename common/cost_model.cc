@@ -1,0 +1,474 @@
+#include "common/cost_model.h"
+
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "common/memory_plan.h"
+#include "common/model_dims.h"
+
+namespace fsdp8 {
+
+const char* CollectiveOpName(CollectiveOp op) {
+  switch (op) {
+    case CollectiveOp::kAllGather: return "all_gather";
+    case CollectiveOp::kReduceScatter: return "reduce_scatter";
+    case CollectiveOp::kAllReduce: return "all_reduce";
+  }
+  return "?";
+}
+
+namespace {
+
+using google::protobuf::Struct;
+using google::protobuf::Value;
+
+absl::Status Bad(const std::string& origin, const std::string& field, const std::string& rule) {
+  return absl::InvalidArgumentError(absl::StrCat(origin, ": ", field, ": ", rule));
+}
+
+const Value* Field(const Struct& s, const std::string& name) {
+  auto it = s.fields().find(name);
+  return it == s.fields().end() ? nullptr : &it->second;
+}
+
+// A number field > 0 (required) or >= 0 (optional, default 0).
+absl::StatusOr<double> Number(const Struct& s, const std::string& name, const std::string& path,
+                              const std::string& origin, bool required) {
+  const Value* v = Field(s, name);
+  if (v == nullptr) {
+    if (required) return Bad(origin, path + name, "missing (a number > 0)");
+    return 0.0;
+  }
+  if (v->kind_case() != Value::kNumberValue || !std::isfinite(v->number_value()) ||
+      v->number_value() < 0 || (required && v->number_value() == 0)) {
+    return Bad(origin, path + name, required ? "must be a number > 0" : "must be a number >= 0");
+  }
+  return v->number_value();
+}
+
+std::string Text(const Struct& s, const std::string& name) {
+  const Value* v = Field(s, name);
+  return v != nullptr && v->kind_case() == Value::kStringValue ? v->string_value() : "";
+}
+
+absl::StatusOr<CollectiveOp> OpOf(const std::string& name, const std::string& path,
+                                  const std::string& origin) {
+  for (CollectiveOp op :
+       {CollectiveOp::kAllGather, CollectiveOp::kReduceScatter, CollectiveOp::kAllReduce}) {
+    if (name == CollectiveOpName(op)) return op;
+  }
+  return Bad(origin, path, "must be all_gather, reduce_scatter or all_reduce");
+}
+
+absl::StatusOr<CollectiveCurve> ParseCurve(const Struct& s, const std::string& path,
+                                           const std::string& origin) {
+  CollectiveCurve cc;
+  cc.link = Text(s, "link");
+  if (cc.link.empty()) return Bad(origin, path + "link", "missing (a link name)");
+  absl::StatusOr<CollectiveOp> op = OpOf(Text(s, "op"), path + "op", origin);
+  if (!op.ok()) return op.status();
+  cc.op = *op;
+  absl::StatusOr<double> ranks = Number(s, "ranks", path, origin, false);
+  if (!ranks.ok()) return ranks.status();
+  cc.ranks = static_cast<int>(*ranks);
+  absl::StatusOr<double> lat = Number(s, "latency_us", path, origin, false);
+  if (!lat.ok()) return lat.status();
+  cc.latency_s = *lat * 1e-6;
+  const Value* pts = Field(s, "points");
+  if (pts == nullptr || pts->kind_case() != Value::kListValue || pts->list_value().values().empty()) {
+    return Bad(origin, path + "points", "missing (a list of [bytes, GB/s] pairs)");
+  }
+  for (const Value& p : pts->list_value().values()) {
+    const std::string at = absl::StrCat(path, "points[", cc.busbw.size(), "]");
+    if (p.kind_case() != Value::kListValue || p.list_value().values_size() != 2) {
+      return Bad(origin, at, "must be a pair [bytes, GB/s]");
+    }
+    const double bytes = p.list_value().values(0).number_value();
+    const double gbps = p.list_value().values(1).number_value();
+    if (!(bytes > 0) || !(gbps > 0) || !std::isfinite(bytes) || !std::isfinite(gbps)) {
+      return Bad(origin, at, "bytes and GB/s must be > 0");
+    }
+    if (!cc.busbw.empty() && bytes <= cc.busbw.back().first) {
+      return Bad(origin, at, "points must ascend in bytes");
+    }
+    cc.busbw.emplace_back(bytes, gbps);
+  }
+  return cc;
+}
+
+// The sum of |log(a / b)| over the three dimensions: the distance between shape classes.
+double ShapeDistance(const GemmClass& g, int64_t m, int64_t n, int64_t k) {
+  auto d = [](double a, double b) { return std::fabs(std::log(std::max(a, 1.0) / std::max(b, 1.0))); };
+  return d(static_cast<double>(g.m), static_cast<double>(m)) +
+         d(static_cast<double>(g.n), static_cast<double>(n)) +
+         d(static_cast<double>(g.k), static_cast<double>(k));
+}
+
+// busbw at `bytes` interpolated in log(bytes) between the curve's points, clamped at the ends.
+double BusBandwidthGbps(const CollectiveCurve& cc, double bytes) {
+  const auto& p = cc.busbw;
+  if (bytes <= p.front().first) return p.front().second;
+  if (bytes >= p.back().first) return p.back().second;
+  for (size_t i = 1; i < p.size(); ++i) {
+    if (bytes <= p[i].first) {
+      const double f = std::log(bytes / p[i - 1].first) / std::log(p[i].first / p[i - 1].first);
+      return p[i - 1].second + f * (p[i].second - p[i - 1].second);
+    }
+  }
+  return p.back().second;
+}
+
+double BusFactor(CollectiveOp op, int ranks) {
+  const double n = ranks;
+  return op == CollectiveOp::kAllReduce ? 2.0 * (n - 1) / n : (n - 1) / n;
+}
+
+int64_t WireBytes(WireDtype w) { return w == WireDtype::kFp8 ? 1 : w == WireDtype::kBf16 ? 2 : 4; }
+
+const char* PrecisionName(v1::Precision p) {
+  return p == v1::PRECISION_FP8 ? "fp8" : p == v1::PRECISION_BF16 ? "bf16" : "fp32";
+}
+
+}  // namespace
+
+absl::StatusOr<Calibration> ParseCalibration(const std::string& json, const std::string& origin) {
+  Struct root;
+  if (auto st = google::protobuf::util::JsonStringToMessage(json, &root); !st.ok()) {
+    return Bad(origin, "(file)", absl::StrCat("not a JSON object: ", std::string(st.message())));
+  }
+  Calibration c;
+  c.backend = Text(root, "backend");
+  if (c.backend != "cpu" && c.backend != "cuda") return Bad(origin, "backend", "must be cpu or cuda");
+  c.device = Text(root, "device");
+  c.source = Text(root, "source");
+  for (auto [name, out] : {std::pair{"cores", &c.cores}, std::pair{"ranks_per_host", &c.ranks_per_host}}) {
+    absl::StatusOr<double> v = Number(root, name, "", origin, false);
+    if (!v.ok()) return v.status();
+    *out = static_cast<int>(*v);
+  }
+  c.intra_link = Text(root, "intra_link");
+  c.inter_link = Text(root, "inter_link");
+  if (c.intra_link.empty()) return Bad(origin, "intra_link", "missing (a link name)");
+  if (c.inter_link.empty()) c.inter_link = c.intra_link;
+  for (auto [name, out] : {std::pair{"memory_gbps", &c.memory_gbps},
+                           std::pair{"optimizer_gbps", &c.optimizer_gbps}}) {
+    absl::StatusOr<double> v = Number(root, name, "", origin, true);
+    if (!v.ok()) return v.status();
+    *out = *v;
+  }
+  const Value* att = Field(root, "attention");
+  if (att == nullptr || att->kind_case() != Value::kStructValue) {
+    return Bad(origin, "attention", "missing (an object with forward_tflops, backward_tflops)");
+  }
+  for (auto [name, out] : {std::pair{"forward_tflops", &c.attention_forward_tflops},
+                           std::pair{"backward_tflops", &c.attention_backward_tflops}}) {
+    absl::StatusOr<double> v = Number(att->struct_value(), name, "attention.", origin, true);
+    if (!v.ok()) return v.status();
+    *out = *v;
+  }
+  const Value* gemm = Field(root, "gemm");
+  if (gemm == nullptr || gemm->kind_case() != Value::kListValue || gemm->list_value().values().empty()) {
+    return Bad(origin, "gemm", "missing (a list of shape classes)");
+  }
+  for (const Value& g : gemm->list_value().values()) {
+    const std::string path = absl::StrCat("gemm[", c.gemm.size(), "].");
+    if (g.kind_case() != Value::kStructValue) return Bad(origin, path, "must be an object");
+    GemmClass gc;
+    gc.precision = Text(g.struct_value(), "precision");
+    if (gc.precision != "fp8" && gc.precision != "bf16" && gc.precision != "fp32") {
+      return Bad(origin, path + "precision", "must be fp8, bf16 or fp32");
+    }
+    for (auto [name, out] : {std::pair{"m", &gc.m}, std::pair{"n", &gc.n}, std::pair{"k", &gc.k}}) {
+      absl::StatusOr<double> v = Number(g.struct_value(), name, path, origin, true);
+      if (!v.ok()) return v.status();
+      *out = static_cast<int64_t>(*v);
+    }
+    absl::StatusOr<double> r = Number(g.struct_value(), "tflops", path, origin, true);
+    if (!r.ok()) return r.status();
+    gc.tflops = *r;
+    c.gemm.push_back(gc);
+  }
+  const Value* coll = Field(root, "collectives");
+  if (coll != nullptr) {
+    if (coll->kind_case() != Value::kListValue) return Bad(origin, "collectives", "must be a list");
+    for (const Value& v : coll->list_value().values()) {
+      const std::string path = absl::StrCat("collectives[", c.collectives.size(), "].");
+      if (v.kind_case() != Value::kStructValue) return Bad(origin, path, "must be an object");
+      absl::StatusOr<CollectiveCurve> cc = ParseCurve(v.struct_value(), path, origin);
+      if (!cc.ok()) return cc.status();
+      c.collectives.push_back(*cc);
+    }
+  }
+  return c;
+}
+
+absl::StatusOr<Calibration> LoadCalibration(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot read the calibration file"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ParseCalibration(ss.str(), path);
+}
+
+double GemmSeconds(const Calibration& c, const std::string& precision, int64_t m, int64_t n,
+                   int64_t k) {
+  const GemmClass* best = nullptr;
+  double best_d = std::numeric_limits<double>::infinity();
+  for (const char* want : {precision.c_str(), "bf16", ""}) {
+    for (const GemmClass& g : c.gemm) {
+      if (*want != '\0' && g.precision != want) continue;
+      const double d = ShapeDistance(g, m, n, k);
+      if (d < best_d) {
+        best_d = d;
+        best = &g;
+      }
+    }
+    if (best != nullptr) break;
+  }
+  if (best == nullptr) return 0;
+  return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) /
+         (best->tflops * 1e12);
+}
+
+double CollectiveSeconds(const Calibration& c, const std::string& link, CollectiveOp op, int ranks,
+                         double bytes) {
+  if (ranks <= 1 || bytes <= 0) return 0;
+  const CollectiveCurve* best = nullptr;
+  int best_d = std::numeric_limits<int>::max();
+  for (const CollectiveCurve& cc : c.collectives) {
+    if (cc.link != link || cc.op != op) continue;
+    const int d = cc.ranks == 0 ? 1 << 20 : std::abs(cc.ranks - ranks);
+    if (d < best_d) {
+      best_d = d;
+      best = &cc;
+    }
+  }
+  if (best == nullptr) return 0;
+  return best->latency_s + bytes * BusFactor(op, ranks) / (BusBandwidthGbps(*best, bytes) * 1e9);
+}
+
+ScheduleResult Schedule(const std::vector<UnitTimes>& units, int microbatches) {
+  ScheduleResult r;
+  if (units.empty()) return r;
+  const size_t U = units.size();
+  double t = 0, chan = 0, replica = 0;
+  // A collective issued at `issue` for `dur` seconds on `*ch` (in issue order): its end.
+  auto collective = [&](double issue, double dur, double* ch) {
+    const double start = std::max(issue, *ch);
+    *ch = start + dur;
+    r.comm_s += dur;
+    return *ch;
+  };
+  std::vector<double> ready(U);
+  for (int mb = 0; mb < std::max(1, microbatches); ++mb) {
+    const bool last = mb == std::max(1, microbatches) - 1;
+    ready[0] = collective(t, units[0].gather, &chan);
+    for (size_t u = 0; u < U; ++u) {  // forward: prefetch u+1 while u computes
+      const double start = std::max(t, ready[u]);
+      if (u + 1 < U) ready[u + 1] = collective(start, units[u + 1].gather, &chan);
+      t = start + units[u].forward;
+      r.compute_s += units[u].forward;
+    }
+    ready[U - 1] = t;  // the last forward unit stays gathered for its backward
+    for (size_t u = U; u-- > 0;) {  // backward: prefetch u-1, then reduce-scatter u
+      const double start = std::max(t, ready[u]);
+      if (u > 0) ready[u - 1] = collective(start, units[u - 1].gather, &chan);
+      t = start + units[u].backward;
+      r.compute_s += units[u].backward;
+      const double reduced = collective(t, units[u].reduce, &chan);
+      if (last && units[u].replica > 0) collective(reduced, units[u].replica, &replica);
+    }
+  }
+  r.end_s = std::max({t, chan, replica});
+  r.exposed_s = r.end_s - r.compute_s;
+  return r;
+}
+
+double OptimizerSeconds(const Calibration& c, double shard_elements, int state_bytes,
+                        double wire_bytes) {
+  const double adamw = shard_elements * (12.0 + 2.0 * state_bytes) / (c.optimizer_gbps * 1e9);
+  const double norm_and_cast = shard_elements * (4.0 + 4.0 + wire_bytes) / (c.memory_gbps * 1e9);
+  return adamw + norm_and_cast;
+}
+
+std::pair<double, double> BlockPassBytes(const BlockPlan& b, int64_t tokens, int64_t d_model,
+                                         int64_t ffn, int64_t q_width, int64_t kv_width) {
+  const double N = static_cast<double>(tokens);
+  const double ec = N * d_model, ef = N * ffn, eq = N * q_width, ek = N * kv_width;
+  const bool fp8 = b.linears == v1::PRECISION_FP8;
+  // Norms (read f32, write), RoPE on q and k (read + write f32), SwiGLU (2 reads, 1 write),
+  // two residual adds (2 reads, 1 write).
+  double fwd = 2 * 8 * ec + 8 * (eq + ek) + 12 * ef + 2 * 12 * ec;
+  double bwd = 2 * 12 * ec + 8 * (eq + ek) + 20 * ef + 2 * 12 * ec;
+  if (fp8) {
+    // Input casts (f32 read, E4M3 written): one per shared input on the bf16-activation block,
+    // one per linear on the generic block.
+    fwd += 5 * (b.fp8_bf16 ? ec + eq + ec + ef : 3 * ec + eq + 2 * ec + ef);
+    // Grad-output casts with their transposes: down, gate and up, o, q k v.
+    bwd += 6 * (ec + 2 * ef + ec + eq + 2 * ek);
+    if (b.recast_down) bwd += 5 * ef;  // down_proj's input recast from gate and up
+  }
+  return {fwd, bwd};
+}
+
+absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
+                                     const Calibration& c, const StepPlanOptions& options) {
+  const std::string backend = spec.backend() == "cuda" ? "cuda" : "cpu";
+  if (c.backend != backend) {
+    return absl::InvalidArgumentError(absl::StrCat("calibration: backend ", c.backend,
+                                                   " does not match the spec's backend ",
+                                                   spec.backend()));
+  }
+  if (c.gemm.empty() || c.memory_gbps <= 0 || c.optimizer_gbps <= 0 ||
+      c.attention_forward_tflops <= 0 || c.attention_backward_tflops <= 0) {
+    return absl::InvalidArgumentError(
+        "calibration: gemm, memory_gbps, optimizer_gbps and attention rates must be set");
+  }
+  const int W = mesh.world_size(), S = mesh.shard_size, R = mesh.replicas;
+  absl::StatusOr<StepPlan> plan = MakeStepPlan(spec, S, BackendCapsOf(spec.backend()), options);
+  if (!plan.ok()) return plan.status();
+  const ModelDims d = ModelDimsOf(spec.model());
+  const v1::TrainingSpec& tr = spec.training();
+  const int64_t B = std::max(1, tr.microbatch()), N = plan->tokens;
+  StepCost cost;
+  cost.microbatches =
+      static_cast<int>(std::max<int64_t>(1, tr.global_batch() / std::max(1, W) / B));
+  cost.tokens_per_rank = N * cost.microbatches;
+  // Links: a group within one host takes the intra-host link.
+  const int per_host = c.ranks_per_host > 0 ? c.ranks_per_host : W;
+  cost.intra_link = S <= per_host ? c.intra_link : c.inter_link;
+  cost.inter_link = W <= per_host ? c.intra_link : c.inter_link;
+  for (const std::string& link : {cost.intra_link, cost.inter_link}) {
+    bool found = false;
+    for (const CollectiveCurve& cc : c.collectives) found = found || cc.link == link;
+    if (W > 1 && !found) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("calibration: no collectives measured on link \"", link, "\""));
+    }
+  }
+  if (c.cores > 0) cost.contention = std::max(1.0, static_cast<double>(std::min(W, per_host)) / c.cores);
+  const double k = cost.contention, bw = c.memory_gbps * 1e9;
+  auto gemm = [&](const char* p, int64_t m, int64_t n, int64_t kk) {
+    const double s = GemmSeconds(c, p, m, n, kk) * k;
+    cost.gemm_s += s;
+    return s;
+  };
+  auto pass = [&](double bytes) {
+    const double s = bytes / bw * k;
+    cost.memory_s += s;
+    return s;
+  };
+  const int64_t C = d.d_model, F = d.ffn_dim, V = d.vocab_size, nq = d.q_width(),
+                nk = d.kv_width();
+  std::vector<UnitTimes> units(plan->units.size());
+  // Compute: embedding (unit 0), blocks (1..L), head (last).
+  units.front().forward = pass(8.0 * N * C);
+  units.front().backward = pass(8.0 * N * C);
+  for (size_t l = 0; l < plan->blocks.size(); ++l) {
+    const BlockPlan& b = plan->blocks[l];
+    UnitTimes& u = units[1 + l];
+    const char* p = PrecisionName(b.linears);
+    std::vector<std::pair<int64_t, int64_t>> gemms;  // (in, out) per GEMM
+    if (b.fused_qkv) {
+      gemms.push_back({C, nq + 2 * nk});
+    } else {
+      gemms.insert(gemms.end(), {{C, nq}, {C, nk}, {C, nk}});
+    }
+    gemms.push_back({nq, C});
+    if (b.fused_mlp) {
+      gemms.push_back({C, 2 * F});
+    } else {
+      gemms.insert(gemms.end(), {{C, F}, {C, F}});
+    }
+    gemms.push_back({F, C});
+    double fwd = 0, bwd = 0;
+    for (auto [in, out] : gemms) {
+      fwd += gemm(p, N, out, in);
+      bwd += gemm(p, N, in, out) + gemm(p, out, in, N);
+    }
+    const double att = 2.0 * B * d.n_heads * d.seq_len * d.seq_len * d.head_dim;
+    const double af = att / (c.attention_forward_tflops * 1e12) * k;
+    const double ab = 2.5 * att / (c.attention_backward_tflops * 1e12) * k;
+    cost.attention_s += af + ab;
+    const auto [pf, pb] = BlockPassBytes(b, N, C, F, nq, nk);
+    fwd += af + pass(pf);
+    bwd += ab + pass(pb);
+    if (plan->recompute) {  // the backward reruns the forward
+      for (auto [in, out] : gemms) bwd += gemm(p, N, out, in);
+      cost.attention_s += af;
+      bwd += af + pass(pf);
+    }
+    u.forward = fwd;
+    u.backward = bwd;
+  }
+  {
+    UnitTimes& h = units.back();
+    const char* p = plan->head_bf16 ? "bf16" : "fp32";
+    // Final norm, logits GEMM, fused cross-entropy forward + backward (logits read, gradient
+    // written); backward: dX and dW GEMMs, the norm's backward.
+    h.forward = pass(8.0 * N * C) + gemm(p, N, V, C) + pass(8.0 * N * V);
+    h.backward = gemm(p, N, C, V) + gemm(p, V, C, N) + pass(12.0 * N * C);
+  }
+  // Communication per unit.
+  double shard_elems = 0, shard_wire = 0;
+  for (size_t i = 0; i < plan->units.size(); ++i) {
+    double gathered = 0, grads = 0, shard_grads = 0;
+    for (const PlannedBuffer& pb : plan->units[i].buffers) {
+      gathered += static_cast<double>(pb.padded) * WireBytes(pb.wire);
+      grads += static_cast<double>(pb.padded) * 4;
+      shard_grads += static_cast<double>(pb.shard) * 4;
+      shard_elems += static_cast<double>(pb.shard);
+      shard_wire += pb.wire == WireDtype::kFp32 ? 0.0
+                                                : static_cast<double>(pb.shard) * WireBytes(pb.wire);
+    }
+    units[i].gather = CollectiveSeconds(c, cost.intra_link, CollectiveOp::kAllGather, S, gathered);
+    units[i].reduce =
+        CollectiveSeconds(c, cost.intra_link, CollectiveOp::kReduceScatter, S, grads);
+    if (R > 1) {
+      units[i].replica = CollectiveSeconds(
+          c, cost.inter_link,
+          mesh.optimizer_over_world ? CollectiveOp::kReduceScatter : CollectiveOp::kAllReduce, R,
+          shard_grads);
+    }
+  }
+  const ScheduleResult sr = Schedule(units, cost.microbatches);
+  cost.compute_s = sr.compute_s;
+  for (double* part : {&cost.gemm_s, &cost.attention_s, &cost.memory_s}) *part *= cost.microbatches;
+  cost.comm_total_s = sr.comm_s;
+  // The step's small all-reduces over every rank: activation and grad-output amaxes (two per
+  // FP8 linear), the gradient norm and loss sums (2 floats), the weights' amaxes (one per FP8
+  // linear).
+  int fp8_linears = 0;
+  for (const BlockPlan& b : plan->blocks) {
+    if (b.linears == v1::PRECISION_FP8) fp8_linears += static_cast<int>(b.proj.size());
+  }
+  double small = 0;
+  const std::string world_link = W <= per_host ? c.intra_link : c.inter_link;
+  if (fp8_linears > 0) {
+    small += CollectiveSeconds(c, world_link, CollectiveOp::kAllReduce, W, 8.0 * fp8_linears);
+    small += CollectiveSeconds(c, world_link, CollectiveOp::kAllReduce, W, 4.0 * fp8_linears);
+  }
+  small += CollectiveSeconds(c, world_link, CollectiveOp::kAllReduce, W, 8.0);
+  // The optimizer on this rank's piece of the state.
+  const double pieces = mesh.optimizer_over_world ? R : 1;
+  cost.optimizer_s = OptimizerSeconds(c, shard_elems / pieces,
+                                      static_cast<int>(OptimizerStateBytesPerElement(spec)),
+                                      shard_elems > 0 ? shard_wire / shard_elems : 0) *
+                     k;
+  if (mesh.optimizer_over_world && R > 1) {  // the updated wire pieces gathered across replicas
+    small += CollectiveSeconds(c, cost.inter_link, CollectiveOp::kAllGather, R, shard_wire);
+  }
+  cost.comm_total_s += small;
+  cost.exposed_comm_s = sr.exposed_s + small;
+  cost.step_s = cost.compute_s + cost.exposed_comm_s + cost.optimizer_s;
+  return cost;
+}
+
+}  // namespace fsdp8

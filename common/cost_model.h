@@ -1,0 +1,162 @@
+// The cost model: one training step's time on a rank, predicted before anything runs from rates
+// measured by micro-benchmarks (a calibration file, bench/calibrate.sh), never from training runs.
+//
+// How: PredictStep makes the step plan (common/step_plan.h) at the mesh's shard-group size, as
+// the memory plan does, and walks it the same way: per microbatch, the FSDP units in forward order
+// (embedding, blocks, head), then in backward order; per block the GEMMs of its linears as the
+// plan fuses them (one GEMM per fused group), its attention and its memory-bound passes; per unit
+// the all-gather of its wire buffers and the reduce-scatter of its f32 gradients; then the
+// optimizer on the rank's shard. Each piece's time comes from the calibration:
+//   GEMM            2 M N K / rate; the rate of the GEMM's precision (fp8 / bf16 / fp32) at the
+//                   nearest measured shape class (the smallest sum of |log(dim / class dim)| over
+//                   M, N, K). Forward Y (N tok, out, in); backward dX (N, in, out) and dW (out,
+//                   in, N).
+//   attention       causal flash-attention FLOPs as bench/cuda/bench_cuda.cu counts them:
+//                   forward 2 B H T^2 D, backward 2.5 x that; at the measured forward and
+//                   backward rates.
+//   memory passes   bytes read + written by the norms, RoPE, SwiGLU, FP8 casts, residual adds,
+//                   cross-entropy and embedding (PassBytes below) / the measured bandwidth of the
+//                   same passes counted the same way (bench/cpu/ops_bench.cc --json).
+//   optimizer       AdamW: 28 bytes per shard element with f32 moments (p, g, m, v read; p, m, v
+//                   written), 20 with bf16 moments / the measured AdamW bytes/s; plus the
+//                   gradient norm's read (4 bytes per element) and the wire cast (4 read + the
+//                   wire bytes written) at the memory bandwidth.
+//   collectives     NCCL's bus-bandwidth convention (nccl-tests doc/PERFORMANCE.md): for a
+//                   message of `size` bytes (the full gathered or reduced buffer) on n ranks,
+//                   time = latency + size * f / busbw(size), f = (n-1)/n for all-gather and
+//                   reduce-scatter, 2(n-1)/n for all-reduce; busbw interpolated in log(size)
+//                   between the measured points (clamped at both ends). The link: shard groups
+//                   within one host (ranks_per_host) take the calibration's intra-host link,
+//                   groups spanning hosts and replica groups the inter-host link.
+// CPU ranks share the host's cores: compute and optimizer times are multiplied by
+// max(1, ranks on the host / cores) (the calibration measured one single-threaded op on a core,
+// per CPU second: the model predicts the step on cores the ranks have to themselves).
+//
+// Overlap (Schedule): one compute stream, one collective channel per link (intra: all-gathers and
+// reduce-scatters in issue order; inter: the replica reductions). FSDP's prefetch of one unit:
+// the all-gather of unit u+1 is issued when the compute of u starts (forward), of u-1 when the
+// backward of u starts; the first unit's all-gather is issued at the microbatch's start (exposed);
+// the last forward unit (the head) stays gathered for its backward. Unit u's reduce-scatter is
+// issued when its backward ends and runs while the backward of u-1 computes. Hybrid meshes: after
+// the last microbatch's reduce-scatter of u, its replica all-reduce (or reduce-scatter, with the
+// optimizer over the world) on the inter-host link, overlapped likewise. A unit's compute waits
+// for its all-gather. Exposed communication = the forward/backward's end (the last collective's
+// end or the last compute's end, whichever is later) less the compute; then the step's small
+// all-reduces (amaxes, gradient norm) and, with the optimizer over the world, the replica
+// all-gather of the updated wire shards, both exposed.
+//
+// Thread-safety: pure functions and plain values.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/mesh.h"
+#include "common/step_plan.h"
+#include "fsdp8/v1/spec.pb.h"
+
+namespace fsdp8 {
+
+// One measured GEMM shape class: precision "fp8" | "bf16" | "fp32", dimensions, TFLOP/s.
+struct GemmClass {
+  std::string precision;
+  int64_t m = 0, n = 0, k = 0;
+  double tflops = 0;
+};
+
+enum class CollectiveOp { kAllGather = 0, kReduceScatter = 1, kAllReduce = 2 };
+const char* CollectiveOpName(CollectiveOp op);  // "all_gather", "reduce_scatter", "all_reduce"
+
+// A collective's measured (or published) bus bandwidth by message size on one link.
+struct CollectiveCurve {
+  std::string link;   // "shm", "gloo", "nvlink4", "ib400", ...
+  CollectiveOp op = CollectiveOp::kAllGather;
+  int ranks = 0;      // the ranks it was measured on; 0: any
+  double latency_s = 0;
+  std::vector<std::pair<double, double>> busbw;  // (message bytes, GB/s), ascending bytes
+};
+
+struct Calibration {
+  std::string backend;      // "cpu" | "cuda"
+  std::string device;       // free text: the CPU model or GPU name
+  std::string source;       // how it was made (the command, the date, citations)
+  int cores = 0;            // CPU: the host's cores the ranks share (0: one device per rank)
+  int ranks_per_host = 0;   // ranks one host holds (0: every rank on one host)
+  std::string intra_link, inter_link;  // link names of CollectiveCurve
+  std::vector<GemmClass> gemm;
+  double attention_forward_tflops = 0, attention_backward_tflops = 0;
+  double memory_gbps = 0;     // memory-bound passes, bytes read + written per second / 1e9
+  double optimizer_gbps = 0;  // AdamW, bytes read + written per second / 1e9
+  std::vector<CollectiveCurve> collectives;
+};
+
+// Parses a calibration file's JSON text (bench/calibrate.sh writes them): the fields above by
+// name, "attention": {"forward_tflops", "backward_tflops"}, "gemm": [{"precision", "m", "n",
+// "k", "tflops"}], "collectives": [{"link", "op", "ranks", "latency_us", "points": [[bytes,
+// GB/s], ...]}]; "cores", "ranks_per_host", "collectives" and "inter_link" optional.
+// INVALID_ARGUMENT naming `origin` and the field for malformed JSON, a missing or non-positive
+// rate, an unknown precision or op, points not ascending.
+absl::StatusOr<Calibration> ParseCalibration(const std::string& json, const std::string& origin);
+// Reads and parses `path`: NOT_FOUND when it cannot be read.
+absl::StatusOr<Calibration> LoadCalibration(const std::string& path);
+
+// Seconds of one GEMM (2 m n k FLOPs) at `precision` ("fp8", "bf16", "fp32"); the nearest
+// class of that precision, else of "bf16", else any (a precision not measured).
+double GemmSeconds(const Calibration& c, const std::string& precision, int64_t m, int64_t n,
+                   int64_t k);
+// Seconds of a collective of `bytes` (the full buffer) on `ranks` ranks over `link`: 0 for one
+// rank; the curve of that link and op measured on the nearest rank count.
+double CollectiveSeconds(const Calibration& c, const std::string& link, CollectiveOp op,
+                         int ranks, double bytes);
+
+// One FSDP unit's times for one microbatch (seconds).
+struct UnitTimes {
+  double forward = 0, backward = 0;  // compute
+  double gather = 0;                 // all-gather of its wire buffers (shard group)
+  double reduce = 0;                 // reduce-scatter of its f32 gradients (shard group)
+  double replica = 0;                // hybrid: its replica reduction, after the last microbatch
+};
+
+struct ScheduleResult {
+  double compute_s = 0;        // sum of the units' compute over the microbatches
+  double end_s = 0;            // when the forward/backward's last compute or collective ends
+  double exposed_s = 0;        // end_s - compute_s
+  double comm_s = 0;           // every collective's time, hidden or not
+};
+// The overlap of `units` (forward order) over `microbatches` as described above.
+ScheduleResult Schedule(const std::vector<UnitTimes>& units, int microbatches);
+
+// Optimizer seconds: AdamW on `shard_elements` f32 master elements with `state_bytes` of
+// moments per element (8 or 4), the gradient norm's read and the cast to `wire_bytes` per element.
+double OptimizerSeconds(const Calibration& c, double shard_elements, int state_bytes,
+                        double wire_bytes);
+
+struct StepCost {
+  double step_s = 0;           // compute + exposed communication + optimizer
+  double compute_s = 0;        // forward + backward compute of every microbatch
+  double exposed_comm_s = 0;   // what the compute does not hide, the small all-reduces included
+  double optimizer_s = 0;
+  double comm_total_s = 0;     // every collective, hidden or not
+  double gemm_s = 0, attention_s = 0, memory_s = 0;  // compute_s's parts
+  double contention = 1;       // the CPU ranks' core-sharing factor applied
+  int microbatches = 1;
+  int64_t tokens_per_rank = 0;  // per step
+  std::string intra_link, inter_link;
+};
+
+// The step of `spec` resolved at mesh.world_size() (ResolveSpec) on `mesh` with calibration `c`.
+// INVALID_ARGUMENT where the step plan refuses the spec, where the calibration lacks a rate the
+// spec needs (naming it), or for a calibration of another backend than the spec's.
+absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
+                                     const Calibration& c, const StepPlanOptions& options = {});
+
+// Bytes read + written by one block's memory-bound passes for one microbatch of `tokens` rows
+// (forward, backward): the norms, RoPE, SwiGLU, residual adds and, for FP8 linears, the casts of
+// inputs (5 bytes per element) and of grad-outputs (cast + transpose, 6 bytes per element).
+std::pair<double, double> BlockPassBytes(const BlockPlan& b, int64_t tokens, int64_t d_model,
+                                         int64_t ffn, int64_t q_width, int64_t kv_width);
+
+}  // namespace fsdp8
