@@ -26,4 +26,9 @@ int64_t CgroupMemoryLimitBytes(const std::string& root = "");
 // (*error says why). Defined only in CUDA builds (kernels/cuda/cuda_backend.cu).
 int64_t CudaDeviceTotalMemory(int device, std::string* error);
 
+// CUDA device `device`'s PCI bus id ("0000:18:00.0", cudaDeviceGetPCIBusId); "" when there is no
+// such device or no usable driver (*error says why). Defined only in CUDA builds
+// (kernels/cuda/device_pci.cu).
+std::string CudaDevicePciBusId(int device, std::string* error);
+
 }  // namespace fsdp8

@@ -26,6 +26,7 @@
 #include "kernels/device_memory.h"
 #include "worker/daemon.h"
 #include "worker/metrics.h"
+#include "worker/nvlink_domain.h"
 #include "worker/settings.h"
 
 extern "C" void openblas_set_num_threads(int);
@@ -35,7 +36,12 @@ ABSL_FLAG(std::string, host, "127.0.0.1", "address peers use to reach this worke
 ABSL_FLAG(std::string, placement_domain, "",
           "the NVLink island of this worker's device within its host, for the placement of "
           "hybrid-sharded jobs' shard groups (any name; devices naming the same one are one domain); "
-          "empty: the whole host is one domain (as on NVSwitch machines)");
+          "empty: on the cuda backend, detected from the device's NVLinks through NVML "
+          "(worker/nvlink_domain.h; \"\" when there are none or NVML is missing: the whole host), "
+          "on the cpu backends the whole host");
+ABSL_FLAG(bool, print_placement_domain, false,
+          "print the placement domain this worker would register (--placement_domain, else the "
+          "one detected for --device on the cuda backend) and how it was found, then exit");
 ABSL_FLAG(std::string, backend, "cpu", "compute backend this worker offers: cpu or cuda");
 ABSL_FLAG(int, device, 0, "GPU ordinal (cuda backend)");
 ABSL_FLAG(int, threads, 1, "BLAS threads for the CPU backend");
@@ -213,14 +219,35 @@ absl::StatusOr<std::unique_ptr<fsdp8::HttpServer>> StartMetricsServer(
   return std::move(*s);
 }
 
+// The placement domain to register: --placement_domain when given, else on the cuda backend the
+// device's NVLink domain (NVML), else "" (the whole host); *how says where it came from.
+std::string PlacementDomain(const std::string& backend, int device, std::string* how) {
+  std::string flag = absl::GetFlag(FLAGS_placement_domain);
+  if (!flag.empty()) {
+    *how = "given by --placement_domain";
+    return flag;
+  }
+  if (backend != "cuda") {
+    *how = "the whole host (not detected on the " + backend + " backend)";
+    return "";
+  }
+  fsdp8::NvLinkDomain d = fsdp8::DetectCudaNvLinkDomain(device);
+  *how = "detected: " + d.how;
+  return d.name;
+}
+
 // The daemon's options from the flags and the environment's settings (no channel yet).
 fsdp8::DaemonOptions OptionsFromFlags(fsdp8::WorkerSettings settings) {
   fsdp8::DaemonOptions opts;
   opts.coordinator = absl::GetFlag(FLAGS_coordinator);
   opts.host = absl::GetFlag(FLAGS_host);
-  opts.placement_domain = absl::GetFlag(FLAGS_placement_domain);
   opts.backend = absl::GetFlag(FLAGS_backend);
   opts.device = absl::GetFlag(FLAGS_device);
+  std::string how;
+  opts.placement_domain = PlacementDomain(opts.backend, opts.device, &how);
+  fsdp8::Log(fsdp8::LogLevel::kInfo,
+             absl::StrCat("placement domain \"", opts.placement_domain, "\"",
+                          opts.placement_domain.empty() ? " (the whole host)" : "", ": ", how));
   opts.connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);
   opts.name = absl::GetFlag(FLAGS_name);
   opts.settings = std::move(settings);
@@ -286,6 +313,13 @@ int main(int argc, char** argv) {
   fsdp8::SetLogFormat(*log_format);
   fsdp8::SetLogProcess("fsdp8-worker");
   RaiseOpenFileLimit();
+  if (absl::GetFlag(FLAGS_print_placement_domain)) {
+    std::string how;
+    const std::string domain =
+        PlacementDomain(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_device), &how);
+    std::cout << "placement_domain: \"" << domain << "\"\n" << "how: " << how << std::endl;
+    return 0;
+  }
 
   absl::StatusOr<fsdp8::WorkerSettings> settings = fsdp8::WorkerSettings::FromEnvironment();
   if (!settings.ok()) return Fail(settings.status().message());
