@@ -103,6 +103,7 @@ std::string Describe(const std::vector<NvLinkRecord>& links) {
     if (r.peer == NvLinkPeerKind::kGpu) gpus.insert(NormalizePciBusId(r.peer_bus_id));
     if (r.peer == NvLinkPeerKind::kSwitch) switches.insert(NormalizePciBusId(r.peer_bus_id));
   }
+  if (links.empty()) return "NVML: the device reports no NVLinks";
   if (active == 0) return absl::StrCat("NVML: no active NVLink (", links.size(), " link(s) down)");
   return absl::StrCat("NVML: ", active, " active NVLink(s) to ", switches.size(),
                       " NVSwitch(es) and ", gpus.size(), " GPU(s)");

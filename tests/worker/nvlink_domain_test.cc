@@ -3,6 +3,8 @@
 // DetectNvLinkDomain without a usable NVML.
 #include "worker/nvlink_domain.h"
 
+#include <dlfcn.h>
+
 #include <string>
 #include <vector>
 
@@ -158,6 +160,32 @@ TEST(NvLinkDomain, DetectOfAnAbsentDeviceGivesTheWholeHostAndWhy) {
   const NvLinkDomain d = DetectNvLinkDomain("0000:ff:1f.7");
   EXPECT_EQ(d.name, "");
   EXPECT_FALSE(d.how.empty());
+}
+
+// The NVML walk through a stand-in library (tests/worker/fake_nvml.cc, whose topology the expected
+// names are written from): down links and links past the device's are skipped, peers' bus ids
+// come from the remote PCI info, the device is found by its CUDA-spelled bus id, and every
+// nvmlInit_v2 is matched by an nvmlShutdown.
+TEST(NvLinkDomain, DetectWalksTheLinksOfAStandInNvml) {
+  void* keep = dlopen(FSDP8_FAKE_NVML, RTLD_NOW | RTLD_LOCAL);  // keeps its counter alive
+  ASSERT_NE(keep, nullptr) << dlerror();
+  auto open_count = reinterpret_cast<int (*)()>(dlsym(keep, "fake_nvml_open_count"));
+  ASSERT_NE(open_count, nullptr);
+
+  const NvLinkDomain sw = DetectNvLinkDomain("0000:18:00.0", FSDP8_FAKE_NVML);
+  EXPECT_EQ(sw.name, "nvswitch:0000:05:00.0,0000:06:00.0");
+  EXPECT_EQ(sw.how, "NVML: 3 active NVLink(s) to 2 NVSwitch(es) and 1 GPU(s)");
+
+  const NvLinkDomain gpu = DetectNvLinkDomain("0000:2a:00.0", FSDP8_FAKE_NVML);
+  EXPECT_EQ(gpu.name, "nvlink:0000:18:00.0,0000:2a:00.0,0000:3a:00.0");
+
+  const NvLinkDomain absent = DetectNvLinkDomain("0000:99:00.0", FSDP8_FAKE_NVML);
+  EXPECT_EQ(absent.name, "");
+  EXPECT_NE(absent.how.find("0000:99:00.0"), std::string::npos) << absent.how;
+  EXPECT_NE(absent.how.find("Not Found"), std::string::npos) << absent.how;
+
+  EXPECT_EQ(open_count(), 0);
+  dlclose(keep);
 }
 
 }  // namespace
