@@ -3,7 +3,8 @@
 // consecutive ranks).
 //
 // A worker's domain is where its fast links end: (RegisterRequest.host,
-// RegisterRequest.placement_domain), the host alone when placement_domain is empty. CPU workers
+// RegisterRequest.placement_domain: --placement_domain, or a CUDA worker's NVLink domain detected
+// through NVML, worker/nvlink_domain.h), the host alone when placement_domain is empty. CPU workers
 // started with different --host addresses (127.0.0.1, 127.0.0.2) are different domains.
 //
 // Rules (PlaceMesh):

@@ -43,8 +43,8 @@ struct DaemonOptions {
   std::string coordinator;     // host:port
   std::string host = "127.0.0.1";  // address peers use for collectives
   // RegisterRequest.placement_domain: the device's NVLink island within the host; empty: the host
-  // is one domain. Not detected (the daemon does not query NVML): operators name the islands of
-  // machines that have several.
+  // is one domain. The daemon sends it as given; fsdp8-worker fills it from --placement_domain,
+  // else on the cuda backend from NVML (worker/nvlink_domain.h).
   std::string placement_domain;
   std::string backend = "cpu";
   int device = 0;

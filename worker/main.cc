@@ -228,7 +228,7 @@ std::string PlacementDomain(const std::string& backend, int device, std::string*
     return flag;
   }
   if (backend != "cuda") {
-    *how = "the whole host (not detected on the " + backend + " backend)";
+    *how = "not detected on the " + backend + " backend";
     return "";
   }
   fsdp8::NvLinkDomain d = fsdp8::DetectCudaNvLinkDomain(device);
@@ -236,18 +236,15 @@ std::string PlacementDomain(const std::string& backend, int device, std::string*
   return d.name;
 }
 
-// The daemon's options from the flags and the environment's settings (no channel yet).
-fsdp8::DaemonOptions OptionsFromFlags(fsdp8::WorkerSettings settings) {
+// The daemon's options from the flags and the environment's settings (no channel yet); *domain_how
+// says where opts.placement_domain came from.
+fsdp8::DaemonOptions OptionsFromFlags(fsdp8::WorkerSettings settings, std::string* domain_how) {
   fsdp8::DaemonOptions opts;
   opts.coordinator = absl::GetFlag(FLAGS_coordinator);
   opts.host = absl::GetFlag(FLAGS_host);
   opts.backend = absl::GetFlag(FLAGS_backend);
   opts.device = absl::GetFlag(FLAGS_device);
-  std::string how;
-  opts.placement_domain = PlacementDomain(opts.backend, opts.device, &how);
-  fsdp8::Log(fsdp8::LogLevel::kInfo,
-             absl::StrCat("placement domain \"", opts.placement_domain, "\"",
-                          opts.placement_domain.empty() ? " (the whole host)" : "", ": ", how));
+  opts.placement_domain = PlacementDomain(opts.backend, opts.device, domain_how);
   opts.connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);
   opts.name = absl::GetFlag(FLAGS_name);
   opts.settings = std::move(settings);
@@ -323,8 +320,12 @@ int main(int argc, char** argv) {
 
   absl::StatusOr<fsdp8::WorkerSettings> settings = fsdp8::WorkerSettings::FromEnvironment();
   if (!settings.ok()) return Fail(settings.status().message());
-  fsdp8::DaemonOptions opts = OptionsFromFlags(*std::move(settings));
+  std::string domain_how;
+  fsdp8::DaemonOptions opts = OptionsFromFlags(*std::move(settings), &domain_how);
   PrintStartLine(opts);
+  fsdp8::Log(fsdp8::LogLevel::kInfo,
+             absl::StrCat("placement domain \"", opts.placement_domain, "\"",
+                          opts.placement_domain.empty() ? " (the whole host)" : "", ": ", domain_how));
   auto channel = CoordinatorChannel(opts.coordinator, opts.settings);
   if (!channel.ok()) return Fail(channel.status().message());
   opts.channel = *channel;
