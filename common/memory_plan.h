@@ -62,13 +62,15 @@
 // device_extra:
 //   CUDA context       kCudaContextBytes: the context, module images and cuBLAS/cuBLASLt/cuDNN
 //                      handles of one process, and what a one-rank NCCL communicator holds:
-//                      1.1 GiB, from NVML's used memory of one CUDA worker on an H200 (CUDA 13)
-//                      less its own count x (1 + kPoolOverheadFraction): 1.10 GiB for the default
-//                      model, 1.09 GiB for 1b, 1.53 GiB for 125m and l3proxy (bench/RESULTS.md)
+//                      1.14 GiB, NVML's used memory of one CUDA worker less the stream-ordered
+//                      pool's reserved peak (the backend's `memory pool peaks` line), the same
+//                      for 1b and l3proxy on an H100 (CUDA 13; bench/RESULTS.md)
 //   NCCL buffers       world_size > 1: kNcclBufferBytes per communicator (NCCL_BUFFSIZE 4 MiB x
 //                      channels and peers, plus its proxy state; about 0.25 GiB at 8 ranks)
 //   allocator rounding cudaMallocAsync's pool rounds blocks up (2 MiB granularity for large
-//                      blocks) and keeps freed blocks: kPoolOverheadFraction of the peak
+//                      blocks) and keeps freed blocks it cannot reuse for a larger request:
+//                      kPoolOverheadFraction of the peak, the pool's reserved peak over the
+//                      backend's count peak measured on the same runs (1.083 and 1.084)
 //
 // Thread-safety: pure functions.
 #pragma once
@@ -91,9 +93,9 @@ namespace fsdp8 {
 int64_t OptimizerStateBytesPerElement(const v1::JobSpec& spec);
 
 // CUDA-only constants of device_extra (see above).
-inline constexpr int64_t kCudaContextBytes = int64_t{1126} << 20;
+inline constexpr int64_t kCudaContextBytes = int64_t{1167} << 20;
 inline constexpr int64_t kNcclBufferBytes = int64_t{256} << 20;
-inline constexpr double kPoolOverheadFraction = 0.03;
+inline constexpr double kPoolOverheadFraction = 0.084;
 // The CUDA backend's own workspaces, always held (kGemmWorkspaceBytes in cuda_backend.cu).
 inline constexpr int64_t kCudaGemmWorkspaceBytes = int64_t{32} << 20;
 
