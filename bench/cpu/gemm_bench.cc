@@ -24,6 +24,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bench/cpu/bench_util.h"
@@ -41,6 +42,45 @@ const char* IsaName(dnnl_cpu_isa_t isa) {
     default: return "other";
   }
 }
+// The operands of one GEMM shape on the backend: random E4M3 codes (from fp8_code, sign bit
+// random) and f32 values in [-1, 1) for A (M x K) and B (N x K), an f32 C, a unit FP8 scale.
+struct GemmOperands {
+  template <typename Code>
+  GemmOperands(fsdp8::Backend* backend, int64_t M, int64_t N, int64_t K, std::mt19937& rng,
+               Code fp8_code)
+      : be(backend) {
+    std::uniform_real_distribution<float> val(-1.0f, 1.0f);
+    std::vector<uint8_t> a8(M * K), b8(N * K);
+    for (auto& c : a8) c = static_cast<uint8_t>(fp8_code() | (rng() & 0x80));
+    for (auto& c : b8) c = static_cast<uint8_t>(fp8_code() | (rng() & 0x80));
+    std::vector<float> af(M * K), bf(N * K);
+    for (auto& x : af) x = val(rng);
+    for (auto& x : bf) x = val(rng);
+    const float one = 1.0f;
+    A8 = static_cast<uint8_t*>(be->Alloc(a8.size()));
+    B8 = static_cast<uint8_t*>(be->Alloc(b8.size()));
+    AF = static_cast<float*>(be->Alloc(af.size() * 4));
+    BF = static_cast<float*>(be->Alloc(bf.size() * 4));
+    C = static_cast<float*>(be->Alloc(M * N * 4));
+    S = static_cast<float*>(be->Alloc(4));
+    be->CopyToDevice(A8, a8.data(), a8.size());
+    be->CopyToDevice(B8, b8.data(), b8.size());
+    be->CopyToDevice(AF, af.data(), af.size() * 4);
+    be->CopyToDevice(BF, bf.data(), bf.size() * 4);
+    be->CopyToDevice(S, &one, 4);
+  }
+  ~GemmOperands() {
+    for (void* p : {static_cast<void*>(A8), static_cast<void*>(B8), static_cast<void*>(AF),
+                    static_cast<void*>(BF), static_cast<void*>(C), static_cast<void*>(S)})
+      be->Free(p);
+  }
+  GemmOperands(const GemmOperands&) = delete;
+  GemmOperands& operator=(const GemmOperands&) = delete;
+  fsdp8::Backend* be;
+  uint8_t *A8, *B8;
+  float *AF, *BF, *C, *S;
+};
+
 // --json: the calibration's GEMM classes (see the file comment).
 int PrintCalibrationJson(fsdp8::Backend* be) {
   struct Shape {
@@ -58,28 +98,11 @@ int PrintCalibrationJson(fsdp8::Backend* be) {
   }
   shapes.push_back({1024, 1024, 1024});
   std::mt19937 rng(1);
-  std::uniform_real_distribution<float> val(-1.0f, 1.0f);
   std::printf("[");
   bool first = true;
   for (const Shape& s : shapes) {
-    std::vector<uint8_t> a8(s.M * s.K), b8(s.N * s.K);
-    for (auto& c : a8) c = static_cast<uint8_t>((rng() % 0x38) | (rng() & 0x80));
-    for (auto& c : b8) c = static_cast<uint8_t>((rng() % 0x38) | (rng() & 0x80));
-    std::vector<float> af(s.M * s.K), bf(s.N * s.K);
-    for (auto& x : af) x = val(rng);
-    for (auto& x : bf) x = val(rng);
-    const float one = 1.0f;
-    auto* A8 = static_cast<uint8_t*>(be->Alloc(a8.size()));
-    auto* B8 = static_cast<uint8_t*>(be->Alloc(b8.size()));
-    auto* AF = static_cast<float*>(be->Alloc(af.size() * 4));
-    auto* BF = static_cast<float*>(be->Alloc(bf.size() * 4));
-    auto* C = static_cast<float*>(be->Alloc(s.M * s.N * 4));
-    auto* S = static_cast<float*>(be->Alloc(4));
-    be->CopyToDevice(A8, a8.data(), a8.size());
-    be->CopyToDevice(B8, b8.data(), b8.size());
-    be->CopyToDevice(AF, af.data(), af.size() * 4);
-    be->CopyToDevice(BF, bf.data(), bf.size() * 4);
-    be->CopyToDevice(S, &one, 4);
+    GemmOperands op(be, s.M, s.N, s.K, rng, [&] { return rng() % 0x38; });
+    auto [A8, B8, AF, BF, C, S] = std::tuple(op.A8, op.B8, op.AF, op.BF, op.C, op.S);
     const double flops = 2.0 * s.M * s.N * s.K;
     const double t8 = fsdp8::bench::BestSeconds([&] {
       be->GemmFp8(false, true, s.M, s.N, s.K, {A8, fsdp8::Fp8Format::kE4M3, S},
@@ -95,9 +118,6 @@ int PrintCalibrationJson(fsdp8::Backend* be) {
                   static_cast<long long>(s.K), flops / t / 1e12);
       first = false;
     }
-    for (void* p : {static_cast<void*>(A8), static_cast<void*>(B8), static_cast<void*>(AF),
-                    static_cast<void*>(BF), static_cast<void*>(C), static_cast<void*>(S)})
-      be->Free(p);
   }
   std::printf("\n]\n");
   return 0;
@@ -137,26 +157,9 @@ int main(int argc, char** argv) {
               "f32 Gemm (cpu)", "OpenBLAS sgemm");
   std::mt19937 rng(1);
   std::uniform_int_distribution<int> code(0, 0x7D);  // finite E4M3 magnitudes, both signs below
-  std::uniform_real_distribution<float> val(-1.0f, 1.0f);
   for (const Shape& s : shapes) {
-    std::vector<uint8_t> a8(s.M * s.K), b8(s.N * s.K);
-    for (auto& c : a8) c = static_cast<uint8_t>(code(rng) | (rng() & 0x80));
-    for (auto& c : b8) c = static_cast<uint8_t>(code(rng) | (rng() & 0x80));
-    std::vector<float> af(s.M * s.K), bf(s.N * s.K);
-    for (auto& x : af) x = val(rng);
-    for (auto& x : bf) x = val(rng);
-    const float one = 1.0f;
-    auto* A8 = static_cast<uint8_t*>(be->Alloc(a8.size()));
-    auto* B8 = static_cast<uint8_t*>(be->Alloc(b8.size()));
-    auto* AF = static_cast<float*>(be->Alloc(af.size() * 4));
-    auto* BF = static_cast<float*>(be->Alloc(bf.size() * 4));
-    auto* C = static_cast<float*>(be->Alloc(s.M * s.N * 4));
-    auto* S = static_cast<float*>(be->Alloc(4));
-    be->CopyToDevice(A8, a8.data(), a8.size());
-    be->CopyToDevice(B8, b8.data(), b8.size());
-    be->CopyToDevice(AF, af.data(), af.size() * 4);
-    be->CopyToDevice(BF, bf.data(), bf.size() * 4);
-    be->CopyToDevice(S, &one, 4);
+    GemmOperands op(be.get(), s.M, s.N, s.K, rng, [&] { return code(rng); });
+    auto [A8, B8, AF, BF, C, S] = std::tuple(op.A8, op.B8, op.AF, op.BF, op.C, op.S);
     const double flops = 2.0 * s.M * s.N * s.K;
     const fsdp8::bench::Timing t8 = fsdp8::bench::TimeIt([&] {
       be->GemmFp8(false, true, s.M, s.N, s.K, {A8, fsdp8::Fp8Format::kE4M3, S},
@@ -173,9 +176,6 @@ int main(int argc, char** argv) {
                 static_cast<long long>(s.K), flops / t8.wall / 1e9, flops / t8.cpu / 1e9,
                 flops / tg.wall / 1e9, flops / tg.cpu / 1e9, flops / t32.wall / 1e9,
                 flops / t32.cpu / 1e9);
-    for (void* p : {static_cast<void*>(A8), static_cast<void*>(B8), static_cast<void*>(AF),
-                    static_cast<void*>(BF), static_cast<void*>(C), static_cast<void*>(S)})
-      be->Free(p);
   }
   return 0;
 }
