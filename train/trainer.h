@@ -127,7 +127,14 @@ class Trainer {
 
   // The learning rate of step k: linear warmup, then cosine to min_lr_ratio * peak.
   double LearningRate(int64_t step) const;
-  v1::ScalingState ScalingReport() const;
+  // The FP8 scaling state after the last step. Applies the pending updates first
+  // (ApplyPendingUpdates: collective, every rank calls it at the same point), so that the weight
+  // scales are the last step's casts'.
+  v1::ScalingState ScalingReport();
+  // The same without applying anything (no collective): with training.overlap_optimizer a unit
+  // whose deferred update has not run yet reports the weight scales its wire shards hold now
+  // (the previous step's cast); the rest as ScalingReport.
+  v1::ScalingState CurrentScalingReport() const;
 
   // ---- for tests and tools ----
   // Zeroes the grad shards and accumulates the gradients of step k's global mean loss; returns
@@ -167,6 +174,15 @@ class Trainer {
   // After the master weights changed outside a step (checkpoint load, weight import): recasts
   // the wire shards (FsdpParams::CastWeights) and prefetches the first units of the next step.
   absl::Status RecastWeights();
+  // training.overlap_optimizer in effect (Mesh::DefersOptimizer and FsdpParams::CanDefer): each
+  // step's AdamW updates and wire-shard casts run per unit before the unit's next all-gather.
+  bool defers_optimizer() const { return defer_optimizer_; }
+  // Runs the updates a step deferred (FsdpParams::DeferAdamW) that have not run yet, so that the
+  // master weights, moments and FP8 weight scales are the completed steps' (no-op when none is
+  // pending). Collective: every rank calls it at the same point. Checkpoint saves and loads and
+  // weight imports call it; evaluation and every forward apply each unit's update as they gather
+  // it; Step applies them all at the job's last step and when it reports the scaling state.
+  absl::Status ApplyPendingUpdates();
   // Optimizer steps the current state has completed (the last step run + 1, or the loaded step).
   int64_t CompletedSteps() const { return last_step_ + 1; }
 
@@ -208,6 +224,7 @@ class Trainer {
   int local_batch_ = 0, micro_ = 0, microbatches_ = 0;
   int64_t last_step_ = -1;
   int64_t adamw_offset_ = 0;
+  bool defer_optimizer_ = false;
   StepTimer timer_;
 };
 
