@@ -182,6 +182,7 @@ void FsdpParams::DropPrefetches() {
 }
 
 void FsdpParams::DropUnit(int unit) {
+  be_->JoinSideStream();  // the buffers freed below may be the side stream's (codes cast there)
   for (Buf& b : units_[unit]) {
     if (b.ticket != 0) comm_->Wait(b.ticket);  // the compute stream's frees below come after it
     b.ticket = 0;
@@ -196,8 +197,18 @@ void FsdpParams::DropUnit(int unit) {
 absl::Status FsdpParams::Prefetch(int unit) {
   if (in_flight_.size() != units_.size()) in_flight_.assign(units_.size(), false);
   if (in_flight_[unit]) return absl::OkStatus();
-  // A deferred update writes the wire shards the all-gathers below send.
-  if (absl::Status s = ApplyPendingUpdate(unit); !s.ok()) return s;
+  if (!pending_[unit]) return IssuePrefetch(unit);
+  // The unit's deferred update writes the wire shards its all-gathers send: both go to the side
+  // stream, after everything enqueued so far, beside the compute enqueued next (the previous
+  // unit's); Gather joins it.
+  be_->BeginSideStream();
+  absl::Status s = ApplyPendingUpdate(unit);
+  if (s.ok()) s = IssuePrefetch(unit);
+  be_->EndSideStream();
+  return s;
+}
+
+absl::Status FsdpParams::IssuePrefetch(int unit) {
   // Marked before the allocations: should one throw (out of memory), DropUnit (the destructor's)
   // waits for the all-gathers already issued.
   in_flight_[unit] = true;
@@ -250,6 +261,7 @@ absl::Status FsdpParams::Prefetch(int unit) {
 
 absl::Status FsdpParams::Gather(int unit) {
   if (absl::Status s = Prefetch(unit); !s.ok()) return s;
+  be_->JoinSideStream();  // a one-rank unit's update has no all-gather to wait for
   for (Buf& b : units_[unit]) {
     comm_->Wait(b.ticket);
     b.ticket = 0;
@@ -354,6 +366,7 @@ void FsdpParams::FinishReplicaSums() {
 }
 
 absl::Status FsdpParams::ReduceGrads(int unit) {
+  be_->JoinSideStream();
   // A unit never gathered since the deferral still holds the previous step's grad shards.
   if (absl::Status s = ApplyPendingUpdate(unit); !s.ok()) return s;
   FlushGrads();
@@ -474,6 +487,7 @@ void FsdpParams::MaterializeGrads() {
 }
 
 absl::Status FsdpParams::StartGradSquaredNorm(const float* values, int64_t n) {
+  be_->JoinSideStream();
   if (absl::Status s = ApplyPendingUpdates(); !s.ok()) return s;
   MaterializeGrads();
   if (!replica_error_.ok()) return std::exchange(replica_error_, absl::OkStatus());
@@ -504,6 +518,7 @@ double FsdpParams::FinishGradSquaredNorm(double* values_squared) {
 void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weight_decay,
                        int64_t step, float grad_scale) {
   FSDP8_CHECK(!UpdatePending()) << "AdamW while a deferred update is pending";
+  be_->JoinSideStream();
   DropPrefetches();  // their all-gathers read the bf16 wire shards written below
   MaterializeGrads();
   if (!fp8_refs_.empty()) be_->Memset(w_amax_.get(), 0, fp8_refs_.size() * sizeof(float));
@@ -545,6 +560,7 @@ void FsdpParams::DeferAdamW(const AdamWStep& s) {
   FSDP8_CHECK(CanDefer()) << "deferred AdamW under a WORLD optimizer with R > 1 or scale groups "
                              "across units";
   FSDP8_CHECK(!UpdatePending()) << "DeferAdamW while an update is pending";
+  be_->JoinSideStream();
   DropPrefetches();  // issued before the update of their units
   MaterializeGrads();
   adamw_outputs_ready_ = false;
@@ -575,6 +591,7 @@ absl::Status FsdpParams::ApplyPendingUpdate(int unit) {
 }
 
 absl::Status FsdpParams::ApplyPendingUpdates() {
+  be_->JoinSideStream();  // from here on the compute stream: after the side stream's updates
   for (size_t u = 0; u < units_.size(); ++u) {
     if (absl::Status s = ApplyPendingUpdate(static_cast<int>(u)); !s.ok()) return s;
   }
@@ -582,6 +599,7 @@ absl::Status FsdpParams::ApplyPendingUpdates() {
 }
 
 void FsdpParams::ApplyPendingLocally() {
+  be_->JoinSideStream();
   for (size_t u = 0; u < units_.size(); ++u) {
     if (!pending_[u]) continue;
     pending_[u] = false;
@@ -729,7 +747,7 @@ absl::Status FsdpParams::SetWeightScaleGroup(const std::vector<TensorRef>& membe
 }
 
 absl::StatusOr<std::map<std::string, std::vector<float>>> FsdpParams::GatherAll(bool grads) {
-  if (absl::Status s = ApplyPendingUpdates(); !s.ok()) return s;
+  if (absl::Status s = ApplyPendingUpdates(); !s.ok()) return s;  // joins the side stream
   if (grads) {
     MaterializeGrads();
   } else {
@@ -799,6 +817,7 @@ size_t FsdpParams::ElementBytes(ShardArray which) const {
 }
 
 void FsdpParams::DownloadShard(int unit, int buffer, ShardArray which, float* host) const {
+  be_->JoinSideStream();
   for (size_t u = 0; u < units_.size(); ++u) RunPendingAdamW(static_cast<int>(u));
   const int64_t n = units_[unit][buffer].opt_n;
   if (n <= 0) return;
@@ -839,6 +858,7 @@ void FsdpParams::UploadShardRange(int unit, int buffer, ShardArray which, int64_
 }
 
 const std::vector<WeightScaling>& FsdpParams::weight_scaling() const {
+  be_->JoinSideStream();  // the side stream's casts write the scales
   if (!wscale_on_host_ && !wscale_.empty()) {
     const size_t nf = wscale_.size();
     std::vector<float> amax(nf), scale(nf * kScaleStride), scale_inv(nf * kScaleStride);

@@ -309,6 +309,8 @@ class FsdpParams {
     int64_t ticket;
   };
   absl::Status Timed(absl::Status s, double t0);
+  // Prefetch's allocations and all-gathers (the unit marked in flight).
+  absl::Status IssuePrefetch(int unit);
   // Drops every prefetched, not yet gathered unit (its all-gather waited for, buffers freed).
   void DropPrefetches();
   // Drops one unit's issued all-gathers (waited for on the compute stream) and full buffers.
