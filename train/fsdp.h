@@ -7,12 +7,13 @@
 //   grad (f32)    — the reduced gradient of its slice, accumulated over microbatches. It exists
 //                   from the step's first reduce-scatter into it (or its first read) until the
 //                   next ZeroGrads frees it, so the forward of a step holds no gradient shards
-//                   (as `zero_grad(set_to_none=True)` in PyTorch); a slice no gradient reached
-//                   is allocated and zeroed only when first read;
+//                   (as `zero_grad(set_to_none=True)` in PyTorch) — except under a deferred
+//                   update (DeferAdamW), which keeps a unit's until its update ran; a slice no
+//                   gradient reached is allocated and zeroed only when first read;
 //   wire shard    — what travels on an all-gather: FP8 codes (u8) for FP8 GEMM weights, bf16 bit
 //                   patterns for bf16 buffers (fp32 buffers send the master slice itself).
 // The wire shards are refreshed by CastWeights() once per optimizer step (docs/architecture.md,
-// The step, item 6):
+// The step, item 6), or unit by unit by a deferred update (DeferAdamW, below):
 // for FP8 tensors, the amax of this rank's master slice (empty slice: 0), one fused
 // AllReduce(max) over all FP8 tensors, scale = ComputeScale(amax, 448, 0, previous) — identical on
 // every rank — then this rank's slice is cast with its tensor's scale.

@@ -6,7 +6,10 @@
 // the whole global batch (so 1, 2 or 3 ranks do the same math up to the order of f32 sums); then
 // one fused amax all-reduce and the delayed-scaling update, the global grad norm and clipping,
 // AdamW on the master shards with the warmup + cosine LR, and the FP8 cast of the next step's
-// weight shards.
+// weight shards. With training.overlap_optimizer (the default) the AdamW update and the cast of
+// each unit run just before the unit's next all-gather instead (FsdpParams::DeferAdamW): the
+// first units' at the step's end, the others' in the next step's forward (on CUDA on a side
+// stream, beside the previous unit's compute); the bits are the same.
 //
 // The trainer touches tensors only through Backend (device pointers); per step it copies to the
 // host the amaxes, the per-token losses and the grad norm.
@@ -61,7 +64,10 @@ struct StepStats {
   double val_loss = std::numeric_limits<double>::quiet_NaN();
   // Host wall seconds (StepTimer): the forward/backward split into compute and exposed
   // communication, and the optimizer phase (amax and grad-norm reductions, AdamW, FP8 weight
-  // casts); evaluation is in none of them.
+  // casts); evaluation is in none of them. With training.overlap_optimizer the optimizer phase
+  // holds the reductions, the scale update and the first two units' AdamW and casts (the
+  // prefetch that ends the step); the other units' run inside the next step's forward (in its
+  // compute seconds, overlapped on CUDA).
   double compute_seconds = 0;
   double comm_seconds = 0;
   double optimizer_seconds = 0;
