@@ -95,6 +95,9 @@ class StepSum {
   // the one d units back has both (its sum in flight: d = 2 behind a reduce-scatter in flight,
   // 1 on one rank).
   double GradsAt(int u, bool later, bool last) const;
+  // training.overlap_optimizer: the previous step's grad shards of units `first` on, kept for
+  // their deferred updates (FsdpParams::DeferAdamW) until the units are prefetched; else 0.
+  double PendingGrads(int first) const;
 
   const StepPlan& plan_;
   const ModelDims d_;
@@ -105,6 +108,7 @@ class StepSum {
   std::vector<UnitBytes> units_;
   double all_grads_ = 0, all_pieces_ = 0;
   bool pieces_ = false;  // WORLD optimizer sharding, R > 1
+  bool defer_ = false;   // the optimizer deferred into the next forward (Mesh::DefersOptimizer)
   double rebuild_ = 0;   // WORLD: the largest fp8/bf16 wire piece copied out for its all-gather
 };
 
@@ -118,6 +122,7 @@ StepSum::StepSum(const v1::JobSpec& spec, const StepPlan& plan, int64_t opt_byte
       attn16_(spec.precision().attention() == v1::PRECISION_BF16) {
   const bool keep_codes = spec.precision().fp8().keep_weight_codes();
   pieces_ = plan.mesh.optimizer_over_world && plan.mesh.replicas > 1;
+  defer_ = plan.mesh.DefersOptimizer(spec.training().overlap_optimizer());
   int fp8_tensors = 0;
   bool grouped = false;
   for (const BlockPlan& b : plan.blocks) {
@@ -201,6 +206,14 @@ double StepSum::GradsAt(int u, bool later, bool last) const {
   return g;
 }
 
+double StepSum::PendingGrads(int first) const {
+  double g = 0;
+  for (int x = std::max(first, 0); defer_ && x < static_cast<int>(units_.size()); ++x) {
+    g += units_[x].grad;
+  }
+  return g;
+}
+
 void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
   const int head = 1 + L_;
   std::vector<double> saved_before(L_ + 1, 0);  // saved activations of blocks < l
@@ -211,11 +224,43 @@ void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
   std::vector<std::pair<bool, bool>> walks = {{false, M == 1}};  // later, last
   if (M >= 2) walks.push_back({true, true});
   if (M >= 3 && pieces_) walks.push_back({true, false});
+  const double residual = N_ * C_ * 4;  // the forward's residual stream x (LlamaModel::Run)
+  {
+    // The step's start, before ZeroGrads and the batch: the previous step's grad shards (all of
+    // them in the serial order, the pending ones under a deferred optimizer) and its end's
+    // prefetches. The peak of a model whose shards outweigh its activations.
+    Bytes at = fixed_;
+    at[kBatch] = 0;
+    at[kGrads] = defer_ ? PendingGrads(2) : pieces_ ? all_pieces_ : all_grads_;
+    at[kGathered] = Prefetched(0) + (L_ > 0 ? Prefetched(1) : 0);
+    fwd->Take(at);
+  }
   for (auto [later, last] : walks) {
+    // Microbatch 0 under a deferred optimizer: the units from 2 on still hold the previous
+    // step's grad shards (units 0 and 1 were updated by the prefetch that ended it); each goes
+    // when its unit is prefetched, one block ahead, after its update.
+    if (!later && defer_) {
+      // The embedding's forward: its table read in f32 (bf16 wire), the residual.
+      Bytes at = fixed_;
+      at[kGrads] = PendingGrads(2);
+      at[kGathered] = Gathered(0) + Prefetched(1);
+      at[kWork] += residual;
+      fwd->Take(at);
+    }
     for (int l = 0; l < L_; ++l) {  // block l's forward
       const BlockPlan& b = plan_.blocks[l];
+      if (!later && defer_) {
+        // The update of the unit after it (prefetched as block l starts), before its grad
+        // shards go: block l's unit gathered, the activations saved so far, the residual.
+        Bytes at = fixed_;
+        at[kGrads] = PendingGrads(BlockUnit(l) + 1);
+        at[kGathered] = units_[BlockUnit(l)].full;
+        at[kSaved] = saved_before[l];
+        at[kWork] += residual;
+        fwd->Take(at);
+      }
       Bytes at = fixed_;  // at its largest moment (BlockPlan::forward_peak)
-      at[kGrads] = later ? all_grads_ : 0;
+      at[kGrads] = later ? all_grads_ : PendingGrads(BlockUnit(l) + 2);
       at[kGathered] = units_[BlockUnit(l)].full + Sum(b.forward_peak.gathered) +
                       Prefetched(BlockUnit(l) + 1);
       // Under recompute the block's kept input copy; else what it has kept by then.
@@ -298,6 +343,14 @@ void StepSum::Run(PhasePeak* fwd, PhasePeak* bwd, PhasePeak* opt) const {
     at[kWork] += work;
     if (work > 0) opt->Take(at);
     at[kWork] -= work;
+  }
+  if (defer_) {
+    // The prefetch of the next step's first units runs their deferred updates first, each
+    // freeing its grad shards before its all-gather's buffers come.
+    at[kGrads] = PendingGrads(1);
+    at[kGathered] = Prefetched(0);
+    opt->Take(at);
+    at[kGrads] = PendingGrads(2);
   }
   at[kGathered] = Prefetched(0) + (L_ > 0 ? Prefetched(1) : 0);
   opt->Take(at);

@@ -48,6 +48,12 @@ struct Mesh {
   // OptimizerIndex(rank); otherwise (SHARD_GROUP) the ranks of replica 0 write file = shard index
   // and the other replicas' ranks, which hold copies of those shards, write none.
   int CheckpointFile(int rank) const;
+  // Whether the optimizer can run deferred into the next step's forward, per unit
+  // (training.overlap_optimizer): not when the optimizer is sharded over the world with R > 1,
+  // whose wire shards are rebuilt by all-gathers over the replica group.
+  bool DefersOptimizer(bool overlap_optimizer) const {
+    return overlap_optimizer && !(optimizer_over_world && replicas > 1);
+  }
 };
 
 // The mesh of a spec resolved at world_size (sharding.replicas > 0: auto is resolved by the

@@ -139,6 +139,7 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
     t->set_saved_norm_inputs(v1::PRECISION_FP32);
   }
   if (!t->has_max_nonfinite_steps()) t->set_max_nonfinite_steps(0);
+  if (!t->has_overlap_optimizer()) t->set_overlap_optimizer(true);
 
   v1::OptimizerSpec* o = s.mutable_optimizer();
   if (!o->has_peak_lr()) o->set_peak_lr(3e-3);

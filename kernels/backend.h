@@ -147,6 +147,19 @@ class Backend {
   virtual void Copy(void* dst, const void* src, size_t bytes) = 0;            // device to device
   virtual void Memset(void* dst, int value, size_t bytes) = 0;
   virtual void Synchronize() = 0;
+  // The side stream (the deferred optimizer's updates beside the forward, FsdpParams::Prefetch):
+  // the ops enqueued between BeginSideStream() and EndSideStream(), their allocations and frees,
+  // and the collectives issued then (which order against the backend's current stream,
+  // CudaStreams::stream()) go to a second stream. They run after every op enqueued before
+  // BeginSideStream(), and may run beside the ops enqueued after EndSideStream(), which do not wait
+  // for them until JoinSideStream(): the compute stream's later ops then wait for every side-stream
+  // op so far (inside a section it does nothing). Sections do not nest; the op profile leaves the
+  // side stream's ops out, and they may use no scratch slot (CUDA aborts). CopyToHost
+  // and Synchronize wait for the compute stream only, Synchronize for the side stream too. The CPU
+  // backends run every op when it is called: the three do nothing there.
+  virtual void BeginSideStream() {}
+  virtual void EndSideStream() {}
+  virtual void JoinSideStream() {}
   // Bytes currently allocated through Alloc (plus the backend's own workspaces: CUDA's, and the
   // CPU backends' kept scratch slots) and the high-water mark since the last reset.
   virtual int64_t AllocatedBytes() const = 0;

@@ -441,13 +441,15 @@ absl::Status ReadShardFiles(const std::string& dir, int saved_world_size,
   return absl::OkStatus();
 }
 
-absl::Status SaveShard(const Trainer& trainer, int64_t step, const std::string& dir,
+absl::Status SaveShard(Trainer& trainer, int64_t step, const std::string& dir,
                        v1::CheckpointSaved* out, const FaultInjection* faults) {
   if (step != trainer.CompletedSteps()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "checkpoint ", dir, "/", CheckpointFileName(trainer.rank()), ": asked to save the state "
         "after step ", step, ", but this rank has completed ", trainer.CompletedSteps(), " steps"));
   }
+  // Every rank (a writer or not): the updates a step deferred are collective.
+  if (absl::Status s = trainer.ApplyPendingUpdates(); !s.ok()) return s;
   const CheckpointRole role = CheckpointRoleOf(trainer.mesh(), trainer.rank());
   if (!role.writes) {  // another replica writes this shard index's file
     out->set_step(step);

@@ -90,8 +90,9 @@ absl::Status ReadShardFiles(const std::string& dir, int saved_world_size,
 // FAILED_PRECONDITION when the trainer's state is not that (trainer.CompletedSteps() != step).
 // Under a mesh it writes file CheckpointRoleOf(mesh, rank).file_index, or nothing when the role
 // does not write: then it fills only out->{step, rank} (file empty). out->rank is the trainer's
-// (global) rank either way.
-absl::Status SaveShard(const Trainer& trainer, int64_t step, const std::string& dir,
+// (global) rank either way. Collective: it applies the updates the last step deferred
+// (Trainer::ApplyPendingUpdates) on every rank, a writer or not.
+absl::Status SaveShard(Trainer& trainer, int64_t step, const std::string& dir,
                        v1::CheckpointSaved* out, const FaultInjection* faults = nullptr);
 // Collective (every rank calls it): loads the checkpoint of saved_world_size rank files (the
 // files count of the writing job's CheckpointRole; any mesh loads it),

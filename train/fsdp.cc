@@ -77,6 +77,7 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
   for (size_t u = 0; u < plan.units.size(); ++u) {
     const AllocationLabel label("the shards (weights, gradients, AdamW moments) of unit",
                                 static_cast<int64_t>(u));
+    const int first_fp8 = static_cast<int>(fp8_refs_.size());
     for (size_t b = 0; b < plan.units[u].buffers.size(); ++b) {
       const BufferPlan& bp = plan.units[u].buffers[b];
       Buf& buf = units_[u].emplace_back();
@@ -128,7 +129,10 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
         buf.wire = DevBuf(be, ns * sizeof(float), MemoryLabel::kParams);
       }
     }
+    unit_fp8_.emplace_back(first_fp8, static_cast<int>(fp8_refs_.size()));
   }
+  pending_.assign(units_.size(), false);
+  adamw_pending_.assign(units_.size(), false);
   const size_t nf = std::max<size_t>(fp8_refs_.size(), 1);
   const MemoryLabelScope scaling(&be->account(), MemoryLabel::kScaling);
   w_scale_ = DevBuf(be, nf * kScaleStride * sizeof(float));
@@ -178,6 +182,7 @@ void FsdpParams::DropPrefetches() {
 }
 
 void FsdpParams::DropUnit(int unit) {
+  be_->JoinSideStream();  // the buffers freed below may be the side stream's (codes cast there)
   for (Buf& b : units_[unit]) {
     if (b.ticket != 0) comm_->Wait(b.ticket);  // the compute stream's frees below come after it
     b.ticket = 0;
@@ -192,6 +197,18 @@ void FsdpParams::DropUnit(int unit) {
 absl::Status FsdpParams::Prefetch(int unit) {
   if (in_flight_.size() != units_.size()) in_flight_.assign(units_.size(), false);
   if (in_flight_[unit]) return absl::OkStatus();
+  if (!pending_[unit]) return IssuePrefetch(unit);
+  // The unit's deferred update writes the wire shards its all-gathers send: both go to the side
+  // stream, after everything enqueued so far, beside the compute enqueued next (the previous
+  // unit's); Gather joins it.
+  be_->BeginSideStream();
+  absl::Status s = ApplyPendingUpdate(unit);
+  if (s.ok()) s = IssuePrefetch(unit);
+  be_->EndSideStream();
+  return s;
+}
+
+absl::Status FsdpParams::IssuePrefetch(int unit) {
   // Marked before the allocations: should one throw (out of memory), DropUnit (the destructor's)
   // waits for the all-gathers already issued.
   in_flight_[unit] = true;
@@ -244,6 +261,7 @@ absl::Status FsdpParams::Prefetch(int unit) {
 
 absl::Status FsdpParams::Gather(int unit) {
   if (absl::Status s = Prefetch(unit); !s.ok()) return s;
+  be_->JoinSideStream();  // a one-rank unit's update has no all-gather to wait for
   for (Buf& b : units_[unit]) {
     comm_->Wait(b.ticket);
     b.ticket = 0;
@@ -348,6 +366,9 @@ void FsdpParams::FinishReplicaSums() {
 }
 
 absl::Status FsdpParams::ReduceGrads(int unit) {
+  be_->JoinSideStream();
+  // A unit never gathered since the deferral still holds the previous step's grad shards.
+  if (absl::Status s = ApplyPendingUpdate(unit); !s.ok()) return s;
   FlushGrads();
   if (!replica_error_.ok()) return std::exchange(replica_error_, absl::OkStatus());
   for (Buf& b : units_[unit]) {
@@ -433,16 +454,22 @@ void FsdpParams::ZeroGrads() {
   // The step's first reduce-scatter allocates each grad shard and writes it whole (ReduceGrads);
   // shards no gradient reached are made zero before anything reads them (MaterializeGrads).
   FinishReplicaSums();
-  for (auto& u : units_) {
-    for (Buf& b : u) {
-      b.grad.Reset();
-      b.grad_unset = true;
-      b.replica_summed = false;
-    }
+  for (size_t u = 0; u < units_.size(); ++u) {
+    // A pending update reads its unit's grad shards: they go when it has run (FreeUnitGrads).
+    if (!pending_[u]) FreeUnitGrads(static_cast<int>(u));
+  }
+}
+
+void FsdpParams::FreeUnitGrads(int unit) {
+  for (Buf& b : units_[unit]) {
+    b.grad.Reset();
+    b.grad_unset = true;
+    b.replica_summed = false;
   }
 }
 
 void FsdpParams::MaterializeGrads() {
+  FSDP8_CHECK(!UpdatePending()) << "grad shards read while a deferred update still holds them";
   FlushGrads();
   FinishReplicaSums();
   for (auto& u : units_) {
@@ -460,6 +487,8 @@ void FsdpParams::MaterializeGrads() {
 }
 
 absl::Status FsdpParams::StartGradSquaredNorm(const float* values, int64_t n) {
+  be_->JoinSideStream();
+  if (absl::Status s = ApplyPendingUpdates(); !s.ok()) return s;
   MaterializeGrads();
   if (!replica_error_.ok()) return std::exchange(replica_error_, absl::OkStatus());
   grad_sq_ = DevBuf::Zeros(be_, 2 * sizeof(float), MemoryLabel::kWork);
@@ -488,41 +517,132 @@ double FsdpParams::FinishGradSquaredNorm(double* values_squared) {
 
 void FsdpParams::AdamW(float lr, float beta1, float beta2, float eps, float weight_decay,
                        int64_t step, float grad_scale) {
+  FSDP8_CHECK(!UpdatePending()) << "AdamW while a deferred update is pending";
+  be_->JoinSideStream();
   DropPrefetches();  // their all-gathers read the bf16 wire shards written below
   MaterializeGrads();
   if (!fp8_refs_.empty()) be_->Memset(w_amax_.get(), 0, fp8_refs_.size() * sizeof(float));
+  const AdamWStep s{lr, beta1, beta2, eps, weight_decay, step, grad_scale};
+  for (size_t u = 0; u < units_.size(); ++u) UpdateUnit(static_cast<int>(u), s);
+  adamw_outputs_ready_ = true;
+}
+
+void FsdpParams::UpdateUnit(int unit, const AdamWStep& s) const {
   // bf16 wire shards are packed by the update itself (CastWeights then skips them).
   // [lo, hi): shard elements within the optimizer piece; the piece's arrays start at opt_lo.
-  auto update = [&](Buf& b, int64_t lo, int64_t hi, float* amax) {
+  auto update = [&](const Buf& b, int64_t lo, int64_t hi, float* amax) {
     if (hi <= lo) return;
     uint16_t* p16 = b.plan->wire == WireDtype::kBf16 ? b.wire.u16() + lo : nullptr;
     const int64_t i = lo - b.opt_lo;
     if (moments_ == MomentDtype::kBf16) {
       be_->AdamW(b.master.f32() + i, b.grad.f32() + i, b.m.u16() + i, b.v.u16() + i, hi - lo,
-                 lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax, p16);
+                 s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.step, s.grad_scale, amax, p16);
       return;
     }
     be_->AdamW(b.master.f32() + i, b.grad.f32() + i, b.m.f32() + i, b.v.f32() + i, hi - lo,
-               lr, beta1, beta2, eps, weight_decay, step, grad_scale, amax, p16);
+               s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.step, s.grad_scale, amax, p16);
   };
-  for (auto& u : units_) {
-    for (Buf& b : u) {
-      // FP8 tensors' slices record the amax of their updated weights for CastWeights.
-      int64_t at = b.opt_lo;
-      for (int i : b.fp8_ids) {
-        const Slice& s = fp8_slices_[i];
-        if (s.hi <= s.lo) continue;
-        update(b, at, s.lo, nullptr);
-        update(b, s.lo, s.hi, w_amax_.f32() + i);
-        at = s.hi;
-      }
-      update(b, at, b.opt_lo + b.opt_n, nullptr);
+  for (const Buf& b : units_[unit]) {
+    // FP8 tensors' slices record the amax of their updated weights for the casts.
+    int64_t at = b.opt_lo;
+    for (int i : b.fp8_ids) {
+      const Slice& sl = fp8_slices_[i];
+      if (sl.hi <= sl.lo) continue;
+      update(b, at, sl.lo, nullptr);
+      update(b, sl.lo, sl.hi, w_amax_.f32() + i);
+      at = sl.hi;
     }
+    update(b, at, b.opt_lo + b.opt_n, nullptr);
   }
-  adamw_outputs_ready_ = true;
+}
+
+void FsdpParams::DeferAdamW(const AdamWStep& s) {
+  FSDP8_CHECK(CanDefer()) << "deferred AdamW under a WORLD optimizer with R > 1 or scale groups "
+                             "across units";
+  FSDP8_CHECK(!UpdatePending()) << "DeferAdamW while an update is pending";
+  be_->JoinSideStream();
+  DropPrefetches();  // issued before the update of their units
+  MaterializeGrads();
+  adamw_outputs_ready_ = false;
+  pending_step_ = s;
+  pending_.assign(units_.size(), true);
+  adamw_pending_.assign(units_.size(), true);
+}
+
+bool FsdpParams::UpdatePending() const {
+  return std::find(pending_.begin(), pending_.end(), true) != pending_.end();
+}
+
+void FsdpParams::RunPendingAdamW(int unit) const {
+  if (!adamw_pending_[unit]) return;
+  adamw_pending_[unit] = false;
+  const auto [lo, hi] = unit_fp8_[unit];
+  if (hi > lo) be_->Memset(w_amax_.f32() + lo, 0, (hi - lo) * sizeof(float));
+  UpdateUnit(unit, pending_step_);  // the amaxes stay in w_amax_ until the unit's cast
+}
+
+absl::Status FsdpParams::ApplyPendingUpdate(int unit) {
+  if (!pending_[unit]) return absl::OkStatus();
+  pending_[unit] = false;
+  RunPendingAdamW(unit);
+  absl::Status s = CastUnit(unit);
+  FreeUnitGrads(unit);  // stream-ordered after the update's reads
+  return s;
+}
+
+absl::Status FsdpParams::ApplyPendingUpdates() {
+  be_->JoinSideStream();  // from here on the compute stream: after the side stream's updates
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (absl::Status s = ApplyPendingUpdate(static_cast<int>(u)); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+void FsdpParams::ApplyPendingLocally() {
+  be_->JoinSideStream();
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (!pending_[u]) continue;
+    pending_[u] = false;
+    RunPendingAdamW(static_cast<int>(u));  // its amaxes unused: CastWeights retakes them
+    FreeUnitGrads(static_cast<int>(u));
+  }
+  adamw_outputs_ready_ = false;
+}
+
+absl::Status FsdpParams::CastUnit(int unit) {
+  // bf16 wire shards were packed by the update; fp32 buffers send the master itself.
+  const auto [lo, hi] = unit_fp8_[unit];
+  if (hi <= lo) return absl::OkStatus();
+  const int64_t n = hi - lo;
+  const double t0 = CommClock::Now();
+  absl::Status s = Timed(world_->AllReduce(w_amax_.f32() + lo, n, ReduceOp::kMax), t0);
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("fp8 weight amax all-reduce of ",
+                                               plan_.units[unit].name, ": ", s.message()));
+  }
+  // As CastWeights, over the unit's tensors (a scale group lies within one unit: CanDefer).
+  be_->Copy(w_amax_cast_.f32() + lo, w_amax_.f32() + lo, n * sizeof(float));
+  if (w_grouped_) {
+    be_->GroupMax(w_amax_cast_.f32() + lo, w_group_dev_.i32() + lo, n, w_amax_.f32() + lo);
+  }
+  be_->Fp8ScalesFromAmax(w_amax_.f32() + lo, n, Fp8MaxValue(/*e5m2=*/false), /*margin=*/0,
+                         w_scale_.f32() + lo * kScaleStride, w_scale_inv_.f32() + lo * kScaleStride,
+                         kScaleStride);
+  wscale_on_host_ = false;
+  if (!keep_fp8_codes_) return absl::OkStatus();  // each Prefetch casts with these scales
+  for (int i = lo; i < hi; ++i) {
+    Buf& b = units_[fp8_refs_[i].unit][fp8_refs_[i].buffer];
+    const Slice& sl = fp8_slices_[i];
+    if (sl.hi <= sl.lo) continue;
+    be_->CastFp8(b.master.f32() + (sl.lo - b.opt_lo), 1, sl.hi - sl.lo,
+                 w_scale_.f32() + i * kScaleStride, Fp8Format::kE4M3, b.wire.u8() + sl.lo,
+                 nullptr, nullptr);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status FsdpParams::CastWeights() {
+  ApplyPendingLocally();  // recast below from the updated master weights
   DropPrefetches();
   const bool from_adamw = adamw_outputs_ready_;
   adamw_outputs_ready_ = false;
@@ -616,7 +736,10 @@ absl::Status FsdpParams::SetWeightScaleGroup(const std::vector<TensorRef>& membe
     }
   }
   const int32_t g = members.front().fp8_id;
-  for (const TensorRef& r : members) w_group_[r.fp8_id] = g;
+  for (const TensorRef& r : members) {
+    w_group_[r.fp8_id] = g;
+    cross_unit_groups_ = cross_unit_groups_ || r.unit != members.front().unit;
+  }
   w_grouped_ = true;
   w_group_dev_ = DevBuf(be_, w_group_.size() * sizeof(int32_t), MemoryLabel::kScaling);
   be_->CopyToDevice(w_group_dev_.get(), w_group_.data(), w_group_.size() * sizeof(int32_t));
@@ -624,6 +747,7 @@ absl::Status FsdpParams::SetWeightScaleGroup(const std::vector<TensorRef>& membe
 }
 
 absl::StatusOr<std::map<std::string, std::vector<float>>> FsdpParams::GatherAll(bool grads) {
+  if (absl::Status s = ApplyPendingUpdates(); !s.ok()) return s;  // joins the side stream
   if (grads) {
     MaterializeGrads();
   } else {
@@ -667,6 +791,7 @@ bool FsdpParams::SetMasterElement(const std::string& hf_name, int64_t index, flo
   const int64_t g = r.offset + index;
   const int64_t begin = b.plan->ShardBegin(rank_) + b.opt_lo;
   if (g < begin || g >= begin + b.opt_n) return false;
+  ApplyPendingLocally();
   DropPrefetches();  // an fp32 buffer's all-gather reads the master shard
   adamw_outputs_ready_ = false;
   be_->CopyToDevice(b.master.f32() + (g - begin), &value, sizeof(float));
@@ -692,6 +817,8 @@ size_t FsdpParams::ElementBytes(ShardArray which) const {
 }
 
 void FsdpParams::DownloadShard(int unit, int buffer, ShardArray which, float* host) const {
+  be_->JoinSideStream();
+  for (size_t u = 0; u < units_.size(); ++u) RunPendingAdamW(static_cast<int>(u));
   const int64_t n = units_[unit][buffer].opt_n;
   if (n <= 0) return;
   if (ElementBytes(which) == sizeof(float)) {
@@ -705,6 +832,7 @@ void FsdpParams::DownloadShard(int unit, int buffer, ShardArray which, float* ho
 
 void FsdpParams::ZeroShard(int unit, int buffer, ShardArray which) {
   const int64_t n = units_[unit][buffer].opt_n;
+  ApplyPendingLocally();
   DropPrefetches();  // an fp32 buffer's all-gather reads the master shard
   adamw_outputs_ready_ = false;
   if (n > 0) be_->Memset(Array(unit, buffer, which).get(), 0, n * ElementBytes(which));
@@ -715,6 +843,7 @@ void FsdpParams::UploadShardRange(int unit, int buffer, ShardArray which, int64_
   const int64_t shard = units_[unit][buffer].opt_n;
   FSDP8_CHECK(offset >= 0 && n >= 0 && offset + n <= shard)
       << "shard range [" << offset << ", " << offset + n << ") of " << shard;
+  ApplyPendingLocally();
   DropPrefetches();  // an fp32 buffer's all-gather reads the master shard
   adamw_outputs_ready_ = false;
   if (n <= 0) return;
@@ -729,6 +858,7 @@ void FsdpParams::UploadShardRange(int unit, int buffer, ShardArray which, int64_
 }
 
 const std::vector<WeightScaling>& FsdpParams::weight_scaling() const {
+  be_->JoinSideStream();  // the side stream's casts write the scales
   if (!wscale_on_host_ && !wscale_.empty()) {
     const size_t nf = wscale_.size();
     std::vector<float> amax(nf), scale(nf * kScaleStride), scale_inv(nf * kScaleStride);

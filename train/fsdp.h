@@ -7,12 +7,13 @@
 //   grad (f32)    — the reduced gradient of its slice, accumulated over microbatches. It exists
 //                   from the step's first reduce-scatter into it (or its first read) until the
 //                   next ZeroGrads frees it, so the forward of a step holds no gradient shards
-//                   (as `zero_grad(set_to_none=True)` in PyTorch); a slice no gradient reached
-//                   is allocated and zeroed only when first read;
+//                   (as `zero_grad(set_to_none=True)` in PyTorch) — except under a deferred
+//                   update (DeferAdamW), which keeps a unit's until its update ran; a slice no
+//                   gradient reached is allocated and zeroed only when first read;
 //   wire shard    — what travels on an all-gather: FP8 codes (u8) for FP8 GEMM weights, bf16 bit
 //                   patterns for bf16 buffers (fp32 buffers send the master slice itself).
 // The wire shards are refreshed by CastWeights() once per optimizer step (docs/architecture.md,
-// The step, item 6):
+// The step, item 6), or unit by unit by a deferred update (DeferAdamW, below):
 // for FP8 tensors, the amax of this rank's master slice (empty slice: 0), one fused
 // AllReduce(max) over all FP8 tensors, scale = ComputeScale(amax, 448, 0, previous) — identical on
 // every rank — then this rank's slice is cast with its tensor's scale.
@@ -51,6 +52,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -82,6 +84,14 @@ struct TensorRef {
   int64_t numel = 0;
   WireDtype wire = WireDtype::kFp32;
   int fp8_id = -1;       // index among FP8 weight tensors, -1 otherwise
+};
+
+// AdamW's arguments for one optimizer step (Backend::AdamW); grad_scale multiplies every
+// gradient (the clipping factor).
+struct AdamWStep {
+  float lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
+  int64_t step = 0;  // AdamW's step counter (bias correction), from 1
+  float grad_scale = 1;
 };
 
 // FP8 weight scaling summary for reports.
@@ -196,8 +206,43 @@ class FsdpParams {
   // tensors' amaxes, which the next CastWeights() takes unless a master weight changed in between
   // (SetMasterElement, ZeroShard, UploadShardRange). Prefetches still in flight read the wire
   // shards: they are dropped first.
+  // Aborts while a deferred update is pending (DeferAdamW).
   void AdamW(float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
              float grad_scale);
+  void AdamW(const AdamWStep& s) {
+    AdamW(s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.step, s.grad_scale);
+  }
+
+  // ---- the deferred update (training.overlap_optimizer) ----
+  // DeferAdamW records `s` as every unit's pending update instead of running it (the grad shards
+  // are complete: call it where AdamW would be called). A unit's pending update runs when the
+  // unit is next prefetched or gathered (Prefetch, before its all-gathers are issued), when its
+  // gradients are next reduced (ReduceGrads), or by ApplyPendingUpdate(s): that unit's AdamW,
+  // then the refresh of its wire shards as CastWeights() does it for the unit's tensors (the
+  // amax all-reduce(max) over the unit's FP8 weights, their scales, the casts), then its grad
+  // shards are freed. ZeroGrads keeps the grad shards of units whose update is pending. The
+  // results are bit-identical to AdamW() then CastWeights(): the same per-element update, and a
+  // maximum is exact in any grouping of the ranks' amaxes. Prefetches in flight are dropped
+  // first. Aborts when !CanDefer().
+  // The per-unit update is collective over the world when the unit has FP8 weights (its amax
+  // all-reduce): every rank must apply the same units in the same order, as every rank
+  // prefetches the same units in the same order. Readers of the master weights and moments
+  // apply the pending updates first: GatherAll and StartGradSquaredNorm (collective, as they
+  // are) do; SetMasterElement, ZeroShard, UploadShardRange and CastWeights run the pending AdamW
+  // updates locally (no collective: their callers recast the wire shards with CastWeights);
+  // DownloadShard runs the pending AdamW updates (no collective; the units' casts stay pending).
+  // weight_scaling() reports the scales as cast so far: a unit's pending update has not cast yet.
+  void DeferAdamW(const AdamWStep& s);
+  // Whether updates can be deferred per unit: not under an optimizer sharded over the world with
+  // R > 1 (its wire shards are rebuilt by all-gathers over the replica group) nor with a weight
+  // scale group spanning units.
+  bool CanDefer() const { return !WorldOptimizer() && !cross_unit_groups_; }
+  // Whether some unit's deferred update has not run yet.
+  bool UpdatePending() const;
+  // Runs `unit`'s pending update (no-op without one); errors are the amax all-reduce's.
+  absl::Status ApplyPendingUpdate(int unit);
+  // Every pending update, in unit order (collective, see above).
+  absl::Status ApplyPendingUpdates();
   // Refreshes the wire shards from the master weights (FP8 casts with a fused amax all-reduce).
   // Prefetches still in flight read the old shards: they are dropped first.
   absl::Status CastWeights();
@@ -265,6 +310,8 @@ class FsdpParams {
     int64_t ticket;
   };
   absl::Status Timed(absl::Status s, double t0);
+  // Prefetch's allocations and all-gathers (the unit marked in flight).
+  absl::Status IssuePrefetch(int unit);
   // Drops every prefetched, not yet gathered unit (its all-gather waited for, buffers freed).
   void DropPrefetches();
   // Drops one unit's issued all-gathers (waited for on the compute stream) and full buffers.
@@ -273,7 +320,23 @@ class FsdpParams {
   // (shard_numel bytes; the rest zeroed, as a kept wire shard's padding).
   void CastShardCodes(const Buf& b, uint8_t* codes);
   // Finishes pending reduce-scatters; allocates and zeroes the grad shards no gradient reached.
+  // Aborts while a deferred update is pending (its grad shards are the previous step's).
   void MaterializeGrads();
+  // AdamW over unit's buffers; FP8 tensors' slices take their amax into w_amax_ (zeroed by the
+  // caller).
+  void UpdateUnit(int unit, const AdamWStep& s) const;
+  // Runs unit's pending AdamW (no-op without one), not its cast (no collective): DownloadShard
+  // reads the updated arrays so; the cast follows with the unit's update (w_amax_ keeps the
+  // amaxes until then).
+  void RunPendingAdamW(int unit) const;
+  // The wire-shard refresh of CastWeights for one unit whose AdamW just ran (w_amax_ holds its
+  // FP8 tensors' amaxes, its bf16 wire shards are packed): amax all-reduce, scales, casts.
+  absl::Status CastUnit(int unit);
+  // Runs every pending AdamW update without the casts (no collective); the wire shards are then
+  // stale until the next CastWeights.
+  void ApplyPendingLocally();
+  // Frees unit's grad shards (its update ran): the next step's first reduce-scatter makes them.
+  void FreeUnitGrads(int unit);
   // R > 1: starts b's replica-group sum (its grad shard complete); finishes those in flight.
   absl::Status StartReplicaSum(Buf& b);
   void FinishReplicaSums();
@@ -316,6 +379,12 @@ class FsdpParams {
   DevBuf grad_sq_;                         // StartGradSquaredNorm's sums (2) f32
   std::vector<int32_t> w_group_;           // per FP8 tensor: its scale group (its own index alone)
   bool w_grouped_ = false;                 // some group has two or more members
+  bool cross_unit_groups_ = false;         // some group has members in two units
+  // Per unit: its FP8 tensors' ids [first, second) (contiguous: ids go in unit order).
+  std::vector<std::pair<int, int>> unit_fp8_;
+  std::vector<bool> pending_;  // per unit: its deferred update has not run (DeferAdamW)
+  mutable std::vector<bool> adamw_pending_;  // per unit: not even its AdamW (RunPendingAdamW)
+  AdamWStep pending_step_;
   DevBuf w_group_dev_;                     // w_group_ on the device (n_fp8) int32, when grouped
 };
 

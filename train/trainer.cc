@@ -137,6 +137,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
   t->model_ = std::make_unique<LlamaModel>(spec, t->params_.get(), t->scaling_.get(), backend,
                                            options.model);
   t->scaling_->Finalize();
+  // After the model's weight scale groups (FsdpParams::CanDefer).
+  t->defer_optimizer_ =
+      mesh->DefersOptimizer(tr.overlap_optimizer()) && t->params_->CanDefer();
   if (absl::Status s = t->RecastWeights(); !s.ok()) return s;
   return t;
 }
@@ -340,6 +343,10 @@ absl::StatusOr<StepStats> Trainer::Step(int64_t step, bool evaluate, bool report
   // The next step's first all-gathers overlap this step's end and the host's turn-around; they
   // count in this step's bytes, as this step's own first all-gathers counted in the previous one.
   if (absl::Status s = model_->PrefetchFirstUnits(); !s.ok()) return s;
+  // The job's last step, and a step whose scaling state is reported, leave nothing pending.
+  if (step + 1 >= spec_.training().steps() || report_scaling) {
+    if (absl::Status s = ApplyPendingUpdates(); !s.ok()) return s;
+  }
   const CommBytes bytes1 = Bytes();
   be_->Synchronize();
   timer_.Mark(StepTimer::kOptimizer);
@@ -428,10 +435,25 @@ absl::Status Trainer::StepOptimizer(int64_t step, StepStats* r) {
   const v1::OptimizerSpec& o = spec_.optimizer();
   double clip = 1.0;
   if (o.grad_clip() > 0) clip = std::min(1.0, o.grad_clip() / (norm + 1e-6));
-  params_->AdamW(static_cast<float>(lr), static_cast<float>(o.beta1()),
-                 static_cast<float>(o.beta2()), static_cast<float>(o.eps()),
-                 static_cast<float>(o.weight_decay()), step + 1 + adamw_offset_,
-                 static_cast<float>(clip));
+  const AdamWStep update{static_cast<float>(lr),
+                         static_cast<float>(o.beta1()),
+                         static_cast<float>(o.beta2()),
+                         static_cast<float>(o.eps()),
+                         static_cast<float>(o.weight_decay()),
+                         step + 1 + adamw_offset_,
+                         static_cast<float>(clip)};
+  if (defer_optimizer_) {
+    // Each unit's AdamW and wire-shard cast run before its next all-gather (FsdpParams::
+    // DeferAdamW): the first units' in the prefetch that ends this step, the others' in the
+    // next step's forward.
+    params_->DeferAdamW(update);
+    timer_.Mark(StepTimer::kAdamW);
+    timer_.Mark(StepTimer::kWeightCasts);
+    if (absl::Status s = VerifyComms(); !s.ok()) return s;
+    timer_.Mark(StepTimer::kVerify);
+    return absl::OkStatus();
+  }
+  params_->AdamW(update);
   timer_.Mark(StepTimer::kAdamW);
   if (absl::Status s = params_->CastWeights(); !s.ok()) return s;
   // C09 for this step's collectives, before the next step's prefetch: its headers queue behind
@@ -442,6 +464,8 @@ absl::Status Trainer::StepOptimizer(int64_t step, StepStats* r) {
   timer_.Mark(StepTimer::kVerify);
   return absl::OkStatus();
 }
+
+absl::Status Trainer::ApplyPendingUpdates() { return params_->ApplyPendingUpdates(); }
 
 std::vector<Communicator*> Trainer::Comms() const {
   std::vector<Communicator*> out = {comm_};
@@ -474,7 +498,13 @@ absl::Status Trainer::VerifyComms() {
   return absl::OkStatus();
 }
 
-v1::ScalingState Trainer::ScalingReport() const {
+v1::ScalingState Trainer::ScalingReport() {
+  // A failed collective breaks the trainer; the next step reports it.
+  (void)ApplyPendingUpdates();
+  return CurrentScalingReport();
+}
+
+v1::ScalingState Trainer::CurrentScalingReport() const {
   v1::ScalingState out;
   out.set_step(last_step_);
   for (const WeightScaling& w : params_->weight_scaling()) {

@@ -6,7 +6,10 @@
 // the whole global batch (so 1, 2 or 3 ranks do the same math up to the order of f32 sums); then
 // one fused amax all-reduce and the delayed-scaling update, the global grad norm and clipping,
 // AdamW on the master shards with the warmup + cosine LR, and the FP8 cast of the next step's
-// weight shards.
+// weight shards. With training.overlap_optimizer (the default) the AdamW update and the cast of
+// each unit run just before the unit's next all-gather instead (FsdpParams::DeferAdamW): the
+// first units' at the step's end, the others' in the next step's forward (on CUDA on a side
+// stream, beside the previous unit's compute); the bits are the same.
 //
 // The trainer touches tensors only through Backend (device pointers); per step it copies to the
 // host the amaxes, the per-token losses and the grad norm.
@@ -61,7 +64,10 @@ struct StepStats {
   double val_loss = std::numeric_limits<double>::quiet_NaN();
   // Host wall seconds (StepTimer): the forward/backward split into compute and exposed
   // communication, and the optimizer phase (amax and grad-norm reductions, AdamW, FP8 weight
-  // casts); evaluation is in none of them.
+  // casts); evaluation is in none of them. With training.overlap_optimizer the optimizer phase
+  // holds the reductions, the scale update and the first two units' AdamW and casts (the
+  // prefetch that ends the step); the other units' run inside the next step's forward (in its
+  // compute seconds, overlapped on CUDA).
   double compute_seconds = 0;
   double comm_seconds = 0;
   double optimizer_seconds = 0;
@@ -127,7 +133,14 @@ class Trainer {
 
   // The learning rate of step k: linear warmup, then cosine to min_lr_ratio * peak.
   double LearningRate(int64_t step) const;
-  v1::ScalingState ScalingReport() const;
+  // The FP8 scaling state after the last step. Applies the pending updates first
+  // (ApplyPendingUpdates: collective, every rank calls it at the same point), so that the weight
+  // scales are the last step's casts'.
+  v1::ScalingState ScalingReport();
+  // The same without applying anything (no collective): with training.overlap_optimizer a unit
+  // whose deferred update has not run yet reports the weight scales its wire shards hold now
+  // (the previous step's cast); the rest as ScalingReport.
+  v1::ScalingState CurrentScalingReport() const;
 
   // ---- for tests and tools ----
   // Zeroes the grad shards and accumulates the gradients of step k's global mean loss; returns
@@ -167,6 +180,15 @@ class Trainer {
   // After the master weights changed outside a step (checkpoint load, weight import): recasts
   // the wire shards (FsdpParams::CastWeights) and prefetches the first units of the next step.
   absl::Status RecastWeights();
+  // training.overlap_optimizer in effect (Mesh::DefersOptimizer and FsdpParams::CanDefer): each
+  // step's AdamW updates and wire-shard casts run per unit before the unit's next all-gather.
+  bool defers_optimizer() const { return defer_optimizer_; }
+  // Runs the updates a step deferred (FsdpParams::DeferAdamW) that have not run yet, so that the
+  // master weights, moments and FP8 weight scales are the completed steps' (no-op when none is
+  // pending). Collective: every rank calls it at the same point. Checkpoint saves and loads and
+  // weight imports call it; evaluation and every forward apply each unit's update as they gather
+  // it; Step applies them all at the job's last step and when it reports the scaling state.
+  absl::Status ApplyPendingUpdates();
   // Optimizer steps the current state has completed (the last step run + 1, or the loaded step).
   int64_t CompletedSteps() const { return last_step_ + 1; }
 
@@ -208,6 +230,7 @@ class Trainer {
   int local_batch_ = 0, micro_ = 0, microbatches_ = 0;
   int64_t last_step_ = -1;
   int64_t adamw_offset_ = 0;
+  bool defer_optimizer_ = false;
   StepTimer timer_;
 };
 

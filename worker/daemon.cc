@@ -601,7 +601,7 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
     delta.all_reduce = now.all_reduce - job_->reported.all_reduce;
     opts_.metrics->OnStep(job_->job_id, job_->rank, result, wall, delta,
                           result.has_scaling() ? result.scaling()
-                                               : job_->trainer->ScalingReport());
+                                               : job_->trainer->CurrentScalingReport());
     job_->reported = now;
   }
   *m.mutable_result() = std::move(result);

@@ -11,7 +11,9 @@
 #   BIN=.dev/gpu FORTUNES=.dev/fortunes OUT_DIR=runs/same-bits bench/gpu/same-bits.sh
 #   python3 bench/gpu/same_bits.py A/losses.json B/losses.json      # first differing step, if any
 # JOBS: which of the two to run (default "default l3proxy"); BACKEND=cpu with NGPUS=K runs them on K
-# CPU workers instead (a check of this script without a GPU).
+# CPU workers instead (a check of this script without a GPU). OVERLAP_OPTIMIZER=true|false sets
+# training.overlap_optimizer in both jobs (default: the spec's default, true); the two orders give
+# the same bits.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
@@ -23,7 +25,7 @@ N=${NGPUS:-$(nvidia-smi -L | grep -c '^GPU')}
 BACKEND=${BACKEND:-cuda}
 JOBS=${JOBS:-default l3proxy}
 export NCCL_NVLS_ENABLE=0
-fixed="training.gemm_autotune=false training.deterministic=true"
+fixed="training.gemm_autotune=false training.deterministic=true${OVERLAP_OPTIMIZER:+ training.overlap_optimizer=$OVERLAP_OPTIMIZER}"
 
 pids=()
 start() {
@@ -56,7 +58,7 @@ job() {  # name spec
 sed -e "s|^backend: cpu|backend: $BACKEND|" -e "s|DATA_DIR|$FORTUNES|" \
     -e "s|^  min_workers: .*|  min_workers: $N|" -e "s|^  max_workers: .*|  max_workers: $N|" \
     -e "s|^  steps: 600|  steps: ${DEFAULT_STEPS:-600}|" \
-    -e "s|^training:|training:\n  gemm_autotune: false\n  deterministic: true|" \
+    -e "s|^training:|training:\n  gemm_autotune: false\n  deterministic: true${OVERLAP_OPTIMIZER:+\n  overlap_optimizer: $OVERLAP_OPTIMIZER}|" \
     data/default-job.yaml > "$OUT_DIR/default.yaml"
 if [[ " $JOBS " == *" l3proxy "* ]]; then
   python3 bench/gpu/benchtool.py tokens "$OUT_DIR/tokens-128256.bin" 128256

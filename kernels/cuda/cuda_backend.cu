@@ -37,6 +37,7 @@ CudaBackend::CudaBackend(int device, const BackendOptions& options)
     : device_(device), limit_(options.memory_limit_bytes) {
   FSDP8_CUDA_CHECK(cudaSetDevice(device_));
   FSDP8_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  compute_stream_ = stream_;
   FSDP8_CUDA_CHECK(cudaMalloc(&gemm_workspace_, kGemmWorkspaceBytes));
   lt_ = std::make_unique<cuda::LtGemm>(stream_, gemm_workspace_, kGemmWorkspaceBytes);
   lt_->set_verbose(options.gemm_verbose);
@@ -93,6 +94,8 @@ void CudaBackend::ReportPoolPeaks() const {
 
 CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
+  if (in_side_) EndSideStream();
+  JoinSideStream();  // the frees below come after the side stream's work
   cudaStreamSynchronize(stream_);
   ReportPoolPeaks();
   prof_.reset();
@@ -105,6 +108,11 @@ CudaBackend::~CudaBackend() {
   for (int i = 0; i < kScratchSlots; ++i) cudaFree(scratch_[i]);
   cudaFree(rope_table_);
   cudaFree(gemm_workspace_);
+  if (side_stream_ != nullptr) {
+    cudaEventDestroy(side_fork_);
+    cudaEventDestroy(side_done_);
+    cudaStreamDestroy(side_stream_);
+  }
   cudaStreamDestroy(stream_);
 }
 
@@ -112,12 +120,12 @@ void CudaBackend::Bind() const { FSDP8_CUDA_CHECK(cudaSetDevice(device_)); }
 
 cuda::OpScope CudaBackend::Op(const char* name) {
   Bind();
-  return cuda::OpScope(prof_.get(), name);
+  return cuda::OpScope(Prof(), name);
 }
 
 cuda::OpScope CudaBackend::Op(const char* name, int64_t M, int64_t N, int64_t K) {
   Bind();
-  return cuda::OpScope(prof_.get(), name, M, N, K);
+  return cuda::OpScope(Prof(), name, M, N, K);
 }
 
 bool CudaBackend::EmptyGemm(int64_t M, int64_t N, int64_t K, float* C, bool accumulate) {
@@ -193,14 +201,14 @@ void CudaBackend::CopyToHost(void* host_dst, const void* src, size_t bytes) {
 }
 
 void CudaBackend::Copy(void* dst, const void* src, size_t bytes) {
-  cuda::OpScope op_scope(prof_.get(), "Copy");
+  cuda::OpScope op_scope(Prof(), "Copy");
   if (bytes == 0) return;
   Bind();
   FSDP8_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
 }
 
 void CudaBackend::Memset(void* dst, int value, size_t bytes) {
-  cuda::OpScope op_scope(prof_.get(), "Memset");
+  cuda::OpScope op_scope(Prof(), "Memset");
   if (bytes == 0) return;
   Bind();
   FSDP8_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, stream_));
@@ -209,7 +217,41 @@ void CudaBackend::Memset(void* dst, int value, size_t bytes) {
 void CudaBackend::Synchronize() {
   Bind();
   FSDP8_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (side_stream_ != nullptr) FSDP8_CUDA_CHECK(cudaStreamSynchronize(side_stream_));
   if (prof_) prof_->Harvest(/*block=*/false);
+}
+
+void CudaBackend::BeginSideStream() {
+  FSDP8_CHECK(!in_side_) << "BeginSideStream inside a side-stream section";
+  Bind();
+  if (side_stream_ == nullptr) {
+    FSDP8_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+    FSDP8_CUDA_CHECK(cudaEventCreateWithFlags(&side_fork_, cudaEventDisableTiming));
+    FSDP8_CUDA_CHECK(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming));
+  }
+  // After everything enqueued so far (the backward's gradients, the last reads of the weights).
+  FSDP8_CUDA_CHECK(cudaEventRecord(side_fork_, compute_stream_));
+  FSDP8_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, side_fork_, 0));
+  stream_ = side_stream_;
+  in_side_ = true;
+}
+
+void CudaBackend::EndSideStream() {
+  FSDP8_CHECK(in_side_) << "EndSideStream without BeginSideStream";
+  Bind();
+  FSDP8_CUDA_CHECK(cudaEventRecord(side_done_, side_stream_));
+  stream_ = compute_stream_;
+  in_side_ = false;
+  side_unjoined_ = true;
+}
+
+void CudaBackend::JoinSideStream() {
+  // Inside a section the current stream is the side stream: in order with its ops already.
+  if (!side_unjoined_ || in_side_) return;
+  Bind();
+  // side_done_ was last recorded by the latest EndSideStream: after every side-stream op.
+  FSDP8_CUDA_CHECK(cudaStreamWaitEvent(compute_stream_, side_done_, 0));
+  side_unjoined_ = false;
 }
 
 void CudaBackend::CountWorkspaces() {
@@ -220,6 +262,8 @@ void CudaBackend::CountWorkspaces() {
 }
 
 void* CudaBackend::Scratch(int i, size_t bytes) {
+  // The slots are shared with the compute stream's ops, which may run beside the side stream's.
+  FSDP8_CHECK(!in_side_) << "scratch slot " << i << " used on the side stream";
   if (bytes == 0) bytes = 1;
   if (scratch_bytes_[i] < bytes) {
     FSDP8_CUDA_CHECK(cudaStreamSynchronize(stream_));

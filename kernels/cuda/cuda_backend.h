@@ -92,6 +92,9 @@ class CudaBackend final : public Backend, public CudaStreams {
   void Copy(void* dst, const void* src, size_t bytes) override;
   void Memset(void* dst, int value, size_t bytes) override;
   void Synchronize() override;
+  void BeginSideStream() override;
+  void EndSideStream() override;
+  void JoinSideStream() override;
   int64_t AllocatedBytes() const override { return allocated_ + workspace_; }
   int64_t PeakAllocatedBytes() const override { return peak_; }
   void ResetPeak() override {
@@ -192,6 +195,9 @@ class CudaBackend final : public Backend, public CudaStreams {
   // Bytes from p to the end of the Alloc'd buffer containing it; 0 when unknown.
   size_t BytesToEndOfAllocation(const void* p) const;
   void Bind() const;
+  // The op profile of an op enqueued now: none on the side stream (its events are the compute
+  // stream's).
+  cuda::OpProfile* Prof() const { return in_side_ ? nullptr : prof_.get(); }
   // Builds the RoPE cos/sin table for (T, D, theta) and the set frequencies (SetRopeInvFreq:
   // tabulated on the host) unless it is the cached one.
   void EnsureRopeTable(int64_t T, int64_t D, float theta);
@@ -204,7 +210,12 @@ class CudaBackend final : public Backend, public CudaStreams {
 
   int device_;
   int64_t limit_ = 0;  // BackendOptions::memory_limit_bytes
-  cudaStream_t stream_ = nullptr;
+  cudaStream_t stream_ = nullptr;  // the current stream: compute_stream_, or side_stream_
+  cudaStream_t compute_stream_ = nullptr;
+  cudaStream_t side_stream_ = nullptr;  // created by the first BeginSideStream
+  cudaEvent_t side_fork_ = nullptr, side_done_ = nullptr;
+  bool in_side_ = false;       // between BeginSideStream and EndSideStream
+  bool side_unjoined_ = false;  // side-stream work the compute stream has not waited for
   void* gemm_workspace_ = nullptr;
   std::unique_ptr<cuda::LtGemm> lt_;
   std::map<uintptr_t, size_t> sizes_;  // base address -> bytes

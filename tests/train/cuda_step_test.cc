@@ -43,6 +43,9 @@
 //   gradient), >= 99% (FP8: with an RMS gradient difference of ~2^-5.5 of the RMS gradient, only
 //   elements with |g| below that fraction can flip: < 1% for any unimodal gradient distribution).
 //
+// CudaStep.DeferredOptimizerGivesTheSerialBits: the default plan on CUDA with the optimizer
+// deferred onto the side stream against the serial order, bit for bit (below).
+//
 // Without CUDA in the build, or without a device, every test skips with the reason.
 #include <algorithm>
 #include <chrono>
@@ -304,6 +307,85 @@ void RunBoth(bool fp32) {
   Compare(fp32 ? "fp32" : "fp8", cpu, gpu, tol);
 }
 #endif
+
+#if defined(FSDP8_WITH_CUDA)
+// The default plan on CUDA with training.overlap_optimizer true (each unit's AdamW and casts on
+// the side stream, beside the previous unit's forward) and false (the serial order): 6 steps of
+// an 8-step job, so the last ones leave updates pending; an evaluation after step 3 (its forward
+// applies them on the side stream). Every loss, grad norm and validation loss, and the final
+// master weights, bit for bit.
+void DeferredAgainstSerial() {
+  std::string err;
+  std::unique_ptr<Backend> probe = CreateBackend("cuda", CudaDevice(), &err);
+  if (probe == nullptr) GTEST_SKIP() << "backend 'cuda' unavailable: " << err;
+  probe.reset();
+  struct Out {
+    std::vector<StepStats> steps;
+    Tensors master;
+    bool defers = false;
+  };
+  auto run = [&](bool overlap, Out* out) {
+    std::unique_ptr<Backend> be = CreateBackend("cuda", CudaDevice(), &err);
+    ASSERT_NE(be, nullptr) << err;
+    testing::MemKvStore kv;
+    auto comm = CreateNcclCommunicator(0, 1, &kv, overlap ? "defer_on/" : "defer_off/", be.get(),
+                                       std::chrono::seconds(60));
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    v1::JobSpec spec = StepSpec(/*fp32=*/false);
+    spec.set_backend("cuda");
+    spec.mutable_data()->set_val_path(TrainFile());
+    spec.mutable_training()->set_steps(8);
+    spec.mutable_training()->set_overlap_optimizer(overlap);
+    spec.mutable_optimizer()->set_grad_clip(0.05);  // every step clips
+    auto t = Trainer::Create(WithDefaults(spec, 1), 0, 1, be.get(), comm->get());
+    ASSERT_TRUE(t.ok()) << t.status();
+    out->defers = (*t)->defers_optimizer();
+    for (int k = 0; k < 6; ++k) {
+      auto r = (*t)->Step(k, k == 3, false);
+      ASSERT_TRUE(r.ok()) << "step " << k << ": " << r.status();
+      out->steps.push_back(*r);
+    }
+    auto m = (*t)->params().GatherAll(false);
+    ASSERT_TRUE(m.ok()) << m.status();
+    out->master = std::move(*m);
+  };
+  Out serial, deferred;
+  run(false, &serial);
+  if (::testing::Test::HasFatalFailure()) return;
+  run(true, &deferred);
+  if (::testing::Test::HasFatalFailure()) return;
+  EXPECT_FALSE(serial.defers);
+  EXPECT_TRUE(deferred.defers);
+  auto same = [](double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; };
+  for (size_t k = 0; k < serial.steps.size(); ++k) {
+    const StepStats& a = serial.steps[k];
+    const StepStats& b = deferred.steps[k];
+    std::printf("cuda-step deferred step %zu: loss %.9g / %.9g, grad norm %.9g / %.9g\n", k,
+                a.loss_sum, b.loss_sum, a.grad_norm, b.grad_norm);
+    EXPECT_TRUE(same(a.loss_sum, b.loss_sum)) << "step " << k;
+    EXPECT_TRUE(same(a.grad_norm, b.grad_norm)) << "step " << k;
+    EXPECT_GT(a.grad_norm, 0.05) << "step " << k << " does not clip";
+    if (k == 3) {
+      EXPECT_TRUE(same(a.val_loss, b.val_loss)) << a.val_loss << " vs " << b.val_loss;
+    }
+  }
+  ASSERT_EQ(serial.master.size(), deferred.master.size());
+  for (const auto& [name, w] : serial.master) {
+    ASSERT_TRUE(deferred.master.count(name)) << name;
+    const std::vector<float>& v = deferred.master.at(name);
+    ASSERT_EQ(w.size(), v.size()) << name;
+    EXPECT_EQ(std::memcmp(w.data(), v.data(), w.size() * sizeof(float)), 0) << name;
+  }
+}
+#endif
+
+TEST(CudaStep, DeferredOptimizerGivesTheSerialBits) {
+#if defined(FSDP8_WITH_CUDA)
+  DeferredAgainstSerial();
+#else
+  GTEST_SKIP() << "built without CUDA (configure with -DFSDP8_CUDA=ON)";
+#endif
+}
 
 TEST(CudaStep, Fp32PlanMatchesCpu) {
 #if defined(FSDP8_WITH_CUDA)

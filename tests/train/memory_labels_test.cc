@@ -299,5 +299,51 @@ TEST(MemoryLabels, OverridesTiedNormInputsAndCurrentRecipe) {
   }
 }
 
+// The optimizer deferred into the next forward (training.overlap_optimizer, the default) keeps
+// the previous step's grad shards of the units not yet prefetched through the first microbatch's
+// forward (its start, the embedding's and each block's forward, each unit's update before its
+// shards go), and frees the rest as it goes; the serial order holds every shard from the step's
+// start until ZeroGrads. Wide blocks, 16 tokens a step: the shards outweigh the activations, so
+// the forward peaks with shards held: in the plan, some but fewer under the deferral than in the
+// serial order, and the measured labels equal the plan's. One and two ranks, two microbatches,
+// recompute, codes cast per gather, both CPU backends.
+TEST(MemoryLabels, DeferredOptimizerGradsInTheForward) {
+  v1::JobSpec s = DefaultModel();
+  s.mutable_model()->set_d_model(128);
+  s.mutable_model()->set_n_layers(3);
+  s.mutable_model()->set_ffn_dim(512);
+  s.mutable_model()->set_seq_len(16);
+  s.mutable_training()->set_global_batch(2);
+  const int grads = static_cast<int>(MemoryLabel::kGrads);
+  for (int world : {1, 2}) {
+    int64_t forward_grads[2] = {0, 0};  // serial, deferred
+    for (bool overlap : {false, true}) {
+      s.mutable_training()->set_overlap_optimizer(overlap);
+      const absl::StatusOr<v1::JobSpec> resolved = ResolveSpec(s, world, {}, false);
+      ASSERT_TRUE(resolved.ok()) << resolved.status();
+      const absl::StatusOr<MemoryPlan> plan = PlanMemory(*resolved, world);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      forward_grads[overlap] = plan->forward_terms[grads].bytes;
+    }
+    EXPECT_GT(forward_grads[1], 0) << "world " << world;
+    EXPECT_LT(forward_grads[1], forward_grads[0]) << "world " << world;
+  }
+  for (bool overlap : {true, false}) {
+    s.mutable_training()->set_overlap_optimizer(overlap);
+    const std::string what = overlap ? "deferred optimizer" : "serial optimizer";
+    for (const char* backend : {"cpu-ref", "cpu"}) {
+      v1::JobSpec v = s;
+      ExpectLabelsMatchPlan(v, backend, 1, what);
+      ExpectLabelsMatchPlan(v, backend, 2, what);
+      v.mutable_training()->set_global_batch(4);
+      v.mutable_training()->set_microbatch(1);
+      ExpectLabelsMatchPlan(v, backend, 2, what + ", two microbatches");
+      v.mutable_training()->set_activation_recompute(true);
+      v.mutable_precision()->mutable_fp8()->set_keep_weight_codes(false);
+      ExpectLabelsMatchPlan(v, backend, 1, what + ", recompute, codes cast per gather");
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fsdp8
