@@ -206,6 +206,27 @@ absl::StatusOr<Calibration> ParseCalibration(const std::string& json, const std:
       c.collectives.push_back(*cc);
     }
   }
+  const Value* slow = Field(root, "host_slowdown");
+  if (slow != nullptr) {
+    if (slow->kind_case() != Value::kListValue) {
+      return Bad(origin, "host_slowdown", "must be a list of [processes, factor] pairs");
+    }
+    for (const Value& p : slow->list_value().values()) {
+      const std::string at = absl::StrCat("host_slowdown[", c.host_slowdown.size(), "]");
+      if (p.kind_case() != Value::kListValue || p.list_value().values_size() != 2) {
+        return Bad(origin, at, "must be a pair [processes, factor]");
+      }
+      const double n = p.list_value().values(0).number_value();
+      const double f = p.list_value().values(1).number_value();
+      if (!(n >= 1) || n != std::floor(n) || !(f > 0) || !std::isfinite(f)) {
+        return Bad(origin, at, "processes must be an integer >= 1 and the factor > 0");
+      }
+      if (!c.host_slowdown.empty() && n <= c.host_slowdown.back().first) {
+        return Bad(origin, at, "entries must ascend in processes");
+      }
+      c.host_slowdown.emplace_back(static_cast<int>(n), f);
+    }
+  }
   return c;
 }
 
@@ -298,24 +319,110 @@ double OptimizerSeconds(const Calibration& c, double shard_elements, int state_b
   return adamw + norm_and_cast;
 }
 
-std::pair<double, double> BlockPassBytes(const BlockPlan& b, int64_t tokens, int64_t d_model,
-                                         int64_t ffn, int64_t q_width, int64_t kv_width) {
-  const double N = static_cast<double>(tokens);
-  const double ec = N * d_model, ef = N * ffn, eq = N * q_width, ek = N * kv_width;
+double OptimizerSeconds(const Calibration& c, const ShardElements& e, int state_bytes) {
+  const double adamw = (e.total() * (12.0 + 2.0 * state_bytes) + 2.0 * e.bf16) /
+                       (c.optimizer_gbps * 1e9);
+  const double norm_and_cast = (4.0 * e.total() + 5.0 * e.fp8) / (c.memory_gbps * 1e9);
+  return adamw + norm_and_cast;
+}
+
+double HostSlowdown(const Calibration& c, int processes) {
+  if (c.cores <= 0 || processes <= 1) return 1.0;
+  const auto& h = c.host_slowdown;
+  if (h.empty()) return std::max(1.0, static_cast<double>(processes) / c.cores);
+  if (processes <= h.front().first) return processes == h.front().first ? h.front().second : 1.0;
+  if (processes >= h.back().first) {
+    return h.back().second * processes / static_cast<double>(h.back().first);
+  }
+  for (size_t i = 1; i < h.size(); ++i) {
+    if (processes <= h[i].first) {
+      const double f = static_cast<double>(processes - h[i - 1].first) / (h[i].first - h[i - 1].first);
+      return h[i - 1].second + f * (h[i].second - h[i - 1].second);
+    }
+  }
+  return h.back().second;
+}
+
+PassRules PassRulesOf(const v1::JobSpec& spec) {
+  const BackendCaps caps = BackendCapsOf(spec.backend());
+  PassRules r;
+  r.fp8_one_layout = caps.cuda || caps.cpu_reference;
+  r.norm_inputs_bf16 = spec.training().saved_norm_inputs() == v1::PRECISION_BF16;
+  return r;
+}
+
+namespace {
+
+// The generic block: f32 activations, each FP8 linear casting its own input (LlamaModel's
+// non-acts16 path).
+std::pair<double, double> GenericBlockPassBytes(const BlockPlan& b, const PassShape& s,
+                                                const PassRules& r) {
+  const double N = static_cast<double>(s.tokens);
+  const double C = s.d_model, F = s.ffn, Q = s.q_width, K = s.kv_width;
   const bool fp8 = b.linears == v1::PRECISION_FP8;
-  // Norms (read f32, write), RoPE on q and k (read + write f32), SwiGLU (2 reads, 1 write),
+  // Norms (f32 read and written), RoPE on q and k (in place), SwiGLU (2 reads, 1 write), the
   // two residual adds (2 reads, 1 write).
-  double fwd = 2 * 8 * ec + 8 * (eq + ek) + 12 * ef + 2 * 12 * ec;
-  double bwd = 2 * 12 * ec + 8 * (eq + ek) + 20 * ef + 2 * 12 * ec;
-  if (fp8) {
-    // Input casts (f32 read, E4M3 written): one per shared input on the bf16-activation block,
-    // one per linear on the generic block.
-    fwd += 5 * (b.fp8_bf16 ? ec + eq + ec + ef : 3 * ec + eq + 2 * ec + ef);
-    // Grad-output casts with their transposes: down, gate and up, o, q k v.
-    bwd += 6 * (ec + 2 * ef + ec + eq + 2 * ek);
-    if (b.recast_down) bwd += 5 * ef;  // down_proj's input recast from gate and up
+  double fwd = N * (2 * 8 * C + 8 * (Q + K) + 12 * F + 2 * 12 * C);
+  // Norms' backward (gradient and input read, gradient written), RoPE, SwiGLU (gradient, gate
+  // and up read; two gradients written), the residual Axpys.
+  double bwd = N * (2 * 12 * C + 8 * (Q + K) + 2 * 12 * C);
+  if (b.attention == Dtype::kBf16) fwd += N * 6 * (Q + 2 * K + Q);  // q, k, v, att packed
+  if (!fp8) return {fwd, bwd + N * 20 * F};
+  fwd += N * 12 * F;   // gate and up packed to bf16 for the backward
+  bwd += N * 16 * F;   // SwiGLU's backward reading them
+  // Input casts (f32 read, E4M3 written), one per linear: q, k, v, o, gate, up, down.
+  fwd += N * 5 * (3 * C + Q + 2 * C + F);
+  // Per linear (in, out): its grad-output's cast and, one-layout backends, the transposes.
+  const std::pair<double, double> lin[] = {{C, Q}, {C, K}, {C, K}, {Q, C},
+                                           {C, F}, {C, F}, {F, C}};
+  for (auto [in, out] : lin) {
+    bwd += N * (r.fp8_one_layout ? 6 : 5) * out;
+    if (r.fp8_one_layout) bwd += 2 * in * out + N * 2 * in;
   }
   return {fwd, bwd};
+}
+
+// The bf16-activation block (BlockPlan::fp8_bf16, LlamaModel's acts16 path): FP8 inputs cast
+// by fused passes from bf16 activations; the backward always through BackwardFp8 (bf16 input
+// gradients), hence with the transposes on every backend.
+std::pair<double, double> Bf16BlockPassBytes(const BlockPlan& b, const PassShape& s,
+                                             const PassRules& r) {
+  const double N = static_cast<double>(s.tokens);
+  const double C = s.d_model, F = s.ffn, Q = s.q_width, K = s.kv_width, T = Q + 2 * K;
+  // RMSNorm + cast (x f32 read, codes written) twice, RoPE on bf16 q and k in place, o_proj's
+  // input cast from bf16 att, SwiGLU + down_proj's cast (bf16 gate and up read, codes written).
+  double fwd = N * (2 * 5 * C + 4 * (Q + K) + 3 * Q + 5 * F);
+  // down_proj's input codes for dW: recast from gate and up (transposed codes written), or the
+  // kept codes transposed.
+  double bwd = N * (b.recast_down ? 5 : 2) * F;
+  bwd += N * 6 * C + 2 * C * F;              // down: f32 grad-output cast + transpose; weight
+  bwd += N * 10 * F;                         // SwiGLU backward: casts and transposes of dgate, dup
+  const double mlp_parts = b.fused_mlp ? 1 : 2, qkv_parts = b.fused_qkv ? 1 : 3;
+  bwd += 2 * (2 * F) * C + N * 2 * C;        // gate/up weights; the shared input's codes
+  bwd += N * (12 + 2 * mlp_parts) * C;       // post-norm backward (+ dout), bf16 parts read
+  bwd += N * 6 * C + 2 * C * Q + N * 2 * Q;  // o: f32 grad-output cast; weight; input codes
+  bwd += N * 4 * T;                          // RoPE backward + q, k casts; v's cast
+  bwd += 2 * T * C + N * 2 * C;              // q/k/v weights; the shared input's codes
+  bwd += N * (12 + 2 * qkv_parts) * C;       // input norm's backward (+ dh), bf16 parts read
+  if (r.norm_inputs_bf16) {                  // x_in and h packed to bf16, unpacked for the norms
+    fwd += N * 2 * 6 * C;
+    bwd += N * 2 * 6 * C;
+  }
+  return {fwd, bwd};
+}
+
+}  // namespace
+
+std::pair<double, double> BlockPassBytes(const BlockPlan& b, const PassShape& s,
+                                         const PassRules& r) {
+  return b.fp8_bf16 ? Bf16BlockPassBytes(b, s, r) : GenericBlockPassBytes(b, s, r);
+}
+
+std::pair<double, double> HeadPassBytes(bool head_bf16, int64_t tokens, int64_t d_model,
+                                        int64_t vocab) {
+  const double N = static_cast<double>(tokens), C = d_model, V = vocab;
+  const double fwd = N * (8 * C + (head_bf16 ? 6 * C + 10 * V : 12 * V));
+  return {fwd, N * 12 * C};
 }
 
 absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
@@ -353,7 +460,7 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
           absl::StrCat("calibration: no collectives measured on link \"", link, "\""));
     }
   }
-  if (c.cores > 0) cost.contention = std::max(1.0, static_cast<double>(std::min(W, per_host)) / c.cores);
+  cost.contention = HostSlowdown(c, std::min(W, per_host));
   const double k = cost.contention, bw = c.memory_gbps * 1e9;
   auto gemm = [&](const char* p, int64_t m, int64_t n, int64_t kk) {
     const double s = GemmSeconds(c, p, m, n, kk) * k;
@@ -367,6 +474,7 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
   };
   const int64_t C = d.d_model, F = d.ffn_dim, V = d.vocab_size, nq = d.q_width(),
                 nk = d.kv_width();
+  const PassRules rules = PassRulesOf(spec);
   std::vector<UnitTimes> units(plan->units.size());
   // Compute: embedding (unit 0), blocks (1..L), head (last).
   units.front().forward = pass(8.0 * N * C);
@@ -397,7 +505,7 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
     const double af = att / (c.attention_forward_tflops * 1e12) * k;
     const double ab = 2.5 * att / (c.attention_backward_tflops * 1e12) * k;
     cost.attention_s += af + ab;
-    const auto [pf, pb] = BlockPassBytes(b, N, C, F, nq, nk);
+    const auto [pf, pb] = BlockPassBytes(b, PassShape{N, C, F, nq, nk}, rules);
     fwd += af + pass(pf);
     bwd += ab + pass(pb);
     if (plan->recompute) {  // the backward reruns the forward
@@ -411,20 +519,23 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
   {
     UnitTimes& h = units.back();
     const char* p = plan->head_bf16 ? "bf16" : "fp32";
-    // Final norm, logits GEMM, fused cross-entropy forward + backward (logits read, gradient
-    // written); backward: dX and dW GEMMs, the norm's backward.
-    h.forward = pass(8.0 * N * C) + gemm(p, N, V, C) + pass(8.0 * N * V);
-    h.backward = gemm(p, N, C, V) + gemm(p, V, C, N) + pass(12.0 * N * C);
+    // Final norm, logits GEMM, fused cross-entropy forward + backward; backward: dX and dW
+    // GEMMs, the norm's backward.
+    const auto [hf, hb] = HeadPassBytes(plan->head_bf16, N, C, V);
+    h.forward = gemm(p, N, V, C) + pass(hf);
+    h.backward = gemm(p, N, C, V) + gemm(p, V, C, N) + pass(hb);
   }
   // Communication per unit.
-  double shard_elems = 0, shard_wire = 0;
+  double shard_wire = 0;
+  ShardElements piece;
   for (size_t i = 0; i < plan->units.size(); ++i) {
     double gathered = 0, grads = 0, shard_grads = 0;
     for (const PlannedBuffer& pb : plan->units[i].buffers) {
       gathered += static_cast<double>(pb.padded) * WireBytes(pb.wire);
       grads += static_cast<double>(pb.padded) * 4;
       shard_grads += static_cast<double>(pb.shard) * 4;
-      shard_elems += static_cast<double>(pb.shard);
+      (pb.wire == WireDtype::kFp8 ? piece.fp8 : pb.wire == WireDtype::kBf16 ? piece.bf16 : piece.fp32) +=
+          static_cast<double>(pb.shard);
       shard_wire += pb.wire == WireDtype::kFp32 ? 0.0
                                                 : static_cast<double>(pb.shard) * WireBytes(pb.wire);
     }
@@ -458,10 +569,9 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
   small += CollectiveSeconds(c, world_link, CollectiveOp::kAllReduce, W, 8.0);
   // The optimizer on this rank's piece of the state.
   const double pieces = mesh.optimizer_over_world ? R : 1;
-  cost.optimizer_s = OptimizerSeconds(c, shard_elems / pieces,
-                                      static_cast<int>(OptimizerStateBytesPerElement(spec)),
-                                      shard_elems > 0 ? shard_wire / shard_elems : 0) *
-                     k;
+  const ShardElements mine{piece.fp32 / pieces, piece.bf16 / pieces, piece.fp8 / pieces};
+  cost.optimizer_s =
+      OptimizerSeconds(c, mine, static_cast<int>(OptimizerStateBytesPerElement(spec))) * k;
   if (mesh.optimizer_over_world && R > 1) {  // the updated wire pieces gathered across replicas
     small += CollectiveSeconds(c, cost.inter_link, CollectiveOp::kAllGather, R, shard_wire);
   }
