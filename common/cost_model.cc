@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/memory_plan.h"
@@ -173,6 +174,39 @@ absl::StatusOr<Calibration> ParseCalibration(const std::string& json, const std:
     if (!v.ok()) return v.status();
     *out = *v;
   }
+  {
+    absl::StatusOr<double> v = Number(att->struct_value(), "backward_nondeterministic_tflops",
+                                      "attention.", origin, false);
+    if (!v.ok()) return v.status();
+    c.attention_backward_nondeterministic_tflops = *v;
+  }
+  if (const Value* classes = Field(root, "attention_classes"); classes != nullptr) {
+    if (classes->kind_case() != Value::kListValue) {
+      return Bad(origin, "attention_classes", "must be a list of attention shapes");
+    }
+    for (const Value& a : classes->list_value().values()) {
+      const std::string path = absl::StrCat("attention_classes[", c.attention_classes.size(), "].");
+      if (a.kind_case() != Value::kStructValue) return Bad(origin, path, "must be an object");
+      AttentionClass ac;
+      for (auto [name, out] : {std::pair{"batch", &ac.batch}, std::pair{"seq", &ac.seq},
+                               std::pair{"heads", &ac.heads}, std::pair{"kv_heads", &ac.kv_heads},
+                               std::pair{"head_dim", &ac.head_dim}}) {
+        absl::StatusOr<double> v = Number(a.struct_value(), name, path, origin, true);
+        if (!v.ok()) return v.status();
+        *out = static_cast<int64_t>(*v);
+      }
+      for (auto [name, out, required] :
+           {std::tuple{"forward_tflops", &ac.forward_tflops, true},
+            std::tuple{"backward_tflops", &ac.backward_tflops, true},
+            std::tuple{"backward_nondeterministic_tflops", &ac.backward_nondeterministic_tflops,
+                       false}}) {
+        absl::StatusOr<double> v = Number(a.struct_value(), name, path, origin, required);
+        if (!v.ok()) return v.status();
+        *out = *v;
+      }
+      c.attention_classes.push_back(ac);
+    }
+  }
   const Value* gemm = Field(root, "gemm");
   if (gemm == nullptr || gemm->kind_case() != Value::kListValue || gemm->list_value().values().empty()) {
     return Bad(origin, "gemm", "missing (a list of shape classes)");
@@ -236,6 +270,44 @@ absl::StatusOr<Calibration> LoadCalibration(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ParseCalibration(ss.str(), path);
+}
+
+std::pair<double, double> AttentionRates(const Calibration& c, int64_t heads, int64_t kv_heads,
+                                         int64_t head_dim, int64_t seq, bool deterministic) {
+  auto backward = [&](double det, double nondet) { return !deterministic && nondet > 0 ? nondet : det; };
+  if (c.attention_classes.empty()) {
+    return {c.attention_forward_tflops,
+            backward(c.attention_backward_tflops, c.attention_backward_nondeterministic_tflops)};
+  }
+  auto lg = [](double a, double b) { return std::fabs(std::log(std::max(a, 1.0) / std::max(b, 1.0))); };
+  auto layout = [&](const AttentionClass& a) {
+    return lg(static_cast<double>(a.heads), static_cast<double>(heads)) +
+           lg(static_cast<double>(a.kv_heads), static_cast<double>(kv_heads)) +
+           lg(static_cast<double>(a.head_dim), static_cast<double>(head_dim));
+  };
+  double best = std::numeric_limits<double>::infinity();
+  for (const AttentionClass& a : c.attention_classes) best = std::min(best, layout(a));
+  std::vector<const AttentionClass*> near;  // the nearest layout's classes, by seq
+  for (const AttentionClass& a : c.attention_classes) {
+    if (layout(a) <= best + 1e-12) near.push_back(&a);
+  }
+  std::sort(near.begin(), near.end(),
+            [](const AttentionClass* a, const AttentionClass* b) { return a->seq < b->seq; });
+  auto rates = [&](const AttentionClass& a) {
+    return std::pair{a.forward_tflops, backward(a.backward_tflops, a.backward_nondeterministic_tflops)};
+  };
+  if (seq <= near.front()->seq) return rates(*near.front());
+  if (seq >= near.back()->seq) return rates(*near.back());
+  for (size_t i = 1; i < near.size(); ++i) {
+    if (seq <= near[i]->seq) {
+      const double f = std::log(static_cast<double>(seq) / near[i - 1]->seq) /
+                       std::log(static_cast<double>(near[i]->seq) / near[i - 1]->seq);
+      const auto [f0, b0] = rates(*near[i - 1]);
+      const auto [f1, b1] = rates(*near[i]);
+      return {f0 + f * (f1 - f0), b0 + f * (b1 - b0)};
+    }
+  }
+  return rates(*near.back());
 }
 
 double GemmSeconds(const Calibration& c, const std::string& precision, int64_t m, int64_t n,
@@ -475,6 +547,8 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
   const int64_t C = d.d_model, F = d.ffn_dim, V = d.vocab_size, nq = d.q_width(),
                 nk = d.kv_width();
   const PassRules rules = PassRulesOf(spec);
+  const std::pair<double, double> att_rates =
+      AttentionRates(c, d.n_heads, d.n_kv_heads, d.head_dim, d.seq_len, tr.deterministic());
   std::vector<UnitTimes> units(plan->units.size());
   // Compute: embedding (unit 0), blocks (1..L), head (last).
   units.front().forward = pass(8.0 * N * C);
@@ -502,8 +576,8 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
       bwd += gemm(p, N, in, out) + gemm(p, out, in, N);
     }
     const double att = 2.0 * B * d.n_heads * d.seq_len * d.seq_len * d.head_dim;
-    const double af = att / (c.attention_forward_tflops * 1e12) * k;
-    const double ab = 2.5 * att / (c.attention_backward_tflops * 1e12) * k;
+    const double af = att / (att_rates.first * 1e12) * k;
+    const double ab = 2.5 * att / (att_rates.second * 1e12) * k;
     cost.attention_s += af + ab;
     const auto [pf, pb] = BlockPassBytes(b, PassShape{N, C, F, nq, nk}, rules);
     fwd += af + pass(pf);

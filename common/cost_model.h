@@ -13,7 +13,9 @@
 //                   in, N).
 //   attention       causal flash-attention FLOPs as bench/cuda/bench_cuda.cu counts them:
 //                   forward 2 B H T^2 D, backward 2.5 x that; at the measured forward and
-//                   backward rates.
+//                   backward rates (AttentionRates: the attention classes of the nearest head
+//                   layout, interpolated in log T; the non-deterministic backward's rate for
+//                   training.deterministic false where measured).
 //   memory passes   bytes read + written by the passes the backend runs for the block's path
 //                   (BlockPassBytes: the generic block's f32 passes, or the bf16-activation
 //                   block's fused norm / SwiGLU / RoPE casts; FP8 transposes where the backend's
@@ -74,6 +76,13 @@ struct GemmClass {
   double tflops = 0;
 };
 
+// One measured attention shape: causal, bf16 through the backend's fused attention.
+struct AttentionClass {
+  int64_t batch = 0, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  double forward_tflops = 0, backward_tflops = 0;  // backward: deterministic
+  double backward_nondeterministic_tflops = 0;     // 0: not measured
+};
+
 enum class CollectiveOp { kAllGather = 0, kReduceScatter = 1, kAllReduce = 2 };
 const char* CollectiveOpName(CollectiveOp op);  // "all_gather", "reduce_scatter", "all_reduce"
 
@@ -95,6 +104,8 @@ struct Calibration {
   std::string intra_link, inter_link;  // link names of CollectiveCurve
   std::vector<GemmClass> gemm;
   double attention_forward_tflops = 0, attention_backward_tflops = 0;
+  double attention_backward_nondeterministic_tflops = 0;  // 0: not measured (the backward's)
+  std::vector<AttentionClass> attention_classes;           // optional, finer than the above
   double memory_gbps = 0;     // memory-bound passes, bytes read + written per second / 1e9
   double optimizer_gbps = 0;  // AdamW, bytes read + written per second / 1e9
   std::vector<CollectiveCurve> collectives;
@@ -107,14 +118,25 @@ struct Calibration {
 // Parses a calibration file's JSON text (bench/calibrate.sh writes them): the fields above by
 // name, "attention": {"forward_tflops", "backward_tflops"}, "gemm": [{"precision", "m", "n",
 // "k", "tflops"}], "collectives": [{"link", "op", "ranks", "latency_us", "points": [[bytes,
-// GB/s], ...]}], "host_slowdown": [[processes, factor], ...]; "cores", "ranks_per_host",
-// "collectives", "inter_link" and "host_slowdown" optional.
+// GB/s], ...]}], "host_slowdown": [[processes, factor], ...], "attention_classes": [{"batch",
+// "seq", "heads", "kv_heads", "head_dim", "forward_tflops", "backward_tflops",
+// "backward_nondeterministic_tflops"}]; "cores", "ranks_per_host", "collectives", "inter_link",
+// "host_slowdown", "attention_classes" and attention.backward_nondeterministic_tflops optional.
 // INVALID_ARGUMENT naming `origin` and the field for malformed JSON, a missing or non-positive
 // rate, an unknown precision or op, points not ascending, a host_slowdown entry that is not a
 // [processes >= 1, factor > 0] pair ascending in processes.
 absl::StatusOr<Calibration> ParseCalibration(const std::string& json, const std::string& origin);
 // Reads and parses `path`: NOT_FOUND when it cannot be read.
 absl::StatusOr<Calibration> LoadCalibration(const std::string& path);
+
+// Attention TFLOP/s (forward, backward) for `heads` query heads, `kv_heads`, `head_dim` and
+// sequence length `seq`: among the attention classes, those of the nearest head layout (the
+// smallest sum of |log(x / class x)| over heads, kv_heads and head_dim), their rates
+// interpolated linearly in log(seq) between the two classes around `seq` (clamped at the ends);
+// without classes, the "attention" rates. The backward takes the non-deterministic rate when
+// `deterministic` is false and that rate was measured.
+std::pair<double, double> AttentionRates(const Calibration& c, int64_t heads, int64_t kv_heads,
+                                         int64_t head_dim, int64_t seq, bool deterministic);
 
 // Seconds of one GEMM (2 m n k FLOPs) at `precision` ("fp8", "bf16", "fp32"); the nearest
 // class of that precision, else of "bf16", else any (a precision not measured).

@@ -392,5 +392,44 @@ TEST(CostModel, HostSlowdownFileRules) {
   EXPECT_FALSE(ParseCalibration(base + R"("host_slowdown": 3})", "cal.json").ok());
 }
 
+// Attention classes: the nearest head layout's classes, interpolated in log(seq); the
+// non-deterministic backward only where measured and asked for.
+TEST(CostModel, AttentionRatesFromTheNearestClasses) {
+  Calibration c = TwoClassCalibration();  // "attention": 0.01 forward, 0.005 backward
+  EXPECT_EQ(AttentionRates(c, 16, 16, 128, 4096, true), std::make_pair(0.01, 0.005));
+  EXPECT_EQ(AttentionRates(c, 16, 16, 128, 4096, false), std::make_pair(0.01, 0.005));
+  c.attention_backward_nondeterministic_tflops = 0.006;
+  EXPECT_EQ(AttentionRates(c, 16, 16, 128, 4096, false), std::make_pair(0.01, 0.006));
+  c.attention_classes = {{8, 2048, 16, 16, 128, 400, 300, 350},
+                         {2, 8192, 16, 16, 128, 500, 400, 0},
+                         {8, 2048, 32, 8, 128, 100, 100, 100}};
+  // 16 heads at seq 4096: halfway in log between 2048 and 8192: forward 450, backward 350; the
+  // non-deterministic backward: 350 at 2048, the deterministic 400 at 8192 (not measured there).
+  EXPECT_DOUBLE_EQ(AttentionRates(c, 16, 16, 128, 4096, true).first, 450);
+  EXPECT_DOUBLE_EQ(AttentionRates(c, 16, 16, 128, 4096, true).second, 350);
+  EXPECT_DOUBLE_EQ(AttentionRates(c, 16, 16, 128, 4096, false).second, 375);
+  // Clamped beyond the last class; a 32/8 layout takes its own class, not the nearer seq.
+  EXPECT_EQ(AttentionRates(c, 16, 16, 128, 32768, true), std::make_pair(500.0, 400.0));
+  EXPECT_EQ(AttentionRates(c, 32, 8, 128, 8192, true), std::make_pair(100.0, 100.0));
+  // The file's keys.
+  const std::string base = R"({"backend": "cuda", "intra_link": "nvlink4", "memory_gbps": 10,
+      "optimizer_gbps": 28, "attention": {"forward_tflops": 1, "backward_tflops": 1,
+      "backward_nondeterministic_tflops": 2},
+      "gemm": [{"precision": "fp8", "m": 1, "n": 1, "k": 1, "tflops": 1}], )";
+  auto parsed = ParseCalibration(base + R"("attention_classes": [{"batch": 2, "seq": 8192,
+      "heads": 32, "kv_heads": 8, "head_dim": 128, "forward_tflops": 500,
+      "backward_tflops": 380, "backward_nondeterministic_tflops": 420}]})", "cal.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_DOUBLE_EQ(parsed->attention_backward_nondeterministic_tflops, 2);
+  ASSERT_EQ(parsed->attention_classes.size(), 1u);
+  EXPECT_EQ(parsed->attention_classes[0].kv_heads, 8);
+  EXPECT_DOUBLE_EQ(parsed->attention_classes[0].backward_nondeterministic_tflops, 420);
+  auto bad = ParseCalibration(base + R"("attention_classes": [{"batch": 2, "seq": 8192,
+      "heads": 32, "kv_heads": 8, "head_dim": 128, "forward_tflops": 500}]})", "cal.json");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("attention_classes[0].backward_tflops"), std::string::npos)
+      << bad.status();
+}
+
 }  // namespace
 }  // namespace fsdp8
