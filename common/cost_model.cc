@@ -511,7 +511,12 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
         "calibration: gemm, memory_gbps, optimizer_gbps and attention rates must be set");
   }
   const int W = mesh.world_size(), S = mesh.shard_size, R = mesh.replicas;
-  absl::StatusOr<StepPlan> plan = MakeStepPlan(spec, S, BackendCapsOf(spec.backend()), options);
+  // The plan of the spec on `mesh` (its units laid out at the shard group's size): the spec's
+  // replicas set to the mesh's.
+  v1::JobSpec on_mesh = spec;
+  on_mesh.mutable_sharding()->set_replicas(R);
+  absl::StatusOr<StepPlan> plan =
+      MakeStepPlan(on_mesh, W, BackendCapsOf(spec.backend()), options);
   if (!plan.ok()) return plan.status();
   const ModelDims d = ModelDimsOf(spec.model());
   const v1::TrainingSpec& tr = spec.training();

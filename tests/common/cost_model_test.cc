@@ -431,5 +431,25 @@ TEST(CostModel, AttentionRatesFromTheNearestClasses) {
       << bad.status();
 }
 
+// A hybrid spec (sharding.replicas set, as `fsdp8 plan --predict --replicas` resolves it): each
+// rank holds 1 / (shard group size) of the state, as the flat job on one shard group does, so the
+// optimizer's time is that job's; the plan must not be made at the shard group's size with the
+// spec's replicas (1 rank per shard group: the whole state).
+TEST(CostModel, PredictStepHybridShardsOverTheShardGroup) {
+  Calibration c = TwoClassCalibration();
+  c.ranks_per_host = 2;
+  c.inter_link = "ib";
+  c.collectives.push_back({"ib", CollectiveOp::kAllReduce, 2, 1e-3, {{1, 0.001}}});
+  v1::JobSpec tiny = Tiny();
+  auto flat = PredictStep(WithDefaults(tiny, 2), Mesh{1, 2, false}, c);
+  ASSERT_TRUE(flat.ok()) << flat.status();
+  tiny.mutable_training()->set_global_batch(8);
+  tiny.mutable_sharding()->set_replicas(2);
+  auto hybrid = PredictStep(WithDefaults(tiny, 4), Mesh{2, 2, false}, c);
+  ASSERT_TRUE(hybrid.ok()) << hybrid.status();
+  EXPECT_NEAR(hybrid->optimizer_s, flat->optimizer_s, 1e-15);
+  EXPECT_GT(hybrid->optimizer_s, 0);
+}
+
 }  // namespace
 }  // namespace fsdp8
