@@ -164,6 +164,11 @@ absl::StatusOr<Calibration> ParseCalibration(const std::string& json, const std:
     if (!v.ok()) return v.status();
     *out = *v;
   }
+  {
+    absl::StatusOr<double> v = Number(root, "op_floor_us", "", origin, false);
+    if (!v.ok()) return v.status();
+    c.op_floor_s = *v * 1e-6;
+  }
   const Value* att = Field(root, "attention");
   if (att == nullptr || att->kind_case() != Value::kStructValue) {
     return Bad(origin, "attention", "missing (an object with forward_tflops, backward_tflops)");
@@ -490,6 +495,29 @@ std::pair<double, double> BlockPassBytes(const BlockPlan& b, const PassShape& s,
   return b.fp8_bf16 ? Bf16BlockPassBytes(b, s, r) : GenericBlockPassBytes(b, s, r);
 }
 
+std::pair<int, int> BlockOpCount(const BlockPlan& b, const PassRules& r) {
+  const bool fp8 = b.linears == v1::PRECISION_FP8;
+  if (!b.fp8_bf16) {
+    // Forward: norm, each linear (its input's cast and GEMM), RoPE q and k, attention (and BF16
+    // attention's four packs), add, norm, SwiGLU, FP8's gate/up packs, add.
+    const int fwd = 1 + 7 * (fp8 ? 2 : 1) + 2 + 1 + (b.attention == Dtype::kBf16 ? 4 : 0) + 1 + 1 +
+                    1 + (fp8 ? 2 : 0) + 1;
+    // Backward: each linear (grad-output cast, the two transposes on one-layout backends, dX and
+    // dW GEMMs), SwiGLU, two norms, two Axpys, attention, RoPE q and k.
+    const int per_linear = fp8 ? 3 + (r.fp8_one_layout ? 2 : 0) : 2;
+    return {fwd, 7 * per_linear + 1 + 2 + 2 + 1 + 2};
+  }
+  const int qkv = b.fused_qkv ? 1 : 3, mlp = b.fused_mlp ? 1 : 2, norm16 = r.norm_inputs_bf16 ? 2 : 0;
+  // Forward: two norm casts, q/k/v GEMM(s), RoPE q and k, attention, o's cast and GEMM, gate/up
+  // GEMM(s), SwiGLU cast, down GEMM.
+  const int fwd = 2 + qkv + 2 + 1 + 2 + mlp + 1 + 1 + norm16;
+  // Backward: down's input recast (or transpose), its cast, weight transpose, dX, dW; SwiGLU;
+  // gate/up weight transposes, input transpose, dX and dW per GEMM; norm; o's cast, transposes,
+  // dX, dW; attention; RoPE q, k and v's cast; q/k/v transposes, dX and dW per GEMM; norm.
+  const int bwd = 1 + 4 + 1 + (mlp + 1 + 2 * mlp) + 1 + 5 + 1 + 3 + (qkv + 1 + 2 * qkv) + 1 + norm16;
+  return {fwd, bwd};
+}
+
 std::pair<double, double> HeadPassBytes(bool head_bf16, int64_t tokens, int64_t d_model,
                                         int64_t vocab) {
   const double N = static_cast<double>(tokens), C = d_model, V = vocab;
@@ -558,6 +586,15 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
   // Compute: embedding (unit 0), blocks (1..L), head (last).
   units.front().forward = pass(8.0 * N * C);
   units.front().backward = pass(8.0 * N * C);
+  // A unit's compute takes at least its backend calls at the calibration's floor.
+  const double floor_s = c.op_floor_s * k;
+  auto at_least = [&](double s, int ops) {
+    const double f = ops * floor_s;
+    if (f > s) cost.floor_s += f - s;
+    return std::max(s, f);
+  };
+  units.front().forward = at_least(units.front().forward, 1);
+  units.front().backward = at_least(units.front().backward, 1);
   for (size_t l = 0; l < plan->blocks.size(); ++l) {
     const BlockPlan& b = plan->blocks[l];
     UnitTimes& u = units[1 + l];
@@ -592,8 +629,9 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
       cost.attention_s += af;
       bwd += af + pass(pf);
     }
-    u.forward = fwd;
-    u.backward = bwd;
+    const auto [of, ob] = BlockOpCount(b, rules);
+    u.forward = at_least(fwd, of);
+    u.backward = at_least(bwd, ob + (plan->recompute ? of : 0));
   }
   {
     UnitTimes& h = units.back();
@@ -603,6 +641,14 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
     const auto [hf, hb] = HeadPassBytes(plan->head_bf16, N, C, V);
     h.forward = gemm(p, N, V, C) + pass(hf);
     h.backward = gemm(p, N, C, V) + gemm(p, V, C, N) + pass(hb);
+    // Calls: a BF16 head's norm, bf16 copy, per row chunk its logits GEMM, cross-entropy and dX
+    // GEMM, one dW GEMM, the norm's backward; an f32 head's norm, GEMM, cross-entropy, dX, dW and
+    // norm backward.
+    const int chunks = plan->head_bf16 && plan->head_chunk_rows > 0
+                           ? static_cast<int>((N + plan->head_chunk_rows - 1) / plan->head_chunk_rows)
+                           : 1;
+    h.forward = at_least(h.forward, plan->head_bf16 ? 2 + 2 * chunks : 3);
+    h.backward = at_least(h.backward, plan->head_bf16 ? chunks + 2 : 3);
   }
   // Communication per unit.
   double shard_wire = 0;
@@ -632,6 +678,7 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
   cost.compute_s = sr.compute_s;
   for (double* part : {&cost.gemm_s, &cost.attention_s, &cost.memory_s}) *part *= cost.microbatches;
   cost.comm_total_s = sr.comm_s;
+  cost.floor_s *= cost.microbatches;
   // The step's small all-reduces over every rank: activation and grad-output amaxes (two per
   // FP8 linear), the gradient norm and loss sums (2 floats), the weights' amaxes (one per FP8
   // linear).
@@ -651,6 +698,15 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
   const ShardElements mine{piece.fp32 / pieces, piece.bf16 / pieces, piece.fp8 / pieces};
   cost.optimizer_s =
       OptimizerSeconds(c, mine, static_cast<int>(OptimizerStateBytesPerElement(spec))) * k;
+  // Its calls: per buffer the gradient norm's and AdamW's (AdamW again per FP8 tensor's slice),
+  // per FP8 tensor its cast, and the scales' four (amax reset, group maximum, scales, reduce).
+  int buffers = 0;
+  for (const PlannedUnit& u : plan->units) buffers += static_cast<int>(u.buffers.size());
+  const int optimizer_ops = 2 * buffers + 2 * fp8_linears + (fp8_linears > 0 ? 4 : 0);
+  if (optimizer_ops * floor_s > cost.optimizer_s) {
+    cost.floor_s += optimizer_ops * floor_s - cost.optimizer_s;
+    cost.optimizer_s = optimizer_ops * floor_s;
+  }
   if (mesh.optimizer_over_world && R > 1) {  // the updated wire pieces gathered across replicas
     small += CollectiveSeconds(c, cost.inter_link, CollectiveOp::kAllGather, R, shard_wire);
   }

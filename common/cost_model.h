@@ -108,6 +108,11 @@ struct Calibration {
   std::vector<AttentionClass> attention_classes;           // optional, finer than the above
   double memory_gbps = 0;     // memory-bound passes, bytes read + written per second / 1e9
   double optimizer_gbps = 0;  // AdamW, bytes read + written per second / 1e9
+  // The floor of one backend call (seconds; "op_floor_us" in the file, optional, 0: none): a
+  // tiny call's time when calls are issued back to back (the host's issue time). A unit's
+  // forward or backward takes at least its calls (BlockOpCount) times this, as does the
+  // optimizer.
+  double op_floor_s = 0;
   std::vector<CollectiveCurve> collectives;
   // CPU: (processes, slowdown) ascending in processes: the wall time per step of that many
   // synchronised single-threaded copies of a synthetic step on the host, over one copy's CPU
@@ -121,7 +126,8 @@ struct Calibration {
 // GB/s], ...]}], "host_slowdown": [[processes, factor], ...], "attention_classes": [{"batch",
 // "seq", "heads", "kv_heads", "head_dim", "forward_tflops", "backward_tflops",
 // "backward_nondeterministic_tflops"}]; "cores", "ranks_per_host", "collectives", "inter_link",
-// "host_slowdown", "attention_classes" and attention.backward_nondeterministic_tflops optional.
+// "host_slowdown", "attention_classes", "op_floor_us" and
+// attention.backward_nondeterministic_tflops optional.
 // INVALID_ARGUMENT naming `origin` and the field for malformed JSON, a missing or non-positive
 // rate, an unknown precision or op, points not ascending, a host_slowdown entry that is not a
 // [processes >= 1, factor > 0] pair ascending in processes.
@@ -195,7 +201,8 @@ struct StepCost {
   double optimizer_s = 0;
   double comm_total_s = 0;     // every collective, hidden or not
   double gemm_s = 0, attention_s = 0, memory_s = 0;  // compute_s's parts
-  double contention = 1;       // the CPU ranks' core-sharing factor applied
+  double contention = 1;       // the CPU ranks' shared-host factor applied (HostSlowdown)
+  double floor_s = 0;          // of compute_s and optimizer_s: what the backend-call floor added
   int microbatches = 1;
   int64_t tokens_per_rank = 0;  // per step
   std::string intra_link, inter_link;
@@ -245,6 +252,12 @@ struct PassShape {
 //   add a pack (6) and an unpack (6) per norm.
 std::pair<double, double> BlockPassBytes(const BlockPlan& b, const PassShape& s,
                                          const PassRules& r);
+
+// Backend calls one block issues per microbatch (forward, backward), as train/model.cc and
+// train/fp8_linear.cc issue them for the block's path: each GEMM, memory-bound pass, transpose
+// and attention call counts one (generic FP8 block on a one-layout backend: 24 and 43; the fused
+// bf16-activation block: 11 and 25).
+std::pair<int, int> BlockOpCount(const BlockPlan& b, const PassRules& r);
 
 // The head's memory-bound bytes for one microbatch of `tokens` rows (forward, backward): the
 // final norm (8 forward, 12 backward), a BF16 head's bf16 copy of its input (6) and the fused

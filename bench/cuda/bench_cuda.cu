@@ -26,7 +26,8 @@
 //      path) and (k) (bf16, fp32; bf16 at the 1b and Llama 3 LM heads' shapes; fp8 at the
 //      Llama-3-8B block's shapes), attention forward and deterministic / non-deterministic
 //      backward from (c), "attention_classes" from (k) (cuDNN at 2048 and 8192 tokens per
-//      sequence, 16 heads and 32 heads of which 8 kv, head_dim 128), "memory_gbps" the bytes over
+//      sequence, 16 heads and 32 heads of which 8 kv, head_dim 128), "op_floor_us" (a tiny
+//      backend call's time when calls are issued back to back), "memory_gbps" the bytes over
 //      the time of (b)'s and (f)'s passes, "optimizer_gbps" from (k).
 //      bench/calibrate.sh (BACKEND=cuda) adds the published NCCL bus bandwidths and the links.
 //
@@ -82,6 +83,7 @@ struct CalibrationFigures {
   double pass_bytes = 0, pass_ms = 0;
   double attention_fwd_tflops = 0, attention_bwd_tflops = 0, attention_bwd_nondet_tflops = 0;
   std::string attention_classes;  // JSON objects of (k)'s attention shapes, comma-separated
+  double op_floor_us = 0;         // (k): a tiny backend call's time, issued back to back
   double optimizer_gbps = 0;
   void AddGemm(const char* precision, int64_t m, int64_t n, int64_t k, double tflops) {
     char b[256];
@@ -391,6 +393,41 @@ void CalibrateHeads(fsdp8::Backend* be, cudaStream_t st) {
   be->Free(C);
 }
 
+// (k) The floor of a backend call: tiny RMSNorm, FP8 cast and bf16 GEMM calls (16 rows of 128)
+// issued back to back, 200 of each per timed call: the time per call when the host's issue
+// bounds the stream (launch, the backend's checks and descriptor lookups), which bounds a step
+// of small shapes.
+void CalibrateOpFloor(fsdp8::Backend* be, cudaStream_t st) {
+  const int64_t R = 16, K = 128;
+  const int kOps = 200;
+  float* x = static_cast<float*>(be->Alloc(R * K * sizeof(float)));
+  float* w = static_cast<float*>(be->Alloc(K * K * sizeof(float)));
+  float* y = static_cast<float*>(be->Alloc(R * K * sizeof(float)));
+  float* rstd = static_cast<float*>(be->Alloc(R * sizeof(float)));
+  float* c = static_cast<float*>(be->Alloc(R * K * sizeof(float)));
+  float* sc = static_cast<float*>(be->Alloc(2 * sizeof(float)));
+  auto* codes = static_cast<uint8_t*>(be->Alloc(R * K));
+  FillFloats<<<64, 256, 0, st>>>(x, R * K, 51u);
+  FillFloats<<<64, 256, 0, st>>>(w, K * K, 52u);
+  const float hs[2] = {1.0f, 0.0f};
+  be->CopyToDevice(sc, hs, sizeof(hs));
+  const double ms = MedianMs(st, [&](int) {
+    for (int i = 0; i < kOps; ++i) {
+      be->RmsNormForward(x, w, 1e-5f, R, K, y, rstd);
+      be->CastFp8(y, 1, R * K, sc, fsdp8::Fp8Format::kE4M3, codes, nullptr, sc + 1);
+      be->Gemm(false, true, R, R, K, y, w, c, false, fsdp8::GemmInputs::kBF16);
+    }
+  });
+  g_cal.op_floor_us = ms * 1e3 / (3 * kOps);
+  std::printf("  a tiny backend call issued back to back: %.2f us\n", g_cal.op_floor_us);
+  CK(cudaStreamSynchronize(st));
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(w), static_cast<void*>(y),
+                  static_cast<void*>(rstd), static_cast<void*>(c), static_cast<void*>(sc),
+                  static_cast<void*>(codes)}) {
+    be->Free(p);
+  }
+}
+
 bool WriteCalibration(fsdp8::Backend* be, cudaStream_t st, int device, const char* device_name,
                       const std::string& path) {
   const int64_t M = 16384, d = 2048, f = 5632;
@@ -420,6 +457,7 @@ bool WriteCalibration(fsdp8::Backend* be, cudaStream_t st, int device, const cha
   be->Free(C);
   CalibrateHeads(be, st);
   CalibrateFp8Large(be, st);
+  CalibrateOpFloor(be, st);
 #if defined(FSDP8_WITH_CUDNN)
   // Attention classes: the 1b preset's heads (16 of 128) and Llama 3's (32, 8 kv heads), at
   // 2048 and 8192 tokens per sequence (16384 tokens per call).
@@ -458,11 +496,12 @@ bool WriteCalibration(fsdp8::Backend* be, cudaStream_t st, int device, const cha
       g_cal.attention_bwd_nondet_tflops > 0 ? g_cal.attention_bwd_nondet_tflops : g_cal.attention_bwd_tflops;
   std::fprintf(out,
                "{\"backend\": \"cuda\", \"device\": \"%s\",\n \"memory_gbps\": %.6g, \"optimizer_gbps\": %.6g,\n"
+               " \"op_floor_us\": %.6g,\n"
                " \"attention\": {\"forward_tflops\": %.6g, \"backward_tflops\": %.6g, "
                "\"backward_nondeterministic_tflops\": %.6g},\n \"attention_classes\": [%s\n ],\n"
                " \"gemm\": [%s\n ]}\n",
                device_name, g_cal.pass_bytes / g_cal.pass_ms / 1e6, g_cal.optimizer_gbps,
-               g_cal.attention_fwd_tflops, g_cal.attention_bwd_tflops, nondet,
+               g_cal.op_floor_us, g_cal.attention_fwd_tflops, g_cal.attention_bwd_tflops, nondet,
                g_cal.attention_classes.c_str(), g_cal.gemm.c_str());
   std::fclose(out);
   std::printf("calibration written to %s\n", path.c_str());

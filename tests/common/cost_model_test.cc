@@ -451,5 +451,45 @@ TEST(CostModel, PredictStepHybridShardsOverTheShardGroup) {
   EXPECT_GT(hybrid->optimizer_s, 0);
 }
 
+// Backend calls per block, counted by hand from train/model.cc and train/fp8_linear.cc.
+TEST(CostModel, BlockOpCountByPath) {
+  BlockPlan b;
+  b.linears = v1::PRECISION_FP8;
+  // Generic FP8 block: forward norm, 7 x (cast + GEMM), RoPE x2, attention, add, norm, SwiGLU,
+  // gate/up packs x2, add = 24; backward 7 x (cast, weight and input transposes, dX, dW) + SwiGLU
+  // + 2 norms + 2 Axpys + attention + RoPE x2 = 43; without the transposes 29.
+  EXPECT_EQ(BlockOpCount(b, PassRules{true, false}), std::make_pair(24, 43));
+  EXPECT_EQ(BlockOpCount(b, PassRules{false, false}), std::make_pair(24, 29));
+  // The fused bf16-activation block: forward norm cast, q/k/v GEMM, RoPE x2, attention, o cast,
+  // o GEMM, norm cast, gate/up GEMM, SwiGLU cast, down GEMM = 11; backward recast, down (cast,
+  // weight transpose, dX, dW), SwiGLU, gate/up (weight and input transposes, dX, dW), norm, o
+  // (cast, two transposes, dX, dW), attention, RoPE q, k and v's cast, q/k/v (two transposes, dX,
+  // dW), norm = 25.
+  b.fp8_bf16 = b.fused_qkv = b.fused_mlp = b.recast_down = true;
+  EXPECT_EQ(BlockOpCount(b, PassRules{true, false}), std::make_pair(11, 25));
+  // Unfused: three more GEMMs forward (q/k/v 3, gate/up 2); backward 6 more calls for q/k/v
+  // (weight transposes, dX and dW: 3 each instead of 1) and 3 more for gate/up (2 each).
+  b.fused_qkv = b.fused_mlp = false;
+  EXPECT_EQ(BlockOpCount(b, PassRules{true, false}), std::make_pair(14, 25 + 6 + 3));
+}
+
+// A floor of one second per call dwarfs every rate: the step's compute is its calls.
+TEST(CostModel, PredictStepCallFloor) {
+  Calibration c = TwoClassCalibration();
+  c.op_floor_s = 1;
+  const v1::JobSpec spec = WithDefaults(Tiny(), 1);
+  auto p = PredictStep(spec, Mesh{1, 1, false}, c);
+  ASSERT_TRUE(p.ok()) << p.status();
+  // Per microbatch: embedding 1 + 1; 2 generic FP8 blocks on the fast CPU backend, 24 + 29 each;
+  // the head (one chunk of 32 rows): BF16 4 + 3, f32 3 + 3.
+  const bool bf16_head = spec.precision().lm_head() == v1::PRECISION_BF16;
+  const double per_mb = 2 + 2 * (24 + 29) + (bf16_head ? 7 : 6);
+  EXPECT_EQ(p->microbatches, 4);
+  EXPECT_NEAR(p->compute_s, 4 * per_mb, 1e-9);
+  EXPECT_GT(p->floor_s, 0);
+  // The optimizer: per buffer 2 calls, per FP8 linear 2, and 4 for the scales.
+  EXPECT_GE(p->optimizer_s, 4 + 2 * 14);
+}
+
 }  // namespace
 }  // namespace fsdp8
