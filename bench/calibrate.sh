@@ -5,7 +5,11 @@
 #     fsdp8-bench-cpu-ops --json (memory-bound passes' bandwidth, attention, AdamW) and
 #     fsdp8-bench-cpu-step --collectives shm --world N for N = 2..MAX_RANKS (shared-memory
 #     collectives' bus bandwidth by message size, ranks as threads); "cores" = the CPUs this
-#     process may run on (the CPU ranks of a job share them). Default OUT data/calibration/cpu.json.
+#     process may run on (the CPU ranks of a job share them); "host_slowdown" from
+#     fsdp8-bench-cpu-ops --copies N for N = 1..MAX_COPIES (N synchronised processes running the
+#     synthetic step): [N, the copies' wall seconds per step at N / one copy's CPU seconds per
+#     step], the slowdown of each rank's work when N ranks share the host (its cores, caches and
+#     memory bandwidth, and the waits where they meet). Default OUT data/calibration/cpu.json.
 #   BACKEND=cuda (on the GPU machine; build with CUDA first): fsdp8-bench-cuda --calibration
 #     (FP8 GEMMs through the backend, bf16 / f32 GEMMs, cuDNN attention, memory-bound passes,
 #     AdamW), plus the collectives' published NCCL bus bandwidths (below, with their sources):
@@ -13,7 +17,8 @@
 #     Default OUT data/calibration/cuda-h100.json.
 #
 # Usage: bench/calibrate.sh [OUT]   Environment: BACKEND (cpu | cuda), BIN (the binaries' folder,
-# default build/bin), MAX_RANKS (CPU collectives up to this many ranks, default 4), DEVICE (CUDA
+# default build/bin), MAX_RANKS (CPU collectives up to this many ranks, default 4), MAX_COPIES
+# (the shared-host slowdown up to this many processes, default 3), DEVICE (CUDA
 # device, default 0), LOG (BACKEND=cuda: keep fsdp8-bench-cuda's output there). Run on an otherwise idle machine: every figure is the best of 3 rounds; the
 # CPU's compute figures are per CPU second of the (single-threaded) benchmark, so that a shared
 # host's other processes do not slow them (the model predicts the step on cores of the ranks' own).
@@ -28,6 +33,10 @@ case "$backend" in
     out=${1:-data/calibration/cpu.json}
     OMP_NUM_THREADS=1 "$bin/fsdp8-bench-cpu-gemm" --threads 1 --json > "$tmp/gemm.json"
     OMP_NUM_THREADS=1 "$bin/fsdp8-bench-cpu-ops" --threads 1 --json > "$tmp/ops.json"
+    : > "$tmp/copies.list"
+    for n in $(seq 1 "${MAX_COPIES:-3}"); do
+      OMP_NUM_THREADS=1 "$bin/fsdp8-bench-cpu-ops" --threads 1 --copies "$n" >> "$tmp/copies.list"
+    done
     : > "$tmp/coll.list"
     for n in $(seq 2 "${MAX_RANKS:-4}"); do
       "$bin/fsdp8-bench-cpu-step" --collectives shm --world "$n" > "$tmp/coll-$n.json"
@@ -55,12 +64,15 @@ def cpu_model():
 
 if backend == "cpu":
     ops = json.load(open(os.path.join(tmp, "ops.json")))
+    copies = [json.loads(line) for line in open(os.path.join(tmp, "copies.list")) if line.strip()]
+    one_cpu = next(c["cpu_s"] for c in copies if c["processes"] == 1)
     cal = {
         "backend": "cpu",
         "device": f"{cpu_model()}, {cores} CPUs",
         "source": f"bench/calibrate.sh on {day}: fsdp8-bench-cpu-gemm --json, fsdp8-bench-cpu-ops "
                   "--json (best of 3 rounds, per CPU second of the benchmark), fsdp8-bench-cpu-step "
-                  "--collectives shm (best of 3 rounds, wall clock)",
+                  "--collectives shm (best of 3 rounds, wall clock), fsdp8-bench-cpu-ops --copies N "
+                  "(host_slowdown: wall per step at N over CPU per step at 1)",
         "cores": cores,
         "ranks_per_host": 0,
         "intra_link": "shm",
@@ -71,6 +83,7 @@ if backend == "cpu":
         "gemm": json.load(open(os.path.join(tmp, "gemm.json"))),
         "collectives": [c for path in open(os.path.join(tmp, "coll.list")).read().split()
                         for c in json.load(open(path))],
+        "host_slowdown": [[c["processes"], round(c["wall_s"] / one_cpu, 4)] for c in copies],
     }
 else:
     cal = json.load(open(os.path.join(tmp, "cuda.json")))

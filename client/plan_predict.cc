@@ -35,11 +35,11 @@ void PrintCost(const std::string& spec_path, const std::string& backend, const M
     printf("{\"world_size\": %d, \"replicas\": %d, \"shard_size\": %d, \"step_ms\": %.4f, "
            "\"compute_ms\": %.4f, \"exposed_comm_ms\": %.4f, \"optimizer_ms\": %.4f, "
            "\"comm_total_ms\": %.4f, \"gemm_ms\": %.4f, \"attention_ms\": %.4f, "
-           "\"memory_ms\": %.4f, \"microbatches\": %d, \"tokens_per_rank\": %lld, "
+           "\"memory_ms\": %.4f, \"floor_ms\": %.4f, \"microbatches\": %d, \"tokens_per_rank\": %lld, "
            "\"tokens_per_s\": %.1f, \"calibration\": \"%s\"}\n",
            mesh.world_size(), mesh.replicas, mesh.shard_size, ms(c.step_s), ms(c.compute_s),
            ms(c.exposed_comm_s), ms(c.optimizer_s), ms(c.comm_total_s), ms(c.gemm_s),
-           ms(c.attention_s), ms(c.memory_s), c.microbatches,
+           ms(c.attention_s), ms(c.memory_s), ms(c.floor_s), c.microbatches,
            static_cast<long long>(c.tokens_per_rank),
            c.tokens_per_rank * mesh.world_size() / c.step_s, calibration.c_str());
     return;
@@ -58,7 +58,11 @@ void PrintCost(const std::string& spec_path, const std::string& backend, const M
          static_cast<long long>(c.tokens_per_rank),
          c.tokens_per_rank * mesh.world_size() / c.step_s);
   if (c.contention > 1) {
-    printf("  (CPU ranks sharing the host's cores: compute x %.2f)\n", c.contention);
+    printf("  (CPU ranks sharing the host: compute and optimizer x %.3f)\n", c.contention);
+  }
+  if (c.floor_s > 0) {
+    printf("  (backend calls at the calibration's floor: +%.2f ms of compute and optimizer)\n",
+           ms(c.floor_s));
   }
   printf("  calibration: %s\n", calibration.c_str());
 }

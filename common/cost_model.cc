@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/memory_plan.h"
@@ -163,6 +164,11 @@ absl::StatusOr<Calibration> ParseCalibration(const std::string& json, const std:
     if (!v.ok()) return v.status();
     *out = *v;
   }
+  {
+    absl::StatusOr<double> v = Number(root, "op_floor_us", "", origin, false);
+    if (!v.ok()) return v.status();
+    c.op_floor_s = *v * 1e-6;
+  }
   const Value* att = Field(root, "attention");
   if (att == nullptr || att->kind_case() != Value::kStructValue) {
     return Bad(origin, "attention", "missing (an object with forward_tflops, backward_tflops)");
@@ -172,6 +178,39 @@ absl::StatusOr<Calibration> ParseCalibration(const std::string& json, const std:
     absl::StatusOr<double> v = Number(att->struct_value(), name, "attention.", origin, true);
     if (!v.ok()) return v.status();
     *out = *v;
+  }
+  {
+    absl::StatusOr<double> v = Number(att->struct_value(), "backward_nondeterministic_tflops",
+                                      "attention.", origin, false);
+    if (!v.ok()) return v.status();
+    c.attention_backward_nondeterministic_tflops = *v;
+  }
+  if (const Value* classes = Field(root, "attention_classes"); classes != nullptr) {
+    if (classes->kind_case() != Value::kListValue) {
+      return Bad(origin, "attention_classes", "must be a list of attention shapes");
+    }
+    for (const Value& a : classes->list_value().values()) {
+      const std::string path = absl::StrCat("attention_classes[", c.attention_classes.size(), "].");
+      if (a.kind_case() != Value::kStructValue) return Bad(origin, path, "must be an object");
+      AttentionClass ac;
+      for (auto [name, out] : {std::pair{"batch", &ac.batch}, std::pair{"seq", &ac.seq},
+                               std::pair{"heads", &ac.heads}, std::pair{"kv_heads", &ac.kv_heads},
+                               std::pair{"head_dim", &ac.head_dim}}) {
+        absl::StatusOr<double> v = Number(a.struct_value(), name, path, origin, true);
+        if (!v.ok()) return v.status();
+        *out = static_cast<int64_t>(*v);
+      }
+      for (auto [name, out, required] :
+           {std::tuple{"forward_tflops", &ac.forward_tflops, true},
+            std::tuple{"backward_tflops", &ac.backward_tflops, true},
+            std::tuple{"backward_nondeterministic_tflops", &ac.backward_nondeterministic_tflops,
+                       false}}) {
+        absl::StatusOr<double> v = Number(a.struct_value(), name, path, origin, required);
+        if (!v.ok()) return v.status();
+        *out = *v;
+      }
+      c.attention_classes.push_back(ac);
+    }
   }
   const Value* gemm = Field(root, "gemm");
   if (gemm == nullptr || gemm->kind_case() != Value::kListValue || gemm->list_value().values().empty()) {
@@ -206,6 +245,27 @@ absl::StatusOr<Calibration> ParseCalibration(const std::string& json, const std:
       c.collectives.push_back(*cc);
     }
   }
+  const Value* slow = Field(root, "host_slowdown");
+  if (slow != nullptr) {
+    if (slow->kind_case() != Value::kListValue) {
+      return Bad(origin, "host_slowdown", "must be a list of [processes, factor] pairs");
+    }
+    for (const Value& p : slow->list_value().values()) {
+      const std::string at = absl::StrCat("host_slowdown[", c.host_slowdown.size(), "]");
+      if (p.kind_case() != Value::kListValue || p.list_value().values_size() != 2) {
+        return Bad(origin, at, "must be a pair [processes, factor]");
+      }
+      const double n = p.list_value().values(0).number_value();
+      const double f = p.list_value().values(1).number_value();
+      if (!(n >= 1) || n != std::floor(n) || !(f > 0) || !std::isfinite(f)) {
+        return Bad(origin, at, "processes must be an integer >= 1 and the factor > 0");
+      }
+      if (!c.host_slowdown.empty() && n <= c.host_slowdown.back().first) {
+        return Bad(origin, at, "entries must ascend in processes");
+      }
+      c.host_slowdown.emplace_back(static_cast<int>(n), f);
+    }
+  }
   return c;
 }
 
@@ -215,6 +275,44 @@ absl::StatusOr<Calibration> LoadCalibration(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ParseCalibration(ss.str(), path);
+}
+
+std::pair<double, double> AttentionRates(const Calibration& c, int64_t heads, int64_t kv_heads,
+                                         int64_t head_dim, int64_t seq, bool deterministic) {
+  auto backward = [&](double det, double nondet) { return !deterministic && nondet > 0 ? nondet : det; };
+  if (c.attention_classes.empty()) {
+    return {c.attention_forward_tflops,
+            backward(c.attention_backward_tflops, c.attention_backward_nondeterministic_tflops)};
+  }
+  auto lg = [](double a, double b) { return std::fabs(std::log(std::max(a, 1.0) / std::max(b, 1.0))); };
+  auto layout = [&](const AttentionClass& a) {
+    return lg(static_cast<double>(a.heads), static_cast<double>(heads)) +
+           lg(static_cast<double>(a.kv_heads), static_cast<double>(kv_heads)) +
+           lg(static_cast<double>(a.head_dim), static_cast<double>(head_dim));
+  };
+  double best = std::numeric_limits<double>::infinity();
+  for (const AttentionClass& a : c.attention_classes) best = std::min(best, layout(a));
+  std::vector<const AttentionClass*> near;  // the nearest layout's classes, by seq
+  for (const AttentionClass& a : c.attention_classes) {
+    if (layout(a) <= best + 1e-12) near.push_back(&a);
+  }
+  std::sort(near.begin(), near.end(),
+            [](const AttentionClass* a, const AttentionClass* b) { return a->seq < b->seq; });
+  auto rates = [&](const AttentionClass& a) {
+    return std::pair{a.forward_tflops, backward(a.backward_tflops, a.backward_nondeterministic_tflops)};
+  };
+  if (seq <= near.front()->seq) return rates(*near.front());
+  if (seq >= near.back()->seq) return rates(*near.back());
+  for (size_t i = 1; i < near.size(); ++i) {
+    if (seq <= near[i]->seq) {
+      const double f = std::log(static_cast<double>(seq) / near[i - 1]->seq) /
+                       std::log(static_cast<double>(near[i]->seq) / near[i - 1]->seq);
+      const auto [f0, b0] = rates(*near[i - 1]);
+      const auto [f1, b1] = rates(*near[i]);
+      return {f0 + f * (f1 - f0), b0 + f * (b1 - b0)};
+    }
+  }
+  return rates(*near.back());
 }
 
 double GemmSeconds(const Calibration& c, const std::string& precision, int64_t m, int64_t n,
@@ -298,24 +396,133 @@ double OptimizerSeconds(const Calibration& c, double shard_elements, int state_b
   return adamw + norm_and_cast;
 }
 
-std::pair<double, double> BlockPassBytes(const BlockPlan& b, int64_t tokens, int64_t d_model,
-                                         int64_t ffn, int64_t q_width, int64_t kv_width) {
-  const double N = static_cast<double>(tokens);
-  const double ec = N * d_model, ef = N * ffn, eq = N * q_width, ek = N * kv_width;
+double OptimizerSeconds(const Calibration& c, const ShardElements& e, int state_bytes) {
+  const double adamw = (e.total() * (12.0 + 2.0 * state_bytes) + 2.0 * e.bf16) /
+                       (c.optimizer_gbps * 1e9);
+  const double norm_and_cast = (4.0 * e.total() + 5.0 * e.fp8) / (c.memory_gbps * 1e9);
+  return adamw + norm_and_cast;
+}
+
+double HostSlowdown(const Calibration& c, int processes) {
+  if (c.cores <= 0 || processes <= 1) return 1.0;
+  const auto& h = c.host_slowdown;
+  if (h.empty()) return std::max(1.0, static_cast<double>(processes) / c.cores);
+  if (processes <= h.front().first) return processes == h.front().first ? h.front().second : 1.0;
+  if (processes >= h.back().first) {
+    return h.back().second * processes / static_cast<double>(h.back().first);
+  }
+  for (size_t i = 1; i < h.size(); ++i) {
+    if (processes <= h[i].first) {
+      const double f = static_cast<double>(processes - h[i - 1].first) / (h[i].first - h[i - 1].first);
+      return h[i - 1].second + f * (h[i].second - h[i - 1].second);
+    }
+  }
+  return h.back().second;
+}
+
+PassRules PassRulesOf(const v1::JobSpec& spec) {
+  const BackendCaps caps = BackendCapsOf(spec.backend());
+  PassRules r;
+  r.fp8_one_layout = caps.cuda || caps.cpu_reference;
+  r.norm_inputs_bf16 = spec.training().saved_norm_inputs() == v1::PRECISION_BF16;
+  return r;
+}
+
+namespace {
+
+// The generic block: f32 activations, each FP8 linear casting its own input (LlamaModel's
+// non-acts16 path).
+std::pair<double, double> GenericBlockPassBytes(const BlockPlan& b, const PassShape& s,
+                                                const PassRules& r) {
+  const double N = static_cast<double>(s.tokens);
+  const double C = s.d_model, F = s.ffn, Q = s.q_width, K = s.kv_width;
   const bool fp8 = b.linears == v1::PRECISION_FP8;
-  // Norms (read f32, write), RoPE on q and k (read + write f32), SwiGLU (2 reads, 1 write),
+  // Norms (f32 read and written), RoPE on q and k (in place), SwiGLU (2 reads, 1 write), the
   // two residual adds (2 reads, 1 write).
-  double fwd = 2 * 8 * ec + 8 * (eq + ek) + 12 * ef + 2 * 12 * ec;
-  double bwd = 2 * 12 * ec + 8 * (eq + ek) + 20 * ef + 2 * 12 * ec;
-  if (fp8) {
-    // Input casts (f32 read, E4M3 written): one per shared input on the bf16-activation block,
-    // one per linear on the generic block.
-    fwd += 5 * (b.fp8_bf16 ? ec + eq + ec + ef : 3 * ec + eq + 2 * ec + ef);
-    // Grad-output casts with their transposes: down, gate and up, o, q k v.
-    bwd += 6 * (ec + 2 * ef + ec + eq + 2 * ek);
-    if (b.recast_down) bwd += 5 * ef;  // down_proj's input recast from gate and up
+  double fwd = N * (2 * 8 * C + 8 * (Q + K) + 12 * F + 2 * 12 * C);
+  // Norms' backward (gradient and input read, gradient written), RoPE, SwiGLU (gradient, gate
+  // and up read; two gradients written), the residual Axpys.
+  double bwd = N * (2 * 12 * C + 8 * (Q + K) + 2 * 12 * C);
+  if (b.attention == Dtype::kBf16) fwd += N * 6 * (Q + 2 * K + Q);  // q, k, v, att packed
+  if (!fp8) return {fwd, bwd + N * 20 * F};
+  fwd += N * 12 * F;   // gate and up packed to bf16 for the backward
+  bwd += N * 16 * F;   // SwiGLU's backward reading them
+  // Input casts (f32 read, E4M3 written), one per linear: q, k, v, o, gate, up, down.
+  fwd += N * 5 * (3 * C + Q + 2 * C + F);
+  // Per linear (in, out): its grad-output's cast and, one-layout backends, the transposes.
+  const std::pair<double, double> lin[] = {{C, Q}, {C, K}, {C, K}, {Q, C},
+                                           {C, F}, {C, F}, {F, C}};
+  for (auto [in, out] : lin) {
+    bwd += N * (r.fp8_one_layout ? 6 : 5) * out;
+    if (r.fp8_one_layout) bwd += 2 * in * out + N * 2 * in;
   }
   return {fwd, bwd};
+}
+
+// The bf16-activation block (BlockPlan::fp8_bf16, LlamaModel's acts16 path): FP8 inputs cast
+// by fused passes from bf16 activations; the backward always through BackwardFp8 (bf16 input
+// gradients), hence with the transposes on every backend.
+std::pair<double, double> Bf16BlockPassBytes(const BlockPlan& b, const PassShape& s,
+                                             const PassRules& r) {
+  const double N = static_cast<double>(s.tokens);
+  const double C = s.d_model, F = s.ffn, Q = s.q_width, K = s.kv_width, T = Q + 2 * K;
+  // RMSNorm + cast (x f32 read, codes written) twice, RoPE on bf16 q and k in place, o_proj's
+  // input cast from bf16 att, SwiGLU + down_proj's cast (bf16 gate and up read, codes written).
+  double fwd = N * (2 * 5 * C + 4 * (Q + K) + 3 * Q + 5 * F);
+  // down_proj's input codes for dW: recast from gate and up (transposed codes written), or the
+  // kept codes transposed.
+  double bwd = N * (b.recast_down ? 5 : 2) * F;
+  bwd += N * 6 * C + 2 * C * F;              // down: f32 grad-output cast + transpose; weight
+  bwd += N * 10 * F;                         // SwiGLU backward: casts and transposes of dgate, dup
+  const double mlp_parts = b.fused_mlp ? 1 : 2, qkv_parts = b.fused_qkv ? 1 : 3;
+  bwd += 2 * (2 * F) * C + N * 2 * C;        // gate/up weights; the shared input's codes
+  bwd += N * (12 + 2 * mlp_parts) * C;       // post-norm backward (+ dout), bf16 parts read
+  bwd += N * 6 * C + 2 * C * Q + N * 2 * Q;  // o: f32 grad-output cast; weight; input codes
+  bwd += N * 4 * T;                          // RoPE backward + q, k casts; v's cast
+  bwd += 2 * T * C + N * 2 * C;              // q/k/v weights; the shared input's codes
+  bwd += N * (12 + 2 * qkv_parts) * C;       // input norm's backward (+ dh), bf16 parts read
+  if (r.norm_inputs_bf16) {                  // x_in and h packed to bf16, unpacked for the norms
+    fwd += N * 2 * 6 * C;
+    bwd += N * 2 * 6 * C;
+  }
+  return {fwd, bwd};
+}
+
+}  // namespace
+
+std::pair<double, double> BlockPassBytes(const BlockPlan& b, const PassShape& s,
+                                         const PassRules& r) {
+  return b.fp8_bf16 ? Bf16BlockPassBytes(b, s, r) : GenericBlockPassBytes(b, s, r);
+}
+
+std::pair<int, int> BlockOpCount(const BlockPlan& b, const PassRules& r) {
+  const bool fp8 = b.linears == v1::PRECISION_FP8;
+  if (!b.fp8_bf16) {
+    // Forward: norm, each linear (its input's cast and GEMM), RoPE q and k, attention (and BF16
+    // attention's four packs), add, norm, SwiGLU, FP8's gate/up packs, add.
+    const int fwd = 1 + 7 * (fp8 ? 2 : 1) + 2 + 1 + (b.attention == Dtype::kBf16 ? 4 : 0) + 1 + 1 +
+                    1 + (fp8 ? 2 : 0) + 1;
+    // Backward: each linear (grad-output cast, the two transposes on one-layout backends, dX and
+    // dW GEMMs), SwiGLU, two norms, two Axpys, attention, RoPE q and k.
+    const int per_linear = fp8 ? 3 + (r.fp8_one_layout ? 2 : 0) : 2;
+    return {fwd, 7 * per_linear + 1 + 2 + 2 + 1 + 2};
+  }
+  const int qkv = b.fused_qkv ? 1 : 3, mlp = b.fused_mlp ? 1 : 2, norm16 = r.norm_inputs_bf16 ? 2 : 0;
+  // Forward: two norm casts, q/k/v GEMM(s), RoPE q and k, attention, o's cast and GEMM, gate/up
+  // GEMM(s), SwiGLU cast, down GEMM.
+  const int fwd = 2 + qkv + 2 + 1 + 2 + mlp + 1 + 1 + norm16;
+  // Backward: down's input recast (or transpose), its cast, weight transpose, dX, dW; SwiGLU;
+  // gate/up weight transposes, input transpose, dX and dW per GEMM; norm; o's cast, transposes,
+  // dX, dW; attention; RoPE q, k and v's cast; q/k/v transposes, dX and dW per GEMM; norm.
+  const int bwd = 1 + 4 + 1 + (mlp + 1 + 2 * mlp) + 1 + 5 + 1 + 3 + (qkv + 1 + 2 * qkv) + 1 + norm16;
+  return {fwd, bwd};
+}
+
+std::pair<double, double> HeadPassBytes(bool head_bf16, int64_t tokens, int64_t d_model,
+                                        int64_t vocab) {
+  const double N = static_cast<double>(tokens), C = d_model, V = vocab;
+  const double fwd = N * (8 * C + (head_bf16 ? 6 * C + 10 * V : 12 * V));
+  return {fwd, N * 12 * C};
 }
 
 absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
@@ -332,7 +539,12 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
         "calibration: gemm, memory_gbps, optimizer_gbps and attention rates must be set");
   }
   const int W = mesh.world_size(), S = mesh.shard_size, R = mesh.replicas;
-  absl::StatusOr<StepPlan> plan = MakeStepPlan(spec, S, BackendCapsOf(spec.backend()), options);
+  // The plan of the spec on `mesh` (its units laid out at the shard group's size): the spec's
+  // replicas set to the mesh's.
+  v1::JobSpec on_mesh = spec;
+  on_mesh.mutable_sharding()->set_replicas(R);
+  absl::StatusOr<StepPlan> plan =
+      MakeStepPlan(on_mesh, W, BackendCapsOf(spec.backend()), options);
   if (!plan.ok()) return plan.status();
   const ModelDims d = ModelDimsOf(spec.model());
   const v1::TrainingSpec& tr = spec.training();
@@ -353,7 +565,7 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
           absl::StrCat("calibration: no collectives measured on link \"", link, "\""));
     }
   }
-  if (c.cores > 0) cost.contention = std::max(1.0, static_cast<double>(std::min(W, per_host)) / c.cores);
+  cost.contention = HostSlowdown(c, std::min(W, per_host));
   const double k = cost.contention, bw = c.memory_gbps * 1e9;
   auto gemm = [&](const char* p, int64_t m, int64_t n, int64_t kk) {
     const double s = GemmSeconds(c, p, m, n, kk) * k;
@@ -367,10 +579,22 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
   };
   const int64_t C = d.d_model, F = d.ffn_dim, V = d.vocab_size, nq = d.q_width(),
                 nk = d.kv_width();
+  const PassRules rules = PassRulesOf(spec);
+  const std::pair<double, double> att_rates =
+      AttentionRates(c, d.n_heads, d.n_kv_heads, d.head_dim, d.seq_len, tr.deterministic());
   std::vector<UnitTimes> units(plan->units.size());
   // Compute: embedding (unit 0), blocks (1..L), head (last).
   units.front().forward = pass(8.0 * N * C);
   units.front().backward = pass(8.0 * N * C);
+  // A unit's compute takes at least its backend calls at the calibration's floor.
+  const double floor_s = c.op_floor_s * k;
+  auto at_least = [&](double s, int ops) {
+    const double f = ops * floor_s;
+    if (f > s) cost.floor_s += f - s;
+    return std::max(s, f);
+  };
+  units.front().forward = at_least(units.front().forward, 1);
+  units.front().backward = at_least(units.front().backward, 1);
   for (size_t l = 0; l < plan->blocks.size(); ++l) {
     const BlockPlan& b = plan->blocks[l];
     UnitTimes& u = units[1 + l];
@@ -394,10 +618,10 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
       bwd += gemm(p, N, in, out) + gemm(p, out, in, N);
     }
     const double att = 2.0 * B * d.n_heads * d.seq_len * d.seq_len * d.head_dim;
-    const double af = att / (c.attention_forward_tflops * 1e12) * k;
-    const double ab = 2.5 * att / (c.attention_backward_tflops * 1e12) * k;
+    const double af = att / (att_rates.first * 1e12) * k;
+    const double ab = 2.5 * att / (att_rates.second * 1e12) * k;
     cost.attention_s += af + ab;
-    const auto [pf, pb] = BlockPassBytes(b, N, C, F, nq, nk);
+    const auto [pf, pb] = BlockPassBytes(b, PassShape{N, C, F, nq, nk}, rules);
     fwd += af + pass(pf);
     bwd += ab + pass(pb);
     if (plan->recompute) {  // the backward reruns the forward
@@ -405,26 +629,38 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
       cost.attention_s += af;
       bwd += af + pass(pf);
     }
-    u.forward = fwd;
-    u.backward = bwd;
+    const auto [of, ob] = BlockOpCount(b, rules);
+    u.forward = at_least(fwd, of);
+    u.backward = at_least(bwd, ob + (plan->recompute ? of : 0));
   }
   {
     UnitTimes& h = units.back();
     const char* p = plan->head_bf16 ? "bf16" : "fp32";
-    // Final norm, logits GEMM, fused cross-entropy forward + backward (logits read, gradient
-    // written); backward: dX and dW GEMMs, the norm's backward.
-    h.forward = pass(8.0 * N * C) + gemm(p, N, V, C) + pass(8.0 * N * V);
-    h.backward = gemm(p, N, C, V) + gemm(p, V, C, N) + pass(12.0 * N * C);
+    // Final norm, logits GEMM, fused cross-entropy forward + backward; backward: dX and dW
+    // GEMMs, the norm's backward.
+    const auto [hf, hb] = HeadPassBytes(plan->head_bf16, N, C, V);
+    h.forward = gemm(p, N, V, C) + pass(hf);
+    h.backward = gemm(p, N, C, V) + gemm(p, V, C, N) + pass(hb);
+    // Calls: a BF16 head's norm, bf16 copy, per row chunk its logits GEMM, cross-entropy and dX
+    // GEMM, one dW GEMM, the norm's backward; an f32 head's norm, GEMM, cross-entropy, dX, dW and
+    // norm backward.
+    const int chunks = plan->head_bf16 && plan->head_chunk_rows > 0
+                           ? static_cast<int>((N + plan->head_chunk_rows - 1) / plan->head_chunk_rows)
+                           : 1;
+    h.forward = at_least(h.forward, plan->head_bf16 ? 2 + 2 * chunks : 3);
+    h.backward = at_least(h.backward, plan->head_bf16 ? chunks + 2 : 3);
   }
   // Communication per unit.
-  double shard_elems = 0, shard_wire = 0;
+  double shard_wire = 0;
+  ShardElements piece;
   for (size_t i = 0; i < plan->units.size(); ++i) {
     double gathered = 0, grads = 0, shard_grads = 0;
     for (const PlannedBuffer& pb : plan->units[i].buffers) {
       gathered += static_cast<double>(pb.padded) * WireBytes(pb.wire);
       grads += static_cast<double>(pb.padded) * 4;
       shard_grads += static_cast<double>(pb.shard) * 4;
-      shard_elems += static_cast<double>(pb.shard);
+      (pb.wire == WireDtype::kFp8 ? piece.fp8 : pb.wire == WireDtype::kBf16 ? piece.bf16 : piece.fp32) +=
+          static_cast<double>(pb.shard);
       shard_wire += pb.wire == WireDtype::kFp32 ? 0.0
                                                 : static_cast<double>(pb.shard) * WireBytes(pb.wire);
     }
@@ -442,6 +678,7 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
   cost.compute_s = sr.compute_s;
   for (double* part : {&cost.gemm_s, &cost.attention_s, &cost.memory_s}) *part *= cost.microbatches;
   cost.comm_total_s = sr.comm_s;
+  cost.floor_s *= cost.microbatches;
   // The step's small all-reduces over every rank: activation and grad-output amaxes (two per
   // FP8 linear), the gradient norm and loss sums (2 floats), the weights' amaxes (one per FP8
   // linear).
@@ -458,10 +695,18 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
   small += CollectiveSeconds(c, world_link, CollectiveOp::kAllReduce, W, 8.0);
   // The optimizer on this rank's piece of the state.
   const double pieces = mesh.optimizer_over_world ? R : 1;
-  cost.optimizer_s = OptimizerSeconds(c, shard_elems / pieces,
-                                      static_cast<int>(OptimizerStateBytesPerElement(spec)),
-                                      shard_elems > 0 ? shard_wire / shard_elems : 0) *
-                     k;
+  const ShardElements mine{piece.fp32 / pieces, piece.bf16 / pieces, piece.fp8 / pieces};
+  cost.optimizer_s =
+      OptimizerSeconds(c, mine, static_cast<int>(OptimizerStateBytesPerElement(spec))) * k;
+  // Its calls: per buffer the gradient norm's and AdamW's (AdamW again per FP8 tensor's slice),
+  // per FP8 tensor its cast, and the scales' four (amax reset, group maximum, scales, reduce).
+  int buffers = 0;
+  for (const PlannedUnit& u : plan->units) buffers += static_cast<int>(u.buffers.size());
+  const int optimizer_ops = 2 * buffers + 2 * fp8_linears + (fp8_linears > 0 ? 4 : 0);
+  if (optimizer_ops * floor_s > cost.optimizer_s) {
+    cost.floor_s += optimizer_ops * floor_s - cost.optimizer_s;
+    cost.optimizer_s = optimizer_ops * floor_s;
+  }
   if (mesh.optimizer_over_world && R > 1) {  // the updated wire pieces gathered across replicas
     small += CollectiveSeconds(c, cost.inter_link, CollectiveOp::kAllGather, R, shard_wire);
   }

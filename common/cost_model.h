@@ -13,14 +13,20 @@
 //                   in, N).
 //   attention       causal flash-attention FLOPs as bench/cuda/bench_cuda.cu counts them:
 //                   forward 2 B H T^2 D, backward 2.5 x that; at the measured forward and
-//                   backward rates.
-//   memory passes   bytes read + written by the norms, RoPE, SwiGLU, FP8 casts, residual adds,
-//                   cross-entropy and embedding (PassBytes below) / the measured bandwidth of the
-//                   same passes counted the same way (bench/cpu/ops_bench.cc --json).
+//                   backward rates (AttentionRates: the attention classes of the nearest head
+//                   layout, interpolated in log T; the non-deterministic backward's rate for
+//                   training.deterministic false where measured).
+//   memory passes   bytes read + written by the passes the backend runs for the block's path
+//                   (BlockPassBytes: the generic block's f32 passes, or the bf16-activation
+//                   block's fused norm / SwiGLU / RoPE casts; FP8 transposes where the backend's
+//                   FP8 GEMMs take one layout), the head's (HeadPassBytes) and the embedding's /
+//                   the measured bandwidth of such passes (bench/cpu/ops_bench.cc --json,
+//                   fsdp8-bench-cuda --calibration).
 //   optimizer       AdamW: 28 bytes per shard element with f32 moments (p, g, m, v read; p, m, v
-//                   written), 20 with bf16 moments / the measured AdamW bytes/s; plus the
-//                   gradient norm's read (4 bytes per element) and the wire cast (4 read + the
-//                   wire bytes written) at the memory bandwidth.
+//                   written), 20 with bf16 moments, + 2 for the bf16 wire shards it packs / the
+//                   measured AdamW bytes/s; plus the gradient norm's read (4 bytes per element)
+//                   and the FP8 wire cast (4 read + 1 written per FP8 element) at the memory
+//                   bandwidth.
 //   collectives     NCCL's bus-bandwidth convention (nccl-tests doc/PERFORMANCE.md): for a
 //                   message of `size` bytes (the full gathered or reduced buffer) on n ranks,
 //                   time = latency + size * f / busbw(size), f = (n-1)/n for all-gather and
@@ -28,9 +34,12 @@
 //                   between the measured points (clamped at both ends). The link: shard groups
 //                   within one host (ranks_per_host) take the calibration's intra-host link,
 //                   groups spanning hosts and replica groups the inter-host link.
-// CPU ranks share the host's cores: compute and optimizer times are multiplied by
-// max(1, ranks on the host / cores) (the calibration measured one single-threaded op on a core,
-// per CPU second: the model predicts the step on cores the ranks have to themselves).
+// CPU ranks share the host's cores: compute and optimizer times are multiplied by the
+// calibration's shared-host slowdown at the ranks on the host (HostSlowdown: measured by N
+// synchronised copies of a synthetic step, bench/cpu/ops_bench.cc --copies), or, in a calibration
+// without one, by max(1, ranks on the host / cores) (the calibration measured one single-threaded
+// op on a core, per CPU second: the model predicts the step on cores the ranks have to
+// themselves).
 //
 // Overlap (Schedule): one compute stream, one collective channel per link (intra: all-gathers and
 // reduce-scatters in issue order; inter: the replica reductions). FSDP's prefetch of one unit:
@@ -67,6 +76,13 @@ struct GemmClass {
   double tflops = 0;
 };
 
+// One measured attention shape: causal, bf16 through the backend's fused attention.
+struct AttentionClass {
+  int64_t batch = 0, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  double forward_tflops = 0, backward_tflops = 0;  // backward: deterministic
+  double backward_nondeterministic_tflops = 0;     // 0: not measured
+};
+
 enum class CollectiveOp { kAllGather = 0, kReduceScatter = 1, kAllReduce = 2 };
 const char* CollectiveOpName(CollectiveOp op);  // "all_gather", "reduce_scatter", "all_reduce"
 
@@ -88,20 +104,45 @@ struct Calibration {
   std::string intra_link, inter_link;  // link names of CollectiveCurve
   std::vector<GemmClass> gemm;
   double attention_forward_tflops = 0, attention_backward_tflops = 0;
+  double attention_backward_nondeterministic_tflops = 0;  // 0: not measured (the backward's)
+  std::vector<AttentionClass> attention_classes;           // optional, finer than the above
   double memory_gbps = 0;     // memory-bound passes, bytes read + written per second / 1e9
   double optimizer_gbps = 0;  // AdamW, bytes read + written per second / 1e9
+  // The floor of one backend call (seconds; "op_floor_us" in the file, optional, 0: none): a
+  // tiny call's time when calls are issued back to back (the host's issue time). A unit's
+  // forward or backward takes at least its calls (BlockOpCount) times this, as does the
+  // optimizer.
+  double op_floor_s = 0;
   std::vector<CollectiveCurve> collectives;
+  // CPU: (processes, slowdown) ascending in processes: the wall time per step of that many
+  // synchronised single-threaded copies of a synthetic step on the host, over one copy's CPU
+  // time alone (1 at one process). Empty: max(1, processes / cores).
+  std::vector<std::pair<int, double>> host_slowdown;
 };
 
 // Parses a calibration file's JSON text (bench/calibrate.sh writes them): the fields above by
 // name, "attention": {"forward_tflops", "backward_tflops"}, "gemm": [{"precision", "m", "n",
 // "k", "tflops"}], "collectives": [{"link", "op", "ranks", "latency_us", "points": [[bytes,
-// GB/s], ...]}]; "cores", "ranks_per_host", "collectives" and "inter_link" optional.
+// GB/s], ...]}], "host_slowdown": [[processes, factor], ...], "attention_classes": [{"batch",
+// "seq", "heads", "kv_heads", "head_dim", "forward_tflops", "backward_tflops",
+// "backward_nondeterministic_tflops"}]; "cores", "ranks_per_host", "collectives", "inter_link",
+// "host_slowdown", "attention_classes", "op_floor_us" and
+// attention.backward_nondeterministic_tflops optional.
 // INVALID_ARGUMENT naming `origin` and the field for malformed JSON, a missing or non-positive
-// rate, an unknown precision or op, points not ascending.
+// rate, an unknown precision or op, points not ascending, a host_slowdown entry that is not a
+// [processes >= 1, factor > 0] pair ascending in processes.
 absl::StatusOr<Calibration> ParseCalibration(const std::string& json, const std::string& origin);
 // Reads and parses `path`: NOT_FOUND when it cannot be read.
 absl::StatusOr<Calibration> LoadCalibration(const std::string& path);
+
+// Attention TFLOP/s (forward, backward) for `heads` query heads, `kv_heads`, `head_dim` and
+// sequence length `seq`: among the attention classes, those of the nearest head layout (the
+// smallest sum of |log(x / class x)| over heads, kv_heads and head_dim), their rates
+// interpolated linearly in log(seq) between the two classes around `seq` (clamped at the ends);
+// without classes, the "attention" rates. The backward takes the non-deterministic rate when
+// `deterministic` is false and that rate was measured.
+std::pair<double, double> AttentionRates(const Calibration& c, int64_t heads, int64_t kv_heads,
+                                         int64_t head_dim, int64_t seq, bool deterministic);
 
 // Seconds of one GEMM (2 m n k FLOPs) at `precision` ("fp8", "bf16", "fp32"); the nearest
 // class of that precision, else of "bf16", else any (a precision not measured).
@@ -130,9 +171,28 @@ struct ScheduleResult {
 ScheduleResult Schedule(const std::vector<UnitTimes>& units, int microbatches);
 
 // Optimizer seconds: AdamW on `shard_elements` f32 master elements with `state_bytes` of
-// moments per element (8 or 4), the gradient norm's read and the cast to `wire_bytes` per element.
+// moments per element (8 or 4), the gradient norm's read and a separate cast of every element to
+// `wire_bytes` per element (4 read + wire_bytes written, at the memory bandwidth).
 double OptimizerSeconds(const Calibration& c, double shard_elements, int state_bytes,
                         double wire_bytes);
+
+// A rank's optimizer piece by the wire dtype of its buffers (elements).
+struct ShardElements {
+  double fp32 = 0, bf16 = 0, fp8 = 0;
+  double total() const { return fp32 + bf16 + fp8; }
+};
+// Optimizer seconds as FsdpParams runs the step's end (train/fsdp.cc): the gradient norm's read
+// (4 bytes per element, memory bandwidth); AdamW over every element (12 + 2 state_bytes bytes),
+// writing the bf16 wire shards itself (+2 bytes per bf16 element), at the AdamW rate; the FP8
+// wire cast of the FP8 elements (CastWeights: 4 read + 1 written, memory bandwidth). FP32 wire
+// shards are the master values (no cast).
+double OptimizerSeconds(const Calibration& c, const ShardElements& e, int state_bytes);
+
+// The factor on a CPU rank's compute and optimizer time with `processes` ranks on the host: the
+// calibration's host_slowdown interpolated linearly between measured process counts (beyond the
+// last, that factor x processes / its processes; below the first, 1); without one,
+// max(1, processes / cores); 1 for a calibration without cores (GPUs).
+double HostSlowdown(const Calibration& c, int processes);
 
 struct StepCost {
   double step_s = 0;           // compute + exposed communication + optimizer
@@ -141,7 +201,8 @@ struct StepCost {
   double optimizer_s = 0;
   double comm_total_s = 0;     // every collective, hidden or not
   double gemm_s = 0, attention_s = 0, memory_s = 0;  // compute_s's parts
-  double contention = 1;       // the CPU ranks' core-sharing factor applied
+  double contention = 1;       // the CPU ranks' shared-host factor applied (HostSlowdown)
+  double floor_s = 0;          // of compute_s and optimizer_s: what the backend-call floor added
   int microbatches = 1;
   int64_t tokens_per_rank = 0;  // per step
   std::string intra_link, inter_link;
@@ -153,10 +214,56 @@ struct StepCost {
 absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
                                      const Calibration& c, const StepPlanOptions& options = {});
 
-// Bytes read + written by one block's memory-bound passes for one microbatch of `tokens` rows
-// (forward, backward): the norms, RoPE, SwiGLU, residual adds and, for FP8 linears, the casts of
-// inputs (5 bytes per element) and of grad-outputs (cast + transpose, 6 bytes per element).
-std::pair<double, double> BlockPassBytes(const BlockPlan& b, int64_t tokens, int64_t d_model,
-                                         int64_t ffn, int64_t q_width, int64_t kv_width);
+// How a backend runs a block's memory-bound passes (PassRulesOf).
+struct PassRules {
+  // The backend's FP8 GEMMs take one layout (A and B row-major, "TN": CUDA's cuBLASLt, the CPU
+  // reference): the backward of an FP8 linear transposes its weight's codes (dX) and its input's
+  // codes (dW; once per shared input), and casts its grad-output with a transposed copy. False:
+  // the fast CPU backend (Backend::Fp8GemmAnyLayout), whose generic block (f32 grad-outputs)
+  // casts without the copy and transposes nothing; its bf16-activation block still transposes
+  // (bf16 input gradients take BackwardFp8, train/fp8_linear.cc).
+  bool fp8_one_layout = true;
+  bool norm_inputs_bf16 = false;  // training.saved_norm_inputs BF16 (bf16-activation blocks)
+};
+PassRules PassRulesOf(const v1::JobSpec& spec);
+
+// One block's dimensions for BlockPassBytes.
+struct PassShape {
+  int64_t tokens = 0;  // N, rows of every activation (one microbatch)
+  int64_t d_model = 0, ffn = 0, q_width = 0, kv_width = 0;  // C, F, H D, Hkv D
+};
+
+// Bytes read + written by one block's memory-bound passes for one microbatch (forward,
+// backward), as train/model.cc and train/fp8_linear.cc issue them for the block's path
+// (docs/cost-model.md lists each pass):
+// - generic block (f32 activations): f32 norms (8 B per element forward, 12 backward), RoPE on
+//   q and k (8), SwiGLU (12 forward; 20 backward, 16 with the bf16 gate/up FP8 linears keep,
+//   which the forward packs: 12 per F element), residual adds (12), BF16 attention's operand
+//   packs (6); FP8 linears: each linear casts its own input (5) and its grad-output (6 with the
+//   transposed copy, else 5) and, one-layout backends, transposes its weight's and its input's
+//   codes (2 each).
+// - bf16-activation block (BlockPlan::fp8_bf16): RMSNorm fused with the FP8 cast (5), RoPE on
+//   bf16 q and k (4), o_proj's cast of bf16 att (3), SwiGLU fused with down_proj's cast (5);
+//   backward: down_proj's input recast from gate/up (5, recast_down) or transposed (2), the f32
+//   grad-outputs of down_proj and o_proj cast with their transposes (6), SwiGLU's backward
+//   writing both grad-output casts and transposes (10), RoPE's backward fused with the q/k casts
+//   and v's cast (4), the norms' backward (12 + 2 per bf16 part), and the transposes of every
+//   weight (2 per weight element) and of each shared input's codes (2); bf16 saved norm inputs
+//   add a pack (6) and an unpack (6) per norm.
+std::pair<double, double> BlockPassBytes(const BlockPlan& b, const PassShape& s,
+                                         const PassRules& r);
+
+// Backend calls one block issues per microbatch (forward, backward), as train/model.cc and
+// train/fp8_linear.cc issue them for the block's path: each GEMM, memory-bound pass, transpose
+// and attention call counts one (generic FP8 block on a one-layout backend: 24 and 43; the fused
+// bf16-activation block: 11 and 25).
+std::pair<int, int> BlockOpCount(const BlockPlan& b, const PassRules& r);
+
+// The head's memory-bound bytes for one microbatch of `tokens` rows (forward, backward): the
+// final norm (8 forward, 12 backward), a BF16 head's bf16 copy of its input (6) and the fused
+// cross-entropy, which reads the f32 logits twice and writes the gradient (bf16: 10 B per logit;
+// an f32 head's, in place: 12).
+std::pair<double, double> HeadPassBytes(bool head_bf16, int64_t tokens, int64_t d_model,
+                                        int64_t vocab);
 
 }  // namespace fsdp8

@@ -23,8 +23,12 @@
 //  (k) with --calibration FILE: the backend's Gemm with bf16-rounded and f32 inputs on the
 //      shapes of (a), and AdamW (f32 moments, 64 M elements, 28 bytes per element); then FILE
 //      gets the calibration of common/cost_model.h as JSON: GEMM classes of (a) (fp8, backend
-//      path) and (k) (bf16, fp32), attention forward and deterministic backward from (c),
-//      "memory_gbps" the bytes over the time of (b)'s and (f)'s passes, "optimizer_gbps" from (k).
+//      path) and (k) (bf16, fp32; bf16 at the 1b and Llama 3 LM heads' shapes; fp8 at the
+//      Llama-3-8B block's shapes), attention forward and deterministic / non-deterministic
+//      backward from (c), "attention_classes" from (k) (cuDNN at 2048 and 8192 tokens per
+//      sequence, 16 heads and 32 heads of which 8 kv, head_dim 128), "op_floor_us" (a tiny
+//      backend call's time when calls are issued back to back), "memory_gbps" the bytes over
+//      the time of (b)'s and (f)'s passes, "optimizer_gbps" from (k).
 //      bench/calibrate.sh (BACKEND=cuda) adds the published NCCL bus bandwidths and the links.
 //
 // Timing: cudaEvents around each call on the backend's stream, 5 warm-up calls, median of 21,
@@ -77,7 +81,9 @@ int g_warm = 5, g_iters = 21;
 struct CalibrationFigures {
   std::string gemm;  // JSON objects of the GEMM classes, comma-separated
   double pass_bytes = 0, pass_ms = 0;
-  double attention_fwd_tflops = 0, attention_bwd_tflops = 0;
+  double attention_fwd_tflops = 0, attention_bwd_tflops = 0, attention_bwd_nondet_tflops = 0;
+  std::string attention_classes;  // JSON objects of (k)'s attention shapes, comma-separated
+  double op_floor_us = 0;         // (k): a tiny backend call's time, issued back to back
   double optimizer_gbps = 0;
   void AddGemm(const char* precision, int64_t m, int64_t n, int64_t k, double tflops) {
     char b[256];
@@ -275,7 +281,154 @@ struct BareProblem {
 
 // Section (k) and the calibration file (see the file comment). false (with a message) when a
 // figure the file needs was not measured or the file cannot be written.
-bool WriteCalibration(fsdp8::Backend* be, cudaStream_t st, const char* device_name,
+#if defined(FSDP8_WITH_CUDNN)
+// (k) cuDNN causal attention at one shape (bf16, dense): forward, deterministic and
+// non-deterministic backward, TFLOP/s as in (c); appended to g_cal.attention_classes.
+void CalibrateAttention(fsdp8::Backend* be, cudaStream_t st, int device, int64_t Bn, int64_t T,
+                        int64_t H, int64_t Hkv, int64_t D) {
+  const int64_t nq = Bn * T * H * D, nk = Bn * T * Hkv * D;
+  std::vector<void*> bufs;
+  auto alloc16 = [&](int64_t count, uint32_t seed) {
+    auto* p = static_cast<__nv_bfloat16*>(be->Alloc(count * 2));
+    FillBf16<<<1024, 256, 0, st>>>(p, count, seed);
+    bufs.push_back(p);
+    return p;
+  };
+  __nv_bfloat16 *q = alloc16(nq, 41), *k = alloc16(nk, 42), *v = alloc16(nk, 43), *o = alloc16(nq, 44),
+                *dout = alloc16(nq, 45), *dq = alloc16(nq, 46), *dk = alloc16(nk, 47), *dv = alloc16(nk, 48);
+  float* stats = static_cast<float*>(be->Alloc(Bn * H * T * sizeof(float)));
+  bufs.push_back(stats);
+  fsdp8::cuda::CudnnAttention att(device);
+  std::string err;
+  const double fwd_flop = 2.0 * Bn * H * static_cast<double>(T) * T * D;
+  double tf[3] = {0, 0, 0};  // forward, deterministic backward, non-deterministic backward
+  if (att.Forward(q, k, v, o, stats, Bn, T, H, Hkv, D, st, &err)) {
+    tf[0] = fwd_flop / MedianMs(st, [&](int) { att.Forward(q, k, v, o, stats, Bn, T, H, Hkv, D, st, &err); }) / 1e9;
+    for (int det = 1; det >= 0; --det) {
+      att.set_deterministic_backward(det == 1);
+      if (!att.Backward(q, k, v, o, dout, stats, dq, dk, dv, Bn, T, H, Hkv, D, st, &err)) continue;
+      tf[2 - det] = 2.5 * fwd_flop / MedianMs(st, [&](int) {
+        att.Backward(q, k, v, o, dout, stats, dq, dk, dv, Bn, T, H, Hkv, D, st, &err);
+      }) / 1e9;
+    }
+  }
+  CK(cudaStreamSynchronize(st));
+  for (void* p : bufs) be->Free(p);
+  std::printf("  attention B %lld T %5lld H %lld Hkv %lld D %lld: forward %6.1f  backward %6.1f (det) %6.1f (nondet)%s\n",
+              static_cast<long long>(Bn), static_cast<long long>(T), static_cast<long long>(H),
+              static_cast<long long>(Hkv), static_cast<long long>(D), tf[0], tf[1], tf[2],
+              tf[0] > 0 && tf[1] > 0 ? "" : "  (unavailable, left out)");
+  if (tf[0] <= 0 || tf[1] <= 0) return;
+  char b[384];
+  std::snprintf(b, sizeof(b),
+                "%s\n    {\"batch\": %lld, \"seq\": %lld, \"heads\": %lld, \"kv_heads\": %lld, \"head_dim\": %lld, "
+                "\"forward_tflops\": %.6g, \"backward_tflops\": %.6g, \"backward_nondeterministic_tflops\": %.6g}",
+                g_cal.attention_classes.empty() ? "" : ",", static_cast<long long>(Bn),
+                static_cast<long long>(T), static_cast<long long>(H), static_cast<long long>(Hkv),
+                static_cast<long long>(D), tf[0], tf[1], tf[2] > 0 ? tf[2] : tf[1]);
+  g_cal.attention_classes += b;
+}
+#endif
+
+// (k) FP8 GEMMs through the backend (f32 output, as (a)) at the Llama-3-8B block's shapes
+// (M 8192 tokens, d 4096, ffn 14336, q/k/v fused 6144, gate/up fused 28672): classes for models
+// far from the 1b shapes of (a).
+void CalibrateFp8Large(fsdp8::Backend* be, cudaStream_t st) {
+  using fsdp8::Fp8Format;
+  const int64_t M = 8192, d = 4096, f = 14336, t = 6144;
+  const GemmShape shapes[] = {
+      {"qkv fwd", M, t, d, Fp8Format::kE4M3, Fp8Format::kE4M3},
+      {"qkv dX", M, d, t, Fp8Format::kE5M2, Fp8Format::kE4M3},
+      {"qkv dW", t, d, M, Fp8Format::kE5M2, Fp8Format::kE4M3},
+      {"o fwd", M, d, d, Fp8Format::kE4M3, Fp8Format::kE4M3},
+      {"o dW", d, d, M, Fp8Format::kE5M2, Fp8Format::kE4M3},
+      {"gate/up fwd", M, 2 * f, d, Fp8Format::kE4M3, Fp8Format::kE4M3},
+      {"gate/up dX", M, d, 2 * f, Fp8Format::kE5M2, Fp8Format::kE4M3},
+      {"gate/up dW", 2 * f, d, M, Fp8Format::kE5M2, Fp8Format::kE4M3},
+      {"down fwd", M, d, f, Fp8Format::kE4M3, Fp8Format::kE4M3},
+      {"down dX", M, f, d, Fp8Format::kE5M2, Fp8Format::kE4M3},
+      {"down dW", d, f, M, Fp8Format::kE5M2, Fp8Format::kE4M3},
+  };
+  GemmOperands op(be, st, static_cast<size_t>(M) * 2 * f, static_cast<size_t>(M) * 2 * f * sizeof(float), 29u);
+  float* C = static_cast<float*>(op.C);
+  for (const GemmShape& s : shapes) {
+    const double ms = MedianMs(st, [&](int i) {
+      be->GemmFp8(false, true, s.M, s.N, s.K, {op.A[i & 1], s.a, op.scales},
+                  {op.B[i & 1], s.b, op.scales + 4}, C, false);
+    });
+    const double tf = 2.0 * s.M * s.N * s.K / ms / 1e9;
+    std::printf("  fp8 %-12s M %6lld N %6lld K %6lld  %7.1f\n", s.name, static_cast<long long>(s.M),
+                static_cast<long long>(s.N), static_cast<long long>(s.K), tf);
+    g_cal.AddGemm("fp8", s.M, s.N, s.K, tf);
+  }
+}
+
+// (k) The BF16 LM head's GEMMs (Gemm with bf16-rounded inputs, as the block shapes above):
+// logits (M, V, C), dX (M, C, V), dW (V, C, M) at the 1b preset's head (M 16384, V 32768, C 2048)
+// and Llama 3's (M 8192, V 128256, C 4096).
+void CalibrateHeads(fsdp8::Backend* be, cudaStream_t st) {
+  const int64_t heads[][3] = {{16384, 32768, 2048}, {8192, 128256, 4096}};
+  size_t big = 0;
+  for (const auto& h : heads) big = std::max<size_t>(big, static_cast<size_t>(h[0]) * h[1]);
+  float* A = static_cast<float*>(be->Alloc(big * sizeof(float)));
+  float* B = static_cast<float*>(be->Alloc(big * sizeof(float)));
+  float* C = static_cast<float*>(be->Alloc(big * sizeof(float)));
+  FillFloats<<<1024, 256, 0, st>>>(A, big, 23u);
+  FillFloats<<<1024, 256, 0, st>>>(B, big, 24u);
+  for (const auto& h : heads) {
+    const int64_t M = h[0], V = h[1], Cd = h[2];
+    const int64_t shapes[][3] = {{M, V, Cd}, {M, Cd, V}, {V, Cd, M}};
+    for (const auto& sh : shapes) {
+      const double ms = MedianMs(st, [&](int) {
+        be->Gemm(false, true, sh[0], sh[1], sh[2], A, B, C, false, fsdp8::GemmInputs::kBF16);
+      });
+      const double tf = 2.0 * sh[0] * sh[1] * sh[2] / ms / 1e9;
+      std::printf("  bf16 head    M %6lld N %6lld K %6lld  %7.1f\n", static_cast<long long>(sh[0]),
+                  static_cast<long long>(sh[1]), static_cast<long long>(sh[2]), tf);
+      g_cal.AddGemm("bf16", sh[0], sh[1], sh[2], tf);
+    }
+  }
+  be->Free(A);
+  be->Free(B);
+  be->Free(C);
+}
+
+// (k) The floor of a backend call: tiny RMSNorm, FP8 cast and bf16 GEMM calls (16 rows of 128)
+// issued back to back, 200 of each per timed call: the time per call when the host's issue
+// bounds the stream (launch, the backend's checks and descriptor lookups), which bounds a step
+// of small shapes.
+void CalibrateOpFloor(fsdp8::Backend* be, cudaStream_t st) {
+  const int64_t R = 16, K = 128;
+  const int kOps = 200;
+  float* x = static_cast<float*>(be->Alloc(R * K * sizeof(float)));
+  float* w = static_cast<float*>(be->Alloc(K * K * sizeof(float)));
+  float* y = static_cast<float*>(be->Alloc(R * K * sizeof(float)));
+  float* rstd = static_cast<float*>(be->Alloc(R * sizeof(float)));
+  float* c = static_cast<float*>(be->Alloc(R * K * sizeof(float)));
+  float* sc = static_cast<float*>(be->Alloc(2 * sizeof(float)));
+  auto* codes = static_cast<uint8_t*>(be->Alloc(R * K));
+  FillFloats<<<64, 256, 0, st>>>(x, R * K, 51u);
+  FillFloats<<<64, 256, 0, st>>>(w, K * K, 52u);
+  const float hs[2] = {1.0f, 0.0f};
+  be->CopyToDevice(sc, hs, sizeof(hs));
+  const double ms = MedianMs(st, [&](int) {
+    for (int i = 0; i < kOps; ++i) {
+      be->RmsNormForward(x, w, 1e-5f, R, K, y, rstd);
+      be->CastFp8(y, 1, R * K, sc, fsdp8::Fp8Format::kE4M3, codes, nullptr, sc + 1);
+      be->Gemm(false, true, R, R, K, y, w, c, false, fsdp8::GemmInputs::kBF16);
+    }
+  });
+  g_cal.op_floor_us = ms * 1e3 / (3 * kOps);
+  std::printf("  a tiny backend call issued back to back: %.2f us\n", g_cal.op_floor_us);
+  CK(cudaStreamSynchronize(st));
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(w), static_cast<void*>(y),
+                  static_cast<void*>(rstd), static_cast<void*>(c), static_cast<void*>(sc),
+                  static_cast<void*>(codes)}) {
+    be->Free(p);
+  }
+}
+
+bool WriteCalibration(fsdp8::Backend* be, cudaStream_t st, int device, const char* device_name,
                       const std::string& path) {
   const int64_t M = 16384, d = 2048, f = 5632;
   const int64_t shapes[][3] = {{M, d, d}, {M, d, d}, {d, d, M}, {M, f, d}, {M, d, f},
@@ -302,6 +455,17 @@ bool WriteCalibration(fsdp8::Backend* be, cudaStream_t st, const char* device_na
   be->Free(A);
   be->Free(B);
   be->Free(C);
+  CalibrateHeads(be, st);
+  CalibrateFp8Large(be, st);
+  CalibrateOpFloor(be, st);
+#if defined(FSDP8_WITH_CUDNN)
+  // Attention classes: the 1b preset's heads (16 of 128) and Llama 3's (32, 8 kv heads), at
+  // 2048 and 8192 tokens per sequence (16384 tokens per call).
+  const int64_t att_shapes[][4] = {{8, 2048, 16, 16}, {2, 8192, 16, 16}, {8, 2048, 32, 8}, {2, 8192, 32, 8}};
+  for (const auto& a : att_shapes) CalibrateAttention(be, st, device, a[0], a[1], a[2], a[3], 128);
+#else
+  (void)device;
+#endif
   const int64_t n = int64_t{64} << 20;
   float* p = static_cast<float*>(be->Alloc(n * 4));
   float* g = static_cast<float*>(be->Alloc(n * 4));
@@ -328,11 +492,17 @@ bool WriteCalibration(fsdp8::Backend* be, cudaStream_t st, const char* device_na
     std::fprintf(stderr, "--calibration: cannot write %s\n", path.c_str());
     return false;
   }
+  const double nondet =
+      g_cal.attention_bwd_nondet_tflops > 0 ? g_cal.attention_bwd_nondet_tflops : g_cal.attention_bwd_tflops;
   std::fprintf(out,
                "{\"backend\": \"cuda\", \"device\": \"%s\",\n \"memory_gbps\": %.6g, \"optimizer_gbps\": %.6g,\n"
-               " \"attention\": {\"forward_tflops\": %.6g, \"backward_tflops\": %.6g},\n \"gemm\": [%s\n ]}\n",
+               " \"op_floor_us\": %.6g,\n"
+               " \"attention\": {\"forward_tflops\": %.6g, \"backward_tflops\": %.6g, "
+               "\"backward_nondeterministic_tflops\": %.6g},\n \"attention_classes\": [%s\n ],\n"
+               " \"gemm\": [%s\n ]}\n",
                device_name, g_cal.pass_bytes / g_cal.pass_ms / 1e6, g_cal.optimizer_gbps,
-               g_cal.attention_fwd_tflops, g_cal.attention_bwd_tflops, g_cal.gemm.c_str());
+               g_cal.op_floor_us, g_cal.attention_fwd_tflops, g_cal.attention_bwd_tflops, nondet,
+               g_cal.attention_classes.c_str(), g_cal.gemm.c_str());
   std::fclose(out);
   std::printf("calibration written to %s\n", path.c_str());
   return true;
@@ -598,6 +768,7 @@ int main(int argc, char** argv) {
       });
       const double tf_b = bwd_flop / ms_b / 1e9;
       if (det == 1) g_cal.attention_bwd_tflops = tf_b;  // training's default backward
+      if (det == 0) g_cal.attention_bwd_nondet_tflops = tf_b;  // training.deterministic: false
       const double tf_fb = (fwd_flop + bwd_flop) / (ms_f + ms_b) / 1e9;
       std::printf("  backward %-17s %7.3f ms %7.1f TFLOP/s   fwd+bwd %7.1f TFLOP/s (%s 350 target)  workspace %zu MiB\n",
                   label, ms_b, tf_b, tf_fb, tf_fb >= 350 ? "meets" : "below", att.workspace_bytes() >> 20);
@@ -881,7 +1052,7 @@ int main(int argc, char** argv) {
   }
 
   if (!calibration.empty()) {
-    if (!WriteCalibration(be.get(), st, prop.name, calibration)) return 1;
+    if (!WriteCalibration(be.get(), st, device, prop.name, calibration)) return 1;
   }
 
   std::printf("\n%-10s %-26s %-14s %-18s %s\n", "section", "case", "fsdp8", "reference", "ratio");

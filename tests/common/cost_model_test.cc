@@ -1,6 +1,7 @@
 // The cost model's arithmetic against hand-computed cases: the overlap schedule of known unit
 // times, a GEMM's and a collective's time from their rates, the optimizer's bytes, the GEMM
-// term of a whole step from its FLOPs, and the calibration file's rules.
+// term of a whole step from its FLOPs, the calibration file's rules, the memory-bound passes
+// each block path runs (bytes counted by hand) and the CPU ranks' shared-host slowdown.
 #include "common/cost_model.h"
 
 #include <string>
@@ -247,6 +248,247 @@ TEST(CostModel, ShippedCalibrationFilesParse) {
               15e-6 + gib * 7 / 8 / 370e9, 1e-12);
   EXPECT_NEAR(CollectiveSeconds(*cuda, "ib400", CollectiveOp::kReduceScatter, 2, gib),
               46e-6 + gib / 2 / 46e9, 1e-12);
+}
+
+}  // namespace
+}  // namespace fsdp8
+
+namespace fsdp8 {
+namespace {
+
+// A block of C 16, F 32, two q heads and one kv head of 8 (Q 16, K 8), N 4 rows.
+PassShape TinyBlock() { return PassShape{4, 16, 32, 16, 8}; }
+
+// The bf16-activation block (FP8 linears, BF16 attention) as the CUDA backend runs it: q/k/v
+// and gate/up fused, down_proj's input recast in the backward. Each pass counted by hand from
+// train/model.cc (elements x bytes per element).
+TEST(CostModel, PassRuleOfTheBf16ActivationBlock) {
+  BlockPlan b;
+  b.linears = v1::PRECISION_FP8;
+  b.fp8_bf16 = true;
+  b.fused_qkv = b.fused_mlp = true;
+  b.recast_down = true;
+  const auto [fwd, bwd] = BlockPassBytes(b, TinyBlock(), PassRules{true, false});
+  // Forward: input norm + cast: 4x16 elements, 4 read + 1 written = 320; RoPE on bf16 q (4x16)
+  // and k (4x8), 2 + 2 each = 384; o_proj's cast of bf16 att (4x16), 2 + 1 = 192; post-norm +
+  // cast 320; SwiGLU + cast: 4x32, gate 2 + up 2 read, 1 written = 640.
+  EXPECT_DOUBLE_EQ(fwd, 320 + 384 + 192 + 320 + 640);
+  // Backward, in order:
+  const double recast = 4 * 32 * 5;            // down's input codes from gate/up: 640
+  const double down_dy = 4 * 16 * 6;           // f32 dout read, codes + transpose: 384
+  const double down_wt = 16 * 32 * 2;          // down's weight codes transposed: 1024
+  const double swiglu = 4 * 32 * (2 + 2 + 2 + 2 + 2);  // dact, gate, up; codes, transposes: 1280
+  const double gu_wt = 64 * 16 * 2;            // [gate; up] weight codes (2F x C): 2048
+  const double n2_t = 4 * 16 * 2;              // post-norm output codes transposed: 128
+  const double norm2 = 4 * 16 * (2 + 4 + 4 + 4);  // bf16 dn2, h, dout read; dh written: 896
+  const double o_dy = 4 * 16 * 6;              // 384
+  const double o_wt = 16 * 16 * 2;             // 512
+  const double o_t = 4 * 16 * 2;               // att codes transposed: 128
+  const double qkv = 4 * 16 * 4 + 4 * 8 * 4 + 4 * 8 * 4;  // dq, dk (RoPE + cast), dv cast: 512
+  const double qkv_wt = 32 * 16 * 2;           // [q; k; v] weight codes (32 x C): 1024
+  const double n1_t = 4 * 16 * 2;              // 128
+  const double norm1 = 4 * 16 * (2 + 4 + 4 + 4);  // 896
+  EXPECT_DOUBLE_EQ(bwd, recast + down_dy + down_wt + swiglu + gu_wt + n2_t + norm2 + o_dy + o_wt +
+                            o_t + qkv + qkv_wt + n1_t + norm1);
+  // Unfused groups: the norms' backward read 2 (MLP) and 3 (attention) bf16 parts; the
+  // forward's kept down_proj codes are transposed (2 per element) instead of recast (5).
+  b.fused_qkv = b.fused_mlp = false;
+  b.recast_down = false;
+  const auto [fwd2, bwd2] = BlockPassBytes(b, TinyBlock(), PassRules{true, false});
+  EXPECT_DOUBLE_EQ(fwd2, fwd);
+  EXPECT_DOUBLE_EQ(bwd2, bwd + 4 * 16 * 2 * (1 + 2) - 4 * 32 * (5 - 2));
+  // bf16 saved norm inputs: x_in and h packed (4 read, 2 written) and unpacked (2 read, 4 written).
+  const auto [fwd3, bwd3] = BlockPassBytes(b, TinyBlock(), PassRules{true, true});
+  EXPECT_DOUBLE_EQ(fwd3, fwd2 + 2 * 4 * 16 * 6);
+  EXPECT_DOUBLE_EQ(bwd3, bwd2 + 2 * 4 * 16 * 6);
+}
+
+// The generic block (f32 activations) with FP8 linears: on the fast CPU backend (any layout)
+// against a one-layout backend the difference is exactly the transposes and the transposed
+// grad-output copies.
+TEST(CostModel, PassRuleOfTheGenericBlockByLayout) {
+  BlockPlan b;
+  b.linears = v1::PRECISION_FP8;
+  const auto [fwd_any, bwd_any] = BlockPassBytes(b, TinyBlock(), PassRules{false, false});
+  // Forward: norms 2 x 4x16 x 8 = 1024; RoPE on f32 q, k: 4x24 x 8 = 768; SwiGLU 4x32 x 12 =
+  // 1536; residual adds 2 x 4x16 x 12 = 1536; gate and up packed to bf16: 2 x 4x32 x 6 = 1536;
+  // each linear's input cast (5): q, k, v and gate, up read n (4x16) each, o att (4x16), down
+  // act (4x32): (5 x 64 + 64 + 128) x 5 = 2560.
+  EXPECT_DOUBLE_EQ(fwd_any, 1024 + 768 + 1536 + 1536 + 1536 + 2560);
+  // Backward: norms 2 x 64 x 12 = 1536; RoPE 768; SwiGLU (f32 dact, bf16 gate and up read; f32
+  // dgate, dup written) 4x32 x 16 = 2048; Axpys 2 x 64 x 12 = 1536; grad-output casts (5) of
+  // q 64, k 32, v 32, o 64, gate 128, up 128, down 64 elements: 512 x 5 = 2560.
+  EXPECT_DOUBLE_EQ(bwd_any, 1536 + 768 + 2048 + 1536 + 2560);
+  const auto [fwd_tn, bwd_tn] = BlockPassBytes(b, TinyBlock(), PassRules{true, false});
+  EXPECT_DOUBLE_EQ(fwd_tn, fwd_any);
+  // One layout: +1 byte per grad-output element (512), weights transposed (2 bytes per weight
+  // element: 16x16 + 16x8 x 2 + 16x16 + 16x32 x 3 = 2304 elements) and each linear's input codes
+  // (2 per element: q, k, v, gate, up 64 each, o 64, down 128 = 512).
+  EXPECT_DOUBLE_EQ(bwd_tn, bwd_any + 512 + 2 * 2304 + 2 * 512);
+}
+
+TEST(CostModel, HeadPassRule) {
+  // N 4, C 16, V 32. BF16 head: final norm 4x16 x 8 = 512, nf to bf16 4x16 x 6 = 384, cross-entropy
+  // 4x32 x (4 + 4 + 2) = 1280; backward: the norm's 4x16 x 12 = 768.
+  EXPECT_EQ(HeadPassBytes(true, 4, 16, 32), std::make_pair(512.0 + 384 + 1280, 768.0));
+  // F32 head: the gradient written over the logits in place, 4x32 x 12 = 1536.
+  EXPECT_EQ(HeadPassBytes(false, 4, 16, 32), std::make_pair(512.0 + 1536, 768.0));
+}
+
+TEST(CostModel, OptimizerTermByWireDtype) {
+  const Calibration c = TwoClassCalibration();  // AdamW 28 GB/s, memory 10 GB/s
+  // 1e6 f32-wire, 2e6 bf16-wire, 3e6 FP8-wire elements, f32 moments: AdamW 28 bytes for all 6e6
+  // and the bf16 pack 2 x 2e6 at 28 GB/s; the norm's 4 x 6e6 and the FP8 cast 5 x 3e6 at 10 GB/s.
+  const ShardElements e{1e6, 2e6, 3e6};
+  EXPECT_NEAR(OptimizerSeconds(c, e, 8), (168e6 + 4e6) / 28e9 + (24e6 + 15e6) / 10e9, 1e-15);
+  // bf16 moments: 20 bytes per element.
+  EXPECT_NEAR(OptimizerSeconds(c, e, 4), (120e6 + 4e6) / 28e9 + (24e6 + 15e6) / 10e9, 1e-15);
+  // An all-FP8 shard gives the per-element rule's figure with a 1-byte wire.
+  EXPECT_NEAR(OptimizerSeconds(c, ShardElements{0, 0, 1e6}, 8), OptimizerSeconds(c, 1e6, 8, 1),
+              1e-15);
+}
+
+// The shared-host slowdown: measured points interpolated, scaled beyond the last, and the
+// cores rule without points.
+TEST(CostModel, HostSlowdownOfCpuRanks) {
+  Calibration c = TwoClassCalibration();
+  c.cores = 2;
+  EXPECT_DOUBLE_EQ(HostSlowdown(c, 1), 1.0);
+  EXPECT_DOUBLE_EQ(HostSlowdown(c, 3), 1.5);  // no points: 3 ranks on 2 cores
+  c.host_slowdown = {{1, 1.0}, {2, 1.2}, {4, 2.8}};
+  EXPECT_DOUBLE_EQ(HostSlowdown(c, 2), 1.2);
+  EXPECT_DOUBLE_EQ(HostSlowdown(c, 3), 2.0);          // halfway between 1.2 and 2.8
+  EXPECT_DOUBLE_EQ(HostSlowdown(c, 8), 2.8 * 8 / 4);  // beyond the last: x processes / 4
+  c.cores = 0;                                        // GPUs: one device per rank
+  EXPECT_DOUBLE_EQ(HostSlowdown(c, 8), 1.0);
+  // PredictStep applies it to the compute: 2 ranks at 1.2 against the same step at 1.
+  Calibration flat = TwoClassCalibration();
+  flat.cores = 2;
+  flat.host_slowdown = {{1, 1.0}, {2, 1.0}};
+  Calibration slow = flat;
+  slow.host_slowdown = {{1, 1.0}, {2, 1.2}};
+  auto a = PredictStep(WithDefaults(Tiny(), 2), Mesh{1, 2, false}, flat);
+  auto s = PredictStep(WithDefaults(Tiny(), 2), Mesh{1, 2, false}, slow);
+  ASSERT_TRUE(a.ok() && s.ok());
+  EXPECT_NEAR(s->compute_s, 1.2 * a->compute_s, 1e-12);
+  EXPECT_NEAR(s->optimizer_s, 1.2 * a->optimizer_s, 1e-12);
+}
+
+TEST(CostModel, HostSlowdownFileRules) {
+  const std::string base = R"({"backend": "cpu", "intra_link": "shm", "memory_gbps": 10,
+      "optimizer_gbps": 28, "attention": {"forward_tflops": 1, "backward_tflops": 1},
+      "gemm": [{"precision": "fp8", "m": 1, "n": 1, "k": 1, "tflops": 1}], "cores": 2, )";
+  auto c = ParseCalibration(base + R"("host_slowdown": [[1, 1.0], [2, 1.1], [3, 1.7]]})", "cal.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ(c->host_slowdown.size(), 3u);
+  EXPECT_EQ(c->host_slowdown[2].first, 3);
+  EXPECT_DOUBLE_EQ(c->host_slowdown[2].second, 1.7);
+  auto down = ParseCalibration(base + R"("host_slowdown": [[2, 1.1], [1, 1.0]]})", "cal.json");
+  ASSERT_FALSE(down.ok());
+  EXPECT_NE(down.status().message().find("cal.json: host_slowdown[1]"), std::string::npos)
+      << down.status();
+  EXPECT_FALSE(ParseCalibration(base + R"("host_slowdown": [[0, 1.0]]})", "cal.json").ok());
+  EXPECT_FALSE(ParseCalibration(base + R"("host_slowdown": [[1, 0]]})", "cal.json").ok());
+  EXPECT_FALSE(ParseCalibration(base + R"("host_slowdown": 3})", "cal.json").ok());
+}
+
+// Attention classes: the nearest head layout's classes, interpolated in log(seq); the
+// non-deterministic backward only where measured and asked for.
+TEST(CostModel, AttentionRatesFromTheNearestClasses) {
+  Calibration c = TwoClassCalibration();  // "attention": 0.01 forward, 0.005 backward
+  EXPECT_EQ(AttentionRates(c, 16, 16, 128, 4096, true), std::make_pair(0.01, 0.005));
+  EXPECT_EQ(AttentionRates(c, 16, 16, 128, 4096, false), std::make_pair(0.01, 0.005));
+  c.attention_backward_nondeterministic_tflops = 0.006;
+  EXPECT_EQ(AttentionRates(c, 16, 16, 128, 4096, false), std::make_pair(0.01, 0.006));
+  c.attention_classes = {{8, 2048, 16, 16, 128, 400, 300, 350},
+                         {2, 8192, 16, 16, 128, 500, 400, 0},
+                         {8, 2048, 32, 8, 128, 100, 100, 100}};
+  // 16 heads at seq 4096: halfway in log between 2048 and 8192: forward 450, backward 350; the
+  // non-deterministic backward: 350 at 2048, the deterministic 400 at 8192 (not measured there).
+  EXPECT_DOUBLE_EQ(AttentionRates(c, 16, 16, 128, 4096, true).first, 450);
+  EXPECT_DOUBLE_EQ(AttentionRates(c, 16, 16, 128, 4096, true).second, 350);
+  EXPECT_DOUBLE_EQ(AttentionRates(c, 16, 16, 128, 4096, false).second, 375);
+  // Clamped beyond the last class; a 32/8 layout takes its own class, not the nearer seq.
+  EXPECT_EQ(AttentionRates(c, 16, 16, 128, 32768, true), std::make_pair(500.0, 400.0));
+  EXPECT_EQ(AttentionRates(c, 32, 8, 128, 8192, true), std::make_pair(100.0, 100.0));
+  // The file's keys.
+  const std::string base = R"({"backend": "cuda", "intra_link": "nvlink4", "memory_gbps": 10,
+      "optimizer_gbps": 28, "attention": {"forward_tflops": 1, "backward_tflops": 1,
+      "backward_nondeterministic_tflops": 2},
+      "gemm": [{"precision": "fp8", "m": 1, "n": 1, "k": 1, "tflops": 1}], )";
+  auto parsed = ParseCalibration(base + R"("attention_classes": [{"batch": 2, "seq": 8192,
+      "heads": 32, "kv_heads": 8, "head_dim": 128, "forward_tflops": 500,
+      "backward_tflops": 380, "backward_nondeterministic_tflops": 420}]})", "cal.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_DOUBLE_EQ(parsed->attention_backward_nondeterministic_tflops, 2);
+  ASSERT_EQ(parsed->attention_classes.size(), 1u);
+  EXPECT_EQ(parsed->attention_classes[0].kv_heads, 8);
+  EXPECT_DOUBLE_EQ(parsed->attention_classes[0].backward_nondeterministic_tflops, 420);
+  auto bad = ParseCalibration(base + R"("attention_classes": [{"batch": 2, "seq": 8192,
+      "heads": 32, "kv_heads": 8, "head_dim": 128, "forward_tflops": 500}]})", "cal.json");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("attention_classes[0].backward_tflops"), std::string::npos)
+      << bad.status();
+}
+
+// A hybrid spec (sharding.replicas set, as `fsdp8 plan --predict --replicas` resolves it): each
+// rank holds 1 / (shard group size) of the state, as the flat job on one shard group does, so the
+// optimizer's time is that job's; the plan must not be made at the shard group's size with the
+// spec's replicas (1 rank per shard group: the whole state).
+TEST(CostModel, PredictStepHybridShardsOverTheShardGroup) {
+  Calibration c = TwoClassCalibration();
+  c.ranks_per_host = 2;
+  c.inter_link = "ib";
+  c.collectives.push_back({"ib", CollectiveOp::kAllReduce, 2, 1e-3, {{1, 0.001}}});
+  v1::JobSpec tiny = Tiny();
+  auto flat = PredictStep(WithDefaults(tiny, 2), Mesh{1, 2, false}, c);
+  ASSERT_TRUE(flat.ok()) << flat.status();
+  tiny.mutable_training()->set_global_batch(8);
+  tiny.mutable_sharding()->set_replicas(2);
+  auto hybrid = PredictStep(WithDefaults(tiny, 4), Mesh{2, 2, false}, c);
+  ASSERT_TRUE(hybrid.ok()) << hybrid.status();
+  EXPECT_NEAR(hybrid->optimizer_s, flat->optimizer_s, 1e-15);
+  EXPECT_GT(hybrid->optimizer_s, 0);
+}
+
+// Backend calls per block, counted by hand from train/model.cc and train/fp8_linear.cc.
+TEST(CostModel, BlockOpCountByPath) {
+  BlockPlan b;
+  b.linears = v1::PRECISION_FP8;
+  // Generic FP8 block: forward norm, 7 x (cast + GEMM), RoPE x2, attention, add, norm, SwiGLU,
+  // gate/up packs x2, add = 24; backward 7 x (cast, weight and input transposes, dX, dW) + SwiGLU
+  // + 2 norms + 2 Axpys + attention + RoPE x2 = 43; without the transposes 29.
+  EXPECT_EQ(BlockOpCount(b, PassRules{true, false}), std::make_pair(24, 43));
+  EXPECT_EQ(BlockOpCount(b, PassRules{false, false}), std::make_pair(24, 29));
+  // The fused bf16-activation block: forward norm cast, q/k/v GEMM, RoPE x2, attention, o cast,
+  // o GEMM, norm cast, gate/up GEMM, SwiGLU cast, down GEMM = 11; backward recast, down (cast,
+  // weight transpose, dX, dW), SwiGLU, gate/up (weight and input transposes, dX, dW), norm, o
+  // (cast, two transposes, dX, dW), attention, RoPE q, k and v's cast, q/k/v (two transposes, dX,
+  // dW), norm = 25.
+  b.fp8_bf16 = b.fused_qkv = b.fused_mlp = b.recast_down = true;
+  EXPECT_EQ(BlockOpCount(b, PassRules{true, false}), std::make_pair(11, 25));
+  // Unfused: three more GEMMs forward (q/k/v 3, gate/up 2); backward 6 more calls for q/k/v
+  // (weight transposes, dX and dW: 3 each instead of 1) and 3 more for gate/up (2 each).
+  b.fused_qkv = b.fused_mlp = false;
+  EXPECT_EQ(BlockOpCount(b, PassRules{true, false}), std::make_pair(14, 25 + 6 + 3));
+}
+
+// A floor of one second per call dwarfs every rate: the step's compute is its calls.
+TEST(CostModel, PredictStepCallFloor) {
+  Calibration c = TwoClassCalibration();
+  c.op_floor_s = 1;
+  const v1::JobSpec spec = WithDefaults(Tiny(), 1);
+  auto p = PredictStep(spec, Mesh{1, 1, false}, c);
+  ASSERT_TRUE(p.ok()) << p.status();
+  // Per microbatch: embedding 1 + 1; 2 generic FP8 blocks on the fast CPU backend, 24 + 29 each;
+  // the head (one chunk of 32 rows): BF16 4 + 3, f32 3 + 3.
+  const bool bf16_head = spec.precision().lm_head() == v1::PRECISION_BF16;
+  const double per_mb = 2 + 2 * (24 + 29) + (bf16_head ? 7 : 6);
+  EXPECT_EQ(p->microbatches, 4);
+  EXPECT_NEAR(p->compute_s, 4 * per_mb, 1e-9);
+  EXPECT_GT(p->floor_s, 0);
+  // The optimizer: per buffer 2 calls, per FP8 linear 2, and 4 for the scales.
+  EXPECT_GE(p->optimizer_s, 4 + 2 * 14);
 }
 
 }  // namespace
