@@ -536,19 +536,7 @@ absl::Status CheckGranularity(const v1::JobSpec& spec) {
     return Bad(which, "ROWWISE and BLOCKWISE need the CPU backends until the CUDA kernels land",
                "backend cuda");
   }
-  if (!r.keep_weight_codes()) {
-    return Bad("precision.fp8.keep_weight_codes",
-               absl::StrCat("must be true with ", which,
-                            " ROWWISE or BLOCKWISE (casting those layers' weight codes per "
-                            "gather is not built yet)"),
-               "got false");
-  }
-  // The backends' rowwise and blockwise FP8 ops (Backend::QuantizeFp8Scaled, GemmFp8Scaled) and
-  // the step plan's entries exist; the trainer's linears that use them do not yet.
-  return Bad(which,
-             "ROWWISE and BLOCKWISE do not train yet (the trainer's linears for them are not "
-             "built; the CPU backends' ops are)",
-             "use TENSORWISE");
+  return absl::OkStatus();
 }
 
 // precision.*: the non-linear layers' precisions, the FP8 recipe, the per-layer overrides.

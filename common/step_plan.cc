@@ -638,6 +638,29 @@ void WalkFp8Bf16Backward(const BlockPlan& bp, const ModelDims& d, int64_t N,
 }
 
 // Block `bp`'s forward from its input x_in: the largest moment.
+// ceil(n / 128): the 128-wide tiles or blocks along n elements, the tail padded up.
+int64_t Blocks128(int64_t n) { return (n + 127) / 128; }
+
+// A rowwise / blockwise FP8 linear's entry: current scaling, its granularity and its operands'
+// scale counts (PlannedLinear) for N tokens.
+void SetScaled(PlannedLinear* pl, v1::Fp8Granularity g, int64_t N) {
+  pl->precision = v1::PRECISION_FP8;
+  pl->recipe = v1::SCALING_RECIPE_CURRENT;
+  pl->granularity = g;
+  const int64_t in = pl->in, out = pl->out;
+  if (g == v1::FP8_GRANULARITY_ROWWISE) {
+    pl->forward_scales = N + out;  // X per token, W per output row
+    pl->dx_scales = N + in;        // dY per token, W per input column
+    pl->dw_scales = out + in;      // dYᵀ per output feature, Xᵀ per input feature
+    return;
+  }
+  // Blockwise: activations and grad-outputs in 1 x 128 tiles along the contracted dimension,
+  // W in 128 x 128 blocks (its transpose: the same blocks).
+  pl->forward_scales = N * Blocks128(in) + Blocks128(out) * Blocks128(in);
+  pl->dx_scales = N * Blocks128(out) + Blocks128(in) * Blocks128(out);
+  pl->dw_scales = out * Blocks128(N) + in * Blocks128(N);
+}
+
 PlannedMoment ForwardPeak(const BlockPlan& bp, const ModelDims& d, int64_t N, int64_t B,
                           const BackendCaps& caps, const ForwardRun& run) {
   Walk w(bp.saved, run.train);
@@ -794,6 +817,11 @@ absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
   for (int l = 0; l < d.n_layers; ++l) {
     BlockPlan& bp = p.blocks.emplace_back();
     bp.linears = LayerLinearPrecision(spec, l);
+    bp.granularity = LayerGranularity(spec, l);
+    // A rowwise / blockwise block runs the generic path of a BF16 block (f32 activations, f32
+    // inputs kept, BF16 weights): its tables are that block's; its linears are FP8 below.
+    const bool scaled = bp.granularity != v1::FP8_GRANULARITY_TENSORWISE;
+    if (scaled) bp.linears = v1::PRECISION_BF16;
     bp.attention = attn16 ? Dtype::kBf16 : Dtype::kF32;
     const bool fp8 = bp.linears == v1::PRECISION_FP8;
     bp.fp8_bf16 = fp8 && attn16;
@@ -816,6 +844,7 @@ absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
                                  std::tuple{"o_proj", d.q_width(), C}, std::tuple{"gate_proj", C, F},
                                  std::tuple{"up_proj", C, F}, std::tuple{"down_proj", F, C}}) {
       bp.proj.push_back({name, in, out, bp.linears, recipe});
+      if (fp8) bp.proj.back().granularity = v1::FP8_GRANULARITY_TENSORWISE;
     }
     bp.saved = Saved(bp, d, p.tokens, B, norm_inputs_bf16, fp8 && !delayed);
     ForwardRun run;
@@ -829,6 +858,10 @@ absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
     bp.forward_work = bp.forward_peak.work;
     BackwardPeaks(&bp, d, p.tokens, B, bc, run, p.recompute);
     BackwardWork(&bp, d, p.tokens, B, caps.cuda, tr.deterministic());
+    if (scaled) {
+      bp.linears = v1::PRECISION_FP8;
+      for (PlannedLinear& pl : bp.proj) SetScaled(&pl, bp.granularity, p.tokens);
+    }
     if (p.recompute) {
       bp.recomputed = std::move(bp.saved);
       bp.saved = {Tensor("x_in", Dtype::kF32, {p.tokens, C})};

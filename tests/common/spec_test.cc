@@ -330,16 +330,6 @@ std::vector<RuleCase> Rules() {
         o->set_granularity(v1::FP8_GRANULARITY_ROWWISE);
         s->set_backend("cuda");
       }, 2, {"precision.overrides[].granularity", "need the CPU backends", "backend cuda"});
-  add("BlockwiseWithoutKeptWeightCodes", [](v1::JobSpec* s) {
-        s->mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
-        s->mutable_precision()->mutable_fp8()->set_recipe(v1::SCALING_RECIPE_CURRENT);
-        s->mutable_precision()->mutable_fp8()->set_keep_weight_codes(false);
-      }, 2, {"precision.fp8.keep_weight_codes",
-             "must be true with precision.fp8.granularity ROWWISE or BLOCKWISE", "got false"});
-  add("RowwiseDoesNotTrainYet", [](v1::JobSpec* s) {
-        s->mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_ROWWISE);
-        s->mutable_precision()->mutable_fp8()->set_recipe(v1::SCALING_RECIPE_CURRENT);
-      }, 2, {"precision.fp8.granularity", "do not train yet", "use TENSORWISE"});
   add("BackendUnknown", [](v1::JobSpec* s) { s->set_backend("tpu"); }, 2,
       {"backend", "must be \"cpu\" or \"cuda\"", "tpu"});
   add("TrainPathMissing", [](v1::JobSpec* s) { s->mutable_data()->clear_train_path(); }, 2,
@@ -383,6 +373,23 @@ TEST(Spec, GranularityDefaultsAndLayerGranularity) {
   EXPECT_EQ(LayerGranularity(d, 2), v1::FP8_GRANULARITY_TENSORWISE);
   EXPECT_TRUE(AnyScaledGranularity(d));
   EXPECT_FALSE(AnyScaledGranularity(WithDefaults(Valid(), 2)));
+}
+
+TEST(Spec, RowwiseAndBlockwiseValidOnCpu) {
+  for (v1::Fp8Granularity g : {v1::FP8_GRANULARITY_ROWWISE, v1::FP8_GRANULARITY_BLOCKWISE}) {
+    v1::JobSpec s;
+    s.mutable_data()->set_train_path("/data/train.bin");
+    s.mutable_precision()->mutable_fp8()->set_granularity(g);
+    EXPECT_TRUE(ValidateSpec(s, 2, {}, false).ok()) << ValidateSpec(s, 2, {}, false);
+    // Also as one layer's override under the default tensorwise, delayed recipe.
+    v1::JobSpec o;
+    o.mutable_data()->set_train_path("/data/train.bin");
+    auto* ov = o.mutable_precision()->add_overrides();
+    ov->set_layer(1);
+    ov->set_linears(v1::PRECISION_FP8);
+    ov->set_granularity(g);
+    EXPECT_TRUE(ValidateSpec(o, 2, {}, false).ok()) << ValidateSpec(o, 2, {}, false);
+  }
 }
 
 TEST(Spec, ParseGranularityShortNames) {
