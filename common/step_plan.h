@@ -143,6 +143,9 @@ struct StepPlan {
   int64_t tokens = 0;     // N: microbatch * seq_len, the rows of every activation
   int microbatches = 1;   // per rank and step
   bool recompute = false;
+  // Planned for the CPU reference backend (BackendCaps::cpu_reference), whose rowwise / blockwise
+  // GEMMs take no scratch slots (the host composition).
+  bool cpu_reference = false;
   std::vector<BlockPlan> blocks;
   std::vector<PlannedUnit> units;  // embedding, blocks, head (MakeShardPlan's order)
   bool head_bf16 = true;           // precision.lm_head BF16 (chunked) or FP32 (whole logits)

@@ -359,6 +359,22 @@ CheckpointRole CheckpointRoleOf(const Mesh& mesh, int rank) {
   return r;
 }
 
+namespace {
+
+// ", granularity [TENSORWISE,BLOCKWISE,...]" when a block's FP8 linears scale rowwise or
+// blockwise (their units lay out in BF16 buffers, so such files load only into the same plan);
+// empty otherwise, so tensorwise descriptions are those of every earlier file.
+std::string Granularities(const v1::JobSpec& spec) {
+  if (!AnyScaledGranularity(spec)) return "";
+  std::string g;
+  for (int l = 0; l < spec.model().n_layers(); ++l) {
+    absl::StrAppend(&g, l ? "," : "", GranularityName(LayerGranularity(spec, l)));
+  }
+  return absl::StrCat(", granularity [", g, "]");
+}
+
+}  // namespace
+
 std::string SpecDescription(const v1::JobSpec& spec) {
   const v1::ModelConfig& m = spec.model();
   const v1::PrecisionSpec& p = spec.precision();
@@ -371,7 +387,7 @@ std::string SpecDescription(const v1::JobSpec& spec) {
                       ", vocab_size ", m.vocab_size(), "; embedding ",
                       v1::Precision_Name(p.embedding()), ", lm_head ",
                       v1::Precision_Name(p.lm_head()), ", linears [", linears, "], fp8 format ",
-                      v1::Fp8Format_Name(p.fp8().format()));
+                      v1::Fp8Format_Name(p.fp8().format()), Granularities(spec));
 }
 
 absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
