@@ -520,11 +520,18 @@ absl::Status CheckpointStore::CheckResumeCompatible(const v1::JobSpec& job,
   };
   if (absl::Status s = differ(job.model(), saved.model(), "model"); !s.ok()) return s;
   // A job with rowwise / blockwise blocks resumes a checkpoint whose blocks are all tensorwise
-  // (train/checkpoint.h maps the tensors across the two layouts): the precision plans are then
+  // (train/checkpoint.h maps the tensors across the two layouts) or whose rowwise / blockwise
+  // blocks are the same ones (the same layout): the precision plans are then
   // compared without the granularities, and, where the job has no tensorwise FP8 block, without
   // the tensorwise scaling fields (recipe, format, history, margin, fused projections), which
   // describe no state of it. Every other difference still refuses.
-  if (AnyScaledGranularity(job) && !AnyScaledGranularity(saved)) {
+  // (Or, where the two lay the same blocks out as rowwise / blockwise, between those recipes.)
+  bool same_scaled_blocks = job.model().n_layers() == saved.model().n_layers();
+  for (int l = 0; same_scaled_blocks && l < job.model().n_layers(); ++l) {
+    same_scaled_blocks = (LayerGranularity(job, l) == v1::FP8_GRANULARITY_TENSORWISE) ==
+                         (LayerGranularity(saved, l) == v1::FP8_GRANULARITY_TENSORWISE);
+  }
+  if (AnyScaledGranularity(job) && (!AnyScaledGranularity(saved) || same_scaled_blocks)) {
     bool tensorwise_fp8 = false;
     for (int l = 0; l < job.model().n_layers(); ++l) {
       tensorwise_fp8 = tensorwise_fp8 ||

@@ -236,6 +236,12 @@ TEST(CheckpointStore, ResumeCompatibilityAcrossGranularity) {
   auto s = CheckpointStore::CheckResumeCompatible(tensorwise, blockwise, "/c/step-1");
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), "different precision")) << s;
+  // Rowwise and blockwise lay the same blocks out alike: either resumes the other.
+  v1::JobSpec rowwise_in;
+  rowwise_in.mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_ROWWISE);
+  const v1::JobSpec rowwise = WithDefaults(rowwise_in, 1);
+  EXPECT_TRUE(CheckpointStore::CheckResumeCompatible(rowwise, blockwise, "/c/step-1").ok());
+  EXPECT_TRUE(CheckpointStore::CheckResumeCompatible(blockwise, rowwise, "/c/step-1").ok());
   // Other precision fields still have to match.
   v1::JobSpec bf16_head = blockwise;
   bf16_head.mutable_precision()->set_lm_head(v1::PRECISION_FP32);

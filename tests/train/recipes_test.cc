@@ -155,6 +155,53 @@ TEST(Recipes, TensorwiseCheckpointResumesUnderBlockwise) {
   }
 }
 
+// Blockwise resharded: saved by 4 ranks after step 2, resumed on 2 and on 3 ranks, its steps 2
+// and 3 within the C12 FP8 tolerance of the uninterrupted 4-rank run's (the same weights and
+// moments; the ranks' microbatches, and so the sums, differ).
+TEST(Recipes, BlockwiseCheckpointReshards4To2And3) {
+  constexpr int kSaveAfter = 2, kLast = 4;
+  v1::JobSpec bw = WithGranularity(DefaultShape(), v1::FP8_GRANULARITY_BLOCKWISE);
+  bw.mutable_training()->set_global_batch(12);  // divides over 4, 2 and 3 ranks
+  const std::string dir = ::testing::TempDir() + "/recipes_ckpt_reshard_" +
+                          std::to_string(static_cast<long>(::getpid()));
+  std::vector<std::vector<StepStats>> ref(kLast, std::vector<StepStats>(4));
+  RunRanks(4, [&](int r, Communicator* c) {
+    auto be = testing::CpuBackend();
+    auto t = Trainer::Create(WithDefaults(bw, 4), r, 4, be.get(), c);
+    ASSERT_TRUE(t.ok()) << t.status();
+    for (int k = 0; k < kLast; ++k) {
+      if (k == kSaveAfter) {
+        v1::CheckpointSaved saved;
+        ASSERT_TRUE(SaveShard(**t, kSaveAfter, dir, &saved).ok());
+      }
+      auto res = (*t)->Step(k, false, false);
+      ASSERT_TRUE(res.ok()) << res.status();
+      ref[k][r] = *res;
+    }
+  });
+  for (int world : {2, 3}) {
+    std::vector<std::vector<StepStats>> got(kLast, std::vector<StepStats>(world));
+    RunRanks(world, [&](int r, Communicator* c) {
+      auto be = testing::CpuBackend();
+      auto t = Trainer::Create(WithDefaults(bw, world), r, world, be.get(), c);
+      ASSERT_TRUE(t.ok()) << t.status();
+      const absl::Status s = LoadShards(t->get(), dir, 4, kSaveAfter);
+      ASSERT_TRUE(s.ok()) << s;
+      for (int k = kSaveAfter; k < kLast; ++k) {
+        auto res = (*t)->Step(k, false, false);
+        ASSERT_TRUE(res.ok()) << res.status();
+        got[k][r] = *res;
+      }
+    });
+    for (int k = kSaveAfter; k < kLast; ++k) {
+      const double want = Mean(ref[k]), have = Mean(got[k]);
+      std::printf("blockwise 4 -> %d ranks, step %d: %.5f (4 ranks %.5f, rel %.2e)\n", world, k,
+                  have, want, std::fabs(have - want) / want);
+      EXPECT_NEAR(have, want, kFp8Tol * want) << "world " << world << " step " << k;
+    }
+  }
+}
+
 // The other way is refused: a blockwise checkpoint's layout is not a tensorwise job's.
 TEST(Recipes, BlockwiseCheckpointDoesNotLoadIntoTensorwise) {
   const std::string dir = ::testing::TempDir() + "/recipes_ckpt_bw_" +
