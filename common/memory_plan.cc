@@ -126,7 +126,11 @@ StepSum::StepSum(const v1::JobSpec& spec, const StepPlan& plan, int64_t opt_byte
   int fp8_tensors = 0;
   bool grouped = false;
   for (const BlockPlan& b : plan.blocks) {
-    fp8_tensors += b.linears == v1::PRECISION_FP8 ? 7 : 0;
+    // Tensorwise FP8 linears only: rowwise / blockwise ones keep no scaling state.
+    fp8_tensors += b.linears == v1::PRECISION_FP8 &&
+                           b.granularity == v1::FP8_GRANULARITY_TENSORWISE
+                       ? 7
+                       : 0;
     grouped = grouped || b.group_qkv || b.group_mlp;
   }
   for (size_t u = 0; u < plan.units.size(); ++u) {
@@ -138,7 +142,8 @@ StepSum::StepSum(const v1::JobSpec& spec, const StepPlan& plan, int64_t opt_byte
       f32_numel = plan.head_bf16 ? C_ : C_ + VC;
     } else if (u > 0) {
       f32_numel = 2 * C_;
-      if (plan.blocks[u - 1].linears == v1::PRECISION_BF16) {
+      if (plan.blocks[u - 1].linears == v1::PRECISION_BF16 ||
+          plan.blocks[u - 1].granularity != v1::FP8_GRANULARITY_TENSORWISE) {  // f32 copies
         f32_numel += 2 * C_ * C_ + 2 * nk_ * C_ + 3 * F_ * C_;
       }
     }
@@ -181,6 +186,9 @@ double StepSum::BackendWorkspace() const {
   double s0 = 0, s1 = 0;
   for (const BlockPlan& b : plan_.blocks) {
     if (b.linears == v1::PRECISION_FP32) continue;
+    // Rowwise / blockwise linears: the fast backend's GEMM takes the same slots (the scaled
+    // decoded operands); the reference's host composition none.
+    if (b.granularity != v1::FP8_GRANULARITY_TENSORWISE && plan_.cpu_reference) continue;
     std::vector<std::pair<double, double>> shapes = {{nq_, C_}, {C_, b.fused_mlp ? 2 * F_ : F_},
                                                      {F_, C_}, {C_, nq_ + 2 * nk_}};
     if (!b.fused_qkv) {  // separate q, k and v GEMMs

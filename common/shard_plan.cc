@@ -165,8 +165,11 @@ absl::StatusOr<ShardPlan> MakeSpecPlan(const v1::JobSpec& spec_in, int world_siz
   }
   for (int64_t i = 0; i < L; ++i) {
     const v1::Precision p = LayerLinearPrecision(spec, static_cast<int>(i));
-    const bool fp8 = p == v1::PRECISION_FP8;
-    const WireDtype lw = WireOf(p);
+    // Rowwise / blockwise FP8 linears travel in BF16 and are quantized at each use (their FP8
+    // wire is not built yet): a BF16 buffer, like BF16 linears.
+    const bool scaled = LayerGranularity(spec, static_cast<int>(i)) != v1::FP8_GRANULARITY_TENSORWISE;
+    const bool fp8 = p == v1::PRECISION_FP8 && !scaled;
+    const WireDtype lw = scaled ? WireDtype::kBf16 : WireOf(p);
     const WireDtype nw = p == v1::PRECISION_FP32 ? WireDtype::kFp32 : WireDtype::kBf16;
     const std::string pre = absl::StrCat("model.layers.", i, ".");
     UnitTensors u(3);

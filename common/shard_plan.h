@@ -86,7 +86,7 @@ struct ShardPlan {
 // lm_head.weight (V, C) kKaimingUniform. With model.tie_word_embeddings there is no lm_head.weight:
 // the head uses model.embed_tokens.weight, which is sharded once, in unit "embedding".
 // Wire dtypes: a block's linears follow LayerLinearPrecision (FP8 -> kFp8, BF16 -> kBf16,
-// FP32 -> kFp32); its two norms travel in fp32 when the linears are FP32, else in bf16; embedding
+// FP32 -> kFp32; FP8 with a rowwise or blockwise LayerGranularity -> kBf16, quantized at use); its two norms travel in fp32 when the linears are FP32, else in bf16; embedding
 // and head (both tensors) follow precision.embedding / precision.lm_head (BF16 or FP32).
 // padded_numel = ceil(numel / (world_size * alignment)) * world_size * alignment.
 // init_id = FNV-1a 64 of the tensor name (stable across builds and world sizes).

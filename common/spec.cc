@@ -172,8 +172,19 @@ v1::JobSpec WithDefaults(const v1::JobSpec& in, int world_size) {
   if (p->lm_head() == v1::PRECISION_UNSPECIFIED) p->set_lm_head(v1::PRECISION_BF16);
   if (p->attention() == v1::PRECISION_UNSPECIFIED) p->set_attention(v1::PRECISION_FP32);
   v1::Fp8Recipe* r = p->mutable_fp8();
-  if (r->recipe() == v1::SCALING_RECIPE_UNSPECIFIED) r->set_recipe(v1::SCALING_RECIPE_DELAYED);
-  if (r->format() == v1::FP8_FORMAT_UNSPECIFIED) r->set_format(v1::FP8_FORMAT_HYBRID);
+  if (r->granularity() == v1::FP8_GRANULARITY_UNSPECIFIED) {
+    r->set_granularity(v1::FP8_GRANULARITY_TENSORWISE);
+  }
+  // Rowwise and blockwise scale every tensor from its own amax (no history): current scaling.
+  const bool scaled = r->granularity() != v1::FP8_GRANULARITY_TENSORWISE;
+  if (r->recipe() == v1::SCALING_RECIPE_UNSPECIFIED) {
+    r->set_recipe(scaled ? v1::SCALING_RECIPE_CURRENT : v1::SCALING_RECIPE_DELAYED);
+  }
+  // Blockwise: E4M3 grad-outputs too (DeepSeek-V3, TransformerEngine Float8BlockScaling).
+  if (r->format() == v1::FP8_FORMAT_UNSPECIFIED) {
+    r->set_format(r->granularity() == v1::FP8_GRANULARITY_BLOCKWISE ? v1::FP8_FORMAT_E4M3
+                                                                    : v1::FP8_FORMAT_HYBRID);
+  }
   if (!r->has_amax_history_len()) r->set_amax_history_len(16);
   if (r->amax_algorithm() == v1::AMAX_ALGORITHM_UNSPECIFIED) r->set_amax_algorithm(v1::AMAX_ALGORITHM_MAX);
   if (!r->has_margin()) r->set_margin(0);
@@ -496,6 +507,35 @@ absl::Status CheckPrecisionOverrides(const v1::PrecisionSpec& p, int n_layers) {
     if (lp.linears() == v1::PRECISION_UNSPECIFIED) {
       return Bad(at + ".linears", "must be set", "FP8, BF16 or FP32");
     }
+    if (lp.granularity() != v1::FP8_GRANULARITY_UNSPECIFIED &&
+        lp.linears() != v1::PRECISION_FP8) {
+      return Bad(at + ".granularity", "applies to FP8 linears only",
+                 absl::StrCat("linears ", PrecisionName(lp.linears()), ", granularity ",
+                              GranularityName(lp.granularity())));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The rowwise / blockwise recipes: current scaling only, and only the combinations built so far.
+absl::Status CheckGranularity(const v1::JobSpec& spec) {
+  const v1::Fp8Recipe& r = spec.precision().fp8();
+  if (r.granularity() != v1::FP8_GRANULARITY_TENSORWISE &&
+      r.recipe() == v1::SCALING_RECIPE_DELAYED) {
+    return Bad("precision.fp8.recipe",
+               absl::StrCat("must be CURRENT with precision.fp8.granularity ",
+                            GranularityName(r.granularity()),
+                            " (rowwise and blockwise scale each tensor from its own amax: no "
+                            "amax history)"),
+               "got DELAYED");
+  }
+  if (!AnyScaledGranularity(spec)) return absl::OkStatus();
+  const std::string which = r.granularity() != v1::FP8_GRANULARITY_TENSORWISE
+                                ? "precision.fp8.granularity"
+                                : "precision.overrides[].granularity";
+  if (spec.backend() == "cuda") {
+    return Bad(which, "ROWWISE and BLOCKWISE need the CPU backends until the CUDA kernels land",
+               "backend cuda");
   }
   return absl::OkStatus();
 }
@@ -672,6 +712,7 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
   FSDP8_RETURN_IF_ERROR(CheckOptimizer(spec.optimizer(), spec.training().steps()));
   FSDP8_RETURN_IF_ERROR(CheckSharding(spec.sharding(), world_size));
   FSDP8_RETURN_IF_ERROR(CheckPrecision(spec.precision(), spec.model().n_layers()));
+  FSDP8_RETURN_IF_ERROR(CheckGranularity(spec));
   // Under WORLD a rank holds only its 1/R piece of the master weights: its shard group's FP8
   // codes cannot be cast per gather from them, so they must be kept.
   if (spec.sharding().optimizer_sharding() == v1::OPTIMIZER_SHARDING_WORLD &&
@@ -825,6 +866,10 @@ const std::map<std::string, std::map<std::string, std::string>>& ShortEnumNames(
        {{"delayed", "SCALING_RECIPE_DELAYED"}, {"current", "SCALING_RECIPE_CURRENT"}}},
       {"fsdp8.v1.Sampling", {{"epoch", "SAMPLING_EPOCH"}, {"random", "SAMPLING_RANDOM"}}},
       {"fsdp8.v1.Fp8Format", {{"hybrid", "FP8_FORMAT_HYBRID"}, {"e4m3", "FP8_FORMAT_E4M3"}}},
+      {"fsdp8.v1.Fp8Granularity",
+       {{"tensorwise", "FP8_GRANULARITY_TENSORWISE"},
+        {"rowwise", "FP8_GRANULARITY_ROWWISE"},
+        {"blockwise", "FP8_GRANULARITY_BLOCKWISE"}}},
       {"fsdp8.v1.AmaxAlgorithm",
        {{"max", "AMAX_ALGORITHM_MAX"}, {"most_recent", "AMAX_ALGORITHM_MOST_RECENT"}}},
       {"fsdp8.v1.OptimizerSharding",
@@ -1044,6 +1089,33 @@ v1::Precision LayerLinearPrecision(const v1::JobSpec& spec, int layer) {
   }
   const v1::Precision p = spec.precision().linears();
   return p == v1::PRECISION_UNSPECIFIED ? v1::PRECISION_FP8 : p;
+}
+
+v1::Fp8Granularity LayerGranularity(const v1::JobSpec& spec, int layer) {
+  if (LayerLinearPrecision(spec, layer) != v1::PRECISION_FP8) return v1::FP8_GRANULARITY_TENSORWISE;
+  for (const v1::LayerPrecision& lp : spec.precision().overrides()) {
+    if (lp.layer() == layer && lp.granularity() != v1::FP8_GRANULARITY_UNSPECIFIED) {
+      return lp.granularity();
+    }
+  }
+  const v1::Fp8Granularity g = spec.precision().fp8().granularity();
+  return g == v1::FP8_GRANULARITY_UNSPECIFIED ? v1::FP8_GRANULARITY_TENSORWISE : g;
+}
+
+bool AnyScaledGranularity(const v1::JobSpec& spec) {
+  for (int l = 0; l < spec.model().n_layers(); ++l) {
+    if (LayerGranularity(spec, l) != v1::FP8_GRANULARITY_TENSORWISE) return true;
+  }
+  return false;
+}
+
+const char* GranularityName(v1::Fp8Granularity g) {
+  switch (g) {
+    case v1::FP8_GRANULARITY_TENSORWISE: return "TENSORWISE";
+    case v1::FP8_GRANULARITY_ROWWISE: return "ROWWISE";
+    case v1::FP8_GRANULARITY_BLOCKWISE: return "BLOCKWISE";
+    default: return "UNSPECIFIED";
+  }
 }
 
 int64_t AdamStateBytesPerElement(const v1::JobSpec& spec) {

@@ -132,7 +132,8 @@ absl::StatusOr<std::string> ReadSpecFile(const std::string& path);
 
 // Parses a job spec from YAML or JSON text (protobuf JSON mapping: original or lowerCamel field
 // names, enum value names; YAML uses the same names). Enums also accept case-insensitive value names
-// and the short spellings fp8/bf16/fp32, delayed/current, hybrid/e4m3, max/most_recent. A null value
+// and the short spellings fp8/bf16/fp32, delayed/current, hybrid/e4m3, max/most_recent,
+// tensorwise/rowwise/blockwise. A null value
 // leaves the field unset. Nothing is defaulted or validated here (see WithDefaults, ValidateSpec).
 // Errors are INVALID_ARGUMENT naming the field path and the source position, e.g.
 //   "model.dmodel: unknown field \"dmodel\" (line 2, column 3)",
@@ -147,6 +148,17 @@ int Microbatches(const v1::JobSpec& spec, int world_size);
 
 // The effective precision of block `layer`'s linears (overrides applied).
 v1::Precision LayerLinearPrecision(const v1::JobSpec& spec, int layer);
+
+// The effective FP8 scaling granularity of block `layer`'s linears: the override's when set, else
+// precision.fp8.granularity; TENSORWISE when neither is set, and TENSORWISE for a block whose
+// linears are not FP8 (the field means nothing there).
+v1::Fp8Granularity LayerGranularity(const v1::JobSpec& spec, int layer);
+
+// Whether any block's FP8 linears scale rowwise or blockwise (LayerGranularity).
+bool AnyScaledGranularity(const v1::JobSpec& spec);
+
+// "TENSORWISE", "ROWWISE", "BLOCKWISE" or "UNSPECIFIED".
+const char* GranularityName(v1::Fp8Granularity g);
 
 // Bytes per parameter element of the AdamW state, both moments m and v together, for
 // optimizer.state_precision (defaults applied): 8 for FP32, 4 for BF16. The master weights (4)

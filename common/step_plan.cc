@@ -233,6 +233,67 @@ class Walk {
   PlannedMoment peak_;
 };
 
+// ceil(n / 128): the 128-wide tiles or blocks along n elements, the tail padded up.
+int64_t Blocks128(int64_t n) { return (n + 127) / 128; }
+
+// The f32 scales of a rowwise / blockwise linear's GEMM operands (Backend::QuantizeFp8Blocks'
+// layouts) over N tokens: forward X and W, dX's dY and Wᵀ, dW's dYᵀ and Xᵀ.
+struct ScaleCounts {
+  int64_t x = 0, w = 0, dy = 0, wt = 0, dyt = 0, xt = 0;
+};
+ScaleCounts ScaledCounts(v1::Fp8Granularity g, int64_t in, int64_t out, int64_t N) {
+  if (g == v1::FP8_GRANULARITY_ROWWISE) {
+    // X per token, W per output row; dY per token, W per input column; dYᵀ per output feature,
+    // Xᵀ per input feature.
+    return {N, out, N, in, out, in};
+  }
+  // Blockwise: activations and grad-outputs in 1 x 128 tiles along the contracted dimension, W
+  // in 128 x 128 blocks (its transpose: the same blocks, transposed).
+  const int64_t bw = Blocks128(out) * Blocks128(in);
+  return {N * Blocks128(in), bw, N * Blocks128(out), bw, out * Blocks128(N), in * Blocks128(N)};
+}
+
+// A rowwise / blockwise FP8 linear's entry: current scaling, its granularity and its operands'
+// scale counts (PlannedLinear) for N tokens.
+void SetScaled(PlannedLinear* pl, v1::Fp8Granularity g, int64_t N) {
+  pl->precision = v1::PRECISION_FP8;
+  pl->recipe = v1::SCALING_RECIPE_CURRENT;
+  pl->granularity = g;
+  const ScaleCounts c = ScaledCounts(g, pl->in, pl->out, N);
+  pl->forward_scales = c.x + c.w;
+  pl->dx_scales = c.dy + c.wt;
+  pl->dw_scales = c.dyt + c.xt;
+}
+
+// Linear::ForwardScaled's transients (a rowwise / blockwise linear `name`, in -> out features
+// over N tokens): X's codes and scales, then W's, alive around the GEMM.
+void WalkScaledForward(Walk* w, const std::string& name, v1::Fp8Granularity g, int64_t N,
+                       int64_t in, int64_t out) {
+  const ScaleCounts c = ScaledCounts(g, in, out, N);
+  w->Add(name + ".x8", Dtype::kE4M3, {N, in});
+  w->Add(name + ".x8 scales", Dtype::kF32, {c.x});
+  w->Add(name + ".w8", Dtype::kE4M3, {out, in});
+  w->Add(name + ".w8 scales", Dtype::kF32, {c.w});
+  for (const char* t : {".x8", ".x8 scales", ".w8", ".w8 scales"}) w->Drop(name + t);
+}
+
+// Linear::BackwardScaled's: dY's codes and its transposed codes with their scales; Wᵀ's for dX;
+// then, dY's own freed, Xᵀ's for dW.
+void WalkScaledBackward(Walk* w, const std::string& name, v1::Fp8Granularity g, int64_t N,
+                        int64_t in, int64_t out) {
+  const ScaleCounts c = ScaledCounts(g, in, out, N);
+  w->Add(name + ".dy8", Dtype::kE4M3, {N, out});
+  w->Add(name + ".dy8 scales", Dtype::kF32, {c.dy});
+  w->Add(name + ".dyT8", Dtype::kE4M3, {out, N});
+  w->Add(name + ".dyT8 scales", Dtype::kF32, {c.dyt});
+  w->Add(name + ".wT8", Dtype::kE4M3, {in, out});
+  w->Add(name + ".wT8 scales", Dtype::kF32, {c.wt});
+  for (const char* t : {".wT8", ".wT8 scales", ".dy8", ".dy8 scales"}) w->Drop(name + t);
+  w->Add(name + ".xT8", Dtype::kE4M3, {in, N});
+  w->Add(name + ".xT8 scales", Dtype::kF32, {c.xt});
+  for (const char* t : {".dyT8", ".dyT8 scales", ".xT8", ".xT8 scales"}) w->Drop(name + t);
+}
+
 // How a block's forward runs beyond its BlockPlan.
 struct ForwardRun {
   bool train = true;          // the tensors for the backward are kept (else dropped once used)
@@ -251,6 +312,9 @@ void WalkGenericForward(const BlockPlan& bp, const ModelDims& d, int64_t N, int6
   const bool norms16 = bp.linears != v1::PRECISION_FP32;  // norms on the bf16 wire
   auto linear = [&](const std::string& name, int64_t in, int64_t out) {
     if (bp.linears == v1::PRECISION_BF16) w->Gathered(name + ".weight", in * out);
+    if (bp.granularity != v1::FP8_GRANULARITY_TENSORWISE) {
+      WalkScaledForward(w, name, bp.granularity, N, in, out);
+    }
     if (!fp8) return;
     w->AddCodes(name + ".x8", {N, in}, run.measure_first);
     if (!train) w->Drop(name + ".x8");
@@ -464,6 +528,9 @@ void WalkGenericBackward(const BlockPlan& bp, const ModelDims& d, int64_t N,
       WalkFp8Backward(w, name, name, N, k, n, false, false, run);
     } else {
       WalkPlainBackward(w, bp, name, k * n);
+      if (bp.granularity != v1::FP8_GRANULARITY_TENSORWISE) {
+        WalkScaledBackward(w, name, bp.granularity, N, k, n);
+      }
     }
   };
   auto drop_input = [&](const std::string& name) {  // LinearSaved reset: codes, transpose
@@ -794,6 +861,11 @@ absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
   for (int l = 0; l < d.n_layers; ++l) {
     BlockPlan& bp = p.blocks.emplace_back();
     bp.linears = LayerLinearPrecision(spec, l);
+    bp.granularity = LayerGranularity(spec, l);
+    // A rowwise / blockwise block runs the generic path of a BF16 block (f32 activations, f32
+    // inputs kept, BF16 weights): its tables are that block's; its linears are FP8 below.
+    const bool scaled = bp.granularity != v1::FP8_GRANULARITY_TENSORWISE;
+    if (scaled) bp.linears = v1::PRECISION_BF16;
     bp.attention = attn16 ? Dtype::kBf16 : Dtype::kF32;
     const bool fp8 = bp.linears == v1::PRECISION_FP8;
     bp.fp8_bf16 = fp8 && attn16;
@@ -816,6 +888,7 @@ absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
                                  std::tuple{"o_proj", d.q_width(), C}, std::tuple{"gate_proj", C, F},
                                  std::tuple{"up_proj", C, F}, std::tuple{"down_proj", F, C}}) {
       bp.proj.push_back({name, in, out, bp.linears, recipe});
+      if (fp8) bp.proj.back().granularity = v1::FP8_GRANULARITY_TENSORWISE;
     }
     bp.saved = Saved(bp, d, p.tokens, B, norm_inputs_bf16, fp8 && !delayed);
     ForwardRun run;
@@ -825,10 +898,15 @@ absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
     run.save_down = options.save_down_proj_input;
     BackendCaps bc = caps;
     bc.cpu_reference = bc.cpu_reference || (!caps.cuda && options.cpu_reference);
+    p.cpu_reference = bc.cpu_reference;
     bp.forward_peak = ForwardPeak(bp, d, p.tokens, B, bc, run);
     bp.forward_work = bp.forward_peak.work;
     BackwardPeaks(&bp, d, p.tokens, B, bc, run, p.recompute);
     BackwardWork(&bp, d, p.tokens, B, caps.cuda, tr.deterministic());
+    if (scaled) {
+      bp.linears = v1::PRECISION_FP8;
+      for (PlannedLinear& pl : bp.proj) SetScaled(&pl, bp.granularity, p.tokens);
+    }
     if (p.recompute) {
       bp.recomputed = std::move(bp.saved);
       bp.saved = {Tensor("x_in", Dtype::kF32, {p.tokens, C})};

@@ -57,6 +57,13 @@ struct PlannedLinear {
   v1::Precision precision = v1::PRECISION_FP32;
   // FP8 linears: the activations' and grad-outputs' scaling (weights are scaled per cast).
   v1::ScalingRecipe recipe = v1::SCALING_RECIPE_UNSPECIFIED;
+  // FP8 linears: the scaling granularity (LayerGranularity); UNSPECIFIED for other precisions.
+  // ROWWISE and BLOCKWISE linears run Linear::Scaled (current scaling: recipe CURRENT).
+  v1::Fp8Granularity granularity = v1::FP8_GRANULARITY_UNSPECIFIED;
+  // Their f32 scales per GEMM operand, as Backend::QuantizeFp8Blocks lays them out (0 for
+  // tensorwise linears, whose scales are single scalars): for tokens rows of activations,
+  // forward X and W, dX's dY and Wᵀ, dW's dYᵀ and Xᵀ.
+  int64_t forward_scales = 0, dx_scales = 0, dw_scales = 0;
 };
 
 // How long a saved tensor lives into its block's backward: to the block's end, or until the
@@ -81,6 +88,11 @@ struct PlannedMoment {
 
 struct BlockPlan {
   v1::Precision linears = v1::PRECISION_FP32;  // LayerLinearPrecision
+  // FP8 blocks: LayerGranularity (TENSORWISE otherwise). A ROWWISE or BLOCKWISE block runs the
+  // generic path with f32 activations, keeping its linears' f32 inputs as a BF16 block does
+  // (its weights travel in BF16: the shard plan), each linear quantizing its operands at each use
+  // (Linear::Scaled); no groups, no fused GEMMs, no recast.
+  v1::Fp8Granularity granularity = v1::FP8_GRANULARITY_TENSORWISE;
   // FP8 linears with BF16 attention: bf16 activations between the GEMMs, FP8 inputs cast from
   // them, fused groups possible (LlamaModel::BlockForward with Block::acts16). Otherwise the generic block: f32
   // activations, each linear casting its own input.
@@ -131,6 +143,9 @@ struct StepPlan {
   int64_t tokens = 0;     // N: microbatch * seq_len, the rows of every activation
   int microbatches = 1;   // per rank and step
   bool recompute = false;
+  // Planned for the CPU reference backend (BackendCaps::cpu_reference), whose rowwise / blockwise
+  // GEMMs take no scratch slots (the host composition).
+  bool cpu_reference = false;
   std::vector<BlockPlan> blocks;
   std::vector<PlannedUnit> units;  // embedding, blocks, head (MakeShardPlan's order)
   bool head_bf16 = true;           // precision.lm_head BF16 (chunked) or FP32 (whole logits)

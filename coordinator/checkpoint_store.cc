@@ -519,6 +519,42 @@ absl::Status CheckpointStore::CheckResumeCompatible(const v1::JobSpec& job,
         a.ShortDebugString(), "})"));
   };
   if (absl::Status s = differ(job.model(), saved.model(), "model"); !s.ok()) return s;
+  // A job with rowwise / blockwise blocks resumes a checkpoint whose blocks are all tensorwise
+  // (train/checkpoint.h maps the tensors across the two layouts) or whose rowwise / blockwise
+  // blocks are the same ones (the same layout): the precision plans are then
+  // compared without the granularities, and, where the job has no tensorwise FP8 block, without
+  // the tensorwise scaling fields (recipe, format, history, margin, fused projections), which
+  // describe no state of it. Every other difference still refuses.
+  // (Or, where the two lay the same blocks out as rowwise / blockwise, between those recipes.)
+  bool same_scaled_blocks = job.model().n_layers() == saved.model().n_layers();
+  for (int l = 0; same_scaled_blocks && l < job.model().n_layers(); ++l) {
+    same_scaled_blocks = (LayerGranularity(job, l) == v1::FP8_GRANULARITY_TENSORWISE) ==
+                         (LayerGranularity(saved, l) == v1::FP8_GRANULARITY_TENSORWISE);
+  }
+  if (AnyScaledGranularity(job) && (!AnyScaledGranularity(saved) || same_scaled_blocks)) {
+    bool tensorwise_fp8 = false;
+    for (int l = 0; l < job.model().n_layers(); ++l) {
+      tensorwise_fp8 = tensorwise_fp8 ||
+                       (LayerLinearPrecision(job, l) == v1::PRECISION_FP8 &&
+                        LayerGranularity(job, l) == v1::FP8_GRANULARITY_TENSORWISE);
+    }
+    auto comparable = [&](const v1::PrecisionSpec& p) {
+      v1::PrecisionSpec c = p;
+      c.mutable_fp8()->clear_granularity();
+      for (v1::LayerPrecision& lp : *c.mutable_overrides()) lp.clear_granularity();
+      if (!tensorwise_fp8) {
+        v1::Fp8Recipe* r = c.mutable_fp8();
+        r->clear_recipe();
+        r->clear_format();
+        r->clear_amax_history_len();
+        r->clear_amax_algorithm();
+        r->clear_margin();
+        r->clear_fused_projections();
+      }
+      return c;
+    };
+    return differ(comparable(job.precision()), comparable(saved.precision()), "precision");
+  }
   return differ(job.precision(), saved.precision(), "precision");
 }
 

@@ -3,6 +3,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -15,6 +17,7 @@
 #include "common/check.h"
 #include "common/env_settings.h"
 #include "kernels/cpu/cpu_ref_backend.h"
+#include "kernels/fp8.h"
 #ifdef FSDP8_WITH_FAST_CPU
 #include "kernels/cpu/cpu_fast_backend.h"
 #endif
@@ -154,6 +157,179 @@ void Backend::CastFp8(TypedCPtr in, int64_t rows, int64_t cols, const float* sca
     Free(dense);
   }
   Free(x);
+}
+
+// ---- block-scaled FP8 (rowwise, blockwise): the reference, on the host ----------------------
+
+int64_t Fp8ScaleCount(Fp8Blocks blocks, int64_t rows, int64_t cols) {
+  switch (blocks) {
+    case Fp8Blocks::kRow: return rows;
+    case Fp8Blocks::kTile128: return rows * Fp8BlockCount(cols);
+    case Fp8Blocks::kBlock128: return Fp8BlockCount(rows) * Fp8BlockCount(cols);
+  }
+  return 0;
+}
+
+float Fp8BlockScale(float amax, float fp8_max) {
+  if (!(amax > 0.0f) || !std::isfinite(amax)) return 1.0f;
+  double d = static_cast<double>(fp8_max) / static_cast<double>(amax);
+  d = std::min(std::max(d, static_cast<double>(FLT_MIN)), static_cast<double>(FLT_MAX));
+  return static_cast<float>(d);
+}
+
+namespace {
+
+// The values of a device matrix of n elements, f32 or bf16 (widened exactly), on the host.
+std::vector<float> HostValues(Backend* be, TypedCPtr in, int64_t n) {
+  std::vector<float> v(static_cast<size_t>(n));
+  if (in.f32()) {
+    be->CopyToHost(v.data(), in.f(), static_cast<size_t>(n) * sizeof(float));
+  } else {
+    std::vector<uint16_t> h(static_cast<size_t>(n));
+    be->CopyToHost(h.data(), in.h(), static_cast<size_t>(n) * sizeof(uint16_t));
+    for (int64_t i = 0; i < n; ++i) v[i] = Bf16Value(h[i]);
+  }
+  return v;
+}
+
+// Quantizes the host matrix x (rows, cols) in blocks of gr rows x gc columns (the tails padded up)
+// with current scaling per block: codes (rows, cols), scale_inv (ceil(rows/gr), ceil(cols/gc)).
+void QuantizeHostBlocks(const std::vector<float>& x, int64_t rows, int64_t cols, int64_t gr,
+                        int64_t gc, Fp8Format fmt, std::vector<uint8_t>* codes,
+                        std::vector<float>* scale_inv) {
+  const int64_t br = (rows + gr - 1) / gr, bc = (cols + gc - 1) / gc;
+  std::vector<float> amax(static_cast<size_t>(br * bc), 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      float& m = amax[(r / gr) * bc + c / gc];
+      const float a = std::fabs(x[r * cols + c]);
+      if (std::isnan(a) || a > m) m = std::isnan(m) ? m : a;
+    }
+  }
+  const float fp8_max = Fp8Max(fmt);
+  std::vector<float> scale(amax.size());
+  scale_inv->resize(amax.size());
+  for (size_t b = 0; b < amax.size(); ++b) {
+    scale[b] = Fp8BlockScale(amax[b], fp8_max);
+    (*scale_inv)[b] = 1.0f / scale[b];
+  }
+  codes->resize(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      (*codes)[r * cols + c] = EncodeFp8(x[r * cols + c] * scale[(r / gr) * bc + c / gc], fmt);
+    }
+  }
+}
+
+template <typename T>
+std::vector<T> Transposed(const std::vector<T>& x, int64_t rows, int64_t cols) {
+  std::vector<T> t(x.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = x[r * cols + c];
+  }
+  return t;
+}
+
+template <typename T>
+void ToDevice(Backend* be, T* dst, const std::vector<T>& v) {
+  be->CopyToDevice(dst, v.data(), v.size() * sizeof(T));
+}
+
+// An operand's scale_inv for row `row` and K chunk `chunk` (GemmFp8Blocks), chunks = ceil(K/128).
+float BlockScaleInv(const std::vector<float>& s, Fp8Blocks blocks, int64_t row, int64_t chunk,
+                    int64_t chunks) {
+  switch (blocks) {
+    case Fp8Blocks::kRow: return s[row];
+    case Fp8Blocks::kTile128: return s[row * chunks + chunk];
+    case Fp8Blocks::kBlock128: return s[(row / kFp8BlockSize) * chunks + chunk];
+  }
+  return 0.0f;
+}
+
+}  // namespace
+
+void Backend::QuantizeFp8Blocks(TypedCPtr in, int64_t rows, int64_t cols, Fp8Blocks blocks,
+                                Fp8Format fmt, uint8_t* out, float* scale_inv, uint8_t* out_t,
+                                float* scale_inv_t) {
+  FSDP8_CHECK(rows >= 0 && cols >= 0 && !in.null());
+  FSDP8_CHECK((out == nullptr) == (scale_inv == nullptr) &&
+              (out_t == nullptr) == (scale_inv_t == nullptr) &&
+              (out != nullptr || out_t != nullptr))
+      << "QuantizeFp8Blocks: codes and scales come in pairs, at least one pair";
+  if (rows == 0 || cols == 0) return;
+  if (TryQuantizeFp8Blocks(in, rows, cols, blocks, fmt, out, scale_inv, out_t, scale_inv_t)) {
+    return;
+  }
+  const std::vector<float> x = HostValues(this, in, rows * cols);
+  std::vector<uint8_t> codes;
+  std::vector<float> s;
+  // Row groups x column groups of the matrix that is quantized as it stands.
+  const int64_t gr = blocks == Fp8Blocks::kBlock128 ? kFp8BlockSize : 1;
+  const int64_t gc = blocks == Fp8Blocks::kRow ? cols : kFp8BlockSize;
+  if (out != nullptr || blocks == Fp8Blocks::kBlock128) {
+    QuantizeHostBlocks(x, rows, cols, gr, gc, fmt, &codes, &s);
+    if (out != nullptr) {
+      ToDevice(this, out, codes);
+      ToDevice(this, scale_inv, s);
+    }
+  }
+  if (out_t == nullptr) return;
+  if (blocks == Fp8Blocks::kBlock128) {  // the same codes and scales, transposed
+    ToDevice(this, out_t, Transposed(codes, rows, cols));
+    ToDevice(this, scale_inv_t, Transposed(s, Fp8BlockCount(rows), Fp8BlockCount(cols)));
+    return;
+  }
+  // Rows of the transpose: per row (kRow) or per 1 x 128 tile of it (kTile128), requantized.
+  std::vector<uint8_t> codes_t;
+  std::vector<float> s_t;
+  QuantizeHostBlocks(Transposed(x, rows, cols), cols, rows, 1,
+                     blocks == Fp8Blocks::kRow ? rows : kFp8BlockSize, fmt, &codes_t, &s_t);
+  ToDevice(this, out_t, codes_t);
+  ToDevice(this, scale_inv_t, s_t);
+}
+
+void Backend::GemmFp8Blocks(int64_t M, int64_t N, int64_t K, Fp8BlockOperand a,
+                            Fp8BlockOperand b, float* C, bool accumulate) {
+  FSDP8_CHECK(M >= 0 && N >= 0 && K >= 0);
+  const bool rowwise = a.blocks == Fp8Blocks::kRow && b.blocks == Fp8Blocks::kRow;
+  const bool blockwise = a.blocks == Fp8Blocks::kTile128 && b.blocks != Fp8Blocks::kRow;
+  FSDP8_CHECK(rowwise || blockwise)
+      << "GemmFp8Blocks: operands kRow x kRow, kTile128 x kBlock128 or kTile128 x kTile128";
+  if (M == 0 || N == 0) return;
+  if (TryGemmFp8Blocks(M, N, K, a, b, C, accumulate)) return;
+  const int64_t chunks = rowwise ? 1 : Fp8BlockCount(K);
+  const int64_t chunk = rowwise ? K : kFp8BlockSize;
+  std::vector<uint8_t> qa(static_cast<size_t>(M * K)), qb(static_cast<size_t>(N * K));
+  if (K > 0) {
+    CopyToHost(qa.data(), a.codes, qa.size());
+    CopyToHost(qb.data(), b.codes, qb.size());
+  }
+  std::vector<float> sa(static_cast<size_t>(Fp8ScaleCount(a.blocks, M, K))),
+      sb(static_cast<size_t>(Fp8ScaleCount(b.blocks, N, K)));
+  if (K > 0) {
+    CopyToHost(sa.data(), a.scale_inv, sa.size() * sizeof(float));
+    CopyToHost(sb.data(), b.scale_inv, sb.size() * sizeof(float));
+  }
+  std::vector<float> c(static_cast<size_t>(M * N), 0.0f);
+  if (accumulate) CopyToHost(c.data(), C, c.size() * sizeof(float));
+  const float* ta = Fp8DecodeTable(a.fmt);
+  const float* tb = Fp8DecodeTable(b.fmt);
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t j = 0; j < N; ++j) {
+      double sum = 0.0;
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        double part = 0.0;  // products of FP8 values are exact in double
+        for (int64_t k = ch * chunk; k < std::min(K, (ch + 1) * chunk); ++k) {
+          part += static_cast<double>(ta[qa[i * K + k]]) * static_cast<double>(tb[qb[j * K + k]]);
+        }
+        sum += part * BlockScaleInv(sa, a.blocks, i, ch, chunks) *
+               BlockScaleInv(sb, b.blocks, j, ch, chunks);
+      }
+      if (accumulate) sum += static_cast<double>(c[i * N + j]);
+      c[i * N + j] = static_cast<float>(sum);
+    }
+  }
+  ToDevice(this, C, c);
 }
 
 void Backend::GroupMax(const float* in, const int32_t* group, int64_t n, float* out) {

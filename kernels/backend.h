@@ -113,6 +113,33 @@ struct Fp8Operand {
   const float* scale_inv = nullptr;
 };
 
+// The rowwise and blockwise FP8 recipes (precision.fp8.granularity ROWWISE / BLOCKWISE): how the
+// f32 scales of one FP8 matrix (rows, cols) cover its elements. Each scale is current scaling from
+// the amax of the elements it covers: scale = fp8_max / amax (computed in double, clamped to
+// [2^-126, FLT_MAX], rounded once to f32; not rounded to a power of two), scale 1 when that amax is
+// 0, inf or NaN (Fp8BlockScale); a code is fp8(x * scale) (CastFp8's rounding) and the operand
+// carries scale_inv = 1 / scale (f32 division), as CastFp8 / GemmFp8 do per tensor.
+enum class Fp8Blocks : uint8_t {
+  kRow = 0,        // one scale per row: scale_inv (rows)
+  kTile128 = 1,    // one per 1 x 128 tile of a row: scale_inv (rows, ceil(cols / 128))
+  kBlock128 = 2,   // one per 128 x 128 block: scale_inv (ceil(rows / 128), ceil(cols / 128))
+};
+inline constexpr int64_t kFp8BlockSize = 128;
+// ceil(n / 128): the tiles or blocks along a dimension of n elements (the tail padded up).
+inline int64_t Fp8BlockCount(int64_t n) { return (n + kFp8BlockSize - 1) / kFp8BlockSize; }
+// The scales (f32 each) of a (rows, cols) matrix under `blocks`.
+int64_t Fp8ScaleCount(Fp8Blocks blocks, int64_t rows, int64_t cols);
+// Current scaling of one block: fp8_max / amax as the enum above says (1 for amax 0, inf, NaN).
+float Fp8BlockScale(float amax, float fp8_max);
+
+// A block-scaled FP8 GEMM operand: codes (rows, cols) with scale_inv laid out per `blocks`.
+struct Fp8BlockOperand {
+  const uint8_t* codes = nullptr;
+  Fp8Format fmt = Fp8Format::kE4M3;
+  const float* scale_inv = nullptr;
+  Fp8Blocks blocks = Fp8Blocks::kRow;
+};
+
 // Attention's precision and layout. bf16: the flash-attention recipe of fused kernels such as
 // cuDNN's SDPA on f32 storage: q, k, v rounded to bfloat16 first, scores and softmax statistics
 // (lse) f32, out rounded to bfloat16; the backward likewise rounds q, k, v, out and dout and
@@ -217,6 +244,35 @@ class Backend {
   // extra device copy each (cuBLASLt only takes 16-byte-aligned FP8 scale pointers).
   void GemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, Fp8Operand a,
                Fp8Operand b, TypedPtr C, bool accumulate, const float* residual = nullptr);
+  // Block-scaled FP8 cast (the rowwise and blockwise recipes): in (rows, cols) f32 or bf16 to
+  // codes out (rows, cols) dense with scale_inv (Fp8ScaleCount(blocks, rows, cols)) per `blocks`,
+  // and/or the quantized transpose for the GEMM that contracts the other dimension: out_t
+  // (cols, rows) dense with scale_inv_t:
+  //   kRow:      inᵀ scaled per row of inᵀ (per column of in), scale_inv_t (cols): requantized.
+  //   kTile128:  inᵀ in 1 x 128 tiles along its rows (128-row groups of each column of in),
+  //              scale_inv_t (cols, ceil(rows / 128)): requantized.
+  //   kBlock128: the transpose of out's codes with the transposed block scales, scale_inv_t
+  //              (ceil(cols / 128), ceil(rows / 128)): the same codes, no requantization.
+  // out/scale_inv and out_t/scale_inv_t come in pairs; either pair may be null, not both.
+  // Exact (every backend gives the same bits). The reference composition goes through the host
+  // (CopyToHost, a synchronisation).
+  void QuantizeFp8Blocks(TypedCPtr in, int64_t rows, int64_t cols, Fp8Blocks blocks,
+                         Fp8Format fmt, uint8_t* out, float* scale_inv, uint8_t* out_t = nullptr,
+                         float* scale_inv_t = nullptr);
+  // Block-scaled FP8 GEMM, TN: C (M, N) [+]= A (M, K) · B (N, K)ᵀ with each operand's scales,
+  // exact in the scales: per 128-wide chunk c of K (kRow: one chunk, all of K)
+  //   C[i, j] = Σ_c sa(i, c) · sb(j, c) · Σ_{k in c} qa[i, k] · qb[j, k]
+  // where sa(i, c) is A's scale_inv of row i and chunk c (kRow: of row i) and sb(j, c) B's (kRow:
+  // of row j; kBlock128: of block row j / 128). Pairs: a kRow with b kRow (rowwise: forward, dX,
+  // dW), a kTile128 with b kBlock128 (blockwise forward and dX: activations or grad-outputs against
+  // a weight or its transpose) or with b kTile128 (blockwise dW: both tiled along the tokens).
+  // Others abort. C f32 (M, N). The reference (the host composition, which cpu-ref runs): products
+  // exact, every sum in double, C rounded once to f32 (after adding C's old value when
+  // accumulate); other backends are within the accumulation error of f32 GEMMs
+  // (tests/conformance: (K + 4) · 2^-24 · Σ_k |a_k b_k| per element, a_k and b_k the scaled
+  // values).
+  void GemmFp8Blocks(int64_t M, int64_t N, int64_t K, Fp8BlockOperand a, Fp8BlockOperand b,
+                     float* C, bool accumulate);
   // True when GemmFp8 makes no transposed copies for any layout (the CPU backend, whose GEMM
   // decodes the codes for an f32 BLAS): the FP8 linears' backward then casts the grad-output once,
   // without its transpose, and leaves the inputs untransposed (train/fp8_linear.h).
@@ -406,6 +462,20 @@ class Backend {
                                  const Fp8Cast& gate_cast, const Fp8Cast& up_cast) = 0;
   virtual bool TryCrossEntropy(float* logits, const int32_t* targets, int64_t N, int64_t V,
                                float grad_scale, float* losses, TypedPtr dlogits) = 0;
+  // The block-scaled FP8 ops' hooks. Unlike the others they may decline every combination (the
+  // default: the host composition, backend.cc, runs instead, on any backend).
+  virtual bool TryQuantizeFp8Blocks(TypedCPtr in, int64_t rows, int64_t cols, Fp8Blocks blocks,
+                                    Fp8Format fmt, uint8_t* out, float* scale_inv,
+                                    uint8_t* out_t, float* scale_inv_t) {
+    (void)in, (void)rows, (void)cols, (void)blocks, (void)fmt, (void)out, (void)scale_inv,
+        (void)out_t, (void)scale_inv_t;
+    return false;
+  }
+  virtual bool TryGemmFp8Blocks(int64_t M, int64_t N, int64_t K, Fp8BlockOperand a,
+                                Fp8BlockOperand b, float* C, bool accumulate) {
+    (void)M, (void)N, (void)K, (void)a, (void)b, (void)C, (void)accumulate;
+    return false;
+  }
 
   // Applies settings changed through the Set* calls above (all of them, every time).
   virtual void ApplySettings(const ComputeSettings& settings) { (void)settings; }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -247,14 +248,26 @@ std::vector<BufInfo> PlanBuffers(const ShardPlan& plan) {
   return bufs;
 }
 
+// One tensor of a saved buffer and where it lives in this job's plan (a load across layouts).
+struct Remap {
+  int64_t src_off = 0, numel = 0;  // in the saved flat buffer
+  int unit = 0, buffer = 0;        // this job's
+  int64_t dst_off = 0;             // in this job's flat buffer
+};
+
 // What every rank file of one checkpoint is checked against while loading into this rank.
 struct LoadTarget {
   std::string dir;
   int saved_world_size;
   std::string description;  // this job's, for errors
-  uint64_t fingerprint;     // of this job's plan
+  uint64_t fingerprint;     // of the saved files' plan: this job's, or `saved`'s
   std::vector<BufInfo> bufs;
   FsdpParams* params;
+  // A load across layouts (a tensorwise checkpoint into a job with rowwise / blockwise blocks):
+  // the saved plan's buffers, each with its tensors' places in this job's plan. Empty: the
+  // files have this job's layout.
+  std::vector<BufInfo> saved_bufs;
+  std::vector<std::vector<Remap>> remaps;  // per saved buffer
 };
 
 absl::StatusOr<RankFileReader> OpenRankFile(const LoadTarget& t, int rank) {
@@ -285,7 +298,8 @@ absl::Status CheckRankHeader(const LoadTarget& t, const std::string& path, int r
         path, ": written by rank ", h.rank, " of ", h.world_size, ", expected rank ", rank,
         " of ", t.saved_world_size));
   }
-  if (h.layout_fingerprint != t.fingerprint || h.num_buffers != t.bufs.size()) {
+  const size_t nb = t.saved_bufs.empty() ? t.bufs.size() : t.saved_bufs.size();
+  if (h.layout_fingerprint != t.fingerprint || h.num_buffers != nb) {
     return absl::FailedPreconditionError(absl::StrCat(
         path, ": saved for a different model or precision plan (checkpoint: ", h.description,
         "; this job: ", t.description, ")"));
@@ -331,6 +345,61 @@ absl::Status ReadBufferSlice(const LoadTarget& t, int rank, const BufInfo& bi,
   return absl::OkStatus();
 }
 
+// ReadBufferSlice across layouts: saved buffer `bi` (of the saved plan) holds tensors that this
+// job keeps elsewhere (t.remaps); of the saved shard, each tensor's elements that this rank's
+// pieces need go to their place in this job's buffers.
+absl::Status ReadBufferRemapped(const LoadTarget& t, int rank, size_t index, RankFileReader* r,
+                                std::vector<float>* chunk) {
+  const BufInfo& bi = t.saved_bufs[index];
+  RankFileBufferHeader h;
+  if (absl::Status s = r->ReadBufferHeader(&h); !s.ok()) return s;
+  const BufferPlan& bp = *bi.plan;
+  const int64_t shard = h.shard_numel;
+  if (static_cast<int>(h.unit) != bi.unit || static_cast<int>(h.buffer) != bi.buffer ||
+      h.wire != static_cast<uint32_t>(bp.wire) || h.numel != bp.numel || shard < 0 ||
+      h.padded_numel != shard * t.saved_world_size || h.padded_numel < h.numel) {
+    return absl::DataLossError(absl::StrCat(r->path(), ": buffer ", bi.unit, "/",
+                                            WireDtypeName(bp.wire), " layout does not match"));
+  }
+  const int64_t src_lo = static_cast<int64_t>(rank) * shard;
+  const int64_t src_hi = std::min(src_lo + shard, h.numel);
+  // Of tensor m, the saved flat elements [lo, hi) this rank's piece of its buffer needs.
+  auto span = [&](const Remap& m, int64_t* lo, int64_t* hi) {
+    const int64_t dst_lo = t.params->OptimizerBegin(m.unit, m.buffer);
+    const int64_t mine = t.params->OptimizerNumel(m.unit, m.buffer);
+    *lo = std::max({src_lo, m.src_off, m.src_off + dst_lo - m.dst_off});
+    *hi = std::min({src_hi, m.src_off + m.numel, m.src_off + dst_lo + mine - m.dst_off});
+  };
+  int64_t lo_all = src_hi, hi_all = src_lo;
+  for (const Remap& m : t.remaps[index]) {
+    int64_t lo, hi;
+    span(m, &lo, &hi);
+    if (hi > lo) {
+      lo_all = std::min(lo_all, lo);
+      hi_all = std::max(hi_all, hi);
+    }
+  }
+  const int64_t n = std::max<int64_t>(0, hi_all - lo_all);
+  chunk->resize(n);
+  for (ShardArray a : kArrays) {
+    const RankFileArrayDtype dtype = a == ShardArray::kMaster ? RankFileArrayDtype::kF32 : h.moments;
+    if (absl::Status s = r->ReadShardArray(shard, n ? lo_all - src_lo : 0, n, chunk->data(), dtype);
+        !s.ok()) {
+      return s;
+    }
+    for (const Remap& m : t.remaps[index]) {
+      int64_t lo, hi;
+      span(m, &lo, &hi);
+      if (hi <= lo) continue;
+      t.params->UploadShardRange(m.unit, m.buffer, a,
+                                 m.dst_off + (lo - m.src_off) -
+                                     t.params->OptimizerBegin(m.unit, m.buffer),
+                                 chunk->data() + (lo - lo_all), hi - lo);
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Pass 2 for saved rank `rank`: header, this rank's slices, the replicated state.
 absl::Status ReadRankFile(const LoadTarget& t, int rank, ReplicatedState* state) {
   absl::StatusOr<RankFileReader> r = OpenRankFile(t, rank);
@@ -339,8 +408,14 @@ absl::Status ReadRankFile(const LoadTarget& t, int rank, ReplicatedState* state)
   if (absl::Status s = r->ReadHeader(&h); !s.ok()) return s;
   if (absl::Status s = CheckRankHeader(t, r->path(), rank, h); !s.ok()) return s;
   std::vector<float> chunk;
-  for (const BufInfo& bi : t.bufs) {
-    if (absl::Status s = ReadBufferSlice(t, rank, bi, &*r, &chunk); !s.ok()) return s;
+  if (!t.saved_bufs.empty()) {
+    for (size_t i = 0; i < t.saved_bufs.size(); ++i) {
+      if (absl::Status s = ReadBufferRemapped(t, rank, i, &*r, &chunk); !s.ok()) return s;
+    }
+  } else {
+    for (const BufInfo& bi : t.bufs) {
+      if (absl::Status s = ReadBufferSlice(t, rank, bi, &*r, &chunk); !s.ok()) return s;
+    }
   }
   RankFileReplicated rep;
   if (absl::Status s = r->ReadReplicated(&rep); !s.ok()) return s;
@@ -359,6 +434,22 @@ CheckpointRole CheckpointRoleOf(const Mesh& mesh, int rank) {
   return r;
 }
 
+namespace {
+
+// ", granularity [TENSORWISE,BLOCKWISE,...]" when a block's FP8 linears scale rowwise or
+// blockwise (their units lay out in BF16 buffers, so such files load only into the same plan);
+// empty otherwise, so tensorwise descriptions are those of every earlier file.
+std::string Granularities(const v1::JobSpec& spec) {
+  if (!AnyScaledGranularity(spec)) return "";
+  std::string g;
+  for (int l = 0; l < spec.model().n_layers(); ++l) {
+    absl::StrAppend(&g, l ? "," : "", GranularityName(LayerGranularity(spec, l)));
+  }
+  return absl::StrCat(", granularity [", g, "]");
+}
+
+}  // namespace
+
 std::string SpecDescription(const v1::JobSpec& spec) {
   const v1::ModelConfig& m = spec.model();
   const v1::PrecisionSpec& p = spec.precision();
@@ -371,7 +462,7 @@ std::string SpecDescription(const v1::JobSpec& spec) {
                       ", vocab_size ", m.vocab_size(), "; embedding ",
                       v1::Precision_Name(p.embedding()), ", lm_head ",
                       v1::Precision_Name(p.lm_head()), ", linears [", linears, "], fp8 format ",
-                      v1::Fp8Format_Name(p.fp8().format()));
+                      v1::Fp8Format_Name(p.fp8().format()), Granularities(spec));
 }
 
 absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
@@ -413,15 +504,77 @@ absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
   return absl::OkStatus();
 }
 
+namespace {
+
+// When rank file 0 of t.dir was written under the plan of `job` with every block tensorwise (its
+// layout fingerprint says so), sets t up to load it across layouts (LoadTarget::saved_bufs,
+// remaps; *saved holds that plan); otherwise leaves t as it is.
+absl::Status PrepareTensorwiseLoad(const v1::JobSpec& job, std::optional<ShardPlan>* saved,
+                                   LoadTarget* t) {
+  v1::JobSpec tw = job;
+  tw.mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_TENSORWISE);
+  for (v1::LayerPrecision& lp : *tw.mutable_precision()->mutable_overrides()) {
+    lp.clear_granularity();
+  }
+  absl::StatusOr<ShardPlan> plan = MakeShardPlan(tw, t->saved_world_size);
+  if (!plan.ok()) return plan.status();
+  absl::StatusOr<RankFileReader> r = OpenRankFile(*t, 0);
+  if (!r.ok()) return r.status();
+  RankFileHeader h;
+  if (absl::Status s = r->ReadHeader(&h); !s.ok()) return s;
+  if (h.layout_fingerprint != LayoutFingerprint(*plan)) return absl::OkStatus();
+  *saved = std::move(*plan);
+  t->fingerprint = h.layout_fingerprint;
+  t->saved_bufs = PlanBuffers(**saved);
+  for (const BufInfo& bi : t->saved_bufs) {
+    std::vector<Remap>& rm = t->remaps.emplace_back();
+    for (size_t i = 0; i < bi.plan->tensors.size(); ++i) {
+      const TensorRef ref = t->params->Ref(bi.plan->tensors[i].name);
+      rm.push_back({bi.plan->offsets[i], bi.plan->tensors[i].numel, ref.unit, ref.buffer,
+                    ref.offset});
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The entries of `saved` named as those of `job`, in job's order; FAILED_PRECONDITION naming
+// the first one missing. For a load across layouts (the checkpoint's tensorwise blocks hold
+// scaling state that rowwise / blockwise blocks have none of); the identity otherwise.
+template <typename T>
+absl::Status SelectByName(const std::vector<T>& job, std::vector<T>* saved,
+                          const std::string& file, const char* what) {
+  if (job.size() == saved->size()) return absl::OkStatus();
+  std::vector<T> out;
+  for (const T& j : job) {
+    auto it = std::find_if(saved->begin(), saved->end(),
+                           [&](const T& s) { return s.name == j.name; });
+    if (it == saved->end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(file, ": no ", what, " ", j.name, " in the checkpoint"));
+    }
+    out.push_back(*it);
+  }
+  *saved = std::move(out);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ReadShardFiles(const std::string& dir, int saved_world_size,
                             const std::string& description, FsdpParams* params,
-                            ReplicatedState* state) {
+                            ReplicatedState* state, const v1::JobSpec* job_spec) {
   if (saved_world_size < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint ", dir, ": saved world size ", saved_world_size));
   }
-  const LoadTarget t{dir, saved_world_size, description, LayoutFingerprint(params->plan()),
-                     PlanBuffers(params->plan()), params};
+  LoadTarget t{dir, saved_world_size, description, LayoutFingerprint(params->plan()),
+               PlanBuffers(params->plan()), params, {}, {}};
+  // Files of the job's plan with every block tensorwise, into a job with rowwise / blockwise
+  // blocks: map their tensors by name.
+  std::optional<ShardPlan> tensorwise;
+  if (job_spec != nullptr && AnyScaledGranularity(*job_spec)) {
+    if (absl::Status s = PrepareTensorwiseLoad(*job_spec, &tensorwise, &t); !s.ok()) return s;
+  }
   // Pass 1 leaves params untouched on failure.
   if (absl::Status s = VerifyRankFiles(t); !s.ok()) return s;
   for (const BufInfo& bi : t.bufs) {
@@ -472,11 +625,23 @@ absl::Status LoadShards(Trainer* trainer, const std::string& dir, int saved_worl
                         int64_t start_step) {
   ReplicatedState st;
   if (absl::Status s = ReadShardFiles(dir, saved_world_size, SpecDescription(trainer->spec()),
-                                      &trainer->params(), &st);
+                                      &trainer->params(), &st, &trainer->spec());
       !s.ok()) {
     return s;
   }
   const std::string file0 = absl::StrCat(dir, "/", CheckpointFileName(0));
+  if (AnyScaledGranularity(trainer->spec())) {  // a tensorwise checkpoint has more state
+    if (absl::Status s = SelectByName(trainer->params().weight_scaling(), &st.weight_scaling,
+                                      file0, "FP8 weight scale");
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = SelectByName(trainer->scaling().states(), &st.act_scaling, file0,
+                                      "activation scaling tensor");
+        !s.ok()) {
+      return s;
+    }
+  }
   if (st.step != start_step) {
     return absl::FailedPreconditionError(absl::StrCat(file0, ": holds the state after step ",
                                                       st.step, ", the job starts at step ",
@@ -513,11 +678,24 @@ absl::Status LoadInitialShards(Trainer* trainer, const std::string& dir, int sav
                                bool optimizer_state, bool fp8_state) {
   ReplicatedState st;
   if (absl::Status s = ReadShardFiles(dir, saved_world_size, SpecDescription(trainer->spec()),
-                                      &trainer->params(), &st);
+                                      &trainer->params(), &st, &trainer->spec());
       !s.ok()) {
     return s;
   }
   FsdpParams& params = trainer->params();
+  if (fp8_state && AnyScaledGranularity(trainer->spec())) {
+    const std::string file0 = absl::StrCat(dir, "/", CheckpointFileName(0));
+    if (absl::Status s = SelectByName(params.weight_scaling(), &st.weight_scaling, file0,
+                                      "FP8 weight scale");
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = SelectByName(trainer->scaling().states(), &st.act_scaling, file0,
+                                      "activation scaling tensor");
+        !s.ok()) {
+      return s;
+    }
+  }
   if (optimizer_state) {
     trainer->SetAdamWOffset(st.adamw_step);
   } else {

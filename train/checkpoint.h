@@ -82,9 +82,14 @@ absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
 // exactly, f32 to bf16 rounded to nearest even);
 // returns rank 0's replicated state in *state after checking that every file agrees with it.
 // Touches params only when every file verified. No collectives; the caller re-casts weights.
+// job_spec (optional): the loading job's resolved spec. When it has rowwise / blockwise blocks
+// and the files were written under the same spec with every block tensorwise (the layout
+// fingerprint says so), the files load across the two layouts, tensor by tensor by name (the
+// scaled blocks' linears sit in BF16 buffers there); the caller then keeps only the scaling state
+// its model has (LoadShards does).
 absl::Status ReadShardFiles(const std::string& dir, int saved_world_size,
                             const std::string& description, FsdpParams* params,
-                            ReplicatedState* state);
+                            ReplicatedState* state, const v1::JobSpec* job_spec = nullptr);
 
 // Trainer level. SaveShard: the state after `step` completed optimizer steps (call between steps);
 // FAILED_PRECONDITION when the trainer's state is not that (trainer.CompletedSteps() != step).

@@ -135,8 +135,75 @@ void ActScaling::GroupAmax(const std::vector<int>& members) {
   groups_.push_back(members);
 }
 
+Linear Linear::Scaled(Backend* be, v1::Fp8Granularity granularity, Fp8Format dy_format) {
+  FSDP8_CHECK(granularity == v1::FP8_GRANULARITY_ROWWISE ||
+              granularity == v1::FP8_GRANULARITY_BLOCKWISE);
+  Linear l(be, nullptr, v1::PRECISION_FP8, -1, -1);
+  l.gran_ = granularity;
+  l.dy_fmt_ = dy_format;
+  return l;
+}
+
+namespace {
+
+// A block-scaled FP8 matrix of `rows` x `cols` codes and its scales, as work memory.
+struct ScaledCodes {
+  DevBuf codes, scale_inv;
+  Fp8Blocks blocks;
+  ScaledCodes(Backend* be, int64_t rows, int64_t cols, Fp8Blocks b)
+      : codes(be, static_cast<size_t>(rows * cols)),
+        scale_inv(be, static_cast<size_t>(Fp8ScaleCount(b, rows, cols)) * sizeof(float)),
+        blocks(b) {}
+  Fp8BlockOperand Operand(Fp8Format fmt) const {
+    return {codes.u8(), fmt, scale_inv.f32(), blocks};
+  }
+};
+
+}  // namespace
+
+void Linear::ForwardScaled(const float* x, int64_t M, int64_t K, int64_t N, const float* w,
+                           float* y) {
+  const bool row = gran_ == v1::FP8_GRANULARITY_ROWWISE;
+  ScaledCodes x8(be_, M, K, row ? Fp8Blocks::kRow : Fp8Blocks::kTile128);
+  be_->QuantizeFp8Blocks(x, M, K, x8.blocks, Fp8Format::kE4M3, x8.codes.u8(), x8.scale_inv.f32());
+  ScaledCodes w8(be_, N, K, row ? Fp8Blocks::kRow : Fp8Blocks::kBlock128);
+  be_->QuantizeFp8Blocks(w, N, K, w8.blocks, Fp8Format::kE4M3, w8.codes.u8(), w8.scale_inv.f32());
+  be_->GemmFp8Blocks(M, N, K, x8.Operand(Fp8Format::kE4M3), w8.Operand(Fp8Format::kE4M3), y,
+                     false);
+}
+
+void Linear::BackwardScaled(const float* dy, int64_t M, int64_t K, int64_t N, const float* w,
+                            const float* x, InputGrad dx, float* dw) {
+  const bool row = gran_ == v1::FP8_GRANULARITY_ROWWISE;
+  const Fp8Blocks act = row ? Fp8Blocks::kRow : Fp8Blocks::kTile128;
+  // dY (M, N) for dX (contracting N) and dYᵀ (N, M) for dW (contracting the tokens), one call.
+  ScaledCodes dy8(be_, M, N, act), dyT8(be_, N, M, act);
+  be_->QuantizeFp8Blocks(dy, M, N, act, dy_fmt_, dy8.codes.u8(), dy8.scale_inv.f32(),
+                         dyT8.codes.u8(), dyT8.scale_inv.f32());
+  if (dx.f32 != nullptr) {
+    // Wᵀ (K, N): rowwise W requantized per column; blockwise W's codes, block scales transposed.
+    ScaledCodes wT8(be_, K, N, row ? Fp8Blocks::kRow : Fp8Blocks::kBlock128);
+    be_->QuantizeFp8Blocks(w, N, K, wT8.blocks, Fp8Format::kE4M3, nullptr, nullptr,
+                           wT8.codes.u8(), wT8.scale_inv.f32());
+    be_->GemmFp8Blocks(M, K, N, dy8.Operand(dy_fmt_), wT8.Operand(Fp8Format::kE4M3), dx.f32,
+                       dx.accumulate);
+  }
+  dy8.codes.Reset();  // freed before dW's operands are made
+  dy8.scale_inv.Reset();
+  ScaledCodes xT8(be_, K, M, act);
+  be_->QuantizeFp8Blocks(x, M, K, act, Fp8Format::kE4M3, nullptr, nullptr, xT8.codes.u8(),
+                         xT8.scale_inv.f32());
+  be_->GemmFp8Blocks(N, K, M, dyT8.Operand(dy_fmt_), xT8.Operand(Fp8Format::kE4M3), dw, true);
+}
+
 void Linear::Forward(const float* x, int64_t M, int64_t K, int64_t N, const WeightView& w,
                      float* y, LinearSaved* saved, MemoryLabel codes) {
+  if (scaled()) {
+    FSDP8_CHECK(w.f32 != nullptr) << "a rowwise / blockwise linear reads f32 weights";
+    ForwardScaled(x, M, K, N, w.f32, y);
+    if (saved) saved->x = x;
+    return;
+  }
   if (prec_ != v1::PRECISION_FP8) {
     be_->Gemm(false, true, M, N, K, x, w.f32, y, false,
               prec_ == v1::PRECISION_BF16 ? GemmInputs::kBF16 : GemmInputs::kF32);
@@ -268,6 +335,13 @@ void Linear::ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t 
 
 void Linear::Backward(ActivationView dy, int64_t M, int64_t K, int64_t N, const WeightView& w,
                       const LinearSaved& saved, InputGrad dx, float* dw) {
+  if (scaled()) {
+    FSDP8_CHECK(dy.f32 != nullptr && dy.bf16 == nullptr && dx.bf16 == nullptr && w.f32 != nullptr &&
+                saved.x != nullptr)
+        << "a rowwise / blockwise linear reads f32 operands";
+    BackwardScaled(dy.f32, M, K, N, w.f32, saved.x, dx, dw);
+    return;
+  }
   if (prec_ != v1::PRECISION_FP8) {
     FSDP8_CHECK(dy.f32 != nullptr && dy.bf16 == nullptr && dx.bf16 == nullptr)
         << "bf16 grad-output or input-gradient of a non-FP8 linear";

@@ -192,7 +192,21 @@ class Linear {
   // x_idx / dy_idx: ActScaling indices (FP8 only).
   Linear(Backend* be, ActScaling* scaling, v1::Precision precision, int x_idx, int dy_idx)
       : be_(be), sc_(scaling), prec_(precision), x_idx_(x_idx), dy_idx_(dy_idx) {}
+  // An FP8 linear of the rowwise or blockwise recipe (precision.fp8.granularity): current
+  // scaling per row / 1x128 tile / 128x128 block at every cast (Backend::QuantizeFp8Blocks,
+  // GemmFp8Blocks), no ActScaling state. It reads f32 inputs, grad-outputs and weights (the
+  // gathered weight's f32 values: its unit travels in BF16) and keeps the f32 input for the
+  // backward, as a BF16 linear does:
+  //   forward  Y  = X · Wᵀ: X per row (rowwise) or 1x128 tile, W per row or 128x128 block;
+  //   dX = dY · W:  dY per row or 1x128 tile along N; Wᵀ per row of Wᵀ (rowwise: W requantized
+  //                 per column) or W's codes with the transposed 128x128 block scales;
+  //   dW = dYᵀ · X: dYᵀ and Xᵀ per row or 1x128 tile along the tokens (their transposed casts).
+  // dw accumulates (dw += dYᵀ · X) as for BF16 / FP32 linears. dy_format: the grad-outputs'
+  // format (precision.fp8.format: E5M2 under HYBRID, else E4M3); inputs and weights are E4M3.
+  static Linear Scaled(Backend* be, v1::Fp8Granularity granularity, Fp8Format dy_format);
   v1::Precision precision() const { return prec_; }
+  // TENSORWISE for every linear but Scaled ones.
+  v1::Fp8Granularity granularity() const { return gran_; }
 
   // y (M, N) = x (M, K) · W (N, K)ᵀ. saved may be null (no backward follows). An FP8 linear's
   // input codes are allocated under memory label `codes` (common/memory_label.h: kSaved where the
@@ -272,9 +286,17 @@ class Linear {
   void BackwardFp8AnyLayout(DevBuf dy8, int64_t M, int64_t K, int64_t N, const WeightView& w,
                             const LinearSaved& saved, InputGrad dx, float* dw);
 
+  // The rowwise / blockwise forward and backward (Scaled): f32 operands, see Scaled.
+  bool scaled() const { return gran_ != v1::FP8_GRANULARITY_TENSORWISE; }
+  void ForwardScaled(const float* x, int64_t M, int64_t K, int64_t N, const float* w, float* y);
+  void BackwardScaled(const float* dy, int64_t M, int64_t K, int64_t N, const float* w,
+                      const float* x, InputGrad dx, float* dw);
+
   Backend* be_ = nullptr;
   ActScaling* sc_ = nullptr;
   v1::Precision prec_ = v1::PRECISION_FP32;
+  v1::Fp8Granularity gran_ = v1::FP8_GRANULARITY_TENSORWISE;
+  Fp8Format dy_fmt_ = Fp8Format::kE4M3;  // Scaled only
   int x_idx_ = -1;
   int dy_idx_ = -1;
 };

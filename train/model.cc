@@ -89,15 +89,21 @@ LlamaModel::LlamaModel(const v1::JobSpec& spec, FsdpParams* params, ActScaling* 
                    step_options);
   FSDP8_CHECK(step_or.ok()) << step_or.status().message();
   const StepPlan& step = *step_or;
+  const Fp8Format dy_format = hybrid ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
   for (int l = 0; l < d.n_layers; ++l) {
     Block b;
     b.prec = step.blocks[l].linears;
+    // A rowwise / blockwise block runs the generic path of a BF16 block (f32 activations, f32
+    // inputs kept; BlockPlan::granularity), its linears quantizing at each use (Linear::Scaled).
+    const v1::Fp8Granularity granularity = step.blocks[l].granularity;
+    const bool scaled = granularity != v1::FP8_GRANULARITY_TENSORWISE;
+    if (scaled) b.prec = v1::PRECISION_BF16;
     const std::string pre = absl::StrCat("model.layers.", l, ".");
     b.in_norm = p_->Ref(pre + "input_layernorm.weight");
     b.post_norm = p_->Ref(pre + "post_attention_layernorm.weight");
     auto lin = [&](TensorRef* r, Linear* lin, const std::string& n) {
       *r = p_->Ref(pre + n);
-      *lin = make_linear(b.prec, *r, pre + n);
+      *lin = scaled ? Linear::Scaled(be, granularity, dy_format) : make_linear(b.prec, *r, pre + n);
     };
     lin(&b.q, &b.lq, "self_attn.q_proj.weight");
     lin(&b.k, &b.lk, "self_attn.k_proj.weight");

@@ -82,6 +82,8 @@ class LlamaModel {
 
  private:
   struct Block {
+    // The block's path: its linears' precision, BF16 for rowwise / blockwise FP8 linears (the
+    // generic path; their Linear is Scaled).
     v1::Precision prec;
     TensorRef in_norm, post_norm, q, k, v, o, gate, up, down;
     Linear lq, lk, lv, lo, lgate, lup, ldown;

@@ -502,6 +502,41 @@ bool CpuFastBackend::TryGemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N
   return true;
 }
 
+namespace {
+
+// x (rows, K) decoded codes, each multiplied by its scale_inv (GemmFp8Blocks' layouts).
+void ApplyBlockScales(float* x, int64_t rows, int64_t K, const float* s, Fp8Blocks blocks) {
+  const int64_t chunks = Fp8BlockCount(K);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x + r * K;
+    if (blocks == Fp8Blocks::kRow) {
+      for (int64_t k = 0; k < K; ++k) row[k] *= s[r];
+      continue;
+    }
+    const float* rs = blocks == Fp8Blocks::kTile128 ? s + r * chunks
+                                                     : s + (r / kFp8BlockSize) * chunks;
+    for (int64_t k = 0; k < K; ++k) row[k] *= rs[k / kFp8BlockSize];
+  }
+}
+
+}  // namespace
+
+bool CpuFastBackend::TryGemmFp8Blocks(int64_t M, int64_t N, int64_t K, Fp8BlockOperand a,
+                                      Fp8BlockOperand b, float* C, bool accumulate) {
+  if (K == 0) {  // empty sum
+    if (!accumulate) std::memset(C, 0, sizeof(float) * M * N);
+    return true;
+  }
+  float* af = Scratch(0, M * K);
+  float* bf = Scratch(1, N * K);
+  Decode(a.codes, M * K, a.fmt, af);
+  Decode(b.codes, N * K, b.fmt, bf);
+  ApplyBlockScales(af, M, K, a.scale_inv, a.blocks);
+  ApplyBlockScales(bf, N, K, b.scale_inv, b.blocks);
+  Sgemm(CblasNoTrans, CblasTrans, M, N, K, 1.0f, af, K, bf, K, accumulate ? 1.0f : 0.0f, C, N);
+  return true;
+}
+
 void CpuFastBackend::GemmF32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
                              const float* A, const float* B, float* C, bool accumulate,
                              GemmInputs inputs) {

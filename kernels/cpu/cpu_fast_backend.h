@@ -74,6 +74,11 @@ class CpuFastBackend final : public CpuRefBackend {
                   Fp8Operand b, TypedPtr C, bool accumulate, const float* residual) override;
   bool TryRmsNormForward(const float* x, const float* w, float eps, int64_t N, int64_t C, float* y,
                          float* rstd, const Fp8Cast& cast) override;
+  // The block-scaled GEMM: each operand decoded and multiplied by its scales into f32 (one
+  // rounding per element), then one sgemm. The block-scaled casts are declined: they run as the
+  // host composition (backend.cc), bit for bit the reference's.
+  bool TryGemmFp8Blocks(int64_t M, int64_t N, int64_t K, Fp8BlockOperand a, Fp8BlockOperand b,
+                        float* C, bool accumulate) override;
   bool TrySwigluBackward(TypedCPtr dh, TypedCPtr gate, TypedCPtr up, int64_t rows, int64_t cols,
                          int64_t in_ld, TypedPtr dgate, TypedPtr dup, const Fp8Cast& gate_cast,
                          const Fp8Cast& up_cast) override;

@@ -9,6 +9,9 @@
 //     rounding is the f32 accumulation inside sgemm and the final multiply by
 //     (*a_scale_inv) * (*b_scale_inv).
 //   * Gemm with GemmInputs::kBF16 rounds copies of A and B to bfloat16 (RNE) and calls sgemm.
+//   * The block-scaled ops of the rowwise and blockwise recipes (QuantizeFp8Blocks,
+//     GemmFp8Blocks) run as Backend's host composition (kernels/backend.cc: exact products, sums
+//     in double, one rounding), which is their reference; this backend has no hook for them.
 //   * Casts to FP8 look codes up in a 2 x 65536-entry table per format indexed by the top 16 bits
 //     of the scaled f32 and a sticky bit for the low 16 (exact: built with kernels/fp8.h), and
 //     transposing casts go through 64 x 64 byte tiles.

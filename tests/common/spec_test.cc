@@ -301,6 +301,35 @@ std::vector<RuleCase> Rules() {
   add("OverrideUnspecified", [](v1::JobSpec* s) {
         s->mutable_precision()->add_overrides()->set_layer(0);
       }, 2, {"precision.overrides[0].linears", "must be set"});
+  add("RowwiseWithDelayedScaling", [](v1::JobSpec* s) {
+        s->mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_ROWWISE);
+        s->mutable_precision()->mutable_fp8()->set_recipe(v1::SCALING_RECIPE_DELAYED);
+      }, 2, {"precision.fp8.recipe", "must be CURRENT with precision.fp8.granularity ROWWISE",
+             "no amax history", "got DELAYED"});
+  add("BlockwiseWithDelayedScaling", [](v1::JobSpec* s) {
+        s->mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
+        s->mutable_precision()->mutable_fp8()->set_recipe(v1::SCALING_RECIPE_DELAYED);
+      }, 2, {"precision.fp8.recipe", "must be CURRENT with precision.fp8.granularity BLOCKWISE"});
+  add("OverrideGranularityOnBf16Layer", [](v1::JobSpec* s) {
+        auto* o = s->mutable_precision()->add_overrides();
+        o->set_layer(1);
+        o->set_linears(v1::PRECISION_BF16);
+        o->set_granularity(v1::FP8_GRANULARITY_ROWWISE);
+      }, 2, {"precision.overrides[0].granularity", "applies to FP8 linears only",
+             "linears BF16, granularity ROWWISE"});
+  add("BlockwiseOnCuda", [](v1::JobSpec* s) {
+        s->mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
+        s->mutable_precision()->mutable_fp8()->set_recipe(v1::SCALING_RECIPE_CURRENT);
+        s->set_backend("cuda");
+      }, 2, {"precision.fp8.granularity", "need the CPU backends until the CUDA kernels land",
+             "backend cuda"});
+  add("RowwiseOverrideOnCuda", [](v1::JobSpec* s) {
+        auto* o = s->mutable_precision()->add_overrides();
+        o->set_layer(2);
+        o->set_linears(v1::PRECISION_FP8);
+        o->set_granularity(v1::FP8_GRANULARITY_ROWWISE);
+        s->set_backend("cuda");
+      }, 2, {"precision.overrides[].granularity", "need the CPU backends", "backend cuda"});
   add("BackendUnknown", [](v1::JobSpec* s) { s->set_backend("tpu"); }, 2,
       {"backend", "must be \"cpu\" or \"cuda\"", "tpu"});
   add("TrainPathMissing", [](v1::JobSpec* s) { s->mutable_data()->clear_train_path(); }, 2,
@@ -310,6 +339,68 @@ std::vector<RuleCase> Rules() {
 
 INSTANTIATE_TEST_SUITE_P(Spec, ValidateRule, ::testing::ValuesIn(Rules()),
                          [](const ::testing::TestParamInfo<RuleCase>& i) { return i.param.name; });
+
+TEST(Spec, GranularityDefaultsAndLayerGranularity) {
+  v1::JobSpec s;  // nothing set: the defaults below all apply
+  // Tensorwise by default, with every earlier default unchanged.
+  v1::JobSpec d = WithDefaults(s, 2);
+  EXPECT_EQ(d.precision().fp8().granularity(), v1::FP8_GRANULARITY_TENSORWISE);
+  EXPECT_EQ(d.precision().fp8().recipe(), v1::SCALING_RECIPE_DELAYED);
+  EXPECT_EQ(d.precision().fp8().format(), v1::FP8_FORMAT_HYBRID);
+  // Blockwise: current scaling, E4M3 grad-outputs; an explicit hybrid format stays.
+  s.mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
+  d = WithDefaults(s, 2);
+  EXPECT_EQ(d.precision().fp8().recipe(), v1::SCALING_RECIPE_CURRENT);
+  EXPECT_EQ(d.precision().fp8().format(), v1::FP8_FORMAT_E4M3);
+  s.mutable_precision()->mutable_fp8()->set_format(v1::FP8_FORMAT_HYBRID);
+  EXPECT_EQ(WithDefaults(s, 2).precision().fp8().format(), v1::FP8_FORMAT_HYBRID);
+  // Rowwise: current scaling, the hybrid format.
+  s.mutable_precision()->mutable_fp8()->clear_format();
+  s.mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_ROWWISE);
+  d = WithDefaults(s, 2);
+  EXPECT_EQ(d.precision().fp8().recipe(), v1::SCALING_RECIPE_CURRENT);
+  EXPECT_EQ(d.precision().fp8().format(), v1::FP8_FORMAT_HYBRID);
+  // Per layer: the override's granularity, else the job's; non-FP8 layers are tensorwise.
+  auto* o = d.mutable_precision()->add_overrides();
+  o->set_layer(1);
+  o->set_linears(v1::PRECISION_FP8);
+  o->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
+  o = d.mutable_precision()->add_overrides();
+  o->set_layer(2);
+  o->set_linears(v1::PRECISION_BF16);
+  EXPECT_EQ(LayerGranularity(d, 0), v1::FP8_GRANULARITY_ROWWISE);
+  EXPECT_EQ(LayerGranularity(d, 1), v1::FP8_GRANULARITY_BLOCKWISE);
+  EXPECT_EQ(LayerGranularity(d, 2), v1::FP8_GRANULARITY_TENSORWISE);
+  EXPECT_TRUE(AnyScaledGranularity(d));
+  EXPECT_FALSE(AnyScaledGranularity(WithDefaults(Valid(), 2)));
+}
+
+TEST(Spec, RowwiseAndBlockwiseValidOnCpu) {
+  for (v1::Fp8Granularity g : {v1::FP8_GRANULARITY_ROWWISE, v1::FP8_GRANULARITY_BLOCKWISE}) {
+    v1::JobSpec s;
+    s.mutable_data()->set_train_path("/data/train.bin");
+    s.mutable_precision()->mutable_fp8()->set_granularity(g);
+    EXPECT_TRUE(ValidateSpec(s, 2, {}, false).ok()) << ValidateSpec(s, 2, {}, false);
+    // Also as one layer's override under the default tensorwise, delayed recipe.
+    v1::JobSpec o;
+    o.mutable_data()->set_train_path("/data/train.bin");
+    auto* ov = o.mutable_precision()->add_overrides();
+    ov->set_layer(1);
+    ov->set_linears(v1::PRECISION_FP8);
+    ov->set_granularity(g);
+    EXPECT_TRUE(ValidateSpec(o, 2, {}, false).ok()) << ValidateSpec(o, 2, {}, false);
+  }
+}
+
+TEST(Spec, ParseGranularityShortNames) {
+  auto s = ParseSpec(
+      "precision: {fp8: {granularity: blockwise}, overrides: [{layer: 0, linears: fp8, "
+      "granularity: Rowwise}, {layer: 1, linears: fp8, granularity: TENSORWISE}]}\n");
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->precision().fp8().granularity(), v1::FP8_GRANULARITY_BLOCKWISE);
+  EXPECT_EQ(s->precision().overrides(0).granularity(), v1::FP8_GRANULARITY_ROWWISE);
+  EXPECT_EQ(s->precision().overrides(1).granularity(), v1::FP8_GRANULARITY_TENSORWISE);
+}
 
 TEST(Spec, CudaBackendAccepted) {
   v1::JobSpec s = Valid();

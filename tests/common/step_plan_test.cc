@@ -211,5 +211,86 @@ TEST(StepPlan, MemoryPlanFollowsTheUnfusedOption) {
   EXPECT_LT(unfused->peak_bytes, fused->peak_bytes);
 }
 
+// The FP8 recipes are plan entries: each linear's granularity and scaling recipe, and its
+// operands' scale counts (hand-computed below); a rowwise / blockwise block runs the generic path
+// of a BF16 block (the same saved tensors) and its unit's linears travel in BF16.
+TEST(StepPlan, RecipeEntriesPerLinear) {
+  // d 192 (2 heads of 96), ffn 320, seq 200, one sequence per microbatch: N = 200 tokens.
+  v1::JobSpec s;
+  auto* m = s.mutable_model();
+  m->set_d_model(192);
+  m->set_n_layers(2);
+  m->set_n_heads(2);
+  m->set_ffn_dim(320);
+  m->set_vocab_size(256);
+  m->set_seq_len(200);
+  s.mutable_training()->set_global_batch(2);
+  s.mutable_training()->set_microbatch(1);
+  s.mutable_sharding()->set_alignment(4);
+  auto* o = s.mutable_precision()->add_overrides();
+  o->set_layer(1);
+  o->set_linears(v1::PRECISION_FP8);
+  o->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
+  StepPlan p = Plan(WithDefaults(s, 1));
+  ASSERT_EQ(p.blocks.size(), 2u);
+  const BlockPlan& t = p.blocks[0];
+  const BlockPlan& b = p.blocks[1];
+  EXPECT_EQ(t.granularity, v1::FP8_GRANULARITY_TENSORWISE);
+  EXPECT_EQ(b.granularity, v1::FP8_GRANULARITY_BLOCKWISE);
+  EXPECT_EQ(b.linears, v1::PRECISION_FP8);
+  for (const PlannedLinear& pl : t.proj) {
+    EXPECT_EQ(pl.granularity, v1::FP8_GRANULARITY_TENSORWISE) << pl.name;
+    EXPECT_EQ(pl.recipe, v1::SCALING_RECIPE_DELAYED) << pl.name;
+    EXPECT_EQ(pl.forward_scales + pl.dx_scales + pl.dw_scales, 0) << pl.name;
+  }
+  // Blockwise, N = 200 (2 tiles of tokens): q_proj 192 -> 192 (2 tiles / blocks each way):
+  // forward X 200 * 2 + W 2 * 2 = 404; dX dY 200 * 2 + Wᵀ 2 * 2 = 404; dW dYᵀ 192 * 2 + Xᵀ 192 * 2
+  // = 768. gate_proj 192 -> 320 (3 blocks of outputs): forward 200 * 2 + 3 * 2 = 406; dX 200 * 3 +
+  // 2 * 3 = 606; dW 320 * 2 + 192 * 2 = 1024.
+  ASSERT_EQ(b.proj.size(), 7u);
+  EXPECT_EQ(b.proj[0].name, "q_proj");
+  EXPECT_EQ(b.proj[0].granularity, v1::FP8_GRANULARITY_BLOCKWISE);
+  EXPECT_EQ(b.proj[0].recipe, v1::SCALING_RECIPE_CURRENT);
+  EXPECT_EQ(b.proj[0].precision, v1::PRECISION_FP8);
+  EXPECT_EQ(b.proj[0].forward_scales, 404);
+  EXPECT_EQ(b.proj[0].dx_scales, 404);
+  EXPECT_EQ(b.proj[0].dw_scales, 768);
+  EXPECT_EQ(b.proj[4].name, "gate_proj");
+  EXPECT_EQ(b.proj[4].forward_scales, 406);
+  EXPECT_EQ(b.proj[4].dx_scales, 606);
+  EXPECT_EQ(b.proj[4].dw_scales, 1024);
+  // No groups, fused GEMMs or recast; the generic path (f32 activations).
+  EXPECT_FALSE(b.fp8_bf16 || b.group_qkv || b.group_mlp || b.fused_qkv || b.fused_mlp ||
+               b.recast_down);
+  // The same saved tensors as the block with BF16 linears.
+  v1::JobSpec bf = s;
+  bf.mutable_precision()->mutable_overrides(0)->set_linears(v1::PRECISION_BF16);
+  bf.mutable_precision()->mutable_overrides(0)->clear_granularity();
+  const StepPlan pb = Plan(WithDefaults(bf, 1));
+  ASSERT_EQ(pb.blocks[1].saved.size(), b.saved.size());
+  for (size_t i = 0; i < b.saved.size(); ++i) {
+    EXPECT_EQ(b.saved[i].name, pb.blocks[1].saved[i].name);
+    EXPECT_EQ(b.saved[i].bytes, pb.blocks[1].saved[i].bytes);
+  }
+  // Units: layers.0 has its fp8 linears and bf16 norms; layers.1 one bf16 buffer.
+  ASSERT_EQ(p.units[1].buffers.size(), 2u);
+  ASSERT_EQ(p.units[2].buffers.size(), 1u);
+  EXPECT_EQ(p.units[2].buffers[0].wire, WireDtype::kBf16);
+
+  // Rowwise for the whole job: current scaling; gate_proj forward X 200 + W 320 = 520, dX dY 200 +
+  // Wᵀ 192 = 392, dW dYᵀ 320 + Xᵀ 192 = 512.
+  v1::JobSpec r = s;
+  r.mutable_precision()->clear_overrides();
+  r.mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_ROWWISE);
+  p = Plan(WithDefaults(r, 1));
+  for (const BlockPlan& blk : p.blocks) {
+    EXPECT_EQ(blk.granularity, v1::FP8_GRANULARITY_ROWWISE);
+    EXPECT_EQ(blk.proj[4].recipe, v1::SCALING_RECIPE_CURRENT);
+    EXPECT_EQ(blk.proj[4].forward_scales, 520);
+    EXPECT_EQ(blk.proj[4].dx_scales, 392);
+    EXPECT_EQ(blk.proj[4].dw_scales, 512);
+  }
+}
+
 }  // namespace
 }  // namespace fsdp8

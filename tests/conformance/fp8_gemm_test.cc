@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "kernels/backend.h"
+#include "kernels/fp8.h"
 #include "tests/conformance/conformance.h"
 
 namespace fsdp8::conformance {
@@ -233,6 +234,121 @@ TEST_P(Conformance, GemmFp8) {
                 r.F32(&o, "C", C, s.M * s.N);
                 return o;
               });
+      }
+    }
+  }
+}
+
+// The block-scaled casts of the rowwise and blockwise recipes (QuantizeFp8Blocks): codes and
+// scales of the cast and of the transposed cast, bit for bit (the cast is exact), from f32 and
+// bf16 inputs, with 128-tails in both dimensions, a zero row (amax 0: scale 1) and a saturating
+// value.
+TEST_P(Conformance, QuantizeFp8Blocks) {
+  const int64_t shapes[][2] = {{1, 1}, {37, 129}, {128, 256}, {257, 300}, {1000, 37}};
+  const Fp8Blocks kinds[] = {Fp8Blocks::kRow, Fp8Blocks::kTile128, Fp8Blocks::kBlock128};
+  const char* kind_names[] = {"row", "tile128", "block128"};
+  for (auto& sh : shapes) {
+    const int64_t rows = sh[0], cols = sh[1], n = rows * cols;
+    auto x = Randn(n, 3.0f);
+    if (rows > 1) std::fill(x.begin(), x.begin() + cols, 0.0f);
+    x[static_cast<size_t>(n / 2)] = 1e6f;
+    for (int k = 0; k < 3; ++k) {
+      const Fp8Blocks kind = kinds[k];
+      const int64_t ns = Fp8ScaleCount(kind, rows, cols), nst = Fp8ScaleCount(kind, cols, rows);
+      for (Fp8Format fmt : kFormats) {
+        for (int bf16 = 0; bf16 < 2; ++bf16) {
+          Check(std::string("QuantizeFp8Blocks/") + kind_names[k] + "/" + FmtName(fmt) +
+                    (bf16 ? "/bf16/" : "/f32/") + std::to_string(rows) + "x" + std::to_string(cols),
+                -1, [&](DevRun& r) {
+                  Outputs o;
+                  uint8_t* out = r.Out<uint8_t>(n);
+                  uint8_t* out_t = r.Out<uint8_t>(n);
+                  float* s = r.Out<float>(ns);
+                  float* s_t = r.Out<float>(nst);
+                  if (bf16) {
+                    r.b()->QuantizeFp8Blocks(r.InBf16(x), rows, cols, kind, fmt, out, s, out_t,
+                                             s_t);
+                  } else {
+                    r.b()->QuantizeFp8Blocks(r.In(x), rows, cols, kind, fmt, out, s, out_t, s_t);
+                  }
+                  r.Bytes(&o, "out", out, n);
+                  r.Bytes(&o, "scale_inv", s, ns);
+                  r.Bytes(&o, "out_t", out_t, n);
+                  r.Bytes(&o, "scale_inv_t", s_t, nst);
+                  return o;
+                });
+        }
+      }
+    }
+  }
+}
+
+// The block-scaled GEMM (GemmFp8Blocks) for the three operand pairs of the rowwise and blockwise
+// recipes. Tolerance: the reference sums exact products in double and rounds once; a backend that
+// multiplies each decoded code by its scale in f32 (one rounding per operand element, two per
+// product) and accumulates in f32 has the error of a K + 3 term f32 sum (the harness's model,
+// conformance.h), so tol(K + 4), judged against at least the size of the terms (abs_scale: the
+// largest |C0| + Σ_k |a_k b_k|, a_k and b_k the scaled values), since a short sum (K = 1, with
+// accumulation) may cancel to nearly 0.
+TEST_P(Conformance, GemmFp8Blocks) {
+  struct S { int64_t M, N, K; };
+  const S shapes[] = {{1, 1, 1}, {37, 129, 16}, {33, 130, 300}, {256, 384, 512}};
+  const Fp8Blocks pairs[][2] = {{Fp8Blocks::kRow, Fp8Blocks::kRow},
+                                {Fp8Blocks::kTile128, Fp8Blocks::kBlock128},
+                                {Fp8Blocks::kTile128, Fp8Blocks::kTile128}};
+  const char* pair_names[] = {"row", "tile128xblock128", "tile128xtile128"};
+  const Fp8Format fmts[][2] = {{Fp8Format::kE4M3, Fp8Format::kE4M3},
+                               {Fp8Format::kE5M2, Fp8Format::kE4M3}};
+  for (const S& s : shapes) {
+    for (int p = 0; p < 3; ++p) {
+      for (auto& f : fmts) {
+        // Codes limited to |v| <= 2^4, as GemmFp8's test.
+        auto codes = [&](int64_t n, Fp8Format fmt) {
+          auto c = Fp8Codes(n, fmt);
+          for (auto& x : c) x = static_cast<uint8_t>((x & 0x80) | ((x & 0x7F) % (fmt == Fp8Format::kE4M3 ? 0x58 : 0x4C)));
+          return c;
+        };
+        const auto A = codes(s.M * s.K, f[0]);
+        const auto B = codes(s.N * s.K, f[1]);
+        const auto sa = Uniform(Fp8ScaleCount(pairs[p][0], s.M, s.K), 0.01f, 4.0f);
+        const auto sb = Uniform(Fp8ScaleCount(pairs[p][1], s.N, s.K), 0.01f, 4.0f);
+        const auto C0 = Randn(s.M * s.N);
+        // The scaled values' largest Σ_k |a_k b_k| (decoded through the format tables).
+        auto scale_of = [](const std::vector<float>& sc, Fp8Blocks kind, int64_t row, int64_t k,
+                           int64_t K) {
+          const int64_t chunks = Fp8BlockCount(K);
+          if (kind == Fp8Blocks::kRow) return sc[row];
+          if (kind == Fp8Blocks::kTile128) return sc[row * chunks + k / kFp8BlockSize];
+          return sc[(row / kFp8BlockSize) * chunks + k / kFp8BlockSize];
+        };
+        double terms = 0;
+        const float* ta = Fp8DecodeTable(f[0]);
+        const float* tb = Fp8DecodeTable(f[1]);
+        for (int64_t i = 0; i < s.M; ++i) {
+          for (int64_t j = 0; j < s.N; ++j) {
+            double t = 0;
+            for (int64_t k = 0; k < s.K; ++k) {
+              t += std::fabs(ta[A[i * s.K + k]] * scale_of(sa, pairs[p][0], i, k, s.K) *
+                             tb[B[j * s.K + k]] * scale_of(sb, pairs[p][1], j, k, s.K));
+            }
+            terms = std::max(terms, t);
+          }
+        }
+        double c0max = 0;
+        for (float v : C0) c0max = std::max(c0max, static_cast<double>(std::fabs(v)));
+        for (int acc = 0; acc < 2; ++acc) {
+          Check("GemmFp8Blocks/" + std::string(pair_names[p]) + "/" + FmtName(f[0]) + "x" +
+                    FmtName(f[1]) + "/" + std::to_string(s.M) + "x" + std::to_string(s.N) + "x" +
+                    std::to_string(s.K) + (acc ? "/acc" : ""),
+                Tol(static_cast<double>(s.K) + 4), [&](DevRun& r) {
+                  Outputs o;
+                  float* C = acc ? r.In(C0) : r.Out<float>(s.M * s.N);
+                  r.b()->GemmFp8Blocks(s.M, s.N, s.K, {r.In(A), f[0], r.In(sa), pairs[p][0]},
+                                       {r.In(B), f[1], r.In(sb), pairs[p][1]}, C, acc == 1);
+                  r.F32Near0(&o, "C", C, s.M * s.N, terms + (acc ? c0max : 0.0));
+                  return o;
+                });
+        }
       }
     }
   }

@@ -224,6 +224,46 @@ TEST(CheckpointStore, ResumeCompatibility) {
   EXPECT_TRUE(absl::StrContains(s.message(), "different precision")) << s;
 }
 
+// A job with rowwise / blockwise blocks resumes a checkpoint of tensorwise blocks (the worker maps
+// the tensors across layouts); not the other way round, and every other precision difference
+// still refuses.
+TEST(CheckpointStore, ResumeCompatibilityAcrossGranularity) {
+  const v1::JobSpec tensorwise = WithDefaults(v1::JobSpec(), 1);  // delayed, hybrid
+  v1::JobSpec blockwise_in;
+  blockwise_in.mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
+  const v1::JobSpec blockwise = WithDefaults(blockwise_in, 1);  // current, e4m3
+  EXPECT_TRUE(CheckpointStore::CheckResumeCompatible(blockwise, tensorwise, "/c/step-1").ok());
+  auto s = CheckpointStore::CheckResumeCompatible(tensorwise, blockwise, "/c/step-1");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "different precision")) << s;
+  // Rowwise and blockwise lay the same blocks out alike: either resumes the other.
+  v1::JobSpec rowwise_in;
+  rowwise_in.mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_ROWWISE);
+  const v1::JobSpec rowwise = WithDefaults(rowwise_in, 1);
+  EXPECT_TRUE(CheckpointStore::CheckResumeCompatible(rowwise, blockwise, "/c/step-1").ok());
+  EXPECT_TRUE(CheckpointStore::CheckResumeCompatible(blockwise, rowwise, "/c/step-1").ok());
+  // Other precision fields still have to match.
+  v1::JobSpec bf16_head = blockwise;
+  bf16_head.mutable_precision()->set_lm_head(v1::PRECISION_FP32);
+  s = CheckpointStore::CheckResumeCompatible(bf16_head, tensorwise, "/c/step-1");
+  EXPECT_TRUE(absl::StrContains(s.message(), "different precision")) << s;
+  // One blockwise block among tensorwise ones: the tensorwise blocks' scaling state is loaded, so
+  // their recipe and format must match.
+  v1::JobSpec one = tensorwise;
+  auto* o = one.mutable_precision()->add_overrides();
+  o->set_layer(1);
+  o->set_linears(v1::PRECISION_FP8);
+  o->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
+  v1::JobSpec saved_one = tensorwise;
+  auto* so = saved_one.mutable_precision()->add_overrides();
+  so->set_layer(1);
+  so->set_linears(v1::PRECISION_FP8);
+  EXPECT_TRUE(CheckpointStore::CheckResumeCompatible(one, saved_one, "/c/step-1").ok());
+  one.mutable_precision()->mutable_fp8()->set_format(v1::FP8_FORMAT_E4M3);
+  s = CheckpointStore::CheckResumeCompatible(one, saved_one, "/c/step-1");
+  EXPECT_TRUE(absl::StrContains(s.message(), "different precision")) << s;
+}
+
 // ---- Ownership ----
 
 v1::CheckpointOwnerEntry Claimant(const std::string& job, const std::string& user = "") {

@@ -345,5 +345,28 @@ TEST(MemoryLabels, DeferredOptimizerGradsInTheForward) {
   }
 }
 
+// The rowwise and blockwise recipes (precision.fp8.granularity): their linears' codes and scales
+// made and freed around each GEMM, f32 copies of their BF16-travelling weights, no scaling state;
+// for the whole job on one and two ranks, with recompute, and for one block among tensorwise ones.
+TEST(MemoryLabels, RowwiseAndBlockwiseRecipes) {
+  for (const char* backend : {"cpu-ref", "cpu"}) {
+    for (v1::Fp8Granularity g : {v1::FP8_GRANULARITY_ROWWISE, v1::FP8_GRANULARITY_BLOCKWISE}) {
+      const std::string name = g == v1::FP8_GRANULARITY_ROWWISE ? "rowwise" : "blockwise";
+      v1::JobSpec s = DefaultModel();
+      s.mutable_precision()->mutable_fp8()->set_granularity(g);
+      ExpectLabelsMatchPlan(s, backend, 1, "default model, " + name);
+      ExpectLabelsMatchPlan(s, backend, 2, "default model, " + name);
+      s.mutable_training()->set_activation_recompute(true);
+      ExpectLabelsMatchPlan(s, backend, 1, "default model, " + name + ", recompute");
+      s = OneBShaped();
+      auto* o = s.mutable_precision()->add_overrides();
+      o->set_layer(1);
+      o->set_linears(v1::PRECISION_FP8);
+      o->set_granularity(g);
+      ExpectLabelsMatchPlan(s, backend, 1, "1b-shaped, layer 1 " + name);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fsdp8
