@@ -1,12 +1,14 @@
 #include "coordinator/scheduler.h"
 
 #include <algorithm>
+#include <set>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "coordinator/job_run.h"
+#include "coordinator/log.h"
 #include "coordinator/memory_fit.h"
 
 namespace fsdp8::coord {
@@ -26,6 +28,45 @@ std::string SplitNote(const FitChoice& fit) {
   return absl::StrCat("shard groups split across placement domains (hosts, or a host's NVLink "
                       "islands where workers give --placement_domain; no domain had ", s,
                       " free workers left for them): ", absl::StrJoin(groups, "; "));
+}
+
+// Why the held reports of a job's ranks do not allow its re-adoption ("" when they do, or when
+// some rank has not reported yet: *missing lists those). held[r] is rank r's report or null.
+std::string ReadoptRefusal(const v1::Job& job, const std::vector<const v1::HeldJob*>& held,
+                           std::vector<std::string>* missing) {
+  const int n = job.worker_ids_size();
+  const int replicas = std::max(1, job.replicas());
+  std::vector<std::string> steps;
+  bool same_step = true;
+  const v1::HeldJob* first = nullptr;
+  for (int r = 0; r < n; ++r) {
+    const v1::HeldJob* h = held[r];
+    const std::string who = absl::StrCat("rank ", r, " (worker ", job.worker_ids(r), ")");
+    if (h == nullptr) {
+      missing->push_back(who);
+      continue;
+    }
+    if (h->generation() != job.generation() || h->rank() != r || h->world_size() != n ||
+        std::max(1, h->replicas()) != replicas)
+      return absl::StrCat(who, " holds generation ", h->generation(), " as rank ", h->rank(),
+                          " of ", h->world_size(), " (", std::max(1, h->replicas()),
+                          " replicas), not generation ", job.generation(), " as rank ", r, " of ",
+                          n, " (", replicas, " replicas)");
+    if (!h->intact()) return absl::StrCat(who, " reports its state is not intact");
+    steps.push_back(absl::StrCat(who, ": ", h->steps_completed()));
+    if (first == nullptr) first = h;
+    if (h->steps_completed() != first->steps_completed()) same_step = false;
+  }
+  if (!missing->empty()) return "";
+  if (!same_step)
+    return absl::StrCat("the ranks hold different steps (", absl::StrJoin(steps, ", "), ")");
+  if (held[0]->steps_completed() < job.step())
+    return absl::StrCat("the ranks hold step ", held[0]->steps_completed(),
+                        ", behind the state db's step ", job.step());
+  if (held[0]->steps_completed() > job.spec().training().steps())
+    return absl::StrCat("the ranks hold step ", held[0]->steps_completed(), ", past the job's ",
+                        job.spec().training().steps(), " steps");
+  return "";
 }
 
 }  // namespace
@@ -90,6 +131,7 @@ void Scheduler::Loop() {
     workers_->CheckHeartbeats();
     jobs_->ApplyRetention();  // the age part of the ended jobs' retention
     ReapFinished();
+    ReadoptPass();
     SchedulePass();
     passes_.fetch_add(1);
   }
@@ -264,6 +306,120 @@ void Scheduler::SchedulePass() {
     }
     if (added) raw->Start();
   }
+}
+
+}  // namespace fsdp8::coord
+
+namespace fsdp8::coord {
+
+void Scheduler::ReadoptPass() {
+  const std::vector<ReadoptCandidate> candidates = jobs_->ReadoptCandidates();
+  const std::map<std::string, v1::HeldJob> held = workers_->HeldJobs();
+  std::set<std::string> waiting;  // jobs still waited for
+  for (const ReadoptCandidate& c : candidates) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+      if (runs_.count(c.job.job_id())) continue;  // never beside a run of the job
+    }
+    const v1::Job& job = c.job;
+    const int n = job.worker_ids_size();
+    std::vector<const v1::HeldJob*> reports(n, nullptr);
+    for (int r = 0; r < n; ++r) {
+      auto it = held.find(job.worker_ids(r));
+      if (it != held.end() && it->second.job_id() == job.job_id()) reports[r] = &it->second;
+    }
+    std::vector<std::string> missing;
+    std::string why = ReadoptRefusal(job, reports, &missing);
+    if (why.empty() && missing.empty()) {
+      std::vector<v1::HeldJob> ranks;
+      for (const v1::HeldJob* h : reports) ranks.push_back(*h);
+      waiting.insert(job.job_id());  // its ranks' reports are not dropped below
+      Readopt(job, ranks);
+      continue;
+    }
+    if (why.empty() && Clock::now() < c.until) {
+      waiting.insert(job.job_id());
+      continue;
+    }
+    if (why.empty()) {
+      why = absl::StrCat(absl::StrJoin(missing, ", "),
+                         " did not come back holding it within the re-adoption window");
+    }
+    Log(LogLevel::kInfo, absl::StrCat("job ", job.job_id(), ": not re-adopted: ", why));
+    jobs_->ReadoptFailed(job.job_id(), why).IgnoreError();
+  }
+  // Held jobs that nothing waits for (given up above, ended, unknown): dropped.
+  for (const auto& [worker, h] : held) {
+    if (waiting.count(h.job_id())) continue;
+    bool adopting = false;
+    {
+      absl::MutexLock lock(&mu_);
+      adopting = runs_.count(h.job_id()) > 0;
+    }
+    if (adopting) continue;  // Adopt cleared the ranks' reports; another worker's goes below
+    const std::string reason =
+        absl::StrCat("job ", h.job_id(), " generation ", h.generation(),
+                     " is not re-adopted: the coordinator resumes it from its checkpoint, or it "
+                     "no longer runs");
+    if (workers_->DropHeld(worker, reason, options_.abort_grace))
+      Log(LogLevel::kInfo, absl::StrCat("worker ", worker, ": ", reason));
+  }
+}
+
+void Scheduler::Readopt(const v1::Job& job, const std::vector<v1::HeldJob>& held) {
+  const std::string& id = job.job_id();
+  const int64_t step = held[0].steps_completed();
+  // Tokens: the state db's, plus those of the steps it lacks (every rank's results of a step,
+  // reported with the held job), else the last reported step's size for each.
+  int64_t tokens = job.tokens();
+  int64_t per_step = 0;
+  for (int64_t k = job.step(); k < step; ++k) {
+    int64_t sum = 0;
+    int found = 0;
+    for (const v1::HeldJob& h : held) {
+      for (const v1::StepResult& r : h.recent_results()) {
+        if (r.step() == k) {
+          sum += r.tokens();
+          ++found;
+          break;
+        }
+      }
+    }
+    if (found == static_cast<int>(held.size())) per_step = sum;
+    tokens += per_step;
+  }
+  std::vector<std::string> ids(job.worker_ids().begin(), job.worker_ids().end());
+  auto inbox = std::make_shared<Inbox>();
+  if (!workers_->Adopt(ids, id, [inbox](const WorkerEvent& ev) { inbox->Push(ev); }).ok()) {
+    Wake();  // a report changed meanwhile: look again next pass
+    return;
+  }
+  const std::string msg = absl::StrCat(
+      "re-adopting ", ids.size(), " ranks of generation ", job.generation(), " at step ", step,
+      step == job.step()
+          ? std::string(" (the state db's step)")
+          : absl::StrCat(" (the state db had step ", job.step(), "; the ranks completed ",
+                         step - job.step(), " more while no coordinator ran)"));
+  auto started = jobs_->MarkReadopting(id, step, tokens, msg);
+  if (!started.ok()) {  // cancelled meanwhile
+    workers_->Release(id, ids, options_.abort_grace);
+    for (const std::string& w : ids) {
+      v1::CoordinatorMessage m;
+      m.mutable_abort()->set_reason(absl::StrCat("job ", id, " ended: ", started.status().message()));
+      workers_->Send(w, m);
+    }
+    return;
+  }
+  auto run = std::make_unique<JobRun>(jobs_, workers_, kv_, options_, *started, inbox,
+                                      [this] { Wake(); }, Adoption{step, tokens});
+  JobRun* raw = run.get();
+  bool added = false;
+  {
+    absl::MutexLock lock(&mu_);
+    added = runs_.try_emplace(id, std::move(run)).second;
+  }
+  if (added) raw->Start();
 }
 
 }  // namespace fsdp8::coord
