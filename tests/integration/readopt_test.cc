@@ -322,23 +322,27 @@ TEST_F(ReadoptTest, CoordinatorSigkillReadoptsIntactRanksWithoutACheckpointRead)
   }
 }
 
-// Rank 0's worker is killed too while the coordinator is down: the new coordinator waits for it
-// (--readopt_window_s=5), falls back to the checkpoint path saying why, drops the surviving rank's
-// held job, and the job finishes on the survivor and the spare worker from its checkpoint, with
-// the uninterrupted run's losses.
+// Rank 0's worker is killed too while the coordinator is down, once both ranks ran the steps they
+// had been sent and hold the job: the new coordinator waits for rank 0 (--readopt_window_s=5),
+// falls back to the checkpoint path saying why, tells rank 1 to drop its held job, and the job
+// finishes on rank 1's worker and the spare from its checkpoint, with the uninterrupted run's
+// losses.
 TEST_F(ReadoptTest, ARankLostWhileTheCoordinatorIsDownFallsBackToTheCheckpoint) {
   StartCluster(3, {"--readopt_window_s=5"}, {});
   const std::vector<double> reference = Reference();
   std::vector<double> losses(kSteps, NAN);
   Clock::time_point restarted;
   int64_t seq = 0;
-  std::string victim;
+  std::string victim, survivor;
   const std::string id = RunWithCoordinatorKill(
       [&](const std::vector<std::string>& ranks) {
         ASSERT_EQ(ranks.size(), 2u);
         victim = ranks[0];
         ChildProcess* p = WorkerOf(victim);
         ASSERT_NE(p, nullptr) << victim;
+        survivor = ranks[1];
+        // Both ranks finish the steps sent ahead (a fraction of a second) and hold the job.
+        std::this_thread::sleep_for(std::chrono::seconds(2));
         EXPECT_TRUE(p->Kill());
       },
       &losses, &restarted, &seq);
@@ -356,8 +360,8 @@ TEST_F(ReadoptTest, ARankLostWhileTheCoordinatorIsDownFallsBackToTheCheckpoint) 
   bool fell_back = false, resumed = false;
   for (const std::string& m : messages) {
     std::printf("  event: %s\n", m.c_str());
-    fell_back |= m.find("falling back to the checkpoint because rank 0 (worker " + victim) !=
-                 std::string::npos;
+    fell_back |= m.find("falling back to the checkpoint because rank 0 (worker " + victim +
+                        ") did not come back") != std::string::npos;
     resumed |= m.find("resuming from") != std::string::npos;
     EXPECT_EQ(m.find("re-adopted"), std::string::npos) << m;
   }
@@ -367,6 +371,15 @@ TEST_F(ReadoptTest, ARankLostWhileTheCoordinatorIsDownFallsBackToTheCheckpoint) 
   EXPECT_EQ(job.generation(), 2);
   for (const auto& w : job.worker_ids()) EXPECT_NE(w, victim);
   for (int k = 1; k <= kSteps; ++k) EXPECT_EQ(losses[k - 1], reference[k - 1]) << "step " << k;
+  // The survivor held the job, was told to drop it, and served the next generation.
+  ChildProcess* s = WorkerOf(survivor);
+  ASSERT_NE(s, nullptr);
+  const std::string log = ReadFile(cluster_->LogPath(
+      "worker-" + survivor.substr(survivor.find('-') + 1) + ".log"));
+  EXPECT_NE(log.find("holding job " + id + " generation 1 rank 1/2"), std::string::npos) << log;
+  EXPECT_NE(log.find("abort: job " + id + " generation 1 is not re-adopted"), std::string::npos)
+      << log;
+  EXPECT_NE(log.find("generation 2"), std::string::npos) << log;
 }
 
 }  // namespace
