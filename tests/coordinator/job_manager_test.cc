@@ -551,7 +551,9 @@ TEST(JobManagerPersistence, RunningJobWaitsForReadoptionAfterRestart) {
     starting_id = (*jm)->Submit("", spec("ck-d"))->job_id();
     for (const auto& id : {adopt_id, fall_id, bare_id, starting_id}) {
       ASSERT_TRUE((*jm)->MarkStarting(id, {"w-1", "w-2"}).ok());
-      if (id != starting_id) ASSERT_TRUE((*jm)->MarkRunning(id).ok());
+      if (id != starting_id) {
+        ASSERT_TRUE((*jm)->MarkRunning(id).ok());
+      }
     }
     v1::JobEvent ev;
     ev.set_step(4);
