@@ -652,17 +652,25 @@ std::vector<ReadoptCandidate> JobManager::ReadoptCandidates() const {
   return out;
 }
 
-absl::StatusOr<v1::Job> JobManager::MarkReadopting(const std::string& job_id, int64_t step,
-                                                   int64_t tokens, const std::string& message) {
+absl::StatusOr<v1::Job> JobManager::MarkReadopting(const std::string& job_id,
+                                                   const std::vector<std::string>& worker_ids,
+                                                   int64_t step, int64_t tokens,
+                                                   const std::string& message) {
   absl::MutexLock lock(&mu_);
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (!r->readopt_until || r->job.state() != v1::JOB_STATE_RECOVERING)
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " is not waiting for re-adoption"));
+  if (static_cast<int>(worker_ids.size()) != r->job.worker_ids_size())
+    return absl::InvalidArgumentError(absl::StrCat("job ", job_id, ": ", worker_ids.size(),
+                                                   " workers for ", r->job.worker_ids_size(),
+                                                   " ranks"));
   r->readopt_until.reset();
   runs_.insert(job_id);  // until RunJoined
   v1::Job& j = r->job;
+  j.clear_worker_ids();
+  for (const std::string& w : worker_ids) j.add_worker_ids(w);
   j.set_state(v1::JOB_STATE_STARTING);
   j.set_reason("");
   j.set_step(step);

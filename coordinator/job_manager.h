@@ -209,11 +209,14 @@ class JobManager {
   std::vector<v1::Job> PendingJobs() const;
   // The jobs waiting for re-adoption after a coordinator restart, oldest first.
   std::vector<ReadoptCandidate> ReadoptCandidates() const;
-  // A job waiting for re-adoption -> STARTING on the same generation and workers; Job.step and
+  // A job waiting for re-adoption -> STARTING on the same generation, its ranks now worker_ids
+  // (the same processes; an unnamed worker's id changes when it registers again); Job.step and
   // tokens become the ranks' (`step`, `tokens`) and `message` is published. FAILED_PRECONDITION
-  // when the job is not waiting for re-adoption (cancelled meanwhile).
-  absl::StatusOr<v1::Job> MarkReadopting(const std::string& job_id, int64_t step, int64_t tokens,
-                                         const std::string& message);
+  // when the job is not waiting for re-adoption (cancelled meanwhile); INVALID_ARGUMENT when
+  // worker_ids is not one per rank of the generation.
+  absl::StatusOr<v1::Job> MarkReadopting(const std::string& job_id,
+                                         const std::vector<std::string>& worker_ids, int64_t step,
+                                         int64_t tokens, const std::string& message);
   // A job waiting for re-adoption that will not be: as Open would have done without re-adoption,
   // RECOVERING ("recovering from a coordinator restart (restart n of max): falling back to the
   // checkpoint because <why>", the restart counted, worker_ids cleared) when it has a

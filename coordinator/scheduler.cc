@@ -30,28 +30,53 @@ std::string SplitNote(const FitChoice& fit) {
                       " free workers left for them): ", absl::StrJoin(groups, "; "));
 }
 
-// Why the held reports of a job's ranks do not allow its re-adoption ("" when they do, or when
-// some rank has not reported yet: *missing lists those). held[r] is rank r's report or null.
-std::string ReadoptRefusal(const v1::Job& job, const std::vector<const v1::HeldJob*>& held,
+// Whether a worker id is one the registry gives to unnamed workers (w-<n>, new at each
+// registration): such an id says nothing about which process holds it.
+bool UnnamedId(const std::string& id) {
+  return id.size() > 2 && id.rfind("w-", 0) == 0 &&
+         std::all_of(id.begin() + 2, id.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// The held reports of job's generation by rank, from every worker's report (`held`, by worker
+// id): reports[r] and ids[r] are rank r's, matched by what the report says (job, rank), not by
+// worker id (an unnamed worker comes back under a new one). Returns why they do not allow the
+// job's re-adoption ("" when they do, or when some rank has not reported yet: *missing names
+// those). A named worker of the generation that is back without holding the job (`idle`: healthy
+// workers that hold no job) is reason enough at once.
+std::string ReadoptRefusal(const v1::Job& job, const std::map<std::string, v1::HeldJob>& held,
+                           const std::set<std::string>& idle,
+                           std::vector<const v1::HeldJob*>* reports, std::vector<std::string>* ids,
                            std::vector<std::string>* missing) {
   const int n = job.worker_ids_size();
   const int replicas = std::max(1, job.replicas());
+  reports->assign(n, nullptr);
+  ids->assign(job.worker_ids().begin(), job.worker_ids().end());
+  for (const auto& [worker, h] : held) {
+    if (h.job_id() != job.job_id()) continue;
+    if (h.generation() != job.generation() || h.rank() < 0 || h.rank() >= n ||
+        h.world_size() != n || std::max(1, h.replicas()) != replicas)
+      return absl::StrCat("worker ", worker, " holds generation ", h.generation(), " as rank ",
+                          h.rank(), " of ", h.world_size(), " (", std::max(1, h.replicas()),
+                          " replicas), not one of the ", n, " ranks of generation ",
+                          job.generation(), " (", replicas, " replicas)");
+    if ((*reports)[h.rank()] != nullptr)
+      return absl::StrCat("workers ", (*ids)[h.rank()], " and ", worker, " both hold rank ",
+                          h.rank());
+    (*reports)[h.rank()] = &h;
+    (*ids)[h.rank()] = worker;
+  }
   std::vector<std::string> steps;
   bool same_step = true;
   const v1::HeldJob* first = nullptr;
   for (int r = 0; r < n; ++r) {
-    const v1::HeldJob* h = held[r];
-    const std::string who = absl::StrCat("rank ", r, " (worker ", job.worker_ids(r), ")");
+    const v1::HeldJob* h = (*reports)[r];
+    const std::string who = absl::StrCat("rank ", r, " (worker ", (*ids)[r], ")");
     if (h == nullptr) {
+      if (!UnnamedId(job.worker_ids(r)) && idle.count(job.worker_ids(r)))
+        return absl::StrCat(who, " came back without holding the job");
       missing->push_back(who);
       continue;
     }
-    if (h->generation() != job.generation() || h->rank() != r || h->world_size() != n ||
-        std::max(1, h->replicas()) != replicas)
-      return absl::StrCat(who, " holds generation ", h->generation(), " as rank ", h->rank(),
-                          " of ", h->world_size(), " (", std::max(1, h->replicas()),
-                          " replicas), not generation ", job.generation(), " as rank ", r, " of ",
-                          n, " (", replicas, " replicas)");
     if (!h->intact()) return absl::StrCat(who, " reports its state is not intact");
     steps.push_back(absl::StrCat(who, ": ", h->steps_completed()));
     if (first == nullptr) first = h;
@@ -60,11 +85,11 @@ std::string ReadoptRefusal(const v1::Job& job, const std::vector<const v1::HeldJ
   if (!missing->empty()) return "";
   if (!same_step)
     return absl::StrCat("the ranks hold different steps (", absl::StrJoin(steps, ", "), ")");
-  if (held[0]->steps_completed() < job.step())
-    return absl::StrCat("the ranks hold step ", held[0]->steps_completed(),
+  if (first->steps_completed() < job.step())
+    return absl::StrCat("the ranks hold step ", first->steps_completed(),
                         ", behind the state db's step ", job.step());
-  if (held[0]->steps_completed() > job.spec().training().steps())
-    return absl::StrCat("the ranks hold step ", held[0]->steps_completed(), ", past the job's ",
+  if (first->steps_completed() > job.spec().training().steps())
+    return absl::StrCat("the ranks hold step ", first->steps_completed(), ", past the job's ",
                         job.spec().training().steps(), " steps");
   return "";
 }
@@ -315,6 +340,11 @@ namespace fsdp8::coord {
 void Scheduler::ReadoptPass() {
   const std::vector<ReadoptCandidate> candidates = jobs_->ReadoptCandidates();
   const std::map<std::string, v1::HeldJob> held = workers_->HeldJobs();
+  if (candidates.empty() && held.empty()) return;
+  std::set<std::string> idle;  // healthy workers with a session that hold no job
+  for (const v1::WorkerInfo& w : workers_->List())
+    if (w.state() == v1::WORKER_STATE_IDLE || w.state() == v1::WORKER_STATE_DRAINED)
+      idle.insert(w.worker_id());
   std::set<std::string> waiting;  // jobs still waited for
   for (const ReadoptCandidate& c : candidates) {
     {
@@ -323,19 +353,14 @@ void Scheduler::ReadoptPass() {
       if (runs_.count(c.job.job_id())) continue;  // never beside a run of the job
     }
     const v1::Job& job = c.job;
-    const int n = job.worker_ids_size();
-    std::vector<const v1::HeldJob*> reports(n, nullptr);
-    for (int r = 0; r < n; ++r) {
-      auto it = held.find(job.worker_ids(r));
-      if (it != held.end() && it->second.job_id() == job.job_id()) reports[r] = &it->second;
-    }
-    std::vector<std::string> missing;
-    std::string why = ReadoptRefusal(job, reports, &missing);
+    std::vector<const v1::HeldJob*> reports;
+    std::vector<std::string> ids, missing;
+    std::string why = ReadoptRefusal(job, held, idle, &reports, &ids, &missing);
     if (why.empty() && missing.empty()) {
       std::vector<v1::HeldJob> ranks;
       for (const v1::HeldJob* h : reports) ranks.push_back(*h);
       waiting.insert(job.job_id());  // its ranks' reports are not dropped below
-      Readopt(job, ranks);
+      Readopt(job, ids, ranks);
       continue;
     }
     if (why.empty() && Clock::now() < c.until) {
@@ -367,7 +392,8 @@ void Scheduler::ReadoptPass() {
   }
 }
 
-void Scheduler::Readopt(const v1::Job& job, const std::vector<v1::HeldJob>& held) {
+void Scheduler::Readopt(const v1::Job& job, const std::vector<std::string>& ids,
+                        const std::vector<v1::HeldJob>& held) {
   const std::string& id = job.job_id();
   const int64_t step = held[0].steps_completed();
   // Tokens: the state db's, plus those of the steps it lacks (every rank's results of a step,
@@ -389,7 +415,6 @@ void Scheduler::Readopt(const v1::Job& job, const std::vector<v1::HeldJob>& held
     if (found == static_cast<int>(held.size())) per_step = sum;
     tokens += per_step;
   }
-  std::vector<std::string> ids(job.worker_ids().begin(), job.worker_ids().end());
   auto inbox = std::make_shared<Inbox>();
   if (!workers_->Adopt(ids, id, [inbox](const WorkerEvent& ev) { inbox->Push(ev); }).ok()) {
     Wake();  // a report changed meanwhile: look again next pass
@@ -401,7 +426,7 @@ void Scheduler::Readopt(const v1::Job& job, const std::vector<v1::HeldJob>& held
           ? std::string(" (the state db's step)")
           : absl::StrCat(" (the state db had step ", job.step(), "; the ranks completed ",
                          step - job.step(), " more while no coordinator ran)"));
-  auto started = jobs_->MarkReadopting(id, step, tokens, msg);
+  auto started = jobs_->MarkReadopting(id, ids, step, tokens, msg);
   if (!started.ok()) {  // cancelled meanwhile
     workers_->Release(id, ids, options_.abort_grace);
     for (const std::string& w : ids) {

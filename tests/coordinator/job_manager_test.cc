@@ -587,15 +587,20 @@ TEST(JobManagerPersistence, RunningJobWaitsForReadoptionAfterRestart) {
             "recovering from a coordinator restart (restart 1 of 2)");
   EXPECT_EQ(candidates, (std::vector<std::string>{adopt_id, fall_id, bare_id}));
 
-  auto adopted = (*jm)->MarkReadopting(adopt_id, 6, 600, "re-adopting 2 ranks at step 6");
+  EXPECT_EQ((*jm)->MarkReadopting(adopt_id, {"w-1"}, 6, 600, "one worker").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Rank 1's unnamed worker came back under a new id.
+  auto adopted = (*jm)->MarkReadopting(adopt_id, {"w-1", "w-5"}, 6, 600,
+                                       "re-adopting 2 ranks at step 6");
   ASSERT_TRUE(adopted.ok()) << adopted.status();
+  EXPECT_EQ(adopted->worker_ids(1), "w-5");
   EXPECT_EQ(adopted->state(), v1::JOB_STATE_STARTING);
   EXPECT_EQ(adopted->generation(), 1);
   EXPECT_EQ(adopted->step(), 6);
   EXPECT_EQ(adopted->tokens(), 600);
   EXPECT_EQ(adopted->worker_ids_size(), 2);
   ASSERT_TRUE((*jm)->MarkRunning(adopt_id).ok());
-  EXPECT_EQ((*jm)->MarkReadopting(adopt_id, 6, 600, "again").status().code(),
+  EXPECT_EQ((*jm)->MarkReadopting(adopt_id, {"w-1", "w-5"}, 6, 600, "again").status().code(),
             absl::StatusCode::kFailedPrecondition);
 
   ASSERT_TRUE((*jm)->ReadoptFailed(fall_id, "rank 1 (worker w-2) did not come back").ok());

@@ -62,7 +62,8 @@ class ReadoptTest : public ::testing::Test {
   // A coordinator (port chosen by the kernel, kept across its restarts) with `coordinator_flags`
   // and `workers` CPU workers named node-0, node-1, ..., each registered before the next starts.
   void StartCluster(int workers, const std::vector<std::string>& coordinator_flags,
-                    const std::vector<std::string>& env) {
+                    const std::vector<std::string>& env,
+                    const std::vector<std::string>& worker_flags = {}) {
     ASSERT_FALSE(tmp_.path().empty());
     dir_ = tmp_.path();
     WriteCorpus();
@@ -78,9 +79,10 @@ class ReadoptTest : public ::testing::Test {
     ASSERT_FALSE(addr_.empty()) << ReadFile(cluster_->LogPath("coordinator.log"));
     Connect();
     for (int i = 0; i < workers; ++i) {
-      cluster_->AddWorker({"--coordinator=" + addr_, "--threads=1",
-                           "--name=node-" + std::to_string(i)},
-                          "worker-" + std::to_string(i) + ".log");
+      std::vector<std::string> wf{"--coordinator=" + addr_, "--threads=1",
+                                  "--name=node-" + std::to_string(i)};
+      wf.insert(wf.end(), worker_flags.begin(), worker_flags.end());
+      cluster_->AddWorker(wf, "worker-" + std::to_string(i) + ".log");
       ASSERT_TRUE(WaitForIdleWorkers(i + 1)) << "worker " << i << " did not register";
     }
   }
@@ -380,6 +382,54 @@ TEST_F(ReadoptTest, ARankLostWhileTheCoordinatorIsDownFallsBackToTheCheckpoint) 
   EXPECT_NE(log.find("abort: job " + id + " generation 1 is not re-adopted"), std::string::npos)
       << log;
   EXPECT_NE(log.find("generation 2"), std::string::npos) << log;
+}
+
+// Workers hold a job only --hold_job_s (2 s here): with the coordinator down longer, each drops it
+// (its log says so) and comes back without it; the restarted coordinator then falls back to the
+// checkpoint at once (a named rank back without the job, not at the end of the 15 s window) and
+// the job finishes with the uninterrupted run's losses.
+TEST_F(ReadoptTest, AHoldThatRunsOutDropsTheJobAndTheJobResumesFromItsCheckpoint) {
+  StartCluster(2, {}, {}, {"--hold_job_s=2"});
+  const std::vector<double> reference = Reference();
+  std::vector<double> losses(kSteps, NAN);
+  Clock::time_point restarted;
+  int64_t seq = 0;
+  const std::string id = RunWithCoordinatorKill(
+      [&](const std::vector<std::string>&) {
+        const auto until = Clock::now() + std::chrono::seconds(30);
+        for (int i = 0; i < 2; ++i) {
+          const fs::path log = cluster_->LogPath("worker-" + std::to_string(i) + ".log");
+          while (ReadFile(log).find("was not re-adopted within 2 s (--hold_job_s): dropping it") ==
+                     std::string::npos &&
+                 Clock::now() < until)
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          EXPECT_NE(ReadFile(log).find("holding job job-"), std::string::npos);
+          EXPECT_NE(ReadFile(log).find("(--hold_job_s): dropping it"), std::string::npos)
+              << "worker " << i << ":\n" << ReadFile(log);
+        }
+      },
+      &losses, &restarted, &seq);
+  ASSERT_FALSE(id.empty());
+  std::vector<std::string> messages;
+  Clock::time_point first_step;
+  const v1::JobState end = Follow(id, seq, &losses, [&](const v1::JobEvent& ev) {
+    if (!ev.message().empty()) messages.push_back(ev.message());
+    if (ev.loss() > 0 && first_step == Clock::time_point()) first_step = Clock::now();
+  }, &seq);
+  const v1::Job job = GetJob(id);
+  ASSERT_EQ(end, v1::JOB_STATE_SUCCEEDED) << job.reason();
+  std::printf("first step %.3f s after the new coordinator's start\n", Since(restarted, first_step));
+  bool fell_back = false;
+  for (const std::string& m : messages) {
+    std::printf("  event: %s\n", m.c_str());
+    fell_back |= m.find("falling back to the checkpoint because rank ") != std::string::npos &&
+                 m.find("came back without holding the job") != std::string::npos;
+  }
+  EXPECT_TRUE(fell_back) << "no event says the ranks came back without the job";
+  // At once, not at the end of the 15 s window (a loaded machine may take a few seconds).
+  EXPECT_LT(Since(restarted, first_step), 12.0);
+  EXPECT_EQ(job.restarts(), 1);
+  for (int k = 1; k <= kSteps; ++k) EXPECT_EQ(losses[k - 1], reference[k - 1]) << "step " << k;
 }
 
 }  // namespace
