@@ -92,7 +92,7 @@ struct JobManagerOptions {
   // How long a restarted coordinator waits at most for the ranks of a job's running generation to
   // come back holding it (RegisterRequest.held_job) before it resumes the job from its checkpoint
   // instead; counted from Open. 0 (the default here; fsdp8-coordinator's --readopt_window_s is
-  // 15 s): no re-adoption (every running job resumes from its checkpoint).
+  // 30 s): no re-adoption (every running job resumes from its checkpoint).
   std::chrono::milliseconds readopt_window{0};
   // Makes each job's memory plans (ResolvedJob, once per job and world size); empty: PlanMemory.
   // Tests inject one that counts its calls.

@@ -58,7 +58,7 @@ ABSL_FLAG(double, checkpoint_lease_s, 120,
           "coordinator on the same storage refuses a take-over while it is live; longer than a "
           "restart of this coordinator (which renews it again), and than the hosts' clock skew; at "
           "least 10");
-ABSL_FLAG(double, readopt_window_s, 15,
+ABSL_FLAG(double, readopt_window_s, 30,
           "after a restart, wait this long at most for the workers of each job that was running "
           "to come back holding its generation, and re-adopt it without a checkpoint read; else "
           "(a rank missing or inconsistent) resume it from its checkpoint; 0: always from the "

@@ -73,7 +73,7 @@ struct DaemonOptions {
   WorkerMetrics* metrics = nullptr;  // optional; must outlive the daemon
   // How long a job is held for re-adoption after its coordinator's session ended (see above),
   // seconds; 0: the job is dropped at once (as before held jobs existed).
-  int hold_job_s = 30;
+  int hold_job_s = 60;
   // The process's environment settings (WorkerSettings::FromEnvironment in main): the options of
   // each job's backend, NCCL communicator and trainer, and the faults to inject.
   WorkerSettings settings;

@@ -47,7 +47,7 @@ ABSL_FLAG(int, device, 0, "GPU ordinal (cuda backend)");
 ABSL_FLAG(int, threads, 1, "BLAS threads for the CPU backend");
 ABSL_FLAG(int, connect_timeout_s, 60,
           "give up when the coordinator does not answer this long (seconds; 0: keep retrying)");
-ABSL_FLAG(int, hold_job_s, 30,
+ABSL_FLAG(int, hold_job_s, 60,
           "when the coordinator's session ends while a job runs, keep the job (trainer, "
           "communicators, training state) this long for a restarted coordinator to re-adopt "
           "(seconds; 0: drop it at once)");

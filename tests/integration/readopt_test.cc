@@ -386,7 +386,7 @@ TEST_F(ReadoptTest, ARankLostWhileTheCoordinatorIsDownFallsBackToTheCheckpoint) 
 
 // Workers hold a job only --hold_job_s (2 s here): with the coordinator down longer, each drops it
 // (its log says so) and comes back without it; the restarted coordinator then falls back to the
-// checkpoint at once (a named rank back without the job, not at the end of the 15 s window) and
+// checkpoint at once (a named rank back without the job, not at the end of the 30 s window) and
 // the job finishes with the uninterrupted run's losses.
 TEST_F(ReadoptTest, AHoldThatRunsOutDropsTheJobAndTheJobResumesFromItsCheckpoint) {
   StartCluster(2, {}, {}, {"--hold_job_s=2"});
@@ -426,8 +426,8 @@ TEST_F(ReadoptTest, AHoldThatRunsOutDropsTheJobAndTheJobResumesFromItsCheckpoint
                  m.find("came back without holding the job") != std::string::npos;
   }
   EXPECT_TRUE(fell_back) << "no event says the ranks came back without the job";
-  // At once, not at the end of the 15 s window (a loaded machine may take a few seconds).
-  EXPECT_LT(Since(restarted, first_step), 12.0);
+  // At once, not at the end of the 30 s window (a loaded machine may take a few seconds).
+  EXPECT_LT(Since(restarted, first_step), 20.0);
   EXPECT_EQ(job.restarts(), 1);
   for (int k = 1; k <= kSteps; ++k) EXPECT_EQ(losses[k - 1], reference[k - 1]) << "step " << k;
 }
