@@ -305,10 +305,20 @@ def free_port():
     raise RuntimeError("no free port in 20000-32000")
 
 
+def mac_of(ip):
+    """A locally administered MAC address made of the pod's IPv4 address (0a:58:<the 4 bytes>, as
+    Kubernetes' bridge plugins make theirs)."""
+    return "0a:58:" + ":".join(f"{int(b):02x}" for b in ip.split("."))
+
+
 def play(name, ip, docs):
+    """Plays a pod at a fixed IP and MAC address: where the kubelet restarts a container inside the
+    pod's running sandbox (its network namespace, address and MAC kept), podman starts the whole pod
+    again, with a new MAC unless it is pinned; its peers would then send to the old MAC until their
+    neighbour entry expires (15-45 s) and not reach the restarted coordinator meanwhile."""
     path = os.path.join(WORK, f"play-{name}.yaml")
-    kube_play(path, docs, "--ip", ip)
-    log(f"played {name} at {ip} ({path})")
+    kube_play(path, docs, "--ip", ip, "--mac-address", mac_of(ip))
+    log(f"played {name} at {ip}, MAC {mac_of(ip)} ({path})")
 
 
 def pod_of(name):
