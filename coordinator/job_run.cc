@@ -405,7 +405,21 @@ absl::Status JobRun::StartAdopted(const v1::JobSpec& spec, Progress* p) {
       return absl::UnavailableError(
           absl::StrCat("could not send Adopt to ", RankName(r), ": session closed"));
     }
+    // The steps other ranks received and this one did not: its peers wait for it in them.
+    const int64_t from = r < static_cast<int>(adoption_->received.size())
+                             ? adoption_->received[r] : p->start_step;
+    for (int64_t k = from; k < p->start_step;) {
+      const v1::CoordinatorMessage step = StepCommandFor(spec, k);
+      if (!workers_->Send(ranks_[r], step)) {
+        failed_rank_ = r;
+        return absl::UnavailableError(
+            absl::StrCat("could not send step ", k, " to ", RankName(r), ": session closed"));
+      }
+      k += std::max<int64_t>(1, step.step().count());
+    }
   }
+  // Results of those steps may come: they were sent (and are dropped once a later step is awaited).
+  steps_sent_ = spec.training().free_running() ? spec.training().steps() : p->start_step;
   if (absl::Status s = AwaitReady(); !s.ok()) return s;
   const std::string msg =
       absl::StrCat("re-adopted ", n, " ranks at step ", p->start_step, " (generation ",

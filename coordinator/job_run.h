@@ -49,9 +49,12 @@
 //
 // Re-adoption (JobRun with an Adoption; coordinator/scheduler.h): after a coordinator restart the
 // ranks of the generation that was running still hold it. The run removes the leftovers of
-// interrupted saves, sends every rank Adopt{job, generation, rank} instead of an Assignment, waits
-// for every Ready (start_timeout), marks the job RUNNING, publishes "re-adopted N ranks at step
-// K (generation G; no checkpoint read)" and steps on from K as any generation does. A failure
+// interrupted saves, sends every rank Adopt{job, generation, rank} instead of an Assignment, and
+// to a rank that did not receive every step's command another rank received (the coordinator
+// died between two ranks' commands) those commands, so that every rank completes step K; waits
+// for every Ready (start_timeout; a rank sends it once the steps it had received are done),
+// marks the job RUNNING, publishes "re-adopted N ranks at step K (generation G; no checkpoint
+// read)" and steps on from K as any generation does. A failure
 // before that (a rank that no longer holds the job answers WorkerError, or is lost) fails the
 // generation as above: RECOVERING from the checkpoint.
 // Owns: its driver thread and the inbox its workers' events arrive in. Borrows (must outlive it):
@@ -124,8 +127,11 @@ class Inbox {
 
 // Where a re-adopted generation stands: the steps its ranks completed and the job's tokens by then.
 struct Adoption {
-  int64_t step = 0;
+  int64_t step = 0;    // the step every rank will have completed: the run goes on from there
   int64_t tokens = 0;
+  // By rank, the first step whose command that rank did not receive before the coordinator went
+  // away (HeldJob.steps_received): it is sent those up to `step` after Adopt.
+  std::vector<int64_t> received;
 };
 
 class JobRun {

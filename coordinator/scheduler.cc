@@ -30,6 +30,11 @@ std::string SplitNote(const FitChoice& fit) {
                       " free workers left for them): ", absl::StrJoin(groups, "; "));
 }
 
+// The steps a held rank will have run once it takes up Adopt: those whose commands it received.
+int64_t ReceivedSteps(const v1::HeldJob& h) {
+  return std::max(h.steps_completed(), h.steps_received());
+}
+
 // Whether a worker id is one the registry gives to unnamed workers (w-<n>, new at each
 // registration): such an id says nothing about which process holds it.
 bool UnnamedId(const std::string& id) {
@@ -65,9 +70,7 @@ std::string ReadoptRefusal(const v1::Job& job, const std::map<std::string, v1::H
     (*reports)[h.rank()] = &h;
     (*ids)[h.rank()] = worker;
   }
-  std::vector<std::string> steps;
-  bool same_step = true;
-  const v1::HeldJob* first = nullptr;
+  int64_t target = 0;  // every rank runs the steps any rank received
   for (int r = 0; r < n; ++r) {
     const v1::HeldJob* h = (*reports)[r];
     const std::string who = absl::StrCat("rank ", r, " (worker ", (*ids)[r], ")");
@@ -78,18 +81,14 @@ std::string ReadoptRefusal(const v1::Job& job, const std::map<std::string, v1::H
       continue;
     }
     if (!h->intact()) return absl::StrCat(who, " reports its state is not intact");
-    steps.push_back(absl::StrCat(who, ": ", h->steps_completed()));
-    if (first == nullptr) first = h;
-    if (h->steps_completed() != first->steps_completed()) same_step = false;
+    if (h->steps_completed() < job.step())
+      return absl::StrCat(who, " holds step ", h->steps_completed(), ", behind the state db's step ",
+                          job.step());
+    target = std::max(target, ReceivedSteps(*h));
   }
   if (!missing->empty()) return "";
-  if (!same_step)
-    return absl::StrCat("the ranks hold different steps (", absl::StrJoin(steps, ", "), ")");
-  if (first->steps_completed() < job.step())
-    return absl::StrCat("the ranks hold step ", first->steps_completed(),
-                        ", behind the state db's step ", job.step());
-  if (first->steps_completed() > job.spec().training().steps())
-    return absl::StrCat("the ranks hold step ", first->steps_completed(), ", past the job's ",
+  if (target > job.spec().training().steps())
+    return absl::StrCat("the ranks hold step ", target, ", past the job's ",
                         job.spec().training().steps(), " steps");
   return "";
 }
@@ -395,26 +394,22 @@ void Scheduler::ReadoptPass() {
 void Scheduler::Readopt(const v1::Job& job, const std::vector<std::string>& ids,
                         const std::vector<v1::HeldJob>& held) {
   const std::string& id = job.job_id();
-  const int64_t step = held[0].steps_completed();
+  int64_t step = 0;  // every rank runs the steps any rank received (ReadoptRefusal)
+  for (const v1::HeldJob& h : held) step = std::max(step, ReceivedSteps(h));
+  std::vector<int64_t> from;  // the first step whose command each rank lacks
+  for (const v1::HeldJob& h : held) from.push_back(ReceivedSteps(h));
   // Tokens: the state db's, plus those of the steps it lacks (every rank's results of a step,
   // reported with the held job), else the last reported step's size for each.
-  int64_t tokens = job.tokens();
+  // Tokens: the state db's, plus those of the steps it lacks: a step's tokens are the same every
+  // step (the global batch), each rank's as its last reported result says, else the db's mean.
   int64_t per_step = 0;
-  for (int64_t k = job.step(); k < step; ++k) {
-    int64_t sum = 0;
-    int found = 0;
-    for (const v1::HeldJob& h : held) {
-      for (const v1::StepResult& r : h.recent_results()) {
-        if (r.step() == k) {
-          sum += r.tokens();
-          ++found;
-          break;
-        }
-      }
-    }
-    if (found == static_cast<int>(held.size())) per_step = sum;
-    tokens += per_step;
+  bool every_rank = true;
+  for (const v1::HeldJob& h : held) {
+    if (h.recent_results_size() == 0) every_rank = false;
+    else per_step += h.recent_results(h.recent_results_size() - 1).tokens();
   }
+  if (!every_rank) per_step = job.step() > 0 ? job.tokens() / job.step() : 0;
+  const int64_t tokens = job.tokens() + (step - job.step()) * per_step;
   auto inbox = std::make_shared<Inbox>();
   if (!workers_->Adopt(ids, id, [inbox](const WorkerEvent& ev) { inbox->Push(ev); }).ok()) {
     Wake();  // a report changed meanwhile: look again next pass
@@ -437,7 +432,7 @@ void Scheduler::Readopt(const v1::Job& job, const std::vector<std::string>& ids,
     return;
   }
   auto run = std::make_unique<JobRun>(jobs_, workers_, kv_, options_, *started, inbox,
-                                      [this] { Wake(); }, Adoption{step, tokens});
+                                      [this] { Wake(); }, Adoption{step, tokens, from});
   JobRun* raw = run.get();
   bool added = false;
   {

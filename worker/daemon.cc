@@ -63,7 +63,7 @@ namespace {
 
 // Results a held job reports (HeldJob.recent_results): with one step sent ahead, the old
 // coordinator may have recorded neither of the last two.
-constexpr size_t kRecentResults = 2;
+constexpr size_t kRecentResults = 4;
 
 // The wire form of a step's figures (job_id is left to the caller).
 v1::StepResult ToStepResult(const StepStats& s) {
@@ -149,7 +149,11 @@ bool WorkerDaemon::Register() {
     req.set_name(opts_.name);
     {
       absl::MutexLock l(&held_mu_);
-      if (held_) *req.mutable_held_job() = *held_;
+      if (holding_.load() && held_) {
+        *req.mutable_held_job() = *held_;
+        req.mutable_held_job()->set_steps_received(
+            std::max(held_->steps_completed(), job_received_.load()));
+      }
     }
     v1::RegisterResponse resp;
     grpc::Status s = stub_->Register(&ctx, req, &resp);
@@ -223,9 +227,6 @@ int WorkerDaemon::Run() {
       Log("session with the coordinator ended; registering again");
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
-    // A held job's report must be final: the steps already received run first.
-    while (!shutdown_ && !idle_after_session_.load())
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   Log("shutting down");
   return 0;
@@ -288,6 +289,7 @@ void WorkerDaemon::Serve() {
                                   {"world_size", a.world_size()},
                                   {"load_dir", a.load_dir()}});
         session_job = a.job_id();
+        job_received_.store(a.start_step());
         auto cancelled = std::make_shared<std::atomic<bool>>(false);
         {
           // A still-bootstrapping older job would otherwise hold the job thread until its
@@ -302,6 +304,7 @@ void WorkerDaemon::Serve() {
       case v1::CoordinatorMessage::kStep: {
         const v1::StepCommand c = msg.step();
         last_step_received_.store(std::max(last_step_received_.load(), c.step()));
+        job_received_.store(std::max(job_received_.load(), c.step() + std::max<int64_t>(1, c.count())));
         Post([this, c] { HandleStep(c); });
         break;
       }
@@ -340,16 +343,21 @@ void WorkerDaemon::Serve() {
   }
   // A ready job is held for the next coordinator (hold_job_s); one still bootstrapping is
   // cancelled: its rendezvous went with the coordinator.
+  // A held job is reported at once (registration does not wait for the steps already received:
+  // a peer may need a step's command that only this rank got); those steps run on, their results
+  // kept for the report instead of sent.
   const bool hold = opts_.hold_job_s > 0 && !shutdown_ && job_ready_.load();
-  if (!hold) CancelJob("coordinator session ended");
-  idle_after_session_.store(false);
+  if (hold) {
+    holding_.store(true);
+  } else {
+    CancelJob("coordinator session ended");
+  }
   Post([this, hold] {
     if (hold && job_ && !job_->cancelled->load()) {
       HoldJob();
     } else {
       DropJob();
     }
-    idle_after_session_.store(true);
   });
   grpc::Status s = stream->Finish();
   if (!s.ok() && !shutdown_) Log(absl::StrCat("session ended: ", s.error_message()));
@@ -394,7 +402,7 @@ void WorkerDaemon::JobThread() {
   DropJob();
 }
 
-void WorkerDaemon::HoldJob() {
+void WorkerDaemon::PublishHeld() {
   v1::HeldJob h;
   h.set_job_id(job_->job_id);
   h.set_generation(job_->generation);
@@ -404,10 +412,16 @@ void WorkerDaemon::HoldJob() {
   h.set_steps_completed(job_->steps_completed);
   h.set_intact(true);  // a failed step drops the job: a job still here is whole
   for (const v1::StepResult& r : job_->recent) *h.add_recent_results() = r;
+  absl::MutexLock l(&held_mu_);
+  held_ = std::move(h);
+}
+
+void WorkerDaemon::HoldJob() {
   hold_until_ = std::chrono::steady_clock::now() + std::chrono::seconds(opts_.hold_job_s);
+  v1::HeldJob h;
   {
     absl::MutexLock l(&held_mu_);
-    held_ = h;
+    if (held_) h = *held_;
   }
   Log(absl::StrCat("holding job ", h.job_id(), " generation ", h.generation(), " rank ", h.rank(),
                    "/", h.world_size(), " after ", h.steps_completed(),
@@ -453,10 +467,7 @@ void WorkerDaemon::HandleAdopt(const v1::Adopt& a) {
     return;
   }
   hold_until_.reset();
-  {
-    absl::MutexLock l(&held_mu_);
-    held_.reset();
-  }
+  holding_.store(false);
   stale_steps_.store(false);
   m.mutable_ready()->set_job_id(a.job_id());
   m.mutable_ready()->set_generation(a.generation());
@@ -471,6 +482,7 @@ void WorkerDaemon::HandleAdopt(const v1::Adopt& a) {
 
 void WorkerDaemon::DropJob(bool finished) {
   job_ready_.store(false);
+  holding_.store(false);
   hold_until_.reset();
   {
     absl::MutexLock l(&held_mu_);
@@ -631,6 +643,7 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
     Log(absl::StrCat("loaded initial weights from ", a.spec().init().from_hf()));
   }
   job_ = std::move(job);
+  PublishHeld();
   job_ready_.store(true);
   v1::WorkerMessage m;
   m.mutable_ready()->set_job_id(a.job_id());
@@ -713,6 +726,13 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   job_->steps_completed = c.step() + 1;
   job_->recent.push_back(result);
   job_->recent.back().clear_scaling();  // the report stays small
+  PublishHeld();
+  if (holding_.load()) {
+    // Run while the job is held (sent before the coordinator went away): its result is in the
+    // held job's report; the coordinator that re-adopts the job goes on after it.
+    Log(absl::StrCat("step ", c.step(), " of held job ", job_->job_id, " done; result kept"));
+    return true;
+  }
   if (job_->recent.size() > kRecentResults) job_->recent.pop_front();
   if (result.skipped()) {
     Log(absl::StrCat("step ", c.step(), ": loss ",

@@ -2020,17 +2020,18 @@ class ReadoptSchedulerTest : public SchedulerTest {
     StartScheduler(2s, 0ms);
     return id;
   }
-  // A worker named `name` holding rank `rank` of the job's generation 1 after `steps` steps, with
-  // the results (tokens 100 * (rank + 1)) of the steps from 3 on.
+  // A worker named `name` holding rank `rank` of the job's `generation` after `steps` steps (the
+  // commands it received), with the results (tokens 100 * (rank + 1)) of the steps from 3 on.
   std::shared_ptr<FakeWorker> AddHeld(const std::string& name, const std::string& job, int rank,
-                                      int64_t steps) {
+                                      int64_t steps, int64_t generation = 1) {
     v1::HeldJob h;
     h.set_job_id(job);
-    h.set_generation(1);
+    h.set_generation(generation);
     h.set_rank(rank);
     h.set_world_size(2);
     h.set_replicas(1);
     h.set_steps_completed(steps);
+    h.set_steps_received(steps);
     h.set_intact(true);
     for (int64_t k = 3; k < steps; ++k) {
       v1::StepResult* r = h.add_recent_results();
@@ -2094,13 +2095,42 @@ TEST_F(ReadoptSchedulerTest, IntactRanksAreReadoptedAtTheirStep) {
       << absl::StrJoin(msgs, "\n");
 }
 
-// The ranks hold different steps: no re-adoption, at once (not at the window's end): the job
-// falls back to the checkpoint path saying why, the held workers are told to drop the job, and
-// the job then runs again from step 0 (nothing committed) as generation 2 on the same workers.
-TEST_F(ReadoptSchedulerTest, RanksAtDifferentStepsFallBackToTheCheckpoint) {
+// Rank 1 did not receive step 4's command, which rank 0 ran (the coordinator died between the two
+// sends): re-adopted at step 5, rank 1 is sent step 4 after its Adopt, then both go on from 5.
+TEST_F(ReadoptSchedulerTest, ARankThatMissedAStepIsSentItAndTheJobGoesOnFromTheLast) {
   const std::string id = RestartWithARunningJob();
   auto a = AddHeld("node-a", id, 0, 5);
   auto b = AddHeld("node-b", id, 1, 4);
+  const v1::Job end = WaitEnd(id);
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  EXPECT_EQ(end.generation(), 1);
+  EXPECT_EQ(end.restarts(), 0);
+  EXPECT_EQ(end.step(), 8);
+  auto steps_of = [](FakeWorker* w) {
+    std::vector<int64_t> steps;
+    for (const auto& m : w->received())
+      if (m.has_step()) steps.push_back(m.step().step());
+    return steps;
+  };
+  EXPECT_EQ(steps_of(a.get()), (std::vector<int64_t>{5, 6, 7}));
+  EXPECT_EQ(steps_of(b.get()), (std::vector<int64_t>{4, 5, 6, 7}));
+  const std::vector<v1::CoordinatorMessage> got = b->received();
+  ASSERT_FALSE(got.empty());
+  EXPECT_TRUE(got[0].has_adopt()) << "Adopt comes before the missing step";
+  bool readopted = false;
+  for (const auto& m : Messages(id))
+    readopted |= m == "re-adopted 2 ranks at step 5 (generation 1; no checkpoint read)";
+  EXPECT_TRUE(readopted) << absl::StrJoin(Messages(id), "\n");
+}
+
+// A rank reports another generation of the job: no re-adoption, at once (not at the window's
+// end): the job falls back to the checkpoint path saying why, the held workers are told to drop
+// the job, and the job then runs again from step 0 (nothing committed) as generation 2 on the same
+// workers.
+TEST_F(ReadoptSchedulerTest, AReportOfAnotherGenerationFallsBackToTheCheckpoint) {
+  const std::string id = RestartWithARunningJob();
+  auto a = AddHeld("node-a", id, 0, 5);
+  auto b = AddHeld("node-b", id, 1, 5, /*generation=*/7);
   const v1::Job end = WaitEnd(id);
   ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
   EXPECT_EQ(end.generation(), 2);
@@ -2116,8 +2146,8 @@ TEST_F(ReadoptSchedulerTest, RanksAtDifferentStepsFallBackToTheCheckpoint) {
   bool fell_back = false;
   for (const auto& m : Messages(id))
     fell_back |= m == "recovering from a coordinator restart (restart 1 of 3): falling back to "
-                      "the checkpoint because the ranks hold different steps (rank 0 (worker "
-                      "node-a): 5, rank 1 (worker node-b): 4)";
+                      "the checkpoint because worker node-b holds generation 7 as rank 1 of 2 (1 "
+                      "replicas), not one of the 2 ranks of generation 1 (1 replicas)";
   EXPECT_TRUE(fell_back) << absl::StrJoin(Messages(id), "\n");
 }
 
