@@ -17,6 +17,12 @@
 # (tests/integration/lifecycle_test.cc: 2 ranks plus a spare worker, a checkpoint every 5 steps,
 # rank 0 stopped after step 8), RUNS times (default 5), each with a fresh cluster; prints each
 # run's times from SIGSTOP (detected, RUNNING again, first step of the new generation done).
+#
+# bench/recovery.sh coordinator [RUNS]: the coordinator-restart test
+# (tests/integration/readopt_test.cc: the default model on 2 CPU ranks, the coordinator SIGKILLed
+# after step 6 and started again on the same address and state db, checkpoint reads made to fail),
+# RUNS times (default 5), each with a fresh cluster; prints each run's times from the new
+# coordinator's start to the job RUNNING again (re-adopted) and to its next step done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=$PWD/build/bin
@@ -34,6 +40,24 @@ import re, sys
 run, line, passed = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 det, run_again, step = (float(x) for x in re.findall(r"after ([0-9.]+) s", line))
 print(f"{run:<4} {det:>12.2f} {run_again:>17.2f} {step:>22.2f}{'' if passed else '  (test failed)'}")
+PY
+  done
+  exit 0
+fi
+if [ "${1:-}" = coordinator ]; then
+  runs=${2:-5}
+  [ -x "$bin/readopt_test" ] || { echo "build readopt_test first (scripts/build.sh readopt_test)" >&2; exit 1; }
+  echo "coordinator SIGKILL + restart, default model, 2 ranks, re-adopted (no checkpoint read)"
+  printf '%-4s %17s %18s\n' run running_again_s next_step_done_s
+  for i in $(seq "$runs"); do
+    out=$("$bin/readopt_test" --gtest_filter='ReadoptTest.CoordinatorSigkillReadoptsIntactRanksWithoutACheckpointRead' 2>&1) || true
+    line=$(grep -m1 '^coordinator SIGKILLed after step' <<< "$out" || true)
+    if [ -z "$line" ]; then echo "run $i: no figure"; echo "$out" | tail -20; continue; fi
+    python3 - "$i" "$line" "$(grep -c '\[  PASSED  \]' <<< "$out" || true)" <<'PY'
+import re, sys
+run, line, passed = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+running, step = (float(x) for x in re.findall(r"([0-9.]+) s", line))
+print(f"{run:<4} {running:>17.2f} {step:>18.2f}{'' if passed else '  (test failed)'}")
 PY
   done
   exit 0

@@ -67,6 +67,8 @@ inline constexpr char kFaultCheckpointEnospc[] = "FSDP8_FAULT_CHECKPOINT_ENOSPC"
 // POINT@SUBSTRING,...: SIGKILL at that crash point of a checkpoint write (shard.* in a worker,
 // manifest.* in the coordinator) whose path contains SUBSTRING.
 inline constexpr char kFaultCrashAt[] = "FSDP8_FAULT_CRASH_AT";
+// SUBSTRING,...: a checkpoint load (a worker's) whose step directory contains one fails.
+inline constexpr char kFaultCheckpointRead[] = "FSDP8_FAULT_CHECKPOINT_READ";
 
 // The variable's value; nullopt when it is unset (an empty value is returned as "").
 std::optional<std::string> Get(const char* name);

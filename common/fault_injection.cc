@@ -21,15 +21,17 @@ std::vector<std::string> Items(absl::string_view list) {
 }  // namespace
 
 FaultInjection::FaultInjection(absl::string_view step_errors, absl::string_view checkpoint_enospc,
-                               absl::string_view crash_at)
+                               absl::string_view crash_at, absl::string_view checkpoint_read)
     : step_errors_(Items(step_errors)),
       checkpoint_enospc_(Items(checkpoint_enospc)),
-      crash_at_(Items(crash_at)) {}
+      crash_at_(Items(crash_at)),
+      checkpoint_read_(Items(checkpoint_read)) {}
 
 FaultInjection FaultInjection::FromEnvironment() {
   return FaultInjection(env::GetOrEmpty(env::kFaultStepError),
                         env::GetOrEmpty(env::kFaultCheckpointEnospc),
-                        env::GetOrEmpty(env::kFaultCrashAt));
+                        env::GetOrEmpty(env::kFaultCrashAt),
+                        env::GetOrEmpty(env::kFaultCheckpointRead));
 }
 
 absl::Status FaultInjection::StepError(int rank, int64_t step) {
@@ -49,6 +51,15 @@ absl::Status FaultInjection::CheckpointWriteError(const std::string& path) const
     return absl::ResourceExhaustedError(
         absl::StrCat("writing ", path, ".tmp: No space left on device (injected by ",
                      env::kFaultCheckpointEnospc, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FaultInjection::CheckpointReadError(const std::string& dir) const {
+  for (const std::string& item : checkpoint_read_) {
+    if (!absl::StrContains(dir, item)) continue;
+    return absl::DataLossError(absl::StrCat("reading checkpoint ", dir, ": failed (injected by ",
+                                            env::kFaultCheckpointRead, ")"));
   }
   return absl::OkStatus();
 }

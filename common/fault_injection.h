@@ -19,7 +19,11 @@
 //     step directory by retention (CheckpointStore::Retain, path <dir>/step-<k>, the directory
 //     removed; kRetentionCrashPoints) retain.after_manifest_removed (its MANIFEST removed and the
 //     directory fsynced, every other file still there) and retain.mid_remove (its first file
-//     removed too: rank-0.ckpt; the JOB file goes last).
+//     removed too: rank-0.ckpt; the JOB file goes last);
+//   - a checkpoint read that fails: FSDP8_FAULT_CHECKPOINT_READ=SUBSTRING,... makes a worker's
+//     load of a checkpoint (Assignment.load_dir, or init_dir of init.from_checkpoint) fail when
+//     the step directory's path contains SUBSTRING, before any file is read; "/" matches every
+//     checkpoint, so a test can prove that no checkpoint was read; worker.
 // Empty items are skipped; unset or empty injects nothing.
 //
 // Thread-safety: StepError from one thread at a time (the daemon's job thread);
@@ -47,7 +51,7 @@ class FaultInjection {
   // step_errors: the FSDP8_FAULT_STEP_ERROR syntax; checkpoint_enospc: the
   // FSDP8_FAULT_CHECKPOINT_ENOSPC syntax; crash_at: the FSDP8_FAULT_CRASH_AT syntax (see above).
   FaultInjection(absl::string_view step_errors, absl::string_view checkpoint_enospc,
-                 absl::string_view crash_at = "");
+                 absl::string_view crash_at = "", absl::string_view checkpoint_read = "");
   static FaultInjection FromEnvironment();
 
   // INTERNAL ("rank R step S failed (injected by FSDP8_FAULT_STEP_ERROR)") the first time it is
@@ -57,6 +61,10 @@ class FaultInjection {
   // FSDP8_FAULT_CHECKPOINT_ENOSPC)") when `path` contains one of the substrings, after writing
   // 4096 zero bytes to <path>.tmp; OK otherwise (nothing written).
   absl::Status CheckpointWriteError(const std::string& path) const;
+  // DATA_LOSS ("reading checkpoint <dir>: failed (injected by FSDP8_FAULT_CHECKPOINT_READ)")
+  // when `dir` (a checkpoint's step directory) contains one of the substrings; OK otherwise. A
+  // load that fails this way fails the job (a deterministic code: IsDeterministicFailure).
+  absl::Status CheckpointReadError(const std::string& dir) const;
   // Whether an entry names `point` for `path` (its substring occurs in path, or it has none).
   bool CrashesAt(absl::string_view point, const std::string& path) const;
   // Kills this process with SIGKILL (after a line on stderr) when CrashesAt(point, path);
@@ -67,6 +75,7 @@ class FaultInjection {
   std::vector<std::string> step_errors_;        // "RANK@STEP", as given
   std::vector<std::string> checkpoint_enospc_;  // path substrings
   std::vector<std::string> crash_at_;           // "POINT@SUBSTRING" or "POINT"
+  std::vector<std::string> checkpoint_read_;    // step directory substrings
   std::set<std::string> fired_;                 // step errors already returned
 };
 

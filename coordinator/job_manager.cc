@@ -83,8 +83,26 @@ absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const JobManagerOpt
     jm->order_.insert({r.job.create_time(), id});
     if (!r.job.request_id().empty()) jm->by_request_[r.job.request_id()] = id;
     v1::JobState s = r.job.state();
-    if (s == v1::JOB_STATE_STARTING || s == v1::JOB_STATE_RUNNING ||
-        s == v1::JOB_STATE_RECOVERING) {
+    const bool readopt =
+        options.readopt_window.count() > 0 && r.job.worker_ids_size() > 0 &&
+        (s == v1::JOB_STATE_RUNNING ||
+         (s == v1::JOB_STATE_RECOVERING && r.job.reason().rfind(kReadoptReasonPrefix, 0) == 0));
+    if (readopt) {
+      // Its workers may still hold the generation (worker/daemon.h): wait for them a while.
+      r.job.set_state(v1::JOB_STATE_RECOVERING);
+      r.job.set_reason(absl::StrCat(
+          kReadoptReasonPrefix, "the ", r.job.worker_ids_size(), " ranks of generation ",
+          r.job.generation(), " (waiting up to ",
+          absl::FormatDuration(absl::FromChrono(options.readopt_window)), ")"));
+      r.readopt_until = std::chrono::steady_clock::now() + options.readopt_window;
+      v1::JobEvent ev;
+      ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+      ev.set_step(r.job.step());
+      ev.set_tokens(r.job.tokens());
+      ev.set_message(r.job.reason());
+      jm->PublishLocked(&r, ev);
+    } else if (s == v1::JOB_STATE_STARTING || s == v1::JOB_STATE_RUNNING ||
+               s == v1::JOB_STATE_RECOVERING) {
       // The generation that was running died with the old coordinator (its workers abort when
       // their session ends). Like any failed generation, a job with checkpoints and restarts left
       // continues from its latest committed checkpoint; a RECOVERING one was already counted.
@@ -616,10 +634,90 @@ std::vector<v1::Job> JobManager::PendingJobs() const {
   std::vector<v1::Job> out;
   for (const auto& [unused, id] : order_) {
     const auto& j = jobs_.at(id).job;
-    if (j.state() == v1::JOB_STATE_PENDING || j.state() == v1::JOB_STATE_RECOVERING)
+    if ((j.state() == v1::JOB_STATE_PENDING || j.state() == v1::JOB_STATE_RECOVERING) &&
+        !jobs_.at(id).readopt_until)
       out.push_back(j);
   }
   return out;
+}
+
+std::vector<ReadoptCandidate> JobManager::ReadoptCandidates() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<ReadoptCandidate> out;
+  for (const auto& [unused, id] : order_) {
+    const Record& r = jobs_.at(id);
+    if (r.readopt_until && r.job.state() == v1::JOB_STATE_RECOVERING)
+      out.push_back({r.job, *r.readopt_until});
+  }
+  return out;
+}
+
+absl::StatusOr<v1::Job> JobManager::MarkReadopting(const std::string& job_id,
+                                                   const std::vector<std::string>& worker_ids,
+                                                   int64_t step, int64_t tokens,
+                                                   const std::string& message) {
+  absl::MutexLock lock(&mu_);
+  Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  if (!r->readopt_until || r->job.state() != v1::JOB_STATE_RECOVERING)
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " is not waiting for re-adoption"));
+  if (static_cast<int>(worker_ids.size()) != r->job.worker_ids_size())
+    return absl::InvalidArgumentError(absl::StrCat("job ", job_id, ": ", worker_ids.size(),
+                                                   " workers for ", r->job.worker_ids_size(),
+                                                   " ranks"));
+  r->readopt_until.reset();
+  runs_.insert(job_id);  // until RunJoined
+  v1::Job& j = r->job;
+  j.clear_worker_ids();
+  for (const std::string& w : worker_ids) j.add_worker_ids(w);
+  j.set_state(v1::JOB_STATE_STARTING);
+  j.set_reason("");
+  j.set_step(step);
+  j.set_tokens(tokens);
+  v1::JobEvent ev;
+  ev.set_step(step);
+  ev.set_tokens(tokens);
+  ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+  ev.set_message(message);
+  PublishLocked(r, ev);
+  return j;
+}
+
+absl::Status JobManager::ReadoptFailed(const std::string& job_id, const std::string& why) {
+  std::string failed;  // the reason when the job cannot recover
+  {
+    absl::MutexLock lock(&mu_);
+    Record* r = FindLocked(job_id);
+    if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+    if (!r->readopt_until || r->job.state() != v1::JOB_STATE_RECOVERING)
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job_id, " is not waiting for re-adoption"));
+    r->readopt_until.reset();
+    v1::Job& j = r->job;
+    const v1::JobSpec& d = j.spec();
+    LogEvent("readopt_failed", {{"job", job_id}, {"generation", j.generation()}, {"cause", why}});
+    if (!d.checkpoint().dir().empty() && j.restarts() < d.max_restarts()) {
+      j.set_restarts(j.restarts() + 1);
+      j.set_reason(absl::StrCat("recovering from a coordinator restart (restart ", j.restarts(),
+                                " of ", d.max_restarts(), "): falling back to the checkpoint because ",
+                                why));
+      j.clear_worker_ids();
+      v1::JobEvent ev;
+      ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+      ev.set_step(j.step());
+      ev.set_tokens(j.tokens());
+      ev.set_message(j.reason());
+      PublishLocked(r, ev);
+      return absl::OkStatus();
+    }
+    failed = absl::StrCat("coordinator restarted and ", why, " (",
+                          d.checkpoint().dir().empty()
+                              ? std::string("no checkpoint.dir to resume from")
+                              : absl::StrCat("max_restarts ", d.max_restarts(), " reached"),
+                          ")");
+  }
+  return Finish(job_id, v1::JOB_STATE_FAILED, failed);
 }
 
 absl::StatusOr<bool> JobManager::RequestCancelAfterSave(const std::string& job_id,

@@ -24,6 +24,14 @@
 // (CheckpointStore::ResumeAndRemoveLeftovers, each removal logged; nothing when the directory is
 // no longer the job's); an ended job's lease is released and its directory left alone.
 //
+// Re-adoption (readopt_window > 0): a job that was RUNNING (or was waiting for re-adoption when the
+// previous coordinator stopped) and has its generation's worker_ids becomes RECOVERING with the
+// reason "coordinator restarted: re-adopting the N ranks of generation G (waiting up to W s)",
+// keeping its generation and worker_ids and counting no restart; it is left out of PendingJobs
+// while the scheduler waits for those workers to report it (RegisterRequest.held_job). The
+// scheduler then either re-adopts it (MarkReadopting: STARTING on the same generation and
+// workers, no checkpoint read) or gives up (ReadoptFailed: the path below, its reason saying
+// why). Otherwise:
 // Restart: Open() loads every job. Those that were STARTING, RUNNING or RECOVERING become
 // RECOVERING ("recovering from a coordinator restart (restart n of max)", counted in Job.restarts
 // unless already RECOVERING) when they have a checkpoint.dir and restarts left, so the scheduler
@@ -81,10 +89,24 @@ struct JobManagerOptions {
   // take-over of the directory while the lease is live. It must outlast a restart of this
   // coordinator, which renews it again at Open. 0: no leases are written.
   std::chrono::milliseconds checkpoint_lease{std::chrono::seconds(120)};
+  // How long a restarted coordinator waits at most for the ranks of a job's running generation to
+  // come back holding it (RegisterRequest.held_job) before it resumes the job from its checkpoint
+  // instead; counted from Open. 0 (the default here; fsdp8-coordinator's --readopt_window_s is
+  // 30 s): no re-adoption (every running job resumes from its checkpoint).
+  std::chrono::milliseconds readopt_window{0};
   // Makes each job's memory plans (ResolvedJob, once per job and world size); empty: PlanMemory.
   // Tests inject one that counts its calls.
   MemoryPlanner planner;
 };
+
+// A job waiting for re-adoption after a coordinator restart (JobManager::ReadoptCandidates).
+struct ReadoptCandidate {
+  v1::Job job;  // RECOVERING, its generation and worker_ids those of the generation that ran
+  std::chrono::steady_clock::time_point until;  // when the wait for its ranks ends
+};
+// The start of the reason of a job waiting for re-adoption (kept in the state db: a coordinator
+// that restarts again meanwhile waits for the ranks again).
+inline constexpr char kReadoptReasonPrefix[] = "coordinator restarted: re-adopting ";
 
 // One page of JobManager::ListPage.
 struct JobPage {
@@ -182,8 +204,26 @@ class JobManager {
 
   // ---- scheduler / step driver side ----
 
-  // PENDING and RECOVERING jobs (both wait for workers), oldest first.
+  // PENDING and RECOVERING jobs (both wait for workers), oldest first; not those waiting for
+  // re-adoption (ReadoptCandidates).
   std::vector<v1::Job> PendingJobs() const;
+  // The jobs waiting for re-adoption after a coordinator restart, oldest first.
+  std::vector<ReadoptCandidate> ReadoptCandidates() const;
+  // A job waiting for re-adoption -> STARTING on the same generation, its ranks now worker_ids
+  // (the same processes; an unnamed worker's id changes when it registers again); Job.step and
+  // tokens become the ranks' (`step`, `tokens`) and `message` is published. FAILED_PRECONDITION
+  // when the job is not waiting for re-adoption (cancelled meanwhile); INVALID_ARGUMENT when
+  // worker_ids is not one per rank of the generation.
+  absl::StatusOr<v1::Job> MarkReadopting(const std::string& job_id,
+                                         const std::vector<std::string>& worker_ids, int64_t step,
+                                         int64_t tokens, const std::string& message);
+  // A job waiting for re-adoption that will not be: as Open would have done without re-adoption,
+  // RECOVERING ("recovering from a coordinator restart (restart n of max): falling back to the
+  // checkpoint because <why>", the restart counted, worker_ids cleared) when it has a
+  // checkpoint.dir and restarts left, FAILED otherwise. FAILED_PRECONDITION when it is not
+  // waiting for re-adoption.
+  absl::Status ReadoptFailed(const std::string& job_id, const std::string& why)
+      ABSL_LOCKS_EXCLUDED(lease_io_mu_, mu_);
   // Sets a PENDING or RECOVERING job's reason (publishes an event when it changed).
   absl::Status SetPendingReason(const std::string& job_id, const std::string& reason);
   // PENDING or RECOVERING -> STARTING with a new generation on worker_ids (index = rank) as a mesh
@@ -291,6 +331,8 @@ class JobManager {
     bool checkpoint_requested = false;
     int64_t dispatched = 0;  // completed-step count after the last step command sent
     bool cancel_after_save = false;  // a Cancel with save waits for the next save
+    // Waiting for re-adoption after a coordinator restart until then (see "Re-adoption").
+    std::optional<std::chrono::steady_clock::time_point> readopt_until;
   };
 
   using OrderKey = std::pair<double, std::string>;  // (create_time, job_id)

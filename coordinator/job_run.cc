@@ -140,9 +140,9 @@ bool Inbox::Pop(WorkerEvent* out, Clock::time_point until) {
 
 JobRun::JobRun(JobManager* jobs, WorkerRegistry* workers, KvServer* kv,
                const SchedulerOptions& options, v1::Job job, std::shared_ptr<Inbox> inbox,
-               std::function<void()> on_done)
+               std::function<void()> on_done, std::optional<Adoption> adoption)
     : jobs_(jobs), workers_(workers), kv_(kv), options_(options), job_(std::move(job)),
-      inbox_(std::move(inbox)), on_done_(std::move(on_done)) {
+      inbox_(std::move(inbox)), on_done_(std::move(on_done)), adoption_(adoption) {
   for (int r = 0; r < job_.worker_ids_size(); ++r) ranks_.push_back(job_.worker_ids(r));
 }
 
@@ -236,10 +236,15 @@ absl::Status JobRun::Drive() {
   }
   const v1::JobSpec spec = *std::move(at);
   Progress p;
-  if (absl::Status s = StartGeneration(spec, &p); !s.ok()) return s;
+  absl::Status started = adoption_ ? StartAdopted(spec, &p) : StartGeneration(spec, &p);
+  if (!started.ok()) return started;
   const int64_t steps = spec.training().steps();
   for (int64_t k = p.start_step; k < steps; ++k)
     if (absl::Status s = RunStep(spec, k, &p); !s.ok()) return s;
+  if (adoption_ && p.start_step == steps && SaveDue(spec, steps, false)) {
+    // The ranks completed the last step while no coordinator ran: its save is still due.
+    if (absl::Status s = SaveWithRetry(spec, steps, &p); !s.ok()) return s;
+  }
   v1::CoordinatorMessage fin;
   fin.mutable_finish();
   SendAll(fin);
@@ -370,18 +375,67 @@ absl::Status JobRun::AwaitRootCause(absl::Status first, absl::StatusCode first_c
 
 // ---- Start of a generation ----
 
-absl::Status JobRun::StartGeneration(const v1::JobSpec& spec, Progress* p) {
-  if (!spec.checkpoint().dir().empty()) {
-    // No save of this job is in progress: what an interrupted one left goes (each logged).
-    auto removed =
-        CheckpointStore(spec.checkpoint().dir(), job_.job_id(), options_.faults, jobs_->SaveLease())
-            .RemoveLeftovers();
-    // A failure fails the generation: its saves would meet what was not cleaned up.
-    if (!removed.ok())
-      return absl::Status(removed.status().code(),
-                          absl::StrCat("checkpoint.dir ", spec.checkpoint().dir(),
-                                       ": removing leftovers: ", removed.status().message()));
+absl::Status JobRun::RemoveSaveLeftovers(const v1::JobSpec& spec) {
+  if (spec.checkpoint().dir().empty()) return absl::OkStatus();
+  // No save of this job is in progress: what an interrupted one left goes (each logged).
+  auto removed =
+      CheckpointStore(spec.checkpoint().dir(), job_.job_id(), options_.faults, jobs_->SaveLease())
+          .RemoveLeftovers();
+  // A failure fails the generation: its saves would meet what was not cleaned up.
+  if (!removed.ok())
+    return absl::Status(removed.status().code(),
+                        absl::StrCat("checkpoint.dir ", spec.checkpoint().dir(),
+                                     ": removing leftovers: ", removed.status().message()));
+  return absl::OkStatus();
+}
+
+absl::Status JobRun::StartAdopted(const v1::JobSpec& spec, Progress* p) {
+  if (absl::Status s = RemoveSaveLeftovers(spec); !s.ok()) return s;
+  p->start_step = adoption_->step;
+  p->tokens_total = adoption_->tokens;
+  assigning_ = true;  // the ranks hold the job: a failure must Abort them
+  const int n = static_cast<int>(ranks_.size());
+  for (int r = 0; r < n; ++r) {
+    v1::CoordinatorMessage m;
+    m.mutable_adopt()->set_job_id(job_.job_id());
+    m.mutable_adopt()->set_generation(job_.generation());
+    m.mutable_adopt()->set_rank(r);
+    if (!workers_->Send(ranks_[r], m)) {
+      failed_rank_ = r;
+      return absl::UnavailableError(
+          absl::StrCat("could not send Adopt to ", RankName(r), ": session closed"));
+    }
+    // The steps other ranks received and this one did not: its peers wait for it in them.
+    const int64_t from = r < static_cast<int>(adoption_->received.size())
+                             ? adoption_->received[r] : p->start_step;
+    for (int64_t k = from; k < p->start_step;) {
+      const v1::CoordinatorMessage step = StepCommandFor(spec, k);
+      if (!workers_->Send(ranks_[r], step)) {
+        failed_rank_ = r;
+        return absl::UnavailableError(
+            absl::StrCat("could not send step ", k, " to ", RankName(r), ": session closed"));
+      }
+      k += std::max<int64_t>(1, step.step().count());
+    }
   }
+  // Results of those steps may come: they were sent (and are dropped once a later step is awaited).
+  steps_sent_ = spec.training().free_running() ? spec.training().steps() : p->start_step;
+  if (absl::Status s = AwaitReady(); !s.ok()) return s;
+  const std::string msg =
+      absl::StrCat("re-adopted ", n, " ranks at step ", p->start_step, " (generation ",
+                   job_.generation(), "; no checkpoint read)");
+  LogEvent("generation_readopted", {{"job", job_.job_id()},
+                                    {"generation", job_.generation()},
+                                    {"world_size", n},
+                                    {"steps_done", p->start_step}});
+  if (!jobs_->PublishMessage(job_.job_id(), msg).ok()) return absl::CancelledError("job ended");
+  p->last_result = Clock::now();
+  p->next_to_send = p->start_step;
+  return absl::OkStatus();
+}
+
+absl::Status JobRun::StartGeneration(const v1::JobSpec& spec, Progress* p) {
+  if (absl::Status s = RemoveSaveLeftovers(spec); !s.ok()) return s;
   std::optional<CommittedCheckpoint> resume;
   if (absl::Status s = ResolveResume(spec, &resume); !s.ok()) return s;
   if (resume) {

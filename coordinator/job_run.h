@@ -47,6 +47,16 @@
 // is). At the end the generation's rendezvous keys (job/<id>/gen/<g>/) are deleted and the workers
 // released, those sent Abort after SchedulerOptions::abort_grace.
 //
+// Re-adoption (JobRun with an Adoption; coordinator/scheduler.h): after a coordinator restart the
+// ranks of the generation that was running still hold it. The run removes the leftovers of
+// interrupted saves, sends every rank Adopt{job, generation, rank} instead of an Assignment, and
+// to a rank that did not receive every step's command another rank received (the coordinator
+// died between two ranks' commands) those commands, so that every rank completes step K; waits
+// for every Ready (start_timeout; a rank sends it once the steps it had received are done),
+// marks the job RUNNING, publishes "re-adopted N ranks at step K (generation G; no checkpoint
+// read)" and steps on from K as any generation does. A failure
+// before that (a rank that no longer holds the job answers WorkerError, or is lost) fails the
+// generation as above: RECOVERING from the checkpoint.
 // Owns: its driver thread and the inbox its workers' events arrive in. Borrows (must outlive it):
 // the JobManager, WorkerRegistry, KvServer and SchedulerOptions::metrics.
 // Threads and locking: everything from Start to the end of the run happens on the driver thread,
@@ -115,12 +125,22 @@ class Inbox {
   bool poked_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// Where a re-adopted generation stands: the steps its ranks completed and the job's tokens by then.
+struct Adoption {
+  int64_t step = 0;    // the step every rank will have completed: the run goes on from there
+  int64_t tokens = 0;
+  // By rank, the first step whose command that rank did not receive before the coordinator went
+  // away (HeldJob.steps_received): it is sent those up to `step` after Adopt.
+  std::vector<int64_t> received;
+};
+
 class JobRun {
  public:
   // `job` is the STARTING job (JobManager::MarkStarting) whose worker_ids are its ranks, in rank
   // order; `inbox` receives those workers' events (WorkerRegistry::Assign).
   JobRun(JobManager* jobs, WorkerRegistry* workers, KvServer* kv, const SchedulerOptions& options,
-         v1::Job job, std::shared_ptr<Inbox> inbox, std::function<void()> on_done);
+         v1::Job job, std::shared_ptr<Inbox> inbox, std::function<void()> on_done,
+         std::optional<Adoption> adoption = std::nullopt);
   ~JobRun();  // joins
 
   // Starts the driver thread. Called once.
@@ -176,6 +196,10 @@ class JobRun {
 
   // Start of a generation: resume choice, Assignments, every Ready, RUNNING. Fills *p.
   absl::Status StartGeneration(const v1::JobSpec& spec, Progress* p);
+  // Start of a re-adopted generation (adoption_): Adopt to every rank, every Ready, RUNNING.
+  absl::Status StartAdopted(const v1::JobSpec& spec, Progress* p);
+  // Removes what interrupted saves left in checkpoint.dir (a failure fails the generation).
+  absl::Status RemoveSaveLeftovers(const v1::JobSpec& spec);
   // Resolves spec.checkpoint.resume_from into the committed checkpoint every rank loads (C11: the
   // coordinator decides, no rank looks on its own). Leaves *out empty for a fresh start ("latest"
   // with nothing committed yet). FAILED_PRECONDITION for a missing, damaged or incompatible one.
@@ -244,6 +268,7 @@ class JobRun {
   const v1::Job job_;
   std::shared_ptr<Inbox> inbox_;
   std::function<void()> on_done_;
+  const std::optional<Adoption> adoption_;
   std::vector<std::string> ranks_;  // worker id by rank
   std::string prefix_;              // the generation's rendezvous keys
   int failed_rank_ = -1;

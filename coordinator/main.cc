@@ -58,6 +58,11 @@ ABSL_FLAG(double, checkpoint_lease_s, 120,
           "coordinator on the same storage refuses a take-over while it is live; longer than a "
           "restart of this coordinator (which renews it again), and than the hosts' clock skew; at "
           "least 10");
+ABSL_FLAG(double, readopt_window_s, 30,
+          "after a restart, wait this long at most for the workers of each job that was running "
+          "to come back holding its generation, and re-adopt it without a checkpoint read; else "
+          "(a rank missing or inconsistent) resume it from its checkpoint; 0: always from the "
+          "checkpoint");
 ABSL_FLAG(std::string, log_level, "info", "error, warning, info or debug (AdminService.SetLogLevel)");
 ABSL_FLAG(std::string, log_format, "text",
           "text, or json: one JSON object per line on stderr (docs/logging.md)");
@@ -141,6 +146,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   o.jobs.checkpoint_lease = Ms(absl::GetFlag(FLAGS_checkpoint_lease_s));
+  o.jobs.readopt_window = Ms(std::max(0.0, absl::GetFlag(FLAGS_readopt_window_s)));
   o.faults = fsdp8::FaultInjection::FromEnvironment();
   if (!ParseRetention(absl::GetFlag(FLAGS_retain_ended_jobs), &o.jobs)) {
     fprintf(stderr, "fsdp8-coordinator: --retain_ended_jobs must be COUNT[,AGE] (e.g. 1000,30d), "

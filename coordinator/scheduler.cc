@@ -1,12 +1,14 @@
 #include "coordinator/scheduler.h"
 
 #include <algorithm>
+#include <set>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "coordinator/job_run.h"
+#include "coordinator/log.h"
 #include "coordinator/memory_fit.h"
 
 namespace fsdp8::coord {
@@ -26,6 +28,69 @@ std::string SplitNote(const FitChoice& fit) {
   return absl::StrCat("shard groups split across placement domains (hosts, or a host's NVLink "
                       "islands where workers give --placement_domain; no domain had ", s,
                       " free workers left for them): ", absl::StrJoin(groups, "; "));
+}
+
+// The steps a held rank will have run once it takes up Adopt: those whose commands it received.
+int64_t ReceivedSteps(const v1::HeldJob& h) {
+  return std::max(h.steps_completed(), h.steps_received());
+}
+
+// Whether a worker id is one the registry gives to unnamed workers (w-<n>, new at each
+// registration): such an id says nothing about which process holds it.
+bool UnnamedId(const std::string& id) {
+  return id.size() > 2 && id.rfind("w-", 0) == 0 &&
+         std::all_of(id.begin() + 2, id.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// The held reports of job's generation by rank, from every worker's report (`held`, by worker
+// id): reports[r] and ids[r] are rank r's, matched by what the report says (job, rank), not by
+// worker id (an unnamed worker comes back under a new one). Returns why they do not allow the
+// job's re-adoption ("" when they do, or when some rank has not reported yet: *missing names
+// those). A named worker of the generation that is back without holding the job (`idle`: healthy
+// workers that hold no job) is reason enough at once.
+std::string ReadoptRefusal(const v1::Job& job, const std::map<std::string, v1::HeldJob>& held,
+                           const std::set<std::string>& idle,
+                           std::vector<const v1::HeldJob*>* reports, std::vector<std::string>* ids,
+                           std::vector<std::string>* missing) {
+  const int n = job.worker_ids_size();
+  const int replicas = std::max(1, job.replicas());
+  reports->assign(n, nullptr);
+  ids->assign(job.worker_ids().begin(), job.worker_ids().end());
+  for (const auto& [worker, h] : held) {
+    if (h.job_id() != job.job_id()) continue;
+    if (h.generation() != job.generation() || h.rank() < 0 || h.rank() >= n ||
+        h.world_size() != n || std::max(1, h.replicas()) != replicas)
+      return absl::StrCat("worker ", worker, " holds generation ", h.generation(), " as rank ",
+                          h.rank(), " of ", h.world_size(), " (", std::max(1, h.replicas()),
+                          " replicas), not one of the ", n, " ranks of generation ",
+                          job.generation(), " (", replicas, " replicas)");
+    if ((*reports)[h.rank()] != nullptr)
+      return absl::StrCat("workers ", (*ids)[h.rank()], " and ", worker, " both hold rank ",
+                          h.rank());
+    (*reports)[h.rank()] = &h;
+    (*ids)[h.rank()] = worker;
+  }
+  int64_t target = 0;  // every rank runs the steps any rank received
+  for (int r = 0; r < n; ++r) {
+    const v1::HeldJob* h = (*reports)[r];
+    const std::string who = absl::StrCat("rank ", r, " (worker ", (*ids)[r], ")");
+    if (h == nullptr) {
+      if (!UnnamedId(job.worker_ids(r)) && idle.count(job.worker_ids(r)))
+        return absl::StrCat(who, " came back without holding the job");
+      missing->push_back(who);
+      continue;
+    }
+    if (!h->intact()) return absl::StrCat(who, " reports its state is not intact");
+    if (h->steps_completed() < job.step())
+      return absl::StrCat(who, " holds step ", h->steps_completed(), ", behind the state db's step ",
+                          job.step());
+    target = std::max(target, ReceivedSteps(*h));
+  }
+  if (!missing->empty()) return "";
+  if (target > job.spec().training().steps())
+    return absl::StrCat("the ranks hold step ", target, ", past the job's ",
+                        job.spec().training().steps(), " steps");
+  return "";
 }
 
 }  // namespace
@@ -90,6 +155,7 @@ void Scheduler::Loop() {
     workers_->CheckHeartbeats();
     jobs_->ApplyRetention();  // the age part of the ended jobs' retention
     ReapFinished();
+    ReadoptPass();
     SchedulePass();
     passes_.fetch_add(1);
   }
@@ -264,6 +330,116 @@ void Scheduler::SchedulePass() {
     }
     if (added) raw->Start();
   }
+}
+
+}  // namespace fsdp8::coord
+
+namespace fsdp8::coord {
+
+void Scheduler::ReadoptPass() {
+  const std::vector<ReadoptCandidate> candidates = jobs_->ReadoptCandidates();
+  const std::map<std::string, v1::HeldJob> held = workers_->HeldJobs();
+  if (candidates.empty() && held.empty()) return;
+  std::set<std::string> idle;  // healthy workers with a session that hold no job
+  for (const v1::WorkerInfo& w : workers_->List())
+    if (w.state() == v1::WORKER_STATE_IDLE || w.state() == v1::WORKER_STATE_DRAINED)
+      idle.insert(w.worker_id());
+  std::set<std::string> waiting;  // jobs still waited for
+  for (const ReadoptCandidate& c : candidates) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+      if (runs_.count(c.job.job_id())) continue;  // never beside a run of the job
+    }
+    const v1::Job& job = c.job;
+    std::vector<const v1::HeldJob*> reports;
+    std::vector<std::string> ids, missing;
+    std::string why = ReadoptRefusal(job, held, idle, &reports, &ids, &missing);
+    if (why.empty() && missing.empty()) {
+      std::vector<v1::HeldJob> ranks;
+      for (const v1::HeldJob* h : reports) ranks.push_back(*h);
+      waiting.insert(job.job_id());  // its ranks' reports are not dropped below
+      Readopt(job, ids, ranks);
+      continue;
+    }
+    if (why.empty() && Clock::now() < c.until) {
+      waiting.insert(job.job_id());
+      continue;
+    }
+    if (why.empty()) {
+      why = absl::StrCat(absl::StrJoin(missing, ", "),
+                         " did not come back holding it within the re-adoption window");
+    }
+    Log(LogLevel::kInfo, absl::StrCat("job ", job.job_id(), ": not re-adopted: ", why));
+    jobs_->ReadoptFailed(job.job_id(), why).IgnoreError();
+  }
+  // Held jobs that nothing waits for (given up above, ended, unknown): dropped.
+  for (const auto& [worker, h] : held) {
+    if (waiting.count(h.job_id())) continue;
+    bool adopting = false;
+    {
+      absl::MutexLock lock(&mu_);
+      adopting = runs_.count(h.job_id()) > 0;
+    }
+    if (adopting) continue;  // Adopt cleared the ranks' reports; another worker's goes below
+    const std::string reason =
+        absl::StrCat("job ", h.job_id(), " generation ", h.generation(),
+                     " is not re-adopted: the coordinator resumes it from its checkpoint, or it "
+                     "no longer runs");
+    if (workers_->DropHeld(worker, reason, options_.abort_grace))
+      Log(LogLevel::kInfo, absl::StrCat("worker ", worker, ": ", reason));
+  }
+}
+
+void Scheduler::Readopt(const v1::Job& job, const std::vector<std::string>& ids,
+                        const std::vector<v1::HeldJob>& held) {
+  const std::string& id = job.job_id();
+  int64_t step = 0;  // every rank runs the steps any rank received (ReadoptRefusal)
+  for (const v1::HeldJob& h : held) step = std::max(step, ReceivedSteps(h));
+  std::vector<int64_t> from;  // the first step whose command each rank lacks
+  for (const v1::HeldJob& h : held) from.push_back(ReceivedSteps(h));
+  // Tokens: the state db's, plus those of the steps it lacks (every rank's results of a step,
+  // reported with the held job), else the last reported step's size for each.
+  // Tokens: the state db's, plus those of the steps it lacks: a step's tokens are the same every
+  // step (the global batch), each rank's as its last reported result says, else the db's mean.
+  int64_t per_step = 0;
+  bool every_rank = true;
+  for (const v1::HeldJob& h : held) {
+    if (h.recent_results_size() == 0) every_rank = false;
+    else per_step += h.recent_results(h.recent_results_size() - 1).tokens();
+  }
+  if (!every_rank) per_step = job.step() > 0 ? job.tokens() / job.step() : 0;
+  const int64_t tokens = job.tokens() + (step - job.step()) * per_step;
+  auto inbox = std::make_shared<Inbox>();
+  if (!workers_->Adopt(ids, id, [inbox](const WorkerEvent& ev) { inbox->Push(ev); }).ok()) {
+    Wake();  // a report changed meanwhile: look again next pass
+    return;
+  }
+  const std::string msg = absl::StrCat(
+      "re-adopting ", ids.size(), " ranks of generation ", job.generation(), " at step ", step,
+      step == job.step()
+          ? std::string(" (the state db's step)")
+          : absl::StrCat(" (the state db had step ", job.step(), "; the ranks completed ",
+                         step - job.step(), " more while no coordinator ran)"));
+  auto started = jobs_->MarkReadopting(id, ids, step, tokens, msg);
+  if (!started.ok()) {  // cancelled meanwhile
+    workers_->Release(id, ids, options_.abort_grace);
+    for (const std::string& w : ids) {
+      v1::CoordinatorMessage m;
+      m.mutable_abort()->set_reason(absl::StrCat("job ", id, " ended: ", started.status().message()));
+      workers_->Send(w, m);
+    }
+    return;
+  }
+  auto run = std::make_unique<JobRun>(jobs_, workers_, kv_, options_, *started, inbox,
+                                      [this] { Wake(); }, Adoption{step, tokens, from});
+  JobRun* raw = run.get();
+  bool added = false;
+  {
+    absl::MutexLock lock(&mu_);
+    added = runs_.try_emplace(id, std::move(run)).second;
+  }
+  if (added) raw->Start();
 }
 
 }  // namespace fsdp8::coord

@@ -26,6 +26,23 @@
 // Abort become assignable again only after abort_grace (the protocol has no message by which a
 // worker reports that it has finished unwinding), and are picked up by the next pass after that.
 //
+// Re-adoption after a coordinator restart (JobManager "Re-adoption"): every pass looks at the jobs
+// waiting for re-adoption and the held-job reports of the registered workers
+// (WorkerRegistry::HeldJobs). A job is re-adopted once every rank r of its generation has a
+// worker reporting it holds it: the same job, generation, rank r, world size and replicas, its
+// state intact, every rank at one step K, not behind the state db's step (reports are matched by
+// what they say, not by worker id: an unnamed worker comes back under a new id, which becomes
+// Job.worker_ids[r]). Then the
+// workers become its ranks again (WorkerRegistry::Adopt), the job STARTING ("re-adopting N
+// ranks at step K (the state db had step J ...)", Job.step and tokens the ranks': the results
+// the ranks report for steps the db lacks give the tokens; their step events are not published)
+// and a JobRun with that Adoption drives it on. A report that disagrees (another generation or
+// rank, two workers for one rank, a different step, a named worker of the generation back
+// without the job: it restarted) gives up at once, and so does the end of the wait
+// (JobManagerOptions::readopt_window) with a rank missing: JobManager::ReadoptFailed (the
+// checkpoint path, the reason saying why) and every worker holding the job is told to drop it
+// (WorkerRegistry::DropHeld), as is any worker holding a job that waits for no re-adoption.
+//
 // Thread-safety: Start/Stop/Wake may be called from any thread; Stop joins every thread.
 #pragma once
 
@@ -98,6 +115,12 @@ class Scheduler {
  private:
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
   void SchedulePass() ABSL_LOCKS_EXCLUDED(mu_);
+  // Re-adopts or gives up on the jobs waiting for re-adoption; drops held jobs nobody waits for.
+  void ReadoptPass() ABSL_LOCKS_EXCLUDED(mu_);
+  // Starts the run of a re-adopted job on its held workers (`ids[r]` holds rank r, `held[r]` is
+  // its report).
+  void Readopt(const v1::Job& job, const std::vector<std::string>& ids,
+               const std::vector<v1::HeldJob>& held) ABSL_LOCKS_EXCLUDED(mu_);
   void ReapFinished() ABSL_LOCKS_EXCLUDED(mu_);
   void OnCancel(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
   // What the scheduler thread waits for between passes (besides the tick).

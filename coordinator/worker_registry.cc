@@ -87,6 +87,8 @@ absl::StatusOr<v1::RegisterResponse> WorkerRegistry::Register(const v1::Register
     i.set_placement_domain(req.placement_domain());
     i.set_memory_bytes(req.memory_bytes());
     w->memory_shared = req.memory_shared();
+    w->held.reset();
+    if (req.has_held_job() && !req.held_job().job_id().empty()) w->held = req.held_job();
     i.set_version(req.version());
     i.set_healthy(true);
     i.set_last_heartbeat(NowSeconds());
@@ -242,7 +244,7 @@ std::map<std::string, std::string> WorkerRegistry::WorkerDomains(const std::stri
 v1::WorkerInfo WorkerRegistry::InfoOf(const Worker& w) const {
   v1::WorkerInfo info = w.info;
   info.set_memory_bytes(MemoryLocked(w));
-  const bool busy = !info.job_id().empty();
+  const bool busy = !info.job_id().empty() || w.held.has_value();
   if (!info.healthy() || !w.session) info.set_state(v1::WORKER_STATE_UNHEALTHY);
   else if (info.draining()) info.set_state(busy ? v1::WORKER_STATE_DRAINING : v1::WORKER_STATE_DRAINED);
   else info.set_state(busy ? v1::WORKER_STATE_BUSY : v1::WORKER_STATE_IDLE);
@@ -272,8 +274,8 @@ void WorkerRegistry::SetAssigning(bool assigning) {
 }
 
 bool WorkerRegistry::Assignable(const Worker& w, std::chrono::steady_clock::time_point now) const {
-  return assigning_ && w.info.healthy() && w.session && w.info.job_id().empty() && !w.info.draining() &&
-         now >= w.hold_until;
+  return assigning_ && w.info.healthy() && w.session && w.info.job_id().empty() &&
+         !w.held && !w.info.draining() && now >= w.hold_until;
 }
 
 std::vector<std::string> WorkerRegistry::FreeWorkers(const std::string& backend) const {
@@ -305,6 +307,53 @@ absl::Status WorkerRegistry::Assign(const std::vector<std::string>& worker_ids,
     w.handler = handler;
   }
   return absl::OkStatus();
+}
+
+std::map<std::string, v1::HeldJob> WorkerRegistry::HeldJobs() const {
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, v1::HeldJob> out;
+  for (const auto& [id, w] : workers_) {
+    if (w.held && w.session && w.info.healthy()) out[id] = *w.held;
+  }
+  return out;
+}
+
+absl::Status WorkerRegistry::Adopt(const std::vector<std::string>& worker_ids,
+                                   const std::string& job_id, WorkerEventHandler handler) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& id : worker_ids) {
+    auto it = workers_.find(id);
+    if (it == workers_.end() || !it->second.session || !it->second.info.healthy() ||
+        !it->second.held || it->second.held->job_id() != job_id)
+      return absl::FailedPreconditionError(
+          absl::StrCat("worker ", id, " does not hold job ", job_id, " (or has no session)"));
+  }
+  for (size_t r = 0; r < worker_ids.size(); ++r) {
+    Worker& w = workers_.at(worker_ids[r]);
+    w.held.reset();
+    w.info.set_job_id(job_id);
+    w.info.set_rank(static_cast<int>(r));
+    w.handler = handler;
+  }
+  return absl::OkStatus();
+}
+
+bool WorkerRegistry::DropHeld(const std::string& worker_id, const std::string& reason,
+                              std::chrono::milliseconds grace) {
+  std::shared_ptr<SessionSink> sink;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = workers_.find(worker_id);
+    if (it == workers_.end() || !it->second.held) return false;
+    it->second.held.reset();
+    it->second.hold_until = std::chrono::steady_clock::now() + grace;
+    sink = it->second.session;
+  }
+  v1::CoordinatorMessage m;
+  m.mutable_abort()->set_reason(reason);
+  if (sink) sink->Send(m);
+  NotifyChange();
+  return true;
 }
 
 void WorkerRegistry::Release(const std::string& job_id, const std::vector<std::string>& aborted,

@@ -8,6 +8,11 @@
 // until it has been silent for 60 s; a later heartbeat makes a worker that still has a Session
 // healthy again.
 //
+// Held jobs: a worker that registers with RegisterRequest.held_job still holds a job of a
+// coordinator that went away; it is not assignable (WorkerInfo.state BUSY) until the scheduler
+// re-adopts it (Adopt) or tells it to drop the job (DropHeld). A registration without one clears
+// the report.
+//
 // Transport: the gRPC layer (or a test) attaches a SessionSink per Session stream; the registry
 // only ever calls Send/Close on it.
 //
@@ -20,6 +25,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -105,6 +111,17 @@ class WorkerRegistry {
   // FAILED_PRECONDITION (nothing changes) when any of them is not assignable any more.
   absl::Status Assign(const std::vector<std::string>& worker_ids, const std::string& job_id,
                       WorkerEventHandler handler);
+  // The held-job report of every healthy worker with an open Session that holds one, by worker id.
+  std::map<std::string, v1::HeldJob> HeldJobs() const;
+  // Re-adoption: marks worker_ids[r] as rank r of job_id, as Assign does, when each one is healthy
+  // with an open Session and reports holding job_id (its report is cleared). FAILED_PRECONDITION
+  // (nothing changes) otherwise.
+  absl::Status Adopt(const std::vector<std::string>& worker_ids, const std::string& job_id,
+                     WorkerEventHandler handler);
+  // Tells a worker that holds a job to drop it (Abort{reason}), clears its report and keeps it
+  // unassignable for `grace` (it is tearing the job down). False when it holds none.
+  bool DropHeld(const std::string& worker_id, const std::string& reason,
+                std::chrono::milliseconds grace);
   // Makes the workers of job_id idle again (their sessions stay). Those in `aborted` were just sent
   // Abort and may still be unwinding the job (a step in flight, its communicator); they stay
   // unassignable (FreeWorkers/Assign skip them) for `grace`, so a next Assignment does not queue
@@ -132,6 +149,7 @@ class WorkerRegistry {
     bool memory_shared = false;  // RegisterRequest.memory_shared
     int64_t pid = 0;  // the registering process's, to tell its own re-registration from another's
     std::chrono::steady_clock::time_point hold_until{};  // unassignable before this (see Release)
+    std::optional<v1::HeldJob> held;  // RegisterRequest.held_job, until adopted or dropped
   };
   bool Assignable(const Worker& w, std::chrono::steady_clock::time_point now) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/time.h"
 #include "kernels/backend.h"
 #include "common/checkpoint_format.h"
 #include "common/log.h"
@@ -41,6 +42,9 @@ struct WorkerDaemon::Job {
   CommBytes reported;  // the trainer's byte counters (every communicator) already in the metrics
   int rank = 0;
   Mesh mesh;  // of the Assignment's resolved spec: which checkpoint file this rank writes
+  int world_size = 1;
+  int64_t steps_completed = 0;  // optimizer steps done (the next step to run)
+  std::deque<v1::StepResult> recent;  // the last results (at most kRecentResults), oldest first
   std::unique_ptr<Trainer> trainer;
   // Set by Abort, by the end of the session and by a newer Assignment: the coordinator has moved
   // on, so nothing more is reported for this job (a late error or result could otherwise be taken
@@ -56,6 +60,10 @@ struct WorkerDaemon::Job {
 };
 
 namespace {
+
+// Results a held job reports (HeldJob.recent_results): with one step sent ahead, the old
+// coordinator may have recorded neither of the last two.
+constexpr size_t kRecentResults = 4;
 
 // The wire form of a step's figures (job_id is left to the caller).
 v1::StepResult ToStepResult(const StepStats& s) {
@@ -139,6 +147,14 @@ bool WorkerDaemon::Register() {
     req.set_memory_shared(opts_.memory_shared);
     req.set_pid(getpid());
     req.set_name(opts_.name);
+    {
+      absl::MutexLock l(&held_mu_);
+      if (holding_.load() && held_) {
+        *req.mutable_held_job() = *held_;
+        req.mutable_held_job()->set_steps_received(
+            std::max(held_->steps_completed(), job_received_.load()));
+      }
+    }
     v1::RegisterResponse resp;
     grpc::Status s = stub_->Register(&ctx, req, &resp);
     if (s.ok()) {
@@ -273,6 +289,7 @@ void WorkerDaemon::Serve() {
                                   {"world_size", a.world_size()},
                                   {"load_dir", a.load_dir()}});
         session_job = a.job_id();
+        job_received_.store(a.start_step());
         auto cancelled = std::make_shared<std::atomic<bool>>(false);
         {
           // A still-bootstrapping older job would otherwise hold the job thread until its
@@ -287,6 +304,7 @@ void WorkerDaemon::Serve() {
       case v1::CoordinatorMessage::kStep: {
         const v1::StepCommand c = msg.step();
         last_step_received_.store(std::max(last_step_received_.load(), c.step()));
+        job_received_.store(std::max(job_received_.load(), c.step() + std::max<int64_t>(1, c.count())));
         Post([this, c] { HandleStep(c); });
         break;
       }
@@ -300,6 +318,12 @@ void WorkerDaemon::Serve() {
         LogEvent("job_finished", {{"worker", worker_id_}, {"job", session_job}});
         Post([this] { DropJob(/*finished=*/true); });
         break;
+      case v1::CoordinatorMessage::kAdopt: {
+        const v1::Adopt a = msg.adopt();
+        session_job = a.job_id();
+        Post([this, a] { HandleAdopt(a); });
+        break;
+      }
       case v1::CoordinatorMessage::kAbort: {
         Log(absl::StrCat("abort: ", msg.abort().reason()));
         LogEvent("job_aborted",
@@ -317,8 +341,24 @@ void WorkerDaemon::Serve() {
     absl::MutexLock l(&write_mu_);
     stream_ = nullptr;
   }
-  CancelJob("coordinator session ended");
-  Post([this] { DropJob(); });
+  // A ready job is held for the next coordinator (hold_job_s); one still bootstrapping is
+  // cancelled: its rendezvous went with the coordinator.
+  // A held job is reported at once (registration does not wait for the steps already received:
+  // a peer may need a step's command that only this rank got); those steps run on, their results
+  // kept for the report instead of sent.
+  const bool hold = opts_.hold_job_s > 0 && !shutdown_ && job_ready_.load();
+  if (hold) {
+    holding_.store(true);
+  } else {
+    CancelJob("coordinator session ended");
+  }
+  Post([this, hold] {
+    if (hold && job_ && !job_->cancelled->load()) {
+      HoldJob();
+    } else {
+      DropJob();
+    }
+  });
   grpc::Status s = stream->Finish();
   if (!s.ok() && !shutdown_) Log(absl::StrCat("session ended: ", s.error_message()));
   absl::MutexLock l(&ctx_mu_);
@@ -344,17 +384,110 @@ void WorkerDaemon::JobThread() {
     std::function<void()> task;
     {
       absl::MutexLock l(&q_mu_);
-      q_mu_.Await(absl::Condition(this, &WorkerDaemon::TaskOrStopLocked));
+      // Woken at least every 200 ms so that a held job's hold runs out on time.
+      q_mu_.AwaitWithTimeout(absl::Condition(this, &WorkerDaemon::TaskOrStopLocked),
+                             absl::Milliseconds(200));
       if (q_stop_ && queue_.empty()) break;
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      if (!queue_.empty()) {
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
     }
-    task();
+    if (task) {
+      task();
+    } else {
+      ExpireHold();
+    }
   }
   DropJob();
 }
 
+void WorkerDaemon::PublishHeld() {
+  v1::HeldJob h;
+  h.set_job_id(job_->job_id);
+  h.set_generation(job_->generation);
+  h.set_rank(job_->rank);
+  h.set_world_size(job_->world_size);
+  h.set_replicas(job_->mesh.replicas);
+  h.set_steps_completed(job_->steps_completed);
+  h.set_intact(true);  // a failed step drops the job: a job still here is whole
+  for (const v1::StepResult& r : job_->recent) *h.add_recent_results() = r;
+  absl::MutexLock l(&held_mu_);
+  held_ = std::move(h);
+}
+
+void WorkerDaemon::HoldJob() {
+  hold_until_ = std::chrono::steady_clock::now() + std::chrono::seconds(opts_.hold_job_s);
+  v1::HeldJob h;
+  {
+    absl::MutexLock l(&held_mu_);
+    if (held_) h = *held_;
+  }
+  Log(absl::StrCat("holding job ", h.job_id(), " generation ", h.generation(), " rank ", h.rank(),
+                   "/", h.world_size(), " after ", h.steps_completed(),
+                   " steps for the next coordinator (up to ", opts_.hold_job_s,
+                   " s, --hold_job_s)"));
+  LogEvent("job_held", {{"worker", worker_id_},
+                        {"job", h.job_id()},
+                        {"generation", h.generation()},
+                        {"rank", h.rank()},
+                        {"steps_completed", h.steps_completed()},
+                        {"hold_s", opts_.hold_job_s}});
+}
+
+void WorkerDaemon::ExpireHold() {
+  if (!hold_until_ || std::chrono::steady_clock::now() < *hold_until_) return;
+  if (job_) {
+    Log(absl::StrCat("job ", job_->job_id, " generation ", job_->generation,
+                     " was not re-adopted within ", opts_.hold_job_s,
+                     " s (--hold_job_s): dropping it"));
+    LogEvent("job_hold_expired", {{"worker", worker_id_},
+                                  {"job", job_->job_id},
+                                  {"generation", job_->generation}});
+  }
+  DropJob();
+}
+
+void WorkerDaemon::HandleAdopt(const v1::Adopt& a) {
+  const bool match = job_ && hold_until_ && job_->job_id == a.job_id() &&
+                     job_->generation == a.generation() && job_->rank == a.rank() &&
+                     !job_->cancelled->load();
+  v1::WorkerMessage m;
+  if (!match) {
+    const std::string what =
+        absl::StrCat("adopt: this worker does not hold job ", a.job_id(), " generation ",
+                     a.generation(), " rank ", a.rank(),
+                     job_ ? absl::StrCat(" (it holds job ", job_->job_id, " generation ",
+                                         job_->generation, " rank ", job_->rank, ")")
+                          : std::string(" (it holds no job)"));
+    Log(what);
+    m.mutable_error()->set_job_id(a.job_id());
+    m.mutable_error()->set_message(what);
+    Send(m);
+    return;
+  }
+  hold_until_.reset();
+  holding_.store(false);
+  stale_steps_.store(false);
+  m.mutable_ready()->set_job_id(a.job_id());
+  m.mutable_ready()->set_generation(a.generation());
+  Send(m);
+  Log(absl::StrCat("re-adopted: job ", a.job_id(), " generation ", a.generation(), " rank ",
+                   a.rank(), ", continuing after ", job_->steps_completed, " steps"));
+  LogEvent("job_readopted", {{"worker", worker_id_},
+                             {"job", a.job_id()},
+                             {"generation", a.generation()},
+                             {"steps_completed", job_->steps_completed}});
+}
+
 void WorkerDaemon::DropJob(bool finished) {
+  job_ready_.store(false);
+  holding_.store(false);
+  hold_until_.reset();
+  {
+    absl::MutexLock l(&held_mu_);
+    held_.reset();
+  }
   {
     absl::MutexLock l(&comm_mu_);
     if (!finished) {
@@ -428,6 +561,8 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   job->job_id = a.job_id();
   job->generation = a.generation();
   job->mesh = MeshOf(a.spec(), a.world_size()).value_or(Mesh{1, std::max(1, a.world_size())});
+  job->world_size = a.world_size();
+  job->steps_completed = a.load_dir().empty() ? 0 : a.start_step();
   job->cancelled = cancelled;
   const std::string backend = a.spec().backend().empty() ? "cpu" : a.spec().backend();
   std::string err;
@@ -478,9 +613,12 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   if (!a.load_dir().empty()) {
     // Collective (the FP8 re-cast): every rank of the generation loads the same checkpoint.
     const auto t0 = std::chrono::steady_clock::now();
-    absl::Status s = CatchAllocationFailure("loading the checkpoint", [&] {
-      return LoadShards(job->trainer.get(), a.load_dir(), a.load_world_size(), a.start_step());
-    });
+    absl::Status s = opts_.settings.faults.CheckpointReadError(a.load_dir());
+    if (s.ok()) {
+      s = CatchAllocationFailure("loading the checkpoint", [&] {
+        return LoadShards(job->trainer.get(), a.load_dir(), a.load_world_size(), a.start_step());
+      });
+    }
     if (!s.ok()) return fail(absl::StrCat("loading checkpoint: ", s.ToString()), s.code());
     Log(absl::StrCat("loaded checkpoint ", a.load_dir(), " (", a.load_world_size(),
                      " ranks) in ",
@@ -489,8 +627,10 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   } else if (!a.init_dir().empty()) {
     // Another job's checkpoint, read only; collective like the load above.
     const v1::InitSpec& init = a.spec().init();
-    absl::Status s = LoadInitialShards(job->trainer.get(), a.init_dir(), a.init_world_size(),
-                                       init.load_optimizer_state(), init.load_fp8_state());
+    absl::Status s = opts_.settings.faults.CheckpointReadError(a.init_dir());
+    if (s.ok())
+      s = LoadInitialShards(job->trainer.get(), a.init_dir(), a.init_world_size(),
+                            init.load_optimizer_state(), init.load_fp8_state());
     if (!s.ok()) return fail(absl::StrCat("loading init.from_checkpoint: ", s.ToString()));
     Log(absl::StrCat("initialised from checkpoint ", a.init_dir(), " (", a.init_world_size(),
                      " ranks)"));
@@ -503,6 +643,8 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
     Log(absl::StrCat("loaded initial weights from ", a.spec().init().from_hf()));
   }
   job_ = std::move(job);
+  PublishHeld();
+  job_ready_.store(true);
   v1::WorkerMessage m;
   m.mutable_ready()->set_job_id(a.job_id());
   m.mutable_ready()->set_generation(a.generation());
@@ -581,6 +723,17 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   }
   v1::StepResult result = ToStepResult(*r);
   result.set_job_id(job_->job_id);
+  job_->steps_completed = c.step() + 1;
+  job_->recent.push_back(result);
+  job_->recent.back().clear_scaling();  // the report stays small
+  PublishHeld();
+  if (holding_.load()) {
+    // Run while the job is held (sent before the coordinator went away): its result is in the
+    // held job's report; the coordinator that re-adopts the job goes on after it.
+    Log(absl::StrCat("step ", c.step(), " of held job ", job_->job_id, " done; result kept"));
+    return true;
+  }
+  if (job_->recent.size() > kRecentResults) job_->recent.pop_front();
   if (result.skipped()) {
     Log(absl::StrCat("step ", c.step(), ": loss ",
                      result.loss_sum() / std::max<int64_t>(1, result.tokens()), " (this rank's), ",

@@ -13,7 +13,17 @@
 // drop the job. A newer
 // Assignment cancels an older job's bootstrap too.
 // The daemon survives job failures and coordinator restarts (it registers again, with exponential
-// backoff from 0.2 s to 5 s). Nothing is reported for a job after its Abort (a late error or step
+// backoff from 0.2 s to 5 s).
+// Holding a job through a coordinator restart (hold_job_s > 0): when the session ends while a job
+// is ready (its Ready sent), the job is kept: its trainer, communicators and training state. The
+// steps and saves already received still run (their results kept, not sent), and the daemon
+// registers again at once reporting the job (RegisterRequest.held_job: job, generation, rank,
+// world size, replicas, steps completed, steps whose commands it received, the last results).
+// Adopt{job, generation, rank} on the new session, handled after those steps, takes it up again
+// (reply Ready; the StepCommands that follow continue from there: first those of the steps other
+// ranks received and this one did not); Abort or an Assignment drops it; so does the end of
+// hold_job_s from when the job thread went idle (the job is then dropped as after Abort and the
+// worker is idle). A job still bootstrapping when the session ends is cancelled as before. Nothing is reported for a job after its Abort (a late error or step
 // result could be taken for the job's next generation).
 //
 // Thread-safety: Run() on one thread; Shutdown() from any thread (e.g. a signal watcher).
@@ -25,6 +35,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -61,6 +72,9 @@ struct DaemonOptions {
   // The channel to the coordinator (TLS, token: common/rpc_channel.h); null = plaintext.
   std::shared_ptr<grpc::Channel> channel;
   WorkerMetrics* metrics = nullptr;  // optional; must outlive the daemon
+  // How long a job is held for re-adoption after its coordinator's session ended (see above),
+  // seconds; 0: the job is dropped at once (as before held jobs existed).
+  int hold_job_s = 60;
   // The process's environment settings (WorkerSettings::FromEnvironment in main): the options of
   // each job's backend, NCCL communicator and trainer, and the faults to inject.
   WorkerSettings settings;
@@ -98,6 +112,15 @@ class WorkerDaemon {
   // Marks the newest job's bootstrap cancelled and aborts its communicator (reader thread).
   void CancelJob(const std::string& reason) ABSL_LOCKS_EXCLUDED(comm_mu_);
   void HandleStep(const v1::StepCommand& c);
+  // The session ended while the job was ready: keep it for hold_job_s and publish what it holds
+  // for the next registration (job thread).
+  void HoldJob();
+  // Updates held_ from job_ (job thread).
+  void PublishHeld() ABSL_LOCKS_EXCLUDED(held_mu_);
+  // Drops a held job whose hold_job_s has passed (job thread, between tasks).
+  void ExpireHold();
+  // Adopt: goes on with the held job when it is the one named; replies Ready or WorkerError.
+  void HandleAdopt(const v1::Adopt& a);
   // One step; false when it failed (the job was dropped and the error sent).
   bool RunStep(const v1::StepCommand& c);
   // Writes this rank's checkpoint shard (between steps) and replies CheckpointSaved or WorkerError.
@@ -140,6 +163,21 @@ class WorkerDaemon {
   // Set when a job is aborted, fails a step, or the session ends, until the next assignment: step
   // commands the coordinator had already sent ahead are then dropped without an error.
   std::atomic<bool> stale_steps_{false};
+  // Whether the job thread's job_ is ready (its Ready sent): set and cleared on the job thread,
+  // read by the reader at session end to choose between holding and cancelling it.
+  std::atomic<bool> job_ready_{false};
+  // Set at a session's end when the job is held, until it is adopted or dropped: the steps already
+  // received still run, their results kept instead of sent.
+  std::atomic<bool> holding_{false};
+  // The steps of the current job whose commands this worker received (the next step no command
+  // covers; HeldJob.steps_received), set by the reader.
+  std::atomic<int64_t> job_received_{0};
+  // When the held job is dropped (job thread only); unset when no job is held.
+  std::optional<std::chrono::steady_clock::time_point> hold_until_;
+  absl::Mutex held_mu_;
+  // The ready job's state as a held job would report it (kept current by the job thread); sent
+  // with a registration while holding_.
+  std::optional<v1::HeldJob> held_ ABSL_GUARDED_BY(held_mu_);
   // The highest step whose StepCommand the session has received (for FSDP8_FAULT_STEP_ERROR).
   std::atomic<int64_t> last_step_received_{-1};
 };

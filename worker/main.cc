@@ -47,6 +47,10 @@ ABSL_FLAG(int, device, 0, "GPU ordinal (cuda backend)");
 ABSL_FLAG(int, threads, 1, "BLAS threads for the CPU backend");
 ABSL_FLAG(int, connect_timeout_s, 60,
           "give up when the coordinator does not answer this long (seconds; 0: keep retrying)");
+ABSL_FLAG(int, hold_job_s, 60,
+          "when the coordinator's session ends while a job runs, keep the job (trainer, "
+          "communicators, training state) this long for a restarted coordinator to re-adopt "
+          "(seconds; 0: drop it at once)");
 ABSL_FLAG(std::string, name, "",
           "stable worker id (e.g. the pod name): kept across session losses and restarts of this "
           "worker or the coordinator; 1-63 of [A-Za-z0-9._-]; empty: the coordinator assigns w-<n>");
@@ -247,6 +251,7 @@ fsdp8::DaemonOptions OptionsFromFlags(fsdp8::WorkerSettings settings, std::strin
   opts.placement_domain = PlacementDomain(opts.backend, opts.device, domain_how);
   opts.connect_timeout_s = absl::GetFlag(FLAGS_connect_timeout_s);
   opts.name = absl::GetFlag(FLAGS_name);
+  opts.hold_job_s = std::max(0, absl::GetFlag(FLAGS_hold_job_s));
   opts.settings = std::move(settings);
   const int64_t limit = std::max<int64_t>(0, absl::GetFlag(FLAGS_memory_limit_mb)) << 20;
   opts.settings.backend.memory_limit_bytes = limit;

@@ -523,6 +523,108 @@ TEST(JobManagerPersistence, RunningJobWithCheckpointsRecoversAfterRestart) {
   EXPECT_EQ(same->job_id(), again_id);
 }
 
+// With re-adoption on (readopt_window), a job RUNNING at the restart waits for its ranks instead:
+// RECOVERING, its generation and worker_ids kept, no restart counted, out of PendingJobs and in
+// ReadoptCandidates (also after a second restart meanwhile). MarkReadopting makes it STARTING on
+// the same generation at the ranks' step; ReadoptFailed takes the checkpoint path (the restart
+// counted, the reason saying why) or fails a job without a checkpoint.dir. A job STARTING at the
+// restart has no ranks to re-adopt: the checkpoint path at once.
+TEST(JobManagerPersistence, RunningJobWaitsForReadoptionAfterRestart) {
+  TempDir dir;
+  std::string train = WriteTokens(dir, "train.bin");
+  JobManagerOptions o;
+  o.state_db = dir.File("state.db");
+  o.readopt_window = std::chrono::milliseconds(60000);
+  auto spec = [&](const std::string& ck) {
+    v1::JobSpec s = SmallSpec(train, 2, 9);
+    if (!ck.empty()) s.mutable_checkpoint()->set_dir(dir.File(ck));
+    s.set_max_restarts(2);
+    return s;
+  };
+  std::string adopt_id, fall_id, bare_id, starting_id;
+  {
+    auto jm = JobManager::Open(o);
+    ASSERT_TRUE(jm.ok()) << jm.status();
+    adopt_id = (*jm)->Submit("", spec("ck-a"))->job_id();
+    fall_id = (*jm)->Submit("", spec("ck-b"))->job_id();
+    bare_id = (*jm)->Submit("", spec(""))->job_id();
+    starting_id = (*jm)->Submit("", spec("ck-d"))->job_id();
+    for (const auto& id : {adopt_id, fall_id, bare_id, starting_id}) {
+      ASSERT_TRUE((*jm)->MarkStarting(id, {"w-1", "w-2"}).ok());
+      if (id != starting_id) {
+        ASSERT_TRUE((*jm)->MarkRunning(id).ok());
+      }
+    }
+    v1::JobEvent ev;
+    ev.set_step(4);
+    ev.set_loss(2.5);
+    ev.set_tokens(400);
+    ASSERT_TRUE((*jm)->RecordStep(adopt_id, ev).ok());
+  }
+  for (int restart = 0; restart < 2; ++restart) {  // a second restart while waiting: still waits
+    auto jm = JobManager::Open(o);
+    ASSERT_TRUE(jm.ok()) << jm.status();
+    for (const auto& id : {adopt_id, fall_id, bare_id}) {
+      auto j = (*jm)->Get(id);
+      EXPECT_EQ(j->state(), v1::JOB_STATE_RECOVERING);
+      EXPECT_EQ(j->restarts(), 0);
+      EXPECT_EQ(j->generation(), 1);
+      EXPECT_EQ(j->worker_ids_size(), 2);
+      EXPECT_EQ(j->reason(),
+                "coordinator restarted: re-adopting the 2 ranks of generation 1 (waiting up to 1m)");
+    }
+  }
+  auto jm = JobManager::Open(o);
+  ASSERT_TRUE(jm.ok()) << jm.status();
+  std::vector<std::string> pending, candidates;
+  for (const auto& j : (*jm)->PendingJobs()) pending.push_back(j.job_id());
+  for (const auto& c : (*jm)->ReadoptCandidates()) {
+    candidates.push_back(c.job.job_id());
+    EXPECT_GT(c.until, std::chrono::steady_clock::now() + std::chrono::seconds(50));
+  }
+  EXPECT_EQ(pending, std::vector<std::string>{starting_id});
+  EXPECT_EQ((*jm)->Get(starting_id)->reason(),
+            "recovering from a coordinator restart (restart 1 of 2)");
+  EXPECT_EQ(candidates, (std::vector<std::string>{adopt_id, fall_id, bare_id}));
+
+  EXPECT_EQ((*jm)->MarkReadopting(adopt_id, {"w-1"}, 6, 600, "one worker").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Rank 1's unnamed worker came back under a new id.
+  auto adopted = (*jm)->MarkReadopting(adopt_id, {"w-1", "w-5"}, 6, 600,
+                                       "re-adopting 2 ranks at step 6");
+  ASSERT_TRUE(adopted.ok()) << adopted.status();
+  EXPECT_EQ(adopted->worker_ids(1), "w-5");
+  EXPECT_EQ(adopted->state(), v1::JOB_STATE_STARTING);
+  EXPECT_EQ(adopted->generation(), 1);
+  EXPECT_EQ(adopted->step(), 6);
+  EXPECT_EQ(adopted->tokens(), 600);
+  EXPECT_EQ(adopted->worker_ids_size(), 2);
+  ASSERT_TRUE((*jm)->MarkRunning(adopt_id).ok());
+  EXPECT_EQ((*jm)->MarkReadopting(adopt_id, {"w-1", "w-5"}, 6, 600, "again").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+
+  ASSERT_TRUE((*jm)->ReadoptFailed(fall_id, "rank 1 (worker w-2) did not come back").ok());
+  auto fall = (*jm)->Get(fall_id);
+  EXPECT_EQ(fall->state(), v1::JOB_STATE_RECOVERING);
+  EXPECT_EQ(fall->restarts(), 1);
+  EXPECT_EQ(fall->worker_ids_size(), 0);
+  EXPECT_EQ(fall->reason(),
+            "recovering from a coordinator restart (restart 1 of 2): falling back to the "
+            "checkpoint because rank 1 (worker w-2) did not come back");
+  EXPECT_EQ((*jm)->ReadoptFailed(fall_id, "twice").code(), absl::StatusCode::kFailedPrecondition);
+
+  ASSERT_TRUE((*jm)->ReadoptFailed(bare_id, "rank 0 (worker w-1) did not come back").ok());
+  auto bare = (*jm)->Get(bare_id);
+  EXPECT_EQ(bare->state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(bare->reason(),
+            "coordinator restarted and rank 0 (worker w-1) did not come back (no checkpoint.dir "
+            "to resume from)");
+  pending.clear();
+  for (const auto& j : (*jm)->PendingJobs()) pending.push_back(j.job_id());
+  EXPECT_EQ(pending, (std::vector<std::string>{fall_id, starting_id}));
+  EXPECT_TRUE((*jm)->ReadoptCandidates().empty());
+}
+
 // ---- bounded table: pages, deletion, retention -------------------------------------------------
 
 // Pages come oldest first, only the owner's when asked, within the page size and the byte budget,

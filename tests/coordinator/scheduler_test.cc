@@ -109,10 +109,19 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
   void set_memory_bytes(int64_t bytes) { memory_bytes_ = bytes; }
   // The host it registers from (a simulated host: 127.0.0.2, ...); before Start.
   void set_host(const std::string& host) { host_ = host; }
+  // Registers under `name` reporting that it holds `held` (a job of a coordinator that went away;
+  // RegisterRequest.held_job); Adopt then makes it that job's rank, as the worker daemon does;
+  // before Start.
+  void set_held(const std::string& name, const v1::HeldJob& held) {
+    name_ = name;
+    held_ = held;
+  }
   void Start() {
     v1::RegisterRequest req = CpuWorkerRegistration(FSDP8_VERSION);
     req.set_memory_bytes(memory_bytes_);
     if (!host_.empty()) req.set_host(host_);
+    req.set_name(name_);
+    if (!held_.job_id().empty()) *req.mutable_held_job() = held_;
     auto r = reg_->Register(req);
     ASSERT_TRUE(r.ok()) << r.status();
     id_ = r->worker_id();
@@ -199,7 +208,21 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
         m = q_.front();
         q_.pop_front();
       }
-      if (m.has_assignment()) {
+      if (m.has_adopt()) {
+        v1::WorkerMessage r;
+        if (m.adopt().job_id() != held_.job_id() || m.adopt().rank() != held_.rank()) {
+          r.mutable_error()->set_job_id(m.adopt().job_id());
+          r.mutable_error()->set_message("adopt: not the job held");
+        } else {
+          a_.set_job_id(held_.job_id());
+          a_.set_generation(held_.generation());
+          a_.set_rank(held_.rank());
+          a_.set_world_size(held_.world_size());
+          r.mutable_ready()->set_job_id(a_.job_id());
+          r.mutable_ready()->set_generation(a_.generation());
+        }
+        Reply(r);
+      } else if (m.has_assignment()) {
         a_ = m.assignment();
         v1::WorkerMessage r;
         r.mutable_ready()->set_job_id(a_.job_id());
@@ -334,6 +357,8 @@ class FakeWorker : public SessionSink, public std::enable_shared_from_this<FakeW
   WorkerRegistry* reg_;
   int64_t memory_bytes_ = 0;
   std::string host_;
+  std::string name_;
+  v1::HeldJob held_;
   Mode mode_;
   int64_t at_step_;
   double loss_per_token_;
@@ -1952,6 +1977,178 @@ TEST_F(SchedulerTest, AMeshsCheckpointListsItsOptimizerShards) {
     EXPECT_FALSE(std::filesystem::exists(ck + "/step-3/rank-" + std::to_string(bytes.size()) +
                                          ".ckpt"));
   }
+}
+
+}  // namespace
+}  // namespace fsdp8::coord
+
+namespace fsdp8::coord {
+namespace {
+
+// Coordinator restart with re-adoption: a job RUNNING on workers "node-a", "node-b" after 3 steps
+// (in the state db) comes back waiting for re-adoption (readopt_window 60 s).
+class ReadoptSchedulerTest : public SchedulerTest {
+ protected:
+  // Submits the job (2 ranks, 8 steps, a checkpoint dir with nothing committed), runs it 3 steps
+  // on node-a and node-b in a first JobManager on a state db, then opens the db again as a
+  // restarted coordinator does, with re-adoption on, and restarts the scheduler on it.
+  std::string RestartWithARunningJob() {
+    sched_->Stop();
+    JobManagerOptions o;
+    o.state_db = dir_.File("state.db");
+    std::string id;
+    {
+      auto first = JobManager::Open(o);
+      EXPECT_TRUE(first.ok()) << first.status();
+      v1::JobSpec spec = SmallSpec(train_, 2, 8);
+      spec.mutable_checkpoint()->set_dir(dir_.File("ck"));
+      auto job = (*first)->Submit("", spec);
+      EXPECT_TRUE(job.ok()) << job.status();
+      id = job->job_id();
+      EXPECT_TRUE((*first)->MarkStarting(id, {"node-a", "node-b"}).ok());
+      EXPECT_TRUE((*first)->MarkRunning(id).ok());
+      v1::JobEvent ev;
+      ev.set_step(3);
+      ev.set_loss(2.0);
+      ev.set_tokens(900);
+      EXPECT_TRUE((*first)->RecordStep(id, ev).ok());
+    }
+    o.readopt_window = 60s;
+    auto jm = JobManager::Open(o);
+    EXPECT_TRUE(jm.ok()) << jm.status();
+    jobs_ = std::move(*jm);
+    StartScheduler(2s, 0ms);
+    return id;
+  }
+  // A worker named `name` holding rank `rank` of the job's `generation` after `steps` steps (the
+  // commands it received), with the results (tokens 100 * (rank + 1)) of the steps from 3 on.
+  std::shared_ptr<FakeWorker> AddHeld(const std::string& name, const std::string& job, int rank,
+                                      int64_t steps, int64_t generation = 1) {
+    v1::HeldJob h;
+    h.set_job_id(job);
+    h.set_generation(generation);
+    h.set_rank(rank);
+    h.set_world_size(2);
+    h.set_replicas(1);
+    h.set_steps_completed(steps);
+    h.set_steps_received(steps);
+    h.set_intact(true);
+    for (int64_t k = 3; k < steps; ++k) {
+      v1::StepResult* r = h.add_recent_results();
+      r->set_job_id(job);
+      r->set_step(k);
+      r->set_tokens(100 * (rank + 1));
+    }
+    auto w = std::make_shared<FakeWorker>(workers_.get());
+    w->set_held(name, h);
+    w->Start();
+    fakes_.push_back(w);
+    return w;
+  }
+  std::vector<std::string> Messages(const std::string& id) {
+    std::vector<std::string> msgs;
+    jobs_->Watch(id, 0, [&](const v1::JobEvent& e) {
+      if (!e.message().empty()) msgs.push_back(e.message());
+      return true;
+    }).IgnoreError();
+    return msgs;
+  }
+};
+
+// Both ranks come back holding generation 1 after 5 steps (2 more than the state db's 3): the job
+// is re-adopted (Adopt, no Assignment, no restart), steps on from step 5 and succeeds; its tokens
+// count the 2 steps the db lacked from the ranks' reported results.
+TEST_F(ReadoptSchedulerTest, IntactRanksAreReadoptedAtTheirStep) {
+  const std::string id = RestartWithARunningJob();
+  EXPECT_EQ(jobs_->Get(id)->state(), v1::JOB_STATE_RECOVERING);
+  auto a = AddHeld("node-a", id, 0, 5);
+  // One rank back: the job waits (the window is 60 s).
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(jobs_->Get(id)->state(), v1::JOB_STATE_RECOVERING);
+  EXPECT_EQ(a->Count(v1::CoordinatorMessage::kAdopt), 0);
+  auto b = AddHeld("node-b", id, 1, 5);
+  const v1::Job end = WaitEnd(id);
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  EXPECT_EQ(end.generation(), 1);
+  EXPECT_EQ(end.restarts(), 0);
+  EXPECT_EQ(end.step(), 8);
+  EXPECT_EQ(end.tokens(), 8 * 300);
+  for (auto* w : {a.get(), b.get()}) {
+    EXPECT_EQ(w->Count(v1::CoordinatorMessage::kAdopt), 1);
+    EXPECT_EQ(w->Count(v1::CoordinatorMessage::kAssignment), 0);
+    EXPECT_EQ(w->Count(v1::CoordinatorMessage::kAbort), 0);
+    std::vector<int64_t> steps;
+    for (const auto& m : w->received())
+      if (m.has_step()) steps.push_back(m.step().step());
+    EXPECT_EQ(steps, (std::vector<int64_t>{5, 6, 7}));
+  }
+  const std::vector<std::string> msgs = Messages(id);
+  auto has = [&](const std::string& text) {
+    for (const auto& m : msgs)
+      if (m == text) return true;
+    return false;
+  };
+  EXPECT_TRUE(has("re-adopting 2 ranks of generation 1 at step 5 (the state db had step 3; the "
+                  "ranks completed 2 more while no coordinator ran)"))
+      << absl::StrJoin(msgs, "\n");
+  EXPECT_TRUE(has("re-adopted 2 ranks at step 5 (generation 1; no checkpoint read)"))
+      << absl::StrJoin(msgs, "\n");
+}
+
+// Rank 1 did not receive step 4's command, which rank 0 ran (the coordinator died between the two
+// sends): re-adopted at step 5, rank 1 is sent step 4 after its Adopt, then both go on from 5.
+TEST_F(ReadoptSchedulerTest, ARankThatMissedAStepIsSentItAndTheJobGoesOnFromTheLast) {
+  const std::string id = RestartWithARunningJob();
+  auto a = AddHeld("node-a", id, 0, 5);
+  auto b = AddHeld("node-b", id, 1, 4);
+  const v1::Job end = WaitEnd(id);
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  EXPECT_EQ(end.generation(), 1);
+  EXPECT_EQ(end.restarts(), 0);
+  EXPECT_EQ(end.step(), 8);
+  auto steps_of = [](FakeWorker* w) {
+    std::vector<int64_t> steps;
+    for (const auto& m : w->received())
+      if (m.has_step()) steps.push_back(m.step().step());
+    return steps;
+  };
+  EXPECT_EQ(steps_of(a.get()), (std::vector<int64_t>{5, 6, 7}));
+  EXPECT_EQ(steps_of(b.get()), (std::vector<int64_t>{4, 5, 6, 7}));
+  const std::vector<v1::CoordinatorMessage> got = b->received();
+  ASSERT_FALSE(got.empty());
+  EXPECT_TRUE(got[0].has_adopt()) << "Adopt comes before the missing step";
+  bool readopted = false;
+  for (const auto& m : Messages(id))
+    readopted |= m == "re-adopted 2 ranks at step 5 (generation 1; no checkpoint read)";
+  EXPECT_TRUE(readopted) << absl::StrJoin(Messages(id), "\n");
+}
+
+// A rank reports another generation of the job: no re-adoption, at once (not at the window's
+// end): the job falls back to the checkpoint path saying why, the held workers are told to drop
+// the job, and the job then runs again from step 0 (nothing committed) as generation 2 on the same
+// workers.
+TEST_F(ReadoptSchedulerTest, AReportOfAnotherGenerationFallsBackToTheCheckpoint) {
+  const std::string id = RestartWithARunningJob();
+  auto a = AddHeld("node-a", id, 0, 5);
+  auto b = AddHeld("node-b", id, 1, 5, /*generation=*/7);
+  const v1::Job end = WaitEnd(id);
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  EXPECT_EQ(end.generation(), 2);
+  EXPECT_EQ(end.restarts(), 1);
+  for (auto* w : {a.get(), b.get()}) {
+    EXPECT_EQ(w->Count(v1::CoordinatorMessage::kAdopt), 0);
+    bool dropped = false;
+    for (const auto& m : w->received())
+      dropped |= m.has_abort() && absl::StrContains(m.abort().reason(), "is not re-adopted");
+    EXPECT_TRUE(dropped);
+    EXPECT_EQ(w->Count(v1::CoordinatorMessage::kAssignment), 1);
+  }
+  bool fell_back = false;
+  for (const auto& m : Messages(id))
+    fell_back |= m == "recovering from a coordinator restart (restart 1 of 3): falling back to "
+                      "the checkpoint because worker node-b holds generation 7 as rank 1 of 2 (1 "
+                      "replicas), not one of the 2 ranks of generation 1 (1 replicas)";
+  EXPECT_TRUE(fell_back) << absl::StrJoin(Messages(id), "\n");
 }
 
 }  // namespace

@@ -161,6 +161,81 @@ TEST(WorkerRegistry, NamedWorkerKeepsItsIdAndALiveDuplicateIsRefused) {
 
 // Placement domains: CPU workers on different loopback addresses are different hosts; a named
 // NVLink island is a domain of its host only (the same name on another host is another domain).
+// A sink that keeps what it is sent.
+class RecordingSink : public SessionSink {
+ public:
+  bool Send(const v1::CoordinatorMessage& m) override {
+    sent.push_back(m);
+    return true;
+  }
+  void Close() override {}
+  std::vector<v1::CoordinatorMessage> sent;
+};
+
+// A worker that registers holding a job (RegisterRequest.held_job) is listed BUSY and never
+// assignable; Adopt takes only workers holding that job and makes them its ranks; DropHeld sends
+// Abort with the reason and frees the worker after the grace; a registration without a held job
+// clears an earlier report.
+TEST(WorkerRegistry, HeldJobsAreAdoptedOrDropped) {
+  WorkerRegistry reg({"1.2.3"});
+  auto held_req = [](const std::string& name, int rank) {
+    v1::RegisterRequest r = CpuWorkerRegistration("1.2.3");
+    r.set_name(name);
+    v1::HeldJob* h = r.mutable_held_job();
+    h->set_job_id("job-1");
+    h->set_generation(3);
+    h->set_rank(rank);
+    h->set_world_size(2);
+    h->set_steps_completed(7);
+    h->set_intact(true);
+    return r;
+  };
+  std::map<std::string, std::shared_ptr<RecordingSink>> sinks;
+  for (const auto& [name, rank] : std::vector<std::pair<std::string, int>>{{"a", 0}, {"b", 1}}) {
+    ASSERT_TRUE(reg.Register(held_req(name, rank)).ok());
+    sinks[name] = std::make_shared<RecordingSink>();
+    ASSERT_TRUE(reg.AttachSession(name, sinks[name]).ok());
+  }
+  v1::RegisterRequest plain = CpuWorkerRegistration("1.2.3");
+  plain.set_name("c");
+  ASSERT_TRUE(reg.Register(plain).ok());
+  ASSERT_TRUE(reg.AttachSession("c", std::make_shared<NullSink>()).ok());
+  EXPECT_EQ(reg.FreeWorkers("cpu"), std::vector<std::string>{"c"});
+  for (const auto& w : reg.List())
+    EXPECT_EQ(w.state(), w.worker_id() == "c" ? v1::WORKER_STATE_IDLE : v1::WORKER_STATE_BUSY)
+        << w.worker_id();
+  const auto held = reg.HeldJobs();
+  ASSERT_EQ(held.size(), 2u);
+  EXPECT_EQ(held.at("b").rank(), 1);
+  EXPECT_EQ(held.at("b").steps_completed(), 7);
+  // Only workers that hold the job: "c" holds none, nothing changes.
+  EXPECT_EQ(reg.Adopt({"a", "c"}, "job-1", nullptr).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(reg.Adopt({"a"}, "job-2", nullptr).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(reg.HeldJobs().size(), 2u);
+  ASSERT_TRUE(reg.Adopt({"a"}, "job-1", nullptr).ok());
+  for (const auto& w : reg.List()) {
+    if (w.worker_id() != "a") continue;
+    EXPECT_EQ(w.job_id(), "job-1");
+    EXPECT_EQ(w.rank(), 0);
+  }
+  EXPECT_EQ(reg.HeldJobs().count("a"), 0u);
+  // "b" is told to drop it; after the grace it is free.
+  EXPECT_TRUE(reg.DropHeld("b", "job job-1 is not re-adopted", std::chrono::milliseconds(100)));
+  EXPECT_FALSE(reg.DropHeld("b", "again", std::chrono::milliseconds(0)));
+  ASSERT_EQ(sinks["b"]->sent.size(), 1u);
+  EXPECT_EQ(sinks["b"]->sent[0].abort().reason(), "job job-1 is not re-adopted");
+  EXPECT_EQ(reg.FreeWorkers("cpu"), std::vector<std::string>{"c"});
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  EXPECT_EQ(reg.FreeWorkers("cpu"), (std::vector<std::string>{"b", "c"}));
+  // A worker registering again without a held job clears its report.
+  ASSERT_TRUE(reg.Register(held_req("c", 0)).ok());
+  EXPECT_EQ(reg.HeldJobs().count("c"), 0u) << "no session attached again yet";
+  ASSERT_TRUE(reg.AttachSession("c", std::make_shared<NullSink>()).ok());
+  EXPECT_EQ(reg.HeldJobs().count("c"), 1u);
+  ASSERT_TRUE(reg.Register(plain).ok());
+  EXPECT_EQ(reg.HeldJobs().count("c"), 0u);
+}
+
 TEST(WorkerRegistry, PlacementDomainsAreHostsOrTheirNamedIslands) {
   WorkerRegistry reg({"1.2.3"});
   std::vector<std::string> ids;

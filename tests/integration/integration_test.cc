@@ -501,7 +501,9 @@ TEST_F(ChaosCluster, C10_HungRankIsDetectedAndTheJobRecoversBitIdentically) {
 }
 
 // The coordinator is SIGKILLed after step 12 of a 2-rank job and started again on the same address
-// and state database. The workers re-register on their own; the job, RUNNING when the coordinator
+// and state database with re-adoption off (--readopt_window_s=0: the checkpoint path, which a
+// job takes when its ranks cannot be re-adopted; readopt_test covers re-adoption). The workers
+// re-register on their own; the job, RUNNING when the coordinator
 // died, comes back RECOVERING, resumes from the newest checkpoint committed before the kill
 // (step-10, or a later one when the event stream lagged behind the job) and succeeds with every
 // loss equal to the uninterrupted run's; resubmitting its request id returns the same job.
@@ -525,7 +527,9 @@ TEST_F(ChaosCluster, CoordinatorRestartResumesTheRunningJobFromItsCheckpoint) {
   const int64_t committed = NewestCommitted(*dir_ / "restart");
   EXPECT_GE(committed, 10);
   const std::string resume_from = "step-" + std::to_string(committed);
+  coordinator_flags_->push_back("--readopt_window_s=0");
   ASSERT_EQ(StartCoordinator(*addr_, "coordinator-2.log"), *addr_);
+  coordinator_flags_->pop_back();
   const Clock::time_point restarted = Clock::now();
   // The workers come back under their names (--name), the ids the first coordinator listed.
   std::vector<std::string> ids;

@@ -90,5 +90,24 @@ TEST(FaultInjection, CrashPointsMatchThePointAndThePath) {
   EXPECT_TRUE(names.count("shard.before_write") && names.count("manifest.before_rename"));
 }
 
+// FSDP8_FAULT_CHECKPOINT_READ: a load of a step directory whose path holds an entry fails with
+// DATA_LOSS naming the directory and the variable, every time; other directories load.
+TEST(FaultInjection, CheckpointReadFailsOnMatchingStepDirectories) {
+  setenv("FSDP8_FAULT_CHECKPOINT_READ", ",ck/step-10,", 1);
+  const FaultInjection f = FaultInjection::FromEnvironment();
+  unsetenv("FSDP8_FAULT_CHECKPOINT_READ");
+  EXPECT_TRUE(f.CheckpointReadError("/data/ck/step-5").ok());
+  EXPECT_TRUE(f.CheckpointReadError("/data/other/step-10").ok());
+  for (int i = 0; i < 2; ++i) {
+    const absl::Status s = f.CheckpointReadError("/data/ck/step-10");
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+    EXPECT_EQ(s.message(),
+              "reading checkpoint /data/ck/step-10: failed (injected by "
+              "FSDP8_FAULT_CHECKPOINT_READ)");
+  }
+  EXPECT_FALSE(FaultInjection("", "", "", "/").CheckpointReadError("/any/step-1").ok());
+  EXPECT_TRUE(FaultInjection().CheckpointReadError("/any/step-1").ok());
+}
+
 }  // namespace
 }  // namespace fsdp8
