@@ -371,7 +371,11 @@ absl::StatusOr<StepStats> Trainer::Step(int64_t step, bool evaluate, bool report
   r.reduce_scatter_bytes = bytes1.reduce_scatter - bytes0.reduce_scatter;
   r.peak_memory_bytes =
       std::max({r.forward_peak_bytes, r.backward_peak_bytes, r.optimizer_peak_bytes});
-  if (report_scaling) r.scaling = ScalingReport();
+  if (report_scaling) {
+    absl::StatusOr<v1::ScalingState> scaling = ScalingReport();
+    if (!scaling.ok()) return scaling.status();
+    r.scaling = *std::move(scaling);
+  }
   timer_.End();
   return r;
 }
@@ -498,9 +502,8 @@ absl::Status Trainer::VerifyComms() {
   return absl::OkStatus();
 }
 
-v1::ScalingState Trainer::ScalingReport() {
-  // A failed collective breaks the trainer; the next step reports it.
-  (void)ApplyPendingUpdates();
+absl::StatusOr<v1::ScalingState> Trainer::ScalingReport() {
+  if (absl::Status s = ApplyPendingUpdates(); !s.ok()) return s;
   return CurrentScalingReport();
 }
 
