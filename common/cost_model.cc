@@ -407,7 +407,12 @@ double HostSlowdown(const Calibration& c, int processes) {
   if (c.cores <= 0 || processes <= 1) return 1.0;
   const auto& h = c.host_slowdown;
   if (h.empty()) return std::max(1.0, static_cast<double>(processes) / c.cores);
-  if (processes <= h.front().first) return processes == h.front().first ? h.front().second : 1.0;
+  if (processes <= h.front().first) {
+    // Below the first measured count: linear from (1 process, 1.0) to that point.
+    if (h.front().first <= 1) return h.front().second;
+    const double f = static_cast<double>(processes - 1) / (h.front().first - 1);
+    return 1.0 + f * (h.front().second - 1.0);
+  }
   if (processes >= h.back().first) {
     return h.back().second * processes / static_cast<double>(h.back().first);
   }

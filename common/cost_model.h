@@ -190,7 +190,8 @@ double OptimizerSeconds(const Calibration& c, const ShardElements& e, int state_
 
 // The factor on a CPU rank's compute and optimizer time with `processes` ranks on the host: the
 // calibration's host_slowdown interpolated linearly between measured process counts (beyond the
-// last, that factor x processes / its processes; below the first, 1); without one,
+// last, that factor x processes / its processes; below the first, linearly from 1 process at
+// 1.0 to the first); without one,
 // max(1, processes / cores); 1 for a calibration without cores (GPUs).
 double HostSlowdown(const Calibration& c, int processes);
 

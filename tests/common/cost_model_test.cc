@@ -359,6 +359,12 @@ TEST(CostModel, HostSlowdownOfCpuRanks) {
   EXPECT_DOUBLE_EQ(HostSlowdown(c, 2), 1.2);
   EXPECT_DOUBLE_EQ(HostSlowdown(c, 3), 2.0);          // halfway between 1.2 and 2.8
   EXPECT_DOUBLE_EQ(HostSlowdown(c, 8), 2.8 * 8 / 4);  // beyond the last: x processes / 4
+  // A table starting above 2 processes: below its first point, linear from (1, 1.0).
+  c.host_slowdown = {{4, 2.5}, {8, 4.0}};
+  EXPECT_DOUBLE_EQ(HostSlowdown(c, 2), 1.5);  // 1 + (2 - 1) / (4 - 1) x (2.5 - 1)
+  EXPECT_DOUBLE_EQ(HostSlowdown(c, 3), 2.0);  // 1 + 2 / 3 x 1.5
+  EXPECT_DOUBLE_EQ(HostSlowdown(c, 4), 2.5);
+  EXPECT_DOUBLE_EQ(HostSlowdown(c, 6), 3.25);  // halfway between 2.5 and 4.0
   c.cores = 0;                                        // GPUs: one device per rank
   EXPECT_DOUBLE_EQ(HostSlowdown(c, 8), 1.0);
   // PredictStep applies it to the compute: 2 ranks at 1.2 against the same step at 1.
