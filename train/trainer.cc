@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "common/check.h"
 #include "common/spec.h"
 #include "common/token_shard.h"
 
@@ -137,9 +138,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
   t->model_ = std::make_unique<LlamaModel>(spec, t->params_.get(), t->scaling_.get(), backend,
                                            options.model);
   t->scaling_->Finalize();
-  // After the model's weight scale groups (FsdpParams::CanDefer).
-  t->defer_optimizer_ =
-      mesh->DefersOptimizer(tr.overlap_optimizer()) && t->params_->CanDefer();
+  // The memory plan's rule (common/memory_plan.cc): one function decides for both. The model's
+  // weight scale groups (set above) lie within one block, hence one unit, so FsdpParams agrees.
+  t->defer_optimizer_ = mesh->DefersOptimizer(tr.overlap_optimizer());
+  FSDP8_CHECK(!t->defer_optimizer_ || t->params_->CanDefer())
+      << "the step plan deferred the optimizer but a weight scale group spans units";
   if (absl::Status s = t->RecastWeights(); !s.ok()) return s;
   return t;
 }

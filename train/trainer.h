@@ -181,7 +181,7 @@ class Trainer {
   // After the master weights changed outside a step (checkpoint load, weight import): recasts
   // the wire shards (FsdpParams::CastWeights) and prefetches the first units of the next step.
   absl::Status RecastWeights();
-  // training.overlap_optimizer in effect (Mesh::DefersOptimizer and FsdpParams::CanDefer): each
+  // training.overlap_optimizer in effect (Mesh::DefersOptimizer, the memory plan's rule too): each
   // step's AdamW updates and wire-shard casts run per unit before the unit's next all-gather.
   bool defers_optimizer() const { return defer_optimizer_; }
   // Runs the updates a step deferred (FsdpParams::DeferAdamW) that have not run yet, so that the

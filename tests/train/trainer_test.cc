@@ -409,7 +409,7 @@ TEST(Trainer, DISABLED_DefaultModelStepTime) {
 
 // ---- non-finite steps ------------------------------------------------------------------------
 // Every shard array of this rank (master weights, both AdamW moments), unit by unit, as bytes.
-std::string ShardBytes(const FsdpParams& p) {
+std::string ShardBytes(FsdpParams& p) {
   std::string out;
   for (size_t u = 0; u < p.plan().units.size(); ++u) {
     const UnitPlan& unit = p.plan().units[u];
