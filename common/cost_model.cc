@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/memory_plan.h"
 #include "common/model_dims.h"
+#include "common/spec.h"
 
 namespace fsdp8 {
 
@@ -533,6 +534,11 @@ std::pair<double, double> HeadPassBytes(bool head_bf16, int64_t tokens, int64_t 
 absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
                                      const Calibration& c, const StepPlanOptions& options) {
   const std::string backend = spec.backend() == "cuda" ? "cuda" : "cpu";
+  if (const std::string field = ScaledGranularityField(spec); !field.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": the cost model prices tensorwise FP8 linears only (ROWWISE and BLOCKWISE "
+        "blocks' per-row / per-tile scaling passes are not modelled)"));
+  }
   if (c.backend != backend) {
     return absl::InvalidArgumentError(absl::StrCat("calibration: backend ", c.backend,
                                                    " does not match the spec's backend ",
@@ -717,6 +723,8 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
   }
   cost.comm_total_s += small;
   cost.exposed_comm_s = sr.exposed_s + small;
+  // The optimizer priced in the serial order (after the backward) whatever the spec says.
+  cost.optimizer_deferred = mesh.DefersOptimizer(spec.training().overlap_optimizer());
   cost.step_s = cost.compute_s + cost.exposed_comm_s + cost.optimizer_s;
   return cost;
 }

@@ -521,18 +521,6 @@ absl::Status CheckPrecisionOverrides(const v1::PrecisionSpec& p, int n_layers) {
   return absl::OkStatus();
 }
 
-// "precision.overrides[i].granularity" of the first override that makes its layer rowwise or
-// blockwise (one exists when precision.fp8.granularity is tensorwise and AnyScaledGranularity).
-std::string ScaledOverrideField(const v1::JobSpec& spec) {
-  const auto& overrides = spec.precision().overrides();
-  for (int i = 0; i < overrides.size(); ++i) {
-    if (LayerGranularity(spec, overrides[i].layer()) != v1::FP8_GRANULARITY_TENSORWISE) {
-      return absl::StrCat("precision.overrides[", i, "].granularity");
-    }
-  }
-  return "precision.overrides[].granularity";
-}
-
 // The rowwise / blockwise recipes: current scaling only, and only the combinations built so far.
 absl::Status CheckGranularity(const v1::JobSpec& spec) {
   const v1::Fp8Recipe& r = spec.precision().fp8();
@@ -550,9 +538,7 @@ absl::Status CheckGranularity(const v1::JobSpec& spec) {
                "got DELAYED");
   }
   if (!AnyScaledGranularity(spec)) return absl::OkStatus();
-  const std::string which = r.granularity() != v1::FP8_GRANULARITY_TENSORWISE
-                                ? "precision.fp8.granularity"
-                                : ScaledOverrideField(spec);
+  const std::string which = ScaledGranularityField(spec);
   if (spec.backend() == "cuda") {
     return Bad(which, "ROWWISE and BLOCKWISE need the CPU backends until the CUDA kernels land",
                "backend cuda");
@@ -1127,6 +1113,21 @@ bool AnyScaledGranularity(const v1::JobSpec& spec) {
     if (LayerGranularity(spec, l) != v1::FP8_GRANULARITY_TENSORWISE) return true;
   }
   return false;
+}
+
+std::string ScaledGranularityField(const v1::JobSpec& spec) {
+  if (!AnyScaledGranularity(spec)) return "";
+  const v1::Fp8Granularity g = spec.precision().fp8().granularity();
+  if (g != v1::FP8_GRANULARITY_TENSORWISE && g != v1::FP8_GRANULARITY_UNSPECIFIED) {
+    return "precision.fp8.granularity";
+  }
+  const auto& overrides = spec.precision().overrides();
+  for (int i = 0; i < overrides.size(); ++i) {
+    if (LayerGranularity(spec, overrides[i].layer()) != v1::FP8_GRANULARITY_TENSORWISE) {
+      return absl::StrCat("precision.overrides[", i, "].granularity");
+    }
+  }
+  return "precision.overrides[].granularity";  // unreachable: a scaled layer has a cause
 }
 
 const char* GranularityName(v1::Fp8Granularity g) {
