@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/memory_plan.h"
 #include "common/model_dims.h"
+#include "common/spec.h"
 
 namespace fsdp8 {
 
@@ -407,7 +408,12 @@ double HostSlowdown(const Calibration& c, int processes) {
   if (c.cores <= 0 || processes <= 1) return 1.0;
   const auto& h = c.host_slowdown;
   if (h.empty()) return std::max(1.0, static_cast<double>(processes) / c.cores);
-  if (processes <= h.front().first) return processes == h.front().first ? h.front().second : 1.0;
+  if (processes <= h.front().first) {
+    // Below the first measured count: linear from (1 process, 1.0) to that point.
+    if (h.front().first <= 1) return h.front().second;
+    const double f = static_cast<double>(processes - 1) / (h.front().first - 1);
+    return 1.0 + f * (h.front().second - 1.0);
+  }
   if (processes >= h.back().first) {
     return h.back().second * processes / static_cast<double>(h.back().first);
   }
@@ -528,6 +534,11 @@ std::pair<double, double> HeadPassBytes(bool head_bf16, int64_t tokens, int64_t 
 absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
                                      const Calibration& c, const StepPlanOptions& options) {
   const std::string backend = spec.backend() == "cuda" ? "cuda" : "cpu";
+  if (const std::string field = ScaledGranularityField(spec); !field.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": the cost model prices tensorwise FP8 linears only (ROWWISE and BLOCKWISE "
+        "blocks' per-row / per-tile scaling passes are not modelled)"));
+  }
   if (c.backend != backend) {
     return absl::InvalidArgumentError(absl::StrCat("calibration: backend ", c.backend,
                                                    " does not match the spec's backend ",
@@ -712,6 +723,8 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
   }
   cost.comm_total_s += small;
   cost.exposed_comm_s = sr.exposed_s + small;
+  // The optimizer priced in the serial order (after the backward) whatever the spec says.
+  cost.optimizer_deferred = mesh.DefersOptimizer(spec.training().overlap_optimizer());
   cost.step_s = cost.compute_s + cost.exposed_comm_s + cost.optimizer_s;
   return cost;
 }

@@ -190,7 +190,8 @@ double OptimizerSeconds(const Calibration& c, const ShardElements& e, int state_
 
 // The factor on a CPU rank's compute and optimizer time with `processes` ranks on the host: the
 // calibration's host_slowdown interpolated linearly between measured process counts (beyond the
-// last, that factor x processes / its processes; below the first, 1); without one,
+// last, that factor x processes / its processes; below the first, linearly from 1 process at
+// 1.0 to the first); without one,
 // max(1, processes / cores); 1 for a calibration without cores (GPUs).
 double HostSlowdown(const Calibration& c, int processes);
 
@@ -206,11 +207,20 @@ struct StepCost {
   int microbatches = 1;
   int64_t tokens_per_rank = 0;  // per step
   std::string intra_link, inter_link;
+  // Whether training would run the optimizer deferred into the next step's forward
+  // (training.overlap_optimizer, Mesh::DefersOptimizer). The model prices the serial order in
+  // either case: optimizer_s after the backward, added to step_s. Deferred, the measured step
+  // moves most of that time into the forward's compute (the updates compete with it for memory
+  // bandwidth), which the model does not price.
+  bool optimizer_deferred = false;
 };
 
 // The step of `spec` resolved at mesh.world_size() (ResolveSpec) on `mesh` with calibration `c`.
 // INVALID_ARGUMENT where the step plan refuses the spec, where the calibration lacks a rate the
-// spec needs (naming it), or for a calibration of another backend than the spec's.
+// spec needs (naming it), for a calibration of another backend than the spec's, or naming
+// precision.fp8.granularity / precision.overrides[i].granularity for a spec with a rowwise or
+// blockwise block (ScaledGranularityField: only tensorwise FP8 is priced). The optimizer is
+// priced in the serial order (StepCost::optimizer_deferred).
 absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
                                      const Calibration& c, const StepPlanOptions& options = {});
 

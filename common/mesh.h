@@ -50,7 +50,8 @@ struct Mesh {
   int CheckpointFile(int rank) const;
   // Whether the optimizer can run deferred into the next step's forward, per unit
   // (training.overlap_optimizer): not when the optimizer is sharded over the world with R > 1,
-  // whose wire shards are rebuilt by all-gathers over the replica group.
+  // whose wire shards are rebuilt by all-gathers over the replica group. The one rule: the
+  // trainer (Trainer::defers_optimizer) and the memory plan (PlanMemory) both decide by it.
   bool DefersOptimizer(bool overlap_optimizer) const {
     return overlap_optimizer && !(optimizer_over_world && replicas > 1);
   }

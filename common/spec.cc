@@ -507,6 +507,10 @@ absl::Status CheckPrecisionOverrides(const v1::PrecisionSpec& p, int n_layers) {
     if (lp.linears() == v1::PRECISION_UNSPECIFIED) {
       return Bad(at + ".linears", "must be set", "FP8, BF16 or FP32");
     }
+    if (!v1::Fp8Granularity_IsValid(lp.granularity())) {
+      return Bad(at + ".granularity", "must be TENSORWISE, ROWWISE or BLOCKWISE",
+                 absl::StrCat("undefined value ", static_cast<int>(lp.granularity())));
+    }
     if (lp.granularity() != v1::FP8_GRANULARITY_UNSPECIFIED &&
         lp.linears() != v1::PRECISION_FP8) {
       return Bad(at + ".granularity", "applies to FP8 linears only",
@@ -520,6 +524,10 @@ absl::Status CheckPrecisionOverrides(const v1::PrecisionSpec& p, int n_layers) {
 // The rowwise / blockwise recipes: current scaling only, and only the combinations built so far.
 absl::Status CheckGranularity(const v1::JobSpec& spec) {
   const v1::Fp8Recipe& r = spec.precision().fp8();
+  if (!v1::Fp8Granularity_IsValid(r.granularity())) {
+    return Bad("precision.fp8.granularity", "must be TENSORWISE, ROWWISE or BLOCKWISE",
+               absl::StrCat("undefined value ", static_cast<int>(r.granularity())));
+  }
   if (r.granularity() != v1::FP8_GRANULARITY_TENSORWISE &&
       r.recipe() == v1::SCALING_RECIPE_DELAYED) {
     return Bad("precision.fp8.recipe",
@@ -530,9 +538,7 @@ absl::Status CheckGranularity(const v1::JobSpec& spec) {
                "got DELAYED");
   }
   if (!AnyScaledGranularity(spec)) return absl::OkStatus();
-  const std::string which = r.granularity() != v1::FP8_GRANULARITY_TENSORWISE
-                                ? "precision.fp8.granularity"
-                                : "precision.overrides[].granularity";
+  const std::string which = ScaledGranularityField(spec);
   if (spec.backend() == "cuda") {
     return Bad(which, "ROWWISE and BLOCKWISE need the CPU backends until the CUDA kernels land",
                "backend cuda");
@@ -1107,6 +1113,21 @@ bool AnyScaledGranularity(const v1::JobSpec& spec) {
     if (LayerGranularity(spec, l) != v1::FP8_GRANULARITY_TENSORWISE) return true;
   }
   return false;
+}
+
+std::string ScaledGranularityField(const v1::JobSpec& spec) {
+  if (!AnyScaledGranularity(spec)) return "";
+  const v1::Fp8Granularity g = spec.precision().fp8().granularity();
+  if (g != v1::FP8_GRANULARITY_TENSORWISE && g != v1::FP8_GRANULARITY_UNSPECIFIED) {
+    return "precision.fp8.granularity";
+  }
+  const auto& overrides = spec.precision().overrides();
+  for (int i = 0; i < overrides.size(); ++i) {
+    if (LayerGranularity(spec, overrides[i].layer()) != v1::FP8_GRANULARITY_TENSORWISE) {
+      return absl::StrCat("precision.overrides[", i, "].granularity");
+    }
+  }
+  return "precision.overrides[].granularity";  // unreachable: a scaled layer has a cause
 }
 
 const char* GranularityName(v1::Fp8Granularity g) {

@@ -156,6 +156,10 @@ v1::Fp8Granularity LayerGranularity(const v1::JobSpec& spec, int layer);
 
 // Whether any block's FP8 linears scale rowwise or blockwise (LayerGranularity).
 bool AnyScaledGranularity(const v1::JobSpec& spec);
+// The field that makes some block rowwise or blockwise: "precision.fp8.granularity" when that
+// is not TENSORWISE (nor unset), else "precision.overrides[i].granularity" of the first override
+// whose layer is; "" when every block is tensorwise (AnyScaledGranularity false).
+std::string ScaledGranularityField(const v1::JobSpec& spec);
 
 // "TENSORWISE", "ROWWISE", "BLOCKWISE" or "UNSPECIFIED".
 const char* GranularityName(v1::Fp8Granularity g);

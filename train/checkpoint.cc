@@ -174,7 +174,7 @@ std::string CompareReplicated(const ReplicatedState& a, const ReplicatedState& b
 // ---- Writing ----
 
 // Encodes the whole rank file into `enc`; stops early once `w` failed.
-void EncodeShardFile(const FsdpParams& params, const RankFileHeader& header,
+void EncodeShardFile(FsdpParams& params, const RankFileHeader& header,
                      const ReplicatedState& state, const Writer& w, RankFileEncoder* enc) {
   const ShardPlan& plan = params.plan();
   enc->Header(header);
@@ -465,7 +465,7 @@ std::string SpecDescription(const v1::JobSpec& spec) {
                       v1::Fp8Format_Name(p.fp8().format()), Granularities(spec));
 }
 
-absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
+absl::Status WriteShardFile(FsdpParams& params, int rank, int world_size,
                             const std::string& description, const ReplicatedState& state,
                             const std::string& dir, v1::CheckpointSaved* out,
                             const FaultInjection* faults) {

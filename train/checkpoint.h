@@ -72,7 +72,7 @@ struct ReplicatedState {
 // INVALID_ARGUMENT) and `state`. On success fills out->{step, rank (= `rank`), file, bytes,
 // crc32} (job_id is the caller's). faults (optional): its shard.* crash points
 // (common/fault_injection.h) are reached on the way.
-absl::Status WriteShardFile(const FsdpParams& params, int rank, int world_size,
+absl::Status WriteShardFile(FsdpParams& params, int rank, int world_size,
                             const std::string& description, const ReplicatedState& state,
                             const std::string& dir, v1::CheckpointSaved* out,
                             const FaultInjection* faults = nullptr);

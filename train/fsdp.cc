@@ -573,7 +573,7 @@ bool FsdpParams::UpdatePending() const {
   return std::find(pending_.begin(), pending_.end(), true) != pending_.end();
 }
 
-void FsdpParams::RunPendingAdamW(int unit) const {
+void FsdpParams::RunPendingAdamW(int unit) {
   if (!adamw_pending_[unit]) return;
   adamw_pending_[unit] = false;
   const auto [lo, hi] = unit_fp8_[unit];
@@ -747,6 +747,12 @@ absl::Status FsdpParams::SetWeightScaleGroup(const std::vector<TensorRef>& membe
 }
 
 absl::StatusOr<std::map<std::string, std::vector<float>>> FsdpParams::GatherAll(bool grads) {
+  if (grads && UpdatePending()) {
+    // Applying the updates frees the grad shards they read: the gradients are gone.
+    return absl::FailedPreconditionError(
+        "GatherAll(grads): a deferred optimizer update is pending (training.overlap_optimizer); "
+        "its AdamW consumes the gradients, which are no longer available");
+  }
   if (absl::Status s = ApplyPendingUpdates(); !s.ok()) return s;  // joins the side stream
   if (grads) {
     MaterializeGrads();
@@ -816,7 +822,7 @@ size_t FsdpParams::ElementBytes(ShardArray which) const {
   return moment && moments_ == MomentDtype::kBf16 ? sizeof(uint16_t) : sizeof(float);
 }
 
-void FsdpParams::DownloadShard(int unit, int buffer, ShardArray which, float* host) const {
+void FsdpParams::DownloadShard(int unit, int buffer, ShardArray which, float* host) {
   be_->JoinSideStream();
   for (size_t u = 0; u < units_.size(); ++u) RunPendingAdamW(static_cast<int>(u));
   const int64_t n = units_[unit][buffer].opt_n;

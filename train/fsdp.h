@@ -257,6 +257,11 @@ class FsdpParams {
   const std::vector<WeightScaling>& weight_scaling() const;
 
   // Collective: every tensor's full values, gathered from all ranks (master weights or grads).
+  // Applies the pending deferred updates first (DeferAdamW). FAILED_PRECONDITION for grads while
+  // an update is pending (UpdatePending(): a step ran with training.overlap_optimizer and no
+  // forward, evaluation or GatherAll has applied it since): that update consumes and frees the
+  // grad shards, so the gradients of that step are no longer available. Gradients are available
+  // after ForwardBackward, or after a step with the serial optimizer order.
   absl::StatusOr<std::map<std::string, std::vector<float>>> GatherAll(bool grads);
   // Sets one element of a tensor's master weight if this rank owns it (testing, import); call
   // CastWeights() afterwards. Returns whether this rank owns it. Like ZeroShard and
@@ -269,7 +274,8 @@ class FsdpParams {
   // download and rounded to the nearest bfloat16 (ties to even) on upload. A "shard array" is the
   // optimizer piece: OptimizerNumel(unit, buffer) elements (shard_numel but under WORLD).
   // Copies this rank's whole shard array of (unit, buffer) (OptimizerNumel f32) to the host.
-  void DownloadShard(int unit, int buffer, ShardArray which, float* host) const;
+  // Runs the pending AdamW updates first (RunPendingAdamW), hence not const.
+  void DownloadShard(int unit, int buffer, ShardArray which, float* host);
   // Zeroes this rank's shard array of (unit, buffer) (padding included).
   void ZeroShard(int unit, int buffer, ShardArray which);
   // Writes n f32 values to elements [offset, offset + n) of this rank's shard array.
@@ -328,7 +334,7 @@ class FsdpParams {
   // Runs unit's pending AdamW (no-op without one), not its cast (no collective): DownloadShard
   // reads the updated arrays so; the cast follows with the unit's update (w_amax_ keeps the
   // amaxes until then).
-  void RunPendingAdamW(int unit) const;
+  void RunPendingAdamW(int unit);
   // The wire-shard refresh of CastWeights for one unit whose AdamW just ran (w_amax_ holds its
   // FP8 tensors' amaxes, its bf16 wire shards are packed): amax all-reduce, scales, casts.
   absl::Status CastUnit(int unit);
@@ -383,7 +389,7 @@ class FsdpParams {
   // Per unit: its FP8 tensors' ids [first, second) (contiguous: ids go in unit order).
   std::vector<std::pair<int, int>> unit_fp8_;
   std::vector<bool> pending_;  // per unit: its deferred update has not run (DeferAdamW)
-  mutable std::vector<bool> adamw_pending_;  // per unit: not even its AdamW (RunPendingAdamW)
+  std::vector<bool> adamw_pending_;        // per unit: not even its AdamW (RunPendingAdamW)
   AdamWStep pending_step_;
   DevBuf w_group_dev_;                     // w_group_ on the device (n_fp8) int32, when grouped
 };

@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "common/check.h"
 #include "common/spec.h"
 #include "common/token_shard.h"
 
@@ -137,9 +138,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
   t->model_ = std::make_unique<LlamaModel>(spec, t->params_.get(), t->scaling_.get(), backend,
                                            options.model);
   t->scaling_->Finalize();
-  // After the model's weight scale groups (FsdpParams::CanDefer).
-  t->defer_optimizer_ =
-      mesh->DefersOptimizer(tr.overlap_optimizer()) && t->params_->CanDefer();
+  // The memory plan's rule (common/memory_plan.cc): one function decides for both. The model's
+  // weight scale groups (set above) lie within one block, hence one unit, so FsdpParams agrees.
+  t->defer_optimizer_ = mesh->DefersOptimizer(tr.overlap_optimizer());
+  FSDP8_CHECK(!t->defer_optimizer_ || t->params_->CanDefer())
+      << "the step plan deferred the optimizer but a weight scale group spans units";
   if (absl::Status s = t->RecastWeights(); !s.ok()) return s;
   return t;
 }
@@ -371,7 +374,11 @@ absl::StatusOr<StepStats> Trainer::Step(int64_t step, bool evaluate, bool report
   r.reduce_scatter_bytes = bytes1.reduce_scatter - bytes0.reduce_scatter;
   r.peak_memory_bytes =
       std::max({r.forward_peak_bytes, r.backward_peak_bytes, r.optimizer_peak_bytes});
-  if (report_scaling) r.scaling = ScalingReport();
+  if (report_scaling) {
+    absl::StatusOr<v1::ScalingState> scaling = ScalingReport();
+    if (!scaling.ok()) return scaling.status();
+    r.scaling = *std::move(scaling);
+  }
   timer_.End();
   return r;
 }
@@ -498,9 +505,8 @@ absl::Status Trainer::VerifyComms() {
   return absl::OkStatus();
 }
 
-v1::ScalingState Trainer::ScalingReport() {
-  // A failed collective breaks the trainer; the next step reports it.
-  (void)ApplyPendingUpdates();
+absl::StatusOr<v1::ScalingState> Trainer::ScalingReport() {
+  if (absl::Status s = ApplyPendingUpdates(); !s.ok()) return s;
   return CurrentScalingReport();
 }
 

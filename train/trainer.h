@@ -135,8 +135,9 @@ class Trainer {
   double LearningRate(int64_t step) const;
   // The FP8 scaling state after the last step. Applies the pending updates first
   // (ApplyPendingUpdates: collective, every rank calls it at the same point), so that the weight
-  // scales are the last step's casts'.
-  v1::ScalingState ScalingReport();
+  // scales are the last step's casts'. The error of those updates (a failed collective) when
+  // they fail: the trainer is then broken, as after a failed step.
+  absl::StatusOr<v1::ScalingState> ScalingReport();
   // The same without applying anything (no collective): with training.overlap_optimizer a unit
   // whose deferred update has not run yet reports the weight scales its wire shards hold now
   // (the previous step's cast); the rest as ScalingReport.
@@ -180,7 +181,7 @@ class Trainer {
   // After the master weights changed outside a step (checkpoint load, weight import): recasts
   // the wire shards (FsdpParams::CastWeights) and prefetches the first units of the next step.
   absl::Status RecastWeights();
-  // training.overlap_optimizer in effect (Mesh::DefersOptimizer and FsdpParams::CanDefer): each
+  // training.overlap_optimizer in effect (Mesh::DefersOptimizer, the memory plan's rule too): each
   // step's AdamW updates and wire-shard casts run per unit before the unit's next all-gather.
   bool defers_optimizer() const { return defer_optimizer_; }
   // Runs the updates a step deferred (FsdpParams::DeferAdamW) that have not run yet, so that the

@@ -359,6 +359,12 @@ TEST(CostModel, HostSlowdownOfCpuRanks) {
   EXPECT_DOUBLE_EQ(HostSlowdown(c, 2), 1.2);
   EXPECT_DOUBLE_EQ(HostSlowdown(c, 3), 2.0);          // halfway between 1.2 and 2.8
   EXPECT_DOUBLE_EQ(HostSlowdown(c, 8), 2.8 * 8 / 4);  // beyond the last: x processes / 4
+  // A table starting above 2 processes: below its first point, linear from (1, 1.0).
+  c.host_slowdown = {{4, 2.5}, {8, 4.0}};
+  EXPECT_DOUBLE_EQ(HostSlowdown(c, 2), 1.5);  // 1 + (2 - 1) / (4 - 1) x (2.5 - 1)
+  EXPECT_DOUBLE_EQ(HostSlowdown(c, 3), 2.0);  // 1 + 2 / 3 x 1.5
+  EXPECT_DOUBLE_EQ(HostSlowdown(c, 4), 2.5);
+  EXPECT_DOUBLE_EQ(HostSlowdown(c, 6), 3.25);  // halfway between 2.5 and 4.0
   c.cores = 0;                                        // GPUs: one device per rank
   EXPECT_DOUBLE_EQ(HostSlowdown(c, 8), 1.0);
   // PredictStep applies it to the compute: 2 ranks at 1.2 against the same step at 1.
@@ -449,6 +455,56 @@ TEST(CostModel, PredictStepHybridShardsOverTheShardGroup) {
   ASSERT_TRUE(hybrid.ok()) << hybrid.status();
   EXPECT_NEAR(hybrid->optimizer_s, flat->optimizer_s, 1e-15);
   EXPECT_GT(hybrid->optimizer_s, 0);
+}
+
+// Rowwise / blockwise blocks are not priced: refused naming the field that asks for them.
+TEST(CostModel, PredictStepRefusesRowwiseAndBlockwiseNamingTheField) {
+  const Calibration c = TwoClassCalibration();
+  v1::JobSpec s = Tiny();
+  s.mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_ROWWISE);
+  s.mutable_precision()->mutable_fp8()->set_recipe(v1::SCALING_RECIPE_CURRENT);
+  auto rowwise = PredictStep(WithDefaults(s, 1), Mesh{1, 1, false}, c);
+  ASSERT_FALSE(rowwise.ok());
+  EXPECT_EQ(rowwise.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(rowwise.status().message().find("precision.fp8.granularity: the cost model prices "
+                                            "tensorwise FP8 linears only"),
+            std::string::npos)
+      << rowwise.status();
+  v1::JobSpec o = Tiny();
+  auto* bf16 = o.mutable_precision()->add_overrides();
+  bf16->set_layer(0);
+  bf16->set_linears(v1::PRECISION_BF16);
+  auto* blockwise = o.mutable_precision()->add_overrides();
+  blockwise->set_layer(1);
+  blockwise->set_linears(v1::PRECISION_FP8);
+  blockwise->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
+  auto over = PredictStep(WithDefaults(o, 1), Mesh{1, 1, false}, c);
+  ASSERT_FALSE(over.ok());
+  EXPECT_NE(over.status().message().find("precision.overrides[1].granularity"), std::string::npos)
+      << over.status();
+  // Tensorwise (the default) is priced.
+  EXPECT_TRUE(PredictStep(WithDefaults(Tiny(), 1), Mesh{1, 1, false}, c).ok());
+}
+
+// The optimizer is priced in the serial order; the cost says whether training would defer it
+// (training.overlap_optimizer, not under a WORLD optimizer with replicas), and the price is the
+// same either way.
+TEST(CostModel, PredictStepSaysWhetherTrainingDefersTheOptimizer) {
+  const Calibration c = TwoClassCalibration();
+  v1::JobSpec on = Tiny();
+  on.mutable_training()->set_overlap_optimizer(true);
+  v1::JobSpec off = Tiny();
+  off.mutable_training()->set_overlap_optimizer(false);
+  auto deferred = PredictStep(WithDefaults(on, 1), Mesh{1, 1, false}, c);
+  auto serial = PredictStep(WithDefaults(off, 1), Mesh{1, 1, false}, c);
+  ASSERT_TRUE(deferred.ok()) << deferred.status();
+  ASSERT_TRUE(serial.ok()) << serial.status();
+  EXPECT_TRUE(deferred->optimizer_deferred);
+  EXPECT_FALSE(serial->optimizer_deferred);
+  EXPECT_EQ(deferred->step_s, serial->step_s);
+  EXPECT_EQ(deferred->step_s,
+            deferred->compute_s + deferred->exposed_comm_s + deferred->optimizer_s);
+  EXPECT_GT(deferred->optimizer_s, 0);
 }
 
 // Backend calls per block, counted by hand from train/model.cc and train/fp8_linear.cc.

@@ -329,7 +329,31 @@ std::vector<RuleCase> Rules() {
         o->set_linears(v1::PRECISION_FP8);
         o->set_granularity(v1::FP8_GRANULARITY_ROWWISE);
         s->set_backend("cuda");
-      }, 2, {"precision.overrides[].granularity", "need the CPU backends", "backend cuda"});
+      }, 2, {"precision.overrides[0].granularity", "need the CPU backends", "backend cuda"});
+  add("BlockwiseSecondOverrideOnCuda", [](v1::JobSpec* s) {
+        auto* o = s->mutable_precision()->add_overrides();
+        o->set_layer(0);
+        o->set_linears(v1::PRECISION_BF16);
+        o = s->mutable_precision()->add_overrides();
+        o->set_layer(3);
+        o->set_linears(v1::PRECISION_FP8);
+        o->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
+        s->set_backend("cuda");
+      }, 2, {"precision.overrides[1].granularity", "need the CPU backends", "backend cuda"});
+  add("GranularityUndefinedValue", [](v1::JobSpec* s) {
+        s->mutable_precision()->mutable_fp8()->set_granularity(static_cast<v1::Fp8Granularity>(7));
+      }, 2, {"precision.fp8.granularity", "must be TENSORWISE, ROWWISE or BLOCKWISE",
+             "undefined value 7"});
+  add("OverrideGranularityUndefinedValue", [](v1::JobSpec* s) {
+        auto* o = s->mutable_precision()->add_overrides();
+        o->set_layer(0);
+        o->set_linears(v1::PRECISION_BF16);
+        o = s->mutable_precision()->add_overrides();
+        o->set_layer(1);
+        o->set_linears(v1::PRECISION_FP8);
+        o->set_granularity(static_cast<v1::Fp8Granularity>(-3));
+      }, 2, {"precision.overrides[1].granularity", "must be TENSORWISE, ROWWISE or BLOCKWISE",
+             "undefined value -3"});
   add("BackendUnknown", [](v1::JobSpec* s) { s->set_backend("tpu"); }, 2,
       {"backend", "must be \"cpu\" or \"cuda\"", "tpu"});
   add("TrainPathMissing", [](v1::JobSpec* s) { s->mutable_data()->clear_train_path(); }, 2,

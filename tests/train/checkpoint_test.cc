@@ -346,7 +346,7 @@ float NearestBf16(float x) {
 }
 
 // Every moment of a trainer's shards, in plan order, as f32.
-std::vector<float> AllMoments(const FsdpParams& p) {
+std::vector<float> AllMoments(FsdpParams& p) {
   std::vector<float> all;
   for (size_t u = 0; u < p.plan().units.size(); ++u) {
     for (size_t b = 0; b < p.plan().units[u].buffers.size(); ++b) {

@@ -30,6 +30,7 @@ namespace fsdp8 {
 namespace {
 
 using testing::CpuBackend;
+using testing::RunRanks;
 using testing::TrainFile;
 using testing::ValFile;
 namespace fs = std::filesystem;
@@ -91,7 +92,9 @@ std::vector<RankRun> TrainRun(const v1::JobSpec& spec, int R, int S, int64_t fir
       absl::Status st = SaveShard(**t, last, save, &saved);
       ASSERT_TRUE(st.ok()) << st;
     }
-    out[r].scaling = (*t)->ScalingReport();
+    auto scaling = (*t)->ScalingReport();
+    ASSERT_TRUE(scaling.ok()) << scaling.status();
+    out[r].scaling = *scaling;
     auto m = (*t)->params().GatherAll(false);
     ASSERT_TRUE(m.ok()) << m.status();
     out[r].master = *m;
@@ -246,6 +249,82 @@ TEST(DeferredOptimizer, CheckpointIsByteIdenticalAndResumesTheSameBits) {
   std::vector<RankRun> tail = full;
   for (RankRun& r : tail) r.steps.erase(r.steps.begin(), r.steps.begin() + 4);
   ExpectSameBits(tail, resumed, "resumed at step 4");
+}
+
+// A world communicator whose all-reduces fail once `fail` is set; everything else passes through.
+class FailingAllReduce : public Communicator {
+ public:
+  explicit FailingAllReduce(Communicator* inner) : inner_(inner) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  absl::Status AllGather(const void* send, void* recv, int64_t bytes_per_rank) override {
+    return inner_->AllGather(send, recv, bytes_per_rank);
+  }
+  absl::Status ReduceScatterSum(const float* send, float* recv, int64_t count) override {
+    return inner_->ReduceScatterSum(send, recv, count);
+  }
+  absl::Status AllReduce(float* buf, int64_t count, ReduceOp op) override {
+    if (fail) return absl::UnavailableError("injected all-reduce failure");
+    return inner_->AllReduce(buf, count, op);
+  }
+  absl::Status Broadcast(void* buf, int64_t bytes, int root) override {
+    return inner_->Broadcast(buf, bytes, root);
+  }
+  absl::Status Barrier() override { return inner_->Barrier(); }
+  void Abort(const std::string& reason) override { inner_->Abort(reason); }
+  bool fail = false;
+
+ private:
+  Communicator* inner_;
+};
+
+// The pending updates' failure (their amax all-reduce) is ScalingReport's error, not dropped.
+TEST(DeferredOptimizer, ScalingReportReturnsThePendingUpdatesFailure) {
+  RunRanks(1, [&](int r, Communicator* c) {
+    FailingAllReduce world(c);
+    auto be = CpuBackend();
+    auto t = Trainer::Create(WithDefaults(Spec(true), 1), r, 1, be.get(), &world);
+    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_TRUE((*t)->defers_optimizer());
+    auto res = (*t)->Step(0, false, false);
+    ASSERT_TRUE(res.ok()) << res.status();
+    ASSERT_TRUE((*t)->params().UpdatePending());
+    world.fail = true;
+    auto report = (*t)->ScalingReport();
+    ASSERT_FALSE(report.ok());
+    EXPECT_EQ(report.status().code(), absl::StatusCode::kUnavailable) << report.status();
+    EXPECT_NE(report.status().message().find("injected all-reduce failure"), std::string::npos)
+        << report.status();
+  });
+}
+
+// Gradients asked for while a deferred update is pending: FAILED_PRECONDITION (the update frees
+// the grad shards it reads), not zeros; the master weights are still gathered (the update
+// applied), and after a ForwardBackward the gradients are there, nonzero.
+TEST(DeferredOptimizer, GatherGradsWhileAnUpdateIsPendingIsAnError) {
+  RunRanks(1, [&](int r, Communicator* c) {
+    auto be = CpuBackend();
+    auto t = Trainer::Create(WithDefaults(Spec(true), 1), r, 1, be.get(), c);
+    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_TRUE((*t)->Step(0, false, false).ok());
+    ASSERT_TRUE((*t)->params().UpdatePending());
+    auto g = (*t)->params().GatherAll(true);
+    ASSERT_FALSE(g.ok());
+    EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition) << g.status();
+    EXPECT_NE(g.status().message().find("training.overlap_optimizer"), std::string::npos)
+        << g.status();
+    auto m = (*t)->params().GatherAll(false);
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_FALSE((*t)->params().UpdatePending());
+    ASSERT_TRUE((*t)->ForwardBackward(1).ok());
+    auto g2 = (*t)->params().GatherAll(true);
+    ASSERT_TRUE(g2.ok()) << g2.status();
+    double sq = 0;
+    for (const auto& [name, v] : *g2) {
+      for (float x : v) sq += static_cast<double>(x) * x;
+    }
+    EXPECT_GT(sq, 0.0);
+  });
 }
 
 }  // namespace

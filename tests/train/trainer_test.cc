@@ -409,7 +409,7 @@ TEST(Trainer, DISABLED_DefaultModelStepTime) {
 
 // ---- non-finite steps ------------------------------------------------------------------------
 // Every shard array of this rank (master weights, both AdamW moments), unit by unit, as bytes.
-std::string ShardBytes(const FsdpParams& p) {
+std::string ShardBytes(FsdpParams& p) {
   std::string out;
   for (size_t u = 0; u < p.plan().units.size(); ++u) {
     const UnitPlan& unit = p.plan().units[u];
@@ -444,7 +444,9 @@ TEST(Trainer, NonFiniteStepIsSkippedByEveryRankAndChangesNothing) {
     EXPECT_TRUE(std::isfinite(first->loss_sum)) << first->loss_sum;
     EXPECT_TRUE(std::isfinite(first->grad_norm)) << first->grad_norm;
     const std::string before = ShardBytes((*t)->params());
-    v1::ScalingState scaling_before = (*t)->ScalingReport();
+    absl::StatusOr<v1::ScalingState> report_before = (*t)->ScalingReport();
+    ASSERT_TRUE(report_before.ok()) << report_before.status();
+    v1::ScalingState scaling_before = *report_before;
     scaling_before.clear_step();
     for (int64_t k = 1; k <= 2; ++k) {
       auto res = (*t)->Step(k, false, false);
@@ -453,7 +455,9 @@ TEST(Trainer, NonFiniteStepIsSkippedByEveryRankAndChangesNothing) {
       EXPECT_FALSE(std::isfinite(res->loss_sum) && std::isfinite(res->grad_norm))
           << res->loss_sum << " " << res->grad_norm;
       EXPECT_TRUE(ShardBytes((*t)->params()) == before) << "rank " << r << " step " << k;
-      v1::ScalingState scaling_after = (*t)->ScalingReport();
+      absl::StatusOr<v1::ScalingState> report_after = (*t)->ScalingReport();
+      ASSERT_TRUE(report_after.ok()) << report_after.status();
+      v1::ScalingState scaling_after = *report_after;
       scaling_after.clear_step();
       EXPECT_EQ(scaling_after.SerializeAsString(), scaling_before.SerializeAsString())
           << "rank " << r << " step " << k;

@@ -64,7 +64,9 @@ inline std::vector<RankOut> Train(const v1::JobSpec& spec, int world, int steps,
       ASSERT_TRUE(res.ok()) << res.status();
       out[r].results.push_back(*res);
     }
-    out[r].scaling = (*t)->ScalingReport();
+    auto scaling = (*t)->ScalingReport();
+    ASSERT_TRUE(scaling.ok()) << scaling.status();
+    out[r].scaling = *scaling;
     if (gather) {
       auto m = (*t)->params().GatherAll(false);
       ASSERT_TRUE(m.ok()) << m.status();
