@@ -348,8 +348,16 @@ TEST_F(ReadoptTest, ARankLostWhileTheCoordinatorIsDownFallsBackToTheCheckpoint) 
         ChildProcess* p = WorkerOf(victim);
         ASSERT_NE(p, nullptr) << victim;
         survivor = ranks[1];
-        // Both ranks finish the steps sent ahead (a fraction of a second) and hold the job.
-        std::this_thread::sleep_for(std::chrono::seconds(2));
+        // Both ranks finish the steps sent ahead (a fraction of a second, longer on a loaded
+        // host) and hold the job; rank 0 is killed once rank 1's log says it holds it (up to
+        // 30 s). (Rank 0 may be waiting in a step only it received, the coordinator killed
+        // between the two ranks' sends: rank 0 is sent first, so rank 1 never waits for it.)
+        const fs::path log =
+            cluster_->LogPath("worker-" + survivor.substr(survivor.find('-') + 1) + ".log");
+        const auto until = Clock::now() + std::chrono::seconds(30);
+        while (ReadFile(log).find("holding job ") == std::string::npos && Clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        EXPECT_NE(ReadFile(log).find("holding job "), std::string::npos) << survivor;
         EXPECT_TRUE(p->Kill());
       },
       &losses, &restarted, &seq);
