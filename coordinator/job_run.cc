@@ -238,13 +238,10 @@ absl::Status JobRun::Drive() {
   Progress p;
   absl::Status started = adoption_ ? StartAdopted(spec, &p) : StartGeneration(spec, &p);
   if (!started.ok()) return started;
+  if (absl::Status s = SaveAtAdoption(spec, &p); !s.ok()) return s;
   const int64_t steps = spec.training().steps();
   for (int64_t k = p.start_step; k < steps; ++k)
     if (absl::Status s = RunStep(spec, k, &p); !s.ok()) return s;
-  if (adoption_ && p.start_step == steps && SaveDue(spec, steps, false)) {
-    // The ranks completed the last step while no coordinator ran: its save is still due.
-    if (absl::Status s = SaveWithRetry(spec, steps, &p); !s.ok()) return s;
-  }
   v1::CoordinatorMessage fin;
   fin.mutable_finish();
   SendAll(fin);
@@ -389,8 +386,20 @@ absl::Status JobRun::RemoveSaveLeftovers(const v1::JobSpec& spec) {
   return absl::OkStatus();
 }
 
+absl::Status JobRun::SaveAtAdoption(const v1::JobSpec& spec, Progress* p) {
+  if (!adoption_ || !SaveDue(spec, p->start_step, false) || p->start_step == 0)
+    return absl::OkStatus();
+  // The ranks completed step K while no coordinator ran (or before its save committed): the save
+  // due at K (periodic or final) is taken now unless K's checkpoint is committed already.
+  auto latest = CheckpointStore(spec.checkpoint().dir()).Latest(job_.job_id());
+  if (!latest.ok())
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint.dir: ", latest.status().message()));
+  if (latest->has_value() && (*latest)->step >= p->start_step) return absl::OkStatus();
+  return SaveWithRetry(spec, p->start_step, p);
+}
+
 absl::Status JobRun::StartAdopted(const v1::JobSpec& spec, Progress* p) {
-  if (absl::Status s = RemoveSaveLeftovers(spec); !s.ok()) return s;
   p->start_step = adoption_->step;
   p->tokens_total = adoption_->tokens;
   assigning_ = true;  // the ranks hold the job: a failure must Abort them
@@ -421,6 +430,9 @@ absl::Status JobRun::StartAdopted(const v1::JobSpec& spec, Progress* p) {
   // Results of those steps may come: they were sent (and are dropped once a later step is awaited).
   steps_sent_ = spec.training().free_running() ? spec.training().steps() : p->start_step;
   if (absl::Status s = AwaitReady(); !s.ok()) return s;
+  // Only now: until every rank's Ready, a rank could still be writing a save's staging directory
+  // (a worker with a save in flight does not hold the job, but a stale writer must not race this).
+  if (absl::Status s = RemoveSaveLeftovers(spec); !s.ok()) return s;
   const std::string msg =
       absl::StrCat("re-adopted ", n, " ranks at step ", p->start_step, " (generation ",
                    job_.generation(), "; no checkpoint read)");

@@ -197,6 +197,9 @@ class JobRun {
   // Start of a generation: resume choice, Assignments, every Ready, RUNNING. Fills *p.
   absl::Status StartGeneration(const v1::JobSpec& spec, Progress* p);
   // Start of a re-adopted generation (adoption_): Adopt to every rank, every Ready, RUNNING.
+  // An adopted run at step K: the save due at K (SaveDue) when no committed checkpoint of the
+  // job has step K yet.
+  absl::Status SaveAtAdoption(const v1::JobSpec& spec, Progress* p);
   absl::Status StartAdopted(const v1::JobSpec& spec, Progress* p);
   // Removes what interrupted saves left in checkpoint.dir (a failure fails the generation).
   absl::Status RemoveSaveLeftovers(const v1::JobSpec& spec);

@@ -398,8 +398,6 @@ void Scheduler::Readopt(const v1::Job& job, const std::vector<std::string>& ids,
   for (const v1::HeldJob& h : held) step = std::max(step, ReceivedSteps(h));
   std::vector<int64_t> from;  // the first step whose command each rank lacks
   for (const v1::HeldJob& h : held) from.push_back(ReceivedSteps(h));
-  // Tokens: the state db's, plus those of the steps it lacks (every rank's results of a step,
-  // reported with the held job), else the last reported step's size for each.
   // Tokens: the state db's, plus those of the steps it lacks: a step's tokens are the same every
   // step (the global batch), each rank's as its last reported result says, else the db's mean.
   int64_t per_step = 0;
@@ -411,7 +409,7 @@ void Scheduler::Readopt(const v1::Job& job, const std::vector<std::string>& ids,
   if (!every_rank) per_step = job.step() > 0 ? job.tokens() / job.step() : 0;
   const int64_t tokens = job.tokens() + (step - job.step()) * per_step;
   auto inbox = std::make_shared<Inbox>();
-  if (!workers_->Adopt(ids, id, [inbox](const WorkerEvent& ev) { inbox->Push(ev); }).ok()) {
+  if (!workers_->Adopt(ids, held, [inbox](const WorkerEvent& ev) { inbox->Push(ev); }).ok()) {
     Wake();  // a report changed meanwhile: look again next pass
     return;
   }

@@ -30,14 +30,17 @@
 // waiting for re-adoption and the held-job reports of the registered workers
 // (WorkerRegistry::HeldJobs). A job is re-adopted once every rank r of its generation has a
 // worker reporting it holds it: the same job, generation, rank r, world size and replicas, its
-// state intact, every rank at one step K, not behind the state db's step (reports are matched by
+// state intact, no rank's completed steps behind the state db's step (reports are matched by
 // what they say, not by worker id: an unnamed worker comes back under a new id, which becomes
-// Job.worker_ids[r]). Then the
-// workers become its ranks again (WorkerRegistry::Adopt), the job STARTING ("re-adopting N
+// Job.worker_ids[r]). The job goes on from step K, the most steps any rank received
+// (HeldJob.steps_received): a rank that received fewer (the old coordinator died between two
+// ranks' sends) is sent the commands it missed, so every rank completes the same steps. Then the
+// workers become its ranks again (WorkerRegistry::Adopt, which checks under its lock that each
+// still reports the same job, generation, rank and world size), the job STARTING ("re-adopting N
 // ranks at step K (the state db had step J ...)", Job.step and tokens the ranks': the results
 // the ranks report for steps the db lacks give the tokens; their step events are not published)
 // and a JobRun with that Adoption drives it on. A report that disagrees (another generation or
-// rank, two workers for one rank, a different step, a named worker of the generation back
+// rank, two workers for one rank, a named worker of the generation back
 // without the job: it restarted) gives up at once, and so does the end of the wait
 // (JobManagerOptions::readopt_window) with a rank missing: JobManager::ReadoptFailed (the
 // checkpoint path, the reason saying why) and every worker holding the job is told to drop it

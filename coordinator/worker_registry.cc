@@ -318,6 +318,38 @@ std::map<std::string, v1::HeldJob> WorkerRegistry::HeldJobs() const {
   return out;
 }
 
+namespace {
+
+// Whether a held-job report names the same rank of the same generation and mesh.
+bool SameHeldRank(const v1::HeldJob& a, const v1::HeldJob& b) {
+  return a.job_id() == b.job_id() && a.generation() == b.generation() && a.rank() == b.rank() &&
+         a.world_size() == b.world_size() && a.replicas() == b.replicas();
+}
+
+}  // namespace
+
+absl::Status WorkerRegistry::Adopt(const std::vector<std::string>& worker_ids,
+                                   const std::vector<v1::HeldJob>& expected,
+                                   WorkerEventHandler handler) {
+  if (expected.size() != worker_ids.size() || expected.empty())
+    return absl::FailedPreconditionError(
+        absl::StrCat("adopt: ", worker_ids.size(), " workers for ", expected.size(), " reports"));
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t r = 0; r < worker_ids.size(); ++r) {
+      auto it = workers_.find(worker_ids[r]);
+      if (it == workers_.end() || !it->second.session || !it->second.info.healthy() ||
+          !it->second.held || !SameHeldRank(*it->second.held, expected[r]))
+        return absl::FailedPreconditionError(absl::StrCat(
+            "worker ", worker_ids[r], " no longer reports holding job ", expected[r].job_id(),
+            " generation ", expected[r].generation(), " rank ", expected[r].rank(), "/",
+            expected[r].world_size(), " (or has no session)"));
+    }
+    AdoptLocked(worker_ids, expected[0].job_id(), std::move(handler));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WorkerRegistry::Adopt(const std::vector<std::string>& worker_ids,
                                    const std::string& job_id, WorkerEventHandler handler) {
   absl::MutexLock lock(&mu_);
@@ -328,6 +360,12 @@ absl::Status WorkerRegistry::Adopt(const std::vector<std::string>& worker_ids,
       return absl::FailedPreconditionError(
           absl::StrCat("worker ", id, " does not hold job ", job_id, " (or has no session)"));
   }
+  AdoptLocked(worker_ids, job_id, std::move(handler));
+  return absl::OkStatus();
+}
+
+void WorkerRegistry::AdoptLocked(const std::vector<std::string>& worker_ids,
+                                 const std::string& job_id, WorkerEventHandler handler) {
   for (size_t r = 0; r < worker_ids.size(); ++r) {
     Worker& w = workers_.at(worker_ids[r]);
     w.held.reset();
@@ -335,7 +373,6 @@ absl::Status WorkerRegistry::Adopt(const std::vector<std::string>& worker_ids,
     w.info.set_rank(static_cast<int>(r));
     w.handler = handler;
   }
-  return absl::OkStatus();
 }
 
 bool WorkerRegistry::DropHeld(const std::string& worker_id, const std::string& reason,

@@ -118,6 +118,12 @@ class WorkerRegistry {
   // (nothing changes) otherwise.
   absl::Status Adopt(const std::vector<std::string>& worker_ids, const std::string& job_id,
                      WorkerEventHandler handler);
+  // As above, checking under the registry's lock that worker_ids[r] still reports the held job
+  // expected[r] describes (same job, generation, rank, world size and replicas): a worker that
+  // registered again meanwhile with another report is not adopted. FAILED_PRECONDITION (nothing
+  // changes) when the sizes differ or a report does not match.
+  absl::Status Adopt(const std::vector<std::string>& worker_ids,
+                     const std::vector<v1::HeldJob>& expected, WorkerEventHandler handler);
   // Tells a worker that holds a job to drop it (Abort{reason}), clears its report and keeps it
   // unassignable for `grace` (it is tearing the job down). False when it holds none.
   bool DropHeld(const std::string& worker_id, const std::string& reason,
@@ -155,6 +161,9 @@ class WorkerRegistry {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // w's WorkerInfo, its state computed now and memory_bytes its share (MemoryLocked).
   v1::WorkerInfo InfoOf(const Worker& w) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes worker_ids[r] rank r of job_id (Adopt, once checked); clears their reports.
+  void AdoptLocked(const std::vector<std::string>& worker_ids, const std::string& job_id,
+                   WorkerEventHandler handler) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The memory w may use: RegisterRequest.memory_bytes, divided among the live workers (healthy,
   // or with a session still open) registered from the same host address with memory_shared. The
   // share is per address: simulated hosts on one machine (CPU workers with --host 127.0.0.1 and

@@ -310,6 +310,9 @@ void WorkerDaemon::Serve() {
       }
       case v1::CoordinatorMessage::kSave: {
         const v1::SaveCheckpoint c = msg.save();
+        // Counted until HandleSave ends: a session that ends with a save in flight does not hold
+        // the job (see the session's end below).
+        saves_unfinished_.fetch_add(1);
         Post([this, c] { HandleSave(c); });
         break;
       }
@@ -346,7 +349,17 @@ void WorkerDaemon::Serve() {
   // A held job is reported at once (registration does not wait for the steps already received:
   // a peer may need a step's command that only this rank got); those steps run on, their results
   // kept for the report instead of sent.
-  const bool hold = opts_.hold_job_s > 0 && !shutdown_ && job_ready_.load();
+  // Not held: a job with a save received and not finished (SaveShard is collective, and a rank
+  // whose save command never came would not join it; a held job keeps no save to re-send), and a
+  // free-running job (its ranks run every remaining step before they could answer Adopt). Both
+  // are dropped; the restarted coordinator resumes them from their last committed checkpoint.
+  const bool hold = opts_.hold_job_s > 0 && !shutdown_ && job_ready_.load() &&
+                    saves_unfinished_.load() == 0 && !job_free_running_.load();
+  if (opts_.hold_job_s > 0 && !shutdown_ && job_ready_.load() && !hold) {
+    Log(saves_unfinished_.load() > 0
+            ? "session ended during a checkpoint save: the job is dropped, not held"
+            : "session ended: a free-running job is dropped, not held");
+  }
   if (hold) {
     holding_.store(true);
   } else {
@@ -610,6 +623,7 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   });
   if (!t.ok()) return fail(t.status().ToString(), t.status().code());
   job->trainer = std::move(*t);
+  job_free_running_.store(a.spec().training().free_running());
   if (!a.load_dir().empty()) {
     // Collective (the FP8 re-cast): every rank of the generation loads the same checkpoint.
     const auto t0 = std::chrono::steady_clock::now();
@@ -726,6 +740,7 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   job_->steps_completed = c.step() + 1;
   job_->recent.push_back(result);
   job_->recent.back().clear_scaling();  // the report stays small
+  while (job_->recent.size() > kRecentResults) job_->recent.pop_front();
   PublishHeld();
   if (holding_.load()) {
     // Run while the job is held (sent before the coordinator went away): its result is in the
@@ -733,7 +748,6 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
     Log(absl::StrCat("step ", c.step(), " of held job ", job_->job_id, " done; result kept"));
     return true;
   }
-  if (job_->recent.size() > kRecentResults) job_->recent.pop_front();
   if (result.skipped()) {
     Log(absl::StrCat("step ", c.step(), ": loss ",
                      result.loss_sum() / std::max<int64_t>(1, result.tokens()), " (this rank's), ",
@@ -762,8 +776,40 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   return true;
 }
 
+void WorkerDaemon::SendSaveReply(const v1::WorkerMessage& m) {
+  // The session may have ended during SaveShard (the job was then cancelled, and the next session
+  // may already be up): the reply belongs to the old one.
+  if (job_->cancelled->load() || holding_.load()) {
+    Log(absl::StrCat("checkpoint reply of job ", job_->job_id,
+                     " not sent: the job was aborted or its session ended"));
+    return;
+  }
+  Send(m);
+}
+
 void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
+  struct Finished {
+    std::atomic<int>* n;
+    ~Finished() { n->fetch_sub(1); }
+  } finished{&saves_unfinished_};
+  if (auto slow = opts_.settings.slow_save_ms.find(c.step());
+      slow != opts_.settings.slow_save_ms.end()) {
+    Log(absl::StrCat("save at step ", c.step(), ": waiting ", slow->second,
+                     " ms first (FSDP8_FAULT_SLOW_SAVE)"));
+    std::this_thread::sleep_for(std::chrono::milliseconds(slow->second));
+  }
   v1::WorkerMessage m;
+  if (job_ && (job_->cancelled->load() || holding_.load())) {
+    // The session that sent it ended (a job with a save in flight is not held: it is dropped
+    // next) or the job was aborted: nothing is written or reported for it.
+    Log(absl::StrCat("save at step ", c.step(), " of job ", job_->job_id,
+                     " not run: the job was aborted or its session ended"));
+    return;
+  }
+  if (!job_ && stale_steps_.load()) {
+    Log(absl::StrCat("save at step ", c.step(), " of an aborted job dropped"));
+    return;
+  }
   if (!job_) {
     m.mutable_error()->set_message(absl::StrCat("save at step ", c.step(), ": no job assigned"));
     Send(m);
@@ -792,7 +838,7 @@ void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
     saved.set_error(std::string(s.message()));
     Log(absl::StrCat("checkpoint at step ", c.step(), " failed: ", s.ToString()));
     *m.mutable_saved() = std::move(saved);
-    Send(m);
+    SendSaveReply(m);
     return;
   }
   const double secs =
@@ -800,7 +846,7 @@ void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
   saved.set_job_id(job_->job_id);
   if (!role.writes) {  // nothing written: replica 0 holds the same state
     *m.mutable_saved() = std::move(saved);
-    Send(m);
+    SendSaveReply(m);
     return;
   }
   LogEvent("checkpoint_saved", {{"worker", worker_id_},
@@ -812,7 +858,7 @@ void WorkerDaemon::HandleSave(const v1::SaveCheckpoint& c) {
   Log(absl::StrCat("saved ", c.dir(), "/", saved.file(), " (", saved.bytes(), " bytes in ", secs,
                    " s)"));
   *m.mutable_saved() = std::move(saved);
-  Send(m);
+  SendSaveReply(m);
 }
 
 }  // namespace fsdp8

@@ -16,14 +16,17 @@
 // backoff from 0.2 s to 5 s).
 // Holding a job through a coordinator restart (hold_job_s > 0): when the session ends while a job
 // is ready (its Ready sent), the job is kept: its trainer, communicators and training state. The
-// steps and saves already received still run (their results kept, not sent), and the daemon
+// steps already received still run (their results kept, not sent), and the daemon
 // registers again at once reporting the job (RegisterRequest.held_job: job, generation, rank,
 // world size, replicas, steps completed, steps whose commands it received, the last results).
 // Adopt{job, generation, rank} on the new session, handled after those steps, takes it up again
 // (reply Ready; the StepCommands that follow continue from there: first those of the steps other
 // ranks received and this one did not); Abort or an Assignment drops it; so does the end of
 // hold_job_s from when the job thread went idle (the job is then dropped as after Abort and the
-// worker is idle). A job still bootstrapping when the session ends is cancelled as before. Nothing is reported for a job after its Abort (a late error or step
+// worker is idle). A job still bootstrapping when the session ends is cancelled as before, and so
+// is a job with a SaveCheckpoint received and not finished (SaveShard is collective: a rank the
+// old coordinator did not reach would never join it) and a free-running job (it would run all its
+// remaining steps before answering Adopt): the coordinator resumes those from their checkpoint. Nothing is reported for a job after its Abort (a late error or step
 // result could be taken for the job's next generation).
 //
 // Thread-safety: Run() on one thread; Shutdown() from any thread (e.g. a signal watcher).
@@ -125,6 +128,8 @@ class WorkerDaemon {
   bool RunStep(const v1::StepCommand& c);
   // Writes this rank's checkpoint shard (between steps) and replies CheckpointSaved or WorkerError.
   void HandleSave(const v1::SaveCheckpoint& c);
+  // Sends HandleSave's reply unless the job was cancelled or is held meanwhile (job thread).
+  void SendSaveReply(const v1::WorkerMessage& m);
   // Destroys the current job. Unless `finished` (the coordinator's Finish), its communicator is
   // aborted first: collectives still queued on it (a prefetch behind a failed step) then end at
   // once instead of waiting for a peer up to the collective timeout; the peers learn that this
@@ -169,6 +174,11 @@ class WorkerDaemon {
   // Set at a session's end when the job is held, until it is adopted or dropped: the steps already
   // received still run, their results kept instead of sent.
   std::atomic<bool> holding_{false};
+  // SaveCheckpoint commands received (reader) whose HandleSave has not ended (job thread).
+  std::atomic<int> saves_unfinished_{0};
+  // Whether the newest assigned job is free-running (training.free_running); set on the job
+  // thread before Ready, read by the reader at session end.
+  std::atomic<bool> job_free_running_{false};
   // The steps of the current job whose commands this worker received (the next step no command
   // covers; HeldJob.steps_received), set by the reader.
   std::atomic<int64_t> job_received_{0};

@@ -1992,7 +1992,8 @@ class ReadoptSchedulerTest : public SchedulerTest {
   // Submits the job (2 ranks, 8 steps, a checkpoint dir with nothing committed), runs it 3 steps
   // on node-a and node-b in a first JobManager on a state db, then opens the db again as a
   // restarted coordinator does, with re-adoption on, and restarts the scheduler on it.
-  std::string RestartWithARunningJob() {
+  // every_steps: checkpoint.every_steps of the spec (0: only the final save).
+  std::string RestartWithARunningJob(int every_steps = 0) {
     sched_->Stop();
     JobManagerOptions o;
     o.state_db = dir_.File("state.db");
@@ -2002,6 +2003,7 @@ class ReadoptSchedulerTest : public SchedulerTest {
       EXPECT_TRUE(first.ok()) << first.status();
       v1::JobSpec spec = SmallSpec(train_, 2, 8);
       spec.mutable_checkpoint()->set_dir(dir_.File("ck"));
+      spec.mutable_checkpoint()->set_every_steps(every_steps);
       auto job = (*first)->Submit("", spec);
       EXPECT_TRUE(job.ok()) << job.status();
       id = job->job_id();
@@ -2093,6 +2095,31 @@ TEST_F(ReadoptSchedulerTest, IntactRanksAreReadoptedAtTheirStep) {
       << absl::StrJoin(msgs, "\n");
   EXPECT_TRUE(has("re-adopted 2 ranks at step 5 (generation 1; no checkpoint read)"))
       << absl::StrJoin(msgs, "\n");
+}
+
+// A checkpoint every 5 steps, the ranks held at step 5 (the old coordinator died before step 5's
+// save was sent; nothing committed): the re-adopting coordinator takes step 5's save before it
+// sends step 5, then the final one; both commit.
+TEST_F(ReadoptSchedulerTest, APeriodicSaveDueAtTheAdoptionStepIsTaken) {
+  const std::string id = RestartWithARunningJob(/*every_steps=*/5);
+  auto a = AddHeld("node-a", id, 0, 5);
+  auto b = AddHeld("node-b", id, 1, 5);
+  const v1::Job end = WaitEnd(id);
+  ASSERT_EQ(end.state(), v1::JOB_STATE_SUCCEEDED) << end.reason();
+  EXPECT_EQ(end.restarts(), 0);
+  for (auto* w : {a.get(), b.get()}) {
+    EXPECT_EQ(SaveSteps(*w), (std::vector<int64_t>{5, 8}));
+    const std::vector<v1::CoordinatorMessage> got = w->received();
+    for (const auto& m : got) {
+      if (m.has_step()) {
+        ADD_FAILURE() << "step " << m.step().step() << " was sent before step 5's save";
+        break;
+      }
+      if (m.has_save()) break;
+    }
+  }
+  EXPECT_TRUE(CheckpointStore::Open(dir_.File("ck") + "/step-5").ok());
+  EXPECT_TRUE(CheckpointStore::Open(dir_.File("ck") + "/step-8").ok());
 }
 
 // Rank 1 did not receive step 4's command, which rank 0 ran (the coordinator died between the two

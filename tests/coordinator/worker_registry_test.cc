@@ -1,5 +1,6 @@
 // WorkerRegistry: version checks, which workers are assignable, named workers' ids.
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -234,6 +235,69 @@ TEST(WorkerRegistry, HeldJobsAreAdoptedOrDropped) {
   EXPECT_EQ(reg.HeldJobs().count("c"), 1u);
   ASSERT_TRUE(reg.Register(plain).ok());
   EXPECT_EQ(reg.HeldJobs().count("c"), 0u);
+}
+
+// Adopt with the reports it decided on adopts the workers only while each still reports that very
+// rank: the same job, generation, rank, world size and replicas (a worker that registered again
+// with another report in between is not adopted, and nothing changes).
+TEST(WorkerRegistry, AdoptChecksTheWholeHeldReport) {
+  WorkerRegistry reg({"1.2.3"});
+  auto report = [](int rank) {
+    v1::HeldJob h;
+    h.set_job_id("job-1");
+    h.set_generation(3);
+    h.set_rank(rank);
+    h.set_world_size(2);
+    h.set_replicas(1);
+    h.set_steps_completed(7);
+    h.set_steps_received(7);
+    h.set_intact(true);
+    return h;
+  };
+  for (const auto& [name, rank] : std::vector<std::pair<std::string, int>>{{"a", 0}, {"b", 1}}) {
+    v1::RegisterRequest r = CpuWorkerRegistration("1.2.3");
+    r.set_name(name);
+    *r.mutable_held_job() = report(rank);
+    ASSERT_TRUE(reg.Register(r).ok());
+    ASSERT_TRUE(reg.AttachSession(name, std::make_shared<NullSink>()).ok());
+  }
+  const std::vector<std::string> ids{"a", "b"};
+  const std::vector<v1::HeldJob> right{report(0), report(1)};
+  auto changed = [&](const std::function<void(std::vector<v1::HeldJob>*)>& edit) {
+    std::vector<v1::HeldJob> e = right;
+    edit(&e);
+    return e;
+  };
+  const std::vector<std::vector<v1::HeldJob>> wrong{
+      changed([](auto* e) { (*e)[1].set_generation(4); }),
+      changed([](auto* e) { (*e)[1].set_job_id("job-2"); }),
+      changed([](auto* e) { std::swap((*e)[0], (*e)[1]); }),  // ranks crossed
+      changed([](auto* e) { (*e)[0].set_world_size(3); }),
+      changed([](auto* e) { (*e)[0].set_replicas(2); }),
+      changed([](auto* e) { e->pop_back(); }),  // fewer reports than workers
+  };
+  for (size_t i = 0; i < wrong.size(); ++i) {
+    EXPECT_EQ(reg.Adopt(ids, wrong[i], nullptr).code(), absl::StatusCode::kFailedPrecondition)
+        << "case " << i;
+    EXPECT_EQ(reg.HeldJobs().size(), 2u) << "case " << i << ": nothing changes";
+  }
+  // Worker "b" registers again holding generation 4: the reports decided on no longer hold.
+  v1::RegisterRequest again = CpuWorkerRegistration("1.2.3");
+  again.set_name("b");
+  *again.mutable_held_job() = report(1);
+  again.mutable_held_job()->set_generation(4);
+  ASSERT_TRUE(reg.Register(again).ok());
+  ASSERT_TRUE(reg.AttachSession("b", std::make_shared<NullSink>()).ok());
+  EXPECT_EQ(reg.Adopt(ids, right, nullptr).code(), absl::StatusCode::kFailedPrecondition);
+  *again.mutable_held_job() = report(1);
+  ASSERT_TRUE(reg.Register(again).ok());
+  ASSERT_TRUE(reg.AttachSession("b", std::make_shared<NullSink>()).ok());
+  ASSERT_TRUE(reg.Adopt(ids, right, nullptr).ok());
+  EXPECT_TRUE(reg.HeldJobs().empty());
+  for (const auto& w : reg.List()) {
+    EXPECT_EQ(w.job_id(), "job-1") << w.worker_id();
+    EXPECT_EQ(w.rank(), w.worker_id() == "a" ? 0 : 1);
+  }
 }
 
 TEST(WorkerRegistry, PlacementDomainsAreHostsOrTheirNamedIslands) {

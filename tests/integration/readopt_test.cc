@@ -26,6 +26,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -231,23 +232,27 @@ class ReadoptTest : public ::testing::Test {
   // Submits the job and SIGKILLs the coordinator once a step event of step >= kKillAfter came;
   // `while_down` then runs with the job's ranks (worker ids by rank, read just before the kill),
   // and the coordinator is started again. Fills *losses from the step events before the kill;
-  // *restarted: when the new coordinator was started; *seq: the last event seen.
+  // *restarted: when the new coordinator was started; *seq: the last event seen. `spec`: the job
+  // (default Spec("ck")); the kill comes `delay` after the first step event of step >= kill_after.
   std::string RunWithCoordinatorKill(
       const std::function<void(const std::vector<std::string>&)>& while_down,
-      std::vector<double>* losses, Clock::time_point* restarted, int64_t* seq) {
-    const std::string id = Submit(Spec("ck"));
+      std::vector<double>* losses, Clock::time_point* restarted, int64_t* seq,
+      std::optional<v1::JobSpec> spec = std::nullopt, int kill_after = kKillAfter,
+      std::chrono::milliseconds delay = std::chrono::milliseconds(0)) {
+    const std::string id = Submit(spec ? *spec : Spec("ck"));
     if (id.empty()) return id;
     bool killed = false;
     std::vector<std::string> ranks;
     Follow(id, 0, losses, [&](const v1::JobEvent& ev) {
-      if (!killed && ev.step() >= kKillAfter && ev.state() == v1::JOB_STATE_RUNNING) {
+      if (!killed && ev.step() >= kill_after && ev.state() == v1::JOB_STATE_RUNNING) {
         const v1::Job job = GetJob(id);
         ranks.assign(job.worker_ids().begin(), job.worker_ids().end());
+        std::this_thread::sleep_for(delay);
         EXPECT_TRUE(cluster_->coordinator()->Kill());
         killed = true;
       }
     }, seq);
-    EXPECT_TRUE(killed) << "the job never reached step " << kKillAfter;
+    EXPECT_TRUE(killed) << "the job never reached step " << kill_after;
     if (while_down) while_down(ranks);
     *restarted = Clock::now();
     RestartCoordinator("coordinator-2.log");
@@ -343,8 +348,16 @@ TEST_F(ReadoptTest, ARankLostWhileTheCoordinatorIsDownFallsBackToTheCheckpoint) 
         ChildProcess* p = WorkerOf(victim);
         ASSERT_NE(p, nullptr) << victim;
         survivor = ranks[1];
-        // Both ranks finish the steps sent ahead (a fraction of a second) and hold the job.
-        std::this_thread::sleep_for(std::chrono::seconds(2));
+        // Both ranks finish the steps sent ahead (a fraction of a second, longer on a loaded
+        // host) and hold the job; rank 0 is killed once rank 1's log says it holds it (up to
+        // 30 s). (Rank 0 may be waiting in a step only it received, the coordinator killed
+        // between the two ranks' sends: rank 0 is sent first, so rank 1 never waits for it.)
+        const fs::path log =
+            cluster_->LogPath("worker-" + survivor.substr(survivor.find('-') + 1) + ".log");
+        const auto until = Clock::now() + std::chrono::seconds(30);
+        while (ReadFile(log).find("holding job ") == std::string::npos && Clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        EXPECT_NE(ReadFile(log).find("holding job "), std::string::npos) << survivor;
         EXPECT_TRUE(p->Kill());
       },
       &losses, &restarted, &seq);
@@ -437,6 +450,86 @@ TEST_F(ReadoptTest, AHoldThatRunsOutDropsTheJobAndTheJobResumesFromItsCheckpoint
   EXPECT_LT(Since(restarted, first_step), 20.0);
   EXPECT_EQ(job.restarts(), 1);
   for (int k = 1; k <= kSteps; ++k) EXPECT_EQ(losses[k - 1], reference[k - 1]) << "step " << k;
+}
+
+// The coordinator dies while both ranks run step 10's save (FSDP8_FAULT_SLOW_SAVE makes it wait
+// 3 s first; the coordinator is killed 1 s after step 10's event, once it has sent the save):
+// SaveShard is collective, and a held job keeps no save to run again, so the workers drop the job
+// instead of holding it and come back without it; the restarted coordinator falls back to the
+// checkpoint at step 5 at once, and the job finishes with the uninterrupted run's losses. No
+// CheckpointSaved of the old session's save reaches the new coordinator (a held rank's save
+// would have run and answered on the new session).
+TEST_F(ReadoptTest, ASaveInFlightWhenTheCoordinatorDiesIsNotHeldAndTheJobResumesFromItsCheckpoint) {
+  StartCluster(2, {}, {"FSDP8_FAULT_SLOW_SAVE=10@3000"});
+  const std::vector<double> reference = Reference();
+  std::vector<double> losses(kSteps, NAN);
+  Clock::time_point restarted;
+  int64_t seq = 0;
+  const std::string id = RunWithCoordinatorKill({}, &losses, &restarted, &seq, std::nullopt,
+                                                /*kill_after=*/10, std::chrono::milliseconds(1000));
+  ASSERT_FALSE(id.empty());
+  std::vector<std::string> messages;
+  const v1::JobState end = Follow(id, seq, &losses, [&](const v1::JobEvent& ev) {
+    if (!ev.message().empty()) messages.push_back(ev.message());
+  }, &seq);
+  const v1::Job job = GetJob(id);
+  ASSERT_EQ(end, v1::JOB_STATE_SUCCEEDED) << job.reason();
+  bool fell_back = false, resumed_at_5 = false;
+  for (const std::string& m : messages) {
+    std::printf("  event: %s\n", m.c_str());
+    fell_back |= m.find("falling back to the checkpoint because rank ") != std::string::npos &&
+                 m.find("came back without holding the job") != std::string::npos;
+    resumed_at_5 |= m.find("resuming from") != std::string::npos &&
+                    m.find("step-5") != std::string::npos;
+    EXPECT_EQ(m.find("re-adopted"), std::string::npos) << m;
+  }
+  EXPECT_TRUE(fell_back) << "no event says the ranks came back without the job";
+  EXPECT_TRUE(resumed_at_5) << "no event says the job resumed from step-5";
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_EQ(job.generation(), 2);
+  for (int k = 1; k <= kSteps; ++k) EXPECT_EQ(losses[k - 1], reference[k - 1]) << "step " << k;
+  for (int i = 0; i < 2; ++i) {
+    const std::string log = ReadFile(cluster_->LogPath("worker-" + std::to_string(i) + ".log"));
+    EXPECT_NE(log.find("session ended during a checkpoint save: the job is dropped, not held"),
+              std::string::npos)
+        << "worker " << i << ":\n" << log;
+    EXPECT_EQ(log.find("holding job " + id), std::string::npos) << "worker " << i << ":\n" << log;
+  }
+}
+
+// A free-running job (training.free_running: one command for all its steps) is not held: its
+// ranks would run every remaining step before they could answer Adopt. The workers drop it when
+// the coordinator dies, and the restarted coordinator starts it again from its checkpoint (none:
+// a free-running job saves only at its end, so from step 0); it succeeds.
+TEST_F(ReadoptTest, AFreeRunningJobIsNotHeldAndRestartsFromItsCheckpoint) {
+  StartCluster(2, {}, {});
+  v1::JobSpec spec = Spec("ck");
+  spec.mutable_training()->set_free_running(true);
+  spec.mutable_checkpoint()->set_every_steps(0);
+  std::vector<double> losses(kSteps, NAN);
+  Clock::time_point restarted;
+  int64_t seq = 0;
+  const std::string id = RunWithCoordinatorKill({}, &losses, &restarted, &seq, spec);
+  ASSERT_FALSE(id.empty());
+  std::vector<std::string> messages;
+  const v1::JobState end = Follow(id, seq, &losses, [&](const v1::JobEvent& ev) {
+    if (!ev.message().empty()) messages.push_back(ev.message());
+  }, &seq);
+  const v1::Job job = GetJob(id);
+  ASSERT_EQ(end, v1::JOB_STATE_SUCCEEDED) << job.reason();
+  for (const std::string& m : messages) {
+    std::printf("  event: %s\n", m.c_str());
+    EXPECT_EQ(m.find("re-adopted"), std::string::npos) << m;
+  }
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_EQ(job.step(), kSteps);
+  for (int i = 0; i < 2; ++i) {
+    const std::string log = ReadFile(cluster_->LogPath("worker-" + std::to_string(i) + ".log"));
+    EXPECT_NE(log.find("session ended: a free-running job is dropped, not held"),
+              std::string::npos)
+        << "worker " << i << ":\n" << log;
+    EXPECT_EQ(log.find("holding job " + id), std::string::npos) << "worker " << i << ":\n" << log;
+  }
 }
 
 }  // namespace

@@ -10,10 +10,12 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <set>
 #include <string>
 
 #include "gtest/gtest.h"
+#include "worker/settings.h"
 
 namespace fsdp8 {
 namespace {
@@ -107,6 +109,31 @@ TEST(FaultInjection, CheckpointReadFailsOnMatchingStepDirectories) {
   }
   EXPECT_FALSE(FaultInjection("", "", "", "/").CheckpointReadError("/any/step-1").ok());
   EXPECT_TRUE(FaultInjection().CheckpointReadError("/any/step-1").ok());
+}
+
+}  // namespace
+}  // namespace fsdp8
+
+namespace fsdp8 {
+namespace {
+
+// FSDP8_FAULT_SLOW_SAVE=STEP@MS,...: each entry's step and wait, empty items skipped; an item that
+// is not two non-negative integers around '@' is refused naming the variable.
+TEST(WorkerSettingsTest, SlowSaveIsParsedAndMalformedItemsAreRefused) {
+  setenv("FSDP8_FAULT_SLOW_SAVE", "10@3000,,5@0", 1);
+  absl::StatusOr<WorkerSettings> s = WorkerSettings::FromEnvironment();
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->slow_save_ms, (std::map<int64_t, int64_t>{{5, 0}, {10, 3000}}));
+  for (const char* bad : {"10", "10@", "@5", "a@5", "10@-1", "-1@5", "1@2@3"}) {
+    setenv("FSDP8_FAULT_SLOW_SAVE", bad, 1);
+    absl::StatusOr<WorkerSettings> r = WorkerSettings::FromEnvironment();
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find("FSDP8_FAULT_SLOW_SAVE"), std::string::npos) << bad;
+  }
+  unsetenv("FSDP8_FAULT_SLOW_SAVE");
+  s = WorkerSettings::FromEnvironment();
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_TRUE(s->slow_save_ms.empty());
 }
 
 }  // namespace
