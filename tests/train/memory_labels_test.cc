@@ -34,19 +34,7 @@ using testing::TrainFile;
 // The default job's model (d 128, 4 layers, 4 heads, ffn 384, vocab 256, seq 256), FP8 linears,
 // global batch 2.
 v1::JobSpec DefaultModel() {
-  v1::JobSpec s;
-  s.mutable_data()->set_train_path(TrainFile());
-  s.mutable_model()->set_d_model(128);
-  s.mutable_model()->set_n_layers(4);
-  s.mutable_model()->set_n_heads(4);
-  s.mutable_model()->set_ffn_dim(384);
-  s.mutable_model()->set_vocab_size(256);
-  s.mutable_model()->set_seq_len(256);
-  s.mutable_training()->set_global_batch(2);
-  s.mutable_training()->set_steps(10);
-  s.mutable_optimizer()->set_warmup_steps(2);
-  s.set_backend("cpu");
-  return s;
+  return testing::DefaultModelSpec(10);
 }
 
 // The 1b preset's proportions at d_model 64: 4 heads of 16, ffn 176, vocab 1024, seq 64, 2

@@ -34,19 +34,7 @@ constexpr int kSteps = 20;
 // The default job's model (data/default-job.yaml: d 128, 4 layers, 4 heads, ffn 384, vocab 256,
 // seq 256), FP8 linears, two sequences per step.
 v1::JobSpec DefaultShape() {
-  v1::JobSpec s;
-  s.mutable_data()->set_train_path(TrainFile());
-  s.mutable_model()->set_d_model(128);
-  s.mutable_model()->set_n_layers(4);
-  s.mutable_model()->set_n_heads(4);
-  s.mutable_model()->set_ffn_dim(384);
-  s.mutable_model()->set_vocab_size(256);
-  s.mutable_model()->set_seq_len(256);
-  s.mutable_training()->set_global_batch(2);
-  s.mutable_training()->set_steps(kSteps);
-  s.mutable_optimizer()->set_warmup_steps(2);
-  s.set_backend("cpu");
-  return s;
+  return testing::DefaultModelSpec(kSteps);
 }
 
 v1::JobSpec WithGranularity(v1::JobSpec s, v1::Fp8Granularity g) {

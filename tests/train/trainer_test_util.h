@@ -34,6 +34,24 @@ inline const std::string& ValFile() {
 }
 
 // Linears in precision p; the embedding and the head too unless p is FP8 (which keeps them bf16).
+// The default job's model (data/default-job.yaml: d 128, 4 layers, 4 heads, ffn 384, vocab 256,
+// seq 256) on the cpu backend, FP8 linears (the spec default), two sequences per step.
+inline v1::JobSpec DefaultModelSpec(int steps) {
+  v1::JobSpec s;
+  s.mutable_data()->set_train_path(TrainFile());
+  s.mutable_model()->set_d_model(128);
+  s.mutable_model()->set_n_layers(4);
+  s.mutable_model()->set_n_heads(4);
+  s.mutable_model()->set_ffn_dim(384);
+  s.mutable_model()->set_vocab_size(256);
+  s.mutable_model()->set_seq_len(256);
+  s.mutable_training()->set_global_batch(2);
+  s.mutable_training()->set_steps(steps);
+  s.mutable_optimizer()->set_warmup_steps(2);
+  s.set_backend("cpu");
+  return s;
+}
+
 inline void AllPrecision(v1::JobSpec* s, v1::Precision p) {
   s->mutable_precision()->set_linears(p);
   if (p != v1::PRECISION_FP8) {
