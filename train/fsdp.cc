@@ -203,9 +203,30 @@ absl::Status FsdpParams::Prefetch(int unit) {
   // unit's); Gather joins it.
   be_->BeginSideStream();
   absl::Status s = ApplyPendingUpdate(unit);
-  if (s.ok()) s = IssuePrefetch(unit);
+  be_->EndSideStream();
+  if (!s.ok()) return s;
+  AllocateGathered(unit);  // on the compute stream, after the update's own buffers went
+  be_->BeginSideStream();  // in order after the update: the same side stream
+  s = IssuePrefetch(unit);
   be_->EndSideStream();
   return s;
+}
+
+void FsdpParams::AllocateGathered(int unit) {
+  for (Buf& b : units_[unit]) {
+    const BufferPlan& bp = *b.plan;
+    const bool cast_now = bp.wire == WireDtype::kFp8 && !keep_fp8_codes_;
+    if (cast_now && b.codes.empty()) b.codes = DevBuf(be_, bp.shard_numel, MemoryLabel::kGathered);
+    if (bp.OneRank()) continue;  // a view of the shard, or of the codes above
+    if (bp.wire == WireDtype::kBf16) {
+      if (b.full_u16.empty()) {
+        b.full_u16 = DevBuf(be_, bp.padded_numel * sizeof(uint16_t), MemoryLabel::kGathered);
+      }
+    } else if (b.full.empty()) {
+      const size_t elt = bp.wire == WireDtype::kFp8 ? 1 : sizeof(float);
+      b.full = DevBuf(be_, bp.padded_numel * elt, MemoryLabel::kGathered);
+    }
+  }
 }
 
 absl::Status FsdpParams::IssuePrefetch(int unit) {
@@ -217,7 +238,7 @@ absl::Status FsdpParams::IssuePrefetch(int unit) {
     const int64_t n = bp.shard_numel;
     if (bp.wire == WireDtype::kFp8 && !keep_fp8_codes_) {
       // No kept codes: cast now (on one rank straight into the gathered buffer).
-      b.codes = DevBuf(be_, n, MemoryLabel::kGathered);
+      if (b.codes.empty()) b.codes = DevBuf(be_, n, MemoryLabel::kGathered);
       CastShardCodes(b, b.codes.u8());
       if (bp.OneRank()) {
         b.full = std::move(b.codes);
@@ -237,15 +258,17 @@ absl::Status FsdpParams::IssuePrefetch(int unit) {
     absl::StatusOr<int64_t> t;
     switch (bp.wire) {
       case WireDtype::kFp8:
-        b.full = DevBuf(be_, bp.padded_numel, MemoryLabel::kGathered);
+        if (b.full.empty()) b.full = DevBuf(be_, bp.padded_numel, MemoryLabel::kGathered);
         t = comm_->AllGatherAsync(keep_fp8_codes_ ? b.wire.get() : b.codes.get(), b.full.get(), n);
         break;
       case WireDtype::kBf16:
-        b.full_u16 = DevBuf(be_, bp.padded_numel * sizeof(uint16_t), MemoryLabel::kGathered);
+        if (b.full_u16.empty()) {
+          b.full_u16 = DevBuf(be_, bp.padded_numel * sizeof(uint16_t), MemoryLabel::kGathered);
+        }
         t = comm_->AllGatherAsync(b.wire.get(), b.full_u16.get(), n * sizeof(uint16_t));
         break;
       case WireDtype::kFp32:
-        b.full = DevBuf(be_, bp.padded_numel * sizeof(float), MemoryLabel::kGathered);
+        if (b.full.empty()) b.full = DevBuf(be_, bp.padded_numel * sizeof(float), MemoryLabel::kGathered);
         t = comm_->AllGatherAsync(F32Wire(b).get(), b.full.get(), n * sizeof(float));
         break;
     }
