@@ -26,7 +26,8 @@
 #               fp8-blockwise           granularity blockwise (current scaling, E4M3), SEED_A
 #             A run the coordinator refuses (rowwise / blockwise on cuda until their CUDA kernels
 #             land) is reported as refused, with the coordinator's reason, and the others go on.
-#   STEPS, EVAL_EVERY, EVAL_BATCHES   override the spec's training.steps / eval_every /
+#   STEPS, WARMUP, EVAL_EVERY, EVAL_BATCHES   override the spec's training.steps,
+#             optimizer.warmup_steps (with STEPS: the spec's, at most STEPS / 10), eval_every and
 #             eval_batches. Unset on cuda, eval_batches is the validation shard's windows / global
 #             batch (bpe.py cuts the shard to a whole number of batches, so every evaluation reads
 #             every held-out window once whatever the seed); a warning when STEPS passes 1.5 epochs
@@ -96,7 +97,11 @@ print(max(1, (n - 1) // int(sys.argv[2]) // int(sys.argv[3])))
 PY
 )
 fi
+if [ -n "${STEPS:-}" ] && [ -z "${WARMUP:-}" ]; then  # the spec's warmup, at most STEPS / 10
+  w=$(field "$SPEC" optimizer warmup_steps); WARMUP=$((w < STEPS / 10 ? w : STEPS / 10))
+fi
 [ -n "${STEPS:-}" ] && common+=("training.steps=$STEPS")
+[ -n "${WARMUP:-}" ] && common+=("optimizer.warmup_steps=$WARMUP")
 [ -n "${EVAL_EVERY:-}" ] && common+=("training.eval_every=$EVAL_EVERY")
 [ -n "${EVAL_BATCHES:-}" ] && common+=("training.eval_batches=$EVAL_BATCHES")
 mkdir -p "$OUT"
@@ -260,8 +265,9 @@ if len(bf16) == 2:
 shown = [n for n in names if runs[n]["val"]]
 w = max([14] + [len(n) + 1 for n in shown])
 
-print("\nvalidation loss (nats per token) at every evaluation")
-print(f"{'step':>6}" + "".join(f"{n:>{w}}" for n in shown) + (f"{'bf16 mean':>{w}}" if mean_at else ""))
+print("\nvalidation loss (nats per token) at every evaluation" + ("" if steps else ": none (no run evaluated)"))
+if steps:
+    print(f"{'step':>6}" + "".join(f"{n:>{w}}" for n in shown) + (f"{'bf16 mean':>{w}}" if mean_at else ""))
 for s in steps:
     row = "".join(f"{runs[n]['val'][s]:>{w}.4f}" if s in runs[n]["val"] else f"{'-':>{w}}" for n in shown)
     print(f"{s:>6}" + row + (f"{mean_at[s]:>{w}.4f}" if s in mean_at else ""))
