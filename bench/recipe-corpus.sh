@@ -215,7 +215,7 @@ for ((k = 0; k < ${#variants[@]}; k++)); do
   v=${variants[$k]}
   o=$(overrides_of "$v") || exit 2
   spec_of "$v" "$(IFS=,; echo "${common[*]},$o")"
-  per_lane[$((k % LANES))]+="$v "
+  per_lane[k % LANES]+="$v "
 done
 check_data "$OUT/${variants[0]}.yaml"
 echo "runs: ${variants[*]} on $BACKEND, $LANES lane(s); logs: $OUT"
