@@ -52,8 +52,8 @@ case "$backend" in
     ;;
   *) echo "BACKEND must be cpu or cuda" >&2; exit 2 ;;
 esac
-# The per-step cost of driving a job (coordinator and worker round trip, the worker's handling),
-# through a real coordinator and a CPU worker with a trivial model (bench/step-overhead.sh);
+# The per-step costs of driving a job (the worker's handling; the coordinator's cycle), through
+# a real coordinator and a CPU worker with a trivial model (bench/step-overhead.sh);
 # STEP_OVERHEAD=0 leaves it out (the binaries fsdp8, fsdp8-coordinator, fsdp8-worker are needed).
 echo '{}' > "$tmp/overhead.json"
 if [ "${STEP_OVERHEAD:-1}" != 0 ]; then
@@ -130,7 +130,9 @@ else:
 overhead = json.load(open(os.path.join(tmp, "overhead.json")))
 if "step_overhead_us" in overhead:
     cal["step_overhead_us"] = overhead["step_overhead_us"]
-    cal["source"] += "; step_overhead_us: bench/step-overhead.sh (trivial job, median)"
+    cal["step_cycle_us"] = overhead["step_cycle_us"]
+    cal["source"] += ("; step_overhead_us, step_cycle_us: bench/step-overhead.sh (trivial job, "
+                      "free-running and driven, medians)")
 with open(out, "w") as f:
     json.dump(cal, f, indent=1)
     f.write("\n")

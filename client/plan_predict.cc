@@ -57,9 +57,8 @@ void PrintCost(const std::string& spec_path, const std::string& backend, const M
          "exposed communication", ms(c.exposed_comm_s), ms(c.comm_total_s), c.intra_link.c_str(),
          c.inter_link.c_str());
   if (c.optimizer_deferred) {
-    printf("  %-24s %10.2f ms  (deferred: the gradient norm and units 0-1's updates; the\n"
-           "  %-24s                others' in the next forward: +%.2f ms of its compute)\n",
-           "optimizer", ms(c.optimizer_s), "", ms(c.optimizer_in_forward_s));
+    printf("  %-24s %10.2f ms  (deferred: the step's tail; +%.2f ms of compute in the forward)\n",
+           "optimizer", ms(c.optimizer_s), ms(c.optimizer_in_forward_s));
   } else {
     printf("  %-24s %10.2f ms  (serial order: after the backward)\n", "optimizer",
            ms(c.optimizer_s));

@@ -167,7 +167,8 @@ absl::StatusOr<Calibration> ParseCalibration(const std::string& json, const std:
   }
   for (auto [name, out] : {std::pair{"op_floor_us", &c.op_floor_s}, std::pair{"alloc_us", &c.alloc_s},
                            std::pair{"sync_us", &c.sync_s}, std::pair{"launch_us", &c.launch_s},
-                           std::pair{"step_overhead_us", &c.step_overhead_s}}) {
+                           std::pair{"step_overhead_us", &c.step_overhead_s},
+                           std::pair{"step_cycle_us", &c.step_cycle_s}}) {
     absl::StatusOr<double> v = Number(root, name, "", origin, false);
     if (!v.ok()) return v.status();
     *out = *v * 1e-6;
@@ -821,7 +822,10 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
   cost.syncs = HostSyncsPerStep(cost.microbatches, fp8_linears,
                                 spec.precision().fp8().recipe() == v1::SCALING_RECIPE_CURRENT);
   cost.host_s = cost.syncs * c.sync_s + c.step_overhead_s;
-  cost.step_s = cost.compute_s + cost.exposed_comm_s + cost.optimizer_s + cost.host_s;
+  const double inner = cost.compute_s + cost.exposed_comm_s + cost.optimizer_s;
+  // The coordinator's loop: no step shorter than its cycle.
+  cost.host_s = std::max(inner + cost.host_s, c.step_cycle_s) - inner;
+  cost.step_s = inner + cost.host_s;
   return cost;
 }
 

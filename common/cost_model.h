@@ -119,9 +119,12 @@ struct Calibration {
   // host synchronisation with the device (the backend's 4-byte CopyToHost readback or
   // CopyToDevice upload, both of which wait for the stream: the mean of the two round trips);
   // "launch_us": an empty kernel's launch issued back to back (informative: op_floor_us is the
-  // backend call's); "step_overhead_us": the step's time outside the trainer's step (the
-  // coordinator's command and result round trip, the worker's handling; bench/step-overhead.sh).
-  double alloc_s = 0, sync_s = 0, launch_s = 0, step_overhead_s = 0;
+  // backend call's); "step_overhead_us": the worker's own per-step handling outside the
+  // trainer's step (a free-running trivial job's step less its timed step), serial with every
+  // step; "step_cycle_us": the shortest step the coordinator's driving loop allows (a driven
+  // trivial job's step: the coordinator handles step k's result while the worker runs k+1, so a
+  // longer step hides it). Both from bench/step-overhead.sh.
+  double alloc_s = 0, sync_s = 0, launch_s = 0, step_overhead_s = 0, step_cycle_s = 0;
   std::vector<CollectiveCurve> collectives;
   // CPU: (processes, slowdown) ascending in processes: the wall time per step of that many
   // synchronised single-threaded copies of a synthetic step on the host, over one copy's CPU
@@ -136,7 +139,7 @@ struct Calibration {
 // "seq", "heads", "kv_heads", "head_dim", "forward_tflops", "backward_tflops",
 // "backward_nondeterministic_tflops"}]; "cores", "ranks_per_host", "collectives", "inter_link",
 // "host_slowdown", "attention_classes", "op_floor_us", "alloc_us", "sync_us", "launch_us",
-// "step_overhead_us" and
+// "step_overhead_us", "step_cycle_us" and
 // attention.backward_nondeterministic_tflops optional.
 // INVALID_ARGUMENT naming `origin` and the field for malformed JSON, a missing or non-positive
 // rate, an unknown precision or op, points not ascending, a host_slowdown entry that is not a
@@ -239,7 +242,7 @@ double HostSyncsPerStep(int microbatches, int fp8_linears, bool current_recipe);
 double HostSlowdown(const Calibration& c, int processes);
 
 struct StepCost {
-  double step_s = 0;           // compute + exposed communication + optimizer + host
+  double step_s = 0;           // compute + exposed communication + optimizer + host_s
   double compute_s = 0;        // forward + backward compute of every microbatch
   double exposed_comm_s = 0;   // what the compute does not hide, the small all-reduces included
   double optimizer_s = 0;
@@ -250,7 +253,8 @@ struct StepCost {
   // Of compute_s: what the deferred optimizer's updates add to the forward (0 in the serial
   // order).
   double optimizer_in_forward_s = 0;
-  // Host time serial with the device: syncs x sync_s + step_overhead_s (in step_s).
+  // Host time serial with the device: syncs x sync_s + step_overhead_s, and what the
+  // coordinator's cycle adds where it is longer than the step (in step_s).
   double host_s = 0;
   double syncs = 0;            // host synchronisations per step (HostSyncsPerStep)
   int calls = 0;               // backend calls per step (the call floor's count)
@@ -272,12 +276,14 @@ struct StepCost {
 // precision.fp8.granularity / precision.overrides[i].granularity for a spec with a rowwise or
 // blockwise block (ScaledGranularityField: only tensorwise FP8 is priced). The optimizer is
 // priced in the order training runs it (StepCost::optimizer_deferred). The step:
-//   step = compute + exposed communication + optimizer + syncs x sync_s + step_overhead_s
+//   step = max(compute + exposed communication + optimizer + syncs x sync_s + step_overhead_s,
+//              step_cycle_s)
 // where compute and optimizer take, per unit and phase, the larger of the device's time and the
 // host's issue of its calls (calls x (op_floor_s + alloc_s)): between two synchronisations host
 // and device overlap (the host runs ahead, the longer bounds), while at a synchronisation the
-// device drains and waits for the host's next call (serial: the sync's round trip), and the
-// coordinator's per-step round trip runs while the device is idle.
+// device drains and waits for the host's next call (serial: the sync's round trip), the worker's
+// per-step handling runs while the device is idle, and the coordinator's loop (dispatching ahead)
+// bounds the step from below.
 absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
                                      const Calibration& c, const StepPlanOptions& options = {});
 

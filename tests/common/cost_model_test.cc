@@ -692,6 +692,17 @@ TEST(CostModel, PredictStepHostTerms) {
   EXPECT_NEAR(b->compute_s, a->compute_s, 1e-9);
   EXPECT_NEAR(b->optimizer_s, a->optimizer_s, 1e-9);
   EXPECT_EQ(b->calls, a->calls);
+  // The coordinator's cycle bounds the step from below: a 10 s cycle is the whole step; a cycle
+  // shorter than the step changes nothing.
+  c.step_cycle_s = 10;
+  auto cyc = PredictStep(WithDefaults(Tiny(), 1), Mesh{1, 1, false}, c);
+  ASSERT_TRUE(cyc.ok());
+  EXPECT_DOUBLE_EQ(cyc->step_s, 10);
+  EXPECT_NEAR(cyc->host_s, 10 - (p->step_s - p->host_s), 1e-12);
+  c.step_cycle_s = 1e-3;
+  cyc = PredictStep(WithDefaults(Tiny(), 1), Mesh{1, 1, false}, c);
+  ASSERT_TRUE(cyc.ok());
+  EXPECT_DOUBLE_EQ(cyc->step_s, p->step_s);
 }
 
 // The host figures parse from microseconds; a negative one is refused naming the field. A
@@ -702,12 +713,13 @@ TEST(CostModel, HostFiguresAndOneRankSlowdown) {
       "optimizer_gbps": 28, "attention": {"forward_tflops": 1, "backward_tflops": 1},
       "gemm": [{"precision": "fp8", "m": 1, "n": 1, "k": 1, "tflops": 1}], )";
   auto c = ParseCalibration(base + R"("sync_us": 12, "alloc_us": 1.5, "launch_us": 2.5,
-      "step_overhead_us": 300})", "cal.json");
+      "step_overhead_us": 300, "step_cycle_us": 450})", "cal.json");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_NEAR(c->sync_s, 12e-6, 1e-18);
   EXPECT_NEAR(c->alloc_s, 1.5e-6, 1e-18);
   EXPECT_NEAR(c->launch_s, 2.5e-6, 1e-18);
   EXPECT_NEAR(c->step_overhead_s, 300e-6, 1e-18);
+  EXPECT_NEAR(c->step_cycle_s, 450e-6, 1e-18);
   auto bad = ParseCalibration(base + R"("sync_us": -1})", "cal.json");
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("cal.json: sync_us"), std::string::npos) << bad.status();
