@@ -817,7 +817,8 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
   cost.comm_total_s += small;
   cost.exposed_comm_s = sr.exposed_s + small;
   // The host's serial part: each synchronisation's round trip (the device drained, waiting for
-  // the host's next call) and the coordinator's per-step round trip.
+  // the host's next call) and the worker's per-step handling; the coordinator's cycle bounds the
+  // step from below.
   cost.calls = calls_per_mb * cost.microbatches + optimizer_calls;
   cost.syncs = HostSyncsPerStep(cost.microbatches, fp8_linears,
                                 spec.precision().fp8().recipe() == v1::SCALING_RECIPE_CURRENT);

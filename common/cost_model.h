@@ -34,6 +34,12 @@
 //                   between the measured points (clamped at both ends). The link: shard groups
 //                   within one host (ranks_per_host) take the calibration's intra-host link,
 //                   groups spanning hosts and replica groups the inter-host link.
+// The optimizer is priced in the order training runs it: serial (after the backward) or
+// deferred (StepCost::optimizer_deferred: units 2.. updated in the next forward, DeferredWindow).
+// The host: backend calls bound each unit's phase from below (op_floor_s + alloc_s per call);
+// synchronisations (HostSyncsPerStep x sync_s) and the worker's per-step handling
+// (step_overhead_s) are serial with the device; the coordinator's cycle (step_cycle_s) bounds the
+// step from below (PredictStep).
 // CPU ranks share the host's cores: compute and optimizer times are multiplied by the
 // calibration's shared-host slowdown at the ranks on the host (HostSlowdown: measured by N
 // synchronised copies of a synthetic step, bench/cpu/ops_bench.cc --copies), or, in a calibration
