@@ -19,7 +19,8 @@
 # Usage: bench/calibrate.sh [OUT]   Environment: BACKEND (cpu | cuda), BIN (the binaries' folder,
 # default build/bin), MAX_RANKS (CPU collectives up to this many ranks, default 4), MAX_COPIES
 # (the shared-host slowdown up to this many processes, default 3), DEVICE (CUDA
-# device, default 0), LOG (BACKEND=cuda: keep fsdp8-bench-cuda's output there). Run on an otherwise idle machine: every figure is the best of 3 rounds; the
+# device, default 0), LOG (BACKEND=cuda: keep fsdp8-bench-cuda's output there), STEP_OVERHEAD
+# (0: skip bench/step-overhead.sh, the per-step round trip of a trivial job, "step_overhead_us"). Run on an otherwise idle machine: every figure is the best of 3 rounds; the
 # CPU's compute figures are per CPU second of the (single-threaded) benchmark, so that a shared
 # host's other processes do not slow them (the model predicts the step on cores of the ranks' own).
 set -euo pipefail
@@ -51,6 +52,13 @@ case "$backend" in
     ;;
   *) echo "BACKEND must be cpu or cuda" >&2; exit 2 ;;
 esac
+# The per-step costs of driving a job (the worker's handling; the coordinator's cycle), through
+# a real coordinator and a CPU worker with a trivial model (bench/step-overhead.sh);
+# STEP_OVERHEAD=0 leaves it out (the binaries fsdp8, fsdp8-coordinator, fsdp8-worker are needed).
+echo '{}' > "$tmp/overhead.json"
+if [ "${STEP_OVERHEAD:-1}" != 0 ]; then
+  BIN=$bin bench/step-overhead.sh > "$tmp/overhead.json"
+fi
 mkdir -p "$(dirname "$out")"
 python3 - "$backend" "$tmp" "$out" "$(nproc)" "$(date -u +%Y-%m-%d)" <<'PY'
 import json, os, platform, sys
@@ -84,6 +92,9 @@ if backend == "cpu":
         "collectives": [c for path in open(os.path.join(tmp, "coll.list")).read().split()
                         for c in json.load(open(path))],
         "host_slowdown": [[c["processes"], round(c["wall_s"] / one_cpu, 4)] for c in copies],
+        # The synthetic step's CPU seconds of one copy: the base the host_slowdown factors divide
+        # by (bench/predict-vs-run.sh remeasures the factor before each run against it).
+        "host_step_cpu_s": one_cpu,
     }
 else:
     cal = json.load(open(os.path.join(tmp, "cuda.json")))
@@ -116,6 +127,12 @@ else:
                        + curves("ib400", 46, {"all_gather": 46, "reduce_scatter": 46,
                                               "all_reduce": 46}),
     })
+overhead = json.load(open(os.path.join(tmp, "overhead.json")))
+if "step_overhead_us" in overhead:
+    cal["step_overhead_us"] = overhead["step_overhead_us"]
+    cal["step_cycle_us"] = overhead["step_cycle_us"]
+    cal["source"] += ("; step_overhead_us, step_cycle_us: bench/step-overhead.sh (trivial job, "
+                      "free-running and driven, medians)")
 with open(out, "w") as f:
     json.dump(cal, f, indent=1)
     f.write("\n")

@@ -19,7 +19,12 @@
 # Usage: bench/predict-vs-run.sh   Environment: RANKS (default "1 2 3"), STEPS (60), WARMUP (10),
 # SPEC, DATA, BACKEND (cpu, or cuda: the spec's backend set to cuda, one worker per GPU
 # 0..RANKS-1, calibration by BACKEND=cuda bench/calibrate.sh), CALIBRATION (an existing
-# calibration file instead of a fresh one), BIN (default build/bin).
+# calibration file instead of a fresh one), BIN (default build/bin), RECALIBRATE (CPU, default
+# 1: right before each run, the shared-host slowdown at that rank count is measured again,
+# REPEATS (3) times `fsdp8-bench-cpu-ops --copies N`, and its median over the calibration's
+# one-copy CPU time per step, host_step_cpu_s, replaces the file's host_slowdown for that run's
+# prediction: the host's available speed as the run will see it; printed as "slowdown"; 0: the
+# calibration's table as is).
 # Needs build/bin: fsdp8, fsdp8-coordinator, fsdp8-worker, fsdp8-bench-cpu-gemm,
 # fsdp8-bench-cpu-ops, fsdp8-bench-cpu-step; the fortunes corpus in data/fortunes (prepared here
 # when missing). The ranks share the host's cores; on a machine shared with other work the
@@ -106,7 +111,7 @@ PY
   stop_daemons
 }
 
-printf '%-6s %-6s %-10s %-10s %-8s %-10s %-8s %s\n' ranks batch pred-ms wall-ms ratio cpu-ms ratio load-before
+printf '%-6s %-6s %-8s %-10s %-10s %-8s %-10s %-8s %s\n' ranks batch slowdown pred-ms wall-ms ratio cpu-ms ratio load-before
 for n in $ranks_list; do
   job=$tmp/job-$n.yaml
   gb=$(python3 - "$spec" "$job" "$n" "$steps" "$data" "$backend" <<'PY'
@@ -125,13 +130,40 @@ yaml.safe_dump(s, open(out, "w"), sort_keys=False)
 print(gb)
 PY
 )
-  pred=$("$bin/fsdp8" plan "$job" --predict --world-size "$n" --calibration "$cal" --json |
+  runcal=$cal
+  if [ "$backend" = cpu ] && [ "${RECALIBRATE:-1}" != 0 ]; then
+    # The host's available speed now, as the run will see it: n synchronised copies of the
+    # synthetic step, REPEATS times, the median wall time per step over the calibration's one-copy
+    # CPU time per step (host_step_cpu_s) replaces host_slowdown for this run.
+    runcal=$tmp/cal-$n.json
+    : > "$tmp/copies-$n.list"
+    for _ in $(seq "${REPEATS:-3}"); do
+      OMP_NUM_THREADS=1 "$bin/fsdp8-bench-cpu-ops" --threads 1 --copies "$n" >> "$tmp/copies-$n.list"
+    done
+    slow=$(python3 - "$cal" "$tmp/copies-$n.list" "$runcal" "$n" <<'PY'
+import json, statistics, sys
+cal = json.load(open(sys.argv[1]))
+walls = [json.loads(l)["wall_s"] for l in open(sys.argv[2]) if l.strip()]
+base = cal.get("host_step_cpu_s")
+if not base:
+    sys.exit(f"{sys.argv[1]}: no host_step_cpu_s (made by an older bench/calibrate.sh); "
+             "recalibrate or set RECALIBRATE=0")
+f = statistics.median(walls) / base
+cal["host_slowdown"] = [[int(sys.argv[4]), round(f, 4)]]
+json.dump(cal, open(sys.argv[3], "w"), indent=1)
+print(f"{f:.3f}")
+PY
+)
+  else
+    slow=-
+  fi
+  pred=$("$bin/fsdp8" plan "$job" --predict --world-size "$n" --calibration "$runcal" --json |
          python3 -c "import json,sys; print(json.load(sys.stdin)['step_ms'])")
   load=$(cut -d' ' -f1 /proc/loadavg)
   read -r wall cpu < <(measure "$job" "$n")
   python3 -c "
 p, m, c = $pred, $wall * 1e3, $cpu * 1e3
-print(f'{$n:<6} {$gb:<6} {p:<10.1f} {m:<10.1f} {p / m:<8.3f} {c:<10.1f} {p / c:<8.3f} $load')"
+print(f'{$n:<6} {$gb:<6} {\"$slow\":<8} {p:<10.1f} {m:<10.1f} {p / m:<8.3f} {c:<10.1f} {p / c:<8.3f} $load')"
 done
 echo "ratio: predicted / measured. wall-ms: seconds between step events per step; cpu-ms: the"
 echo "workers' CPU seconds per step / min(ranks, $(nproc) cores), the step on cores of their own"

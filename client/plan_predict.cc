@@ -36,14 +36,16 @@ void PrintCost(const std::string& spec_path, const std::string& backend, const M
            "\"compute_ms\": %.4f, \"exposed_comm_ms\": %.4f, \"optimizer_ms\": %.4f, "
            "\"comm_total_ms\": %.4f, \"gemm_ms\": %.4f, \"attention_ms\": %.4f, "
            "\"memory_ms\": %.4f, \"floor_ms\": %.4f, \"microbatches\": %d, \"tokens_per_rank\": %lld, "
-           "\"tokens_per_s\": %.1f, \"optimizer_order\": \"serial\", "
-           "\"training_defers_optimizer\": %s, \"calibration\": \"%s\"}\n",
+           "\"tokens_per_s\": %.1f, \"optimizer_order\": \"%s\", "
+           "\"training_defers_optimizer\": %s, \"optimizer_in_forward_ms\": %.4f, "
+           "\"host_ms\": %.4f, \"syncs\": %.1f, \"calls\": %d, \"calibration\": \"%s\"}\n",
            mesh.world_size(), mesh.replicas, mesh.shard_size, ms(c.step_s), ms(c.compute_s),
            ms(c.exposed_comm_s), ms(c.optimizer_s), ms(c.comm_total_s), ms(c.gemm_s),
            ms(c.attention_s), ms(c.memory_s), ms(c.floor_s), c.microbatches,
            static_cast<long long>(c.tokens_per_rank),
            c.tokens_per_rank * mesh.world_size() / c.step_s,
-           c.optimizer_deferred ? "true" : "false", calibration.c_str());
+           c.optimizer_deferred ? "deferred" : "serial", c.optimizer_deferred ? "true" : "false",
+           ms(c.optimizer_in_forward_s), ms(c.host_s), c.syncs, c.calls, calibration.c_str());
     return;
   }
   printf("predicted step of %s: backend %s, %d rank%s (%d replica%s x %d), per rank\n",
@@ -54,23 +56,27 @@ void PrintCost(const std::string& spec_path, const std::string& backend, const M
   printf("  %-24s %10.2f ms  (of %.2f ms of collectives; links %s / %s)\n",
          "exposed communication", ms(c.exposed_comm_s), ms(c.comm_total_s), c.intra_link.c_str(),
          c.inter_link.c_str());
-  printf("  %-24s %10.2f ms  (serial order: after the backward)\n", "optimizer",
-         ms(c.optimizer_s));
+  if (c.optimizer_deferred) {
+    printf("  %-24s %10.2f ms  (deferred: the step's tail; +%.2f ms of compute in the forward)\n",
+           "optimizer", ms(c.optimizer_s), ms(c.optimizer_in_forward_s));
+  } else {
+    printf("  %-24s %10.2f ms  (serial order: after the backward)\n", "optimizer",
+           ms(c.optimizer_s));
+  }
+  if (c.host_s > 0) {
+    printf("  %-24s %10.2f ms  (%.1f synchronisations with the device, the step's round trip)\n",
+           "host", ms(c.host_s), c.syncs);
+  }
   printf("  %-24s %10.2f ms  (%d microbatch%s, %lld tokens per rank, %.0f tokens/s)\n", "step",
          ms(c.step_s), c.microbatches, c.microbatches == 1 ? "" : "es",
          static_cast<long long>(c.tokens_per_rank),
          c.tokens_per_rank * mesh.world_size() / c.step_s);
-  if (c.optimizer_deferred) {
-    printf("  (training.overlap_optimizer is on: training runs the optimizer deferred into\n"
-           "   the next forward, which is not priced here; on one H100 such steps measured\n"
-           "   2-3%% shorter, most of the optimizer's time moved into the compute)\n");
-  }
   if (c.contention > 1) {
     printf("  (CPU ranks sharing the host: compute and optimizer x %.3f)\n", c.contention);
   }
   if (c.floor_s > 0) {
-    printf("  (backend calls at the calibration's floor: +%.2f ms of compute and optimizer)\n",
-           ms(c.floor_s));
+    printf("  (%d backend calls at the calibration's floor: +%.2f ms of compute and optimizer)\n",
+           c.calls, ms(c.floor_s));
   }
   printf("  calibration: %s\n", calibration.c_str());
 }

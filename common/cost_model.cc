@@ -165,10 +165,13 @@ absl::StatusOr<Calibration> ParseCalibration(const std::string& json, const std:
     if (!v.ok()) return v.status();
     *out = *v;
   }
-  {
-    absl::StatusOr<double> v = Number(root, "op_floor_us", "", origin, false);
+  for (auto [name, out] : {std::pair{"op_floor_us", &c.op_floor_s}, std::pair{"alloc_us", &c.alloc_s},
+                           std::pair{"sync_us", &c.sync_s}, std::pair{"launch_us", &c.launch_s},
+                           std::pair{"step_overhead_us", &c.step_overhead_s},
+                           std::pair{"step_cycle_us", &c.step_cycle_s}}) {
+    absl::StatusOr<double> v = Number(root, name, "", origin, false);
     if (!v.ok()) return v.status();
-    c.op_floor_s = *v * 1e-6;
+    *out = *v * 1e-6;
   }
   const Value* att = Field(root, "attention");
   if (att == nullptr || att->kind_case() != Value::kStructValue) {
@@ -371,9 +374,13 @@ ScheduleResult Schedule(const std::vector<UnitTimes>& units, int microbatches) {
     ready[0] = collective(t, units[0].gather, &chan);
     for (size_t u = 0; u < U; ++u) {  // forward: prefetch u+1 while u computes
       const double start = std::max(t, ready[u]);
-      if (u + 1 < U) ready[u + 1] = collective(start, units[u + 1].gather, &chan);
-      t = start + units[u].forward;
-      r.compute_s += units[u].forward;
+      if (u + 1 < U) {
+        const double update = mb == 0 ? units[u + 1].update : 0;  // the deferred update first
+        ready[u + 1] = collective(start + update, units[u + 1].gather, &chan);
+      }
+      const double forward = units[u].forward + (mb == 0 ? units[u].deferred : 0);
+      t = start + forward;
+      r.compute_s += forward;
     }
     ready[U - 1] = t;  // the last forward unit stays gathered for its backward
     for (size_t u = U; u-- > 0;) {  // backward: prefetch u-1, then reduce-scatter u
@@ -404,9 +411,34 @@ double OptimizerSeconds(const Calibration& c, const ShardElements& e, int state_
   return adamw + norm_and_cast;
 }
 
+double UpdateSeconds(const Calibration& c, const ShardElements& e, int state_bytes) {
+  const double adamw = (e.total() * (12.0 + 2.0 * state_bytes) + 2.0 * e.bf16) /
+                       (c.optimizer_gbps * 1e9);
+  return adamw + 5.0 * e.fp8 / (c.memory_gbps * 1e9);
+}
+
+double DeferredWindow(double forward_device, int forward_calls, double update_device,
+                      int update_calls, double call_s, bool side_stream) {
+  if (side_stream) {
+    return std::max(forward_device + update_device, (forward_calls + update_calls) * call_s);
+  }
+  return std::max(forward_device, forward_calls * call_s) +
+         std::max(update_device, update_calls * call_s);
+}
+
+double HostSyncsPerStep(int microbatches, int fp8_linears, bool current_recipe) {
+  double syncs = 2.0 * microbatches + 1 + 1 + 1;  // uploads; losses; grad norm; the step's end
+  if (fp8_linears > 0) {
+    syncs += 3 + 0.3;  // the delayed scales' update; the scaling report every 10th step
+    if (current_recipe) syncs += 3.0 * 2 * fp8_linears * microbatches;
+  }
+  return syncs;
+}
+
 double HostSlowdown(const Calibration& c, int processes) {
-  if (c.cores <= 0 || processes <= 1) return 1.0;
+  if (c.cores <= 0) return 1.0;
   const auto& h = c.host_slowdown;
+  if (processes <= 1) return !h.empty() && h.front().first == 1 ? h.front().second : 1.0;
   if (h.empty()) return std::max(1.0, static_cast<double>(processes) / c.cores);
   if (processes <= h.front().first) {
     // Below the first measured count: linear from (1 process, 1.0) to that point.
@@ -597,13 +629,21 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
   // Compute: embedding (unit 0), blocks (1..L), head (last).
   units.front().forward = pass(8.0 * N * C);
   units.front().backward = pass(8.0 * N * C);
-  // A unit's compute takes at least its backend calls at the calibration's floor.
-  const double floor_s = c.op_floor_s * k;
+  // A unit's compute takes at least its backend calls' host issue: each call at the
+  // calibration's floor plus its workspace's allocation and free.
+  const double floor_s = (c.op_floor_s + c.alloc_s) * k;
+  int calls_per_mb = 0;
   auto at_least = [&](double s, int ops) {
     const double f = ops * floor_s;
+    calls_per_mb += ops;
     if (f > s) cost.floor_s += f - s;
     return std::max(s, f);
   };
+  // Each unit's forward on the device alone and its calls (the deferred optimizer's window).
+  std::vector<double> forward_device(units.size());
+  std::vector<int> forward_calls(units.size());
+  forward_device.front() = units.front().forward;
+  forward_calls.front() = 1;
   units.front().forward = at_least(units.front().forward, 1);
   units.front().backward = at_least(units.front().backward, 1);
   for (size_t l = 0; l < plan->blocks.size(); ++l) {
@@ -641,6 +681,8 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
       bwd += af + pass(pf);
     }
     const auto [of, ob] = BlockOpCount(b, rules);
+    forward_device[1 + l] = fwd;
+    forward_calls[1 + l] = of;
     u.forward = at_least(fwd, of);
     u.backward = at_least(bwd, ob + (plan->recompute ? of : 0));
   }
@@ -658,12 +700,15 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
     const int chunks = plan->head_bf16 && plan->head_chunk_rows > 0
                            ? static_cast<int>((N + plan->head_chunk_rows - 1) / plan->head_chunk_rows)
                            : 1;
-    h.forward = at_least(h.forward, plan->head_bf16 ? 2 + 2 * chunks : 3);
+    forward_device.back() = h.forward;
+    forward_calls.back() = plan->head_bf16 ? 2 + 2 * chunks : 3;
+    h.forward = at_least(h.forward, forward_calls.back());
     h.backward = at_least(h.backward, plan->head_bf16 ? chunks + 2 : 3);
   }
   // Communication per unit.
   double shard_wire = 0;
   ShardElements piece;
+  std::vector<ShardElements> unit_piece(plan->units.size());
   for (size_t i = 0; i < plan->units.size(); ++i) {
     double gathered = 0, grads = 0, shard_grads = 0;
     for (const PlannedBuffer& pb : plan->units[i].buffers) {
@@ -671,6 +716,9 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
       grads += static_cast<double>(pb.padded) * 4;
       shard_grads += static_cast<double>(pb.shard) * 4;
       (pb.wire == WireDtype::kFp8 ? piece.fp8 : pb.wire == WireDtype::kBf16 ? piece.bf16 : piece.fp32) +=
+          static_cast<double>(pb.shard);
+      ShardElements& up = unit_piece[i];
+      (pb.wire == WireDtype::kFp8 ? up.fp8 : pb.wire == WireDtype::kBf16 ? up.bf16 : up.fp32) +=
           static_cast<double>(pb.shard);
       shard_wire += pb.wire == WireDtype::kFp32 ? 0.0
                                                 : static_cast<double>(pb.shard) * WireBytes(pb.wire);
@@ -685,18 +733,77 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
           shard_grads);
     }
   }
+  // The small all-reduces, the optimizer's pieces and calls (per unit: its FP8 tensors).
+  int fp8_linears = 0;
+  std::vector<int> unit_fp8(plan->units.size(), 0);
+  for (size_t l = 0; l < plan->blocks.size(); ++l) {
+    const BlockPlan& b = plan->blocks[l];
+    if (b.linears != v1::PRECISION_FP8) continue;
+    fp8_linears += static_cast<int>(b.proj.size());
+    if (1 + l < unit_fp8.size()) unit_fp8[1 + l] = static_cast<int>(b.proj.size());
+  }
+  const double pieces = mesh.optimizer_over_world ? R : 1;
+  const int state_bytes = static_cast<int>(OptimizerStateBytesPerElement(spec));
+  auto mine_of = [&](const ShardElements& e) {
+    return ShardElements{e.fp32 / pieces, e.bf16 / pieces, e.fp8 / pieces};
+  };
+  const ShardElements mine = mine_of(piece);
+  int buffers = 0;
+  for (const PlannedUnit& u : plan->units) buffers += static_cast<int>(u.buffers.size());
+  cost.optimizer_deferred = mesh.DefersOptimizer(spec.training().overlap_optimizer());
+  int optimizer_calls = 0;
+  double optimizer_floor = 0;  // what the call floor added to the optimizer
+  if (!cost.optimizer_deferred) {
+    // Serial: the whole optimizer after the backward. Its calls: per buffer the gradient norm's
+    // and AdamW's (AdamW again per FP8 tensor's slice), per FP8 tensor its cast, and the scales'
+    // four (amax reset, group maximum, scales, reduce).
+    cost.optimizer_s = OptimizerSeconds(c, mine, state_bytes) * k;
+    optimizer_calls = 2 * buffers + 2 * fp8_linears + (fp8_linears > 0 ? 4 : 0);
+    if (optimizer_calls * floor_s > cost.optimizer_s) {
+      optimizer_floor = optimizer_calls * floor_s - cost.optimizer_s;
+      cost.optimizer_s = optimizer_calls * floor_s;
+    }
+  } else {
+    // Deferred (FsdpParams::DeferAdamW): the step's tail is the gradient norm's read (one call
+    // per buffer) and the updates of units 0 and 1 (PrefetchFirstUnits); unit u >= 2 is updated
+    // when its prefetch is issued, as unit u-1's forward starts (first microbatch). A unit's
+    // update calls: per buffer AdamW, per FP8 tensor AdamW's slice and the cast, and, with FP8
+    // tensors, the unit's amax reset, amax maximum and scales (3).
+    const bool side_stream = BackendCapsOf(spec.backend()).cuda;
+    auto update_calls = [&](size_t u) {
+      return static_cast<int>(plan->units[u].buffers.size()) + 2 * unit_fp8[u] +
+             (unit_fp8[u] > 0 ? 3 : 0);
+    };
+    double tail_device = 4.0 * mine.total() / (c.memory_gbps * 1e9) * k;
+    int tail_calls = buffers;
+    const size_t U = units.size();
+    for (size_t u = 0; u < U; ++u) {
+      const double device = UpdateSeconds(c, mine_of(unit_piece[u]), state_bytes) * k;
+      const int calls = update_calls(u);
+      optimizer_calls += calls;
+      if (u < 2) {
+        tail_device += device;
+        tail_calls += calls;
+        continue;
+      }
+      const double window = DeferredWindow(forward_device[u - 1], forward_calls[u - 1], device,
+                                           calls, floor_s, side_stream);
+      units[u - 1].deferred = std::max(0.0, window - units[u - 1].forward);
+      units[u].update = std::max(device, calls * floor_s);
+      cost.optimizer_in_forward_s += units[u - 1].deferred;
+    }
+    optimizer_calls += buffers;
+    cost.optimizer_s = std::max(tail_device, tail_calls * floor_s);
+    optimizer_floor = std::max(0.0, tail_calls * floor_s - tail_device);
+  }
   const ScheduleResult sr = Schedule(units, cost.microbatches);
   cost.compute_s = sr.compute_s;
   for (double* part : {&cost.gemm_s, &cost.attention_s, &cost.memory_s}) *part *= cost.microbatches;
   cost.comm_total_s = sr.comm_s;
-  cost.floor_s *= cost.microbatches;
+  cost.floor_s = cost.floor_s * cost.microbatches + optimizer_floor;
   // The step's small all-reduces over every rank: activation and grad-output amaxes (two per
   // FP8 linear), the gradient norm and loss sums (2 floats), the weights' amaxes (one per FP8
   // linear).
-  int fp8_linears = 0;
-  for (const BlockPlan& b : plan->blocks) {
-    if (b.linears == v1::PRECISION_FP8) fp8_linears += static_cast<int>(b.proj.size());
-  }
   double small = 0;
   const std::string world_link = W <= per_host ? c.intra_link : c.inter_link;
   if (fp8_linears > 0) {
@@ -704,28 +811,22 @@ absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
     small += CollectiveSeconds(c, world_link, CollectiveOp::kAllReduce, W, 4.0 * fp8_linears);
   }
   small += CollectiveSeconds(c, world_link, CollectiveOp::kAllReduce, W, 8.0);
-  // The optimizer on this rank's piece of the state.
-  const double pieces = mesh.optimizer_over_world ? R : 1;
-  const ShardElements mine{piece.fp32 / pieces, piece.bf16 / pieces, piece.fp8 / pieces};
-  cost.optimizer_s =
-      OptimizerSeconds(c, mine, static_cast<int>(OptimizerStateBytesPerElement(spec))) * k;
-  // Its calls: per buffer the gradient norm's and AdamW's (AdamW again per FP8 tensor's slice),
-  // per FP8 tensor its cast, and the scales' four (amax reset, group maximum, scales, reduce).
-  int buffers = 0;
-  for (const PlannedUnit& u : plan->units) buffers += static_cast<int>(u.buffers.size());
-  const int optimizer_ops = 2 * buffers + 2 * fp8_linears + (fp8_linears > 0 ? 4 : 0);
-  if (optimizer_ops * floor_s > cost.optimizer_s) {
-    cost.floor_s += optimizer_ops * floor_s - cost.optimizer_s;
-    cost.optimizer_s = optimizer_ops * floor_s;
-  }
   if (mesh.optimizer_over_world && R > 1) {  // the updated wire pieces gathered across replicas
     small += CollectiveSeconds(c, cost.inter_link, CollectiveOp::kAllGather, R, shard_wire);
   }
   cost.comm_total_s += small;
   cost.exposed_comm_s = sr.exposed_s + small;
-  // The optimizer priced in the serial order (after the backward) whatever the spec says.
-  cost.optimizer_deferred = mesh.DefersOptimizer(spec.training().overlap_optimizer());
-  cost.step_s = cost.compute_s + cost.exposed_comm_s + cost.optimizer_s;
+  // The host's serial part: each synchronisation's round trip (the device drained, waiting for
+  // the host's next call) and the worker's per-step handling; the coordinator's cycle bounds the
+  // step from below.
+  cost.calls = calls_per_mb * cost.microbatches + optimizer_calls;
+  cost.syncs = HostSyncsPerStep(cost.microbatches, fp8_linears,
+                                spec.precision().fp8().recipe() == v1::SCALING_RECIPE_CURRENT);
+  cost.host_s = cost.syncs * c.sync_s + c.step_overhead_s;
+  const double inner = cost.compute_s + cost.exposed_comm_s + cost.optimizer_s;
+  // The coordinator's loop: no step shorter than its cycle.
+  cost.host_s = std::max(inner + cost.host_s, c.step_cycle_s) - inner;
+  cost.step_s = inner + cost.host_s;
   return cost;
 }
 

@@ -34,6 +34,12 @@
 //                   between the measured points (clamped at both ends). The link: shard groups
 //                   within one host (ranks_per_host) take the calibration's intra-host link,
 //                   groups spanning hosts and replica groups the inter-host link.
+// The optimizer is priced in the order training runs it: serial (after the backward) or
+// deferred (StepCost::optimizer_deferred: units 2.. updated in the next forward, DeferredWindow).
+// The host: backend calls bound each unit's phase from below (op_floor_s + alloc_s per call);
+// synchronisations (HostSyncsPerStep x sync_s) and the worker's per-step handling
+// (step_overhead_s) are serial with the device; the coordinator's cycle (step_cycle_s) bounds the
+// step from below (PredictStep).
 // CPU ranks share the host's cores: compute and optimizer times are multiplied by the
 // calibration's shared-host slowdown at the ranks on the host (HostSlowdown: measured by N
 // synchronised copies of a synthetic step, bench/cpu/ops_bench.cc --copies), or, in a calibration
@@ -113,6 +119,18 @@ struct Calibration {
   // forward or backward takes at least its calls (BlockOpCount) times this, as does the
   // optimizer.
   double op_floor_s = 0;
+  // The host's per-step costs that do not scale with the model (optional, 0: none):
+  // "alloc_us": one workspace allocation and free through the backend (each backend call of the
+  // model writes a fresh workspace: counted once per call beside op_floor_us); "sync_us": one
+  // host synchronisation with the device (the backend's 4-byte CopyToHost readback or
+  // CopyToDevice upload, both of which wait for the stream: the mean of the two round trips);
+  // "launch_us": an empty kernel's launch issued back to back (informative: op_floor_us is the
+  // backend call's); "step_overhead_us": the worker's own per-step handling outside the
+  // trainer's step (a free-running trivial job's step less its timed step), serial with every
+  // step; "step_cycle_us": the shortest step the coordinator's driving loop allows (a driven
+  // trivial job's step: the coordinator handles step k's result while the worker runs k+1, so a
+  // longer step hides it). Both from bench/step-overhead.sh.
+  double alloc_s = 0, sync_s = 0, launch_s = 0, step_overhead_s = 0, step_cycle_s = 0;
   std::vector<CollectiveCurve> collectives;
   // CPU: (processes, slowdown) ascending in processes: the wall time per step of that many
   // synchronised single-threaded copies of a synthetic step on the host, over one copy's CPU
@@ -126,7 +144,8 @@ struct Calibration {
 // GB/s], ...]}], "host_slowdown": [[processes, factor], ...], "attention_classes": [{"batch",
 // "seq", "heads", "kv_heads", "head_dim", "forward_tflops", "backward_tflops",
 // "backward_nondeterministic_tflops"}]; "cores", "ranks_per_host", "collectives", "inter_link",
-// "host_slowdown", "attention_classes", "op_floor_us" and
+// "host_slowdown", "attention_classes", "op_floor_us", "alloc_us", "sync_us", "launch_us",
+// "step_overhead_us", "step_cycle_us" and
 // attention.backward_nondeterministic_tflops optional.
 // INVALID_ARGUMENT naming `origin` and the field for malformed JSON, a missing or non-positive
 // rate, an unknown precision or op, points not ascending, a host_slowdown entry that is not a
@@ -159,6 +178,11 @@ struct UnitTimes {
   double gather = 0;                 // all-gather of its wire buffers (shard group)
   double reduce = 0;                 // reduce-scatter of its f32 gradients (shard group)
   double replica = 0;                // hybrid: its replica reduction, after the last microbatch
+  // The deferred optimizer (first microbatch only): `update`, the seconds from this unit's
+  // prefetch to the end of its deferred AdamW and wire cast, which its all-gather follows;
+  // `deferred`, what the next unit's update adds to this unit's forward (run beside it, or
+  // inline before it).
+  double update = 0, deferred = 0;
 };
 
 struct ScheduleResult {
@@ -167,7 +191,9 @@ struct ScheduleResult {
   double exposed_s = 0;        // end_s - compute_s
   double comm_s = 0;           // every collective's time, hidden or not
 };
-// The overlap of `units` (forward order) over `microbatches` as described above.
+// The overlap of `units` (forward order) over `microbatches` as described above; in the first
+// microbatch unit u's forward takes forward + deferred and the all-gather of u+1 is issued
+// `update` (of u+1) after u's compute starts.
 ScheduleResult Schedule(const std::vector<UnitTimes>& units, int microbatches);
 
 // Optimizer seconds: AdamW on `shard_elements` f32 master elements with `state_bytes` of
@@ -187,16 +213,42 @@ struct ShardElements {
 // wire cast of the FP8 elements (CastWeights: 4 read + 1 written, memory bandwidth). FP32 wire
 // shards are the master values (no cast).
 double OptimizerSeconds(const Calibration& c, const ShardElements& e, int state_bytes);
+// The update part of OptimizerSeconds (without the gradient norm's read): AdamW with the bf16
+// pack at the AdamW rate and the FP8 wire cast at the memory bandwidth. The deferred optimizer
+// runs it per unit; OptimizerSeconds = 4 e.total() / memory bandwidth + UpdateSeconds.
+double UpdateSeconds(const Calibration& c, const ShardElements& e, int state_bytes);
+
+// The deferred update of one unit beside (CUDA: a side stream) or before (CPU: inline) the
+// forward of the unit before it (seconds; DeferredWindow). Side stream, the device work-
+// conserving: the two streams share the device's SMs and memory bandwidth, both bound by them,
+// so the device finishes both in the sum of their device times, and nothing shorter than the
+// host's issue of both units' calls: window = max(forward_device + update_device,
+// (forward_calls + update_calls) x call_s). Inline (no side stream): window = max(forward_device,
+// forward_calls x call_s) + max(update_device, update_calls x call_s).
+double DeferredWindow(double forward_device, int forward_calls, double update_device,
+                      int update_calls, double call_s, bool side_stream);
+
+// Host synchronisations one training step makes (the trainer's waits for the device: each
+// CopyToHost and CopyToDevice of the backend waits for the stream), per train/trainer.cc,
+// train/fsdp.cc and train/fp8_linear.cc: per microbatch the tokens' and targets' uploads (2); the
+// losses' readback (1); the gradient norm's readback (1); with FP8 linears the delayed scales'
+// update (the amax readback, the scale and inverse-scale uploads: 3) and, under the CURRENT
+// recipe, per microbatch each scaled cast's amax readback and two scale uploads (3 per cast: an
+// input cast per FP8 linear forward and a grad-output cast backward); the step's final
+// synchronisation (1); with FP8 linears the scaling report of every 10th step (3 readbacks: 0.3 a
+// step).
+double HostSyncsPerStep(int microbatches, int fp8_linears, bool current_recipe);
 
 // The factor on a CPU rank's compute and optimizer time with `processes` ranks on the host: the
 // calibration's host_slowdown interpolated linearly between measured process counts (beyond the
 // last, that factor x processes / its processes; below the first, linearly from 1 process at
-// 1.0 to the first); without one,
+// 1.0 to the first; at 1 process, the table's factor at 1 where it has one: a host slower than
+// when the rates were measured slows a lone rank too); without one,
 // max(1, processes / cores); 1 for a calibration without cores (GPUs).
 double HostSlowdown(const Calibration& c, int processes);
 
 struct StepCost {
-  double step_s = 0;           // compute + exposed communication + optimizer
+  double step_s = 0;           // compute + exposed communication + optimizer + host_s
   double compute_s = 0;        // forward + backward compute of every microbatch
   double exposed_comm_s = 0;   // what the compute does not hide, the small all-reduces included
   double optimizer_s = 0;
@@ -204,14 +256,23 @@ struct StepCost {
   double gemm_s = 0, attention_s = 0, memory_s = 0;  // compute_s's parts
   double contention = 1;       // the CPU ranks' shared-host factor applied (HostSlowdown)
   double floor_s = 0;          // of compute_s and optimizer_s: what the backend-call floor added
+  // Of compute_s: what the deferred optimizer's updates add to the forward (0 in the serial
+  // order).
+  double optimizer_in_forward_s = 0;
+  // Host time serial with the device: syncs x sync_s + step_overhead_s, and what the
+  // coordinator's cycle adds where it is longer than the step (in step_s).
+  double host_s = 0;
+  double syncs = 0;            // host synchronisations per step (HostSyncsPerStep)
+  int calls = 0;               // backend calls per step (the call floor's count)
   int microbatches = 1;
   int64_t tokens_per_rank = 0;  // per step
   std::string intra_link, inter_link;
-  // Whether training would run the optimizer deferred into the next step's forward
-  // (training.overlap_optimizer, Mesh::DefersOptimizer). The model prices the serial order in
-  // either case: optimizer_s after the backward, added to step_s. Deferred, the measured step
-  // moves most of that time into the forward's compute (the updates compete with it for memory
-  // bandwidth), which the model does not price.
+  // Whether training runs the optimizer deferred into the next step's forward
+  // (training.overlap_optimizer, Mesh::DefersOptimizer), and the model prices it so: optimizer_s
+  // is the step's tail (the gradient norm's read and the updates of units 0 and 1, in the
+  // prefetch that ends the step); every later unit's update runs in the next forward
+  // (DeferredWindow), its cost in compute_s (optimizer_in_forward_s). Serial: optimizer_s is the
+  // whole optimizer after the backward.
   bool optimizer_deferred = false;
 };
 
@@ -220,7 +281,15 @@ struct StepCost {
 // spec needs (naming it), for a calibration of another backend than the spec's, or naming
 // precision.fp8.granularity / precision.overrides[i].granularity for a spec with a rowwise or
 // blockwise block (ScaledGranularityField: only tensorwise FP8 is priced). The optimizer is
-// priced in the serial order (StepCost::optimizer_deferred).
+// priced in the order training runs it (StepCost::optimizer_deferred). The step:
+//   step = max(compute + exposed communication + optimizer + syncs x sync_s + step_overhead_s,
+//              step_cycle_s)
+// where compute and optimizer take, per unit and phase, the larger of the device's time and the
+// host's issue of its calls (calls x (op_floor_s + alloc_s)): between two synchronisations host
+// and device overlap (the host runs ahead, the longer bounds), while at a synchronisation the
+// device drains and waits for the host's next call (serial: the sync's round trip), the worker's
+// per-step handling runs while the device is idle, and the coordinator's loop (dispatching ahead)
+// bounds the step from below.
 absl::StatusOr<StepCost> PredictStep(const v1::JobSpec& spec, const Mesh& mesh,
                                      const Calibration& c, const StepPlanOptions& options = {});
 

@@ -27,7 +27,9 @@
 //      Llama-3-8B block's shapes), attention forward and deterministic / non-deterministic
 //      backward from (c), "attention_classes" from (k) (cuDNN at 2048 and 8192 tokens per
 //      sequence, 16 heads and 32 heads of which 8 kv, head_dim 128), "op_floor_us" (a tiny
-//      backend call's time when calls are issued back to back), "memory_gbps" the bytes over
+//      backend call's time when calls are issued back to back), "launch_us", "alloc_us" and
+//      "sync_us" (CalibrateHost: an empty kernel's launch, a workspace's Alloc + Free, a
+//      synchronising 4-byte readback / upload's round trip), "memory_gbps" the bytes over
 //      the time of (b)'s and (f)'s passes, "optimizer_gbps" from (k).
 //      bench/calibrate.sh (BACKEND=cuda) adds the published NCCL bus bandwidths and the links.
 //
@@ -84,6 +86,8 @@ struct CalibrationFigures {
   double attention_fwd_tflops = 0, attention_bwd_tflops = 0, attention_bwd_nondet_tflops = 0;
   std::string attention_classes;  // JSON objects of (k)'s attention shapes, comma-separated
   double op_floor_us = 0;         // (k): a tiny backend call's time, issued back to back
+  // (k) the host's per-call and per-synchronisation costs (CalibrateHost)
+  double launch_us = 0, alloc_us = 0, sync_us = 0;
   double optimizer_gbps = 0;
   void AddGemm(const char* precision, int64_t m, int64_t n, int64_t k, double tflops) {
     char b[256];
@@ -116,6 +120,8 @@ double MedianMs(cudaStream_t stream, const std::function<void(int)>& fn) {
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
 }
+
+__global__ void EmptyKernel() {}
 
 __global__ void FillCodes(uint8_t* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
@@ -428,6 +434,50 @@ void CalibrateOpFloor(fsdp8::Backend* be, cudaStream_t st) {
   }
 }
 
+// Median over 21 rounds (after 3 discarded) of fn's host wall-clock microseconds per call, fn
+// running `calls` calls back to back; the stream is synchronised after each round, outside the
+// timing.
+double MedianHostUs(cudaStream_t st, int calls, const std::function<void()>& fn) {
+  std::vector<double> us;
+  for (int r = 0; r < 24; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) fn();
+    const auto t1 = std::chrono::steady_clock::now();
+    CK(cudaStreamSynchronize(st));
+    if (r >= 3) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / calls);
+  }
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+// (k) The host's costs a step pays per call and per synchronisation, whatever the model's size:
+// an empty kernel's launch issued back to back (launch_us); a workspace's Alloc and Free through
+// the backend (stream-ordered; alloc_us: the model's calls each write a fresh workspace); and a
+// synchronisation: an empty kernel then the backend's 4-byte CopyToHost (a readback: losses,
+// gradient norm, amaxes) or 4-byte CopyToDevice (an upload: tokens, scales; it waits for the
+// stream too), each less the launch: sync_us, the mean of the two round trips.
+void CalibrateHost(fsdp8::Backend* be, cudaStream_t st) {
+  const int kCalls = 500;
+  g_cal.launch_us = MedianHostUs(st, kCalls, [&] { EmptyKernel<<<1, 32, 0, st>>>(); });
+  g_cal.alloc_us = MedianHostUs(st, kCalls, [&] { be->Free(be->Alloc(4096)); });
+  float* d = static_cast<float*>(be->Alloc(sizeof(float)));
+  float h = 1.0f;
+  be->CopyToDevice(d, &h, sizeof(h));
+  const double readback = MedianHostUs(st, 100, [&] {
+    EmptyKernel<<<1, 32, 0, st>>>();
+    be->CopyToHost(&h, d, sizeof(h));
+  });
+  const double upload = MedianHostUs(st, 100, [&] {
+    EmptyKernel<<<1, 32, 0, st>>>();
+    be->CopyToDevice(d, &h, sizeof(h));
+  });
+  be->Free(d);
+  g_cal.sync_us = std::max(0.0, (readback + upload) / 2 - g_cal.launch_us);
+  std::printf("  host: empty kernel launch %.2f us, workspace Alloc + Free %.2f us, "
+              "readback %.2f us, upload %.2f us -> sync %.2f us\n",
+              g_cal.launch_us, g_cal.alloc_us, readback, upload, g_cal.sync_us);
+}
+
 bool WriteCalibration(fsdp8::Backend* be, cudaStream_t st, int device, const char* device_name,
                       const std::string& path) {
   const int64_t M = 16384, d = 2048, f = 5632;
@@ -458,6 +508,7 @@ bool WriteCalibration(fsdp8::Backend* be, cudaStream_t st, int device, const cha
   CalibrateHeads(be, st);
   CalibrateFp8Large(be, st);
   CalibrateOpFloor(be, st);
+  CalibrateHost(be, st);
 #if defined(FSDP8_WITH_CUDNN)
   // Attention classes: the 1b preset's heads (16 of 128) and Llama 3's (32, 8 kv heads), at
   // 2048 and 8192 tokens per sequence (16384 tokens per call).
@@ -496,12 +547,13 @@ bool WriteCalibration(fsdp8::Backend* be, cudaStream_t st, int device, const cha
       g_cal.attention_bwd_nondet_tflops > 0 ? g_cal.attention_bwd_nondet_tflops : g_cal.attention_bwd_tflops;
   std::fprintf(out,
                "{\"backend\": \"cuda\", \"device\": \"%s\",\n \"memory_gbps\": %.6g, \"optimizer_gbps\": %.6g,\n"
-               " \"op_floor_us\": %.6g,\n"
+               " \"op_floor_us\": %.6g, \"launch_us\": %.6g, \"alloc_us\": %.6g, \"sync_us\": %.6g,\n"
                " \"attention\": {\"forward_tflops\": %.6g, \"backward_tflops\": %.6g, "
                "\"backward_nondeterministic_tflops\": %.6g},\n \"attention_classes\": [%s\n ],\n"
                " \"gemm\": [%s\n ]}\n",
                device_name, g_cal.pass_bytes / g_cal.pass_ms / 1e6, g_cal.optimizer_gbps,
-               g_cal.op_floor_us, g_cal.attention_fwd_tflops, g_cal.attention_bwd_tflops, nondet,
+               g_cal.op_floor_us, g_cal.launch_us, g_cal.alloc_us, g_cal.sync_us,
+               g_cal.attention_fwd_tflops, g_cal.attention_bwd_tflops, nondet,
                g_cal.attention_classes.c_str(), g_cal.gemm.c_str());
   std::fclose(out);
   std::printf("calibration written to %s\n", path.c_str());

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/spec.h"
+#include "common/step_plan.h"
 #include "gtest/gtest.h"
 
 namespace fsdp8 {
@@ -141,7 +142,9 @@ v1::JobSpec Tiny() {
 TEST(CostModel, PredictStepGemmTermIsFlopsOverRate) {
   Calibration c = TwoClassCalibration();
   c.gemm = {{"fp8", 32, 32, 32, 0.1}, {"bf16", 32, 32, 32, 0.05}};
-  const v1::JobSpec spec = WithDefaults(Tiny(), 1);
+  v1::JobSpec serial = Tiny();  // the serial order: the compute is the passes alone
+  serial.mutable_training()->set_overlap_optimizer(false);
+  const v1::JobSpec spec = WithDefaults(serial, 1);
   auto p = PredictStep(spec, Mesh{1, 1, false}, c);
   ASSERT_TRUE(p.ok()) << p.status();
   const double N = 32;  // 1 sequence of 32 tokens per microbatch
@@ -486,9 +489,10 @@ TEST(CostModel, PredictStepRefusesRowwiseAndBlockwiseNamingTheField) {
   EXPECT_TRUE(PredictStep(WithDefaults(Tiny(), 1), Mesh{1, 1, false}, c).ok());
 }
 
-// The optimizer is priced in the serial order; the cost says whether training would defer it
-// (training.overlap_optimizer, not under a WORLD optimizer with replicas), and the price is the
-// same either way.
+// The optimizer is priced in the order training runs it; the cost says whether training defers
+// it (training.overlap_optimizer, not under a WORLD optimizer with replicas). On CPU ranks the
+// deferred updates run inline in the next forward: the same work, moved from the tail (which
+// keeps the gradient norm and units 0 and 1's updates) into the compute.
 TEST(CostModel, PredictStepSaysWhetherTrainingDefersTheOptimizer) {
   const Calibration c = TwoClassCalibration();
   v1::JobSpec on = Tiny();
@@ -501,10 +505,15 @@ TEST(CostModel, PredictStepSaysWhetherTrainingDefersTheOptimizer) {
   ASSERT_TRUE(serial.ok()) << serial.status();
   EXPECT_TRUE(deferred->optimizer_deferred);
   EXPECT_FALSE(serial->optimizer_deferred);
-  EXPECT_EQ(deferred->step_s, serial->step_s);
+  EXPECT_NEAR(deferred->step_s, serial->step_s, 1e-12 * serial->step_s);
   EXPECT_EQ(deferred->step_s,
             deferred->compute_s + deferred->exposed_comm_s + deferred->optimizer_s);
   EXPECT_GT(deferred->optimizer_s, 0);
+  EXPECT_LT(deferred->optimizer_s, serial->optimizer_s);
+  EXPECT_EQ(serial->optimizer_in_forward_s, 0);
+  EXPECT_NEAR(deferred->compute_s, serial->compute_s + deferred->optimizer_in_forward_s, 1e-15);
+  EXPECT_NEAR(deferred->optimizer_in_forward_s, serial->optimizer_s - deferred->optimizer_s,
+              1e-12 * serial->optimizer_s);
 }
 
 // Backend calls per block, counted by hand from train/model.cc and train/fp8_linear.cc.
@@ -533,7 +542,9 @@ TEST(CostModel, BlockOpCountByPath) {
 TEST(CostModel, PredictStepCallFloor) {
   Calibration c = TwoClassCalibration();
   c.op_floor_s = 1;
-  const v1::JobSpec spec = WithDefaults(Tiny(), 1);
+  v1::JobSpec serial = Tiny();  // the serial order's optimizer (deferred: below)
+  serial.mutable_training()->set_overlap_optimizer(false);
+  const v1::JobSpec spec = WithDefaults(serial, 1);
   auto p = PredictStep(spec, Mesh{1, 1, false}, c);
   ASSERT_TRUE(p.ok()) << p.status();
   // Per microbatch: embedding 1 + 1; 2 generic FP8 blocks on the fast CPU backend, 24 + 29 each;
@@ -545,6 +556,180 @@ TEST(CostModel, PredictStepCallFloor) {
   EXPECT_GT(p->floor_s, 0);
   // The optimizer: per buffer 2 calls, per FP8 linear 2, and 4 for the scales.
   EXPECT_GE(p->optimizer_s, 4 + 2 * 14);
+}
+
+// The deferred update's window beside a unit's forward, by hand. Side stream: the device
+// finishes both streams' work in the sum of their device times (10 + 4 = 14), unless the host's
+// issue of both units' calls is longer ((2 + 3) x 1 = 5 < 14; x 3 = 15 > 14). Inline (CPU): the
+// forward's larger time, then the update's (max(10, 6) + max(4, 9) = 19 at 3 per call).
+TEST(CostModel, DeferredWindowSharesTheDeviceOrRunsInline) {
+  EXPECT_DOUBLE_EQ(DeferredWindow(10, 2, 4, 3, 1, true), 14);
+  EXPECT_DOUBLE_EQ(DeferredWindow(10, 2, 4, 3, 3, true), 15);
+  EXPECT_DOUBLE_EQ(DeferredWindow(10, 2, 4, 3, 0, false), 14);
+  EXPECT_DOUBLE_EQ(DeferredWindow(10, 2, 4, 3, 3, false), 19);
+}
+
+// The first case's two units (forward 10, backward 20, all-gather 4, reduce-scatter 3) with unit
+// 1's deferred update of 6 and unit 0's forward lengthened by 3 (it runs beside unit 0):
+// AG0 [0,4]; c0 [4,17]; AG1 issued at 4 + 6: [10,14]; c1 [17,27]; backward c1 [27,47], AG0
+// [27,31], RS1 [47,50], c0 [47,67], RS0 [67,70]. An update of 12 makes c1 wait for AG1 [16,20]:
+// c1 [20,30], ..., RS0 [73]. A second microbatch has no deferred work (60 more of compute).
+TEST(CostModel, ScheduleDeferredUpdateDelaysTheGatherAndLengthensTheForward) {
+  std::vector<UnitTimes> u(2);
+  for (UnitTimes& x : u) x = {10, 20, 4, 3, 0};
+  u[1].update = 6;
+  u[0].deferred = 3;
+  ScheduleResult r = Schedule(u, 1);
+  EXPECT_NEAR(r.compute_s, 63, kEps);
+  EXPECT_NEAR(r.end_s, 70, kEps);
+  EXPECT_NEAR(r.exposed_s, 7, kEps);
+  u[1].update = 12;
+  r = Schedule(u, 1);
+  EXPECT_NEAR(r.end_s, 73, kEps);
+  EXPECT_NEAR(r.exposed_s, 10, kEps);
+  EXPECT_NEAR(Schedule(u, 2).compute_s, 63 + 60, kEps);
+}
+
+// Elements of one unit's shard by wire dtype, and the update's seconds by hand at the
+// TwoClassCalibration rates (AdamW 28 GB/s: 28 bytes per element with f32 moments and 2 more per
+// bf16 wire element; the FP8 cast, 5 bytes per element, at 10 GB/s).
+struct UnitShard {
+  double f32 = 0, bf16 = 0, fp8 = 0;
+  int buffers = 0;
+  double total() const { return f32 + bf16 + fp8; }
+  double update_s() const { return (28 * total() + 2 * bf16) / 28e9 + 5 * fp8 / 10e9; }
+};
+std::vector<UnitShard> ShardsOf(const StepPlan& plan) {
+  std::vector<UnitShard> out;
+  for (const PlannedUnit& u : plan.units) {
+    UnitShard s;
+    for (const PlannedBuffer& b : u.buffers) {
+      (b.wire == WireDtype::kFp8 ? s.fp8 : b.wire == WireDtype::kBf16 ? s.bf16 : s.f32) +=
+          static_cast<double>(b.shard);
+      ++s.buffers;
+    }
+    out.push_back(s);
+  }
+  return out;
+}
+
+// The deferred optimizer on a CUDA rank (one rank, one microbatch). Device-bound (no call floor):
+// the updates of units 2.. (the second block and the head) run beside the forward of the unit
+// before and the device does both in the sum of their times, so the step equals the serial
+// order's, the tail keeps the gradient norm's read (4 bytes per element at 10 GB/s) and units 0
+// and 1's updates, and the forward gains exactly the other units' updates. Host-bound (a call
+// floor of 1 s): the forward gains each moved update's calls (per buffer AdamW, per FP8 tensor
+// AdamW's slice and the cast, and 3 for an FP8 unit's scales: the block 7 FP8 tensors), and the
+// tail is its calls (one norm call per buffer plus units 0 and 1's update calls).
+TEST(CostModel, PredictStepDeferredOptimizerOnCuda) {
+  Calibration c = TwoClassCalibration();
+  c.backend = "cuda";
+  v1::JobSpec on = Tiny();
+  on.set_backend("cuda");
+  on.mutable_training()->set_global_batch(1);
+  v1::JobSpec off = on;
+  on.mutable_training()->set_overlap_optimizer(true);
+  off.mutable_training()->set_overlap_optimizer(false);
+  const v1::JobSpec spec = WithDefaults(on, 1);
+  auto plan = MakeStepPlan(spec, 1, BackendCapsOf("cuda"), StepPlanOptions{});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const std::vector<UnitShard> shard = ShardsOf(*plan);
+  ASSERT_EQ(shard.size(), 4u);  // embedding, 2 blocks, head
+  double total = 0;
+  int buffers = 0;
+  for (const UnitShard& u : shard) {
+    total += u.total();
+    buffers += u.buffers;
+  }
+  auto deferred = PredictStep(spec, Mesh{1, 1, false}, c);
+  auto serial = PredictStep(WithDefaults(off, 1), Mesh{1, 1, false}, c);
+  ASSERT_TRUE(deferred.ok()) << deferred.status();
+  ASSERT_TRUE(serial.ok()) << serial.status();
+  EXPECT_TRUE(deferred->optimizer_deferred);
+  EXPECT_NEAR(deferred->optimizer_in_forward_s, shard[2].update_s() + shard[3].update_s(), 1e-15);
+  EXPECT_NEAR(deferred->optimizer_s,
+              4 * total / 10e9 + shard[0].update_s() + shard[1].update_s(), 1e-15);
+  EXPECT_NEAR(deferred->step_s, serial->step_s, 1e-12 * serial->step_s);
+  // Host-bound.
+  c.op_floor_s = 1;
+  auto host = PredictStep(spec, Mesh{1, 1, false}, c);
+  ASSERT_TRUE(host.ok()) << host.status();
+  const auto calls = [&](int u, int fp8) { return shard[u].buffers + 2 * fp8 + (fp8 > 0 ? 3 : 0); };
+  EXPECT_NEAR(host->optimizer_in_forward_s, calls(2, 7) + calls(3, 0), 1e-9);
+  EXPECT_NEAR(host->optimizer_s, buffers + calls(0, 0) + calls(1, 7), 1e-9);
+}
+
+// The host's serial terms: 4 microbatches of the FP8 Tiny job (2 blocks x 7 FP8 linears) make
+// 2 x 4 uploads + the losses' and the gradient norm's readbacks + the step's end + 3 for the
+// delayed scales + 0.3 for the scaling report = 14.3 synchronisations; at 1 ms each with a 2 ms
+// step round trip the step gains 16.3 ms. The CURRENT recipe adds 3 per scaled cast: 2 casts per
+// FP8 linear per microbatch, 3 x 2 x 14 x 4 = 336. The calls' workspace allocation counts
+// beside the floor: 0.5 + 0.5 per call prices as a 1 s floor.
+TEST(CostModel, PredictStepHostTerms) {
+  Calibration c = TwoClassCalibration();
+  c.sync_s = 1e-3;
+  c.step_overhead_s = 2e-3;
+  auto p = PredictStep(WithDefaults(Tiny(), 1), Mesh{1, 1, false}, c);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->microbatches, 4);
+  EXPECT_NEAR(p->syncs, 14.3, 1e-12);
+  EXPECT_NEAR(p->host_s, 16.3e-3, 1e-15);
+  EXPECT_NEAR(p->step_s, p->compute_s + p->exposed_comm_s + p->optimizer_s + 16.3e-3, 1e-15);
+  v1::JobSpec current = Tiny();
+  current.mutable_precision()->mutable_fp8()->set_recipe(v1::SCALING_RECIPE_CURRENT);
+  auto cur = PredictStep(WithDefaults(current, 1), Mesh{1, 1, false}, c);
+  ASSERT_TRUE(cur.ok()) << cur.status();
+  EXPECT_NEAR(cur->syncs, 14.3 + 336, 1e-12);
+  EXPECT_NEAR(HostSyncsPerStep(1, 0, false), 5, 1e-12);  // no FP8: uploads 2, readbacks 2, end 1
+  v1::JobSpec serial = Tiny();
+  serial.mutable_training()->set_overlap_optimizer(false);
+  Calibration one = TwoClassCalibration(), halves = one;
+  one.op_floor_s = 1;
+  halves.op_floor_s = halves.alloc_s = 0.5;
+  auto a = PredictStep(WithDefaults(serial, 1), Mesh{1, 1, false}, one);
+  auto b = PredictStep(WithDefaults(serial, 1), Mesh{1, 1, false}, halves);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NEAR(b->compute_s, a->compute_s, 1e-9);
+  EXPECT_NEAR(b->optimizer_s, a->optimizer_s, 1e-9);
+  EXPECT_EQ(b->calls, a->calls);
+  // The coordinator's cycle bounds the step from below: a 10 s cycle is the whole step; a cycle
+  // shorter than the step changes nothing.
+  c.step_cycle_s = 10;
+  auto cyc = PredictStep(WithDefaults(Tiny(), 1), Mesh{1, 1, false}, c);
+  ASSERT_TRUE(cyc.ok());
+  EXPECT_DOUBLE_EQ(cyc->step_s, 10);
+  EXPECT_NEAR(cyc->host_s, 10 - (p->step_s - p->host_s), 1e-12);
+  c.step_cycle_s = 1e-3;
+  cyc = PredictStep(WithDefaults(Tiny(), 1), Mesh{1, 1, false}, c);
+  ASSERT_TRUE(cyc.ok());
+  EXPECT_DOUBLE_EQ(cyc->step_s, p->step_s);
+}
+
+// The host figures parse from microseconds; a negative one is refused naming the field. A
+// table entry at 1 process slows a lone rank (the host as it is against when the rates were
+// measured); a table without one leaves it at 1.
+TEST(CostModel, HostFiguresAndOneRankSlowdown) {
+  const std::string base = R"({"backend": "cuda", "intra_link": "nvlink4", "memory_gbps": 10,
+      "optimizer_gbps": 28, "attention": {"forward_tflops": 1, "backward_tflops": 1},
+      "gemm": [{"precision": "fp8", "m": 1, "n": 1, "k": 1, "tflops": 1}], )";
+  auto c = ParseCalibration(base + R"("sync_us": 12, "alloc_us": 1.5, "launch_us": 2.5,
+      "step_overhead_us": 300, "step_cycle_us": 450})", "cal.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_NEAR(c->sync_s, 12e-6, 1e-18);
+  EXPECT_NEAR(c->alloc_s, 1.5e-6, 1e-18);
+  EXPECT_NEAR(c->launch_s, 2.5e-6, 1e-18);
+  EXPECT_NEAR(c->step_overhead_s, 300e-6, 1e-18);
+  EXPECT_NEAR(c->step_cycle_s, 450e-6, 1e-18);
+  auto bad = ParseCalibration(base + R"("sync_us": -1})", "cal.json");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("cal.json: sync_us"), std::string::npos) << bad.status();
+  Calibration h = TwoClassCalibration();
+  h.cores = 2;
+  h.host_slowdown = {{1, 1.15}};
+  EXPECT_DOUBLE_EQ(HostSlowdown(h, 1), 1.15);
+  h.host_slowdown = {{2, 1.3}};
+  EXPECT_DOUBLE_EQ(HostSlowdown(h, 1), 1.0);
+  EXPECT_DOUBLE_EQ(HostSlowdown(h, 2), 1.3);
 }
 
 }  // namespace
