@@ -266,12 +266,17 @@ void SetScaled(PlannedLinear* pl, v1::Fp8Granularity g, int64_t N) {
 }
 
 // Linear::ForwardScaled's transients (a rowwise / blockwise linear `name`, in -> out features
-// over N tokens): X's codes and scales, then W's, alive around the GEMM.
+// over N tokens): X's codes and scales, then, rowwise, W's, alive around the GEMM (a blockwise
+// W is the gathered FP8 wire: its codes and block scales, no cast).
 void WalkScaledForward(Walk* w, const std::string& name, v1::Fp8Granularity g, int64_t N,
                        int64_t in, int64_t out) {
   const ScaleCounts c = ScaledCounts(g, in, out, N);
   w->Add(name + ".x8", Dtype::kE4M3, {N, in});
   w->Add(name + ".x8 scales", Dtype::kF32, {c.x});
+  if (g == v1::FP8_GRANULARITY_BLOCKWISE) {
+    for (const char* t : {".x8", ".x8 scales"}) w->Drop(name + t);
+    return;
+  }
   w->Add(name + ".w8", Dtype::kE4M3, {out, in});
   w->Add(name + ".w8 scales", Dtype::kF32, {c.w});
   for (const char* t : {".x8", ".x8 scales", ".w8", ".w8 scales"}) w->Drop(name + t);
@@ -851,7 +856,8 @@ absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
     PlannedUnit& pu = p.units.emplace_back();
     pu.name = u.name;
     for (const BufferPlan& b : u.buffers) {
-      pu.buffers.push_back({b.wire, b.padded_numel, b.shard_numel});
+      pu.buffers.push_back({b.wire, b.padded_numel, b.shard_numel, b.PaddedScales(),
+                            b.ShardScales()});
     }
   }
   const bool attn16 = pp.attention() == v1::PRECISION_BF16;

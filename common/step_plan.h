@@ -131,6 +131,8 @@ struct BlockPlan {
 struct PlannedBuffer {
   WireDtype wire = WireDtype::kFp32;
   int64_t padded = 0, shard = 0;  // BufferPlan::padded_numel, shard_numel (at the mesh's S)
+  // A blockwise FP8 wire buffer's block scales (f32): BufferPlan::PaddedScales, ShardScales.
+  int64_t padded_scales = 0, shard_scales = 0;
 };
 struct PlannedUnit {
   std::string name;                   // "embedding", "layers.0", ..., "head"
