@@ -90,7 +90,8 @@ struct BlockPlan {
   v1::Precision linears = v1::PRECISION_FP32;  // LayerLinearPrecision
   // FP8 blocks: LayerGranularity (TENSORWISE otherwise). A ROWWISE or BLOCKWISE block runs the
   // generic path with f32 activations, keeping its linears' f32 inputs as a BF16 block does
-  // (its weights travel in BF16: the shard plan), each linear quantizing its operands at each use
+  // (rowwise weights travel in BF16, blockwise ones as FP8 codes with 128 x 128 block scales: the
+  // shard plan), each linear quantizing its activations at each use and rowwise weights too
   // (Linear::Scaled); no groups, no fused GEMMs, no recast.
   v1::Fp8Granularity granularity = v1::FP8_GRANULARITY_TENSORWISE;
   // FP8 linears with BF16 attention: bf16 activations between the GEMMs, FP8 inputs cast from

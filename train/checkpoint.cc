@@ -437,7 +437,8 @@ CheckpointRole CheckpointRoleOf(const Mesh& mesh, int rank) {
 namespace {
 
 // ", granularity [TENSORWISE,BLOCKWISE,...]" when a block's FP8 linears scale rowwise or
-// blockwise (their units lay out in BF16 buffers, so such files load only into the same plan);
+// blockwise (their units lay out apart from tensorwise ones, so such files load only into jobs
+// with rowwise / blockwise blocks: ReadShardFiles);
 // empty otherwise, so tensorwise descriptions are those of every earlier file.
 std::string Granularities(const v1::JobSpec& spec) {
   if (!AnyScaledGranularity(spec)) return "";
