@@ -94,13 +94,16 @@ Cast ReferenceCast(const std::vector<float>& w, int64_t rows, int64_t cols) {
 // and checks each blockwise linear's gathered codes and scales against the reference cast of
 // its full master weight (GatherAll). Returns how many block scales differed from 1 (so that the
 // comparison is not one of trivial scales).
+// A spec with sharding.replicas R > 1 runs on its mesh (R x world / R ranks; the plan's shards
+// are the shard group's).
 int ExpectGatheredEqualsFullCast(const v1::JobSpec& spec, int world, int steps,
                                  const std::string& what) {
   SCOPED_TRACE(what + ", world " + std::to_string(world));
   std::vector<int> nontrivial(world, 0);
-  testing::RunRanks(world, [&](int r, Communicator* c) {
+  const int R = std::max(1, spec.sharding().replicas());
+  auto rank = [&](int r, Communicator* c, const MeshComms& mesh) {
     auto be = testing::CpuBackend();
-    auto t = Trainer::Create(WithDefaults(spec, world), r, world, be.get(), c);
+    auto t = Trainer::Create(WithDefaults(spec, world), r, world, be.get(), c, mesh);
     ASSERT_TRUE(t.ok()) << t.status();
     for (int k = 0; k < steps; ++k) ASSERT_TRUE((*t)->Step(k, false, false).ok());
     FsdpParams& p = (*t)->params();
@@ -145,19 +148,22 @@ int ExpectGatheredEqualsFullCast(const v1::JobSpec& spec, int world, int steps,
       for (size_t bi = 0; bi < p.plan().units[u].buffers.size(); ++bi) {
         const BufferPlan& bp = p.plan().units[u].buffers[bi];
         if (!bp.Banded()) continue;
-        std::vector<bool> inside(bp.shard_numel, false);
-        const int64_t begin = bp.ShardBegin(r);
+        // This rank's optimizer piece: flat elements [begin, begin + n) (its shard, or under WORLD
+        // optimizer sharding its part of the group's shard).
+        const int ui = static_cast<int>(u), bj = static_cast<int>(bi);
+        const int64_t begin = p.OptimizerBegin(ui, bj), n = p.OptimizerNumel(ui, bj);
+        std::vector<bool> inside(n, false);
         for (size_t t = 0; t < bp.tensors.size(); ++t) {
           for (int64_t g = std::max(bp.offsets[t], begin);
-               g < std::min(bp.offsets[t] + bp.tensors[t].numel, begin + bp.shard_numel); ++g) {
+               g < std::min(bp.offsets[t] + bp.tensors[t].numel, begin + n); ++g) {
             inside[g - begin] = true;
           }
         }
         for (ShardArray a : {ShardArray::kMaster, ShardArray::kAdamM, ShardArray::kAdamV}) {
-          std::vector<float> host(bp.shard_numel);
-          p.DownloadShard(static_cast<int>(u), static_cast<int>(bi), a, host.data());
+          std::vector<float> host(n);
+          p.DownloadShard(ui, bj, a, host.data());
           int64_t nonzero = 0, in_tensors = 0;
-          for (int64_t i = 0; i < bp.shard_numel; ++i) {
+          for (int64_t i = 0; i < n; ++i) {
             nonzero += !inside[i] && host[i] != 0.0f;
             in_tensors += inside[i] && host[i] != 0.0f;
           }
@@ -171,8 +177,15 @@ int ExpectGatheredEqualsFullCast(const v1::JobSpec& spec, int world, int steps,
         }
       }
     }
-  });
+  };
+  if (R > 1) {
+    testing::RunMeshRanks(R, world / R, rank);
+  } else {
+    testing::RunRanks(world, [&](int r, Communicator* c) { rank(r, c, MeshComms{}); });
+  }
   for (int r = 1; r < world; ++r) EXPECT_EQ(nontrivial[r], nontrivial[0]);
+  std::printf("%s, world %d: every rank's gathered codes and %d block scales checked\n",
+              what.c_str(), world, nontrivial[0]);
   return nontrivial[0];
 }
 
@@ -191,6 +204,16 @@ TEST(Fp8Wire, GatheredBlockwiseWeightsEqualFullWeightCast) {
   uncached.mutable_precision()->mutable_fp8()->set_keep_weight_codes(false);
   EXPECT_EQ(ExpectGatheredEqualsFullCast(uncached, 3, 2, "codes cast per prefetch"), kBlocks);
   EXPECT_EQ(ExpectGatheredEqualsFullCast(uncached, 1, 2, "codes cast per prefetch"), kBlocks);
+  // Hybrid sharding, 2 replicas x 2 ranks: the optimizer sharded over the world casts each rank's
+  // half of its group's shard and rebuilds the codes and scales over the replicas; over the
+  // shard group each rank casts its whole shard.
+  for (v1::OptimizerSharding sh : {v1::OPTIMIZER_SHARDING_WORLD, v1::OPTIMIZER_SHARDING_SHARD_GROUP}) {
+    v1::JobSpec hybrid = WireShape(4);
+    hybrid.mutable_sharding()->set_max_workers(4);
+    hybrid.mutable_sharding()->set_replicas(2);
+    hybrid.mutable_sharding()->set_optimizer_sharding(sh);
+    EXPECT_EQ(ExpectGatheredEqualsFullCast(hybrid, 4, 2, v1::OptimizerSharding_Name(sh)), kBlocks);
+  }
 }
 
 // The losses of WireShape() before the wire (blockwise linears in BF16 buffers, quantized at each
