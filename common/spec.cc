@@ -537,12 +537,6 @@ absl::Status CheckGranularity(const v1::JobSpec& spec) {
                             "amax history)"),
                "got DELAYED");
   }
-  if (!AnyScaledGranularity(spec)) return absl::OkStatus();
-  const std::string which = ScaledGranularityField(spec);
-  if (spec.backend() == "cuda") {
-    return Bad(which, "ROWWISE and BLOCKWISE need the CPU backends until the CUDA kernels land",
-               "backend cuda");
-  }
   return absl::OkStatus();
 }
 

@@ -214,9 +214,40 @@ absl::Status FsdpParams::Prefetch(int unit) {
   // unit's); Gather joins it.
   be_->BeginSideStream();
   absl::Status s = ApplyPendingUpdate(unit);
-  if (s.ok()) s = IssuePrefetch(unit);
+  be_->EndSideStream();
+  if (!s.ok()) return s;
+  AllocateGathered(unit);  // on the compute stream, after the update's own buffers went
+  be_->BeginSideStream();  // in order after the update: the same side stream
+  s = IssuePrefetch(unit);
   be_->EndSideStream();
   return s;
+}
+
+void FsdpParams::AllocateGathered(int unit) {
+  for (Buf& b : units_[unit]) {
+    const BufferPlan& bp = *b.plan;
+    const bool cast_now = bp.wire == WireDtype::kFp8 && !keep_fp8_codes_;
+    if (cast_now && b.codes.empty()) b.codes = DevBuf(be_, bp.shard_numel, MemoryLabel::kGathered);
+    if (cast_now && bp.Banded() && b.scale_codes.empty()) {
+      b.scale_codes = DevBuf(be_, bp.ShardScales() * sizeof(float), MemoryLabel::kGathered);
+    }
+    if (bp.OneRank()) continue;  // a view of the shard, or of the codes above
+    if (bp.Banded()) {  // its codes, then its block scales (IssueBandGather's order)
+      if (b.full.empty()) b.full = DevBuf(be_, bp.padded_numel, MemoryLabel::kGathered);
+      if (b.full_scales.empty()) {
+        b.full_scales = DevBuf(be_, bp.PaddedScales() * sizeof(float), MemoryLabel::kGathered);
+      }
+      continue;
+    }
+    if (bp.wire == WireDtype::kBf16) {
+      if (b.full_u16.empty()) {
+        b.full_u16 = DevBuf(be_, bp.padded_numel * sizeof(uint16_t), MemoryLabel::kGathered);
+      }
+    } else if (b.full.empty()) {
+      const size_t elt = bp.wire == WireDtype::kFp8 ? 1 : sizeof(float);
+      b.full = DevBuf(be_, bp.padded_numel * elt, MemoryLabel::kGathered);
+    }
+  }
 }
 
 absl::Status FsdpParams::IssuePrefetch(int unit) {
@@ -232,7 +263,7 @@ absl::Status FsdpParams::IssuePrefetch(int unit) {
     }
     if (bp.wire == WireDtype::kFp8 && !keep_fp8_codes_) {
       // No kept codes: cast now (on one rank straight into the gathered buffer).
-      b.codes = DevBuf(be_, n, MemoryLabel::kGathered);
+      if (b.codes.empty()) b.codes = DevBuf(be_, n, MemoryLabel::kGathered);
       CastShardCodes(b, b.codes.u8());
       if (bp.OneRank()) {
         b.full = std::move(b.codes);
@@ -252,15 +283,17 @@ absl::Status FsdpParams::IssuePrefetch(int unit) {
     absl::StatusOr<int64_t> t;
     switch (bp.wire) {
       case WireDtype::kFp8:
-        b.full = DevBuf(be_, bp.padded_numel, MemoryLabel::kGathered);
+        if (b.full.empty()) b.full = DevBuf(be_, bp.padded_numel, MemoryLabel::kGathered);
         t = comm_->AllGatherAsync(keep_fp8_codes_ ? b.wire.get() : b.codes.get(), b.full.get(), n);
         break;
       case WireDtype::kBf16:
-        b.full_u16 = DevBuf(be_, bp.padded_numel * sizeof(uint16_t), MemoryLabel::kGathered);
+        if (b.full_u16.empty()) {
+          b.full_u16 = DevBuf(be_, bp.padded_numel * sizeof(uint16_t), MemoryLabel::kGathered);
+        }
         t = comm_->AllGatherAsync(b.wire.get(), b.full_u16.get(), n * sizeof(uint16_t));
         break;
       case WireDtype::kFp32:
-        b.full = DevBuf(be_, bp.padded_numel * sizeof(float), MemoryLabel::kGathered);
+        if (b.full.empty()) b.full = DevBuf(be_, bp.padded_numel * sizeof(float), MemoryLabel::kGathered);
         t = comm_->AllGatherAsync(F32Wire(b).get(), b.full.get(), n * sizeof(float));
         break;
     }
@@ -280,8 +313,10 @@ absl::Status FsdpParams::IssueBandGather(int unit, Buf& b) {
   const uint8_t* codes = b.wire.u8();
   const float* scales = b.wire_scales.f32();
   if (!keep_fp8_codes_) {  // no kept codes: cast now (on one rank straight into the gathered)
-    b.codes = DevBuf(be_, n, MemoryLabel::kGathered);
-    b.scale_codes = DevBuf(be_, ns * sizeof(float), MemoryLabel::kGathered);
+    if (b.codes.empty()) b.codes = DevBuf(be_, n, MemoryLabel::kGathered);
+    if (b.scale_codes.empty()) {
+      b.scale_codes = DevBuf(be_, ns * sizeof(float), MemoryLabel::kGathered);
+    }
     CastBands(b, b.codes.u8(), b.scale_codes.f32());
     codes = b.codes.u8();
     scales = b.scale_codes.f32();
@@ -296,9 +331,12 @@ absl::Status FsdpParams::IssueBandGather(int unit, Buf& b) {
     }
     return absl::OkStatus();
   }
-  // Two all-gathers: the codes, then the block scales.
-  b.full = DevBuf(be_, bp.padded_numel, MemoryLabel::kGathered);
-  b.full_scales = DevBuf(be_, bp.PaddedScales() * sizeof(float), MemoryLabel::kGathered);
+  // Two all-gathers: the codes, then the block scales (their buffers made here unless
+  // AllocateGathered made them).
+  if (b.full.empty()) b.full = DevBuf(be_, bp.padded_numel, MemoryLabel::kGathered);
+  if (b.full_scales.empty()) {
+    b.full_scales = DevBuf(be_, bp.PaddedScales() * sizeof(float), MemoryLabel::kGathered);
+  }
   const double t0 = CommClock::Now();
   absl::StatusOr<int64_t> t = comm_->AllGatherAsync(codes, b.full.get(), n);
   if (t.ok()) b.ticket = *t;

@@ -25,6 +25,9 @@
 #   SKIP_WARMUP_JOB=1 (no discarded first fsdp8 job per preset); METER_INTERVAL (s, 0.05).
 #   SPEC_SET          spec fields set in every fsdp8 job, SECTION.KEY=VALUE separated by spaces
 #                     (e.g. "training.saved_norm_inputs=bf16")
+#   VARIANT           a label for what SPEC_SET changes (e.g. blockwise): appended to the fsdp8
+#                     rows' mode ("driven-blockwise") and file names, so that variants run with
+#                     APPEND=1 into one OUT_DIR print as rows of one table
 # torchao 0.18.0 comes from WHEELS (.dev/wheels; bench/gpu/fetch-wheels.sh, run where there is
 # network) and is installed into PYLIB (.dev/pylib, put on PYTHONPATH) on first use.
 #
@@ -187,7 +190,7 @@ fsdp8_job() {  # spec events-file: submit, then follow the job to its end
 }
 
 run_fsdp8() {  # preset mode(driven|free) baseline-file
-  local name=fsdp8-$1${LAYERS:+-L$LAYERS}-$2 vocab warm steps
+  local name=fsdp8-$1${LAYERS:+-L$LAYERS}-$2${VARIANT:+-$VARIANT} vocab warm steps
   vocab=$(vocab_of "$1"); warm=$(warmup_of "$1"); steps=$(steps_of "$1")
   local spec=$OUT_DIR/$name.yaml ev=$OUT_DIR/$name.events.jsonl m=$OUT_DIR/meter-$name.json
   echo "== fsdp8 $1 ($2; vocab $vocab, $N worker(s), $steps steps after $warm)"
@@ -202,7 +205,7 @@ run_fsdp8() {  # preset mode(driven|free) baseline-file
   fsdp8_job "$spec" "$ev"
   local rc=$?
   meter_stop
-  python3 "$tool" fsdp8-result "$ev" "$1" "$2" "$warm" --world "$N" --vocab "$vocab" \
+  python3 "$tool" fsdp8-result "$ev" "$1" "$2${VARIANT:+-$VARIANT}" "$warm" --world "$N" --vocab "$vocab" \
     ${LAYERS:+--layers "$LAYERS"} --meter "$m" \
     --plan "$OUT_DIR/$name.plan.json" >> "$results"
   [ $rc -eq 0 ] || echo "fsdp8 $1 $2: watch rc $rc; last events: $(tail -2 "$ev")"

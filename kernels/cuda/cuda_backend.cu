@@ -30,6 +30,8 @@ constexpr int kSlotTmp = 2;      // GEMM fallback product
 constexpr int kSlotPartials = 3; // reductions
 constexpr int kSlotDelta = 4;    // attention backward delta
 constexpr int kSlotMisc = 5;     // small host-visible values
+constexpr int kSlotScaleA = 6;   // GemmFp8Blocks: A's scales in cuBLASLt's layout
+constexpr int kSlotScaleB = 7;   // GemmFp8Blocks: B's scales in cuBLASLt's layout
 
 }  // namespace
 
@@ -619,6 +621,66 @@ bool CudaBackend::TryGemmFp8(bool trans_a, bool trans_b, int64_t M, int64_t N, i
   if (C.bf16()) p.c_type = CUDA_R_16BF;
   p.accumulate = residual != nullptr;
   return lt_->Run(p, b.codes, a.codes, C.data, b.scale_inv, a.scale_inv, residual);
+}
+
+bool CudaBackend::TryQuantizeFp8Blocks(TypedCPtr in, int64_t rows, int64_t cols, Fp8Blocks blocks,
+                                       Fp8Format fmt, uint8_t* out, float* scale_inv,
+                                       uint8_t* out_t, float* scale_inv_t) {
+  const auto op = Op("QuantizeFp8Blocks");
+  cuda::LaunchQuantizeFp8Blocks(in, rows, cols, blocks, fmt, out, scale_inv, out_t, scale_inv_t,
+                                stream_);
+  return true;
+}
+
+const float* CudaBackend::BlockScalesForLt(const Fp8BlockOperand& x, int64_t rows, int64_t K,
+                                           int slot, int* mode) {
+  const int64_t kb = Fp8BlockCount(K);
+  const bool aligned = cuda::PointerAlignment(x.scale_inv) >= 16;
+  switch (x.blocks) {
+    case Fp8Blocks::kRow: {  // one per row: the layout as it is
+      *mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+      if (aligned) return x.scale_inv;
+      float* s = static_cast<float*>(Scratch(slot, sizeof(float) * rows));
+      cuda::LaunchCopyScales(x.scale_inv, rows, 1, s, 1, 1, stream_);
+      return s;
+    }
+    case Fp8Blocks::kTile128: {  // (rows, kb) -> (kb, rows)
+      *mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+      if (kb == 1 && aligned) return x.scale_inv;
+      float* s = static_cast<float*>(Scratch(slot, sizeof(float) * rows * kb));
+      cuda::LaunchCopyScales(x.scale_inv, rows, kb, s, 1, rows, stream_);
+      return s;
+    }
+    case Fp8Blocks::kBlock128: {  // (rb, kb) -> (rb, kb) with rows padded to a multiple of 4
+      *mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+      const int64_t rb = Fp8BlockCount(rows), ld = (kb + 3) / 4 * 4;
+      if (ld == kb && aligned) return x.scale_inv;
+      float* s = static_cast<float*>(Scratch(slot, sizeof(float) * rb * ld));
+      if (ld != kb) FSDP8_CUDA_CHECK(cudaMemsetAsync(s, 0, sizeof(float) * rb * ld, stream_));
+      cuda::LaunchCopyScales(x.scale_inv, rb, kb, s, ld, 1, stream_);
+      return s;
+    }
+  }
+  return nullptr;
+}
+
+bool CudaBackend::TryGemmFp8Blocks(int64_t M, int64_t N, int64_t K, Fp8BlockOperand a,
+                                   Fp8BlockOperand b, float* C, bool accumulate) {
+  const auto op = Op("GemmFp8Blocks", M, N, K);
+  if (EmptyGemm(M, N, K, C, accumulate)) return true;
+  if (in_side_ || (a.fmt == Fp8Format::kE5M2 && b.fmt == Fp8Format::kE5M2)) return false;
+  if ((a.blocks == Fp8Blocks::kTile128 && M % 4 != 0) ||
+      (b.blocks == Fp8Blocks::kTile128 && N % 4 != 0)) {
+    return false;
+  }
+  // See gemm.h: cuBLASLt's A is our b (m = N), its B our a (n = M).
+  cuda::LtProblem p = Fp8Problem(M, N, K, a.codes, a.fmt, b.codes, b.fmt, C, false);
+  p.accumulate = accumulate;
+  const float* sb = BlockScalesForLt(b, N, K, kSlotScaleB, &p.scale_mode_a);
+  const float* sa = BlockScalesForLt(a, M, K, kSlotScaleA, &p.scale_mode_b);
+  if (lt_->Run(p, b.codes, a.codes, C, sb, sa)) return true;
+  ++gemm_fp8_fallbacks_;
+  return false;
 }
 
 bool CudaBackend::TryGemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,

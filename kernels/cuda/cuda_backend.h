@@ -164,6 +164,18 @@ class CudaBackend final : public Backend, public CudaStreams {
                          const Fp8Cast& up_cast) override;
   bool TryCrossEntropy(float* logits, const int32_t* targets, int64_t N, int64_t V,
                        float grad_scale, float* losses, TypedPtr dlogits) override;
+  // The block-scaled FP8 ops of the rowwise and blockwise recipes. The casts run on the device
+  // for every shape (block_fp8.cu). The GEMMs run in cuBLASLt (CUDA >= 12.9, Hopper):
+  // OUTER_VEC_32F scales for kRow x kRow, VEC128_32F for kTile128 and BLK128x128_32F for
+  // kBlock128, the scales rewritten first into cuBLASLt's layouts (1 x 128: the K-chunk index
+  // outer, rows contiguous; 128 x 128: rows of ceil(K / 128) padded to a multiple of 4). Declined
+  // (the host composition runs, counted in gemm_fp8_fallbacks): both operands E5M2, a 1 x 128
+  // operand with rows not a multiple of 4, shapes cuBLASLt refuses, calls on the side stream.
+  bool TryQuantizeFp8Blocks(TypedCPtr in, int64_t rows, int64_t cols, Fp8Blocks blocks,
+                            Fp8Format fmt, uint8_t* out, float* scale_inv, uint8_t* out_t,
+                            float* scale_inv_t) override;
+  bool TryGemmFp8Blocks(int64_t M, int64_t N, int64_t K, Fp8BlockOperand a, Fp8BlockOperand b,
+                        float* C, bool accumulate) override;
   // SetFp8FastAccumulation; SetGemmAutotune times cuBLASLt's candidates on each GEMM shape's first
   // call (cuda::LtGemm::set_autotune; the scratch output comes from Alloc, so it counts in the
   // peak while tuning); SetDeterministic(false): cuDNN attention's non-deterministic backward
@@ -175,6 +187,11 @@ class CudaBackend final : public Backend, public CudaStreams {
   void GemmFp8Tn(int64_t M, int64_t N, int64_t K, Fp8Operand a, Fp8Operand b, float* C,
                  bool accumulate);
   // The bf16-operand GEMM; false when cuBLASLt has no algorithm for the shape.
+  // Operand x's scales as cuBLASLt's scale mode for it wants them (TryGemmFp8Blocks): the
+  // caller's tensor when it already has that layout and 16-byte alignment, else a copy in
+  // scratch slot `slot`. *mode: the cublasLtMatmulMatrixScale_t.
+  const float* BlockScalesForLt(const Fp8BlockOperand& x, int64_t rows, int64_t K, int slot,
+                                int* mode);
   bool GemmBf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const uint16_t* A16,
                 const uint16_t* B16, float* C, bool accumulate);
   void GemmF32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
@@ -222,7 +239,7 @@ class CudaBackend final : public Backend, public CudaStreams {
   int64_t allocated_ = 0;  // Alloc'd bytes
   int64_t workspace_ = 0;  // the backend's own workspaces (CountWorkspaces)
   int64_t peak_ = 0;       // of allocated_ + workspace_
-  static constexpr int kScratchSlots = 6;
+  static constexpr int kScratchSlots = 8;
   void* scratch_[kScratchSlots] = {};
   size_t scratch_bytes_[kScratchSlots] = {};
   int64_t rope_T_ = -1, rope_D_ = -1;

@@ -72,6 +72,13 @@ LtGemm::Entry* LtGemm::Lookup(const LtProblem& p) {
     const void* none = nullptr;
     FSDP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &none, sizeof(none)));
     FSDP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &none, sizeof(none)));
+    const int32_t mode_a = p.scale_mode_a, mode_b = p.scale_mode_b;
+    if (mode_a != 0) {
+      FSDP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a, sizeof(mode_a)));
+    }
+    if (mode_b != 0) {
+      FSDP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof(mode_b)));
+    }
   }
   cublasLtMatmulPreference_t pref = nullptr;
   FSDP8_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -98,11 +105,11 @@ LtGemm::Entry* LtGemm::Lookup(const LtProblem& p) {
   const cublasLtMatmulHeuristicResult_t& result = results[0];
   if (verbose_) {
     std::fprintf(stderr,
-                 "fsdp8 cuda gemm: m=%lld n=%lld k=%lld ta=%d tb=%d types=%d,%d scaled=%d acc=%d "
-                 "align=%d,%d,%d -> %s (status %d, found %d, ws %zu)\n",
+                 "fsdp8 cuda gemm: m=%lld n=%lld k=%lld ta=%d tb=%d types=%d,%d scaled=%d modes=%d,%d "
+                 "acc=%d align=%d,%d,%d -> %s (status %d, found %d, ws %zu)\n",
                  static_cast<long long>(p.m), static_cast<long long>(p.n), static_cast<long long>(p.k),
                  p.trans_a, p.trans_b, static_cast<int>(p.a_type), static_cast<int>(p.b_type),
-                 p.scaled, p.accumulate, p.align_a, p.align_b, p.align_c,
+                 p.scaled, p.scale_mode_a, p.scale_mode_b, p.accumulate, p.align_a, p.align_b, p.align_c,
                  e.ok ? "cuBLASLt" : "fallback", static_cast<int>(hs), found,
                  static_cast<size_t>(result.workspaceSize));
   }
@@ -123,8 +130,8 @@ bool LtGemm::Run(const LtProblem& p, const void* A, const void* B, void* C, cons
       FSDP8_CUDA_CHECK(cudaMemcpyAsync(dst, s, sizeof(float), cudaMemcpyDeviceToDevice, stream_));
       return dst;
     };
-    scale_a = aligned(scale_a, 0);
-    scale_b = aligned(scale_b, 1);
+    if (p.scale_mode_a == 0) scale_a = aligned(scale_a, 0);  // tensors: the caller aligns them
+    if (p.scale_mode_b == 0) scale_b = aligned(scale_b, 1);
     FSDP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a, sizeof(scale_a)));
     FSDP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b, sizeof(scale_b)));
   }

@@ -43,6 +43,10 @@ struct LtProblem {
   cudaDataType_t c_type = CUDA_R_32F;  // C and D: CUDA_R_32F, or CUDA_R_16BF (FP8 inputs only)
   int64_t lda = 0, ldb = 0, ldc = 0;
   bool scaled = false;     // FP8: A/B scale pointers are set
+  // FP8 scale modes of A and B (cublasLtMatmulMatrixScale_t; 0 = one f32 scalar each). The
+  // vector and block modes (OUTER_VEC_32F, VEC128_32F, BLK128x128_32F) take the caller's scale
+  // tensors as they are, in cuBLASLt's layouts (CudaBackend::TryGemmFp8Blocks).
+  int scale_mode_a = 0, scale_mode_b = 0;
   bool accumulate = false; // beta = 1 (else 0)
   bool fast_accum = false; // FP8: CUBLASLT_MATMUL_DESC_FAST_ACCUM (no periodic FP32 promotion)
   int align_a = 256, align_b = 256, align_c = 256;  // pointer alignments (bytes, power of 2)
@@ -50,7 +54,8 @@ struct LtProblem {
   auto Key() const {
     return std::make_tuple(m, n, k, trans_a, trans_b, static_cast<int>(a_type),
                            static_cast<int>(b_type), static_cast<int>(c_type), lda, ldb, ldc,
-                           scaled, accumulate, fast_accum, align_a, align_b, align_c);
+                           scaled, accumulate, fast_accum, align_a, align_b, align_c,
+                           scale_mode_a, scale_mode_b);
   }
 };
 

@@ -176,4 +176,16 @@ void LaunchAdamWBf16Moments(float* p, const float* g, uint16_t* m16, uint16_t* v
                             float bc2_sqrt, float eps, float grad_scale, float* amax_out,
                             uint16_t* p16_out, cudaStream_t stream);
 
+// ---- block_fp8.cu ----------------------------------------------------------------------------
+// Backend::QuantizeFp8Blocks on the device (its contract: codes and scale_inv of `blocks`, the
+// transpose's when out_t; bit-identical to the host reference). Uses scale_inv / scale_inv_t as
+// the amax accumulators while it runs.
+void LaunchQuantizeFp8Blocks(TypedCPtr in, int64_t rows, int64_t cols, Fp8Blocks blocks,
+                             Fp8Format fmt, uint8_t* out, float* scale_inv, uint8_t* out_t,
+                             float* scale_inv_t, cudaStream_t stream);
+// out[o * stride_outer + i * stride_inner] = in[o * inner + i] for o < outer, i < inner: a scale
+// matrix (outer, inner) row-major rewritten in another layout (transposed, or with padded rows).
+void LaunchCopyScales(const float* in, int64_t outer, int64_t inner, float* out,
+                      int64_t stride_outer, int64_t stride_inner, cudaStream_t stream);
+
 }  // namespace fsdp8::cuda

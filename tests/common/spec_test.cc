@@ -317,29 +317,6 @@ std::vector<RuleCase> Rules() {
         o->set_granularity(v1::FP8_GRANULARITY_ROWWISE);
       }, 2, {"precision.overrides[0].granularity", "applies to FP8 linears only",
              "linears BF16, granularity ROWWISE"});
-  add("BlockwiseOnCuda", [](v1::JobSpec* s) {
-        s->mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
-        s->mutable_precision()->mutable_fp8()->set_recipe(v1::SCALING_RECIPE_CURRENT);
-        s->set_backend("cuda");
-      }, 2, {"precision.fp8.granularity", "need the CPU backends until the CUDA kernels land",
-             "backend cuda"});
-  add("RowwiseOverrideOnCuda", [](v1::JobSpec* s) {
-        auto* o = s->mutable_precision()->add_overrides();
-        o->set_layer(2);
-        o->set_linears(v1::PRECISION_FP8);
-        o->set_granularity(v1::FP8_GRANULARITY_ROWWISE);
-        s->set_backend("cuda");
-      }, 2, {"precision.overrides[0].granularity", "need the CPU backends", "backend cuda"});
-  add("BlockwiseSecondOverrideOnCuda", [](v1::JobSpec* s) {
-        auto* o = s->mutable_precision()->add_overrides();
-        o->set_layer(0);
-        o->set_linears(v1::PRECISION_BF16);
-        o = s->mutable_precision()->add_overrides();
-        o->set_layer(3);
-        o->set_linears(v1::PRECISION_FP8);
-        o->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
-        s->set_backend("cuda");
-      }, 2, {"precision.overrides[1].granularity", "need the CPU backends", "backend cuda"});
   add("GranularityUndefinedValue", [](v1::JobSpec* s) {
         s->mutable_precision()->mutable_fp8()->set_granularity(static_cast<v1::Fp8Granularity>(7));
       }, 2, {"precision.fp8.granularity", "must be TENSORWISE, ROWWISE or BLOCKWISE",
@@ -414,6 +391,39 @@ TEST(Spec, RowwiseAndBlockwiseValidOnCpu) {
     ov->set_granularity(g);
     EXPECT_TRUE(ValidateSpec(o, 2, {}, false).ok()) << ValidateSpec(o, 2, {}, false);
   }
+}
+
+// The CUDA backend runs the rowwise and blockwise recipes (its block-scaled casts and cuBLASLt
+// GEMMs): the whole-job granularity and per-layer overrides validate there as on the CPU.
+TEST(Spec, RowwiseAndBlockwiseValidOnCuda) {
+  v1::JobSpec whole;
+  whole.mutable_data()->set_train_path("/data/train.bin");
+  whole.set_backend("cuda");
+  whole.mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
+  whole.mutable_precision()->mutable_fp8()->set_recipe(v1::SCALING_RECIPE_CURRENT);
+  EXPECT_TRUE(ValidateSpec(whole, 2, {}, false).ok()) << ValidateSpec(whole, 2, {}, false);
+  v1::JobSpec one;
+  one.mutable_data()->set_train_path("/data/train.bin");
+  one.set_backend("cuda");
+  auto* o = one.mutable_precision()->add_overrides();
+  o->set_layer(2);
+  o->set_linears(v1::PRECISION_FP8);
+  o->set_granularity(v1::FP8_GRANULARITY_ROWWISE);
+  EXPECT_TRUE(ValidateSpec(one, 2, {}, false).ok()) << ValidateSpec(one, 2, {}, false);
+  v1::JobSpec second;
+  second.mutable_data()->set_train_path("/data/train.bin");
+  second.set_backend("cuda");
+  o = second.mutable_precision()->add_overrides();
+  o->set_layer(0);
+  o->set_linears(v1::PRECISION_BF16);
+  o = second.mutable_precision()->add_overrides();
+  o->set_layer(3);
+  o->set_linears(v1::PRECISION_FP8);
+  o->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
+  EXPECT_TRUE(ValidateSpec(second, 2, {}, false).ok()) << ValidateSpec(second, 2, {}, false);
+  // Still refused there as everywhere: delayed scaling with a scaled granularity.
+  whole.mutable_precision()->mutable_fp8()->set_recipe(v1::SCALING_RECIPE_DELAYED);
+  EXPECT_FALSE(ValidateSpec(whole, 2, {}, false).ok());
 }
 
 TEST(Spec, ParseGranularityShortNames) {
