@@ -142,8 +142,9 @@ StepSum::StepSum(const v1::JobSpec& spec, const StepPlan& plan, int64_t opt_byte
       f32_numel = plan.head_bf16 ? C_ : C_ + VC;
     } else if (u > 0) {
       f32_numel = 2 * C_;
+      // f32 copies of the linears of a BF16 or rowwise block (a blockwise block's travel as FP8).
       if (plan.blocks[u - 1].linears == v1::PRECISION_BF16 ||
-          plan.blocks[u - 1].granularity != v1::FP8_GRANULARITY_TENSORWISE) {  // f32 copies
+          plan.blocks[u - 1].granularity == v1::FP8_GRANULARITY_ROWWISE) {
         f32_numel += 2 * C_ * C_ + 2 * nk_ * C_ + 3 * F_ * C_;
       }
     }
@@ -161,6 +162,16 @@ StepSum::StepSum(const v1::JobSpec& spec, const StepPlan& plan, int64_t opt_byte
       ub.codes += fp8 && !keep_codes && S != P ? S : 0;
       ub.f32 += bf16 ? f32_numel * 4 : 0;
       ub.full_grad += P * 4;
+      // A blockwise FP8 wire buffer's block scales go as its codes do (FsdpParams::
+      // IssueBandGather): kept with the shard, gathered beside the codes.
+      const double Ss = static_cast<double>(b.shard_scales) * 4,
+                   Ps = static_cast<double>(b.padded_scales) * 4;
+      if (Ss > 0) {
+        ub.shard += keep_codes ? Ss : 0;
+        if (pieces_) rebuild_ = std::max(rebuild_, Ss / plan.mesh.replicas);
+        ub.full += S == P ? (!keep_codes ? Ss : 0) : Ps;
+        ub.codes += !keep_codes && S != P ? Ss : 0;
+      }
     }
     fixed_[kParams] += ub.shard;
     fixed_[kOptimizer] += ub.optimizer;

@@ -144,6 +144,25 @@ absl::StatusOr<ShardPlan> MakeShardPlan(
 
 namespace {
 
+// A blockwise FP8 wire buffer of `tensors` (each K = cols columns), whole bands per shard.
+BufferPlan MakeBandBuffer(std::vector<TensorSpec> tensors, int64_t cols, int world_size,
+                          int replicas) {
+  BufferPlan b;
+  b.wire = WireDtype::kFp8;
+  b.block_cols = cols;
+  const int64_t band = b.BandNumel();
+  for (TensorSpec& t : tensors) {
+    const int64_t rows = t.shape.front();
+    b.offsets.push_back(b.numel);
+    b.numel += (rows + kWireBandRows - 1) / kWireBandRows * band;
+    b.tensors.push_back(std::move(t));
+  }
+  const int64_t bands = b.numel / band, quantum = static_cast<int64_t>(world_size) * replicas;
+  b.padded_numel = (bands + quantum - 1) / quantum * quantum * band;
+  b.shard_numel = b.padded_numel / world_size;
+  return b;
+}
+
 absl::StatusOr<ShardPlan> MakeSpecPlan(const v1::JobSpec& spec_in, int world_size, int replicas) {
   if (absl::Status s = CheckDefaulted(spec_in, 0); !s.ok()) return s;
   const v1::JobSpec& spec = spec_in;
@@ -156,25 +175,38 @@ absl::StatusOr<ShardPlan> MakeSpecPlan(const v1::JobSpec& spec_in, int world_siz
   }
   const int64_t hd = C / H;
   std::vector<std::pair<std::string, UnitTensors>> units;
+  // Per unit: its blockwise linears grouped by in_features (first appearance order).
+  std::vector<std::vector<std::pair<int64_t, std::vector<TensorSpec>>>> banded;
 
   {
     UnitTensors u(3);
     Add(&u, WireOf(spec.precision().embedding()),
         MakeTensor("model.embed_tokens.weight", {V, C}, Init::kNormal, false));
     units.emplace_back("embedding", std::move(u));
+    banded.emplace_back();
   }
   for (int64_t i = 0; i < L; ++i) {
     const v1::Precision p = LayerLinearPrecision(spec, static_cast<int>(i));
-    // Rowwise / blockwise FP8 linears travel in BF16 and are quantized at each use (their FP8
-    // wire is not built yet): a BF16 buffer, like BF16 linears.
-    const bool scaled = LayerGranularity(spec, static_cast<int>(i)) != v1::FP8_GRANULARITY_TENSORWISE;
+    // Rowwise FP8 linears travel in BF16 and are quantized at each use: a BF16 buffer, like BF16
+    // linears. Blockwise ones travel as FP8 codes with 128 x 128 block scales, in band buffers.
+    const v1::Fp8Granularity g = LayerGranularity(spec, static_cast<int>(i));
+    const bool scaled = g != v1::FP8_GRANULARITY_TENSORWISE;
+    const bool blockwise = p == v1::PRECISION_FP8 && g == v1::FP8_GRANULARITY_BLOCKWISE;
     const bool fp8 = p == v1::PRECISION_FP8 && !scaled;
     const WireDtype lw = scaled ? WireDtype::kBf16 : WireOf(p);
     const WireDtype nw = p == v1::PRECISION_FP32 ? WireDtype::kFp32 : WireDtype::kBf16;
     const std::string pre = absl::StrCat("model.layers.", i, ".");
     UnitTensors u(3);
+    auto& bands = banded.emplace_back();
     auto lin = [&](const std::string& n, int64_t out, int64_t in) {
-      Add(&u, lw, MakeTensor(pre + n, {out, in}, Init::kKaimingUniform, fp8));
+      if (!blockwise) {
+        Add(&u, lw, MakeTensor(pre + n, {out, in}, Init::kKaimingUniform, fp8));
+        return;
+      }
+      auto it = std::find_if(bands.begin(), bands.end(),
+                             [in](const auto& kb) { return kb.first == in; });
+      if (it == bands.end()) it = bands.insert(bands.end(), {in, {}});
+      it->second.push_back(MakeTensor(pre + n, {out, in}, Init::kKaimingUniform, true));
     };
     Add(&u, nw, MakeTensor(pre + "input_layernorm.weight", {C}, Init::kOnes, false));
     lin("self_attn.q_proj.weight", C, C);
@@ -195,8 +227,22 @@ absl::StatusOr<ShardPlan> MakeSpecPlan(const v1::JobSpec& spec_in, int world_siz
       Add(&u, hw, MakeTensor("lm_head.weight", {V, C}, Init::kKaimingUniform, false));
     }
     units.emplace_back("head", std::move(u));
+    banded.emplace_back();
   }
-  return MakeShardPlan(units, world_size, spec.sharding().alignment(), replicas);
+  absl::StatusOr<ShardPlan> plan =
+      MakeShardPlan(units, world_size, spec.sharding().alignment(), replicas);
+  if (!plan.ok()) return plan;
+  // Blockwise units: their band buffers first (wire fp8), then the norms' buffer.
+  for (size_t u = 0; u < banded.size(); ++u) {
+    std::vector<BufferPlan> bufs;
+    for (auto& [cols, tensors] : banded[u]) {
+      bufs.push_back(MakeBandBuffer(std::move(tensors), cols, world_size, replicas));
+    }
+    auto& dst = plan->units[u].buffers;
+    dst.insert(dst.begin(), std::make_move_iterator(bufs.begin()),
+               std::make_move_iterator(bufs.end()));
+  }
+  return plan;
 }
 
 }  // namespace

@@ -46,8 +46,19 @@ struct TensorSpec {
   bool is_fp8_linear = false;  // an FP8 GEMM weight (its buffer's wire dtype is kFp8)
 };
 
+// Rows per band of a blockwise FP8 wire buffer (BufferPlan::block_cols): one 128 x 128 block row.
+inline constexpr int64_t kWireBandRows = 128;
+
 struct BufferPlan {
   WireDtype wire = WireDtype::kFp32;
+  // > 0: a blockwise FP8 wire buffer (precision.fp8.granularity BLOCKWISE): every tensor is a
+  // linear weight of block_cols (K) columns, laid out in whole bands of kWireBandRows rows (its
+  // rows padded with zeros up to a multiple of 128: its offset is a multiple of BandNumel()), and
+  // each rank's shard holds whole bands (shard_numel a multiple of BandNumel()), so that no
+  // 128 x 128 block nor its scale is split between ranks. numel counts the padded rows; each
+  // tensor's numel stays rows x cols. The wire carries E4M3 codes plus one f32 scale_inv per
+  // block (ScaleCols() per band, Backend's kBlock128 layout).
+  int64_t block_cols = 0;
   std::vector<TensorSpec> tensors;
   std::vector<int64_t> offsets;  // element offset of each tensor in the flat buffer
   int64_t numel = 0;             // sum of tensor numels
@@ -60,6 +71,15 @@ struct BufferPlan {
   // One rank holds the whole buffer (world_size 1): its shard is the gathered buffer and the full
   // gradient its gradient shard, with no collective between them.
   bool OneRank() const { return shard_numel == padded_numel; }
+
+  // Blockwise FP8 wire buffers (block_cols > 0).
+  bool Banded() const { return block_cols > 0; }
+  int64_t BandNumel() const { return kWireBandRows * block_cols; }
+  int64_t ScaleCols() const { return (block_cols + 127) / 128; }  // blocks per band
+  // The scale_inv index of the block row starting at element `offset` (a band boundary).
+  int64_t ScaleOffset(int64_t offset) const { return offset / BandNumel() * ScaleCols(); }
+  int64_t ShardScales() const { return Banded() ? ScaleOffset(shard_numel) : 0; }
+  int64_t PaddedScales() const { return Banded() ? ScaleOffset(padded_numel) : 0; }
 };
 
 struct UnitPlan {
@@ -86,7 +106,12 @@ struct ShardPlan {
 // lm_head.weight (V, C) kKaimingUniform. With model.tie_word_embeddings there is no lm_head.weight:
 // the head uses model.embed_tokens.weight, which is sharded once, in unit "embedding".
 // Wire dtypes: a block's linears follow LayerLinearPrecision (FP8 -> kFp8, BF16 -> kBf16,
-// FP32 -> kFp32; FP8 with a rowwise or blockwise LayerGranularity -> kBf16, quantized at use); its two norms travel in fp32 when the linears are FP32, else in bf16; embedding
+// FP32 -> kFp32; FP8 with a ROWWISE LayerGranularity -> kBf16, quantized at use); its two norms
+// travel in fp32 when the linears are FP32, else in bf16. A BLOCKWISE block's linears go to
+// blockwise FP8 wire buffers (BufferPlan::block_cols), one per distinct in_features (d_model: q,
+// k, v, o, gate, up; ffn_dim: down; one buffer when they are equal), ahead of its norms' bf16
+// buffer; such a buffer's padded_numel is world_size * replicas * ceil(bands / (world_size *
+// replicas)) bands (sharding.alignment does not apply: a band is 128 x K elements). embedding
 // and head (both tensors) follow precision.embedding / precision.lm_head (BF16 or FP32).
 // padded_numel = ceil(numel / (world_size * alignment)) * world_size * alignment.
 // init_id = FNV-1a 64 of the tensor name (stable across builds and world sizes).

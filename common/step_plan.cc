@@ -266,12 +266,17 @@ void SetScaled(PlannedLinear* pl, v1::Fp8Granularity g, int64_t N) {
 }
 
 // Linear::ForwardScaled's transients (a rowwise / blockwise linear `name`, in -> out features
-// over N tokens): X's codes and scales, then W's, alive around the GEMM.
+// over N tokens): X's codes and scales, then, rowwise, W's, alive around the GEMM (a blockwise
+// W is the gathered FP8 wire: its codes and block scales, no cast).
 void WalkScaledForward(Walk* w, const std::string& name, v1::Fp8Granularity g, int64_t N,
                        int64_t in, int64_t out) {
   const ScaleCounts c = ScaledCounts(g, in, out, N);
   w->Add(name + ".x8", Dtype::kE4M3, {N, in});
   w->Add(name + ".x8 scales", Dtype::kF32, {c.x});
+  if (g == v1::FP8_GRANULARITY_BLOCKWISE) {
+    for (const char* t : {".x8", ".x8 scales"}) w->Drop(name + t);
+    return;
+  }
   w->Add(name + ".w8", Dtype::kE4M3, {out, in});
   w->Add(name + ".w8 scales", Dtype::kF32, {c.w});
   for (const char* t : {".x8", ".x8 scales", ".w8", ".w8 scales"}) w->Drop(name + t);
@@ -304,6 +309,12 @@ struct ForwardRun {
 
 // The generic block's forward (LlamaModel::BlockForward without Block::acts16): f32
 // activations, each linear casting its own input.
+// Whether a generic block's linears read their gathered weights as f32 copies (FsdpParams::W):
+// BF16 linears and rowwise ones (BF16 wire); blockwise ones read their FP8 wire codes.
+bool F32Weights(const BlockPlan& bp) {
+  return bp.linears == v1::PRECISION_BF16 && bp.granularity != v1::FP8_GRANULARITY_BLOCKWISE;
+}
+
 void WalkGenericForward(const BlockPlan& bp, const ModelDims& d, int64_t N, int64_t B,
                         const BackendCaps& caps, const ForwardRun& run, Walk* w) {
   const int64_t C = d.d_model, F = d.ffn_dim, nq = d.q_width(), nk = d.kv_width();
@@ -311,7 +322,7 @@ void WalkGenericForward(const BlockPlan& bp, const ModelDims& d, int64_t N, int6
   const bool train = run.train;
   const bool norms16 = bp.linears != v1::PRECISION_FP32;  // norms on the bf16 wire
   auto linear = [&](const std::string& name, int64_t in, int64_t out) {
-    if (bp.linears == v1::PRECISION_BF16) w->Gathered(name + ".weight", in * out);
+    if (F32Weights(bp)) w->Gathered(name + ".weight", in * out);
     if (bp.granularity != v1::FP8_GRANULARITY_TENSORWISE) {
       WalkScaledForward(w, name, bp.granularity, N, in, out);
     }
@@ -512,9 +523,9 @@ void WalkFp8Backward(Walk* w, const std::string& name, const std::string& in, in
   WalkBackwardFp8(w, name + ".dy8", name + ".dyT8", in, M, k, n, true, run.cpu && dx_bf16);
 }
 
-// A non-FP8 linear's backward: its weight's f32 copy (BF16 linears).
+// A non-FP8 linear's backward: its weight's f32 copy (BF16 and rowwise linears).
 void WalkPlainBackward(Walk* w, const BlockPlan& bp, const std::string& name, int64_t numel) {
-  if (bp.linears == v1::PRECISION_BF16) w->GatheredOnce(name + ".weight", numel);
+  if (F32Weights(bp)) w->GatheredOnce(name + ".weight", numel);
 }
 
 // The generic block's backward (LlamaModel::MlpBackward and AttentionBackward without acts16).
@@ -851,7 +862,8 @@ absl::StatusOr<StepPlan> MakeStepPlan(const v1::JobSpec& spec, int world_size,
     PlannedUnit& pu = p.units.emplace_back();
     pu.name = u.name;
     for (const BufferPlan& b : u.buffers) {
-      pu.buffers.push_back({b.wire, b.padded_numel, b.shard_numel});
+      pu.buffers.push_back({b.wire, b.padded_numel, b.shard_numel, b.PaddedScales(),
+                            b.ShardScales()});
     }
   }
   const bool attn16 = pp.attention() == v1::PRECISION_BF16;

@@ -90,7 +90,8 @@ struct BlockPlan {
   v1::Precision linears = v1::PRECISION_FP32;  // LayerLinearPrecision
   // FP8 blocks: LayerGranularity (TENSORWISE otherwise). A ROWWISE or BLOCKWISE block runs the
   // generic path with f32 activations, keeping its linears' f32 inputs as a BF16 block does
-  // (its weights travel in BF16: the shard plan), each linear quantizing its operands at each use
+  // (rowwise weights travel in BF16, blockwise ones as FP8 codes with 128 x 128 block scales: the
+  // shard plan), each linear quantizing its activations at each use and rowwise weights too
   // (Linear::Scaled); no groups, no fused GEMMs, no recast.
   v1::Fp8Granularity granularity = v1::FP8_GRANULARITY_TENSORWISE;
   // FP8 linears with BF16 attention: bf16 activations between the GEMMs, FP8 inputs cast from
@@ -131,6 +132,8 @@ struct BlockPlan {
 struct PlannedBuffer {
   WireDtype wire = WireDtype::kFp32;
   int64_t padded = 0, shard = 0;  // BufferPlan::padded_numel, shard_numel (at the mesh's S)
+  // A blockwise FP8 wire buffer's block scales (f32): BufferPlan::PaddedScales, ShardScales.
+  int64_t padded_scales = 0, shard_scales = 0;
 };
 struct PlannedUnit {
   std::string name;                   // "embedding", "layers.0", ..., "head"

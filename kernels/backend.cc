@@ -288,6 +288,16 @@ void Backend::QuantizeFp8Blocks(TypedCPtr in, int64_t rows, int64_t cols, Fp8Blo
   ToDevice(this, scale_inv_t, s_t);
 }
 
+void Backend::TransposeFp8Block128(const uint8_t* codes, const float* scale_inv, int64_t rows,
+                                   int64_t cols, uint8_t* out_t, float* scale_inv_t) {
+  TransposeBytes(codes, rows, cols, out_t);
+  const int64_t br = Fp8BlockCount(rows), bc = Fp8BlockCount(cols);
+  if (br * bc == 0 || TryTransposeBlockScales(scale_inv, br, bc, scale_inv_t)) return;
+  std::vector<float> s(static_cast<size_t>(br * bc));
+  CopyToHost(s.data(), scale_inv, s.size() * sizeof(float));
+  ToDevice(this, scale_inv_t, Transposed(s, br, bc));
+}
+
 void Backend::GemmFp8Blocks(int64_t M, int64_t N, int64_t K, Fp8BlockOperand a,
                             Fp8BlockOperand b, float* C, bool accumulate) {
   FSDP8_CHECK(M >= 0 && N >= 0 && K >= 0);

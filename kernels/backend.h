@@ -273,6 +273,13 @@ class Backend {
   // values).
   void GemmFp8Blocks(int64_t M, int64_t N, int64_t K, Fp8BlockOperand a, Fp8BlockOperand b,
                      float* C, bool accumulate);
+  // The kBlock128 transpose of codes (rows, cols) with their block scale_inv (ceil(rows / 128),
+  // ceil(cols / 128)): out_t (cols, rows) = the codes transposed (TransposeBytes) and scale_inv_t
+  // (ceil(cols / 128), ceil(rows / 128)) = the scales transposed; no requantization, the same
+  // bytes as QuantizeFp8Blocks' out_t / scale_inv_t of the values that gave the codes. Exact.
+  // The scales go through the host (a synchronisation) unless TryTransposeBlockScales runs them.
+  void TransposeFp8Block128(const uint8_t* codes, const float* scale_inv, int64_t rows,
+                            int64_t cols, uint8_t* out_t, float* scale_inv_t);
   // True when GemmFp8 makes no transposed copies for any layout (the CPU backend, whose GEMM
   // decodes the codes for an f32 BLAS): the FP8 linears' backward then casts the grad-output once,
   // without its transpose, and leaves the inputs untransposed (train/fp8_linear.h).
@@ -474,6 +481,11 @@ class Backend {
   virtual bool TryGemmFp8Blocks(int64_t M, int64_t N, int64_t K, Fp8BlockOperand a,
                                 Fp8BlockOperand b, float* C, bool accumulate) {
     (void)M, (void)N, (void)K, (void)a, (void)b, (void)C, (void)accumulate;
+    return false;
+  }
+  // out (cols, rows) = in (rows, cols)ᵀ for f32 block scales (TransposeFp8Block128).
+  virtual bool TryTransposeBlockScales(const float* in, int64_t rows, int64_t cols, float* out) {
+    (void)in, (void)rows, (void)cols, (void)out;
     return false;
   }
 

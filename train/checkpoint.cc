@@ -437,7 +437,8 @@ CheckpointRole CheckpointRoleOf(const Mesh& mesh, int rank) {
 namespace {
 
 // ", granularity [TENSORWISE,BLOCKWISE,...]" when a block's FP8 linears scale rowwise or
-// blockwise (their units lay out in BF16 buffers, so such files load only into the same plan);
+// blockwise (their units lay out apart from tensorwise ones, so such files load only into jobs
+// with rowwise / blockwise blocks: ReadShardFiles);
 // empty otherwise, so tensorwise descriptions are those of every earlier file.
 std::string Granularities(const v1::JobSpec& spec) {
   if (!AnyScaledGranularity(spec)) return "";
@@ -506,23 +507,57 @@ absl::Status WriteShardFile(FsdpParams& params, int rank, int world_size,
 
 namespace {
 
-// When rank file 0 of t.dir was written under the plan of `job` with every block tensorwise (its
-// layout fingerprint says so), sets t up to load it across layouts (LoadTarget::saved_bufs,
-// remaps; *saved holds that plan); otherwise leaves t as it is.
-absl::Status PrepareTensorwiseLoad(const v1::JobSpec& job, std::optional<ShardPlan>* saved,
-                                   LoadTarget* t) {
-  v1::JobSpec tw = job;
-  tw.mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_TENSORWISE);
-  for (v1::LayerPrecision& lp : *tw.mutable_precision()->mutable_overrides()) {
-    lp.clear_granularity();
+// The specs whose layouts a job with rowwise / blockwise blocks loads across (the same model with
+// other granularities): every block tensorwise, every block rowwise, every block blockwise, and
+// the job's own plan with rowwise and blockwise swapped (per layer too). Rowwise blocks lay out in
+// BF16 buffers, blockwise ones in blockwise FP8 wire buffers, tensorwise ones in FP8 buffers.
+std::vector<v1::JobSpec> CrossLayoutSpecs(const v1::JobSpec& job) {
+  std::vector<v1::JobSpec> out;
+  for (v1::Fp8Granularity g : {v1::FP8_GRANULARITY_TENSORWISE, v1::FP8_GRANULARITY_ROWWISE,
+                               v1::FP8_GRANULARITY_BLOCKWISE}) {
+    v1::JobSpec s = job;
+    s.mutable_precision()->mutable_fp8()->set_granularity(g);
+    for (v1::LayerPrecision& lp : *s.mutable_precision()->mutable_overrides()) {
+      lp.clear_granularity();
+    }
+    out.push_back(std::move(s));
   }
-  absl::StatusOr<ShardPlan> plan = MakeShardPlan(tw, t->saved_world_size);
-  if (!plan.ok()) return plan.status();
+  auto swap = [](v1::Fp8Granularity g) {
+    return g == v1::FP8_GRANULARITY_ROWWISE    ? v1::FP8_GRANULARITY_BLOCKWISE
+           : g == v1::FP8_GRANULARITY_BLOCKWISE ? v1::FP8_GRANULARITY_ROWWISE
+                                                : g;
+  };
+  v1::JobSpec s = job;
+  v1::Fp8Recipe* r = s.mutable_precision()->mutable_fp8();
+  r->set_granularity(swap(r->granularity()));
+  for (v1::LayerPrecision& lp : *s.mutable_precision()->mutable_overrides()) {
+    lp.set_granularity(swap(lp.granularity()));
+  }
+  out.push_back(std::move(s));
+  return out;
+}
+
+// When rank file 0 of t.dir was written under the plan of one of CrossLayoutSpecs(job) (its
+// layout fingerprint says so) and not under the job's own, sets t up to load it across layouts
+// (LoadTarget::saved_bufs, remaps: tensors by name; *saved holds that plan); otherwise leaves t
+// as it is.
+absl::Status PrepareCrossLayoutLoad(const v1::JobSpec& job, std::optional<ShardPlan>* saved,
+                                    LoadTarget* t) {
   absl::StatusOr<RankFileReader> r = OpenRankFile(*t, 0);
   if (!r.ok()) return r.status();
   RankFileHeader h;
   if (absl::Status s = r->ReadHeader(&h); !s.ok()) return s;
-  if (h.layout_fingerprint != LayoutFingerprint(*plan)) return absl::OkStatus();
+  if (h.layout_fingerprint == t->fingerprint) return absl::OkStatus();  // the job's own layout
+  std::optional<ShardPlan> plan;
+  for (const v1::JobSpec& other : CrossLayoutSpecs(job)) {
+    absl::StatusOr<ShardPlan> p = MakeShardPlan(other, t->saved_world_size);
+    if (!p.ok()) return p.status();
+    if (h.layout_fingerprint == LayoutFingerprint(*p)) {
+      plan = std::move(*p);
+      break;
+    }
+  }
+  if (!plan.has_value()) return absl::OkStatus();
   *saved = std::move(*plan);
   t->fingerprint = h.layout_fingerprint;
   t->saved_bufs = PlanBuffers(**saved);
@@ -573,7 +608,7 @@ absl::Status ReadShardFiles(const std::string& dir, int saved_world_size,
   // blocks: map their tensors by name.
   std::optional<ShardPlan> tensorwise;
   if (job_spec != nullptr && AnyScaledGranularity(*job_spec)) {
-    if (absl::Status s = PrepareTensorwiseLoad(*job_spec, &tensorwise, &t); !s.ok()) return s;
+    if (absl::Status s = PrepareCrossLayoutLoad(*job_spec, &tensorwise, &t); !s.ok()) return s;
   }
   // Pass 1 leaves params untouched on failure.
   if (absl::Status s = VerifyRankFiles(t); !s.ok()) return s;

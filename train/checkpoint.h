@@ -83,10 +83,12 @@ absl::Status WriteShardFile(FsdpParams& params, int rank, int world_size,
 // returns rank 0's replicated state in *state after checking that every file agrees with it.
 // Touches params only when every file verified. No collectives; the caller re-casts weights.
 // job_spec (optional): the loading job's resolved spec. When it has rowwise / blockwise blocks
-// and the files were written under the same spec with every block tensorwise (the layout
-// fingerprint says so), the files load across the two layouts, tensor by tensor by name (the
-// scaled blocks' linears sit in BF16 buffers there); the caller then keeps only the scaling state
-// its model has (LoadShards does).
+// and the files were written under the same model with every block tensorwise, every block
+// rowwise, every block blockwise, or the job's plan with rowwise and blockwise swapped (the layout
+// fingerprint says which), the files load across the layouts, tensor by tensor by name (rowwise
+// linears sit in BF16 buffers, blockwise ones in blockwise FP8 wire buffers, tensorwise ones in
+// FP8 buffers; padding is never read); the caller then keeps only the scaling state its model has
+// (LoadShards does).
 absl::Status ReadShardFiles(const std::string& dir, int saved_world_size,
                             const std::string& description, FsdpParams* params,
                             ReplicatedState* state, const v1::JobSpec* job_spec = nullptr);

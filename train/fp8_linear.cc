@@ -161,18 +161,32 @@ struct ScaledCodes {
 
 }  // namespace
 
-void Linear::ForwardScaled(const float* x, int64_t M, int64_t K, int64_t N, const float* w,
+namespace {
+
+// Whether a scaled linear's weight comes as blockwise FP8 wire codes (else f32 values).
+bool BlockCodes(const WeightView& w) { return w.fp8 != nullptr && w.block_scale_inv != nullptr; }
+
+}  // namespace
+
+void Linear::ForwardScaled(const float* x, int64_t M, int64_t K, int64_t N, const WeightView& w,
                            float* y) {
   const bool row = gran_ == v1::FP8_GRANULARITY_ROWWISE;
   ScaledCodes x8(be_, M, K, row ? Fp8Blocks::kRow : Fp8Blocks::kTile128);
   be_->QuantizeFp8Blocks(x, M, K, x8.blocks, Fp8Format::kE4M3, x8.codes.u8(), x8.scale_inv.f32());
+  if (BlockCodes(w)) {  // the gathered codes and block scales are the operand
+    be_->GemmFp8Blocks(M, N, K, x8.Operand(Fp8Format::kE4M3),
+                       {w.fp8, Fp8Format::kE4M3, w.block_scale_inv, Fp8Blocks::kBlock128}, y,
+                       false);
+    return;
+  }
   ScaledCodes w8(be_, N, K, row ? Fp8Blocks::kRow : Fp8Blocks::kBlock128);
-  be_->QuantizeFp8Blocks(w, N, K, w8.blocks, Fp8Format::kE4M3, w8.codes.u8(), w8.scale_inv.f32());
+  be_->QuantizeFp8Blocks(w.f32, N, K, w8.blocks, Fp8Format::kE4M3, w8.codes.u8(),
+                         w8.scale_inv.f32());
   be_->GemmFp8Blocks(M, N, K, x8.Operand(Fp8Format::kE4M3), w8.Operand(Fp8Format::kE4M3), y,
                      false);
 }
 
-void Linear::BackwardScaled(const float* dy, int64_t M, int64_t K, int64_t N, const float* w,
+void Linear::BackwardScaled(const float* dy, int64_t M, int64_t K, int64_t N, const WeightView& w,
                             const float* x, InputGrad dx, float* dw) {
   const bool row = gran_ == v1::FP8_GRANULARITY_ROWWISE;
   const Fp8Blocks act = row ? Fp8Blocks::kRow : Fp8Blocks::kTile128;
@@ -183,8 +197,13 @@ void Linear::BackwardScaled(const float* dy, int64_t M, int64_t K, int64_t N, co
   if (dx.f32 != nullptr) {
     // Wᵀ (K, N): rowwise W requantized per column; blockwise W's codes, block scales transposed.
     ScaledCodes wT8(be_, K, N, row ? Fp8Blocks::kRow : Fp8Blocks::kBlock128);
-    be_->QuantizeFp8Blocks(w, N, K, wT8.blocks, Fp8Format::kE4M3, nullptr, nullptr,
-                           wT8.codes.u8(), wT8.scale_inv.f32());
+    if (BlockCodes(w)) {  // the gathered codes transposed, their block scales too: exact
+      be_->TransposeFp8Block128(w.fp8, w.block_scale_inv, N, K, wT8.codes.u8(),
+                                wT8.scale_inv.f32());
+    } else {
+      be_->QuantizeFp8Blocks(w.f32, N, K, wT8.blocks, Fp8Format::kE4M3, nullptr, nullptr,
+                             wT8.codes.u8(), wT8.scale_inv.f32());
+    }
     be_->GemmFp8Blocks(M, K, N, dy8.Operand(dy_fmt_), wT8.Operand(Fp8Format::kE4M3), dx.f32,
                        dx.accumulate);
   }
@@ -199,8 +218,9 @@ void Linear::BackwardScaled(const float* dy, int64_t M, int64_t K, int64_t N, co
 void Linear::Forward(const float* x, int64_t M, int64_t K, int64_t N, const WeightView& w,
                      float* y, LinearSaved* saved, MemoryLabel codes) {
   if (scaled()) {
-    FSDP8_CHECK(w.f32 != nullptr) << "a rowwise / blockwise linear reads f32 weights";
-    ForwardScaled(x, M, K, N, w.f32, y);
+    FSDP8_CHECK(w.f32 != nullptr || (BlockCodes(w) && gran_ == v1::FP8_GRANULARITY_BLOCKWISE))
+        << "a rowwise / blockwise linear reads f32 weights or, blockwise, block-scaled codes";
+    ForwardScaled(x, M, K, N, w, y);
     if (saved) saved->x = x;
     return;
   }
@@ -336,10 +356,11 @@ void Linear::ForwardFp8(const std::shared_ptr<Fp8Input>& in, int64_t M, int64_t 
 void Linear::Backward(ActivationView dy, int64_t M, int64_t K, int64_t N, const WeightView& w,
                       const LinearSaved& saved, InputGrad dx, float* dw) {
   if (scaled()) {
-    FSDP8_CHECK(dy.f32 != nullptr && dy.bf16 == nullptr && dx.bf16 == nullptr && w.f32 != nullptr &&
+    FSDP8_CHECK(dy.f32 != nullptr && dy.bf16 == nullptr && dx.bf16 == nullptr &&
+                (w.f32 != nullptr || (BlockCodes(w) && gran_ == v1::FP8_GRANULARITY_BLOCKWISE)) &&
                 saved.x != nullptr)
-        << "a rowwise / blockwise linear reads f32 operands";
-    BackwardScaled(dy.f32, M, K, N, w.f32, saved.x, dx, dw);
+        << "a rowwise / blockwise linear reads f32 operands (blockwise: or block-scaled codes)";
+    BackwardScaled(dy.f32, M, K, N, w, saved.x, dx, dw);
     return;
   }
   if (prec_ != v1::PRECISION_FP8) {

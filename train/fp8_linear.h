@@ -119,6 +119,9 @@ struct WeightView {
   const float* f32 = nullptr;
   const uint8_t* fp8 = nullptr;
   const float* scale_inv = nullptr;  // device scalar (fp8)
+  // A blockwise FP8 wire weight (FsdpParams::WBlockScaleInv): fp8 holds its E4M3 codes (N, K)
+  // and this their kBlock128 scale_inv (ceil(N / 128), ceil(K / 128)); scale_inv is unused.
+  const float* block_scale_inv = nullptr;
 };
 
 // A device activation a linear reads (its input x, or its grad-output dy): f32 values or bf16
@@ -194,8 +197,10 @@ class Linear {
       : be_(be), sc_(scaling), prec_(precision), x_idx_(x_idx), dy_idx_(dy_idx) {}
   // An FP8 linear of the rowwise or blockwise recipe (precision.fp8.granularity): current
   // scaling per row / 1x128 tile / 128x128 block at every cast (Backend::QuantizeFp8Blocks,
-  // GemmFp8Blocks), no ActScaling state. It reads f32 inputs, grad-outputs and weights (the
-  // gathered weight's f32 values: its unit travels in BF16) and keeps the f32 input for the
+  // GemmFp8Blocks), no ActScaling state. It reads f32 inputs and grad-outputs, and the weight
+  // as f32 values (rowwise: the gathered BF16 weight) or, blockwise, as the gathered FP8 codes
+  // with their 128x128 block scales (WeightView::block_scale_inv: the FP8 wire, no cast at use;
+  // an f32 weight is still accepted and quantized at each use). It keeps the f32 input for the
   // backward, as a BF16 linear does:
   //   forward  Y  = X · Wᵀ: X per row (rowwise) or 1x128 tile, W per row or 128x128 block;
   //   dX = dY · W:  dY per row or 1x128 tile along N; Wᵀ per row of Wᵀ (rowwise: W requantized
@@ -288,8 +293,9 @@ class Linear {
 
   // The rowwise / blockwise forward and backward (Scaled): f32 operands, see Scaled.
   bool scaled() const { return gran_ != v1::FP8_GRANULARITY_TENSORWISE; }
-  void ForwardScaled(const float* x, int64_t M, int64_t K, int64_t N, const float* w, float* y);
-  void BackwardScaled(const float* dy, int64_t M, int64_t K, int64_t N, const float* w,
+  void ForwardScaled(const float* x, int64_t M, int64_t K, int64_t N, const WeightView& w,
+                     float* y);
+  void BackwardScaled(const float* dy, int64_t M, int64_t K, int64_t N, const WeightView& w,
                       const float* x, InputGrad dx, float* dw);
 
   Backend* be_ = nullptr;

@@ -92,7 +92,7 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
         const int64_t lo = std::max(bp.offsets[t], begin);
         const int64_t hi = std::min(bp.offsets[t] + bp.tensors[t].numel, begin + n);
         InitRange(bp.tensors[t], bp.offsets[t], lo, hi, seed, host.data() + (lo - begin));
-        if (bp.wire == WireDtype::kFp8) {
+        if (bp.wire == WireDtype::kFp8 && !bp.Banded()) {
           FSDP8_CHECK(bp.tensors[t].is_fp8_linear) << bp.tensors[t].name << " in an fp8 buffer";
           TensorRef r{static_cast<int>(u), static_cast<int>(b), static_cast<int>(t),
                       bp.offsets[t], bp.tensors[t].numel, bp.wire,
@@ -113,7 +113,14 @@ FsdpParams::FsdpParams(const ShardPlan& plan, int rank, uint64_t seed, Backend* 
       buf.m = DevBuf::Zeros(be, n * ElementBytes(ShardArray::kAdamM), MemoryLabel::kOptimizer);
       buf.v = DevBuf::Zeros(be, n * ElementBytes(ShardArray::kAdamV), MemoryLabel::kOptimizer);
       const int64_t ns = bp.shard_numel;  // the wire shards are the group's whole shard
-      if (bp.wire == WireDtype::kFp8) {
+      if (bp.Banded()) {
+        // Codes and block scales of whole bands (CastBands writes them all, padding included);
+        // the scaled dW GEMMs accumulate, so the full gradients are zeroed whole (BeginGrads).
+        if (keep_fp8_codes_) {
+          buf.wire = DevBuf::Zeros(be, ns, MemoryLabel::kParams);
+          buf.wire_scales = DevBuf::Zeros(be, bp.ShardScales() * sizeof(float), MemoryLabel::kParams);
+        }
+      } else if (bp.wire == WireDtype::kFp8) {
         // Padding stays code 0: casts write the tensors only.
         if (keep_fp8_codes_) buf.wire = DevBuf::Zeros(be, ns, MemoryLabel::kParams);
         // Every FP8 weight's gradient is written whole by its dW GEMM (Linear::Backward).
@@ -151,7 +158,7 @@ TensorRef FsdpParams::Ref(const std::string& hf_name) const {
   int u, b, t;
   FSDP8_CHECK(plan_.Find(hf_name, &u, &b, &t)) << "shard plan has no tensor " << hf_name;
   const BufferPlan& bp = plan_.units[u].buffers[b];
-  TensorRef r{u, b, t, bp.offsets[t], bp.tensors[t].numel, bp.wire, -1};
+  TensorRef r{u, b, t, bp.offsets[t], bp.tensors[t].numel, bp.wire, -1, bp.block_cols};
   for (const TensorRef& f : fp8_refs_) {
     if (f.unit == u && f.buffer == b && f.index == t) r.fp8_id = f.fp8_id;
   }
@@ -185,8 +192,12 @@ void FsdpParams::DropUnit(int unit) {
   be_->JoinSideStream();  // the buffers freed below may be the side stream's (codes cast there)
   for (Buf& b : units_[unit]) {
     if (b.ticket != 0) comm_->Wait(b.ticket);  // the compute stream's frees below come after it
+    if (b.scale_ticket != 0) comm_->Wait(b.scale_ticket);
     b.ticket = 0;
+    b.scale_ticket = 0;
     b.codes.Reset();
+    b.scale_codes.Reset();
+    b.full_scales.Reset();
     b.full.Reset();
     b.full_u16.Reset();
     b.f32_of.clear();
@@ -217,7 +228,17 @@ void FsdpParams::AllocateGathered(int unit) {
     const BufferPlan& bp = *b.plan;
     const bool cast_now = bp.wire == WireDtype::kFp8 && !keep_fp8_codes_;
     if (cast_now && b.codes.empty()) b.codes = DevBuf(be_, bp.shard_numel, MemoryLabel::kGathered);
+    if (cast_now && bp.Banded() && b.scale_codes.empty()) {
+      b.scale_codes = DevBuf(be_, bp.ShardScales() * sizeof(float), MemoryLabel::kGathered);
+    }
     if (bp.OneRank()) continue;  // a view of the shard, or of the codes above
+    if (bp.Banded()) {  // its codes, then its block scales (IssueBandGather's order)
+      if (b.full.empty()) b.full = DevBuf(be_, bp.padded_numel, MemoryLabel::kGathered);
+      if (b.full_scales.empty()) {
+        b.full_scales = DevBuf(be_, bp.PaddedScales() * sizeof(float), MemoryLabel::kGathered);
+      }
+      continue;
+    }
     if (bp.wire == WireDtype::kBf16) {
       if (b.full_u16.empty()) {
         b.full_u16 = DevBuf(be_, bp.padded_numel * sizeof(uint16_t), MemoryLabel::kGathered);
@@ -236,6 +257,10 @@ absl::Status FsdpParams::IssuePrefetch(int unit) {
   for (Buf& b : units_[unit]) {
     const BufferPlan& bp = *b.plan;
     const int64_t n = bp.shard_numel;
+    if (bp.Banded()) {
+      if (absl::Status s = IssueBandGather(unit, b); !s.ok()) return s;
+      continue;
+    }
     if (bp.wire == WireDtype::kFp8 && !keep_fp8_codes_) {
       // No kept codes: cast now (on one rank straight into the gathered buffer).
       if (b.codes.empty()) b.codes = DevBuf(be_, n, MemoryLabel::kGathered);
@@ -282,13 +307,79 @@ absl::Status FsdpParams::IssuePrefetch(int unit) {
   return absl::OkStatus();
 }
 
+absl::Status FsdpParams::IssueBandGather(int unit, Buf& b) {
+  const BufferPlan& bp = *b.plan;
+  const int64_t n = bp.shard_numel, ns = bp.ShardScales();
+  const uint8_t* codes = b.wire.u8();
+  const float* scales = b.wire_scales.f32();
+  if (!keep_fp8_codes_) {  // no kept codes: cast now (on one rank straight into the gathered)
+    if (b.codes.empty()) b.codes = DevBuf(be_, n, MemoryLabel::kGathered);
+    if (b.scale_codes.empty()) {
+      b.scale_codes = DevBuf(be_, ns * sizeof(float), MemoryLabel::kGathered);
+    }
+    CastBands(b, b.codes.u8(), b.scale_codes.f32());
+    codes = b.codes.u8();
+    scales = b.scale_codes.f32();
+  }
+  if (bp.OneRank()) {
+    if (keep_fp8_codes_) {
+      b.full = DevBuf::View(b.wire.get(), n);
+      b.full_scales = DevBuf::View(b.wire_scales.get(), ns * sizeof(float));
+    } else {
+      b.full = std::move(b.codes);
+      b.full_scales = std::move(b.scale_codes);
+    }
+    return absl::OkStatus();
+  }
+  // Two all-gathers: the codes, then the block scales (their buffers made here unless
+  // AllocateGathered made them).
+  if (b.full.empty()) b.full = DevBuf(be_, bp.padded_numel, MemoryLabel::kGathered);
+  if (b.full_scales.empty()) {
+    b.full_scales = DevBuf(be_, bp.PaddedScales() * sizeof(float), MemoryLabel::kGathered);
+  }
+  const double t0 = CommClock::Now();
+  absl::StatusOr<int64_t> t = comm_->AllGatherAsync(codes, b.full.get(), n);
+  if (t.ok()) b.ticket = *t;
+  absl::StatusOr<int64_t> ts = t.ok() ? comm_->AllGatherAsync(scales, b.full_scales.get(),
+                                                              ns * sizeof(float))
+                                      : t.status();
+  if (ts.ok()) b.scale_ticket = *ts;
+  if (absl::Status r = Timed(ts.status(), t0); !r.ok()) {
+    DropUnit(unit);
+    return absl::Status(r.code(), absl::StrCat("all-gather of ", plan_.units[unit].name,
+                                               "/fp8 blockwise: ", r.message()));
+  }
+  return absl::OkStatus();
+}
+
+void FsdpParams::CastBands(const Buf& b, uint8_t* codes, float* scales) {
+  const BufferPlan& bp = *b.plan;
+  if (b.opt_n == 0) return;
+  be_->QuantizeFp8Blocks(b.master.f32(), b.opt_n / bp.block_cols, bp.block_cols,
+                         Fp8Blocks::kBlock128, Fp8Format::kE4M3, codes + b.opt_lo,
+                         scales + bp.ScaleOffset(b.opt_lo));
+}
+
+void FsdpParams::CastBandWires(int unit) {
+  if (!keep_fp8_codes_) return;  // each Prefetch casts them
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (unit >= 0 && static_cast<int>(u) != unit) continue;
+    for (Buf& b : units_[u]) {
+      if (b.plan->Banded()) CastBands(b, b.wire.u8(), b.wire_scales.f32());
+    }
+  }
+}
+
 absl::Status FsdpParams::Gather(int unit) {
   if (absl::Status s = Prefetch(unit); !s.ok()) return s;
   be_->JoinSideStream();  // a one-rank unit's update has no all-gather to wait for
   for (Buf& b : units_[unit]) {
     comm_->Wait(b.ticket);
+    comm_->Wait(b.scale_ticket);
     b.ticket = 0;
+    b.scale_ticket = 0;
     b.codes.Reset();  // the all-gather has read it (stream-ordered free)
+    b.scale_codes.Reset();
     if (b.plan->wire == WireDtype::kBf16) {
       b.f32_of.clear();
       b.f32_of.resize(b.plan->tensors.size());
@@ -315,6 +406,7 @@ void FsdpParams::CastShardCodes(const Buf& b, uint8_t* codes) {
 void FsdpParams::Release(int unit) {
   for (Buf& b : units_[unit]) {
     b.full.Reset();
+    b.full_scales.Reset();
     b.full_u16.Reset();
     b.f32_of.clear();
   }
@@ -464,6 +556,13 @@ const uint8_t* FsdpParams::W8(const TensorRef& t) const {
 const float* FsdpParams::WScaleInv(const TensorRef& t) const {
   FSDP8_CHECK(t.fp8_id >= 0);
   return w_scale_inv_.f32() + t.fp8_id * kScaleStride;
+}
+
+const float* FsdpParams::WBlockScaleInv(const TensorRef& t) const {
+  const Buf& b = units_[t.unit][t.buffer];
+  FSDP8_CHECK(b.plan->Banded()) << "block scales of a buffer that is not blockwise FP8";
+  FSDP8_CHECK(!b.full_scales.empty()) << "unit " << t.unit << " not gathered";
+  return b.full_scales.f32() + b.plan->ScaleOffset(t.offset);
 }
 
 float* FsdpParams::G(const TensorRef& t) const {
@@ -633,7 +732,9 @@ void FsdpParams::ApplyPendingLocally() {
 }
 
 absl::Status FsdpParams::CastUnit(int unit) {
-  // bf16 wire shards were packed by the update; fp32 buffers send the master itself.
+  // bf16 wire shards were packed by the update; fp32 buffers send the master itself; blockwise
+  // buffers are cast from their own bands (no all-reduce).
+  CastBandWires(unit);
   const auto [lo, hi] = unit_fp8_[unit];
   if (hi <= lo) return absl::OkStatus();
   const int64_t n = hi - lo;
@@ -677,6 +778,7 @@ absl::Status FsdpParams::CastWeights() {
       }
     }
   }
+  CastBandWires(-1);
   if (fp8_refs_.empty()) return RebuildWireShards();
   // FP8: per-tensor amax of this rank's slice (taken by AdamW when it just ran), one fused
   // all-reduce(max), identical scales.
@@ -736,6 +838,12 @@ absl::Status FsdpParams::RebuildWireShards() {
         DevBuf piece(be_, b.opt_n * eb, MemoryLabel::kWork);
         be_->Copy(piece.get(), static_cast<uint8_t*>(b.wire.get()) + b.opt_lo * eb, b.opt_n * eb);
         s = replica_->AllGather(piece.get(), b.wire.get(), b.opt_n * eb);
+      }
+      if (s.ok() && b.plan->Banded()) {  // and the block scales of the bands
+        const int64_t so = b.plan->ScaleOffset(b.opt_lo), sn = b.plan->ScaleOffset(b.opt_n);
+        DevBuf piece(be_, sn * sizeof(float), MemoryLabel::kWork);
+        be_->Copy(piece.get(), b.wire_scales.f32() + so, sn * sizeof(float));
+        s = replica_->AllGather(piece.get(), b.wire_scales.get(), sn * sizeof(float));
       }
       if (absl::Status r = Timed(s, t0); !r.ok()) {
         return absl::Status(r.code(), absl::StrCat("wire shard all-gather over the replicas: ",

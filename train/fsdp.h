@@ -11,7 +11,15 @@
 //                   update (DeferAdamW), which keeps a unit's until its update ran; a slice no
 //                   gradient reached is allocated and zeroed only when first read;
 //   wire shard    — what travels on an all-gather: FP8 codes (u8) for FP8 GEMM weights, bf16 bit
-//                   patterns for bf16 buffers (fp32 buffers send the master slice itself).
+//                   patterns for bf16 buffers (fp32 buffers send the master slice itself);
+//                   a blockwise FP8 buffer (BufferPlan::block_cols) also its block scales: f32
+//                   scale_inv, one per 128 x 128 block of its whole bands (ShardScales()).
+// A blockwise buffer's wire is cast where the tensorwise FP8 casts run (CastWeights, a deferred
+// unit's update, or each Prefetch without kept codes): QuantizeFp8Blocks(kBlock128) of the rank's
+// bands of its FP32 master shard, each block's amax local (a shard holds whole blocks: no
+// all-reduce). Its gather is two all-gathers (codes, then scales); the gathered codes and scales
+// of a tensor are those of QuantizeFp8Blocks(kBlock128) of the full (rows, cols) master weight,
+// bit for bit (its padding rows are zero: they raise no block's amax).
 // The wire shards are refreshed by CastWeights() once per optimizer step (docs/architecture.md,
 // The step, item 6), or unit by unit by a deferred update (DeferAdamW, below):
 // for FP8 tensors, the amax of this rank's master slice (empty slice: 0), one fused
@@ -84,6 +92,8 @@ struct TensorRef {
   int64_t numel = 0;
   WireDtype wire = WireDtype::kFp32;
   int fp8_id = -1;       // index among FP8 weight tensors, -1 otherwise
+  int64_t block_cols = 0; // > 0: a blockwise FP8 wire tensor (BufferPlan::block_cols): E4M3
+                          // codes with 128 x 128 block scales (W8, WBlockScaleInv), no fp8_id
 };
 
 // AdamW's arguments for one optimizer step (Backend::AdamW); grad_scale multiplies every
@@ -187,6 +197,9 @@ class FsdpParams {
   const uint16_t* W16(const TensorRef& t) const;    // bf16 codes as gathered (bf16 buffers)
   const uint8_t* W8(const TensorRef& t) const;      // E4M3 codes (fp8 buffers)
   const float* WScaleInv(const TensorRef& t) const; // device scalar of an FP8 tensor
+  // A blockwise FP8 wire tensor's gathered scale_inv, (ceil(rows / 128), ceil(cols / 128)) f32
+  // in Backend's kBlock128 layout for the codes W8(t) (rows, cols).
+  const float* WBlockScaleInv(const TensorRef& t) const;
   // Full gradient view (valid between BeginGrads and ReduceGrads).
   float* G(const TensorRef& t) const;
 
@@ -294,6 +307,9 @@ class FsdpParams {
     DevBuf master, m, v, grad, wire;  // shards (master, m, v and a reduced grad: the piece)
     int64_t opt_lo = 0, opt_n = 0;   // the optimizer piece: shard elements [opt_lo, + opt_n)
     DevBuf full;       // gathered f32 (fp32) or u8 (fp8), padded_numel elements
+    DevBuf wire_scales, full_scales, scale_codes;  // blockwise: the shard's block scales (kept
+                       // codes), the gathered ones, the ones cast for an all-gather in flight
+    int64_t scale_ticket = 0;  // blockwise: the scales' all-gather in flight
     DevBuf full_u16;   // gathered bf16 codes (bf16), padded_numel elements
     mutable std::vector<DevBuf> f32_of;  // bf16: each tensor's f32 values, unpacked by W()
     DevBuf full_grad;  // padded_numel f32
@@ -324,6 +340,8 @@ class FsdpParams {
   // Prefetch's allocations (those AllocateGathered has not made) and all-gathers (the unit marked
   // in flight).
   absl::Status IssuePrefetch(int unit);
+  // A blockwise buffer's part of it: its codes and scales (cast first without kept codes).
+  absl::Status IssueBandGather(int unit, Buf& b);
   // Drops every prefetched, not yet gathered unit (its all-gather waited for, buffers freed).
   void DropPrefetches();
   // Drops one unit's issued all-gathers (waited for on the compute stream) and full buffers.
@@ -331,6 +349,11 @@ class FsdpParams {
   // Casts b's FP8 tensors from its master slice with the current weight scales into `codes`
   // (shard_numel bytes; the rest zeroed, as a kept wire shard's padding).
   void CastShardCodes(const Buf& b, uint8_t* codes);
+  // Casts a blockwise buffer's optimizer piece of whole bands from its master (kBlock128) into
+  // codes and scales (the shard's arrays: the piece lands at its place in them).
+  void CastBands(const Buf& b, uint8_t* codes, float* scales);
+  // CastBands into the kept wire of every blockwise buffer of `unit` (all units: -1).
+  void CastBandWires(int unit);
   // Finishes pending reduce-scatters; allocates and zeroes the grad shards no gradient reached.
   // Aborts while a deferred update is pending (its grad shards are the previous step's).
   void MaterializeGrads();

@@ -165,7 +165,10 @@ bool LlamaModel::MlpFused(const Block& b) const {
 
 WeightView LlamaModel::View(const TensorRef& t) const {
   WeightView w;
-  if (t.wire == WireDtype::kFp8) {
+  if (t.wire == WireDtype::kFp8 && t.block_cols > 0) {  // blockwise FP8 wire
+    w.fp8 = p_->W8(t);
+    w.block_scale_inv = p_->WBlockScaleInv(t);
+  } else if (t.wire == WireDtype::kFp8) {
     w.fp8 = p_->W8(t);
     w.scale_inv = p_->WScaleInv(t);
   } else {

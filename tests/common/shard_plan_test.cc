@@ -506,5 +506,134 @@ TEST(ShardPlan, CheckpointLayoutOfAMesh) {
   EXPECT_EQ(ToProto(*world).SerializeAsString(), ToProto(*flat4).SerializeAsString());
 }
 
+// The blockwise FP8 wire (granularity BLOCKWISE): a block's linears go to band buffers, one per
+// in_features, each tensor in whole 128-row bands and each rank's shard whole bands, so that no
+// 128 x 128 block (nor its scale) is split between ranks. d 192 (3 heads, 1 kv head: k, v 64 x
+// 192), ffn 320: bands of 192 columns q 2, k 1, v 1, o 2, gate 3, up 3 = 12; of 320: down 2.
+v1::JobSpec BlockwiseWireSpec() {
+  v1::JobSpec s = DefaultSpec();
+  s.mutable_model()->set_d_model(192);
+  s.mutable_model()->set_n_heads(3);
+  s.mutable_model()->set_n_kv_heads(1);
+  s.mutable_model()->set_ffn_dim(320);
+  s.mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
+  return s;
+}
+
+TEST(ShardPlan, BlockwiseWireLaysLinearsOutInWholeBands) {
+  // By hand: 192-column bands hold 128 x 192 = 24576 elements, 320-column ones 40960.
+  const int64_t b192 = 128 * 192, b320 = 128 * 320;
+  struct Want {
+    int world;
+    int64_t shard192, shard320;  // bands per shard: ceil(12 / W), ceil(2 / W)
+  };
+  for (const Want& w : {Want{1, 12, 2}, Want{2, 6, 1}, Want{3, 4, 1}, Want{5, 3, 1}}) {
+    SCOPED_TRACE("world " + std::to_string(w.world));
+    auto plan = MakeShardPlan(WithDefaults(BlockwiseWireSpec(), w.world), w.world);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    for (int l = 0; l < 4; ++l) {
+      const UnitPlan& u = plan->units[1 + l];
+      ASSERT_EQ(u.buffers.size(), 3u);
+      const BufferPlan& a = u.buffers[0];
+      const BufferPlan& d = u.buffers[1];
+      EXPECT_EQ(u.buffers[2].wire, WireDtype::kBf16);  // the norms, as before
+      EXPECT_EQ(u.buffers[2].tensors.size(), 2u);
+      EXPECT_FALSE(u.buffers[2].Banded());
+      EXPECT_EQ(a.wire, WireDtype::kFp8);
+      EXPECT_EQ(a.block_cols, 192);
+      EXPECT_EQ(d.block_cols, 320);
+      ASSERT_EQ(a.tensors.size(), 6u);
+      ASSERT_EQ(d.tensors.size(), 1u);
+      EXPECT_EQ(d.tensors[0].name, "model.layers." + std::to_string(l) + ".mlp.down_proj.weight");
+      // q at 0 (2 bands), k at 2, v at 3, o at 4, gate at 6, up at 9; 12 bands.
+      const std::vector<int64_t> bands = {0, 2, 3, 4, 6, 9};
+      for (size_t t = 0; t < bands.size(); ++t) EXPECT_EQ(a.offsets[t], bands[t] * b192) << t;
+      EXPECT_EQ(a.tensors[1].numel, 64 * 192);  // the tensor itself: its rows, not its band
+      EXPECT_EQ(a.numel, 12 * b192);
+      EXPECT_EQ(a.shard_numel, w.shard192 * b192);
+      EXPECT_EQ(a.padded_numel, w.world * w.shard192 * b192);
+      EXPECT_EQ(d.shard_numel, w.shard320 * b320);
+      EXPECT_EQ(d.padded_numel, w.world * w.shard320 * b320);
+      EXPECT_EQ(a.ShardScales(), w.shard192 * 2);  // 2 blocks per 192-column band
+      EXPECT_EQ(d.ShardScales(), w.shard320 * 3);
+      EXPECT_EQ(a.ScaleOffset(a.offsets[4]), 6 * 2);  // gate's first block row: band 6
+    }
+  }
+}
+
+// No world size, mesh or shape splits a block: every 128 x 128 block of every blockwise tensor
+// (rows r0..r0+127 of its band, any 128 columns) lies inside one rank's [begin, end), and the
+// shards are equal, whole bands.
+TEST(ShardPlan, BlockwiseWireNeverSplitsABlock) {
+  for (auto [C, F, kv] : {std::tuple{192, 320, 1}, std::tuple{128, 384, 4}, std::tuple{64, 176, 2},
+                          std::tuple{320, 200, 5}}) {
+    v1::JobSpec s = BlockwiseWireSpec();
+    s.mutable_model()->set_d_model(C);
+    s.mutable_model()->set_ffn_dim(F);
+    s.mutable_model()->set_n_heads(kv == 5 ? 5 : 4);
+    s.mutable_model()->set_n_kv_heads(kv);
+    for (int world = 1; world <= 8; ++world) {
+      for (int replicas : {1, 2}) {
+        SCOPED_TRACE("d " + std::to_string(C) + " ffn " + std::to_string(F) + " world " +
+                     std::to_string(world) + " replicas " + std::to_string(replicas));
+        Mesh mesh;
+        mesh.shard_size = world;
+        mesh.replicas = replicas;
+        auto plan = MakeShardPlan(WithDefaults(s, world * replicas), mesh);
+        ASSERT_TRUE(plan.ok()) << plan.status();
+        int banded = 0;
+        for (const UnitPlan& u : plan->units) {
+          for (const BufferPlan& b : u.buffers) {
+            if (!b.Banded()) continue;
+            ++banded;
+            const int64_t band = 128 * b.block_cols;
+            EXPECT_EQ(b.shard_numel % (band * replicas), 0);  // whole bands, whole pieces
+            EXPECT_EQ(b.padded_numel, b.shard_numel * world);
+            EXPECT_GE(b.padded_numel, b.numel);
+            int64_t end = 0;
+            for (size_t t = 0; t < b.tensors.size(); ++t) {
+              const TensorSpec& ts = b.tensors[t];
+              EXPECT_EQ(ts.shape[1], b.block_cols) << ts.name;
+              EXPECT_EQ(b.offsets[t], end) << ts.name;  // packed, band after band
+              EXPECT_EQ(b.offsets[t] % band, 0) << ts.name;
+              for (int64_t r0 = 0; r0 < ts.shape[0]; r0 += 128) {
+                const int64_t first = b.offsets[t] + r0 * b.block_cols;
+                const int64_t last =
+                    b.offsets[t] + (std::min<int64_t>(r0 + 128, ts.shape[0]) * b.block_cols) - 1;
+                EXPECT_EQ(first / b.shard_numel, last / b.shard_numel)
+                    << ts.name << " block row " << r0 / 128 << " split between ranks";
+              }
+              end = b.offsets[t] + (ts.shape[0] + 127) / 128 * band;
+            }
+            EXPECT_EQ(b.numel, end);
+          }
+        }
+        EXPECT_EQ(banded, C == F ? 4 : 8);  // one or two per layer
+      }
+    }
+  }
+}
+
+// Rowwise keeps the BF16 wire: no band buffers, its layout that of a BF16 block.
+TEST(ShardPlan, RowwiseKeepsTheBf16Wire) {
+  v1::JobSpec s = BlockwiseWireSpec();
+  s.mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_ROWWISE);
+  auto plan = MakeShardPlan(WithDefaults(s, 2), 2);
+  ASSERT_TRUE(plan.ok());
+  v1::JobSpec bf = BlockwiseWireSpec();
+  bf.mutable_precision()->mutable_fp8()->clear_granularity();
+  bf.mutable_precision()->set_linears(v1::PRECISION_BF16);
+  auto want = MakeShardPlan(WithDefaults(bf, 2), 2);
+  ASSERT_TRUE(want.ok());
+  for (size_t u = 1; u + 1 < plan->units.size(); ++u) {
+    ASSERT_EQ(plan->units[u].buffers.size(), 1u);
+    const BufferPlan& b = plan->units[u].buffers[0];
+    EXPECT_EQ(b.wire, WireDtype::kBf16);
+    EXPECT_FALSE(b.Banded());
+    EXPECT_EQ(b.offsets, want->units[u].buffers[0].offsets);
+    EXPECT_EQ(b.padded_numel, want->units[u].buffers[0].padded_numel);
+  }
+}
+
 }  // namespace
 }  // namespace fsdp8

@@ -213,7 +213,8 @@ TEST(StepPlan, MemoryPlanFollowsTheUnfusedOption) {
 
 // The FP8 recipes are plan entries: each linear's granularity and scaling recipe, and its
 // operands' scale counts (hand-computed below); a rowwise / blockwise block runs the generic path
-// of a BF16 block (the same saved tensors) and its unit's linears travel in BF16.
+// of a BF16 block (the same saved tensors); a rowwise unit's linears travel in BF16, a blockwise
+// unit's as FP8 codes with 128 x 128 block scales (its blockwise FP8 wire buffers).
 TEST(StepPlan, RecipeEntriesPerLinear) {
   // d 192 (2 heads of 96), ffn 320, seq 200, one sequence per microbatch: N = 200 tokens.
   v1::JobSpec s;
@@ -272,10 +273,19 @@ TEST(StepPlan, RecipeEntriesPerLinear) {
     EXPECT_EQ(b.saved[i].name, pb.blocks[1].saved[i].name);
     EXPECT_EQ(b.saved[i].bytes, pb.blocks[1].saved[i].bytes);
   }
-  // Units: layers.0 has its fp8 linears and bf16 norms; layers.1 one bf16 buffer.
+  // Units: layers.0 has its fp8 linears and bf16 norms; layers.1 (blockwise) its linears in two
+  // blockwise FP8 wire buffers, in_features 192 (q, k, v, o 2 bands each, gate and up 3: 14 bands
+  // of 2 blocks) and 320 (down: 2 bands of 3 blocks), then its bf16 norms.
   ASSERT_EQ(p.units[1].buffers.size(), 2u);
-  ASSERT_EQ(p.units[2].buffers.size(), 1u);
-  EXPECT_EQ(p.units[2].buffers[0].wire, WireDtype::kBf16);
+  EXPECT_EQ(p.units[1].buffers[0].padded_scales, 0);  // tensorwise: no block scales
+  ASSERT_EQ(p.units[2].buffers.size(), 3u);
+  EXPECT_EQ(p.units[2].buffers[0].wire, WireDtype::kFp8);
+  EXPECT_EQ(p.units[2].buffers[0].padded, 14 * 128 * 192);
+  EXPECT_EQ(p.units[2].buffers[0].padded_scales, 14 * 2);
+  EXPECT_EQ(p.units[2].buffers[1].wire, WireDtype::kFp8);
+  EXPECT_EQ(p.units[2].buffers[1].padded, 2 * 128 * 320);
+  EXPECT_EQ(p.units[2].buffers[1].shard_scales, 2 * 3);
+  EXPECT_EQ(p.units[2].buffers[2].wire, WireDtype::kBf16);
 
   // Rowwise for the whole job: current scaling; gate_proj forward X 200 + W 320 = 520, dX dY 200 +
   // Wᵀ 192 = 392, dW dYᵀ 320 + Xᵀ 192 = 512.

@@ -283,6 +283,44 @@ TEST_P(Conformance, QuantizeFp8Blocks) {
   }
 }
 
+// The exact kBlock128 transpose of cast codes with their block scales (TransposeFp8Block128, the
+// blockwise FP8 wire's Wᵀ for dX): bit for bit the reference's, and on every backend the same
+// bytes as QuantizeFp8Blocks' own transposed output (out_t, scale_inv_t) of the values cast, read
+// back to the host and compared there; 128-tails in both dimensions.
+TEST_P(Conformance, TransposeFp8Block128) {
+  const int64_t shapes[][2] = {{1, 1}, {37, 129}, {128, 256}, {257, 300}, {300, 64}};
+  for (auto& sh : shapes) {
+    const int64_t rows = sh[0], cols = sh[1], n = rows * cols;
+    const auto x = Randn(n, 3.0f);
+    const int64_t ns = Fp8ScaleCount(Fp8Blocks::kBlock128, rows, cols);
+    Check("TransposeFp8Block128/" + std::to_string(rows) + "x" + std::to_string(cols), -1,
+          [&](DevRun& r) {
+            Outputs o;
+            uint8_t* codes = r.Out<uint8_t>(n);
+            uint8_t* cast_t = r.Out<uint8_t>(n);
+            uint8_t* out_t = r.Out<uint8_t>(n);
+            float* s = r.Out<float>(ns);
+            float* cast_st = r.Out<float>(ns);
+            float* st = r.Out<float>(ns);
+            r.b()->QuantizeFp8Blocks(r.In(x), rows, cols, Fp8Blocks::kBlock128, Fp8Format::kE4M3,
+                                     codes, s, cast_t, cast_st);
+            r.b()->TransposeFp8Block128(codes, s, rows, cols, out_t, st);
+            std::vector<uint8_t> a(n), b(n);
+            std::vector<float> sa(ns), sb(ns);
+            r.b()->CopyToHost(a.data(), out_t, n);
+            r.b()->CopyToHost(b.data(), cast_t, n);
+            r.b()->CopyToHost(sa.data(), st, ns * sizeof(float));
+            r.b()->CopyToHost(sb.data(), cast_st, ns * sizeof(float));
+            EXPECT_EQ(a, b) << r.b()->Name() << ": codes differ from the cast's transpose";
+            EXPECT_EQ(std::memcmp(sa.data(), sb.data(), ns * sizeof(float)), 0)
+                << r.b()->Name() << ": scales differ from the cast's transposed scales";
+            r.Bytes(&o, "out_t", out_t, n);
+            r.Bytes(&o, "scale_inv_t", st, ns);
+            return o;
+          });
+  }
+}
+
 // The block-scaled GEMM (GemmFp8Blocks) for the three operand pairs of the rowwise and blockwise
 // recipes. Tolerance: the reference sums exact products in double and rounds once; a backend that
 // multiplies each decoded code by its scale in f32 (one rounding per operand element, two per

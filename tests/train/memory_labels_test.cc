@@ -356,5 +356,36 @@ TEST(MemoryLabels, RowwiseAndBlockwiseRecipes) {
   }
 }
 
+// The blockwise FP8 wire: a block's linears travel as E4M3 codes with 128 x 128 block scales, in
+// whole 128-row bands per rank (shard and gathered codes and scales, no f32 copies, no W cast at
+// use). d 192 (3 heads, one kv head), ffn 320: shards that do not divide into 128-row blocks, and
+// at 3 ranks a rank whose down_proj shard is all padding; with and without kept codes, and under
+// hybrid sharding (the WORLD optimizer rebuilds the codes and scales over the replicas).
+TEST(MemoryLabels, BlockwiseFp8Wire) {
+  v1::JobSpec s = DefaultModel();
+  s.mutable_model()->set_d_model(192);
+  s.mutable_model()->set_n_layers(2);
+  s.mutable_model()->set_n_heads(3);
+  s.mutable_model()->set_n_kv_heads(1);
+  s.mutable_model()->set_ffn_dim(320);
+  s.mutable_model()->set_seq_len(64);
+  s.mutable_training()->set_global_batch(6);
+  s.mutable_training()->set_microbatch(1);
+  s.mutable_precision()->mutable_fp8()->set_granularity(v1::FP8_GRANULARITY_BLOCKWISE);
+  for (const char* backend : {"cpu-ref", "cpu"}) {
+    for (int world : {1, 2, 3}) ExpectLabelsMatchPlan(s, backend, world, "blockwise wire");
+    v1::JobSpec u = s;
+    u.mutable_precision()->mutable_fp8()->set_keep_weight_codes(false);
+    ExpectLabelsMatchPlan(u, backend, 1, "blockwise wire, codes cast per gather");
+    ExpectLabelsMatchPlan(u, backend, 3, "blockwise wire, codes cast per gather");
+    v1::JobSpec h = s;
+    h.mutable_training()->set_global_batch(4);
+    h.mutable_sharding()->set_max_workers(4);
+    h.mutable_sharding()->set_replicas(2);
+    h.mutable_sharding()->set_optimizer_sharding(v1::OPTIMIZER_SHARDING_WORLD);
+    ExpectLabelsMatchPlan(h, backend, 4, "blockwise wire, 2 x 2 WORLD");
+  }
+}
+
 }  // namespace
 }  // namespace fsdp8
