@@ -172,7 +172,10 @@ void JobRun::Run() {
     v1::CoordinatorMessage m;
     m.mutable_abort()->set_reason(EndFailedGeneration(s));
     // Every rank gets Abort, except one whose failure it reported itself or whose session is gone.
-    const bool skip_failed = !(absl::IsCancelled(s) || absl::IsAborted(s) || abort_failed_rank_);
+    // A rank of a job that may continue on fewer replicas keeps the job after its own failure
+    // until told (worker/daemon.h): it gets Abort too.
+    const bool skip_failed = !(absl::IsCancelled(s) || absl::IsAborted(s) || abort_failed_rank_ ||
+                               failed_keep_job_);
     const int skip = skip_failed ? failed_rank_ : -1;
     // Ranks never sent an Assignment (e.g. the checkpoint to resume from was refused) have
     // nothing to abort and are free at once.
@@ -237,6 +240,7 @@ absl::Status JobRun::Drive() {
         absl::StrCat("spec at world size ", world_size, ": ", at.status().message()));
   }
   v1::JobSpec spec = *std::move(at);
+  failed_keep_job_ = MayShrink(spec);
   Progress p;
   absl::Status started = adoption_ ? StartAdopted(spec, &p) : StartGeneration(spec, &p);
   if (!started.ok()) return started;

@@ -47,6 +47,11 @@
 // is). At the end the generation's rendezvous keys (job/<id>/gen/<g>/) are deleted and the workers
 // released, those sent Abort after SchedulerOptions::abort_grace.
 //
+// Continue on fewer replicas (ContinueOnFewerReplicas): a failed step of a job of R > 1 replicas
+// under optimizer_sharding SHARD_GROUP whose failed ranks all belong to one replica does not end
+// the run: that replica's ranks get Abort and are released, the survivors become a new generation
+// of R-1 replicas (Reconfigure, every Ready; no checkpoint read, no restart counted) and the step
+// that was in flight is re-run; results and errors of an earlier generation are ignored.
 // Re-adoption (JobRun with an Adoption; coordinator/scheduler.h): after a coordinator restart the
 // ranks of the generation that was running still hold it. The run removes the leftovers of
 // interrupted saves, sends every rank Adopt{job, generation, rank} instead of an Assignment, and
@@ -314,6 +319,9 @@ class JobRun {
   // Step results received ahead of the step being awaited (rank, message), oldest first.
   std::deque<std::pair<int, v1::WorkerMessage>> early_results_;
   bool abort_failed_rank_ = false;  // the failed rank may be alive: send it Abort too
+  // The ranks keep the job after a failed step (a mesh that may continue on fewer replicas,
+  // MayShrink): a failed rank gets Abort too.
+  bool failed_keep_job_ = false;
   bool assigning_ = false;          // Assignments went out: a failure must Abort the ranks
   bool recoverable_ = true;         // a failure may restart the job (RECOVERING)
   std::atomic<bool> shutdown_{false};

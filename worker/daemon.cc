@@ -850,9 +850,11 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
                              {"step", c.step()},
                              {"code", absl::StatusCodeToString(r.status().code())},
                              {"cause", std::string(r.status().message())}});
-    if (job_->mesh.replicas > 1 && !job_->mesh.optimizer_over_world) {
-      // A hybrid SHARD_GROUP job may continue on fewer replicas: its state is kept until the
-      // coordinator says (Reconfigure, or Abort); collectives still queued end at once.
+    if (job_->mesh.replicas > 1 && !job_->mesh.optimizer_over_world &&
+        !job_free_running_.load()) {
+      // A hybrid SHARD_GROUP job (driven step by step) may continue on fewer replicas: its state
+      // is kept until the coordinator says (Reconfigure, or Abort: the coordinator sends it to a
+      // failed rank of such a job too); collectives still queued end at once.
       job_->failed = true;
       failed_until_ = std::chrono::steady_clock::now() +
                       std::chrono::seconds(std::max(opts_.hold_job_s, 30));

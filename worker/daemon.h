@@ -2,7 +2,12 @@
 // heartbeats, and serves the Session stream: Assignment → build backend, communicator and
 // Trainer, then load Assignment.load_dir when set (train/checkpoint.h; every rank, collective)
 // (reply Ready or WorkerError); StepCommand → run the step on the job thread and reply StepResult
-// (or WorkerError, then drop the job); SaveCheckpoint → write this rank's rank-<r>.ckpt on the job
+// (or WorkerError, then drop the job; a job of R > 1 replicas under optimizer_sharding
+// SHARD_GROUP, not free-running, is kept instead, its communicators aborted and later steps
+// dropped unrun, until the coordinator's Reconfigure or Abort, or max(hold_job_s, 30) s);
+// Reconfigure → drop the steps received before it and the step in flight, new communicators for
+// the new mesh, Trainer::Rebind (continue on fewer replicas from memory; reply Ready or
+// WorkerError, then drop the job); SaveCheckpoint → write this rank's rank-<r>.ckpt on the job
 // thread between steps and reply CheckpointSaved (carrying the error when the shard could not be
 // written; the job stays usable; under hybrid sharding a rank whose file the mesh's checkpoint
 // does not take, a replica other than 0 with optimizer_sharding SHARD_GROUP, writes nothing and

@@ -19,6 +19,8 @@
 //   deterministic, but the grad norm's partial sums are taken over other shard boundaries).
 //   A step applied twice, skipped, or run on half the batch moves them far more.
 // - sharding.elastic false: the global batch halves after the fault (tokens per step).
+// - Job.replicas 1 and Job.configured_replicas 2 afterwards; fsdp8 status says "1 of 2 replicas
+//   live".
 // - optimizer_sharding WORLD (HFSDP): the survivors cannot rebuild the optimizer state: the event
 //   says "falling back to the checkpoint path" and the job finishes from its checkpoint.
 #include <signal.h>
@@ -59,6 +61,18 @@ constexpr int kSteps = 14;
 constexpr int kFaultAfter = 4;  // the fault comes once the job reported this step
 constexpr int kGlobalBatch = 16;
 constexpr int kSeqLen = 256;
+
+// The fsdp8 CLI's output (stdout and stderr) for `args`.
+std::string RunCli(const std::string& args) {
+  std::string out;
+  FILE* p = popen((std::string(FSDP8_CLI_BIN) + " " + args + " 2>&1").c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  size_t n = 0;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  pclose(p);
+  return out;
+}
 
 double NowSeconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
@@ -282,6 +296,11 @@ class ElasticTest : public ::testing::Test {
     EXPECT_EQ(job.configured_replicas(), 2);
     EXPECT_EQ(job.world_size(), 2);
     EXPECT_EQ(job.step(), kSteps);
+    // fsdp8 status shows the live mesh and the configured replicas.
+    const std::string status = RunCli("--coordinator " + addr_ + " status " + id);
+    EXPECT_NE(status.find("world size: 2 = 1x2 replicas x shard group (1 of 2 replicas live)"),
+              std::string::npos)
+        << status;
     for (int i = 0; i < 4; ++i) {
       const std::string log = ReadFile(cluster_->LogPath("worker-" + std::to_string(i) + ".log"));
       EXPECT_EQ(log.find("loaded checkpoint"), std::string::npos) << "worker " << i;
