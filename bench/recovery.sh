@@ -26,7 +26,7 @@
 #
 # bench/recovery.sh replica [RUNS]: the lost-replica test (tests/integration/elastic_test.cc: the
 # default model as 2 replicas x 2 CPU ranks on 2 simulated hosts, sharding.elastic, rank 3
-# SIGKILLed after step 4, checkpoint reads made to fail), RUNS times (default 5), each with a fresh
+# SIGKILLed after step 6, checkpoint reads made to fail), RUNS times (default 5), each with a fresh
 # cluster; prints each run's time from the SIGKILL to the next step done on the surviving replica
 # (target <= 2 s).
 set -euo pipefail

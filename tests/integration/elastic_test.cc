@@ -58,7 +58,8 @@ using testing::ReadFile;
 using testing::TempDir;
 
 constexpr int kSteps = 14;
-constexpr int kFaultAfter = 4;  // the fault comes once the job reported this step
+constexpr int kFaultAfter = 6;  // the fault comes once the job reported this step (3 steps
+                                // before the next checkpoint save, at 10)
 constexpr int kGlobalBatch = 16;
 constexpr int kSeqLen = 256;
 
@@ -397,7 +398,7 @@ TEST_F(ElasticTest, HfsdpFallsBackToTheCheckpointPathAndFinishes) {
   spec.mutable_sharding()->set_min_workers(2);
   std::string id;
   const Seen seen =
-      Run(spec, [](ChildProcess* p) { p->Signal(SIGKILL); }, &id, /*fault_rank=*/3, 6);
+      Run(spec, [](ChildProcess* p) { p->Signal(SIGKILL); }, &id, /*fault_rank=*/3, kFaultAfter);
   const v1::Job job = GetJob(id);
   ASSERT_EQ(seen.end, v1::JOB_STATE_SUCCEEDED) << job.reason();
   bool fell_back = false, resumed = false;
