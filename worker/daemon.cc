@@ -764,6 +764,7 @@ void WorkerDaemon::HandleReconfigure(const v1::Reconfigure& rc) {
   failed_until_.reset();
   stale_steps_.store(false);
   PublishHeld();
+  job_ready_.store(true);
   v1::WorkerMessage m;
   m.mutable_ready()->set_job_id(rc.job_id());
   m.mutable_ready()->set_generation(rc.generation());
@@ -856,6 +857,7 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
       // is kept until the coordinator says (Reconfigure, or Abort: the coordinator sends it to a
       // failed rank of such a job too); collectives still queued end at once.
       job_->failed = true;
+      job_ready_.store(false);  // not held through a coordinator restart: it is not intact
       failed_until_ = std::chrono::steady_clock::now() +
                       std::chrono::seconds(std::max(opts_.hold_job_s, 30));
       AbortComms("a step of this rank failed");
