@@ -23,6 +23,12 @@
 # after step 6 and started again on the same address and state db, checkpoint reads made to fail),
 # RUNS times (default 5), each with a fresh cluster; prints each run's times from the new
 # coordinator's start to the job RUNNING again (re-adopted) and to its next step done.
+#
+# bench/recovery.sh replica [RUNS]: the lost-replica test (tests/integration/elastic_test.cc: the
+# default model as 2 replicas x 2 CPU ranks on 2 simulated hosts, sharding.elastic, rank 3
+# SIGKILLed after step 6, checkpoint reads made to fail), RUNS times (default 5), each with a fresh
+# cluster; prints each run's time from the SIGKILL to the next step done on the surviving replica
+# (target <= 2 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=$PWD/build/bin
@@ -58,6 +64,24 @@ import re, sys
 run, line, passed = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 running, step = (float(x) for x in re.findall(r"([0-9.]+) s", line))
 print(f"{run:<4} {running:>17.2f} {step:>18.2f}{'' if passed else '  (test failed)'}")
+PY
+  done
+  exit 0
+fi
+if [ "${1:-}" = replica ]; then
+  runs=${2:-5}
+  [ -x "$bin/elastic_test" ] || { echo "build elastic_test first (scripts/build.sh elastic_test)" >&2; exit 1; }
+  echo "SIGKILL of a rank of replica 1 of 2 (2 x 2 CPU ranks, 2 simulated hosts): continue on 1 replica"
+  printf '%-4s %18s\n' run next_step_done_s
+  for i in $(seq "$runs"); do
+    out=$("$bin/elastic_test" --gtest_filter='ElasticTest.SigkillOfAReplicaRankContinuesOnOneReplicaWithoutACheckpointRead' 2>&1) || true
+    line=$(grep -m1 '^SIGKILL of rank 3 after step' <<< "$out" || true)
+    if [ -z "$line" ]; then echo "run $i: no figure"; echo "$out" | tail -20; continue; fi
+    python3 - "$i" "$line" "$(grep -c '\[  PASSED  \]' <<< "$out" || true)" <<'PY'
+import re, sys
+run, line, passed = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+step = float(re.findall(r"([0-9.]+) s after the fault", line)[0])
+print(f"{run:<4} {step:>18.2f}{'' if passed else '  (test failed)'}")
 PY
   done
   exit 0

@@ -477,13 +477,19 @@ std::string MeshLine(const fsdp8::Mesh& m) {
 }
 
 // A started job's mesh after its world size: " = 2x4" (R x S), "+" appended when the optimizer
-// state is sharded over the world; "" for a flat job (R = 1) or one that has not started.
+// state is sharded over the world; "" for a flat job (R = 1) or one that has not started. A job
+// that continued on fewer replicas says how many of its configured replicas are live:
+// " = 1x2 replicas x shard group (1 of 2 replicas live)".
 std::string JobMeshSuffix(const fsdp8::v1::Job& j) {
-  if (j.replicas() <= 1 || j.world_size() % j.replicas() != 0) return "";
+  const bool shrunk = j.configured_replicas() > j.replicas() && j.replicas() >= 1;
+  if ((j.replicas() <= 1 && !shrunk) || j.world_size() % j.replicas() != 0) return "";
   return absl::StrCat(" = ", j.replicas(), "x", j.world_size() / j.replicas(),
                       j.spec().sharding().optimizer_sharding() == fsdp8::v1::OPTIMIZER_SHARDING_WORLD
                           ? " replicas x shard group, optimizer over the world"
-                          : " replicas x shard group");
+                          : " replicas x shard group",
+                      shrunk ? absl::StrCat(" (", j.replicas(), " of ", j.configured_replicas(),
+                                            " replicas live)")
+                             : "");
 }
 
 void PrintJob(const fsdp8::v1::Job& j) {

@@ -489,6 +489,30 @@ absl::Status CheckSharding(const v1::ShardingSpec& sh, int world_size) {
   return absl::OkStatus();
 }
 
+// sharding.elastic at a world size (R > 1 known, microbatch defaulted): the survivors of every
+// smaller mesh R' x S (R' in 1..R-1) split the global batch into whole microbatches, so that
+// continuing on fewer replicas keeps the tokens per step exactly.
+absl::Status CheckElastic(const v1::JobSpec& spec, int world_size) {
+  const v1::ShardingSpec& sh = spec.sharding();
+  const v1::TrainingSpec& t = spec.training();
+  if (!sh.elastic() || world_size <= 0 || sh.replicas() <= 1 || t.microbatch() <= 0 ||
+      world_size % sh.replicas() != 0)
+    return absl::OkStatus();
+  const int64_t s = world_size / sh.replicas();
+  for (int r = 1; r < sh.replicas(); ++r) {
+    const int64_t denom = s * r * t.microbatch();
+    if (t.global_batch() % denom != 0) {
+      return Bad("sharding.elastic",
+                 "needs training.global_batch divisible by S x R' x training.microbatch for "
+                 "every R' in 1..sharding.replicas-1 (the surviving replicas take a lost "
+                 "replica's microbatches)",
+                 absl::StrCat("S = ", s, ", R' = ", r, ": ", t.global_batch(), " % (", s, " * ",
+                              r, " * ", t.microbatch(), ") != 0"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // precision.overrides[*]: one per layer, each in [0, n_layers) with its linears' precision set.
 absl::Status CheckPrecisionOverrides(const v1::PrecisionSpec& p, int n_layers) {
   std::map<int, int> seen;  // layer -> override index
@@ -711,6 +735,7 @@ absl::Status ValidateSpec(const v1::JobSpec& spec_in, int world_size,
   FSDP8_RETURN_IF_ERROR(CheckTraining(spec.training(), world_size));
   FSDP8_RETURN_IF_ERROR(CheckOptimizer(spec.optimizer(), spec.training().steps()));
   FSDP8_RETURN_IF_ERROR(CheckSharding(spec.sharding(), world_size));
+  FSDP8_RETURN_IF_ERROR(CheckElastic(spec, world_size));
   FSDP8_RETURN_IF_ERROR(CheckPrecision(spec.precision(), spec.model().n_layers()));
   FSDP8_RETURN_IF_ERROR(CheckGranularity(spec));
   // Under WORLD a rank holds only its 1/R piece of the master weights: its shard group's FP8

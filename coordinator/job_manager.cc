@@ -1022,6 +1022,7 @@ absl::StatusOr<v1::Job> JobManager::MarkStarting(const std::string& job_id,
   j.set_reason("");
   j.set_world_size(static_cast<int>(worker_ids.size()));
   j.set_replicas(std::max(1, replicas));
+  j.set_configured_replicas(j.replicas());
   j.clear_worker_ids();
   for (const auto& w : worker_ids) j.add_worker_ids(w);
   j.set_generation(j.generation() + 1);
@@ -1064,6 +1065,32 @@ absl::Status JobManager::MarkRunning(const std::string& job_id) {
   ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
   PublishLocked(r, ev);
   return absl::OkStatus();
+}
+
+absl::StatusOr<v1::Job> JobManager::MarkReconfigured(const std::string& job_id,
+                                                     const std::vector<std::string>& worker_ids,
+                                                     int replicas, const std::string& message) {
+  absl::MutexLock lock(&mu_);
+  Record* r = FindLocked(job_id);
+  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  if (r->job.state() != v1::JOB_STATE_RUNNING)
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " is ", StateName(r->job.state()), ", not RUNNING"));
+  v1::Job& j = r->job;
+  if (j.configured_replicas() == 0) j.set_configured_replicas(j.replicas());
+  j.set_world_size(static_cast<int>(worker_ids.size()));
+  j.set_replicas(std::max(1, replicas));
+  j.clear_worker_ids();
+  for (const auto& w : worker_ids) j.add_worker_ids(w);
+  j.set_generation(j.generation() + 1);
+  r->dispatched = j.step();  // the new mesh has been sent nothing yet
+  v1::JobEvent ev;
+  ev.set_step(j.step());
+  ev.set_tokens(j.tokens());
+  ev.set_val_loss(std::numeric_limits<double>::quiet_NaN());
+  ev.set_message(message);
+  PublishLocked(r, ev);
+  return j;
 }
 
 absl::StatusOr<int> JobManager::MarkRecovering(const std::string& job_id,

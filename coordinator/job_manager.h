@@ -235,6 +235,14 @@ class JobManager {
                                        int replicas = 1, const std::string& placement_note = "");
   // STARTING -> RUNNING.
   absl::Status MarkRunning(const std::string& job_id);
+  // A RUNNING job continues on fewer replicas (docs/architecture.md "Continue on fewer
+  // replicas"): its ranks become worker_ids (index = rank) as a mesh of `replicas`, under a new
+  // generation (returned in the job), counting no restart; Job.configured_replicas keeps the
+  // number the generation started with. Publishes `message`. FAILED_PRECONDITION when the job is
+  // not RUNNING (it ended meanwhile).
+  absl::StatusOr<v1::Job> MarkReconfigured(const std::string& job_id,
+                                           const std::vector<std::string>& worker_ids,
+                                           int replicas, const std::string& message);
   // STARTING/RUNNING -> RECOVERING after a failed generation: counts the restart (Job.restarts),
   // sets the reason and publishes "recovering from <cause> (restart n of max)". Returns the new
   // restart count. FAILED_PRECONDITION when the job already ended. A job that a Cancel with save

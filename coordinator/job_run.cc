@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -142,7 +143,8 @@ JobRun::JobRun(JobManager* jobs, WorkerRegistry* workers, KvServer* kv,
                const SchedulerOptions& options, v1::Job job, std::shared_ptr<Inbox> inbox,
                std::function<void()> on_done, std::optional<Adoption> adoption)
     : jobs_(jobs), workers_(workers), kv_(kv), options_(options), job_(std::move(job)),
-      inbox_(std::move(inbox)), on_done_(std::move(on_done)), adoption_(adoption) {
+      inbox_(std::move(inbox)), on_done_(std::move(on_done)), adoption_(adoption),
+      generation_(job_.generation()) {
   for (int r = 0; r < job_.worker_ids_size(); ++r) ranks_.push_back(job_.worker_ids(r));
 }
 
@@ -163,14 +165,17 @@ void JobRun::Join() {
 
 void JobRun::Run() {
   const std::string& id = job_.job_id();
-  prefix_ = absl::StrCat("job/", id, "/gen/", job_.generation(), "/");
+  prefix_ = absl::StrCat("job/", id, "/gen/", generation_, "/");
   absl::Status s = Drive();
   std::vector<std::string> aborted;
   if (!s.ok()) {
     v1::CoordinatorMessage m;
     m.mutable_abort()->set_reason(EndFailedGeneration(s));
     // Every rank gets Abort, except one whose failure it reported itself or whose session is gone.
-    const bool skip_failed = !(absl::IsCancelled(s) || absl::IsAborted(s) || abort_failed_rank_);
+    // A rank of a job that may continue on fewer replicas keeps the job after its own failure
+    // until told (worker/daemon.h): it gets Abort too.
+    const bool skip_failed = !(absl::IsCancelled(s) || absl::IsAborted(s) || abort_failed_rank_ ||
+                               failed_keep_job_);
     const int skip = skip_failed ? failed_rank_ : -1;
     // Ranks never sent an Assignment (e.g. the checkpoint to resume from was refused) have
     // nothing to abort and are free at once.
@@ -234,14 +239,21 @@ absl::Status JobRun::Drive() {
     return absl::FailedPreconditionError(
         absl::StrCat("spec at world size ", world_size, ": ", at.status().message()));
   }
-  const v1::JobSpec spec = *std::move(at);
+  v1::JobSpec spec = *std::move(at);
+  failed_keep_job_ = MayShrink(spec);
   Progress p;
   absl::Status started = adoption_ ? StartAdopted(spec, &p) : StartGeneration(spec, &p);
   if (!started.ok()) return started;
   if (absl::Status s = SaveAtAdoption(spec, &p); !s.ok()) return s;
   const int64_t steps = spec.training().steps();
-  for (int64_t k = p.start_step; k < steps; ++k)
-    if (absl::Status s = RunStep(spec, k, &p); !s.ok()) return s;
+  for (int64_t k = p.start_step; k < steps; ++k) {
+    absl::Status s = RunStep(spec, k, &p);
+    if (s.ok()) continue;
+    // A lost replica: the survivors go on from the step that was in flight (or the checkpoint).
+    absl::StatusOr<int64_t> next = ContinueOnFewerReplicas(&spec, s, &p);
+    if (!next.ok()) return next.status();
+    k = *next - 1;
+  }
   v1::CoordinatorMessage fin;
   fin.mutable_finish();
   SendAll(fin);
@@ -302,6 +314,10 @@ absl::Status JobRun::Await(Clock::time_point deadline, const std::string& what,
         }
       }
       abort_failed_rank_ = true;  // a slow rank is alive: it must stop as well
+      if (names.size() < ranks_.size()) {
+        for (size_t r = 0; r < got.size(); ++r)
+          if (!got[r]) missed_[static_cast<int>(r)] = absl::StrCat("no answer to ", what);
+      }
       return absl::DeadlineExceededError(absl::StrCat("timed out waiting for ", what, " from ",
                                                       absl::StrJoin(names, ", ")));
     }
@@ -309,13 +325,20 @@ absl::Status JobRun::Await(Clock::time_point deadline, const std::string& what,
     int r = RankOf(ev.worker_id);
     if (r < 0) continue;
     if (ev.kind == WorkerEvent::kLost) {
+      lost_[r] = ev.reason;
       failed_rank_ = r;
       // Silent but maybe alive (its Session may still be open): tell it to abort too.
       abort_failed_rank_ = ev.reason.rfind("no heartbeat", 0) == 0;
       return absl::UnavailableError(absl::StrCat(RankName(r), " lost: ", ev.reason));
     }
     const v1::WorkerMessage& m = ev.message;
+    // A report of an earlier generation of the job (before it continued on fewer replicas).
+    if ((m.has_error() && m.error().generation() != 0 && m.error().generation() != generation_) ||
+        (m.has_result() && m.result().generation() != 0 &&
+         m.result().generation() != generation_))
+      continue;
     if (IsJobError(m)) {
+      errors_[r] = {static_cast<absl::StatusCode>(m.error().code()), m.error().message()};
       failed_rank_ = r;
       absl::Status s = RankError(r, m.error());
       if (!IsDeterministicFailure(s.code()))
@@ -357,7 +380,12 @@ absl::Status JobRun::AwaitRootCause(absl::Status first, absl::StatusCode first_c
   WorkerEvent ev;
   while (inbox_->Pop(&ev, until)) {
     const int r = RankOf(ev.worker_id);
+    if (r >= 0 && ev.kind == WorkerEvent::kLost) lost_[r] = ev.reason;
     if (r < 0 || ev.kind != WorkerEvent::kMessage || !IsJobError(ev.message)) continue;
+    if (ev.message.error().generation() != 0 && ev.message.error().generation() != generation_)
+      continue;
+    errors_[r] = {static_cast<absl::StatusCode>(ev.message.error().code()),
+                  ev.message.error().message()};
     absl::Status s = RankError(r, ev.message.error());
     const bool peers_own = first_code == absl::StatusCode::kUnavailable &&
                            static_cast<absl::StatusCode>(ev.message.error().code()) !=
@@ -368,6 +396,171 @@ absl::Status JobRun::AwaitRootCause(absl::Status first, absl::StatusCode first_c
     }
   }
   return first;
+}
+
+// ---- Continue on fewer replicas ----
+
+void JobRun::CollectFailures() {
+  const auto start = Clock::now();
+  const auto limit = start + std::chrono::seconds(1);
+  std::optional<Clock::time_point> settle;  // 100 ms after the first lost rank is known
+  if (!lost_.empty()) settle = start + std::chrono::milliseconds(100);
+  WorkerEvent ev;
+  for (;;) {
+    const auto until = settle ? std::min(*settle, limit) : limit;
+    if (Clock::now() >= until || !inbox_->Pop(&ev, until)) {
+      if (Clock::now() >= until) break;
+      continue;
+    }
+    const int r = RankOf(ev.worker_id);
+    if (r < 0) continue;
+    if (ev.kind == WorkerEvent::kLost) {
+      lost_[r] = ev.reason;
+      if (!settle) settle = Clock::now() + std::chrono::milliseconds(100);
+      continue;
+    }
+    const v1::WorkerMessage& m = ev.message;
+    if (!IsJobError(m)) continue;  // results of the failed step are of no use now
+    if (m.error().generation() != 0 && m.error().generation() != generation_) continue;
+    errors_[r] = {static_cast<absl::StatusCode>(m.error().code()), m.error().message()};
+  }
+}
+
+std::map<int, std::string> JobRun::FailedRanks() const {
+  if (!lost_.empty()) {
+    std::map<int, std::string> out;
+    for (const auto& [r, why] : lost_) out[r] = absl::StrCat("lost: ", why);
+    return out;
+  }
+  if (!missed_.empty()) return missed_;
+  std::map<int, std::string> out;
+  for (const auto& [r, e] : errors_) {
+    const bool peers = e.first == absl::StatusCode::kUnavailable ||
+                       e.first == absl::StatusCode::kAborted ||
+                       e.first == absl::StatusCode::kCancelled ||
+                       e.first == absl::StatusCode::kDeadlineExceeded;
+    if (!peers) out[r] = e.second;
+  }
+  return out;
+}
+
+absl::StatusOr<int64_t> JobRun::ContinueOnFewerReplicas(v1::JobSpec* spec,
+                                                         const absl::Status& failure,
+                                                         Progress* p) {
+  const std::string& id = job_.job_id();
+  const int64_t k = in_flight_;
+  const int n = static_cast<int>(ranks_.size());
+  absl::StatusOr<Mesh> mesh = MeshOf(*spec, n);
+  if (k < 0 || !mesh.ok() || mesh->replicas < 2 || spec->training().free_running() ||
+      !recoverable_ || absl::IsCancelled(failure) || absl::IsAborted(failure))
+    return failure;
+  const auto t0 = Clock::now();
+  CollectFailures();
+  const std::map<int, std::string> failed = FailedRanks();
+  std::set<int> replicas;
+  for (const auto& [r, why] : failed) replicas.insert(mesh->Replica(r));
+  if (failed.empty() || replicas.size() != 1) return failure;
+  const int lost = *replicas.begin();
+  const int first = failed.begin()->first;
+  const std::string what = absl::StrCat("replica ", lost, " lost (rank ", first, " (worker ",
+                                        ranks_[first], "): ", failed.begin()->second, ")");
+  auto fallback = [&](const std::string& why) -> absl::Status {
+    LogEvent("replica_lost", {{"job", id}, {"generation", generation_}, {"replica", lost},
+                              {"step", k}, {"continued", "no"}, {"cause", why}});
+    if (!jobs_->PublishMessage(id, absl::StrCat(what, ": ", why,
+                                                "; falling back to the checkpoint path"))
+             .ok())
+      return absl::CancelledError("job ended");
+    return failure;
+  };
+  if (mesh->optimizer_over_world)
+    return fallback("optimizer_sharding WORLD: the surviving replicas hold only their pieces of "
+                    "the optimizer state");
+  const int replicas_left = mesh->replicas - 1;
+  const int world_left = replicas_left * mesh->shard_size;
+  v1::JobSpec next = *spec;
+  next.mutable_sharding()->set_replicas(replicas_left);
+  if (!next.sharding().elastic()) {
+    // The global batch shrinks by the lost replica's share; each survivor keeps its local batch.
+    next.mutable_training()->set_global_batch(
+        static_cast<int32_t>(spec->training().global_batch() / mesh->replicas * replicas_left));
+  }
+  if (absl::Status s = CheckResolved(next, world_left); !s.ok())
+    return fallback(absl::StrCat("the spec at ", replicas_left, " x ", mesh->shard_size,
+                                 " ranks: ", s.message()));
+  std::vector<std::string> survivors;
+  for (int r = 0; r < n; ++r)
+    if (mesh->Replica(r) != lost) survivors.push_back(ranks_[r]);
+  // Replica `lost`'s live ranks drop the job (they go IDLE once the grace has passed).
+  v1::CoordinatorMessage abort;
+  abort.mutable_abort()->set_reason(absl::StrCat(what, ": the job continues on ", replicas_left,
+                                                 " replica", replicas_left == 1 ? "" : "s",
+                                                 " without this one"));
+  for (int r = 0; r < n; ++r)
+    if (mesh->Replica(r) == lost) workers_->Send(ranks_[r], abort);
+  const std::string batch =
+      next.sharding().elastic()
+          ? absl::StrCat("; global batch ", next.training().global_batch(),
+                         " kept by gradient accumulation")
+          : absl::StrCat("; global batch ", next.training().global_batch(), " (was ",
+                         spec->training().global_batch(), ")");
+  auto job = jobs_->MarkReconfigured(
+      id, survivors, replicas_left,
+      absl::StrCat(what, ": continuing on ", replicas_left, " replica",
+                   replicas_left == 1 ? "" : "s", " at step ", k, " (generation ",
+                   generation_ + 1, "; no checkpoint read", batch, ")"));
+  if (!job.ok()) return absl::CancelledError("job ended");
+  workers_->Shrink(id, survivors, options_.abort_grace);
+  kv_->DeletePrefix(prefix_);
+  LogEvent("replica_lost", {{"job", id}, {"generation", job->generation()}, {"replica", lost},
+                            {"step", k}, {"continued", "yes"}, {"replicas", replicas_left},
+                            {"cause", what}});
+  generation_ = job->generation();
+  prefix_ = absl::StrCat("job/", id, "/gen/", generation_, "/");
+  ranks_ = survivors;
+  failed_rank_ = -1;
+  abort_failed_rank_ = false;
+  lost_.clear();
+  missed_.clear();
+  errors_.clear();
+  early_results_.clear();
+  // The survivors drop the step in flight and the one sent ahead (discarding any partial work
+  // on steps >= k), roll back to the end of step k - 1 and re-run k on the new mesh.
+  for (int r = 0; r < world_left; ++r) {
+    v1::CoordinatorMessage m;
+    v1::Reconfigure* rc = m.mutable_reconfigure();
+    rc->set_job_id(id);
+    rc->set_generation(generation_);
+    rc->set_rank(r);
+    rc->set_world_size(world_left);
+    *rc->mutable_spec() = next;
+    rc->set_store_prefix(prefix_);
+    rc->set_collective_timeout_ms(options_.collective_timeout_ms);
+    rc->set_bootstrap_timeout_ms(static_cast<int32_t>(std::clamp<int64_t>(
+        options_.start_timeout.count(), 1, std::numeric_limits<int32_t>::max())));
+    rc->set_step(k);
+    if (!workers_->Send(ranks_[r], m)) {
+      failed_rank_ = r;
+      return absl::UnavailableError(
+          absl::StrCat("could not send Reconfigure to ", RankName(r), ": session closed"));
+    }
+  }
+  const int64_t gen = generation_;
+  absl::Status ready = Await(Clock::now() + options_.start_timeout, "Ready",
+                             [&](int, const v1::WorkerMessage& m) {
+                               return m.has_ready() && m.ready().job_id() == id &&
+                                      m.ready().generation() == gen;
+                             });
+  if (!ready.ok()) return ready;
+  *spec = std::move(next);
+  p->next_to_send = k;
+  steps_sent_ = k;
+  p->last_result = Clock::now();
+  LogEvent("replicas_reduced",
+           {{"job", id}, {"generation", generation_}, {"replicas", replicas_left},
+            {"world_size", world_left}, {"step", k},
+            {"seconds", std::chrono::duration<double>(Clock::now() - t0).count()}});
+  return k;
 }
 
 // ---- Start of a generation ----
@@ -575,7 +768,7 @@ absl::Status JobRun::SendAssignments(const v1::JobSpec& spec,
 
 absl::Status JobRun::AwaitReady() {
   const std::string& id = job_.job_id();
-  const int64_t gen = job_.generation();
+  const int64_t gen = generation_;
   absl::Status s = Await(Clock::now() + options_.start_timeout, "Ready",
                          [&](int, const v1::WorkerMessage& m) {
                            return m.has_ready() && m.ready().job_id() == id &&
@@ -591,11 +784,16 @@ absl::Status JobRun::AwaitReady() {
 absl::Status JobRun::RunStep(const v1::JobSpec& spec, int64_t k, Progress* p) {
   const v1::CoordinatorMessage command = StepCommandFor(spec, k);
   Clock::time_point t0;
+  in_flight_ = k;
   if (absl::Status s = SendStep(spec, command, k, p, &t0); !s.ok()) return s;
   const std::optional<absl::Status> ahead_failed = SendAhead(spec, k, p);
   std::vector<v1::StepResult> results;
   if (absl::Status s = AwaitResults(k, t0, &results); !s.ok()) return s;
-  if (ahead_failed) return *ahead_failed;
+  // Step k is complete: a failure from here on is not in a step (save, publish), except a failed
+  // send of step k + 1 ahead, which is step k + 1's (it is re-run after step k is published).
+  in_flight_ = -1;
+  std::optional<absl::Status> ahead_failure = ahead_failed;
+  if (ahead_failure && !MayShrink(spec)) return *ahead_failure;
   // Anything left for step k or earlier (a duplicate) will never be awaited.
   for (auto it = early_results_.begin(); it != early_results_.end();) {
     it = it->second.result().step() <= k ? early_results_.erase(it) : std::next(it);
@@ -607,6 +805,10 @@ absl::Status JobRun::RunStep(const v1::JobSpec& spec, int64_t k, Progress* p) {
   bool requested = false;
   if (absl::Status s = PublishStep(k, ev, results, &requested); !s.ok()) return s;
   if (absl::Status s = CheckFinite(spec, ev, results, p); !s.ok()) return s;
+  if (ahead_failure) {
+    in_flight_ = k + 1;
+    return *ahead_failure;
+  }
   const int64_t completed = k + 1;
   // A request that arrived after step k+1 was sent ahead is honoured after step k+1.
   if (requested && p->next_to_send > completed) {
@@ -619,6 +821,12 @@ absl::Status JobRun::RunStep(const v1::JobSpec& spec, int64_t k, Progress* p) {
   if (!SaveDue(spec, completed, requested)) return absl::OkStatus();
   if (absl::Status s = SaveWithRetry(spec, completed, p); !s.ok()) return s;
   return CancelAfterSave(spec, completed, p);
+}
+
+bool JobRun::MayShrink(const v1::JobSpec& spec) const {
+  absl::StatusOr<Mesh> mesh = MeshOf(spec, static_cast<int>(ranks_.size()));
+  return mesh.ok() && mesh->replicas > 1 && !mesh->optimizer_over_world &&
+         !spec.training().free_running();
 }
 
 absl::Status JobRun::CancelAfterSave(const v1::JobSpec& spec, int64_t completed,

@@ -47,6 +47,11 @@
 // is). At the end the generation's rendezvous keys (job/<id>/gen/<g>/) are deleted and the workers
 // released, those sent Abort after SchedulerOptions::abort_grace.
 //
+// Continue on fewer replicas (ContinueOnFewerReplicas): a failed step of a job of R > 1 replicas
+// under optimizer_sharding SHARD_GROUP whose failed ranks all belong to one replica does not end
+// the run: that replica's ranks get Abort and are released, the survivors become a new generation
+// of R-1 replicas (Reconfigure, every Ready; no checkpoint read, no restart counted) and the step
+// that was in flight is re-run; results and errors of an earlier generation are ignored.
 // Re-adoption (JobRun with an Adoption; coordinator/scheduler.h): after a coordinator restart the
 // ranks of the generation that was running still hold it. The run removes the leftovers of
 // interrupted saves, sends every rank Adopt{job, generation, rank} instead of an Assignment, and
@@ -71,6 +76,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -194,6 +200,33 @@ class JobRun {
   // worker's code): then another rank's error of any other code is its cause and wins too.
   absl::Status AwaitRootCause(absl::Status first, absl::StatusCode first_code);
 
+  // Continue on fewer replicas (docs/architecture.md "Continue on fewer replicas"): after the
+  // step in flight (in_flight_) failed in a job of R > 1 replicas under optimizer_sharding
+  // SHARD_GROUP, works out which ranks failed (CollectFailures). When they all belong to one
+  // replica k: Abort to replica k's ranks (they drop the job and go IDLE), a new generation of
+  // the R-1 surviving replicas (JobManager::MarkReconfigured; the survivors renumbered in order),
+  // Reconfigure to each survivor (new communicators through the rendezvous under the new
+  // generation's prefix, no checkpoint read: the in-memory state rolled back to the end of the
+  // last completed step) and every Ready; *spec becomes the spec at the new mesh (sharding.elastic
+  // false: the global batch shrinks by the lost replica's share). Returns the step to run next:
+  // the one that was in flight. A step the coordinator had sent ahead (in_flight_ + 1) is dropped
+  // unrun by the survivors (their partial work on steps >= in_flight_ is discarded) and is sent
+  // again in order. Returns `failure` (the checkpoint path: RECOVERING) when the job cannot
+  // continue so: R == 1, optimizer_sharding WORLD (event "... falling back to the checkpoint
+  // path"), failed ranks in more than one replica or in none known, a failure outside a step, a
+  // survivor whose state cannot be rolled back (its WorkerError), or a spec that the new mesh
+  // cannot run.
+  absl::StatusOr<int64_t> ContinueOnFewerReplicas(v1::JobSpec* spec, const absl::Status& failure,
+                                                  Progress* p);
+  // Whether the job can continue on fewer replicas at all: R > 1 under SHARD_GROUP, driven.
+  bool MayShrink(const v1::JobSpec& spec) const;
+  // Reads the job's events for a short while after a failure (until a lost rank is known and
+  // 100 ms more, at most 1 s) and notes who failed: lost_, errors_.
+  void CollectFailures();
+  // The ranks that failed on their own: the lost ones (session closed, heartbeats stopped), else
+  // those that missed the step deadline while others answered, else those whose error is not a
+  // peer's going away (UNAVAILABLE, ABORTED, CANCELLED, DEADLINE_EXCEEDED).
+  std::map<int, std::string> FailedRanks() const;
   // Start of a generation: resume choice, Assignments, every Ready, RUNNING. Fills *p.
   absl::Status StartGeneration(const v1::JobSpec& spec, Progress* p);
   // Start of a re-adopted generation (adoption_): Adopt to every rank, every Ready, RUNNING.
@@ -273,6 +306,12 @@ class JobRun {
   std::function<void()> on_done_;
   const std::optional<Adoption> adoption_;
   std::vector<std::string> ranks_;  // worker id by rank
+  int64_t generation_ = 0;          // the current generation (a reconfiguration makes a new one)
+  int64_t in_flight_ = -1;          // the step whose results are awaited, -1 between steps
+  // A step's failure reports, by rank (driver thread; cleared by a reconfiguration).
+  std::map<int, std::string> lost_;                               // session lost, no heartbeat
+  std::map<int, std::string> missed_;                             // missed the step deadline
+  std::map<int, std::pair<absl::StatusCode, std::string>> errors_;  // WorkerError
   std::string prefix_;              // the generation's rendezvous keys
   int failed_rank_ = -1;
   std::string last_save_;  // the outcome of the latest save: "checkpoint step-<k> committed", ...
@@ -280,6 +319,9 @@ class JobRun {
   // Step results received ahead of the step being awaited (rank, message), oldest first.
   std::deque<std::pair<int, v1::WorkerMessage>> early_results_;
   bool abort_failed_rank_ = false;  // the failed rank may be alive: send it Abort too
+  // The ranks keep the job after a failed step (a mesh that may continue on fewer replicas,
+  // MayShrink): a failed rank gets Abort too.
+  bool failed_keep_job_ = false;
   bool assigning_ = false;          // Assignments went out: a failure must Abort the ranks
   bool recoverable_ = true;         // a failure may restart the job (RECOVERING)
   std::atomic<bool> shutdown_{false};

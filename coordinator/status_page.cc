@@ -116,7 +116,10 @@ function render(st) {
     cell(tr, fmt(j.loss, 4), "num");
     cell(tr, fmt(j.val_loss, 4), "num");
     cell(tr, String(j.tokens), "num");
-    cell(tr, j.worker_ids.length ? (j.mesh ? j.mesh + ": " : "") + j.worker_ids.join(", ") : "-");
+    const live = j.configured_replicas > j.replicas
+        ? " (" + j.replicas + " of " + j.configured_replicas + " replicas live)" : "";
+    cell(tr, j.worker_ids.length ? (j.mesh ? j.mesh + live + ": " : "") + j.worker_ids.join(", ")
+                                 : "-");
     cell(tr, String(j.restarts), "num");
     cell(tr, j.reason);
     jobs.appendChild(tr);
@@ -246,10 +249,14 @@ std::string StatusJson(const JobManager& jobs, const WorkerRegistry& workers,
     g["val_loss"] = Num(j.val_loss());
     g["tokens"] = Num(static_cast<double>(j.tokens()));
     g["restarts"] = Num(j.restarts());
-    // The mesh of a hybrid-sharded job, "RxS" (replicas x shard group); empty when flat.
-    g["mesh"] = Str(j.replicas() > 1 && j.world_size() % j.replicas() == 0
+    // The mesh of a hybrid-sharded job, "RxS" (replicas x shard group); empty when flat. A job
+    // that continued on fewer replicas: its live replicas (the mesh's R) and configured ones.
+    const bool shrunk = j.configured_replicas() > j.replicas() && j.replicas() >= 1;
+    g["mesh"] = Str((j.replicas() > 1 || shrunk) && j.world_size() % j.replicas() == 0
                         ? absl::StrCat(j.replicas(), "x", j.world_size() / j.replicas())
                         : std::string());
+    g["replicas"] = Num(j.replicas());
+    g["configured_replicas"] = Num(std::max(j.configured_replicas(), j.replicas()));
     ListValue* ids = g["worker_ids"].mutable_list_value();
     for (const std::string& w : j.worker_ids()) *ids->add_values() = Str(w);
   }

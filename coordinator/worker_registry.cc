@@ -411,6 +411,27 @@ void WorkerRegistry::Release(const std::string& job_id, const std::vector<std::s
   NotifyChange();
 }
 
+void WorkerRegistry::Shrink(const std::string& job_id, const std::vector<std::string>& ranks,
+                            std::chrono::milliseconds grace) {
+  {
+    absl::MutexLock lock(&mu_);
+    const auto hold_until = std::chrono::steady_clock::now() + grace;
+    for (auto& [id, w] : workers_) {
+      if (w.info.job_id() != job_id) continue;
+      auto it = std::find(ranks.begin(), ranks.end(), id);
+      if (it != ranks.end()) {
+        w.info.set_rank(static_cast<int>(it - ranks.begin()));
+        continue;
+      }
+      w.info.clear_job_id();
+      w.info.set_rank(-1);
+      w.handler = nullptr;
+      if (grace.count() > 0) w.hold_until = hold_until;
+    }
+  }
+  NotifyChange();
+}
+
 bool WorkerRegistry::Send(const std::string& worker_id, const v1::CoordinatorMessage& msg) {
   std::shared_ptr<SessionSink> sink;
   {

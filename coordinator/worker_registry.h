@@ -134,6 +134,10 @@ class WorkerRegistry {
   // up behind that work. The protocol has no "I am idle again" message to wait for instead.
   void Release(const std::string& job_id, const std::vector<std::string>& aborted = {},
                std::chrono::milliseconds grace = std::chrono::milliseconds(0));
+  // A job continuing on fewer replicas: its workers not in `ranks` become idle as Release makes
+  // them (each kept unassignable for `grace`: it was sent Abort), and ranks[r] becomes rank r.
+  void Shrink(const std::string& job_id, const std::vector<std::string>& ranks,
+              std::chrono::milliseconds grace);
   // Sends on the worker's current Session; false when it has none or the send failed.
   bool Send(const std::string& worker_id, const v1::CoordinatorMessage& msg);
   // Marks workers silent for longer than the heartbeat timeout unhealthy, tells their jobs, and

@@ -182,6 +182,43 @@ FsdpParams::~FsdpParams() {
   DropPrefetches();
 }
 
+void FsdpParams::Rebind(Communicator* comm, const FsdpMesh& mesh) {
+  FSDP8_CHECK(!WorldOptimizer()) << "Rebind under a WORLD optimizer with R > 1";
+  FSDP8_CHECK(mesh.mesh.shard_size == mesh_.shard_size &&
+              mesh.mesh.ShardIndex(mesh.rank) == rank_ && !mesh.mesh.optimizer_over_world)
+      << "Rebind to mesh " << mesh.mesh.replicas << " x " << mesh.mesh.shard_size
+      << " as shard " << mesh.mesh.ShardIndex(mesh.rank) << ", was shard " << rank_ << " of "
+      << mesh_.shard_size;
+  be_->JoinSideStream();
+  // The old communicators were aborted: these waits return at once (their errors are the failed
+  // step's, already reported).
+  for (PendingReduce& p : reducing_) comm_->Wait(p.ticket);
+  reducing_.clear();
+  for (PendingReplica& p : replica_sums_) replica_->Wait(p.ticket);
+  replica_sums_.clear();
+  DropPrefetches();
+  for (size_t u = 0; u < units_.size(); ++u) {
+    for (Buf& b : units_[u]) {
+      b.full.Reset();
+      b.full_u16.Reset();
+      b.f32_of.clear();
+      b.full_grad.Reset();
+      b.codes.Reset();
+    }
+    // The failed step's partial gradient sums go; a pending update keeps its (complete) shards.
+    if (!pending_[u]) FreeUnitGrads(static_cast<int>(u));
+  }
+  replica_error_ = absl::OkStatus();
+  final_microbatch_ = true;
+  adamw_outputs_ready_ = false;  // the next CastWeights takes the amaxes from the master weights
+  const bool hybrid = mesh.mesh.replicas > 1;
+  comm_ = comm;
+  replica_ = hybrid ? mesh.replica : nullptr;
+  world_ = hybrid ? mesh.world : comm;
+  mesh_ = mesh.mesh;
+  global_rank_ = mesh.rank;
+}
+
 void FsdpParams::DropPrefetches() {
   for (size_t u = 0; u < in_flight_.size(); ++u) {
     if (in_flight_[u]) DropUnit(static_cast<int>(u));

@@ -294,6 +294,20 @@ class FsdpParams {
   // Writes n f32 values to elements [offset, offset + n) of this rank's shard array.
   void UploadShardRange(int unit, int buffer, ShardArray which, int64_t offset,
                         const float* host, int64_t n);
+  // ---- continuing on fewer replicas (Trainer::Rebind) ----
+  // After a failed step whose communicators were aborted: waits out (they fail at once after the
+  // abort) and forgets every collective still in flight on the old communicators (prefetched
+  // all-gathers, reduce-scatters, replica-group sums) and the gathered buffers, frees the grad
+  // shards of units without a pending update (the failed step's partial sums), keeps the pending
+  // deferred update of the last completed step as it stands (units that already applied theirs
+  // are not applied again), then takes `comm` (the new shard group: the same S ranks, this rank
+  // the same shard index) and `mesh` (the new mesh, R' replicas of S; its communicators). The
+  // shard plan stays the one this object was built with: its padding (a multiple of the old
+  // world size x alignment) is one of the new world's too under SHARD_GROUP, whose optimizer
+  // piece is the whole shard at any R. Call RecastWeights-style CastWeights next (collective on
+  // the new communicators). Aborts under a WORLD optimizer with R > 1 (its pieces are 1/R of a
+  // shard: not rebuildable by the survivors) or when the shard index or group size changes.
+  void Rebind(Communicator* comm, const FsdpMesh& mesh);
   // Replaces the FP8 weight scaling state (same tensors, same order; aborts otherwise). Only the
   // scales matter to the next CastWeights(): they are the fallback for an all-zero weight.
   void RestoreWeightScaling(const std::vector<WeightScaling>& ws);

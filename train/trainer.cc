@@ -358,6 +358,7 @@ absl::StatusOr<StepStats> Trainer::Step(int64_t step, bool evaluate, bool report
   timer_.MaybePrint(step);
   ConsumeExposedSeconds();
   last_step_ = step;
+  step_committed_ = false;
   if (evaluate) {
     const auto e0 = std::chrono::steady_clock::now();
     absl::StatusOr<double> v = Evaluate();
@@ -435,7 +436,8 @@ absl::Status Trainer::StepOptimizer(int64_t step, StepStats* r) {
     return absl::OkStatus();
   }
   // Step 5: the fused amax all-reduce (enqueued behind the backward); identical delayed-scaling
-  // updates on every rank.
+  // updates on every rank. From here on the step changes the state (Rebind cannot undo it).
+  step_committed_ = true;
   scaling_->UpdateScales();
   timer_.Mark(StepTimer::kScaleUpdate);
   // Step 6: clipping, AdamW, next step's FP8 weight shards.
@@ -473,6 +475,56 @@ absl::Status Trainer::StepOptimizer(int64_t step, StepStats* r) {
 }
 
 absl::Status Trainer::ApplyPendingUpdates() { return params_->ApplyPendingUpdates(); }
+
+absl::Status Trainer::Rebind(const v1::JobSpec& spec, int rank, int world_size,
+                             Communicator* comm, const MeshComms& mesh_comms, int64_t next_step) {
+  if (CompletedSteps() != next_step)
+    return absl::AbortedError(absl::StrCat("this rank's state is after ", CompletedSteps(),
+                                           " steps, not ", next_step,
+                                           ": it cannot re-run step ", next_step));
+  if (step_committed_)
+    return absl::AbortedError(absl::StrCat(
+        "step ", next_step, " had already updated this rank's scaling state or weights when it "
+        "failed: it cannot be rolled back"));
+  if (absl::Status s = CheckResolved(spec, world_size); !s.ok()) return s;
+  absl::StatusOr<Mesh> mesh = MeshOf(spec, world_size);
+  if (!mesh.ok()) return mesh.status();
+  if (mesh->shard_size != mesh_.shard_size || mesh_.optimizer_over_world ||
+      mesh->ShardIndex(rank) != mesh_.ShardIndex(rank_))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sharding: a rank continues on fewer replicas only as the same shard of a group of ",
+        mesh_.shard_size, " under optimizer_sharding SHARD_GROUP (new mesh ", mesh->replicas,
+        " x ", mesh->shard_size, ", rank ", rank, ")"));
+  if (!mesh->Flat()) {
+    if (absl::Status s = CheckMeshComms(*mesh, rank, mesh_comms); !s.ok()) return s;
+  }
+  if (comm->world_size() != world_size || comm->rank() != rank)
+    return absl::InvalidArgumentError(absl::StrCat("communicator is rank ", comm->rank(), " of ",
+                                                   comm->world_size(), ", trainer rank ", rank,
+                                                   " of ", world_size));
+  const v1::TrainingSpec& tr = spec.training();
+  if (tr.global_batch() <= 0 || tr.microbatch() <= 0 ||
+      tr.global_batch() % (world_size * tr.microbatch()) != 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "training.global_batch: must be divisible by world_size x training.microbatch (",
+        tr.global_batch(), " % (", world_size, " x ", tr.microbatch(), ") != 0)"));
+  spec_ = spec;
+  rank_ = rank;
+  world_ = world_size;
+  comm_ = comm;
+  mesh_ = *mesh;
+  shard_comm_ = mesh->Flat() ? comm : mesh_comms.shard;
+  replica_comm_ = mesh->Flat() ? nullptr : mesh_comms.replica;
+  local_batch_ = LocalBatch(spec, world_size);
+  micro_ = tr.microbatch();
+  microbatches_ = Microbatches(spec, world_size);
+  const FsdpMesh fsdp_mesh{*mesh, rank, replica_comm_, comm};
+  params_->Rebind(shard_comm_, fsdp_mesh);
+  // The pending update of step next_step - 1 (its units not yet updated) runs here, locally,
+  // then every wire shard is cast again on the new communicators, and the next step's first
+  // units are prefetched.
+  return RecastWeights();
+}
 
 std::vector<Communicator*> Trainer::Comms() const {
   std::vector<Communicator*> out = {comm_};

@@ -190,6 +190,24 @@ class Trainer {
   // weight imports call it; evaluation and every forward apply each unit's update as they gather
   // it; Step applies them all at the job's last step and when it reports the scaling state.
   absl::Status ApplyPendingUpdates();
+  // Continue on fewer replicas (docs/architecture.md "Continue on fewer replicas"): after a step
+  // failed because a rank of another replica went away, and after every communicator of the job
+  // was aborted (Communicator::Abort), takes the new mesh's communicators (`comm` the new world,
+  // `mesh` its shard and replica groups; this rank keeps its shard index, the shard group its S
+  // ranks) and `spec` (the job's spec resolved at world_size: sharding.replicas the new R, maybe
+  // another global batch), and rolls the state back to the end of step next_step - 1 from memory:
+  // the failed step's in-flight collectives, partial gradients and recorded amaxes are dropped,
+  // the pending deferred update of step next_step - 1 is applied exactly once (units that the
+  // failed step had already updated are not updated again), and the wire shards are recast on
+  // the new communicators (collective: every rank of the new mesh calls it at the same point).
+  // The shard plan, master weights, moments and FP8 scaling state are kept. ABORTED (the state
+  // is not that of next_step - 1 completed steps; the trainer is unusable then) when this rank
+  // completed another number of steps, or when the failed step had passed the point where it
+  // changes the state (its scale update; with the serial optimizer its AdamW): the caller then
+  // falls back to a checkpoint. INVALID_ARGUMENT when the new mesh is not R' x S with the same S
+  // under optimizer_sharding SHARD_GROUP, or the spec is not resolved at world_size.
+  absl::Status Rebind(const v1::JobSpec& spec, int rank, int world_size, Communicator* comm,
+                      const MeshComms& mesh, int64_t next_step);
   // Optimizer steps the current state has completed (the last step run + 1, or the loaded step).
   int64_t CompletedSteps() const { return last_step_ + 1; }
 
@@ -230,6 +248,9 @@ class Trainer {
   std::unique_ptr<TokenData> train_, val_;
   int local_batch_ = 0, micro_ = 0, microbatches_ = 0;
   int64_t last_step_ = -1;
+  // The step being run has changed the training state (its scale update ran): it cannot be
+  // rolled back (Rebind) should it fail from here on.
+  bool step_committed_ = false;
   int64_t adamw_offset_ = 0;
   bool defer_optimizer_ = false;
   StepTimer timer_;

@@ -46,6 +46,9 @@ struct WorkerDaemon::Job {
   int64_t steps_completed = 0;  // optimizer steps done (the next step to run)
   std::deque<v1::StepResult> recent;  // the last results (at most kRecentResults), oldest first
   std::unique_ptr<Trainer> trainer;
+  // A step failed: the job waits for the coordinator's Reconfigure (continue on fewer replicas)
+  // or Abort; steps queued meanwhile are dropped unrun.
+  bool failed = false;
   // Set by Abort, by the end of the session and by a newer Assignment: the coordinator has moved
   // on, so nothing more is reported for this job (a late error or result could otherwise be taken
   // for one of the job's next generation).
@@ -305,7 +308,13 @@ void WorkerDaemon::Serve() {
         const v1::StepCommand c = msg.step();
         last_step_received_.store(std::max(last_step_received_.load(), c.step()));
         job_received_.store(std::max(job_received_.load(), c.step() + std::max<int64_t>(1, c.count())));
-        Post([this, c] { HandleStep(c); });
+        Post([this, c, epoch = step_epoch_.load()] {
+          if (epoch != step_epoch_.load()) {
+            Log(absl::StrCat("step ", c.step(), " dropped: the job's mesh changed"));
+            return;
+          }
+          HandleStep(c);
+        });
         break;
       }
       case v1::CoordinatorMessage::kSave: {
@@ -325,6 +334,19 @@ void WorkerDaemon::Serve() {
         const v1::Adopt a = msg.adopt();
         session_job = a.job_id();
         Post([this, a] { HandleAdopt(a); });
+        break;
+      }
+      case v1::CoordinatorMessage::kReconfigure: {
+        const v1::Reconfigure rc = msg.reconfigure();
+        Log(absl::StrCat("reconfigure: job ", rc.job_id(), " continues as generation ",
+                         rc.generation(), " rank ", rc.rank(), "/", rc.world_size(),
+                         " from step ", rc.step()));
+        reconfiguring_.store(true);
+        step_epoch_.fetch_add(1);
+        // A step blocked on the lost replica returns at once.
+        AbortComms(absl::StrCat("the job continues on fewer replicas (generation ",
+                                rc.generation(), ")"));
+        Post([this, rc] { HandleReconfigure(rc); });
         break;
       }
       case v1::CoordinatorMessage::kAbort: {
@@ -382,6 +404,11 @@ void WorkerDaemon::CancelJob(const std::string& reason) {
   stale_steps_.store(true);
   absl::MutexLock l(&comm_mu_);
   if (job_cancelled_) job_cancelled_->store(true);
+  for (const auto& c : live_comms_) c->Abort(reason);
+}
+
+void WorkerDaemon::AbortComms(const std::string& reason) {
+  absl::MutexLock l(&comm_mu_);
   for (const auto& c : live_comms_) c->Abort(reason);
 }
 
@@ -449,6 +476,11 @@ void WorkerDaemon::HoldJob() {
 }
 
 void WorkerDaemon::ExpireHold() {
+  if (failed_until_ && std::chrono::steady_clock::now() >= *failed_until_) {
+    Log("no Reconfigure or Abort came for the failed job: dropping it");
+    DropJob();
+    return;
+  }
   if (!hold_until_ || std::chrono::steady_clock::now() < *hold_until_) return;
   if (job_) {
     Log(absl::StrCat("job ", job_->job_id, " generation ", job_->generation,
@@ -495,6 +527,7 @@ void WorkerDaemon::HandleAdopt(const v1::Adopt& a) {
 
 void WorkerDaemon::DropJob(bool finished) {
   job_ready_.store(false);
+  failed_until_.reset();
   holding_.store(false);
   hold_until_.reset();
   {
@@ -583,36 +616,14 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   if (!job->backend) return fail(absl::StrCat("backend ", backend, ": ", err));
   job->grpc_kv = std::make_unique<GrpcKvStore>(stub_);
   job->kv = std::make_unique<CancellableKvStore>(job->grpc_kv.get(), cancelled);
-  const std::chrono::milliseconds timeout(a.collective_timeout_ms() > 0 ? a.collective_timeout_ms()
-                                                                        : 60000);
-  if (backend == "cuda") {
-#ifdef FSDP8_WITH_CUDA
-    auto c = CreateNcclCommunicator(a.rank(), a.world_size(), job->kv.get(), a.store_prefix(),
-                                    job->backend.get(), timeout,
-                                    std::chrono::milliseconds(a.bootstrap_timeout_ms()),
-                                    opts_.settings.nccl);
-    if (!c.ok()) return fail(std::string(c.status().message()));
-    job->comm = std::move(*c);
-#else
-    return fail("backend cuda: this worker was built without CUDA");
-#endif
-  } else {
-    std::string transport;
-    // Workers advertising different --host addresses are different hosts, also on one machine
-    // (simulated hosts): shared memory only between ranks of the same machine and address.
-    CpuCommOptions cpu = opts_.settings.cpu_comm;
-    if (cpu.machine.empty()) {
-      cpu.machine = absl::StrCat(SharedMemoryCommunicator::MachineIdentity(), "@", opts_.host);
-    }
-    auto c = CreateCpuCommunicator(a.rank(), a.world_size(), job->kv.get(), a.store_prefix(),
-                                   opts_.host, timeout,
-                                   std::chrono::milliseconds(a.bootstrap_timeout_ms()), cpu,
-                                   &transport);
-    if (!c.ok()) return fail(std::string(c.status().message()));
-    job->comm = std::move(*c);
+  std::string transport;
+  auto c = BootstrapWorld(job.get(), backend, a.rank(), a.world_size(), a.store_prefix(),
+                          a.collective_timeout_ms(), a.bootstrap_timeout_ms(), &transport);
+  if (!c.ok()) return fail(std::string(c.status().message()));
+  job->comm = std::move(*c);
+  if (!transport.empty())
     Log(absl::StrCat("job ", a.job_id(), " generation ", a.generation(),
                      ": collectives over ", transport));
-  }
   if (!PublishComm(job->comm, *cancelled)) return fail("aborted during bootstrap");
   if (absl::Status s = SplitMesh(job.get()); !s.ok()) return fail(std::string(s.message()));
   job->rank = a.rank();
@@ -667,6 +678,112 @@ void WorkerDaemon::HandleAssignment(const v1::Assignment& a,
   LogEvent("job_ready", {{"worker", worker_id_}, {"job", a.job_id()}, {"generation", a.generation()}});
 }
 
+absl::StatusOr<std::shared_ptr<Communicator>> WorkerDaemon::BootstrapWorld(
+    Job* job, const std::string& backend, int rank, int world_size, const std::string& prefix,
+    int collective_timeout_ms, int bootstrap_timeout_ms, std::string* transport) {
+  const std::chrono::milliseconds timeout(collective_timeout_ms > 0 ? collective_timeout_ms
+                                                                    : 60000);
+  if (backend == "cuda") {
+#ifdef FSDP8_WITH_CUDA
+    auto c = CreateNcclCommunicator(rank, world_size, job->kv.get(), prefix, job->backend.get(),
+                                    timeout, std::chrono::milliseconds(bootstrap_timeout_ms),
+                                    opts_.settings.nccl);
+    if (!c.ok()) return c.status();
+    return std::shared_ptr<Communicator>(std::move(*c));
+#else
+    return absl::FailedPreconditionError("backend cuda: this worker was built without CUDA");
+#endif
+  }
+  // Workers advertising different --host addresses are different hosts, also on one machine
+  // (simulated hosts): shared memory only between ranks of the same machine and address.
+  CpuCommOptions cpu = opts_.settings.cpu_comm;
+  if (cpu.machine.empty()) {
+    cpu.machine = absl::StrCat(SharedMemoryCommunicator::MachineIdentity(), "@", opts_.host);
+  }
+  auto c = CreateCpuCommunicator(rank, world_size, job->kv.get(), prefix, opts_.host, timeout,
+                                 std::chrono::milliseconds(bootstrap_timeout_ms), cpu, transport);
+  if (!c.ok()) return c.status();
+  return std::shared_ptr<Communicator>(std::move(*c));
+}
+
+void WorkerDaemon::HandleReconfigure(const v1::Reconfigure& rc) {
+  const auto t0 = std::chrono::steady_clock::now();
+  struct Done {
+    std::atomic<bool>* flag;
+    ~Done() { flag->store(false); }
+  } done{&reconfiguring_};
+  auto fail = [&](const absl::Status& s) {
+    const std::string what = absl::StrCat("reconfigure to generation ", rc.generation(), ": ",
+                                          s.message());
+    Log(what);
+    LogEvent("reconfigure_failed", {{"worker", worker_id_},
+                                    {"job", rc.job_id()},
+                                    {"generation", rc.generation()},
+                                    {"code", absl::StatusCodeToString(s.code())},
+                                    {"cause", what}});
+    v1::WorkerMessage m;
+    m.mutable_error()->set_job_id(rc.job_id());
+    m.mutable_error()->set_message(what);
+    m.mutable_error()->set_code(static_cast<int32_t>(s.code()));
+    m.mutable_error()->set_generation(rc.generation());
+    Send(m);
+    DropJob();
+  };
+  if (!job_ || job_->job_id != rc.job_id() || job_->cancelled->load())
+    return fail(absl::AbortedError("this worker does not hold the job"));
+  Job* job = job_.get();
+  // The old communicators (aborted by the reader) stay alive until the trainer has let go of them.
+  std::vector<std::shared_ptr<Communicator>> old = {job->comm, job->shard_comm, job->replica_comm};
+  {
+    absl::MutexLock l(&comm_mu_);
+    live_comms_.clear();
+  }
+  job->shard_comm.reset();
+  job->replica_comm.reset();
+  const std::string backend = rc.spec().backend().empty() ? "cpu" : rc.spec().backend();
+  std::string transport;
+  auto c = BootstrapWorld(job, backend, rc.rank(), rc.world_size(), rc.store_prefix(),
+                          rc.collective_timeout_ms(), rc.bootstrap_timeout_ms(), &transport);
+  if (!c.ok()) return fail(c.status());
+  job->comm = std::move(*c);
+  if (!PublishComm(job->comm, *job->cancelled)) return fail(absl::AbortedError("job aborted"));
+  absl::StatusOr<Mesh> mesh = MeshOf(rc.spec(), rc.world_size());
+  if (!mesh.ok()) return fail(mesh.status());
+  job->mesh = *mesh;
+  if (absl::Status s = SplitMesh(job); !s.ok()) return fail(s);
+  const MeshComms mesh_comms{job->shard_comm.get(), job->replica_comm.get()};
+  absl::Status s = job->trainer->Rebind(rc.spec(), rc.rank(), rc.world_size(), job->comm.get(),
+                                        mesh_comms, rc.step());
+  old.clear();
+  if (!s.ok()) return fail(s);
+  job->generation = rc.generation();
+  job->rank = rc.rank();
+  job->world_size = rc.world_size();
+  job->failed = false;
+  job->reported = job->trainer->Bytes();
+  failed_until_.reset();
+  stale_steps_.store(false);
+  PublishHeld();
+  job_ready_.store(true);
+  v1::WorkerMessage m;
+  m.mutable_ready()->set_job_id(rc.job_id());
+  m.mutable_ready()->set_generation(rc.generation());
+  Send(m);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  Log(absl::StrCat("continuing job ", rc.job_id(), " as rank ", rc.rank(), "/", rc.world_size(),
+                   " (", job->mesh.replicas, " replica", job->mesh.replicas == 1 ? "" : "s",
+                   ", generation ", rc.generation(), ") from step ", rc.step(),
+                   " without a checkpoint read, in ", secs, " s",
+                   transport.empty() ? "" : absl::StrCat("; collectives over ", transport)));
+  LogEvent("job_reconfigured", {{"worker", worker_id_},
+                                {"job", rc.job_id()},
+                                {"generation", rc.generation()},
+                                {"rank", rc.rank()},
+                                {"world_size", rc.world_size()},
+                                {"step", rc.step()},
+                                {"seconds", secs}});
+}
+
 void WorkerDaemon::HandleStep(const v1::StepCommand& cmd) {
   // count > 1 (free-running benchmark mode): the following steps run back to back.
   const int64_t count = std::max<int64_t>(1, cmd.count());
@@ -686,6 +803,11 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
     v1::WorkerMessage m;
     m.mutable_error()->set_message(absl::StrCat("step ", c.step(), ": no job assigned"));
     Send(m);
+    return false;
+  }
+  if (job_->failed) {
+    Log(absl::StrCat("step ", c.step(), " of job ", job_->job_id,
+                     " not run: an earlier step failed (waiting for the coordinator)"));
     return false;
   }
   if (job_->cancelled->load()) {
@@ -722,12 +844,26 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
     m.mutable_error()->set_job_id(job_->job_id);
     m.mutable_error()->set_message(absl::StrCat("step ", c.step(), ": ", r.status().ToString()));
     m.mutable_error()->set_code(static_cast<int32_t>(r.status().code()));
+    m.mutable_error()->set_generation(job_->generation);
     Log(m.error().message());
     LogEvent("step_failed", {{"worker", worker_id_},
                              {"job", job_->job_id},
                              {"step", c.step()},
                              {"code", absl::StatusCodeToString(r.status().code())},
                              {"cause", std::string(r.status().message())}});
+    if (job_->mesh.replicas > 1 && !job_->mesh.optimizer_over_world &&
+        !job_free_running_.load()) {
+      // A hybrid SHARD_GROUP job (driven step by step) may continue on fewer replicas: its state
+      // is kept until the coordinator says (Reconfigure, or Abort: the coordinator sends it to a
+      // failed rank of such a job too); collectives still queued end at once.
+      job_->failed = true;
+      job_ready_.store(false);  // not held through a coordinator restart: it is not intact
+      failed_until_ = std::chrono::steady_clock::now() +
+                      std::chrono::seconds(std::max(opts_.hold_job_s, 30));
+      AbortComms("a step of this rank failed");
+      if (!reconfiguring_.load()) Send(m);
+      return false;
+    }
     // The coordinator fails this generation and sends this rank no Abort: a step it had already
     // sent ahead must not answer "no job assigned" into the next job's run.
     stale_steps_.store(true);
@@ -737,6 +873,7 @@ bool WorkerDaemon::RunStep(const v1::StepCommand& c) {
   }
   v1::StepResult result = ToStepResult(*r);
   result.set_job_id(job_->job_id);
+  result.set_generation(job_->generation);
   job_->steps_completed = c.step() + 1;
   job_->recent.push_back(result);
   job_->recent.back().clear_scaling();  // the report stays small

@@ -2,7 +2,12 @@
 // heartbeats, and serves the Session stream: Assignment → build backend, communicator and
 // Trainer, then load Assignment.load_dir when set (train/checkpoint.h; every rank, collective)
 // (reply Ready or WorkerError); StepCommand → run the step on the job thread and reply StepResult
-// (or WorkerError, then drop the job); SaveCheckpoint → write this rank's rank-<r>.ckpt on the job
+// (or WorkerError, then drop the job; a job of R > 1 replicas under optimizer_sharding
+// SHARD_GROUP, not free-running, is kept instead, its communicators aborted and later steps
+// dropped unrun, until the coordinator's Reconfigure or Abort, or max(hold_job_s, 30) s);
+// Reconfigure → drop the steps received before it and the step in flight, new communicators for
+// the new mesh, Trainer::Rebind (continue on fewer replicas from memory; reply Ready or
+// WorkerError, then drop the job); SaveCheckpoint → write this rank's rank-<r>.ckpt on the job
 // thread between steps and reply CheckpointSaved (carrying the error when the shard could not be
 // written; the job stays usable; under hybrid sharding a rank whose file the mesh's checkpoint
 // does not take, a replica other than 0 with optimizer_sharding SHARD_GROUP, writes nothing and
@@ -115,6 +120,16 @@ class WorkerDaemon {
   // Marks the newest job's bootstrap cancelled and aborts its communicator (reader thread).
   void CancelJob(const std::string& reason) ABSL_LOCKS_EXCLUDED(comm_mu_);
   void HandleStep(const v1::StepCommand& c);
+  // The world communicator of rank `rank` of `world_size`, bootstrapped through the job's store
+  // under `prefix` (job thread); *transport names what the CPU transports chose.
+  absl::StatusOr<std::shared_ptr<Communicator>> BootstrapWorld(
+      Job* job, const std::string& backend, int rank, int world_size, const std::string& prefix,
+      int collective_timeout_ms, int bootstrap_timeout_ms, std::string* transport);
+  // Continue on fewer replicas: new communicators for the new mesh, the trainer rebound to them
+  // (Trainer::Rebind); replies Ready, or WorkerError (then drops the job).
+  void HandleReconfigure(const v1::Reconfigure& rc);
+  // Aborts the job's communicators without cancelling the job (reader thread: a Reconfigure).
+  void AbortComms(const std::string& reason) ABSL_LOCKS_EXCLUDED(comm_mu_);
   // The session ended while the job was ready: keep it for hold_job_s and publish what it holds
   // for the next registration (job thread).
   void HoldJob();
@@ -188,6 +203,15 @@ class WorkerDaemon {
   // The ready job's state as a held job would report it (kept current by the job thread); sent
   // with a registration while holding_.
   std::optional<v1::HeldJob> held_ ABSL_GUARDED_BY(held_mu_);
+  // Bumped by a Reconfigure (reader): step commands received before it are dropped unrun (the
+  // step that was in flight is sent again for the new mesh).
+  std::atomic<int64_t> step_epoch_{0};
+  // A Reconfigure was received and not yet handled: a step that fails meanwhile (its
+  // communicators aborted for the reconfiguration) reports nothing.
+  std::atomic<bool> reconfiguring_{false};
+  // A job whose step failed and that waits for the coordinator's Reconfigure or Abort (a hybrid
+  // SHARD_GROUP job, which may continue on fewer replicas) is dropped at this time (job thread).
+  std::optional<std::chrono::steady_clock::time_point> failed_until_;
   // The highest step whose StepCommand the session has received (for FSDP8_FAULT_STEP_ERROR).
   std::atomic<int64_t> last_step_received_{-1};
 };

@@ -260,6 +260,16 @@ std::vector<RuleCase> Rules() {
         s->mutable_training()->set_global_batch(6);
         s->mutable_training()->set_microbatch(1);
       }, 3, {"sharding.replicas", "must divide the world size", "3 % 2 != 0"});
+  // 3 replicas of 2 ranks, 12 sequences in microbatches of 2: valid as such (12 % (6 x 2) == 0),
+  // but 2 surviving replicas could not take a lost one's microbatches: 12 % (2 x 2 x 2) != 0.
+  add("ElasticBatchNotSplittingOverTheSurvivors", [](v1::JobSpec* s) {
+        s->mutable_sharding()->set_max_workers(6);
+        s->mutable_sharding()->set_replicas(3);
+        s->mutable_sharding()->set_elastic(true);
+        s->mutable_training()->set_global_batch(12);
+        s->mutable_training()->set_microbatch(2);
+      }, 6, {"sharding.elastic", "divisible by S x R' x training.microbatch",
+             "S = 2, R' = 2: 12 % (2 * 2 * 2) != 0"});
   add("WorldOptimizerWithoutKeptCodes", [](v1::JobSpec* s) {
         s->mutable_sharding()->set_max_workers(2);
         s->mutable_sharding()->set_replicas(2);
@@ -665,6 +675,22 @@ TEST(Spec, ReadSpecFileIsBoundedByTheSpecLimit) {
             std::string::npos)
       << piped.status();
   std::filesystem::remove_all(dir);
+}
+
+// sharding.elastic: 3 replicas of 2 ranks with 24 sequences in microbatches of 2 split over every
+// surviving mesh (2 x 2: 24 % 8 == 0; 1 x 2: 24 % 4 == 0); 12 would not (see ElasticBatch... above).
+TEST(Spec, ElasticAcceptsABatchEverySurvivingMeshSplits) {
+  v1::JobSpec s = Valid();
+  s.mutable_sharding()->set_max_workers(6);
+  s.mutable_sharding()->set_replicas(3);
+  s.mutable_sharding()->set_elastic(true);
+  s.mutable_training()->set_global_batch(24);
+  s.mutable_training()->set_microbatch(2);
+  EXPECT_TRUE(ValidateSpec(s, 6, {}, false).ok()) << ValidateSpec(s, 6, {}, false);
+  s.mutable_training()->set_global_batch(12);
+  EXPECT_FALSE(ValidateSpec(s, 6, {}, false).ok());
+  s.mutable_sharding()->set_elastic(false);  // the global batch may shrink instead
+  EXPECT_TRUE(ValidateSpec(s, 6, {}, false).ok()) << ValidateSpec(s, 6, {}, false);
 }
 
 TEST(Spec, StringFieldsAndSizeAreBounded) {

@@ -14,6 +14,11 @@
 #include "absl/strings/match.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/job_store.h"
+#include "coordinator/metrics.h"
+#include "coordinator/status_page.h"
+#include "coordinator/worker_registry.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
 #include "common/spec.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -114,6 +119,62 @@ TEST_F(JobManagerTest, ValidSpecIsPendingWithDefaults) {
   EXPECT_EQ(job->spec().backend(), "cpu");
   EXPECT_TRUE(std::isnan(job->val_loss()));
   EXPECT_FALSE(job->reason().empty());
+}
+
+// A running job that continues on fewer replicas (JobRun::ContinueOnFewerReplicas): a new
+// generation on the surviving workers, no restart counted, Job.replicas the live mesh's R and
+// Job.configured_replicas the one the job started with; the event carries the message; the status
+// page's document (/api/status) gives the live and configured replicas and the live mesh. A job
+// that is not RUNNING is refused.
+TEST_F(JobManagerTest, MarkReconfiguredContinuesARunningJobOnFewerReplicas) {
+  v1::JobSpec spec = SmallSpec(train_, 4);
+  spec.mutable_sharding()->set_replicas(2);
+  auto job = jm_->Submit("", spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string id = job->job_id();
+  EXPECT_TRUE(
+      absl::IsFailedPrecondition(jm_->MarkReconfigured(id, {"w-1", "w-2"}, 1, "x").status()));
+  auto started = jm_->MarkStarting(id, {"w-1", "w-2", "w-3", "w-4"}, 2);
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_EQ(started->configured_replicas(), 2);
+  ASSERT_TRUE(jm_->MarkRunning(id).ok());
+  const std::string msg =
+      "replica 1 lost (rank 3 (worker w-4): lost): continuing on 1 replica at step 0";
+  auto r = jm_->MarkReconfigured(id, {"w-1", "w-2"}, 1, msg);
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (const v1::Job& j : {*r, *jm_->Get(id)}) {
+    EXPECT_EQ(j.state(), v1::JOB_STATE_RUNNING);
+    EXPECT_EQ(j.generation(), started->generation() + 1);
+    EXPECT_EQ(j.restarts(), 0);
+    EXPECT_EQ(j.world_size(), 2);
+    EXPECT_EQ(j.replicas(), 1);
+    EXPECT_EQ(j.configured_replicas(), 2);
+    ASSERT_EQ(j.worker_ids_size(), 2);
+    EXPECT_EQ(j.worker_ids(0), "w-1");
+    EXPECT_EQ(j.worker_ids(1), "w-2");
+  }
+  auto events = jm_->RecentEvents(id, 1);
+  ASSERT_TRUE(events.ok() && !events->empty());
+  EXPECT_EQ(events->back().message(), msg);
+  // The status page's document.
+  WorkerRegistry workers(WorkerRegistryOptions{"1.2.3"});
+  CoordinatorMetrics metrics;
+  const std::string page = StatusJson(*jm_, workers, metrics, "");
+  google::protobuf::Struct doc;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(page, &doc).ok()) << page;
+  bool found = false;
+  for (const auto& v : doc.fields().at("jobs").list_value().values()) {
+    const auto& f = v.struct_value().fields();
+    if (f.at("job_id").string_value() != id) continue;
+    found = true;
+    EXPECT_EQ(f.at("mesh").string_value(), "1x2");
+    EXPECT_EQ(f.at("replicas").number_value(), 1);
+    EXPECT_EQ(f.at("configured_replicas").number_value(), 2);
+  }
+  EXPECT_TRUE(found) << page;
+  // Only a RUNNING job continues so.
+  ASSERT_TRUE(jm_->Finish(id, v1::JOB_STATE_SUCCEEDED, "done").ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(jm_->MarkReconfigured(id, {"w-1"}, 1, "x").status()));
 }
 
 // The submitted event's message (the job's first event).
