@@ -679,8 +679,33 @@ bool CudaBackend::TryGemmFp8Blocks(int64_t M, int64_t N, int64_t K, Fp8BlockOper
   const float* sb = BlockScalesForLt(b, N, K, kSlotScaleB, &p.scale_mode_a);
   const float* sa = BlockScalesForLt(a, M, K, kSlotScaleA, &p.scale_mode_b);
   if (lt_->Run(p, b.codes, a.codes, C, sb, sa)) return true;
+  if (accumulate) {
+    // No block-scaled algorithm with beta = 1 for this shape: the product into scratch, then
+    // added (C = C + AB, one more f32 rounding).
+    p.accumulate = false;
+    float* tmp = static_cast<float*>(Scratch(kSlotTmp, sizeof(float) * M * N));
+    p.align_c = cuda::PointerAlignment(tmp);
+    if (lt_->Run(p, b.codes, a.codes, tmp, sb, sa)) {
+      cuda::LaunchAdd(C, tmp, C, M * N, stream_);
+      return true;
+    }
+  }
   ++gemm_fp8_fallbacks_;
+  if (gemm_fp8_fallbacks_ <= 8) {
+    std::fprintf(stderr,
+                 "fsdp8 cuda: GemmFp8Blocks M=%lld N=%lld K=%lld (scale modes %d, %d): no "
+                 "cuBLASLt algorithm; the host composition runs instead (slow)\n",
+                 static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K),
+                 p.scale_mode_a, p.scale_mode_b);
+  }
   return false;
+}
+
+bool CudaBackend::TryTransposeBlockScales(const float* in, int64_t rows, int64_t cols,
+                                          float* out) {
+  const auto op = Op("TransposeBlockScales");
+  cuda::LaunchCopyScales(in, rows, cols, out, 1, rows, stream_);
+  return true;
 }
 
 bool CudaBackend::TryGemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, TypedCPtr A,

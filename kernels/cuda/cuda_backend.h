@@ -176,6 +176,7 @@ class CudaBackend final : public Backend, public CudaStreams {
                             float* scale_inv_t) override;
   bool TryGemmFp8Blocks(int64_t M, int64_t N, int64_t K, Fp8BlockOperand a, Fp8BlockOperand b,
                         float* C, bool accumulate) override;
+  bool TryTransposeBlockScales(const float* in, int64_t rows, int64_t cols, float* out) override;
   // SetFp8FastAccumulation; SetGemmAutotune times cuBLASLt's candidates on each GEMM shape's first
   // call (cuda::LtGemm::set_autotune; the scratch output comes from Alloc, so it counts in the
   // peak while tuning); SetDeterministic(false): cuDNN attention's non-deterministic backward
