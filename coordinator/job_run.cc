@@ -111,6 +111,19 @@ absl::Status WithContext(const std::string& what, const absl::Status& s) {
   return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
 }
 
+// The spec of a job at `replicas` R' that ran at `from` R > R' replicas (continuing on fewer
+// replicas): sharding.replicas R'; without sharding.elastic the global batch shrinks by the lost
+// replicas' share (each survivor keeps its local batch).
+v1::JobSpec SpecOnFewerReplicas(const v1::JobSpec& spec, int from, int replicas) {
+  v1::JobSpec next = spec;
+  next.mutable_sharding()->set_replicas(replicas);
+  if (!next.sharding().elastic()) {
+    next.mutable_training()->set_global_batch(
+        static_cast<int32_t>(spec.training().global_batch() / from * replicas));
+  }
+  return next;
+}
+
 }  // namespace
 
 // ---- Inbox ----
@@ -235,6 +248,16 @@ absl::Status JobRun::Drive() {
   if (resolved == nullptr) return absl::CancelledError("job deleted");
   // The mesh the scheduler placed the ranks as (Job.replicas: auto resolved by the placement).
   absl::StatusOr<v1::JobSpec> at = resolved->SpecAt(world_size, job_.replicas());
+  const int configured = job_.configured_replicas(), live = job_.replicas();
+  if (at.ok() && configured > live && live >= 1 && world_size % live == 0) {
+    // A job re-adopted while it continued on fewer replicas: the configured mesh's spec, reduced
+    // as ContinueOnFewerReplicas reduced it.
+    at = resolved->SpecAt(world_size / live * configured, configured);
+    if (at.ok()) at = SpecOnFewerReplicas(*at, configured, live);
+    if (at.ok()) {
+      if (absl::Status s = CheckResolved(*at, world_size); !s.ok()) at = s;
+    }
+  }
   if (!at.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("spec at world size ", world_size, ": ", at.status().message()));
@@ -252,6 +275,7 @@ absl::Status JobRun::Drive() {
     // A lost replica: the survivors go on from the step that was in flight (or the checkpoint).
     absl::StatusOr<int64_t> next = ContinueOnFewerReplicas(&spec, s, &p);
     if (!next.ok()) return next.status();
+    failed_keep_job_ = MayShrink(spec);  // the rule at the new mesh
     k = *next - 1;
   }
   v1::CoordinatorMessage fin;
@@ -452,7 +476,8 @@ absl::StatusOr<int64_t> JobRun::ContinueOnFewerReplicas(v1::JobSpec* spec,
   const int n = static_cast<int>(ranks_.size());
   absl::StatusOr<Mesh> mesh = MeshOf(*spec, n);
   if (k < 0 || !mesh.ok() || mesh->replicas < 2 || spec->training().free_running() ||
-      !recoverable_ || absl::IsCancelled(failure) || absl::IsAborted(failure))
+      !recoverable_ || absl::IsCancelled(failure) || absl::IsAborted(failure) ||
+      IsDeterministicFailure(failure.code()))  // bad input: the survivors would fail the same
     return failure;
   const auto t0 = Clock::now();
   CollectFailures();
@@ -478,13 +503,7 @@ absl::StatusOr<int64_t> JobRun::ContinueOnFewerReplicas(v1::JobSpec* spec,
                     "the optimizer state");
   const int replicas_left = mesh->replicas - 1;
   const int world_left = replicas_left * mesh->shard_size;
-  v1::JobSpec next = *spec;
-  next.mutable_sharding()->set_replicas(replicas_left);
-  if (!next.sharding().elastic()) {
-    // The global batch shrinks by the lost replica's share; each survivor keeps its local batch.
-    next.mutable_training()->set_global_batch(
-        static_cast<int32_t>(spec->training().global_batch() / mesh->replicas * replicas_left));
-  }
+  const v1::JobSpec next = SpecOnFewerReplicas(*spec, mesh->replicas, replicas_left);
   if (absl::Status s = CheckResolved(next, world_left); !s.ok())
     return fallback(absl::StrCat("the spec at ", replicas_left, " x ", mesh->shard_size,
                                  " ranks: ", s.message()));

@@ -204,6 +204,8 @@ void FsdpParams::Rebind(Communicator* comm, const FsdpMesh& mesh) {
       b.f32_of.clear();
       b.full_grad.Reset();
       b.codes.Reset();
+      b.full_scales.Reset();
+      b.scale_codes.Reset();
     }
     // The failed step's partial gradient sums go; a pending update keeps its (complete) shards.
     if (!pending_[u]) FreeUnitGrads(static_cast<int>(u));

@@ -754,8 +754,9 @@ void WorkerDaemon::HandleReconfigure(const v1::Reconfigure& rc) {
   const MeshComms mesh_comms{job->shard_comm.get(), job->replica_comm.get()};
   absl::Status s = job->trainer->Rebind(rc.spec(), rc.rank(), rc.world_size(), job->comm.get(),
                                         mesh_comms, rc.step());
-  old.clear();
+  // A refused Rebind left the trainer on the old communicators: they outlive DropJob (in fail).
   if (!s.ok()) return fail(s);
+  old.clear();
   job->generation = rc.generation();
   job->rank = rc.rank();
   job->world_size = rc.world_size();

@@ -668,9 +668,10 @@ bool CudaBackend::TryGemmFp8Blocks(int64_t M, int64_t N, int64_t K, Fp8BlockOper
                                    Fp8BlockOperand b, float* C, bool accumulate) {
   const auto op = Op("GemmFp8Blocks", M, N, K);
   if (EmptyGemm(M, N, K, C, accumulate)) return true;
-  if (in_side_ || (a.fmt == Fp8Format::kE5M2 && b.fmt == Fp8Format::kE5M2)) return false;
-  if ((a.blocks == Fp8Blocks::kTile128 && M % 4 != 0) ||
+  if (in_side_ || (a.fmt == Fp8Format::kE5M2 && b.fmt == Fp8Format::kE5M2) ||
+      (a.blocks == Fp8Blocks::kTile128 && M % 4 != 0) ||
       (b.blocks == Fp8Blocks::kTile128 && N % 4 != 0)) {
+    ++gemm_fp8_fallbacks_;
     return false;
   }
   // See gemm.h: cuBLASLt's A is our b (m = N), its B our a (n = M).
