@@ -1067,15 +1067,22 @@ absl::Status JobManager::MarkRunning(const std::string& job_id) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::Job> JobManager::MarkReconfigured(const std::string& job_id,
-                                                     const std::vector<std::string>& worker_ids,
-                                                     int replicas, const std::string& message) {
-  absl::MutexLock lock(&mu_);
+absl::StatusOr<JobManager::Record*> JobManager::FindRunningLocked(const std::string& job_id) {
   Record* r = FindLocked(job_id);
   if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
   if (r->job.state() != v1::JOB_STATE_RUNNING)
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " is ", StateName(r->job.state()), ", not RUNNING"));
+  return r;
+}
+
+absl::StatusOr<v1::Job> JobManager::MarkReconfigured(const std::string& job_id,
+                                                     const std::vector<std::string>& worker_ids,
+                                                     int replicas, const std::string& message) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Record*> found = FindRunningLocked(job_id);
+  if (!found.ok()) return found.status();
+  Record* r = *found;
   v1::Job& j = r->job;
   if (j.configured_replicas() == 0) j.set_configured_replicas(j.replicas());
   j.set_world_size(static_cast<int>(worker_ids.size()));
@@ -1148,11 +1155,9 @@ absl::StatusOr<int> JobManager::MarkRecoveringLocked(Record* r, const std::strin
 absl::Status JobManager::RecordStep(const std::string& job_id, const v1::JobEvent& ev,
                                     bool* checkpoint_requested) {
   absl::MutexLock lock(&mu_);
-  Record* r = FindLocked(job_id);
-  if (!r) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
-  if (r->job.state() != v1::JOB_STATE_RUNNING)
-    return absl::FailedPreconditionError(
-        absl::StrCat("job ", job_id, " is ", StateName(r->job.state()), ", not RUNNING"));
+  absl::StatusOr<Record*> found = FindRunningLocked(job_id);
+  if (!found.ok()) return found.status();
+  Record* r = *found;
   v1::Job& j = r->job;
   j.set_step(ev.step());
   j.set_loss(ev.loss());

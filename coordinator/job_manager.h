@@ -352,6 +352,9 @@ class JobManager {
   size_t RetainLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Record* FindLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job's record when it is RUNNING; NOT_FOUND or FAILED_PRECONDITION (naming its state).
+  absl::StatusOr<Record*> FindRunningLocked(const std::string& job_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const Record* FindLocked(const std::string& job_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Appends an event (fills seq, job_id, state, total_steps, time), persists, notifies watchers.
   void PublishLocked(Record* r, v1::JobEvent ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
